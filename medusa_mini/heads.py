@@ -1,0 +1,83 @@
+"""Medusa heads (paper §2.1.1): K extra heads that guess tokens further ahead from one hidden state.
+
+Head k (1-based) reads the backbone's last hidden state h_t and predicts token t+k+1, while the
+backbone's own lm_head predicts t+1. Each head is a residual block `x + SiLU(W_k x + b_k)` with W_k
+zero-initialised, so an untrained head starts as a copy of the backbone's next-token prediction, then a
+vocabulary projection: by default the backbone's own (tied) lm_head, all K heads in one batched matmul;
+optionally each head its own lm_head initialised from the backbone's (the paper's Medusa-1 setup).
+
+Shapes: K heads, C n_embd, V vocabulary, `...` any leading dims (B, or B and T in training).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass
+class HeadsConfig:
+    num_heads: int = 4
+    n_embd: int = 256
+    vocab_size: int = 2048
+    own_lm_head: bool = False
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class ResBlock(nn.Module):
+    """x + SiLU(W x + b); W starts at zero, so the block starts as the identity."""
+
+    def __init__(self, n_embd: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(n_embd, n_embd)
+        nn.init.zeros_(self.linear.weight)
+        nn.init.zeros_(self.linear.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + F.silu(self.linear(x))
+
+
+class MedusaHeads(nn.Module):
+    """K residual blocks, then the shared lm_head (passed in at call time) or K own lm_heads."""
+
+    def __init__(self, config: HeadsConfig, *, lm_head_weight: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.blocks = nn.ModuleList([ResBlock(config.n_embd) for _ in range(config.num_heads)])
+        if config.own_lm_head:
+            # [K, V, C]: one projection per head, all starting from the backbone's.
+            w = torch.zeros(config.num_heads, config.vocab_size, config.n_embd)
+            if lm_head_weight is not None:
+                w.copy_(lm_head_weight.detach().to(w.dtype).unsqueeze(0).expand_as(w))
+            else:
+                nn.init.normal_(w, std=0.02)
+            self.lm_heads = nn.Parameter(w)
+        else:
+            self.lm_heads = None
+
+    @property
+    def num_heads(self) -> int:
+        return self.config.num_heads
+
+    def hidden(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [..., C] -> each head's features [K, ..., C]."""
+        return torch.stack([block(x) for block in self.blocks])  # [K, ..., C]
+
+    def forward(self, x: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
+        """x: [..., C] backbone hidden states -> logits [K, ..., V] (head k at index k-1).
+
+        lm_head: the backbone's vocabulary projection; used unless the heads own theirs. It is passed
+        in rather than stored so the heads' state dict holds only the heads.
+        """
+        z = self.hidden(x)  # [K, ..., C]
+        if self.lm_heads is None:
+            return lm_head(z)  # one matmul for all K heads: [K, ..., V]
+        K = z.shape[0]
+        flat = z.reshape(K, -1, z.shape[-1])  # [K, M, C]
+        logits = torch.bmm(flat, self.lm_heads.transpose(1, 2))  # [K, M, V]
+        return logits.reshape(*z.shape[:-1], -1)  # [K, ..., V]

@@ -1,0 +1,237 @@
+"""Candidate trees and tree attention (paper §2.1.2, Fig. 2).
+
+A tree is built from *choices*: each choice is a path of top-k ranks, e.g. (0,) = head 1's top-1
+guess, (0, 2) = its child filled with head 2's top-3 guess. Node 0 is the root: the last committed
+token, which the verify pass feeds together with every candidate. A node at depth d is filled by head d
+with rank `choice[-1]`, so all nodes at one depth draw from the same head's top-k list.
+
+Everything here is a pure function of the choices: parents, depths, the N x N ancestor mask, position
+offsets (= depth), root-to-leaf paths with an explicit validity mask (never a padding token: GPT-2's
+token 0 is "!", a real token), and text drawings of the tree and the mask.
+
+Shapes: N nodes (root included), K heads, P leaf paths, D maximum depth.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+
+Choice = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Tree:
+    """A validated candidate tree. Node i > 0 corresponds to `choices[i - 1]`; node 0 is the root."""
+
+    choices: tuple[Choice, ...]
+
+    @staticmethod
+    def from_choices(
+        choices, *, num_heads: int | None = None, top_k: int | None = None
+    ) -> "Tree":
+        """Validate and sort choices (by depth, then rank) so parents always precede children.
+
+        Raises ValueError naming the offending choice: not a sequence of ints, a negative rank, a rank
+        >= top_k, a depth > num_heads, a duplicate, or a missing prefix (official Medusa fails later
+        with an index error on the last two).
+        """
+        parsed: list[Choice] = []
+        for c in choices:
+            if isinstance(c, int) or not all(isinstance(r, int) and not isinstance(r, bool) for r in c):
+                raise ValueError(f"tree choice {c!r} must be a list of integer ranks, e.g. [0, 1]")
+            c = tuple(c)
+            if len(c) == 0:
+                raise ValueError("tree choice () is empty; the root is implicit, leave it out")
+            if any(r < 0 for r in c):
+                raise ValueError(f"tree choice {list(c)} has a negative rank")
+            if top_k is not None and any(r >= top_k for r in c):
+                raise ValueError(f"tree choice {list(c)} uses a rank >= top_k={top_k}")
+            if num_heads is not None and len(c) > num_heads:
+                raise ValueError(
+                    f"tree choice {list(c)} has depth {len(c)} but there are only {num_heads} heads"
+                )
+            parsed.append(c)
+        seen: set[Choice] = set()
+        for c in parsed:
+            if c in seen:
+                raise ValueError(f"tree choice {list(c)} appears twice")
+            seen.add(c)
+        for c in parsed:
+            if len(c) > 1 and c[:-1] not in seen:
+                raise ValueError(f"tree choice {list(c)} has no parent: add {list(c[:-1])}")
+        return Tree(tuple(sorted(parsed, key=lambda c: (len(c), c))))
+
+    # ---- structure ---------------------------------------------------------------------------
+
+    @property
+    def num_nodes(self) -> int:
+        """N, the root included."""
+        return len(self.choices) + 1
+
+    @cached_property
+    def parents(self) -> list[int]:
+        """parents[i] = node index of i's parent; parents[0] = -1."""
+        index = {c: i + 1 for i, c in enumerate(self.choices)}
+        return [-1] + [index.get(c[:-1], 0) for c in self.choices]
+
+    @cached_property
+    def children(self) -> list[list[int]]:
+        """children[i] = i's children in rank order (rank 0 first)."""
+        kids: list[list[int]] = [[] for _ in range(self.num_nodes)]
+        for i, p in enumerate(self.parents[1:], start=1):
+            kids[p].append(i)
+        return kids
+
+    @cached_property
+    def depth_list(self) -> list[int]:
+        return [0] + [len(c) for c in self.choices]
+
+    @property
+    def depth(self) -> int:
+        """D, the deepest node's depth = the number of heads the tree needs."""
+        return max(self.depth_list)
+
+    def top_k(self) -> list[int]:
+        """For head d (index d-1): how many of its top guesses the tree uses."""
+        k = [0] * self.depth
+        for c in self.choices:
+            k[len(c) - 1] = max(k[len(c) - 1], c[-1] + 1)
+        return k
+
+    def depths(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        """[N] long: position offset of each node from the root (positions = prefix_len + depth)."""
+        return torch.tensor(self.depth_list, dtype=torch.long, device=device)
+
+    def node_head_rank(self, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+        """Two [N - 1] long tensors: node i+1 is filled by head `head[i]` (0-based) with rank `rank[i]`."""
+        head = torch.tensor([len(c) - 1 for c in self.choices], dtype=torch.long, device=device)
+        rank = torch.tensor([c[-1] for c in self.choices], dtype=torch.long, device=device)
+        return head, rank
+
+    def ancestor_mask(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        """[N, N] bool: mask[i, j] is True iff j is i or an ancestor of i (paper Fig. 2)."""
+        N = self.num_nodes
+        mask = torch.eye(N, dtype=torch.bool)
+        for i in range(1, N):  # parents precede children, so the parent's row is already complete
+            mask[i] |= mask[self.parents[i]]
+        return mask.to(device)
+
+    def paths(self, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+        """Root-to-leaf paths: node indices [P, D + 1] and validity [P, D + 1] (False past a leaf).
+
+        Invalid entries hold node 0 so they index safely; they must never be read without `valid`.
+        """
+        leaves = [i for i in range(self.num_nodes) if not self.children[i]]
+        D = self.depth
+        idx = torch.zeros(len(leaves), D + 1, dtype=torch.long)
+        valid = torch.zeros(len(leaves), D + 1, dtype=torch.bool)
+        for row, leaf in enumerate(leaves):
+            path = []
+            node = leaf
+            while node != -1:
+                path.append(node)
+                node = self.parents[node]
+            path.reverse()
+            idx[row, : len(path)] = torch.tensor(path)
+            valid[row, : len(path)] = True
+        return idx.to(device), valid.to(device)
+
+    def truncated(self, max_depth: int) -> "Tree":
+        """The subtree of nodes at depth <= max_depth (used near the context limit)."""
+        return Tree(tuple(c for c in self.choices if len(c) <= max_depth))
+
+    def check_heads(self, num_heads: int) -> None:
+        """A clear error when the tree needs more heads than the model has."""
+        if self.depth > num_heads:
+            raise ValueError(
+                f"tree has depth {self.depth} but the model has {num_heads} Medusa heads; "
+                f"use a tree of depth <= {num_heads}"
+            )
+
+    # ---- drawings ----------------------------------------------------------------------------
+
+    def draw(self, labels: list[str] | None = None) -> str:
+        """The tree as indented text, one node a line: `[i] (head d, rank r) label`."""
+        lines: list[str] = []
+
+        def visit(node: int, prefix: str, last: bool) -> None:
+            label = f" {labels[node]}" if labels is not None else ""
+            if node == 0:
+                lines.append(f"[0] root{label}")
+            else:
+                c = self.choices[node - 1]
+                branch = "└─ " if last else "├─ "
+                lines.append(f"{prefix}{branch}[{node}] head {len(c)} rank {c[-1]}{label}")
+                prefix += "   " if last else "│  "
+            kids = self.children[node]
+            for j, kid in enumerate(kids):
+                visit(kid, prefix if node else "", j == len(kids) - 1)
+
+        visit(0, "", True)
+        return "\n".join(lines)
+
+    def draw_mask(self) -> str:
+        """The N x N tree attention mask: row = query node, column = key node, ■ = may attend."""
+        mask = self.ancestor_mask()
+        N = self.num_nodes
+        width = len(str(N - 1))
+        header = " " * (width + 1) + " ".join(f"{j:>{width}}" for j in range(N))
+        rows = [header]
+        for i in range(N):
+            cells = " ".join(f"{'■' if mask[i, j] else '·':>{width}}" for j in range(N))
+            rows.append(f"{i:>{width}} {cells}")
+        return "\n".join(rows)
+
+
+# ---- presets ---------------------------------------------------------------------------------
+
+
+def chain(k: int) -> Tree:
+    """k nodes in a line: each head's top-1 guess (classic speculative decoding with a chain draft)."""
+    return Tree.from_choices([tuple([0] * d) for d in range(1, k + 1)])
+
+
+# A small tree for CPU, where each extra node costs real time: 11 nodes + root, depth 4.
+CPU_CHOICES: list[Choice] = [
+    (0,), (1,), (2,),
+    (0, 0), (0, 1), (1, 0),
+    (0, 0, 0), (0, 0, 1), (0, 1, 0),
+    (0, 0, 0, 0), (0, 0, 0, 1),
+]
+
+
+def _gpu_choices() -> list[Choice]:
+    """About 64 nodes for a GPU, where a 64-token verify pass costs about as much as one token.
+
+    Rank budgets shrink with depth and with the ranks above, the shape the paper's optimised sparse
+    trees take (deeper heads are less accurate, lower ranks rarely win).
+    """
+    out: list[Choice] = []
+    budget = {1: 10, 2: 4, 3: 3, 4: 2}  # per depth: ranks tried below a top-ranked parent
+    frontier: list[Choice] = [()]
+    for depth in range(1, 5):
+        nxt: list[Choice] = []
+        for parent in frontier:
+            penalty = sum(parent)  # parents reached through low ranks get fewer children
+            for r in range(max(1, budget[depth] - penalty)):
+                nxt.append(parent + (r,))
+        frontier = nxt
+        out.extend(nxt)
+    return out
+
+
+GPU_CHOICES: list[Choice] = _gpu_choices()
+
+PRESETS = {"cpu": CPU_CHOICES, "gpu": GPU_CHOICES}
+
+
+def preset(name: str) -> Tree:
+    """'cpu', 'gpu', or 'chainN' (e.g. 'chain4')."""
+    if name.startswith("chain") and name[5:].isdigit() and int(name[5:]) > 0:
+        return chain(int(name[5:]))
+    if name not in PRESETS:
+        raise ValueError(f"unknown tree {name!r}: use one of {sorted(PRESETS)} or chainN")
+    return Tree.from_choices(PRESETS[name])

@@ -1,0 +1,55 @@
+"""Medusa heads (paper §2.1.1): residual blocks that start as the identity, then the vocabulary."""
+
+import torch
+
+from conftest import tiny_model
+from medusa_mini.heads import HeadsConfig, MedusaHeads
+
+
+def make(model, **kw):
+    cfg = HeadsConfig(num_heads=3, n_embd=model.config.n_embd, vocab_size=model.config.vocab_size, **kw)
+    return MedusaHeads(cfg, lm_head_weight=model.lm_head.weight)
+
+
+def test_fresh_heads_start_as_the_backbones_next_token_prediction():
+    model = tiny_model()
+    x = torch.randn(5, model.config.n_embd)
+    for own in (False, True):
+        logits = make(model, own_lm_head=own)(x, model.lm_head)  # [K, 5, V]
+        # zero-initialised W: x + SiLU(0) = x, so every head reproduces lm_head(x)
+        for k in range(3):
+            torch.testing.assert_close(logits[k], model.lm_head(x), atol=1e-5, rtol=0)
+
+
+def test_all_heads_share_one_batched_lm_head_by_default():
+    model = tiny_model()
+    heads = make(model)
+    assert heads.lm_heads is None
+    assert all("lm_head" not in name for name in heads.state_dict())  # the backbone owns it
+
+
+def test_own_lm_heads_are_separate_copies():
+    model = tiny_model()
+    heads = make(model, own_lm_head=True)
+    assert heads.lm_heads.shape == (3, model.config.vocab_size, model.config.n_embd)
+    with torch.no_grad():
+        heads.lm_heads[1].zero_()
+    x = torch.randn(2, model.config.n_embd)
+    out = heads(x, model.lm_head)
+    assert torch.all(out[1] == 0) and not torch.all(out[0] == 0)
+
+
+def test_head_k_logits_keep_leading_dims():
+    model = tiny_model()
+    heads = make(model)
+    with torch.no_grad():
+        for b in heads.blocks:
+            b.linear.weight.normal_()
+    x = torch.randn(2, 7, model.config.n_embd)
+    for own in (False, True):
+        h = make(model, own_lm_head=own)
+        h.load_state_dict(heads.state_dict(), strict=False)
+        out = h(x, model.lm_head)
+        assert out.shape == (3, 2, 7, model.config.vocab_size)
+        # each head is applied position by position
+        torch.testing.assert_close(out[:, 1, 4], h(x[1, 4], model.lm_head), atol=1e-5, rtol=0)

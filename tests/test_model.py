@@ -1,0 +1,119 @@
+"""The backbone and its static KV cache: cached, tree-masked and compacted forwards are all exact."""
+
+import pytest
+import torch
+
+from conftest import tiny_model
+from medusa_mini.model import GPT, GPTConfig, KVCache, compact_kv_cache
+from medusa_mini.tree import Tree
+
+ATOL = 1e-5
+
+
+def full_logits(model: GPT, ids: list[int]) -> torch.Tensor:
+    """Reference: one plain causal forward over the whole sequence, no cache. -> [T, V]"""
+    return model(torch.tensor([ids]))[0][0]
+
+
+def test_parameter_names_follow_gpt2():
+    names = set(GPT(GPTConfig(n_layer=1)).state_dict())
+    for key in ["transformer.wte.weight", "transformer.wpe.weight", "transformer.h.0.ln_1.weight",
+                "transformer.h.0.attn.c_attn.weight", "transformer.h.0.attn.c_proj.bias",
+                "transformer.h.0.ln_2.bias", "transformer.h.0.mlp.c_fc.weight",
+                "transformer.h.0.mlp.c_proj.weight", "transformer.ln_f.weight", "lm_head.weight"]:
+        assert key in names
+
+
+def test_lm_head_is_tied_to_the_token_embedding():
+    model = GPT(GPTConfig(n_layer=1))
+    assert model.lm_head.weight.data_ptr() == model.transformer.wte.weight.data_ptr()
+
+
+@torch.no_grad()
+def test_cached_incremental_decoding_matches_full_forward(model):
+    ids = torch.randint(0, 64, (20,), generator=torch.Generator().manual_seed(1)).tolist()
+    cache = KVCache(model.config)
+    first, _ = model(torch.tensor([ids[:7]]), cache=cache)  # a prefill of 7, then one token at a time
+    steps = [first[0]] + [model(torch.tensor([[t]]), cache=cache)[0][0] for t in ids[7:]]
+    assert cache.length == len(ids)
+    torch.testing.assert_close(torch.cat(steps), full_logits(model, ids), atol=ATOL, rtol=0)
+
+
+@torch.no_grad()
+def test_tree_forward_matches_plain_forward_along_every_path(model):
+    prefix = [5, 9, 11, 2, 40]
+    tree = Tree.from_choices([(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)])
+    tokens = [7, 21, 33, 8, 8, 50, 12]  # root + one token per node; siblings may repeat tokens
+    cache = KVCache(model.config)
+    model(torch.tensor([prefix]), cache=cache)
+    L = cache.length
+    mask = torch.ones(tree.num_nodes, L + tree.num_nodes, dtype=torch.bool)
+    mask[:, L:] = tree.ancestor_mask()
+    logits, _ = model(torch.tensor([tokens]), pos=L + tree.depths(), cache=cache, attn_mask=mask)
+    for node in range(tree.num_nodes):
+        path = [node]
+        while tree.parents[path[-1]] != -1:
+            path.append(tree.parents[path[-1]])
+        seq = prefix + [tokens[i] for i in reversed(path)]
+        torch.testing.assert_close(logits[0, node], full_logits(model, seq)[-1], atol=ATOL, rtol=0)
+
+
+@torch.no_grad()
+def test_compaction_then_decoding_matches_full_forward(model):
+    prefix = [3, 1, 4, 1, 5]
+    tree = Tree.from_choices([(0,), (1,), (0, 0), (1, 0), (1, 0, 0)])
+    tokens = [9, 2, 6, 5, 3, 58]
+    cache = KVCache(model.config)
+    model(torch.tensor([prefix]), cache=cache)
+    L = cache.length
+    mask = torch.ones(tree.num_nodes, L + tree.num_nodes, dtype=torch.bool)
+    mask[:, L:] = tree.ancestor_mask()
+    model(torch.tensor([tokens]), pos=L + tree.depths(), cache=cache, attn_mask=mask)
+    accepted = [0, 2, 4, 5]  # root -> (1,) -> (1, 0) -> (1, 0, 0): not the first slots, so they move
+    compact_kv_cache(cache, L + torch.tensor(accepted), start=L)
+    assert cache.length == L + len(accepted)
+    seq = prefix + [tokens[i] for i in accepted]
+    more = [17, 23, 42]
+    got = [model(torch.tensor([[t]]), cache=cache)[0][0, -1] for t in more]
+    want = full_logits(model, seq + more)[len(seq):]
+    torch.testing.assert_close(torch.stack(got), want, atol=ATOL, rtol=0)
+
+
+@torch.no_grad()
+def test_static_cache_is_never_reallocated(model):
+    cache = KVCache(model.config)
+    ptr = cache.kv.data_ptr()
+    model(torch.tensor([[1, 2, 3]]), cache=cache)
+    model(torch.tensor([[4]]), cache=cache)
+    compact_kv_cache(cache, torch.tensor([1, 3]), start=1)
+    model(torch.tensor([[5, 6]]), cache=cache)
+    assert cache.kv.data_ptr() == ptr and cache.length == 5
+
+
+def test_overfilling_the_cache_is_a_clear_error(model):
+    cache = KVCache(model.config, max_len=4)
+    with pytest.raises(ValueError, match="KV cache full"):
+        model(torch.tensor([[1, 2, 3, 4, 5]]), cache=cache)
+
+
+@torch.no_grad()
+def test_batched_forward_matches_each_row_alone(model):
+    x = torch.randint(0, 64, (3, 10), generator=torch.Generator().manual_seed(2))
+    batched = model(x)[0]
+    for b in range(3):
+        torch.testing.assert_close(batched[b], full_logits(model, x[b].tolist()), atol=ATOL, rtol=0)
+
+
+def test_gelu_is_the_tanh_approximation_gpt2_uses():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=1, n_embd=8, n_head=2, vocab_size=16, block_size=8))
+    x = torch.randn(1, 3, 8)
+    mlp = model.transformer.h[0].mlp
+    h = mlp.c_fc(x)
+    tanh_gelu = 0.5 * h * (1 + torch.tanh((2 / torch.pi) ** 0.5 * (h + 0.044715 * h**3)))
+    torch.testing.assert_close(mlp(x), mlp.c_proj(tanh_gelu))
+
+
+def test_config_rejects_heads_that_do_not_divide_the_width():
+    with pytest.raises(ValueError, match="divisible"):
+        GPTConfig(n_embd=30, n_head=4)
