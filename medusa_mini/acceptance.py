@@ -1,0 +1,141 @@
+"""Acceptance rules: from the backbone's logits at every tree node to an accepted path and a bonus token.
+
+All three are pure functions of (tree, candidate tokens [N], tree logits [N, V]) — no model inside — so
+they are tested with hand-written logits. Each returns (path, bonus): `path` is the list of accepted node
+indices from the root (node 0, always accepted) down; `bonus` is the token the backbone itself yields
+after the last accepted node, which becomes the next root. A step therefore emits len(path) tokens:
+len(path) - 1 accepted candidates plus the bonus.
+
+p denotes the backbone (target) distribution at a node after temperature (and top-p) — the very
+distribution plain sampling draws from.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .tree import Tree
+
+
+def sampling_probs(logits: torch.Tensor, *, temperature: float, top_p: float = 1.0) -> torch.Tensor:
+    """p: logits [..., V] -> probabilities [..., V] after temperature and nucleus (top-p) filtering.
+
+    Plain sampling and rejection sampling both call this, which is what makes the latter lossless.
+    """
+    if temperature <= 0:
+        raise ValueError("temperature must be > 0 to sample; use greedy for temperature 0")
+    probs = F.softmax(logits.float() / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        # Keep the smallest prefix whose mass reaches top_p: drop a token when the mass before it does.
+        drop_sorted = (sorted_p.cumsum(dim=-1) - sorted_p) >= top_p
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One draw from probs [V]."""
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def greedy_accept(tree: Tree, tokens: torch.Tensor, logits: torch.Tensor) -> tuple[list[int], int]:
+    """Greedy (exact) acceptance: descend while the backbone's argmax is one of the node's children.
+
+    tokens: [N] candidate token at each node (tokens[0] = root). logits: [N, V].
+    At each node y = argmax p; if a child holds y, descend into it, else stop and emit y as the bonus.
+    The output is then exactly what plain greedy decoding would produce, only in fewer passes.
+    """
+    choice = logits.argmax(dim=-1).tolist()  # [N] the backbone's own next token at every node
+    toks = tokens.tolist()
+    node, path = 0, [0]
+    while True:
+        nxt = next((c for c in tree.children[node] if toks[c] == choice[node]), None)
+        if nxt is None:
+            return path, choice[node]
+        node = nxt
+        path.append(node)
+
+
+def rejection_accept(
+    tree: Tree,
+    tokens: torch.Tensor,
+    logits: torch.Tensor,
+    *,
+    temperature: float,
+    top_p: float = 1.0,
+    generator: torch.Generator | None = None,
+) -> tuple[list[int], int]:
+    """Lossless rejection sampling for deterministic candidates (speculative sampling on a tree).
+
+    At each node draw y ~ p(· | prefix, path); if a child holds y, descend, else emit y as the bonus.
+    This is the sequential form "try children x1, x2, ... accepting x_i with prob. r(x_i), r renormalised
+    after each rejection" collapsed into one draw: P(out = x_j) = (1 - Σ_{i<j} p(x_i)) ·
+    p(x_j) / (1 - Σ_{i<j} p(x_i)) = p(x_j). Fresh randomness per depth + the chain rule give exactly
+    the backbone's sequence distribution. (Drawing one independent sample per candidate path, or
+    sampling from one distribution while accepting with another, is not lossless.)
+    """
+    if temperature == 0:
+        return greedy_accept(tree, tokens, logits)
+    toks = tokens.tolist()
+    node, path = 0, [0]
+    while True:
+        y = sample(sampling_probs(logits[node], temperature=temperature, top_p=top_p), generator)
+        nxt = next((c for c in tree.children[node] if toks[c] == y), None)
+        if nxt is None:
+            return path, y
+        node = nxt
+        path.append(node)
+
+
+def typical_accept(
+    tree: Tree,
+    tokens: torch.Tensor,
+    logits: torch.Tensor,
+    *,
+    temperature: float,
+    epsilon: float = 0.09,
+    delta: float = 0.3,
+    generator: torch.Generator | None = None,
+) -> tuple[list[int], int]:
+    """Typical acceptance (paper §2.3.1): accept x at a node if p(x) > min(ε, δ · exp(-H(p))).
+
+    H is the entropy of p at the parent. A candidate is accepted if it and all its ancestors pass;
+    the longest accepted path wins, ties broken by the larger sum of log p along it. The bonus is
+    drawn from p at the last accepted node. Faster than rejection sampling on flat distributions but
+    not distribution-preserving; at temperature 0 it is greedy acceptance.
+    """
+    if temperature == 0:
+        return greedy_accept(tree, tokens, logits)
+    p = F.softmax(logits.float() / temperature, dim=-1)  # [N, V]
+    log_p = torch.log(p.clamp_min(1e-30))  # [N, V]
+    entropy = -(p * log_p).sum(dim=-1)  # [N]
+    threshold = torch.minimum(torch.full_like(entropy, epsilon), delta * torch.exp(-entropy))  # [N]
+    parents = torch.tensor(tree.parents[1:], device=logits.device)  # [N - 1]
+    p_cand = p[parents, tokens[1:]]  # [N - 1] p(candidate | parent's prefix)
+    passes = (p_cand > threshold[parents]).tolist()
+    logp_cand = torch.log(p_cand.clamp_min(1e-30)).tolist()
+
+    # Parents precede children, so one forward sweep settles acceptance and path scores.
+    accepted = [True] + [False] * (tree.num_nodes - 1)
+    score = [0.0] * tree.num_nodes
+    best = 0
+    for i in range(1, tree.num_nodes):
+        par = tree.parents[i]
+        accepted[i] = accepted[par] and passes[i - 1]
+        if not accepted[i]:
+            continue
+        score[i] = score[par] + logp_cand[i - 1]
+        di, db = tree.depth_list[i], tree.depth_list[best]
+        if di > db or (di == db and score[i] > score[best]):
+            best = i
+    path = [best]
+    while path[-1] != 0:
+        path.append(tree.parents[path[-1]])
+    path.reverse()
+    return path, sample(p[best], generator)
+
+
+ACCEPTANCE_RULES = ("greedy", "typical", "rejection")

@@ -1,0 +1,238 @@
+"""Decoding loops: plain autoregressive `generate` and Medusa's `medusa_generate` (paper §2).
+
+One Medusa step = propose (heads' top-k fill the tree) -> verify (one tree-masked forward over all N
+nodes) -> accept (greedy, typical or rejection) -> compact (keep the accepted path's K/V). Both loops
+share prefill, stopping rules and statistics, so their numbers are comparable:
+
+- steps: backbone forward passes after the prefill;
+- tokens per step: tokens emitted by those steps / steps, the bonus token counted (plain decoding is
+  exactly 1.0). The prefill's token is emitted before the first step and counted in neither.
+
+Both stop cleanly at `max_new_tokens`, at an end token (kept in the output) or when prompt + output
+reach the context length. Batch size is 1, as in the paper's latency setting.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from .acceptance import greedy_accept, rejection_accept, sample, sampling_probs, typical_accept
+from .model import GPT, KVCache, compact_kv_cache
+from .tree import Tree
+
+StepCallback = Callable[[list[int]], None]
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int
+    steps: int = 0
+    step_tokens: list[int] = field(default_factory=list)  # tokens each step emitted, bonus included
+    accepted_nodes: list[int] = field(default_factory=list)  # candidates accepted each step (Medusa)
+    seconds: float = 0.0  # wall time, prefill included
+    stop_reason: str = ""  # "max_new_tokens" | "eos" | "context"
+
+    @property
+    def tokens_per_step(self) -> float:
+        return sum(self.step_tokens) / self.steps if self.steps else 0.0
+
+
+def _sync(device: torch.device) -> None:
+    # CUDA kernels run asynchronously: read no clock before they have finished.
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _check_prompt(model: GPT, prompt: list[int] | torch.Tensor) -> torch.Tensor:
+    ids = torch.as_tensor(prompt, dtype=torch.long, device=model.device).flatten()
+    if ids.numel() == 0:
+        raise ValueError("the prompt is empty: give at least one token")
+    if ids.numel() >= model.config.block_size:
+        raise ValueError(
+            f"the prompt has {ids.numel()} tokens; the context holds {model.config.block_size}, "
+            "so the prompt must be shorter"
+        )
+    return ids
+
+
+def choose_token(logits: torch.Tensor, *, temperature: float, top_p: float, generator) -> int:
+    """The backbone's next token from logits [V]: argmax at temperature 0, else a draw from p."""
+    if temperature == 0:
+        return int(logits.argmax())
+    return sample(sampling_probs(logits, temperature=temperature, top_p=top_p), generator)
+
+
+def _limit(out: list[int], new: list[int], *, max_new_tokens: int, room: int, eos_id: int | None):
+    """Cut `new` at the end token, the token budget or the context; return (kept, stop reason)."""
+    for i, tok in enumerate(new):
+        if eos_id is not None and tok == eos_id:
+            return new[: i + 1], "eos"
+    cap = min(max_new_tokens - len(out), room - len(out))
+    if len(new) >= cap:
+        return new[:cap], "max_new_tokens" if max_new_tokens <= room else "context"
+    return new, ""
+
+
+@torch.no_grad()
+def prefill(model: GPT, ids: torch.Tensor, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the prompt ids [P] through the model; return the last logits [V] and hidden state [C]."""
+    logits, hidden = model(ids[None], cache=cache, logits_at=slice(-1, None))
+    return logits[0, -1], hidden[0, -1]
+
+
+@torch.no_grad()
+def generate(
+    model: GPT,
+    prompt: list[int] | torch.Tensor,
+    *,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    eos_id: int | None = None,
+    generator: torch.Generator | None = None,
+    on_step: StepCallback | None = None,
+) -> tuple[list[int], GenerationStats]:
+    """Plain autoregressive decoding with the KV cache: one forward pass per token."""
+    ids = _check_prompt(model, prompt)
+    device = model.device
+    room = model.config.block_size - ids.numel()  # tokens the context still holds
+    stats = GenerationStats(prompt_tokens=ids.numel())
+    _sync(device)
+    t0 = time.perf_counter()
+    cache = KVCache(model.config, max_len=model.config.block_size, device=device, dtype=model.lm_head.weight.dtype)
+    logits, _ = prefill(model, ids, cache)
+    tok = choose_token(logits, temperature=temperature, top_p=top_p, generator=generator)
+    out, reason = _limit([], [tok], max_new_tokens=max_new_tokens, room=room, eos_id=eos_id)
+    if on_step and out:
+        on_step(list(out))
+    while not reason and out:
+        logits, _ = model(torch.tensor([[out[-1]]], device=device), cache=cache)
+        stats.steps += 1
+        tok = choose_token(logits[0, -1], temperature=temperature, top_p=top_p, generator=generator)
+        new, reason = _limit(out, [tok], max_new_tokens=max_new_tokens, room=room, eos_id=eos_id)
+        out += new
+        stats.step_tokens.append(len(new))
+        if on_step:
+            on_step(new)
+    _sync(device)
+    stats.seconds = time.perf_counter() - t0
+    stats.stop_reason = reason or "max_new_tokens"
+    return out, stats
+
+
+def tree_candidates(tree: Tree, root: int, head_logits: torch.Tensor) -> torch.Tensor:
+    """Fill the tree: node i gets head `head(i)`'s rank-`rank(i)` token. head_logits [K, V] -> [N]."""
+    head, rank = tree.node_head_rank(head_logits.device)  # [N - 1] each
+    k = max(tree.top_k(), default=1)
+    topk = head_logits[: max(tree.depth, 1)].topk(k, dim=-1).indices  # [D, k]
+    root_t = torch.tensor([root], device=head_logits.device)
+    return torch.cat([root_t, topk[head, rank]])  # [N]
+
+
+@torch.no_grad()
+def verify(model: GPT, cache: KVCache, tree: Tree, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One tree-masked forward over all N nodes (paper §2.1.2): logits [N, V], hidden [N, C].
+
+    Nodes occupy cache slots [L, L + N) but sit at positions L + depth; each sees the whole prefix,
+    itself and its ancestors.
+    """
+    L, N, device = cache.length, tree.num_nodes, tokens.device
+    mask = torch.ones(N, L + N, dtype=torch.bool, device=device)  # [N, L + N]
+    mask[:, L:] = tree.ancestor_mask(device)
+    pos = L + tree.depths(device)  # [N]
+    logits, hidden = model(tokens[None], pos=pos, cache=cache, attn_mask=mask)
+    return logits[0], hidden[0]
+
+
+def accept(
+    rule: str, tree: Tree, tokens: torch.Tensor, logits: torch.Tensor, *, temperature: float,
+    top_p: float, epsilon: float, delta: float, generator: torch.Generator | None,
+) -> tuple[list[int], int]:
+    """Dispatch to one acceptance rule (see acceptance.py)."""
+    if rule == "greedy" or temperature == 0:
+        return greedy_accept(tree, tokens, logits)
+    if rule == "rejection":
+        return rejection_accept(tree, tokens, logits, temperature=temperature, top_p=top_p, generator=generator)
+    if rule == "typical":
+        return typical_accept(
+            tree, tokens, logits, temperature=temperature, epsilon=epsilon, delta=delta, generator=generator
+        )
+    raise ValueError(f"unknown acceptance rule {rule!r}: use greedy, typical or rejection")
+
+
+@torch.no_grad()
+def medusa_generate(
+    model: GPT,
+    heads: Callable[[torch.Tensor, torch.nn.Module], torch.Tensor],
+    prompt: list[int] | torch.Tensor,
+    *,
+    tree: Tree,
+    max_new_tokens: int,
+    acceptance: str = "greedy",
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    epsilon: float = 0.09,
+    delta: float = 0.3,
+    eos_id: int | None = None,
+    generator: torch.Generator | None = None,
+    on_step: StepCallback | None = None,
+) -> tuple[list[int], GenerationStats]:
+    """Medusa decoding: propose -> verify -> accept -> compact, until a stop rule fires.
+
+    heads(hidden [1, C], lm_head) -> logits [K, 1, V]; evaluated once per step, only at the last
+    accepted node (the one whose hidden state predicts what follows the bonus token).
+    `on_step` receives each step's emitted tokens before the next proposal is made.
+    """
+    if acceptance not in ("greedy", "typical", "rejection"):
+        raise ValueError(f"unknown acceptance rule {acceptance!r}: use greedy, typical or rejection")
+    num_heads = getattr(heads, "num_heads", None)
+    if num_heads is not None:
+        tree.check_heads(num_heads)
+    ids = _check_prompt(model, prompt)
+    device, block = model.device, model.config.block_size
+    room = block - ids.numel()
+    stats = GenerationStats(prompt_tokens=ids.numel())
+    _sync(device)
+    t0 = time.perf_counter()
+    # Slots beyond block_size hold a tree's nodes; their positions are still < block_size.
+    cache = KVCache(model.config, max_len=block + tree.num_nodes, device=device, dtype=model.lm_head.weight.dtype)
+    logits, hidden = prefill(model, ids, cache)
+    root = choose_token(logits, temperature=temperature, top_p=top_p, generator=generator)
+    out, reason = _limit([], [root], max_new_tokens=max_new_tokens, room=room, eos_id=eos_id)
+    if on_step and out:
+        on_step(list(out))
+    head_logits = heads(hidden[None], model.lm_head)[:, 0]  # [K, V]
+    while not reason and out:
+        L = cache.length  # every committed token but the root
+        # Near the end, deeper nodes could not be used (or could not be positioned): trim the tree.
+        max_depth = min(block - 1 - L, max_new_tokens - len(out) - 1, room - len(out) - 1)
+        step_tree = tree if tree.depth <= max_depth else tree.truncated(max(max_depth, 0))
+        tokens = tree_candidates(step_tree, root, head_logits)  # [N]
+        logits, hidden = verify(model, cache, step_tree, tokens)  # [N, V], [N, C]
+        stats.steps += 1
+        path, bonus = accept(
+            acceptance, step_tree, tokens, logits, temperature=temperature, top_p=top_p,
+            epsilon=epsilon, delta=delta, generator=generator,
+        )
+        keep = L + torch.tensor(path, device=device)  # slots of root + accepted nodes
+        compact_kv_cache(cache, keep, start=L)
+        new, reason = _limit(
+            out, tokens[path[1:]].tolist() + [bonus], max_new_tokens=max_new_tokens, room=room, eos_id=eos_id
+        )
+        out += new
+        stats.step_tokens.append(len(new))
+        stats.accepted_nodes.append(len(path) - 1)
+        if on_step:
+            on_step(new)
+        if reason:
+            break
+        root = bonus
+        head_logits = heads(hidden[path[-1]][None], model.lm_head)[:, 0]  # [K, V]
+    _sync(device)
+    stats.seconds = time.perf_counter() - t0
+    stats.stop_reason = reason or "max_new_tokens"
+    return out, stats

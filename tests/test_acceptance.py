@@ -1,0 +1,158 @@
+"""Acceptance rules on hand-written logits: no model, just the rules of paper §2.3 and their proofs."""
+
+import math
+from collections import Counter
+
+import pytest
+import torch
+
+from medusa_mini.acceptance import greedy_accept, rejection_accept, sampling_probs, typical_accept
+from medusa_mini.tree import Tree
+
+#   0 root ─┬─ 1 (0,) token 3 ─┬─ 3 (0,0) token 1 ── 5 (0,0,0) token 2
+#           │                  └─ 4 (0,1) token 0
+#           └─ 2 (1,) token 2
+TREE = Tree.from_choices([(0,), (1,), (0, 0), (0, 1), (0, 0, 0)])
+TOKENS = torch.tensor([0, 3, 2, 1, 0, 2])
+V = 5
+
+
+def logits_from(probs_rows):
+    """[N, V] logits whose softmax is exactly the given rows."""
+    return torch.log(torch.tensor(probs_rows, dtype=torch.float))
+
+
+def onehot_logits(argmaxes):
+    return torch.stack([torch.nn.functional.one_hot(torch.tensor(a), V).float() * 5 for a in argmaxes])
+
+
+def test_greedy_descends_while_the_argmax_is_a_child():
+    # root argmax 3 -> node 1; node 1 argmax 1 -> node 3; node 3 argmax 4 (no such child) -> bonus 4
+    path, bonus = greedy_accept(TREE, TOKENS, onehot_logits([3, 1, 0, 4, 0, 0]))
+    assert (path, bonus) == ([0, 1, 3], 4)
+
+
+def test_greedy_accepts_nothing_when_no_child_matches_and_emits_the_backbones_token():
+    assert greedy_accept(TREE, TOKENS, onehot_logits([4, 1, 1, 1, 1, 1])) == ([0], 4)
+
+
+def test_greedy_can_take_a_lower_ranked_branch():
+    assert greedy_accept(TREE, TOKENS, onehot_logits([2, 0, 1, 0, 0, 0])) == ([0, 2], 1)
+
+
+def test_greedy_accepts_the_whole_deepest_path():
+    assert greedy_accept(TREE, TOKENS, onehot_logits([3, 1, 0, 2, 0, 4])) == ([0, 1, 3, 5], 4)
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    probs = sampling_probs(torch.log(torch.tensor([0.1, 0.5, 0.25, 0.15])), temperature=1.0, top_p=0.7)
+    torch.testing.assert_close(probs, torch.tensor([0.0, 0.5 / 0.75, 0.25 / 0.75, 0.0]))
+    full = sampling_probs(torch.log(torch.tensor([0.1, 0.5, 0.25, 0.15])), temperature=1.0)
+    torch.testing.assert_close(full, torch.tensor([0.1, 0.5, 0.25, 0.15]))
+
+
+def test_sampling_at_temperature_zero_is_refused():
+    with pytest.raises(ValueError, match="temperature"):
+        sampling_probs(torch.zeros(3), temperature=0.0)
+
+
+P_ROOT = [0.1, 0.2, 0.3, 0.4, 0.0]  # children: token 3 (p .4) then token 2 (p .3)
+P_NODE1 = [0.5, 0.25, 0.0, 0.0, 0.25]  # children: token 1 (p .25) then token 0 (p .5)
+P_OTHER = [0.2] * 5
+
+
+def test_rejection_sampling_emits_tokens_with_exactly_the_backbones_probabilities():
+    """First emitted token ~ p(root); given it is node 1's token, the second ~ p(node 1)."""
+    logits = logits_from([P_ROOT, P_NODE1, P_OTHER, P_OTHER, P_OTHER, P_OTHER])
+    gen = torch.Generator().manual_seed(0)
+    n = 20000
+    first, second = Counter(), Counter()
+    for _ in range(n):
+        path, bonus = rejection_accept(TREE, TOKENS, logits, temperature=1.0, generator=gen)
+        emitted = TOKENS[path[1:]].tolist() + [bonus]
+        first[emitted[0]] += 1
+        if emitted[0] == 3:
+            second[emitted[1]] += 1
+    sigma = math.sqrt(0.25 / n)  # the largest standard error of a frequency
+    for tok in range(V):
+        assert abs(first[tok] / n - P_ROOT[tok]) < 5 * sigma
+    m = sum(second.values())
+    for tok in range(V):
+        assert abs(second[tok] / m - P_NODE1[tok]) < 5 * math.sqrt(0.25 / m)
+
+
+def test_rejection_sampling_never_emits_a_token_the_backbone_gives_zero_probability():
+    logits = logits_from([P_ROOT, P_NODE1, P_OTHER, P_OTHER, P_OTHER, P_OTHER])
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(2000):
+        path, bonus = rejection_accept(TREE, TOKENS, logits, temperature=1.0, generator=gen)
+        if len(path) == 1:
+            assert bonus != 4  # p(root)[4] = 0
+        if path[-1] == 1:
+            assert bonus not in (2, 3)  # p(node 1) gives them 0
+
+
+def test_rejection_sampling_at_temperature_zero_is_greedy():
+    logits = onehot_logits([3, 1, 0, 4, 0, 0])
+    assert rejection_accept(TREE, TOKENS, logits, temperature=0.0) == greedy_accept(TREE, TOKENS, logits)
+
+
+def entropy(p):
+    return -sum(x * math.log(x) for x in p if x > 0)
+
+
+def test_typical_accepts_exactly_the_candidates_above_min_epsilon_delta_exp_minus_entropy():
+    # root p = P_ROOT: node 1 holds token 3 (p .4), node 2 token 2 (p .3); children below pass freely
+    logits = logits_from([P_ROOT] + [P_OTHER] * 5)
+    scale = math.exp(-entropy(P_ROOT))  # threshold = min(eps, delta * scale)
+    gen = torch.Generator().manual_seed(0)
+
+    def accepted_at_depth_1(eps, delta):
+        depth1 = {1: "node1", 2: "node2"}
+        ok = set()
+        for forced in (1, 2):  # drop the other branch so each candidate is judged alone
+            tree = Tree.from_choices([(0,)] if forced == 1 else [(1,)])
+            toks = torch.tensor([0, TOKENS[forced].item()])
+            path, _ = typical_accept(tree, toks, logits[:2], temperature=1.0, epsilon=eps, delta=delta, generator=gen)
+            if len(path) == 2:
+                ok.add(depth1[forced])
+        return ok
+
+    assert accepted_at_depth_1(1.0, 0.35 / scale) == {"node1"}  # .4 > .35 > .3
+    assert accepted_at_depth_1(1.0, 0.25 / scale) == {"node1", "node2"}  # both above .25
+    assert accepted_at_depth_1(1.0, 0.45 / scale) == set()  # both below .45
+    assert accepted_at_depth_1(0.35, 10.0) == {"node1"}  # now epsilon is the smaller bound
+
+
+def test_typical_threshold_is_capped_by_epsilon_on_peaked_distributions():
+    # a peaked root: exp(-H) is large, so the threshold is epsilon itself
+    p_root = [0.02, 0.02, 0.06, 0.88, 0.02]
+    assert 0.3 * math.exp(-entropy(p_root)) > 0.09
+    logits = logits_from([p_root, P_OTHER, P_OTHER, P_OTHER, P_OTHER, P_OTHER])
+    gen = torch.Generator().manual_seed(0)
+    path, _ = typical_accept(TREE, TOKENS, logits, temperature=1.0, generator=gen)
+    assert path[1] == 1  # token 3 (p .88) passes; node 2's token 2 (p .06 < .09) would not
+
+
+def test_typical_takes_the_longest_accepted_path():
+    # everything passes everywhere (uniform p, threshold .2 * .3 = .06): deepest node 5 wins
+    logits = logits_from([P_OTHER] * 6)
+    path, _ = typical_accept(TREE, TOKENS, logits, temperature=1.0, generator=torch.Generator().manual_seed(0))
+    assert path == [0, 1, 3, 5]
+
+
+def test_typical_breaks_ties_by_the_larger_sum_of_log_p():
+    tree = Tree.from_choices([(0,), (1,)])  # two depth-1 candidates, both pass
+    tokens = torch.tensor([0, 1, 2])
+    logits = logits_from([[0.1, 0.3, 0.6, 0.0, 0.0], P_OTHER, P_OTHER])
+    path, _ = typical_accept(tree, tokens, logits, temperature=1.0, generator=torch.Generator().manual_seed(0))
+    assert path == [0, 2]  # token 2 (p .6) beats the higher-ranked token 1 (p .3)
+
+
+def test_typical_acceptance_approaches_greedy_as_temperature_goes_to_zero():
+    gen = torch.Generator().manual_seed(0)
+    for seed in range(20):
+        logits = torch.randn(TREE.num_nodes, V, generator=torch.Generator().manual_seed(seed))
+        want = greedy_accept(TREE, TOKENS, logits)
+        assert typical_accept(TREE, TOKENS, logits, temperature=1e-4, generator=gen) == want
+        assert typical_accept(TREE, TOKENS, logits, temperature=0.0) == want

@@ -1,0 +1,207 @@
+"""Decoding end to end on tiny random models: Medusa is lossless, and stops cleanly."""
+
+import itertools
+import math
+from collections import Counter
+
+import pytest
+import torch
+
+from conftest import OracleHeads, random_heads, tiny_model
+from medusa_mini.acceptance import sampling_probs
+from medusa_mini.decoding import generate, medusa_generate
+from medusa_mini.tree import Tree, chain, preset
+
+TREES = {
+    "chain": chain(4),
+    "wide": Tree.from_choices([(r,) for r in range(8)] + [(0, r) for r in range(4)]),
+    "deep": Tree.from_choices([(0,) * d for d in range(1, 5)] + [(1,), (1, 0), (0, 1), (0, 1, 0)]),
+    "cpu": preset("cpu"),
+    "gpu": preset("gpu"),
+}
+
+
+@pytest.mark.parametrize("tree_name", TREES)
+@pytest.mark.parametrize("seed", range(4))
+def test_greedy_medusa_equals_plain_greedy(tree_name, seed):
+    model = tiny_model(seed)
+    heads = random_heads(model, seed=seed)
+    prompt = torch.randint(0, 64, (5,), generator=torch.Generator().manual_seed(seed)).tolist()
+    want, plain = generate(model, prompt, max_new_tokens=40)
+    got, stats = medusa_generate(model, heads, prompt, tree=TREES[tree_name], max_new_tokens=40)
+    assert got == want
+    assert plain.steps == 39 and plain.tokens_per_step == 1.0
+    assert sum(stats.step_tokens) == 39 and stats.steps <= 39
+
+
+@pytest.mark.parametrize("tree_name", TREES)
+@pytest.mark.parametrize("seed", range(3))
+def test_greedy_medusa_with_oracle_heads_accepts_long_paths_and_still_equals_plain_greedy(tree_name, seed):
+    model = tiny_model(seed)
+    prompt = [seed + 1, 7, 3]
+    want, _ = generate(model, prompt, max_new_tokens=45)
+    oracle = OracleHeads(model, prompt)
+    got, stats = medusa_generate(model, oracle, prompt, tree=TREES[tree_name], max_new_tokens=45, on_step=oracle.on_step)
+    assert got == want
+    # the oracle's rank-0 path is always right, so every step accepts the tree's full depth
+    depth = TREES[tree_name].depth
+    assert max(stats.accepted_nodes) == depth
+    assert stats.tokens_per_step > 0.8 * (depth + 1)
+
+
+def test_untrained_heads_still_decode_correctly_but_accept_little():
+    model = tiny_model(3)
+    heads = random_heads(model, seed=3)
+    _, stats = medusa_generate(model, heads, [1, 2, 3], tree=preset("cpu"), max_new_tokens=30)
+    assert 1.0 <= stats.tokens_per_step < 3.0
+
+
+def exact_sequence_probs(model, prompt, n, *, temperature):
+    """Chain rule by brute force: P(x1..xn | prompt) for every sequence over the tiny vocabulary."""
+    V = model.config.vocab_size
+    probs = {}
+    for seq in itertools.product(range(V), repeat=n):
+        logits = model(torch.tensor([prompt + list(seq)]))[0][0]  # [P + n, V]
+        p = sampling_probs(logits[len(prompt) - 1 : len(prompt) - 1 + n], temperature=temperature)
+        probs[seq] = math.prod(p[i, t].item() for i, t in enumerate(seq))
+    return probs
+
+
+def empirical(run, samples):
+    counts = Counter(tuple(run(i)) for i in range(samples))
+    return {seq: c / samples for seq, c in counts.items()}
+
+
+def total_variation(p, q):
+    return 0.5 * sum(abs(p.get(k, 0.0) - q.get(k, 0.0)) for k in set(p) | set(q))
+
+
+def expected_tv(p, samples):
+    """E|TV| of an honest empirical estimate is at most 1/2 Σ sqrt(p(1-p)/M) (Jensen)."""
+    return 0.5 * sum(math.sqrt(x * (1 - x) / samples) for x in p.values())
+
+
+@pytest.mark.slow
+@torch.no_grad()
+@pytest.mark.parametrize("proposer", ["random", "oracle"])
+def test_rejection_sampling_preserves_model_distribution(proposer):
+    V, n, M, T = 4, 3, 2000, 0.8
+    model = tiny_model(11, vocab_size=V, block_size=16)
+    prompt = [1, 2]
+    exact = exact_sequence_probs(model, prompt, n, temperature=T)
+    assert abs(sum(exact.values()) - 1) < 1e-5
+    gen = torch.Generator().manual_seed(0)
+    tree = Tree.from_choices([(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)])
+
+    memo: dict = {}
+    pool = [random_heads(model, num_heads=3, seed=s) for s in range(7)]
+
+    def run(i):
+        if proposer == "oracle":
+            heads = OracleHeads(model, prompt, num_heads=3, seed=i, memo=memo)
+            hook = heads.on_step
+        else:
+            heads, hook = pool[i % 7], None
+        out, stats = medusa_generate(
+            model, heads, prompt, tree=tree, max_new_tokens=n, acceptance="rejection",
+            temperature=T, generator=gen, on_step=hook,
+        )
+        run.accepted += sum(stats.accepted_nodes)
+        return out
+
+    run.accepted = 0
+    medusa = empirical(run, M)
+    assert run.accepted > M * 0.3  # candidates really were accepted, not just bonus tokens emitted
+    bound = expected_tv(exact, M)
+    assert total_variation(medusa, exact) < 2.5 * bound
+    # the check has teeth: greedy decoding or a lossy rule lands far outside the same bound
+    greedy_seq = tuple(generate(model, prompt, max_new_tokens=n)[0])
+    assert total_variation({greedy_seq: 1.0}, exact) > 10 * bound
+
+
+@pytest.mark.slow
+@torch.no_grad()
+def test_plain_sampling_matches_the_same_exact_distribution():
+    V, n, M, T = 4, 3, 2000, 0.8
+    model = tiny_model(11, vocab_size=V, block_size=16)
+    exact = exact_sequence_probs(model, [1, 2], n, temperature=T)
+    gen = torch.Generator().manual_seed(1)
+    plain = empirical(lambda i: generate(model, [1, 2], max_new_tokens=n, temperature=T, generator=gen)[0], M)
+    assert total_variation(plain, exact) < 2.5 * expected_tv(exact, M)
+
+
+def test_sampling_is_reproducible_from_the_seed():
+    model = tiny_model(4)
+    heads = random_heads(model)
+    outs = [
+        medusa_generate(model, heads, [5, 6], tree=preset("cpu"), max_new_tokens=20, acceptance=rule,
+                        temperature=0.9, generator=torch.Generator().manual_seed(7))[0]
+        for rule in ("rejection", "rejection", "typical", "typical")
+    ]
+    assert outs[0] == outs[1] and outs[2] == outs[3]
+
+
+def test_typical_acceptance_at_temperature_zero_is_greedy():
+    model = tiny_model(5)
+    want, _ = generate(model, [9, 9], max_new_tokens=30)
+    got, _ = medusa_generate(model, random_heads(model), [9, 9], tree=preset("cpu"), max_new_tokens=30,
+                             acceptance="typical", temperature=0.0)
+    assert got == want
+
+
+def test_generation_stops_at_the_end_token_and_keeps_it():
+    model = tiny_model(1)
+    full, _ = generate(model, [1, 2, 3], max_new_tokens=30)
+    eos = full[10]
+    cut = full[: full.index(eos) + 1]
+    plain, s1 = generate(model, [1, 2, 3], max_new_tokens=30, eos_id=eos)
+    oracle = OracleHeads(model, [1, 2, 3])
+    medusa, s2 = medusa_generate(model, oracle, [1, 2, 3], tree=preset("cpu"), max_new_tokens=30, eos_id=eos,
+                                 on_step=oracle.on_step)
+    assert plain == medusa == cut and s1.stop_reason == s2.stop_reason == "eos"
+
+
+@pytest.mark.parametrize("tree_name", ["chain", "gpu"])
+def test_generation_stops_cleanly_at_the_context_limit(tree_name):
+    model = tiny_model(2, block_size=24)
+    prompt = list(range(1, 11))
+    want, s1 = generate(model, prompt, max_new_tokens=100)
+    oracle = OracleHeads(model, prompt)
+    got, s2 = medusa_generate(model, oracle, prompt, tree=TREES[tree_name], max_new_tokens=100, on_step=oracle.on_step)
+    assert len(want) == 24 - len(prompt) and got == want
+    assert s1.stop_reason == s2.stop_reason == "context"
+
+
+def test_streaming_callback_receives_every_token_in_order_step_by_step():
+    model = tiny_model(6)
+    seen = []
+    oracle = OracleHeads(model, [4, 4])
+
+    def hook(tokens):
+        oracle.on_step(tokens)
+        seen.append(tokens)
+
+    out, stats = medusa_generate(model, oracle, [4, 4], tree=preset("cpu"), max_new_tokens=25, on_step=hook)
+    assert [t for chunk in seen for t in chunk] == out
+    assert [len(c) for c in seen[1:]] == stats.step_tokens and len(seen[0]) == 1  # prefill's token first
+
+
+def test_heads_and_tree_that_do_not_fit_are_a_clear_error():
+    model = tiny_model()
+    with pytest.raises(ValueError, match="depth 4 but the model has 2 Medusa heads"):
+        medusa_generate(model, random_heads(model, num_heads=2), [1], tree=chain(4), max_new_tokens=5)
+
+
+@pytest.mark.parametrize("prompt, message", [([], "empty"), (list(range(64)), "must be shorter")])
+def test_bad_prompts_are_a_clear_error(prompt, message):
+    model = tiny_model()
+    with pytest.raises(ValueError, match=message):
+        generate(model, prompt, max_new_tokens=5)
+    with pytest.raises(ValueError, match=message):
+        medusa_generate(model, random_heads(model), prompt, tree=chain(2), max_new_tokens=5)
+
+
+def test_unknown_acceptance_rule_is_a_clear_error():
+    model = tiny_model()
+    with pytest.raises(ValueError, match="unknown acceptance rule"):
+        medusa_generate(model, random_heads(model), [1], tree=chain(2), max_new_tokens=5, acceptance="nucleus")
