@@ -1,0 +1,227 @@
+"""Training text: a default corpus that needs no download, user text, splits and batches.
+
+The default corpus is the running interpreter's own standard library (``.py`` files), so every
+machine with Python has a few megabytes of real, structured text offline. The same interpreter
+version gives the same corpus.
+
+Text is handled as documents ``(name, text)``. A document is at most about 64 KB: longer files are
+cut at line boundaries, so that a train/validation split by document works for a single large file
+too and never puts most of the data on one side.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import random
+import sysconfig
+from collections.abc import Sequence
+
+import numpy as np
+import tiktoken
+import torch
+
+Document = tuple[str, str]
+
+DOCUMENT_CHARS = 64 * 1024
+_SKIPPED_DIRS = {"site-packages", "dist-packages", "test", "tests", "idlelib", "__pycache__"}
+
+
+def _as_text(data: bytes) -> str | None:
+    """Decoded text, or None if the bytes are not UTF-8 text (NUL bytes mean binary)."""
+    if b"\x00" in data:
+        return None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+
+
+def _chunk_lines(name: str, text: str, *, chunk_chars: int = DOCUMENT_CHARS) -> list[Document]:
+    """Cut ``text`` into pieces of about ``chunk_chars``, on line boundaries where possible."""
+    if len(text) <= chunk_chars:
+        return [(name, text)]
+    pieces: list[str] = []
+    current: list[str] = []
+    size = 0
+    for line in text.splitlines(keepends=True):
+        if size and size + len(line) > chunk_chars:
+            pieces.append("".join(current))
+            current, size = [], 0
+        current.append(line)
+        size += len(line)
+    if current:
+        pieces.append("".join(current))
+    return [(f"{name}#{i}", piece) for i, piece in enumerate(pieces)]
+
+
+def default_corpus_files(*, max_bytes: int = 3_000_000) -> list[pathlib.Path]:
+    """Standard-library ``.py`` files of this interpreter, sorted by relative path.
+
+    Tests, bundled third-party packages and the IDLE sources are left out, as are files that are
+    not valid UTF-8. Files are taken in order while they fit into ``max_bytes`` in total; a file
+    that would overflow the budget is skipped and smaller later files may still fill it.
+    """
+    root = pathlib.Path(sysconfig.get_paths()["stdlib"])
+    candidates: list[tuple[str, pathlib.Path]] = []
+    for folder, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d not in _SKIPPED_DIRS and not d.startswith(".")]
+        for filename in filenames:
+            if filename.endswith(".py"):
+                path = pathlib.Path(folder, filename)
+                candidates.append((path.relative_to(root).as_posix(), path))
+    candidates.sort()
+
+    chosen: list[pathlib.Path] = []
+    total = 0
+    for _, path in candidates:
+        try:
+            size = path.stat().st_size
+            if size == 0 or total + size > max_bytes:
+                continue
+            if _as_text(path.read_bytes()) is None:
+                continue
+        except OSError:
+            continue
+        chosen.append(path)
+        total += size
+    return chosen
+
+
+def _read_text_file(path: pathlib.Path) -> str | None:
+    try:
+        return _as_text(path.read_bytes())
+    except OSError:
+        return None
+
+
+def load_corpus(
+    path: str | os.PathLike[str] | None = None, *, max_bytes: int = 3_000_000
+) -> list[Document]:
+    """Load documents ``(name, text)`` from ``path``.
+
+    * ``None``: the standard-library corpus, capped at ``max_bytes`` (see default_corpus_files);
+    * a file: that file, which must be UTF-8 text;
+    * a folder: every UTF-8 text file below it, recursively and sorted; other files and hidden
+      files or folders are skipped.
+
+    User data is used whole (``max_bytes`` applies to the default corpus only). Files longer than
+    about 64 KB become several documents named ``name#0``, ``name#1``, ...
+    Raises ValueError when the path is missing, empty, or holds no text.
+    """
+    if path is None:
+        root = pathlib.Path(sysconfig.get_paths()["stdlib"])
+        docs: list[Document] = []
+        for file in default_corpus_files(max_bytes=max_bytes):
+            text = file.read_bytes().decode("utf-8")
+            docs.extend(_chunk_lines(file.relative_to(root).as_posix(), text))
+        if not docs:
+            raise ValueError(f"no standard-library source found under {root}")
+        return docs
+
+    path = pathlib.Path(path)
+    if path.is_file():
+        text = _read_text_file(path)
+        if text is None:
+            raise ValueError(f"data file is not UTF-8 text: {path}")
+        if not text.strip():
+            raise ValueError(f"data file is empty: {path}")
+        return _chunk_lines(path.name, text)
+    if path.is_dir():
+        docs = []
+        for file in sorted(p for p in path.rglob("*") if p.is_file()):
+            relative = file.relative_to(path)
+            if any(part.startswith(".") for part in relative.parts):
+                continue
+            text = _read_text_file(file)
+            if text is None or not text.strip():
+                continue
+            docs.extend(_chunk_lines(relative.as_posix(), text))
+        if not docs:
+            raise ValueError(f"data folder holds no non-empty UTF-8 text files: {path}")
+        return docs
+    raise ValueError(f"data path does not exist: {path}")
+
+
+def split_documents(
+    docs: Sequence[Document], *, val_fraction: float = 0.05, seed: int = 0
+) -> tuple[list[Document], list[Document]]:
+    """Split documents into (train, val), keeping each document whole.
+
+    Which documents go to validation depends only on ``seed``; both sides keep the original order.
+    With two or more documents each side gets at least one. A single document is instead cut at
+    the line boundary nearest to the ``1 - val_fraction`` point of its text.
+    """
+    if not 0.0 < val_fraction < 1.0:
+        raise ValueError(f"val_fraction must be between 0 and 1, got {val_fraction}")
+    docs = list(docs)
+    if not docs:
+        raise ValueError("cannot split an empty list of documents")
+    if len(docs) == 1:
+        name, text = docs[0]
+        if len(text) < 2:
+            raise ValueError(f"document {name!r} is too short to split")
+        cut = _line_cut(text, round(len(text) * (1.0 - val_fraction)))
+        return [(name, text[:cut])], [(name, text[cut:])]
+
+    n_val = min(max(1, round(len(docs) * val_fraction)), len(docs) - 1)
+    val_ids = set(random.Random(seed).sample(range(len(docs)), n_val))
+    train = [doc for i, doc in enumerate(docs) if i not in val_ids]
+    val = [doc for i, doc in enumerate(docs) if i in val_ids]
+    return train, val
+
+
+def _line_cut(text: str, target: int) -> int:
+    """A cut position in (0, len(text)) at a line start near ``target``; mid-line if no newline."""
+    target = min(max(target, 1), len(text) - 1)
+    before = text.rfind("\n", 0, target)  # the cut goes just after this newline
+    after = text.find("\n", target - 1)
+    options = [i + 1 for i in (before, after) if i != -1 and 0 < i + 1 < len(text)]
+    if not options:
+        return target
+    return min(options, key=lambda cut: abs(cut - target))
+
+
+def encode_documents(
+    enc: tiktoken.Encoding, docs: Sequence[Document], *, eot_id: int | None
+) -> np.ndarray:
+    """Token ids of all documents concatenated, with ``eot_id`` between documents when given.
+
+    Special-token strings inside the text are encoded as ordinary text. The array is uint16 when
+    every id fits (vocabularies up to 65,536), else uint32.
+    """
+    dtype = np.uint16 if enc.n_vocab <= 2**16 else np.uint32
+    if eot_id is not None and not 0 <= eot_id < enc.n_vocab:
+        raise ValueError(f"eot_id {eot_id} is outside the vocabulary of {enc.n_vocab} tokens")
+    encoded = enc.encode_ordinary_batch([text for _, text in docs])
+    parts: list[np.ndarray] = []
+    for i, ids in enumerate(encoded):
+        if i and eot_id is not None:
+            parts.append(np.array([eot_id], dtype=dtype))
+        parts.append(np.asarray(ids, dtype=dtype))
+    if not parts:
+        return np.zeros(0, dtype=dtype)
+    return np.concatenate(parts)
+
+
+def get_batch(
+    tokens: np.ndarray,
+    *,
+    batch_size: int,
+    block_size: int,
+    generator: torch.Generator,
+    device: str | torch.device = "cpu",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random windows ``x`` and their next tokens ``y`` (int64, shape [batch_size, block_size]).
+
+    ``y[:, t] == x[:, t + 1]`` within a window and ``y[:, -1]`` is the token after it. Window starts
+    are drawn from ``generator`` (a CPU generator), so equal generator states give equal batches.
+    """
+    n_starts = len(tokens) - block_size
+    if n_starts < 1:
+        raise ValueError(f"need more than block_size={block_size} tokens, got {len(tokens)}")
+    starts = torch.randint(n_starts, (batch_size,), generator=generator).numpy()
+    windows = tokens[starts[:, None] + np.arange(block_size + 1)].astype(np.int64)
+    x = torch.from_numpy(np.ascontiguousarray(windows[:, :-1]))
+    y = torch.from_numpy(np.ascontiguousarray(windows[:, 1:]))
+    return x.to(device), y.to(device)

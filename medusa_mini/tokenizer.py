@@ -1,0 +1,324 @@
+"""Byte-level BPE tokenizer: train merges on a corpus, use them through tiktoken.
+
+Training follows GPT-2's recipe: split text into pre-tokens with GPT-2's regex, start from the 256
+single bytes, and repeatedly merge the most frequent adjacent pair. The result is a table of
+"mergeable ranks" {token bytes: rank}, exactly what ``tiktoken.Encoding`` consumes, so encoding at
+run time is tiktoken's fast Rust code and a GPT-2 encoding is a drop-in replacement.
+
+On disk a tokenizer is a directory with two files:
+
+* ``tokenizer.tiktoken``: tiktoken's rank-file format, one ``<base64 token bytes> <rank>`` per line;
+* ``tokenizer_config.json``: ``{"type": "bpe", "pattern": ..., "special_tokens": {...}}``, or
+  ``{"type": "tiktoken", "name": "gpt2"}`` to refer to one of tiktoken's named encodings instead.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import heapq
+import json
+import os
+import pathlib
+import tempfile
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+
+import regex
+import tiktoken
+
+GPT2_SPLIT_PATTERN = (
+    r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+)
+DEFAULT_SPECIAL_TOKENS = ("<|endoftext|>",)
+RANKS_FILE = "tokenizer.tiktoken"
+CONFIG_FILE = "tokenizer_config.json"
+
+Pair = tuple[int, int]
+
+
+# ----------------------------------------------------------------------------------------------
+# Training
+
+
+def _count_words(text: str, special_tokens: Sequence[str]) -> Counter[bytes]:
+    """Frequencies of the distinct pre-tokens, as UTF-8 bytes."""
+    # Special-token strings that happen to occur in the text must not be learned as ordinary
+    # merges, or encode_ordinary and encode would disagree on them.
+    chunks = [text]
+    if special_tokens:
+        separator = "|".join(regex.escape(token) for token in special_tokens)
+        chunks = regex.split(separator, text)
+    pattern = regex.compile(GPT2_SPLIT_PATTERN)
+    counts: Counter[str] = Counter()
+    for chunk in chunks:
+        counts.update(pattern.findall(chunk))
+    return Counter({word.encode("utf-8"): n for word, n in counts.items()})
+
+
+def _pairs(word: list[int]) -> Counter[Pair]:
+    return Counter(zip(word, word[1:]))
+
+
+def _merge_word(word: list[int], pair: Pair, new_id: int) -> list[int]:
+    """Replace non-overlapping occurrences of ``pair``, scanning left to right."""
+    first, second = pair
+    out: list[int] = []
+    i = 0
+    while i < len(word):
+        if i + 1 < len(word) and word[i] == first and word[i + 1] == second:
+            out.append(new_id)
+            i += 2
+        else:
+            out.append(word[i])
+            i += 1
+    return out
+
+
+def train_bpe(
+    text: str,
+    *,
+    vocab_size: int = 2048,
+    special_tokens: Sequence[str] = DEFAULT_SPECIAL_TOKENS,
+) -> dict[bytes, int]:
+    """Learn byte-level BPE merges on ``text``; return mergeable ranks {token bytes: rank}.
+
+    Ranks 0..255 are the single bytes; every merge adds the next rank. The vocabulary stops at
+    ``vocab_size - len(special_tokens)`` ranks (the special tokens take the ids after them), or
+    earlier once no adjacent pair occurs at least twice. Ties between equally frequent pairs go to
+    the pair whose (left rank, right rank) is smallest, so the result is deterministic.
+    """
+    n_ranks = vocab_size - len(special_tokens)
+    if n_ranks < 256:
+        raise ValueError(
+            f"vocab_size={vocab_size} leaves no room for the 256 byte tokens and "
+            f"{len(special_tokens)} special tokens"
+        )
+    word_counts = _count_words(text, special_tokens)
+    words = [list(word) for word in word_counts]
+    freqs = list(word_counts.values())
+    vocab = [bytes([b]) for b in range(256)]
+    ranks = {token: rank for rank, token in enumerate(vocab)}
+
+    # Incremental bookkeeping: a merge only touches the words that contain the merged pair, so
+    # re-counting every pair after every merge (quadratic on a real corpus) is never needed.
+    pair_counts: dict[Pair, int] = {}
+    pair_words: dict[Pair, set[int]] = {}
+    for wid, word in enumerate(words):
+        for pair, n in _pairs(word).items():
+            pair_counts[pair] = pair_counts.get(pair, 0) + n * freqs[wid]
+            pair_words.setdefault(pair, set()).add(wid)
+
+    # Max-heap keyed by (count, then smallest pair). Entries go stale when counts change; every
+    # change pushes a fresh entry, and a popped entry is trusted only if its count is current.
+    heap = [(-count, pair) for pair, count in pair_counts.items()]
+    heapq.heapify(heap)
+
+    while len(vocab) < n_ranks and heap:
+        neg_count, pair = heapq.heappop(heap)
+        if pair_counts.get(pair, 0) != -neg_count:
+            continue
+        if -neg_count < 2:
+            break
+        merged = vocab[pair[0]] + vocab[pair[1]]
+        # Two different splits can build the same bytes; reuse the existing token so ranks stay
+        # unique (tiktoken requires a one-to-one map between bytes and ranks).
+        new_id = ranks.get(merged)
+        if new_id is None:
+            new_id = len(vocab)
+            vocab.append(merged)
+            ranks[merged] = new_id
+
+        changed: dict[Pair, int] = {}
+        for wid in pair_words.pop(pair):
+            word = words[wid]
+            old_pairs = _pairs(word)
+            if pair not in old_pairs:
+                continue  # stale membership: an earlier merge already consumed this occurrence
+            new_word = _merge_word(word, pair, new_id)
+            words[wid] = new_word
+            new_pairs = _pairs(new_word)
+            freq = freqs[wid]
+            for p in old_pairs.keys() | new_pairs.keys():
+                delta = (new_pairs.get(p, 0) - old_pairs.get(p, 0)) * freq
+                if delta:
+                    changed[p] = changed.get(p, 0) + delta
+            for p in new_pairs:
+                if p not in old_pairs:
+                    pair_words.setdefault(p, set()).add(wid)
+        for p, delta in changed.items():
+            count = pair_counts.get(p, 0) + delta
+            if count > 0:
+                pair_counts[p] = count
+                heapq.heappush(heap, (-count, p))
+            else:
+                pair_counts.pop(p, None)
+                pair_words.pop(p, None)
+    return ranks
+
+
+# ----------------------------------------------------------------------------------------------
+# tiktoken wrapping
+
+
+def make_encoding(
+    ranks: Mapping[bytes, int],
+    *,
+    name: str = "medusa_mini",
+    special_tokens: Sequence[str] = DEFAULT_SPECIAL_TOKENS,
+    pattern: str = GPT2_SPLIT_PATTERN,
+) -> tiktoken.Encoding:
+    """Wrap mergeable ranks as a ``tiktoken.Encoding``; special tokens get the ids after them."""
+    ranks = dict(ranks)
+    missing = [b for b in range(256) if bytes([b]) not in ranks]
+    if missing:
+        # Without every single byte some text has no encoding at all (tiktoken would panic).
+        raise ValueError(f"ranks lack {len(missing)} of the 256 single-byte tokens")
+    first_special = max(ranks.values()) + 1
+    specials = {token: first_special + i for i, token in enumerate(special_tokens)}
+    return tiktoken.Encoding(name, pat_str=pattern, mergeable_ranks=ranks, special_tokens=specials)
+
+
+def _ranks_of(enc: tiktoken.Encoding) -> dict[bytes, int]:
+    special_ids = {enc.encode_single_token(t) for t in enc.special_tokens_set}
+    ranks = {}
+    for token_id in range(enc.n_vocab):
+        if token_id in special_ids:
+            continue
+        try:
+            ranks[enc.decode_single_token_bytes(token_id)] = token_id
+        except KeyError:  # ids need not be dense
+            continue
+    return ranks
+
+
+# ----------------------------------------------------------------------------------------------
+# Saving and loading
+
+
+def _write_atomic(path: pathlib.Path, data: str) -> None:
+    """Write via a temporary file in the same folder so readers never see a half-written file."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def save_tokenizer(
+    enc_or_ranks: tiktoken.Encoding | Mapping[bytes, int],
+    directory: str | os.PathLike[str],
+    *,
+    special_tokens: Sequence[str] = DEFAULT_SPECIAL_TOKENS,
+    name: str = "medusa_mini",
+) -> pathlib.Path:
+    """Save an encoding (or bare ranks plus ``special_tokens``) to ``directory``; return it.
+
+    From an Encoding, its own special tokens and name are saved and the keyword arguments are
+    ignored.
+    """
+    directory = pathlib.Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    enc = enc_or_ranks
+    if not isinstance(enc, tiktoken.Encoding):
+        enc = make_encoding(enc, name=name, special_tokens=special_tokens)
+    ranks = _ranks_of(enc)
+    specials = {t: enc.encode_single_token(t) for t in sorted(enc.special_tokens_set)}
+    # tiktoken exposes no public accessor for the split pattern.
+    pattern = getattr(enc, "_pat_str", GPT2_SPLIT_PATTERN)
+    lines = [
+        f"{base64.b64encode(token).decode('ascii')} {rank}\n"
+        for token, rank in sorted(ranks.items(), key=lambda item: item[1])
+    ]
+    config = {"type": "bpe", "name": enc.name, "pattern": pattern, "special_tokens": specials}
+    _write_atomic(directory / RANKS_FILE, "".join(lines))
+    _write_atomic(directory / CONFIG_FILE, json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+    return directory
+
+
+def save_tokenizer_reference(directory: str | os.PathLike[str], name: str = "gpt2") -> pathlib.Path:
+    """Save a pointer to tiktoken's named encoding ``name`` (fetched by tiktoken when loaded)."""
+    directory = pathlib.Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    config = {"type": "tiktoken", "name": name}
+    _write_atomic(directory / CONFIG_FILE, json.dumps(config, indent=2) + "\n")
+    return directory
+
+
+def _read_ranks(path: pathlib.Path) -> dict[bytes, int]:
+    ranks: dict[bytes, int] = {}
+    try:
+        text = path.read_text(encoding="ascii")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"cannot read tokenizer ranks {path}: {e}") from None
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            encoded, rank_text = line.split()
+            token = base64.b64decode(encoded, validate=True)
+            rank = int(rank_text)
+        except (ValueError, binascii.Error):
+            raise ValueError(f"corrupt tokenizer ranks {path}: bad line {lineno}") from None
+        if token in ranks or rank < 0:
+            raise ValueError(f"corrupt tokenizer ranks {path}: bad token or rank at line {lineno}")
+        ranks[token] = rank
+    if len(set(ranks.values())) != len(ranks):
+        raise ValueError(f"corrupt tokenizer ranks {path}: duplicate ranks")
+    if any(bytes([b]) not in ranks for b in range(256)):
+        raise ValueError(f"corrupt tokenizer ranks {path}: some single-byte tokens are missing")
+    return ranks
+
+
+def load_tokenizer(directory: str | os.PathLike[str]) -> tiktoken.Encoding:
+    """Load a tokenizer saved by ``save_tokenizer`` or ``save_tokenizer_reference``."""
+    directory = pathlib.Path(directory)
+    config_path = directory / CONFIG_FILE
+    if not config_path.is_file():
+        raise ValueError(f"not a tokenizer directory: {config_path} is missing")
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"corrupt tokenizer config {config_path}: {e}") from None
+    kind = config.get("type") if isinstance(config, dict) else None
+    if kind == "tiktoken":
+        name = config.get("name")
+        if not isinstance(name, str):
+            raise ValueError(f"corrupt tokenizer config {config_path}: no encoding name")
+        return tiktoken.get_encoding(name)
+    if kind != "bpe":
+        raise ValueError(f"corrupt tokenizer config {config_path}: unknown type {kind!r}")
+
+    pattern = config.get("pattern")
+    specials = config.get("special_tokens", {})
+    if not isinstance(pattern, str) or not isinstance(specials, dict):
+        raise ValueError(f"corrupt tokenizer config {config_path}: bad pattern or special_tokens")
+    if not all(isinstance(v, int) for v in specials.values()):
+        raise ValueError(f"corrupt tokenizer config {config_path}: special token ids must be ints")
+    ranks_path = directory / RANKS_FILE
+    if not ranks_path.is_file():
+        raise ValueError(f"not a tokenizer directory: {ranks_path} is missing")
+    ranks = _read_ranks(ranks_path)
+    if set(specials.values()) & set(ranks.values()):
+        raise ValueError(f"corrupt tokenizer config {config_path}: special ids collide with ranks")
+    try:
+        return tiktoken.Encoding(
+            str(config.get("name", "medusa_mini")),
+            pat_str=pattern,
+            mergeable_ranks=ranks,
+            special_tokens=specials,
+        )
+    except Exception as e:  # e.g. an invalid regex
+        raise ValueError(f"corrupt tokenizer config {config_path}: {e}") from None
+
+
+def encoding_bytes_per_token(enc: tiktoken.Encoding, texts: Iterable[str]) -> float:
+    """Average UTF-8 bytes per token: a quick measure of how well a tokenizer compresses."""
+    texts = list(texts)
+    n_bytes = sum(len(t.encode("utf-8")) for t in texts)
+    n_tokens = sum(len(ids) for ids in enc.encode_ordinary_batch(texts))
+    return n_bytes / max(n_tokens, 1)
