@@ -1,0 +1,117 @@
+"""train_tiny.py as a user runs it: stages, checkpoints, exact resume, bad input, DDP replicas."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+import train_tiny  # noqa: E402
+from medusa_mini.checkpoint import load_checkpoint  # noqa: E402
+
+FAST = ["--preset", "smoke", "--max-bytes", "60000", "--vocab-size", "300", "--backbone-steps", "6",
+        "--heads-steps", "4", "--distill-prompts", "8", "--distill-tokens", "12", "--eval-prompts", "2",
+        "--batch-size", "4", "--block-size", "64", "--n-embd", "32", "--log-every", "1000"]
+
+
+def weights(out):
+    model, heads, cfg = load_checkpoint(out)
+    return {**model.state_dict(), **{"heads." + k: v for k, v in heads.state_dict().items()}}
+
+
+def test_a_run_writes_a_complete_checkpoint(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert train_tiny.main(FAST + ["--out", str(out)]) == 0
+    names = set(os.listdir(out))
+    assert {"config.json", "model.safetensors", "medusa_heads.safetensors", "medusa_config.json",
+            "tokenizer.tiktoken", "prompts.json", "heads_accuracy.json"} <= names
+    assert "train_state.pt" not in names  # a finished run leaves no resume state
+    text = capsys.readouterr().out
+    for stage in ("tokenizer", "backbone", "distill", "heads", "summary", "official Medusa-1"):
+        assert stage in text
+    model, heads, cfg = load_checkpoint(out)
+    assert heads.num_heads == 4 and cfg["medusa_mini"]["eot_id"] == model.config.vocab_size - 1
+
+
+def test_the_same_seed_gives_the_same_weights(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert train_tiny.main(FAST + ["--out", str(a)]) == 0
+    assert train_tiny.main(FAST + ["--out", str(b)]) == 0
+    wa, wb = weights(a), weights(b)
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+@pytest.mark.parametrize("where", ["backbone:3", "heads:2", "distill:0"])
+def test_an_interrupted_run_resumes_exactly_where_it_stopped(tmp_path, where):
+    ref, out = tmp_path / "ref", tmp_path / "out"
+    assert train_tiny.main(FAST + ["--out", str(ref)]) == 0
+    flag = ["--interrupt-at", where] if where != "distill:0" else ["--interrupt-at", "heads:0"]
+    assert train_tiny.main(FAST + ["--out", str(out)] + flag) == 130
+    assert (out / "train_state.pt").exists() and (out / "config.json").exists()
+    load_checkpoint(out)  # what was saved at the interruption is a usable checkpoint
+    assert train_tiny.main(FAST + ["--out", str(out), "--resume"]) == 0
+    wr, wo = weights(ref), weights(out)
+    assert all(torch.equal(wr[k], wo[k]) for k in wr)
+
+
+def test_resume_with_a_different_configuration_is_refused(tmp_path, capsys):
+    out = tmp_path / "out"
+    assert train_tiny.main(FAST + ["--out", str(out), "--interrupt-at", "backbone:2"]) == 130
+    assert train_tiny.main(FAST + ["--out", str(out), "--resume", "--lr", "0.5"]) == 2
+    assert "different configuration (lr)" in capsys.readouterr().err
+    assert train_tiny.main(FAST + ["--out", str(tmp_path / "nothing"), "--resume"]) == 2
+
+
+def test_an_unfinished_run_is_not_overwritten_by_a_new_one(tmp_path, capsys):
+    out = tmp_path / "out"
+    assert train_tiny.main(FAST + ["--out", str(out), "--interrupt-at", "backbone:2"]) == 130
+    before = (out / "train_state.pt").read_bytes()
+    assert train_tiny.main(FAST + ["--out", str(out)]) == 2
+    assert "--resume" in capsys.readouterr().err
+    assert (out / "train_state.pt").read_bytes() == before
+
+
+@pytest.mark.parametrize("kind", ["missing", "empty", "binary"])
+def test_bad_data_is_a_one_line_error_and_writes_nothing(tmp_path, capsys, kind):
+    data = tmp_path / "data.txt"
+    if kind == "empty":
+        data.write_text("")
+    elif kind == "binary":
+        data.write_bytes(b"\x00\x01\x02" * 100)
+    out = tmp_path / "out"
+    assert train_tiny.main(FAST + ["--out", str(out), "--data", str(data)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("train_tiny.py: error:") and len(err.splitlines()) == 1
+    assert not out.exists() or not any(out.iterdir())
+
+
+def test_bad_hyper_parameters_exit_with_code_2(tmp_path):
+    for bad in (["--n-embd", "30", "--n-head", "4"], ["--lr", "-1"], ["--distill-temperatures", "hot"]):
+        r = subprocess.run([sys.executable, str(ROOT / "train_tiny.py"), *FAST, *bad, "--out", str(tmp_path / "x")],
+                           capture_output=True, text=True)
+        assert r.returncode == 2 and "error" in r.stderr, (bad, r.stderr)
+
+
+def test_help_lists_presets_and_every_hyper_parameter():
+    r = subprocess.run([sys.executable, str(ROOT / "train_tiny.py"), "--help"], capture_output=True, text=True)
+    assert r.returncode == 0
+    for flag in ("--preset", "--data", "--resume", "--medusa", "--heads-steps", "--distill-temperatures", "--init"):
+        assert flag in r.stdout
+
+
+@pytest.mark.slow
+def test_two_ddp_processes_keep_identical_replicas(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    r = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29533",
+         str(ROOT / "train_tiny.py"), *FAST, "--out", str(tmp_path / "ddp"), "--device", "cpu"],
+        capture_output=True, text=True, env=env, timeout=300,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    sums = [line.split()[-1] for line in r.stdout.splitlines() if "weights sha256" in line]
+    assert len(sums) == 2 and sums[0] == sums[1]
+    assert "ranks 2" in r.stdout

@@ -1,0 +1,119 @@
+"""Training rules (paper §2.2): head targets, Medusa-1 freezes the backbone, Medusa-2 trains both."""
+
+import torch
+
+from conftest import tiny_model
+from medusa_mini.heads import HeadsConfig, MedusaHeads
+from medusa_mini.model import GPT, GPTConfig
+from medusa_mini.training import (
+    MedusaLM, cosine_lr, head_targets, head_weights, lambda_schedule, medusa_head_losses, sample_continuations,
+)
+
+
+def test_head_k_at_position_t_targets_token_t_plus_k_plus_1():
+    tokens = torch.arange(10)[None]  # token i is the number i
+    y = tokens[:, 1:]  # y[:, t] = token t + 1
+    for k in (1, 2, 3):
+        tgt, mask = head_targets(y, k)
+        T = y.shape[1]
+        for t in range(T):
+            assert mask[0, t].item() == (t + k < T)
+            if mask[0, t]:
+                assert tgt[0, t].item() == t + k + 1
+
+
+def test_head_targets_respect_a_validity_mask():
+    y = torch.arange(1, 9)[None]
+    valid = torch.zeros(1, 8, dtype=torch.bool)
+    valid[:, 5:] = True  # only y[5:] (tokens 6..8) may be trained on
+    tgt, mask = head_targets(y, 2, valid)
+    assert mask[0].tolist() == [False, False, False, True, True, True, False, False]
+    assert tgt[0, mask[0]].tolist() == [6, 7, 8]
+
+
+def test_a_perfect_head_has_near_zero_loss_and_full_accuracy():
+    y = torch.randint(0, 7, (2, 6), generator=torch.Generator().manual_seed(0))
+    K, V = 2, 7
+    logits = torch.full((K, 2, 6, V), -20.0)
+    for k in range(K):
+        tgt, mask = head_targets(y, k + 1)
+        logits[k].scatter_(-1, tgt[..., None], 20.0)
+    losses, accs = medusa_head_losses(logits, y)
+    assert all(l.item() < 1e-6 for l in losses) and accs == [1.0, 1.0]
+
+
+def test_strided_head_positions_use_the_matching_targets():
+    y = torch.randint(0, 7, (2, 9), generator=torch.Generator().manual_seed(1))
+    full = torch.randn(3, 2, 9, 7, generator=torch.Generator().manual_seed(2))
+    pos = torch.tensor([1, 4, 7])
+    strided, _ = medusa_head_losses(full[:, :, pos], y, positions=pos)
+    for k in range(3):
+        tgt, mask = head_targets(y, k + 1)
+        keep = torch.zeros_like(mask)
+        keep[:, pos] = True
+        m = mask & keep
+        want = torch.nn.functional.cross_entropy(full[k][m], tgt[m])
+        torch.testing.assert_close(strided[k], want)
+
+
+def test_schedules():
+    assert head_weights(3, decay=0.8) == [0.8, 0.8**2, 0.8**3]
+    assert lambda_schedule(0, 100, lambda0=0.2) < lambda_schedule(20, 100, lambda0=0.2) < 0.2
+    assert lambda_schedule(99, 100, lambda0=0.2) == 0.2
+    lrs = [cosine_lr(s, 100, lr=1.0) for s in range(100)]
+    assert lrs[0] < lrs[4] == max(lrs) and lrs[-1] < 0.2
+
+
+def _tied_model(seed=0):
+    torch.manual_seed(seed)
+    return GPT(GPTConfig(vocab_size=50, block_size=32, n_layer=2, n_head=2, n_embd=32))
+
+
+def _step(module, **kw):
+    x = torch.randint(0, 50, (4, 16), generator=torch.Generator().manual_seed(3))
+    opt = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=1e-2)
+    loss, metrics = module(x[:, :-1], x[:, 1:], **kw)
+    loss.backward()
+    opt.step()
+    return metrics
+
+
+def test_medusa_1_trains_the_heads_and_leaves_the_backbone_untouched():
+    model = _tied_model()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    heads = MedusaHeads(HeadsConfig(num_heads=2, n_embd=32, vocab_size=50), lm_head_weight=model.lm_head.weight)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    heads_before = [p.clone() for p in heads.parameters()]
+    metrics = _step(MedusaLM(model, heads), lm_weight=0.0, heads_weight=1.0, decay=1.0, detach_backbone=True)
+    assert "lm" not in metrics and len(metrics["heads"]) == 2
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert any(not torch.equal(a, b) for a, b in zip(heads_before, heads.parameters()))
+
+
+def test_medusa_2_head_losses_reach_the_backbone():
+    model = _tied_model()
+    heads = MedusaHeads(HeadsConfig(num_heads=2, n_embd=32, vocab_size=50), lm_head_weight=model.lm_head.weight)
+    x = torch.randint(0, 50, (2, 12), generator=torch.Generator().manual_seed(4))
+    only_heads, _ = MedusaLM(model, heads)(x[:, :-1], x[:, 1:], lm_weight=0.0, heads_weight=1.0, decay=0.8)
+    only_heads.backward()
+    assert model.transformer.h[0].attn.c_attn.weight.grad.abs().sum() > 0
+
+
+def test_self_distillation_at_temperature_zero_writes_the_greedy_continuation():
+    from medusa_mini.decoding import generate
+
+    model = tiny_model(2)
+    prompts = torch.tensor([[1, 2, 3], [7, 8, 9]])
+    out = sample_continuations(model, prompts, max_new_tokens=10, temperature=0.0)
+    assert out.shape == (2, 13)
+    for b in range(2):
+        assert out[b, 3:].tolist() == generate(model, prompts[b].tolist(), max_new_tokens=10)[0]
+
+
+def test_self_distillation_sampling_is_seeded_and_never_exceeds_the_context():
+    model = tiny_model(2, block_size=16)
+    prompts = torch.tensor([[1, 2, 3, 4]] * 3)
+    a = sample_continuations(model, prompts, max_new_tokens=50, temperature=1.0, generator=torch.Generator().manual_seed(0))
+    b = sample_continuations(model, prompts, max_new_tokens=50, temperature=1.0, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(a, b) and a.shape == (3, 16)

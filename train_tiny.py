@@ -1,0 +1,79 @@
+"""Train a small GPT and its Medusa heads on a corpus that ships with Python: no download.
+
+Stages: tokenizer -> backbone (with the heads jointly for --medusa 2) -> self-distillation (the
+backbone writes continuations of corpus prompts) -> heads on that text (backbone frozen) -> summary
+(validation loss, per-head accuracy, the tree the accuracies suggest) -> a Hugging Face GPT-2
+checkpoint directory that decode.py reads.
+
+    python train_tiny.py                  # picks --preset gpu or cpu by the device
+    python train_tiny.py --preset smoke   # about a minute on two CPU cores
+    torchrun --nproc_per_node 2 train_tiny.py --preset smoke   # DDP (gloo on CPU, NCCL on GPU)
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from medusa_mini.train_run import FLAG_HELP, PRESETS, TrainArgs, TrainError, run
+
+
+def parse_args(argv: list[str] | None = None) -> TrainArgs:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+    )
+    p.add_argument("--preset", choices=sorted(PRESETS), help="size of the run (default: gpu if CUDA else cpu)")
+    p.add_argument("--data", help="a UTF-8 text file or folder (default: this Python's standard library)")
+    p.add_argument("--out", default="out/tiny", help="checkpoint directory (default: out/tiny)")
+    p.add_argument("--init", help="start from GPT-2 weights (gpt2, gpt2-medium, ..., or a path) and train heads only")
+    p.add_argument("--resume", action="store_true", help="continue an interrupted run in --out exactly")
+    p.add_argument("--seed", type=int, default=0, help="seeds the model, the batches and the sampling (default: 0)")
+    p.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    p.add_argument("--threads", type=int, help="torch CPU threads")
+    p.add_argument("--save-every", type=int, default=None, help="steps between checkpoints (default: a fifth of a stage)")
+    p.add_argument("--log-every", type=float, default=10.0, help="seconds between progress lines (default: 10)")
+    # every hyper-parameter is a flag; left out, it keeps the preset's value
+    hp = p.add_argument_group("hyper-parameters (defaults: the preset's)")
+    for name, default in TrainArgs.overridable().items():
+        flag = "--" + name.replace("_", "-")
+        kind = type(default)
+        text = FLAG_HELP.get(name, "") + f" (cpu preset: {default})"
+        if kind is bool:
+            hp.add_argument(flag, type=lambda s: s.lower() in ("1", "true", "yes"), metavar="BOOL", help=text)
+        else:
+            hp.add_argument(flag, type=kind, metavar=kind.__name__.upper(), help=text)
+    p.add_argument("--interrupt-at", help=argparse.SUPPRESS)  # tests: simulate Ctrl-C at STAGE:STEP
+    ns = p.parse_args(argv)
+    device = ns.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    preset = ns.preset or ("gpu" if device.startswith("cuda") else "cpu")
+    values = dict(PRESETS[preset])
+    for name in TrainArgs.overridable():
+        if getattr(ns, name) is not None:
+            values[name] = getattr(ns, name)
+    try:
+        return TrainArgs(
+            preset=preset, data=ns.data, out=ns.out, init=ns.init, resume=ns.resume, seed=ns.seed,
+            device=device, threads=ns.threads, save_every=ns.save_every, log_every=ns.log_every,
+            interrupt_at=ns.interrupt_at, **values,
+        )
+    except ValueError as e:
+        p.error(str(e))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        run(args)
+    except TrainError as e:
+        print(f"train_tiny.py: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"\ninterrupted: progress saved in {args.out}; continue with --resume", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
