@@ -7,6 +7,7 @@ checkpoint directory that decode.py reads.
 
     python train_tiny.py                  # picks --preset gpu or cpu by the device
     python train_tiny.py --preset smoke   # about a minute on two CPU cores
+    python train_tiny.py --init gpt2 --out out/gpt2   # Medusa heads on GPT-2 (downloads it once)
     torchrun --nproc_per_node 2 train_tiny.py --preset smoke   # DDP (gloo on CPU, NCCL on GPU)
 """
 
@@ -24,7 +25,8 @@ def parse_args(argv: list[str] | None = None) -> TrainArgs:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
     )
-    p.add_argument("--preset", choices=sorted(PRESETS), help="size of the run (default: gpu if CUDA else cpu)")
+    p.add_argument("--preset", choices=sorted(PRESETS),
+                   help="size of the run (default: gpu if CUDA else cpu; with --init: gpt2 on CUDA else gpt2-cpu)")
     p.add_argument("--data", help="a UTF-8 text file or folder (default: this Python's standard library)")
     p.add_argument("--out", default="out/tiny", help="checkpoint directory (default: out/tiny)")
     p.add_argument("--init", help="start from GPT-2 weights (gpt2, gpt2-medium, ..., or a path) and train heads only")
@@ -47,7 +49,10 @@ def parse_args(argv: list[str] | None = None) -> TrainArgs:
     p.add_argument("--interrupt-at", help=argparse.SUPPRESS)  # tests: simulate Ctrl-C at STAGE:STEP
     ns = p.parse_args(argv)
     device = ns.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    preset = ns.preset or ("gpu" if device.startswith("cuda") else "cpu")
+    if ns.init:
+        preset = ns.preset or ("gpt2" if device.startswith("cuda") else "gpt2-cpu")
+    else:
+        preset = ns.preset or ("gpu" if device.startswith("cuda") else "cpu")
     values = dict(PRESETS[preset])
     for name in TrainArgs.overridable():
         if getattr(ns, name) is not None:

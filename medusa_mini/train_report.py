@@ -28,7 +28,7 @@ PROMPTS_FILE = "prompts.json"
 def text_accuracy(model, heads, val_tokens: np.ndarray, *, batches: int = 8, batch_size: int = 8, seed: int = 0):
     """Validation loss and per-head top-1/top-5 accuracy on held-out text (teacher forcing)."""
     g = torch.Generator().manual_seed(seed)
-    T = min(model.config.block_size, len(val_tokens) - 1)
+    T = min(model.config.block_size, 256, len(val_tokens) - 1)
     losses, top1, top5, counts = [], None, None, None
     for _ in range(batches):
         x, y = get_batch(val_tokens, batch_size=batch_size, block_size=T, generator=g, device=model.device)
@@ -65,7 +65,7 @@ def summarize(run, model, heads, enc, val_docs, val_tokens: np.ndarray) -> dict:
     g = torch.Generator().manual_seed(args.seed + 5)
     P = min(32, model.config.block_size // 4)
     n = min(96, model.config.block_size - P)
-    x, _ = get_batch(val_tokens, batch_size=64, block_size=P, generator=g, device=model.device)
+    x, _ = get_batch(val_tokens, batch_size=min(64, 8 * args.eval_prompts), block_size=P, generator=g, device=model.device)
     seqs = sample_continuations(model, x, max_new_tokens=n, temperature=0.0)
     acc = measure_head_accuracy(model, heads, seqs, prompt_lens=P, top_k=10)  # [K, 10]
     save_accuracy(args.out, acc, meta={"measured_on": f"{seqs.shape[0]} held-out prompts x {n} greedy tokens"})

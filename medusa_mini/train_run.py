@@ -20,6 +20,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .checkpoint import save_checkpoint
 from .data import encode_documents, get_batch, load_corpus, split_documents
+from .gpt2_heads import GPT2_PRESETS, init_backbone, save_tokenizer_for
 from .heads import HeadsConfig, MedusaHeads
 from .model import GPT, GPTConfig
 from .tokenizer import load_tokenizer, make_encoding, save_tokenizer, train_bpe
@@ -139,6 +140,7 @@ PRESETS: dict[str, dict] = {
     "gpu": dict(vocab_size=4096, n_layer=8, n_head=8, n_embd=512, block_size=256, batch_size=64,
                 backbone_steps=4000, lr=6e-4, distill_prompts=4096, distill_tokens=128,
                 heads_steps=1500, heads_batch_size=128, eval_prompts=32),
+    **GPT2_PRESETS,  # --init gpt2...: heads on a frozen GPT-2
 }
 
 
@@ -291,10 +293,13 @@ def run(args: TrainArgs) -> None:
     state = r.load_state() if args.resume else None
     torch.manual_seed(args.seed)
     train_docs, val_docs = _corpus(r)
-    if args.init:
-        from .gpt2_heads import init_backbone  # GPT-2 weights: heads only, on self-distilled text
-
-        model, enc = init_backbone(args.init, device=r.device)
+    if args.init:  # GPT-2 weights: heads only, on self-distilled text
+        try:
+            model, enc = init_backbone(args.init, device=r.device)
+        except ValueError as e:
+            raise TrainError(str(e)) from None
+        if r.main:
+            save_tokenizer_for(enc, args.out)
         args.backbone_steps = 0
     else:
         enc = _tokenizer(r, train_docs, resume=state is not None)

@@ -115,3 +115,22 @@ def test_two_ddp_processes_keep_identical_replicas(tmp_path):
     sums = [line.split()[-1] for line in r.stdout.splitlines() if "weights sha256" in line]
     assert len(sums) == 2 and sums[0] == sums[1]
     assert "ranks 2" in r.stdout
+
+
+def test_init_trains_heads_on_a_frozen_gpt2_layout_checkpoint(tmp_path):
+    """--init with a local GPT-2 directory (as the hub's, but written here): heads only, backbone kept."""
+    base = tmp_path / "base"
+    assert train_tiny.main(FAST + ["--out", str(base)]) == 0
+    out = tmp_path / "heads"
+    assert train_tiny.main(FAST + ["--init", str(base), "--preset", "gpt2-cpu", "--heads-steps", "3",
+                                   "--distill-prompts", "4", "--out", str(out)]) == 0
+    m0, _, _ = load_checkpoint(base)
+    m1, heads, cfg = load_checkpoint(out)
+    assert all(torch.equal(a, b) for a, b in zip(m0.state_dict().values(), m1.state_dict().values()))
+    assert heads.num_heads == 4 and cfg["medusa_mini"]["init"] == str(base)
+    assert (out / "tokenizer.tiktoken").exists()
+
+
+def test_init_with_a_missing_model_is_a_clear_error(tmp_path, capsys):
+    assert train_tiny.main(FAST + ["--init", str(tmp_path / "nope"), "--out", str(tmp_path / "o")]) == 2
+    assert "--init" in capsys.readouterr().err
