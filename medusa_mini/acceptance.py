@@ -113,7 +113,7 @@ def typical_accept(
     log_p = torch.log(p.clamp_min(1e-30))  # [N, V]
     entropy = -(p * log_p).sum(dim=-1)  # [N]
     threshold = torch.minimum(torch.full_like(entropy, epsilon), delta * torch.exp(-entropy))  # [N]
-    parents = torch.tensor(tree.parents[1:], device=logits.device)  # [N - 1]
+    parents = torch.tensor(tree.parents[1:], dtype=torch.long, device=logits.device)  # [N - 1]
     p_cand = p[parents, tokens[1:]]  # [N - 1] p(candidate | parent's prefix)
     passes = (p_cand > threshold[parents]).tolist()
     logp_cand = torch.log(p_cand.clamp_min(1e-30)).tolist()

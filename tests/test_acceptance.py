@@ -156,3 +156,15 @@ def test_typical_acceptance_approaches_greedy_as_temperature_goes_to_zero():
         want = greedy_accept(TREE, TOKENS, logits)
         assert typical_accept(TREE, TOKENS, logits, temperature=1e-4, generator=gen) == want
         assert typical_accept(TREE, TOKENS, logits, temperature=0.0) == want
+
+
+@pytest.mark.parametrize("rule", ["greedy", "typical", "rejection"])
+def test_a_root_only_tree_emits_just_the_backbones_token(rule):
+    """Near the context limit the tree shrinks to its root: every rule must still produce the bonus."""
+    from medusa_mini.decoding import accept
+
+    root_only = Tree.from_choices([])
+    logits = onehot_logits([2])
+    path, bonus = accept(rule, root_only, torch.tensor([0]), logits, temperature=0.5, top_p=1.0,
+                         epsilon=0.09, delta=0.3, generator=torch.Generator().manual_seed(0))
+    assert path == [0] and 0 <= bonus < V

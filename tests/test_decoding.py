@@ -205,3 +205,12 @@ def test_unknown_acceptance_rule_is_a_clear_error():
     model = tiny_model()
     with pytest.raises(ValueError, match="unknown acceptance rule"):
         medusa_generate(model, random_heads(model), [1], tree=chain(2), max_new_tokens=5, acceptance="nucleus")
+
+
+@pytest.mark.parametrize("rule", ["typical", "rejection"])
+def test_sampling_rules_also_stop_cleanly_at_the_context_limit(rule):
+    model = tiny_model(2, block_size=24)
+    heads = random_heads(model)
+    out, stats = medusa_generate(model, heads, list(range(1, 11)), tree=preset("gpu"), max_new_tokens=100,
+                                 acceptance=rule, temperature=0.7, generator=torch.Generator().manual_seed(0))
+    assert len(out) == 14 and stats.stop_reason == "context"
