@@ -1,0 +1,281 @@
+"""Generate text from a checkpoint with plain or Medusa decoding; show the steps, explain one, or compare.
+
+    python decode.py                      # Medusa, greedy, on the checkpoint's held-out prompts
+    python decode.py --show --show-tree   # each forward pass's tokens in their own colour
+    python decode.py --explain            # one Medusa step, stage by stage
+    python decode.py --compare            # plain vs Medusa: steps, tokens/step, ms/token, speedup
+
+Tokens/step counts the bonus token (the verify pass's own next token); plain decoding is 1.0.
+Bad input (missing checkpoint, bad tree, empty prompt, ...) gives a one-line error and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+from medusa_mini.cli_common import (
+    BONUS_NOTE, Checkpoint, StepPrinter, default_tree_name, encode_prompt, load_for_decoding, load_prompts,
+    pick_device, resolve_tree, stat_line, use_color,
+)
+from medusa_mini.decoding import GenerationStats, generate, medusa_generate
+from medusa_mini.explain import explain_step
+from medusa_mini.tree import Tree
+
+SAMPLING_TEMPERATURE = 0.8  # used by sampling rules when no --temperature is given
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, not argparse's usage block
+        self.exit(2, f"{self.prog}: error: {' '.join(str(message).split())}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="decode.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ckpt", default="out/tiny", metavar="DIR",
+                   help="checkpoint directory (default: %(default)s)")
+    p.add_argument("--prompt", action="append", metavar="TEXT",
+                   help="prompt text; repeat for several (default: the checkpoint's prompts.json)")
+    p.add_argument("--num-prompts", type=int, default=8, metavar="N",
+                   help="how many stored prompts to use (default: %(default)s)")
+    p.add_argument("--max-new-tokens", type=int, default=128, metavar="N",
+                   help="tokens to generate per prompt (default: %(default)s)")
+    p.add_argument("--method", choices=("plain", "medusa"), default="medusa",
+                   help="plain: one forward pass per token; medusa: heads + tree (default: %(default)s)")
+    p.add_argument("--acceptance", choices=("greedy", "typical", "rejection"), default="greedy",
+                   help="Medusa acceptance rule; rejection sampling is lossless (default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=None, metavar="T",
+                   help=f"0 = greedy (default: 0 for greedy, {SAMPLING_TEMPERATURE} for typical/rejection)")
+    p.add_argument("--top-p", type=float, default=1.0, metavar="P",
+                   help="nucleus sampling mass (default: %(default)s)")
+    p.add_argument("--epsilon", type=float, default=0.09, help="typical acceptance ε (default: %(default)s)")
+    p.add_argument("--delta", type=float, default=0.3, help="typical acceptance δ (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="seeds the sampling generator (default: %(default)s)")
+    p.add_argument("--tree", metavar="NAME|FILE.json",
+                   help="cpu, gpu, chainN, auto (sized from heads_accuracy.json and the measured step cost"
+                        " on this device) or a JSON list of choices (default: gpu on CUDA, else cpu)")
+    p.add_argument("--device", help="cpu or cuda (default: cuda if available, else cpu)")
+    p.add_argument("--threads", type=int, metavar="N", help="torch CPU threads (default: torch's choice)")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--show", action="store_true", help="mark the tokens of each forward pass")
+    mode.add_argument("--explain", action="store_true", help="walk through one Medusa step on the first prompt")
+    mode.add_argument("--compare", action="store_true", help="table: plain vs Medusa, greedy and sampling")
+    p.add_argument("--show-tree", action="store_true", help="print the tree and its attention mask once")
+    p.add_argument("--json", action="store_true", help="JSON lines per prompt (with --compare: one object)")
+    p.add_argument("--no-color", action="store_true", help="brackets instead of colours for --show")
+    return p
+
+
+def check_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    """Reject impossible settings before any loading; fill in the temperature default."""
+    if a.max_new_tokens < 1:
+        p.error(f"--max-new-tokens must be at least 1, not {a.max_new_tokens}")
+    if a.num_prompts < 1:
+        p.error(f"--num-prompts must be at least 1, not {a.num_prompts}")
+    if a.temperature is not None and a.temperature < 0:
+        p.error(f"--temperature must be >= 0, not {a.temperature}")
+    if not 0 < a.top_p <= 1:
+        p.error(f"--top-p must be in (0, 1], not {a.top_p}")
+    if a.epsilon <= 0 or a.delta <= 0:
+        p.error("--epsilon and --delta must be > 0")
+    if a.threads is not None and a.threads < 1:
+        p.error(f"--threads must be at least 1, not {a.threads}")
+    if a.json and (a.show or a.explain or a.show_tree):
+        p.error("--json cannot be combined with --show, --show-tree or --explain")
+    if a.temperature is None:
+        a.temperature = 0.0 if a.acceptance == "greedy" else SAMPLING_TEMPERATURE
+    if a.method == "medusa" and a.acceptance == "greedy" and a.temperature > 0 and not a.compare:
+        p.error("greedy acceptance needs --temperature 0; to sample with Medusa use --acceptance rejection "
+                "(lossless) or typical")
+
+
+def run(
+    ck: Checkpoint, ids: list[int], a: argparse.Namespace, *, method: str, acceptance: str, temperature: float,
+    tree: Tree | None, max_new_tokens: int | None = None, on_step=None,
+) -> tuple[list[int], GenerationStats]:
+    """One generation with its own seeded generator, so each prompt's result is reproducible alone.
+
+    `a` supplies the settings every method shares (top-p, ε, δ, seed, token budget)."""
+    gen = torch.Generator(device=ck.model.device).manual_seed(a.seed)
+    common = dict(max_new_tokens=max_new_tokens or a.max_new_tokens, temperature=temperature, top_p=a.top_p,
+                  eos_id=ck.eot_id, generator=gen, on_step=on_step)
+    if method == "plain":
+        return generate(ck.model, ids, **common)
+    return medusa_generate(ck.model, ck.heads, ids, tree=tree, acceptance=acceptance, epsilon=a.epsilon,
+                           delta=a.delta, **common)
+
+
+def text_of(ck: Checkpoint, tokens: list[int]) -> str:
+    return ck.enc.decode([t for t in tokens if t != ck.eot_id])
+
+
+def label_of(method: str, acceptance: str, temperature: float) -> str:
+    if method == "plain":
+        return "plain greedy" if temperature == 0 else f"plain sampling (T={temperature:g})"
+    return "Medusa greedy" if temperature == 0 else f"Medusa {acceptance} (T={temperature:g})"
+
+
+def generate_each(
+    ck: Checkpoint, prompts: list[tuple[str, list[int]]], a: argparse.Namespace, tree: Tree | None,
+    tree_name: str | None,
+) -> None:
+    """Default and --show modes: stream each continuation, then one line of statistics."""
+    color = use_color(sys.stdout, no_color=a.no_color)
+    label = label_of(a.method, a.acceptance, a.temperature)
+    if tree is not None and a.method == "medusa":
+        label += f", tree {tree_name}"
+    for n, (text, ids) in enumerate(prompts, start=1):
+        print(f"=== prompt {n}/{len(prompts)} ({len(ids)} tokens) ===\n{text}")
+        how = ""
+        if a.show:
+            marks = "colour" if color else "[chunk]"
+            how = f"; one {marks} per forward pass, the first from the prefill"
+        print(f"=== {label}{how} ===")
+        printer = StepPrinter(ck.enc, sys.stdout, eot_id=ck.eot_id, show_steps=a.show, color=color)
+        tokens, stats = run(ck, ids, a, method=a.method, acceptance=a.acceptance, temperature=a.temperature,
+                            tree=tree, on_step=printer)
+        printer.close()
+        print(f"stats: {stat_line(stats, new_tokens=len(tokens), block_size=ck.block_size)}\n")
+
+
+def json_each(
+    ck: Checkpoint, prompts: list[tuple[str, list[int]]], a: argparse.Namespace, tree: Tree | None
+) -> None:
+    """--json: one object per prompt per line; `tokens` are the new ids (an end token included)."""
+    for text, ids in prompts:
+        tokens, stats = run(ck, ids, a, method=a.method, acceptance=a.acceptance, temperature=a.temperature,
+                            tree=tree)
+        print(json.dumps({
+            "prompt": text, "prompt_tokens": len(ids), "tokens": tokens, "text": text_of(ck, tokens),
+            "steps": stats.steps, "tokens_per_step": stats.tokens_per_step, "seconds": stats.seconds,
+            "stop_reason": stats.stop_reason, "method": a.method,
+            "acceptance": a.acceptance if a.method == "medusa" else None, "temperature": a.temperature,
+        }, ensure_ascii=False))
+
+
+def compare(
+    ck: Checkpoint, prompts: list[tuple[str, list[int]]], a: argparse.Namespace, tree: Tree, tree_name: str
+) -> dict:
+    """Five ways to decode the same prompts, timed in the same run; one dict of rows and settings."""
+    t = a.temperature if a.temperature > 0 else SAMPLING_TEMPERATURE
+    specs = [("plain_greedy", "plain", "greedy", 0.0), ("medusa_greedy", "medusa", "greedy", 0.0),
+             ("medusa_typical", "medusa", "typical", t), ("plain_sampling", "plain", "greedy", t),
+             ("medusa_rejection", "medusa", "rejection", t)]
+    first = prompts[0][1]
+    for method in ("plain", "medusa"):  # untimed: the first calls pay for allocation and kernel setup
+        run(ck, first, a, method=method, acceptance="greedy", temperature=0.0, tree=tree,
+            max_new_tokens=min(a.max_new_tokens, 8))
+    # Prompt-major order: a load spike on a shared machine then slows every method alike.
+    results: dict[str, list[tuple[list[int], GenerationStats]]] = {key: [] for key, *_ in specs}
+    for _, ids in prompts:
+        for key, method, acceptance, temperature in specs:
+            results[key].append(run(ck, ids, a, method=method, acceptance=acceptance, temperature=temperature,
+                                    tree=tree))
+    rows = []
+    for key, method, acceptance, temperature in specs:
+        outs = results[key]
+        steps = sum(s.steps for _, s in outs)
+        new = sum(len(tok) for tok, _ in outs)
+        seconds = sum(s.seconds for _, s in outs)
+        rows.append({
+            "method": label_of(method, acceptance, temperature), "key": key, "decoder": method,
+            "acceptance": acceptance if method == "medusa" else None, "temperature": temperature,
+            "steps": steps, "new_tokens": new, "seconds": seconds,
+            "tokens_per_step": sum(sum(s.step_tokens) for _, s in outs) / steps if steps else 0.0,
+            "ms_per_token": 1000 * seconds / max(new, 1),
+            "tokens": [tok for tok, _ in outs], "stop_reasons": [s.stop_reason for _, s in outs],
+        })
+    base = rows[0]
+    for row in rows:
+        row["speedup"] = base["ms_per_token"] / row["ms_per_token"] if row["ms_per_token"] else 0.0
+        row["same_as_plain_greedy"] = row["tokens"] == base["tokens"] if row["temperature"] == 0 else None
+    return {"rows": rows, "device": str(ck.model.device), "threads": torch.get_num_threads(), "tree": tree_name,
+            "tree_nodes": tree.num_nodes, "prompts": len(prompts), "max_new_tokens": a.max_new_tokens,
+            "top_p": a.top_p, "note": BONUS_NOTE}
+
+
+def format_compare(result: dict) -> str:
+    head = f"{'method':<28}{'steps':>7}{'tokens/step':>13}{'ms/token':>10}{'speedup':>9}  same as plain greedy"
+    lines = [head, "-" * len(head)]
+    for r in result["rows"]:
+        same = "-" if r["same_as_plain_greedy"] is None else ("yes" if r["same_as_plain_greedy"] else "no")
+        lines.append(f"{r['method']:<28}{r['steps']:>7}{r['tokens_per_step']:>13.2f}{r['ms_per_token']:>10.2f}"
+                     f"{r['speedup']:>8.2f}x  {same}")
+    top_p = f", top-p {result['top_p']:g}" if result["top_p"] < 1 else ""
+    threads = f"{result['threads']} thread" + ("s" if result["threads"] != 1 else "")
+    lines.append(f"\ndevice {result['device']}, {threads}; tree {result['tree']} "
+                 f"({result['tree_nodes']} nodes incl. root); {result['prompts']} prompts; "
+                 f"max-new-tokens {result['max_new_tokens']}{top_p}")
+    lines.append(f"Note: {result['note']};\nplain decoding is exactly 1.00. ms/token includes the prefill.")
+    at_limit = sum(r.count("context") for r in (row["stop_reasons"] for row in result["rows"]))
+    if at_limit:
+        lines.append(f"{at_limit} generations stopped at the context limit.")
+    return "\n".join(lines)
+
+
+def prepare(a: argparse.Namespace) -> tuple[Checkpoint, Tree | None, str | None, list[tuple[str, list[int]]]]:
+    """Load the checkpoint, choose the tree and encode the prompts; ValueError for anything unusable."""
+    device = pick_device(a.device)
+    if a.threads is not None:
+        torch.set_num_threads(a.threads)
+    ck = load_for_decoding(a.ckpt, device=device)
+    needs_heads = a.method == "medusa" or a.compare or a.explain
+    if needs_heads and ck.heads is None:
+        wanted = "--compare" if a.compare else "--explain" if a.explain else "--method medusa"
+        raise ValueError(f"{a.ckpt} has no Medusa heads, which {wanted} needs; use --method plain or train heads")
+    tree = tree_name = None
+    if needs_heads or a.show_tree:
+        num_heads = ck.heads.num_heads if ck.heads is not None else None
+        tree = resolve_tree(a.tree, num_heads=num_heads, ckpt_dir=a.ckpt, device=device,
+                            model=ck.model, heads=ck.heads)
+        tree_name = os.path.basename(a.tree) if a.tree else default_tree_name(device)
+    texts = a.prompt if a.prompt else load_prompts(a.ckpt)[: a.num_prompts]
+    prompts = []
+    for i, text in enumerate(texts, start=1):
+        try:
+            prompts.append((text, encode_prompt(ck.enc, text, block_size=ck.block_size)))
+        except ValueError as e:
+            source = "--prompt" if a.prompt else "prompts.json"
+            raise ValueError(f"prompt {i} ({source}): {e}") from None
+    return ck, tree, tree_name, prompts
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    a = parser.parse_args(argv)
+    check_args(parser, a)
+    try:
+        ck, tree, tree_name, prompts = prepare(a)
+    except (ValueError, OSError) as e:
+        parser.error(str(e))
+    try:
+        if a.show_tree:
+            print(f"tree {tree_name}: {tree.num_nodes - 1} nodes + root, depth {tree.depth}\n{tree.draw()}\n")
+            print(f"attention mask (row attends to column):\n{tree.draw_mask()}\n")
+        if a.compare:
+            result = compare(ck, prompts, a, tree, tree_name)
+            print(json.dumps(result) if a.json else format_compare(result))
+        elif a.explain:
+            print(explain_step(ck.model, ck.heads, ck.enc, prompts[0][1], tree=tree, acceptance=a.acceptance,
+                               temperature=a.temperature, top_p=a.top_p, epsilon=a.epsilon, delta=a.delta,
+                               generator=torch.Generator(device=ck.model.device).manual_seed(a.seed)))
+        elif a.json:
+            json_each(ck, prompts, a, tree)
+        else:
+            generate_each(ck, prompts, a, tree, tree_name)
+    except ValueError as e:  # the library's own checks, e.g. a cache that cannot hold the tree
+        parser.error(str(e))
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:  # piped into `head`: stop quietly (the recipe in Python's signal docs)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

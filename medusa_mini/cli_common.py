@@ -1,0 +1,268 @@
+"""What the command-line scripts share: loading a checkpoint for decoding, choosing a tree, showing text.
+
+Every function here turns bad input into a one-line ValueError, so a script can print it and exit
+with status 2 instead of a traceback. Nothing here decodes; that is decoding.py's job.
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+
+import tiktoken
+import torch
+
+from .checkpoint import load_checkpoint
+from .decoding import GenerationStats
+from .heads import MedusaHeads
+from .model import GPT
+from .tokenizer import load_tokenizer
+from .tree import Tree, preset
+
+PROMPTS_FILE = "prompts.json"
+HEADS_ACCURACY_FILE = "heads_accuracy.json"
+BONUS_NOTE = "tokens/step counts the bonus token (the verify pass's own next token)"
+
+
+@dataclass
+class Checkpoint:
+    """Everything decoding needs from a checkpoint directory."""
+
+    directory: str
+    model: GPT
+    heads: MedusaHeads | None
+    enc: tiktoken.Encoding
+    eot_id: int | None
+    config: dict = field(repr=False)
+
+    @property
+    def block_size(self) -> int:
+        return self.model.config.block_size
+
+
+def pick_device(name: str | None) -> torch.device:
+    """'cuda' when available, else 'cpu'; an explicit name must exist on this machine."""
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"unknown device {name!r}: use cpu, cuda or cuda:N") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device {name!r} is not supported: use cpu or cuda")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} asked for, but CUDA is not available here; use --device cpu")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise ValueError(f"device {name!r} does not exist: this machine has {torch.cuda.device_count()} GPUs")
+    return device
+
+
+def eot_id_of(config: dict, enc: tiktoken.Encoding) -> int | None:
+    """The end-of-text id: the one training recorded in config.json, else the tokenizer's own."""
+    extra = config.get("medusa_mini")
+    if isinstance(extra, dict) and isinstance(extra.get("eot_id"), int):
+        return extra["eot_id"]
+    try:
+        return enc.eot_token
+    except KeyError:  # a tokenizer without <|endoftext|>: generation then stops only on length
+        return None
+
+
+def load_for_decoding(directory: str, *, device: torch.device) -> Checkpoint:
+    """Model, heads (or None), tokenizer and end-of-text id from a directory train_tiny.py wrote."""
+    if not os.path.isdir(directory):
+        raise ValueError(f"checkpoint directory {directory} does not exist; train one with train_tiny.py")
+    model, heads, config = load_checkpoint(directory, device=device)
+    enc = load_tokenizer(directory)
+    if enc.n_vocab > model.config.vocab_size:
+        # Token ids past the embedding table would crash the forward pass much later.
+        raise ValueError(
+            f"the tokenizer in {directory} has {enc.n_vocab} tokens but the model only "
+            f"{model.config.vocab_size}; they do not belong together"
+        )
+    return Checkpoint(directory, model, heads, enc, eot_id_of(config, enc), config)
+
+
+def load_prompts(directory: str) -> list[str]:
+    """The held-out snippets stored in prompts.json: {"prompts": ["...", ...]}."""
+    path = os.path.join(directory, PROMPTS_FILE)
+    if not os.path.isfile(path):
+        raise ValueError(f"{path} is missing; pass prompts with --prompt TEXT")
+    try:
+        with open(path, encoding="utf-8") as f:
+            obj = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path} is not readable JSON ({e})") from None
+    prompts = obj.get("prompts") if isinstance(obj, dict) else None
+    if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) for p in prompts):
+        raise ValueError(f'{path} must hold {{"prompts": ["text", ...]}} with at least one prompt')
+    return prompts
+
+
+def encode_prompt(enc: tiktoken.Encoding, text: str, *, block_size: int) -> list[int]:
+    """Token ids of a prompt that leaves room for at least one new token in the context."""
+    ids = enc.encode_ordinary(text)
+    if not ids:
+        raise ValueError("the prompt is empty; give some text with --prompt")
+    if len(ids) >= block_size:
+        raise ValueError(
+            f"the prompt is {len(ids)} tokens long but the context holds {block_size}; "
+            f"shorten it to at most {block_size - 1} tokens"
+        )
+    return ids
+
+
+# ---- trees -----------------------------------------------------------------------------------
+
+
+def default_tree_name(device: torch.device) -> str:
+    # On a GPU a 64-node verify pass costs about one step; on a CPU every node costs time.
+    return "gpu" if device.type == "cuda" else "cpu"
+
+
+def _tree_from_json(path: str, *, num_heads: int | None) -> Tree:
+    try:
+        with open(path, encoding="utf-8") as f:
+            obj = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"tree file {path} is not readable JSON ({e})") from None
+    choices = obj.get("choices") if isinstance(obj, dict) else obj
+    if not isinstance(choices, list):
+        raise ValueError(f'tree file {path} must hold a list of choices or {{"choices": [[0], [0, 1], ...]}}')
+    if not choices:
+        raise ValueError(f"tree file {path} has no choices; give at least one, e.g. [[0]]")
+    try:
+        return Tree.from_choices(choices, num_heads=num_heads)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"tree file {path}: {e}") from None
+
+
+def auto_tree(*, ckpt_dir: str, model, heads, device: torch.device) -> Tree:
+    """`--tree auto`: the node budget with the most expected tokens per second on this device.
+
+    Expected tokens per step come from the heads' measured accuracies (heads_accuracy.json), the cost
+    of a step with N nodes is measured here and now; what it chose and why goes to stderr.
+    """
+    from .tree_search import auto_tree as choose, load_accuracy, measure_verify_cost
+
+    path = os.path.join(ckpt_dir, HEADS_ACCURACY_FILE)
+    if not os.path.isfile(path):
+        raise ValueError(
+            f"--tree auto needs {path}: run python -m medusa_mini.tree_search --ckpt {ckpt_dir}"
+        )
+    if heads is None:
+        raise ValueError("--tree auto needs Medusa heads in the checkpoint")
+    acc = load_accuracy(ckpt_dir)
+    cost = measure_verify_cost(model, heads=heads, device=device)
+    tree, why = choose(acc, cost)
+    print(f"--tree auto (measured on {device}):\n{why}", file=sys.stderr)
+    return tree
+
+
+def resolve_tree(
+    spec: str | None, *, num_heads: int | None, ckpt_dir: str, device: torch.device, model=None, heads=None
+) -> Tree:
+    """A tree from a preset name ('cpu', 'gpu', 'chainN'), 'auto', or a JSON file of choices.
+
+    None means the device's default. A relative file name is looked up in the working directory,
+    then in the checkpoint directory. The tree must not be deeper than the model has heads.
+    """
+    spec = spec or default_tree_name(device)
+    if spec == "auto":
+        tree = auto_tree(ckpt_dir=ckpt_dir, model=model, heads=heads, device=device)
+    elif spec.endswith(".json") or os.path.sep in spec:
+        candidates = [spec] if os.path.isabs(spec) else [spec, os.path.join(ckpt_dir, spec)]
+        path = next((p for p in candidates if os.path.isfile(p)), None)
+        if path is None:
+            raise ValueError(f"tree file {spec} does not exist")
+        tree = _tree_from_json(path, num_heads=num_heads)
+    else:
+        tree = preset(spec)
+    if num_heads is not None:
+        tree.check_heads(num_heads)
+    return tree
+
+
+# ---- showing text and numbers ----------------------------------------------------------------
+
+
+def token_text(enc: tiktoken.Encoding, token: int) -> str:
+    """One token as a quoted literal, so spaces and newlines stay visible: ' the', '\\n'."""
+    return repr(enc.decode_single_token_bytes(token).decode("utf-8", errors="replace"))
+
+
+# Two background colours with black text, so even a step that produced only spaces is visible.
+_STEP_STYLES = ("\x1b[30;46m", "\x1b[30;43m")
+_RESET = "\x1b[0m"
+
+
+def style_step(text: str, index: int, *, color: bool) -> str:
+    """One step's text in its colour (alternating by step), or in [brackets] when colour is off."""
+    return f"{_STEP_STYLES[index % 2]}{text}{_RESET}" if color else f"[{text}]"
+
+
+class StepPrinter:
+    """An `on_step` callback that writes the text as it is generated, optionally marking each step.
+
+    A UTF-8 character may be split across two steps; an incremental decoder holds its first bytes
+    back until the rest arrive, so the joined step texts equal the decoded output. The end-of-text
+    token is not printed.
+    """
+
+    def __init__(
+        self, enc: tiktoken.Encoding, stream, *, eot_id: int | None, show_steps: bool, color: bool
+    ) -> None:
+        self.enc, self.stream, self.eot_id = enc, stream, eot_id
+        self.show_steps, self.color = show_steps, color
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.texts: list[str] = []  # each step's text, unstyled
+
+    def __call__(self, tokens: list[int]) -> None:
+        text = self.decoder.decode(self.enc.decode_bytes([t for t in tokens if t != self.eot_id]))
+        self.texts.append(text)
+        self._write(text)
+
+    def close(self) -> str:
+        """Flush any held-back bytes, end the line; return the whole text."""
+        tail = self.decoder.decode(b"", final=True)
+        if tail:
+            self.texts[-1] += tail
+            self._write(tail)
+        self.stream.write("\n")
+        self.stream.flush()
+        return "".join(self.texts)
+
+    def _write(self, text: str) -> None:
+        step = len(self.texts) - 1
+        self.stream.write(style_step(text, step, color=self.color) if self.show_steps else text)
+        self.stream.flush()  # the reader watches the text grow, step by step
+
+
+def use_color(stream, *, no_color: bool) -> bool:
+    """Colour only on a terminal, and never when --no-color or NO_COLOR (no-color.org) is set."""
+    if no_color or os.environ.get("NO_COLOR"):
+        return False
+    return hasattr(stream, "isatty") and stream.isatty()
+
+
+def stop_note(stats: GenerationStats, *, new_tokens: int, block_size: int) -> str:
+    if stats.stop_reason == "context":
+        return (
+            f"stopped at the context limit: {stats.prompt_tokens} prompt + {new_tokens} new tokens "
+            f"fill all {block_size} positions"
+        )
+    if stats.stop_reason == "eos":
+        return "stopped at the end-of-text token"
+    return f"stopped after max-new-tokens ({new_tokens})"
+
+
+def stat_line(stats: GenerationStats, *, new_tokens: int, block_size: int) -> str:
+    """One line: steps, tokens/step (bonus counted), ms/token and why generation stopped."""
+    ms = 1000 * stats.seconds / max(new_tokens, 1)
+    return (
+        f"{stats.steps} steps, {stats.tokens_per_step:.2f} tokens/step (bonus token counted), "
+        f"{ms:.1f} ms/token, {stop_note(stats, new_tokens=new_tokens, block_size=block_size)}"
+    )

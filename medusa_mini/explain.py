@@ -1,0 +1,156 @@
+"""One Medusa decoding step, walked through in words: what each head guesses, what the tree looks like,
+what the backbone says at every node, and which tokens the step keeps.
+
+It calls the same functions medusa_generate calls (prefill, tree_candidates, verify, accept), in the
+same order, so what it prints is what decoding does, not a retelling of it.
+"""
+
+from __future__ import annotations
+
+import tiktoken
+import torch
+import torch.nn.functional as F
+
+from .cli_common import token_text
+from .decoding import accept, choose_token, prefill, tree_candidates, verify
+from .heads import MedusaHeads
+from .model import GPT, KVCache
+from .tree import Tree
+
+
+def _header(number: int, title: str) -> str:
+    line = f"{number}. {title}"
+    return f"\n{line}\n{'-' * len(line)}"
+
+
+def _snippet(text: str, limit: int = 70) -> str:
+    # Long prompts matter only by their end: that is where the next token comes from.
+    return repr(text if len(text) <= limit else "…" + text[-limit:])
+
+
+def _ordinal(n: int) -> str:
+    return f"{n}{'th' if 10 <= n % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
+
+
+def _guesses(enc: tiktoken.Encoding, logits: torch.Tensor, k: int) -> str:
+    probs = F.softmax(logits.float(), dim=-1)
+    top = probs.topk(k)
+    pairs = zip(top.values.tolist(), top.indices.tolist())
+    return ", ".join(f"#{r} {token_text(enc, t)} ({p:.2f})" for r, (p, t) in enumerate(pairs))
+
+
+@torch.no_grad()
+def explain_step(
+    model: GPT,
+    heads: MedusaHeads,
+    enc: tiktoken.Encoding,
+    prompt_ids: list[int],
+    *,
+    tree: Tree,
+    acceptance: str = "greedy",
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    epsilon: float = 0.09,
+    delta: float = 0.3,
+    generator: torch.Generator | None = None,
+) -> str:
+    """Run one Medusa step after the prompt and describe every stage of it as text."""
+    tree.check_heads(heads.num_heads)
+    device, block = model.device, model.config.block_size
+    ids = torch.tensor(prompt_ids, dtype=torch.long, device=device)
+    L = ids.numel()
+    if L == 0 or L >= block:
+        raise ValueError(f"the prompt must have 1 to {block - 1} tokens, not {L}")
+    if L + tree.depth >= block:  # the deepest node's position id must stay inside the context
+        tree = tree.truncated(max(block - 1 - L, 0))
+    out: list[str] = ["One Medusa decoding step, in full", "================================="]
+    out.append(f"Prompt ({L} tokens): {_snippet(enc.decode(prompt_ids))}")
+    sampling = acceptance != "greedy" and temperature > 0
+    rule = f"{acceptance}, temperature {temperature:g}" if sampling else "greedy"
+    out.append(f"Acceptance rule: {rule}")
+
+    out.append(_header(1, "Prefill: the prompt goes through the backbone once"))
+    # As in medusa_generate: slots past block_size hold the tree's nodes (positions stay inside).
+    dtype = model.lm_head.weight.dtype
+    cache = KVCache(model.config, max_len=block + tree.num_nodes, device=device, dtype=dtype)
+    logits, hidden = prefill(model, ids, cache)
+    root = choose_token(logits, temperature=temperature if sampling else 0.0, top_p=top_p, generator=generator)
+    out.append(f"The KV cache now holds the {L} prompt tokens.")
+    out.append(f"Backbone's top guesses for the next token: {_guesses(enc, logits, 3)}")
+    how = "drawn from" if sampling else "the argmax of"
+    out.append(f"Root token (the backbone's own next token, {how} these): {token_text(enc, root)}")
+    out.append("The root is already certain: it is emitted now, before the first Medusa step.")
+
+    out.append(_header(2, "Heads: guesses further ahead, from the same last hidden state"))
+    head_logits = heads(hidden[None], model.lm_head)[:, 0]  # [K, V]
+    used = tree.top_k()
+    for k in range(heads.num_heads):
+        shown = used[k] if k < len(used) else 0
+        nth = _ordinal(k + 1)
+        if shown == 0:
+            out.append(f"head {k + 1} ({nth} token after the root): not used by this tree")
+            continue
+        out.append(f"head {k + 1} ({nth} token after the root): {_guesses(enc, head_logits[k], shown)}")
+    out.append("The backbone alone would need one forward pass per token to check these one by one.")
+
+    out.append(_header(3, f"Tree: {tree.num_nodes - 1} candidate nodes + the root"))
+    tokens = tree_candidates(tree, root, head_logits)  # [N]
+    labels = [token_text(enc, t) for t in tokens.tolist()]
+    out.append("A node at depth d holds head d's guess of the listed rank; a path from the root is one")
+    out.append("possible continuation. All paths are checked together in the next pass.")
+    out.append(tree.draw(labels))
+
+    out.append(_header(4, "Tree attention mask"))
+    out.append("Row = a node asking, column = a node it may look at (■ yes, · no). Every node also sees")
+    out.append(f"all {L} cached prompt tokens, and sits at position {L} + its depth, as if its path were")
+    out.append("the only continuation: a node sees itself and its ancestors, never its siblings.")
+    out.append(tree.draw_mask())
+
+    out.append(_header(5, "Verify: one forward pass over all nodes"))
+    logits, hidden = verify(model, cache, tree, tokens)  # [N, V], [N, C]
+    choice = logits.argmax(dim=-1).tolist()
+    toks = tokens.tolist()
+    out.append("At each node, the backbone's argmax = the token it would write after that node's path.")
+    out.append("If a child of the node holds exactly that token, the child's guess is confirmed.")
+    out.append("(A leaf has no child to confirm: its argmax can only be a bonus token.)")
+    args = [token_text(enc, c) for c in choice]
+    w_tok = max(len("token"), *map(len, labels)) + 2
+    w_arg = max(len("backbone argmax"), *map(len, args)) + 2
+    out.append(f"{'node':<6}{'token':<{w_tok}}{'backbone argmax':<{w_arg}}confirms child")
+    for i in range(tree.num_nodes):
+        hit = next((c for c in tree.children[i] if toks[c] == choice[i]), None)
+        mark = f"[{hit}] ✓" if hit is not None else ("- (leaf)" if not tree.children[i] else "none ✗")
+        out.append(f"{f'[{i}]':<6}{labels[i]:<{w_tok}}{args[i]:<{w_arg}}{mark}")
+
+    out.append(_header(6, "Accept: the longest confirmed path, plus a bonus token"))
+    path, bonus = accept(
+        acceptance, tree, tokens, logits, temperature=temperature if sampling else 0.0, top_p=top_p,
+        epsilon=epsilon, delta=delta, generator=generator,
+    )
+    if sampling and acceptance == "rejection":
+        out.append("Rejection sampling: at each node draw y from p; descend if a child holds y (lossless).")
+    elif sampling:
+        out.append("Typical acceptance: keep a candidate whose probability clears min(ε, δ·exp(-H(p))).")
+    else:
+        out.append("Greedy: from the root, descend while the backbone's argmax is a child's token.")
+    steps = [f"[{i}] {labels[i]}" + (" (root, already emitted)" if i == 0 else "") for i in path]
+    out.append("accepted path: " + " → ".join(steps))
+    out.append(
+        f"bonus token:   {token_text(enc, bonus)}, the backbone's own next token after [{path[-1]}], "
+        "free from the same pass"
+    )
+
+    out.append(_header(7, "Result"))
+    emitted = [toks[i] for i in path[1:]] + [bonus]
+    noun = "token" if len(emitted) == 1 else "tokens"
+    out.append(
+        f"This step emitted {len(emitted)} {noun} ({len(path) - 1} accepted + 1 bonus) with one forward pass: "
+        f"{_snippet(enc.decode(emitted))}"
+    )
+    if len(path) == 1:
+        out.append("No guess was confirmed, yet the bonus token still makes the step as good as a plain one.")
+    out.append("(Plain decoding needs one forward pass per token; tokens/step counts the bonus token.)")
+    kept = ", ".join(f"[{i}]" for i in path)
+    out.append(f"The KV cache keeps the slots of {kept} and drops the rest; the bonus becomes the next")
+    out.append(f"root, and the heads read the hidden state at node [{path[-1]}] to fill the next tree.")
+    return "\n".join(out)

@@ -1,0 +1,281 @@
+"""decode.py end to end on a tiny saved checkpoint: every mode prints what it promises, Medusa greedy
+matches plain greedy, and bad input ends in one line on stderr and exit status 2."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from medusa_mini.checkpoint import save_checkpoint
+from medusa_mini.cli_common import resolve_tree
+from medusa_mini.heads import HeadsConfig, MedusaHeads
+from medusa_mini.model import GPT, GPTConfig
+from medusa_mini.tokenizer import load_tokenizer, make_encoding, save_tokenizer, train_bpe
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import decode  # noqa: E402
+
+WORDS = "the a cat dog sat ran on under mat tree house red blue big small quickly slowly and then".split()
+PROMPTS = ["the cat sat on the", "a big dog ran", "then the small red"]
+
+
+def corpus(n_sentences: int = 300) -> str:
+    rng = random.Random(0)
+    sentences = (" ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 9))) for _ in range(n_sentences))
+    return ".\n".join(sentences) + "."
+
+
+def save_tiny(directory, *, with_heads: bool) -> None:
+    enc = make_encoding(train_bpe(corpus(), vocab_size=300))
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=enc.n_vocab, block_size=64, n_layer=2, n_head=2, n_embd=32)).eval()
+    with torch.no_grad():
+        # GPT-2's small init makes near-uniform logits; larger weights give clear argmaxes. The tie of
+        # wte and lm_head survives because both names point at one tensor, changed in place.
+        for name, p in model.named_parameters():
+            if p.dim() == 2 and "wpe" not in name:
+                p.normal_(0.0, 0.3)
+        model.transformer.wte.weight[enc.eot_token].zero_()  # rarely chosen, so runs reach their limits
+    heads = None
+    if with_heads:
+        heads = MedusaHeads(HeadsConfig(num_heads=4, n_embd=32, vocab_size=enc.n_vocab))
+        with torch.no_grad():
+            for block in heads.blocks:
+                torch.nn.init.normal_(block.linear.weight, std=0.5)
+    save_checkpoint(directory, model, heads=heads, extra={"eot_id": enc.eot_token})
+    save_tokenizer(enc, directory)
+    with open(os.path.join(directory, "prompts.json"), "w") as f:
+        json.dump({"prompts": PROMPTS}, f)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    # A model this small gains nothing from threads, and on a busy machine their spinning costs
+    # seconds; decode.main would otherwise run with whatever the session left behind.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    d = tmp_path_factory.mktemp("ckpt")
+    save_tiny(d, with_heads=True)
+    return str(d)
+
+
+@pytest.fixture(scope="module")
+def ckpt_no_heads(tmp_path_factory):
+    d = tmp_path_factory.mktemp("ckpt_no_heads")
+    save_tiny(d, with_heads=False)
+    return str(d)
+
+
+def run(capsys, *argv: str) -> str:
+    assert decode.main(list(argv)) == 0
+    return capsys.readouterr().out
+
+
+def json_lines(out: str) -> list[dict]:
+    return [json.loads(line) for line in out.splitlines() if line.strip()]
+
+
+# ---- modes ----------------------------------------------------------------------------------
+
+
+def test_compare_table_has_five_rows_and_greedy_rows_match_plain_greedy(ckpt, capsys):
+    out = run(capsys, "--ckpt", ckpt, "--compare", "--max-new-tokens", "12")
+    rows = {
+        "plain greedy": "yes", "Medusa greedy": "yes", "Medusa typical (T=0.8)": "-",
+        "plain sampling (T=0.8)": "-", "Medusa rejection (T=0.8)": "-",
+    }
+    for label, same in rows.items():
+        line = next(line for line in out.splitlines() if line.startswith(label))
+        assert line.split()[-1] == same, line
+    assert "bonus token" in out and "3 prompts" in out and "tree cpu (12 nodes" in out
+    assert "max-new-tokens 12" in out and "1 thread;" in out
+
+
+def test_compare_json_medusa_greedy_tokens_equal_plain_greedy(ckpt, capsys):
+    result = json.loads(run(capsys, "--ckpt", ckpt, "--compare", "--json", "--max-new-tokens", "16"))
+    rows = {row["key"]: row for row in result["rows"]}
+    keys = ["plain_greedy", "medusa_greedy", "medusa_typical", "plain_sampling", "medusa_rejection"]
+    assert list(rows) == keys
+    assert rows["medusa_greedy"]["tokens"] == rows["plain_greedy"]["tokens"]
+    assert rows["medusa_greedy"]["same_as_plain_greedy"] is True
+    assert rows["plain_greedy"]["tokens_per_step"] == 1.0 and rows["plain_greedy"]["speedup"] == 1.0
+    assert rows["medusa_rejection"]["same_as_plain_greedy"] is None
+    for row in result["rows"]:
+        assert {"steps", "tokens_per_step", "ms_per_token", "speedup", "method"} <= row.keys()
+    assert result["prompts"] == 3 and result["tree"] == "cpu" and result["tree_nodes"] == 12
+
+
+def test_json_gives_one_object_per_prompt(ckpt, capsys):
+    out = run(capsys, "--ckpt", ckpt, "--json", "--max-new-tokens", "10", "--num-prompts", "2")
+    objs = json_lines(out)
+    assert [o["prompt"] for o in objs] == PROMPTS[:2]
+    for o in objs:
+        assert o["method"] == "medusa" and o["acceptance"] == "greedy"
+        assert len(o["tokens"]) == 10 and o["stop_reason"] == "max_new_tokens"
+        assert o["steps"] >= 1 and o["tokens_per_step"] >= 1.0 and o["seconds"] > 0
+        assert isinstance(o["text"], str) and o["prompt_tokens"] > 0
+
+
+def test_sampling_is_reproducible_with_a_seed(ckpt, capsys):
+    argv = ["--ckpt", ckpt, "--json", "--acceptance", "rejection", "--max-new-tokens", "12", "--seed", "3"]
+    first, second = json_lines(run(capsys, *argv)), json_lines(run(capsys, *argv))
+    assert [o["tokens"] for o in first] == [o["tokens"] for o in second]
+    assert first[0]["temperature"] == 0.8  # the sampling default when no temperature is given
+
+
+def test_typical_acceptance_runs_to_the_token_limit(ckpt, capsys):
+    # The last step before the limit verifies a tree cut down to its root alone.
+    for n in (2, 7, 12):
+        out = run(capsys, "--ckpt", ckpt, "--json", "--acceptance", "typical", "--max-new-tokens", str(n))
+        assert all(len(o["tokens"]) == n for o in json_lines(out))
+
+
+def test_explain_walks_through_one_step(ckpt, capsys):
+    out = run(capsys, "--ckpt", ckpt, "--explain")
+    for needle in ("Prefill", "Root token", "head 1", "head 2", "head 3", "head 4", "mask", "■",
+                   "backbone argmax", "accepted path", "bonus token", "emitted"):
+        assert needle in out, needle
+    assert "[0] root" in out  # the tree drawing, labelled with token text
+
+
+def test_show_brackets_each_step_and_joins_to_the_plain_text(ckpt, capsys):
+    argv = ["--ckpt", ckpt, "--prompt", PROMPTS[0], "--max-new-tokens", "20"]
+    ref = json_lines(run(capsys, *argv, "--json", "--method", "plain"))[0]
+    medusa = json_lines(run(capsys, *argv, "--json"))[0]
+    out = run(capsys, *argv, "--show", "--no-color", "--show-tree")
+    assert "\x1b[" not in out and "attention mask" in out and "[0] root" in out
+    header = "the first from the prefill ===\n"
+    shown = out[out.index(header) + len(header): out.rindex("\nstats: ")]
+    def strip(s: str) -> str:
+        return s.replace("[", "").replace("]", "")
+    assert strip(shown) == strip(ref["text"])
+    if "[" not in ref["text"] and "]" not in ref["text"]:
+        assert shown.count("[") == medusa["steps"] + 1  # the prefill's token, then one chunk per step
+    assert "tokens/step (bonus token counted)" in out
+
+
+def test_plain_method_works_without_heads(ckpt_no_heads, capsys):
+    out = run(capsys, "--ckpt", ckpt_no_heads, "--method", "plain", "--max-new-tokens", "5",
+              "--num-prompts", "1")
+    assert "plain greedy" in out and "1.00 tokens/step" in out
+
+
+@pytest.mark.parametrize("method", ["plain", "medusa"])
+def test_generation_stops_cleanly_at_the_context_limit(ckpt, capsys, method):
+    enc = load_tokenizer(ckpt)
+    prompt = enc.decode(enc.encode_ordinary(" ".join(["the cat sat on the mat"] * 30))[:55])  # of 64
+    argv = ["--ckpt", ckpt, "--prompt", prompt, "--method", method, "--max-new-tokens", "50"]
+    obj = json_lines(run(capsys, *argv, "--json"))[0]
+    assert obj["stop_reason"] == "context" and obj["prompt_tokens"] + len(obj["tokens"]) == 64
+    assert "stopped at the context limit" in run(capsys, *argv)
+
+
+# ---- bad input --------------------------------------------------------------------------------
+
+
+def expect_usage_error(capsys, argv: list[str], needle: str) -> None:
+    with pytest.raises(SystemExit) as exc:
+        decode.main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1, err
+    assert needle in err, err
+
+
+@pytest.fixture(scope="module")
+def broken_ckpt(ckpt, tmp_path_factory):
+    d = tmp_path_factory.mktemp("broken") / "ckpt"
+    shutil.copytree(ckpt, d)
+    (d / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not a header}")
+    return str(d)
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--ckpt", "{tmp}/nowhere"], "does not exist"),
+        (["--ckpt", "{broken}"], "model.safetensors"),
+        (["--ckpt", "{no_heads}"], "no Medusa heads"),
+        (["--ckpt", "{no_heads}", "--compare"], "no Medusa heads"),
+        (["--tree", "chain6"], "4 Medusa heads"),
+        (["--tree", "{tmp}/bad.json"], "not readable JSON"),
+        (["--tree", "{tmp}/orphan.json"], "no parent"),
+        (["--tree", "{tmp}/missing.json"], "does not exist"),
+        (["--tree", "oak"], "unknown tree"),
+        (["--prompt", ""], "empty"),
+        (["--prompt", "the cat " * 100], "context holds 64"),
+        (["--temperature", "-1"], "--temperature"),
+        (["--top-p", "0"], "--top-p"),
+        (["--top-p", "1.5"], "--top-p"),
+        (["--max-new-tokens", "0"], "--max-new-tokens"),
+        (["--temperature", "0.7"], "greedy acceptance"),
+        (["--max-new-tokens", "many"], "invalid int"),
+    ],
+)
+def test_bad_input_exits_2_with_one_line(argv, needle, ckpt, ckpt_no_heads, broken_ckpt, tmp_path, capsys):
+    (tmp_path / "bad.json").write_text("{not json")
+    (tmp_path / "orphan.json").write_text(json.dumps({"choices": [[0], [1, 0]]}))
+    fill = {"tmp": str(tmp_path), "broken": broken_ckpt, "no_heads": ckpt_no_heads}
+    argv = [a.format(**fill) for a in argv]
+    if "--ckpt" not in argv:
+        argv = ["--ckpt", ckpt] + argv
+    expect_usage_error(capsys, argv, needle)
+
+
+def test_resolve_tree_reads_presets_and_both_json_shapes(ckpt, tmp_path):
+    cpu = torch.device("cpu")
+    assert resolve_tree(None, num_heads=4, ckpt_dir=ckpt, device=cpu).num_nodes == 12
+    assert resolve_tree("chain3", num_heads=4, ckpt_dir=ckpt, device=cpu).depth == 3
+    (tmp_path / "list.json").write_text("[[0], [1], [0, 0]]")
+    (tmp_path / "obj.json").write_text('{"choices": [[0], [1], [0, 0]]}')
+    for name in ("list.json", "obj.json"):
+        tree = resolve_tree(str(tmp_path / name), num_heads=4, ckpt_dir=ckpt, device=cpu)
+        assert tree.num_nodes == 4 and tree.depth == 2
+    with pytest.raises(ValueError, match="heads_accuracy.json"):
+        resolve_tree("auto", num_heads=4, ckpt_dir=ckpt, device=cpu)
+
+
+def test_help_shows_every_flag_with_its_default(capsys):
+    with pytest.raises(SystemExit) as exc:
+        decode.main(["--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    for flag in ("--compare", "--explain", "--show", "--tree", "--acceptance",
+                 "default: out/tiny", "default: 128"):
+        assert flag in out, flag
+
+
+def test_exit_code_2_as_a_subprocess(ckpt):
+    bad = subprocess.run([sys.executable, os.path.join(ROOT, "decode.py"), "--ckpt", ckpt, "--tree", "chain9"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
+
+
+def test_tree_auto_builds_from_measured_accuracy_and_step_cost(tmp_path, capsys):
+    from medusa_mini.tree_search import save_accuracy
+
+    ckpt = str(tmp_path / "ck")
+    save_tiny(ckpt, with_heads=True)
+    # heads that are right half the time at rank 0 and rarely below: a deep, narrow tree pays off
+    acc = torch.tensor([[0.5] + [0.01] * 9] * 4, dtype=torch.float64)
+    save_accuracy(ckpt, acc, meta={"measured_on": "test"})
+    rc = decode.main(["--ckpt", ckpt, "--tree", "auto", "--max-new-tokens", "8", "--json", "--num-prompts", "1"])
+    assert rc == 0
+    captured = capsys.readouterr()
+    assert "--tree auto" in captured.err and "chose" in captured.err
+    row = json.loads(captured.out.splitlines()[0])
+    assert len(row["tokens"]) == 8
