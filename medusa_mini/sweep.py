@@ -1,0 +1,139 @@
+"""Sweep the tree size: what the accuracies promise against what decoding delivers, budget by budget.
+
+For node budgets 1, 2, 4, ..., 64 (candidate nodes, the root excluded) this builds the tree from the
+checkpoint's heads_accuracy.json (or measures the accuracies first), decodes the same prompts with
+greedy Medusa, and prints per budget: expected and measured tokens per step (the bonus token counted),
+ms per step, ms per token, the speedup over plain greedy decoding of the same prompts in the same run,
+and how many outputs equal plain greedy's (all of them, or something is broken).
+
+    python -m medusa_mini.sweep --ckpt out/tiny [--num-prompts 8] [--max-new-tokens 64] [--json]
+
+Decoding ignores the end-of-text token, so every prompt yields the same number of tokens in every row.
+Times include the prefill, the same for plain and Medusa decoding.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+
+import torch
+
+from .decoding import generate, medusa_generate
+from .model import GPT
+from .tree_search import (
+    ACCURACY_FILE, HeadsFn, accuracy_on_prompts, auto_tree, build_tree, encode_prompts, load_accuracy,
+)
+
+BUDGETS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def run_sweep(
+    model: GPT, heads: HeadsFn, prompts: list[list[int]], *, acc: torch.Tensor, max_new_tokens: int,
+    budgets: tuple[int, ...] = BUDGETS,
+) -> dict:
+    """Decode every prompt plainly once, then with the build_tree tree of each budget; gather numbers."""
+    if not prompts:
+        raise ValueError("the sweep needs at least one prompt")
+    generate(model, prompts[0], max_new_tokens=min(4, max_new_tokens))  # warm-up, not timed
+    plain = [generate(model, p, max_new_tokens=max_new_tokens) for p in prompts]
+    plain_tokens = sum(len(out) for out, _ in plain)
+    plain_ms_per_token = 1000 * sum(st.seconds for _, st in plain) / max(plain_tokens, 1)
+    rows = []
+    for n in budgets:
+        tree, expected = build_tree(acc, n)
+        runs = [medusa_generate(model, heads, p, tree=tree, max_new_tokens=max_new_tokens) for p in prompts]
+        steps = max(sum(st.steps for _, st in runs), 1)
+        seconds = sum(st.seconds for _, st in runs)
+        ms_per_token = 1000 * seconds / max(sum(len(out) for out, _ in runs), 1)
+        rows.append({
+            "nodes": n,
+            "expected_tokens_per_step": expected,
+            "tokens_per_step": sum(sum(st.step_tokens) for _, st in runs) / steps,
+            "ms_per_step": 1000 * seconds / steps,
+            "ms_per_token": ms_per_token,
+            "speedup": plain_ms_per_token / ms_per_token if ms_per_token > 0 else 0.0,
+            "equal_to_greedy": sum(out == ref for (out, _), (ref, _) in zip(runs, plain)),
+        })
+    _, why = auto_tree(acc, {row["nodes"]: row["ms_per_step"] for row in rows})
+    return {
+        "num_prompts": len(prompts), "max_new_tokens": max_new_tokens,
+        "plain_ms_per_token": plain_ms_per_token, "rows": rows,
+        "auto_tree_on_measured_step_ms": why.splitlines()[-1],
+    }
+
+
+def format_sweep(result: dict) -> str:
+    n = result["num_prompts"]
+    lines = [
+        f"{n} prompts x {result['max_new_tokens']} new tokens; plain greedy "
+        f"{result['plain_ms_per_token']:.2f} ms/token (1.00 tokens/step)",
+        "nodes exclude the root; tokens/step counts the bonus token; times include the prefill",
+        "nodes  expected tok/step  measured tok/step  ms/step  ms/token  speedup  same as greedy",
+    ]
+    for r in result["rows"]:
+        lines.append(
+            f"{r['nodes']:>5}  {r['expected_tokens_per_step']:>17.2f}  {r['tokens_per_step']:>17.2f}  "
+            f"{r['ms_per_step']:>7.2f}  {r['ms_per_token']:>8.2f}  {r['speedup']:>6.2f}x  "
+            f"{r['equal_to_greedy']:>6}/{n}"
+        )
+    best = max(result["rows"], key=lambda r: r["speedup"])
+    lines.append(f"fastest measured: {best['nodes']} nodes, {best['speedup']:.2f}x over plain greedy")
+    lines.append("auto_tree on these step times: " + result["auto_tree_on_measured_step_ms"])
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m medusa_mini.sweep",
+        description="Expected vs measured Medusa tokens/step and speed for tree budgets 1 ... 64.",
+    )
+    p.add_argument("--ckpt", required=True, help="checkpoint directory (with heads, tokenizer, prompts.json)")
+    p.add_argument("--device", help="cpu, cuda, ... (default: cuda if available)")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per prompt (default: %(default)s)")
+    p.add_argument("--num-prompts", type=int, default=8, help="prompts drawn from prompts.json (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="which prompts are drawn (default: %(default)s)")
+    p.add_argument("--threads", type=int, help="torch CPU threads (fewer can be faster on a busy CPU)")
+    p.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
+    ns = p.parse_args(argv)
+    try:
+        from .cli_common import load_for_decoding, load_prompts, pick_device
+
+        if ns.num_prompts < 1 or ns.max_new_tokens < 1 or (ns.threads is not None and ns.threads < 1):
+            raise ValueError("--num-prompts, --max-new-tokens and --threads must be at least 1")
+        if ns.threads:
+            torch.set_num_threads(ns.threads)
+        device = pick_device(ns.device)
+        ckpt = load_for_decoding(ns.ckpt, device=device)
+        if ckpt.heads is None:
+            raise ValueError(f"checkpoint {ns.ckpt} has no Medusa heads; train heads first")
+        texts = load_prompts(ns.ckpt)
+        block = ckpt.block_size
+        try:
+            acc, source = load_accuracy(ns.ckpt), ACCURACY_FILE
+        except ValueError:  # missing or unreadable: measure now, as tree_search would
+            measure_on = encode_prompts(ckpt.enc, texts[:32], block_size=block, max_new_tokens=min(64, block - 1))
+            acc = accuracy_on_prompts(ckpt.model, ckpt.heads, measure_on, max_new_tokens=min(64, block - 1))
+            source = f"measured now on {len(measure_on)} prompts ({ACCURACY_FILE} missing or unreadable)"
+        if acc.shape[0] > ckpt.heads.num_heads:
+            raise ValueError(f"{ACCURACY_FILE} describes {acc.shape[0]} heads but the checkpoint has "
+                             f"{ckpt.heads.num_heads}; recompute it with python -m medusa_mini.tree_search")
+        chosen = random.Random(ns.seed).sample(texts, min(ns.num_prompts, len(texts)))
+        prompts = encode_prompts(ckpt.enc, chosen, block_size=block, max_new_tokens=ns.max_new_tokens)
+        result = run_sweep(ckpt.model, ckpt.heads, prompts, acc=acc, max_new_tokens=ns.max_new_tokens)
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    result.update(checkpoint=ns.ckpt, device=str(device), accuracy_source=source, seed=ns.seed)
+    if ns.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(f"checkpoint {ns.ckpt} on {device}; accuracies: {source}")
+        print(format_sweep(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
