@@ -30,6 +30,7 @@ def parse_args(argv: list[str] | None = None) -> TrainArgs:
     p.add_argument("--data", help="a UTF-8 text file or folder (default: this Python's standard library)")
     p.add_argument("--out", default="out/tiny", help="checkpoint directory (default: out/tiny)")
     p.add_argument("--init", help="start from GPT-2 weights (gpt2, gpt2-medium, ..., or a path) and train heads only")
+    p.add_argument("--tokenizer", metavar="DIR", help="reuse the tokenizer of another checkpoint instead of training one")
     p.add_argument("--resume", action="store_true", help="continue an interrupted run in --out exactly")
     p.add_argument("--seed", type=int, default=0, help="seeds the model, the batches and the sampling (default: 0)")
     p.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda if available)")
@@ -59,7 +60,7 @@ def parse_args(argv: list[str] | None = None) -> TrainArgs:
             values[name] = getattr(ns, name)
     try:
         return TrainArgs(
-            preset=preset, data=ns.data, out=ns.out, init=ns.init, resume=ns.resume, seed=ns.seed,
+            preset=preset, data=ns.data, out=ns.out, init=ns.init, tokenizer=ns.tokenizer, resume=ns.resume, seed=ns.seed,
             device=device, threads=ns.threads, save_every=ns.save_every, log_every=ns.log_every,
             interrupt_at=ns.interrupt_at, **values,
         )

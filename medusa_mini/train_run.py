@@ -41,6 +41,7 @@ class TrainArgs:
     data: str | None = None
     out: str = "out/tiny"
     init: str | None = None
+    tokenizer: str | None = None
     resume: bool = False
     seed: int = 0
     device: str = "cpu"
@@ -75,7 +76,7 @@ class TrainArgs:
     heads_lr: float = 1e-3
     eval_prompts: int = 16
 
-    _RUN_FIELDS = ("preset", "data", "out", "init", "resume", "seed", "device", "threads",
+    _RUN_FIELDS = ("preset", "data", "out", "init", "tokenizer", "resume", "seed", "device", "threads",
                    "save_every", "log_every", "interrupt_at")
 
     def __post_init__(self) -> None:
@@ -109,7 +110,7 @@ class TrainArgs:
     def identity(self) -> dict:
         """What must match for --resume: the hyper-parameters, the data and the seed."""
         d = {k: getattr(self, k) for k in self.overridable()}
-        d.update(data=self.data, init=self.init, seed=self.seed)
+        d.update(data=self.data, init=self.init, tokenizer=self.tokenizer, seed=self.seed)
         return d
 
 
@@ -223,6 +224,15 @@ def _tokenizer(run: Run, train_docs, *, resume: bool):
     a = run.args
     if resume:
         return load_tokenizer(a.out)
+    if a.tokenizer:  # share another checkpoint's tokenizer (a draft model must speak the same tokens)
+        try:
+            enc = load_tokenizer(a.tokenizer)
+        except ValueError as e:
+            raise TrainError(f"--tokenizer: {e}") from None
+        if run.main:
+            save_tokenizer(enc, a.out)
+        run.log(f"tokenizer  {enc.n_vocab} tokens, from {a.tokenizer}")
+        return enc
     t0 = time.time()
     ranks = train_bpe("".join(text for _, text in train_docs), vocab_size=a.vocab_size)
     enc = make_encoding(ranks)

@@ -134,3 +134,12 @@ def test_init_trains_heads_on_a_frozen_gpt2_layout_checkpoint(tmp_path):
 def test_init_with_a_missing_model_is_a_clear_error(tmp_path, capsys):
     assert train_tiny.main(FAST + ["--init", str(tmp_path / "nope"), "--out", str(tmp_path / "o")]) == 2
     assert "--init" in capsys.readouterr().err
+
+
+def test_a_draft_model_can_share_another_checkpoints_tokenizer(tmp_path):
+    base, draft = tmp_path / "base", tmp_path / "draft"
+    assert train_tiny.main(FAST + ["--out", str(base)]) == 0
+    assert train_tiny.main(FAST + ["--out", str(draft), "--tokenizer", str(base), "--n-layer", "1",
+                                   "--vocab-size", "512"]) == 0
+    assert (draft / "tokenizer.tiktoken").read_bytes() == (base / "tokenizer.tiktoken").read_bytes()
+    assert load_checkpoint(draft)[0].config.vocab_size == load_checkpoint(base)[0].config.vocab_size
