@@ -1,0 +1,284 @@
+"""What one decoding step costs: plain decoding vs Medusa's tree verify, heads and whole step.
+
+    python -m medusa_mini.bench_step                      # tiny and gpt2-shaped models
+    python -m medusa_mini.bench_step --configs tiny --repeat 50 --threads 2 --json
+
+Medusa wins only if a step that verifies N candidates costs little more than a plain step, and that
+depends on the device (see DESIGN.md, "Per-step cost matters"). For each config, with random weights
+(speed depends on shapes, not values), this prints in milliseconds:
+
+- plain step: one cached 1-token forward plus the argmax, as `generate` does per token;
+- verify N: one tree-masked forward over N nodes (`decoding.verify`) for N = 1 ... 64, the tree being
+  the first N - 1 choices of the 'gpu' preset (sorted by depth, so every prefix comes first);
+- heads: four Medusa heads at one hidden state, through the shared lm_head or through their own;
+- Medusa step: one iteration of `medusa_generate`'s loop (candidates, verify, greedy acceptance, KV
+  compaction, heads) on the 'cpu' and 'gpu' trees, and its ratio to the plain step.
+
+Each time is the median of R repetitions after a warm-up. The KV cache is reset to the same prefix
+length before every repetition, so every repetition measures the same step; the steps take turns, so a
+change in machine load mid-run does not favour one of them. On a shared machine, mind the load
+average printed in the header.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import sys
+import time
+from functools import partial
+from typing import Callable
+
+import torch
+
+from .acceptance import greedy_accept
+from .decoding import prefill, tree_candidates, verify
+from .gpt2 import GPT2_CONFIGS
+from .heads import HeadsConfig, MedusaHeads
+from .model import GPT, GPTConfig, KVCache, compact_kv_cache
+from .tree import Tree, preset
+
+CONFIGS: dict[str, GPTConfig] = {"tiny": GPTConfig(), **GPT2_CONFIGS}
+NODES = (1, 2, 4, 8, 16, 32, 64)
+MEDUSA_TREES = ("cpu", "gpu")
+# Small models need more repetitions for a stable median; large ones are slow enough with fewer.
+DEFAULT_REPEAT = {"tiny": 30}
+FALLBACK_REPEAT = 10
+
+
+def pick_device(name: str | None = None) -> torch.device:
+    return torch.device(name or ("cuda" if torch.cuda.is_available() else "cpu"))
+
+
+def _sync(device: torch.device) -> None:
+    # CUDA runs kernels asynchronously: a clock read before they finish measures only the launch.
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median_times(
+    steps: dict[str, Callable[[], object]],
+    *,
+    reset: Callable[[], None],
+    device: torch.device,
+    repeat: int,
+    warmup: int,
+) -> dict[str, float]:
+    """Median wall time of each step in ms; `reset` runs untimed before every call.
+
+    The steps take turns, one call each per round, so a change in machine load during the run
+    touches every number alike instead of skewing whichever step happened to run then.
+    """
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for round_ in range(warmup + repeat):
+        for name, step in steps.items():
+            reset()
+            _sync(device)
+            t0 = time.perf_counter()
+            step()
+            _sync(device)
+            if round_ >= warmup:  # first calls pay for allocator growth and kernel selection
+                times[name].append((time.perf_counter() - t0) * 1e3)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def verify_tree(nodes: int) -> Tree:
+    """A representative N-node tree: the root plus the first N - 1 choices of the 'gpu' preset."""
+    choices = preset("gpu").choices
+    if not 1 <= nodes <= len(choices) + 1:
+        raise ValueError(f"a verify tree has 1 to {len(choices) + 1} nodes, not {nodes}")
+    return Tree.from_choices(choices[: nodes - 1])
+
+
+def medusa_step(
+    model: GPT, heads: MedusaHeads, cache: KVCache, tree: Tree, root: int, head_logits: torch.Tensor
+) -> int:
+    """One iteration of `medusa_generate`'s loop with greedy acceptance; returns the accepted nodes."""
+    L = cache.length
+    tokens = tree_candidates(tree, root, head_logits)  # [N]
+    logits, hidden = verify(model, cache, tree, tokens)  # [N, V], [N, C]
+    path, bonus = greedy_accept(tree, tokens, logits)
+    compact_kv_cache(cache, L + torch.tensor(path, device=tokens.device), start=L)
+    emitted = tokens[path[1:]].tolist() + [bonus]  # fetched to the host, as the loop does
+    heads(hidden[path[-1]][None], model.lm_head)  # the next step's proposals
+    return len(emitted) - 1
+
+
+def build(
+    config: GPTConfig, *, device: torch.device, num_heads: int = 4, seed: int = 0
+) -> tuple[GPT, MedusaHeads, MedusaHeads]:
+    """A random backbone and two sets of heads on it: shared lm_head and own lm_heads."""
+    torch.manual_seed(seed)
+    with device:  # initialise in place: copying a large model across devices costs more than its init
+        model = GPT(config).eval()
+        heads = {}
+        for own in (False, True):
+            cfg = HeadsConfig(num_heads=num_heads, n_embd=config.n_embd, vocab_size=config.vocab_size, own_lm_head=own)
+            heads[own] = MedusaHeads(cfg, lm_head_weight=model.lm_head.weight).eval()
+    return model, heads[False], heads[True]
+
+
+@torch.no_grad()
+def bench_config(
+    config: GPTConfig,
+    *,
+    device: torch.device,
+    repeat: int,
+    warmup: int = 3,
+    prefix_len: int = 128,
+    nodes: tuple[int, ...] = NODES,
+    seed: int = 0,
+) -> dict:
+    """Every timing for one config, as a dict of plain numbers (ms)."""
+    trees = {name: preset(name) for name in MEDUSA_TREES}
+    if prefix_len < 1 or prefix_len + max(t.depth for t in trees.values()) >= config.block_size:
+        raise ValueError(f"prefix length {prefix_len} leaves no room for a tree in context {config.block_size}")
+    model, shared, own = build(config, device=device, seed=seed)
+    max_nodes = max(max(nodes), *(t.num_nodes for t in trees.values()))
+    cache = KVCache(config, max_len=prefix_len + max_nodes, device=device, dtype=model.lm_head.weight.dtype)
+    gen = torch.Generator().manual_seed(seed)
+    prefix = torch.randint(0, config.vocab_size, (prefix_len,), generator=gen).to(device)
+    logits, hidden = prefill(model, prefix, cache)
+    root = int(logits.argmax())
+
+    def reset() -> None:
+        cache.length = prefix_len  # later slots are stale and get overwritten, as in decoding
+
+    def plain() -> int:
+        out, _ = model(torch.tensor([[root]], device=device), cache=cache)
+        return int(out[0, -1].argmax())
+
+    h = hidden[None]  # [1, C]: heads run at the one hidden state that proposes the next tree
+    head_logits = shared(h, model.lm_head)[:, 0]  # [K, V]
+    steps: dict[str, Callable[[], object]] = {"plain": plain}
+    for n in nodes:
+        tokens = torch.randint(0, config.vocab_size, (n,), generator=gen).to(device)
+        steps[f"verify {n}"] = partial(verify, model, cache, verify_tree(n), tokens)
+    steps["heads shared"] = partial(shared, h, model.lm_head)
+    steps["heads own"] = partial(own, h, model.lm_head)
+    for name, tree in trees.items():
+        steps[f"medusa {name}"] = partial(medusa_step, model, shared, cache, tree, root, head_logits)
+    ms = median_times(steps, reset=reset, device=device, repeat=repeat, warmup=warmup)
+
+    result: dict = {
+        "config": {k: getattr(config, k) for k in ("n_layer", "n_head", "n_embd", "vocab_size", "block_size")},
+        "prefix_len": prefix_len,
+        "repeat": repeat,
+        "plain_ms": ms["plain"],
+        "verify_ms": {n: ms[f"verify {n}"] for n in nodes},
+        "heads_ms": {"shared": ms["heads shared"], "own": ms["heads own"]},
+        "medusa": {},
+    }
+    for name, tree in trees.items():
+        reset()
+        result["medusa"][name] = {
+            "nodes": tree.num_nodes,
+            "ms": ms[f"medusa {name}"],
+            "ratio": ms[f"medusa {name}"] / ms["plain"],
+            "accepted": steps[f"medusa {name}"](),  # same inputs every call, so the same path
+        }
+    return result
+
+
+def format_table(results: dict[str, dict], *, header: list[str], warmup: int) -> str:
+    """Configs as columns, one timing per row."""
+    names = list(results)
+    rows: list[tuple[str, list[str]]] = []
+
+    def row(label: str, values: list[float], unit: str = "") -> None:
+        rows.append((label, [f"{v:.2f}{unit}" for v in values]))
+
+    first = results[names[0]]
+    rows.append(("layers / heads / width", [
+        "{n_layer} / {n_head} / {n_embd}".format(**results[n]["config"]) for n in names]))
+    rows.append(("vocabulary", [str(results[n]["config"]["vocab_size"]) for n in names]))
+    rows.append(("repetitions", [str(results[n]["repeat"]) for n in names]))
+    row("plain step (1 token + argmax)", [results[n]["plain_ms"] for n in names])
+    for n_nodes in first["verify_ms"]:
+        row(f"verify, N = {n_nodes}", [results[n]["verify_ms"][n_nodes] for n in names])
+    row("heads (4), shared lm_head", [results[n]["heads_ms"]["shared"] for n in names])
+    row("heads (4), own lm_heads", [results[n]["heads_ms"]["own"] for n in names])
+    for tree, info in first["medusa"].items():
+        row(f"Medusa step, {tree} tree ({info['nodes']} nodes)", [results[n]["medusa"][tree]["ms"] for n in names])
+        row("  / plain step", [results[n]["medusa"][tree]["ratio"] for n in names], "x")
+        rows.append(("  accepted nodes (random weights)", [str(results[n]["medusa"][tree]["accepted"]) for n in names]))
+
+    width = max(len(label) for label, _ in rows) + 2
+    col = max(12, *(len(v) + 2 for _, vals in rows for v in vals))
+    lines = [*header, "", " " * width + "".join(f"{n:>{col}}" for n in names)]
+    lines += [f"{label:<{width}}" + "".join(f"{v:>{col}}" for v in vals) for label, vals in rows]
+    lines.append("")
+    lines.append(
+        f"ms, median of the repetitions after {warmup} warm-up rounds; steps run in turns; "
+        f"KV cache holding {first['prefix_len']} tokens before each step"
+    )
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m medusa_mini.bench_step",
+        description="Time plain decoding steps, tree-verify steps, Medusa heads and whole Medusa steps "
+        "on random weights.",
+    )
+    p.add_argument("--configs", default="tiny,gpt2", help=f"comma-separated, from: {', '.join(CONFIGS)}")
+    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    p.add_argument("--repeat", type=int, default=None,
+                   help=f"timed repetitions per measurement (default: {DEFAULT_REPEAT['tiny']} for tiny, "
+                   f"{FALLBACK_REPEAT} otherwise)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed rounds before the timed ones (default: 3)")
+    p.add_argument("--prefix", type=int, default=128, help="tokens in the KV cache before each step (default: 128)")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
+    p.add_argument("--seed", type=int, default=0, help="seed for the random weights and tokens (default: 0)")
+    p.add_argument("--json", action="store_true", help="print the numbers as JSON instead of a table")
+    args = p.parse_args(argv)
+    args.config_names = [c.strip() for c in args.configs.split(",") if c.strip()]
+    unknown = [c for c in args.config_names if c not in CONFIGS]
+    if unknown or not args.config_names:
+        p.error(f"unknown config {', '.join(unknown) or '(none)'}: use {', '.join(CONFIGS)}")
+    if (args.repeat is not None and args.repeat < 1) or args.warmup < 0:
+        p.error("--repeat must be >= 1 and --warmup >= 0")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    device = pick_device(args.device)
+    # Read before measuring: a high load means other processes competed for the cores.
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    results = {
+        name: bench_config(
+            CONFIGS[name], device=device, repeat=args.repeat or DEFAULT_REPEAT.get(name, FALLBACK_REPEAT),
+            warmup=args.warmup, prefix_len=args.prefix, seed=args.seed,
+        )
+        for name in args.config_names
+    }
+    meta = {
+        "torch": torch.__version__,
+        "device": str(device),
+        "threads": torch.get_num_threads(),
+        "command": shlex.join(["python", "-m", "medusa_mini.bench_step", *argv]),
+        "warmup": args.warmup,
+        "load_avg_1min": load,
+    }
+    if args.json:
+        print(json.dumps({**meta, "configs": results}, indent=2))
+    else:
+        load_text = "unknown" if load is None else f"{load:.2f}"
+        header = [
+            f"torch {meta['torch']}, device {meta['device']}, threads {meta['threads']}, "
+            f"{os.cpu_count()} CPUs, load average {load_text} before the run",
+            f"command: {meta['command']}",
+        ]
+        print(format_table(results, header=header, warmup=args.warmup))
+    return {**meta, "configs": results}
+
+
+if __name__ == "__main__":
+    main()
