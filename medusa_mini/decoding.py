@@ -126,8 +126,8 @@ def generate(
 
 def tree_candidates(tree: Tree, root: int, head_logits: torch.Tensor) -> torch.Tensor:
     """Fill the tree: node i gets head `head(i)`'s rank-`rank(i)` token. head_logits [K, V] -> [N]."""
-    head, rank = tree.node_head_rank(head_logits.device)  # [N - 1] each
-    k = max(tree.top_k(), default=1)
+    head, rank = tree.cached("head", head_logits.device), tree.cached("rank", head_logits.device)  # [N - 1]
+    k = tree.max_rank + 1
     topk = head_logits[: max(tree.depth, 1)].topk(k, dim=-1).indices  # [D, k]
     root_t = torch.tensor([root], device=head_logits.device)
     return torch.cat([root_t, topk[head, rank]])  # [N]
@@ -142,8 +142,8 @@ def verify(model: GPT, cache: KVCache, tree: Tree, tokens: torch.Tensor) -> tupl
     """
     L, N, device = cache.length, tree.num_nodes, tokens.device
     mask = torch.ones(N, L + N, dtype=torch.bool, device=device)  # [N, L + N]
-    mask[:, L:] = tree.ancestor_mask(device)
-    pos = L + tree.depths(device)  # [N]
+    mask[:, L:] = tree.cached("ancestor_mask", device)
+    pos = L + tree.cached("depths", device)  # [N]
     logits, hidden = model(tokens[None], pos=pos, cache=cache, attn_mask=mask)
     return logits[0], hidden[0]
 
@@ -218,8 +218,10 @@ def medusa_generate(
             acceptance, step_tree, tokens, logits, temperature=temperature, top_p=top_p,
             epsilon=epsilon, delta=delta, generator=generator,
         )
-        keep = L + torch.tensor(path, device=device)  # slots of root + accepted nodes
-        compact_kv_cache(cache, keep, start=L)
+        if path == list(range(len(path))):  # a top-ranked chain already sits in consecutive slots
+            cache.length = L + len(path)
+        else:
+            compact_kv_cache(cache, L + torch.tensor(path, device=device), start=L)
         new, reason = _limit(
             out, tokens[path[1:]].tolist() + [bonus], max_new_tokens=max_new_tokens, room=room, eos_id=eos_id
         )

@@ -88,6 +88,7 @@ class CausalSelfAttention(nn.Module):
         layer_kv: torch.Tensor | None,
         start: int,
         attn_mask: torch.Tensor | None,
+        causal: bool,
     ) -> torch.Tensor:
         B, T, C = x.shape
         hs = C // self.n_head
@@ -101,10 +102,7 @@ class CausalSelfAttention(nn.Module):
             layer_kv[1, :, :, start : start + T] = v
             k = layer_kv[0, :, :, : start + T]  # [B, nh, L + T, hs]
             v = layer_kv[1, :, :, : start + T]
-        if attn_mask is None:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        else:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)  # [B, nh, T, hs]
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=causal)  # [B, nh, T, hs]
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # [B, T, C]
         return self.c_proj(y)
 
@@ -194,12 +192,15 @@ class GPT(nn.Module):
             raise ValueError(f"KV cache full: {start} + {T} tokens > max_len {cache.max_len}")
         if pos is None:
             pos = torch.arange(start, start + T, device=idx.device)  # [T]
-        if cache is not None and attn_mask is None and start > 0:
+        # The mask that applies when none is given: plain causal from slot 0 (SDPA's own, fastest); one
+        # new token after a cache sees every slot, so it needs none; several need a causal block.
+        causal = attn_mask is None and start == 0
+        if attn_mask is None and start > 0 and T > 1:
             attn_mask = causal_mask(T, start=start, device=idx.device)
         x = self.transformer.wte(idx) + self.transformer.wpe(pos)  # [B, T, C]
         for i, block in enumerate(self.transformer.h):
             layer_kv = cache.kv[i] if cache is not None else None
-            x = block(x, layer_kv=layer_kv, start=start, attn_mask=attn_mask)
+            x = block(x, layer_kv=layer_kv, start=start, attn_mask=attn_mask, causal=causal)
         hidden = self.transformer.ln_f(x)  # [B, T, C]
         if cache is not None:
             cache.length = start + T

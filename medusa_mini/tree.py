@@ -22,7 +22,7 @@ import torch
 Choice = tuple[int, ...]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=True)
 class Tree:
     """A validated candidate tree. Node i > 0 corresponds to `choices[i - 1]`; node 0 is the root."""
 
@@ -94,12 +94,34 @@ class Tree:
         """D, the deepest node's depth = the number of heads the tree needs."""
         return max(self.depth_list)
 
+    @cached_property
+    def max_rank(self) -> int:
+        """The largest rank any node uses (0 for a root-only tree)."""
+        return max((c[-1] for c in self.choices), default=0)
+
     def top_k(self) -> list[int]:
         """For head d (index d-1): how many of its top guesses the tree uses."""
         k = [0] * self.depth
         for c in self.choices:
             k[len(c) - 1] = max(k[len(c) - 1], c[-1] + 1)
         return k
+
+    @cached_property
+    def _on_device(self) -> dict:
+        return {}
+
+    def cached(self, what: str, device: torch.device | str = "cpu") -> torch.Tensor:
+        """`what` ("depths", "ancestor_mask", "head", "rank") on `device`, built once: decoding asks
+        for the same tree's tensors every step, and rebuilding them cost a tenth of a tiny model's step."""
+        key = (what, str(device))
+        if key not in self._on_device:
+            if what in ("head", "rank"):
+                head, rank = self.node_head_rank(device)
+                self._on_device[("head", str(device))] = head
+                self._on_device[("rank", str(device))] = rank
+            else:
+                self._on_device[key] = getattr(self, what)(device)
+        return self._on_device[key]
 
     def depths(self, device: torch.device | str = "cpu") -> torch.Tensor:
         """[N] long: position offset of each node from the root (positions = prefix_len + depth)."""
