@@ -19,8 +19,8 @@ import sys
 import torch
 
 from medusa_mini.cli_common import (
-    BONUS_NOTE, Checkpoint, StepPrinter, default_tree_name, encode_prompt, load_for_decoding, load_prompts,
-    pick_device, resolve_tree, stat_line, use_color,
+    BONUS_NOTE, PROMPTS_FILE, Checkpoint, OneLineParser, StepPrinter, default_tree_name, encode_prompt,
+    load_for_decoding, load_prompts, pick_device, resolve_tree, stat_line, use_color,
 )
 from medusa_mini.decoding import GenerationStats, generate, medusa_generate
 from medusa_mini.explain import explain_step
@@ -29,13 +29,8 @@ from medusa_mini.tree import Tree
 SAMPLING_TEMPERATURE = 0.8  # used by sampling rules when no --temperature is given
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, not argparse's usage block
-        self.exit(2, f"{self.prog}: error: {' '.join(str(message).split())}\n")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="decode.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineParser(prog="decode.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ckpt", default="out/tiny", metavar="DIR",
                    help="checkpoint directory (default: %(default)s)")
     p.add_argument("--prompt", action="append", metavar="TEXT",
@@ -239,7 +234,7 @@ def prepare(a: argparse.Namespace) -> tuple[Checkpoint, Tree | None, str | None,
         try:
             prompts.append((text, encode_prompt(ck.enc, text, block_size=ck.block_size)))
         except ValueError as e:
-            source = "--prompt" if a.prompt else "prompts.json"
+            source = "--prompt" if a.prompt else PROMPTS_FILE
             raise ValueError(f"prompt {i} ({source}): {e}") from None
     return ck, tree, tree_name, prompts
 

@@ -18,7 +18,10 @@ import sys
 
 import torch
 
-from medusa_mini.train_run import FLAG_HELP, PRESETS, TrainArgs, TrainError, run
+import os
+
+from medusa_mini.train_config import FLAG_HELP, PRESETS, TrainArgs, TrainError
+from medusa_mini.train_run import STATE_FILE, run
 
 
 def parse_args(argv: list[str] | None = None) -> TrainArgs:
@@ -76,7 +79,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"train_tiny.py: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"\ninterrupted: progress saved in {args.out}; continue with --resume", file=sys.stderr)
+        if os.path.exists(os.path.join(args.out, STATE_FILE)):
+            print(f"\ninterrupted: progress saved in {args.out}; continue with --resume", file=sys.stderr)
+        else:
+            print("\ninterrupted before anything was saved; start again", file=sys.stderr)
         return 130
     return 0
 

@@ -35,12 +35,12 @@ if ROOT not in sys.path:  # run as a script from anywhere, without installing th
 import torch  # noqa: E402
 
 from medusa_mini.cli_common import (  # noqa: E402
-    default_tree_name, encode_prompt, load_for_decoding, load_prompts, pick_device, resolve_tree,
+    OneLineParser, default_tree_name, encode_prompt, load_for_decoding, load_prompts, pick_device, resolve_tree,
 )
-from medusa_mini.decoding import generate, medusa_generate  # noqa: E402
+from medusa_mini.decoding import generate, medusa_generate, sync_device  # noqa: E402
 from medusa_mini.tokenizer import load_tokenizer  # noqa: E402
 
-INSTALL_HINT = 'peers.py: transformers is not installed; pip install -e ".[peers]"'
+INSTALL_HINT = 'transformers is not installed; pip install -e ".[peers]"'
 WARMUP_TOKENS = 16
 NOTE = ("steps = big-model forward passes after the first (the prefill); tokens/step = (new tokens - 1 per "
         "prompt) / steps,\nbonus token counted; ms/token = wall time of whole generate calls / new tokens")
@@ -57,13 +57,8 @@ class Method:
     run: Runner
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, not argparse's usage block
-        self.exit(2, f"{self.prog}: error: {' '.join(str(message).split())}\n")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="peers.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineParser(prog="peers.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ckpt", default="out/tiny", metavar="DIR", help="checkpoint directory (default: %(default)s)")
     p.add_argument("--draft", metavar="DIR", help="draft checkpoint for assisted decoding (no row without it)")
     p.add_argument("--num-prompts", type=int, default=8, metavar="N", help="prompts from prompts.json (default: 8)")
@@ -199,11 +194,6 @@ def build_methods(transformers, ck, a: argparse.Namespace, *, tree, device: torc
 # ---- timing and the table ------------------------------------------------------------------------
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":  # kernels run asynchronously: read no clock before they finish
-        torch.cuda.synchronize(device)
-
-
 def benchmark(methods: list[Method], prompts: list[list[int]], *, max_new_tokens: int,
               device: torch.device) -> list[dict]:
     for m in methods:  # untimed: first calls pay for allocation and kernel selection
@@ -211,10 +201,10 @@ def benchmark(methods: list[Method], prompts: list[list[int]], *, max_new_tokens
     runs: dict[str, list[tuple[list[int], int, float]]] = {m.key: [] for m in methods}
     for ids in prompts:  # prompt-major: a load spike on a shared machine slows every row alike
         for m in methods:
-            _sync(device)
+            sync_device(device)
             t0 = time.perf_counter()
             tokens, steps = m.run(ids, max_new_tokens)
-            _sync(device)
+            sync_device(device)
             runs[m.key].append((tokens, steps, time.perf_counter() - t0))
     base = runs[methods[0].key]
     rows = []
@@ -288,8 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import transformers
     except ImportError:
-        print(INSTALL_HINT, file=sys.stderr)
-        return 2
+        parser.error(INSTALL_HINT)
     transformers.logging.set_verbosity_error()  # progress bars and notices would bury the table
     transformers.logging.disable_progress_bar()
     try:
@@ -306,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         need = max(len(ids) for ids in prompts) + a.max_new_tokens
         methods, notes = build_methods(transformers, ck, a, tree=tree, device=device, need=need)
         rows = benchmark(methods, prompts, max_new_tokens=a.max_new_tokens, device=device)
-    except (ValueError, OSError) as e:
+    except (ValueError, OSError, RuntimeError) as e:  # RuntimeError: a row that broke the token budget
         parser.error(str(e))
     by_key = {r["key"]: r for r in rows}
     if by_key["plain_greedy"]["identical_to_greedy"] is False:

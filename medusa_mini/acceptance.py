@@ -96,6 +96,7 @@ def typical_accept(
     logits: torch.Tensor,
     *,
     temperature: float,
+    top_p: float = 1.0,
     epsilon: float = 0.09,
     delta: float = 0.3,
     generator: torch.Generator | None = None,
@@ -104,7 +105,7 @@ def typical_accept(
 
     H is the entropy of p at the parent. A candidate is accepted if it and all its ancestors pass;
     the longest accepted path wins, ties broken by the larger sum of log p along it. The bonus is
-    drawn from p at the last accepted node. Faster than rejection sampling on flat distributions but
+    drawn from p at the last accepted node (after top-p, like every other sampled token). Faster than rejection sampling on flat distributions but
     not distribution-preserving; at temperature 0 it is greedy acceptance.
     """
     if temperature == 0:
@@ -135,7 +136,7 @@ def typical_accept(
     while path[-1] != 0:
         path.append(tree.parents[path[-1]])
     path.reverse()
-    return path, sample(p[best], generator)
+    return path, sample(sampling_probs(logits[best], temperature=temperature, top_p=top_p), generator)
 
 
 ACCEPTANCE_RULES = ("greedy", "typical", "rejection")

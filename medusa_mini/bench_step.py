@@ -11,13 +11,15 @@ depends on the device (see DESIGN.md, "Per-step cost matters"). For each config,
 - verify N: one tree-masked forward over N nodes (`decoding.verify`) for N = 1 ... 64, the tree being
   the first N - 1 choices of the 'gpu' preset (sorted by depth, so every prefix comes first);
 - heads: four Medusa heads at one hidden state, through the shared lm_head or through their own;
-- Medusa step: one iteration of `medusa_generate`'s loop (candidates, verify, greedy acceptance, KV
-  compaction, heads) on the 'cpu' and 'gpu' trees, and its ratio to the plain step.
+- Medusa step: one iteration of `medusa_generate`'s loop (`decoding.medusa_step` with greedy
+  acceptance: candidates, verify, acceptance, KV compaction; then the heads) on the 'cpu' and 'gpu'
+  trees, and its ratio to the plain step.
 
 Each time is the median of R repetitions after a warm-up. The KV cache is reset to the same prefix
 length before every repetition, so every repetition measures the same step; the steps take turns, so a
 change in machine load mid-run does not favour one of them. On a shared machine, mind the load
-average printed in the header.
+average printed in the header. Bad input (an unknown config or device, a prefix that leaves no room
+for a tree, ...) ends in one line on stderr and exit status 2.
 """
 
 from __future__ import annotations
@@ -34,11 +36,11 @@ from typing import Callable
 
 import torch
 
-from .acceptance import greedy_accept
-from .decoding import prefill, tree_candidates, verify
+from .cli_common import OneLineParser, pick_device
+from .decoding import medusa_step, prefill, sync_device, verify
 from .gpt2 import GPT2_CONFIGS
 from .heads import HeadsConfig, MedusaHeads
-from .model import GPT, GPTConfig, KVCache, compact_kv_cache
+from .model import GPT, GPTConfig, KVCache
 from .tree import Tree, preset
 
 CONFIGS: dict[str, GPTConfig] = {"tiny": GPTConfig(), **GPT2_CONFIGS}
@@ -47,16 +49,6 @@ MEDUSA_TREES = ("cpu", "gpu")
 # Small models need more repetitions for a stable median; large ones are slow enough with fewer.
 DEFAULT_REPEAT = {"tiny": 30}
 FALLBACK_REPEAT = 10
-
-
-def pick_device(name: str | None = None) -> torch.device:
-    return torch.device(name or ("cuda" if torch.cuda.is_available() else "cpu"))
-
-
-def _sync(device: torch.device) -> None:
-    # CUDA runs kernels asynchronously: a clock read before they finish measures only the launch.
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def median_times(
@@ -76,10 +68,10 @@ def median_times(
     for round_ in range(warmup + repeat):
         for name, step in steps.items():
             reset()
-            _sync(device)
+            sync_device(device)
             t0 = time.perf_counter()
             step()
-            _sync(device)
+            sync_device(device)
             if round_ >= warmup:  # first calls pay for allocator growth and kernel selection
                 times[name].append((time.perf_counter() - t0) * 1e3)
     return {name: statistics.median(t) for name, t in times.items()}
@@ -93,18 +85,24 @@ def verify_tree(nodes: int) -> Tree:
     return Tree.from_choices(choices[: nodes - 1])
 
 
-def medusa_step(
+def medusa_iteration(
     model: GPT, heads: MedusaHeads, cache: KVCache, tree: Tree, root: int, head_logits: torch.Tensor
 ) -> int:
     """One iteration of `medusa_generate`'s loop with greedy acceptance; returns the accepted nodes."""
-    L = cache.length
-    tokens = tree_candidates(tree, root, head_logits)  # [N]
-    logits, hidden = verify(model, cache, tree, tokens)  # [N, V], [N, C]
-    path, bonus = greedy_accept(tree, tokens, logits)
-    compact_kv_cache(cache, L + torch.tensor(path, device=tokens.device), start=L)
-    emitted = tokens[path[1:]].tolist() + [bonus]  # fetched to the host, as the loop does
-    heads(hidden[path[-1]][None], model.lm_head)  # the next step's proposals
-    return len(emitted) - 1
+    step = medusa_step(model, cache, tree, root, head_logits)
+    step.emitted()  # fetched to the host, as the loop does
+    heads(step.hidden[step.path[-1]][None], model.lm_head)  # the next step's proposals
+    return len(step.path) - 1
+
+
+def check_prefix(config: GPTConfig, prefix_len: int) -> None:
+    """The cached prefix must leave room in the context for the deepest benchmarked tree."""
+    depth = max(preset(name).depth for name in MEDUSA_TREES)
+    if not 1 <= prefix_len < config.block_size - depth:
+        raise ValueError(
+            f"prefix length {prefix_len} must be between 1 and {config.block_size - depth - 1}, so that a "
+            f"depth-{depth} tree fits after it in the context of {config.block_size}"
+        )
 
 
 def build(
@@ -133,9 +131,8 @@ def bench_config(
     seed: int = 0,
 ) -> dict:
     """Every timing for one config, as a dict of plain numbers (ms)."""
+    check_prefix(config, prefix_len)
     trees = {name: preset(name) for name in MEDUSA_TREES}
-    if prefix_len < 1 or prefix_len + max(t.depth for t in trees.values()) >= config.block_size:
-        raise ValueError(f"prefix length {prefix_len} leaves no room for a tree in context {config.block_size}")
     model, shared, own = build(config, device=device, seed=seed)
     max_nodes = max(max(nodes), *(t.num_nodes for t in trees.values()))
     cache = KVCache(config, max_len=prefix_len + max_nodes, device=device, dtype=model.lm_head.weight.dtype)
@@ -160,7 +157,7 @@ def bench_config(
     steps["heads shared"] = partial(shared, h, model.lm_head)
     steps["heads own"] = partial(own, h, model.lm_head)
     for name, tree in trees.items():
-        steps[f"medusa {name}"] = partial(medusa_step, model, shared, cache, tree, root, head_logits)
+        steps[f"medusa {name}"] = partial(medusa_iteration, model, shared, cache, tree, root, head_logits)
     ms = median_times(steps, reset=reset, device=device, repeat=repeat, warmup=warmup)
 
     result: dict = {
@@ -218,8 +215,8 @@ def format_table(results: dict[str, dict], *, header: list[str], warmup: int) ->
     return "\n".join(lines)
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
+def build_parser() -> OneLineParser:
+    p = OneLineParser(
         prog="python -m medusa_mini.bench_step",
         description="Time plain decoding steps, tree-verify steps, Medusa heads and whole Medusa steps "
         "on random weights.",
@@ -234,6 +231,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
     p.add_argument("--seed", type=int, default=0, help="seed for the random weights and tokens (default: 0)")
     p.add_argument("--json", action="store_true", help="print the numbers as JSON instead of a table")
+    return p
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """Parsed and checked arguments; `device` becomes a torch.device. Bad input exits with status 2."""
+    p = build_parser()
     args = p.parse_args(argv)
     args.config_names = [c.strip() for c in args.configs.split(",") if c.strip()]
     unknown = [c for c in args.config_names if c not in CONFIGS]
@@ -241,15 +244,26 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"unknown config {', '.join(unknown) or '(none)'}: use {', '.join(CONFIGS)}")
     if (args.repeat is not None and args.repeat < 1) or args.warmup < 0:
         p.error("--repeat must be >= 1 and --warmup >= 0")
+    if args.threads is not None and args.threads < 1:
+        p.error(f"--threads must be at least 1, not {args.threads}")
+    for name in args.config_names:  # every config before the first is measured, not after
+        try:
+            check_prefix(CONFIGS[name], args.prefix)
+        except ValueError as e:
+            p.error(f"--prefix, config {name}: {e}")
+    try:
+        args.device = pick_device(args.device)
+    except ValueError as e:
+        p.error(str(e))
     return args
 
 
-def main(argv: list[str] | None = None) -> dict:
+def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    device = pick_device(args.device)
+    device = args.device
     # Read before measuring: a high load means other processes competed for the cores.
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     results = {
@@ -277,8 +291,8 @@ def main(argv: list[str] | None = None) -> dict:
             f"command: {meta['command']}",
         ]
         print(format_table(results, header=header, warmup=args.warmup))
-    return {**meta, "configs": results}
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,16 +1,20 @@
-"""What the command-line scripts share: loading a checkpoint for decoding, choosing a tree, showing text.
+"""What the command-line scripts share: argument errors, loading a checkpoint for decoding, choosing a
+tree, showing text.
 
-Every function here turns bad input into a one-line ValueError, so a script can print it and exit
-with status 2 instead of a traceback. Nothing here decodes; that is decoding.py's job.
+Every function here turns bad input into a one-line ValueError; a script passes it to
+`OneLineParser.error`, which prints `<prog>: error: <message>` and exits with status 2 instead of a
+traceback. Nothing here decodes; that is decoding.py's job.
 """
 
 from __future__ import annotations
 
+import argparse
 import codecs
 import json
 import os
 import sys
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 import tiktoken
 import torch
@@ -22,9 +26,19 @@ from .model import GPT
 from .tokenizer import load_tokenizer
 from .tree import Tree, preset
 
-PROMPTS_FILE = "prompts.json"
-HEADS_ACCURACY_FILE = "heads_accuracy.json"
+PROMPTS_FILE = "prompts.json"  # held-out prompts that training stores next to the checkpoint
 BONUS_NOTE = "tokens/step counts the bonus token (the verify pass's own next token)"
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line on stderr, `<prog>: error: <message>`, exit status 2.
+
+    argparse's own error prints the whole usage block first. Scripts send their own checks (missing
+    files, impossible settings) through `error` as well, so every mistake reads the same way.
+    """
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {' '.join(str(message).split())}\n")
 
 
 @dataclass
@@ -140,15 +154,16 @@ def _tree_from_json(path: str, *, num_heads: int | None) -> Tree:
         raise ValueError(f"tree file {path}: {e}") from None
 
 
-def auto_tree(*, ckpt_dir: str, model, heads, device: torch.device) -> Tree:
+def tree_from_accuracy_and_cost(*, ckpt_dir: str, model, heads, device: torch.device) -> Tree:
     """`--tree auto`: the node budget with the most expected tokens per second on this device.
 
     Expected tokens per step come from the heads' measured accuracies (heads_accuracy.json), the cost
     of a step with N nodes is measured here and now; what it chose and why goes to stderr.
     """
-    from .tree_search import auto_tree as choose, load_accuracy, measure_verify_cost
+    # Imported here: only --tree auto needs the tree search, and it imports this module.
+    from .tree_search import ACCURACY_FILE, auto_tree, load_accuracy, measure_verify_cost
 
-    path = os.path.join(ckpt_dir, HEADS_ACCURACY_FILE)
+    path = os.path.join(ckpt_dir, ACCURACY_FILE)
     if not os.path.isfile(path):
         raise ValueError(
             f"--tree auto needs {path}: run python -m medusa_mini.tree_search --ckpt {ckpt_dir}"
@@ -157,7 +172,7 @@ def auto_tree(*, ckpt_dir: str, model, heads, device: torch.device) -> Tree:
         raise ValueError("--tree auto needs Medusa heads in the checkpoint")
     acc = load_accuracy(ckpt_dir)
     cost = measure_verify_cost(model, heads=heads, device=device)
-    tree, why = choose(acc, cost)
+    tree, why = auto_tree(acc, cost)
     print(f"--tree auto (measured on {device}):\n{why}", file=sys.stderr)
     return tree
 
@@ -172,7 +187,7 @@ def resolve_tree(
     """
     spec = spec or default_tree_name(device)
     if spec == "auto":
-        tree = auto_tree(ckpt_dir=ckpt_dir, model=model, heads=heads, device=device)
+        tree = tree_from_accuracy_and_cost(ckpt_dir=ckpt_dir, model=model, heads=heads, device=device)
     elif spec.endswith(".json") or os.path.sep in spec:
         candidates = [spec] if os.path.isabs(spec) else [spec, os.path.join(ckpt_dir, spec)]
         path = next((p for p in candidates if os.path.isfile(p)), None)

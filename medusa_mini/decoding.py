@@ -1,8 +1,8 @@
 """Decoding loops: plain autoregressive `generate` and Medusa's `medusa_generate` (paper §2).
 
-One Medusa step = propose (heads' top-k fill the tree) -> verify (one tree-masked forward over all N
-nodes) -> accept (greedy, typical or rejection) -> compact (keep the accepted path's K/V). Both loops
-share prefill, stopping rules and statistics, so their numbers are comparable:
+One Medusa step (`medusa_step`) = propose (heads' top-k fill the tree) -> verify (one tree-masked
+forward over all N nodes) -> accept (greedy, typical or rejection) -> compact (keep the accepted path's
+K/V). Both loops share prefill, stopping rules and statistics, so their numbers are comparable:
 
 - steps: backbone forward passes after the prefill;
 - tokens per step: tokens emitted by those steps / steps, the bonus token counted (plain decoding is
@@ -20,7 +20,7 @@ from typing import Callable
 
 import torch
 
-from .acceptance import greedy_accept, rejection_accept, sample, sampling_probs, typical_accept
+from .acceptance import ACCEPTANCE_RULES, greedy_accept, rejection_accept, sample, sampling_probs, typical_accept
 from .model import GPT, KVCache, compact_kv_cache
 from .tree import Tree
 
@@ -41,8 +41,12 @@ class GenerationStats:
         return sum(self.step_tokens) / self.steps if self.steps else 0.0
 
 
-def _sync(device: torch.device) -> None:
-    # CUDA kernels run asynchronously: read no clock before they have finished.
+def sync_device(device: torch.device) -> None:
+    """Wait for `device` to finish its queued work; a no-op on the CPU.
+
+    CUDA runs kernels asynchronously: a clock read before synchronizing measures only their launch.
+    Synchronize before every clock read that times GPU work.
+    """
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -67,14 +71,14 @@ def choose_token(logits: torch.Tensor, *, temperature: float, top_p: float, gene
 
 
 def _limit(out: list[int], new: list[int], *, max_new_tokens: int, room: int, eos_id: int | None):
-    """Cut `new` at the end token, the token budget or the context; return (kept, stop reason)."""
-    for i, tok in enumerate(new):
-        if eos_id is not None and tok == eos_id:
-            return new[: i + 1], "eos"
+    """Cut `new` at the token budget or the context, then at the end token; return (kept, stop reason)."""
     cap = min(max_new_tokens - len(out), room - len(out))
+    reason = ""
     if len(new) >= cap:
-        return new[:cap], "max_new_tokens" if max_new_tokens <= room else "context"
-    return new, ""
+        new, reason = new[:cap], "max_new_tokens" if max_new_tokens <= room else "context"
+    if eos_id is not None and eos_id in new:
+        return new[: new.index(eos_id) + 1], "eos"
+    return new, reason
 
 
 @torch.no_grad()
@@ -101,7 +105,7 @@ def generate(
     device = model.device
     room = model.config.block_size - ids.numel()  # tokens the context still holds
     stats = GenerationStats(prompt_tokens=ids.numel())
-    _sync(device)
+    sync_device(device)
     t0 = time.perf_counter()
     cache = KVCache(model.config, max_len=model.config.block_size, device=device, dtype=model.lm_head.weight.dtype)
     logits, _ = prefill(model, ids, cache)
@@ -118,7 +122,7 @@ def generate(
         stats.step_tokens.append(len(new))
         if on_step:
             on_step(new)
-    _sync(device)
+    sync_device(device)
     stats.seconds = time.perf_counter() - t0
     stats.stop_reason = reason or "max_new_tokens"
     return out, stats
@@ -159,9 +163,67 @@ def accept(
         return rejection_accept(tree, tokens, logits, temperature=temperature, top_p=top_p, generator=generator)
     if rule == "typical":
         return typical_accept(
-            tree, tokens, logits, temperature=temperature, epsilon=epsilon, delta=delta, generator=generator
+            tree, tokens, logits, temperature=temperature, top_p=top_p, epsilon=epsilon, delta=delta,
+            generator=generator,
         )
     raise ValueError(f"unknown acceptance rule {rule!r}: use greedy, typical or rejection")
+
+
+@dataclass
+class StepResult:
+    """What one Medusa step decided. The KV cache already holds the root and the accepted nodes."""
+
+    tokens: torch.Tensor  # [N] the tree's candidate tokens, node 0 being the root
+    path: list[int]  # accepted nodes, root first: [0, a1, ..., ad]
+    bonus: int  # the backbone's own token after the last accepted node
+    hidden: torch.Tensor  # [N, C] verify's hidden states; hidden[path[-1]] feeds the next proposals
+
+    def emitted(self) -> list[int]:
+        """The step's new tokens: the accepted candidates, then the bonus (the root was emitted earlier)."""
+        return self.tokens[self.path[1:]].tolist() + [self.bonus]
+
+
+def keep_path(cache: KVCache, path: list[int], *, start: int) -> None:
+    """Keep the K/V of the accepted nodes `path` in consecutive slots from `start`, the root's slot."""
+    if path == list(range(len(path))):  # a top-ranked chain already sits in consecutive slots
+        cache.length = start + len(path)
+    else:
+        compact_kv_cache(cache, start + torch.tensor(path, device=cache.kv.device), start=start)
+
+
+@torch.no_grad()
+def medusa_step(
+    model: GPT,
+    cache: KVCache,
+    tree: Tree,
+    root: int,
+    head_logits: torch.Tensor,
+    *,
+    acceptance: str = "greedy",
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    epsilon: float = 0.09,
+    delta: float = 0.3,
+    generator: torch.Generator | None = None,
+) -> StepResult:
+    """One Medusa step: candidates -> verify -> accept -> compact.
+
+    root: the last committed token, whose K/V are not in `cache` yet; head_logits [K, V]: the heads'
+    guesses from the hidden state that produced the root. The tree's N nodes take the heads' top-k
+    tokens (`tree_candidates`, [N]); one forward under the tree attention mask scores them all
+    (paper §2.1.2, `verify`: logits [N, V], hidden [N, C]); the acceptance rule keeps the longest
+    valid path and picks the bonus token (§2.3, `accept`); the cache keeps only that path (`keep_path`).
+    The caller emits `emitted()` and runs the heads at `hidden[path[-1]]` to propose the next tree.
+    """
+    L = cache.length
+    tokens = tree_candidates(tree, root, head_logits)  # [N]
+    logits, hidden = verify(model, cache, tree, tokens)  # [N, V], [N, C]
+    path, bonus = accept(
+        acceptance, tree, tokens, logits, temperature=temperature, top_p=top_p, epsilon=epsilon, delta=delta,
+        generator=generator,
+    )
+    keep_path(cache, path, start=L)
+    return StepResult(tokens=tokens, path=path, bonus=bonus, hidden=hidden)
 
 
 @torch.no_grad()
@@ -187,8 +249,10 @@ def medusa_generate(
     accepted node (the one whose hidden state predicts what follows the bonus token).
     `on_step` receives each step's emitted tokens before the next proposal is made.
     """
-    if acceptance not in ("greedy", "typical", "rejection"):
+    if acceptance not in ACCEPTANCE_RULES:
         raise ValueError(f"unknown acceptance rule {acceptance!r}: use greedy, typical or rejection")
+    if acceptance == "greedy" and temperature > 0:
+        raise ValueError("greedy acceptance is for temperature 0; sample with rejection (lossless) or typical")
     num_heads = getattr(heads, "num_heads", None)
     if num_heads is not None:
         tree.check_heads(num_heads)
@@ -196,7 +260,7 @@ def medusa_generate(
     device, block = model.device, model.config.block_size
     room = block - ids.numel()
     stats = GenerationStats(prompt_tokens=ids.numel())
-    _sync(device)
+    sync_device(device)
     t0 = time.perf_counter()
     # Slots beyond block_size hold a tree's nodes; their positions are still < block_size.
     cache = KVCache(model.config, max_len=block + tree.num_nodes, device=device, dtype=model.lm_head.weight.dtype)
@@ -211,30 +275,22 @@ def medusa_generate(
         # Near the end, deeper nodes could not be used (or could not be positioned): trim the tree.
         max_depth = min(block - 1 - L, max_new_tokens - len(out) - 1, room - len(out) - 1)
         step_tree = tree if tree.depth <= max_depth else tree.truncated(max(max_depth, 0))
-        tokens = tree_candidates(step_tree, root, head_logits)  # [N]
-        logits, hidden = verify(model, cache, step_tree, tokens)  # [N, V], [N, C]
+        step = medusa_step(
+            model, cache, step_tree, root, head_logits, acceptance=acceptance, temperature=temperature,
+            top_p=top_p, epsilon=epsilon, delta=delta, generator=generator,
+        )
         stats.steps += 1
-        path, bonus = accept(
-            acceptance, step_tree, tokens, logits, temperature=temperature, top_p=top_p,
-            epsilon=epsilon, delta=delta, generator=generator,
-        )
-        if path == list(range(len(path))):  # a top-ranked chain already sits in consecutive slots
-            cache.length = L + len(path)
-        else:
-            compact_kv_cache(cache, L + torch.tensor(path, device=device), start=L)
-        new, reason = _limit(
-            out, tokens[path[1:]].tolist() + [bonus], max_new_tokens=max_new_tokens, room=room, eos_id=eos_id
-        )
+        new, reason = _limit(out, step.emitted(), max_new_tokens=max_new_tokens, room=room, eos_id=eos_id)
         out += new
         stats.step_tokens.append(len(new))
-        stats.accepted_nodes.append(len(path) - 1)
+        stats.accepted_nodes.append(len(step.path) - 1)
         if on_step:
             on_step(new)
         if reason:
             break
-        root = bonus
-        head_logits = heads(hidden[path[-1]][None], model.lm_head)[:, 0]  # [K, V]
-    _sync(device)
+        root = step.bonus
+        head_logits = heads(step.hidden[step.path[-1]][None], model.lm_head)[:, 0]  # [K, V]
+    sync_device(device)
     stats.seconds = time.perf_counter() - t0
     stats.stop_reason = reason or "max_new_tokens"
     return out, stats

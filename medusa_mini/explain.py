@@ -1,8 +1,9 @@
 """One Medusa decoding step, walked through in words: what each head guesses, what the tree looks like,
 what the backbone says at every node, and which tokens the step keeps.
 
-It calls the same functions medusa_generate calls (prefill, tree_candidates, verify, accept), in the
-same order, so what it prints is what decoding does, not a retelling of it.
+It calls the pieces medusa_generate runs, in the same order: prefill, the heads, then the parts of
+`decoding.medusa_step` one by one (tree_candidates, verify, accept, keep_path), so what it prints is
+what decoding does, not a retelling of it.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from .cli_common import token_text
-from .decoding import accept, choose_token, prefill, tree_candidates, verify
+from .decoding import accept, choose_token, keep_path, prefill, tree_candidates, verify
 from .heads import MedusaHeads
 from .model import GPT, KVCache
 from .tree import Tree
@@ -127,6 +128,7 @@ def explain_step(
         acceptance, tree, tokens, logits, temperature=temperature if sampling else 0.0, top_p=top_p,
         epsilon=epsilon, delta=delta, generator=generator,
     )
+    keep_path(cache, path, start=L)
     if sampling and acceptance == "rejection":
         out.append("Rejection sampling: at each node draw y from p; descend if a child holds y (lossless).")
     elif sampling:
@@ -151,6 +153,7 @@ def explain_step(
         out.append("No guess was confirmed, yet the bonus token still makes the step as good as a plain one.")
     out.append("(Plain decoding needs one forward pass per token; tokens/step counts the bonus token.)")
     kept = ", ".join(f"[{i}]" for i in path)
-    out.append(f"The KV cache keeps the slots of {kept} and drops the rest; the bonus becomes the next")
-    out.append(f"root, and the heads read the hidden state at node [{path[-1]}] to fill the next tree.")
+    out.append(f"The KV cache keeps the slots of {kept} and drops the rest: it now holds {cache.length} tokens.")
+    out.append(f"The bonus becomes the next root, and the heads read the hidden state at node [{path[-1]}]")
+    out.append("to fill the next tree.")
     return "\n".join(out)

@@ -39,7 +39,7 @@ HUB_URL = "https://huggingface.co"
 HUB_FILES = ("config.json", "model.safetensors")
 
 
-class DownloadError(RuntimeError):
+class DownloadError(OSError):
     """A download failed; the message says why in one line."""
 
 

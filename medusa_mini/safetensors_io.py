@@ -5,6 +5,9 @@ Layout: 8-byte little-endian header length N, N bytes of JSON
 spaces so the data starts 8-byte aligned), then the raw little-endian tensor bytes; offsets count from
 the end of the header. The reader treats every file as hostile: each malformed header gives one
 SafetensorsError naming the file and the problem, and nothing is allocated before it is validated.
+
+Tensors, tokenizers and accuracy tables are saved atomically with the helpers here: a temporary
+sibling, fsync, then os.replace, so a reader sees the old file or the new one, never half of one.
 """
 
 from __future__ import annotations
@@ -109,19 +112,30 @@ def fsync_dir(folder: str) -> None:
         os.close(fd)
 
 
-def write_safetensors(
-    path: str | os.PathLike, tensors: dict[str, torch.Tensor], *, metadata: dict[str, str] | None = None
-) -> None:
-    """Write `tensors` as a safetensors file, atomically: readers see the old file or the new one."""
-    _require_little_endian()
-    path = os.fspath(path)
-    tmp = stage_file(path, lambda f: write_safetensors_to(f, tensors, metadata))
+def _replace_with(tmp: str, path: str) -> None:
+    """Rename the staged file `tmp` over `path` and make the rename durable; remove `tmp` on failure."""
     try:
         os.replace(tmp, path)
     except BaseException:
         remove_file(tmp)
         raise
     fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    """Write `text` to `path` as UTF-8, atomically: readers see the old file or the new one."""
+    path = os.fspath(path)
+    # Bytes, not a text-mode file: newlines stay "\n" on every platform.
+    _replace_with(stage_file(path, lambda f: f.write(text.encode("utf-8"))), path)
+
+
+def write_safetensors(
+    path: str | os.PathLike, tensors: dict[str, torch.Tensor], *, metadata: dict[str, str] | None = None
+) -> None:
+    """Write `tensors` as a safetensors file, atomically: readers see the old file or the new one."""
+    _require_little_endian()
+    path = os.fspath(path)
+    _replace_with(stage_file(path, lambda f: write_safetensors_to(f, tensors, metadata)), path)
 
 
 # ----------------------------------------------------------------------------- safetensors: read

@@ -14,13 +14,13 @@ Times include the prefill, the same for plain and Medusa decoding.
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import sys
 
 import torch
 
+from .cli_common import OneLineParser, load_for_decoding, load_prompts, pick_device
 from .decoding import generate, medusa_generate
 from .model import GPT
 from .tree_search import (
@@ -86,7 +86,7 @@ def format_sweep(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
+    p = OneLineParser(
         prog="python -m medusa_mini.sweep",
         description="Expected vs measured Medusa tokens/step and speed for tree budgets 1 ... 64.",
     )
@@ -99,8 +99,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
     ns = p.parse_args(argv)
     try:
-        from .cli_common import load_for_decoding, load_prompts, pick_device
-
         if ns.num_prompts < 1 or ns.max_new_tokens < 1 or (ns.threads is not None and ns.threads < 1):
             raise ValueError("--num-prompts, --max-new-tokens and --threads must be at least 1")
         if ns.threads:
@@ -124,8 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         prompts = encode_prompts(ckpt.enc, chosen, block_size=block, max_new_tokens=ns.max_new_tokens)
         result = run_sweep(ckpt.model, ckpt.heads, prompts, acc=acc, max_new_tokens=ns.max_new_tokens)
     except (ValueError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        p.error(str(e))
     result.update(checkpoint=ns.ckpt, device=str(device), accuracy_source=source, seed=ns.seed)
     if ns.json:
         print(json.dumps(result, indent=2))

@@ -20,12 +20,13 @@ import heapq
 import json
 import os
 import pathlib
-import tempfile
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 
 import regex
 import tiktoken
+
+from .safetensors_io import atomic_write_text
 
 GPT2_SPLIT_PATTERN = (
     r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
@@ -196,19 +197,6 @@ def _ranks_of(enc: tiktoken.Encoding) -> dict[bytes, int]:
 # Saving and loading
 
 
-def _write_atomic(path: pathlib.Path, data: str) -> None:
-    """Write via a temporary file in the same folder so readers never see a half-written file."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
 def save_tokenizer(
     enc_or_ranks: tiktoken.Encoding | Mapping[bytes, int],
     directory: str | os.PathLike[str],
@@ -235,8 +223,8 @@ def save_tokenizer(
         for token, rank in sorted(ranks.items(), key=lambda item: item[1])
     ]
     config = {"type": "bpe", "name": enc.name, "pattern": pattern, "special_tokens": specials}
-    _write_atomic(directory / RANKS_FILE, "".join(lines))
-    _write_atomic(directory / CONFIG_FILE, json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+    atomic_write_text(directory / RANKS_FILE, "".join(lines))
+    atomic_write_text(directory / CONFIG_FILE, json.dumps(config, indent=2, ensure_ascii=False) + "\n")
     return directory
 
 
@@ -245,7 +233,7 @@ def save_tokenizer_reference(directory: str | os.PathLike[str], name: str = "gpt
     directory = pathlib.Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     config = {"type": "tiktoken", "name": name}
-    _write_atomic(directory / CONFIG_FILE, json.dumps(config, indent=2) + "\n")
+    atomic_write_text(directory / CONFIG_FILE, json.dumps(config, indent=2) + "\n")
     return directory
 
 

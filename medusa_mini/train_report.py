@@ -15,13 +15,14 @@ import random
 import numpy as np
 import torch
 
+from .cli_common import PROMPTS_FILE
 from .data import get_batch
+from .safetensors_io import atomic_write_text
 from .training import head_targets, sample_continuations
 from .tree import preset
 
 # Official Medusa-1 heads on Vicuna-7B, top-1 accuracy of heads 1-4 (paper and its repository).
 OFFICIAL_TOP1 = (0.56, 0.32, 0.20, 0.15)
-PROMPTS_FILE = "prompts.json"
 
 
 @torch.no_grad()
@@ -122,8 +123,5 @@ def held_out_prompts(out: str, val_docs, enc, *, count: int, seed: int, block_si
         n = len(enc.encode_ordinary(snippet))
         if snippet.strip() and 0 < n < block_size // 3:
             prompts.append(snippet)
-    tmp = os.path.join(out, PROMPTS_FILE + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump({"prompts": prompts}, f, indent=1, ensure_ascii=False)
-    os.replace(tmp, os.path.join(out, PROMPTS_FILE))
+    atomic_write_text(os.path.join(out, PROMPTS_FILE), json.dumps({"prompts": prompts}, indent=1, ensure_ascii=False))
     return prompts

@@ -15,32 +15,27 @@ A budget N always counts candidate nodes, the root excluded: the verify pass fee
 
 from __future__ import annotations
 
-import argparse
 import heapq
 import json
 import math
 import os
 import statistics
 import sys
-import tempfile
 import time
 from typing import Callable, Sequence
 
 import torch
 
-from .acceptance import greedy_accept
-from .decoding import generate, prefill, tree_candidates, verify
-from .model import GPT, KVCache, compact_kv_cache
+from .cli_common import PROMPTS_FILE, OneLineParser, load_for_decoding, load_prompts, pick_device
+from .decoding import medusa_step, prefill, sync_device
+from .model import GPT, KVCache
+from .safetensors_io import atomic_write_text
+from .training import sample_continuations
 from .tree import Tree
 
 HeadsFn = Callable[[torch.Tensor, torch.nn.Module], torch.Tensor]  # hidden [..., C] -> [K, ..., V]
 ACCURACY_FILE = "heads_accuracy.json"
 REPORT_BUDGETS = (4, 8, 16, 32, 64)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":  # kernels run asynchronously: finish them before reading a clock
-        torch.cuda.synchronize(device)
 
 
 # ---- measuring accuracy ----------------------------------------------------------------------
@@ -50,31 +45,27 @@ def _sync(device: torch.device) -> None:
 def greedy_continuations(
     model: GPT, prompts: list[list[int]], *, max_new_tokens: int, batch_size: int = 16
 ) -> list[list[int]]:
-    """Each prompt + the backbone's greedy continuation. Prompts of equal length run as one batch;
-    a prompt whose length no other prompt shares goes through `generate`."""
+    """Each prompt + the backbone's greedy continuation, token for token what `generate` writes.
+
+    Prompts of equal length need no padding, so they run together, up to `batch_size` at a time,
+    through `training.sample_continuations` at temperature 0.
+    """
     block, device = model.config.block_size, model.device
-    out: list[list[int]] = [[] for _ in prompts]
     by_length: dict[int, list[int]] = {}
     for i, p in enumerate(prompts):
         if not 0 < len(p) < block:
             raise ValueError(f"prompt {i} has {len(p)} tokens; it needs 1 to {block - 1}")
         by_length.setdefault(len(p), []).append(i)
-    for length, members in by_length.items():
-        n = min(max_new_tokens, block - length)  # what generate would emit
+    out = [list(p) for p in prompts]
+    if max_new_tokens < 1:
+        return out
+    for members in by_length.values():
         for b in range(0, len(members), batch_size):
             part = members[b : b + batch_size]
-            if len(part) == 1 or n < 1:
-                for i in part:
-                    out[i] = list(prompts[i]) + generate(model, prompts[i], max_new_tokens=max_new_tokens)[0]
-                continue
             idx = torch.tensor([prompts[i] for i in part], dtype=torch.long, device=device)  # [B, P]
-            cache = KVCache(model.config, batch_size=len(part), max_len=length + n, device=device,
-                            dtype=model.lm_head.weight.dtype)
-            new = [model(idx, cache=cache, logits_at=slice(-1, None))[0][:, -1].argmax(-1)]  # [B] each
-            while len(new) < n:
-                new.append(model(new[-1][:, None], cache=cache)[0][:, -1].argmax(-1))
-            for i, c in zip(part, torch.stack(new, dim=1).tolist()):
-                out[i] = list(prompts[i]) + c
+            rows = sample_continuations(model, idx, max_new_tokens=max_new_tokens, temperature=0.0)  # [B, P + n]
+            for i, row in zip(part, rows.tolist()):
+                out[i] = row
     return out
 
 
@@ -135,14 +126,7 @@ def save_accuracy(directory: str | os.PathLike, acc: torch.Tensor, *, meta: dict
     # One line per head keeps the table readable; the rest is ordinary indented JSON.
     text = '{\n  "acc": [\n    ' + rows + "\n  ]," + json.dumps(obj, indent=2)[1:] + "\n"
     path = os.path.join(os.fspath(directory), ACCURACY_FILE)
-    fd, tmp = tempfile.mkstemp(prefix=f".{ACCURACY_FILE}.", suffix=".tmp", dir=os.fspath(directory))
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    atomic_write_text(path, text)
     return path
 
 
@@ -227,10 +211,11 @@ def measure_verify_cost(
 ) -> dict[int, float]:
     """{N: median ms of one Medusa step with N candidate nodes} after a random prefix.
 
-    A step as medusa_generate runs it: the heads at one hidden state and their top-k (when `heads` is
-    given; else random candidate tokens), the tree-masked verify of N + 1 tokens, greedy acceptance,
-    KV compaction. Trees come from build_tree on a decaying accuracy table, so they look like real ones.
-    `device` is where the model lives (default: its parameters' device); clocks wait for it.
+    A step as medusa_generate runs it: the heads at one hidden state (when `heads` is given; else
+    random logits stand in for theirs), then `decoding.medusa_step` with greedy acceptance: their top-k
+    as candidates, the tree-masked verify of N + 1 tokens, acceptance, KV compaction. Trees come from
+    build_tree on a decaying accuracy table, so they look like real ones. `device` is where the model
+    lives (default: its parameters' device); clocks wait for it.
     """
     device = torch.device(device) if device is not None else model.device
     K = getattr(heads, "num_heads", num_heads)
@@ -247,16 +232,14 @@ def measure_verify_cost(
     for n in node_counts:
         tree, times = build_tree(shape_acc, n)[0], []
         for rep in range(repeat + 1):  # the first run warms up kernels and allocators
-            tokens = torch.randint(V, (tree.num_nodes,), generator=gen).to(device)
+            root = int(torch.randint(V, (1,), generator=gen))
+            guesses = torch.randn(K, V, generator=gen).to(device) if heads is None else None  # [K, V]
             cache.length = prefix_len  # every repetition verifies after the same prefix
-            _sync(device)
+            sync_device(device)
             t0 = time.perf_counter()
-            if heads is not None:
-                tokens = tree_candidates(tree, int(tokens[0]), heads(hidden[None], model.lm_head)[:, 0])
-            logits, _ = verify(model, cache, tree, tokens)
-            path, _ = greedy_accept(tree, tokens, logits)
-            compact_kv_cache(cache, prefix_len + torch.tensor(path, device=device), start=prefix_len)
-            _sync(device)
+            head_logits = guesses if heads is None else heads(hidden[None], model.lm_head)[:, 0]  # [K, V]
+            medusa_step(model, cache, tree, root, head_logits)
+            sync_device(device)
             if rep:
                 times.append(1000 * (time.perf_counter() - t0))
         out[n] = statistics.median(times)
@@ -315,18 +298,16 @@ def recompute_accuracy(
     device: torch.device | str = "cpu",
 ) -> torch.Tensor:
     """Measure acc for a checkpoint on its prompts.json, save heads_accuracy.json, return acc."""
-    from .cli_common import load_for_decoding, load_prompts
-
     ckpt = load_for_decoding(directory, device=torch.device(device))  # model, heads, tokenizer
     if ckpt.heads is None:
         raise ValueError(f"checkpoint {directory} has no Medusa heads; train heads first")
     prompts = encode_prompts(ckpt.enc, load_prompts(directory)[:num_prompts],
                              block_size=ckpt.block_size, max_new_tokens=max_new_tokens)
     if not prompts:
-        raise ValueError(f"every prompt in {directory}/prompts.json encodes to no tokens")
+        raise ValueError(f"every prompt in {os.path.join(directory, PROMPTS_FILE)} encodes to no tokens")
     acc = accuracy_on_prompts(ckpt.model, ckpt.heads, prompts, max_new_tokens=max_new_tokens, top_k=top_k)
     meta = {"measured_on": f"greedy continuations ({max_new_tokens} new tokens) of the first "
-            f"{len(prompts)} prompts of prompts.json", "num_prompts": len(prompts), "max_new_tokens": max_new_tokens}
+            f"{len(prompts)} prompts of {PROMPTS_FILE}", "num_prompts": len(prompts), "max_new_tokens": max_new_tokens}
     save_accuracy(directory, acc, meta=meta)
     return acc
 
@@ -340,7 +321,7 @@ def format_accuracy(acc: torch.Tensor) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m medusa_mini.tree_search", description="Measure a "
+    p = OneLineParser(prog="python -m medusa_mini.tree_search", description="Measure a "
                                 "checkpoint's Medusa head accuracies on greedy continuations of its "
                                 "prompts.json; save heads_accuracy.json.")
     p.add_argument("--ckpt", required=True, help="checkpoint directory (with prompts.json and a tokenizer)")
@@ -350,15 +331,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", help="cpu, cuda, ... (default: cuda if available)")
     ns = p.parse_args(argv)
     try:
-        from .cli_common import pick_device
-
         if ns.prompts < 1 or ns.max_new_tokens < 3 or ns.top_k < 1:
             raise ValueError("--prompts and --top-k must be >= 1 and --max-new-tokens >= 3")
         acc = recompute_accuracy(ns.ckpt, num_prompts=ns.prompts, max_new_tokens=ns.max_new_tokens,
                                  top_k=ns.top_k, device=pick_device(ns.device))
     except (ValueError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        p.error(str(e))
     print(f"saved {os.path.join(ns.ckpt, ACCURACY_FILE)}")
     print(format_accuracy(acc))
     print("expected tokens/step of build_tree (bonus token counted) by node budget (root excluded):")

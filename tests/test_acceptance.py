@@ -165,6 +165,17 @@ def test_a_root_only_tree_emits_just_the_backbones_token(rule):
 
     root_only = Tree.from_choices([])
     logits = onehot_logits([2])
-    path, bonus = accept(rule, root_only, torch.tensor([0]), logits, temperature=0.5, top_p=1.0,
-                         epsilon=0.09, delta=0.3, generator=torch.Generator().manual_seed(0))
-    assert path == [0] and 0 <= bonus < V
+    gen = torch.Generator().manual_seed(0)
+    temperature = 0.0 if rule == "greedy" else 1.0
+    bonuses = Counter()
+    for _ in range(1 if rule == "greedy" else 2000):
+        path, bonus = accept(rule, root_only, torch.tensor([0]), logits, temperature=temperature, top_p=1.0,
+                             epsilon=0.09, delta=0.3, generator=gen)
+        assert path == [0]
+        bonuses[bonus] += 1
+    if rule == "greedy":
+        assert bonuses == Counter({2: 1})
+    else:  # the bonus is a draw from p itself
+        p = torch.softmax(logits[0], -1)
+        for tok in range(V):
+            assert abs(bonuses[tok] / 2000 - p[tok].item()) < 5 * math.sqrt(0.25 / 2000)

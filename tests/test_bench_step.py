@@ -68,6 +68,22 @@ def test_unknown_config_is_a_usage_error(capsys):
     assert "unknown config gpt5" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv, needle", [
+    (["--device", "tpu"], "unknown device"),
+    (["--prefix", "0"], "--prefix"),
+    (["--configs", "tiny", "--prefix", "100000"], "--prefix"),
+    (["--threads", "0"], "--threads"),
+    (["--configs", "tiny,gpt5"], "unknown config gpt5"),
+])
+def test_bad_input_is_one_line_and_exit_status_2_before_any_measuring(argv, needle, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("python -m medusa_mini.bench_step: error: ") and err.count("\n") == 1
+    assert needle in err
+
+
 def test_help_works(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["--help"])

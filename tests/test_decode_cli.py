@@ -193,6 +193,7 @@ def expect_usage_error(capsys, argv: list[str], needle: str) -> None:
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1, err
+    assert err.startswith("decode.py: error: "), err
     assert needle in err, err
 
 

@@ -121,6 +121,29 @@ def test_rejection_sampling_preserves_model_distribution(proposer):
 
 @pytest.mark.slow
 @torch.no_grad()
+def test_rejection_sampling_with_top_p_preserves_the_nucleus_distribution():
+    V, n, M, T, top_p = 4, 3, 2000, 1.0, 0.8
+    model = tiny_model(12, vocab_size=V, block_size=16)
+    prompt = [3, 1]
+    exact = {}
+    for seq in itertools.product(range(V), repeat=n):
+        logits = model(torch.tensor([prompt + list(seq)]))[0][0]
+        p = sampling_probs(logits[len(prompt) - 1 : len(prompt) - 1 + n], temperature=T, top_p=top_p)
+        exact[seq] = math.prod(p[i, t].item() for i, t in enumerate(seq))
+    exact = {k: v for k, v in exact.items() if v > 0}
+    assert len(exact) < V**n  # top-p really removed some continuations
+    heads = random_heads(model, num_heads=3, seed=1)
+    gen = torch.Generator().manual_seed(3)
+    tree = Tree.from_choices([(0,), (1,), (0, 0), (0, 0, 0)])
+    medusa = empirical(lambda i: medusa_generate(model, heads, prompt, tree=tree, max_new_tokens=n,
+                                                 acceptance="rejection", temperature=T, top_p=top_p,
+                                                 generator=gen)[0], M)
+    assert set(medusa) <= set(exact)  # never a token outside the nucleus
+    assert total_variation(medusa, exact) < 2.5 * expected_tv(exact, M)
+
+
+@pytest.mark.slow
+@torch.no_grad()
 def test_plain_sampling_matches_the_same_exact_distribution():
     V, n, M, T = 4, 3, 2000, 0.8
     model = tiny_model(11, vocab_size=V, block_size=16)

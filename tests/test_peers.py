@@ -142,7 +142,21 @@ def test_too_long_a_budget_and_a_foreign_draft_are_one_line_errors(dirs, tmp_pat
     assert e.value.code == 2 and "tokenizer" in err and len(err.strip().splitlines()) == 1
 
 
+def test_a_row_that_breaks_the_token_budget_is_a_one_line_error(dirs, monkeypatch, capsys):
+    message = "medusa_mini plain greedy did not generate exactly 4 tokens per prompt"
+
+    def broken_benchmark(*args, **kwargs):
+        raise RuntimeError(message)
+
+    monkeypatch.setattr(peers, "benchmark", broken_benchmark)
+    with pytest.raises(SystemExit) as e:
+        peers.main(["--ckpt", dirs[0], "--max-new-tokens", "4", "--threads", "1"])
+    assert e.value.code == 2 and capsys.readouterr().err == f"peers.py: error: {message}\n"
+
+
 def test_without_transformers_exit_2_names_the_extra(dirs, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "transformers", None)  # makes `import transformers` fail
-    assert peers.main(["--ckpt", dirs[0]]) == 2
-    assert '.[peers]' in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        peers.main(["--ckpt", dirs[0]])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("peers.py: error: ") and '.[peers]' in err

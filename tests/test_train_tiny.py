@@ -37,20 +37,24 @@ def test_a_run_writes_a_complete_checkpoint(tmp_path, capsys):
     assert heads.num_heads == 4 and cfg["medusa_mini"]["eot_id"] == model.config.vocab_size - 1
 
 
-def test_the_same_seed_gives_the_same_weights(tmp_path):
-    a, b = tmp_path / "a", tmp_path / "b"
-    assert train_tiny.main(FAST + ["--out", str(a)]) == 0
+def test_the_same_seed_gives_the_same_weights(tmp_path, reference_run):
+    b = tmp_path / "b"
     assert train_tiny.main(FAST + ["--out", str(b)]) == 0
-    wa, wb = weights(a), weights(b)
+    wa, wb = weights(reference_run), weights(b)
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
-@pytest.mark.parametrize("where", ["backbone:3", "heads:2", "distill:0"])
-def test_an_interrupted_run_resumes_exactly_where_it_stopped(tmp_path, where):
-    ref, out = tmp_path / "ref", tmp_path / "out"
+@pytest.fixture(scope="module")
+def reference_run(tmp_path_factory):
+    ref = tmp_path_factory.mktemp("ref")
     assert train_tiny.main(FAST + ["--out", str(ref)]) == 0
-    flag = ["--interrupt-at", where] if where != "distill:0" else ["--interrupt-at", "heads:0"]
-    assert train_tiny.main(FAST + ["--out", str(out)] + flag) == 130
+    return ref
+
+
+@pytest.mark.parametrize("where", ["backbone:0", "backbone:3", "heads:0", "heads:2"])
+def test_an_interrupted_run_resumes_exactly_where_it_stopped(tmp_path, where, reference_run):
+    ref, out = reference_run, tmp_path / "out"
+    assert train_tiny.main(FAST + ["--out", str(out), "--interrupt-at", where]) == 130
     assert (out / "train_state.pt").exists() and (out / "config.json").exists()
     load_checkpoint(out)  # what was saved at the interruption is a usable checkpoint
     assert train_tiny.main(FAST + ["--out", str(out), "--resume"]) == 0
@@ -104,23 +108,36 @@ def test_help_lists_presets_and_every_hyper_parameter():
 
 
 @pytest.mark.slow
-def test_two_ddp_processes_keep_identical_replicas(tmp_path):
+def _torchrun(*args, port):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    r = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29533",
-         str(ROOT / "train_tiny.py"), *FAST, "--out", str(tmp_path / "ddp"), "--device", "cpu"],
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
+         str(ROOT / "train_tiny.py"), *FAST, "--device", "cpu", *args],
         capture_output=True, text=True, env=env, timeout=300,
     )
-    assert r.returncode == 0, r.stderr[-2000:]
-    sums = [line.split()[-1] for line in r.stdout.splitlines() if "weights sha256" in line]
+
+
+def _checksums(stdout):
+    return [line.split()[-1] for line in stdout.splitlines() if "weights sha256" in line]
+
+
+def test_two_ddp_processes_keep_identical_replicas_and_resume_exactly(tmp_path):
+    full = _torchrun("--out", str(tmp_path / "ddp"), port=29533)
+    assert full.returncode == 0, full.stderr[-2000:]
+    sums = _checksums(full.stdout)
     assert len(sums) == 2 and sums[0] == sums[1]
-    assert "ranks 2" in r.stdout
+    assert "ranks 2" in full.stdout
+    # interrupted on both ranks, then resumed: the same final weights as the uninterrupted run
+    out = str(tmp_path / "cut")
+    assert _torchrun("--out", out, "--interrupt-at", "heads:2", port=29534).returncode != 0
+    resumed = _torchrun("--out", out, "--resume", port=29535)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert _checksums(resumed.stdout) == sums
 
 
-def test_init_trains_heads_on_a_frozen_gpt2_layout_checkpoint(tmp_path):
+def test_init_trains_heads_on_a_frozen_gpt2_layout_checkpoint(tmp_path, reference_run):
     """--init with a local GPT-2 directory (as the hub's, but written here): heads only, backbone kept."""
-    base = tmp_path / "base"
-    assert train_tiny.main(FAST + ["--out", str(base)]) == 0
+    base = reference_run
     out = tmp_path / "heads"
     assert train_tiny.main(FAST + ["--init", str(base), "--preset", "gpt2-cpu", "--heads-steps", "3",
                                    "--distill-prompts", "4", "--out", str(out)]) == 0
@@ -136,9 +153,8 @@ def test_init_with_a_missing_model_is_a_clear_error(tmp_path, capsys):
     assert "--init" in capsys.readouterr().err
 
 
-def test_a_draft_model_can_share_another_checkpoints_tokenizer(tmp_path):
-    base, draft = tmp_path / "base", tmp_path / "draft"
-    assert train_tiny.main(FAST + ["--out", str(base)]) == 0
+def test_a_draft_model_can_share_another_checkpoints_tokenizer(tmp_path, reference_run):
+    base, draft = reference_run, tmp_path / "draft"
     assert train_tiny.main(FAST + ["--out", str(draft), "--tokenizer", str(base), "--n-layer", "1",
                                    "--vocab-size", "512"]) == 0
     assert (draft / "tokenizer.tiktoken").read_bytes() == (base / "tokenizer.tiktoken").read_bytes()

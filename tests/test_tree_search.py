@@ -291,8 +291,12 @@ def test_sweep_command_compares_expected_and_measured_and_stays_lossless(tmp_pat
     assert "accuracies: heads_accuracy.json" in out and "speedup" in out and "auto_tree" in out
 
 
-@pytest.mark.parametrize("command", [tree_search.main, sweep.main])
-def test_commands_turn_bad_input_into_one_line_and_exit_status_2(tmp_path, capsys, command):
-    assert command(["--ckpt", str(tmp_path / "missing")]) == 2
+@pytest.mark.parametrize("command, prog", [
+    (tree_search.main, "python -m medusa_mini.tree_search"), (sweep.main, "python -m medusa_mini.sweep"),
+])
+def test_commands_turn_bad_input_into_one_line_and_exit_status_2(tmp_path, capsys, command, prog):
+    with pytest.raises(SystemExit) as exc:
+        command(["--ckpt", str(tmp_path / "missing")])
+    assert exc.value.code == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: ") and err.count("\n") == 1
+    assert err.startswith(f"{prog}: error: ") and err.count("\n") == 1
