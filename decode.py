@@ -52,7 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seeds the sampling generator (default: %(default)s)")
     p.add_argument("--tree", metavar="NAME|FILE.json",
                    help="cpu, gpu, chainN, auto (sized from heads_accuracy.json and the measured step cost"
-                        " on this device) or a JSON list of choices (default: gpu on CUDA, else cpu)")
+                        " on this device) or a JSON list of choices (default: auto when the checkpoint has"
+                        " heads_accuracy.json, else gpu on CUDA and cpu on a CPU)")
     p.add_argument("--device", help="cpu or cuda (default: cuda if available, else cpu)")
     p.add_argument("--threads", type=int, metavar="N", help="torch CPU threads (default: torch's choice)")
     mode = p.add_mutually_exclusive_group()
@@ -227,7 +228,7 @@ def prepare(a: argparse.Namespace) -> tuple[Checkpoint, Tree | None, str | None,
         num_heads = ck.heads.num_heads if ck.heads is not None else None
         tree = resolve_tree(a.tree, num_heads=num_heads, ckpt_dir=a.ckpt, device=device,
                             model=ck.model, heads=ck.heads)
-        tree_name = os.path.basename(a.tree) if a.tree else default_tree_name(device)
+        tree_name = os.path.basename(a.tree) if a.tree else default_tree_name(device, a.ckpt)
     texts = a.prompt if a.prompt else load_prompts(a.ckpt)[: a.num_prompts]
     prompts = []
     for i, text in enumerate(texts, start=1):

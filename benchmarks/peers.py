@@ -65,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=128, metavar="N", help="tokens per prompt (default: 128)")
     p.add_argument("--temperature", type=float, default=0.8, metavar="T", help="sampling rows (default: 0.8)")
     p.add_argument("--seed", type=int, default=0, help="seeds every sampling row, per prompt (default: 0)")
-    p.add_argument("--tree", metavar="NAME|FILE.json", help="Medusa tree as in decode.py (default: cpu or gpu)")
+    p.add_argument("--tree", metavar="NAME|FILE.json", help="Medusa tree as in decode.py (default: auto if the checkpoint has heads_accuracy.json)")
     p.add_argument("--lookup-tokens", type=int, default=10, metavar="N",
                    help="prompt_lookup_num_tokens for prompt-lookup decoding (default: 10)")
     p.add_argument("--draft-tokens", type=int, default=20, metavar="N",
@@ -290,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
         if ck.heads is not None:
             tree = resolve_tree(a.tree, num_heads=ck.heads.num_heads, ckpt_dir=a.ckpt, device=device,
                                 model=ck.model, heads=ck.heads)
-            tree_name = os.path.basename(a.tree) if a.tree else default_tree_name(device)
+            tree_name = os.path.basename(a.tree) if a.tree else default_tree_name(device, a.ckpt)
         prompts = prepare_prompts(ck, a)
         need = max(len(ids) for ids in prompts) + a.max_new_tokens
         methods, notes = build_methods(transformers, ck, a, tree=tree, device=device, need=need)

@@ -24,6 +24,7 @@ import torch
 from .heads import HeadsConfig, MedusaHeads
 from .model import GPT, GPTConfig
 from .safetensors_io import (
+    read_json,
     SafetensorsError,
     fsync_dir,
     read_safetensors,
@@ -262,13 +263,7 @@ def save_checkpoint(
 
 
 def _read_json(path: str) -> dict:
-    if not os.path.isfile(path):
-        raise ValueError(f"{path} is missing; save the checkpoint again")
-    try:
-        with open(path, encoding="utf-8") as f:
-            obj = json.load(f)
-    except (ValueError, OSError) as e:
-        raise ValueError(f"{path} is not readable JSON ({e}); save the checkpoint again") from None
+    obj = read_json(path, hint="save the checkpoint again")
     if not isinstance(obj, dict):
         raise ValueError(f"{path} does not hold a JSON object; save the checkpoint again")
     return obj

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import codecs
-import json
 import os
 import sys
 from dataclasses import dataclass, field
@@ -25,6 +24,7 @@ from .heads import MedusaHeads
 from .model import GPT
 from .tokenizer import load_tokenizer
 from .tree import Tree, preset
+from .safetensors_io import read_json
 
 PROMPTS_FILE = "prompts.json"  # held-out prompts that training stores next to the checkpoint
 BONUS_NOTE = "tokens/step counts the bonus token (the verify pass's own next token)"
@@ -103,13 +103,7 @@ def load_for_decoding(directory: str, *, device: torch.device) -> Checkpoint:
 def load_prompts(directory: str) -> list[str]:
     """The held-out snippets stored in prompts.json: {"prompts": ["...", ...]}."""
     path = os.path.join(directory, PROMPTS_FILE)
-    if not os.path.isfile(path):
-        raise ValueError(f"{path} is missing; pass prompts with --prompt TEXT")
-    try:
-        with open(path, encoding="utf-8") as f:
-            obj = json.load(f)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{path} is not readable JSON ({e})") from None
+    obj = read_json(path, hint="pass prompts with --prompt TEXT")
     prompts = obj.get("prompts") if isinstance(obj, dict) else None
     if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) for p in prompts):
         raise ValueError(f'{path} must hold {{"prompts": ["text", ...]}} with at least one prompt')
@@ -132,17 +126,21 @@ def encode_prompt(enc: tiktoken.Encoding, text: str, *, block_size: int) -> list
 # ---- trees -----------------------------------------------------------------------------------
 
 
-def default_tree_name(device: torch.device) -> str:
-    # On a GPU a 64-node verify pass costs about one step; on a CPU every node costs time.
+def default_tree_name(device: torch.device, ckpt_dir: str | None = None) -> str:
+    """'auto' when the checkpoint has measured head accuracies, else the device's preset.
+
+    On a GPU a 64-node verify pass costs about one step; on a CPU every node costs time, and the
+    right size depends on the heads and the machine, which is what 'auto' measures.
+    """
+    from .tree_search import ACCURACY_FILE  # tree_search uses this module: import late
+
+    if ckpt_dir is not None and os.path.isfile(os.path.join(ckpt_dir, ACCURACY_FILE)):
+        return "auto"
     return "gpu" if device.type == "cuda" else "cpu"
 
 
 def _tree_from_json(path: str, *, num_heads: int | None) -> Tree:
-    try:
-        with open(path, encoding="utf-8") as f:
-            obj = json.load(f)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"tree file {path} is not readable JSON ({e})") from None
+    obj = read_json(path, hint='a tree file holds [[0], [1], [0, 0], ...] or {"choices": [...]}')
     choices = obj.get("choices") if isinstance(obj, dict) else obj
     if not isinstance(choices, list):
         raise ValueError(f'tree file {path} must hold a list of choices or {{"choices": [[0], [0, 1], ...]}}')
@@ -185,7 +183,7 @@ def resolve_tree(
     None means the device's default. A relative file name is looked up in the working directory,
     then in the checkpoint directory. The tree must not be deeper than the model has heads.
     """
-    spec = spec or default_tree_name(device)
+    spec = spec or default_tree_name(device, ckpt_dir)
     if spec == "auto":
         tree = tree_from_accuracy_and_cost(ckpt_dir=ckpt_dir, model=model, heads=heads, device=device)
     elif spec.endswith(".json") or os.path.sep in spec:

@@ -129,6 +129,18 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     _replace_with(stage_file(path, lambda f: f.write(text.encode("utf-8"))), path)
 
 
+def read_json(path: str | os.PathLike, *, hint: str) -> object:
+    """The JSON value in `path`, or a one-line ValueError that names the file and says `hint` (the fix)."""
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise ValueError(f"{path} is missing; {hint}")
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path} is not readable JSON ({e}); {hint}") from None
+
+
 def write_safetensors(
     path: str | os.PathLike, tensors: dict[str, torch.Tensor], *, metadata: dict[str, str] | None = None
 ) -> None:

@@ -20,6 +20,7 @@ from .data import get_batch
 from .safetensors_io import atomic_write_text
 from .training import head_targets, sample_continuations
 from .tree import preset
+from .tree_search import build_tree, expected_tokens_per_step, measure_head_accuracy, save_accuracy
 
 # Official Medusa-1 heads on Vicuna-7B, top-1 accuracy of heads 1-4 (paper and its repository).
 OFFICIAL_TOP1 = (0.56, 0.32, 0.20, 0.15)
@@ -56,8 +57,6 @@ def text_accuracy(model, heads, val_tokens: np.ndarray, *, batches: int = 8, bat
 
 def summarize(run, model, heads, enc, val_docs, val_tokens: np.ndarray) -> dict:
     """Measure, print and save (heads_accuracy.json) the trained model's figures; return them."""
-    from .tree_search import build_tree, expected_tokens_per_step, measure_head_accuracy, save_accuracy
-
     args = run.args
     model.eval()
     heads.eval()

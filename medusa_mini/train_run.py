@@ -25,7 +25,7 @@ from .gpt2_heads import init_backbone, save_tokenizer_for
 from .heads import HeadsConfig, MedusaHeads
 from .model import GPT, GPTConfig
 from .tokenizer import load_tokenizer, make_encoding, save_tokenizer, train_bpe
-from .train_config import FLAG_HELP, PRESETS, TrainArgs, TrainError  # noqa: F401  (re-exported)
+from .train_config import TrainArgs, TrainError
 from .train_report import held_out_prompts, summarize
 from .training import MedusaLM, cosine_lr, lambda_schedule, sample_continuations
 

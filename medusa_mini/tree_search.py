@@ -29,7 +29,7 @@ import torch
 from .cli_common import PROMPTS_FILE, OneLineParser, load_for_decoding, load_prompts, pick_device
 from .decoding import medusa_step, prefill, sync_device
 from .model import GPT, KVCache
-from .safetensors_io import atomic_write_text
+from .safetensors_io import atomic_write_text, read_json
 from .training import sample_continuations
 from .tree import Tree
 
@@ -133,13 +133,7 @@ def save_accuracy(directory: str | os.PathLike, acc: torch.Tensor, *, meta: dict
 def load_accuracy(directory: str | os.PathLike) -> torch.Tensor:
     """acc [K, R] float64 from heads_accuracy.json; a one-line ValueError for a missing or bad file."""
     path = os.path.join(os.fspath(directory), ACCURACY_FILE)
-    if not os.path.isfile(path):
-        raise ValueError(f"{path} is missing; run python -m medusa_mini.tree_search --ckpt {directory}")
-    try:
-        with open(path, encoding="utf-8") as f:
-            obj = json.load(f)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{path} is not readable JSON ({e}); measure the accuracy again") from None
+    obj = read_json(path, hint=f"measure it with python -m medusa_mini.tree_search --ckpt {directory}")
     acc = obj.get("acc") if isinstance(obj, dict) else None
     rows = acc if isinstance(acc, list) and acc and all(isinstance(row, list) for row in acc) else [[]]
     numbers = all(isinstance(x, (int, float)) and not isinstance(x, bool) for row in rows for x in row)

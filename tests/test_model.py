@@ -3,7 +3,6 @@
 import pytest
 import torch
 
-from conftest import tiny_model
 from medusa_mini.model import GPT, GPTConfig, KVCache, compact_kv_cache
 from medusa_mini.tree import Tree
 

@@ -1,7 +1,6 @@
 """Trees from choices (paper §2.1.2, Fig. 2): structure, the ancestor mask, validation, presets."""
 
 import pytest
-import torch
 
 from medusa_mini.tree import CPU_CHOICES, GPU_CHOICES, Tree, chain, preset
 
