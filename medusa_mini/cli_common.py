@@ -169,7 +169,7 @@ def tree_from_accuracy_and_cost(*, ckpt_dir: str, model, heads, device: torch.de
     if heads is None:
         raise ValueError("--tree auto needs Medusa heads in the checkpoint")
     acc = load_accuracy(ckpt_dir)
-    cost = measure_verify_cost(model, heads=heads, device=device)
+    cost = measure_verify_cost(model, heads=heads, device=device, repeat=9)
     tree, why = auto_tree(acc, cost)
     print(f"--tree auto (measured on {device}):\n{why}", file=sys.stderr)
     return tree
