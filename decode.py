@@ -35,6 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="checkpoint directory (default: %(default)s)")
     p.add_argument("--prompt", action="append", metavar="TEXT",
                    help="prompt text; repeat for several (default: the checkpoint's prompts.json)")
+    p.add_argument("--first-prompt", type=int, default=0, metavar="I",
+                   help="index of the first stored prompt to use (default: 0)")
     p.add_argument("--num-prompts", type=int, default=8, metavar="N",
                    help="how many stored prompts to use (default: %(default)s)")
     p.add_argument("--max-new-tokens", type=int, default=128, metavar="N",
@@ -70,6 +72,8 @@ def check_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     """Reject impossible settings before any loading; fill in the temperature default."""
     if a.max_new_tokens < 1:
         p.error(f"--max-new-tokens must be at least 1, not {a.max_new_tokens}")
+    if a.first_prompt < 0:
+        p.error(f"--first-prompt must be >= 0, not {a.first_prompt}")
     if a.num_prompts < 1:
         p.error(f"--num-prompts must be at least 1, not {a.num_prompts}")
     if a.temperature is not None and a.temperature < 0:
@@ -229,7 +233,10 @@ def prepare(a: argparse.Namespace) -> tuple[Checkpoint, Tree | None, str | None,
         tree = resolve_tree(a.tree, num_heads=num_heads, ckpt_dir=a.ckpt, device=device,
                             model=ck.model, heads=ck.heads)
         tree_name = os.path.basename(a.tree) if a.tree else default_tree_name(device, a.ckpt)
-    texts = a.prompt if a.prompt else load_prompts(a.ckpt)[: a.num_prompts]
+    stored = [] if a.prompt else load_prompts(a.ckpt)
+    if not a.prompt and a.first_prompt >= len(stored):
+        raise ValueError(f"--first-prompt {a.first_prompt}: {PROMPTS_FILE} holds {len(stored)} prompts")
+    texts = a.prompt if a.prompt else stored[a.first_prompt : a.first_prompt + a.num_prompts]
     prompts = []
     for i, text in enumerate(texts, start=1):
         try:

@@ -280,3 +280,14 @@ def test_tree_auto_builds_from_measured_accuracy_and_step_cost(tmp_path, capsys)
     assert "--tree auto" in captured.err and "chose" in captured.err
     row = json.loads(captured.out.splitlines()[0])
     assert len(row["tokens"]) == 8
+
+
+def test_first_prompt_selects_which_stored_prompt_is_used(tmp_path, capsys):
+    ckpt = str(tmp_path / "ck")
+    save_tiny(ckpt, with_heads=True)
+    assert decode.main(["--ckpt", ckpt, "--json", "--first-prompt", "2", "--num-prompts", "1",
+                        "--max-new-tokens", "4"]) == 0
+    assert json.loads(capsys.readouterr().out.splitlines()[0])["prompt"] == PROMPTS[2]
+    with pytest.raises(SystemExit) as exc:
+        decode.main(["--ckpt", ckpt, "--first-prompt", "9"])
+    assert exc.value.code == 2 and "holds 3 prompts" in capsys.readouterr().err
