@@ -14,18 +14,24 @@ checkpoint directory that decode.py reads.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
-import torch
-
-import os
-
+from medusa_mini.cli_common import OneLineParser, pick_device
 from medusa_mini.train_config import FLAG_HELP, PRESETS, TrainArgs, TrainError
 from medusa_mini.train_run import STATE_FILE, run
 
 
+def _bool(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes"):
+        return True
+    if text.lower() in ("0", "false", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, not {text!r}")
+
+
 def parse_args(argv: list[str] | None = None) -> TrainArgs:
-    p = argparse.ArgumentParser(
+    p = OneLineParser(
         description=__doc__.split("\n\n")[0],
     )
     p.add_argument("--preset", choices=sorted(PRESETS),
@@ -45,14 +51,20 @@ def parse_args(argv: list[str] | None = None) -> TrainArgs:
     for name, default in TrainArgs.overridable().items():
         flag = "--" + name.replace("_", "-")
         kind = type(default)
-        text = FLAG_HELP.get(name, "") + f" (cpu preset: {default})"
+        text = FLAG_HELP.get(name, "") + f" (the preset's; cpu: {default})"
         if kind is bool:
-            hp.add_argument(flag, type=lambda s: s.lower() in ("1", "true", "yes"), metavar="BOOL", help=text)
+            hp.add_argument(flag, type=_bool, metavar="BOOL", help=text)
         else:
             hp.add_argument(flag, type=kind, metavar=kind.__name__.upper(), help=text)
     p.add_argument("--interrupt-at", help=argparse.SUPPRESS)  # tests: simulate Ctrl-C at STAGE:STEP
     ns = p.parse_args(argv)
-    device = ns.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = str(pick_device(ns.device))
+    except ValueError as e:
+        p.error(str(e))
+    for name in ("threads", "save_every"):
+        if getattr(ns, name) is not None and getattr(ns, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1")
     if ns.init:
         preset = ns.preset or ("gpt2" if device.startswith("cuda") else "gpt2-cpu")
     else:

@@ -75,6 +75,12 @@ def compact_kv_cache(cache: KVCache, keep: torch.Tensor, *, start: int) -> None:
 
 
 class CausalSelfAttention(nn.Module):
+    """Multi-head attention over the cached prefix and the new tokens, under an explicit mask.
+
+    With a tree mask this is the paper's tree attention (§2.1.2): every node attends to the prefix, to
+    itself and to its ancestors, so N candidate continuations share one forward pass.
+    """
+
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.n_head = config.n_head
@@ -97,7 +103,8 @@ class CausalSelfAttention(nn.Module):
         k = k.view(B, T, self.n_head, hs).transpose(1, 2)  # [B, nh, T, hs]
         v = v.view(B, T, self.n_head, hs).transpose(1, 2)  # [B, nh, T, hs]
         if layer_kv is not None:
-            # layer_kv: [2, B, nh, max_len, hs]; write the new slots, attend over the whole prefix.
+            # layer_kv [2, B, nh, max_len, hs]: slots are written in place (no torch.cat per step), so
+            # the cache never moves and the new tokens see every earlier slot.
             layer_kv[0, :, :, start : start + T] = k
             layer_kv[1, :, :, start : start + T] = v
             k = layer_kv[0, :, :, : start + T]  # [B, nh, L + T, hs]
@@ -108,6 +115,8 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
+    """GPT-2's feed-forward block: C -> 4C -> C."""
+
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd)
@@ -119,6 +128,8 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
+    """A pre-LayerNorm transformer block: x + attn(ln_1(x)), then + mlp(ln_2(x))."""
+
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.ln_1 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)

@@ -94,10 +94,12 @@ def test_bad_data_is_a_one_line_error_and_writes_nothing(tmp_path, capsys, kind)
 
 
 def test_bad_hyper_parameters_exit_with_code_2(tmp_path):
-    for bad in (["--n-embd", "30", "--n-head", "4"], ["--lr", "-1"], ["--distill-temperatures", "hot"]):
+    for bad in (["--n-embd", "30", "--n-head", "4"], ["--lr", "-1"], ["--distill-temperatures", "hot"],
+                ["--device", "tpu9"], ["--own-lm-head", "maybe"], ["--threads", "0"]):
         r = subprocess.run([sys.executable, str(ROOT / "train_tiny.py"), *FAST, *bad, "--out", str(tmp_path / "x")],
                            capture_output=True, text=True)
-        assert r.returncode == 2 and "error" in r.stderr, (bad, r.stderr)
+        assert r.returncode == 2 and r.stderr.startswith("train_tiny.py: error:"), (bad, r.stderr)
+        assert len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
 def test_help_lists_presets_and_every_hyper_parameter():
