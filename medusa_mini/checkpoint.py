@@ -231,10 +231,13 @@ def save_checkpoint(
     heads: MedusaHeads | None = None,
     extra: dict | None = None,
     eos_token_id: int | None = None,
+    write_model: bool = True,
 ) -> None:
     """Save `model` (and `heads`) as a GPT-2 directory; `extra` (JSON) goes in config.json["medusa_mini"].
 
     `eos_token_id` becomes GPT-2's bos/eos ids (GPT-2 uses one token, 50256, for both).
+    write_model=False keeps the model.safetensors already there: a frozen backbone (up to gigabytes
+    for gpt2-xl) need not be copied again at every save of its heads.
     """
     directory = os.fspath(directory)
     os.makedirs(directory, exist_ok=True)
@@ -242,7 +245,11 @@ def save_checkpoint(
     config["torch_dtype"] = str(model.transformer.wte.weight.dtype).removeprefix("torch.")
     config["medusa_mini"] = extra or {}
     # transformers refuses safetensors files whose metadata lacks format "pt".
-    jobs = [(WEIGHTS_FILE, lambda f: write_safetensors_to(f, gpt2_state_dict(model), {"format": "pt"}))]
+    if not write_model and not os.path.isfile(os.path.join(directory, WEIGHTS_FILE)):
+        write_model = True  # nothing to keep yet
+    jobs = []
+    if write_model:
+        jobs.append((WEIGHTS_FILE, lambda f: write_safetensors_to(f, gpt2_state_dict(model), {"format": "pt"})))
     if heads is not None:
         jobs.append((HEADS_FILE, lambda f: write_safetensors_to(f, heads.state_dict(), {"format": "pt"})))
         jobs.append((HEADS_CONFIG_FILE, _json_writer(heads.config.to_dict())))

@@ -76,7 +76,8 @@ class Run:
                  "model": None if frozen else self.model.state_dict(), "heads": self.heads.state_dict(),
                  "optim": optimizer.state_dict() if optimizer is not None else None, **mine}
         _save_atomic(state, self.state_path)
-        save_checkpoint(self.args.out, self.model, heads=self.heads, extra=self.extra, eos_token_id=self.eot_id)
+        save_checkpoint(self.args.out, self.model, heads=self.heads, extra=self.extra, eos_token_id=self.eot_id,
+                        write_model=not frozen)
 
     def load_state(self) -> dict:
         if not os.path.isfile(self.state_path):
@@ -330,7 +331,8 @@ def run(args: TrainArgs) -> None:
     if r.main:
         r.extra.update(summarize(r, model, heads, enc, val_docs, val_tokens))
         held_out_prompts(args.out, val_docs, enc, count=args.eval_prompts, seed=args.seed, block_size=cfg.block_size)
-        save_checkpoint(args.out, model, heads=heads, extra=r.extra, eos_token_id=r.eot_id)
+        save_checkpoint(args.out, model, heads=heads, extra=r.extra, eos_token_id=r.eot_id,
+                        write_model=not args.init)
         r.log(f"saved      {args.out}  (python decode.py --ckpt {args.out} --compare)")
     if r.world > 1:
         dist.barrier()

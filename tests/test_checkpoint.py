@@ -352,3 +352,22 @@ def test_transformers_loads_a_saved_checkpoint_with_equal_logits(tmp_path):
     hf = transformers.GPT2LMHeadModel.from_pretrained(tmp_path).eval()
     with torch.no_grad():
         assert torch.allclose(hf(IDS).logits, outputs(model)[0], atol=1e-4)
+
+
+def test_saving_heads_again_can_keep_the_backbone_file_untouched(tmp_path):
+    from medusa_mini.checkpoint import load_checkpoint, save_checkpoint
+    from medusa_mini.heads import HeadsConfig, MedusaHeads
+    from medusa_mini.model import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=40, block_size=16, n_layer=1, n_head=2, n_embd=16))
+    heads = MedusaHeads(HeadsConfig(num_heads=2, n_embd=16, vocab_size=40))
+    save_checkpoint(tmp_path, model, heads=heads)
+    weights = tmp_path / "model.safetensors"
+    before = (weights.stat().st_mtime_ns, weights.read_bytes())
+    with torch.no_grad():
+        heads.blocks[0].linear.bias.fill_(0.5)
+    save_checkpoint(tmp_path, model, heads=heads, write_model=False)
+    assert (weights.stat().st_mtime_ns, weights.read_bytes()) == before
+    _, loaded, _ = load_checkpoint(tmp_path)
+    assert torch.all(loaded.blocks[0].linear.bias == 0.5)

@@ -150,6 +150,17 @@ def test_init_trains_heads_on_a_frozen_gpt2_layout_checkpoint(tmp_path, referenc
     assert (out / "tokenizer.tiktoken").exists()
 
 
+def test_heads_on_a_frozen_backbone_resume_exactly(tmp_path, reference_run):
+    args = FAST + ["--init", str(reference_run), "--preset", "gpt2-cpu", "--heads-steps", "4",
+                   "--distill-prompts", "4"]
+    ref, out = tmp_path / "ref", tmp_path / "out"
+    assert train_tiny.main(args + ["--out", str(ref)]) == 0
+    assert train_tiny.main(args + ["--out", str(out), "--interrupt-at", "heads:2"]) == 130
+    assert train_tiny.main(args + ["--out", str(out), "--resume"]) == 0
+    wr, wo = weights(ref), weights(out)
+    assert all(torch.equal(wr[k], wo[k]) for k in wr)
+
+
 def test_init_with_a_missing_model_is_a_clear_error(tmp_path, capsys):
     assert train_tiny.main(FAST + ["--init", str(tmp_path / "nope"), "--out", str(tmp_path / "o")]) == 2
     assert "--init" in capsys.readouterr().err
