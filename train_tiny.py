@@ -6,7 +6,7 @@ backbone writes continuations of corpus prompts) -> heads on that text (backbone
 checkpoint directory that decode.py reads.
 
     python train_tiny.py                  # picks --preset gpu or cpu by the device
-    python train_tiny.py --preset smoke   # about a minute on two CPU cores
+    python train_tiny.py --preset smoke   # under a minute on two CPU cores
     python train_tiny.py --init gpt2 --out out/gpt2   # Medusa heads on GPT-2 (downloads it once)
     torchrun --nproc_per_node 2 train_tiny.py --preset smoke   # DDP (gloo on CPU, NCCL on GPU)
 """

@@ -115,7 +115,7 @@ FLAG_HELP = {
 }
 
 PRESETS: dict[str, dict] = {
-    # about a minute on two CPU cores: proves the pipeline end to end, not a useful model
+    # under a minute on two CPU cores: proves the pipeline end to end, not a useful model
     "smoke": dict(max_bytes=300_000, vocab_size=512, n_layer=2, n_head=2, n_embd=64, block_size=128,
                   batch_size=8, backbone_steps=120, distill_prompts=64, distill_prompt_len=16,
                   distill_tokens=48, heads_steps=80, heads_batch_size=16, eval_prompts=4),

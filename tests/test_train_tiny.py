@@ -172,3 +172,21 @@ def test_a_draft_model_can_share_another_checkpoints_tokenizer(tmp_path, referen
                                    "--vocab-size", "512"]) == 0
     assert (draft / "tokenizer.tiktoken").read_bytes() == (base / "tokenizer.tiktoken").read_bytes()
     assert load_checkpoint(draft)[0].config.vocab_size == load_checkpoint(base)[0].config.vocab_size
+
+
+@pytest.mark.slow
+def test_smoke_preset_end_to_end_medusa_greedy_equals_plain_greedy(tmp_path, capsys):
+    """The user's path in small: train the smoke preset, then decode.py --compare --json on it."""
+    import json
+
+    import decode
+
+    out = tmp_path / "smoke"
+    assert train_tiny.main(["--preset", "smoke", "--out", str(out), "--log-every", "1000"]) == 0
+    capsys.readouterr()
+    assert decode.main(["--ckpt", str(out), "--compare", "--json", "--max-new-tokens", "48", "--threads", "1"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    rows = {row["key"]: row for row in result["rows"]}
+    assert rows["plain_greedy"]["tokens"] == rows["medusa_greedy"]["tokens"]
+    assert rows["medusa_greedy"]["same_as_plain_greedy"] is True
+    assert rows["medusa_greedy"]["tokens_per_step"] > 1.0 and rows["plain_greedy"]["tokens_per_step"] == 1.0
