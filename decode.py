@@ -199,11 +199,13 @@ def compare(
 
 
 def format_compare(result: dict) -> str:
-    head = f"{'method':<28}{'steps':>7}{'tokens/step':>13}{'ms/token':>10}{'speedup':>9}  same as plain greedy"
+    head = (f"{'method':<28}{'tokens':>7}{'steps':>7}{'tokens/step':>13}{'ms/token':>10}{'speedup':>9}"
+            "  same as plain greedy")
     lines = [head, "-" * len(head)]
     for r in result["rows"]:
         same = "-" if r["same_as_plain_greedy"] is None else ("yes" if r["same_as_plain_greedy"] else "no")
-        lines.append(f"{r['method']:<28}{r['steps']:>7}{r['tokens_per_step']:>13.2f}{r['ms_per_token']:>10.2f}"
+        lines.append(f"{r['method']:<28}{r['new_tokens']:>7}{r['steps']:>7}{r['tokens_per_step']:>13.2f}"
+                     f"{r['ms_per_token']:>10.2f}"
                      f"{r['speedup']:>8.2f}x  {same}")
     top_p = f", top-p {result['top_p']:g}" if result["top_p"] < 1 else ""
     threads = f"{result['threads']} thread" + ("s" if result["threads"] != 1 else "")
@@ -211,9 +213,10 @@ def format_compare(result: dict) -> str:
                  f"({result['tree_nodes']} nodes incl. root); {result['prompts']} prompts; "
                  f"max-new-tokens {result['max_new_tokens']}{top_p}")
     lines.append(f"Note: {result['note']};\nplain decoding is exactly 1.00. ms/token includes the prefill.")
-    at_limit = sum(r.count("context") for r in (row["stop_reasons"] for row in result["rows"]))
-    if at_limit:
-        lines.append(f"{at_limit} generations stopped at the context limit.")
+    for reason, what in (("context", "at the context limit"), ("eos", "at the end-of-text token")):
+        stopped = sum(row["stop_reasons"].count(reason) for row in result["rows"])
+        if stopped:
+            lines.append(f"{stopped} generations stopped {what} (the tokens column counts what each row made).")
     return "\n".join(lines)
 
 

@@ -12,7 +12,8 @@ and prompt-lookup decoding also verifies the first draft); tokens/step = (new to
 steps, bonus token counted, as decode.py --compare counts them.
 
 The draft for assisted decoding shares the checkpoint's tokenizer:
-    python train_tiny.py --tokenizer out/tiny --out out/draft --n-layer 2 --n-embd 128
+    python train_tiny.py --tokenizer out/tiny --out out/draft --n-layer 1 --n-head 4 --n-embd 128 \
+        --medusa 1 --heads-steps 0 --distill-prompts 64
 Needs transformers: pip install -e ".[peers]".
 """
 

@@ -105,7 +105,9 @@ def typical_accept(
 
     H is the entropy of p at the parent. A candidate is accepted if it and all its ancestors pass;
     the longest accepted path wins, ties broken by the larger sum of log p along it. The bonus is
-    drawn from p at the last accepted node (after top-p, like every other sampled token). Faster than rejection sampling on flat distributions but
+    drawn from p at the last accepted node (after top-p, like every other sampled token). The test
+    itself uses p without top-p, as the paper states it: with top-p < 1 a candidate outside the
+    nucleus can still be accepted, one more way in which typical acceptance is not p's distribution. Faster than rejection sampling on flat distributions but
     not distribution-preserving; at temperature 0 it is greedy acceptance.
     """
     if temperature == 0:

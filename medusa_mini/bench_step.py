@@ -199,7 +199,7 @@ def format_table(results: dict[str, dict], *, header: list[str], warmup: int) ->
     row("heads (4), shared lm_head", [results[n]["heads_ms"]["shared"] for n in names])
     row("heads (4), own lm_heads", [results[n]["heads_ms"]["own"] for n in names])
     for tree, info in first["medusa"].items():
-        row(f"Medusa step, {tree} tree ({info['nodes']} nodes)", [results[n]["medusa"][tree]["ms"] for n in names])
+        row(f"Medusa step, {tree} tree ({info['nodes']} nodes incl. root)", [results[n]["medusa"][tree]["ms"] for n in names])
         row("  / plain step", [results[n]["medusa"][tree]["ratio"] for n in names], "x")
         rows.append(("  accepted nodes (random weights)", [str(results[n]["medusa"][tree]["accepted"]) for n in names]))
 

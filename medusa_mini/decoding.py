@@ -157,6 +157,8 @@ def accept(
     top_p: float, epsilon: float, delta: float, generator: torch.Generator | None,
 ) -> tuple[list[int], int]:
     """Dispatch to one acceptance rule (see acceptance.py)."""
+    if rule not in ACCEPTANCE_RULES:
+        raise ValueError(f"unknown acceptance rule {rule!r}: use greedy, typical or rejection")
     if rule == "greedy" or temperature == 0:
         return greedy_accept(tree, tokens, logits)
     if rule == "rejection":

@@ -54,6 +54,7 @@ class Run:
         self.main = self.rank == 0
         self.state_path = os.path.join(args.out, STATE_FILE)
         self.stop_requested = False
+        self.model_written = False  # a frozen backbone is written once per run, then left alone
 
     def log(self, msg: str) -> None:
         if self.main:
@@ -77,7 +78,8 @@ class Run:
                  "optim": optimizer.state_dict() if optimizer is not None else None, **mine}
         _save_atomic(state, self.state_path)
         save_checkpoint(self.args.out, self.model, heads=self.heads, extra=self.extra, eos_token_id=self.eot_id,
-                        write_model=not frozen)
+                        write_model=not (frozen and self.model_written))
+        self.model_written = True
 
     def load_state(self) -> dict:
         if not os.path.isfile(self.state_path):
@@ -332,7 +334,7 @@ def run(args: TrainArgs) -> None:
         r.extra.update(summarize(r, model, heads, enc, val_docs, val_tokens))
         held_out_prompts(args.out, val_docs, enc, count=args.eval_prompts, seed=args.seed, block_size=cfg.block_size)
         save_checkpoint(args.out, model, heads=heads, extra=r.extra, eos_token_id=r.eot_id,
-                        write_model=not args.init)
+                        write_model=not (args.init and r.model_written))
         r.log(f"saved      {args.out}  (python decode.py --ckpt {args.out} --compare)")
     if r.world > 1:
         dist.barrier()

@@ -44,7 +44,7 @@ def test_table_lists_every_row(result):
     assert text.startswith("header line")
     for n in NODES:
         assert f"verify, N = {n}" in text
-    assert "Medusa step, cpu tree (12 nodes)" in text and "/ plain step" in text
+    assert "Medusa step, cpu tree (12 nodes incl. root)" in text and "/ plain step" in text
 
 
 def test_json_output_parses(capsys):

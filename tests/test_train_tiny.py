@@ -190,3 +190,14 @@ def test_smoke_preset_end_to_end_medusa_greedy_equals_plain_greedy(tmp_path, cap
     assert rows["plain_greedy"]["tokens"] == rows["medusa_greedy"]["tokens"]
     assert rows["medusa_greedy"]["same_as_plain_greedy"] is True
     assert rows["medusa_greedy"]["tokens_per_step"] > 1.0 and rows["plain_greedy"]["tokens_per_step"] == 1.0
+
+
+def test_heads_on_a_new_backbone_replace_an_older_run_in_the_same_folder(tmp_path, reference_run):
+    out = tmp_path / "reused"
+    assert train_tiny.main(FAST + ["--out", str(out), "--n-embd", "48", "--backbone-steps", "2"]) == 0
+    assert train_tiny.main(FAST + ["--init", str(reference_run), "--preset", "gpt2-cpu", "--heads-steps", "2",
+                                   "--distill-prompts", "4", "--out", str(out)]) == 0
+    m0, _, _ = load_checkpoint(reference_run)
+    m1, _, _ = load_checkpoint(out)
+    assert m1.config == m0.config
+    assert all(torch.equal(a, b) for a, b in zip(m0.state_dict().values(), m1.state_dict().values()))
