@@ -58,9 +58,6 @@ class KVCache:
         )
         self.length = 0
 
-    def reset(self) -> None:
-        self.length = 0
-
 
 def compact_kv_cache(cache: KVCache, keep: torch.Tensor, *, start: int) -> None:
     """Keep only the accepted path (paper §2.1.2): copy slots `keep` [A] to [start, start + A).

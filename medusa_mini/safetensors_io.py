@@ -122,11 +122,17 @@ def _replace_with(tmp: str, path: str) -> None:
     fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
-def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    """Write `text` to `path` as UTF-8, atomically: readers see the old file or the new one."""
+def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) -> None:
+    """Call `write` on a temporary sibling of `path`, then rename it over `path`: readers see the old
+    file or the new one, never half of one, and a failure leaves the old file in place."""
     path = os.fspath(path)
+    _replace_with(stage_file(path, write), path)
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    """Write `text` to `path` as UTF-8, atomically."""
     # Bytes, not a text-mode file: newlines stay "\n" on every platform.
-    _replace_with(stage_file(path, lambda f: f.write(text.encode("utf-8"))), path)
+    atomic_write(path, lambda f: f.write(text.encode("utf-8")))
 
 
 def read_json(path: str | os.PathLike, *, hint: str) -> object:
@@ -146,8 +152,7 @@ def write_safetensors(
 ) -> None:
     """Write `tensors` as a safetensors file, atomically: readers see the old file or the new one."""
     _require_little_endian()
-    path = os.fspath(path)
-    _replace_with(stage_file(path, lambda f: write_safetensors_to(f, tensors, metadata)), path)
+    atomic_write(path, lambda f: write_safetensors_to(f, tensors, metadata))
 
 
 # ----------------------------------------------------------------------------- safetensors: read

@@ -24,19 +24,13 @@ from .data import encode_documents, get_batch, load_corpus, split_documents
 from .gpt2_heads import init_backbone, save_tokenizer_for
 from .heads import HeadsConfig, MedusaHeads
 from .model import GPT, GPTConfig
+from .safetensors_io import atomic_write
 from .tokenizer import load_tokenizer, make_encoding, save_tokenizer, train_bpe
 from .train_config import TrainArgs, TrainError
 from .train_report import held_out_prompts, summarize
 from .training import MedusaLM, cosine_lr, lambda_schedule, sample_continuations
 
 STATE_FILE = "train_state.pt"
-STAGES = ("backbone", "distill", "heads", "done")
-
-
-def _save_atomic(obj: dict, path: str) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
 
 
 class Run:
@@ -68,7 +62,7 @@ class Run:
         mine = {"gen": gen.get_state() if gen is not None else None,
                 "distill": distill.cpu() if distill is not None else None}
         if self.world > 1:
-            _save_atomic(mine, self._rank_path())
+            atomic_write(self._rank_path(), lambda f: torch.save(mine, f))
             dist.barrier()
         if not self.main:
             return
@@ -76,7 +70,7 @@ class Run:
         state = {"identity": self.args.identity(), "world": self.world, "stage": stage, "step": step,
                  "model": None if frozen else self.model.state_dict(), "heads": self.heads.state_dict(),
                  "optim": optimizer.state_dict() if optimizer is not None else None, **mine}
-        _save_atomic(state, self.state_path)
+        atomic_write(self.state_path, lambda f: torch.save(state, f))
         save_checkpoint(self.args.out, self.model, heads=self.heads, extra=self.extra, eos_token_id=self.eot_id,
                         write_model=not (frozen and self.model_written))
         self.model_written = True

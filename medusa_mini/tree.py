@@ -107,21 +107,21 @@ class Tree:
         return k
 
     @cached_property
-    def _on_device(self) -> dict:
+    def _memo(self) -> dict:
         return {}
 
     def cached(self, what: str, device: torch.device | str = "cpu") -> torch.Tensor:
         """`what` ("depths", "ancestor_mask", "head", "rank") on `device`, built once: decoding asks
         for the same tree's tensors every step, and rebuilding them cost a tenth of a tiny model's step."""
         key = (what, str(device))
-        if key not in self._on_device:
+        if key not in self._memo:
             if what in ("head", "rank"):
                 head, rank = self.node_head_rank(device)
-                self._on_device[("head", str(device))] = head
-                self._on_device[("rank", str(device))] = rank
+                self._memo[("head", str(device))] = head
+                self._memo[("rank", str(device))] = rank
             else:
-                self._on_device[key] = getattr(self, what)(device)
-        return self._on_device[key]
+                self._memo[key] = getattr(self, what)(device)
+        return self._memo[key]
 
     def depths(self, device: torch.device | str = "cpu") -> torch.Tensor:
         """[N] long: position offset of each node from the root (positions = prefix_len + depth)."""
@@ -162,8 +162,14 @@ class Tree:
         return idx.to(device), valid.to(device)
 
     def truncated(self, max_depth: int) -> "Tree":
-        """The subtree of nodes at depth <= max_depth (used near the context limit)."""
-        return Tree(tuple(c for c in self.choices if len(c) <= max_depth))
+        """The subtree of nodes at depth <= max_depth (used near the context limit).
+
+        Kept per depth, so the last steps of a generation reuse its tensors instead of rebuilding them.
+        """
+        key = ("truncated", max_depth)
+        if key not in self._memo:
+            self._memo[key] = Tree(tuple(c for c in self.choices if len(c) <= max_depth))
+        return self._memo[key]
 
     def check_heads(self, num_heads: int) -> None:
         """A clear error when the tree needs more heads than the model has."""
