@@ -20,7 +20,7 @@ import torch
 
 from medusa_mini.cli_common import (
     BONUS_NOTE, PROMPTS_FILE, Checkpoint, OneLineParser, StepPrinter, default_tree_name, encode_prompt,
-    load_for_decoding, load_prompts, pick_device, resolve_tree, stat_line, use_color,
+    TreeChoice, load_for_decoding, load_prompts, pick_device, resolve_trees, stat_line, use_color,
 )
 from medusa_mini.decoding import GenerationStats, generate, medusa_generate
 from medusa_mini.explain import explain_step
@@ -158,7 +158,7 @@ def json_each(
 
 
 def compare(
-    ck: Checkpoint, prompts: list[tuple[str, list[int]]], a: argparse.Namespace, tree: Tree, tree_name: str
+    ck: Checkpoint, prompts: list[tuple[str, list[int]]], a: argparse.Namespace, trees: TreeChoice, tree_name: str
 ) -> dict:
     """Five ways to decode the same prompts, timed in the same run; one dict of rows and settings."""
     t = a.temperature if a.temperature > 0 else SAMPLING_TEMPERATURE
@@ -167,14 +167,14 @@ def compare(
              ("medusa_rejection", "medusa", "rejection", t)]
     first = prompts[0][1]
     for method in ("plain", "medusa"):  # untimed: the first calls pay for allocation and kernel setup
-        run(ck, first, a, method=method, acceptance="greedy", temperature=0.0, tree=tree,
+        run(ck, first, a, method=method, acceptance="greedy", temperature=0.0, tree=trees.greedy,
             max_new_tokens=min(a.max_new_tokens, 8))
     # Prompt-major order: a load spike on a shared machine then slows every method alike.
     results: dict[str, list[tuple[list[int], GenerationStats]]] = {key: [] for key, *_ in specs}
     for _, ids in prompts:
         for key, method, acceptance, temperature in specs:
             results[key].append(run(ck, ids, a, method=method, acceptance=acceptance, temperature=temperature,
-                                    tree=tree))
+                                    tree=trees.for_rule(acceptance, temperature)))
     rows = []
     for key, method, acceptance, temperature in specs:
         outs = results[key]
@@ -194,7 +194,7 @@ def compare(
         row["speedup"] = base["ms_per_token"] / row["ms_per_token"] if row["ms_per_token"] else 0.0
         row["same_as_plain_greedy"] = row["tokens"] == base["tokens"] if row["temperature"] == 0 else None
     return {"rows": rows, "device": str(ck.model.device), "threads": torch.get_num_threads(), "tree": tree_name,
-            "tree_nodes": tree.num_nodes, "prompts": len(prompts), "max_new_tokens": a.max_new_tokens,
+            "tree_nodes": trees.greedy.num_nodes, "rejection_tree_nodes": trees.sampled.num_nodes, "prompts": len(prompts), "max_new_tokens": a.max_new_tokens,
             "top_p": a.top_p, "note": BONUS_NOTE}
 
 
@@ -209,8 +209,11 @@ def format_compare(result: dict) -> str:
                      f"{r['speedup']:>8.2f}x  {same}")
     top_p = f", top-p {result['top_p']:g}" if result["top_p"] < 1 else ""
     threads = f"{result['threads']} thread" + ("s" if result["threads"] != 1 else "")
+    nodes = f"{result['tree_nodes']} nodes incl. root"
+    if result["rejection_tree_nodes"] != result["tree_nodes"]:
+        nodes += f"; rejection: {result['rejection_tree_nodes']}, from the sampled table"
     lines.append(f"\ndevice {result['device']}, {threads}; tree {result['tree']} "
-                 f"({result['tree_nodes']} nodes incl. root); {result['prompts']} prompts; "
+                 f"({nodes}); {result['prompts']} prompts; "
                  f"max-new-tokens {result['max_new_tokens']}{top_p}")
     lines.append(f"Note: {result['note']};\nplain decoding is exactly 1.00. ms/token includes the prefill.")
     for reason, what in (("context", "at the context limit"), ("eos", "at the end-of-text token")):
@@ -220,7 +223,7 @@ def format_compare(result: dict) -> str:
     return "\n".join(lines)
 
 
-def prepare(a: argparse.Namespace) -> tuple[Checkpoint, Tree | None, str | None, list[tuple[str, list[int]]]]:
+def prepare(a: argparse.Namespace) -> tuple[Checkpoint, TreeChoice | None, str | None, list[tuple[str, list[int]]]]:
     """Load the checkpoint, choose the tree and encode the prompts; ValueError for anything unusable."""
     device = pick_device(a.device)
     if a.threads is not None:
@@ -230,10 +233,10 @@ def prepare(a: argparse.Namespace) -> tuple[Checkpoint, Tree | None, str | None,
     if needs_heads and ck.heads is None:
         wanted = "--compare" if a.compare else "--explain" if a.explain else "--method medusa"
         raise ValueError(f"{a.ckpt} has no Medusa heads, which {wanted} needs; use --method plain or train heads")
-    tree = tree_name = None
+    trees = tree_name = None
     if needs_heads or a.show_tree:
         num_heads = ck.heads.num_heads if ck.heads is not None else None
-        tree = resolve_tree(a.tree, num_heads=num_heads, ckpt_dir=a.ckpt, device=device,
+        trees = resolve_trees(a.tree, num_heads=num_heads, ckpt_dir=a.ckpt, device=device,
                             model=ck.model, heads=ck.heads)
         tree_name = os.path.basename(a.tree) if a.tree else default_tree_name(device, a.ckpt)
     stored = [] if a.prompt else load_prompts(a.ckpt)
@@ -247,7 +250,7 @@ def prepare(a: argparse.Namespace) -> tuple[Checkpoint, Tree | None, str | None,
         except ValueError as e:
             source = "--prompt" if a.prompt else PROMPTS_FILE
             raise ValueError(f"prompt {i} ({source}): {e}") from None
-    return ck, tree, tree_name, prompts
+    return ck, trees, tree_name, prompts
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -255,15 +258,16 @@ def main(argv: list[str] | None = None) -> int:
     a = parser.parse_args(argv)
     check_args(parser, a)
     try:
-        ck, tree, tree_name, prompts = prepare(a)
+        ck, trees, tree_name, prompts = prepare(a)
     except (ValueError, OSError) as e:
         parser.error(str(e))
+    tree = trees.for_rule(a.acceptance, a.temperature) if trees is not None else None
     try:
         if a.show_tree:
             print(f"tree {tree_name}: {tree.num_nodes - 1} nodes + root, depth {tree.depth}\n{tree.draw()}\n")
             print(f"attention mask (row attends to column):\n{tree.draw_mask()}\n")
         if a.compare:
-            result = compare(ck, prompts, a, tree, tree_name)
+            result = compare(ck, prompts, a, trees, tree_name)
             print(json.dumps(result) if a.json else format_compare(result))
         elif a.explain:
             print(explain_step(ck.model, ck.heads, ck.enc, prompts[0][1], tree=tree, acceptance=a.acceptance,

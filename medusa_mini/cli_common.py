@@ -20,6 +20,7 @@ import torch
 
 from .checkpoint import load_checkpoint
 from .decoding import GenerationStats
+from .head_accuracy import ACCURACY_FILE, load_accuracy, sampled_temperature
 from .heads import MedusaHeads
 from .model import GPT
 from .tokenizer import load_tokenizer
@@ -132,8 +133,6 @@ def default_tree_name(device: torch.device, ckpt_dir: str | None = None) -> str:
     On a GPU a 64-node verify pass costs about one step; on a CPU every node costs time, and the
     right size depends on the heads and the machine, which is what 'auto' measures.
     """
-    from .tree_search import ACCURACY_FILE  # tree_search uses this module: import late
-
     if ckpt_dir is not None and os.path.isfile(os.path.join(ckpt_dir, ACCURACY_FILE)):
         return "auto"
     return "gpu" if device.type == "cuda" else "cpu"
@@ -152,14 +151,27 @@ def _tree_from_json(path: str, *, num_heads: int | None) -> Tree:
         raise ValueError(f"tree file {path}: {e}") from None
 
 
-def tree_from_accuracy_and_cost(*, ckpt_dir: str, model, heads, device: torch.device) -> Tree:
-    """`--tree auto`: the node budget with the most expected tokens per second on this device.
+@dataclass
+class TreeChoice:
+    """The tree for each acceptance rule: greedy and typical acceptance use `greedy`; rejection
+    sampling uses `sampled` (the same tree unless --tree auto found a table measured under sampling)."""
 
-    Expected tokens per step come from the heads' measured accuracies (heads_accuracy.json), the cost
-    of a step with N nodes is measured here and now; what it chose and why goes to stderr.
+    greedy: Tree
+    sampled: Tree
+
+    def for_rule(self, acceptance: str, temperature: float) -> Tree:
+        return self.sampled if acceptance == "rejection" and temperature > 0 else self.greedy
+
+
+def trees_from_accuracy_and_cost(*, ckpt_dir: str, model, heads, device: torch.device) -> TreeChoice:
+    """`--tree auto`: per acceptance table, the node budget with the most expected tokens per second.
+
+    Expected tokens per step come from the heads' measured acceptance (heads_accuracy.json: the greedy
+    table and, when present, the one measured under sampling); the cost of a step with N nodes is
+    measured here and now, once for both. What it chose and why goes to stderr.
     """
     # Imported here: only --tree auto needs the tree search, and it imports this module.
-    from .tree_search import ACCURACY_FILE, auto_tree, load_accuracy, measure_verify_cost
+    from .tree_search import auto_tree, measure_verify_cost
 
     path = os.path.join(ckpt_dir, ACCURACY_FILE)
     if not os.path.isfile(path):
@@ -169,34 +181,50 @@ def tree_from_accuracy_and_cost(*, ckpt_dir: str, model, heads, device: torch.de
     if heads is None:
         raise ValueError("--tree auto needs Medusa heads in the checkpoint")
     acc = load_accuracy(ckpt_dir)
+    temperature = sampled_temperature(ckpt_dir)
     cost = measure_verify_cost(model, heads=heads, device=device, repeat=9)
     tree, why = auto_tree(acc, cost)
-    print(f"--tree auto (measured on {device}):\n{why}", file=sys.stderr)
-    return tree
+    print(f"--tree auto (measured on {device}), greedy acceptance table:\n{why}", file=sys.stderr)
+    if temperature is None:
+        return TreeChoice(tree, tree)
+    sampled, why = auto_tree(load_accuracy(ckpt_dir, sampled=True), cost)
+    print(f"rejection sampling table (measured at T={temperature:g}):\n{why.splitlines()[-1]}", file=sys.stderr)
+    return TreeChoice(tree, sampled)
 
 
-def resolve_tree(
+def resolve_trees(
     spec: str | None, *, num_heads: int | None, ckpt_dir: str, device: torch.device, model=None, heads=None
-) -> Tree:
-    """A tree from a preset name ('cpu', 'gpu', 'chainN'), 'auto', or a JSON file of choices.
+) -> TreeChoice:
+    """Trees from a preset name ('cpu', 'gpu', 'chainN'), 'auto', or a JSON file of choices.
 
     None means the device's default. A relative file name is looked up in the working directory,
-    then in the checkpoint directory. The tree must not be deeper than the model has heads.
+    then in the checkpoint directory. A tree must not be deeper than the model has heads. Only 'auto'
+    can give rejection sampling a tree of its own.
     """
     spec = spec or default_tree_name(device, ckpt_dir)
     if spec == "auto":
-        tree = tree_from_accuracy_and_cost(ckpt_dir=ckpt_dir, model=model, heads=heads, device=device)
+        choice = trees_from_accuracy_and_cost(ckpt_dir=ckpt_dir, model=model, heads=heads, device=device)
     elif spec.endswith(".json") or os.path.sep in spec:
         candidates = [spec] if os.path.isabs(spec) else [spec, os.path.join(ckpt_dir, spec)]
         path = next((p for p in candidates if os.path.isfile(p)), None)
         if path is None:
             raise ValueError(f"tree file {spec} does not exist")
         tree = _tree_from_json(path, num_heads=num_heads)
+        choice = TreeChoice(tree, tree)
     else:
         tree = preset(spec)
+        choice = TreeChoice(tree, tree)
     if num_heads is not None:
-        tree.check_heads(num_heads)
-    return tree
+        choice.greedy.check_heads(num_heads)
+        choice.sampled.check_heads(num_heads)
+    return choice
+
+
+def resolve_tree(
+    spec: str | None, *, num_heads: int | None, ckpt_dir: str, device: torch.device, model=None, heads=None
+) -> Tree:
+    """The tree for greedy acceptance (see `resolve_trees`)."""
+    return resolve_trees(spec, num_heads=num_heads, ckpt_dir=ckpt_dir, device=device, model=model, heads=heads).greedy
 
 
 # ---- showing text and numbers ----------------------------------------------------------------

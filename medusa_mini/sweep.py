@@ -23,9 +23,8 @@ import torch
 from .cli_common import OneLineParser, load_for_decoding, load_prompts, pick_device
 from .decoding import generate, medusa_generate
 from .model import GPT
-from .tree_search import (
-    ACCURACY_FILE, HeadsFn, accuracy_on_prompts, auto_tree, build_tree, encode_prompts, load_accuracy,
-)
+from .head_accuracy import ACCURACY_FILE, HeadsFn, accuracy_on_prompts, load_accuracy
+from .tree_search import auto_tree, build_tree, encode_prompts
 
 BUDGETS = (1, 2, 4, 8, 16, 32, 64)
 

@@ -20,7 +20,8 @@ from .data import get_batch
 from .safetensors_io import atomic_write_text
 from .training import head_targets, sample_continuations
 from .tree import preset
-from .tree_search import build_tree, expected_tokens_per_step, measure_head_accuracy, save_accuracy
+from .head_accuracy import measure_head_accuracy, save_accuracy
+from .tree_search import SAMPLED_TEMPERATURE, build_tree, expected_tokens_per_step
 
 # Official Medusa-1 heads on Vicuna-7B, top-1 accuracy of heads 1-4 (paper and its repository).
 OFFICIAL_TOP1 = (0.56, 0.32, 0.20, 0.15)
@@ -68,7 +69,13 @@ def summarize(run, model, heads, enc, val_docs, val_tokens: np.ndarray) -> dict:
     x, _ = get_batch(val_tokens, batch_size=min(64, 8 * args.eval_prompts), block_size=P, generator=g, device=model.device)
     seqs = sample_continuations(model, x, max_new_tokens=n, temperature=0.0)
     acc = measure_head_accuracy(model, heads, seqs, prompt_lens=P, top_k=10)  # [K, 10]
-    save_accuracy(args.out, acc, meta={"measured_on": f"{seqs.shape[0]} held-out prompts x {n} greedy tokens"})
+    # ... and what rejection sampling meets: the same prompts continued at T, guesses scored by p.
+    T = SAMPLED_TEMPERATURE
+    gen = torch.Generator(device=model.device).manual_seed(args.seed + 6)
+    sampled_seqs = sample_continuations(model, x, max_new_tokens=n, temperature=T, generator=gen)
+    sampled = measure_head_accuracy(model, heads, sampled_seqs, prompt_lens=P, top_k=10, temperature=T)
+    save_accuracy(args.out, acc, sampled=sampled, temperature=T,
+                  meta={"measured_on": f"{seqs.shape[0]} held-out prompts x {n} tokens, greedy and sampled"})
     K = acc.shape[0]
     own1 = acc[:, 0].tolist()
     own5 = acc[:, :5].sum(1).tolist()
@@ -91,6 +98,10 @@ def summarize(run, model, heads, enc, val_docs, val_tokens: np.ndarray) -> dict:
         "           expected tokens/step (greedy, bonus counted): "
         + ", ".join(f"{b} nodes {e:.2f}" for b, e in zip(budgets, est))
         + f"; cpu preset {cpu_est:.2f}"
+    )
+    lines.append(
+        f"           expected tokens/step (rejection sampling, T={T:g}): "
+        + ", ".join(f"{b} nodes {build_tree(sampled, b)[1]:.2f}" for b in budgets)
     )
     run.log("\n".join(lines))
     return {"val_loss": round(val_loss, 4), "head_top1_text": [round(v, 4) for v in top1],

@@ -267,7 +267,7 @@ def test_exit_code_2_as_a_subprocess(ckpt):
 
 
 def test_tree_auto_builds_from_measured_accuracy_and_step_cost(tmp_path, capsys):
-    from medusa_mini.tree_search import save_accuracy
+    from medusa_mini.head_accuracy import save_accuracy
 
     ckpt = str(tmp_path / "ck")
     save_tiny(ckpt, with_heads=True)

@@ -15,10 +15,8 @@ from medusa_mini.heads import HeadsConfig, MedusaHeads
 from medusa_mini.model import GPT, GPTConfig
 from medusa_mini.tokenizer import make_encoding, save_tokenizer, train_bpe
 from medusa_mini.tree import Tree, chain, preset
-from medusa_mini.tree_search import (
-    auto_tree, build_tree, expected_tokens_per_step, greedy_continuations, load_accuracy,
-    measure_head_accuracy, measure_verify_cost, save_accuracy,
-)
+from medusa_mini.head_accuracy import continuations, load_accuracy, measure_head_accuracy, save_accuracy
+from medusa_mini.tree_search import auto_tree, build_tree, expected_tokens_per_step, measure_verify_cost
 
 
 
@@ -158,14 +156,14 @@ def _prompts(n, length=5):
 def test_greedy_continuations_equal_plain_greedy_decoding_batched_or_not():
     model = tiny_model(0)
     prompts = _prompts(4) + [[3, 1, 4]]
-    seqs = greedy_continuations(model, prompts, max_new_tokens=20)
+    seqs = continuations(model, prompts, max_new_tokens=20)
     assert seqs == [p + generate(model, p, max_new_tokens=20)[0] for p in prompts]
 
 
 def test_oracle_heads_measure_top1_accuracy_one_and_random_heads_something_small():
     model = tiny_model(0)
     prompts = _prompts(4)
-    seqs = greedy_continuations(model, prompts, max_new_tokens=30)
+    seqs = continuations(model, prompts, max_new_tokens=30)
     oracle = LookupHeads(model, seqs)
     acc = measure_head_accuracy(model, oracle, seqs, prompt_lens=5, top_k=10)
     assert acc.shape == (4, 10)
@@ -176,7 +174,7 @@ def test_oracle_heads_measure_top1_accuracy_one_and_random_heads_something_small
 
 def test_measured_accuracy_counts_ranks_and_only_positions_with_a_target():
     model = tiny_model(1)
-    seqs = greedy_continuations(model, _prompts(6), max_new_tokens=40)
+    seqs = continuations(model, _prompts(6), max_new_tokens=40)
     heads = LookupHeads(model, seqs, true_rank_probs=(0.5, 0.3), seed=1)
     acc = measure_head_accuracy(model, heads, seqs, prompt_lens=5, top_k=10, batch_size=4, chunk=16)
     # 6 sequences x ~40 positions per head: the measured rates sit near 0.5 / 0.3 / 0 / 0.2 absent
@@ -188,7 +186,7 @@ def test_measured_accuracy_counts_ranks_and_only_positions_with_a_target():
 def test_measured_accuracy_predicts_measured_tokens_per_step():
     model = tiny_model(2)
     prompts = _prompts(6)
-    seqs = greedy_continuations(model, prompts, max_new_tokens=44)  # 40 decoded + room for 4 heads
+    seqs = continuations(model, prompts, max_new_tokens=44)  # 40 decoded + room for 4 heads
     heads = LookupHeads(model, seqs, true_rank_probs=(0.55, 0.2, 0.1), seed=2)
     acc = measure_head_accuracy(model, heads, seqs, prompt_lens=5)
     tree, expected = build_tree(acc, 8)

@@ -1,0 +1,134 @@
+"""Measuring head acceptance: the greedy table counts hits; the sampled table is rejection sampling's
+acceptance rate, E[p(guess)] over continuations sampled at T."""
+
+import json
+
+import pytest
+import torch
+
+import decode
+from conftest import random_heads, tiny_model
+from medusa_mini.acceptance import sampling_probs
+from medusa_mini.cli_common import load_for_decoding, resolve_trees
+from medusa_mini.decoding import medusa_generate
+from medusa_mini.head_accuracy import (
+    continuations, load_accuracy, measure_head_accuracy, sampled_temperature, save_accuracy,
+)
+from medusa_mini.tree import Tree
+from test_decode_cli import save_tiny
+
+
+class EchoHeads:
+    """Every head guesses what the backbone would say next at its own position: often right in a
+    model that repeats itself, so the tables below are not all zeros."""
+
+    num_heads = 3
+
+    def __call__(self, hidden: torch.Tensor, lm_head: torch.nn.Module) -> torch.Tensor:
+        return lm_head(hidden)[None].expand(self.num_heads, *hidden.shape[:-1], -1)
+
+
+class FixedHeads:
+    """Heads whose guesses do not depend on the hidden state: logits [K, V] for every position."""
+
+    def __init__(self, logits: torch.Tensor) -> None:
+        self.logits, self.num_heads = logits, logits.shape[0]
+
+    def __call__(self, hidden: torch.Tensor, lm_head: torch.nn.Module) -> torch.Tensor:
+        return self.logits.reshape(self.num_heads, *[1] * (hidden.dim() - 1), -1).expand(
+            self.num_heads, *hidden.shape[:-1], -1)
+
+
+def _prompts(n, length=5):
+    return [torch.randint(0, 64, (length,), generator=torch.Generator().manual_seed(s)).tolist() for s in range(n)]
+
+
+def test_sampled_continuations_are_seeded_and_differ_from_greedy():
+    model = tiny_model(0)
+    a = continuations(model, _prompts(3), max_new_tokens=12, temperature=1.0, seed=5)
+    assert a == continuations(model, _prompts(3), max_new_tokens=12, temperature=1.0, seed=5)
+    assert a != continuations(model, _prompts(3), max_new_tokens=12, temperature=1.0, seed=6)
+    assert a != continuations(model, _prompts(3), max_new_tokens=12)
+
+
+def test_the_sampled_table_becomes_the_greedy_table_as_the_temperature_falls():
+    model = tiny_model(0)
+    seqs = continuations(model, _prompts(6), max_new_tokens=30)  # greedy text
+    greedy = measure_head_accuracy(model, EchoHeads(), seqs, prompt_lens=5, top_k=4)
+    cold = measure_head_accuracy(model, EchoHeads(), seqs, prompt_lens=5, top_k=4, temperature=1e-3)
+    assert greedy[:, 0].min() > 0.05  # the heads do get tokens right
+    assert torch.allclose(cold, greedy, atol=1e-3)
+    warm = measure_head_accuracy(model, EchoHeads(), seqs, prompt_lens=5, top_k=4, temperature=1.0)
+    assert not torch.allclose(warm, greedy, atol=0.05)  # p is no longer one-hot: scores differ
+
+
+@torch.no_grad()
+def test_the_sampled_table_is_the_rate_at_which_rejection_sampling_accepts_the_guess():
+    model, T, prompt = tiny_model(3), 0.7, [5, 17, 3, 40, 22]
+    V = model.config.vocab_size
+    # Exact: the root r ~ p(. | prompt), then the guess g is accepted with p(g | prompt, r).
+    p_root = sampling_probs(model(torch.tensor([prompt]))[0][0, -1], temperature=T)  # [V]
+    rows = torch.tensor([prompt + [r] for r in range(V)])  # [V, 6]
+    p_next = sampling_probs(model(rows)[0][:, -1], temperature=T)  # [V, V]: p(. | prompt, r)
+    marginal = p_root @ p_next  # [V]: P(token 2 places ahead)
+    g = int(marginal.argmax())
+    exact = float(marginal[g])
+    heads = FixedHeads(torch.nn.functional.one_hot(torch.tensor([g]), V).float())  # one head, guessing g
+    assert 0.2 < exact < 0.8  # a rate that the tolerances below can tell apart
+
+    n = 600
+    # (1) the table: continuations of 2 tokens, so the head has one position per sequence
+    seqs = continuations(model, [prompt] * n, max_new_tokens=2, temperature=T, seed=0)
+    table = measure_head_accuracy(model, heads, seqs, prompt_lens=5, top_k=1, temperature=T)
+    # (2) decoding: how often rejection sampling accepts the 1-node tree's guess in the first step
+    tree, accepted = Tree.from_choices([[0]]), 0
+    for seed in range(n):
+        _, stats = medusa_generate(model, heads, prompt, tree=tree, max_new_tokens=3, acceptance="rejection",
+                                   temperature=T, generator=torch.Generator().manual_seed(seed))
+        accepted += stats.accepted_nodes[0]
+    sigma = (exact * (1 - exact) / n) ** 0.5
+    assert abs(float(table[0, 0]) - exact) < 4 * sigma
+    assert abs(accepted / n - exact) < 4 * sigma
+
+
+def test_both_tables_survive_a_save_and_load_round_trip(tmp_path):
+    greedy = torch.tensor([[0.6, 0.2], [0.4, 0.1]], dtype=torch.float64)
+    sampled = torch.tensor([[0.3, 0.15], [0.2, 0.1]], dtype=torch.float64)
+    save_accuracy(tmp_path, greedy, sampled=sampled, temperature=0.8)
+    assert torch.equal(load_accuracy(tmp_path), greedy)
+    assert torch.equal(load_accuracy(tmp_path, sampled=True), sampled)
+    assert sampled_temperature(tmp_path) == 0.8
+    with pytest.raises(ValueError, match="temperature"):
+        save_accuracy(tmp_path, greedy, sampled=sampled)  # a sampled table needs its temperature
+
+
+def test_a_file_without_the_sampled_table_says_how_to_remeasure(tmp_path):
+    save_accuracy(tmp_path, torch.tensor([[0.5]]))
+    assert sampled_temperature(tmp_path) is None
+    with pytest.raises(ValueError, match="no sampled table.*tree_search"):
+        load_accuracy(tmp_path, sampled=True)
+
+
+def test_tree_auto_gives_rejection_sampling_the_tree_of_its_own_table(tmp_path, capsys):
+    ckpt = str(tmp_path / "ck")
+    save_tiny(ckpt, with_heads=True)
+    # Greedy guesses: head 1..4 almost always right at rank 0, so a deep chain. Sampled: only head 1
+    # is ever right, at any of its ranks, so a tree one level deep.
+    greedy = torch.tensor([[0.99] + [0.0] * 9] * 4, dtype=torch.float64)
+    sampled = torch.zeros(4, 10, dtype=torch.float64)
+    sampled[0] = 0.09
+    save_accuracy(ckpt, greedy, sampled=sampled, temperature=0.8)
+    ck = load_for_decoding(ckpt, device=torch.device("cpu"))
+    trees = resolve_trees("auto", num_heads=4, ckpt_dir=ckpt, device=torch.device("cpu"), model=ck.model,
+                          heads=ck.heads)
+    assert trees.greedy.depth == 4 and trees.sampled.depth == 1
+    assert trees.for_rule("rejection", 0.8) is trees.sampled
+    assert trees.for_rule("typical", 0.8) is trees.greedy and trees.for_rule("rejection", 0.0) is trees.greedy
+    capsys.readouterr()
+    assert decode.main(["--ckpt", ckpt, "--compare", "--json", "--max-new-tokens", "6", "--num-prompts", "1"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    rows = {r["key"]: r for r in result["rows"]}
+    assert result["tree_nodes"] >= 5 and result["rejection_tree_nodes"] >= 2
+    assert rows["medusa_rejection"]["tokens_per_step"] <= 2.0  # one level deep: at most 2 per step
+    result["rejection_tree_nodes"] = result["tree_nodes"] + 1
+    assert f"rejection: {result['tree_nodes'] + 1}, from the sampled table" in decode.format_compare(result)
