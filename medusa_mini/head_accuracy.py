@@ -123,6 +123,36 @@ def measure_head_accuracy(
     return hits / counts.clamp(min=1)[:, None]
 
 
+@torch.no_grad()
+def ceiling_table(
+    model: GPT, sequences: list[list[int]] | torch.Tensor, *, prompt_lens: int | Sequence[int] = 0,
+    top_k: int = 10, temperature: float,
+) -> torch.Tensor:
+    """[top_k] float64: the mean r-th largest probability of p at T, over the positions head 1 is
+    scored at by `measure_head_accuracy` (p of every continuation token but the first).
+
+    A draft whose rank-r guess were always the backbone's own rank-r token would be accepted by
+    rejection sampling at exactly these rates, at every depth. Used as an acc table (the same row for
+    every head), it bounds what any tree of deterministic guesses can give at T: the ceiling that
+    better heads could approach, but not pass.
+    """
+    if temperature <= 0:
+        raise ValueError("the ceiling is for sampling: temperature must be > 0")
+    seqs = sequences.tolist() if isinstance(sequences, torch.Tensor) else [list(s) for s in sequences]
+    plens = [prompt_lens] * len(seqs) if isinstance(prompt_lens, int) else list(prompt_lens)
+    total, count = torch.zeros(top_k, dtype=torch.float64), 0
+    for s, P in zip(seqs, plens):
+        if len(s) < P + 2:
+            continue
+        logits, _ = model(torch.tensor([s], device=model.device))  # [1, L, V]
+        p = sampling_probs(logits[0, P : len(s) - 1], temperature=temperature)  # [n, V]: p of tokens P+1 .. L-1
+        total += p.topk(top_k, dim=-1).values.sum(0).double().cpu()
+        count += p.shape[0]
+    if count == 0:
+        raise ValueError("the sequences have no continuation to measure")
+    return total / count
+
+
 def accuracy_on_prompts(
     model: GPT, heads: HeadsFn, prompts: list[list[int]], *, max_new_tokens: int, top_k: int = 10,
     temperature: float = 0.0, seed: int = 0,

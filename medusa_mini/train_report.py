@@ -20,8 +20,8 @@ from .data import get_batch
 from .safetensors_io import atomic_write_text
 from .training import head_targets, sample_continuations
 from .tree import preset
-from .head_accuracy import measure_head_accuracy, save_accuracy
-from .tree_search import SAMPLED_TEMPERATURE, build_tree, expected_tokens_per_step
+from .head_accuracy import ceiling_table, measure_head_accuracy, save_accuracy
+from .tree_search import SAMPLED_TEMPERATURE, build_tree, ceiling_by_budget, expected_tokens_per_step
 
 # Official Medusa-1 heads on Vicuna-7B, top-1 accuracy of heads 1-4 (paper and its repository).
 OFFICIAL_TOP1 = (0.56, 0.32, 0.20, 0.15)
@@ -74,8 +74,10 @@ def summarize(run, model, heads, enc, val_docs, val_tokens: np.ndarray) -> dict:
     gen = torch.Generator(device=model.device).manual_seed(args.seed + 6)
     sampled_seqs = sample_continuations(model, x, max_new_tokens=n, temperature=T, generator=gen)
     sampled = measure_head_accuracy(model, heads, sampled_seqs, prompt_lens=P, top_k=10, temperature=T)
+    ceiling = ceiling_table(model, sampled_seqs, prompt_lens=P, top_k=10, temperature=T)
     save_accuracy(args.out, acc, sampled=sampled, temperature=T,
-                  meta={"measured_on": f"{seqs.shape[0]} held-out prompts x {n} tokens, greedy and sampled"})
+                  meta={"measured_on": f"{seqs.shape[0]} held-out prompts x {n} tokens, greedy and sampled",
+                        "sampled_ceiling": [round(v, 6) for v in ceiling.tolist()]})
     K = acc.shape[0]
     own1 = acc[:, 0].tolist()
     own5 = acc[:, :5].sum(1).tolist()
@@ -95,13 +97,17 @@ def summarize(run, model, heads, enc, val_docs, val_tokens: np.ndarray) -> dict:
     est = [build_tree(acc, b)[1] for b in budgets]
     cpu_est = expected_tokens_per_step(acc, preset("cpu"))
     lines.append(
-        "           expected tokens/step (greedy, bonus counted): "
+        "           expected tokens/step, greedy (bonus counted):  "
         + ", ".join(f"{b} nodes {e:.2f}" for b, e in zip(budgets, est))
         + f"; cpu preset {cpu_est:.2f}"
     )
     lines.append(
-        f"           expected tokens/step (rejection sampling, T={T:g}): "
+        f"           expected tokens/step, rejection T={T:g}:        "
         + ", ".join(f"{b} nodes {build_tree(sampled, b)[1]:.2f}" for b in budgets)
+    )
+    lines.append(
+        f"           ceiling, rejection T={T:g} (perfect heads):     "
+        + ", ".join(f"{b} nodes {v:.2f}" for b, v in ceiling_by_budget(ceiling, num_heads=K, budgets=budgets).items())
     )
     run.log("\n".join(lines))
     return {"val_loss": round(val_loss, 4), "head_top1_text": [round(v, 4) for v in top1],

@@ -27,7 +27,10 @@ import torch
 
 from .cli_common import PROMPTS_FILE, OneLineParser, load_for_decoding, load_prompts, pick_device
 from .decoding import medusa_step, prefill, sync_device
-from .head_accuracy import ACCURACY_FILE, HeadsFn, check_acc, accuracy_on_prompts, format_accuracy, save_accuracy
+from .head_accuracy import (
+    ACCURACY_FILE, HeadsFn, accuracy_on_prompts, ceiling_table, check_acc, continuations, format_accuracy,
+    measure_head_accuracy, save_accuracy,
+)
 from .model import GPT, KVCache
 from .tree import Tree
 
@@ -77,6 +80,14 @@ def expected_tokens_per_step(acc: torch.Tensor, tree: Tree) -> float:
             raise ValueError(f"tree node {list(choice)} needs more heads or ranks than acc {len(a)}x{len(a[0])}")
         total += math.prod(a[i][r] for i, r in enumerate(choice))
     return 1.0 + total
+
+
+def ceiling_by_budget(ceiling: torch.Tensor, *, num_heads: int,
+                      budgets: Sequence[int] = REPORT_BUDGETS) -> dict[int, float]:
+    """{N: expected tokens/step of the best N-node tree} if every head guessed as well as the
+    backbone's own top-k (head_accuracy.ceiling_table): what no tree of heads' guesses can beat."""
+    table = check_acc(torch.as_tensor(ceiling, dtype=torch.float64)[None].repeat(num_heads, 1))
+    return {n: build_tree(table, n)[1] for n in budgets}
 
 
 # ---- choosing the budget from measured cost --------------------------------------------------
@@ -166,9 +177,9 @@ def encode_prompts(enc, texts: list[str], *, block_size: int, max_new_tokens: in
 def recompute_accuracy(
     directory: str, *, num_prompts: int = 32, max_new_tokens: int = 64, top_k: int = 10,
     temperature: float = SAMPLED_TEMPERATURE, device: torch.device | str = "cpu", seed: int = 0,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Measure both tables (greedy; sampled at `temperature`) on a checkpoint's prompts.json, save
-    heads_accuracy.json, return (greedy acc, sampled acc)."""
+    heads_accuracy.json, return (greedy acc, sampled acc, ceiling row) (see head_accuracy)."""
     ckpt = load_for_decoding(directory, device=torch.device(device))  # model, heads, tokenizer
     if ckpt.heads is None:
         raise ValueError(f"checkpoint {directory} has no Medusa heads; train heads first")
@@ -176,12 +187,17 @@ def recompute_accuracy(
                              block_size=ckpt.block_size, max_new_tokens=max_new_tokens)
     if not prompts:
         raise ValueError(f"every prompt in {os.path.join(directory, PROMPTS_FILE)} encodes to no tokens")
-    acc, sampled = (accuracy_on_prompts(ckpt.model, ckpt.heads, prompts, max_new_tokens=max_new_tokens, top_k=top_k,
-                                        temperature=t, seed=seed) for t in (0.0, temperature))
+    top_k = min(top_k, ckpt.model.config.vocab_size)
+    acc = accuracy_on_prompts(ckpt.model, ckpt.heads, prompts, max_new_tokens=max_new_tokens, top_k=top_k)
+    seqs = continuations(ckpt.model, prompts, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
+    lens = [len(p) for p in prompts]
+    sampled = measure_head_accuracy(ckpt.model, ckpt.heads, seqs, prompt_lens=lens, top_k=top_k, temperature=temperature)
+    ceiling = ceiling_table(ckpt.model, seqs, prompt_lens=lens, top_k=top_k, temperature=temperature)
     meta = {"measured_on": f"continuations ({max_new_tokens} new tokens, greedy and sampled) of the first "
-            f"{len(prompts)} prompts of {PROMPTS_FILE}", "num_prompts": len(prompts), "max_new_tokens": max_new_tokens}
+            f"{len(prompts)} prompts of {PROMPTS_FILE}", "num_prompts": len(prompts), "max_new_tokens": max_new_tokens,
+            "sampled_ceiling": [round(x, 6) for x in ceiling.tolist()]}
     save_accuracy(directory, acc, sampled=sampled, temperature=temperature, meta=meta)
-    return acc, sampled
+    return acc, sampled, ceiling
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -208,10 +224,13 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as e:
         p.error(str(e))
     print(f"saved {os.path.join(ns.ckpt, ACCURACY_FILE)}")
-    for acc, what in zip(tables, ("greedy acceptance", f"rejection sampling at T={ns.temperature:g}: E[p(guess)]")):
-        print(f"-- {what}\n{format_accuracy(acc)}")
+    acc, sampled, ceiling = tables
+    for table, what in ((acc, "greedy acceptance"), (sampled, f"rejection sampling at T={ns.temperature:g}: E[p(guess)]")):
+        print(f"-- {what}\n{format_accuracy(table)}")
         print("expected tokens/step of build_tree (bonus token counted) by node budget (root excluded):")
-        print("  ".join(f"{n} nodes: {build_tree(acc, n)[1]:.2f}" for n in REPORT_BUDGETS))
+        print("  ".join(f"{n} nodes: {build_tree(table, n)[1]:.2f}" for n in REPORT_BUDGETS))
+    print(f"-- ceiling at T={ns.temperature:g}: a draft guessing the backbone's own top-k, at every depth")
+    print("  ".join(f"{n} nodes: {v:.2f}" for n, v in ceiling_by_budget(ceiling, num_heads=acc.shape[0]).items()))
     return 0
 
 

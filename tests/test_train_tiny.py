@@ -1,6 +1,7 @@
 """train_tiny.py as a user runs it: stages, checkpoints, exact resume, bad input, DDP replicas."""
 
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -110,8 +111,16 @@ def test_help_lists_presets_and_every_hyper_parameter():
 
 
 @pytest.mark.slow
-def _torchrun(*args, port):
+def _free_port() -> int:
+    # A fixed port can still be held by an earlier run's socket; the OS knows one that is free.
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _torchrun(*args):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    port = _free_port()
     return subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
          str(ROOT / "train_tiny.py"), *FAST, "--device", "cpu", *args],
@@ -124,15 +133,15 @@ def _checksums(stdout):
 
 
 def test_two_ddp_processes_keep_identical_replicas_and_resume_exactly(tmp_path):
-    full = _torchrun("--out", str(tmp_path / "ddp"), port=29533)
+    full = _torchrun("--out", str(tmp_path / "ddp"))
     assert full.returncode == 0, full.stderr[-2000:]
     sums = _checksums(full.stdout)
     assert len(sums) == 2 and sums[0] == sums[1]
     assert "ranks 2" in full.stdout
     # interrupted on both ranks, then resumed: the same final weights as the uninterrupted run
     out = str(tmp_path / "cut")
-    assert _torchrun("--out", out, "--interrupt-at", "heads:2", port=29534).returncode != 0
-    resumed = _torchrun("--out", out, "--resume", port=29535)
+    assert _torchrun("--out", out, "--interrupt-at", "heads:2").returncode != 0
+    resumed = _torchrun("--out", out, "--resume")
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert _checksums(resumed.stdout) == sums
 
