@@ -36,7 +36,7 @@ if ROOT not in sys.path:  # run as a script from anywhere, without installing th
 import torch  # noqa: E402
 
 from medusa_mini.cli_common import (  # noqa: E402
-    OneLineParser, default_tree_name, encode_prompt, load_for_decoding, load_prompts, pick_device, resolve_tree,
+    OneLineParser, default_tree_name, encode_prompt, load_for_decoding, load_prompts, pick_device, resolve_trees,
 )
 from medusa_mini.decoding import generate, medusa_generate, sync_device  # noqa: E402
 from medusa_mini.tokenizer import load_tokenizer  # noqa: E402
@@ -154,7 +154,7 @@ def load_draft(transformers, a: argparse.Namespace, *, ck, device: torch.device,
     return draft
 
 
-def build_methods(transformers, ck, a: argparse.Namespace, *, tree, device: torch.device,
+def build_methods(transformers, ck, a: argparse.Namespace, *, trees, device: torch.device,
                   need: int) -> tuple[list[Method], list[str]]:
     """The rows in table order, and notes on rows left out."""
     target = load_hf(transformers, a.ckpt, device=device)
@@ -166,6 +166,7 @@ def build_methods(transformers, ck, a: argparse.Namespace, *, tree, device: torc
         return Method(key, label, greedy, hf_runner(transformers, target, counter, pad_id=pad, **kw))
 
     def mm(key: str, label: str, acceptance: str | None, temperature: float) -> Method:
+        tree = trees.for_rule(acceptance, temperature) if acceptance else None
         run = mm_runner(ck, tree=tree, acceptance=acceptance, temperature=temperature, seed=a.seed)
         return Method(key, label, temperature == 0, run)
 
@@ -246,12 +247,15 @@ def format_table(result: dict) -> str:
         lines.append(f"{r['method']:<40}{r['ms_per_token']:>9.2f}{r['steps']:>7}{r['tokens_per_step']:>13.2f}"
                      f"{r['speedup']:>8.2f}x  {same}")
     f = result["facts"]
+    rejection = ""
+    if f.get("rejection_tree_nodes") not in (None, f["tree_nodes"]):
+        rejection = f"; rejection: {f['rejection_tree_nodes']}, from the sampled table"
     lines += [
         "",
         f"torch {f['torch']}, transformers {f['transformers']}, device {f['device']}, threads {f['threads']}, "
         f"CPU {f['cpu']}",
         f"{f['prompts']} prompts, max-new-tokens {f['max_new_tokens']} (no end-token stop), tree {f['tree']} "
-        f"({f['tree_nodes']} nodes incl. root), sampling T={f['temperature']:g}, seed {f['seed']}",
+        f"({f['tree_nodes']} nodes incl. root{rejection}), sampling T={f['temperature']:g}, seed {f['seed']}",
         f"speedup and 'same as greedy' are against transformers greedy;\n{result['note']}.",
         *result["notes"],
         f"command: {f['command']}",
@@ -287,14 +291,14 @@ def main(argv: list[str] | None = None) -> int:
         if a.threads is not None:
             torch.set_num_threads(a.threads)
         ck = load_for_decoding(a.ckpt, device=device)
-        tree = tree_name = None
+        trees = tree_name = None
         if ck.heads is not None:
-            tree = resolve_tree(a.tree, num_heads=ck.heads.num_heads, ckpt_dir=a.ckpt, device=device,
+            trees = resolve_trees(a.tree, num_heads=ck.heads.num_heads, ckpt_dir=a.ckpt, device=device,
                                 model=ck.model, heads=ck.heads)
             tree_name = os.path.basename(a.tree) if a.tree else default_tree_name(device, a.ckpt)
         prompts = prepare_prompts(ck, a)
         need = max(len(ids) for ids in prompts) + a.max_new_tokens
-        methods, notes = build_methods(transformers, ck, a, tree=tree, device=device, need=need)
+        methods, notes = build_methods(transformers, ck, a, trees=trees, device=device, need=need)
         rows = benchmark(methods, prompts, max_new_tokens=a.max_new_tokens, device=device)
     except (ValueError, OSError, RuntimeError) as e:  # RuntimeError: a row that broke the token budget
         parser.error(str(e))
@@ -305,7 +309,8 @@ def main(argv: list[str] | None = None) -> int:
     facts = {
         "torch": torch.__version__, "transformers": transformers.__version__, "device": str(device),
         "threads": torch.get_num_threads(), "cpu": cpu_model(), "prompts": len(prompts),
-        "max_new_tokens": a.max_new_tokens, "tree": tree_name, "tree_nodes": tree.num_nodes if tree else None,
+        "max_new_tokens": a.max_new_tokens, "tree": tree_name, "tree_nodes": trees.greedy.num_nodes if trees else None,
+        "rejection_tree_nodes": trees.sampled.num_nodes if trees else None,
         "temperature": a.temperature, "seed": a.seed, "lookup_tokens": a.lookup_tokens,
         "draft": a.draft, "draft_tokens": a.draft_tokens if a.draft else None,
         "command": "python benchmarks/peers.py " + shlex.join(args),

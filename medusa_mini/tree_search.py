@@ -118,22 +118,23 @@ def measure_verify_cost(
     cache = KVCache(model.config, max_len=prefix_len + max(node_counts) + 1, device=device,
                     dtype=model.lm_head.weight.dtype)
     _, hidden = prefill(model, torch.randint(V, (prefix_len,), generator=gen).to(device), cache)
-    out: dict[int, float] = {}
-    for n in node_counts:
-        tree, times = build_tree(shape_acc, n)[0], []
-        for rep in range(repeat + 1):  # the first run warms up kernels and allocators
+    trees = {n: build_tree(shape_acc, n)[0] for n in node_counts}
+    times: dict[int, list[float]] = {n: [] for n in node_counts}
+    # Budgets take turns, one step each per round: a burst of load on a shared machine then slows
+    # every budget alike instead of ruining the few measured while it lasted.
+    for rep in range(repeat + 1):  # the first round warms up kernels and allocators
+        for n in node_counts:
             root = int(torch.randint(V, (1,), generator=gen))
             guesses = torch.randn(K, V, generator=gen).to(device) if heads is None else None  # [K, V]
             cache.length = prefix_len  # every repetition verifies after the same prefix
             sync_device(device)
             t0 = time.perf_counter()
             head_logits = guesses if heads is None else heads(hidden[None], model.lm_head)[:, 0]  # [K, V]
-            medusa_step(model, cache, tree, root, head_logits)
+            medusa_step(model, cache, trees[n], root, head_logits)
             sync_device(device)
             if rep:
-                times.append(1000 * (time.perf_counter() - t0))
-        out[n] = statistics.median(times)
-    return out
+                times[n].append(1000 * (time.perf_counter() - t0))
+    return {n: statistics.median(t) for n, t in times.items()}
 
 
 def auto_tree(acc: torch.Tensor, step_ms: dict[int, float]) -> tuple[Tree, str]:
