@@ -119,6 +119,16 @@ def test_compare_json_medusa_greedy_tokens_equal_plain_greedy(ckpt, capsys):
     assert result["prompts"] == 3 and result["tree"] == "cpu" and result["tree_nodes"] == 12
 
 
+def test_compare_repeats_each_generation_and_keeps_the_same_tokens(ckpt, capsys):
+    once = json.loads(run(capsys, "--ckpt", ckpt, "--compare", "--json", "--max-new-tokens", "10", "--repeat", "1"))
+    thrice = json.loads(run(capsys, "--ckpt", ckpt, "--compare", "--json", "--max-new-tokens", "10", "--repeat", "3"))
+    assert once["repeat"] == 1 and thrice["repeat"] == 3
+    for a, b in zip(once["rows"], thrice["rows"]):  # seeded: repeats change only the times
+        assert (a["tokens"], a["steps"], a["tokens_per_step"]) == (b["tokens"], b["steps"], b["tokens_per_step"])
+    assert "fastest of 3 runs in turns" in decode.format_compare(thrice)
+    assert "fastest of" not in decode.format_compare(once)
+
+
 def test_json_gives_one_object_per_prompt(ckpt, capsys):
     out = run(capsys, "--ckpt", ckpt, "--json", "--max-new-tokens", "10", "--num-prompts", "2")
     objs = json_lines(out)
@@ -223,6 +233,7 @@ def broken_ckpt(ckpt, tmp_path_factory):
         (["--top-p", "0"], "--top-p"),
         (["--top-p", "1.5"], "--top-p"),
         (["--max-new-tokens", "0"], "--max-new-tokens"),
+        (["--compare", "--repeat", "0"], "--repeat"),
         (["--temperature", "0.7"], "greedy acceptance"),
         (["--max-new-tokens", "many"], "invalid int"),
     ],
