@@ -205,6 +205,10 @@ class GPT(nn.Module):
         causal = attn_mask is None and start == 0
         if attn_mask is None and start > 0 and T > 1:
             attn_mask = causal_mask(T, start=start, device=idx.device)
+        if attn_mask is not None and attn_mask.dtype == torch.bool:
+            # SDPA would turn a boolean mask into an additive one in every layer; do it once here.
+            additive = torch.zeros(attn_mask.shape, dtype=self.transformer.wte.weight.dtype, device=idx.device)
+            attn_mask = additive.masked_fill_(~attn_mask, float("-inf"))  # 0 = may attend, -inf = may not
         x = self.transformer.wte(idx) + self.transformer.wpe(pos)  # [B, T, C]
         for i, block in enumerate(self.transformer.h):
             layer_kv = cache.kv[i] if cache is not None else None
