@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import os
 import signal
+import sys
 import time
 
 import numpy as np
@@ -345,4 +346,7 @@ def _report_replicas(r: Run) -> None:
     h = hashlib.sha256()
     for t in list(r.model.state_dict().values()) + list(r.heads.state_dict().values()):
         h.update(t.detach().cpu().contiguous().numpy().tobytes())
-    print(f"rank {r.rank}/{r.world} weights sha256 {h.hexdigest()[:16]}", flush=True)
+    # One write per line: with unbuffered output print() writes the text and the newline separately,
+    # and two ranks printing at the same moment would interleave them.
+    sys.stdout.write(f"rank {r.rank}/{r.world} weights sha256 {h.hexdigest()[:16]}\n")
+    sys.stdout.flush()

@@ -136,7 +136,7 @@ def test_two_ddp_processes_keep_identical_replicas_and_resume_exactly(tmp_path):
     full = _torchrun("--out", str(tmp_path / "ddp"))
     assert full.returncode == 0, full.stderr[-2000:]
     sums = _checksums(full.stdout)
-    assert len(sums) == 2 and sums[0] == sums[1]
+    assert len(sums) == 2 and sums[0] == sums[1], full.stdout[-3000:] + full.stderr[-2000:]
     assert "ranks 2" in full.stdout
     # interrupted on both ranks, then resumed: the same final weights as the uninterrupted run
     out = str(tmp_path / "cut")
