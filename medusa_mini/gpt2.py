@@ -21,7 +21,8 @@ from dataclasses import replace
 
 import torch
 
-from .checkpoint import config_from_gpt2_dict, load_gpt2_weights, read_safetensors
+from .gpt2_layout import config_from_gpt2_dict, load_gpt2_weights
+from .safetensors_io import read_safetensors
 from .model import GPT, GPTConfig
 from .safetensors_io import remove_file
 

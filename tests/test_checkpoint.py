@@ -14,9 +14,6 @@ import torch
 
 from medusa_mini.checkpoint import (
     SafetensorsError,
-    config_from_gpt2_dict,
-    gpt2_config_dict,
-    gpt2_state_dict,
     load_checkpoint,
     load_heads,
     read_safetensors,
@@ -24,6 +21,7 @@ from medusa_mini.checkpoint import (
     save_checkpoint,
     write_safetensors,
 )
+from medusa_mini.gpt2_layout import config_from_gpt2_dict, gpt2_config_dict, gpt2_state_dict
 from medusa_mini.heads import HeadsConfig, MedusaHeads
 from medusa_mini.model import GPT, GPTConfig
 

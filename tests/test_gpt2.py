@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from medusa_mini.checkpoint import load_gpt2_weights, write_safetensors
+from medusa_mini.gpt2_layout import load_gpt2_weights
+from medusa_mini.safetensors_io import write_safetensors
 from medusa_mini.gpt2 import GPT2_CONFIGS, DownloadError, download, infer_gpt2_config, load_gpt2
 from medusa_mini.model import GPT, GPTConfig
 

@@ -1,0 +1,123 @@
+"""A training run's state: ranks and device, saving and resuming, Ctrl-C, replica checksums.
+
+`--resume` must continue exactly where a run stopped, so the state file holds everything a step
+depends on: weights, optimizer, random generator, stage and step, and the self-distilled data. Files
+are written atomically (a reader never sees half of one). Under torchrun (DDP) every rank keeps its
+own generator and data in a file of its own; rank 0 writes the shared files.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import sys
+
+import torch
+import torch.distributed as dist
+
+from .checkpoint import save_checkpoint
+from .safetensors_io import atomic_write
+from .train_config import TrainArgs, TrainError
+
+STATE_FILE = "train_state.pt"
+
+
+class Run:
+    """What every stage needs: args, ranks, device, model and heads; saving and resuming them."""
+
+    def __init__(self, args: TrainArgs) -> None:
+        self.args = args
+        self.rank, self.world, self.device = 0, 1, args.device
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            dist.init_process_group(backend="nccl" if args.device.startswith("cuda") else "gloo")
+            self.rank, self.world = dist.get_rank(), dist.get_world_size()
+            if args.device.startswith("cuda"):
+                self.device = f"cuda:{int(os.environ.get('LOCAL_RANK', self.rank))}"
+                torch.cuda.set_device(self.device)
+        self.main = self.rank == 0
+        self.state_path = os.path.join(args.out, STATE_FILE)
+        self.stop_requested = False
+        self.model_written = False  # a frozen backbone is written once per run, then left alone
+
+    def log(self, msg: str) -> None:
+        if self.main:
+            print(msg, flush=True)
+
+    def _rank_path(self) -> str:
+        return f"{self.state_path}.rank{self.rank}"
+
+    def save(self, *, stage: str, step: int, optimizer=None, gen=None, distill=None) -> None:
+        """State for --resume plus a usable checkpoint. Each rank keeps its own generator and data."""
+        mine = {"gen": gen.get_state() if gen is not None else None,
+                "distill": distill.cpu() if distill is not None else None}
+        if self.world > 1:
+            atomic_write(self._rank_path(), lambda f: torch.save(mine, f))
+            dist.barrier()
+        if not self.main:
+            return
+        frozen = bool(self.args.init)  # a pretrained backbone never changes: do not copy gigabytes again
+        state = {"identity": self.args.identity(), "world": self.world, "stage": stage, "step": step,
+                 "model": None if frozen else self.model.state_dict(), "heads": self.heads.state_dict(),
+                 "optim": optimizer.state_dict() if optimizer is not None else None, **mine}
+        atomic_write(self.state_path, lambda f: torch.save(state, f))
+        save_checkpoint(self.args.out, self.model, heads=self.heads, extra=self.extra, eos_token_id=self.eot_id,
+                        write_model=not (frozen and self.model_written))
+        self.model_written = True
+
+    def load_state(self) -> dict:
+        if not os.path.isfile(self.state_path):
+            raise TrainError(f"--resume: no {STATE_FILE} in {self.args.out}; start without --resume")
+        try:
+            state = torch.load(self.state_path, map_location="cpu", weights_only=True)
+            if self.world > 1:
+                state.update(torch.load(self._rank_path(), map_location="cpu", weights_only=True))
+        except Exception as e:  # a torn or foreign file
+            raise TrainError(f"--resume: cannot read the saved state in {self.args.out}: {e}") from None
+        mine, theirs = self.args.identity(), state.get("identity") or {}
+        if mine != theirs or state.get("world", 1) != self.world:
+            diff = sorted(k for k in mine if mine.get(k) != theirs.get(k)) or ["number of processes"]
+            raise TrainError(f"--resume with a different configuration ({', '.join(diff)}); use the original flags")
+        return state
+
+    def should_stop(self, stage: str, step: int) -> bool:
+        """True when Ctrl-C was pressed (on any rank: all ranks must stop at the same step)."""
+        stop = self.stop_requested or self.args.interrupt_at == f"{stage}:{step}"
+        if self.world > 1:
+            flag = torch.tensor([float(stop)], device=self.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            stop = bool(flag.item())
+        return stop
+
+
+class DeferredInterrupt:
+    """First Ctrl-C: finish the current optimizer step, save, stop. Second Ctrl-C: stop at once."""
+
+    def __init__(self, run: Run) -> None:
+        self.run = run
+
+    def __enter__(self):
+        self.previous = signal.getsignal(signal.SIGINT)
+
+        def handler(signum, frame):
+            if self.run.stop_requested:
+                raise KeyboardInterrupt
+            self.run.stop_requested = True
+            print("\nCtrl-C: saving after this step (press again to stop at once)", flush=True)
+
+        signal.signal(signal.SIGINT, handler)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        signal.signal(signal.SIGINT, self.previous)
+
+
+def report_replicas(r: Run) -> None:
+    """Every rank prints a checksum of its weights: equal lines mean the replicas stayed identical."""
+    h = hashlib.sha256()
+    for t in list(r.model.state_dict().values()) + list(r.heads.state_dict().values()):
+        h.update(t.detach().cpu().contiguous().numpy().tobytes())
+    # One write per line: with unbuffered output print() writes the text and the newline separately,
+    # and two ranks printing at the same moment would interleave them.
+    sys.stdout.write(f"rank {r.rank}/{r.world} weights sha256 {h.hexdigest()[:16]}\n")
+    sys.stdout.flush()
