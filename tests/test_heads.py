@@ -53,3 +53,41 @@ def test_head_k_logits_keep_leading_dims():
         assert out.shape == (3, 2, 7, model.config.vocab_size)
         # each head is applied position by position
         torch.testing.assert_close(out[:, 1, 4], h(x[1, 4], model.lm_head), atol=1e-5, rtol=0)
+
+
+def _randomised(model):
+    heads = make(model)
+    with torch.no_grad():
+        for b in heads.blocks:
+            b.linear.weight.normal_(std=0.3)
+            b.linear.bias.normal_(std=0.3)
+    return heads.eval()
+
+
+def test_decoding_runs_the_k_blocks_as_one_batched_matmul_with_the_same_result():
+    model = tiny_model()
+    heads = _randomised(model)
+    for shape in ((model.config.n_embd,), (1, model.config.n_embd), (2, 5, model.config.n_embd)):
+        x = torch.randn(*shape)
+        per_block = heads(x, model.lm_head)  # grad enabled: one block at a time (the training path)
+        with torch.no_grad():
+            batched = heads(x, model.lm_head)  # decoding: stacked weights, one baddbmm
+        assert batched.shape == (3, *shape[:-1], model.config.vocab_size)
+        torch.testing.assert_close(batched, per_block.detach(), atol=1e-5, rtol=1e-5)
+
+
+def test_batched_decoding_sees_every_change_to_the_weights():
+    model = tiny_model()
+    heads = _randomised(model)
+    x = torch.randn(4, model.config.n_embd)
+    with torch.no_grad():
+        before = heads(x, model.lm_head)
+        heads.blocks[1].linear.weight.mul_(-1.0)  # an in-place update, as an optimizer step makes
+        after = heads(x, model.lm_head)
+    torch.testing.assert_close(after[0], before[0])  # untouched heads stay as they were
+    assert not torch.allclose(after[1], before[1])
+    torch.testing.assert_close(after, heads(x, model.lm_head).detach(), atol=1e-5, rtol=1e-5)
+    other = _randomised(model)
+    heads.load_state_dict(other.state_dict())
+    with torch.no_grad():
+        torch.testing.assert_close(heads(x, model.lm_head), other(x, model.lm_head), atol=1e-5, rtol=1e-5)
