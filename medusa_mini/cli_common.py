@@ -20,7 +20,7 @@ import torch
 
 from .checkpoint import load_checkpoint
 from .decoding import GenerationStats
-from .head_accuracy import ACCURACY_FILE, load_accuracy, sampled_temperature
+from .head_accuracy import ACCURACY_FILE, load_accuracy, load_greedy_ranks, sampled_temperature
 from .heads import MedusaHeads
 from .model import GPT
 from .tokenizer import load_tokenizer
@@ -183,7 +183,7 @@ def trees_from_accuracy_and_cost(*, ckpt_dir: str, model, heads, device: torch.d
     acc = load_accuracy(ckpt_dir)
     temperature = sampled_temperature(ckpt_dir)
     cost = measure_verify_cost(model, heads=heads, device=device, repeat=9)
-    tree, why = auto_tree(acc, cost)
+    tree, why = auto_tree(acc, cost, ranks=load_greedy_ranks(ckpt_dir))
     print(f"--tree auto (measured on {device}), greedy acceptance table:\n{why}", file=sys.stderr)
     if temperature is None:
         return TreeChoice(tree, tree)

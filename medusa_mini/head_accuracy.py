@@ -26,6 +26,7 @@ from .acceptance import sampling_probs
 from .model import GPT
 from .safetensors_io import atomic_write_text, read_json
 from .training import sample_continuations
+from .tree import Tree
 
 HeadsFn = Callable[[torch.Tensor, torch.nn.Module], torch.Tensor]  # hidden [..., C] -> [K, ..., V]
 ACCURACY_FILE = "heads_accuracy.json"
@@ -123,6 +124,67 @@ def measure_head_accuracy(
     return hits / counts.clamp(min=1)[:, None]
 
 
+MISS = "-"  # in a stored rank string: the target is not among the head's top-k guesses
+
+
+@torch.no_grad()
+def greedy_ranks(
+    model: GPT, heads: HeadsFn, sequences: list[list[int]] | torch.Tensor, *,
+    prompt_lens: int | Sequence[int], top_k: int = 10,
+) -> list[str]:
+    """Per greedy continuation, per position: at which rank each head guessed its target.
+
+    One string per sequence; for every hidden state decoding can read heads from (positions P-1 to
+    L-2), K characters: head k's rank of token t + k + 2 ("0".."9"), or MISS when it is not among the
+    top_k (<= 10) guesses or lies beyond the sequence, then a space. Greedy decoding of the prompt
+    reproduces the continuation token for token, so these strings replay it exactly (`replay_greedy`).
+    """
+    seqs = sequences.tolist() if isinstance(sequences, torch.Tensor) else [list(s) for s in sequences]
+    plens = [prompt_lens] * len(seqs) if isinstance(prompt_lens, int) else list(prompt_lens)
+    top_k = min(top_k, 10)
+    out = []
+    for s, P in zip(seqs, plens):
+        idx = torch.tensor([s], dtype=torch.long, device=model.device)  # [1, L]
+        _, hidden = model(idx, logits_at=slice(0, 0))  # [1, L, C]
+        t = torch.arange(max(P - 1, 0), len(s) - 1, device=model.device)  # [m]
+        guesses = heads(hidden[0, t], model.lm_head).topk(top_k, dim=-1).indices  # [K, m, R]
+        K = guesses.shape[0]
+        ahead = t[None] + torch.arange(2, K + 2, device=model.device)[:, None]  # [K, m]
+        target = idx[0, ahead.clamp(max=len(s) - 1)]  # [K, m]
+        match = (guesses == target[..., None]) & (ahead < len(s))[..., None]  # [K, m, R]
+        rank = torch.where(match.any(-1), match.int().argmax(-1), top_k)  # [K, m]
+        out.append(" ".join("".join(MISS if r == top_k else str(r) for r in col) for col in rank.t().tolist()))
+    return out
+
+
+def replay_greedy(ranks: list[str], tree: Tree) -> float:
+    """Tokens per step that greedy Medusa decoding with `tree` makes on the sequences behind `ranks`.
+
+    Exact, not an estimate: decoding reads the heads at one position per step and accepts the longest
+    tree path whose ranks match there (accept a nodes: a + 1 tokens, the bonus counted; the next step
+    reads a + 1 positions later). Near the end the tree is cut to the depth that still fits, as
+    `medusa_generate` does. Unlike the product rule it sees that the heads' errors are correlated and
+    that decoding meets the hard positions (where the last step stopped) more often than easy ones.
+    """
+    nodes = set(tree.choices)
+    emitted = steps = 0
+    for text in ranks:
+        cols = text.split()
+        n = len(cols)  # new tokens (positions P-1 .. L-2: one per new token)
+        produced = 1
+        while produced < n:
+            col, path, accepted = cols[produced - 1], (), 0
+            for r in col[: n - produced - 1]:  # deeper nodes would reach past the sequence
+                if r == MISS or (path := path + (int(r),)) not in nodes:
+                    break
+                accepted += 1
+            produced += accepted + 1
+            emitted, steps = emitted + accepted + 1, steps + 1
+    if steps == 0:
+        raise ValueError("the rank strings hold no step to replay: continuations of 2+ tokens needed")
+    return emitted / steps
+
+
 @torch.no_grad()
 def ceiling_table(
     model: GPT, sequences: list[list[int]] | torch.Tensor, *, prompt_lens: int | Sequence[int] = 0,
@@ -174,11 +236,12 @@ def check_acc(acc: torch.Tensor) -> torch.Tensor:
 
 def save_accuracy(
     directory: str | os.PathLike, acc: torch.Tensor, *, sampled: torch.Tensor | None = None,
-    temperature: float | None = None, meta: dict | None = None,
+    temperature: float | None = None, ranks: list[str] | None = None, meta: dict | None = None,
 ) -> str:
     """Write heads_accuracy.json atomically (a reader never sees half a file); return its path.
 
-    acc: the greedy table; sampled: the table measured at `temperature` (optional, same shape).
+    acc: the greedy table; sampled: the table measured at `temperature` (optional, same shape);
+    ranks: the greedy rank strings (optional, see `greedy_ranks`), one line each at the end.
     """
     acc = check_acc(acc)
     obj = {"top_k": acc.shape[1], "num_heads": acc.shape[0], "measured_on": "unspecified", **(meta or {})}
@@ -191,7 +254,10 @@ def save_accuracy(
             raise ValueError("the sampled table needs the greedy table's shape and a temperature > 0")
         text += '\n  "sampled_acc": [\n    ' + table(sampled) + "\n  ],"
         obj["sampled_temperature"] = temperature
-    text += json.dumps(obj, indent=2)[1:] + "\n"
+    body = json.dumps(obj, indent=2)[1:-2]  # the fields, without the closing brace
+    if ranks is not None:
+        body += ',\n  "greedy_ranks": [\n    ' + ",\n    ".join(json.dumps(r) for r in ranks) + "\n  ]"
+    text += body + "\n}\n"
     path = os.path.join(os.fspath(directory), ACCURACY_FILE)
     atomic_write_text(path, text)
     return path
@@ -215,6 +281,19 @@ def load_accuracy(directory: str | os.PathLike, *, sampled: bool = False) -> tor
     if obj.get("top_k", len(rows[0])) != len(rows[0]) or not all(0 <= x <= 1 for row in rows for x in row):
         raise ValueError(f"{path}: top_k must equal the row length and every accuracy must lie in [0, 1]")
     return torch.tensor(rows, dtype=torch.float64)
+
+
+def load_greedy_ranks(directory: str | os.PathLike) -> list[str] | None:
+    """The greedy rank strings stored in heads_accuracy.json, or None when the file has none."""
+    path = os.path.join(os.fspath(directory), ACCURACY_FILE)
+    obj = read_json(path, hint="")
+    ranks = obj.get("greedy_ranks") if isinstance(obj, dict) else None
+    if ranks is None:
+        return None
+    allowed = set("0123456789 " + MISS)
+    if not isinstance(ranks, list) or not all(isinstance(r, str) and set(r) <= allowed for r in ranks):
+        raise ValueError(f'{path}: "greedy_ranks" must be strings of ranks 0-9, "{MISS}" and spaces')
+    return ranks
 
 
 def sampled_temperature(directory: str | os.PathLike) -> float | None:

@@ -23,7 +23,7 @@ import torch
 from .cli_common import OneLineParser, load_for_decoding, load_prompts, pick_device
 from .decoding import generate, medusa_generate
 from .model import GPT
-from .head_accuracy import ACCURACY_FILE, HeadsFn, accuracy_on_prompts, load_accuracy
+from .head_accuracy import ACCURACY_FILE, HeadsFn, accuracy_on_prompts, load_accuracy, load_greedy_ranks, replay_greedy
 from .tree_search import auto_tree, build_tree, encode_prompts
 
 BUDGETS = (1, 2, 4, 8, 16, 32, 64)
@@ -31,7 +31,7 @@ BUDGETS = (1, 2, 4, 8, 16, 32, 64)
 
 def run_sweep(
     model: GPT, heads: HeadsFn, prompts: list[list[int]], *, acc: torch.Tensor, max_new_tokens: int,
-    budgets: tuple[int, ...] = BUDGETS,
+    budgets: tuple[int, ...] = BUDGETS, ranks: list[str] | None = None,
 ) -> dict:
     """Decode every prompt plainly once, then with the build_tree tree of each budget; gather numbers."""
     if not prompts:
@@ -43,6 +43,8 @@ def run_sweep(
     rows = []
     for n in budgets:
         tree, expected = build_tree(acc, n)
+        if ranks is not None:  # replayed on the measured continuations, not the product rule
+            expected = replay_greedy(ranks, tree)
         runs = [medusa_generate(model, heads, p, tree=tree, max_new_tokens=max_new_tokens) for p in prompts]
         steps = max(sum(st.steps for _, st in runs), 1)
         seconds = sum(st.seconds for _, st in runs)
@@ -56,7 +58,7 @@ def run_sweep(
             "speedup": plain_ms_per_token / ms_per_token if ms_per_token > 0 else 0.0,
             "equal_to_greedy": sum(out == ref for (out, _), (ref, _) in zip(runs, plain)),
         })
-    _, why = auto_tree(acc, {row["nodes"]: row["ms_per_step"] for row in rows})
+    _, why = auto_tree(acc, {row["nodes"]: row["ms_per_step"] for row in rows}, ranks=ranks)
     return {
         "num_prompts": len(prompts), "max_new_tokens": max_new_tokens,
         "plain_ms_per_token": plain_ms_per_token, "rows": rows,
@@ -108,8 +110,11 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"checkpoint {ns.ckpt} has no Medusa heads; train heads first")
         texts = load_prompts(ns.ckpt)
         block = ckpt.block_size
+        ranks = None
         try:
             acc, source = load_accuracy(ns.ckpt), ACCURACY_FILE
+            ranks = load_greedy_ranks(ns.ckpt)
+            source += " (expected = replayed on its greedy continuations)" if ranks else " (product rule)"
         except ValueError:  # missing or unreadable: measure now, as tree_search would
             measure_on = encode_prompts(ckpt.enc, texts[:32], block_size=block, max_new_tokens=min(64, block - 1))
             acc = accuracy_on_prompts(ckpt.model, ckpt.heads, measure_on, max_new_tokens=min(64, block - 1))
@@ -119,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
                              f"{ckpt.heads.num_heads}; recompute it with python -m medusa_mini.tree_search")
         chosen = random.Random(ns.seed).sample(texts, min(ns.num_prompts, len(texts)))
         prompts = encode_prompts(ckpt.enc, chosen, block_size=block, max_new_tokens=ns.max_new_tokens)
-        result = run_sweep(ckpt.model, ckpt.heads, prompts, acc=acc, max_new_tokens=ns.max_new_tokens)
+        result = run_sweep(ckpt.model, ckpt.heads, prompts, acc=acc, max_new_tokens=ns.max_new_tokens, ranks=ranks)
     except (ValueError, OSError) as e:
         p.error(str(e))
     result.update(checkpoint=ns.ckpt, device=str(device), accuracy_source=source, seed=ns.seed)

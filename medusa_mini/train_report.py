@@ -20,8 +20,8 @@ from .data import get_batch
 from .safetensors_io import atomic_write_text
 from .training import head_targets, sample_continuations
 from .tree import preset
-from .head_accuracy import ceiling_table, measure_head_accuracy, save_accuracy
-from .tree_search import SAMPLED_TEMPERATURE, build_tree, ceiling_by_budget, expected_tokens_per_step
+from .head_accuracy import ceiling_table, greedy_ranks, measure_head_accuracy, replay_greedy, save_accuracy
+from .tree_search import SAMPLED_TEMPERATURE, build_tree, ceiling_by_budget
 
 # Official Medusa-1 heads on Vicuna-7B, top-1 accuracy of heads 1-4 (paper and its repository).
 OFFICIAL_TOP1 = (0.56, 0.32, 0.20, 0.15)
@@ -69,13 +69,14 @@ def summarize(run, model, heads, enc, val_docs, val_tokens: np.ndarray) -> dict:
     x, _ = get_batch(val_tokens, batch_size=min(64, 8 * args.eval_prompts), block_size=P, generator=g, device=model.device)
     seqs = sample_continuations(model, x, max_new_tokens=n, temperature=0.0)
     acc = measure_head_accuracy(model, heads, seqs, prompt_lens=P, top_k=10)  # [K, 10]
+    ranks = greedy_ranks(model, heads, seqs, prompt_lens=P)  # replays greedy decoding exactly
     # ... and what rejection sampling meets: the same prompts continued at T, guesses scored by p.
     T = SAMPLED_TEMPERATURE
     gen = torch.Generator(device=model.device).manual_seed(args.seed + 6)
     sampled_seqs = sample_continuations(model, x, max_new_tokens=n, temperature=T, generator=gen)
     sampled = measure_head_accuracy(model, heads, sampled_seqs, prompt_lens=P, top_k=10, temperature=T)
     ceiling = ceiling_table(model, sampled_seqs, prompt_lens=P, top_k=10, temperature=T)
-    save_accuracy(args.out, acc, sampled=sampled, temperature=T,
+    save_accuracy(args.out, acc, sampled=sampled, temperature=T, ranks=ranks,
                   meta={"measured_on": f"{seqs.shape[0]} held-out prompts x {n} tokens, greedy and sampled",
                         "sampled_ceiling": [round(v, 6) for v in ceiling.tolist()]})
     K = acc.shape[0]
@@ -94,19 +95,19 @@ def summarize(run, model, heads, enc, val_docs, val_tokens: np.ndarray) -> dict:
         f"           official Medusa-1, Vicuna-7B top-1  {official}",
     ]
     budgets = [n for n in (4, 8, 16, 32, 64)]
-    est = [build_tree(acc, b)[1] for b in budgets]
-    cpu_est = expected_tokens_per_step(acc, preset("cpu"))
+    est = [replay_greedy(ranks, build_tree(acc, b)[0]) for b in budgets]
+    cpu_est = replay_greedy(ranks, preset("cpu"))
     lines.append(
-        "           expected tokens/step, greedy (bonus counted):  "
+        f"           {'tokens/step, greedy (replayed, bonus counted):':<48}"
         + ", ".join(f"{b} nodes {e:.2f}" for b, e in zip(budgets, est))
         + f"; cpu preset {cpu_est:.2f}"
     )
     lines.append(
-        f"           expected tokens/step, rejection T={T:g}:        "
+        f"           {f'expected tokens/step, rejection T={T:g}:':<48}"
         + ", ".join(f"{b} nodes {build_tree(sampled, b)[1]:.2f}" for b in budgets)
     )
     lines.append(
-        f"           ceiling, rejection T={T:g} (perfect heads):     "
+        f"           {f'ceiling, rejection T={T:g} (perfect heads):':<48}"
         + ", ".join(f"{b} nodes {v:.2f}" for b, v in ceiling_by_budget(ceiling, num_heads=K, budgets=budgets).items())
     )
     run.log("\n".join(lines))

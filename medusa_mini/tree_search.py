@@ -28,8 +28,8 @@ import torch
 from .cli_common import PROMPTS_FILE, OneLineParser, load_for_decoding, load_prompts, pick_device
 from .decoding import medusa_step, prefill, sync_device
 from .head_accuracy import (
-    ACCURACY_FILE, HeadsFn, accuracy_on_prompts, ceiling_table, check_acc, continuations, format_accuracy,
-    measure_head_accuracy, save_accuracy,
+    ACCURACY_FILE, HeadsFn, ceiling_table, check_acc, continuations, format_accuracy, greedy_ranks,
+    measure_head_accuracy, replay_greedy, save_accuracy,
 )
 from .model import GPT, KVCache
 from .tree import Tree
@@ -137,10 +137,12 @@ def measure_verify_cost(
     return {n: statistics.median(t) for n, t in times.items()}
 
 
-def auto_tree(acc: torch.Tensor, step_ms: dict[int, float]) -> tuple[Tree, str]:
+def auto_tree(acc: torch.Tensor, step_ms: dict[int, float], *, ranks: list[str] | None = None) -> tuple[Tree, str]:
     """The tree whose budget N (candidates, root excluded) maximises expected tokens per second.
 
-    For each N in step_ms: build_tree(acc, N); expected tokens/s = its tokens per step / step_ms[N].
+    For each N in step_ms: build_tree(acc, N); its tokens per step replayed on measured greedy
+    continuations when `ranks` are given (head_accuracy.replay_greedy: exact there), else the product
+    rule's; expected tokens/s = tokens per step / step_ms[N].
     Ties go to the smaller budget. Returns the tree and a short table explaining the choice.
     """
     if not step_ms:
@@ -150,9 +152,12 @@ def auto_tree(acc: torch.Tensor, step_ms: dict[int, float]) -> tuple[Tree, str]:
         if step_ms[n] <= 0:
             raise ValueError(f"step time for {n} nodes must be positive, got {step_ms[n]}")
         tree, expected = build_tree(acc, n)
+        if ranks is not None:
+            expected = replay_greedy(ranks, tree)
         rows.append((n, tree, expected, float(step_ms[n]), 1000 * expected / step_ms[n]))
     best = max(rows, key=lambda row: (row[4], -row[0]))
-    lines = ["nodes  tokens/step  ms/step  tokens/s   (expected; nodes exclude the root, bonus token counted)"]
+    how = "replayed" if ranks is not None else "expected"
+    lines = [f"nodes  tokens/step  ms/step  tokens/s   ({how}; nodes exclude the root, bonus token counted)"]
     for n, _, expected, ms, rate in rows:
         lines.append(f"{n:>5}  {expected:>11.2f}  {ms:>7.2f}  {rate:>8.1f}" + ("   <- chosen" if n == best[0] else ""))
     n, tree, expected, ms, rate = best
@@ -178,9 +183,9 @@ def encode_prompts(enc, texts: list[str], *, block_size: int, max_new_tokens: in
 def recompute_accuracy(
     directory: str, *, num_prompts: int = 32, max_new_tokens: int = 64, top_k: int = 10,
     temperature: float = SAMPLED_TEMPERATURE, device: torch.device | str = "cpu", seed: int = 0,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Measure both tables (greedy; sampled at `temperature`) on a checkpoint's prompts.json, save
-    heads_accuracy.json, return (greedy acc, sampled acc, ceiling row) (see head_accuracy)."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[str]]:
+    """Measure both tables (greedy; sampled at `temperature`), the greedy rank strings and the ceiling on
+    a checkpoint's prompts.json, save heads_accuracy.json, return (acc, sampled, ceiling, ranks)."""
     ckpt = load_for_decoding(directory, device=torch.device(device))  # model, heads, tokenizer
     if ckpt.heads is None:
         raise ValueError(f"checkpoint {directory} has no Medusa heads; train heads first")
@@ -189,16 +194,18 @@ def recompute_accuracy(
     if not prompts:
         raise ValueError(f"every prompt in {os.path.join(directory, PROMPTS_FILE)} encodes to no tokens")
     top_k = min(top_k, ckpt.model.config.vocab_size)
-    acc = accuracy_on_prompts(ckpt.model, ckpt.heads, prompts, max_new_tokens=max_new_tokens, top_k=top_k)
-    seqs = continuations(ckpt.model, prompts, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
     lens = [len(p) for p in prompts]
+    greedy = continuations(ckpt.model, prompts, max_new_tokens=max_new_tokens)
+    acc = measure_head_accuracy(ckpt.model, ckpt.heads, greedy, prompt_lens=lens, top_k=top_k)
+    ranks = greedy_ranks(ckpt.model, ckpt.heads, greedy, prompt_lens=lens, top_k=top_k)
+    seqs = continuations(ckpt.model, prompts, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
     sampled = measure_head_accuracy(ckpt.model, ckpt.heads, seqs, prompt_lens=lens, top_k=top_k, temperature=temperature)
     ceiling = ceiling_table(ckpt.model, seqs, prompt_lens=lens, top_k=top_k, temperature=temperature)
     meta = {"measured_on": f"continuations ({max_new_tokens} new tokens, greedy and sampled) of the first "
             f"{len(prompts)} prompts of {PROMPTS_FILE}", "num_prompts": len(prompts), "max_new_tokens": max_new_tokens,
             "sampled_ceiling": [round(x, 6) for x in ceiling.tolist()]}
-    save_accuracy(directory, acc, sampled=sampled, temperature=temperature, meta=meta)
-    return acc, sampled, ceiling
+    save_accuracy(directory, acc, sampled=sampled, temperature=temperature, ranks=ranks, meta=meta)
+    return acc, sampled, ceiling, ranks
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -225,11 +232,13 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as e:
         p.error(str(e))
     print(f"saved {os.path.join(ns.ckpt, ACCURACY_FILE)}")
-    acc, sampled, ceiling = tables
-    for table, what in ((acc, "greedy acceptance"), (sampled, f"rejection sampling at T={ns.temperature:g}: E[p(guess)]")):
-        print(f"-- {what}\n{format_accuracy(table)}")
-        print("expected tokens/step of build_tree (bonus token counted) by node budget (root excluded):")
-        print("  ".join(f"{n} nodes: {build_tree(table, n)[1]:.2f}" for n in REPORT_BUDGETS))
+    acc, sampled, ceiling, ranks = tables
+    print(f"-- greedy acceptance\n{format_accuracy(acc)}")
+    print("tokens/step of build_tree replayed on these greedy continuations (bonus token counted) by node budget:")
+    print("  ".join(f"{n} nodes: {replay_greedy(ranks, build_tree(acc, n)[0]):.2f}" for n in REPORT_BUDGETS))
+    print(f"-- rejection sampling at T={ns.temperature:g}: E[p(guess)]\n{format_accuracy(sampled)}")
+    print("expected tokens/step of build_tree (product rule, bonus token counted) by node budget:")
+    print("  ".join(f"{n} nodes: {build_tree(sampled, n)[1]:.2f}" for n in REPORT_BUDGETS))
     print(f"-- ceiling at T={ns.temperature:g}: a draft guessing the backbone's own top-k, at every depth")
     print("  ".join(f"{n} nodes: {v:.2f}" for n, v in ceiling_by_budget(ceiling, num_heads=acc.shape[0]).items()))
     return 0

@@ -12,7 +12,8 @@ from medusa_mini.acceptance import sampling_probs
 from medusa_mini.cli_common import load_for_decoding, resolve_trees
 from medusa_mini.decoding import medusa_generate
 from medusa_mini.head_accuracy import (
-    ceiling_table, continuations, load_accuracy, measure_head_accuracy, sampled_temperature, save_accuracy,
+    ceiling_table, continuations, greedy_ranks, load_accuracy, load_greedy_ranks, measure_head_accuracy,
+    replay_greedy, sampled_temperature, save_accuracy,
 )
 from medusa_mini.tree import Tree
 from test_decode_cli import save_tiny
@@ -158,3 +159,46 @@ def test_the_ceiling_bounds_the_expected_tokens_of_every_budget():
     assert bound[1] == pytest.approx(1.3) and bound[3] == pytest.approx(1 + 0.3 + 0.1 + 0.09)
     for n, value in bound.items():
         assert build_tree(heads_table, n)[1] <= value
+
+
+def test_replaying_the_rank_strings_gives_exactly_the_tokens_per_step_of_greedy_medusa():
+    from medusa_mini.tree import chain, preset
+    from medusa_mini.tree_search import build_tree
+    from test_tree_search import LookupHeads
+
+    # Greedy decoding reproduces the greedy continuation token for token, so which tree path is
+    # accepted at each step is fixed by where each head ranked its target: a replay, not a forecast.
+    model, n = tiny_model(2), 40
+    prompts = _prompts(6)
+    seqs = continuations(model, prompts, max_new_tokens=n)
+    heads = LookupHeads(model, seqs, true_rank_probs=(0.55, 0.2, 0.1), seed=2)
+    ranks = greedy_ranks(model, heads, seqs, prompt_lens=5)
+    assert len(ranks) == 6 and all(len(r.split()) == n for r in ranks)
+    acc = measure_head_accuracy(model, heads, seqs, prompt_lens=5)
+    for tree in (build_tree(acc, 8)[0], preset("cpu"), chain(3), build_tree(acc, 1)[0]):
+        emitted = steps = 0
+        for p in prompts:
+            _, stats = medusa_generate(model, heads, p, tree=tree, max_new_tokens=n)
+            emitted, steps = emitted + sum(stats.step_tokens), steps + stats.steps
+        assert replay_greedy(ranks, tree) == pytest.approx(emitted / steps, abs=1e-12)
+
+
+def test_rank_strings_survive_a_save_and_load_round_trip(tmp_path):
+    ranks = ["00-1 0--- 1200", "---- 0000"]
+    save_accuracy(tmp_path, torch.tensor([[0.5, 0.1]] * 4), ranks=ranks)
+    assert load_greedy_ranks(tmp_path) == ranks and load_accuracy(tmp_path).shape == (4, 2)
+    save_accuracy(tmp_path, torch.tensor([[0.5, 0.1]] * 4))
+    assert load_greedy_ranks(tmp_path) is None
+    (tmp_path / "heads_accuracy.json").write_text('{"acc": [[0.5]], "greedy_ranks": ["0a"]}')
+    with pytest.raises(ValueError, match="greedy_ranks"):
+        load_greedy_ranks(tmp_path)
+
+
+def test_a_chain_replays_to_one_plus_the_run_of_leading_top1_hits():
+    from medusa_mini.tree import chain
+
+    # one sequence of 3 new tokens: step 1 reads position 0 ("00--": 2 accepted, but only depth 1
+    # still fits before the end), so 2 tokens in 1 step
+    assert replay_greedy(["00-- 0--- ----"], chain(4)) == 2.0
+    # two steps: "-" accepts nothing (1 token), then "0-" one node (2 tokens) => 3 tokens / 2 steps
+    assert replay_greedy(["---- 0--- ---- ----"], chain(4)) == pytest.approx(1.5)
