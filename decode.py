@@ -18,15 +18,16 @@ import sys
 
 import torch
 
+from medusa_mini.acceptance import SAMPLING_TEMPERATURE  # sampling rules' default when no --temperature is given
 from medusa_mini.cli_common import (
     BONUS_NOTE, PROMPTS_FILE, Checkpoint, OneLineParser, StepPrinter, default_tree_name, encode_prompt,
-    TreeChoice, load_for_decoding, load_prompts, pick_device, resolve_trees, stat_line, use_color,
+    TreeChoice, load_for_decoding, load_prompts, pick_device, resolve_trees, stat_line, tree_nodes_text,
+    use_color,
 )
 from medusa_mini.decoding import GenerationStats, generate, medusa_generate
 from medusa_mini.explain import explain_step
 from medusa_mini.tree import Tree
 
-SAMPLING_TEMPERATURE = 0.8  # used by sampling rules when no --temperature is given
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -208,8 +209,9 @@ def compare(
         row["speedup"] = base["ms_per_token"] / row["ms_per_token"] if row["ms_per_token"] else 0.0
         row["same_as_plain_greedy"] = row["tokens"] == base["tokens"] if row["temperature"] == 0 else None
     return {"rows": rows, "device": str(ck.model.device), "threads": torch.get_num_threads(), "tree": tree_name,
-            "tree_nodes": trees.greedy.num_nodes, "rejection_tree_nodes": trees.sampled.num_nodes, "prompts": len(prompts), "max_new_tokens": a.max_new_tokens,
-            "top_p": a.top_p, "repeat": a.repeat, "note": BONUS_NOTE}
+            "tree_nodes": trees.greedy.num_nodes, "rejection_tree_nodes": trees.sampled.num_nodes,
+            "prompts": len(prompts), "max_new_tokens": a.max_new_tokens, "top_p": a.top_p, "repeat": a.repeat,
+            "note": BONUS_NOTE}
 
 
 def format_compare(result: dict) -> str:
@@ -223,9 +225,7 @@ def format_compare(result: dict) -> str:
                      f"{r['speedup']:>8.2f}x  {same}")
     top_p = f", top-p {result['top_p']:g}" if result["top_p"] < 1 else ""
     threads = f"{result['threads']} thread" + ("s" if result["threads"] != 1 else "")
-    nodes = f"{result['tree_nodes']} nodes incl. root"
-    if result["rejection_tree_nodes"] != result["tree_nodes"]:
-        nodes += f"; rejection: {result['rejection_tree_nodes']}, from the sampled table"
+    nodes = tree_nodes_text(result["tree_nodes"], result["rejection_tree_nodes"])
     lines.append(f"\ndevice {result['device']}, {threads}; tree {result['tree']} "
                  f"({nodes}); {result['prompts']} prompts; "
                  f"max-new-tokens {result['max_new_tokens']}{top_p}")

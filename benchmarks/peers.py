@@ -37,6 +37,7 @@ import torch  # noqa: E402
 
 from medusa_mini.cli_common import (  # noqa: E402
     OneLineParser, default_tree_name, encode_prompt, load_for_decoding, load_prompts, pick_device, resolve_trees,
+    tree_nodes_text,
 )
 from medusa_mini.decoding import generate, medusa_generate, sync_device  # noqa: E402
 from medusa_mini.tokenizer import load_tokenizer  # noqa: E402
@@ -247,15 +248,13 @@ def format_table(result: dict) -> str:
         lines.append(f"{r['method']:<40}{r['ms_per_token']:>9.2f}{r['steps']:>7}{r['tokens_per_step']:>13.2f}"
                      f"{r['speedup']:>8.2f}x  {same}")
     f = result["facts"]
-    rejection = ""
-    if f.get("rejection_tree_nodes") not in (None, f["tree_nodes"]):
-        rejection = f"; rejection: {f['rejection_tree_nodes']}, from the sampled table"
     lines += [
         "",
         f"torch {f['torch']}, transformers {f['transformers']}, device {f['device']}, threads {f['threads']}, "
         f"CPU {f['cpu']}",
         f"{f['prompts']} prompts, max-new-tokens {f['max_new_tokens']} (no end-token stop), tree {f['tree']} "
-        f"({f['tree_nodes']} nodes incl. root{rejection}), sampling T={f['temperature']:g}, seed {f['seed']}",
+        f"({tree_nodes_text(f['tree_nodes'], f.get('rejection_tree_nodes'))}), sampling T={f['temperature']:g}, "
+        f"seed {f['seed']}",
         f"speedup and 'same as greedy' are against transformers greedy;\n{result['note']}.",
         *result["notes"],
         f"command: {f['command']}",

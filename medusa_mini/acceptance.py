@@ -17,6 +17,8 @@ import torch.nn.functional as F
 
 from .tree import Tree
 
+SAMPLING_TEMPERATURE = 0.8  # the sampling rules' default temperature, and the sampled table's
+
 
 def sampling_probs(logits: torch.Tensor, *, temperature: float, top_p: float = 1.0) -> torch.Tensor:
     """p: logits [..., V] -> probabilities [..., V] after temperature and nucleus (top-p) filtering.

@@ -220,11 +220,12 @@ def resolve_trees(
     return choice
 
 
-def resolve_tree(
-    spec: str | None, *, num_heads: int | None, ckpt_dir: str, device: torch.device, model=None, heads=None
-) -> Tree:
-    """The tree for greedy acceptance (see `resolve_trees`)."""
-    return resolve_trees(spec, num_heads=num_heads, ckpt_dir=ckpt_dir, device=device, model=model, heads=heads).greedy
+def tree_nodes_text(nodes: int, rejection_nodes: int | None) -> str:
+    """A results footer's tree size: "9 nodes incl. root", plus the rejection rows' own when it differs."""
+    text = f"{nodes} nodes incl. root"
+    if rejection_nodes not in (None, nodes):
+        text += f"; rejection: {rejection_nodes}, from the sampled table"
+    return text
 
 
 # ---- showing text and numbers ----------------------------------------------------------------

@@ -64,6 +64,14 @@ def continuations(
     return out
 
 
+def _with_prompt_lens(
+    sequences: list[list[int]] | torch.Tensor, prompt_lens: int | Sequence[int]
+) -> tuple[list[list[int]], list[int]]:
+    """Sequences as lists of ids, and one prompt length per sequence."""
+    seqs = sequences.tolist() if isinstance(sequences, torch.Tensor) else [list(s) for s in sequences]
+    return seqs, [prompt_lens] * len(seqs) if isinstance(prompt_lens, int) else list(prompt_lens)
+
+
 @torch.no_grad()
 def measure_head_accuracy(
     model: GPT, heads: HeadsFn, sequences: list[list[int]] | torch.Tensor, *,
@@ -81,8 +89,7 @@ def measure_head_accuracy(
     """
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
-    seqs = sequences.tolist() if isinstance(sequences, torch.Tensor) else [list(s) for s in sequences]
-    plens = [prompt_lens] * len(seqs) if isinstance(prompt_lens, int) else list(prompt_lens)
+    seqs, plens = _with_prompt_lens(sequences, prompt_lens)
     if not seqs or len(plens) != len(seqs):
         raise ValueError("give at least one sequence and one prompt length per sequence")
     V, block, device = model.config.vocab_size, model.config.block_size, model.device
@@ -139,8 +146,7 @@ def greedy_ranks(
     top_k (<= 10) guesses or lies beyond the sequence, then a space. Greedy decoding of the prompt
     reproduces the continuation token for token, so these strings replay it exactly (`replay_greedy`).
     """
-    seqs = sequences.tolist() if isinstance(sequences, torch.Tensor) else [list(s) for s in sequences]
-    plens = [prompt_lens] * len(seqs) if isinstance(prompt_lens, int) else list(prompt_lens)
+    seqs, plens = _with_prompt_lens(sequences, prompt_lens)
     top_k = min(top_k, 10)
     out = []
     for s, P in zip(seqs, plens):
@@ -200,8 +206,7 @@ def ceiling_table(
     """
     if temperature <= 0:
         raise ValueError("the ceiling is for sampling: temperature must be > 0")
-    seqs = sequences.tolist() if isinstance(sequences, torch.Tensor) else [list(s) for s in sequences]
-    plens = [prompt_lens] * len(seqs) if isinstance(prompt_lens, int) else list(prompt_lens)
+    seqs, plens = _with_prompt_lens(sequences, prompt_lens)
     total, count = torch.zeros(top_k, dtype=torch.float64), 0
     for s, P in zip(seqs, plens):
         if len(s) < P + 2:
@@ -263,12 +268,18 @@ def save_accuracy(
     return path
 
 
+def _read_accuracy_file(directory: str | os.PathLike, *, hint: str = "") -> tuple[str, object]:
+    """(path, parsed JSON) of a checkpoint's heads_accuracy.json; a one-line ValueError if unreadable."""
+    path = os.path.join(os.fspath(directory), ACCURACY_FILE)
+    return path, read_json(path, hint=hint)
+
+
 def load_accuracy(directory: str | os.PathLike, *, sampled: bool = False) -> torch.Tensor:
     """acc [K, R] float64 from heads_accuracy.json: the greedy table, or with `sampled=True` the table
     measured at `sampled_temperature` (see `sampled_temperature`). A one-line ValueError for a missing
     or bad file, or a missing sampled table."""
-    path = os.path.join(os.fspath(directory), ACCURACY_FILE)
-    obj = read_json(path, hint=f"measure it with python -m medusa_mini.tree_search --ckpt {directory}")
+    hint = f"measure it with python -m medusa_mini.tree_search --ckpt {directory}"
+    path, obj = _read_accuracy_file(directory, hint=hint)
     key = "sampled_acc" if sampled else "acc"
     if sampled and isinstance(obj, dict) and key not in obj:
         raise ValueError(f"{path} has no sampled table; re-measure with python -m medusa_mini.tree_search "
@@ -285,8 +296,7 @@ def load_accuracy(directory: str | os.PathLike, *, sampled: bool = False) -> tor
 
 def load_greedy_ranks(directory: str | os.PathLike) -> list[str] | None:
     """The greedy rank strings stored in heads_accuracy.json, or None when the file has none."""
-    path = os.path.join(os.fspath(directory), ACCURACY_FILE)
-    obj = read_json(path, hint="")
+    path, obj = _read_accuracy_file(directory)
     ranks = obj.get("greedy_ranks") if isinstance(obj, dict) else None
     if ranks is None:
         return None
@@ -298,7 +308,7 @@ def load_greedy_ranks(directory: str | os.PathLike) -> list[str] | None:
 
 def sampled_temperature(directory: str | os.PathLike) -> float | None:
     """The temperature of the stored sampled table, or None when the file has none."""
-    obj = read_json(os.path.join(os.fspath(directory), ACCURACY_FILE), hint="")
+    _, obj = _read_accuracy_file(directory)
     t = obj.get("sampled_temperature") if isinstance(obj, dict) and "sampled_acc" in obj else None
     return float(t) if isinstance(t, (int, float)) and not isinstance(t, bool) and t > 0 else None
 

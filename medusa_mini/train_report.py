@@ -15,13 +15,14 @@ import random
 import numpy as np
 import torch
 
+from .acceptance import SAMPLING_TEMPERATURE
 from .cli_common import PROMPTS_FILE
 from .data import get_batch
+from .head_accuracy import ceiling_table, greedy_ranks, measure_head_accuracy, replay_greedy, save_accuracy
 from .safetensors_io import atomic_write_text
 from .training import head_targets, sample_continuations
 from .tree import preset
-from .head_accuracy import ceiling_table, greedy_ranks, measure_head_accuracy, replay_greedy, save_accuracy
-from .tree_search import SAMPLED_TEMPERATURE, build_tree, ceiling_by_budget
+from .tree_search import build_tree, ceiling_by_budget
 
 # Official Medusa-1 heads on Vicuna-7B, top-1 accuracy of heads 1-4 (paper and its repository).
 OFFICIAL_TOP1 = (0.56, 0.32, 0.20, 0.15)
@@ -71,7 +72,7 @@ def summarize(run, model, heads, enc, val_docs, val_tokens: np.ndarray) -> dict:
     acc = measure_head_accuracy(model, heads, seqs, prompt_lens=P, top_k=10)  # [K, 10]
     ranks = greedy_ranks(model, heads, seqs, prompt_lens=P)  # replays greedy decoding exactly
     # ... and what rejection sampling meets: the same prompts continued at T, guesses scored by p.
-    T = SAMPLED_TEMPERATURE
+    T = SAMPLING_TEMPERATURE
     gen = torch.Generator(device=model.device).manual_seed(args.seed + 6)
     sampled_seqs = sample_continuations(model, x, max_new_tokens=n, temperature=T, generator=gen)
     sampled = measure_head_accuracy(model, heads, sampled_seqs, prompt_lens=P, top_k=10, temperature=T)

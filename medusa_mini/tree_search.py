@@ -25,6 +25,7 @@ from typing import Sequence
 
 import torch
 
+from .acceptance import SAMPLING_TEMPERATURE
 from .cli_common import PROMPTS_FILE, OneLineParser, load_for_decoding, load_prompts, pick_device
 from .decoding import medusa_step, prefill, sync_device
 from .head_accuracy import (
@@ -35,7 +36,6 @@ from .model import GPT, KVCache
 from .tree import Tree
 
 REPORT_BUDGETS = (4, 8, 16, 32, 64)
-SAMPLED_TEMPERATURE = 0.8  # the temperature of the stored sampled table (decode.py's sampling default)
 
 
 # ---- trees from accuracies -------------------------------------------------------------------
@@ -182,7 +182,7 @@ def encode_prompts(enc, texts: list[str], *, block_size: int, max_new_tokens: in
 
 def recompute_accuracy(
     directory: str, *, num_prompts: int = 32, max_new_tokens: int = 64, top_k: int = 10,
-    temperature: float = SAMPLED_TEMPERATURE, device: torch.device | str = "cpu", seed: int = 0,
+    temperature: float = SAMPLING_TEMPERATURE, device: torch.device | str = "cpu", seed: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[str]]:
     """Measure both tables (greedy; sampled at `temperature`), the greedy rank strings and the ceiling on
     a checkpoint's prompts.json, save heads_accuracy.json, return (acc, sampled, ceiling, ranks)."""
@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompts", type=int, default=32, help="how many prompts of prompts.json to use (default: %(default)s)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="continuation length per prompt (default: %(default)s)")
     p.add_argument("--top-k", type=int, default=10, help="ranks measured per head (default: %(default)s)")
-    p.add_argument("--temperature", type=float, default=SAMPLED_TEMPERATURE,
+    p.add_argument("--temperature", type=float, default=SAMPLING_TEMPERATURE,
                    help="temperature of the sampled table, the one rejection sampling uses (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="seed of the sampled continuations (default: %(default)s)")
     p.add_argument("--device", help="cpu, cuda, ... (default: cuda if available)")

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from medusa_mini.checkpoint import save_checkpoint
-from medusa_mini.cli_common import resolve_tree
+from medusa_mini.cli_common import resolve_trees
 from medusa_mini.heads import HeadsConfig, MedusaHeads
 from medusa_mini.model import GPT, GPTConfig
 from medusa_mini.tokenizer import load_tokenizer, make_encoding, save_tokenizer, train_bpe
@@ -250,15 +250,15 @@ def test_bad_input_exits_2_with_one_line(argv, needle, ckpt, ckpt_no_heads, brok
 
 def test_resolve_tree_reads_presets_and_both_json_shapes(ckpt, tmp_path):
     cpu = torch.device("cpu")
-    assert resolve_tree(None, num_heads=4, ckpt_dir=ckpt, device=cpu).num_nodes == 12
-    assert resolve_tree("chain3", num_heads=4, ckpt_dir=ckpt, device=cpu).depth == 3
+    assert resolve_trees(None, num_heads=4, ckpt_dir=ckpt, device=cpu).greedy.num_nodes == 12
+    assert resolve_trees("chain3", num_heads=4, ckpt_dir=ckpt, device=cpu).greedy.depth == 3
     (tmp_path / "list.json").write_text("[[0], [1], [0, 0]]")
     (tmp_path / "obj.json").write_text('{"choices": [[0], [1], [0, 0]]}')
     for name in ("list.json", "obj.json"):
-        tree = resolve_tree(str(tmp_path / name), num_heads=4, ckpt_dir=ckpt, device=cpu)
+        tree = resolve_trees(str(tmp_path / name), num_heads=4, ckpt_dir=ckpt, device=cpu).greedy
         assert tree.num_nodes == 4 and tree.depth == 2
     with pytest.raises(ValueError, match="heads_accuracy.json"):
-        resolve_tree("auto", num_heads=4, ckpt_dir=ckpt, device=cpu)
+        resolve_trees("auto", num_heads=4, ckpt_dir=ckpt, device=cpu)
 
 
 def test_help_shows_every_flag_with_its_default(capsys):
