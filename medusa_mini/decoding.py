@@ -20,7 +20,9 @@ from typing import Callable
 
 import torch
 
-from .acceptance import ACCEPTANCE_RULES, greedy_accept, rejection_accept, sample, sampling_probs, typical_accept
+from .acceptance import (
+    ACCEPTANCE_RULES, Draft, greedy_accept, rejection_accept, sample, sample_draft, sampling_probs, typical_accept,
+)
 from .model import GPT, KVCache, compact_kv_cache
 from .tree import Tree
 
@@ -128,13 +130,36 @@ def generate(
     return out, stats
 
 
-def tree_candidates(tree: Tree, root: int, head_logits: torch.Tensor) -> torch.Tensor:
-    """Fill the tree: node i gets head `head(i)`'s rank-`rank(i)` token. head_logits [K, V] -> [N]."""
+DRAFTS = ("sampled", "topk")  # how rejection sampling fills the tree: draws from the heads, or their top-k
+
+
+def tree_candidates(tree: Tree, root: int, head_logits: torch.Tensor, *, draft: Draft | None = None) -> torch.Tensor:
+    """Fill the tree: node i gets head `head(i)`'s rank-`rank(i)` token. head_logits [K, V] -> [N].
+
+    With a `draft`, "rank r" means the r-th token drawn from head(i)'s q (`acceptance.sample_draft`).
+    """
     head, rank = tree.cached("head", head_logits.device), tree.cached("rank", head_logits.device)  # [N - 1]
-    k = tree.max_rank + 1
-    topk = head_logits[: max(tree.depth, 1)].topk(k, dim=-1).indices  # [D, k]
+    if draft is None:
+        guesses = head_logits[: max(tree.depth, 1)].topk(tree.max_rank + 1, dim=-1).indices  # [D, R]
+    else:
+        guesses = draft.samples  # [D, R]
     root_t = torch.tensor([root], device=head_logits.device)
-    return torch.cat([root_t, topk[head, rank]])  # [N]
+    return torch.cat([root_t, guesses[head, rank]])  # [N]
+
+
+def propose(
+    tree: Tree, root: int, head_logits: torch.Tensor, *, acceptance: str, draft: str, temperature: float,
+    generator: torch.Generator | None,
+) -> tuple[torch.Tensor, Draft | None]:
+    """The tree's candidate tokens [N]: the heads' top-k, or, for rejection sampling with
+    draft="sampled", tokens drawn from the heads' distributions (returned too: acceptance needs q)."""
+    if draft not in DRAFTS:
+        raise ValueError(f"unknown draft {draft!r}: use sampled or topk")
+    sampled = None
+    if acceptance == "rejection" and draft == "sampled" and temperature > 0 and tree.num_nodes > 1:
+        sampled = sample_draft(head_logits, depth=tree.depth, width=tree.max_rank + 1, temperature=temperature,
+                               generator=generator)
+    return tree_candidates(tree, root, head_logits, draft=sampled), sampled
 
 
 @torch.no_grad()
@@ -154,15 +179,17 @@ def verify(model: GPT, cache: KVCache, tree: Tree, tokens: torch.Tensor) -> tupl
 
 def accept(
     rule: str, tree: Tree, tokens: torch.Tensor, logits: torch.Tensor, *, temperature: float,
-    top_p: float, epsilon: float, delta: float, generator: torch.Generator | None,
+    top_p: float, epsilon: float, delta: float, generator: torch.Generator | None, draft: Draft | None = None,
 ) -> tuple[list[int], int]:
-    """Dispatch to one acceptance rule (see acceptance.py)."""
+    """Dispatch to one acceptance rule (see acceptance.py); `draft` only for sampled rejection candidates."""
     if rule not in ACCEPTANCE_RULES:
         raise ValueError(f"unknown acceptance rule {rule!r}: use greedy, typical or rejection")
     if rule == "greedy" or temperature == 0:
         return greedy_accept(tree, tokens, logits)
     if rule == "rejection":
-        return rejection_accept(tree, tokens, logits, temperature=temperature, top_p=top_p, generator=generator)
+        return rejection_accept(
+            tree, tokens, logits, temperature=temperature, top_p=top_p, generator=generator, draft=draft
+        )
     if rule == "typical":
         return typical_accept(
             tree, tokens, logits, temperature=temperature, top_p=top_p, epsilon=epsilon, delta=delta,
@@ -206,23 +233,25 @@ def medusa_step(
     top_p: float = 1.0,
     epsilon: float = 0.09,
     delta: float = 0.3,
+    draft: str = "sampled",
     generator: torch.Generator | None = None,
 ) -> StepResult:
     """One Medusa step: candidates -> verify -> accept -> compact.
 
     root: the last committed token, whose K/V are not in `cache` yet; head_logits [K, V]: the heads'
     guesses from the hidden state that produced the root. The tree's N nodes take the heads' top-k
-    tokens (`tree_candidates`, [N]); one forward under the tree attention mask scores them all
+    tokens, or for rejection sampling with draft="sampled" tokens drawn from them (`propose`, [N]); one forward under the tree attention mask scores them all
     (paper §2.1.2, `verify`: logits [N, V], hidden [N, C]); the acceptance rule keeps the longest
     valid path and picks the bonus token (§2.3, `accept`); the cache keeps only that path (`keep_path`).
     The caller emits `emitted()` and runs the heads at `hidden[path[-1]]` to propose the next tree.
     """
     L = cache.length
-    tokens = tree_candidates(tree, root, head_logits)  # [N]
+    tokens, sampled = propose(tree, root, head_logits, acceptance=acceptance, draft=draft, temperature=temperature,
+                              generator=generator)  # [N]
     logits, hidden = verify(model, cache, tree, tokens)  # [N, V], [N, C]
     path, bonus = accept(
         acceptance, tree, tokens, logits, temperature=temperature, top_p=top_p, epsilon=epsilon, delta=delta,
-        generator=generator,
+        generator=generator, draft=sampled,
     )
     keep_path(cache, path, start=L)
     return StepResult(tokens=tokens, path=path, bonus=bonus, hidden=hidden)
@@ -241,6 +270,7 @@ def medusa_generate(
     top_p: float = 1.0,
     epsilon: float = 0.09,
     delta: float = 0.3,
+    draft: str = "sampled",
     eos_id: int | None = None,
     generator: torch.Generator | None = None,
     on_step: StepCallback | None = None,
@@ -249,10 +279,14 @@ def medusa_generate(
 
     heads(hidden [1, C], lm_head) -> logits [K, 1, V]; evaluated once per step, only at the last
     accepted node (the one whose hidden state predicts what follows the bonus token).
-    `on_step` receives each step's emitted tokens before the next proposal is made.
+    `on_step` receives each step's emitted tokens before the next proposal is made. `draft` applies
+    to rejection sampling only: "sampled" draws the candidates from the heads' distributions (more
+    accepted per node), "topk" takes their top-k; both are lossless.
     """
     if acceptance not in ACCEPTANCE_RULES:
         raise ValueError(f"unknown acceptance rule {acceptance!r}: use greedy, typical or rejection")
+    if draft not in DRAFTS:
+        raise ValueError(f"unknown draft {draft!r}: use sampled or topk")
     if acceptance == "greedy" and temperature > 0:
         raise ValueError("greedy acceptance is for temperature 0; sample with rejection (lossless) or typical")
     num_heads = getattr(heads, "num_heads", None)
@@ -279,7 +313,7 @@ def medusa_generate(
         step_tree = tree if tree.depth <= max_depth else tree.truncated(max(max_depth, 0))
         step = medusa_step(
             model, cache, step_tree, root, head_logits, acceptance=acceptance, temperature=temperature,
-            top_p=top_p, epsilon=epsilon, delta=delta, generator=generator,
+            top_p=top_p, epsilon=epsilon, delta=delta, draft=draft, generator=generator,
         )
         stats.steps += 1
         new, reason = _limit(out, step.emitted(), max_new_tokens=max_new_tokens, room=room, eos_id=eos_id)

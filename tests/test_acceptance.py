@@ -6,7 +6,9 @@ from collections import Counter
 import pytest
 import torch
 
-from medusa_mini.acceptance import greedy_accept, rejection_accept, sampling_probs, typical_accept
+from medusa_mini.acceptance import (
+    Draft, greedy_accept, rejection_accept, sample_draft, sampling_probs, typical_accept,
+)
 from medusa_mini.tree import Tree
 
 #   0 root ─┬─ 1 (0,) token 3 ─┬─ 3 (0,0) token 1 ── 5 (0,0,0) token 2
@@ -95,6 +97,96 @@ def test_rejection_sampling_never_emits_a_token_the_backbone_gives_zero_probabil
 def test_rejection_sampling_at_temperature_zero_is_greedy():
     logits = onehot_logits([3, 1, 0, 4, 0, 0])
     assert rejection_accept(TREE, TOKENS, logits, temperature=0.0) == greedy_accept(TREE, TOKENS, logits)
+
+
+# Sampled candidates: the heads' q differs from p on purpose (a lossless rule must not care).
+Q_HEAD1 = [0.05, 0.05, 0.6, 0.1, 0.2]  # q puts most mass on token 2, p (P_ROOT) on token 3
+Q_HEAD2 = [0.1, 0.6, 0.1, 0.1, 0.1]
+
+
+def draw_and_accept(tree, logits, gen, *, width=2):
+    """One step as decoding runs it with a sampled draft: draw the candidates, then accept."""
+    head_logits = torch.log(torch.tensor([Q_HEAD1, Q_HEAD2, Q_HEAD2]))
+    draft = sample_draft(head_logits, depth=tree.depth, width=width, temperature=1.0, generator=gen)
+    head, rank = tree.node_head_rank()
+    tokens = torch.cat([torch.tensor([0]), draft.samples[head, rank]])
+    path, bonus = rejection_accept(tree, tokens, logits, temperature=1.0, generator=gen, draft=draft)
+    return tokens[path[1:]].tolist() + [bonus], len(path) - 1
+
+
+@pytest.mark.parametrize(
+    "choices", [[(0,), (1,), (0, 0), (0, 1)], [(1,), (1, 0)]], ids=["full-tree", "rank-1-without-rank-0"]
+)
+def test_rejection_with_sampled_candidates_emits_exactly_the_backbones_probabilities(choices):
+    """Candidates drawn from q, accepted with min(1, p/q), residual norm(max(0, p - q)): the emitted
+    tokens still follow p exactly, also when a node's sibling draws are skipped (rank 1 without rank 0)."""
+    tree = Tree.from_choices(choices)
+    logits = logits_from([P_ROOT] + [P_NODE1] * (tree.num_nodes - 1))
+    gen = torch.Generator().manual_seed(0)
+    n = 12000
+    first, second, accepted = Counter(), Counter(), 0
+    for _ in range(n):
+        emitted, a = draw_and_accept(tree, logits, gen)
+        accepted += a
+        first[emitted[0]] += 1
+        if a >= 1:  # the second token came from a node below an accepted candidate: p = P_NODE1
+            second[emitted[1]] += 1
+    assert accepted > 0.3 * n  # candidates were really accepted, not only bonus tokens drawn
+    for tok in range(V):
+        assert abs(first[tok] / n - P_ROOT[tok]) < 5 * math.sqrt(0.25 / n)
+    m = sum(second.values())
+    for tok in range(V):
+        assert abs(second[tok] / m - P_NODE1[tok]) < 5 * math.sqrt(0.25 / m)
+
+
+def test_a_draft_equal_to_the_backbone_is_always_accepted():
+    """q = p makes min(1, p/q) = 1: every sampled candidate is accepted, the whole chain each time."""
+    tree = Tree.from_choices([(0,), (0, 0)])
+    p = torch.tensor([P_ROOT, P_NODE1]).clamp_min(1e-12)
+    p = p / p.sum(-1, keepdim=True)
+    gen = torch.Generator().manual_seed(2)
+    for _ in range(200):
+        draft = sample_draft(torch.log(p), depth=2, width=1, temperature=1.0, generator=gen)
+        tokens = torch.cat([torch.tensor([0]), draft.samples[:, 0]])
+        logits = torch.log(torch.stack([p[0], p[1], p[1]]))  # node 1's p is head 2's q
+        path, _ = rejection_accept(tree, tokens, logits, temperature=1.0, generator=gen, draft=draft)
+        assert path == [0, 1, 2]
+
+
+def test_sampled_candidates_accept_more_than_top_k_when_p_is_flat():
+    """Per node, sampled candidates accept Σ min(p, q) and the top-1 candidate only p(x): for a flat p
+    and a q close to it, many times more."""
+    flat = [0.22, 0.2, 0.2, 0.19, 0.19]
+    tree = Tree.from_choices([(0,)])
+    logits = logits_from([flat, flat])
+    gen = torch.Generator().manual_seed(3)
+    n = 4000
+    sampled = topk = 0
+    for _ in range(n):
+        draft = sample_draft(logits[:1], depth=1, width=1, temperature=1.0, generator=gen)
+        tokens = torch.tensor([0, int(draft.samples[0, 0])])
+        sampled += len(rejection_accept(tree, tokens, logits, temperature=1.0, generator=gen, draft=draft)[0]) - 1
+        topk += len(rejection_accept(tree, torch.tensor([0, 0]), logits, temperature=1.0, generator=gen)[0]) - 1
+    assert sampled / n > 0.95 and abs(topk / n - 0.22) < 0.05
+
+
+def test_a_draft_holds_distinct_tokens_drawn_from_q():
+    q = torch.tensor([[0.7, 0.1, 0.1, 0.1]])
+    gen = torch.Generator().manual_seed(4)
+    firsts = Counter()
+    for _ in range(4000):
+        draft = sample_draft(torch.log(q), depth=1, width=3, temperature=1.0, generator=gen)
+        row = draft.samples[0].tolist()
+        assert len(set(row)) == 3  # without replacement: no node wasted on a repeated token
+        firsts[row[0]] += 1
+    assert abs(firsts[0] / 4000 - 0.7) < 5 * math.sqrt(0.25 / 4000)
+    torch.testing.assert_close(draft.q, q)
+
+
+def test_draft_temperature_sharpens_q_like_p():
+    logits = torch.tensor([[2.0, 1.0, 0.0]])
+    d = sample_draft(logits, depth=1, width=1, temperature=0.5, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(d.q, sampling_probs(logits, temperature=0.5))
 
 
 def entropy(p):

@@ -83,8 +83,8 @@ def expected_tv(p, samples):
 
 @pytest.mark.slow
 @torch.no_grad()
-@pytest.mark.parametrize("proposer", ["random", "oracle"])
-def test_rejection_sampling_preserves_model_distribution(proposer):
+@pytest.mark.parametrize("proposer,draft", [("random", "sampled"), ("oracle", "sampled"), ("oracle", "topk")])
+def test_rejection_sampling_preserves_model_distribution(proposer, draft):
     V, n, M, T = 4, 3, 2000, 0.8
     model = tiny_model(11, vocab_size=V, block_size=16)
     prompt = [1, 2]
@@ -104,7 +104,7 @@ def test_rejection_sampling_preserves_model_distribution(proposer):
             heads, hook = pool[i % 7], None
         out, stats = medusa_generate(
             model, heads, prompt, tree=tree, max_new_tokens=n, acceptance="rejection",
-            temperature=T, generator=gen, on_step=hook,
+            temperature=T, draft=draft, generator=gen, on_step=hook,
         )
         run.accepted += sum(stats.accepted_nodes)
         return out
@@ -162,6 +162,13 @@ def test_sampling_is_reproducible_from_the_seed():
         for rule in ("rejection", "rejection", "typical", "typical")
     ]
     assert outs[0] == outs[1] and outs[2] == outs[3]
+
+
+def test_an_unknown_draft_is_a_clear_error():
+    model = tiny_model()
+    with pytest.raises(ValueError, match="unknown draft"):
+        medusa_generate(model, random_heads(model), [1], tree=chain(2), max_new_tokens=5, acceptance="rejection",
+                        temperature=1.0, draft="beam")
 
 
 def test_typical_acceptance_at_temperature_zero_is_greedy():
