@@ -52,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="nucleus sampling mass (default: %(default)s)")
     p.add_argument("--epsilon", type=float, default=0.09, help="typical acceptance ε (default: %(default)s)")
     p.add_argument("--delta", type=float, default=0.3, help="typical acceptance δ (default: %(default)s)")
+    p.add_argument("--draft", choices=("sampled", "topk"), default="sampled",
+                   help="how rejection sampling fills the tree: tokens drawn from the heads (accepted with "
+                        "min(1, p/q)) or the heads' top-k (accepted with p); both lossless (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="seeds the sampling generator (default: %(default)s)")
     p.add_argument("--tree", metavar="NAME|FILE.json",
                    help="cpu, gpu, chainN, auto (sized from heads_accuracy.json and the measured step cost"
@@ -112,7 +115,7 @@ def run(
     if method == "plain":
         return generate(ck.model, ids, **common)
     return medusa_generate(ck.model, ck.heads, ids, tree=tree, acceptance=acceptance, epsilon=a.epsilon,
-                           delta=a.delta, **common)
+                           delta=a.delta, draft=a.draft, **common)
 
 
 def text_of(ck: Checkpoint, tokens: list[int]) -> str:
@@ -287,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
         elif a.explain:
             print(explain_step(ck.model, ck.heads, ck.enc, prompts[0][1], tree=tree, acceptance=a.acceptance,
                                temperature=a.temperature, top_p=a.top_p, epsilon=a.epsilon, delta=a.delta,
-                               generator=torch.Generator(device=ck.model.device).manual_seed(a.seed)))
+                               draft=a.draft, generator=torch.Generator(device=ck.model.device).manual_seed(a.seed)))
         elif a.json:
             json_each(ck, prompts, a, tree)
         else:

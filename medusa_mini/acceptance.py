@@ -12,11 +12,10 @@ distribution plain sampling draws from; q the heads' draft distribution when can
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
+from .draft import Draft, try_candidates
 from .tree import Tree
 
 SAMPLING_TEMPERATURE = 0.8  # the sampling rules' default temperature, and the sampled table's
@@ -63,44 +62,6 @@ def greedy_accept(tree: Tree, tokens: torch.Tensor, logits: torch.Tensor) -> tup
         path.append(node)
 
 
-@dataclass(frozen=True)
-class Draft:
-    """Candidates sampled from the heads rather than taken from their top-k (for `rejection_accept`).
-
-    q: [D, V] head d+1's draft distribution; samples: [D, R] R distinct tokens drawn from q[d] without
-    replacement, in draw order. A node of rank r at depth d+1 holds samples[d, r].
-    """
-
-    q: torch.Tensor
-    samples: torch.Tensor
-
-
-def sample_draft(
-    head_logits: torch.Tensor, *, depth: int, width: int, temperature: float, generator: torch.Generator | None
-) -> Draft:
-    """Draw `width` distinct candidates per depth from q = softmax(head logits / temperature).
-
-    head_logits: [K, V] -> Draft(q [depth, V], samples [depth, width]). Drawing without replacement
-    wastes no node on a repeated token; `rejection_accept` divides by the right (renormalised) q.
-    """
-    q = F.softmax(head_logits[:depth].float() / temperature, dim=-1)  # [D, V]
-    # A float32 softmax can underflow to exact zeros; a floor keeps q a proper draft for every token
-    # (q is ours to choose: losslessness only needs the same q for drawing and for the ratio).
-    q = q.clamp_min(1e-12)
-    q = q / q.sum(dim=-1, keepdim=True)
-    samples = torch.multinomial(q, width, replacement=False, generator=generator)  # [D, R]
-    return Draft(q=q, samples=samples)
-
-
-def _without(q: torch.Tensor, tokens: list[int]) -> torch.Tensor:
-    """q [V] with `tokens` removed and renormalised: the distribution of the next draw without replacement."""
-    if not tokens:
-        return q
-    q = q.clone()
-    q[tokens] = 0.0
-    return q / q.sum()
-
-
 def rejection_accept(
     tree: Tree,
     tokens: torch.Tensor,
@@ -123,9 +84,10 @@ def rejection_accept(
     - draft=None: deterministic candidates (the heads' top-k). Then q_i is a point mass on x_i: accept
       with probability p(x_i), else zero it in p and renormalise. That collapses into one draw: y ~ p,
       descend if a child holds y, else y is the bonus.
-    - draft=Draft(q, samples): candidates drawn from the heads' q without replacement (`sample_draft`),
-      so q_i is q[d] with the earlier draws removed and renormalised. Per node it accepts
-      Σ min(p, q) instead of p(x): far more when p is flat and q resembles it.
+    - draft=Draft(log_q, samples): candidates drawn from the heads' q without replacement
+      (`draft.sample_draft`), so q_i is q[d] with the earlier draws removed and renormalised
+      (`draft.try_candidates`). Per node it accepts Σ min(p, q) instead of p(x): far more when p is
+      flat and q resembles it.
 
     (Drawing one independent sample per candidate path, or sampling from one distribution while
     accepting with another, is not lossless.)
@@ -136,42 +98,22 @@ def rejection_accept(
     node, path = 0, [0]
     while True:
         p = sampling_probs(logits[node], temperature=temperature, top_p=top_p)  # [V]
+        kids = tree.children[node]
         if draft is None:
             y = sample(p, generator)
-            nxt = next((c for c in tree.children[node] if toks[c] == y), None)
+            nxt = next((c for c in kids if toks[c] == y), None)
         else:
-            nxt, p = _try_sampled_children(tree, node, toks, p, draft, generator)
+            nxt = None
+            if kids:
+                d = tree.depth_list[node]  # the children sit at depth d + 1: drawn from q[d]
+                ranks = [tree.choices[c - 1][-1] for c in kids]
+                i, p = try_candidates(p, draft.log_q[d], draft.samples[d].tolist(), ranks, generator)
+                nxt = None if i is None else kids[i]
+            y = sample(p, generator) if nxt is None else None  # the bonus, from the residual p
         if nxt is None:
-            return path, y if draft is None else sample(p, generator)
+            return path, y
         node = nxt
         path.append(node)
-
-
-def _try_sampled_children(
-    tree: Tree, node: int, toks: list[int], p: torch.Tensor, draft: Draft, generator: torch.Generator | None
-) -> tuple[int | None, torch.Tensor]:
-    """The tries of `rejection_accept` at one node with sampled candidates.
-
-    Returns (accepted child, p) or (None, the residual p the bonus is drawn from).
-    """
-    kids = tree.children[node]
-    if not kids:
-        return None, p
-    d = tree.depth_list[node]  # the children sit at depth d + 1 and were drawn from q[d]
-    drawn = draft.samples[d].tolist()
-    q, removed = draft.q[d], 0  # q_i = q[d] without the first `removed` draws
-    for c in kids:
-        rank = tree.choices[c - 1][-1]
-        q, removed = _without(q, drawn[removed:rank]), rank
-        x = toks[c]
-        u = float(torch.rand((), generator=generator, device=p.device))
-        residual = (p - q).clamp_min(0.0)  # [V]
-        mass = float(residual.sum())
-        if u * float(q[x]) < float(p[x]) or mass <= 0.0:  # u < p(x)/q(x), without dividing by zero
-            return c, p
-        p = residual / mass
-        q, removed = _without(q, [x]), rank + 1
-    return None, p
 
 
 def typical_accept(

@@ -20,9 +20,8 @@ from typing import Callable
 
 import torch
 
-from .acceptance import (
-    ACCEPTANCE_RULES, Draft, greedy_accept, rejection_accept, sample, sample_draft, sampling_probs, typical_accept,
-)
+from .acceptance import ACCEPTANCE_RULES, greedy_accept, rejection_accept, sample, sampling_probs, typical_accept
+from .draft import Draft, sample_draft
 from .model import GPT, KVCache, compact_kv_cache
 from .tree import Tree
 
@@ -136,7 +135,7 @@ DRAFTS = ("sampled", "topk")  # how rejection sampling fills the tree: draws fro
 def tree_candidates(tree: Tree, root: int, head_logits: torch.Tensor, *, draft: Draft | None = None) -> torch.Tensor:
     """Fill the tree: node i gets head `head(i)`'s rank-`rank(i)` token. head_logits [K, V] -> [N].
 
-    With a `draft`, "rank r" means the r-th token drawn from head(i)'s q (`acceptance.sample_draft`).
+    With a `draft`, "rank r" means the r-th token drawn from head(i)'s q (`draft.sample_draft`).
     """
     head, rank = tree.cached("head", head_logits.device), tree.cached("rank", head_logits.device)  # [N - 1]
     if draft is None:

@@ -2,7 +2,7 @@
 what the backbone says at every node, and which tokens the step keeps.
 
 It calls the pieces medusa_generate runs, in the same order: prefill, the heads, then the parts of
-`decoding.medusa_step` one by one (tree_candidates, verify, accept, keep_path), so what it prints is
+`decoding.medusa_step` one by one (propose, verify, accept, keep_path), so what it prints is
 what decoding does, not a retelling of it.
 """
 
@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from .cli_common import token_text
-from .decoding import accept, choose_token, keep_path, prefill, tree_candidates, verify
+from .decoding import accept, choose_token, keep_path, prefill, propose, verify
 from .heads import MedusaHeads
 from .model import GPT, KVCache
 from .tree import Tree
@@ -53,6 +53,7 @@ def explain_step(
     top_p: float = 1.0,
     epsilon: float = 0.09,
     delta: float = 0.3,
+    draft: str = "sampled",
     generator: torch.Generator | None = None,
 ) -> str:
     """Run one Medusa step after the prompt and describe every stage of it as text."""
@@ -95,9 +96,14 @@ def explain_step(
     out.append("The backbone alone would need one forward pass per token to check these one by one.")
 
     out.append(_header(3, f"Tree: {tree.num_nodes - 1} candidate nodes + the root"))
-    tokens = tree_candidates(tree, root, head_logits)  # [N]
+    tokens, drawn = propose(tree, root, head_logits, acceptance=acceptance, draft=draft,
+                            temperature=temperature if sampling else 0.0, generator=generator)  # [N]
     labels = [token_text(enc, t) for t in tokens.tolist()]
-    out.append("A node at depth d holds head d's guess of the listed rank; a path from the root is one")
+    if drawn is None:
+        out.append("A node at depth d holds head d's guess of the listed rank; a path from the root is one")
+    else:
+        out.append("Rejection sampling draws the candidates: a node at depth d holds the r-th token drawn")
+        out.append("from head d's distribution q (without replacement, r = its rank); a path from the root is one")
     out.append("possible continuation. All paths are checked together in the next pass.")
     out.append(tree.draw(labels))
 
@@ -126,10 +132,13 @@ def explain_step(
     out.append(_header(6, "Accept: the longest confirmed path, plus a bonus token"))
     path, bonus = accept(
         acceptance, tree, tokens, logits, temperature=temperature if sampling else 0.0, top_p=top_p,
-        epsilon=epsilon, delta=delta, generator=generator,
+        epsilon=epsilon, delta=delta, generator=generator, draft=drawn,
     )
     keep_path(cache, path, start=L)
-    if sampling and acceptance == "rejection":
+    if sampling and acceptance == "rejection" and drawn is not None:
+        out.append("Rejection sampling: try a node's children in order, accepting x with probability")
+        out.append("min(1, p(x)/q(x)) and moving p to norm(max(0, p - q)) after a miss (lossless).")
+    elif sampling and acceptance == "rejection":
         out.append("Rejection sampling: at each node draw y from p; descend if a child holds y (lossless).")
     elif sampling:
         out.append("Typical acceptance: keep a candidate whose probability clears min(ε, δ·exp(-H(p))).")

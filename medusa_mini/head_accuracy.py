@@ -5,12 +5,13 @@ was. Acceptance depends on the rule, so there are two tables:
 
 - greedy (temperature 0): acc[k][r] = P(the guess is the backbone's own greedy token k+2 places
   ahead), counted on the backbone's greedy continuations of held-out prompts;
-- sampled (temperature T > 0): acc[k][r] = E[p(guess)], with p the backbone's distribution at T.
-  Rejection sampling accepts a candidate x with probability p(x) once its parent is accepted
-  (acceptance.rejection_accept), so this is its acceptance rate, averaged over continuations sampled
-  at T (the text that sampling actually meets).
+- sampled (temperature T > 0): acc[k][r] = P(rejection sampling accepts the r-th candidate drawn
+  from head k+1's q), its parent accepted (draft.draft_acceptance: candidates drawn without
+  replacement, accepted with min(1, p/q)), averaged over continuations sampled at T (the text that
+  sampling actually meets). p is the backbone's distribution at T.
 
-As T -> 0, p becomes one-hot on the greedy token and the second table becomes the first. Both are
+As T -> 0, p and q become one-hot on the greedy token and the head's top guess, and the second table
+becomes the first. Both are
 stored in heads_accuracy.json, which `train_tiny.py` writes and `--tree auto` reads.
 """
 
@@ -23,6 +24,7 @@ from typing import Callable, Sequence
 import torch
 
 from .acceptance import sampling_probs
+from .draft import draft_acceptance, draft_log_probs
 from .model import GPT
 from .safetensors_io import atomic_write_text, read_json
 from .training import sample_continuations
@@ -76,14 +78,15 @@ def _with_prompt_lens(
 def measure_head_accuracy(
     model: GPT, heads: HeadsFn, sequences: list[list[int]] | torch.Tensor, *,
     prompt_lens: int | Sequence[int] = 0, top_k: int = 10, temperature: float = 0.0, batch_size: int = 8,
-    chunk: int = 256,
+    chunk: int = 256, seed: int = 0,
 ) -> torch.Tensor:
     """acc [K, top_k] float64: how often head k+1's rank-r guess is accepted (see the module docstring).
 
     sequences: prompt + continuation (see `continuations`, at the same temperature); prompt_lens: the
     prompt part of each. Head k+1 reading the hidden state at position t guesses token t + k + 2. At
-    temperature 0 a guess counts 1 when it equals that token; at T > 0 it counts p(guess), p being the
-    backbone's distribution at position t + k + 1 (which predicts token t + k + 2). As in decoding,
+    temperature 0 a guess counts 1 when it equals that token; at T > 0 the r-th draw from the head's q
+    counts its chance of being accepted against p, the backbone's distribution at position t + k + 1
+    (which predicts token t + k + 2); the draws come from a generator seeded with `seed`. As in decoding,
     heads read positions from the prompt's last token on, and a position counts for a head only where
     its target exists. Rows need not sum to 1: ranks beyond top_k may hold the token.
     """
@@ -98,6 +101,7 @@ def measure_head_accuracy(
     if max(len(s) for s in seqs) > block:
         raise ValueError(f"a sequence is longer than the context ({block} tokens)")
     hits = counts = None  # [K, R] accepted guesses per rank; [K] positions where head k's target exists
+    gen = torch.Generator(device=device).manual_seed(seed)
     for b in range(0, len(seqs), batch_size):
         batch, P = seqs[b : b + batch_size], plens[b : b + batch_size]
         T = max(len(s) for s in batch)
@@ -111,15 +115,17 @@ def measure_head_accuracy(
         rows, cols = ((t >= starts) & (t + 2 < lengths)).nonzero(as_tuple=True)  # [M] each
         for c in range(0, rows.numel(), chunk):  # chunks bound the [K, m, V] head logits
             r, tt = rows[c : c + chunk], cols[c : c + chunk]
-            guesses = heads(hidden[r, tt], model.lm_head).topk(top_k, dim=-1).indices  # [K, m, R]
-            K = guesses.shape[0]
+            head_logits = heads(hidden[r, tt], model.lm_head)  # [K, m, V]
+            K = head_logits.shape[0]
             ahead = tt[None] + torch.arange(2, K + 2, device=device)[:, None]  # [K, m]
             exists = ahead < lengths[r, 0][None]
             rr = r[None].expand(K, -1)  # [K, m]
             if temperature > 0:
                 p = sampling_probs(logits[rr, (ahead - 1).clamp(max=T - 1)], temperature=temperature)  # [K, m, V]
-                score = p.gather(-1, guesses) * exists[..., None]  # [K, m, R]
+                log_q = draft_log_probs(head_logits, temperature=temperature)  # [K, m, V]
+                score = draft_acceptance(p, log_q, width=top_k, generator=gen) * exists[..., None]  # [K, m, R]
             else:
+                guesses = head_logits.topk(top_k, dim=-1).indices  # [K, m, R]
                 target = idx[rr, ahead.clamp(max=T - 1)]  # [K, m]
                 score = ((guesses == target[..., None]) & exists[..., None]).double()
             if hits is None:
@@ -189,35 +195,6 @@ def replay_greedy(ranks: list[str], tree: Tree) -> float:
     if steps == 0:
         raise ValueError("the rank strings hold no step to replay: continuations of 2+ tokens needed")
     return emitted / steps
-
-
-@torch.no_grad()
-def ceiling_table(
-    model: GPT, sequences: list[list[int]] | torch.Tensor, *, prompt_lens: int | Sequence[int] = 0,
-    top_k: int = 10, temperature: float,
-) -> torch.Tensor:
-    """[top_k] float64: the mean r-th largest probability of p at T, over the positions head 1 is
-    scored at by `measure_head_accuracy` (p of every continuation token but the first).
-
-    A draft whose rank-r guess were always the backbone's own rank-r token would be accepted by
-    rejection sampling at exactly these rates, at every depth. Used as an acc table (the same row for
-    every head), it bounds what any tree of deterministic guesses can give at T: the ceiling that
-    better heads could approach, but not pass.
-    """
-    if temperature <= 0:
-        raise ValueError("the ceiling is for sampling: temperature must be > 0")
-    seqs, plens = _with_prompt_lens(sequences, prompt_lens)
-    total, count = torch.zeros(top_k, dtype=torch.float64), 0
-    for s, P in zip(seqs, plens):
-        if len(s) < P + 2:
-            continue
-        logits, _ = model(torch.tensor([s], device=model.device))  # [1, L, V]
-        p = sampling_probs(logits[0, P : len(s) - 1], temperature=temperature)  # [n, V]: p of tokens P+1 .. L-1
-        total += p.topk(top_k, dim=-1).values.sum(0).double().cpu()
-        count += p.shape[0]
-    if count == 0:
-        raise ValueError("the sequences have no continuation to measure")
-    return total / count
 
 
 def accuracy_on_prompts(

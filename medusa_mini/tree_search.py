@@ -29,7 +29,7 @@ from .acceptance import SAMPLING_TEMPERATURE
 from .cli_common import PROMPTS_FILE, OneLineParser, load_for_decoding, load_prompts, pick_device
 from .decoding import medusa_step, prefill, sync_device
 from .head_accuracy import (
-    ACCURACY_FILE, HeadsFn, ceiling_table, check_acc, continuations, format_accuracy, greedy_ranks,
+    ACCURACY_FILE, HeadsFn, check_acc, continuations, format_accuracy, greedy_ranks,
     measure_head_accuracy, replay_greedy, save_accuracy,
 )
 from .model import GPT, KVCache
@@ -80,14 +80,6 @@ def expected_tokens_per_step(acc: torch.Tensor, tree: Tree) -> float:
             raise ValueError(f"tree node {list(choice)} needs more heads or ranks than acc {len(a)}x{len(a[0])}")
         total += math.prod(a[i][r] for i, r in enumerate(choice))
     return 1.0 + total
-
-
-def ceiling_by_budget(ceiling: torch.Tensor, *, num_heads: int,
-                      budgets: Sequence[int] = REPORT_BUDGETS) -> dict[int, float]:
-    """{N: expected tokens/step of the best N-node tree} if every head guessed as well as the
-    backbone's own top-k (head_accuracy.ceiling_table): what no tree of heads' guesses can beat."""
-    table = check_acc(torch.as_tensor(ceiling, dtype=torch.float64)[None].repeat(num_heads, 1))
-    return {n: build_tree(table, n)[1] for n in budgets}
 
 
 # ---- choosing the budget from measured cost --------------------------------------------------
@@ -183,9 +175,9 @@ def encode_prompts(enc, texts: list[str], *, block_size: int, max_new_tokens: in
 def recompute_accuracy(
     directory: str, *, num_prompts: int = 32, max_new_tokens: int = 64, top_k: int = 10,
     temperature: float = SAMPLING_TEMPERATURE, device: torch.device | str = "cpu", seed: int = 0,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[str]]:
-    """Measure both tables (greedy; sampled at `temperature`), the greedy rank strings and the ceiling on
-    a checkpoint's prompts.json, save heads_accuracy.json, return (acc, sampled, ceiling, ranks)."""
+) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
+    """Measure both tables (greedy; sampled at `temperature`) and the greedy rank strings on a
+    checkpoint's prompts.json, save heads_accuracy.json, return (acc, sampled, ranks)."""
     ckpt = load_for_decoding(directory, device=torch.device(device))  # model, heads, tokenizer
     if ckpt.heads is None:
         raise ValueError(f"checkpoint {directory} has no Medusa heads; train heads first")
@@ -199,13 +191,12 @@ def recompute_accuracy(
     acc = measure_head_accuracy(ckpt.model, ckpt.heads, greedy, prompt_lens=lens, top_k=top_k)
     ranks = greedy_ranks(ckpt.model, ckpt.heads, greedy, prompt_lens=lens, top_k=top_k)
     seqs = continuations(ckpt.model, prompts, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
-    sampled = measure_head_accuracy(ckpt.model, ckpt.heads, seqs, prompt_lens=lens, top_k=top_k, temperature=temperature)
-    ceiling = ceiling_table(ckpt.model, seqs, prompt_lens=lens, top_k=top_k, temperature=temperature)
+    sampled = measure_head_accuracy(ckpt.model, ckpt.heads, seqs, prompt_lens=lens, top_k=top_k,
+                                    temperature=temperature, seed=seed)
     meta = {"measured_on": f"continuations ({max_new_tokens} new tokens, greedy and sampled) of the first "
-            f"{len(prompts)} prompts of {PROMPTS_FILE}", "num_prompts": len(prompts), "max_new_tokens": max_new_tokens,
-            "sampled_ceiling": [round(x, 6) for x in ceiling.tolist()]}
+            f"{len(prompts)} prompts of {PROMPTS_FILE}", "num_prompts": len(prompts), "max_new_tokens": max_new_tokens}
     save_accuracy(directory, acc, sampled=sampled, temperature=temperature, ranks=ranks, meta=meta)
-    return acc, sampled, ceiling, ranks
+    return acc, sampled, ranks
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -218,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top-k", type=int, default=10, help="ranks measured per head (default: %(default)s)")
     p.add_argument("--temperature", type=float, default=SAMPLING_TEMPERATURE,
                    help="temperature of the sampled table, the one rejection sampling uses (default: %(default)s)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the sampled continuations (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the sampled continuations and draws (default: %(default)s)")
     p.add_argument("--device", help="cpu, cuda, ... (default: cuda if available)")
     ns = p.parse_args(argv)
     try:
@@ -232,15 +223,13 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as e:
         p.error(str(e))
     print(f"saved {os.path.join(ns.ckpt, ACCURACY_FILE)}")
-    acc, sampled, ceiling, ranks = tables
+    acc, sampled, ranks = tables
     print(f"-- greedy acceptance\n{format_accuracy(acc)}")
     print("tokens/step of build_tree replayed on these greedy continuations (bonus token counted) by node budget:")
     print("  ".join(f"{n} nodes: {replay_greedy(ranks, build_tree(acc, n)[0]):.2f}" for n in REPORT_BUDGETS))
-    print(f"-- rejection sampling at T={ns.temperature:g}: E[p(guess)]\n{format_accuracy(sampled)}")
+    print(f"-- rejection sampling at T={ns.temperature:g}: candidates drawn from the heads\n{format_accuracy(sampled)}")
     print("expected tokens/step of build_tree (product rule, bonus token counted) by node budget:")
     print("  ".join(f"{n} nodes: {build_tree(sampled, n)[1]:.2f}" for n in REPORT_BUDGETS))
-    print(f"-- ceiling at T={ns.temperature:g}: a draft guessing the backbone's own top-k, at every depth")
-    print("  ".join(f"{n} nodes: {v:.2f}" for n, v in ceiling_by_budget(ceiling, num_heads=acc.shape[0]).items()))
     return 0
 
 

@@ -162,6 +162,20 @@ def test_explain_walks_through_one_step(ckpt, capsys):
     assert "[0] root" in out  # the tree drawing, labelled with token text
 
 
+@pytest.mark.parametrize("draft,needle", [("sampled", "min(1, p(x)/q(x))"), ("topk", "draw y from p")])
+def test_explain_with_rejection_sampling_names_how_the_candidates_were_chosen(ckpt, capsys, draft, needle):
+    out = run(capsys, "--ckpt", ckpt, "--explain", "--acceptance", "rejection", "--draft", draft)
+    assert needle in out and "accepted path" in out
+    assert ("Rejection sampling draws the candidates" in out) == (draft == "sampled")
+
+
+def test_both_drafts_of_rejection_sampling_run_from_the_command_line(ckpt, capsys):
+    for draft in ("sampled", "topk"):
+        obj = json_lines(run(capsys, "--ckpt", ckpt, "--json", "--acceptance", "rejection", "--draft", draft,
+                             "--max-new-tokens", "12", "--num-prompts", "1"))[0]
+        assert len(obj["tokens"]) == 12
+
+
 def test_show_brackets_each_step_and_joins_to_the_plain_text(ckpt, capsys):
     argv = ["--ckpt", ckpt, "--prompt", PROMPTS[0], "--max-new-tokens", "20"]
     ref = json_lines(run(capsys, *argv, "--json", "--method", "plain"))[0]

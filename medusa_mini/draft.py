@@ -1,0 +1,118 @@
+"""Sampled drafts: tree candidates drawn from the heads' distributions q instead of their top-k.
+
+Speculative sampling (Leviathan et al. 2023; on a tree, SpecInfer) accepts a candidate x drawn from q
+with probability min(1, p(x) / q(x)) and, after a rejection, moves the target to norm(max(0, p - q)).
+Each try then emits exactly p, whatever q is, so this is as lossless as the top-k rule of
+`acceptance.rejection_accept`; but a node now accepts Σ min(p, q) on average instead of p(x) — far
+more when p is flat (sampling at T > 0) and the heads' q resembles it.
+
+A node's siblings are drawn from one head without replacement (Gumbel-top-k), so no node is wasted on
+a repeated token; the i-th try then uses q_i = q without the earlier draws, renormalised. Everything
+is computed from log q, so a sharp q (low temperature) never underflows into an invalid draft.
+
+Shapes: D depths (heads used), R draws per depth, V vocabulary, M positions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class Draft:
+    """One step's sampled candidates. log_q: [D, V] log of head d+1's draft distribution;
+    samples: [D, R] distinct tokens drawn from it, in draw order (a node of rank r at depth d+1
+    holds samples[d, r])."""
+
+    log_q: torch.Tensor
+    samples: torch.Tensor
+
+
+def draft_log_probs(head_logits: torch.Tensor, *, temperature: float) -> torch.Tensor:
+    """log q: head logits [..., V] -> [..., V], at the temperature p is sampled at."""
+    return F.log_softmax(head_logits.float() / temperature, dim=-1)
+
+
+def gumbel_top_k(log_q: torch.Tensor, width: int, generator: torch.Generator | None) -> torch.Tensor:
+    """`width` draws without replacement from q, in draw order: log_q [..., V] -> [..., width].
+
+    Adding independent Gumbel noise to log q and taking the top `width` is exactly sequential
+    sampling without replacement (the Gumbel-top-k trick); it needs no positive probability to survive
+    the float32 exp.
+    """
+    u = torch.rand(log_q.shape, generator=generator, device=log_q.device)
+    gumbel = -torch.log(-torch.log(u))  # u = 0 gives -inf: that token simply comes last
+    return (log_q + gumbel).topk(width, dim=-1).indices
+
+
+def sample_draft(
+    head_logits: torch.Tensor, *, depth: int, width: int, temperature: float, generator: torch.Generator | None
+) -> Draft:
+    """head_logits [K, V] -> Draft(log_q [depth, V], samples [depth, width])."""
+    log_q = draft_log_probs(head_logits[:depth], temperature=temperature)  # [D, V]
+    return Draft(log_q=log_q, samples=gumbel_top_k(log_q, width, generator))
+
+
+def without(log_q: torch.Tensor, tokens: torch.Tensor | list[int]) -> torch.Tensor:
+    """log q [..., V] with `tokens` ([..., n] or a list for 1-D) removed and renormalised: the
+    distribution of the next draw without replacement."""
+    if isinstance(tokens, list):
+        if not tokens:
+            return log_q
+        tokens = torch.tensor(tokens, device=log_q.device)
+    log_q = log_q.scatter(-1, tokens, float("-inf"))
+    return log_q - torch.logsumexp(log_q, dim=-1, keepdim=True)
+
+
+def try_candidates(
+    p: torch.Tensor, log_q: torch.Tensor, samples: list[int], ranks: list[int], generator: torch.Generator | None
+) -> tuple[int | None, torch.Tensor]:
+    """The tries at one tree node: candidates samples[r] for r in `ranks` (increasing), against target p [V].
+
+    Try i accepts x = samples[r] with probability min(1, p(x) / q_r(x)), q_r = q without samples[:r]
+    (draws skipped by the tree still count as removed: x was drawn after them). After a rejection
+    p <- norm(max(0, p - q_r)). Returns (index into `ranks` of the accepted candidate, p) or
+    (None, the residual p, from which the bonus token must be drawn).
+    """
+    removed = 0  # log_q is q without samples[:removed]
+    for i, r in enumerate(ranks):
+        log_q, removed = without(log_q, samples[removed:r]), r
+        x = samples[r]
+        log_u = float(torch.rand((), generator=generator, device=p.device).log())
+        residual = (p - log_q.exp()).clamp_min(0.0)  # [V]
+        mass = float(residual.sum())
+        # u < p(x) / q(x), compared in logs (p(x) = 0 never passes); mass 0 means p = q: always accept.
+        if log_u + float(log_q[x]) < float(p[x].log()) or mass <= 0.0:
+            return i, p
+        p = residual / mass
+        log_q, removed = without(log_q, [x]), r + 1
+    return None, p
+
+
+def draft_acceptance(
+    p: torch.Tensor, log_q: torch.Tensor, *, width: int, generator: torch.Generator | None
+) -> torch.Tensor:
+    """P(the r-th draw from q is the candidate rejection sampling accepts), for r < width.
+
+    p, log_q: [..., V] target and draft at many positions -> [..., width]. Draws once per position
+    (as `sample_draft`), then runs the tries of `try_candidates` in expectation: try r is reached with
+    prob. Π_{j<r} (1 - a_j) and accepts with a_r = min(1, p_r(x_r) / q_r(x_r)). A row sums to the
+    chance that one of `width` children is accepted (1 when width = V: the last try has p = q).
+    """
+    lead, V = log_q.shape[:-1], log_q.shape[-1]
+    p, log_q = p.reshape(-1, V).float(), log_q.reshape(-1, V).float()  # [M, V]
+    draws = gumbel_top_k(log_q, width, generator)  # [M, R]
+    reach = torch.ones(p.shape[0], device=p.device)  # [M]
+    out = []
+    for r in range(width):
+        x = draws[:, r : r + 1]  # [M, 1]
+        a = (p.gather(-1, x).log() - log_q.gather(-1, x)).exp().clamp(max=1.0)[:, 0]  # [M]
+        out.append(reach * a)
+        reach = reach * (1 - a)
+        residual = (p - log_q.exp()).clamp_min(0.0)  # [M, V]
+        p = residual / residual.sum(-1, keepdim=True).clamp_min(1e-30)
+        log_q = without(log_q, x)
+    return torch.stack(out, dim=-1).reshape(*lead, width)  # [..., R]
