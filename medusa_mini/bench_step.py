@@ -8,10 +8,10 @@ depends on the device (see DESIGN.md, "Per-step cost matters"). For each config,
 (speed depends on shapes, not values), this prints in milliseconds:
 
 - plain step: one cached 1-token forward plus the argmax, as `generate` does per token;
-- verify N: one tree-masked forward over N nodes (`decoding.verify`) for N = 1 ... 64, the tree being
+- verify N: one tree-masked forward over N nodes (`step.verify`) for N = 1 ... 64, the tree being
   the first N - 1 choices of the 'gpu' preset (sorted by depth, so every prefix comes first);
 - heads: four Medusa heads at one hidden state, through the shared lm_head or through their own;
-- Medusa step: one iteration of `medusa_generate`'s loop (`decoding.medusa_step` with greedy
+- Medusa step: one iteration of `medusa_generate`'s loop (`step.medusa_step` with greedy
   acceptance: candidates, verify, acceptance, KV compaction; then the heads) on the 'cpu' and 'gpu'
   trees, and its ratio to the plain step.
 
@@ -37,7 +37,8 @@ from typing import Callable
 import torch
 
 from .cli_common import OneLineParser, pick_device
-from .decoding import medusa_step, prefill, sync_device, verify
+from .decoding import prefill, sync_device
+from .step import medusa_step, verify
 from .gpt2 import GPT2_CONFIGS
 from .heads import HeadsConfig, MedusaHeads
 from .model import GPT, GPTConfig, KVCache

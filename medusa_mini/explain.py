@@ -2,7 +2,7 @@
 what the backbone says at every node, and which tokens the step keeps.
 
 It calls the pieces medusa_generate runs, in the same order: prefill, the heads, then the parts of
-`decoding.medusa_step` one by one (propose, verify, accept, keep_path), so what it prints is
+`step.medusa_step` one by one (propose, verify, accept, keep_path), so what it prints is
 what decoding does, not a retelling of it.
 """
 
@@ -12,10 +12,12 @@ import tiktoken
 import torch
 import torch.nn.functional as F
 
+from .acceptance import sampling_probs
 from .cli_common import token_text
-from .decoding import accept, choose_token, keep_path, prefill, propose, verify
+from .decoding import choose_token, prefill
 from .heads import MedusaHeads
 from .model import GPT, KVCache
+from .step import accept, keep_path, propose, verify
 from .tree import Tree
 
 
@@ -38,6 +40,43 @@ def _guesses(enc: tiktoken.Encoding, logits: torch.Tensor, k: int) -> str:
     top = probs.topk(k)
     pairs = zip(top.values.tolist(), top.indices.tolist())
     return ", ".join(f"#{r} {token_text(enc, t)} ({p:.2f})" for r, (p, t) in enumerate(pairs))
+
+
+def _greedy_scores(enc, tree: Tree, toks: list[int], labels: list[str], logits: torch.Tensor) -> list[str]:
+    """Section 5 for greedy acceptance: the backbone's argmax at every node, and the child it confirms."""
+    choice = logits.argmax(dim=-1).tolist()  # [N]
+    out = ["At each node, the backbone's argmax = the token it would write after that node's path.",
+           "If a child of the node holds exactly that token, the child's guess is confirmed.",
+           "(A leaf has no child to confirm: its argmax can only be a bonus token.)"]
+    args = [token_text(enc, c) for c in choice]
+    w_tok = max(len("token"), *map(len, labels)) + 2
+    w_arg = max(len("backbone argmax"), *map(len, args)) + 2
+    out.append(f"{'node':<6}{'token':<{w_tok}}{'backbone argmax':<{w_arg}}confirms child")
+    for i in range(tree.num_nodes):
+        hit = next((c for c in tree.children[i] if toks[c] == choice[i]), None)
+        mark = f"[{hit}] ✓" if hit is not None else ("- (leaf)" if not tree.children[i] else "none ✗")
+        out.append(f"{f'[{i}]':<6}{labels[i]:<{w_tok}}{args[i]:<{w_arg}}{mark}")
+    return out
+
+
+def _sampled_scores(enc, tree: Tree, toks: list[int], labels: list[str], logits: torch.Tensor, drawn, *,
+                    temperature: float, top_p: float) -> list[str]:
+    """Section 5 for the sampling rules: p of every candidate after its parent's path (and q, if drawn)."""
+    p = sampling_probs(logits, temperature=temperature, top_p=top_p)  # [N, V]
+    out = ["At each node, p = the backbone's distribution for the next token after that node's path.",
+           "A candidate is judged by p at its parent: the column shows p(candidate)."]
+    if drawn is not None:
+        out.append("q(candidate) is the head's probability of drawing it; the first child tried is accepted")
+        out.append("with probability min(1, p/q).")
+    w_tok = max(len("token"), *map(len, labels)) + 2
+    out.append(f"{'node':<6}{'token':<{w_tok}}{'p(token)':<10}" + ("q(token)" if drawn is not None else ""))
+    for i in range(1, tree.num_nodes):
+        par, d = tree.parents[i], tree.depth_list[i]
+        row = f"{f'[{i}]':<6}{labels[i]:<{w_tok}}{p[par, toks[i]].item():<10.3f}"
+        if drawn is not None:
+            row += f"{drawn.log_q[d - 1, toks[i]].exp().item():.3f}"
+        out.append(row)
+    return out
 
 
 @torch.no_grad()
@@ -115,21 +154,13 @@ def explain_step(
 
     out.append(_header(5, "Verify: one forward pass over all nodes"))
     logits, hidden = verify(model, cache, tree, tokens)  # [N, V], [N, C]
-    choice = logits.argmax(dim=-1).tolist()
     toks = tokens.tolist()
-    out.append("At each node, the backbone's argmax = the token it would write after that node's path.")
-    out.append("If a child of the node holds exactly that token, the child's guess is confirmed.")
-    out.append("(A leaf has no child to confirm: its argmax can only be a bonus token.)")
-    args = [token_text(enc, c) for c in choice]
-    w_tok = max(len("token"), *map(len, labels)) + 2
-    w_arg = max(len("backbone argmax"), *map(len, args)) + 2
-    out.append(f"{'node':<6}{'token':<{w_tok}}{'backbone argmax':<{w_arg}}confirms child")
-    for i in range(tree.num_nodes):
-        hit = next((c for c in tree.children[i] if toks[c] == choice[i]), None)
-        mark = f"[{hit}] ✓" if hit is not None else ("- (leaf)" if not tree.children[i] else "none ✗")
-        out.append(f"{f'[{i}]':<6}{labels[i]:<{w_tok}}{args[i]:<{w_arg}}{mark}")
+    if sampling:
+        out.extend(_sampled_scores(enc, tree, toks, labels, logits, drawn, temperature=temperature, top_p=top_p))
+    else:
+        out.extend(_greedy_scores(enc, tree, toks, labels, logits))
 
-    out.append(_header(6, "Accept: the longest confirmed path, plus a bonus token"))
+    out.append(_header(6, "Accept: a path of accepted candidates, plus a bonus token"))
     path, bonus = accept(
         acceptance, tree, tokens, logits, temperature=temperature if sampling else 0.0, top_p=top_p,
         epsilon=epsilon, delta=delta, generator=generator, draft=drawn,

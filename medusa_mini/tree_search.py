@@ -27,7 +27,8 @@ import torch
 
 from .acceptance import SAMPLING_TEMPERATURE
 from .cli_common import PROMPTS_FILE, OneLineParser, load_for_decoding, load_prompts, pick_device
-from .decoding import medusa_step, prefill, sync_device
+from .decoding import prefill, sync_device
+from .step import medusa_step
 from .head_accuracy import (
     ACCURACY_FILE, HeadsFn, check_acc, continuations, format_accuracy, greedy_ranks,
     measure_head_accuracy, replay_greedy, save_accuracy,
@@ -94,7 +95,7 @@ def measure_verify_cost(
     """{N: median ms of one Medusa step with N candidate nodes} after a random prefix.
 
     A step as medusa_generate runs it: the heads at one hidden state (when `heads` is given; else
-    random logits stand in for theirs), then `decoding.medusa_step` with greedy acceptance: their top-k
+    random logits stand in for theirs), then `step.medusa_step` with greedy acceptance: their top-k
     as candidates, the tree-masked verify of N + 1 tokens, acceptance, KV compaction. Trees come from
     build_tree on a decaying accuracy table, so they look like real ones. `device` is where the model
     lives (default: its parameters' device); clocks wait for it.

@@ -278,7 +278,7 @@ def test_typical_acceptance_approaches_greedy_as_temperature_goes_to_zero():
 @pytest.mark.parametrize("rule", ["greedy", "typical", "rejection"])
 def test_a_root_only_tree_emits_just_the_backbones_token(rule):
     """Near the context limit the tree shrinks to its root: every rule must still produce the bonus."""
-    from medusa_mini.decoding import accept
+    from medusa_mini.step import accept
 
     root_only = Tree.from_choices([])
     logits = onehot_logits([2])

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import decode
-from conftest import random_heads, tiny_model
+from conftest import tiny_model
 from medusa_mini.acceptance import sampling_probs
 from medusa_mini.cli_common import load_for_decoding, resolve_trees
 from medusa_mini.decoding import medusa_generate
