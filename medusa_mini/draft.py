@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -56,15 +57,21 @@ def sample_draft(
     return Draft(log_q=log_q, samples=gumbel_top_k(log_q, width, generator))
 
 
-def without(log_q: torch.Tensor, tokens: torch.Tensor | list[int]) -> torch.Tensor:
-    """log q [..., V] with `tokens` ([..., n] or a list for 1-D) removed and renormalised: the
-    distribution of the next draw without replacement."""
-    if isinstance(tokens, list):
-        if not tokens:
-            return log_q
-        tokens = torch.tensor(tokens, device=log_q.device)
+def without(log_q: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """log q [..., V] with `tokens` [..., n] removed and renormalised: the distribution of the next
+    draw without replacement."""
     log_q = log_q.scatter(-1, tokens, float("-inf"))
     return log_q - torch.logsumexp(log_q, dim=-1, keepdim=True)
+
+
+def _np_without(log_q: np.ndarray, tokens: list[int]) -> np.ndarray:
+    """`without` for one float64 row, as `try_candidates` needs it."""
+    if not tokens:
+        return log_q
+    log_q = log_q.copy()
+    log_q[tokens] = -np.inf
+    top = log_q.max()
+    return log_q - (top + np.log(np.exp(log_q - top).sum()))
 
 
 def try_candidates(
@@ -76,20 +83,27 @@ def try_candidates(
     (draws skipped by the tree still count as removed: x was drawn after them). After a rejection
     p <- norm(max(0, p - q_r)). Returns (index into `ranks` of the accepted candidate, p) or
     (None, the residual p, from which the bonus token must be drawn).
+
+    A sequential walk over scalars: it runs in float64 numpy on the host, where each small
+    operation costs a microsecond rather than a torch dispatch (one uniform per try, drawn at once).
     """
-    removed = 0  # log_q is q without samples[:removed]
+    u = torch.rand(len(ranks), generator=generator, device=p.device).tolist()
+    pn = p.double().cpu().numpy()  # [V]
+    lq = log_q.double().cpu().numpy()  # [V]; log q without samples[:removed]
+    removed = 0
     for i, r in enumerate(ranks):
-        log_q, removed = without(log_q, samples[removed:r]), r
+        lq, removed = _np_without(lq, samples[removed:r]), r
         x = samples[r]
-        log_u = float(torch.rand((), generator=generator, device=p.device).log())
-        residual = (p - log_q.exp()).clamp_min(0.0)  # [V]
-        mass = float(residual.sum())
-        # u < p(x) / q(x), compared in logs (p(x) = 0 never passes); mass 0 means p = q: always accept.
-        if log_u + float(log_q[x]) < float(p[x].log()) or mass <= 0.0:
-            return i, p
-        p = residual / mass
-        log_q, removed = without(log_q, [x]), r + 1
-    return None, p
+        # u < p(x) / q(x), compared without dividing (q(x) may underflow to 0: then p(x) > 0 accepts).
+        if u[i] * np.exp(lq[x]) < pn[x]:
+            return i, p if i == 0 else torch.from_numpy(pn).to(p)
+        residual = np.maximum(pn - np.exp(lq), 0.0)  # [V]
+        mass = residual.sum()
+        if mass <= 0.0:  # p = q up to rounding: min(1, p/q) = 1, this try could not have missed
+            return i, torch.from_numpy(pn).to(p)
+        pn = residual / mass
+        lq, removed = _np_without(lq, [x]), r + 1
+    return None, torch.from_numpy(pn).to(p)
 
 
 def draft_acceptance(

@@ -6,7 +6,7 @@ from collections import Counter
 import pytest
 import torch
 
-from medusa_mini.acceptance import greedy_accept, rejection_accept, sampling_probs, typical_accept
+from medusa_mini.acceptance import greedy_accept, rejection_accept, sample, sampling_probs, typical_accept
 from medusa_mini.draft import draft_acceptance, sample_draft
 from medusa_mini.tree import Tree
 
@@ -50,6 +50,16 @@ def test_top_p_keeps_the_smallest_set_reaching_p():
     torch.testing.assert_close(probs, torch.tensor([0.0, 0.5 / 0.75, 0.25 / 0.75, 0.0]))
     full = sampling_probs(torch.log(torch.tensor([0.1, 0.5, 0.25, 0.15])), temperature=1.0)
     torch.testing.assert_close(full, torch.tensor([0.1, 0.5, 0.25, 0.15]))
+
+
+def test_a_draw_follows_the_probabilities_and_never_picks_a_zero_one():
+    probs = torch.tensor([0.1, 0.0, 0.6, 0.3, 0.0])
+    gen = torch.Generator().manual_seed(0)
+    n = 20000
+    counts = Counter(sample(probs, gen) for _ in range(n))
+    assert set(counts) == {0, 2, 3}
+    for tok in (0, 2, 3):
+        assert abs(counts[tok] / n - probs[tok].item()) < 5 * math.sqrt(0.25 / n)
 
 
 def test_sampling_at_temperature_zero_is_refused():
