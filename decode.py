@@ -237,7 +237,8 @@ def format_compare(result: dict) -> str:
     for reason, what in (("context", "at the context limit"), ("eos", "at the end-of-text token")):
         stopped = sum(row["stop_reasons"].count(reason) for row in result["rows"])
         if stopped:
-            lines.append(f"{stopped} generations stopped {what} (the tokens column counts what each row made).")
+            noun = "generation" if stopped == 1 else "generations"
+            lines.append(f"{stopped} {noun} stopped {what} (the tokens column counts what each row made).")
     return "\n".join(lines)
 
 

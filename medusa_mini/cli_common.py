@@ -168,7 +168,8 @@ def trees_from_accuracy_and_cost(*, ckpt_dir: str, model, heads, device: torch.d
 
     Expected tokens per step come from the heads' measured acceptance (heads_accuracy.json: the greedy
     table and, when present, the one measured under sampling); the cost of a step with N nodes is
-    measured here and now, once for both. What it chose and why goes to stderr.
+    measured here and now, once per rule (a rejection step also draws and tries its candidates).
+    What it chose and why goes to stderr.
     """
     # Imported here: only --tree auto needs the tree search, and it imports this module.
     from .tree_search import auto_tree, measure_verify_cost
@@ -187,6 +188,8 @@ def trees_from_accuracy_and_cost(*, ckpt_dir: str, model, heads, device: torch.d
     print(f"--tree auto (measured on {device}), greedy acceptance table:\n{why}", file=sys.stderr)
     if temperature is None:
         return TreeChoice(tree, tree)
+    cost = measure_verify_cost(model, heads=heads, device=device, repeat=9, acceptance="rejection",
+                               temperature=temperature)
     sampled, why = auto_tree(load_accuracy(ckpt_dir, sampled=True), cost)
     print(f"rejection sampling table (measured at T={temperature:g}):\n{why.splitlines()[-1]}", file=sys.stderr)
     return TreeChoice(tree, sampled)

@@ -6,7 +6,11 @@ greedy Medusa, and prints per budget: expected and measured tokens per step (the
 ms per step, ms per token, the speedup over plain greedy decoding of the same prompts in the same run,
 and how many outputs equal plain greedy's (all of them, or something is broken).
 
-    python -m medusa_mini.sweep --ckpt out/tiny [--num-prompts 8] [--max-new-tokens 64] [--json]
+With --temperature T > 0 it sweeps rejection sampling instead: trees from the table measured under
+sampling, Medusa against plain sampling at T (each prompt with its own seeded generator), expected
+tokens/step by the product rule (sampling cannot be replayed).
+
+    python -m medusa_mini.sweep --ckpt out/tiny [--num-prompts 8] [--max-new-tokens 64] [--temperature T] [--json]
 
 Decoding ignores the end-of-text token, so every prompt yields the same number of tokens in every row.
 Times include the prefill, the same for plain and Medusa decoding.
@@ -31,13 +35,22 @@ BUDGETS = (1, 2, 4, 8, 16, 32, 64)
 
 def run_sweep(
     model: GPT, heads: HeadsFn, prompts: list[list[int]], *, acc: torch.Tensor, max_new_tokens: int,
-    budgets: tuple[int, ...] = BUDGETS, ranks: list[str] | None = None,
+    budgets: tuple[int, ...] = BUDGETS, ranks: list[str] | None = None, temperature: float = 0.0, seed: int = 0,
 ) -> dict:
-    """Decode every prompt plainly once, then with the build_tree tree of each budget; gather numbers."""
+    """Decode every prompt plainly once, then with the build_tree tree of each budget; gather numbers.
+
+    temperature 0: greedy decoding, greedy acceptance; T > 0: sampling, rejection sampling."""
     if not prompts:
         raise ValueError("the sweep needs at least one prompt")
+    sampling = temperature > 0
+
+    def rule(i: int) -> dict:  # the settings of prompt i's generation, its generator seeded afresh
+        if not sampling:
+            return {}
+        return dict(temperature=temperature, generator=torch.Generator(device=model.device).manual_seed(seed + i))
+
     generate(model, prompts[0], max_new_tokens=min(4, max_new_tokens))  # warm-up, not timed
-    plain = [generate(model, p, max_new_tokens=max_new_tokens) for p in prompts]
+    plain = [generate(model, p, max_new_tokens=max_new_tokens, **rule(i)) for i, p in enumerate(prompts)]
     plain_tokens = sum(len(out) for out, _ in plain)
     plain_ms_per_token = 1000 * sum(st.seconds for _, st in plain) / max(plain_tokens, 1)
     rows = []
@@ -45,7 +58,9 @@ def run_sweep(
         tree, expected = build_tree(acc, n)
         if ranks is not None:  # replayed on the measured continuations, not the product rule
             expected = replay_greedy(ranks, tree)
-        runs = [medusa_generate(model, heads, p, tree=tree, max_new_tokens=max_new_tokens) for p in prompts]
+        runs = [medusa_generate(model, heads, p, tree=tree, max_new_tokens=max_new_tokens,
+                                acceptance="rejection" if sampling else "greedy", **rule(i))
+                for i, p in enumerate(prompts)]
         steps = max(sum(st.steps for _, st in runs), 1)
         seconds = sum(st.seconds for _, st in runs)
         ms_per_token = 1000 * seconds / max(sum(len(out) for out, _ in runs), 1)
@@ -56,21 +71,23 @@ def run_sweep(
             "ms_per_step": 1000 * seconds / steps,
             "ms_per_token": ms_per_token,
             "speedup": plain_ms_per_token / ms_per_token if ms_per_token > 0 else 0.0,
-            "equal_to_greedy": sum(out == ref for (out, _), (ref, _) in zip(runs, plain)),
+            "equal_to_greedy": None if sampling else sum(out == ref for (out, _), (ref, _) in zip(runs, plain)),
         })
     _, why = auto_tree(acc, {row["nodes"]: row["ms_per_step"] for row in rows}, ranks=ranks)
     return {
-        "num_prompts": len(prompts), "max_new_tokens": max_new_tokens,
+        "num_prompts": len(prompts), "max_new_tokens": max_new_tokens, "temperature": temperature,
         "plain_ms_per_token": plain_ms_per_token, "rows": rows,
         "auto_tree_on_measured_step_ms": why.splitlines()[-1],
     }
 
 
 def format_sweep(result: dict) -> str:
-    n = result["num_prompts"]
+    n, T = result["num_prompts"], result.get("temperature", 0.0)
+    plain = f"plain sampling (T={T:g})" if T > 0 else "plain greedy"
     lines = [
-        f"{n} prompts x {result['max_new_tokens']} new tokens; plain greedy "
-        f"{result['plain_ms_per_token']:.2f} ms/token (1.00 tokens/step)",
+        f"{n} prompts x {result['max_new_tokens']} new tokens; {plain} "
+        f"{result['plain_ms_per_token']:.2f} ms/token (1.00 tokens/step)"
+        + (f"; Medusa with rejection sampling at T={T:g}" if T > 0 else ""),
         "nodes exclude the root; tokens/step counts the bonus token; times include the prefill",
         "nodes  expected tok/step  measured tok/step  ms/step  ms/token  speedup  same as greedy",
     ]
@@ -78,12 +95,27 @@ def format_sweep(result: dict) -> str:
         lines.append(
             f"{r['nodes']:>5}  {r['expected_tokens_per_step']:>17.2f}  {r['tokens_per_step']:>17.2f}  "
             f"{r['ms_per_step']:>7.2f}  {r['ms_per_token']:>8.2f}  {r['speedup']:>6.2f}x  "
-            f"{r['equal_to_greedy']:>6}/{n}"
+            + (f"{r['equal_to_greedy']:>6}/{n}" if r["equal_to_greedy"] is not None else f"{'-':>8}")
         )
     best = max(result["rows"], key=lambda r: r["speedup"])
-    lines.append(f"fastest measured: {best['nodes']} nodes, {best['speedup']:.2f}x over plain greedy")
+    lines.append(f"fastest measured: {best['nodes']} nodes, {best['speedup']:.2f}x over {plain}")
     lines.append("auto_tree on these step times: " + result["auto_tree_on_measured_step_ms"])
     return "\n".join(lines)
+
+
+def _accuracies(directory: str, ckpt, texts: list[str], *, temperature: float):
+    """(acc, greedy ranks or None, where they came from) for a sweep at `temperature`."""
+    if temperature > 0:  # only the table measured under sampling describes rejection sampling
+        return load_accuracy(directory, sampled=True), None, f"{ACCURACY_FILE}, sampled table (product rule)"
+    try:
+        ranks = load_greedy_ranks(directory)
+        how = " (expected = replayed on its greedy continuations)" if ranks else " (product rule)"
+        return load_accuracy(directory), ranks, ACCURACY_FILE + how
+    except ValueError:  # missing or unreadable: measure now, as tree_search would
+        block = ckpt.block_size
+        measure_on = encode_prompts(ckpt.enc, texts[:32], block_size=block, max_new_tokens=min(64, block - 1))
+        acc = accuracy_on_prompts(ckpt.model, ckpt.heads, measure_on, max_new_tokens=min(64, block - 1))
+        return acc, None, f"measured now on {len(measure_on)} prompts ({ACCURACY_FILE} missing or unreadable)"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -95,13 +127,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", help="cpu, cuda, ... (default: cuda if available)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per prompt (default: %(default)s)")
     p.add_argument("--num-prompts", type=int, default=8, help="prompts drawn from prompts.json (default: %(default)s)")
-    p.add_argument("--seed", type=int, default=0, help="which prompts are drawn (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="which prompts are drawn, and the sampling seeds (default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.0, metavar="T",
+                   help="0: greedy Medusa vs plain greedy; T > 0: rejection sampling vs plain sampling at T, "
+                        "trees from the sampled table (default: %(default)s)")
     p.add_argument("--threads", type=int, help="torch CPU threads (fewer can be faster on a busy CPU)")
     p.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
     ns = p.parse_args(argv)
     try:
         if ns.num_prompts < 1 or ns.max_new_tokens < 1 or (ns.threads is not None and ns.threads < 1):
             raise ValueError("--num-prompts, --max-new-tokens and --threads must be at least 1")
+        if ns.temperature < 0:
+            raise ValueError(f"--temperature must be >= 0, not {ns.temperature}")
         if ns.threads:
             torch.set_num_threads(ns.threads)
         device = pick_device(ns.device)
@@ -110,21 +147,14 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"checkpoint {ns.ckpt} has no Medusa heads; train heads first")
         texts = load_prompts(ns.ckpt)
         block = ckpt.block_size
-        ranks = None
-        try:
-            acc, source = load_accuracy(ns.ckpt), ACCURACY_FILE
-            ranks = load_greedy_ranks(ns.ckpt)
-            source += " (expected = replayed on its greedy continuations)" if ranks else " (product rule)"
-        except ValueError:  # missing or unreadable: measure now, as tree_search would
-            measure_on = encode_prompts(ckpt.enc, texts[:32], block_size=block, max_new_tokens=min(64, block - 1))
-            acc = accuracy_on_prompts(ckpt.model, ckpt.heads, measure_on, max_new_tokens=min(64, block - 1))
-            source = f"measured now on {len(measure_on)} prompts ({ACCURACY_FILE} missing or unreadable)"
+        acc, ranks, source = _accuracies(ns.ckpt, ckpt, texts, temperature=ns.temperature)
         if acc.shape[0] > ckpt.heads.num_heads:
             raise ValueError(f"{ACCURACY_FILE} describes {acc.shape[0]} heads but the checkpoint has "
                              f"{ckpt.heads.num_heads}; recompute it with python -m medusa_mini.tree_search")
         chosen = random.Random(ns.seed).sample(texts, min(ns.num_prompts, len(texts)))
         prompts = encode_prompts(ckpt.enc, chosen, block_size=block, max_new_tokens=ns.max_new_tokens)
-        result = run_sweep(ckpt.model, ckpt.heads, prompts, acc=acc, max_new_tokens=ns.max_new_tokens, ranks=ranks)
+        result = run_sweep(ckpt.model, ckpt.heads, prompts, acc=acc, max_new_tokens=ns.max_new_tokens, ranks=ranks,
+                           temperature=ns.temperature, seed=ns.seed)
     except (ValueError, OSError) as e:
         p.error(str(e))
     result.update(checkpoint=ns.ckpt, device=str(device), accuracy_source=source, seed=ns.seed)

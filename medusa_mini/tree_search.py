@@ -90,13 +90,15 @@ def expected_tokens_per_step(acc: torch.Tensor, tree: Tree) -> float:
 def measure_verify_cost(
     model: GPT, *, heads: HeadsFn | None = None, num_heads: int = 4,
     node_counts: Sequence[int] = (1, 2, 4, 8, 16, 32, 64), prefix_len: int | None = None,
-    repeat: int = 5, device: torch.device | str | None = None,
+    repeat: int = 5, device: torch.device | str | None = None, acceptance: str = "greedy",
+    temperature: float = 0.0,
 ) -> dict[int, float]:
     """{N: median ms of one Medusa step with N candidate nodes} after a random prefix.
 
     A step as medusa_generate runs it: the heads at one hidden state (when `heads` is given; else
-    random logits stand in for theirs), then `step.medusa_step` with greedy acceptance: their top-k
-    as candidates, the tree-masked verify of N + 1 tokens, acceptance, KV compaction. Trees come from
+    random logits stand in for theirs), then `step.medusa_step` with the `acceptance` rule at
+    `temperature`: candidates (drawn from the heads for rejection sampling), the tree-masked verify
+    of N + 1 tokens, acceptance, KV compaction. Trees come from
     build_tree on a decaying accuracy table, so they look like real ones. `device` is where the model
     lives (default: its parameters' device); clocks wait for it.
     """
@@ -108,6 +110,7 @@ def measure_verify_cost(
         raise ValueError(f"prefix_len must be between 1 and {block - K - 1} for this context and {K} heads")
     shape_acc = 0.6 * 0.6 ** torch.arange(10.0)[None].repeat(K, 1)  # [K, 10]
     gen = torch.Generator().manual_seed(0)
+    rule_gen = torch.Generator(device=device).manual_seed(0)  # the sampling rules' draws
     cache = KVCache(model.config, max_len=prefix_len + max(node_counts) + 1, device=device,
                     dtype=model.lm_head.weight.dtype)
     _, hidden = prefill(model, torch.randint(V, (prefix_len,), generator=gen).to(device), cache)
@@ -123,7 +126,8 @@ def measure_verify_cost(
             sync_device(device)
             t0 = time.perf_counter()
             head_logits = guesses if heads is None else heads(hidden[None], model.lm_head)[:, 0]  # [K, V]
-            medusa_step(model, cache, trees[n], root, head_logits)
+            medusa_step(model, cache, trees[n], root, head_logits, acceptance=acceptance, temperature=temperature,
+                        generator=rule_gen)
             sync_device(device)
             if rep:
                 times[n].append(1000 * (time.perf_counter() - t0))
