@@ -56,10 +56,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how rejection sampling fills the tree: tokens drawn from the heads (accepted with "
                         "min(1, p/q)) or the heads' top-k (accepted with p); both lossless (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="seeds the sampling generator (default: %(default)s)")
-    p.add_argument("--tree", metavar="NAME|FILE.json",
+    p.add_argument("--tree", metavar="NAME|N|FILE.json",
                    help="cpu, gpu, chainN, auto (sized from heads_accuracy.json and the measured step cost"
-                        " on this device) or a JSON list of choices (default: auto when the checkpoint has"
-                        " heads_accuracy.json, else gpu on CUDA and cpu on a CPU)")
+                        " on this device), N (N nodes built from heads_accuracy.json) or a JSON list of"
+                        " choices (default: auto when the checkpoint has heads_accuracy.json, else gpu on"
+                        " CUDA and cpu on a CPU)")
     p.add_argument("--device", help="cpu or cuda (default: cuda if available, else cpu)")
     p.add_argument("--threads", type=int, metavar="N", help="torch CPU threads (default: torch's choice)")
     mode = p.add_mutually_exclusive_group()
@@ -212,7 +213,8 @@ def compare(
         row["speedup"] = base["ms_per_token"] / row["ms_per_token"] if row["ms_per_token"] else 0.0
         row["same_as_plain_greedy"] = row["tokens"] == base["tokens"] if row["temperature"] == 0 else None
     return {"rows": rows, "device": str(ck.model.device), "threads": torch.get_num_threads(), "tree": tree_name,
-            "tree_nodes": trees.greedy.num_nodes, "rejection_tree_nodes": trees.sampled.num_nodes,
+            "tree_nodes": trees.greedy.num_nodes,
+            "rejection_tree_nodes": None if trees.sampled == trees.greedy else trees.sampled.num_nodes,
             "prompts": len(prompts), "max_new_tokens": a.max_new_tokens, "top_p": a.top_p, "repeat": a.repeat,
             "note": BONUS_NOTE}
 

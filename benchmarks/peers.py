@@ -67,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=128, metavar="N", help="tokens per prompt (default: 128)")
     p.add_argument("--temperature", type=float, default=0.8, metavar="T", help="sampling rows (default: 0.8)")
     p.add_argument("--seed", type=int, default=0, help="seeds every sampling row, per prompt (default: 0)")
-    p.add_argument("--tree", metavar="NAME|FILE.json", help="Medusa tree as in decode.py (default: auto if the checkpoint has heads_accuracy.json)")
+    p.add_argument("--tree", metavar="NAME|N|FILE.json", help="Medusa tree as in decode.py (default: auto if the checkpoint has heads_accuracy.json)")
     p.add_argument("--lookup-tokens", type=int, default=10, metavar="N",
                    help="prompt_lookup_num_tokens for prompt-lookup decoding (default: 10)")
     p.add_argument("--draft-tokens", type=int, default=20, metavar="N",
@@ -309,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__, "transformers": transformers.__version__, "device": str(device),
         "threads": torch.get_num_threads(), "cpu": cpu_model(), "prompts": len(prompts),
         "max_new_tokens": a.max_new_tokens, "tree": tree_name, "tree_nodes": trees.greedy.num_nodes if trees else None,
-        "rejection_tree_nodes": trees.sampled.num_nodes if trees else None,
+        "rejection_tree_nodes": trees.sampled.num_nodes if trees and trees.sampled != trees.greedy else None,
         "temperature": a.temperature, "seed": a.seed, "lookup_tokens": a.lookup_tokens,
         "draft": a.draft, "draft_tokens": a.draft_tokens if a.draft else None,
         "command": "python benchmarks/peers.py " + shlex.join(args),

@@ -195,18 +195,36 @@ def trees_from_accuracy_and_cost(*, ckpt_dir: str, model, heads, device: torch.d
     return TreeChoice(tree, sampled)
 
 
+def trees_of_budget(nodes: int, *, ckpt_dir: str) -> TreeChoice:
+    """`--tree N`: build_tree with N candidate nodes from each table of heads_accuracy.json (the sampled
+    table's tree for rejection sampling, when the file has one)."""
+    from .tree_search import build_tree  # as in trees_from_accuracy_and_cost
+
+    if not 1 <= nodes <= 256:
+        raise ValueError(f"--tree {nodes}: a node budget must be between 1 and 256")
+    hint = f"--tree {nodes} needs heads accuracies: run python -m medusa_mini.tree_search --ckpt {ckpt_dir}"
+    if not os.path.isfile(os.path.join(ckpt_dir, ACCURACY_FILE)):
+        raise ValueError(hint)
+    greedy = build_tree(load_accuracy(ckpt_dir), nodes)[0]
+    if sampled_temperature(ckpt_dir) is None:
+        return TreeChoice(greedy, greedy)
+    return TreeChoice(greedy, build_tree(load_accuracy(ckpt_dir, sampled=True), nodes)[0])
+
+
 def resolve_trees(
     spec: str | None, *, num_heads: int | None, ckpt_dir: str, device: torch.device, model=None, heads=None
 ) -> TreeChoice:
-    """Trees from a preset name ('cpu', 'gpu', 'chainN'), 'auto', or a JSON file of choices.
+    """Trees from a preset name ('cpu', 'gpu', 'chainN'), 'auto', a node budget N, or a JSON file.
 
     None means the device's default. A relative file name is looked up in the working directory,
     then in the checkpoint directory. A tree must not be deeper than the model has heads. Only 'auto'
-    can give rejection sampling a tree of its own.
+    and N give rejection sampling a tree of its own (from the table measured under sampling).
     """
     spec = spec or default_tree_name(device, ckpt_dir)
     if spec == "auto":
         choice = trees_from_accuracy_and_cost(ckpt_dir=ckpt_dir, model=model, heads=heads, device=device)
+    elif spec.isdigit():
+        choice = trees_of_budget(int(spec), ckpt_dir=ckpt_dir)
     elif spec.endswith(".json") or os.path.sep in spec:
         candidates = [spec] if os.path.isabs(spec) else [spec, os.path.join(ckpt_dir, spec)]
         path = next((p for p in candidates if os.path.isfile(p)), None)
@@ -224,9 +242,9 @@ def resolve_trees(
 
 
 def tree_nodes_text(nodes: int, rejection_nodes: int | None) -> str:
-    """A results footer's tree size: "9 nodes incl. root", plus the rejection rows' own when it differs."""
+    """A results footer's tree size: "9 nodes incl. root", plus the rejection rows' own tree (None: the same)."""
     text = f"{nodes} nodes incl. root"
-    if rejection_nodes not in (None, nodes):
+    if rejection_nodes is not None:
         text += f"; rejection: {rejection_nodes}, from the sampled table"
     return text
 

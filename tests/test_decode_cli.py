@@ -307,6 +307,31 @@ def test_tree_auto_builds_from_measured_accuracy_and_step_cost(tmp_path, capsys)
     assert len(row["tokens"]) == 8
 
 
+def test_tree_n_builds_n_nodes_from_each_table(tmp_path, capsys):
+    from medusa_mini.cli_common import resolve_trees
+    from medusa_mini.head_accuracy import save_accuracy
+
+    ckpt = str(tmp_path / "ck")
+    save_tiny(ckpt, with_heads=True)
+    with pytest.raises(SystemExit) as exc:  # no accuracies yet
+        decode.main(["--ckpt", ckpt, "--tree", "6"])
+    assert exc.value.code == 2 and "tree_search" in capsys.readouterr().err
+    greedy = torch.tensor([[0.9] + [0.01] * 9] * 4, dtype=torch.float64)  # a deep chain pays off
+    sampled = torch.zeros(4, 10, dtype=torch.float64)
+    sampled[0] = 0.09  # only head 1 is ever accepted: a wide, flat tree
+    save_accuracy(ckpt, greedy, sampled=sampled, temperature=0.8)
+    trees = resolve_trees("6", num_heads=4, ckpt_dir=ckpt, device=torch.device("cpu"))
+    assert trees.greedy.num_nodes == trees.sampled.num_nodes == 7
+    assert trees.greedy.depth == 4 and trees.sampled.depth == 1
+    assert decode.main(["--ckpt", ckpt, "--tree", "6", "--compare", "--json", "--max-new-tokens", "4",
+                        "--num-prompts", "1", "--repeat", "1"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["tree_nodes"] == 7 and result["rejection_tree_nodes"] == 7  # the same size, another tree
+    with pytest.raises(SystemExit) as exc:
+        decode.main(["--ckpt", ckpt, "--tree", "0"])
+    assert exc.value.code == 2 and "between 1 and 256" in capsys.readouterr().err
+
+
 def test_first_prompt_selects_which_stored_prompt_is_used(tmp_path, capsys):
     ckpt = str(tmp_path / "ck")
     save_tiny(ckpt, with_heads=True)
