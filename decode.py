@@ -20,13 +20,13 @@ import torch
 
 from medusa_mini.acceptance import SAMPLING_TEMPERATURE  # sampling rules' default when no --temperature is given
 from medusa_mini.cli_common import (
-    BONUS_NOTE, PROMPTS_FILE, Checkpoint, OneLineParser, StepPrinter, default_tree_name, encode_prompt,
-    TreeChoice, load_for_decoding, load_prompts, pick_device, resolve_trees, stat_line, tree_nodes_text,
-    use_color,
+    BONUS_NOTE, PROMPTS_FILE, Checkpoint, OneLineParser, StepPrinter, encode_prompt, load_for_decoding,
+    load_prompts, pick_device, stat_line, use_color,
 )
 from medusa_mini.decoding import GenerationStats, generate, medusa_generate
 from medusa_mini.explain import explain_step
 from medusa_mini.tree import Tree
+from medusa_mini.tree_choice import TreeChoice, default_tree_name, resolve_trees, tree_nodes_text
 
 
 

@@ -36,11 +36,11 @@ if ROOT not in sys.path:  # run as a script from anywhere, without installing th
 import torch  # noqa: E402
 
 from medusa_mini.cli_common import (  # noqa: E402
-    OneLineParser, default_tree_name, encode_prompt, load_for_decoding, load_prompts, pick_device, resolve_trees,
-    tree_nodes_text,
+    OneLineParser, encode_prompt, load_for_decoding, load_prompts, pick_device,
 )
 from medusa_mini.decoding import generate, medusa_generate, sync_device  # noqa: E402
 from medusa_mini.tokenizer import load_tokenizer  # noqa: E402
+from medusa_mini.tree_choice import default_tree_name, resolve_trees, tree_nodes_text  # noqa: E402
 
 INSTALL_HINT = 'transformers is not installed; pip install -e ".[peers]"'
 WARMUP_TOKENS = 16

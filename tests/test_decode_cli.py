@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from medusa_mini.checkpoint import save_checkpoint
-from medusa_mini.cli_common import resolve_trees
 from medusa_mini.heads import HeadsConfig, MedusaHeads
 from medusa_mini.model import GPT, GPTConfig
 from medusa_mini.tokenizer import load_tokenizer, make_encoding, save_tokenizer, train_bpe
+from medusa_mini.tree_choice import resolve_trees
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -308,7 +308,7 @@ def test_tree_auto_builds_from_measured_accuracy_and_step_cost(tmp_path, capsys)
 
 
 def test_tree_n_builds_n_nodes_from_each_table(tmp_path, capsys):
-    from medusa_mini.cli_common import resolve_trees
+    from medusa_mini.tree_choice import resolve_trees
     from medusa_mini.head_accuracy import save_accuracy
 
     ckpt = str(tmp_path / "ck")

@@ -9,13 +9,14 @@ import torch
 import decode
 from conftest import tiny_model
 from medusa_mini.acceptance import sampling_probs
-from medusa_mini.cli_common import load_for_decoding, resolve_trees
+from medusa_mini.cli_common import load_for_decoding
 from medusa_mini.decoding import medusa_generate
 from medusa_mini.head_accuracy import (
     continuations, greedy_ranks, load_accuracy, load_greedy_ranks, measure_head_accuracy,
     replay_greedy, sampled_temperature, save_accuracy,
 )
 from medusa_mini.tree import Tree
+from medusa_mini.tree_choice import resolve_trees
 from test_decode_cli import save_tiny
 
 
