@@ -216,7 +216,7 @@ def compare(
             "tree_nodes": trees.greedy.num_nodes,
             "rejection_tree_nodes": None if trees.sampled == trees.greedy else trees.sampled.num_nodes,
             "prompts": len(prompts), "max_new_tokens": a.max_new_tokens, "top_p": a.top_p, "repeat": a.repeat,
-            "note": BONUS_NOTE}
+            "draft": a.draft, "note": BONUS_NOTE}
 
 
 def format_compare(result: dict) -> str:
@@ -229,6 +229,8 @@ def format_compare(result: dict) -> str:
                      f"{r['ms_per_token']:>10.2f}"
                      f"{r['speedup']:>8.2f}x  {same}")
     top_p = f", top-p {result['top_p']:g}" if result["top_p"] < 1 else ""
+    if result.get("draft", "sampled") != "sampled":
+        top_p += "; rejection candidates: the heads' top-k"
     threads = f"{result['threads']} thread" + ("s" if result["threads"] != 1 else "")
     nodes = tree_nodes_text(result["tree_nodes"], result["rejection_tree_nodes"])
     lines.append(f"\ndevice {result['device']}, {threads}; tree {result['tree']} "

@@ -174,6 +174,9 @@ def test_both_drafts_of_rejection_sampling_run_from_the_command_line(ckpt, capsy
         obj = json_lines(run(capsys, "--ckpt", ckpt, "--json", "--acceptance", "rejection", "--draft", draft,
                              "--max-new-tokens", "12", "--num-prompts", "1"))[0]
         assert len(obj["tokens"]) == 12
+    out = run(capsys, "--ckpt", ckpt, "--compare", "--draft", "topk", "--max-new-tokens", "4", "--num-prompts", "1",
+              "--repeat", "1")
+    assert "rejection candidates: the heads' top-k" in out
 
 
 def test_show_brackets_each_step_and_joins_to_the_plain_text(ckpt, capsys):

@@ -160,3 +160,24 @@ def test_without_transformers_exit_2_names_the_extra(dirs, monkeypatch, capsys):
         peers.main(["--ckpt", dirs[0]])
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.startswith("peers.py: error: ") and '.[peers]' in err
+
+
+def test_repeats_keep_the_fastest_run_and_must_make_the_same_tokens(monkeypatch):
+    clock = iter([0.0, 5.0, 10.0, 12.0, 20.0, 29.0])  # (start, end) of: warm-up-free runs 1, 2, 3
+    monkeypatch.setattr(peers.time, "perf_counter", lambda: next(clock))
+    calls = []
+
+    def run(ids, max_new_tokens):
+        calls.append(ids)
+        return [7] * max_new_tokens, 3
+
+    method = peers.Method("m", "m", True, run)
+    rows = peers.benchmark([method], [[1, 2]], max_new_tokens=4, device=torch.device("cpu"), repeat=3)
+    assert rows[0]["seconds"] == 2.0  # runs took 5, 2 and 9 seconds: the fastest counts
+    assert len(calls) == 4  # one untimed warm-up, then three timed runs
+
+    outputs = iter([[1] * 4, [1] * 4, [2] * 4])  # the warm-up, then a run that repeats differently
+    flaky = peers.Method("f", "flaky", True, lambda ids, n: (next(outputs), 3))
+    monkeypatch.setattr(peers.time, "perf_counter", lambda: 0.0)
+    with pytest.raises(RuntimeError, match="other tokens on a repeat"):
+        peers.benchmark([flaky], [[1, 2]], max_new_tokens=4, device=torch.device("cpu"), repeat=2)
