@@ -132,7 +132,7 @@ def test_rejection_with_sampled_candidates_emits_exactly_the_backbones_probabili
     tree = Tree.from_choices(choices)
     logits = logits_from([P_ROOT] + [P_NODE1] * (tree.num_nodes - 1))
     gen = torch.Generator().manual_seed(0)
-    n = 12000
+    n = 8000
     first, second, accepted = Counter(), Counter(), 0
     for _ in range(n):
         emitted, a = draw_and_accept(tree, logits, gen)
