@@ -7,8 +7,8 @@ Each try then emits exactly p, whatever q is, so this is as lossless as the top-
 more when p is flat (sampling at T > 0) and the heads' q resembles it.
 
 A node's siblings are drawn from one head without replacement (Gumbel-top-k), so no node is wasted on
-a repeated token; the i-th try then uses q_i = q without the earlier draws, renormalised. Everything
-is computed from log q, so a sharp q (low temperature) never underflows into an invalid draft.
+a repeated token; the i-th try then uses q_i = q without the earlier draws, renormalised. Draws and
+ratios are computed from log q, so a sharp q (low temperature) never yields an invalid draft.
 
 Shapes: D depths (heads used), R draws per depth, V vocabulary, M positions.
 """
@@ -42,7 +42,9 @@ def gumbel_top_k(log_q: torch.Tensor, width: int, generator: torch.Generator | N
 
     Adding independent Gumbel noise to log q and taking the top `width` is exactly sequential
     sampling without replacement (the Gumbel-top-k trick); it needs no positive probability to survive
-    the float32 exp.
+    the float32 exp. One approximation remains: float32 uniforms bound the noise to about
+    [-2.8, 16.6], so a token more than ~19 nats below the most likely one is never drawn first (its q
+    is below 4e-9); float64 uniforms would lift that bound.
     """
     u = torch.rand(log_q.shape, generator=generator, device=log_q.device)
     gumbel = -torch.log(-torch.log(u))  # u = 0 gives -inf: that token simply comes last
@@ -76,12 +78,12 @@ def _np_without(log_q: np.ndarray, tokens: list[int]) -> np.ndarray:
 
 def try_candidates(
     p: torch.Tensor, log_q: torch.Tensor, samples: list[int], ranks: list[int], generator: torch.Generator | None
-) -> tuple[int | None, torch.Tensor]:
+) -> tuple[int | None, torch.Tensor | None]:
     """The tries at one tree node: candidates samples[r] for r in `ranks` (increasing), against target p [V].
 
     Try i accepts x = samples[r] with probability min(1, p(x) / q_r(x)), q_r = q without samples[:r]
     (draws skipped by the tree still count as removed: x was drawn after them). After a rejection
-    p <- norm(max(0, p - q_r)). Returns (index into `ranks` of the accepted candidate, p) or
+    p <- norm(max(0, p - q_r)). Returns (index into `ranks` of the accepted candidate, None) or
     (None, the residual p, from which the bonus token must be drawn).
 
     A sequential walk over scalars: it runs in float64 numpy on the host, where each small
@@ -92,17 +94,16 @@ def try_candidates(
     lq = log_q.double().cpu().numpy()  # [V]; log q without samples[:removed]
     removed = 0
     for i, r in enumerate(ranks):
-        lq, removed = _np_without(lq, samples[removed:r]), r
+        lq, removed = _np_without(lq, samples[removed:r]), r  # removes earlier tries and skipped draws
         x = samples[r]
         # u < p(x) / q(x), compared without dividing (q(x) may underflow to 0: then p(x) > 0 accepts).
         if u[i] * np.exp(lq[x]) < pn[x]:
-            return i, p if i == 0 else torch.from_numpy(pn).to(p)
+            return i, None
         residual = np.maximum(pn - np.exp(lq), 0.0)  # [V]
         mass = residual.sum()
-        if mass <= 0.0:  # p = q up to rounding: min(1, p/q) = 1, this try could not have missed
-            return i, torch.from_numpy(pn).to(p)
+        if mass <= 0.0:  # p <= q_r everywhere, i.e. p = q_r up to rounding: every x with p(x) > 0 passes
+            return (i, None) if pn[x] > 0 else (None, torch.from_numpy(pn).to(p))
         pn = residual / mass
-        lq, removed = _np_without(lq, [x]), r + 1
     return None, torch.from_numpy(pn).to(p)
 
 
@@ -112,9 +113,11 @@ def draft_acceptance(
     """P(the r-th draw from q is the candidate rejection sampling accepts), for r < width.
 
     p, log_q: [..., V] target and draft at many positions -> [..., width]. Draws once per position
-    (as `sample_draft`), then runs the tries of `try_candidates` in expectation: try r is reached with
-    prob. Π_{j<r} (1 - a_j) and accepts with a_r = min(1, p_r(x_r) / q_r(x_r)). A row sums to the
-    chance that one of `width` children is accepted (1 when width = V: the last try has p = q).
+    (as `sample_draft`), then runs the tries of `try_candidates` in expectation over the coins: try r
+    is reached with prob. Π_{j<r} (1 - a_j) and accepts with a_r = min(1, p_r(x_r) / q_r(x_r)). So a
+    row is a one-draw estimate; its average over many positions is the probability. A row sums to the
+    chance that one of `width` children is accepted (1 when width = V: the last try has p = q). It
+    assumes the children hold ranks 0, 1, 2, ... with none skipped, as `build_tree` makes them.
     """
     lead, V = log_q.shape[:-1], log_q.shape[-1]
     p, log_q = p.reshape(-1, V).float(), log_q.reshape(-1, V).float()  # [M, V]

@@ -8,7 +8,8 @@ was. Acceptance depends on the rule, so there are two tables:
 - sampled (temperature T > 0): acc[k][r] = P(rejection sampling accepts the r-th candidate drawn
   from head k+1's q), its parent accepted (draft.draft_acceptance: candidates drawn without
   replacement, accepted with min(1, p/q)), averaged over continuations sampled at T (the text that
-  sampling actually meets). p is the backbone's distribution at T.
+  sampling actually meets). p is the backbone's distribution at T (without top-p: decoding with
+  top-p < 1 meets a somewhat different target).
 
 As T -> 0, p and q become one-hot on the greedy token and the head's top guess, and the second table
 becomes the first. Both are

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from medusa_mini.acceptance import greedy_accept, rejection_accept, sample, sampling_probs, typical_accept
-from medusa_mini.draft import draft_acceptance, sample_draft
+from medusa_mini.draft import draft_acceptance, sample_draft, try_candidates
 from medusa_mini.tree import Tree
 
 #   0 root ─┬─ 1 (0,) token 3 ─┬─ 3 (0,0) token 1 ── 5 (0,0,0) token 2
@@ -216,6 +216,15 @@ def test_trying_every_token_accepts_one_for_sure():
     acc = draft_acceptance(p, q.log(), width=6, generator=gen)  # [50, 6]
     torch.testing.assert_close(acc.sum(-1), torch.ones(50))
     assert acc[:, 0].mean() < 0.9  # while one try alone often misses
+
+
+def test_a_token_p_rules_out_is_never_accepted_even_when_q_matches_p_to_rounding():
+    """q one-hot up to float64 underflow, equal to p: the residual has no mass, yet the drawn
+    candidate (token 0, q = e^-800) has p = 0 and must not pass; the bonus comes from p."""
+    p = torch.tensor([0.0, 1.0, 0.0, 0.0])
+    log_q = torch.tensor([-800.0, 0.0, -900.0, -800.0])
+    accepted, residual = try_candidates(p, log_q, [0, 1, 2, 3], [0], torch.Generator().manual_seed(0))
+    assert accepted is None and residual.tolist() == [0.0, 1.0, 0.0, 0.0]
 
 
 def test_draft_temperature_sharpens_q_like_p():
