@@ -214,7 +214,7 @@ def compare(
         row["same_as_plain_greedy"] = row["tokens"] == base["tokens"] if row["temperature"] == 0 else None
     return {"rows": rows, "device": str(ck.model.device), "threads": torch.get_num_threads(), "tree": tree_name,
             "tree_nodes": trees.greedy.num_nodes,
-            "rejection_tree_nodes": None if trees.sampled == trees.greedy else trees.sampled.num_nodes,
+            "rejection_tree_nodes": trees.rejection_nodes(),
             "prompts": len(prompts), "max_new_tokens": a.max_new_tokens, "top_p": a.top_p, "repeat": a.repeat,
             "draft": a.draft, "note": BONUS_NOTE}
 

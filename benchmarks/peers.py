@@ -322,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__, "transformers": transformers.__version__, "device": str(device),
         "threads": torch.get_num_threads(), "cpu": cpu_model(), "prompts": len(prompts),
         "max_new_tokens": a.max_new_tokens, "tree": tree_name, "tree_nodes": trees.greedy.num_nodes if trees else None,
-        "rejection_tree_nodes": trees.sampled.num_nodes if trees and trees.sampled != trees.greedy else None,
+        "rejection_tree_nodes": trees.rejection_nodes() if trees else None,
         "temperature": a.temperature, "seed": a.seed, "lookup_tokens": a.lookup_tokens, "repeat": a.repeat,
         "draft": a.draft, "draft_tokens": a.draft_tokens if a.draft else None,
         "command": "python benchmarks/peers.py " + shlex.join(args),

@@ -128,8 +128,9 @@ def medusa_step(
 
     root: the last committed token, whose K/V are not in `cache` yet; head_logits [K, V]: the heads'
     guesses from the hidden state that produced the root. The tree's N nodes take the heads' top-k
-    tokens, or for rejection sampling with draft="sampled" tokens drawn from them (`propose`, [N]); one forward under the tree attention mask scores them all
-    (paper §2.1.2, `verify`: logits [N, V], hidden [N, C]); the acceptance rule keeps the longest
+    tokens, or for rejection sampling with draft="sampled" tokens drawn from them (`propose`, [N]);
+    one forward under the tree attention mask scores them all (paper §2.1.2, `verify`: logits
+    [N, V], hidden [N, C]); the acceptance rule keeps the longest
     valid path and picks the bonus token (§2.3, `accept`); the cache keeps only that path (`keep_path`).
     The caller emits `emitted()` and runs the heads at `hidden[path[-1]]` to propose the next tree.
     """

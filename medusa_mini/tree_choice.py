@@ -47,13 +47,17 @@ def _tree_from_json(path: str, *, num_heads: int | None) -> Tree:
 @dataclass
 class TreeChoice:
     """The tree for each acceptance rule: greedy and typical acceptance use `greedy`; rejection
-    sampling uses `sampled` (the same tree unless --tree auto found a table measured under sampling)."""
+    sampling uses `sampled` (the same tree unless auto or N found a table measured under sampling)."""
 
     greedy: Tree
     sampled: Tree
 
     def for_rule(self, acceptance: str, temperature: float) -> Tree:
         return self.sampled if acceptance == "rejection" and temperature > 0 else self.greedy
+
+    def rejection_nodes(self) -> int | None:
+        """N of the rejection rows' own tree, or None when they use the greedy one (a results footer)."""
+        return None if self.sampled == self.greedy else self.sampled.num_nodes
 
 
 def trees_from_accuracy_and_cost(*, ckpt_dir: str, model, heads, device: torch.device) -> TreeChoice:
