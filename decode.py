@@ -12,21 +12,24 @@ Bad input (missing checkpoint, bad tree, empty prompt, ...) gives a one-line err
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
 
 import torch
 
-from medusa_mini.acceptance import SAMPLING_TEMPERATURE  # sampling rules' default when no --temperature is given
-from medusa_mini.cli_common import (
-    BONUS_NOTE, PROMPTS_FILE, Checkpoint, OneLineParser, StepPrinter, encode_prompt, load_for_decoding,
-    load_prompts, pick_device, stat_line, use_color,
+from medusa_mini.cli.common import (
+    BONUS_NOTE, OneLineParser, StepPrinter, as_flags, encode_prompt, pick_device, stat_line, use_color,
 )
+from medusa_mini.cli.explain import explain_step
 from medusa_mini.decoding import GenerationStats, generate, medusa_generate
-from medusa_mini.explain import explain_step
+from medusa_mini.io.loading import PROMPTS_FILE, Checkpoint, load_for_decoding, load_prompts
+from medusa_mini.sampling import Sampling
 from medusa_mini.tree import Tree
-from medusa_mini.tree_choice import TreeChoice, default_tree_name, resolve_trees, tree_nodes_text
+from medusa_mini.tune.acceptance_tables import SAMPLING_TEMPERATURE  # the sampling rules' default temperature
+from medusa_mini.tune.clock import timed_generation
+from medusa_mini.tune.trees import RuleTrees, default_tree_name, resolve_trees, tree_nodes_text
 
 
 
@@ -44,8 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens to generate per prompt (default: %(default)s)")
     p.add_argument("--method", choices=("plain", "medusa"), default="medusa",
                    help="plain: one forward pass per token; medusa: heads + tree (default: %(default)s)")
-    p.add_argument("--acceptance", choices=("greedy", "typical", "rejection"), default="greedy",
-                   help="Medusa acceptance rule; rejection sampling is lossless (default: %(default)s)")
+    p.add_argument("--acceptance", choices=("greedy", "typical", "rejection"),
+                   help="Medusa acceptance rule; rejection sampling is lossless (default: greedy at temperature"
+                        " 0, rejection when sampling)")
     p.add_argument("--temperature", type=float, default=None, metavar="T",
                    help=f"0 = greedy (default: 0 for greedy, {SAMPLING_TEMPERATURE} for typical/rejection)")
     p.add_argument("--top-p", type=float, default=1.0, metavar="P",
@@ -57,10 +61,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "min(1, p/q)) or the heads' top-k (accepted with p); both lossless (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="seeds the sampling generator (default: %(default)s)")
     p.add_argument("--tree", metavar="NAME|N|FILE.json",
-                   help="cpu, gpu, chainN, auto (sized from heads_accuracy.json and the measured step cost"
-                        " on this device), N (N nodes built from heads_accuracy.json) or a JSON list of"
-                        " choices (default: auto when the checkpoint has heads_accuracy.json, else gpu on"
-                        " CUDA and cpu on a CPU)")
+                   help="stored (the trees training sized for this device type, in trees.json), auto (sized"
+                        " now from heads_accuracy.json and step costs measured on this device: varies with"
+                        " load), N (N nodes built from heads_accuracy.json), cpu, gpu, chainN, or a JSON list"
+                        " of choices (default: stored; else 8 nodes on a CPU and 64 on CUDA from"
+                        " heads_accuracy.json; else the cpu or gpu preset)")
     p.add_argument("--device", help="cpu or cuda (default: cuda if available, else cpu)")
     p.add_argument("--threads", type=int, metavar="N", help="torch CPU threads (default: torch's choice)")
     mode = p.add_mutually_exclusive_group()
@@ -84,12 +89,6 @@ def check_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
         p.error(f"--first-prompt must be >= 0, not {a.first_prompt}")
     if a.num_prompts < 1:
         p.error(f"--num-prompts must be at least 1, not {a.num_prompts}")
-    if a.temperature is not None and a.temperature < 0:
-        p.error(f"--temperature must be >= 0, not {a.temperature}")
-    if not 0 < a.top_p <= 1:
-        p.error(f"--top-p must be in (0, 1], not {a.top_p}")
-    if a.epsilon <= 0 or a.delta <= 0:
-        p.error("--epsilon and --delta must be > 0")
     if a.repeat < 1:
         p.error(f"--repeat must be at least 1, not {a.repeat}")
     if a.threads is not None and a.threads < 1:
@@ -97,36 +96,43 @@ def check_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     if a.json and (a.show or a.explain or a.show_tree):
         p.error("--json cannot be combined with --show, --show-tree or --explain")
     if a.temperature is None:
-        a.temperature = 0.0 if a.acceptance == "greedy" else SAMPLING_TEMPERATURE
-    if a.method == "medusa" and a.acceptance == "greedy" and a.temperature > 0 and not a.compare:
-        p.error("greedy acceptance needs --temperature 0; to sample with Medusa use --acceptance rejection "
-                "(lossless) or typical")
+        a.temperature = 0.0 if a.acceptance in (None, "greedy") else SAMPLING_TEMPERATURE
+    try:  # every sampling setting is checked here, once; plain decoding reads only T and top-p
+        a.sampling = Sampling(acceptance=a.acceptance if a.method == "medusa" or a.explain else None,
+                              temperature=a.temperature, top_p=a.top_p, epsilon=a.epsilon, delta=a.delta,
+                              draft=a.draft)
+    except ValueError as e:
+        if a.compare and a.acceptance == "greedy":  # --compare builds its own rows from T
+            a.sampling = Sampling(temperature=a.temperature, top_p=a.top_p, epsilon=a.epsilon, delta=a.delta,
+                                  draft=a.draft)
+        else:
+            p.error(as_flags(str(e)))
 
 
 def run(
-    ck: Checkpoint, ids: list[int], a: argparse.Namespace, *, method: str, acceptance: str, temperature: float,
+    ck: Checkpoint, ids: list[int], a: argparse.Namespace, *, method: str, sampling: Sampling,
     tree: Tree | None, max_new_tokens: int | None = None, on_step=None,
 ) -> tuple[list[int], GenerationStats]:
     """One generation with its own seeded generator, so each prompt's result is reproducible alone.
 
-    `a` supplies the settings every method shares (top-p, ε, δ, seed, token budget)."""
+    The wall time of the whole call, prefill included, goes to stats.seconds."""
     gen = torch.Generator(device=ck.model.device).manual_seed(a.seed)
-    common = dict(max_new_tokens=max_new_tokens or a.max_new_tokens, temperature=temperature, top_p=a.top_p,
-                  eos_id=ck.eot_id, generator=gen, on_step=on_step)
+    common = dict(max_new_tokens=max_new_tokens or a.max_new_tokens, sampling=sampling, eos_id=ck.eot_id,
+                  generator=gen, on_step=on_step)
     if method == "plain":
-        return generate(ck.model, ids, **common)
-    return medusa_generate(ck.model, ck.heads, ids, tree=tree, acceptance=acceptance, epsilon=a.epsilon,
-                           delta=a.delta, draft=a.draft, **common)
+        return timed_generation(ck.model.device, lambda: generate(ck.model, ids, **common))
+    return timed_generation(ck.model.device, lambda: medusa_generate(ck.model, ck.heads, ids, tree=tree, **common))
 
 
 def text_of(ck: Checkpoint, tokens: list[int]) -> str:
     return ck.enc.decode([t for t in tokens if t != ck.eot_id])
 
 
-def label_of(method: str, acceptance: str, temperature: float) -> str:
+def label_of(method: str, sampling: Sampling) -> str:
+    t = sampling.temperature
     if method == "plain":
-        return "plain greedy" if temperature == 0 else f"plain sampling (T={temperature:g})"
-    return "Medusa greedy" if temperature == 0 else f"Medusa {acceptance} (T={temperature:g})"
+        return "plain greedy" if sampling.greedy else f"plain sampling (T={t:g})"
+    return "Medusa greedy" if sampling.greedy else f"Medusa {sampling.rule} (T={t:g})"
 
 
 def generate_each(
@@ -135,7 +141,7 @@ def generate_each(
 ) -> None:
     """Default and --show modes: stream each continuation, then one line of statistics."""
     color = use_color(sys.stdout, no_color=a.no_color)
-    label = label_of(a.method, a.acceptance, a.temperature)
+    label = label_of(a.method, a.sampling)
     if tree is not None and a.method == "medusa":
         label += f", tree {tree_name}"
     for n, (text, ids) in enumerate(prompts, start=1):
@@ -146,8 +152,7 @@ def generate_each(
             how = f"; one {marks} per forward pass, the first from the prefill"
         print(f"=== {label}{how} ===")
         printer = StepPrinter(ck.enc, sys.stdout, eot_id=ck.eot_id, show_steps=a.show, color=color)
-        tokens, stats = run(ck, ids, a, method=a.method, acceptance=a.acceptance, temperature=a.temperature,
-                            tree=tree, on_step=printer)
+        tokens, stats = run(ck, ids, a, method=a.method, sampling=a.sampling, tree=tree, on_step=printer)
         printer.close()
         print(f"stats: {stat_line(stats, new_tokens=len(tokens), block_size=ck.block_size)}\n")
 
@@ -157,37 +162,36 @@ def json_each(
 ) -> None:
     """--json: one object per prompt per line; `tokens` are the new ids (an end token included)."""
     for text, ids in prompts:
-        tokens, stats = run(ck, ids, a, method=a.method, acceptance=a.acceptance, temperature=a.temperature,
-                            tree=tree)
+        tokens, stats = run(ck, ids, a, method=a.method, sampling=a.sampling, tree=tree)
         print(json.dumps({
             "prompt": text, "prompt_tokens": len(ids), "tokens": tokens, "text": text_of(ck, tokens),
             "steps": stats.steps, "tokens_per_step": stats.tokens_per_step, "seconds": stats.seconds,
             "stop_reason": stats.stop_reason, "method": a.method,
-            "acceptance": a.acceptance if a.method == "medusa" else None, "temperature": a.temperature,
+            "acceptance": a.sampling.acceptance if a.method == "medusa" else None, "temperature": a.temperature,
         }, ensure_ascii=False))
 
 
 def compare(
-    ck: Checkpoint, prompts: list[tuple[str, list[int]]], a: argparse.Namespace, trees: TreeChoice, tree_name: str
+    ck: Checkpoint, prompts: list[tuple[str, list[int]]], a: argparse.Namespace, trees: RuleTrees, tree_name: str
 ) -> dict:
     """Five ways to decode the same prompts, timed in the same run; one dict of rows and settings."""
     t = a.temperature if a.temperature > 0 else SAMPLING_TEMPERATURE
-    specs = [("plain_greedy", "plain", "greedy", 0.0), ("medusa_greedy", "medusa", "greedy", 0.0),
-             ("medusa_typical", "medusa", "typical", t), ("plain_sampling", "plain", "greedy", t),
-             ("medusa_rejection", "medusa", "rejection", t)]
+    greedy = dataclasses.replace(a.sampling, acceptance="greedy", temperature=0.0)
+    specs = [("plain_greedy", "plain", greedy), ("medusa_greedy", "medusa", greedy),
+             ("medusa_typical", "medusa", dataclasses.replace(greedy, acceptance="typical", temperature=t)),
+             ("plain_sampling", "plain", dataclasses.replace(greedy, acceptance="rejection", temperature=t)),
+             ("medusa_rejection", "medusa", dataclasses.replace(greedy, acceptance="rejection", temperature=t))]
     first = prompts[0][1]
     for method in ("plain", "medusa"):  # untimed: the first calls pay for allocation and kernel setup
-        run(ck, first, a, method=method, acceptance="greedy", temperature=0.0, tree=trees.greedy,
-            max_new_tokens=min(a.max_new_tokens, 8))
+        run(ck, first, a, method=method, sampling=greedy, tree=trees.greedy, max_new_tokens=min(a.max_new_tokens, 8))
     # Prompt-major order, every generation `repeat` times in turns: a load spike on a shared machine
     # then slows every method alike, and the fastest of the repeats is the one it did not touch.
     results: dict[str, list[tuple[list[int], GenerationStats]]] = {key: [] for key, *_ in specs}
     for _, ids in prompts:
         best: dict[str, tuple[list[int], GenerationStats]] = {}
         for _ in range(a.repeat):
-            for key, method, acceptance, temperature in specs:
-                tokens, stats = run(ck, ids, a, method=method, acceptance=acceptance, temperature=temperature,
-                                    tree=trees.for_rule(acceptance, temperature))
+            for key, method, sampling in specs:
+                tokens, stats = run(ck, ids, a, method=method, sampling=sampling, tree=trees.for_rule(sampling))
                 if key in best and best[key][0] != tokens:  # seeded: every repeat must make the same tokens
                     raise RuntimeError(f"{key}: repeated generations differ; decoding is not deterministic")
                 if key not in best or stats.seconds < best[key][1].seconds:
@@ -195,14 +199,14 @@ def compare(
         for key in best:
             results[key].append(best[key])
     rows = []
-    for key, method, acceptance, temperature in specs:
+    for key, method, sampling in specs:
         outs = results[key]
         steps = sum(s.steps for _, s in outs)
         new = sum(len(tok) for tok, _ in outs)
         seconds = sum(s.seconds for _, s in outs)
         rows.append({
-            "method": label_of(method, acceptance, temperature), "key": key, "decoder": method,
-            "acceptance": acceptance if method == "medusa" else None, "temperature": temperature,
+            "method": label_of(method, sampling), "key": key, "decoder": method,
+            "acceptance": sampling.rule if method == "medusa" else None, "temperature": sampling.temperature,
             "steps": steps, "new_tokens": new, "seconds": seconds,
             "tokens_per_step": sum(sum(s.step_tokens) for _, s in outs) / steps if steps else 0.0,
             "ms_per_token": 1000 * seconds / max(new, 1),
@@ -246,7 +250,7 @@ def format_compare(result: dict) -> str:
     return "\n".join(lines)
 
 
-def prepare(a: argparse.Namespace) -> tuple[Checkpoint, TreeChoice | None, str | None, list[tuple[str, list[int]]]]:
+def prepare(a: argparse.Namespace) -> tuple[Checkpoint, RuleTrees | None, str | None, list[tuple[str, list[int]]]]:
     """Load the checkpoint, choose the tree and encode the prompts; ValueError for anything unusable."""
     device = pick_device(a.device)
     if a.threads is not None:
@@ -260,7 +264,7 @@ def prepare(a: argparse.Namespace) -> tuple[Checkpoint, TreeChoice | None, str |
     if needs_heads or a.show_tree:
         num_heads = ck.heads.num_heads if ck.heads is not None else None
         trees = resolve_trees(a.tree, num_heads=num_heads, ckpt_dir=a.ckpt, device=device,
-                            model=ck.model, heads=ck.heads)
+                              model=ck.model, heads=ck.heads, log=lambda text: print(text, file=sys.stderr))
         tree_name = os.path.basename(a.tree) if a.tree else default_tree_name(device, a.ckpt)
     stored = [] if a.prompt else load_prompts(a.ckpt)
     if not a.prompt and a.first_prompt >= len(stored):
@@ -284,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
         ck, trees, tree_name, prompts = prepare(a)
     except (ValueError, OSError) as e:
         parser.error(str(e))
-    tree = trees.for_rule(a.acceptance, a.temperature) if trees is not None else None
+    tree = trees.for_rule(a.sampling) if trees is not None else None
     try:
         if a.show_tree:
             print(f"tree {tree_name}: {tree.num_nodes - 1} nodes + root, depth {tree.depth}\n{tree.draw()}\n")
@@ -293,9 +297,8 @@ def main(argv: list[str] | None = None) -> int:
             result = compare(ck, prompts, a, trees, tree_name)
             print(json.dumps(result) if a.json else format_compare(result))
         elif a.explain:
-            print(explain_step(ck.model, ck.heads, ck.enc, prompts[0][1], tree=tree, acceptance=a.acceptance,
-                               temperature=a.temperature, top_p=a.top_p, epsilon=a.epsilon, delta=a.delta,
-                               draft=a.draft, generator=torch.Generator(device=ck.model.device).manual_seed(a.seed)))
+            print(explain_step(ck.model, ck.heads, ck.enc, prompts[0][1], tree=tree, sampling=a.sampling,
+                               generator=torch.Generator(device=ck.model.device).manual_seed(a.seed)))
         elif a.json:
             json_each(ck, prompts, a, tree)
         else:

@@ -17,9 +17,9 @@ import argparse
 import os
 import sys
 
-from medusa_mini.cli_common import OneLineParser, pick_device
-from medusa_mini.train_config import FLAG_HELP, PRESETS, TrainArgs, TrainError
-from medusa_mini.train_run import STATE_FILE, run
+from medusa_mini.cli.common import OneLineParser, pick_device
+from medusa_mini.train.config import FLAG_HELP, PRESETS, TrainArgs, TrainError
+from medusa_mini.train.run import STATE_FILE, run
 
 
 def _bool(text: str) -> bool:

@@ -35,12 +35,13 @@ if ROOT not in sys.path:  # run as a script from anywhere, without installing th
 
 import torch  # noqa: E402
 
-from medusa_mini.cli_common import (  # noqa: E402
-    OneLineParser, encode_prompt, load_for_decoding, load_prompts, pick_device,
-)
-from medusa_mini.decoding import generate, medusa_generate, sync_device  # noqa: E402
-from medusa_mini.tokenizer import load_tokenizer  # noqa: E402
-from medusa_mini.tree_choice import default_tree_name, resolve_trees, tree_nodes_text  # noqa: E402
+from medusa_mini.cli.common import OneLineParser, encode_prompt, pick_device  # noqa: E402
+from medusa_mini.decoding import generate, medusa_generate  # noqa: E402
+from medusa_mini.io.loading import load_for_decoding, load_prompts  # noqa: E402
+from medusa_mini.io.tokenizer import load_tokenizer  # noqa: E402
+from medusa_mini.sampling import Sampling  # noqa: E402
+from medusa_mini.tune.clock import sync_device  # noqa: E402
+from medusa_mini.tune.trees import default_tree_name, resolve_trees, tree_nodes_text  # noqa: E402
 
 INSTALL_HINT = 'transformers is not installed; pip install -e ".[peers]"'
 WARMUP_TOKENS = 16
@@ -127,14 +128,14 @@ def hf_runner(transformers, model, counter: PassCounter, *, pad_id: int, seed: i
     return run
 
 
-def mm_runner(ck, *, tree, acceptance: str | None, temperature: float, seed: int) -> Runner:
+def mm_runner(ck, *, tree, medusa: bool, sampling: Sampling, seed: int) -> Runner:
     def run(ids: list[int], max_new_tokens: int) -> tuple[list[int], int]:
         gen = torch.Generator(device=ck.model.device).manual_seed(seed)
-        common = dict(max_new_tokens=max_new_tokens, temperature=temperature, eos_id=None, generator=gen)
-        if acceptance is None:
+        common = dict(max_new_tokens=max_new_tokens, sampling=sampling, eos_id=None, generator=gen)
+        if not medusa:
             tokens, stats = generate(ck.model, ids, **common)
         else:
-            tokens, stats = medusa_generate(ck.model, ck.heads, ids, tree=tree, acceptance=acceptance, **common)
+            tokens, stats = medusa_generate(ck.model, ck.heads, ids, tree=tree, **common)
         return tokens, stats.steps
 
     return run
@@ -170,9 +171,10 @@ def build_methods(transformers, ck, a: argparse.Namespace, *, trees, device: tor
         return Method(key, label, greedy, hf_runner(transformers, target, counter, pad_id=pad, **kw))
 
     def mm(key: str, label: str, acceptance: str | None, temperature: float) -> Method:
-        tree = trees.for_rule(acceptance, temperature) if acceptance else None
-        run = mm_runner(ck, tree=tree, acceptance=acceptance, temperature=temperature, seed=a.seed)
-        return Method(key, label, temperature == 0, run)
+        sampling = Sampling(acceptance=acceptance, temperature=temperature)  # None: plain decoding at T
+        tree = trees.for_rule(sampling) if acceptance else None
+        run = mm_runner(ck, tree=tree, medusa=acceptance is not None, sampling=sampling, seed=a.seed)
+        return Method(key, label, sampling.greedy, run)
 
     notes: list[str] = []
     methods = [hf("transformers_greedy", "transformers greedy", True, do_sample=False),

@@ -16,38 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from .draft import Draft, try_candidates
+from .sampling import sample, sampling_probs
 from .tree import Tree
-
-SAMPLING_TEMPERATURE = 0.8  # the sampling rules' default temperature, and the sampled table's
-
-
-def sampling_probs(logits: torch.Tensor, *, temperature: float, top_p: float = 1.0) -> torch.Tensor:
-    """p: logits [..., V] -> probabilities [..., V] after temperature and nucleus (top-p) filtering.
-
-    Plain sampling and rejection sampling both call this, which is what makes the latter lossless.
-    """
-    if temperature <= 0:
-        raise ValueError("temperature must be > 0 to sample; use greedy for temperature 0")
-    probs = F.softmax(logits.float() / temperature, dim=-1)
-    if top_p < 1.0:
-        sorted_p, order = probs.sort(dim=-1, descending=True)
-        # Keep the smallest prefix whose mass reaches top_p: drop a token when the mass before it does.
-        drop_sorted = (sorted_p.cumsum(dim=-1) - sorted_p) >= top_p
-        drop = drop_sorted.scatter(-1, order, drop_sorted)
-        probs = probs.masked_fill(drop, 0.0)
-        probs = probs / probs.sum(dim=-1, keepdim=True)
-    return probs
-
-
-def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    """One draw from probs [V] (need not sum to 1), by inverting the cumulative distribution.
-
-    A zero-probability token owns an empty interval and is never drawn. On a CPU this is 4x (2k tokens)
-    to 17x (GPT-2's 50k) cheaper than torch.multinomial, a cost every sampled token pays.
-    """
-    cdf = probs.cumsum(dim=-1)  # [V]
-    u = torch.rand((), generator=generator, device=probs.device)
-    return int(torch.searchsorted(cdf, u * cdf[-1], right=True).clamp_(max=probs.numel() - 1))
 
 
 def greedy_accept(tree: Tree, tokens: torch.Tensor, logits: torch.Tensor) -> tuple[list[int], int]:
@@ -98,8 +68,6 @@ def rejection_accept(
     (Drawing one independent sample per candidate path, or sampling from one distribution while
     accepting with another, is not lossless.)
     """
-    if temperature == 0:
-        return greedy_accept(tree, tokens, logits)
     toks = tokens.tolist()
     node, path = 0, [0]
     while True:
@@ -140,10 +108,10 @@ def typical_accept(
     drawn from p at the last accepted node (after top-p, like every other sampled token). The test
     itself uses p without top-p, as the paper states it: with top-p < 1 a candidate outside the
     nucleus can still be accepted, one more way in which typical acceptance is not p's distribution. Faster than rejection sampling on flat distributions but
-    not distribution-preserving; at temperature 0 it is greedy acceptance.
+    not distribution-preserving; its limit at temperature 0 is greedy acceptance.
     """
-    if temperature == 0:
-        return greedy_accept(tree, tokens, logits)
+    if temperature <= 0:
+        raise ValueError("typical acceptance samples: temperature must be > 0 (greedy_accept is its T = 0 limit)")
     p = F.softmax(logits.float() / temperature, dim=-1)  # [N, V]
     log_p = torch.log(p.clamp_min(1e-30))  # [N, V]
     entropy = -(p * log_p).sum(dim=-1)  # [N]
@@ -172,5 +140,3 @@ def typical_accept(
     path.reverse()
     return path, sample(sampling_probs(logits[best], temperature=temperature, top_p=top_p), generator)
 
-
-ACCEPTANCE_RULES = ("greedy", "typical", "rejection")

@@ -14,15 +14,14 @@ reach the context length. Batch size is 1, as in the paper's latency setting.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
-from .acceptance import ACCEPTANCE_RULES, sample, sampling_probs
 from .model import GPT, KVCache
-from .step import DRAFTS, medusa_step
+from .sampling import Sampling
+from .step import medusa_step
 from .tree import Tree
 
 StepCallback = Callable[[list[int]], None]
@@ -34,22 +33,12 @@ class GenerationStats:
     steps: int = 0
     step_tokens: list[int] = field(default_factory=list)  # tokens each step emitted, bonus included
     accepted_nodes: list[int] = field(default_factory=list)  # candidates accepted each step (Medusa)
-    seconds: float = 0.0  # wall time, prefill included
+    seconds: float = 0.0  # wall time, set by the caller that timed the call (the loops keep no clock)
     stop_reason: str = ""  # "max_new_tokens" | "eos" | "context"
 
     @property
     def tokens_per_step(self) -> float:
         return sum(self.step_tokens) / self.steps if self.steps else 0.0
-
-
-def sync_device(device: torch.device) -> None:
-    """Wait for `device` to finish its queued work; a no-op on the CPU.
-
-    CUDA runs kernels asynchronously: a clock read before synchronizing measures only their launch.
-    Synchronize before every clock read that times GPU work.
-    """
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _check_prompt(model: GPT, prompt: list[int] | torch.Tensor) -> torch.Tensor:
@@ -62,13 +51,6 @@ def _check_prompt(model: GPT, prompt: list[int] | torch.Tensor) -> torch.Tensor:
             "so the prompt must be shorter"
         )
     return ids
-
-
-def choose_token(logits: torch.Tensor, *, temperature: float, top_p: float, generator) -> int:
-    """The backbone's next token from logits [V]: argmax at temperature 0, else a draw from p."""
-    if temperature == 0:
-        return int(logits.argmax())
-    return sample(sampling_probs(logits, temperature=temperature, top_p=top_p), generator)
 
 
 def _limit(out: list[int], new: list[int], *, max_new_tokens: int, room: int, eos_id: int | None):
@@ -95,36 +77,35 @@ def generate(
     prompt: list[int] | torch.Tensor,
     *,
     max_new_tokens: int,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
+    sampling: Sampling = Sampling(),
     eos_id: int | None = None,
     generator: torch.Generator | None = None,
     on_step: StepCallback | None = None,
 ) -> tuple[list[int], GenerationStats]:
-    """Plain autoregressive decoding with the KV cache: one forward pass per token."""
+    """Plain autoregressive decoding with the KV cache: one forward pass per token.
+
+    Each token is `sampling.choose`: the argmax at temperature 0, else a draw from p (temperature,
+    top-p); the acceptance settings play no part here.
+    """
     ids = _check_prompt(model, prompt)
     device = model.device
     room = model.config.block_size - ids.numel()  # tokens the context still holds
     stats = GenerationStats(prompt_tokens=ids.numel())
-    sync_device(device)
-    t0 = time.perf_counter()
     cache = KVCache(model.config, max_len=model.config.block_size, device=device, dtype=model.lm_head.weight.dtype)
     logits, _ = prefill(model, ids, cache)
-    tok = choose_token(logits, temperature=temperature, top_p=top_p, generator=generator)
+    tok = sampling.choose(logits, generator)
     out, reason = _limit([], [tok], max_new_tokens=max_new_tokens, room=room, eos_id=eos_id)
     if on_step and out:
         on_step(list(out))
     while not reason and out:
         logits, _ = model(torch.tensor([[out[-1]]], device=device), cache=cache)
         stats.steps += 1
-        tok = choose_token(logits[0, -1], temperature=temperature, top_p=top_p, generator=generator)
+        tok = sampling.choose(logits[0, -1], generator)
         new, reason = _limit(out, [tok], max_new_tokens=max_new_tokens, room=room, eos_id=eos_id)
         out += new
         stats.step_tokens.append(len(new))
         if on_step:
             on_step(new)
-    sync_device(device)
-    stats.seconds = time.perf_counter() - t0
     stats.stop_reason = reason or "max_new_tokens"
     return out, stats
 
@@ -137,12 +118,7 @@ def medusa_generate(
     *,
     tree: Tree,
     max_new_tokens: int,
-    acceptance: str = "greedy",
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    epsilon: float = 0.09,
-    delta: float = 0.3,
-    draft: str = "sampled",
+    sampling: Sampling = Sampling(),
     eos_id: int | None = None,
     generator: torch.Generator | None = None,
     on_step: StepCallback | None = None,
@@ -151,16 +127,10 @@ def medusa_generate(
 
     heads(hidden [1, C], lm_head) -> logits [K, 1, V]; evaluated once per step, only at the last
     accepted node (the one whose hidden state predicts what follows the bonus token).
-    `on_step` receives each step's emitted tokens before the next proposal is made. `draft` applies
-    to rejection sampling only: "sampled" draws the candidates from the heads' distributions (more
-    accepted per node), "topk" takes their top-k; both are lossless.
+    `on_step` receives each step's emitted tokens before the next proposal is made. `sampling` holds
+    the acceptance rule and its settings (sampling.py); with greedy or rejection acceptance the output
+    is plain `generate`'s, in distribution and, when greedy, token for token.
     """
-    if acceptance not in ACCEPTANCE_RULES:
-        raise ValueError(f"unknown acceptance rule {acceptance!r}: use greedy, typical or rejection")
-    if draft not in DRAFTS:
-        raise ValueError(f"unknown draft {draft!r}: use sampled or topk")
-    if acceptance == "greedy" and temperature > 0:
-        raise ValueError("greedy acceptance is for temperature 0; sample with rejection (lossless) or typical")
     num_heads = getattr(heads, "num_heads", None)
     if num_heads is not None:
         tree.check_heads(num_heads)
@@ -168,12 +138,10 @@ def medusa_generate(
     device, block = model.device, model.config.block_size
     room = block - ids.numel()
     stats = GenerationStats(prompt_tokens=ids.numel())
-    sync_device(device)
-    t0 = time.perf_counter()
     # Slots beyond block_size hold a tree's nodes; their positions are still < block_size.
     cache = KVCache(model.config, max_len=block + tree.num_nodes, device=device, dtype=model.lm_head.weight.dtype)
     logits, hidden = prefill(model, ids, cache)
-    root = choose_token(logits, temperature=temperature, top_p=top_p, generator=generator)
+    root = sampling.choose(logits, generator)
     out, reason = _limit([], [root], max_new_tokens=max_new_tokens, room=room, eos_id=eos_id)
     if on_step and out:
         on_step(list(out))
@@ -183,10 +151,7 @@ def medusa_generate(
         # Near the end, deeper nodes could not be used (or could not be positioned): trim the tree.
         max_depth = min(block - 1 - L, max_new_tokens - len(out) - 1, room - len(out) - 1)
         step_tree = tree if tree.depth <= max_depth else tree.truncated(max(max_depth, 0))
-        step = medusa_step(
-            model, cache, step_tree, root, head_logits, acceptance=acceptance, temperature=temperature,
-            top_p=top_p, epsilon=epsilon, delta=delta, draft=draft, generator=generator,
-        )
+        step = medusa_step(model, cache, step_tree, root, head_logits, sampling=sampling, generator=generator)
         stats.steps += 1
         new, reason = _limit(out, step.emitted(), max_new_tokens=max_new_tokens, room=room, eos_id=eos_id)
         out += new
@@ -198,7 +163,5 @@ def medusa_generate(
             break
         root = step.bonus
         head_logits = heads(step.hidden[step.path[-1]][None], model.lm_head)[:, 0]  # [K, V]
-    sync_device(device)
-    stats.seconds = time.perf_counter() - t0
     stats.stop_reason = reason or "max_new_tokens"
     return out, stats

@@ -12,13 +12,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .acceptance import ACCEPTANCE_RULES, greedy_accept, rejection_accept, typical_accept
+from .acceptance import greedy_accept, rejection_accept, typical_accept
 from .draft import Draft, sample_draft
 from .model import GPT, KVCache, compact_kv_cache
+from .sampling import Sampling
 from .tree import Tree
-
-
-DRAFTS = ("sampled", "topk")  # how rejection sampling fills the tree: draws from the heads, or their top-k
 
 
 def tree_candidates(tree: Tree, root: int, head_logits: torch.Tensor, *, draft: Draft | None = None) -> torch.Tensor:
@@ -36,17 +34,14 @@ def tree_candidates(tree: Tree, root: int, head_logits: torch.Tensor, *, draft: 
 
 
 def propose(
-    tree: Tree, root: int, head_logits: torch.Tensor, *, acceptance: str, draft: str, temperature: float,
-    generator: torch.Generator | None,
+    tree: Tree, root: int, head_logits: torch.Tensor, *, sampling: Sampling, generator: torch.Generator | None
 ) -> tuple[torch.Tensor, Draft | None]:
     """The tree's candidate tokens [N]: the heads' top-k, or, for rejection sampling with
     draft="sampled", tokens drawn from the heads' distributions (returned too: acceptance needs q)."""
-    if draft not in DRAFTS:
-        raise ValueError(f"unknown draft {draft!r}: use sampled or topk")
     sampled = None
-    if acceptance == "rejection" and draft == "sampled" and temperature > 0 and tree.num_nodes > 1:
-        sampled = sample_draft(head_logits, depth=tree.depth, width=tree.max_rank + 1, temperature=temperature,
-                               generator=generator)
+    if sampling.draws_candidates and tree.num_nodes > 1:
+        sampled = sample_draft(head_logits, depth=tree.depth, width=tree.max_rank + 1,
+                               temperature=sampling.temperature, generator=generator)
     return tree_candidates(tree, root, head_logits, draft=sampled), sampled
 
 
@@ -66,24 +61,17 @@ def verify(model: GPT, cache: KVCache, tree: Tree, tokens: torch.Tensor) -> tupl
 
 
 def accept(
-    rule: str, tree: Tree, tokens: torch.Tensor, logits: torch.Tensor, *, temperature: float,
-    top_p: float, epsilon: float, delta: float, generator: torch.Generator | None, draft: Draft | None = None,
+    tree: Tree, tokens: torch.Tensor, logits: torch.Tensor, *, sampling: Sampling,
+    generator: torch.Generator | None, draft: Draft | None = None,
 ) -> tuple[list[int], int]:
-    """Dispatch to one acceptance rule (see acceptance.py); `draft` only for sampled rejection candidates."""
-    if rule not in ACCEPTANCE_RULES:
-        raise ValueError(f"unknown acceptance rule {rule!r}: use greedy, typical or rejection")
-    if rule == "greedy" or temperature == 0:
+    """Apply `sampling.rule` (see acceptance.py); `draft` only for sampled rejection candidates."""
+    if sampling.rule == "greedy":
         return greedy_accept(tree, tokens, logits)
-    if rule == "rejection":
-        return rejection_accept(
-            tree, tokens, logits, temperature=temperature, top_p=top_p, generator=generator, draft=draft
-        )
-    if rule == "typical":
-        return typical_accept(
-            tree, tokens, logits, temperature=temperature, top_p=top_p, epsilon=epsilon, delta=delta,
-            generator=generator,
-        )
-    raise ValueError(f"unknown acceptance rule {rule!r}: use greedy, typical or rejection")
+    if sampling.rule == "rejection":
+        return rejection_accept(tree, tokens, logits, temperature=sampling.temperature, top_p=sampling.top_p,
+                                generator=generator, draft=draft)
+    return typical_accept(tree, tokens, logits, temperature=sampling.temperature, top_p=sampling.top_p,
+                          epsilon=sampling.epsilon, delta=sampling.delta, generator=generator)
 
 
 @dataclass
@@ -116,31 +104,22 @@ def medusa_step(
     root: int,
     head_logits: torch.Tensor,
     *,
-    acceptance: str = "greedy",
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    epsilon: float = 0.09,
-    delta: float = 0.3,
-    draft: str = "sampled",
+    sampling: Sampling = Sampling(),
     generator: torch.Generator | None = None,
 ) -> StepResult:
     """One Medusa step: candidates -> verify -> accept -> compact.
 
     root: the last committed token, whose K/V are not in `cache` yet; head_logits [K, V]: the heads'
     guesses from the hidden state that produced the root. The tree's N nodes take the heads' top-k
-    tokens, or for rejection sampling with draft="sampled" tokens drawn from them (`propose`, [N]);
+    tokens, or for sampled rejection drafts (`Sampling.draws_candidates`) tokens drawn from them (`propose`, [N]);
     one forward under the tree attention mask scores them all (paper §2.1.2, `verify`: logits
     [N, V], hidden [N, C]); the acceptance rule keeps the longest
     valid path and picks the bonus token (§2.3, `accept`); the cache keeps only that path (`keep_path`).
     The caller emits `emitted()` and runs the heads at `hidden[path[-1]]` to propose the next tree.
     """
     L = cache.length
-    tokens, sampled = propose(tree, root, head_logits, acceptance=acceptance, draft=draft, temperature=temperature,
-                              generator=generator)  # [N]
+    tokens, sampled = propose(tree, root, head_logits, sampling=sampling, generator=generator)  # [N]
     logits, hidden = verify(model, cache, tree, tokens)  # [N, V], [N, C]
-    path, bonus = accept(
-        acceptance, tree, tokens, logits, temperature=temperature, top_p=top_p, epsilon=epsilon, delta=delta,
-        generator=generator, draft=sampled,
-    )
+    path, bonus = accept(tree, tokens, logits, sampling=sampling, generator=generator, draft=sampled)
     keep_path(cache, path, start=L)
     return StepResult(tokens=tokens, path=path, bonus=bonus, hidden=hidden)

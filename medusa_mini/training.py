@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .acceptance import sampling_probs
+from .sampling import sampling_probs
 from .heads import MedusaHeads
 from .model import GPT, KVCache
 

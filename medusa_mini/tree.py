@@ -7,13 +7,16 @@ with rank `choice[-1]`, so all nodes at one depth draw from the same head's top-
 
 Everything here is a pure function of the choices: parents, depths, the N x N ancestor mask, position
 offsets (= depth), root-to-leaf paths with an explicit validity mask (never a padding token: GPT-2's
-token 0 is "!", a real token), and text drawings of the tree and the mask.
+token 0 is "!", a real token), and text drawings of the tree and the mask. `build_tree` grows the
+tree with the most expected accepted tokens for a node budget from a measured acceptance table.
 
 Shapes: N nodes (root included), K heads, P leaf paths, D maximum depth.
 """
 
 from __future__ import annotations
 
+import heapq
+import math
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -263,3 +266,57 @@ def preset(name: str) -> Tree:
     if name not in PRESETS:
         raise ValueError(f"unknown tree {name!r}: use one of {sorted(PRESETS)} or chainN")
     return Tree.from_choices(PRESETS[name])
+
+
+# ---- trees from measured acceptance (official Medusa's gen_results, EAGLE-2's expansion) ---------
+
+
+def check_acc(acc: torch.Tensor) -> torch.Tensor:
+    """acc as a float64 [K heads, R ranks] table of probabilities on the CPU; ValueError otherwise."""
+    acc = torch.as_tensor(acc, dtype=torch.float64).cpu()
+    if acc.dim() != 2 or 0 in acc.shape:
+        raise ValueError(f"accuracies must be a [heads, ranks] table, got shape {list(acc.shape)}")
+    if not bool(((acc >= 0) & (acc <= 1)).all()):
+        raise ValueError("accuracies must be probabilities in [0, 1]")
+    return acc
+
+
+def build_tree(acc: torch.Tensor, num_nodes: int) -> tuple[Tree, float]:
+    """The tree of `num_nodes` candidates (root excluded) grown greedily by expected acceptance.
+
+    Candidates are the next sibling and the first child of every chosen node; the one with the
+    largest value Π_i acc[i][r_i] joins next (ties: shallower, then smaller ranks). A child is offered
+    only after its parent and rank r+1 only after rank r, so every prefix is present. When each row
+    of acc decreases with rank, values decrease along these offers and the greedy tree is the optimum.
+    Nodes of value 0 are never added, so a table with few nonzero entries gives a smaller tree.
+    Returns (tree, expected tokens per step = 1 + Σ values, the bonus token counted).
+    """
+    a = check_acc(acc).tolist()
+    K, R = len(a), len(a[0])
+    if num_nodes < 0:
+        raise ValueError(f"num_nodes must be >= 0, got {num_nodes}")
+    heap = [(-a[0][0], 1, (0,), 1.0)]  # (-value, depth, choice, parent's value)
+    chosen, total = [], 0.0
+    while heap and len(chosen) < num_nodes:
+        neg, depth, choice, parent_value = heapq.heappop(heap)
+        if neg == 0:  # never accepted: such a node would only cost verify time
+            break
+        chosen.append(choice)
+        total -= neg
+        if choice[-1] + 1 < R:
+            sibling = choice[:-1] + (choice[-1] + 1,)
+            heapq.heappush(heap, (-parent_value * a[depth - 1][choice[-1] + 1], depth, sibling, parent_value))
+        if depth < K:
+            heapq.heappush(heap, (neg * a[depth][0], depth + 1, choice + (0,), -neg))
+    return Tree.from_choices(chosen), 1.0 + total
+
+
+def expected_tokens_per_step(acc: torch.Tensor, tree: Tree) -> float:
+    """1 + Σ over the tree's nodes of Π_i acc[i][r_i]: the product rule for any tree (presets too)."""
+    a = check_acc(acc).tolist()
+    total = 0.0
+    for choice in tree.choices:
+        if len(choice) > len(a) or max(choice) >= len(a[0]):
+            raise ValueError(f"tree node {list(choice)} needs more heads or ranks than acc {len(a)}x{len(a[0])}")
+        total += math.prod(a[i][r] for i, r in enumerate(choice))
+    return 1.0 + total

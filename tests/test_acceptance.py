@@ -6,7 +6,8 @@ from collections import Counter
 import pytest
 import torch
 
-from medusa_mini.acceptance import greedy_accept, rejection_accept, sample, sampling_probs, typical_accept
+from medusa_mini.acceptance import greedy_accept, rejection_accept, typical_accept
+from medusa_mini.sampling import Sampling, sample, sampling_probs
 from medusa_mini.draft import draft_acceptance, sample_draft, try_candidates
 from medusa_mini.tree import Tree
 
@@ -103,9 +104,14 @@ def test_rejection_sampling_never_emits_a_token_the_backbone_gives_zero_probabil
             assert bonus not in (2, 3)  # p(node 1) gives them 0
 
 
-def test_rejection_sampling_at_temperature_zero_is_greedy():
-    logits = onehot_logits([3, 1, 0, 4, 0, 0])
-    assert rejection_accept(TREE, TOKENS, logits, temperature=0.0) == greedy_accept(TREE, TOKENS, logits)
+@pytest.mark.parametrize("rule", ["typical", "rejection"])
+def test_every_rule_at_temperature_zero_is_greedy(rule):
+    from medusa_mini.step import accept
+
+    for seed in range(10):
+        logits = torch.randn(TREE.num_nodes, V, generator=torch.Generator().manual_seed(seed))
+        got = accept(TREE, TOKENS, logits, sampling=Sampling(acceptance=rule, temperature=0.0), generator=None)
+        assert got == greedy_accept(TREE, TOKENS, logits)
 
 
 # Sampled candidates: the heads' q differs from p on purpose (a lossless rule must not care).
@@ -291,7 +297,6 @@ def test_typical_acceptance_approaches_greedy_as_temperature_goes_to_zero():
         logits = torch.randn(TREE.num_nodes, V, generator=torch.Generator().manual_seed(seed))
         want = greedy_accept(TREE, TOKENS, logits)
         assert typical_accept(TREE, TOKENS, logits, temperature=1e-4, generator=gen) == want
-        assert typical_accept(TREE, TOKENS, logits, temperature=0.0) == want
 
 
 @pytest.mark.parametrize("rule", ["greedy", "typical", "rejection"])
@@ -305,8 +310,8 @@ def test_a_root_only_tree_emits_just_the_backbones_token(rule):
     temperature = 0.0 if rule == "greedy" else 1.0
     bonuses = Counter()
     for _ in range(1 if rule == "greedy" else 2000):
-        path, bonus = accept(rule, root_only, torch.tensor([0]), logits, temperature=temperature, top_p=1.0,
-                             epsilon=0.09, delta=0.3, generator=gen)
+        path, bonus = accept(root_only, torch.tensor([0]), logits,
+                             sampling=Sampling(acceptance=rule, temperature=temperature), generator=gen)
         assert path == [0]
         bonuses[bonus] += 1
     if rule == "greedy":

@@ -4,7 +4,7 @@ import json
 import pytest
 import torch
 
-from medusa_mini.bench_step import NODES, bench_config, format_table, main, verify_tree
+from benchmarks.bench_step import NODES, bench_config, format_table, main, verify_tree
 from medusa_mini.model import GPTConfig
 
 SMALL = GPTConfig(vocab_size=64, block_size=64, n_layer=2, n_head=2, n_embd=32)
@@ -80,7 +80,7 @@ def test_bad_input_is_one_line_and_exit_status_2_before_any_measuring(argv, need
         main(argv)
     assert exc.value.code == 2
     err = capsys.readouterr().err
-    assert err.startswith("python -m medusa_mini.bench_step: error: ") and err.count("\n") == 1
+    assert err.startswith("python benchmarks/bench_step.py: error: ") and err.count("\n") == 1
     assert needle in err
 
 
@@ -89,6 +89,6 @@ def test_help_works(capsys):
         main(["--help"])
     assert exc.value.code == 0
     out = capsys.readouterr().out
-    assert out.startswith("usage: python -m medusa_mini.bench_step")
+    assert out.startswith("usage: python benchmarks/bench_step.py")
     for option in ("--configs", "--device", "--repeat", "--threads", "--json"):
         assert option in out

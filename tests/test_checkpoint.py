@@ -12,7 +12,7 @@ import tracemalloc
 import pytest
 import torch
 
-from medusa_mini.checkpoint import (
+from medusa_mini.io.checkpoint import (
     SafetensorsError,
     load_checkpoint,
     load_heads,
@@ -21,7 +21,7 @@ from medusa_mini.checkpoint import (
     save_checkpoint,
     write_safetensors,
 )
-from medusa_mini.gpt2_layout import config_from_gpt2_dict, gpt2_config_dict, gpt2_state_dict
+from medusa_mini.io.gpt2_layout import config_from_gpt2_dict, gpt2_config_dict, gpt2_state_dict
 from medusa_mini.heads import HeadsConfig, MedusaHeads
 from medusa_mini.model import GPT, GPTConfig
 
@@ -353,7 +353,7 @@ def test_transformers_loads_a_saved_checkpoint_with_equal_logits(tmp_path):
 
 
 def test_saving_heads_again_can_keep_the_backbone_file_untouched(tmp_path):
-    from medusa_mini.checkpoint import load_checkpoint, save_checkpoint
+    from medusa_mini.io.checkpoint import load_checkpoint, save_checkpoint
     from medusa_mini.heads import HeadsConfig, MedusaHeads
     from medusa_mini.model import GPT, GPTConfig
 

@@ -10,14 +10,14 @@ import numpy as np
 import pytest
 import torch
 
-from medusa_mini.data import (
+from medusa_mini.train.data import (
     default_corpus_files,
     encode_documents,
     get_batch,
     load_corpus,
     split_documents,
 )
-from medusa_mini.tokenizer import make_encoding, train_bpe
+from medusa_mini.io.tokenizer import make_encoding, train_bpe
 
 STDLIB = pathlib.Path(sysconfig.get_paths()["stdlib"])
 

@@ -13,11 +13,11 @@ import sys
 import pytest
 import torch
 
-from medusa_mini.checkpoint import save_checkpoint
+from medusa_mini.io.checkpoint import save_checkpoint
 from medusa_mini.heads import HeadsConfig, MedusaHeads
 from medusa_mini.model import GPT, GPTConfig
-from medusa_mini.tokenizer import load_tokenizer, make_encoding, save_tokenizer, train_bpe
-from medusa_mini.tree_choice import resolve_trees
+from medusa_mini.io.tokenizer import load_tokenizer, make_encoding, save_tokenizer, train_bpe
+from medusa_mini.tune.trees import resolve_trees
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -251,7 +251,7 @@ def broken_ckpt(ckpt, tmp_path_factory):
         (["--top-p", "1.5"], "--top-p"),
         (["--max-new-tokens", "0"], "--max-new-tokens"),
         (["--compare", "--repeat", "0"], "--repeat"),
-        (["--temperature", "0.7"], "greedy acceptance"),
+        (["--acceptance", "greedy", "--temperature", "0.7"], "greedy acceptance"),
         (["--max-new-tokens", "many"], "invalid int"),
     ],
 )
@@ -295,7 +295,7 @@ def test_exit_code_2_as_a_subprocess(ckpt):
 
 
 def test_tree_auto_builds_from_measured_accuracy_and_step_cost(tmp_path, capsys):
-    from medusa_mini.head_accuracy import save_accuracy
+    from medusa_mini.tune.acceptance_tables import save_accuracy
 
     ckpt = str(tmp_path / "ck")
     save_tiny(ckpt, with_heads=True)
@@ -305,20 +305,20 @@ def test_tree_auto_builds_from_measured_accuracy_and_step_cost(tmp_path, capsys)
     rc = decode.main(["--ckpt", ckpt, "--tree", "auto", "--max-new-tokens", "8", "--json", "--num-prompts", "1"])
     assert rc == 0
     captured = capsys.readouterr()
-    assert "--tree auto" in captured.err and "chose" in captured.err
+    assert "tree auto" in captured.err and "chose" in captured.err
     row = json.loads(captured.out.splitlines()[0])
     assert len(row["tokens"]) == 8
 
 
 def test_tree_n_builds_n_nodes_from_each_table(tmp_path, capsys):
-    from medusa_mini.tree_choice import resolve_trees
-    from medusa_mini.head_accuracy import save_accuracy
+    from medusa_mini.tune.trees import resolve_trees
+    from medusa_mini.tune.acceptance_tables import save_accuracy
 
     ckpt = str(tmp_path / "ck")
     save_tiny(ckpt, with_heads=True)
     with pytest.raises(SystemExit) as exc:  # no accuracies yet
         decode.main(["--ckpt", ckpt, "--tree", "6"])
-    assert exc.value.code == 2 and "tree_search" in capsys.readouterr().err
+    assert exc.value.code == 2 and "medusa_mini.cli.measure" in capsys.readouterr().err
     greedy = torch.tensor([[0.9] + [0.01] * 9] * 4, dtype=torch.float64)  # a deep chain pays off
     sampled = torch.zeros(4, 10, dtype=torch.float64)
     sampled[0] = 0.09  # only head 1 is ever accepted: a wide, flat tree

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import OracleHeads, random_heads, tiny_model
-from medusa_mini.acceptance import sampling_probs
+from medusa_mini.sampling import Sampling, sampling_probs
 from medusa_mini.decoding import generate, medusa_generate
 from medusa_mini.tree import Tree, chain, preset
 
@@ -103,8 +103,8 @@ def test_rejection_sampling_preserves_model_distribution(proposer, draft):
         else:
             heads, hook = pool[i % 7], None
         out, stats = medusa_generate(
-            model, heads, prompt, tree=tree, max_new_tokens=n, acceptance="rejection",
-            temperature=T, draft=draft, generator=gen, on_step=hook,
+            model, heads, prompt, tree=tree, max_new_tokens=n,
+            sampling=Sampling(acceptance="rejection", temperature=T, draft=draft), generator=gen, on_step=hook,
         )
         run.accepted += sum(stats.accepted_nodes)
         return out
@@ -136,7 +136,7 @@ def test_rejection_sampling_with_top_p_preserves_the_nucleus_distribution():
     gen = torch.Generator().manual_seed(3)
     tree = Tree.from_choices([(0,), (1,), (0, 0), (0, 0, 0)])
     medusa = empirical(lambda i: medusa_generate(model, heads, prompt, tree=tree, max_new_tokens=n,
-                                                 acceptance="rejection", temperature=T, top_p=top_p,
+                                                 sampling=Sampling(temperature=T, top_p=top_p),
                                                  generator=gen)[0], M)
     assert set(medusa) <= set(exact)  # never a token outside the nucleus
     assert total_variation(medusa, exact) < 2.5 * expected_tv(exact, M)
@@ -149,7 +149,7 @@ def test_plain_sampling_matches_the_same_exact_distribution():
     model = tiny_model(11, vocab_size=V, block_size=16)
     exact = exact_sequence_probs(model, [1, 2], n, temperature=T)
     gen = torch.Generator().manual_seed(1)
-    plain = empirical(lambda i: generate(model, [1, 2], max_new_tokens=n, temperature=T, generator=gen)[0], M)
+    plain = empirical(lambda i: generate(model, [1, 2], max_new_tokens=n, sampling=Sampling(temperature=T), generator=gen)[0], M)
     assert total_variation(plain, exact) < 2.5 * expected_tv(exact, M)
 
 
@@ -157,25 +157,23 @@ def test_sampling_is_reproducible_from_the_seed():
     model = tiny_model(4)
     heads = random_heads(model)
     outs = [
-        medusa_generate(model, heads, [5, 6], tree=preset("cpu"), max_new_tokens=20, acceptance=rule,
-                        temperature=0.9, generator=torch.Generator().manual_seed(7))[0]
+        medusa_generate(model, heads, [5, 6], tree=preset("cpu"), max_new_tokens=20,
+                        sampling=Sampling(acceptance=rule, temperature=0.9), generator=torch.Generator().manual_seed(7))[0]
         for rule in ("rejection", "rejection", "typical", "typical")
     ]
     assert outs[0] == outs[1] and outs[2] == outs[3]
 
 
 def test_an_unknown_draft_is_a_clear_error():
-    model = tiny_model()
     with pytest.raises(ValueError, match="unknown draft"):
-        medusa_generate(model, random_heads(model), [1], tree=chain(2), max_new_tokens=5, acceptance="rejection",
-                        temperature=1.0, draft="beam")
+        Sampling(acceptance="rejection", temperature=1.0, draft="beam")
 
 
 def test_typical_acceptance_at_temperature_zero_is_greedy():
     model = tiny_model(5)
     want, _ = generate(model, [9, 9], max_new_tokens=30)
     got, _ = medusa_generate(model, random_heads(model), [9, 9], tree=preset("cpu"), max_new_tokens=30,
-                             acceptance="typical", temperature=0.0)
+                             sampling=Sampling(acceptance="typical", temperature=0.0))
     assert got == want
 
 
@@ -232,9 +230,8 @@ def test_bad_prompts_are_a_clear_error(prompt, message):
 
 
 def test_unknown_acceptance_rule_is_a_clear_error():
-    model = tiny_model()
     with pytest.raises(ValueError, match="unknown acceptance rule"):
-        medusa_generate(model, random_heads(model), [1], tree=chain(2), max_new_tokens=5, acceptance="nucleus")
+        Sampling(acceptance="nucleus")
 
 
 @pytest.mark.parametrize("rule", ["typical", "rejection"])
@@ -242,5 +239,6 @@ def test_sampling_rules_also_stop_cleanly_at_the_context_limit(rule):
     model = tiny_model(2, block_size=24)
     heads = random_heads(model)
     out, stats = medusa_generate(model, heads, list(range(1, 11)), tree=preset("gpu"), max_new_tokens=100,
-                                 acceptance=rule, temperature=0.7, generator=torch.Generator().manual_seed(0))
+                                 sampling=Sampling(acceptance=rule, temperature=0.7),
+                                 generator=torch.Generator().manual_seed(0))
     assert len(out) == 14 and stats.stop_reason == "context"

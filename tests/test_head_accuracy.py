@@ -8,15 +8,15 @@ import torch
 
 import decode
 from conftest import tiny_model
-from medusa_mini.acceptance import sampling_probs
-from medusa_mini.cli_common import load_for_decoding
+from medusa_mini.sampling import Sampling, sampling_probs
+from medusa_mini.io.loading import load_for_decoding
 from medusa_mini.decoding import medusa_generate
-from medusa_mini.head_accuracy import (
+from medusa_mini.tune.acceptance_tables import (
     continuations, greedy_ranks, load_accuracy, load_greedy_ranks, measure_head_accuracy,
     replay_greedy, sampled_temperature, save_accuracy,
 )
 from medusa_mini.tree import Tree
-from medusa_mini.tree_choice import resolve_trees
+from medusa_mini.tune.trees import resolve_trees
 from test_decode_cli import save_tiny
 
 
@@ -85,8 +85,8 @@ def test_the_sampled_table_is_the_rate_at_which_rejection_sampling_accepts_the_g
     # (2) decoding: how often rejection sampling accepts the 1-node tree's guess in the first step
     tree, accepted = Tree.from_choices([[0]]), 0
     for seed in range(n):
-        _, stats = medusa_generate(model, heads, prompt, tree=tree, max_new_tokens=3, acceptance="rejection",
-                                   temperature=T, generator=torch.Generator().manual_seed(seed))
+        _, stats = medusa_generate(model, heads, prompt, tree=tree, max_new_tokens=3,
+                                   sampling=Sampling(temperature=T), generator=torch.Generator().manual_seed(seed))
         accepted += stats.accepted_nodes[0]
     sigma = (exact * (1 - exact) / n) ** 0.5
     assert abs(float(table[0, 0]) - exact) < 4 * sigma
@@ -107,7 +107,7 @@ def test_both_tables_survive_a_save_and_load_round_trip(tmp_path):
 def test_a_file_without_the_sampled_table_says_how_to_remeasure(tmp_path):
     save_accuracy(tmp_path, torch.tensor([[0.5]]))
     assert sampled_temperature(tmp_path) is None
-    with pytest.raises(ValueError, match="no sampled table.*tree_search"):
+    with pytest.raises(ValueError, match="no sampled table.*medusa_mini.cli.measure"):
         load_accuracy(tmp_path, sampled=True)
 
 
@@ -124,8 +124,9 @@ def test_tree_auto_gives_rejection_sampling_the_tree_of_its_own_table(tmp_path, 
     trees = resolve_trees("auto", num_heads=4, ckpt_dir=ckpt, device=torch.device("cpu"), model=ck.model,
                           heads=ck.heads)
     assert trees.greedy.depth == 4 and trees.sampled.depth == 1
-    assert trees.for_rule("rejection", 0.8) is trees.sampled
-    assert trees.for_rule("typical", 0.8) is trees.greedy and trees.for_rule("rejection", 0.0) is trees.greedy
+    assert trees.for_rule(Sampling(acceptance="rejection", temperature=0.8)) is trees.sampled
+    assert trees.for_rule(Sampling(acceptance="typical", temperature=0.8)) is trees.greedy
+    assert trees.for_rule(Sampling(acceptance="rejection", temperature=0.0)) is trees.greedy
     capsys.readouterr()
     assert decode.main(["--ckpt", ckpt, "--compare", "--json", "--max-new-tokens", "6", "--num-prompts", "1"]) == 0
     result = json.loads(capsys.readouterr().out)
@@ -138,7 +139,7 @@ def test_tree_auto_gives_rejection_sampling_the_tree_of_its_own_table(tmp_path, 
 
 def test_replaying_the_rank_strings_gives_exactly_the_tokens_per_step_of_greedy_medusa():
     from medusa_mini.tree import chain, preset
-    from medusa_mini.tree_search import build_tree
+    from medusa_mini.tree import build_tree
     from test_tree_search import LookupHeads
 
     # Greedy decoding reproduces the greedy continuation token for token, so which tree path is

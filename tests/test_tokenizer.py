@@ -11,8 +11,8 @@ import pytest
 import regex
 import tiktoken
 
-from medusa_mini.data import load_corpus
-from medusa_mini.tokenizer import (
+from medusa_mini.train.data import load_corpus
+from medusa_mini.io.tokenizer import (
     CONFIG_FILE,
     GPT2_SPLIT_PATTERN,
     RANKS_FILE,

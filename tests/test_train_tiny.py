@@ -12,7 +12,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import train_tiny  # noqa: E402
-from medusa_mini.checkpoint import load_checkpoint  # noqa: E402
+from medusa_mini.io.checkpoint import load_checkpoint  # noqa: E402
 
 FAST = ["--preset", "smoke", "--max-bytes", "60000", "--vocab-size", "300", "--backbone-steps", "6",
         "--heads-steps", "4", "--distill-prompts", "8", "--distill-tokens", "12", "--eval-prompts", "2",

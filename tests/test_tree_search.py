@@ -8,15 +8,17 @@ import pytest
 import torch
 
 from conftest import random_heads, tiny_model
-from medusa_mini import sweep, tree_search
-from medusa_mini.checkpoint import save_checkpoint
+from benchmarks import sweep
+from medusa_mini.cli import measure
+from medusa_mini.io.checkpoint import save_checkpoint
 from medusa_mini.decoding import generate, medusa_generate
 from medusa_mini.heads import HeadsConfig, MedusaHeads
 from medusa_mini.model import GPT, GPTConfig
-from medusa_mini.tokenizer import make_encoding, save_tokenizer, train_bpe
+from medusa_mini.io.tokenizer import make_encoding, save_tokenizer, train_bpe
 from medusa_mini.tree import Tree, chain, preset
-from medusa_mini.head_accuracy import continuations, load_accuracy, measure_head_accuracy, save_accuracy
-from medusa_mini.tree_search import auto_tree, build_tree, expected_tokens_per_step, measure_verify_cost
+from medusa_mini.tune.acceptance_tables import continuations, load_accuracy, measure_head_accuracy, save_accuracy
+from medusa_mini.tree import build_tree, expected_tokens_per_step
+from medusa_mini.tune.sizing import auto_tree, measure_verify_cost
 
 
 
@@ -221,7 +223,7 @@ def test_a_bad_accuracy_file_gives_a_clear_error(tmp_path, content):
 
 
 def test_a_missing_accuracy_file_says_how_to_make_one(tmp_path):
-    with pytest.raises(ValueError, match="medusa_mini.tree_search --ckpt"):
+    with pytest.raises(ValueError, match="medusa_mini.cli.measure --ckpt"):
         load_accuracy(tmp_path)
 
 
@@ -267,7 +269,7 @@ def _checkpoint(directory):
 
 def test_recompute_command_saves_the_accuracy_and_prints_the_table(tmp_path, capsys):
     _checkpoint(tmp_path)
-    assert tree_search.main(["--ckpt", str(tmp_path), "--prompts", "3", "--max-new-tokens", "8"]) == 0
+    assert measure.main(["--ckpt", str(tmp_path), "--prompts", "3", "--max-new-tokens", "8"]) == 0
     out = capsys.readouterr().out
     assert "top-1" in out and "64 nodes:" in out
     assert "-- greedy acceptance" in out and "-- rejection sampling at T=0.8" in out
@@ -284,7 +286,7 @@ def test_sweep_command_compares_expected_and_measured_and_stays_lossless(tmp_pat
     assert "measured now" in result["accuracy_source"]
     assert [row["nodes"] for row in result["rows"]] == [1, 2, 4, 8, 16, 32, 64]
     assert all(row["equal_to_greedy"] == 2 and row["tokens_per_step"] >= 1 for row in result["rows"])
-    tree_search.main(["--ckpt", str(tmp_path), "--prompts", "2", "--max-new-tokens", "6"])
+    measure.main(["--ckpt", str(tmp_path), "--prompts", "2", "--max-new-tokens", "6"])
     capsys.readouterr()
     assert sweep.main(argv) == 0
     out = capsys.readouterr().out
@@ -297,8 +299,8 @@ def test_sweep_at_a_temperature_measures_rejection_sampling_on_the_sampled_table
             "--temperature", "0.8"]
     with pytest.raises(SystemExit) as exc:  # no sampled table yet: say how to measure it
         sweep.main(argv)
-    assert exc.value.code == 2 and "tree_search" in capsys.readouterr().err
-    tree_search.main(["--ckpt", str(tmp_path), "--prompts", "2", "--max-new-tokens", "6"])
+    assert exc.value.code == 2 and "medusa_mini.cli.measure" in capsys.readouterr().err
+    measure.main(["--ckpt", str(tmp_path), "--prompts", "2", "--max-new-tokens", "6"])
     capsys.readouterr()
     assert sweep.main(argv + ["--json"]) == 0
     result = json.loads(capsys.readouterr().out)
@@ -310,7 +312,7 @@ def test_sweep_at_a_temperature_measures_rejection_sampling_on_the_sampled_table
 
 
 @pytest.mark.parametrize("command, prog", [
-    (tree_search.main, "python -m medusa_mini.tree_search"), (sweep.main, "python -m medusa_mini.sweep"),
+    (measure.main, "python -m medusa_mini.cli.measure"), (sweep.main, "python benchmarks/sweep.py"),
 ])
 def test_commands_turn_bad_input_into_one_line_and_exit_status_2(tmp_path, capsys, command, prog):
     with pytest.raises(SystemExit) as exc:

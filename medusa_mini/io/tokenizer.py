@@ -26,7 +26,7 @@ from collections.abc import Iterable, Mapping, Sequence
 import regex
 import tiktoken
 
-from .safetensors_io import atomic_write_text
+from .safetensors import atomic_write_text
 
 GPT2_SPLIT_PATTERN = (
     r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""

@@ -22,8 +22,8 @@ from dataclasses import replace
 import torch
 
 from .gpt2_layout import config_from_gpt2_dict, load_gpt2_weights
-from .model import GPT, GPTConfig
-from .safetensors_io import read_safetensors, remove_file
+from ..model import GPT, GPTConfig
+from .safetensors import read_safetensors, remove_file
 
 GPT2_CONFIGS: dict[str, GPTConfig] = {
     name: GPTConfig(vocab_size=50257, block_size=1024, n_layer=n_layer, n_head=n_head, n_embd=n_embd)

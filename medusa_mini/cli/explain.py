@@ -12,13 +12,13 @@ import tiktoken
 import torch
 import torch.nn.functional as F
 
-from .acceptance import sampling_probs
-from .cli_common import token_text
-from .decoding import choose_token, prefill
-from .heads import MedusaHeads
-from .model import GPT, KVCache
-from .step import accept, keep_path, propose, verify
-from .tree import Tree
+from ..decoding import prefill
+from ..heads import MedusaHeads
+from ..model import GPT, KVCache
+from ..sampling import Sampling
+from ..step import accept, keep_path, propose, verify
+from ..tree import Tree
+from .common import token_text
 
 
 def _header(number: int, title: str) -> str:
@@ -60,9 +60,9 @@ def _greedy_scores(enc, tree: Tree, toks: list[int], labels: list[str], logits: 
 
 
 def _sampled_scores(enc, tree: Tree, toks: list[int], labels: list[str], logits: torch.Tensor, drawn, *,
-                    temperature: float, top_p: float) -> list[str]:
+                    sampling: Sampling) -> list[str]:
     """Section 5 for the sampling rules: p of every candidate after its parent's path (and q, if drawn)."""
-    p = sampling_probs(logits, temperature=temperature, top_p=top_p)  # [N, V]
+    p = sampling.probs(logits)  # [N, V]
     out = ["At each node, p = the backbone's distribution for the next token after that node's path.",
            "A candidate is judged by p at its parent: the column shows p(candidate)."]
     if drawn is not None:
@@ -87,12 +87,7 @@ def explain_step(
     prompt_ids: list[int],
     *,
     tree: Tree,
-    acceptance: str = "greedy",
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    epsilon: float = 0.09,
-    delta: float = 0.3,
-    draft: str = "sampled",
+    sampling: Sampling = Sampling(),
     generator: torch.Generator | None = None,
 ) -> str:
     """Run one Medusa step after the prompt and describe every stage of it as text."""
@@ -106,8 +101,7 @@ def explain_step(
         tree = tree.truncated(max(block - 1 - L, 0))
     out: list[str] = ["One Medusa decoding step, in full", "================================="]
     out.append(f"Prompt ({L} tokens): {_snippet(enc.decode(prompt_ids))}")
-    sampling = acceptance != "greedy" and temperature > 0
-    rule = f"{acceptance}, temperature {temperature:g}" if sampling else "greedy"
+    rule = "greedy" if sampling.greedy else f"{sampling.rule}, temperature {sampling.temperature:g}"
     out.append(f"Acceptance rule: {rule}")
 
     out.append(_header(1, "Prefill: the prompt goes through the backbone once"))
@@ -115,10 +109,10 @@ def explain_step(
     dtype = model.lm_head.weight.dtype
     cache = KVCache(model.config, max_len=block + tree.num_nodes, device=device, dtype=dtype)
     logits, hidden = prefill(model, ids, cache)
-    root = choose_token(logits, temperature=temperature if sampling else 0.0, top_p=top_p, generator=generator)
+    root = sampling.choose(logits, generator)
     out.append(f"The KV cache now holds the {L} prompt tokens.")
     out.append(f"Backbone's top guesses for the next token: {_guesses(enc, logits, 3)}")
-    how = "drawn from" if sampling else "the argmax of"
+    how = "the argmax of" if sampling.greedy else "drawn from"
     out.append(f"Root token (the backbone's own next token, {how} these): {token_text(enc, root)}")
     out.append("The root is already certain: it is emitted now, before the first Medusa step.")
 
@@ -135,8 +129,7 @@ def explain_step(
     out.append("The backbone alone would need one forward pass per token to check these one by one.")
 
     out.append(_header(3, f"Tree: {tree.num_nodes - 1} candidate nodes + the root"))
-    tokens, drawn = propose(tree, root, head_logits, acceptance=acceptance, draft=draft,
-                            temperature=temperature if sampling else 0.0, generator=generator)  # [N]
+    tokens, drawn = propose(tree, root, head_logits, sampling=sampling, generator=generator)  # [N]
     labels = [token_text(enc, t) for t in tokens.tolist()]
     if drawn is None:
         out.append("A node at depth d holds head d's guess of the listed rank; a path from the root is one")
@@ -155,23 +148,20 @@ def explain_step(
     out.append(_header(5, "Verify: one forward pass over all nodes"))
     logits, hidden = verify(model, cache, tree, tokens)  # [N, V], [N, C]
     toks = tokens.tolist()
-    if sampling:
-        out.extend(_sampled_scores(enc, tree, toks, labels, logits, drawn, temperature=temperature, top_p=top_p))
+    if not sampling.greedy:
+        out.extend(_sampled_scores(enc, tree, toks, labels, logits, drawn, sampling=sampling))
     else:
         out.extend(_greedy_scores(enc, tree, toks, labels, logits))
 
     out.append(_header(6, "Accept: a path of accepted candidates, plus a bonus token"))
-    path, bonus = accept(
-        acceptance, tree, tokens, logits, temperature=temperature if sampling else 0.0, top_p=top_p,
-        epsilon=epsilon, delta=delta, generator=generator, draft=drawn,
-    )
+    path, bonus = accept(tree, tokens, logits, sampling=sampling, generator=generator, draft=drawn)
     keep_path(cache, path, start=L)
-    if sampling and acceptance == "rejection" and drawn is not None:
+    if sampling.rule == "rejection" and drawn is not None:
         out.append("Rejection sampling: try a node's children in order, accepting x with probability")
         out.append("min(1, p(x)/q(x)) and moving p to norm(max(0, p - q)) after a miss (lossless).")
-    elif sampling and acceptance == "rejection":
+    elif sampling.rule == "rejection":
         out.append("Rejection sampling: at each node draw y from p; descend if a child holds y (lossless).")
-    elif sampling:
+    elif sampling.rule == "typical":
         out.append("Typical acceptance: keep a candidate whose probability clears min(ε, δ·exp(-H(p))).")
     else:
         out.append("Greedy: from the root, descend while the backbone's argmax is a child's token.")

@@ -16,9 +16,9 @@ import sys
 import torch
 import torch.distributed as dist
 
-from .checkpoint import save_checkpoint
-from .safetensors_io import atomic_write
-from .train_config import TrainArgs, TrainError
+from ..io.checkpoint import save_checkpoint
+from ..io.safetensors import atomic_write
+from .config import TrainArgs, TrainError
 
 STATE_FILE = "train_state.pt"
 

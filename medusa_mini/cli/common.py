@@ -2,7 +2,7 @@
 
 Every function here turns bad input into a one-line ValueError; a script passes it to
 `OneLineParser.error`, which prints `<prog>: error: <message>` and exits with status 2 instead of a
-traceback. Nothing here decodes; that is decoding.py's job.
+traceback. Nothing here decodes (decoding.py) or loads (io/loading.py).
 """
 
 from __future__ import annotations
@@ -10,21 +10,24 @@ from __future__ import annotations
 import argparse
 import codecs
 import os
-from dataclasses import dataclass, field
 from typing import NoReturn
 
 import tiktoken
 import torch
 
-from .checkpoint import load_checkpoint
-from .decoding import GenerationStats
-from .heads import MedusaHeads
-from .model import GPT
-from .tokenizer import load_tokenizer
-from .safetensors_io import read_json
+from ..decoding import GenerationStats
 
-PROMPTS_FILE = "prompts.json"  # held-out prompts that training stores next to the checkpoint
 BONUS_NOTE = "tokens/step counts the bonus token (the verify pass's own next token)"
+
+
+def as_flags(message: str) -> str:
+    """A library message that starts with a setting's name, as the flag that sets it: "top_p must be ..."
+    -> "--top-p must be ...". Other messages pass unchanged."""
+    head, _, rest = message.partition(" ")
+    names = {"temperature", "top_p", "epsilon", "delta", "acceptance", "draft"}
+    if head in names:
+        return f"--{head.replace('_', '-')} {rest}"
+    return message
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -36,22 +39,6 @@ class OneLineParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {' '.join(str(message).split())}\n")
-
-
-@dataclass
-class Checkpoint:
-    """Everything decoding needs from a checkpoint directory."""
-
-    directory: str
-    model: GPT
-    heads: MedusaHeads | None
-    enc: tiktoken.Encoding
-    eot_id: int | None
-    config: dict = field(repr=False)
-
-    @property
-    def block_size(self) -> int:
-        return self.model.config.block_size
 
 
 def pick_device(name: str | None) -> torch.device:
@@ -69,42 +56,6 @@ def pick_device(name: str | None) -> torch.device:
     if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
         raise ValueError(f"device {name!r} does not exist: this machine has {torch.cuda.device_count()} GPUs")
     return device
-
-
-def eot_id_of(config: dict, enc: tiktoken.Encoding) -> int | None:
-    """The end-of-text id: the one training recorded in config.json, else the tokenizer's own."""
-    extra = config.get("medusa_mini")
-    if isinstance(extra, dict) and isinstance(extra.get("eot_id"), int):
-        return extra["eot_id"]
-    try:
-        return enc.eot_token
-    except KeyError:  # a tokenizer without <|endoftext|>: generation then stops only on length
-        return None
-
-
-def load_for_decoding(directory: str, *, device: torch.device) -> Checkpoint:
-    """Model, heads (or None), tokenizer and end-of-text id from a directory train_tiny.py wrote."""
-    if not os.path.isdir(directory):
-        raise ValueError(f"checkpoint directory {directory} does not exist; train one with train_tiny.py")
-    model, heads, config = load_checkpoint(directory, device=device)
-    enc = load_tokenizer(directory)
-    if enc.n_vocab > model.config.vocab_size:
-        # Token ids past the embedding table would crash the forward pass much later.
-        raise ValueError(
-            f"the tokenizer in {directory} has {enc.n_vocab} tokens but the model only "
-            f"{model.config.vocab_size}; they do not belong together"
-        )
-    return Checkpoint(directory, model, heads, enc, eot_id_of(config, enc), config)
-
-
-def load_prompts(directory: str) -> list[str]:
-    """The held-out snippets stored in prompts.json: {"prompts": ["...", ...]}."""
-    path = os.path.join(directory, PROMPTS_FILE)
-    obj = read_json(path, hint="pass prompts with --prompt TEXT")
-    prompts = obj.get("prompts") if isinstance(obj, dict) else None
-    if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) for p in prompts):
-        raise ValueError(f'{path} must hold {{"prompts": ["text", ...]}} with at least one prompt')
-    return prompts
 
 
 def encode_prompt(enc: tiktoken.Encoding, text: str, *, block_size: int) -> list[int]:

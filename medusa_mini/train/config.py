@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from .gpt2_heads import GPT2_PRESETS
+from .backbone import GPT2_PRESETS
 
 
 class TrainError(Exception):

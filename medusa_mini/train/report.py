@@ -1,4 +1,5 @@
-"""What `train_tiny.py` reports and leaves behind after training: the summary and held-out prompts.
+"""What `train_tiny.py` reports and leaves behind after training: the summary, the default trees and
+held-out prompts.
 
 The summary is measured, never assumed: validation loss, each head's top-1/top-5 accuracy on held-out
 text, each head's accuracy against the backbone's own greedy continuation (what decoding actually
@@ -15,14 +16,15 @@ import random
 import numpy as np
 import torch
 
-from .acceptance import SAMPLING_TEMPERATURE
-from .cli_common import PROMPTS_FILE
+from ..io.loading import PROMPTS_FILE
+from ..io.safetensors import atomic_write_text
+from ..training import head_targets, sample_continuations
+from ..tree import build_tree, preset
+from ..tune.acceptance_tables import (
+    SAMPLING_TEMPERATURE, greedy_ranks, measure_head_accuracy, replay_greedy, save_accuracy,
+)
+from ..tune.trees import TREES_FILE, measure_and_store_trees
 from .data import get_batch
-from .head_accuracy import greedy_ranks, measure_head_accuracy, replay_greedy, save_accuracy
-from .safetensors_io import atomic_write_text
-from .training import head_targets, sample_continuations
-from .tree import preset
-from .tree_search import build_tree
 
 # Official Medusa-1 heads on Vicuna-7B, top-1 accuracy of heads 1-4 (paper and its repository).
 OFFICIAL_TOP1 = (0.56, 0.32, 0.20, 0.15)
@@ -106,6 +108,10 @@ def summarize(run, model, heads, enc, val_docs, val_tokens: np.ndarray) -> dict:
         f"           {f'expected tokens/step, rejection T={T:g}:':<48}"
         + ", ".join(f"{b} nodes {build_tree(sampled, b)[1]:.2f}" for b in budgets)
     )
+    # The default trees, sized once on this device's measured step cost: decoding then reuses them
+    # instead of re-measuring, so its output does not depend on the machine's load that day.
+    why = measure_and_store_trees(args.out, model=model, heads=heads, device=model.device).splitlines()
+    lines.append(f"           {'default trees (' + TREES_FILE + ', ' + model.device.type + '):':<48}{why[-1]}")
     run.log("\n".join(lines))
     return {"val_loss": round(val_loss, 4), "head_top1_text": [round(v, 4) for v in top1],
             "head_top5_text": [round(v, 4) for v in top5], "head_top1_own": [round(v, 4) for v in own1]}

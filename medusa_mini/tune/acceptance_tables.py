@@ -13,7 +13,8 @@ was. Acceptance depends on the rule, so there are two tables:
 
 As T -> 0, p and q become one-hot on the greedy token and the head's top guess, and the second table
 becomes the first. Both are
-stored in heads_accuracy.json, which `train_tiny.py` writes and `--tree auto` reads.
+stored in heads_accuracy.json, which `train_tiny.py` and `python -m medusa_mini.cli.measure` write
+and the tree builders read.
 """
 
 from __future__ import annotations
@@ -24,15 +25,16 @@ from typing import Callable, Sequence
 
 import torch
 
-from .acceptance import sampling_probs
-from .draft import draft_acceptance, draft_log_probs
-from .model import GPT
-from .safetensors_io import atomic_write_text, read_json
-from .training import sample_continuations
-from .tree import Tree
+from ..sampling import sampling_probs
+from ..draft import draft_acceptance, draft_log_probs
+from ..model import GPT
+from ..io.safetensors import atomic_write_text, read_json
+from ..training import sample_continuations
+from ..tree import Tree, check_acc
 
 HeadsFn = Callable[[torch.Tensor, torch.nn.Module], torch.Tensor]  # hidden [..., C] -> [K, ..., V]
 ACCURACY_FILE = "heads_accuracy.json"
+SAMPLING_TEMPERATURE = 0.8  # the sampled table's temperature, and the command lines' sampling default
 
 
 @torch.no_grad()
@@ -208,15 +210,6 @@ def accuracy_on_prompts(
                                  top_k=min(top_k, model.config.vocab_size), temperature=temperature)
 
 
-def check_acc(acc: torch.Tensor) -> torch.Tensor:
-    acc = torch.as_tensor(acc, dtype=torch.float64).cpu()
-    if acc.dim() != 2 or 0 in acc.shape:
-        raise ValueError(f"accuracies must be a [heads, ranks] table, got shape {list(acc.shape)}")
-    if not bool(((acc >= 0) & (acc <= 1)).all()):
-        raise ValueError("accuracies must be probabilities in [0, 1]")
-    return acc
-
-
 def save_accuracy(
     directory: str | os.PathLike, acc: torch.Tensor, *, sampled: torch.Tensor | None = None,
     temperature: float | None = None, ranks: list[str] | None = None, meta: dict | None = None,
@@ -256,11 +249,11 @@ def load_accuracy(directory: str | os.PathLike, *, sampled: bool = False) -> tor
     """acc [K, R] float64 from heads_accuracy.json: the greedy table, or with `sampled=True` the table
     measured at `sampled_temperature` (see `sampled_temperature`). A one-line ValueError for a missing
     or bad file, or a missing sampled table."""
-    hint = f"measure it with python -m medusa_mini.tree_search --ckpt {directory}"
+    hint = f"measure it with python -m medusa_mini.cli.measure --ckpt {directory}"
     path, obj = _read_accuracy_file(directory, hint=hint)
     key = "sampled_acc" if sampled else "acc"
     if sampled and isinstance(obj, dict) and key not in obj:
-        raise ValueError(f"{path} has no sampled table; re-measure with python -m medusa_mini.tree_search "
+        raise ValueError(f"{path} has no sampled table; re-measure with python -m medusa_mini.cli.measure "
                          f"--ckpt {directory}")
     acc = obj.get(key) if isinstance(obj, dict) else None
     rows = acc if isinstance(acc, list) and acc and all(isinstance(row, list) for row in acc) else [[]]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .model import GPT, GPTConfig
+from ..model import GPT, GPTConfig
 
 # GPT-2 implements these four projections as Conv1D, whose weight is stored [in, out].
 _CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")

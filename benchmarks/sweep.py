@@ -10,7 +10,7 @@ With --temperature T > 0 it sweeps rejection sampling instead: trees from the ta
 sampling, Medusa against plain sampling at T (each prompt with its own seeded generator), expected
 tokens/step by the product rule (sampling cannot be replayed).
 
-    python -m medusa_mini.sweep --ckpt out/tiny [--num-prompts 8] [--max-new-tokens 64] [--temperature T] [--json]
+    python benchmarks/sweep.py --ckpt out/tiny [--num-prompts 8] [--max-new-tokens 64] [--temperature T] [--json]
 
 Decoding ignores the end-of-text token, so every prompt yields the same number of tokens in every row.
 Times include the prefill, the same for plain and Medusa decoding.
@@ -19,16 +19,28 @@ Times include the prefill, the same for plain and Medusa decoding.
 from __future__ import annotations
 
 import json
+import os
 import random
 import sys
 
-import torch
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:  # run as a script from anywhere, without installing the package
+    sys.path.insert(0, ROOT)
 
-from .cli_common import OneLineParser, load_for_decoding, load_prompts, pick_device
-from .decoding import generate, medusa_generate
-from .model import GPT
-from .head_accuracy import ACCURACY_FILE, HeadsFn, accuracy_on_prompts, load_accuracy, load_greedy_ranks, replay_greedy
-from .tree_search import auto_tree, build_tree, encode_prompts
+import torch  # noqa: E402
+
+from medusa_mini.cli.common import OneLineParser, pick_device  # noqa: E402
+from medusa_mini.cli.measure import encode_prompts  # noqa: E402
+from medusa_mini.decoding import generate, medusa_generate  # noqa: E402
+from medusa_mini.io.loading import load_for_decoding, load_prompts  # noqa: E402
+from medusa_mini.model import GPT  # noqa: E402
+from medusa_mini.sampling import Sampling  # noqa: E402
+from medusa_mini.tree import build_tree  # noqa: E402
+from medusa_mini.tune.acceptance_tables import (  # noqa: E402
+    ACCURACY_FILE, HeadsFn, accuracy_on_prompts, load_accuracy, load_greedy_ranks, replay_greedy,
+)
+from medusa_mini.tune.clock import timed_generation  # noqa: E402
+from medusa_mini.tune.sizing import auto_tree  # noqa: E402
 
 BUDGETS = (1, 2, 4, 8, 16, 32, 64)
 
@@ -42,15 +54,16 @@ def run_sweep(
     temperature 0: greedy decoding, greedy acceptance; T > 0: sampling, rejection sampling."""
     if not prompts:
         raise ValueError("the sweep needs at least one prompt")
-    sampling = temperature > 0
+    sampling = Sampling(temperature=temperature)  # greedy at 0, else rejection sampling at T
+    device = model.device
 
-    def rule(i: int) -> dict:  # the settings of prompt i's generation, its generator seeded afresh
-        if not sampling:
-            return {}
-        return dict(temperature=temperature, generator=torch.Generator(device=model.device).manual_seed(seed + i))
+    def gen(i: int) -> torch.Generator:  # prompt i's generator, seeded afresh for every row
+        return torch.Generator(device=device).manual_seed(seed + i)
 
     generate(model, prompts[0], max_new_tokens=min(4, max_new_tokens))  # warm-up, not timed
-    plain = [generate(model, p, max_new_tokens=max_new_tokens, **rule(i)) for i, p in enumerate(prompts)]
+    plain = [timed_generation(device, lambda: generate(model, p, max_new_tokens=max_new_tokens, sampling=sampling,
+                                                       generator=gen(i)))
+             for i, p in enumerate(prompts)]
     plain_tokens = sum(len(out) for out, _ in plain)
     plain_ms_per_token = 1000 * sum(st.seconds for _, st in plain) / max(plain_tokens, 1)
     rows = []
@@ -58,8 +71,8 @@ def run_sweep(
         tree, expected = build_tree(acc, n)
         if ranks is not None:  # replayed on the measured continuations, not the product rule
             expected = replay_greedy(ranks, tree)
-        runs = [medusa_generate(model, heads, p, tree=tree, max_new_tokens=max_new_tokens,
-                                acceptance="rejection" if sampling else "greedy", **rule(i))
+        runs = [timed_generation(device, lambda: medusa_generate(
+                    model, heads, p, tree=tree, max_new_tokens=max_new_tokens, sampling=sampling, generator=gen(i)))
                 for i, p in enumerate(prompts)]
         steps = max(sum(st.steps for _, st in runs), 1)
         seconds = sum(st.seconds for _, st in runs)
@@ -71,7 +84,7 @@ def run_sweep(
             "ms_per_step": 1000 * seconds / steps,
             "ms_per_token": ms_per_token,
             "speedup": plain_ms_per_token / ms_per_token if ms_per_token > 0 else 0.0,
-            "equal_to_greedy": None if sampling else sum(out == ref for (out, _), (ref, _) in zip(runs, plain)),
+            "equal_to_greedy": None if not sampling.greedy else sum(out == ref for (out, _), (ref, _) in zip(runs, plain)),
         })
     _, why = auto_tree(acc, {row["nodes"]: row["ms_per_step"] for row in rows}, ranks=ranks)
     return {
@@ -111,7 +124,7 @@ def _accuracies(directory: str, ckpt, texts: list[str], *, temperature: float):
         ranks = load_greedy_ranks(directory)
         how = " (expected = replayed on its greedy continuations)" if ranks else " (product rule)"
         return load_accuracy(directory), ranks, ACCURACY_FILE + how
-    except ValueError:  # missing or unreadable: measure now, as tree_search would
+    except ValueError:  # missing or unreadable: measure now, as python -m medusa_mini.cli.measure would
         block = ckpt.block_size
         measure_on = encode_prompts(ckpt.enc, texts[:32], block_size=block, max_new_tokens=min(64, block - 1))
         acc = accuracy_on_prompts(ckpt.model, ckpt.heads, measure_on, max_new_tokens=min(64, block - 1))
@@ -120,7 +133,7 @@ def _accuracies(directory: str, ckpt, texts: list[str], *, temperature: float):
 
 def main(argv: list[str] | None = None) -> int:
     p = OneLineParser(
-        prog="python -m medusa_mini.sweep",
+        prog="python benchmarks/sweep.py",
         description="Expected vs measured Medusa tokens/step and speed for tree budgets 1 ... 64.",
     )
     p.add_argument("--ckpt", required=True, help="checkpoint directory (with heads, tokenizer, prompts.json)")
@@ -150,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         acc, ranks, source = _accuracies(ns.ckpt, ckpt, texts, temperature=ns.temperature)
         if acc.shape[0] > ckpt.heads.num_heads:
             raise ValueError(f"{ACCURACY_FILE} describes {acc.shape[0]} heads but the checkpoint has "
-                             f"{ckpt.heads.num_heads}; recompute it with python -m medusa_mini.tree_search")
+                             f"{ckpt.heads.num_heads}; recompute it with python -m medusa_mini.cli.measure")
         chosen = random.Random(ns.seed).sample(texts, min(ns.num_prompts, len(texts)))
         prompts = encode_prompts(ckpt.enc, chosen, block_size=block, max_new_tokens=ns.max_new_tokens)
         result = run_sweep(ckpt.model, ckpt.heads, prompts, acc=acc, max_new_tokens=ns.max_new_tokens, ranks=ranks,

@@ -1,7 +1,7 @@
 """What one decoding step costs: plain decoding vs Medusa's tree verify, heads and whole step.
 
-    python -m medusa_mini.bench_step                      # tiny and gpt2-shaped models
-    python -m medusa_mini.bench_step --configs tiny --repeat 50 --threads 2 --json
+    python benchmarks/bench_step.py                     # tiny and gpt2-shaped models
+    python benchmarks/bench_step.py --configs tiny --repeat 50 --threads 2 --json
 
 Medusa wins only if a step that verifies N candidates costs little more than a plain step, and that
 depends on the device (see DESIGN.md, "Per-step cost matters"). For each config, with random weights
@@ -34,15 +34,20 @@ import time
 from functools import partial
 from typing import Callable
 
-import torch
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:  # run as a script from anywhere, without installing the package
+    sys.path.insert(0, ROOT)
 
-from .cli_common import OneLineParser, pick_device
-from .decoding import prefill, sync_device
-from .step import medusa_step, verify
-from .gpt2 import GPT2_CONFIGS
-from .heads import HeadsConfig, MedusaHeads
-from .model import GPT, GPTConfig, KVCache
-from .tree import Tree, preset
+import torch  # noqa: E402
+
+from medusa_mini.cli.common import OneLineParser, pick_device  # noqa: E402
+from medusa_mini.decoding import prefill  # noqa: E402
+from medusa_mini.heads import HeadsConfig, MedusaHeads  # noqa: E402
+from medusa_mini.io.gpt2 import GPT2_CONFIGS  # noqa: E402
+from medusa_mini.model import GPT, GPTConfig, KVCache  # noqa: E402
+from medusa_mini.step import medusa_step, verify  # noqa: E402
+from medusa_mini.tree import Tree, preset  # noqa: E402
+from medusa_mini.tune.clock import sync_device  # noqa: E402
 
 CONFIGS: dict[str, GPTConfig] = {"tiny": GPTConfig(), **GPT2_CONFIGS}
 NODES = (1, 2, 4, 8, 16, 32, 64)
@@ -218,7 +223,7 @@ def format_table(results: dict[str, dict], *, header: list[str], warmup: int) ->
 
 def build_parser() -> OneLineParser:
     p = OneLineParser(
-        prog="python -m medusa_mini.bench_step",
+        prog="python benchmarks/bench_step.py",
         description="Time plain decoding steps, tree-verify steps, Medusa heads and whole Medusa steps "
         "on random weights.",
     )
@@ -278,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__,
         "device": str(device),
         "threads": torch.get_num_threads(),
-        "command": shlex.join(["python", "-m", "medusa_mini.bench_step", *argv]),
+        "command": shlex.join(["python", "benchmarks/bench_step.py", *argv]),
         "warmup": args.warmup,
         "load_avg_1min": load,
     }

@@ -1,0 +1,1 @@
+"""Wing: the train_tiny.py run: data, configuration, stages, state, report."""
