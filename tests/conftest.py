@@ -1,12 +1,23 @@
-"""Shared fixtures: tiny random models so the whole spec runs in seconds on a CPU."""
+"""Shared fixtures: tiny random models and checkpoints, so the whole spec runs in seconds on a CPU."""
 
 from __future__ import annotations
+
+import json
+import os
+import random
+import sys
 
 import pytest
 import torch
 
-from medusa_mini.heads import HeadsConfig, MedusaHeads
-from medusa_mini.model import GPT, GPTConfig
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:  # the command-line scripts (decode.py, train_tiny.py, benchmarks/) are tested too
+    sys.path.insert(0, ROOT)
+
+from medusa_mini.heads import HeadsConfig, MedusaHeads  # noqa: E402
+from medusa_mini.io.checkpoint import save_checkpoint  # noqa: E402
+from medusa_mini.io.tokenizer import make_encoding, save_tokenizer, train_bpe  # noqa: E402
+from medusa_mini.model import GPT, GPTConfig  # noqa: E402
 
 
 def tiny_model(seed: int = 0, *, vocab_size: int = 64, block_size: int = 64, n_layer: int = 2) -> GPT:
@@ -75,3 +86,51 @@ class OracleHeads:
         for k, tok in enumerate(future):
             logits[k, 0, tok] = 10.0
         return logits
+
+
+# ---- checkpoint directories, as train_tiny.py leaves them ------------------------------------
+
+WORDS = "the a cat dog sat ran on under mat tree house red blue big small quickly slowly and then".split()
+PROMPTS = ["the cat sat on the", "a big dog ran", "then the small red"]
+
+
+def corpus(n_sentences: int = 300) -> str:
+    rng = random.Random(0)
+    sentences = (" ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 9))) for _ in range(n_sentences))
+    return ".\n".join(sentences) + "."
+
+
+def save_tiny(directory, *, with_heads: bool) -> None:
+    enc = make_encoding(train_bpe(corpus(), vocab_size=300))
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=enc.n_vocab, block_size=64, n_layer=2, n_head=2, n_embd=32)).eval()
+    with torch.no_grad():
+        # GPT-2's small init makes near-uniform logits; larger weights give clear argmaxes. The tie of
+        # wte and lm_head survives because both names point at one tensor, changed in place.
+        for name, p in model.named_parameters():
+            if p.dim() == 2 and "wpe" not in name:
+                p.normal_(0.0, 0.3)
+        model.transformer.wte.weight[enc.eot_token].zero_()  # rarely chosen, so runs reach their limits
+    heads = None
+    if with_heads:
+        heads = MedusaHeads(HeadsConfig(num_heads=4, n_embd=32, vocab_size=enc.n_vocab))
+        with torch.no_grad():
+            for block in heads.blocks:
+                torch.nn.init.normal_(block.linear.weight, std=0.5)
+    save_checkpoint(directory, model, heads=heads, extra={"eot_id": enc.eot_token})
+    save_tokenizer(enc, directory)
+    with open(os.path.join(directory, "prompts.json"), "w") as f:
+        json.dump({"prompts": PROMPTS}, f)
+
+
+def save_small_checkpoint(directory):
+    """A one-layer GPT with three heads, its tokenizer and prompts.json, as train_tiny.py leaves them."""
+    text = "the cat sat on the mat and the dog sat on the log. " * 40
+    enc = make_encoding(train_bpe(text, vocab_size=300))
+    save_tokenizer(enc, directory)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=300, block_size=64, n_layer=1, n_head=2, n_embd=32)).eval()
+    heads = MedusaHeads(HeadsConfig(num_heads=3, n_embd=32, vocab_size=300), lm_head_weight=model.lm_head.weight)
+    save_checkpoint(directory, model, heads=heads)
+    prompts = ["the cat sat", "on the mat and", "the dog", "sat on the log. the"]
+    (directory / "prompts.json").write_text(json.dumps({"prompts": prompts}))

@@ -1,8 +1,8 @@
 """Medusa heads (paper §2.1.1): residual blocks that start as the identity, then the vocabulary."""
 
 import torch
-
 from conftest import tiny_model
+
 from medusa_mini.heads import HeadsConfig, MedusaHeads
 
 

@@ -1,12 +1,18 @@
 """Training rules (paper §2.2): head targets, Medusa-1 freezes the backbone, Medusa-2 trains both."""
 
 import torch
-
 from conftest import tiny_model
+
 from medusa_mini.heads import HeadsConfig, MedusaHeads
 from medusa_mini.model import GPT, GPTConfig
 from medusa_mini.training import (
-    MedusaLM, cosine_lr, head_targets, head_weights, lambda_schedule, medusa_head_losses, sample_continuations,
+    MedusaLM,
+    cosine_lr,
+    head_targets,
+    head_weights,
+    lambda_schedule,
+    medusa_head_losses,
+    sample_continuations,
 )
 
 

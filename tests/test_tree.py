@@ -1,8 +1,21 @@
-"""Trees from choices (paper §2.1.2, Fig. 2): structure, the ancestor mask, validation, presets."""
+"""Trees from choices (paper §2.1.2, Fig. 2): structure, the ancestor mask, validation, presets, and the
+tree grown from measured acceptance (`build_tree`)."""
+
+import itertools
+import math
 
 import pytest
+import torch
 
-from medusa_mini.tree import CPU_CHOICES, GPU_CHOICES, Tree, chain, preset
+from medusa_mini.tree import (
+    CPU_CHOICES,
+    GPU_CHOICES,
+    Tree,
+    build_tree,
+    chain,
+    expected_tokens_per_step,
+    preset,
+)
 
 # The tree used throughout, drawn by hand:
 #   0 root
@@ -12,6 +25,8 @@ from medusa_mini.tree import CPU_CHOICES, GPU_CHOICES, Tree, chain, preset
 #   │  └─ 4 (0,1)  head 2 rank 1
 #   └─ 2 (1,)      head 1 rank 1
 HAND = [(1,), (0, 0, 0), (0,), (0, 1), (0, 0)]  # deliberately unsorted
+ACC_HAND = torch.tensor([[0.6, 0.2, 0.1], [0.4, 0.2, 0.1], [0.3, 0.1, 0.05]])  # acc[head][rank]
+VICUNA = torch.tensor([[a * 0.45**r for r in range(10)] for a in (0.56, 0.32, 0.20, 0.15)])
 
 
 def test_choices_are_sorted_so_parents_precede_children():
@@ -106,3 +121,71 @@ def test_drawings_show_every_node_and_every_mask_entry():
     rows = tree.draw_mask().splitlines()[1:]
     filled = [row.split()[1:].count("■") for row in rows]
     assert filled == tree.ancestor_mask().sum(1).tolist() == [1, 2, 2, 3, 3, 4]
+
+
+def test_build_tree_on_a_hand_written_table_takes_the_largest_values_in_order():
+    tree, expected = build_tree(ACC_HAND, 6)
+    assert set(tree.choices) == {(0,), (0, 0), (1,), (0, 1), (2,), (1, 0)}
+    assert expected == pytest.approx(1 + 0.6 + 0.24 + 0.2 + 0.12 + 0.1 + 0.08)
+    tree7, expected7 = build_tree(ACC_HAND, 7)
+    assert set(tree7.choices) - set(tree.choices) == {(0, 0, 0)}
+    assert expected7 == pytest.approx(expected + 0.072)
+
+
+def test_zero_nodes_is_the_root_alone_and_expects_only_the_bonus_token():
+    tree, expected = build_tree(ACC_HAND, 0)
+    assert tree.num_nodes == 1 and expected == 1.0
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_built_tree_is_always_valid_and_its_value_follows_the_product_rule(seed):
+    gen = torch.Generator().manual_seed(seed)
+    K, R = 1 + seed % 4, 1 + seed % 5
+    acc = torch.rand(K, R, generator=gen) * (0.5 if seed % 2 else 1.0)  # rows not sorted: still valid
+    for n in (1, 3, 8, 30):
+        tree, expected = build_tree(acc, n)
+        again = Tree.from_choices(tree.choices, num_heads=K, top_k=R)  # every prefix present
+        assert again == tree
+        assert tree.num_nodes - 1 == min(n, sum(R**d for d in range(1, K + 1)))
+        for c in tree.choices:  # rank r is only offered after rank r - 1 of the same parent
+            assert c[-1] == 0 or c[:-1] + (c[-1] - 1,) in tree.choices
+        assert expected == pytest.approx(expected_tokens_per_step(acc, tree))
+
+
+def test_with_a_dominant_top1_and_k_nodes_the_tree_is_a_chain():
+    acc = torch.full((4, 10), 0.01)
+    acc[:, 0] = 0.9
+    tree, _ = build_tree(acc, 4)
+    assert tree.choices == chain(4).choices
+
+
+def test_expected_tokens_of_a_chain_sums_the_running_products_of_top1_accuracies():
+    a = VICUNA[:, 0].tolist()
+    want = 1 + sum(math.prod(a[: d + 1]) for d in range(4))
+    assert expected_tokens_per_step(VICUNA, chain(4)) == pytest.approx(want)
+    flat = torch.full((4, 3), 0.5)
+    assert expected_tokens_per_step(flat, chain(4)) == pytest.approx(1 + 0.5 + 0.25 + 0.125 + 0.0625)
+
+
+def test_the_built_tree_beats_the_cpu_preset_with_the_same_node_count():
+    cpu = preset("cpu")
+    _, expected = build_tree(VICUNA, cpu.num_nodes - 1)
+    assert expected >= expected_tokens_per_step(VICUNA, cpu) - 1e-12
+
+
+def test_with_ranks_ordered_by_accuracy_the_greedy_tree_is_the_best_of_all_valid_trees():
+    acc = torch.tensor([[0.5, 0.3, 0.1], [0.6, 0.2, 0.05]])
+    nodes = [(r,) for r in range(3)] + [(r, s) for r in range(3) for s in range(3)]
+    for n in range(1, 7):
+        best = 0.0
+        for subset in itertools.combinations(nodes, n):
+            if all(len(c) == 1 or c[:1] in subset for c in subset):  # any prefix-closed tree
+                best = max(best, expected_tokens_per_step(acc, Tree.from_choices(subset)))
+        assert build_tree(acc, n)[1] == pytest.approx(best)
+
+
+def test_product_rule_rejects_a_tree_deeper_or_wider_than_the_table():
+    with pytest.raises(ValueError, match="more heads or ranks"):
+        expected_tokens_per_step(ACC_HAND, chain(4))
+    with pytest.raises(ValueError, match=r"\[heads, ranks\]"):
+        build_tree(torch.zeros(3), 4)

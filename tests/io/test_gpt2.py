@@ -14,9 +14,15 @@ import numpy as np
 import pytest
 import torch
 
+from medusa_mini.io.gpt2 import (
+    GPT2_CONFIGS,
+    DownloadError,
+    download,
+    infer_gpt2_config,
+    load_gpt2,
+)
 from medusa_mini.io.gpt2_layout import load_gpt2_weights
 from medusa_mini.io.safetensors import write_safetensors
-from medusa_mini.io.gpt2 import GPT2_CONFIGS, DownloadError, download, infer_gpt2_config, load_gpt2
 from medusa_mini.model import GPT, GPTConfig
 
 V, P, C, L, H = 50, 24, 32, 2, 4  # vocab, positions, width, layers, heads of the tiny GPT-2

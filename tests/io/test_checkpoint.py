@@ -12,6 +12,7 @@ import tracemalloc
 import pytest
 import torch
 
+from medusa_mini.heads import HeadsConfig, MedusaHeads
 from medusa_mini.io.checkpoint import (
     SafetensorsError,
     load_checkpoint,
@@ -21,8 +22,11 @@ from medusa_mini.io.checkpoint import (
     save_checkpoint,
     write_safetensors,
 )
-from medusa_mini.io.gpt2_layout import config_from_gpt2_dict, gpt2_config_dict, gpt2_state_dict
-from medusa_mini.heads import HeadsConfig, MedusaHeads
+from medusa_mini.io.gpt2_layout import (
+    config_from_gpt2_dict,
+    gpt2_config_dict,
+    gpt2_state_dict,
+)
 from medusa_mini.model import GPT, GPTConfig
 
 CHECKPOINT_FILES = {"config.json", "model.safetensors"}
@@ -353,8 +357,8 @@ def test_transformers_loads_a_saved_checkpoint_with_equal_logits(tmp_path):
 
 
 def test_saving_heads_again_can_keep_the_backbone_file_untouched(tmp_path):
-    from medusa_mini.io.checkpoint import load_checkpoint, save_checkpoint
     from medusa_mini.heads import HeadsConfig, MedusaHeads
+    from medusa_mini.io.checkpoint import load_checkpoint, save_checkpoint
     from medusa_mini.model import GPT, GPTConfig
 
     torch.manual_seed(0)

@@ -1,6 +1,7 @@
 """The step benchmark runs and reports every number it promises (no timing assertions: machines are noisy)."""
 
 import json
+
 import pytest
 import torch
 

@@ -5,55 +5,17 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
 import subprocess
 import sys
 
 import pytest
 import torch
+from conftest import PROMPTS, ROOT, save_tiny
 
-from medusa_mini.io.checkpoint import save_checkpoint
-from medusa_mini.heads import HeadsConfig, MedusaHeads
-from medusa_mini.model import GPT, GPTConfig
-from medusa_mini.io.tokenizer import load_tokenizer, make_encoding, save_tokenizer, train_bpe
-from medusa_mini.tune.trees import resolve_trees
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 import decode  # noqa: E402
-
-WORDS = "the a cat dog sat ran on under mat tree house red blue big small quickly slowly and then".split()
-PROMPTS = ["the cat sat on the", "a big dog ran", "then the small red"]
-
-
-def corpus(n_sentences: int = 300) -> str:
-    rng = random.Random(0)
-    sentences = (" ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 9))) for _ in range(n_sentences))
-    return ".\n".join(sentences) + "."
-
-
-def save_tiny(directory, *, with_heads: bool) -> None:
-    enc = make_encoding(train_bpe(corpus(), vocab_size=300))
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=enc.n_vocab, block_size=64, n_layer=2, n_head=2, n_embd=32)).eval()
-    with torch.no_grad():
-        # GPT-2's small init makes near-uniform logits; larger weights give clear argmaxes. The tie of
-        # wte and lm_head survives because both names point at one tensor, changed in place.
-        for name, p in model.named_parameters():
-            if p.dim() == 2 and "wpe" not in name:
-                p.normal_(0.0, 0.3)
-        model.transformer.wte.weight[enc.eot_token].zero_()  # rarely chosen, so runs reach their limits
-    heads = None
-    if with_heads:
-        heads = MedusaHeads(HeadsConfig(num_heads=4, n_embd=32, vocab_size=enc.n_vocab))
-        with torch.no_grad():
-            for block in heads.blocks:
-                torch.nn.init.normal_(block.linear.weight, std=0.5)
-    save_checkpoint(directory, model, heads=heads, extra={"eot_id": enc.eot_token})
-    save_tokenizer(enc, directory)
-    with open(os.path.join(directory, "prompts.json"), "w") as f:
-        json.dump({"prompts": PROMPTS}, f)
+from medusa_mini.io.tokenizer import load_tokenizer
+from medusa_mini.tune.trees import resolve_trees
 
 
 @pytest.fixture(autouse=True)
@@ -311,8 +273,8 @@ def test_tree_auto_builds_from_measured_accuracy_and_step_cost(tmp_path, capsys)
 
 
 def test_tree_n_builds_n_nodes_from_each_table(tmp_path, capsys):
-    from medusa_mini.tune.trees import resolve_trees
     from medusa_mini.tune.acceptance_tables import save_accuracy
+    from medusa_mini.tune.trees import resolve_trees
 
     ckpt = str(tmp_path / "ck")
     save_tiny(ckpt, with_heads=True)
@@ -344,3 +306,49 @@ def test_first_prompt_selects_which_stored_prompt_is_used(tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         decode.main(["--ckpt", ckpt, "--first-prompt", "9"])
     assert exc.value.code == 2 and "holds 3 prompts" in capsys.readouterr().err
+
+
+# ---- reproducible by default ----------------------------------------------------------------
+
+
+def test_decode_uses_the_stored_trees_and_never_measures_by_default(tmp_path, capsys, monkeypatch):
+    from medusa_mini.tune import trees as trees_module
+    from medusa_mini.tune.acceptance_tables import save_accuracy
+    from medusa_mini.tune.trees import RuleTrees, default_tree_name, store_trees
+    from medusa_mini.tree import Tree
+
+    ckpt = str(tmp_path / "ck")
+    save_tiny(ckpt, with_heads=True)
+    save_accuracy(ckpt, torch.tensor([[0.5] + [0.01] * 9] * 4, dtype=torch.float64))
+    assert default_tree_name(torch.device("cpu"), ckpt) == "8"  # tables but no stored trees: N nodes
+    stored = RuleTrees(Tree.from_choices([[0], [0, 0], [1]]), Tree.from_choices([[0], [1], [2]]))
+    store_trees(ckpt, stored, device=torch.device("cpu"), note="test")
+    assert default_tree_name(torch.device("cpu"), ckpt) == "stored"
+    assert default_tree_name(torch.device("cuda"), ckpt) == "64"  # another device type keeps its own
+
+    def measuring_is_not_allowed(*a, **k):
+        raise AssertionError("the default decode must not measure step costs")
+
+    monkeypatch.setattr(trees_module, "measure_verify_cost", measuring_is_not_allowed)
+    assert decode.main(["--ckpt", ckpt, "--compare", "--json", "--max-new-tokens", "4",
+                        "--num-prompts", "1", "--repeat", "1"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["tree_nodes"] == 4 and result["rejection_tree_nodes"] == 4  # the stored trees, root included
+
+
+def test_two_runs_of_the_same_sampled_decode_print_the_same_tokens(tmp_path):
+    from medusa_mini.tune.acceptance_tables import save_accuracy
+    from medusa_mini.tune.trees import measure_and_store_trees
+    from medusa_mini.io.loading import load_for_decoding
+
+    ckpt = str(tmp_path / "ck")
+    save_tiny(ckpt, with_heads=True)
+    save_accuracy(ckpt, torch.tensor([[0.6, 0.2] + [0.01] * 8] * 4, dtype=torch.float64))
+    loaded = load_for_decoding(ckpt, device=torch.device("cpu"))
+    measure_and_store_trees(ckpt, model=loaded.model, heads=loaded.heads, device=torch.device("cpu"))
+    argv = [sys.executable, "decode.py", "--ckpt", ckpt, "--acceptance", "rejection", "--temperature", "0.8",
+            "--seed", "3", "--max-new-tokens", "16", "--json", "--num-prompts", "2"]
+    runs = [subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, timeout=120) for _ in range(2)]
+    assert all(r.returncode == 0 for r in runs), runs[0].stderr
+    tokens = [[row["tokens"] for row in json_lines(r.stdout)] for r in runs]
+    assert tokens[0] == tokens[1] and len(tokens[0]) == 2 and all(len(t) == 16 for t in tokens[0])

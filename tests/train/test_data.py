@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from medusa_mini.io.tokenizer import make_encoding, train_bpe
 from medusa_mini.train.data import (
     default_corpus_files,
     encode_documents,
@@ -17,7 +18,6 @@ from medusa_mini.train.data import (
     load_corpus,
     split_documents,
 )
-from medusa_mini.io.tokenizer import make_encoding, train_bpe
 
 STDLIB = pathlib.Path(sysconfig.get_paths()["stdlib"])
 

@@ -13,12 +13,12 @@ import torch
 
 pytest.importorskip("transformers")
 
-from medusa_mini.io.checkpoint import save_checkpoint  # noqa: E402
 from medusa_mini.heads import HeadsConfig, MedusaHeads  # noqa: E402
-from medusa_mini.model import GPT, GPTConfig  # noqa: E402
+from medusa_mini.io.checkpoint import save_checkpoint  # noqa: E402
 from medusa_mini.io.tokenizer import make_encoding, save_tokenizer, train_bpe  # noqa: E402
+from medusa_mini.model import GPT, GPTConfig  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 from benchmarks import peers  # noqa: E402
 

@@ -9,10 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 import train_tiny  # noqa: E402
 from medusa_mini.io.checkpoint import load_checkpoint  # noqa: E402
+from medusa_mini.tune.trees import default_tree_name  # noqa: E402
 
 FAST = ["--preset", "smoke", "--max-bytes", "60000", "--vocab-size", "300", "--backbone-steps", "6",
         "--heads-steps", "4", "--distill-prompts", "8", "--distill-tokens", "12", "--eval-prompts", "2",
@@ -29,13 +30,15 @@ def test_a_run_writes_a_complete_checkpoint(tmp_path, capsys):
     assert train_tiny.main(FAST + ["--out", str(out)]) == 0
     names = set(os.listdir(out))
     assert {"config.json", "model.safetensors", "medusa_heads.safetensors", "medusa_config.json",
-            "tokenizer.tiktoken", "prompts.json", "heads_accuracy.json"} <= names
+            "tokenizer.tiktoken", "prompts.json", "heads_accuracy.json", "trees.json"} <= names
     assert "train_state.pt" not in names  # a finished run leaves no resume state
     text = capsys.readouterr().out
     for stage in ("tokenizer", "backbone", "distill", "heads", "summary", "official Medusa-1"):
         assert stage in text
     model, heads, cfg = load_checkpoint(out)
     assert heads.num_heads == 4 and cfg["medusa_mini"]["eot_id"] == model.config.vocab_size - 1
+    # the trees sized at the end of training are what decode.py uses by default on this device type
+    assert default_tree_name(torch.device("cpu"), str(out)) == "stored"
 
 
 def test_the_same_seed_gives_the_same_weights(tmp_path, reference_run):

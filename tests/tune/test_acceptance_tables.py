@@ -1,23 +1,31 @@
 """Measuring head acceptance: the greedy table counts hits; the sampled table is rejection sampling's
 acceptance rate for candidates drawn from the heads, over continuations sampled at T."""
 
+import itertools
 import json
 
 import pytest
 import torch
+from conftest import random_heads, save_tiny, tiny_model
 
 import decode
-from conftest import tiny_model
-from medusa_mini.sampling import Sampling, sampling_probs
+from medusa_mini.decoding import generate, medusa_generate
 from medusa_mini.io.loading import load_for_decoding
-from medusa_mini.decoding import medusa_generate
+from medusa_mini.sampling import Sampling, sampling_probs
+from medusa_mini.tree import Tree, build_tree
 from medusa_mini.tune.acceptance_tables import (
-    continuations, greedy_ranks, load_accuracy, load_greedy_ranks, measure_head_accuracy,
-    replay_greedy, sampled_temperature, save_accuracy,
+    continuations,
+    greedy_ranks,
+    load_accuracy,
+    load_greedy_ranks,
+    measure_head_accuracy,
+    replay_greedy,
+    sampled_temperature,
+    save_accuracy,
 )
-from medusa_mini.tree import Tree
 from medusa_mini.tune.trees import resolve_trees
-from test_decode_cli import save_tiny
+
+VICUNA = torch.tensor([[a * 0.45**r for r in range(10)] for a in (0.56, 0.32, 0.20, 0.15)])
 
 
 class EchoHeads:
@@ -139,8 +147,6 @@ def test_tree_auto_gives_rejection_sampling_the_tree_of_its_own_table(tmp_path, 
 
 def test_replaying_the_rank_strings_gives_exactly_the_tokens_per_step_of_greedy_medusa():
     from medusa_mini.tree import chain, preset
-    from medusa_mini.tree import build_tree
-    from test_tree_search import LookupHeads
 
     # Greedy decoding reproduces the greedy continuation token for token, so which tree path is
     # accepted at each step is fixed by where each head ranked its target: a replay, not a forecast.
@@ -178,3 +184,114 @@ def test_a_chain_replays_to_one_plus_the_run_of_leading_top1_hits():
     assert replay_greedy(["00-- 0--- ----"], chain(4)) == 2.0
     # two steps: "-" accepts nothing (1 token), then "0-" one node (2 tokens) => 3 tokens / 2 steps
     assert replay_greedy(["---- 0--- ---- ----"], chain(4)) == pytest.approx(1.5)
+
+
+class LookupHeads:
+    """Heads that know the sequences in advance: they recognise a hidden state (nearest neighbour
+    among the states of the known sequences) and put the true future token at a chosen rank.
+
+    true_rank_probs[r] = chance that the true token sits at rank r (independently per position and
+    head); with the remaining chance it is outside the top 10. [1.0] makes a perfect oracle.
+    """
+
+    def __init__(self, model, sequences, *, num_heads=4, true_rank_probs=(1.0,), seed=0):
+        self.num_heads, self.V = num_heads, model.config.vocab_size
+        states, futures = [], []
+        with torch.no_grad():
+            for s in sequences:
+                hidden = model(torch.tensor([s]))[1][0]  # [T, C]
+                for t in range(len(s)):
+                    states.append(hidden[t])
+                    futures.append([s[t + k + 2] if t + k + 2 < len(s) else -1 for k in range(num_heads)])
+        self.states, self.futures = torch.stack(states), torch.tensor(futures)  # [M, C], [M, K]
+        gen = torch.Generator().manual_seed(seed)
+        cum = torch.tensor(list(itertools.accumulate(true_rank_probs)))
+        u = torch.rand(len(futures), num_heads, generator=gen)
+        self.rank = torch.searchsorted(cum, u, right=True)  # [M, K] rank of the true token
+        self.rank[self.rank >= len(true_rank_probs)] = 10  # the leftover chance: not in the top 10
+        self.noise = torch.rand(len(futures), num_heads, self.V, generator=gen)
+
+    def __call__(self, hidden, lm_head):
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        row = torch.cdist(flat, self.states).argmin(dim=1)  # [m]
+        logits = self.noise[row].clone()  # [m, K, V] in [0, 1)
+        for i, j in enumerate(row.tolist()):
+            for k in range(self.num_heads):
+                tok, r = int(self.futures[j, k]), int(self.rank[j, k])
+                if tok < 0:
+                    continue
+                others = logits[i, k].clone()
+                others[tok] = -1.0
+                top = others.sort(descending=True).values
+                # exactly r other tokens above the true one; far below the top 10 when "absent"
+                logits[i, k, tok] = 2.0 if r == 0 else (top[r - 1] + top[r]) / 2 if r < 10 else -1.0
+        return logits.permute(1, 0, 2).reshape(self.num_heads, *hidden.shape[:-1], self.V)
+
+
+def test_greedy_continuations_equal_plain_greedy_decoding_batched_or_not():
+    model = tiny_model(0)
+    prompts = _prompts(4) + [[3, 1, 4]]
+    seqs = continuations(model, prompts, max_new_tokens=20)
+    assert seqs == [p + generate(model, p, max_new_tokens=20)[0] for p in prompts]
+
+
+def test_oracle_heads_measure_top1_accuracy_one_and_random_heads_something_small():
+    model = tiny_model(0)
+    prompts = _prompts(4)
+    seqs = continuations(model, prompts, max_new_tokens=30)
+    oracle = LookupHeads(model, seqs)
+    acc = measure_head_accuracy(model, oracle, seqs, prompt_lens=5, top_k=10)
+    assert acc.shape == (4, 10)
+    assert acc.dtype == torch.float64 and acc[:, 0].tolist() == [1.0] * 4 and acc[:, 1:].sum() == 0
+    rand = measure_head_accuracy(model, random_heads(model), torch.tensor(seqs), prompt_lens=5, top_k=10)
+    assert rand[:, 0].mean() < 0.3
+
+
+def test_measured_accuracy_counts_ranks_and_only_positions_with_a_target():
+    model = tiny_model(1)
+    seqs = continuations(model, _prompts(6), max_new_tokens=40)
+    heads = LookupHeads(model, seqs, true_rank_probs=(0.5, 0.3), seed=1)
+    acc = measure_head_accuracy(model, heads, seqs, prompt_lens=5, top_k=10, batch_size=4, chunk=16)
+    # 6 sequences x ~40 positions per head: the measured rates sit near 0.5 / 0.3 / 0 / 0.2 absent
+    assert torch.allclose(acc[:, 0], torch.full((4,), 0.5, dtype=acc.dtype), atol=0.12)
+    assert torch.allclose(acc[:, 1], torch.full((4,), 0.3, dtype=acc.dtype), atol=0.12)
+    assert acc[:, 2:].sum() == 0
+
+
+def test_measured_accuracy_predicts_measured_tokens_per_step():
+    model = tiny_model(2)
+    prompts = _prompts(6)
+    seqs = continuations(model, prompts, max_new_tokens=44)  # 40 decoded + room for 4 heads
+    heads = LookupHeads(model, seqs, true_rank_probs=(0.55, 0.2, 0.1), seed=2)
+    acc = measure_head_accuracy(model, heads, seqs, prompt_lens=5)
+    tree, expected = build_tree(acc, 8)
+    emitted = steps = 0
+    for p, s in zip(prompts, seqs):
+        out, stats = medusa_generate(model, heads, p, tree=tree, max_new_tokens=40)
+        assert out == s[5:45]  # still exactly greedy
+        emitted, steps = emitted + sum(stats.step_tokens), steps + stats.steps
+    measured = emitted / steps
+    assert 1.5 < expected and 0.8 < measured / expected < 1.2
+
+
+def test_accuracy_survives_a_save_and_load_round_trip(tmp_path):
+    path = save_accuracy(tmp_path, VICUNA, meta={"measured_on": "hand-written", "num_prompts": 0})
+    assert torch.allclose(load_accuracy(tmp_path), VICUNA.double(), atol=1e-6)
+    saved = json.loads(open(path).read())
+    assert saved["top_k"] == 10 and saved["num_heads"] == 4 and saved["measured_on"] == "hand-written"
+    assert [p.name for p in tmp_path.iterdir()] == ["heads_accuracy.json"]  # no temporary left behind
+
+
+@pytest.mark.parametrize("content", [
+    "not json", "[1, 2]", '{"acc": []}', '{"acc": [[0.5], [0.5, 0.2]]}', '{"acc": [[0.5, "x"]]}',
+    '{"acc": [[1.5]]}', '{"acc": [[0.5, 0.2]], "top_k": 3}', '{"acc": [[true]]}',
+])
+def test_a_bad_accuracy_file_gives_a_clear_error(tmp_path, content):
+    (tmp_path / "heads_accuracy.json").write_text(content)
+    with pytest.raises(ValueError, match="heads_accuracy.json"):
+        load_accuracy(tmp_path)
+
+
+def test_a_missing_accuracy_file_says_how_to_make_one(tmp_path):
+    with pytest.raises(ValueError, match="medusa_mini.cli.measure --ckpt"):
+        load_accuracy(tmp_path)

@@ -11,7 +11,6 @@ import pytest
 import regex
 import tiktoken
 
-from medusa_mini.train.data import load_corpus
 from medusa_mini.io.tokenizer import (
     CONFIG_FILE,
     GPT2_SPLIT_PATTERN,
@@ -23,6 +22,7 @@ from medusa_mini.io.tokenizer import (
     save_tokenizer_reference,
     train_bpe,
 )
+from medusa_mini.train.data import load_corpus
 
 
 @pytest.fixture(scope="module")

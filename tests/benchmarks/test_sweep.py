@@ -1,0 +1,42 @@
+"""benchmarks/sweep.py: expected against measured tokens per step, budget by budget, lossless throughout."""
+
+import json
+
+import pytest
+from conftest import save_small_checkpoint
+
+from benchmarks import sweep
+from medusa_mini.cli import measure
+
+
+def test_sweep_command_compares_expected_and_measured_and_stays_lossless(tmp_path, capsys):
+    save_small_checkpoint(tmp_path)
+    argv = ["--ckpt", str(tmp_path), "--num-prompts", "2", "--max-new-tokens", "6", "--device", "cpu"]
+    assert sweep.main(argv + ["--json"]) == 0  # no heads_accuracy.json yet: measured on the fly
+    result = json.loads(capsys.readouterr().out)
+    assert "measured now" in result["accuracy_source"]
+    assert [row["nodes"] for row in result["rows"]] == [1, 2, 4, 8, 16, 32, 64]
+    assert all(row["equal_to_greedy"] == 2 and row["tokens_per_step"] >= 1 for row in result["rows"])
+    measure.main(["--ckpt", str(tmp_path), "--prompts", "2", "--max-new-tokens", "6"])
+    capsys.readouterr()
+    assert sweep.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "accuracies: heads_accuracy.json" in out and "speedup" in out and "auto_tree" in out
+
+
+def test_sweep_at_a_temperature_measures_rejection_sampling_on_the_sampled_table(tmp_path, capsys):
+    save_small_checkpoint(tmp_path)
+    argv = ["--ckpt", str(tmp_path), "--num-prompts", "2", "--max-new-tokens", "6", "--device", "cpu",
+            "--temperature", "0.8"]
+    with pytest.raises(SystemExit) as exc:  # no sampled table yet: say how to measure it
+        sweep.main(argv)
+    assert exc.value.code == 2 and "medusa_mini.cli.measure" in capsys.readouterr().err
+    measure.main(["--ckpt", str(tmp_path), "--prompts", "2", "--max-new-tokens", "6"])
+    capsys.readouterr()
+    assert sweep.main(argv + ["--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["temperature"] == 0.8 and "sampled table" in result["accuracy_source"]
+    assert all(row["equal_to_greedy"] is None and row["tokens_per_step"] >= 1 for row in result["rows"])
+    assert sweep.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "plain sampling (T=0.8)" in out and "rejection sampling at T=0.8" in out

@@ -1,0 +1,35 @@
+"""`python -m medusa_mini.cli.measure`: the acceptance tables and this device's stored trees."""
+
+import json
+
+import pytest
+from conftest import save_small_checkpoint
+
+from benchmarks import sweep
+from medusa_mini.cli import measure
+from medusa_mini.tune.acceptance_tables import load_accuracy
+
+
+def test_recompute_command_saves_the_accuracy_and_prints_the_table(tmp_path, capsys):
+    save_small_checkpoint(tmp_path)
+    assert measure.main(["--ckpt", str(tmp_path), "--prompts", "3", "--max-new-tokens", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "top-1" in out and "64 nodes:" in out
+    assert "-- greedy acceptance" in out and "-- rejection sampling at T=0.8" in out
+    assert load_accuracy(tmp_path).shape == (3, 10) and load_accuracy(tmp_path, sampled=True).shape == (3, 10)
+    saved = json.loads((tmp_path / "heads_accuracy.json").read_text())
+    assert saved["num_prompts"] == 3 and saved["sampled_temperature"] == 0.8
+    trees = json.loads((tmp_path / "trees.json").read_text())  # this device type's default trees
+    assert set(trees) == {"cpu"} and {"greedy", "rejection", "how"} <= set(trees["cpu"])
+    assert measure.main(["--ckpt", str(tmp_path), "--prompts", "3", "--max-new-tokens", "8", "--no-trees"]) == 0
+
+
+@pytest.mark.parametrize("command, prog", [
+    (measure.main, "python -m medusa_mini.cli.measure"), (sweep.main, "python benchmarks/sweep.py"),
+])
+def test_commands_turn_bad_input_into_one_line_and_exit_status_2(tmp_path, capsys, command, prog):
+    with pytest.raises(SystemExit) as exc:
+        command(["--ckpt", str(tmp_path / "missing")])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"{prog}: error: ") and err.count("\n") == 1
