@@ -20,17 +20,35 @@ import sys
 import torch
 
 from medusa_mini.cli.common import (
-    BONUS_NOTE, OneLineParser, StepPrinter, as_flags, encode_prompt, pick_device, stat_line, use_color,
+    BONUS_NOTE,
+    OneLineParser,
+    StepPrinter,
+    as_flags,
+    encode_prompt,
+    pick_device,
+    stat_line,
+    use_color,
 )
 from medusa_mini.cli.explain import explain_step
 from medusa_mini.decoding import GenerationStats, generate, medusa_generate
-from medusa_mini.io.loading import PROMPTS_FILE, Checkpoint, load_for_decoding, load_prompts
+from medusa_mini.io.loading import (
+    PROMPTS_FILE,
+    Checkpoint,
+    load_for_decoding,
+    load_prompts,
+)
 from medusa_mini.sampling import Sampling
 from medusa_mini.tree import Tree
-from medusa_mini.tune.acceptance_tables import SAMPLING_TEMPERATURE  # the sampling rules' default temperature
+from medusa_mini.tune.acceptance_tables import (
+    SAMPLING_TEMPERATURE,  # the sampling rules' default temperature
+)
 from medusa_mini.tune.clock import timed_generation
-from medusa_mini.tune.trees import RuleTrees, default_tree_name, resolve_trees, tree_nodes_text
-
+from medusa_mini.tune.trees import (
+    RuleTrees,
+    default_tree_name,
+    resolve_trees,
+    tree_nodes_text,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -37,7 +37,12 @@ from medusa_mini.model import GPT  # noqa: E402
 from medusa_mini.sampling import Sampling  # noqa: E402
 from medusa_mini.tree import build_tree  # noqa: E402
 from medusa_mini.tune.acceptance_tables import (  # noqa: E402
-    ACCURACY_FILE, HeadsFn, accuracy_on_prompts, load_accuracy, load_greedy_ranks, replay_greedy,
+    ACCURACY_FILE,
+    HeadsFn,
+    accuracy_on_prompts,
+    load_accuracy,
+    load_greedy_ranks,
+    replay_greedy,
 )
 from medusa_mini.tune.clock import timed_generation  # noqa: E402
 from medusa_mini.tune.sizing import auto_tree  # noqa: E402

@@ -18,9 +18,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .sampling import sampling_probs
 from .heads import MedusaHeads
 from .model import GPT, KVCache
+from .sampling import sampling_probs
 
 
 def lm_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -18,8 +18,14 @@ import torch
 from ..io.loading import PROMPTS_FILE, load_for_decoding, load_prompts
 from ..tree import build_tree
 from ..tune.acceptance_tables import (
-    ACCURACY_FILE, SAMPLING_TEMPERATURE, continuations, format_accuracy, greedy_ranks, measure_head_accuracy,
-    replay_greedy, save_accuracy,
+    ACCURACY_FILE,
+    SAMPLING_TEMPERATURE,
+    continuations,
+    format_accuracy,
+    greedy_ranks,
+    measure_head_accuracy,
+    replay_greedy,
+    save_accuracy,
 )
 from ..tune.sizing import REPORT_BUDGETS
 from ..tune.trees import TREES_FILE, measure_and_store_trees

@@ -22,12 +22,18 @@ from typing import IO
 import torch
 
 from ..heads import HeadsConfig, MedusaHeads
-from .gpt2_layout import check_tensors, config_from_gpt2_dict, gpt2_config_dict, gpt2_state_dict, load_gpt2_weights
 from ..model import GPT
+from .gpt2_layout import (
+    check_tensors,
+    config_from_gpt2_dict,
+    gpt2_config_dict,
+    gpt2_state_dict,
+    load_gpt2_weights,
+)
 from .safetensors import (
-    read_json,
     SafetensorsError,
     fsync_dir,
+    read_json,
     read_safetensors,
     read_safetensors_metadata,
     remove_file,

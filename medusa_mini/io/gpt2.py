@@ -21,8 +21,8 @@ from dataclasses import replace
 
 import torch
 
-from .gpt2_layout import config_from_gpt2_dict, load_gpt2_weights
 from ..model import GPT, GPTConfig
+from .gpt2_layout import config_from_gpt2_dict, load_gpt2_weights
 from .safetensors import read_safetensors, remove_file
 
 GPT2_CONFIGS: dict[str, GPTConfig] = {

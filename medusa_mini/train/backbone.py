@@ -12,8 +12,8 @@ import os
 import tiktoken
 
 from ..io.gpt2 import GPT2_CONFIGS, load_gpt2
-from ..model import GPT
 from ..io.tokenizer import load_tokenizer, save_tokenizer, save_tokenizer_reference
+from ..model import GPT
 
 # Heads only, sized for one GPU (gpt2 124M: well under an hour), and a try-out size for a CPU.
 GPT2_PRESETS: dict[str, dict] = {

@@ -21,7 +21,11 @@ from ..io.safetensors import atomic_write_text
 from ..training import head_targets, sample_continuations
 from ..tree import build_tree, preset
 from ..tune.acceptance_tables import (
-    SAMPLING_TEMPERATURE, greedy_ranks, measure_head_accuracy, replay_greedy, save_accuracy,
+    SAMPLING_TEMPERATURE,
+    greedy_ranks,
+    measure_head_accuracy,
+    replay_greedy,
+    save_accuracy,
 )
 from ..tune.trees import TREES_FILE, measure_and_store_trees
 from .data import get_batch

@@ -17,16 +17,16 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ..io.checkpoint import save_checkpoint
-from .data import encode_documents, get_batch, load_corpus, split_documents
-from .backbone import init_backbone, save_tokenizer_for
 from ..heads import HeadsConfig, MedusaHeads
-from ..model import GPT, GPTConfig
+from ..io.checkpoint import save_checkpoint
 from ..io.tokenizer import load_tokenizer, make_encoding, save_tokenizer, train_bpe
-from .config import TrainArgs, TrainError
-from .state import STATE_FILE, DeferredInterrupt, Run, report_replicas
-from .report import held_out_prompts, summarize
+from ..model import GPT, GPTConfig
 from ..training import MedusaLM, cosine_lr, lambda_schedule, sample_continuations
+from .backbone import init_backbone, save_tokenizer_for
+from .config import TrainArgs, TrainError
+from .data import encode_documents, get_batch, load_corpus, split_documents
+from .report import held_out_prompts, summarize
+from .state import STATE_FILE, DeferredInterrupt, Run, report_replicas
 
 # ---- stages -----------------------------------------------------------------------------------
 

@@ -25,10 +25,10 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..sampling import sampling_probs
 from ..draft import draft_acceptance, draft_log_probs
-from ..model import GPT
 from ..io.safetensors import atomic_write_text, read_json
+from ..model import GPT
+from ..sampling import sampling_probs
 from ..training import sample_continuations
 from ..tree import Tree, check_acc
 

@@ -19,7 +19,12 @@ import torch
 from ..io.safetensors import atomic_write_text, read_json
 from ..sampling import Sampling
 from ..tree import Tree, build_tree, preset
-from .acceptance_tables import ACCURACY_FILE, load_accuracy, load_greedy_ranks, sampled_temperature
+from .acceptance_tables import (
+    ACCURACY_FILE,
+    load_accuracy,
+    load_greedy_ranks,
+    sampled_temperature,
+)
 from .sizing import auto_tree, measure_verify_cost
 
 TREES_FILE = "trees.json"
