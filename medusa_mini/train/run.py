@@ -104,19 +104,29 @@ def _train(r: Run, module: MedusaLM, optimizer, *, stage: str, steps: int, start
             r.save(stage=stage, step=step + 1, optimizer=optimizer, gen=gen, distill=distill)
 
 
-def _optimizer(groups: list[dict], args: TrainArgs) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(groups, betas=(0.9, 0.95), weight_decay=args.weight_decay)
+def _optimizer(params_and_lrs: list[tuple[list[torch.nn.Parameter], float]], args: TrainArgs
+               ) -> tuple[torch.optim.Optimizer, list[float]]:
+    """AdamW with weight decay on matrices only (GPT-2/nanoGPT practice): decaying LayerNorm gains and
+    biases towards 0 only fights their role. Returns the optimizer and each param group's base lr."""
+    groups, lrs = [], []
+    for params, lr in params_and_lrs:
+        for decay in (True, False):
+            chosen = [p for p in params if (p.dim() >= 2) == decay]
+            if chosen:
+                groups.append({"params": chosen, "weight_decay": args.weight_decay if decay else 0.0})
+                lrs.append(lr)
+    fused = all(p.is_cuda for g in groups for p in g["params"])  # one kernel for all tensors, CUDA only
+    return torch.optim.AdamW(groups, betas=(0.9, 0.95), fused=fused or None), lrs
 
 
 def backbone_stage(r: Run, train_tokens: np.ndarray, *, step: int, state: dict | None) -> None:
     """Next-token training; with --medusa 2 the heads train jointly (paper §2.2.2): L_LM + λ Σ 0.8^k L_k."""
     a, model, heads = r.args, r.model, r.heads
     joint = a.medusa == 2
-    groups, lrs = [{"params": list(model.parameters())}], [a.lr]
+    params_and_lrs = [(list(model.parameters()), a.lr)]
     if joint:  # heads learn faster than the backbone they sit on
-        groups.append({"params": list(heads.parameters())})
-        lrs.append(a.lr * a.heads_lr_mult)
-    opt = _optimizer(groups, a)
+        params_and_lrs.append((list(heads.parameters()), a.lr * a.heads_lr_mult))
+    opt, lrs = _optimizer(params_and_lrs, a)
     gen = torch.Generator().manual_seed(a.seed * 1009 + r.rank)
     if state and state["optim"] is not None:
         opt.load_state_dict(state["optim"])
@@ -162,7 +172,7 @@ def distill_stage(r: Run, train_tokens: np.ndarray) -> torch.Tensor:
 def heads_stage(r: Run, distill: torch.Tensor, *, step: int, state: dict | None) -> None:
     """Medusa-1 (paper §2.2.1): backbone frozen, heads trained on the backbone's own text."""
     a, heads = r.args, r.heads
-    opt = _optimizer([{"params": list(heads.parameters())}], a)
+    opt, lrs = _optimizer([(list(heads.parameters()), a.heads_lr)], a)
     gen = torch.Generator().manual_seed(a.seed * 1009 + r.rank + 1)
     if state and state["optim"] is not None and step > 0:
         opt.load_state_dict(state["optim"])
@@ -176,7 +186,7 @@ def heads_stage(r: Run, distill: torch.Tensor, *, step: int, state: dict | None)
         return seq[:, :-1], seq[:, 1:], valid_row.expand(HB, -1)
 
     _train(r, MedusaLM(r.model, heads), opt, stage="heads", steps=a.heads_steps, start=step, gen=gen,
-           batch_fn=batch, lrs=[a.heads_lr], distill=distill,
+           batch_fn=batch, lrs=lrs, distill=distill,
            loss_kwargs=lambda s: dict(lm_weight=0.0, heads_weight=1.0, decay=1.0, detach_backbone=True))
 
 

@@ -78,7 +78,7 @@ def auto_tree(acc: torch.Tensor, step_ms: dict[int, float], *, ranks: list[str] 
     """The tree whose budget N (candidates, root excluded) maximises expected tokens per second.
 
     For each N in step_ms: build_tree(acc, N); its tokens per step replayed on measured greedy
-    continuations when `ranks` are given (head_accuracy.replay_greedy: exact there), else the product
+    continuations when `ranks` are given (acceptance_tables.replay_greedy: exact there), else the product
     rule's; expected tokens/s = tokens per step / step_ms[N].
     Ties go to the smaller budget. Returns the tree and a short table explaining the choice.
     """
