@@ -12,7 +12,6 @@ Bad input (missing checkpoint, bad tree, empty prompt, ...) gives a one-line err
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
@@ -20,7 +19,6 @@ import sys
 import torch
 
 from medusa_mini.cli.common import (
-    BONUS_NOTE,
     OneLineParser,
     StepPrinter,
     as_flags,
@@ -29,8 +27,8 @@ from medusa_mini.cli.common import (
     stat_line,
     use_color,
 )
+from medusa_mini.cli.compare import compare, format_compare, generate_once, label_of
 from medusa_mini.cli.explain import explain_step
-from medusa_mini.decoding import GenerationStats, generate, medusa_generate
 from medusa_mini.io.loading import (
     PROMPTS_FILE,
     Checkpoint,
@@ -42,12 +40,10 @@ from medusa_mini.tree import Tree
 from medusa_mini.tune.acceptance_tables import (
     SAMPLING_TEMPERATURE,  # the sampling rules' default temperature
 )
-from medusa_mini.tune.clock import timed_generation
 from medusa_mini.tune.trees import (
     RuleTrees,
     default_tree_name,
     resolve_trees,
-    tree_nodes_text,
 )
 
 
@@ -127,30 +123,8 @@ def check_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
             p.error(as_flags(str(e)))
 
 
-def run(
-    ck: Checkpoint, ids: list[int], a: argparse.Namespace, *, method: str, sampling: Sampling,
-    tree: Tree | None, max_new_tokens: int | None = None, on_step=None,
-) -> tuple[list[int], GenerationStats]:
-    """One generation with its own seeded generator, so each prompt's result is reproducible alone.
-
-    The wall time of the whole call, prefill included, goes to stats.seconds."""
-    gen = torch.Generator(device=ck.model.device).manual_seed(a.seed)
-    common = dict(max_new_tokens=max_new_tokens or a.max_new_tokens, sampling=sampling, eos_id=ck.eot_id,
-                  generator=gen, on_step=on_step)
-    if method == "plain":
-        return timed_generation(ck.model.device, lambda: generate(ck.model, ids, **common))
-    return timed_generation(ck.model.device, lambda: medusa_generate(ck.model, ck.heads, ids, tree=tree, **common))
-
-
 def text_of(ck: Checkpoint, tokens: list[int]) -> str:
     return ck.enc.decode([t for t in tokens if t != ck.eot_id])
-
-
-def label_of(method: str, sampling: Sampling) -> str:
-    t = sampling.temperature
-    if method == "plain":
-        return "plain greedy" if sampling.greedy else f"plain sampling (T={t:g})"
-    return "Medusa greedy" if sampling.greedy else f"Medusa {sampling.rule} (T={t:g})"
 
 
 def generate_each(
@@ -170,7 +144,8 @@ def generate_each(
             how = f"; one {marks} per forward pass, the first from the prefill"
         print(f"=== {label}{how} ===")
         printer = StepPrinter(ck.enc, sys.stdout, eot_id=ck.eot_id, show_steps=a.show, color=color)
-        tokens, stats = run(ck, ids, a, method=a.method, sampling=a.sampling, tree=tree, on_step=printer)
+        tokens, stats = generate_once(ck, ids, method=a.method, sampling=a.sampling, tree=tree, seed=a.seed,
+                                      max_new_tokens=a.max_new_tokens, on_step=printer)
         printer.close()
         print(f"stats: {stat_line(stats, new_tokens=len(tokens), block_size=ck.block_size)}\n")
 
@@ -180,92 +155,14 @@ def json_each(
 ) -> None:
     """--json: one object per prompt per line; `tokens` are the new ids (an end token included)."""
     for text, ids in prompts:
-        tokens, stats = run(ck, ids, a, method=a.method, sampling=a.sampling, tree=tree)
+        tokens, stats = generate_once(ck, ids, method=a.method, sampling=a.sampling, tree=tree, seed=a.seed,
+                                      max_new_tokens=a.max_new_tokens)
         print(json.dumps({
             "prompt": text, "prompt_tokens": len(ids), "tokens": tokens, "text": text_of(ck, tokens),
             "steps": stats.steps, "tokens_per_step": stats.tokens_per_step, "seconds": stats.seconds,
             "stop_reason": stats.stop_reason, "method": a.method,
             "acceptance": a.sampling.acceptance if a.method == "medusa" else None, "temperature": a.temperature,
         }, ensure_ascii=False))
-
-
-def compare(
-    ck: Checkpoint, prompts: list[tuple[str, list[int]]], a: argparse.Namespace, trees: RuleTrees, tree_name: str
-) -> dict:
-    """Five ways to decode the same prompts, timed in the same run; one dict of rows and settings."""
-    t = a.temperature if a.temperature > 0 else SAMPLING_TEMPERATURE
-    greedy = dataclasses.replace(a.sampling, acceptance="greedy", temperature=0.0)
-    specs = [("plain_greedy", "plain", greedy), ("medusa_greedy", "medusa", greedy),
-             ("medusa_typical", "medusa", dataclasses.replace(greedy, acceptance="typical", temperature=t)),
-             ("plain_sampling", "plain", dataclasses.replace(greedy, acceptance="rejection", temperature=t)),
-             ("medusa_rejection", "medusa", dataclasses.replace(greedy, acceptance="rejection", temperature=t))]
-    first = prompts[0][1]
-    for method in ("plain", "medusa"):  # untimed: the first calls pay for allocation and kernel setup
-        run(ck, first, a, method=method, sampling=greedy, tree=trees.greedy, max_new_tokens=min(a.max_new_tokens, 8))
-    # Prompt-major order, every generation `repeat` times in turns: a load spike on a shared machine
-    # then slows every method alike, and the fastest of the repeats is the one it did not touch.
-    results: dict[str, list[tuple[list[int], GenerationStats]]] = {key: [] for key, *_ in specs}
-    for _, ids in prompts:
-        best: dict[str, tuple[list[int], GenerationStats]] = {}
-        for _ in range(a.repeat):
-            for key, method, sampling in specs:
-                tokens, stats = run(ck, ids, a, method=method, sampling=sampling, tree=trees.for_rule(sampling))
-                if key in best and best[key][0] != tokens:  # seeded: every repeat must make the same tokens
-                    raise RuntimeError(f"{key}: repeated generations differ; decoding is not deterministic")
-                if key not in best or stats.seconds < best[key][1].seconds:
-                    best[key] = (tokens, stats)
-        for key in best:
-            results[key].append(best[key])
-    rows = []
-    for key, method, sampling in specs:
-        outs = results[key]
-        steps = sum(s.steps for _, s in outs)
-        new = sum(len(tok) for tok, _ in outs)
-        seconds = sum(s.seconds for _, s in outs)
-        rows.append({
-            "method": label_of(method, sampling), "key": key, "decoder": method,
-            "acceptance": sampling.rule if method == "medusa" else None, "temperature": sampling.temperature,
-            "steps": steps, "new_tokens": new, "seconds": seconds,
-            "tokens_per_step": sum(sum(s.step_tokens) for _, s in outs) / steps if steps else 0.0,
-            "ms_per_token": 1000 * seconds / max(new, 1),
-            "tokens": [tok for tok, _ in outs], "stop_reasons": [s.stop_reason for _, s in outs],
-        })
-    base = rows[0]
-    for row in rows:
-        row["speedup"] = base["ms_per_token"] / row["ms_per_token"] if row["ms_per_token"] else 0.0
-        row["same_as_plain_greedy"] = row["tokens"] == base["tokens"] if row["temperature"] == 0 else None
-    return {"rows": rows, "device": str(ck.model.device), "threads": torch.get_num_threads(), "tree": tree_name,
-            "tree_nodes": trees.greedy.num_nodes,
-            "rejection_tree_nodes": trees.rejection_nodes(),
-            "prompts": len(prompts), "max_new_tokens": a.max_new_tokens, "top_p": a.top_p, "repeat": a.repeat,
-            "draft": a.draft, "note": BONUS_NOTE}
-
-
-def format_compare(result: dict) -> str:
-    head = (f"{'method':<28}{'tokens':>7}{'steps':>7}{'tokens/step':>13}{'ms/token':>10}{'speedup':>9}"
-            "  same as plain greedy")
-    lines = [head, "-" * len(head)]
-    for r in result["rows"]:
-        same = "-" if r["same_as_plain_greedy"] is None else ("yes" if r["same_as_plain_greedy"] else "no")
-        lines.append(f"{r['method']:<28}{r['new_tokens']:>7}{r['steps']:>7}{r['tokens_per_step']:>13.2f}"
-                     f"{r['ms_per_token']:>10.2f}"
-                     f"{r['speedup']:>8.2f}x  {same}")
-    top_p = f", top-p {result['top_p']:g}" if result["top_p"] < 1 else ""
-    if result.get("draft", "sampled") != "sampled":
-        top_p += "; rejection candidates: the heads' top-k"
-    threads = f"{result['threads']} thread" + ("s" if result["threads"] != 1 else "")
-    nodes = tree_nodes_text(result["tree_nodes"], result["rejection_tree_nodes"])
-    lines.append(f"\ndevice {result['device']}, {threads}; tree {result['tree']} "
-                 f"({nodes}); {result['prompts']} prompts; "
-                 f"max-new-tokens {result['max_new_tokens']}{top_p}")
-    best = f", fastest of {result['repeat']} runs in turns" if result["repeat"] > 1 else ""
-    lines.append(f"Note: {result['note']};\nplain decoding is exactly 1.00. ms/token includes the prefill{best}.")
-    for reason, what in (("context", "at the context limit"), ("eos", "at the end-of-text token")):
-        stopped = sum(row["stop_reasons"].count(reason) for row in result["rows"])
-        if stopped:
-            noun = "generation" if stopped == 1 else "generations"
-            lines.append(f"{stopped} {noun} stopped {what} (the tokens column counts what each row made).")
-    return "\n".join(lines)
 
 
 def prepare(a: argparse.Namespace) -> tuple[Checkpoint, RuleTrees | None, str | None, list[tuple[str, list[int]]]]:
@@ -312,7 +209,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"tree {tree_name}: {tree.num_nodes - 1} nodes + root, depth {tree.depth}\n{tree.draw()}\n")
             print(f"attention mask (row attends to column):\n{tree.draw_mask()}\n")
         if a.compare:
-            result = compare(ck, prompts, a, trees, tree_name)
+            result = compare(ck, prompts, sampling=a.sampling, trees=trees, tree_name=tree_name, seed=a.seed,
+                             sample_temperature=a.temperature if a.temperature > 0 else SAMPLING_TEMPERATURE,
+                             max_new_tokens=a.max_new_tokens, repeat=a.repeat)
             print(json.dumps(result) if a.json else format_compare(result))
         elif a.explain:
             print(explain_step(ck.model, ck.heads, ck.enc, prompts[0][1], tree=tree, sampling=a.sampling,

@@ -69,3 +69,19 @@ def test_importing_the_decoding_loop_loads_no_tokenizer_io_training_cli_or_bench
     ours = {m for m in loaded if m.startswith("medusa_mini.")}
     assert ours and all(m.split(".")[1] in CORE for m in ours), ours
     assert not {m for m in loaded if m.split(".")[0] in {"tiktoken", "benchmarks", "decode", "train_tiny"}}
+
+
+def test_the_readme_map_names_every_module_and_its_size():
+    # The README's map is the one description of the layout: a module added, moved or grown by more
+    # than a fifth without the map following it fails here.
+    import re
+
+    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    listed = {path: int(n) for path, n in re.findall(r"^\| `([\w/]+\.py)` \| (\d+) \|", readme, flags=re.M)}
+    modules = {os.path.relpath(os.path.join(d, f), ROOT).replace(os.sep, "/")
+               for top in ("medusa_mini", "benchmarks") for d, _, files in os.walk(os.path.join(ROOT, top))
+               for f in files if f.endswith(".py") and f != "__init__.py"}
+    assert set(listed) == modules | {"decode.py", "train_tiny.py"}
+    for path, n in listed.items():
+        actual = sum(1 for _ in open(os.path.join(ROOT, path), encoding="utf-8"))
+        assert abs(actual - n) <= max(10, actual // 5), f"README says {path} has {n} lines, it has {actual}"

@@ -14,6 +14,7 @@ import torch
 from conftest import PROMPTS, ROOT, save_tiny
 
 import decode  # noqa: E402
+from medusa_mini.cli.compare import format_compare
 from medusa_mini.io.tokenizer import load_tokenizer
 from medusa_mini.tune.trees import resolve_trees
 
@@ -87,8 +88,8 @@ def test_compare_repeats_each_generation_and_keeps_the_same_tokens(ckpt, capsys)
     assert once["repeat"] == 1 and thrice["repeat"] == 3
     for a, b in zip(once["rows"], thrice["rows"]):  # seeded: repeats change only the times
         assert (a["tokens"], a["steps"], a["tokens_per_step"]) == (b["tokens"], b["steps"], b["tokens_per_step"])
-    assert "fastest of 3 runs in turns" in decode.format_compare(thrice)
-    assert "fastest of" not in decode.format_compare(once)
+    assert "fastest of 3 runs in turns" in format_compare(thrice)
+    assert "fastest of" not in format_compare(once)
 
 
 def test_json_gives_one_object_per_prompt(ckpt, capsys):
@@ -312,10 +313,10 @@ def test_first_prompt_selects_which_stored_prompt_is_used(tmp_path, capsys):
 
 
 def test_decode_uses_the_stored_trees_and_never_measures_by_default(tmp_path, capsys, monkeypatch):
+    from medusa_mini.tree import Tree
     from medusa_mini.tune import trees as trees_module
     from medusa_mini.tune.acceptance_tables import save_accuracy
     from medusa_mini.tune.trees import RuleTrees, default_tree_name, store_trees
-    from medusa_mini.tree import Tree
 
     ckpt = str(tmp_path / "ck")
     save_tiny(ckpt, with_heads=True)
@@ -337,9 +338,9 @@ def test_decode_uses_the_stored_trees_and_never_measures_by_default(tmp_path, ca
 
 
 def test_two_runs_of_the_same_sampled_decode_print_the_same_tokens(tmp_path):
+    from medusa_mini.io.loading import load_for_decoding
     from medusa_mini.tune.acceptance_tables import save_accuracy
     from medusa_mini.tune.trees import measure_and_store_trees
-    from medusa_mini.io.loading import load_for_decoding
 
     ckpt = str(tmp_path / "ck")
     save_tiny(ckpt, with_heads=True)

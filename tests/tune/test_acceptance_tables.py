@@ -9,6 +9,7 @@ import torch
 from conftest import random_heads, save_tiny, tiny_model
 
 import decode
+from medusa_mini.cli.compare import format_compare
 from medusa_mini.decoding import generate, medusa_generate
 from medusa_mini.io.loading import load_for_decoding
 from medusa_mini.sampling import Sampling, sampling_probs
@@ -142,7 +143,7 @@ def test_tree_auto_gives_rejection_sampling_the_tree_of_its_own_table(tmp_path, 
     assert result["tree_nodes"] >= 5 and result["rejection_tree_nodes"] >= 2
     assert rows["medusa_rejection"]["tokens_per_step"] <= 2.0  # one level deep: at most 2 per step
     result["rejection_tree_nodes"] = result["tree_nodes"] + 1
-    assert f"rejection: {result['tree_nodes'] + 1}, from the sampled table" in decode.format_compare(result)
+    assert f"rejection: {result['tree_nodes'] + 1}, from the sampled table" in format_compare(result)
 
 
 def test_replaying_the_rank_strings_gives_exactly_the_tokens_per_step_of_greedy_medusa():

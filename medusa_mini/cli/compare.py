@@ -1,0 +1,165 @@
+"""`decode.py --compare`: five ways to decode the same prompts, timed in one run, in one table.
+
+Rows: plain greedy, Medusa greedy, Medusa typical, plain sampling, Medusa rejection sampling. Greedy
+Medusa must make plain greedy's tokens; in float32 it does (tests/test_decoding.py), while in bfloat16
+or float16 a tree forward and a one-token forward may round a near-tie differently. So the table never
+aborts on a difference: it says on which prompt, at which new token, and how close plain decoding's
+top two logits were there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import torch
+
+from ..decoding import GenerationStats, generate, medusa_generate
+from ..io.loading import Checkpoint
+from ..sampling import Sampling
+from ..tree import Tree
+from ..tune.clock import timed_generation
+from ..tune.trees import RuleTrees, tree_nodes_text
+from .common import BONUS_NOTE
+
+
+def generate_once(
+    ck: Checkpoint, ids: list[int], *, method: str, sampling: Sampling, tree: Tree | None, seed: int,
+    max_new_tokens: int, on_step: Callable | None = None,
+) -> tuple[list[int], GenerationStats]:
+    """One generation with its own seeded generator, so each prompt's result is reproducible alone.
+    The wall time of the whole call, prefill included, goes to stats.seconds."""
+    gen = torch.Generator(device=ck.model.device).manual_seed(seed)
+    common = dict(max_new_tokens=max_new_tokens, sampling=sampling, eos_id=ck.eot_id, generator=gen, on_step=on_step)
+    if method == "plain":
+        return timed_generation(ck.model.device, lambda: generate(ck.model, ids, **common))
+    return timed_generation(ck.model.device, lambda: medusa_generate(ck.model, ck.heads, ids, tree=tree, **common))
+
+
+def label_of(method: str, sampling: Sampling) -> str:
+    t = sampling.temperature
+    if method == "plain":
+        return "plain greedy" if sampling.greedy else f"plain sampling (T={t:g})"
+    return "Medusa greedy" if sampling.greedy else f"Medusa {sampling.rule} (T={t:g})"
+
+
+@torch.no_grad()
+def first_difference(ck: Checkpoint, prompt: list[int], reference: list[int], other: list[int]) -> dict | None:
+    """Where `other` first leaves `reference` (plain greedy's tokens), and plain decoding's margin there.
+
+    margin = top-1 minus top-2 logit of the backbone at that position, from one full forward over the
+    prompt and the agreed tokens: a margin near 0 is a near-tie that rounding may flip. None if equal.
+    """
+    pos = next((i for i, (r, o) in enumerate(zip(reference, other)) if r != o), None)
+    if pos is None:
+        if len(reference) == len(other):
+            return None
+        pos = min(len(reference), len(other))  # one stopped earlier (an end token) and the other did not
+    seq = torch.tensor(prompt + reference[:pos], device=ck.model.device)[-ck.block_size:]  # [T]
+    logits, _ = ck.model(seq[None])  # [1, T, V]
+    top2 = logits[0, -1].float().topk(2).values  # [2]
+    return {"position": pos, "margin": float(top2[0] - top2[1])}
+
+
+def compare(
+    ck: Checkpoint, prompts: list[tuple[str, list[int]]], *, sampling: Sampling, trees: RuleTrees, tree_name: str,
+    sample_temperature: float, seed: int, max_new_tokens: int, repeat: int,
+) -> dict:
+    """The five rows, timed in the same run; one dict of rows, settings and per-prompt differences.
+
+    `sampling` carries top-p, ε, δ and the draft; the sampled rows run at `sample_temperature`.
+    """
+    t = sample_temperature
+    greedy = dataclasses.replace(sampling, acceptance="greedy", temperature=0.0)
+    specs = [("plain_greedy", "plain", greedy), ("medusa_greedy", "medusa", greedy),
+             ("medusa_typical", "medusa", dataclasses.replace(greedy, acceptance="typical", temperature=t)),
+             ("plain_sampling", "plain", dataclasses.replace(greedy, acceptance="rejection", temperature=t)),
+             ("medusa_rejection", "medusa", dataclasses.replace(greedy, acceptance="rejection", temperature=t))]
+    once = dict(seed=seed, max_new_tokens=max_new_tokens)
+    for method in ("plain", "medusa"):  # untimed: the first calls pay for allocation and kernel setup
+        generate_once(ck, prompts[0][1], method=method, sampling=greedy, tree=trees.greedy,
+                      **{**once, "max_new_tokens": min(max_new_tokens, 8)})
+    # Prompt-major order, every generation `repeat` times in turns: a load spike on a shared machine
+    # then slows every method alike, and the fastest of the repeats is the one it did not touch.
+    results: dict[str, list[tuple[list[int], GenerationStats]]] = {key: [] for key, *_ in specs}
+    unsteady: set[str] = set()
+    for _, ids in prompts:
+        best: dict[str, tuple[list[int], GenerationStats]] = {}
+        for _ in range(repeat):
+            for key, method, s in specs:
+                tokens, stats = generate_once(ck, ids, method=method, sampling=s, tree=trees.for_rule(s), **once)
+                if key in best and best[key][0] != tokens:  # seeded: repeats make the same tokens, or we say so
+                    unsteady.add(key)
+                    tokens = best[key][0]
+                if key not in best or stats.seconds < best[key][1].seconds:
+                    best[key] = (tokens, stats)
+        for key in best:
+            results[key].append(best[key])
+    rows = [summarise(key, method, s, results[key]) for key, method, s in specs]
+    base = rows[0]
+    for row in rows:
+        row["speedup"] = base["ms_per_token"] / row["ms_per_token"] if row["ms_per_token"] else 0.0
+        row["same_as_plain_greedy"] = None
+        if row["temperature"] == 0:
+            row["differences"] = [
+                {"prompt": i, **d} for i, ((_, ids), ref, out) in enumerate(zip(prompts, base["tokens"], row["tokens"]))
+                if (d := first_difference(ck, ids, ref, out)) is not None]
+            row["same_as_plain_greedy"] = not row["differences"]
+        row["repeats_differ"] = row["key"] in unsteady
+    return {"rows": rows, "device": str(ck.model.device), "dtype": str(ck.model.lm_head.weight.dtype).split(".")[-1],
+            "threads": torch.get_num_threads(), "tree": tree_name, "tree_nodes": trees.greedy.num_nodes,
+            "rejection_tree_nodes": trees.rejection_nodes(), "prompts": len(prompts),
+            "max_new_tokens": max_new_tokens, "top_p": sampling.top_p, "repeat": repeat, "draft": sampling.draft,
+            "note": BONUS_NOTE}
+
+
+def summarise(key: str, method: str, sampling: Sampling, outs: list[tuple[list[int], GenerationStats]]) -> dict:
+    """One table row from a method's per-prompt results."""
+    steps = sum(s.steps for _, s in outs)
+    new = sum(len(tok) for tok, _ in outs)
+    seconds = sum(s.seconds for _, s in outs)
+    return {
+        "method": label_of(method, sampling), "key": key, "decoder": method,
+        "acceptance": sampling.rule if method == "medusa" else None, "temperature": sampling.temperature,
+        "steps": steps, "new_tokens": new, "seconds": seconds,
+        "tokens_per_step": sum(sum(s.step_tokens) for _, s in outs) / steps if steps else 0.0,
+        "ms_per_token": 1000 * seconds / max(new, 1),
+        "tokens": [tok for tok, _ in outs], "stop_reasons": [s.stop_reason for _, s in outs],
+    }
+
+
+def format_compare(result: dict) -> str:
+    head = (f"{'method':<28}{'tokens':>7}{'steps':>7}{'tokens/step':>13}{'ms/token':>10}{'speedup':>9}"
+            "  same as plain greedy")
+    lines = [head, "-" * len(head)]
+    for r in result["rows"]:
+        same = "-"
+        if r["same_as_plain_greedy"] is not None:
+            n = len(r["tokens"])
+            same = "yes" if r["same_as_plain_greedy"] else f"{n - len(r['differences'])}/{n} prompts"
+        lines.append(f"{r['method']:<28}{r['new_tokens']:>7}{r['steps']:>7}{r['tokens_per_step']:>13.2f}"
+                     f"{r['ms_per_token']:>10.2f}{r['speedup']:>8.2f}x  {same}")
+    top_p = f", top-p {result['top_p']:g}" if result["top_p"] < 1 else ""
+    if result.get("draft", "sampled") != "sampled":
+        top_p += "; rejection candidates: the heads' top-k"
+    threads = f"{result['threads']} thread" + ("s" if result["threads"] != 1 else "")
+    nodes = tree_nodes_text(result["tree_nodes"], result["rejection_tree_nodes"])
+    dtype = f", {result['dtype']}" if result.get("dtype", "float32") != "float32" else ""
+    lines.append(f"\ndevice {result['device']}{dtype}, {threads}; tree {result['tree']} ({nodes}); "
+                 f"{result['prompts']} prompts; max-new-tokens {result['max_new_tokens']}{top_p}")
+    best = f", fastest of {result['repeat']} runs in turns" if result["repeat"] > 1 else ""
+    lines.append(f"Note: {result['note']};\nplain decoding is exactly 1.00. ms/token includes the prefill{best}.")
+    for reason, what in (("context", "at the context limit"), ("eos", "at the end-of-text token")):
+        stopped = sum(row["stop_reasons"].count(reason) for row in result["rows"])
+        if stopped:
+            noun = "generation" if stopped == 1 else "generations"
+            lines.append(f"{stopped} {noun} stopped {what} (the tokens column counts what each row made).")
+    for r in result["rows"]:
+        for d in r.get("differences", []):
+            lines.append(f"{r['method']} differs from plain greedy on prompt {d['prompt'] + 1} at new token "
+                         f"{d['position'] + 1}: plain's top-2 logit margin there is {d['margin']:.3g}"
+                         + (" (a near-tie that rounding can flip)" if d["margin"] < 0.1 else ""))
+        if r.get("repeats_differ"):
+            lines.append(f"{r['method']}: repeated runs made different tokens (non-deterministic kernels); "
+                         "the first run's tokens are reported")
+    return "\n".join(lines)
