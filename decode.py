@@ -19,11 +19,13 @@ import sys
 import torch
 
 from medusa_mini.cli.common import (
+    DTYPES,
     OneLineParser,
     StepPrinter,
     as_flags,
     encode_prompt,
     pick_device,
+    pick_dtype,
     stat_line,
     use_color,
 )
@@ -81,6 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
                         " of choices (default: stored; else 8 nodes on a CPU and 64 on CUDA from"
                         " heads_accuracy.json; else the cpu or gpu preset)")
     p.add_argument("--device", help="cpu or cuda (default: cuda if available, else cpu)")
+    p.add_argument("--dtype", choices=tuple(DTYPES), default="float32",
+                   help="weights, heads and KV cache in this precision; acceptance in float32. In half "
+                        "precision a tree pass and a plain pass may round a near-tie differently: "
+                        "--compare reports where (default: %(default)s)")
     p.add_argument("--threads", type=int, metavar="N", help="torch CPU threads (default: torch's choice)")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--show", action="store_true", help="mark the tokens of each forward pass")
@@ -170,7 +176,7 @@ def prepare(a: argparse.Namespace) -> tuple[Checkpoint, RuleTrees | None, str | 
     device = pick_device(a.device)
     if a.threads is not None:
         torch.set_num_threads(a.threads)
-    ck = load_for_decoding(a.ckpt, device=device)
+    ck = load_for_decoding(a.ckpt, device=device, dtype=pick_dtype(a.dtype, device))
     needs_heads = a.method == "medusa" or a.compare or a.explain
     if needs_heads and ck.heads is None:
         wanted = "--compare" if a.compare else "--explain" if a.explain else "--method medusa"

@@ -41,6 +41,18 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {' '.join(str(message).split())}\n")
 
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    """A --dtype name as a torch dtype; half precision only where this device computes in it."""
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}: use one of {', '.join(DTYPES)}")
+    if name == "bfloat16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise ValueError("this GPU has no bfloat16; use --dtype float16 or float32")
+    return DTYPES[name]
+
+
 def pick_device(name: str | None) -> torch.device:
     """'cuda' when available, else 'cpu'; an explicit name must exist on this machine."""
     if name is None:

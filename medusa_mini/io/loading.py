@@ -48,8 +48,12 @@ def eot_id_of(config: dict, enc: tiktoken.Encoding) -> int | None:
         return None
 
 
-def load_for_decoding(directory: str, *, device: torch.device) -> Checkpoint:
-    """Model, heads (or None), tokenizer and end-of-text id from a directory train_tiny.py wrote."""
+def load_for_decoding(directory: str, *, device: torch.device, dtype: torch.dtype = torch.float32) -> Checkpoint:
+    """Model, heads (or None), tokenizer and end-of-text id from a directory train_tiny.py wrote.
+
+    `dtype` casts the backbone and the heads together (the KV cache follows the model's dtype);
+    acceptance still does its arithmetic in float32.
+    """
     if not os.path.isdir(directory):
         raise ValueError(f"checkpoint directory {directory} does not exist; train one with train_tiny.py")
     model, heads, config = load_checkpoint(directory, device=device)
@@ -60,6 +64,9 @@ def load_for_decoding(directory: str, *, device: torch.device) -> Checkpoint:
             f"the tokenizer in {directory} has {enc.n_vocab} tokens but the model only "
             f"{model.config.vocab_size}; they do not belong together"
         )
+    model.to(dtype)
+    if heads is not None:
+        heads.to(dtype)
     return Checkpoint(directory, model, heads, enc, eot_id_of(config, enc), config)
 
 

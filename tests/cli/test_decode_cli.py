@@ -353,3 +353,16 @@ def test_two_runs_of_the_same_sampled_decode_print_the_same_tokens(tmp_path):
     assert all(r.returncode == 0 for r in runs), runs[0].stderr
     tokens = [[row["tokens"] for row in json_lines(r.stdout)] for r in runs]
     assert tokens[0] == tokens[1] and len(tokens[0]) == 2 and all(len(t) == 16 for t in tokens[0])
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_compare_in_half_precision_runs_every_row_and_reports_any_difference(ckpt, capsys, dtype):
+    out = run(capsys, "--ckpt", ckpt, "--compare", "--json", "--dtype", dtype, "--max-new-tokens", "12",
+              "--num-prompts", "3", "--repeat", "1")
+    result = json.loads(out)
+    assert result["dtype"] == dtype and len(result["rows"]) == 5
+    for row in result["rows"]:
+        assert all(len(t) == 12 for t in row["tokens"])
+        if row["temperature"] == 0:  # equal, or each difference located
+            assert row["same_as_plain_greedy"] == (not row["differences"])
+            assert all(0 <= d["position"] < 12 and d["margin"] >= 0 for d in row["differences"])
