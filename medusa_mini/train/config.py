@@ -11,7 +11,6 @@ from dataclasses import dataclass
 
 from .backbone import GPT2_PRESETS
 
-
 DTYPES = ("float32", "bfloat16", "float16")  # --dtype: the autocast type of the training forward
 
 

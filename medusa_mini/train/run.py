@@ -21,12 +21,12 @@ from ..heads import HeadsConfig, MedusaHeads
 from ..io.checkpoint import save_checkpoint
 from ..io.tokenizer import load_tokenizer, make_encoding, save_tokenizer, train_bpe
 from ..model import GPT, GPTConfig
-from ..training import MedusaLM, cosine_lr, lambda_schedule, lm_loss, sample_continuations
+from ..training import MedusaLM, cosine_lr, lambda_schedule, sample_continuations
 from .backbone import init_backbone, save_tokenizer_for
 from .config import TrainArgs, TrainError
-from .device import StageClock, autocast, check_dtype, enable_tf32, grad_scaler, to_device
 from .data import encode_documents, get_batch, load_corpus, split_documents
-from .report import held_out_prompts, summarize
+from .device import StageClock, autocast, check_dtype, enable_tf32, grad_scaler, to_device
+from .report import held_out_prompts, periodic_validation, progress_line, summarize
 from .state import STATE_FILE, DeferredInterrupt, Run, report_replicas
 
 # ---- stages -----------------------------------------------------------------------------------
@@ -104,25 +104,13 @@ def _train(r: Run, module: MedusaLM, optimizer, *, stage: str, steps: int, start
         now = time.time()
         if now - t_log >= r.args.log_every or step in (start, steps - 1):
             t_log = now
-            r.log(_progress(stage, step, steps, {k: v.tolist() for k, v in metrics.items()},
+            r.log(progress_line(stage, step, steps, {k: v.tolist() for k, v in metrics.items()},
                             tokens_per_s=tokens_seen / max(now - t_start, 1e-9),
                             eta=(steps - step - 1) * max(now - t_start, 1e-9) / (step + 1 - start)))
         if evaluate is not None and ((step + 1) % r.args.eval_every == 0 or step + 1 == steps):
             evaluate(step + 1)
         if (step + 1) % save_every == 0 and step + 1 < steps:
             r.save(stage=stage, step=step + 1, optimizer=optimizer, gen=gen, distill=distill, scaler=scaler)
-
-
-def _progress(stage: str, step: int, steps: int, metrics: dict, *, tokens_per_s: float, eta: float) -> str:
-    """One progress line: the current step's losses and head top-1, throughput, time left."""
-    parts = [f"{stage:9s} step {step + 1:5d}/{steps}"]
-    if "lm" in metrics:
-        parts.append(f"lm {metrics['lm']:.3f}")
-    if "heads" in metrics:
-        parts.append("heads " + " ".join(f"{v:.2f}" for v in metrics["heads"]))
-        parts.append("top1 " + " ".join(f"{v:.2f}" for v in metrics["acc"]))
-    parts.append(f"{tokens_per_s:,.0f} tok/s  ETA {int(eta // 60)}m{int(eta % 60):02d}s")
-    return "  ".join(parts)
 
 
 def _optimizer(params_and_lrs: list[tuple[list[torch.nn.Parameter], float]], args: TrainArgs
@@ -138,26 +126,6 @@ def _optimizer(params_and_lrs: list[tuple[list[torch.nn.Parameter], float]], arg
                 lrs.append(lr)
     fused = all(p.is_cuda for g in groups for p in g["params"])  # one kernel for all tensors, CUDA only
     return torch.optim.AdamW(groups, betas=(0.9, 0.95), fused=fused or None), lrs
-
-
-def _validation(r: Run, val_tokens: np.ndarray, *, batch_size: int, block_size: int, batches: int = 8):
-    """A function step -> prints the backbone's loss on a fixed set of validation batches.
-
-    The batches are drawn once, from a generator of their own: evaluating never moves the training
-    batches' generator, so a run with and without --eval-every trains the same weights. Evaluated in
-    float32 whatever --dtype, so the figures compare across formats and with the summary's.
-    """
-    g = torch.Generator().manual_seed(r.args.seed * 7919 + 101)
-    T = min(block_size, len(val_tokens) - 1)
-    fixed = [get_batch(val_tokens, batch_size=batch_size, block_size=T, generator=g, device=r.device)
-             for _ in range(batches)]
-
-    @torch.no_grad()
-    def evaluate(step: int) -> None:
-        total = sum(lm_loss(r.model(x)[0], y) for x, y in fixed) / len(fixed)  # one read for all batches
-        r.log(f"{'eval':9s} step {step:5d}/{r.args.backbone_steps}  validation loss {total.item():.3f}")
-
-    return evaluate
 
 
 def backbone_stage(r: Run, train_tokens: np.ndarray, val_tokens: np.ndarray, *, step: int,
@@ -181,7 +149,7 @@ def backbone_stage(r: Run, train_tokens: np.ndarray, val_tokens: np.ndarray, *, 
 
     evaluate = None
     if a.eval_every and r.main:
-        evaluate = _validation(r, val_tokens, batch_size=B, block_size=T)
+        evaluate = periodic_validation(r, val_tokens, batch_size=B, block_size=T)
 
     def loss_kwargs(s: int) -> dict:
         w = lambda_schedule(s, a.backbone_steps, lambda0=a.lambda0) if joint else 0.0
