@@ -3,6 +3,7 @@
 import pytest
 import torch
 from conftest import tiny_model
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from medusa_mini.heads import HeadsConfig, MedusaHeads
 from medusa_mini.model import GPT, GPTConfig
@@ -204,3 +205,37 @@ def test_training_metrics_stay_on_the_device_and_equal_the_per_step_reads():
         assert metrics["lm"].item() == torch.nn.functional.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten()).item()
         assert metrics["acc"].tolist() == accs
         assert [round(v, 5) for v in metrics["heads"].tolist()] == [round(l.item(), 5) for l in losses]
+
+
+class _ValueReads(TorchDispatchMode):
+    """Records the operators that must copy a value to the host (a GPU would stall on each)."""
+
+    SYNCING = ("aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select", "aten::equal")
+
+    def __init__(self):
+        super().__init__()
+        self.reads = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func._schema.name in self.SYNCING:
+            self.reads.append(func._schema.name)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("stage", ["joint", "heads"])
+def test_a_training_step_never_reads_a_value_from_the_device(stage):
+    model = _tied_model()
+    heads = MedusaHeads(HeadsConfig(num_heads=2, n_embd=32, vocab_size=50), lm_head_weight=model.lm_head.weight)
+    x = torch.randint(0, 50, (4, 17), generator=torch.Generator().manual_seed(6))
+    valid = torch.ones(4, 16, dtype=torch.bool)
+    valid[:, :5] = False
+    kw = (dict(lm_weight=1.0, heads_weight=0.2, decay=0.8, heads_stride=3, heads_offset=2) if stage == "joint"
+          else dict(lm_weight=0.0, heads_weight=1.0, decay=1.0, detach_backbone=True, valid=valid, heads_chunk=5))
+    with _ValueReads() as mode:
+        loss, metrics = MedusaLM(model, heads)(x[:, :-1], x[:, 1:], **kw)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_([p for p in heads.parameters()], 1.0)
+    assert mode.reads == []
+    with _ValueReads() as mode:  # the check can fail: the plain masked loss reads the device
+        medusa_head_losses(heads(torch.randn(4, 16, 32), model.lm_head), x[:, 1:], valid=valid)
+    assert "aten::_local_scalar_dense" in mode.reads  # its .item() per head
