@@ -110,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", help="cpu or cuda (default: cuda if available)")
     p.add_argument("--shape", default="gpt2", choices=sorted(GPT2_CONFIGS), help="backbone shape (default: gpt2)")
     p.add_argument("--heads", type=int, default=4, help="Medusa heads K (default: 4)")
-    p.add_argument("--batch", type=int, default=DEFAULT_BATCH, help=f"sequences (default: {DEFAULT_BATCH}, the gpt2 preset's)")
+    p.add_argument("--batch", type=int, default=DEFAULT_BATCH,
+                   help=f"sequences (default: {DEFAULT_BATCH}, the gpt2 preset's)")
     p.add_argument("--positions", type=int, default=DEFAULT_POSITIONS,
                    help=f"positions per sequence (default: {DEFAULT_POSITIONS}, the gpt2 preset's)")
     p.add_argument("--chunk", type=int, help="positions per chunk (default: train_tiny.py's)")

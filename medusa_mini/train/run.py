@@ -104,9 +104,10 @@ def _train(r: Run, module: MedusaLM, optimizer, *, stage: str, steps: int, start
         now = time.time()
         if now - t_log >= r.args.log_every or step in (start, steps - 1):
             t_log = now
-            r.log(progress_line(stage, step, steps, {k: v.tolist() for k, v in metrics.items()},
-                            tokens_per_s=tokens_seen / max(now - t_start, 1e-9),
-                            eta=(steps - step - 1) * max(now - t_start, 1e-9) / (step + 1 - start)))
+            elapsed = max(now - t_start, 1e-9)
+            eta = (steps - step - 1) * elapsed / (step + 1 - start)
+            values = {k: v.tolist() for k, v in metrics.items()}  # the one place the loop reads the device
+            r.log(progress_line(stage, step, steps, values, tokens_per_s=tokens_seen / elapsed, eta=eta))
         if evaluate is not None and ((step + 1) % r.args.eval_every == 0 or step + 1 == steps):
             evaluate(step + 1)
         if (step + 1) % save_every == 0 and step + 1 < steps:
@@ -201,7 +202,8 @@ def heads_stage(r: Run, distill: torch.Tensor, *, step: int, state: dict | None)
         return seq[:, :-1], seq[:, 1:], valid_row.expand(HB, -1)
 
     _train(r, MedusaLM(r.model, heads), opt, stage="heads", steps=a.heads_steps, start=step, gen=gen,
-           batch_fn=batch, lrs=lrs, distill=distill, scaler_state=state.get("scaler") if state and step > 0 else None,
+           batch_fn=batch, lrs=lrs, distill=distill,
+           scaler_state=state.get("scaler") if state and step > 0 else None,
            loss_kwargs=lambda s: dict(lm_weight=0.0, heads_weight=1.0, decay=1.0, detach_backbone=True))
 
 
