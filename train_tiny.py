@@ -18,7 +18,8 @@ import os
 import sys
 
 from medusa_mini.cli.common import OneLineParser, pick_device
-from medusa_mini.train.config import FLAG_HELP, PRESETS, TrainArgs, TrainError
+from medusa_mini.train.config import DTYPES, FLAG_HELP, PRESETS, TrainArgs, TrainError
+from medusa_mini.train.device import check_dtype, default_dtype
 from medusa_mini.train.run import STATE_FILE, run
 
 
@@ -43,6 +44,9 @@ def parse_args(argv: list[str] | None = None) -> TrainArgs:
     p.add_argument("--resume", action="store_true", help="continue an interrupted run in --out exactly")
     p.add_argument("--seed", type=int, default=0, help="seeds the model, the batches and the sampling (default: 0)")
     p.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    p.add_argument("--dtype", choices=DTYPES,
+                   help="number format of the training forward (autocast; float16 adds loss scaling; "
+                        "default: float32 on CPU, bfloat16 on CUDA, float16 on GPUs without bfloat16)")
     p.add_argument("--threads", type=int, help="torch CPU threads")
     p.add_argument("--save-every", type=int, default=None, help="steps between checkpoints (default: a fifth of a stage)")
     p.add_argument("--log-every", type=float, default=10.0, help="seconds between progress lines (default: 10)")
@@ -62,6 +66,11 @@ def parse_args(argv: list[str] | None = None) -> TrainArgs:
         device = str(pick_device(ns.device))
     except ValueError as e:
         p.error(str(e))
+    dtype = ns.dtype or default_dtype(device)
+    try:
+        check_dtype(dtype, device)
+    except TrainError as e:
+        p.error(str(e))
     for name in ("threads", "save_every"):
         if getattr(ns, name) is not None and getattr(ns, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
@@ -76,7 +85,7 @@ def parse_args(argv: list[str] | None = None) -> TrainArgs:
     try:
         return TrainArgs(
             preset=preset, data=ns.data, out=ns.out, init=ns.init, tokenizer=ns.tokenizer, resume=ns.resume, seed=ns.seed,
-            device=device, threads=ns.threads, save_every=ns.save_every, log_every=ns.log_every,
+            device=device, dtype=dtype, threads=ns.threads, save_every=ns.save_every, log_every=ns.log_every,
             interrupt_at=ns.interrupt_at, **values,
         )
     except ValueError as e:

@@ -17,6 +17,7 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from .heads import MedusaHeads
 from .model import GPT, KVCache
@@ -48,9 +49,11 @@ def medusa_head_losses(
     head_logits: torch.Tensor, y: torch.Tensor, *, valid: torch.Tensor | None = None,
     positions: torch.Tensor | None = None,
 ) -> tuple[list[torch.Tensor], list[float]]:
-    """Per-head cross-entropy and top-1 accuracy. head_logits [K, B, T', V], y [B, T] -> K losses, K accs.
+    """Per-head cross-entropy and top-1 accuracy, the plain way: the definition `chunked_head_loss` must
+    reproduce. head_logits [K, B, T', V], y [B, T] -> K losses, K accs.
 
     positions [T'] (optional): the columns of y the head logits were computed at (default: all T).
+    Boolean-mask indexing and `.item()` wait for the device; training uses `chunked_head_loss`.
     """
     losses, accs = [], []
     for i in range(head_logits.shape[0]):
@@ -66,6 +69,78 @@ def medusa_head_losses(
         losses.append(F.cross_entropy(logits.float(), target))
         accs.append((logits.argmax(-1) == target).float().mean().item())
     return losses, accs
+
+
+IGNORE = -100  # F.cross_entropy's default ignore_index: a position with no target
+
+
+def stacked_head_targets(
+    y: torch.Tensor, num_heads: int, *, valid: torch.Tensor | None = None, positions: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """All K heads' targets as one tensor [K, B, T'], IGNORE where a head has no (trainable) target.
+
+    Marking invalid positions instead of removing them keeps every shape fixed, so nothing has to wait
+    for the device to count them (boolean-mask indexing would).
+    """
+    rows = []
+    for k in range(1, num_heads + 1):
+        tgt, mask = head_targets(y, k, valid)  # [B, T] each
+        rows.append(tgt.masked_fill(~mask, IGNORE))
+    targets = torch.stack(rows)  # [K, B, T]
+    return targets if positions is None else targets[:, :, positions]  # [K, B, T']
+
+
+# Logits per chunk, K x positions x V elements (256 MB in float32). The cpu preset's heads stage
+# (4 x 32·127 x 2048 ≈ 33M) fits in one chunk, so its numbers match the unchunked loss bit for bit;
+# GPT-2's vocabulary (4 x 32·159 x 50257 ≈ 1G) takes 16 chunks instead of 4 GB at once.
+HEAD_LOGITS_PER_CHUNK = 2**26
+
+
+def head_chunk_size(num_heads: int, vocab_size: int, *, budget: int = HEAD_LOGITS_PER_CHUNK) -> int:
+    """Positions per chunk so that one chunk's logits [K, positions, V] hold at most `budget` elements."""
+    return max(1, budget // (num_heads * vocab_size))
+
+
+def _chunk_head_sums(heads: MedusaHeads, lm_head: nn.Module, h: torch.Tensor, targets: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk: h [M, C], targets [K, M] -> summed cross-entropy per head [K] and top-1 hits [K]."""
+    logits = heads(h, lm_head).float()  # [K, M, V]
+    K, M, V = logits.shape
+    ce = F.cross_entropy(logits.reshape(K * M, V), targets.reshape(K * M), ignore_index=IGNORE, reduction="none")
+    hits = (logits.detach().argmax(-1) == targets).sum(-1)  # [K]; IGNORE never equals a token
+    return ce.view(K, M).sum(-1), hits.to(logits.dtype)
+
+
+def chunked_head_loss(
+    heads: MedusaHeads, lm_head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, *,
+    chunk_size: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Medusa heads' cross-entropy (paper §2.2.1) without materialising all K x B x T x V logits at once.
+
+    hidden [B, T, C], targets [K, B, T] (IGNORE where none) -> mean cross-entropy per head [K] and
+    top-1 accuracy per head [K] (detached), both over the positions that have a target; 0 for a head
+    with none. Positions go through heads -> lm_head -> cross-entropy `chunk_size` at a time
+    (default: head_chunk_size). With more than one chunk each runs under torch.utils.checkpoint: its
+    logits are freed after the forward and recomputed in the backward, so both passes hold one chunk's
+    logits at a time, at the price of computing the heads and the lm_head twice. Everything stays on
+    the device: no `.item()`, no data-dependent shapes.
+    """
+    K, C = targets.shape[0], hidden.shape[-1]
+    h = hidden.reshape(-1, C)  # [B·T, C]
+    tgt = targets.reshape(K, -1)  # [K, B·T]
+    n = h.shape[0]
+    size = chunk_size or head_chunk_size(K, heads.config.vocab_size)
+    if size >= n:  # one chunk: nothing to free early, so no recomputation either
+        ce_sum, hits = _chunk_head_sums(heads, lm_head, h, tgt)
+    else:
+        ce_sum = hits = 0
+        for i in range(0, n, size):
+            # preserve_rng_state=False: the chunk draws no random numbers, so there is no state to replay
+            c, t = checkpoint(_chunk_head_sums, heads, lm_head, h[i : i + size], tgt[:, i : i + size],
+                              use_reentrant=False, preserve_rng_state=False)
+            ce_sum, hits = ce_sum + c, hits + t
+    counts = (tgt != IGNORE).sum(-1).clamp(min=1).to(ce_sum.dtype)  # [K]
+    return ce_sum / counts, hits / counts
 
 
 def head_weights(num_heads: int, *, decay: float) -> list[float]:
@@ -108,12 +183,15 @@ class MedusaLM(nn.Module):
         detach_backbone: bool = False,
         heads_stride: int = 1,
         heads_offset: int = 0,
+        heads_chunk: int | None = None,
     ) -> tuple[torch.Tensor, dict]:
-        """Total loss and a metrics dict. x, y: [B, T]; valid [B, T] marks trainable targets.
+        """Total loss and a metrics dict of detached tensors. x, y: [B, T]; valid [B, T] marks trainable targets.
 
         heads_stride s > 1 trains the heads at every s-th position only (from heads_offset):
         K full-vocabulary projections per position would otherwise cost more than the backbone; the caller
-        moves heads_offset each step so every position is trained in turn.
+        moves heads_offset each step so every position is trained in turn. heads_chunk: positions per
+        chunk of the heads' loss (see chunked_head_loss). Metrics stay on the device ("lm" [], "heads"
+        [K], "acc" [K]) so a training step never waits for them; the caller reads them when it prints.
         """
         if lm_weight == 0.0 and detach_backbone:
             with torch.no_grad():  # frozen backbone: hidden states only, no lm_head over all positions
@@ -125,7 +203,7 @@ class MedusaLM(nn.Module):
         metrics: dict = {}
         if logits is not None:
             ce = lm_loss(logits, y)
-            metrics["lm"] = ce.item()
+            metrics["lm"] = ce.detach()
             loss = loss + lm_weight * ce
         if self.heads is not None and heads_weight > 0:
             h = hidden.detach() if detach_backbone else hidden
@@ -133,11 +211,11 @@ class MedusaLM(nn.Module):
             if heads_stride > 1:
                 positions = torch.arange(heads_offset % heads_stride, x.shape[1], heads_stride, device=x.device)  # [T']
                 h = h[:, positions]  # [B, T', C]
-            head_logits = self.heads(h, self.model.lm_head)  # [K, B, T', V]
-            losses, accs = medusa_head_losses(head_logits, y, valid=valid, positions=positions)
-            weights = head_weights(len(losses), decay=decay)
-            loss = loss + heads_weight * sum(w * l for w, l in zip(weights, losses))
-            metrics["heads"] = [l.item() for l in losses]
+            targets = stacked_head_targets(y, self.heads.num_heads, valid=valid, positions=positions)  # [K, B, T']
+            losses, accs = chunked_head_loss(self.heads, self.model.lm_head, h, targets, chunk_size=heads_chunk)
+            weights = head_weights(self.heads.num_heads, decay=decay)
+            loss = loss + heads_weight * sum(w * l for w, l in zip(weights, losses.unbind()))
+            metrics["heads"] = losses.detach()
             metrics["acc"] = accs
         return loss, metrics
 

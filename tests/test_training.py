@@ -1,18 +1,24 @@
 """Training rules (paper §2.2): head targets, Medusa-1 freezes the backbone, Medusa-2 trains both."""
 
+import pytest
 import torch
 from conftest import tiny_model
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from medusa_mini.heads import HeadsConfig, MedusaHeads
 from medusa_mini.model import GPT, GPTConfig
 from medusa_mini.training import (
+    IGNORE,
     MedusaLM,
+    chunked_head_loss,
     cosine_lr,
+    head_chunk_size,
     head_targets,
     head_weights,
     lambda_schedule,
     medusa_head_losses,
     sample_continuations,
+    stacked_head_targets,
 )
 
 
@@ -125,3 +131,112 @@ def test_self_distillation_sampling_is_seeded_and_never_exceeds_the_context():
     a = sample_continuations(model, prompts, max_new_tokens=50, temperature=1.0, generator=torch.Generator().manual_seed(0))
     b = sample_continuations(model, prompts, max_new_tokens=50, temperature=1.0, generator=torch.Generator().manual_seed(0))
     assert torch.equal(a, b) and a.shape == (3, 16)
+
+
+def _heads_setup(seed=0, *, V=50, C=32, K=3):
+    torch.manual_seed(seed)
+    lm_head = torch.nn.Linear(C, V, bias=False)
+    heads = MedusaHeads(HeadsConfig(num_heads=K, n_embd=C, vocab_size=V), lm_head_weight=lm_head.weight)
+    for block in heads.blocks:  # zero-initialised blocks would hide a wrong gradient
+        torch.nn.init.normal_(block.linear.weight, std=0.3)
+    return heads, lm_head
+
+
+def test_stacked_targets_mark_what_head_targets_masks_as_ignored():
+    y = torch.randint(0, 9, (2, 7), generator=torch.Generator().manual_seed(0))
+    valid = torch.rand(2, 7, generator=torch.Generator().manual_seed(1)) > 0.3
+    targets = stacked_head_targets(y, 3, valid=valid)  # [K, B, T]
+    for k in range(3):
+        tgt, mask = head_targets(y, k + 1, valid)
+        assert torch.equal(targets[k] != IGNORE, mask) and torch.equal(targets[k][mask], tgt[mask])
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 16, 29, 1000])  # 29 does not divide 2 x 20 = 40 positions: ragged
+def test_chunked_head_loss_equals_the_plain_masked_loss_in_values_and_gradients(chunk):
+    heads, lm_head = _heads_setup()
+    h = torch.randn(2, 20, 32, generator=torch.Generator().manual_seed(2), requires_grad=True)  # [B, T, C]
+    y = torch.randint(0, 50, (2, 20), generator=torch.Generator().manual_seed(3))
+    valid = torch.ones(2, 20, dtype=torch.bool)
+    valid[:, :6] = False  # ignored positions inside the rows, as the heads stage's prompts are
+    weights = torch.tensor([1.0, 0.8, 0.64])
+
+    def grads(losses):
+        return torch.autograd.grad((weights * losses).sum(), [h, *heads.parameters(), lm_head.weight])
+
+    want, want_acc = medusa_head_losses(heads(h, lm_head), y, valid=valid)
+    want = torch.stack(want)
+    got, acc = chunked_head_loss(heads, lm_head, h, stacked_head_targets(y, 3, valid=valid), chunk_size=chunk)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    assert acc.tolist() == want_acc and not acc.requires_grad
+    for g, w in zip(grads(got), grads(want)):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-7)
+
+
+def test_a_head_without_any_target_has_zero_loss_and_accuracy_not_nan():
+    heads, lm_head = _heads_setup()
+    h = torch.randn(1, 3, 32)
+    targets = torch.full((3, 1, 3), IGNORE)
+    loss, acc = chunked_head_loss(heads, lm_head, h, targets, chunk_size=2)
+    assert loss.tolist() == [0.0, 0.0, 0.0] and acc.tolist() == [0.0, 0.0, 0.0]
+
+
+def test_default_chunks_keep_the_cpu_preset_whole_and_bound_gpt2_vocabulary():
+    positions_cpu_heads = 32 * (32 + 96 - 1)  # cpu preset: heads batch x (prompt + distilled tokens - 1)
+    assert head_chunk_size(4, 2048) >= positions_cpu_heads  # one chunk: no recomputation
+    size = head_chunk_size(4, 50257)
+    assert size < 32 * (32 + 128 - 1) and 4 * size * 50257 <= 2**26  # gpt2 preset: several bounded chunks
+
+
+def test_training_metrics_stay_on_the_device_and_equal_the_per_step_reads():
+    """MedusaLM returns tensors; read at a log step they are the numbers the .item() per step gave."""
+    model = _tied_model()
+    heads = MedusaHeads(HeadsConfig(num_heads=3, n_embd=32, vocab_size=50), lm_head_weight=model.lm_head.weight)
+    for block in heads.blocks:
+        torch.nn.init.normal_(block.linear.weight, std=0.3)
+    x = torch.randint(0, 50, (4, 17), generator=torch.Generator().manual_seed(5))
+    for stride in (1, 3):
+        _, metrics = MedusaLM(model, heads)(x[:, :-1], x[:, 1:], lm_weight=1.0, heads_weight=0.5, decay=0.8,
+                                            heads_stride=stride, heads_offset=1)
+        assert all(isinstance(v, torch.Tensor) and not v.requires_grad for v in metrics.values())
+        logits, hidden = model(x[:, :-1])
+        pos = torch.arange(1, 16, stride) if stride > 1 else None
+        h = hidden[:, pos] if pos is not None else hidden
+        losses, accs = medusa_head_losses(heads(h, model.lm_head), x[:, 1:], positions=pos)
+        lm = torch.nn.functional.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten())
+        assert metrics["lm"].item() == lm.item()
+        assert metrics["acc"].tolist() == accs
+        assert [round(v, 5) for v in metrics["heads"].tolist()] == [round(l.item(), 5) for l in losses]
+
+
+class _ValueReads(TorchDispatchMode):
+    """Records the operators that must copy a value to the host (a GPU would stall on each)."""
+
+    SYNCING = ("aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select", "aten::equal")
+
+    def __init__(self):
+        super().__init__()
+        self.reads = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func._schema.name in self.SYNCING:
+            self.reads.append(func._schema.name)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("stage", ["joint", "heads"])
+def test_a_training_step_never_reads_a_value_from_the_device(stage):
+    model = _tied_model()
+    heads = MedusaHeads(HeadsConfig(num_heads=2, n_embd=32, vocab_size=50), lm_head_weight=model.lm_head.weight)
+    x = torch.randint(0, 50, (4, 17), generator=torch.Generator().manual_seed(6))
+    valid = torch.ones(4, 16, dtype=torch.bool)
+    valid[:, :5] = False
+    kw = (dict(lm_weight=1.0, heads_weight=0.2, decay=0.8, heads_stride=3, heads_offset=2) if stage == "joint"
+          else dict(lm_weight=0.0, heads_weight=1.0, decay=1.0, detach_backbone=True, valid=valid, heads_chunk=5))
+    with _ValueReads() as mode:
+        loss, metrics = MedusaLM(model, heads)(x[:, :-1], x[:, 1:], **kw)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_([p for p in heads.parameters()], 1.0)
+    assert mode.reads == []
+    with _ValueReads() as mode:  # the check can fail: the plain masked loss reads the device
+        medusa_head_losses(heads(torch.randn(4, 16, 32), model.lm_head), x[:, 1:], valid=valid)
+    assert "aten::_local_scalar_dense" in mode.reads  # its .item() per head

@@ -259,9 +259,27 @@ def load_gpt2(
             raise ValueError(f"{path!r} is no local file or directory, nor one of {', '.join(GPT2_CONFIGS)}")
         path = download_gpt2(path, cache_dir=cache_dir, progress=progress)
     config, tensors, weights = _read_local(path)
-    model = GPT(config)
+    model = empty_gpt(config, device=device)
     try:
         load_gpt2_weights(model, tensors)
     except ValueError as e:
         raise ValueError(f"{weights}: {e}") from None
-    return model.to(device).eval()
+    return model.eval()
+
+
+def empty_gpt(config: GPTConfig, *, device: torch.device | str = "cpu") -> GPT:
+    """A GPT with uninitialised weights on `device`, for loading weights into.
+
+    Built on the meta device (shapes, no storage), then given storage on `device`: no random
+    initialisation that loading overwrites anyway (GPT-2 XL's 1.5B parameters take a while), and no
+    full copy on the CPU first. Falls back to a normal construction where a PyTorch build cannot do this.
+    """
+    try:
+        with torch.device("meta"):
+            model = GPT(config)
+        model = model.to_empty(device=device)
+        # to_empty gives every parameter entry new storage, the tied pair included: tie them again
+        model.lm_head.weight = model.transformer.wte.weight
+        return model
+    except (RuntimeError, NotImplementedError):
+        return GPT(config).to(device)

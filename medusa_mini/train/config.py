@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 from .backbone import GPT2_PRESETS
 
+DTYPES = ("float32", "bfloat16", "float16")  # --dtype: the autocast type of the training forward
+
 
 class TrainError(Exception):
     """A problem the user can fix (bad data, a clashing --resume, ...): one line, exit code 2."""
@@ -27,6 +29,7 @@ class TrainArgs:
     resume: bool = False
     seed: int = 0
     device: str = "cpu"
+    dtype: str = "float32"
     threads: int | None = None
     save_every: int | None = None
     log_every: float = 10.0
@@ -57,9 +60,13 @@ class TrainArgs:
     heads_batch_size: int = 32
     heads_lr: float = 1e-3
     eval_prompts: int = 16
+    eval_every: int = 0
+    heads_chunk: int = 0
 
-    _RUN_FIELDS = ("preset", "data", "out", "init", "tokenizer", "resume", "seed", "device", "threads",
+    _RUN_FIELDS = ("preset", "data", "out", "init", "tokenizer", "resume", "seed", "device", "dtype", "threads",
                    "save_every", "log_every", "interrupt_at")
+    # flags that change how a run is computed or reported, not what it trains: free to change on --resume
+    _NOT_IDENTITY = ("eval_every", "heads_chunk")
 
     def __post_init__(self) -> None:
         for name, value in self.overridable().items():
@@ -81,6 +88,8 @@ class TrainArgs:
             raise ValueError(f"--distill-temperatures must be numbers like 0,0.8: {self.distill_temperatures!r}")
         if not temps or any(t < 0 for t in temps):
             raise ValueError("--distill-temperatures must be >= 0")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.init:  # a pretrained backbone stays frozen: heads only (Medusa-1)
             self.backbone_steps, self.medusa = 0, 1
 
@@ -93,8 +102,8 @@ class TrainArgs:
 
     def identity(self) -> dict:
         """What must match for --resume: the hyper-parameters, the data and the seed."""
-        d = {k: getattr(self, k) for k in self.overridable()}
-        d.update(data=self.data, init=self.init, tokenizer=self.tokenizer, seed=self.seed)
+        d = {k: getattr(self, k) for k in self.overridable() if k not in self._NOT_IDENTITY}
+        d.update(data=self.data, init=self.init, tokenizer=self.tokenizer, seed=self.seed, dtype=self.dtype)
         return d
 
 
@@ -112,6 +121,8 @@ FLAG_HELP = {
     "distill_temperatures": "comma-separated sampling temperatures, cycled (0 = greedy)",
     "heads_steps": "heads-only optimizer steps on the self-distilled text", "heads_batch_size": "heads batch",
     "heads_lr": "heads learning rate", "eval_prompts": "held-out prompts saved for decode.py",
+    "eval_every": "backbone steps between validation losses (0: only the summary's)",
+    "heads_chunk": "positions per chunk of the heads' loss (0: as many as fit 2^26 logits)",
 }
 
 PRESETS: dict[str, dict] = {
@@ -121,8 +132,9 @@ PRESETS: dict[str, dict] = {
                   distill_tokens=48, heads_steps=80, heads_batch_size=16, eval_prompts=4),
     # two CPU cores, about a quarter of an hour
     "cpu": dict(),
-    # one GPU, a few minutes
-    "gpu": dict(vocab_size=4096, n_layer=8, n_head=8, n_embd=512, block_size=256, batch_size=64,
+    # one GPU, a few minutes; the whole standard library (~11 MB, ~3M tokens at this vocabulary)
+    # rather than 3 MB, so 4000 steps x 16K tokens are ~20 passes over the text instead of ~85
+    "gpu": dict(max_bytes=16_000_000, eval_every=250, vocab_size=4096, n_layer=8, n_head=8, n_embd=512, block_size=256, batch_size=64,
                 backbone_steps=4000, lr=6e-4, distill_prompts=4096, distill_tokens=128,
                 heads_steps=1500, heads_batch_size=128, eval_prompts=32),
     **GPT2_PRESETS,  # --init gpt2...: heads on a frozen GPT-2

@@ -21,6 +21,8 @@ import numpy as np
 import tiktoken
 import torch
 
+from .device import to_device
+
 Document = tuple[str, str]
 
 DOCUMENT_CHARS = 64 * 1024
@@ -224,4 +226,4 @@ def get_batch(
     windows = tokens[starts[:, None] + np.arange(block_size + 1)].astype(np.int64)
     x = torch.from_numpy(np.ascontiguousarray(windows[:, :-1]))
     y = torch.from_numpy(np.ascontiguousarray(windows[:, 1:]))
-    return x.to(device), y.to(device)
+    return to_device(x, device), to_device(y, device)

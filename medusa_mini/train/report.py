@@ -1,6 +1,7 @@
 """What `train_tiny.py` reports and leaves behind after training: the summary, the default trees and
 held-out prompts.
 
+Along the way: the progress lines and the backbone's validation loss every --eval-every steps.
 The summary is measured, never assumed: validation loss, each head's top-1/top-5 accuracy on held-out
 text, each head's accuracy against the backbone's own greedy continuation (what decoding actually
 meets), and the tokens per step a tree built from those accuracies should give.
@@ -18,7 +19,7 @@ import torch
 
 from ..io.loading import PROMPTS_FILE
 from ..io.safetensors import atomic_write_text
-from ..training import head_targets, sample_continuations
+from ..training import head_targets, lm_loss, sample_continuations
 from ..tree import build_tree, preset
 from ..tune.acceptance_tables import (
     SAMPLING_TEMPERATURE,
@@ -61,6 +62,38 @@ def text_accuracy(model, heads, val_tokens: np.ndarray, *, batches: int = 8, bat
         [a / max(c, 1) for a, c in zip(top1, counts)],
         [a / max(c, 1) for a, c in zip(top5, counts)],
     )
+
+
+def progress_line(stage: str, step: int, steps: int, metrics: dict, *, tokens_per_s: float, eta: float) -> str:
+    """One progress line: the current step's losses and head top-1, throughput, time left."""
+    parts = [f"{stage:9s} step {step + 1:5d}/{steps}"]
+    if "lm" in metrics:
+        parts.append(f"lm {metrics['lm']:.3f}")
+    if "heads" in metrics:
+        parts.append("heads " + " ".join(f"{v:.2f}" for v in metrics["heads"]))
+        parts.append("top1 " + " ".join(f"{v:.2f}" for v in metrics["acc"]))
+    parts.append(f"{tokens_per_s:,.0f} tok/s  ETA {int(eta // 60)}m{int(eta % 60):02d}s")
+    return "  ".join(parts)
+
+
+def periodic_validation(r, val_tokens: np.ndarray, *, batch_size: int, block_size: int, batches: int = 8):
+    """A function step -> prints the backbone's loss on a fixed set of validation batches.
+
+    The batches are drawn once, from a generator of their own: evaluating never moves the training
+    batches' generator, so a run with and without --eval-every trains the same weights. Evaluated in
+    float32 whatever --dtype, so the figures compare across formats and with the summary's.
+    """
+    g = torch.Generator().manual_seed(r.args.seed * 7919 + 101)
+    T = min(block_size, len(val_tokens) - 1)
+    fixed = [get_batch(val_tokens, batch_size=batch_size, block_size=T, generator=g, device=r.device)
+             for _ in range(batches)]
+
+    @torch.no_grad()
+    def evaluate(step: int) -> None:
+        total = sum(lm_loss(r.model(x)[0], y) for x, y in fixed) / len(fixed)  # one read for all batches
+        r.log(f"{'eval':9s} step {step:5d}/{r.args.backbone_steps}  validation loss {total.item():.3f}")
+
+    return evaluate
 
 
 def summarize(run, model, heads, enc, val_docs, val_tokens: np.ndarray) -> dict:

@@ -25,7 +25,8 @@ from ..training import MedusaLM, cosine_lr, lambda_schedule, sample_continuation
 from .backbone import init_backbone, save_tokenizer_for
 from .config import TrainArgs, TrainError
 from .data import encode_documents, get_batch, load_corpus, split_documents
-from .report import held_out_prompts, summarize
+from .device import StageClock, autocast, check_dtype, enable_tf32, grad_scaler, to_device
+from .report import held_out_prompts, periodic_validation, progress_line, summarize
 from .state import STATE_FILE, DeferredInterrupt, Run, report_replicas
 
 # ---- stages -----------------------------------------------------------------------------------
@@ -68,40 +69,49 @@ def _data_and_tokenizer(r: Run, *, resume: bool):
 
 
 def _train(r: Run, module: MedusaLM, optimizer, *, stage: str, steps: int, start: int, gen, batch_fn,
-           lrs: list[float], loss_kwargs, distill=None) -> None:
-    """The optimizer loop both training stages share: cosine lr, clipping, progress, saves, Ctrl-C."""
+           lrs: list[float], loss_kwargs, distill=None, scaler_state=None, evaluate=None) -> None:
+    """The optimizer loop both training stages share: cosine lr, clipping, progress, saves, Ctrl-C.
+
+    The loop never waits for the device: metrics stay tensors until a progress line reads them, and
+    batches arrive through pinned memory. The number format is --dtype (see device.py).
+    """
+    # DDP needs find_unused_parameters only if some trainable parameter can miss its gradient in a step.
+    # None can: the frozen backbone of the heads stage has requires_grad off, so DDP never sees it, and
+    # the joint stage leaves the heads out altogether when their weight λ0 is 0 (backbone_stage).
     ddp = DDP(module) if r.world > 1 else module
     trained = [p for p in module.parameters() if p.requires_grad]
+    scaler = grad_scaler(r.device, r.args.dtype)
+    if scaler_state:
+        scaler.load_state_dict(scaler_state)
     save_every = r.args.save_every or max(50, steps // 5)
     t_start, t_log, tokens_seen = time.time(), 0.0, 0
     for step in range(start, steps):
         if r.should_stop(stage, step):
-            r.save(stage=stage, step=step, optimizer=optimizer, gen=gen, distill=distill)
+            r.save(stage=stage, step=step, optimizer=optimizer, gen=gen, distill=distill, scaler=scaler)
             raise KeyboardInterrupt
         for group, base in zip(optimizer.param_groups, lrs):
             group["lr"] = cosine_lr(step, steps, lr=base)
         x, y, valid = batch_fn(gen)
-        loss, metrics = ddp(x, y, valid=valid, **loss_kwargs(step))
+        with autocast(r.device, r.args.dtype):
+            loss, metrics = ddp(x, y, valid=valid, heads_chunk=r.args.heads_chunk or None, **loss_kwargs(step))
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
         torch.nn.utils.clip_grad_norm_(trained, 1.0)
-        optimizer.step()
+        scaler.step(optimizer)
+        scaler.update()
         tokens_seen += x.numel() * r.world
         now = time.time()
         if now - t_log >= r.args.log_every or step in (start, steps - 1):
             t_log = now
             elapsed = max(now - t_start, 1e-9)
             eta = (steps - step - 1) * elapsed / (step + 1 - start)
-            parts = [f"{stage:9s} step {step + 1:5d}/{steps}"]
-            if "lm" in metrics:
-                parts.append(f"lm {metrics['lm']:.3f}")
-            if "heads" in metrics:
-                parts.append("heads " + " ".join(f"{v:.2f}" for v in metrics["heads"]))
-                parts.append("top1 " + " ".join(f"{v:.2f}" for v in metrics["acc"]))
-            parts.append(f"{tokens_seen / elapsed:,.0f} tok/s  ETA {int(eta // 60)}m{int(eta % 60):02d}s")
-            r.log("  ".join(parts))
+            values = {k: v.tolist() for k, v in metrics.items()}  # the one place the loop reads the device
+            r.log(progress_line(stage, step, steps, values, tokens_per_s=tokens_seen / elapsed, eta=eta))
+        if evaluate is not None and ((step + 1) % r.args.eval_every == 0 or step + 1 == steps):
+            evaluate(step + 1)
         if (step + 1) % save_every == 0 and step + 1 < steps:
-            r.save(stage=stage, step=step + 1, optimizer=optimizer, gen=gen, distill=distill)
+            r.save(stage=stage, step=step + 1, optimizer=optimizer, gen=gen, distill=distill, scaler=scaler)
 
 
 def _optimizer(params_and_lrs: list[tuple[list[torch.nn.Parameter], float]], args: TrainArgs
@@ -119,10 +129,11 @@ def _optimizer(params_and_lrs: list[tuple[list[torch.nn.Parameter], float]], arg
     return torch.optim.AdamW(groups, betas=(0.9, 0.95), fused=fused or None), lrs
 
 
-def backbone_stage(r: Run, train_tokens: np.ndarray, *, step: int, state: dict | None) -> None:
+def backbone_stage(r: Run, train_tokens: np.ndarray, val_tokens: np.ndarray, *, step: int,
+                   state: dict | None) -> None:
     """Next-token training; with --medusa 2 the heads train jointly (paper §2.2.2): L_LM + λ Σ 0.8^k L_k."""
     a, model, heads = r.args, r.model, r.heads
-    joint = a.medusa == 2
+    joint = a.medusa == 2 and a.lambda0 > 0  # with λ0 = 0 the heads would get no gradient: leave them out
     params_and_lrs = [(list(model.parameters()), a.lr)]
     if joint:  # heads learn faster than the backbone they sit on
         params_and_lrs.append((list(heads.parameters()), a.lr * a.heads_lr_mult))
@@ -137,12 +148,17 @@ def backbone_stage(r: Run, train_tokens: np.ndarray, *, step: int, state: dict |
         x, y = get_batch(train_tokens, batch_size=B, block_size=T, generator=g, device=r.device)
         return x, y, None
 
+    evaluate = None
+    if a.eval_every and r.main:
+        evaluate = periodic_validation(r, val_tokens, batch_size=B, block_size=T)
+
     def loss_kwargs(s: int) -> dict:
         w = lambda_schedule(s, a.backbone_steps, lambda0=a.lambda0) if joint else 0.0
         return dict(lm_weight=1.0, heads_weight=w, decay=a.head_decay, heads_stride=a.heads_stride, heads_offset=s)
 
     _train(r, MedusaLM(model, heads if joint else None), opt, stage="backbone", steps=a.backbone_steps,
-           start=step, gen=gen, batch_fn=batch, lrs=lrs, loss_kwargs=loss_kwargs)
+           start=step, gen=gen, batch_fn=batch, lrs=lrs, loss_kwargs=loss_kwargs, evaluate=evaluate,
+           scaler_state=state.get("scaler") if state else None)
 
 
 @torch.no_grad()
@@ -182,11 +198,12 @@ def heads_stage(r: Run, distill: torch.Tensor, *, step: int, state: dict | None)
     valid_row = (torch.arange(distill.shape[1] - 1, device=r.device) + 1) >= P
 
     def batch(g):
-        seq = distill[torch.randint(distill.shape[0], (HB,), generator=g).to(r.device)]
+        seq = distill[to_device(torch.randint(distill.shape[0], (HB,), generator=g), r.device)]  # [HB, P + n]
         return seq[:, :-1], seq[:, 1:], valid_row.expand(HB, -1)
 
     _train(r, MedusaLM(r.model, heads), opt, stage="heads", steps=a.heads_steps, start=step, gen=gen,
            batch_fn=batch, lrs=lrs, distill=distill,
+           scaler_state=state.get("scaler") if state and step > 0 else None,
            loss_kwargs=lambda s: dict(lm_weight=0.0, heads_weight=1.0, decay=1.0, detach_backbone=True))
 
 
@@ -194,9 +211,12 @@ def run(args: TrainArgs) -> None:
     """Run (or resume) every stage and write the checkpoint to args.out."""
     if args.threads:
         torch.set_num_threads(args.threads)
+    check_dtype(args.dtype, args.device)
+    enable_tf32(args.device)
     if not args.resume and os.path.exists(os.path.join(args.out, STATE_FILE)):
         raise TrainError(f"{args.out} holds an unfinished run: add --resume, or choose another --out")
     r = Run(args)
+    clock = StageClock(r.device)
     state = r.load_state() if args.resume else None
     os.makedirs(args.out, exist_ok=True)
     torch.manual_seed(args.seed)
@@ -222,7 +242,8 @@ def run(args: TrainArgs) -> None:
     with DeferredInterrupt(r):
         if stage == "backbone":
             if args.backbone_steps > 0:
-                backbone_stage(r, train_tokens, step=step, state=state)
+                with clock.stage("backbone"):
+                    backbone_stage(r, train_tokens, val_tokens, step=step, state=state)
             stage, step, state = "distill", 0, None
             r.save(stage=stage, step=0)
         model.eval()
@@ -230,18 +251,22 @@ def run(args: TrainArgs) -> None:
             p.requires_grad_(False)
             p.grad = None  # stale backbone gradients must not enter the heads' gradient clipping
         if stage == "distill":
-            distill = distill_stage(r, train_tokens)
+            with clock.stage("distill"):
+                distill = distill_stage(r, train_tokens)
             stage, step = "heads", 0
             r.save(stage=stage, step=0, distill=distill)
         else:
             distill = state["distill"].to(r.device)
         if args.heads_steps > 0:
-            heads_stage(r, distill, step=step, state=state)
+            with clock.stage("heads"):
+                heads_stage(r, distill, step=step, state=state)
     heads.eval()
     if r.world > 1:
         report_replicas(r)
     if r.main:
-        r.extra.update(summarize(r, model, heads, enc, val_docs, val_tokens))
+        with clock.stage("summary"):
+            r.extra.update(summarize(r, model, heads, enc, val_docs, val_tokens))
+        r.log(clock.line())
         held_out_prompts(args.out, val_docs, enc, count=args.eval_prompts, seed=args.seed, block_size=cfg.block_size)
         save_checkpoint(args.out, model, heads=heads, extra=r.extra, eos_token_id=r.eot_id,
                         write_model=not (args.init and r.model_written))

@@ -30,11 +30,13 @@ class Run:
         self.args = args
         self.rank, self.world, self.device = 0, 1, args.device
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            if args.device.startswith("cuda"):
+                # Before init_process_group: NCCL binds each process to the current device when it
+                # starts, and every rank would otherwise open a context on GPU 0.
+                self.device = f"cuda:{int(os.environ.get('LOCAL_RANK', os.environ.get('RANK', '0')))}"
+                torch.cuda.set_device(self.device)
             dist.init_process_group(backend="nccl" if args.device.startswith("cuda") else "gloo")
             self.rank, self.world = dist.get_rank(), dist.get_world_size()
-            if args.device.startswith("cuda"):
-                self.device = f"cuda:{int(os.environ.get('LOCAL_RANK', self.rank))}"
-                torch.cuda.set_device(self.device)
         self.main = self.rank == 0
         self.state_path = os.path.join(args.out, STATE_FILE)
         self.stop_requested = False
@@ -47,7 +49,7 @@ class Run:
     def _rank_path(self) -> str:
         return f"{self.state_path}.rank{self.rank}"
 
-    def save(self, *, stage: str, step: int, optimizer=None, gen=None, distill=None) -> None:
+    def save(self, *, stage: str, step: int, optimizer=None, gen=None, distill=None, scaler=None) -> None:
         """State for --resume plus a usable checkpoint. Each rank keeps its own generator and data."""
         mine = {"gen": gen.get_state() if gen is not None else None,
                 "distill": distill.cpu() if distill is not None else None}
@@ -59,7 +61,8 @@ class Run:
         frozen = bool(self.args.init)  # a pretrained backbone never changes: do not copy gigabytes again
         state = {"identity": self.args.identity(), "world": self.world, "stage": stage, "step": step,
                  "model": None if frozen else self.model.state_dict(), "heads": self.heads.state_dict(),
-                 "optim": optimizer.state_dict() if optimizer is not None else None, **mine}
+                 "optim": optimizer.state_dict() if optimizer is not None else None,
+                 "scaler": scaler.state_dict() if scaler is not None else None, **mine}
         atomic_write(self.state_path, lambda f: torch.save(state, f))
         save_checkpoint(self.args.out, self.model, heads=self.heads, extra=self.extra, eos_token_id=self.eot_id,
                         write_model=not (frozen and self.model_written))

@@ -18,6 +18,7 @@ from medusa_mini.io.gpt2 import (
     GPT2_CONFIGS,
     DownloadError,
     download,
+    empty_gpt,
     infer_gpt2_config,
     load_gpt2,
 )
@@ -113,6 +114,24 @@ def test_a_gpt2_directory_gives_the_reference_logits(tmp_path):
     model = load_gpt2(str(write_dir(tmp_path / "m", as_tensors(w))))
     assert model.config == GPTConfig(vocab_size=V, block_size=P, n_layer=L, n_head=H, n_embd=C)
     np.testing.assert_allclose(logits_of(model), reference_logits(w, IDS), atol=1e-4)
+
+
+def test_loading_builds_no_random_weights_and_keeps_the_output_tied(tmp_path):
+    """Meta-device construction: loading neither draws random numbers nor unties lm_head from wte."""
+    w = reference_weights()
+    torch.manual_seed(123)
+    before = torch.get_rng_state()
+    model = load_gpt2(str(write_dir(tmp_path / "m", as_tensors(w))))
+    assert torch.equal(torch.get_rng_state(), before)  # GPT(config) on a real device would draw ~all weights
+    assert model.lm_head.weight is model.transformer.wte.weight
+    assert sum(p.numel() for p in model.parameters()) == sum(v.size for v in w.values())
+    np.testing.assert_allclose(logits_of(model), reference_logits(w, IDS), atol=1e-4)
+
+
+def test_an_empty_gpt_has_real_storage_on_the_asked_device():
+    model = empty_gpt(GPTConfig(vocab_size=V, block_size=P, n_layer=L, n_head=H, n_embd=C), device="cpu")
+    assert all(p.device.type == "cpu" for p in model.parameters())
+    assert model.lm_head.weight is model.transformer.wte.weight
 
 
 def test_hub_style_keys_without_prefix_and_with_mask_buffers_load_the_same(tmp_path):

@@ -66,6 +66,27 @@ def test_an_interrupted_run_resumes_exactly_where_it_stopped(tmp_path, where, re
     assert all(torch.equal(wr[k], wo[k]) for k in wr)
 
 
+def test_validation_during_training_and_chunked_heads_leave_the_weights_unchanged(tmp_path, reference_run, capsys):
+    """--eval-every draws its batches from a generator of its own; --heads-chunk only splits the work."""
+    out = tmp_path / "eval"
+    assert train_tiny.main(FAST + ["--out", str(out), "--eval-every", "2", "--heads-chunk", "7"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("eval ")]
+    assert [line.split()[2] for line in lines] == ["2/6", "4/6", "6/6"] and "validation loss" in lines[0]
+    wr, wo = weights(reference_run), weights(out)
+    # chunks add their gradients up in another order: equal up to rounding
+    assert all(torch.allclose(wr[k], wo[k], rtol=1e-4, atol=1e-6) for k in wr)
+
+
+def test_bfloat16_training_reaches_float32s_validation_loss(tmp_path, reference_run, capsys):
+    out = tmp_path / "bf16"
+    assert train_tiny.main(FAST + ["--out", str(out), "--dtype", "bfloat16"]) == 0
+    assert "stages     backbone" in capsys.readouterr().out  # time per stage in the summary
+    f32, bf16 = (load_checkpoint(d)[2]["medusa_mini"]["val_loss"] for d in (reference_run, out))
+    assert abs(bf16 - f32) <= 0.05 * f32
+    wr, wb = weights(reference_run), weights(out)
+    assert any(not torch.equal(wr[k], wb[k]) for k in wr)  # autocast really ran in bfloat16
+
+
 def test_resume_with_a_different_configuration_is_refused(tmp_path, capsys):
     out = tmp_path / "out"
     assert train_tiny.main(FAST + ["--out", str(out), "--interrupt-at", "backbone:2"]) == 130
@@ -99,7 +120,8 @@ def test_bad_data_is_a_one_line_error_and_writes_nothing(tmp_path, capsys, kind)
 
 def test_bad_hyper_parameters_exit_with_code_2(tmp_path):
     for bad in (["--n-embd", "30", "--n-head", "4"], ["--lr", "-1"], ["--distill-temperatures", "hot"],
-                ["--device", "tpu9"], ["--own-lm-head", "maybe"], ["--threads", "0"]):
+                ["--device", "tpu9"], ["--own-lm-head", "maybe"], ["--threads", "0"], ["--dtype", "float8"],
+                ["--dtype", "float16", "--device", "cpu"], ["--eval-every", "-1"], ["--heads-chunk", "-2"]):
         r = subprocess.run([sys.executable, str(ROOT / "train_tiny.py"), *FAST, *bad, "--out", str(tmp_path / "x")],
                            capture_output=True, text=True)
         assert r.returncode == 2 and r.stderr.startswith("train_tiny.py: error:"), (bad, r.stderr)
@@ -109,7 +131,8 @@ def test_bad_hyper_parameters_exit_with_code_2(tmp_path):
 def test_help_lists_presets_and_every_hyper_parameter():
     r = subprocess.run([sys.executable, str(ROOT / "train_tiny.py"), "--help"], capture_output=True, text=True)
     assert r.returncode == 0
-    for flag in ("--preset", "--data", "--resume", "--medusa", "--heads-steps", "--distill-temperatures", "--init"):
+    for flag in ("--preset", "--data", "--resume", "--medusa", "--heads-steps", "--distill-temperatures", "--init",
+                 "--dtype", "--eval-every", "--heads-chunk"):
         assert flag in r.stdout
 
 

@@ -1,0 +1,100 @@
+"""How a training run uses its device: the number format of the forward, TF32, host-to-device copies
+that do not wait, and each stage's time and peak memory.
+
+--dtype float32 is exact float32 (the default on a CPU). bfloat16 and float16 run the forward under
+torch.autocast: matmuls in 16 bits, reductions such as softmax and cross-entropy in float32, the
+weights and the optimizer in float32. float16's narrow range needs a GradScaler (the loss is scaled
+up before backward so small gradients do not flush to zero); bfloat16 has float32's range and does
+not. On CUDA the default is bfloat16 where the GPU supports it, else float16.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+
+from .config import TrainError
+
+
+def default_dtype(device: str) -> str:
+    """float32 on a CPU; on CUDA bfloat16 if the GPU has it (Ampere and later), else float16."""
+    if not device.startswith("cuda"):
+        return "float32"
+    return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+
+
+def check_dtype(dtype: str, device: str) -> None:
+    """A one-line TrainError for a number format this device cannot train in."""
+    if dtype == "float16" and not device.startswith("cuda"):
+        raise TrainError("--dtype float16 needs CUDA (its GradScaler); on a CPU use bfloat16 or float32")
+    if dtype == "bfloat16" and device.startswith("cuda") and not torch.cuda.is_bf16_supported():
+        raise TrainError("--dtype bfloat16 is not supported by this GPU; use float16 or float32")
+
+
+def enable_tf32(device: str) -> None:
+    """float32 matmuls and convolutions on tensor cores (TF32: float32 range, 10-bit mantissa) on CUDA.
+
+    What is left in float32 under autocast (and everything with --dtype float32) runs several times
+    faster on Ampere and later, at an error far below what training notices.
+    """
+    if device.startswith("cuda"):
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+        torch.set_float32_matmul_precision("high")
+
+
+def autocast(device: str, dtype: str):
+    """The forward's number format: torch.autocast for bfloat16/float16, nothing at all for float32."""
+    if dtype == "float32":
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=torch.device(device).type, dtype=getattr(torch, dtype))
+
+
+def grad_scaler(device: str, dtype: str) -> torch.amp.GradScaler:
+    """Loss scaling for float16 only; disabled, it passes the loss and the optimizer step through unchanged."""
+    return torch.amp.GradScaler(torch.device(device).type, enabled=dtype == "float16")
+
+
+def to_device(t: torch.Tensor, device: str | torch.device) -> torch.Tensor:
+    """Copy a CPU tensor to `device` without making the host wait for the GPU's queue.
+
+    A copy from ordinary (pageable) memory synchronises with the device; from pinned memory it is
+    queued like a kernel, so the next batch travels while the current step still runs.
+    """
+    if torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+class StageClock:
+    """Wall time of each stage and, on CUDA, its peak allocated memory (reset at every stage's start)."""
+
+    def __init__(self, device: str) -> None:
+        self.cuda = device.startswith("cuda")
+        self.device = device
+        self.seconds: dict[str, float] = {}
+        self.peak_bytes: dict[str, int] = {}
+
+    @contextlib.contextmanager
+    def stage(self, name: str):
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.cuda:  # the queue must drain before the clock stops, or the time is the host's only
+                torch.cuda.synchronize(self.device)
+                self.peak_bytes[name] = torch.cuda.max_memory_allocated(self.device)
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
+
+    def line(self) -> str:
+        """"stages     backbone 123.4 s (peak 3.21 GiB), ...": the stages this process ran."""
+        parts = []
+        for name, sec in self.seconds.items():
+            peak = f" (peak {self.peak_bytes[name] / 2**30:.2f} GiB)" if name in self.peak_bytes else ""
+            parts.append(f"{name} {sec:.1f} s{peak}")
+        return "stages     " + ", ".join(parts)
