@@ -46,9 +46,7 @@ def test_tree_forward_matches_plain_forward_along_every_path(model):
     cache = KVCache(model.config)
     model(torch.tensor([prefix]), cache=cache)
     L = cache.length
-    mask = torch.ones(tree.num_nodes, L + tree.num_nodes, dtype=torch.bool)
-    mask[:, L:] = tree.ancestor_mask()
-    logits, _ = model(torch.tensor([tokens]), pos=L + tree.depths(), cache=cache, attn_mask=mask)
+    logits, _ = model(torch.tensor([tokens]), pos=L + tree.depths(), cache=cache, attn_mask=tree.ancestor_mask())
     for node in range(tree.num_nodes):
         path = [node]
         while tree.parents[path[-1]] != -1:
@@ -65,9 +63,7 @@ def test_compaction_then_decoding_matches_full_forward(model):
     cache = KVCache(model.config)
     model(torch.tensor([prefix]), cache=cache)
     L = cache.length
-    mask = torch.ones(tree.num_nodes, L + tree.num_nodes, dtype=torch.bool)
-    mask[:, L:] = tree.ancestor_mask()
-    model(torch.tensor([tokens]), pos=L + tree.depths(), cache=cache, attn_mask=mask)
+    model(torch.tensor([tokens]), pos=L + tree.depths(), cache=cache, attn_mask=tree.ancestor_mask())
     accepted = [0, 2, 4, 5]  # root -> (1,) -> (1, 0) -> (1, 0, 0): not the first slots, so they move
     compact_kv_cache(cache, L + torch.tensor(accepted), start=L)
     assert cache.length == L + len(accepted)

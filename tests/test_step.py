@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import random_heads, tiny_model
 
-from medusa_mini.acceptance import greedy_accept
+from medusa_mini.acceptance import PathChoice, greedy_accept
 from medusa_mini.decoding import prefill
 from medusa_mini.model import KVCache
 from medusa_mini.sampling import Sampling
@@ -71,7 +71,9 @@ def test_keep_path_leaves_the_cache_as_if_only_the_accepted_path_had_been_fed():
     cache = KVCache(model.config, max_len=32)
     prefill(model, prompt, cache)
     verify(model, cache, TREE, tokens)
-    keep_path(cache, [0, 1, 4], start=3)
+    # Accepted: root -> 1 -> 4; a static-shape path repeats its last node up to depth + 1 entries.
+    keep_path(cache, PathChoice(nodes=torch.tensor([0, 1, 4, 4]), accepted=torch.tensor(2), bonus=torch.tensor(0)),
+              start=3)
     assert cache.length == 6
     ref = KVCache(model.config, max_len=32)
     prefill(model, torch.cat([prompt, tokens[[0, 1, 4]]]), ref)
