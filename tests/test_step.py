@@ -123,3 +123,27 @@ def test_a_root_only_tree_emits_just_the_backbones_token(rule):
         p = torch.softmax(logits[0], -1)
         for tok in range(5):
             assert abs(bonuses[tok] / 2000 - p[tok].item()) < 5 * math.sqrt(0.25 / 2000)
+
+
+@torch.no_grad()
+def test_verify_is_captured_whole_by_torch_compile_and_gives_the_eager_logits():
+    """The tree's tensors are built once outside the step (`Tree.tensors`), so the captured verify
+    has no graph break, and one graph serves every prefix length."""
+    model = tiny_model(6)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch.compiler.reset()
+    compiled = torch.compile(verify, fullgraph=True, backend=backend)
+    tokens = torch.tensor([4, 8, 15, 16, 23, 42])
+    for prompt in ([1, 2, 3], [5, 9, 2, 11, 7]):
+        eager_cache, graph_cache = KVCache(model.config, max_len=32), KVCache(model.config, max_len=32)
+        for cache in (eager_cache, graph_cache):
+            prefill(model, torch.tensor(prompt), cache)
+        want, _ = verify(model, eager_cache, TREE, tokens)
+        got, _ = compiled(model, graph_cache, TREE, tokens)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    assert len(graphs) == 1
