@@ -6,6 +6,7 @@ from collections import Counter
 import pytest
 import torch
 from conftest import random_heads, tiny_model
+from torch.overrides import TorchFunctionMode
 
 from medusa_mini.acceptance import PathChoice, greedy_accept
 from medusa_mini.decoding import prefill
@@ -147,3 +148,31 @@ def test_verify_is_captured_whole_by_torch_compile_and_gives_the_eager_logits():
         got, _ = compiled(model, graph_cache, TREE, tokens)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
     assert len(graphs) == 1
+
+
+class HostReads(TorchFunctionMode):
+    """Records every tensor method that brings a value to the host (each a sync on a GPU)."""
+
+    READS = {"tolist", "item", "__bool__", "__int__", "__float__", "__index__", "numpy", "cpu"}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in self.READS:
+            self.seen.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("sampling", [Sampling(), Sampling(acceptance="typical", temperature=0.8)], ids=["greedy", "typical"])
+def test_a_greedy_or_typical_step_reads_the_device_once(sampling):
+    """Candidates, verify, acceptance and compaction stay on the device; one .tolist() ends the step."""
+    model, heads = tiny_model(5), random_heads(tiny_model(5), seed=2)
+    cache = KVCache(model.config, max_len=64)
+    logits, hidden = prefill(model, torch.tensor([3, 1, 4, 1, 5]), cache)
+    head_logits = heads(hidden[None], model.lm_head)[:, 0]
+    with HostReads() as reads:
+        medusa_step(model, cache, preset("cpu"), logits.argmax(), head_logits, sampling=sampling,
+                    generator=torch.Generator().manual_seed(0))
+    assert reads.seen == ["tolist"]
