@@ -95,9 +95,8 @@ def medusa_iteration(
     model: GPT, heads: MedusaHeads, cache: KVCache, tree: Tree, root: int, head_logits: torch.Tensor
 ) -> int:
     """One iteration of `medusa_generate`'s loop with greedy acceptance; returns the accepted nodes."""
-    step = medusa_step(model, cache, tree, root, head_logits)
-    step.emitted()  # fetched to the host, as the loop does
-    heads(step.hidden[step.path[-1]][None], model.lm_head)  # the next step's proposals
+    step = medusa_step(model, cache, tree, root, head_logits)  # its emitted tokens read on the host, once
+    heads(step.next_hidden[None], model.lm_head)  # the next step's proposals
     return len(step.path) - 1
 
 

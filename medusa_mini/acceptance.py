@@ -8,15 +8,26 @@ len(path) - 1 accepted candidates plus the bonus.
 
 p denotes the backbone (target) distribution at a node after temperature (and top-p) — the very
 distribution plain sampling draws from; q the heads' draft distribution when candidates are sampled.
+
+Greedy and typical acceptance come twice. The node-by-node walks (`greedy_accept`, `typical_accept`)
+are the readable spec. The `*_paths` forms decide the same thing on the device, over the tree's P
+root-to-leaf paths at once (official Medusa's evaluate_posterior idea: candidates as a [P, D] matrix,
+a cumulative product of per-depth matches gives each path's accepted length), so a decoding step
+reads its result with a single host sync. Paths shorter than D are masked by `paths_valid`, never
+padded with a token (DESIGN.md: GPT-2's token 0 is a real token, "!"). Tests hold the two equal.
+
+Shapes: N nodes, V vocabulary, P paths, D tree depth.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from .draft import Draft, try_candidates
-from .sampling import sample, sampling_probs
+from .sampling import draw, sample, sampling_probs
 from .tree import Tree
 
 
@@ -36,6 +47,52 @@ def greedy_accept(tree: Tree, tokens: torch.Tensor, logits: torch.Tensor) -> tup
             return path, choice[node]
         node = nxt
         path.append(node)
+
+
+class PathChoice(NamedTuple):
+    """An acceptance decision as device tensors, fixed in shape by the tree alone.
+
+    nodes: [D + 1] long: the root, then the accepted nodes; past them the last accepted node repeats,
+        so nodes[-1] is always the node whose hidden state proposes the next tree.
+    accepted: [] long, the number of accepted candidates (len(path) - 1 in the walks' terms).
+    bonus: [] long, the backbone's token after the last accepted node.
+    """
+
+    nodes: torch.Tensor
+    accepted: torch.Tensor
+    bonus: torch.Tensor
+
+    def to_host(self) -> tuple[list[int], int]:
+        """(path, bonus) as the walks return them; one host sync."""
+        *nodes, accepted, bonus = torch.cat([self.nodes, self.accepted[None], self.bonus[None]]).tolist()
+        return nodes[: accepted + 1], bonus
+
+
+def accepted_path(path: torch.Tensor, accepted: torch.Tensor) -> torch.Tensor:
+    """A path's nodes [D + 1] cut after `accepted` candidates, the last kept node repeated to length D + 1."""
+    steps = torch.arange(path.numel(), device=path.device)  # [D + 1]
+    return path[torch.minimum(steps, accepted)]
+
+
+def greedy_accept_paths(tree: Tree, tokens: torch.Tensor, logits: torch.Tensor) -> PathChoice:
+    """`greedy_accept` over all paths at once, without leaving the device.
+
+    A path's candidate at depth d is accepted if it equals the argmax at its parent (d - 1) and every
+    shallower candidate was. All longest paths share their accepted nodes (below one node, at most
+    one live child holds the argmax), so the first longest path is the walk's path. Argmax ties go to
+    the lowest token id in both forms (torch.argmax returns the first maximum). A child whose token
+    repeats an earlier sibling's is never accepted, as in the walk, which tries children in rank order.
+    """
+    t = tree.tensors(logits.device)
+    choice = logits.argmax(dim=-1)  # [N] the backbone's own next token at every node
+    shadowed = (t.earlier_siblings & (tokens[:, None] == tokens[None, :])).any(dim=-1)  # [N]
+    paths = t.paths  # [P, D + 1]
+    live = t.path_valid[:, 1:] & ~shadowed[paths[:, 1:]]  # [P, D]
+    match = (tokens[paths[:, 1:]] == choice[paths[:, :-1]]) & live  # [P, D]
+    accepted = match.long().cumprod(dim=-1).sum(dim=-1)  # [P] accepted length of each path
+    best = accepted.argmax()  # the first longest path
+    nodes = accepted_path(paths[best], accepted[best])  # [D + 1]
+    return PathChoice(nodes=nodes, accepted=accepted[best], bonus=choice[nodes[-1]])
 
 
 def rejection_accept(
@@ -110,16 +167,8 @@ def typical_accept(
     nucleus can still be accepted, one more way in which typical acceptance is not p's distribution. Faster than rejection sampling on flat distributions but
     not distribution-preserving; its limit at temperature 0 is greedy acceptance.
     """
-    if temperature <= 0:
-        raise ValueError("typical acceptance samples: temperature must be > 0 (greedy_accept is its T = 0 limit)")
-    p = F.softmax(logits.float() / temperature, dim=-1)  # [N, V]
-    log_p = torch.log(p.clamp_min(1e-30))  # [N, V]
-    entropy = -(p * log_p).sum(dim=-1)  # [N]
-    threshold = torch.minimum(torch.full_like(entropy, epsilon), delta * torch.exp(-entropy))  # [N]
-    parents = torch.tensor(tree.parents[1:], dtype=torch.long, device=logits.device)  # [N - 1]
-    p_cand = p[parents, tokens[1:]]  # [N - 1] p(candidate | parent's prefix)
-    passes = (p_cand > threshold[parents]).tolist()
-    logp_cand = torch.log(p_cand.clamp_min(1e-30)).tolist()
+    passes, logp_cand = typical_tests(tree, tokens, logits, temperature=temperature, epsilon=epsilon, delta=delta)
+    passes, logp_cand = passes[1:].tolist(), logp_cand[1:].tolist()
 
     # Parents precede children, so one forward sweep settles acceptance and path scores.
     accepted = [True] + [False] * (tree.num_nodes - 1)
@@ -139,4 +188,62 @@ def typical_accept(
         path.append(tree.parents[path[-1]])
     path.reverse()
     return path, sample(sampling_probs(logits[best], temperature=temperature, top_p=top_p), generator)
+
+
+def typical_tests(
+    tree: Tree, tokens: torch.Tensor, logits: torch.Tensor, *, temperature: float, epsilon: float, delta: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each node's own test (paper §2.3.1): (passes [N] bool, log p(candidate | parent) [N] float64).
+
+    The root always passes, with log p = 0. float64, so that summing a path's log p gives the walk's
+    Python floats bit for bit (the tie-break compares these sums).
+    """
+    if temperature <= 0:
+        raise ValueError("typical acceptance samples: temperature must be > 0 (greedy_accept is its T = 0 limit)")
+    p = F.softmax(logits.float() / temperature, dim=-1)  # [N, V]
+    log_p = torch.log(p.clamp_min(1e-30))  # [N, V]
+    entropy = -(p * log_p).sum(dim=-1)  # [N]
+    threshold = torch.minimum(torch.full_like(entropy, epsilon), delta * torch.exp(-entropy))  # [N]
+    parents = torch.tensor(tree.parents, dtype=torch.long, device=logits.device).clamp(min=0)  # [N], root -> 0
+    p_cand = p[parents, tokens]  # [N] p(candidate | parent's prefix); the root's entry is unused
+    passes = p_cand > threshold[parents]  # [N]
+    logp_cand = torch.log(p_cand.clamp_min(1e-30)).double()  # [N]
+    passes[0], logp_cand[0] = True, 0.0
+    return passes, logp_cand
+
+
+def typical_accept_paths(
+    tree: Tree,
+    tokens: torch.Tensor,
+    logits: torch.Tensor,
+    *,
+    temperature: float,
+    top_p: float = 1.0,
+    epsilon: float = 0.09,
+    delta: float = 0.3,
+    generator: torch.Generator | None = None,
+) -> PathChoice:
+    """`typical_accept` over all paths at once, without leaving the device; the same draws.
+
+    Each path's accepted prefix ends at some node; among those nodes the winner is the walk's: the
+    deepest, then the larger sum of log p (added depth by depth in float64, in the walk's order, so
+    equal sums are equal here too), then the smallest node index (the walk keeps the first it meets).
+    """
+    passes, logp = typical_tests(tree, tokens, logits, temperature=temperature, epsilon=epsilon, delta=delta)
+    t = tree.tensors(logits.device)
+    paths = t.paths  # [P, D + 1]
+    ok = passes[paths[:, 1:]] & t.path_valid[:, 1:]  # [P, D]
+    kept = ok.long().cumprod(dim=-1)  # [P, D] 1 while every candidate so far passed
+    accepted = kept.sum(dim=-1)  # [P]
+    score = torch.zeros(paths.shape[0], dtype=torch.float64, device=logits.device)  # [P]
+    for d in range(paths.shape[1] - 1):  # D steps, fixed by the tree
+        score = score + torch.where(kept[:, d].bool(), logp[paths[:, d + 1]], 0.0)
+    last = paths.gather(1, accepted[:, None])[:, 0]  # [P] each path's last accepted node
+    longest = accepted == accepted.max()  # [P]
+    top = longest & (score == torch.where(longest, score, float("-inf")).max())  # [P]
+    winner = torch.where(top, last, tree.num_nodes).min()  # [] the smallest such node
+    best = (top & (last == winner)).long().argmax()  # [] a path ending there
+    nodes = accepted_path(paths[best], accepted[best])  # [D + 1]
+    bonus = draw(sampling_probs(logits[winner], temperature=temperature, top_p=top_p), generator)
+    return PathChoice(nodes=nodes, accepted=accepted[best], bonus=bonus)
 

@@ -93,15 +93,15 @@ def generate(
     stats = GenerationStats(prompt_tokens=ids.numel())
     cache = KVCache(model.config, max_len=model.config.block_size, device=device, dtype=model.lm_head.weight.dtype)
     logits, _ = prefill(model, ids, cache)
-    tok = sampling.choose(logits, generator)
-    out, reason = _limit([], [tok], max_new_tokens=max_new_tokens, room=room, eos_id=eos_id)
+    tok = sampling.next_token(logits, generator)  # [] on the device: the next input, without the host
+    out, reason = _limit([], [int(tok)], max_new_tokens=max_new_tokens, room=room, eos_id=eos_id)
     if on_step and out:
         on_step(list(out))
     while not reason and out:
-        logits, _ = model(torch.tensor([[out[-1]]], device=device), cache=cache)
+        logits, _ = model(tok.view(1, 1), cache=cache)
         stats.steps += 1
-        tok = sampling.choose(logits[0, -1], generator)
-        new, reason = _limit(out, [tok], max_new_tokens=max_new_tokens, room=room, eos_id=eos_id)
+        tok = sampling.next_token(logits[0, -1], generator)
+        new, reason = _limit(out, [int(tok)], max_new_tokens=max_new_tokens, room=room, eos_id=eos_id)  # the sync
         out += new
         stats.step_tokens.append(len(new))
         if on_step:
@@ -141,17 +141,18 @@ def medusa_generate(
     # Slots beyond block_size hold a tree's nodes; their positions are still < block_size.
     cache = KVCache(model.config, max_len=block + tree.num_nodes, device=device, dtype=model.lm_head.weight.dtype)
     logits, hidden = prefill(model, ids, cache)
-    root = sampling.choose(logits, generator)
-    out, reason = _limit([], [root], max_new_tokens=max_new_tokens, room=room, eos_id=eos_id)
+    root = sampling.next_token(logits, generator)  # [] on the device, as every later root
+    out, reason = _limit([], [int(root)], max_new_tokens=max_new_tokens, room=room, eos_id=eos_id)
     if on_step and out:
         on_step(list(out))
     head_logits = heads(hidden[None], model.lm_head)[:, 0]  # [K, V]
+    L = ids.numel()  # every committed token but the root: the cache's length, counted on the host
     while not reason and out:
-        L = cache.length  # every committed token but the root
         # Near the end, deeper nodes could not be used (or could not be positioned): trim the tree.
         max_depth = min(block - 1 - L, max_new_tokens - len(out) - 1, room - len(out) - 1)
         step_tree = tree if tree.depth <= max_depth else tree.truncated(max(max_depth, 0))
         step = medusa_step(model, cache, step_tree, root, head_logits, sampling=sampling, generator=generator)
+        L += len(step.path)
         stats.steps += 1
         new, reason = _limit(out, step.emitted(), max_new_tokens=max_new_tokens, room=room, eos_id=eos_id)
         out += new
@@ -161,7 +162,7 @@ def medusa_generate(
             on_step(new)
         if reason:
             break
-        root = step.bonus
-        head_logits = heads(step.hidden[step.path[-1]][None], model.lm_head)[:, 0]  # [K, V]
+        root = step.next_root
+        head_logits = heads(step.next_hidden[None], model.lm_head)[:, 0]  # [K, V]
     stats.stop_reason = reason or "max_new_tokens"
     return out, stats

@@ -40,6 +40,11 @@ class KVCache:
     A forward writes its T new keys/values at slots [length, length + T) and advances `length`.
     Slots are storage, not positions: a tree's nodes sit in consecutive slots but carry position ids
     prefix + depth. `compact_kv_cache` keeps the accepted path; stale slots are overwritten later.
+
+    `length` is a 0-dim long tensor on the cache's device, changed only in place: a decoding step
+    reads and advances it without asking the host, so the step has static shapes and fixed buffers
+    (what torch.compile and CUDA graphs need). `cache.length = n` fills it in place; `int(cache.length)`
+    reads it (on a GPU that waits for the device: decoding loops keep their own count instead).
     """
 
     def __init__(
@@ -56,19 +61,35 @@ class KVCache:
         self.kv = torch.zeros(
             config.n_layer, 2, batch_size, config.n_head, self.max_len, hs, device=device, dtype=dtype
         )
-        self.length = 0
+        self._length = torch.zeros((), dtype=torch.long, device=device)
+
+    @property
+    def length(self) -> torch.Tensor:
+        """[] long: slots in use, as a snapshot (`L = cache.length` does not move when the cache does)."""
+        return self._length.clone()
+
+    @length.setter
+    def length(self, value: int | torch.Tensor) -> None:
+        self._length.copy_(torch.as_tensor(value))  # in place: the buffer's address never changes
+
+    def advance(self, n: int) -> None:
+        """n more slots are in use."""
+        self._length.add_(n)
 
 
-def compact_kv_cache(cache: KVCache, keep: torch.Tensor, *, start: int) -> None:
+def compact_kv_cache(
+    cache: KVCache, keep: torch.Tensor, *, start: int | torch.Tensor, count: int | torch.Tensor | None = None
+) -> None:
     """Keep only the accepted path (paper §2.1.2): copy slots `keep` [A] to [start, start + A).
 
-    `index_select` makes a copy first, so source and destination ranges may overlap. The new length
-    is start + A; everything after it is stale and will be overwritten by the next forward.
+    The new length is start + count (default A). A static-shape step always copies a path of A = D + 1
+    slots and passes the accepted count as a tensor: the copies past it are padding, stale like every
+    slot after the length. `index_select` makes a copy first, so the ranges may overlap.
     """
     a = keep.numel()
-    kept = cache.kv.index_select(4, keep)  # [n_layer, 2, B, nh, A, hs]
-    cache.kv[:, :, :, :, start : start + a] = kept
-    cache.length = start + a
+    dest = start + torch.arange(a, device=keep.device)  # [A]
+    cache.kv.index_copy_(4, dest, cache.kv.index_select(4, keep))  # [n_layer, 2, B, nh, A, hs] moved
+    cache.length = start + (a if count is None else count)
 
 
 class CausalSelfAttention(nn.Module):
@@ -89,9 +110,8 @@ class CausalSelfAttention(nn.Module):
         x: torch.Tensor,
         *,
         layer_kv: torch.Tensor | None,
-        start: int,
+        slots: torch.Tensor | None,
         attn_mask: torch.Tensor | None,
-        causal: bool,
     ) -> torch.Tensor:
         B, T, C = x.shape
         hs = C // self.n_head
@@ -100,12 +120,15 @@ class CausalSelfAttention(nn.Module):
         k = k.view(B, T, self.n_head, hs).transpose(1, 2)  # [B, nh, T, hs]
         v = v.view(B, T, self.n_head, hs).transpose(1, 2)  # [B, nh, T, hs]
         if layer_kv is not None:
-            # layer_kv [2, B, nh, max_len, hs]: slots are written in place (no torch.cat per step), so
-            # the cache never moves and the new tokens see every earlier slot.
-            layer_kv[0, :, :, start : start + T] = k
-            layer_kv[1, :, :, start : start + T] = v
-            k = layer_kv[0, :, :, : start + T]  # [B, nh, L + T, hs]
-            v = layer_kv[1, :, :, : start + T]
+            # layer_kv [2, B, nh, max_len, hs] is written in place at the slot tensor (no torch.cat,
+            # no Python-int slice), and attention reads all max_len slots: the shapes never change.
+            # Reading the unused slots too costs little on a CPU: for the tiny model (max_len 268)
+            # +7% on a plain step and +10% on a 12-node verify after a 16-token prefix, +2% / +5%
+            # after 128 tokens, nothing after 240 (CPU time, 1 thread). Not worth a second path.
+            layer_kv[0].index_copy_(2, slots, k)
+            layer_kv[1].index_copy_(2, slots, v)
+            k, v = layer_kv[0], layer_kv[1]  # [B, nh, max_len, hs]
+        causal = attn_mask is None  # no cache and no mask: training's causal attention, SDPA's own
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=causal)  # [B, nh, T, hs]
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # [B, T, C]
         return self.c_proj(y)
@@ -139,11 +162,24 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
-def causal_mask(T: int, *, start: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """[T, start + T] bool: new token i sees every cached slot and new tokens 0..i."""
-    rows = torch.arange(T, device=device).unsqueeze(1) + start  # [T, 1]
-    cols = torch.arange(start + T, device=device).unsqueeze(0)  # [1, L + T]
-    return cols <= rows
+def cache_attention_mask(length: torch.Tensor, new_mask: torch.Tensor, *, max_len: int) -> torch.Tensor:
+    """[T, max_len] bool, True = may attend, for T new tokens written at slots [length, length + T).
+
+    Slots before `length` hold the committed prefix: every new token sees them. Slot length + j holds
+    new token j: new token i sees it iff new_mask[i, j] ([T, T]: causal for plain decoding, the tree's
+    ancestor mask for verification, paper Fig. 2). Later slots are stale or empty: nobody sees them.
+    Built from the `length` tensor, so the host never needs to know it.
+    """
+    T = new_mask.shape[0]
+    rel = torch.arange(max_len, device=new_mask.device) - length  # [max_len] slot - length
+    is_new = (rel >= 0) & (rel < T)  # [max_len]
+    among_new = new_mask[:, rel.clamp(0, T - 1)] & is_new  # [T, max_len]
+    return among_new | (rel < 0)
+
+
+def causal_mask(T: int, *, device: torch.device | str = "cpu") -> torch.Tensor:
+    """[T, T] bool: new token i sees new tokens 0..i."""
+    return torch.ones(T, T, dtype=torch.bool, device=device).tril()
 
 
 class GPT(nn.Module):
@@ -189,33 +225,37 @@ class GPT(nn.Module):
         """Run T new tokens; return (logits [B, T', V], hidden after ln_f [B, T, C]).
 
         idx: [B, T] token ids. pos: [T] or [B, T] position ids (default: cache length + 0..T-1).
-        cache: written at slots [cache.length, cache.length + T), then advanced by T.
-        attn_mask: [T, L + T] or [B, 1, T, L + T] bool, True = may attend; default causal.
+        cache: written at slots [cache.length, cache.length + T), then its length advances by T.
+        attn_mask: [T, T] bool among the new tokens, True = may attend (default causal); with a cache,
+        every new token also sees the whole cached prefix (`cache_attention_mask`).
         logits_at: which of the T positions get logits (default all): the lm_head is the largest
         matmul of a small model, so callers that need one position ask for one.
+
+        With a cache every shape depends only on T and the cache's max_len, never on its length, so
+        a decoding step (T = 1) and a tree verification (T = N) can each be captured once as a graph.
         """
         B, T = idx.shape
-        start = cache.length if cache is not None else 0
-        if cache is not None and start + T > cache.max_len:
-            raise ValueError(f"KV cache full: {start} + {T} tokens > max_len {cache.max_len}")
+        slots = None
+        if cache is not None:
+            if T > cache.max_len:  # a fuller cache is caught by index_copy_ (its length is on the device)
+                raise ValueError(f"KV cache full: {T} tokens > max_len {cache.max_len}")
+            start = cache.length  # [] long, on the device
+            slots = start + torch.arange(T, device=idx.device)  # [T]
+            new_mask = attn_mask if attn_mask is not None else causal_mask(T, device=idx.device)
+            attn_mask = cache_attention_mask(start, new_mask, max_len=cache.max_len)  # [T, max_len]
         if pos is None:
-            pos = torch.arange(start, start + T, device=idx.device)  # [T]
-        # The mask that applies when none is given: plain causal from slot 0 (SDPA's own, fastest); one
-        # new token after a cache sees every slot, so it needs none; several need a causal block.
-        causal = attn_mask is None and start == 0
-        if attn_mask is None and start > 0 and T > 1:
-            attn_mask = causal_mask(T, start=start, device=idx.device)
-        if attn_mask is not None and attn_mask.dtype == torch.bool:
+            pos = slots if slots is not None else torch.arange(T, device=idx.device)  # [T]
+        if attn_mask is not None:
             # SDPA would turn a boolean mask into an additive one in every layer; do it once here.
             additive = torch.zeros(attn_mask.shape, dtype=self.transformer.wte.weight.dtype, device=idx.device)
             attn_mask = additive.masked_fill_(~attn_mask, float("-inf"))  # 0 = may attend, -inf = may not
         x = self.transformer.wte(idx) + self.transformer.wpe(pos)  # [B, T, C]
         for i, block in enumerate(self.transformer.h):
             layer_kv = cache.kv[i] if cache is not None else None
-            x = block(x, layer_kv=layer_kv, start=start, attn_mask=attn_mask, causal=causal)
+            x = block(x, layer_kv=layer_kv, slots=slots, attn_mask=attn_mask)
         hidden = self.transformer.ln_f(x)  # [B, T, C]
         if cache is not None:
-            cache.length = start + T
+            cache.advance(T)
         h = hidden if logits_at is None else hidden[:, logits_at]
         return self.lm_head(h), hidden
 

@@ -113,18 +113,23 @@ class Tree:
     def _memo(self) -> dict:
         return {}
 
-    def cached(self, what: str, device: torch.device | str = "cpu") -> torch.Tensor:
-        """`what` ("depths", "ancestor_mask", "head", "rank") on `device`, built once: decoding asks
-        for the same tree's tensors every step, and rebuilding them cost a tenth of a tiny model's step."""
-        key = (what, str(device))
+    def tensors(self, device: torch.device | str = "cpu") -> "TreeTensors":
+        """Every index tensor a decoding step reads, on `device`, built once per tree and device:
+        rebuilding them each step cost a tenth of a tiny model's step, and a captured step needs
+        fixed inputs."""
+        key = ("tensors", str(device))
         if key not in self._memo:
-            if what in ("head", "rank"):
-                head, rank = self.node_head_rank(device)
-                self._memo[("head", str(device))] = head
-                self._memo[("rank", str(device))] = rank
-            else:
-                self._memo[key] = getattr(self, what)(device)
+            head, rank = self.node_head_rank(device)
+            paths, path_valid = self.paths(device)
+            self._memo[key] = TreeTensors(
+                ancestor_mask=self.ancestor_mask(device), depths=self.depths(device), head=head, rank=rank,
+                paths=paths, path_valid=path_valid, earlier_siblings=self.earlier_siblings(device),
+            )
         return self._memo[key]
+
+    def cached(self, what: str, device: torch.device | str = "cpu") -> torch.Tensor:
+        """One field of `tensors(device)` by name, e.g. "ancestor_mask"."""
+        return getattr(self.tensors(device), what)
 
     def depths(self, device: torch.device | str = "cpu") -> torch.Tensor:
         """[N] long: position offset of each node from the root (positions = prefix_len + depth)."""
@@ -143,6 +148,12 @@ class Tree:
         for i in range(1, N):  # parents precede children, so the parent's row is already complete
             mask[i] |= mask[self.parents[i]]
         return mask.to(device)
+
+    def earlier_siblings(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        """[N, N] bool: mask[i, j] is True iff j is a sibling of i with a smaller rank (tried first)."""
+        parents = torch.tensor(self.parents)  # [N]
+        same_parent = (parents[:, None] == parents[None, :]) & (parents[:, None] >= 0)  # [N, N]
+        return (same_parent & torch.ones(self.num_nodes, self.num_nodes, dtype=torch.bool).tril(-1)).to(device)
 
     def paths(self, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
         """Root-to-leaf paths: node indices [P, D + 1] and validity [P, D + 1] (False past a leaf).
@@ -215,6 +226,19 @@ class Tree:
             cells = " ".join(f"{'■' if mask[i, j] else '·':>{width}}" for j in range(N))
             rows.append(f"{i:>{width}} {cells}")
         return "\n".join(rows)
+
+
+@dataclass(frozen=True)
+class TreeTensors:
+    """A tree's index tensors on one device (`Tree.tensors`). N nodes, P root-to-leaf paths, D depth."""
+
+    ancestor_mask: torch.Tensor  # [N, N] bool: the tree attention mask among the nodes
+    depths: torch.Tensor  # [N] long: position offset of each node from the root
+    head: torch.Tensor  # [N - 1] long: the head (0-based) that fills node i + 1
+    rank: torch.Tensor  # [N - 1] long: the rank within that head's guesses
+    paths: torch.Tensor  # [P, D + 1] long: root-to-leaf node indices, node 0 past a leaf
+    path_valid: torch.Tensor  # [P, D + 1] bool: False past a leaf
+    earlier_siblings: torch.Tensor  # [N, N] bool: j is a sibling of i with a smaller rank
 
 
 # ---- presets ---------------------------------------------------------------------------------

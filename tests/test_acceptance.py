@@ -1,12 +1,19 @@
 """Acceptance rules on hand-written logits: no model, just the rules of paper §2.3 and their proofs."""
 
 import math
+import random
 from collections import Counter
 
 import pytest
 import torch
 
-from medusa_mini.acceptance import greedy_accept, rejection_accept, typical_accept
+from medusa_mini.acceptance import (
+    greedy_accept,
+    greedy_accept_paths,
+    rejection_accept,
+    typical_accept,
+    typical_accept_paths,
+)
 from medusa_mini.draft import sample_draft
 from medusa_mini.tree import Tree
 
@@ -232,3 +239,64 @@ def test_typical_acceptance_approaches_greedy_as_temperature_goes_to_zero():
         assert typical_accept(TREE, TOKENS, logits, temperature=1e-4, generator=gen) == want
 
 
+
+
+# ---- the vectorised rules (`*_paths`) decide exactly what the walks decide ------------------------
+
+
+def random_tree(rng: random.Random) -> Tree:
+    """Depth 1-5, up to 4 children per node (some nodes none), every prefix present."""
+    depth, width = rng.randint(1, 5), rng.randint(1, 4)
+    choices, frontier = [], [()]
+    for _ in range(depth):
+        frontier = [parent + (r,) for parent in frontier for r in range(rng.randint(0, width))] or [frontier[0] + (0,)]
+        choices += frontier
+    return Tree.from_choices(choices)
+
+
+def random_case(seed: int, *, vocab: int = 4):
+    """A random tree, tokens with repeats among siblings, and integer logits full of argmax ties."""
+    rng = random.Random(seed)
+    tree = random_tree(rng)
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, vocab, (tree.num_nodes,), generator=gen)
+    logits = torch.randint(0, 3, (tree.num_nodes, vocab), generator=gen).float()
+    return tree, tokens, logits
+
+
+def test_random_trees_cover_depths_one_to_five_and_widths_one_to_four():
+    trees = [random_case(seed)[0] for seed in range(300)]
+    assert {t.depth for t in trees} == {1, 2, 3, 4, 5}
+    assert {max(len(k) for k in t.children) for t in trees} == {1, 2, 3, 4}
+
+
+def test_vectorised_greedy_equals_the_node_walk_on_random_trees():
+    """Ties too: argmax ties go to the lowest token id in both, and a child repeating an earlier
+    sibling's token is never the one accepted."""
+    deep = 0
+    for seed in range(300):
+        tree, tokens, logits = random_case(seed, vocab=3)  # a small vocabulary: long matches happen
+        choice = greedy_accept_paths(tree, tokens, logits)
+        path, bonus = greedy_accept(tree, tokens, logits)
+        assert choice.to_host() == (path, bonus)
+        assert choice.nodes.shape == (tree.depth + 1,) and choice.nodes[-1] == path[-1]
+        deep += len(path) > 2
+    assert deep > 30  # the cases exercise deep paths, not only the root
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
+def test_vectorised_typical_equals_the_node_walk_with_the_same_draws(temperature):
+    """Same path, same bonus and the same random numbers consumed, on random trees and logits;
+    integer logits make equal log-p sums, where the smaller node index wins in both."""
+    deep = 0
+    for seed in range(150):
+        tree, tokens, logits = random_case(seed)
+        if seed % 2:  # continuous logits too: distinct scores decide
+            logits = torch.randn(logits.shape, generator=torch.Generator().manual_seed(seed)) * 2
+        settings = dict(temperature=temperature, epsilon=0.3, delta=0.6)
+        g1, g2 = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed)
+        want = typical_accept(tree, tokens, logits, generator=g1, **settings)
+        assert typical_accept_paths(tree, tokens, logits, generator=g2, **settings).to_host() == want
+        assert torch.rand((), generator=g1) == torch.rand((), generator=g2)
+        deep += len(want[0]) > 2
+    assert deep > 10

@@ -46,9 +46,7 @@ def test_tree_forward_matches_plain_forward_along_every_path(model):
     cache = KVCache(model.config)
     model(torch.tensor([prefix]), cache=cache)
     L = cache.length
-    mask = torch.ones(tree.num_nodes, L + tree.num_nodes, dtype=torch.bool)
-    mask[:, L:] = tree.ancestor_mask()
-    logits, _ = model(torch.tensor([tokens]), pos=L + tree.depths(), cache=cache, attn_mask=mask)
+    logits, _ = model(torch.tensor([tokens]), pos=L + tree.depths(), cache=cache, attn_mask=tree.ancestor_mask())
     for node in range(tree.num_nodes):
         path = [node]
         while tree.parents[path[-1]] != -1:
@@ -65,9 +63,7 @@ def test_compaction_then_decoding_matches_full_forward(model):
     cache = KVCache(model.config)
     model(torch.tensor([prefix]), cache=cache)
     L = cache.length
-    mask = torch.ones(tree.num_nodes, L + tree.num_nodes, dtype=torch.bool)
-    mask[:, L:] = tree.ancestor_mask()
-    model(torch.tensor([tokens]), pos=L + tree.depths(), cache=cache, attn_mask=mask)
+    model(torch.tensor([tokens]), pos=L + tree.depths(), cache=cache, attn_mask=tree.ancestor_mask())
     accepted = [0, 2, 4, 5]  # root -> (1,) -> (1, 0) -> (1, 0, 0): not the first slots, so they move
     compact_kv_cache(cache, L + torch.tensor(accepted), start=L)
     assert cache.length == L + len(accepted)
@@ -116,3 +112,41 @@ def test_gelu_is_the_tanh_approximation_gpt2_uses():
 def test_config_rejects_heads_that_do_not_divide_the_width():
     with pytest.raises(ValueError, match="divisible"):
         GPTConfig(n_embd=30, n_head=4)
+
+
+def compiled_once(fn):
+    """fn under torch.compile(fullgraph=True) with a backend that records each captured graph and
+    runs it eagerly: a graph break is an error, and a recompilation shows as a second graph."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch.compiler.reset()
+    return torch.compile(fn, fullgraph=True, backend=backend), graphs
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("kind", ["plain step", "tree verify"])
+def test_a_decode_step_is_one_captured_graph_with_eager_logits_at_every_length(kind):
+    """Static shapes: the T = 1 step and the T = N verify never depend on the cache length, so one
+    graph, captured once, serves every step and gives the eager logits and the same KV cache."""
+    model = GPT(GPTConfig(vocab_size=64, block_size=32, n_layer=1, n_head=2, n_embd=16)).eval()
+    tree = Tree.from_choices([(0,), (1,), (0, 0), (0, 1), (0, 0, 0)])
+    new_mask, depths = (tree.ancestor_mask(), tree.depths()) if kind == "tree verify" else (None, torch.zeros(1, dtype=torch.long))
+    tokens = torch.randint(0, 64, (1, depths.numel()), generator=torch.Generator().manual_seed(0))
+
+    def step(cache: KVCache) -> torch.Tensor:
+        return model(tokens, pos=cache.length + depths, cache=cache, attn_mask=new_mask)[0]
+
+    compiled, graphs = compiled_once(step)
+    for prefix in (3, 7, 12):
+        eager_cache, graph_cache = KVCache(model.config), KVCache(model.config)
+        for cache in (eager_cache, graph_cache):
+            model(torch.arange(prefix)[None], cache=cache)
+        want, got = step(eager_cache), compiled(graph_cache)
+        torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+        torch.testing.assert_close(graph_cache.kv, eager_cache.kv, atol=ATOL, rtol=0)
+        assert int(graph_cache.length) == int(eager_cache.length) == prefix + depths.numel()
+    assert len(graphs) == 1

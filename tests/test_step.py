@@ -6,8 +6,9 @@ from collections import Counter
 import pytest
 import torch
 from conftest import random_heads, tiny_model
+from torch.overrides import TorchFunctionMode
 
-from medusa_mini.acceptance import greedy_accept
+from medusa_mini.acceptance import PathChoice, greedy_accept
 from medusa_mini.decoding import prefill
 from medusa_mini.model import KVCache
 from medusa_mini.sampling import Sampling
@@ -71,7 +72,9 @@ def test_keep_path_leaves_the_cache_as_if_only_the_accepted_path_had_been_fed():
     cache = KVCache(model.config, max_len=32)
     prefill(model, prompt, cache)
     verify(model, cache, TREE, tokens)
-    keep_path(cache, [0, 1, 4], start=3)
+    # Accepted: root -> 1 -> 4; a static-shape path repeats its last node up to depth + 1 entries.
+    keep_path(cache, PathChoice(nodes=torch.tensor([0, 1, 4, 4]), accepted=torch.tensor(2), bonus=torch.tensor(0)),
+              start=3)
     assert cache.length == 6
     ref = KVCache(model.config, max_len=32)
     prefill(model, torch.cat([prompt, tokens[[0, 1, 4]]]), ref)
@@ -121,3 +124,55 @@ def test_a_root_only_tree_emits_just_the_backbones_token(rule):
         p = torch.softmax(logits[0], -1)
         for tok in range(5):
             assert abs(bonuses[tok] / 2000 - p[tok].item()) < 5 * math.sqrt(0.25 / 2000)
+
+
+@torch.no_grad()
+def test_verify_is_captured_whole_by_torch_compile_and_gives_the_eager_logits():
+    """The tree's tensors are built once outside the step (`Tree.tensors`), so the captured verify
+    has no graph break, and one graph serves every prefix length."""
+    model = tiny_model(6)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch.compiler.reset()
+    compiled = torch.compile(verify, fullgraph=True, backend=backend)
+    tokens = torch.tensor([4, 8, 15, 16, 23, 42])
+    for prompt in ([1, 2, 3], [5, 9, 2, 11, 7]):
+        eager_cache, graph_cache = KVCache(model.config, max_len=32), KVCache(model.config, max_len=32)
+        for cache in (eager_cache, graph_cache):
+            prefill(model, torch.tensor(prompt), cache)
+        want, _ = verify(model, eager_cache, TREE, tokens)
+        got, _ = compiled(model, graph_cache, TREE, tokens)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    assert len(graphs) == 1
+
+
+class HostReads(TorchFunctionMode):
+    """Records every tensor method that brings a value to the host (each a sync on a GPU)."""
+
+    READS = {"tolist", "item", "__bool__", "__int__", "__float__", "__index__", "numpy", "cpu"}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in self.READS:
+            self.seen.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("sampling", [Sampling(), Sampling(acceptance="typical", temperature=0.8)], ids=["greedy", "typical"])
+def test_a_greedy_or_typical_step_reads_the_device_once(sampling):
+    """Candidates, verify, acceptance and compaction stay on the device; one .tolist() ends the step."""
+    model, heads = tiny_model(5), random_heads(tiny_model(5), seed=2)
+    cache = KVCache(model.config, max_len=64)
+    logits, hidden = prefill(model, torch.tensor([3, 1, 4, 1, 5]), cache)
+    head_logits = heads(hidden[None], model.lm_head)[:, 0]
+    with HostReads() as reads:
+        medusa_step(model, cache, preset("cpu"), logits.argmax(), head_logits, sampling=sampling,
+                    generator=torch.Generator().manual_seed(0))
+    assert reads.seen == ["tolist"]

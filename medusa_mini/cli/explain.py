@@ -16,7 +16,7 @@ from ..decoding import prefill
 from ..heads import MedusaHeads
 from ..model import GPT, KVCache
 from ..sampling import Sampling
-from ..step import accept, keep_path, propose, verify
+from ..step import choose_path, keep_path, propose, verify
 from ..tree import Tree
 from .common import token_text
 
@@ -154,8 +154,9 @@ def explain_step(
         out.extend(_greedy_scores(enc, tree, toks, labels, logits))
 
     out.append(_header(6, "Accept: a path of accepted candidates, plus a bonus token"))
-    path, bonus = accept(tree, tokens, logits, sampling=sampling, generator=generator, draft=drawn)
-    keep_path(cache, path, start=L)
+    choice = choose_path(tree, tokens, logits, sampling=sampling, generator=generator, draft=drawn)
+    keep_path(cache, choice, start=L)
+    path, bonus = choice.to_host()
     if sampling.rule == "rejection" and drawn is not None:
         out.append("Rejection sampling: try a node's children in order, accepting x with probability")
         out.append("min(1, p(x)/q(x)) and moving p to norm(max(0, p - q)) after a miss (lossless).")
@@ -183,7 +184,7 @@ def explain_step(
         out.append("No guess was confirmed, yet the bonus token still makes the step as good as a plain one.")
     out.append("(Plain decoding needs one forward pass per token; tokens/step counts the bonus token.)")
     kept = ", ".join(f"[{i}]" for i in path)
-    out.append(f"The KV cache keeps the slots of {kept} and drops the rest: it now holds {cache.length} tokens.")
+    out.append(f"The KV cache keeps the slots of {kept} and drops the rest: it now holds {int(cache.length)} tokens.")
     out.append(f"The bonus becomes the next root, and the heads read the hidden state at node [{path[-1]}]")
     out.append("to fill the next tree.")
     return "\n".join(out)
