@@ -19,6 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .heads import MedusaHeads
+from .hydra import HydraHeads, teacher_forced_logits
 from .model import GPT, KVCache
 from .sampling import sampling_probs
 
@@ -91,7 +92,7 @@ def cosine_lr(step: int, total: int, *, lr: float, warmup: float = 0.05, min_rat
 class MedusaLM(nn.Module):
     """Backbone + heads as one module, so one optimizer (and one DDP wrapper) sees both."""
 
-    def __init__(self, model: GPT, heads: MedusaHeads | None) -> None:
+    def __init__(self, model: GPT, heads: MedusaHeads | HydraHeads | None) -> None:
         super().__init__()
         self.model = model
         self.heads = heads
@@ -133,7 +134,7 @@ class MedusaLM(nn.Module):
             if heads_stride > 1:
                 positions = torch.arange(heads_offset % heads_stride, x.shape[1], heads_stride, device=x.device)  # [T']
                 h = h[:, positions]  # [B, T', C]
-            head_logits = self.heads(h, self.model.lm_head)  # [K, B, T', V]
+            head_logits = teacher_forced_logits(self.heads, h, y, self.model, positions=positions)  # [K, B, T', V]
             losses, accs = medusa_head_losses(head_logits, y, valid=valid, positions=positions)
             weights = head_weights(len(losses), decay=decay)
             loss = loss + heads_weight * sum(w * l for w, l in zip(weights, losses))
