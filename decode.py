@@ -238,7 +238,7 @@ def compare(
             "tree_nodes": trees.greedy.num_nodes,
             "rejection_tree_nodes": trees.rejection_nodes(),
             "prompts": len(prompts), "max_new_tokens": a.max_new_tokens, "top_p": a.top_p, "repeat": a.repeat,
-            "draft": a.draft, "note": BONUS_NOTE}
+            "draft": a.draft, "note": BONUS_NOTE, "heads": ck.heads.config.kind if ck.heads is not None else None}
 
 
 def format_compare(result: dict) -> str:
@@ -255,6 +255,8 @@ def format_compare(result: dict) -> str:
         top_p += "; rejection candidates: the heads' top-k"
     threads = f"{result['threads']} thread" + ("s" if result["threads"] != 1 else "")
     nodes = tree_nodes_text(result["tree_nodes"], result["rejection_tree_nodes"])
+    if result.get("heads") == "hydra":
+        top_p += "; hydra heads (each node's children from its own path's q)"
     lines.append(f"\ndevice {result['device']}, {threads}; tree {result['tree']} "
                  f"({nodes}); {result['prompts']} prompts; "
                  f"max-new-tokens {result['max_new_tokens']}{top_p}")
