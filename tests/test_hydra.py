@@ -218,3 +218,23 @@ def test_hydra_heads_need_the_drafted_tokens_and_medusa_code_refuses_them():
         HeadsConfig(kind="eagle")
     with pytest.raises(ValueError, match="own_lm_head"):
         make_heads(HeadsConfig(kind="hydra", own_lm_head=True))
+
+
+def test_replaying_hydra_rank_strings_gives_exactly_the_tokens_per_step_of_greedy_decoding(trained):
+    # Along the greedy continuation the true previous tokens are exactly the tree path greedy decoding
+    # accepts, so teacher-forced ranks replay dependent heads as exactly as Medusa's.
+    from medusa_mini.tree import build_tree
+    from medusa_mini.tune.acceptance_tables import continuations, greedy_ranks, measure_head_accuracy, replay_greedy
+
+    model, prompts, _, _, _, _, hydra = trained
+    n, ps = 30, prompts[:6].tolist()
+    seqs = continuations(model, ps, max_new_tokens=n)
+    ranks = greedy_ranks(model, hydra, seqs, prompt_lens=4)
+    acc = measure_head_accuracy(model, hydra, seqs, prompt_lens=4)
+    assert acc[:, 0].min() > 0.2  # the trained heads are often right, so the replay has paths to follow
+    for tree in (build_tree(acc, 8)[0], build_tree(acc, 24)[0], chain(3)):
+        emitted = steps = 0
+        for p in ps:
+            _, stats = medusa_generate(model, hydra, p, tree=tree, max_new_tokens=n)
+            emitted, steps = emitted + sum(stats.step_tokens), steps + stats.steps
+        assert replay_greedy(ranks, tree) == pytest.approx(emitted / steps, abs=1e-12)
