@@ -13,7 +13,9 @@ depends on the device (see DESIGN.md, "Per-step cost matters"). For each config,
 - heads: four Medusa heads at one hidden state, through the shared lm_head or through their own;
 - Medusa step: one iteration of `medusa_generate`'s loop (`step.medusa_step` with greedy
   acceptance: candidates, verify, acceptance, KV compaction; then the heads) on the 'cpu' and 'gpu'
-  trees, and its ratio to the plain step.
+  trees, and its ratio to the plain step;
+- hydra: dependent heads (hydra.py) filling the 'cpu' and 'gpu' trees depth by depth (their whole
+  head work per step), and a step with them (the fill, verify, acceptance, compaction).
 
 Each time is the median of R repetitions after a warm-up. The KV cache is reset to the same prefix
 length before every repetition, so every repetition measures the same step; the steps take turns, so a
@@ -43,8 +45,10 @@ import torch  # noqa: E402
 from medusa_mini.cli.common import OneLineParser, pick_device  # noqa: E402
 from medusa_mini.decoding import prefill  # noqa: E402
 from medusa_mini.heads import HeadsConfig, MedusaHeads  # noqa: E402
+from medusa_mini.hydra import fill_tree, heads_input, make_heads  # noqa: E402
 from medusa_mini.io.gpt2 import GPT2_CONFIGS  # noqa: E402
 from medusa_mini.model import GPT, GPTConfig, KVCache  # noqa: E402
+from medusa_mini.sampling import Sampling  # noqa: E402
 from medusa_mini.step import medusa_step, verify  # noqa: E402
 from medusa_mini.tree import Tree, preset  # noqa: E402
 from medusa_mini.tune.clock import sync_device  # noqa: E402
@@ -163,6 +167,14 @@ def bench_config(
     steps["heads own"] = partial(own, h, model.lm_head)
     for name, tree in trees.items():
         steps[f"medusa {name}"] = partial(medusa_iteration, model, shared, cache, tree, root, head_logits)
+    # Dependent heads: the heads' work is the tree filling itself, one head call per depth.
+    with device:
+        hydra = make_heads(HeadsConfig(num_heads=4, n_embd=config.n_embd, vocab_size=config.vocab_size,
+                                       kind="hydra")).eval()
+    ctx = heads_input(hydra, hidden, model)
+    for name, tree in trees.items():
+        steps[f"hydra fill {name}"] = partial(fill_tree, tree, root, ctx, sampling=Sampling(), generator=None)
+        steps[f"hydra {name}"] = partial(medusa_step, model, cache, tree, root, ctx)
     ms = median_times(steps, reset=reset, device=device, repeat=repeat, warmup=warmup)
 
     result: dict = {
@@ -173,6 +185,7 @@ def bench_config(
         "verify_ms": {n: ms[f"verify {n}"] for n in nodes},
         "heads_ms": {"shared": ms["heads shared"], "own": ms["heads own"]},
         "medusa": {},
+        "hydra": {},
     }
     for name, tree in trees.items():
         reset()
@@ -181,6 +194,12 @@ def bench_config(
             "ms": ms[f"medusa {name}"],
             "ratio": ms[f"medusa {name}"] / ms["plain"],
             "accepted": steps[f"medusa {name}"](),  # same inputs every call, so the same path
+        }
+        result["hydra"][name] = {
+            "fill_ms": ms[f"hydra fill {name}"],
+            "fill_vs_plain": ms[f"hydra fill {name}"] / ms["plain"],
+            "ms": ms[f"hydra {name}"],
+            "ratio": ms[f"hydra {name}"] / ms["plain"],
         }
     return result
 
@@ -207,6 +226,11 @@ def format_table(results: dict[str, dict], *, header: list[str], warmup: int) ->
         row(f"Medusa step, {tree} tree ({info['nodes']} nodes incl. root)", [results[n]["medusa"][tree]["ms"] for n in names])
         row("  / plain step", [results[n]["medusa"][tree]["ratio"] for n in names], "x")
         rows.append(("  accepted nodes (random weights)", [str(results[n]["medusa"][tree]["accepted"]) for n in names]))
+    for tree in first["hydra"]:
+        row(f"hydra heads fill the {tree} tree", [results[n]["hydra"][tree]["fill_ms"] for n in names])
+        row("  / plain step", [results[n]["hydra"][tree]["fill_vs_plain"] for n in names], "x")
+        row(f"step with hydra heads, {tree} tree (no heads after)", [results[n]["hydra"][tree]["ms"] for n in names])
+        row("  / plain step", [results[n]["hydra"][tree]["ratio"] for n in names], "x")
 
     width = max(len(label) for label, _ in rows) + 2
     col = max(12, *(len(v) + 2 for _, vals in rows for v in vals))

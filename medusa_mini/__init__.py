@@ -6,7 +6,13 @@ core, never the reverse: io/ (tokenizer, safetensors, checkpoints, GPT-2 weights
 train_tiny.py run), tune/ (acceptance tables, tree sizing, clocks), cli/ (shared command-line code).
 """
 
-from .acceptance import greedy_accept, greedy_accept_paths, rejection_accept, typical_accept, typical_accept_paths
+from .acceptance import (
+    greedy_accept,
+    greedy_accept_paths,
+    rejection_accept,
+    typical_accept,
+    typical_accept_paths,
+)
 from .decoding import GenerationStats, generate, medusa_generate
 from .heads import HeadsConfig, MedusaHeads
 from .model import GPT, GPTConfig, KVCache, compact_kv_cache

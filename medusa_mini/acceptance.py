@@ -136,9 +136,10 @@ def rejection_accept(
         else:
             nxt = None
             if kids:
-                d = tree.depth_list[node]  # the children sit at depth d + 1: drawn from q[d]
+                # the children (depth d + 1) were drawn from head d+1's q, or from the node's own q
+                log_q, drawn = draft.for_children_of(node, tree.depth_list[node])
                 ranks = [tree.choices[c - 1][-1] for c in kids]
-                i, p = try_candidates(p, draft.log_q[d], draft.samples[d].tolist(), ranks, generator)
+                i, p = try_candidates(p, log_q, drawn.tolist(), ranks, generator)
                 nxt = None if i is None else kids[i]
             y = sample(p, generator) if nxt is None else None  # the bonus, from the residual p
         if nxt is None:

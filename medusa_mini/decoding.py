@@ -19,6 +19,7 @@ from typing import Callable
 
 import torch
 
+from .hydra import heads_input
 from .model import GPT, KVCache
 from .sampling import Sampling
 from .step import medusa_step
@@ -126,7 +127,8 @@ def medusa_generate(
     """Medusa decoding: propose -> verify -> accept -> compact, until a stop rule fires.
 
     heads(hidden [1, C], lm_head) -> logits [K, 1, V]; evaluated once per step, only at the last
-    accepted node (the one whose hidden state predicts what follows the bonus token).
+    accepted node (the one whose hidden state predicts what follows the bonus token). Dependent heads
+    (hydra.HydraHeads) are read there too, node by node while the tree is filled (`hydra.heads_input`).
     `on_step` receives each step's emitted tokens before the next proposal is made. `sampling` holds
     the acceptance rule and its settings (sampling.py); with greedy or rejection acceptance the output
     is plain `generate`'s, in distribution and, when greedy, token for token.
@@ -145,7 +147,7 @@ def medusa_generate(
     out, reason = _limit([], [int(root)], max_new_tokens=max_new_tokens, room=room, eos_id=eos_id)
     if on_step and out:
         on_step(list(out))
-    head_logits = heads(hidden[None], model.lm_head)[:, 0]  # [K, V]
+    head_logits = heads_input(heads, hidden, model)  # [K, V], or a HydraContext for dependent heads
     L = ids.numel()  # every committed token but the root: the cache's length, counted on the host
     while not reason and out:
         # Near the end, deeper nodes could not be used (or could not be positioned): trim the tree.
@@ -163,6 +165,6 @@ def medusa_generate(
         if reason:
             break
         root = step.next_root
-        head_logits = heads(step.next_hidden[None], model.lm_head)[:, 0]  # [K, V]
+        head_logits = heads_input(heads, step.next_hidden, model)
     stats.stop_reason = reason or "max_new_tokens"
     return out, stats

@@ -26,10 +26,20 @@ import torch.nn.functional as F
 class Draft:
     """One step's sampled candidates. log_q: [D, V] log of head d+1's draft distribution;
     samples: [D, R] distinct tokens drawn from it, in draw order (a node of rank r at depth d+1
-    holds samples[d, r])."""
+    holds samples[d, r]).
+
+    rows: None for Medusa's heads, whose q depends only on the depth. Dependent heads (hydra.py) give
+    every parent node its own q: then log_q and samples have one row per parent node, and rows[node]
+    is the row of that node's children (-1 for a leaf)."""
 
     log_q: torch.Tensor
     samples: torch.Tensor
+    rows: tuple[int, ...] | None = None
+
+    def for_children_of(self, node: int, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log q [V], samples [R]) that the children of `node` (at `depth`) were drawn from."""
+        row = depth if self.rows is None else self.rows[node]
+        return self.log_q[row], self.samples[row]
 
 
 def draft_log_probs(head_logits: torch.Tensor, *, temperature: float) -> torch.Tensor:

@@ -17,6 +17,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+HEAD_KINDS = ("medusa", "hydra")
+
 
 @dataclass
 class HeadsConfig:
@@ -24,6 +26,11 @@ class HeadsConfig:
     n_embd: int = 256
     vocab_size: int = 2048
     own_lm_head: bool = False
+    kind: str = "medusa"  # "medusa": head k reads h_t only; "hydra": h_t and the drafted path (hydra.py)
+
+    def __post_init__(self) -> None:
+        if self.kind not in HEAD_KINDS:
+            raise ValueError(f"unknown head kind {self.kind!r}: use one of {', '.join(HEAD_KINDS)}")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -47,6 +54,9 @@ class MedusaHeads(nn.Module):
 
     def __init__(self, config: HeadsConfig, *, lm_head_weight: torch.Tensor | None = None) -> None:
         super().__init__()
+        if config.kind != "medusa":
+            raise ValueError(f"these heads are of kind {config.kind!r}, not Medusa's: build them with "
+                             "medusa_mini.hydra.make_heads (or load them with io.checkpoint.load_heads)")
         self.config = config
         self.blocks = nn.ModuleList([ResBlock(config.n_embd) for _ in range(config.num_heads)])
         if config.own_lm_head:

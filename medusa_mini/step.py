@@ -19,8 +19,14 @@ from dataclasses import dataclass
 
 import torch
 
-from .acceptance import PathChoice, greedy_accept_paths, rejection_accept, typical_accept_paths
+from .acceptance import (
+    PathChoice,
+    greedy_accept_paths,
+    rejection_accept,
+    typical_accept_paths,
+)
 from .draft import Draft, sample_draft
+from .hydra import HydraContext, fill_tree
 from .model import GPT, KVCache, compact_kv_cache
 from .sampling import Sampling
 from .tree import Tree
@@ -44,11 +50,14 @@ def tree_candidates(
 
 
 def propose(
-    tree: Tree, root: int | torch.Tensor, head_logits: torch.Tensor, *, sampling: Sampling,
+    tree: Tree, root: int | torch.Tensor, head_logits: torch.Tensor | HydraContext, *, sampling: Sampling,
     generator: torch.Generator | None,
 ) -> tuple[torch.Tensor, Draft | None]:
     """The tree's candidate tokens [N]: the heads' top-k, or, for rejection sampling with
-    draft="sampled", tokens drawn from the heads' distributions (returned too: acceptance needs q)."""
+    draft="sampled", tokens drawn from the heads' distributions (returned too: acceptance needs q).
+    A HydraContext instead of head_logits [K, V]: dependent heads, read per node (hydra.fill_tree)."""
+    if isinstance(head_logits, HydraContext):  # dependent heads: the tree is filled depth by depth
+        return fill_tree(tree, root, head_logits, sampling=sampling, generator=generator)
     sampled = None
     if sampling.draws_candidates and tree.num_nodes > 1:
         sampled = sample_draft(head_logits, depth=tree.depth, width=tree.max_rank + 1,
@@ -132,7 +141,7 @@ def medusa_step(
     cache: KVCache,
     tree: Tree,
     root: int | torch.Tensor,
-    head_logits: torch.Tensor,
+    head_logits: torch.Tensor | HydraContext,
     *,
     sampling: Sampling = Sampling(),
     generator: torch.Generator | None = None,

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from .heads import MedusaHeads
+from .hydra import HydraHeads, next_tokens
 from .model import GPT, KVCache
 from .sampling import sampling_probs
 
@@ -101,10 +102,12 @@ def head_chunk_size(num_heads: int, vocab_size: int, *, budget: int = HEAD_LOGIT
     return max(1, budget // (num_heads * vocab_size))
 
 
-def _chunk_head_sums(heads: MedusaHeads, lm_head: nn.Module, h: torch.Tensor, targets: torch.Tensor
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One chunk: h [M, C], targets [K, M] -> summed cross-entropy per head [K] and top-1 hits [K]."""
-    logits = heads(h, lm_head).float()  # [K, M, V]
+def _chunk_head_sums(heads: nn.Module, lm_head: nn.Module, h: torch.Tensor, targets: torch.Tensor,
+                     tokens: torch.Tensor | None, wte: nn.Module | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk: h [M, C], targets [K, M], tokens [M, K] or None -> summed cross-entropy per head [K]
+    and top-1 hits [K]."""
+    logits = heads(h, lm_head) if tokens is None else heads(h, lm_head, tokens=tokens, wte=wte)
+    logits = logits.float()  # [K, M, V]
     K, M, V = logits.shape
     ce = F.cross_entropy(logits.reshape(K * M, V), targets.reshape(K * M), ignore_index=IGNORE, reduction="none")
     hits = (logits.detach().argmax(-1) == targets).sum(-1)  # [K]; IGNORE never equals a token
@@ -112,8 +115,8 @@ def _chunk_head_sums(heads: MedusaHeads, lm_head: nn.Module, h: torch.Tensor, ta
 
 
 def chunked_head_loss(
-    heads: MedusaHeads, lm_head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, *,
-    chunk_size: int | None = None,
+    heads: nn.Module, lm_head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, *,
+    tokens: torch.Tensor | None = None, wte: nn.Module | None = None, chunk_size: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Medusa heads' cross-entropy (paper §2.2.1) without materialising all K x B x T x V logits at once.
 
@@ -123,21 +126,23 @@ def chunked_head_loss(
     (default: head_chunk_size). With more than one chunk each runs under torch.utils.checkpoint: its
     logits are freed after the forward and recomputed in the backward, so both passes hold one chunk's
     logits at a time, at the price of computing the heads and the lm_head twice. Everything stays on
-    the device: no `.item()`, no data-dependent shapes.
+    the device: no `.item()`, no data-dependent shapes. Dependent (Hydra) heads also read tokens
+    [B, T, K], the true x_{t+1..t+K} at each position (hydra.next_tokens), through the embedding wte.
     """
     K, C = targets.shape[0], hidden.shape[-1]
     h = hidden.reshape(-1, C)  # [B·T, C]
     tgt = targets.reshape(K, -1)  # [K, B·T]
+    tok = None if tokens is None else tokens.reshape(-1, K)  # [B·T, K]
     n = h.shape[0]
     size = chunk_size or head_chunk_size(K, heads.config.vocab_size)
     if size >= n:  # one chunk: nothing to free early, so no recomputation either
-        ce_sum, hits = _chunk_head_sums(heads, lm_head, h, tgt)
+        ce_sum, hits = _chunk_head_sums(heads, lm_head, h, tgt, tok, wte)
     else:
         ce_sum = hits = 0
         for i in range(0, n, size):
             # preserve_rng_state=False: the chunk draws no random numbers, so there is no state to replay
             c, t = checkpoint(_chunk_head_sums, heads, lm_head, h[i : i + size], tgt[:, i : i + size],
-                              use_reentrant=False, preserve_rng_state=False)
+                              None if tok is None else tok[i : i + size], wte, use_reentrant=False, preserve_rng_state=False)
             ce_sum, hits = ce_sum + c, hits + t
     counts = (tgt != IGNORE).sum(-1).clamp(min=1).to(ce_sum.dtype)  # [K]
     return ce_sum / counts, hits / counts
@@ -166,7 +171,7 @@ def cosine_lr(step: int, total: int, *, lr: float, warmup: float = 0.05, min_rat
 class MedusaLM(nn.Module):
     """Backbone + heads as one module, so one optimizer (and one DDP wrapper) sees both."""
 
-    def __init__(self, model: GPT, heads: MedusaHeads | None) -> None:
+    def __init__(self, model: GPT, heads: MedusaHeads | HydraHeads | None) -> None:
         super().__init__()
         self.model = model
         self.heads = heads
@@ -212,7 +217,12 @@ class MedusaLM(nn.Module):
                 positions = torch.arange(heads_offset % heads_stride, x.shape[1], heads_stride, device=x.device)  # [T']
                 h = h[:, positions]  # [B, T', C]
             targets = stacked_head_targets(y, self.heads.num_heads, valid=valid, positions=positions)  # [K, B, T']
-            losses, accs = chunked_head_loss(self.heads, self.model.lm_head, h, targets, chunk_size=heads_chunk)
+            tokens = None
+            if getattr(self.heads, "reads_drafted_tokens", False):  # dependent heads read x_{t+1..t+K}
+                tokens = next_tokens(y, self.heads.num_heads)  # [B, T, K]
+                tokens = tokens if positions is None else tokens[:, positions]  # [B, T', K]
+            losses, accs = chunked_head_loss(self.heads, self.model.lm_head, h, targets, tokens=tokens,
+                                             wte=self.model.transformer.wte, chunk_size=heads_chunk)
             weights = head_weights(self.heads.num_heads, decay=decay)
             loss = loss + heads_weight * sum(w * l for w, l in zip(weights, losses.unbind()))
             metrics["heads"] = losses.detach()

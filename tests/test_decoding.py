@@ -9,6 +9,8 @@ import torch
 from conftest import OracleHeads, random_heads, tiny_model
 
 from medusa_mini.decoding import generate, medusa_generate
+from medusa_mini.heads import HeadsConfig
+from medusa_mini.hydra import make_heads
 from medusa_mini.sampling import Sampling, sampling_probs
 from medusa_mini.tree import Tree, chain, preset
 
@@ -54,6 +56,17 @@ def test_untrained_heads_still_decode_correctly_but_accept_little():
     heads = random_heads(model, seed=3)
     _, stats = medusa_generate(model, heads, [1, 2, 3], tree=preset("cpu"), max_new_tokens=30)
     assert 1.0 <= stats.tokens_per_step < 3.0
+
+
+def hydra_heads(model, *, seed):
+    """Random dependent heads: each node's q differs with the drafted path."""
+    torch.manual_seed(seed)
+    cfg = model.config
+    heads = make_heads(HeadsConfig(num_heads=3, n_embd=cfg.n_embd, vocab_size=cfg.vocab_size, kind="hydra"))
+    with torch.no_grad():
+        for block in heads.blocks:
+            torch.nn.init.normal_(block.linear.weight, std=0.5)
+    return heads.eval()
 
 
 def exact_sequence_probs(model, prompt, n, *, temperature):
@@ -117,6 +130,43 @@ def test_rejection_sampling_preserves_model_distribution(proposer, draft):
     # the check has teeth: greedy decoding or a lossy rule lands far outside the same bound
     greedy_seq = tuple(generate(model, prompt, max_new_tokens=n)[0])
     assert total_variation({greedy_seq: 1.0}, exact) > 10 * bound
+
+
+@pytest.mark.slow
+@torch.no_grad()
+@pytest.mark.parametrize("draft", ["sampled", "topk"])
+def test_rejection_sampling_with_dependent_heads_preserves_model_distribution(draft):
+    # Four new tokens, so the first step's tree keeps depth 2: there every node's children come
+    # from that node's own q (hydra.py), and acceptance must try them against exactly that q. All
+    # four tokens at depth 1 with two children each: trying a node's children against a sibling's
+    # q instead lands the (x2, x3) marginal about 3 bounds away; the honest rule stays near 0.5.
+    V, n, M, T = 4, 4, 4000, 0.8
+    model = tiny_model(13, vocab_size=V, block_size=16)
+    prompt = [1, 2]
+    exact = exact_sequence_probs(model, prompt, n, temperature=T)
+    gen = torch.Generator().manual_seed(0)
+    tree = Tree.from_choices([(r,) for r in range(V)] + [(r, c) for r in range(V) for c in range(2)])
+    pool = [hydra_heads(model, seed=s) for s in range(7)]
+
+    def run(i):
+        out, stats = medusa_generate(model, pool[i % 7], prompt, tree=tree, max_new_tokens=n,
+                                     sampling=Sampling(temperature=T, draft=draft), generator=gen)
+        run.deep += sum(a >= 2 for a in stats.accepted_nodes)
+        return out
+
+    run.deep = 0
+    medusa = empirical(run, M)
+    assert run.deep > M * 0.1  # second-level candidates, drawn from their parent's own q, were accepted
+    assert total_variation(medusa, exact) < 2.5 * expected_tv(exact, M)
+
+    def second_and_third(dist):  # the tokens the depth-2 tries decide
+        out: dict = {}
+        for seq, v in dist.items():
+            out[seq[1:3]] = out.get(seq[1:3], 0.0) + v
+        return out
+
+    exact23 = second_and_third(exact)
+    assert total_variation(second_and_third(medusa), exact23) < 2.5 * expected_tv(exact23, M)
 
 
 @pytest.mark.slow

@@ -15,7 +15,7 @@ import sys
 
 from conftest import ROOT
 
-CORE = ("model", "heads", "tree", "sampling", "draft", "acceptance", "step", "decoding", "training")
+CORE = ("model", "heads", "hydra", "tree", "sampling", "draft", "acceptance", "step", "decoding", "training")
 WINGS = ("io", "train", "tune", "cli")
 PACKAGE = os.path.join(ROOT, "medusa_mini")
 

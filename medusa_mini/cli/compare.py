@@ -110,7 +110,7 @@ def compare(
             "threads": torch.get_num_threads(), "tree": tree_name, "tree_nodes": trees.greedy.num_nodes,
             "rejection_tree_nodes": trees.rejection_nodes(), "prompts": len(prompts),
             "max_new_tokens": max_new_tokens, "top_p": sampling.top_p, "repeat": repeat, "draft": sampling.draft,
-            "note": BONUS_NOTE}
+            "note": BONUS_NOTE, "heads": ck.heads.config.kind if ck.heads is not None else None}
 
 
 def summarise(key: str, method: str, sampling: Sampling, outs: list[tuple[list[int], GenerationStats]]) -> dict:
@@ -144,6 +144,8 @@ def format_compare(result: dict) -> str:
         top_p += "; rejection candidates: the heads' top-k"
     threads = f"{result['threads']} thread" + ("s" if result["threads"] != 1 else "")
     nodes = tree_nodes_text(result["tree_nodes"], result["rejection_tree_nodes"])
+    if result.get("heads") == "hydra":
+        top_p += "; hydra heads (each node's children from its own path's q)"
     dtype = f", {result['dtype']}" if result.get("dtype", "float32") != "float32" else ""
     lines.append(f"\ndevice {result['device']}{dtype}, {threads}; tree {result['tree']} ({nodes}); "
                  f"{result['prompts']} prompts; max-new-tokens {result['max_new_tokens']}{top_p}")

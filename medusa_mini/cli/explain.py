@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from ..decoding import prefill
 from ..heads import MedusaHeads
+from ..hydra import HydraContext, HydraHeads, heads_input
 from ..model import GPT, KVCache
 from ..sampling import Sampling
 from ..step import choose_path, keep_path, propose, verify
@@ -74,7 +75,8 @@ def _sampled_scores(enc, tree: Tree, toks: list[int], labels: list[str], logits:
         par, d = tree.parents[i], tree.depth_list[i]
         row = f"{f'[{i}]':<6}{labels[i]:<{w_tok}}{p[par, toks[i]].item():<10.3f}"
         if drawn is not None:
-            row += f"{drawn.log_q[d - 1, toks[i]].exp().item():.3f}"
+            log_q, _ = drawn.for_children_of(par, d - 1)  # head d's q, or (hydra) the parent's own q
+            row += f"{log_q[toks[i]].exp().item():.3f}"
         out.append(row)
     return out
 
@@ -82,7 +84,7 @@ def _sampled_scores(enc, tree: Tree, toks: list[int], labels: list[str], logits:
 @torch.no_grad()
 def explain_step(
     model: GPT,
-    heads: MedusaHeads,
+    heads: MedusaHeads | HydraHeads,
     enc: tiktoken.Encoding,
     prompt_ids: list[int],
     *,
@@ -117,9 +119,17 @@ def explain_step(
     out.append("The root is already certain: it is emitted now, before the first Medusa step.")
 
     out.append(_header(2, "Heads: guesses further ahead, from the same last hidden state"))
-    head_logits = heads(hidden[None], model.lm_head)[:, 0]  # [K, V]
+    head_logits = heads_input(heads, hidden, model)  # [K, V], or a HydraContext for dependent heads
     used = tree.top_k()
-    for k in range(heads.num_heads):
+    if isinstance(head_logits, HydraContext):
+        out.append("Dependent (hydra) heads: head k reads this hidden state and the k tokens before its guess")
+        out.append("(the root, then the drafted path), so every node's children come from that node's own q,")
+        out.append("filled depth by depth, one head call per depth (step 3).")
+        first = heads.head_logits(1, hidden, torch.tensor([root], device=device), lm_head=model.lm_head,
+                                  wte=model.transformer.wte)  # [V]
+        if used:
+            out.append(f"head 1 (2nd token after the root), reading the root: {_guesses(enc, first, used[0])}")
+    for k in range(heads.num_heads if not isinstance(head_logits, HydraContext) else 0):
         shown = used[k] if k < len(used) else 0
         nth = _ordinal(k + 1)
         if shown == 0:
@@ -132,10 +142,15 @@ def explain_step(
     tokens, drawn = propose(tree, root, head_logits, sampling=sampling, generator=generator)  # [N]
     labels = [token_text(enc, t) for t in tokens.tolist()]
     if drawn is None:
-        out.append("A node at depth d holds head d's guess of the listed rank; a path from the root is one")
+        if isinstance(head_logits, HydraContext):
+            out.append("A node at depth d holds head d's guess of the listed rank, given the node's own path")
+            out.append("(its siblings' paths differ, so its children may too); a path from the root is one")
+        else:
+            out.append("A node at depth d holds head d's guess of the listed rank; a path from the root is one")
     else:
         out.append("Rejection sampling draws the candidates: a node at depth d holds the r-th token drawn")
-        out.append("from head d's distribution q (without replacement, r = its rank); a path from the root is one")
+        whose = "its parent's own q" if drawn.rows is not None else "head d's distribution q"
+        out.append(f"from {whose} (without replacement, r = its rank); a path from the root is one")
     out.append("possible continuation. All paths are checked together in the next pass.")
     out.append(tree.draw(labels))
 

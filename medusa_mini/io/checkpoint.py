@@ -5,7 +5,7 @@ A checkpoint directory holds
     config.json               GPT-2 config.json; the key "medusa_mini" holds the caller's `extra`
     model.safetensors         the backbone under GPT-2 key names, Conv1D weights stored [in, out]
     medusa_heads.safetensors  the heads' state_dict                    (only when heads were saved)
-    medusa_config.json        HeadsConfig.to_dict()                    (only when heads were saved)
+    medusa_config.json        HeadsConfig.to_dict(); "kind" says medusa or hydra heads (only when heads were saved)
 
 Saving writes every file under a temporary name first, then renames them into place with config.json
 last; if a rename fails, the files already replaced are restored, so an earlier checkpoint in the
@@ -22,6 +22,7 @@ from typing import IO
 import torch
 
 from ..heads import HeadsConfig, MedusaHeads
+from ..hydra import HydraHeads, make_heads
 from ..model import GPT
 from .gpt2_layout import (
     check_tensors,
@@ -94,7 +95,7 @@ def save_checkpoint(
     directory: str | os.PathLike,
     model: GPT,
     *,
-    heads: MedusaHeads | None = None,
+    heads: MedusaHeads | HydraHeads | None = None,
     extra: dict | None = None,
     eos_token_id: int | None = None,
     write_model: bool = True,
@@ -150,7 +151,7 @@ def _read_weights(path: str) -> dict[str, torch.Tensor]:
 
 def load_heads(
     directory: str | os.PathLike, model: GPT, *, device: torch.device | str = "cpu"
-) -> MedusaHeads:
+) -> MedusaHeads | HydraHeads:
     """The heads saved in `directory` (medusa_config.json + medusa_heads.safetensors) for `model`."""
     directory = os.fspath(directory)
     config_path = os.path.join(directory, HEADS_CONFIG_FILE)
@@ -159,13 +160,15 @@ def load_heads(
         config = HeadsConfig(**_read_json(config_path))
     except TypeError as e:
         raise ValueError(f"{config_path} has unknown fields ({e}); save the heads again") from None
+    except ValueError as e:
+        raise ValueError(f"{config_path}: {e}") from None
     mc = model.config
     if (config.n_embd, config.vocab_size) != (mc.n_embd, mc.vocab_size):
         raise ValueError(
             f"heads in {directory} need n_embd={config.n_embd}, vocab_size={config.vocab_size} but the model "
             f"has n_embd={mc.n_embd}, vocab_size={mc.vocab_size}; use the backbone they were trained on"
         )
-    heads = MedusaHeads(config)
+    heads = make_heads(config)  # Medusa's heads or dependent (hydra) ones, as medusa_config.json says
     tensors = _read_weights(weights_path)
     expected = {k: t.shape for k, t in heads.state_dict().items()}
     try:
@@ -178,7 +181,7 @@ def load_heads(
 
 def load_checkpoint(
     directory: str | os.PathLike, *, device: torch.device | str = "cpu"
-) -> tuple[GPT, MedusaHeads | None, dict]:
+) -> tuple[GPT, MedusaHeads | HydraHeads | None, dict]:
     """(model, heads or None, config.json) from a directory save_checkpoint wrote, or any GPT-2
     directory with model.safetensors; a one-line ValueError names what is missing or broken."""
     directory = os.fspath(directory)

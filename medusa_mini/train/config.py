@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from ..heads import HEAD_KINDS
 from .backbone import GPT2_PRESETS
 
 DTYPES = ("float32", "bfloat16", "float16")  # --dtype: the autocast type of the training forward
@@ -42,6 +43,7 @@ class TrainArgs:
     n_embd: int = 256
     block_size: int = 256
     num_heads: int = 4
+    heads: str = "medusa"
     own_lm_head: bool = False
     medusa: int = 2
     batch_size: int = 16
@@ -76,6 +78,10 @@ class TrainArgs:
         for name in ("n_layer", "n_head", "n_embd", "block_size", "batch_size", "num_heads", "vocab_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+        if self.heads not in HEAD_KINDS:
+            raise ValueError(f"--heads must be one of {', '.join(HEAD_KINDS)}, not {self.heads!r}")
+        if self.heads == "hydra" and self.own_lm_head:
+            raise ValueError("--heads hydra shares the backbone's lm_head: drop --own-lm-head")
         if self.vocab_size < 257:
             raise ValueError("--vocab-size must be at least 257 (256 bytes + the end-of-text token)")
         if self.n_embd % self.n_head:
@@ -110,7 +116,9 @@ class TrainArgs:
 FLAG_HELP = {
     "max_bytes": "cap on the default corpus", "vocab_size": "BPE vocabulary incl. end-of-text",
     "n_layer": "transformer blocks", "n_head": "attention heads", "n_embd": "width",
-    "block_size": "context length", "num_heads": "Medusa heads K", "own_lm_head": "each head its own lm_head",
+    "block_size": "context length", "num_heads": "Medusa heads K",
+    "heads": "medusa: head k reads h_t only; hydra: h_t and the k tokens before its target (hydra.py)",
+    "own_lm_head": "each head its own lm_head",
     "medusa": "1: heads on the frozen backbone; 2: heads trained jointly with the backbone, then alone",
     "batch_size": "backbone batch", "backbone_steps": "backbone optimizer steps", "lr": "backbone learning rate",
     "weight_decay": "AdamW weight decay", "heads_lr_mult": "heads' learning-rate multiple in joint training",

@@ -17,6 +17,7 @@ import random
 import numpy as np
 import torch
 
+from ..hydra import teacher_forced_logits
 from ..io.loading import PROMPTS_FILE
 from ..io.safetensors import atomic_write_text
 from ..training import head_targets, lm_loss, sample_continuations
@@ -45,7 +46,7 @@ def text_accuracy(model, heads, val_tokens: np.ndarray, *, batches: int = 8, bat
         x, y = get_batch(val_tokens, batch_size=batch_size, block_size=T, generator=g, device=model.device)
         logits, hidden = model(x)
         losses.append(torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten()).item())
-        head_logits = heads(hidden, model.lm_head)  # [K, B, T, V]
+        head_logits = teacher_forced_logits(heads, hidden, y, model)  # [K, B, T, V]
         K = head_logits.shape[0]
         top1 = top1 if top1 is not None else [0.0] * K
         top5 = top5 if top5 is not None else [0.0] * K

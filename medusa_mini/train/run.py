@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ..heads import HeadsConfig, MedusaHeads
+from ..heads import HeadsConfig
+from ..hydra import make_heads
 from ..io.checkpoint import save_checkpoint
 from ..io.tokenizer import load_tokenizer, make_encoding, save_tokenizer, train_bpe
 from ..model import GPT, GPTConfig
@@ -25,7 +26,14 @@ from ..training import MedusaLM, cosine_lr, lambda_schedule, sample_continuation
 from .backbone import init_backbone, save_tokenizer_for
 from .config import TrainArgs, TrainError
 from .data import encode_documents, get_batch, load_corpus, split_documents
-from .device import StageClock, autocast, check_dtype, enable_tf32, grad_scaler, to_device
+from .device import (
+    StageClock,
+    autocast,
+    check_dtype,
+    enable_tf32,
+    grad_scaler,
+    to_device,
+)
 from .report import held_out_prompts, periodic_validation, progress_line, summarize
 from .state import STATE_FILE, DeferredInterrupt, Run, report_replicas
 
@@ -225,10 +233,12 @@ def run(args: TrainArgs) -> None:
         model = GPT(GPTConfig(vocab_size=enc.n_vocab, block_size=args.block_size, n_layer=args.n_layer,
                               n_head=args.n_head, n_embd=args.n_embd)).to(r.device)
     cfg = model.config
-    heads = MedusaHeads(HeadsConfig(num_heads=args.num_heads, n_embd=cfg.n_embd, vocab_size=cfg.vocab_size,
-                                    own_lm_head=args.own_lm_head), lm_head_weight=model.lm_head.weight).to(r.device)
+    heads = make_heads(HeadsConfig(num_heads=args.num_heads, n_embd=cfg.n_embd, vocab_size=cfg.vocab_size,
+                                   own_lm_head=args.own_lm_head, kind=args.heads),
+                       lm_head_weight=model.lm_head.weight).to(r.device)
     r.model, r.heads, r.eot_id = model, heads, enc.eot_token
-    r.extra = {"eot_id": r.eot_id, "preset": args.preset, "medusa": args.medusa, "init": args.init}
+    r.extra = {"eot_id": r.eot_id, "preset": args.preset, "medusa": args.medusa, "init": args.init,
+               "heads": args.heads}
     if min(len(train_tokens), len(val_tokens)) <= cfg.block_size:
         raise TrainError(f"the data is too small for --block-size {cfg.block_size}: give more text")
     r.log(f"data       {len(train_tokens):,} train / {len(val_tokens):,} val tokens  "

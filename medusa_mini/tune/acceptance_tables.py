@@ -26,6 +26,7 @@ from typing import Callable, Sequence
 import torch
 
 from ..draft import draft_acceptance, draft_log_probs
+from ..hydra import heads_logits, next_tokens
 from ..io.safetensors import atomic_write_text, read_json
 from ..model import GPT
 from ..sampling import sampling_probs
@@ -116,9 +117,11 @@ def measure_head_accuracy(
         # The backbone's own logits are needed only to score guesses by p.
         logits, hidden = model(idx, logits_at=slice(None) if temperature > 0 else slice(0, 0))  # [B, T, V], [B, T, C]
         rows, cols = ((t >= starts) & (t + 2 < lengths)).nonzero(as_tuple=True)  # [M] each
+        following = _following(heads, idx)  # [B, T, K] dependent heads read the true tokens (or None)
         for c in range(0, rows.numel(), chunk):  # chunks bound the [K, m, V] head logits
             r, tt = rows[c : c + chunk], cols[c : c + chunk]
-            head_logits = heads(hidden[r, tt], model.lm_head)  # [K, m, V]
+            tokens = None if following is None else following[r, tt]  # [m, K]
+            head_logits = heads_logits(heads, hidden[r, tt], model, tokens=tokens)  # [K, m, V]
             K = head_logits.shape[0]
             ahead = tt[None] + torch.arange(2, K + 2, device=device)[:, None]  # [K, m]
             exists = ahead < lengths[r, 0][None]
@@ -138,6 +141,18 @@ def measure_head_accuracy(
     if counts is None or counts.sum() == 0:
         raise ValueError("no position has a target: the sequences are too short (need 3+ tokens)")
     return hits / counts.clamp(min=1)[:, None]
+
+
+def _following(heads: HeadsFn, idx: torch.Tensor) -> torch.Tensor | None:
+    """For dependent (hydra) heads, the true tokens after each position: idx [B, T] -> [B, T, K]
+    (x_{t+1..t+K}, 0 past the end, where no target exists); None for Medusa's heads.
+
+    Along a greedy continuation these are exactly the tokens of the tree path that greedy decoding
+    accepts, so acc[k][r] (and the rank strings) are those decoding meets."""
+    if not getattr(heads, "reads_drafted_tokens", False):
+        return None
+    y = torch.cat([idx[:, 1:], torch.zeros_like(idx[:, :1])], dim=1)  # [B, T]: token t+1 at column t
+    return next_tokens(y, heads.num_heads)
 
 
 MISS = "-"  # in a stored rank string: the target is not among the head's top-k guesses
@@ -162,7 +177,9 @@ def greedy_ranks(
         idx = torch.tensor([s], dtype=torch.long, device=model.device)  # [1, L]
         _, hidden = model(idx, logits_at=slice(0, 0))  # [1, L, C]
         t = torch.arange(max(P - 1, 0), len(s) - 1, device=model.device)  # [m]
-        guesses = heads(hidden[0, t], model.lm_head).topk(top_k, dim=-1).indices  # [K, m, R]
+        following = _following(heads, idx)
+        tokens = None if following is None else following[0, t]  # [m, K]
+        guesses = heads_logits(heads, hidden[0, t], model, tokens=tokens).topk(top_k, dim=-1).indices  # [K, m, R]
         K = guesses.shape[0]
         ahead = t[None] + torch.arange(2, K + 2, device=model.device)[:, None]  # [K, m]
         target = idx[0, ahead.clamp(max=len(s) - 1)]  # [K, m]

@@ -18,6 +18,7 @@ from typing import Sequence
 import torch
 
 from ..decoding import prefill
+from ..hydra import heads_input
 from ..model import GPT, KVCache
 from ..sampling import Sampling
 from ..step import medusa_step
@@ -66,7 +67,7 @@ def measure_verify_cost(
             cache.length = prefix_len  # every repetition verifies after the same prefix
             sync_device(device)
             t0 = time.perf_counter()
-            head_logits = guesses if heads is None else heads(hidden[None], model.lm_head)[:, 0]  # [K, V]
+            head_logits = guesses if heads is None else heads_input(heads, hidden, model)  # [K, V] or per node
             medusa_step(model, cache, trees[n], root, head_logits, sampling=sampling, generator=rule_gen)
             sync_device(device)
             if rep:

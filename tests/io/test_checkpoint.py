@@ -260,6 +260,35 @@ def test_save_then_load_gives_identical_logits(tmp_path, heads_kind):
     assert read_safetensors_metadata(tmp_path / "model.safetensors") == {"format": "pt"}
 
 
+def test_hydra_heads_round_trip_and_the_config_says_their_kind(tmp_path):
+    from medusa_mini.heads import HeadsConfig
+    from medusa_mini.hydra import HydraHeads, make_heads, teacher_forced_logits
+
+    model = tiny_gpt()
+    cfg = model.config
+    torch.manual_seed(0)
+    heads = make_heads(HeadsConfig(num_heads=3, n_embd=cfg.n_embd, vocab_size=cfg.vocab_size, kind="hydra")).eval()
+    with torch.no_grad():
+        for block in heads.blocks:
+            block.linear.weight.normal_(0.0, 0.5)
+    save_checkpoint(tmp_path, model, heads=heads)
+    assert json.loads((tmp_path / "medusa_config.json").read_text())["kind"] == "hydra"
+    model2, heads2, _ = load_checkpoint(tmp_path)
+    assert isinstance(heads2, HydraHeads)
+    x = torch.randint(cfg.vocab_size, (2, 9))
+    _, hidden = model(x)
+    assert torch.equal(teacher_forced_logits(heads, hidden, x, model), teacher_forced_logits(heads2, hidden, x, model2))
+
+
+def test_heads_saved_before_kinds_existed_load_as_medusa_heads(tmp_path):
+    model = tiny_gpt()
+    save_checkpoint(tmp_path, model, heads=tiny_heads(model, own_lm_head=False))
+    config = json.loads((tmp_path / "medusa_config.json").read_text())
+    del config["kind"]
+    (tmp_path / "medusa_config.json").write_text(json.dumps(config))
+    assert type(load_heads(tmp_path, model)).__name__ == "MedusaHeads"
+
+
 def test_heads_load_alone_next_to_any_backbone(tmp_path):
     model = tiny_gpt()
     heads = tiny_heads(model, own_lm_head=False)
@@ -330,6 +359,9 @@ def corrupt(directory, name: str, content: bytes | None) -> None:
     ("medusa_config.json", b'{"num_heads": 4, "n_embd": 16, "vocab_size": 61, "own_lm_head": false}',
      "lacks tensor 'blocks.3.linear.weight'"),
     ("medusa_config.json", b'{"heads": 4}', "unknown fields"),
+    ("medusa_config.json", b'{"num_heads": 3, "n_embd": 16, "vocab_size": 61, "kind": "eagle"}', "unknown head kind"),
+    ("medusa_config.json", b'{"num_heads": 3, "n_embd": 16, "vocab_size": 61, "kind": "hydra"}',
+     "lacks tensor 'blocks.0.linear.weight'|shape"),
     ("medusa_heads.safetensors", None, "medusa_heads.safetensors is missing"),
 ])
 def test_a_broken_checkpoint_gives_a_one_line_error_naming_the_file(tmp_path, name, content, match):

@@ -41,6 +41,27 @@ def test_a_run_writes_a_complete_checkpoint(tmp_path, capsys):
     assert default_tree_name(torch.device("cpu"), str(out)) == "stored"
 
 
+def test_hydra_heads_train_and_then_train_alone_on_the_same_backbone(tmp_path, capsys):
+    # The fair comparison of head kinds: one backbone, then heads-only training (--init) per kind.
+    import decode
+    from medusa_mini.hydra import HydraHeads
+
+    first = tmp_path / "hydra"
+    assert train_tiny.main(FAST + ["--heads", "hydra", "--out", str(first)]) == 0
+    model, heads, cfg = load_checkpoint(first)
+    assert isinstance(heads, HydraHeads) and cfg["medusa_mini"]["heads"] == "hydra"
+    again = tmp_path / "hydra_on_it"
+    assert train_tiny.main(FAST + ["--heads", "hydra", "--init", str(first), "--out", str(again)]) == 0
+    model2, heads2, _ = load_checkpoint(again)
+    assert isinstance(heads2, HydraHeads)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), model2.state_dict().values()))
+    capsys.readouterr()
+    assert decode.main(["--ckpt", str(again), "--compare", "--prompt", "def f(x):", "--max-new-tokens", "8",
+                        "--repeat", "1"]) == 0
+    text = capsys.readouterr().out
+    assert "Medusa greedy" in text and "hydra heads" in text and " no\n" not in text
+
+
 def test_the_same_seed_gives_the_same_weights(tmp_path, reference_run):
     b = tmp_path / "b"
     assert train_tiny.main(FAST + ["--out", str(b)]) == 0
@@ -121,7 +142,8 @@ def test_bad_data_is_a_one_line_error_and_writes_nothing(tmp_path, capsys, kind)
 def test_bad_hyper_parameters_exit_with_code_2(tmp_path):
     for bad in (["--n-embd", "30", "--n-head", "4"], ["--lr", "-1"], ["--distill-temperatures", "hot"],
                 ["--device", "tpu9"], ["--own-lm-head", "maybe"], ["--threads", "0"], ["--dtype", "float8"],
-                ["--dtype", "float16", "--device", "cpu"], ["--eval-every", "-1"], ["--heads-chunk", "-2"]):
+                ["--dtype", "float16", "--device", "cpu"], ["--eval-every", "-1"], ["--heads-chunk", "-2"],
+                ["--heads", "eagle"], ["--heads", "hydra", "--own-lm-head", "true"]):
         r = subprocess.run([sys.executable, str(ROOT / "train_tiny.py"), *FAST, *bad, "--out", str(tmp_path / "x")],
                            capture_output=True, text=True)
         assert r.returncode == 2 and r.stderr.startswith("train_tiny.py: error:"), (bad, r.stderr)

@@ -1,0 +1,245 @@
+"""Dependent draft heads (hydra.py): head k reads h_t and the k tokens before its target; the tree is
+filled node by node from each node's own q; verification and acceptance stay Medusa's, so greedy is
+still plain greedy and rejection sampling still lossless (tests/test_decoding.py)."""
+
+import pytest
+import torch
+from conftest import tiny_model
+
+from medusa_mini.decoding import generate, medusa_generate, prefill
+from medusa_mini.draft import draft_log_probs
+from medusa_mini.heads import HeadsConfig, MedusaHeads
+from medusa_mini.hydra import (
+    HydraContext,
+    HydraHeads,
+    fill_tree,
+    heads_input,
+    make_heads,
+    next_tokens,
+    teacher_forced_logits,
+)
+from medusa_mini.model import KVCache
+from medusa_mini.sampling import Sampling
+from medusa_mini.training import MedusaLM, sample_continuations
+from medusa_mini.tree import Tree, chain, preset
+
+TREE = Tree.from_choices([(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 1, 0), (1, 0, 0)])
+
+
+def random_hydra(model, *, num_heads: int = 3, seed: int = 0, std: float = 0.5) -> HydraHeads:
+    torch.manual_seed(seed)
+    cfg = model.config
+    heads = make_heads(HeadsConfig(num_heads=num_heads, n_embd=cfg.n_embd, vocab_size=cfg.vocab_size, kind="hydra"))
+    with torch.no_grad():  # zero-initialised heads all agree with the backbone; make them differ
+        for block in heads.blocks:
+            torch.nn.init.normal_(block.linear.weight, std=std)
+    return heads.eval()
+
+
+def context(model, heads, prompt) -> HydraContext:
+    cache = KVCache(model.config, max_len=model.config.block_size)
+    _, hidden = prefill(model, torch.tensor(prompt), cache)
+    return heads_input(heads, hidden, model)
+
+
+def test_fresh_hydra_heads_start_as_the_backbones_next_token_prediction():
+    model = tiny_model(0)
+    heads = make_heads(HeadsConfig(num_heads=3, n_embd=32, vocab_size=64, kind="hydra"))
+    h = torch.randn(5, 32)
+    out = heads(h, model.lm_head, tokens=torch.randint(64, (5, 3)), wte=model.transformer.wte)  # [K, 5, V]
+    assert torch.allclose(out, model.lm_head(h)[None].expand(3, -1, -1), atol=1e-6)
+
+
+def test_head_k_reads_exactly_the_k_tokens_before_its_target():
+    model = tiny_model(1)
+    heads = random_hydra(model, num_heads=4)
+    h = torch.randn(32)
+    tokens = torch.tensor([5, 9, 13, 17])
+    for k in range(1, 5):
+        base = heads.head_logits(k, h, tokens, lm_head=model.lm_head, wte=model.transformer.wte)
+        for j in range(4):
+            changed = tokens.clone()
+            changed[j] = (changed[j] + 1) % 64
+            out = heads.head_logits(k, h, changed, lm_head=model.lm_head, wte=model.transformer.wte)
+            assert torch.equal(out, base) == (j >= k), (k, j)  # x_{t+1..t+k} matter, later ones do not
+
+
+def node_walk(tree, root, ctx, width):
+    """The definition, one node at a time: a node's children are the top-k of q(. | its path)."""
+    tokens = [root]
+    for i in range(1, tree.num_nodes):
+        path, node = [], tree.parents[i]
+        while node != -1:
+            path.append(tokens[node])
+            node = tree.parents[node]
+        path.reverse()  # root first
+        d = len(path)
+        logits = ctx.heads.head_logits(d, ctx.hidden, torch.tensor(path), lm_head=ctx.lm_head, wte=ctx.wte)
+        tokens.append(logits.topk(width).indices[tree.choices[i - 1][-1]].item())
+    return tokens
+
+
+@pytest.mark.parametrize("tree", [TREE, preset("cpu"), chain(3)], ids=["small", "cpu", "chain"])
+def test_depth_by_depth_filling_equals_the_node_by_node_definition(tree):
+    model = tiny_model(2)
+    heads = random_hydra(model, num_heads=4)
+    ctx = context(model, heads, [3, 1, 4])
+    tokens, drawn = fill_tree(tree, 7, ctx, sampling=Sampling(), generator=None)
+    assert drawn is None
+    assert tokens.tolist() == node_walk(tree, 7, ctx, tree.max_rank + 1)
+
+
+def test_siblings_differ_by_their_parents_unlike_medusa():
+    model = tiny_model(3)
+    heads = random_hydra(model)
+    with torch.no_grad():  # let the drafted tokens, not h_t, dominate the guess
+        for block in heads.blocks:
+            block.linear.weight[:, 32:] *= 10
+    ctx = context(model, heads, [2, 7])
+    tree = Tree.from_choices([(r,) for r in range(4)] + [(r, 0) for r in range(4)])
+    tokens, _ = fill_tree(tree, 5, ctx, sampling=Sampling(), generator=None)
+    second = [tokens[tree.choices.index((r, 0)) + 1].item() for r in range(4)]
+    assert len(set(second)) > 1  # Medusa's head 2 would put one token under every first guess
+
+
+def test_sampled_drafts_draw_each_nodes_children_from_its_own_q():
+    model = tiny_model(4)
+    heads = random_hydra(model)
+    ctx = context(model, heads, [1, 2, 3])
+    T = 0.8
+    tokens, drawn = fill_tree(TREE, 7, ctx, sampling=Sampling(temperature=T), generator=torch.Generator().manual_seed(0))
+    assert drawn is not None and drawn.rows is not None
+    for node, kids in enumerate(TREE.children):
+        if not kids:
+            assert drawn.rows[node] == -1
+            continue
+        path, a = [], node
+        while a != -1:
+            path.append(tokens[a].item())
+            a = TREE.parents[a]
+        path.reverse()
+        logits = heads.head_logits(len(path), ctx.hidden, torch.tensor(path), lm_head=ctx.lm_head, wte=ctx.wte)
+        log_q, samples = drawn.for_children_of(node, TREE.depth_list[node])
+        assert torch.allclose(log_q, draft_log_probs(logits, temperature=T), atol=1e-5)
+        assert len(set(samples.tolist())) == samples.numel()  # without replacement
+        assert [tokens[c].item() for c in kids] == [samples[TREE.choices[c - 1][-1]].item() for c in kids]
+
+
+@pytest.mark.parametrize("tree_name", ["small", "cpu", "chain"])
+@pytest.mark.parametrize("seed", range(3))
+def test_greedy_medusa_with_hydra_heads_equals_plain_greedy(tree_name, seed):
+    tree = {"small": TREE, "cpu": preset("cpu"), "chain": chain(4)}[tree_name]
+    model = tiny_model(seed)
+    heads = random_hydra(model, num_heads=4, seed=seed)
+    prompt = torch.randint(0, 64, (5,), generator=torch.Generator().manual_seed(seed)).tolist()
+    want, _ = generate(model, prompt, max_new_tokens=40)
+    got, stats = medusa_generate(model, heads, prompt, tree=tree, max_new_tokens=40)
+    assert got == want and sum(stats.step_tokens) == 39
+
+
+def test_next_tokens_are_the_k_tokens_after_each_position():
+    y = torch.arange(1, 7)[None]  # y[:, t] = token t + 1
+    out = next_tokens(y, 3)  # [1, 6, 3]
+    assert out[0, 0].tolist() == [1, 2, 3] and out[0, 3].tolist() == [4, 5, 6] and out[0, 5].tolist() == [6, 0, 0]
+
+
+def test_teacher_forced_logits_are_the_logits_decoding_computes_along_the_true_path():
+    model = tiny_model(5)
+    heads = random_hydra(model, num_heads=3)
+    x = torch.randint(64, (2, 12), generator=torch.Generator().manual_seed(0))
+    y = torch.randint(64, (2, 12), generator=torch.Generator().manual_seed(1))
+    _, hidden = model(x)
+    out = teacher_forced_logits(heads, hidden, y, model)  # [K, B, T, V]
+    b, t = 1, 4
+    for k in range(1, 4):
+        want = heads.head_logits(k, hidden[b, t], y[b, t : t + k], lm_head=model.lm_head, wte=model.transformer.wte)
+        assert torch.allclose(out[k - 1, b, t], want, atol=1e-5)
+
+
+def train_heads(model, heads, seqs, *, steps: int = 150, lr: float = 3e-2) -> list[float]:
+    torch.manual_seed(0)
+    module = MedusaLM(model, heads)
+    opt = torch.optim.Adam(heads.parameters(), lr=lr)
+    losses = []
+    heads.train()
+    for _ in range(steps):
+        loss, _ = module(seqs[:, :-1], seqs[:, 1:], lm_weight=0.0, heads_weight=1.0, decay=1.0, detach_backbone=True)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    heads.eval()
+    return losses
+
+
+@pytest.fixture(scope="module")
+def trained():
+    """A tiny backbone, its greedy text, and Medusa and hydra heads trained the same way on it."""
+    model = tiny_model(6)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    prompts = torch.randint(64, (24, 4), generator=torch.Generator().manual_seed(0))
+    seqs = sample_continuations(model, prompts, max_new_tokens=40, temperature=0.0)  # [24, 44]
+    cfg = dict(num_heads=3, n_embd=32, vocab_size=64)
+    medusa = MedusaHeads(HeadsConfig(**cfg))
+    hydra = make_heads(HeadsConfig(**cfg, kind="hydra"))
+    return model, prompts, seqs, train_heads(model, medusa, seqs), medusa, train_heads(model, hydra, seqs), hydra
+
+
+def test_teacher_forced_training_teaches_hydra_heads_and_leaves_the_backbone_alone(trained):
+    model, _, _, _, _, hydra_losses, hydra = trained
+    assert hydra_losses[-1] < 0.5 * hydra_losses[0]
+    assert all(not p.requires_grad for p in model.parameters())
+
+
+def test_dependent_heads_accept_more_than_medusa_heads_trained_the_same_way(trained):
+    model, prompts, _, medusa_losses, medusa, hydra_losses, hydra = trained
+    assert hydra_losses[-1] < medusa_losses[-1]  # knowing the path makes the guess easier
+    tps = {}
+    for name, heads in (("medusa", medusa), ("hydra", hydra)):
+        steps = tokens = 0
+        for p in prompts[:8].tolist():
+            want, _ = generate(model, p, max_new_tokens=30)
+            got, stats = medusa_generate(model, heads, p, tree=chain(3), max_new_tokens=30)
+            assert got == want
+            steps, tokens = steps + stats.steps, tokens + sum(stats.step_tokens)
+        tps[name] = tokens / steps
+    assert tps["hydra"] > tps["medusa"]
+
+
+def test_hydra_heads_need_the_drafted_tokens_and_medusa_code_refuses_them():
+    model = tiny_model(7)
+    heads = random_hydra(model)
+    with pytest.raises(ValueError, match="read the tokens drafted"):
+        heads(torch.randn(1, 32), model.lm_head)  # a Medusa call site: a clear error, not a shape crash
+    with pytest.raises(ValueError, match="kind 'hydra'"):
+        MedusaHeads(HeadsConfig(num_heads=3, n_embd=32, vocab_size=64, kind="hydra"))
+    with pytest.raises(ValueError, match="unknown head kind"):
+        HeadsConfig(kind="eagle")
+    with pytest.raises(ValueError, match="own_lm_head"):
+        make_heads(HeadsConfig(kind="hydra", own_lm_head=True))
+
+
+def test_replaying_hydra_rank_strings_gives_exactly_the_tokens_per_step_of_greedy_decoding(trained):
+    # Along the greedy continuation the true previous tokens are exactly the tree path greedy decoding
+    # accepts, so teacher-forced ranks replay dependent heads as exactly as Medusa's.
+    from medusa_mini.tree import build_tree
+    from medusa_mini.tune.acceptance_tables import (
+        continuations,
+        greedy_ranks,
+        measure_head_accuracy,
+        replay_greedy,
+    )
+
+    model, prompts, _, _, _, _, hydra = trained
+    n, ps = 30, prompts[:6].tolist()
+    seqs = continuations(model, ps, max_new_tokens=n)
+    ranks = greedy_ranks(model, hydra, seqs, prompt_lens=4)
+    acc = measure_head_accuracy(model, hydra, seqs, prompt_lens=4)
+    assert acc[:, 0].min() > 0.2  # the trained heads are often right, so the replay has paths to follow
+    for tree in (build_tree(acc, 8)[0], build_tree(acc, 24)[0], chain(3)):
+        emitted = steps = 0
+        for p in ps:
+            _, stats = medusa_generate(model, hydra, p, tree=tree, max_new_tokens=n)
+            emitted, steps = emitted + sum(stats.step_tokens), steps + stats.steps
+        assert replay_greedy(ranks, tree) == pytest.approx(emitted / steps, abs=1e-12)
