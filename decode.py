@@ -30,6 +30,7 @@ from medusa_mini.cli.common import (
     use_color,
 )
 from medusa_mini.cli.compare import compare, format_compare, generate_once, label_of
+from medusa_mini.cli.compiled import compile_steps, warm_up
 from medusa_mini.cli.explain import explain_step
 from medusa_mini.io.loading import (
     PROMPTS_FILE,
@@ -88,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "precision a tree pass and a plain pass may round a near-tie differently: "
                         "--compare reports where (default: %(default)s)")
     p.add_argument("--threads", type=int, metavar="N", help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the plain step and the tree verify (CUDA graphs on CUDA); their "
+                        "compilation runs first and is reported apart from the timings")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--show", action="store_true", help="mark the tokens of each forward pass")
     mode.add_argument("--explain", action="store_true", help="walk through one Medusa step on the first prompt")
@@ -210,6 +214,12 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as e:
         parser.error(str(e))
     tree = trees.for_rule(a.sampling) if trees is not None else None
+    warmup_s = None
+    if a.compile:
+        compile_steps(ck.model)
+        warmup_s = warm_up(ck.model, [] if trees is None else [trees.greedy, trees.sampled])
+        print(f"compiled the plain step and the verify steps in {warmup_s:.1f} s (not in any timing)",
+              file=sys.stderr)
     try:
         if a.show_tree:
             print(f"tree {tree_name}: {tree.num_nodes - 1} nodes + root, depth {tree.depth}\n{tree.draw()}\n")
@@ -218,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
             result = compare(ck, prompts, sampling=a.sampling, trees=trees, tree_name=tree_name, seed=a.seed,
                              sample_temperature=a.temperature if a.temperature > 0 else SAMPLING_TEMPERATURE,
                              max_new_tokens=a.max_new_tokens, repeat=a.repeat)
+            result["compile_warmup_s"] = warmup_s
             print(json.dumps(result) if a.json else format_compare(result))
         elif a.explain:
             print(explain_step(ck.model, ck.heads, ck.enc, prompts[0][1], tree=tree, sampling=a.sampling,

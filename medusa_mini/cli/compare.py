@@ -147,6 +147,8 @@ def format_compare(result: dict) -> str:
     if result.get("heads") == "hydra":
         top_p += "; hydra heads (each node's children from its own path's q)"
     dtype = f", {result['dtype']}" if result.get("dtype", "float32") != "float32" else ""
+    if result.get("compile_warmup_s") is not None:
+        dtype += f", compiled steps (compilation {result['compile_warmup_s']:.1f} s, not timed)"
     lines.append(f"\ndevice {result['device']}{dtype}, {threads}; tree {result['tree']} ({nodes}); "
                  f"{result['prompts']} prompts; max-new-tokens {result['max_new_tokens']}{top_p}")
     best = f", fastest of {result['repeat']} runs in turns" if result["repeat"] > 1 else ""
