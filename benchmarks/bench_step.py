@@ -2,14 +2,17 @@
 
     python benchmarks/bench_step.py                     # tiny and gpt2-shaped models
     python benchmarks/bench_step.py --configs tiny --repeat 50 --threads 2 --json
+    python benchmarks/bench_step.py --configs tiny,gpt2,gpt2-medium,gpt2-large,gpt2-xl \
+        --dtypes float32,bfloat16 --compile           # on a GPU: every shape, dtype, eager and compiled
 
 Medusa wins only if a step that verifies N candidates costs little more than a plain step, and that
 depends on the device (see DESIGN.md, "Per-step cost matters"). For each config, with random weights
 (speed depends on shapes, not values), this prints in milliseconds:
 
 - plain step: one cached 1-token forward plus the argmax, as `generate` does per token;
-- verify N: one tree-masked forward over N nodes (`step.verify`) for N = 1 ... 64, the tree being
-  the first N - 1 choices of the 'gpu' preset (sorted by depth, so every prefix comes first);
+- verify N: one tree-masked forward over N nodes (`step.verify`) for N = 1 ... 64 (128 on CUDA), the
+  tree being the first N - 1 choices of the 'gpu' preset (sorted by depth, so every prefix comes
+  first), or beyond its 68 nodes a tree grown by `build_tree` from a made-up acceptance table;
 - heads: four Medusa heads at one hidden state, through the shared lm_head or through their own;
 - Medusa step: one iteration of `medusa_generate`'s loop (`step.medusa_step` with greedy
   acceptance: candidates, verify, acceptance, KV compaction; then the heads) on the 'cpu' and 'gpu'
@@ -17,7 +20,10 @@ depends on the device (see DESIGN.md, "Per-step cost matters"). For each config,
 - hydra: dependent heads (hydra.py) filling the 'cpu' and 'gpu' trees depth by depth (their whole
   head work per step), and a step with them (the fill, verify, acceptance, compaction).
 
-Each time is the median of R repetitions after a warm-up. The KV cache is reset to the same prefix
+Each time is the median of R repetitions after a warm-up, read from CUDA events on a GPU and from a
+wall clock on a CPU. Every config runs once per --dtypes entry, and with --compile once more with the
+plain step and the verify compiled (`cli/compiled.py`; CUDA graphs on CUDA); the first round's
+seconds, which include any compilation, are printed on their own row and never enter a median. The KV cache is reset to the same prefix
 length before every repetition, so every repetition measures the same step; the steps take turns, so a
 change in machine load mid-run does not favour one of them. On a shared machine, mind the load
 average printed in the header. Bad input (an unknown config or device, a prefix that leaves no room
@@ -30,9 +36,8 @@ import argparse
 import json
 import os
 import shlex
-import statistics
+import platform
 import sys
-import time
 from functools import partial
 from typing import Callable
 
@@ -42,7 +47,8 @@ if ROOT not in sys.path:  # run as a script from anywhere, without installing th
 
 import torch  # noqa: E402
 
-from medusa_mini.cli.common import OneLineParser, pick_device  # noqa: E402
+from medusa_mini.cli.common import DTYPES, OneLineParser, pick_device, pick_dtype  # noqa: E402
+from medusa_mini.cli.compiled import compile_steps  # noqa: E402
 from medusa_mini.decoding import prefill  # noqa: E402
 from medusa_mini.heads import HeadsConfig, MedusaHeads  # noqa: E402
 from medusa_mini.hydra import fill_tree, heads_input, make_heads  # noqa: E402
@@ -50,49 +56,32 @@ from medusa_mini.io.gpt2 import GPT2_CONFIGS  # noqa: E402
 from medusa_mini.model import GPT, GPTConfig, KVCache  # noqa: E402
 from medusa_mini.sampling import Sampling  # noqa: E402
 from medusa_mini.step import medusa_step, verify  # noqa: E402
-from medusa_mini.tree import Tree, preset  # noqa: E402
-from medusa_mini.tune.clock import sync_device  # noqa: E402
+from medusa_mini.tree import Tree, build_tree, preset  # noqa: E402
+from medusa_mini.tune.clock import time_in_turns  # noqa: E402
 
 CONFIGS: dict[str, GPTConfig] = {"tiny": GPTConfig(), **GPT2_CONFIGS}
 NODES = (1, 2, 4, 8, 16, 32, 64)
+CUDA_NODES = (*NODES, 96, 128)  # a GPU at batch 1 may verify this many for about the price of one
 MEDUSA_TREES = ("cpu", "gpu")
 # Small models need more repetitions for a stable median; large ones are slow enough with fewer.
 DEFAULT_REPEAT = {"tiny": 30}
 FALLBACK_REPEAT = 10
 
 
-def median_times(
-    steps: dict[str, Callable[[], object]],
-    *,
-    reset: Callable[[], None],
-    device: torch.device,
-    repeat: int,
-    warmup: int,
-) -> dict[str, float]:
-    """Median wall time of each step in ms; `reset` runs untimed before every call.
-
-    The steps take turns, one call each per round, so a change in machine load during the run
-    touches every number alike instead of skewing whichever step happened to run then.
-    """
-    times: dict[str, list[float]] = {name: [] for name in steps}
-    for round_ in range(warmup + repeat):
-        for name, step in steps.items():
-            reset()
-            sync_device(device)
-            t0 = time.perf_counter()
-            step()
-            sync_device(device)
-            if round_ >= warmup:  # first calls pay for allocator growth and kernel selection
-                times[name].append((time.perf_counter() - t0) * 1e3)
-    return {name: statistics.median(t) for name, t in times.items()}
-
-
 def verify_tree(nodes: int) -> Tree:
-    """A representative N-node tree: the root plus the first N - 1 choices of the 'gpu' preset."""
+    """A representative N-node tree: the root plus the first N - 1 choices of the 'gpu' preset, or
+    past its size, the best N - 1 nodes for heads right 60%, 36%, ... of the time at rank 0 (build_tree)."""
     choices = preset("gpu").choices
-    if not 1 <= nodes <= len(choices) + 1:
-        raise ValueError(f"a verify tree has 1 to {len(choices) + 1} nodes, not {nodes}")
-    return Tree.from_choices(choices[: nodes - 1])
+    if not 1 <= nodes <= MAX_VERIFY_NODES:
+        raise ValueError(f"a verify tree has 1 to {MAX_VERIFY_NODES} nodes, not {nodes}")
+    if nodes <= len(choices) + 1:
+        return Tree.from_choices(choices[: nodes - 1])
+    acc = torch.tensor([[0.6 ** (k + 1) / (r + 1) for r in range(10)] for k in range(4)])  # [K heads, ranks]
+    tree, _ = build_tree(acc, nodes - 1)
+    return tree
+
+
+MAX_VERIFY_NODES = 256
 
 
 def medusa_iteration(
@@ -115,16 +104,17 @@ def check_prefix(config: GPTConfig, prefix_len: int) -> None:
 
 
 def build(
-    config: GPTConfig, *, device: torch.device, num_heads: int = 4, seed: int = 0
+    config: GPTConfig, *, device: torch.device, dtype: torch.dtype = torch.float32, num_heads: int = 4,
+    seed: int = 0,
 ) -> tuple[GPT, MedusaHeads, MedusaHeads]:
-    """A random backbone and two sets of heads on it: shared lm_head and own lm_heads."""
+    """A random backbone and two sets of heads on it, all in `dtype`: shared lm_head and own lm_heads."""
     torch.manual_seed(seed)
     with device:  # initialise in place: copying a large model across devices costs more than its init
-        model = GPT(config).eval()
+        model = GPT(config).eval().to(dtype)
         heads = {}
         for own in (False, True):
             cfg = HeadsConfig(num_heads=num_heads, n_embd=config.n_embd, vocab_size=config.vocab_size, own_lm_head=own)
-            heads[own] = MedusaHeads(cfg, lm_head_weight=model.lm_head.weight).eval()
+            heads[own] = MedusaHeads(cfg, lm_head_weight=model.lm_head.weight).eval().to(dtype)
     return model, heads[False], heads[True]
 
 
@@ -138,11 +128,16 @@ def bench_config(
     prefix_len: int = 128,
     nodes: tuple[int, ...] = NODES,
     seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    compiled: bool = False,
+    compile_backend: str = "inductor",
 ) -> dict:
-    """Every timing for one config, as a dict of plain numbers (ms)."""
+    """Every timing for one config in one dtype, eager or compiled, as a dict of plain numbers (ms)."""
     check_prefix(config, prefix_len)
     trees = {name: preset(name) for name in MEDUSA_TREES}
-    model, shared, own = build(config, device=device, seed=seed)
+    model, shared, own = build(config, device=device, dtype=dtype, seed=seed)
+    if compiled:
+        compile_steps(model, backend=compile_backend)
     max_nodes = max(max(nodes), *(t.num_nodes for t in trees.values()))
     cache = KVCache(config, max_len=prefix_len + max_nodes, device=device, dtype=model.lm_head.weight.dtype)
     gen = torch.Generator().manual_seed(seed)
@@ -150,11 +145,13 @@ def bench_config(
     logits, hidden = prefill(model, prefix, cache)
     root = int(logits.argmax())
 
+    root_ids = torch.tensor([[root]], device=device)  # [1, 1]
+
     def reset() -> None:
         cache.length = prefix_len  # later slots are stale and get overwritten, as in decoding
 
     def plain() -> int:
-        out, _ = model(torch.tensor([[root]], device=device), cache=cache)
+        out, _ = model(root_ids, cache=cache)
         return int(out[0, -1].argmax())
 
     h = hidden[None]  # [1, C]: heads run at the one hidden state that proposes the next tree
@@ -170,17 +167,20 @@ def bench_config(
     # Dependent heads: the heads' work is the tree filling itself, one head call per depth.
     with device:
         hydra = make_heads(HeadsConfig(num_heads=4, n_embd=config.n_embd, vocab_size=config.vocab_size,
-                                       kind="hydra")).eval()
+                                       kind="hydra")).eval().to(dtype)
     ctx = heads_input(hydra, hidden, model)
     for name, tree in trees.items():
         steps[f"hydra fill {name}"] = partial(fill_tree, tree, root, ctx, sampling=Sampling(), generator=None)
         steps[f"hydra {name}"] = partial(medusa_step, model, cache, tree, root, ctx)
-    ms = median_times(steps, reset=reset, device=device, repeat=repeat, warmup=warmup)
+    ms, first_round = time_in_turns(steps, reset=reset, device=device, repeat=repeat, warmup=warmup)
 
     result: dict = {
         "config": {k: getattr(config, k) for k in ("n_layer", "n_head", "n_embd", "vocab_size", "block_size")},
         "prefix_len": prefix_len,
         "repeat": repeat,
+        "dtype": str(dtype).split(".")[-1],
+        "compiled": compiled,
+        "first_round_s": first_round,
         "plain_ms": ms["plain"],
         "verify_ms": {n: ms[f"verify {n}"] for n in nodes},
         "heads_ms": {"shared": ms["heads shared"], "own": ms["heads own"]},
@@ -216,7 +216,10 @@ def format_table(results: dict[str, dict], *, header: list[str], warmup: int) ->
     rows.append(("layers / heads / width", [
         "{n_layer} / {n_head} / {n_embd}".format(**results[n]["config"]) for n in names]))
     rows.append(("vocabulary", [str(results[n]["config"]["vocab_size"]) for n in names]))
+    rows.append(("dtype", [results[n]["dtype"] for n in names]))
+    rows.append(("compiled steps", ["yes" if results[n]["compiled"] else "no" for n in names]))
     rows.append(("repetitions", [str(results[n]["repeat"]) for n in names]))
+    rows.append(("first round, s (compilation, if any)", [f"{results[n]['first_round_s']:.1f}" for n in names]))
     row("plain step (1 token + argmax)", [results[n]["plain_ms"] for n in names])
     for n_nodes in first["verify_ms"]:
         row(f"verify, N = {n_nodes}", [results[n]["verify_ms"][n_nodes] for n in names])
@@ -255,7 +258,14 @@ def build_parser() -> OneLineParser:
     p.add_argument("--repeat", type=int, default=None,
                    help=f"timed repetitions per measurement (default: {DEFAULT_REPEAT['tiny']} for tiny, "
                    f"{FALLBACK_REPEAT} otherwise)")
-    p.add_argument("--warmup", type=int, default=3, help="untimed rounds before the timed ones (default: 3)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed rounds before the timed ones, at least 1 "
+                   "(default: 3)")
+    p.add_argument("--dtypes", default="float32",
+                   help=f"comma-separated, from: {', '.join(DTYPES)}; weights, heads and cache (default: float32)")
+    p.add_argument("--compile", action="store_true",
+                   help="measure every config a second time with the plain step and the verify compiled")
+    p.add_argument("--nodes", default=None, help="comma-separated verify sizes (default: "
+                   f"{','.join(map(str, NODES))}; on CUDA {','.join(map(str, CUDA_NODES))})")
     p.add_argument("--prefix", type=int, default=128, help="tokens in the KV cache before each step (default: 128)")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
     p.add_argument("--seed", type=int, default=0, help="seed for the random weights and tokens (default: 0)")
@@ -271,8 +281,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     unknown = [c for c in args.config_names if c not in CONFIGS]
     if unknown or not args.config_names:
         p.error(f"unknown config {', '.join(unknown) or '(none)'}: use {', '.join(CONFIGS)}")
-    if (args.repeat is not None and args.repeat < 1) or args.warmup < 0:
-        p.error("--repeat must be >= 1 and --warmup >= 0")
+    if (args.repeat is not None and args.repeat < 1) or args.warmup < 1:
+        p.error("--repeat and --warmup must be at least 1")
     if args.threads is not None and args.threads < 1:
         p.error(f"--threads must be at least 1, not {args.threads}")
     for name in args.config_names:  # every config before the first is measured, not after
@@ -282,9 +292,32 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             p.error(f"--prefix, config {name}: {e}")
     try:
         args.device = pick_device(args.device)
+        args.dtype_list = [pick_dtype(d.strip(), args.device) for d in args.dtypes.split(",") if d.strip()]
     except ValueError as e:
         p.error(str(e))
+    if not args.dtype_list:
+        p.error(f"--dtypes: name at least one of {', '.join(DTYPES)}")
+    try:
+        args.node_list = (CUDA_NODES if args.device.type == "cuda" else NODES) if args.nodes is None else tuple(
+            int(n) for n in args.nodes.split(","))
+    except ValueError:
+        p.error(f"--nodes must be comma-separated integers, not {args.nodes!r}")
+    if not all(1 <= n <= MAX_VERIFY_NODES for n in args.node_list):
+        p.error(f"--nodes: every size must be between 1 and {MAX_VERIFY_NODES}")
     return args
+
+
+def column_name(config: str, dtype: torch.dtype, compiled: bool) -> str:
+    """'gpt2', 'gpt2 bfloat16', 'gpt2 bfloat16 compiled': one table column per measured variant."""
+    parts = [config] + ([str(dtype).split(".")[-1]] if dtype != torch.float32 else []) + (["compiled"] if compiled else [])
+    return " ".join(parts)
+
+
+def device_name(device: torch.device) -> str:
+    """The GPU's name, or the CPU's as far as the platform tells."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return platform.processor() or platform.machine() or "unknown CPU"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -296,15 +329,19 @@ def main(argv: list[str] | None = None) -> int:
     # Read before measuring: a high load means other processes competed for the cores.
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     results = {
-        name: bench_config(
+        column_name(name, dtype, compiled): bench_config(
             CONFIGS[name], device=device, repeat=args.repeat or DEFAULT_REPEAT.get(name, FALLBACK_REPEAT),
-            warmup=args.warmup, prefix_len=args.prefix, seed=args.seed,
+            warmup=args.warmup, prefix_len=args.prefix, seed=args.seed, nodes=args.node_list, dtype=dtype,
+            compiled=compiled,
         )
         for name in args.config_names
+        for dtype in args.dtype_list
+        for compiled in ((False, True) if args.compile else (False,))
     }
     meta = {
         "torch": torch.__version__,
         "device": str(device),
+        "device_name": device_name(device),
         "threads": torch.get_num_threads(),
         "command": shlex.join(["python", "benchmarks/bench_step.py", *argv]),
         "warmup": args.warmup,
@@ -315,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         load_text = "unknown" if load is None else f"{load:.2f}"
         header = [
-            f"torch {meta['torch']}, device {meta['device']}, threads {meta['threads']}, "
+            f"torch {meta['torch']}, device {meta['device']} ({meta['device_name']}), threads {meta['threads']}, "
             f"{os.cpu_count()} CPUs, load average {load_text} before the run",
             f"command: {meta['command']}",
         ]

@@ -6,6 +6,7 @@ every clock read here waits for the device first.
 
 from __future__ import annotations
 
+import statistics
 import time
 from typing import Callable, TypeVar
 
@@ -37,3 +38,46 @@ def timed_generation(device: torch.device | str, fn: Callable[[], tuple[list[int
     (tokens, stats), seconds = timed(device, fn)
     stats.seconds = seconds
     return tokens, stats
+
+
+def time_in_turns(
+    steps: dict[str, Callable[[], object]],
+    *,
+    reset: Callable[[], None],
+    device: torch.device,
+    repeat: int,
+    warmup: int,
+) -> tuple[dict[str, float], float]:
+    """Median time of each step in ms, and the seconds the first round took (compilation, if any).
+
+    The steps take turns, one call each per round, so a change in machine load during the run touches
+    every number alike instead of skewing whichever step happened to run then; `reset` runs untimed
+    before every call. On CUDA, events recorded around the call time the device's own work; elsewhere
+    a wall clock does. The first `warmup` rounds are not counted: they pay for allocator growth,
+    kernel selection and, under torch.compile, compilation.
+    """
+    cuda = torch.device(device).type == "cuda"
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    first_round = 0.0
+    for round_ in range(warmup + repeat):
+        round_start = time.perf_counter()
+        for name, step in steps.items():
+            reset()
+            sync_device(device)
+            if cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                step()
+                end.record()
+                end.synchronize()
+                ms = start.elapsed_time(end)
+            else:
+                t0 = time.perf_counter()
+                step()
+                ms = (time.perf_counter() - t0) * 1e3
+            if round_ >= warmup:
+                times[name].append(ms)
+        if round_ == 0:
+            sync_device(device)
+            first_round = time.perf_counter() - round_start
+    return {name: statistics.median(t) for name, t in times.items()}, first_round

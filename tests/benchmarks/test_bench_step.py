@@ -5,7 +5,11 @@ import json
 import pytest
 import torch
 
-from benchmarks.bench_step import NODES, bench_config, format_table, main, verify_tree
+from functools import partial
+
+import benchmarks.bench_step as bench_step
+from benchmarks.bench_step import CUDA_NODES, MAX_VERIFY_NODES, NODES, bench_config, format_table, main, verify_tree
+from medusa_mini.cli.compiled import compile_steps
 from medusa_mini.model import GPTConfig
 
 SMALL = GPTConfig(vocab_size=64, block_size=64, n_layer=2, n_head=2, n_embd=32)
@@ -34,10 +38,13 @@ def test_ratio_is_medusa_step_over_plain_step(result):
 
 
 def test_verify_trees_have_the_requested_size_and_are_valid():
-    for n in NODES:
-        assert verify_tree(n).num_nodes == n
-    with pytest.raises(ValueError):
-        verify_tree(0)
+    for n in (*NODES, *CUDA_NODES, MAX_VERIFY_NODES):
+        tree = verify_tree(n)
+        assert tree.num_nodes == n
+        assert all(c[:-1] in tree.choices or len(c) == 1 for c in tree.choices)  # every prefix is a node
+    for bad in (0, MAX_VERIFY_NODES + 1):
+        with pytest.raises(ValueError):
+            verify_tree(bad)
 
 
 def test_table_lists_every_row(result):
@@ -51,14 +58,16 @@ def test_table_lists_every_row(result):
 def test_json_output_parses(capsys):
     threads = torch.get_num_threads()
     try:
-        main(["--configs", "tiny", "--repeat", "2", "--warmup", "0", "--prefix", "32", "--threads", "1", "--json"])
+        main(["--configs", "tiny", "--repeat", "2", "--warmup", "1", "--prefix", "32", "--threads", "1", "--json",
+              "--nodes", "1,4"])
     finally:
         torch.set_num_threads(threads)  # a process-wide setting: leave it as the other tests expect
     out = json.loads(capsys.readouterr().out)
     assert out["device"] in ("cpu", "cuda") and out["threads"] == 1
     assert "--json" in out["command"]
     tiny = out["configs"]["tiny"]
-    assert set(tiny["verify_ms"]) == {str(n) for n in NODES}  # JSON keys are strings
+    assert set(tiny["verify_ms"]) == {"1", "4"}  # JSON keys are strings
+    assert tiny["dtype"] == "float32" and not tiny["compiled"] and tiny["first_round_s"] > 0
     assert tiny["medusa"]["cpu"]["ratio"] == pytest.approx(tiny["medusa"]["cpu"]["ms"] / tiny["plain_ms"])
 
 
@@ -74,6 +83,11 @@ def test_unknown_config_is_a_usage_error(capsys):
     (["--prefix", "0"], "--prefix"),
     (["--configs", "tiny", "--prefix", "100000"], "--prefix"),
     (["--threads", "0"], "--threads"),
+    (["--warmup", "0"], "--warmup"),
+    (["--dtypes", "float8"], "unknown dtype 'float8'"),
+    (["--dtypes", ","], "--dtypes"),
+    (["--nodes", "4,x"], "--nodes"),
+    (["--nodes", "300"], "--nodes"),
     (["--configs", "tiny,gpt5"], "unknown config gpt5"),
 ])
 def test_bad_input_is_one_line_and_exit_status_2_before_any_measuring(argv, needle, capsys):
@@ -93,3 +107,24 @@ def test_help_works(capsys):
     assert out.startswith("usage: python benchmarks/bench_step.py")
     for option in ("--configs", "--device", "--repeat", "--threads", "--json"):
         assert option in out
+
+
+def test_every_dtype_and_the_compiled_steps_get_their_own_column(capsys, monkeypatch):
+    # The "eager" backend captures the same whole graphs as inductor, without a C++ compiler.
+    torch.compiler.reset()
+    monkeypatch.setattr(bench_step, "compile_steps", partial(compile_steps, backend="eager"))
+    monkeypatch.setitem(bench_step.CONFIGS, "small", SMALL)
+    threads = torch.get_num_threads()
+    try:
+        main(["--configs", "small", "--repeat", "1", "--warmup", "1", "--prefix", "16", "--threads", "1",
+              "--dtypes", "float32,bfloat16", "--compile", "--nodes", "2,100", "--json"])
+    finally:
+        torch.set_num_threads(threads)
+    configs = json.loads(capsys.readouterr().out)["configs"]
+    assert list(configs) == ["small", "small compiled", "small bfloat16", "small bfloat16 compiled"]
+    for name, result in configs.items():
+        assert result["dtype"] == ("bfloat16" if "bfloat16" in name else "float32")
+        assert result["compiled"] == name.endswith("compiled")
+        assert set(result["verify_ms"]) == {"2", "100"} and all(t > 0 for t in result["verify_ms"].values())
+    text = format_table(configs, header=["h"], warmup=1)
+    assert "small bfloat16 compiled" in text and "first round, s" in text
