@@ -35,8 +35,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
 import platform
+import shlex
 import sys
 from functools import partial
 from typing import Callable

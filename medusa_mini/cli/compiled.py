@@ -24,7 +24,6 @@ from ..step import verify
 from ..tree import Tree
 from ..tune.clock import sync_device
 
-
 RECOMPILE_LIMIT = 64
 
 

@@ -1,14 +1,21 @@
 """The step benchmark runs and reports every number it promises (no timing assertions: machines are noisy)."""
 
 import json
+from functools import partial
 
 import pytest
 import torch
 
-from functools import partial
-
 import benchmarks.bench_step as bench_step
-from benchmarks.bench_step import CUDA_NODES, MAX_VERIFY_NODES, NODES, bench_config, format_table, main, verify_tree
+from benchmarks.bench_step import (
+    CUDA_NODES,
+    MAX_VERIFY_NODES,
+    NODES,
+    bench_config,
+    format_table,
+    main,
+    verify_tree,
+)
 from medusa_mini.cli.compiled import compile_steps
 from medusa_mini.model import GPTConfig
 
