@@ -240,3 +240,25 @@ def test_a_training_step_never_reads_a_value_from_the_device(stage):
     with _ValueReads() as mode:  # the check can fail: the plain masked loss reads the device
         medusa_head_losses(heads(torch.randn(4, 16, 32), model.lm_head), x[:, 1:], valid=valid)
     assert "aten::_local_scalar_dense" in mode.reads  # its .item() per head
+
+
+@pytest.mark.parametrize("chunk", [None, 7])
+def test_dependent_heads_train_through_the_same_chunked_loss_on_their_teacher_forced_logits(chunk):
+    """Hydra heads read x_{t+1..t+k} (hydra.next_tokens); chunking must hand each chunk its own tokens."""
+    from medusa_mini.hydra import HydraHeads, next_tokens, teacher_forced_logits
+
+    model = _tied_model()
+    heads = HydraHeads(HeadsConfig(num_heads=3, n_embd=32, vocab_size=50, kind="hydra"))
+    for block in heads.blocks:
+        torch.nn.init.normal_(block.linear.weight, std=0.3)
+    x = torch.randint(0, 50, (2, 13), generator=torch.Generator().manual_seed(6))
+    y = x[:, 1:]
+    _, hidden = model(x[:, :-1])
+    want, want_acc = medusa_head_losses(teacher_forced_logits(heads, hidden, y, model), y)
+    got, acc = chunked_head_loss(heads, model.lm_head, hidden, stacked_head_targets(y, 3),
+                                 tokens=next_tokens(y, 3), wte=model.transformer.wte, chunk_size=chunk)
+    torch.testing.assert_close(got, torch.stack(want), rtol=1e-6, atol=1e-6)
+    assert acc.tolist() == want_acc
+    _, metrics = MedusaLM(model, heads)(x[:, :-1], y, lm_weight=0.0, heads_weight=1.0, decay=0.8,
+                                        heads_chunk=chunk)
+    torch.testing.assert_close(metrics["heads"], torch.stack(want).detach(), rtol=1e-6, atol=1e-6)
