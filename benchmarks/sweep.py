@@ -29,7 +29,7 @@ if ROOT not in sys.path:  # run as a script from anywhere, without installing th
 
 import torch  # noqa: E402
 
-from medusa_mini.cli.common import OneLineParser, pick_device  # noqa: E402
+from medusa_mini.cli.common import DTYPES, OneLineParser, pick_device, pick_dtype  # noqa: E402
 from medusa_mini.cli.measure import encode_prompts  # noqa: E402
 from medusa_mini.decoding import generate, medusa_generate  # noqa: E402
 from medusa_mini.io.loading import load_for_decoding, load_prompts  # noqa: E402
@@ -150,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="0: greedy Medusa vs plain greedy; T > 0: rejection sampling vs plain sampling at T, "
                         "trees from the sampled table (default: %(default)s)")
     p.add_argument("--threads", type=int, help="torch CPU threads (fewer can be faster on a busy CPU)")
+    p.add_argument("--dtype", choices=tuple(DTYPES), default="float32",
+                   help="weights, heads and KV cache in this precision (default: %(default)s)")
     p.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
     ns = p.parse_args(argv)
     try:
@@ -160,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         if ns.threads:
             torch.set_num_threads(ns.threads)
         device = pick_device(ns.device)
-        ckpt = load_for_decoding(ns.ckpt, device=device)
+        ckpt = load_for_decoding(ns.ckpt, device=device, dtype=pick_dtype(ns.dtype, device))
         if ckpt.heads is None:
             raise ValueError(f"checkpoint {ns.ckpt} has no Medusa heads; train heads first")
         texts = load_prompts(ns.ckpt)
@@ -175,11 +177,12 @@ def main(argv: list[str] | None = None) -> int:
                            temperature=ns.temperature, seed=ns.seed)
     except (ValueError, OSError) as e:
         p.error(str(e))
-    result.update(checkpoint=ns.ckpt, device=str(device), accuracy_source=source, seed=ns.seed)
+    result.update(checkpoint=ns.ckpt, device=str(device), dtype=ns.dtype, accuracy_source=source, seed=ns.seed)
     if ns.json:
         print(json.dumps(result, indent=2))
     else:
-        print(f"checkpoint {ns.ckpt} on {device}; accuracies: {source}")
+        dtype = "" if ns.dtype == "float32" else f", {ns.dtype}"
+        print(f"checkpoint {ns.ckpt} on {device}{dtype}; accuracies: {source}")
         print(format_sweep(result))
     return 0
 

@@ -40,3 +40,15 @@ def test_sweep_at_a_temperature_measures_rejection_sampling_on_the_sampled_table
     assert sweep.main(argv) == 0
     out = capsys.readouterr().out
     assert "plain sampling (T=0.8)" in out and "rejection sampling at T=0.8" in out
+
+
+def test_sweep_in_bfloat16_runs_every_budget_and_says_its_precision(tmp_path, capsys):
+    save_small_checkpoint(tmp_path)
+    argv = ["--ckpt", str(tmp_path), "--num-prompts", "2", "--max-new-tokens", "6", "--device", "cpu",
+            "--dtype", "bfloat16"]
+    assert sweep.main(argv + ["--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["dtype"] == "bfloat16" and len(result["rows"]) == 7
+    assert all(row["tokens_per_step"] >= 1 for row in result["rows"])
+    assert sweep.main(argv) == 0
+    assert "on cpu, bfloat16; accuracies" in capsys.readouterr().out
