@@ -236,7 +236,7 @@ def format_table(results: dict[str, dict], *, header: list[str], warmup: int) ->
         row("  / plain step", [results[n]["hydra"][tree]["ratio"] for n in names], "x")
 
     width = max(len(label) for label, _ in rows) + 2
-    col = max(12, *(len(v) + 2 for _, vals in rows for v in vals))
+    col = max(12, *(len(v) + 2 for _, vals in rows for v in vals), *(len(n) + 2 for n in names))
     lines = [*header, "", " " * width + "".join(f"{n:>{col}}" for n in names)]
     lines += [f"{label:<{width}}" + "".join(f"{v:>{col}}" for v in vals) for label, vals in rows]
     lines.append("")
