@@ -93,10 +93,12 @@ def report(result: dict) -> str:
     c, lines = result["computed"], [f"heads-stage step, {result['shape']} shape, {result['heads']} heads, "
                                     f"batch {result['batch']} x {result['positions']} positions, "
                                     f"{result['dtype']}, {result['device']}"]
+    half = result["dtype"] != "float32"  # the cross-entropy upcasts: say what float32 costs too
     lines.append(f"computed  all logits K x B x T x V = {c['logits_elements']:,}: {c['logits_gib']:.2f} GiB "
-                 f"in {result['dtype']}, {c['logits_gib_float32']:.2f} GiB in float32")
+                 f"in {result['dtype']}" + (f", {c['logits_gib_float32']:.2f} GiB in float32" if half else ""))
     lines.append(f"computed  one chunk of {c['chunk_positions']} positions ({c['chunks']} chunks): "
-                 f"{c['chunk_gib']:.3f} GiB in {result['dtype']}, {c['chunk_gib_float32']:.3f} GiB in float32")
+                 f"{c['chunk_gib']:.3f} GiB in {result['dtype']}"
+                 + (f", {c['chunk_gib_float32']:.3f} GiB in float32" if half else ""))
     if result["measured"] is None:
         lines.append("measured  nothing: torch counts peak memory on CUDA only (run with --device cuda)")
     for name, m in (result["measured"] or {}).items():
