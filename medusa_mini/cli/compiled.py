@@ -10,6 +10,9 @@ compiling one per prompt length would cost more than it saves.
 The first call of each shape pays for the compilation; `warm_up` makes those calls before anything is
 timed, for every shape a generation can meet (a tree is truncated near the end of a generation), and
 reports the seconds it took so that callers can print it apart from the timings.
+
+Under CUDA graphs a step's outputs live in the graph's own buffers until its next replay: decoding
+reads each step's logits and hidden state before it runs the next step, as it must.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ class CompiledSteps:
             torch._dynamo.mark_static_address(cache.kv)
             torch._dynamo.mark_static_address(cache._length)
             cache.static_for_compile = True
-        is_step = kwargs.get("cache") is not None and (idx.shape[1] == 1 or kwargs.get("attn_mask") is not None)
+        is_step = cache is not None and (idx.shape[1] == 1 or kwargs.get("attn_mask") is not None)
         return (self.compiled if is_step else self.eager)(idx, **kwargs)
 
 
