@@ -32,13 +32,19 @@ def recording_backend():
     return backend, graphs
 
 
-def test_compiled_steps_make_the_eager_tokens_and_compile_nothing_after_the_warm_up():
+def compiled_and_eager(seed: int):
+    """A tiny model with its steps compiled (recording each graph), an eager copy, heads, the graphs."""
     torch.compiler.reset()
-    model = tiny_model(3)
-    heads = random_heads(model, seed=3)
+    model = tiny_model(seed)
+    heads = random_heads(model, seed=seed)
     eager = copy.deepcopy(model)
     backend, graphs = recording_backend()
     compile_steps(model, backend=backend)
+    return model, eager, heads, graphs
+
+
+def test_compiled_steps_make_the_eager_tokens_and_compile_nothing_after_the_warm_up():
+    model, eager, heads, graphs = compiled_and_eager(3)
     assert isinstance(model.forward, CompiledSteps)
     seconds = warm_up(model, [TREE])
     # One graph for the 1-token step, one per truncation of the tree (depth 0..3).
@@ -55,12 +61,7 @@ def test_compiled_steps_make_the_eager_tokens_and_compile_nothing_after_the_warm
 
 
 def test_compiled_rejection_sampling_draws_the_same_tokens_with_the_same_seed():
-    torch.compiler.reset()
-    model = tiny_model(4)
-    heads = random_heads(model, seed=4)
-    eager = copy.deepcopy(model)
-    backend, _ = recording_backend()
-    compile_steps(model, backend=backend)
+    model, eager, heads, _ = compiled_and_eager(4)
     warm_up(model, [TREE])
     s = Sampling(acceptance="rejection", temperature=0.8)
     runs = [medusa_generate(m, heads, [3, 1, 4, 1, 5], tree=TREE, max_new_tokens=16, sampling=s,
