@@ -68,6 +68,12 @@ class PathChoice(NamedTuple):
         return nodes[: accepted + 1], bonus
 
 
+def at(x: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
+    """x[i] for a 0-dim index tensor i, without leaving the device: `x[i]` would first turn i into a
+    Python int, a host sync on a GPU."""
+    return x.index_select(0, i.reshape(1))[0]
+
+
 def accepted_path(path: torch.Tensor, accepted: torch.Tensor) -> torch.Tensor:
     """A path's nodes [D + 1] cut after `accepted` candidates, the last kept node repeated to length D + 1."""
     steps = torch.arange(path.numel(), device=path.device)  # [D + 1]
@@ -91,8 +97,8 @@ def greedy_accept_paths(tree: Tree, tokens: torch.Tensor, logits: torch.Tensor) 
     match = (tokens[paths[:, 1:]] == choice[paths[:, :-1]]) & live  # [P, D]
     accepted = match.long().cumprod(dim=-1).sum(dim=-1)  # [P] accepted length of each path
     best = accepted.argmax()  # the first longest path
-    nodes = accepted_path(paths[best], accepted[best])  # [D + 1]
-    return PathChoice(nodes=nodes, accepted=accepted[best], bonus=choice[nodes[-1]])
+    nodes = accepted_path(at(paths, best), at(accepted, best))  # [D + 1]
+    return PathChoice(nodes=nodes, accepted=at(accepted, best), bonus=at(choice, nodes[-1]))
 
 
 def rejection_accept(
@@ -244,7 +250,7 @@ def typical_accept_paths(
     top = longest & (score == torch.where(longest, score, float("-inf")).max())  # [P]
     winner = torch.where(top, last, tree.num_nodes).min()  # [] the smallest such node
     best = (top & (last == winner)).long().argmax()  # [] a path ending there
-    nodes = accepted_path(paths[best], accepted[best])  # [D + 1]
-    bonus = draw(sampling_probs(logits[winner], temperature=temperature, top_p=top_p), generator)
-    return PathChoice(nodes=nodes, accepted=accepted[best], bonus=bonus)
+    nodes = accepted_path(at(paths, best), at(accepted, best))  # [D + 1]
+    bonus = draw(sampling_probs(at(logits, winner), temperature=temperature, top_p=top_p), generator)
+    return PathChoice(nodes=nodes, accepted=at(accepted, best), bonus=bonus)
 

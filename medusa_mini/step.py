@@ -21,6 +21,7 @@ import torch
 
 from .acceptance import (
     PathChoice,
+    at,
     greedy_accept_paths,
     rejection_accept,
     typical_accept_paths,
@@ -166,4 +167,4 @@ def medusa_step(
     *read, accepted = torch.cat([choice.nodes, tokens[choice.nodes], choice.bonus[None], choice.accepted[None]]).tolist()
     path, path_tokens, bonus = read[: accepted + 1], read[D + 1 : D + 2 + accepted], read[-1]
     return StepResult(tokens=tokens, path=path, bonus=bonus, hidden=hidden, next_root=choice.bonus,
-                      next_hidden=hidden[choice.nodes[-1]], new_tokens=path_tokens[1:] + [bonus])
+                      next_hidden=at(hidden, choice.nodes[-1]), new_tokens=path_tokens[1:] + [bonus])

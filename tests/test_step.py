@@ -7,6 +7,7 @@ import pytest
 import torch
 from conftest import random_heads, tiny_model
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from medusa_mini.acceptance import PathChoice, greedy_accept
 from medusa_mini.decoding import prefill
@@ -165,6 +166,19 @@ class HostReads(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+class ScalarReads(TorchDispatchMode):
+    """Counts reads of one device scalar below Python, e.g. `x[i]` with a 0-dim tensor i, which the
+    indexing code turns into an int first: a sync on a GPU that no Python method call shows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func is torch.ops.aten._local_scalar_dense.default
+        return func(*args, **(kwargs or {}))
+
+
 @pytest.mark.parametrize("sampling", [Sampling(), Sampling(acceptance="typical", temperature=0.8)], ids=["greedy", "typical"])
 def test_a_greedy_or_typical_step_reads_the_device_once(sampling):
     """Candidates, verify, acceptance and compaction stay on the device; one .tolist() ends the step."""
@@ -172,7 +186,7 @@ def test_a_greedy_or_typical_step_reads_the_device_once(sampling):
     cache = KVCache(model.config, max_len=64)
     logits, hidden = prefill(model, torch.tensor([3, 1, 4, 1, 5]), cache)
     head_logits = heads(hidden[None], model.lm_head)[:, 0]
-    with HostReads() as reads:
+    with HostReads() as reads, ScalarReads() as scalars:
         medusa_step(model, cache, preset("cpu"), logits.argmax(), head_logits, sampling=sampling,
                     generator=torch.Generator().manual_seed(0))
-    assert reads.seen == ["tolist"]
+    assert reads.seen == ["tolist"] and scalars.count == 0
