@@ -35,9 +35,11 @@ class GPTConfig:
 
 
 class KVCache:
-    """Static, preallocated keys and values: [n_layer, 2, B, nh, max_len, hs] plus a length.
+    """Static, preallocated keys and values, k[i] and v[i] [B, nh, max_len, hs] per layer, plus a length.
 
-    A forward writes its T new keys/values at slots [length, length + T) and advances `length`.
+    Each layer's keys and values are tensors of their own, not slices of one: a compiled step then
+    writes into them where they lie, whereas a write into a slice of one big tensor makes the
+    compiler copy the whole cache, every step. A forward writes its T new keys/values at slots [length, length + T) and advances `length`.
     Slots are storage, not positions: a tree's nodes sit in consecutive slots but carry position ids
     prefix + depth. `compact_kv_cache` keeps the accepted path; stale slots are overwritten later.
 
@@ -58,9 +60,9 @@ class KVCache:
     ) -> None:
         self.max_len = max_len if max_len is not None else config.block_size
         hs = config.n_embd // config.n_head
-        self.kv = torch.zeros(
-            config.n_layer, 2, batch_size, config.n_head, self.max_len, hs, device=device, dtype=dtype
-        )
+        shape = (batch_size, config.n_head, self.max_len, hs)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
         self._length = torch.zeros((), dtype=torch.long, device=device)
 
     @property
@@ -88,7 +90,8 @@ def compact_kv_cache(
     """
     a = keep.numel()
     dest = start + torch.arange(a, device=keep.device)  # [A]
-    cache.kv.index_copy_(4, dest, cache.kv.index_select(4, keep))  # [n_layer, 2, B, nh, A, hs] moved
+    for t in cache.k + cache.v:  # [B, nh, max_len, hs] each
+        t.index_copy_(2, dest, t.index_select(2, keep))  # [B, nh, A, hs] moved
     cache.length = start + (a if count is None else count)
 
 
@@ -109,7 +112,7 @@ class CausalSelfAttention(nn.Module):
         self,
         x: torch.Tensor,
         *,
-        layer_kv: torch.Tensor | None,
+        layer_kv: tuple[torch.Tensor, torch.Tensor] | None,
         slots: torch.Tensor | None,
         attn_mask: torch.Tensor | None,
     ) -> torch.Tensor:
@@ -120,14 +123,15 @@ class CausalSelfAttention(nn.Module):
         k = k.view(B, T, self.n_head, hs).transpose(1, 2)  # [B, nh, T, hs]
         v = v.view(B, T, self.n_head, hs).transpose(1, 2)  # [B, nh, T, hs]
         if layer_kv is not None:
-            # layer_kv [2, B, nh, max_len, hs] is written in place at the slot tensor (no torch.cat,
-            # no Python-int slice), and attention reads all max_len slots: the shapes never change.
+            # layer_kv: keys and values [B, nh, max_len, hs] each, written in place at the slot tensor
+            # (no torch.cat, no Python-int slice); attention reads all max_len slots: shapes never change.
             # Reading the unused slots too costs little on a CPU: for the tiny model (max_len 268)
             # +7% on a plain step and +10% on a 12-node verify after a 16-token prefix, +2% / +5%
             # after 128 tokens, nothing after 240 (CPU time, 1 thread). Not worth a second path.
-            layer_kv[0].index_copy_(2, slots, k)
-            layer_kv[1].index_copy_(2, slots, v)
-            k, v = layer_kv[0], layer_kv[1]  # [B, nh, max_len, hs]
+            k_cache, v_cache = layer_kv
+            k_cache.index_copy_(2, slots, k)
+            v_cache.index_copy_(2, slots, v)
+            k, v = k_cache, v_cache  # [B, nh, max_len, hs]
         causal = attn_mask is None  # no cache and no mask: training's causal attention, SDPA's own
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=causal)  # [B, nh, T, hs]
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # [B, T, C]
@@ -251,7 +255,7 @@ class GPT(nn.Module):
             attn_mask = additive.masked_fill_(~attn_mask, float("-inf"))  # 0 = may attend, -inf = may not
         x = self.transformer.wte(idx) + self.transformer.wpe(pos)  # [B, T, C]
         for i, block in enumerate(self.transformer.h):
-            layer_kv = cache.kv[i] if cache is not None else None
+            layer_kv = (cache.k[i], cache.v[i]) if cache is not None else None
             x = block(x, layer_kv=layer_kv, slots=slots, attn_mask=attn_mask)
         hidden = self.transformer.ln_f(x)  # [B, T, C]
         if cache is not None:

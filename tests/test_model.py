@@ -77,12 +77,12 @@ def test_compaction_then_decoding_matches_full_forward(model):
 @torch.no_grad()
 def test_static_cache_is_never_reallocated(model):
     cache = KVCache(model.config)
-    ptr = cache.kv.data_ptr()
+    ptrs = [t.data_ptr() for t in cache.k + cache.v]
     model(torch.tensor([[1, 2, 3]]), cache=cache)
     model(torch.tensor([[4]]), cache=cache)
     compact_kv_cache(cache, torch.tensor([1, 3]), start=1)
     model(torch.tensor([[5, 6]]), cache=cache)
-    assert cache.kv.data_ptr() == ptr and cache.length == 5
+    assert [t.data_ptr() for t in cache.k + cache.v] == ptrs and cache.length == 5
 
 
 def test_overfilling_the_cache_is_a_clear_error(model):
@@ -147,6 +147,16 @@ def test_a_decode_step_is_one_captured_graph_with_eager_logits_at_every_length(k
             model(torch.arange(prefix)[None], cache=cache)
         want, got = step(eager_cache), compiled(graph_cache)
         torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
-        torch.testing.assert_close(graph_cache.kv, eager_cache.kv, atol=ATOL, rtol=0)
+        for got, want in zip(graph_cache.k + graph_cache.v, eager_cache.k + eager_cache.v):
+            torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
         assert int(graph_cache.length) == int(eager_cache.length) == prefix + depths.numel()
     assert len(graphs) == 1
+
+
+def test_each_layers_keys_and_values_are_tensors_of_their_own():
+    """A compiled step writes into cache tensors in place only when they are not slices of a larger
+    one (a write into a slice makes the compiler copy the whole base tensor every step)."""
+    cache = KVCache(GPTConfig(vocab_size=64, block_size=32, n_layer=3, n_head=2, n_embd=16), max_len=32)
+    tensors = cache.k + cache.v
+    assert len(tensors) == 6 and all(t._base is None and t.shape == (1, 2, 32, 8) for t in tensors)
+    assert len({t.untyped_storage().data_ptr() for t in tensors}) == 6

@@ -43,8 +43,8 @@ class CompiledSteps:
         if cache is not None and not getattr(cache, "static_for_compile", False):
             # A CUDA graph may write in place only into buffers that keep their address; marked so,
             # the cache is used where it lies instead of being copied in and out at every replay.
-            torch._dynamo.mark_static_address(cache.kv)
-            torch._dynamo.mark_static_address(cache._length)
+            for t in (*cache.k, *cache.v, cache._length):
+                torch._dynamo.mark_static_address(t, guard=False)
             cache.static_for_compile = True
         is_step = cache is not None and (idx.shape[1] == 1 or kwargs.get("attn_mask") is not None)
         return (self.compiled if is_step else self.eager)(idx, **kwargs)
