@@ -137,9 +137,15 @@ def bench_config(
     trees = {name: preset(name) for name in MEDUSA_TREES}
     model, shared, own = build(config, device=device, dtype=dtype, seed=seed)
     if compiled:
+        # Graphs are cached per code object (GPT.forward), across models: start each variant afresh,
+        # which also frees the previous variant's CUDA-graph memory.
+        torch.compiler.reset()
         compile_steps(model, backend=compile_backend)
+        if device.type == "cuda":  # under CUDA graphs: an eager call, a recording, then replays
+            warmup = max(warmup, 3)
     max_nodes = max(max(nodes), *(t.num_nodes for t in trees.values()))
-    cache = KVCache(config, max_len=prefix_len + max_nodes, device=device, dtype=model.lm_head.weight.dtype)
+    # As large as medusa_generate's (attention spans every slot, so the size is part of the cost).
+    cache = KVCache(config, max_len=config.block_size + max_nodes, device=device, dtype=model.lm_head.weight.dtype)
     gen = torch.Generator().manual_seed(seed)
     prefix = torch.randint(0, config.vocab_size, (prefix_len,), generator=gen).to(device)
     logits, hidden = prefill(model, prefix, cache)
@@ -178,6 +184,7 @@ def bench_config(
         "config": {k: getattr(config, k) for k in ("n_layer", "n_head", "n_embd", "vocab_size", "block_size")},
         "prefix_len": prefix_len,
         "repeat": repeat,
+        "warmup": warmup,
         "dtype": str(dtype).split(".")[-1],
         "compiled": compiled,
         "first_round_s": first_round,

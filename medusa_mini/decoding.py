@@ -65,6 +65,21 @@ def _limit(out: list[int], new: list[int], *, max_new_tokens: int, room: int, eo
     return new, reason
 
 
+def reuse_cache(cache: KVCache | None, model: GPT, *, max_len: int) -> KVCache:
+    """`cache` emptied for a new generation, or a new one of max_len slots when None.
+
+    Reusing one cache keeps its tensors at fixed addresses from one generation to the next, which a
+    captured CUDA graph needs (a new address means recording the graph again). Its size must be the
+    one asked for: the attention mask spans the whole cache, so another size is another shape.
+    """
+    if cache is None:
+        return KVCache(model.config, max_len=max_len, device=model.device, dtype=model.lm_head.weight.dtype)
+    if cache.max_len != max_len:
+        raise ValueError(f"the KV cache to reuse has {cache.max_len} slots; this generation needs {max_len}")
+    cache.length = 0
+    return cache
+
+
 @torch.no_grad()
 def prefill(model: GPT, ids: torch.Tensor, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the prompt ids [P] through the model; return the last logits [V] and hidden state [C]."""
@@ -82,17 +97,18 @@ def generate(
     eos_id: int | None = None,
     generator: torch.Generator | None = None,
     on_step: StepCallback | None = None,
+    cache: KVCache | None = None,
 ) -> tuple[list[int], GenerationStats]:
     """Plain autoregressive decoding with the KV cache: one forward pass per token.
 
     Each token is `sampling.choose`: the argmax at temperature 0, else a draw from p (temperature,
-    top-p); the acceptance settings play no part here.
+    top-p); the acceptance settings play no part here. `cache`: one to reuse (see `reuse_cache`),
+    block_size slots; by default a new one.
     """
     ids = _check_prompt(model, prompt)
-    device = model.device
     room = model.config.block_size - ids.numel()  # tokens the context still holds
     stats = GenerationStats(prompt_tokens=ids.numel())
-    cache = KVCache(model.config, max_len=model.config.block_size, device=device, dtype=model.lm_head.weight.dtype)
+    cache = reuse_cache(cache, model, max_len=model.config.block_size)
     logits, _ = prefill(model, ids, cache)
     tok = sampling.next_token(logits, generator)  # [] on the device: the next input, without the host
     out, reason = _limit([], [int(tok)], max_new_tokens=max_new_tokens, room=room, eos_id=eos_id)
@@ -123,6 +139,7 @@ def medusa_generate(
     eos_id: int | None = None,
     generator: torch.Generator | None = None,
     on_step: StepCallback | None = None,
+    cache: KVCache | None = None,
 ) -> tuple[list[int], GenerationStats]:
     """Medusa decoding: propose -> verify -> accept -> compact, until a stop rule fires.
 
@@ -131,17 +148,18 @@ def medusa_generate(
     (hydra.HydraHeads) are read there too, node by node while the tree is filled (`hydra.heads_input`).
     `on_step` receives each step's emitted tokens before the next proposal is made. `sampling` holds
     the acceptance rule and its settings (sampling.py); with greedy or rejection acceptance the output
-    is plain `generate`'s, in distribution and, when greedy, token for token.
+    is plain `generate`'s, in distribution and, when greedy, token for token. `cache`: one to reuse
+    (see `reuse_cache`), block_size + tree.num_nodes slots; by default a new one.
     """
     num_heads = getattr(heads, "num_heads", None)
     if num_heads is not None:
         tree.check_heads(num_heads)
     ids = _check_prompt(model, prompt)
-    device, block = model.device, model.config.block_size
+    block = model.config.block_size
     room = block - ids.numel()
     stats = GenerationStats(prompt_tokens=ids.numel())
     # Slots beyond block_size hold a tree's nodes; their positions are still < block_size.
-    cache = KVCache(model.config, max_len=block + tree.num_nodes, device=device, dtype=model.lm_head.weight.dtype)
+    cache = reuse_cache(cache, model, max_len=block + tree.num_nodes)
     logits, hidden = prefill(model, ids, cache)
     root = sampling.next_token(logits, generator)  # [] on the device, as every later root
     out, reason = _limit([], [int(root)], max_new_tokens=max_new_tokens, room=room, eos_id=eos_id)

@@ -11,6 +11,7 @@ from conftest import OracleHeads, random_heads, tiny_model
 from medusa_mini.decoding import generate, medusa_generate
 from medusa_mini.heads import HeadsConfig
 from medusa_mini.hydra import make_heads
+from medusa_mini.model import KVCache
 from medusa_mini.sampling import Sampling, sampling_probs
 from medusa_mini.tree import Tree, chain, preset
 
@@ -286,3 +287,21 @@ def test_sampling_rules_also_stop_cleanly_at_the_context_limit(rule):
                                  sampling=Sampling(acceptance=rule, temperature=0.7),
                                  generator=torch.Generator().manual_seed(0))
     assert len(out) == 14 and stats.stop_reason == "context"
+
+
+def test_a_reused_cache_gives_the_tokens_of_a_fresh_one_and_must_have_the_asked_size():
+    """A cache kept from one generation to the next (fixed addresses, as a CUDA graph needs) is emptied
+    first, so nothing of the previous generation leaks into the next."""
+    model = tiny_model(7)
+    heads = random_heads(model, seed=7)
+    tree = Tree.from_choices([(0,), (1,), (0, 0)])
+    block = model.config.block_size
+    plain_cache = KVCache(model.config, max_len=block)
+    tree_cache = KVCache(model.config, max_len=block + tree.num_nodes)
+    for prompt in ([1, 2, 3, 4, 5, 6], [9, 8]):  # the second, shorter prompt runs on a used cache
+        assert generate(model, prompt, max_new_tokens=10, cache=plain_cache)[0] == \
+            generate(model, prompt, max_new_tokens=10)[0]
+        assert medusa_generate(model, heads, prompt, tree=tree, max_new_tokens=10, cache=tree_cache)[0] == \
+            medusa_generate(model, heads, prompt, tree=tree, max_new_tokens=10)[0]
+    with pytest.raises(ValueError, match="slots"):
+        generate(model, [1, 2], max_new_tokens=3, cache=tree_cache)

@@ -21,6 +21,7 @@ from ..tree import Tree
 from ..tune.clock import timed_generation
 from ..tune.trees import RuleTrees, tree_nodes_text
 from .common import BONUS_NOTE
+from .compiled import step_cache
 
 
 def generate_once(
@@ -31,9 +32,13 @@ def generate_once(
     The wall time of the whole call, prefill included, goes to stats.seconds."""
     gen = torch.Generator(device=ck.model.device).manual_seed(seed)
     common = dict(max_new_tokens=max_new_tokens, sampling=sampling, eos_id=ck.eot_id, generator=gen, on_step=on_step)
+    block = ck.model.config.block_size
     if method == "plain":
-        return timed_generation(ck.model.device, lambda: generate(ck.model, ids, **common))
-    return timed_generation(ck.model.device, lambda: medusa_generate(ck.model, ck.heads, ids, tree=tree, **common))
+        cache = step_cache(ck.model, block)  # compiled steps replay on one cache; else None: a new one
+        return timed_generation(ck.model.device, lambda: generate(ck.model, ids, cache=cache, **common))
+    cache = step_cache(ck.model, block + tree.num_nodes)
+    return timed_generation(ck.model.device,
+                            lambda: medusa_generate(ck.model, ck.heads, ids, tree=tree, cache=cache, **common))
 
 
 def label_of(method: str, sampling: Sampling) -> str:

@@ -35,8 +35,17 @@ class CompiledSteps:
 
     def __init__(self, forward, *, mode: str | None, backend: str | Callable = "inductor") -> None:
         self.eager = forward
+        self.caches: dict[int, KVCache] = {}  # max_len -> the one cache of that size every generation reuses
         # dynamic=False: every shape gets its own specialised graph; there are only a handful of them.
         self.compiled = torch.compile(forward, fullgraph=True, dynamic=False, mode=mode, backend=backend)
+
+    def cache(self, model: GPT, max_len: int) -> KVCache:
+        """The cache of max_len slots that warm-up and every generation share: a CUDA graph replays
+        on the addresses it was recorded with, so a new cache per generation would mean new recordings."""
+        if max_len not in self.caches:
+            self.caches[max_len] = KVCache(model.config, max_len=max_len, device=model.device,
+                                           dtype=model.lm_head.weight.dtype)
+        return self.caches[max_len]
 
     def __call__(self, idx: torch.Tensor, **kwargs):
         cache = kwargs.get("cache")
@@ -46,8 +55,16 @@ class CompiledSteps:
             for t in (*cache.k, *cache.v, cache._length):
                 torch._dynamo.mark_static_address(t, guard=False)
             cache.static_for_compile = True
-        is_step = cache is not None and (idx.shape[1] == 1 or kwargs.get("attn_mask") is not None)
+        # A prefill asks for its last logits only (logits_at); a 1-token prompt's prefill stays eager too.
+        is_step = cache is not None and kwargs.get("logits_at") is None and (
+            idx.shape[1] == 1 or kwargs.get("attn_mask") is not None)
         return (self.compiled if is_step else self.eager)(idx, **kwargs)
+
+
+def step_cache(model: GPT, max_len: int) -> KVCache | None:
+    """For a model whose steps are compiled, the shared cache of max_len slots; else None (decoding
+    then makes its own)."""
+    return model.forward.cache(model, max_len) if isinstance(model.forward, CompiledSteps) else None
 
 
 def compile_steps(model: GPT, *, backend: str | Callable = "inductor") -> GPT:
@@ -58,8 +75,8 @@ def compile_steps(model: GPT, *, backend: str | Callable = "inductor") -> GPT:
     """
     if isinstance(model.forward, CompiledSteps):
         return model
-    # Every step shape is a specialisation of the one GPT.forward, which torch caps at 8 by default:
-    # a deep tree's truncations, two trees and the plain step can pass that, and then run eagerly.
+    # Every step shape is a specialisation of the one GPT.forward, which torch caps at 8 by default: a
+    # deep tree's truncations, two trees and the plain step can pass that, and fullgraph then fails.
     config = torch._dynamo.config
     name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
     setattr(config, name, max(getattr(config, name), RECOMPILE_LIMIT))
@@ -70,23 +87,25 @@ def compile_steps(model: GPT, *, backend: str | Callable = "inductor") -> GPT:
 
 @torch.no_grad()
 def warm_up(model: GPT, trees: list[Tree]) -> float:
-    """Compile every step shape decoding can meet (T = 1; each tree and each of its truncations);
-    returns the seconds it took. Runs on a scratch cache, so nothing of a later generation changes."""
+    """Compile every step shape decoding can meet (T = 1; each tree and each of its truncations), on
+    the very caches decoding will reuse; returns the seconds it took. Each shape runs three times: under
+    CUDA graphs the first call runs eagerly, the second records and the third is the first replay."""
+    if not isinstance(model.forward, CompiledSteps):
+        raise ValueError("warm_up needs a model whose steps are compiled: call compile_steps first")
     device = model.device
     sync_device(device)
     t0 = time.perf_counter()
     block = model.config.block_size
     token = torch.zeros(1, 1, dtype=torch.long, device=device)
-    # The caches are the sizes decoding allocates (a mask spans the whole cache, so its size is a shape).
-    plain_cache = KVCache(model.config, max_len=block, device=device, dtype=model.lm_head.weight.dtype)
-    for _ in range(2):  # the second call of a CUDA graph is its first replay; both untimed
+    plain_cache = model.forward.cache(model, block)
+    for _ in range(3):
         plain_cache.length = 0
         model(token, cache=plain_cache)
     for tree in trees:
-        cache = KVCache(model.config, max_len=block + tree.num_nodes, device=device, dtype=model.lm_head.weight.dtype)
+        cache = model.forward.cache(model, block + tree.num_nodes)
         for depth in range(tree.depth + 1):
             t = tree.truncated(depth)
-            for _ in range(2):
+            for _ in range(3):
                 cache.length = 0
                 verify(model, cache, t, torch.zeros(t.num_nodes, dtype=torch.long, device=device))
     sync_device(device)

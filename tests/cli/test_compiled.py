@@ -10,10 +10,11 @@ import copy
 import json
 from functools import partial
 
+import pytest
 import torch
 
 import decode
-from medusa_mini.cli.compiled import CompiledSteps, compile_steps, warm_up
+from medusa_mini.cli.compiled import CompiledSteps, compile_steps, step_cache, warm_up
 from medusa_mini.decoding import generate, medusa_generate
 from medusa_mini.sampling import Sampling
 from medusa_mini.tree import Tree
@@ -50,12 +51,14 @@ def test_compiled_steps_make_the_eager_tokens_and_compile_nothing_after_the_warm
     # One graph for the 1-token step, one per truncation of the tree (depth 0..3).
     assert seconds >= 0 and len(graphs) == 1 + (TREE.depth + 1)
     captured = len(graphs)
-    for prompt in ([5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9]):  # two prompt lengths: prefills stay eager
+    block = model.config.block_size
+    for prompt in ([5], [5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9]):  # three prompt lengths: prefills stay eager
         want, _ = medusa_generate(eager, heads, prompt, tree=TREE, max_new_tokens=12)
-        got, _ = medusa_generate(model, heads, prompt, tree=TREE, max_new_tokens=12)
+        got, _ = medusa_generate(model, heads, prompt, tree=TREE, max_new_tokens=12,
+                                 cache=step_cache(model, block + TREE.num_nodes))
         assert got == want
         want, _ = generate(eager, prompt, max_new_tokens=12)
-        got, _ = generate(model, prompt, max_new_tokens=12)
+        got, _ = generate(model, prompt, max_new_tokens=12, cache=step_cache(model, block))
         assert got == want
     assert len(graphs) == captured, "a generation met a step shape that the warm-up did not compile"
 
@@ -67,6 +70,21 @@ def test_compiled_rejection_sampling_draws_the_same_tokens_with_the_same_seed():
     runs = [medusa_generate(m, heads, [3, 1, 4, 1, 5], tree=TREE, max_new_tokens=16, sampling=s,
                             generator=torch.Generator().manual_seed(7))[0] for m in (eager, model)]
     assert runs[0] == runs[1]
+
+
+def test_warm_up_and_every_generation_share_one_cache_per_size():
+    model, _, _, _ = compiled_and_eager(5)
+    block = model.config.block_size
+    assert step_cache(tiny_model(5), block) is None  # an eager model makes its own caches
+    warm_up(model, [TREE])
+    plain, tree_cache = step_cache(model, block), step_cache(model, block + TREE.num_nodes)
+    assert set(model.forward.caches.values()) == {plain, tree_cache}
+    assert step_cache(model, block) is plain and plain.max_len == block  # the same tensors every time
+
+
+def test_warm_up_refuses_a_model_that_is_not_compiled():
+    with pytest.raises(ValueError, match="compile_steps"):
+        warm_up(tiny_model(0), [TREE])
 
 
 def test_compiling_twice_wraps_the_forward_once():
