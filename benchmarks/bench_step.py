@@ -6,8 +6,8 @@
         --dtypes float32,bfloat16 --compile           # on a GPU: every shape, dtype, eager and compiled
 
 Medusa wins only if a step that verifies N candidates costs little more than a plain step, and that
-depends on the device (see DESIGN.md, "Per-step cost matters"). For each config, with random weights
-(speed depends on shapes, not values), this prints in milliseconds:
+depends on the device: a GPU at batch 1 is bound by reading the weights, two CPU cores are not. For
+each config, with random weights (speed depends on shapes, not values), this prints in milliseconds:
 
 - plain step: one cached 1-token forward plus the argmax, as `generate` does per token;
 - verify N: one tree-masked forward over N nodes (`step.verify`) for N = 1 ... 64 (128 on CUDA), the

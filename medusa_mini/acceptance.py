@@ -13,8 +13,8 @@ Greedy and typical acceptance come twice. The node-by-node walks (`greedy_accept
 are the readable spec. The `*_paths` forms decide the same thing on the device, over the tree's P
 root-to-leaf paths at once (official Medusa's evaluate_posterior idea: candidates as a [P, D] matrix,
 a cumulative product of per-depth matches gives each path's accepted length), so a decoding step
-reads its result with a single host sync. Paths shorter than D are masked by `paths_valid`, never
-padded with a token (DESIGN.md: GPT-2's token 0 is a real token, "!"). Tests hold the two equal.
+reads its result with a single host sync. Paths shorter than D are masked by `path_valid`, never
+padded with a token (GPT-2's token 0 is a real token, "!"). Tests hold the two equal.
 
 Shapes: N nodes, V vocabulary, P paths, D tree depth.
 """
