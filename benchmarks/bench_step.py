@@ -48,7 +48,7 @@ if ROOT not in sys.path:  # run as a script from anywhere, without installing th
 import torch  # noqa: E402
 
 from medusa_mini.cli.common import DTYPES, OneLineParser, pick_device, pick_dtype  # noqa: E402
-from medusa_mini.cli.compiled import compile_steps  # noqa: E402
+from medusa_mini.cli.compiled import compile_steps, step_cache  # noqa: E402
 from medusa_mini.decoding import prefill  # noqa: E402
 from medusa_mini.heads import HeadsConfig, MedusaHeads  # noqa: E402
 from medusa_mini.hydra import fill_tree, heads_input, make_heads  # noqa: E402
@@ -144,8 +144,11 @@ def bench_config(
         if device.type == "cuda":  # under CUDA graphs: an eager call, a recording, then replays
             warmup = max(warmup, 3)
     max_nodes = max(max(nodes), *(t.num_nodes for t in trees.values()))
-    # As large as medusa_generate's (attention spans every slot, so the size is part of the cost).
-    cache = KVCache(config, max_len=config.block_size + max_nodes, device=device, dtype=model.lm_head.weight.dtype)
+    # As large as medusa_generate's (attention spans every slot, so the size is part of the cost);
+    # compiled, the one cache of that size the compiled steps replay on.
+    max_len = config.block_size + max_nodes
+    cache = step_cache(model, max_len) or KVCache(config, max_len=max_len, device=device,
+                                                    dtype=model.lm_head.weight.dtype)
     gen = torch.Generator().manual_seed(seed)
     prefix = torch.randint(0, config.vocab_size, (prefix_len,), generator=gen).to(device)
     logits, hidden = prefill(model, prefix, cache)

@@ -82,7 +82,7 @@ class HydraHeads(nn.Module):
         """Teacher-forced: hidden [..., C], tokens [..., K] (the true x_{t+1..t+K}) -> logits [K, ..., V]."""
         if tokens is None or wte is None:
             raise ValueError("hydra heads read the tokens drafted before their target: pass tokens= and wte= "
-                             "(training.next_tokens), or decode through medusa_mini.hydra.heads_input")
+                             "(hydra.next_tokens), or decode through medusa_mini.hydra.heads_input")
         return torch.stack([self.head_logits(k, hidden, tokens, lm_head=lm_head, wte=wte)
                             for k in range(1, self.num_heads + 1)])
 

@@ -39,7 +39,8 @@ class KVCache:
 
     Each layer's keys and values are tensors of their own, not slices of one: a compiled step then
     writes into them where they lie, whereas a write into a slice of one big tensor makes the
-    compiler copy the whole cache, every step. A forward writes its T new keys/values at slots [length, length + T) and advances `length`.
+    compiler copy the whole cache, every step. A forward writes its T new keys/values at slots
+    [length, length + T) and advances `length`.
     Slots are storage, not positions: a tree's nodes sit in consecutive slots but carry position ids
     prefix + depth. `compact_kv_cache` keeps the accepted path; stale slots are overwritten later.
 

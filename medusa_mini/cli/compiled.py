@@ -43,18 +43,16 @@ class CompiledSteps:
         """The cache of max_len slots that warm-up and every generation share: a CUDA graph replays
         on the addresses it was recorded with, so a new cache per generation would mean new recordings."""
         if max_len not in self.caches:
-            self.caches[max_len] = KVCache(model.config, max_len=max_len, device=model.device,
-                                           dtype=model.lm_head.weight.dtype)
+            cache = KVCache(model.config, max_len=max_len, device=model.device, dtype=model.lm_head.weight.dtype)
+            # Marked static, a CUDA graph writes into the cache where it lies instead of copying it in
+            # and out at every replay.
+            for t in (*cache.k, *cache.v, cache._length):
+                torch._dynamo.mark_static_address(t, guard=False)
+            self.caches[max_len] = cache
         return self.caches[max_len]
 
     def __call__(self, idx: torch.Tensor, **kwargs):
         cache = kwargs.get("cache")
-        if cache is not None and not getattr(cache, "static_for_compile", False):
-            # A CUDA graph may write in place only into buffers that keep their address; marked so,
-            # the cache is used where it lies instead of being copied in and out at every replay.
-            for t in (*cache.k, *cache.v, cache._length):
-                torch._dynamo.mark_static_address(t, guard=False)
-            cache.static_for_compile = True
         # A prefill asks for its last logits only (logits_at); a 1-token prompt's prefill stays eager too.
         is_step = cache is not None and kwargs.get("logits_at") is None and (
             idx.shape[1] == 1 or kwargs.get("attn_mask") is not None)

@@ -14,6 +14,7 @@ import torch
 
 R = TypeVar("R")
 G = TypeVar("G")  # a GenerationStats
+Key = TypeVar("Key")
 
 
 def sync_device(device: torch.device | str) -> None:
@@ -41,13 +42,13 @@ def timed_generation(device: torch.device | str, fn: Callable[[], tuple[list[int
 
 
 def time_in_turns(
-    steps: dict[str, Callable[[], object]],
+    steps: dict[Key, Callable[[], object]],
     *,
     reset: Callable[[], None],
     device: torch.device,
     repeat: int,
     warmup: int,
-) -> tuple[dict[str, float], float]:
+) -> tuple[dict[Key, float], float]:
     """Median time of each step in ms, and the seconds the first round took (compilation, if any).
 
     The steps take turns, one call each per round, so a change in machine load during the run touches
@@ -57,7 +58,7 @@ def time_in_turns(
     kernel selection and, under torch.compile, compilation.
     """
     cuda = torch.device(device).type == "cuda"
-    times: dict[str, list[float]] = {name: [] for name in steps}
+    times: dict[Key, list[float]] = {name: [] for name in steps}
     first_round = 0.0
     for round_ in range(warmup + repeat):
         round_start = time.perf_counter()

@@ -11,8 +11,7 @@ checkpoint (trees.py) and re-measured only when asked.
 
 from __future__ import annotations
 
-import statistics
-import time
+from functools import partial
 from typing import Sequence
 
 import torch
@@ -24,7 +23,7 @@ from ..sampling import Sampling
 from ..step import medusa_step
 from ..tree import Tree, build_tree
 from .acceptance_tables import HeadsFn, replay_greedy
-from .clock import sync_device
+from .clock import time_in_turns
 
 REPORT_BUDGETS = (4, 8, 16, 32, 64)
 
@@ -57,22 +56,23 @@ def measure_verify_cost(
                     dtype=model.lm_head.weight.dtype)
     _, hidden = prefill(model, torch.randint(V, (prefix_len,), generator=gen).to(device), cache)
     trees = {n: build_tree(shape_acc, n)[0] for n in node_counts}
-    times: dict[int, list[float]] = {n: [] for n in node_counts}
+    drawn: dict = {}  # this call's root and stand-in guesses, drawn untimed before it
+
+    def reset() -> None:
+        drawn["root"] = int(torch.randint(V, (1,), generator=gen))
+        drawn["guesses"] = torch.randn(K, V, generator=gen).to(device) if heads is None else None  # [K, V]
+        cache.length = prefix_len  # every repetition verifies after the same prefix
+
+    def step(n: int) -> None:
+        head_logits = drawn["guesses"] if heads is None else heads_input(heads, hidden, model)  # [K, V] or per node
+        medusa_step(model, cache, trees[n], drawn["root"], head_logits, sampling=sampling, generator=rule_gen)
+
     # Budgets take turns, one step each per round: a burst of load on a shared machine then slows
-    # every budget alike instead of ruining the few measured while it lasted.
-    for rep in range(repeat + 1):  # the first round warms up kernels and allocators
-        for n in node_counts:
-            root = int(torch.randint(V, (1,), generator=gen))
-            guesses = torch.randn(K, V, generator=gen).to(device) if heads is None else None  # [K, V]
-            cache.length = prefix_len  # every repetition verifies after the same prefix
-            sync_device(device)
-            t0 = time.perf_counter()
-            head_logits = guesses if heads is None else heads_input(heads, hidden, model)  # [K, V] or per node
-            medusa_step(model, cache, trees[n], root, head_logits, sampling=sampling, generator=rule_gen)
-            sync_device(device)
-            if rep:
-                times[n].append(1000 * (time.perf_counter() - t0))
-    return {n: statistics.median(t) for n, t in times.items()}
+    # every budget alike instead of ruining the few measured while it lasted. The first round warms
+    # up kernels and allocators.
+    ms, _ = time_in_turns({n: partial(step, n) for n in node_counts}, reset=reset, device=device,
+                          repeat=repeat, warmup=1)
+    return ms
 
 
 def auto_tree(acc: torch.Tensor, step_ms: dict[int, float], *, ranks: list[str] | None = None) -> tuple[Tree, str]:
