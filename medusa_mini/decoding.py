@@ -1,15 +1,21 @@
-"""Decoding loops: plain autoregressive `generate` and Medusa's `medusa_generate` (paper §2).
+"""The engine's decoding loops, for B prompts at once: plain `generate` and Medusa's `medusa_generate` (§2).
 
 Medusa repeats one step (`step.medusa_step`: propose -> verify -> accept -> keep the accepted path's
-K/V) until a stop rule fires. Both loops share prefill, stopping rules and statistics, so their
-numbers are comparable:
+K/V) until every row has stopped; reference.py's `medusa_generate` is the same loop for one prompt,
+written plainly. Both engine loops share prefill, stopping rules and statistics, so their numbers are
+comparable:
 
 - steps: backbone forward passes after the prefill;
 - tokens per step: tokens emitted by those steps / steps, the bonus token counted (plain decoding is
   exactly 1.0). The prefill's token is emitted before the first step and counted in neither.
 
-Both stop cleanly at `max_new_tokens`, at an end token (kept in the output) or when prompt + output
-reach the context length. Batch size is 1, as in the paper's latency setting.
+A row stops at `max_new_tokens`, at an end token (kept in the output) or when prompt + output reach
+the context length. In a batch, each row accepts its own path and keeps its own cache length; a row
+that has stopped rides along, masked, until the last one stops (shapes stay static), and never emits
+again. Prompts of different lengths are padded at their end for the prefill only: the padding is
+never attended to and its cache slots are given back, so no padding token reaches any row.
+
+`generate` and `medusa_generate` take one prompt; `generate_batch` and `medusa_generate_batch` a list.
 """
 
 from __future__ import annotations
@@ -19,13 +25,15 @@ from typing import Callable
 
 import torch
 
-from .hydra import heads_input
+from .dynamic import DynamicTree, DynamicProposer
+from .hydra import HydraProposer
 from .model import GPT, KVCache
+from .proposal import MedusaProposer, Proposer
 from .sampling import Sampling
 from .step import medusa_step
 from .tree import Tree
 
-StepCallback = Callable[[list[int]], None]
+RowCallback = Callable[[int, list[int]], None]  # (row, the tokens it just emitted)
 
 
 @dataclass
@@ -42,147 +50,190 @@ class GenerationStats:
         return sum(self.step_tokens) / self.steps if self.steps else 0.0
 
 
-def _check_prompt(model: GPT, prompt: list[int] | torch.Tensor) -> torch.Tensor:
-    ids = torch.as_tensor(prompt, dtype=torch.long, device=model.device).flatten()
-    if ids.numel() == 0:
+def _check_prompt(model: GPT, prompt: list[int] | torch.Tensor) -> list[int]:
+    ids = torch.as_tensor(prompt, dtype=torch.long).flatten().tolist()
+    if not ids:
         raise ValueError("the prompt is empty: give at least one token")
-    if ids.numel() >= model.config.block_size:
+    if len(ids) >= model.config.block_size:
         raise ValueError(
-            f"the prompt has {ids.numel()} tokens; the context holds {model.config.block_size}, "
+            f"the prompt has {len(ids)} tokens; the context holds {model.config.block_size}, "
             "so the prompt must be shorter"
         )
     return ids
 
 
-def _limit(out: list[int], new: list[int], *, max_new_tokens: int, room: int, eos_id: int | None):
-    """Cut `new` at the token budget or the context, then at the end token; return (kept, stop reason)."""
-    cap = min(max_new_tokens - len(out), room - len(out))
-    reason = ""
-    if len(new) >= cap:
-        new, reason = new[:cap], "max_new_tokens" if max_new_tokens <= room else "context"
-    if eos_id is not None and eos_id in new:
-        return new[: new.index(eos_id) + 1], "eos"
-    return new, reason
+def make_proposer(model: GPT, heads, tree: Tree | DynamicTree) -> Proposer:
+    """The proposer for these heads and this tree: a fixed tree for Medusa or dependent (hydra) heads,
+    or a tree chosen each step from the heads' confidence (`dynamic.DynamicTree`)."""
+    if isinstance(tree, DynamicTree):
+        return DynamicProposer(model, heads, tree)
+    if getattr(heads, "reads_drafted_tokens", False):
+        return HydraProposer(model, heads, tree)
+    return MedusaProposer(model, heads, tree)
 
 
-def reuse_cache(cache: KVCache | None, model: GPT, *, max_len: int) -> KVCache:
-    """`cache` emptied for a new generation, or a new one of max_len slots when None.
+def reuse_cache(cache: KVCache | None, model: GPT, *, batch_size: int, max_len: int) -> KVCache:
+    """`cache` emptied for a new generation, or a new one of batch_size rows and max_len slots when None.
 
     Reusing one cache keeps its tensors at fixed addresses from one generation to the next, which a
     captured CUDA graph needs (a new address means recording the graph again). Its size must be the
     one asked for: the attention mask spans the whole cache, so another size is another shape.
     """
     if cache is None:
-        return KVCache(model.config, max_len=max_len, device=model.device, dtype=model.lm_head.weight.dtype)
-    if cache.max_len != max_len:
-        raise ValueError(f"the KV cache to reuse has {cache.max_len} slots; this generation needs {max_len}")
-    cache.length = 0
+        return KVCache(model.config, batch_size=batch_size, max_len=max_len, device=model.device,
+                       dtype=model.lm_head.weight.dtype)
+    if (cache.batch_size, cache.max_len) != (batch_size, max_len):
+        raise ValueError(f"the KV cache to reuse has {cache.batch_size} rows of {cache.max_len} slots; this "
+                         f"generation needs {batch_size} of {max_len}")
+    cache.lengths = 0
     return cache
 
 
 @torch.no_grad()
-def prefill(model: GPT, ids: torch.Tensor, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run the prompt ids [P] through the model; return the last logits [V] and hidden state [C]."""
-    logits, hidden = model(ids[None], cache=cache, logits_at=slice(-1, None))
-    return logits[0, -1], hidden[0, -1]
+def prefill(model: GPT, ids: torch.Tensor, cache: KVCache, *, lengths: list[int] | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the prompts ids [B, T] through the model; return each row's last logits [B, V] and hidden [B, C].
+
+    lengths: each row's prompt length when the rows were padded at their end to T (default: all T).
+    The padding follows the prompt, so causal attention keeps every prompt token from seeing it; the
+    cache's lengths are then set to the prompts', giving the padding's slots back.
+    """
+    B, T = ids.shape
+    last = torch.tensor([n - 1 for n in lengths] if lengths else [T - 1] * B, device=ids.device)  # [B]
+    logits, hidden = model(ids, cache=cache, logits_at=last)  # [B, 1, V], [B, T, C]
+    if lengths is not None:
+        cache.lengths = torch.tensor(lengths, device=ids.device)
+    return logits[:, 0], hidden.gather(1, last[:, None, None].expand(B, 1, hidden.shape[-1]))[:, 0]
+
+
+class Rows:
+    """Each row's output, statistics and stop rule, kept on the host from the tokens each step reads."""
+
+    def __init__(self, model: GPT, prompts: list, *, max_new_tokens: int, eos_id: int | None,
+                 on_step: RowCallback | None) -> None:
+        self.prompts = [_check_prompt(model, p) for p in prompts]
+        if not self.prompts:
+            raise ValueError("no prompts: give at least one")
+        block = model.config.block_size
+        # Row b stops when prompt + output reach stop_at[b] tokens.
+        self.stop_at = [min(len(p) + max_new_tokens, block) for p in self.prompts]
+        self.why = ["max_new_tokens" if len(p) + max_new_tokens <= block else "context" for p in self.prompts]
+        self.eos_id, self.on_step = eos_id, on_step
+        self.out: list[list[int]] = [[] for _ in self.prompts]
+        self.stats = [GenerationStats(prompt_tokens=len(p)) for p in self.prompts]
+        self.active = list(range(len(self.prompts)))
+
+    def padded(self, device: torch.device) -> torch.Tensor:
+        """[B, T] the prompts, each padded at its end with its own last token (never attended to)."""
+        T = max(len(p) for p in self.prompts)
+        return torch.tensor([p + p[-1:] * (T - len(p)) for p in self.prompts], device=device)
+
+    def emit(self, new: list[list[int]], *, step: bool, accepted: list[int] | None = None) -> list[int]:
+        """Give each active row b its new tokens new[b], cut at its stop rule; returns the rows that stopped."""
+        stopped = []
+        for b in list(self.active):
+            out, stats = self.out[b], self.stats[b]
+            room = self.stop_at[b] - len(self.prompts[b]) - len(out)
+            kept, reason = new[b][:room], self.why[b] if len(new[b]) >= room else ""
+            if self.eos_id is not None and self.eos_id in kept:
+                kept, reason = kept[: kept.index(self.eos_id) + 1], "eos"
+            out += kept
+            if step:
+                stats.steps += 1
+                stats.step_tokens.append(len(kept))
+                if accepted is not None:
+                    stats.accepted_nodes.append(accepted[b])
+            if self.on_step and kept:
+                self.on_step(b, kept)
+            if reason:
+                stats.stop_reason = reason
+                self.active.remove(b)
+                stopped.append(b)
+        return stopped
+
+    def results(self) -> list[tuple[list[int], GenerationStats]]:
+        return list(zip(self.out, self.stats))
 
 
 @torch.no_grad()
-def generate(
-    model: GPT,
-    prompt: list[int] | torch.Tensor,
-    *,
-    max_new_tokens: int,
-    sampling: Sampling = Sampling(),
-    eos_id: int | None = None,
-    generator: torch.Generator | None = None,
-    on_step: StepCallback | None = None,
-    cache: KVCache | None = None,
-) -> tuple[list[int], GenerationStats]:
-    """Plain autoregressive decoding with the KV cache: one forward pass per token.
+def generate_batch(
+    model: GPT, prompts: list, *, max_new_tokens: int, sampling: Sampling = Sampling(), eos_id: int | None = None,
+    generator: torch.Generator | None = None, on_step: RowCallback | None = None, cache: KVCache | None = None,
+) -> list[tuple[list[int], GenerationStats]]:
+    """Plain autoregressive decoding of B prompts with the KV cache: one forward pass per token per row.
 
-    Each token is `sampling.choose`: the argmax at temperature 0, else a draw from p (temperature,
-    top-p); the acceptance settings play no part here. `cache`: one to reuse (see `reuse_cache`),
-    block_size slots; by default a new one.
+    Each token is `sampling.next_token`: the argmax at temperature 0, else a draw from p (temperature,
+    top-p); the acceptance settings play no part here. One host read per step. `cache`: one to reuse
+    (see `reuse_cache`), B rows of block_size slots; by default a new one.
     """
-    ids = _check_prompt(model, prompt)
-    room = model.config.block_size - ids.numel()  # tokens the context still holds
-    stats = GenerationStats(prompt_tokens=ids.numel())
-    cache = reuse_cache(cache, model, max_len=model.config.block_size)
-    logits, _ = prefill(model, ids, cache)
-    tok = sampling.next_token(logits, generator)  # [] on the device: the next input, without the host
-    out, reason = _limit([], [int(tok)], max_new_tokens=max_new_tokens, room=room, eos_id=eos_id)
-    if on_step and out:
-        on_step(list(out))
-    while not reason and out:
-        logits, _ = model(tok.view(1, 1), cache=cache)
-        stats.steps += 1
-        tok = sampling.next_token(logits[0, -1], generator)
-        new, reason = _limit(out, [int(tok)], max_new_tokens=max_new_tokens, room=room, eos_id=eos_id)  # the sync
-        out += new
-        stats.step_tokens.append(len(new))
-        if on_step:
-            on_step(new)
-    stats.stop_reason = reason or "max_new_tokens"
-    return out, stats
+    rows = Rows(model, prompts, max_new_tokens=max_new_tokens, eos_id=eos_id, on_step=on_step)
+    B, device = len(rows.prompts), model.device
+    cache = reuse_cache(cache, model, batch_size=B, max_len=model.config.block_size)
+    logits, _ = prefill(model, rows.padded(device), cache, lengths=[len(p) for p in rows.prompts])
+    tok = sampling.next_token(logits, generator)  # [B] on the device: the next inputs, without the host
+    stopped = rows.emit([[t] for t in tok.tolist()], step=False)
+    stop_at = torch.tensor(rows.stop_at, device=device)  # [B]
+    while rows.active:
+        if stopped:  # a stopped row's next write must not move its length: it stays where it is
+            stop_at[stopped] = 0
+        start = cache.lengths  # [B]
+        logits, _ = model(tok[:, None], cache=cache)  # [B, 1, V]
+        if len(rows.active) < B:
+            cache.lengths = torch.where(start + 1 < stop_at, start + 1, start)
+        tok = sampling.next_token(logits[:, -1], generator)  # [B]
+        stopped = rows.emit([[t] for t in tok.tolist()], step=True)  # the step's one host read
+    return rows.results()
 
 
 @torch.no_grad()
-def medusa_generate(
-    model: GPT,
-    heads: Callable[[torch.Tensor, torch.nn.Module], torch.Tensor],
-    prompt: list[int] | torch.Tensor,
-    *,
-    tree: Tree,
-    max_new_tokens: int,
-    sampling: Sampling = Sampling(),
-    eos_id: int | None = None,
-    generator: torch.Generator | None = None,
-    on_step: StepCallback | None = None,
-    cache: KVCache | None = None,
-) -> tuple[list[int], GenerationStats]:
-    """Medusa decoding: propose -> verify -> accept -> compact, until a stop rule fires.
+def medusa_generate_batch(
+    model: GPT, heads, prompts: list, *, tree: Tree | DynamicTree, max_new_tokens: int,
+    sampling: Sampling = Sampling(), eos_id: int | None = None, generator: torch.Generator | None = None,
+    on_step: RowCallback | None = None, cache: KVCache | None = None,
+) -> list[tuple[list[int], GenerationStats]]:
+    """Medusa decoding of B prompts: propose -> verify -> accept -> compact, until every row has stopped.
 
-    heads(hidden [1, C], lm_head) -> logits [K, 1, V]; evaluated once per step, only at the last
-    accepted node (the one whose hidden state predicts what follows the bonus token). Dependent heads
-    (hydra.HydraHeads) are read there too, node by node while the tree is filled (`hydra.heads_input`).
-    `on_step` receives each step's emitted tokens before the next proposal is made. `sampling` holds
-    the acceptance rule and its settings (sampling.py); with greedy or rejection acceptance the output
-    is plain `generate`'s, in distribution and, when greedy, token for token. `cache`: one to reuse
-    (see `reuse_cache`), block_size + tree.num_nodes slots; by default a new one.
+    heads(hidden [B, C], lm_head) -> logits [K, B, V], read once per step at each row's last accepted
+    node (dependent heads: node by node while the tree is filled, hydra.py). tree: a fixed `Tree`, or a
+    `DynamicTree` chosen each step. With greedy or rejection acceptance each row's output is plain
+    decoding's, in distribution and, when greedy, token for token. `cache`: one to reuse (see
+    `reuse_cache`), B rows of block_size + N slots; by default a new one.
     """
-    num_heads = getattr(heads, "num_heads", None)
-    if num_heads is not None:
-        tree.check_heads(num_heads)
-    ids = _check_prompt(model, prompt)
-    block = model.config.block_size
-    room = block - ids.numel()
-    stats = GenerationStats(prompt_tokens=ids.numel())
+    proposer = make_proposer(model, heads, tree)
+    rows = Rows(model, prompts, max_new_tokens=max_new_tokens, eos_id=eos_id, on_step=on_step)
+    B, device = len(rows.prompts), model.device
     # Slots beyond block_size hold a tree's nodes; their positions are still < block_size.
-    cache = reuse_cache(cache, model, max_len=block + tree.num_nodes)
-    logits, hidden = prefill(model, ids, cache)
-    root = sampling.next_token(logits, generator)  # [] on the device, as every later root
-    out, reason = _limit([], [int(root)], max_new_tokens=max_new_tokens, room=room, eos_id=eos_id)
-    if on_step and out:
-        on_step(list(out))
-    head_logits = heads_input(heads, hidden, model)  # [K, V], or a HydraContext for dependent heads
-    L = ids.numel()  # every committed token but the root: the cache's length, counted on the host
-    while not reason and out:
-        # Near the end, deeper nodes could not be used (or could not be positioned): trim the tree.
-        max_depth = min(block - 1 - L, max_new_tokens - len(out) - 1, room - len(out) - 1)
-        step_tree = tree if tree.depth <= max_depth else tree.truncated(max(max_depth, 0))
-        step = medusa_step(model, cache, step_tree, root, head_logits, sampling=sampling, generator=generator)
-        L += len(step.path)
-        stats.steps += 1
-        new, reason = _limit(out, step.emitted(), max_new_tokens=max_new_tokens, room=room, eos_id=eos_id)
-        out += new
-        stats.step_tokens.append(len(new))
-        stats.accepted_nodes.append(len(step.path) - 1)
-        if on_step:
-            on_step(new)
-        if reason:
-            break
-        root = step.next_root
-        head_logits = heads_input(heads, step.next_hidden, model)
-    stats.stop_reason = reason or "max_new_tokens"
-    return out, stats
+    cache = reuse_cache(cache, model, batch_size=B, max_len=model.config.block_size + proposer.num_nodes)
+    lengths = [len(p) for p in rows.prompts]
+    logits, hidden = prefill(model, rows.padded(device), cache, lengths=lengths)  # [B, V], [B, C]
+    roots = sampling.next_token(logits, generator)  # [B] on the device, as every later root
+    stopped = rows.emit([[t] for t in roots.tolist()], step=False)
+    stop_at = torch.tensor(rows.stop_at, device=device)  # [B]
+    while rows.active:
+        if stopped:  # a stopped row accepts nothing more and its cache length stays put
+            stop_at[stopped] = 0
+        # Near a row's end, deeper nodes could not be used: the tree keeps the depths some row can use.
+        max_depth = max(rows.stop_at[b] - 2 - lengths[b] for b in rows.active)
+        step = medusa_step(model, cache, proposer, roots, hidden, sampling=sampling, generator=generator,
+                           stop_at=stop_at, max_depth=max_depth)
+        for b in rows.active:
+            lengths[b] += len(step.paths[b])
+        stopped = rows.emit(step.new_tokens, step=True, accepted=[len(p) - 1 for p in step.paths])
+        roots, hidden = step.next_roots, step.next_hidden
+    return rows.results()
+
+
+def _one_row(on_step: Callable[[list[int]], None] | None) -> RowCallback | None:
+    return None if on_step is None else (lambda b, tokens: on_step(tokens))
+
+
+def generate(model: GPT, prompt: list[int] | torch.Tensor, *, on_step: Callable[[list[int]], None] | None = None,
+             **kwargs) -> tuple[list[int], GenerationStats]:
+    """`generate_batch` for one prompt: (new tokens, statistics). on_step(tokens) after every step."""
+    return generate_batch(model, [prompt], on_step=_one_row(on_step), **kwargs)[0]
+
+
+def medusa_generate(model: GPT, heads, prompt: list[int] | torch.Tensor, *,
+                    on_step: Callable[[list[int]], None] | None = None, **kwargs) -> tuple[list[int], GenerationStats]:
+    """`medusa_generate_batch` for one prompt: (new tokens, statistics). on_step(tokens) after every step."""
+    return medusa_generate_batch(model, heads, [prompt], on_step=_one_row(on_step), **kwargs)[0]

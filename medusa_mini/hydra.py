@@ -30,8 +30,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .draft import Draft, draft_log_probs, gumbel_top_k
 from .heads import HeadsConfig, MedusaHeads
+from .proposal import Draft, Proposal, StepTree, draft_log_probs
+from .reference import draw_without_replacement
 from .sampling import Sampling
 from .tree import Tree
 
@@ -82,7 +83,7 @@ class HydraHeads(nn.Module):
         """Teacher-forced: hidden [..., C], tokens [..., K] (the true x_{t+1..t+K}) -> logits [K, ..., V]."""
         if tokens is None or wte is None:
             raise ValueError("hydra heads read the tokens drafted before their target: pass tokens= and wte= "
-                             "(hydra.next_tokens), or decode through medusa_mini.hydra.heads_input")
+                             "(hydra.next_tokens), or decode through medusa_mini.hydra.HydraProposer")
         return torch.stack([self.head_logits(k, hidden, tokens, lm_head=lm_head, wte=wte)
                             for k in range(1, self.num_heads + 1)])
 
@@ -132,24 +133,6 @@ def heads_logits(heads, hidden: torch.Tensor, model, *, tokens: torch.Tensor | N
 
 
 @dataclass(frozen=True)
-class HydraContext:
-    """What a step's proposal needs from dependent heads: they are evaluated while the tree is filled."""
-
-    heads: HydraHeads
-    hidden: torch.Tensor  # [C] the hidden state at the last accepted node (it produced the root)
-    lm_head: nn.Module
-    wte: nn.Embedding
-
-
-def heads_input(heads, hidden: torch.Tensor, model) -> torch.Tensor | HydraContext:
-    """The heads' contribution to the next proposal, from hidden [C]: Medusa's logits [K, V] (all heads
-    at once, the same for every node), or a HydraContext for heads that read the drafted path."""
-    if getattr(heads, "reads_drafted_tokens", False):
-        return HydraContext(heads=heads, hidden=hidden, lm_head=model.lm_head, wte=model.transformer.wte)
-    return heads(hidden[None], model.lm_head)[:, 0]
-
-
-@dataclass(frozen=True)
 class Level:
     """The nodes of one depth d >= 1 and where their tokens come from (tensors on one device)."""
 
@@ -179,36 +162,59 @@ def tree_levels(tree: Tree, device: str) -> tuple[Level, ...]:
     return tuple(levels)
 
 
-@torch.no_grad()
-def fill_tree(
-    tree: Tree, root: int, ctx: HydraContext, *, sampling: Sampling, generator: torch.Generator | None
-) -> tuple[torch.Tensor, Draft | None]:
-    """The tree's tokens [N]: a node's children are the top-k of q(. | the node's path), or, for
-    rejection sampling's sampled drafts, distinct draws from it (returned as a Draft with one q row per
-    parent node, which acceptance tries the children against)."""
-    device = ctx.hidden.device
-    tokens = torch.empty(tree.num_nodes, dtype=torch.long, device=device)  # [N]
-    tokens[0] = root
-    width = tree.max_rank + 1
-    draws = sampling.draws_candidates and tree.num_nodes > 1
-    rows = [-1] * tree.num_nodes  # node -> its row of log_q / samples (leaves have none)
-    log_qs, samples, filled = [], [], 0
-    for level in tree_levels(tree, str(device)):
-        M, d = len(level.parents), level.depth
-        path_tokens = tokens[level.parent_paths]  # [M, d]: root, then the drafted path
-        logits = ctx.heads.head_logits(d, ctx.hidden.expand(M, -1), path_tokens, lm_head=ctx.lm_head,
-                                       wte=ctx.wte)  # [M, V]
-        if draws:
-            log_q = draft_log_probs(logits, temperature=sampling.temperature)  # [M, V]
-            picks = gumbel_top_k(log_q, width, generator)  # [M, R]
-            for j, p in enumerate(level.parents):
-                rows[p] = filled + j
-            filled += M
-            log_qs.append(log_q)
-            samples.append(picks)
-        else:
-            picks = logits.topk(width, dim=-1).indices  # [M, R]
-        tokens[level.children] = picks[level.child_row, level.child_rank]
-    if not draws:
-        return tokens, None
-    return tokens, Draft(log_q=torch.cat(log_qs), samples=torch.cat(samples), rows=tuple(rows))
+class HydraProposer:
+    """A fixed tree filled by dependent heads, depth by depth: a node's children are the top-k of
+    q(. | the node's path), or, for rejection sampling's sampled drafts, distinct draws from it (the
+    Draft then has one q row per parent node, which acceptance tries the children against)."""
+
+    def __init__(self, model: nn.Module, heads: HydraHeads, tree: Tree) -> None:
+        tree.check_heads(heads.num_heads)
+        self.model, self.heads, self.tree = model, heads, tree
+        self.num_nodes, self.depth, self.num_heads = tree.num_nodes, tree.depth, heads.num_heads
+
+    @torch.no_grad()
+    def fill(self, tree: Tree, roots: torch.Tensor, hidden: torch.Tensor, *, sampling: Sampling,
+             generator: torch.Generator | None) -> tuple[torch.Tensor, Draft | None, torch.Tensor]:
+        """roots [B], hidden [B, C] -> (tokens [B, N], the draft or None, each node's log q [B, N] at
+        temperature 1, 0 at the root), one batched head call per depth."""
+        (B, C), device = hidden.shape, hidden.device
+        tokens = torch.empty(B, tree.num_nodes, dtype=torch.long, device=device)  # [B, N]
+        tokens[:, 0] = roots
+        node_log_q = torch.zeros(B, tree.num_nodes, device=device)  # [B, N]
+        width = tree.max_rank + 1
+        draws = sampling.draws_candidates and tree.num_nodes > 1
+        rows = [-1] * tree.num_nodes  # node -> its row of log_q / samples (leaves have none)
+        log_qs, samples, filled = [], [], 0
+        for level in tree_levels(tree, str(device)):
+            M, d = len(level.parents), level.depth
+            path_tokens = tokens[:, level.parent_paths]  # [B, M, d]: root, then the drafted path
+            logits = self.heads.head_logits(d, hidden[:, None].expand(B, M, C), path_tokens,
+                                            lm_head=self.model.lm_head, wte=self.model.transformer.wte)  # [B, M, V]
+            if draws:
+                log_q = draft_log_probs(logits, temperature=sampling.temperature)  # [B, M, V]
+                picks = draw_without_replacement(log_q, width, generator)  # [B, M, R]
+                for j, p in enumerate(level.parents):
+                    rows[p] = filled + j
+                filled += M
+                log_qs.append(log_q)
+                samples.append(picks)
+            else:
+                picks = logits.topk(width, dim=-1).indices  # [B, M, R]
+            tokens[:, level.children] = picks[:, level.child_row, level.child_rank]
+            confidence = F.log_softmax(logits.float(), dim=-1).gather(2, picks)  # [B, M, R]
+            node_log_q[:, level.children] = confidence[:, level.child_row, level.child_rank]
+        if not draws:
+            return tokens, None, node_log_q
+        draft = Draft(log_q=torch.cat(log_qs, dim=1), samples=torch.cat(samples, dim=1), rows=tuple(rows))
+        return tokens, draft, node_log_q
+
+    def scored(self, roots: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole tree filled with top-k guesses, and each node's log q(token | its path): [B, N] each."""
+        tokens, _, log_q = self.fill(self.tree, roots, hidden, sampling=Sampling(), generator=None)
+        return tokens, log_q
+
+    def propose(self, roots: torch.Tensor, hidden: torch.Tensor, *, max_depth: int, sampling: Sampling,
+                generator: torch.Generator | None) -> Proposal:
+        tree = self.tree if self.tree.depth <= max_depth else self.tree.truncated(max(max_depth, 0))
+        tokens, draft, _ = self.fill(tree, roots, hidden, sampling=sampling, generator=generator)
+        return Proposal(tokens, StepTree.of(tree, roots.shape[0], roots.device), draft)

@@ -35,19 +35,20 @@ class GPTConfig:
 
 
 class KVCache:
-    """Static, preallocated keys and values, k[i] and v[i] [B, nh, max_len, hs] per layer, plus a length.
+    """Static, preallocated keys and values, k[i] and v[i] [B, nh, max_len, hs] per layer, plus a length per row.
 
     Each layer's keys and values are tensors of their own, not slices of one: a compiled step then
     writes into them where they lie, whereas a write into a slice of one big tensor makes the
-    compiler copy the whole cache, every step. A forward writes its T new keys/values at slots
-    [length, length + T) and advances `length`.
-    Slots are storage, not positions: a tree's nodes sit in consecutive slots but carry position ids
-    prefix + depth. `compact_kv_cache` keeps the accepted path; stale slots are overwritten later.
+    compiler copy the whole cache, every step. A forward writes row b's T new keys/values at slots
+    [lengths[b], lengths[b] + T) and advances the lengths: rows of a batch may hold prefixes of
+    different lengths. Slots are storage, not positions: a tree's nodes sit in consecutive slots but
+    carry position ids prefix + depth. `compact_kv_cache` keeps the accepted path; stale slots are
+    overwritten later.
 
-    `length` is a 0-dim long tensor on the cache's device, changed only in place: a decoding step
+    `lengths` is a [B] long tensor on the cache's device, changed only in place: a decoding step
     reads and advances it without asking the host, so the step has static shapes and fixed buffers
-    (what torch.compile and CUDA graphs need). `cache.length = n` fills it in place; `int(cache.length)`
-    reads it (on a GPU that waits for the device: decoding loops keep their own count instead).
+    (what torch.compile and CUDA graphs need). `cache.lengths = n` fills it in place (an int, or one
+    per row); reading it on the host waits for the device, so decoding loops keep their own counts.
     """
 
     def __init__(
@@ -60,40 +61,44 @@ class KVCache:
         dtype: torch.dtype = torch.float32,
     ) -> None:
         self.max_len = max_len if max_len is not None else config.block_size
+        self.batch_size = batch_size
         hs = config.n_embd // config.n_head
         shape = (batch_size, config.n_head, self.max_len, hs)
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
-        self._length = torch.zeros((), dtype=torch.long, device=device)
+        self._lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
 
     @property
-    def length(self) -> torch.Tensor:
-        """[] long: slots in use, as a snapshot (`L = cache.length` does not move when the cache does)."""
-        return self._length.clone()
+    def lengths(self) -> torch.Tensor:
+        """[B] long: slots in use per row, as a snapshot (`L = cache.lengths` does not move with the cache)."""
+        return self._lengths.clone()
 
-    @length.setter
-    def length(self, value: int | torch.Tensor) -> None:
-        self._length.copy_(torch.as_tensor(value))  # in place: the buffer's address never changes
+    @lengths.setter
+    def lengths(self, value: int | torch.Tensor) -> None:
+        self._lengths.copy_(torch.as_tensor(value))  # in place: the buffer's address never changes
 
     def advance(self, n: int) -> None:
-        """n more slots are in use."""
-        self._length.add_(n)
+        """n more slots are in use in every row."""
+        self._lengths.add_(n)
 
 
 def compact_kv_cache(
-    cache: KVCache, keep: torch.Tensor, *, start: int | torch.Tensor, count: int | torch.Tensor | None = None
+    cache: KVCache, keep: torch.Tensor, *, start: torch.Tensor, count: torch.Tensor | None = None
 ) -> None:
-    """Keep only the accepted path (paper §2.1.2): copy slots `keep` [A] to [start, start + A).
+    """Keep only the accepted path (paper §2.1.2): in row b, copy slots keep[b] [A] to [start[b], start[b] + A).
 
-    The new length is start + count (default A). A static-shape step always copies a path of A = D + 1
-    slots and passes the accepted count as a tensor: the copies past it are padding, stale like every
-    slot after the length. `index_select` makes a copy first, so the ranges may overlap.
+    keep: [B, A] slots; start: [B]. Row b's new length is start[b] + count[b] (default A). A static-shape
+    step always copies a path of A = D + 1 slots and passes the accepted counts as a tensor: the copies
+    past a row's count are padding, stale like every slot after its length. `gather` copies first, so
+    the ranges may overlap.
     """
-    a = keep.numel()
-    dest = start + torch.arange(a, device=keep.device)  # [A]
+    B, A = keep.shape
+    dest = start[:, None] + torch.arange(A, device=keep.device)  # [B, A]
     for t in cache.k + cache.v:  # [B, nh, max_len, hs] each
-        t.index_copy_(2, dest, t.index_select(2, keep))  # [B, nh, A, hs] moved
-    cache.length = start + (a if count is None else count)
+        nh, hs = t.shape[1], t.shape[3]
+        moved = t.gather(2, keep[:, None, :, None].expand(B, nh, A, hs))  # [B, nh, A, hs]
+        t.scatter_(2, dest[:, None, :, None].expand(B, nh, A, hs), moved)
+    cache.lengths = start + (A if count is None else count)
 
 
 class CausalSelfAttention(nn.Module):
@@ -124,14 +129,15 @@ class CausalSelfAttention(nn.Module):
         k = k.view(B, T, self.n_head, hs).transpose(1, 2)  # [B, nh, T, hs]
         v = v.view(B, T, self.n_head, hs).transpose(1, 2)  # [B, nh, T, hs]
         if layer_kv is not None:
-            # layer_kv: keys and values [B, nh, max_len, hs] each, written in place at the slot tensor
-            # (no torch.cat, no Python-int slice); attention reads all max_len slots: shapes never change.
+            # layer_kv: keys and values [B, nh, max_len, hs] each, written in place at each row's slots
+            # [B, T] (no torch.cat, no Python-int slice); attention reads all max_len slots: shapes never change.
             # Reading the unused slots too costs little on a CPU: for the tiny model (max_len 268)
             # +7% on a plain step and +10% on a 12-node verify after a 16-token prefix, +2% / +5%
             # after 128 tokens, nothing after 240 (CPU time, 1 thread). Not worth a second path.
             k_cache, v_cache = layer_kv
-            k_cache.index_copy_(2, slots, k)
-            v_cache.index_copy_(2, slots, v)
+            where = slots[:, None, :, None].expand(B, self.n_head, T, hs)  # [B, nh, T, hs]
+            k_cache.scatter_(2, where, k)
+            v_cache.scatter_(2, where, v)
             k, v = k_cache, v_cache  # [B, nh, max_len, hs]
         causal = attn_mask is None  # no cache and no mask: training's causal attention, SDPA's own
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=causal)  # [B, nh, T, hs]
@@ -167,19 +173,21 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
-def cache_attention_mask(length: torch.Tensor, new_mask: torch.Tensor, *, max_len: int) -> torch.Tensor:
-    """[T, max_len] bool, True = may attend, for T new tokens written at slots [length, length + T).
+def cache_attention_mask(lengths: torch.Tensor, new_mask: torch.Tensor, *, max_len: int) -> torch.Tensor:
+    """[B, T, max_len] bool, True = may attend, for T new tokens written at slots [lengths[b], lengths[b] + T).
 
-    Slots before `length` hold the committed prefix: every new token sees them. Slot length + j holds
-    new token j: new token i sees it iff new_mask[i, j] ([T, T]: causal for plain decoding, the tree's
-    ancestor mask for verification, paper Fig. 2). Later slots are stale or empty: nobody sees them.
-    Built from the `length` tensor, so the host never needs to know it.
+    Slots before a row's length hold its committed prefix: every new token sees them. Slot
+    lengths[b] + j holds new token j: new token i sees it iff new_mask[b, i, j] (new_mask [T, T] or
+    [B, T, T]: causal for plain decoding, the tree's ancestor mask for verification, paper Fig. 2).
+    Later slots are stale or empty: nobody sees them. Built from the `lengths` tensor, so the host
+    never needs to know them.
     """
-    T = new_mask.shape[0]
-    rel = torch.arange(max_len, device=new_mask.device) - length  # [max_len] slot - length
-    is_new = (rel >= 0) & (rel < T)  # [max_len]
-    among_new = new_mask[:, rel.clamp(0, T - 1)] & is_new  # [T, max_len]
-    return among_new | (rel < 0)
+    B, T = lengths.shape[0], new_mask.shape[-1]
+    new_mask = new_mask.expand(B, T, T)
+    rel = torch.arange(max_len, device=new_mask.device)[None, :] - lengths[:, None]  # [B, max_len] slot - length
+    is_new = (rel >= 0) & (rel < T)  # [B, max_len]
+    among_new = new_mask.gather(2, rel.clamp(0, T - 1)[:, None, :].expand(B, T, max_len))  # [B, T, max_len]
+    return (among_new & is_new[:, None, :]) | (rel < 0)[:, None, :]
 
 
 def causal_mask(T: int, *, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -227,33 +235,35 @@ class GPT(nn.Module):
         attn_mask: torch.Tensor | None = None,
         logits_at: torch.Tensor | slice | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run T new tokens; return (logits [B, T', V], hidden after ln_f [B, T, C]).
+        """Run T new tokens per row; return (logits [B, T', V], hidden after ln_f [B, T, C]).
 
-        idx: [B, T] token ids. pos: [T] or [B, T] position ids (default: cache length + 0..T-1).
-        cache: written at slots [cache.length, cache.length + T), then its length advances by T.
-        attn_mask: [T, T] bool among the new tokens, True = may attend (default causal); with a cache,
-        every new token also sees the whole cached prefix (`cache_attention_mask`).
-        logits_at: which of the T positions get logits (default all): the lm_head is the largest
-        matmul of a small model, so callers that need one position ask for one.
+        idx: [B, T] token ids. pos: [T] or [B, T] position ids (default: each row's cache length + 0..T-1).
+        cache: row b is written at slots [lengths[b], lengths[b] + T), then every length advances by T.
+        attn_mask: [T, T] or [B, T, T] bool among the new tokens, True = may attend (default causal); with
+        a cache, every new token also sees its row's whole cached prefix (`cache_attention_mask`).
+        logits_at: which of the T positions get logits: a slice for every row, a [B] tensor of one
+        position per row, or None for all. The lm_head is the largest matmul of a small model, so
+        callers that need one position ask for one.
 
-        With a cache every shape depends only on T and the cache's max_len, never on its length, so
+        With a cache every shape depends only on B, T and the cache's max_len, never on its lengths, so
         a decoding step (T = 1) and a tree verification (T = N) can each be captured once as a graph.
         """
         B, T = idx.shape
         slots = None
         if cache is not None:
-            if T > cache.max_len:  # a fuller cache is caught by index_copy_ (its length is on the device)
+            if T > cache.max_len:  # a fuller cache is caught by scatter_ (its lengths are on the device)
                 raise ValueError(f"KV cache full: {T} tokens > max_len {cache.max_len}")
-            start = cache.length  # [] long, on the device
-            slots = start + torch.arange(T, device=idx.device)  # [T]
+            lengths = cache.lengths  # [B]
+            slots = lengths[:, None] + torch.arange(T, device=idx.device)  # [B, T]
             new_mask = attn_mask if attn_mask is not None else causal_mask(T, device=idx.device)
-            attn_mask = cache_attention_mask(start, new_mask, max_len=cache.max_len)  # [T, max_len]
+            attn_mask = cache_attention_mask(lengths, new_mask, max_len=cache.max_len)  # [B, T, max_len]
         if pos is None:
-            pos = slots if slots is not None else torch.arange(T, device=idx.device)  # [T]
+            pos = slots if slots is not None else torch.arange(T, device=idx.device)  # [B, T] or [T]
         if attn_mask is not None:
             # SDPA would turn a boolean mask into an additive one in every layer; do it once here.
             additive = torch.zeros(attn_mask.shape, dtype=self.transformer.wte.weight.dtype, device=idx.device)
             attn_mask = additive.masked_fill_(~attn_mask, float("-inf"))  # 0 = may attend, -inf = may not
+            attn_mask = attn_mask.unsqueeze(-3)  # [B, 1, T, S] or [1, T, S]: one mask for every head
         x = self.transformer.wte(idx) + self.transformer.wpe(pos)  # [B, T, C]
         for i, block in enumerate(self.transformer.h):
             layer_kv = (cache.k[i], cache.v[i]) if cache is not None else None
@@ -261,7 +271,10 @@ class GPT(nn.Module):
         hidden = self.transformer.ln_f(x)  # [B, T, C]
         if cache is not None:
             cache.advance(T)
-        h = hidden if logits_at is None else hidden[:, logits_at]
+        if isinstance(logits_at, torch.Tensor):  # one position per row: [B] -> hidden [B, 1, C]
+            h = hidden.gather(1, logits_at[:, None, None].expand(B, 1, hidden.shape[-1]))
+        else:
+            h = hidden if logits_at is None else hidden[:, logits_at]
         return self.lm_head(h), hidden
 
     @property

@@ -22,6 +22,8 @@ from functools import cached_property
 
 import torch
 
+from .reference import tree_attention_mask
+
 Choice = tuple[int, ...]
 
 
@@ -122,14 +124,11 @@ class Tree:
             head, rank = self.node_head_rank(device)
             paths, path_valid = self.paths(device)
             self._memo[key] = TreeTensors(
+                parents=torch.tensor(self.parents, dtype=torch.long, device=device),
                 ancestor_mask=self.ancestor_mask(device), depths=self.depths(device), head=head, rank=rank,
                 paths=paths, path_valid=path_valid, earlier_siblings=self.earlier_siblings(device),
             )
         return self._memo[key]
-
-    def cached(self, what: str, device: torch.device | str = "cpu") -> torch.Tensor:
-        """One field of `tensors(device)` by name, e.g. "ancestor_mask"."""
-        return getattr(self.tensors(device), what)
 
     def depths(self, device: torch.device | str = "cpu") -> torch.Tensor:
         """[N] long: position offset of each node from the root (positions = prefix_len + depth)."""
@@ -142,12 +141,9 @@ class Tree:
         return head, rank
 
     def ancestor_mask(self, device: torch.device | str = "cpu") -> torch.Tensor:
-        """[N, N] bool: mask[i, j] is True iff j is i or an ancestor of i (paper Fig. 2)."""
-        N = self.num_nodes
-        mask = torch.eye(N, dtype=torch.bool)
-        for i in range(1, N):  # parents precede children, so the parent's row is already complete
-            mask[i] |= mask[self.parents[i]]
-        return mask.to(device)
+        """[N, N] bool: mask[i, j] is True iff j is i or an ancestor of i (paper Fig. 2; the reference's
+        `tree_attention_mask`)."""
+        return tree_attention_mask(self.parents).to(device)
 
     def earlier_siblings(self, device: torch.device | str = "cpu") -> torch.Tensor:
         """[N, N] bool: mask[i, j] is True iff j is a sibling of i with a smaller rank (tried first)."""
@@ -232,6 +228,7 @@ class Tree:
 class TreeTensors:
     """A tree's index tensors on one device (`Tree.tensors`). N nodes, P root-to-leaf paths, D depth."""
 
+    parents: torch.Tensor  # [N] long: each node's parent, -1 for the root
     ancestor_mask: torch.Tensor  # [N, N] bool: the tree attention mask among the nodes
     depths: torch.Tensor  # [N] long: position offset of each node from the root
     head: torch.Tensor  # [N - 1] long: the head (0-based) that fills node i + 1

@@ -88,6 +88,38 @@ class OracleHeads:
         return logits
 
 
+class ContinuationHeads:
+    """Heads that know the backbone's own greedy continuation of one prompt, without being told the step:
+    they recognise where they are from the hidden state alone (the nearest of the backbone's hidden
+    states along prompt + continuation), so they serve the reference, the engine and batches alike.
+
+    At a hidden state that produced token t of the continuation, head k's rank-0 guess is the token k
+    places after t; other ranks are random. Off the greedy continuation (sampling), every rank is random.
+    """
+
+    def __init__(self, model: GPT, prompt: list[int], *, max_new_tokens: int, num_heads: int = 4, seed: int = 0):
+        from medusa_mini.decoding import generate
+
+        self.num_heads, self.V = num_heads, model.config.vocab_size
+        self.seq = list(prompt) + generate(model, prompt, max_new_tokens=max_new_tokens)[0]
+        with torch.no_grad():
+            self.states = model(torch.tensor([self.seq]))[1][0]  # [S, C]: state j produced seq[j + 1]
+        self.gen = torch.Generator().manual_seed(seed)
+
+    @torch.no_grad()
+    def __call__(self, hidden: torch.Tensor, lm_head: torch.nn.Module) -> torch.Tensor:
+        B = hidden.shape[0]
+        logits = torch.rand(self.num_heads, B, self.V, generator=self.gen)
+        distance = torch.cdist(hidden.float(), self.states.float())  # [B, S]
+        nearest = distance.min(dim=-1)
+        for b in range(B):
+            if nearest.values[b] < 0.05:  # rounding apart: the same prefix (other prefixes are ~1 away)
+                j = int(nearest.indices[b])  # this state produced seq[j + 1], the root
+                for k, tok in enumerate(self.seq[j + 2 : j + 2 + self.num_heads]):
+                    logits[k, b, tok] = 10.0
+        return logits.to(hidden.device)
+
+
 # ---- checkpoint directories, as train_tiny.py leaves them ------------------------------------
 
 WORDS = "the a cat dog sat ran on under mat tree house red blue big small quickly slowly and then".split()

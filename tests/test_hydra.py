@@ -7,18 +7,10 @@ import torch
 from conftest import tiny_model
 
 from medusa_mini.decoding import generate, medusa_generate, prefill
-from medusa_mini.draft import draft_log_probs
 from medusa_mini.heads import HeadsConfig, MedusaHeads
-from medusa_mini.hydra import (
-    HydraContext,
-    HydraHeads,
-    fill_tree,
-    heads_input,
-    make_heads,
-    next_tokens,
-    teacher_forced_logits,
-)
+from medusa_mini.hydra import HydraHeads, HydraProposer, make_heads, next_tokens, teacher_forced_logits
 from medusa_mini.model import KVCache
+from medusa_mini.proposal import draft_log_probs
 from medusa_mini.sampling import Sampling
 from medusa_mini.training import MedusaLM, sample_continuations
 from medusa_mini.tree import Tree, chain, preset
@@ -36,10 +28,24 @@ def random_hydra(model, *, num_heads: int = 3, seed: int = 0, std: float = 0.5) 
     return heads.eval()
 
 
-def context(model, heads, prompt) -> HydraContext:
-    cache = KVCache(model.config, max_len=model.config.block_size)
-    _, hidden = prefill(model, torch.tensor(prompt), cache)
-    return heads_input(heads, hidden, model)
+class Context:
+    """What filling a tree reads: the heads, the hidden state after a prompt [C], the shared modules."""
+
+    def __init__(self, model, heads, prompt) -> None:
+        cache = KVCache(model.config, max_len=model.config.block_size)
+        _, hidden = prefill(model, torch.tensor([prompt]), cache)
+        self.model, self.heads, self.hidden = model, heads, hidden[0]
+        self.lm_head, self.wte = model.lm_head, model.transformer.wte
+
+    def fill(self, tree, root, sampling=Sampling(), generator=None):
+        """The proposer's tokens [N] and draft for one row."""
+        proposal = HydraProposer(self.model, self.heads, tree).propose(
+            torch.tensor([root]), self.hidden[None], max_depth=tree.depth, sampling=sampling, generator=generator)
+        return proposal.tokens[0], proposal.draft
+
+
+def context(model, heads, prompt) -> Context:
+    return Context(model, heads, prompt)
 
 
 def test_fresh_hydra_heads_start_as_the_backbones_next_token_prediction():
@@ -84,7 +90,7 @@ def test_depth_by_depth_filling_equals_the_node_by_node_definition(tree):
     model = tiny_model(2)
     heads = random_hydra(model, num_heads=4)
     ctx = context(model, heads, [3, 1, 4])
-    tokens, drawn = fill_tree(tree, 7, ctx, sampling=Sampling(), generator=None)
+    tokens, drawn = ctx.fill(tree, 7)
     assert drawn is None
     assert tokens.tolist() == node_walk(tree, 7, ctx, tree.max_rank + 1)
 
@@ -97,7 +103,7 @@ def test_siblings_differ_by_their_parents_unlike_medusa():
             block.linear.weight[:, 32:] *= 10
     ctx = context(model, heads, [2, 7])
     tree = Tree.from_choices([(r,) for r in range(4)] + [(r, 0) for r in range(4)])
-    tokens, _ = fill_tree(tree, 5, ctx, sampling=Sampling(), generator=None)
+    tokens, _ = ctx.fill(tree, 5)
     second = [tokens[tree.choices.index((r, 0)) + 1].item() for r in range(4)]
     assert len(set(second)) > 1  # Medusa's head 2 would put one token under every first guess
 
@@ -107,8 +113,8 @@ def test_sampled_drafts_draw_each_nodes_children_from_its_own_q():
     heads = random_hydra(model)
     ctx = context(model, heads, [1, 2, 3])
     T = 0.8
-    tokens, drawn = fill_tree(TREE, 7, ctx, sampling=Sampling(temperature=T), generator=torch.Generator().manual_seed(0))
-    assert drawn is not None and drawn.rows is not None
+    tokens, drawn = ctx.fill(TREE, 7, Sampling(temperature=T), torch.Generator().manual_seed(0))
+    assert drawn is not None
     for node, kids in enumerate(TREE.children):
         if not kids:
             assert drawn.rows[node] == -1
@@ -119,10 +125,10 @@ def test_sampled_drafts_draw_each_nodes_children_from_its_own_q():
             a = TREE.parents[a]
         path.reverse()
         logits = heads.head_logits(len(path), ctx.hidden, torch.tensor(path), lm_head=ctx.lm_head, wte=ctx.wte)
-        log_q, samples = drawn.for_children_of(node, TREE.depth_list[node])
+        log_q, samples = drawn.per_node(0, drawn.samples.tolist())[node]
         assert torch.allclose(log_q, draft_log_probs(logits, temperature=T), atol=1e-5)
-        assert len(set(samples.tolist())) == samples.numel()  # without replacement
-        assert [tokens[c].item() for c in kids] == [samples[TREE.choices[c - 1][-1]].item() for c in kids]
+        assert len(set(samples)) == len(samples)  # without replacement
+        assert [tokens[c].item() for c in kids] == [samples[TREE.choices[c - 1][-1]] for c in kids]
 
 
 @pytest.mark.parametrize("tree_name", ["small", "cpu", "chain"])

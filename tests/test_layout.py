@@ -1,7 +1,7 @@
 """The house rules, checked: the Medusa core stands alone, and the wings lean on it, never the reverse.
 
-The core is the top level of `medusa_mini/` (model, heads, tree, sampling, draft, acceptance, step,
-decoding, training); io/, train/, tune/ and cli/ are the wings. A reader who imports the decoding
+The core is the top level of `medusa_mini/` (the reference; model, heads, tree, sampling, proposal,
+hydra, dynamic, acceptance, step, decoding, training); io/, train/, tune/ and cli/ are the wings. A reader who imports the decoding
 loop gets the algorithm and nothing of tokenizers, checkpoints, clocks or command lines.
 """
 
@@ -15,7 +15,8 @@ import sys
 
 from conftest import ROOT
 
-CORE = ("model", "heads", "hydra", "tree", "sampling", "draft", "acceptance", "step", "decoding", "training")
+CORE = ("reference", "model", "heads", "hydra", "tree", "sampling", "proposal", "dynamic", "acceptance", "step",
+        "decoding", "training")
 WINGS = ("io", "train", "tune", "cli")
 PACKAGE = os.path.join(ROOT, "medusa_mini")
 

@@ -34,7 +34,7 @@ def test_cached_incremental_decoding_matches_full_forward(model):
     cache = KVCache(model.config)
     first, _ = model(torch.tensor([ids[:7]]), cache=cache)  # a prefill of 7, then one token at a time
     steps = [first[0]] + [model(torch.tensor([[t]]), cache=cache)[0][0] for t in ids[7:]]
-    assert cache.length == len(ids)
+    assert cache.lengths.tolist() == [len(ids)]
     torch.testing.assert_close(torch.cat(steps), full_logits(model, ids), atol=ATOL, rtol=0)
 
 
@@ -45,7 +45,7 @@ def test_tree_forward_matches_plain_forward_along_every_path(model):
     tokens = [7, 21, 33, 8, 8, 50, 12]  # root + one token per node; siblings may repeat tokens
     cache = KVCache(model.config)
     model(torch.tensor([prefix]), cache=cache)
-    L = cache.length
+    L = cache.lengths  # [1]
     logits, _ = model(torch.tensor([tokens]), pos=L + tree.depths(), cache=cache, attn_mask=tree.ancestor_mask())
     for node in range(tree.num_nodes):
         path = [node]
@@ -62,11 +62,11 @@ def test_compaction_then_decoding_matches_full_forward(model):
     tokens = [9, 2, 6, 5, 3, 58]
     cache = KVCache(model.config)
     model(torch.tensor([prefix]), cache=cache)
-    L = cache.length
+    L = cache.lengths  # [1]
     model(torch.tensor([tokens]), pos=L + tree.depths(), cache=cache, attn_mask=tree.ancestor_mask())
     accepted = [0, 2, 4, 5]  # root -> (1,) -> (1, 0) -> (1, 0, 0): not the first slots, so they move
-    compact_kv_cache(cache, L + torch.tensor(accepted), start=L)
-    assert cache.length == L + len(accepted)
+    compact_kv_cache(cache, L[:, None] + torch.tensor([accepted]), start=L)
+    assert cache.lengths.tolist() == [len(prefix) + len(accepted)]
     seq = prefix + [tokens[i] for i in accepted]
     more = [17, 23, 42]
     got = [model(torch.tensor([[t]]), cache=cache)[0][0, -1] for t in more]
@@ -80,9 +80,24 @@ def test_static_cache_is_never_reallocated(model):
     ptrs = [t.data_ptr() for t in cache.k + cache.v]
     model(torch.tensor([[1, 2, 3]]), cache=cache)
     model(torch.tensor([[4]]), cache=cache)
-    compact_kv_cache(cache, torch.tensor([1, 3]), start=1)
+    compact_kv_cache(cache, torch.tensor([[1, 3]]), start=torch.tensor([1]))
     model(torch.tensor([[5, 6]]), cache=cache)
-    assert [t.data_ptr() for t in cache.k + cache.v] == ptrs and cache.length == 5
+    assert [t.data_ptr() for t in cache.k + cache.v] == ptrs and cache.lengths.tolist() == [5]
+
+
+@torch.no_grad()
+def test_rows_of_one_batch_keep_their_own_lengths_and_positions(model):
+    """Two prompts of different lengths in one cache: each row decodes as if it were alone."""
+    rows = [[5, 9, 11, 2, 40, 7], [3, 1]]
+    cache = KVCache(model.config, batch_size=2)
+    model(torch.tensor([rows[0], rows[1] + [0] * 4]), cache=cache)  # the short row padded at its end
+    cache.lengths = torch.tensor([6, 2])  # the padding's slots are given back
+    more = torch.tensor([[17, 23], [42, 8]])
+    got = [model(more[:, j : j + 1], cache=cache)[0][:, 0] for j in range(2)]  # [B, V] each
+    assert cache.lengths.tolist() == [8, 4]
+    for b in range(2):
+        want = full_logits(model, rows[b] + more[b].tolist())[len(rows[b]):]
+        torch.testing.assert_close(torch.stack([g[b] for g in got]), want, atol=ATOL, rtol=0)
 
 
 def test_overfilling_the_cache_is_a_clear_error(model):
@@ -138,7 +153,7 @@ def test_a_decode_step_is_one_captured_graph_with_eager_logits_at_every_length(k
     tokens = torch.randint(0, 64, (1, depths.numel()), generator=torch.Generator().manual_seed(0))
 
     def step(cache: KVCache) -> torch.Tensor:
-        return model(tokens, pos=cache.length + depths, cache=cache, attn_mask=new_mask)[0]
+        return model(tokens, pos=cache.lengths[:, None] + depths, cache=cache, attn_mask=new_mask)[0]
 
     compiled, graphs = compiled_once(step)
     for prefix in (3, 7, 12):
@@ -149,7 +164,7 @@ def test_a_decode_step_is_one_captured_graph_with_eager_logits_at_every_length(k
         torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
         for got, want in zip(graph_cache.k + graph_cache.v, eager_cache.k + eager_cache.v):
             torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
-        assert int(graph_cache.length) == int(eager_cache.length) == prefix + depths.numel()
+        assert graph_cache.lengths.tolist() == eager_cache.lengths.tolist() == [prefix + depths.numel()]
     assert len(graphs) == 1
 
 

@@ -71,7 +71,7 @@ def test_settings_are_frozen():
 
 def test_choose_is_the_argmax_when_greedy_and_a_draw_from_p_otherwise():
     logits = torch.log(torch.tensor([0.2, 0.5, 0.3]))
-    assert Sampling().choose(logits, None) == 1
+    assert int(Sampling().next_token(logits, None)) == 1
     gen = torch.Generator().manual_seed(0)
-    draws = Counter(Sampling(temperature=1.0).choose(logits, gen) for _ in range(4000))
+    draws = Counter(int(Sampling(temperature=1.0).next_token(logits, gen)) for _ in range(4000))
     assert abs(draws[0] / 4000 - 0.2) < 5 * math.sqrt(0.25 / 4000)

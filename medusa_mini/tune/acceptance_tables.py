@@ -6,7 +6,7 @@ was. Acceptance depends on the rule, so there are two tables:
 - greedy (temperature 0): acc[k][r] = P(the guess is the backbone's own greedy token k+2 places
   ahead), counted on the backbone's greedy continuations of held-out prompts;
 - sampled (temperature T > 0): acc[k][r] = P(rejection sampling accepts the r-th candidate drawn
-  from head k+1's q), its parent accepted (draft.draft_acceptance: candidates drawn without
+  from head k+1's q), its parent accepted (drafts.draft_acceptance: candidates drawn without
   replacement, accepted with min(1, p/q)), averaged over continuations sampled at T (the text that
   sampling actually meets). p is the backbone's distribution at T (without top-p: decoding with
   top-p < 1 meets a somewhat different target).
@@ -25,13 +25,14 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..draft import draft_acceptance, draft_log_probs
 from ..hydra import heads_logits, next_tokens
 from ..io.safetensors import atomic_write_text, read_json
 from ..model import GPT
+from ..proposal import draft_log_probs
 from ..sampling import sampling_probs
 from ..training import sample_continuations
 from ..tree import Tree, check_acc
+from .drafts import draft_acceptance
 
 HeadsFn = Callable[[torch.Tensor, torch.nn.Module], torch.Tensor]  # hidden [..., C] -> [K, ..., V]
 ACCURACY_FILE = "heads_accuracy.json"

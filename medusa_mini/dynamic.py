@@ -1,0 +1,121 @@
+"""Dynamic trees: each step, spend the N nodes where this step's heads are confident (EAGLE-2's idea,
+arXiv 2406.16858, for Medusa and dependent heads).
+
+A fixed tree is sized from the heads' average accuracy, whether this step's heads are sure of one
+continuation or torn between five. Here a larger fixed set of candidates (M nodes: the tree
+`build_tree` grows for a bigger budget) is filled every step, each candidate is scored by the heads'
+confidence in its whole path, and the top N are verified:
+
+- Medusa heads: the product, along the path, of each head's probability of its token;
+- dependent (hydra) heads: the product of the conditional probabilities q(token | path) they give.
+
+A node's score never exceeds its parent's (a product of probabilities at most 1, summed in log space
+one depth at a time, so rounding cannot break it), and ties keep the earlier node, which is the parent:
+the kept nodes always form a tree. N is fixed, so every shape is static: the kept tree's parents,
+depths, attention mask and paths are gathered on the device from the candidates' fixed tables, with no
+host read (`select_nodes`, `kept_tree`).
+
+Exactness is untouched. Greedy acceptance writes plain greedy's tokens on any tree; rejection
+sampling with top-k candidates stays lossless, since the tree depends only on the heads, never on
+the backbone's draws. Sampled drafts keep a fixed tree (`DynamicTree.fixed`): which drawn tokens a
+confidence ranking keeps would depend on the draws themselves, so a kept candidate would no longer be
+distributed as the q that acceptance divides by.
+
+Shapes: B rows, M + 1 candidates (root included), N kept nodes (root included), D depth, P paths.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from .hydra import HydraProposer
+from .proposal import MedusaProposer, Proposal, StepTree
+from .sampling import Sampling
+from .tree import Tree
+
+
+@dataclass(frozen=True)
+class DynamicTree:
+    """A node budget chosen per step: `budget` candidates (root excluded) out of `candidates`;
+    `fixed`: the tree rejection sampling's sampled drafts use instead."""
+
+    budget: int
+    candidates: Tree
+    fixed: Tree
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.budget <= self.candidates.num_nodes - 1:
+            raise ValueError(f"a dynamic tree keeps 1 to {self.candidates.num_nodes - 1} of its candidates, "
+                             f"not {self.budget}")
+
+
+def path_scores(tree: Tree, node_log_q: torch.Tensor) -> torch.Tensor:
+    """log confidence of each node's path: node_log_q [B, M + 1] -> [B, M + 1] (the root's is 0).
+
+    Summed one depth at a time, parent first, so a child's score is fl(parent's + its own log q): never
+    above its parent's, whatever the rounding."""
+    parents = tree.tensors(node_log_q.device).parents.clamp(min=0)  # [M + 1]
+    score = torch.zeros_like(node_log_q)
+    by_depth = tree.tensors(node_log_q.device).depths
+    for d in range(1, tree.depth + 1):
+        at_d = by_depth == d  # [M + 1]
+        score = torch.where(at_d, score[:, parents] + node_log_q, score)
+    return score
+
+
+def select_nodes(tree: Tree, score: torch.Tensor, n: int, *, max_depth: int | None = None) -> torch.Tensor:
+    """The root and the n best candidates of each row, in candidate order (parents before children):
+    score [B, M + 1] -> node indices [B, n + 1].
+
+    A stable sort keeps equal scores in candidate order, and a parent precedes its children, so a kept
+    child always comes with its parent. Candidates deeper than `max_depth` rank last: near the end of a
+    generation they could not be used."""
+    candidates = score[:, 1:]  # [B, M]
+    if max_depth is not None:
+        too_deep = tree.tensors(score.device).depths[1:] > max_depth  # [M]
+        candidates = torch.where(too_deep, float("-inf"), candidates)
+    order = candidates.sort(dim=-1, descending=True, stable=True).indices[:, :n] + 1  # [B, n]
+    root = torch.zeros_like(order[:, :1])
+    return torch.cat([root, order.sort(dim=-1).values], dim=1)  # [B, n + 1]
+
+
+def kept_tree(tree: Tree, nodes: torch.Tensor) -> StepTree:
+    """The subtree on `nodes` [B, N] (candidate indices, parents first) as one step's device tensors."""
+    t = tree.tensors(nodes.device)
+    B, N = nodes.shape
+    position = torch.full((B, tree.num_nodes), -1, dtype=torch.long, device=nodes.device)  # [B, M + 1]
+    position.scatter_(1, nodes, torch.arange(N, device=nodes.device).expand(B, N))  # candidate -> kept index
+    parents = torch.where(nodes == 0, -1, position.gather(1, t.parents.clamp(min=0)[nodes]))  # [B, N]
+    pairs = (nodes[:, :, None], nodes[:, None, :])  # [B, N, 1], [B, 1, N]
+    on_path = position[torch.arange(B, device=nodes.device)[:, None, None], t.paths[None]]  # [B, P, D + 1]
+    valid = (t.path_valid[None] & (on_path >= 0)).long().cumprod(dim=-1).bool()  # a path ends at its first unkept node
+    return StepTree(parents=parents, depths=t.depths[nodes], ancestor_mask=t.ancestor_mask[pairs],
+                    paths=torch.where(valid, on_path, 0), path_valid=valid,
+                    earlier_siblings=t.earlier_siblings[pairs])
+
+
+class DynamicProposer:
+    """Each step, the `budget` most confident candidates of `tree.candidates`, for Medusa or dependent heads."""
+
+    def __init__(self, model: nn.Module, heads, tree: DynamicTree) -> None:
+        dependent = getattr(heads, "reads_drafted_tokens", False)
+        make = HydraProposer if dependent else MedusaProposer
+        self.scorer = make(model, heads, tree.candidates)  # fills and scores every candidate
+        self.fixed = make(model, heads, tree.fixed)  # for sampled drafts
+        self.tree = tree
+        self.num_nodes = max(tree.budget + 1, tree.fixed.num_nodes)
+        self.depth = max(tree.candidates.depth, tree.fixed.depth)
+        self.num_heads = self.scorer.num_heads
+
+    def propose(self, roots: torch.Tensor, hidden: torch.Tensor, *, max_depth: int, sampling: Sampling,
+                generator: torch.Generator | None) -> Proposal:
+        if sampling.draws_candidates:
+            return self.fixed.propose(roots, hidden, max_depth=max_depth, sampling=sampling, generator=generator)
+        candidates = self.tree.candidates
+        tokens, node_log_q = self.scorer.scored(roots, hidden)  # [B, M + 1] each
+        score = path_scores(candidates, node_log_q)  # [B, M + 1]
+        nodes = select_nodes(candidates, score, self.tree.budget, max_depth=max_depth)  # [B, N]
+        return Proposal(tokens.gather(1, nodes), kept_tree(candidates, nodes), confidence=score.gather(1, nodes))

@@ -1,0 +1,246 @@
+"""All of Medusa in one file that runs: read this first (paper: Cai et al. 2024, arXiv 2401.10774).
+
+Words, each with one meaning here and everywhere in the project:
+  node    one candidate token in the tree; node 0 is the root. Nodes are numbered parents first.
+  root    the last token already emitted, not yet in the KV cache; every path starts at it.
+  choice  a node's address as a path of ranks, e.g. (0, 2): head 1's rank 0, then head 2's rank 2.
+  rank    a position in one head's list of guesses: rank 0 is its most likely (or first drawn) token.
+  path    the nodes from the root down to a node; the accepted path is what a step keeps.
+  bonus   the token the backbone itself writes after the last accepted node (from the same pass).
+  p       the backbone's (target) distribution at a node, after temperature and top-p.
+  q       a head's (draft) distribution, from which rejection sampling may draw the candidates.
+
+One step (§2): the heads guess tokens 2, 3, ... places ahead from the last hidden state; their guesses
+fill a tree; ONE forward pass of the backbone scores every node under a tree attention mask; an
+acceptance rule keeps the longest path the backbone agrees with, plus the bonus; the KV cache keeps
+only that path. Greedy acceptance writes exactly plain greedy's tokens; rejection sampling exactly
+plain sampling's distribution; typical acceptance (§2.3.1) trades that guarantee for longer paths.
+
+This file is batch 1 and plain: Python ints and lists, node-by-node walks, a KV cache that grows by
+torch.cat. The engine (step.py, decoding.py, acceptance.py) makes the same decisions with static
+shapes, batches and one host read per step; tests hold the two to the same tokens.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from .sampling import Sampling, draw
+
+if TYPE_CHECKING:  # names for the type hints; the engine's tree module uses this file's mask
+    from .heads import MedusaHeads
+    from .model import GPT
+    from .tree import Tree
+
+
+def children(parents: list[int], node: int) -> list[int]:
+    """The nodes whose parent is `node`, in rank order (parents[i] is node i's parent, -1 for the root)."""
+    return [c for c in range(len(parents)) if parents[c] == node]
+
+
+def tree_attention_mask(parents: list[int]) -> torch.Tensor:
+    """[N, N] bool, True where node i may attend to node j: j is i itself or one of its ancestors (Fig. 2).
+
+    Siblings never see each other, so every path is scored as if it were the only continuation."""
+    N = len(parents)
+    mask = torch.zeros(N, N, dtype=torch.bool)
+    for i in range(N):
+        j = i
+        while j != -1:
+            mask[i, j] = True
+            j = parents[j]
+    return mask
+
+
+def forward(model: GPT, tokens: list[int], positions: list[int], cache: list, mask: torch.Tensor):
+    """T new tokens through the backbone's own weights -> (logits [T, V], hidden [T, C]).
+
+    cache: per layer, (keys, values) [nh, L, hs] of the L earlier tokens (None before the first call),
+    grown here by the T new ones. mask: [T, L + T] bool, what each new token may attend to. Positions
+    are explicit: a tree node sits at prefix length + its depth, whatever its order in `tokens`.
+    """
+    device = model.lm_head.weight.device
+    mask = mask.to(device)
+    x = model.transformer.wte(torch.tensor(tokens, device=device))
+    x = x + model.transformer.wpe(torch.tensor(positions, device=device))  # [T, C]
+    T, C = x.shape
+    nh = model.config.n_head
+    hs = C // nh
+    for i, block in enumerate(model.transformer.h):
+        q, k, v = block.attn.c_attn(block.ln_1(x)).split(C, dim=-1)  # 3 x [T, C]
+        q, k, v = (t.view(T, nh, hs).transpose(0, 1) for t in (q, k, v))  # [nh, T, hs]
+        if cache[i] is not None:
+            k, v = torch.cat([cache[i][0], k], dim=1), torch.cat([cache[i][1], v], dim=1)  # [nh, L + T, hs]
+        cache[i] = (k, v)
+        att = (q @ k.transpose(1, 2)) / math.sqrt(hs)  # [nh, T, L + T]
+        att = att.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+        y = (att @ v).transpose(0, 1).reshape(T, C)  # [T, C]
+        x = x + block.attn.c_proj(y)
+        x = x + block.mlp(block.ln_2(x))
+    hidden = model.transformer.ln_f(x)  # [T, C]
+    return model.lm_head(hidden), hidden
+
+
+def draw_without_replacement(log_q: torch.Tensor, width: int, generator: torch.Generator | None) -> torch.Tensor:
+    """`width` distinct tokens drawn from q in order: log_q [..., V] -> [..., width] (Gumbel-top-k:
+    adding Gumbel noise to log q and keeping the top `width` is sequential sampling without replacement)."""
+    u = torch.rand(log_q.shape, generator=generator, device=log_q.device)
+    return (log_q - torch.log(-torch.log(u))).topk(width, dim=-1).indices
+
+
+def propose(head_logits: torch.Tensor, tree: Tree, root: int, *, sampling: Sampling,
+            generator: torch.Generator | None) -> tuple[list[int], list | None]:
+    """Fill the tree (§2.1.1-2.1.2): the node of choice (r1, ..., rd) holds head d's rank-rd guess.
+
+    head_logits: [K, V]. Greedy and typical acceptance take each head's top-k; rejection sampling with
+    sampled drafts draws the candidates from each head's q instead, and returns, per node, the q its
+    children were drawn from with the draws in order (the acceptance walk needs both).
+    """
+    D, R = tree.depth, tree.max_rank + 1
+    if not sampling.draws_candidates:
+        guesses = head_logits[:D].topk(R, dim=-1).indices.tolist()  # [D][R]
+        return [root] + [guesses[len(c) - 1][c[-1]] for c in tree.choices], None
+    log_q = F.log_softmax(head_logits[:D].float() / sampling.temperature, dim=-1)  # [D, V]
+    guesses = draw_without_replacement(log_q, R, generator).tolist()  # [D][R]
+    drafts = [(log_q[d], guesses[d]) if d < D else None for d in tree.depth_list]  # a node's children's q
+    return [root] + [guesses[len(c) - 1][c[-1]] for c in tree.choices], drafts
+
+
+def greedy_accept(parents: list[int], tokens: list[int], logits: torch.Tensor) -> tuple[list[int], int]:
+    """Greedy acceptance (exact): from the root, descend while the backbone's argmax is a child's token.
+
+    logits: [N, V]. The argmax y at the last accepted node is the bonus. Every emitted token is the
+    backbone's argmax after the tokens before it: plain greedy decoding's output, in fewer passes."""
+    y = logits.argmax(dim=-1).tolist()  # [N] the backbone's own next token at every node
+    node, path = 0, [0]
+    while (child := next((c for c in children(parents, node) if tokens[c] == y[node]), None)) is not None:
+        node = child
+        path.append(node)
+    return path, y[node]
+
+
+def typical_threshold(p: torch.Tensor, *, epsilon: float, delta: float) -> torch.Tensor:
+    """§2.3.1's bar: min(ε, δ·exp(−H(p))) for p [..., V] -> [...]. A flat p (high entropy) lowers it."""
+    log_p = torch.log(p.clamp_min(1e-30))
+    entropy = -(p * log_p).sum(dim=-1)
+    return torch.minimum(torch.full_like(entropy, epsilon), delta * torch.exp(-entropy))
+
+
+def typical_accept(parents: list[int], tokens: list[int], logits: torch.Tensor, *, sampling: Sampling,
+                   generator: torch.Generator | None) -> tuple[list[int], int]:
+    """Typical acceptance (§2.3.1): a candidate x passes if p(x) > min(ε, δ·exp(−H(p))) at its parent.
+
+    A node is accepted if it and all its ancestors pass; the deepest accepted node wins, ties broken by
+    the larger sum of log p along its path, then by the smaller node index. The bonus is drawn from p
+    at the winner. Faster than rejection sampling when p is flat, but NOT p's distribution.
+    """
+    p = F.softmax(logits.float() / sampling.temperature, dim=-1)  # [N, V], without top-p, as the paper
+    bar = typical_threshold(p, epsilon=sampling.epsilon, delta=sampling.delta).tolist()  # [N]
+    N = len(parents)
+    depth, ok, score, best = [0] * N, [True] + [False] * (N - 1), [0.0] * N, 0
+    for i in range(1, N):  # parents come first, so one sweep settles every node
+        par = parents[i]
+        p_x = p[par, tokens[i]]
+        depth[i] = depth[par] + 1
+        ok[i] = ok[par] and float(p_x) > bar[par]
+        if ok[i]:
+            score[i] = score[par] + float(torch.log(p_x.clamp_min(1e-30)))
+            if (depth[i], score[i]) > (depth[best], score[best]):
+                best = i
+    path = [best]
+    while path[-1] != 0:
+        path.append(parents[path[-1]])
+    return path[::-1], int(draw(sampling.probs(logits[best]), generator))
+
+
+def try_children(p: torch.Tensor, candidates: list[int], draft: tuple | None, u: list[float]):
+    """The tries at one node (speculative sampling): candidates x1, x2, ... against target p [V].
+
+    Try i accepts x_i with probability min(1, p(x_i) / q_i(x_i)); after a miss p <- norm(max(0, p - q_i)).
+    q_i is where x_i came from: a point mass on x_i for top-k candidates (accept with probability p(x_i),
+    then p(x_i) <- 0), or for drawn candidates the head's q without the draws before x_i. Each try then
+    emits exactly p: min(p, q) + (1 - Σ min(p, q)) · norm(max(0, p - q)) = p. Returns (index of the
+    accepted candidate or None, the final p for the bonus). Float64 scalar work on the host.
+    """
+    for i, x in enumerate(candidates):
+        if draft is None:
+            q = F.one_hot(torch.tensor(x), p.numel()).double()  # [V]
+        else:
+            log_q, drawn = draft[0].to("cpu", torch.float64, copy=True), draft[1]
+            log_q[drawn[: drawn.index(x)]] = float("-inf")  # drawn without replacement
+            q = (log_q - torch.logsumexp(log_q, dim=0)).exp()  # [V]
+        if u[i] * q[x] < p[x]:  # u < p/q without dividing: q(x) may underflow to 0
+            return i, p
+        residual = (p - q).clamp_min(0.0)
+        if residual.sum() <= 0:  # p = q up to rounding: every x with p(x) > 0 passes
+            return (i if p[x] > 0 else None), p
+        p = residual / residual.sum()
+    return None, p
+
+
+def rejection_accept(parents: list[int], tokens: list[int], logits: torch.Tensor, *, sampling: Sampling,
+                     generator: torch.Generator | None, drafts: list | None = None) -> tuple[list[int], int]:
+    """Lossless rejection sampling on a tree (Leviathan et al. 2023; SpecInfer): walk from the root;
+    at each node try its children in rank order (`try_children`); if none is accepted, the bonus is
+    drawn from what is left of p. Fresh randomness at each node and the chain rule make the emitted
+    sequence exactly a sample of the backbone. drafts: `propose`'s q per node, None for top-k candidates.
+    """
+    node, path = 0, [0]
+    while True:
+        kids = children(parents, node)
+        u = torch.rand(len(kids), generator=generator, device=logits.device).tolist()
+        p = sampling.probs(logits[node]).double().cpu()  # [V]
+        i, p = try_children(p, [tokens[c] for c in kids], drafts[node] if drafts else None, u)
+        if i is None:
+            return path, int(draw(p.to(logits.device), generator))
+        node = kids[i]
+        path.append(node)
+
+
+def accept(parents: list[int], tokens: list[int], logits: torch.Tensor, *, sampling: Sampling,
+           generator: torch.Generator | None, drafts: list | None = None) -> tuple[list[int], int]:
+    """`sampling.rule`'s acceptance: (accepted path, root first; bonus token)."""
+    if sampling.rule == "greedy":
+        return greedy_accept(parents, tokens, logits)
+    if sampling.rule == "typical":
+        return typical_accept(parents, tokens, logits, sampling=sampling, generator=generator)
+    return rejection_accept(parents, tokens, logits, sampling=sampling, generator=generator, drafts=drafts)
+
+
+def next_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> int:
+    """The backbone's own next token from logits [V]: the argmax, or a draw from p."""
+    return int(logits.argmax()) if sampling.greedy else int(draw(sampling.probs(logits), generator))
+
+
+@torch.no_grad()
+def medusa_generate(model: GPT, heads: MedusaHeads, prompt: list[int], *, tree: Tree, max_new_tokens: int,
+                    sampling: Sampling = Sampling(), eos_id: int | None = None,
+                    generator: torch.Generator | None = None) -> tuple[list[int], int]:
+    """Medusa decoding, batch 1: returns (new tokens, backbone forward passes after the prefill).
+
+    It stops at `max_new_tokens`, at the end of the context, or after `eos_id` (kept). Near the end the
+    tree loses the depths whose tokens could no longer be used.
+    """
+    stop_at = min(len(prompt) + max_new_tokens, model.config.block_size)  # the length where we stop
+    cache = [None] * model.config.n_layer
+    L = len(prompt)
+    logits, hidden = forward(model, prompt, list(range(L)), cache, torch.ones(L, L, dtype=torch.bool).tril())
+    root, hidden = next_token(logits[-1], sampling, generator), hidden[-1]  # prefill: the first token
+    out, steps = [root], 0
+    while L + 1 < stop_at and eos_id not in out:  # L + 1 = the prompt and every emitted token
+        t = tree.truncated(stop_at - 2 - L)  # a node at depth d emits d + 1 tokens
+        head_logits = heads(hidden[None], model.lm_head)[:, 0]  # [K, V]: guesses 2, 3, ... places ahead
+        tokens, drafts = propose(head_logits, t, root, sampling=sampling, generator=generator)
+        mask = torch.cat([torch.ones(t.num_nodes, L, dtype=torch.bool), tree_attention_mask(t.parents)], 1)
+        logits, hiddens = forward(model, tokens, [L + d for d in t.depth_list], cache, mask)  # verify
+        path, root = accept(t.parents, tokens, logits, sampling=sampling, generator=generator, drafts=drafts)
+        keep = list(range(L)) + [L + i for i in path]  # the prefix, the root and the accepted nodes
+        cache = [(k[:, keep], v[:, keep]) for k, v in cache]
+        out += [tokens[i] for i in path[1:]] + [root]  # the accepted candidates, then the bonus
+        L, steps, hidden = L + len(path), steps + 1, hiddens[path[-1]]
+    out = out[: stop_at - len(prompt)]
+    return (out[: out.index(eos_id) + 1] if eos_id in out else out), steps

@@ -1,0 +1,345 @@
+"""The reference (reference.py), the spec a learner reads first: tree attention, candidates, the three
+acceptance rules as node-by-node walks on hand-written logits, and whole decoding runs on tiny models.
+
+The rules' claims (paper §2.3) are tested as claims: greedy writes plain greedy's tokens, rejection
+sampling emits exactly the backbone's probabilities, typical acceptance does not (a documented trade).
+"""
+
+import math
+from collections import Counter
+
+import pytest
+import torch
+from conftest import ContinuationHeads, random_heads, tiny_model
+from distributions import empirical, exact_sequence_probs, expected_tv, total_variation
+
+from medusa_mini import reference as ref
+from medusa_mini.decoding import generate
+from medusa_mini.sampling import Sampling
+from medusa_mini.tree import Tree, chain, preset
+
+#   0 root ─┬─ 1 (0,) token 3 ─┬─ 3 (0,0) token 1 ── 5 (0,0,0) token 2
+#           │                  └─ 4 (0,1) token 0
+#           └─ 2 (1,) token 2
+TREE = Tree.from_choices([(0,), (1,), (0, 0), (0, 1), (0, 0, 0)])
+PARENTS = TREE.parents
+TOKENS = [0, 3, 2, 1, 0, 2]
+V = 5
+T1 = Sampling(acceptance="rejection", temperature=1.0)
+
+
+def logits_from(probs_rows):
+    """[N, V] logits whose softmax is exactly the given rows."""
+    return torch.log(torch.tensor(probs_rows, dtype=torch.float))
+
+
+def onehot_logits(argmaxes):
+    return torch.stack([torch.nn.functional.one_hot(torch.tensor(a), V).float() * 5 for a in argmaxes])
+
+
+# ---- the tree ---------------------------------------------------------------------------------------
+
+
+def test_node_sees_only_its_ancestors():
+    mask = ref.tree_attention_mask(PARENTS)
+    for i in range(TREE.num_nodes):
+        path, j = set(), i
+        while j != -1:  # i itself, then its ancestors up to the root
+            path.add(j)
+            j = PARENTS[j]
+        assert {j for j in range(TREE.num_nodes) if mask[i, j]} == path
+    assert not mask[1, 2] and not mask[3, 4]  # siblings never see each other
+
+
+def test_children_come_in_rank_order():
+    assert ref.children(PARENTS, 0) == [1, 2] and ref.children(PARENTS, 1) == [3, 4] and ref.children(PARENTS, 5) == []
+
+
+def test_propose_fills_each_node_with_its_heads_guess_of_its_rank():
+    head_logits = torch.randn(3, 64, generator=torch.Generator().manual_seed(0))  # [K, V]
+    ranked = head_logits.topk(2, dim=-1).indices  # [K, 2]
+    tokens, drafts = ref.propose(head_logits, TREE, 7, sampling=Sampling(), generator=None)
+    assert drafts is None
+    assert tokens == [7] + [ranked[len(c) - 1, c[-1]].item() for c in TREE.choices]
+
+
+def test_drawn_candidates_are_distinct_draws_from_q_in_draw_order():
+    q = torch.tensor([[0.7, 0.1, 0.1, 0.1]])
+    gen = torch.Generator().manual_seed(4)
+    firsts = Counter()
+    for _ in range(4000):
+        row = ref.draw_without_replacement(q.log(), 3, gen)[0].tolist()
+        assert len(set(row)) == 3  # without replacement: no node wasted on a repeated token
+        firsts[row[0]] += 1
+    assert abs(firsts[0] / 4000 - 0.7) < 5 * math.sqrt(0.25 / 4000)
+
+
+def test_sampled_drafts_give_each_node_the_q_its_children_were_drawn_from():
+    head_logits = torch.randn(3, 64, generator=torch.Generator().manual_seed(1))
+    tokens, drafts = ref.propose(head_logits, TREE, 7, sampling=Sampling(temperature=0.5),
+                                 generator=torch.Generator().manual_seed(0))
+    for node, d in enumerate(TREE.depth_list):
+        if not ref.children(PARENTS, node):
+            continue
+        log_q, drawn = drafts[node]
+        torch.testing.assert_close(log_q, torch.log_softmax(head_logits[d] / 0.5, -1))  # head d+1, at T
+        assert [tokens[c] for c in ref.children(PARENTS, node)] == [drawn[TREE.choices[c - 1][-1]]
+                                                                     for c in ref.children(PARENTS, node)]
+
+
+# ---- greedy acceptance --------------------------------------------------------------------------------
+
+
+def test_greedy_descends_while_the_argmax_is_a_child():
+    # root argmax 3 -> node 1; node 1 argmax 1 -> node 3; node 3 argmax 4 (no such child) -> bonus 4
+    assert ref.greedy_accept(PARENTS, TOKENS, onehot_logits([3, 1, 0, 4, 0, 0])) == ([0, 1, 3], 4)
+
+
+def test_greedy_accepts_nothing_when_no_child_matches_and_emits_the_backbones_token():
+    assert ref.greedy_accept(PARENTS, TOKENS, onehot_logits([4, 1, 1, 1, 1, 1])) == ([0], 4)
+
+
+def test_greedy_can_take_a_lower_ranked_branch():
+    assert ref.greedy_accept(PARENTS, TOKENS, onehot_logits([2, 0, 1, 0, 0, 0])) == ([0, 2], 1)
+
+
+def test_greedy_accepts_the_whole_deepest_path():
+    assert ref.greedy_accept(PARENTS, TOKENS, onehot_logits([3, 1, 0, 2, 0, 4])) == ([0, 1, 3, 5], 4)
+
+
+# ---- rejection sampling ---------------------------------------------------------------------------------
+
+P_ROOT = [0.1, 0.2, 0.3, 0.4, 0.0]  # children: token 3 (p .4) then token 2 (p .3)
+P_NODE1 = [0.5, 0.25, 0.0, 0.0, 0.25]  # children: token 1 (p .25) then token 0 (p .5)
+P_OTHER = [0.2] * 5
+
+
+def emitted(path, bonus, tokens):
+    return [tokens[i] for i in path[1:]] + [bonus]
+
+
+def assert_follows(counter, probs):
+    n = sum(counter.values())
+    for tok in range(V):
+        assert abs(counter[tok] / n - probs[tok]) < 5 * math.sqrt(0.25 / n)
+
+
+def test_rejection_sampling_emits_tokens_with_exactly_the_backbones_probabilities():
+    """First emitted token ~ p(root); given it is node 1's token, the second ~ p(node 1)."""
+    logits = logits_from([P_ROOT, P_NODE1, P_OTHER, P_OTHER, P_OTHER, P_OTHER])
+    gen = torch.Generator().manual_seed(0)
+    first, second = Counter(), Counter()
+    for _ in range(20000):
+        out = emitted(*ref.rejection_accept(PARENTS, TOKENS, logits, sampling=T1, generator=gen), TOKENS)
+        first[out[0]] += 1
+        if out[0] == 3:
+            second[out[1]] += 1
+    assert_follows(first, P_ROOT)
+    assert_follows(second, P_NODE1)
+
+
+def test_rejection_sampling_never_emits_a_token_the_backbone_gives_zero_probability():
+    logits = logits_from([P_ROOT, P_NODE1, P_OTHER, P_OTHER, P_OTHER, P_OTHER])
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(2000):
+        path, bonus = ref.rejection_accept(PARENTS, TOKENS, logits, sampling=T1, generator=gen)
+        assert not (len(path) == 1 and bonus == 4)  # p(root)[4] = 0
+        assert not (path[-1] == 1 and bonus in (2, 3))  # p(node 1) gives them 0
+
+
+Q_HEAD1 = [0.05, 0.05, 0.6, 0.1, 0.2]  # q puts most mass on token 2, p (P_ROOT) on token 3
+Q_HEAD2 = [0.1, 0.6, 0.1, 0.1, 0.1]
+
+
+@pytest.mark.parametrize(
+    "choices", [[(0,), (1,), (0, 0), (0, 1)], [(1,), (1, 0)]], ids=["full-tree", "rank-1-without-rank-0"]
+)
+def test_rejection_with_sampled_candidates_emits_exactly_the_backbones_probabilities(choices):
+    """Candidates drawn from q, accepted with min(1, p/q), residual norm(max(0, p - q)): the emitted
+    tokens still follow p exactly, also when a node's sibling draws are skipped (rank 1 without rank 0)."""
+    tree = Tree.from_choices(choices)
+    logits = logits_from([P_ROOT] + [P_NODE1] * (tree.num_nodes - 1))
+    head_logits = torch.log(torch.tensor([Q_HEAD1, Q_HEAD2]))
+    gen = torch.Generator().manual_seed(0)
+    first, second, accepted = Counter(), Counter(), 0
+    for _ in range(8000):
+        tokens, drafts = ref.propose(head_logits, tree, 0, sampling=T1, generator=gen)
+        path, bonus = ref.rejection_accept(tree.parents, tokens, logits, sampling=T1, generator=gen, drafts=drafts)
+        out = emitted(path, bonus, tokens)
+        accepted += len(path) - 1
+        first[out[0]] += 1
+        if len(path) > 1:  # the second token came from a node below an accepted candidate: p = P_NODE1
+            second[out[1]] += 1
+    assert accepted > 0.3 * 8000  # candidates were really accepted, not only bonus tokens drawn
+    assert_follows(first, P_ROOT)
+    assert_follows(second, P_NODE1)
+
+
+def test_a_draft_equal_to_the_backbone_is_always_accepted():
+    """q = p makes min(1, p/q) = 1: every sampled candidate is accepted, the whole chain each time."""
+    tree = chain(2)
+    p = torch.tensor([P_ROOT, P_NODE1]).clamp_min(1e-12)
+    p = p / p.sum(-1, keepdim=True)
+    logits = torch.log(torch.stack([p[0], p[1], p[1]]))  # node 1's p is head 2's q
+    gen = torch.Generator().manual_seed(2)
+    for _ in range(200):
+        tokens, drafts = ref.propose(torch.log(p), tree, 0, sampling=T1, generator=gen)
+        assert ref.rejection_accept(tree.parents, tokens, logits, sampling=T1, generator=gen, drafts=drafts)[0] == [0, 1, 2]
+
+
+def test_sampled_candidates_accept_more_than_top_k_when_p_is_flat():
+    """Per node, sampled candidates accept Σ min(p, q), the top-1 candidate only p(x): for a flat p and
+    a q close to it, many times more."""
+    flat = [0.22, 0.2, 0.2, 0.19, 0.19]
+    tree = chain(1)
+    logits = logits_from([flat, flat])
+    gen = torch.Generator().manual_seed(3)
+    sampled = topk = 0
+    for _ in range(4000):
+        for drawn, s in ((True, T1), (False, Sampling(temperature=1.0, draft="topk"))):
+            tokens, drafts = ref.propose(logits[:1], tree, 0, sampling=s, generator=gen)
+            path, _ = ref.rejection_accept(tree.parents, tokens, logits, sampling=s, generator=gen, drafts=drafts)
+            sampled, topk = (sampled + len(path) - 1, topk) if drawn else (sampled, topk + len(path) - 1)
+    assert sampled / 4000 > 0.95 and abs(topk / 4000 - 0.22) < 0.05
+
+
+def test_a_token_p_rules_out_is_never_accepted_even_when_q_matches_p_to_rounding():
+    """q one-hot up to float64 underflow and equal to p: the residual has no mass, yet the drawn
+    candidate (token 0, q = e^-800) has p = 0 and must not pass; the bonus comes from p."""
+    p = torch.tensor([0.0, 1.0, 0.0, 0.0], dtype=torch.float64)
+    log_q = torch.tensor([-800.0, 0.0, -900.0, -800.0], dtype=torch.float64)
+    accepted, rest = ref.try_children(p, [0], (log_q, [0, 1, 2, 3]), [0.5])
+    assert accepted is None and rest.tolist() == [0.0, 1.0, 0.0, 0.0]
+
+
+# ---- typical acceptance -------------------------------------------------------------------------------
+
+
+def entropy(p):
+    return -sum(x * math.log(x) for x in p if x > 0)
+
+
+def typical(epsilon=0.09, delta=0.3, temperature=1.0):
+    return Sampling(acceptance="typical", temperature=temperature, epsilon=epsilon, delta=delta)
+
+
+def test_typical_accepts_exactly_the_candidates_above_min_epsilon_delta_exp_minus_entropy():
+    logits = logits_from([P_ROOT, P_OTHER])  # a lone candidate at depth 1, judged by p(root)
+    scale = math.exp(-entropy(P_ROOT))  # the bar is min(eps, delta * scale)
+    gen = torch.Generator().manual_seed(0)
+
+    def passes(token, eps, delta):
+        return len(ref.typical_accept([-1, 0], [0, token], logits, sampling=typical(eps, delta), generator=gen)[0]) == 2
+
+    assert (passes(3, 1.0, 0.35 / scale), passes(2, 1.0, 0.35 / scale)) == (True, False)  # .4 > .35 > .3
+    assert passes(3, 1.0, 0.25 / scale) and passes(2, 1.0, 0.25 / scale)  # both above .25
+    assert not passes(3, 1.0, 0.45 / scale) and not passes(2, 1.0, 0.45 / scale)  # both below .45
+    assert (passes(3, 0.35, 10.0), passes(2, 0.35, 10.0)) == (True, False)  # now epsilon is the lower bar
+
+
+def test_typical_threshold_is_capped_by_epsilon_on_peaked_distributions():
+    p_root = [0.02, 0.02, 0.06, 0.88, 0.02]
+    assert 0.3 * math.exp(-entropy(p_root)) > 0.09  # exp(-H) is large: the bar is epsilon itself
+    logits = logits_from([p_root] + [P_OTHER] * 5)
+    path, _ = ref.typical_accept(PARENTS, TOKENS, logits, sampling=typical(), generator=torch.Generator())
+    assert path[1] == 1  # token 3 (p .88) passes; node 2's token 2 (p .06 < .09) would not
+
+
+def test_typical_takes_the_longest_accepted_path():
+    logits = logits_from([P_OTHER] * 6)  # everything passes (uniform p, bar .06): the deepest node wins
+    assert ref.typical_accept(PARENTS, TOKENS, logits, sampling=typical(), generator=torch.Generator())[0] == [0, 1, 3, 5]
+
+
+def test_typical_breaks_ties_by_the_larger_sum_of_log_p():
+    logits = logits_from([[0.1, 0.3, 0.6, 0.0, 0.0], P_OTHER, P_OTHER])  # two depth-1 candidates, both pass
+    path, _ = ref.typical_accept([-1, 0, 0], [0, 1, 2], logits, sampling=typical(), generator=torch.Generator())
+    assert path == [0, 2]  # token 2 (p .6) beats the higher-ranked token 1 (p .3)
+
+
+def test_typical_acceptance_approaches_greedy_as_temperature_goes_to_zero():
+    gen = torch.Generator().manual_seed(0)
+    for seed in range(20):
+        logits = torch.randn(TREE.num_nodes, V, generator=torch.Generator().manual_seed(seed))
+        want = ref.greedy_accept(PARENTS, TOKENS, logits)
+        assert ref.typical_accept(PARENTS, TOKENS, logits, sampling=typical(temperature=1e-4), generator=gen) == want
+
+
+# ---- whole decoding runs ----------------------------------------------------------------------------------
+
+TREES = {"chain": chain(4), "cpu": preset("cpu"), "gpu": preset("gpu"),
+         "wide": Tree.from_choices([(r,) for r in range(8)] + [(0, r) for r in range(4)])}
+
+
+@pytest.mark.parametrize("tree_name", TREES)
+@pytest.mark.parametrize("seed", range(3))
+def test_reference_greedy_medusa_equals_plain_greedy(tree_name, seed):
+    model, heads = tiny_model(seed), random_heads(tiny_model(seed), seed=seed)
+    prompt = torch.randint(0, 64, (3 + 4 * seed,), generator=torch.Generator().manual_seed(seed)).tolist()
+    want, _ = generate(model, prompt, max_new_tokens=40)
+    got, steps = ref.medusa_generate(model, heads, prompt, tree=TREES[tree_name], max_new_tokens=40)
+    assert got == want and steps <= 39
+
+
+@pytest.mark.parametrize("tree_name", TREES)
+def test_reference_with_heads_that_know_the_continuation_accepts_whole_paths_and_equals_plain_greedy(tree_name):
+    model, prompt = tiny_model(1), [2, 7, 3]
+    want, _ = generate(model, prompt, max_new_tokens=45)
+    heads = ContinuationHeads(model, prompt, max_new_tokens=45)
+    got, steps = ref.medusa_generate(model, heads, prompt, tree=TREES[tree_name], max_new_tokens=45)
+    depth = TREES[tree_name].depth
+    assert got == want
+    assert steps <= math.ceil(44 / (depth + 1)) + 1  # every step accepts the tree's whole depth
+
+
+def test_reference_stops_at_the_end_token_and_at_the_context():
+    model = tiny_model(2, block_size=24)
+    full, _ = generate(model, [1, 2, 3], max_new_tokens=30)
+    eos = full[6]
+    got, _ = ref.medusa_generate(model, random_heads(model), [1, 2, 3], tree=preset("cpu"), max_new_tokens=30, eos_id=eos)
+    assert got == full[: full.index(eos) + 1]
+    got, _ = ref.medusa_generate(model, random_heads(model), list(range(1, 11)), tree=preset("gpu"), max_new_tokens=100)
+    assert got == generate(model, list(range(1, 11)), max_new_tokens=100)[0] and len(got) == 14
+
+
+@pytest.mark.slow
+@torch.no_grad()
+@pytest.mark.parametrize("draft", ["sampled", "topk"])
+def test_reference_rejection_sampling_preserves_model_distribution(draft):
+    V_, n, M, T = 4, 3, 2000, 0.8
+    model = tiny_model(11, vocab_size=V_, block_size=16)
+    prompt = [1, 2]
+    exact = exact_sequence_probs(model, prompt, n, temperature=T)
+    gen = torch.Generator().manual_seed(0)
+    tree = Tree.from_choices([(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)])
+    pool = [random_heads(model, num_heads=3, seed=s) for s in range(7)]
+    sampling = Sampling(acceptance="rejection", temperature=T, draft=draft)
+    steps = []
+
+    def run(i):
+        out, s = ref.medusa_generate(model, pool[i % 7], prompt, tree=tree, max_new_tokens=n, sampling=sampling,
+                                     generator=gen)
+        steps.append(s)
+        return out
+
+    sampled = empirical(run, M)
+    assert sum(steps) < M * n  # candidates were accepted: fewer passes than tokens
+    bound = expected_tv(exact, M)
+    assert total_variation(sampled, exact) < 2.5 * bound
+
+
+@pytest.mark.slow
+@torch.no_grad()
+def test_typical_acceptance_is_not_distribution_preserving():
+    """The documented trade (§2.3.1): typical acceptance favours likely candidates, so its sequences
+    drift measurably from the backbone's distribution where rejection sampling's do not."""
+    V_, n, M, T = 4, 3, 2000, 1.0
+    model = tiny_model(11, vocab_size=V_, block_size=16)
+    prompt = [1, 2]
+    exact = exact_sequence_probs(model, prompt, n, temperature=T)
+    tree = Tree.from_choices([(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)])
+    heads = random_heads(model, num_heads=3, seed=0)
+    gen = torch.Generator().manual_seed(0)
+    sampling = Sampling(acceptance="typical", temperature=T, epsilon=0.3, delta=0.6)
+    got = empirical(lambda i: ref.medusa_generate(model, heads, prompt, tree=tree, max_new_tokens=n,
+                                                  sampling=sampling, generator=gen)[0], M)
+    assert total_variation(got, exact) > 5 * expected_tv(exact, M)
