@@ -99,9 +99,10 @@ def measure_verify_cost(
     rule_gen = torch.Generator(device=device).manual_seed(0)  # the sampling rules' draws
     max_len = prefix_len + max(node_counts) + 1
     compiled = steps_compiled(model)
-    # Compiled steps replay on the caches they were captured with: measure on theirs.
+    # Compiled steps replay on the caches they were captured with: measure on theirs, emptied first.
     cache = model.forward.cache(model, max_len) if compiled else KVCache(
         model.config, max_len=max_len, device=device, dtype=model.lm_head.weight.dtype)
+    cache.length = 0
     _, hidden = prefill(model, torch.randint(V, (prefix_len,), generator=gen).to(device), cache)
     trees = {n: build_tree(shape_acc, n)[0] for n in node_counts}
     drawn: dict = {}  # this call's root and stand-in guesses, drawn untimed before it

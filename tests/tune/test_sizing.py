@@ -14,6 +14,7 @@ from medusa_mini.tune.sizing import (
     auto_tree,
     fit_step_cost,
     measure_verify_cost,
+    steps_compiled,
 )
 
 
@@ -173,3 +174,36 @@ def test_the_timed_step_gets_its_root_on_the_device_not_as_a_python_int(monkeypa
     model = tiny_model(0)
     measure_verify_cost(model, heads=random_heads(model), node_counts=(1, 4), repeat=1, prefix_len=20)
     assert roots and all(isinstance(r, torch.Tensor) and r.shape == () and r.device == model.device for r in roots)
+
+
+def test_costs_are_measured_without_tf32_as_decoding_runs_and_the_setting_is_restored(monkeypatch):
+    # Training turns TF32 on; decode.py's float32 matmuls run without it, and so must the sizing.
+    from medusa_mini.tune import sizing
+
+    seen = []
+
+    def spy(*args, **kwargs):
+        seen.append(torch.get_float32_matmul_precision())
+        return medusa_step(*args, **kwargs)
+
+    monkeypatch.setattr(sizing, "medusa_step", spy)
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")  # what train/device.py's enable_tf32 sets
+    try:
+        model = tiny_model(0)
+        measure_verify_cost(model, heads=random_heads(model), node_counts=(1, 4), repeat=1, prefix_len=20)
+        assert seen and set(seen) == {"highest"} and torch.get_float32_matmul_precision() == "high"
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
+def test_compiled_steps_are_recognised_and_measured_on_their_own_cache():
+    from medusa_mini.cli.compiled import compile_steps
+
+    model = tiny_model(0)
+    assert not steps_compiled(model)
+    compile_steps(model, backend="eager")
+    assert steps_compiled(model)
+    for _ in range(2):  # the second measurement starts again from an empty shared cache
+        cost = measure_verify_cost(model, heads=random_heads(model), node_counts=(1, 2), repeat=1, prefix_len=20)
+        assert sorted(cost) == [1, 2]
