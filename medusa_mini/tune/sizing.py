@@ -142,7 +142,8 @@ class StepCost:
         if self.per_node == 0 and self.slope_z is not None:
             text += f" (flat: the slope, {max(self.slope_z, 0.0):.1f} standard errors, is within noise)"
         elif self.slope_z is not None:
-            text += f" (slope {self.slope_z:.1f} standard errors from 0)"
+            z = f"{self.slope_z:.1f}" if self.slope_z < 1000 else "over 1000"  # a noiseless table's: huge
+            text += f" (slope {z} standard errors from 0)"
         return text
 
 
@@ -219,8 +220,8 @@ def auto_tree(
     why = f"chose {chosen} nodes: {expected:.2f} tokens/step at {ms:.2f} ms/step = {rate:.1f} tokens/s"
     bigger = [n for n in rows if n > chosen]
     if best != chosen:
-        why += (f"; {best} nodes: {rows[best][3]:.1f} tokens/s, within {CLEAR_GAIN:.0%}, "
-                f"which a larger tree must gain")
+        why += (f"; {best} nodes would give {rows[best][3]:.1f} tokens/s, less than the {CLEAR_GAIN:.0%} "
+                f"more a larger tree must gain")
     elif bigger:
         b = rows[bigger[0]]
         why += (f"; {bigger[0]} nodes: {b[1] - expected:+.2f} tokens/step for {b[2] - ms:+.2f} ms/step "
