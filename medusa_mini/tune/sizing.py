@@ -16,10 +16,10 @@ agree every time; this one keeps the steps few and the estimate steady:
    estimate of what the step itself costs, where a median moves with the load.
 2. Model. cost(N) = fixed + per_node·N, fitted by least squares over every measured budget, on
    relative error (timing noise scales with the time), both coefficients non-negative. A line
-   averages out the noise of single budgets, and a step's cost is close to one: the tokens' matmuls
-   grow with N, the weights are read once. The slope is kept only when it stands more than
-   SLOPE_Z standard errors from zero; otherwise the cost counts as flat (a GPU at batch 1 verifies
-   64 nodes in about the time of one), and the choice no longer depends on the noise at all.
+   averages out the noise of single budgets, and a step's cost is close to a line in N: the work
+   on the N tokens grows with N, the weights are read once. The slope is kept only when it stands
+   more than SLOPE_Z standard errors from zero; otherwise the cost counts as flat (a GPU at batch 1
+   verifies 64 nodes in about the time of one), and the choice no longer depends on the noise.
 3. Choice. On a coarse grid of budgets (CHOICE_BUDGETS, within the measured range), tokens per step
    over the modelled cost; the smallest budget whose rate is within CLEAR_GAIN of the best wins: a
    larger tree, which costs memory and time on every other device, must be better by a clear margin.
