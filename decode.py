@@ -78,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "min(1, p/q)) or the heads' top-k (accepted with p); both lossless (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="seeds the sampling generator (default: %(default)s)")
     p.add_argument("--tree", metavar="NAME|N|FILE.json",
-                   help="stored (the trees training sized for this device type, in trees.json), auto (sized"
+                   help="stored (trees.json's for this device type, --dtype, --compile, or the closest), auto (sized"
                         " now from heads_accuracy.json and step costs measured on this device: varies with"
                         " load), N (N nodes built from heads_accuracy.json), cpu, gpu, chainN, or a JSON list"
                         " of choices (default: stored; else 8 nodes on a CPU and 64 on CUDA from"
@@ -189,6 +189,7 @@ def prepare(a: argparse.Namespace) -> tuple[Checkpoint, RuleTrees | None, str | 
     if needs_heads or a.show_tree:
         num_heads = ck.heads.num_heads if ck.heads is not None else None
         trees = resolve_trees(a.tree, num_heads=num_heads, ckpt_dir=a.ckpt, device=device,
+                              dtype=pick_dtype(a.dtype, device), compiled=a.compile,
                               model=ck.model, heads=ck.heads, log=lambda text: print(text, file=sys.stderr))
         tree_name = os.path.basename(a.tree) if a.tree else default_tree_name(device, a.ckpt)
     stored = [] if a.prompt else load_prompts(a.ckpt)

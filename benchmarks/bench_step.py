@@ -85,7 +85,7 @@ MAX_VERIFY_NODES = 256
 
 
 def medusa_iteration(
-    model: GPT, heads: MedusaHeads, cache: KVCache, tree: Tree, root: int, head_logits: torch.Tensor
+    model: GPT, heads: MedusaHeads, cache: KVCache, tree: Tree, root: torch.Tensor, head_logits: torch.Tensor
 ) -> int:
     """One iteration of `medusa_generate`'s loop with greedy acceptance; returns the accepted nodes."""
     step = medusa_step(model, cache, tree, root, head_logits)  # its emitted tokens read on the host, once
@@ -152,9 +152,10 @@ def bench_config(
     gen = torch.Generator().manual_seed(seed)
     prefix = torch.randint(0, config.vocab_size, (prefix_len,), generator=gen).to(device)
     logits, hidden = prefill(model, prefix, cache)
-    root = int(logits.argmax())
-
-    root_ids = torch.tensor([[root]], device=device)  # [1, 1]
+    # [] on the device, as decoding keeps its root: a Python int would make every timed step pay a
+    # blocking host-to-device copy that real decoding never pays.
+    root = logits.argmax()
+    root_ids = root.reshape(1, 1)  # [1, 1]
 
     def reset() -> None:
         cache.length = prefix_len  # later slots are stale and get overwritten, as in decoding

@@ -1,11 +1,13 @@
 """Measure how often a checkpoint's heads are accepted, and store the trees sized for this device.
 
     python -m medusa_mini.cli.measure --ckpt out/tiny [--prompts 32] [--max-new-tokens 64]
+    python -m medusa_mini.cli.measure --ckpt out/gpt2 --device cuda --dtype bfloat16 --compile
 
 Writes heads_accuracy.json (the greedy and the sampled acceptance tables, tune/acceptance_tables.py)
-and this device type's entry of trees.json (the `auto` trees that decode.py then uses by default).
-`train_tiny.py` does the same at the end of training; run this after moving a checkpoint to another
-device type, or to re-measure.
+and trees.json's entry for this device type, --dtype and --compile (the `auto` trees that decode.py
+then uses by default when it runs the same way). `train_tiny.py` sizes float32, eager trees at the
+end of training; run this after moving a checkpoint to another device type, to size trees for
+`decode.py --dtype ... --compile`, or to re-measure. The tables are measured in float32 either way.
 """
 
 from __future__ import annotations
@@ -28,8 +30,9 @@ from ..tune.acceptance_tables import (
     save_accuracy,
 )
 from ..tune.sizing import REPORT_BUDGETS
-from ..tune.trees import TREES_FILE, measure_and_store_trees
-from .common import OneLineParser, pick_device
+from ..tune.trees import TREES_FILE, measure_and_store_trees, trees_key
+from .common import DTYPES, OneLineParser, pick_device, pick_dtype
+from .compiled import compile_steps
 
 
 def encode_prompts(enc, texts: list[str], *, block_size: int, max_new_tokens: int) -> list[list[int]]:
@@ -80,6 +83,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="temperature of the sampled table, the one rejection sampling uses (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="seed of the sampled continuations and draws (default: %(default)s)")
     p.add_argument("--device", help="cpu, cuda, ... (default: cuda if available)")
+    p.add_argument("--dtype", choices=tuple(DTYPES), default="float32",
+                   help="size the trees for decode.py --dtype (default: %(default)s)")
+    p.add_argument("--compile", action="store_true", help="size the trees for decode.py --compile (the "
+                   "compilation itself is not timed)")
     p.add_argument("--no-trees", action="store_true", help="measure the tables only; leave trees.json as it is")
     ns = p.parse_args(argv)
     try:
@@ -92,7 +99,9 @@ def main(argv: list[str] | None = None) -> int:
                                     top_k=ns.top_k, temperature=ns.temperature, device=device, seed=ns.seed)
         report = None
         if not ns.no_trees:
-            ckpt = load_for_decoding(ns.ckpt, device=device)
+            ckpt = load_for_decoding(ns.ckpt, device=device, dtype=pick_dtype(ns.dtype, device))
+            if ns.compile:
+                compile_steps(ckpt.model)
             report = measure_and_store_trees(ns.ckpt, model=ckpt.model, heads=ckpt.heads, device=device)
     except (ValueError, OSError) as e:
         p.error(str(e))
@@ -105,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     print("expected tokens/step of build_tree (product rule, bonus token counted) by node budget:")
     print("  ".join(f"{n} nodes: {build_tree(sampled, n)[1]:.2f}" for n in REPORT_BUDGETS))
     if report is not None:
-        print(f"-- saved {os.path.join(ns.ckpt, TREES_FILE)}, the default trees on {device.type}\n{report}")
+        key = trees_key(device, dtype=pick_dtype(ns.dtype, device), compiled=ns.compile)
+        print(f"-- saved {os.path.join(ns.ckpt, TREES_FILE)}, the default trees for {key}\n{report}")
     return 0
 
 

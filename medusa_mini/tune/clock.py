@@ -48,8 +48,10 @@ def time_in_turns(
     device: torch.device,
     repeat: int,
     warmup: int,
+    statistic: Callable[[list[float]], float] = statistics.median,
 ) -> tuple[dict[Key, float], float]:
-    """Median time of each step in ms, and the seconds the first round took (compilation, if any).
+    """Each step's time in ms over its repetitions (their median, or `statistic` of them), and the
+    seconds the first round took (compilation, if any).
 
     The steps take turns, one call each per round, so a change in machine load during the run touches
     every number alike instead of skewing whichever step happened to run then; `reset` runs untimed
@@ -81,4 +83,4 @@ def time_in_turns(
         if round_ == 0:
             sync_device(device)
             first_round = time.perf_counter() - round_start
-    return {name: statistics.median(t) for name, t in times.items()}, first_round
+    return {name: statistic(t) for name, t in times.items()}, first_round

@@ -2,10 +2,17 @@
 
 Greedy and typical acceptance use the tree built from the greedy table; rejection sampling, when the
 checkpoint's heads_accuracy.json has a table measured under sampling, gets a tree of its own
-(`RuleTrees`). `auto` sizes the trees on step costs measured now, which vary with machine load; so
-training measures them once and stores them in trees.json, per device type, and decoding uses the
-stored trees by default: the same command and seed then print the same tokens every run.
-Errors are one-line ValueErrors.
+(`RuleTrees`). `auto` sizes the trees on step costs measured now (sizing.py); training measures them
+once and stores them in trees.json, and decoding uses the stored trees by default: the same command
+and seed then print the same tokens every run.
+
+A step's cost depends on how it runs, so trees.json keys its trees by how their costs were measured:
+device type, dtype, eager or compiled ("cpu/float32/eager", "cuda/bfloat16/compiled"; float32 always
+means full-precision matmuls, as decode.py runs them, never TF32). Decoding takes the entry for the
+way it runs; when there is none, the closest of the same device type (the same dtype first, then one
+of the same width, then the same eager or compiled), and says so in one line; when the device type
+has none, the default of `default_tree_name`. Files from before the keys said more than the device
+type ("cpu") read as float32/eager, which is how they were measured. Errors are one-line ValueErrors.
 """
 
 from __future__ import annotations
@@ -25,13 +32,57 @@ from .acceptance_tables import (
     load_greedy_ranks,
     sampled_temperature,
 )
-from .sizing import auto_tree, measure_verify_cost
+from .sizing import auto_tree, measure_verify_cost, steps_compiled
 
 TREES_FILE = "trees.json"
 # Without stored trees, a tree of this many nodes is built from the tables: a CPU pays for every
 # node, a GPU at batch 1 verifies 64 nodes in about the time of one.
 DEFAULT_BUDGET = {"cpu": 8, "cuda": 64}
 MEASURE_HINT = "python -m medusa_mini.cli.measure --ckpt {}"
+
+
+def trees_key(device: torch.device | str, *, dtype: torch.dtype = torch.float32, compiled: bool = False) -> str:
+    """trees.json's key for one way of running a step: 'cpu/float32/eager', 'cuda/bfloat16/compiled'."""
+    return f"{torch.device(device).type}/{str(dtype).removeprefix('torch.')}/{'compiled' if compiled else 'eager'}"
+
+
+def measured_key(model, device: torch.device | str) -> str:
+    """The key for steps of `model` as it is now: its dtype, and whether cli/compiled.py compiled it."""
+    return trees_key(device, dtype=model.lm_head.weight.dtype, compiled=steps_compiled(model))
+
+
+def _dtype_distance(a: str, b: str) -> int:
+    """0 for the same dtype, 1 for another of the same width (bfloat16, float16), 2 for any other."""
+    if a == b:
+        return 0
+    sizes = [getattr(getattr(torch, name, None), "itemsize", None) for name in (a, b)]
+    return 1 if None not in sizes and sizes[0] == sizes[1] else 2
+
+
+def closest_key(keys, wanted: str) -> str | None:
+    """Of trees.json's `keys`, `wanted` itself, else the closest of its device type (the nearest dtype,
+    then the same eager or compiled; ties by name); None when the device type has none."""
+    device_type, dtype, mode = wanted.split("/")
+    mine = [k.split("/") for k in keys if k.count("/") == 2 and k.split("/")[0] == device_type]
+    if not mine:
+        return None
+    return "/".join(min(mine, key=lambda k: (_dtype_distance(k[1], dtype), k[2] != mode, k)))
+
+
+def _stored_entries(ckpt_dir: str) -> dict[str, dict]:
+    """trees.json's entries by full key ({} without the file); an old file's device-type keys ('cpu')
+    read as '<type>/float32/eager', unless the file also holds that key."""
+    path = os.path.join(ckpt_dir, TREES_FILE)
+    if not os.path.isfile(path):
+        return {}
+    obj = read_json(path, hint=f"re-measure with {MEASURE_HINT.format(ckpt_dir)}")
+    if not isinstance(obj, dict):
+        return {}
+    entries = {key: entry for key, entry in obj.items() if "/" in key}
+    for key, entry in obj.items():
+        if "/" not in key:
+            entries.setdefault(trees_key(key), entry)
+    return entries
 
 
 @dataclass(frozen=True)
@@ -65,7 +116,7 @@ def measure_trees(ckpt_dir: str, *, model, heads, device: torch.device) -> tuple
         raise ValueError("--tree auto needs Medusa heads in the checkpoint")
     cost = measure_verify_cost(model, heads=heads, device=device, repeat=9)
     tree, why = auto_tree(load_accuracy(ckpt_dir), cost, ranks=load_greedy_ranks(ckpt_dir))
-    report = f"tree auto (measured on {device}), greedy acceptance table:\n{why}"
+    report = f"tree auto (measured on {device} as {measured_key(model, device)}), greedy acceptance table:\n{why}"
     temperature = sampled_temperature(ckpt_dir)
     if temperature is None:
         return RuleTrees(tree, tree), report
@@ -76,48 +127,54 @@ def measure_trees(ckpt_dir: str, *, model, heads, device: torch.device) -> tuple
     return RuleTrees(tree, sampled), report
 
 
-def store_trees(ckpt_dir: str, trees: RuleTrees, *, device: torch.device, note: str) -> str:
-    """Record `trees` as the default for `device`'s type in trees.json (other devices' entries kept)."""
+def store_trees(
+    ckpt_dir: str, trees: RuleTrees, *, device: torch.device, dtype: torch.dtype = torch.float32,
+    compiled: bool = False, note: str,
+) -> str:
+    """Record `trees` in trees.json under `trees_key` (other entries kept, old keys rewritten in full)."""
     path = os.path.join(ckpt_dir, TREES_FILE)
-    obj = read_json(path, hint="") if os.path.isfile(path) else {}
-    obj = obj if isinstance(obj, dict) else {}
-    obj[torch.device(device).type] = {
+    entries = _stored_entries(ckpt_dir)
+    entries[trees_key(device, dtype=dtype, compiled=compiled)] = {
         "greedy": [list(c) for c in trees.greedy.choices],
         "rejection": [list(c) for c in trees.sampled.choices], "how": note,
     }
-    atomic_write_text(path, json.dumps(obj, indent=1) + "\n")
+    atomic_write_text(path, json.dumps(entries, indent=1) + "\n")
     return path
 
 
 def measure_and_store_trees(ckpt_dir: str, *, model, heads, device: torch.device) -> str:
-    """`measure_trees`, then `store_trees` for this device type; returns the report."""
+    """`measure_trees`, then `store_trees` under the key of how the steps ran; returns the report."""
     trees, report = measure_trees(ckpt_dir, model=model, heads=heads, device=device)
+    key = measured_key(model, device)
     note = (f"greedy {trees.greedy.num_nodes - 1} nodes, rejection {trees.sampled.num_nodes - 1} nodes "
-            f"(root excluded), sized on step costs measured on {torch.device(device).type}")
-    store_trees(ckpt_dir, trees, device=device, note=note)
+            f"(root excluded), sized on step costs measured as {key}")
+    store_trees(ckpt_dir, trees, device=device, dtype=model.lm_head.weight.dtype,
+                compiled=steps_compiled(model), note=note)
     return f"{report}\n{note}"
 
 
-def stored_trees(ckpt_dir: str, device: torch.device) -> RuleTrees | None:
-    """The trees stored for `device`'s type, or None when trees.json has none for it."""
-    path = os.path.join(ckpt_dir, TREES_FILE)
-    if not os.path.isfile(path):
-        return None
-    obj = read_json(path, hint=f"re-measure with {MEASURE_HINT.format(ckpt_dir)}")
-    entry = obj.get(torch.device(device).type) if isinstance(obj, dict) else None
-    if entry is None:
+def stored_trees(
+    ckpt_dir: str, device: torch.device, *, dtype: torch.dtype = torch.float32, compiled: bool = False,
+) -> tuple[RuleTrees, str] | None:
+    """The trees stored for this device type, dtype and eager or compiled, else the closest of the
+    device type (`closest_key`), with the key they were stored under; None when it has none."""
+    entries = _stored_entries(ckpt_dir)
+    key = closest_key(entries, trees_key(device, dtype=dtype, compiled=compiled))
+    if key is None:
         return None
     try:
-        return RuleTrees(Tree.from_choices(entry["greedy"]), Tree.from_choices(entry["rejection"]))
+        entry = entries[key]
+        return RuleTrees(Tree.from_choices(entry["greedy"]), Tree.from_choices(entry["rejection"])), key
     except (KeyError, TypeError, ValueError) as e:
-        raise ValueError(f"{path}: bad tree entry for {torch.device(device).type} ({e}); "
+        raise ValueError(f"{os.path.join(ckpt_dir, TREES_FILE)}: bad tree entry for {key} ({e}); "
                          f"re-measure with {MEASURE_HINT.format(ckpt_dir)}") from None
 
 
 def default_tree_name(device: torch.device, ckpt_dir: str | None = None) -> str:
-    """'stored' when trees.json has trees for this device type; else N (DEFAULT_BUDGET) when the
-    checkpoint has measured accuracies; else the device's preset. Never a fresh measurement."""
-    if ckpt_dir is not None and stored_trees(ckpt_dir, device) is not None:
+    """'stored' when trees.json has trees for this device type (for any dtype, eager or compiled);
+    else N (DEFAULT_BUDGET) when the checkpoint has measured accuracies; else the device's preset.
+    Never a fresh measurement."""
+    if ckpt_dir is not None and closest_key(_stored_entries(ckpt_dir), trees_key(device)) is not None:
         return "stored"
     if ckpt_dir is not None and os.path.isfile(os.path.join(ckpt_dir, ACCURACY_FILE)):
         return str(DEFAULT_BUDGET.get(torch.device(device).type, DEFAULT_BUDGET["cuda"]))
@@ -150,22 +207,47 @@ def _tree_from_json(path: str, *, num_heads: int | None) -> Tree:
         raise ValueError(f"tree file {path}: {e}") from None
 
 
+def _fallback_note(ckpt_dir: str, *, wanted: str, used: str | None, spec: str) -> str | None:
+    """One line on which trees a run uses when trees.json has none for `wanted`, the key of how the
+    run decodes; None when it has them, or when there is no trees.json at all."""
+    if used == wanted or not os.path.isfile(os.path.join(ckpt_dir, TREES_FILE)):
+        return None
+    device_type, dtype, mode = wanted.split("/")
+    measure = f"{MEASURE_HINT.format(ckpt_dir)} --device {device_type} --dtype {dtype}" + (
+        " --compile" if mode == "compiled" else "")
+    if used is not None:
+        return (f"tree: {TREES_FILE} has none sized for {wanted}; using those sized for {used}, the closest "
+                f"stored (size these with {measure})")
+    default = f"{spec} nodes built from {ACCURACY_FILE}" if spec.isdigit() else f"the {spec} preset"
+    return (f"tree: {TREES_FILE} has none sized for {device_type}; using the default, {default} "
+            f"(size these with {measure})")
+
+
 def resolve_trees(
-    spec: str | None, *, num_heads: int | None, ckpt_dir: str, device: torch.device, model=None, heads=None,
-    log=None,
+    spec: str | None, *, num_heads: int | None, ckpt_dir: str, device: torch.device,
+    dtype: torch.dtype = torch.float32, compiled: bool = False, model=None, heads=None, log=None,
 ) -> RuleTrees:
     """Trees from 'stored', 'auto', a node budget N, a preset ('cpu', 'gpu', 'chainN') or a JSON file.
 
-    None means `default_tree_name`. A relative file name is looked up in the working directory, then
-    in the checkpoint directory. A tree must not be deeper than the model has heads. Only 'stored',
-    'auto' and N give rejection sampling a tree of its own. `log(text)` receives auto's report.
+    None means `default_tree_name`. 'stored' takes the trees sized for `device`'s type, `dtype` and
+    `compiled`, else the closest stored (`stored_trees`). A relative file name is looked up in the
+    working directory, then in the checkpoint directory. A tree must not be deeper than the model
+    has heads. Only 'stored', 'auto' and N give rejection sampling a tree of its own. `log(text)`
+    receives auto's report, and one line when the stored trees were sized for another setup.
     """
+    defaulted = spec is None
     spec = spec or default_tree_name(device, ckpt_dir)
+    found = stored_trees(ckpt_dir, device, dtype=dtype, compiled=compiled) if spec == "stored" else None
+    if log is not None and (found is not None or defaulted):
+        note = _fallback_note(ckpt_dir, wanted=trees_key(device, dtype=dtype, compiled=compiled),
+                              used=found[1] if found else None, spec=spec)
+        if note is not None:
+            log(note)
     if spec == "stored":
-        trees = stored_trees(ckpt_dir, device)
-        if trees is None:
+        if found is None:
             raise ValueError(f"{os.path.join(ckpt_dir, TREES_FILE)} has no trees for {torch.device(device).type}; "
                              f"store them with {MEASURE_HINT.format(ckpt_dir)}")
+        trees = found[0]
     elif spec == "auto":
         trees, report = measure_trees(ckpt_dir, model=model, heads=heads, device=device)
         if log is not None:

@@ -137,3 +137,17 @@ def test_every_dtype_and_the_compiled_steps_get_their_own_column(capsys, monkeyp
     assert "first round, s" in text
     header = next(line for line in text.splitlines() if "small bfloat16 compiled" in line)
     assert [c.strip() for c in header.split("  ") if c.strip()] == list(configs)
+
+
+def test_timed_medusa_steps_get_their_root_on_the_device_not_as_a_python_int(monkeypatch):
+    # An int root is copied to the device inside every timed step, a blocking copy decoding never pays.
+    roots = []
+    real = bench_step.medusa_step
+
+    def spy(model, cache, tree, root, head_logits, **kwargs):
+        roots.append(root)
+        return real(model, cache, tree, root, head_logits, **kwargs)
+
+    monkeypatch.setattr(bench_step, "medusa_step", spy)
+    bench_config(SMALL, device=torch.device("cpu"), repeat=1, warmup=0, prefix_len=16, nodes=(1,))
+    assert roots and all(isinstance(r, torch.Tensor) and r.shape == () for r in roots)

@@ -337,6 +337,77 @@ def test_decode_uses_the_stored_trees_and_never_measures_by_default(tmp_path, ca
     assert result["tree_nodes"] == 4 and result["rejection_tree_nodes"] == 4  # the stored trees, root included
 
 
+def _stored(ckpt, **entries):
+    """Write trees.json by hand: key -> greedy choices (rejection gets the same tree)."""
+    obj = {key: {"greedy": choices, "rejection": choices, "how": "test"} for key, choices in entries.items()}
+    with open(os.path.join(ckpt, "trees.json"), "w") as f:
+        json.dump(obj, f)
+
+
+FP32 = [[0], [1]]  # 3 nodes with the root
+BF16 = [[0], [0, 0], [0, 0, 0]]  # 4
+COMPILED = [[0], [1], [2], [3]]  # 5
+
+
+def test_stored_trees_are_taken_by_device_type_dtype_and_compile_else_the_closest_with_one_line(ckpt, tmp_path):
+    d = str(tmp_path / "ck")
+    shutil.copytree(ckpt, d)
+    _stored(d, **{"cpu/float32/eager": FP32, "cpu/bfloat16/eager": BF16, "cpu/float32/compiled": COMPILED,
+                  "cuda/float16/compiled": FP32})
+    cpu = torch.device("cpu")
+
+    def resolve(**how):
+        lines = []
+        trees = resolve_trees(None, num_heads=4, ckpt_dir=d, device=cpu, log=lines.append, **how)
+        return trees.greedy.num_nodes, lines
+
+    assert resolve() == (3, [])  # decode.py's defaults: float32, eager
+    assert resolve(dtype=torch.bfloat16) == (4, [])
+    assert resolve(compiled=True) == (5, [])
+    nodes, lines = resolve(dtype=torch.float16)  # none: the same width comes first
+    assert nodes == 4 and len(lines) == 1 and "\n" not in lines[0]
+    assert "cpu/float16/eager" in lines[0] and "using those sized for cpu/bfloat16/eager" in lines[0]
+    assert "--dtype float16" in lines[0]  # the command that sizes them
+    nodes, lines = resolve(dtype=torch.bfloat16, compiled=True)  # the dtype first, then eager or compiled
+    assert nodes == 4 and "cpu/bfloat16/eager" in lines[0] and "--compile" in lines[0]
+
+
+def test_an_old_trees_file_keyed_by_device_type_reads_as_float32_eager(ckpt, tmp_path):
+    from medusa_mini.tree import Tree
+    from medusa_mini.tune.trees import RuleTrees, store_trees
+
+    d = str(tmp_path / "ck")
+    shutil.copytree(ckpt, d)
+    _stored(d, cpu=BF16)  # what training wrote before trees.json said more than the device type
+    lines = []
+    trees = resolve_trees("stored", num_heads=4, ckpt_dir=d, device=torch.device("cpu"), log=lines.append)
+    assert trees.greedy.num_nodes == 4 and lines == []
+    resolve_trees(None, num_heads=4, ckpt_dir=d, device=torch.device("cpu"), dtype=torch.bfloat16, log=lines.append)
+    assert len(lines) == 1 and "cpu/float32/eager" in lines[0]
+    tree = Tree.from_choices(FP32)
+    store_trees(d, RuleTrees(tree, tree), device=torch.device("cpu"), dtype=torch.bfloat16, note="test")
+    with open(os.path.join(d, "trees.json")) as f:
+        assert set(json.load(f)) == {"cpu/float32/eager", "cpu/bfloat16/eager"}  # the old key, in full
+
+
+def test_decode_says_in_one_line_which_stored_trees_it_uses_for_another_setup(ckpt, tmp_path, capsys):
+    d = str(tmp_path / "ck")
+    shutil.copytree(ckpt, d)
+    _stored(d, **{"cpu/float32/eager": BF16})
+    argv = ["--ckpt", d, "--json", "--num-prompts", "1", "--max-new-tokens", "4"]
+    assert decode.main(argv) == 0
+    assert "tree:" not in capsys.readouterr().err  # sized for exactly this: nothing to say
+    assert decode.main(argv + ["--dtype", "bfloat16"]) == 0
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("tree:")]
+    assert len(err) == 1 and "cpu/bfloat16/eager" in err[0] and "cpu/float32/eager" in err[0]
+    _stored(d, **{"cuda/float32/eager": BF16})  # trees for another device type only: the default
+    assert decode.main(argv + ["--compare", "--repeat", "1"]) == 0
+    captured = capsys.readouterr()
+    err = [line for line in captured.err.splitlines() if line.startswith("tree:")]
+    assert len(err) == 1 and "none sized for cpu" in err[0] and "the cpu preset" in err[0]
+    assert json.loads(captured.out)["tree_nodes"] == 12  # the cpu preset: no heads_accuracy.json here
+
+
 def test_two_runs_of_the_same_sampled_decode_print_the_same_tokens(tmp_path):
     from medusa_mini.io.loading import load_for_decoding
     from medusa_mini.tune.acceptance_tables import save_accuracy

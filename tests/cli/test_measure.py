@@ -1,6 +1,7 @@
 """`python -m medusa_mini.cli.measure`: the acceptance tables and this device's stored trees."""
 
 import json
+from functools import partial
 
 import pytest
 from conftest import save_small_checkpoint
@@ -19,9 +20,24 @@ def test_recompute_command_saves_the_accuracy_and_prints_the_table(tmp_path, cap
     assert load_accuracy(tmp_path).shape == (3, 10) and load_accuracy(tmp_path, sampled=True).shape == (3, 10)
     saved = json.loads((tmp_path / "heads_accuracy.json").read_text())
     assert saved["num_prompts"] == 3 and saved["sampled_temperature"] == 0.8
-    trees = json.loads((tmp_path / "trees.json").read_text())  # this device type's default trees
-    assert set(trees) == {"cpu"} and {"greedy", "rejection", "how"} <= set(trees["cpu"])
+    trees = json.loads((tmp_path / "trees.json").read_text())  # the default trees for how decode.py runs
+    assert set(trees) == {"cpu/float32/eager"} and {"greedy", "rejection", "how"} <= set(trees["cpu/float32/eager"])
     assert measure.main(["--ckpt", str(tmp_path), "--prompts", "3", "--max-new-tokens", "8", "--no-trees"]) == 0
+
+
+def test_measure_stores_trees_under_its_dtype_and_compile(tmp_path, capsys, monkeypatch):
+    from medusa_mini.cli.compiled import compile_steps
+
+    # The eager backend checks the capture without a compiler's minutes (cli/compiled.py).
+    monkeypatch.setattr(measure, "compile_steps", partial(compile_steps, backend="eager"))
+    save_small_checkpoint(tmp_path)
+    (tmp_path / "trees.json").write_text(json.dumps({"cpu": {"greedy": [[0]], "rejection": [[0]], "how": "old"}}))
+    assert measure.main(["--ckpt", str(tmp_path), "--prompts", "2", "--max-new-tokens", "4",
+                         "--dtype", "bfloat16", "--compile"]) == 0
+    assert "the default trees for cpu/bfloat16/compiled" in capsys.readouterr().out
+    trees = json.loads((tmp_path / "trees.json").read_text())
+    assert set(trees) == {"cpu/float32/eager", "cpu/bfloat16/compiled"}  # the old entry kept, its key in full
+    assert "measured as cpu/bfloat16/compiled" in trees["cpu/bfloat16/compiled"]["how"]
 
 
 @pytest.mark.parametrize("command, prog", [

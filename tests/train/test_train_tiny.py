@@ -1,5 +1,6 @@
 """train_tiny.py as a user runs it: stages, checkpoints, exact resume, bad input, DDP replicas."""
 
+import json
 import os
 import socket
 import subprocess
@@ -39,6 +40,8 @@ def test_a_run_writes_a_complete_checkpoint(tmp_path, capsys):
     assert heads.num_heads == 4 and cfg["medusa_mini"]["eot_id"] == model.config.vocab_size - 1
     # the trees sized at the end of training are what decode.py uses by default on this device type
     assert default_tree_name(torch.device("cpu"), str(out)) == "stored"
+    with open(out / "trees.json") as f:  # sized as decode.py runs by default, whatever training's TF32
+        assert set(json.load(f)) == {"cpu/float32/eager"}
 
 
 def test_hydra_heads_train_and_then_train_alone_on_the_same_backbone(tmp_path, capsys):
