@@ -11,6 +11,7 @@ sampling, Medusa against plain sampling at T (each prompt with its own seeded ge
 tokens/step by the product rule (sampling cannot be replayed).
 
     python benchmarks/sweep.py --ckpt out/tiny [--num-prompts 8] [--max-new-tokens 64] [--temperature T] [--json]
+    python benchmarks/sweep.py --ckpt out/tiny --plot sweep.png   # also draw the rows (needs matplotlib)
 
 Decoding ignores the end-of-text token, so every prompt yields the same number of tokens in every row.
 Times include the prefill, the same for plain and Medusa decoding.
@@ -31,6 +32,7 @@ import torch  # noqa: E402
 
 from medusa_mini.cli.common import DTYPES, OneLineParser, pick_device, pick_dtype  # noqa: E402
 from medusa_mini.cli.measure import encode_prompts  # noqa: E402
+from medusa_mini.cli.plots import plot_node_sweep, require_matplotlib  # noqa: E402
 from medusa_mini.decoding import generate, medusa_generate  # noqa: E402
 from medusa_mini.io.loading import load_for_decoding, load_prompts  # noqa: E402
 from medusa_mini.model import GPT  # noqa: E402
@@ -121,6 +123,17 @@ def format_sweep(result: dict) -> str:
     return "\n".join(lines)
 
 
+def draw(result: dict, path: str) -> str:
+    """The sweep's rows as one named series (the static build_tree trees), plain decoding's speed marked."""
+    T = result.get("temperature", 0.0)
+    name = f"static tree, rejection T={T:g}" if T > 0 else "static tree, greedy"
+    dtype = "" if result.get("dtype", "float32") == "float32" else f", {result['dtype']}"
+    title = f"{result.get('checkpoint', '')} on {result.get('device', '')}{dtype}: node budgets"
+    plain_ms = result["plain_ms_per_token"]
+    return plot_node_sweep([(name, result["rows"])], path, title=title,
+                           plain_tokens_per_s=1000.0 / plain_ms if plain_ms else None)
+
+
 def _accuracies(directory: str, ckpt, texts: list[str], *, temperature: float):
     """(acc, greedy ranks or None, where they came from) for a sweep at `temperature`."""
     if temperature > 0:  # only the table measured under sampling describes rejection sampling
@@ -153,8 +166,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", choices=tuple(DTYPES), default="float32",
                    help="weights, heads and KV cache in this precision (default: %(default)s)")
     p.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
+    p.add_argument("--plot", metavar="FILE.png", help="also draw tokens/step and tokens/s against the budget, "
+                   "expected and measured, into this PNG (needs matplotlib: pip install -e '.[plot]')")
     ns = p.parse_args(argv)
     try:
+        if ns.plot:  # before the sweep, not after it: a missing library or folder fails in a second
+            require_matplotlib()
+            if not os.path.isdir(os.path.dirname(os.path.abspath(ns.plot))):
+                raise ValueError(f"--plot {ns.plot}: its folder does not exist")
         if ns.num_prompts < 1 or ns.max_new_tokens < 1 or (ns.threads is not None and ns.threads < 1):
             raise ValueError("--num-prompts, --max-new-tokens and --threads must be at least 1")
         if ns.temperature < 0:
@@ -175,9 +194,12 @@ def main(argv: list[str] | None = None) -> int:
         prompts = encode_prompts(ckpt.enc, chosen, block_size=block, max_new_tokens=ns.max_new_tokens)
         result = run_sweep(ckpt.model, ckpt.heads, prompts, acc=acc, max_new_tokens=ns.max_new_tokens, ranks=ranks,
                            temperature=ns.temperature, seed=ns.seed)
+        result.update(checkpoint=ns.ckpt, device=str(device), dtype=ns.dtype, accuracy_source=source, seed=ns.seed)
+        if ns.plot:
+            draw(result, ns.plot)
+            print(f"plot: {ns.plot}", file=sys.stderr)
     except (ValueError, OSError) as e:
         p.error(str(e))
-    result.update(checkpoint=ns.ckpt, device=str(device), dtype=ns.dtype, accuracy_source=source, seed=ns.seed)
     if ns.json:
         print(json.dumps(result, indent=2))
     else:

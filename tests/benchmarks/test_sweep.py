@@ -52,3 +52,29 @@ def test_sweep_in_bfloat16_runs_every_budget_and_says_its_precision(tmp_path, ca
     assert all(row["tokens_per_step"] >= 1 for row in result["rows"])
     assert sweep.main(argv) == 0
     assert "on cpu, bfloat16; accuracies" in capsys.readouterr().out
+
+
+def test_sweep_plot_draws_its_rows_into_a_png(tmp_path, capsys):
+    save_small_checkpoint(tmp_path)
+    out = tmp_path / "sweep.png"
+    assert sweep.main(["--ckpt", str(tmp_path), "--num-prompts", "1", "--max-new-tokens", "4", "--device", "cpu",
+                       "--plot", str(out)]) == 0
+    data = out.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 8
+    assert f"plot: {out}" in capsys.readouterr().err
+
+
+def test_sweep_plot_without_matplotlib_stops_before_sweeping_with_one_line(tmp_path, capsys, monkeypatch):
+    import sys
+
+    from medusa_mini.cli import plots
+
+    for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    monkeypatch.setattr(sweep, "run_sweep", lambda *a, **k: pytest.fail("swept although it cannot plot"))
+    save_small_checkpoint(tmp_path)
+    with pytest.raises(SystemExit) as exc:
+        sweep.main(["--ckpt", str(tmp_path), "--device", "cpu", "--plot", str(tmp_path / "s.png")])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.count("\n") == 1 and plots.MISSING in err

@@ -1,0 +1,150 @@
+"""Figures for the benchmark tables, as PNG files: node-budget sweeps and batch sizes.
+
+    plot_node_sweep([("static tree", sweep_rows)], "sweep.png", plain_tokens_per_s=480.0)
+    plot_batch(batch_rows, "batch.png")
+
+matplotlib is an optional extra (`pip install -e ".[plot]"`). It is imported inside the functions that
+draw, never when this module (or decode.py) is imported, and draws on the Agg canvas: no display, no
+global pyplot state. Without it, every function raises PlotError, a ValueError of one line that the
+command lines turn into exit status 2.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+MISSING = 'drawing a plot needs matplotlib: pip install matplotlib (or pip install -e ".[plot]")'
+DPI = 120
+
+
+class PlotError(ValueError):
+    """A plot that cannot be drawn: matplotlib missing, or rows without the numbers it needs."""
+
+
+def require_matplotlib() -> None:
+    """Raise PlotError now if matplotlib is missing: scripts call this before a long run, not after."""
+    _figure(1)
+
+
+def _figure(ncols: int):
+    """(figure, [axes]) on an Agg canvas, ncols panels side by side."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise PlotError(MISSING) from None
+    fig = Figure(figsize=(5.5 * ncols, 4.2), layout="constrained")
+    FigureCanvasAgg(fig)  # the canvas savefig renders with: Agg, whatever backend pyplot would pick
+    axes = fig.subplots(1, ncols, squeeze=False)[0]
+    return fig, list(axes)
+
+
+def _number(row: Mapping, key: str, where: str) -> float:
+    if row.get(key) is None:
+        raise PlotError(f"{where}: a row has no {key!r}; it has {', '.join(sorted(row))}")
+    return float(row[key])
+
+
+def _tokens_per_s(row: Mapping, where: str) -> float:
+    """tokens/s as given, or from ms/token (the sweep's rows carry the latter)."""
+    if row.get("tokens_per_s") is not None:
+        return float(row["tokens_per_s"])
+    return 1000.0 / _number(row, "ms_per_token", where)
+
+
+def _budget_axis(ax, budgets: list[int], label: str) -> None:
+    """Powers of two on a log2 axis, each budget a labelled tick."""
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(budgets, [str(b) for b in budgets])
+    ax.set_xlabel(label)
+    ax.grid(True, alpha=0.3)
+
+
+def plot_node_sweep(
+    series: Sequence[tuple[str, Sequence[Mapping]]], path: str, *, plain_tokens_per_s: float | None = None,
+    title: str = "",
+) -> str:
+    """Tokens/step (left) and tokens/s (right) against the node budget, one colour per named series.
+
+    series: (name, rows) pairs, e.g. ("static tree", ...), ("dynamic tree", ...). A row holds `nodes`
+    (the budget, root excluded), `tokens_per_step` (measured, bonus counted), `tokens_per_s` or
+    `ms_per_token`, and optionally `expected_tokens_per_step` with `ms_per_step`: the expected curves,
+    dashed, are expected tokens/step and expected tokens/step at the measured step time.
+    plain_tokens_per_s draws plain decoding's speed as a dotted line. Returns path.
+    """
+    if not series or not any(rows for _, rows in series):
+        raise PlotError("plot_node_sweep: no rows to plot")
+    fig, (steps_ax, speed_ax) = _figure(2)
+    budgets: set[int] = set()
+    for name, rows in series:
+        where = f"series {name!r}"
+        rows = sorted(rows, key=lambda r: _number(r, "nodes", where))
+        nodes = [int(_number(r, "nodes", where)) for r in rows]
+        budgets |= set(nodes)
+        (line,) = steps_ax.plot(nodes, [_number(r, "tokens_per_step", where) for r in rows], marker="o",
+                                label=f"{name}, measured")
+        speed_ax.plot(nodes, [_tokens_per_s(r, where) for r in rows], marker="o", color=line.get_color(),
+                      label=f"{name}, measured")
+        expected = [r for r in rows if r.get("expected_tokens_per_step") is not None]
+        if expected:
+            x = [int(r["nodes"]) for r in expected]
+            steps_ax.plot(x, [float(r["expected_tokens_per_step"]) for r in expected], ls="--", marker="x",
+                          color=line.get_color(), label=f"{name}, expected")
+            timed = [r for r in expected if r.get("ms_per_step")]
+            speed_ax.plot([int(r["nodes"]) for r in timed],
+                          [1000.0 * float(r["expected_tokens_per_step"]) / float(r["ms_per_step"]) for r in timed],
+                          ls="--", marker="x", color=line.get_color(), label=f"{name}, expected at measured ms/step")
+    steps_ax.axhline(1.0, color="gray", ls=":", label="plain decoding (1.00)")
+    if plain_tokens_per_s:
+        speed_ax.axhline(plain_tokens_per_s, color="gray", ls=":", label="plain decoding")
+    for ax, ylabel in ((steps_ax, "tokens per step (bonus counted)"), (speed_ax, "tokens per second")):
+        _budget_axis(ax, sorted(budgets), "node budget (root excluded)")
+        ax.set_ylabel(ylabel)
+        ax.set_ylim(bottom=0)
+        ax.legend(fontsize="small")
+    if title:
+        fig.suptitle(title)
+    fig.savefig(path, dpi=DPI)
+    return path
+
+
+def plot_batch(
+    rows: Sequence[Mapping], path: str, *, speedup_methods: Sequence[str] | None = None, title: str = ""
+) -> str:
+    """Tokens/s against batch size per method (left), and the speedup against batch size (right).
+
+    rows: one per (method, batch size), each with `method` (e.g. "plain greedy", "Medusa greedy",
+    "Medusa rejection (T=0.8)"), `batch_size`, `tokens_per_s` and `speedup`. The right panel shows
+    speedup_methods (default: every method not named "plain ..."), with the 1x line marked: above
+    it Medusa pays at that batch size. Returns path.
+    """
+    if not rows:
+        raise PlotError("plot_batch: no rows to plot")
+    by_method: dict[str, list[Mapping]] = {}
+    for row in rows:
+        if not row.get("method"):
+            raise PlotError(f"plot_batch: a row has no 'method'; it has {', '.join(sorted(row))}")
+        by_method.setdefault(str(row["method"]), []).append(row)
+    if speedup_methods is None:
+        speedup_methods = [m for m in by_method if not m.lower().startswith("plain")]
+    fig, (speed_ax, gain_ax) = _figure(2)
+    sizes: set[int] = set()
+    for method, mrows in by_method.items():
+        where = f"method {method!r}"
+        mrows = sorted(mrows, key=lambda r: _number(r, "batch_size", where))
+        b = [int(_number(r, "batch_size", where)) for r in mrows]
+        sizes |= set(b)
+        (line,) = speed_ax.plot(b, [_tokens_per_s(r, where) for r in mrows], marker="o", label=method)
+        if method in speedup_methods:
+            gain_ax.plot(b, [_number(r, "speedup", where) for r in mrows], marker="o", color=line.get_color(),
+                         label=method)
+    gain_ax.axhline(1.0, color="black", ls="--", lw=1, label="1x: as fast as plain")
+    for ax, ylabel in ((speed_ax, "tokens per second"), (gain_ax, "speedup over plain")):
+        _budget_axis(ax, sorted(sizes), "batch size")
+        ax.set_ylabel(ylabel)
+        ax.set_ylim(bottom=0)
+        ax.legend(fontsize="small")
+    if title:
+        fig.suptitle(title)
+    fig.savefig(path, dpi=DPI)
+    return path
