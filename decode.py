@@ -2,8 +2,10 @@
 
     python decode.py                      # Medusa, greedy, on the checkpoint's held-out prompts
     python decode.py --show --show-tree   # each forward pass's tokens in their own colour
-    python decode.py --explain            # one Medusa step, stage by stage
+    python decode.py --explain            # one Medusa step, stage by stage (--demo: no checkpoint needed)
     python decode.py --compare            # plain vs Medusa: steps, tokens/step, ms/token, speedup
+    python decode.py --compare --batch-sizes 1,2,4,8,16   # where batching ends Medusa's speedup
+    python decode.py --reference          # the same tokens from reference.py, the readable decoder
 
 Tokens/step counts the bonus token (the verify pass's own next token); plain decoding is 1.0.
 Bad input (missing checkpoint, bad tree, empty prompt, ...) gives a one-line error and exit status 2.
@@ -18,20 +20,22 @@ import sys
 
 import torch
 
+from medusa_mini.cli.batches import compare_batches, format_batches
 from medusa_mini.cli.common import (
     DTYPES,
     OneLineParser,
-    StepPrinter,
     as_flags,
     encode_prompt,
     pick_device,
     pick_dtype,
-    stat_line,
-    use_color,
 )
-from medusa_mini.cli.compare import compare, format_compare, generate_once, label_of
+from medusa_mini.cli.compare import compare, format_compare
 from medusa_mini.cli.compiled import compile_steps, warm_up
 from medusa_mini.cli.explain import explain_step
+from medusa_mini.cli.demo import DEMO_NOTE, demo_checkpoint
+from medusa_mini.cli.generation import generate_each, json_each
+from medusa_mini.cli.plots import plot_batch, require_matplotlib
+from medusa_mini.dynamic import DynamicTree
 from medusa_mini.io.loading import (
     PROMPTS_FILE,
     Checkpoint,
@@ -39,7 +43,6 @@ from medusa_mini.io.loading import (
     load_prompts,
 )
 from medusa_mini.sampling import Sampling
-from medusa_mini.tree import Tree
 from medusa_mini.tune.acceptance_tables import (
     SAMPLING_TEMPERATURE,  # the sampling rules' default temperature
 )
@@ -80,9 +83,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tree", metavar="NAME|N|FILE.json",
                    help="stored (trees.json's for this device type, --dtype, --compile, or the closest), auto (sized"
                         " now from heads_accuracy.json and step costs measured on this device: varies with"
-                        " load), N (N nodes built from heads_accuracy.json), cpu, gpu, chainN, or a JSON list"
-                        " of choices (default: stored; else 8 nodes on a CPU and 64 on CUDA from"
+                        " load), N (N nodes built from heads_accuracy.json), dynamic (each step its own most"
+                        " confident nodes, as many as the default tree has) or dynamic:N, cpu, gpu, chainN, or a"
+                        " JSON list of choices (default: stored; else 8 nodes on a CPU and 64 on CUDA from"
                         " heads_accuracy.json; else the cpu or gpu preset)")
+    p.add_argument("--batch-size", type=int, default=1, metavar="B",
+                   help="decode the prompts B at a time, each row with its own path and length (default: 1)")
+    p.add_argument("--reference", action="store_true",
+                   help="decode with reference.py, the readable one-file decoder (same tokens, slower); with "
+                        "--compare, add its rows")
     p.add_argument("--device", help="cpu or cuda (default: cuda if available, else cpu)")
     p.add_argument("--dtype", choices=tuple(DTYPES), default="float32",
                    help="weights, heads and KV cache in this precision; acceptance in float32. In half "
@@ -96,6 +105,12 @@ def build_parser() -> argparse.ArgumentParser:
     mode.add_argument("--show", action="store_true", help="mark the tokens of each forward pass")
     mode.add_argument("--explain", action="store_true", help="walk through one Medusa step on the first prompt")
     mode.add_argument("--compare", action="store_true", help="table: plain vs Medusa, greedy and sampling")
+    p.add_argument("--demo", action="store_true",
+                   help="with --explain: a tiny model and heads trained on the spot (a few seconds), no checkpoint")
+    p.add_argument("--batch-sizes", metavar="B1,B2,...",
+                   help="with --compare: tokens/s of plain and Medusa decoding at each batch size, and where "
+                        "Medusa stops paying")
+    p.add_argument("--plot", metavar="FILE.png", help="with --batch-sizes: draw the table (needs matplotlib)")
     p.add_argument("--repeat", type=int, default=3, metavar="R",
                    help="--compare runs every generation R times, in turns, and keeps the fastest time: "
                         "noise on a shared machine only ever adds time (default: %(default)s)")
@@ -119,10 +134,35 @@ def check_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
         p.error(f"--threads must be at least 1, not {a.threads}")
     if a.json and (a.show or a.explain or a.show_tree):
         p.error("--json cannot be combined with --show, --show-tree or --explain")
+    if a.batch_size < 1:
+        p.error(f"--batch-size must be at least 1, not {a.batch_size}")
+    if a.batch_size > 1 and (a.show or a.reference or a.explain or a.compare):
+        p.error("--batch-size decodes several prompts at once; --show, --reference, --explain and --compare take "
+                "one at a time (use --compare --batch-sizes for a batch table)")
+    if a.demo and not a.explain:
+        p.error("--demo goes with --explain: python decode.py --explain --demo")
+    if a.batch_sizes is not None:
+        sizes = a.batch_sizes.split(",")
+        if not a.compare or not all(x.isdigit() and int(x) >= 1 for x in sizes):
+            p.error("--batch-sizes goes with --compare and takes sizes >= 1, e.g. --compare --batch-sizes 1,2,4,8")
+        a.batch_sizes = sorted({int(x) for x in sizes})
+    if a.plot is not None:
+        if a.batch_sizes is None:
+            p.error("--plot draws the batch table: use it with --compare --batch-sizes")
+        if not os.path.isdir(os.path.dirname(os.path.abspath(a.plot))):
+            p.error(f"--plot {a.plot}: its folder does not exist")
+        try:
+            require_matplotlib()
+        except ValueError as e:
+            p.error(str(e))
+    if a.reference:
+        if a.method == "plain" and not a.compare:
+            p.error("--reference decodes with Medusa; leave out --method plain")
+        a.method = "reference" if not a.compare else a.method
     if a.temperature is None:
         a.temperature = 0.0 if a.acceptance in (None, "greedy") else SAMPLING_TEMPERATURE
     try:  # every sampling setting is checked here, once; plain decoding reads only T and top-p
-        a.sampling = Sampling(acceptance=a.acceptance if a.method == "medusa" or a.explain else None,
+        a.sampling = Sampling(acceptance=a.acceptance if a.method != "plain" or a.explain else None,
                               temperature=a.temperature, top_p=a.top_p, epsilon=a.epsilon, delta=a.delta,
                               draft=a.draft)
     except ValueError as e:
@@ -133,55 +173,21 @@ def check_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
             p.error(as_flags(str(e)))
 
 
-def text_of(ck: Checkpoint, tokens: list[int]) -> str:
-    return ck.enc.decode([t for t in tokens if t != ck.eot_id])
-
-
-def generate_each(
-    ck: Checkpoint, prompts: list[tuple[str, list[int]]], a: argparse.Namespace, tree: Tree | None,
-    tree_name: str | None,
-) -> None:
-    """Default and --show modes: stream each continuation, then one line of statistics."""
-    color = use_color(sys.stdout, no_color=a.no_color)
-    label = label_of(a.method, a.sampling)
-    if tree is not None and a.method == "medusa":
-        label += f", tree {tree_name}"
-    for n, (text, ids) in enumerate(prompts, start=1):
-        print(f"=== prompt {n}/{len(prompts)} ({len(ids)} tokens) ===\n{text}")
-        how = ""
-        if a.show:
-            marks = "colour" if color else "[chunk]"
-            how = f"; one {marks} per forward pass, the first from the prefill"
-        print(f"=== {label}{how} ===")
-        printer = StepPrinter(ck.enc, sys.stdout, eot_id=ck.eot_id, show_steps=a.show, color=color)
-        tokens, stats = generate_once(ck, ids, method=a.method, sampling=a.sampling, tree=tree, seed=a.seed,
-                                      max_new_tokens=a.max_new_tokens, on_step=printer)
-        printer.close()
-        print(f"stats: {stat_line(stats, new_tokens=len(tokens), block_size=ck.block_size)}\n")
-
-
-def json_each(
-    ck: Checkpoint, prompts: list[tuple[str, list[int]]], a: argparse.Namespace, tree: Tree | None
-) -> None:
-    """--json: one object per prompt per line; `tokens` are the new ids (an end token included)."""
-    for text, ids in prompts:
-        tokens, stats = generate_once(ck, ids, method=a.method, sampling=a.sampling, tree=tree, seed=a.seed,
-                                      max_new_tokens=a.max_new_tokens)
-        print(json.dumps({
-            "prompt": text, "prompt_tokens": len(ids), "tokens": tokens, "text": text_of(ck, tokens),
-            "steps": stats.steps, "tokens_per_step": stats.tokens_per_step, "seconds": stats.seconds,
-            "stop_reason": stats.stop_reason, "method": a.method,
-            "acceptance": a.sampling.acceptance if a.method == "medusa" else None, "temperature": a.temperature,
-        }, ensure_ascii=False))
-
-
 def prepare(a: argparse.Namespace) -> tuple[Checkpoint, RuleTrees | None, str | None, list[tuple[str, list[int]]]]:
     """Load the checkpoint, choose the tree and encode the prompts; ValueError for anything unusable."""
     device = pick_device(a.device)
     if a.threads is not None:
         torch.set_num_threads(a.threads)
+    if a.demo:
+        print("training the demo model and its heads (a few seconds)...", file=sys.stderr)
+        ck, texts = demo_checkpoint()
+        ck.model.to(device=device, dtype=pick_dtype(a.dtype, device))
+        ck.heads.to(device=device, dtype=pick_dtype(a.dtype, device))
+        trees = resolve_trees(a.tree or "cpu", num_heads=ck.heads.num_heads, ckpt_dir="", device=device)
+        ids = encode_prompt(ck.enc, a.prompt[0] if a.prompt else texts[0], block_size=ck.block_size)
+        return ck, trees, a.tree or "cpu", [(a.prompt[0] if a.prompt else texts[0], ids)]
     ck = load_for_decoding(a.ckpt, device=device, dtype=pick_dtype(a.dtype, device))
-    needs_heads = a.method == "medusa" or a.compare or a.explain
+    needs_heads = a.method != "plain" or a.compare or a.explain
     if needs_heads and ck.heads is None:
         wanted = "--compare" if a.compare else "--explain" if a.explain else "--method medusa"
         raise ValueError(f"{a.ckpt} has no Medusa heads, which {wanted} needs; use --method plain or train heads")
@@ -218,20 +224,35 @@ def main(argv: list[str] | None = None) -> int:
     warmup_s = None
     if a.compile:
         compile_steps(ck.model)
-        warmup_s = warm_up(ck.model, [] if trees is None else [trees.greedy, trees.sampled])
+        warmup_s = sum(warm_up(ck.model, [] if trees is None else [trees.greedy, trees.sampled], batch_size=b)
+                       for b in (a.batch_sizes or [a.batch_size]))
         print(f"compiled the plain step and the verify steps in {warmup_s:.1f} s (not in any timing)",
               file=sys.stderr)
     try:
         if a.show_tree:
-            print(f"tree {tree_name}: {tree.num_nodes - 1} nodes + root, depth {tree.depth}\n{tree.draw()}\n")
-            print(f"attention mask (row attends to column):\n{tree.draw_mask()}\n")
-        if a.compare:
+            shown = tree.fixed if isinstance(tree, DynamicTree) else tree
+            what = "the fixed tree of sampled drafts; other rules choose each step's own" \
+                if isinstance(tree, DynamicTree) else f"{tree_name}"
+            print(f"tree {what}: {shown.num_nodes - 1} nodes + root, depth {shown.depth}\n{shown.draw()}\n")
+            print(f"attention mask (row attends to column):\n{shown.draw_mask()}\n")
+        if a.compare and a.batch_sizes:
+            result = compare_batches(ck, [ids for _, ids in prompts], trees=trees, batch_sizes=a.batch_sizes,
+                                     sampling=a.sampling, seed=a.seed, max_new_tokens=a.max_new_tokens,
+                                     sample_temperature=a.temperature if a.temperature > 0 else SAMPLING_TEMPERATURE,
+                                     repeat=a.repeat)
+            result["compile_warmup_s"] = warmup_s
+            if a.plot:
+                plot_batch(result["rows"], a.plot, title=f"medusa_mini, {ck.directory}, {result['device']}")
+            print(json.dumps(result) if a.json else format_batches(result))
+        elif a.compare:
             result = compare(ck, prompts, sampling=a.sampling, trees=trees, tree_name=tree_name, seed=a.seed,
                              sample_temperature=a.temperature if a.temperature > 0 else SAMPLING_TEMPERATURE,
-                             max_new_tokens=a.max_new_tokens, repeat=a.repeat)
+                             max_new_tokens=a.max_new_tokens, repeat=a.repeat, with_reference=a.reference)
             result["compile_warmup_s"] = warmup_s
             print(json.dumps(result) if a.json else format_compare(result))
         elif a.explain:
+            if a.demo:
+                print(DEMO_NOTE + "\n")
             print(explain_step(ck.model, ck.heads, ck.enc, prompts[0][1], tree=tree, sampling=a.sampling,
                                generator=torch.Generator(device=ck.model.device).manual_seed(a.seed)))
         elif a.json:

@@ -51,9 +51,10 @@ from medusa_mini.cli.common import DTYPES, OneLineParser, pick_device, pick_dtyp
 from medusa_mini.cli.compiled import compile_steps, step_cache  # noqa: E402
 from medusa_mini.decoding import prefill  # noqa: E402
 from medusa_mini.heads import HeadsConfig, MedusaHeads  # noqa: E402
-from medusa_mini.hydra import fill_tree, heads_input, make_heads  # noqa: E402
+from medusa_mini.hydra import HydraProposer, make_heads  # noqa: E402
 from medusa_mini.io.gpt2 import GPT2_CONFIGS  # noqa: E402
 from medusa_mini.model import GPT, GPTConfig, KVCache  # noqa: E402
+from medusa_mini.proposal import MedusaProposer, StepTree  # noqa: E402
 from medusa_mini.sampling import Sampling  # noqa: E402
 from medusa_mini.step import medusa_step, verify  # noqa: E402
 from medusa_mini.tree import Tree, build_tree, preset  # noqa: E402
@@ -84,13 +85,11 @@ def verify_tree(nodes: int) -> Tree:
 MAX_VERIFY_NODES = 256
 
 
-def medusa_iteration(
-    model: GPT, heads: MedusaHeads, cache: KVCache, tree: Tree, root: torch.Tensor, head_logits: torch.Tensor
-) -> int:
-    """One iteration of `medusa_generate`'s loop with greedy acceptance; returns the accepted nodes."""
-    step = medusa_step(model, cache, tree, root, head_logits)  # its emitted tokens read on the host, once
-    heads(step.next_hidden[None], model.lm_head)  # the next step's proposals
-    return len(step.path) - 1
+def medusa_iteration(model: GPT, cache: KVCache, proposer, root: torch.Tensor, hidden: torch.Tensor) -> int:
+    """One iteration of `medusa_generate`'s loop with greedy acceptance (the heads run inside the
+    proposal, at the last accepted node); returns the accepted nodes."""
+    step = medusa_step(model, cache, proposer, root, hidden)  # its emitted tokens read on the host, once
+    return len(step.paths[0]) - 1
 
 
 def check_prefix(config: GPTConfig, prefix_len: int) -> None:
@@ -150,38 +149,38 @@ def bench_config(
     cache = step_cache(model, max_len) or KVCache(config, max_len=max_len, device=device,
                                                     dtype=model.lm_head.weight.dtype)
     gen = torch.Generator().manual_seed(seed)
-    prefix = torch.randint(0, config.vocab_size, (prefix_len,), generator=gen).to(device)
-    logits, hidden = prefill(model, prefix, cache)
-    # [] on the device, as decoding keeps its root: a Python int would make every timed step pay a
+    prefix = torch.randint(0, config.vocab_size, (1, prefix_len), generator=gen).to(device)
+    logits, hidden = prefill(model, prefix, cache)  # [1, V], [1, C]
+    # [1] on the device, as decoding keeps its root: a Python int would make every timed step pay a
     # blocking host-to-device copy that real decoding never pays.
-    root = logits.argmax()
+    root = logits.argmax(dim=-1)
     root_ids = root.reshape(1, 1)  # [1, 1]
 
     def reset() -> None:
-        cache.length = prefix_len  # later slots are stale and get overwritten, as in decoding
+        cache.lengths = prefix_len  # later slots are stale and get overwritten, as in decoding
 
     def plain() -> int:
         out, _ = model(root_ids, cache=cache)
         return int(out[0, -1].argmax())
 
-    h = hidden[None]  # [1, C]: heads run at the one hidden state that proposes the next tree
-    head_logits = shared(h, model.lm_head)[:, 0]  # [K, V]
+    h = hidden  # [1, C]: heads run at the one hidden state that proposes the next tree
     steps: dict[str, Callable[[], object]] = {"plain": plain}
     for n in nodes:
-        tokens = torch.randint(0, config.vocab_size, (n,), generator=gen).to(device)
-        steps[f"verify {n}"] = partial(verify, model, cache, verify_tree(n), tokens)
+        tokens = torch.randint(0, config.vocab_size, (1, n), generator=gen).to(device)
+        steps[f"verify {n}"] = partial(verify, model, cache, StepTree.of(verify_tree(n), 1, device), tokens)
     steps["heads shared"] = partial(shared, h, model.lm_head)
     steps["heads own"] = partial(own, h, model.lm_head)
     for name, tree in trees.items():
-        steps[f"medusa {name}"] = partial(medusa_iteration, model, shared, cache, tree, root, head_logits)
+        steps[f"medusa {name}"] = partial(medusa_iteration, model, cache, MedusaProposer(model, shared, tree), root, h)
     # Dependent heads: the heads' work is the tree filling itself, one head call per depth.
     with device:
         hydra = make_heads(HeadsConfig(num_heads=4, n_embd=config.n_embd, vocab_size=config.vocab_size,
                                        kind="hydra")).eval().to(dtype)
-    ctx = heads_input(hydra, hidden, model)
     for name, tree in trees.items():
-        steps[f"hydra fill {name}"] = partial(fill_tree, tree, root, ctx, sampling=Sampling(), generator=None)
-        steps[f"hydra {name}"] = partial(medusa_step, model, cache, tree, root, ctx)
+        proposer = HydraProposer(model, hydra, tree)
+        steps[f"hydra fill {name}"] = partial(proposer.propose, root, h, max_depth=tree.depth, sampling=Sampling(),
+                                              generator=None)
+        steps[f"hydra {name}"] = partial(medusa_step, model, cache, proposer, root, h)
     ms, first_round = time_in_turns(steps, reset=reset, device=device, repeat=repeat, warmup=warmup)
 
     result: dict = {

@@ -51,6 +51,19 @@ class DynamicTree:
             raise ValueError(f"a dynamic tree keeps 1 to {self.candidates.num_nodes - 1} of its candidates, "
                              f"not {self.budget}")
 
+    @property
+    def num_nodes(self) -> int:
+        """N, the nodes each step verifies, the root included."""
+        return self.budget + 1
+
+    @property
+    def depth(self) -> int:
+        return max(self.candidates.depth, self.fixed.depth)
+
+    def check_heads(self, num_heads: int) -> None:
+        self.candidates.check_heads(num_heads)
+        self.fixed.check_heads(num_heads)
+
 
 def path_scores(tree: Tree, node_log_q: torch.Tensor) -> torch.Tensor:
     """log confidence of each node's path: node_log_q [B, M + 1] -> [B, M + 1] (the root's is 0).
@@ -114,8 +127,14 @@ class DynamicProposer:
                 generator: torch.Generator | None) -> Proposal:
         if sampling.draws_candidates:
             return self.fixed.propose(roots, hidden, max_depth=max_depth, sampling=sampling, generator=generator)
-        candidates = self.tree.candidates
+        tokens, score, nodes = self.choose(roots, hidden, max_depth=max_depth)
+        return Proposal(tokens.gather(1, nodes), kept_tree(self.tree.candidates, nodes),
+                        confidence=score.gather(1, nodes))
+
+    def choose(self, roots: torch.Tensor, hidden: torch.Tensor, *, max_depth: int
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Every candidate's token [B, M + 1] and path score [B, M + 1] (log confidence), and the
+        candidates kept [B, N] (`select_nodes`)."""
         tokens, node_log_q = self.scorer.scored(roots, hidden)  # [B, M + 1] each
-        score = path_scores(candidates, node_log_q)  # [B, M + 1]
-        nodes = select_nodes(candidates, score, self.tree.budget, max_depth=max_depth)  # [B, N]
-        return Proposal(tokens.gather(1, nodes), kept_tree(candidates, nodes), confidence=score.gather(1, nodes))
+        score = path_scores(self.tree.candidates, node_log_q)  # [B, M + 1]
+        return tokens, score, select_nodes(self.tree.candidates, score, self.tree.budget, max_depth=max_depth)

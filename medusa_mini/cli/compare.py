@@ -1,6 +1,8 @@
 """`decode.py --compare`: five ways to decode the same prompts, timed in one run, in one table.
 
-Rows: plain greedy, Medusa greedy, Medusa typical, plain sampling, Medusa rejection sampling. Greedy
+Rows: plain greedy, Medusa greedy, Medusa typical, plain sampling, Medusa rejection sampling; with
+`--reference`, three more: the reference decoder (reference.py) under each Medusa rule, which must
+print the engine's tokens (it only takes longer). Greedy
 Medusa must make plain greedy's tokens; in float32 it does (tests/test_decoding.py), while in bfloat16
 or float16 a tree forward and a one-token forward may round a near-tie differently. So the table never
 aborts on a difference: it says on which prompt, at which new token, and how close plain decoding's
@@ -14,7 +16,9 @@ from typing import Callable
 
 import torch
 
+from .. import reference
 from ..decoding import GenerationStats, generate, medusa_generate
+from ..dynamic import DynamicTree
 from ..io.loading import Checkpoint
 from ..sampling import Sampling
 from ..tree import Tree
@@ -36,16 +40,40 @@ def generate_once(
     if method == "plain":
         cache = step_cache(ck.model, block)  # compiled steps replay on one cache; else None: a new one
         return timed_generation(ck.model.device, lambda: generate(ck.model, ids, cache=cache, **common))
-    cache = step_cache(ck.model, block + tree.num_nodes)
+    if method == "reference":
+        return timed_generation(ck.model.device, lambda: reference_generate(ck, ids, tree=tree, **common))
+    cache = step_cache(ck.model, block + cache_nodes(tree))
     return timed_generation(ck.model.device,
                             lambda: medusa_generate(ck.model, ck.heads, ids, tree=tree, cache=cache, **common))
+
+
+def cache_nodes(tree) -> int:
+    """The tree nodes a generation's KV cache keeps room for (a dynamic tree: its budget or its fixed tree)."""
+    return max(tree.budget + 1, tree.fixed.num_nodes) if isinstance(tree, DynamicTree) else tree.num_nodes
+
+
+def reference_generate(ck: Checkpoint, ids: list[int], *, tree, max_new_tokens: int, sampling: Sampling,
+                       eos_id: int | None, generator: torch.Generator, on_step: Callable | None = None
+                       ) -> tuple[list[int], GenerationStats]:
+    """The reference decoder (reference.py) with the engine's statistics: it counts passes, not steps' tokens."""
+    if getattr(ck.heads, "reads_drafted_tokens", False):
+        raise ValueError("the reference decoder reads Medusa heads; dependent (hydra) heads decode in the engine")
+    if isinstance(tree, DynamicTree):
+        raise ValueError("the reference decoder uses a fixed tree; dynamic trees decode in the engine")
+    tokens, steps = reference.medusa_generate(ck.model, ck.heads, ids, tree=tree, max_new_tokens=max_new_tokens,
+                                              sampling=sampling, eos_id=eos_id, generator=generator)
+    if on_step is not None and tokens:
+        on_step(tokens)
+    stats = GenerationStats(prompt_tokens=len(ids), steps=steps, step_tokens=[len(tokens) - 1] if steps else [])
+    return tokens, stats
 
 
 def label_of(method: str, sampling: Sampling) -> str:
     t = sampling.temperature
     if method == "plain":
         return "plain greedy" if sampling.greedy else f"plain sampling (T={t:g})"
-    return "Medusa greedy" if sampling.greedy else f"Medusa {sampling.rule} (T={t:g})"
+    who = "reference" if method == "reference" else "Medusa"
+    return f"{who} greedy" if sampling.greedy else f"{who} {sampling.rule} (T={t:g})"
 
 
 @torch.no_grad()
@@ -68,9 +96,10 @@ def first_difference(ck: Checkpoint, prompt: list[int], reference: list[int], ot
 
 def compare(
     ck: Checkpoint, prompts: list[tuple[str, list[int]]], *, sampling: Sampling, trees: RuleTrees, tree_name: str,
-    sample_temperature: float, seed: int, max_new_tokens: int, repeat: int,
+    sample_temperature: float, seed: int, max_new_tokens: int, repeat: int, with_reference: bool = False,
 ) -> dict:
-    """The five rows, timed in the same run; one dict of rows, settings and per-prompt differences.
+    """The five rows (eight `with_reference`), timed in the same run; one dict of rows, settings and
+    per-prompt differences.
 
     `sampling` carries top-p, ε, δ and the draft; the sampled rows run at `sample_temperature`.
     """
@@ -80,9 +109,11 @@ def compare(
              ("medusa_typical", "medusa", dataclasses.replace(greedy, acceptance="typical", temperature=t)),
              ("plain_sampling", "plain", dataclasses.replace(greedy, acceptance="rejection", temperature=t)),
              ("medusa_rejection", "medusa", dataclasses.replace(greedy, acceptance="rejection", temperature=t))]
+    if with_reference:
+        specs += [(key.replace("medusa", "reference"), "reference", s) for key, method, s in specs if method == "medusa"]
     once = dict(seed=seed, max_new_tokens=max_new_tokens)
-    for method in ("plain", "medusa"):  # untimed: the first calls pay for allocation and kernel setup
-        generate_once(ck, prompts[0][1], method=method, sampling=greedy, tree=trees.greedy,
+    for _, method, s in specs:  # untimed: the first calls pay for allocation, kernel setup and tree tensors
+        generate_once(ck, prompts[0][1], method=method, sampling=s, tree=trees.for_rule(s),
                       **{**once, "max_new_tokens": min(max_new_tokens, 8)})
     # Prompt-major order, every generation `repeat` times in turns: a load spike on a shared machine
     # then slows every method alike, and the fastest of the repeats is the one it did not touch.
@@ -111,6 +142,9 @@ def compare(
                 if (d := first_difference(ck, ids, ref, out)) is not None]
             row["same_as_plain_greedy"] = not row["differences"]
         row["repeats_differ"] = row["key"] in unsteady
+        if row["decoder"] == "reference":  # the engine row of the same rule
+            engine = next(r for r in rows if r["key"] == row["key"].replace("reference", "medusa"))
+            row["same_as_engine"] = sum(a == b for a, b in zip(row["tokens"], engine["tokens"]))
     return {"rows": rows, "device": str(ck.model.device), "dtype": str(ck.model.lm_head.weight.dtype).split(".")[-1],
             "threads": torch.get_num_threads(), "tree": tree_name, "tree_nodes": trees.greedy.num_nodes,
             "rejection_tree_nodes": trees.rejection_nodes(), "prompts": len(prompts),
@@ -168,6 +202,11 @@ def format_compare(result: dict) -> str:
             lines.append(f"{r['method']} differs from plain greedy on prompt {d['prompt'] + 1} at new token "
                          f"{d['position'] + 1}: plain's top-2 logit margin there is {d['margin']:.3g}"
                          + (" (a near-tie that rounding can flip)" if d["margin"] < 0.1 else ""))
+        if "same_as_engine" in r:
+            n = len(r["tokens"])
+            lines.append(f"{r['method']}: the engine's tokens on {r['same_as_engine']}/{n} prompts"
+                         + ("" if r["same_as_engine"] == n or r["temperature"] == 0 else
+                            " (a draw that lands within rounding of a probability can go either way)"))
         if r.get("repeats_differ"):
             lines.append(f"{r['method']}: repeated runs made different tokens (non-deterministic kernels); "
                          "the first run's tokens are reported")

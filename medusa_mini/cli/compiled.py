@@ -2,7 +2,7 @@
 
 Decoding runs the model in three shapes: the prefill (T = prompt length, different for every prompt),
 the plain step (T = 1) and the tree verify (T = N nodes, one shape per tree). The last two repeat every
-step with static shapes (the cache length is a tensor, the masks are built from it on the device), so
+step with static shapes (the cache lengths are a tensor, the masks are built from them on the device), so
 each is captured once as a whole graph and replayed; on CUDA with mode="reduce-overhead", as a CUDA
 graph, which removes the per-kernel launch cost that dominates batch-1 decoding. Prefills stay eager:
 compiling one per prompt length would cost more than it saves.
@@ -22,7 +22,9 @@ from typing import Callable
 
 import torch
 
+from ..dynamic import DynamicTree
 from ..model import GPT, KVCache
+from ..proposal import StepTree
 from ..step import verify
 from ..tree import Tree
 from ..tune.clock import sync_device
@@ -35,21 +37,24 @@ class CompiledSteps:
 
     def __init__(self, forward, *, mode: str | None, backend: str | Callable = "inductor") -> None:
         self.eager = forward
-        self.caches: dict[int, KVCache] = {}  # max_len -> the one cache of that size every generation reuses
+        self.caches: dict[tuple[int, int], KVCache] = {}  # (rows, max_len) -> the one cache every generation reuses
         # dynamic=False: every shape gets its own specialised graph; there are only a handful of them.
         self.compiled = torch.compile(forward, fullgraph=True, dynamic=False, mode=mode, backend=backend)
 
-    def cache(self, model: GPT, max_len: int) -> KVCache:
-        """The cache of max_len slots that warm-up and every generation share: a CUDA graph replays
-        on the addresses it was recorded with, so a new cache per generation would mean new recordings."""
-        if max_len not in self.caches:
-            cache = KVCache(model.config, max_len=max_len, device=model.device, dtype=model.lm_head.weight.dtype)
+    def cache(self, model: GPT, max_len: int, *, batch_size: int = 1) -> KVCache:
+        """The cache of batch_size rows and max_len slots that warm-up and every generation share: a CUDA
+        graph replays on the addresses it was recorded with, so a new cache per generation would mean
+        new recordings."""
+        key = (batch_size, max_len)
+        if key not in self.caches:
+            cache = KVCache(model.config, batch_size=batch_size, max_len=max_len, device=model.device,
+                            dtype=model.lm_head.weight.dtype)
             # Marked static, a CUDA graph writes into the cache where it lies instead of copying it in
             # and out at every replay.
-            for t in (*cache.k, *cache.v, cache._length):
+            for t in (*cache.k, *cache.v, cache._lengths):
                 torch._dynamo.mark_static_address(t, guard=False)
-            self.caches[max_len] = cache
-        return self.caches[max_len]
+            self.caches[key] = cache
+        return self.caches[key]
 
     def __call__(self, idx: torch.Tensor, **kwargs):
         cache = kwargs.get("cache")
@@ -59,10 +64,12 @@ class CompiledSteps:
         return (self.compiled if is_step else self.eager)(idx, **kwargs)
 
 
-def step_cache(model: GPT, max_len: int) -> KVCache | None:
-    """For a model whose steps are compiled, the shared cache of max_len slots; else None (decoding
-    then makes its own)."""
-    return model.forward.cache(model, max_len) if isinstance(model.forward, CompiledSteps) else None
+def step_cache(model: GPT, max_len: int, *, batch_size: int = 1) -> KVCache | None:
+    """For a model whose steps are compiled, the shared cache of batch_size rows and max_len slots;
+    else None (decoding then makes its own)."""
+    if not isinstance(model.forward, CompiledSteps):
+        return None
+    return model.forward.cache(model, max_len, batch_size=batch_size)
 
 
 def compile_steps(model: GPT, *, backend: str | Callable = "inductor") -> GPT:
@@ -83,28 +90,38 @@ def compile_steps(model: GPT, *, backend: str | Callable = "inductor") -> GPT:
     return model
 
 
+def step_shapes(tree: Tree | DynamicTree) -> tuple[int, list[Tree]]:
+    """(nodes the KV cache keeps room for, every tree shape a generation with `tree` verifies): a fixed
+    tree and each of its truncations (near the end of a generation); a dynamic tree's N nodes (any
+    tree of N nodes has its shapes) and the fixed tree its sampled drafts use."""
+    if isinstance(tree, DynamicTree):
+        kept = Tree.from_choices([(r,) for r in range(tree.budget)])
+        return max(tree.budget + 1, tree.fixed.num_nodes), [kept] + step_shapes(tree.fixed)[1]
+    return tree.num_nodes, [tree.truncated(depth) for depth in range(tree.depth + 1)]
+
+
 @torch.no_grad()
-def warm_up(model: GPT, trees: list[Tree]) -> float:
-    """Compile every step shape decoding can meet (T = 1; each tree and each of its truncations), on
-    the very caches decoding will reuse; returns the seconds it took. Each shape runs three times: under
-    CUDA graphs the first call runs eagerly, the second records and the third is the first replay."""
+def warm_up(model: GPT, trees: list[Tree | DynamicTree], *, batch_size: int = 1) -> float:
+    """Compile every step shape decoding can meet (T = 1; each tree's `step_shapes`), on the very caches
+    decoding will reuse; returns the seconds it took. Each shape runs three times: under CUDA graphs
+    the first call runs eagerly, the second records and the third is the first replay."""
     if not isinstance(model.forward, CompiledSteps):
         raise ValueError("warm_up needs a model whose steps are compiled: call compile_steps first")
-    device = model.device
+    device, B = model.device, batch_size
     sync_device(device)
     t0 = time.perf_counter()
     block = model.config.block_size
-    token = torch.zeros(1, 1, dtype=torch.long, device=device)
-    plain_cache = model.forward.cache(model, block)
+    plain_cache = model.forward.cache(model, block, batch_size=B)
     for _ in range(3):
-        plain_cache.length = 0
-        model(token, cache=plain_cache)
+        plain_cache.lengths = 0
+        model(torch.zeros(B, 1, dtype=torch.long, device=device), cache=plain_cache)
     for tree in trees:
-        cache = model.forward.cache(model, block + tree.num_nodes)
-        for depth in range(tree.depth + 1):
-            t = tree.truncated(depth)
+        nodes, shapes = step_shapes(tree)
+        cache = model.forward.cache(model, block + nodes, batch_size=B)
+        for t in shapes:
+            tokens = torch.zeros(B, t.num_nodes, dtype=torch.long, device=device)
             for _ in range(3):
-                cache.length = 0
-                verify(model, cache, t, torch.zeros(t.num_nodes, dtype=torch.long, device=device))
+                cache.lengths = 0
+                verify(model, cache, StepTree.of(t, B, device), tokens)
     sync_device(device)
     return time.perf_counter() - t0

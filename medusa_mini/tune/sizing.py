@@ -38,8 +38,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-from ..decoding import prefill
-from ..hydra import heads_input
+from ..decoding import make_proposer, prefill
 from ..model import GPT, KVCache
 from ..sampling import Sampling
 from ..step import medusa_step
@@ -102,19 +101,24 @@ def measure_verify_cost(
     # Compiled steps replay on the caches they were captured with: measure on theirs, emptied first.
     cache = model.forward.cache(model, max_len) if compiled else KVCache(
         model.config, max_len=max_len, device=device, dtype=model.lm_head.weight.dtype)
-    cache.length = 0
-    _, hidden = prefill(model, torch.randint(V, (prefix_len,), generator=gen).to(device), cache)
-    trees = {n: build_tree(shape_acc, n)[0] for n in node_counts}
+    cache.lengths = 0
+    _, hidden = prefill(model, torch.randint(V, (1, prefix_len), generator=gen).to(device), cache)  # [1, C]
     drawn: dict = {}  # this call's root and stand-in guesses, drawn untimed before it
 
+    def stand_in(h: torch.Tensor, lm_head: torch.nn.Module) -> torch.Tensor:
+        return drawn["guesses"]  # [K, 1, V]: random logits in place of heads
+
+    stand_in.num_heads = K
+    proposers = {n: make_proposer(model, heads if heads is not None else stand_in, build_tree(shape_acc, n)[0])
+                 for n in node_counts}
+
     def reset() -> None:
-        drawn["root"] = torch.randint(V, (), generator=gen).to(device)  # [] on the device
-        drawn["guesses"] = torch.randn(K, V, generator=gen).to(device) if heads is None else None  # [K, V]
-        cache.length = prefix_len  # every repetition verifies after the same prefix
+        drawn["root"] = torch.randint(V, (1,), generator=gen).to(device)  # [1] on the device
+        drawn["guesses"] = torch.randn(K, 1, V, generator=gen).to(device) if heads is None else None
+        cache.lengths = prefix_len  # every repetition verifies after the same prefix
 
     def step(n: int) -> None:
-        head_logits = drawn["guesses"] if heads is None else heads_input(heads, hidden, model)  # [K, V] or per node
-        medusa_step(model, cache, trees[n], drawn["root"], head_logits, sampling=sampling, generator=rule_gen)
+        medusa_step(model, cache, proposers[n], drawn["root"], hidden, sampling=sampling, generator=rule_gen)
 
     # Budgets take turns, one step each per round: a burst of load on a shared machine then slows
     # every budget alike. The first round warms up kernels and allocators; compiled, three do (under

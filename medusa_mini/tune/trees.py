@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..dynamic import DynamicTree
 from ..io.safetensors import atomic_write_text, read_json
 from ..sampling import Sampling
 from ..tree import Tree, build_tree, preset
@@ -248,6 +249,10 @@ def resolve_trees(
             raise ValueError(f"{os.path.join(ckpt_dir, TREES_FILE)} has no trees for {torch.device(device).type}; "
                              f"store them with {MEASURE_HINT.format(ckpt_dir)}")
         trees = found[0]
+    elif spec == "dynamic" or spec.startswith("dynamic:"):
+        base = None if spec != "dynamic" else resolve_trees(None, num_heads=num_heads, ckpt_dir=ckpt_dir,
+                                                            device=device, dtype=dtype, compiled=compiled)
+        trees = dynamic_trees(spec, base=base, ckpt_dir=ckpt_dir, device=device, num_heads=num_heads)
     elif spec == "auto":
         trees, report = measure_trees(ckpt_dir, model=model, heads=heads, device=device)
         if log is not None:
@@ -268,6 +273,36 @@ def resolve_trees(
         trees.greedy.check_heads(num_heads)
         trees.sampled.check_heads(num_heads)
     return trees
+
+
+def candidate_count(budget: int) -> int:
+    """How many candidates a dynamic tree of `budget` nodes chooses from: enough that a confident step
+    can go deep and a torn one wide (4x), never so many that filling them costs more than a few nodes."""
+    return min(max(4 * budget, 32), 128)
+
+
+def dynamic_trees(spec: str, *, base: RuleTrees | None, ckpt_dir: str, device: torch.device,
+                  num_heads: int | None) -> RuleTrees:
+    """`--tree dynamic` (the budget of `base`, the trees this checkpoint would use) or `dynamic:N`:
+    each step keeps its N most confident candidates (dynamic.py). The candidates are the tree
+    build_tree grows for a bigger budget from heads_accuracy.json (else the gpu preset); sampled drafts
+    keep a fixed tree of the same budget, from the sampled table when there is one."""
+    budget_text = spec.partition(":")[2]
+    if budget_text and not (budget_text.isdigit() and 1 <= int(budget_text) <= 256):
+        raise ValueError(f"--tree {spec}: the budget of a dynamic tree must be a number of nodes from 1 to 256")
+    budget = int(budget_text) if budget_text else base.greedy.num_nodes - 1
+    if os.path.isfile(os.path.join(ckpt_dir, ACCURACY_FILE)):
+        acc = load_accuracy(ckpt_dir)
+        candidates = build_tree(acc, candidate_count(budget))[0]
+        sampled_acc = load_accuracy(ckpt_dir, sampled=True) if sampled_temperature(ckpt_dir) is not None else acc
+        fixed = (build_tree(acc, budget)[0], build_tree(sampled_acc, budget)[0])
+    else:
+        gpu = preset("gpu")
+        candidates = gpu.truncated(min(gpu.depth, num_heads or gpu.depth))
+        small = preset("cpu").truncated(min(preset("cpu").depth, num_heads or 4))
+        fixed = (small, small)
+    budget = min(budget, candidates.num_nodes - 1)
+    return RuleTrees(DynamicTree(budget, candidates, fixed[0]), DynamicTree(budget, candidates, fixed[1]))
 
 
 def tree_nodes_text(nodes: int, rejection_nodes: int | None) -> str:

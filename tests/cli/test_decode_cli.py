@@ -125,7 +125,7 @@ def test_explain_walks_through_one_step(ckpt, capsys):
     assert "[0] root" in out  # the tree drawing, labelled with token text
 
 
-@pytest.mark.parametrize("draft,needle", [("sampled", "min(1, p(x)/q(x))"), ("topk", "draw y from p")])
+@pytest.mark.parametrize("draft,needle", [("sampled", "min(1, p(x)/q(x))"), ("topk", "with probability p(x)")])
 def test_explain_with_rejection_sampling_names_how_the_candidates_were_chosen(ckpt, capsys, draft, needle):
     out = run(capsys, "--ckpt", ckpt, "--explain", "--acceptance", "rejection", "--draft", draft)
     assert needle in out and "accepted path" in out

@@ -166,14 +166,14 @@ def test_the_timed_step_gets_its_root_on_the_device_not_as_a_python_int(monkeypa
 
     roots = []
 
-    def spy(model, cache, tree, root, head_logits, **kwargs):
-        roots.append(root)
-        return medusa_step(model, cache, tree, root, head_logits, **kwargs)
+    def spy(model, cache, proposer, roots_, hidden, **kwargs):
+        roots.append(roots_)
+        return medusa_step(model, cache, proposer, roots_, hidden, **kwargs)
 
     monkeypatch.setattr(sizing, "medusa_step", spy)
     model = tiny_model(0)
     measure_verify_cost(model, heads=random_heads(model), node_counts=(1, 4), repeat=1, prefix_len=20)
-    assert roots and all(isinstance(r, torch.Tensor) and r.shape == () and r.device == model.device for r in roots)
+    assert roots and all(isinstance(r, torch.Tensor) and r.shape == (1,) and r.device == model.device for r in roots)
 
 
 def test_costs_are_measured_without_tf32_as_decoding_runs_and_the_setting_is_restored(monkeypatch):
