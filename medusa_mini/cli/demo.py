@@ -43,6 +43,8 @@ def demo_checkpoint(*, steps: int = 300, seed: int = 0) -> tuple[Checkpoint, lis
     model = GPT(config)
     heads = MedusaHeads(HeadsConfig(num_heads=4, n_embd=64, vocab_size=enc.n_vocab), lm_head_weight=model.lm_head.weight)
     module = MedusaLM(model, heads)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # ops this small gain nothing from threads, and lose much on a busy machine
     optimizer = torch.optim.AdamW(module.parameters(), lr=3e-3)
     gen = torch.Generator().manual_seed(seed)
     T = 64
@@ -54,6 +56,7 @@ def demo_checkpoint(*, steps: int = 300, seed: int = 0) -> tuple[Checkpoint, lis
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
+    torch.set_num_threads(threads)
     model.eval()
     heads.eval()
     lines = [line for line in text.splitlines() if line]

@@ -216,6 +216,15 @@ def broken_ckpt(ckpt, tmp_path_factory):
         (["--compare", "--repeat", "0"], "--repeat"),
         (["--acceptance", "greedy", "--temperature", "0.7"], "greedy acceptance"),
         (["--max-new-tokens", "many"], "invalid int"),
+        (["--batch-size", "0"], "--batch-size"),
+        (["--batch-size", "2", "--show"], "--batch-size"),
+        (["--batch-sizes", "1,2"], "--batch-sizes goes with --compare"),
+        (["--compare", "--batch-sizes", "1,x"], "sizes >= 1"),
+        (["--plot", "{tmp}/b.png"], "--plot draws the batch table"),
+        (["--compare", "--batch-sizes", "1", "--plot", "{tmp}/no/b.png"], "folder does not exist"),
+        (["--demo"], "--demo goes with --explain"),
+        (["--tree", "dynamic:x"], "budget of a dynamic tree"),
+        (["--reference", "--method", "plain"], "leave out --method plain"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(argv, needle, ckpt, ckpt_no_heads, broken_ckpt, tmp_path, capsys):

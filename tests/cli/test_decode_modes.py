@@ -1,0 +1,101 @@
+"""decode.py's newer modes on a tiny saved checkpoint: the reference decoder, batches, the batch table,
+dynamic trees and the demo that needs no checkpoint."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import save_tiny
+
+import decode  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    d = tmp_path_factory.mktemp("ckpt")
+    save_tiny(d, with_heads=True)
+    return str(d)
+
+
+def run(capsys, *argv: str) -> str:
+    assert decode.main(list(argv)) == 0
+    return capsys.readouterr().out
+
+
+def tokens_of(capsys, *argv: str) -> list[list[int]]:
+    return [json.loads(line)["tokens"] for line in run(capsys, *argv, "--json").splitlines() if line.strip()]
+
+
+@pytest.mark.parametrize("rule", [["--acceptance", "greedy"], ["--acceptance", "typical"],
+                                  ["--acceptance", "rejection"], ["--acceptance", "rejection", "--draft", "topk"]])
+def test_the_reference_decoder_prints_the_engines_tokens(ckpt, capsys, rule):
+    argv = ["--ckpt", ckpt, "--max-new-tokens", "16", "--seed", "2", *rule]
+    assert tokens_of(capsys, *argv, "--reference") == tokens_of(capsys, *argv)
+
+
+def test_reference_greedy_equals_plain_greedy(ckpt, capsys):
+    argv = ["--ckpt", ckpt, "--max-new-tokens", "20"]
+    assert tokens_of(capsys, *argv, "--reference") == tokens_of(capsys, *argv, "--method", "plain")
+
+
+def test_compare_with_the_reference_adds_its_rows_with_the_engines_tokens(ckpt, capsys):
+    result = json.loads(run(capsys, "--ckpt", ckpt, "--compare", "--reference", "--json", "--max-new-tokens", "10",
+                            "--repeat", "1"))
+    rows = {r["key"]: r for r in result["rows"]}
+    assert {"reference_greedy", "reference_typical", "reference_rejection"} <= set(rows)
+    for rule in ("greedy", "typical", "rejection"):
+        assert rows[f"reference_{rule}"]["tokens"] == rows[f"medusa_{rule}"]["tokens"]
+        assert rows[f"reference_{rule}"]["same_as_engine"] == result["prompts"]
+    out = run(capsys, "--ckpt", ckpt, "--compare", "--reference", "--max-new-tokens", "8", "--repeat", "1")
+    assert "reference greedy" in out and "the engine's tokens on 3/3 prompts" in out
+
+
+@pytest.mark.parametrize("rule", [[], ["--method", "plain"], ["--acceptance", "typical"]])
+def test_a_batch_of_prompts_decodes_each_as_if_alone_when_greedy(ckpt, capsys, rule):
+    argv = ["--ckpt", ckpt, "--max-new-tokens", "14", *rule]
+    if rule[-1:] == ["typical"]:  # sampled rules draw from one generator per batch: same lengths, own tokens
+        got = json.loads(run(capsys, *argv, "--batch-size", "3", "--json").splitlines()[0])
+        assert got["batch_size"] == 3 and len(got["tokens"]) == 14
+        return
+    assert tokens_of(capsys, *argv, "--batch-size", "2") == tokens_of(capsys, *argv)
+
+
+def test_the_batch_table_has_every_method_at_every_size_and_says_where_medusa_stops_paying(ckpt, capsys, tmp_path):
+    plot = tmp_path / "batch.png"
+    argv = ["--ckpt", ckpt, "--compare", "--batch-sizes", "1,2", "--max-new-tokens", "8", "--repeat", "1"]
+    result = json.loads(run(capsys, *argv, "--json"))
+    rows = result["rows"]
+    assert {(r["key"], r["batch_size"]) for r in rows} == {(k, b) for b in (1, 2) for k in (
+        "plain_greedy", "medusa_greedy", "plain_sampling", "medusa_rejection")}
+    for r in rows:
+        assert r["tokens_per_s"] > 0 and r["speedup"] > 0 and r["tokens_per_step"] >= 1.0
+        if r["key"].endswith("greedy"):
+            assert r["same_as_plain_greedy"] is True  # every batch size makes batch 1's greedy tokens
+    assert set(result["crossover"]) == {"medusa_greedy", "medusa_rejection"}
+    out = run(capsys, *argv, "--plot", str(plot))
+    assert "stops paying" in out or "still pays" in out
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_dynamic_tree_decodes_greedy_as_plain_greedy_and_explains_its_choice(ckpt, capsys):
+    argv = ["--ckpt", ckpt, "--max-new-tokens", "16"]
+    assert tokens_of(capsys, *argv, "--tree", "dynamic:6") == tokens_of(capsys, *argv, "--method", "plain")
+    out = run(capsys, "--ckpt", ckpt, "--explain", "--tree", "dynamic:6")
+    assert "A dynamic tree" in out and "the best candidate left out" in out and "6 candidate nodes" in out
+
+
+@pytest.mark.slow
+def test_the_demo_explains_a_step_without_any_checkpoint(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # no out/tiny here
+    out = run(capsys, "--explain", "--demo")
+    assert out.startswith("DEMO:") and "accepted path" in out and "7. Result" in out
