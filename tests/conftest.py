@@ -166,3 +166,24 @@ def save_small_checkpoint(directory):
     save_checkpoint(directory, model, heads=heads)
     prompts = ["the cat sat", "on the mat and", "the dog", "sat on the log. the"]
     (directory / "prompts.json").write_text(json.dumps({"prompts": prompts}))
+
+
+# ---- what the command-line tests share ------------------------------------------------------
+
+
+@pytest.fixture
+def one_thread():
+    """One torch thread for the test: a model this small gains nothing from threads, and on a busy
+    machine their spinning costs seconds (command lines run with whatever the session left)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    """A tiny checkpoint with Medusa heads, saved as train_tiny.py leaves one."""
+    d = tmp_path_factory.mktemp("ckpt")
+    save_tiny(d, with_heads=True)
+    return str(d)

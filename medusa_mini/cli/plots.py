@@ -97,15 +97,8 @@ def plot_node_sweep(
     steps_ax.axhline(1.0, color="gray", ls=":", label="plain decoding (1.00)")
     if plain_tokens_per_s:
         speed_ax.axhline(plain_tokens_per_s, color="gray", ls=":", label="plain decoding")
-    for ax, ylabel in ((steps_ax, "tokens per step (bonus counted)"), (speed_ax, "tokens per second")):
-        _budget_axis(ax, sorted(budgets), "node budget (root excluded)")
-        ax.set_ylabel(ylabel)
-        ax.set_ylim(bottom=0)
-        ax.legend(fontsize="small")
-    if title:
-        fig.suptitle(title)
-    fig.savefig(path, dpi=DPI)
-    return path
+    return _finish(fig, {steps_ax: "tokens per step (bonus counted)", speed_ax: "tokens per second"},
+                   sorted(budgets), "node budget (root excluded)", title=title, path=path)
 
 
 def plot_batch(
@@ -139,8 +132,14 @@ def plot_batch(
             gain_ax.plot(b, [_number(r, "speedup", where) for r in mrows], marker="o", color=line.get_color(),
                          label=method)
     gain_ax.axhline(1.0, color="black", ls="--", lw=1, label="1x: as fast as plain")
-    for ax, ylabel in ((speed_ax, "tokens per second"), (gain_ax, "speedup over plain")):
-        _budget_axis(ax, sorted(sizes), "batch size")
+    return _finish(fig, {speed_ax: "tokens per second", gain_ax: "speedup over plain"}, sorted(sizes), "batch size",
+                   title=title, path=path)
+
+
+def _finish(fig, ylabels: Mapping, ticks: list[int], xlabel: str, *, title: str, path: str) -> str:
+    """Label both panels (a log2 x axis at the measured points), title the figure, save it; returns path."""
+    for ax, ylabel in ylabels.items():
+        _budget_axis(ax, ticks, xlabel)
         ax.set_ylabel(ylabel)
         ax.set_ylim(bottom=0)
         ax.legend(fontsize="small")

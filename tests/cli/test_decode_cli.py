@@ -19,21 +19,7 @@ from medusa_mini.io.tokenizer import load_tokenizer
 from medusa_mini.tune.trees import resolve_trees
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # A model this small gains nothing from threads, and on a busy machine their spinning costs
-    # seconds; decode.main would otherwise run with whatever the session left behind.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    d = tmp_path_factory.mktemp("ckpt")
-    save_tiny(d, with_heads=True)
-    return str(d)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

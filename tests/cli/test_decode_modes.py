@@ -12,19 +12,7 @@ from conftest import save_tiny
 import decode  # noqa: E402
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    d = tmp_path_factory.mktemp("ckpt")
-    save_tiny(d, with_heads=True)
-    return str(d)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def run(capsys, *argv: str) -> str:
