@@ -1,17 +1,21 @@
-"""Sweep the tree size: what the accuracies promise against what decoding delivers, budget by budget.
+"""Sweep the node budget: static against dynamic trees, greedy and rejection sampling, side by side.
 
-For node budgets 1, 2, 4, ..., 64 (candidate nodes, the root excluded) this builds the tree from the
-checkpoint's heads_accuracy.json (or measures the accuracies first), decodes the same prompts with
-greedy Medusa, and prints per budget: expected and measured tokens per step (the bonus token counted),
-ms per step, ms per token, the speedup over plain greedy decoding of the same prompts in the same run,
-and how many outputs equal plain greedy's (all of them, or something is broken).
+For node budgets 2, 4, ..., 64 (candidate nodes, the root excluded) this decodes the checkpoint's
+held-out prompts (prompts.json) with Medusa under each acceptance rule, once with the static tree of
+that budget (build_tree from heads_accuracy.json, as `decode.py --tree N` uses) and once with the
+dynamic tree (`decode.py --tree dynamic:N`: each step keeps its N most confident candidates). It
+prints per budget: measured tokens per step (the bonus token counted), ms per step, tokens per
+second, the speedup over the plain decoder of the same rule, whether greedy rows write plain greedy's
+tokens (they must), and for static trees the tokens per step the accuracy table expects. Last, per
+rule, which tree kind at which budget gave the most tokens per second.
 
-With --temperature T > 0 it sweeps rejection sampling instead: trees from the table measured under
-sampling, Medusa against plain sampling at T (each prompt with its own seeded generator), expected
-tokens/step by the product rule (sampling cannot be replayed).
+Rules: greedy, and rejection sampling at T with the heads' top-k as drafts (lossless too; with drafts
+sampled from q a dynamic tree keeps a fixed tree, so the kinds would not differ). Works for Medusa and
+dependent (hydra) heads alike. Methods take turns prompt by prompt; the fastest of --repeat runs
+counts (benchmarks/sweep_methods.py).
 
-    python benchmarks/sweep.py --ckpt out/tiny [--num-prompts 8] [--max-new-tokens 64] [--temperature T] [--json]
-    python benchmarks/sweep.py --ckpt out/tiny --plot sweep.png   # also draw the rows (needs matplotlib)
+    python benchmarks/sweep.py --ckpt out/tiny [--budgets 2,4,8,16,32,64] [--rules greedy,rejection]
+        [--trees static,dynamic] [--num-prompts 8] [--max-new-tokens 64] [--repeat 3] [--json] [--plot sweep.png]
 
 Decoding ignores the end-of-text token, so every prompt yields the same number of tokens in every row.
 Times include the prefill, the same for plain and Medusa decoding.
@@ -19,10 +23,12 @@ Times include the prefill, the same for plain and Medusa decoding.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import random
 import sys
+from typing import Callable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # run as a script from anywhere, without installing the package
@@ -30,171 +36,177 @@ if ROOT not in sys.path:  # run as a script from anywhere, without installing th
 
 import torch  # noqa: E402
 
-from medusa_mini.cli.common import DTYPES, OneLineParser, pick_device, pick_dtype  # noqa: E402
+from benchmarks.sweep_methods import RULES, TREE_KINDS, load_tables, run_sweep, sweep_methods  # noqa: E402
+from medusa_mini.cli.common import BONUS_NOTE, DTYPES, OneLineParser, pick_device, pick_dtype  # noqa: E402
 from medusa_mini.cli.measure import encode_prompts  # noqa: E402
 from medusa_mini.cli.plots import plot_node_sweep, require_matplotlib  # noqa: E402
-from medusa_mini.decoding import generate, medusa_generate  # noqa: E402
 from medusa_mini.io.loading import load_for_decoding, load_prompts  # noqa: E402
-from medusa_mini.model import GPT  # noqa: E402
-from medusa_mini.sampling import Sampling  # noqa: E402
-from medusa_mini.tree import build_tree  # noqa: E402
-from medusa_mini.tune.acceptance_tables import (  # noqa: E402
-    ACCURACY_FILE,
-    HeadsFn,
-    accuracy_on_prompts,
-    load_accuracy,
-    load_greedy_ranks,
-    replay_greedy,
-)
-from medusa_mini.tune.clock import timed_generation  # noqa: E402
-from medusa_mini.tune.sizing import auto_tree  # noqa: E402
+from medusa_mini.tune.acceptance_tables import SAMPLING_TEMPERATURE  # noqa: E402
 
-BUDGETS = (1, 2, 4, 8, 16, 32, 64)
+BUDGETS = (2, 4, 8, 16, 32, 64)
 
 
-def run_sweep(
-    model: GPT, heads: HeadsFn, prompts: list[list[int]], *, acc: torch.Tensor, max_new_tokens: int,
-    budgets: tuple[int, ...] = BUDGETS, ranks: list[str] | None = None, temperature: float = 0.0, seed: int = 0,
-) -> dict:
-    """Decode every prompt plainly once, then with the build_tree tree of each budget; gather numbers.
+def budget_list(text: str) -> tuple[int, ...]:
+    """--budgets "2,4,8": distinct node budgets from 1 to 256, in increasing order."""
+    parts = [p.strip() for p in text.split(",")]
+    if not all(p.isdigit() and 1 <= int(p) <= 256 for p in parts):
+        raise argparse.ArgumentTypeError(f"{text!r}: give node budgets from 1 to 256, comma-separated, e.g. 2,4,8")
+    return tuple(sorted({int(p) for p in parts}))
 
-    temperature 0: greedy decoding, greedy acceptance; T > 0: sampling, rejection sampling."""
-    if not prompts:
-        raise ValueError("the sweep needs at least one prompt")
-    sampling = Sampling(temperature=temperature)  # greedy at 0, else rejection sampling at T
-    device = model.device
 
-    def gen(i: int) -> torch.Generator:  # prompt i's generator, seeded afresh for every row
-        return torch.Generator(device=device).manual_seed(seed + i)
+def names_of(allowed: tuple[str, ...]):
+    """An argparse type for a comma-separated subset of `allowed`, kept in `allowed`'s order."""
+    def parse(text: str) -> tuple[str, ...]:
+        names = {p.strip() for p in text.split(",")}
+        if not names <= set(allowed):
+            raise argparse.ArgumentTypeError(f"{text!r}: choose from {', '.join(allowed)}, comma-separated")
+        return tuple(a for a in allowed if a in names)
+    return parse
 
-    generate(model, prompts[0], max_new_tokens=min(4, max_new_tokens))  # warm-up, not timed
-    plain = [timed_generation(device, lambda: generate(model, p, max_new_tokens=max_new_tokens, sampling=sampling,
-                                                       generator=gen(i)))
-             for i, p in enumerate(prompts)]
-    plain_tokens = sum(len(out) for out, _ in plain)
-    plain_ms_per_token = 1000 * sum(st.seconds for _, st in plain) / max(plain_tokens, 1)
-    rows = []
-    for n in budgets:
-        tree, expected = build_tree(acc, n)
-        if ranks is not None:  # replayed on the measured continuations, not the product rule
-            expected = replay_greedy(ranks, tree)
-        runs = [timed_generation(device, lambda: medusa_generate(
-                    model, heads, p, tree=tree, max_new_tokens=max_new_tokens, sampling=sampling, generator=gen(i)))
-                for i, p in enumerate(prompts)]
-        steps = max(sum(st.steps for _, st in runs), 1)
-        seconds = sum(st.seconds for _, st in runs)
-        ms_per_token = 1000 * seconds / max(sum(len(out) for out, _ in runs), 1)
-        rows.append({
-            "nodes": n,
-            "expected_tokens_per_step": expected,
-            "tokens_per_step": sum(sum(st.step_tokens) for _, st in runs) / steps,
-            "ms_per_step": 1000 * seconds / steps,
-            "ms_per_token": ms_per_token,
-            "speedup": plain_ms_per_token / ms_per_token if ms_per_token > 0 else 0.0,
-            "equal_to_greedy": None if not sampling.greedy else sum(out == ref for (out, _), (ref, _) in zip(runs, plain)),
-        })
-    _, why = auto_tree(acc, {row["nodes"]: row["ms_per_step"] for row in rows}, ranks=ranks)
-    return {
-        "num_prompts": len(prompts), "max_new_tokens": max_new_tokens, "temperature": temperature,
-        "plain_ms_per_token": plain_ms_per_token, "rows": rows,
-        "auto_tree_on_measured_step_ms": why.splitlines()[-1],
-    }
+
+def rule_label(rule: str, temperature: float) -> str:
+    return "greedy" if rule == "greedy" else f"rejection sampling (T={temperature:g}, top-k drafts)"
+
+
+def plain_label(rule: str, temperature: float) -> str:
+    return "plain greedy" if rule == "greedy" else f"plain sampling (T={temperature:g})"
+
+
+def _columns(kind: str, *, greedy: bool, num_prompts: int) -> list[tuple[str, Callable[[dict], str]]]:
+    """(header, cell) per column of one tree kind: static trees add the expectation, greedy rows the
+    prompts that wrote plain greedy's tokens."""
+    cols = [("expected", lambda r: "-" if r["expected_tokens_per_step"] is None
+             else f"{r['expected_tokens_per_step']:.2f}")] if kind == "static" else []
+    cols += [("tok/step", lambda r: f"{r['tokens_per_step']:.2f}"), ("ms/step", lambda r: f"{r['ms_per_step']:.2f}"),
+             ("tokens/s", lambda r: f"{r['tokens_per_s']:.1f}"), ("speedup", lambda r: f"{r['speedup']:.2f}x")]
+    if greedy:
+        cols.append(("same", lambda r: f"{r['prompts_same_as_plain_greedy']}/{num_prompts}"))
+    return cols
+
+
+def rule_table(result: dict, rule: str) -> list[str]:
+    """One rule's lines: its plain decoder's speed, then a line per budget, the tree kinds side by side."""
+    T, n, width = result["temperature"], result["num_prompts"], 9
+    rows = [r for r in result["rows"] if r["rule"] == rule]
+    kinds = [(kind, _columns(kind, greedy=rule == "greedy", num_prompts=n)) for kind in result["trees"]]
+    plain = result["plain"][rule]
+    lines = [f"{rule_label(rule, T)}: {plain_label(rule, T)} {plain['tokens_per_s']:.1f} tokens/s",
+             f"{'':>5}" + "".join(f" | {kind + ' tree':<{width * len(cols)}}" for kind, cols in kinds),
+             f"{'nodes':>5}" + "".join(" | " + "".join(f"{h:>{width}}" for h, _ in cols) for _, cols in kinds)]
+    for budget in sorted({r["nodes"] for r in rows}):
+        line = f"{budget:>5}"
+        for kind, cols in kinds:
+            row = next((r for r in rows if r["tree"] == kind and r["nodes"] == budget), None)
+            line += " | " + "".join(f"{cell(row) if row else '':>{width}}" for _, cell in cols)
+        lines.append(line)
+    if rule == "rejection" and any(r["expected_tokens_per_step"] is not None for r in rows):
+        lines.append("expected: the sampled table's product rule, which assumes drafts drawn from the heads' q; "
+                     "these rows draft their top-k")
+    for r in rows:
+        if r["verified_nodes"] != r["nodes"]:
+            lines.append(f"the {r['tree']} tree of budget {r['nodes']} verifies {r['verified_nodes']} nodes a step "
+                         "(the table offers no more)")
+        if r["repeats_differ"]:
+            lines.append(f"the {r['tree']} tree of budget {r['nodes']}: repeated runs made different tokens; "
+                         "the first run's are reported")
+    return lines
 
 
 def format_sweep(result: dict) -> str:
-    n, T = result["num_prompts"], result.get("temperature", 0.0)
-    plain = f"plain sampling (T={T:g})" if T > 0 else "plain greedy"
-    lines = [
-        f"{n} prompts x {result['max_new_tokens']} new tokens; {plain} "
-        f"{result['plain_ms_per_token']:.2f} ms/token (1.00 tokens/step)"
-        + (f"; Medusa with rejection sampling at T={T:g}" if T > 0 else ""),
-        "nodes exclude the root; tokens/step counts the bonus token; times include the prefill",
-        "nodes  expected tok/step  measured tok/step  ms/step  ms/token  speedup  same as greedy",
-    ]
-    for r in result["rows"]:
-        lines.append(
-            f"{r['nodes']:>5}  {r['expected_tokens_per_step']:>17.2f}  {r['tokens_per_step']:>17.2f}  "
-            f"{r['ms_per_step']:>7.2f}  {r['ms_per_token']:>8.2f}  {r['speedup']:>6.2f}x  "
-            + (f"{r['equal_to_greedy']:>6}/{n}" if r["equal_to_greedy"] is not None else f"{'-':>8}")
-        )
-    best = max(result["rows"], key=lambda r: r["speedup"])
-    lines.append(f"fastest measured: {best['nodes']} nodes, {best['speedup']:.2f}x over {plain}")
-    lines.append("auto_tree on these step times: " + result["auto_tree_on_measured_step_ms"])
-    return "\n".join(lines)
+    T, runs = result["temperature"], result["repeat"]
+    lines = [f"{result['num_prompts']} prompts x {result['max_new_tokens']} new tokens, "
+             + (f"fastest of {runs} runs in turns" if runs > 1 else "one run each")
+             + "; nodes exclude the root; times include the prefill", f"Note: {BONUS_NOTE}."]
+    for rule in result["rules"]:
+        lines += [""] + rule_table(result, rule)
+    lines.append("")
+    for rule in result["rules"]:
+        b = result["best"][rule]
+        lines.append(f"most tokens/s, {rule_label(rule, T)}: the {b['tree']} tree at {b['nodes']} nodes, "
+                     f"{b['tokens_per_s']:.1f} tokens/s ({b['speedup']:.2f}x {plain_label(rule, T)}; measured)")
+    return "\n".join(line.rstrip() for line in lines)
 
 
 def draw(result: dict, path: str) -> str:
-    """The sweep's rows as one named series (the static build_tree trees), plain decoding's speed marked."""
-    T = result.get("temperature", 0.0)
-    name = f"static tree, rejection T={T:g}" if T > 0 else "static tree, greedy"
-    dtype = "" if result.get("dtype", "float32") == "float32" else f", {result['dtype']}"
-    title = f"{result.get('checkpoint', '')} on {result.get('device', '')}{dtype}: node budgets"
-    plain_ms = result["plain_ms_per_token"]
-    return plot_node_sweep([(name, result["rows"])], path, title=title,
-                           plain_tokens_per_s=1000.0 / plain_ms if plain_ms else None)
+    """Series "static, greedy", "dynamic, greedy", "static, rejection", "dynamic, rejection"; each
+    rule's plain decoder as a dotted line."""
+    series = [(f"{kind}, {rule}", [r for r in result["rows"] if r["tree"] == kind and r["rule"] == rule])
+              for rule in result["rules"] for kind in result["trees"]]
+    T = result["temperature"]
+    plain = {plain_label(rule, T): result["plain"][rule]["tokens_per_s"] for rule in result["rules"]}
+    dtype = "" if result["dtype"] == "float32" else f", {result['dtype']}"
+    title = f"{result['checkpoint']} ({result['heads']} heads) on {result['device']}{dtype}: static vs dynamic trees"
+    return plot_node_sweep(series, path, title=title, plain_tokens_per_s=plain)
 
 
-def _accuracies(directory: str, ckpt, texts: list[str], *, temperature: float):
-    """(acc, greedy ranks or None, where they came from) for a sweep at `temperature`."""
-    if temperature > 0:  # only the table measured under sampling describes rejection sampling
-        return load_accuracy(directory, sampled=True), None, f"{ACCURACY_FILE}, sampled table (product rule)"
-    try:
-        ranks = load_greedy_ranks(directory)
-        how = " (expected = replayed on its greedy continuations)" if ranks else " (product rule)"
-        return load_accuracy(directory), ranks, ACCURACY_FILE + how
-    except ValueError:  # missing or unreadable: measure now, as python -m medusa_mini.cli.measure would
-        block = ckpt.block_size
-        measure_on = encode_prompts(ckpt.enc, texts[:32], block_size=block, max_new_tokens=min(64, block - 1))
-        acc = accuracy_on_prompts(ckpt.model, ckpt.heads, measure_on, max_new_tokens=min(64, block - 1))
-        return acc, None, f"measured now on {len(measure_on)} prompts ({ACCURACY_FILE} missing or unreadable)"
+def parser() -> OneLineParser:
+    p = OneLineParser(
+        prog="python benchmarks/sweep.py",
+        description="Static against dynamic trees, node budget by node budget: tokens/step and tokens/s of "
+                    "Medusa under greedy acceptance and rejection sampling (top-k drafts), on the "
+                    "checkpoint's held-out prompts, against plain decoding of the same rule.",
+    )
+    p.add_argument("--ckpt", required=True, help="checkpoint directory (heads, tokenizer, prompts.json, "
+                   "heads_accuracy.json from python -m medusa_mini.cli.measure)")
+    p.add_argument("--budgets", type=budget_list, default=BUDGETS, metavar="N,N,...",
+                   help="node budgets, root excluded (default: %s)" % ",".join(map(str, BUDGETS)))
+    p.add_argument("--rules", type=names_of(RULES), default=RULES, metavar="RULE,...",
+                   help="acceptance rules: greedy, rejection (default: both)")
+    p.add_argument("--trees", type=names_of(TREE_KINDS), default=TREE_KINDS, metavar="KIND,...",
+                   help="tree kinds: static (build_tree), dynamic (each step's most confident nodes) (default: both)")
+    p.add_argument("--temperature", type=float, default=SAMPLING_TEMPERATURE, metavar="T",
+                   help="temperature of the rejection-sampling rows and of plain sampling (default: %(default)s)")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per prompt (default: %(default)s)")
+    p.add_argument("--num-prompts", type=int, default=8, help="prompts drawn from prompts.json (default: %(default)s)")
+    p.add_argument("--repeat", type=int, default=3, help="runs per generation, taken in turns; the fastest "
+                   "counts (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="which prompts are drawn, and the sampling seeds (default: %(default)s)")
+    p.add_argument("--device", help="cpu, cuda, ... (default: cuda if available)")
+    p.add_argument("--dtype", choices=tuple(DTYPES), default="float32",
+                   help="weights, heads and KV cache in this precision (default: %(default)s)")
+    p.add_argument("--threads", type=int, help="torch CPU threads (fewer can be faster on a busy CPU)")
+    p.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
+    p.add_argument("--plot", metavar="FILE.png", help="also draw tokens/step and tokens/s against the budget, one "
+                   "series per tree kind and rule (needs matplotlib: pip install -e '.[plot]')")
+    return p
+
+
+def check(ns: argparse.Namespace) -> None:
+    """Flags that argparse cannot judge alone; a one-line ValueError for the first bad one."""
+    if ns.plot:  # before the sweep, not after it: a missing library or folder fails in a second
+        require_matplotlib()
+        if not os.path.isdir(os.path.dirname(os.path.abspath(ns.plot))):
+            raise ValueError(f"--plot {ns.plot}: its folder does not exist")
+    for flag in ("num_prompts", "max_new_tokens", "repeat", "threads"):
+        value = getattr(ns, flag)
+        if value is not None and value < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be at least 1, not {value}")
+    if "rejection" in ns.rules and not ns.temperature > 0:
+        raise ValueError(f"--temperature must be > 0 for the rejection rows, not {ns.temperature}")
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = OneLineParser(
-        prog="python benchmarks/sweep.py",
-        description="Expected vs measured Medusa tokens/step and speed for tree budgets 1 ... 64.",
-    )
-    p.add_argument("--ckpt", required=True, help="checkpoint directory (with heads, tokenizer, prompts.json)")
-    p.add_argument("--device", help="cpu, cuda, ... (default: cuda if available)")
-    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per prompt (default: %(default)s)")
-    p.add_argument("--num-prompts", type=int, default=8, help="prompts drawn from prompts.json (default: %(default)s)")
-    p.add_argument("--seed", type=int, default=0, help="which prompts are drawn, and the sampling seeds (default: %(default)s)")
-    p.add_argument("--temperature", type=float, default=0.0, metavar="T",
-                   help="0: greedy Medusa vs plain greedy; T > 0: rejection sampling vs plain sampling at T, "
-                        "trees from the sampled table (default: %(default)s)")
-    p.add_argument("--threads", type=int, help="torch CPU threads (fewer can be faster on a busy CPU)")
-    p.add_argument("--dtype", choices=tuple(DTYPES), default="float32",
-                   help="weights, heads and KV cache in this precision (default: %(default)s)")
-    p.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
-    p.add_argument("--plot", metavar="FILE.png", help="also draw tokens/step and tokens/s against the budget, "
-                   "expected and measured, into this PNG (needs matplotlib: pip install -e '.[plot]')")
+    p = parser()
     ns = p.parse_args(argv)
     try:
-        if ns.plot:  # before the sweep, not after it: a missing library or folder fails in a second
-            require_matplotlib()
-            if not os.path.isdir(os.path.dirname(os.path.abspath(ns.plot))):
-                raise ValueError(f"--plot {ns.plot}: its folder does not exist")
-        if ns.num_prompts < 1 or ns.max_new_tokens < 1 or (ns.threads is not None and ns.threads < 1):
-            raise ValueError("--num-prompts, --max-new-tokens and --threads must be at least 1")
-        if ns.temperature < 0:
-            raise ValueError(f"--temperature must be >= 0, not {ns.temperature}")
+        check(ns)
         if ns.threads:
             torch.set_num_threads(ns.threads)
         device = pick_device(ns.device)
-        ckpt = load_for_decoding(ns.ckpt, device=device, dtype=pick_dtype(ns.dtype, device))
-        if ckpt.heads is None:
+        ck = load_for_decoding(ns.ckpt, device=device, dtype=pick_dtype(ns.dtype, device))
+        if ck.heads is None:
             raise ValueError(f"checkpoint {ns.ckpt} has no Medusa heads; train heads first")
+        tables = load_tables(ns.ckpt, num_heads=ck.heads.num_heads)
+        methods = sweep_methods(ns.ckpt, tables=tables, budgets=ns.budgets, rules=ns.rules, kinds=ns.trees,
+                                temperature=ns.temperature, num_heads=ck.heads.num_heads, device=device)
         texts = load_prompts(ns.ckpt)
-        block = ckpt.block_size
-        acc, ranks, source = _accuracies(ns.ckpt, ckpt, texts, temperature=ns.temperature)
-        if acc.shape[0] > ckpt.heads.num_heads:
-            raise ValueError(f"{ACCURACY_FILE} describes {acc.shape[0]} heads but the checkpoint has "
-                             f"{ckpt.heads.num_heads}; recompute it with python -m medusa_mini.cli.measure")
         chosen = random.Random(ns.seed).sample(texts, min(ns.num_prompts, len(texts)))
-        prompts = encode_prompts(ckpt.enc, chosen, block_size=block, max_new_tokens=ns.max_new_tokens)
-        result = run_sweep(ckpt.model, ckpt.heads, prompts, acc=acc, max_new_tokens=ns.max_new_tokens, ranks=ranks,
-                           temperature=ns.temperature, seed=ns.seed)
-        result.update(checkpoint=ns.ckpt, device=str(device), dtype=ns.dtype, accuracy_source=source, seed=ns.seed)
+        prompts = encode_prompts(ck.enc, chosen, block_size=ck.block_size, max_new_tokens=ns.max_new_tokens)
+        result = run_sweep(ck, methods, prompts, max_new_tokens=ns.max_new_tokens, repeat=ns.repeat, seed=ns.seed)
+        result.update(checkpoint=ns.ckpt, device=str(device), dtype=ns.dtype, heads=ck.heads.config.kind,
+                      num_heads=ck.heads.num_heads, accuracy_source=tables.describe(), seed=ns.seed,
+                      temperature=ns.temperature, draft="topk", rules=list(ns.rules), trees=list(ns.trees),
+                      threads=torch.get_num_threads())
         if ns.plot:
             draw(result, ns.plot)
             print(f"plot: {ns.plot}", file=sys.stderr)
@@ -204,7 +216,9 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(result, indent=2))
     else:
         dtype = "" if ns.dtype == "float32" else f", {ns.dtype}"
-        print(f"checkpoint {ns.ckpt} on {device}{dtype}; accuracies: {source}")
+        threads = f"{result['threads']} thread" + ("s" if result["threads"] != 1 else "")
+        print(f"checkpoint {ns.ckpt} on {device}{dtype}, {threads}; {result['heads']} heads "
+              f"({result['num_heads']}); accuracies: {result['accuracy_source']}")
         print(format_sweep(result))
     return 0
 

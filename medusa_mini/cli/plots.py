@@ -61,8 +61,8 @@ def _budget_axis(ax, budgets: list[int], label: str) -> None:
 
 
 def plot_node_sweep(
-    series: Sequence[tuple[str, Sequence[Mapping]]], path: str, *, plain_tokens_per_s: float | None = None,
-    title: str = "",
+    series: Sequence[tuple[str, Sequence[Mapping]]], path: str, *,
+    plain_tokens_per_s: float | Mapping[str, float] | None = None, title: str = "",
 ) -> str:
     """Tokens/step (left) and tokens/s (right) against the node budget, one colour per named series.
 
@@ -70,7 +70,8 @@ def plot_node_sweep(
     (the budget, root excluded), `tokens_per_step` (measured, bonus counted), `tokens_per_s` or
     `ms_per_token`, and optionally `expected_tokens_per_step` with `ms_per_step`: the expected curves,
     dashed, are expected tokens/step and expected tokens/step at the measured step time.
-    plain_tokens_per_s draws plain decoding's speed as a dotted line. Returns path.
+    plain_tokens_per_s draws plain decoding's speed as a dotted line; a mapping {name: tokens/s} draws
+    one per plain decoder (plain greedy and plain sampling run at different speeds). Returns path.
     """
     if not series or not any(rows for _, rows in series):
         raise PlotError("plot_node_sweep: no rows to plot")
@@ -95,8 +96,11 @@ def plot_node_sweep(
                           [1000.0 * float(r["expected_tokens_per_step"]) / float(r["ms_per_step"]) for r in timed],
                           ls="--", marker="x", color=line.get_color(), label=f"{name}, expected at measured ms/step")
     steps_ax.axhline(1.0, color="gray", ls=":", label="plain decoding (1.00)")
-    if plain_tokens_per_s:
-        speed_ax.axhline(plain_tokens_per_s, color="gray", ls=":", label="plain decoding")
+    plain = plain_tokens_per_s if isinstance(plain_tokens_per_s, Mapping) else {"plain decoding": plain_tokens_per_s}
+    greys = ("gray", "silver", "dimgray", "darkgray")
+    for i, (name, tokens_per_s) in enumerate(plain.items()):
+        if tokens_per_s:
+            speed_ax.axhline(tokens_per_s, color=greys[i % len(greys)], ls=":", label=name)
     return _finish(fig, {steps_ax: "tokens per step (bonus counted)", speed_ax: "tokens per second"},
                    sorted(budgets), "node budget (root excluded)", title=title, path=path)
 

@@ -45,6 +45,15 @@ def test_node_sweep_draws_named_series_into_a_png(tmp_path):
     assert_png(out)
 
 
+def test_node_sweep_draws_one_dotted_line_per_plain_decoder(tmp_path):
+    # greedy and rejection rows share the figure, each against its own plain decoder's speed
+    out = tmp_path / "sweep.png"
+    plain = {"plain greedy": 250.0, "plain sampling (T=0.8)": 240.0}
+    series = [("static, greedy", sweep_rows(0.5)), ("static, rejection", sweep_rows(0.2))]
+    assert plot_node_sweep(series, str(out), plain_tokens_per_s=plain) == str(out)
+    assert_png(out)
+
+
 def test_batch_plot_draws_speed_and_speedup_into_a_png(tmp_path):
     out = tmp_path / "batch.png"
     assert plot_batch(batch_rows(), str(out), title="batch sizes") == str(out)
