@@ -19,6 +19,7 @@ import torch.distributed as dist
 from ..io.checkpoint import save_checkpoint
 from ..io.safetensors import atomic_write
 from .config import TrainArgs, TrainError
+from .device import rank_device
 
 STATE_FILE = "train_state.pt"
 
@@ -33,7 +34,7 @@ class Run:
             if args.device.startswith("cuda"):
                 # Before init_process_group: NCCL binds each process to the current device when it
                 # starts, and every rank would otherwise open a context on GPU 0.
-                self.device = f"cuda:{int(os.environ.get('LOCAL_RANK', os.environ.get('RANK', '0')))}"
+                self.device = rank_device(args.device)
                 torch.cuda.set_device(self.device)
             dist.init_process_group(backend="nccl" if args.device.startswith("cuda") else "gloo")
             self.rank, self.world = dist.get_rank(), dist.get_world_size()
