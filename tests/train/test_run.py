@@ -1,5 +1,5 @@
-"""The optimizer loop of train/run.py, driven directly: when it reads the device and the clock, and
-what DDP adds to a step."""
+"""The optimizer loop of train/run.py, driven directly: when it reads the device and the clock, what
+DDP adds to a step, and float16 loss scaling through save and exact resume."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import time
 import types
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
@@ -21,6 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 import train_tiny  # noqa: E402
 from medusa_mini.heads import HeadsConfig, MedusaHeads  # noqa: E402
+from medusa_mini.io.checkpoint import load_checkpoint  # noqa: E402
 from medusa_mini.model import GPT, GPTConfig  # noqa: E402
 from medusa_mini.train import run as run_mod  # noqa: E402
 from medusa_mini.train.state import Run  # noqa: E402
@@ -211,3 +213,56 @@ def test_under_ddp_the_ranks_agree_through_the_host_and_reduce_metrics_only_for_
             assert synced == (["reduce", "read"] if "line" in s else []), s  # one all-reduce, then the read
             if "line" in s:
                 assert s.index("clock", s.index("read")) < s.index("line")
+
+
+# ---- float16: the GradScaler really enabled, on a CPU -------------------------------------------
+
+
+class _EagerScaler(torch.amp.GradScaler):
+    """torch's GradScaler starting at 2**17 and growing after every good step: on this tiny model the
+    backbone's float16 gradients overflow from 2**18 and the heads' from 2**22, so within a few steps
+    each stage skips steps, backs off and grows again, and the scale it resumes with decides which
+    later steps are skipped."""
+
+    made: list = []
+
+    def __init__(self, device="cuda", *, enabled=True, **kw):
+        super().__init__(device, init_scale=2.0**17, growth_interval=1, enabled=enabled)
+        _EagerScaler.made.append(self)
+
+
+def _float16_on_cpu(monkeypatch):
+    # float16 is refused on a CPU (it is slow there); the scaler logic is what is tested, and torch's
+    # GradScaler runs on a CPU since 2.3. The summary after training (tables, trees) is left out: it
+    # reads no scaler and takes most of a run's time.
+    monkeypatch.setattr(train_tiny, "check_dtype", lambda dtype, device: None)
+    monkeypatch.setattr(run_mod, "check_dtype", lambda dtype, device: None)
+    monkeypatch.setattr(torch.amp, "GradScaler", _EagerScaler)
+    monkeypatch.setattr(run_mod, "summarize", lambda *args, **kwargs: {})
+    _EagerScaler.made = []
+
+
+def _weights(out):
+    model, heads, _ = load_checkpoint(out)
+    return {**model.state_dict(), **{"heads." + k: v for k, v in heads.state_dict().items()}}
+
+
+@pytest.mark.slow
+def test_float16_loss_scaling_skips_overflows_and_resumes_exactly(tmp_path, monkeypatch):
+    """The real loop with an enabled GradScaler: scale, unscale, clip, step (or skip), update; its state
+    saved with the run and restored on --resume, so the resumed steps are the uninterrupted ones."""
+    _float16_on_cpu(monkeypatch)
+    args = FAST + ["--dtype", "float16", "--heads-steps", "8"]
+    ref = tmp_path / "ref"
+    assert train_tiny.main(args + ["--out", str(ref)]) == 0
+    assert [s.is_enabled() for s in _EagerScaler.made] == [True, True]  # backbone, heads
+    wr = _weights(ref)
+    assert all(torch.isfinite(v).all() for v in wr.values())
+    for where in ("backbone:3", "heads:3"):
+        out = tmp_path / where.replace(":", "_")
+        assert train_tiny.main(args + ["--out", str(out), "--interrupt-at", where]) == 130
+        saved = torch.load(out / "train_state.pt", weights_only=True)["scaler"]
+        assert saved["scale"] != 2.0**17 and saved["growth_interval"] == 1  # the scaler's own state, saved
+        assert train_tiny.main(args + ["--out", str(out), "--resume"]) == 0
+        wo = _weights(out)
+        assert all(torch.equal(wr[k], wo[k]) for k in wr), where
