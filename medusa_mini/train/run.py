@@ -23,7 +23,7 @@ from ..io.checkpoint import save_checkpoint
 from ..io.tokenizer import load_tokenizer, make_encoding, save_tokenizer, train_bpe
 from ..model import GPT, GPTConfig
 from ..training import MedusaLM, cosine_lr, lambda_schedule, sample_continuations
-from .backbone import init_backbone, save_tokenizer_for
+from .backbone import fetch_backbone, init_backbone, save_tokenizer_for
 from .config import TrainArgs, TrainError
 from .data import encode_documents, get_batch, load_corpus, split_documents
 from .device import (
@@ -50,6 +50,7 @@ def _data_and_tokenizer(r: Run, *, resume: bool):
     model = None
     if a.init:  # GPT-2 weights and their tokenizer
         try:
+            r.main_first(lambda: fetch_backbone(a.init))  # under torchrun: one download, then every rank reads it
             model, enc = init_backbone(a.init, device=r.device)
         except ValueError as e:
             raise TrainError(str(e)) from None

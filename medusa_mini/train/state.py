@@ -13,6 +13,7 @@ import hashlib
 import os
 import signal
 import sys
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -91,6 +92,22 @@ class Run:
     def should_stop(self, stage: str, step: int) -> bool:
         """True when Ctrl-C was pressed (on any rank: all ranks must stop at the same step)."""
         return self.any_rank(self.stop_requested or self.args.interrupt_at == f"{stage}:{step}")
+
+    def main_first(self, fn: Callable[[], None]) -> None:
+        """Run `fn` on rank 0 alone while the other ranks wait (a download into the cache they then read).
+        A ValueError or OSError there is raised on every rank, as a ValueError with its message."""
+        error = None
+        if self.main:
+            try:
+                fn()
+            except (ValueError, OSError) as e:
+                error = str(e)
+        if self.world > 1:
+            box = [error]
+            dist.broadcast_object_list(box, src=0, group=self.host_group)  # also the barrier
+            error = box[0]
+        if error is not None:
+            raise ValueError(error)
 
     def any_rank(self, flag: bool) -> bool:
         """True if `flag` is true on any rank; every rank must ask at the same point. Host memory only:
