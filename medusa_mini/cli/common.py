@@ -16,6 +16,7 @@ import tiktoken
 import torch
 
 from ..decoding import GenerationStats
+from ..train.device import has_native_bfloat16
 
 BONUS_NOTE = "tokens/step counts the bonus token (the verify pass's own next token)"
 
@@ -45,11 +46,13 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def pick_dtype(name: str, device: torch.device) -> torch.dtype:
-    """A --dtype name as a torch dtype; half precision only where this device computes in it."""
+    """A --dtype name as a torch dtype; bfloat16 on CUDA only where the GPU computes in it natively
+    (compute capability 8.0 and later, asked of `device` itself), not where it is emulated."""
     if name not in DTYPES:
         raise ValueError(f"unknown dtype {name!r}: use one of {', '.join(DTYPES)}")
-    if name == "bfloat16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
-        raise ValueError("this GPU has no bfloat16; use --dtype float16 or float32")
+    if name == "bfloat16" and device.type == "cuda" and not has_native_bfloat16(device):
+        raise ValueError("this GPU has no native bfloat16 (compute capability below 8.0); "
+                         "use --dtype float16 or float32")
     return DTYPES[name]
 
 

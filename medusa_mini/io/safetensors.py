@@ -47,7 +47,8 @@ def _require_little_endian() -> None:
 
 
 def write_safetensors_to(f: IO[bytes], tensors: dict[str, torch.Tensor], metadata: dict | None) -> None:
-    """Write the safetensors bytes of `tensors` (in their dict order) to an open binary file."""
+    """Write the safetensors bytes of `tensors` (in their dict order) to an open binary file; a tensor
+    may be a non-contiguous view (its elements are written in row-major order of its shape)."""
     header: dict[str, dict] = {}
     if metadata:
         if not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
@@ -69,7 +70,8 @@ def write_safetensors_to(f: IO[bytes], tensors: dict[str, torch.Tensor], metadat
     f.write(struct.pack("<Q", len(raw)))
     f.write(raw)
     for t in tensors.values():
-        # One tensor at a time, so a model on a GPU is never copied to the host all at once.
+        # One tensor at a time, so a model on a GPU is never copied to the host all at once; a view (a
+        # transposed weight) is copied as it is and made contiguous on the host, not on the device.
         flat = t.detach().to("cpu").contiguous().reshape(-1)
         f.write(flat.view(torch.uint8).numpy())
 

@@ -11,7 +11,7 @@ import os
 
 import tiktoken
 
-from ..io.gpt2 import GPT2_CONFIGS, load_gpt2
+from ..io.gpt2 import GPT2_CONFIGS, download_gpt2, load_gpt2
 from ..io.tokenizer import load_tokenizer, save_tokenizer, save_tokenizer_reference
 from ..model import GPT
 
@@ -22,6 +22,19 @@ GPT2_PRESETS: dict[str, dict] = {
     "gpt2-cpu": dict(medusa=1, backbone_steps=0, distill_prompts=32, distill_prompt_len=16, distill_tokens=32,
                      heads_steps=30, heads_batch_size=4, heads_lr=1e-3, eval_prompts=4),
 }
+
+
+def fetch_backbone(init: str) -> None:
+    """Download what `--init` names and the cache lacks (a hub model's files, GPT-2's tokenizer files);
+    nothing for a local path. Under torchrun rank 0 calls this alone before the ranks load (Run.main_first):
+    every rank downloading into the same `.part` file would corrupt it."""
+    if os.path.exists(os.path.expanduser(init)) or init not in GPT2_CONFIGS:
+        return
+    try:
+        download_gpt2(init)
+    except (ValueError, OSError) as e:
+        raise ValueError(f"--init {init}: {e}") from None
+    tiktoken.get_encoding("gpt2")
 
 
 def init_backbone(init: str, *, device: str) -> tuple[GPT, tiktoken.Encoding]:

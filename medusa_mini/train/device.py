@@ -5,12 +5,14 @@ that do not wait, and each stage's time and peak memory.
 torch.autocast: matmuls in 16 bits, reductions such as softmax and cross-entropy in float32, the
 weights and the optimizer in float32. float16's narrow range needs a GradScaler (the loss is scaled
 up before backward so small gradients do not flush to zero); bfloat16 has float32's range and does
-not. On CUDA the default is bfloat16 where the GPU supports it, else float16.
+not. On CUDA the default is bfloat16 where the GPU computes in it (compute capability 8.0, Ampere,
+and later), else float16.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 
 import torch
@@ -18,19 +20,45 @@ import torch
 from .config import TrainError
 
 
+def rank_device(device: str) -> str:
+    """The device this process trains on: under torchrun, "cuda" means this rank's GPU, cuda:LOCAL_RANK."""
+    if device.startswith("cuda") and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return f"cuda:{int(os.environ.get('LOCAL_RANK', os.environ.get('RANK', '0')))}"
+    return device
+
+
+def has_native_bfloat16(device: str | torch.device) -> bool:
+    """True for a CUDA device of compute capability 8.0 or more (Ampere and later): its tensor cores
+    compute in bfloat16.
+
+    Not torch.cuda.is_bf16_supported(): it also counts emulation (a T4 or V100 runs bfloat16 several
+    times slower than float16), and it asks the current device, which before set_device is GPU 0 on
+    every rank. The capability is asked of `device` itself ("cuda" alone: the current device); asking
+    opens no context and allocates nothing.
+    """
+    device = torch.device(device)
+    if device.type != "cuda":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return tuple(torch.cuda.get_device_capability(index)) >= (8, 0)
+
+
 def default_dtype(device: str) -> str:
-    """float32 on a CPU; on CUDA bfloat16 if the GPU has it (Ampere and later), else float16."""
+    """float32 on a CPU; on CUDA bfloat16 if this rank's GPU computes in it (Ampere and later), else
+    float16 (with its GradScaler)."""
     if not device.startswith("cuda"):
         return "float32"
-    return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+    return "bfloat16" if has_native_bfloat16(rank_device(device)) else "float16"
 
 
 def check_dtype(dtype: str, device: str) -> None:
-    """A one-line TrainError for a number format this device cannot train in."""
+    """A one-line TrainError for a number format this device cannot train in (emulated bfloat16 counts
+    as not supported: float16 is several times faster there)."""
     if dtype == "float16" and not device.startswith("cuda"):
         raise TrainError("--dtype float16 needs CUDA (its GradScaler); on a CPU use bfloat16 or float32")
-    if dtype == "bfloat16" and device.startswith("cuda") and not torch.cuda.is_bf16_supported():
-        raise TrainError("--dtype bfloat16 is not supported by this GPU; use float16 or float32")
+    if dtype == "bfloat16" and device.startswith("cuda") and not has_native_bfloat16(rank_device(device)):
+        raise TrainError("--dtype bfloat16 is not native on this GPU (compute capability below 8.0); "
+                         "use float16 or float32")
 
 
 def enable_tf32(device: str) -> None:

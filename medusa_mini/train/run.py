@@ -23,7 +23,7 @@ from ..io.checkpoint import save_checkpoint
 from ..io.tokenizer import load_tokenizer, make_encoding, save_tokenizer, train_bpe
 from ..model import GPT, GPTConfig
 from ..training import MedusaLM, cosine_lr, lambda_schedule, sample_continuations
-from .backbone import init_backbone, save_tokenizer_for
+from .backbone import fetch_backbone, init_backbone, save_tokenizer_for
 from .config import TrainArgs, TrainError
 from .data import encode_documents, get_batch, load_corpus, split_documents
 from .device import (
@@ -50,6 +50,7 @@ def _data_and_tokenizer(r: Run, *, resume: bool):
     model = None
     if a.init:  # GPT-2 weights and their tokenizer
         try:
+            r.main_first(lambda: fetch_backbone(a.init))  # under torchrun: one download, then every rank reads it
             model, enc = init_backbone(a.init, device=r.device)
         except ValueError as e:
             raise TrainError(str(e)) from None
@@ -80,8 +81,9 @@ def _train(r: Run, module: MedusaLM, optimizer, *, stage: str, steps: int, start
            lrs: list[float], loss_kwargs, distill=None, scaler_state=None, evaluate=None) -> None:
     """The optimizer loop both training stages share: cosine lr, clipping, progress, saves, Ctrl-C.
 
-    The loop never waits for the device: metrics stay tensors until a progress line reads them, and
-    batches arrive through pinned memory. The number format is --dtype (see device.py).
+    The loop never waits for the device: metrics stay tensors until a progress line reads them (and,
+    under DDP, averages them over the ranks), the ranks agree on stopping and printing through host
+    memory, and batches arrive through pinned memory. The number format is --dtype (see device.py).
     """
     # DDP needs find_unused_parameters only if some trainable parameter can miss its gradient in a step.
     # None can: the frozen backbone of the heads stage has requires_grad off, so DDP never sees it, and
@@ -109,12 +111,13 @@ def _train(r: Run, module: MedusaLM, optimizer, *, stage: str, steps: int, start
         scaler.step(optimizer)
         scaler.update()
         tokens_seen += x.numel() * r.world
-        now = time.time()
-        if now - t_log >= r.args.log_every or step in (start, steps - 1):
+        # Every rank must take part in the metrics' all-reduce: print when any rank's clock says so.
+        if r.any_rank(time.time() - t_log >= r.args.log_every) or step in (start, steps - 1):
+            values = r.mean_metrics(metrics)  # the one place the loop reads the device: it waits for it
+            now = time.time()  # after the wait, so tok/s and the ETA count the device's time, not the queuing
             t_log = now
             elapsed = max(now - t_start, 1e-9)
             eta = (steps - step - 1) * elapsed / (step + 1 - start)
-            values = {k: v.tolist() for k, v in metrics.items()}  # the one place the loop reads the device
             r.log(progress_line(stage, step, steps, values, tokens_per_s=tokens_seen / elapsed, eta=eta))
         if evaluate is not None and ((step + 1) % r.args.eval_every == 0 or step + 1 == steps):
             evaluate(step + 1)

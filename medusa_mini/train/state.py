@@ -3,7 +3,8 @@
 `--resume` must continue exactly where a run stopped, so the state file holds everything a step
 depends on: weights, optimizer, random generator, stage and step, and the self-distilled data. Files
 are written atomically (a reader never sees half of one). Under torchrun (DDP) every rank keeps its
-own generator and data in a file of its own; rank 0 writes the shared files.
+own generator and data in a file of its own; rank 0 writes the shared files. The ranks agree on
+stopping and printing through the host (gloo), and average their metrics only for a progress line.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import hashlib
 import os
 import signal
 import sys
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -19,6 +21,7 @@ import torch.distributed as dist
 from ..io.checkpoint import save_checkpoint
 from ..io.safetensors import atomic_write
 from .config import TrainArgs, TrainError
+from .device import rank_device
 
 STATE_FILE = "train_state.pt"
 
@@ -33,10 +36,13 @@ class Run:
             if args.device.startswith("cuda"):
                 # Before init_process_group: NCCL binds each process to the current device when it
                 # starts, and every rank would otherwise open a context on GPU 0.
-                self.device = f"cuda:{int(os.environ.get('LOCAL_RANK', os.environ.get('RANK', '0')))}"
+                self.device = rank_device(args.device)
                 torch.cuda.set_device(self.device)
             dist.init_process_group(backend="nccl" if args.device.startswith("cuda") else "gloo")
             self.rank, self.world = dist.get_rank(), dist.get_world_size()
+            # Flags the ranks agree on every step (stop? print?) travel between host memories: a NCCL
+            # all-reduce of a GPU tensor, read back, would make every step wait for the device.
+            self.host_group = dist.new_group(backend="gloo")
         self.main = self.rank == 0
         self.state_path = os.path.join(args.out, STATE_FILE)
         self.stop_requested = False
@@ -85,12 +91,45 @@ class Run:
 
     def should_stop(self, stage: str, step: int) -> bool:
         """True when Ctrl-C was pressed (on any rank: all ranks must stop at the same step)."""
-        stop = self.stop_requested or self.args.interrupt_at == f"{stage}:{step}"
+        return self.any_rank(self.stop_requested or self.args.interrupt_at == f"{stage}:{step}")
+
+    def main_first(self, fn: Callable[[], None]) -> None:
+        """Run `fn` on rank 0 alone while the other ranks wait (a download into the cache they then read).
+        A ValueError or OSError there is raised on every rank, as a ValueError with its message."""
+        error = None
+        if self.main:
+            try:
+                fn()
+            except (ValueError, OSError) as e:
+                error = str(e)
         if self.world > 1:
-            flag = torch.tensor([float(stop)], device=self.device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            stop = bool(flag.item())
-        return stop
+            box = [error]
+            dist.broadcast_object_list(box, src=0, group=self.host_group)  # also the barrier
+            error = box[0]
+        if error is not None:
+            raise ValueError(error)
+
+    def any_rank(self, flag: bool) -> bool:
+        """True if `flag` is true on any rank; every rank must ask at the same point. Host memory only:
+        the device's queue is not waited for."""
+        if self.world == 1:
+            return flag
+        t = torch.tensor([int(flag)], dtype=torch.int32)  # on the CPU, reduced over gloo
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.host_group)
+        return bool(t[0])
+
+    def mean_metrics(self, metrics: dict[str, torch.Tensor]) -> dict[str, float | list[float]]:
+        """The metrics as numbers, averaged over the ranks: one all-reduce and one read of the device.
+        Only a progress line calls this; between lines the metrics stay on the device."""
+        flat = torch.cat([v.detach().float().reshape(-1) for v in metrics.values()])
+        if self.world > 1:
+            dist.all_reduce(flat)  # a sum: gloo has no mean
+            flat /= self.world
+        numbers, out = flat.tolist(), {}
+        for key, v in metrics.items():
+            part, numbers = numbers[: v.numel()], numbers[v.numel():]
+            out[key] = part if v.dim() else part[0]
+        return out
 
 
 class DeferredInterrupt:

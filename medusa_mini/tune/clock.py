@@ -55,9 +55,9 @@ def time_in_turns(
 
     The steps take turns, one call each per round, so a change in machine load during the run touches
     every number alike instead of skewing whichever step happened to run then; `reset` runs untimed
-    before every call. On CUDA, events recorded around the call time the device's own work; elsewhere
-    a wall clock does. The first `warmup` rounds are not counted: they pay for allocator growth,
-    kernel selection and, under torch.compile, compilation.
+    before every call. On CUDA, events recorded around the call on `device`'s current stream time the
+    device's own work; elsewhere a wall clock does. The first `warmup` rounds are not counted: they pay
+    for allocator growth, kernel selection and, under torch.compile, compilation.
     """
     cuda = torch.device(device).type == "cuda"
     times: dict[Key, list[float]] = {name: [] for name in steps}
@@ -68,10 +68,13 @@ def time_in_turns(
             reset()
             sync_device(device)
             if cuda:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                step()
-                end.record()
+                # An event is recorded on the current device's stream: make that `device`, or the events
+                # time an idle GPU (about 0 ms) while the model's kernels run on another.
+                with torch.cuda.device(device):
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record()
+                    step()
+                    end.record()
                 end.synchronize()
                 ms = start.elapsed_time(end)
             else:

@@ -1,19 +1,25 @@
 """GPT-2 loading: files in the Hugging Face layout reproduce an independent reference forward pass,
 the hub's key names and buffers are handled, bad files give clear errors, and downloads resume, check
-their size and land in the cache exactly once (tested against a local HTTP server, never the network)."""
+their size and land in the cache exactly once, under torchrun too (tested against a local HTTP server,
+never the network)."""
 
 from __future__ import annotations
 
 import http.server
 import json
+import os
 import re
 import socket
+import subprocess
+import sys
 import threading
+import time
 
 import numpy as np
 import pytest
 import torch
 
+from medusa_mini.io.checkpoint import load_checkpoint, save_checkpoint
 from medusa_mini.io.gpt2 import (
     GPT2_CONFIGS,
     DownloadError,
@@ -234,6 +240,7 @@ class Hub:
         self.files: dict[str, bytes] = {}
         self.faults: dict[str, list] = {}
         self.requests: list[tuple[str, str | None]] = []
+        self.delay = 0.0  # seconds before each answer: a slow hub, so that clients overlap
         hub = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -242,6 +249,7 @@ class Hub:
 
             def do_GET(self) -> None:
                 hub.requests.append((self.path, self.headers.get("Range")))
+                time.sleep(hub.delay)
                 queue = hub.faults.get(self.path) or []
                 fault = queue.pop(0) if queue else None
                 if isinstance(fault, int) or self.path not in hub.files:
@@ -372,3 +380,51 @@ def test_load_gpt2_by_name_downloads_once_into_the_cache(hub, tmp_path, monkeypa
     assert len(hub.requests) == 2, "the second load reads the cache only"
     for model in (first, second):
         np.testing.assert_allclose(logits_of(model), reference_logits(w, IDS), atol=1e-4)
+
+
+# A torchrun worker: train_tiny.py with GPT-2's tokenizer replaced by a byte-level one (tiktoken would
+# fetch the real one from the network) and without the summary after training (not under test here).
+TORCHRUN_WORKER = r'''
+import sys
+import tiktoken
+real_get_encoding = tiktoken.get_encoding
+BYTES = tiktoken.Encoding(name="gpt2", pat_str=r"\s*\S+|\s+", mergeable_ranks={bytes([i]): i for i in range(256)},
+                          special_tokens={"<|endoftext|>": 256})
+tiktoken.get_encoding = lambda name: BYTES if name == "gpt2" else real_get_encoding(name)
+import train_tiny
+from medusa_mini.train import run
+run.summarize = lambda *args, **kwargs: {}
+sys.exit(train_tiny.main(sys.argv[1:]))
+'''
+
+
+def test_under_torchrun_rank_0_downloads_alone_and_every_rank_reads_the_cache(hub, tmp_path):
+    """Ranks downloading at once would write into the same .part file: one download, then a barrier."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    torch.manual_seed(0)
+    save_checkpoint(tmp_path / "hub", GPT(GPTConfig(vocab_size=257, block_size=64, n_layer=2, n_head=2, n_embd=32)))
+    for file in ("config.json", "model.safetensors"):
+        hub.files[f"/gpt2/resolve/main/{file}"] = (tmp_path / "hub" / file).read_bytes()
+    hub.delay = 1.5  # both ranks would be mid-download at once
+    (tmp_path / "worker.py").write_text(TORCHRUN_WORKER)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": root, "MEDUSA_MINI_HUB_URL": hub.url,
+           "MEDUSA_MINI_CACHE": str(tmp_path / "cache")}
+    out = tmp_path / "out"
+    r = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
+         str(tmp_path / "worker.py"), "--init", "gpt2", "--preset", "gpt2-cpu", "--device", "cpu",
+         "--max-bytes", "60000", "--heads-steps", "2", "--distill-prompts", "4", "--distill-tokens", "8",
+         "--eval-prompts", "2", "--log-every", "1000", "--out", str(out)],
+        capture_output=True, text=True, env=env, cwd=str(tmp_path), timeout=300,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert sorted(path for path, _ in hub.requests) == ["/gpt2/resolve/main/config.json",
+                                                        "/gpt2/resolve/main/model.safetensors"]
+    assert sorted(p.name for p in (tmp_path / "cache" / "gpt2").iterdir()) == ["config.json", "model.safetensors"]
+    sums = [line.split()[-1] for line in r.stdout.splitlines() if "weights sha256" in line]
+    assert len(sums) == 2 and sums[0] == sums[1]  # both ranks loaded the same backbone and trained alike
+    model, _, _ = load_checkpoint(out)
+    assert model.config.vocab_size == 257
