@@ -14,7 +14,9 @@ import pytest
 import torch
 
 import decode
+from medusa_mini.cli.compare import cache_nodes
 from medusa_mini.cli.compiled import CompiledSteps, compile_steps, step_cache, warm_up
+from medusa_mini.dynamic import DynamicTree
 from medusa_mini.decoding import generate, generate_batch, medusa_generate, medusa_generate_batch
 from medusa_mini.proposal import StepTree
 from medusa_mini.sampling import Sampling
@@ -145,6 +147,21 @@ def test_compiled_steps_decode_a_batch_of_two_prompts_as_eager_steps_do():
 
 
 @torch.no_grad()
+def test_a_dynamic_tree_decodes_a_batch_as_eager_steps_do_and_compiles_nothing_after_the_warm_up():
+    """A dynamic tree's kept nodes are per-row tensors: the warm-up must verify that layout, not a shared
+    tree's (a graph is specialised on its inputs' strides, and an expanded tree has other strides)."""
+    model, eager, heads, graphs = compiled_and_eager(10)
+    tree = DynamicTree(4, Tree.from_choices(TREE.choices + ((2,), (0, 1), (0, 0, 1))), TREE)
+    warm_up(model, [tree], batch_size=2)
+    captured, block = len(graphs), model.config.block_size
+    for s in (Sampling(), Sampling(temperature=0.8)):  # rejection's sampled drafts keep the fixed tree
+        runs = [medusa_generate_batch(m, heads, [[5, 6, 7], [1, 2, 3, 4, 5]], tree=tree, max_new_tokens=10, sampling=s,
+                                      generator=torch.Generator().manual_seed(2),
+                                      cache=step_cache(m, block + cache_nodes(tree), batch_size=2)) for m in (eager, model)]
+        assert [tokens for tokens, _ in runs[0]] == [tokens for tokens, _ in runs[1]]
+    assert len(graphs) == captured, "a generation met a step shape that the warm-up did not compile"
+
+
 @torch.no_grad()
 def test_graph_replay_poisons_a_steps_outputs_when_any_step_runs_again():
     """What catches a decoding loop that reads a step's logits or hidden state after the next step."""
