@@ -257,3 +257,19 @@ def test_decode_prints_the_eager_tokens_with_its_steps_replayed_as_cuda_graphs(t
         assert decode.main(argv + ["--compile"] * compiled) == 0
         runs.append([json.loads(line)["tokens"] for line in capsys.readouterr().out.splitlines()])
     assert runs[0] == runs[1] and len(runs[0]) == 2 and backend.graphs
+
+
+def test_decode_warms_up_a_last_batch_smaller_than_the_others(tmp_path, capsys, monkeypatch):
+    """Three prompts two at a time: the last batch has one row, other shapes, which the warm-up must compile
+    too, or the first timed generation pays for them (under CUDA graphs: records them)."""
+    torch.compiler.reset()
+    save_tiny(tmp_path, with_heads=True)
+    backend, after_warm_up = GraphReplay(), []
+    monkeypatch.setattr(decode, "compile_steps", partial(compile_steps, backend=backend))
+    monkeypatch.setattr(decode, "warm_up", lambda *args, **kw: (warm_up(*args, **kw), after_warm_up.append(
+        len(backend.graphs)))[0])
+    argv = ["--ckpt", str(tmp_path), "--max-new-tokens", "6", "--num-prompts", "3", "--tree", "cpu", "--json",
+            "--batch-size", "2", "--compile"]
+    assert decode.main(argv) == 0
+    assert len(capsys.readouterr().out.splitlines()) == 3
+    assert len(backend.graphs) == after_warm_up[-1]
