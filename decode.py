@@ -224,8 +224,10 @@ def main(argv: list[str] | None = None) -> int:
     warmup_s = None
     if a.compile:
         compile_steps(ck.model)
+        # Every batch size that runs: prompts B at a time end with a smaller batch when B does not divide them.
+        sizes = a.batch_sizes or sorted({a.batch_size, len(prompts) % a.batch_size} - {0})
         warmup_s = sum(warm_up(ck.model, [] if trees is None else [trees.greedy, trees.sampled], batch_size=b)
-                       for b in (a.batch_sizes or [a.batch_size]))
+                       for b in sizes)
         print(f"compiled the plain step and the verify steps in {warmup_s:.1f} s (not in any timing)",
               file=sys.stderr)
     try:

@@ -22,7 +22,7 @@ from typing import Callable
 
 import torch
 
-from ..dynamic import DynamicTree
+from ..dynamic import DynamicTree, kept_tree, select_nodes
 from ..model import GPT, KVCache
 from ..proposal import StepTree
 from ..step import verify
@@ -90,19 +90,23 @@ def compile_steps(model: GPT, *, backend: str | Callable = "inductor") -> GPT:
     return model
 
 
-def step_shapes(tree: Tree | DynamicTree) -> tuple[int, list[Tree]]:
-    """(nodes the KV cache keeps room for, every tree shape a generation with `tree` verifies): a fixed
-    tree and each of its truncations (near the end of a generation); a dynamic tree's N nodes (any
-    tree of N nodes has its shapes) and the fixed tree its sampled drafts use."""
+def step_trees(tree: Tree | DynamicTree, batch_size: int, device: torch.device) -> tuple[int, list[StepTree]]:
+    """(nodes the KV cache keeps room for, every tree a generation with `tree` verifies, laid out as
+    decoding lays it out): a fixed tree and each of its truncations (near the end of a generation),
+    shared by the rows; a dynamic tree's N kept nodes, per row as `DynamicProposer` keeps them (a graph
+    is specialised on its inputs' strides too: a shared tree's would not serve them), and the fixed
+    tree its sampled drafts use."""
     if isinstance(tree, DynamicTree):
-        kept = Tree.from_choices([(r,) for r in range(tree.budget)])
-        return max(tree.budget + 1, tree.fixed.num_nodes), [kept] + step_shapes(tree.fixed)[1]
-    return tree.num_nodes, [tree.truncated(depth) for depth in range(tree.depth + 1)]
+        score = torch.zeros(batch_size, tree.candidates.num_nodes, device=device)  # any N kept nodes will do
+        kept = kept_tree(tree.candidates, select_nodes(tree.candidates, score, tree.budget))
+        nodes, fixed = step_trees(tree.fixed, batch_size, device)
+        return max(tree.budget + 1, nodes), [kept, *fixed]
+    return tree.num_nodes, [StepTree.of(tree.truncated(depth), batch_size, device) for depth in range(tree.depth + 1)]
 
 
 @torch.no_grad()
 def warm_up(model: GPT, trees: list[Tree | DynamicTree], *, batch_size: int = 1) -> float:
-    """Compile every step shape decoding can meet (T = 1; each tree's `step_shapes`), on the very caches
+    """Compile every step shape decoding can meet (T = 1; each tree's `step_trees`), on the very caches
     decoding will reuse; returns the seconds it took. Each shape runs three times: under CUDA graphs
     the first call runs eagerly, the second records and the third is the first replay."""
     if not isinstance(model.forward, CompiledSteps):
@@ -116,12 +120,12 @@ def warm_up(model: GPT, trees: list[Tree | DynamicTree], *, batch_size: int = 1)
         plain_cache.lengths = 0
         model(torch.zeros(B, 1, dtype=torch.long, device=device), cache=plain_cache)
     for tree in trees:
-        nodes, shapes = step_shapes(tree)
+        nodes, verified = step_trees(tree, B, device)
         cache = model.forward.cache(model, block + nodes, batch_size=B)
-        for t in shapes:
+        for t in verified:
             tokens = torch.zeros(B, t.num_nodes, dtype=torch.long, device=device)
             for _ in range(3):
                 cache.lengths = 0
-                verify(model, cache, StepTree.of(t, B, device), tokens)
+                verify(model, cache, t, tokens)
     sync_device(device)
     return time.perf_counter() - t0
