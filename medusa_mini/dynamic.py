@@ -7,7 +7,9 @@ continuation or torn between five. Here a larger fixed set of candidates (M node
 confidence in its whole path, and the top N are verified:
 
 - Medusa heads: the product, along the path, of each head's probability of its token;
-- dependent (hydra) heads: the product of the conditional probabilities q(token | path) they give.
+- dependent (hydra) heads: the product of the conditional probabilities q(token | path) they give;
+- with a `Calibration`, each probability is first read as the rate at which a guess of that
+  confidence was accepted, so the product estimates the path's chance of being accepted.
 
 A node's score never exceeds its parent's (a product of probabilities at most 1, summed in log space
 one depth at a time, so rounding cannot break it), and ties keep the earlier node, which is the parent:
@@ -27,6 +29,7 @@ Shapes: B rows, M + 1 candidates (root included), N kept nodes (root included), 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 import torch.nn as nn
@@ -38,13 +41,55 @@ from .tree import Tree
 
 
 @dataclass(frozen=True)
+class Calibration:
+    """How often a head's guess is accepted, given the probability q the head gave it and whether the
+    nodes above it are each head's top guess: rates[k][line][b] for q in [edges[b], edges[b + 1]),
+    line 0 below top guesses only (the heads' main line), 1 below any other; measured on the backbone's
+    own greedy continuations (tune/calibration.py).
+
+    Heads trained by cross-entropy on a small model are far from calibrated (a head that gives its guess
+    probability 0.4 may be right nearly always), and their errors are correlated (below right top guesses
+    the next top guess is right far more often than below a right lower-ranked one): BENCHMARKS.md shows
+    the cpu preset's table. Through it, a path's score estimates its chance of being accepted.
+    """
+
+    edges: tuple[float, ...]
+    rates: tuple[tuple[tuple[float, ...], ...], ...]  # [K][2][bins], each in [0, 1]
+
+    def log_accept(self, node_log_q: torch.Tensor, tree: Tree) -> torch.Tensor:
+        """log P(accepted | q, line) for the nodes of `tree`: node_log_q [B, N] (log q) -> [B, N], 0 at the root."""
+        edges, log_rates = _calibration_tensors(self, str(node_log_q.device))
+        head, line = _node_features(tree, str(node_log_q.device))  # [N] each
+        bins = (torch.bucketize(node_log_q.exp(), edges, right=True) - 1).clamp(0, log_rates.shape[2] - 1)  # [B, N]
+        rates = log_rates[head, line].gather(1, bins.t()).t()  # [B, N]
+        return torch.where(head < 0, 0.0, rates)
+
+
+@lru_cache(maxsize=16)
+def _calibration_tensors(cal: Calibration, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The table on `device`, built once (a copy from the host in every step would wait for the device)."""
+    log_rates = torch.tensor(cal.rates, dtype=torch.float32).clamp_min(1e-6).log()  # [K, 2, bins]
+    return torch.tensor(cal.edges, dtype=torch.float32, device=device), log_rates.to(device)
+
+
+@lru_cache(maxsize=16)
+def _node_features(tree: Tree, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per node, its head (depth - 1; -1 at the root) and its line (0: every node above it is rank 0)."""
+    head = [-1] + [len(c) - 1 for c in tree.choices]
+    line = [0] + [int(any(r > 0 for r in c[:-1])) for c in tree.choices]
+    return torch.tensor(head, device=device), torch.tensor(line, device=device)
+
+
+@dataclass(frozen=True)
 class DynamicTree:
     """A node budget chosen per step: `budget` candidates (root excluded) out of `candidates`;
-    `fixed`: the tree rejection sampling's sampled drafts use instead."""
+    `fixed`: the tree rejection sampling's sampled drafts use instead; `calibration`: how each head's
+    confidence translates into acceptance (None: the heads' own probabilities)."""
 
     budget: int
     candidates: Tree
     fixed: Tree
+    calibration: Calibration | None = None
 
     def __post_init__(self) -> None:
         if not 1 <= self.budget <= self.candidates.num_nodes - 1:
@@ -136,5 +181,7 @@ class DynamicProposer:
         """Every candidate's token [B, M + 1] and path score [B, M + 1] (log confidence), and the
         candidates kept [B, N] (`select_nodes`)."""
         tokens, node_log_q = self.scorer.scored(roots, hidden)  # [B, M + 1] each
+        if self.tree.calibration is not None:
+            node_log_q = self.tree.calibration.log_accept(node_log_q, self.tree.candidates)
         score = path_scores(self.tree.candidates, node_log_q)  # [B, M + 1]
         return tokens, score, select_nodes(self.tree.candidates, score, self.tree.budget, max_depth=max_depth)

@@ -11,7 +11,7 @@ from conftest import random_heads, tiny_model
 from distributions import empirical, exact_sequence_probs, expected_tv, total_variation
 
 from medusa_mini.decoding import generate, medusa_generate, medusa_generate_batch
-from medusa_mini.dynamic import DynamicProposer, DynamicTree, kept_tree, path_scores, select_nodes
+from medusa_mini.dynamic import Calibration, DynamicProposer, DynamicTree, kept_tree, path_scores, select_nodes
 from medusa_mini.proposal import StepTree
 from medusa_mini.sampling import Sampling
 from medusa_mini.tree import Tree, build_tree, preset
@@ -73,9 +73,9 @@ class FixedHeads:
         return self.logits[:, None].expand(-1, hidden.shape[0], -1)  # [K, B, V]
 
 
-def kept_depths(probs: torch.Tensor, budget: int) -> list[int]:
+def kept_depths(probs: torch.Tensor, budget: int, calibration: Calibration | None = None) -> list[int]:
     model = tiny_model(0, vocab_size=probs.shape[1])
-    tree = DynamicTree(budget, preset("gpu"), preset("cpu"))
+    tree = DynamicTree(budget, preset("gpu"), preset("cpu"), calibration)
     proposal = DynamicProposer(model, FixedHeads(probs), tree).propose(
         torch.tensor([0]), torch.zeros(1, 32), max_depth=4, sampling=Sampling(), generator=None)
     return proposal.tree.depths[0].tolist()
@@ -89,6 +89,17 @@ def test_confident_heads_make_a_deep_tree_and_torn_heads_a_wide_one():
     torn[:, :4] = (1 - 0.01 * (V - 4)) / 4  # every head split between four tokens
     assert max(kept_depths(sure, 4)) == 4  # a chain of the heads' top guesses
     assert max(kept_depths(torn, 4)) == 1  # four alternatives for the next token
+
+
+def test_a_calibration_that_finds_the_heads_underconfident_makes_the_tree_deep():
+    """Raw probabilities 0.35 / 0.3 / ... prefer wide shallow trees; if guesses at 0.3 and above are
+    nearly always right (what calibration measured), the chain of top guesses is the better bet."""
+    V = 16
+    probs = torch.full((4, V), 0.35 / (V - 3))
+    probs[:, 0], probs[:, 1], probs[:, 2] = 0.35, 0.2, 0.1
+    calibration = Calibration(edges=(0.0, 0.15, 0.3, 1.0), rates=(((0.01, 0.2, 0.98),) * 2,) * 4)
+    assert max(kept_depths(probs, 4)) < 4
+    assert max(kept_depths(probs, 4, calibration)) == 4
 
 
 @pytest.mark.parametrize("seed", range(3))

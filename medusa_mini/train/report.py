@@ -29,6 +29,7 @@ from ..tune.acceptance_tables import (
     replay_greedy,
     save_accuracy,
 )
+from ..tune.calibration import measure_calibration, save_calibration
 from ..tune.trees import TREES_FILE, measure_and_store_trees
 from .data import get_batch
 
@@ -119,6 +120,7 @@ def summarize(run, model, heads, enc, val_docs, val_tokens: np.ndarray) -> dict:
                                     seed=args.seed + 7)
     save_accuracy(args.out, acc, sampled=sampled, temperature=T, ranks=ranks,
                   meta={"measured_on": f"{seqs.shape[0]} held-out prompts x {n} tokens, greedy and sampled"})
+    save_calibration(args.out, measure_calibration(model, heads, seqs, prompt_lens=P))  # for dynamic trees
     K = acc.shape[0]
     own1 = acc[:, 0].tolist()
     own5 = acc[:, :5].sum(1).tolist()

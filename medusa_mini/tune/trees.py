@@ -33,6 +33,7 @@ from .acceptance_tables import (
     load_greedy_ranks,
     sampled_temperature,
 )
+from .calibration import load_calibration
 from .sizing import auto_tree, measure_verify_cost, steps_compiled
 
 TREES_FILE = "trees.json"
@@ -284,9 +285,10 @@ def candidate_count(budget: int) -> int:
 def dynamic_trees(spec: str, *, base: RuleTrees | None, ckpt_dir: str, device: torch.device,
                   num_heads: int | None) -> RuleTrees:
     """`--tree dynamic` (the budget of `base`, the trees this checkpoint would use) or `dynamic:N`:
-    each step keeps its N most confident candidates (dynamic.py). The candidates are the tree
-    build_tree grows for a bigger budget from heads_accuracy.json (else the gpu preset); sampled drafts
-    keep a fixed tree of the same budget, from the sampled table when there is one."""
+    each step keeps its N most confident candidates (dynamic.py), confidence read through
+    heads_calibration.json when the checkpoint has it. The candidates are the tree build_tree grows
+    for a bigger budget from heads_accuracy.json (else the gpu preset); sampled drafts keep a fixed
+    tree of the same budget, from the sampled table when there is one."""
     budget_text = spec.partition(":")[2]
     if budget_text and not (budget_text.isdigit() and 1 <= int(budget_text) <= 256):
         raise ValueError(f"--tree {spec}: the budget of a dynamic tree must be a number of nodes from 1 to 256")
@@ -302,7 +304,8 @@ def dynamic_trees(spec: str, *, base: RuleTrees | None, ckpt_dir: str, device: t
         small = preset("cpu").truncated(min(preset("cpu").depth, num_heads or 4))
         fixed = (small, small)
     budget = min(budget, candidates.num_nodes - 1)
-    return RuleTrees(DynamicTree(budget, candidates, fixed[0]), DynamicTree(budget, candidates, fixed[1]))
+    cal = load_calibration(ckpt_dir)
+    return RuleTrees(DynamicTree(budget, candidates, fixed[0], cal), DynamicTree(budget, candidates, fixed[1], cal))
 
 
 def tree_nodes_text(nodes: int, rejection_nodes: int | None) -> str:
