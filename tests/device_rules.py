@@ -1,4 +1,4 @@
-"""CUDA's device rules on any device, for tests that run the GPU path on a CPU (tests/test_device.py).
+"""CUDA's device rules on any device, for tests that run the GPU path on a CPU (tests/test_meta_device.py).
 
 `CudaRules` is a dispatch mode: it sees every operator below Python, checks that the tensors it mixes
 are on one device as CUDA would, and stops (or answers) every read of a device value on the host.

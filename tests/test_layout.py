@@ -86,3 +86,15 @@ def test_the_readme_map_names_every_module_and_its_size():
     for path, n in listed.items():
         actual = sum(1 for _ in open(os.path.join(ROOT, path), encoding="utf-8"))
         assert abs(actual - n) <= max(10, actual // 5), f"README says {path} has {n} lines, it has {actual}"
+
+
+def test_every_test_file_has_its_own_name():
+    """pytest imports test files by their base name (tests/ has no packages), so two files of one name
+    in different folders stop the whole run at collection."""
+    seen: dict[str, str] = {}
+    for folder, _, files in os.walk(os.path.join(ROOT, "tests")):
+        for name in files:
+            if name.startswith("test_") and name.endswith(".py"):
+                path = os.path.relpath(os.path.join(folder, name), ROOT)
+                assert name not in seen, f"{path} and {seen[name]} share a name"
+                seen[name] = path
