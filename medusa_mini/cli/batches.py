@@ -1,13 +1,15 @@
 """`decode.py --compare --batch-sizes 1,2,4,...`: where batching ends Medusa's speedup, measured.
 
-Speculative decoding trades spare compute for fewer passes: at batch 1 a forward pass is bound by
-reading the weights, so verifying N tree nodes costs little more than one token. As the batch grows,
-each pass does B times the work, the spare compute runs out, and the tree's N x B tokens cost their
-full price while still yielding only a few accepted tokens per row. So Medusa's speedup over plain
-decoding shrinks with the batch size and, past some batch, falls below 1x. This table measures where,
-on this device: for each batch size, plain and Medusa decoding (greedy, and rejection sampling at
-T = 0.8) over the same prompts taken B at a time, tokens/s over all rows, the speedup, tokens per
-step, and what one step costs.
+Speculative decoding trades spare compute for fewer passes: at batch 1 a GPU's forward pass is bound
+by reading the weights, so verifying N tree nodes costs little more than one token. As the batch
+grows each pass does B times the work, the spare compute runs out, and the tree's N x B tokens cost
+their full price while still yielding only a few accepted tokens per row. A second cost comes with
+any batch: rows accept different numbers of tokens per step, and a batch runs until its slowest row
+is done, while plain decoding's rows all need the same passes. So Medusa's speedup over plain decoding
+shrinks with the batch size and, past some batch, falls below 1x. This table measures where, on this
+device: for each batch size, plain and Medusa decoding (greedy, and rejection sampling at T = 0.8)
+over the same prompts taken B at a time, tokens/s over all rows, the speedup, tokens per step, what
+one pass costs, and how many passes the batches made against what their rows needed.
 
 Shapes: B rows per batch.
 """
@@ -75,6 +77,7 @@ def compare_batches(
             row = {"method": label_of(method, s), "key": key, "batch_size": B, "new_tokens": new,
                    "seconds": seconds, "tokens_per_s": new / seconds if seconds else 0.0,
                    "tokens_per_step": sum(sum(st.step_tokens) for _, st in outs) / steps if steps else 0.0,
+                   "passes": passes, "row_steps": steps,  # passes of the batches; steps its rows needed
                    "ms_per_step": 1000 * seconds / max(passes, 1), "tokens": [t for t, _ in outs]}
             if key == "plain_greedy":
                 plain_tokens.setdefault("plain_greedy", row["tokens"])  # batch 1's, the reference for all
@@ -101,17 +104,23 @@ def crossover(rows: list[dict], key: str) -> int | None:
 
 
 def why_line(result: dict, key: str) -> str:
-    """One measured sentence on why Medusa stops paying where it does."""
+    """One measured sentence on why Medusa stops paying where it does: what a step costs against a plain
+    one, and how many passes a batch makes against what its rows needed (a batch runs until its
+    slowest row is done, while plain decoding's rows all need the same number of passes)."""
     rows = {(r["key"], r["batch_size"]): r for r in result["rows"]}
     sizes = result["batch_sizes"]
     plain = "plain_greedy" if "greedy" in key else "plain_sampling"
     first, B = sizes[0], result["crossover"][key] or sizes[-1]
     cost = {b: rows[(key, b)]["ms_per_step"] / rows[(plain, b)]["ms_per_step"] for b in (first, B)}
-    label = rows[(key, first)]["method"]
+    r = rows[(key, B)]
+    if result["crossover"][key] == first:
+        return (f"{r['method']} does not pay at any batch size here: a step costs {cost[first]:.2f}x a plain "
+                f"step at batch {first} and yields {r['tokens_per_step']:.2f} tokens per step.")
+    waiting = r["passes"] * B / max(r["row_steps"], 1)  # 1.0: every row needed every pass
     where = f"stops paying at batch {B}" if result["crossover"][key] else f"still pays at batch {B}"
-    return (f"{label} {where}: a step costs {cost[first]:.2f}x a plain step at batch {first} and "
-            f"{cost[B]:.2f}x at batch {B}, for {rows[(key, B)]['tokens_per_step']:.2f} tokens per row per step: "
-            "the batch fills the device, so the tree's extra tokens are no longer free.")
+    return (f"{r['method']} {where}: a step costs {cost[first]:.2f}x a plain step at batch {first} and "
+            f"{cost[B]:.2f}x at batch {B}, and a batch of {B} makes {waiting:.2f}x the passes its rows need "
+            f"on average ({r['tokens_per_step']:.2f} tokens per row per step): the slowest row sets the pace.")
 
 
 def format_batches(result: dict) -> str:
