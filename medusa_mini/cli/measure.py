@@ -29,6 +29,7 @@ from ..tune.acceptance_tables import (
     replay_greedy,
     save_accuracy,
 )
+from ..tune.calibration import CALIBRATION_FILE, format_calibration, load_calibration, measure_calibration, save_calibration
 from ..tune.sizing import REPORT_BUDGETS
 from ..tune.trees import TREES_FILE, measure_and_store_trees, trees_key
 from .common import DTYPES, OneLineParser, pick_device, pick_dtype
@@ -114,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"-- rejection sampling at T={ns.temperature:g}: candidates drawn from the heads\n{format_accuracy(sampled)}")
     print("expected tokens/step of build_tree (product rule, bonus token counted) by node budget:")
     print("  ".join(f"{n} nodes: {build_tree(sampled, n)[1]:.2f}" for n in REPORT_BUDGETS))
+    print(f"-- saved {os.path.join(ns.ckpt, CALIBRATION_FILE)}, read by dynamic trees\n"
+          f"{format_calibration(load_calibration(ns.ckpt))}")
     if report is not None:
         key = trees_key(device, dtype=pick_dtype(ns.dtype, device), compiled=ns.compile)
         print(f"-- saved {os.path.join(ns.ckpt, TREES_FILE)}, the default trees for {key}\n{report}")

@@ -99,6 +99,17 @@ def save_calibration(directory: str | os.PathLike, cal: Calibration) -> str:
     return path
 
 
+def format_calibration(cal: Calibration) -> str:
+    """The table as text: one row per head and line, one column per confidence bin (its lower edge)."""
+    head = f"{'a guess of confidence q is right (q from)':<44}" + "".join(f"{e:>5.2f}" for e in cal.edges[:-1])
+    rows = [head]
+    for k, lines in enumerate(cal.rates):
+        names = ("",) if k == 0 else (", below top guesses only", ", below any other guess")
+        for name, line in zip(names, lines):  # head 1 has nothing above it: one line
+            rows.append(f"{f'head {k + 1}{name}':<44}" + "".join(f"{r:>5.2f}" for r in line))
+    return "\n".join(rows)
+
+
 def load_calibration(directory: str | os.PathLike) -> Calibration | None:
     """The stored calibration, or None when the checkpoint has none (dynamic trees then use raw q)."""
     path = os.path.join(os.fspath(directory), CALIBRATION_FILE)

@@ -9,6 +9,7 @@ from conftest import save_small_checkpoint
 from benchmarks import sweep
 from medusa_mini.cli import measure
 from medusa_mini.tune.acceptance_tables import load_accuracy
+from medusa_mini.tune.calibration import load_calibration
 
 
 def test_recompute_command_saves_the_accuracy_and_prints_the_table(tmp_path, capsys):
@@ -17,6 +18,8 @@ def test_recompute_command_saves_the_accuracy_and_prints_the_table(tmp_path, cap
     out = capsys.readouterr().out
     assert "top-1" in out and "64 nodes:" in out
     assert "-- greedy acceptance" in out and "-- rejection sampling at T=0.8" in out
+    assert "heads_calibration.json, read by dynamic trees" in out and "head 2, below top guesses only" in out
+    assert load_calibration(tmp_path) is not None  # what dynamic trees read the heads' confidence through
     assert load_accuracy(tmp_path).shape == (3, 10) and load_accuracy(tmp_path, sampled=True).shape == (3, 10)
     saved = json.loads((tmp_path / "heads_accuracy.json").read_text())
     assert saved["num_prompts"] == 3 and saved["sampled_temperature"] == 0.8

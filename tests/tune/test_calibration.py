@@ -9,7 +9,13 @@ from conftest import ContinuationHeads, random_heads, tiny_model
 
 from medusa_mini.decoding import generate
 from medusa_mini.dynamic import Calibration
-from medusa_mini.tune.calibration import load_calibration, measure_calibration, monotone, save_calibration
+from medusa_mini.tune.calibration import (
+    format_calibration,
+    load_calibration,
+    measure_calibration,
+    monotone,
+    save_calibration,
+)
 
 
 def test_rates_are_made_non_decreasing_with_the_least_weighted_change():
@@ -48,3 +54,11 @@ def test_the_log_acceptance_reads_each_nodes_head_line_and_bin():
     q = torch.tensor([[1.0, 0.7, 0.2, 0.7, 0.7]])
     got = cal.log_accept(q.log(), tree).exp()[0]
     assert got.tolist() == pytest.approx([1.0, 0.9, 0.1, 0.8, 0.3])
+
+
+def test_the_printed_table_has_one_row_per_head_and_line_and_one_column_per_bin():
+    cal = Calibration(edges=(0.0, 0.5, 1.0), rates=(((0.25, 0.75), (0.5, 0.5)), ((0.0, 1.0), (0.1, 0.2))))
+    header, *rows = format_calibration(cal).splitlines()
+    assert header.split()[-2:] == ["0.00", "0.50"]  # each bin's lower edge
+    assert [r.split()[-2:] for r in rows] == [["0.25", "0.75"], ["0.00", "1.00"], ["0.10", "0.20"]]
+    assert rows[0].startswith("head 1 ") and "below top guesses only" in rows[1] and "below any other" in rows[2]
