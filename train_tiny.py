@@ -32,9 +32,7 @@ def _bool(text: str) -> bool:
 
 
 def parse_args(argv: list[str] | None = None) -> TrainArgs:
-    p = OneLineParser(
-        description=__doc__.split("\n\n")[0],
-    )
+    p = OneLineParser(prog="train_tiny.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", choices=sorted(PRESETS),
                    help="size of the run (default: gpu if CUDA else cpu; with --init: gpt2 on CUDA else gpt2-cpu)")
     p.add_argument("--data", help="a UTF-8 text file or folder (default: this Python's standard library)")

@@ -28,6 +28,17 @@ def empirical(run, samples):
     return {seq: c / samples for seq, c in counts.items()}
 
 
+def empirical_rows(run_batch, samples, *, batches):
+    """Like `empirical`, from batched runs: run_batch(i, rows) -> rows outputs (tokens, ...) of batch i.
+
+    Rows of one batch are independent draws (each row has its own acceptance walk and its own draws
+    from the shared generator), so a batch of R rows is R samples at the price of about one run's forwards.
+    """
+    sizes = [samples // batches + (i < samples % batches) for i in range(batches)]
+    counts = Counter(tuple(out[0]) for i, rows in enumerate(sizes) for out in run_batch(i, rows))
+    return {seq: c / samples for seq, c in counts.items()}
+
+
 def total_variation(p, q):
     return 0.5 * sum(abs(p.get(k, 0.0) - q.get(k, 0.0)) for k in set(p) | set(q))
 

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 from conftest import ContinuationHeads, OracleHeads, random_heads, tiny_model
-from distributions import empirical, exact_sequence_probs, expected_tv, total_variation
+from distributions import empirical, empirical_rows, exact_sequence_probs, expected_tv, total_variation
 
 from medusa_mini import reference as ref
 from medusa_mini.decoding import generate, generate_batch, medusa_generate, medusa_generate_batch
@@ -89,21 +89,23 @@ def test_rejection_sampling_preserves_model_distribution(proposer, draft):
     memo: dict = {}
     pool = [random_heads(model, num_heads=3, seed=s) for s in range(7)]
 
-    def run(i):
-        if proposer == "oracle":
-            heads = OracleHeads(model, prompt, num_heads=3, seed=i, memo=memo)
-            hook = heads.on_step
-        else:
-            heads, hook = pool[i % 7], None
-        out, stats = medusa_generate(
-            model, heads, prompt, tree=tree, max_new_tokens=n,
-            sampling=Sampling(acceptance="rejection", temperature=T, draft=draft), generator=gen, on_step=hook,
-        )
+    sampling = Sampling(acceptance="rejection", temperature=T, draft=draft)
+
+    def run(i):  # one generation, the oracle's heads made for it
+        heads = OracleHeads(model, prompt, num_heads=3, seed=i, memo=memo)
+        out, stats = medusa_generate(model, heads, prompt, tree=tree, max_new_tokens=n, sampling=sampling,
+                                     generator=gen, on_step=heads.on_step)
         run.accepted += sum(stats.accepted_nodes)
         return out
 
+    def run_rows(i, rows):  # random heads: one batch of rows per head set
+        outs = medusa_generate_batch(model, pool[i], [prompt] * rows, tree=tree, max_new_tokens=n,
+                                     sampling=sampling, generator=gen)
+        run.accepted += sum(sum(stats.accepted_nodes) for _, stats in outs)
+        return outs
+
     run.accepted = 0
-    medusa = empirical(run, M)
+    medusa = empirical(run, M) if proposer == "oracle" else empirical_rows(run_rows, M, batches=len(pool))
     assert run.accepted > M * 0.3  # candidates really were accepted, not just bonus tokens emitted
     bound = expected_tv(exact, M)
     assert total_variation(medusa, exact) < 2.5 * bound
@@ -128,15 +130,15 @@ def test_rejection_sampling_with_dependent_heads_preserves_model_distribution(dr
     tree = Tree.from_choices([(r,) for r in range(V)] + [(r, c) for r in range(V) for c in range(2)])
     pool = [hydra_heads(model, seed=s) for s in range(7)]
 
-    def run(i):
-        out, stats = medusa_generate(model, pool[i % 7], prompt, tree=tree, max_new_tokens=n,
+    def run_rows(i, rows):  # one batch of rows per head set: rows are independent samples
+        outs = medusa_generate_batch(model, pool[i], [prompt] * rows, tree=tree, max_new_tokens=n,
                                      sampling=Sampling(temperature=T, draft=draft), generator=gen)
-        run.deep += sum(a >= 2 for a in stats.accepted_nodes)
-        return out
+        run_rows.deep += sum(a >= 2 for _, stats in outs for a in stats.accepted_nodes)
+        return outs
 
-    run.deep = 0
-    medusa = empirical(run, M)
-    assert run.deep > M * 0.1  # second-level candidates, drawn from their parent's own q, were accepted
+    run_rows.deep = 0
+    medusa = empirical_rows(run_rows, M, batches=len(pool))
+    assert run_rows.deep > M * 0.1  # second-level candidates, drawn from their parent's own q, were accepted
     assert total_variation(medusa, exact) < 2.5 * expected_tv(exact, M)
 
     def second_and_third(dist):  # the tokens the depth-2 tries decide
@@ -165,9 +167,9 @@ def test_rejection_sampling_with_top_p_preserves_the_nucleus_distribution():
     heads = random_heads(model, num_heads=3, seed=1)
     gen = torch.Generator().manual_seed(3)
     tree = Tree.from_choices([(0,), (1,), (0, 0), (0, 0, 0)])
-    medusa = empirical(lambda i: medusa_generate(model, heads, prompt, tree=tree, max_new_tokens=n,
-                                                 sampling=Sampling(temperature=T, top_p=top_p),
-                                                 generator=gen)[0], M)
+    medusa = empirical_rows(lambda i, rows: medusa_generate_batch(
+        model, heads, [prompt] * rows, tree=tree, max_new_tokens=n, sampling=Sampling(temperature=T, top_p=top_p),
+        generator=gen), M, batches=4)
     assert set(medusa) <= set(exact)  # never a token outside the nucleus
     assert total_variation(medusa, exact) < 2.5 * expected_tv(exact, M)
 
@@ -179,7 +181,8 @@ def test_plain_sampling_matches_the_same_exact_distribution():
     model = tiny_model(11, vocab_size=V, block_size=16)
     exact = exact_sequence_probs(model, [1, 2], n, temperature=T)
     gen = torch.Generator().manual_seed(1)
-    plain = empirical(lambda i: generate(model, [1, 2], max_new_tokens=n, sampling=Sampling(temperature=T), generator=gen)[0], M)
+    plain = empirical_rows(lambda i, rows: generate_batch(model, [[1, 2]] * rows, max_new_tokens=n,
+                                                          sampling=Sampling(temperature=T), generator=gen), M, batches=4)
     assert total_variation(plain, exact) < 2.5 * expected_tv(exact, M)
 
 
@@ -350,12 +353,14 @@ def test_batched_rejection_sampling_preserves_each_rows_distribution(draft):
     tree = Tree.from_choices([(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)])
     pool = [random_heads(model, num_heads=3, seed=s) for s in range(5)]
     sampling = Sampling(acceptance="rejection", temperature=T, draft=draft)
-    runs = [medusa_generate_batch(model, pool[i % 5], prompts, tree=tree, max_new_tokens=n, sampling=sampling,
-                                  generator=gen) for i in range(M)]
+    # Each batch interleaves the two prompts, so every row sits beside rows of the other prompt.
+    runs = [medusa_generate_batch(model, pool[i], prompts * (M // len(pool)), tree=tree, max_new_tokens=n,
+                                  sampling=sampling, generator=gen) for i in range(len(pool))]
+    rows = [out for outs in runs for out in outs]
     for b in range(2):
-        counts = empirical(lambda i: runs[i][b][0], M)
+        counts = empirical(lambda i: rows[2 * i + b][0], M)
         assert total_variation(counts, exact[b]) < 2.5 * expected_tv(exact[b], M)
-    assert sum(sum(r[b][1].accepted_nodes) for r in runs for b in range(2)) > 0.3 * M
+    assert sum(sum(stats.accepted_nodes) for _, stats in rows) > 0.3 * M
 
 
 # ---- the engine makes the reference's decisions ------------------------------------------------------
