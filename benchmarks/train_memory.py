@@ -108,7 +108,7 @@ def report(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = OneLineParser(description=__doc__.split("\n\n")[0])
+    p = OneLineParser(prog="train_memory.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--device", help="cpu or cuda (default: cuda if available)")
     p.add_argument("--shape", default="gpt2", choices=sorted(GPT2_CONFIGS), help="backbone shape (default: gpt2)")
     p.add_argument("--heads", type=int, default=4, help="Medusa heads K (default: 4)")

@@ -14,6 +14,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # the command-line scripts (decode.py, train_tiny.py, benchmarks/) are tested too
     sys.path.insert(0, ROOT)
 
+if os.environ.get("PYTEST_XDIST_WORKER"):  # `-n 2`: one core per worker, or the workers' threads fight
+    torch.set_num_threads(1)
+
 from medusa_mini.heads import HeadsConfig, MedusaHeads  # noqa: E402
 from medusa_mini.io.checkpoint import save_checkpoint  # noqa: E402
 from medusa_mini.io.tokenizer import make_encoding, save_tokenizer, train_bpe  # noqa: E402

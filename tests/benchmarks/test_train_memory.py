@@ -36,7 +36,11 @@ def test_on_a_cpu_it_says_that_nothing_was_measured(capsys):
     assert "computed  all logits" in out and "measured  nothing" in out
 
 
-def test_bad_input_is_one_line_and_exit_code_2():
-    for bad in (["--batch", "0"], ["--positions", "5000"], ["--shape", "gpt9"], ["--device", "tpu"]):
-        r = subprocess.run([sys.executable, f"{ROOT}/benchmarks/train_memory.py", *bad], capture_output=True, text=True)
-        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, (bad, r.stderr)
+def test_bad_input_is_one_line_and_exit_code_2(capsys):
+    r = subprocess.run([sys.executable, f"{ROOT}/benchmarks/train_memory.py", "--batch", "0"], capture_output=True, text=True)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr  # as a user runs it
+    for bad in (["--positions", "5000"], ["--shape", "gpt9"], ["--device", "tpu"]):  # the same checks, in-process
+        with pytest.raises(SystemExit) as exc:
+            main(bad)
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and err.startswith("train_memory.py: error:") and err.count("\n") == 1, (bad, err)
