@@ -3,6 +3,7 @@ dynamic trees and the demo that needs no checkpoint."""
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
@@ -87,5 +88,7 @@ def test_a_dynamic_tree_decodes_greedy_as_plain_greedy_and_explains_its_choice(c
 @pytest.mark.slow
 def test_the_demo_explains_a_step_without_any_checkpoint(capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # no out/tiny here
+    # A third of the demo's training keeps the suite fast; the full demo's time is a benchmark (BENCHMARKS.md).
+    monkeypatch.setattr(decode, "demo_checkpoint", functools.partial(decode.demo_checkpoint, steps=100))
     out = run(capsys, "--explain", "--demo")
     assert out.startswith("DEMO:") and "accepted path" in out and "7. Result" in out
