@@ -29,7 +29,13 @@ from ..tune.acceptance_tables import (
     replay_greedy,
     save_accuracy,
 )
-from ..tune.calibration import CALIBRATION_FILE, format_calibration, load_calibration, measure_calibration, save_calibration
+from ..tune.calibration import (
+    CALIBRATION_FILE,
+    format_calibration,
+    load_calibration,
+    measure_calibration,
+    save_calibration,
+)
 from ..tune.sizing import REPORT_BUDGETS
 from ..tune.trees import TREES_FILE, measure_and_store_trees, trees_key
 from .common import DTYPES, OneLineParser, pick_device, pick_dtype
