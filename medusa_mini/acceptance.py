@@ -126,7 +126,7 @@ def rejection_accept_rows(proposal: Proposal, logits: torch.Tensor, *, sampling:
     draft = proposal.draft
     samples = draft.samples.tolist() if draft is not None else None
     D1 = tree.paths.shape[-1]
-    nodes, counts, bonuses = [], [], []
+    rows = []  # per row: the path's D + 1 nodes, the count, the bonus
     for b in range(B):
         path, bonus = [0], 0
         if ok[b][0]:
@@ -134,12 +134,9 @@ def rejection_accept_rows(proposal: Proposal, logits: torch.Tensor, *, sampling:
             drafts = draft.per_node(b, samples) if draft is not None else None
             path, bonus = rejection_accept(kept, tokens[b], logits[b], sampling=sampling, generator=generator,
                                            drafts=drafts)
-        nodes.append(path + [path[-1]] * (D1 - len(path)))
-        counts.append(len(path) - 1)
-        bonuses.append(bonus)
-    device = logits.device
-    return Accepted(nodes=torch.tensor(nodes, device=device), count=torch.tensor(counts, device=device),
-                    bonus=torch.tensor(bonuses, device=device))
+        rows.append(path + [path[-1]] * (D1 - len(path)) + [len(path) - 1, bonus])
+    back = torch.tensor(rows, device=logits.device)  # [B, D + 3]: one copy to the device, not three
+    return Accepted(nodes=back[:, :D1], count=back[:, D1], bonus=back[:, D1 + 1])
 
 
 def accept_paths(proposal: Proposal, logits: torch.Tensor, *, sampling: Sampling,

@@ -115,9 +115,9 @@ def path_scores(tree: Tree, node_log_q: torch.Tensor) -> torch.Tensor:
 
     Summed one depth at a time, parent first, so a child's score is fl(parent's + its own log q): never
     above its parent's, whatever the rounding."""
-    parents = tree.tensors(node_log_q.device).parents.clamp(min=0)  # [M + 1]
+    t = tree.tensors(node_log_q.device)
+    parents, by_depth = t.parents.clamp(min=0), t.depths  # [M + 1] each
     score = torch.zeros_like(node_log_q)
-    by_depth = tree.tensors(node_log_q.device).depths
     for d in range(1, tree.depth + 1):
         at_d = by_depth == d  # [M + 1]
         score = torch.where(at_d, score[:, parents] + node_log_q, score)
@@ -165,7 +165,7 @@ class DynamicProposer:
         self.fixed = make(model, heads, tree.fixed)  # for sampled drafts
         self.tree = tree
         self.num_nodes = max(tree.budget + 1, tree.fixed.num_nodes)
-        self.depth = max(tree.candidates.depth, tree.fixed.depth)
+        self.depth = tree.depth
         self.num_heads = self.scorer.num_heads
 
     def propose(self, roots: torch.Tensor, hidden: torch.Tensor, *, max_depth: int, sampling: Sampling,
