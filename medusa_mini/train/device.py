@@ -120,9 +120,11 @@ class StageClock:
             self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
 
     def line(self) -> str:
-        """"stages     backbone 123.4 s (peak 3.21 GiB), ...": the stages this process ran."""
+        """"stages     backbone 123.40 s (peak 3.21 GiB), ...": the stages this process ran.
+
+        Two decimals, so a stage of a tiny run (the summary takes milliseconds) never reads as 0 s."""
         parts = []
         for name, sec in self.seconds.items():
             peak = f" (peak {self.peak_bytes[name] / 2**30:.2f} GiB)" if name in self.peak_bytes else ""
-            parts.append(f"{name} {sec:.1f} s{peak}")
+            parts.append(f"{name} {sec:.2f} s{peak}")
         return "stages     " + ", ".join(parts)

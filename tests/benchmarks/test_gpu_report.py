@@ -81,7 +81,8 @@ def test_step_table_holds_the_measured_milliseconds(cpu_run):
 def test_train_table_holds_each_stage_and_the_whole_run(cpu_run):
     stages = table(cpu_run[1], "stage")
     assert {"tokenizer", "backbone", "distill", "heads", "summary"} <= set(stages)
-    assert all(float(stages[s][0]) > 0 for s in ("backbone", "heads", "summary"))
+    assert all(float(stages[s][0]) > 0 for s in ("backbone", "heads"))  # they train
+    assert float(stages["summary"][0]) >= 0  # milliseconds on this tiny run: may round to 0.00
     whole = float(stages["whole command (start-up, data and saving too)"][0])
     assert whole > sum(float(v[0]) for k, v in stages.items() if not k.startswith("whole"))
     assert "validation loss" in cpu_run[1]
