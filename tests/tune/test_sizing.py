@@ -34,46 +34,14 @@ HAND = torch.tensor([[0.6, 0.2, 0.1], [0.4, 0.2, 0.1], [0.3, 0.1, 0.05]])
 VICUNA = torch.tensor([[a * 0.45**r for r in range(10)] for a in (0.56, 0.32, 0.20, 0.15)])
 
 
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 # ---- measuring accuracy ------------------------------------------------------------------------
-
-
 
 
 def _prompts(n, length=5):
     return [torch.randint(0, 64, (length,), generator=torch.Generator().manual_seed(s)).tolist() for s in range(n)]
 
 
-
-
-
-
-
-
-
-
 # ---- saving, cost, budget choice ---------------------------------------------------------------
-
-
-
-
-
-
 
 
 def test_verify_cost_is_measured_for_each_node_count():
@@ -144,20 +112,51 @@ def test_cost_fit_calls_a_slope_within_the_noise_flat():
 
 
 # Per-budget costs measured with up to ±20% error, as on a busy machine.
-CPU_LIKE = {n: 1.0 + 0.05 * n for n in MEASURED_BUDGETS}  # every node costs 5% of a step
+CPU_LIKE = {n: 1.0 + 0.03 * n for n in MEASURED_BUDGETS}  # every node costs 3% of a step
 GPU_LIKE = {n: 1.0 for n in MEASURED_BUDGETS}  # batch 1: 64 nodes cost what one does
 SAMPLED_LIKE = torch.tensor([[a * 0.5**r for r in range(10)] for a in (0.30, 0.15, 0.10, 0.08)])
+
+
+def distance_to_the_margin(acc: torch.Tensor, cost: dict[int, float]) -> float:
+    """How far (in gain) every budget below the best sits from the margin a larger tree must clear.
+
+    Near zero, the choice is a coin toss under any noise and any margin: no rule can avoid that a
+    budget's gain lands on its threshold. The noise test below takes cases clear of it."""
+    rates = _rates(acc, {n: cost[n] for n in CHOICE_BUDGETS})
+    best_n = max(rates, key=rates.get)
+    return min((abs(rates[best_n] / rates[n] - 1 - CLEAR_GAIN) for n in rates if n < best_n), default=1.0)
 
 
 @pytest.mark.parametrize("acc", [VICUNA, SAMPLED_LIKE], ids=["vicuna", "sampled"])
 @pytest.mark.parametrize("cost", [CPU_LIKE, GPU_LIKE], ids=["cpu", "gpu"])
 def test_the_chosen_budget_does_not_move_with_20_percent_timing_noise(acc, cost):
+    if cost is CPU_LIKE:  # a flat cost is fitted as exactly flat, its noise gone: any case holds
+        assert distance_to_the_margin(acc, cost) >= 0.02  # not a coin toss to begin with
     _, exact = auto_tree(acc, cost)
     for seed in range(5):
         g = torch.Generator().manual_seed(seed)
         noise = 0.8 + 0.4 * torch.rand(len(cost), generator=g)  # [budgets], each in [0.8, 1.2)
         _, why = auto_tree(acc, {n: ms * float(x) for (n, ms), x in zip(cost.items(), noise)})
         assert _chosen(why) == _chosen(exact), f"seed {seed}:\n{why}"
+
+
+# The cpu preset's heads, acceptance measured under sampling at T = 0.8 (heads_accuracy.json,
+# "sampled_acc", rounded): rejection sampling's tree is sized on this table.
+CPU_PRESET_SAMPLED = torch.tensor([
+    [0.385, 0.120, 0.070, 0.051, 0.032, 0.029, 0.022, 0.018, 0.015, 0.015],
+    [0.294, 0.113, 0.069, 0.051, 0.037, 0.030, 0.024, 0.025, 0.018, 0.016],
+    [0.269, 0.110, 0.071, 0.048, 0.035, 0.031, 0.024, 0.021, 0.021, 0.015],
+    [0.264, 0.091, 0.065, 0.056, 0.040, 0.030, 0.025, 0.025, 0.021, 0.019]])
+
+
+def test_the_chosen_budget_does_not_move_across_the_slopes_measured_between_sizings_of_one_checkpoint():
+    # 24 sizings of the cpu preset's checkpoint fitted per-node costs from 1.3% to 2.1% of the fixed
+    # cost; its rejection tree's 8 nodes beat 4 by about 3% there, so a 3% margin flipped the choice.
+    chosen = set()
+    for per_node in (0.013, 0.015, 0.017, 0.019, 0.021):
+        _, why = auto_tree(CPU_PRESET_SAMPLED, {n: 5.5 * (1 + per_node * n) for n in MEASURED_BUDGETS})
+        chosen.add(_chosen(why))
+    assert len(chosen) == 1, chosen
 
 
 def test_the_timed_step_gets_its_root_on_the_device_not_as_a_python_int(monkeypatch):
