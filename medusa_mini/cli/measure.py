@@ -74,7 +74,9 @@ def recompute_accuracy(
     meta = {"measured_on": f"continuations ({max_new_tokens} new tokens, greedy and sampled) of the first "
             f"{len(prompts)} prompts of {PROMPTS_FILE}", "num_prompts": len(prompts), "max_new_tokens": max_new_tokens}
     save_accuracy(directory, acc, sampled=sampled, temperature=temperature, ranks=ranks, meta=meta)
-    save_calibration(directory, measure_calibration(ckpt.model, ckpt.heads, greedy, prompt_lens=lens))
+    save_calibration(directory, measure_calibration(ckpt.model, ckpt.heads, greedy, prompt_lens=lens),
+                     sampled=measure_calibration(ckpt.model, ckpt.heads, seqs, prompt_lens=lens),
+                     temperature=temperature)
     return acc, sampled, ranks
 
 

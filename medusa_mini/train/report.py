@@ -120,7 +120,8 @@ def summarize(run, model, heads, enc, val_docs, val_tokens: np.ndarray) -> dict:
                                     seed=args.seed + 7)
     save_accuracy(args.out, acc, sampled=sampled, temperature=T, ranks=ranks,
                   meta={"measured_on": f"{seqs.shape[0]} held-out prompts x {n} tokens, greedy and sampled"})
-    save_calibration(args.out, measure_calibration(model, heads, seqs, prompt_lens=P))  # for dynamic trees
+    save_calibration(args.out, measure_calibration(model, heads, seqs, prompt_lens=P),  # for dynamic trees
+                     sampled=measure_calibration(model, heads, sampled_seqs, prompt_lens=P), temperature=T)
     K = acc.shape[0]
     own1 = acc[:, 0].tolist()
     own5 = acc[:, :5].sum(1).tolist()

@@ -7,7 +7,14 @@ right when it is the token greedy decoding writes there. Each head's rates are t
 non-decreasing in q (pool-adjacent-violators: a more confident guess is never rated lower), and an
 empty bin takes its neighbours' rate. A path's score multiplies its nodes' rates, so each rate is the
 conditional one: head k's guesses count only where the true tokens before its target were among the
-guesses of heads 1..k-1 (the heads' errors are correlated: after right guesses, more follow). Stored as heads_calibration.json next to the checkpoint.
+guesses of heads 1..k-1 (the heads' errors are correlated: after right guesses, more follow).
+
+Two tables, one per kind of acceptance, stored together as heads_calibration.json next to the checkpoint:
+- on greedy continuations, for greedy (and typical) acceptance: a guess is right when it is the argmax;
+- on sampled continuations at temperature T, for rejection sampling with top-k drafts: there a node is
+  accepted exactly when a draw x ~ p would be its token (accepting a point-mass draft c with
+  probability p(c), then the next sibling under the residual, p with c removed, is drawing x ~ p and
+  keeping the sibling equal to x), so the rate of "the sampled token is this guess" is its acceptance.
 
 Shapes: K heads, m positions, R ranks, V vocabulary.
 """
@@ -91,11 +98,21 @@ def measure_calibration(model: GPT, heads: HeadsFn, sequences: list[list[int]], 
     return Calibration(edges=tuple(edges), rates=tuple(rates))
 
 
-def save_calibration(directory: str | os.PathLike, cal: Calibration) -> str:
-    """Write heads_calibration.json atomically; return its path."""
+def save_calibration(directory: str | os.PathLike, cal: Calibration, *, sampled: Calibration | None = None,
+                     temperature: float | None = None) -> str:
+    """Write heads_calibration.json atomically: the greedy table `cal` and, when given, the one measured
+    on continuations sampled at `temperature` (same edges); return its path."""
+    if (sampled is None) != (temperature is None) or (sampled is not None and sampled.edges != cal.edges):
+        raise ValueError("a sampled calibration needs its temperature and the greedy table's edges")
+
+    def rows(c: Calibration) -> str:
+        return ",\n    ".join(json.dumps([list(line) for line in r]) for r in c.rates)
+
+    text = f'{{\n  "edges": {json.dumps(list(cal.edges))},\n  "rates": [\n    {rows(cal)}\n  ]'
+    if sampled is not None:
+        text += f',\n  "sampled_temperature": {temperature},\n  "sampled_rates": [\n    {rows(sampled)}\n  ]'
     path = os.path.join(os.fspath(directory), CALIBRATION_FILE)
-    rows = ",\n    ".join(json.dumps([list(line) for line in r]) for r in cal.rates)
-    atomic_write_text(path, f'{{\n  "edges": {json.dumps(list(cal.edges))},\n  "rates": [\n    {rows}\n  ]\n}}\n')
+    atomic_write_text(path, text + "\n}\n")
     return path
 
 
@@ -110,17 +127,21 @@ def format_calibration(cal: Calibration) -> str:
     return "\n".join(rows)
 
 
-def load_calibration(directory: str | os.PathLike) -> Calibration | None:
-    """The stored calibration, or None when the checkpoint has none (dynamic trees then use raw q)."""
+def load_calibration(directory: str | os.PathLike, *, sampled: bool = False) -> Calibration | None:
+    """The stored greedy calibration, or with `sampled` the one measured under sampling; None when the
+    checkpoint has none (dynamic trees then use raw q; a file from before sampled tables has no sampled one)."""
     path = os.path.join(os.fspath(directory), CALIBRATION_FILE)
     if not os.path.isfile(path):
         return None
     obj = read_json(path, hint="measure it again with python -m medusa_mini.cli.measure")
+    key = "sampled_rates" if sampled else "rates"
+    if sampled and isinstance(obj, dict) and key not in obj:
+        return None
     try:
         edges = tuple(float(e) for e in obj["edges"])
-        rates = tuple(tuple(tuple(float(r) for r in line) for line in head) for head in obj["rates"])
+        rates = tuple(tuple(tuple(float(r) for r in line) for line in head) for head in obj[key])
     except (KeyError, TypeError, ValueError):
-        raise ValueError(f'{path} must hold {{"edges": [...], "rates": [[[...], [...]], ...]}}') from None
+        raise ValueError(f'{path} must hold {{"edges": [...], "{key}": [[[...], [...]], ...]}}') from None
     if not rates or any(len(head) != 2 or any(len(line) != len(edges) - 1 for line in head) for head in rates):
         raise ValueError(f"{path}: every head needs two lines of one rate per bin ({len(edges) - 1})")
     return Calibration(edges=edges, rates=rates)

@@ -288,24 +288,28 @@ def dynamic_trees(spec: str, *, base: RuleTrees | None, ckpt_dir: str, device: t
     each step keeps its N most confident candidates (dynamic.py), confidence read through
     heads_calibration.json when the checkpoint has it. The candidates are the tree build_tree grows
     for a bigger budget from heads_accuracy.json (else the gpu preset); sampled drafts keep a fixed
-    tree of the same budget, from the sampled table when there is one."""
+    tree of the same budget. Rejection sampling's tree takes the tables measured under sampling when
+    there are some: its candidates grow from the sampled accuracy, its confidence is read through the
+    sampled calibration (how often a guess is the token p draws, which is when a top-k draft is accepted)."""
     budget_text = spec.partition(":")[2]
     if budget_text and not (budget_text.isdigit() and 1 <= int(budget_text) <= 256):
         raise ValueError(f"--tree {spec}: the budget of a dynamic tree must be a number of nodes from 1 to 256")
     budget = int(budget_text) if budget_text else base.greedy.num_nodes - 1
     if os.path.isfile(os.path.join(ckpt_dir, ACCURACY_FILE)):
         acc = load_accuracy(ckpt_dir)
-        candidates = build_tree(acc, candidate_count(budget))[0]
         sampled_acc = load_accuracy(ckpt_dir, sampled=True) if sampled_temperature(ckpt_dir) is not None else acc
+        candidates = tuple(build_tree(a, candidate_count(budget))[0] for a in (acc, sampled_acc))
         fixed = (build_tree(acc, budget)[0], build_tree(sampled_acc, budget)[0])
     else:
         gpu = preset("gpu")
-        candidates = gpu.truncated(min(gpu.depth, num_heads or gpu.depth))
+        candidates = (gpu.truncated(min(gpu.depth, num_heads or gpu.depth)),) * 2
         small = preset("cpu").truncated(min(preset("cpu").depth, num_heads or 4))
         fixed = (small, small)
-    budget = min(budget, candidates.num_nodes - 1)
+    budget = min(budget, candidates[0].num_nodes - 1, candidates[1].num_nodes - 1)
     cal = load_calibration(ckpt_dir)
-    return RuleTrees(DynamicTree(budget, candidates, fixed[0], cal), DynamicTree(budget, candidates, fixed[1], cal))
+    sampled_cal = load_calibration(ckpt_dir, sampled=True) or cal
+    return RuleTrees(DynamicTree(budget, candidates[0], fixed[0], cal),
+                     DynamicTree(budget, candidates[1], fixed[1], sampled_cal))
 
 
 def tree_nodes_text(nodes: int, rejection_nodes: int | None) -> str:

@@ -14,6 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 import train_tiny  # noqa: E402
 from medusa_mini.io.checkpoint import load_checkpoint  # noqa: E402
+from medusa_mini.tune.calibration import load_calibration  # noqa: E402
 from medusa_mini.tune.trees import default_tree_name  # noqa: E402
 
 FAST = ["--preset", "smoke", "--max-bytes", "60000", "--vocab-size", "300", "--backbone-steps", "6",
@@ -31,7 +32,9 @@ def test_a_run_writes_a_complete_checkpoint(tmp_path, capsys):
     assert train_tiny.main(FAST + ["--out", str(out)]) == 0
     names = set(os.listdir(out))
     assert {"config.json", "model.safetensors", "medusa_heads.safetensors", "medusa_config.json",
-            "tokenizer.tiktoken", "prompts.json", "heads_accuracy.json", "trees.json"} <= names
+            "tokenizer.tiktoken", "prompts.json", "heads_accuracy.json", "heads_calibration.json", "trees.json"} <= names
+    # dynamic trees read the heads' confidence through the greedy table, rejection sampling's through the sampled one
+    assert load_calibration(out) is not None and load_calibration(out, sampled=True) is not None
     assert "train_state.pt" not in names  # a finished run leaves no resume state
     text = capsys.readouterr().out
     for stage in ("tokenizer", "backbone", "distill", "heads", "summary", "official Medusa-1"):

@@ -46,6 +46,35 @@ def test_a_stored_calibration_reads_back_the_same_and_a_broken_file_is_a_clear_e
         load_calibration(tmp_path)
 
 
+def test_the_sampled_table_is_stored_beside_the_greedy_one_and_an_older_file_has_none(tmp_path):
+    greedy = Calibration(edges=(0.0, 0.5, 1.0), rates=(((0.1, 0.9), (0.1, 0.8)),))
+    sampled = Calibration(edges=(0.0, 0.5, 1.0), rates=(((0.05, 0.6), (0.02, 0.4)),))
+    save_calibration(tmp_path, greedy, sampled=sampled, temperature=0.8)
+    assert load_calibration(tmp_path) == greedy and load_calibration(tmp_path, sampled=True) == sampled
+    assert json.loads((tmp_path / "heads_calibration.json").read_text())["sampled_temperature"] == 0.8
+    save_calibration(tmp_path, greedy)  # as checkpoints trained before the sampled table
+    assert load_calibration(tmp_path) == greedy and load_calibration(tmp_path, sampled=True) is None
+    with pytest.raises(ValueError, match="temperature"):
+        save_calibration(tmp_path, greedy, sampled=sampled)
+
+
+def test_a_top_k_draft_is_accepted_exactly_when_a_draw_from_p_would_be_its_token():
+    """Why the sampled table is rejection sampling's calibration: trying top-k candidates x1, x2, ...
+    (point-mass drafts) accepts x_i with probability p(x_i), as drawing x ~ p and keeping the equal one."""
+    from medusa_mini.reference import try_children
+
+    p = torch.tensor([0.1, 0.3, 0.05, 0.25, 0.2, 0.1], dtype=torch.float64)
+    candidates, n = [3, 1, 4], 20000
+    g = torch.Generator().manual_seed(0)
+    counts = [0] * (len(candidates) + 1)  # the last: none accepted
+    for u in torch.rand(n, len(candidates), generator=g).tolist():
+        i, _ = try_children(p.clone(), candidates, None, u)
+        counts[len(candidates) if i is None else i] += 1
+    for i, x in enumerate(candidates):
+        sd = (float(p[x]) * (1 - float(p[x])) / n) ** 0.5
+        assert abs(counts[i] / n - float(p[x])) < 4 * sd, (x, counts)
+
+
 def test_the_log_acceptance_reads_each_nodes_head_line_and_bin():
     from medusa_mini.tree import Tree
 
