@@ -9,13 +9,15 @@ second, the speedup over the plain decoder of the same rule, whether greedy rows
 tokens (they must), and for static trees the tokens per step the accuracy table expects. Last, per
 rule, which tree kind at which budget gave the most tokens per second.
 
-Rules: greedy, and rejection sampling at T with the heads' top-k as drafts (lossless too; with drafts
-sampled from q a dynamic tree keeps a fixed tree, so the kinds would not differ). Works for Medusa and
+Rules: greedy, and rejection sampling at T with the heads' top-k as drafts (lossless too). With
+`--draft sampled`, the drafts `decode.py` draws by default, the rejection rows are static trees only
+(a dynamic tree keeps a fixed tree for drawn drafts) and their expectation is exactly theirs: this is
+how to check the rejection tree that training stores. Works for Medusa and
 dependent (hydra) heads alike. Methods take turns prompt by prompt; the fastest of --repeat runs
 counts (benchmarks/sweep_methods.py).
 
     python benchmarks/sweep.py --ckpt out/tiny [--budgets 2,4,8,16,32,64] [--rules greedy,rejection]
-        [--trees static,dynamic] [--num-prompts 8] [--max-new-tokens 64] [--repeat 3] [--json] [--plot sweep.png]
+        [--trees static,dynamic] [--draft topk|sampled] [--num-prompts 8] [--max-new-tokens 64] [--repeat 3] [--json] [--plot sweep.png]
 
 Decoding ignores the end-of-text token, so every prompt yields the same number of tokens in every row.
 Times include the prefill, the same for plain and Medusa decoding.
@@ -64,8 +66,11 @@ def names_of(allowed: tuple[str, ...]):
     return parse
 
 
-def rule_label(rule: str, temperature: float) -> str:
-    return "greedy" if rule == "greedy" else f"rejection sampling (T={temperature:g}, top-k drafts)"
+DRAFT_WORDS = {"topk": "top-k drafts", "sampled": "drafts drawn from q"}
+
+
+def rule_label(rule: str, temperature: float, draft: str = "topk") -> str:
+    return "greedy" if rule == "greedy" else f"rejection sampling (T={temperature:g}, {DRAFT_WORDS[draft]})"
 
 
 def plain_label(rule: str, temperature: float) -> str:
@@ -86,11 +91,12 @@ def _columns(kind: str, *, greedy: bool, num_prompts: int) -> list[tuple[str, Ca
 
 def rule_table(result: dict, rule: str) -> list[str]:
     """One rule's lines: its plain decoder's speed, then a line per budget, the tree kinds side by side."""
-    T, n, width = result["temperature"], result["num_prompts"], 9
+    T, n, width, draft = result["temperature"], result["num_prompts"], 9, result["draft"]
     rows = [r for r in result["rows"] if r["rule"] == rule]
-    kinds = [(kind, _columns(kind, greedy=rule == "greedy", num_prompts=n)) for kind in result["trees"]]
+    kinds = [(kind, _columns(kind, greedy=rule == "greedy", num_prompts=n)) for kind in result["trees"]
+             if any(r["tree"] == kind for r in rows)]
     plain = result["plain"][rule]
-    lines = [f"{rule_label(rule, T)}: {plain_label(rule, T)} {plain['tokens_per_s']:.1f} tokens/s",
+    lines = [f"{rule_label(rule, T, draft)}: {plain_label(rule, T)} {plain['tokens_per_s']:.1f} tokens/s",
              f"{'':>5}" + "".join(f" | {kind + ' tree':<{width * len(cols)}}" for kind, cols in kinds),
              f"{'nodes':>5}" + "".join(" | " + "".join(f"{h:>{width}}" for h, _ in cols) for _, cols in kinds)]
     for budget in sorted({r["nodes"] for r in rows}):
@@ -101,7 +107,9 @@ def rule_table(result: dict, rule: str) -> list[str]:
         lines.append(line)
     if rule == "rejection" and any(r["expected_tokens_per_step"] is not None for r in rows):
         lines.append("expected: the sampled table's product rule, which assumes drafts drawn from the heads' q; "
-                     "these rows draft their top-k")
+                     + ("so are these rows'" if draft == "sampled" else "these rows draft their top-k"))
+    if rule == "rejection" and draft == "sampled" and "dynamic" in result["trees"]:
+        lines.append("no dynamic rows: for drafts drawn from q a dynamic tree keeps its fixed tree (--draft topk ranks them)")
     for r in rows:
         if r["verified_nodes"] != r["nodes"]:
             lines.append(f"the {r['tree']} tree of budget {r['nodes']} verifies {r['verified_nodes']} nodes a step "
@@ -122,7 +130,7 @@ def format_sweep(result: dict) -> str:
     lines.append("")
     for rule in result["rules"]:
         b = result["best"][rule]
-        lines.append(f"most tokens/s, {rule_label(rule, T)}: the {b['tree']} tree at {b['nodes']} nodes, "
+        lines.append(f"most tokens/s, {rule_label(rule, T, result['draft'])}: the {b['tree']} tree at {b['nodes']} nodes, "
                      f"{b['tokens_per_s']:.1f} tokens/s ({b['speedup']:.2f}x {plain_label(rule, T)}; measured)")
     return "\n".join(line.rstrip() for line in lines)
 
@@ -132,6 +140,7 @@ def draw(result: dict, path: str) -> str:
     rule's plain decoder as a dotted line."""
     series = [(f"{kind}, {rule}", [r for r in result["rows"] if r["tree"] == kind and r["rule"] == rule])
               for rule in result["rules"] for kind in result["trees"]]
+    series = [(name, rows) for name, rows in series if rows]  # drawn drafts have no dynamic rows
     T = result["temperature"]
     plain = {plain_label(rule, T): result["plain"][rule]["tokens_per_s"] for rule in result["rules"]}
     dtype = "" if result["dtype"] == "float32" else f", {result['dtype']}"
@@ -143,7 +152,7 @@ def parser() -> OneLineParser:
     p = OneLineParser(
         prog="python benchmarks/sweep.py",
         description="Static against dynamic trees, node budget by node budget: tokens/step and tokens/s of "
-                    "Medusa under greedy acceptance and rejection sampling (top-k drafts), on the "
+                    "Medusa under greedy acceptance and rejection sampling (top-k drafts, or drawn ones), on the "
                     "checkpoint's held-out prompts, against plain decoding of the same rule.",
     )
     p.add_argument("--ckpt", required=True, help="checkpoint directory (heads, tokenizer, prompts.json, "
@@ -154,6 +163,9 @@ def parser() -> OneLineParser:
                    help="acceptance rules: greedy, rejection (default: both)")
     p.add_argument("--trees", type=names_of(TREE_KINDS), default=TREE_KINDS, metavar="KIND,...",
                    help="tree kinds: static (build_tree), dynamic (each step's most confident nodes) (default: both)")
+    p.add_argument("--draft", choices=tuple(DRAFT_WORDS), default="topk",
+                   help="rejection sampling's drafts: the heads' top-k, which dynamic trees rank, or drawn from "
+                   "their q as decode.py draws them (static trees only) (default: %(default)s)")
     p.add_argument("--temperature", type=float, default=SAMPLING_TEMPERATURE, metavar="T",
                    help="temperature of the rejection-sampling rows and of plain sampling (default: %(default)s)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per prompt (default: %(default)s)")
@@ -183,6 +195,8 @@ def check(ns: argparse.Namespace) -> None:
             raise ValueError(f"--{flag.replace('_', '-')} must be at least 1, not {value}")
     if "rejection" in ns.rules and not ns.temperature > 0:
         raise ValueError(f"--temperature must be > 0 for the rejection rows, not {ns.temperature}")
+    if ns.draft == "sampled" and ns.rules == ("rejection",) and ns.trees == ("dynamic",):
+        raise ValueError("--draft sampled: rejection sampling with drawn drafts has static trees only; add --trees static")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -198,14 +212,15 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"checkpoint {ns.ckpt} has no Medusa heads; train heads first")
         tables = load_tables(ns.ckpt, num_heads=ck.heads.num_heads)
         methods = sweep_methods(ns.ckpt, tables=tables, budgets=ns.budgets, rules=ns.rules, kinds=ns.trees,
-                                temperature=ns.temperature, num_heads=ck.heads.num_heads, device=device)
+                                temperature=ns.temperature, num_heads=ck.heads.num_heads, device=device,
+                                draft=ns.draft)
         texts = load_prompts(ns.ckpt)
         chosen = random.Random(ns.seed).sample(texts, min(ns.num_prompts, len(texts)))
         prompts = encode_prompts(ck.enc, chosen, block_size=ck.block_size, max_new_tokens=ns.max_new_tokens)
         result = run_sweep(ck, methods, prompts, max_new_tokens=ns.max_new_tokens, repeat=ns.repeat, seed=ns.seed)
         result.update(checkpoint=ns.ckpt, device=str(device), dtype=ns.dtype, heads=ck.heads.config.kind,
-                      num_heads=ck.heads.num_heads, accuracy_source=tables.describe(), seed=ns.seed,
-                      temperature=ns.temperature, draft="topk", rules=list(ns.rules), trees=list(ns.trees),
+                      num_heads=ck.heads.num_heads, accuracy_source=tables.describe(draft=ns.draft), seed=ns.seed,
+                      temperature=ns.temperature, draft=ns.draft, rules=list(ns.rules), trees=list(ns.trees),
                       threads=torch.get_num_threads())
         if ns.plot:
             draw(result, ns.plot)

@@ -9,9 +9,10 @@ sampling (the baseline, measured once per rule), or Medusa under that rule with 
 - a dynamic tree of budget N is tune/trees.py's `dynamic:N` (`decode.py --tree dynamic:N`): every
   step keeps its N most confident candidates (medusa_mini/dynamic.py).
 
-Rejection sampling drafts the heads' top-k candidates (`draft="topk"`), which keeps it lossless:
-with drafts sampled from q a dynamic tree would fall back to its fixed tree every step, and the two
-kinds would not differ. Every method decodes every prompt `repeat` times, methods taking turns
+Rejection sampling drafts the heads' top-k candidates by default (`draft="topk"`, lossless too), the
+drafts a dynamic tree can rank. With `draft="sampled"` (what `decode.py` draws by default) the
+rejection rows are static trees only: a dynamic tree keeps its fixed tree for drawn drafts, so its
+rows would repeat the static ones, and the sampled table's expectation describes exactly these drafts. Every method decodes every prompt `repeat` times, methods taking turns
 prompt by prompt, and the fastest run of each counts, as `decode.py --compare` times its rows.
 Each prompt has its own seeded generator, the same for every method.
 """
@@ -43,11 +44,11 @@ TREE_KINDS = ("static", "dynamic")
 Runs = list[tuple[list[int], GenerationStats]]  # per prompt: the new tokens and the fastest run's statistics
 
 
-def rule_sampling(rule: str, *, temperature: float) -> Sampling:
-    """The sampling a rule's rows decode with: greedy, or rejection sampling at T with top-k drafts."""
+def rule_sampling(rule: str, *, temperature: float, draft: str = "topk") -> Sampling:
+    """The sampling a rule's rows decode with: greedy, or rejection sampling at T with `draft` drafts."""
     if rule == "greedy":
         return Sampling()
-    return Sampling(acceptance="rejection", temperature=temperature, draft="topk")
+    return Sampling(acceptance="rejection", temperature=temperature, draft=draft)
 
 
 @dataclass(frozen=True)
@@ -60,13 +61,14 @@ class Tables:
     sampled: torch.Tensor | None
     sampled_temperature: float | None
 
-    def describe(self) -> str:
+    def describe(self, *, draft: str = "topk") -> str:
         greedy = "greedy table" + (" (expected = replayed on its greedy continuations)" if self.ranks
                                    else " (product rule)")
         if self.sampled is None:
             return f"{ACCURACY_FILE}, {greedy}; no sampled table: rejection trees from the greedy table, no expectation"
+        rows = "as the rejection rows draw them" if draft == "sampled" else "the rejection rows draft the top-k"
         return (f"{ACCURACY_FILE}, {greedy}; sampled table at T={self.sampled_temperature:g} (product rule; "
-                "it describes drafts drawn from q, the rejection rows draft the top-k)")
+                f"it describes drafts drawn from q, {rows})")
 
 
 def load_tables(ckpt_dir: str, *, num_heads: int) -> Tables:
@@ -123,16 +125,17 @@ def static_method(tables: Tables, *, rule: str, budget: int, sampling: Sampling)
 
 def sweep_methods(
     ckpt_dir: str, *, tables: Tables, budgets: tuple[int, ...], rules: tuple[str, ...], kinds: tuple[str, ...],
-    temperature: float, num_heads: int, device: torch.device,
+    temperature: float, num_heads: int, device: torch.device, draft: str = "topk",
 ) -> list[Method]:
-    """Plain decoding once per rule, then per rule and budget a static and a dynamic tree (of `kinds`)."""
-    methods = [Method(None, rule, 0, rule_sampling(rule, temperature=temperature)) for rule in rules]
+    """Plain decoding once per rule, then per rule and budget a static and a dynamic tree (of `kinds`);
+    rejection sampling with drawn drafts (`draft="sampled"`) gets static trees only."""
+    methods = [Method(None, rule, 0, rule_sampling(rule, temperature=temperature, draft=draft)) for rule in rules]
     for rule in rules:
-        sampling = rule_sampling(rule, temperature=temperature)
+        sampling = rule_sampling(rule, temperature=temperature, draft=draft)
         for n in budgets:
             if "static" in kinds:
                 methods.append(static_method(tables, rule=rule, budget=n, sampling=sampling))
-            if "dynamic" in kinds:
+            if "dynamic" in kinds and not sampling.draws_candidates:
                 trees = dynamic_trees(f"dynamic:{n}", base=None, ckpt_dir=ckpt_dir, device=device,
                                       num_heads=num_heads)
                 methods.append(Method("dynamic", rule, n, sampling, trees.for_rule(sampling)))

@@ -97,6 +97,26 @@ def test_rejection_rows_draft_the_top_k_so_dynamic_trees_choose_their_nodes_ever
     assert all(isinstance(m.tree, DynamicTree) and m.tree.budget == m.verified_nodes for m in dynamic)
 
 
+def test_with_drawn_drafts_the_rejection_rows_are_static_trees_drafting_as_decode_py_does(medusa_ckpt, capsys):
+    # decode.py draws rejection sampling's drafts from the heads' q by default; the stored rejection
+    # tree is sized for those, so this is the sweep that checks it.
+    tables = sweep_methods.load_tables(medusa_ckpt, num_heads=3)
+    methods = sweep_methods.sweep_methods(medusa_ckpt, tables=tables, budgets=(2, 4), rules=("greedy", "rejection"),
+                                          kinds=("static", "dynamic"), temperature=0.8, num_heads=3,
+                                          device=torch.device("cpu"), draft="sampled")
+    rejection = [m for m in methods if m.rule == "rejection"]
+    assert [(m.tree_kind, m.budget) for m in rejection] == [(None, 0), ("static", 2), ("static", 4)]
+    assert all(m.sampling.draws_candidates for m in rejection if m.tree is not None)
+    assert {m.tree_kind for m in methods if m.rule == "greedy"} == {None, "static", "dynamic"}
+    result = run_json(medusa_ckpt, capsys, "--draft", "sampled")
+    assert result["draft"] == "sampled"
+    assert {(r["tree"], r["rule"]) for r in result["rows"]} == {
+        ("static", "greedy"), ("dynamic", "greedy"), ("static", "rejection")}
+    text = sweep.format_sweep(result)
+    assert "rejection sampling (T=0.8, drafts drawn from q)" in text and "no dynamic rows" in text
+    assert "these rows draft their top-k" not in text
+
+
 def test_a_greedy_row_that_leaves_plain_greedy_says_so_on_which_prompts():
     def runs(*outputs):
         return [(tokens, GenerationStats(prompt_tokens=3, steps=2, step_tokens=[2, 2], seconds=0.01))
@@ -125,6 +145,8 @@ def test_sweep_runs_hydra_heads_and_its_table_prints_their_kind_both_tree_kinds_
     (["--budgets", "0,4"], "--budgets"), (["--budgets", "two"], "--budgets"), (["--rules", "typical"], "--rules"),
     (["--trees", "static,bushy"], "--trees"), (["--repeat", "0"], "--repeat"), (["--temperature", "0"], "--temperature"),
     (["--num-prompts", "0"], "--num-prompts"), (["--plot", "/no/such/folder/s.png"], "--plot"),
+    (["--draft", "sampled", "--rules", "rejection", "--trees", "dynamic"], "--draft sampled"),
+    (["--draft", "drawn"], "--draft"),
 ])
 def test_bad_flags_exit_2_with_one_line(medusa_ckpt, capsys, flags, message):
     with pytest.raises(SystemExit) as exc:
