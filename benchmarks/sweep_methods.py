@@ -34,6 +34,7 @@ from medusa_mini.tune.acceptance_tables import (
     ACCURACY_FILE,
     load_accuracy,
     load_greedy_ranks,
+    replay_ceiling,
     replay_greedy,
     sampled_temperature,
 )
@@ -60,6 +61,11 @@ class Tables:
     ranks: list[str] | None
     sampled: torch.Tensor | None
     sampled_temperature: float | None
+
+    def greedy_ceiling(self) -> float | None:
+        """The most tokens per step any tree of the heads' top guesses could make on the continuations
+        the greedy expectation replays (None without rank strings): what a dynamic tree could reach."""
+        return replay_ceiling(self.ranks) if self.ranks else None
 
     def describe(self, *, draft: str = "topk") -> str:
         greedy = "greedy table" + (" (expected = replayed on its greedy continuations)" if self.ranks

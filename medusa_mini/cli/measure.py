@@ -26,6 +26,7 @@ from ..tune.acceptance_tables import (
     format_accuracy,
     greedy_ranks,
     measure_head_accuracy,
+    replay_ceiling,
     replay_greedy,
     save_accuracy,
 )
@@ -120,6 +121,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"-- greedy acceptance\n{format_accuracy(acc)}")
     print("tokens/step of build_tree replayed on these greedy continuations (bonus token counted) by node budget:")
     print("  ".join(f"{n} nodes: {replay_greedy(ranks, build_tree(acc, n)[0]):.2f}" for n in REPORT_BUDGETS))
+    below = min(acc.shape[1], 10)
+    print(f"no tree of the heads' top-{below} guesses, fixed or dynamic, makes more than "
+          f"{replay_ceiling(ranks, below=below):.2f} tokens/step on these continuations")
     print(f"-- rejection sampling at T={ns.temperature:g}: candidates drawn from the heads\n{format_accuracy(sampled)}")
     print("expected tokens/step of build_tree (product rule, bonus token counted) by node budget:")
     print("  ".join(f"{n} nodes: {build_tree(sampled, n)[1]:.2f}" for n in REPORT_BUDGETS))

@@ -26,6 +26,7 @@ from ..tune.acceptance_tables import (
     SAMPLING_TEMPERATURE,
     greedy_ranks,
     measure_head_accuracy,
+    replay_ceiling,
     replay_greedy,
     save_accuracy,
 )
@@ -143,7 +144,7 @@ def summarize(run, model, heads, enc, val_docs, val_tokens: np.ndarray) -> dict:
     lines.append(
         f"           {'tokens/step, greedy (replayed, bonus counted):':<48}"
         + ", ".join(f"{b} nodes {e:.2f}" for b, e in zip(budgets, est))
-        + f"; cpu preset {cpu_est:.2f}"
+        + f"; cpu preset {cpu_est:.2f}; no tree of the top-10 guesses beats {replay_ceiling(ranks):.2f}"
     )
     lines.append(
         f"           {f'expected tokens/step, rejection T={T:g}:':<48}"

@@ -218,6 +218,37 @@ def replay_greedy(ranks: list[str], tree: Tree) -> float:
     return emitted / steps
 
 
+def replay_ceiling(ranks: list[str], *, below: int = 10) -> float:
+    """The most tokens per step any tree of the heads' top `below` guesses, fixed or dynamic, can make
+    on the sequences behind `ranks`: an upper bound for `replay_greedy` of every tree with ranks < below.
+
+    A step reading position i can accept at most run(i) nodes, the leading depths whose target is among
+    the top `below` guesses there, and a tree may hold that path or only part of it; every sequence of
+    n - 1 new tokens takes the fewest steps found by dynamic programming from its end. A tree that held
+    each step's whole path comes close but not always to it: a longer jump can land on a harder position.
+    The gap to a tree's replay is what choosing nodes could still win.
+    """
+    if not 1 <= below <= 10:
+        raise ValueError(f"below must be a rank count from 1 to 10 (rank strings hold ranks 0-9), not {below}")
+    emitted = steps = 0
+    for text in ranks:
+        cols = text.split()
+        n = len(cols)
+        fewest = [0] * (n + 1)  # fewest[i]: steps still needed once i tokens are produced
+        for i in range(n - 1, 0, -1):
+            run = 0
+            for r in cols[i - 1][: n - i - 1]:
+                if r == MISS or int(r) >= below:
+                    break
+                run += 1
+            fewest[i] = 1 + min(fewest[i + a + 1] for a in range(run + 1))
+        if n > 1:
+            emitted, steps = emitted + n - 1, steps + fewest[1]
+    if steps == 0:
+        raise ValueError("the rank strings hold no step to replay: continuations of 2+ tokens needed")
+    return emitted / steps
+
+
 def accuracy_on_prompts(
     model: GPT, heads: HeadsFn, prompts: list[list[int]], *, max_new_tokens: int, top_k: int = 10,
     temperature: float = 0.0, seed: int = 0,

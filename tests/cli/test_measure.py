@@ -10,7 +10,7 @@ from conftest import save_small_checkpoint
 from benchmarks import sweep
 from medusa_mini.cli import measure
 from medusa_mini.tree import build_tree
-from medusa_mini.tune.acceptance_tables import load_accuracy
+from medusa_mini.tune.acceptance_tables import load_accuracy, load_greedy_ranks, replay_ceiling
 from medusa_mini.tune.calibration import load_calibration, save_calibration
 from medusa_mini.tune.trees import candidate_count, dynamic_trees
 
@@ -20,6 +20,8 @@ def test_recompute_command_saves_the_accuracy_and_prints_the_table(tmp_path, cap
     assert measure.main(["--ckpt", str(tmp_path), "--prompts", "3", "--max-new-tokens", "8"]) == 0
     out = capsys.readouterr().out
     assert "top-1" in out and "64 nodes:" in out
+    ceiling = replay_ceiling(load_greedy_ranks(tmp_path))  # the bound on any tree the heads' guesses make
+    assert f"top-10 guesses, fixed or dynamic, makes more than {ceiling:.2f} tokens/step" in out
     assert "-- greedy acceptance" in out and "-- rejection sampling at T=0.8" in out
     assert "heads_calibration.json, read by dynamic trees" in out and "head 2, below top guesses only" in out
     assert load_calibration(tmp_path) is not None  # what dynamic trees read the heads' confidence through

@@ -14,6 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 import train_tiny  # noqa: E402
 from medusa_mini.io.checkpoint import load_checkpoint  # noqa: E402
+from medusa_mini.tune.acceptance_tables import load_greedy_ranks, replay_ceiling  # noqa: E402
 from medusa_mini.tune.calibration import load_calibration  # noqa: E402
 from medusa_mini.tune.trees import default_tree_name  # noqa: E402
 
@@ -39,6 +40,9 @@ def test_a_run_writes_a_complete_checkpoint(tmp_path, capsys):
     text = capsys.readouterr().out
     for stage in ("tokenizer", "backbone", "distill", "heads", "summary", "official Medusa-1"):
         assert stage in text
+    # what the stored continuations allow any tree of the heads' guesses, beside what the trees make
+    ceiling = replay_ceiling(load_greedy_ranks(out))
+    assert f"no tree of the top-10 guesses beats {ceiling:.2f}" in text
     model, heads, cfg = load_checkpoint(out)
     assert heads.num_heads == 4 and cfg["medusa_mini"]["eot_id"] == model.config.vocab_size - 1
     # the trees sized at the end of training are what decode.py uses by default on this device type

@@ -20,6 +20,7 @@ from medusa_mini.tune.acceptance_tables import (
     load_accuracy,
     load_greedy_ranks,
     measure_head_accuracy,
+    replay_ceiling,
     replay_greedy,
     sampled_temperature,
     save_accuracy,
@@ -185,6 +186,35 @@ def test_a_chain_replays_to_one_plus_the_run_of_leading_top1_hits():
     assert replay_greedy(["00-- 0--- ----"], chain(4)) == 2.0
     # two steps: "-" accepts nothing (1 token), then "0-" one node (2 tokens) => 3 tokens / 2 steps
     assert replay_greedy(["---- 0--- ---- ----"], chain(4)) == pytest.approx(1.5)
+
+
+def _random_rank_strings(seed: int, *, sequences: int = 6, length: int = 40) -> list[str]:
+    """Rank strings like greedy_ranks writes: mostly rank 0, sometimes a lower rank or a miss."""
+    import random
+
+    rng = random.Random(seed)
+    symbols, weights = "0123456789-", [40, 12, 8, 5, 4, 3, 2, 2, 1, 1, 22]
+    return [" ".join("".join(rng.choices(symbols, weights)[0] for _ in range(4)) for _ in range(length))
+            for _ in range(sequences)]
+
+
+def test_no_tree_beats_the_ceiling_of_the_heads_top_guesses():
+    from medusa_mini.tree import chain, preset
+
+    # By hand, 5 new tokens: the chain accepts one node at the first position and lands on two misses
+    # (3 steps for 4 tokens); accepting nothing first lands on "00" and ends in 2 steps.
+    ranks = ["0--- 00-- ---- ---- ----"]
+    assert replay_greedy(ranks, chain(4)) == pytest.approx(4 / 3)
+    assert replay_ceiling(ranks, below=1) == 2.0
+    for seed in range(5):
+        ranks = _random_rank_strings(seed)
+        ceilings = [replay_ceiling(ranks, below=k) for k in range(1, 11)]
+        assert ceilings == sorted(ceilings) and ceilings[-1] > ceilings[0]  # more ranks, more to accept
+        full = Tree.from_choices([c for d in range(1, 5) for c in itertools.product(range(2), repeat=d)])
+        for tree in (chain(4), preset("cpu"), preset("gpu"), build_tree(VICUNA, 8)[0], build_tree(VICUNA, 64)[0], full):
+            assert replay_greedy(ranks, tree) <= ceilings[tree.max_rank] + 1e-12
+    with pytest.raises(ValueError, match="below"):
+        replay_ceiling(["0000"], below=11)
 
 
 class LookupHeads:
