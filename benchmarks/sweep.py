@@ -7,8 +7,8 @@ dynamic tree (`decode.py --tree dynamic:N`: each step keeps its N most confident
 prints per budget: measured tokens per step (the bonus token counted), ms per step, tokens per
 second, the speedup over the plain decoder of the same rule, whether greedy rows write plain greedy's
 tokens (they must), and for static trees the tokens per step the accuracy table expects; for greedy
-also the ceiling no tree of the heads' top guesses can pass on the continuations that expectation
-replays (acceptance_tables.replay_ceiling). Last, per rule, which tree kind at which budget gave the
+also the ceiling no tree of the heads' top guesses can pass on these prompts (the heads' ranks along
+plain greedy's text, replayed by acceptance_tables.replay_ceiling). Last, per rule, which tree kind at which budget gave the
 most tokens per second.
 
 Rules: greedy, and rejection sampling at T with the heads' top-k as drafts (lossless too). With
@@ -108,8 +108,8 @@ def rule_table(result: dict, rule: str) -> list[str]:
             line += " | " + "".join(f"{cell(row) if row else '':>{width}}" for _, cell in cols)
         lines.append(line)
     if rule == "greedy" and result.get("greedy_ceiling") is not None:
-        lines.append(f"ceiling: on the continuations 'expected' replays, no tree of the heads' top-10 guesses, "
-                     f"fixed or dynamic, makes more than {result['greedy_ceiling']:.2f} tokens/step")
+        lines.append(f"ceiling: on these prompts no tree of the heads' top-10 guesses, fixed or dynamic, "
+                     f"makes more than {result['greedy_ceiling']:.2f} tokens/step")
     if rule == "rejection" and any(r["expected_tokens_per_step"] is not None for r in rows):
         lines.append("expected: the sampled table's product rule, which assumes drafts drawn from the heads' q; "
                      + ("so are these rows'" if draft == "sampled" else "these rows draft their top-k"))
@@ -225,7 +225,6 @@ def main(argv: list[str] | None = None) -> int:
         result = run_sweep(ck, methods, prompts, max_new_tokens=ns.max_new_tokens, repeat=ns.repeat, seed=ns.seed)
         result.update(checkpoint=ns.ckpt, device=str(device), dtype=ns.dtype, heads=ck.heads.config.kind,
                       num_heads=ck.heads.num_heads, accuracy_source=tables.describe(draft=ns.draft), seed=ns.seed,
-                      greedy_ceiling=tables.greedy_ceiling(),
                       temperature=ns.temperature, draft=ns.draft, rules=list(ns.rules), trees=list(ns.trees),
                       threads=torch.get_num_threads())
         if ns.plot:

@@ -33,6 +33,7 @@ from medusa_mini.tree import Tree, build_tree
 from medusa_mini.tune.acceptance_tables import (
     ACCURACY_FILE,
     load_accuracy,
+    greedy_ranks,
     load_greedy_ranks,
     replay_ceiling,
     replay_greedy,
@@ -61,11 +62,6 @@ class Tables:
     ranks: list[str] | None
     sampled: torch.Tensor | None
     sampled_temperature: float | None
-
-    def greedy_ceiling(self) -> float | None:
-        """The most tokens per step any tree of the heads' top guesses could make on the continuations
-        the greedy expectation replays (None without rank strings): what a dynamic tree could reach."""
-        return replay_ceiling(self.ranks) if self.ranks else None
 
     def describe(self, *, draft: str = "topk") -> str:
         greedy = "greedy table" + (" (expected = replayed on its greedy continuations)" if self.ranks
@@ -211,6 +207,15 @@ def tree_row(m: Method, runs: Runs, *, plain: dict, plain_greedy: Runs | None) -
     return row
 
 
+def greedy_ceiling(ck: Checkpoint, prompts: list[list[int]], plain_greedy: Runs) -> float:
+    """The most tokens per step any tree of the heads' top-10 guesses, fixed or dynamic, could make on
+    these prompts: the heads' ranks along plain greedy's continuations (which every greedy row
+    writes), replayed by acceptance_tables.replay_ceiling. What choosing nodes could still win."""
+    seqs = [p + tokens for p, (tokens, _) in zip(prompts, plain_greedy)]
+    ranks = greedy_ranks(ck.model, ck.heads, seqs, prompt_lens=[len(p) for p in prompts])
+    return replay_ceiling(ranks)
+
+
 def best_per_rule(rows: list[dict]) -> dict[str, dict]:
     """Per rule, the row with the most measured tokens per second (its tree, budget, speed)."""
     best: dict[str, dict] = {}
@@ -231,5 +236,6 @@ def run_sweep(
              for m in methods if m.tree_kind is None}
     rows = [{**tree_row(m, runs[m.key], plain=plain[m.rule], plain_greedy=runs.get("plain greedy")),
              "repeats_differ": m.key in unsteady} for m in methods if m.tree_kind is not None]
-    return {"plain": plain, "rows": rows, "best": best_per_rule(rows), "num_prompts": len(prompts),
+    ceiling = greedy_ceiling(ck, prompts, runs["plain greedy"]) if "plain greedy" in runs else None
+    return {"plain": plain, "rows": rows, "best": best_per_rule(rows), "greedy_ceiling": ceiling, "num_prompts": len(prompts),
             "max_new_tokens": max_new_tokens, "repeat": repeat}

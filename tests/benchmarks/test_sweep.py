@@ -13,7 +13,6 @@ from medusa_mini.dynamic import DynamicTree
 from medusa_mini.heads import HeadsConfig
 from medusa_mini.hydra import make_heads
 from medusa_mini.io.checkpoint import load_checkpoint, save_checkpoint
-from medusa_mini.tune.acceptance_tables import replay_ceiling
 
 FAST = ["--budgets", "2,4", "--max-new-tokens", "8", "--repeat", "1", "--num-prompts", "2", "--device", "cpu",
         "--threads", "1"]  # one thread: tiny matmuls only lose to thread contention on a busy machine
@@ -72,10 +71,8 @@ def test_sweep_puts_static_and_dynamic_trees_side_by_side_for_greedy_and_rejecti
     for rule, best in result["best"].items():  # the fastest measured row of the rule, named by kind and budget
         fastest = max((r for r in rows if r["rule"] == rule), key=lambda r: r["tokens_per_s"])
         assert (best["tree"], best["nodes"]) == (fastest["tree"], fastest["nodes"])
-    ranks = sweep_methods.load_tables(medusa_ckpt, num_heads=3).ranks
-    assert result["greedy_ceiling"] == replay_ceiling(ranks)
-    assert all(r["expected_tokens_per_step"] <= result["greedy_ceiling"] + 1e-12 for r in rows
-               if r["rule"] == "greedy" and r["tree"] == "static")
+    # measured on the same prompts, no greedy row, static or dynamic, passes the ceiling
+    assert all(r["tokens_per_step"] <= result["greedy_ceiling"] + 1e-12 for r in rows if r["rule"] == "greedy")
     assert f"more than {result['greedy_ceiling']:.2f} tokens/step" in sweep.format_sweep(result)
     data = png.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 8
