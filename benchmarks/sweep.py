@@ -8,8 +8,8 @@ prints per budget: measured tokens per step (the bonus token counted), ms per st
 second, the speedup over the plain decoder of the same rule, whether greedy rows write plain greedy's
 tokens (they must), and for static trees the tokens per step the accuracy table expects; for greedy
 also the ceiling no tree of the heads' top guesses can pass on these prompts (the heads' ranks along
-plain greedy's text, replayed by acceptance_tables.replay_ceiling). Last, per rule, which tree kind at which budget gave the
-most tokens per second.
+plain greedy's text, replayed by tune/replay.py's replay_ceiling). Last, per rule, which tree kind at
+which budget gave the most tokens per second.
 
 Rules: greedy, and rejection sampling at T with the heads' top-k as drafts (lossless too). With
 `--draft sampled`, the drafts `decode.py` draws by default, the rejection rows are static trees only

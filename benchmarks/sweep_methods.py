@@ -33,12 +33,10 @@ from medusa_mini.tree import Tree, build_tree
 from medusa_mini.tune.acceptance_tables import (
     ACCURACY_FILE,
     load_accuracy,
-    greedy_ranks,
     load_greedy_ranks,
-    replay_ceiling,
-    replay_greedy,
     sampled_temperature,
 )
+from medusa_mini.tune.replay import greedy_ranks, replay_ceiling, replay_greedy
 from medusa_mini.tune.trees import dynamic_trees
 
 RULES = ("greedy", "rejection")
@@ -210,7 +208,7 @@ def tree_row(m: Method, runs: Runs, *, plain: dict, plain_greedy: Runs | None) -
 def greedy_ceiling(ck: Checkpoint, prompts: list[list[int]], plain_greedy: Runs) -> float:
     """The most tokens per step any tree of the heads' top-10 guesses, fixed or dynamic, could make on
     these prompts: the heads' ranks along plain greedy's continuations (which every greedy row
-    writes), replayed by acceptance_tables.replay_ceiling. What choosing nodes could still win."""
+    writes), replayed by replay.replay_ceiling. What choosing nodes could still win."""
     seqs = [p + tokens for p, (tokens, _) in zip(prompts, plain_greedy)]
     ranks = greedy_ranks(ck.model, ck.heads, seqs, prompt_lens=[len(p) for p in prompts])
     return replay_ceiling(ranks)

@@ -230,12 +230,8 @@ def test_replaying_hydra_rank_strings_gives_exactly_the_tokens_per_step_of_greed
     # Along the greedy continuation the true previous tokens are exactly the tree path greedy decoding
     # accepts, so teacher-forced ranks replay dependent heads as exactly as Medusa's.
     from medusa_mini.tree import build_tree
-    from medusa_mini.tune.acceptance_tables import (
-        continuations,
-        greedy_ranks,
-        measure_head_accuracy,
-        replay_greedy,
-    )
+    from medusa_mini.tune.acceptance_tables import continuations, measure_head_accuracy
+    from medusa_mini.tune.replay import greedy_ranks, replay_greedy
 
     model, prompts, _, _, _, _, hydra = trained
     n, ps = 30, prompts[:6].tolist()

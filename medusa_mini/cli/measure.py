@@ -24,10 +24,7 @@ from ..tune.acceptance_tables import (
     SAMPLING_TEMPERATURE,
     continuations,
     format_accuracy,
-    greedy_ranks,
     measure_head_accuracy,
-    replay_ceiling,
-    replay_greedy,
     save_accuracy,
 )
 from ..tune.calibration import (
@@ -37,6 +34,7 @@ from ..tune.calibration import (
     measure_calibration,
     save_calibration,
 )
+from ..tune.replay import greedy_ranks, replay_ceiling, replay_greedy
 from ..tune.sizing import REPORT_BUDGETS
 from ..tune.trees import TREES_FILE, measure_and_store_trees, trees_key
 from .common import DTYPES, OneLineParser, pick_device, pick_dtype

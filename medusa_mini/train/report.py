@@ -22,15 +22,9 @@ from ..io.loading import PROMPTS_FILE
 from ..io.safetensors import atomic_write_text
 from ..training import head_targets, lm_loss, sample_continuations
 from ..tree import build_tree, preset
-from ..tune.acceptance_tables import (
-    SAMPLING_TEMPERATURE,
-    greedy_ranks,
-    measure_head_accuracy,
-    replay_ceiling,
-    replay_greedy,
-    save_accuracy,
-)
+from ..tune.acceptance_tables import SAMPLING_TEMPERATURE, measure_head_accuracy, save_accuracy
 from ..tune.calibration import measure_calibration, save_calibration
+from ..tune.replay import greedy_ranks, replay_ceiling, replay_greedy
 from ..tune.trees import TREES_FILE, measure_and_store_trees
 from .data import get_batch
 

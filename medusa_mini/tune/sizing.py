@@ -47,8 +47,9 @@ from ..model import GPT, KVCache
 from ..sampling import Sampling
 from ..step import medusa_step
 from ..tree import Tree, build_tree
-from .acceptance_tables import HeadsFn, replay_greedy
+from .acceptance_tables import HeadsFn
 from .clock import time_in_turns
+from .replay import replay_greedy
 
 REPORT_BUDGETS = (4, 8, 16, 32, 64)
 MEASURED_BUDGETS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 40, 48, 56, 64)  # the line is fitted on these
@@ -197,7 +198,7 @@ def auto_tree(
 
     step_ms {N: ms} is fitted by `fit_step_cost`; for each N of `budgets` within the measured range
     (or the measured budgets, if none is): build_tree(acc, N), its tokens per step replayed on
-    measured greedy continuations when `ranks` are given (acceptance_tables.replay_greedy: exact
+    measured greedy continuations when `ranks` are given (replay.replay_greedy: exact
     there), else the product rule's; expected tokens/s = tokens per step / modelled cost(N); then
     `choose_budget`. Returns the tree and a table explaining the choice, the choice on its last line.
     """

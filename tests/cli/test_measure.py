@@ -10,8 +10,9 @@ from conftest import save_small_checkpoint
 from benchmarks import sweep
 from medusa_mini.cli import measure
 from medusa_mini.tree import build_tree
-from medusa_mini.tune.acceptance_tables import load_accuracy, load_greedy_ranks, replay_ceiling
+from medusa_mini.tune.acceptance_tables import load_accuracy, load_greedy_ranks
 from medusa_mini.tune.calibration import load_calibration, save_calibration
+from medusa_mini.tune.replay import replay_ceiling
 from medusa_mini.tune.trees import candidate_count, dynamic_trees
 
 

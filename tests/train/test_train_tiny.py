@@ -14,8 +14,9 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 import train_tiny  # noqa: E402
 from medusa_mini.io.checkpoint import load_checkpoint  # noqa: E402
-from medusa_mini.tune.acceptance_tables import load_greedy_ranks, replay_ceiling  # noqa: E402
+from medusa_mini.tune.acceptance_tables import load_greedy_ranks  # noqa: E402
 from medusa_mini.tune.calibration import load_calibration  # noqa: E402
+from medusa_mini.tune.replay import replay_ceiling  # noqa: E402
 from medusa_mini.tune.trees import default_tree_name  # noqa: E402
 
 FAST = ["--preset", "smoke", "--max-bytes", "60000", "--vocab-size", "300", "--backbone-steps", "6",

@@ -16,15 +16,13 @@ from medusa_mini.sampling import Sampling, sampling_probs
 from medusa_mini.tree import Tree, build_tree
 from medusa_mini.tune.acceptance_tables import (
     continuations,
-    greedy_ranks,
     load_accuracy,
     load_greedy_ranks,
     measure_head_accuracy,
-    replay_ceiling,
-    replay_greedy,
     sampled_temperature,
     save_accuracy,
 )
+from medusa_mini.tune.replay import greedy_ranks, replay_ceiling, replay_greedy
 from medusa_mini.tune.trees import resolve_trees
 
 VICUNA = torch.tensor([[a * 0.45**r for r in range(10)] for a in (0.56, 0.32, 0.20, 0.15)])
