@@ -25,7 +25,6 @@ from typing import Callable
 
 import torch
 
-from .dynamic import DynamicTree, DynamicProposer
 from .hydra import HydraProposer
 from .model import GPT, KVCache
 from .proposal import MedusaProposer, Proposer
@@ -62,12 +61,9 @@ def _check_prompt(model: GPT, prompt: list[int] | torch.Tensor) -> list[int]:
     return ids
 
 
-def make_proposer(model: GPT, heads, tree: Tree | DynamicTree) -> Proposer:
-    """The proposer for these heads and this tree: a fixed tree for Medusa or dependent (hydra) heads,
-    or a tree chosen each step from the heads' confidence (`dynamic.DynamicTree`)."""
-    if isinstance(tree, DynamicTree):
-        return DynamicProposer(model, heads, tree)
-    if getattr(heads, "reads_drafted_tokens", False):
+def make_proposer(model: GPT, heads, tree: Tree) -> Proposer:
+    """The proposer for these heads: Medusa's, or dependent (hydra) heads' (`heads.config.kind`)."""
+    if heads.config.kind == "hydra":
         return HydraProposer(model, heads, tree)
     return MedusaProposer(model, heads, tree)
 
@@ -187,15 +183,14 @@ def generate_batch(
 
 @torch.no_grad()
 def medusa_generate_batch(
-    model: GPT, heads, prompts: list, *, tree: Tree | DynamicTree, max_new_tokens: int,
+    model: GPT, heads, prompts: list, *, tree: Tree, max_new_tokens: int,
     sampling: Sampling = Sampling(), eos_id: int | None = None, generator: torch.Generator | None = None,
     on_step: RowCallback | None = None, cache: KVCache | None = None,
 ) -> list[tuple[list[int], GenerationStats]]:
     """Medusa decoding of B prompts: propose -> verify -> accept -> compact, until every row has stopped.
 
     heads(hidden [B, C], lm_head) -> logits [K, B, V], read once per step at each row's last accepted
-    node (dependent heads: node by node while the tree is filled, hydra.py). tree: a fixed `Tree`, or a
-    `DynamicTree` chosen each step. With greedy or rejection acceptance each row's output is plain
+    node (dependent heads: depth by depth while the tree is filled, hydra.py). With greedy or rejection acceptance each row's output is plain
     decoding's, in distribution and, when greedy, token for token. `cache`: one to reuse (see
     `reuse_cache`), B rows of block_size + N slots; by default a new one.
     """
@@ -203,7 +198,7 @@ def medusa_generate_batch(
     rows = Rows(model, prompts, max_new_tokens=max_new_tokens, eos_id=eos_id, on_step=on_step)
     B, device = len(rows.prompts), model.device
     # Slots beyond block_size hold a tree's nodes; their positions are still < block_size.
-    cache = reuse_cache(cache, model, batch_size=B, max_len=model.config.block_size + proposer.num_nodes)
+    cache = reuse_cache(cache, model, batch_size=B, max_len=model.config.block_size + tree.num_nodes)
     lengths = [len(p) for p in rows.prompts]
     logits, hidden = prefill(model, rows.padded(device), cache, lengths=lengths)  # [B, V], [B, C]
     roots = sampling.next_token(logits, generator)  # [B] on the device, as every later root

@@ -74,13 +74,15 @@ class MedusaHeads(nn.Module):
     def num_heads(self) -> int:
         return self.config.num_heads
 
-    def hidden(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [..., C] -> each head's features [K, ..., C]."""
+    def hidden(self, x: torch.Tensor, *, num: int | None = None) -> torch.Tensor:
+        """x: [..., C] -> the first `num` heads' features [K', ..., C] (default: all K)."""
+        num = self.num_heads if num is None else num
         if self.training or torch.is_grad_enabled():
-            return torch.stack([block(x) for block in self.blocks])  # [K, ..., C]
-        # Decoding: all K blocks as one batched matmul. At batch 1 a step spends more time calling
+            return torch.stack([block(x) for block in self.blocks[:num]])  # [K', ..., C]
+        # Decoding: the blocks as one batched matmul. At batch 1 a step spends more time calling
         # K small layers than computing them.
         weight, bias = self._stacked_blocks()  # [K, C, C] (in -> out), [K, 1, C]
+        weight, bias = weight[:num], bias[:num]
         K, C = weight.shape[0], x.shape[-1]
         flat = x.reshape(1, -1, C).expand(K, -1, -1)  # [K, M, C]
         z = flat + F.silu(torch.baddbmm(bias, flat, weight))  # [K, M, C]
@@ -98,16 +100,17 @@ class MedusaHeads(nn.Module):
             self._stacked, self._stacked_key = (weight, bias), key
         return self._stacked
 
-    def forward(self, x: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lm_head: nn.Module, *, num: int | None = None) -> torch.Tensor:
         """x: [..., C] backbone hidden states -> logits [K, ..., V] (head k at index k-1).
 
         lm_head: the backbone's vocabulary projection; used unless the heads own theirs. It is passed
-        in rather than stored so the heads' state dict holds only the heads.
+        in rather than stored so the heads' state dict holds only the heads. num: only the first `num`
+        heads (a shallow tree needs no deeper guess, and each head costs a vocabulary projection).
         """
-        z = self.hidden(x)  # [K, ..., C]
+        z = self.hidden(x, num=num)  # [K', ..., C]
         if self.lm_heads is None:
-            return lm_head(z)  # one matmul for all K heads: [K, ..., V]
+            return lm_head(z)  # one matmul for all the heads: [K', ..., V]
         K = z.shape[0]
-        flat = z.reshape(K, -1, z.shape[-1])  # [K, M, C]
-        logits = torch.bmm(flat, self.lm_heads.transpose(1, 2))  # [K, M, V]
+        flat = z.reshape(K, -1, z.shape[-1])  # [K', M, C]
+        logits = torch.bmm(flat, self.lm_heads[:K].transpose(1, 2))  # [K', M, V]
         return logits.reshape(*z.shape[:-1], -1)  # [K, ..., V]

@@ -31,9 +31,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .heads import HeadsConfig, MedusaHeads
-from .proposal import Draft, Proposal, StepTree, draft_log_probs
-from .reference import draw_without_replacement
-from .sampling import Sampling
+from .proposal import Draft, Proposal, draft_log_probs
+from .sampling import Sampling, draw_without_replacement
 from .tree import Tree
 
 
@@ -56,8 +55,6 @@ class HydraHead(nn.Module):
 class HydraHeads(nn.Module):
     """K dependent heads sharing the backbone's lm_head and token embedding (both passed at call time,
     so the state dict holds only the heads)."""
-
-    reads_drafted_tokens = True  # the marker decoding and training dispatch on
 
     def __init__(self, config: HeadsConfig) -> None:
         super().__init__()
@@ -113,7 +110,7 @@ def teacher_forced_logits(heads, hidden: torch.Tensor, y: torch.Tensor, model, *
     y [B, T] the true next tokens -> [K, B, T', V].
 
     Medusa's heads ignore y; dependent heads read the true tokens before their targets."""
-    if not getattr(heads, "reads_drafted_tokens", False):
+    if heads.config.kind != "hydra":
         return heads(hidden, model.lm_head)
     tokens = next_tokens(y, heads.num_heads)  # [B, T, K]
     if positions is not None:
@@ -124,7 +121,7 @@ def teacher_forced_logits(heads, hidden: torch.Tensor, y: torch.Tensor, model, *
 def heads_logits(heads, hidden: torch.Tensor, model, *, tokens: torch.Tensor | None = None) -> torch.Tensor:
     """hidden [..., C] -> [K, ..., V] for either kind of heads; tokens [..., K] (x_{t+1..t+K}, teacher-forced)
     are read by dependent heads only."""
-    if getattr(heads, "reads_drafted_tokens", False):
+    if heads.config.kind == "hydra":
         return heads(hidden, model.lm_head, tokens=tokens, wte=model.transformer.wte)
     return heads(hidden, model.lm_head)
 
@@ -170,17 +167,16 @@ class HydraProposer:
     def __init__(self, model: nn.Module, heads: HydraHeads, tree: Tree) -> None:
         tree.check_heads(heads.num_heads)
         self.model, self.heads, self.tree = model, heads, tree
-        self.num_nodes, self.depth, self.num_heads = tree.num_nodes, tree.depth, heads.num_heads
 
     @torch.no_grad()
-    def fill(self, tree: Tree, roots: torch.Tensor, hidden: torch.Tensor, *, sampling: Sampling,
-             generator: torch.Generator | None) -> tuple[torch.Tensor, Draft | None, torch.Tensor]:
-        """roots [B], hidden [B, C] -> (tokens [B, N], the draft or None, each node's log q [B, N] at
-        temperature 1, 0 at the root), one batched head call per depth."""
+    def propose(self, roots: torch.Tensor, hidden: torch.Tensor, *, max_depth: int, sampling: Sampling,
+                generator: torch.Generator | None) -> Proposal:
+        """roots [B], hidden [B, C] -> tokens [B, N] and, for sampled drafts, their Draft; one batched
+        head call per depth."""
+        tree = self.tree.truncated(max(max_depth, 0))
         (B, C), device = hidden.shape, hidden.device
         tokens = torch.empty(B, tree.num_nodes, dtype=torch.long, device=device)  # [B, N]
         tokens[:, 0] = roots
-        node_log_q = torch.zeros(B, tree.num_nodes, device=device)  # [B, N]
         width = tree.max_rank + 1
         draws = sampling.draws_candidates and tree.num_nodes > 1
         rows = [-1] * tree.num_nodes  # node -> its row of log_q / samples (leaves have none)
@@ -201,20 +197,7 @@ class HydraProposer:
             else:
                 picks = logits.topk(width, dim=-1).indices  # [B, M, R]
             tokens[:, level.children] = picks[:, level.child_row, level.child_rank]
-            confidence = F.log_softmax(logits.float(), dim=-1).gather(2, picks)  # [B, M, R]
-            node_log_q[:, level.children] = confidence[:, level.child_row, level.child_rank]
         if not draws:
-            return tokens, None, node_log_q
+            return Proposal(tokens, tree)
         draft = Draft(log_q=torch.cat(log_qs, dim=1), samples=torch.cat(samples, dim=1), rows=tuple(rows))
-        return tokens, draft, node_log_q
-
-    def scored(self, roots: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The whole tree filled with top-k guesses, and each node's log q(token | its path): [B, N] each."""
-        tokens, _, log_q = self.fill(self.tree, roots, hidden, sampling=Sampling(), generator=None)
-        return tokens, log_q
-
-    def propose(self, roots: torch.Tensor, hidden: torch.Tensor, *, max_depth: int, sampling: Sampling,
-                generator: torch.Generator | None) -> Proposal:
-        tree = self.tree if self.tree.depth <= max_depth else self.tree.truncated(max(max_depth, 0))
-        tokens, draft, _ = self.fill(tree, roots, hidden, sampling=sampling, generator=generator)
-        return Proposal(tokens, StepTree.of(tree, roots.shape[0], roots.device), draft)
+        return Proposal(tokens, tree, draft)

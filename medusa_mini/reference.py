@@ -29,9 +29,9 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from .sampling import Sampling, draw
+from .sampling import Sampling, draw, draw_without_replacement, try_children, typical_threshold
 
-if TYPE_CHECKING:  # names for the type hints; the engine's tree module uses this file's mask
+if TYPE_CHECKING:  # names for the type hints only: this file runs on the model's weights alone
     from .heads import MedusaHeads
     from .model import GPT
     from .tree import Tree
@@ -85,13 +85,6 @@ def forward(model: GPT, tokens: list[int], positions: list[int], cache: list, ma
     return model.lm_head(hidden), hidden
 
 
-def draw_without_replacement(log_q: torch.Tensor, width: int, generator: torch.Generator | None) -> torch.Tensor:
-    """`width` distinct tokens drawn from q in order: log_q [..., V] -> [..., width] (Gumbel-top-k:
-    adding Gumbel noise to log q and keeping the top `width` is sequential sampling without replacement)."""
-    u = torch.rand(log_q.shape, generator=generator, device=log_q.device)
-    return (log_q - torch.log(-torch.log(u))).topk(width, dim=-1).indices
-
-
 def propose(head_logits: torch.Tensor, tree: Tree, root: int, *, sampling: Sampling,
             generator: torch.Generator | None) -> tuple[list[int], list | None]:
     """Fill the tree (§2.1.1-2.1.2): the node of choice (r1, ..., rd) holds head d's rank-rd guess.
@@ -110,12 +103,11 @@ def propose(head_logits: torch.Tensor, tree: Tree, root: int, *, sampling: Sampl
     return [root] + [guesses[len(c) - 1][c[-1]] for c in tree.choices], drafts
 
 
-def greedy_accept(parents: list[int], tokens: list[int], logits: torch.Tensor) -> tuple[list[int], int]:
-    """Greedy acceptance (exact): from the root, descend while the backbone's argmax is a child's token.
+def walk(parents: list[int], tokens: list[int], y: list[int]) -> tuple[list[int], int]:
+    """From the root, descend while the backbone's token at the node, y[node], is a child's token.
 
-    logits: [N, V]. The argmax y at the last accepted node is the bonus. Every emitted token is the
-    backbone's argmax after the tokens before it: plain greedy decoding's output, in fewer passes."""
-    y = logits.argmax(dim=-1).tolist()  # [N] the backbone's own next token at every node
+    y: [N] the token the backbone writes after each node's path. Returns (accepted path, root first;
+    the bonus y at the last accepted node)."""
     node, path = 0, [0]
     while (child := next((c for c in children(parents, node) if tokens[c] == y[node]), None)) is not None:
         node = child
@@ -123,11 +115,12 @@ def greedy_accept(parents: list[int], tokens: list[int], logits: torch.Tensor) -
     return path, y[node]
 
 
-def typical_threshold(p: torch.Tensor, *, epsilon: float, delta: float) -> torch.Tensor:
-    """§2.3.1's bar: min(ε, δ·exp(−H(p))) for p [..., V] -> [...]. A flat p (high entropy) lowers it."""
-    log_p = torch.log(p.clamp_min(1e-30))
-    entropy = -(p * log_p).sum(dim=-1)
-    return torch.minimum(torch.full_like(entropy, epsilon), delta * torch.exp(-entropy))
+def greedy_accept(parents: list[int], tokens: list[int], logits: torch.Tensor) -> tuple[list[int], int]:
+    """Greedy acceptance (exact): `walk` with y = the argmax of logits [N, V] at every node.
+
+    Every emitted token is the backbone's argmax after the tokens before it: plain greedy decoding's
+    output, in fewer passes."""
+    return walk(parents, tokens, logits.argmax(dim=-1).tolist())
 
 
 def typical_accept(parents: list[int], tokens: list[int], logits: torch.Tensor, *, sampling: Sampling,
@@ -136,9 +129,10 @@ def typical_accept(parents: list[int], tokens: list[int], logits: torch.Tensor, 
 
     A node is accepted if it and all its ancestors pass; the deepest accepted node wins, ties broken by
     the larger sum of log p along its path, then by the smaller node index. The bonus is drawn from p
-    at the winner. Faster than rejection sampling when p is flat, but NOT p's distribution.
+    at the winner. Faster than rejection sampling when p is flat, but NOT p's distribution. p is the
+    one sampling draws from, top-p included: a token outside the nucleus has p = 0 and never passes.
     """
-    p = F.softmax(logits.float() / sampling.temperature, dim=-1)  # [N, V], without top-p, as the paper
+    p = sampling.probs(logits)  # [N, V]
     bar = typical_threshold(p, epsilon=sampling.epsilon, delta=sampling.delta).tolist()  # [N]
     N = len(parents)
     depth, ok, score, best = [0] * N, [True] + [False] * (N - 1), [0.0] * N, 0
@@ -157,44 +151,25 @@ def typical_accept(parents: list[int], tokens: list[int], logits: torch.Tensor, 
     return path[::-1], int(draw(sampling.probs(logits[best]), generator))
 
 
-def try_children(p: torch.Tensor, candidates: list[int], draft: tuple | None, u: list[float]):
-    """The tries at one node (speculative sampling): candidates x1, x2, ... against target p [V].
-
-    Try i accepts x_i with probability min(1, p(x_i) / q_i(x_i)); after a miss p <- norm(max(0, p - q_i)).
-    q_i is where x_i came from: a point mass on x_i for top-k candidates (accept with probability p(x_i),
-    then p(x_i) <- 0), or for drawn candidates the head's q without the draws before x_i. Each try then
-    emits exactly p: min(p, q) + (1 - Σ min(p, q)) · norm(max(0, p - q)) = p. Returns (index of the
-    accepted candidate or None, the final p for the bonus). Float64 scalar work on the host.
-    """
-    for i, x in enumerate(candidates):
-        if draft is None:
-            q = F.one_hot(torch.tensor(x), p.numel()).double()  # [V]
-        else:
-            log_q, drawn = draft[0].to("cpu", torch.float64, copy=True), draft[1]
-            log_q[drawn[: drawn.index(x)]] = float("-inf")  # drawn without replacement
-            q = (log_q - torch.logsumexp(log_q, dim=0)).exp()  # [V]
-        if u[i] * q[x] < p[x]:  # u < p/q without dividing: q(x) may underflow to 0
-            return i, p
-        residual = (p - q).clamp_min(0.0)
-        if residual.sum() <= 0:  # p = q up to rounding: every x with p(x) > 0 passes
-            return (i if p[x] > 0 else None), p
-        p = residual / residual.sum()
-    return None, p
-
-
 def rejection_accept(parents: list[int], tokens: list[int], logits: torch.Tensor, *, sampling: Sampling,
                      generator: torch.Generator | None, drafts: list | None = None) -> tuple[list[int], int]:
-    """Lossless rejection sampling on a tree (Leviathan et al. 2023; SpecInfer): walk from the root;
-    at each node try its children in rank order (`try_children`); if none is accepted, the bonus is
-    drawn from what is left of p. Fresh randomness at each node and the chain rule make the emitted
-    sequence exactly a sample of the backbone. drafts: `propose`'s q per node, None for top-k candidates.
+    """Lossless rejection sampling on a tree (Leviathan et al. 2023; SpecInfer): every emitted sequence
+    is exactly a sample of the backbone (fresh randomness at each node and the chain rule).
+
+    Top-k candidates (drafts None) are point masses, and then trying a node's children in turn is the
+    same as drawing y from p once: child x is accepted exactly when y = x, and when no child is, y is a
+    draw from p with the children removed, the bonus. So it is `walk` with y drawn from p at every node.
+    Drawn candidates (`propose`'s q per node) try each child with `try_children`; if none is accepted,
+    the bonus is drawn from what is left of p.
     """
+    if drafts is None:
+        return walk(parents, tokens, draw(sampling.probs(logits), generator).tolist())
     node, path = 0, [0]
     while True:
         kids = children(parents, node)
         u = torch.rand(len(kids), generator=generator, device=logits.device).tolist()
         p = sampling.probs(logits[node]).double().cpu()  # [V]
-        i, p = try_children(p, [tokens[c] for c in kids], drafts[node] if drafts else None, u)
+        i, p = try_children(p, [tokens[c] for c in kids], drafts[node], u)
         if i is None:
             return path, int(draw(p.to(logits.device), generator))
         node = kids[i]

@@ -4,6 +4,10 @@ Every decoding layer (generate, medusa_generate, medusa_step, accept) takes a si
 the settings are validated once, where they are made, and "temperature 0 means greedy" is decided in
 one place (`Sampling.greedy`). p is the backbone's (target) distribution after temperature and top-p:
 plain sampling draws from it, and rejection sampling reproduces it exactly (acceptance.py).
+
+The few pieces of sampling that the reference (reference.py) and the engine (acceptance.py) both use
+live here, once: drawing from p, drawing drafts without replacement, typical acceptance's threshold and
+speculative sampling's tries at one node. Neither side imports the other.
 """
 
 from __future__ import annotations
@@ -90,7 +94,9 @@ def sampling_probs(logits: torch.Tensor, *, temperature: float, top_p: float = 1
         raise ValueError("temperature must be > 0 to sample; use greedy for temperature 0")
     probs = F.softmax(logits.float() / temperature, dim=-1)
     if top_p < 1.0:
-        sorted_p, order = probs.sort(dim=-1, descending=True)
+        # A stable sort puts equal probabilities in token order, so a tie at the cut keeps the same
+        # tokens in a batch as alone, on any device: the lower token ids.
+        sorted_p, order = probs.sort(dim=-1, descending=True, stable=True)
         # Keep the smallest prefix whose mass reaches top_p: drop a token when the mass before it does.
         drop_sorted = (sorted_p.cumsum(dim=-1) - sorted_p) >= top_p
         drop = drop_sorted.scatter(-1, order, drop_sorted)
@@ -114,3 +120,43 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     """`draw`, read on the host."""
     return int(draw(probs, generator))
+
+
+def draw_without_replacement(log_q: torch.Tensor, width: int, generator: torch.Generator | None) -> torch.Tensor:
+    """`width` distinct tokens drawn from q in order: log_q [..., V] -> [..., width] (Gumbel-top-k:
+    adding Gumbel noise to log q and keeping the top `width` is sequential sampling without replacement)."""
+    u = torch.rand(log_q.shape, generator=generator, device=log_q.device)
+    return (log_q - torch.log(-torch.log(u))).topk(width, dim=-1).indices
+
+
+def typical_threshold(p: torch.Tensor, *, epsilon: float, delta: float) -> torch.Tensor:
+    """§2.3.1's bar: min(ε, δ·exp(−H(p))) for p [..., V] -> [...]. A flat p (high entropy) lowers it."""
+    log_p = torch.log(p.clamp_min(1e-30))
+    entropy = -(p * log_p).sum(dim=-1)
+    return torch.minimum(torch.full_like(entropy, epsilon), delta * torch.exp(-entropy))
+
+
+def try_children(p: torch.Tensor, candidates: list[int], draft: tuple | None, u: list[float]):
+    """Speculative sampling's tries at one node: drawn candidates x1, x2, ... against the target p [V].
+
+    Try i accepts x_i with probability min(1, p(x_i) / q_i(x_i)); after a miss p <- norm(max(0, p - q_i)),
+    where q_i is the head's q without the draws before x_i (they were drawn without replacement). Each try
+    then emits exactly p: min(p, q) + (1 - Σ min(p, q)) · norm(max(0, p - q)) = p. draft: (log q [V], the
+    draws in order); None means point masses (top-k candidates): accept x_i with probability p(x_i), then
+    p(x_i) <- 0. u: one uniform number per candidate. Returns (index of the accepted candidate or None,
+    the final p for the bonus). Float64 scalar work on the host.
+    """
+    for i, x in enumerate(candidates):
+        if draft is None:
+            q = F.one_hot(torch.tensor(x), p.numel()).double()  # [V]
+        else:
+            log_q, drawn = draft[0].to("cpu", torch.float64, copy=True), draft[1]
+            log_q[drawn[: drawn.index(x)]] = float("-inf")  # drawn without replacement
+            q = (log_q - torch.logsumexp(log_q, dim=0)).exp()  # [V]
+        if u[i] * q[x] < p[x]:  # u < p/q without dividing: q(x) may underflow to 0
+            return i, p
+        residual = (p - q).clamp_min(0.0)
+        if residual.sum() <= 0:  # p = q up to rounding: every x with p(x) > 0 passes
+            return (i if p[x] > 0 else None), p
+        p = residual / residual.sum()
+    return None, p

@@ -1,7 +1,7 @@
 """The engine's Medusa step (paper §2) for B rows: propose -> verify -> accept -> keep the accepted path.
 
 The same stages as the reference's loop body (reference.py), made fast: a `Proposer` (proposal.py)
-fills each row's tree on the device; `verify` scores every node of every row in one tree-masked
+fills the tree for every row on the device; `verify` scores every node of every row in one tree-masked
 forward over the static KV cache (written at slot tensors, read whole: static shapes); `accept_paths`
 (acceptance.py) applies the rule, vectorised over paths and rows; `keep_path` compacts each row's
 cache. Nothing waits for the host until the end, where one `.tolist()` reads the emitted tokens of
@@ -19,12 +19,13 @@ import torch
 
 from .acceptance import Accepted, accept_paths
 from .model import GPT, KVCache, compact_kv_cache
-from .proposal import Proposal, Proposer, StepTree
+from .proposal import Proposer
 from .sampling import Sampling
+from .tree import Tree
 
 
 @torch.no_grad()
-def verify(model: GPT, cache: KVCache, tree: StepTree, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def verify(model: GPT, cache: KVCache, tree: Tree, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One tree-masked forward over all N nodes of B rows (§2.1.2): logits [B, N, V], hidden [B, N, C].
 
     Row b's nodes occupy cache slots [L_b, L_b + N) but sit at positions L_b + depth, clamped to the
@@ -32,16 +33,17 @@ def verify(model: GPT, cache: KVCache, tree: StepTree, tokens: torch.Tensor) -> 
     ancestors (`model.cache_attention_mask`). Shapes depend on the tree alone, so one captured graph
     per tree serves every step.
     """
-    pos = (cache.lengths[:, None] + tree.depths).clamp(max=model.config.block_size - 1)  # [B, N]
-    return model(tokens, pos=pos, cache=cache, attn_mask=tree.ancestor_mask)
+    t = tree.tensors(tokens.device)
+    pos = (cache.lengths[:, None] + t.depths).clamp(max=model.config.block_size - 1)  # [B, N]
+    return model(tokens, pos=pos, cache=cache, attn_mask=t.ancestor_mask)
 
 
-def usable_nodes(tree: StepTree, start: torch.Tensor, stop_at: torch.Tensor) -> torch.Tensor:
+def usable_nodes(tree: Tree, start: torch.Tensor, stop_at: torch.Tensor) -> torch.Tensor:
     """[B, N] bool: the nodes row b may accept. A node at depth d emits d + 1 tokens, and row b stops
     when prompt and output reach stop_at[b] tokens: its cache holds start[b] of them, the root one more.
     A row with no room (finished, in a batch that goes on) has no usable node, not even its root."""
     room = stop_at - 2 - start  # [B] the deepest usable depth; negative: the row is done
-    return tree.depths <= room[:, None]
+    return tree.tensors(start.device).depths <= room[:, None]
 
 
 def keep_path(cache: KVCache, accepted: Accepted, *, start: torch.Tensor, active: torch.Tensor | None = None) -> None:
@@ -60,7 +62,6 @@ def keep_path(cache: KVCache, accepted: Accepted, *, start: torch.Tensor, active
 class StepResult:
     """What one Medusa step decided for B rows. The KV cache already holds each root and accepted path."""
 
-    proposal: Proposal  # the candidates [B, N] and their tree
     paths: list[list[int]]  # per row, accepted nodes, root first: [0, a1, ..., ad]
     new_tokens: list[list[int]]  # per row, the accepted candidates then the bonus (the root came before)
     next_roots: torch.Tensor  # [B] the bonus tokens, on the device: the next step's roots
@@ -88,7 +89,7 @@ def medusa_step(
     accepted; max_depth: the deepest node any row can use (the host's count; default: the proposer's).
     """
     start = cache.lengths  # [B] the roots' slots
-    depth = proposer.depth if max_depth is None else max_depth
+    depth = proposer.tree.depth if max_depth is None else max_depth
     proposal = proposer.propose(roots, hidden, max_depth=depth, sampling=sampling, generator=generator)
     logits, hiddens = verify(model, cache, proposal.tree, proposal.tokens)  # [B, N, V], [B, N, C]
     if stop_at is None:
@@ -107,5 +108,5 @@ def medusa_step(
         new_tokens.append(row[D1 + 1 : D1 + 1 + count] + [row[-2]])
     last = accepted.nodes[:, -1]  # [B]
     next_hidden = hiddens.gather(1, last[:, None, None].expand(-1, 1, hiddens.shape[-1]))[:, 0]  # [B, C]
-    return StepResult(proposal=proposal, paths=paths, new_tokens=new_tokens, next_roots=accepted.bonus,
+    return StepResult(paths=paths, new_tokens=new_tokens, next_roots=accepted.bonus,
                       next_hidden=next_hidden)

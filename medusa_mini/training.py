@@ -218,7 +218,7 @@ class MedusaLM(nn.Module):
                 h = h[:, positions]  # [B, T', C]
             targets = stacked_head_targets(y, self.heads.num_heads, valid=valid, positions=positions)  # [K, B, T']
             tokens = None
-            if getattr(self.heads, "reads_drafted_tokens", False):  # dependent heads read x_{t+1..t+K}
+            if self.heads.config.kind == "hydra":  # dependent heads read x_{t+1..t+K}
                 tokens = next_tokens(y, self.heads.num_heads)  # [B, T, K]
                 tokens = tokens if positions is None else tokens[:, positions]  # [B, T', K]
             losses, accs = chunked_head_loss(self.heads, self.model.lm_head, h, targets, tokens=tokens,

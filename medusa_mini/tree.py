@@ -18,11 +18,9 @@ from __future__ import annotations
 import heapq
 import math
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, lru_cache
 
 import torch
-
-from .reference import tree_attention_mask
 
 Choice = tuple[int, ...]
 
@@ -111,24 +109,11 @@ class Tree:
             k[len(c) - 1] = max(k[len(c) - 1], c[-1] + 1)
         return k
 
-    @cached_property
-    def _memo(self) -> dict:
-        return {}
-
     def tensors(self, device: torch.device | str = "cpu") -> "TreeTensors":
-        """Every index tensor a decoding step reads, on `device`, built once per tree and device:
-        rebuilding them each step cost a tenth of a tiny model's step, and a captured step needs
-        fixed inputs."""
-        key = ("tensors", str(device))
-        if key not in self._memo:
-            head, rank = self.node_head_rank(device)
-            paths, path_valid = self.paths(device)
-            self._memo[key] = TreeTensors(
-                parents=torch.tensor(self.parents, dtype=torch.long, device=device),
-                ancestor_mask=self.ancestor_mask(device), depths=self.depths(device), head=head, rank=rank,
-                paths=paths, path_valid=path_valid, earlier_siblings=self.earlier_siblings(device),
-            )
-        return self._memo[key]
+        """Every index tensor a decoding step reads, on `device`, built once per tree and device
+        (`tree_tensors`): rebuilding them each step cost a tenth of a tiny model's step, and a captured
+        step needs fixed inputs."""
+        return tree_tensors(self, str(device))
 
     def depths(self, device: torch.device | str = "cpu") -> torch.Tensor:
         """[N] long: position offset of each node from the root (positions = prefix_len + depth)."""
@@ -141,9 +126,19 @@ class Tree:
         return head, rank
 
     def ancestor_mask(self, device: torch.device | str = "cpu") -> torch.Tensor:
-        """[N, N] bool: mask[i, j] is True iff j is i or an ancestor of i (paper Fig. 2; the reference's
-        `tree_attention_mask`)."""
-        return tree_attention_mask(self.parents).to(device)
+        """[N, N] bool: mask[i, j] is True iff j is i or an ancestor of i (paper Fig. 2).
+
+        Built by matrix powers of the parent relation, not by walking up from each node as the
+        reference's `tree_attention_mask` does: two constructions, held equal by a test."""
+        N = self.num_nodes
+        parent = torch.zeros(N, N, dtype=torch.long)  # [N, N] parent[i, j] = 1 iff j is i's parent
+        parent[torch.arange(1, N), torch.tensor(self.parents[1:], dtype=torch.long)] = 1
+        reach = torch.eye(N, dtype=torch.long)  # ancestors at distance 0, 1, ..., depth
+        step = torch.eye(N, dtype=torch.long)
+        for _ in range(self.depth):
+            step = step @ parent
+            reach = reach + step
+        return (reach > 0).to(device)
 
     def earlier_siblings(self, device: torch.device | str = "cpu") -> torch.Tensor:
         """[N, N] bool: mask[i, j] is True iff j is a sibling of i with a smaller rank (tried first)."""
@@ -172,14 +167,9 @@ class Tree:
         return idx.to(device), valid.to(device)
 
     def truncated(self, max_depth: int) -> "Tree":
-        """The subtree of nodes at depth <= max_depth (used near the context limit).
-
-        Kept per depth, so the last steps of a generation reuse its tensors instead of rebuilding them.
-        """
-        key = ("truncated", max_depth)
-        if key not in self._memo:
-            self._memo[key] = Tree(tuple(c for c in self.choices if len(c) <= max_depth))
-        return self._memo[key]
+        """The subtree of nodes at depth <= max_depth (used near the end of a generation). Equal trees
+        share `tree_tensors`' cache entry, so the last steps reuse the tensors instead of rebuilding them."""
+        return self if self.depth <= max_depth else Tree(tuple(c for c in self.choices if len(c) <= max_depth))
 
     def check_heads(self, num_heads: int) -> None:
         """A clear error when the tree needs more heads than the model has."""
@@ -236,6 +226,16 @@ class TreeTensors:
     paths: torch.Tensor  # [P, D + 1] long: root-to-leaf node indices, node 0 past a leaf
     path_valid: torch.Tensor  # [P, D + 1] bool: False past a leaf
     earlier_siblings: torch.Tensor  # [N, N] bool: j is a sibling of i with a smaller rank
+
+
+@lru_cache(maxsize=64)
+def tree_tensors(tree: Tree, device: str) -> TreeTensors:
+    """`Tree.tensors`, cached by (tree, device): the project's one cache of tree tensors."""
+    head, rank = tree.node_head_rank(device)
+    paths, path_valid = tree.paths(device)
+    return TreeTensors(parents=torch.tensor(tree.parents, dtype=torch.long, device=device),
+                       ancestor_mask=tree.ancestor_mask(device), depths=tree.depths(device), head=head, rank=rank,
+                       paths=paths, path_valid=path_valid, earlier_siblings=tree.earlier_siblings(device))
 
 
 # ---- presets ---------------------------------------------------------------------------------

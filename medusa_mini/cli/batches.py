@@ -1,4 +1,4 @@
-"""`decode.py --compare --batch-sizes 1,2,4,...`: where batching ends Medusa's speedup, measured.
+"""`decode.py --compare --batch-size 1,2,4,...`: where batching ends Medusa's speedup, measured.
 
 Speculative decoding trades spare compute for fewer passes: at batch 1 a GPU's forward pass is bound
 by reading the weights, so verifying N tree nodes costs little more than one token. As the batch
@@ -23,10 +23,9 @@ import torch
 from ..decoding import GenerationStats, generate_batch, medusa_generate_batch
 from ..io.loading import Checkpoint
 from ..sampling import Sampling
-from ..tune.clock import timed
-from ..tune.trees import RuleTrees
-from .common import BONUS_NOTE
-from .compare import cache_nodes, label_of
+from ..tree import Tree
+from .common import BONUS_NOTE, timed
+from .compare import REPEAT, label_of
 from .compiled import step_cache
 
 
@@ -39,14 +38,14 @@ def run_batch(ck: Checkpoint, prompts: list[list[int]], *, method: str, sampling
     if method == "plain":
         cache = step_cache(ck.model, block, batch_size=B)
         return timed(ck.model.device, lambda: generate_batch(ck.model, prompts, cache=cache, **common))
-    cache = step_cache(ck.model, block + cache_nodes(tree), batch_size=B)
+    cache = step_cache(ck.model, block + tree.num_nodes, batch_size=B)
     return timed(ck.model.device,
                  lambda: medusa_generate_batch(ck.model, ck.heads, prompts, tree=tree, cache=cache, **common))
 
 
 def compare_batches(
-    ck: Checkpoint, prompts: list[list[int]], *, trees: RuleTrees, batch_sizes: list[int], sampling: Sampling,
-    sample_temperature: float, seed: int, max_new_tokens: int, repeat: int,
+    ck: Checkpoint, prompts: list[list[int]], *, tree: Tree, batch_sizes: list[int], sampling: Sampling,
+    sample_temperature: float, seed: int, max_new_tokens: int, repeat: int = REPEAT,
 ) -> dict:
     """Rows of tokens/s per method and batch size over the same prompts (cycled to the largest batch)."""
     greedy = dataclasses.replace(sampling, acceptance="greedy", temperature=0.0)
@@ -58,14 +57,14 @@ def compare_batches(
     for B in batch_sizes:
         chunks = [work[i : i + B] for i in range(0, len(work), B)]
         for _, method, s in specs:  # untimed: every shape of this batch size meets its kernels once
-            run_batch(ck, chunks[0], method=method, sampling=s, tree=trees.for_rule(s), seed=seed,
+            run_batch(ck, chunks[0], method=method, sampling=s, tree=tree, seed=seed,
                       max_new_tokens=min(max_new_tokens, 8))
         best: dict[str, tuple[float, list, int]] = {}
         for _ in range(repeat):  # methods take turns; the fastest of the repeats counts
             for key, method, s in specs:
                 seconds, outs, passes = 0.0, [], 0
                 for chunk in chunks:
-                    result, sec = run_batch(ck, chunk, method=method, sampling=s, tree=trees.for_rule(s),
+                    result, sec = run_batch(ck, chunk, method=method, sampling=s, tree=tree,
                                             seed=seed, max_new_tokens=max_new_tokens)
                     seconds, outs, passes = seconds + sec, outs + result, passes + max(st.steps for _, st in result)
                 if key not in best or seconds < best[key][0]:
@@ -91,7 +90,7 @@ def compare_batches(
     return {"rows": rows, "batch_sizes": batch_sizes, "device": str(ck.model.device),
             "dtype": str(ck.model.lm_head.weight.dtype).split(".")[-1], "threads": torch.get_num_threads(),
             "prompts": len(work), "max_new_tokens": max_new_tokens, "repeat": repeat, "note": BONUS_NOTE,
-            "tree_nodes": trees.greedy.num_nodes if hasattr(trees.greedy, "num_nodes") else None,
+            "tree_nodes": tree.num_nodes,
             "heads": ck.heads.config.kind if ck.heads is not None else None,
             "crossover": {key: crossover(rows, key) for key in ("medusa_greedy", "medusa_rejection")}}
 

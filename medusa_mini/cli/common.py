@@ -10,7 +10,8 @@ from __future__ import annotations
 import argparse
 import codecs
 import os
-from typing import NoReturn
+import time
+from typing import Callable, NoReturn, TypeVar
 
 import tiktoken
 import torch
@@ -18,14 +19,31 @@ import torch
 from ..decoding import GenerationStats
 from ..train.device import has_native_bfloat16
 
+R = TypeVar("R")
 BONUS_NOTE = "tokens/step counts the bonus token (the verify pass's own next token)"
+
+
+def sync_device(device: torch.device | str) -> None:
+    """Wait for `device` to finish its queued work (CUDA runs kernels asynchronously: a clock read
+    before this measures only their launch); a no-op on the CPU."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(device: torch.device | str, fn: Callable[[], R]) -> tuple[R, float]:
+    """(fn(), the seconds it took on `device`), the device synchronized before both clock reads."""
+    sync_device(device)
+    t0 = time.perf_counter()
+    result = fn()
+    sync_device(device)
+    return result, time.perf_counter() - t0
 
 
 def as_flags(message: str) -> str:
     """A library message that starts with a setting's name, as the flag that sets it: "top_p must be ..."
     -> "--top-p must be ...". Other messages pass unchanged."""
     head, _, rest = message.partition(" ")
-    names = {"temperature", "top_p", "epsilon", "delta", "acceptance", "draft"}
+    names = {"temperature", "top_p"}
     if head in names:
         return f"--{head.replace('_', '-')} {rest}"
     return message
@@ -141,9 +159,9 @@ class StepPrinter:
         self.stream.flush()  # the reader watches the text grow, step by step
 
 
-def use_color(stream, *, no_color: bool) -> bool:
-    """Colour only on a terminal, and never when --no-color or NO_COLOR (no-color.org) is set."""
-    if no_color or os.environ.get("NO_COLOR"):
+def use_color(stream) -> bool:
+    """Colour only on a terminal, and never when NO_COLOR (no-color.org) is set."""
+    if os.environ.get("NO_COLOR"):
         return False
     return hasattr(stream, "isatty") and stream.isatty()
 

@@ -18,14 +18,13 @@ import torch
 
 from .. import reference
 from ..decoding import GenerationStats, generate, medusa_generate
-from ..dynamic import DynamicTree
 from ..io.loading import Checkpoint
 from ..sampling import Sampling
 from ..tree import Tree
-from ..tune.clock import timed_generation
-from ..tune.trees import RuleTrees, tree_nodes_text
-from .common import BONUS_NOTE
+from .common import BONUS_NOTE, timed
 from .compiled import step_cache
+
+REPEAT = 3  # every generation runs this many times, methods in turns; the fastest counts
 
 
 def generate_once(
@@ -39,27 +38,23 @@ def generate_once(
     block = ck.model.config.block_size
     if method == "plain":
         cache = step_cache(ck.model, block)  # compiled steps replay on one cache; else None: a new one
-        return timed_generation(ck.model.device, lambda: generate(ck.model, ids, cache=cache, **common))
-    if method == "reference":
-        return timed_generation(ck.model.device, lambda: reference_generate(ck, ids, tree=tree, **common))
-    cache = step_cache(ck.model, block + cache_nodes(tree))
-    return timed_generation(ck.model.device,
-                            lambda: medusa_generate(ck.model, ck.heads, ids, tree=tree, cache=cache, **common))
-
-
-def cache_nodes(tree) -> int:
-    """The tree nodes a generation's KV cache keeps room for (a dynamic tree: its budget or its fixed tree)."""
-    return max(tree.budget + 1, tree.fixed.num_nodes) if isinstance(tree, DynamicTree) else tree.num_nodes
+        run = lambda: generate(ck.model, ids, cache=cache, **common)  # noqa: E731
+    elif method == "reference":
+        run = lambda: reference_generate(ck, ids, tree=tree, **common)  # noqa: E731
+    else:
+        cache = step_cache(ck.model, block + tree.num_nodes)
+        run = lambda: medusa_generate(ck.model, ck.heads, ids, tree=tree, cache=cache, **common)  # noqa: E731
+    (tokens, stats), stats_seconds = timed(ck.model.device, run)
+    stats.seconds = stats_seconds
+    return tokens, stats
 
 
 def reference_generate(ck: Checkpoint, ids: list[int], *, tree, max_new_tokens: int, sampling: Sampling,
                        eos_id: int | None, generator: torch.Generator, on_step: Callable | None = None
                        ) -> tuple[list[int], GenerationStats]:
     """The reference decoder (reference.py) with the engine's statistics: it counts passes, not steps' tokens."""
-    if getattr(ck.heads, "reads_drafted_tokens", False):
+    if ck.heads.config.kind == "hydra":
         raise ValueError("the reference decoder reads Medusa heads; dependent (hydra) heads decode in the engine")
-    if isinstance(tree, DynamicTree):
-        raise ValueError("the reference decoder uses a fixed tree; dynamic trees decode in the engine")
     tokens, steps = reference.medusa_generate(ck.model, ck.heads, ids, tree=tree, max_new_tokens=max_new_tokens,
                                               sampling=sampling, eos_id=eos_id, generator=generator)
     if on_step is not None and tokens:
@@ -95,13 +90,14 @@ def first_difference(ck: Checkpoint, prompt: list[int], reference: list[int], ot
 
 
 def compare(
-    ck: Checkpoint, prompts: list[tuple[str, list[int]]], *, sampling: Sampling, trees: RuleTrees, tree_name: str,
-    sample_temperature: float, seed: int, max_new_tokens: int, repeat: int, with_reference: bool = False,
+    ck: Checkpoint, prompts: list[tuple[str, list[int]]], *, sampling: Sampling, tree: Tree, tree_name: str,
+    sample_temperature: float, seed: int, max_new_tokens: int, repeat: int = REPEAT, with_reference: bool = False,
 ) -> dict:
     """The five rows (eight `with_reference`), timed in the same run; one dict of rows, settings and
     per-prompt differences.
 
-    `sampling` carries top-p, ε, δ and the draft; the sampled rows run at `sample_temperature`.
+    `sampling` carries top-p, ε, δ and the draft; the sampled rows run at `sample_temperature`. Every
+    row decodes with `tree`.
     """
     t = sample_temperature
     greedy = dataclasses.replace(sampling, acceptance="greedy", temperature=0.0)
@@ -113,7 +109,7 @@ def compare(
         specs += [(key.replace("medusa", "reference"), "reference", s) for key, method, s in specs if method == "medusa"]
     once = dict(seed=seed, max_new_tokens=max_new_tokens)
     for _, method, s in specs:  # untimed: the first calls pay for allocation, kernel setup and tree tensors
-        generate_once(ck, prompts[0][1], method=method, sampling=s, tree=trees.for_rule(s),
+        generate_once(ck, prompts[0][1], method=method, sampling=s, tree=tree,
                       **{**once, "max_new_tokens": min(max_new_tokens, 8)})
     # Prompt-major order, every generation `repeat` times in turns: a load spike on a shared machine
     # then slows every method alike, and the fastest of the repeats is the one it did not touch.
@@ -123,7 +119,7 @@ def compare(
         best: dict[str, tuple[list[int], GenerationStats]] = {}
         for _ in range(repeat):
             for key, method, s in specs:
-                tokens, stats = generate_once(ck, ids, method=method, sampling=s, tree=trees.for_rule(s), **once)
+                tokens, stats = generate_once(ck, ids, method=method, sampling=s, tree=tree, **once)
                 if key in best and best[key][0] != tokens:  # seeded: repeats make the same tokens, or we say so
                     unsteady.add(key)
                     tokens = best[key][0]
@@ -146,8 +142,8 @@ def compare(
             engine = next(r for r in rows if r["key"] == row["key"].replace("reference", "medusa"))
             row["same_as_engine"] = sum(a == b for a, b in zip(row["tokens"], engine["tokens"]))
     return {"rows": rows, "device": str(ck.model.device), "dtype": str(ck.model.lm_head.weight.dtype).split(".")[-1],
-            "threads": torch.get_num_threads(), "tree": tree_name, "tree_nodes": trees.greedy.num_nodes,
-            "rejection_tree_nodes": trees.rejection_nodes(), "prompts": len(prompts),
+            "threads": torch.get_num_threads(), "tree": tree_name, "tree_nodes": tree.num_nodes,
+            "prompts": len(prompts),
             "max_new_tokens": max_new_tokens, "top_p": sampling.top_p, "repeat": repeat, "draft": sampling.draft,
             "note": BONUS_NOTE, "heads": ck.heads.config.kind if ck.heads is not None else None}
 
@@ -179,10 +175,9 @@ def format_compare(result: dict) -> str:
         lines.append(f"{r['method']:<28}{r['new_tokens']:>7}{r['steps']:>7}{r['tokens_per_step']:>13.2f}"
                      f"{r['ms_per_token']:>10.2f}{r['speedup']:>8.2f}x  {same}")
     top_p = f", top-p {result['top_p']:g}" if result["top_p"] < 1 else ""
-    if result.get("draft", "sampled") != "sampled":
-        top_p += "; rejection candidates: the heads' top-k"
+    top_p += "; rejection candidates: " + ("the heads' top-k" if result.get("draft") == "topk" else "drawn from q")
     threads = f"{result['threads']} thread" + ("s" if result["threads"] != 1 else "")
-    nodes = tree_nodes_text(result["tree_nodes"], result["rejection_tree_nodes"])
+    nodes = f"{result['tree_nodes']} nodes incl. root"
     if result.get("heads") == "hydra":
         top_p += "; hydra heads (each node's children from its own path's q)"
     dtype = f", {result['dtype']}" if result.get("dtype", "float32") != "float32" else ""

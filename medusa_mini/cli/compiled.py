@@ -22,12 +22,10 @@ from typing import Callable
 
 import torch
 
-from ..dynamic import DynamicTree, kept_tree, select_nodes
 from ..model import GPT, KVCache
-from ..proposal import StepTree
 from ..step import verify
 from ..tree import Tree
-from ..tune.clock import sync_device
+from .common import sync_device
 
 RECOMPILE_LIMIT = 64
 
@@ -90,23 +88,10 @@ def compile_steps(model: GPT, *, backend: str | Callable = "inductor") -> GPT:
     return model
 
 
-def step_trees(tree: Tree | DynamicTree, batch_size: int, device: torch.device) -> tuple[int, list[StepTree]]:
-    """(nodes the KV cache keeps room for, every tree a generation with `tree` verifies, laid out as
-    decoding lays it out): a fixed tree and each of its truncations (near the end of a generation),
-    shared by the rows; a dynamic tree's N kept nodes, per row as `DynamicProposer` keeps them (a graph
-    is specialised on its inputs' strides too: a shared tree's would not serve them), and the fixed
-    tree its sampled drafts use."""
-    if isinstance(tree, DynamicTree):
-        score = torch.zeros(batch_size, tree.candidates.num_nodes, device=device)  # any N kept nodes will do
-        kept = kept_tree(tree.candidates, select_nodes(tree.candidates, score, tree.budget))
-        nodes, fixed = step_trees(tree.fixed, batch_size, device)
-        return max(tree.budget + 1, nodes), [kept, *fixed]
-    return tree.num_nodes, [StepTree.of(tree.truncated(depth), batch_size, device) for depth in range(tree.depth + 1)]
-
-
 @torch.no_grad()
-def warm_up(model: GPT, trees: list[Tree | DynamicTree], *, batch_size: int = 1) -> float:
-    """Compile every step shape decoding can meet (T = 1; each tree's `step_trees`), on the very caches
+def warm_up(model: GPT, tree: Tree | None, *, batch_size: int = 1) -> float:
+    """Compile every step shape decoding can meet (T = 1; the tree and each of its truncations, which
+    the last steps of a generation verify), on the very caches
     decoding will reuse; returns the seconds it took. Each shape runs three times: under CUDA graphs
     the first call runs eagerly, the second records and the third is the first replay."""
     if not isinstance(model.forward, CompiledSteps):
@@ -119,10 +104,9 @@ def warm_up(model: GPT, trees: list[Tree | DynamicTree], *, batch_size: int = 1)
     for _ in range(3):
         plain_cache.lengths = 0
         model(torch.zeros(B, 1, dtype=torch.long, device=device), cache=plain_cache)
-    for tree in trees:
-        nodes, verified = step_trees(tree, B, device)
-        cache = model.forward.cache(model, block + nodes, batch_size=B)
-        for t in verified:
+    if tree is not None:
+        cache = model.forward.cache(model, block + tree.num_nodes, batch_size=B)
+        for t in {tree.truncated(depth) for depth in range(tree.depth + 1)}:
             tokens = torch.zeros(B, t.num_nodes, dtype=torch.long, device=device)
             for _ in range(3):
                 cache.lengths = 0

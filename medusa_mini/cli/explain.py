@@ -3,8 +3,8 @@ what the backbone says at every node, and which tokens the step keeps.
 
 It runs the reference's own functions (reference.py: forward, propose, tree_attention_mask, the
 acceptance walks), in the order its `medusa_generate` runs them, so the printed step is the file a
-learner reads. Dependent (hydra) heads and dynamic trees fill the tree through the engine's proposer
-(the reference keeps to Medusa heads and fixed trees); verification and acceptance are the reference's.
+learner reads. Dependent (hydra) heads fill the tree through the engine's proposer (the reference
+keeps to Medusa heads); verification and acceptance are the reference's.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import torch
 import torch.nn.functional as F
 
 from .. import reference as ref
-from ..dynamic import DynamicProposer, DynamicTree
 from ..hydra import HydraProposer
 from ..model import GPT
 from ..sampling import Sampling
@@ -81,36 +80,17 @@ def _sampled_scores(tree: Tree, toks: list[int], labels: list[str], logits: torc
     return out
 
 
-def _propose(model, heads, tree, root: int, hidden: torch.Tensor, *, sampling: Sampling, generator):
-    """(the step's Tree, tokens [N], drafts per node or None, why-lines): the reference's propose for
-    Medusa heads on a fixed tree, the engine's proposers for hydra heads and dynamic trees."""
-    roots = torch.tensor([root], device=hidden.device)
-    if isinstance(tree, DynamicTree) and not sampling.draws_candidates:
-        proposer = DynamicProposer(model, heads, tree)
-        all_tokens, score, nodes = proposer.choose(roots, hidden[None], max_depth=model.config.block_size)
-        kept = nodes[0].tolist()
-        step_tree = Tree.from_choices([tree.candidates.choices[i - 1] for i in kept[1:]])
-        return step_tree, all_tokens[0, kept].tolist(), None, _why_kept(tree, score[0].exp().tolist(), kept)
-    if isinstance(tree, DynamicTree):
-        tree = tree.fixed  # sampled drafts keep a fixed tree (dynamic.py says why)
-    if getattr(heads, "reads_drafted_tokens", False):
+def _propose(model, heads, tree: Tree, root: int, hidden: torch.Tensor, *, sampling: Sampling, generator):
+    """(tokens [N], drafts per node or None): the reference's propose for Medusa heads, the engine's
+    proposer for hydra heads."""
+    if heads.config.kind == "hydra":
+        roots = torch.tensor([root], device=hidden.device)
         proposal = HydraProposer(model, heads, tree).propose(roots, hidden[None], max_depth=tree.depth,
                                                              sampling=sampling, generator=generator)
         draft = proposal.draft
-        drafts = draft.per_node(0, draft.samples.tolist()) if draft is not None else None
-        return tree, proposal.tokens[0].tolist(), drafts, []
+        return proposal.tokens[0].tolist(), draft.per_node(0, draft.samples.tolist()) if draft is not None else None
     head_logits = heads(hidden[None], model.lm_head)[:, 0]  # [K, V]
-    tokens, drafts = ref.propose(head_logits, tree, root, sampling=sampling, generator=generator)
-    return tree, tokens, drafts, []
-
-
-def _why_kept(tree: DynamicTree, confidence: list[float], kept: list[int]) -> list[str]:
-    """Why the dynamic tree holds these nodes: each one's path confidence, and the best left out."""
-    left_out = max((c for i, c in enumerate(confidence) if i not in set(kept)), default=0.0)
-    return [f"A dynamic tree: of {tree.candidates.num_nodes - 1} candidates, the {tree.budget} whose whole path the heads",
-            "are most confident of (the product of each head's probability of its token along the path):",
-            ", ".join(f"[{j}] {confidence[c]:.3f}" for j, c in enumerate(kept) if j) +
-            f"; the best candidate left out: {left_out:.3f}"]
+    return ref.propose(head_logits, tree, root, sampling=sampling, generator=generator)
 
 
 @torch.no_grad()
@@ -120,18 +100,16 @@ def explain_step(
     enc: tiktoken.Encoding,
     prompt_ids: list[int],
     *,
-    tree: Tree | DynamicTree,
+    tree: Tree,
     sampling: Sampling = Sampling(),
     generator: torch.Generator | None = None,
 ) -> str:
     """Run one Medusa step after the prompt with the reference's functions; describe every stage."""
-    fixed = tree.candidates if isinstance(tree, DynamicTree) else tree
-    fixed.check_heads(heads.num_heads)
+    tree.check_heads(heads.num_heads)
     block, L = model.config.block_size, len(prompt_ids)
     if L == 0 or L >= block - 1:
         raise ValueError(f"the prompt must have 1 to {block - 2} tokens, not {L}")
-    if not isinstance(tree, DynamicTree):
-        tree = tree.truncated(block - 2 - L)  # the deepest node's position must stay inside the context
+    tree = tree.truncated(block - 2 - L)  # the deepest node's position must stay inside the context
     out: list[str] = ["One Medusa decoding step, in full", "================================="]
     out.append(f"Prompt ({L} tokens): {_snippet(enc.decode(prompt_ids))}")
     rule = "greedy" if sampling.greedy else f"{sampling.rule}, temperature {sampling.temperature:g}"
@@ -148,8 +126,8 @@ def explain_step(
     out.append("The root is already certain: it is emitted now, before the first Medusa step.")
 
     out.append(_header(2, "Heads: guesses further ahead, from the same last hidden state"))
-    used = fixed.top_k()
-    if getattr(heads, "reads_drafted_tokens", False):
+    used = tree.top_k()
+    if heads.config.kind == "hydra":
         out.append("Dependent (hydra) heads: head k reads this hidden state and the k tokens before its guess")
         out.append("(the root, then the drafted path), so every node's children come from that node's own q,")
         out.append("filled depth by depth, one head call per depth (step 3).")
@@ -166,18 +144,18 @@ def explain_step(
             out.append(f"head {k + 1} ({nth} token after the root): {guesses}")
     out.append("The backbone alone would need one forward pass per token to check these one by one.")
 
-    step_tree, tokens, drafts, why = _propose(model, heads, tree, root, hidden, sampling=sampling, generator=generator)
+    step_tree = tree
+    tokens, drafts = _propose(model, heads, tree, root, hidden, sampling=sampling, generator=generator)
     out.append(_header(3, f"Tree: {step_tree.num_nodes - 1} candidate nodes + the root"))
     labels = [token_text(enc, t) for t in tokens]
     if drafts is None:
         out.append("A node at depth d holds head d's guess of the listed rank"
-                   + (", given the node's own path;" if getattr(heads, "reads_drafted_tokens", False) else ";"))
+                   + (", given the node's own path;" if heads.config.kind == "hydra" else ";"))
         out.append("a path from the root is one possible continuation. All paths are checked together next.")
     else:
         out.append("Rejection sampling draws the candidates: a node at depth d holds the r-th token drawn from")
         out.append("the q its parent's children come from (without replacement, r = its rank); a path from the")
         out.append("root is one possible continuation. All paths are checked together next.")
-    out.extend(why)
     out.append(step_tree.draw(labels))
 
     out.append(_header(4, "Tree attention mask"))
@@ -201,8 +179,9 @@ def explain_step(
         out.append("Rejection sampling: try a node's children in order, accepting x with probability")
         out.append("min(1, p(x)/q(x)) and moving p to norm(max(0, p - q)) after a miss (lossless).")
     elif sampling.rule == "rejection":
-        out.append("Rejection sampling: try a node's children in order, accepting x with probability p(x)")
-        out.append("and setting p(x) to 0 (then renormalising) after a miss (lossless).")
+        out.append("Rejection sampling of top-k candidates: draw y from p at each node and descend while y is")
+        out.append("a child's token; the first y that is not becomes the bonus (lossless: the same as trying")
+        out.append("each child x with probability p(x), then setting p(x) to 0 and renormalising).")
     elif sampling.rule == "typical":
         out.append("Typical acceptance: keep a candidate whose probability clears min(ε, δ·exp(-H(p))).")
     else:

@@ -38,7 +38,7 @@ def generate_each(ck: Checkpoint, prompts: list[tuple[str, list[int]]], a: argpa
                   tree_name: str | None) -> None:
     """Default and --show modes: stream each continuation (batches: print each when its batch ends),
     then one line of statistics."""
-    color = use_color(sys.stdout, no_color=a.no_color)
+    color = use_color(sys.stdout)
     label = label_of(a.method, a.sampling)
     if tree is not None and a.method != "plain":
         label += f", tree {tree_name}"

@@ -1,10 +1,10 @@
-"""What `train_tiny.py` reports and leaves behind after training: the summary, the default trees and
-held-out prompts.
+"""What `train_tiny.py` reports and leaves behind after training: the summary, the heads' accuracy
+table (heads_accuracy.json, which `decode.py --tree N` builds trees from) and held-out prompts.
 
 Along the way: the progress lines and the backbone's validation loss every --eval-every steps.
 The summary is measured, never assumed: validation loss, each head's top-1/top-5 accuracy on held-out
 text, each head's accuracy against the backbone's own greedy continuation (what decoding actually
-meets), and the tokens per step a tree built from those accuracies should give.
+meets), and the tokens per step a tree built from those accuracies should give (the product rule).
 """
 
 from __future__ import annotations
@@ -21,11 +21,8 @@ from ..hydra import teacher_forced_logits
 from ..io.loading import PROMPTS_FILE
 from ..io.safetensors import atomic_write_text
 from ..training import head_targets, lm_loss, sample_continuations
-from ..tree import build_tree, preset
-from ..tune.acceptance_tables import SAMPLING_TEMPERATURE, measure_head_accuracy, save_accuracy
-from ..tune.calibration import measure_calibration, save_calibration
-from ..tune.replay import greedy_ranks, replay_ceiling, replay_greedy
-from ..tune.trees import TREES_FILE, measure_and_store_trees
+from ..tree import build_tree, expected_tokens_per_step, preset
+from ..tune.acceptance_tables import measure_head_accuracy, save_accuracy
 from .data import get_batch
 
 # Official Medusa-1 heads on Vicuna-7B, top-1 accuracy of heads 1-4 (paper and its repository).
@@ -106,17 +103,7 @@ def summarize(run, model, heads, enc, val_docs, val_tokens: np.ndarray) -> dict:
     x, _ = get_batch(val_tokens, batch_size=min(64, 8 * args.eval_prompts), block_size=P, generator=g, device=model.device)
     seqs = sample_continuations(model, x, max_new_tokens=n, temperature=0.0)
     acc = measure_head_accuracy(model, heads, seqs, prompt_lens=P, top_k=10)  # [K, 10]
-    ranks = greedy_ranks(model, heads, seqs, prompt_lens=P)  # replays greedy decoding exactly
-    # ... and what rejection sampling meets: the same prompts continued at T, drafts scored against p.
-    T = SAMPLING_TEMPERATURE
-    gen = torch.Generator(device=model.device).manual_seed(args.seed + 6)
-    sampled_seqs = sample_continuations(model, x, max_new_tokens=n, temperature=T, generator=gen)
-    sampled = measure_head_accuracy(model, heads, sampled_seqs, prompt_lens=P, top_k=10, temperature=T,
-                                    seed=args.seed + 7)
-    save_accuracy(args.out, acc, sampled=sampled, temperature=T, ranks=ranks,
-                  meta={"measured_on": f"{seqs.shape[0]} held-out prompts x {n} tokens, greedy and sampled"})
-    save_calibration(args.out, measure_calibration(model, heads, seqs, prompt_lens=P),  # for dynamic trees
-                     sampled=measure_calibration(model, heads, sampled_seqs, prompt_lens=P), temperature=T)
+    save_accuracy(args.out, acc, meta={"measured_on": f"{seqs.shape[0]} held-out prompts x {n} greedy tokens"})
     K = acc.shape[0]
     own1 = acc[:, 0].tolist()
     own5 = acc[:, :5].sum(1).tolist()
@@ -132,22 +119,12 @@ def summarize(run, model, heads, enc, val_docs, val_tokens: np.ndarray) -> dict:
         f"           top-5 vs own greedy continuation    {fmt(own5)}",
         f"           official Medusa-1, Vicuna-7B top-1  {official}",
     ]
-    budgets = [n for n in (4, 8, 16, 32, 64)]
-    est = [replay_greedy(ranks, build_tree(acc, b)[0]) for b in budgets]
-    cpu_est = replay_greedy(ranks, preset("cpu"))
+    budgets = (4, 8, 16, 32, 64)
     lines.append(
-        f"           {'tokens/step, greedy (replayed, bonus counted):':<48}"
-        + ", ".join(f"{b} nodes {e:.2f}" for b, e in zip(budgets, est))
-        + f"; cpu preset {cpu_est:.2f}; no tree of the top-10 guesses beats {replay_ceiling(ranks):.2f}"
+        f"           {'expected tokens/step, greedy (bonus counted):':<48}"
+        + ", ".join(f"{b} nodes {build_tree(acc, b)[1]:.2f}" for b in budgets)
+        + f"; cpu preset {expected_tokens_per_step(acc, preset('cpu').truncated(K)):.2f}"
     )
-    lines.append(
-        f"           {f'expected tokens/step, rejection T={T:g}:':<48}"
-        + ", ".join(f"{b} nodes {build_tree(sampled, b)[1]:.2f}" for b in budgets)
-    )
-    # The default trees, sized once on this device's measured step cost: decoding then reuses them
-    # instead of re-measuring, so its output does not depend on the machine's load that day.
-    why = measure_and_store_trees(args.out, model=model, heads=heads, device=model.device).splitlines()
-    lines.append(f"           {'default trees (' + TREES_FILE + ', ' + model.device.type + '):':<48}{why[-1]}")
     run.log("\n".join(lines))
     return {"val_loss": round(val_loss, 4), "head_top1_text": [round(v, 4) for v in top1],
             "head_top5_text": [round(v, 4) for v in top5], "head_top1_own": [round(v, 4) for v in own1]}
