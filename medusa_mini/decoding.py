@@ -88,7 +88,7 @@ def reuse_cache(cache: KVCache | None, model: GPT, *, batch_size: int, max_len: 
 @torch.no_grad()
 def prefill(model: GPT, ids: torch.Tensor, cache: KVCache, *, lengths: list[int] | None = None
             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run the prompts ids [B, T] through the model; return each row's last logits [B, V] and hidden [B, C].
+    """Run the prompts ids [B, T] into an empty cache; return each row's last logits [B, V] and hidden [B, C].
 
     lengths: each row's prompt length when the rows were padded at their end to T (default: all T).
     The padding follows the prompt, so causal attention keeps every prompt token from seeing it; the
@@ -96,7 +96,7 @@ def prefill(model: GPT, ids: torch.Tensor, cache: KVCache, *, lengths: list[int]
     """
     B, T = ids.shape
     last = torch.tensor([n - 1 for n in lengths] if lengths else [T - 1] * B, device=ids.device)  # [B]
-    logits, hidden = model(ids, cache=cache, logits_at=last)  # [B, 1, V], [B, T, C]
+    logits, hidden = model(ids, cache=cache, logits_at=last, span=T)  # [B, 1, V], [B, T, C]: an empty cache
     if lengths is not None:
         cache.lengths = torch.tensor(lengths, device=ids.device)
     return logits[:, 0], hidden.gather(1, last[:, None, None].expand(B, 1, hidden.shape[-1]))[:, 0]
@@ -169,11 +169,13 @@ def generate_batch(
     tok = sampling.next_token(logits, generator)  # [B] on the device: the next inputs, without the host
     stopped = rows.emit([[t] for t in tok.tolist()], step=False)
     stop_at = torch.tensor(rows.stop_at, device=device)  # [B]
+    span = max(len(p) for p in rows.prompts)  # every row's cache length is at most this, on the host
     while rows.active:
         if stopped:  # a stopped row's next write must not move its length: it stays where it is
             stop_at[stopped] = 0
         start = cache.lengths  # [B]
-        logits, _ = model(tok[:, None], cache=cache)  # [B, 1, V]
+        span += 1
+        logits, _ = model(tok[:, None], cache=cache, span=span)  # [B, 1, V]
         if len(rows.active) < B:
             cache.lengths = torch.where(start + 1 < stop_at, start + 1, start)
         tok = sampling.next_token(logits[:, -1], generator)  # [B]
@@ -209,8 +211,9 @@ def medusa_generate_batch(
             stop_at[stopped] = 0
         # Near a row's end, deeper nodes could not be used: the tree keeps the depths some row can use.
         max_depth = max(rows.stop_at[b] - 2 - lengths[b] for b in rows.active)
+        span = max(lengths) + tree.num_nodes  # the slots any row reads this step: the host knows them
         step = medusa_step(model, cache, proposer, roots, hidden, sampling=sampling, generator=generator,
-                           stop_at=stop_at, max_depth=max_depth)
+                           stop_at=stop_at, max_depth=max_depth, span=span)
         for b in rows.active:
             lengths[b] += len(step.paths[b])
         stopped = rows.emit(step.new_tokens, step=True, accepted=[len(p) - 1 for p in step.paths])

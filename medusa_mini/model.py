@@ -121,6 +121,7 @@ class CausalSelfAttention(nn.Module):
         layer_kv: tuple[torch.Tensor, torch.Tensor] | None,
         slots: torch.Tensor | None,
         attn_mask: torch.Tensor | None,
+        span: int | None = None,
     ) -> torch.Tensor:
         B, T, C = x.shape
         hs = C // self.n_head
@@ -130,15 +131,13 @@ class CausalSelfAttention(nn.Module):
         v = v.view(B, T, self.n_head, hs).transpose(1, 2)  # [B, nh, T, hs]
         if layer_kv is not None:
             # layer_kv: keys and values [B, nh, max_len, hs] each, written in place at each row's slots
-            # [B, T] (no torch.cat, no Python-int slice); attention reads all max_len slots: shapes never change.
-            # Reading the unused slots too costs little on a CPU: for the tiny model (max_len 268)
-            # +7% on a plain step and +10% on a 12-node verify after a 16-token prefix, +2% / +5%
-            # after 128 tokens, nothing after 240 (CPU time, 1 thread). Not worth a second path.
+            # [B, T] (no torch.cat, no Python-int slice). Attention reads the first `span` slots: all
+            # max_len of them when compiled (shapes never change), only those in use when eager.
             k_cache, v_cache = layer_kv
             where = slots[:, None, :, None].expand(B, self.n_head, T, hs)  # [B, nh, T, hs]
             k_cache.scatter_(2, where, k)
             v_cache.scatter_(2, where, v)
-            k, v = k_cache, v_cache  # [B, nh, max_len, hs]
+            k, v = k_cache[:, :, :span], v_cache[:, :, :span]  # [B, nh, S, hs]
         causal = attn_mask is None  # no cache and no mask: training's causal attention, SDPA's own
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=causal)  # [B, nh, T, hs]
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # [B, T, C]
@@ -234,6 +233,7 @@ class GPT(nn.Module):
         cache: KVCache | None = None,
         attn_mask: torch.Tensor | None = None,
         logits_at: torch.Tensor | slice | None = None,
+        span: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Run T new tokens per row; return (logits [B, T', V], hidden after ln_f [B, T, C]).
 
@@ -244,6 +244,9 @@ class GPT(nn.Module):
         logits_at: which of the T positions get logits: a slice for every row, a [B] tensor of one
         position per row, or None for all. The lm_head is the largest matmul of a small model, so
         callers that need one position ask for one.
+        span: with a cache, attend over its first `span` slots only (every row's length + T must fit;
+        default: all max_len). Eager decoding knows its lengths on the host and passes them, so a short
+        prefix is not paid for as a full cache; compiled steps leave it out and keep static shapes.
 
         With a cache every shape depends only on B, T and the cache's max_len, never on its lengths, so
         a decoding step (T = 1) and a tree verification (T = N) can each be captured once as a graph.
@@ -256,7 +259,8 @@ class GPT(nn.Module):
             lengths = cache.lengths  # [B]
             slots = lengths[:, None] + torch.arange(T, device=idx.device)  # [B, T]
             new_mask = attn_mask if attn_mask is not None else causal_mask(T, device=idx.device)
-            attn_mask = cache_attention_mask(lengths, new_mask, max_len=cache.max_len)  # [B, T, max_len]
+            span = cache.max_len if span is None else min(span, cache.max_len)
+            attn_mask = cache_attention_mask(lengths, new_mask, max_len=span)  # [B, T, S]
         if pos is None:
             pos = slots if slots is not None else torch.arange(T, device=idx.device)  # [B, T] or [T]
         if attn_mask is not None:
@@ -267,7 +271,7 @@ class GPT(nn.Module):
         x = self.transformer.wte(idx) + self.transformer.wpe(pos)  # [B, T, C]
         for i, block in enumerate(self.transformer.h):
             layer_kv = (cache.k[i], cache.v[i]) if cache is not None else None
-            x = block(x, layer_kv=layer_kv, slots=slots, attn_mask=attn_mask)
+            x = block(x, layer_kv=layer_kv, slots=slots, attn_mask=attn_mask, span=span)
         hidden = self.transformer.ln_f(x)  # [B, T, C]
         if cache is not None:
             cache.advance(T)

@@ -81,13 +81,15 @@ class MedusaProposer:
     sampling's sampled drafts, distinct draws from each head's q (`Sampling.draws_candidates`)."""
 
     def __init__(self, model: nn.Module, heads: MedusaHeads, tree: Tree) -> None:
-        tree.check_heads(heads.num_heads)
+        tree.check_heads(heads.config.num_heads)
         self.model, self.heads, self.tree = model, heads, tree
 
     def propose(self, roots: torch.Tensor, hidden: torch.Tensor, *, max_depth: int, sampling: Sampling,
                 generator: torch.Generator | None) -> Proposal:
         tree = self.tree.truncated(max(max_depth, 0))
-        D, R = max(tree.depth, 1), tree.max_rank + 1
+        D, R = tree.depth, tree.max_rank + 1
+        if D == 0:  # the root alone: the last token of a generation needs no guess, and draws none
+            return Proposal(roots[:, None], tree)
         # Only the heads the tree reaches: all of them in one batched lm_head matmul.
         head_logits = self.heads(hidden, self.model.lm_head, num=D).transpose(0, 1)  # [B, D, V]
         if not sampling.draws_candidates:

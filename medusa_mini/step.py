@@ -25,17 +25,18 @@ from .tree import Tree
 
 
 @torch.no_grad()
-def verify(model: GPT, cache: KVCache, tree: Tree, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def verify(model: GPT, cache: KVCache, tree: Tree, tokens: torch.Tensor, *,
+           span: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One tree-masked forward over all N nodes of B rows (§2.1.2): logits [B, N, V], hidden [B, N, C].
 
     Row b's nodes occupy cache slots [L_b, L_b + N) but sit at positions L_b + depth, clamped to the
     context (a node past it is never usable); each sees its row's whole prefix, itself and its
     ancestors (`model.cache_attention_mask`). Shapes depend on the tree alone, so one captured graph
-    per tree serves every step.
+    per tree serves every step. span: the cache slots in use after the nodes (see `GPT.forward`).
     """
     t = tree.tensors(tokens.device)
     pos = (cache.lengths[:, None] + t.depths).clamp(max=model.config.block_size - 1)  # [B, N]
-    return model(tokens, pos=pos, cache=cache, attn_mask=t.ancestor_mask)
+    return model(tokens, pos=pos, cache=cache, attn_mask=t.ancestor_mask, span=span)
 
 
 def usable_nodes(tree: Tree, start: torch.Tensor, stop_at: torch.Tensor) -> torch.Tensor:
@@ -80,18 +81,21 @@ def medusa_step(
     generator: torch.Generator | None = None,
     stop_at: torch.Tensor | None = None,
     max_depth: int | None = None,
+    span: int | None = None,
 ) -> StepResult:
     """One Medusa step for B rows: candidates -> verify -> accept -> compact, then one host sync.
 
     roots: [B] each row's last emitted token, whose K/V are not in `cache` yet; hidden: [B, C] the
     hidden states that produced them (the heads read them). stop_at: [B] the total length (prompt +
     output) at which each row stops (default: the context), so nodes that could not be used are never
-    accepted; max_depth: the deepest node any row can use (the host's count; default: the proposer's).
+    accepted; max_depth: the deepest node any row can use (the host's count; default: the proposer's);
+    span: an upper bound of every row's cache length once the nodes are in (the host's count; default:
+    the whole cache).
     """
     start = cache.lengths  # [B] the roots' slots
     depth = proposer.tree.depth if max_depth is None else max_depth
     proposal = proposer.propose(roots, hidden, max_depth=depth, sampling=sampling, generator=generator)
-    logits, hiddens = verify(model, cache, proposal.tree, proposal.tokens)  # [B, N, V], [B, N, C]
+    logits, hiddens = verify(model, cache, proposal.tree, proposal.tokens, span=span)  # [B, N, V], [B, N, C]
     if stop_at is None:
         stop_at = torch.full_like(start, model.config.block_size)
     usable = usable_nodes(proposal.tree, start, stop_at)  # [B, N]

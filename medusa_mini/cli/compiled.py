@@ -59,6 +59,8 @@ class CompiledSteps:
         # A prefill asks for its last logits only (logits_at); a 1-token prompt's prefill stays eager too.
         is_step = cache is not None and kwargs.get("logits_at") is None and (
             idx.shape[1] == 1 or kwargs.get("attn_mask") is not None)
+        if is_step:  # a captured step reads the whole cache: one shape for every step
+            kwargs.pop("span", None)
         return (self.compiled if is_step else self.eager)(idx, **kwargs)
 
 
