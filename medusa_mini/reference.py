@@ -208,7 +208,7 @@ def medusa_generate(model: GPT, heads: MedusaHeads, prompt: list[int], *, tree: 
     out, steps = [root], 0
     while L + 1 < stop_at and eos_id not in out:  # L + 1 = the prompt and every emitted token
         t = tree.truncated(stop_at - 2 - L)  # a node at depth d emits d + 1 tokens
-        head_logits = heads(hidden[None], model.lm_head)[:, 0]  # [K, V]: guesses 2, 3, ... places ahead
+        head_logits = heads(hidden[None], model.lm_head, num=t.depth)[:, 0]  # [D, V]: guesses 2, 3, ... places ahead
         tokens, drafts = propose(head_logits, t, root, sampling=sampling, generator=generator)
         mask = torch.cat([torch.ones(t.num_nodes, L, dtype=torch.bool), tree_attention_mask(t.parents)], 1)
         logits, hiddens = forward(model, tokens, [L + d for d in t.depth_list], cache, mask)  # verify
