@@ -1,8 +1,8 @@
 """The house rules, checked: the Medusa core stands alone, and the wings lean on it, never the reverse.
 
 The core is the top level of `medusa_mini/` (the reference; model, heads, tree, sampling, proposal,
-hydra, dynamic, acceptance, step, decoding, training); io/, train/, tune/ and cli/ are the wings. A reader who imports the decoding
-loop gets the algorithm and nothing of tokenizers, checkpoints, clocks or command lines.
+hydra, acceptance, step, decoding, training); io/, train/, tune/ and cli/ are the wings. A reader who
+imports the decoding loop gets the algorithm and nothing of tokenizers, checkpoints, clocks or command lines.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import sys
 
 from conftest import ROOT
 
-CORE = ("reference", "model", "heads", "hydra", "tree", "sampling", "proposal", "dynamic", "acceptance", "step",
-        "decoding", "training")
+CORE = ("reference", "model", "heads", "hydra", "tree", "sampling", "proposal", "acceptance", "step", "decoding",
+        "training")
 WINGS = ("io", "train", "tune", "cli")
 PACKAGE = os.path.join(ROOT, "medusa_mini")
 
@@ -72,20 +72,17 @@ def test_importing_the_decoding_loop_loads_no_tokenizer_io_training_cli_or_bench
     assert not {m for m in loaded if m.split(".")[0] in {"tiktoken", "benchmarks", "decode", "train_tiny"}}
 
 
-def test_the_readme_map_names_every_module_and_its_size():
-    # The README's map is the one description of the layout: a module added, moved or grown by more
-    # than a fifth without the map following it fails here.
+def test_the_readme_map_names_every_module_and_every_named_file_exists():
+    # The README's map is the one description of the layout: a module added, moved or removed without
+    # the map following it fails here. (Sizes are not checked: every edit would have to touch the README.)
     import re
 
     readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
-    listed = {path: int(n) for path, n in re.findall(r"^\| `([\w/]+\.py)` \| (\d+) \|", readme, flags=re.M)}
+    listed = set(re.findall(r"^\| `([\w/]+\.py)` \|", readme, flags=re.M))
     modules = {os.path.relpath(os.path.join(d, f), ROOT).replace(os.sep, "/")
                for top in ("medusa_mini", "benchmarks") for d, _, files in os.walk(os.path.join(ROOT, top))
                for f in files if f.endswith(".py") and f != "__init__.py"}
-    assert set(listed) == modules | {"decode.py", "train_tiny.py"}
-    for path, n in listed.items():
-        actual = sum(1 for _ in open(os.path.join(ROOT, path), encoding="utf-8"))
-        assert abs(actual - n) <= max(10, actual // 5), f"README says {path} has {n} lines, it has {actual}"
+    assert listed == modules | {"decode.py", "train_tiny.py"}, listed ^ (modules | {"decode.py", "train_tiny.py"})
 
 
 def test_every_test_file_has_its_own_name():
@@ -105,3 +102,12 @@ def test_the_reference_imports_only_what_defines_the_model_heads_tree_and_sampli
     sampling settings, never the engine (step, decoding, the vectorised acceptance, proposers)."""
     ours = {m for m in imported_modules(os.path.join(PACKAGE, "reference.py")) if m.startswith("medusa_mini")}
     assert ours and ours <= {f"medusa_mini.{m}" for m in ("model", "heads", "tree", "sampling")}, ours
+
+
+def test_no_engine_module_imports_the_reference():
+    """The engine is proven equal to the reference by tests, not by calling it: a learner editing
+    reference.py cannot silently change what the engine decides."""
+    for name in CORE:
+        if name != "reference":
+            imports = imported_modules(os.path.join(PACKAGE, f"{name}.py"))
+            assert "medusa_mini.reference" not in imports, f"{name} imports the reference"

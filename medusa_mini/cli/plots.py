@@ -66,7 +66,7 @@ def plot_node_sweep(
 ) -> str:
     """Tokens/step (left) and tokens/s (right) against the node budget, one colour per named series.
 
-    series: (name, rows) pairs, e.g. ("static tree", ...), ("dynamic tree", ...). A row holds `nodes`
+    series: (name, rows) pairs, e.g. ("greedy", ...), ("rejection", ...). A row holds `nodes`
     (the budget, root excluded), `tokens_per_step` (measured, bonus counted), `tokens_per_s` or
     `ms_per_token`, and optionally `expected_tokens_per_step` with `ms_per_step`: the expected curves,
     dashed, are expected tokens/step and expected tokens/step at the measured step time.

@@ -14,11 +14,8 @@ import pytest
 import torch
 
 import decode
-from medusa_mini.cli.compare import cache_nodes
 from medusa_mini.cli.compiled import CompiledSteps, compile_steps, step_cache, warm_up
-from medusa_mini.dynamic import DynamicTree
 from medusa_mini.decoding import generate, generate_batch, medusa_generate, medusa_generate_batch
-from medusa_mini.proposal import StepTree
 from medusa_mini.sampling import Sampling
 from medusa_mini.tree import Tree
 from tests.conftest import random_heads, save_tiny, tiny_model
@@ -100,9 +97,9 @@ def compiled_and_eager(seed: int):
 def test_compiled_steps_make_the_eager_tokens_and_compile_nothing_after_the_warm_up():
     model, eager, heads, graphs = compiled_and_eager(3)
     assert isinstance(model.forward, CompiledSteps)
-    seconds = warm_up(model, [TREE])
+    seconds = warm_up(model, TREE)
     # One graph for the 1-token step, one per truncation of the tree (depth 0..3).
-    assert seconds >= 0 and len(graphs) == 1 + (TREE.depth + 1)
+    assert seconds > 0 and len(graphs) == 1 + (TREE.depth + 1)
     captured = len(graphs)
     block = model.config.block_size
     for prompt in ([5], [5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9]):  # three prompt lengths: prefills stay eager
@@ -118,7 +115,7 @@ def test_compiled_steps_make_the_eager_tokens_and_compile_nothing_after_the_warm
 
 def test_compiled_rejection_sampling_draws_the_same_tokens_with_the_same_seed():
     model, eager, heads, _ = compiled_and_eager(4)
-    warm_up(model, [TREE])
+    warm_up(model, TREE)
     s, block = Sampling(acceptance="rejection", temperature=0.8), model.config.block_size
     runs = [medusa_generate(m, heads, [3, 1, 4, 1, 5], tree=TREE, max_new_tokens=16, sampling=s,
                             generator=torch.Generator().manual_seed(7), cache=step_cache(m, block + TREE.num_nodes))[0]
@@ -132,7 +129,7 @@ def test_compiled_rejection_sampling_draws_the_same_tokens_with_the_same_seed():
 def test_compiled_steps_decode_a_batch_of_two_prompts_as_eager_steps_do():
     """Rows of different lengths, one of which stops first (it meets the context) while the other goes on."""
     model, eager, heads, graphs = compiled_and_eager(6)
-    warm_up(model, [TREE], batch_size=2)
+    warm_up(model, TREE, batch_size=2)
     captured, block = len(graphs), model.config.block_size
     prompts = [list(range(1, 56)), [5, 6, 7]]
     want = medusa_generate_batch(eager, heads, prompts, tree=TREE, max_new_tokens=12)
@@ -147,26 +144,10 @@ def test_compiled_steps_decode_a_batch_of_two_prompts_as_eager_steps_do():
 
 
 @torch.no_grad()
-def test_a_dynamic_tree_decodes_a_batch_as_eager_steps_do_and_compiles_nothing_after_the_warm_up():
-    """A dynamic tree's kept nodes are per-row tensors: the warm-up must verify that layout, not a shared
-    tree's (a graph is specialised on its inputs' strides, and an expanded tree has other strides)."""
-    model, eager, heads, graphs = compiled_and_eager(10)
-    tree = DynamicTree(4, Tree.from_choices(TREE.choices + ((2,), (0, 1), (0, 0, 1))), TREE)
-    warm_up(model, [tree], batch_size=2)
-    captured, block = len(graphs), model.config.block_size
-    for s in (Sampling(), Sampling(temperature=0.8)):  # rejection's sampled drafts keep the fixed tree
-        runs = [medusa_generate_batch(m, heads, [[5, 6, 7], [1, 2, 3, 4, 5]], tree=tree, max_new_tokens=10, sampling=s,
-                                      generator=torch.Generator().manual_seed(2),
-                                      cache=step_cache(m, block + cache_nodes(tree), batch_size=2)) for m in (eager, model)]
-        assert [tokens for tokens, _ in runs[0]] == [tokens for tokens, _ in runs[1]]
-    assert len(graphs) == captured, "a generation met a step shape that the warm-up did not compile"
-
-
-@torch.no_grad()
 def test_graph_replay_poisons_a_steps_outputs_when_any_step_runs_again():
     """What catches a decoding loop that reads a step's logits or hidden state after the next step."""
     model, _, _, _ = compiled_and_eager(7)
-    warm_up(model, [TREE])
+    warm_up(model, TREE)
     cache = step_cache(model, model.config.block_size)
     cache.lengths = 0
     logits, hidden = model(torch.tensor([[3]]), cache=cache)
@@ -176,13 +157,13 @@ def test_graph_replay_poisons_a_steps_outputs_when_any_step_runs_again():
     verify_cache = step_cache(model, model.config.block_size + TREE.num_nodes)
     verify_cache.lengths = 0
     model(torch.zeros(1, TREE.num_nodes, dtype=torch.long), cache=verify_cache,
-          attn_mask=StepTree.of(TREE, 1, "cpu").ancestor_mask, pos=torch.zeros(1, TREE.num_nodes, dtype=torch.long))
+          attn_mask=TREE.tensors("cpu").ancestor_mask, pos=torch.zeros(1, TREE.num_nodes, dtype=torch.long))
     assert logits.isnan().all() and hidden.isnan().all()  # another graph ran: the pool is reused
 
 
 def test_graph_replay_refuses_a_kv_cache_at_a_new_address():
     model, _, _, _ = compiled_and_eager(8)
-    warm_up(model, [TREE])
+    warm_up(model, TREE)
     with pytest.raises(AssertionError, match="moved"):
         generate(model, [1, 2, 3], max_new_tokens=3)  # no cache given: a new one, not the one captured
 
@@ -192,14 +173,14 @@ def test_graph_replay_refuses_a_graph_that_writes_into_an_input_that_is_not_stat
     monkeypatch.setattr(torch._dynamo, "mark_static_address", lambda t, guard=True: None)
     model, _, _, _ = compiled_and_eager(9)
     with pytest.raises(AssertionError, match="writes into l_cache"):
-        warm_up(model, [TREE])
+        warm_up(model, TREE)
 
 
 def test_warm_up_and_every_generation_share_one_cache_per_size():
     model, _, _, _ = compiled_and_eager(5)
     block = model.config.block_size
     assert step_cache(tiny_model(5), block) is None  # an eager model makes its own caches
-    warm_up(model, [TREE])
+    warm_up(model, TREE)
     plain, tree_cache = step_cache(model, block), step_cache(model, block + TREE.num_nodes)
     assert set(model.forward.caches.values()) == {plain, tree_cache}
     assert step_cache(model, block) is plain and plain.max_len == block  # the same tensors every time
@@ -207,7 +188,7 @@ def test_warm_up_and_every_generation_share_one_cache_per_size():
 
 def test_warm_up_refuses_a_model_that_is_not_compiled():
     with pytest.raises(ValueError, match="compile_steps"):
-        warm_up(tiny_model(0), [TREE])
+        warm_up(tiny_model(0), TREE)
 
 
 def test_compiling_twice_wraps_the_forward_once():
@@ -223,13 +204,12 @@ def test_decode_compile_reports_the_compilation_apart_from_the_timings(tmp_path,
     save_tiny(tmp_path, with_heads=True)
     backend = GraphReplay()
     monkeypatch.setattr(decode, "compile_steps", partial(compile_steps, backend=backend))
-    argv = ["--ckpt", str(tmp_path), "--compare", "--max-new-tokens", "6", "--num-prompts", "2", "--repeat", "1",
-            "--tree", "cpu"]
+    argv = ["--ckpt", str(tmp_path), "--compare", "--max-new-tokens", "6", "--num-prompts", "2", "--tree", "cpu"]
     assert decode.main([*argv, "--compile", "--json"]) == 0
     captured = capsys.readouterr()
     result = json.loads(captured.out)
     assert "compiled the plain step and the verify steps in" in captured.err
-    assert result["compile_warmup_s"] >= 0 and backend.graphs
+    assert result["compile_warmup_s"] > 0 and backend.graphs
     by_key = {row["key"]: row for row in result["rows"]}
     assert by_key["medusa_greedy"]["same_as_plain_greedy"]
     assert decode.main([*argv, "--json"]) == 0  # the same tokens without compiling
@@ -243,7 +223,7 @@ def test_decode_compile_reports_the_compilation_apart_from_the_timings(tmp_path,
     assert "compiled steps (compilation" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("flags", [[], ["--acceptance", "rejection", "--temperature", "0.8", "--seed", "3"],
+@pytest.mark.parametrize("flags", [[], ["--method", "rejection", "--temperature", "0.8", "--seed", "3"],
                                    ["--batch-size", "2"], ["--method", "plain", "--batch-size", "2"]],
                          ids=["greedy", "rejection", "greedy-batch-2", "plain-batch-2"])
 def test_decode_prints_the_eager_tokens_with_its_steps_replayed_as_cuda_graphs(tmp_path, capsys, monkeypatch, flags):

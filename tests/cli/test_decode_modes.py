@@ -1,5 +1,5 @@
-"""decode.py's newer modes on a tiny saved checkpoint: the reference decoder, batches, the batch table,
-dynamic trees and the demo that needs no checkpoint."""
+"""decode.py's other modes on a tiny saved checkpoint: the reference decoder, batches, the batch table
+and the demo that needs no checkpoint."""
 
 from __future__ import annotations
 
@@ -25,8 +25,7 @@ def tokens_of(capsys, *argv: str) -> list[list[int]]:
     return [json.loads(line)["tokens"] for line in run(capsys, *argv, "--json").splitlines() if line.strip()]
 
 
-@pytest.mark.parametrize("rule", [["--acceptance", "greedy"], ["--acceptance", "typical"],
-                                  ["--acceptance", "rejection"], ["--acceptance", "rejection", "--draft", "topk"]])
+@pytest.mark.parametrize("rule", [["--method", "greedy"], ["--method", "typical"], ["--method", "rejection"]])
 def test_the_reference_decoder_prints_the_engines_tokens(ckpt, capsys, rule):
     argv = ["--ckpt", ckpt, "--max-new-tokens", "16", "--seed", "2", *rule]
     assert tokens_of(capsys, *argv, "--reference") == tokens_of(capsys, *argv)
@@ -38,18 +37,17 @@ def test_reference_greedy_equals_plain_greedy(ckpt, capsys):
 
 
 def test_compare_with_the_reference_adds_its_rows_with_the_engines_tokens(ckpt, capsys):
-    result = json.loads(run(capsys, "--ckpt", ckpt, "--compare", "--reference", "--json", "--max-new-tokens", "10",
-                            "--repeat", "1"))
+    result = json.loads(run(capsys, "--ckpt", ckpt, "--compare", "--reference", "--json", "--max-new-tokens", "10"))
     rows = {r["key"]: r for r in result["rows"]}
     assert {"reference_greedy", "reference_typical", "reference_rejection"} <= set(rows)
     for rule in ("greedy", "typical", "rejection"):
         assert rows[f"reference_{rule}"]["tokens"] == rows[f"medusa_{rule}"]["tokens"]
         assert rows[f"reference_{rule}"]["same_as_engine"] == result["prompts"]
-    out = run(capsys, "--ckpt", ckpt, "--compare", "--reference", "--max-new-tokens", "8", "--repeat", "1")
+    out = run(capsys, "--ckpt", ckpt, "--compare", "--reference", "--max-new-tokens", "8")
     assert "reference greedy" in out and "the engine's tokens on 3/3 prompts" in out
 
 
-@pytest.mark.parametrize("rule", [[], ["--method", "plain"], ["--acceptance", "typical"]])
+@pytest.mark.parametrize("rule", [[], ["--method", "plain"], ["--method", "typical"]])
 def test_a_batch_of_prompts_decodes_each_as_if_alone_when_greedy(ckpt, capsys, rule):
     argv = ["--ckpt", ckpt, "--max-new-tokens", "14", *rule]
     if rule[-1:] == ["typical"]:  # sampled rules draw from one generator per batch: same lengths, own tokens
@@ -61,7 +59,7 @@ def test_a_batch_of_prompts_decodes_each_as_if_alone_when_greedy(ckpt, capsys, r
 
 def test_the_batch_table_has_every_method_at_every_size_and_says_where_medusa_stops_paying(ckpt, capsys, tmp_path):
     plot = tmp_path / "batch.png"
-    argv = ["--ckpt", ckpt, "--compare", "--batch-sizes", "1,2", "--max-new-tokens", "8", "--repeat", "1"]
+    argv = ["--ckpt", ckpt, "--compare", "--batch-size", "1,2", "--max-new-tokens", "8"]
     result = json.loads(run(capsys, *argv, "--json"))
     rows = result["rows"]
     assert {(r["key"], r["batch_size"]) for r in rows} == {(k, b) for b in (1, 2) for k in (
@@ -75,14 +73,9 @@ def test_the_batch_table_has_every_method_at_every_size_and_says_where_medusa_st
     verdicts = [line for line in out.splitlines()
                 if any(v in line for v in ("stops paying at batch", "still pays at batch", "does not pay at any"))]
     assert len(verdicts) == 2  # one measured sentence per Medusa method
-    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-
-
-def test_a_dynamic_tree_decodes_greedy_as_plain_greedy_and_explains_its_choice(ckpt, capsys):
-    argv = ["--ckpt", ckpt, "--max-new-tokens", "16"]
-    assert tokens_of(capsys, *argv, "--tree", "dynamic:6") == tokens_of(capsys, *argv, "--method", "plain")
-    out = run(capsys, "--ckpt", ckpt, "--explain", "--tree", "dynamic:6")
-    assert "A dynamic tree" in out and "the best candidate left out" in out and "6 candidate nodes" in out
+    image = pytest.importorskip("matplotlib.image").imread(plot)  # [H, W, RGBA] in [0, 1]
+    assert image.shape[0] > 200 and image.shape[1] > 400  # a figure, not an empty file
+    assert (image[..., :3] < 0.5).mean() > 0.002  # something is drawn on the white page: axes, lines, text
 
 
 @pytest.mark.slow

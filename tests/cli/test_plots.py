@@ -9,12 +9,15 @@ from conftest import ROOT
 from medusa_mini.cli import plots
 from medusa_mini.cli.plots import PlotError, plot_batch, plot_node_sweep
 
-PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-
-
-def assert_png(path) -> None:
-    data = path.read_bytes()
-    assert data[:8] == PNG_SIGNATURE and len(data) > len(PNG_SIGNATURE)
+def assert_png(path, *, colours: int) -> None:
+    """A readable figure of two panels with at least `colours` distinct line colours drawn on it (a
+    blank or a single-series image fails): the pixels far from white, grey and black, counted by hue."""
+    image = pytest.importorskip("matplotlib.image").imread(path)[..., :3]  # [H, W, 3] in [0, 1]
+    assert image.shape[0] > 200 and image.shape[1] > 400
+    rgb = image.reshape(-1, 3)
+    coloured = rgb[(rgb.max(axis=1) - rgb.min(axis=1)) > 0.3]  # saturated pixels: the series' lines
+    hues = {tuple((c * 4).round().astype(int)) for c in coloured}
+    assert len(coloured) > 200 and len(hues) >= colours, (len(coloured), hues)
 
 
 def sweep_rows(scale: float) -> list[dict]:
@@ -37,12 +40,12 @@ def batch_rows() -> list[dict]:
 
 def test_node_sweep_draws_named_series_into_a_png(tmp_path):
     out = tmp_path / "sweep.png"
-    # a dynamic-tree series has no expected curve and carries tokens/s directly: both kinds of row draw
-    dynamic = [{"nodes": r["nodes"], "tokens_per_step": r["tokens_per_step"] + 0.2,
-                "tokens_per_s": 1000 / r["ms_per_token"]} for r in sweep_rows(0.5)]
-    assert plot_node_sweep([("static tree", sweep_rows(0.5)), ("dynamic tree", dynamic)], str(out),
+    # a series without an expected curve carries tokens/s directly: both kinds of row draw
+    direct = [{"nodes": r["nodes"], "tokens_per_step": r["tokens_per_step"] + 0.2,
+               "tokens_per_s": 1000 / r["ms_per_token"]} for r in sweep_rows(0.5)]
+    assert plot_node_sweep([("greedy", sweep_rows(0.5)), ("rejection", direct)], str(out),
                            plain_tokens_per_s=250.0, title="test") == str(out)
-    assert_png(out)
+    assert_png(out, colours=2)
 
 
 def test_node_sweep_draws_one_dotted_line_per_plain_decoder(tmp_path):
@@ -51,13 +54,13 @@ def test_node_sweep_draws_one_dotted_line_per_plain_decoder(tmp_path):
     plain = {"plain greedy": 250.0, "plain sampling (T=0.8)": 240.0}
     series = [("static, greedy", sweep_rows(0.5)), ("static, rejection", sweep_rows(0.2))]
     assert plot_node_sweep(series, str(out), plain_tokens_per_s=plain) == str(out)
-    assert_png(out)
+    assert_png(out, colours=2)
 
 
 def test_batch_plot_draws_speed_and_speedup_into_a_png(tmp_path):
     out = tmp_path / "batch.png"
     assert plot_batch(batch_rows(), str(out), title="batch sizes") == str(out)
-    assert_png(out)
+    assert_png(out, colours=3)
 
 
 @pytest.mark.parametrize("draw", [
