@@ -1,19 +1,19 @@
 """The engine's acceptance: the reference's three rules (reference.py), decided for B rows at once.
 
-Greedy acceptance, typical acceptance and rejection sampling with top-k candidates run on the device
-over the tree's root-to-leaf paths (official Medusa's evaluate_posterior idea: candidates as a [P, D]
-matrix, a cumulative product of per-depth matches gives each path's accepted length), so a decoding
-step reads its result with a single host sync. Paths shorter than D are masked by `path_valid`, never
-padded with a token (GPT-2's token 0 is a real token, "!"). Greedy and top-k rejection sampling are
-one rule with two sources of y, the backbone's token at every node: its argmax, or one draw from p
-(`reference.rejection_accept` says why that is exact). Only drawn candidates need speculative
-sampling's sequential tries, which walk each row on the host. Tests hold every rule to the reference,
-decision for decision and draw for draw.
+Every rule judges each node on its own, on the device and all at once: does the candidate pass at its
+parent (greedy: it is the backbone's token there; typical: p(candidate) clears the bar)? A node is
+accepted when it and all its ancestors pass (`whole_path_passes`, one product with the ancestor mask),
+and the step keeps the accepted node the rule prefers: the deepest (typical: then the most likely),
+whose path from the root (`TreeTensors.node_paths`) is the accepted path. A step thus reads its result
+with a single host sync. Greedy and top-k rejection sampling are one rule with two sources of y, the
+backbone's token at every node: its argmax, or one draw from p (`reference.rejection_accept` says why
+that is exact). Only drawn candidates need speculative sampling's sequential tries, which walk each row
+on the host. Tests hold every rule to the reference, decision for decision and draw for draw.
 
 `usable` [B, N] marks the nodes a row may accept this step: near the end of a row's token budget or
 of the context, deeper nodes could not be used; a finished row in a batch has none, not even its root.
 
-Shapes: B rows, N nodes, V vocabulary, P paths, D tree depth.
+Shapes: B rows, N nodes, V vocabulary, D tree depth.
 """
 
 from __future__ import annotations
@@ -41,34 +41,31 @@ class Accepted(NamedTuple):
     bonus: torch.Tensor
 
 
-def cut_path(paths: torch.Tensor, best: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
-    """Row b's path best[b] cut after count[b] candidates, its last node repeated: paths [P, D + 1] -> [B, D + 1]."""
-    path = paths[best]  # [B, D + 1]
-    steps = torch.arange(paths.shape[1], device=paths.device)
-    return path.gather(1, torch.minimum(steps[None, :], count[:, None]))
+def whole_path_passes(tree: TreeTensors, passes: torch.Tensor) -> torch.Tensor:
+    """[B, N] bool: every node on node i's path passes (the root, never judged, always does).
+
+    passes: [B, N] bool, each node's own test at its parent."""
+    passes = passes | (tree.depths == 0)  # [B, N]
+    return ~(tree.ancestor_mask & ~passes[:, None, :]).any(dim=-1)  # no ancestor of i (or i) fails
 
 
 def path_accept(tree: TreeTensors, tokens: torch.Tensor, y: torch.Tensor, *,
                 usable: torch.Tensor | None = None) -> Accepted:
     """`reference.walk` for B rows, on the device: tokens [B, N], y [B, N] the backbone's token at every node.
 
-    A path's candidate at depth d is accepted if it equals y at its parent and every shallower candidate
-    was. All longest paths share their accepted nodes (below one node, at most one live child holds y),
-    so the first longest path is the walk's path. A child whose token repeats an earlier sibling's is
-    never accepted, as in the walk, which tries children in rank order.
+    A candidate passes when it is y at its parent. Siblings hold distinct tokens when they come from a
+    top-k or draws without replacement; should two repeat one token, only the earlier (the one the walk
+    tries first) may pass. Then at most one child of a node passes, the accepted nodes form one chain
+    from the root, and its deepest node ends the walk's path.
     """
+    match = tokens == y[:, tree.parents.clamp(min=0)]  # [B, N]
     same = tokens[:, :, None] == tokens[:, None, :]  # [B, N, N]
-    live = ~(tree.earlier_siblings & same).any(dim=-1)  # [B, N] not shadowed by an earlier sibling
+    match &= ~(tree.earlier_siblings & same).any(dim=-1)  # not shadowed by an earlier sibling
     if usable is not None:
-        live = live & usable
-    paths = tree.paths  # [P, D + 1]
-    ok = tree.path_valid[:, 1:] & live[:, paths[:, 1:]]  # [B, P, D]
-    match = (tokens[:, paths[:, 1:]] == y[:, paths[:, :-1]]) & ok  # [B, P, D]
-    accepted = match.long().cumprod(dim=-1).sum(dim=-1)  # [B, P] accepted length of each path
-    best = accepted.argmax(dim=-1)  # [B] the first longest path
-    count = accepted.gather(1, best[:, None])[:, 0]  # [B]
-    nodes = cut_path(paths, best, count)  # [B, D + 1]
-    return Accepted(nodes=nodes, count=count, bonus=y.gather(1, nodes[:, -1:])[:, 0])
+        match &= usable
+    ok = whole_path_passes(tree, match)  # [B, N]
+    last = torch.where(ok, tree.depths, -1).argmax(dim=-1)  # [B] the deepest accepted node
+    return Accepted(nodes=tree.node_paths[last], count=tree.depths[last], bonus=y.gather(1, last[:, None])[:, 0])
 
 
 def greedy_accept_paths(tree: TreeTensors, tokens: torch.Tensor, logits: torch.Tensor, *,
@@ -82,9 +79,9 @@ def typical_accept_paths(tree: TreeTensors, tokens: torch.Tensor, logits: torch.
                          generator: torch.Generator | None, usable: torch.Tensor | None = None) -> Accepted:
     """`reference.typical_accept` for B rows, on the device, with the same draws.
 
-    Each path's accepted prefix ends at some node; among those the winner is the walk's: the deepest,
-    then the larger sum of log p (added depth by depth in float64, in the walk's order, so equal sums
-    are equal here too), then the smallest node index (the walk keeps the first it meets).
+    Among the accepted nodes the winner is the walk's: the deepest, then the larger sum of log p along
+    its path (added parent first in float64, in the walk's order, so equal sums are equal here too),
+    then the smallest node index (the walk keeps the first it meets).
     """
     B, N, V = logits.shape
     p = sampling.probs(logits)  # [B, N, V], top-p included: outside the nucleus p = 0, which never passes
@@ -92,25 +89,20 @@ def typical_accept_paths(tree: TreeTensors, tokens: torch.Tensor, logits: torch.
     parent = tree.parents.clamp(min=0)  # [N], the root's own entry unused
     p_x = p.view(B, N * V).gather(1, parent[None] * V + tokens)  # [B, N] p(candidate | its parent's path)
     passes = p_x > bar[:, parent]  # [B, N]
-    log_p = torch.log(p_x.clamp_min(1e-30)).double()  # [B, N]
     if usable is not None:
-        passes = passes & usable
-    paths = tree.paths  # [P, D + 1]
-    kept = (passes[:, paths[:, 1:]] & tree.path_valid[:, 1:]).long().cumprod(dim=-1)  # [B, P, D]
-    accepted = kept.sum(dim=-1)  # [B, P]
-    log_p_on = log_p[:, paths[:, 1:]]  # [B, P, D]
-    score = torch.zeros(accepted.shape, dtype=torch.float64, device=logits.device)  # [B, P]
-    for d in range(kept.shape[-1]):  # D steps, fixed by the tree
-        score = score + torch.where(kept[..., d].bool(), log_p_on[..., d], 0.0)
-    last = paths.gather(1, accepted.t()).t()  # [B, P] each path's last accepted node
-    longest = accepted == accepted.max(dim=-1, keepdim=True).values  # [B, P]
-    top_score = torch.where(longest, score, float("-inf")).max(dim=-1, keepdim=True).values
-    top = longest & (score == top_score)  # [B, P]
-    winner = torch.where(top, last, N).min(dim=-1).values  # [B] the smallest such node
-    best = (top & (last == winner[:, None])).long().argmax(dim=-1)  # [B] a path ending there
-    count = accepted.gather(1, best[:, None])[:, 0]
-    at_winner = p.gather(1, winner[:, None, None].expand(B, 1, V))[:, 0]  # [B, V]
-    return Accepted(nodes=cut_path(paths, best, count), count=count, bonus=draw(at_winner, generator))
+        passes &= usable
+    ok = whole_path_passes(tree, passes)  # [B, N]
+    log_p = torch.log(p_x.clamp_min(1e-30)).double()  # [B, N]
+    score = torch.zeros_like(log_p)  # [B, N] sum of log p along each node's path
+    for d in range(1, tree.node_paths.shape[1]):  # D steps, parents first
+        score = torch.where(tree.depths == d, score[:, parent] + log_p, score)
+    depth = torch.where(ok, tree.depths, -1)  # [B, N]
+    top = depth == depth.max(dim=-1, keepdim=True).values
+    best_score = torch.where(top, score, float("-inf"))
+    top &= best_score == best_score.max(dim=-1, keepdim=True).values
+    last = torch.where(top, torch.arange(N, device=logits.device), N).min(dim=-1).values  # [B]
+    at_last = p.gather(1, last[:, None, None].expand(B, 1, V))[:, 0]  # [B, V]
+    return Accepted(nodes=tree.node_paths[last], count=tree.depths[last], bonus=draw(at_last, generator))
 
 
 def rejection_accept_topk(tree: TreeTensors, tokens: torch.Tensor, logits: torch.Tensor, *, sampling: Sampling,
@@ -130,7 +122,7 @@ def rejection_accept_drawn(proposal: Proposal, logits: torch.Tensor, *, sampling
     tokens, samples = proposal.tokens.tolist(), draft.samples.tolist()
     ok = usable.tolist() if usable is not None else [[True] * tree.num_nodes] * B
     D1 = tree.depth + 1
-    rows = []  # per row: the path's D + 1 nodes, the count, the bonus
+    rows = []  # per row: the path's D + 1 nodes (the last repeated), the count, the bonus
     for b in range(B):
         path, bonus = [0], 0
         if ok[b][0]:

@@ -37,9 +37,10 @@ class GPTConfig:
 class KVCache:
     """Static, preallocated keys and values, k[i] and v[i] [B, nh, max_len, hs] per layer, plus a length per row.
 
-    Each layer's keys and values are tensors of their own, not slices of one: a compiled step then
-    writes into them where they lie, whereas a write into a slice of one big tensor makes the
-    compiler copy the whole cache, every step. A forward writes row b's T new keys/values at slots
+    Eager, every layer's keys and values are views of one tensor `kv` [2 n_layer, B, nh, max_len, hs],
+    so keeping the accepted path is one copy, not 2 n_layer. With `separate=True` each is a tensor of
+    its own: a compiled step then writes into them where they lie, whereas a write into a slice of one
+    big tensor makes the compiler copy the whole cache, every step. A forward writes row b's T new keys/values at slots
     [lengths[b], lengths[b] + T) and advances the lengths: rows of a batch may hold prefixes of
     different lengths. Slots are storage, not positions: a tree's nodes sit in consecutive slots but
     carry position ids prefix + depth. `compact_kv_cache` keeps the accepted path; stale slots are
@@ -59,13 +60,19 @@ class KVCache:
         max_len: int | None = None,
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
+        separate: bool = False,
     ) -> None:
         self.max_len = max_len if max_len is not None else config.block_size
         self.batch_size = batch_size
         hs = config.n_embd // config.n_head
         shape = (batch_size, config.n_head, self.max_len, hs)
-        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
-        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
+        L = config.n_layer
+        self.kv = None if separate else torch.zeros(2 * L, *shape, device=device, dtype=dtype)
+        if self.kv is None:
+            self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(L)]
+            self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(L)]
+        else:
+            self.k, self.v = list(self.kv[:L]), list(self.kv[L:])  # views: [B, nh, max_len, hs] each
         self._lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
 
     @property
@@ -94,6 +101,12 @@ def compact_kv_cache(
     """
     B, A = keep.shape
     dest = start[:, None] + torch.arange(A, device=keep.device)  # [B, A]
+    if cache.kv is not None:  # every layer at once: [2 n_layer, B, nh, max_len, hs]
+        n, _, nh, _, hs = cache.kv.shape
+        moved = cache.kv.gather(3, keep[None, :, None, :, None].expand(n, B, nh, A, hs))  # [2 n_layer, B, nh, A, hs]
+        cache.kv.scatter_(3, dest[None, :, None, :, None].expand(n, B, nh, A, hs), moved)
+        cache.lengths = start + (A if count is None else count)
+        return
     for t in cache.k + cache.v:  # [B, nh, max_len, hs] each
         nh, hs = t.shape[1], t.shape[3]
         moved = t.gather(2, keep[:, None, :, None].expand(B, nh, A, hs))  # [B, nh, A, hs]

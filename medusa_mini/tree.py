@@ -6,11 +6,10 @@ token, which the verify pass feeds together with every candidate. A node at dept
 with rank `choice[-1]`, so all nodes at one depth draw from the same head's top-k list.
 
 Everything here is a pure function of the choices: parents, depths, the N x N ancestor mask, position
-offsets (= depth), root-to-leaf paths with an explicit validity mask (never a padding token: GPT-2's
-token 0 is "!", a real token), and text drawings of the tree and the mask. `build_tree` grows the
+offsets (= depth), each node's path from the root, and text drawings of the tree and the mask. `build_tree` grows the
 tree with the most expected accepted tokens for a node budget from a measured acceptance table.
 
-Shapes: N nodes (root included), K heads, P leaf paths, D maximum depth.
+Shapes: N nodes (root included), K heads, D maximum depth.
 """
 
 from __future__ import annotations
@@ -146,25 +145,19 @@ class Tree:
         same_parent = (parents[:, None] == parents[None, :]) & (parents[:, None] >= 0)  # [N, N]
         return (same_parent & torch.ones(self.num_nodes, self.num_nodes, dtype=torch.bool).tril(-1)).to(device)
 
-    def paths(self, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
-        """Root-to-leaf paths: node indices [P, D + 1] and validity [P, D + 1] (False past a leaf).
+    def node_paths(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        """[N, D + 1] long: row i is the path from the root to node i, then node i repeated.
 
-        Invalid entries hold node 0 so they index safely; they must never be read without `valid`.
-        """
-        leaves = [i for i in range(self.num_nodes) if not self.children[i]]
-        D = self.depth
-        idx = torch.zeros(len(leaves), D + 1, dtype=torch.long)
-        valid = torch.zeros(len(leaves), D + 1, dtype=torch.bool)
-        for row, leaf in enumerate(leaves):
-            path = []
-            node = leaf
-            while node != -1:
-                path.append(node)
-                node = self.parents[node]
+        The acceptance rules pick one node, the last accepted one; its row is then the accepted path
+        in the fixed shape a step copies (its last entry is always the node itself)."""
+        rows = []
+        for i in range(self.num_nodes):
+            path = [i]
+            while path[-1] != 0:
+                path.append(self.parents[path[-1]])
             path.reverse()
-            idx[row, : len(path)] = torch.tensor(path)
-            valid[row, : len(path)] = True
-        return idx.to(device), valid.to(device)
+            rows.append(path + [i] * (self.depth + 1 - len(path)))
+        return torch.tensor(rows, dtype=torch.long, device=device)
 
     def truncated(self, max_depth: int) -> "Tree":
         """The subtree of nodes at depth <= max_depth (used near the end of a generation). Equal trees
@@ -223,8 +216,7 @@ class TreeTensors:
     depths: torch.Tensor  # [N] long: position offset of each node from the root
     head: torch.Tensor  # [N - 1] long: the head (0-based) that fills node i + 1
     rank: torch.Tensor  # [N - 1] long: the rank within that head's guesses
-    paths: torch.Tensor  # [P, D + 1] long: root-to-leaf node indices, node 0 past a leaf
-    path_valid: torch.Tensor  # [P, D + 1] bool: False past a leaf
+    node_paths: torch.Tensor  # [N, D + 1] long: the root-to-node path of each node, then the node repeated
     earlier_siblings: torch.Tensor  # [N, N] bool: j is a sibling of i with a smaller rank
 
 
@@ -232,10 +224,9 @@ class TreeTensors:
 def tree_tensors(tree: Tree, device: str) -> TreeTensors:
     """`Tree.tensors`, cached by (tree, device): the project's one cache of tree tensors."""
     head, rank = tree.node_head_rank(device)
-    paths, path_valid = tree.paths(device)
     return TreeTensors(parents=torch.tensor(tree.parents, dtype=torch.long, device=device),
                        ancestor_mask=tree.ancestor_mask(device), depths=tree.depths(device), head=head, rank=rank,
-                       paths=paths, path_valid=path_valid, earlier_siblings=tree.earlier_siblings(device))
+                       node_paths=tree.node_paths(device), earlier_siblings=tree.earlier_siblings(device))
 
 
 # ---- presets ---------------------------------------------------------------------------------

@@ -46,7 +46,7 @@ class CompiledSteps:
         key = (batch_size, max_len)
         if key not in self.caches:
             cache = KVCache(model.config, batch_size=batch_size, max_len=max_len, device=model.device,
-                            dtype=model.lm_head.weight.dtype)
+                            dtype=model.lm_head.weight.dtype, separate=True)
             # Marked static, a CUDA graph writes into the cache where it lies instead of copying it in
             # and out at every replay.
             for t in (*cache.k, *cache.v, cache._lengths):
