@@ -1,29 +1,23 @@
-"""Every figure BENCHMARKS.md's "On a GPU" section asks for, measured and written as one markdown report.
+"""Every figure a GPU run of the project should report, measured and written as one markdown report.
 
-    python benchmarks/gpu_report.py --out gpu.md                     # all four parts, one after another
-    python benchmarks/gpu_report.py --out gpu.md --part step         # or part by part, each within its
-    python benchmarks/gpu_report.py --out gpu.md --part train --append   # budget (default 510 s)
-    python benchmarks/gpu_report.py --out gpu.md --part decode --part batch --append
-    python benchmarks/gpu_report.py --device cpu --quick --out cpu.md   # the same code, small, on a CPU
+    python benchmarks/gpu_report.py --out gpu.md                       # all four parts, one after another
+    python benchmarks/gpu_report.py --out gpu.md --part step           # or part by part, each within its
+    python benchmarks/gpu_report.py --out gpu.md --part train --append # budget (default 510 s)
+    python benchmarks/gpu_report.py --device cpu --quick --out cpu.md  # the same code, small, on a CPU
 
 Parts, each running the project's own commands (this interpreter, the repository as working folder):
 
-- step: what one step costs, `bench_step.py --json` once per GPT-2 shape and dtype (random weights, no
-  download), bfloat16 and float32, eager and compiled (on CUDA), verify over 1 ... 128 nodes;
+- step: what one step costs, stage by stage (`bench_step.py --json`), per GPT-2 shape and dtype, eager
+  and compiled on CUDA (random weights, no download);
 - train: `train_tiny.py --preset gpu` into --ckpt: seconds and peak memory per stage;
 - decode: `decode.py --compare --json --dtype bfloat16 --compile` on that checkpoint;
-- batch: `decode.py --compare --batch-sizes 1,2,4,8,16 --json`: tokens/s and speedup per batch size,
-  skipped with a note while decode.py has no --batch-sizes.
+- batch: `decode.py --compare --batch-size 1,2,4,8,16 --json`: tokens/s and speedup per batch size.
 
-The report starts with the device, torch and CUDA; each part adds its section when it ends, so a
-stopped run keeps what it finished. Without --append the file is written anew. Each part stops its
-command at --budget-s and says so in the report. Compiling every step shape of four GPT-2 sizes may
-take the step part past its budget: the report then names each shape and dtype left, with the command
-that measures it (`--part step --configs gpt2-xl --dtypes float32 --append`). Progress and each
-part's time against its budget go to stderr. --quick
-(for a CPU) takes the smoke training preset, the tiny shape, few nodes and few prompts; --compile is
-used on CUDA only (on a CPU it costs minutes and gains nothing). Exit status: 0, 1 if a part failed
-(the report says which and why), 2 for bad flags (one line).
+The report starts with the device, torch and CUDA; each part appends its section when it ends, so a
+stopped run keeps what it finished. Each command stops at --budget-s and the report says so, naming
+for the step part each shape and dtype left with the command that measures it. --quick (for a CPU)
+takes the smoke training preset, the tiny shape, few nodes and few prompts; --compile is used on CUDA
+only. Exit status: 0, 1 if a part failed (the report says why), 2 for bad flags (one line).
 """
 
 from __future__ import annotations
@@ -33,6 +27,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import shlex
 import signal
 import subprocess
@@ -40,6 +35,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+from typing import Iterable, Sequence
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # run as a script from anywhere, without installing the package
@@ -47,21 +43,22 @@ if ROOT not in sys.path:  # run as a script from anywhere, without installing th
 
 import torch  # noqa: E402
 
-from benchmarks import report_tables as tables  # noqa: E402
-from benchmarks.bench_step import CONFIGS  # noqa: E402
+from benchmarks.bench_step import CONFIGS, STAGES  # noqa: E402
 from medusa_mini.cli.common import DTYPES, OneLineParser, pick_device  # noqa: E402
 
 PARTS = ("step", "train", "decode", "batch")
 GPT2_SHAPES = "gpt2,gpt2-medium,gpt2-large,gpt2-xl"
 BATCH_SIZES, QUICK_BATCH_SIZES = "1,2,4,8,16", "1,2,4"
 QUICK_STEP = ["--nodes", "1,4,16", "--repeat", "3", "--warmup", "1"]
-QUICK_DECODE = ["--num-prompts", "2", "--max-new-tokens", "32", "--repeat", "1"]
+QUICK_DECODE = ["--num-prompts", "2", "--max-new-tokens", "32"]
 BUDGET_S, QUICK_BUDGET_S = 510.0, 170.0  # a part stays under 9 minutes on an H100; --quick under 3
+BATCH_FIELDS = ("method", "batch_size", "tokens_per_s", "speedup", "tokens_per_step")
 
 
 @dataclass
 class ScriptRun:
     """One finished (or stopped) command: its exit status (None: stopped at its budget), output, seconds."""
+
     argv: list[str]
     returncode: int | None
     stdout: str
@@ -81,11 +78,10 @@ class ScriptRun:
 
 
 def run_script(argv: list[str], *, timeout_s: float, label: str, echo_stdout: bool = False) -> ScriptRun:
-    """`python ARGV` in the repository root, stopped after timeout_s. Its stderr (and with echo_stdout
+    """`python ARGV` in the repository root, stopped after timeout_s; its stderr (and with echo_stdout
     its stdout) goes on to ours line by line, prefixed with `label`, while both are kept."""
     t0 = time.perf_counter()
-    # A session of its own: stopping it stops what it started too (compile workers), which would
-    # otherwise keep its output pipes open.
+    # A session of its own: stopping it stops what it started too (compile workers holding its pipes).
     proc = subprocess.Popen([sys.executable, *argv], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
     stopped: list[bool] = []
@@ -97,25 +93,126 @@ def run_script(argv: list[str], *, timeout_s: float, label: str, echo_stdout: bo
         except ProcessLookupError:  # it ended just now
             pass
 
-    timer = threading.Timer(max(timeout_s, 0.0), stop)
-    timer.start()
-    err: list[str] = []
-
     def pump(stream, keep: list[str], echo: bool) -> None:
         for line in stream:
             keep.append(line)
             if echo:
                 print(f"  [{label}] {line}", end="", file=sys.stderr, flush=True)
 
+    timer = threading.Timer(max(timeout_s, 0.0), stop)
+    timer.start()
+    out, err = [], []
     err_thread = threading.Thread(target=pump, args=(proc.stderr, err, True), daemon=True)
     err_thread.start()
-    out: list[str] = []
     pump(proc.stdout, out, echo_stdout)
     proc.wait()
     err_thread.join()
     timer.cancel()
-    return ScriptRun(argv, None if stopped else proc.returncode, "".join(out), "".join(err),
-                     time.perf_counter() - t0)
+    return ScriptRun(argv, None if stopped else proc.returncode, "".join(out), "".join(err), time.perf_counter() - t0)
+
+
+# ---- markdown tables from the commands' output ---------------------------------------------------
+
+
+def cell(value) -> str:
+    """A table cell: floats with 2 decimals (3 significant digits below 1), None as '-'."""
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.3g}" if abs(value) < 1 else f"{value:.2f}"
+    return str(value).replace("|", "\\|")
+
+
+def md_table(header: Sequence[str], rows: Iterable[Sequence]) -> str:
+    """A markdown table; columns of numbers (None allowed) right-aligned, the others left-aligned."""
+    rows = [list(row) for row in rows]
+    numeric = [all(isinstance(row[i], (int, float)) or row[i] is None for row in rows) for i in range(len(header))]
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---:" if n else "---" for n in numeric) + "|"]
+    return "\n".join(lines + ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows])
+
+
+def variant_name(result: dict) -> str:
+    return result["dtype"] + (" compiled" if result["compiled"] else "")
+
+
+def step_table(config: str, variants: list[dict]) -> str:
+    """One GPT shape from bench_step.py --json: a row per measurement, a column per dtype and eager/compiled."""
+    first = variants[0]
+    shape = "{n_layer} layers, {n_head} heads, width {n_embd}, vocabulary {vocab_size}".format(**first["config"])
+    rows: list[list] = [["first round, s (compilation, if any)", *(v["first_round_s"] for v in variants)],
+                        ["plain step (1 token + argmax)", *(v["plain_ms"] for v in variants)]]
+    rows += [[f"verify, N = {n}", *(v["verify_ms"][n] for v in variants)] for n in first["verify_ms"]]
+    for tree, info in first["medusa"].items():
+        rows += [[f"{tree} tree ({info['nodes']} nodes incl. root): {stage}",
+                  *(v["medusa"][tree]["stages_ms"][stage] for v in variants)] for stage in STAGES[:-1]]
+        rows.append([f"{tree} tree: whole Medusa step", *(v["medusa"][tree]["ms"] for v in variants)])
+        rows.append([f"{tree} tree: step / plain step (x)", *(v["medusa"][tree]["ratio"] for v in variants)])
+        rows.append([f"{tree} tree: step / verify alone (x)", *(v["medusa"][tree]["step_vs_verify"] for v in variants)])
+    return md_table([f"{config} ({shape})", *(variant_name(v) for v in variants)], rows)
+
+
+def step_summary(by_config: dict[str, list[dict]]) -> str:
+    """The targets' figures side by side: verify over 64 nodes against a plain step, and what a whole
+    Medusa step costs against its verify alone."""
+    rows = []
+    for config, variants in by_config.items():
+        for v in variants:
+            v64 = v["verify_ms"].get("64")
+            rows.append([f"{config} {variant_name(v)}", v["plain_ms"], v64, None if v64 is None else v64 / v["plain_ms"],
+                         v["medusa"]["cpu"]["step_vs_verify"], v["medusa"]["gpu"]["ratio"]])
+    return md_table(["shape and variant", "plain step, ms", "verify 64, ms", "verify 64 / plain (x)",
+                     "cpu tree: step / verify (x)", "gpu tree: step / plain (x)"], rows)
+
+
+def parse_training_log(log: str) -> dict:
+    """From train_tiny.py's output: {stage: (seconds, peak GiB or None)}, in order, and the summary lines."""
+    stages: dict[str, tuple[float, float | None]] = {}
+    summary: list[str] = []
+    for line in log.splitlines():
+        if m := re.match(r"tokenizer\s+\d+ tokens, trained in ([\d.]+)s", line):  # trained before the clock
+            stages["tokenizer"] = (float(m.group(1)), None)
+        elif line.startswith("stages "):
+            for name, sec, peak in re.findall(r"(\w+) ([\d.]+) s(?: \(peak ([\d.]+) GiB\))?", line):
+                stages[name] = (float(sec), float(peak) if peak else None)
+        if line.startswith("summary ") or (summary and line.startswith(" ")):
+            summary.append(line)
+    return {"stages": stages, "summary": summary}
+
+
+def train_table(parsed: dict, *, wall_s: float) -> str:
+    rows = [[name, sec, peak] for name, (sec, peak) in parsed["stages"].items()]
+    rows.append(["whole command (start-up, data and saving too)", wall_s, None])
+    return md_table(["stage", "seconds", "peak memory, GiB"], rows)
+
+
+def decode_table(result: dict) -> str:
+    """decode.py --compare --json: its rows, with tokens/s beside ms/token."""
+    rows = [[r["method"], r["new_tokens"], r["steps"], r["tokens_per_step"], r["ms_per_token"],
+             1000.0 / r["ms_per_token"], r["speedup"],
+             {None: "-", True: "yes", False: "no"}[r.get("same_as_plain_greedy")]] for r in result["rows"]]
+    table = md_table(["method", "tokens", "steps", "tokens/step", "ms/token", "tokens/s", "speedup (x)",
+                      "same as plain greedy"], rows)
+    compiled = result.get("compile_warmup_s")
+    how = (f"device {result['device']}, {result['dtype']}, "
+           + (f"compiled steps (compilation {compiled:.1f} s, not timed)" if compiled is not None else "eager")
+           + f"; tree {result['tree']} ({result['tree_nodes']} nodes incl. root); {result['prompts']} prompts x "
+           f"{result['max_new_tokens']} new tokens; fastest of 3 runs in turns.")
+    return f"{table}\n\n{how} Tokens/step counts the bonus token; ms/token includes the prefill."
+
+
+def batch_table(result) -> str:
+    """decode.py --compare --batch-size ... --json; ValueError (one line) if a row lacks a needed field."""
+    rows = result.get("rows") if isinstance(result, dict) else None
+    if not isinstance(rows, list) or not rows:
+        raise ValueError("decode.py --compare --batch-size --json gave no rows")
+    for row in rows:
+        if missing := [f for f in BATCH_FIELDS if f not in row]:
+            raise ValueError(f"a batch row lacks {', '.join(missing)}: it has {', '.join(sorted(row))}")
+    return md_table(["method", "batch size", "tokens/s", "speedup (x)", "tokens/step"],
+                    [[r[f] for f in BATCH_FIELDS] for r in rows])
+
+
+# ---- the parts --------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -134,7 +231,7 @@ class Settings:
 
     @property
     def compile(self) -> list[str]:
-        return ["--compile"] if self.device.startswith("cuda") else []
+        return ["--compile"] if self.device.startswith("cuda") else []  # on a CPU: minutes, no gain
 
 
 def command_text(argv: list[str]) -> str:
@@ -142,8 +239,7 @@ def command_text(argv: list[str]) -> str:
 
 
 def step_part(s: Settings) -> tuple[str, bool]:
-    """bench_step.py once per shape and dtype (eager, then compiled on CUDA); what the budget did not
-    reach is named with the command that measures it."""
+    """bench_step.py once per shape and dtype; what the budget did not reach is named with its command."""
     deadline = time.monotonic() + s.budget_s
     by_config: dict[str, list[dict]] = {}
     notes, commands = [], []
@@ -162,71 +258,56 @@ def step_part(s: Settings) -> tuple[str, bool]:
                 by_config.setdefault(config, []).extend(json.loads(run.stdout)["configs"].values())
             else:
                 notes.append(f"{config} {dtype}: {run.failure()}")
-    parts = ["## What one step costs", "", "Random weights (speed depends on shapes, not values); ms, median of "
-             "the repetitions (CUDA events on a GPU); KV cache holding 128 tokens before each step. A compiled "
-             "column's first round includes compiling every step shape.", "", "Commands:", "",
-             *(f"- {c}" for c in commands)]
+    text = ["## What one step costs", "", "Random weights (speed depends on shapes, not values); ms, median of the "
+            "repetitions (CUDA events on a GPU); KV cache holding 128 tokens before each step; a compiled column's "
+            "first round includes compiling every step shape.", "", "Commands:", "", *(f"- {c}" for c in commands)]
     if by_config:
-        parts += ["", tables.step_summary(by_config)]
-        parts += ["", *(f"{tables.step_table(c, v)}\n" for c, v in by_config.items())]
-    parts += [f"\nNot measured: {n}" for n in notes]
-    return "\n".join(parts), not notes
+        text += ["", step_summary(by_config), "", *(f"{step_table(c, v)}\n" for c, v in by_config.items())]
+    text += [f"\nNot measured: {n}" for n in notes]
+    return "\n".join(text), not notes
 
 
 def train_part(s: Settings) -> tuple[str, bool]:
     argv = ["train_tiny.py", "--preset", "smoke" if s.quick else "gpu", "--out", s.ckpt, "--device", s.device,
             *s.train_flags]
     run = run_script(argv, timeout_s=s.budget_s, label="train", echo_stdout=True)
-    head = ["## Training the gpu preset" if not s.quick else "## Training the smoke preset", "",
-            f"Command: {command_text(argv)}.", ""]
+    head = [f"## Training the {argv[2]} preset", "", f"Command: {command_text(argv)}.", ""]
     if not run.ok:
         return "\n".join([*head, f"Failed: {run.failure()}"]), False
-    parsed = tables.parse_training_log(run.stdout)
-    text = [*head, tables.train_table(parsed, wall_s=run.seconds), "",
+    parsed = parse_training_log(run.stdout)
+    text = [*head, train_table(parsed, wall_s=run.seconds), "",
             "Peak memory is torch's peak allocation in the stage (CUDA only).", ""]
     text += ["```", *parsed["summary"], "```"] if parsed["summary"] else []
     return "\n".join(text), bool(parsed["stages"])
 
 
-def decode_part(s: Settings) -> tuple[str, bool]:
-    argv = ["decode.py", "--ckpt", s.ckpt, "--compare", "--json", "--dtype", "bfloat16", "--device", s.device,
+def decode_argv(s: Settings, *extra: str) -> list[str]:
+    return ["decode.py", "--ckpt", s.ckpt, "--compare", *extra, "--json", "--dtype", "bfloat16", "--device", s.device,
             *s.compile, *(QUICK_DECODE if s.quick else []), *s.decode_flags]
-    run = run_script(argv, timeout_s=s.budget_s, label="decode")
-    head = ["## decode.py --compare", "", f"Command: {command_text(argv)}.", ""]
-    if not run.ok:
-        return "\n".join([*head, f"Failed: {run.failure()}"]), False
-    return "\n".join([*head, tables.decode_table(json.loads(run.stdout))]), True
+
+
+def decode_part(s: Settings) -> tuple[str, bool]:
+    return table_part(s, decode_argv(s), title="## decode.py --compare", label="decode", tabulate=decode_table)
 
 
 def batch_part(s: Settings) -> tuple[str, bool]:
-    head = ["## Batch sizes", ""]
-    usage = run_script(["decode.py", "--help"], timeout_s=min(s.budget_s, 120), label="batch")
-    if "--batch-sizes" not in usage.stdout:
-        return "\n".join([*head, "Skipped: this decode.py does not accept --batch-sizes yet."]), True
-    sizes = QUICK_BATCH_SIZES if s.quick else BATCH_SIZES
-    argv = ["decode.py", "--ckpt", s.ckpt, "--compare", "--batch-sizes", sizes, "--json", "--dtype", "bfloat16",
-            "--device", s.device, *s.compile, *(QUICK_DECODE[2:] if s.quick else []), *s.decode_flags]
-    run = run_script(argv, timeout_s=s.budget_s - usage.seconds, label="batch")
-    head += [f"Command: {command_text(argv)}.", ""]
-    if not run.ok:
-        return "\n".join([*head, f"Failed: {run.failure()}"]), False
+    argv = decode_argv(s, "--batch-size", QUICK_BATCH_SIZES if s.quick else BATCH_SIZES)
+    return table_part(s, argv, title="## Batch sizes", label="batch", tabulate=batch_table)
+
+
+def table_part(s: Settings, argv: list[str], *, title: str, label: str, tabulate) -> tuple[str, bool]:
+    """Run a command that prints one JSON object and tabulate it; a failure is one line of the section."""
+    run = run_script(argv, timeout_s=s.budget_s, label=label)
+    head = [title, "", f"Command: {command_text(argv)}.", ""]
     try:
-        rows = tables.batch_rows_of(json.loads(run.stdout))
-    except ValueError as e:  # JSONDecodeError is one too
+        if not run.ok:
+            raise ValueError(run.failure())
+        return "\n".join([*head, tabulate(json.loads(run.stdout))]), True
+    except (ValueError, KeyError) as e:  # JSONDecodeError is a ValueError
         return "\n".join([*head, f"Failed: {' '.join(str(e).split())}"]), False
-    return "\n".join([*head, tables.batch_table(rows)]), True
 
 
 RUN_PART = {"step": step_part, "train": train_part, "decode": decode_part, "batch": batch_part}
-
-
-def git_commit() -> str:
-    try:
-        out = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True, text=True,
-                             timeout=30)
-        return out.stdout.strip() or "unknown"
-    except OSError:
-        return "unknown"
 
 
 def header(s: Settings, argv: list[str]) -> str:
@@ -236,28 +317,30 @@ def header(s: Settings, argv: list[str]) -> str:
         name = f"{props.name}, {props.total_memory / 2**30:.0f} GiB"
     else:
         name = f"CPU ({platform.processor() or platform.machine()}), {torch.get_num_threads()} threads"
+    try:
+        commit = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True, text=True)
+    except OSError:  # no git on this machine
+        commit = subprocess.CompletedProcess([], 1, "", "")
     rows = [["device", f"{s.device}: {name}"], ["torch", torch.__version__],
-            ["CUDA", torch.version.cuda or "none (a CPU build of torch)"],
-            ["Python", platform.python_version()], ["code", git_commit()],
+            ["CUDA", torch.version.cuda or "none (a CPU build of torch)"], ["Python", platform.python_version()],
+            ["code", commit.stdout.strip() or "unknown"],
             ["date (UTC)", datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M")],
             ["command", command_text(["benchmarks/gpu_report.py", *argv])]]
-    return f"# medusa_mini on {name.split(',')[0]}\n\n{tables.md_table(['', ''], rows)}\n"
+    return f"# medusa_mini on {name.split(',')[0]}\n\n{md_table(['', ''], rows)}\n"
 
 
 def parse_args(argv: list[str]) -> Settings:
     p = OneLineParser(prog="python benchmarks/gpu_report.py", description=__doc__,
                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, metavar="FILE.md", help="the markdown report")
-    p.add_argument("--part", action="append", choices=PARTS,
-                   help="run only this part; repeat for several (default: all four, in this order)")
+    p.add_argument("--part", action="append", choices=PARTS, help="only this part; repeat for several (default: all)")
     p.add_argument("--append", action="store_true", help="add the sections to --out instead of writing it anew")
     p.add_argument("--device", help="cuda or cpu (default: cuda if available)")
     p.add_argument("--quick", action="store_true", help="smoke training, the tiny shape, few nodes and prompts")
     p.add_argument("--ckpt", default="out/gpu_report", metavar="DIR",
                    help="where train writes its checkpoint, which decode and batch read (default: %(default)s)")
     p.add_argument("--configs", help=f"step: shapes for bench_step.py (default: {GPT2_SHAPES}; --quick: tiny)")
-    p.add_argument("--dtypes", default="bfloat16,float32",
-                   help="step: comma-separated, one bench_step.py run each (default: %(default)s)")
+    p.add_argument("--dtypes", default="bfloat16,float32", help="step: one bench_step.py run each (default: %(default)s)")
     p.add_argument("--budget-s", type=float, metavar="S",
                    help=f"seconds each part may take (default: {BUDGET_S:.0f}; --quick: {QUICK_BUDGET_S:.0f})")
     p.add_argument("--train-flags", default="", metavar="'FLAGS'", help="more train_tiny.py flags, quoted")
@@ -265,14 +348,14 @@ def parse_args(argv: list[str]) -> Settings:
     a = p.parse_args(argv)
     try:
         device = str(pick_device(a.device))
-        flags = [shlex.split(a.train_flags), shlex.split(a.decode_flags)]
-    except ValueError as e:  # shlex: an unclosed quote
+        flags = [shlex.split(a.train_flags), shlex.split(a.decode_flags)]  # ValueError: an unclosed quote
+    except ValueError as e:
         p.error(str(e))
     budget = a.budget_s if a.budget_s is not None else (QUICK_BUDGET_S if a.quick else BUDGET_S)
     if budget <= 0:
         p.error(f"--budget-s must be positive, not {a.budget_s:g}")
     parts = [part for part in PARTS if part in (a.part or PARTS)]
-    if not {"decode", "batch"}.isdisjoint(parts) and "train" not in parts and not os.path.isfile(
+    if {"decode", "batch"} & set(parts) and "train" not in parts and not os.path.isfile(
             os.path.join(a.ckpt, "config.json")):
         p.error(f"no checkpoint in {a.ckpt} for the decode and batch parts: run --part train first, or name one "
                 "with --ckpt")

@@ -25,8 +25,8 @@ import os
 import platform
 import shlex
 import sys
-import time
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -35,13 +35,13 @@ if ROOT not in sys.path:  # run as a script from anywhere, without installing th
 
 import torch  # noqa: E402
 
+from benchmarks.clock import timed  # noqa: E402
 from medusa_mini.cli.common import OneLineParser, encode_prompt, pick_device  # noqa: E402
 from medusa_mini.decoding import generate, medusa_generate  # noqa: E402
 from medusa_mini.io.loading import load_for_decoding, load_prompts  # noqa: E402
 from medusa_mini.io.tokenizer import load_tokenizer  # noqa: E402
 from medusa_mini.sampling import Sampling  # noqa: E402
-from medusa_mini.tune.clock import sync_device  # noqa: E402
-from medusa_mini.tune.trees import default_tree_name, resolve_trees, tree_nodes_text  # noqa: E402
+from medusa_mini.tune.trees import resolve_tree  # noqa: E402
 
 INSTALL_HINT = 'transformers is not installed; pip install -e ".[peers]"'
 WARMUP_TOKENS = 16
@@ -69,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=128, metavar="N", help="tokens per prompt (default: 128)")
     p.add_argument("--temperature", type=float, default=0.8, metavar="T", help="sampling rows (default: 0.8)")
     p.add_argument("--seed", type=int, default=0, help="seeds every sampling row, per prompt (default: 0)")
-    p.add_argument("--tree", metavar="NAME|N|FILE.json", help="Medusa tree as in decode.py (default: auto if the checkpoint has heads_accuracy.json)")
+    p.add_argument("--tree", metavar="N|NAME|FILE.json", help="Medusa tree as in decode.py (default: decode.py's)")
     p.add_argument("--lookup-tokens", type=int, default=10, metavar="N",
                    help="prompt_lookup_num_tokens for prompt-lookup decoding (default: 10)")
     p.add_argument("--draft-tokens", type=int, default=20, metavar="N",
@@ -159,7 +159,7 @@ def load_draft(transformers, a: argparse.Namespace, *, ck, device: torch.device,
     return draft
 
 
-def build_methods(transformers, ck, a: argparse.Namespace, *, trees, device: torch.device,
+def build_methods(transformers, ck, a: argparse.Namespace, *, tree, device: torch.device,
                   need: int) -> tuple[list[Method], list[str]]:
     """The rows in table order, and notes on rows left out."""
     target = load_hf(transformers, a.ckpt, device=device)
@@ -172,7 +172,6 @@ def build_methods(transformers, ck, a: argparse.Namespace, *, trees, device: tor
 
     def mm(key: str, label: str, acceptance: str | None, temperature: float) -> Method:
         sampling = Sampling(acceptance=acceptance, temperature=temperature)  # None: plain decoding at T
-        tree = trees.for_rule(sampling) if acceptance else None
         run = mm_runner(ck, tree=tree, medusa=acceptance is not None, sampling=sampling, seed=a.seed)
         return Method(key, label, sampling.greedy, run)
 
@@ -212,11 +211,7 @@ def benchmark(methods: list[Method], prompts: list[list[int]], *, max_new_tokens
     for rep in range(repeat):
         for i, ids in enumerate(prompts):  # prompt-major: a load spike slows every row alike
             for m in methods:
-                sync_device(device)
-                t0 = time.perf_counter()
-                tokens, steps = m.run(ids, max_new_tokens)
-                sync_device(device)
-                seconds = time.perf_counter() - t0
+                (tokens, steps), seconds = timed(device, partial(m.run, ids, max_new_tokens))
                 if rep == 0:
                     runs[m.key].append((tokens, steps, seconds))
                     continue
@@ -268,8 +263,7 @@ def format_table(result: dict) -> str:
         f"torch {f['torch']}, transformers {f['transformers']}, device {f['device']}, threads {f['threads']}, "
         f"CPU {f['cpu']}",
         f"{f['prompts']} prompts, max-new-tokens {f['max_new_tokens']} (no end-token stop), tree {f['tree']} "
-        f"({tree_nodes_text(f['tree_nodes'], f.get('rejection_tree_nodes'))}), sampling T={f['temperature']:g}, "
-        f"seed {f['seed']}",
+        f"({f['tree_nodes']} nodes incl. root), sampling T={f['temperature']:g}, seed {f['seed']}",
         f"speedup and 'same as greedy' are against transformers greedy;\n{result['note']}.",
         *result["notes"],
         f"command: {f['command']}",
@@ -305,14 +299,11 @@ def main(argv: list[str] | None = None) -> int:
         if a.threads is not None:
             torch.set_num_threads(a.threads)
         ck = load_for_decoding(a.ckpt, device=device)
-        trees = tree_name = None
-        if ck.heads is not None:
-            trees = resolve_trees(a.tree, num_heads=ck.heads.num_heads, ckpt_dir=a.ckpt, device=device,
-                                model=ck.model, heads=ck.heads)
-            tree_name = os.path.basename(a.tree) if a.tree else default_tree_name(device, a.ckpt)
+        tree, tree_name = (None, None) if ck.heads is None else resolve_tree(
+            a.tree, ckpt_dir=a.ckpt, device=device, num_heads=ck.heads.num_heads)
         prompts = prepare_prompts(ck, a)
         need = max(len(ids) for ids in prompts) + a.max_new_tokens
-        methods, notes = build_methods(transformers, ck, a, trees=trees, device=device, need=need)
+        methods, notes = build_methods(transformers, ck, a, tree=tree, device=device, need=need)
         rows = benchmark(methods, prompts, max_new_tokens=a.max_new_tokens, device=device, repeat=a.repeat)
     except (ValueError, OSError, RuntimeError) as e:  # RuntimeError: a row that broke the token budget
         parser.error(str(e))
@@ -323,8 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     facts = {
         "torch": torch.__version__, "transformers": transformers.__version__, "device": str(device),
         "threads": torch.get_num_threads(), "cpu": cpu_model(), "prompts": len(prompts),
-        "max_new_tokens": a.max_new_tokens, "tree": tree_name, "tree_nodes": trees.greedy.num_nodes if trees else None,
-        "rejection_tree_nodes": trees.rejection_nodes() if trees else None,
+        "max_new_tokens": a.max_new_tokens, "tree": tree_name, "tree_nodes": tree.num_nodes if tree else None,
         "temperature": a.temperature, "seed": a.seed, "lookup_tokens": a.lookup_tokens, "repeat": a.repeat,
         "draft": a.draft, "draft_tokens": a.draft_tokens if a.draft else None,
         "command": "python benchmarks/peers.py " + shlex.join(args),

@@ -1,5 +1,5 @@
-"""benchmarks/gpu_report.py: one command, every GPU figure as markdown tables; here its smallest run on a CPU
-and, with the commands faked, the paths only CUDA takes."""
+"""benchmarks/gpu_report.py: one command, every GPU figure as markdown tables; its smallest run on a CPU and,
+with the commands faked, the paths only CUDA takes."""
 
 import json
 import subprocess
@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import ROOT
 
-from benchmarks import gpu_report, report_tables
+from benchmarks import gpu_report
 from benchmarks.bench_step import bench_config
 from benchmarks.gpu_report import ScriptRun, Settings
 from medusa_mini.model import GPTConfig
@@ -19,95 +19,50 @@ FAST_TRAIN = ("--backbone-steps 6 --heads-steps 4 --distill-prompts 8 --distill-
               "--batch-size 4 --n-embd 32 --log-every 1000")
 
 
-def md_tables(text: str) -> list[tuple[list[str], list[list[str]]]]:
-    """Every markdown table in `text` as (header cells, rows of cells)."""
-    found, block = [], []
+def table(text: str, first_header_cell: str) -> dict[str, list[str]]:
+    """The markdown table whose header starts with `first_header_cell`, as {row label: its other cells}."""
+    rows: list[list[str]] = []
     for line in [*text.splitlines(), ""]:
         if line.startswith("|"):
-            block.append([c.strip() for c in line.strip().strip("|").split(" | ")])
-        elif block:
-            found.append((block[0], block[2:]))
-            block = []
-    return found
-
-
-def table(text: str, first_header_cell: str) -> dict[str, list[str]]:
-    """The table whose header starts with `first_header_cell`, as {row label: its other cells}."""
-    for header, rows in md_tables(text):
-        if header[0].startswith(first_header_cell):
-            return {row[0]: row[1:] for row in rows}
+            rows.append([c.strip() for c in line.strip().strip("|").split(" | ")])
+        elif rows:
+            if rows[0][0].startswith(first_header_cell):
+                return {row[0]: row[1:] for row in rows[2:]}
+            rows = []
     raise AssertionError(f"no table headed {first_header_cell!r} in:\n{text}")
 
 
-@pytest.fixture(scope="module")
-def cpu_run(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("report")
-    out = tmp / "report.md"
+@pytest.mark.slow
+def test_quick_cpu_report_holds_every_part_with_numbers_that_agree(tmp_path):
+    out = tmp_path / "report.md"
     r = subprocess.run([sys.executable, "benchmarks/gpu_report.py", "--device", "cpu", "--quick", "--out", str(out),
-                        "--ckpt", str(tmp / "ckpt"), "--dtypes", "float32", "--train-flags", FAST_TRAIN,
+                        "--ckpt", str(tmp_path / "ckpt"), "--dtypes", "float32", "--train-flags", FAST_TRAIN,
                         "--decode-flags", "--max-new-tokens 8"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
-    return r.stderr, out.read_text()
-
-
-@pytest.mark.slow
-def test_report_names_the_device_and_versions(cpu_run):
-    _, text = cpu_run
+    text = out.read_text()
     about = table(text, "")
     assert about["device"][0].startswith("cpu") and about["torch"] == [torch.__version__]
-    assert about["CUDA"][0] == (torch.version.cuda or "none (a CPU build of torch)")
-
-
-@pytest.mark.slow
-def test_every_part_prints_its_time_against_its_budget(cpu_run):
-    err, text = cpu_run
     for part in gpu_report.PARTS:
-        assert f"[{part}] starting, budget 170 s" in err
-        assert f"[{part}] done in" in err and f"_Part {part}: " in text
-
-
-@pytest.mark.slow
-def test_step_table_holds_the_measured_milliseconds(cpu_run):
-    steps = table(cpu_run[1], "tiny")
-    for row in ("plain step (1 token + argmax)", "verify, N = 1", "verify, N = 4", "verify, N = 16",
-                "Medusa step, gpu tree (68 nodes incl. root)"):
-        assert float(steps[row][0]) > 0, row
-    ratio = float(steps["verify N = 16 / plain step (x)"][0])
-    assert ratio == pytest.approx(float(steps["verify, N = 16"][0]) / float(steps["plain step (1 token + argmax)"][0]),
-                                  rel=0.05)
-
-
-@pytest.mark.slow
-def test_train_table_holds_each_stage_and_the_whole_run(cpu_run):
-    stages = table(cpu_run[1], "stage")
+        assert f"[{part}] done in" in r.stderr and f"_Part {part}: " in text
+    steps = table(text, "tiny")
+    plain, step = float(steps["plain step (1 token + argmax)"][0]), float(steps["cpu tree: whole Medusa step"][0])
+    assert plain > 0 and float(steps["verify, N = 16"][0]) > 0
+    assert float(steps["cpu tree: step / plain step (x)"][0]) == pytest.approx(step / plain, rel=0.05)
+    stages = table(text, "stage")
     assert {"tokenizer", "backbone", "distill", "heads", "summary"} <= set(stages)
-    assert all(float(stages[s][0]) > 0 for s in ("backbone", "heads"))  # they train
-    assert float(stages["summary"][0]) >= 0  # milliseconds on this tiny run: may round to 0.00
-    whole = float(stages["whole command (start-up, data and saving too)"][0])
-    assert whole > sum(float(v[0]) for k, v in stages.items() if not k.startswith("whole"))
-    assert "validation loss" in cpu_run[1]
-
-
-@pytest.mark.slow
-def test_decode_table_holds_the_five_rows_of_compare(cpu_run):
-    rows = table(cpu_run[1], "method")
-    assert list(rows) == ["plain greedy", "Medusa greedy", "Medusa typical (T=0.8)", "plain sampling (T=0.8)",
-                          "Medusa rejection (T=0.8)"]
+    assert float(stages["backbone"][0]) > 0 and float(stages["heads"][0]) > 0
+    assert float(stages["whole command (start-up, data and saving too)"][0]) > sum(
+        float(v[0]) for k, v in stages.items() if not k.startswith("whole"))
+    rows = table(text, "method")  # the first table headed "method": decode.py --compare
+    assert list(rows)[:2] == ["plain greedy", "Medusa greedy"] and rows["Medusa greedy"][-1] == "yes"
     assert rows["plain greedy"][2] == "1.00" and rows["plain greedy"][5] == "1.00"  # tokens/step, speedup
-    for tokens, steps, per_step, ms, per_s, *_ in rows.values():
-        assert int(tokens) > 0 and int(steps) > 0 and float(per_step) >= 1
+    for tokens, steps_, per_step, ms, per_s, *_ in rows.values():
+        assert 0 < int(tokens) <= 16 and int(steps_) > 0 and float(per_step) >= 1
         assert float(per_s) == pytest.approx(1000 / float(ms), rel=0.02)
-
-
-@pytest.mark.slow
-def test_batch_part_runs_when_decode_takes_batch_sizes_and_says_so_when_not(cpu_run):
-    usage = subprocess.run([sys.executable, "decode.py", "--help"], cwd=ROOT, capture_output=True, text=True).stdout
-    text = cpu_run[1].split("## Batch sizes")[1]
-    if "--batch-sizes" in usage:
-        rows = md_tables(text)[0][1]
-        assert rows and all(float(c) >= 0 for row in rows for c in row[1:])
-    else:
-        assert "Skipped: this decode.py does not accept --batch-sizes yet." in text
+    batch = text.split("## Batch sizes")[1]
+    cells = [line.strip("|").split(" | ") for line in batch.splitlines() if line.startswith("| ") and "batch" not in line]
+    assert sorted({int(c[1]) for c in cells}) == [1, 2, 4] and all(float(c[2]) > 0 for c in cells)
+    assert all(float(c[3]) == 1.0 for c in cells if c[0].strip().startswith("plain"))
 
 
 def batch_rows() -> list[dict]:
@@ -116,85 +71,64 @@ def batch_rows() -> list[dict]:
 
 
 def cuda_settings(tmp_path, **kw) -> Settings:
-    base = dict(out=str(tmp_path / "r.md"), parts=list(gpu_report.PARTS), device="cuda", quick=False,
-                ckpt=str(tmp_path), configs=["gpt2"], dtypes=["bfloat16"], budget_s=100.0, train_flags=[],
-                decode_flags=[], append=False)
+    base = dict(out=str(tmp_path / "r.md"), parts=list(gpu_report.PARTS), device="cuda", quick=False, ckpt=str(tmp_path),
+                configs=["gpt2"], dtypes=["bfloat16"], budget_s=100.0, train_flags=[], decode_flags=[], append=False)
     return Settings(**{**base, **kw})
 
 
+def faked(monkeypatch, reply) -> list[list[str]]:
+    calls: list[list[str]] = []
+    monkeypatch.setattr(gpu_report, "run_script", lambda argv, **_: calls.append(argv) or reply(argv))
+    return calls
+
+
 def test_batch_part_asks_decode_for_every_batch_size_compiled_on_cuda_and_tabulates_its_rows(tmp_path, monkeypatch):
-    calls = []
-
-    def fake(argv, **_):
-        calls.append(argv)
-        out = "  --batch-sizes SIZES" if argv[-1] == "--help" else json.dumps({"rows": batch_rows()})
-        return ScriptRun(argv, 0, out, "", 0.5)
-
-    monkeypatch.setattr(gpu_report, "run_script", fake)
+    calls = faked(monkeypatch, lambda argv: ScriptRun(argv, 0, json.dumps({"rows": batch_rows()}), "", 0.5))
     section, ok = gpu_report.batch_part(cuda_settings(tmp_path))
-    assert ok and calls[1][calls[1].index("--batch-sizes") + 1] == "1,2,4,8,16"
-    assert {"--compile", "--json", "--compare"} <= set(calls[1])
-    rows = md_tables(section)[0][1]
-    assert [[r["method"], str(r["batch_size"])] for r in batch_rows()] == [row[:2] for row in rows]
+    (argv,) = calls
+    assert ok and argv[argv.index("--batch-size") + 1] == "1,2,4,8,16"
+    assert {"--compile", "--json", "--compare"} <= set(argv) and "--batch-sizes" not in argv
+    rows = [line.strip("|").split(" | ") for line in section.splitlines() if line.startswith("| ")][1:]
+    assert [[r["method"], str(r["batch_size"])] for r in batch_rows()] == [[c.strip() for c in row[:2]] for row in rows]
     assert [float(row[2]) for row in rows] == pytest.approx([r["tokens_per_s"] for r in batch_rows()], rel=0.01)
 
 
-def test_batch_rows_without_a_needed_field_are_reported_in_one_line():
-    with pytest.raises(ValueError, match="lacks speedup"):
-        report_tables.batch_rows_of([{k: v for k, v in batch_rows()[0].items() if k != "speedup"}])
-    with pytest.raises(ValueError, match="no rows"):
-        report_tables.batch_rows_of({"rows": []})
+def test_batch_rows_without_a_needed_field_fail_the_part_in_one_line(tmp_path, monkeypatch):
+    rows = [{k: v for k, v in batch_rows()[0].items() if k != "speedup"}]
+    faked(monkeypatch, lambda argv: ScriptRun(argv, 0, json.dumps({"rows": rows}), "", 0.5))
+    section, ok = gpu_report.batch_part(cuda_settings(tmp_path))
+    assert not ok and "Failed: a batch row lacks speedup" in section
 
 
 def test_step_part_on_cuda_compiles_and_names_what_its_budget_did_not_reach(tmp_path, monkeypatch):
     small = GPTConfig(vocab_size=64, block_size=64, n_layer=1, n_head=2, n_embd=32)
-    measured = json.loads(json.dumps(bench_config(small, device=torch.device("cpu"), repeat=1, warmup=1,
-                                                  prefix_len=8, nodes=(1, 64), compiled=True, dtype=torch.bfloat16,
+    measured = json.loads(json.dumps(bench_config(small, device=torch.device("cpu"), repeat=1, warmup=1, prefix_len=8,
+                                                  nodes=(1, 64), compiled=True, dtype=torch.bfloat16,
                                                   compile_backend="eager")))  # the JSON keys bench_step prints
-    calls = []
-
-    def fake(argv, **_):
-        calls.append(argv)
-        if "gpt2-xl" in argv:  # as if stopped at the budget
-            return ScriptRun(argv, None, "", "", 99.0)
-        return ScriptRun(argv, 0, json.dumps({"configs": {"gpt2 bfloat16 compiled": measured}}), "", 1.0)
-
-    monkeypatch.setattr(gpu_report, "run_script", fake)
+    calls = faked(monkeypatch, lambda argv: ScriptRun(argv, None, "", "", 99.0) if "gpt2-xl" in argv else
+                  ScriptRun(argv, 0, json.dumps({"configs": {"gpt2 bfloat16 compiled": measured}}), "", 1.0))
     section, ok = gpu_report.step_part(cuda_settings(tmp_path, configs=["gpt2", "gpt2-xl"]))
-    assert not ok and all("--compile" in argv for argv in calls)
-    summary = table(section, "shape and variant")
-    assert float(summary["gpt2 bfloat16 compiled"][1]) == pytest.approx(measured["verify_ms"]["64"], rel=0.01)
+    assert not ok and all("--compile" in argv for argv in calls) and measured["compiled"]
+    summary = table(section, "shape and variant")["gpt2 bfloat16 compiled"]
+    assert float(summary[1]) == pytest.approx(measured["verify_ms"]["64"], rel=0.01)
+    assert float(summary[3]) == pytest.approx(measured["medusa"]["cpu"]["step_vs_verify"], rel=0.01)
     assert "gpt2-xl bfloat16: stopped at its budget" in section
 
 
 def test_train_and_decode_parts_on_cuda_take_the_gpu_preset_and_compiled_bfloat16_steps(tmp_path, monkeypatch):
-    # train_tiny.py's lines on CUDA, where StageClock adds each stage's peak memory
     log = ("tokenizer  4096 tokens, trained in 12.5s\nsummary    validation loss 3.210 nats/token\n"
            "           head   1   2\nstages     backbone 201.3 s (peak 7.25 GiB), distill 20.1 s (peak 1.50 GiB), "
            "heads 60.0 s (peak 5.00 GiB), summary 9.9 s (peak 0.75 GiB)\nsaved      out/x\n")
-    calls = []
-
-    def fake(argv, **_):
-        calls.append(argv)
-        return ScriptRun(argv, 0, log, "", 320.0)
-
-    monkeypatch.setattr(gpu_report, "run_script", fake)
+    calls = faked(monkeypatch, lambda argv: ScriptRun(argv, 0, log, "", 320.0))
     section, ok = gpu_report.train_part(cuda_settings(tmp_path))
     assert ok and calls[0][:3] == ["train_tiny.py", "--preset", "gpu"] and "cuda" in calls[0]
     stages = table(section, "stage")
     assert stages["backbone"] == ["201.30", "7.25"] and stages["tokenizer"] == ["12.50", "-"]
-    assert stages["whole command (start-up, data and saving too)"][0] == "320.00"
-    assert "validation loss 3.210" in section
-
-    def failing(argv, **_):
-        calls.append(argv)
-        return ScriptRun(argv, 1, "", "decode.py: error: boom\n", 2.0)
-
-    monkeypatch.setattr(gpu_report, "run_script", failing)
+    assert stages["whole command (start-up, data and saving too)"][0] == "320.00" and "validation loss 3.210" in section
+    calls = faked(monkeypatch, lambda argv: ScriptRun(argv, 1, "", "decode.py: error: boom\n", 2.0))
     section, ok = gpu_report.decode_part(cuda_settings(tmp_path))
     assert not ok and "Failed: exit status 1" in section and "boom" in section
-    assert {"--compare", "--json", "--compile"} <= set(calls[1])
-    assert calls[1][calls[1].index("--dtype") + 1] == "bfloat16"
+    assert {"--compare", "--json", "--compile"} <= set(calls[0]) and calls[0][calls[0].index("--dtype") + 1] == "bfloat16"
 
 
 def test_header_on_cuda_names_the_gpu_and_its_memory(tmp_path, monkeypatch):
@@ -221,23 +155,12 @@ def test_a_failed_part_is_written_into_the_report_and_exits_1(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv, needle", [
-    (["--part", "nope"], "--part"),
-    (["--device", "tpu"], "unknown device"),
-    (["--budget-s", "0"], "--budget-s"),
-    (["--configs", "gpt5"], "--configs"),
-    (["--dtypes", "float8"], "--dtypes"),
-    (["--part", "decode", "--ckpt", "no/such/dir"], "no checkpoint"),
-    (["--train-flags", "'unclosed"], "quotation"),
+    (["--part", "nope"], "--part"), (["--device", "tpu"], "unknown device"), (["--budget-s", "0"], "--budget-s"),
+    (["--configs", "gpt5"], "--configs"), (["--dtypes", "float8"], "--dtypes"),
+    (["--part", "decode", "--ckpt", "no/such/dir"], "no checkpoint"), (["--train-flags", "'unclosed"], "quotation"),
 ])
 def test_bad_flags_exit_2_with_one_line(tmp_path, capsys, argv, needle):
     with pytest.raises(SystemExit) as exc:
         gpu_report.main(["--out", str(tmp_path / "r.md"), *argv])
     err = capsys.readouterr().err
-    assert exc.value.code == 2 and err.count("\n") == 1 and needle in err
-    assert not (tmp_path / "r.md").exists()
-
-
-def test_bad_flags_from_the_shell_exit_2_with_one_line(tmp_path):
-    r = subprocess.run([sys.executable, "benchmarks/gpu_report.py", "--out", str(tmp_path / "no" / "r.md")],
-                       cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "folder does not exist" in r.stderr
+    assert exc.value.code == 2 and err.count("\n") == 1 and needle in err and not (tmp_path / "r.md").exists()

@@ -163,21 +163,15 @@ def test_without_transformers_exit_2_names_the_extra(dirs, monkeypatch, capsys):
 
 
 def test_repeats_keep_the_fastest_run_and_must_make_the_same_tokens(monkeypatch):
-    clock = iter([0.0, 5.0, 10.0, 12.0, 20.0, 29.0])  # (start, end) of: warm-up-free runs 1, 2, 3
-    monkeypatch.setattr(peers.time, "perf_counter", lambda: next(clock))
+    seconds = iter([5.0, 2.0, 9.0])  # three timed runs after an untimed warm-up: the fastest counts
+    monkeypatch.setattr(peers, "timed", lambda device, fn: (fn(), next(seconds)))
     calls = []
-
-    def run(ids, max_new_tokens):
-        calls.append(ids)
-        return [7] * max_new_tokens, 3
-
-    method = peers.Method("m", "m", True, run)
+    method = peers.Method("m", "m", True, lambda ids, n: calls.append(ids) or ([7] * n, 3))
     rows = peers.benchmark([method], [[1, 2]], max_new_tokens=4, device=torch.device("cpu"), repeat=3)
-    assert rows[0]["seconds"] == 2.0  # runs took 5, 2 and 9 seconds: the fastest counts
-    assert len(calls) == 4  # one untimed warm-up, then three timed runs
+    assert rows[0]["seconds"] == 2.0 and len(calls) == 4
 
     outputs = iter([[1] * 4, [1] * 4, [2] * 4])  # the warm-up, then a run that repeats differently
     flaky = peers.Method("f", "flaky", True, lambda ids, n: (next(outputs), 3))
-    monkeypatch.setattr(peers.time, "perf_counter", lambda: 0.0)
+    monkeypatch.setattr(peers, "timed", lambda device, fn: (fn(), 1.0))
     with pytest.raises(RuntimeError, match="other tokens on a repeat"):
         peers.benchmark([flaky], [[1, 2]], max_new_tokens=4, device=torch.device("cpu"), repeat=2)
