@@ -5,7 +5,7 @@ same decisions fast, for batches: model (GPT-2 and a static KV cache), heads, tr
 (the candidates of one step; hydra.py proposes too), acceptance, step, decoding; then
 training. All of it imports only torch, numpy and itself. The wings import the core, never the
 reverse: io/ (tokenizer, safetensors, checkpoints, GPT-2 weights), train/ (the train_tiny.py run),
-tune/ (acceptance tables, tree sizing, clocks), cli/ (shared command-line code).
+tune/ (the heads' acceptance table, --tree), cli/ (shared command-line code).
 """
 
 from . import reference

@@ -251,7 +251,8 @@ class GPT(nn.Module):
         """Run T new tokens per row; return (logits [B, T', V], hidden after ln_f [B, T, C]).
 
         idx: [B, T] token ids. pos: [T] or [B, T] position ids (default: each row's cache length + 0..T-1).
-        cache: row b is written at slots [lengths[b], lengths[b] + T), then every length advances by T.
+        cache: row b is written at slots [lengths[b], lengths[b] + T), then every length advances by T
+        (decoding only: under torch.no_grad()).
         attn_mask: [T, T] or [B, T, T] bool among the new tokens, True = may attend (default causal); with
         a cache, every new token also sees its row's whole cached prefix (`cache_attention_mask`).
         logits_at: which of the T positions get logits: a slice for every row, a [B] tensor of one
@@ -267,6 +268,8 @@ class GPT(nn.Module):
         B, T = idx.shape
         slots = None
         if cache is not None:
+            if torch.is_grad_enabled():  # a cache holds values for decoding, never an autograd graph
+                raise RuntimeError("a forward with a KV cache decodes: run it under torch.no_grad()")
             if T > cache.max_len:  # a fuller cache is caught by scatter_ (its lengths are on the device)
                 raise ValueError(f"KV cache full: {T} tokens > max_len {cache.max_len}")
             lengths = cache.lengths  # [B]

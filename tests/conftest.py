@@ -71,11 +71,13 @@ class OracleHeads:
         self.gen = torch.Generator().manual_seed(seed)
         self.memo = memo if memo is not None else {}  # sequence -> its greedy future, shareable
 
+        self.config = HeadsConfig(num_heads=num_heads, n_embd=model.config.n_embd, vocab_size=model.config.vocab_size)
+
     def on_step(self, tokens: list[int]) -> None:
         self.seq += tokens
 
     @torch.no_grad()
-    def __call__(self, hidden: torch.Tensor, lm_head: torch.nn.Module) -> torch.Tensor:
+    def __call__(self, hidden: torch.Tensor, lm_head: torch.nn.Module, *, num: int | None = None) -> torch.Tensor:
         from medusa_mini.decoding import generate
 
         V, block = self.model.config.vocab_size, self.model.config.block_size
@@ -88,7 +90,7 @@ class OracleHeads:
         logits = torch.rand(self.num_heads, 1, V, generator=self.gen)
         for k, tok in enumerate(future):
             logits[k, 0, tok] = 10.0
-        return logits
+        return logits[:num]
 
 
 class ContinuationHeads:
@@ -108,9 +110,10 @@ class ContinuationHeads:
         with torch.no_grad():
             self.states = model(torch.tensor([self.seq]))[1][0]  # [S, C]: state j produced seq[j + 1]
         self.gen = torch.Generator().manual_seed(seed)
+        self.config = HeadsConfig(num_heads=num_heads, n_embd=model.config.n_embd, vocab_size=self.V)
 
     @torch.no_grad()
-    def __call__(self, hidden: torch.Tensor, lm_head: torch.nn.Module) -> torch.Tensor:
+    def __call__(self, hidden: torch.Tensor, lm_head: torch.nn.Module, *, num: int | None = None) -> torch.Tensor:
         B = hidden.shape[0]
         logits = torch.rand(self.num_heads, B, self.V, generator=self.gen)
         distance = torch.cdist(hidden.float(), self.states.float())  # [B, S]
@@ -120,7 +123,7 @@ class ContinuationHeads:
                 j = int(nearest.indices[b])  # this state produced seq[j + 1], the root
                 for k, tok in enumerate(self.seq[j + 2 : j + 2 + self.num_heads]):
                     logits[k, b, tok] = 10.0
-        return logits.to(hidden.device)
+        return logits[:num].to(hidden.device)
 
 
 # ---- checkpoint directories, as train_tiny.py leaves them ------------------------------------

@@ -8,7 +8,7 @@ import torch
 
 from medusa_mini import reference as ref
 from medusa_mini.acceptance import accept_paths, greedy_accept_paths, typical_accept_paths
-from medusa_mini.proposal import Proposal, StepTree
+from medusa_mini.proposal import Proposal
 from medusa_mini.sampling import Sampling
 from medusa_mini.tree import Tree
 
@@ -50,7 +50,7 @@ def test_vectorised_greedy_equals_the_node_walk_on_random_trees_in_every_row():
     deep = 0
     for seed in range(200):
         tree, tokens, logits = random_case(seed, vocab=3, rows=3)  # a small vocabulary: long matches happen
-        got = greedy_accept_paths(StepTree.of(tree, 3, "cpu"), tokens, logits)
+        got = greedy_accept_paths(tree.tensors("cpu"), tokens, logits)
         assert got.nodes.shape == (3, tree.depth + 1)
         for b in range(3):
             path, bonus = ref.greedy_accept(tree.parents, tokens[b].tolist(), logits[b])
@@ -71,23 +71,11 @@ def test_vectorised_typical_equals_the_node_walk_with_the_same_draws(temperature
             logits = torch.randn(logits.shape, generator=torch.Generator().manual_seed(seed)) * 2
         g1, g2 = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed)
         want = ref.typical_accept(tree.parents, tokens[0].tolist(), logits[0], sampling=sampling, generator=g1)
-        got = typical_accept_paths(StepTree.of(tree, 1, "cpu"), tokens, logits, sampling=sampling, generator=g2)
+        got = typical_accept_paths(tree.tensors("cpu"), tokens, logits, sampling=sampling, generator=g2)
         assert as_host(got) == want
         assert torch.rand((), generator=g1) == torch.rand((), generator=g2)
         deep += len(want[0]) > 2
     assert deep > 10
-
-
-def test_typical_rows_are_decided_independently():
-    sampling = Sampling(acceptance="typical", temperature=1.0, epsilon=0.3, delta=0.6)
-    tree, tokens, logits = random_case(7, rows=4)
-    logits = torch.randn(logits.shape, generator=torch.Generator().manual_seed(1)) * 2
-    got = typical_accept_paths(StepTree.of(tree, 4, "cpu"), tokens, logits, sampling=sampling,
-                               generator=torch.Generator().manual_seed(0))
-    for b in range(4):
-        alone = typical_accept_paths(StepTree.of(tree, 1, "cpu"), tokens[b : b + 1], logits[b : b + 1],
-                                     sampling=sampling, generator=torch.Generator().manual_seed(0))
-        assert as_host(got, b)[0] == as_host(alone)[0]
 
 
 @pytest.mark.parametrize("rule", ["greedy", "typical", "rejection"])
@@ -98,20 +86,21 @@ def test_nodes_a_row_cannot_use_are_never_accepted(rule):
     logits = torch.nn.functional.one_hot(torch.tensor([[1, 2, 3, 0]] * 3), 4).float() * 20  # all accepted
     usable = torch.tensor([[True] * 4, [True, True, False, False], [False] * 4])
     sampling = Sampling(acceptance=rule, temperature=0.0 if rule == "greedy" else 1.0)
-    got = accept_paths(Proposal(tokens, StepTree.of(tree, 3, "cpu")), logits, sampling=sampling,
+    got = accept_paths(Proposal(tokens, tree), logits, sampling=sampling,
                        generator=torch.Generator().manual_seed(0), usable=usable)
     assert got.count.tolist()[:2] == [3, 1]
     assert got.count[2] == 0  # its root is unusable too: the step must not move its cache
 
 
-def test_rejection_rows_walk_the_reference_with_one_generator():
-    """Each row runs `reference.rejection_accept` in turn on one generator: the batch's draws are the
-    rows' draws, in row order."""
+def test_topk_rejection_on_the_device_makes_the_reference_walks_decisions_with_the_same_draws():
+    """Top-k rejection sampling draws y from p at every node of every row at once, then matches paths on
+    the device; the reference walks each row, drawing at every node of its row: one generator, the same
+    numbers in row order, the same paths and bonus tokens."""
     tree = Tree.from_choices([(0,), (1,), (0, 0)])
     tokens = torch.tensor([[0, 1, 2, 3], [0, 2, 1, 0]])
     logits = torch.randn(2, 4, 4, generator=torch.Generator().manual_seed(3))
     sampling = Sampling(acceptance="rejection", temperature=1.0, draft="topk")
-    got = accept_paths(Proposal(tokens, StepTree.of(tree, 2, "cpu")), logits, sampling=sampling,
+    got = accept_paths(Proposal(tokens, tree), logits, sampling=sampling,
                        generator=torch.Generator().manual_seed(5))
     gen = torch.Generator().manual_seed(5)
     for b in range(2):

@@ -91,3 +91,19 @@ def test_batched_decoding_sees_every_change_to_the_weights():
     heads.load_state_dict(other.state_dict())
     with torch.no_grad():
         torch.testing.assert_close(heads(x, model.lm_head), other(x, model.lm_head), atol=1e-5, rtol=1e-5)
+
+
+def test_the_first_num_heads_alone_give_those_heads_logits():
+    """A tree of depth D reads heads 1..D only: the rest cost a vocabulary projection each for nothing."""
+    model = tiny_model()
+    x = torch.randn(2, model.config.n_embd)
+    for own in (False, True):
+        heads = make(model, own_lm_head=own)
+        heads.load_state_dict(_randomised(model).state_dict(), strict=False)
+        full = heads(x, model.lm_head).detach()  # [3, 2, V]
+        for num in (1, 2, 3):
+            for grad in (True, False):  # the training path and decoding's batched one
+                with torch.set_grad_enabled(grad):
+                    part = heads(x, model.lm_head, num=num)
+                assert part.shape == (num, 2, model.config.vocab_size)
+                torch.testing.assert_close(part.detach(), full[:num], atol=1e-5, rtol=1e-5)

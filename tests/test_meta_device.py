@@ -30,26 +30,24 @@ from torch.utils._pytree import tree_leaves
 from medusa_mini import acceptance, model as model_module, reference
 from medusa_mini.acceptance import accept_paths
 from medusa_mini.decoding import generate_batch, make_proposer, medusa_generate_batch, prefill
-from medusa_mini.dynamic import DynamicTree
 from medusa_mini.heads import HeadsConfig
 from medusa_mini.hydra import make_heads, teacher_forced_logits
 from medusa_mini.model import KVCache
 from medusa_mini.sampling import Sampling
 from medusa_mini.step import keep_path, medusa_step, usable_nodes, verify
 from medusa_mini.training import MedusaLM, sample_continuations
-from medusa_mini.tree import Tree, preset
+from medusa_mini.tree import preset
 
 META = torch.device("meta")
 V, C = 64, 32
 TREE = preset("cpu")
-DYNAMIC = DynamicTree(5, Tree.from_choices(TREE.choices + ((3,), (1, 1))), TREE)
 SAMPLINGS = {
     "greedy": Sampling(),
     "typical": Sampling(acceptance="typical", temperature=0.8),
     "rejection": Sampling(temperature=0.8),  # candidates drawn from the heads' q
-    "rejection-topk": Sampling(temperature=0.8, draft="topk"),
+    "rejection-topk": Sampling(temperature=0.8, draft="topk"),  # decided on the device, as greedy is
 }
-PROPOSERS = ["medusa", "hydra", "dynamic-medusa", "dynamic-hydra"]
+PROPOSERS = ["medusa", "hydra"]
 GEN = torch.Generator().manual_seed(0)  # stands for the meta device's generator (see the module docstring)
 
 
@@ -80,13 +78,8 @@ def meta_heads(kind: str, dtype: torch.dtype = torch.float32):
     return make_heads(HeadsConfig(num_heads=4, n_embd=C, vocab_size=V, kind="hydra")).eval().to(META, dtype)
 
 
-def heads_and_tree(kind: str):
-    """The heads (on the meta device) and the tree that `kind` names: "medusa", "hydra", "dynamic-medusa", ..."""
-    return meta_heads(kind.removeprefix("dynamic-")), DYNAMIC if kind.startswith("dynamic") else TREE
-
-
 def meta_proposer(model, kind: str):
-    return make_proposer(model, *heads_and_tree(kind))
+    return make_proposer(model, meta_heads(kind), TREE)
 
 
 def prefilled(model, *, dtype: torch.dtype = torch.float32):
@@ -109,7 +102,8 @@ def test_a_prefill_of_rows_of_different_lengths_and_a_plain_step_stay_on_the_dev
     with meta_rules():
         cache, logits, hidden = prefilled(model, dtype=dtype)
         k_before = [t for t in cache.k]
-        step_logits, step_hidden = model(logits.argmax(-1)[:, None], cache=cache)  # the plain step, T = 1
+        with torch.no_grad():  # as decoding runs it
+            step_logits, step_hidden = model(logits.argmax(-1)[:, None], cache=cache)  # the plain step, T = 1
     assert (logits.shape, hidden.shape, step_logits.shape) == ((2, V), (2, C), (2, 1, V))
     assert all_on_meta(logits, hidden, step_logits, step_hidden, cache.k, cache.v, cache._lengths)
     assert all(a is b for a, b in zip(cache.k, k_before))  # written in place
@@ -136,14 +130,12 @@ def test_every_proposer_fills_its_tree_on_the_device(kind, rule):
     with meta_rules():
         _, logits, hidden = prefilled(model)
         proposal = proposer.propose(logits.argmax(-1), hidden, max_depth=4, sampling=SAMPLINGS[rule], generator=GEN)
-    chosen_per_step = kind.startswith("dynamic") and rule != "rejection"  # sampled drafts keep a fixed tree
-    assert proposal.tokens.shape == (2, DYNAMIC.num_nodes if chosen_per_step else TREE.num_nodes)
+    assert proposal.tokens.shape == (2, TREE.num_nodes) and proposal.tree == TREE
     assert (proposal.draft is not None) == (rule == "rejection")
-    assert all_on_meta(proposal.tokens, vars(proposal.tree), proposal.confidence,
-                       proposal.draft and (proposal.draft.log_q, proposal.draft.samples))
+    assert all_on_meta(proposal.tokens, proposal.draft and (proposal.draft.log_q, proposal.draft.samples))
 
 
-@pytest.mark.parametrize("rule", ["greedy", "typical"])
+@pytest.mark.parametrize("rule", ["greedy", "typical", "rejection-topk"])
 def test_verify_usable_nodes_the_vectorised_rules_and_keep_path_stay_on_the_device(rule):
     model = meta_model()
     proposer = meta_proposer(model, "medusa")
@@ -161,18 +153,18 @@ def test_verify_usable_nodes_the_vectorised_rules_and_keep_path_stay_on_the_devi
     assert all_on_meta(tree_logits, tree_hidden, usable, tuple(accepted), cache.k, cache._lengths)
 
 
-@pytest.mark.parametrize("rule", ["rejection", "rejection-topk"])
-def test_rejection_sampling_reads_the_host_first_where_its_walk_begins(rule):
+def test_rejection_sampling_of_drawn_candidates_reads_the_host_first_where_its_walk_begins():
     model = meta_model()
     proposer = meta_proposer(model, "medusa")
 
     def accept():
         cache, logits, hidden = prefilled(model)
-        proposal = proposer.propose(logits.argmax(-1), hidden, max_depth=4, sampling=SAMPLINGS[rule], generator=GEN)
+        proposal = proposer.propose(logits.argmax(-1), hidden, max_depth=4, sampling=SAMPLINGS["rejection"],
+                                    generator=GEN)
         tree_logits, _ = verify(model, cache, proposal.tree, proposal.tokens)
-        accept_paths(proposal, tree_logits, sampling=SAMPLINGS[rule], generator=GEN)
+        accept_paths(proposal, tree_logits, sampling=SAMPLINGS["rejection"], generator=GEN)
 
-    assert first_host_read(accept) == "acceptance.rejection_accept_rows"
+    assert first_host_read(accept) == "acceptance.rejection_accept_drawn"
 
 
 @pytest.mark.parametrize("rule", SAMPLINGS)
@@ -186,7 +178,7 @@ def test_a_step_reads_the_host_only_at_its_end_or_for_the_rejection_walk(kind, r
         medusa_step(model, cache, proposer, logits.argmax(-1), hidden, sampling=SAMPLINGS[rule], generator=GEN,
                     stop_at=stop_at, max_depth=4)
 
-    want = "acceptance.rejection_accept_rows" if rule.startswith("rejection") else "step.medusa_step"
+    want = "acceptance.rejection_accept_drawn" if rule == "rejection" else "step.medusa_step"
     assert first_host_read(lambda: step(torch.tensor([20, 64], device=META))) == want
     assert first_host_read(lambda: step(None)) == want  # the default: the context
 
@@ -207,17 +199,17 @@ def test_decoding_reads_the_host_first_for_the_prefills_token():
 @pytest.mark.parametrize("kind", PROPOSERS)
 def test_whole_generations_run_on_the_device_when_each_host_read_is_answered(kind, rule):
     """Past the first read too: every step, the rejection walk's device draws, a row that stops at the
-    context while the other goes on. Greedy and typical decoding read the host once after the prefill
-    and once per step."""
-    heads, tree = heads_and_tree(kind)
+    context while the other goes on. Greedy, typical and top-k rejection decoding read the host once after
+    the prefill and once per step."""
     with meta_rules(answer_reads=True) as rules:
-        results = medusa_generate_batch(meta_model(), heads, [[1] * 60, [4, 5, 6]], tree=tree, max_new_tokens=6,
+        results = medusa_generate_batch(meta_model(), meta_heads(kind), [[1] * 60, [4, 5, 6]], tree=TREE,
+                                        max_new_tokens=6,
                                         sampling=SAMPLINGS[rule], generator=GEN)
     # Made-up reads accept no candidate (a count of 0): each step emits its bonus alone; row 0 meets the
     # context (64 tokens) first.
     assert [(len(tokens), stats.steps, stats.stop_reason) for tokens, stats in results] == [
         (4, 3, "context"), (6, 5, "max_new_tokens")]
-    if not rule.startswith("rejection"):
+    if rule != "rejection":
         assert rules.reads == 1 + 5
 
 
@@ -281,13 +273,17 @@ def causal_mask_on_the_host(T, *, device="cpu"):
     return torch.ones(T, T, dtype=torch.bool).tril()  # device= forgotten
 
 
-def on_paths_with_a_host_index(x, paths):
-    B, P, D1 = paths.shape
-    return x.gather(1, torch.zeros(B, P * D1, dtype=torch.long)).view(B, P, D1)  # device= forgotten
+WHOLE_PATH_PASSES = acceptance.whole_path_passes
+
+
+def whole_path_passes_with_a_host_index(tree, passes):
+    B, N = passes.shape
+    return WHOLE_PATH_PASSES(tree, passes.gather(1, torch.arange(N).expand(B, N)))  # device= forgotten
 
 
 @pytest.mark.parametrize("module, name, misplaced", [
-    (model_module, "causal_mask", causal_mask_on_the_host), (acceptance, "on_paths", on_paths_with_a_host_index),
+    (model_module, "causal_mask", causal_mask_on_the_host),
+    (acceptance, "whole_path_passes", whole_path_passes_with_a_host_index),
 ], ids=["a mask on the host (meta's own check)", "a gather index on the host (CudaRules)"])
 def test_a_tensor_left_on_the_host_in_the_engine_fails_the_device_run(monkeypatch, module, name, misplaced):
     model = meta_model()

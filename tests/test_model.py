@@ -102,8 +102,14 @@ def test_rows_of_one_batch_keep_their_own_lengths_and_positions(model):
 
 def test_overfilling_the_cache_is_a_clear_error(model):
     cache = KVCache(model.config, max_len=4)
-    with pytest.raises(ValueError, match="KV cache full"):
+    with pytest.raises(ValueError, match="KV cache full"), torch.no_grad():
         model(torch.tensor([[1, 2, 3, 4, 5]]), cache=cache)
+
+
+def test_a_forward_with_a_cache_outside_no_grad_is_a_clear_error(model):
+    """A cache stores values for decoding; writing a graph into it would keep every step's graph alive."""
+    with pytest.raises(RuntimeError, match="torch.no_grad"):
+        model(torch.tensor([[1, 2]]), cache=KVCache(model.config))
 
 
 @torch.no_grad()
@@ -168,10 +174,31 @@ def test_a_decode_step_is_one_captured_graph_with_eager_logits_at_every_length(k
     assert len(graphs) == 1
 
 
-def test_each_layers_keys_and_values_are_tensors_of_their_own():
+def test_a_separate_cache_gives_each_layers_keys_and_values_tensors_of_their_own():
     """A compiled step writes into cache tensors in place only when they are not slices of a larger
-    one (a write into a slice makes the compiler copy the whole base tensor every step)."""
-    cache = KVCache(GPTConfig(vocab_size=64, block_size=32, n_layer=3, n_head=2, n_embd=16), max_len=32)
+    one (a write into a slice makes the compiler copy the whole base tensor every step); eager, one
+    tensor holds them all, so keeping the accepted path is one copy."""
+    config = GPTConfig(vocab_size=64, block_size=32, n_layer=3, n_head=2, n_embd=16)
+    cache = KVCache(config, max_len=32, separate=True)
     tensors = cache.k + cache.v
-    assert len(tensors) == 6 and all(t._base is None and t.shape == (1, 2, 32, 8) for t in tensors)
+    assert cache.kv is None and len(tensors) == 6 and all(t._base is None and t.shape == (1, 2, 32, 8) for t in tensors)
     assert len({t.untyped_storage().data_ptr() for t in tensors}) == 6
+    fused = KVCache(config, max_len=32)
+    assert fused.kv.shape == (6, 1, 2, 32, 8) and all(t._base is fused.kv for t in fused.k + fused.v)
+
+
+def test_keeping_a_path_moves_the_same_slots_in_a_fused_and_a_separate_cache():
+    config = GPTConfig(vocab_size=64, block_size=32, n_layer=2, n_head=2, n_embd=16)
+    caches = [KVCache(config, batch_size=2, max_len=32, separate=s) for s in (False, True)]
+    for cache in caches:
+        for i, t in enumerate(cache.k + cache.v):
+            t.copy_(torch.arange(t.numel(), dtype=t.dtype).view(t.shape) * (i + 1))
+        compact_kv_cache(cache, torch.tensor([[5, 7, 9], [4, 4, 6]]), start=torch.tensor([5, 3]),
+                         count=torch.tensor([2, 1]))
+    for a, b in zip(caches[0].k + caches[0].v, caches[1].k + caches[1].v):
+        assert torch.equal(a, b)
+    assert caches[0].lengths.tolist() == caches[1].lengths.tolist() == [7, 4]
+    t = caches[0].v[1]  # the last of the 4 tensors: values of layer 1, filled with arange x 4
+    before = torch.arange(t.numel(), dtype=t.dtype).view(t.shape) * 4
+    assert torch.equal(t[0, :, 5:8], before[0, :, [5, 7, 9]])  # row 0: slots 5, 7, 9 now at 5, 6, 7
+    assert torch.equal(t[1, :, 3:6], before[1, :, [4, 4, 6]])  # row 1: from slot 3 on

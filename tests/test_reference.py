@@ -1,18 +1,21 @@
-"""The reference (reference.py), the spec a learner reads first: tree attention, candidates, the three
-acceptance rules as node-by-node walks on hand-written logits, and whole decoding runs on tiny models.
+"""The reference (reference.py), the spec a learner reads first: it stands alone (no import of the
+engine, none by it), tree attention, candidates, the three acceptance rules as node-by-node walks on hand-written logits, and whole decoding runs on tiny models.
 
 The rules' claims (paper §2.3) are tested as claims: greedy writes plain greedy's tokens, rejection
 sampling emits exactly the backbone's probabilities, typical acceptance does not (a documented trade).
 """
 
+import ast
 import math
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
 from conftest import ContinuationHeads, random_heads, tiny_model
 from distributions import empirical, exact_sequence_probs, expected_tv, total_variation
 
+import medusa_mini
 from medusa_mini import reference as ref
 from medusa_mini.decoding import generate
 from medusa_mini.sampling import Sampling
@@ -35,6 +38,48 @@ def logits_from(probs_rows):
 
 def onehot_logits(argmaxes):
     return torch.stack([torch.nn.functional.one_hot(torch.tensor(a), V).float() * 5 for a in argmaxes])
+
+
+# ---- standing alone ---------------------------------------------------------------------------------
+
+PACKAGE = Path(medusa_mini.__file__).parent
+
+
+def runtime_imports(path: Path) -> set[str]:
+    """The modules a file imports when it runs (relative ones as ".name"), leaving out the names
+    imported under `if TYPE_CHECKING:`, which exist for type hints only."""
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            return
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):  # `from .m import x` imports .m; `from . import m`, .m
+            dots = "." * node.level
+            found.update([dots + node.module] if node.module else [dots + alias.name for alias in node.names])
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(ast.parse(path.read_text()))
+    return found
+
+
+def test_the_reference_imports_nothing_of_the_engine():
+    """It runs on torch and the shared draws of sampling.py alone; model, heads and tree are type
+    names only (its `forward` reads the model's weights itself)."""
+    outside = {"__future__", "math", "typing", "dataclasses", "torch", "torch.nn.functional"}
+    assert runtime_imports(PACKAGE / "reference.py") <= outside | {".sampling"}
+    assert runtime_imports(PACKAGE / "sampling.py") <= outside
+
+
+def test_no_engine_module_imports_the_reference():
+    """The engine (the core modules beside it) makes the reference's decisions by its own code: tests,
+    not imports, tie the two. (The package re-exports it, and the command line may show its walks.)"""
+    engine = [p for p in PACKAGE.glob("*.py") if p.name not in ("reference.py", "__init__.py")]
+    assert {"acceptance.py", "proposal.py", "step.py", "decoding.py", "tree.py"} <= {p.name for p in engine}
+    for path in engine:
+        assert not {m for m in runtime_imports(path) if m.endswith("reference")}, path
 
 
 # ---- the tree ---------------------------------------------------------------------------------------

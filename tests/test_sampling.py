@@ -6,7 +6,7 @@ from collections import Counter
 import pytest
 import torch
 
-from medusa_mini.sampling import Sampling, sample, sampling_probs
+from medusa_mini.sampling import Sampling, sample, sampling_probs, typical_threshold
 
 
 def test_top_p_keeps_the_smallest_set_reaching_p():
@@ -14,6 +14,26 @@ def test_top_p_keeps_the_smallest_set_reaching_p():
     torch.testing.assert_close(probs, torch.tensor([0.0, 0.5 / 0.75, 0.25 / 0.75, 0.0]))
     full = sampling_probs(torch.log(torch.tensor([0.1, 0.5, 0.25, 0.15])), temperature=1.0)
     torch.testing.assert_close(full, torch.tensor([0.1, 0.5, 0.25, 0.15]))
+
+
+def test_a_tie_at_the_top_p_cut_keeps_the_lower_token_ids_in_every_row_of_a_batch():
+    """Five tokens of 0.2: top-p 0.5 keeps three; which three must not depend on the sort's whims, the
+    row's place in a batch or the device: the lowest ids among the tied."""
+    row = torch.log(torch.tensor([0.2, 0.2, 0.2, 0.2, 0.2]))
+    alone = sampling_probs(row, temperature=1.0, top_p=0.5)
+    assert alone.tolist() == pytest.approx([1 / 3, 1 / 3, 1 / 3, 0.0, 0.0])
+    other = torch.log(torch.tensor([0.1, 0.2, 0.3, 0.2, 0.2]))  # 0.3, then two of the three tied 0.2s
+    probs = sampling_probs(torch.stack([torch.randn(5), row, other, row]), temperature=1.0, top_p=0.5)  # [4, 5]
+    assert torch.equal(probs[1], alone) and torch.equal(probs[3], alone)
+    assert probs[2].tolist() == pytest.approx([0.0, 0.2 / 0.5, 0.3 / 0.5, 0.0, 0.0])
+
+
+def test_the_typical_bar_is_min_epsilon_delta_exp_minus_entropy():
+    p = torch.tensor([[0.25] * 4, [0.97, 0.01, 0.01, 0.01]])
+    bar = typical_threshold(p, epsilon=0.09, delta=0.3)
+    peaked_entropy = -(0.97 * math.log(0.97) + 3 * 0.01 * math.log(0.01))
+    assert bar.tolist() == pytest.approx([0.3 * 0.25, min(0.09, 0.3 * math.exp(-peaked_entropy))])
+    assert bar[1] == pytest.approx(0.09)  # a peaked p: epsilon caps the bar
 
 
 def test_a_draw_follows_the_probabilities_and_never_picks_a_zero_one():

@@ -10,9 +10,9 @@ from medusa_mini import reference as ref
 from medusa_mini.acceptance import Accepted
 from medusa_mini.decoding import prefill
 from medusa_mini.model import KVCache
-from medusa_mini.proposal import MedusaProposer, StepTree
+from medusa_mini.proposal import MedusaProposer
 from medusa_mini.sampling import Sampling
-from medusa_mini.step import keep_path, medusa_step, verify
+from medusa_mini.step import keep_path, medusa_step, usable_nodes, verify
 from medusa_mini.tree import Tree, preset
 
 #   0 root ─┬─ 1 (0,) ─┬─ 3 (0,0) ── 5 (0,0,0)
@@ -48,13 +48,46 @@ def test_only_rejection_sampling_with_sampled_drafts_draws_its_candidates_and_dr
         assert got.tokens[0].tolist() == want
 
 
+def test_near_the_end_the_proposal_holds_the_shallow_part_of_the_tree_and_asks_only_its_heads():
+    model, heads = tiny_model(0), random_heads(tiny_model(0), num_heads=3)
+    asked = []
+
+    def counting(hidden, lm_head, *, num=None):
+        asked.append(num)
+        return heads(hidden, lm_head, num=num)
+
+    counting.config = heads.config
+    proposer = MedusaProposer(model, counting, TREE)
+    hidden = torch.randn(1, 32, generator=torch.Generator().manual_seed(0))
+    for depth, want in ((3, TREE), (5, TREE), (1, TREE.truncated(1))):
+        proposal = proposer.propose(torch.tensor([7]), hidden, max_depth=depth, sampling=Sampling(), generator=None)
+        assert proposal.tree == want and proposal.tokens.shape == (1, want.num_nodes)
+    root_only = proposer.propose(torch.tensor([7]), hidden, max_depth=0, sampling=Sampling(), generator=None)
+    assert root_only.tokens.tolist() == [[7]] and root_only.tree.num_nodes == 1
+    assert asked == [3, 3, 1]  # the root alone needs no head
+
+
+def test_a_tree_deeper_than_the_heads_is_refused_when_the_proposer_is_made():
+    model = tiny_model(0)
+    with pytest.raises(ValueError, match="depth 3 but the model has 2 Medusa heads"):
+        MedusaProposer(model, random_heads(model, num_heads=2), TREE)
+
+
+def test_usable_nodes_are_those_whose_tokens_fit_before_each_rows_stop():
+    """A node at depth d emits d + 1 tokens after the root; a row whose cache holds `start` tokens stops
+    at `stop_at`, so it may use depths up to stop_at - 2 - start. A finished row uses none."""
+    usable = usable_nodes(TREE, torch.tensor([10, 10, 10, 10]), torch.tensor([20, 13, 12, 11]))
+    depths = TREE.depth_list  # [0, 1, 1, 2, 2, 3]
+    assert usable.tolist() == [[True] * 6, [d <= 1 for d in depths], [d == 0 for d in depths], [False] * 6]
+
+
 def test_verify_scores_every_node_as_if_its_path_were_the_only_continuation_in_every_row():
     model = tiny_model(3)
     prompts = [[5, 9, 2, 11], [1, 2]]  # rows of different lengths
     cache = KVCache(model.config, batch_size=2, max_len=32)
     prefill(model, torch.tensor([prompts[0], prompts[1] + [0, 0]]), cache, lengths=[4, 2])
     tokens = torch.tensor([[4, 8, 15, 16, 23, 42], [3, 1, 4, 1, 5, 9]])  # [B, N]
-    logits, _ = verify(model, cache, StepTree.of(TREE, 2, "cpu"), tokens)  # [B, N, V]
+    logits, _ = verify(model, cache, TREE, tokens)  # [B, N, V]
     for b, prompt in enumerate(prompts):
         for node in range(TREE.num_nodes):
             path, j = [], node
@@ -72,7 +105,7 @@ def test_keep_path_leaves_each_rows_cache_as_if_only_its_accepted_path_had_been_
     cache = KVCache(model.config, batch_size=2, max_len=32)
     prefill(model, torch.tensor([prompts[0], prompts[1] + [0]]), cache, lengths=[3, 2])
     start = cache.lengths
-    verify(model, cache, StepTree.of(TREE, 2, "cpu"), tokens)
+    verify(model, cache, TREE, tokens)
     # Row 0 accepted root -> 1 -> 4, row 1 root -> 2; a static-shape path repeats its last node.
     keep_path(cache, Accepted(nodes=torch.tensor([[0, 1, 4, 4], [0, 2, 2, 2]]), count=torch.tensor([2, 1]),
                               bonus=torch.tensor([0, 0])), start=start)
@@ -118,9 +151,12 @@ def test_every_rule_at_temperature_zero_is_greedy(rule):
 
 
 @torch.no_grad()
+# Compiling verify itself, dynamo traces through Tree.tensors' lru_cache (the tree's tensors become
+# constants of the graph) and says so; decode.py compiles only the model's forward, called after it.
+@pytest.mark.filterwarnings("ignore:Dynamo detected a call to a `functools.lru_cache`")
 def test_verify_is_captured_whole_by_torch_compile_and_gives_the_eager_logits():
-    """The tree's tensors are built once outside the step (`StepTree.of`), so the captured verify has
-    no graph break, and one graph serves every prefix length."""
+    """The tree's tensors are built once per tree and device (`Tree.tensors`), so the captured verify
+    has no graph break, and one graph serves every prefix length."""
     model = tiny_model(6)
     graphs = []
 
@@ -131,7 +167,7 @@ def test_verify_is_captured_whole_by_torch_compile_and_gives_the_eager_logits():
     torch.compiler.reset()
     compiled = torch.compile(verify, fullgraph=True, backend=backend)
     tokens = torch.tensor([[4, 8, 15, 16, 23, 42]])
-    tree = StepTree.of(TREE, 1, "cpu")
+    tree = TREE
     for prompt in ([1, 2, 3], [5, 9, 2, 11, 7]):
         eager_cache, graph_cache = KVCache(model.config, max_len=32), KVCache(model.config, max_len=32)
         for cache in (eager_cache, graph_cache):

@@ -68,12 +68,24 @@ def test_strided_head_positions_use_the_matching_targets():
         torch.testing.assert_close(strided[k], want)
 
 
-def test_schedules():
-    assert head_weights(3, decay=0.8) == [0.8, 0.8**2, 0.8**3]
-    assert lambda_schedule(0, 100, lambda0=0.2) < lambda_schedule(20, 100, lambda0=0.2) < 0.2
-    assert lambda_schedule(99, 100, lambda0=0.2) == 0.2
-    lrs = [cosine_lr(s, 100, lr=1.0) for s in range(100)]
-    assert lrs[0] < lrs[4] == max(lrs) and lrs[-1] < 0.2
+def test_head_k_is_weighted_by_decay_to_the_k():
+    assert head_weights(3, decay=0.8) == pytest.approx([0.8, 0.64, 0.512])
+    assert head_weights(4, decay=1.0) == [1.0, 1.0, 1.0, 1.0]  # official Medusa-1: the plain sum
+
+
+def test_medusa_2_heads_weight_ramps_linearly_to_lambda0_over_the_first_30_percent():
+    # 100 steps, ramp 0.3: 30 ramp steps; step s weighs 0.2 * (s + 1) / 30, then 0.2
+    got = [lambda_schedule(s, 100, lambda0=0.2) for s in (0, 14, 28, 29, 30, 99)]
+    assert got == pytest.approx([0.2 / 30, 0.1, 0.2 * 29 / 30, 0.2, 0.2, 0.2])
+    assert lambda_schedule(1, 10, lambda0=0.5, ramp=0.5) == pytest.approx(0.5 * 2 / 5)
+    assert lambda_schedule(0, 2, lambda0=0.5) == 0.5  # fewer steps than one ramp step: no ramp
+
+
+def test_learning_rate_warms_up_linearly_then_decays_along_a_cosine_to_a_tenth():
+    # 105 steps, warm-up 5% = 5 steps: lr * (s + 1) / 5; then 0.1 + 0.9 * (1 + cos(pi * (s - 5) / 100)) / 2
+    got = [cosine_lr(s, 105, lr=2.0) for s in (0, 2, 4, 5, 30, 55, 80, 104, 105, 500)]
+    want = [0.4, 1.2, 2.0, 2.0, 2 * 0.8681980515, 2 * 0.55, 2 * 0.2318019485, 2 * 0.1002220478, 0.2, 0.2]
+    assert got == pytest.approx(want, abs=1e-7)
 
 
 def _tied_model(seed=0):

@@ -1,5 +1,6 @@
-"""Trees from choices (paper §2.1.2, Fig. 2): structure, the ancestor mask, validation, presets, and the
-tree grown from measured acceptance (`build_tree`)."""
+"""Trees from choices (paper §2.1.2, Fig. 2): structure, the ancestor mask (held equal to the
+reference's), each node's path, validation, presets, and the tree grown from measured acceptance
+(`build_tree`)."""
 
 import itertools
 import math
@@ -7,6 +8,7 @@ import math
 import pytest
 import torch
 
+from medusa_mini import reference as ref
 from medusa_mini.tree import (
     CPU_CHOICES,
     GPU_CHOICES,
@@ -61,11 +63,45 @@ def test_each_node_is_filled_by_the_head_of_its_depth_with_the_rank_of_its_last_
     assert Tree.from_choices(HAND).top_k() == [2, 2, 1]
 
 
-def test_paths_of_different_lengths_carry_an_explicit_validity_mask():
-    idx, valid = Tree.from_choices(HAND).paths()
-    rows = sorted(tuple(i for i, v in zip(r, m) if v) for r, m in zip(idx.tolist(), valid.tolist()))
-    assert rows == [(0, 1, 3, 5), (0, 1, 4), (0, 2)]
-    assert valid.sum().item() == 4 + 3 + 2  # the rest is padding that must never be read
+def test_each_node_path_runs_from_the_root_to_the_node_then_repeats_the_node():
+    rows = Tree.from_choices(HAND).node_paths().tolist()
+    assert rows == [[0, 0, 0, 0], [0, 1, 1, 1], [0, 2, 2, 2], [0, 1, 3, 3], [0, 1, 4, 4], [0, 1, 3, 5]]
+
+
+def random_tree(seed: int, size: int) -> Tree:
+    """A random valid tree: each new node is the next rank below a random node (its first child, or
+    the sibling after its last child), up to depth 5."""
+    gen = torch.Generator().manual_seed(seed)
+    choices: list[tuple[int, ...]] = []
+    for _ in range(size):
+        parent = ([()] + choices)[int(torch.randint(len(choices) + 1, (), generator=gen))]
+        if len(parent) < 5:
+            choices.append(parent + (sum(len(c) == len(parent) + 1 and c[:-1] == parent for c in choices),))
+    return Tree.from_choices(choices)
+
+
+def test_the_ancestor_mask_equals_the_references_walk_up_the_parents_on_random_trees():
+    """Two independent constructions of the tree attention mask: matrix powers of the parent relation
+    (tree.py) and a walk from every node up to the root (reference.py)."""
+    depths = set()
+    for seed in range(100):
+        tree = random_tree(seed, size=seed % 30)
+        assert torch.equal(tree.ancestor_mask(), ref.tree_attention_mask(tree.parents)), tree.choices
+        depths.add(tree.depth)
+    assert depths == {0, 1, 2, 3, 4, 5}  # the root alone, chains and bushes of every depth
+
+
+def test_the_tree_tensors_are_built_once_per_tree_and_device():
+    first = Tree.from_choices(HAND).tensors("cpu")
+    assert Tree.from_choices(list(reversed(HAND))).tensors("cpu") is first  # equal trees share them
+    assert chain(3).tensors("cpu") is not first
+    assert first.parents.tolist() == [-1, 0, 0, 1, 1, 3] and first.depths.tolist() == [0, 1, 1, 2, 2, 3]
+    assert torch.equal(first.node_paths, Tree.from_choices(HAND).node_paths())
+
+
+def test_earlier_siblings_are_the_siblings_tried_first():
+    got = Tree.from_choices(HAND).earlier_siblings()
+    assert got.nonzero().tolist() == [[2, 1], [4, 3]]  # 2 after its sibling 1, 4 after 3
 
 
 @pytest.mark.parametrize(
@@ -107,10 +143,12 @@ def test_presets_are_valid_and_sized_for_their_device():
         preset("huge")
 
 
-def test_truncation_keeps_the_shallow_part_of_the_tree():
-    tree = Tree.from_choices(HAND).truncated(1)
-    assert tree.choices == ((0,), (1,))
-    assert Tree.from_choices(HAND).truncated(0).num_nodes == 1
+def test_truncation_keeps_the_shallow_part_of_the_tree_and_a_shallow_enough_tree_whole():
+    tree = Tree.from_choices(HAND)
+    assert tree.truncated(1).choices == ((0,), (1,))
+    assert tree.truncated(0).num_nodes == 1
+    assert tree.truncated(3) is tree and tree.truncated(9) is tree
+    assert tree.truncated(2).choices == ((0,), (1,), (0, 0), (0, 1))
 
 
 def test_drawings_show_every_node_and_every_mask_entry():

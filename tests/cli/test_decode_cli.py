@@ -14,7 +14,6 @@ import torch
 from conftest import PROMPTS, ROOT, save_tiny
 
 import decode  # noqa: E402
-from medusa_mini.cli.compare import format_compare
 from medusa_mini.io.tokenizer import load_tokenizer
 from medusa_mini.tune.acceptance_tables import save_accuracy
 

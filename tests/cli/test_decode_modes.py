@@ -7,8 +7,6 @@ import functools
 import json
 
 import pytest
-import torch
-from conftest import save_tiny
 
 import decode  # noqa: E402
 

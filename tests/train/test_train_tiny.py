@@ -14,10 +14,9 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 import train_tiny  # noqa: E402
 from medusa_mini.io.checkpoint import load_checkpoint  # noqa: E402
-from medusa_mini.tune.acceptance_tables import load_greedy_ranks  # noqa: E402
-from medusa_mini.tune.calibration import load_calibration  # noqa: E402
-from medusa_mini.tune.replay import replay_ceiling  # noqa: E402
-from medusa_mini.tune.trees import default_tree_name  # noqa: E402
+from medusa_mini.tree import build_tree, expected_tokens_per_step, preset  # noqa: E402
+from medusa_mini.tune.acceptance_tables import load_accuracy  # noqa: E402
+from medusa_mini.tune.trees import resolve_tree  # noqa: E402
 
 FAST = ["--preset", "smoke", "--max-bytes", "60000", "--vocab-size", "300", "--backbone-steps", "6",
         "--heads-steps", "4", "--distill-prompts", "8", "--distill-tokens", "12", "--eval-prompts", "2",
@@ -33,23 +32,21 @@ def test_a_run_writes_a_complete_checkpoint(tmp_path, capsys):
     out = tmp_path / "run"
     assert train_tiny.main(FAST + ["--out", str(out)]) == 0
     names = set(os.listdir(out))
-    assert {"config.json", "model.safetensors", "medusa_heads.safetensors", "medusa_config.json",
-            "tokenizer.tiktoken", "prompts.json", "heads_accuracy.json", "heads_calibration.json", "trees.json"} <= names
-    # dynamic trees read the heads' confidence through the greedy table, rejection sampling's through the sampled one
-    assert load_calibration(out) is not None and load_calibration(out, sampled=True) is not None
-    assert "train_state.pt" not in names  # a finished run leaves no resume state
+    assert names == {"config.json", "model.safetensors", "medusa_heads.safetensors", "medusa_config.json",
+                     "tokenizer.tiktoken", "tokenizer_config.json", "prompts.json", "heads_accuracy.json"}  # no resume state
     text = capsys.readouterr().out
     for stage in ("tokenizer", "backbone", "distill", "heads", "summary", "official Medusa-1"):
         assert stage in text
-    # what the stored continuations allow any tree of the heads' guesses, beside what the trees make
-    ceiling = replay_ceiling(load_greedy_ranks(out))
-    assert f"no tree of the top-10 guesses beats {ceiling:.2f}" in text
+    # the summary's expected tokens per step are the product rule on the stored accuracies
+    acc = load_accuracy(out)
+    assert acc.shape == (4, 10)
+    want = ", ".join(f"{b} nodes {build_tree(acc, b)[1]:.2f}" for b in (4, 8, 16, 32, 64))
+    assert f"{want}; cpu preset {expected_tokens_per_step(acc, preset('cpu')):.2f}" in text
     model, heads, cfg = load_checkpoint(out)
     assert heads.num_heads == 4 and cfg["medusa_mini"]["eot_id"] == model.config.vocab_size - 1
-    # the trees sized at the end of training are what decode.py uses by default on this device type
-    assert default_tree_name(torch.device("cpu"), str(out)) == "stored"
-    with open(out / "trees.json") as f:  # sized as decode.py runs by default, whatever training's TF32
-        assert set(json.load(f)) == {"cpu/float32/eager"}
+    # decode.py's default tree on a CPU: 8 nodes built from those accuracies
+    tree, name = resolve_tree(None, ckpt_dir=str(out), device="cpu", num_heads=4)
+    assert name == "8" and tree == build_tree(acc, 8)[0]
 
 
 def test_hydra_heads_train_and_then_train_alone_on_the_same_backbone(tmp_path, capsys):
@@ -67,8 +64,7 @@ def test_hydra_heads_train_and_then_train_alone_on_the_same_backbone(tmp_path, c
     assert isinstance(heads2, HydraHeads)
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), model2.state_dict().values()))
     capsys.readouterr()
-    assert decode.main(["--ckpt", str(again), "--compare", "--prompt", "def f(x):", "--max-new-tokens", "8",
-                        "--repeat", "1"]) == 0
+    assert decode.main(["--ckpt", str(again), "--compare", "--prompt", "def f(x):", "--max-new-tokens", "8"]) == 0
     text = capsys.readouterr().out
     assert "Medusa greedy" in text and "hydra heads" in text and " no\n" not in text
 
@@ -253,14 +249,12 @@ def test_a_draft_model_can_share_another_checkpoints_tokenizer(tmp_path, referen
 @pytest.mark.slow
 def test_smoke_preset_end_to_end_medusa_greedy_equals_plain_greedy(tmp_path, capsys):
     """The user's path in small: train the smoke preset, then decode.py --compare --json on it."""
-    import json
-
     import decode
 
     out = tmp_path / "smoke"
     assert train_tiny.main(["--preset", "smoke", "--out", str(out), "--log-every", "1000"]) == 0
     capsys.readouterr()
-    assert decode.main(["--ckpt", str(out), "--compare", "--json", "--max-new-tokens", "48", "--threads", "1"]) == 0
+    assert decode.main(["--ckpt", str(out), "--compare", "--json", "--max-new-tokens", "48"]) == 0
     result = json.loads(capsys.readouterr().out)
     rows = {row["key"]: row for row in result["rows"]}
     assert rows["plain_greedy"]["tokens"] == rows["medusa_greedy"]["tokens"]
