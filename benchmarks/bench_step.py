@@ -4,23 +4,17 @@
     python benchmarks/bench_step.py --configs tiny --threads 2 --json
     python benchmarks/bench_step.py --configs gpt2,gpt2-xl --dtypes float32,bfloat16 --compile   # a GPU
 
-Medusa wins only if a step that verifies N candidates costs little more than a plain step. With
-random weights (speed depends on shapes, not values) this prints, in milliseconds:
+Medusa wins only if a step that verifies N candidates costs little more than a plain step. On random
+weights (speed depends on shapes, not values) this prints, in ms: a plain step (a cached 1-token
+forward and its argmax); verify N, one tree-masked forward over N nodes (the root and the first N - 1
+choices of the 'gpu' preset, or `build_tree` past it); and per Medusa tree ('cpu': 11 candidates +
+root, 'gpu': 67 + root) each stage of a greedy `medusa_step` (heads, verify, acceptance, keep_path,
+the one host read) and the whole step, over a plain step and over its verify alone (target: 1.15x).
 
-- plain step: one cached 1-token forward and its argmax, as `generate` makes per token;
-- verify N: one tree-masked forward over N nodes (`step.verify`), N = 1 ... 64 (128 on CUDA), the
-  tree being the root and the first N - 1 choices of the 'gpu' preset (or `build_tree` past it);
-- per Medusa tree ('cpu': 11 candidates + root, 'gpu': 67 + root), the stages of one `medusa_step`
-  with greedy acceptance: heads (propose: the heads at one hidden state, the tree filled), verify,
-  acceptance, keep_path (the accepted K/V compacted), the host read (the step's one `.tolist()`),
-  and the whole `medusa_step`, with its ratio to the plain step and to its verify alone: what the
-  step adds around the one forward pass it cannot avoid (a target of the project: at most 1.15x).
-
-Each time is the median of --repeat runs after --warmup rounds, the steps taking turns so that a
-change in machine load touches all alike; CUDA events time a GPU, a wall clock a CPU. The KV cache is
-reset to the same prefix before every run. --compile measures each config again with the plain step
-and the verify compiled (CUDA graphs on CUDA); the first round, which compiles, is reported apart.
-Bad input ends in one line on stderr and exit status 2.
+Each time is the median of --repeat runs after --warmup rounds, the steps taking turns; CUDA events
+time a GPU, a wall clock a CPU; the KV cache is reset to the same prefix before every run. --compile
+measures each config again with the plain step and the verify compiled (CUDA graphs on CUDA), the
+first round, which compiles, reported apart. Bad input ends in one line on stderr and exit status 2.
 """
 
 from __future__ import annotations
@@ -39,7 +33,7 @@ if ROOT not in sys.path:  # run as a script from anywhere, without installing th
 
 import torch  # noqa: E402
 
-from benchmarks.clock import time_in_turns  # noqa: E402
+from benchmarks.clock import at_least_one, names_of, time_in_turns  # noqa: E402
 from medusa_mini.acceptance import Accepted, accept_paths  # noqa: E402
 from medusa_mini.cli.common import DTYPES, OneLineParser, pick_device, pick_dtype  # noqa: E402
 from medusa_mini.cli.compiled import compile_steps, step_cache  # noqa: E402
@@ -163,41 +157,34 @@ def bench_config(config: GPTConfig, *, device: torch.device, repeat: int, warmup
             "verify_ms": {n: ms[f"verify {n}"] for n in nodes}, "medusa": medusa}
 
 
+def table_rows(results: list[dict]) -> list[tuple[str, list[float]]]:
+    """One row per timing, (label, a number per result): ms, or x for a label ending in '(x)'."""
+    first = results[0]
+    rows = [("first round, s (compilation, if any)", [r["first_round_s"] for r in results]),
+            ("plain step (1 token + argmax)", [r["plain_ms"] for r in results])]
+    rows += [(f"verify, N = {n}", [r["verify_ms"][n] for r in results]) for n in first["verify_ms"]]
+    for tree, info in first["medusa"].items():
+        m = [r["medusa"][tree] for r in results]
+        rows += [(f"{tree} tree ({info['nodes']} nodes incl. root): {stage}", [x["stages_ms"][stage] for x in m])
+                 for stage in STAGES[:-1]]
+        rows += [(f"{tree} tree: whole medusa_step", [x["ms"] for x in m]),
+                 (f"{tree} tree: whole step / plain step (x)", [x["ratio"] for x in m]),
+                 (f"{tree} tree: whole step / verify alone (x)", [x["step_vs_verify"] for x in m])]
+    return rows
+
+
 def format_table(results: dict[str, dict], *, header: list[str]) -> str:
     """Configs as columns, one timing per row."""
     names, first = list(results), next(iter(results.values()))
-    rows: list[tuple[str, list[str]]] = [
-        ("layers / heads / width / vocabulary",
-         ["{n_layer} / {n_head} / {n_embd} / {vocab_size}".format(**r["config"]) for r in results.values()]),
-        ("first round, s (compilation, if any)", [f"{r['first_round_s']:.1f}" for r in results.values()])]
-
-    def row(label: str, get: Callable[[dict], float], unit: str = "") -> None:
-        rows.append((label, [f"{get(r):.2f}{unit}" for r in results.values()]))
-
-    row("plain step (1 token + argmax)", lambda r: r["plain_ms"])
-    for n in first["verify_ms"]:
-        row(f"verify, N = {n}", lambda r, n=n: r["verify_ms"][n])
-    for tree, info in first["medusa"].items():
-        rows.append((f"Medusa step, {tree} tree ({info['nodes']} nodes incl. root):", [""] * len(names)))
-        for stage in STAGES[:-1]:
-            row(f"  {stage}", lambda r, t=tree, s=stage: r["medusa"][t]["stages_ms"][s])
-        row("  whole medusa_step", lambda r, t=tree: r["medusa"][t]["ms"])
-        row("  whole step / plain step", lambda r, t=tree: r["medusa"][t]["ratio"], "x")
-        row("  whole step / verify alone", lambda r, t=tree: r["medusa"][t]["step_vs_verify"], "x")
-    width = max(len(label) for label, _ in rows) + 2
-    col = max(12, *(len(n) + 2 for n in names))
+    rows = [("layers / heads / width / vocabulary",
+             ["{n_layer} / {n_head} / {n_embd} / {vocab_size}".format(**r["config"]) for r in results.values()])]
+    rows += [(label, [f"{v:.2f}" for v in values]) for label, values in table_rows(list(results.values()))]
+    width, col = max(len(label) for label, _ in rows) + 2, max(12, *(len(n) + 2 for n in names))
     lines = [*header, "", " " * width + "".join(f"{n:>{col}}" for n in names)]
     lines += [f"{label:<{width}}" + "".join(f"{v:>{col}}" for v in vals) for label, vals in rows]
     lines.append(f"\nms, median of the repetitions after {first['warmup']} warm-up rounds, steps in turns; KV cache "
                  f"holding {first['prefix_len']} tokens before each step; random weights, greedy acceptance")
     return "\n".join(lines)
-
-
-def names_of(text: str, allowed, what: str) -> list[str]:
-    names = [n.strip() for n in text.split(",") if n.strip()]
-    if not names or not set(names) <= set(allowed):
-        raise ValueError(f"unknown {what} {text!r}: use {', '.join(allowed)}")
-    return names
 
 
 def parse_args(argv: list[str]):
@@ -216,16 +203,15 @@ def parse_args(argv: list[str]):
     p.add_argument("--json", action="store_true", help="print the numbers as JSON instead of a table")
     a = p.parse_args(argv)
     try:
-        a.config_names = names_of(a.configs, CONFIGS, "config")
-        if a.repeat < 1 or a.warmup < 1 or (a.threads is not None and a.threads < 1):
-            raise ValueError("--repeat, --warmup and --threads must be at least 1")
+        a.config_names = names_of("--configs", a.configs, CONFIGS)
+        at_least_one(a, "repeat", "warmup", "threads")
         for name in a.config_names:  # every config checked before the first is measured
             try:
                 check_prefix(CONFIGS[name], a.prefix)
             except ValueError as e:
                 raise ValueError(f"--prefix, config {name}: {e}") from None
         a.device = pick_device(a.device)
-        a.dtype_list = [pick_dtype(d, a.device) for d in names_of(a.dtypes, DTYPES, "dtype")]
+        a.dtype_list = [pick_dtype(d, a.device) for d in names_of("--dtypes", a.dtypes, DTYPES)]
         sizes = [n.strip() for n in a.nodes.split(",")] if a.nodes else None
         if sizes is not None and not all(s.isdigit() and 1 <= int(s) <= MAX_VERIFY_NODES for s in sizes):
             raise ValueError(f"--nodes {a.nodes!r}: give sizes from 1 to {MAX_VERIFY_NODES}, comma-separated")
@@ -254,10 +240,9 @@ def main(argv: list[str] | None = None) -> int:
     if a.json:
         print(json.dumps({**meta, "configs": results}, indent=2))
     else:
-        load_text = "unknown" if load is None else f"{load:.2f}"
         print(format_table(results, header=[
             f"torch {meta['torch']}, {meta['device']} ({device_name}), {meta['threads']} threads, load average "
-            f"{load_text} before the run", f"command: {meta['command']}"]))
+            f"{'unknown' if load is None else f'{load:.2f}'} before the run", f"command: {meta['command']}"]))
     return 0
 
 

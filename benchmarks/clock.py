@@ -1,4 +1,5 @@
-"""Wall clocks for decoding, kept out of the decoding loops: time around a call, in the caller.
+"""Wall clocks for decoding, kept out of the decoding loops (time around a call, in the caller), and the
+flag checks the benchmark scripts share.
 
 CUDA runs kernels asynchronously: a clock read before synchronizing measures only their launch, so
 every clock read here waits for the device first.
@@ -8,34 +9,19 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Callable, TypeVar
+from argparse import Namespace
+from typing import Callable, Iterable, TypeVar
 
 import torch
 
-R = TypeVar("R")
+from medusa_mini.cli.common import sync_device, timed
+
 G = TypeVar("G")  # a GenerationStats
 Key = TypeVar("Key")
 
 
-def sync_device(device: torch.device | str) -> None:
-    """Wait for `device` to finish its queued work; a no-op on the CPU."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def timed(device: torch.device | str, fn: Callable[[], R]) -> tuple[R, float]:
-    """(fn(), seconds it took on `device`), the device synchronized before both clock reads."""
-    sync_device(device)
-    t0 = time.perf_counter()
-    result = fn()
-    sync_device(device)
-    return result, time.perf_counter() - t0
-
-
 def timed_generation(device: torch.device | str, fn: Callable[[], tuple[list[int], G]]) -> tuple[list[int], G]:
-    """Run a generation `fn() -> (tokens, stats)` and store its wall time, prefill included, in
-    stats.seconds: the decoding loops keep no clock of their own."""
+    """Run a generation `fn() -> (tokens, stats)`; store its wall time, prefill included, in stats.seconds."""
     (tokens, stats), seconds = timed(device, fn)
     stats.seconds = seconds
     return tokens, stats
@@ -50,14 +36,11 @@ def time_in_turns(
     warmup: int,
     statistic: Callable[[list[float]], float] = statistics.median,
 ) -> tuple[dict[Key, float], float]:
-    """Each step's time in ms over its repetitions (their median, or `statistic` of them), and the
-    seconds the first round took (compilation, if any).
+    """Each step's time in ms (`statistic` of its repetitions), and the seconds the first round took.
 
-    The steps take turns, one call each per round, so a change in machine load during the run touches
-    every number alike instead of skewing whichever step happened to run then; `reset` runs untimed
-    before every call. On CUDA, events recorded around the call on `device`'s current stream time the
-    device's own work; elsewhere a wall clock does. The first `warmup` rounds are not counted: they pay
-    for allocator growth, kernel selection and, under torch.compile, compilation.
+    The steps take turns, one call each per round, so a change in machine load touches every number
+    alike; `reset` runs untimed before every call. CUDA events time a GPU's own work, a wall clock
+    anything else. The first `warmup` rounds (allocator growth, kernel selection, compilation) count not.
     """
     cuda = torch.device(device).type == "cuda"
     times: dict[Key, list[float]] = {name: [] for name in steps}
@@ -68,8 +51,8 @@ def time_in_turns(
             reset()
             sync_device(device)
             if cuda:
-                # An event is recorded on the current device's stream: make that `device`, or the events
-                # time an idle GPU (about 0 ms) while the model's kernels run on another.
+                # Events are recorded on the current device's stream: make that `device`, or they time an
+                # idle GPU (about 0 ms) while the model's kernels run on another.
                 with torch.cuda.device(device):
                     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                     start.record()
@@ -87,3 +70,19 @@ def time_in_turns(
             sync_device(device)
             first_round = time.perf_counter() - round_start
     return {name: statistic(t) for name, t in times.items()}, first_round
+
+
+def at_least_one(ns: Namespace, *flags: str) -> None:
+    """A one-line ValueError for the first of these flags (attribute names) set below 1; None passes."""
+    for flag in flags:
+        value = getattr(ns, flag)
+        if value is not None and value < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be at least 1, not {value}")
+
+
+def names_of(flag: str, text: str, allowed: Iterable[str]) -> list[str]:
+    """A comma-separated list of names from `allowed`; a one-line ValueError naming `flag` otherwise."""
+    names, allowed = [n.strip() for n in text.split(",") if n.strip()], list(allowed)
+    if not names or not set(names) <= set(allowed):
+        raise ValueError(f"{flag} {text!r}: unknown name; use {', '.join(allowed)}")
+    return names

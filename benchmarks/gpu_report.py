@@ -6,18 +6,15 @@
     python benchmarks/gpu_report.py --device cpu --quick --out cpu.md  # the same code, small, on a CPU
 
 Parts, each running the project's own commands (this interpreter, the repository as working folder):
-
-- step: what one step costs, stage by stage (`bench_step.py --json`), per GPT-2 shape and dtype, eager
-  and compiled on CUDA (random weights, no download);
-- train: `train_tiny.py --preset gpu` into --ckpt: seconds and peak memory per stage;
-- decode: `decode.py --compare --json --dtype bfloat16 --compile` on that checkpoint;
-- batch: `decode.py --compare --batch-size 1,2,4,8,16 --json`: tokens/s and speedup per batch size.
+step: `bench_step.py --json` per GPT-2 shape and dtype, eager and compiled on CUDA (random weights);
+train: `train_tiny.py --preset gpu` into --ckpt, seconds and peak memory per stage; decode:
+`decode.py --compare --json --dtype bfloat16 --compile` on it; batch: the same with --batch-size
+1,2,4,8,16, tokens/s and speedup per batch size.
 
 The report starts with the device, torch and CUDA; each part appends its section when it ends, so a
-stopped run keeps what it finished. Each command stops at --budget-s and the report says so, naming
-for the step part each shape and dtype left with the command that measures it. --quick (for a CPU)
-takes the smoke training preset, the tiny shape, few nodes and few prompts; --compile is used on CUDA
-only. Exit status: 0, 1 if a part failed (the report says why), 2 for bad flags (one line).
+stopped run keeps what it finished. A command stops at --budget-s and the report says so (and how to
+measure what the step part did not reach). --quick: the smoke preset, the tiny shape, few nodes and
+prompts. Exit status: 0, 1 if a part failed (the report says why), 2 for bad flags (one line).
 """
 
 from __future__ import annotations
@@ -43,7 +40,8 @@ if ROOT not in sys.path:  # run as a script from anywhere, without installing th
 
 import torch  # noqa: E402
 
-from benchmarks.bench_step import CONFIGS, STAGES  # noqa: E402
+from benchmarks.bench_step import CONFIGS, table_rows  # noqa: E402
+from benchmarks.clock import names_of  # noqa: E402
 from medusa_mini.cli.common import DTYPES, OneLineParser, pick_device  # noqa: E402
 
 PARTS = ("step", "train", "decode", "batch")
@@ -84,14 +82,8 @@ def run_script(argv: list[str], *, timeout_s: float, label: str, echo_stdout: bo
     # A session of its own: stopping it stops what it started too (compile workers holding its pipes).
     proc = subprocess.Popen([sys.executable, *argv], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
-    stopped: list[bool] = []
-
-    def stop() -> None:
-        stopped.append(True)
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:  # it ended just now
-            pass
+    out: list[str] = []
+    err: list[str] = []
 
     def pump(stream, keep: list[str], echo: bool) -> None:
         for line in stream:
@@ -99,16 +91,22 @@ def run_script(argv: list[str], *, timeout_s: float, label: str, echo_stdout: bo
             if echo:
                 print(f"  [{label}] {line}", end="", file=sys.stderr, flush=True)
 
-    timer = threading.Timer(max(timeout_s, 0.0), stop)
-    timer.start()
-    out, err = [], []
-    err_thread = threading.Thread(target=pump, args=(proc.stderr, err, True), daemon=True)
-    err_thread.start()
-    pump(proc.stdout, out, echo_stdout)
+    pumps = [threading.Thread(target=pump, args=args, daemon=True)
+             for args in ((proc.stdout, out, echo_stdout), (proc.stderr, err, True))]
+    for t in pumps:
+        t.start()
+    try:
+        returncode: int | None = proc.wait(timeout=max(timeout_s, 0.0))
+    except subprocess.TimeoutExpired:
+        returncode = None
+    try:  # what is left of its session, if anything
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
     proc.wait()
-    err_thread.join()
-    timer.cancel()
-    return ScriptRun(argv, None if stopped else proc.returncode, "".join(out), "".join(err), time.perf_counter() - t0)
+    for t in pumps:
+        t.join()
+    return ScriptRun(argv, returncode, "".join(out), "".join(err), time.perf_counter() - t0)
 
 
 # ---- markdown tables from the commands' output ---------------------------------------------------
@@ -137,18 +135,9 @@ def variant_name(result: dict) -> str:
 
 def step_table(config: str, variants: list[dict]) -> str:
     """One GPT shape from bench_step.py --json: a row per measurement, a column per dtype and eager/compiled."""
-    first = variants[0]
-    shape = "{n_layer} layers, {n_head} heads, width {n_embd}, vocabulary {vocab_size}".format(**first["config"])
-    rows: list[list] = [["first round, s (compilation, if any)", *(v["first_round_s"] for v in variants)],
-                        ["plain step (1 token + argmax)", *(v["plain_ms"] for v in variants)]]
-    rows += [[f"verify, N = {n}", *(v["verify_ms"][n] for v in variants)] for n in first["verify_ms"]]
-    for tree, info in first["medusa"].items():
-        rows += [[f"{tree} tree ({info['nodes']} nodes incl. root): {stage}",
-                  *(v["medusa"][tree]["stages_ms"][stage] for v in variants)] for stage in STAGES[:-1]]
-        rows.append([f"{tree} tree: whole Medusa step", *(v["medusa"][tree]["ms"] for v in variants)])
-        rows.append([f"{tree} tree: step / plain step (x)", *(v["medusa"][tree]["ratio"] for v in variants)])
-        rows.append([f"{tree} tree: step / verify alone (x)", *(v["medusa"][tree]["step_vs_verify"] for v in variants)])
-    return md_table([f"{config} ({shape})", *(variant_name(v) for v in variants)], rows)
+    shape = "{n_layer} layers, {n_head} heads, width {n_embd}, vocabulary {vocab_size}".format(**variants[0]["config"])
+    return md_table([f"{config} ({shape})", *(variant_name(v) for v in variants)],
+                    [[label, *values] for label, values in table_rows(variants)])
 
 
 def step_summary(by_config: dict[str, list[dict]]) -> str:
@@ -200,45 +189,22 @@ def decode_table(result: dict) -> str:
     return f"{table}\n\n{how} Tokens/step counts the bonus token; ms/token includes the prefill."
 
 
-def batch_table(result) -> str:
-    """decode.py --compare --batch-size ... --json; ValueError (one line) if a row lacks a needed field."""
-    rows = result.get("rows") if isinstance(result, dict) else None
-    if not isinstance(rows, list) or not rows:
+def batch_table(result: dict) -> str:
+    """decode.py --compare --batch-size ... --json; a row without a needed field is a KeyError."""
+    if not result.get("rows"):
         raise ValueError("decode.py --compare --batch-size --json gave no rows")
-    for row in rows:
-        if missing := [f for f in BATCH_FIELDS if f not in row]:
-            raise ValueError(f"a batch row lacks {', '.join(missing)}: it has {', '.join(sorted(row))}")
     return md_table(["method", "batch size", "tokens/s", "speedup (x)", "tokens/step"],
-                    [[r[f] for f in BATCH_FIELDS] for r in rows])
+                    [[r[f] for f in BATCH_FIELDS] for r in result["rows"]])
 
 
 # ---- the parts --------------------------------------------------------------------------------------
-
-
-@dataclass
-class Settings:
-    out: str
-    parts: list[str]
-    device: str
-    quick: bool
-    ckpt: str
-    configs: list[str]
-    dtypes: list[str]
-    budget_s: float
-    train_flags: list[str]
-    decode_flags: list[str]
-    append: bool
-
-    @property
-    def compile(self) -> list[str]:
-        return ["--compile"] if self.device.startswith("cuda") else []  # on a CPU: minutes, no gain
 
 
 def command_text(argv: list[str]) -> str:
     return "`" + shlex.join(["python", *argv]) + "`"
 
 
-def step_part(s: Settings) -> tuple[str, bool]:
+def step_part(s: argparse.Namespace) -> tuple[str, bool]:
     """bench_step.py once per shape and dtype; what the budget did not reach is named with its command."""
     deadline = time.monotonic() + s.budget_s
     by_config: dict[str, list[dict]] = {}
@@ -267,7 +233,7 @@ def step_part(s: Settings) -> tuple[str, bool]:
     return "\n".join(text), not notes
 
 
-def train_part(s: Settings) -> tuple[str, bool]:
+def train_part(s: argparse.Namespace) -> tuple[str, bool]:
     argv = ["train_tiny.py", "--preset", "smoke" if s.quick else "gpu", "--out", s.ckpt, "--device", s.device,
             *s.train_flags]
     run = run_script(argv, timeout_s=s.budget_s, label="train", echo_stdout=True)
@@ -281,21 +247,21 @@ def train_part(s: Settings) -> tuple[str, bool]:
     return "\n".join(text), bool(parsed["stages"])
 
 
-def decode_argv(s: Settings, *extra: str) -> list[str]:
+def decode_argv(s: argparse.Namespace, *extra: str) -> list[str]:
     return ["decode.py", "--ckpt", s.ckpt, "--compare", *extra, "--json", "--dtype", "bfloat16", "--device", s.device,
             *s.compile, *(QUICK_DECODE if s.quick else []), *s.decode_flags]
 
 
-def decode_part(s: Settings) -> tuple[str, bool]:
+def decode_part(s: argparse.Namespace) -> tuple[str, bool]:
     return table_part(s, decode_argv(s), title="## decode.py --compare", label="decode", tabulate=decode_table)
 
 
-def batch_part(s: Settings) -> tuple[str, bool]:
+def batch_part(s: argparse.Namespace) -> tuple[str, bool]:
     argv = decode_argv(s, "--batch-size", QUICK_BATCH_SIZES if s.quick else BATCH_SIZES)
     return table_part(s, argv, title="## Batch sizes", label="batch", tabulate=batch_table)
 
 
-def table_part(s: Settings, argv: list[str], *, title: str, label: str, tabulate) -> tuple[str, bool]:
+def table_part(s: argparse.Namespace, argv: list[str], *, title: str, label: str, tabulate) -> tuple[str, bool]:
     """Run a command that prints one JSON object and tabulate it; a failure is one line of the section."""
     run = run_script(argv, timeout_s=s.budget_s, label=label)
     head = [title, "", f"Command: {command_text(argv)}.", ""]
@@ -303,14 +269,15 @@ def table_part(s: Settings, argv: list[str], *, title: str, label: str, tabulate
         if not run.ok:
             raise ValueError(run.failure())
         return "\n".join([*head, tabulate(json.loads(run.stdout))]), True
-    except (ValueError, KeyError) as e:  # JSONDecodeError is a ValueError
-        return "\n".join([*head, f"Failed: {' '.join(str(e).split())}"]), False
+    except (ValueError, KeyError) as e:  # JSONDecodeError is a ValueError; KeyError: a field missing
+        why = f"a row lacks {e.args[0]}" if isinstance(e, KeyError) else " ".join(str(e).split())
+        return "\n".join([*head, f"Failed: {why}"]), False
 
 
 RUN_PART = {"step": step_part, "train": train_part, "decode": decode_part, "batch": batch_part}
 
 
-def header(s: Settings, argv: list[str]) -> str:
+def header(s: argparse.Namespace, argv: list[str]) -> str:
     device = torch.device(s.device)
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
@@ -329,7 +296,7 @@ def header(s: Settings, argv: list[str]) -> str:
     return f"# medusa_mini on {name.split(',')[0]}\n\n{md_table(['', ''], rows)}\n"
 
 
-def parse_args(argv: list[str]) -> Settings:
+def parse_args(argv: list[str]) -> argparse.Namespace:
     p = OneLineParser(prog="python benchmarks/gpu_report.py", description=__doc__,
                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, metavar="FILE.md", help="the markdown report")
@@ -346,29 +313,25 @@ def parse_args(argv: list[str]) -> Settings:
     p.add_argument("--train-flags", default="", metavar="'FLAGS'", help="more train_tiny.py flags, quoted")
     p.add_argument("--decode-flags", default="", metavar="'FLAGS'", help="more decode.py flags, quoted")
     a = p.parse_args(argv)
-    try:
-        device = str(pick_device(a.device))
-        flags = [shlex.split(a.train_flags), shlex.split(a.decode_flags)]  # ValueError: an unclosed quote
+    try:  # the flags' own names become the settings of the parts
+        a.device = str(pick_device(a.device))
+        a.train_flags, a.decode_flags = shlex.split(a.train_flags), shlex.split(a.decode_flags)  # unclosed quotes
+        a.budget_s = a.budget_s if a.budget_s is not None else (QUICK_BUDGET_S if a.quick else BUDGET_S)
+        if a.budget_s <= 0:
+            raise ValueError(f"--budget-s must be positive, not {a.budget_s:g}")
+        a.parts = [part for part in PARTS if part in (a.part or PARTS)]
+        if {"decode", "batch"} & set(a.parts) and "train" not in a.parts and not os.path.isfile(
+                os.path.join(a.ckpt, "config.json")):
+            raise ValueError(f"no checkpoint in {a.ckpt} for the decode and batch parts: run --part train first, "
+                             "or name one with --ckpt")
+        if not os.path.isdir(os.path.dirname(os.path.abspath(a.out))):
+            raise ValueError(f"--out {a.out}: its folder does not exist")
+        a.configs = names_of("--configs", a.configs or ("tiny" if a.quick else GPT2_SHAPES), CONFIGS)
+        a.dtypes = names_of("--dtypes", a.dtypes, DTYPES)
     except ValueError as e:
         p.error(str(e))
-    budget = a.budget_s if a.budget_s is not None else (QUICK_BUDGET_S if a.quick else BUDGET_S)
-    if budget <= 0:
-        p.error(f"--budget-s must be positive, not {a.budget_s:g}")
-    parts = [part for part in PARTS if part in (a.part or PARTS)]
-    if {"decode", "batch"} & set(parts) and "train" not in parts and not os.path.isfile(
-            os.path.join(a.ckpt, "config.json")):
-        p.error(f"no checkpoint in {a.ckpt} for the decode and batch parts: run --part train first, or name one "
-                "with --ckpt")
-    if not os.path.isdir(os.path.dirname(os.path.abspath(a.out))):
-        p.error(f"--out {a.out}: its folder does not exist")
-    configs = [c.strip() for c in (a.configs or ("tiny" if a.quick else GPT2_SHAPES)).split(",") if c.strip()]
-    if not configs or not set(configs) <= set(CONFIGS):
-        p.error(f"--configs {a.configs}: name shapes from {', '.join(CONFIGS)}")
-    dtypes = [d.strip() for d in a.dtypes.split(",") if d.strip()]
-    if not dtypes or not set(dtypes) <= set(DTYPES):
-        p.error(f"--dtypes {a.dtypes}: name dtypes from {', '.join(DTYPES)}")
-    return Settings(out=a.out, parts=parts, device=device, quick=a.quick, ckpt=a.ckpt, configs=configs, dtypes=dtypes,
-                    budget_s=budget, train_flags=flags[0], decode_flags=flags[1], append=a.append)
+    a.compile = ["--compile"] if a.device.startswith("cuda") else []  # on a CPU: minutes, no gain
+    return a
 
 
 def main(argv: list[str] | None = None) -> int:

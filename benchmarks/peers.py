@@ -35,7 +35,7 @@ if ROOT not in sys.path:  # run as a script from anywhere, without installing th
 
 import torch  # noqa: E402
 
-from benchmarks.clock import timed  # noqa: E402
+from benchmarks.clock import at_least_one, timed  # noqa: E402
 from medusa_mini.cli.common import OneLineParser, encode_prompt, pick_device  # noqa: E402
 from medusa_mini.decoding import generate, medusa_generate  # noqa: E402
 from medusa_mini.io.loading import load_for_decoding, load_prompts  # noqa: E402
@@ -83,10 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def check_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
-    for flag in ("num_prompts", "max_new_tokens", "lookup_tokens", "draft_tokens", "threads", "repeat"):
-        value = getattr(a, flag)
-        if value is not None and value < 1:
-            p.error(f"--{flag.replace('_', '-')} must be at least 1, not {value}")
+    try:
+        at_least_one(a, "num_prompts", "max_new_tokens", "lookup_tokens", "draft_tokens", "threads", "repeat")
+    except ValueError as e:
+        p.error(str(e))
     if a.temperature <= 0:
         p.error(f"--temperature must be > 0 (it is the sampling rows' temperature), not {a.temperature}")
 

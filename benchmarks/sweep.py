@@ -1,19 +1,15 @@
 """Sweep the node budget: tokens per step and tokens per second of Medusa, rule by rule.
 
-Per node budget N (candidates, root excluded) the tree is `build_tree(acc, N)` from the checkpoint's
-heads_accuracy.json, as `decode.py --tree N` builds it, for every rule: greedy, rejection sampling at T
-with the heads' top-k as drafts (`rejection-topk`) or with drafts drawn from their q
-(`rejection-sampled`, decode.py's default), and optionally typical acceptance. On the checkpoint's
-held-out prompts it prints per rule and budget the measured tokens per step (bonus token counted), ms
-per step, tokens per second and the speedup over plain decoding of the same rule (plain greedy, or
-plain sampling at T); for greedy also the product rule's estimate (`tree.expected_tokens_per_step`)
-and on how many prompts it wrote plain greedy's tokens (all: it is lossless).
-
     python benchmarks/sweep.py --ckpt out/tiny [--budgets 1,2,4,8,16,32] [--rules greedy,typical]
         [--num-prompts 8] [--max-new-tokens 64] [--repeat 3] [--json] [--plot sweep.png]
 
-Methods take turns prompt by prompt and the fastest of --repeat runs counts, so a load spike slows
-every method alike. The end-of-text token stops nothing; times include the prefill.
+Per node budget N (root excluded) the tree is `build_tree(acc, N)` from heads_accuracy.json, as
+`decode.py --tree N` builds it, for each rule: greedy, rejection sampling at T with top-k drafts
+(`rejection-topk`) or drafts drawn from q (`rejection-sampled`), typical acceptance. Per rule and
+budget it prints tokens/step (bonus counted), ms/step, tokens/s and the speedup over plain decoding
+of the same rule; for greedy also the product rule's estimate and on how many prompts it wrote plain
+greedy's tokens. Methods take turns prompt by prompt, the fastest of --repeat runs counts; the
+end-of-text token stops nothing; times include the prefill.
 """
 
 from __future__ import annotations
@@ -31,7 +27,7 @@ if ROOT not in sys.path:  # run as a script from anywhere, without installing th
 
 import torch  # noqa: E402
 
-from benchmarks.clock import timed_generation  # noqa: E402
+from benchmarks.clock import at_least_one, names_of, timed_generation  # noqa: E402
 from medusa_mini.cli.common import BONUS_NOTE, DTYPES, OneLineParser, pick_device, pick_dtype  # noqa: E402
 from medusa_mini.cli.plots import plot_node_sweep, require_matplotlib  # noqa: E402
 from medusa_mini.decoding import GenerationStats, generate, medusa_generate  # noqa: E402
@@ -186,21 +182,13 @@ def number_list(text: str) -> tuple[int, ...]:
     return tuple(sorted({int(p) for p in parts}))
 
 
-def rule_list(text: str) -> tuple[str, ...]:
-    """--rules "greedy,typical": a subset of RULES, in RULES' order."""
-    names = {p.strip() for p in text.split(",")}
-    if not names <= set(RULES):
-        raise argparse.ArgumentTypeError(f"{text!r}: choose from {', '.join(RULES)}, comma-separated")
-    return tuple(r for r in RULES if r in names)
-
-
 def parser() -> OneLineParser:
     p = OneLineParser(prog="python benchmarks/sweep.py", description="Tokens/step and tokens/s of Medusa per "
                       "acceptance rule and node budget, against plain decoding of the same rule.")
     p.add_argument("--ckpt", required=True, help="checkpoint directory with heads_accuracy.json and prompts.json")
     p.add_argument("--budgets", type=number_list, default=BUDGETS, metavar="N,N,...",
                    help="node budgets, root excluded (default: %s)" % ",".join(map(str, BUDGETS)))
-    p.add_argument("--rules", type=rule_list, default=DEFAULT_RULES, metavar="RULE,...",
+    p.add_argument("--rules", default=",".join(DEFAULT_RULES), metavar="RULE,...",
                    help=f"from {', '.join(RULES)} (default: {','.join(DEFAULT_RULES)})")
     p.add_argument("--temperature", type=float, default=SAMPLING_TEMPERATURE, metavar="T",
                    help="temperature of every rule but greedy (default: %(default)s)")
@@ -219,9 +207,8 @@ def parser() -> OneLineParser:
 
 def check(ns: argparse.Namespace) -> None:
     """What argparse cannot judge alone; a one-line ValueError for the first bad flag."""
-    for flag in ("num_prompts", "max_new_tokens", "repeat"):
-        if getattr(ns, flag) < 1:
-            raise ValueError(f"--{flag.replace('_', '-')} must be at least 1, not {getattr(ns, flag)}")
+    at_least_one(ns, "num_prompts", "max_new_tokens", "repeat")
+    ns.rules = tuple(r for r in RULES if r in names_of("--rules", ns.rules, RULES))  # in RULES' order
     if ns.rules != ("greedy",) and not ns.temperature > 0:
         raise ValueError(f"--temperature must be > 0 for the sampled rules, not {ns.temperature}")
     if ns.plot:  # before the sweep, not after it: a missing library or folder fails in a second

@@ -3,19 +3,12 @@
     python benchmarks/train_memory.py                  # gpt2 shape, the gpt2 preset's heads batch
     python benchmarks/train_memory.py --device cuda --dtype float32 --json
 
-The heads stage projects K heads x B sequences x T positions onto the vocabulary. At GPT-2's 50,257
-tokens that is 4 x 32 x 159 x 50,257 ≈ 1.0G logits, 4 GB in float32, before the backward's copy of
-them; `chunked_head_loss` keeps one chunk's logits alive at a time. With random weights (memory depends
-on shapes, not values) this prints:
-
-- computed, on every device: the size of the K x B x T x V logits tensor and of one chunk's, in the
-  forward's number format and in float32 (cross-entropy upcasts);
-- measured, on CUDA only: torch.cuda.max_memory_allocated over one step (frozen backbone forward,
-  heads forward, loss, backward), reset before the step, chunked and unchunked; and the same above what
-  was allocated before the step (weights, batch). A CPU has no such counter in torch, so on a CPU the
-  script measures nothing and says so.
-
-Bad input ends in one line on stderr and exit status 2.
+The heads stage projects K heads x B sequences x T positions onto the vocabulary: at GPT-2's 50,257
+tokens, 4 x 32 x 159 x 50,257 ≈ 1.0G logits, 4 GB in float32; `chunked_head_loss` keeps one chunk's
+alive at a time. On random weights this prints the computed size of all logits and of one chunk's (in
+the forward's format and in float32, as cross-entropy upcasts) and, on CUDA only (a CPU has no peak
+counter in torch), max_memory_allocated over one step chunked and unchunked, also above what was
+allocated before it. Bad input ends in one line on stderr and exit status 2.
 """
 
 from __future__ import annotations
@@ -30,6 +23,7 @@ if ROOT not in sys.path:  # run as a script from anywhere, without installing th
 
 import torch  # noqa: E402
 
+from benchmarks.clock import at_least_one  # noqa: E402
 from medusa_mini.cli.common import OneLineParser, pick_device  # noqa: E402
 from medusa_mini.heads import HeadsConfig, MedusaHeads  # noqa: E402
 from medusa_mini.io.gpt2 import GPT2_CONFIGS  # noqa: E402
@@ -120,16 +114,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", choices=sorted(BYTES), help="forward's number format (default: train_tiny.py's)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     a = p.parse_args(argv)
+    config = GPT2_CONFIGS[a.shape]
     try:
         device = pick_device(a.device)
+        at_least_one(a, "heads", "batch", "positions", "chunk")
+        if a.positions > config.block_size:
+            raise ValueError(f"--positions {a.positions} is longer than {a.shape}'s context of {config.block_size}")
     except ValueError as e:
         p.error(str(e))
-    for name in ("heads", "batch", "positions", "chunk"):
-        if getattr(a, name) is not None and getattr(a, name) < 1:
-            p.error(f"--{name} must be at least 1")
-    config = GPT2_CONFIGS[a.shape]
-    if a.positions > config.block_size:
-        p.error(f"--positions {a.positions} is longer than {a.shape}'s context of {config.block_size}")
     dtype = a.dtype or default_dtype(str(device))
     chunk = a.chunk or head_chunk_size(a.heads, config.vocab_size)
     result = {"shape": a.shape, "heads": a.heads, "batch": a.batch, "positions": a.positions, "dtype": dtype,

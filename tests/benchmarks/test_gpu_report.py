@@ -2,6 +2,7 @@
 with the commands faked, the paths only CUDA takes."""
 
 import json
+from argparse import Namespace
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -12,7 +13,7 @@ from conftest import ROOT
 
 from benchmarks import gpu_report
 from benchmarks.bench_step import bench_config
-from benchmarks.gpu_report import ScriptRun, Settings
+from benchmarks.gpu_report import ScriptRun
 from medusa_mini.model import GPTConfig
 
 FAST_TRAIN = ("--backbone-steps 6 --heads-steps 4 --distill-prompts 8 --distill-tokens 12 --eval-prompts 2 "
@@ -45,9 +46,9 @@ def test_quick_cpu_report_holds_every_part_with_numbers_that_agree(tmp_path):
     for part in gpu_report.PARTS:
         assert f"[{part}] done in" in r.stderr and f"_Part {part}: " in text
     steps = table(text, "tiny")
-    plain, step = float(steps["plain step (1 token + argmax)"][0]), float(steps["cpu tree: whole Medusa step"][0])
+    plain, step = float(steps["plain step (1 token + argmax)"][0]), float(steps["cpu tree: whole medusa_step"][0])
     assert plain > 0 and float(steps["verify, N = 16"][0]) > 0
-    assert float(steps["cpu tree: step / plain step (x)"][0]) == pytest.approx(step / plain, rel=0.05)
+    assert float(steps["cpu tree: whole step / plain step (x)"][0]) == pytest.approx(step / plain, rel=0.05)
     stages = table(text, "stage")
     assert {"tokenizer", "backbone", "distill", "heads", "summary"} <= set(stages)
     assert float(stages["backbone"][0]) > 0 and float(stages["heads"][0]) > 0
@@ -70,10 +71,11 @@ def batch_rows() -> list[dict]:
             for b in (1, 2, 4) for m, g, t in (("plain greedy", 1.0, 1.0), ("Medusa greedy", 2.5 / b, 3.2))]
 
 
-def cuda_settings(tmp_path, **kw) -> Settings:
+def cuda_settings(tmp_path, **kw) -> Namespace:
     base = dict(out=str(tmp_path / "r.md"), parts=list(gpu_report.PARTS), device="cuda", quick=False, ckpt=str(tmp_path),
-                configs=["gpt2"], dtypes=["bfloat16"], budget_s=100.0, train_flags=[], decode_flags=[], append=False)
-    return Settings(**{**base, **kw})
+                configs=["gpt2"], dtypes=["bfloat16"], budget_s=100.0, train_flags=[], decode_flags=[], append=False,
+                compile=["--compile"])
+    return Namespace(**{**base, **kw})
 
 
 def faked(monkeypatch, reply) -> list[list[str]]:
@@ -97,7 +99,7 @@ def test_batch_rows_without_a_needed_field_fail_the_part_in_one_line(tmp_path, m
     rows = [{k: v for k, v in batch_rows()[0].items() if k != "speedup"}]
     faked(monkeypatch, lambda argv: ScriptRun(argv, 0, json.dumps({"rows": rows}), "", 0.5))
     section, ok = gpu_report.batch_part(cuda_settings(tmp_path))
-    assert not ok and "Failed: a batch row lacks speedup" in section
+    assert not ok and "Failed: a row lacks speedup" in section
 
 
 def test_step_part_on_cuda_compiles_and_names_what_its_budget_did_not_reach(tmp_path, monkeypatch):
