@@ -2,11 +2,11 @@
 
 The same stages as the reference's loop body (reference.py), made fast: a `Proposer` (proposal.py)
 fills the tree for every row on the device; `verify` scores every node of every row in one tree-masked
-forward over the static KV cache (written at slot tensors, read whole: static shapes); `accept_paths`
-(acceptance.py) applies the rule, vectorised over paths and rows; `keep_path` compacts each row's
-cache. Nothing waits for the host until the end, where one `.tolist()` reads the emitted tokens of
-every row: one host sync per step (rejection sampling's tries are the exception: they walk on the
-host). `decoding.medusa_generate` loops over `medusa_step`.
+forward over the static KV cache (written at slot tensors; read whole when compiled, up to the slots in
+use when eager); `accept_paths` (acceptance.py) applies the rule to every node of every row at once;
+`keep_path` compacts each row's cache. Nothing waits for the host until the end, where one `.tolist()`
+reads the emitted tokens of every row: one host sync per step (drawn candidates are the exception:
+rejection sampling tries them on the host). `decoding.medusa_generate` loops over `medusa_step`.
 
 Shapes: B rows, N tree nodes, D tree depth, V vocabulary, C n_embd.
 """

@@ -209,7 +209,7 @@ class Tree:
 
 @dataclass(frozen=True)
 class TreeTensors:
-    """A tree's index tensors on one device (`Tree.tensors`). N nodes, P root-to-leaf paths, D depth."""
+    """A tree's index tensors on one device (`Tree.tensors`). N nodes, D depth."""
 
     parents: torch.Tensor  # [N] long: each node's parent, -1 for the root
     ancestor_mask: torch.Tensor  # [N, N] bool: the tree attention mask among the nodes

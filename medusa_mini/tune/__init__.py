@@ -1,1 +1,1 @@
-"""Wing: measuring what trees to decode with: acceptance tables, step costs, stored trees, clocks."""
+"""Wing: which tree to decode with: the heads' measured acceptance table and `--tree`."""
