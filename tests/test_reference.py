@@ -73,15 +73,6 @@ def test_the_reference_imports_nothing_of_the_engine():
     assert runtime_imports(PACKAGE / "sampling.py") <= outside
 
 
-def test_no_engine_module_imports_the_reference():
-    """The engine (the core modules beside it) makes the reference's decisions by its own code: tests,
-    not imports, tie the two. (The package re-exports it, and the command line may show its walks.)"""
-    engine = [p for p in PACKAGE.glob("*.py") if p.name not in ("reference.py", "__init__.py")]
-    assert {"acceptance.py", "proposal.py", "step.py", "decoding.py", "tree.py"} <= {p.name for p in engine}
-    for path in engine:
-        assert not {m for m in runtime_imports(path) if m.endswith("reference")}, path
-
-
 # ---- the tree ---------------------------------------------------------------------------------------
 
 

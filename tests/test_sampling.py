@@ -16,18 +16,6 @@ def test_top_p_keeps_the_smallest_set_reaching_p():
     torch.testing.assert_close(full, torch.tensor([0.1, 0.5, 0.25, 0.15]))
 
 
-def test_a_tie_at_the_top_p_cut_keeps_the_lower_token_ids_in_every_row_of_a_batch():
-    """Five tokens of 0.2: top-p 0.5 keeps three; which three must not depend on the sort's whims, the
-    row's place in a batch or the device: the lowest ids among the tied."""
-    row = torch.log(torch.tensor([0.2, 0.2, 0.2, 0.2, 0.2]))
-    alone = sampling_probs(row, temperature=1.0, top_p=0.5)
-    assert alone.tolist() == pytest.approx([1 / 3, 1 / 3, 1 / 3, 0.0, 0.0])
-    other = torch.log(torch.tensor([0.1, 0.2, 0.3, 0.2, 0.2]))  # 0.3, then two of the three tied 0.2s
-    probs = sampling_probs(torch.stack([torch.randn(5), row, other, row]), temperature=1.0, top_p=0.5)  # [4, 5]
-    assert torch.equal(probs[1], alone) and torch.equal(probs[3], alone)
-    assert probs[2].tolist() == pytest.approx([0.0, 0.2 / 0.5, 0.3 / 0.5, 0.0, 0.0])
-
-
 def test_the_typical_bar_is_min_epsilon_delta_exp_minus_entropy():
     p = torch.tensor([[0.25] * 4, [0.97, 0.01, 0.01, 0.01]])
     bar = typical_threshold(p, epsilon=0.09, delta=0.3)
@@ -49,16 +37,6 @@ def test_a_draw_follows_the_probabilities_and_never_picks_a_zero_one():
 def test_sampling_at_temperature_zero_is_refused():
     with pytest.raises(ValueError, match="temperature"):
         sampling_probs(torch.zeros(3), temperature=0.0)
-
-
-def test_an_unknown_draft_is_a_clear_error():
-    with pytest.raises(ValueError, match="unknown draft"):
-        Sampling(acceptance="rejection", temperature=1.0, draft="beam")
-
-
-def test_unknown_acceptance_rule_is_a_clear_error():
-    with pytest.raises(ValueError, match="unknown acceptance rule"):
-        Sampling(acceptance="nucleus")
 
 
 def test_greedy_is_decided_by_the_temperature_alone():

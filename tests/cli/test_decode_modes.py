@@ -29,11 +29,6 @@ def test_the_reference_decoder_prints_the_engines_tokens(ckpt, capsys, rule):
     assert tokens_of(capsys, *argv, "--reference") == tokens_of(capsys, *argv)
 
 
-def test_reference_greedy_equals_plain_greedy(ckpt, capsys):
-    argv = ["--ckpt", ckpt, "--max-new-tokens", "20"]
-    assert tokens_of(capsys, *argv, "--reference") == tokens_of(capsys, *argv, "--method", "plain")
-
-
 def test_compare_with_the_reference_adds_its_rows_with_the_engines_tokens(ckpt, capsys):
     result = json.loads(run(capsys, "--ckpt", ckpt, "--compare", "--reference", "--json", "--max-new-tokens", "10"))
     rows = {r["key"]: r for r in result["rows"]}

@@ -115,20 +115,14 @@ def logits_of(model: GPT) -> np.ndarray:
 # ----------------------------------------------------------------------------- local files
 
 
-def test_a_gpt2_directory_gives_the_reference_logits(tmp_path):
-    w = reference_weights()
-    model = load_gpt2(str(write_dir(tmp_path / "m", as_tensors(w))))
-    assert model.config == GPTConfig(vocab_size=V, block_size=P, n_layer=L, n_head=H, n_embd=C)
-    np.testing.assert_allclose(logits_of(model), reference_logits(w, IDS), atol=1e-4)
-
-
-def test_loading_builds_no_random_weights_and_keeps_the_output_tied(tmp_path):
+def test_a_gpt2_directory_gives_the_reference_logits_without_random_weights_and_keeps_the_output_tied(tmp_path):
     """Meta-device construction: loading neither draws random numbers nor unties lm_head from wte."""
     w = reference_weights()
     torch.manual_seed(123)
     before = torch.get_rng_state()
     model = load_gpt2(str(write_dir(tmp_path / "m", as_tensors(w))))
     assert torch.equal(torch.get_rng_state(), before)  # GPT(config) on a real device would draw ~all weights
+    assert model.config == GPTConfig(vocab_size=V, block_size=P, n_layer=L, n_head=H, n_embd=C)
     assert model.lm_head.weight is model.transformer.wte.weight
     assert sum(p.numel() for p in model.parameters()) == sum(v.size for v in w.values())
     np.testing.assert_allclose(logits_of(model), reference_logits(w, IDS), atol=1e-4)
