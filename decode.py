@@ -124,13 +124,8 @@ def check_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
         p.error("--reference decodes with Medusa; choose --method greedy, typical or rejection")
     if a.temperature is None:
         a.temperature = SAMPLING_TEMPERATURE if a.method in ("typical", "rejection") else 0.0
-    rule = None if a.method in (None, "plain") else a.method
-    if a.method is None:
-        a.method = "medusa"
-    elif a.method != "plain":
-        a.method = "medusa"
-    if a.reference and not a.compare:
-        a.method = "reference"
+    rule = None if a.method in (None, "plain") else a.method  # None: greedy at T = 0, else rejection
+    a.method = "plain" if a.method == "plain" else "reference" if a.reference and not a.compare else "medusa"
     try:  # every sampling setting is checked here, once; plain decoding reads only T and top-p
         a.sampling = Sampling(acceptance=rule, temperature=a.temperature, top_p=a.top_p)
     except ValueError as e:
