@@ -34,7 +34,6 @@ GPT2_CONFIGS: dict[str, GPTConfig] = {
         "gpt2-xl": (48, 25, 1600),
     }.items()
 }
-GPT2_EOS_TOKEN_ID = 50256  # "<|endoftext|>", also GPT-2's bos token
 HUB_URL = "https://huggingface.co"
 HUB_FILES = ("config.json", "model.safetensors")
 

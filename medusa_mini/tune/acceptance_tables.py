@@ -131,15 +131,6 @@ def _following(heads: HeadsFn, idx: torch.Tensor) -> torch.Tensor | None:
     return next_tokens(y, heads.num_heads)
 
 
-def accuracy_on_prompts(
-    model: GPT, heads: HeadsFn, prompts: list[list[int]], *, max_new_tokens: int, top_k: int = 10,
-) -> torch.Tensor:
-    """acc measured on the backbone's greedy continuations of `prompts` (token ids)."""
-    seqs = continuations(model, prompts, max_new_tokens=max_new_tokens)
-    return measure_head_accuracy(model, heads, seqs, prompt_lens=[len(p) for p in prompts],
-                                 top_k=min(top_k, model.config.vocab_size))
-
-
 def save_accuracy(directory: str | os.PathLike, acc: torch.Tensor, *, meta: dict | None = None) -> str:
     """Write heads_accuracy.json atomically (a reader never sees half a file), one line per head; return its path."""
     acc = check_acc(acc)
