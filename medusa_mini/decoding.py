@@ -192,9 +192,9 @@ def medusa_generate_batch(
     """Medusa decoding of B prompts: propose -> verify -> accept -> compact, until every row has stopped.
 
     heads(hidden [B, C], lm_head) -> logits [K, B, V], read once per step at each row's last accepted
-    node (dependent heads: depth by depth while the tree is filled, hydra.py). With greedy or rejection acceptance each row's output is plain
-    decoding's, in distribution and, when greedy, token for token. `cache`: one to reuse (see
-    `reuse_cache`), B rows of block_size + N slots; by default a new one.
+    node (dependent heads: depth by depth while the tree is filled, hydra.py). With greedy or rejection
+    acceptance each row's output is plain decoding's, in distribution and, when greedy, token for token.
+    `cache`: one to reuse (see `reuse_cache`), B rows of block_size + N slots; by default a new one.
     """
     proposer = make_proposer(model, heads, tree)
     rows = Rows(model, prompts, max_new_tokens=max_new_tokens, eos_id=eos_id, on_step=on_step)

@@ -40,8 +40,8 @@ class KVCache:
     Eager, every layer's keys and values are views of one tensor `kv` [2 n_layer, B, nh, max_len, hs],
     so keeping the accepted path is one copy, not 2 n_layer. With `separate=True` each is a tensor of
     its own: a compiled step then writes into them where they lie, whereas a write into a slice of one
-    big tensor makes the compiler copy the whole cache, every step. A forward writes row b's T new keys/values at slots
-    [lengths[b], lengths[b] + T) and advances the lengths: rows of a batch may hold prefixes of
+    big tensor makes the compiler copy the whole cache, every step. A forward writes row b's T new
+    keys/values at slots [lengths[b], lengths[b] + T) and advances the lengths: rows of a batch may hold prefixes of
     different lengths. Slots are storage, not positions: a tree's nodes sit in consecutive slots but
     carry position ids prefix + depth. `compact_kv_cache` keeps the accepted path; stale slots are
     overwritten later.
@@ -101,16 +101,11 @@ def compact_kv_cache(
     """
     B, A = keep.shape
     dest = start[:, None] + torch.arange(A, device=keep.device)  # [B, A]
-    if cache.kv is not None:  # every layer at once: [2 n_layer, B, nh, max_len, hs]
-        n, _, nh, _, hs = cache.kv.shape
-        moved = cache.kv.gather(3, keep[None, :, None, :, None].expand(n, B, nh, A, hs))  # [2 n_layer, B, nh, A, hs]
-        cache.kv.scatter_(3, dest[None, :, None, :, None].expand(n, B, nh, A, hs), moved)
-        cache.lengths = start + (A if count is None else count)
-        return
-    for t in cache.k + cache.v:  # [B, nh, max_len, hs] each
-        nh, hs = t.shape[1], t.shape[3]
-        moved = t.gather(2, keep[:, None, :, None].expand(B, nh, A, hs))  # [B, nh, A, hs]
-        t.scatter_(2, dest[:, None, :, None].expand(B, nh, A, hs), moved)
+    # One tensor holds every layer in an eager cache, one tensor each in a separate one: [..., B, nh, max_len, hs].
+    for t in [cache.kv] if cache.kv is not None else cache.k + cache.v:
+        shape = (*t.shape[:-2], A, t.shape[-1])  # [..., B, nh, A, hs]
+        moved = t.gather(-2, keep[:, None, :, None].expand(shape))
+        t.scatter_(-2, dest[:, None, :, None].expand(shape), moved)
     cache.lengths = start + (A if count is None else count)
 
 

@@ -6,8 +6,9 @@ token, which the verify pass feeds together with every candidate. A node at dept
 with rank `choice[-1]`, so all nodes at one depth draw from the same head's top-k list.
 
 Everything here is a pure function of the choices: parents, depths, the N x N ancestor mask, position
-offsets (= depth), each node's path from the root, and text drawings of the tree and the mask. `build_tree` grows the
-tree with the most expected accepted tokens for a node budget from a measured acceptance table.
+offsets (= depth), each node's path from the root, and text drawings of the tree and the mask.
+`build_tree` grows the tree with the most expected accepted tokens for a node budget from a measured
+acceptance table.
 
 Shapes: N nodes (root included), K heads, D maximum depth.
 """
@@ -127,17 +128,12 @@ class Tree:
     def ancestor_mask(self, device: torch.device | str = "cpu") -> torch.Tensor:
         """[N, N] bool: mask[i, j] is True iff j is i or an ancestor of i (paper Fig. 2).
 
-        Built by matrix powers of the parent relation, not by walking up from each node as the
+        Row i marks node i's path from the root (`node_paths`), not a walk up from each node as the
         reference's `tree_attention_mask` does: two constructions, held equal by a test."""
         N = self.num_nodes
-        parent = torch.zeros(N, N, dtype=torch.long)  # [N, N] parent[i, j] = 1 iff j is i's parent
-        parent[torch.arange(1, N), torch.tensor(self.parents[1:], dtype=torch.long)] = 1
-        reach = torch.eye(N, dtype=torch.long)  # ancestors at distance 0, 1, ..., depth
-        step = torch.eye(N, dtype=torch.long)
-        for _ in range(self.depth):
-            step = step @ parent
-            reach = reach + step
-        return (reach > 0).to(device)
+        mask = torch.zeros(N, N, dtype=torch.bool)
+        mask[torch.arange(N)[:, None], self.node_paths()] = True  # [N, D + 1] ancestors of each row
+        return mask.to(device)
 
     def earlier_siblings(self, device: torch.device | str = "cpu") -> torch.Tensor:
         """[N, N] bool: mask[i, j] is True iff j is a sibling of i with a smaller rank (tried first)."""
@@ -160,9 +156,9 @@ class Tree:
         return torch.tensor(rows, dtype=torch.long, device=device)
 
     def truncated(self, max_depth: int) -> "Tree":
-        """The subtree of nodes at depth <= max_depth (used near the end of a generation). Equal trees
-        share `tree_tensors`' cache entry, so the last steps reuse the tensors instead of rebuilding them."""
-        return self if self.depth <= max_depth else Tree(tuple(c for c in self.choices if len(c) <= max_depth))
+        """The subtree of nodes at depth <= max_depth (used near the end of a generation), built once per
+        tree and depth (`truncated_tree`), so the last steps of every generation reuse it and its tensors."""
+        return self if self.depth <= max_depth else truncated_tree(self, max_depth)
 
     def check_heads(self, num_heads: int) -> None:
         """A clear error when the tree needs more heads than the model has."""
@@ -218,6 +214,12 @@ class TreeTensors:
     rank: torch.Tensor  # [N - 1] long: the rank within that head's guesses
     node_paths: torch.Tensor  # [N, D + 1] long: the root-to-node path of each node, then the node repeated
     earlier_siblings: torch.Tensor  # [N, N] bool: j is a sibling of i with a smaller rank
+
+
+@lru_cache(maxsize=64)
+def truncated_tree(tree: Tree, max_depth: int) -> Tree:
+    """`Tree.truncated`, cached by (tree, depth) like `tree_tensors`."""
+    return Tree(tuple(c for c in tree.choices if len(c) <= max_depth))
 
 
 @lru_cache(maxsize=64)
