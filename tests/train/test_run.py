@@ -189,6 +189,7 @@ loop = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(loop)
 r, events = loop.run_loop(sys.argv[2], setattr, steps=5, log_every=1000)
 print(json.dumps({"rank": r.rank, "events": events}))
+dist.barrier()  # as train_tiny does: a rank tearing gloo down while its peer still talks aborts the peer
 dist.destroy_process_group()
 '''
 
