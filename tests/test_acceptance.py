@@ -33,12 +33,6 @@ def random_case(seed: int, *, vocab: int = 4, rows: int = 1):
     return tree, tokens, logits
 
 
-def test_random_trees_cover_depths_one_to_five_and_widths_one_to_four():
-    trees = [random_case(seed)[0] for seed in range(300)]
-    assert {t.depth for t in trees} == {1, 2, 3, 4, 5}
-    assert {max(len(k) for k in t.children) for t in trees} == {1, 2, 3, 4}
-
-
 def as_host(accepted, b=0):
     count = int(accepted.count[b])
     return accepted.nodes[b, : count + 1].tolist(), int(accepted.bonus[b])
@@ -46,7 +40,10 @@ def as_host(accepted, b=0):
 
 def test_vectorised_greedy_equals_the_node_walk_on_random_trees_in_every_row():
     """Ties too: argmax ties go to the lowest token id in both, and a child repeating an earlier
-    sibling's token is never the one accepted."""
+    sibling's token is never the one accepted. The trees have depths 1-5 and widths 1-4."""
+    trees = [random_case(seed)[0] for seed in range(300)]
+    assert {t.depth for t in trees} == {1, 2, 3, 4, 5}
+    assert {max(len(k) for k in t.children) for t in trees} == {1, 2, 3, 4}
     deep = 0
     for seed in range(200):
         tree, tokens, logits = random_case(seed, vocab=3, rows=3)  # a small vocabulary: long matches happen

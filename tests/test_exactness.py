@@ -4,7 +4,7 @@
   tokens whose joint distribution, and the marginals of the third and fourth token, match the backbone's
   exact distribution, enumerated from plain forward passes, while the first step accepts candidates at
   depth two (each test counts how often, and states its deepest accepted node). Medusa heads with top-k
-  and with sampled drafts, rows of different prompts in one batch, and dependent (hydra) heads. The
+  and with sampled drafts, after top-p, rows of different prompts in one batch, and dependent (hydra) heads. The
   bound is rigorous (an honest sampler crosses it with probability < 1e-4 per comparison, `tv_bound`),
   and the same bound rejects deliberately biased samplers, so it has teeth.
 - Greedy decoding is exact in float32 and, up to near-ties, in bfloat16: the verify pass's root logits
@@ -21,6 +21,7 @@ propose never changes what a lossless rule emits, only how fast; so heads that h
 from __future__ import annotations
 
 import math
+from collections import Counter
 
 import pytest
 import torch
@@ -29,10 +30,10 @@ import medusa_mini.acceptance as acceptance
 import medusa_mini.reference as ref
 from conftest import ContinuationHeads, OracleHeads, random_heads, tiny_model
 from distributions import exact_sequence_probs, expected_tv, total_variation
+from test_hydra import random_hydra
 from medusa_mini.acceptance import Accepted, path_accept, typical_accept_paths
 from medusa_mini.decoding import generate, medusa_generate, medusa_generate_batch, prefill
 from medusa_mini.heads import HeadsConfig
-from medusa_mini.hydra import make_heads
 from medusa_mini.model import KVCache
 from medusa_mini.sampling import Sampling, sampling_probs, typical_threshold
 from medusa_mini.step import verify
@@ -144,13 +145,6 @@ def pooled(outs, rows=None) -> list[tuple[int, ...]]:
     return [s for b, seqs in enumerate(outs) if rows is None or b in rows for s in seqs]
 
 
-def frequencies(seqs, pick=lambda s: s):
-    out: dict = {}
-    for s in seqs:
-        out[pick(s)] = out.get(pick(s), 0.0) + 1.0 / len(seqs)
-    return out
-
-
 def marginal(dist, pick):
     out: dict = {}
     for seq, p in dist.items():
@@ -176,10 +170,10 @@ def tv_bound(exact: dict, M: int) -> float:
 
 def distances(seqs, exact) -> dict[str, tuple[float, float]]:
     """Per view: (TV of the samples from the exact distribution, `tv_bound`)."""
-    out = {}
+    found, out = {s: c / len(seqs) for s, c in Counter(seqs).items()}, {}  # the samples' frequencies
     for name, pick in VIEWS.items():
         want = marginal(exact, pick)
-        out[name] = (total_variation(frequencies(seqs, pick), want), tv_bound(want, len(seqs)))
+        out[name] = (total_variation(marginal(found, pick), want), tv_bound(want, len(seqs)))
     return out
 
 
@@ -217,18 +211,21 @@ def accept_the_first_draw(p, candidates, draft, u):
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("draft,rows", [("topk", 3000), ("sampled", 1000)])
-def test_rejection_sampling_preserves_the_distribution_of_sequences_accepted_at_depth_two(draft, rows, monkeypatch):
+@pytest.mark.parametrize("draft,rows,top_p", [("topk", 3000, 1.0), ("sampled", 1000, 1.0), ("topk", 3000, 0.8)],
+                         ids=["topk", "sampled", "topk-top-p"])
+def test_rejection_sampling_preserves_the_distribution_of_sequences_accepted_at_depth_two(draft, rows, top_p,
+                                                                                          monkeypatch):
     """Medusa heads on a fixed tree: four new tokens, the first step accepting two candidates in most
     rows. The joint of all four tokens and the marginals of tokens 3 and 4 (when the first step goes
-    that deep: the depth-2 candidate and the bonus after it) match the exact distribution; the same
-    rule done wrong fails the same bound.
+    that deep: the depth-2 candidate and the bonus after it) match the exact distribution, after top-p
+    too (never a sequence top-p rules out); the same rule done wrong fails the same bound.
     (Sampled drafts walk each row on the host, so they get fewer rows.)"""
     model = small_model(11)
     prompt = [1, 2]
-    exact = exact_sequence_probs(model, prompt, N_NEW, temperature=T)
+    exact = exact_sequence_probs(model, prompt, N_NEW, temperature=T, top_p=top_p)
     assert abs(sum(exact.values()) - 1) < 1e-5
-    sampling = Sampling(acceptance="rejection", temperature=T, draft=draft)
+    assert (min(exact.values()) == 0) == (top_p < 1)  # top-p really rules sequences out
+    sampling = Sampling(acceptance="rejection", temperature=T, draft=draft, top_p=top_p)
     # Sampled drafts come from q = softmax(2 x logits / T), sharper than p: tries do fail, and
     # accepting a draw without the test (which emits q) is a visible bias.
     heads_for = lambda prompts: FutureHeads(model, prompts, gamma=2.0)  # noqa: E731
@@ -236,6 +233,7 @@ def test_rejection_sampling_preserves_the_distribution_of_sequences_accepted_at_
     assert max(deepest) == 2  # the deepest accepted node: depth two, the most a 4-token run can use
     assert sum(d == 2 for d in deepest) > 0.6 * len(deepest)  # and most rows got there
     assert_matches(pooled(outs), exact)
+    assert all(exact[s] > 0 for s in pooled(outs))
 
     # Teeth: half the samples, the same bound, one step of the rule done wrong.
     if draft == "topk":
@@ -553,16 +551,6 @@ def test_an_end_token_drawn_at_the_prefill_ends_generation_there_in_the_engine_a
 # ---- hydra heads in a batch, typical acceptance in a batch ---------------------------------------
 
 
-def random_hydra_heads(model, *, seed):
-    torch.manual_seed(seed)
-    cfg = model.config
-    heads = make_heads(HeadsConfig(num_heads=3, n_embd=cfg.n_embd, vocab_size=cfg.vocab_size, kind="hydra"))
-    with torch.no_grad():
-        for block in heads.blocks:
-            torch.nn.init.normal_(block.linear.weight, std=0.5)
-    return heads.eval()
-
-
 @torch.no_grad()
 @pytest.mark.parametrize("kind", ["random", "future"])
 def test_greedy_hydra_rows_in_a_batch_each_equal_their_own_run_alone_and_plain_greedy(kind):
@@ -571,7 +559,7 @@ def test_greedy_hydra_rows_in_a_batch_each_equal_their_own_run_alone_and_plain_g
     tree = Tree.from_choices([(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)])
 
     def heads_for(ps):
-        return random_hydra_heads(model, seed=5) if kind == "random" else FutureHydraHeads(model, ps, num_heads=3)
+        return random_hydra(model, seed=5) if kind == "random" else FutureHydraHeads(model, ps, num_heads=3)
 
     batch_heads = heads_for(prompts)
     on_step = batch_heads.on_step if kind == "future" else None

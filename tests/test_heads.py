@@ -1,5 +1,6 @@
 """Medusa heads (paper §2.1.1): residual blocks that start as the identity, then the vocabulary."""
 
+import pytest
 import torch
 from conftest import tiny_model
 
@@ -39,24 +40,8 @@ def test_own_lm_heads_are_separate_copies():
     assert torch.all(out[1] == 0) and not torch.all(out[0] == 0)
 
 
-def test_head_k_logits_keep_leading_dims():
-    model = tiny_model()
-    heads = make(model)
-    with torch.no_grad():
-        for b in heads.blocks:
-            b.linear.weight.normal_()
-    x = torch.randn(2, 7, model.config.n_embd)
-    for own in (False, True):
-        h = make(model, own_lm_head=own)
-        h.load_state_dict(heads.state_dict(), strict=False)
-        out = h(x, model.lm_head)
-        assert out.shape == (3, 2, 7, model.config.vocab_size)
-        # each head is applied position by position
-        torch.testing.assert_close(out[:, 1, 4], h(x[1, 4], model.lm_head), atol=1e-5, rtol=0)
-
-
-def _randomised(model):
-    heads = make(model)
+def _randomised(model, **kw):
+    heads = make(model, **kw)
     with torch.no_grad():
         for b in heads.blocks:
             b.linear.weight.normal_(std=0.3)
@@ -64,9 +49,11 @@ def _randomised(model):
     return heads.eval()
 
 
-def test_decoding_runs_the_k_blocks_as_one_batched_matmul_with_the_same_result():
+@pytest.mark.parametrize("own", [False, True], ids=["shared-lm-head", "own-lm-heads"])
+def test_decoding_runs_the_k_blocks_as_one_batched_matmul_with_the_same_result(own):
+    """Any leading dims, each head applied position by position."""
     model = tiny_model()
-    heads = _randomised(model)
+    heads = _randomised(model, own_lm_head=own)
     for shape in ((model.config.n_embd,), (1, model.config.n_embd), (2, 5, model.config.n_embd)):
         x = torch.randn(*shape)
         per_block = heads(x, model.lm_head)  # grad enabled: one block at a time (the training path)
@@ -74,6 +61,7 @@ def test_decoding_runs_the_k_blocks_as_one_batched_matmul_with_the_same_result()
             batched = heads(x, model.lm_head)  # decoding: stacked weights, one baddbmm
         assert batched.shape == (3, *shape[:-1], model.config.vocab_size)
         torch.testing.assert_close(batched, per_block.detach(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(batched[:, 1, 4], heads(x[1, 4], model.lm_head).detach(), atol=1e-5, rtol=0)
 
 
 def test_batched_decoding_sees_every_change_to_the_weights():
@@ -98,8 +86,7 @@ def test_the_first_num_heads_alone_give_those_heads_logits():
     model = tiny_model()
     x = torch.randn(2, model.config.n_embd)
     for own in (False, True):
-        heads = make(model, own_lm_head=own)
-        heads.load_state_dict(_randomised(model).state_dict(), strict=False)
+        heads = _randomised(model, own_lm_head=own)
         full = heads(x, model.lm_head).detach()  # [3, 2, V]
         for num in (1, 2, 3):
             for grad in (True, False):  # the training path and decoding's batched one

@@ -44,10 +44,6 @@ class Context:
         return proposal.tokens[0], proposal.draft
 
 
-def context(model, heads, prompt) -> Context:
-    return Context(model, heads, prompt)
-
-
 def test_fresh_hydra_heads_start_as_the_backbones_next_token_prediction():
     model = tiny_model(0)
     heads = make_heads(HeadsConfig(num_heads=3, n_embd=32, vocab_size=64, kind="hydra"))
@@ -89,7 +85,7 @@ def node_walk(tree, root, ctx, width):
 def test_depth_by_depth_filling_equals_the_node_by_node_definition(tree):
     model = tiny_model(2)
     heads = random_hydra(model, num_heads=4)
-    ctx = context(model, heads, [3, 1, 4])
+    ctx = Context(model, heads, [3, 1, 4])
     tokens, drawn = ctx.fill(tree, 7)
     assert drawn is None
     assert tokens.tolist() == node_walk(tree, 7, ctx, tree.max_rank + 1)
@@ -101,7 +97,7 @@ def test_siblings_differ_by_their_parents_unlike_medusa():
     with torch.no_grad():  # let the drafted tokens, not h_t, dominate the guess
         for block in heads.blocks:
             block.linear.weight[:, 32:] *= 10
-    ctx = context(model, heads, [2, 7])
+    ctx = Context(model, heads, [2, 7])
     tree = Tree.from_choices([(r,) for r in range(4)] + [(r, 0) for r in range(4)])
     tokens, _ = ctx.fill(tree, 5)
     second = [tokens[tree.choices.index((r, 0)) + 1].item() for r in range(4)]
@@ -111,7 +107,7 @@ def test_siblings_differ_by_their_parents_unlike_medusa():
 def test_sampled_drafts_draw_each_nodes_children_from_its_own_q():
     model = tiny_model(4)
     heads = random_hydra(model)
-    ctx = context(model, heads, [1, 2, 3])
+    ctx = Context(model, heads, [1, 2, 3])
     T = 0.8
     tokens, drawn = ctx.fill(TREE, 7, Sampling(temperature=T), torch.Generator().manual_seed(0))
     assert drawn is not None

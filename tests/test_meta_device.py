@@ -153,20 +153,6 @@ def test_verify_usable_nodes_the_vectorised_rules_and_keep_path_stay_on_the_devi
     assert all_on_meta(tree_logits, tree_hidden, usable, tuple(accepted), cache.k, cache._lengths)
 
 
-def test_rejection_sampling_of_drawn_candidates_reads_the_host_first_where_its_walk_begins():
-    model = meta_model()
-    proposer = meta_proposer(model, "medusa")
-
-    def accept():
-        cache, logits, hidden = prefilled(model)
-        proposal = proposer.propose(logits.argmax(-1), hidden, max_depth=4, sampling=SAMPLINGS["rejection"],
-                                    generator=GEN)
-        tree_logits, _ = verify(model, cache, proposal.tree, proposal.tokens)
-        accept_paths(proposal, tree_logits, sampling=SAMPLINGS["rejection"], generator=GEN)
-
-    assert first_host_read(accept) == "acceptance.rejection_accept_drawn"
-
-
 @pytest.mark.parametrize("rule", SAMPLINGS)
 @pytest.mark.parametrize("kind", PROPOSERS)
 def test_a_step_reads_the_host_only_at_its_end_or_for_the_rejection_walk(kind, rule):

@@ -39,16 +39,12 @@ def test_sampling_at_temperature_zero_is_refused():
         sampling_probs(torch.zeros(3), temperature=0.0)
 
 
-def test_greedy_is_decided_by_the_temperature_alone():
-    assert Sampling().greedy and Sampling().rule == "greedy"
+def test_greedy_is_decided_by_the_temperature_alone_and_sampling_means_lossless_rejection_sampling():
+    assert Sampling().greedy and Sampling().rule == Sampling().acceptance == "greedy"
+    assert Sampling(temperature=0.7).acceptance == "rejection"  # no acceptance rule named
     for rule in ("typical", "rejection"):
         assert Sampling(acceptance=rule, temperature=0.0).rule == "greedy"
         assert Sampling(acceptance=rule, temperature=0.5).rule == rule
-
-
-def test_without_an_acceptance_rule_sampling_means_lossless_rejection_sampling():
-    assert Sampling(temperature=0.7).acceptance == "rejection"
-    assert Sampling().acceptance == "greedy"
 
 
 @pytest.mark.parametrize("kwargs, needle", [

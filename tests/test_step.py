@@ -67,12 +67,6 @@ def test_near_the_end_the_proposal_holds_the_shallow_part_of_the_tree_and_asks_o
     assert asked == [3, 3, 1]  # the root alone needs no head
 
 
-def test_a_tree_deeper_than_the_heads_is_refused_when_the_proposer_is_made():
-    model = tiny_model(0)
-    with pytest.raises(ValueError, match="depth 3 but the model has 2 Medusa heads"):
-        MedusaProposer(model, random_heads(model, num_heads=2), TREE)
-
-
 def test_usable_nodes_are_those_whose_tokens_fit_before_each_rows_stop():
     """A node at depth d emits d + 1 tokens after the root; a row whose cache holds `start` tokens stops
     at `stop_at`, so it may use depths up to stop_at - 2 - start. A finished row uses none."""
@@ -148,34 +142,6 @@ def test_every_rule_at_temperature_zero_is_greedy(rule):
         want = one_step(model, heads, prompt, TREE)[2].new_tokens
         got = one_step(model, heads, prompt, TREE, Sampling(acceptance=rule, temperature=0.0))[2].new_tokens
         assert got == want
-
-
-@torch.no_grad()
-# Compiling verify itself, dynamo traces through Tree.tensors' lru_cache (the tree's tensors become
-# constants of the graph) and says so; decode.py compiles only the model's forward, called after it.
-@pytest.mark.filterwarnings("ignore:Dynamo detected a call to a `functools.lru_cache`")
-def test_verify_is_captured_whole_by_torch_compile_and_gives_the_eager_logits():
-    """The tree's tensors are built once per tree and device (`Tree.tensors`), so the captured verify
-    has no graph break, and one graph serves every prefix length."""
-    model = tiny_model(6)
-    graphs = []
-
-    def backend(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    torch.compiler.reset()
-    compiled = torch.compile(verify, fullgraph=True, backend=backend)
-    tokens = torch.tensor([[4, 8, 15, 16, 23, 42]])
-    tree = TREE
-    for prompt in ([1, 2, 3], [5, 9, 2, 11, 7]):
-        eager_cache, graph_cache = KVCache(model.config, max_len=32), KVCache(model.config, max_len=32)
-        for cache in (eager_cache, graph_cache):
-            prefill(model, torch.tensor([prompt]), cache)
-        want, _ = verify(model, eager_cache, tree, tokens)
-        got, _ = compiled(model, graph_cache, tree, tokens)
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
-    assert len(graphs) == 1
 
 
 class HostReads(TorchFunctionMode):
