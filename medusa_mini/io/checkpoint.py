@@ -9,7 +9,7 @@ A checkpoint directory holds
 
 Saving writes every file under a temporary name first, then renames them into place with config.json
 last; if a rename fails, the files already replaced are restored, so an earlier checkpoint in the
-directory stays loadable. The safetensors reader and writer live in `safetensors_io`.
+directory stays loadable.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from typing import IO
+from typing import IO, Callable
 
 import torch
 
@@ -31,36 +31,16 @@ from .gpt2_layout import (
     gpt2_state_dict,
     load_gpt2_weights,
 )
-from .safetensors import (
-    SafetensorsError,
-    fsync_dir,
-    read_json,
-    read_safetensors,
-    read_safetensors_metadata,
-    remove_file,
-    stage_file,
-    write_safetensors,
-    write_safetensors_to,
-)
-
-__all__ = [
-    "SafetensorsError", "read_safetensors", "read_safetensors_metadata", "write_safetensors",
-    "save_checkpoint", "load_checkpoint", "load_heads",
-]
+from .safetensors import fsync_dir, read_json, read_safetensors, remove_file, stage_file, write_safetensors_to
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 HEADS_FILE = "medusa_heads.safetensors"
 HEADS_CONFIG_FILE = "medusa_config.json"
 
-# ----------------------------------------------------------------------------- checkpoint directories
 
-
-def _json_writer(obj: dict):
-    def write(f: IO[bytes]) -> None:
-        f.write((json.dumps(obj, indent=2) + "\n").encode("utf-8"))
-
-    return write
+def _json_writer(obj: dict) -> Callable[[IO[bytes]], object]:
+    return lambda f: f.write((json.dumps(obj, indent=2) + "\n").encode("utf-8"))
 
 
 def _replace_all(pairs: list[tuple[str, str]]) -> None:
@@ -101,21 +81,15 @@ def save_checkpoint(
     write_model: bool = True,
 ) -> None:
     """Save `model` (and `heads`) as a GPT-2 directory; `extra` (JSON) goes in config.json["medusa_mini"].
-
-    `eos_token_id` becomes GPT-2's bos/eos ids (GPT-2 uses one token, 50256, for both).
-    write_model=False keeps the model.safetensors already there: a frozen backbone (up to gigabytes
-    for gpt2-xl) need not be copied again at every save of its heads.
-    """
+    `eos_token_id` becomes GPT-2's bos and eos id. write_model=False keeps an existing model.safetensors,
+    so a frozen backbone (gigabytes for gpt2-xl) is not rewritten at every save of its heads."""
     directory = os.fspath(directory)
     os.makedirs(directory, exist_ok=True)
     config = gpt2_config_dict(model.config, bos_token_id=eos_token_id, eos_token_id=eos_token_id)
     config["torch_dtype"] = str(model.transformer.wte.weight.dtype).removeprefix("torch.")
     config["medusa_mini"] = extra or {}
-    # transformers refuses safetensors files whose metadata lacks format "pt".
-    if not write_model and not os.path.isfile(os.path.join(directory, WEIGHTS_FILE)):
-        write_model = True  # nothing to keep yet
-    jobs = []
-    if write_model:
+    jobs = []  # transformers refuses safetensors files whose metadata lacks format "pt"
+    if write_model or not os.path.isfile(os.path.join(directory, WEIGHTS_FILE)):
         jobs.append((WEIGHTS_FILE, lambda f: write_safetensors_to(f, gpt2_state_dict(model), {"format": "pt"})))
     if heads is not None:
         jobs.append((HEADS_FILE, lambda f: write_safetensors_to(f, heads.state_dict(), {"format": "pt"})))

@@ -28,10 +28,7 @@ from .safetensors import read_safetensors, remove_file
 GPT2_CONFIGS: dict[str, GPTConfig] = {
     name: GPTConfig(vocab_size=50257, block_size=1024, n_layer=n_layer, n_head=n_head, n_embd=n_embd)
     for name, (n_layer, n_head, n_embd) in {
-        "gpt2": (12, 12, 768),
-        "gpt2-medium": (24, 16, 1024),
-        "gpt2-large": (36, 20, 1280),
-        "gpt2-xl": (48, 25, 1600),
+        "gpt2": (12, 12, 768), "gpt2-medium": (24, 16, 1024), "gpt2-large": (36, 20, 1280), "gpt2-xl": (48, 25, 1600)
     }.items()
 }
 HUB_URL = "https://huggingface.co"
@@ -46,23 +43,14 @@ class _Interrupted(Exception):
     """The connection broke mid-transfer: the `.part` file holds what arrived and can be resumed."""
 
 
-def cache_dir_default() -> str:
-    """$MEDUSA_MINI_CACHE, else ~/.cache/medusa_mini."""
-    return os.environ.get("MEDUSA_MINI_CACHE") or os.path.expanduser("~/.cache/medusa_mini")
-
-
-# ----------------------------------------------------------------------------- download
-
-
-def _progress_line(label: str, done: int, total: int | None, rate: float) -> str:
-    size = f"{done / 1e6:.1f} MB"
-    if total:
-        size = f"{done / 1e6:.1f}/{total / 1e6:.1f} MB ({100 * done / total:.0f}%)"
-    return f"\r{label}: {size}, {rate / 1e6:.1f} MB/s"
-
-
 def _copy_body(resp, f, *, done: int, total: int | None, label: str, progress: bool) -> None:
     start_done, t0, shown = done, time.monotonic(), 0.0
+
+    def show(end: str) -> None:
+        size = f"{done / 1e6:.1f}/{total / 1e6:.1f} MB ({100 * done / total:.0f}%)" if total else f"{done / 1e6:.1f} MB"
+        rate = (done - start_done) / max(time.monotonic() - t0, 1e-9)
+        print(f"\r{label}: {size}, {rate / 1e6:.1f} MB/s", end=end, file=sys.stderr, flush=True)
+
     while True:
         try:
             chunk = resp.read(1 << 20)
@@ -72,14 +60,11 @@ def _copy_body(resp, f, *, done: int, total: int | None, label: str, progress: b
             break
         f.write(chunk)
         done += len(chunk)
-        now = time.monotonic()
-        if progress and now - shown > 0.5:
-            shown = now
-            rate = (done - start_done) / max(now - t0, 1e-9)
-            print(_progress_line(label, done, total, rate), end="", file=sys.stderr, flush=True)
+        if progress and time.monotonic() - shown > 0.5:
+            shown = time.monotonic()
+            show("")
     if progress:
-        rate = (done - start_done) / max(time.monotonic() - t0, 1e-9)
-        print(_progress_line(label, done, total, rate), file=sys.stderr)
+        show("\n")
     # http.client returns b"" when a server closes early instead of raising, so count the bytes.
     if total is not None and done < total:
         raise _Interrupted(f"connection closed after {done} of {total} bytes")
@@ -107,8 +92,7 @@ def _fetch(url: str, part: str, *, expected_size: int | None, progress: bool, ti
                 continue
             raise DownloadError(f"HTTP {e.code} {e.reason} for {url}") from None
         except (urllib.error.URLError, OSError) as e:
-            reason = getattr(e, "reason", e)
-            raise DownloadError(f"cannot connect to {url}: {reason}") from None
+            raise DownloadError(f"cannot connect to {url}: {getattr(e, 'reason', e)}") from None
         with resp:
             m = re.fullmatch(r"bytes (\d+)-\d+/(\d+|\*)", resp.headers.get("Content-Range", "").strip())
             if resp.status == 206:
@@ -130,21 +114,11 @@ def _fetch(url: str, part: str, *, expected_size: int | None, progress: bool, ti
     raise DownloadError(f"{url}: the server refused to resume or restart the download")
 
 
-def download(
-    url: str,
-    dest: str | os.PathLike,
-    *,
-    expected_size: int | None = None,
-    progress: bool = True,
-    timeout: float = 30,
-    retries: int = 2,
-) -> str:
-    """Download `url` to `dest` through `dest + ".part"`, resuming a partial file with a Range request.
-
-    A broken connection is resumed up to `retries` times; after that the `.part` file stays for the
-    next call. The file is renamed to `dest` only once its size matches `expected_size` or the
-    server's Content-Length, so `dest` never holds a partial download. Raises DownloadError.
-    """
+def download(url: str, dest: str | os.PathLike, *, expected_size: int | None = None, progress: bool = True,
+             timeout: float = 30, retries: int = 2) -> str:
+    """Download `url` to `dest` via `dest + ".part"`, resuming a partial file with a Range request (up to
+    `retries` times; then the .part file stays for the next call). `dest` appears only once the size
+    matches `expected_size` or the server's Content-Length. Raises DownloadError."""
     dest = os.fspath(dest)
     part = dest + ".part"
     os.makedirs(os.path.dirname(os.path.abspath(dest)), exist_ok=True)
@@ -169,16 +143,15 @@ def download_gpt2(name: str, *, cache_dir: str | os.PathLike | None = None, prog
     """The cache folder holding `name`'s config.json and model.safetensors, downloading what is missing."""
     if name not in GPT2_CONFIGS:
         raise ValueError(f"unknown GPT-2 model {name!r}; choose one of {', '.join(GPT2_CONFIGS)}")
-    folder = os.path.join(os.fspath(cache_dir) if cache_dir is not None else cache_dir_default(), name)
+    if cache_dir is None:
+        cache_dir = os.environ.get("MEDUSA_MINI_CACHE") or os.path.expanduser("~/.cache/medusa_mini")
+    folder = os.path.join(os.fspath(cache_dir), name)
     base = (os.environ.get("MEDUSA_MINI_HUB_URL") or HUB_URL).rstrip("/")
     for file in HUB_FILES:
         dest = os.path.join(folder, file)
         if not os.path.exists(dest):
             download(f"{base}/{name}/resolve/main/{file}", dest, progress=progress)
     return folder
-
-
-# ----------------------------------------------------------------------------- local files
 
 
 def _read_weights(path: str) -> dict[str, torch.Tensor]:
@@ -218,13 +191,10 @@ def infer_gpt2_config(tensors: dict[str, torch.Tensor], *, name: str | None = No
 def _read_local(path: str) -> tuple[GPTConfig, dict[str, torch.Tensor], str]:
     """(config, tensors, weights path) from a GPT-2 directory or a weights file."""
     if os.path.isdir(path):
-        folder = path
-        for file in ("model.safetensors", "pytorch_model.bin"):
-            weights = os.path.join(path, file)
-            if os.path.isfile(weights):
-                break
-        else:
+        found = [w for f in ("model.safetensors", "pytorch_model.bin") if os.path.isfile(w := os.path.join(path, f))]
+        if not found:
             raise ValueError(f"{path} holds neither model.safetensors nor pytorch_model.bin")
+        folder, weights = path, found[0]
     else:
         folder, weights = os.path.dirname(os.path.abspath(path)), path
     config_path = os.path.join(folder, "config.json")
@@ -242,13 +212,8 @@ def _read_local(path: str) -> tuple[GPTConfig, dict[str, torch.Tensor], str]:
     return infer_gpt2_config(tensors, name=name), tensors, weights
 
 
-def load_gpt2(
-    name_or_path: str | os.PathLike,
-    *,
-    device: torch.device | str = "cpu",
-    cache_dir: str | os.PathLike | None = None,
-    progress: bool = True,
-) -> GPT:
+def load_gpt2(name_or_path: str | os.PathLike, *, device: torch.device | str = "cpu",
+              cache_dir: str | os.PathLike | None = None, progress: bool = True) -> GPT:
     """GPT-2 as a `GPT` in eval mode, from a directory (config.json + model.safetensors or
     pytorch_model.bin), a single .safetensors/.bin file, or a hub name: gpt2, gpt2-medium, gpt2-large,
     gpt2-xl (downloaded once, then read from the cache)."""
@@ -267,18 +232,11 @@ def load_gpt2(
 
 
 def empty_gpt(config: GPTConfig, *, device: torch.device | str = "cpu") -> GPT:
-    """A GPT with uninitialised weights on `device`, for loading weights into.
-
-    Built on the meta device (shapes, no storage), then given storage on `device`: no random
-    initialisation that loading overwrites anyway (GPT-2 XL's 1.5B parameters take a while), and no
-    full copy on the CPU first. Falls back to a normal construction where a PyTorch build cannot do this.
-    """
-    try:
-        with torch.device("meta"):
-            model = GPT(config)
-        model = model.to_empty(device=device)
-        # to_empty gives every parameter entry new storage, the tied pair included: tie them again
-        model.lm_head.weight = model.transformer.wte.weight
-        return model
-    except (RuntimeError, NotImplementedError):
-        return GPT(config).to(device)
+    """A GPT with uninitialised weights on `device`, for loading weights into: built on the meta
+    device, so no random initialisation (slow for gpt2-xl) and no full copy on the CPU first."""
+    with torch.device("meta"):
+        model = GPT(config)
+    model = model.to_empty(device=device)
+    # to_empty gives every parameter entry new storage, the tied pair included: tie them again
+    model.lm_head.weight = model.transformer.wte.weight
+    return model

@@ -21,12 +21,8 @@ _PREFIX = "transformer."
 
 def gpt2_state_dict(model: GPT) -> dict[str, torch.Tensor]:
     """The model's tensors as in a transformers GPT2LMHeadModel file: lm_head omitted (it is wte),
-    Conv1D weights transposed to [in, out].
-
-    Every tensor is a view of the model's own storage, the transposed ones too: nothing is copied here.
-    The safetensors writer makes each one contiguous on the host as it writes it, one at a time, so
-    saving gpt2-xl from a GPU costs no second copy of its weights (about 5.9 GB) on the device.
-    """
+    Conv1D weights transposed to [in, out]. All are views, not copies: the writer makes each contiguous
+    on the host, so saving gpt2-xl from a GPU needs no second copy (5.9 GB) on the device."""
     wte, lm_head = model.transformer.wte.weight, model.lm_head.weight
     if lm_head is not wte and not torch.equal(lm_head, wte):
         raise ValueError("lm_head.weight is not tied to transformer.wte.weight; GPT-2 files cannot hold it")
@@ -35,13 +31,6 @@ def gpt2_state_dict(model: GPT) -> dict[str, torch.Tensor]:
         if key != "lm_head.weight":
             out[key] = t.t() if key.endswith(_CONV1D) else t
     return out
-
-
-def _config_summary(c: GPTConfig) -> str:
-    return (
-        f"n_layer={c.n_layer}, n_head={c.n_head}, n_embd={c.n_embd}, "
-        f"vocab_size={c.vocab_size}, block_size={c.block_size}"
-    )
 
 
 def check_tensors(expected: dict[str, tuple], found: dict[str, torch.Tensor], *, fits: str) -> None:
@@ -63,9 +52,7 @@ def check_tensors(expected: dict[str, tuple], found: dict[str, torch.Tensor], *,
 
 def load_gpt2_weights(model: GPT, tensors: dict[str, torch.Tensor]) -> None:
     """Copy GPT-2-layout tensors into `model`, keys with or without the "transformer." prefix.
-
-    Checks everything before copying anything, so a failed load leaves the model untouched.
-    """
+    Checks everything before copying anything, so a failed load leaves the model untouched."""
     found: dict[str, torch.Tensor] = {}
     lm_head = None
     for key, t in tensors.items():
@@ -78,7 +65,9 @@ def load_gpt2_weights(model: GPT, tensors: dict[str, torch.Tensor]) -> None:
             found[short] = t
     params = {k[len(_PREFIX):]: p for k, p in model.state_dict().items() if k.startswith(_PREFIX)}
     shapes = {k: p.shape[::-1] if k.endswith(_CONV1D) else p.shape for k, p in params.items()}
-    check_tensors(shapes, found, fits=f"this GPT ({_config_summary(model.config)})")
+    c = model.config
+    summary = f"n_layer={c.n_layer}, n_head={c.n_head}, n_embd={c.n_embd}, vocab_size={c.vocab_size}, "
+    check_tensors(shapes, found, fits=f"this GPT ({summary}block_size={c.block_size})")
     wte = found["wte.weight"]
     if lm_head is not None and not torch.equal(lm_head.to(wte.device, wte.dtype), wte):
         raise ValueError("lm_head.weight differs from wte.weight; this GPT ties them, so it cannot load it")
@@ -93,29 +82,14 @@ def gpt2_config_dict(
 ) -> dict:
     """The config.json of a transformers GPT-2 with this shape."""
     return {
-        "model_type": "gpt2",
-        "architectures": ["GPT2LMHeadModel"],
-        "vocab_size": config.vocab_size,
-        "n_positions": config.block_size,
-        "n_ctx": config.block_size,
-        "n_embd": config.n_embd,
-        "n_layer": config.n_layer,
-        "n_head": config.n_head,
-        "n_inner": None,
-        "activation_function": "gelu_new",
-        "layer_norm_epsilon": config.layer_norm_epsilon,
-        "resid_pdrop": 0.0,
-        "embd_pdrop": 0.0,
-        "attn_pdrop": 0.0,
-        "initializer_range": 0.02,
-        "scale_attn_weights": True,
-        "scale_attn_by_inverse_layer_idx": False,
-        "reorder_and_upcast_attn": False,
-        "tie_word_embeddings": True,
-        "use_cache": True,
-        "bos_token_id": bos_token_id,
-        "eos_token_id": eos_token_id,
-        "torch_dtype": "float32",
+        "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"],
+        "vocab_size": config.vocab_size, "n_positions": config.block_size, "n_ctx": config.block_size,
+        "n_embd": config.n_embd, "n_layer": config.n_layer, "n_head": config.n_head, "n_inner": None,
+        "activation_function": "gelu_new", "layer_norm_epsilon": config.layer_norm_epsilon,
+        "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "initializer_range": 0.02,
+        "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
+        "tie_word_embeddings": True, "use_cache": True,
+        "bos_token_id": bos_token_id, "eos_token_id": eos_token_id, "torch_dtype": "float32",
     }
 
 

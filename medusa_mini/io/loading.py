@@ -49,11 +49,8 @@ def eot_id_of(config: dict, enc: tiktoken.Encoding) -> int | None:
 
 
 def load_for_decoding(directory: str, *, device: torch.device, dtype: torch.dtype = torch.float32) -> Checkpoint:
-    """Model, heads (or None), tokenizer and end-of-text id from a directory train_tiny.py wrote.
-
-    `dtype` casts the backbone and the heads together (the KV cache follows the model's dtype);
-    acceptance still does its arithmetic in float32.
-    """
+    """Model, heads (or None), tokenizer and end-of-text id from a directory train_tiny.py wrote;
+    `dtype` casts the backbone and the heads together (acceptance still computes in float32)."""
     if not os.path.isdir(directory):
         raise ValueError(f"checkpoint directory {directory} does not exist; train one with train_tiny.py")
     model, heads, config = load_checkpoint(directory, device=device)

@@ -3,21 +3,22 @@
 Layout: 8-byte little-endian header length N, N bytes of JSON
 `{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {str: str}}` (padded with
 spaces so the data starts 8-byte aligned), then the raw little-endian tensor bytes; offsets count from
-the end of the header. The reader treats every file as hostile: each malformed header gives one
-SafetensorsError naming the file and the problem, and nothing is allocated before it is validated.
+the end of the header. The reader treats every file as hostile: a malformed header gives one
+SafetensorsError naming the file, and nothing is allocated before it is validated.
 
-Tensors, tokenizers and accuracy tables are saved atomically with the helpers here: a temporary
-sibling, fsync, then os.replace, so a reader sees the old file or the new one, never half of one.
+Files are saved atomically (a temporary sibling, fsync, os.replace): readers see the old or the new one.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import struct
 import sys
 import tempfile
+from collections import Counter
 from typing import IO, Callable
 
 import torch
@@ -38,17 +39,12 @@ class SafetensorsError(ValueError):
 
 
 def _require_little_endian() -> None:
-    # Tensors are stored little-endian and copied byte for byte into torch storage.
-    if sys.byteorder != "little":
+    if sys.byteorder != "little":  # tensor bytes are copied as they are into torch storage
         raise RuntimeError("safetensors I/O here assumes a little-endian machine")
 
 
-# ----------------------------------------------------------------------------- safetensors: write
-
-
 def write_safetensors_to(f: IO[bytes], tensors: dict[str, torch.Tensor], metadata: dict | None) -> None:
-    """Write the safetensors bytes of `tensors` (in their dict order) to an open binary file; a tensor
-    may be a non-contiguous view (its elements are written in row-major order of its shape)."""
+    """Write the safetensors bytes of `tensors` (in dict order) to a binary file; views are fine."""
     header: dict[str, dict] = {}
     if metadata:
         if not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
@@ -94,41 +90,31 @@ def stage_file(path: str, write: Callable[[IO[bytes]], None]) -> str:
 
 def remove_file(path: str) -> None:
     """Remove `path` if it exists."""
-    try:
+    with contextlib.suppress(FileNotFoundError):
         os.remove(path)
-    except FileNotFoundError:
-        pass
 
 
 def fsync_dir(folder: str) -> None:
     """Make renames inside `folder` durable (a no-op where a directory cannot be opened)."""
-    try:
+    with contextlib.suppress(OSError):
         fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
-def _replace_with(tmp: str, path: str) -> None:
-    """Rename the staged file `tmp` over `path` and make the rename durable; remove `tmp` on failure."""
+def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) -> None:
+    """Call `write` on a temporary sibling of `path`, then rename it over `path`: readers see the old
+    file or the new one, and a failure leaves the old file in place."""
+    path = os.fspath(path)
+    tmp = stage_file(path, write)
     try:
         os.replace(tmp, path)
     except BaseException:
         remove_file(tmp)
         raise
     fsync_dir(os.path.dirname(os.path.abspath(path)))
-
-
-def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) -> None:
-    """Call `write` on a temporary sibling of `path`, then rename it over `path`: readers see the old
-    file or the new one, never half of one, and a failure leaves the old file in place."""
-    path = os.fspath(path)
-    _replace_with(stage_file(path, write), path)
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
@@ -157,15 +143,10 @@ def write_safetensors(
     atomic_write(path, lambda f: write_safetensors_to(f, tensors, metadata))
 
 
-# ----------------------------------------------------------------------------- safetensors: read
-
-
 def _no_duplicate_keys(pairs: list[tuple[str, object]]) -> dict:
     out = dict(pairs)
     if len(out) != len(pairs):
-        seen = set()
-        dup = next(k for k, _ in pairs if k in seen or seen.add(k))
-        raise ValueError(f"duplicate key {dup!r}")
+        raise ValueError(f"duplicate key {next(k for k, n in Counter(k for k, _ in pairs).items() if n > 1)!r}")
     return out
 
 
@@ -238,9 +219,7 @@ def read_safetensors(
     path: str | os.PathLike, *, device: torch.device | str = "cpu"
 ) -> dict[str, torch.Tensor]:
     """Read every tensor of a safetensors file; raise SafetensorsError for a broken or hostile file.
-
-    Each tensor's bytes are read straight into its own storage, so peak memory is the model once.
-    """
+    Each tensor's bytes are read straight into its own storage, so peak memory is the model once."""
     _require_little_endian()
     path = os.fspath(path)
     out: dict[str, torch.Tensor] = {}
@@ -250,12 +229,8 @@ def read_safetensors(
             t = torch.empty(math.prod(shape), dtype=dtype)
             raw = memoryview(t.view(torch.uint8).numpy())
             f.seek(start + begin)
-            got = 0
-            while got < len(raw):
-                n = f.readinto(raw[got:])
-                if not n:
-                    raise SafetensorsError(f"{path}: file ended inside tensor {name!r}")
-                got += n
+            if f.readinto(raw) != len(raw):  # a buffered readinto stops short only at the end of the file
+                raise SafetensorsError(f"{path}: file ended inside tensor {name!r}")
             if dtype is torch.bool and t.numel() and int(t.view(torch.uint8).max()) > 1:
                 raise SafetensorsError(f"{path}: tensor {name!r} holds BOOL bytes other than 0 and 1")
             out[name] = t.reshape(shape).to(device)

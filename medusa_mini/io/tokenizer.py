@@ -1,27 +1,25 @@
 """Byte-level BPE tokenizer: train merges on a corpus, use them through tiktoken.
 
 Training follows GPT-2's recipe: split text into pre-tokens with GPT-2's regex, start from the 256
-single bytes, and repeatedly merge the most frequent adjacent pair. The result is a table of
-"mergeable ranks" {token bytes: rank}, exactly what ``tiktoken.Encoding`` consumes, so encoding at
-run time is tiktoken's fast Rust code and a GPT-2 encoding is a drop-in replacement.
+single bytes, and repeatedly merge the most frequent adjacent pair. The result, "mergeable ranks"
+{token bytes: rank}, is what ``tiktoken.Encoding`` consumes, so encoding runs in tiktoken's Rust code.
 
-On disk a tokenizer is a directory with two files:
-
-* ``tokenizer.tiktoken``: tiktoken's rank-file format, one ``<base64 token bytes> <rank>`` per line;
-* ``tokenizer_config.json``: ``{"type": "bpe", "pattern": ..., "special_tokens": {...}}``, or
-  ``{"type": "tiktoken", "name": "gpt2"}`` to refer to one of tiktoken's named encodings instead.
+On disk a tokenizer is a directory with ``tokenizer.tiktoken`` (tiktoken's rank file, one
+``<base64 token bytes> <rank>`` per line) and ``tokenizer_config.json`` (``{"type": "bpe", "pattern":
+..., "special_tokens": {...}}``, or ``{"type": "tiktoken", "name": "gpt2"}`` for a named encoding).
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import heapq
 import json
 import os
 import pathlib
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import regex
 import tiktoken
@@ -36,10 +34,6 @@ RANKS_FILE = "tokenizer.tiktoken"
 CONFIG_FILE = "tokenizer_config.json"
 
 Pair = tuple[int, int]
-
-
-# ----------------------------------------------------------------------------------------------
-# Training
 
 
 def _count_words(text: str, special_tokens: Sequence[str]) -> Counter[bytes]:
@@ -82,13 +76,9 @@ def train_bpe(
     vocab_size: int = 2048,
     special_tokens: Sequence[str] = DEFAULT_SPECIAL_TOKENS,
 ) -> dict[bytes, int]:
-    """Learn byte-level BPE merges on ``text``; return mergeable ranks {token bytes: rank}.
-
-    Ranks 0..255 are the single bytes; every merge adds the next rank. The vocabulary stops at
-    ``vocab_size - len(special_tokens)`` ranks (the special tokens take the ids after them), or
-    earlier once no adjacent pair occurs at least twice. Ties between equally frequent pairs go to
-    the pair whose (left rank, right rank) is smallest, so the result is deterministic.
-    """
+    """Learn byte-level BPE merges on ``text``; return mergeable ranks {token bytes: rank} (0..255 are
+    the bytes). Stops at ``vocab_size - len(special_tokens)`` ranks or once no pair occurs twice; ties go
+    to the smallest (left rank, right rank) pair, so the result is deterministic."""
     n_ranks = vocab_size - len(special_tokens)
     if n_ranks < 256:
         raise ValueError(
@@ -124,11 +114,10 @@ def train_bpe(
         merged = vocab[pair[0]] + vocab[pair[1]]
         # Two different splits can build the same bytes; reuse the existing token so ranks stay
         # unique (tiktoken requires a one-to-one map between bytes and ranks).
-        new_id = ranks.get(merged)
-        if new_id is None:
-            new_id = len(vocab)
+        if merged not in ranks:
+            ranks[merged] = len(vocab)
             vocab.append(merged)
-            ranks[merged] = new_id
+        new_id = ranks[merged]
 
         changed: dict[Pair, int] = {}
         for wid in pair_words.pop(pair):
@@ -158,10 +147,6 @@ def train_bpe(
     return ranks
 
 
-# ----------------------------------------------------------------------------------------------
-# tiktoken wrapping
-
-
 def make_encoding(
     ranks: Mapping[bytes, int],
     *,
@@ -183,18 +168,10 @@ def make_encoding(
 def _ranks_of(enc: tiktoken.Encoding) -> dict[bytes, int]:
     special_ids = {enc.encode_single_token(t) for t in enc.special_tokens_set}
     ranks = {}
-    for token_id in range(enc.n_vocab):
-        if token_id in special_ids:
-            continue
-        try:
+    for token_id in sorted(set(range(enc.n_vocab)) - special_ids):
+        with contextlib.suppress(KeyError):  # ids need not be dense
             ranks[enc.decode_single_token_bytes(token_id)] = token_id
-        except KeyError:  # ids need not be dense
-            continue
     return ranks
-
-
-# ----------------------------------------------------------------------------------------------
-# Saving and loading
 
 
 def save_tokenizer(
@@ -204,13 +181,8 @@ def save_tokenizer(
     special_tokens: Sequence[str] = DEFAULT_SPECIAL_TOKENS,
     name: str = "medusa_mini",
 ) -> pathlib.Path:
-    """Save an encoding (or bare ranks plus ``special_tokens``) to ``directory``; return it.
-
-    From an Encoding, its own special tokens and name are saved and the keyword arguments are
-    ignored.
-    """
-    directory = pathlib.Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
+    """Save an encoding (or bare ranks plus ``special_tokens`` and ``name``) to ``directory``; return it.
+    An Encoding keeps its own special tokens and name."""
     enc = enc_or_ranks
     if not isinstance(enc, tiktoken.Encoding):
         enc = make_encoding(enc, name=name, special_tokens=special_tokens)
@@ -223,17 +195,20 @@ def save_tokenizer(
         for token, rank in sorted(ranks.items(), key=lambda item: item[1])
     ]
     config = {"type": "bpe", "name": enc.name, "pattern": pattern, "special_tokens": specials}
-    atomic_write_text(directory / RANKS_FILE, "".join(lines))
-    atomic_write_text(directory / CONFIG_FILE, json.dumps(config, indent=2, ensure_ascii=False) + "\n")
-    return directory
+    return _write_config(directory, config, ranks_text="".join(lines))
 
 
 def save_tokenizer_reference(directory: str | os.PathLike[str], name: str = "gpt2") -> pathlib.Path:
     """Save a pointer to tiktoken's named encoding ``name`` (fetched by tiktoken when loaded)."""
+    return _write_config(directory, {"type": "tiktoken", "name": name})
+
+
+def _write_config(directory: str | os.PathLike[str], config: dict, *, ranks_text: str | None = None) -> pathlib.Path:
     directory = pathlib.Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    config = {"type": "tiktoken", "name": name}
-    atomic_write_text(directory / CONFIG_FILE, json.dumps(config, indent=2) + "\n")
+    if ranks_text is not None:
+        atomic_write_text(directory / RANKS_FILE, ranks_text)
+    atomic_write_text(directory / CONFIG_FILE, json.dumps(config, indent=2, ensure_ascii=False) + "\n")
     return directory
 
 
@@ -281,12 +256,11 @@ def load_tokenizer(directory: str | os.PathLike[str]) -> tiktoken.Encoding:
     if kind != "bpe":
         raise ValueError(f"corrupt tokenizer config {config_path}: unknown type {kind!r}")
 
-    pattern = config.get("pattern")
-    specials = config.get("special_tokens", {})
-    if not isinstance(pattern, str) or not isinstance(specials, dict):
+    pattern, specials = config.get("pattern"), config.get("special_tokens", {})
+    if not isinstance(pattern, str) or not isinstance(specials, dict) or not all(
+        isinstance(v, int) for v in specials.values()
+    ):
         raise ValueError(f"corrupt tokenizer config {config_path}: bad pattern or special_tokens")
-    if not all(isinstance(v, int) for v in specials.values()):
-        raise ValueError(f"corrupt tokenizer config {config_path}: special token ids must be ints")
     ranks_path = directory / RANKS_FILE
     if not ranks_path.is_file():
         raise ValueError(f"not a tokenizer directory: {ranks_path} is missing")
@@ -302,11 +276,3 @@ def load_tokenizer(directory: str | os.PathLike[str]) -> tiktoken.Encoding:
         )
     except Exception as e:  # e.g. an invalid regex
         raise ValueError(f"corrupt tokenizer config {config_path}: {e}") from None
-
-
-def encoding_bytes_per_token(enc: tiktoken.Encoding, texts: Iterable[str]) -> float:
-    """Average UTF-8 bytes per token: a quick measure of how well a tokenizer compresses."""
-    texts = list(texts)
-    n_bytes = sum(len(t.encode("utf-8")) for t in texts)
-    n_tokens = sum(len(ids) for ids in enc.encode_ordinary_batch(texts))
-    return n_bytes / max(n_tokens, 1)
