@@ -40,47 +40,35 @@ METHODS = ("plain", "greedy", "typical", "rejection")
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="decode.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ckpt", default="out/tiny", metavar="DIR", help="checkpoint directory (default: %(default)s)")
-    p.add_argument("--prompt", action="append", metavar="TEXT",
-                   help="prompt text; repeat for several (default: the checkpoint's prompts.json)")
-    p.add_argument("--num-prompts", type=int, default=8, metavar="N",
-                   help="how many stored prompts to use (default: %(default)s)")
-    p.add_argument("--max-new-tokens", type=int, default=128, metavar="N",
-                   help="tokens to generate per prompt (default: %(default)s)")
-    p.add_argument("--method", choices=METHODS,
-                   help="plain: one forward pass per token; greedy, typical, rejection: Medusa with that acceptance "
-                        "rule (rejection sampling is lossless) (default: greedy at temperature 0, rejection when "
-                        "sampling)")
+    p.add_argument("--prompt", action="append", metavar="TEXT", help="prompt text; repeat for several "
+                   "(default: the checkpoint's prompts.json)")
+    p.add_argument("--num-prompts", type=int, default=8, metavar="N", help="stored prompts used (default: 8)")
+    p.add_argument("--max-new-tokens", type=int, default=128, metavar="N", help="new tokens per prompt (default: 128)")
+    p.add_argument("--method", choices=METHODS, help="plain: one forward pass per token; else Medusa with that "
+                   "acceptance rule (default: greedy at temperature 0, rejection, which is lossless, when sampling)")
     p.add_argument("--temperature", type=float, default=None, metavar="T",
                    help=f"0 = greedy (default: 0, or {SAMPLING_TEMPERATURE} for typical and rejection)")
     p.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling mass (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="seeds the sampling generator (default: %(default)s)")
-    p.add_argument("--tree", metavar="N|NAME|FILE.json",
-                   help="N: N nodes built from the heads' measured accuracy (heads_accuracy.json); cpu, gpu, "
-                        "chainN: a preset; or a JSON list of choices (default: 8 on a CPU, 64 on CUDA, else the "
-                        "device's preset)")
-    p.add_argument("--batch-size", metavar="B",
-                   help="decode the prompts B at a time, each row with its own path and length; with --compare, a "
-                        "list (1,2,4,8) gives tokens/s per batch size (default: 1)")
+    p.add_argument("--tree", metavar="N|NAME|FILE.json", help="N nodes built from heads_accuracy.json; a preset "
+                   "(cpu, gpu, chainN); or a JSON list of choices (default: 8 on a CPU, 64 on CUDA, else a preset)")
+    p.add_argument("--batch-size", metavar="B", help="decode the prompts B at a time; with --compare, a list "
+                   "(1,2,4,8) gives tokens/s per batch size (default: 1)")
     p.add_argument("--device", help="cpu or cuda (default: cuda if available, else cpu)")
-    p.add_argument("--dtype", choices=tuple(DTYPES), default="float32",
-                   help="weights, heads and KV cache in this precision; acceptance in float32. Greedy Medusa "
-                        "equals plain greedy in float32; in half precision up to near-ties, which --compare "
-                        "reports (default: %(default)s)")
-    p.add_argument("--compile", action="store_true",
-                   help="torch.compile the plain step and the tree verify (CUDA graphs on CUDA); compilation "
-                        "runs first and is reported apart from the timings")
-    p.add_argument("--reference", action="store_true",
-                   help="decode with reference.py, the readable one-file decoder (same tokens, slower); with "
-                        "--compare, add its rows")
+    p.add_argument("--dtype", choices=tuple(DTYPES), default="float32", help="weights and KV cache in this "
+                   "precision; in half precision greedy Medusa may differ from plain greedy at near-ties, which "
+                   "--compare reports (default: %(default)s)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the plain step and the tree verify "
+                   "(CUDA graphs on CUDA), compiled before any timing")
+    p.add_argument("--reference", action="store_true", help="decode with reference.py, the readable decoder "
+                   "(same tokens, slower); with --compare, add its rows")
     mode = p.add_mutually_exclusive_group()
-    mode.add_argument("--show", action="store_true",
-                      help="print the tree and its mask, then mark the tokens of each forward pass")
+    mode.add_argument("--show", action="store_true", help="print the tree and its mask, then each pass's tokens")
     mode.add_argument("--explain", action="store_true", help="walk through one Medusa step on the first prompt")
     mode.add_argument("--compare", action="store_true", help="table: plain vs Medusa, greedy and sampling")
-    p.add_argument("--demo", action="store_true",
-                   help="with --explain: a tiny model and heads trained on the spot (a few seconds), no checkpoint")
-    p.add_argument("--plot", metavar="FILE.png",
-                   help="with --compare --batch-size B1,B2,...: draw the table (needs matplotlib)")
+    p.add_argument("--demo", action="store_true", help="with --explain: a tiny model trained on the spot, no checkpoint")
+    p.add_argument("--plot", metavar="FILE.png", help="with --compare --batch-size B1,B2,...: draw the table "
+                   "(needs matplotlib)")
     p.add_argument("--json", action="store_true", help="JSON lines per prompt (with --compare: one object)")
     return p
 
@@ -138,22 +126,22 @@ def check_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
 def prepare(a: argparse.Namespace) -> tuple[Checkpoint, Tree | None, str | None, list[tuple[str, list[int]]]]:
     """Load the checkpoint, choose the tree and encode the prompts; ValueError for anything unusable."""
     device = pick_device(a.device)
+    dtype = pick_dtype(a.dtype, device)
     if a.demo:
         print("training the demo model and its heads (a few seconds)...", file=sys.stderr)
         ck, texts = demo_checkpoint()
-        ck.model.to(device=device, dtype=pick_dtype(a.dtype, device))
-        ck.heads.to(device=device, dtype=pick_dtype(a.dtype, device))
+        ck.model.to(device=device, dtype=dtype)
+        ck.heads.to(device=device, dtype=dtype)
         tree, name = resolve_tree(a.tree or "cpu", num_heads=ck.heads.num_heads, ckpt_dir="", device=device)
         text = a.prompt[0] if a.prompt else texts[0]
         return ck, tree, name, [(text, encode_prompt(ck.enc, text, block_size=ck.block_size))]
-    ck = load_for_decoding(a.ckpt, device=device, dtype=pick_dtype(a.dtype, device))
+    ck = load_for_decoding(a.ckpt, device=device, dtype=dtype)
     needs_heads = a.method != "plain" or a.compare or a.explain or a.show
     if needs_heads and ck.heads is None:
         wanted = "--compare" if a.compare else "--explain" if a.explain else "Medusa decoding"
         raise ValueError(f"{a.ckpt} has no Medusa heads, which {wanted} needs; use --method plain or train heads")
-    tree = name = None
-    if ck.heads is not None:
-        tree, name = resolve_tree(a.tree, num_heads=ck.heads.num_heads, ckpt_dir=a.ckpt, device=device)
+    tree, name = (None, None) if ck.heads is None else resolve_tree(
+        a.tree, num_heads=ck.heads.num_heads, ckpt_dir=a.ckpt, device=device)
     texts = a.prompt if a.prompt else load_prompts(a.ckpt)[: a.num_prompts]
     prompts = []
     for i, text in enumerate(texts, start=1):

@@ -5,16 +5,11 @@
     python benchmarks/bench_step.py --configs gpt2,gpt2-xl --dtypes float32,bfloat16 --compile   # a GPU
 
 Medusa wins only if a step that verifies N candidates costs little more than a plain step. On random
-weights (speed depends on shapes, not values) this prints, in ms: a plain step (a cached 1-token
-forward and its argmax); verify N, one tree-masked forward over N nodes (the root and the first N - 1
-choices of the 'gpu' preset, or `build_tree` past it); and per Medusa tree ('cpu': 11 candidates +
-root, 'gpu': 67 + root) each stage of a greedy `medusa_step` (heads, verify, acceptance, keep_path,
-the one host read) and the whole step, over a plain step and over its verify alone (target: 1.15x).
-
-Each time is the median of --repeat runs after --warmup rounds, the steps taking turns; CUDA events
-time a GPU, a wall clock a CPU; the KV cache is reset to the same prefix before every run. --compile
-measures each config again with the plain step and the verify compiled (CUDA graphs on CUDA), the
-first round, which compiles, reported apart. Bad input ends in one line on stderr and exit status 2.
+weights (speed depends on shapes, not values) this prints, in ms: a plain step; verify N, one
+tree-masked forward over N nodes; and per Medusa tree ('cpu', 'gpu') each stage of a greedy
+`medusa_step` and the whole step, over a plain step and over its verify alone (target: 1.15x).
+Each time is the median of --repeat runs after --warmup rounds, the steps taking turns, the KV cache
+reset to the same prefix before each. --compile measures each config again with compiled steps.
 """
 
 from __future__ import annotations
@@ -92,8 +87,8 @@ def build(config: GPTConfig, *, device: torch.device, dtype: torch.dtype, seed: 
 
 def tree_stages(model: GPT, cache: KVCache, heads: MedusaHeads, tree: Tree, root: torch.Tensor,
                 hidden: torch.Tensor, *, prefix_len: int) -> dict[str, Callable[[], object]]:
-    """One callable per stage of a greedy `medusa_step` on `tree`; each stage's inputs are made once,
-    before timing, by the stages before it (same inputs every run, so the same path)."""
+    """One callable per stage of a greedy `medusa_step` on `tree`, its inputs made once before timing by
+    the stages before it (same inputs every run, so the same path)."""
     proposer, greedy = MedusaProposer(model, heads, tree), Sampling()
     span = prefix_len + tree.num_nodes  # the slots decoding reads in this step (the host knows them)
     propose = partial(proposer.propose, root, hidden, max_depth=tree.depth, sampling=greedy, generator=None)

@@ -1,9 +1,5 @@
-"""Wall clocks for decoding, kept out of the decoding loops (time around a call, in the caller), and the
-flag checks the benchmark scripts share.
-
-CUDA runs kernels asynchronously: a clock read before synchronizing measures only their launch, so
-every clock read here waits for the device first.
-"""
+"""Steps timed in turns (CUDA events on a GPU, a synchronized wall clock elsewhere), and the flag checks
+the benchmark scripts share."""
 
 from __future__ import annotations
 
@@ -14,17 +10,9 @@ from typing import Callable, Iterable, TypeVar
 
 import torch
 
-from medusa_mini.cli.common import sync_device, timed
+from medusa_mini.cli.common import sync_device
 
-G = TypeVar("G")  # a GenerationStats
 Key = TypeVar("Key")
-
-
-def timed_generation(device: torch.device | str, fn: Callable[[], tuple[list[int], G]]) -> tuple[list[int], G]:
-    """Run a generation `fn() -> (tokens, stats)`; store its wall time, prefill included, in stats.seconds."""
-    (tokens, stats), seconds = timed(device, fn)
-    stats.seconds = seconds
-    return tokens, stats
 
 
 def time_in_turns(
@@ -37,11 +25,8 @@ def time_in_turns(
     statistic: Callable[[list[float]], float] = statistics.median,
 ) -> tuple[dict[Key, float], float]:
     """Each step's time in ms (`statistic` of its repetitions), and the seconds the first round took.
-
-    The steps take turns, one call each per round, so a change in machine load touches every number
-    alike; `reset` runs untimed before every call. CUDA events time a GPU's own work, a wall clock
-    anything else. The first `warmup` rounds (allocator growth, kernel selection, compilation) count not.
-    """
+    The steps take turns, so a change in machine load touches every number alike; `reset` runs untimed
+    before every call; the first `warmup` rounds (allocation, kernel selection, compilation) count not."""
     cuda = torch.device(device).type == "cuda"
     times: dict[Key, list[float]] = {name: [] for name in steps}
     first_round = 0.0

@@ -5,16 +5,14 @@
     python benchmarks/gpu_report.py --out gpu.md --part train --append # budget (default 510 s)
     python benchmarks/gpu_report.py --device cpu --quick --out cpu.md  # the same code, small, on a CPU
 
-Parts, each running the project's own commands (this interpreter, the repository as working folder):
-step: `bench_step.py --json` per GPT-2 shape and dtype, eager and compiled on CUDA (random weights);
-train: `train_tiny.py --preset gpu` into --ckpt, seconds and peak memory per stage; decode:
-`decode.py --compare --json --dtype bfloat16 --compile` on it; batch: the same with --batch-size
-1,2,4,8,16, tokens/s and speedup per batch size.
+Parts, each running the project's own commands: step: `bench_step.py --json` per GPT-2 shape and dtype,
+eager and compiled on CUDA; train: `train_tiny.py --preset gpu` into --ckpt, seconds and peak memory per
+stage; decode: `decode.py --compare --json --dtype bfloat16 --compile` on it; batch: the same with
+--batch-size 1,2,4,8,16.
 
-The report starts with the device, torch and CUDA; each part appends its section when it ends, so a
-stopped run keeps what it finished. A command stops at --budget-s and the report says so (and how to
-measure what the step part did not reach). --quick: the smoke preset, the tiny shape, few nodes and
-prompts. Exit status: 0, 1 if a part failed (the report says why), 2 for bad flags (one line).
+Each part appends its section when it ends, so a stopped run keeps what it finished; a command stops at
+--budget-s and the report says so. Exit status: 0, 1 if a part failed (the report says why), 2 for bad
+flags (one line).
 """
 
 from __future__ import annotations
@@ -77,7 +75,7 @@ class ScriptRun:
 
 def run_script(argv: list[str], *, timeout_s: float, label: str, echo_stdout: bool = False) -> ScriptRun:
     """`python ARGV` in the repository root, stopped after timeout_s; its stderr (and with echo_stdout
-    its stdout) goes on to ours line by line, prefixed with `label`, while both are kept."""
+    its stdout) is echoed line by line, prefixed with `label`, and kept."""
     t0 = time.perf_counter()
     # A session of its own: stopping it stops what it started too (compile workers holding its pipes).
     proc = subprocess.Popen([sys.executable, *argv], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -141,8 +139,7 @@ def step_table(config: str, variants: list[dict]) -> str:
 
 
 def step_summary(by_config: dict[str, list[dict]]) -> str:
-    """The targets' figures side by side: verify over 64 nodes against a plain step, and what a whole
-    Medusa step costs against its verify alone."""
+    """The targets side by side: verify over 64 nodes against a plain step, a whole step against its verify."""
     rows = []
     for config, variants in by_config.items():
         for v in variants:

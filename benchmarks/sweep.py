@@ -3,13 +3,9 @@
     python benchmarks/sweep.py --ckpt out/tiny [--budgets 1,2,4,8,16,32] [--rules greedy,typical]
         [--num-prompts 8] [--max-new-tokens 64] [--repeat 3] [--json] [--plot sweep.png]
 
-Per node budget N (root excluded) the tree is `build_tree(acc, N)` from heads_accuracy.json, as
-`decode.py --tree N` builds it, for each rule: greedy, rejection sampling at T with top-k drafts
-(`rejection-topk`) or drafts drawn from q (`rejection-sampled`), typical acceptance. Per rule and
-budget it prints tokens/step (bonus counted), ms/step, tokens/s and the speedup over plain decoding
-of the same rule; for greedy also the product rule's estimate and on how many prompts it wrote plain
-greedy's tokens. Methods take turns prompt by prompt, the fastest of --repeat runs counts; the
-end-of-text token stops nothing; times include the prefill.
+Per node budget N (root excluded) the tree is `build_tree(acc, N)`, as `decode.py --tree N` builds it.
+Per rule and budget: tokens/step, ms/step, tokens/s and the speedup over plain decoding of the same
+rule; for greedy also the product rule's estimate and agreement with plain greedy. Fastest of --repeat.
 """
 
 from __future__ import annotations
@@ -27,10 +23,10 @@ if ROOT not in sys.path:  # run as a script from anywhere, without installing th
 
 import torch  # noqa: E402
 
-from benchmarks.clock import at_least_one, names_of, timed_generation  # noqa: E402
+from benchmarks.clock import at_least_one, names_of  # noqa: E402
 from medusa_mini.cli.common import BONUS_NOTE, DTYPES, OneLineParser, pick_device, pick_dtype  # noqa: E402
+from medusa_mini.cli.compare import Runs, fastest_in_turns, generate_once  # noqa: E402
 from medusa_mini.cli.plots import plot_node_sweep, require_matplotlib  # noqa: E402
-from medusa_mini.decoding import GenerationStats, generate, medusa_generate  # noqa: E402
 from medusa_mini.io.loading import Checkpoint, load_for_decoding, load_prompts  # noqa: E402
 from medusa_mini.sampling import Sampling  # noqa: E402
 from medusa_mini.tree import Tree, build_tree, expected_tokens_per_step  # noqa: E402
@@ -39,15 +35,12 @@ from medusa_mini.tune.acceptance_tables import SAMPLING_TEMPERATURE, load_accura
 BUDGETS = (1, 2, 4, 8, 16, 32)
 RULES = ("greedy", "rejection-topk", "rejection-sampled", "typical")
 DEFAULT_RULES = RULES[:3]
-Runs = list[tuple[list[int], GenerationStats]]  # per prompt: the new tokens and the fastest run's statistics
 
 
 def rule_sampling(rule: str, *, temperature: float) -> Sampling:
     """The Sampling a rule decodes with; the plain decoder of a rule reads only its temperature."""
-    if rule == "greedy":
-        return Sampling()
-    if rule == "typical":
-        return Sampling(acceptance="typical", temperature=temperature)
+    if rule in ("greedy", "typical"):
+        return Sampling(acceptance=rule, temperature=0.0 if rule == "greedy" else temperature)
     return Sampling(acceptance="rejection", temperature=temperature, draft=rule.split("-")[1])
 
 
@@ -80,31 +73,18 @@ def sweep_methods(acc: torch.Tensor, *, budgets: tuple[int, ...], rules: tuple[s
     return list(methods.values())
 
 
-def decode(ck: Checkpoint, m: Method, prompt: list[int], *, seed: int, max_new_tokens: int):
-    """One timed generation with its own seeded generator: (new tokens, statistics with seconds)."""
-    gen = torch.Generator(device=ck.model.device).manual_seed(seed)
-    kw = dict(max_new_tokens=max_new_tokens, sampling=m.sampling, eos_id=None, generator=gen)
-    if m.tree is None:
-        return timed_generation(ck.model.device, lambda: generate(ck.model, prompt, **kw))
-    return timed_generation(ck.model.device, lambda: medusa_generate(ck.model, ck.heads, prompt, tree=m.tree, **kw))
-
-
 def measure(ck: Checkpoint, methods: list[Method], prompts: list[list[int]], *, max_new_tokens: int, repeat: int,
             seed: int) -> dict[str, Runs]:
-    """Every method on every prompt, `repeat` times in turns; per method key, the fastest run per prompt."""
-    for m in methods:  # untimed: the first calls pay for allocation and kernel selection
-        decode(ck, m, prompts[0], seed=seed, max_new_tokens=min(8, max_new_tokens))
-    runs: dict[str, Runs] = {m.key: [] for m in methods}
-    for i, prompt in enumerate(prompts):
-        best: dict[str, tuple[list[int], GenerationStats]] = {}
-        for _ in range(repeat):
-            for m in methods:
-                tokens, stats = decode(ck, m, prompt, seed=seed + i, max_new_tokens=max_new_tokens)
-                if m.key not in best or stats.seconds < best[m.key][1].seconds:
-                    best[m.key] = (tokens, stats)
-        for key, run in best.items():
-            runs[key].append(run)
-    return runs
+    """Every method on every prompt, `repeat` times in turns, the end-of-text token stopping nothing; per
+    method key, the fastest run per prompt."""
+    by_key = {m.key: m for m in methods}
+
+    def run(key: str, prompt: list[int], i: int, n: int):
+        m = by_key[key]
+        return generate_once(ck, prompt, method="plain" if m.tree is None else "medusa", sampling=m.sampling,
+                             tree=m.tree, seed=seed + i, max_new_tokens=n, stop_at_eot=False)
+
+    return fastest_in_turns(run, list(by_key), prompts, max_new_tokens=max_new_tokens, repeat=repeat)[0]
 
 
 def speed(runs: Runs) -> dict:
@@ -194,14 +174,12 @@ def parser() -> OneLineParser:
                    help="temperature of every rule but greedy (default: %(default)s)")
     p.add_argument("--num-prompts", type=int, default=8, help="prompts drawn from prompts.json (default: 8)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens per prompt (default: 64)")
-    p.add_argument("--repeat", type=int, default=3, help="runs per generation, in turns; the fastest counts "
-                   "(default: 3)")
+    p.add_argument("--repeat", type=int, default=3, help="runs per generation; the fastest counts (default: 3)")
     p.add_argument("--seed", type=int, default=0, help="which prompts, and the sampling seeds (default: 0)")
     p.add_argument("--device", help="cpu, cuda, ... (default: cuda if available)")
     p.add_argument("--dtype", choices=tuple(DTYPES), default="float32", help="(default: float32)")
     p.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
-    p.add_argument("--plot", metavar="FILE.png", help="also draw tokens/step and tokens/s against the budget "
-                   "(needs matplotlib)")
+    p.add_argument("--plot", metavar="FILE.png", help="also draw the table (needs matplotlib)")
     return p
 
 

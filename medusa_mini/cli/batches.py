@@ -1,22 +1,13 @@
 """`decode.py --compare --batch-size 1,2,4,...`: where batching ends Medusa's speedup, measured.
 
-Speculative decoding trades spare compute for fewer passes: at batch 1 a GPU's forward pass is bound
-by reading the weights, so verifying N tree nodes costs little more than one token. As the batch
-grows each pass does B times the work, the spare compute runs out, and the tree's N x B tokens cost
-their full price while still yielding only a few accepted tokens per row. A second cost comes with
-any batch: rows accept different numbers of tokens per step, and a batch runs until its slowest row
-is done, while plain decoding's rows all need the same passes. So Medusa's speedup over plain decoding
-shrinks with the batch size and, past some batch, falls below 1x. This table measures where, on this
-device: for each batch size, plain and Medusa decoding (greedy, and rejection sampling at T = 0.8)
-over the same prompts taken B at a time, tokens/s over all rows, the speedup, tokens per step, what
-one pass costs, and how many passes the batches made against what their rows needed.
-
-Shapes: B rows per batch.
+At batch 1 a GPU's forward pass is bound by reading the weights, so verifying N tree nodes costs little
+more than one token; as the batch grows the spare compute runs out, and a batch runs until its slowest
+row is done. Per batch size: plain and Medusa decoding (greedy, and rejection sampling at T = 0.8) over
+the same prompts taken B at a time, tokens/s over all rows, the speedup, tokens per step, what one pass
+costs, and how many passes the batches made against what their rows needed.
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import torch
 
@@ -25,7 +16,7 @@ from ..io.loading import Checkpoint
 from ..sampling import Sampling
 from ..tree import Tree
 from .common import BONUS_NOTE, timed
-from .compare import REPEAT, label_of
+from .compare import REPEAT, label_of, rule_specs
 from .compiled import step_cache
 
 
@@ -48,10 +39,7 @@ def compare_batches(
     sample_temperature: float, seed: int, max_new_tokens: int, repeat: int = REPEAT,
 ) -> dict:
     """Rows of tokens/s per method and batch size over the same prompts (cycled to the largest batch)."""
-    greedy = dataclasses.replace(sampling, acceptance="greedy", temperature=0.0)
-    sampled = dataclasses.replace(greedy, acceptance="rejection", temperature=sample_temperature)
-    specs = [("plain_greedy", "plain", greedy), ("medusa_greedy", "medusa", greedy),
-             ("plain_sampling", "plain", sampled), ("medusa_rejection", "medusa", sampled)]
+    specs = [spec for spec in rule_specs(sampling, sample_temperature) if spec[0] != "medusa_typical"]
     work = [prompts[i % len(prompts)] for i in range(max(max(batch_sizes), len(prompts)))]
     rows, plain_tokens = [], {}
     for B in batch_sizes:
@@ -90,8 +78,7 @@ def compare_batches(
     return {"rows": rows, "batch_sizes": batch_sizes, "device": str(ck.model.device),
             "dtype": str(ck.model.lm_head.weight.dtype).split(".")[-1], "threads": torch.get_num_threads(),
             "prompts": len(work), "max_new_tokens": max_new_tokens, "repeat": repeat, "note": BONUS_NOTE,
-            "tree_nodes": tree.num_nodes,
-            "heads": ck.heads.config.kind if ck.heads is not None else None,
+            "tree_nodes": tree.num_nodes, "heads": ck.heads.config.kind if ck.heads is not None else None,
             "crossover": {key: crossover(rows, key) for key in ("medusa_greedy", "medusa_rejection")}}
 
 
@@ -103,9 +90,8 @@ def crossover(rows: list[dict], key: str) -> int | None:
 
 
 def why_line(result: dict, key: str) -> str:
-    """One measured sentence on why Medusa stops paying where it does: what a step costs against a plain
-    one, and how many passes a batch makes against what its rows needed (a batch runs until its
-    slowest row is done, while plain decoding's rows all need the same number of passes)."""
+    """One measured sentence on why Medusa stops paying where it does: a step's cost against a plain one,
+    and the passes a batch makes against what its rows needed (the slowest row sets the pace)."""
     rows = {(r["key"], r["batch_size"]): r for r in result["rows"]}
     sizes = result["batch_sizes"]
     plain = "plain_greedy" if "greedy" in key else "plain_sampling"

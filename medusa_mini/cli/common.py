@@ -1,8 +1,7 @@
-"""What the command-line scripts share: argument errors, loading a checkpoint for decoding, showing text.
+"""What the command-line scripts share: one-line errors, devices and dtypes, clocks, showing text.
 
-Every function here turns bad input into a one-line ValueError; a script passes it to
-`OneLineParser.error`, which prints `<prog>: error: <message>` and exits with status 2 instead of a
-traceback. Nothing here decodes (decoding.py) or loads (io/loading.py).
+Bad input is a one-line ValueError; a script passes it to `OneLineParser.error`, which prints
+`<prog>: error: <message>` and exits with status 2 instead of a traceback.
 """
 
 from __future__ import annotations
@@ -24,8 +23,8 @@ BONUS_NOTE = "tokens/step counts the bonus token (the verify pass's own next tok
 
 
 def sync_device(device: torch.device | str) -> None:
-    """Wait for `device` to finish its queued work (CUDA runs kernels asynchronously: a clock read
-    before this measures only their launch); a no-op on the CPU."""
+    """Wait for `device`'s queued work (CUDA runs kernels asynchronously: a clock read before this
+    measures only their launch); a no-op on the CPU."""
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -43,18 +42,12 @@ def as_flags(message: str) -> str:
     """A library message that starts with a setting's name, as the flag that sets it: "top_p must be ..."
     -> "--top-p must be ...". Other messages pass unchanged."""
     head, _, rest = message.partition(" ")
-    names = {"temperature", "top_p"}
-    if head in names:
-        return f"--{head.replace('_', '-')} {rest}"
-    return message
+    return f"--{head.replace('_', '-')} {rest}" if head in ("temperature", "top_p") else message
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """An ArgumentParser whose errors are one line on stderr, `<prog>: error: <message>`, exit status 2.
-
-    argparse's own error prints the whole usage block first. Scripts send their own checks (missing
-    files, impossible settings) through `error` as well, so every mistake reads the same way.
-    """
+    """An ArgumentParser whose errors are one line on stderr, `<prog>: error: <message>`, exit status 2
+    (argparse's own prints the whole usage block first); scripts send their own checks here too."""
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {' '.join(str(message).split())}\n")
@@ -97,10 +90,8 @@ def encode_prompt(enc: tiktoken.Encoding, text: str, *, block_size: int) -> list
     if not ids:
         raise ValueError("the prompt is empty; give some text with --prompt")
     if len(ids) >= block_size:
-        raise ValueError(
-            f"the prompt is {len(ids)} tokens long but the context holds {block_size}; "
-            f"shorten it to at most {block_size - 1} tokens"
-        )
+        raise ValueError(f"the prompt is {len(ids)} tokens long but the context holds {block_size}; "
+                         f"shorten it to at most {block_size - 1} tokens")
     return ids
 
 
@@ -114,25 +105,14 @@ def token_text(enc: tiktoken.Encoding, token: int) -> str:
 
 # Two background colours with black text, so even a step that produced only spaces is visible.
 _STEP_STYLES = ("\x1b[30;46m", "\x1b[30;43m")
-_RESET = "\x1b[0m"
-
-
-def style_step(text: str, index: int, *, color: bool) -> str:
-    """One step's text in its colour (alternating by step), or in [brackets] when colour is off."""
-    return f"{_STEP_STYLES[index % 2]}{text}{_RESET}" if color else f"[{text}]"
 
 
 class StepPrinter:
-    """An `on_step` callback that writes the text as it is generated, optionally marking each step.
+    """An `on_step` callback that writes the text as it is generated, each step in its colour (or in
+    [brackets]) with show_steps. An incremental decoder holds back a UTF-8 character split across two
+    steps until the rest arrives; the end-of-text token is not printed."""
 
-    A UTF-8 character may be split across two steps; an incremental decoder holds its first bytes
-    back until the rest arrive, so the joined step texts equal the decoded output. The end-of-text
-    token is not printed.
-    """
-
-    def __init__(
-        self, enc: tiktoken.Encoding, stream, *, eot_id: int | None, show_steps: bool, color: bool
-    ) -> None:
+    def __init__(self, enc: tiktoken.Encoding, stream, *, eot_id: int | None, show_steps: bool, color: bool) -> None:
         self.enc, self.stream, self.eot_id = enc, stream, eot_id
         self.show_steps, self.color = show_steps, color
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
@@ -154,33 +134,24 @@ class StepPrinter:
         return "".join(self.texts)
 
     def _write(self, text: str) -> None:
-        step = len(self.texts) - 1
-        self.stream.write(style_step(text, step, color=self.color) if self.show_steps else text)
+        if self.show_steps:
+            text = f"{_STEP_STYLES[(len(self.texts) - 1) % 2]}{text}\x1b[0m" if self.color else f"[{text}]"
+        self.stream.write(text)
         self.stream.flush()  # the reader watches the text grow, step by step
 
 
 def use_color(stream) -> bool:
     """Colour only on a terminal, and never when NO_COLOR (no-color.org) is set."""
-    if os.environ.get("NO_COLOR"):
-        return False
-    return hasattr(stream, "isatty") and stream.isatty()
-
-
-def stop_note(stats: GenerationStats, *, new_tokens: int, block_size: int) -> str:
-    if stats.stop_reason == "context":
-        return (
-            f"stopped at the context limit: {stats.prompt_tokens} prompt + {new_tokens} new tokens "
-            f"fill all {block_size} positions"
-        )
-    if stats.stop_reason == "eos":
-        return "stopped at the end-of-text token"
-    return f"stopped after max-new-tokens ({new_tokens})"
+    return not os.environ.get("NO_COLOR") and hasattr(stream, "isatty") and stream.isatty()
 
 
 def stat_line(stats: GenerationStats, *, new_tokens: int, block_size: int) -> str:
     """One line: steps, tokens/step (bonus counted), ms/token and why generation stopped."""
+    stop = f"stopped after max-new-tokens ({new_tokens})"
+    if stats.stop_reason == "context":
+        stop = (f"stopped at the context limit: {stats.prompt_tokens} prompt + {new_tokens} new tokens fill all "
+                f"{block_size} positions")
+    elif stats.stop_reason == "eos":
+        stop = "stopped at the end-of-text token"
     ms = 1000 * stats.seconds / max(new_tokens, 1)
-    return (
-        f"{stats.steps} steps, {stats.tokens_per_step:.2f} tokens/step (bonus token counted), "
-        f"{ms:.1f} ms/token, {stop_note(stats, new_tokens=new_tokens, block_size=block_size)}"
-    )
+    return f"{stats.steps} steps, {stats.tokens_per_step:.2f} tokens/step (bonus token counted), {ms:.1f} ms/token, {stop}"

@@ -1,12 +1,10 @@
 """`decode.py --compare`: five ways to decode the same prompts, timed in one run, in one table.
 
 Rows: plain greedy, Medusa greedy, Medusa typical, plain sampling, Medusa rejection sampling; with
-`--reference`, three more: the reference decoder (reference.py) under each Medusa rule, which must
-print the engine's tokens (it only takes longer). Greedy
-Medusa must make plain greedy's tokens; in float32 it does (tests/test_decoding.py), while in bfloat16
-or float16 a tree forward and a one-token forward may round a near-tie differently. So the table never
-aborts on a difference: it says on which prompt, at which new token, and how close plain decoding's
-top two logits were there.
+`--reference`, the reference decoder (reference.py) under each Medusa rule, which must print the
+engine's tokens. Greedy Medusa makes plain greedy's tokens in float32; in half precision a tree forward
+and a one-token forward may round a near-tie differently, so the table never aborts on a difference:
+it says where, and how close plain decoding's top two logits were there.
 """
 
 from __future__ import annotations
@@ -29,12 +27,13 @@ REPEAT = 3  # every generation runs this many times, methods in turns; the faste
 
 def generate_once(
     ck: Checkpoint, ids: list[int], *, method: str, sampling: Sampling, tree: Tree | None, seed: int,
-    max_new_tokens: int, on_step: Callable | None = None,
+    max_new_tokens: int, on_step: Callable | None = None, stop_at_eot: bool = True,
 ) -> tuple[list[int], GenerationStats]:
     """One generation with its own seeded generator, so each prompt's result is reproducible alone.
     The wall time of the whole call, prefill included, goes to stats.seconds."""
     gen = torch.Generator(device=ck.model.device).manual_seed(seed)
-    common = dict(max_new_tokens=max_new_tokens, sampling=sampling, eos_id=ck.eot_id, generator=gen, on_step=on_step)
+    eos_id = ck.eot_id if stop_at_eot else None
+    common = dict(max_new_tokens=max_new_tokens, sampling=sampling, eos_id=eos_id, generator=gen, on_step=on_step)
     block = ck.model.config.block_size
     if method == "plain":
         cache = step_cache(ck.model, block)  # compiled steps replay on one cache; else None: a new one
@@ -44,8 +43,8 @@ def generate_once(
     else:
         cache = step_cache(ck.model, block + tree.num_nodes)
         run = lambda: medusa_generate(ck.model, ck.heads, ids, tree=tree, cache=cache, **common)  # noqa: E731
-    (tokens, stats), stats_seconds = timed(ck.model.device, run)
-    stats.seconds = stats_seconds
+    (tokens, stats), seconds = timed(ck.model.device, run)
+    stats.seconds = seconds
     return tokens, stats
 
 
@@ -73,11 +72,8 @@ def label_of(method: str, sampling: Sampling) -> str:
 
 @torch.no_grad()
 def first_difference(ck: Checkpoint, prompt: list[int], reference: list[int], other: list[int]) -> dict | None:
-    """Where `other` first leaves `reference` (plain greedy's tokens), and plain decoding's margin there.
-
-    margin = top-1 minus top-2 logit of the backbone at that position, from one full forward over the
-    prompt and the agreed tokens: a margin near 0 is a near-tie that rounding may flip. None if equal.
-    """
+    """Where `other` first leaves `reference` (plain greedy's tokens), with the backbone's top-1 minus
+    top-2 logit there (near 0: a near-tie that rounding may flip); None if equal."""
     pos = next((i for i, (r, o) in enumerate(zip(reference, other)) if r != o), None)
     if pos is None:
         if len(reference) == len(other):
@@ -89,44 +85,58 @@ def first_difference(ck: Checkpoint, prompt: list[int], reference: list[int], ot
     return {"position": pos, "margin": float(top2[0] - top2[1])}
 
 
-def compare(
-    ck: Checkpoint, prompts: list[tuple[str, list[int]]], *, sampling: Sampling, tree: Tree, tree_name: str,
-    sample_temperature: float, seed: int, max_new_tokens: int, repeat: int = REPEAT, with_reference: bool = False,
-) -> dict:
-    """The five rows (eight `with_reference`), timed in the same run; one dict of rows, settings and
-    per-prompt differences.
+Runs = list[tuple[list[int], GenerationStats]]  # per prompt: the new tokens and the fastest run's statistics
 
-    `sampling` carries top-p, ε, δ and the draft; the sampled rows run at `sample_temperature`. Every
-    row decodes with `tree`.
-    """
-    t = sample_temperature
-    greedy = dataclasses.replace(sampling, acceptance="greedy", temperature=0.0)
-    specs = [("plain_greedy", "plain", greedy), ("medusa_greedy", "medusa", greedy),
-             ("medusa_typical", "medusa", dataclasses.replace(greedy, acceptance="typical", temperature=t)),
-             ("plain_sampling", "plain", dataclasses.replace(greedy, acceptance="rejection", temperature=t)),
-             ("medusa_rejection", "medusa", dataclasses.replace(greedy, acceptance="rejection", temperature=t))]
-    if with_reference:
-        specs += [(key.replace("medusa", "reference"), "reference", s) for key, method, s in specs if method == "medusa"]
-    once = dict(seed=seed, max_new_tokens=max_new_tokens)
-    for _, method, s in specs:  # untimed: the first calls pay for allocation, kernel setup and tree tensors
-        generate_once(ck, prompts[0][1], method=method, sampling=s, tree=tree,
-                      **{**once, "max_new_tokens": min(max_new_tokens, 8)})
+
+def fastest_in_turns(run: Callable[[str, list[int], int, int], tuple[list[int], GenerationStats]], keys: list[str],
+                     prompts: list[list[int]], *, max_new_tokens: int, repeat: int) -> tuple[dict[str, Runs], set[str]]:
+    """Per key, each prompt's fastest of `repeat` runs of run(key, ids, prompt index, max_new_tokens); and the
+    keys whose repeats made different tokens (the first run's are kept)."""
+    for key in keys:  # untimed: the first calls pay for allocation, kernel setup and tree tensors
+        run(key, prompts[0], 0, min(max_new_tokens, 8))
     # Prompt-major order, every generation `repeat` times in turns: a load spike on a shared machine
     # then slows every method alike, and the fastest of the repeats is the one it did not touch.
-    results: dict[str, list[tuple[list[int], GenerationStats]]] = {key: [] for key, *_ in specs}
+    results: dict[str, Runs] = {key: [] for key in keys}
     unsteady: set[str] = set()
-    for _, ids in prompts:
+    for i, ids in enumerate(prompts):
         best: dict[str, tuple[list[int], GenerationStats]] = {}
         for _ in range(repeat):
-            for key, method, s in specs:
-                tokens, stats = generate_once(ck, ids, method=method, sampling=s, tree=tree, **once)
+            for key in keys:
+                tokens, stats = run(key, ids, i, max_new_tokens)
                 if key in best and best[key][0] != tokens:  # seeded: repeats make the same tokens, or we say so
                     unsteady.add(key)
                     tokens = best[key][0]
                 if key not in best or stats.seconds < best[key][1].seconds:
                     best[key] = (tokens, stats)
-        for key in best:
+        for key in keys:
             results[key].append(best[key])
+    return results, unsteady
+
+
+def rule_specs(sampling: Sampling, temperature: float) -> list[tuple[str, str, Sampling]]:
+    """(key, decoder, sampling) of the five rows; the sampled ones at `temperature`, top-p and draft kept."""
+    greedy = dataclasses.replace(sampling, acceptance="greedy", temperature=0.0)
+    sampled = {rule: dataclasses.replace(greedy, acceptance=rule, temperature=temperature)
+               for rule in ("typical", "rejection")}
+    return [("plain_greedy", "plain", greedy), ("medusa_greedy", "medusa", greedy),
+            ("medusa_typical", "medusa", sampled["typical"]), ("plain_sampling", "plain", sampled["rejection"]),
+            ("medusa_rejection", "medusa", sampled["rejection"])]
+
+
+def compare(
+    ck: Checkpoint, prompts: list[tuple[str, list[int]]], *, sampling: Sampling, tree: Tree, tree_name: str,
+    sample_temperature: float, seed: int, max_new_tokens: int, repeat: int = REPEAT, with_reference: bool = False,
+) -> dict:
+    """The five rows (eight `with_reference`) on `tree`, timed in the same run, the sampled ones at
+    `sample_temperature`; one dict of rows, settings and per-prompt differences."""
+    specs = rule_specs(sampling, sample_temperature)
+    if with_reference:
+        specs += [(key.replace("medusa", "reference"), "reference", s) for key, method, s in specs if method == "medusa"]
+    spec = {key: (method, s) for key, method, s in specs}
+    results, unsteady = fastest_in_turns(
+        lambda key, ids, _, n: generate_once(ck, ids, method=spec[key][0], sampling=spec[key][1], tree=tree, seed=seed,
+                                             max_new_tokens=n), list(spec), [ids for _, ids in prompts],
+        max_new_tokens=max_new_tokens, repeat=repeat)
     rows = [summarise(key, method, s, results[key]) for key, method, s in specs]
     base = rows[0]
     for row in rows:
@@ -143,8 +153,7 @@ def compare(
             row["same_as_engine"] = sum(a == b for a, b in zip(row["tokens"], engine["tokens"]))
     return {"rows": rows, "device": str(ck.model.device), "dtype": str(ck.model.lm_head.weight.dtype).split(".")[-1],
             "threads": torch.get_num_threads(), "tree": tree_name, "tree_nodes": tree.num_nodes,
-            "prompts": len(prompts),
-            "max_new_tokens": max_new_tokens, "top_p": sampling.top_p, "repeat": repeat, "draft": sampling.draft,
+            "prompts": len(prompts), "max_new_tokens": max_new_tokens, "top_p": sampling.top_p, "repeat": repeat, "draft": sampling.draft,
             "note": BONUS_NOTE, "heads": ck.heads.config.kind if ck.heads is not None else None}
 
 

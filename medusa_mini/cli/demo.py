@@ -1,14 +1,14 @@
 """`decode.py --explain --demo`: a model and heads made on the spot, so one step can be shown on a fresh clone.
 
-No checkpoint is needed: a 2-layer GPT and four Medusa heads learn the Zen of Python (shipped with the
-interpreter as the `this` module) by heart in a few seconds (Medusa-2's joint loss, §2.2.2). A model
-that knows its text well has confident heads, so the demo shows long accepted paths; a real model's
-heads are right less often. Seeded: the same demo every run.
+A 2-layer GPT and four Medusa heads learn the Zen of Python (the `this` module) by heart in a few
+seconds (Medusa-2's joint loss, §2.2.2), so the heads are confident and the paths long. Seeded.
 """
 
 from __future__ import annotations
 
 import codecs
+import contextlib
+import io
 
 import torch
 
@@ -22,20 +22,11 @@ DEMO_NOTE = ("DEMO: a 2-layer model and its 4 heads trained for a few seconds on
              "know by heart;\nreal heads are right less often. Train one with train_tiny.py for real figures.")
 
 
-def zen_of_python() -> str:
-    """The text of `import this`, read without printing it (the module stores it in rot13)."""
-    import this  # noqa: F401  (its import prints; the caller keeps stdout for itself)
-
-    return codecs.decode(this.s, "rot13")
-
-
 def demo_checkpoint(*, steps: int = 300, seed: int = 0) -> tuple[Checkpoint, list[str]]:
     """A tiny memorising model with Medusa heads, its tokenizer and three prompts from its text."""
-    import contextlib
-    import io
-
-    with contextlib.redirect_stdout(io.StringIO()):
-        text = zen_of_python()
+    with contextlib.redirect_stdout(io.StringIO()):  # its first import prints the text; stdout is the caller's
+        import this
+    text = codecs.decode(this.s, "rot13")  # the module stores it in rot13
     enc = make_encoding(train_bpe(text, vocab_size=300))
     ids = torch.tensor(enc.encode_ordinary(text))
     torch.manual_seed(seed)

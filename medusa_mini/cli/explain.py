@@ -1,10 +1,8 @@
-"""One Medusa decoding step, walked through in words: what each head guesses, what the tree looks like,
-what the backbone says at every node, and which tokens the step keeps.
+"""One Medusa decoding step, walked through in words: what each head guesses, the tree, what the
+backbone says at every node, and which tokens the step keeps.
 
-It runs the reference's own functions (reference.py: forward, propose, tree_attention_mask, the
-acceptance walks), in the order its `medusa_generate` runs them, so the printed step is the file a
-learner reads. Dependent (hydra) heads fill the tree through the engine's proposer (the reference
-keeps to Medusa heads); verification and acceptance are the reference's.
+It runs reference.py's own functions in the order its `medusa_generate` does, so the printed step is
+the file a learner reads; dependent (hydra) heads fill the tree through the engine's proposer.
 """
 
 from __future__ import annotations
@@ -81,8 +79,7 @@ def _sampled_scores(tree: Tree, toks: list[int], labels: list[str], logits: torc
 
 
 def _propose(model, heads, tree: Tree, root: int, hidden: torch.Tensor, *, sampling: Sampling, generator):
-    """(tokens [N], drafts per node or None): the reference's propose for Medusa heads, the engine's
-    proposer for hydra heads."""
+    """(tokens [N], drafts per node or None): the reference's propose, the engine's proposer for hydra."""
     if heads.config.kind == "hydra":
         roots = torch.tensor([root], device=hidden.device)
         proposal = HydraProposer(model, heads, tree).propose(roots, hidden[None], max_depth=tree.depth,
@@ -144,9 +141,8 @@ def explain_step(
             out.append(f"head {k + 1} ({nth} token after the root): {guesses}")
     out.append("The backbone alone would need one forward pass per token to check these one by one.")
 
-    step_tree = tree
     tokens, drafts = _propose(model, heads, tree, root, hidden, sampling=sampling, generator=generator)
-    out.append(_header(3, f"Tree: {step_tree.num_nodes - 1} candidate nodes + the root"))
+    out.append(_header(3, f"Tree: {tree.num_nodes - 1} candidate nodes + the root"))
     labels = [token_text(enc, t) for t in tokens]
     if drafts is None:
         out.append("A node at depth d holds head d's guess of the listed rank"
@@ -156,25 +152,25 @@ def explain_step(
         out.append("Rejection sampling draws the candidates: a node at depth d holds the r-th token drawn from")
         out.append("the q its parent's children come from (without replacement, r = its rank); a path from the")
         out.append("root is one possible continuation. All paths are checked together next.")
-    out.append(step_tree.draw(labels))
+    out.append(tree.draw(labels))
 
     out.append(_header(4, "Tree attention mask"))
     out.append("Row = a node asking, column = a node it may look at (■ yes, · no). Every node also sees")
     out.append(f"all {L} cached prompt tokens, and sits at position {L} + its depth, as if its path were")
     out.append("the only continuation: a node sees itself and its ancestors, never its siblings.")
-    out.append(step_tree.draw_mask())
+    out.append(tree.draw_mask())
 
     out.append(_header(5, "Verify: one forward pass over all nodes"))
-    N = step_tree.num_nodes
-    mask = torch.cat([torch.ones(N, L, dtype=torch.bool), ref.tree_attention_mask(step_tree.parents)], dim=1)
-    logits, _ = ref.forward(model, tokens, [L + d for d in step_tree.depth_list], cache, mask)  # [N, V]
+    N = tree.num_nodes
+    mask = torch.cat([torch.ones(N, L, dtype=torch.bool), ref.tree_attention_mask(tree.parents)], dim=1)
+    logits, _ = ref.forward(model, tokens, [L + d for d in tree.depth_list], cache, mask)  # [N, V]
     if sampling.greedy:
-        out.extend(_greedy_scores(enc, step_tree, tokens, labels, logits))
+        out.extend(_greedy_scores(enc, tree, tokens, labels, logits))
     else:
-        out.extend(_sampled_scores(step_tree, tokens, labels, logits, drafts, sampling=sampling))
+        out.extend(_sampled_scores(tree, tokens, labels, logits, drafts, sampling=sampling))
 
     out.append(_header(6, "Accept: a path of accepted candidates, plus a bonus token"))
-    path, bonus = ref.accept(step_tree.parents, tokens, logits, sampling=sampling, generator=generator, drafts=drafts)
+    path, bonus = ref.accept(tree.parents, tokens, logits, sampling=sampling, generator=generator, drafts=drafts)
     if sampling.rule == "rejection" and drafts is not None:
         out.append("Rejection sampling: try a node's children in order, accepting x with probability")
         out.append("min(1, p(x)/q(x)) and moving p to norm(max(0, p - q)) after a miss (lossless).")

@@ -2,8 +2,7 @@
 
     python -m medusa_mini.cli.measure --ckpt out/tiny [--prompts 32] [--max-new-tokens 64]
 
-`train_tiny.py` writes the table at the end of training; run this to re-measure it, e.g. on other
-prompts or after training the heads elsewhere. The table is measured in float32.
+`train_tiny.py` writes the table at the end of training; this re-measures it, in float32.
 """
 
 from __future__ import annotations
@@ -21,14 +20,6 @@ from .common import OneLineParser, pick_device
 BUDGETS = (1, 2, 4, 8, 16, 32, 64)
 
 
-def encode_prompts(enc, texts: list[str], *, block_size: int, max_new_tokens: int) -> list[list[int]]:
-    """Token ids of each non-empty prompt, cut so the continuation still fits in the context."""
-    room = block_size - max_new_tokens
-    if room < 1:
-        raise ValueError(f"max-new-tokens {max_new_tokens} leaves no room for a prompt in {block_size} positions")
-    return [ids[:room] for ids in (enc.encode_ordinary(t) for t in texts) if ids]
-
-
 def recompute_accuracy(directory: str, *, num_prompts: int = 32, max_new_tokens: int = 64, top_k: int = 10,
                        device: torch.device | str = "cpu") -> torch.Tensor:
     """Measure the table on the greedy continuations of a checkpoint's prompts.json, save
@@ -36,8 +27,10 @@ def recompute_accuracy(directory: str, *, num_prompts: int = 32, max_new_tokens:
     ckpt = load_for_decoding(directory, device=torch.device(device))  # model, heads, tokenizer
     if ckpt.heads is None:
         raise ValueError(f"checkpoint {directory} has no Medusa heads; train heads first")
-    prompts = encode_prompts(ckpt.enc, load_prompts(directory)[:num_prompts],
-                             block_size=ckpt.block_size, max_new_tokens=max_new_tokens)
+    room = ckpt.block_size - max_new_tokens  # each prompt cut so that its continuation fits in the context
+    if room < 1:
+        raise ValueError(f"max-new-tokens {max_new_tokens} leaves no room for a prompt in {ckpt.block_size} positions")
+    prompts = [ids[:room] for ids in map(ckpt.enc.encode_ordinary, load_prompts(directory)[:num_prompts]) if ids]
     if not prompts:
         raise ValueError(f"every prompt in {os.path.join(directory, PROMPTS_FILE)} encodes to no tokens")
     greedy = continuations(ckpt.model, prompts, max_new_tokens=max_new_tokens)

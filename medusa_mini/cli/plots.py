@@ -1,12 +1,8 @@
 """Figures for the benchmark tables, as PNG files: node-budget sweeps and batch sizes.
 
-    plot_node_sweep([("static tree", sweep_rows)], "sweep.png", plain_tokens_per_s=480.0)
-    plot_batch(batch_rows, "batch.png")
-
-matplotlib is an optional extra (`pip install -e ".[plot]"`). It is imported inside the functions that
-draw, never when this module (or decode.py) is imported, and draws on the Agg canvas: no display, no
-global pyplot state. Without it, every function raises PlotError, a ValueError of one line that the
-command lines turn into exit status 2.
+matplotlib is an optional extra (`pip install -e ".[plot]"`), imported only when drawing, on the Agg
+canvas (no display, no pyplot state). Without it every function raises PlotError, a one-line ValueError
+that the command lines turn into exit status 2.
 """
 
 from __future__ import annotations
@@ -52,26 +48,15 @@ def _tokens_per_s(row: Mapping, where: str) -> float:
     return 1000.0 / _number(row, "ms_per_token", where)
 
 
-def _budget_axis(ax, budgets: list[int], label: str) -> None:
-    """Powers of two on a log2 axis, each budget a labelled tick."""
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(budgets, [str(b) for b in budgets])
-    ax.set_xlabel(label)
-    ax.grid(True, alpha=0.3)
-
-
 def plot_node_sweep(
     series: Sequence[tuple[str, Sequence[Mapping]]], path: str, *,
     plain_tokens_per_s: float | Mapping[str, float] | None = None, title: str = "",
 ) -> str:
     """Tokens/step (left) and tokens/s (right) against the node budget, one colour per named series.
 
-    series: (name, rows) pairs, e.g. ("greedy", ...), ("rejection", ...). A row holds `nodes`
-    (the budget, root excluded), `tokens_per_step` (measured, bonus counted), `tokens_per_s` or
-    `ms_per_token`, and optionally `expected_tokens_per_step` with `ms_per_step`: the expected curves,
-    dashed, are expected tokens/step and expected tokens/step at the measured step time.
-    plain_tokens_per_s draws plain decoding's speed as a dotted line; a mapping {name: tokens/s} draws
-    one per plain decoder (plain greedy and plain sampling run at different speeds). Returns path.
+    A row holds `nodes` (root excluded), `tokens_per_step`, `tokens_per_s` or `ms_per_token`, and
+    optionally `expected_tokens_per_step` (dashed; at the measured `ms_per_step` on the right).
+    plain_tokens_per_s: a dotted line, or one per plain decoder given {name: tokens/s}. Returns path.
     """
     if not series or not any(rows for _, rows in series):
         raise PlotError("plot_node_sweep: no rows to plot")
@@ -105,15 +90,11 @@ def plot_node_sweep(
                    sorted(budgets), "node budget (root excluded)", title=title, path=path)
 
 
-def plot_batch(
-    rows: Sequence[Mapping], path: str, *, speedup_methods: Sequence[str] | None = None, title: str = ""
-) -> str:
-    """Tokens/s against batch size per method (left), and the speedup against batch size (right).
+def plot_batch(rows: Sequence[Mapping], path: str, *, title: str = "") -> str:
+    """Tokens/s (left) and the speedup of every method not named "plain ..." (right) against batch size.
 
-    rows: one per (method, batch size), each with `method` (e.g. "plain greedy", "Medusa greedy",
-    "Medusa rejection (T=0.8)"), `batch_size`, `tokens_per_s` and `speedup`. The right panel shows
-    speedup_methods (default: every method not named "plain ..."), with the 1x line marked: above
-    it Medusa pays at that batch size. Returns path.
+    rows: one per (method, batch size), each with `method`, `batch_size`, `tokens_per_s` and `speedup`;
+    the 1x line marks where Medusa stops paying. Returns path.
     """
     if not rows:
         raise PlotError("plot_batch: no rows to plot")
@@ -122,8 +103,6 @@ def plot_batch(
         if not row.get("method"):
             raise PlotError(f"plot_batch: a row has no 'method'; it has {', '.join(sorted(row))}")
         by_method.setdefault(str(row["method"]), []).append(row)
-    if speedup_methods is None:
-        speedup_methods = [m for m in by_method if not m.lower().startswith("plain")]
     fig, (speed_ax, gain_ax) = _figure(2)
     sizes: set[int] = set()
     for method, mrows in by_method.items():
@@ -132,7 +111,7 @@ def plot_batch(
         b = [int(_number(r, "batch_size", where)) for r in mrows]
         sizes |= set(b)
         (line,) = speed_ax.plot(b, [_tokens_per_s(r, where) for r in mrows], marker="o", label=method)
-        if method in speedup_methods:
+        if not method.lower().startswith("plain"):
             gain_ax.plot(b, [_number(r, "speedup", where) for r in mrows], marker="o", color=line.get_color(),
                          label=method)
     gain_ax.axhline(1.0, color="black", ls="--", lw=1, label="1x: as fast as plain")
@@ -143,7 +122,10 @@ def plot_batch(
 def _finish(fig, ylabels: Mapping, ticks: list[int], xlabel: str, *, title: str, path: str) -> str:
     """Label both panels (a log2 x axis at the measured points), title the figure, save it; returns path."""
     for ax, ylabel in ylabels.items():
-        _budget_axis(ax, ticks, xlabel)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(ticks, [str(t) for t in ticks])
+        ax.set_xlabel(xlabel)
+        ax.grid(True, alpha=0.3)
         ax.set_ylabel(ylabel)
         ax.set_ylim(bottom=0)
         ax.legend(fontsize="small")

@@ -1,10 +1,8 @@
 """How often each Medusa head's guesses are accepted: the table acc[k][r] that trees are built from.
 
 acc[k][r] = P(head k+1's rank-r guess is the backbone's own greedy token k+2 places ahead), counted on
-the backbone's greedy continuations of held-out prompts: the probability that greedy acceptance takes
-the guess, given that the node above it was taken. `tree.build_tree` multiplies these along a path to
-grow the tree with the most expected tokens per step. The table is stored in heads_accuracy.json,
-which `train_tiny.py` and `python -m medusa_mini.cli.measure` write and `--tree N` reads.
+greedy continuations of held-out prompts: the chance that greedy acceptance takes the guess once the
+node above it was taken. `tree.build_tree` multiplies these along paths; heads_accuracy.json stores it.
 """
 
 from __future__ import annotations
@@ -32,11 +30,8 @@ def continuations(
     batch_size: int = 16,
 ) -> list[list[int]]:
     """Each prompt + the backbone's continuation: greedy at temperature 0 (token for token what
-    `generate` writes), else sampled at `temperature` from a generator seeded with `seed`.
-
-    Prompts of equal length need no padding, so they run together, up to `batch_size` at a time,
-    through `training.sample_continuations`.
-    """
+    `generate` writes), else sampled from a generator seeded with `seed`. Prompts of equal length run
+    together (no padding), `batch_size` at a time."""
     block, device = model.config.block_size, model.device
     by_length: dict[int, list[int]] = {}
     for i, p in enumerate(prompts):
@@ -58,14 +53,6 @@ def continuations(
     return out
 
 
-def _with_prompt_lens(
-    sequences: list[list[int]] | torch.Tensor, prompt_lens: int | Sequence[int]
-) -> tuple[list[list[int]], list[int]]:
-    """Sequences as lists of ids, and one prompt length per sequence."""
-    seqs = sequences.tolist() if isinstance(sequences, torch.Tensor) else [list(s) for s in sequences]
-    return seqs, [prompt_lens] * len(seqs) if isinstance(prompt_lens, int) else list(prompt_lens)
-
-
 @torch.no_grad()
 def measure_head_accuracy(
     model: GPT, heads: HeadsFn, sequences: list[list[int]] | torch.Tensor, *,
@@ -74,12 +61,11 @@ def measure_head_accuracy(
     """acc [K, top_k] float64: how often head k+1's rank-r guess is accepted (see the module docstring).
 
     sequences: prompt + greedy continuation (see `continuations`); prompt_lens: the prompt part of each.
-    Head k+1 reading the hidden state at position t guesses token t + k + 2; a guess counts 1 when it
-    equals that token. As in decoding, heads read positions from the prompt's last token on, and a
-    position counts for a head only where its target exists. Rows need not sum to 1: ranks beyond
-    top_k may hold the token.
+    Head k+1 at position t guesses token t + k + 2; as in decoding, heads read positions from the
+    prompt's last token on, and a position counts only where its target exists.
     """
-    seqs, plens = _with_prompt_lens(sequences, prompt_lens)
+    seqs = sequences.tolist() if isinstance(sequences, torch.Tensor) else [list(s) for s in sequences]
+    plens = [prompt_lens] * len(seqs) if isinstance(prompt_lens, int) else list(prompt_lens)
     if not seqs or len(plens) != len(seqs):
         raise ValueError("give at least one sequence and one prompt length per sequence")
     V, block, device = model.config.vocab_size, model.config.block_size, model.device
@@ -120,11 +106,8 @@ def measure_head_accuracy(
 
 
 def _following(heads: HeadsFn, idx: torch.Tensor) -> torch.Tensor | None:
-    """For dependent (hydra) heads, the true tokens after each position: idx [B, T] -> [B, T, K]
-    (x_{t+1..t+K}, 0 past the end, where no target exists); None for Medusa's heads.
-
-    Along a greedy continuation these are exactly the tokens of the tree path that greedy decoding
-    accepts, so acc[k][r] is what decoding meets."""
+    """For dependent (hydra) heads, the true tokens after each position, idx [B, T] -> [B, T, K] (0 past
+    the end): along a greedy continuation, the path greedy decoding accepts. None for Medusa's heads."""
     if heads.config.kind != "hydra":
         return None
     y = torch.cat([idx[:, 1:], torch.zeros_like(idx[:, :1])], dim=1)  # [B, T]: token t+1 at column t
@@ -142,15 +125,10 @@ def save_accuracy(directory: str | os.PathLike, acc: torch.Tensor, *, meta: dict
     return path
 
 
-def _read_accuracy_file(directory: str | os.PathLike, *, hint: str = "") -> tuple[str, object]:
-    """(path, parsed JSON) of a checkpoint's heads_accuracy.json; a one-line ValueError if unreadable."""
-    path = os.path.join(os.fspath(directory), ACCURACY_FILE)
-    return path, read_json(path, hint=hint)
-
-
 def load_accuracy(directory: str | os.PathLike) -> torch.Tensor:
     """acc [K, R] float64 from heads_accuracy.json; a one-line ValueError for a missing or bad file."""
-    path, obj = _read_accuracy_file(directory, hint=f"measure it with python -m medusa_mini.cli.measure --ckpt {directory}")
+    path = os.path.join(os.fspath(directory), ACCURACY_FILE)
+    obj = read_json(path, hint=f"measure it with python -m medusa_mini.cli.measure --ckpt {directory}")
     acc = obj.get("acc") if isinstance(obj, dict) else None
     rows = acc if isinstance(acc, list) and acc and all(isinstance(row, list) for row in acc) else [[]]
     numbers = all(isinstance(x, (int, float)) and not isinstance(x, bool) for row in rows for x in row)

@@ -1,12 +1,8 @@
 """Which tree a run decodes with: `--tree` as a preset, a node budget N, or a JSON file of choices.
 
-N builds the tree with the most expected accepted tokens for N candidate nodes (`tree.build_tree`)
-from the heads' measured accuracy, heads_accuracy.json, which training writes (and
-`python -m medusa_mini.cli.measure` re-measures). Without `--tree`, N is 8 on a CPU, where every node
-costs time, and 64 on a GPU, which verifies 64 nodes at batch 1 in about the time of one; a checkpoint
-without the table falls back to the device's preset. Every rule uses the same tree. The choice is a
-pure function of the files and the device: the same command prints the same tokens on every run.
-Errors are one-line ValueErrors.
+N builds the best tree of N nodes from heads_accuracy.json (`tree.build_tree`). Without `--tree`, N is
+8 on a CPU, where every node costs time, and 64 on a GPU, which verifies 64 nodes at batch 1 in about
+the time of one; without the table, the device's preset.
 """
 
 from __future__ import annotations

@@ -2,6 +2,7 @@
 
 import json
 import re
+
 import pytest
 import torch
 
@@ -15,13 +16,6 @@ SMALL = GPTConfig(vocab_size=64, block_size=64, n_layer=2, n_head=2, n_embd=32)
 @pytest.fixture(scope="module")
 def result() -> dict:
     return bench_config(SMALL, device=torch.device("cpu"), repeat=2, warmup=1, prefix_len=16)
-
-
-@pytest.fixture(autouse=True)
-def keep_threads():
-    threads = torch.get_num_threads()  # --threads is process-wide: give the next test its own back
-    yield
-    torch.set_num_threads(threads)
 
 
 def test_every_stage_of_both_trees_is_timed_and_the_ratios_are_the_steps_over_plain_and_verify(result):
@@ -71,6 +65,7 @@ def test_bad_input_is_one_line_and_exit_status_2_before_any_measuring(argv, need
     assert needle in err
 
 
+@pytest.mark.usefixtures("one_thread")  # restores the thread count that --threads sets process-wide
 def test_json_names_the_command_and_gives_every_dtype_its_own_column(capsys, monkeypatch):
     monkeypatch.setitem(bench_step.CONFIGS, "small", SMALL)
     main(["--configs", "small", "--repeat", "1", "--warmup", "1", "--prefix", "16", "--threads", "1",
@@ -83,12 +78,3 @@ def test_json_names_the_command_and_gives_every_dtype_its_own_column(capsys, mon
     assert all(set(r["verify_ms"]) == {"2", "100"} and not r["compiled"] for r in configs.values())
     header = next(line for line in format_table(configs, header=[]).splitlines() if "small bfloat16" in line)
     assert header.split() == ["small", "small", "bfloat16"]
-
-
-def test_timed_steps_get_their_root_on_the_device_not_as_a_python_int(monkeypatch):
-    roots = []  # an int root would be copied to the device inside every timed step, which decoding never pays
-    real = bench_step.medusa_step
-    monkeypatch.setattr(bench_step, "medusa_step", lambda model, cache, proposer, root, *a, **k: roots.append(root)
-                        or real(model, cache, proposer, root, *a, **k))
-    bench_config(SMALL, device=torch.device("cpu"), repeat=1, warmup=1, prefix_len=16, nodes=(1,))
-    assert roots and all(isinstance(r, torch.Tensor) and r.shape == (1,) for r in roots)

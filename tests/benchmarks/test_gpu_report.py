@@ -47,11 +47,9 @@ def test_quick_cpu_report_holds_every_part_with_numbers_that_agree(tmp_path):
         assert f"[{part}] done in" in r.stderr and f"_Part {part}: " in text
     steps = table(text, "tiny")
     plain, step = float(steps["plain step (1 token + argmax)"][0]), float(steps["cpu tree: whole medusa_step"][0])
-    assert plain > 0 and float(steps["verify, N = 16"][0]) > 0
-    assert float(steps["cpu tree: whole step / plain step (x)"][0]) == pytest.approx(step / plain, rel=0.05)
+    assert float(steps["verify, N = 16"][0]) > 0 and float(steps["cpu tree: whole step / plain step (x)"][0]) == pytest.approx(step / plain, rel=0.05)
     stages = table(text, "stage")
     assert {"tokenizer", "backbone", "distill", "heads", "summary"} <= set(stages)
-    assert float(stages["backbone"][0]) > 0 and float(stages["heads"][0]) > 0
     assert float(stages["whole command (start-up, data and saving too)"][0]) > sum(
         float(v[0]) for k, v in stages.items() if not k.startswith("whole"))
     rows = table(text, "method")  # the first table headed "method": decode.py --compare
@@ -93,11 +91,8 @@ def test_batch_part_asks_decode_for_every_batch_size_compiled_on_cuda_and_tabula
     rows = [line.strip("|").split(" | ") for line in section.splitlines() if line.startswith("| ")][1:]
     assert [[r["method"], str(r["batch_size"])] for r in batch_rows()] == [[c.strip() for c in row[:2]] for row in rows]
     assert [float(row[2]) for row in rows] == pytest.approx([r["tokens_per_s"] for r in batch_rows()], rel=0.01)
-
-
-def test_batch_rows_without_a_needed_field_fail_the_part_in_one_line(tmp_path, monkeypatch):
-    rows = [{k: v for k, v in batch_rows()[0].items() if k != "speedup"}]
-    faked(monkeypatch, lambda argv: ScriptRun(argv, 0, json.dumps({"rows": rows}), "", 0.5))
+    lacking = [{k: v for k, v in batch_rows()[0].items() if k != "speedup"}]  # a row without a needed field
+    faked(monkeypatch, lambda argv: ScriptRun(argv, 0, json.dumps({"rows": lacking}), "", 0.5))
     section, ok = gpu_report.batch_part(cuda_settings(tmp_path))
     assert not ok and "Failed: a row lacks speedup" in section
 

@@ -4,7 +4,6 @@ matches plain greedy, and bad input ends in one line on stderr and exit status 2
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -40,32 +39,22 @@ def json_lines(out: str) -> list[dict]:
 # ---- modes ----------------------------------------------------------------------------------
 
 
-def test_compare_table_has_five_rows_and_greedy_rows_match_plain_greedy(ckpt, capsys):
+def test_compare_prints_five_rows_and_medusa_greedy_makes_plain_greedys_tokens(ckpt, capsys):
     out = run(capsys, "--ckpt", ckpt, "--compare", "--max-new-tokens", "12")
-    rows = {
-        "plain greedy": "yes", "Medusa greedy": "yes", "Medusa typical (T=0.8)": "-",
-        "plain sampling (T=0.8)": "-", "Medusa rejection (T=0.8)": "-",
-    }
-    for label, same in rows.items():
+    for label, same in (("plain greedy", "yes"), ("Medusa greedy", "yes"), ("Medusa typical (T=0.8)", "-"),
+                        ("plain sampling (T=0.8)", "-"), ("Medusa rejection (T=0.8)", "-")):
         line = next(line for line in out.splitlines() if line.startswith(label))
         assert line.split()[-1] == same, line
-    assert "bonus token" in out and "3 prompts" in out and "tree cpu (12 nodes" in out
-    assert "max-new-tokens 12" in out and "1 thread;" in out
-    assert "fastest of 3 runs in turns" in out
-
-
-def test_compare_json_medusa_greedy_tokens_equal_plain_greedy(ckpt, capsys):
+    for needle in ("bonus token", "3 prompts", "tree cpu (12 nodes", "max-new-tokens 12", "1 thread;",
+                   "fastest of 3 runs in turns"):
+        assert needle in out, needle
     result = json.loads(run(capsys, "--ckpt", ckpt, "--compare", "--json", "--max-new-tokens", "16"))
     rows = {row["key"]: row for row in result["rows"]}
-    keys = ["plain_greedy", "medusa_greedy", "medusa_typical", "plain_sampling", "medusa_rejection"]
-    assert list(rows) == keys
+    assert list(rows) == ["plain_greedy", "medusa_greedy", "medusa_typical", "plain_sampling", "medusa_rejection"]
     assert rows["medusa_greedy"]["tokens"] == rows["plain_greedy"]["tokens"]
-    assert rows["medusa_greedy"]["same_as_plain_greedy"] is True
+    assert rows["medusa_greedy"]["same_as_plain_greedy"] is True and rows["medusa_rejection"]["same_as_plain_greedy"] is None
     assert rows["plain_greedy"]["tokens_per_step"] == 1.0 and rows["plain_greedy"]["speedup"] == 1.0
-    assert rows["medusa_rejection"]["same_as_plain_greedy"] is None
-    for row in result["rows"]:
-        assert {"steps", "tokens_per_step", "ms_per_token", "speedup", "method"} <= row.keys()
-    assert result["prompts"] == 3 and result["tree"] == "cpu" and result["tree_nodes"] == 12
+    assert (result["prompts"], result["tree"], result["tree_nodes"]) == (3, "cpu", 12)
 
 
 def test_json_gives_one_object_per_prompt(ckpt, capsys):
@@ -73,10 +62,9 @@ def test_json_gives_one_object_per_prompt(ckpt, capsys):
     objs = json_lines(out)
     assert [o["prompt"] for o in objs] == PROMPTS[:2]
     for o in objs:
-        assert o["method"] == "medusa" and o["acceptance"] == "greedy"
-        assert len(o["tokens"]) == 10 and o["stop_reason"] == "max_new_tokens"
+        assert o["method"] == "medusa" and o["acceptance"] == "greedy" and o["prompt_tokens"] > 0
+        assert len(o["tokens"]) == 10 and o["stop_reason"] == "max_new_tokens" and isinstance(o["text"], str)
         assert o["steps"] >= 1 and o["tokens_per_step"] >= 1.0 and o["seconds"] > 0
-        assert isinstance(o["text"], str) and o["prompt_tokens"] > 0
 
 
 def test_typical_acceptance_runs_to_the_token_limit(ckpt, capsys):
@@ -86,18 +74,14 @@ def test_typical_acceptance_runs_to_the_token_limit(ckpt, capsys):
         assert all(len(o["tokens"]) == n for o in json_lines(out))
 
 
-def test_explain_walks_through_one_step(ckpt, capsys):
-    out = run(capsys, "--ckpt", ckpt, "--explain")
-    for needle in ("Prefill", "Root token", "head 1", "head 2", "head 3", "head 4", "mask", "■",
-                   "backbone argmax", "accepted path", "bonus token", "emitted"):
+@pytest.mark.parametrize("rule, needles", [
+    ([], ("Prefill", "Root token", "head 1", "head 4", "mask", "■", "backbone argmax", "emitted", "[0] root")),
+    (["--method", "rejection"], ("min(1, p(x)/q(x))", "Rejection sampling draws the candidates")),  # drafts from q
+])
+def test_explain_walks_through_one_step(ckpt, capsys, rule, needles):
+    out = run(capsys, "--ckpt", ckpt, "--explain", *rule)
+    for needle in ("accepted path", "bonus token", *needles):
         assert needle in out, needle
-    assert "[0] root" in out  # the tree drawing, labelled with token text
-
-
-def test_explain_with_rejection_sampling_says_how_the_candidates_are_tried(ckpt, capsys):
-    out = run(capsys, "--ckpt", ckpt, "--explain", "--method", "rejection")
-    assert "min(1, p(x)/q(x))" in out and "accepted path" in out  # the default draft: drawn from q
-    assert "Rejection sampling draws the candidates" in out
 
 
 def test_show_brackets_each_step_and_joins_to_the_plain_text(ckpt, capsys):
@@ -105,20 +89,16 @@ def test_show_brackets_each_step_and_joins_to_the_plain_text(ckpt, capsys):
     ref = json_lines(run(capsys, *argv, "--json", "--method", "plain"))[0]
     medusa = json_lines(run(capsys, *argv, "--json"))[0]
     out = run(capsys, *argv, "--show")  # not a terminal: brackets, no colour
-    assert "\x1b[" not in out and "attention mask" in out and "[0] root" in out
+    assert "\x1b[" not in out and "attention mask" in out and "[0] root" in out and "(bonus token counted)" in out
     header = "the first from the prefill ===\n"
     shown = out[out.index(header) + len(header): out.rindex("\nstats: ")]
-    def strip(s: str) -> str:
-        return s.replace("[", "").replace("]", "")
-    assert strip(shown) == strip(ref["text"])
+    assert shown.replace("[", "").replace("]", "") == ref["text"].replace("[", "").replace("]", "")
     if "[" not in ref["text"] and "]" not in ref["text"]:
         assert shown.count("[") == medusa["steps"] + 1  # the prefill's token, then one chunk per step
-    assert "tokens/step (bonus token counted)" in out
 
 
 def test_plain_method_works_without_heads(ckpt_no_heads, capsys):
-    out = run(capsys, "--ckpt", ckpt_no_heads, "--method", "plain", "--max-new-tokens", "5",
-              "--num-prompts", "1")
+    out = run(capsys, "--ckpt", ckpt_no_heads, "--method", "plain", "--max-new-tokens", "5", "--num-prompts", "1")
     assert "plain greedy" in out and "1.00 tokens/step" in out
 
 
@@ -135,16 +115,6 @@ def test_generation_stops_cleanly_at_the_context_limit(ckpt, capsys, method):
 # ---- bad input --------------------------------------------------------------------------------
 
 
-def expect_usage_error(capsys, argv: list[str], needle: str) -> None:
-    with pytest.raises(SystemExit) as exc:
-        decode.main(argv)
-    assert exc.value.code == 2
-    err = capsys.readouterr().err
-    assert len(err.strip().splitlines()) == 1, err
-    assert err.startswith("decode.py: error: "), err
-    assert needle in err, err
-
-
 @pytest.fixture(scope="module")
 def broken_ckpt(ckpt, tmp_path_factory):
     d = tmp_path_factory.mktemp("broken") / "ckpt"
@@ -153,46 +123,29 @@ def broken_ckpt(ckpt, tmp_path_factory):
     return str(d)
 
 
-@pytest.mark.parametrize(
-    "argv, needle",
-    [
-        (["--ckpt", "{tmp}/nowhere"], "does not exist"),
-        (["--ckpt", "{broken}"], "model.safetensors"),
-        (["--ckpt", "{no_heads}"], "no Medusa heads"),
-        (["--ckpt", "{no_heads}", "--compare"], "no Medusa heads"),
-        (["--tree", "chain6"], "4 Medusa heads"),
-        (["--tree", "{tmp}/bad.json"], "not readable JSON"),
-        (["--tree", "{tmp}/orphan.json"], "no parent"),
-        (["--tree", "{tmp}/missing.json"], "does not exist"),
-        (["--tree", "oak"], "unknown tree"),
-        (["--prompt", ""], "empty"),
-        (["--prompt", "the cat " * 100], "context holds 64"),
-        (["--temperature", "-1"], "--temperature"),
-        (["--top-p", "0"], "--top-p"),
-        (["--top-p", "1.5"], "--top-p"),
-        (["--max-new-tokens", "0"], "--max-new-tokens"),
-        (["--method", "greedy", "--temperature", "0.7"], "--method greedy is for temperature 0"),
-        (["--max-new-tokens", "many"], "invalid int"),
-        (["--batch-size", "0"], "--batch-size"),
-        (["--batch-size", "2", "--show"], "--batch-size"),
-        (["--batch-size", "1,2"], "a list of sizes goes with --compare"),
-        (["--compare", "--batch-size", "1,x"], "a size >= 1"),
-        (["--plot", "{tmp}/b.png"], "--plot draws the batch table"),
-        (["--compare", "--batch-size", "1,2", "--plot", "{tmp}/no/b.png"], "folder does not exist"),
-        (["--demo"], "--demo goes with --explain"),
-        (["--tree", "0"], "between 1 and 256"),
-        (["--tree", "6"], "medusa_mini.cli.measure"),
-        (["--reference", "--method", "plain"], "--reference decodes with Medusa"),
-    ],
-)
+@pytest.mark.parametrize("argv, needle", [  # bad trees: tests/tune/test_trees.py
+    (["--ckpt", "{tmp}/nowhere"], "does not exist"), (["--ckpt", "{broken}"], "model.safetensors"),
+    (["--ckpt", "{no_heads}"], "no Medusa heads"), (["--ckpt", "{no_heads}", "--compare"], "no Medusa heads"),
+    (["--tree", "chain6"], "4 Medusa heads"), (["--prompt", ""], "empty"),
+    (["--prompt", "the cat " * 100], "context holds 64"), (["--temperature", "-1"], "--temperature"),
+    (["--top-p", "1.5"], "--top-p"), (["--max-new-tokens", "0"], "--max-new-tokens"),
+    (["--method", "greedy", "--temperature", "0.7"], "--method greedy is for temperature 0"),
+    (["--max-new-tokens", "many"], "invalid int"), (["--batch-size", "2", "--show"], "--batch-size"),
+    (["--batch-size", "1,2"], "a list of sizes goes with --compare"), (["--compare", "--batch-size", "1,x"], "a size >= 1"),
+    (["--plot", "{tmp}/b.png"], "--plot draws the batch table"), (["--demo"], "--demo goes with --explain"),
+    (["--compare", "--batch-size", "1,2", "--plot", "{tmp}/no/b.png"], "folder does not exist"),
+    (["--reference", "--method", "plain"], "--reference decodes with Medusa"),
+])
 def test_bad_input_exits_2_with_one_line(argv, needle, ckpt, ckpt_no_heads, broken_ckpt, tmp_path, capsys):
-    (tmp_path / "bad.json").write_text("{not json")
-    (tmp_path / "orphan.json").write_text(json.dumps({"choices": [[0], [1, 0]]}))
     fill = {"tmp": str(tmp_path), "broken": broken_ckpt, "no_heads": ckpt_no_heads}
     argv = [a.format(**fill) for a in argv]
     if "--ckpt" not in argv:
         argv = ["--ckpt", ckpt] + argv
-    expect_usage_error(capsys, argv, needle)
+    with pytest.raises(SystemExit) as exc:
+        decode.main(argv)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.startswith("decode.py: error: ") and err.count("\n") == 1, err
+    assert needle in err, err
 
 
 def test_help_shows_every_flag_with_its_default(capsys):
@@ -207,12 +160,6 @@ def test_help_shows_every_flag_with_its_default(capsys):
     assert len(options) <= 20, f"{len(options)} options: --help must stay readable on one screen"
 
 
-def test_exit_code_2_as_a_subprocess(ckpt):
-    bad = subprocess.run([sys.executable, os.path.join(ROOT, "decode.py"), "--ckpt", ckpt, "--tree", "chain9"],
-                         capture_output=True, text=True, cwd=ROOT, timeout=120)
-    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
-
-
 def test_tree_n_builds_n_nodes_from_the_measured_accuracy_for_every_rule(tmp_path, capsys):
     ckpt = str(tmp_path / "ck")
     save_tiny(ckpt, with_heads=True)
@@ -221,13 +168,11 @@ def test_tree_n_builds_n_nodes_from_the_measured_accuracy_for_every_rule(tmp_pat
                         "--num-prompts", "1"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["tree"] == "6" and result["tree_nodes"] == 7
-    assert decode.main(["--ckpt", ckpt, "--json", "--max-new-tokens", "4", "--num-prompts", "1"]) == 0
-    capsys.readouterr()
     assert decode.main(["--ckpt", ckpt, "--show", "--max-new-tokens", "4", "--num-prompts", "1"]) == 0
     assert "tree 8: 8 nodes + root" in capsys.readouterr().out  # the CPU default: 8 nodes from the table
 
 
-def test_two_runs_of_the_same_sampled_decode_print_the_same_tokens(tmp_path):
+def test_two_runs_of_the_same_sampled_decode_print_the_same_tokens_and_bad_input_exits_2(tmp_path):
     ckpt = str(tmp_path / "ck")
     save_tiny(ckpt, with_heads=True)
     save_accuracy(ckpt, torch.tensor([[0.6, 0.2] + [0.01] * 8] * 4, dtype=torch.float64))
@@ -238,6 +183,8 @@ def test_two_runs_of_the_same_sampled_decode_print_the_same_tokens(tmp_path):
     tokens = [[row["tokens"] for row in json_lines(r.stdout)] for r in runs]
     assert json_lines(runs[0].stdout)[0]["temperature"] == 0.8  # the sampling default when none is given
     assert tokens[0] == tokens[1] and len(tokens[0]) == 2 and all(len(t) == 16 for t in tokens[0])
+    bad = subprocess.run([*argv[:4], "--tree", "chain9"], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1, bad.stderr
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])

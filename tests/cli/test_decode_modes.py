@@ -32,7 +32,6 @@ def test_the_reference_decoder_prints_the_engines_tokens(ckpt, capsys, rule):
 def test_compare_with_the_reference_adds_its_rows_with_the_engines_tokens(ckpt, capsys):
     result = json.loads(run(capsys, "--ckpt", ckpt, "--compare", "--reference", "--json", "--max-new-tokens", "10"))
     rows = {r["key"]: r for r in result["rows"]}
-    assert {"reference_greedy", "reference_typical", "reference_rejection"} <= set(rows)
     for rule in ("greedy", "typical", "rejection"):
         assert rows[f"reference_{rule}"]["tokens"] == rows[f"medusa_{rule}"]["tokens"]
         assert rows[f"reference_{rule}"]["same_as_engine"] == result["prompts"]
@@ -40,13 +39,9 @@ def test_compare_with_the_reference_adds_its_rows_with_the_engines_tokens(ckpt, 
     assert "reference greedy" in out and "the engine's tokens on 3/3 prompts" in out
 
 
-@pytest.mark.parametrize("rule", [[], ["--method", "plain"], ["--method", "typical"]])
+@pytest.mark.parametrize("rule", [[], ["--method", "plain"]])
 def test_a_batch_of_prompts_decodes_each_as_if_alone_when_greedy(ckpt, capsys, rule):
     argv = ["--ckpt", ckpt, "--max-new-tokens", "14", *rule]
-    if rule[-1:] == ["typical"]:  # sampled rules draw from one generator per batch: same lengths, own tokens
-        got = json.loads(run(capsys, *argv, "--batch-size", "3", "--json").splitlines()[0])
-        assert got["batch_size"] == 3 and len(got["tokens"]) == 14
-        return
     assert tokens_of(capsys, *argv, "--batch-size", "2") == tokens_of(capsys, *argv)
 
 
@@ -66,9 +61,7 @@ def test_the_batch_table_has_every_method_at_every_size_and_says_where_medusa_st
     verdicts = [line for line in out.splitlines()
                 if any(v in line for v in ("stops paying at batch", "still pays at batch", "does not pay at any"))]
     assert len(verdicts) == 2  # one measured sentence per Medusa method
-    image = pytest.importorskip("matplotlib.image").imread(plot)  # [H, W, RGBA] in [0, 1]
-    assert image.shape[0] > 200 and image.shape[1] > 400  # a figure, not an empty file
-    assert (image[..., :3] < 0.5).mean() > 0.002  # something is drawn on the white page: axes, lines, text
+    assert plot.stat().st_size > 0  # what it draws: tests/cli/test_plots.py
 
 
 @pytest.mark.slow

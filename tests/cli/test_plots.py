@@ -9,6 +9,7 @@ from conftest import ROOT
 from medusa_mini.cli import plots
 from medusa_mini.cli.plots import PlotError, plot_batch, plot_node_sweep
 
+
 def assert_png(path, *, colours: int) -> None:
     """A readable figure of two panels with at least `colours` distinct line colours drawn on it (a
     blank or a single-series image fails): the pixels far from white, grey and black, counted by hue."""
@@ -38,29 +39,23 @@ def batch_rows() -> list[dict]:
     return rows
 
 
-def test_node_sweep_draws_named_series_into_a_png(tmp_path):
-    out = tmp_path / "sweep.png"
-    # a series without an expected curve carries tokens/s directly: both kinds of row draw
-    direct = [{"nodes": r["nodes"], "tokens_per_step": r["tokens_per_step"] + 0.2,
-               "tokens_per_s": 1000 / r["ms_per_token"]} for r in sweep_rows(0.5)]
-    assert plot_node_sweep([("greedy", sweep_rows(0.5)), ("rejection", direct)], str(out),
-                           plain_tokens_per_s=250.0, title="test") == str(out)
-    assert_png(out, colours=2)
+# a series without an expected curve that carries tokens/s directly instead of ms/token
+DIRECT = [{"nodes": r["nodes"], "tokens_per_step": r["tokens_per_step"] + 0.2, "tokens_per_s": 1000 / r["ms_per_token"]}
+          for r in sweep_rows(0.5)]
 
 
-def test_node_sweep_draws_one_dotted_line_per_plain_decoder(tmp_path):
+@pytest.mark.parametrize("draw, colours", [
+    (lambda path: plot_node_sweep([("greedy", sweep_rows(0.5)), ("rejection", DIRECT)], path,
+                                  plain_tokens_per_s=250.0, title="test"), 2),
     # greedy and rejection rows share the figure, each against its own plain decoder's speed
-    out = tmp_path / "sweep.png"
-    plain = {"plain greedy": 250.0, "plain sampling (T=0.8)": 240.0}
-    series = [("static, greedy", sweep_rows(0.5)), ("static, rejection", sweep_rows(0.2))]
-    assert plot_node_sweep(series, str(out), plain_tokens_per_s=plain) == str(out)
-    assert_png(out, colours=2)
-
-
-def test_batch_plot_draws_speed_and_speedup_into_a_png(tmp_path):
-    out = tmp_path / "batch.png"
-    assert plot_batch(batch_rows(), str(out), title="batch sizes") == str(out)
-    assert_png(out, colours=3)
+    (lambda path: plot_node_sweep([("static, greedy", sweep_rows(0.5)), ("static, rejection", sweep_rows(0.2))],
+                                  path, plain_tokens_per_s={"plain greedy": 250.0, "plain sampling (T=0.8)": 240.0}), 2),
+    (lambda path: plot_batch(batch_rows(), path, title="batch sizes"), 3),
+])
+def test_each_plot_draws_every_series_in_its_own_colour(tmp_path, draw, colours):
+    out = str(tmp_path / "plot.png")
+    assert draw(out) == out
+    assert_png(out, colours=colours)
 
 
 @pytest.mark.parametrize("draw", [

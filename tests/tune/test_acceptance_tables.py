@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from conftest import random_heads, tiny_model
+from conftest import tiny_model
 
 from medusa_mini.decoding import generate, medusa_generate
 from medusa_mini.heads import HeadsConfig
@@ -28,21 +28,9 @@ def _prompts(n, length=5):
     return [torch.randint(0, 64, (length,), generator=torch.Generator().manual_seed(s)).tolist() for s in range(n)]
 
 
-def test_sampled_continuations_are_seeded_and_differ_from_greedy():
-    model = tiny_model(0)
-    a = continuations(model, _prompts(3), max_new_tokens=12, temperature=1.0, seed=5)
-    assert a == continuations(model, _prompts(3), max_new_tokens=12, temperature=1.0, seed=5)
-    assert a != continuations(model, _prompts(3), max_new_tokens=12, temperature=1.0, seed=6)
-    assert a != continuations(model, _prompts(3), max_new_tokens=12)
-
-
 class LookupHeads:
-    """Heads that know the sequences in advance: they recognise a hidden state (nearest neighbour
-    among the states of the known sequences) and put the true future token at a chosen rank.
-
-    true_rank_probs[r] = chance that the true token sits at rank r (independently per position and
-    head); with the remaining chance it is outside the top 10. [1.0] makes a perfect oracle.
-    """
+    """Heads that recognise a hidden state of known sequences (nearest neighbour) and put the true future
+    token at rank r with chance true_rank_probs[r], outside the top 10 otherwise; (1.0,) is an oracle."""
 
     def __init__(self, model, sequences, *, num_heads=4, true_rank_probs=(1.0,), seed=0):
         self.num_heads, self.V = num_heads, model.config.vocab_size
@@ -79,34 +67,26 @@ class LookupHeads:
         return logits.permute(1, 0, 2).reshape(self.num_heads, *hidden.shape[:-1], self.V)[:num]
 
 
-def test_greedy_continuations_equal_plain_greedy_decoding_batched_or_not():
+def test_greedy_continuations_equal_plain_greedy_decoding_and_sampled_ones_are_seeded():
     model = tiny_model(0)
     prompts = _prompts(4) + [[3, 1, 4]]
     seqs = continuations(model, prompts, max_new_tokens=20)
     assert seqs == [p + generate(model, p, max_new_tokens=20)[0] for p in prompts]
+    sampled = continuations(model, prompts, max_new_tokens=20, temperature=1.0, seed=5)
+    assert sampled == continuations(model, prompts, max_new_tokens=20, temperature=1.0, seed=5) != seqs
+    assert sampled != continuations(model, prompts, max_new_tokens=20, temperature=1.0, seed=6)
 
 
-def test_oracle_heads_measure_top1_accuracy_one_and_random_heads_something_small():
-    model = tiny_model(0)
-    prompts = _prompts(4)
-    seqs = continuations(model, prompts, max_new_tokens=30)
-    oracle = LookupHeads(model, seqs)
-    acc = measure_head_accuracy(model, oracle, seqs, prompt_lens=5, top_k=10)
-    assert acc.shape == (4, 10)
-    assert acc.dtype == torch.float64 and acc[:, 0].tolist() == [1.0] * 4 and acc[:, 1:].sum() == 0
-    rand = measure_head_accuracy(model, random_heads(model), torch.tensor(seqs), prompt_lens=5, top_k=10)
-    assert rand[:, 0].mean() < 0.3
-
-
-def test_measured_accuracy_counts_ranks_and_only_positions_with_a_target():
+@pytest.mark.parametrize("true_rank_probs, atol", [((1.0,), 0.0), ((0.5, 0.3), 0.12)])
+def test_measured_accuracy_counts_ranks_and_only_positions_with_a_target(true_rank_probs, atol):
     model = tiny_model(1)
     seqs = continuations(model, _prompts(6), max_new_tokens=40)
-    heads = LookupHeads(model, seqs, true_rank_probs=(0.5, 0.3), seed=1)
-    acc = measure_head_accuracy(model, heads, seqs, prompt_lens=5, top_k=10, batch_size=4, chunk=16)
-    # 6 sequences x ~40 positions per head: the measured rates sit near 0.5 / 0.3 / 0 / 0.2 absent
-    assert torch.allclose(acc[:, 0], torch.full((4,), 0.5, dtype=acc.dtype), atol=0.12)
-    assert torch.allclose(acc[:, 1], torch.full((4,), 0.3, dtype=acc.dtype), atol=0.12)
-    assert acc[:, 2:].sum() == 0
+    heads = LookupHeads(model, seqs, true_rank_probs=true_rank_probs, seed=1)
+    acc = measure_head_accuracy(model, heads, torch.tensor(seqs), prompt_lens=5, top_k=10, batch_size=4, chunk=16)
+    # 6 sequences x ~40 positions per head: the measured rates sit near the chances of each rank, 0 past them
+    want = torch.tensor([*true_rank_probs, 0.0, 0.0], dtype=torch.float64)[None].expand(4, -1)
+    assert acc.shape == (4, 10) and acc.dtype == torch.float64 and acc[:, 2:].sum() == 0
+    assert torch.allclose(acc[:, :2], want[:, :2], atol=atol)
 
 
 def test_measured_accuracy_predicts_measured_tokens_per_step():
@@ -140,14 +120,10 @@ def test_the_printed_table_shows_each_heads_cumulative_top1_and_top5():
 
 @pytest.mark.parametrize("content", [
     "not json", "[1, 2]", '{"acc": []}', '{"acc": [[0.5], [0.5, 0.2]]}', '{"acc": [[0.5, "x"]]}',
-    '{"acc": [[1.5]]}', '{"acc": [[0.5, 0.2]], "top_k": 3}', '{"acc": [[true]]}',
+    '{"acc": [[1.5]]}', '{"acc": [[0.5, 0.2]], "top_k": 3}', '{"acc": [[true]]}', None,
 ])
-def test_a_bad_accuracy_file_gives_a_clear_error(tmp_path, content):
-    (tmp_path / "heads_accuracy.json").write_text(content)
-    with pytest.raises(ValueError, match="heads_accuracy.json"):
-        load_accuracy(tmp_path)
-
-
-def test_a_missing_accuracy_file_says_how_to_make_one(tmp_path):
-    with pytest.raises(ValueError, match="medusa_mini.cli.measure --ckpt"):
+def test_a_bad_or_missing_accuracy_file_gives_a_clear_error(tmp_path, content):
+    if content is not None:
+        (tmp_path / "heads_accuracy.json").write_text(content)
+    with pytest.raises(ValueError, match="heads_accuracy.json" if content else "medusa_mini.cli.measure --ckpt"):
         load_accuracy(tmp_path)

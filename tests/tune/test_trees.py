@@ -52,8 +52,7 @@ def test_a_json_file_of_choices_is_a_tree(tmp_path, monkeypatch, content):
 
 
 @pytest.mark.parametrize("spec, content, message", [
-    ("huge", None, r"unknown tree 'huge'"),
-    ("0", None, r"--tree 0: a node budget must be between 1 and 256"),
+    ("huge", None, r"unknown tree 'huge'"), ("0", None, r"--tree 0: a node budget must be between 1 and 256"),
     ("300", None, r"--tree 300: a node budget must be between 1 and 256"),
     ("8", None, r"--tree 8 needs heads accuracies: run python -m medusa_mini.cli.measure --ckpt"),
     ("gone.json", None, r"tree file gone.json does not exist"),
