@@ -24,11 +24,9 @@ from medusa_mini.train.run import STATE_FILE, run
 
 
 def _bool(text: str) -> bool:
-    if text.lower() in ("1", "true", "yes"):
-        return True
-    if text.lower() in ("0", "false", "no"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true or false, not {text!r}")
+    if text.lower() not in ("1", "true", "yes", "0", "false", "no"):
+        raise argparse.ArgumentTypeError(f"expected true or false, not {text!r}")
+    return text.lower() in ("1", "true", "yes")
 
 
 def parse_args(argv: list[str] | None = None) -> TrainArgs:
@@ -52,34 +50,23 @@ def parse_args(argv: list[str] | None = None) -> TrainArgs:
     hp = p.add_argument_group("hyper-parameters (defaults: the preset's)")
     for name, default in TrainArgs.overridable().items():
         flag = "--" + name.replace("_", "-")
-        kind = type(default)
-        text = FLAG_HELP.get(name, "") + f" (the preset's; cpu: {default})"
-        if kind is bool:
-            hp.add_argument(flag, type=_bool, metavar="BOOL", help=text)
-        else:
-            hp.add_argument(flag, type=kind, metavar=kind.__name__.upper(), help=text)
+        kind = _bool if type(default) is bool else type(default)
+        hp.add_argument(flag, type=kind, metavar=type(default).__name__.upper(),
+                        help=FLAG_HELP.get(name, "") + f" (the preset's; cpu: {default})")
     p.add_argument("--interrupt-at", help=argparse.SUPPRESS)  # tests: simulate Ctrl-C at STAGE:STEP
     ns = p.parse_args(argv)
     try:
         device = str(pick_device(ns.device))
-    except ValueError as e:
-        p.error(str(e))
-    dtype = ns.dtype or default_dtype(device)
-    try:
+        dtype = ns.dtype or default_dtype(device)
         check_dtype(dtype, device)
-    except TrainError as e:
+    except (ValueError, TrainError) as e:
         p.error(str(e))
     for name in ("threads", "save_every"):
         if getattr(ns, name) is not None and getattr(ns, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
-    if ns.init:
-        preset = ns.preset or ("gpt2" if device.startswith("cuda") else "gpt2-cpu")
-    else:
-        preset = ns.preset or ("gpu" if device.startswith("cuda") else "cpu")
-    values = dict(PRESETS[preset])
-    for name in TrainArgs.overridable():
-        if getattr(ns, name) is not None:
-            values[name] = getattr(ns, name)
+    cuda = device.startswith("cuda")
+    preset = ns.preset or (("gpt2" if cuda else "gpt2-cpu") if ns.init else ("gpu" if cuda else "cpu"))
+    values = {**PRESETS[preset], **{n: getattr(ns, n) for n in TrainArgs.overridable() if getattr(ns, n) is not None}}
     try:
         return TrainArgs(
             preset=preset, data=ns.data, out=ns.out, init=ns.init, tokenizer=ns.tokenizer, resume=ns.resume, seed=ns.seed,

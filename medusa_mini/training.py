@@ -31,11 +31,9 @@ def lm_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def head_targets(y: torch.Tensor, k: int, valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Targets of head k (1-based) at every position: y shifted left by k, with a validity mask.
+    """Head k (1-based) at t predicts token t+k+1 = y[:, t + k] (paper §2.1.1); the last k positions have none.
 
-    y[:, t] is token t+1, so head k at t must predict y[:, t + k] (token t+k+1). The last k
-    positions have no target. valid [B, T] (optional) marks targets that may be trained on.
-    Returns targets [B, T] (0 where invalid) and mask [B, T] bool.
+    valid [B, T] (optional) marks trainable targets. Returns targets [B, T] (0 where invalid), mask [B, T].
     """
     B, T = y.shape
     tgt = torch.zeros_like(y)
@@ -50,12 +48,8 @@ def medusa_head_losses(
     head_logits: torch.Tensor, y: torch.Tensor, *, valid: torch.Tensor | None = None,
     positions: torch.Tensor | None = None,
 ) -> tuple[list[torch.Tensor], list[float]]:
-    """Per-head cross-entropy and top-1 accuracy, the plain way: the definition `chunked_head_loss` must
-    reproduce. head_logits [K, B, T', V], y [B, T] -> K losses, K accs.
-
-    positions [T'] (optional): the columns of y the head logits were computed at (default: all T).
-    Boolean-mask indexing and `.item()` wait for the device; training uses `chunked_head_loss`.
-    """
+    """Per-head cross-entropy and top-1 accuracy the plain way (it waits for the device): the reference
+    `chunked_head_loss` must reproduce. head_logits [K, B, T', V] at columns `positions` of y [B, T]."""
     losses, accs = [], []
     for i in range(head_logits.shape[0]):
         tgt, mask = head_targets(y, i + 1, valid)
@@ -78,11 +72,7 @@ IGNORE = -100  # F.cross_entropy's default ignore_index: a position with no targ
 def stacked_head_targets(
     y: torch.Tensor, num_heads: int, *, valid: torch.Tensor | None = None, positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """All K heads' targets as one tensor [K, B, T'], IGNORE where a head has no (trainable) target.
-
-    Marking invalid positions instead of removing them keeps every shape fixed, so nothing has to wait
-    for the device to count them (boolean-mask indexing would).
-    """
+    """All K heads' targets [K, B, T'], IGNORE where none: fixed shapes, so nothing waits for the device."""
     rows = []
     for k in range(1, num_heads + 1):
         tgt, mask = head_targets(y, k, valid)  # [B, T] each
@@ -91,21 +81,15 @@ def stacked_head_targets(
     return targets if positions is None else targets[:, :, positions]  # [K, B, T']
 
 
-# Logits per chunk, K x positions x V elements (256 MB in float32). The cpu preset's heads stage
-# (4 x 32·127 x 2048 ≈ 33M) fits in one chunk, so its numbers match the unchunked loss bit for bit;
-# GPT-2's vocabulary (4 x 32·159 x 50257 ≈ 1G) takes 16 chunks instead of 4 GB at once.
-HEAD_LOGITS_PER_CHUNK = 2**26
-
-
-def head_chunk_size(num_heads: int, vocab_size: int, *, budget: int = HEAD_LOGITS_PER_CHUNK) -> int:
-    """Positions per chunk so that one chunk's logits [K, positions, V] hold at most `budget` elements."""
+def head_chunk_size(num_heads: int, vocab_size: int, *, budget: int = 2**26) -> int:
+    """Positions per chunk so one chunk's logits [K, positions, V] hold at most `budget` (256 MB float32):
+    the cpu preset's heads stage fits in one chunk (exact), GPT-2's vocabulary takes 16, not 4 GB at once."""
     return max(1, budget // (num_heads * vocab_size))
 
 
 def _chunk_head_sums(heads: nn.Module, lm_head: nn.Module, h: torch.Tensor, targets: torch.Tensor,
                      tokens: torch.Tensor | None, wte: nn.Module | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """One chunk: h [M, C], targets [K, M], tokens [M, K] or None -> summed cross-entropy per head [K]
-    and top-1 hits [K]."""
+    """h [M, C], targets [K, M], tokens [M, K] or None -> summed cross-entropy [K] and top-1 hits [K]."""
     logits = heads(h, lm_head) if tokens is None else heads(h, lm_head, tokens=tokens, wte=wte)
     logits = logits.float()  # [K, M, V]
     K, M, V = logits.shape
@@ -118,16 +102,13 @@ def chunked_head_loss(
     heads: nn.Module, lm_head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, *,
     tokens: torch.Tensor | None = None, wte: nn.Module | None = None, chunk_size: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Medusa heads' cross-entropy (paper §2.2.1) without materialising all K x B x T x V logits at once.
+    """Medusa heads' cross-entropy (paper §2.2.1) without all K x B x T x V logits at once.
 
-    hidden [B, T, C], targets [K, B, T] (IGNORE where none) -> mean cross-entropy per head [K] and
-    top-1 accuracy per head [K] (detached), both over the positions that have a target; 0 for a head
-    with none. Positions go through heads -> lm_head -> cross-entropy `chunk_size` at a time
-    (default: head_chunk_size). With more than one chunk each runs under torch.utils.checkpoint: its
-    logits are freed after the forward and recomputed in the backward, so both passes hold one chunk's
-    logits at a time, at the price of computing the heads and the lm_head twice. Everything stays on
-    the device: no `.item()`, no data-dependent shapes. Dependent (Hydra) heads also read tokens
-    [B, T, K], the true x_{t+1..t+K} at each position (hydra.next_tokens), through the embedding wte.
+    hidden [B, T, C], targets [K, B, T] (IGNORE where none) -> mean cross-entropy [K] and detached top-1
+    accuracy [K] over the positions with a target (0 for none). `chunk_size` positions at a time
+    (default: head_chunk_size); with several chunks each runs under torch.utils.checkpoint, so both
+    passes hold one chunk's logits, at the price of computing them twice. No `.item()`, no
+    data-dependent shapes. Hydra heads also read tokens [B, T, K] (hydra.next_tokens) through wte.
     """
     K, C = targets.shape[0], hidden.shape[-1]
     h = hidden.reshape(-1, C)  # [B·T, C]
@@ -177,36 +158,22 @@ class MedusaLM(nn.Module):
         self.heads = heads
 
     def forward(
-        self,
-        x: torch.Tensor,
-        y: torch.Tensor,
-        *,
-        lm_weight: float,
-        heads_weight: float,
-        decay: float,
-        valid: torch.Tensor | None = None,
-        detach_backbone: bool = False,
-        heads_stride: int = 1,
-        heads_offset: int = 0,
-        heads_chunk: int | None = None,
+        self, x: torch.Tensor, y: torch.Tensor, *, lm_weight: float, heads_weight: float, decay: float,
+        valid: torch.Tensor | None = None, detach_backbone: bool = False, heads_stride: int = 1,
+        heads_offset: int = 0, heads_chunk: int | None = None,
     ) -> tuple[torch.Tensor, dict]:
-        """Total loss and a metrics dict of detached tensors. x, y: [B, T]; valid [B, T] marks trainable targets.
+        """Total loss and detached on-device metrics ("lm" [], "heads" [K], "acc" [K]); x, y, valid: [B, T].
 
-        heads_stride s > 1 trains the heads at every s-th position only (from heads_offset):
-        K full-vocabulary projections per position would otherwise cost more than the backbone; the caller
-        moves heads_offset each step so every position is trained in turn. heads_chunk: positions per
-        chunk of the heads' loss (see chunked_head_loss). Metrics stay on the device ("lm" [], "heads"
-        [K], "acc" [K]) so a training step never waits for them; the caller reads them when it prints.
+        heads_stride s > 1 trains the heads at every s-th position from heads_offset only (K vocabulary
+        projections per position cost more than the backbone); the caller moves the offset each step.
         """
+        loss = torch.zeros((), device=x.device)
+        metrics: dict = {}
         if lm_weight == 0.0 and detach_backbone:
             with torch.no_grad():  # frozen backbone: hidden states only, no lm_head over all positions
                 _, hidden = self.model(x, logits_at=slice(0, 0))
-            logits = None
         else:
             logits, hidden = self.model(x)
-        loss = torch.zeros((), device=x.device)
-        metrics: dict = {}
-        if logits is not None:
             ce = lm_loss(logits, y)
             metrics["lm"] = ce.detach()
             loss = loss + lm_weight * ce
@@ -232,17 +199,11 @@ class MedusaLM(nn.Module):
 
 @torch.no_grad()
 def sample_continuations(
-    model: GPT,
-    prompts: torch.Tensor,
-    *,
-    max_new_tokens: int,
-    temperature: float,
+    model: GPT, prompts: torch.Tensor, *, max_new_tokens: int, temperature: float,
     generator: torch.Generator | None = None,
 ) -> torch.Tensor:
-    """Self-distillation data: continue B equal-length prompts [B, P] with the backbone -> [B, P + n].
-
-    Batched decoding with the KV cache; temperature 0 is greedy. Equal lengths need no padding.
-    """
+    """Self-distillation data (paper §2.3.2): the backbone continues prompts [B, P] -> [B, P + n], batched
+    with the KV cache; temperature 0 is greedy."""
     B, P = prompts.shape
     n = min(max_new_tokens, model.config.block_size - P)
     cache = KVCache(model.config, batch_size=B, max_len=P + n, device=prompts.device, dtype=model.lm_head.weight.dtype)

@@ -1,8 +1,6 @@
-"""Medusa heads on real GPT-2 weights: the backbone comes from `load_gpt2` and stays frozen.
-
-`train_tiny.py --init gpt2` (or gpt2-medium, gpt2-large, gpt2-xl, or a local directory/file) skips the
-tokenizer and backbone stages and trains Medusa-1 heads by self-distillation: GPT-2 writes the text its
-heads learn from, so no dataset is needed beyond a few prompts from the corpus.
+"""Medusa heads on real GPT-2 weights, frozen: `train_tiny.py --init gpt2` (gpt2-medium, ..., or a local
+directory/file) skips the tokenizer and backbone stages and trains Medusa-1 heads by self-distillation
+(paper §2.3.2): GPT-2 writes the text its heads learn from, so only a few corpus prompts are needed.
 """
 
 from __future__ import annotations
@@ -25,9 +23,8 @@ GPT2_PRESETS: dict[str, dict] = {
 
 
 def fetch_backbone(init: str) -> None:
-    """Download what `--init` names and the cache lacks (a hub model's files, GPT-2's tokenizer files);
-    nothing for a local path. Under torchrun rank 0 calls this alone before the ranks load (Run.main_first):
-    every rank downloading into the same `.part` file would corrupt it."""
+    """Download what `--init` names and the cache lacks (nothing for a local path). Under torchrun rank 0
+    alone (Run.main_first): ranks downloading into the same `.part` file would corrupt it."""
     if os.path.exists(os.path.expanduser(init)) or init not in GPT2_CONFIGS:
         return
     try:

@@ -1,12 +1,9 @@
 """Training text: a default corpus that needs no download, user text, splits and batches.
 
-The default corpus is the running interpreter's own standard library (``.py`` files), so every
-machine with Python has a few megabytes of real, structured text offline. The same interpreter
-version gives the same corpus.
-
-Text is handled as documents ``(name, text)``. A document is at most about 64 KB: longer files are
-cut at line boundaries, so that a train/validation split by document works for a single large file
-too and never puts most of the data on one side.
+The default corpus is the running interpreter's own standard library (``.py`` files): real,
+structured text on every machine with Python, offline. Text is handled as documents ``(name, text)``
+of at most about 64 KB (longer files are cut at line boundaries), so a split by document works for a
+single large file too.
 """
 
 from __future__ import annotations
@@ -29,13 +26,12 @@ DOCUMENT_CHARS = 64 * 1024
 _SKIPPED_DIRS = {"site-packages", "dist-packages", "test", "tests", "idlelib", "__pycache__"}
 
 
-def _as_text(data: bytes) -> str | None:
-    """Decoded text, or None if the bytes are not UTF-8 text (NUL bytes mean binary)."""
-    if b"\x00" in data:
-        return None
+def _read_text(path: pathlib.Path) -> str | None:
+    """The file's text, or None if it is unreadable or not UTF-8 text (NUL bytes mean binary)."""
     try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError:
+        data = path.read_bytes()
+        return None if b"\x00" in data else data.decode("utf-8")
+    except (OSError, UnicodeDecodeError):
         return None
 
 
@@ -58,12 +54,9 @@ def _chunk_lines(name: str, text: str, *, chunk_chars: int = DOCUMENT_CHARS) -> 
 
 
 def default_corpus_files(*, max_bytes: int = 3_000_000) -> list[pathlib.Path]:
-    """Standard-library ``.py`` files of this interpreter, sorted by relative path.
-
-    Tests, bundled third-party packages and the IDLE sources are left out, as are files that are
-    not valid UTF-8. Files are taken in order while they fit into ``max_bytes`` in total; a file
-    that would overflow the budget is skipped and smaller later files may still fill it.
-    """
+    """Standard-library ``.py`` files, sorted by relative path, without tests, bundled packages, IDLE
+    and non-UTF-8 files; taken in order while they fit into ``max_bytes`` (a file that would overflow
+    is skipped, smaller later ones may still fit)."""
     root = pathlib.Path(sysconfig.get_paths()["stdlib"])
     candidates: list[tuple[str, pathlib.Path]] = []
     for folder, dirnames, filenames in os.walk(root):
@@ -79,51 +72,29 @@ def default_corpus_files(*, max_bytes: int = 3_000_000) -> list[pathlib.Path]:
     for _, path in candidates:
         try:
             size = path.stat().st_size
-            if size == 0 or total + size > max_bytes:
-                continue
-            if _as_text(path.read_bytes()) is None:
-                continue
         except OSError:
             continue
-        chosen.append(path)
-        total += size
+        if 0 < size and total + size <= max_bytes and _read_text(path) is not None:
+            chosen.append(path)
+            total += size
     return chosen
 
 
-def _read_text_file(path: pathlib.Path) -> str | None:
-    try:
-        return _as_text(path.read_bytes())
-    except OSError:
-        return None
-
-
-def load_corpus(
-    path: str | os.PathLike[str] | None = None, *, max_bytes: int = 3_000_000
-) -> list[Document]:
-    """Load documents ``(name, text)`` from ``path``.
-
-    * ``None``: the standard-library corpus, capped at ``max_bytes`` (see default_corpus_files);
-    * a file: that file, which must be UTF-8 text;
-    * a folder: every UTF-8 text file below it, recursively and sorted; other files and hidden
-      files or folders are skipped.
-
-    User data is used whole (``max_bytes`` applies to the default corpus only). Files longer than
-    about 64 KB become several documents named ``name#0``, ``name#1``, ...
-    Raises ValueError when the path is missing, empty, or holds no text.
-    """
+def load_corpus(path: str | os.PathLike[str] | None = None, *, max_bytes: int = 3_000_000) -> list[Document]:
+    """Documents ``(name, text)`` from ``path``: None, the standard library capped at ``max_bytes``; a
+    UTF-8 file; or a folder's UTF-8 text files, recursively and sorted, hidden ones skipped. User data
+    is used whole; long files become ``name#0``, ``name#1``, ... ValueError when there is no text."""
     if path is None:
         root = pathlib.Path(sysconfig.get_paths()["stdlib"])
-        docs: list[Document] = []
-        for file in default_corpus_files(max_bytes=max_bytes):
-            text = file.read_bytes().decode("utf-8")
-            docs.extend(_chunk_lines(file.relative_to(root).as_posix(), text))
+        docs = [doc for file in default_corpus_files(max_bytes=max_bytes)
+                for doc in _chunk_lines(file.relative_to(root).as_posix(), file.read_bytes().decode("utf-8"))]
         if not docs:
             raise ValueError(f"no standard-library source found under {root}")
         return docs
 
     path = pathlib.Path(path)
     if path.is_file():
-        text = _read_text_file(path)
+        text = _read_text(path)
         if text is None:
             raise ValueError(f"data file is not UTF-8 text: {path}")
         if not text.strip():
@@ -135,7 +106,7 @@ def load_corpus(
             relative = file.relative_to(path)
             if any(part.startswith(".") for part in relative.parts):
                 continue
-            text = _read_text_file(file)
+            text = _read_text(file)
             if text is None or not text.strip():
                 continue
             docs.extend(_chunk_lines(relative.as_posix(), text))
@@ -148,12 +119,8 @@ def load_corpus(
 def split_documents(
     docs: Sequence[Document], *, val_fraction: float = 0.05, seed: int = 0
 ) -> tuple[list[Document], list[Document]]:
-    """Split documents into (train, val), keeping each document whole.
-
-    Which documents go to validation depends only on ``seed``; both sides keep the original order.
-    With two or more documents each side gets at least one. A single document is instead cut at
-    the line boundary nearest to the ``1 - val_fraction`` point of its text.
-    """
+    """(train, val), documents kept whole and in order, chosen by ``seed``, at least one on each side.
+    A single document is cut at the line boundary nearest the ``1 - val_fraction`` point."""
     if not 0.0 < val_fraction < 1.0:
         raise ValueError(f"val_fraction must be between 0 and 1, got {val_fraction}")
     docs = list(docs)
@@ -168,9 +135,7 @@ def split_documents(
 
     n_val = min(max(1, round(len(docs) * val_fraction)), len(docs) - 1)
     val_ids = set(random.Random(seed).sample(range(len(docs)), n_val))
-    train = [doc for i, doc in enumerate(docs) if i not in val_ids]
-    val = [doc for i, doc in enumerate(docs) if i in val_ids]
-    return train, val
+    return [d for i, d in enumerate(docs) if i not in val_ids], [d for i, d in enumerate(docs) if i in val_ids]
 
 
 def _line_cut(text: str, target: int) -> int:
@@ -179,46 +144,29 @@ def _line_cut(text: str, target: int) -> int:
     before = text.rfind("\n", 0, target)  # the cut goes just after this newline
     after = text.find("\n", target - 1)
     options = [i + 1 for i in (before, after) if i != -1 and 0 < i + 1 < len(text)]
-    if not options:
-        return target
-    return min(options, key=lambda cut: abs(cut - target))
+    return min(options, key=lambda cut: abs(cut - target), default=target)
 
 
-def encode_documents(
-    enc: tiktoken.Encoding, docs: Sequence[Document], *, eot_id: int | None
-) -> np.ndarray:
-    """Token ids of all documents concatenated, with ``eot_id`` between documents when given.
-
-    Special-token strings inside the text are encoded as ordinary text. The array is uint16 when
-    every id fits (vocabularies up to 65,536), else uint32.
-    """
+def encode_documents(enc: tiktoken.Encoding, docs: Sequence[Document], *, eot_id: int | None) -> np.ndarray:
+    """All documents' token ids, ``eot_id`` between them when given; special-token strings in the text
+    are ordinary text. uint16 when every id fits, else uint32."""
     dtype = np.uint16 if enc.n_vocab <= 2**16 else np.uint32
     if eot_id is not None and not 0 <= eot_id < enc.n_vocab:
         raise ValueError(f"eot_id {eot_id} is outside the vocabulary of {enc.n_vocab} tokens")
     encoded = enc.encode_ordinary_batch([text for _, text in docs])
-    parts: list[np.ndarray] = []
+    sep = np.array([] if eot_id is None else [eot_id], dtype=dtype)
+    parts = [np.zeros(0, dtype=dtype)]
     for i, ids in enumerate(encoded):
-        if i and eot_id is not None:
-            parts.append(np.array([eot_id], dtype=dtype))
-        parts.append(np.asarray(ids, dtype=dtype))
-    if not parts:
-        return np.zeros(0, dtype=dtype)
+        parts += [sep, np.asarray(ids, dtype=dtype)] if i else [np.asarray(ids, dtype=dtype)]
     return np.concatenate(parts)
 
 
 def get_batch(
-    tokens: np.ndarray,
-    *,
-    batch_size: int,
-    block_size: int,
-    generator: torch.Generator,
+    tokens: np.ndarray, *, batch_size: int, block_size: int, generator: torch.Generator,
     device: str | torch.device = "cpu",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random windows ``x`` and their next tokens ``y`` (int64, shape [batch_size, block_size]).
-
-    ``y[:, t] == x[:, t + 1]`` within a window and ``y[:, -1]`` is the token after it. Window starts
-    are drawn from ``generator`` (a CPU generator), so equal generator states give equal batches.
-    """
+    """Random windows ``x`` and next tokens ``y`` (int64 [batch_size, block_size]); the starts come from
+    ``generator`` (CPU), so equal generator states give equal batches."""
     n_starts = len(tokens) - block_size
     if n_starts < 1:
         raise ValueError(f"need more than block_size={block_size} tokens, got {len(tokens)}")

@@ -1,12 +1,10 @@
-"""How a training run uses its device: the number format of the forward, TF32, host-to-device copies
-that do not wait, and each stage's time and peak memory.
+"""How a training run uses its device: the forward's number format, TF32, non-blocking copies, and
+each stage's time and peak memory.
 
---dtype float32 is exact float32 (the default on a CPU). bfloat16 and float16 run the forward under
-torch.autocast: matmuls in 16 bits, reductions such as softmax and cross-entropy in float32, the
-weights and the optimizer in float32. float16's narrow range needs a GradScaler (the loss is scaled
-up before backward so small gradients do not flush to zero); bfloat16 has float32's range and does
-not. On CUDA the default is bfloat16 where the GPU computes in it (compute capability 8.0, Ampere,
-and later), else float16.
+--dtype float32 is exact (the CPU default). bfloat16 and float16 run the forward under torch.autocast
+(matmuls in 16 bits; reductions, weights and optimizer in float32). float16's narrow range needs a
+GradScaler so small gradients do not flush to zero; bfloat16 has float32's range. On CUDA the default
+is bfloat16 from compute capability 8.0 (Ampere) on, else float16.
 """
 
 from __future__ import annotations
@@ -28,14 +26,9 @@ def rank_device(device: str) -> str:
 
 
 def has_native_bfloat16(device: str | torch.device) -> bool:
-    """True for a CUDA device of compute capability 8.0 or more (Ampere and later): its tensor cores
-    compute in bfloat16.
-
-    Not torch.cuda.is_bf16_supported(): it also counts emulation (a T4 or V100 runs bfloat16 several
-    times slower than float16), and it asks the current device, which before set_device is GPU 0 on
-    every rank. The capability is asked of `device` itself ("cuda" alone: the current device); asking
-    opens no context and allocates nothing.
-    """
+    """True for a CUDA device of compute capability 8.0+ (Ampere and later), whose tensor cores compute
+    in bfloat16. Not torch.cuda.is_bf16_supported(): it counts emulation (several times slower on a T4
+    or V100) and asks the current device (GPU 0 on every rank before set_device), not `device`."""
     device = torch.device(device)
     if device.type != "cuda":
         return False
@@ -44,16 +37,14 @@ def has_native_bfloat16(device: str | torch.device) -> bool:
 
 
 def default_dtype(device: str) -> str:
-    """float32 on a CPU; on CUDA bfloat16 if this rank's GPU computes in it (Ampere and later), else
-    float16 (with its GradScaler)."""
+    """float32 on a CPU; on CUDA bfloat16 if this rank's GPU computes in it, else float16."""
     if not device.startswith("cuda"):
         return "float32"
     return "bfloat16" if has_native_bfloat16(rank_device(device)) else "float16"
 
 
 def check_dtype(dtype: str, device: str) -> None:
-    """A one-line TrainError for a number format this device cannot train in (emulated bfloat16 counts
-    as not supported: float16 is several times faster there)."""
+    """A one-line TrainError for a number format this device cannot train in (emulated bfloat16 included)."""
     if dtype == "float16" and not device.startswith("cuda"):
         raise TrainError("--dtype float16 needs CUDA (its GradScaler); on a CPU use bfloat16 or float32")
     if dtype == "bfloat16" and device.startswith("cuda") and not has_native_bfloat16(rank_device(device)):
@@ -62,11 +53,7 @@ def check_dtype(dtype: str, device: str) -> None:
 
 
 def enable_tf32(device: str) -> None:
-    """float32 matmuls and convolutions on tensor cores (TF32: float32 range, 10-bit mantissa) on CUDA.
-
-    What is left in float32 under autocast (and everything with --dtype float32) runs several times
-    faster on Ampere and later, at an error far below what training notices.
-    """
+    """float32 matmuls on CUDA's tensor cores (TF32): several times faster, at an error training never notices."""
     if device.startswith("cuda"):
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
@@ -86,14 +73,9 @@ def grad_scaler(device: str, dtype: str) -> torch.amp.GradScaler:
 
 
 def to_device(t: torch.Tensor, device: str | torch.device) -> torch.Tensor:
-    """Copy a CPU tensor to `device` without making the host wait for the GPU's queue.
-
-    A copy from ordinary (pageable) memory synchronises with the device; from pinned memory it is
-    queued like a kernel, so the next batch travels while the current step still runs.
-    """
-    if torch.device(device).type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
+    """Copy a CPU tensor to `device` without waiting: from pinned memory a copy is queued like a kernel
+    (from pageable memory it would synchronise), so the next batch travels while a step runs."""
+    return t.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else t.to(device)
 
 
 class StageClock:
@@ -120,9 +102,7 @@ class StageClock:
             self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
 
     def line(self) -> str:
-        """"stages     backbone 123.40 s (peak 3.21 GiB), ...": the stages this process ran.
-
-        Two decimals, so a stage of a tiny run (the summary takes milliseconds) never reads as 0 s."""
+        """"stages     backbone 123.40 s (peak 3.21 GiB), ...": two decimals, so no stage reads as 0 s."""
         parts = []
         for name, sec in self.seconds.items():
             peak = f" (peak {self.peak_bytes[name] / 2**30:.2f} GiB)" if name in self.peak_bytes else ""

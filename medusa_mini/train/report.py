@@ -1,10 +1,7 @@
-"""What `train_tiny.py` reports and leaves behind after training: the summary, the heads' accuracy
-table (heads_accuracy.json, which `decode.py --tree N` builds trees from) and held-out prompts.
-
-Along the way: the progress lines and the backbone's validation loss every --eval-every steps.
-The summary is measured, never assumed: validation loss, each head's top-1/top-5 accuracy on held-out
-text, each head's accuracy against the backbone's own greedy continuation (what decoding actually
-meets), and the tokens per step a tree built from those accuracies should give (the product rule).
+"""What `train_tiny.py` reports: progress lines, validation loss every --eval-every steps, and the
+summary, measured never assumed: validation loss, each head's top-1/top-5 accuracy on held-out text and
+against the backbone's own greedy continuation (what decoding meets), the tokens per step trees built
+from them should give; saved as heads_accuracy.json (`decode.py --tree N`), with held-out prompts.
 """
 
 from __future__ import annotations
@@ -20,7 +17,7 @@ import torch
 from ..hydra import teacher_forced_logits
 from ..io.loading import PROMPTS_FILE
 from ..io.safetensors import atomic_write_text
-from ..training import head_targets, lm_loss, sample_continuations
+from ..training import IGNORE, lm_loss, sample_continuations, stacked_head_targets
 from ..tree import build_tree, expected_tokens_per_step, preset
 from ..tune.acceptance_tables import measure_head_accuracy, save_accuracy
 from .data import get_batch
@@ -34,28 +31,18 @@ def text_accuracy(model, heads, val_tokens: np.ndarray, *, batches: int = 8, bat
     """Validation loss and per-head top-1/top-5 accuracy on held-out text (teacher forcing)."""
     g = torch.Generator().manual_seed(seed)
     T = min(model.config.block_size, 256, len(val_tokens) - 1)
-    losses, top1, top5, counts = [], None, None, None
+    losses, hits, counts = [], 0, 0
     for _ in range(batches):
         x, y = get_batch(val_tokens, batch_size=batch_size, block_size=T, generator=g, device=model.device)
         logits, hidden = model(x)
-        losses.append(torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten()).item())
+        losses.append(lm_loss(logits, y).item())
         head_logits = teacher_forced_logits(heads, hidden, y, model)  # [K, B, T, V]
-        K = head_logits.shape[0]
-        top1 = top1 if top1 is not None else [0.0] * K
-        top5 = top5 if top5 is not None else [0.0] * K
-        counts = counts if counts is not None else [0] * K
-        for k in range(K):
-            tgt, mask = head_targets(y, k + 1)
-            guesses = head_logits[k].topk(5, dim=-1).indices[mask]  # [M, 5]
-            right = guesses == tgt[mask][:, None]
-            top1[k] += right[:, 0].sum().item()
-            top5[k] += right.any(-1).sum().item()
-            counts[k] += right.shape[0]
-    return (
-        sum(losses) / len(losses),
-        [a / max(c, 1) for a, c in zip(top1, counts)],
-        [a / max(c, 1) for a, c in zip(top5, counts)],
-    )
+        targets = stacked_head_targets(y, head_logits.shape[0])  # [K, B, T]
+        right = head_logits.topk(5, dim=-1).indices == targets[..., None]  # [K, B, T, 5]; IGNORE never right
+        hits = hits + torch.stack([right[..., 0].sum((1, 2)), right.any(-1).sum((1, 2))])  # [2, K]
+        counts = counts + (targets != IGNORE).sum((1, 2))  # [K]
+    top1, top5 = (hits.double() / counts.clamp(min=1)).tolist()
+    return sum(losses) / len(losses), top1, top5
 
 
 def progress_line(stage: str, step: int, steps: int, metrics: dict, *, tokens_per_s: float, eta: float) -> str:
@@ -71,11 +58,9 @@ def progress_line(stage: str, step: int, steps: int, metrics: dict, *, tokens_pe
 
 
 def periodic_validation(r, val_tokens: np.ndarray, *, batch_size: int, block_size: int, batches: int = 8):
-    """A function step -> prints the backbone's loss on a fixed set of validation batches.
+    """A function step -> prints the backbone's loss on fixed validation batches, in float32 whatever --dtype.
 
-    The batches are drawn once, from a generator of their own: evaluating never moves the training
-    batches' generator, so a run with and without --eval-every trains the same weights. Evaluated in
-    float32 whatever --dtype, so the figures compare across formats and with the summary's.
+    The batches come from a generator of their own, so --eval-every never changes the trained weights.
     """
     g = torch.Generator().manual_seed(r.args.seed * 7919 + 101)
     T = min(block_size, len(val_tokens) - 1)
@@ -105,26 +90,16 @@ def summarize(run, model, heads, enc, val_docs, val_tokens: np.ndarray) -> dict:
     acc = measure_head_accuracy(model, heads, seqs, prompt_lens=P, top_k=10)  # [K, 10]
     save_accuracy(args.out, acc, meta={"measured_on": f"{seqs.shape[0]} held-out prompts x {n} greedy tokens"})
     K = acc.shape[0]
-    own1 = acc[:, 0].tolist()
-    own5 = acc[:, :5].sum(1).tolist()
-    col = "".join(f"{k + 1:>7d}" for k in range(K))
-    fmt = lambda xs: "".join(f"{v:7.2f}" for v in xs)  # noqa: E731
-    official = "".join(f"{v:7.2f}" for v in OFFICIAL_TOP1[:K])
-    lines = [
-        f"summary    validation loss {val_loss:.3f} nats/token (perplexity {math.exp(val_loss):.1f})",
-        f"           head                                {col}",
-        f"           top-1 on held-out text              {fmt(top1)}",
-        f"           top-5 on held-out text              {fmt(top5)}",
-        f"           top-1 vs own greedy continuation    {fmt(own1)}",
-        f"           top-5 vs own greedy continuation    {fmt(own5)}",
-        f"           official Medusa-1, Vicuna-7B top-1  {official}",
-    ]
-    budgets = (4, 8, 16, 32, 64)
-    lines.append(
-        f"           {'expected tokens/step, greedy (bonus counted):':<48}"
-        + ", ".join(f"{b} nodes {build_tree(acc, b)[1]:.2f}" for b in budgets)
-        + f"; cpu preset {expected_tokens_per_step(acc, preset('cpu').truncated(K)):.2f}"
-    )
+    own1, own5 = acc[:, 0].tolist(), acc[:, :5].sum(1).tolist()
+    rows = [("head", [k + 1 for k in range(K)]), ("top-1 on held-out text", top1), ("top-5 on held-out text", top5),
+            ("top-1 vs own greedy continuation", own1), ("top-5 vs own greedy continuation", own5),
+            ("official Medusa-1, Vicuna-7B top-1", OFFICIAL_TOP1[:K])]
+    lines = [f"summary    validation loss {val_loss:.3f} nats/token (perplexity {math.exp(val_loss):.1f})"]
+    lines += [f"           {name:<36}" + "".join(f"{v:>7d}" if isinstance(v, int) else f"{v:7.2f}" for v in xs)
+              for name, xs in rows]
+    lines.append(f"           {'expected tokens/step, greedy (bonus counted):':<48}"
+                 + ", ".join(f"{b} nodes {build_tree(acc, b)[1]:.2f}" for b in (4, 8, 16, 32, 64))
+                 + f"; cpu preset {expected_tokens_per_step(acc, preset('cpu').truncated(K)):.2f}")
     run.log("\n".join(lines))
     return {"val_loss": round(val_loss, 4), "head_top1_text": [round(v, 4) for v in top1],
             "head_top5_text": [round(v, 4) for v in top5], "head_top1_own": [round(v, 4) for v in own1]}
@@ -132,11 +107,8 @@ def summarize(run, model, heads, enc, val_docs, val_tokens: np.ndarray) -> dict:
 
 def held_out_prompts(out: str, val_docs, enc, *, count: int, seed: int, block_size: int,
                      chars: int = 240) -> list[str]:
-    """Pick `count` snippets of held-out text, each starting and ending at a line boundary.
-
-    They are decode.py's default prompts, so every figure it prints comes from text the model never
-    trained on. A snippet stays under a third of the context so the continuation has room.
-    """
+    """`count` snippets of held-out text, from line boundary to line boundary, under a third of the
+    context: decode.py's default prompts, so its figures come from text the model never trained on."""
     rng = random.Random(seed)
     prompts: list[str] = []
     texts = [t for _, t in val_docs if t.strip()]

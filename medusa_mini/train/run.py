@@ -1,10 +1,8 @@
 """The stages of `train_tiny.py`: corpus and tokenizer, backbone, self-distillation, heads, summary.
 
-Every stage is resumable: the run's state (weights, optimizer, random generator, stage and step, the
-self-distilled data) goes to `train_state.pt` atomically, periodically and on Ctrl-C, and `--resume`
-continues exactly where it stopped. Ctrl-C is honoured between optimizer steps, never inside one (a
-second Ctrl-C stops at once). The same code runs under torchrun (DDP): every rank trains on its own
-batches, gradients are averaged, only rank 0 prints and writes the shared files.
+Every stage is resumable: the state goes to `train_state.pt` periodically and on Ctrl-C (honoured
+between optimizer steps; a second one stops at once). Under torchrun (DDP) every rank trains on its
+own batches, gradients are averaged, only rank 0 prints and writes the shared files.
 """
 
 from __future__ import annotations
@@ -26,18 +24,9 @@ from ..training import MedusaLM, cosine_lr, lambda_schedule, sample_continuation
 from .backbone import fetch_backbone, init_backbone, save_tokenizer_for
 from .config import TrainArgs, TrainError
 from .data import encode_documents, get_batch, load_corpus, split_documents
-from .device import (
-    StageClock,
-    autocast,
-    check_dtype,
-    enable_tf32,
-    grad_scaler,
-    to_device,
-)
+from .device import StageClock, autocast, check_dtype, enable_tf32, grad_scaler, to_device
 from .report import held_out_prompts, periodic_validation, progress_line, summarize
 from .state import STATE_FILE, DeferredInterrupt, Run, report_replicas
-
-# ---- stages -----------------------------------------------------------------------------------
 
 
 def _data_and_tokenizer(r: Run, *, resume: bool):
@@ -78,21 +67,23 @@ def _data_and_tokenizer(r: Run, *, resume: bool):
 
 
 def _train(r: Run, module: MedusaLM, optimizer, *, stage: str, steps: int, start: int, gen, batch_fn,
-           lrs: list[float], loss_kwargs, distill=None, scaler_state=None, evaluate=None) -> None:
-    """The optimizer loop both training stages share: cosine lr, clipping, progress, saves, Ctrl-C.
+           lrs: list[float], loss_kwargs, distill=None, state=None, evaluate=None) -> None:
+    """The optimizer loop of both training stages: cosine lr, clipping, progress, saves, Ctrl-C; `state`:
+    the saved one to resume from (optimizer, generator, loss scaler).
 
-    The loop never waits for the device: metrics stay tensors until a progress line reads them (and,
-    under DDP, averages them over the ranks), the ranks agree on stopping and printing through host
-    memory, and batches arrive through pinned memory. The number format is --dtype (see device.py).
+    It never waits for the device: metrics stay tensors until a progress line reads them, the ranks
+    agree on stopping and printing through host memory, batches arrive through pinned memory.
     """
-    # DDP needs find_unused_parameters only if some trainable parameter can miss its gradient in a step.
-    # None can: the frozen backbone of the heads stage has requires_grad off, so DDP never sees it, and
-    # the joint stage leaves the heads out altogether when their weight λ0 is 0 (backbone_stage).
+    # No find_unused_parameters: every trainable parameter gets a gradient each step (a frozen backbone
+    # has requires_grad off; with λ0 = 0 the joint stage leaves the heads out).
     ddp = DDP(module) if r.world > 1 else module
     trained = [p for p in module.parameters() if p.requires_grad]
     scaler = grad_scaler(r.device, r.args.dtype)
-    if scaler_state:
-        scaler.load_state_dict(scaler_state)
+    if state and state["optim"] is not None:
+        optimizer.load_state_dict(state["optim"])
+        gen.set_state(state["gen"])
+        if state.get("scaler"):
+            scaler.load_state_dict(state["scaler"])
     save_every = r.args.save_every or max(50, steps // 5)
     t_start, t_log, tokens_seen = time.time(), 0.0, 0
     for step in range(start, steps):
@@ -127,8 +118,8 @@ def _train(r: Run, module: MedusaLM, optimizer, *, stage: str, steps: int, start
 
 def _optimizer(params_and_lrs: list[tuple[list[torch.nn.Parameter], float]], args: TrainArgs
                ) -> tuple[torch.optim.Optimizer, list[float]]:
-    """AdamW with weight decay on matrices only (GPT-2/nanoGPT practice): decaying LayerNorm gains and
-    biases towards 0 only fights their role. Returns the optimizer and each param group's base lr."""
+    """AdamW decaying matrices only (GPT-2 practice: LayerNorm gains and biases must not shrink to 0);
+    returns it and each param group's base lr."""
     groups, lrs = [], []
     for params, lr in params_and_lrs:
         for decay in (True, False):
@@ -150,9 +141,6 @@ def backbone_stage(r: Run, train_tokens: np.ndarray, val_tokens: np.ndarray, *, 
         params_and_lrs.append((list(heads.parameters()), a.lr * a.heads_lr_mult))
     opt, lrs = _optimizer(params_and_lrs, a)
     gen = torch.Generator().manual_seed(a.seed * 1009 + r.rank)
-    if state and state["optim"] is not None:
-        opt.load_state_dict(state["optim"])
-        gen.set_state(state["gen"])
     B, T = a.batch_size, model.config.block_size
 
     def batch(g):
@@ -168,17 +156,13 @@ def backbone_stage(r: Run, train_tokens: np.ndarray, val_tokens: np.ndarray, *, 
         return dict(lm_weight=1.0, heads_weight=w, decay=a.head_decay, heads_stride=a.heads_stride, heads_offset=s)
 
     _train(r, MedusaLM(model, heads if joint else None), opt, stage="backbone", steps=a.backbone_steps,
-           start=step, gen=gen, batch_fn=batch, lrs=lrs, loss_kwargs=loss_kwargs, evaluate=evaluate,
-           scaler_state=state.get("scaler") if state else None)
+           start=step, gen=gen, batch_fn=batch, lrs=lrs, loss_kwargs=loss_kwargs, evaluate=evaluate, state=state)
 
 
 @torch.no_grad()
 def distill_stage(r: Run, train_tokens: np.ndarray) -> torch.Tensor:
-    """Self-distillation (paper §2.3.2): the backbone continues corpus prompts -> [S, P + n] tokens.
-
-    Temperatures are cycled per chunk: greedy text teaches what greedy decoding will meet, sampled
-    text what sampling will meet.
-    """
+    """Self-distillation (paper §2.3.2): the backbone continues corpus prompts -> [S, P + n] tokens, the
+    temperatures cycled per chunk (greedy text teaches what greedy decoding meets, sampled text sampling)."""
     a = r.args
     t0 = time.time()
     g = torch.Generator().manual_seed(a.seed * 7919 + 17 + r.rank)
@@ -201,9 +185,6 @@ def heads_stage(r: Run, distill: torch.Tensor, *, step: int, state: dict | None)
     a, heads = r.args, r.heads
     opt, lrs = _optimizer([(list(heads.parameters()), a.heads_lr)], a)
     gen = torch.Generator().manual_seed(a.seed * 1009 + r.rank + 1)
-    if state and state["optim"] is not None and step > 0:
-        opt.load_state_dict(state["optim"])
-        gen.set_state(state["gen"])
     P, HB = a.distill_prompt_len, a.heads_batch_size
     # target j is token j+1: train only on tokens the backbone wrote itself
     valid_row = (torch.arange(distill.shape[1] - 1, device=r.device) + 1) >= P
@@ -213,8 +194,7 @@ def heads_stage(r: Run, distill: torch.Tensor, *, step: int, state: dict | None)
         return seq[:, :-1], seq[:, 1:], valid_row.expand(HB, -1)
 
     _train(r, MedusaLM(r.model, heads), opt, stage="heads", steps=a.heads_steps, start=step, gen=gen,
-           batch_fn=batch, lrs=lrs, distill=distill,
-           scaler_state=state.get("scaler") if state and step > 0 else None,
+           batch_fn=batch, lrs=lrs, distill=distill, state=state,
            loss_kwargs=lambda s: dict(lm_weight=0.0, heads_weight=1.0, decay=1.0, detach_backbone=True))
 
 
@@ -286,9 +266,8 @@ def run(args: TrainArgs) -> None:
         r.log(f"saved      {args.out}  (python decode.py --ckpt {args.out} --compare)")
     if r.world > 1:
         dist.barrier()
-    mine = [r._rank_path()] + ([r.state_path] if r.main else [])
-    for path in mine:  # a finished run needs no resume state; each rank removes only its own files
-        if os.path.exists(path):
+    for path in [r._rank_path()] + ([r.state_path] if r.main else []):  # a finished run needs no resume state
+        if os.path.exists(path):  # each rank removes only its own files
             os.remove(path)
     if r.world > 1:
         dist.destroy_process_group()

@@ -1,10 +1,8 @@
 """A training run's state: ranks and device, saving and resuming, Ctrl-C, replica checksums.
 
-`--resume` must continue exactly where a run stopped, so the state file holds everything a step
-depends on: weights, optimizer, random generator, stage and step, and the self-distilled data. Files
-are written atomically (a reader never sees half of one). Under torchrun (DDP) every rank keeps its
-own generator and data in a file of its own; rank 0 writes the shared files. The ranks agree on
-stopping and printing through the host (gloo), and average their metrics only for a progress line.
+`--resume` continues exactly, so the state file holds everything a step depends on: weights,
+optimizer, generator, stage and step, the self-distilled data; written atomically. Under torchrun
+each rank keeps its generator and data in a file of its own and rank 0 writes the shared files.
 """
 
 from __future__ import annotations
@@ -40,8 +38,7 @@ class Run:
                 torch.cuda.set_device(self.device)
             dist.init_process_group(backend="nccl" if args.device.startswith("cuda") else "gloo")
             self.rank, self.world = dist.get_rank(), dist.get_world_size()
-            # Flags the ranks agree on every step (stop? print?) travel between host memories: a NCCL
-            # all-reduce of a GPU tensor, read back, would make every step wait for the device.
+            # Per-step flags (stop? print?) go through host memory: NCCL would make every step wait for the GPU.
             self.host_group = dist.new_group(backend="gloo")
         self.main = self.rank == 0
         self.state_path = os.path.join(args.out, STATE_FILE)
@@ -94,8 +91,8 @@ class Run:
         return self.any_rank(self.stop_requested or self.args.interrupt_at == f"{stage}:{step}")
 
     def main_first(self, fn: Callable[[], None]) -> None:
-        """Run `fn` on rank 0 alone while the other ranks wait (a download into the cache they then read).
-        A ValueError or OSError there is raised on every rank, as a ValueError with its message."""
+        """Run `fn` on rank 0 alone while the others wait (a download they then read); its ValueError or
+        OSError is raised on every rank as a ValueError."""
         error = None
         if self.main:
             try:
@@ -110,8 +107,7 @@ class Run:
             raise ValueError(error)
 
     def any_rank(self, flag: bool) -> bool:
-        """True if `flag` is true on any rank; every rank must ask at the same point. Host memory only:
-        the device's queue is not waited for."""
+        """True if `flag` is true on any rank (all ranks must ask); host memory only, the GPU is not waited for."""
         if self.world == 1:
             return flag
         t = torch.tensor([int(flag)], dtype=torch.int32)  # on the CPU, reduced over gloo
@@ -119,8 +115,7 @@ class Run:
         return bool(t[0])
 
     def mean_metrics(self, metrics: dict[str, torch.Tensor]) -> dict[str, float | list[float]]:
-        """The metrics as numbers, averaged over the ranks: one all-reduce and one read of the device.
-        Only a progress line calls this; between lines the metrics stay on the device."""
+        """The metrics as numbers averaged over the ranks: one all-reduce, one read of the device (per progress line)."""
         flat = torch.cat([v.detach().float().reshape(-1) for v in metrics.values()])
         if self.world > 1:
             dist.all_reduce(flat)  # a sum: gloo has no mean
@@ -159,7 +154,6 @@ def report_replicas(r: Run) -> None:
     h = hashlib.sha256()
     for t in list(r.model.state_dict().values()) + list(r.heads.state_dict().values()):
         h.update(t.detach().cpu().contiguous().numpy().tobytes())
-    # One write per line: with unbuffered output print() writes the text and the newline separately,
-    # and two ranks printing at the same moment would interleave them.
+    # One write per line: print() writes text and newline separately, and two ranks would interleave them.
     sys.stdout.write(f"rank {r.rank}/{r.world} weights sha256 {h.hexdigest()[:16]}\n")
     sys.stdout.flush()

@@ -33,41 +33,31 @@ def gpu_capability(monkeypatch):
     return caps
 
 
-def test_a_gpu_before_ampere_trains_in_float16_and_refuses_bfloat16_in_one_line(gpu_capability):
-    gpu_capability["all"] = (7, 5)  # a T4: bfloat16 only emulated
-    assert default_dtype("cuda:1") == "float16"
-    with pytest.raises(TrainError) as err:
+@pytest.mark.parametrize("cap, want", [((7, 5), "float16"), ((8, 0), "bfloat16"), ((9, 0), "bfloat16")])
+def test_gpus_from_ampere_on_train_and_decode_in_bfloat16_older_ones_refuse_it_in_one_line(gpu_capability, cap, want):
+    gpu_capability["all"] = cap  # (7, 5): a T4, bfloat16 only emulated
+    assert default_dtype("cuda:1") == want
+    assert pick_dtype(want, torch.device("cuda:1")) is getattr(torch, want)
+    if want == "bfloat16":
         check_dtype("bfloat16", "cuda:1")
-    assert len(str(err.value).splitlines()) == 1 and "float16" in str(err.value)
-    with pytest.raises(ValueError, match="float16") as err:
-        pick_dtype("bfloat16", torch.device("cuda:1"))
-    assert len(str(err.value).splitlines()) == 1
-    assert pick_dtype("float16", torch.device("cuda:1")) is torch.float16
+        return
+    for error, refuse in ((TrainError, lambda: check_dtype("bfloat16", "cuda:1")),
+                          (ValueError, lambda: pick_dtype("bfloat16", torch.device("cuda:1")))):
+        with pytest.raises(error, match="float16") as err:
+            refuse()
+        assert len(str(err.value).splitlines()) == 1
 
 
-def test_ampere_and_later_train_and_decode_in_bfloat16(gpu_capability):
-    for cap in ((8, 0), (9, 0)):
-        gpu_capability["all"] = cap
-        assert default_dtype("cuda:0") == "bfloat16"
-        check_dtype("bfloat16", "cuda:0")
-        assert pick_dtype("bfloat16", torch.device("cuda:0")) is torch.bfloat16
-
-
-def test_the_capability_is_asked_of_the_target_gpu_not_the_current_one(gpu_capability):
+def test_the_capability_is_asked_of_the_target_gpu_not_the_current_one(gpu_capability, monkeypatch):
     gpu_capability["all"], gpu_capability[1] = (7, 0), (8, 6)  # GPU 0 a V100, GPU 1 an A6000
     assert default_dtype("cuda:1") == "bfloat16"
     pick_dtype("bfloat16", torch.device("cuda:1"))
-    assert [torch.device("cuda", a).index if isinstance(a, int) else torch.device(a).index
-            for a in gpu_capability["asked"]] == [1, 1]
-
-
-def test_under_torchrun_each_rank_asks_its_own_gpu(gpu_capability, monkeypatch):
-    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("WORLD_SIZE", "2")  # under torchrun "cuda" is this rank's GPU, not GPU 0
     monkeypatch.setenv("LOCAL_RANK", "1")
-    gpu_capability["all"], gpu_capability[1] = (7, 0), (8, 0)
-    assert default_dtype("cuda") == "bfloat16"  # "cuda" is this rank's GPU, not GPU 0
+    assert default_dtype("cuda") == "bfloat16"
     check_dtype("bfloat16", "cuda")
-    assert all(torch.device("cuda", a).index == 1 for a in gpu_capability["asked"])
+    assert [torch.device("cuda", a).index if isinstance(a, int) else torch.device(a).index
+            for a in gpu_capability["asked"]] == [1, 1, 1, 1]
 
 
 def test_a_cpu_never_asks_cuda(gpu_capability):
