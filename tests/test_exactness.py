@@ -80,10 +80,12 @@ class FutureHeads:
     along the backbone's greedy continuation: head k returns gamma x the backbone's logits after the
     root and the k - 1 greedy tokens that follow it (gamma = 1: head 1's q is p at the root)."""
 
+    KIND = "medusa"
+
     def __init__(self, model, prompts, *, num_heads: int = 2, gamma: float = 1.0) -> None:
         self.model, self.seqs, self.gamma = model, [list(p) for p in prompts], gamma
         self.config = HeadsConfig(num_heads=num_heads, n_embd=model.config.n_embd,
-                                  vocab_size=model.config.vocab_size)
+                                  vocab_size=model.config.vocab_size, kind=self.KIND)
 
     def on_step(self, row: int, tokens: list[int]) -> None:
         self.seqs[row] += tokens
@@ -103,10 +105,7 @@ class FutureHydraHeads(FutureHeads):
     """Dependent heads that know the future: head k, given the root and the drafted path, returns gamma x
     the backbone's logits after exactly that path, so each node's children come from its own q."""
 
-    def __init__(self, model, prompts, *, num_heads: int = 2, gamma: float = 1.0) -> None:
-        super().__init__(model, prompts, num_heads=num_heads, gamma=gamma)
-        self.config = HeadsConfig(num_heads=num_heads, n_embd=model.config.n_embd,
-                                  vocab_size=model.config.vocab_size, kind="hydra")
+    KIND = "hydra"
 
     @property
     def num_heads(self) -> int:

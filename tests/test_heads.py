@@ -22,21 +22,14 @@ def test_fresh_heads_start_as_the_backbones_next_token_prediction():
             torch.testing.assert_close(logits[k], model.lm_head(x), atol=1e-5, rtol=0)
 
 
-def test_all_heads_share_one_batched_lm_head_by_default():
+def test_heads_share_the_backbones_lm_head_by_default_or_own_separate_copies():
     model = tiny_model()
-    heads = make(model)
-    assert heads.lm_heads is None
-    assert all("lm_head" not in name for name in heads.state_dict())  # the backbone owns it
-
-
-def test_own_lm_heads_are_separate_copies():
-    model = tiny_model()
-    heads = make(model, own_lm_head=True)
-    assert heads.lm_heads.shape == (3, model.config.vocab_size, model.config.n_embd)
+    shared, own = make(model), make(model, own_lm_head=True)
+    assert shared.lm_heads is None and all("lm_head" not in name for name in shared.state_dict())  # the backbone's
+    assert own.lm_heads.shape == (3, model.config.vocab_size, model.config.n_embd)
     with torch.no_grad():
-        heads.lm_heads[1].zero_()
-    x = torch.randn(2, model.config.n_embd)
-    out = heads(x, model.lm_head)
+        own.lm_heads[1].zero_()
+    out = own(torch.randn(2, model.config.n_embd), model.lm_head)
     assert torch.all(out[1] == 0) and not torch.all(out[0] == 0)
 
 

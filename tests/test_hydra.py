@@ -2,13 +2,15 @@
 filled node by node from each node's own q; verification and acceptance stay Medusa's, so greedy is
 still plain greedy and rejection sampling still lossless (tests/test_decoding.py)."""
 
+import itertools
+
 import pytest
 import torch
 from conftest import tiny_model
 
 from medusa_mini.decoding import generate, medusa_generate, prefill
 from medusa_mini.heads import HeadsConfig, MedusaHeads
-from medusa_mini.hydra import HydraHeads, HydraProposer, make_heads, next_tokens, teacher_forced_logits
+from medusa_mini.hydra import HydraHeads, HydraProposer, make_heads, teacher_forced_logits
 from medusa_mini.model import KVCache
 from medusa_mini.proposal import draft_log_probs
 from medusa_mini.sampling import Sampling
@@ -66,18 +68,20 @@ def test_head_k_reads_exactly_the_k_tokens_before_its_target():
             assert torch.equal(out, base) == (j >= k), (k, j)  # x_{t+1..t+k} matter, later ones do not
 
 
+def q_below(ctx, tree, tokens, node):
+    """The logits of q(. | the path from the root to `node`), the head of depth len(path) reading the path."""
+    path = []
+    while node != -1:
+        path.insert(0, int(tokens[node]))
+        node = tree.parents[node]
+    return ctx.heads.head_logits(len(path), ctx.hidden, torch.tensor(path), lm_head=ctx.lm_head, wte=ctx.wte)
+
+
 def node_walk(tree, root, ctx, width):
     """The definition, one node at a time: a node's children are the top-k of q(. | its path)."""
     tokens = [root]
     for i in range(1, tree.num_nodes):
-        path, node = [], tree.parents[i]
-        while node != -1:
-            path.append(tokens[node])
-            node = tree.parents[node]
-        path.reverse()  # root first
-        d = len(path)
-        logits = ctx.heads.head_logits(d, ctx.hidden, torch.tensor(path), lm_head=ctx.lm_head, wte=ctx.wte)
-        tokens.append(logits.topk(width).indices[tree.choices[i - 1][-1]].item())
+        tokens.append(q_below(ctx, tree, tokens, tree.parents[i]).topk(width).indices[tree.choices[i - 1][-1]].item())
     return tokens
 
 
@@ -115,14 +119,8 @@ def test_sampled_drafts_draw_each_nodes_children_from_its_own_q():
         if not kids:
             assert drawn.rows[node] == -1
             continue
-        path, a = [], node
-        while a != -1:
-            path.append(tokens[a].item())
-            a = TREE.parents[a]
-        path.reverse()
-        logits = heads.head_logits(len(path), ctx.hidden, torch.tensor(path), lm_head=ctx.lm_head, wte=ctx.wte)
         log_q, samples = drawn.per_node(0, drawn.samples.tolist())[node]
-        assert torch.allclose(log_q, draft_log_probs(logits, temperature=T), atol=1e-5)
+        assert torch.allclose(log_q, draft_log_probs(q_below(ctx, TREE, tokens, node), temperature=T), atol=1e-5)
         assert len(set(samples)) == len(samples)  # without replacement
         assert [tokens[c].item() for c in kids] == [samples[TREE.choices[c - 1][-1]] for c in kids]
 
@@ -139,12 +137,6 @@ def test_greedy_medusa_with_hydra_heads_equals_plain_greedy(tree_name, seed):
     assert got == want and sum(stats.step_tokens) == 39
 
 
-def test_next_tokens_are_the_k_tokens_after_each_position():
-    y = torch.arange(1, 7)[None]  # y[:, t] = token t + 1
-    out = next_tokens(y, 3)  # [1, 6, 3]
-    assert out[0, 0].tolist() == [1, 2, 3] and out[0, 3].tolist() == [4, 5, 6] and out[0, 5].tolist() == [6, 0, 0]
-
-
 def test_teacher_forced_logits_are_the_logits_decoding_computes_along_the_true_path():
     model = tiny_model(5)
     heads = random_hydra(model, num_heads=3)
@@ -152,10 +144,10 @@ def test_teacher_forced_logits_are_the_logits_decoding_computes_along_the_true_p
     y = torch.randint(64, (2, 12), generator=torch.Generator().manual_seed(1))
     _, hidden = model(x)
     out = teacher_forced_logits(heads, hidden, y, model)  # [K, B, T, V]
-    b, t = 1, 4
-    for k in range(1, 4):
-        want = heads.head_logits(k, hidden[b, t], y[b, t : t + k], lm_head=model.lm_head, wte=model.transformer.wte)
-        assert torch.allclose(out[k - 1, b, t], want, atol=1e-5)
+    for b, t, k in itertools.product(range(2), range(12), range(1, 4)):
+        if t + k <= 12:  # head k at position t reads the true tokens t+1..t+k (y[t : t + k])
+            want = heads.head_logits(k, hidden[b, t], y[b, t : t + k], lm_head=model.lm_head, wte=model.transformer.wte)
+            assert torch.allclose(out[k - 1, b, t], want, atol=1e-5), (b, t, k)
 
 
 def train_heads(model, heads, seqs, *, steps: int = 150, lr: float = 3e-2) -> list[float]:

@@ -22,30 +22,22 @@ TREE = Tree.from_choices([(0,), (1,), (0, 0), (0, 1), (0, 0, 0)])
 V = 64
 
 
-def test_the_medusa_proposer_fills_each_row_as_the_reference_does():
-    model, heads = tiny_model(0), random_heads(tiny_model(0), num_heads=3)
-    hidden = torch.randn(2, 32, generator=torch.Generator().manual_seed(0))  # [B, C]
-    proposal = MedusaProposer(model, heads, TREE).propose(torch.tensor([7, 9]), hidden, max_depth=3,
-                                                          sampling=Sampling(), generator=None)
-    for b, root in enumerate((7, 9)):
-        want, _ = ref.propose(heads(hidden[b : b + 1], model.lm_head)[:, 0], TREE, root, sampling=Sampling(),
-                              generator=None)
-        assert proposal.tokens[b].tolist() == want
-    assert proposal.draft is None
-
-
-def test_only_rejection_sampling_with_sampled_drafts_draws_its_candidates_and_draws_as_the_reference():
+def test_the_medusa_proposer_fills_each_row_as_the_reference_does_and_only_sampled_drafts_draw():
+    """Every rule's candidates are the reference's; only rejection sampling with sampled drafts draws
+    them (one row then: a batch reads the generator in another order than one row at a time)."""
     model, heads = tiny_model(1), random_heads(tiny_model(1), num_heads=3)
-    hidden = torch.randn(1, 32, generator=torch.Generator().manual_seed(1))
-    proposer = MedusaProposer(model, heads, TREE)
+    proposer, roots = MedusaProposer(model, heads, TREE), [7, 9]
     for sampling in [Sampling(), Sampling(acceptance="typical", temperature=0.8), Sampling(temperature=0.8, draft="topk"),
                      Sampling(temperature=0.8)]:
-        got = proposer.propose(torch.tensor([7]), hidden, max_depth=3, sampling=sampling,
+        rows = 1 if sampling.draws_candidates else 2
+        hidden = torch.randn(rows, 32, generator=torch.Generator().manual_seed(1))  # [B, C]
+        got = proposer.propose(torch.tensor(roots[:rows]), hidden, max_depth=3, sampling=sampling,
                                generator=torch.Generator().manual_seed(0))
-        want, drafts = ref.propose(heads(hidden, model.lm_head)[:, 0], TREE, 7, sampling=sampling,
-                                   generator=torch.Generator().manual_seed(0))
+        for b in range(rows):
+            want, drafts = ref.propose(heads(hidden[b : b + 1], model.lm_head)[:, 0], TREE, roots[b],
+                                       sampling=sampling, generator=torch.Generator().manual_seed(0))
+            assert got.tokens[b].tolist() == want
         assert (got.draft is not None) == (drafts is not None) == sampling.draws_candidates
-        assert got.tokens[0].tolist() == want
 
 
 def test_near_the_end_the_proposal_holds_the_shallow_part_of_the_tree_and_asks_only_its_heads():

@@ -31,11 +31,12 @@ ACC_HAND = torch.tensor([[0.6, 0.2, 0.1], [0.4, 0.2, 0.1], [0.3, 0.1, 0.05]])  #
 VICUNA = torch.tensor([[a * 0.45**r for r in range(10)] for a in (0.56, 0.32, 0.20, 0.15)])
 
 
-def test_choices_are_sorted_so_parents_precede_children():
+def test_choices_are_sorted_so_parents_precede_children_and_a_nodes_position_offset_is_its_depth():
     tree = Tree.from_choices(HAND)
     assert tree.choices == ((0,), (1,), (0, 0), (0, 1), (0, 0, 0))
     assert tree.parents == [-1, 0, 0, 1, 1, 3]
     assert tree.children == [[1, 2], [3, 4], [], [5], [], []]
+    assert tree.depths().tolist() == [0, 1, 1, 2, 2, 3]
 
 
 def test_node_sees_only_its_ancestors():
@@ -50,10 +51,6 @@ def test_node_sees_only_its_ancestors():
         [1, 1, 0, 1, 0, 1],  # 5 sees 3, 1, root
     ]
     assert mask.tolist() == [[bool(v) for v in row] for row in expected]
-
-
-def test_position_offsets_are_depths():
-    assert Tree.from_choices(HAND).depths().tolist() == [0, 1, 1, 2, 2, 3]
 
 
 def test_each_node_is_filled_by_the_head_of_its_depth_with_the_rank_of_its_last_choice():
@@ -122,13 +119,9 @@ def test_bad_choices_are_a_clear_error_naming_the_choice(choices, kwargs, messag
         Tree.from_choices(choices, **kwargs)
 
 
-def test_chain_is_one_top1_guess_per_head():
-    tree = chain(3)
-    assert tree.choices == ((0,), (0, 0), (0, 0, 0)) and tree.parents == [-1, 0, 1, 2]
-
-
-def test_presets_are_valid_and_sized_for_their_device():
+def test_presets_are_valid_and_sized_for_their_device_and_a_chain_is_one_top1_guess_per_head():
     cpu, gpu = preset("cpu"), preset("gpu")
+    assert chain(3).choices == ((0,), (0, 0), (0, 0, 0)) and chain(3).parents == [-1, 0, 1, 2]
     assert cpu.num_nodes <= 16 and cpu.depth == 4
     assert 60 <= gpu.num_nodes - 1 <= 70 and gpu.depth == 4
     assert Tree.from_choices(CPU_CHOICES, num_heads=4) == cpu
