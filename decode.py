@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     sample_t = a.temperature if a.temperature > 0 else SAMPLING_TEMPERATURE  # --compare's sampled rows
     warmup_s = None
     if a.compile:
-        compile_steps(ck.model)
+        ck.model = compile_steps(ck.model)
         # Every batch size that runs: prompts B at a time end with a smaller batch when B does not divide them.
         sizes = a.batch_sizes if a.batch_table else sorted({a.batch_size, len(prompts) % a.batch_size} - {0})
         warmup_s = sum(warm_up(ck.model, tree, batch_size=b) for b in sizes)

@@ -113,7 +113,7 @@ def bench_config(config: GPTConfig, *, device: torch.device, repeat: int, warmup
     model, heads = build(config, device=device, dtype=dtype, seed=seed)
     if compiled:
         torch.compiler.reset()  # graphs are cached per code object, across models: start afresh
-        compile_steps(model, backend=compile_backend)
+        model = compile_steps(model, backend=compile_backend)
         warmup = max(warmup, 3) if device.type == "cuda" else warmup  # CUDA graphs: eager, record, replay
     max_len = config.block_size + max(max(nodes), preset("gpu").num_nodes)
     cache = step_cache(model, max_len) or KVCache(config, max_len=max_len, device=device, dtype=dtype)

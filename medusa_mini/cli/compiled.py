@@ -21,6 +21,7 @@ import time
 from typing import Callable
 
 import torch
+from torch import nn
 
 from ..model import GPT, KVCache
 from ..step import verify
@@ -30,23 +31,35 @@ from .common import sync_device
 RECOMPILE_LIMIT = 64
 
 
-class CompiledSteps:
-    """A stand-in for `GPT.forward`: cached 1-token steps and tree verifies compiled, the rest eager."""
+class CompiledSteps(nn.Module):
+    """A GPT whose cached 1-token steps and tree verifies run compiled, everything else eager.
 
-    def __init__(self, forward, *, mode: str | None, backend: str | Callable = "inductor") -> None:
-        self.eager = forward
+    Like `torch.compile(model)` it wraps the model and leaves it untouched (the eager model stays usable),
+    and every attribute it does not have (config, device, lm_head, ...) is the model's, so decoding takes
+    either. Unlike it, a prefill (a new shape per prompt length) stays eager.
+    """
+
+    def __init__(self, model: GPT, *, mode: str | None, backend: str | Callable = "inductor") -> None:
+        super().__init__()
+        self.model = model
         self.caches: dict[tuple[int, int], KVCache] = {}  # (rows, max_len) -> the one cache every generation reuses
         # dynamic=False: every shape gets its own specialised graph; there are only a handful of them.
-        self.compiled = torch.compile(forward, fullgraph=True, dynamic=False, mode=mode, backend=backend)
+        self.compiled = torch.compile(model.forward, fullgraph=True, dynamic=False, mode=mode, backend=backend)
 
-    def cache(self, model: GPT, max_len: int, *, batch_size: int = 1) -> KVCache:
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)  # parameters, buffers, submodules: nn.Module's own lookup
+        except AttributeError:
+            return getattr(self._modules["model"], name)
+
+    def cache(self, max_len: int, *, batch_size: int = 1) -> KVCache:
         """The cache of batch_size rows and max_len slots that warm-up and every generation share: a CUDA
         graph replays on the addresses it was recorded with, so a new cache per generation would mean
         new recordings."""
         key = (batch_size, max_len)
         if key not in self.caches:
-            cache = KVCache(model.config, batch_size=batch_size, max_len=max_len, device=model.device,
-                            dtype=model.lm_head.weight.dtype, separate=True)
+            cache = KVCache(self.model.config, batch_size=batch_size, max_len=max_len, device=self.model.device,
+                            dtype=self.model.lm_head.weight.dtype, separate=True)
             # Marked static, a CUDA graph writes into the cache where it lies instead of copying it in
             # and out at every replay.
             for t in (*cache.k, *cache.v, cache._lengths):
@@ -54,31 +67,29 @@ class CompiledSteps:
             self.caches[key] = cache
         return self.caches[key]
 
-    def __call__(self, idx: torch.Tensor, **kwargs):
+    def forward(self, idx: torch.Tensor, **kwargs):
         cache = kwargs.get("cache")
         # A prefill asks for its last logits only (logits_at); a 1-token prompt's prefill stays eager too.
         is_step = cache is not None and kwargs.get("logits_at") is None and (
             idx.shape[1] == 1 or kwargs.get("attn_mask") is not None)
         if is_step:  # a captured step reads the whole cache: one shape for every step
             kwargs.pop("span", None)
-        return (self.compiled if is_step else self.eager)(idx, **kwargs)
+        return (self.compiled if is_step else self.model)(idx, **kwargs)
 
 
-def step_cache(model: GPT, max_len: int, *, batch_size: int = 1) -> KVCache | None:
+def step_cache(model: GPT | CompiledSteps, max_len: int, *, batch_size: int = 1) -> KVCache | None:
     """For a model whose steps are compiled, the shared cache of batch_size rows and max_len slots;
     else None (decoding then makes its own)."""
-    if not isinstance(model.forward, CompiledSteps):
-        return None
-    return model.forward.cache(model, max_len, batch_size=batch_size)
+    return model.cache(max_len, batch_size=batch_size) if isinstance(model, CompiledSteps) else None
 
 
-def compile_steps(model: GPT, *, backend: str | Callable = "inductor") -> GPT:
-    """Route `model`'s plain steps and tree verifies through torch.compile (in place; returns model).
+def compile_steps(model: GPT | CompiledSteps, *, backend: str | Callable = "inductor") -> CompiledSteps:
+    """`model` with its plain steps and tree verifies routed through torch.compile (`CompiledSteps`).
 
     mode "reduce-overhead" (CUDA graphs) on CUDA; the default mode on CPU, where there is no launch
-    overhead to remove. A backend other than inductor (tests use "eager") checks the capture cheaply.
+    overhead to remove. A backend other than inductor (tests use their own) checks the capture cheaply.
     """
-    if isinstance(model.forward, CompiledSteps):
+    if isinstance(model, CompiledSteps):
         return model
     # Every step shape is a specialisation of the one GPT.forward, which torch caps at 8 by default: a
     # deep tree's truncations, two trees and the plain step can pass that, and fullgraph then fails.
@@ -86,28 +97,27 @@ def compile_steps(model: GPT, *, backend: str | Callable = "inductor") -> GPT:
     name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
     setattr(config, name, max(getattr(config, name), RECOMPILE_LIMIT))
     mode = "reduce-overhead" if model.device.type == "cuda" and backend == "inductor" else None
-    model.forward = CompiledSteps(model.forward, mode=mode, backend=backend)  # nn.Module.__call__ finds it
-    return model
+    return CompiledSteps(model, mode=mode, backend=backend)
 
 
 @torch.no_grad()
-def warm_up(model: GPT, tree: Tree | None, *, batch_size: int = 1) -> float:
+def warm_up(model: CompiledSteps, tree: Tree | None, *, batch_size: int = 1) -> float:
     """Compile every step shape decoding can meet (T = 1; the tree and each of its truncations, which
     the last steps of a generation verify), on the very caches
     decoding will reuse; returns the seconds it took. Each shape runs three times: under CUDA graphs
     the first call runs eagerly, the second records and the third is the first replay."""
-    if not isinstance(model.forward, CompiledSteps):
+    if not isinstance(model, CompiledSteps):
         raise ValueError("warm_up needs a model whose steps are compiled: call compile_steps first")
     device, B = model.device, batch_size
     sync_device(device)
     t0 = time.perf_counter()
     block = model.config.block_size
-    plain_cache = model.forward.cache(model, block, batch_size=B)
+    plain_cache = model.cache(block, batch_size=B)
     for _ in range(3):
         plain_cache.lengths = 0
         model(torch.zeros(B, 1, dtype=torch.long, device=device), cache=plain_cache)
     if tree is not None:
-        cache = model.forward.cache(model, block + tree.num_nodes, batch_size=B)
+        cache = model.cache(block + tree.num_nodes, batch_size=B)
         for t in {tree.truncated(depth) for depth in range(tree.depth + 1)}:
             tokens = torch.zeros(B, t.num_nodes, dtype=torch.long, device=device)
             for _ in range(3):

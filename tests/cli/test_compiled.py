@@ -90,13 +90,12 @@ def compiled_and_eager(seed: int):
     heads = random_heads(model, seed=seed)
     eager = copy.deepcopy(model)
     backend = GraphReplay()
-    compile_steps(model, backend=backend)
-    return model, eager, heads, backend.graphs
+    return compile_steps(model, backend=backend), eager, heads, backend.graphs
 
 
 def test_compiled_steps_make_the_eager_tokens_and_compile_nothing_after_the_warm_up():
     model, eager, heads, graphs = compiled_and_eager(3)
-    assert isinstance(model.forward, CompiledSteps)
+    assert isinstance(model, CompiledSteps)
     seconds = warm_up(model, TREE)
     # One graph for the 1-token step, one per truncation of the tree (depth 0..3).
     assert seconds > 0 and len(graphs) == 1 + (TREE.depth + 1)
@@ -182,7 +181,7 @@ def test_warm_up_and_every_generation_share_one_cache_per_size():
     assert step_cache(tiny_model(5), block) is None  # an eager model makes its own caches
     warm_up(model, TREE)
     plain, tree_cache = step_cache(model, block), step_cache(model, block + TREE.num_nodes)
-    assert set(model.forward.caches.values()) == {plain, tree_cache}
+    assert set(model.caches.values()) == {plain, tree_cache}
     assert step_cache(model, block) is plain and plain.max_len == block  # the same tensors every time
 
 
@@ -191,12 +190,11 @@ def test_warm_up_refuses_a_model_that_is_not_compiled():
         warm_up(tiny_model(0), TREE)
 
 
-def test_compiling_twice_wraps_the_forward_once():
+def test_compiling_wraps_the_model_once_and_leaves_it_eager():
     model = tiny_model(0)
-    compile_steps(model, backend="eager")
-    first = model.forward
-    compile_steps(model, backend="eager")
-    assert model.forward is first and not isinstance(first.eager, CompiledSteps)
+    compiled = compile_steps(model, backend="eager")
+    assert compile_steps(compiled, backend="eager") is compiled and compiled.model is model
+    assert "forward" not in vars(model) and compiled.config is model.config  # the model's attributes show through
 
 
 def test_decode_compile_reports_the_compilation_apart_from_the_timings(tmp_path, capsys, monkeypatch):
