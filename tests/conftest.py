@@ -56,47 +56,12 @@ def model() -> GPT:
     return tiny_model()
 
 
-class OracleHeads:
-    """Heads that know the future: they propose the backbone's own greedy continuation.
-
-    Random heads accept almost nothing, so the long-path machinery (deep acceptance, compaction of
-    many slots) would go untested. The oracle follows the emitted tokens through `on_step` and runs the
-    model ahead to find what each head *should* say; rank 0 is that token, other ranks are random.
-    """
-
-    def __init__(
-        self, model: GPT, prompt: list[int], *, num_heads: int = 4, seed: int = 0, memo: dict | None = None
-    ) -> None:
-        self.model, self.seq, self.num_heads = model, list(prompt), num_heads
-        self.gen = torch.Generator().manual_seed(seed)
-        self.memo = memo if memo is not None else {}  # sequence -> its greedy future, shareable
-
-        self.config = HeadsConfig(num_heads=num_heads, n_embd=model.config.n_embd, vocab_size=model.config.vocab_size)
-
-    def on_step(self, tokens: list[int]) -> None:
-        self.seq += tokens
-
-    @torch.no_grad()
-    def __call__(self, hidden: torch.Tensor, lm_head: torch.nn.Module, *, num: int | None = None) -> torch.Tensor:
-        from medusa_mini.decoding import generate
-
-        V, block = self.model.config.vocab_size, self.model.config.block_size
-        # seq ends with the root; head k guesses the token k places after it.
-        key = tuple(self.seq)
-        if key not in self.memo:
-            room = block - len(self.seq)
-            self.memo[key] = generate(self.model, self.seq, max_new_tokens=self.num_heads)[0] if room > 0 else []
-        future = self.memo[key]
-        logits = torch.rand(self.num_heads, 1, V, generator=self.gen)
-        for k, tok in enumerate(future):
-            logits[k, 0, tok] = 10.0
-        return logits[:num]
-
-
 class ContinuationHeads:
-    """Heads that know the backbone's own greedy continuation of one prompt, without being told the step:
-    they recognise where they are from the hidden state alone (the nearest of the backbone's hidden
-    states along prompt + continuation), so they serve the reference, the engine and batches alike.
+    """Heads that know the future, so deep acceptance and the compaction of many slots get exercised
+    (random heads accept almost nothing). They know the backbone's greedy continuation of one prompt
+    and are not told the step: they recognise where they are from the hidden state alone (the nearest
+    of the backbone's states along prompt + continuation), so they serve the reference, the engine and
+    batches alike.
 
     At a hidden state that produced token t of the continuation, head k's rank-0 guess is the token k
     places after t; other ranks are random. Off the greedy continuation (sampling), every rank is random.

@@ -3,7 +3,7 @@ makes the reference's decisions, and stops cleanly."""
 
 import pytest
 import torch
-from conftest import ContinuationHeads, OracleHeads, random_heads, tiny_model
+from conftest import ContinuationHeads, random_heads, tiny_model
 from distributions import empirical_rows, exact_sequence_probs, expected_tv, total_variation
 
 from medusa_mini import reference as ref
@@ -30,9 +30,9 @@ def test_greedy_medusa_equals_plain_greedy(heads_kind, tree_name, seed):
     model = tiny_model(seed)
     prompt = torch.randint(0, 64, (5,), generator=torch.Generator().manual_seed(seed)).tolist()
     want, plain = generate(model, prompt, max_new_tokens=40)
-    heads = OracleHeads(model, prompt) if heads_kind == "oracle" else random_heads(model, seed=seed)
-    got, stats = medusa_generate(model, heads, prompt, tree=TREES[tree_name], max_new_tokens=40,
-                                 on_step=heads.on_step if heads_kind == "oracle" else None)
+    heads = (ContinuationHeads(model, prompt, max_new_tokens=40) if heads_kind == "oracle"
+             else random_heads(model, seed=seed))
+    got, stats = medusa_generate(model, heads, prompt, tree=TREES[tree_name], max_new_tokens=40)
     assert got == want and sum(stats.step_tokens) == plain.steps == 39 and plain.tokens_per_step == 1.0
     if heads_kind == "oracle":
         depth = TREES[tree_name].depth
@@ -76,10 +76,10 @@ def test_generation_stops_cleanly_at_the_context_limit(tree_name, rule):
     model = tiny_model(2, block_size=24)
     prompt = list(range(1, 11))
     want, s1 = generate(model, prompt, max_new_tokens=100)
-    oracle = OracleHeads(model, prompt)
+    oracle = ContinuationHeads(model, prompt, max_new_tokens=100)
     sampling = Sampling() if rule == "greedy" else Sampling(acceptance=rule, temperature=0.7)
     got, s2 = medusa_generate(model, oracle, prompt, tree=TREES[tree_name], max_new_tokens=100, sampling=sampling,
-                              generator=torch.Generator().manual_seed(0), on_step=oracle.on_step)
+                              generator=torch.Generator().manual_seed(0))
     assert len(got) == 24 - len(prompt) and s1.stop_reason == s2.stop_reason == "context"
     assert got == want or rule != "greedy"  # greedy: plain greedy's tokens up to the context
 
@@ -87,13 +87,8 @@ def test_generation_stops_cleanly_at_the_context_limit(tree_name, rule):
 def test_streaming_callback_receives_every_token_in_order_step_by_step():
     model = tiny_model(6)
     seen = []
-    oracle = OracleHeads(model, [4, 4])
-
-    def hook(tokens):
-        oracle.on_step(tokens)
-        seen.append(tokens)
-
-    out, stats = medusa_generate(model, oracle, [4, 4], tree=preset("cpu"), max_new_tokens=25, on_step=hook)
+    oracle = ContinuationHeads(model, [4, 4], max_new_tokens=25)
+    out, stats = medusa_generate(model, oracle, [4, 4], tree=preset("cpu"), max_new_tokens=25, on_step=seen.append)
     assert [t for chunk in seen for t in chunk] == out
     assert [len(c) for c in seen[1:]] == stats.step_tokens and len(seen[0]) == 1  # prefill's token first
 

@@ -28,7 +28,7 @@ import torch
 
 import medusa_mini.acceptance as acceptance
 import medusa_mini.reference as ref
-from conftest import ContinuationHeads, OracleHeads, random_heads, tiny_model
+from conftest import ContinuationHeads, random_heads, tiny_model
 from distributions import exact_sequence_probs, expected_tv, total_variation
 from test_hydra import random_hydra
 from medusa_mini.acceptance import Accepted, path_accept, typical_accept_paths
@@ -357,8 +357,8 @@ def test_the_verify_pass_gives_the_root_a_plain_steps_logits_in_float32_and_to_a
     # Greedy Medusa in bfloat16, accepting whole paths: plain greedy's tokens, or a near-tie where they part.
     model = tiny_model(7, vocab_size=64, block_size=64).to(torch.bfloat16)
     prompt = [3, 1, 4, 1, 5]
-    heads = OracleHeads(model, prompt, num_heads=4)
-    got, stats = medusa_generate(model, heads, prompt, tree=preset("cpu"), max_new_tokens=40, on_step=heads.on_step)
+    heads = ContinuationHeads(model, prompt, max_new_tokens=40)
+    got, stats = medusa_generate(model, heads, prompt, tree=preset("cpu"), max_new_tokens=40)
     want, _ = generate(model, prompt, max_new_tokens=40)
     assert max(stats.accepted_nodes) >= 2
     if got != want:
