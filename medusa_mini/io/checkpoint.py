@@ -7,16 +7,14 @@ A checkpoint directory holds
     medusa_heads.safetensors  the heads' state_dict                    (only when heads were saved)
     medusa_config.json        HeadsConfig.to_dict(); "kind" says medusa or hydra heads (only when heads were saved)
 
-Saving writes every file under a temporary name first, then renames them into place with config.json
-last; if a rename fails, the files already replaced are restored, so an earlier checkpoint in the
-directory stays loadable.
+Saving is atomic_write_files with config.json last: a failed save leaves an earlier checkpoint in the
+directory loadable.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 from typing import IO, Callable
 
 import torch
@@ -24,14 +22,9 @@ import torch
 from ..heads import HeadsConfig, MedusaHeads
 from ..hydra import HydraHeads, make_heads
 from ..model import GPT
-from .gpt2_layout import (
-    check_tensors,
-    config_from_gpt2_dict,
-    gpt2_config_dict,
-    gpt2_state_dict,
-    load_gpt2_weights,
-)
-from .safetensors import fsync_dir, read_json, read_safetensors, remove_file, stage_file, write_safetensors_to
+from .gpt2 import load_gpt2
+from .gpt2_layout import check_tensors, gpt2_config_dict, gpt2_state_dict
+from .safetensors import atomic_write_files, fsync_dir, read_json, read_safetensors, remove_file, write_safetensors_to
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -41,34 +34,6 @@ HEADS_CONFIG_FILE = "medusa_config.json"
 
 def _json_writer(obj: dict) -> Callable[[IO[bytes]], object]:
     return lambda f: f.write((json.dumps(obj, indent=2) + "\n").encode("utf-8"))
-
-
-def _replace_all(pairs: list[tuple[str, str]]) -> None:
-    """os.replace each (temp, final) in order; on failure, put every earlier final file back."""
-    done: list[tuple[str, str | None]] = []  # (final, hard link to its previous version or None)
-    try:
-        for tmp, final in pairs:
-            backup = None
-            if os.path.exists(final):
-                backup = f"{final}.{os.getpid()}.bak"
-                remove_file(backup)
-                try:
-                    os.link(final, backup)  # keeps the old bytes without copying them
-                except OSError:
-                    shutil.copyfile(final, backup)
-            done.append((final, backup))
-            os.replace(tmp, final)
-    except BaseException:
-        for final, backup in reversed(done):
-            if backup is not None:
-                os.replace(backup, final)
-            else:
-                remove_file(final)
-        raise
-    finally:
-        for _, backup in done:
-            if backup is not None:
-                remove_file(backup)
 
 
 def save_checkpoint(
@@ -88,26 +53,18 @@ def save_checkpoint(
     config = gpt2_config_dict(model.config, bos_token_id=eos_token_id, eos_token_id=eos_token_id)
     config["torch_dtype"] = str(model.transformer.wte.weight.dtype).removeprefix("torch.")
     config["medusa_mini"] = extra or {}
-    jobs = []  # transformers refuses safetensors files whose metadata lacks format "pt"
+    files = {}  # transformers refuses safetensors files whose metadata lacks format "pt"
     if write_model or not os.path.isfile(os.path.join(directory, WEIGHTS_FILE)):
-        jobs.append((WEIGHTS_FILE, lambda f: write_safetensors_to(f, gpt2_state_dict(model), {"format": "pt"})))
+        files[WEIGHTS_FILE] = lambda f: write_safetensors_to(f, gpt2_state_dict(model), {"format": "pt"})
     if heads is not None:
-        jobs.append((HEADS_FILE, lambda f: write_safetensors_to(f, heads.state_dict(), {"format": "pt"})))
-        jobs.append((HEADS_CONFIG_FILE, _json_writer(heads.config.to_dict())))
-    jobs.append((CONFIG_FILE, _json_writer(config)))  # last: it is what makes a directory a checkpoint
-    staged: list[tuple[str, str]] = []
-    try:
-        for name, write in jobs:
-            final = os.path.join(directory, name)
-            staged.append((stage_file(final, write), final))
-        _replace_all(staged)
-    finally:
-        for tmp, _ in staged:
-            remove_file(tmp)
+        files[HEADS_FILE] = lambda f: write_safetensors_to(f, heads.state_dict(), {"format": "pt"})
+        files[HEADS_CONFIG_FILE] = _json_writer(heads.config.to_dict())
+    files[CONFIG_FILE] = _json_writer(config)  # last: it is what makes a directory a checkpoint
+    atomic_write_files({os.path.join(directory, name): write for name, write in files.items()})
     if heads is None:  # heads from an earlier save would not belong to this model
         remove_file(os.path.join(directory, HEADS_FILE))
         remove_file(os.path.join(directory, HEADS_CONFIG_FILE))
-    fsync_dir(directory)
+        fsync_dir(directory)
 
 
 def _read_json(path: str) -> dict:
@@ -115,12 +72,6 @@ def _read_json(path: str) -> dict:
     if not isinstance(obj, dict):
         raise ValueError(f"{path} does not hold a JSON object; save the checkpoint again")
     return obj
-
-
-def _read_weights(path: str) -> dict[str, torch.Tensor]:
-    if not os.path.isfile(path):
-        raise ValueError(f"{path} is missing; save the checkpoint again")
-    return read_safetensors(path)  # SafetensorsError is a ValueError and names the file
 
 
 def load_heads(
@@ -143,7 +94,9 @@ def load_heads(
             f"has n_embd={mc.n_embd}, vocab_size={mc.vocab_size}; use the backbone they were trained on"
         )
     heads = make_heads(config)  # Medusa's heads or dependent (hydra) ones, as medusa_config.json says
-    tensors = _read_weights(weights_path)
+    if not os.path.isfile(weights_path):
+        raise ValueError(f"{weights_path} is missing; save the heads again")
+    tensors = read_safetensors(weights_path)  # SafetensorsError is a ValueError and names the file
     expected = {k: t.shape for k, t in heads.state_dict().items()}
     try:
         check_tensors(expected, tensors, fits=f"{HEADS_CONFIG_FILE} ({config})")
@@ -157,24 +110,12 @@ def load_checkpoint(
     directory: str | os.PathLike, *, device: torch.device | str = "cpu"
 ) -> tuple[GPT, MedusaHeads | HydraHeads | None, dict]:
     """(model, heads or None, config.json) from a directory save_checkpoint wrote, or any GPT-2
-    directory with model.safetensors; a one-line ValueError names what is missing or broken."""
+    directory; a one-line ValueError names what is missing or broken."""
     directory = os.fspath(directory)
     if not os.path.isdir(directory):
         raise ValueError(f"checkpoint directory {directory} does not exist; pass a saved checkpoint")
-    config_path = os.path.join(directory, CONFIG_FILE)
-    config_json = _read_json(config_path)
-    try:
-        config = config_from_gpt2_dict(config_json)
-    except ValueError as e:
-        raise ValueError(f"{config_path}: {e}") from None
-    model = GPT(config)
-    weights_path = os.path.join(directory, WEIGHTS_FILE)
-    tensors = _read_weights(weights_path)
-    try:
-        load_gpt2_weights(model, tensors)
-    except ValueError as e:
-        raise ValueError(f"{weights_path}: {e}") from None
-    model = model.to(device).eval()
+    config_json = _read_json(os.path.join(directory, CONFIG_FILE))
+    model = load_gpt2(directory, device=device)  # an existing directory: nothing is downloaded
     has_heads = os.path.exists(os.path.join(directory, HEADS_CONFIG_FILE))
     heads = load_heads(directory, model, device=device) if has_heads else None
     return model, heads, config_json

@@ -188,30 +188,6 @@ def infer_gpt2_config(tensors: dict[str, torch.Tensor], *, name: str | None = No
     return replace(known[0], vocab_size=vocab_size, block_size=short["wpe.weight"].shape[0], n_layer=n_layer)
 
 
-def _read_local(path: str) -> tuple[GPTConfig, dict[str, torch.Tensor], str]:
-    """(config, tensors, weights path) from a GPT-2 directory or a weights file."""
-    if os.path.isdir(path):
-        found = [w for f in ("model.safetensors", "pytorch_model.bin") if os.path.isfile(w := os.path.join(path, f))]
-        if not found:
-            raise ValueError(f"{path} holds neither model.safetensors nor pytorch_model.bin")
-        folder, weights = path, found[0]
-    else:
-        folder, weights = os.path.dirname(os.path.abspath(path)), path
-    config_path = os.path.join(folder, "config.json")
-    tensors = _read_weights(weights)
-    if os.path.isfile(config_path):
-        try:
-            with open(config_path, encoding="utf-8") as f:
-                return config_from_gpt2_dict(json.load(f)), tensors, weights
-        except ValueError as e:
-            raise ValueError(f"{config_path}: {e}") from None
-    if os.path.isdir(path):
-        raise ValueError(f"{path} has no config.json")
-    stem = os.path.basename(path).split(".")[0]
-    name = stem if stem in GPT2_CONFIGS else os.path.basename(folder)
-    return infer_gpt2_config(tensors, name=name), tensors, weights
-
-
 def load_gpt2(name_or_path: str | os.PathLike, *, device: torch.device | str = "cpu",
               cache_dir: str | os.PathLike | None = None, progress: bool = True) -> GPT:
     """GPT-2 as a `GPT` in eval mode, from a directory (config.json + model.safetensors or
@@ -222,7 +198,26 @@ def load_gpt2(name_or_path: str | os.PathLike, *, device: torch.device | str = "
         if path not in GPT2_CONFIGS:
             raise ValueError(f"{path!r} is no local file or directory, nor one of {', '.join(GPT2_CONFIGS)}")
         path = download_gpt2(path, cache_dir=cache_dir, progress=progress)
-    config, tensors, weights = _read_local(path)
+    if os.path.isdir(path):
+        found = [w for f in ("model.safetensors", "pytorch_model.bin") if os.path.isfile(w := os.path.join(path, f))]
+        if not found:
+            raise ValueError(f"{path} holds neither model.safetensors nor pytorch_model.bin")
+        folder, weights = path, found[0]
+    else:
+        folder, weights = os.path.dirname(os.path.abspath(path)), path
+    config_path, config = os.path.join(folder, "config.json"), None
+    if os.path.isfile(config_path):
+        try:
+            with open(config_path, encoding="utf-8") as f:
+                config = config_from_gpt2_dict(json.load(f))
+        except ValueError as e:
+            raise ValueError(f"{config_path}: {e}") from None
+    elif os.path.isdir(path):
+        raise ValueError(f"{config_path} is missing")
+    tensors = _read_weights(weights)
+    if config is None:  # a bare weights file: its name or its folder's may say which GPT-2 it is
+        stem = os.path.basename(path).split(".")[0]
+        config = infer_gpt2_config(tensors, name=stem if stem in GPT2_CONFIGS else os.path.basename(folder))
     model = empty_gpt(config, device=device)
     try:
         load_gpt2_weights(model, tensors)
@@ -232,11 +227,10 @@ def load_gpt2(name_or_path: str | os.PathLike, *, device: torch.device | str = "
 
 
 def empty_gpt(config: GPTConfig, *, device: torch.device | str = "cpu") -> GPT:
-    """A GPT with uninitialised weights on `device`, for loading weights into: built on the meta
-    device, so no random initialisation (slow for gpt2-xl) and no full copy on the CPU first."""
+    """A GPT with uninitialised weights on `device`: built on the meta device, so no random
+    initialisation (slow for gpt2-xl) and no full copy on the CPU first."""
     with torch.device("meta"):
         model = GPT(config)
     model = model.to_empty(device=device)
-    # to_empty gives every parameter entry new storage, the tied pair included: tie them again
-    model.lm_head.weight = model.transformer.wte.weight
+    model.lm_head.weight = model.transformer.wte.weight  # to_empty gave the tied pair separate storage
     return model

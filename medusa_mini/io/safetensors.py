@@ -1,12 +1,9 @@
-"""The safetensors format, read and written with our own code (no safetensors package).
+"""The safetensors format, read and written with our own code, and atomic file writes.
 
-Layout: 8-byte little-endian header length N, N bytes of JSON
-`{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {str: str}}` (padded with
-spaces so the data starts 8-byte aligned), then the raw little-endian tensor bytes; offsets count from
-the end of the header. The reader treats every file as hostile: a malformed header gives one
-SafetensorsError naming the file, and nothing is allocated before it is validated.
-
-Files are saved atomically (a temporary sibling, fsync, os.replace): readers see the old or the new one.
+Layout: 8-byte little-endian header length N, N bytes of JSON `{name: {"dtype", "shape", "data_offsets":
+[begin, end]}, "__metadata__": {str: str}}` (space-padded so the data is 8-byte aligned), then the raw
+little-endian tensor bytes, offsets counted from the end of the header. The reader treats every file as
+hostile: a malformed header gives one SafetensorsError naming the file, before anything is allocated.
 """
 
 from __future__ import annotations
@@ -15,6 +12,7 @@ import contextlib
 import json
 import math
 import os
+import shutil
 import struct
 import sys
 import tempfile
@@ -39,12 +37,13 @@ class SafetensorsError(ValueError):
 
 
 def _require_little_endian() -> None:
-    if sys.byteorder != "little":  # tensor bytes are copied as they are into torch storage
+    if sys.byteorder != "little":  # tensor bytes are copied as they are into and out of torch storage
         raise RuntimeError("safetensors I/O here assumes a little-endian machine")
 
 
 def write_safetensors_to(f: IO[bytes], tensors: dict[str, torch.Tensor], metadata: dict | None) -> None:
     """Write the safetensors bytes of `tensors` (in dict order) to a binary file; views are fine."""
+    _require_little_endian()
     header: dict[str, dict] = {}
     if metadata:
         if not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
@@ -72,22 +71,6 @@ def write_safetensors_to(f: IO[bytes], tensors: dict[str, torch.Tensor], metadat
         f.write(flat.view(torch.uint8).numpy())
 
 
-def stage_file(path: str, write: Callable[[IO[bytes]], None]) -> str:
-    """Write a temporary sibling of `path` and fsync it; return its name (the caller renames it)."""
-    folder, base = os.path.split(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{base}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp makes files private; a checkpoint is meant to be shared
-    except BaseException:
-        remove_file(tmp)
-        raise
-    return tmp
-
-
 def remove_file(path: str) -> None:
     """Remove `path` if it exists."""
     with contextlib.suppress(FileNotFoundError):
@@ -104,17 +87,50 @@ def fsync_dir(folder: str) -> None:
             os.close(fd)
 
 
-def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) -> None:
+def atomic_write_files(files: dict[str, Callable[[IO[bytes]], object]]) -> None:
+    """Call each writer on a temporary sibling of its path, then rename them all into place in order; if
+    anything fails, the files already replaced are restored, so readers see the old set or the new one."""
+    staged: list[tuple[str, str]] = []
+    done: list[tuple[str, str | None]] = []  # (final, hard link to its previous version or None)
+    try:
+        for path, write in files.items():
+            folder, base = os.path.split(os.path.abspath(path))
+            fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{base}.", suffix=".tmp")
+            staged.append((tmp, path))
+            with os.fdopen(fd, "wb") as f:
+                write(f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.chmod(tmp, 0o644)  # mkstemp makes files private; a checkpoint is meant to be shared
+        for tmp, final in staged:
+            if len(staged) > 1:  # one file needs no undo: os.replace happens entirely or not at all
+                backup = f"{final}.{os.getpid()}.bak" if os.path.exists(final) else None
+                if backup is not None:
+                    remove_file(backup)
+                    try:
+                        os.link(final, backup)  # keeps the old bytes without copying them
+                    except OSError:
+                        shutil.copyfile(final, backup)
+                done.append((final, backup))
+            os.replace(tmp, final)
+    except BaseException:
+        for final, backup in reversed(done):
+            if backup is None:
+                remove_file(final)
+            else:
+                os.replace(backup, final)
+        raise
+    finally:  # a temporary file is gone once renamed, a backup once restored
+        for leftover in [tmp for tmp, _ in staged] + [backup for _, backup in done if backup is not None]:
+            remove_file(leftover)
+    for folder in {os.path.dirname(os.path.abspath(path)) for path in files}:
+        fsync_dir(folder)
+
+
+def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], object]) -> None:
     """Call `write` on a temporary sibling of `path`, then rename it over `path`: readers see the old
     file or the new one, and a failure leaves the old file in place."""
-    path = os.fspath(path)
-    tmp = stage_file(path, write)
-    try:
-        os.replace(tmp, path)
-    except BaseException:
-        remove_file(tmp)
-        raise
-    fsync_dir(os.path.dirname(os.path.abspath(path)))
+    atomic_write_files({os.fspath(path): write})
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
@@ -139,7 +155,6 @@ def write_safetensors(
     path: str | os.PathLike, tensors: dict[str, torch.Tensor], *, metadata: dict[str, str] | None = None
 ) -> None:
     """Write `tensors` as a safetensors file, atomically: readers see the old file or the new one."""
-    _require_little_endian()
     atomic_write(path, lambda f: write_safetensors_to(f, tensors, metadata))
 
 
@@ -178,6 +193,7 @@ def _check_entry(name: str, info: object, buffer_size: int) -> tuple[torch.dtype
 
 def _read_header(f: IO[bytes], path: str) -> tuple[dict[str, tuple], dict[str, str], int]:
     """Validate the header; return ({name: (dtype, shape, (begin, end))}, metadata, data start)."""
+    _require_little_endian()
     size = os.fstat(f.fileno()).st_size
     if size < 8:
         raise SafetensorsError(f"{path}: only {size} bytes, too short for the 8-byte header length")
@@ -215,12 +231,9 @@ def _read_header(f: IO[bytes], path: str) -> tuple[dict[str, tuple], dict[str, s
     return entries, metadata, 8 + n
 
 
-def read_safetensors(
-    path: str | os.PathLike, *, device: torch.device | str = "cpu"
-) -> dict[str, torch.Tensor]:
+def read_safetensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     """Read every tensor of a safetensors file; raise SafetensorsError for a broken or hostile file.
     Each tensor's bytes are read straight into its own storage, so peak memory is the model once."""
-    _require_little_endian()
     path = os.fspath(path)
     out: dict[str, torch.Tensor] = {}
     with open(path, "rb") as f:
@@ -233,7 +246,7 @@ def read_safetensors(
                 raise SafetensorsError(f"{path}: file ended inside tensor {name!r}")
             if dtype is torch.bool and t.numel() and int(t.view(torch.uint8).max()) > 1:
                 raise SafetensorsError(f"{path}: tensor {name!r} holds BOOL bytes other than 0 and 1")
-            out[name] = t.reshape(shape).to(device)
+            out[name] = t.reshape(shape)
     return out
 
 

@@ -1,8 +1,5 @@
-"""Byte-level BPE tokenizer: train merges on a corpus, use them through tiktoken.
-
-Training follows GPT-2's recipe: split text into pre-tokens with GPT-2's regex, start from the 256
-single bytes, and repeatedly merge the most frequent adjacent pair. The result, "mergeable ranks"
-{token bytes: rank}, is what ``tiktoken.Encoding`` consumes, so encoding runs in tiktoken's Rust code.
+"""Byte-level BPE tokenizer: train merges on a corpus (GPT-2's recipe: GPT-2's pre-token regex, the 256
+single bytes, then the most frequent adjacent pair merged again and again), use them through tiktoken.
 
 On disk a tokenizer is a directory with ``tokenizer.tiktoken`` (tiktoken's rank file, one
 ``<base64 token bytes> <rank>`` per line) and ``tokenizer_config.json`` (``{"type": "bpe", "pattern":
@@ -24,11 +21,9 @@ from collections.abc import Mapping, Sequence
 import regex
 import tiktoken
 
-from .safetensors import atomic_write_text
+from .safetensors import atomic_write_text, read_json
 
-GPT2_SPLIT_PATTERN = (
-    r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
-)
+GPT2_SPLIT_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 DEFAULT_SPECIAL_TOKENS = ("<|endoftext|>",)
 RANKS_FILE = "tokenizer.tiktoken"
 CONFIG_FILE = "tokenizer_config.json"
@@ -38,12 +33,9 @@ Pair = tuple[int, int]
 
 def _count_words(text: str, special_tokens: Sequence[str]) -> Counter[bytes]:
     """Frequencies of the distinct pre-tokens, as UTF-8 bytes."""
-    # Special-token strings that happen to occur in the text must not be learned as ordinary
-    # merges, or encode_ordinary and encode would disagree on them.
-    chunks = [text]
-    if special_tokens:
-        separator = "|".join(regex.escape(token) for token in special_tokens)
-        chunks = regex.split(separator, text)
+    # Special-token strings in the text must not be learned as ordinary merges, or encode_ordinary and
+    # encode would disagree on them.
+    chunks = regex.split("|".join(map(regex.escape, special_tokens)), text) if special_tokens else [text]
     pattern = regex.compile(GPT2_SPLIT_PATTERN)
     counts: Counter[str] = Counter()
     for chunk in chunks:
@@ -71,10 +63,7 @@ def _merge_word(word: list[int], pair: Pair, new_id: int) -> list[int]:
 
 
 def train_bpe(
-    text: str,
-    *,
-    vocab_size: int = 2048,
-    special_tokens: Sequence[str] = DEFAULT_SPECIAL_TOKENS,
+    text: str, *, vocab_size: int = 2048, special_tokens: Sequence[str] = DEFAULT_SPECIAL_TOKENS
 ) -> dict[bytes, int]:
     """Learn byte-level BPE merges on ``text``; return mergeable ranks {token bytes: rank} (0..255 are
     the bytes). Stops at ``vocab_size - len(special_tokens)`` ranks or once no pair occurs twice; ties go
@@ -165,35 +154,14 @@ def make_encoding(
     return tiktoken.Encoding(name, pat_str=pattern, mergeable_ranks=ranks, special_tokens=specials)
 
 
-def _ranks_of(enc: tiktoken.Encoding) -> dict[bytes, int]:
-    special_ids = {enc.encode_single_token(t) for t in enc.special_tokens_set}
-    ranks = {}
-    for token_id in sorted(set(range(enc.n_vocab)) - special_ids):
-        with contextlib.suppress(KeyError):  # ids need not be dense
-            ranks[enc.decode_single_token_bytes(token_id)] = token_id
-    return ranks
-
-
-def save_tokenizer(
-    enc_or_ranks: tiktoken.Encoding | Mapping[bytes, int],
-    directory: str | os.PathLike[str],
-    *,
-    special_tokens: Sequence[str] = DEFAULT_SPECIAL_TOKENS,
-    name: str = "medusa_mini",
-) -> pathlib.Path:
-    """Save an encoding (or bare ranks plus ``special_tokens`` and ``name``) to ``directory``; return it.
-    An Encoding keeps its own special tokens and name."""
-    enc = enc_or_ranks
-    if not isinstance(enc, tiktoken.Encoding):
-        enc = make_encoding(enc, name=name, special_tokens=special_tokens)
-    ranks = _ranks_of(enc)
+def save_tokenizer(enc: tiktoken.Encoding, directory: str | os.PathLike[str]) -> pathlib.Path:
+    """Save an encoding (ranks, special tokens, split pattern, name) to ``directory``; return it."""
     specials = {t: enc.encode_single_token(t) for t in sorted(enc.special_tokens_set)}
-    # tiktoken exposes no public accessor for the split pattern.
-    pattern = getattr(enc, "_pat_str", GPT2_SPLIT_PATTERN)
-    lines = [
-        f"{base64.b64encode(token).decode('ascii')} {rank}\n"
-        for token, rank in sorted(ranks.items(), key=lambda item: item[1])
-    ]
+    lines = []
+    for rank in sorted(set(range(enc.n_vocab)) - set(specials.values())):
+        with contextlib.suppress(KeyError):  # ids need not be dense
+            lines.append(f"{base64.b64encode(enc.decode_single_token_bytes(rank)).decode('ascii')} {rank}\n")
+    pattern = getattr(enc, "_pat_str", GPT2_SPLIT_PATTERN)  # tiktoken has no public accessor for it
     config = {"type": "bpe", "name": enc.name, "pattern": pattern, "special_tokens": specials}
     return _write_config(directory, config, ranks_text="".join(lines))
 
@@ -241,12 +209,7 @@ def load_tokenizer(directory: str | os.PathLike[str]) -> tiktoken.Encoding:
     """Load a tokenizer saved by ``save_tokenizer`` or ``save_tokenizer_reference``."""
     directory = pathlib.Path(directory)
     config_path = directory / CONFIG_FILE
-    if not config_path.is_file():
-        raise ValueError(f"not a tokenizer directory: {config_path} is missing")
-    try:
-        config = json.loads(config_path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"corrupt tokenizer config {config_path}: {e}") from None
+    config = read_json(config_path, hint="save the tokenizer again")
     kind = config.get("type") if isinstance(config, dict) else None
     if kind == "tiktoken":
         name = config.get("name")
@@ -255,7 +218,6 @@ def load_tokenizer(directory: str | os.PathLike[str]) -> tiktoken.Encoding:
         return tiktoken.get_encoding(name)
     if kind != "bpe":
         raise ValueError(f"corrupt tokenizer config {config_path}: unknown type {kind!r}")
-
     pattern, specials = config.get("pattern"), config.get("special_tokens", {})
     if not isinstance(pattern, str) or not isinstance(specials, dict) or not all(
         isinstance(v, int) for v in specials.values()
@@ -268,11 +230,7 @@ def load_tokenizer(directory: str | os.PathLike[str]) -> tiktoken.Encoding:
     if set(specials.values()) & set(ranks.values()):
         raise ValueError(f"corrupt tokenizer config {config_path}: special ids collide with ranks")
     try:
-        return tiktoken.Encoding(
-            str(config.get("name", "medusa_mini")),
-            pat_str=pattern,
-            mergeable_ranks=ranks,
-            special_tokens=specials,
-        )
+        name = str(config.get("name", "medusa_mini"))
+        return tiktoken.Encoding(name, pat_str=pattern, mergeable_ranks=ranks, special_tokens=specials)
     except Exception as e:  # e.g. an invalid regex
         raise ValueError(f"corrupt tokenizer config {config_path}: {e}") from None
