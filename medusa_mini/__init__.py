@@ -1,24 +1,24 @@
 """medusa_mini: Medusa decoding (arXiv 2401.10774) in a few small, readable files.
 
 Read `reference.py` first: the whole algorithm in one file that runs, batch 1. The engine makes the
-same decisions fast, for batches: model (GPT-2 and a static KV cache), heads, tree, sampling, proposal
-(the candidates of one step; hydra.py proposes too), acceptance, step, decoding; then
-training. All of it imports only torch, numpy and itself. The wings import the core, never the
-reverse: io/ (tokenizer, safetensors, checkpoints, GPT-2 weights), train/ (the train_tiny.py run),
-tune/ (the heads' acceptance table, --tree), cli/ (shared command-line code).
+same decisions fast, for batches: model (GPT-2 and a static KV cache), heads (Medusa's and dependent
+ones), tree, sampling, proposal (the candidates of one step, prompt lookup's too), acceptance, step,
+decoding; then training. All of it imports only torch, numpy and itself. The wings import the core,
+never the reverse: io/ (tokenizer, safetensors, checkpoints, GPT-2 weights), train/ (the train_tiny.py
+run), cli/ (the command lines' shared code).
 """
 
 from . import reference
-from .acceptance import Accepted, accept_paths, greedy_accept_paths, rejection_accept_topk, typical_accept_paths
+from .acceptance import Accepted, accept_paths
 from .decoding import GenerationStats, generate, generate_batch, medusa_generate, medusa_generate_batch
-from .heads import HeadsConfig, MedusaHeads
+from .heads import HeadsConfig, HydraHeads, MedusaHeads, make_heads
 from .model import GPT, GPTConfig, KVCache, compact_kv_cache
+from .proposal import PromptLookup
 from .sampling import Sampling, sampling_probs
 from .tree import Tree, build_tree, chain, preset
 
 __all__ = [
-    "reference", "GPT", "GPTConfig", "KVCache", "compact_kv_cache", "HeadsConfig", "MedusaHeads", "Tree",
-    "build_tree", "chain", "preset", "Sampling", "sampling_probs", "Accepted", "accept_paths",
-    "greedy_accept_paths", "typical_accept_paths", "rejection_accept_topk", "GenerationStats", "generate", "generate_batch",
-    "medusa_generate", "medusa_generate_batch",
+    "reference", "GPT", "GPTConfig", "KVCache", "compact_kv_cache", "HeadsConfig", "MedusaHeads", "HydraHeads",
+    "make_heads", "PromptLookup", "Tree", "build_tree", "chain", "preset", "Sampling", "sampling_probs", "Accepted",
+    "accept_paths", "GenerationStats", "generate", "generate_batch", "medusa_generate", "medusa_generate_batch",
 ]

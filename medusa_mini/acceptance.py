@@ -143,11 +143,11 @@ def rejection_accept_drawn(proposal: Proposal, logits: torch.Tensor, *, sampling
 
 def accept_paths(proposal: Proposal, logits: torch.Tensor, *, sampling: Sampling,
                  generator: torch.Generator | None, usable: torch.Tensor | None = None) -> Accepted:
-    """`sampling.rule`'s acceptance for B rows: logits [B, N, V] at every node of the proposal."""
+    """The acceptance rule `sampling` names, for B rows: logits [B, N, V] at every node of the proposal."""
     tree, tokens = proposal.tree.tensors(logits.device), proposal.tokens
-    if sampling.rule == "greedy":
+    if sampling.acceptance == "greedy":
         return greedy_accept_paths(tree, tokens, logits, usable=usable)
-    if sampling.rule == "typical":
+    if sampling.acceptance == "typical":
         return typical_accept_paths(tree, tokens, logits, sampling=sampling, generator=generator, usable=usable)
     if proposal.draft is None:
         return rejection_accept_topk(tree, tokens, logits, sampling=sampling, generator=generator, usable=usable)

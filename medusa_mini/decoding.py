@@ -16,6 +16,8 @@ again. Prompts of different lengths are padded at their end for the prefill only
 never attended to and its cache slots are given back, so no padding token reaches any row.
 
 `generate` and `medusa_generate` take one prompt; `generate_batch` and `medusa_generate_batch` a list.
+Medusa's loop takes any *drafter*, an object whose `proposer(model, tree)` makes the step's candidates:
+Medusa or hydra heads, or `proposal.PromptLookup`.
 """
 
 from __future__ import annotations
@@ -25,11 +27,9 @@ from typing import Callable
 
 import torch
 
-from .hydra import HydraProposer
 from .model import GPT, KVCache
-from .proposal import MedusaProposer, Proposer
 from .sampling import Sampling
-from .step import medusa_step
+from .step import EAGER, Steps, medusa_step
 from .tree import Tree
 
 RowCallback = Callable[[int, list[int]], None]  # (row, the tokens it just emitted)
@@ -61,13 +61,6 @@ def _check_prompt(model: GPT, prompt: list[int] | torch.Tensor) -> list[int]:
     return ids
 
 
-def make_proposer(model: GPT, heads, tree: Tree) -> Proposer:
-    """The proposer for these heads: Medusa's, or dependent (hydra) heads' (`heads.config.kind`)."""
-    if heads.config.kind == "hydra":
-        return HydraProposer(model, heads, tree)
-    return MedusaProposer(model, heads, tree)
-
-
 def reuse_cache(cache: KVCache | None, model: GPT, *, batch_size: int, max_len: int) -> KVCache:
     """`cache` emptied for a new generation, or a new one of batch_size rows and max_len slots when None.
 
@@ -96,13 +89,13 @@ def prefill(model: GPT, ids: torch.Tensor, cache: KVCache, *, lengths: list[int]
     """
     B, T = ids.shape
     last = torch.tensor([n - 1 for n in lengths] if lengths else [T - 1] * B, device=ids.device)  # [B]
-    logits, hidden = model(ids, cache=cache, logits_at=last, span=T)  # [B, 1, V], [B, T, C]: an empty cache
+    logits, hidden = model(ids, cache=cache, logits_at=last, attended=T)  # [B, 1, V], [B, T, C]: an empty cache
     if lengths is not None:
         cache.lengths = torch.tensor(lengths, device=ids.device)
     return logits[:, 0], hidden.gather(1, last[:, None, None].expand(B, 1, hidden.shape[-1]))[:, 0]
 
 
-class Rows:
+class Generations:
     """Each row's output, statistics and stop rule, kept on the host from the tokens each step reads."""
 
     def __init__(self, model: GPT, prompts: list, *, max_new_tokens: int, eos_id: int | None,
@@ -147,6 +140,10 @@ class Rows:
                 stopped.append(b)
         return stopped
 
+    def history(self) -> list[list[int]]:
+        """Each row's prompt and output so far (the last token is the next step's root)."""
+        return [p + o for p, o in zip(self.prompts, self.out)]
+
     def results(self) -> list[tuple[list[int], GenerationStats]]:
         return list(zip(self.out, self.stats))
 
@@ -155,27 +152,28 @@ class Rows:
 def generate_batch(
     model: GPT, prompts: list, *, max_new_tokens: int, sampling: Sampling = Sampling(), eos_id: int | None = None,
     generator: torch.Generator | None = None, on_step: RowCallback | None = None, cache: KVCache | None = None,
+    steps: Steps = EAGER,
 ) -> list[tuple[list[int], GenerationStats]]:
     """Plain autoregressive decoding of B prompts with the KV cache: one forward pass per token per row.
 
     Each token is `sampling.next_token`: the argmax at temperature 0, else a draw from p (temperature,
     top-p); the acceptance settings play no part here. One host read per step. `cache`: one to reuse
-    (see `reuse_cache`), B rows of block_size slots; by default a new one.
+    (see `reuse_cache`), B rows of block_size slots; by default a new one. `steps`: compiled ones, or eager.
     """
-    rows = Rows(model, prompts, max_new_tokens=max_new_tokens, eos_id=eos_id, on_step=on_step)
+    rows = Generations(model, prompts, max_new_tokens=max_new_tokens, eos_id=eos_id, on_step=on_step)
     B, device = len(rows.prompts), model.device
     cache = reuse_cache(cache, model, batch_size=B, max_len=model.config.block_size)
     logits, _ = prefill(model, rows.padded(device), cache, lengths=[len(p) for p in rows.prompts])
     tok = sampling.next_token(logits, generator)  # [B] on the device: the next inputs, without the host
     stopped = rows.emit([[t] for t in tok.tolist()], step=False)
     stop_at = torch.tensor(rows.stop_at, device=device)  # [B]
-    span = max(len(p) for p in rows.prompts)  # every row's cache length is at most this, on the host
+    longest = max(len(p) for p in rows.prompts)  # every row's cache length is at most this, on the host
     while rows.active:
         if stopped:  # a stopped row's next write must not move its length: it stays where it is
             stop_at[stopped] = 0
         start = cache.lengths  # [B]
-        span += 1
-        logits, _ = model(tok[:, None], cache=cache, span=span)  # [B, 1, V]
+        longest += 1
+        logits, _ = steps.plain(model, cache, tok[:, None], attended=steps.attended(longest))  # [B, 1, V]
         if len(rows.active) < B:
             cache.lengths = torch.where(start + 1 < stop_at, start + 1, start)
         tok = sampling.next_token(logits[:, -1], generator)  # [B]
@@ -185,22 +183,22 @@ def generate_batch(
 
 @torch.no_grad()
 def medusa_generate_batch(
-    model: GPT, heads, prompts: list, *, tree: Tree, max_new_tokens: int,
+    model: GPT, drafter, prompts: list, *, tree: Tree, max_new_tokens: int,
     sampling: Sampling = Sampling(), eos_id: int | None = None, generator: torch.Generator | None = None,
-    on_step: RowCallback | None = None, cache: KVCache | None = None,
+    on_step: RowCallback | None = None, cache: KVCache | None = None, steps: Steps = EAGER,
 ) -> list[tuple[list[int], GenerationStats]]:
     """Medusa decoding of B prompts: propose -> verify -> accept -> compact, until every row has stopped.
 
-    heads(hidden [B, C], lm_head) -> logits [K, B, V], read once per step at each row's last accepted
-    node (dependent heads: depth by depth while the tree is filled, hydra.py). With greedy or rejection
-    acceptance each row's output is plain decoding's, in distribution and, when greedy, token for token.
-    `cache`: one to reuse (see `reuse_cache`), B rows of block_size + N slots; by default a new one.
+    drafter: heads (or `PromptLookup`), whose `proposer(model, tree)` fills each step's tree from each
+    row's last accepted node. With greedy or rejection acceptance each row's output is plain decoding's,
+    in distribution and, when greedy, token for token. `cache`: one to reuse (see `reuse_cache`), B rows
+    of block_size + N slots; by default a new one. `steps`: compiled ones, or eager.
     """
-    proposer = make_proposer(model, heads, tree)
-    rows = Rows(model, prompts, max_new_tokens=max_new_tokens, eos_id=eos_id, on_step=on_step)
+    proposer = drafter.proposer(model, tree)
+    rows = Generations(model, prompts, max_new_tokens=max_new_tokens, eos_id=eos_id, on_step=on_step)
     B, device = len(rows.prompts), model.device
     # Slots beyond block_size hold a tree's nodes; their positions are still < block_size.
-    cache = reuse_cache(cache, model, batch_size=B, max_len=model.config.block_size + tree.num_nodes)
+    cache = reuse_cache(cache, model, batch_size=B, max_len=model.config.block_size + proposer.tree.num_nodes)
     lengths = [len(p) for p in rows.prompts]
     logits, hidden = prefill(model, rows.padded(device), cache, lengths=lengths)  # [B, V], [B, C]
     roots = sampling.next_token(logits, generator)  # [B] on the device, as every later root
@@ -211,9 +209,9 @@ def medusa_generate_batch(
             stop_at[stopped] = 0
         # Near a row's end, deeper nodes could not be used: the tree keeps the depths some row can use.
         max_depth = max(rows.stop_at[b] - 2 - lengths[b] for b in rows.active)
-        span = max(lengths) + tree.num_nodes  # the slots any row reads this step: the host knows them
-        step = medusa_step(model, cache, proposer, roots, hidden, sampling=sampling, generator=generator,
-                           stop_at=stop_at, max_depth=max_depth, span=span)
+        step = medusa_step(model, cache, proposer, roots, hidden, history=rows.history(), sampling=sampling,
+                           generator=generator, stop_at=stop_at, max_depth=max_depth, steps=steps,
+                           attended=steps.attended(max(lengths) + proposer.tree.num_nodes))
         for b in rows.active:
             lengths[b] += len(step.paths[b])
         stopped = rows.emit(step.new_tokens, step=True, accepted=[len(p) - 1 for p in step.paths])
@@ -231,7 +229,7 @@ def generate(model: GPT, prompt: list[int] | torch.Tensor, *, on_step: Callable[
     return generate_batch(model, [prompt], on_step=_one_row(on_step), **kwargs)[0]
 
 
-def medusa_generate(model: GPT, heads, prompt: list[int] | torch.Tensor, *,
+def medusa_generate(model: GPT, drafter, prompt: list[int] | torch.Tensor, *,
                     on_step: Callable[[list[int]], None] | None = None, **kwargs) -> tuple[list[int], GenerationStats]:
     """`medusa_generate_batch` for one prompt: (new tokens, statistics). on_step(tokens) after every step."""
-    return medusa_generate_batch(model, heads, [prompt], on_step=_one_row(on_step), **kwargs)[0]
+    return medusa_generate_batch(model, drafter, [prompt], on_step=_one_row(on_step), **kwargs)[0]

@@ -1,12 +1,24 @@
-"""Medusa heads (paper §2.1.1): K extra heads that guess tokens further ahead from one hidden state.
+"""Draft heads (paper §2.1.1): K extra heads that guess tokens further ahead from one hidden state.
 
-Head k (1-based) reads the backbone's last hidden state h_t and predicts token t+k+1, while the
-backbone's own lm_head predicts t+1. Each head is a residual block `x + SiLU(W_k x + b_k)` with W_k
-zero-initialised, so an untrained head starts as a copy of the backbone's next-token prediction, then a
-vocabulary projection: by default the backbone's own (tied) lm_head, all K heads in one batched matmul;
-optionally each head its own lm_head initialised from the backbone's (the paper's Medusa-1 setup).
+Head k (1-based) reads the backbone's last hidden state h_t and guesses token t+k+1, while the
+backbone's own lm_head predicts t+1. Two kinds, one interface:
 
-Shapes: K heads, C n_embd, V vocabulary, `...` any leading dims (B, or B and T in training).
+- `MedusaHeads`: head k is `h + SiLU(W_k h + b_k)`, W_k zero-initialised, so an untrained head starts as
+  the backbone's next-token prediction. It cannot know which tokens the tree put before its guess, so
+  its q is a marginal, and every node of one depth gets the same guesses.
+- `HydraHeads` (Hydra, arXiv 2402.05109): head k also reads the embeddings of the k tokens before its
+  target, `h + SiLU(W_k [h; e(x_{t+1}); ...; e(x_{t+k})] + b_k)`, so each node's children come from
+  their own q, and the tree is filled depth by depth.
+
+Both project through the backbone's own lm_head onto a *draft vocabulary*: the M most frequent tokens
+of the text the heads learned from (FR-Spec, arXiv 2502.14856). At a real vocabulary this projection
+is most of what the heads cost; the backbone still verifies over the whole vocabulary, so every
+acceptance rule stays what it is (rejection sampling's residual carries the tokens q never proposes).
+
+Each kind carries what differs, so no caller asks which kind it holds: its teacher-forced logits
+(`forward`, for training and measuring), its `proposer` (how it fills a tree) and its `description`.
+
+Shapes: K heads, C n_embd, V vocabulary, M draft vocabulary, `...` any leading dims.
 """
 
 from __future__ import annotations
@@ -17,7 +29,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .proposal import HydraProposer, MedusaProposer
+from .tree import Tree
+
 HEAD_KINDS = ("medusa", "hydra")
+IGNORE = -100  # F.cross_entropy's default ignore_index: a position with no target
 
 
 @dataclass
@@ -25,91 +41,158 @@ class HeadsConfig:
     num_heads: int = 4
     n_embd: int = 256
     vocab_size: int = 2048
-    own_lm_head: bool = False
-    kind: str = "medusa"  # "medusa": head k reads h_t only; "hydra": h_t and the drafted path (hydra.py)
+    draft_vocab_size: int = 0  # M: guesses come from the M most frequent tokens (0: the whole vocabulary)
+    kind: str = "medusa"  # see HEAD_KINDS
 
     def __post_init__(self) -> None:
         if self.kind not in HEAD_KINDS:
             raise ValueError(f"unknown head kind {self.kind!r}: use one of {', '.join(HEAD_KINDS)}")
+        if not 0 <= self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(f"draft_vocab_size must be 0 (the whole vocabulary) to {self.vocab_size}, "
+                             f"not {self.draft_vocab_size}")
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
-class ResBlock(nn.Module):
-    """x + SiLU(W x + b); W starts at zero, so the block starts as the identity."""
+def make_heads(config: HeadsConfig) -> "DraftHeads":
+    """The heads a config describes: the one place that reads `config.kind`."""
+    return {"medusa": MedusaHeads, "hydra": HydraHeads}[config.kind](config)
 
-    def __init__(self, n_embd: int) -> None:
+
+def next_tokens(y: torch.Tensor, k: int) -> torch.Tensor:
+    """The k tokens after each position, teacher-forced: y [B, T] (y[:, t] = token t+1) -> [B, T, k].
+
+    out[:, t, j] = y[:, t + j] (token t+j+1); 0 past the end, where no head has a target anyway."""
+    B, T = y.shape
+    out = torch.zeros(B, T, k, dtype=y.dtype, device=y.device)
+    for j in range(min(k, T)):
+        out[:, : T - j, j] = y[:, j:]
+    return out
+
+
+def frequency_order(tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Token ids [V], most frequent in `tokens` first (ties: the smaller id): the draft vocabulary's order."""
+    counts = torch.bincount(tokens.flatten().cpu().long(), minlength=vocab_size)[:vocab_size]
+    return counts.argsort(descending=True, stable=True)
+
+
+class DraftHeads(nn.Module):
+    """What both kinds share: the config and the draft vocabulary."""
+
+    description = ""
+
+    def __init__(self, config: HeadsConfig) -> None:
         super().__init__()
-        self.linear = nn.Linear(n_embd, n_embd)
-        nn.init.zeros_(self.linear.weight)
-        nn.init.zeros_(self.linear.bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + F.silu(self.linear(x))
-
-
-class MedusaHeads(nn.Module):
-    """K residual blocks, then the shared lm_head (passed in at call time) or K own lm_heads."""
-
-    def __init__(self, config: HeadsConfig, *, lm_head_weight: torch.Tensor | None = None) -> None:
-        super().__init__()
-        if config.kind != "medusa":
-            raise ValueError(f"these heads are of kind {config.kind!r}, not Medusa's: build them with "
-                             "medusa_mini.hydra.make_heads (or load them with io.checkpoint.load_heads)")
         self.config = config
-        self.blocks = nn.ModuleList([ResBlock(config.n_embd) for _ in range(config.num_heads)])
-        if config.own_lm_head:
-            # [K, V, C]: one projection per head, all starting from the backbone's.
-            w = torch.zeros(config.num_heads, config.vocab_size, config.n_embd)
-            if lm_head_weight is not None:
-                w.copy_(lm_head_weight.detach().to(w.dtype).unsqueeze(0).expand_as(w))
-            else:
-                nn.init.normal_(w, std=0.02)
-            self.lm_heads = nn.Parameter(w)
-        else:
-            self.lm_heads = None
+        # Token ids, most frequent first; the first M of them are the draft vocabulary.
+        self.register_buffer("vocab_order", torch.arange(config.vocab_size))
 
     @property
     def num_heads(self) -> int:
         return self.config.num_heads
 
-    def hidden(self, x: torch.Tensor, *, num: int | None = None) -> torch.Tensor:
-        """x: [..., C] -> the first `num` heads' features [K', ..., C] (default: all K)."""
-        num = self.num_heads if num is None else num
-        if self.training or torch.is_grad_enabled():
-            return torch.stack([block(x) for block in self.blocks[:num]])  # [K', ..., C]
-        # Decoding: the blocks' linears stacked into one [K C, C] matrix, one matmul for all heads. At
-        # batch 1 a step spends more time calling K small layers than computing them.
-        weight, bias = self._stacked_blocks()  # [K C, C] (out, in), [K C]
-        C = x.shape[-1]
-        z = F.linear(x, weight[: num * C], bias[: num * C]).unflatten(-1, (num, C))  # [..., K', C]
-        z = x.unsqueeze(-2) + F.silu(z)  # [..., K', C]
-        return z.movedim(-2, 0)  # [K', ..., C]
+    @property
+    def draft_ids(self) -> torch.Tensor:
+        """[M] the token ids the heads guess among, ascending (all V when draft_vocab_size is 0)."""
+        return self.vocab_order[: self.config.draft_vocab_size or self.config.vocab_size].sort().values
 
-    def _stacked_blocks(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The blocks' weights stacked [K C, C] and biases [K C], rebuilt whenever a block's
-        parameters change: a tensor's version counter moves with every in-place update (optimizer
-        steps, load_state_dict), and its storage with .to()."""
-        params = [t for block in self.blocks for t in (block.linear.weight, block.linear.bias)]
-        key = tuple((t.data_ptr(), t._version) for t in params)
-        if getattr(self, "_stacked_key", None) != key:
-            weight = torch.cat([block.linear.weight.detach() for block in self.blocks])
-            bias = torch.cat([block.linear.bias.detach() for block in self.blocks])
-            self._stacked, self._stacked_key = (weight, bias), key
-        return self._stacked
+    def use_draft_vocabulary(self, order: torch.Tensor, size: int) -> None:
+        """Guess among the first `size` tokens of `order` [V] (0 or V: the whole vocabulary)."""
+        if sorted(order.tolist()) != list(range(self.config.vocab_size)):
+            raise ValueError("the draft vocabulary's order must hold every token id once")
+        size = 0 if size == self.config.vocab_size else size
+        HeadsConfig(**{**self.config.to_dict(), "draft_vocab_size": size})  # checked as a new config would be
+        self.config.draft_vocab_size = size
+        self.vocab_order.copy_(order)
 
-    def forward(self, x: torch.Tensor, lm_head: nn.Module, *, num: int | None = None) -> torch.Tensor:
-        """x: [..., C] backbone hidden states -> logits [K, ..., V] (head k at index k-1).
+    def draft_index(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Target token ids [...] (IGNORE where none) as indices into the draft vocabulary; a token outside
+        it becomes IGNORE too: the heads cannot guess it, so training does not ask them to."""
+        if self.config.draft_vocab_size in (0, self.config.vocab_size):
+            return tokens
+        ids = self.draft_ids.to(tokens.device)
+        index = torch.full((self.config.vocab_size,), IGNORE, dtype=torch.long, device=tokens.device)
+        index[ids] = torch.arange(ids.numel(), device=tokens.device)
+        return torch.where(tokens == IGNORE, IGNORE, index[tokens.clamp(min=0)])
 
-        lm_head: the backbone's vocabulary projection; used unless the heads own theirs. It is passed
-        in rather than stored so the heads' state dict holds only the heads. num: only the first `num`
-        heads (a shallow tree needs no deeper guess, and each head costs a vocabulary projection).
-        """
-        z = self.hidden(x, num=num)  # [K', ..., C]
-        if self.lm_heads is None:
-            return lm_head(z)  # one matmul for all the heads: [K', ..., V]
-        K = z.shape[0]
-        flat = z.reshape(K, -1, z.shape[-1])  # [K', M, C]
-        logits = torch.bmm(flat, self.lm_heads[:K].transpose(1, 2))  # [K', M, V]
-        return logits.reshape(*z.shape[:-1], -1)  # [K, ..., V]
+    def draft_weight(self, model: nn.Module) -> torch.Tensor:
+        """[M, C]: the rows of the backbone's lm_head for the draft vocabulary (the whole matrix for all V)."""
+        weight = model.lm_head.weight
+        return weight if self.config.draft_vocab_size in (0, self.config.vocab_size) else weight[self.draft_ids]
+
+
+class ResBlock(nn.Module):
+    """x + SiLU(W x + b); W starts at zero, so the block starts as the identity."""
+
+    def __init__(self, n_in: int, n_embd: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(n_in, n_embd)
+        nn.init.zeros_(self.linear.weight)
+        nn.init.zeros_(self.linear.bias)
+
+    def forward(self, x: torch.Tensor, inputs: torch.Tensor | None = None) -> torch.Tensor:
+        """x [..., C] -> [..., C]; `inputs` [..., n_in] (default x) is what W reads."""
+        return x + F.silu(self.linear(x if inputs is None else inputs))
+
+
+class MedusaHeads(DraftHeads):
+    """K residual blocks on h_t, then the draft vocabulary's rows of the backbone's lm_head."""
+
+    description = ("Medusa heads: head k reads only this hidden state, so every node of one depth holds "
+                   "the same head's guesses.")
+
+    def __init__(self, config: HeadsConfig) -> None:
+        super().__init__(config)
+        self.blocks = nn.ModuleList([ResBlock(config.n_embd, config.n_embd) for _ in range(config.num_heads)])
+
+    def forward(self, hidden: torch.Tensor, model: nn.Module, *, following: torch.Tensor | None = None,
+                num: int | None = None, weight: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden [..., C] -> logits [K', ..., M] of the first `num` heads (default all K), through
+        `weight` [M, C] (default `draft_weight(model)`). `following` is for dependent heads; ignored."""
+        blocks = self.blocks[:num]  # a tree of depth 0 asks for none
+        z = torch.stack([block(hidden) for block in blocks]) if len(blocks) else hidden[None][:0]  # [K', ..., C]
+        return F.linear(z, self.draft_weight(model) if weight is None else weight)
+
+    def proposer(self, model: nn.Module, tree: Tree) -> MedusaProposer:
+        """The proposer of one generation: the draft vocabulary's lm_head rows are gathered once, here."""
+        weight = self.draft_weight(model).detach()
+        return MedusaProposer(tree, lambda hidden, num: self(hidden, model, num=num, weight=weight).transpose(0, 1),
+                              draft_ids=self.draft_ids, vocab_size=self.config.vocab_size, num_heads=self.num_heads)
+
+
+class HydraHeads(DraftHeads):
+    """K dependent heads: head k reads h_t and the embeddings (the backbone's wte) of x_{t+1..t+k}."""
+
+    description = ("Dependent (hydra) heads: head k reads this hidden state and the k tokens before its "
+                   "guess (the root, then the drafted path), so every node's children come from that "
+                   "node's own q; the tree is filled depth by depth, one head call per depth.")
+
+    def __init__(self, config: HeadsConfig) -> None:
+        super().__init__(config)
+        C = config.n_embd
+        self.blocks = nn.ModuleList([ResBlock((k + 1) * C, C) for k in range(1, config.num_heads + 1)])
+
+    def head_logits(self, k: int, hidden: torch.Tensor, tokens: torch.Tensor, model: nn.Module, *,
+                    weight: torch.Tensor | None = None) -> torch.Tensor:
+        """Head k (1-based): hidden [..., C], tokens [..., >= k] (x_{t+1}, ...) -> logits [..., M]."""
+        embeds = model.transformer.wte(tokens[..., :k]).flatten(-2)  # [..., k C]
+        z = self.blocks[k - 1](hidden, torch.cat([hidden, embeds], dim=-1))  # [..., C]
+        return F.linear(z, self.draft_weight(model) if weight is None else weight)
+
+    def forward(self, hidden: torch.Tensor, model: nn.Module, *, following: torch.Tensor | None = None,
+                num: int | None = None) -> torch.Tensor:
+        """Teacher-forced: hidden [..., C], following [..., K] (the true x_{t+1..t+K}, `next_tokens`) ->
+        logits [K', ..., M]."""
+        if following is None:
+            raise ValueError("hydra heads read the tokens drafted before their target: pass following= "
+                             "(heads.next_tokens), or decode through heads.proposer")
+        weight = self.draft_weight(model)
+        logits = [self.head_logits(k, hidden, following, model, weight=weight)
+                  for k in range(1, (self.num_heads if num is None else num) + 1)]
+        return torch.stack(logits) if logits else F.linear(hidden[None][:0], weight)  # [K', ..., M] (K' may be 0)
+
+    def proposer(self, model: nn.Module, tree: Tree) -> HydraProposer:
+        weight = self.draft_weight(model).detach()
+        return HydraProposer(tree, lambda k, hidden, tokens: self.head_logits(k, hidden, tokens, model, weight=weight),
+                             draft_ids=self.draft_ids, vocab_size=self.config.vocab_size, num_heads=self.num_heads)

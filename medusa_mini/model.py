@@ -35,78 +35,50 @@ class GPTConfig:
 
 
 class KVCache:
-    """Static, preallocated keys and values, k[i] and v[i] [B, nh, max_len, hs] per layer, plus a length per row.
+    """Static, preallocated keys k[i] and values v[i], [B, nh, max_len, hs] per layer, and a length per row.
 
-    Eager, every layer's keys and values are views of one tensor `kv` [2 n_layer, B, nh, max_len, hs],
-    so keeping the accepted path is one copy, not 2 n_layer. With `separate=True` each is a tensor of
-    its own: a compiled step then writes into them where they lie, whereas a write into a slice of one
-    big tensor makes the compiler copy the whole cache, every step. A forward writes row b's T new
-    keys/values at slots [lengths[b], lengths[b] + T) and advances the lengths: rows of a batch may hold prefixes of
-    different lengths. Slots are storage, not positions: a tree's nodes sit in consecutive slots but
-    carry position ids prefix + depth. `compact_kv_cache` keeps the accepted path; stale slots are
-    overwritten later.
-
-    `lengths` is a [B] long tensor on the cache's device, changed only in place: a decoding step
-    reads and advances it without asking the host, so the step has static shapes and fixed buffers
-    (what torch.compile and CUDA graphs need). `cache.lengths = n` fills it in place (an int, or one
-    per row); reading it on the host waits for the device, so decoding loops keep their own counts.
+    A forward writes row b's T new keys/values at slots [lengths[b], lengths[b] + T) and advances its
+    length, so rows may hold prefixes of different lengths. Slots are storage, not positions: a tree's
+    nodes sit in consecutive slots but carry position ids prefix + depth. `lengths` is a [B] tensor on
+    the device, changed only in place, so a step reads and advances it without the host (static shapes
+    and fixed buffers, what torch.compile and CUDA graphs need). One tensor per layer and kind: a
+    compiled step writes into each where it lies (a slice of one big tensor would be copied whole).
     """
 
-    def __init__(
-        self,
-        config: GPTConfig,
-        *,
-        batch_size: int = 1,
-        max_len: int | None = None,
-        device: torch.device | str = "cpu",
-        dtype: torch.dtype = torch.float32,
-        separate: bool = False,
-    ) -> None:
+    def __init__(self, config: GPTConfig, *, batch_size: int = 1, max_len: int | None = None,
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> None:
         self.max_len = max_len if max_len is not None else config.block_size
         self.batch_size = batch_size
-        hs = config.n_embd // config.n_head
-        shape = (batch_size, config.n_head, self.max_len, hs)
-        L = config.n_layer
-        self.kv = None if separate else torch.zeros(2 * L, *shape, device=device, dtype=dtype)
-        if self.kv is None:
-            self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(L)]
-            self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(L)]
-        else:
-            self.k, self.v = list(self.kv[:L]), list(self.kv[L:])  # views: [B, nh, max_len, hs] each
-        self._lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
+        shape = (batch_size, config.n_head, self.max_len, config.n_embd // config.n_head)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
+        self.length_buffer = torch.zeros(batch_size, dtype=torch.long, device=device)
 
     @property
     def lengths(self) -> torch.Tensor:
-        """[B] long: slots in use per row, as a snapshot (`L = cache.lengths` does not move with the cache)."""
-        return self._lengths.clone()
+        """[B] long: slots in use per row, as a snapshot (it does not move with the cache)."""
+        return self.length_buffer.clone()
 
     @lengths.setter
     def lengths(self, value: int | torch.Tensor) -> None:
-        self._lengths.copy_(torch.as_tensor(value))  # in place: the buffer's address never changes
-
-    def advance(self, n: int) -> None:
-        """n more slots are in use in every row."""
-        self._lengths.add_(n)
+        self.length_buffer.copy_(torch.as_tensor(value))  # in place: the buffer's address never changes
 
 
-def compact_kv_cache(
-    cache: KVCache, keep: torch.Tensor, *, start: torch.Tensor, count: torch.Tensor | None = None
-) -> None:
-    """Keep only the accepted path (paper §2.1.2): in row b, copy slots keep[b] [A] to [start[b], start[b] + A).
-
-    keep: [B, A] slots; start: [B]. Row b's new length is start[b] + count[b] (default A). A static-shape
-    step always copies a path of A = D + 1 slots and passes the accepted counts as a tensor: the copies
+def compact_kv_cache(cache: KVCache, keep: torch.Tensor, *, start: torch.Tensor, count: torch.Tensor) -> None:
+    """Keep only the accepted path (paper §2.1.2): in row b, copy slots keep[b] [A] to [start[b], start[b] + A)
+    and set its length to start[b] + count[b]. A static-shape step always copies A = D + 1 slots: those
     past a row's count are padding, stale like every slot after its length. `gather` copies first, so
-    the ranges may overlap.
-    """
+    the ranges may overlap."""
     B, A = keep.shape
-    dest = start[:, None] + torch.arange(A, device=keep.device)  # [B, A]
-    # One tensor holds every layer in an eager cache, one tensor each in a separate one: [..., B, nh, max_len, hs].
-    for t in [cache.kv] if cache.kv is not None else cache.k + cache.v:
-        shape = (*t.shape[:-2], A, t.shape[-1])  # [..., B, nh, A, hs]
-        moved = t.gather(-2, keep[:, None, :, None].expand(shape))
-        t.scatter_(-2, dest[:, None, :, None].expand(shape), moved)
-    cache.lengths = start + (A if count is None else count)
+    k0 = cache.k[0]
+    shape = (B, k0.shape[1], A, k0.shape[-1])  # [B, nh, A, hs]: every layer's keys and values alike
+    src = keep[:, None, :, None].expand(shape)
+    dest = (start[:, None] + torch.arange(A, device=keep.device))[:, None, :, None].expand(shape)
+    for t in cache.k + cache.v:  # [B, nh, max_len, hs]
+        # As 16-bit integers: a half-precision gather and scatter cost many times an integer one on a CPU.
+        bits = t.view(torch.int16) if t.element_size() == 2 else t
+        bits.scatter_(2, dest, bits.gather(2, src))
+    cache.lengths = start + count
 
 
 class CausalSelfAttention(nn.Module):
@@ -127,9 +99,9 @@ class CausalSelfAttention(nn.Module):
         x: torch.Tensor,
         *,
         layer_kv: tuple[torch.Tensor, torch.Tensor] | None,
-        slots: torch.Tensor | None,
+        write_at: torch.Tensor | None,
         attn_mask: torch.Tensor | None,
-        span: int | None = None,
+        attended: int | None = None,
     ) -> torch.Tensor:
         B, T, C = x.shape
         hs = C // self.n_head
@@ -139,13 +111,12 @@ class CausalSelfAttention(nn.Module):
         v = v.view(B, T, self.n_head, hs).transpose(1, 2)  # [B, nh, T, hs]
         if layer_kv is not None:
             # layer_kv: keys and values [B, nh, max_len, hs] each, written in place at each row's slots
-            # [B, T] (no torch.cat, no Python-int slice). Attention reads the first `span` slots: all
-            # max_len of them when compiled (shapes never change), only those in use when eager.
+            # (write_at [B, nh, T, hs]: no torch.cat, no Python-int slice); attention reads the first
+            # `attended` slots.
             k_cache, v_cache = layer_kv
-            where = slots[:, None, :, None].expand(B, self.n_head, T, hs)  # [B, nh, T, hs]
-            k_cache.scatter_(2, where, k)
-            v_cache.scatter_(2, where, v)
-            k, v = k_cache[:, :, :span], v_cache[:, :, :span]  # [B, nh, S, hs]
+            k_cache.scatter_(2, write_at, k)
+            v_cache.scatter_(2, write_at, v)
+            k, v = k_cache[:, :, :attended], v_cache[:, :, :attended]  # [B, nh, S, hs]
         causal = attn_mask is None  # no cache and no mask: training's causal attention, SDPA's own
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=causal)  # [B, nh, T, hs]
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # [B, T, C]
@@ -241,27 +212,19 @@ class GPT(nn.Module):
         cache: KVCache | None = None,
         attn_mask: torch.Tensor | None = None,
         logits_at: torch.Tensor | slice | None = None,
-        span: int | None = None,
+        attended: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run T new tokens per row; return (logits [B, T', V], hidden after ln_f [B, T, C]).
+        """T new tokens per row, idx [B, T] -> (logits [B, T', V], hidden after ln_f [B, T, C]).
 
-        idx: [B, T] token ids. pos: [T] or [B, T] position ids (default: each row's cache length + 0..T-1).
-        cache: row b is written at slots [lengths[b], lengths[b] + T), then every length advances by T
-        (decoding only: under torch.no_grad()).
-        attn_mask: [T, T] or [B, T, T] bool among the new tokens, True = may attend (default causal); with
-        a cache, every new token also sees its row's whole cached prefix (`cache_attention_mask`).
-        logits_at: which of the T positions get logits: a slice for every row, a [B] tensor of one
-        position per row, or None for all. The lm_head is the largest matmul of a small model, so
-        callers that need one position ask for one.
-        span: with a cache, attend over its first `span` slots only (every row's length + T must fit;
-        default: all max_len). Eager decoding knows its lengths on the host and passes them, so a short
-        prefix is not paid for as a full cache; compiled steps leave it out and keep static shapes.
-
-        With a cache every shape depends only on B, T and the cache's max_len, never on its lengths, so
-        a decoding step (T = 1) and a tree verification (T = N) can each be captured once as a graph.
+        pos: [T] or [B, T] position ids (default: each row's cache length + 0..T-1). cache: written at
+        each row's next T slots (under torch.no_grad()). attn_mask: [T, T] or [B, T, T] bool among the new
+        tokens, True = may attend (default causal); with a cache every new token also sees its row's
+        prefix. logits_at: the positions that get logits (a slice, or a [B] tensor, one per row; default
+        all): the lm_head is a small model's largest matmul. attended: read only the cache's first
+        `attended` slots (default all max_len, one shape for any length: what a captured step needs).
         """
         B, T = idx.shape
-        slots = None
+        slots = write_at = None
         if cache is not None:
             if torch.is_grad_enabled():  # a cache holds values for decoding, never an autograd graph
                 raise RuntimeError("a forward with a KV cache decodes: run it under torch.no_grad()")
@@ -269,23 +232,24 @@ class GPT(nn.Module):
                 raise ValueError(f"KV cache full: {T} tokens > max_len {cache.max_len}")
             lengths = cache.lengths  # [B]
             slots = lengths[:, None] + torch.arange(T, device=idx.device)  # [B, T]
+            hs = self.config.n_embd // self.config.n_head
+            write_at = slots[:, None, :, None].expand(B, self.config.n_head, T, hs)  # [B, nh, T, hs], every layer
             new_mask = attn_mask if attn_mask is not None else causal_mask(T, device=idx.device)
-            span = cache.max_len if span is None else min(span, cache.max_len)
-            attn_mask = cache_attention_mask(lengths, new_mask, max_len=span)  # [B, T, S]
+            attended = cache.max_len if attended is None else min(attended, cache.max_len)
+            attn_mask = cache_attention_mask(lengths, new_mask, max_len=attended)  # [B, T, S]
         if pos is None:
             pos = slots if slots is not None else torch.arange(T, device=idx.device)  # [B, T] or [T]
         if attn_mask is not None:
             # SDPA would turn a boolean mask into an additive one in every layer; do it once here.
             additive = torch.zeros(attn_mask.shape, dtype=self.transformer.wte.weight.dtype, device=idx.device)
-            attn_mask = additive.masked_fill_(~attn_mask, float("-inf"))  # 0 = may attend, -inf = may not
-            attn_mask = attn_mask.unsqueeze(-3)  # [B, 1, T, S] or [1, T, S]: one mask for every head
+            attn_mask = additive.masked_fill_(~attn_mask, float("-inf")).unsqueeze(-3)  # [B, 1, T, S]: every head
         x = self.transformer.wte(idx) + self.transformer.wpe(pos)  # [B, T, C]
         for i, block in enumerate(self.transformer.h):
             layer_kv = (cache.k[i], cache.v[i]) if cache is not None else None
-            x = block(x, layer_kv=layer_kv, slots=slots, attn_mask=attn_mask, span=span)
+            x = block(x, layer_kv=layer_kv, write_at=write_at, attn_mask=attn_mask, attended=attended)
         hidden = self.transformer.ln_f(x)  # [B, T, C]
         if cache is not None:
-            cache.advance(T)
+            cache.length_buffer.add_(T)
         if isinstance(logits_at, torch.Tensor):  # one position per row: [B] -> hidden [B, 1, C]
             h = hidden.gather(1, logits_at[:, None, None].expand(B, 1, hidden.shape[-1]))
         else:

@@ -1,29 +1,29 @@
-"""The engine's proposals: what one step verifies, and the one interface every kind of heads fills it through.
+"""The engine's proposals: what one step verifies, and the proposers that make them.
 
 A `Proposal` is B rows of candidate tokens [B, N] on one tree shared by every row, plus, for rejection
-sampling's sampled drafts, the q each node's children were drawn from (`Draft`). A `Proposer` makes
-one from the roots and the hidden states that produced them. Two exist, and the step (step.py) treats
-them alike:
+sampling's sampled drafts, the q each node's children were drawn from (`Draft`). A `Proposer` makes one
+from the roots, the hidden states that produced them and each row's tokens so far. Three exist, and the
+step (step.py) treats them alike:
 
-- `MedusaProposer` (here): a fixed tree filled with Medusa heads' top-k guesses, or with tokens drawn
-  from their q without replacement (paper §2.1.1-2.1.2; the reference's `propose`, for B rows);
-- `hydra.HydraProposer`: dependent heads, which fill the tree depth by depth.
+- `MedusaProposer`: a fixed tree filled with Medusa heads' top-k guesses, or with tokens drawn from
+  their q without replacement (paper §2.1.1-2.1.2; the reference's `propose`, for B rows);
+- `HydraProposer`: dependent heads, which fill the tree depth by depth, each node's children from its q;
+- `PromptLookupProposer`: no heads at all: the tokens that followed the latest n-gram's earlier
+  occurrence in the row's own text (prompt lookup decoding), a chain of point masses.
 
-Shapes: B rows, N nodes, D depth, K heads, R ranks, V vocabulary, C n_embd.
+Heads make their proposer (`heads.proposer(model, tree)`), and so does `PromptLookup`: a decoding loop
+takes any such *drafter*. Shapes: B rows, N nodes, D depth, R ranks, V vocabulary, M draft vocabulary.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
 
-from .heads import MedusaHeads
-from .sampling import Sampling, draw_without_replacement
-from .tree import Tree
+from .sampling import Sampling, draft_log_probs, draw_without_replacement
+from .tree import Tree, chain
 
 
 @dataclass(frozen=True)
@@ -31,8 +31,8 @@ class Draft:
     """Sampled candidates: the q each node's children were drawn from, and the draws in order.
 
     log_q: [B, Q, V], one row per q; samples: [B, Q, R] distinct tokens drawn from it. rows[node] is the
-    row the node's children were drawn from (-1 for a leaf): the depth for Medusa heads, whose q
-    depends only on it; the node itself for dependent heads, whose q depends on the path.
+    row the node's children were drawn from (-1 for a leaf): the depth for Medusa heads, whose q depends
+    only on it; the node itself for dependent heads, whose q depends on the path.
     """
 
     log_q: torch.Tensor
@@ -55,46 +55,134 @@ class Proposal:
 
 
 class Proposer(Protocol):
-    """Makes each step's proposal from roots [B] and the hidden states [B, C] that produced them."""
+    """Makes each step's proposal from roots [B], the hidden states [B, C] that produced them and each
+    row's tokens so far (prompt and output, ending with the root)."""
 
     tree: Tree  # the full tree; a proposal may hold a truncated one near the end of a generation
 
-    def propose(self, roots: torch.Tensor, hidden: torch.Tensor, *, max_depth: int, sampling: Sampling,
-                generator: torch.Generator | None) -> Proposal:
+    def propose(self, roots: torch.Tensor, hidden: torch.Tensor, *, history: list[list[int]], max_depth: int,
+                sampling: Sampling, generator: torch.Generator | None) -> Proposal:
         """max_depth: deeper nodes could not be used this step (the end of a budget or of the context)."""
         ...
 
 
-def tree_candidates(tree: Tree, roots: torch.Tensor, guesses: torch.Tensor) -> torch.Tensor:
-    """Fill the tree: node i gets head(i)'s rank(i) guess. roots [B], guesses [B, D, R] -> tokens [B, N]."""
-    t = tree.tensors(guesses.device)
-    return torch.cat([roots[:, None], guesses[:, t.head, t.rank]], dim=1)  # [B, N]
+class HeadsProposer:
+    """A fixed tree, the heads' logits (a function, see each kind) over their draft vocabulary draft_ids [M]."""
+
+    def __init__(self, tree: Tree, head_logits: Callable, *, draft_ids: torch.Tensor, vocab_size: int,
+                 num_heads: int) -> None:
+        tree.check_heads(num_heads)
+        if tree.max_rank >= draft_ids.numel():
+            raise ValueError(f"the tree asks for rank {tree.max_rank}; the draft vocabulary has {draft_ids.numel()} tokens")
+        self.tree, self.head_logits, self.draft_ids, self.vocab_size = tree, head_logits, draft_ids, vocab_size
 
 
-def draft_log_probs(head_logits: torch.Tensor, *, temperature: float) -> torch.Tensor:
-    """log q: head logits [..., V] -> [..., V], at the temperature p is sampled at."""
-    return F.log_softmax(head_logits.float() / temperature, dim=-1)
-
-
-class MedusaProposer:
+class MedusaProposer(HeadsProposer):
     """A fixed tree filled with Medusa heads' guesses (§2.1): each head's top-k, or, for rejection
-    sampling's sampled drafts, distinct draws from each head's q (`Sampling.draws_candidates`)."""
+    sampling's sampled drafts, distinct draws from each head's q (`Sampling.draws_candidates`).
 
-    def __init__(self, model: nn.Module, heads: MedusaHeads, tree: Tree) -> None:
-        tree.check_heads(heads.config.num_heads)
-        self.model, self.heads, self.tree = model, heads, tree
+    head_logits(hidden [B, C], num) -> [B, num, M]: the first `num` heads' logits.
+    """
 
+    @torch.no_grad()
     def propose(self, roots: torch.Tensor, hidden: torch.Tensor, *, max_depth: int, sampling: Sampling,
-                generator: torch.Generator | None) -> Proposal:
+                generator: torch.Generator | None, history: list[list[int]] | None = None) -> Proposal:
         tree = self.tree.truncated(max(max_depth, 0))
         D, R = tree.depth, tree.max_rank + 1
         if D == 0:  # the root alone: the last token of a generation needs no guess, and draws none
-            return Proposal(roots[:, None], tree)
-        # Only the heads the tree reaches: all of them in one batched lm_head matmul.
-        head_logits = self.heads(hidden, self.model.lm_head, num=D).transpose(0, 1)  # [B, D, V]
+            # A fresh contiguous tensor, as every other proposal's: a compiled verify is specialised on
+            # its input's strides, and roots may be a column of a larger tensor.
+            return Proposal(roots[:, None].clone(memory_format=torch.contiguous_format), tree)
+        logits = self.head_logits(hidden, D)  # [B, D, M]: only the heads the tree reaches
+        ids = self.draft_ids.to(logits.device)
         if not sampling.draws_candidates:
-            return Proposal(tree_candidates(tree, roots, head_logits.topk(R, dim=-1).indices), tree)
-        log_q = draft_log_probs(head_logits, temperature=sampling.temperature)  # [B, D, V]
+            return Proposal(fill(tree, roots, ids[logits.topk(R, dim=-1).indices]), tree)
+        log_q = draft_log_probs(logits, ids, temperature=sampling.temperature, vocab_size=self.vocab_size)
         samples = draw_without_replacement(log_q, R, generator)  # [B, D, R]
-        rows = tuple(d if kids else -1 for d, kids in zip(tree.depth_list, tree.children))
-        return Proposal(tree_candidates(tree, roots, samples), tree, Draft(log_q=log_q, samples=samples, rows=rows))
+        rows = tuple(d if kids else -1 for d, kids in zip(tree.depths, tree.children))
+        return Proposal(fill(tree, roots, samples), tree, Draft(log_q=log_q, samples=samples, rows=rows))
+
+
+def fill(tree: Tree, roots: torch.Tensor, guesses: torch.Tensor) -> torch.Tensor:
+    """Node i gets its depth's rank(i) guess: roots [B], guesses [B, D, R] -> tokens [B, N]."""
+    t = tree.tensors(guesses.device)
+    return torch.cat([roots[:, None], guesses[:, t.depths[1:] - 1, t.ranks[1:]]], dim=1)  # [B, N]
+
+
+class HydraProposer(HeadsProposer):
+    """A fixed tree filled by dependent heads, depth by depth: a node's children are the top-k of
+    q(. | the node's path), or, for sampled drafts, distinct draws from it (one Draft row per node).
+
+    head_logits(k, hidden [B, n, C], tokens [B, n, k]) -> [B, n, M]: head k given each node's path.
+    """
+
+    @torch.no_grad()
+    def propose(self, roots: torch.Tensor, hidden: torch.Tensor, *, max_depth: int, sampling: Sampling,
+                generator: torch.Generator | None, history: list[list[int]] | None = None) -> Proposal:
+        tree = self.tree.truncated(max(max_depth, 0))
+        t, (B, C), R = tree.tensors(hidden.device), hidden.shape, tree.max_rank + 1
+        ids = self.draft_ids.to(hidden.device)
+        tokens = roots[:, None].repeat(1, tree.num_nodes)  # [B, N], filled depth by depth below
+        draws = sampling.draws_candidates and tree.depth > 0
+        log_qs, samples = [], []
+        for d in range(1, tree.depth + 1):
+            # Every node of depth d - 1 (nodes of one depth are consecutive) reads its own path.
+            lo, hi, kids = tree.first[d - 1], tree.first[d], slice(tree.first[d], tree.first[d + 1])
+            paths = tokens[:, t.node_paths[lo:hi, :d]]  # [B, n, d]: the root, then the drafted path
+            logits = self.head_logits(d, hidden[:, None].expand(B, hi - lo, C), paths)  # [B, n, M]
+            if draws:
+                log_q = draft_log_probs(logits, ids, temperature=sampling.temperature, vocab_size=self.vocab_size)
+                picks = draw_without_replacement(log_q, R, generator)  # [B, n, R]
+                log_qs.append(log_q)
+                samples.append(picks)
+            else:
+                picks = ids[logits.topk(R, dim=-1).indices]  # [B, n, R]
+            tokens[:, kids] = picks[:, t.parents[kids] - lo, t.ranks[kids]]
+        if not draws:
+            return Proposal(tokens, tree)
+        rows = tuple(i if kids else -1 for i, kids in enumerate(tree.children))  # row i = node i's q
+        return Proposal(tokens, tree, Draft(log_q=torch.cat(log_qs, 1), samples=torch.cat(samples, 1), rows=rows))
+
+
+class PromptLookup:
+    """Prompt lookup decoding, the training-free baseline (Saxena 2023; HF's prompt_lookup_num_tokens,
+    vLLM's ngram): the draft is what followed an earlier occurrence of the text's last n tokens.
+    A drafter like heads: `PromptLookup().proposer(model, tree)` drafts a chain of the tree's node count."""
+
+    def __init__(self, *, max_ngram: int = 3) -> None:
+        if max_ngram < 1:
+            raise ValueError(f"max_ngram must be at least 1, not {max_ngram}")
+        self.max_ngram = max_ngram
+
+    def proposer(self, model, tree: Tree) -> PromptLookupProposer:
+        return PromptLookupProposer(chain(max(tree.num_nodes - 1, 1)), max_ngram=self.max_ngram)
+
+
+def lookup(text: list[int], *, max_ngram: int, length: int) -> list[int]:
+    """Up to `length` tokens that followed the first earlier occurrence of text's last n tokens, for the
+    largest n <= max_ngram that occurs earlier with something after it; [] when none does."""
+    for n in range(min(max_ngram, len(text) - 1), 0, -1):
+        tail = text[-n:]
+        for start in range(len(text) - n):
+            if text[start : start + n] == tail:
+                return text[start + n : start + n + length]
+    return []
+
+
+class PromptLookupProposer:
+    """Each row's continuation from `lookup` fills a chain, cut to the longest continuation of any row (a
+    step in which no row finds one verifies the root alone: a plain step). A shorter row's nodes past its
+    continuation repeat its last token: candidates like any other, accepted only where the backbone agrees."""
+
+    def __init__(self, tree: Tree, *, max_ngram: int) -> None:
+        self.tree, self.max_ngram = tree, max_ngram
+
+    def propose(self, roots: torch.Tensor, hidden: torch.Tensor, *, history: list[list[int]], max_depth: int,
+                sampling: Sampling, generator: torch.Generator | None) -> Proposal:
+        length = max(min(max_depth, self.tree.depth), 0)  # no longer than the chain, nor than any row can use
+        found = [lookup(text, max_ngram=self.max_ngram, length=length) for text in history]
+        tree = self.tree.truncated(min(max_depth, max(map(len, found))))
+        D = tree.depth
+        rest = torch.tensor([c + c[-1:] * (D - len(c)) if c else text[-1:] * D for c, text in zip(found, history)],
+                            dtype=torch.long).view(len(found), D)  # [B, D]
+        return Proposal(torch.cat([roots[:, None], rest.to(roots.device)], dim=1), tree)  # [B, N]

@@ -9,6 +9,7 @@ Words, each with one meaning here and everywhere in the project:
   bonus   the token the backbone itself writes after the last accepted node (from the same pass).
   p       the backbone's (target) distribution at a node, after temperature and top-p.
   q       a head's (draft) distribution, from which rejection sampling may draw the candidates.
+  draft vocabulary  the tokens heads guess among (the most frequent ones; q = 0 elsewhere).
 
 One step (§2): the heads guess tokens 2, 3, ... places ahead from the last hidden state; their guesses
 fill a tree; ONE forward pass of the backbone scores every node under a tree attention mask; an
@@ -27,9 +28,8 @@ import math
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 
-from .sampling import Sampling, draw, draw_without_replacement, try_children, typical_threshold
+from .sampling import Sampling, draft_log_probs, draw, draw_without_replacement, try_children, typical_threshold
 
 if TYPE_CHECKING:  # names for the type hints only: this file runs on the model's weights alone
     from .heads import MedusaHeads
@@ -85,21 +85,22 @@ def forward(model: GPT, tokens: list[int], positions: list[int], cache: list, ma
     return model.lm_head(hidden), hidden
 
 
-def propose(head_logits: torch.Tensor, tree: Tree, root: int, *, sampling: Sampling,
-            generator: torch.Generator | None) -> tuple[list[int], list | None]:
+def propose(head_logits: torch.Tensor, draft_ids: torch.Tensor, tree: Tree, root: int, *, vocab_size: int,
+            sampling: Sampling, generator: torch.Generator | None) -> tuple[list[int], list | None]:
     """Fill the tree (§2.1.1-2.1.2): the node of choice (r1, ..., rd) holds head d's rank-rd guess.
 
-    head_logits: [K, V]. Greedy and typical acceptance take each head's top-k; rejection sampling with
-    sampled drafts draws the candidates from each head's q instead, and returns, per node, the q its
-    children were drawn from with the draws in order (the acceptance walk needs both).
+    head_logits: [K, M] over the draft vocabulary draft_ids [M]. Greedy and typical acceptance take each
+    head's top-k; rejection sampling with sampled drafts draws the candidates from each head's q instead,
+    and returns, per node, the q [V] its children were drawn from with the draws in order (the
+    acceptance walk needs both).
     """
     D, R = tree.depth, tree.max_rank + 1
     if not sampling.draws_candidates:
-        guesses = head_logits[:D].topk(R, dim=-1).indices.tolist()  # [D][R]
+        guesses = draft_ids[head_logits[:D].topk(R, dim=-1).indices].tolist()  # [D][R] token ids
         return [root] + [guesses[len(c) - 1][c[-1]] for c in tree.choices], None
-    log_q = F.log_softmax(head_logits[:D].float() / sampling.temperature, dim=-1)  # [D, V]
+    log_q = draft_log_probs(head_logits[:D], draft_ids, temperature=sampling.temperature, vocab_size=vocab_size)
     guesses = draw_without_replacement(log_q, R, generator).tolist()  # [D][R]
-    drafts = [(log_q[d], guesses[d]) if d < D else None for d in tree.depth_list]  # a node's children's q
+    drafts = [(log_q[d], guesses[d]) if d < D else None for d in tree.depths]  # a node's children's q
     return [root] + [guesses[len(c) - 1][c[-1]] for c in tree.choices], drafts
 
 
@@ -178,10 +179,10 @@ def rejection_accept(parents: list[int], tokens: list[int], logits: torch.Tensor
 
 def accept(parents: list[int], tokens: list[int], logits: torch.Tensor, *, sampling: Sampling,
            generator: torch.Generator | None, drafts: list | None = None) -> tuple[list[int], int]:
-    """`sampling.rule`'s acceptance: (accepted path, root first; bonus token)."""
-    if sampling.rule == "greedy":
+    """The acceptance rule `sampling` names: (accepted path, root first; bonus token)."""
+    if sampling.acceptance == "greedy":
         return greedy_accept(parents, tokens, logits)
-    if sampling.rule == "typical":
+    if sampling.acceptance == "typical":
         return typical_accept(parents, tokens, logits, sampling=sampling, generator=generator)
     return rejection_accept(parents, tokens, logits, sampling=sampling, generator=generator, drafts=drafts)
 
@@ -208,10 +209,11 @@ def medusa_generate(model: GPT, heads: MedusaHeads, prompt: list[int], *, tree: 
     out, steps = [root], 0
     while L + 1 < stop_at and eos_id not in out:  # L + 1 = the prompt and every emitted token
         t = tree.truncated(stop_at - 2 - L)  # a node at depth d emits d + 1 tokens
-        head_logits = heads(hidden[None], model.lm_head, num=t.depth)[:, 0]  # [D, V]: guesses 2, 3, ... places ahead
-        tokens, drafts = propose(head_logits, t, root, sampling=sampling, generator=generator)
+        head_logits = heads(hidden[None], model, num=t.depth)[:, 0]  # [D, M]: guesses 2, 3, ... places ahead
+        tokens, drafts = propose(head_logits, heads.draft_ids, t, root, vocab_size=model.config.vocab_size,
+                                 sampling=sampling, generator=generator)
         mask = torch.cat([torch.ones(t.num_nodes, L, dtype=torch.bool), tree_attention_mask(t.parents)], 1)
-        logits, hiddens = forward(model, tokens, [L + d for d in t.depth_list], cache, mask)  # verify
+        logits, hiddens = forward(model, tokens, [L + d for d in t.depths], cache, mask)  # verify
         path, root = accept(t.parents, tokens, logits, sampling=sampling, generator=generator, drafts=drafts)
         keep = list(range(L)) + [L + i for i in path]  # the prefix, the root and the accepted nodes
         cache = [(k[:, keep], v[:, keep]) for k, v in cache]

@@ -1,13 +1,12 @@
 """How the next token is chosen: one frozen `Sampling` object, and the target distribution p it defines.
 
-Every decoding layer (generate, medusa_generate, medusa_step, accept) takes a single `Sampling`, so
-the settings are validated once, where they are made, and "temperature 0 means greedy" is decided in
-one place (`Sampling.greedy`). p is the backbone's (target) distribution after temperature and top-p:
-plain sampling draws from it, and rejection sampling reproduces it exactly (acceptance.py).
+Every decoding layer takes a single `Sampling`, so the settings are checked once, where they are made,
+and "temperature 0 means greedy" is decided in one place. p is the backbone's (target) distribution
+after temperature and top-p: plain sampling draws from it, and rejection sampling reproduces it exactly.
 
-The few pieces of sampling that the reference (reference.py) and the engine (acceptance.py) both use
-live here, once: drawing from p, drawing drafts without replacement, typical acceptance's threshold and
-speculative sampling's tries at one node. Neither side imports the other.
+The pieces of sampling that the reference (reference.py) and the engine (acceptance.py, proposal.py)
+both use live here, once: p and q, drawing, drawing drafts without replacement, typical acceptance's
+bar and speculative sampling's tries at one node. Neither side imports the other.
 """
 
 from __future__ import annotations
@@ -26,11 +25,10 @@ DRAFTS = ("sampled", "topk")  # how rejection sampling fills the tree: draws fro
 class Sampling:
     """Decoding settings, checked at construction (ValueError with a one-line fix).
 
-    acceptance: Medusa's rule: "greedy" (exact, temperature 0), "typical" (paper §2.3.1, ε and δ) or
-        "rejection" (lossless speculative sampling). None picks greedy at temperature 0, else
-        rejection: the Medusa rule whose output has plain sampling's distribution.
-    temperature: 0 = argmax (every rule then reduces to greedy acceptance); > 0 samples from p.
-    top_p: nucleus mass kept in p. epsilon, delta: typical acceptance's ε and δ.
+    acceptance: Medusa's rule: "greedy" (exact), "typical" (paper §2.3.1, ε and δ) or "rejection"
+        (lossless speculative sampling). At temperature 0 every rule is greedy, and it is stored so;
+        None picks rejection when sampling, the rule whose output has plain sampling's distribution.
+    temperature: 0 = argmax; > 0 samples from p. top_p: nucleus mass kept in p.
     draft: for rejection sampling, "sampled" draws the candidates from the heads' q, "topk" takes
         their top-k (both lossless). Plain decoding reads only temperature and top_p.
     """
@@ -46,34 +44,28 @@ class Sampling:
         if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
                 and self.temperature >= 0):
             raise ValueError(f"temperature must be a number >= 0 (0 = greedy), not {self.temperature!r}")
-        if self.acceptance is None:
-            object.__setattr__(self, "acceptance", "greedy" if self.temperature == 0 else "rejection")
-        if self.acceptance not in ACCEPTANCE_RULES:
+        if self.acceptance not in (None, *ACCEPTANCE_RULES):
             raise ValueError(f"unknown acceptance rule {self.acceptance!r}: use greedy, typical or rejection")
+        if self.acceptance == "greedy" and self.temperature > 0:
+            raise ValueError("greedy acceptance is for temperature 0; to sample with Medusa use rejection "
+                             "(lossless) or typical acceptance")
         if self.draft not in DRAFTS:
             raise ValueError(f"unknown draft {self.draft!r}: use sampled or topk")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], not {self.top_p}")
         if not (self.epsilon > 0 and self.delta > 0):
             raise ValueError(f"epsilon and delta must be > 0 (typical acceptance), not {self.epsilon} and {self.delta}")
-        if self.acceptance == "greedy" and self.temperature > 0:
-            raise ValueError("greedy acceptance is for temperature 0; to sample with Medusa use rejection "
-                             "(lossless) or typical acceptance")
+        rule = "greedy" if self.temperature == 0 else (self.acceptance or "rejection")
+        object.__setattr__(self, "acceptance", rule)
 
     @property
     def greedy(self) -> bool:
-        """Argmax decoding: the one place where temperature 0 is read as greedy."""
-        return self.temperature == 0
-
-    @property
-    def rule(self) -> str:
-        """The acceptance rule that actually runs: greedy at temperature 0, whatever was asked."""
-        return "greedy" if self.greedy else self.acceptance
+        return self.acceptance == "greedy"
 
     @property
     def draws_candidates(self) -> bool:
         """True when the tree's candidates are drawn from the heads' q (sampled rejection drafts)."""
-        return self.rule == "rejection" and self.draft == "sampled"
+        return self.acceptance == "rejection" and self.draft == "sampled"
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         """p: logits [..., V] -> [..., V] (see `sampling_probs`)."""
@@ -85,41 +77,49 @@ class Sampling:
         return logits.argmax(dim=-1) if self.greedy else draw(self.probs(logits), generator)
 
 
+def scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """(logits - their maximum) / T in float32, [..., V]: the maximum becomes 0, so no temperature, however
+    small, overflows into NaN; a T below float32's smallest normal number acts as that number (p is then
+    the argmax's, shared among exact ties)."""
+    if temperature <= 0:
+        raise ValueError("temperature must be > 0 to sample; use greedy for temperature 0")
+    z = logits.float()
+    return (z - z.amax(dim=-1, keepdim=True)) / max(temperature, torch.finfo(torch.float32).tiny)
+
+
 def sampling_probs(logits: torch.Tensor, *, temperature: float, top_p: float = 1.0) -> torch.Tensor:
     """p: logits [..., V] -> probabilities [..., V] after temperature and nucleus (top-p) filtering.
 
     Plain sampling and rejection sampling both call this, which is what makes the latter lossless.
     """
-    if temperature <= 0:
-        raise ValueError("temperature must be > 0 to sample; use greedy for temperature 0")
-    probs = F.softmax(logits.float() / temperature, dim=-1)
+    probs = F.softmax(scaled(logits, temperature), dim=-1)
     if top_p < 1.0:
         # A stable sort puts equal probabilities in token order, so a tie at the cut keeps the same
         # tokens in a batch as alone, on any device: the lower token ids.
         sorted_p, order = probs.sort(dim=-1, descending=True, stable=True)
         # Keep the smallest prefix whose mass reaches top_p: drop a token when the mass before it does.
         drop_sorted = (sorted_p.cumsum(dim=-1) - sorted_p) >= top_p
-        drop = drop_sorted.scatter(-1, order, drop_sorted)
-        probs = probs.masked_fill(drop, 0.0)
+        probs = probs.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), 0.0)
         probs = probs / probs.sum(dim=-1, keepdim=True)
     return probs
+
+
+def draft_log_probs(head_logits: torch.Tensor, draft_ids: torch.Tensor, *, temperature: float,
+                    vocab_size: int) -> torch.Tensor:
+    """log q over the whole vocabulary: head logits [..., M] over the draft vocabulary draft_ids [M], at
+    the temperature p is sampled at -> [..., V], with q = 0 (log q = -inf) outside the draft vocabulary."""
+    log_q = F.log_softmax(scaled(head_logits, temperature), dim=-1)  # [..., M]
+    full = log_q.new_full((*log_q.shape[:-1], vocab_size), float("-inf"))
+    return full.scatter_(-1, draft_ids.expand(log_q.shape), log_q)
 
 
 def draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     """One draw from each row of probs [..., V] (rows need not sum to 1) by inverting the cumulative
     distribution: long [...] on probs' device, so a step can use it without waiting for the host.
-
-    A zero-probability token owns an empty interval and is never drawn. On a CPU this is 4x (2k tokens)
-    to 17x (GPT-2's 50k) cheaper than torch.multinomial, a cost every sampled token pays.
-    """
+    A zero-probability token owns an empty interval and is never drawn."""
     cdf = probs.cumsum(dim=-1)  # [..., V]
     u = torch.rand(probs.shape[:-1], generator=generator, device=probs.device)  # [...]
     return torch.searchsorted(cdf, (u * cdf[..., -1])[..., None], right=True)[..., 0].clamp_(max=probs.shape[-1] - 1)
-
-
-def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    """`draw`, read on the host."""
-    return int(draw(probs, generator))
 
 
 def draw_without_replacement(log_q: torch.Tensor, width: int, generator: torch.Generator | None) -> torch.Tensor:
@@ -131,28 +131,32 @@ def draw_without_replacement(log_q: torch.Tensor, width: int, generator: torch.G
 
 def typical_threshold(p: torch.Tensor, *, epsilon: float, delta: float) -> torch.Tensor:
     """§2.3.1's bar: min(ε, δ·exp(−H(p))) for p [..., V] -> [...]. A flat p (high entropy) lowers it."""
-    log_p = torch.log(p.clamp_min(1e-30))
-    entropy = -(p * log_p).sum(dim=-1)
+    entropy = -(p * torch.log(p.clamp_min(1e-30))).sum(dim=-1)
     return torch.minimum(torch.full_like(entropy, epsilon), delta * torch.exp(-entropy))
 
 
+def without_earlier_draws(log_q: torch.Tensor, drawn: list[int], x: int) -> torch.Tensor:
+    """q_i, the distribution candidate x was drawn from: log_q [V] with the draws before x removed
+    (they were drawn without replacement), renormalised; float64 [V] probabilities."""
+    log_q = log_q.to("cpu", torch.float64, copy=True)
+    log_q[drawn[: drawn.index(x)]] = float("-inf")
+    if torch.isneginf(log_q[x]):  # q had no mass left for x (a tiny T, a small draft vocabulary): x was
+        log_q[x] = 0.0  # picked, not drawn, independently of the tries: it is tried as a point mass
+    return (log_q - torch.logsumexp(log_q, dim=0)).exp()
+
+
 def try_children(p: torch.Tensor, candidates: list[int], draft: tuple | None, u: list[float]):
-    """Speculative sampling's tries at one node: drawn candidates x1, x2, ... against the target p [V].
+    """Speculative sampling's tries at one node: candidates x1, x2, ... against the target p [V].
 
     Try i accepts x_i with probability min(1, p(x_i) / q_i(x_i)); after a miss p <- norm(max(0, p - q_i)),
-    where q_i is the head's q without the draws before x_i (they were drawn without replacement). Each try
-    then emits exactly p: min(p, q) + (1 - Σ min(p, q)) · norm(max(0, p - q)) = p. draft: (log q [V], the
-    draws in order); None means point masses (top-k candidates): accept x_i with probability p(x_i), then
-    p(x_i) <- 0. u: one uniform number per candidate. Returns (index of the accepted candidate or None,
-    the final p for the bonus). Float64 scalar work on the host.
+    the residual. Each try then emits exactly p: min(p, q) + (1 - Σ min(p, q)) · norm(max(0, p - q)) = p.
+    draft: (log q [V], the draws in order), q_i from `without_earlier_draws`; None means point masses
+    (top-k candidates): accept x_i with probability p(x_i), then p(x_i) <- 0. u: one uniform number per
+    candidate. Returns (index of the accepted candidate or None, the final p for the bonus). Float64
+    scalar work on the host.
     """
     for i, x in enumerate(candidates):
-        if draft is None:
-            q = F.one_hot(torch.tensor(x), p.numel()).double()  # [V]
-        else:
-            log_q, drawn = draft[0].to("cpu", torch.float64, copy=True), draft[1]
-            log_q[drawn[: drawn.index(x)]] = float("-inf")  # drawn without replacement
-            q = (log_q - torch.logsumexp(log_q, dim=0)).exp()  # [V]
+        q = F.one_hot(torch.tensor(x), p.numel()).double() if draft is None else without_earlier_draws(*draft, x)
         if u[i] * q[x] < p[x]:  # u < p/q without dividing: q(x) may underflow to 0
             return i, p
         residual = (p - q).clamp_min(0.0)

@@ -1,4 +1,4 @@
-"""Training losses and data for the backbone and the Medusa heads (paper §2.2).
+"""Training losses and data for the backbone and the draft heads (paper §2.2).
 
 - Backbone: next-token cross-entropy.
 - Medusa-1 (§2.2.1): backbone frozen; heads trained with Σ_k w_k · CE(head_k at t, token t+k+1).
@@ -7,7 +7,7 @@
 - Self-distillation (§2.3.2): the heads learn from text the backbone itself writes, so they predict
   what the model will actually say at decoding time, and no dataset is needed.
 
-Shapes: B batch, T tokens, K heads, V vocabulary, C n_embd.
+Shapes: B batch, T tokens, K heads, V vocabulary, M draft vocabulary, C n_embd.
 """
 
 from __future__ import annotations
@@ -19,10 +19,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from .heads import MedusaHeads
-from .hydra import HydraHeads, next_tokens
-from .model import GPT, KVCache
-from .sampling import sampling_probs
+from .decoding import generate_batch
+from .heads import IGNORE, DraftHeads, next_tokens
+from .model import GPT
+from .sampling import Sampling
+
+LOGITS_PER_CHUNK = 2**26  # 256 MB of float32 logits: the cpu preset's heads stage in one chunk, GPT-2's in 16
 
 
 def lm_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -30,100 +32,55 @@ def lm_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
 
 
-def head_targets(y: torch.Tensor, k: int, valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Head k (1-based) at t predicts token t+k+1 = y[:, t + k] (paper §2.1.1); the last k positions have none.
+def head_targets(y: torch.Tensor, num_heads: int, *, valid: torch.Tensor | None = None,
+                 positions: torch.Tensor | None = None) -> torch.Tensor:
+    """Every head's targets [K, B, T'] at columns `positions` of y [B, T] (default all), IGNORE where none.
 
-    valid [B, T] (optional) marks trainable targets. Returns targets [B, T] (0 where invalid), mask [B, T].
-    """
+    Head k (1-based) at t predicts token t+k+1 = y[:, t + k] (paper §2.1.1); the last k positions have
+    none, nor those `valid` [B, T] marks False. Fixed shapes, so nothing waits for the device."""
     B, T = y.shape
-    tgt = torch.zeros_like(y)
-    mask = torch.zeros(B, T, dtype=torch.bool, device=y.device)
-    if k < T:
-        tgt[:, : T - k] = y[:, k:]
-        mask[:, : T - k] = True if valid is None else valid[:, k:]
-    return tgt, mask
-
-
-def medusa_head_losses(
-    head_logits: torch.Tensor, y: torch.Tensor, *, valid: torch.Tensor | None = None,
-    positions: torch.Tensor | None = None,
-) -> tuple[list[torch.Tensor], list[float]]:
-    """Per-head cross-entropy and top-1 accuracy the plain way (it waits for the device): the reference
-    `chunked_head_loss` must reproduce. head_logits [K, B, T', V] at columns `positions` of y [B, T]."""
-    losses, accs = [], []
-    for i in range(head_logits.shape[0]):
-        tgt, mask = head_targets(y, i + 1, valid)
-        if positions is not None:
-            tgt, mask = tgt[:, positions], mask[:, positions]  # [B, T']
-        logits = head_logits[i][mask]  # [M, V]
-        target = tgt[mask]  # [M]
-        if target.numel() == 0:
-            losses.append(head_logits.sum() * 0.0)
-            accs.append(0.0)
-            continue
-        losses.append(F.cross_entropy(logits.float(), target))
-        accs.append((logits.argmax(-1) == target).float().mean().item())
-    return losses, accs
-
-
-IGNORE = -100  # F.cross_entropy's default ignore_index: a position with no target
-
-
-def stacked_head_targets(
-    y: torch.Tensor, num_heads: int, *, valid: torch.Tensor | None = None, positions: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """All K heads' targets [K, B, T'], IGNORE where none: fixed shapes, so nothing waits for the device."""
     rows = []
     for k in range(1, num_heads + 1):
-        tgt, mask = head_targets(y, k, valid)  # [B, T] each
-        rows.append(tgt.masked_fill(~mask, IGNORE))
+        tgt = torch.full_like(y, IGNORE)  # [B, T]
+        if k < T:
+            tgt[:, : T - k] = y[:, k:] if valid is None else y[:, k:].masked_fill(~valid[:, k:], IGNORE)
+        rows.append(tgt)
     targets = torch.stack(rows)  # [K, B, T]
-    return targets if positions is None else targets[:, :, positions]  # [K, B, T']
+    return targets if positions is None else targets[:, :, positions]
 
 
-def head_chunk_size(num_heads: int, vocab_size: int, *, budget: int = 2**26) -> int:
-    """Positions per chunk so one chunk's logits [K, positions, V] hold at most `budget` (256 MB float32):
-    the cpu preset's heads stage fits in one chunk (exact), GPT-2's vocabulary takes 16, not 4 GB at once."""
-    return max(1, budget // (num_heads * vocab_size))
+def _chunk_head_sums(heads: DraftHeads, model: GPT, h: torch.Tensor, targets: torch.Tensor,
+                     following: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """h [n, C], targets [K, n], following [n, K] -> summed cross-entropy [K] and top-1 hits [K]."""
+    logits = heads(h, model, following=following).float()  # [K, n, M]
+    K, n, M = logits.shape
+    ce = F.cross_entropy(logits.reshape(K * n, M), targets.reshape(K * n), reduction="none")  # IGNORE: 0
+    hits = (logits.detach().argmax(-1) == targets).sum(-1)  # [K]; IGNORE never equals an index
+    return ce.view(K, n).sum(-1), hits.to(logits.dtype)
 
 
-def _chunk_head_sums(heads: nn.Module, lm_head: nn.Module, h: torch.Tensor, targets: torch.Tensor,
-                     tokens: torch.Tensor | None, wte: nn.Module | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """h [M, C], targets [K, M], tokens [M, K] or None -> summed cross-entropy [K] and top-1 hits [K]."""
-    logits = heads(h, lm_head) if tokens is None else heads(h, lm_head, tokens=tokens, wte=wte)
-    logits = logits.float()  # [K, M, V]
-    K, M, V = logits.shape
-    ce = F.cross_entropy(logits.reshape(K * M, V), targets.reshape(K * M), ignore_index=IGNORE, reduction="none")
-    hits = (logits.detach().argmax(-1) == targets).sum(-1)  # [K]; IGNORE never equals a token
-    return ce.view(K, M).sum(-1), hits.to(logits.dtype)
+def chunked_head_loss(heads: DraftHeads, model: GPT, hidden: torch.Tensor, targets: torch.Tensor, *,
+                      following: torch.Tensor, chunk_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The heads' cross-entropy (paper §2.2.1) without all K x B x T x M logits at once.
 
-
-def chunked_head_loss(
-    heads: nn.Module, lm_head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, *,
-    tokens: torch.Tensor | None = None, wte: nn.Module | None = None, chunk_size: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Medusa heads' cross-entropy (paper §2.2.1) without all K x B x T x V logits at once.
-
-    hidden [B, T, C], targets [K, B, T] (IGNORE where none) -> mean cross-entropy [K] and detached top-1
-    accuracy [K] over the positions with a target (0 for none). `chunk_size` positions at a time
-    (default: head_chunk_size); with several chunks each runs under torch.utils.checkpoint, so both
-    passes hold one chunk's logits, at the price of computing them twice. No `.item()`, no
-    data-dependent shapes. Hydra heads also read tokens [B, T, K] (hydra.next_tokens) through wte.
+    hidden [B, T, C], targets [K, B, T] (draft-vocabulary indices, IGNORE where none), following [B, T, K]
+    (the true next tokens, which dependent heads read) -> mean cross-entropy [K] and detached top-1
+    accuracy [K] over the positions with a target (0 for none). `chunk_size` positions at a time (default:
+    LOGITS_PER_CHUNK logits); with several chunks each runs under torch.utils.checkpoint, so both passes
+    hold one chunk's logits, at the price of computing them twice. No `.item()`, no data-dependent shapes.
     """
     K, C = targets.shape[0], hidden.shape[-1]
-    h = hidden.reshape(-1, C)  # [B·T, C]
-    tgt = targets.reshape(K, -1)  # [K, B·T]
-    tok = None if tokens is None else tokens.reshape(-1, K)  # [B·T, K]
+    h, tgt, fol = hidden.reshape(-1, C), targets.reshape(K, -1), following.reshape(-1, K)  # n = B·T positions
     n = h.shape[0]
-    size = chunk_size or head_chunk_size(K, heads.config.vocab_size)
+    size = chunk_size or max(1, LOGITS_PER_CHUNK // (K * (heads.config.draft_vocab_size or heads.config.vocab_size)))
     if size >= n:  # one chunk: nothing to free early, so no recomputation either
-        ce_sum, hits = _chunk_head_sums(heads, lm_head, h, tgt, tok, wte)
+        ce_sum, hits = _chunk_head_sums(heads, model, h, tgt, fol)
     else:
         ce_sum = hits = 0
         for i in range(0, n, size):
             # preserve_rng_state=False: the chunk draws no random numbers, so there is no state to replay
-            c, t = checkpoint(_chunk_head_sums, heads, lm_head, h[i : i + size], tgt[:, i : i + size],
-                              None if tok is None else tok[i : i + size], wte, use_reentrant=False, preserve_rng_state=False)
+            c, t = checkpoint(_chunk_head_sums, heads, model, h[i : i + size], tgt[:, i : i + size], fol[i : i + size],
+                              use_reentrant=False, preserve_rng_state=False)
             ce_sum, hits = ce_sum + c, hits + t
     counts = (tgt != IGNORE).sum(-1).clamp(min=1).to(ce_sum.dtype)  # [K]
     return ce_sum / counts, hits / counts
@@ -152,7 +109,7 @@ def cosine_lr(step: int, total: int, *, lr: float, warmup: float = 0.05, min_rat
 class MedusaLM(nn.Module):
     """Backbone + heads as one module, so one optimizer (and one DDP wrapper) sees both."""
 
-    def __init__(self, model: GPT, heads: MedusaHeads | HydraHeads | None) -> None:
+    def __init__(self, model: GPT, heads: DraftHeads | None) -> None:
         super().__init__()
         self.model = model
         self.heads = heads
@@ -178,46 +135,29 @@ class MedusaLM(nn.Module):
             metrics["lm"] = ce.detach()
             loss = loss + lm_weight * ce
         if self.heads is not None and heads_weight > 0:
+            K = self.heads.num_heads
             h = hidden.detach() if detach_backbone else hidden
             positions = None
             if heads_stride > 1:
                 positions = torch.arange(heads_offset % heads_stride, x.shape[1], heads_stride, device=x.device)  # [T']
                 h = h[:, positions]  # [B, T', C]
-            targets = stacked_head_targets(y, self.heads.num_heads, valid=valid, positions=positions)  # [K, B, T']
-            tokens = None
-            if self.heads.config.kind == "hydra":  # dependent heads read x_{t+1..t+K}
-                tokens = next_tokens(y, self.heads.num_heads)  # [B, T, K]
-                tokens = tokens if positions is None else tokens[:, positions]  # [B, T', K]
-            losses, accs = chunked_head_loss(self.heads, self.model.lm_head, h, targets, tokens=tokens,
-                                             wte=self.model.transformer.wte, chunk_size=heads_chunk)
-            weights = head_weights(self.heads.num_heads, decay=decay)
+            targets = self.heads.draft_index(head_targets(y, K, valid=valid, positions=positions))  # [K, B, T']
+            following = next_tokens(y, K)  # [B, T, K]
+            following = following if positions is None else following[:, positions]
+            losses, accs = chunked_head_loss(self.heads, self.model, h, targets, following=following,
+                                             chunk_size=heads_chunk)
+            weights = head_weights(K, decay=decay)
             loss = loss + heads_weight * sum(w * l for w, l in zip(weights, losses.unbind()))
             metrics["heads"] = losses.detach()
             metrics["acc"] = accs
         return loss, metrics
 
 
-@torch.no_grad()
-def sample_continuations(
-    model: GPT, prompts: torch.Tensor, *, max_new_tokens: int, temperature: float,
-    generator: torch.Generator | None = None,
-) -> torch.Tensor:
-    """Self-distillation data (paper §2.3.2): the backbone continues prompts [B, P] -> [B, P + n], batched
-    with the KV cache; temperature 0 is greedy."""
-    B, P = prompts.shape
-    n = min(max_new_tokens, model.config.block_size - P)
-    cache = KVCache(model.config, batch_size=B, max_len=P + n, device=prompts.device, dtype=model.lm_head.weight.dtype)
-    out = torch.empty(B, P + n, dtype=torch.long, device=prompts.device)
-    out[:, :P] = prompts
-    logits, _ = model(prompts, cache=cache, logits_at=slice(-1, None))  # [B, 1, V]
-    for t in range(n):
-        last = logits[:, -1]  # [B, V]
-        if temperature == 0:
-            tok = last.argmax(-1)  # [B]
-        else:
-            probs = sampling_probs(last, temperature=temperature)
-            tok = torch.multinomial(probs, 1, generator=generator).squeeze(1)  # [B]
-        out[:, P + t] = tok
-        if t + 1 < n:
-            logits, _ = model(tok[:, None], cache=cache)
-    return out
+def self_distill(model: GPT, prompts: torch.Tensor, *, max_new_tokens: int, temperature: float,
+                 generator: torch.Generator | None = None) -> torch.Tensor:
+    """Self-distillation data (paper §2.3.2): the backbone continues prompts [B, P] -> [B, P + n], plain
+    decoding at `temperature` (0: greedy), within the context."""
+    n = min(max_new_tokens, model.config.block_size - prompts.shape[1])
+    rows = generate_batch(model, prompts.tolist(), max_new_tokens=n, sampling=Sampling(temperature=temperature),
+                          generator=generator)
+    return torch.cat([prompts, torch.tensor([out for out, _ in rows], device=prompts.device).view(-1, n)], dim=1)

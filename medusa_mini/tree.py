@@ -3,12 +3,12 @@
 A tree is built from *choices*: each choice is a path of top-k ranks, e.g. (0,) = head 1's top-1
 guess, (0, 2) = its child filled with head 2's top-3 guess. Node 0 is the root: the last committed
 token, which the verify pass feeds together with every candidate. A node at depth d is filled by head d
-with rank `choice[-1]`, so all nodes at one depth draw from the same head's top-k list.
+with rank `choice[-1]`, so all nodes at one depth draw from the same head's guesses.
 
-Everything here is a pure function of the choices: parents, depths, the N x N ancestor mask, position
-offsets (= depth), each node's path from the root, and text drawings of the tree and the mask.
-`build_tree` grows the tree with the most expected accepted tokens for a node budget from a measured
-acceptance table.
+A Tree is a value (frozen, compared and hashed by its choices): its host lists are computed when it is
+made, and its index tensors once per tree and device (`tree_tensors`, the project's one cache), so a
+step, or a truncated tree equal to one seen before, finds them ready. `build_tree` grows the tree with
+the most expected accepted tokens for a node budget from a measured acceptance table.
 
 Shapes: N nodes (root included), K heads, D maximum depth.
 """
@@ -18,30 +18,45 @@ from __future__ import annotations
 import heapq
 import math
 from dataclasses import dataclass
-from functools import cached_property, lru_cache
+from functools import lru_cache
 
 import torch
 
 Choice = tuple[int, ...]
 
 
-@dataclass(frozen=True, eq=True)
+@dataclass(frozen=True)
 class Tree:
-    """A validated candidate tree. Node i > 0 corresponds to `choices[i - 1]`; node 0 is the root."""
+    """A validated candidate tree. Node i > 0 corresponds to `choices[i - 1]`; node 0 is the root.
+
+    parents[i]: node i's parent (-1 for the root); children[i]: its children in rank order; depths[i]:
+    its depth (= its position offset from the root); ranks[i]: the rank it holds (0 for the root);
+    first[d]: the first node of depth d (nodes of one depth are consecutive), first[D + 1] = N.
+    """
 
     choices: tuple[Choice, ...]
 
+    def __post_init__(self) -> None:
+        index = {c: i + 1 for i, c in enumerate(self.choices)}
+        parents = [-1] + [index.get(c[:-1], 0) for c in self.choices]
+        children: list[list[int]] = [[] for _ in parents]
+        for i, p in enumerate(parents[1:], start=1):
+            children[p].append(i)
+        depths = [0] + [len(c) for c in self.choices]
+        first = [depths.index(d) for d in range(max(depths) + 1)] + [len(depths)]
+        for name, value in dict(parents=parents, children=children, depths=depths, first=first,
+                                ranks=[0] + [c[-1] for c in self.choices]).items():
+            object.__setattr__(self, name, value)
+
     @staticmethod
-    def from_choices(
-        choices, *, num_heads: int | None = None, top_k: int | None = None
-    ) -> "Tree":
+    def from_choices(choices, *, num_heads: int | None = None) -> "Tree":
         """Validate and sort choices (by depth, then rank) so parents always precede children.
 
-        Raises ValueError naming the offending choice: not a sequence of ints, a negative rank, a rank
-        >= top_k, a depth > num_heads, a duplicate, or a missing prefix (official Medusa fails later
-        with an index error on the last two).
+        Raises ValueError naming the offending choice: not a sequence of ints, a negative rank, a depth
+        > num_heads, a duplicate, or a missing prefix (official Medusa fails later with an index error
+        on the last two).
         """
-        parsed: list[Choice] = []
+        parsed: dict[Choice, None] = {}  # in order, and a set
         for c in choices:
             if isinstance(c, int) or not all(isinstance(r, int) and not isinstance(r, bool) for r in c):
                 raise ValueError(f"tree choice {c!r} must be a list of integer ranks, e.g. [0, 1]")
@@ -50,128 +65,53 @@ class Tree:
                 raise ValueError("tree choice () is empty; the root is implicit, leave it out")
             if any(r < 0 for r in c):
                 raise ValueError(f"tree choice {list(c)} has a negative rank")
-            if top_k is not None and any(r >= top_k for r in c):
-                raise ValueError(f"tree choice {list(c)} uses a rank >= top_k={top_k}")
             if num_heads is not None and len(c) > num_heads:
-                raise ValueError(
-                    f"tree choice {list(c)} has depth {len(c)} but there are only {num_heads} heads"
-                )
-            parsed.append(c)
-        seen: set[Choice] = set()
-        for c in parsed:
-            if c in seen:
+                raise ValueError(f"tree choice {list(c)} has depth {len(c)} but there are only {num_heads} heads")
+            if c in parsed:
                 raise ValueError(f"tree choice {list(c)} appears twice")
-            seen.add(c)
+            parsed[c] = None
         for c in parsed:
-            if len(c) > 1 and c[:-1] not in seen:
+            if len(c) > 1 and c[:-1] not in parsed:
                 raise ValueError(f"tree choice {list(c)} has no parent: add {list(c[:-1])}")
         return Tree(tuple(sorted(parsed, key=lambda c: (len(c), c))))
-
-    # ---- structure ---------------------------------------------------------------------------
 
     @property
     def num_nodes(self) -> int:
         """N, the root included."""
         return len(self.choices) + 1
 
-    @cached_property
-    def parents(self) -> list[int]:
-        """parents[i] = node index of i's parent; parents[0] = -1."""
-        index = {c: i + 1 for i, c in enumerate(self.choices)}
-        return [-1] + [index.get(c[:-1], 0) for c in self.choices]
-
-    @cached_property
-    def children(self) -> list[list[int]]:
-        """children[i] = i's children in rank order (rank 0 first)."""
-        kids: list[list[int]] = [[] for _ in range(self.num_nodes)]
-        for i, p in enumerate(self.parents[1:], start=1):
-            kids[p].append(i)
-        return kids
-
-    @cached_property
-    def depth_list(self) -> list[int]:
-        return [0] + [len(c) for c in self.choices]
-
     @property
     def depth(self) -> int:
         """D, the deepest node's depth = the number of heads the tree needs."""
-        return max(self.depth_list)
+        return len(self.first) - 2
 
-    @cached_property
+    @property
     def max_rank(self) -> int:
         """The largest rank any node uses (0 for a root-only tree)."""
-        return max((c[-1] for c in self.choices), default=0)
-
-    def top_k(self) -> list[int]:
-        """For head d (index d-1): how many of its top guesses the tree uses."""
-        k = [0] * self.depth
-        for c in self.choices:
-            k[len(c) - 1] = max(k[len(c) - 1], c[-1] + 1)
-        return k
+        return max(self.ranks)
 
     def tensors(self, device: torch.device | str = "cpu") -> "TreeTensors":
-        """Every index tensor a decoding step reads, on `device`, built once per tree and device
-        (`tree_tensors`): rebuilding them each step cost a tenth of a tiny model's step, and a captured
-        step needs fixed inputs."""
+        """Every index tensor a decoding step reads, on `device` (built once per tree and device)."""
         return tree_tensors(self, str(device))
 
-    def depths(self, device: torch.device | str = "cpu") -> torch.Tensor:
-        """[N] long: position offset of each node from the root (positions = prefix_len + depth)."""
-        return torch.tensor(self.depth_list, dtype=torch.long, device=device)
-
-    def node_head_rank(self, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
-        """Two [N - 1] long tensors: node i+1 is filled by head `head[i]` (0-based) with rank `rank[i]`."""
-        head = torch.tensor([len(c) - 1 for c in self.choices], dtype=torch.long, device=device)
-        rank = torch.tensor([c[-1] for c in self.choices], dtype=torch.long, device=device)
-        return head, rank
-
-    def ancestor_mask(self, device: torch.device | str = "cpu") -> torch.Tensor:
-        """[N, N] bool: mask[i, j] is True iff j is i or an ancestor of i (paper Fig. 2).
-
-        Row i marks node i's path from the root (`node_paths`), not a walk up from each node as the
-        reference's `tree_attention_mask` does: two constructions, held equal by a test."""
-        N = self.num_nodes
-        mask = torch.zeros(N, N, dtype=torch.bool)
-        mask[torch.arange(N)[:, None], self.node_paths()] = True  # [N, D + 1] ancestors of each row
-        return mask.to(device)
-
-    def earlier_siblings(self, device: torch.device | str = "cpu") -> torch.Tensor:
-        """[N, N] bool: mask[i, j] is True iff j is a sibling of i with a smaller rank (tried first)."""
-        parents = torch.tensor(self.parents)  # [N]
-        same_parent = (parents[:, None] == parents[None, :]) & (parents[:, None] >= 0)  # [N, N]
-        return (same_parent & torch.ones(self.num_nodes, self.num_nodes, dtype=torch.bool).tril(-1)).to(device)
-
-    def node_paths(self, device: torch.device | str = "cpu") -> torch.Tensor:
-        """[N, D + 1] long: row i is the path from the root to node i, then node i repeated.
-
-        The acceptance rules pick one node, the last accepted one; its row is then the accepted path
-        in the fixed shape a step copies (its last entry is always the node itself)."""
-        rows = []
-        for i in range(self.num_nodes):
-            path = [i]
-            while path[-1] != 0:
-                path.append(self.parents[path[-1]])
-            path.reverse()
-            rows.append(path + [i] * (self.depth + 1 - len(path)))
-        return torch.tensor(rows, dtype=torch.long, device=device)
-
     def truncated(self, max_depth: int) -> "Tree":
-        """The subtree of nodes at depth <= max_depth (used near the end of a generation), built once per
-        tree and depth (`truncated_tree`), so the last steps of every generation reuse it and its tensors."""
-        return self if self.depth <= max_depth else truncated_tree(self, max_depth)
+        """The subtree of nodes at depth <= max_depth (near the end of a generation)."""
+        return self if self.depth <= max_depth else Tree(tuple(c for c in self.choices if len(c) <= max_depth))
 
     def check_heads(self, num_heads: int) -> None:
         """A clear error when the tree needs more heads than the model has."""
         if self.depth > num_heads:
-            raise ValueError(
-                f"tree has depth {self.depth} but the model has {num_heads} Medusa heads; "
-                f"use a tree of depth <= {num_heads}"
-            )
+            raise ValueError(f"tree has depth {self.depth} but the model has {num_heads} Medusa heads; "
+                             f"use a tree of depth <= {num_heads}")
+
+    def path(self, node: int) -> list[int]:
+        """The nodes from the root down to `node`."""
+        return self.path(self.parents[node]) + [node] if node > 0 else [0]
 
     # ---- drawings ----------------------------------------------------------------------------
 
     def draw(self, labels: list[str] | None = None) -> str:
-        """The tree as indented text, one node a line: `[i] (head d, rank r) label`."""
+        """The tree as indented text, one node a line: `[i] head d rank r label`."""
         lines: list[str] = []
 
         def visit(node: int, prefix: str, last: bool) -> None:
@@ -179,9 +119,8 @@ class Tree:
             if node == 0:
                 lines.append(f"[0] root{label}")
             else:
-                c = self.choices[node - 1]
                 branch = "└─ " if last else "├─ "
-                lines.append(f"{prefix}{branch}[{node}] head {len(c)} rank {c[-1]}{label}")
+                lines.append(f"{prefix}{branch}[{node}] head {self.depths[node]} rank {self.ranks[node]}{label}")
                 prefix += "   " if last else "│  "
             kids = self.children[node]
             for j, kid in enumerate(kids):
@@ -192,11 +131,9 @@ class Tree:
 
     def draw_mask(self) -> str:
         """The N x N tree attention mask: row = query node, column = key node, ■ = may attend."""
-        mask = self.ancestor_mask()
-        N = self.num_nodes
+        mask, N = self.tensors().ancestor_mask, self.num_nodes
         width = len(str(N - 1))
-        header = " " * (width + 1) + " ".join(f"{j:>{width}}" for j in range(N))
-        rows = [header]
+        rows = [" " * (width + 1) + " ".join(f"{j:>{width}}" for j in range(N))]
         for i in range(N):
             cells = " ".join(f"{'■' if mask[i, j] else '·':>{width}}" for j in range(N))
             rows.append(f"{i:>{width}} {cells}")
@@ -208,27 +145,28 @@ class TreeTensors:
     """A tree's index tensors on one device (`Tree.tensors`). N nodes, D depth."""
 
     parents: torch.Tensor  # [N] long: each node's parent, -1 for the root
-    ancestor_mask: torch.Tensor  # [N, N] bool: the tree attention mask among the nodes
+    ancestor_mask: torch.Tensor  # [N, N] bool: j is i or an ancestor of i, the tree attention mask (Fig. 2)
     depths: torch.Tensor  # [N] long: position offset of each node from the root
-    head: torch.Tensor  # [N - 1] long: the head (0-based) that fills node i + 1
-    rank: torch.Tensor  # [N - 1] long: the rank within that head's guesses
+    ranks: torch.Tensor  # [N] long: the rank of the head's guesses each node holds (0 for the root)
     node_paths: torch.Tensor  # [N, D + 1] long: the root-to-node path of each node, then the node repeated
-    earlier_siblings: torch.Tensor  # [N, N] bool: j is a sibling of i with a smaller rank
-
-
-@lru_cache(maxsize=64)
-def truncated_tree(tree: Tree, max_depth: int) -> Tree:
-    """`Tree.truncated`, cached by (tree, depth) like `tree_tensors`."""
-    return Tree(tuple(c for c in tree.choices if len(c) <= max_depth))
+    earlier_siblings: torch.Tensor  # [N, N] bool: j is a sibling of i with a smaller rank (tried first)
 
 
 @lru_cache(maxsize=64)
 def tree_tensors(tree: Tree, device: str) -> TreeTensors:
-    """`Tree.tensors`, cached by (tree, device): the project's one cache of tree tensors."""
-    head, rank = tree.node_head_rank(device)
-    return TreeTensors(parents=torch.tensor(tree.parents, dtype=torch.long, device=device),
-                       ancestor_mask=tree.ancestor_mask(device), depths=tree.depths(device), head=head, rank=rank,
-                       node_paths=tree.node_paths(device), earlier_siblings=tree.earlier_siblings(device))
+    """`Tree.tensors`: rebuilding them every step would cost a tenth of a tiny model's step, and a
+    captured step needs fixed inputs. Row i of the mask marks node i's path from the root, not the walk
+    up from each node that the reference's `tree_attention_mask` takes: two constructions, held equal."""
+    N, D = tree.num_nodes, tree.depth
+    paths = torch.tensor([p + [i] * (D + 1 - len(p)) for i, p in enumerate(map(tree.path, range(N)))])  # [N, D + 1]
+    mask = torch.zeros(N, N, dtype=torch.bool)
+    mask[torch.arange(N)[:, None], paths] = True
+    parents = torch.tensor(tree.parents)
+    siblings = (parents[:, None] == parents[None, :]) & (parents[:, None] >= 0)  # [N, N]
+    as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
+    return TreeTensors(parents=parents.to(device), ancestor_mask=mask.to(device), depths=as_long(tree.depths),
+                       ranks=as_long(tree.ranks), node_paths=paths.to(device),
+                       earlier_siblings=(siblings & torch.ones(N, N, dtype=torch.bool).tril(-1)).to(device))
 
 
 # ---- presets ---------------------------------------------------------------------------------

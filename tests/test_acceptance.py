@@ -6,21 +6,12 @@ import random
 import pytest
 import torch
 
+from conftest import random_tree
 from medusa_mini import reference as ref
 from medusa_mini.acceptance import accept_paths, greedy_accept_paths, typical_accept_paths
 from medusa_mini.proposal import Proposal
 from medusa_mini.sampling import Sampling
 from medusa_mini.tree import Tree
-
-
-def random_tree(rng: random.Random) -> Tree:
-    """Depth 1-5, up to 4 children per node (some nodes none), every prefix present."""
-    depth, width = rng.randint(1, 5), rng.randint(1, 4)
-    choices, frontier = [], [()]
-    for _ in range(depth):
-        frontier = [parent + (r,) for parent in frontier for r in range(rng.randint(0, width))] or [frontier[0] + (0,)]
-        choices += frontier
-    return Tree.from_choices(choices)
 
 
 def random_case(seed: int, *, vocab: int = 4, rows: int = 1):

@@ -1,89 +1,210 @@
-"""Medusa heads (paper §2.1.1): residual blocks that start as the identity, then the vocabulary."""
+"""Draft heads (heads.py, paper §2.1.1): Medusa's read h_t alone, dependent (hydra) ones also the tokens
+before their target; both guess among a draft vocabulary. That greedy decoding with either kind is plain
+greedy is in tests/test_decoding.py; here, what each kind computes and how it fills a tree."""
 
 import pytest
 import torch
-from conftest import tiny_model
 
-from medusa_mini.heads import HeadsConfig, MedusaHeads
+from conftest import random_heads, tiny_model
+from medusa_mini.decoding import generate, medusa_generate
+from medusa_mini.heads import IGNORE, HeadsConfig, frequency_order, make_heads, next_tokens
+from medusa_mini.sampling import Sampling, draft_log_probs
+from medusa_mini.training import MedusaLM, self_distill
+from medusa_mini.tree import Tree, chain, preset
+
+KINDS = ["medusa", "hydra"]
+C, V = 32, 64
+TREE = Tree.from_choices([(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 1, 0), (1, 0, 0)])
 
 
-def make(model, **kw):
-    cfg = HeadsConfig(num_heads=3, n_embd=model.config.n_embd, vocab_size=model.config.vocab_size, **kw)
-    return MedusaHeads(cfg, lm_head_weight=model.lm_head.weight)
+def randint(*shape: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(V, shape, generator=torch.Generator().manual_seed(seed))
 
 
-def test_fresh_heads_start_as_the_backbones_next_token_prediction():
+def shuffled(seed: int = 0) -> torch.Tensor:
+    """A draft vocabulary order [V]: every token id once."""
+    return torch.randperm(V, generator=torch.Generator().manual_seed(seed))
+
+
+def propose(heads, model, tree, root, hidden, sampling=Sampling(), generator=None):
+    """One row's proposal: the heads' proposer filling `tree` below `root` from hidden [C]."""
+    return heads.proposer(model, tree).propose(torch.tensor([root]), hidden[None], history=[[root]],
+                                               max_depth=tree.depth, sampling=sampling, generator=generator)
+
+
+def q_logits(heads, model, hidden, path: list[int]) -> torch.Tensor:
+    """The definition of q(. | path) [M]: the head of depth len(path), reading the root and the drafted tokens."""
+    following = torch.tensor(path + [0] * (heads.num_heads - len(path)))  # what lies past the path is never read
+    return heads(hidden, model, following=following)[len(path) - 1]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_fresh_heads_start_as_the_backbones_next_token_prediction(kind):
     model = tiny_model()
-    x = torch.randn(5, model.config.n_embd)
-    for own in (False, True):
-        logits = make(model, own_lm_head=own)(x, model.lm_head)  # [K, 5, V]
-        # zero-initialised W: x + SiLU(0) = x, so every head reproduces lm_head(x)
-        for k in range(3):
-            torch.testing.assert_close(logits[k], model.lm_head(x), atol=1e-5, rtol=0)
+    heads = make_heads(HeadsConfig(num_heads=3, n_embd=C, vocab_size=V, kind=kind))
+    h = torch.randn(5, C)
+    out = heads(h, model, following=randint(5, 3))  # [K, 5, V]; W = 0: h + SiLU(0) = h
+    torch.testing.assert_close(out, model.lm_head(h).expand(3, 5, V), atol=1e-6, rtol=0)
 
 
-def test_heads_share_the_backbones_lm_head_by_default_or_own_separate_copies():
+@pytest.mark.parametrize("kind", KINDS)
+def test_head_k_reads_exactly_the_k_tokens_before_its_target(kind):
+    """Hydra's head k reads x_{t+1..t+k}, not the later ones; Medusa's heads read none of them."""
+    model = tiny_model(1)
+    heads = random_heads(model, kind=kind)  # K = 4
+    h, following = torch.randn(C), torch.tensor([5, 9, 13, 17])
+    base = heads(h, model, following=following)  # [K, V]
+    for j in range(4):
+        changed = following.clone()
+        changed[j] = (changed[j] + 1) % V
+        out = heads(h, model, following=changed)
+        moved = [not torch.equal(out[k - 1], base[k - 1]) for k in range(1, 5)]
+        assert moved == [kind == "hydra" and j < k for k in range(1, 5)], j
+
+
+@pytest.mark.parametrize("kind, num", [(kind, num) for kind in KINDS for num in (0, 1, 2)])
+def test_the_first_num_heads_alone_give_those_heads_logits_for_any_leading_dims(kind, num):
+    """A tree of depth D asks heads 1..D only (none for the root alone): each other head costs a projection."""
+    model = tiny_model(2)
+    heads = random_heads(model, num_heads=3, kind=kind)
+    h, following = torch.randn(2, 5, C), randint(2, 5, 3)
+    full = heads(h, model, following=following)
+    assert full.shape == (3, 2, 5, V)
+    torch.testing.assert_close(heads(h, model, following=following, num=num), full[:num])
+    torch.testing.assert_close(heads(h[1, 4], model, following=following[1, 4]), full[:, 1, 4])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_over_a_draft_vocabulary_the_heads_give_the_full_logits_of_its_tokens(kind):
+    model = tiny_model(3)
+    heads = random_heads(model, kind=kind)
+    h, following = torch.randn(3, C), randint(3, 4)
+    full = heads(h, model, following=following)  # [K, 3, V]
+    heads.use_draft_vocabulary(shuffled(), 10)
+    assert heads.draft_ids.tolist() == sorted(shuffled()[:10].tolist())
+    torch.testing.assert_close(heads(h, model, following=following), full[..., heads.draft_ids])
+    heads.use_draft_vocabulary(shuffled(), V)  # the whole vocabulary again
+    assert heads.config.draft_vocab_size == 0 and heads.draft_ids.tolist() == list(range(V))
+    torch.testing.assert_close(heads(h, model, following=following), full)
+
+
+def test_the_draft_vocabulary_is_the_most_frequent_tokens_and_targets_outside_it_are_ignored():
+    assert frequency_order(torch.tensor([[3, 5, 5, 1], [5, 3, 7, 7]]), 8).tolist() == [5, 3, 7, 1, 0, 2, 4, 6]  # ties: by id
+    heads = random_heads(tiny_model())
+    targets = torch.tensor([[63, 60, 5, IGNORE], [61, 0, 62, 63]])
+    assert torch.equal(heads.draft_index(targets), targets)  # the whole vocabulary: ids are indices
+    heads.use_draft_vocabulary(torch.arange(V).flip(0), 4)  # draft ids 60..63
+    assert heads.draft_index(targets).tolist() == [[3, 0, IGNORE, IGNORE], [1, IGNORE, 2, 3]]
+
+
+def test_heads_refuse_what_they_cannot_do():
     model = tiny_model()
-    shared, own = make(model), make(model, own_lm_head=True)
-    assert shared.lm_heads is None and all("lm_head" not in name for name in shared.state_dict())  # the backbone's
-    assert own.lm_heads.shape == (3, model.config.vocab_size, model.config.n_embd)
+    with pytest.raises(ValueError, match="following="):
+        random_heads(model, kind="hydra")(torch.randn(1, C), model)  # a Medusa call site: a clear error
+    with pytest.raises(ValueError, match="unknown head kind"):
+        HeadsConfig(kind="eagle")
+    with pytest.raises(ValueError, match="draft_vocab_size"):
+        HeadsConfig(vocab_size=V, draft_vocab_size=V + 1)
+    heads = random_heads(model, num_heads=2)
+    with pytest.raises(ValueError, match="depth 4 but the model has 2 Medusa heads"):
+        heads.proposer(model, chain(4))
+    with pytest.raises(ValueError, match="every token id once"):
+        heads.use_draft_vocabulary(torch.zeros(V, dtype=torch.long), 8)
+    heads.use_draft_vocabulary(shuffled(), 2)
+    with pytest.raises(ValueError, match="rank 2; the draft vocabulary has 2 tokens"):
+        heads.proposer(model, Tree.from_choices([(0,), (1,), (2,)]))
+
+
+def test_a_refused_draft_vocabulary_leaves_the_heads_as_they_were():
+    heads = random_heads(tiny_model())
+    heads.use_draft_vocabulary(shuffled(), 10)
+    with pytest.raises(ValueError, match="draft_vocab_size"):
+        heads.use_draft_vocabulary(shuffled(1), V + 1)
+    assert heads.config.draft_vocab_size == 10 and heads.draft_ids.tolist() == sorted(shuffled()[:10].tolist())
+
+
+@pytest.mark.parametrize("tree", [TREE, preset("cpu"), chain(3)], ids=["small", "cpu", "chain"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_depth_by_depth_filling_equals_the_node_by_node_definition(kind, tree):
+    """Node i holds rank ranks[i] of q(. | its parent's path) (Medusa's q depends on the depth only), a
+    token of the draft vocabulary."""
+    model = tiny_model(2)
+    heads = random_heads(model, kind=kind, seed=2)
+    heads.use_draft_vocabulary(shuffled(2), 16)
+    hidden, want = torch.randn(C), [7]
+    for i in range(1, tree.num_nodes):
+        q = q_logits(heads, model, hidden, [want[j] for j in tree.path(tree.parents[i])])
+        want.append(int(heads.draft_ids[q.topk(tree.max_rank + 1).indices[tree.ranks[i]]]))
+    assert propose(heads, model, tree, 7, hidden).tokens[0].tolist() == want
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_sampled_drafts_draw_each_nodes_children_from_its_own_q(kind):
+    model = tiny_model(4)
+    heads = random_heads(model, kind=kind, seed=4)
+    heads.use_draft_vocabulary(shuffled(4), 16)
+    hidden, T = torch.randn(C), 0.8
+    proposal = propose(heads, model, TREE, 7, hidden, Sampling(temperature=T), torch.Generator().manual_seed(0))
+    tokens, draft = proposal.tokens[0].tolist(), proposal.draft
+    assert set(tokens[1:]) <= set(heads.draft_ids.tolist())
+    for node, (kids, drawn) in enumerate(zip(TREE.children, draft.per_node(0, draft.samples.tolist()))):
+        assert (drawn is None) == (not kids)
+        if kids:
+            q = q_logits(heads, model, hidden, [tokens[j] for j in TREE.path(node)])
+            torch.testing.assert_close(drawn[0], draft_log_probs(q, heads.draft_ids, temperature=T, vocab_size=V))
+            assert len(set(drawn[1])) == len(drawn[1]) and [tokens[c] for c in kids] == [drawn[1][TREE.ranks[c]] for c in kids]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_siblings_differ_by_their_parents_unlike_medusa(kind):
+    model = tiny_model(3)
+    heads = random_heads(model, kind=kind)
+    if kind == "hydra":
+        with torch.no_grad():  # let the drafted tokens, not h_t, dominate the guess
+            for block in heads.blocks:
+                block.linear.weight[:, C:] *= 10
+    tree = Tree.from_choices([(r,) for r in range(4)] + [(r, 0) for r in range(4)])
+    second = propose(heads, model, tree, 5, torch.randn(C)).tokens[0, 5:].tolist()  # nodes (r, 0)
+    assert (len(set(second)) > 1) == (kind == "hydra")  # Medusa's head 2 puts one token under every guess
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_teacher_forced_logits_are_the_logits_decoding_computes_along_the_true_path(kind):
+    """Training feeds the true next tokens (`next_tokens`), decoding the drafted ones. Along a chain the
+    heads drafted themselves the two paths are one, so the teacher-forced argmaxes are that chain."""
+    model = tiny_model(5)
+    heads = random_heads(model, kind=kind, seed=5)
+    heads.use_draft_vocabulary(shuffled(5), 16)
+    prompt = [3, 1, 4, 1, 5]
     with torch.no_grad():
-        own.lm_heads[1].zero_()
-    out = own(torch.randn(2, model.config.n_embd), model.lm_head)
-    assert torch.all(out[1] == 0) and not torch.all(out[0] == 0)
+        logits, hidden = model(torch.tensor([prompt]))  # hidden [1, 5, C]
+    root = int(logits[0, -1].argmax())
+    drafted = propose(heads, model, chain(4), root, hidden[0, -1]).tokens[0].tolist()  # root, then 4 guesses
+    y = torch.tensor([prompt[1:] + drafted])  # y[:, t] = token t + 1
+    teacher = heads(hidden, model, following=next_tokens(y, 4)[:, :5])  # [K, 1, 5, M]
+    assert heads.draft_ids[teacher[:, 0, -1].argmax(-1)].tolist() == drafted[1:]
 
 
-def _randomised(model, **kw):
-    heads = make(model, **kw)
-    with torch.no_grad():
-        for b in heads.blocks:
-            b.linear.weight.normal_(std=0.3)
-            b.linear.bias.normal_(std=0.3)
-    return heads.eval()
-
-
-@pytest.mark.parametrize("own", [False, True], ids=["shared-lm-head", "own-lm-heads"])
-def test_decoding_runs_the_k_blocks_as_one_batched_matmul_with_the_same_result(own):
-    """Any leading dims, each head applied position by position."""
-    model = tiny_model()
-    heads = _randomised(model, own_lm_head=own)
-    for shape in ((model.config.n_embd,), (1, model.config.n_embd), (2, 5, model.config.n_embd)):
-        x = torch.randn(*shape)
-        per_block = heads(x, model.lm_head)  # grad enabled: one block at a time (the training path)
-        with torch.no_grad():
-            batched = heads(x, model.lm_head)  # decoding: stacked weights, one baddbmm
-        assert batched.shape == (3, *shape[:-1], model.config.vocab_size)
-        torch.testing.assert_close(batched, per_block.detach(), atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(batched[:, 1, 4], heads(x[1, 4], model.lm_head).detach(), atol=1e-5, rtol=0)
-
-
-def test_batched_decoding_sees_every_change_to_the_weights():
-    model = tiny_model()
-    heads = _randomised(model)
-    x = torch.randn(4, model.config.n_embd)
-    with torch.no_grad():
-        before = heads(x, model.lm_head)
-        heads.blocks[1].linear.weight.mul_(-1.0)  # an in-place update, as an optimizer step makes
-        after = heads(x, model.lm_head)
-    torch.testing.assert_close(after[0], before[0])  # untouched heads stay as they were
-    assert not torch.allclose(after[1], before[1])
-    torch.testing.assert_close(after, heads(x, model.lm_head).detach(), atol=1e-5, rtol=1e-5)
-    other = _randomised(model)
-    heads.load_state_dict(other.state_dict())
-    with torch.no_grad():
-        torch.testing.assert_close(heads(x, model.lm_head), other(x, model.lm_head), atol=1e-5, rtol=1e-5)
-
-
-def test_the_first_num_heads_alone_give_those_heads_logits():
-    """A tree of depth D reads heads 1..D only: the rest cost a vocabulary projection each for nothing."""
-    model = tiny_model()
-    x = torch.randn(2, model.config.n_embd)
-    for own in (False, True):
-        heads = _randomised(model, own_lm_head=own)
-        full = heads(x, model.lm_head).detach()  # [3, 2, V]
-        for num in (1, 2, 3):
-            for grad in (True, False):  # the training path and decoding's batched one
-                with torch.set_grad_enabled(grad):
-                    part = heads(x, model.lm_head, num=num)
-                assert part.shape == (num, 2, model.config.vocab_size)
-                torch.testing.assert_close(part.detach(), full[:num], atol=1e-5, rtol=1e-5)
+def test_dependent_heads_learn_more_and_accept_more_than_medusa_heads_trained_the_same_way():
+    """Medusa-1 on the frozen backbone's own greedy text (self-distillation); the backbone stays untouched."""
+    model = tiny_model(6).requires_grad_(False)
+    backbone = {k: v.clone() for k, v in model.state_dict().items()}
+    prompts = randint(24, 4)
+    seqs = self_distill(model, prompts, max_new_tokens=40, temperature=0.0)  # [24, 44]
+    losses, tokens_per_step = {}, {}
+    for kind in KINDS:
+        torch.manual_seed(0)
+        heads = make_heads(HeadsConfig(num_heads=3, n_embd=C, vocab_size=V, kind=kind))
+        module, opt = MedusaLM(model, heads), torch.optim.Adam(heads.parameters(), lr=3e-2)
+        for _ in range(80):
+            loss, _ = module(seqs[:, :-1], seqs[:, 1:], lm_weight=0.0, heads_weight=1.0, decay=1.0, detach_backbone=True)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.setdefault(kind, []).append(loss.item())
+        runs = [medusa_generate(model, heads.eval(), p, tree=chain(3), max_new_tokens=30) for p in prompts[:8].tolist()]
+        assert [out for out, _ in runs] == [generate(model, p, max_new_tokens=30)[0] for p in prompts[:8].tolist()]
+        tokens_per_step[kind] = sum(sum(s.step_tokens) for _, s in runs) / sum(s.steps for _, s in runs)
+    assert losses["hydra"][-1] < 0.5 * losses["hydra"][0] and losses["hydra"][-1] < losses["medusa"][-1]
+    assert all(torch.equal(backbone[k], v) for k, v in model.state_dict().items())
+    assert tokens_per_step["hydra"] > tokens_per_step["medusa"]

@@ -1,8 +1,9 @@
 """The house rules, checked: the Medusa core stands alone, and the wings lean on it, never the reverse.
 
 The core is the top level of `medusa_mini/` (the reference; model, heads, tree, sampling, proposal,
-hydra, acceptance, step, decoding, training); io/, train/, tune/ and cli/ are the wings. A reader who
-imports the decoding loop gets the algorithm and nothing of tokenizers, checkpoints, clocks or command lines.
+acceptance, step, decoding, training); io/, train/ and cli/ are the wings. A reader who imports the
+decoding loop gets the algorithm and nothing of tokenizers, checkpoints, clocks or command lines; the
+reference runs without the engine, which is proven equal to it by tests, never by calling it.
 """
 
 from __future__ import annotations
@@ -10,31 +11,47 @@ from __future__ import annotations
 import ast
 import json
 import os
+import re
 import subprocess
 import sys
 
 from conftest import ROOT
 
-CORE = ("reference", "model", "heads", "hydra", "tree", "sampling", "proposal", "acceptance", "step", "decoding",
-        "training")
-WINGS = ("io", "train", "tune", "cli")
+CORE = ("reference", "model", "heads", "tree", "sampling", "proposal", "acceptance", "step", "decoding", "training")
+WINGS = ("io", "train", "cli")
 PACKAGE = os.path.join(ROOT, "medusa_mini")
+SCRIPTS = ("decode.py", "train_tiny.py")
 
 
-def imported_modules(path: str) -> set[str]:
-    """Absolute names of what a module imports, relative imports resolved inside medusa_mini."""
-    tree = ast.parse(open(path, encoding="utf-8").read())
-    package = os.path.relpath(os.path.dirname(path), ROOT).replace(os.sep, ".")
-    names = set()
-    for node in ast.walk(tree):
+def python_files(*folders: str) -> list[str]:
+    return sorted(os.path.join(d, f) for top in folders for d, _, files in os.walk(os.path.join(ROOT, top))
+                  for f in files if f.endswith(".py"))
+
+
+def imported_modules(path: str, *, runtime: bool = False) -> set[str]:
+    """Absolute names of what a file imports, relative imports resolved; runtime=True leaves out those
+    under `if TYPE_CHECKING:` (names for type hints only)."""
+    package = os.path.relpath(os.path.dirname(path), ROOT).split(os.sep)
+    names: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if runtime and isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            return
         if isinstance(node, ast.Import):
-            names |= {a.name for a in node.names}
-        elif isinstance(node, ast.ImportFrom):
-            base = package.split(".")
-            base = base[: len(base) - node.level + 1] if node.level else []
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):  # `from .m import x` imports .m; `from . import m`, .m
+            base = package[: len(package) - node.level + 1] if node.level else []
             module = ".".join(base + ([node.module] if node.module else []))
-            names |= {module} if node.module else {f"{module}.{a.name}" for a in node.names}
+            names.update({module} if node.module else {f"{module}.{a.name}" for a in node.names})
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(ast.parse(open(path, encoding="utf-8").read()))
     return names
+
+
+def core_file(name: str) -> str:
+    return os.path.join(PACKAGE, f"{name}.py")
 
 
 def test_the_core_is_the_top_level_of_the_package_and_the_wings_are_subpackages():
@@ -44,22 +61,53 @@ def test_the_core_is_the_top_level_of_the_package_and_the_wings_are_subpackages(
 
 
 def test_core_modules_import_only_torch_numpy_the_standard_library_and_each_other():
-    third_party = {"torch", "numpy"}
     for name in CORE:
-        for module in imported_modules(os.path.join(PACKAGE, f"{name}.py")):
+        for module in imported_modules(core_file(name)):
             root = module.split(".")[0]
             if root == "medusa_mini":
                 assert module.split(".")[1] in CORE, f"core module {name} imports the wing {module}"
             else:
-                assert root in third_party or root in sys.stdlib_module_names, f"{name} imports {module}"
+                assert root in {"torch", "numpy"} or root in sys.stdlib_module_names, f"{name} imports {module}"
 
 
-def test_no_module_imports_the_cli_layer_except_the_cli():
-    for wing in ("io", "train", "tune"):
-        folder = os.path.join(PACKAGE, wing)
-        for f in (f for f in os.listdir(folder) if f.endswith(".py")):
-            cli = {m for m in imported_modules(os.path.join(folder, f)) if m.startswith("medusa_mini.cli")}
-            assert not cli, f"{wing}/{f} imports {cli}"
+def test_the_reference_runs_on_the_shared_sampling_alone_and_no_engine_module_imports_it():
+    """Model, heads and tree are type names only in the reference (its `forward` reads the weights itself);
+    a learner editing reference.py cannot silently change what the engine decides."""
+    ours = {m for m in imported_modules(core_file("reference"), runtime=True) if m.startswith("medusa_mini")}
+    assert ours <= {"medusa_mini.sampling"}
+    assert not {m for m in imported_modules(core_file("sampling")) if m.startswith("medusa_mini")}
+    for name in set(CORE) - {"reference"}:
+        assert "medusa_mini.reference" not in imported_modules(core_file(name)), f"{name} imports the reference"
+
+
+def test_no_module_imports_the_cli_except_the_cli_and_the_scripts():
+    for path in python_files("medusa_mini"):
+        if os.sep + "cli" + os.sep not in path:
+            cli = {m for m in imported_modules(path) if m.startswith("medusa_mini.cli")}
+            assert not cli, f"{os.path.relpath(path, ROOT)} imports {cli}"
+
+
+def kind_checks(path: str) -> list[str]:
+    """Where a file asks which kind heads are: a comparison with a `.kind` or with "hydra", or an
+    isinstance / issubclass naming a heads class."""
+    found = []
+    for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
+        if isinstance(node, ast.Compare):
+            operands = [node.left, *node.comparators]
+            if any(isinstance(o, ast.Attribute) and o.attr == "kind" or isinstance(o, ast.Constant) and o.value == "hydra"
+                   for o in operands):
+                found.append(f"{os.path.relpath(path, ROOT)}:{node.lineno}")
+        elif isinstance(node, ast.Call) and getattr(node.func, "id", "") in ("isinstance", "issubclass"):
+            named = {getattr(n, "id", getattr(n, "attr", "")) for n in ast.walk(node.args[-1])}
+            if named & {"MedusaHeads", "HydraHeads"}:
+                found.append(f"{os.path.relpath(path, ROOT)}:{node.lineno}")
+    return found
+
+
+def test_only_heads_py_knows_which_kind_of_heads_it_holds():
+    """Each kind carries what differs (its forward, proposer and description), so nobody else asks."""
+    paths = [p for p in python_files("medusa_mini", "benchmarks") if p != core_file("heads")]
+    assert [where for p in paths + [os.path.join(ROOT, s) for s in SCRIPTS] for where in kind_checks(p)] == []
 
 
 def test_importing_the_decoding_loop_loads_no_tokenizer_io_training_cli_or_benchmark_module():
@@ -73,34 +121,10 @@ def test_importing_the_decoding_loop_loads_no_tokenizer_io_training_cli_or_bench
 
 
 def test_the_readme_map_names_every_module_and_every_named_file_exists():
-    # The README's map is the one description of the layout: a module added, moved or removed without
-    # the map following it fails here. (Sizes are not checked: every edit would have to touch the README.)
-    import re
-
+    """The README's map is the one description of the layout: a module added, moved or removed without
+    the map following it fails here."""
     readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
     listed = set(re.findall(r"^\| `([\w/]+\.py)` \|", readme, flags=re.M))
-    modules = {os.path.relpath(os.path.join(d, f), ROOT).replace(os.sep, "/")
-               for top in ("medusa_mini", "benchmarks") for d, _, files in os.walk(os.path.join(ROOT, top))
-               for f in files if f.endswith(".py") and f != "__init__.py"}
-    assert listed == modules | {"decode.py", "train_tiny.py"}, listed ^ (modules | {"decode.py", "train_tiny.py"})
-
-
-def test_every_test_file_has_its_own_name():
-    """pytest imports test files by their base name (tests/ has no packages), so two files of one name
-    in different folders stop the whole run at collection."""
-    seen: dict[str, str] = {}
-    for folder, _, files in os.walk(os.path.join(ROOT, "tests")):
-        for name in files:
-            if name.startswith("test_") and name.endswith(".py"):
-                path = os.path.relpath(os.path.join(folder, name), ROOT)
-                assert name not in seen, f"{path} and {seen[name]} share a name"
-                seen[name] = path
-
-
-def test_no_engine_module_imports_the_reference():
-    """The engine is proven equal to the reference by tests, not by calling it: a learner editing
-    reference.py cannot silently change what the engine decides."""
-    for name in CORE:
-        if name != "reference":
-            imports = imported_modules(os.path.join(PACKAGE, f"{name}.py"))
-            assert "medusa_mini.reference" not in imports, f"{name} imports the reference"
+    modules = {os.path.relpath(p, ROOT).replace(os.sep, "/") for p in python_files("medusa_mini", "benchmarks")
+               if not p.endswith("__init__.py")} | set(SCRIPTS)
+    assert listed == modules, f"missing from the map: {sorted(modules - listed)}; no such file: {sorted(listed - modules)}"

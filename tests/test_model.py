@@ -17,20 +17,23 @@ def full_logits(model: GPT, ids: list[int]) -> torch.Tensor:
 
 def test_parameter_names_follow_gpt2_and_the_lm_head_is_tied_to_the_token_embedding():
     model = GPT(GPTConfig(n_layer=1))
-    for key in ["transformer.wte.weight", "transformer.wpe.weight", "transformer.h.0.ln_1.weight",
-                "transformer.h.0.attn.c_attn.weight", "transformer.h.0.attn.c_proj.bias",
-                "transformer.h.0.ln_2.bias", "transformer.h.0.mlp.c_fc.weight",
-                "transformer.h.0.mlp.c_proj.weight", "transformer.ln_f.weight", "lm_head.weight"]:
-        assert key in model.state_dict()
+    block = [f"transformer.h.0.{m}.{p}" for m in ("ln_1", "attn.c_attn", "attn.c_proj", "ln_2", "mlp.c_fc", "mlp.c_proj")
+             for p in ("weight", "bias")]
+    assert list(model.state_dict()) == ["transformer.wte.weight", "transformer.wpe.weight", *block,
+                                        "transformer.ln_f.weight", "transformer.ln_f.bias", "lm_head.weight"]
     assert model.lm_head.weight.data_ptr() == model.transformer.wte.weight.data_ptr()
 
 
 @torch.no_grad()
-def test_cached_incremental_decoding_matches_full_forward(model):
+@pytest.mark.parametrize("read", ["all slots", "slots in use"])
+def test_cached_incremental_decoding_matches_full_forward(model, read):
+    """Reading only the slots in use (`attended`, eager decoding) or the whole cache (a captured step)."""
     ids = torch.randint(0, 64, (20,), generator=torch.Generator().manual_seed(1)).tolist()
     cache = KVCache(model.config)
-    first, _ = model(torch.tensor([ids[:7]]), cache=cache)  # a prefill of 7, then one token at a time
-    steps = [first[0]] + [model(torch.tensor([[t]]), cache=cache)[0][0] for t in ids[7:]]
+    attended = (lambda n: None) if read == "all slots" else (lambda n: n)
+    first, _ = model(torch.tensor([ids[:7]]), cache=cache, attended=attended(7))  # a prefill of 7, then one by one
+    steps = [first[0]] + [model(torch.tensor([[t]]), cache=cache, attended=attended(i + 1))[0][0]
+                          for i, t in enumerate(ids[7:], start=7)]
     assert cache.lengths.tolist() == [len(ids)]
     torch.testing.assert_close(torch.cat(steps), full_logits(model, ids), atol=ATOL, rtol=0)
 
@@ -41,7 +44,7 @@ def test_static_cache_is_never_reallocated(model):
     ptrs = [t.data_ptr() for t in cache.k + cache.v]
     model(torch.tensor([[1, 2, 3]]), cache=cache)
     model(torch.tensor([[4]]), cache=cache)
-    compact_kv_cache(cache, torch.tensor([[1, 3]]), start=torch.tensor([1]))
+    compact_kv_cache(cache, torch.tensor([[1, 3]]), start=torch.tensor([1]), count=torch.tensor([2]))
     model(torch.tensor([[5, 6]]), cache=cache)
     assert [t.data_ptr() for t in cache.k + cache.v] == ptrs and cache.lengths.tolist() == [5]
 
@@ -61,24 +64,12 @@ def test_rows_of_one_batch_keep_their_own_lengths_and_positions(model):
         torch.testing.assert_close(torch.stack([g[b] for g in got]), want, atol=ATOL, rtol=0)
 
 
-def test_overfilling_the_cache_is_a_clear_error(model):
-    cache = KVCache(model.config, max_len=4)
-    with pytest.raises(ValueError, match="KV cache full"), torch.no_grad():
-        model(torch.tensor([[1, 2, 3, 4, 5]]), cache=cache)
-
-
-def test_a_forward_with_a_cache_outside_no_grad_is_a_clear_error(model):
+def test_overfilling_the_cache_or_using_it_outside_no_grad_is_a_clear_error(model):
     """A cache stores values for decoding; writing a graph into it would keep every step's graph alive."""
+    with pytest.raises(ValueError, match="KV cache full"), torch.no_grad():
+        model(torch.tensor([[1, 2, 3, 4, 5]]), cache=KVCache(model.config, max_len=4))
     with pytest.raises(RuntimeError, match="torch.no_grad"):
         model(torch.tensor([[1, 2]]), cache=KVCache(model.config))
-
-
-@torch.no_grad()
-def test_batched_forward_matches_each_row_alone(model):
-    x = torch.randint(0, 64, (3, 10), generator=torch.Generator().manual_seed(2))
-    batched = model(x)[0]
-    for b in range(3):
-        torch.testing.assert_close(batched[b], full_logits(model, x[b].tolist()), atol=ATOL, rtol=0)
 
 
 def test_gelu_is_the_tanh_approximation_gpt2_uses():
@@ -116,7 +107,8 @@ def test_a_decode_step_is_one_captured_graph_with_eager_logits_at_every_length(k
     graph, captured once, serves every step and gives the eager logits and the same KV cache."""
     model = GPT(GPTConfig(vocab_size=64, block_size=32, n_layer=1, n_head=2, n_embd=16)).eval()
     tree = Tree.from_choices([(0,), (1,), (0, 0), (0, 1), (0, 0, 0)])
-    new_mask, depths = (tree.ancestor_mask(), tree.depths()) if kind == "tree verify" else (None, torch.zeros(1, dtype=torch.long))
+    t = tree.tensors()
+    new_mask, depths = (t.ancestor_mask, t.depths) if kind == "tree verify" else (None, torch.zeros(1, dtype=torch.long))
     tokens = torch.randint(0, 64, (1, depths.numel()), generator=torch.Generator().manual_seed(0))
 
     def step(cache: KVCache) -> torch.Tensor:
@@ -135,31 +127,15 @@ def test_a_decode_step_is_one_captured_graph_with_eager_logits_at_every_length(k
     assert len(graphs) == 1
 
 
-def test_a_separate_cache_gives_each_layers_keys_and_values_tensors_of_their_own():
-    """A compiled step writes into cache tensors in place only when they are not slices of a larger
-    one (a write into a slice makes the compiler copy the whole base tensor every step); eager, one
-    tensor holds them all, so keeping the accepted path is one copy."""
-    config = GPTConfig(vocab_size=64, block_size=32, n_layer=3, n_head=2, n_embd=16)
-    cache = KVCache(config, max_len=32, separate=True)
-    tensors = cache.k + cache.v
-    assert cache.kv is None and len(tensors) == 6 and all(t._base is None and t.shape == (1, 2, 32, 8) for t in tensors)
-    assert len({t.untyped_storage().data_ptr() for t in tensors}) == 6
-    fused = KVCache(config, max_len=32)
-    assert fused.kv.shape == (6, 1, 2, 32, 8) and all(t._base is fused.kv for t in fused.k + fused.v)
-
-
-def test_keeping_a_path_moves_the_same_slots_in_a_fused_and_a_separate_cache():
+def test_keeping_a_path_moves_each_rows_slots_to_its_start_and_sets_its_length():
     config = GPTConfig(vocab_size=64, block_size=32, n_layer=2, n_head=2, n_embd=16)
-    caches = [KVCache(config, batch_size=2, max_len=32, separate=s) for s in (False, True)]
-    for cache in caches:
-        for i, t in enumerate(cache.k + cache.v):
-            t.copy_(torch.arange(t.numel(), dtype=t.dtype).view(t.shape) * (i + 1))
-        compact_kv_cache(cache, torch.tensor([[5, 7, 9], [4, 4, 6]]), start=torch.tensor([5, 3]),
-                         count=torch.tensor([2, 1]))
-    for a, b in zip(caches[0].k + caches[0].v, caches[1].k + caches[1].v):
-        assert torch.equal(a, b)
-    assert caches[0].lengths.tolist() == caches[1].lengths.tolist() == [7, 4]
-    t = caches[0].v[1]  # the last of the 4 tensors: values of layer 1, filled with arange x 4
-    before = torch.arange(t.numel(), dtype=t.dtype).view(t.shape) * 4
-    assert torch.equal(t[0, :, 5:8], before[0, :, [5, 7, 9]])  # row 0: slots 5, 7, 9 now at 5, 6, 7
-    assert torch.equal(t[1, :, 3:6], before[1, :, [4, 4, 6]])  # row 1: from slot 3 on
+    cache = KVCache(config, batch_size=2, max_len=32)
+    before = [torch.randn(t.shape) for t in cache.k + cache.v]
+    for t, b in zip(cache.k + cache.v, before):
+        t.copy_(b)
+    compact_kv_cache(cache, torch.tensor([[5, 7, 9], [4, 4, 6]]), start=torch.tensor([5, 3]), count=torch.tensor([2, 1]))
+    assert cache.lengths.tolist() == [7, 4]
+    for t, b in zip(cache.k + cache.v, before):
+        assert torch.equal(t[0, :, 5:8], b[0, :, [5, 7, 9]])  # row 0: slots 5, 7, 9 now at 5, 6, 7
+        assert torch.equal(t[1, :, 3:6], b[1, :, [4, 4, 6]])  # row 1: from slot 3 on
+        assert torch.equal(t[:, :, :3], b[:, :, :3])  # the prefix stays

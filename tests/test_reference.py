@@ -1,23 +1,16 @@
-"""The reference (reference.py), the spec a learner reads first: it stands alone (no import of the
-engine, none by it), candidates, the three acceptance rules as node-by-node walks on hand-written
-logits, and whole decoding runs on tiny models. (Its tree attention mask is held equal to tree.py's,
-drawn by hand, in tests/test_tree.py.)
+"""The reference (reference.py), the spec a learner reads first: candidates, the three acceptance rules
+as node-by-node walks on hand-written logits, and whole decoding runs on tiny models. The rules' claims
+(paper §2.3) are tested as claims: greedy writes plain greedy's tokens, rejection sampling emits exactly
+the backbone's probabilities, typical acceptance does not (a documented trade)."""
 
-The rules' claims (paper §2.3) are tested as claims: greedy writes plain greedy's tokens, rejection
-sampling emits exactly the backbone's probabilities, typical acceptance does not (a documented trade).
-"""
-
-import ast
 import math
 from collections import Counter
-from pathlib import Path
 
 import pytest
 import torch
+
 from conftest import ContinuationHeads, random_heads, tiny_model
 from distributions import empirical, exact_sequence_probs, expected_tv, total_variation
-
-import medusa_mini
 from medusa_mini import reference as ref
 from medusa_mini.decoding import generate
 from medusa_mini.sampling import Sampling
@@ -42,76 +35,30 @@ def onehot_logits(argmaxes):
     return torch.stack([torch.nn.functional.one_hot(torch.tensor(a), V).float() * 5 for a in argmaxes])
 
 
-# ---- standing alone ---------------------------------------------------------------------------------
+# ---- candidates ---------------------------------------------------------------------------------------
 
-PACKAGE = Path(medusa_mini.__file__).parent
-
-
-def runtime_imports(path: Path) -> set[str]:
-    """The modules a file imports when it runs (relative ones as ".name"), leaving out the names
-    imported under `if TYPE_CHECKING:`, which exist for type hints only."""
-    found: set[str] = set()
-
-    def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            return
-        if isinstance(node, ast.Import):
-            found.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):  # `from .m import x` imports .m; `from . import m`, .m
-            dots = "." * node.level
-            found.update([dots + node.module] if node.module else [dots + alias.name for alias in node.names])
-        for child in ast.iter_child_nodes(node):
-            visit(child)
-
-    visit(ast.parse(path.read_text()))
-    return found
+DRAFT_IDS = torch.tensor([2, 5, 11, 17, 23, 31, 40, 63])  # a draft vocabulary of M = 8 of V = 64 tokens
 
 
-def test_the_reference_imports_nothing_of_the_engine():
-    """It runs on torch and the shared draws of sampling.py alone; model, heads and tree are type
-    names only (its `forward` reads the model's weights itself)."""
-    outside = {"__future__", "math", "typing", "dataclasses", "torch", "torch.nn.functional"}
-    assert runtime_imports(PACKAGE / "reference.py") <= outside | {".sampling"}
-    assert runtime_imports(PACKAGE / "sampling.py") <= outside
-
-
-# ---- the tree ---------------------------------------------------------------------------------------
-
-
-def test_children_come_in_rank_order():
-    assert ref.children(PARENTS, 0) == [1, 2] and ref.children(PARENTS, 1) == [3, 4] and ref.children(PARENTS, 5) == []
-
-
-def test_propose_fills_each_node_with_its_heads_guess_of_its_rank():
-    head_logits = torch.randn(3, 64, generator=torch.Generator().manual_seed(0))  # [K, V]
-    ranked = head_logits.topk(2, dim=-1).indices  # [K, 2]
-    tokens, drafts = ref.propose(head_logits, TREE, 7, sampling=Sampling(), generator=None)
+def test_propose_fills_each_node_with_its_heads_guess_of_its_rank_from_the_draft_vocabulary():
+    head_logits = torch.randn(3, 8, generator=torch.Generator().manual_seed(0))  # [K, M]
+    ranked = DRAFT_IDS[head_logits.topk(2, dim=-1).indices]  # [K, 2] token ids
+    tokens, drafts = ref.propose(head_logits, DRAFT_IDS, TREE, 7, vocab_size=64, sampling=Sampling(), generator=None)
     assert drafts is None
     assert tokens == [7] + [ranked[len(c) - 1, c[-1]].item() for c in TREE.choices]
 
 
-def test_drawn_candidates_are_distinct_draws_from_q_in_draw_order():
-    q = torch.tensor([[0.7, 0.1, 0.1, 0.1]])
-    gen = torch.Generator().manual_seed(4)
-    firsts = Counter()
-    for _ in range(4000):
-        row = ref.draw_without_replacement(q.log(), 3, gen)[0].tolist()
-        assert len(set(row)) == 3  # without replacement: no node wasted on a repeated token
-        firsts[row[0]] += 1
-    assert abs(firsts[0] / 4000 - 0.7) < 5 * math.sqrt(0.25 / 4000)
-
-
 def test_sampled_drafts_give_each_node_the_q_its_children_were_drawn_from():
-    head_logits = torch.randn(3, 64, generator=torch.Generator().manual_seed(1))
-    tokens, drafts = ref.propose(head_logits, TREE, 7, sampling=Sampling(temperature=0.5),
+    head_logits = torch.randn(3, 8, generator=torch.Generator().manual_seed(1))
+    tokens, drafts = ref.propose(head_logits, DRAFT_IDS, TREE, 7, vocab_size=64, sampling=Sampling(temperature=0.5),
                                  generator=torch.Generator().manual_seed(0))
-    for node, d in enumerate(TREE.depth_list):
-        if not ref.children(PARENTS, node):
-            continue
-        log_q, drawn = drafts[node]
-        torch.testing.assert_close(log_q, torch.log_softmax(head_logits[d] / 0.5, -1))  # head d+1, at T
-        assert [tokens[c] for c in ref.children(PARENTS, node)] == [drawn[TREE.choices[c - 1][-1]]
-                                                                     for c in ref.children(PARENTS, node)]
+    assert set(tokens[1:]) <= set(DRAFT_IDS.tolist())
+    for node, d in enumerate(TREE.depths):
+        kids = ref.children(PARENTS, node)
+        if kids:
+            log_q, drawn = drafts[node]
+            torch.testing.assert_close(log_q[DRAFT_IDS], torch.log_softmax(head_logits[d] / 0.5, -1))  # head d+1, at T
+            assert [tokens[c] for c in kids] == [drawn[TREE.choices[c - 1][-1]] for c in kids]
 
 
 # ---- greedy acceptance --------------------------------------------------------------------------------
@@ -164,26 +111,27 @@ Q_HEAD1 = [0.05, 0.05, 0.6, 0.1, 0.2]  # q puts most mass on token 2, p (P_ROOT)
 Q_HEAD2 = [0.1, 0.6, 0.1, 0.1, 0.1]
 
 
-@pytest.mark.parametrize(
-    "choices", [[(0,), (1,), (0, 0), (0, 1)], [(1,), (1, 0)]], ids=["full-tree", "rank-1-without-rank-0"]
-)
-def test_rejection_with_sampled_candidates_emits_exactly_the_backbones_probabilities(choices):
+@pytest.mark.parametrize("choices, draft_ids", [
+    ([(0,), (1,), (0, 0), (0, 1)], range(V)), ([(1,), (1, 0)], range(V)), ([(0,), (1,), (0, 0), (0, 1)], [1, 2, 3]),
+], ids=["full-tree", "rank-1-without-rank-0", "draft-vocabulary"])
+def test_rejection_with_sampled_candidates_emits_exactly_the_backbones_probabilities(choices, draft_ids):
     """Candidates drawn from q, accepted with min(1, p/q), residual norm(max(0, p - q)): the emitted
-    tokens still follow p exactly, also when a node's sibling draws are skipped (rank 1 without rank 0)."""
-    tree = Tree.from_choices(choices)
+    tokens still follow p exactly, also when a node's sibling draws are skipped (rank 1 without rank 0)
+    and when q gives the tokens outside a draft vocabulary nothing (the residual carries them)."""
+    tree, draft_ids = Tree.from_choices(choices), torch.tensor(draft_ids)
     logits = logits_from([P_ROOT] + [P_NODE1] * (tree.num_nodes - 1))
-    head_logits = torch.log(torch.tensor([Q_HEAD1, Q_HEAD2]))
+    head_logits = torch.log(torch.tensor([Q_HEAD1, Q_HEAD2]))[:, draft_ids]  # [K, M]
     gen = torch.Generator().manual_seed(0)
     first, second, accepted = Counter(), Counter(), 0
-    for _ in range(8000):
-        tokens, drafts = ref.propose(head_logits, tree, 0, sampling=T1, generator=gen)
+    for _ in range(4000):
+        tokens, drafts = ref.propose(head_logits, draft_ids, tree, 0, vocab_size=V, sampling=T1, generator=gen)
         path, bonus = ref.rejection_accept(tree.parents, tokens, logits, sampling=T1, generator=gen, drafts=drafts)
         out = emitted(path, bonus, tokens)
         accepted += len(path) - 1
         first[out[0]] += 1
         if len(path) > 1:  # the second token came from a node below an accepted candidate: p = P_NODE1
             second[out[1]] += 1
-    assert accepted > 0.3 * 8000  # candidates were really accepted, not only bonus tokens drawn
+    assert accepted > 0.3 * 4000  # candidates were really accepted, not only bonus tokens drawn
     assert_follows(first, P_ROOT)
     assert_follows(second, P_NODE1)
 
@@ -196,7 +144,7 @@ def test_a_draft_equal_to_the_backbone_is_always_accepted():
     logits = torch.log(torch.stack([p[0], p[1], p[1]]))  # node 1's p is head 2's q
     gen = torch.Generator().manual_seed(2)
     for _ in range(200):
-        tokens, drafts = ref.propose(torch.log(p), tree, 0, sampling=T1, generator=gen)
+        tokens, drafts = ref.propose(torch.log(p), torch.arange(V), tree, 0, vocab_size=V, sampling=T1, generator=gen)
         assert ref.rejection_accept(tree.parents, tokens, logits, sampling=T1, generator=gen, drafts=drafts)[0] == [0, 1, 2]
 
 
@@ -210,7 +158,7 @@ def test_sampled_candidates_accept_more_than_top_k_when_p_is_flat():
     sampled = topk = 0
     for _ in range(4000):
         for drawn, s in ((True, T1), (False, Sampling(temperature=1.0, draft="topk"))):
-            tokens, drafts = ref.propose(logits[:1], tree, 0, sampling=s, generator=gen)
+            tokens, drafts = ref.propose(logits[:1], torch.arange(V), tree, 0, vocab_size=V, sampling=s, generator=gen)
             path, _ = ref.rejection_accept(tree.parents, tokens, logits, sampling=s, generator=gen, drafts=drafts)
             sampled, topk = (sampled + len(path) - 1, topk) if drawn else (sampled, topk + len(path) - 1)
     assert sampled / 4000 > 0.95 and abs(topk / 4000 - 0.22) < 0.05

@@ -1,4 +1,4 @@
-"""The Sampling settings and the target distribution p (sampling.py): validated once, read everywhere."""
+"""The Sampling settings, the target distribution p, the heads' q and the draws (sampling.py)."""
 
 import math
 from collections import Counter
@@ -6,7 +6,18 @@ from collections import Counter
 import pytest
 import torch
 
-from medusa_mini.sampling import Sampling, sample, sampling_probs, typical_threshold
+from medusa_mini.sampling import (
+    Sampling,
+    draft_log_probs,
+    draw,
+    draw_without_replacement,
+    sampling_probs,
+    typical_threshold,
+)
+
+
+def assert_frequency(count: int, n: int, p: float) -> None:
+    assert abs(count / n - p) < 5 * math.sqrt(0.25 / n)
 
 
 def test_top_p_keeps_the_smallest_set_reaching_p():
@@ -14,6 +25,14 @@ def test_top_p_keeps_the_smallest_set_reaching_p():
     torch.testing.assert_close(probs, torch.tensor([0.0, 0.5 / 0.75, 0.25 / 0.75, 0.0]))
     full = sampling_probs(torch.log(torch.tensor([0.1, 0.5, 0.25, 0.15])), temperature=1.0)
     torch.testing.assert_close(full, torch.tensor([0.1, 0.5, 0.25, 0.15]))
+
+
+@pytest.mark.parametrize("temperature", [1e-4, 1e-30, 1e-45])
+def test_a_tiny_temperature_gives_the_argmax_not_nan_and_shares_exact_ties_and_zero_is_refused(temperature):
+    logits = torch.tensor([[1.0, 3.0, 2.0, -5.0], [2.0, 7.0, 7.0, 0.0]])
+    assert sampling_probs(logits, temperature=temperature).tolist() == [[0.0, 1.0, 0.0, 0.0], [0.0, 0.5, 0.5, 0.0]]
+    with pytest.raises(ValueError, match="temperature"):
+        sampling_probs(logits, temperature=0.0)
 
 
 def test_the_typical_bar_is_min_epsilon_delta_exp_minus_entropy():
@@ -24,27 +43,39 @@ def test_the_typical_bar_is_min_epsilon_delta_exp_minus_entropy():
     assert bar[1] == pytest.approx(0.09)  # a peaked p: epsilon caps the bar
 
 
+def test_q_over_a_draft_vocabulary_is_the_heads_softmax_there_and_zero_elsewhere():
+    head_logits = torch.tensor([[1.0, 2.0, 0.5], [0.0, 0.0, 3.0]])  # [2, M = 3]
+    draft_ids = torch.tensor([1, 4, 6])
+    log_q = draft_log_probs(head_logits, draft_ids, temperature=0.5, vocab_size=8)  # [2, V = 8]
+    torch.testing.assert_close(log_q[:, draft_ids], torch.log_softmax(head_logits / 0.5, dim=-1))
+    assert torch.isneginf(log_q[:, [0, 2, 3, 5, 7]]).all()
+
+
 def test_a_draw_follows_the_probabilities_and_never_picks_a_zero_one():
     probs = torch.tensor([0.1, 0.0, 0.6, 0.3, 0.0])
     gen = torch.Generator().manual_seed(0)
     n = 20000
-    counts = Counter(sample(probs, gen) for _ in range(n))
+    counts = Counter(draw(probs.expand(n, 5), gen).tolist())
     assert set(counts) == {0, 2, 3}
     for tok in (0, 2, 3):
-        assert abs(counts[tok] / n - probs[tok].item()) < 5 * math.sqrt(0.25 / n)
+        assert_frequency(counts[tok], n, probs[tok].item())
 
 
-def test_sampling_at_temperature_zero_is_refused():
-    with pytest.raises(ValueError, match="temperature"):
-        sampling_probs(torch.zeros(3), temperature=0.0)
+def test_drawn_candidates_are_distinct_draws_from_q_in_draw_order():
+    log_q = torch.tensor([0.7, 0.1, 0.1, 0.1, 0.0]).log().expand(4000, 5)
+    rows = draw_without_replacement(log_q, 3, torch.Generator().manual_seed(4)).tolist()
+    assert all(len(set(row)) == 3 and 4 not in row for row in rows)  # no repeat, nothing q rules out
+    assert_frequency(sum(row[0] == 0 for row in rows), 4000, 0.7)
+    assert_frequency(sum(row[1] == 0 for row in rows), 4000, 3 * 0.1 * 0.7 / 0.9)  # second, after another
 
 
 def test_greedy_is_decided_by_the_temperature_alone_and_sampling_means_lossless_rejection_sampling():
-    assert Sampling().greedy and Sampling().rule == Sampling().acceptance == "greedy"
+    assert Sampling().greedy and Sampling().acceptance == "greedy"
     assert Sampling(temperature=0.7).acceptance == "rejection"  # no acceptance rule named
     for rule in ("typical", "rejection"):
-        assert Sampling(acceptance=rule, temperature=0.0).rule == "greedy"
-        assert Sampling(acceptance=rule, temperature=0.5).rule == rule
+        assert Sampling(acceptance=rule, temperature=0.0).acceptance == "greedy"
+        assert Sampling(acceptance=rule, temperature=0.5).acceptance == rule
+    assert Sampling(temperature=0.5).draws_candidates and not Sampling(temperature=0.5, draft="topk").draws_candidates
 
 
 @pytest.mark.parametrize("kwargs, needle", [
@@ -58,14 +89,8 @@ def test_impossible_settings_fail_at_construction(kwargs, needle):
         Sampling(**kwargs)
 
 
-def test_settings_are_frozen():
-    with pytest.raises(AttributeError):
-        Sampling().temperature = 1.0
-
-
-def test_choose_is_the_argmax_when_greedy_and_a_draw_from_p_otherwise():
+def test_the_next_token_is_the_argmax_when_greedy_and_a_draw_from_p_otherwise():
     logits = torch.log(torch.tensor([0.2, 0.5, 0.3]))
     assert int(Sampling().next_token(logits, None)) == 1
-    gen = torch.Generator().manual_seed(0)
-    draws = Counter(int(Sampling(temperature=1.0).next_token(logits, gen)) for _ in range(4000))
-    assert abs(draws[0] / 4000 - 0.2) < 5 * math.sqrt(0.25 / 4000)
+    draws = Sampling(temperature=1.0).next_token(logits.expand(4000, 3), torch.Generator().manual_seed(0))
+    assert_frequency(int((draws == 0).sum()), 4000, 0.2)

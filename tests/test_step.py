@@ -1,19 +1,20 @@
-"""The engine's Medusa step (step.py, paper §2) for B rows: propose -> verify -> accept -> keep the path."""
+"""The engine's Medusa step (step.py, paper §2) for B rows: propose -> verify -> accept -> keep the path;
+and the proposals it verifies (proposal.py): the heads' and prompt lookup's."""
 
 import pytest
 import torch
-from conftest import ContinuationHeads, random_heads, tiny_model
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from conftest import random_heads, tiny_model
 from medusa_mini import reference as ref
 from medusa_mini.acceptance import Accepted
 from medusa_mini.decoding import prefill
 from medusa_mini.model import KVCache
-from medusa_mini.proposal import MedusaProposer
+from medusa_mini.proposal import MedusaProposer, PromptLookup, Proposal, lookup
 from medusa_mini.sampling import Sampling
-from medusa_mini.step import keep_path, medusa_step, usable_nodes, verify
-from medusa_mini.tree import Tree, preset
+from medusa_mini.step import keep_path, medusa_step, read_step, usable_nodes, verify
+from medusa_mini.tree import Tree, chain, preset
 
 #   0 root ─┬─ 1 (0,) ─┬─ 3 (0,0) ── 5 (0,0,0)
 #           │          └─ 4 (0,1)
@@ -25,46 +26,50 @@ V = 64
 def test_the_medusa_proposer_fills_each_row_as_the_reference_does_and_only_sampled_drafts_draw():
     """Every rule's candidates are the reference's; only rejection sampling with sampled drafts draws
     them (one row then: a batch reads the generator in another order than one row at a time)."""
-    model, heads = tiny_model(1), random_heads(tiny_model(1), num_heads=3)
-    proposer, roots = MedusaProposer(model, heads, TREE), [7, 9]
+    model = tiny_model(1)
+    heads, roots = random_heads(model, num_heads=3), [7, 9]
+    heads.use_draft_vocabulary(torch.randperm(V, generator=torch.Generator().manual_seed(1)), 12)
+    proposer = heads.proposer(model, TREE)
     for sampling in [Sampling(), Sampling(acceptance="typical", temperature=0.8), Sampling(temperature=0.8, draft="topk"),
                      Sampling(temperature=0.8)]:
         rows = 1 if sampling.draws_candidates else 2
         hidden = torch.randn(rows, 32, generator=torch.Generator().manual_seed(1))  # [B, C]
-        got = proposer.propose(torch.tensor(roots[:rows]), hidden, max_depth=3, sampling=sampling,
-                               generator=torch.Generator().manual_seed(0))
+        got = proposer.propose(torch.tensor(roots[:rows]), hidden, history=[[r] for r in roots[:rows]], max_depth=3,
+                               sampling=sampling, generator=torch.Generator().manual_seed(0))
         for b in range(rows):
-            want, drafts = ref.propose(heads(hidden[b : b + 1], model.lm_head)[:, 0], TREE, roots[b],
+            want, drafts = ref.propose(heads(hidden[b], model, num=3), heads.draft_ids, TREE, roots[b], vocab_size=V,
                                        sampling=sampling, generator=torch.Generator().manual_seed(0))
             assert got.tokens[b].tolist() == want
         assert (got.draft is not None) == (drafts is not None) == sampling.draws_candidates
 
 
 def test_near_the_end_the_proposal_holds_the_shallow_part_of_the_tree_and_asks_only_its_heads():
-    model, heads = tiny_model(0), random_heads(tiny_model(0), num_heads=3)
-    asked = []
+    model = tiny_model(0)
+    heads, asked = random_heads(model, num_heads=3), []
 
-    def counting(hidden, lm_head, *, num=None):
+    def head_logits(hidden, num):  # [B, num, V]
         asked.append(num)
-        return heads(hidden, lm_head, num=num)
+        return heads(hidden, model, num=num).transpose(0, 1)
 
-    counting.config = heads.config
-    proposer = MedusaProposer(model, counting, TREE)
+    proposer = MedusaProposer(TREE, head_logits, draft_ids=heads.draft_ids, vocab_size=V, num_heads=3)
     hidden = torch.randn(1, 32, generator=torch.Generator().manual_seed(0))
-    for depth, want in ((3, TREE), (5, TREE), (1, TREE.truncated(1))):
+    for depth, want in ((3, TREE), (5, TREE), (1, TREE.truncated(1)), (0, TREE.truncated(0))):
         proposal = proposer.propose(torch.tensor([7]), hidden, max_depth=depth, sampling=Sampling(), generator=None)
         assert proposal.tree == want and proposal.tokens.shape == (1, want.num_nodes)
-    root_only = proposer.propose(torch.tensor([7]), hidden, max_depth=0, sampling=Sampling(), generator=None)
-    assert root_only.tokens.tolist() == [[7]] and root_only.tree.num_nodes == 1
-    assert asked == [3, 3, 1]  # the root alone needs no head
+    assert proposal.tokens.tolist() == [[7]] and asked == [3, 3, 1]  # the root alone needs no head
 
 
 def test_usable_nodes_are_those_whose_tokens_fit_before_each_rows_stop():
     """A node at depth d emits d + 1 tokens after the root; a row whose cache holds `start` tokens stops
     at `stop_at`, so it may use depths up to stop_at - 2 - start. A finished row uses none."""
     usable = usable_nodes(TREE, torch.tensor([10, 10, 10, 10]), torch.tensor([20, 13, 12, 11]))
-    depths = TREE.depth_list  # [0, 1, 1, 2, 2, 3]
+    depths = TREE.depths  # [0, 1, 1, 2, 2, 3]
     assert usable.tolist() == [[True] * 6, [d <= 1 for d in depths], [d == 0 for d in depths], [False] * 6]
+
+
+def verify_tree(model, cache, tree, tokens):
+    t = tree.tensors()
+    return verify(model, cache, tokens, depths=t.depths, ancestor_mask=t.ancestor_mask)
 
 
 def test_verify_scores_every_node_as_if_its_path_were_the_only_continuation_in_every_row():
@@ -73,29 +78,28 @@ def test_verify_scores_every_node_as_if_its_path_were_the_only_continuation_in_e
     cache = KVCache(model.config, batch_size=2, max_len=32)
     prefill(model, torch.tensor([prompts[0], prompts[1] + [0, 0]]), cache, lengths=[4, 2])
     tokens = torch.tensor([[4, 8, 15, 16, 23, 42], [3, 1, 4, 1, 5, 9]])  # [B, N]
-    logits, _ = verify(model, cache, TREE, tokens)  # [B, N, V]
-    for b, prompt in enumerate(prompts):
-        for node in range(TREE.num_nodes):
-            path, j = [], node
-            while j != -1:
-                path.append(j)
-                j = TREE.parents[j]
-            seq = torch.tensor(prompt + tokens[b, path[::-1]].tolist())  # the prompt, then the path alone
-            want, _ = model(seq[None])
-            torch.testing.assert_close(logits[b, node], want[0, -1], atol=1e-4, rtol=1e-4)
+    with torch.no_grad():
+        logits, _ = verify_tree(model, cache, TREE, tokens)  # [B, N, V]
+        for b, prompt in enumerate(prompts):
+            for node in range(TREE.num_nodes):
+                seq = torch.tensor(prompt + tokens[b, TREE.path(node)].tolist())  # the prompt, then the path alone
+                torch.testing.assert_close(logits[b, node], model(seq[None])[0][0, -1], atol=1e-4, rtol=1e-4)
 
 
+@torch.no_grad()
 def test_keep_path_leaves_each_rows_cache_as_if_only_its_accepted_path_had_been_fed():
+    """Row 0 accepted root -> 1 -> 4, row 1 root -> 2, row 2 is inactive (finished): it keeps its length."""
     model = tiny_model(4)
-    prompts, tokens = [[1, 2, 3], [7, 8]], torch.tensor([[4, 8, 15, 16, 23, 42], [5, 6, 7, 8, 9, 10]])
-    cache = KVCache(model.config, batch_size=2, max_len=32)
-    prefill(model, torch.tensor([prompts[0], prompts[1] + [0]]), cache, lengths=[3, 2])
+    prompts = [[1, 2, 3], [7, 8], [6, 6, 6]]
+    tokens = torch.tensor([[4, 8, 15, 16, 23, 42], [5, 6, 7, 8, 9, 10], [1, 1, 1, 1, 1, 1]])
+    cache = KVCache(model.config, batch_size=3, max_len=32)
+    prefill(model, torch.tensor([prompts[0], prompts[1] + [0], prompts[2]]), cache, lengths=[3, 2, 3])
     start = cache.lengths
-    verify(model, cache, TREE, tokens)
-    # Row 0 accepted root -> 1 -> 4, row 1 root -> 2; a static-shape path repeats its last node.
-    keep_path(cache, Accepted(nodes=torch.tensor([[0, 1, 4, 4], [0, 2, 2, 2]]), count=torch.tensor([2, 1]),
-                              bonus=torch.tensor([0, 0])), start=start)
-    assert cache.lengths.tolist() == [6, 4]
+    verify_tree(model, cache, TREE, tokens)
+    accepted = Accepted(nodes=torch.tensor([[0, 1, 4, 4], [0, 2, 2, 2], [0, 0, 0, 0]]), count=torch.tensor([2, 1, 0]),
+                        bonus=torch.tensor([0, 0, 0]))  # a static-shape path repeats its last node
+    keep_path(cache, accepted, start=start, active=torch.tensor([True, True, False]))
+    assert cache.lengths.tolist() == [6, 4, 3]
     for b, kept in enumerate(([0, 1, 4], [0, 2])):
         alone = KVCache(model.config, max_len=32)
         seq = prompts[b] + tokens[b, kept].tolist()
@@ -104,36 +108,41 @@ def test_keep_path_leaves_each_rows_cache_as_if_only_its_accepted_path_had_been_
             torch.testing.assert_close(got[b, :, : len(seq)], want[0, :, : len(seq)], atol=1e-5, rtol=1e-5)
 
 
-def one_step(model, heads, prompt, tree, sampling=Sampling(), generator=None):
-    cache = KVCache(model.config, max_len=64 + tree.num_nodes)
-    logits, hidden = prefill(model, torch.tensor([prompt]), cache)
-    root = logits.argmax(-1) if sampling.greedy else sampling.next_token(logits, generator)
-    step = medusa_step(model, cache, MedusaProposer(model, heads, tree), root, hidden, sampling=sampling,
-                       generator=generator)
-    return cache, int(root), step
+def test_the_steps_one_read_gives_each_rows_path_and_its_accepted_tokens_then_the_bonus():
+    proposal = Proposal(torch.tensor([[7, 10, 11, 12, 13, 14], [8, 20, 21, 22, 23, 24]]), TREE)
+    accepted = Accepted(nodes=torch.tensor([[0, 1, 3, 5], [0, 0, 0, 0]]), count=torch.tensor([3, 0]),
+                        bonus=torch.tensor([30, 31]))
+    assert read_step(proposal, accepted) == ([[0, 1, 3, 5], [0]], [[10, 12, 14, 30], [31]])
 
 
-def test_a_greedy_step_emits_what_plain_greedy_would_and_accepts_the_heads_right_guesses():
-    model, prompt = tiny_model(5), [3, 1, 4, 1, 5]
-    heads = ContinuationHeads(model, prompt, max_new_tokens=10)
-    cache, root, step = one_step(model, heads, prompt, preset("cpu"))
-    seq = prompt + [root]
-    for tok in step.new_tokens[0]:
-        out, _ = model(torch.tensor([seq]))
-        assert tok == int(out[0, -1].argmax())
-        seq.append(tok)
-    assert len(step.paths[0]) - 1 == preset("cpu").depth  # heads that know the continuation: all accepted
-    assert cache.lengths.tolist() == [len(prompt) + len(step.paths[0])]
+# ---- prompt lookup -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("rule", ["typical", "rejection"])
-def test_every_rule_at_temperature_zero_is_greedy(rule):
-    model, heads = tiny_model(6), random_heads(tiny_model(6), seed=1)
-    for seed in range(5):
-        prompt = torch.randint(0, V, (4,), generator=torch.Generator().manual_seed(seed)).tolist()
-        want = one_step(model, heads, prompt, TREE)[2].new_tokens
-        got = one_step(model, heads, prompt, TREE, Sampling(acceptance=rule, temperature=0.0))[2].new_tokens
-        assert got == want
+@pytest.mark.parametrize("text, want", [
+    ([1, 2, 3, 9, 2, 3, 8, 1, 2, 3], [9, 2, 3, 8]),  # 3-gram [1, 2, 3]: its first occurrence, then 4 tokens
+    ([5, 2, 3, 7, 4, 2, 3], [7, 4, 2, 3]),  # no earlier [4, 2, 3]: the 2-gram [2, 3]
+    ([5, 6, 7, 6, 9, 1, 6], [7, 6, 9, 1]),  # only the 1-gram [6]: its first occurrence
+    ([4, 5, 6, 7], []),  # nothing repeats: no continuation
+    ([3, 8, 3], [8, 3]),  # a continuation may run into the tail itself, and stops at the text's end
+    ([3], []),
+])
+def test_lookup_continues_the_first_earlier_occurrence_of_the_longest_repeated_tail(text, want):
+    assert lookup(text, max_ngram=3, length=4) == want
+
+
+def test_prompt_lookup_drafts_each_rows_continuation_on_a_chain_cut_to_the_longest():
+    """Nodes past a row's continuation repeat its last token (a guess like any other); no continuation in any
+    row: the root alone."""
+    proposer = PromptLookup(max_ngram=2).proposer(None, preset("cpu"))  # a chain of the tree's 11 nodes
+    assert proposer.tree == chain(11)
+    history = [[1, 2, 3, 1, 2], [4, 5, 6, 5], [7, 8, 9]]
+    proposal = proposer.propose(torch.tensor([2, 5, 9]), torch.zeros(3, 32), history=history, max_depth=5,
+                                sampling=Sampling(), generator=None)
+    assert proposal.tree == chain(3)
+    assert proposal.tokens.tolist() == [[2, 3, 1, 2], [5, 6, 5, 5], [9, 9, 9, 9]]
+    alone = proposer.propose(torch.tensor([9]), torch.zeros(1, 32), history=[[7, 8, 9]], max_depth=5,
+                             sampling=Sampling(), generator=None)
+    assert alone.tree.num_nodes == 1 and alone.tokens.tolist() == [[9]]
 
 
 class HostReads(TorchFunctionMode):
@@ -167,13 +176,13 @@ class HiddenTransfers(TorchDispatchMode):
 
 
 @pytest.mark.parametrize("sampling", [Sampling(), Sampling(acceptance="typical", temperature=0.8)], ids=["greedy", "typical"])
-@pytest.mark.parametrize("batch", [1, 3])
-def test_a_greedy_or_typical_step_reads_the_device_once_and_sends_it_nothing(sampling, batch):
+@pytest.mark.parametrize("kind", ["medusa", "hydra"])
+def test_a_greedy_or_typical_step_reads_the_device_once_and_sends_it_nothing(kind, sampling):
     """Candidates, verify, acceptance and compaction stay on the device; one .tolist() ends the step."""
-    model, heads = tiny_model(5), random_heads(tiny_model(5), seed=2)
+    model, heads, batch = tiny_model(5), random_heads(tiny_model(5), seed=2, kind=kind), 3
     cache = KVCache(model.config, batch_size=batch, max_len=64)
     logits, hidden = prefill(model, torch.tensor([[3, 1, 4, 1, 5]] * batch), cache)
-    proposer, gen = MedusaProposer(model, heads, preset("cpu")), torch.Generator().manual_seed(0)
+    proposer, gen = heads.proposer(model, preset("cpu")), torch.Generator().manual_seed(0)
     step = medusa_step(model, cache, proposer, logits.argmax(-1), hidden, sampling=sampling, generator=gen)
     stop_at = torch.full((batch,), 64)
     with HostReads() as reads, HiddenTransfers() as hidden_transfers:  # a second step: the tree's tensors exist
