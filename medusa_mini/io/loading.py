@@ -1,8 +1,5 @@
-"""Everything decoding needs from a checkpoint directory: model, heads, tokenizer, end token, prompts.
-
-A checkpoint directory is what `train_tiny.py` writes (a GPT-2 directory plus the heads, the
-tokenizer and held-out prompts). Bad input becomes a one-line ValueError.
-"""
+"""Everything decoding needs from a directory train_tiny.py wrote: model, heads, tokenizer, end-of-text id
+and held-out prompts. Bad input is a one-line ValueError."""
 
 from __future__ import annotations
 
@@ -12,10 +9,10 @@ from dataclasses import dataclass, field
 import tiktoken
 import torch
 
-from ..heads import MedusaHeads
+from ..heads import DraftHeads
 from ..model import GPT
 from .checkpoint import load_checkpoint
-from .safetensors import read_json
+from .files import read_json
 from .tokenizer import load_tokenizer
 
 PROMPTS_FILE = "prompts.json"  # held-out prompts that training stores next to the checkpoint
@@ -23,11 +20,9 @@ PROMPTS_FILE = "prompts.json"  # held-out prompts that training stores next to t
 
 @dataclass
 class Checkpoint:
-    """Everything decoding needs from a checkpoint directory."""
-
     directory: str
     model: GPT
-    heads: MedusaHeads | None
+    heads: DraftHeads | None
     enc: tiktoken.Encoding
     eot_id: int | None
     config: dict = field(repr=False)
@@ -37,38 +32,26 @@ class Checkpoint:
         return self.model.config.block_size
 
 
-def eot_id_of(config: dict, enc: tiktoken.Encoding) -> int | None:
-    """The end-of-text id: the one training recorded in config.json, else the tokenizer's own."""
-    extra = config.get("medusa_mini")
-    if isinstance(extra, dict) and isinstance(extra.get("eot_id"), int):
-        return extra["eot_id"]
-    try:
-        return enc.eot_token
-    except KeyError:  # a tokenizer without <|endoftext|>: generation then stops only on length
-        return None
-
-
 def load_for_decoding(directory: str, *, device: torch.device, dtype: torch.dtype = torch.float32) -> Checkpoint:
-    """Model, heads (or None), tokenizer and end-of-text id from a directory train_tiny.py wrote;
-    `dtype` casts the backbone and the heads together (acceptance still computes in float32)."""
-    if not os.path.isdir(directory):
-        raise ValueError(f"checkpoint directory {directory} does not exist; train one with train_tiny.py")
+    """The checkpoint in `directory`, backbone and heads cast to `dtype` (acceptance still computes in
+    float32)."""
     model, heads, config = load_checkpoint(directory, device=device)
     enc = load_tokenizer(directory)
-    if enc.n_vocab > model.config.vocab_size:
-        # Token ids past the embedding table would crash the forward pass much later.
-        raise ValueError(
-            f"the tokenizer in {directory} has {enc.n_vocab} tokens but the model only "
-            f"{model.config.vocab_size}; they do not belong together"
-        )
+    if enc.n_vocab > model.config.vocab_size:  # ids past the embedding table would crash much later
+        raise ValueError(f"the tokenizer in {directory} has {enc.n_vocab} tokens but the model only "
+                         f"{model.config.vocab_size}; they do not belong together")
     model.to(dtype)
     if heads is not None:
         heads.to(dtype)
-    return Checkpoint(directory, model, heads, enc, eot_id_of(config, enc), config)
+    extra = config.get("medusa_mini")
+    eot_id = extra.get("eot_id") if isinstance(extra, dict) else None
+    if not isinstance(eot_id, int):  # else the tokenizer's own; without one, only the length stops generation
+        eot_id = enc.eot_token if "<|endoftext|>" in enc.special_tokens_set else None
+    return Checkpoint(directory, model, heads, enc, eot_id, config)
 
 
 def load_prompts(directory: str) -> list[str]:
-    """The held-out snippets stored in prompts.json: {"prompts": ["...", ...]}."""
+    """The held-out prompts stored in prompts.json: {"prompts": ["...", ...]}."""
     path = os.path.join(directory, PROMPTS_FILE)
     obj = read_json(path, hint="pass prompts with --prompt TEXT")
     prompts = obj.get("prompts") if isinstance(obj, dict) else None

@@ -1,36 +1,33 @@
-"""GPT-2 loading: Hugging Face files (both key layouts) reproduce an independent reference forward pass,
-bad files give clear errors, and downloads (from a local HTTP server) resume, check their size and land
-in the cache once, under torchrun too."""
+"""GPT-2 loading: Hugging Face files (both key layouts, safetensors or .bin) reproduce an independent
+reference forward pass, bad files give clear errors, and downloads (from a local HTTP server) resume and
+land in the cache once."""
 
 from __future__ import annotations
 
 import contextlib
 import http.server
 import json
-import os
 import re
 import socket
-import subprocess
-import sys
 import threading
-import time
 
 import numpy as np
 import pytest
 import torch
 
-from medusa_mini.io.checkpoint import load_checkpoint, save_checkpoint
-from medusa_mini.io.gpt2 import GPT2_CONFIGS, DownloadError, download, infer_gpt2_config, load_gpt2
-from medusa_mini.io.gpt2_layout import load_gpt2_weights
+from medusa_mini.io.files import atomic_write
+from medusa_mini.io.gpt2 import GPT2_CONFIGS, download, infer_gpt2_config, load_gpt2
 from medusa_mini.io.safetensors import write_safetensors
 from medusa_mini.model import GPT, GPTConfig
 
 V, P, C, L, H = 50, 24, 32, 2, 4  # vocab, positions, width, layers, heads of the tiny GPT-2
 IDS = [7, 3, 41, 0, 12, 12, 5, 49, 20]
+HF_CONFIG = {"model_type": "gpt2", "vocab_size": V, "n_positions": P, "n_ctx": P, "n_embd": C, "n_layer": L,
+             "n_head": H, "activation_function": "gelu_new", "layer_norm_epsilon": 1e-05}
 
 
 def reference_weights(seed: int = 0) -> dict[str, np.ndarray]:
-    """Random GPT-2 weights under the checkpoint's key names; Conv1D weights stored [in, out]."""
+    """Random GPT-2 weights under the file's key names; Conv1D weights stored [in, out]."""
     rng = np.random.default_rng(seed)
     shapes = {"wte.weight": (V, C), "wpe.weight": (P, C), "ln_f.weight": (C,), "ln_f.bias": (C,)}
     layer = {"ln_1": (C, C), "attn.c_attn": (C, 3 * C), "attn.c_proj": (C, C), "ln_2": (C, C),
@@ -59,7 +56,7 @@ def reference_logits(w: dict[str, np.ndarray], ids: list[int]) -> np.ndarray:
         return 0.5 * x * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (x + 0.044715 * x**3)))
 
     T = len(ids)
-    x = w["wte.weight"][ids] + w["wpe.weight"][:T]
+    x = w["wte.weight"][ids] + w["wpe.weight"][:T]  # [T, C]
     for i in range(L):
         qkv = conv1d(layer_norm(x, f"h.{i}.ln_1"), f"h.{i}.attn.c_attn")
         q, k, v = (a.reshape(T, H, C // H).transpose(1, 0, 2) for a in np.split(qkv, 3, axis=1))  # [H, T, hs]
@@ -68,34 +65,11 @@ def reference_logits(w: dict[str, np.ndarray], ids: list[int]) -> np.ndarray:
         y = (att / att.sum(-1, keepdims=True) @ v).transpose(1, 0, 2).reshape(T, C)
         x = x + conv1d(y, f"h.{i}.attn.c_proj")
         x = x + conv1d(gelu(conv1d(layer_norm(x, f"h.{i}.ln_2"), f"h.{i}.mlp.c_fc")), f"h.{i}.mlp.c_proj")
-    return layer_norm(x, "ln_f") @ w["wte.weight"].T
-
-
-HF_CONFIG = {
-    "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": V, "n_positions": P,
-    "n_ctx": P, "n_embd": C, "n_layer": L, "n_head": H, "activation_function": "gelu_new",
-    "layer_norm_epsilon": 1e-05, "bos_token_id": 0, "eos_token_id": 0,
-}
+    return layer_norm(x, "ln_f") @ w["wte.weight"].T  # [T, V]
 
 
 def as_tensors(w: dict[str, np.ndarray], *, prefix: str = "transformer.") -> dict[str, torch.Tensor]:
     return {prefix + k: torch.from_numpy(v.copy()) for k, v in w.items()}
-
-
-def write_dir(directory, tensors: dict[str, torch.Tensor], *, fmt: str = "safetensors"):
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text(json.dumps(HF_CONFIG))
-    if fmt == "safetensors":
-        write_safetensors(directory / "model.safetensors", tensors, metadata={"format": "pt"})
-    else:
-        torch.save(tensors, directory / "pytorch_model.bin")
-    return directory
-
-
-def logits_of(model: GPT) -> np.ndarray:
-    with torch.no_grad():
-        return model(torch.tensor([IDS]))[0][0].double().numpy()
-
 
 
 def hub_style(w: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
@@ -107,15 +81,28 @@ def hub_style(w: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
     return tensors | {"lm_head.weight": tensors["wte.weight"].clone()}
 
 
-@pytest.mark.parametrize("layout, fmt, file", [
-    (as_tensors, "safetensors", ""), (hub_style, "safetensors", ""),
-    (as_tensors, "bin", ""), (as_tensors, "bin", "pytorch_model.bin"),
+def write_dir(directory, tensors: dict[str, torch.Tensor], *, weights: str = "model.safetensors"):
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(HF_CONFIG))
+    if weights.endswith(".bin"):
+        torch.save(tensors, directory / weights)
+    else:
+        atomic_write(directory / weights, lambda f: write_safetensors(f, tensors))
+    return directory
+
+
+def logits_of(model: GPT) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.tensor([IDS]))[0][0].double().numpy()
+
+
+@pytest.mark.parametrize("layout, weights, file", [
+    (as_tensors, "model.safetensors", ""), (hub_style, "model.safetensors", ""),
+    (as_tensors, "pytorch_model.bin", ""), (as_tensors, "pytorch_model.bin", "pytorch_model.bin"),
 ], ids=["transformers keys", "hub keys and buffers", "pytorch_model.bin directory", "pytorch_model.bin file"])
-def test_gpt2_files_give_the_reference_logits_without_random_init_and_keep_the_output_tied(tmp_path, layout, fmt, file):
-    """Meta-device construction: loading neither draws random numbers nor unties lm_head from wte."""
+def test_gpt2_files_give_the_reference_logits_with_a_tied_output_and_no_random_init(tmp_path, layout, weights, file):
     w = reference_weights()
-    source = write_dir(tmp_path / "m", layout(w), fmt=fmt) / file
-    torch.manual_seed(123)
+    source = write_dir(tmp_path / "m", layout(w), weights=weights) / file
     before = torch.get_rng_state()
     model = load_gpt2(source)
     assert torch.equal(torch.get_rng_state(), before)  # GPT(config) on a real device would draw ~all weights
@@ -125,117 +112,91 @@ def test_gpt2_files_give_the_reference_logits_without_random_init_and_keep_the_o
     np.testing.assert_allclose(logits_of(model), reference_logits(w, IDS), atol=1e-4)
 
 
-def test_config_comes_from_tensor_shapes_when_no_config_json_is_given():
+def test_the_config_comes_from_tensor_shapes_when_no_config_json_is_given():
     meta = {f"h.{i}.ln_1.weight": torch.empty(1024, device="meta") for i in range(24)}  # shapes only, no memory
     meta |= {k: torch.empty(n, 1024, device="meta") for k, n in (("wte.weight", 50257), ("wpe.weight", 1024))}
     assert infer_gpt2_config(meta) == GPT2_CONFIGS["gpt2-medium"]
+
+
+def edited(change):
+    """Writes folder m holding the reference weights after `change`."""
+    def write(d):
+        tensors = as_tensors(reference_weights())
+        change(tensors)
+        write_dir(d / "m", tensors)
+    return write
 
 
 BAD_SOURCES = {  # name: (what to write into the folder, the source to load, what the error says)
     "unknown name": (lambda d: None, "gpt3", "gpt2-medium"),
     "pickle holding objects": (lambda d: torch.save({"x": torch.nn.Identity()}, d / "evil.bin"), "evil.bin",
                                "not a weights-only PyTorch file"),
-    "unknown shape, no config.json": (lambda d: write_safetensors(d / "t.safetensors", as_tensors(reference_weights())),
-                                      "t.safetensors", "cannot tell n_head"),
+    "unknown shape, no config.json": (lambda d: torch.save(as_tensors(reference_weights()), d / "t.bin"), "t.bin",
+                                      "cannot tell n_head"),
     "folder without weights": (lambda d: (d / "m").mkdir(), "m", "holds neither model.safetensors"),
+    "missing tensor": (edited(lambda t: t.pop("transformer.h.1.ln_2.bias")), "m", r"lacks tensor 'h\.1\.ln_2\.bias'"),
+    "unexpected tensor": (edited(lambda t: t.update({"transformer.h.2.ln_1.weight": torch.ones(C)})), "m",
+                          r"has tensor 'h\.2\.ln_1\.weight'"),
+    "misshaped tensor": (edited(lambda t: t.update({"transformer.h.0.attn.c_attn.weight": torch.ones(3 * C, C)})),
+                         "m", r"'h\.0\.attn\.c_attn\.weight' has shape \[96, 32\] .* needs \[32, 96\]"),
+    "untied lm_head": (edited(lambda t: t.update({"lm_head.weight": torch.ones(V, C)})), "m", "differs from wte"),
+    "both key styles": (edited(lambda t: t.update({"wpe.weight": torch.ones(P, C)})), "m", "both with and without"),
 }
 
 
 @pytest.mark.parametrize("write, source, match", BAD_SOURCES.values(), ids=BAD_SOURCES.keys())
-def test_a_bad_source_gives_a_clear_error_and_a_pickle_is_never_executed(tmp_path, monkeypatch, write, source, match):
+def test_a_bad_source_gives_one_clear_line_and_a_pickle_is_never_executed(tmp_path, monkeypatch, write, source, match):
     monkeypatch.chdir(tmp_path)
     write(tmp_path)
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(ValueError, match=match) as err:
         load_gpt2(source)
+    assert "\n" not in str(err.value)
 
 
-MUTATIONS = {
-    "missing tensor": (lambda t: t.pop("transformer.h.1.ln_2.bias"), r"lacks tensor 'h\.1\.ln_2\.bias'"),
-    "unexpected tensor": (lambda t: t.update({"transformer.h.2.ln_1.weight": torch.ones(C)}),
-                          r"has tensor 'h\.2\.ln_1\.weight'"),
-    "misshaped tensor": (lambda t: t.update({"transformer.h.0.attn.c_attn.weight": torch.ones(3 * C, C)}),
-                         r"'h\.0\.attn\.c_attn\.weight' has shape \[96, 32\] .* needs \[32, 96\]"),
-    "untied lm_head": (lambda t: t.update({"lm_head.weight": torch.ones(V, C)}), "differs from wte"),
-    "both key styles": (lambda t: t.update({"wpe.weight": torch.ones(P, C)}), "both with and without"),
-}
-
-
-@pytest.mark.parametrize("mutate, match", MUTATIONS.values(), ids=MUTATIONS.keys())
-def test_weights_that_do_not_fit_give_a_clear_error_and_leave_the_model_untouched(mutate, match):
-    tensors = as_tensors(reference_weights())
-    mutate(tensors)
-    model = GPT(GPTConfig(vocab_size=V, block_size=P, n_layer=L, n_head=H, n_embd=C))
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(ValueError, match=match):
-        load_gpt2_weights(model, tensors)
-    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
-
-
-def test_a_transformers_gpt2_loads_with_equal_logits(tmp_path):
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    fields = {k: v for k, v in HF_CONFIG.items() if k not in ("model_type", "architectures")}
-    hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(**fields)).eval()
-    with torch.no_grad():
-        for p in hf.parameters():
-            p.normal_(0.0, 0.3)
-        hf.save_pretrained(tmp_path)
-        np.testing.assert_allclose(logits_of(load_gpt2(str(tmp_path))), hf(torch.tensor([IDS])).logits[0], atol=1e-4)
-
-
-
-class Hub:
-    """An HTTP server on 127.0.0.1 serving fixed bytes, honouring Range, with scripted faults:
-    per path a queue of "drop" (close halfway), "no-range" (ignore Range), "no-length" or a status."""
+class Hub(http.server.ThreadingHTTPServer):
+    """An HTTP server on 127.0.0.1 serving `files`, honouring Range, with scripted faults: per path a queue
+    of "drop" (close halfway), "no-range" (ignore Range), "no-length" (no Content-Length) or a status."""
 
     def __init__(self) -> None:
+        super().__init__(("127.0.0.1", 0), HubHandler)
+        self.url = f"http://127.0.0.1:{self.server_address[1]}"
         self.files: dict[str, bytes] = {}
         self.faults: dict[str, list] = {}
-        self.requests: list[tuple[str, str | None]] = []
-        self.delay = 0.0  # seconds before each answer: a slow hub, so that clients overlap
-        hub = self
+        self.requests: list[tuple[str, str | None]] = []  # (path, Range header)
 
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def log_message(self, *args) -> None:
-                pass
 
-            def do_GET(self) -> None:
-                hub.requests.append((self.path, self.headers.get("Range")))
-                time.sleep(hub.delay)
-                fault = (hub.faults.get(self.path) or [None]).pop(0)
-                if isinstance(fault, int) or self.path not in hub.files:
-                    return self.send_error(fault if isinstance(fault, int) else 404)
-                data = hub.files[self.path]
-                m = re.fullmatch(r"bytes=(\d+)-", self.headers.get("Range") or "")
-                start = int(m.group(1)) if m and fault != "no-range" else 0
-                if not start:
-                    self.send_response(200)
-                elif start >= len(data):
-                    self.send_response(416)
-                    self.send_header("Content-Range", f"bytes */{len(data)}")
-                else:
-                    self.send_response(206)
-                    self.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
-                body = data[start:]
-                if fault != "no-length":
-                    self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # the client may give up early
-                    self.wfile.write(body[: len(body) // 2] if fault == "drop" else body)
+class HubHandler(http.server.BaseHTTPRequestHandler):
+    def log_message(self, *args) -> None:
+        pass
 
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+    def do_GET(self) -> None:
+        hub = self.server
+        hub.requests.append((self.path, self.headers.get("Range")))
+        fault = (hub.faults.get(self.path) or [None]).pop(0)
+        if isinstance(fault, int) or self.path not in hub.files:
+            return self.send_error(fault if isinstance(fault, int) else 404)
+        data = hub.files[self.path]
+        m = re.fullmatch(r"bytes=(\d+)-", self.headers.get("Range") or "")
+        start = int(m.group(1)) if m and fault != "no-range" else 0
+        self.send_response(200 if not start else 206 if start < len(data) else 416)
+        if start:
+            self.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}" if start < len(data)
+                             else f"bytes */{len(data)}")
+        body = data[start:]
+        if fault != "no-length":
+            self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # the client may give up early
+            self.wfile.write(body[: len(body) // 2] if fault == "drop" else body)
 
 
 @pytest.fixture
 def hub(monkeypatch):
     monkeypatch.setenv("no_proxy", "127.0.0.1,localhost")
-    hub = Hub()
-    thread = threading.Thread(target=hub.server.serve_forever, args=(0.05,), daemon=True)
-    thread.start()
-    yield hub
-    hub.server.shutdown()
-    hub.server.server_close()  # shutdown() has waited for the serving thread
+    with Hub() as hub:
+        threading.Thread(target=hub.serve_forever, args=(0.05,), daemon=True).start()
+        yield hub
+        hub.shutdown()
 
 
 def free_port() -> int:
@@ -245,11 +206,11 @@ def free_port() -> int:
 
 
 DATA = bytes(range(256)) * 4000  # ~1 MB, more than one read chunk
-CACHED = ["config.json", "model.safetensors"]
 
 
 @pytest.mark.parametrize("part, faults, ranges", [
     (b"", [], [None]),  # a plain download
+    (b"", ["no-length"], [None]),  # a server that does not say how long the file is
     (b"", ["drop"], [None, "bytes=512000-"]),  # a dropped connection is resumed within one call
     (b"", ["drop", "no-range"], [None, "bytes=512000-"]),  # a server ignoring Range: start over
     (DATA[:512000], [], ["bytes=512000-"]),  # the .part file an interrupted call left is resumed
@@ -258,85 +219,37 @@ CACHED = ["config.json", "model.safetensors"]
 def test_a_download_reports_progress_and_recovers_from_a_broken_connection_or_a_leftover_part_file(
     hub, tmp_path, capsys, part, faults, ranges
 ):
-    hub.files["/f"], hub.faults["/f"] = DATA, faults
+    hub.files["/f"], hub.faults["/f"] = DATA, list(faults)
     (tmp_path / "f.part").write_bytes(part)
-    assert download(hub.url + "/f", tmp_path / "f", timeout=5) == str(tmp_path / "f")
+    download(hub.url + "/f", tmp_path / "f")
     assert (tmp_path / "f").read_bytes() == DATA and not (tmp_path / "f.part").exists()
     assert [r for _, r in hub.requests] == ranges
     assert ("MB/s" in capsys.readouterr().err) == (part != DATA)  # progress whenever bytes arrive
 
 
-@pytest.mark.parametrize("fault, expected_size, match", [
-    ("drop", None, "interrupted .* run again to resume"),  # the .part file stays for the next call
-    (None, len(DATA) + 5, f"{len(DATA) + 5} were expected"),
-    ("no-length", len(DATA) - 5, f"{len(DATA) - 5} were expected"),
-    (404, None, r"HTTP 404 .* for http://127\.0\.0\.1:\d+/f$"),
-    (500, None, r"HTTP 500 .* for http://127\.0\.0\.1:\d+/f$"),
-    ("unreachable", None, "cannot connect"),
+@pytest.mark.parametrize("faults, match", [
+    (["drop"] * 3, "interrupted .* run again to resume"),  # the .part file stays for the next call
+    ([404], r"HTTP 404 .* for http://127\.0\.0\.1:\d+/f$"),
+    ([500], r"HTTP 500 .* for http://127\.0\.0\.1:\d+/f$"),
+    ([], "cannot connect"),  # to a port nobody listens on
 ])
-def test_a_failed_download_is_one_clear_line_and_leaves_no_file(hub, tmp_path, fault, expected_size, match):
-    hub.files["/f"], hub.faults["/f"] = DATA, [fault]
-    url = f"http://127.0.0.1:{free_port()}/f" if fault == "unreachable" else hub.url + "/f"
-    with pytest.raises(DownloadError, match=match):
-        download(url, tmp_path / "f", expected_size=expected_size, progress=False, timeout=5, retries=0)
-    part = tmp_path / "f.part"
-    assert not (tmp_path / "f").exists()
-    assert (part.stat().st_size if part.exists() else None) == (len(DATA) // 2 if fault == "drop" else None)
+def test_a_failed_download_is_one_clear_line_and_leaves_no_file(hub, tmp_path, faults, match):
+    hub.files["/f"], hub.faults["/f"] = DATA, list(faults)
+    url = hub.url + "/f" if faults else f"http://127.0.0.1:{free_port()}/f"
+    with pytest.raises(OSError, match=match):
+        download(url, tmp_path / "f")
+    assert not (tmp_path / "f").exists() and (tmp_path / "f.part").exists() == (faults[:1] == ["drop"])
 
 
 def test_load_gpt2_by_name_downloads_once_into_the_cache(hub, tmp_path, monkeypatch):
     w = reference_weights()
-    write_dir(tmp_path / "hub", as_tensors(w, prefix=""))
-    for file in CACHED:
+    write_dir(tmp_path / "hub", hub_style(w))
+    for file in ("config.json", "model.safetensors"):
         hub.files[f"/gpt2/resolve/main/{file}"] = (tmp_path / "hub" / file).read_bytes()
     monkeypatch.setenv("MEDUSA_MINI_HUB_URL", hub.url)
     monkeypatch.setenv("MEDUSA_MINI_CACHE", str(tmp_path / "cache"))
     monkeypatch.chdir(tmp_path)
-    first = load_gpt2("gpt2", progress=False)
-    assert sorted(p.name for p in (tmp_path / "cache" / "gpt2").iterdir()) == CACHED
-    second = load_gpt2("gpt2", progress=False)
+    for _ in range(2):
+        np.testing.assert_allclose(logits_of(load_gpt2("gpt2")), reference_logits(w, IDS), atol=1e-4)
+    assert sorted(p.name for p in (tmp_path / "cache" / "gpt2").iterdir()) == ["config.json", "model.safetensors"]
     assert len(hub.requests) == 2, "the second load reads the cache only"
-    for model in (first, second):
-        np.testing.assert_allclose(logits_of(model), reference_logits(w, IDS), atol=1e-4)
-
-
-# A torchrun worker: train_tiny.py with GPT-2's tokenizer replaced by a byte-level one (tiktoken would
-# fetch the real one from the network) and without the summary after training (not under test here).
-TORCHRUN_WORKER = r'''
-import sys
-import tiktoken
-real_get_encoding = tiktoken.get_encoding
-BYTES = tiktoken.Encoding(name="gpt2", pat_str=r"\s*\S+|\s+", mergeable_ranks={bytes([i]): i for i in range(256)},
-                          special_tokens={"<|endoftext|>": 256})
-tiktoken.get_encoding = lambda name: BYTES if name == "gpt2" else real_get_encoding(name)
-import train_tiny
-from medusa_mini.train import run
-run.summarize = lambda *args, **kwargs: {}
-sys.exit(train_tiny.main(sys.argv[1:]))
-'''
-
-
-def test_under_torchrun_rank_0_downloads_alone_and_every_rank_reads_the_cache(hub, tmp_path):
-    """Ranks downloading at once would write into the same .part file: one download, then a barrier."""
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    torch.manual_seed(0)
-    save_checkpoint(tmp_path / "hub", GPT(GPTConfig(vocab_size=257, block_size=64, n_layer=2, n_head=2, n_embd=32)))
-    for file in CACHED:
-        hub.files[f"/gpt2/resolve/main/{file}"] = (tmp_path / "hub" / file).read_bytes()
-    hub.delay = 1.5  # both ranks would be mid-download at once
-    (tmp_path / "worker.py").write_text(TORCHRUN_WORKER)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": root, "MEDUSA_MINI_HUB_URL": hub.url,
-           "MEDUSA_MINI_CACHE": str(tmp_path / "cache")}
-    r = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-         str(tmp_path / "worker.py"), "--init", "gpt2", "--preset", "gpt2-cpu", "--device", "cpu",
-         "--max-bytes", "60000", "--heads-steps", "2", "--distill-prompts", "4", "--distill-tokens", "8",
-         "--eval-prompts", "2", "--log-every", "1000", "--out", str(tmp_path / "out")],
-        capture_output=True, text=True, env=env, cwd=str(tmp_path), timeout=300,
-    )
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert sorted(path for path, _ in hub.requests) == [f"/gpt2/resolve/main/{file}" for file in CACHED]
-    assert sorted(p.name for p in (tmp_path / "cache" / "gpt2").iterdir()) == CACHED
-    sums = [line.split()[-1] for line in r.stdout.splitlines() if "weights sha256" in line]
-    assert len(sums) == 2 and sums[0] == sums[1]  # both ranks loaded the same backbone and trained alike
-    assert load_checkpoint(tmp_path / "out")[0].config.vocab_size == 257

@@ -1,0 +1,96 @@
+"""File helpers: writes that a reader, or a crash, never sees half of, and JSON read with a one-line error
+that names the file and its fix."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from typing import IO, Callable
+
+Writer = Callable[[IO[bytes]], object]  # writes a file's bytes to an open binary file
+
+
+def remove_file(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(path)
+
+
+def fsync_dir(folder: str) -> None:
+    """Make renames inside `folder` durable (skipped where a directory cannot be opened)."""
+    with contextlib.suppress(OSError):
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def atomic_write_files(files: dict[str, Writer]) -> None:
+    """Write each file into a temporary sibling, then rename them into place in order; if anything fails,
+    the files already replaced get their old bytes back, so readers see the old set or the new one."""
+    staged: list[tuple[str, str]] = []  # (temporary file, final path)
+    done: list[tuple[str, str | None]] = []  # (final path, a link to its old bytes, None if it had none)
+    try:
+        for path, write in files.items():
+            folder, base = os.path.split(os.path.abspath(path))
+            fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{base}.", suffix=".tmp")
+            staged.append((tmp, path))
+            with os.fdopen(fd, "wb") as f:
+                write(f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.chmod(tmp, 0o644)  # mkstemp makes files private; a checkpoint is meant to be shared
+        for tmp, final in staged:
+            if len(staged) > 1:  # one file needs no undo: os.replace happens entirely or not at all
+                backup = f"{final}.{os.getpid()}.bak" if os.path.exists(final) else None
+                if backup:
+                    remove_file(backup)
+                    try:
+                        os.link(final, backup)  # keeps the old bytes without copying them
+                    except OSError:
+                        shutil.copyfile(final, backup)
+                done.append((final, backup))
+            os.replace(tmp, final)
+    except BaseException:
+        for final, backup in reversed(done):
+            if backup is None:
+                remove_file(final)
+            else:
+                os.replace(backup, final)
+        raise
+    finally:  # a temporary file is gone once renamed, a backup once restored
+        for leftover in [tmp for tmp, _ in staged] + [backup for _, backup in done if backup]:
+            remove_file(leftover)
+    for folder in {os.path.dirname(os.path.abspath(path)) for path in files}:
+        fsync_dir(folder)
+
+
+def atomic_write(path: str | os.PathLike, write: Writer) -> None:
+    atomic_write_files({os.fspath(path): write})
+
+
+def text_writer(text: str) -> Writer:
+    return lambda f: f.write(text.encode("utf-8"))  # bytes: newlines stay "\n" on every platform
+
+
+def json_writer(obj: object) -> Writer:
+    return text_writer(json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    atomic_write(path, text_writer(text))
+
+
+def read_json(path: str | os.PathLike, *, hint: str) -> object:
+    """The JSON value in `path`, or a one-line ValueError that names the file and says `hint` (the fix)."""
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise ValueError(f"{path} is missing; {hint}")
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path} is not readable JSON ({e}); {hint}") from None

@@ -1,0 +1,116 @@
+"""The safetensors format: written byte for byte as documented, read back bit-exact, hostile files rejected
+with one clear line before any allocation, and a failed write never damages the old file."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import tracemalloc
+
+import pytest
+import torch
+
+from medusa_mini.io.files import atomic_write
+from medusa_mini.io.safetensors import read_safetensors, write_safetensors
+
+
+def write(path, tensors: dict, metadata: dict | None = None) -> None:
+    atomic_write(path, lambda f: write_safetensors(f, tensors, metadata))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64,
+                                   torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool], ids=str)
+def test_a_round_trip_keeps_dtype_shape_and_every_bit(tmp_path, dtype):
+    def sample(*shape: int) -> torch.Tensor:
+        if dtype.is_floating_point:
+            return torch.randn(shape).to(dtype)
+        return torch.randint(-100 if dtype.is_signed else 0, 2 if dtype is torch.bool else 100, shape).to(dtype)
+
+    tensors = {"matrix": sample(3, 5), "scalar": sample(), "empty": sample(0, 4), "view": sample(4, 3).t()}
+    write(tmp_path / "t.safetensors", tensors)
+    back = read_safetensors(tmp_path / "t.safetensors")
+    assert back.keys() == tensors.keys()
+    for name, t in tensors.items():
+        assert back[name].dtype == dtype and back[name].shape == t.shape and torch.equal(back[name], t)
+
+
+def test_the_written_file_has_the_documented_byte_layout(tmp_path):
+    tensors = {"a": torch.randn(2, 3), "b": torch.arange(5), "c": torch.tensor([1, 2, 255]).to(torch.uint8)}
+    write(tmp_path / "t.safetensors", tensors, metadata={"note": "hi"})
+    raw = (tmp_path / "t.safetensors").read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    assert n % 8 == 0, "header padded so the data starts 8-byte aligned"
+    header, data, covered = json.loads(raw[8 : 8 + n].decode("utf-8")), raw[8 + n :], 0
+    assert header.pop("__metadata__") == {"note": "hi"}
+    formats = {"a": ("F32", "<f4"), "b": ("I64", "<i8"), "c": ("U8", "u1")}
+    for (begin, end), name in sorted((e["data_offsets"], k) for k, e in header.items()):
+        assert (header[name]["dtype"], header[name]["shape"]) == (formats[name][0], list(tensors[name].shape))
+        assert begin == covered and data[begin:end] == tensors[name].numpy().astype(formats[name][1]).tobytes()
+        covered = end
+    assert covered == len(data), "tensors tile the buffer in order"
+
+
+def test_a_failing_write_keeps_the_old_file_and_leaves_no_temporary_files(tmp_path):
+    path = tmp_path / "t.safetensors"
+    write(path, {"x": torch.ones(3)})
+    with pytest.raises(ValueError, match="cannot be stored"):
+        write(path, {"y": torch.zeros(2), "z": torch.zeros(2, dtype=torch.complex64)})
+    assert torch.equal(read_safetensors(path)["x"], torch.ones(3)) and os.listdir(tmp_path) == ["t.safetensors"]
+
+
+def st_file(header: dict | bytes, data: bytes = b"", *, length: int | None = None) -> bytes:
+    raw = header if isinstance(header, bytes) else json.dumps(header).encode()
+    return struct.pack("<Q", len(raw) if length is None else length) + raw + data
+
+
+def entry(dtype: str, shape: list, begin: int, end: int) -> dict:
+    return {"dtype": dtype, "shape": shape, "data_offsets": [begin, end]}
+
+
+HOSTILE = {
+    "shorter than 8 bytes": (b"\x10\x00\x00", "too short"),
+    "header length beyond the file": (st_file(b"{}", length=1000), "runs past the end"),
+    "invalid JSON": (st_file(b'{"a": '), "not valid JSON"),
+    "invalid UTF-8": (st_file(b"\xff\xfe\xfd"), "not valid JSON"),
+    "JSON but not an object": (st_file(b"[1, 2]"), "not an object"),
+    "duplicate tensor name": (st_file(b'{"a": 1, "a": 2}'), "duplicate key 'a'"),
+    "entry without fields": (st_file({"a": {"dtype": "F32"}}), "needs dtype, shape and data_offsets"),
+    "unknown dtype": (st_file({"a": entry("F128", [1], 0, 16)}, bytes(16)), "unknown dtype 'F128'"),
+    "negative shape": (st_file({"a": entry("F32", [-1, 2], 0, 8)}, bytes(8)), "non-negative integers"),
+    "float in shape": (st_file({"a": entry("F32", [2.0], 0, 8)}, bytes(8)), "non-negative integers"),
+    "offsets not a pair": (st_file({"a": {"dtype": "U8", "shape": [1], "data_offsets": [0]}}, b"x"), "begin, end"),
+    "shape disagrees with bytes": (st_file({"a": entry("F32", [3], 0, 8)}, bytes(8)), "needs 12 bytes"),
+    "huge shape, tiny data": (st_file({"a": entry("F32", [2**40, 2**40], 0, 8)}, bytes(8)), "needs"),
+    "offsets beyond the buffer": (st_file({"a": entry("F32", [4], 0, 16)}, bytes(8)), "outside"),
+    "offsets reversed": (st_file({"a": entry("U8", [0], 8, 4)}, bytes(8)), "outside"),
+    "overlapping tensors": (st_file({"a": entry("F32", [2], 0, 8), "b": entry("F32", [2], 4, 12)}, bytes(12)),
+                            "overlaps"),
+    "gap between tensors": (st_file({"a": entry("F32", [1], 0, 4), "b": entry("F32", [1], 8, 12)}, bytes(12)),
+                            "gap"),
+    "bytes nobody owns": (st_file({"a": entry("F32", [1], 0, 4)}, bytes(8)), "cover 4 bytes"),
+    "metadata not strings": (st_file({"__metadata__": {"a": 1}}), "__metadata__"),
+    "BOOL byte other than 0/1": (st_file({"a": entry("BOOL", [2], 0, 2)}, b"\x01\x07"), "BOOL"),
+}
+
+
+@pytest.mark.parametrize("content, match", HOSTILE.values(), ids=HOSTILE.keys())
+def test_a_broken_or_hostile_file_gives_one_line_naming_it(tmp_path, content, match):
+    path = tmp_path / "bad.safetensors"
+    path.write_bytes(content)
+    with pytest.raises(ValueError, match=match) as err:
+        read_safetensors(path)
+    assert str(err.value).startswith(str(path)) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("length", [2**62, 150 * 2**20], ids=["2**62", "150MB"])
+def test_a_huge_header_length_is_rejected_before_any_allocation(tmp_path, length):
+    path = tmp_path / "huge.safetensors"
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", length))
+        f.truncate(8 + 200 * 2**20)  # sparse: the file really is long enough for a 150 MB header
+    tracemalloc.start()
+    with pytest.raises(ValueError, match="exceeds"):
+        read_safetensors(path)
+    assert tracemalloc.get_traced_memory()[1] < 2**20
+    tracemalloc.stop()
