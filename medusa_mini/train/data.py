@@ -1,10 +1,5 @@
-"""Training text: a default corpus that needs no download, user text, splits and batches.
-
-The default corpus is the running interpreter's own standard library (``.py`` files): real,
-structured text on every machine with Python, offline. Text is handled as documents ``(name, text)``
-of at most about 64 KB (longer files are cut at line boundaries), so a split by document works for a
-single large file too.
-"""
+"""Training text: by default this interpreter's standard library (real, structured, offline), or the
+user's; documents ``(name, text)`` of at most about 64 KB (cut at line ends), splits, batches."""
 
 from __future__ import annotations
 
@@ -35,22 +30,18 @@ def _read_text(path: pathlib.Path) -> str | None:
         return None
 
 
-def _chunk_lines(name: str, text: str, *, chunk_chars: int = DOCUMENT_CHARS) -> list[Document]:
-    """Cut ``text`` into pieces of about ``chunk_chars``, on line boundaries where possible."""
-    if len(text) <= chunk_chars:
+def _chunk_lines(name: str, text: str) -> list[Document]:
+    """``text`` as documents of about DOCUMENT_CHARS cut at line ends: ``name``, or ``name#0``, ``name#1``, ..."""
+    if len(text) <= DOCUMENT_CHARS:
         return [(name, text)]
-    pieces: list[str] = []
-    current: list[str] = []
-    size = 0
+    pieces, current, size = [], [], 0
     for line in text.splitlines(keepends=True):
-        if size and size + len(line) > chunk_chars:
+        if size and size + len(line) > DOCUMENT_CHARS:
             pieces.append("".join(current))
             current, size = [], 0
         current.append(line)
         size += len(line)
-    if current:
-        pieces.append("".join(current))
-    return [(f"{name}#{i}", piece) for i, piece in enumerate(pieces)]
+    return [(f"{name}#{i}", piece) for i, piece in enumerate(pieces + ["".join(current)])]
 
 
 def default_corpus_files(*, max_bytes: int = 3_000_000) -> list[pathlib.Path]:
@@ -58,18 +49,12 @@ def default_corpus_files(*, max_bytes: int = 3_000_000) -> list[pathlib.Path]:
     and non-UTF-8 files; taken in order while they fit into ``max_bytes`` (a file that would overflow
     is skipped, smaller later ones may still fit)."""
     root = pathlib.Path(sysconfig.get_paths()["stdlib"])
-    candidates: list[tuple[str, pathlib.Path]] = []
+    candidates = []
     for folder, dirnames, filenames in os.walk(root):
         dirnames[:] = [d for d in dirnames if d not in _SKIPPED_DIRS and not d.startswith(".")]
-        for filename in filenames:
-            if filename.endswith(".py"):
-                path = pathlib.Path(folder, filename)
-                candidates.append((path.relative_to(root).as_posix(), path))
-    candidates.sort()
-
-    chosen: list[pathlib.Path] = []
-    total = 0
-    for _, path in candidates:
+        candidates += [pathlib.Path(folder, f) for f in filenames if f.endswith(".py")]
+    chosen, total = [], 0
+    for path in sorted(candidates, key=lambda p: p.relative_to(root).as_posix()):
         try:
             size = path.stat().st_size
         except OSError:
@@ -91,7 +76,6 @@ def load_corpus(path: str | os.PathLike[str] | None = None, *, max_bytes: int = 
         if not docs:
             raise ValueError(f"no standard-library source found under {root}")
         return docs
-
     path = pathlib.Path(path)
     if path.is_file():
         text = _read_text(path)
@@ -104,21 +88,17 @@ def load_corpus(path: str | os.PathLike[str] | None = None, *, max_bytes: int = 
         docs = []
         for file in sorted(p for p in path.rglob("*") if p.is_file()):
             relative = file.relative_to(path)
-            if any(part.startswith(".") for part in relative.parts):
-                continue
-            text = _read_text(file)
-            if text is None or not text.strip():
-                continue
-            docs.extend(_chunk_lines(relative.as_posix(), text))
+            text = None if any(part.startswith(".") for part in relative.parts) else _read_text(file)
+            if text and text.strip():
+                docs += _chunk_lines(relative.as_posix(), text)
         if not docs:
             raise ValueError(f"data folder holds no non-empty UTF-8 text files: {path}")
         return docs
     raise ValueError(f"data path does not exist: {path}")
 
 
-def split_documents(
-    docs: Sequence[Document], *, val_fraction: float = 0.05, seed: int = 0
-) -> tuple[list[Document], list[Document]]:
+def split_documents(docs: Sequence[Document], *, val_fraction: float = 0.05,
+                    seed: int = 0) -> tuple[list[Document], list[Document]]:
     """(train, val), documents kept whole and in order, chosen by ``seed``, at least one on each side.
     A single document is cut at the line boundary nearest the ``1 - val_fraction`` point."""
     if not 0.0 < val_fraction < 1.0:
@@ -132,7 +112,6 @@ def split_documents(
             raise ValueError(f"document {name!r} is too short to split")
         cut = _line_cut(text, round(len(text) * (1.0 - val_fraction)))
         return [(name, text[:cut])], [(name, text[cut:])]
-
     n_val = min(max(1, round(len(docs) * val_fraction)), len(docs) - 1)
     val_ids = set(random.Random(seed).sample(range(len(docs)), n_val))
     return [d for i, d in enumerate(docs) if i not in val_ids], [d for i, d in enumerate(docs) if i in val_ids]
@@ -153,18 +132,15 @@ def encode_documents(enc: tiktoken.Encoding, docs: Sequence[Document], *, eot_id
     dtype = np.uint16 if enc.n_vocab <= 2**16 else np.uint32
     if eot_id is not None and not 0 <= eot_id < enc.n_vocab:
         raise ValueError(f"eot_id {eot_id} is outside the vocabulary of {enc.n_vocab} tokens")
-    encoded = enc.encode_ordinary_batch([text for _, text in docs])
-    sep = np.array([] if eot_id is None else [eot_id], dtype=dtype)
+    sep = [np.array([eot_id], dtype=dtype)] if eot_id is not None else []
     parts = [np.zeros(0, dtype=dtype)]
-    for i, ids in enumerate(encoded):
-        parts += [sep, np.asarray(ids, dtype=dtype)] if i else [np.asarray(ids, dtype=dtype)]
+    for i, ids in enumerate(enc.encode_ordinary_batch([text for _, text in docs])):
+        parts += (sep if i else []) + [np.asarray(ids, dtype=dtype)]
     return np.concatenate(parts)
 
 
-def get_batch(
-    tokens: np.ndarray, *, batch_size: int, block_size: int, generator: torch.Generator,
-    device: str | torch.device = "cpu",
-) -> tuple[torch.Tensor, torch.Tensor]:
+def get_batch(tokens: np.ndarray, *, batch_size: int, block_size: int, generator: torch.Generator,
+              device: str | torch.device = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
     """Random windows ``x`` and next tokens ``y`` (int64 [batch_size, block_size]); the starts come from
     ``generator`` (CPU), so equal generator states give equal batches."""
     n_starts = len(tokens) - block_size
@@ -172,6 +148,5 @@ def get_batch(
         raise ValueError(f"need more than block_size={block_size} tokens, got {len(tokens)}")
     starts = torch.randint(n_starts, (batch_size,), generator=generator).numpy()
     windows = tokens[starts[:, None] + np.arange(block_size + 1)].astype(np.int64)
-    x = torch.from_numpy(np.ascontiguousarray(windows[:, :-1]))
-    y = torch.from_numpy(np.ascontiguousarray(windows[:, 1:]))
+    x, y = (torch.from_numpy(np.ascontiguousarray(w)) for w in (windows[:, :-1], windows[:, 1:]))
     return to_device(x, device), to_device(y, device)

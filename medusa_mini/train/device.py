@@ -1,10 +1,8 @@
-"""How a training run uses its device: the forward's number format, TF32, non-blocking copies, and
-each stage's time and peak memory.
+"""Devices and number formats (--device, --dtype) for decoding and training alike, each rank's GPU, copies
+that do not wait, and the clock of a run's stages.
 
---dtype float32 is exact (the CPU default). bfloat16 and float16 run the forward under torch.autocast
-(matmuls in 16 bits; reductions, weights and optimizer in float32). float16's narrow range needs a
-GradScaler so small gradients do not flush to zero; bfloat16 has float32's range. On CUDA the default
-is bfloat16 from compute capability 8.0 (Ampere) on, else float16.
+float32 is exact. bfloat16 and float16 train under torch.autocast (matmuls in 16 bits; weights, reductions
+and the optimizer in float32); float16's narrow range needs a GradScaler, bfloat16 has float32's range.
 """
 
 from __future__ import annotations
@@ -15,7 +13,24 @@ import time
 
 import torch
 
-from .config import TrainError
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def pick_device(name: str | None) -> torch.device:
+    """'cuda' when available, else 'cpu'; an explicit name must exist on this machine."""
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"unknown device {name!r}: use cpu, cuda or cuda:N") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device {name!r} is not supported: use cpu or cuda")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} asked for, but CUDA is not available here; use --device cpu")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise ValueError(f"device {name!r} does not exist: this machine has {torch.cuda.device_count()} GPUs")
+    return device
 
 
 def rank_device(device: str) -> str:
@@ -25,67 +40,47 @@ def rank_device(device: str) -> str:
     return device
 
 
-def has_native_bfloat16(device: str | torch.device) -> bool:
-    """True for a CUDA device of compute capability 8.0+ (Ampere and later), whose tensor cores compute
-    in bfloat16. Not torch.cuda.is_bf16_supported(): it counts emulation (several times slower on a T4
-    or V100) and asks the current device (GPU 0 on every rank before set_device), not `device`."""
-    device = torch.device(device)
+def has_native_bfloat16(device: torch.device) -> bool:
+    """A CUDA device of compute capability 8.0+ (Ampere on), whose tensor cores compute in bfloat16. Not
+    torch.cuda.is_bf16_supported(): it counts emulation (several times slower) and asks the current GPU."""
     if device.type != "cuda":
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
     return tuple(torch.cuda.get_device_capability(index)) >= (8, 0)
 
 
-def default_dtype(device: str) -> str:
-    """float32 on a CPU; on CUDA bfloat16 if this rank's GPU computes in it, else float16."""
-    if not device.startswith("cuda"):
-        return "float32"
-    return "bfloat16" if has_native_bfloat16(rank_device(device)) else "float16"
+def pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    """A --dtype name as a torch dtype; bfloat16 on CUDA only where it is native."""
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}: use one of {', '.join(DTYPES)}")
+    if name == "bfloat16" and device.type == "cuda" and not has_native_bfloat16(device):
+        raise ValueError("this GPU has no native bfloat16 (compute capability below 8.0); "
+                         "use --dtype float16 or float32")
+    return DTYPES[name]
 
 
-def check_dtype(dtype: str, device: str) -> None:
-    """A one-line TrainError for a number format this device cannot train in (emulated bfloat16 included)."""
-    if dtype == "float16" and not device.startswith("cuda"):
-        raise TrainError("--dtype float16 needs CUDA (its GradScaler); on a CPU use bfloat16 or float32")
-    if dtype == "bfloat16" and device.startswith("cuda") and not has_native_bfloat16(rank_device(device)):
-        raise TrainError("--dtype bfloat16 is not native on this GPU (compute capability below 8.0); "
-                         "use float16 or float32")
-
-
-def enable_tf32(device: str) -> None:
-    """float32 matmuls on CUDA's tensor cores (TF32): several times faster, at an error training never notices."""
-    if device.startswith("cuda"):
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
-        torch.set_float32_matmul_precision("high")
-
-
-def autocast(device: str, dtype: str):
-    """The forward's number format: torch.autocast for bfloat16/float16, nothing at all for float32."""
-    if dtype == "float32":
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=torch.device(device).type, dtype=getattr(torch, dtype))
-
-
-def grad_scaler(device: str, dtype: str) -> torch.amp.GradScaler:
-    """Loss scaling for float16 only; disabled, it passes the loss and the optimizer step through unchanged."""
-    return torch.amp.GradScaler(torch.device(device).type, enabled=dtype == "float16")
+def training_dtype(name: str | None, device: str) -> str:
+    """The --dtype a run trains in on `device` (default: float32 on a CPU, on CUDA bfloat16 where native,
+    else float16); float16 only on CUDA, for its loss scaling."""
+    d = torch.device(device)
+    name = name or ("bfloat16" if has_native_bfloat16(d) else "float16" if d.type == "cuda" else "float32")
+    if name == "float16" and d.type != "cuda":
+        raise ValueError("--dtype float16 needs CUDA (its GradScaler); on a CPU use bfloat16 or float32")
+    pick_dtype(name, d)
+    return name
 
 
 def to_device(t: torch.Tensor, device: str | torch.device) -> torch.Tensor:
-    """Copy a CPU tensor to `device` without waiting: from pinned memory a copy is queued like a kernel
-    (from pageable memory it would synchronise), so the next batch travels while a step runs."""
+    """Copy a CPU tensor to `device` without waiting: from pinned memory a copy is queued like a kernel, so
+    the next batch travels while a step runs."""
     return t.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else t.to(device)
 
 
 class StageClock:
-    """Wall time of each stage and, on CUDA, its peak allocated memory (reset at every stage's start)."""
+    """Wall time of each stage and, on CUDA, its peak allocated memory."""
 
     def __init__(self, device: str) -> None:
-        self.cuda = device.startswith("cuda")
-        self.device = device
-        self.seconds: dict[str, float] = {}
-        self.peak_bytes: dict[str, int] = {}
+        self.device, self.cuda, self.seconds, self.peak = device, device.startswith("cuda"), {}, {}
 
     @contextlib.contextmanager
     def stage(self, name: str):
@@ -98,13 +93,9 @@ class StageClock:
         finally:
             if self.cuda:  # the queue must drain before the clock stops, or the time is the host's only
                 torch.cuda.synchronize(self.device)
-                self.peak_bytes[name] = torch.cuda.max_memory_allocated(self.device)
+                self.peak[name] = f" (peak {torch.cuda.max_memory_allocated(self.device) / 2**30:.2f} GiB)"
             self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
 
     def line(self) -> str:
         """"stages     backbone 123.40 s (peak 3.21 GiB), ...": two decimals, so no stage reads as 0 s."""
-        parts = []
-        for name, sec in self.seconds.items():
-            peak = f" (peak {self.peak_bytes[name] / 2**30:.2f} GiB)" if name in self.peak_bytes else ""
-            parts.append(f"{name} {sec:.2f} s{peak}")
-        return "stages     " + ", ".join(parts)
+        return "stages     " + ", ".join(f"{n} {s:.2f} s{self.peak.get(n, '')}" for n, s in self.seconds.items())

@@ -1,7 +1,10 @@
-"""What `train_tiny.py` reports: progress lines, validation loss every --eval-every steps, and the
-summary, measured never assumed: validation loss, each head's top-1/top-5 accuracy on held-out text and
-against the backbone's own greedy continuation (what decoding meets), the tokens per step trees built
-from them should give; saved as heads_accuracy.json (`decode.py --tree N`), with held-out prompts.
+"""What `train_tiny.py` reports, measured never assumed: progress lines, the validation loss, the summary
+(each head's accuracy on held-out text and on the backbone's own greedy continuations, the tokens per step
+trees built from them should give, the draft vocabulary's coverage), heads_accuracy.json and prompts.json.
+
+The acceptance table: acc[k][r] = P(head k+1's rank-r guess is the backbone's greedy token k+2 places
+ahead), on greedy continuations: the chance that greedy acceptance takes the guess once it took the node
+above. `tree.build_tree` multiplies these along paths.
 """
 
 from __future__ import annotations
@@ -10,39 +13,24 @@ import json
 import math
 import os
 import random
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 
-from ..hydra import teacher_forced_logits
+from ..decoding import generate_batch
+from ..heads import IGNORE, DraftHeads, next_tokens
+from ..io.files import atomic_write_text, read_json
 from ..io.loading import PROMPTS_FILE
-from ..io.safetensors import atomic_write_text
-from ..training import IGNORE, lm_loss, sample_continuations, stacked_head_targets
-from ..tree import build_tree, expected_tokens_per_step, preset
-from ..tune.acceptance_tables import measure_head_accuracy, save_accuracy
+from ..model import GPT
+from ..training import head_targets, lm_loss
+from ..tree import build_tree, check_acc, expected_tokens_per_step, preset
 from .data import get_batch
 
-# Official Medusa-1 heads on Vicuna-7B, top-1 accuracy of heads 1-4 (paper and its repository).
-OFFICIAL_TOP1 = (0.56, 0.32, 0.20, 0.15)
-
-
-@torch.no_grad()
-def text_accuracy(model, heads, val_tokens: np.ndarray, *, batches: int = 8, batch_size: int = 8, seed: int = 0):
-    """Validation loss and per-head top-1/top-5 accuracy on held-out text (teacher forcing)."""
-    g = torch.Generator().manual_seed(seed)
-    T = min(model.config.block_size, 256, len(val_tokens) - 1)
-    losses, hits, counts = [], 0, 0
-    for _ in range(batches):
-        x, y = get_batch(val_tokens, batch_size=batch_size, block_size=T, generator=g, device=model.device)
-        logits, hidden = model(x)
-        losses.append(lm_loss(logits, y).item())
-        head_logits = teacher_forced_logits(heads, hidden, y, model)  # [K, B, T, V]
-        targets = stacked_head_targets(y, head_logits.shape[0])  # [K, B, T]
-        right = head_logits.topk(5, dim=-1).indices == targets[..., None]  # [K, B, T, 5]; IGNORE never right
-        hits = hits + torch.stack([right[..., 0].sum((1, 2)), right.any(-1).sum((1, 2))])  # [2, K]
-        counts = counts + (targets != IGNORE).sum((1, 2))  # [K]
-    top1, top5 = (hits.double() / counts.clamp(min=1)).tolist()
-    return sum(losses) / len(losses), top1, top5
+ACCURACY_FILE = "heads_accuracy.json"
+OFFICIAL_TOP1 = (0.56, 0.32, 0.20, 0.15)  # official Medusa-1 heads on Vicuna-7B, heads 1-4 (paper, repository)
+COVERAGE_SIZES = (256, 512, 1024, 2048, 4096, 8192)
+ROWS, POSITIONS = 16, 256  # rows per greedy batch, positions per heads call: bound the cache and [K, m, M] logits
 
 
 def progress_line(stage: str, step: int, steps: int, metrics: dict, *, tokens_per_s: float, eta: float) -> str:
@@ -57,75 +45,141 @@ def progress_line(stage: str, step: int, steps: int, metrics: dict, *, tokens_pe
     return "  ".join(parts)
 
 
-def periodic_validation(r, val_tokens: np.ndarray, *, batch_size: int, block_size: int, batches: int = 8):
-    """A function step -> prints the backbone's loss on fixed validation batches, in float32 whatever --dtype.
-
-    The batches come from a generator of their own, so --eval-every never changes the trained weights.
-    """
-    g = torch.Generator().manual_seed(r.args.seed * 7919 + 101)
-    T = min(block_size, len(val_tokens) - 1)
-    fixed = [get_batch(val_tokens, batch_size=batch_size, block_size=T, generator=g, device=r.device)
-             for _ in range(batches)]
-
-    @torch.no_grad()
-    def evaluate(step: int) -> None:
-        total = sum(lm_loss(r.model(x)[0], y) for x, y in fixed) / len(fixed)  # one read for all batches
-        r.log(f"{'eval':9s} step {step:5d}/{r.args.backbone_steps}  validation loss {total.item():.3f}")
-
-    return evaluate
+def validation_batches(val_tokens: np.ndarray, *, block_size: int, seed: int, device: str) -> list:
+    """Eight fixed batches (x, y) of 8 held-out windows [8, T], T <= 256; their own generator, so measuring
+    never changes what is trained."""
+    g = torch.Generator().manual_seed(seed * 7919 + 101)
+    T = min(block_size, 256, len(val_tokens) - 1)
+    return [get_batch(val_tokens, batch_size=8, block_size=T, generator=g, device=device) for _ in range(8)]
 
 
-def summarize(run, model, heads, enc, val_docs, val_tokens: np.ndarray) -> dict:
+@torch.no_grad()
+def validation_loss(model: GPT, batches: list) -> float:
+    """The backbone's mean next-token loss on `batches`, in float32 whatever --dtype, one read."""
+    return (sum(lm_loss(model(x)[0], y) for x, y in batches) / len(batches)).item()
+
+
+def summarize(r, val_batches: list) -> dict:
     """Measure, print and save (heads_accuracy.json) the trained model's figures; return them."""
-    args = run.args
-    model.eval()
-    heads.eval()
-    val_loss, top1, top5 = text_accuracy(model, heads, val_tokens, seed=args.seed)
-    # Accuracy against what the model itself says: held-out prompts continued greedily.
-    g = torch.Generator().manual_seed(args.seed + 5)
+    model, heads, args = r.model, r.heads, r.args
+    K, V, M = heads.num_heads, heads.config.vocab_size, heads.config.draft_vocab_size
+    val_loss, top_k = validation_loss(model, val_batches), min(10, heads.draft_ids.numel())
+    windows = [row for x, _ in val_batches for row in x.tolist()]
+    text = measure_head_accuracy(model, heads, windows, prompt_lens=1, top_k=top_k)
+    # Against what the model itself says: held-out prompts continued greedily.
     P = min(32, model.config.block_size // 4)
     n = min(96, model.config.block_size - P)
-    x, _ = get_batch(val_tokens, batch_size=min(64, 8 * args.eval_prompts), block_size=P, generator=g, device=model.device)
-    seqs = sample_continuations(model, x, max_new_tokens=n, temperature=0.0)
-    acc = measure_head_accuracy(model, heads, seqs, prompt_lens=P, top_k=10)  # [K, 10]
-    save_accuracy(args.out, acc, meta={"measured_on": f"{seqs.shape[0]} held-out prompts x {n} greedy tokens"})
-    K = acc.shape[0]
-    own1, own5 = acc[:, 0].tolist(), acc[:, :5].sum(1).tolist()
-    rows = [("head", [k + 1 for k in range(K)]), ("top-1 on held-out text", top1), ("top-5 on held-out text", top5),
-            ("top-1 vs own greedy continuation", own1), ("top-5 vs own greedy continuation", own5),
-            ("official Medusa-1, Vicuna-7B top-1", OFFICIAL_TOP1[:K])]
-    lines = [f"summary    validation loss {val_loss:.3f} nats/token (perplexity {math.exp(val_loss):.1f})"]
-    lines += [f"           {name:<36}" + "".join(f"{v:>7d}" if isinstance(v, int) else f"{v:7.2f}" for v in xs)
-              for name, xs in rows]
+    seqs = greedy_continuations(model, [w[:P] for w in windows[: 8 * args.eval_prompts]], max_new_tokens=n)
+    acc = measure_head_accuracy(model, heads, seqs, prompt_lens=P, top_k=top_k)
+    save_accuracy(args.out, acc, meta={"measured_on": f"{len(seqs)} held-out prompts x {n} greedy tokens"})
+    # The share of the greedy tokens inside the draft vocabulary of each size m: rank[token] < m.
+    ranks = heads.vocab_order.cpu().argsort()[torch.tensor([s[P:] for s in seqs])]
+    sizes = sorted({m for m in COVERAGE_SIZES if m < V} | ({M} if 0 < M < V else set()))
+    coverage = {m: (ranks < m).double().mean().item() for m in sizes}
+    figures = {"top-1 on held-out text": text[:, 0], "top-5 on held-out text": text[:, :5].sum(1),
+               "top-1 vs own greedy continuation": acc[:, 0], "top-5 vs own greedy continuation": acc[:, :5].sum(1),
+               "official Medusa-1, Vicuna-7B top-1": torch.tensor(OFFICIAL_TOP1[:K])}
+    lines = [f"summary    validation loss {val_loss:.3f} nats/token (perplexity {math.exp(val_loss):.1f})",
+             f"           {'head':<36}" + "".join(f"{k:>7d}" for k in range(1, K + 1))]
+    lines += [f"           {name:<36}" + "".join(f"{v:7.2f}" for v in xs.tolist()) for name, xs in figures.items()]
     lines.append(f"           {'expected tokens/step, greedy (bonus counted):':<48}"
                  + ", ".join(f"{b} nodes {build_tree(acc, b)[1]:.2f}" for b in (4, 8, 16, 32, 64))
                  + f"; cpu preset {expected_tokens_per_step(acc, preset('cpu').truncated(K)):.2f}")
-    run.log("\n".join(lines))
-    return {"val_loss": round(val_loss, 4), "head_top1_text": [round(v, 4) for v in top1],
-            "head_top5_text": [round(v, 4) for v in top5], "head_top1_own": [round(v, 4) for v in own1]}
+    if coverage:
+        lines.append("           draft vocabulary coverage of greedy text: "
+                     + ", ".join(f"{m} {c:.2f}" for m, c in coverage.items()))
+    r.log("\n".join(lines))
+    return {"val_loss": round(val_loss, 4), "head_top1_text": [round(v, 4) for v in text[:, 0].tolist()],
+            "head_top1_own": [round(v, 4) for v in acc[:, 0].tolist()],
+            "draft_vocab_coverage": {str(m): round(c, 4) for m, c in coverage.items()}}
 
 
-def held_out_prompts(out: str, val_docs, enc, *, count: int, seed: int, block_size: int,
-                     chars: int = 240) -> list[str]:
-    """`count` snippets of held-out text, from line boundary to line boundary, under a third of the
-    context: decode.py's default prompts, so its figures come from text the model never trained on."""
+def held_out_prompts(out: str, val_docs, enc, *, count: int, seed: int, block_size: int) -> None:
+    """`count` snippets of held-out text (at most 240 characters, line to line, under a third of the
+    context), saved as prompts.json: decode.py's default prompts, text the model never trained on."""
     rng = random.Random(seed)
     prompts: list[str] = []
     texts = [t for _, t in val_docs if t.strip()]
-    attempts = 0
-    while len(prompts) < count and texts and attempts < count * 50:
-        attempts += 1
-        text = texts[rng.randrange(len(texts))]
-        lines = text.splitlines(keepends=True)
-        start = rng.randrange(len(lines))
+    for _ in range(count * 50 if texts else 0):
+        if len(prompts) == count:
+            break
+        lines = texts[rng.randrange(len(texts))].splitlines(keepends=True)
         snippet = ""
-        for line in lines[start:]:
-            if snippet and len(snippet) + len(line) > chars:
+        for line in lines[rng.randrange(len(lines)):]:
+            if snippet and len(snippet) + len(line) > 240:
                 break
             snippet += line
-        snippet = snippet[:chars]
-        n = len(enc.encode_ordinary(snippet))
-        if snippet.strip() and 0 < n < block_size // 3:
+        snippet = snippet[:240]
+        if snippet.strip() and 0 < len(enc.encode_ordinary(snippet)) < block_size // 3:
             prompts.append(snippet)
     atomic_write_text(os.path.join(out, PROMPTS_FILE), json.dumps({"prompts": prompts}, indent=1, ensure_ascii=False))
-    return prompts
+
+
+def greedy_continuations(model: GPT, prompts: list[list[int]], *, max_new_tokens: int) -> list[list[int]]:
+    """Each prompt + the backbone's greedy continuation, token for token what `generate` writes."""
+    out = []
+    for b in range(0, len(prompts), ROWS):
+        part = prompts[b : b + ROWS]
+        out += [p + new for p, (new, _) in zip(part, generate_batch(model, part, max_new_tokens=max_new_tokens))]
+    return out
+
+
+@torch.no_grad()
+def measure_head_accuracy(model: GPT, heads: DraftHeads, sequences: list[list[int]], *,
+                          prompt_lens: int | Sequence[int], top_k: int = 10) -> torch.Tensor:
+    """acc [K, top_k] float64 (module docstring) on `sequences`: prompts of `prompt_lens` tokens (one count
+    or one each) + their greedy continuations. As in decoding, heads read from each prompt's last token on;
+    a guess is a token id of the draft vocabulary; a position counts where the head's target exists."""
+    device, K, draft_ids = model.device, heads.num_heads, heads.draft_ids.to(model.device)
+    if not 0 < top_k <= draft_ids.numel():
+        raise ValueError(f"top_k={top_k} must be between 1 and the draft vocabulary's size {draft_ids.numel()}")
+    if max(map(len, sequences)) > model.config.block_size:
+        raise ValueError(f"a sequence is longer than the context ({model.config.block_size} tokens)")
+    prompt_lens = [prompt_lens] * len(sequences) if isinstance(prompt_lens, int) else prompt_lens
+    hits, counts = torch.zeros(K, top_k, dtype=torch.float64), torch.zeros(K, dtype=torch.float64)
+    for seq, P in zip(sequences, prompt_lens):
+        x, y = torch.tensor([seq[:-1]], device=device), torch.tensor([seq[1:]], device=device)  # [1, T]
+        targets = head_targets(y, K)[:, 0]  # [K, T] token ids, IGNORE where none
+        following = next_tokens(y, K)[0]  # [T, K]: along a greedy continuation, the path greedy decoding takes
+        _, hidden = model(x, logits_at=slice(0, 0))  # [1, T, C]
+        for t in torch.arange(max(P - 1, 0), len(seq) - 2, device=device).split(POSITIONS):  # head 1 has a target
+            guesses = draft_ids[heads(hidden[0, t], model, following=following[t]).topk(top_k, dim=-1).indices]
+            hits += (guesses == targets[:, t, None]).sum(1).cpu()  # guesses [K, m, top_k] token ids
+            counts += (targets[:, t] != IGNORE).sum(1).cpu()
+    if counts.sum() == 0:
+        raise ValueError("no position has a target: the sequences are too short (need 3+ tokens)")
+    return hits / counts.clamp(min=1)[:, None]
+
+
+def save_accuracy(directory: str | os.PathLike, acc: torch.Tensor, *, meta: dict | None = None) -> str:
+    """Write heads_accuracy.json atomically, one line per head; return its path."""
+    acc = check_acc(acc)
+    obj = {"top_k": acc.shape[1], "num_heads": acc.shape[0], "measured_on": "unspecified", **(meta or {})}
+    rows = ",\n    ".join(json.dumps([round(x, 6) for x in row]) for row in acc.tolist())
+    path = os.path.join(os.fspath(directory), ACCURACY_FILE)
+    atomic_write_text(path, '{\n  "acc": [\n    ' + rows + "\n  ]," + json.dumps(obj, indent=2)[1:] + "\n")
+    return path
+
+
+def load_accuracy(directory: str | os.PathLike) -> torch.Tensor:
+    """acc [K, R] float64 from heads_accuracy.json; a one-line ValueError for a missing or bad file."""
+    path = os.path.join(os.fspath(directory), ACCURACY_FILE)
+    obj = read_json(path, hint=f"measure it with python -m medusa_mini.cli.measure --ckpt {directory}")
+    try:
+        rows = obj["acc"]
+        if any(type(x) not in (int, float) for row in rows for x in row):
+            raise ValueError("not all numbers")
+        if obj.get("top_k", len(rows[0])) != len(rows[0]):
+            raise ValueError("top_k is not the row length")
+        return check_acc(torch.tensor(rows, dtype=torch.float64))
+    except (TypeError, ValueError, KeyError, IndexError) as e:
+        raise ValueError(f'{path} must hold {{"acc": [[...], ...]}}: one row of numbers in [0, 1] per head, '
+                         f"all of one length, top_k (if given) that length; {e}") from None
+
+
+def format_accuracy(acc: torch.Tensor) -> str:
+    """Per head: top-1 and top-5 cumulative acceptance (summed over the first 1 or 5 ranks)."""
+    cum = check_acc(acc).cumsum(dim=1)
+    lines = ["head  top-1  top-5   (cumulative: accepted among the first r guesses)"]
+    lines += [f"{k + 1:>4}  {cum[k, 0]:.3f}  {cum[k, min(4, cum.shape[1] - 1)]:.3f}" for k in range(len(cum))]
+    return "\n".join(lines)

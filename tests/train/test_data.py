@@ -1,4 +1,4 @@
-"""Spec for medusa_mini.data: the offline corpus, user text, splits, encoding and batches."""
+"""Training text (train/data.py): the offline corpus, user text, splits, encoding and batches."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def lines_text(n_lines: int) -> str:
     return "".join(f"line {i}: {'x' * (i % 50)}\n" for i in range(n_lines))
 
 
-def test_default_corpus_is_offline_sorted_capped_and_named_by_relative_path(monkeypatch):
+def test_default_corpus_is_offline_sorted_capped_named_by_relative_path_without_tests_or_packages(monkeypatch):
     for owner, name in ((socket.socket, "connect"), (socket, "create_connection")):
         monkeypatch.setattr(owner, name, lambda *args, **kwargs: pytest.fail("the network was used"))
     for cap in (50_000, 300_000):
@@ -42,13 +42,8 @@ def test_default_corpus_is_offline_sorted_capped_and_named_by_relative_path(monk
     docs = load_corpus(max_bytes=300_000)
     assert docs[0][0] == relative[0] and all(text for _, text in docs)
     assert "".join(t for _, t in docs) == "".join(f.read_bytes().decode("utf-8") for f in files)
-
-
-def test_default_corpus_skips_tests_and_bundled_packages():
     skipped = {"site-packages", "dist-packages", "test", "tests", "idlelib"}
-    for f in default_corpus_files(max_bytes=3_000_000):
-        assert not skipped & set(f.relative_to(STDLIB).parts[:-1])
-        f.read_bytes().decode("utf-8")  # valid UTF-8
+    assert not any(skipped & set(f.relative_to(STDLIB).parts[:-1]) for f in default_corpus_files(max_bytes=3_000_000))
 
 
 def test_a_single_file_becomes_documents_cut_on_line_boundaries(tmp_path):
@@ -100,13 +95,6 @@ def test_split_keeps_documents_whole_in_order_and_depends_on_the_seed():
     assert split_documents(docs, val_fraction=0.1, seed=4)[1] != val
 
 
-@pytest.mark.parametrize("val_fraction", [0.001, 0.5, 0.999])
-def test_split_puts_at_least_one_document_on_each_side(val_fraction):
-    docs = [("a", "1\n"), ("b", "2\n")]
-    train, val = split_documents(docs, val_fraction=val_fraction)
-    assert len(train) == 1 and len(val) == 1
-
-
 def test_a_single_document_is_split_at_a_line_boundary():
     text = lines_text(1000)
     train, val = split_documents([("one", text)], val_fraction=0.1)
@@ -117,27 +105,26 @@ def test_a_single_document_is_split_at_a_line_boundary():
     assert (train[0][1], val[0][1]) == ("abcdefgh", "ij")
 
 
-@pytest.mark.parametrize("docs, val_fraction", [([], 0.1), ([("a", "x\n"), ("b", "y\n")], 0.0), ([("a", "x")], 0.5)])
-def test_split_rejects_bad_arguments(docs, val_fraction):
-    with pytest.raises(ValueError):
-        split_documents(docs, val_fraction=val_fraction)
+@pytest.mark.parametrize("val_fraction", [0.001, 0.5, 0.999])
+def test_split_puts_at_least_one_document_on_each_side_and_rejects_bad_arguments(val_fraction):
+    train, val = split_documents([("a", "1\n"), ("b", "2\n")], val_fraction=val_fraction)
+    assert len(train) == 1 and len(val) == 1
+    for docs, fraction in (([], 0.1), ([("a", "x\n"), ("b", "y\n")], 0.0), ([("a", "x")], 0.5)):
+        with pytest.raises(ValueError):
+            split_documents(docs, val_fraction=fraction)
 
 
-def test_encoded_documents_are_separated_by_eot(enc):
+def test_encoded_documents_are_separated_by_eot_in_the_smallest_unsigned_type(enc):
     docs = [("a", "def f():\n"), ("b", "    return 1\n"), ("c", "")]
     tokens = encode_documents(enc, docs, eot_id=enc.eot_token)
     pieces = [enc.encode_ordinary(t) for _, t in docs]
-    expected = pieces[0] + [enc.eot_token] + pieces[1] + [enc.eot_token] + pieces[2]
-    assert tokens.tolist() == expected
+    assert tokens.tolist() == pieces[0] + [enc.eot_token] + pieces[1] + [enc.eot_token] + pieces[2]
     assert encode_documents(enc, docs, eot_id=None).tolist() == pieces[0] + pieces[1]
-    assert tokens.dtype == np.uint16  # the smallest unsigned type that holds every id
+    assert tokens.dtype == np.uint16
     special = encode_documents(enc, [("a", "<|endoftext|>")], eot_id=enc.eot_token).tolist()
     assert enc.eot_token not in special and enc.decode(special) == "<|endoftext|>"  # ordinary text
     with pytest.raises(ValueError, match="eot_id"):
         encode_documents(enc, [("a", "x")], eot_id=enc.n_vocab)
-
-
-def test_a_vocabulary_over_65536_tokens_is_encoded_as_uint32():
     big = types.SimpleNamespace(n_vocab=100_000, encode_ordinary_batch=lambda texts: [[99_999, 7] for _ in texts])
     tokens = encode_documents(big, [("a", "?"), ("b", "?")], eot_id=70_000)
     assert tokens.dtype == np.uint32 and tokens.tolist() == [99_999, 7, 70_000, 99_999, 7]

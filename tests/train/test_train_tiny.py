@@ -1,8 +1,11 @@
-"""train_tiny.py as a user runs it: stages, checkpoints, exact resume (float16 loss scaling included),
-bad input, DDP replicas."""
+"""train_tiny.py as a user runs it: stages, checkpoints, the draft vocabulary, exact resume after Ctrl-C
+(float16 loss scaling included), bad input, DDP replicas."""
 
+import contextlib
+import io
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -11,18 +14,32 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-import train_tiny  # noqa: E402
-from medusa_mini.io.checkpoint import load_checkpoint  # noqa: E402
-from medusa_mini.train import run as run_mod  # noqa: E402
-from medusa_mini.tree import build_tree, expected_tokens_per_step, preset  # noqa: E402
-from medusa_mini.tune.acceptance_tables import load_accuracy  # noqa: E402
-from medusa_mini.tune.trees import resolve_tree  # noqa: E402
+import train_tiny
+from medusa_mini.heads import frequency_order
+from medusa_mini.io.checkpoint import load_checkpoint
+from medusa_mini.train import run as run_mod
+from medusa_mini.train.report import load_accuracy
+from medusa_mini.training import MedusaLM
+from medusa_mini.tree import build_tree, expected_tokens_per_step, preset
 
+ROOT = Path(__file__).resolve().parents[2]
 FAST = ["--preset", "smoke", "--max-bytes", "60000", "--vocab-size", "300", "--backbone-steps", "6",
         "--heads-steps", "4", "--distill-prompts", "8", "--distill-tokens", "12", "--eval-prompts", "2",
         "--batch-size", "4", "--block-size", "64", "--n-embd", "32", "--log-every", "1000"]
+# A torchrun worker: train_tiny.py, with Ctrl-C pressed on rank 0 during optimizer step argv[1] (0: never).
+WORKER = r'''
+import os, signal, sys
+import train_tiny
+from medusa_mini.training import MedusaLM
+forward, steps = MedusaLM.forward, iter(range(1, 10**6))
+def step(self, *args, **kwargs):
+    if next(steps) == int(sys.argv[1]) and os.environ["RANK"] == "0":
+        os.kill(os.getpid(), signal.SIGINT)
+    return forward(self, *args, **kwargs)
+MedusaLM.forward = step
+code = train_tiny.main(sys.argv[2:]); sys.stdout.flush()
+os._exit(code)  # gloo's threads abort now and then at interpreter exit, even with the group destroyed
+'''
 
 
 def weights(out, backbone_only=False):
@@ -32,17 +49,37 @@ def weights(out, backbone_only=False):
 
 def same_weights(a, b, backbone_only=False, **tolerance) -> bool:
     wa, wb = weights(a, backbone_only), weights(b, backbone_only)
-    same = (lambda a, b: torch.allclose(a, b, **tolerance)) if tolerance else torch.equal
-    return wa.keys() == wb.keys() and all(same(wa[k], wb[k]) for k in wa)
+    return wa.keys() == wb.keys() and all((torch.allclose if tolerance else torch.equal)(wa[k], wb[k], **tolerance)
+                                          for k in wa)
 
 
-def test_a_run_writes_a_complete_checkpoint(tmp_path, capsys):
-    out = tmp_path / "run"
-    assert train_tiny.main(FAST + ["--out", str(out)]) == 0
-    assert set(os.listdir(out)) == {"config.json", "model.safetensors", "medusa_heads.safetensors", "medusa_config.json",
-                                    "tokenizer.tiktoken", "tokenizer_config.json", "prompts.json",
+def ctrl_c(monkeypatch, *, during: int, presses: int = 1, owner=MedusaLM, name="forward"):
+    """Press Ctrl-C (a real SIGINT) `presses` times in the `during`-th call of owner.name (default: step)."""
+    real, calls = getattr(owner, name), iter(range(1, 10**6))
+
+    def call(*args, **kwargs):
+        if next(calls) == during:
+            for _ in range(presses):
+                os.kill(os.getpid(), signal.SIGINT)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, call)
+
+
+@pytest.fixture(scope="module")
+def reference_run(tmp_path_factory):
+    """An uninterrupted run, and what it printed."""
+    ref, printed = tmp_path_factory.mktemp("ref"), io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert train_tiny.main(FAST + ["--out", str(ref)]) == 0
+    return ref, printed.getvalue()
+
+
+def test_a_run_writes_a_complete_checkpoint_and_a_measured_summary(reference_run):
+    out, text = reference_run
+    assert set(os.listdir(out)) == {"config.json", "model.safetensors", "medusa_heads.safetensors", "prompts.json",
+                                    "medusa_config.json", "tokenizer.tiktoken", "tokenizer_config.json",
                                     "heads_accuracy.json"}  # no resume state
-    text = capsys.readouterr().out
     assert all(stage in text for stage in ("tokenizer", "backbone", "distill", "heads", "summary", "official Medusa-1"))
     # the summary's expected tokens per step are the product rule on the stored accuracies
     assert (acc := load_accuracy(out)).shape == (4, 10)
@@ -50,67 +87,78 @@ def test_a_run_writes_a_complete_checkpoint(tmp_path, capsys):
     assert f"{want}; cpu preset {expected_tokens_per_step(acc, preset('cpu')):.2f}" in text
     model, heads, cfg = load_checkpoint(out)
     assert heads.num_heads == 4 and cfg["medusa_mini"]["eot_id"] == model.config.vocab_size - 1
-    # decode.py's default tree on a CPU: 8 nodes built from those accuracies
-    tree, name = resolve_tree(None, ckpt_dir=str(out), device="cpu", num_heads=4)
-    assert name == "8" and tree == build_tree(acc, 8)[0]
+    assert heads.draft_ids.numel() == 300  # --draft-vocab 0: the whole vocabulary
+    coverage = cfg["medusa_mini"]["draft_vocab_coverage"]  # at 300 tokens only 256 is a smaller size
+    assert list(coverage) == ["256"] and f"coverage of greedy text: 256 {coverage['256']:.2f}\n" in text
 
 
-def test_hydra_heads_train_and_then_train_alone_on_the_same_backbone(tmp_path, capsys):
-    # The fair comparison of head kinds: one backbone, then heads-only training (--init) per kind.
+def test_hydra_heads_with_a_draft_vocabulary_train_then_train_alone_on_the_same_backbone(tmp_path, monkeypatch,
+                                                                                          capsys):
+    """The draft vocabulary: the --draft-vocab tokens most frequent in what the backbone wrote during
+    self-distillation, prompts left out. Head kinds compare fairly on one backbone (--init)."""
     import decode
-    from medusa_mini.hydra import HydraHeads
 
+    written, real = [], run_mod.self_distill  # the self-distilled text, recorded
+    monkeypatch.setattr(run_mod, "self_distill", lambda *a, **k: written.append(real(*a, **k)) or written[-1])
     first = tmp_path / "hydra"
-    assert train_tiny.main(FAST + ["--heads", "hydra", "--out", str(first)]) == 0
+    assert train_tiny.main(FAST + ["--heads", "hydra", "--draft-vocab", "64", "--out", str(first)]) == 0
+    assert "coverage of greedy text: 64 " in capsys.readouterr().out
     _, heads, cfg = load_checkpoint(first)
-    assert isinstance(heads, HydraHeads) and cfg["medusa_mini"]["heads"] == "hydra"
+    assert cfg["medusa_mini"]["heads"] == "hydra" and heads.config.kind == "hydra"
+    texts = torch.cat(written)[:, 16:]  # the smoke preset's prompts are 16 tokens
+    assert set(heads.draft_ids.tolist()) == set(frequency_order(texts, 300)[:64].tolist())
     again = tmp_path / "hydra_on_it"
     assert train_tiny.main(FAST + ["--heads", "hydra", "--init", str(first), "--out", str(again)]) == 0
-    assert isinstance(load_checkpoint(again)[1], HydraHeads) and same_weights(first, again, backbone_only=True)
+    assert load_checkpoint(again)[1].config.kind == "hydra" and same_weights(first, again, backbone_only=True)
     capsys.readouterr()
-    assert decode.main(["--ckpt", str(again), "--compare", "--prompt", "def f(x):", "--max-new-tokens", "8"]) == 0
+    assert decode.main(["--ckpt", str(first), "--compare", "--prompt", "def f(x):", "--max-new-tokens", "8"]) == 0
     text = capsys.readouterr().out
-    assert "Medusa greedy" in text and "hydra heads" in text and " no\n" not in text
+    assert "Medusa greedy" in text and " no\n" not in text  # decoded exactly over the draft vocabulary
 
 
-@pytest.fixture(scope="module")
-def reference_run(tmp_path_factory):
-    ref = tmp_path_factory.mktemp("ref")
-    assert train_tiny.main(FAST + ["--out", str(ref)]) == 0
-    return ref
-
-
-@pytest.mark.parametrize("where", ["backbone:0", "backbone:3", "heads:0", "heads:2"])
-def test_an_interrupted_run_resumes_exactly_where_it_stopped(tmp_path, where, reference_run):
-    ref, out = reference_run, tmp_path / "out"
-    assert train_tiny.main(FAST + ["--out", str(out), "--interrupt-at", where]) == 130
-    assert (out / "train_state.pt").exists() and (out / "config.json").exists()
+@pytest.mark.parametrize("during", [1, 4, "distill", 9])  # backbone steps 1 and 4, self-distillation, heads step 3
+def test_after_ctrl_c_a_resumed_run_ends_with_the_weights_of_an_uninterrupted_one(tmp_path, monkeypatch, during,
+                                                                                  reference_run):
+    out = tmp_path / "out"
+    where = dict(during=1, owner=run_mod, name="self_distill") if during == "distill" else dict(during=during)
+    ctrl_c(monkeypatch, **where)
+    assert train_tiny.main(FAST + ["--out", str(out)]) == 130
+    assert (out / "train_state.pt").exists()
     load_checkpoint(out)  # what was saved at the interruption is a usable checkpoint
+    monkeypatch.undo()
     assert train_tiny.main(FAST + ["--out", str(out), "--resume"]) == 0
-    assert same_weights(ref, out)
+    assert same_weights(reference_run[0], out)
+
+
+def test_a_second_ctrl_c_stops_at_once(tmp_path, monkeypatch, capsys):
+    ctrl_c(monkeypatch, during=2, presses=2)
+    assert train_tiny.main(FAST + ["--out", str(tmp_path / "out")]) == 130
+    assert not (tmp_path / "out" / "train_state.pt").exists() and "before anything was saved" in capsys.readouterr().err
 
 
 def test_validation_during_training_and_chunked_heads_leave_the_weights_unchanged(tmp_path, reference_run, capsys):
-    """--eval-every draws its batches from a generator of its own; --heads-chunk only splits the work."""
+    """--eval-every draws its batches from a generator of their own; --heads-chunk only splits the work."""
     out = tmp_path / "eval"
     assert train_tiny.main(FAST + ["--out", str(out), "--eval-every", "2", "--heads-chunk", "7"]) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("eval ")]
     assert [line.split()[2] for line in lines] == ["2/6", "4/6", "6/6"] and "validation loss" in lines[0]
-    assert same_weights(reference_run, out, rtol=1e-4, atol=1e-6)  # chunks add gradients up in another order
+    assert same_weights(reference_run[0], out, rtol=1e-4, atol=1e-6)  # chunks add gradients up in another order
 
 
 def test_bfloat16_training_reaches_float32s_validation_loss(tmp_path, reference_run, capsys):
     out = tmp_path / "bf16"
     assert train_tiny.main(FAST + ["--out", str(out), "--dtype", "bfloat16"]) == 0
     assert "stages     backbone" in capsys.readouterr().out  # time per stage in the summary
-    f32, bf16 = (load_checkpoint(d)[2]["medusa_mini"]["val_loss"] for d in (reference_run, out))
+    f32, bf16 = (load_checkpoint(d)[2]["medusa_mini"]["val_loss"] for d in (reference_run[0], out))
     assert abs(bf16 - f32) <= 0.05 * f32
-    assert not same_weights(reference_run, out)  # autocast really ran in bfloat16
+    assert not same_weights(reference_run[0], out)  # autocast really ran in bfloat16
 
 
-def test_an_unfinished_run_is_neither_overwritten_nor_resumed_with_another_configuration(tmp_path, capsys):
+def test_an_unfinished_run_is_neither_overwritten_nor_resumed_with_another_configuration(tmp_path, monkeypatch,
+                                                                                          capsys):
     out = tmp_path / "out"
-    assert train_tiny.main(FAST + ["--out", str(out), "--interrupt-at", "backbone:2"]) == 130
+    ctrl_c(monkeypatch, during=2)
+    assert train_tiny.main(FAST + ["--out", str(out)]) == 130
     before = (out / "train_state.pt").read_bytes()
     assert train_tiny.main(FAST + ["--out", str(out)]) == 2
     assert "--resume" in capsys.readouterr().err
@@ -127,19 +175,18 @@ def test_bad_flags_or_data_are_a_one_line_error_with_code_2_and_write_nothing(tm
     r = subprocess.run([sys.executable, str(ROOT / "train_tiny.py"), *FAST, "--lr", "-1", "--out", str(tmp_path / "x")],
                        capture_output=True, text=True)
     assert r.returncode == 2 and r.stderr.startswith("train_tiny.py: error:") and r.stderr.count("\n") == 1, r.stderr
-    for bad in (["--n-embd", "30", "--n-head", "4"], ["--distill-temperatures", "hot"],
-                ["--device", "tpu9"], ["--own-lm-head", "maybe"], ["--threads", "0"], ["--dtype", "float8"],
-                ["--dtype", "float16", "--device", "cpu"], ["--eval-every", "-1"], ["--heads-chunk", "-2"],
-                ["--heads", "eagle"], ["--heads", "hydra", "--own-lm-head", "true"], ["--resume"],
-                *(["--data", str(tmp_path / name)] for name in ("missing.txt", "empty.txt", "binary.bin")),
+    for bad in (["--n-embd", "30", "--n-head", "4"], ["--distill-temperatures", "hot"], ["--device", "tpu9"],
+                ["--threads", "0"], ["--dtype", "float8"], ["--dtype", "float16", "--device", "cpu"],
+                ["--eval-every", "-1"], ["--heads-chunk", "-2"], ["--heads", "eagle"], ["--resume"],
+                ["--draft-vocab", "301"], *(["--data", str(tmp_path / name)] for name in ("missing.txt", "empty.txt",
+                                                                                       "binary.bin")),
                 ["--init", str(tmp_path / "nope")]):
         try:
             code = train_tiny.main([*FAST, *bad, "--out", str(tmp_path / "x")])
         except SystemExit as e:  # argparse's own errors
             code = e.code
         err = capsys.readouterr().err
-        assert code == 2 and err.startswith("train_tiny.py: error:"), (bad, err)
-        assert len(err.strip().splitlines()) == 1, err
+        assert code == 2 and err.startswith("train_tiny.py: error:") and len(err.strip().splitlines()) == 1, (bad, err)
     assert not (tmp_path / "x").exists() or not any((tmp_path / "x").iterdir())  # nothing half-written
 
 
@@ -147,52 +194,53 @@ def test_help_lists_presets_and_every_hyper_parameter():
     r = subprocess.run([sys.executable, str(ROOT / "train_tiny.py"), "--help"], capture_output=True, text=True)
     assert r.returncode == 0 and all(flag in r.stdout for flag in (
         "--preset", "--data", "--resume", "--medusa", "--heads-steps", "--distill-temperatures", "--init", "--dtype",
-        "--eval-every", "--heads-chunk"))
+        "--eval-every", "--heads-chunk", "--draft-vocab", "gpt2-cpu"))
 
 
-def _torchrun(*args):
-    with socket.socket() as sock:  # a fixed port can still be held by an earlier run; the OS knows a free one
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                           str(port), str(ROOT / "train_tiny.py"), *FAST, "--device", "cpu", *args],
-                          capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+def test_two_ddp_processes_keep_identical_replicas_and_resume_exactly_after_ctrl_c_on_one(tmp_path):
+    def torchrun(*args):
+        with socket.socket() as sock:  # a fixed port can still be held by an earlier run; the OS knows a free one
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                               str(port), str(tmp_path / "worker.py"), *args, *FAST, "--device", "cpu"],
+                              capture_output=True, text=True, timeout=300, cwd=str(ROOT),
+                              env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
 
-
-def test_two_ddp_processes_keep_identical_replicas_and_resume_exactly(tmp_path):
     def checksums(stdout):
         return [line.split()[-1] for line in stdout.splitlines() if "weights sha256" in line]
 
-    full = _torchrun("--out", str(tmp_path / "ddp"))
-    assert full.returncode == 0, full.stderr[-2000:]
+    (tmp_path / "worker.py").write_text(WORKER)
+    full = torchrun("0", "--out", str(tmp_path / "ddp"))
     sums = checksums(full.stdout)
-    assert len(sums) == 2 and sums[0] == sums[1], full.stdout[-3000:] + full.stderr[-2000:]
-    assert "ranks 2" in full.stdout
-    # interrupted on both ranks, then resumed: the same final weights as the uninterrupted run
-    out = str(tmp_path / "cut")
-    assert _torchrun("--out", out, "--interrupt-at", "heads:2").returncode != 0
-    resumed = _torchrun("--out", out, "--resume")
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
-    assert checksums(resumed.stdout) == sums
+    assert full.returncode == 0 and "ranks 2" in full.stdout and len(sums) == 2 and sums[0] == sums[1], full.stderr
+    # Ctrl-C on rank 0 alone during heads step 3: both ranks save and stop; resumed, the same final weights
+    assert torchrun("9", "--out", str(tmp_path / "cut")).returncode != 0
+    resumed = torchrun("0", "--out", str(tmp_path / "cut"), "--resume")
+    assert resumed.returncode == 0 and checksums(resumed.stdout) == sums, resumed.stderr[-2000:]
 
 
-def test_init_trains_heads_on_a_frozen_checkpoint_replacing_an_older_run_and_resumes_exactly(tmp_path, reference_run):
+def test_init_trains_heads_on_a_frozen_checkpoint_replacing_an_older_run_and_resumes_exactly(tmp_path, monkeypatch,
+                                                                                             reference_run):
     """--init with a local GPT-2 layout directory (as the hub's, but written here): heads only, backbone kept."""
-    args = FAST + ["--init", str(reference_run), "--preset", "gpt2-cpu", "--heads-steps", "4", "--distill-prompts", "4"]
+    base = reference_run[0]
+    args = FAST + ["--init", str(base), "--preset", "gpt2-cpu", "--heads-steps", "4", "--distill-prompts", "4"]
     ref, out = tmp_path / "ref", tmp_path / "out"
     assert train_tiny.main(FAST + ["--out", str(ref), "--n-embd", "48", "--backbone-steps", "2"]) == 0  # older run
     assert train_tiny.main(args + ["--out", str(ref)]) == 0
-    assert same_weights(reference_run, ref, backbone_only=True)
+    assert same_weights(base, ref, backbone_only=True)
     _, heads, cfg = load_checkpoint(ref)
-    assert heads.num_heads == 4 and cfg["medusa_mini"]["init"] == str(reference_run)
-    assert (ref / "tokenizer.tiktoken").read_bytes() == (reference_run / "tokenizer.tiktoken").read_bytes()
-    assert train_tiny.main(args + ["--out", str(out), "--interrupt-at", "heads:2"]) == 130
+    assert heads.num_heads == 4 and cfg["medusa_mini"]["init"] == str(base)
+    assert (ref / "tokenizer.tiktoken").read_bytes() == (base / "tokenizer.tiktoken").read_bytes()
+    ctrl_c(monkeypatch, during=3)
+    assert train_tiny.main(args + ["--out", str(out)]) == 130
+    monkeypatch.undo()
     assert train_tiny.main(args + ["--out", str(out), "--resume"]) == 0
     assert same_weights(ref, out)
 
 
 def test_a_draft_model_can_share_another_checkpoints_tokenizer(tmp_path, reference_run):
-    base, draft = reference_run, tmp_path / "draft"
+    base, draft = reference_run[0], tmp_path / "draft"
     assert train_tiny.main(FAST + ["--out", str(draft), "--tokenizer", str(base), "--n-layer", "1",
                                    "--vocab-size", "512"]) == 0
     assert (draft / "tokenizer.tiktoken").read_bytes() == (base / "tokenizer.tiktoken").read_bytes()
@@ -215,9 +263,8 @@ def test_smoke_preset_end_to_end_medusa_greedy_equals_plain_greedy(tmp_path, cap
 
 
 class _EagerScaler(torch.amp.GradScaler):
-    """torch's GradScaler starting at 2**17 and growing after every good step: on this tiny model the
-    backbone's float16 gradients overflow from 2**18 and the heads' from 2**22, so each stage skips steps,
-    backs off and grows again, and the scale it resumes with decides which later steps are skipped."""
+    """A GradScaler from 2**17, growing after every good step: this tiny model's float16 gradients overflow
+    from 2**18 (backbone) and 2**22 (heads), so the scale a run resumes with decides which steps are skipped."""
 
     made: list = []
 
@@ -228,12 +275,10 @@ class _EagerScaler(torch.amp.GradScaler):
 
 @pytest.mark.slow
 def test_float16_loss_scaling_skips_overflows_and_resumes_exactly(tmp_path, monkeypatch):
-    """The real loop with an enabled GradScaler: scale, unscale, clip, step (or skip), update; its state
-    saved with the run and restored on --resume, so the resumed steps are the uninterrupted ones."""
-    # float16 is refused on a CPU (slow there), but torch's GradScaler runs on one since 2.3. The summary
-    # reads no scaler and takes most of a run's time: left out.
-    for module in (train_tiny, run_mod):
-        monkeypatch.setattr(module, "check_dtype", lambda dtype, device: None)
+    """The real loop with an enabled GradScaler, its state saved with the run and restored on --resume."""
+    # float16 is refused on a CPU (slow there), but torch's GradScaler runs on one. The summary reads no
+    # scaler and takes most of a run's time: left out.
+    monkeypatch.setattr(train_tiny, "training_dtype", lambda name, device: name)
     monkeypatch.setattr(torch.amp, "GradScaler", _EagerScaler)
     monkeypatch.setattr(run_mod, "summarize", lambda *args, **kwargs: {})
     _EagerScaler.made = []
@@ -242,10 +287,12 @@ def test_float16_loss_scaling_skips_overflows_and_resumes_exactly(tmp_path, monk
     assert train_tiny.main(args + ["--out", str(ref)]) == 0
     assert [s.is_enabled() for s in _EagerScaler.made] == [True, True]  # backbone, heads
     assert all(torch.isfinite(v).all() for v in weights(ref).values())
-    for where in ("backbone:3", "heads:3"):
-        out = tmp_path / where.replace(":", "_")
-        assert train_tiny.main(args + ["--out", str(out), "--interrupt-at", where]) == 130
+    for during in (3, 9):  # backbone step 3, heads step 3
+        out = tmp_path / str(during)
+        with monkeypatch.context() as m:
+            ctrl_c(m, during=during)
+            assert train_tiny.main(args + ["--out", str(out)]) == 130
         saved = torch.load(out / "train_state.pt", weights_only=True)["scaler"]
         assert saved["scale"] != 2.0**17 and saved["growth_interval"] == 1  # the scaler's own state, saved
         assert train_tiny.main(args + ["--out", str(out), "--resume"]) == 0
-        assert same_weights(ref, out), where
+        assert same_weights(ref, out), during

@@ -1,1 +1,0 @@
-"""Wing: which tree to decode with: the heads' measured acceptance table and `--tree`."""

@@ -1,0 +1,132 @@
+"""The acceptance table (train/report.py): acc[k][r] counts how often head k+1's rank-r guess, a token of
+the draft vocabulary, is the backbone's own greedy token, over greedy continuations of prompts; the
+product rule on it predicts greedy Medusa's tokens per step; the table survives a save and load, and a
+bad file is one clear error."""
+
+import itertools
+import json
+
+import pytest
+import torch
+
+from conftest import tiny_model
+from medusa_mini.decoding import generate, medusa_generate
+from medusa_mini.heads import HeadsConfig
+from medusa_mini.proposal import MedusaProposer
+from medusa_mini.train import report
+from medusa_mini.train.report import greedy_continuations, load_accuracy, measure_head_accuracy
+from medusa_mini.tree import build_tree
+
+VICUNA = torch.tensor([[a * 0.45**r for r in range(10)] for a in (0.56, 0.32, 0.20, 0.15)])
+
+
+def _prompts(n, length=5):
+    return [torch.randint(0, 64, (length,), generator=torch.Generator().manual_seed(s)).tolist() for s in range(n)]
+
+
+class LookupHeads:
+    """Heads that recognise a hidden state of known sequences (nearest neighbour) and put the true future
+    token at rank r with chance true_rank_probs[r], else outside the top 10 ((1.0,): an oracle), over the
+    draft vocabulary `draft_ids` (default all): logits [K, ..., M]; a token outside it is never guessed."""
+
+    def __init__(self, model, sequences, *, num_heads=4, true_rank_probs=(1.0,), seed=0, draft_ids=None):
+        self.num_heads, self.V = num_heads, model.config.vocab_size
+        self.draft_ids = torch.arange(self.V) if draft_ids is None else draft_ids
+        self.config = HeadsConfig(num_heads=num_heads, n_embd=model.config.n_embd, vocab_size=self.V)
+        index = {t: i for i, t in enumerate(self.draft_ids.tolist())}
+        states, futures = [], []
+        with torch.no_grad():
+            for s in sequences:
+                hidden = model(torch.tensor([s]))[1][0]  # [T, C]
+                for t in range(len(s)):
+                    states.append(hidden[t])
+                    futures.append([index.get(s[t + k + 2], -1) if t + k + 2 < len(s) else -1
+                                    for k in range(num_heads)])
+        self.states, self.futures = torch.stack(states), torch.tensor(futures)  # [S, C], [S, K] draft indices
+        gen = torch.Generator().manual_seed(seed)
+        cum = torch.tensor(list(itertools.accumulate(true_rank_probs)))
+        self.rank = torch.searchsorted(cum, torch.rand(len(futures), num_heads, generator=gen), right=True)
+        self.rank[self.rank >= len(true_rank_probs)] = 10  # the leftover chance: not in the top 10
+        self.noise = torch.rand(len(futures), num_heads, len(self.draft_ids), generator=gen)
+
+    def proposer(self, model, tree):
+        return MedusaProposer(tree, lambda hidden, num: self(hidden, model, num=num).transpose(0, 1),
+                              draft_ids=self.draft_ids, vocab_size=self.V, num_heads=self.num_heads)
+
+    def __call__(self, hidden, model, *, following=None, num=None):
+        row = torch.cdist(hidden.reshape(-1, hidden.shape[-1]), self.states).argmin(dim=1)  # [m]
+        logits = self.noise[row].clone()  # [m, K, M] in [0, 1)
+        for i, j in enumerate(row.tolist()):
+            for k in range(self.num_heads):
+                tok, r = int(self.futures[j, k]), int(self.rank[j, k])
+                if tok >= 0:  # exactly r other tokens above the true one; far below the top 10 when "absent"
+                    top = logits[i, k].clone().index_fill_(0, torch.tensor([tok]), -1.0).sort(descending=True).values
+                    logits[i, k, tok] = 2.0 if r == 0 else (top[r - 1] + top[r]) / 2 if r < 10 else -1.0
+        return logits.permute(1, 0, 2).reshape(self.num_heads, *hidden.shape[:-1], -1)[:num]
+
+
+def test_greedy_continuations_are_plain_greedy_decoding():
+    model = tiny_model(0)
+    prompts = _prompts(20) + [[3, 1, 4]]  # more than one batch of rows, prompts of two lengths
+    assert greedy_continuations(model, prompts, max_new_tokens=12) == [
+        p + generate(model, p, max_new_tokens=12)[0] for p in prompts]
+
+
+@pytest.mark.parametrize("true_rank_probs, atol", [((1.0,), 0.0), ((0.5, 0.3), 0.12)])
+def test_measured_accuracy_counts_ranks_and_only_positions_with_a_target(true_rank_probs, atol):
+    model = tiny_model(1)
+    seqs = greedy_continuations(model, _prompts(6), max_new_tokens=40)
+    heads = LookupHeads(model, seqs, true_rank_probs=true_rank_probs, seed=1)
+    acc = measure_head_accuracy(model, heads, seqs, prompt_lens=5, top_k=10)
+    # 6 sequences x ~40 positions per head: the measured rates sit near the chances of each rank, 0 past them
+    want = torch.tensor([*true_rank_probs, 0.0, 0.0], dtype=torch.float64)[None].expand(4, -1)
+    assert acc.shape == (4, 10) and acc.dtype == torch.float64 and acc[:, 2:].sum() == 0
+    assert torch.allclose(acc[:, :2], want[:, :2], atol=atol)
+
+
+def test_a_guess_is_a_token_of_the_draft_vocabulary():
+    """Oracle heads over a draft vocabulary: always right where the true token is in it, never elsewhere."""
+    model = tiny_model(3)
+    seqs = greedy_continuations(model, _prompts(4), max_new_tokens=30)
+    written = sorted({t for s in seqs for t in s[5:]})
+    for draft in (written, written[::2]):  # every token the heads must guess, then half of them
+        heads = LookupHeads(model, seqs, draft_ids=torch.tensor(draft))
+        acc = measure_head_accuracy(model, heads, seqs, prompt_lens=[5] * 4, top_k=1)
+        inside = [sum(s[t] in draft for s in seqs for t in range(6 + k, len(s))) / sum(len(s) - 6 - k for s in seqs)
+                  for k in range(4)]
+        assert acc[:, 0].tolist() == pytest.approx(inside) and (draft != written or inside == [1.0] * 4)
+
+
+def test_measured_accuracy_predicts_measured_tokens_per_step():
+    model = tiny_model(2)
+    prompts = _prompts(6)
+    seqs = greedy_continuations(model, prompts, max_new_tokens=44)  # 40 decoded + room for 4 heads
+    heads = LookupHeads(model, seqs, true_rank_probs=(0.55, 0.2, 0.1), seed=2)
+    tree, expected = build_tree(measure_head_accuracy(model, heads, seqs, prompt_lens=5), 8)
+    emitted = steps = 0
+    for p, s in zip(prompts, seqs):
+        out, stats = medusa_generate(model, heads, p, tree=tree, max_new_tokens=40)
+        assert out == s[5:45]  # still exactly greedy
+        emitted, steps = emitted + sum(stats.step_tokens), steps + stats.steps
+    assert 1.5 < expected and 0.8 < emitted / steps / expected < 1.2
+
+
+def test_accuracy_survives_a_save_and_load_round_trip_and_prints_cumulative_top1_and_top5(tmp_path):
+    path = report.save_accuracy(tmp_path, VICUNA, meta={"measured_on": "hand-written", "num_prompts": 0})
+    assert torch.allclose(load_accuracy(tmp_path), VICUNA.double(), atol=1e-6)
+    saved = json.loads(open(path).read())
+    assert saved["top_k"] == 10 and saved["num_heads"] == 4 and saved["measured_on"] == "hand-written"
+    assert [p.name for p in tmp_path.iterdir()] == ["heads_accuracy.json"]  # no temporary left behind
+    lines = report.format_accuracy(VICUNA).splitlines()
+    assert lines[1:] == ["   1  0.560  0.999", "   2  0.320  0.571", "   3  0.200  0.357", "   4  0.150  0.268"]
+
+
+@pytest.mark.parametrize("content", [
+    "not json", "[1, 2]", '{"acc": []}', '{"acc": [[0.5], [0.5, 0.2]]}', '{"acc": [[0.5, "x"]]}',
+    '{"acc": [[1.5]]}', '{"acc": [[0.5, 0.2]], "top_k": 3}', '{"acc": [[true]]}', None,
+])
+def test_a_bad_or_missing_accuracy_file_gives_a_clear_error(tmp_path, content):
+    if content is not None:
+        (tmp_path / "heads_accuracy.json").write_text(content)
+    with pytest.raises(ValueError, match="heads_accuracy.json" if content else "medusa_mini.cli.measure --ckpt"):
+        load_accuracy(tmp_path)
