@@ -2,8 +2,8 @@
 
     python decode.py                      # Medusa, greedy, on the checkpoint's held-out prompts
     python decode.py --show               # the tree, then each forward pass's tokens in their own colour
-    python decode.py --explain            # one Medusa step, stage by stage (--demo: no checkpoint needed)
-    python decode.py --compare            # plain vs Medusa: steps, tokens/step, ms/token, speedup
+    python decode.py --explain [--demo]   # one Medusa step, stage by stage (--demo: no checkpoint needed)
+    python decode.py --compare            # plain, prompt lookup and Medusa: tokens/step, step cost, speedup
     python decode.py --compare --batch-size 1,2,4,8,16   # where batching ends Medusa's speedup
     python decode.py --reference          # the same tokens from reference.py, the readable decoder
 
@@ -20,21 +20,15 @@ import sys
 
 import torch
 
-from medusa_mini.cli.batches import compare_batches, format_batches
-from medusa_mini.cli.common import DTYPES, OneLineParser, as_flags, encode_prompt, pick_device, pick_dtype
-from medusa_mini.cli.compare import compare, format_compare
-from medusa_mini.cli.compiled import compile_steps, warm_up
-from medusa_mini.cli.demo import DEMO_NOTE, demo_checkpoint
-from medusa_mini.cli.explain import explain_step
-from medusa_mini.cli.generation import generate_each, json_each
+from medusa_mini.cli.common import SAMPLING_TEMPERATURE, OneLineParser, StepPrinter, as_flags, encode_prompt, stat_line
+from medusa_mini.cli.compiled import StaticCaches, compile_steps, warm_up
+from medusa_mini.cli.explain import DEMO_NOTE, demo_checkpoint, explain_step
 from medusa_mini.cli.plots import plot_batch, require_matplotlib
-from medusa_mini.io.loading import PROMPTS_FILE, Checkpoint, load_for_decoding, load_prompts
+from medusa_mini.cli.runs import Engine, Method, compare, compare_methods, decode_each, format_batches, format_compare
+from medusa_mini.cli.trees import resolve_tree
+from medusa_mini.io.loading import PROMPTS_FILE, load_for_decoding, load_prompts
 from medusa_mini.sampling import Sampling
-from medusa_mini.tree import Tree
-from medusa_mini.tune.acceptance_tables import SAMPLING_TEMPERATURE  # the sampling rules' default temperature
-from medusa_mini.tune.trees import resolve_tree
-
-METHODS = ("plain", "greedy", "typical", "rejection")
+from medusa_mini.train.device import DTYPES, pick_device, pick_dtype
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,12 +38,12 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: the checkpoint's prompts.json)")
     p.add_argument("--num-prompts", type=int, default=8, metavar="N", help="stored prompts used (default: 8)")
     p.add_argument("--max-new-tokens", type=int, default=128, metavar="N", help="new tokens per prompt (default: 128)")
-    p.add_argument("--method", choices=METHODS, help="plain: one forward pass per token; else Medusa with that "
-                   "acceptance rule (default: greedy at temperature 0, rejection, which is lossless, when sampling)")
-    p.add_argument("--temperature", type=float, default=None, metavar="T",
+    p.add_argument("--method", choices=("plain", "greedy", "typical", "rejection"), help="plain: one forward pass "
+                   "per token; else Medusa with that acceptance rule (default: greedy at T = 0, else rejection)")
+    p.add_argument("--temperature", type=float, metavar="T",
                    help=f"0 = greedy (default: 0, or {SAMPLING_TEMPERATURE} for typical and rejection)")
-    p.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling mass (default: %(default)s)")
-    p.add_argument("--seed", type=int, default=0, help="seeds the sampling generator (default: %(default)s)")
+    p.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling mass (default: 1.0)")
+    p.add_argument("--seed", type=int, default=0, help="seeds the sampling generator (default: 0)")
     p.add_argument("--tree", metavar="N|NAME|FILE.json", help="N nodes built from heads_accuracy.json; a preset "
                    "(cpu, gpu, chainN); or a JSON list of choices (default: 8 on a CPU, 64 on CUDA, else a preset)")
     p.add_argument("--batch-size", metavar="B", help="decode the prompts B at a time; with --compare, a list "
@@ -57,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", help="cpu or cuda (default: cuda if available, else cpu)")
     p.add_argument("--dtype", choices=tuple(DTYPES), default="float32", help="weights and KV cache in this "
                    "precision; in half precision greedy Medusa may differ from plain greedy at near-ties, which "
-                   "--compare reports (default: %(default)s)")
+                   "--compare reports (default: float32)")
     p.add_argument("--compile", action="store_true", help="torch.compile the plain step and the tree verify "
                    "(CUDA graphs on CUDA), compiled before any timing")
     p.add_argument("--reference", action="store_true", help="decode with reference.py, the readable decoder "
@@ -65,92 +59,151 @@ def build_parser() -> argparse.ArgumentParser:
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--show", action="store_true", help="print the tree and its mask, then each pass's tokens")
     mode.add_argument("--explain", action="store_true", help="walk through one Medusa step on the first prompt")
-    mode.add_argument("--compare", action="store_true", help="table: plain vs Medusa, greedy and sampling")
-    p.add_argument("--demo", action="store_true", help="with --explain: a tiny model trained on the spot, no checkpoint")
-    p.add_argument("--plot", metavar="FILE.png", help="with --compare --batch-size B1,B2,...: draw the table "
-                   "(needs matplotlib)")
+    mode.add_argument("--compare", action="store_true", help="table: plain, prompt lookup and Medusa decoding")
+    p.add_argument("--demo", action="store_true", help="with --explain: a tiny model trained on the spot")
+    p.add_argument("--plot", metavar="FILE.png", help="with --compare --batch-size B1,B2,...: draw the table")
     p.add_argument("--json", action="store_true", help="JSON lines per prompt (with --compare: one object)")
     return p
 
 
-def batch_sizes(p: argparse.ArgumentParser, a: argparse.Namespace) -> list[int]:
-    """--batch-size as a sorted list of sizes >= 1; several only with --compare."""
-    text = a.batch_size or "1"
-    sizes = text.split(",")
+def check_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    """Reject impossible settings before any loading; fill in the batch sizes and the sampling settings."""
+    for flag, value in (("--max-new-tokens", a.max_new_tokens), ("--num-prompts", a.num_prompts)):
+        if value < 1:
+            p.error(f"{flag} must be at least 1, not {value}")
+    sizes = (a.batch_size or "1").split(",")
     if not all(x.strip().isdigit() and int(x) >= 1 for x in sizes):
-        p.error(f"--batch-size takes a size >= 1 (with --compare, a list such as 1,2,4,8), not {text!r}")
+        p.error(f"--batch-size takes a size >= 1 (with --compare, a list such as 1,2,4,8), not {a.batch_size!r}")
     if len(sizes) > 1 and not a.compare:
         p.error("--batch-size takes one size; a list of sizes goes with --compare")
-    return sorted({int(x) for x in sizes})
-
-
-def check_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
-    """Reject impossible settings before any loading; fill in the method and temperature defaults."""
-    if a.max_new_tokens < 1:
-        p.error(f"--max-new-tokens must be at least 1, not {a.max_new_tokens}")
-    if a.num_prompts < 1:
-        p.error(f"--num-prompts must be at least 1, not {a.num_prompts}")
+    a.batch_sizes = sorted({int(x) for x in sizes})
+    a.batch_size, a.batch_table = a.batch_sizes[0], a.compare and a.batch_sizes != [1]
     if a.json and (a.show or a.explain):
         p.error("--json cannot be combined with --show or --explain")
-    a.batch_sizes = batch_sizes(p, a)
-    a.batch_size = a.batch_sizes[0]
-    a.batch_table = a.compare and a.batch_sizes != [1]
     if a.batch_size > 1 and (a.show or a.reference or a.explain):
         p.error("--batch-size decodes several prompts at once; --show, --reference and --explain take one at a time")
     if a.demo and not a.explain:
         p.error("--demo goes with --explain: python decode.py --explain --demo")
-    if a.plot is not None:
-        if not a.batch_table:
-            p.error("--plot draws the batch table: use it with --compare --batch-size 1,2,4,8")
-        if not os.path.isdir(os.path.dirname(os.path.abspath(a.plot))):
-            p.error(f"--plot {a.plot}: its folder does not exist")
-        try:
-            require_matplotlib()
-        except ValueError as e:
-            p.error(str(e))
+    if a.plot is not None and not a.batch_table:
+        p.error("--plot draws the batch table: use it with --compare --batch-size 1,2,4,8")
+    if a.plot is not None and not os.path.isdir(os.path.dirname(os.path.abspath(a.plot))):
+        p.error(f"--plot {a.plot}: its folder does not exist")
     if a.reference and a.method == "plain":
         p.error("--reference decodes with Medusa; choose --method greedy, typical or rejection")
     if a.temperature is None:
         a.temperature = SAMPLING_TEMPERATURE if a.method in ("typical", "rejection") else 0.0
-    rule = None if a.method in (None, "plain") else a.method  # None: greedy at T = 0, else rejection
-    a.method = "plain" if a.method == "plain" else "reference" if a.reference and not a.compare else "medusa"
+    rule = None if a.compare or a.method == "plain" else a.method  # --compare makes its own rows
     try:  # every sampling setting is checked here, once; plain decoding reads only T and top-p
         a.sampling = Sampling(acceptance=rule, temperature=a.temperature, top_p=a.top_p)
+        if a.plot is not None:
+            require_matplotlib()  # now, not after a long run
     except ValueError as e:
-        if a.compare and rule == "greedy":  # --compare builds its own rows from T
-            a.sampling = Sampling(temperature=a.temperature, top_p=a.top_p)
-        else:
-            p.error(as_flags(str(e)).replace("greedy acceptance", "--method greedy"))
+        p.error(as_flags(str(e)).replace("greedy acceptance", "--method greedy"))
 
 
-def prepare(a: argparse.Namespace) -> tuple[Checkpoint, Tree | None, str | None, list[tuple[str, list[int]]]]:
-    """Load the checkpoint, choose the tree and encode the prompts; ValueError for anything unusable."""
+def prepare(a: argparse.Namespace):
+    """(checkpoint, tree, its name, [(text, ids)] prompts); ValueError for anything unusable."""
     device = pick_device(a.device)
     dtype = pick_dtype(a.dtype, device)
     if a.demo:
         print("training the demo model and its heads (a few seconds)...", file=sys.stderr)
-        ck, texts = demo_checkpoint()
-        ck.model.to(device=device, dtype=dtype)
-        ck.heads.to(device=device, dtype=dtype)
-        tree, name = resolve_tree(a.tree or "cpu", num_heads=ck.heads.num_heads, ckpt_dir="", device=device)
-        text = a.prompt[0] if a.prompt else texts[0]
-        return ck, tree, name, [(text, encode_prompt(ck.enc, text, block_size=ck.block_size))]
-    ck = load_for_decoding(a.ckpt, device=device, dtype=dtype)
-    needs_heads = a.method != "plain" or a.compare or a.explain or a.show
-    if needs_heads and ck.heads is None:
+        ck, text = demo_checkpoint(device=device, dtype=dtype)
+        texts = a.prompt or [text]
+    else:
+        ck = load_for_decoding(a.ckpt, device=device, dtype=dtype)
+        texts = a.prompt or load_prompts(a.ckpt)[: a.num_prompts]
+    if ck.heads is None and (a.method != "plain" or a.compare or a.explain or a.show):
         wanted = "--compare" if a.compare else "--explain" if a.explain else "Medusa decoding"
         raise ValueError(f"{a.ckpt} has no Medusa heads, which {wanted} needs; use --method plain or train heads")
     tree, name = (None, None) if ck.heads is None else resolve_tree(
-        a.tree, num_heads=ck.heads.num_heads, ckpt_dir=a.ckpt, device=device)
-    texts = a.prompt if a.prompt else load_prompts(a.ckpt)[: a.num_prompts]
+        a.tree or ("cpu" if a.demo else None), num_heads=ck.heads.num_heads, ckpt_dir="" if a.demo else a.ckpt,
+        device=device)
     prompts = []
     for i, text in enumerate(texts, start=1):
         try:
             prompts.append((text, encode_prompt(ck.enc, text, block_size=ck.block_size)))
         except ValueError as e:
-            source = "--prompt" if a.prompt else PROMPTS_FILE
-            raise ValueError(f"prompt {i} ({source}): {e}") from None
+            raise ValueError(f"prompt {i} ({'--prompt' if a.prompt else PROMPTS_FILE}): {e}") from None
     return ck, tree, name, prompts
+
+
+def methods_of(a: argparse.Namespace, ck, tree) -> list[Method]:
+    """What this run decodes with: --compare's rows (the batch table's four), or the one --method."""
+    if a.compare:
+        temperature = a.temperature if a.temperature > 0 else SAMPLING_TEMPERATURE
+        methods = compare_methods(ck, tree, a.sampling, temperature=temperature, with_reference=a.reference)
+        batch_rows = ("plain_greedy", "medusa_greedy", "plain_sampling", "medusa_rejection")
+        return [m for m in methods if m.key in batch_rows or not a.batch_table]
+    if a.method == "plain":
+        return [Method("plain", a.sampling)]
+    return [Method("reference" if a.reference else "Medusa", a.sampling, ck.heads, tree, reference=a.reference)]
+
+
+def compiled(engine: Engine, methods: list[Method], a: argparse.Namespace, prompts: int) -> float:
+    """Compile the steps and warm up every shape this run meets; the seconds it took."""
+    engine.steps, engine.caches = compile_steps(engine.ck.model.device), StaticCaches(engine.ck.model)
+    trees = list({m.drafter.proposer(engine.ck.model, m.tree).tree for m in methods if m.drafter and not m.reference})
+    n = max(max(a.batch_sizes), prompts) if a.batch_table else prompts  # the batch table cycles the prompts
+    rows = {r for B in a.batch_sizes for r in (min(B, n), n % B)} - {0}  # B at a time: the last batch is smaller
+    return sum(warm_up(engine.ck.model, engine.steps, engine.caches, trees, rows=b) for b in rows)
+
+
+def print_each(engine: Engine, method: Method, prompts: list[tuple[str, list[int]]], a, label: str) -> None:
+    """Stream each prompt's continuation (a batch's: once all are done) and a line of statistics; with
+    --json, one object per prompt per line (`tokens`: the new ids, an end token included)."""
+    ck, kw = engine.ck, dict(batch_size=a.batch_size, seed=a.seed, max_new_tokens=a.max_new_tokens)
+    done = decode_each(engine, method, [ids for _, ids in prompts], **kw) if a.batch_size > 1 or a.json else None
+    for n, (text, ids) in enumerate(prompts, start=1):
+        if a.json:
+            tokens, stats = done[n - 1]
+            print(json.dumps({"prompt": text, "prompt_tokens": len(ids), "tokens": tokens, "method": method.key,
+                              "text": ck.enc.decode([t for t in tokens if t != ck.eot_id]), "steps": stats.steps,
+                              "tokens_per_step": stats.tokens_per_step, "seconds": stats.seconds, "stop_reason":
+                              stats.stop_reason, "batch_size": a.batch_size, "temperature": a.temperature},
+                             ensure_ascii=False))
+            continue
+        printer = StepPrinter(ck.enc, sys.stdout, eot_id=ck.eot_id, show_steps=a.show)
+        how = f"; one {'colour' if printer.color else '[chunk]'} per forward pass, the first from the prefill"
+        print(f"=== prompt {n}/{len(prompts)} ({len(ids)} tokens) ===\n{text}\n=== {label}{how if a.show else ''} ===")
+        if done is None:
+            tokens, stats = decode_each(engine, method, [ids], on_step=lambda b, t: printer(t), **kw)[0]
+        else:
+            tokens, stats = done[n - 1]
+            printer(tokens)
+        printer.close()
+        print(f"stats: {stat_line(stats, new_tokens=len(tokens), block_size=ck.block_size)}\n")
+
+
+def compare_table(engine: Engine, methods: list[Method], prompts: list[list[int]], a, **settings) -> None:
+    """--compare: one table of the methods, or of the methods by batch size (--plot: drawn too)."""
+    result = compare(engine, prompts, methods, batch_sizes=a.batch_sizes, max_new_tokens=a.max_new_tokens, seed=a.seed)
+    model = engine.ck.model
+    result.update(device=str(model.device), dtype=str(model.lm_head.weight.dtype).split(".")[-1],
+                  threads=torch.get_num_threads(), top_p=a.top_p, draft=a.sampling.draft, **settings)
+    if a.plot:
+        plot_batch(result["rows"], a.plot, title=f"medusa_mini, {engine.ck.directory}, {result['device']}")
+    print(json.dumps(result) if a.json else (format_batches if a.batch_table else format_compare)(result))
+
+
+def run(a: argparse.Namespace) -> None:
+    ck, tree, tree_name, prompts = prepare(a)
+    engine, methods = Engine(ck), methods_of(a, ck, tree)
+    warmup_s = compiled(engine, methods, a, len(prompts)) if a.compile else None
+    if warmup_s is not None:
+        print(f"compiled the plain step and the verify steps in {warmup_s:.1f} s (not in any timing)", file=sys.stderr)
+    if a.compare:
+        compare_table(engine, methods, [ids for _, ids in prompts], a, tree=tree_name, tree_nodes=tree.num_nodes,
+                      compile_warmup_s=warmup_s)
+    elif a.explain:
+        print((DEMO_NOTE + "\n\n" if a.demo else "") + explain_step(
+            ck.model, ck.heads, ck.enc, prompts[0][1], tree=tree, sampling=a.sampling,
+            generator=torch.Generator(device=ck.model.device).manual_seed(a.seed)))
+    else:
+        if a.show:
+            print(f"tree {tree_name}: {tree.num_nodes - 1} nodes + root, depth {tree.depth}\n{tree.draw()}\n")
+            print(f"attention mask (row attends to column):\n{tree.draw_mask()}\n")
+        label = methods[0].label + (f", tree {tree_name}" if methods[0].drafter is not None else "")
+        print_each(engine, methods[0], prompts, a, label + (f", {a.batch_size} per batch" if a.batch_size > 1 else ""))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -158,51 +211,14 @@ def main(argv: list[str] | None = None) -> int:
     a = parser.parse_args(argv)
     check_args(parser, a)
     try:
-        ck, tree, tree_name, prompts = prepare(a)
-    except (ValueError, OSError) as e:
-        parser.error(str(e))
-    sample_t = a.temperature if a.temperature > 0 else SAMPLING_TEMPERATURE  # --compare's sampled rows
-    warmup_s = None
-    if a.compile:
-        ck.model = compile_steps(ck.model)
-        # Every batch size that runs: prompts B at a time end with a smaller batch when B does not divide them.
-        sizes = a.batch_sizes if a.batch_table else sorted({a.batch_size, len(prompts) % a.batch_size} - {0})
-        warmup_s = sum(warm_up(ck.model, tree, batch_size=b) for b in sizes)
-        print(f"compiled the plain step and the verify steps in {warmup_s:.1f} s (not in any timing)",
-              file=sys.stderr)
-    try:
-        if a.show:
-            print(f"tree {tree_name}: {tree.num_nodes - 1} nodes + root, depth {tree.depth}\n{tree.draw()}\n")
-            print(f"attention mask (row attends to column):\n{tree.draw_mask()}\n")
-        if a.batch_table:
-            result = compare_batches(ck, [ids for _, ids in prompts], tree=tree, batch_sizes=a.batch_sizes,
-                                     sampling=a.sampling, seed=a.seed, max_new_tokens=a.max_new_tokens,
-                                     sample_temperature=sample_t)
-            result["compile_warmup_s"] = warmup_s
-            if a.plot:
-                plot_batch(result["rows"], a.plot, title=f"medusa_mini, {ck.directory}, {result['device']}")
-            print(json.dumps(result) if a.json else format_batches(result))
-        elif a.compare:
-            result = compare(ck, prompts, sampling=a.sampling, tree=tree, tree_name=tree_name, seed=a.seed,
-                             sample_temperature=sample_t, max_new_tokens=a.max_new_tokens, with_reference=a.reference)
-            result["compile_warmup_s"] = warmup_s
-            print(json.dumps(result) if a.json else format_compare(result))
-        elif a.explain:
-            if a.demo:
-                print(DEMO_NOTE + "\n")
-            print(explain_step(ck.model, ck.heads, ck.enc, prompts[0][1], tree=tree, sampling=a.sampling,
-                               generator=torch.Generator(device=ck.model.device).manual_seed(a.seed)))
-        elif a.json:
-            json_each(ck, prompts, a, tree)
-        else:
-            generate_each(ck, prompts, a, tree, tree_name)
-    except ValueError as e:  # the library's own checks, e.g. a cache that cannot hold the tree
-        parser.error(str(e))
+        run(a)
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:  # piped into `head`: stop quietly (the recipe in Python's signal docs)
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
+    except (ValueError, OSError) as e:  # bad input, and the library's own checks
+        parser.error(str(e))
     return 0
 
 

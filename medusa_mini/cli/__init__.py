@@ -1,1 +1,1 @@
-"""Wing: what the command lines share: errors, devices, text output, --explain, the measure command."""
+"""Wing: the command lines' parts: running and comparing decodings, --compile, --explain, --tree, figures, measure."""

@@ -1,4 +1,4 @@
-"""What the command-line scripts share: one-line errors, devices and dtypes, clocks, showing text.
+"""What the command-line scripts share: one-line errors, the clock, showing text.
 
 Bad input is a one-line ValueError; a script passes it to `OneLineParser.error`, which prints
 `<prog>: error: <message>` and exits with status 2 instead of a traceback.
@@ -16,72 +16,58 @@ import tiktoken
 import torch
 
 from ..decoding import GenerationStats
-from ..train.device import has_native_bfloat16
 
-R = TypeVar("R")
+R, K = TypeVar("R"), TypeVar("K")
+SAMPLING_TEMPERATURE = 0.8  # the command lines' sampling default
 BONUS_NOTE = "tokens/step counts the bonus token (the verify pass's own next token)"
 
 
 def sync_device(device: torch.device | str) -> None:
-    """Wait for `device`'s queued work (CUDA runs kernels asynchronously: a clock read before this
-    measures only their launch); a no-op on the CPU."""
+    """Wait for `device`'s queued work (CUDA runs kernels asynchronously); a no-op on the CPU."""
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
 
 
 def timed(device: torch.device | str, fn: Callable[[], R]) -> tuple[R, float]:
-    """(fn(), the seconds it took on `device`), the device synchronized before both clock reads."""
+    """(fn(), the seconds it took on `device`): CUDA events on a GPU, whose kernels run asynchronously (a
+    host clock would time their launch), a wall clock elsewhere; the device is idle before and after."""
     sync_device(device)
-    t0 = time.perf_counter()
-    result = fn()
-    sync_device(device)
-    return result, time.perf_counter() - t0
+    if torch.device(device).type != "cuda":
+        t0 = time.perf_counter()
+        return fn(), time.perf_counter() - t0
+    with torch.cuda.device(device):  # events record on the current device's stream: make it `device`'s
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        result = fn()
+        end.record()
+    end.synchronize()
+    return result, start.elapsed_time(end) / 1e3
+
+
+def in_turns(calls: dict[K, Callable[[], R]], *, rounds: int, device: torch.device | str,
+             before_each: Callable[[], None] | None = None) -> dict[K, list[tuple[R, float]]]:
+    """Every call `rounds` times, taking turns (a, b, c, then a, b, c, ...), each `timed`: a change in the
+    machine's load then touches every call alike. `before_each` runs untimed before every call."""
+    out: dict[K, list[tuple[R, float]]] = {key: [] for key in calls}
+    for _ in range(rounds):
+        for key, call in calls.items():
+            if before_each is not None:
+                before_each()
+            out[key].append(timed(device, call))
+    return out
 
 
 def as_flags(message: str) -> str:
-    """A library message that starts with a setting's name, as the flag that sets it: "top_p must be ..."
-    -> "--top-p must be ...". Other messages pass unchanged."""
+    """A library message that starts with a setting's name as the flag that sets it: "top_p ..." -> "--top-p ..."."""
     head, _, rest = message.partition(" ")
     return f"--{head.replace('_', '-')} {rest}" if head in ("temperature", "top_p") else message
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """An ArgumentParser whose errors are one line on stderr, `<prog>: error: <message>`, exit status 2
-    (argparse's own prints the whole usage block first); scripts send their own checks here too."""
+    """An ArgumentParser whose errors, its own and the script's, are one line: `<prog>: error: <message>`."""
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {' '.join(str(message).split())}\n")
-
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def pick_dtype(name: str, device: torch.device) -> torch.dtype:
-    """A --dtype name as a torch dtype; bfloat16 on CUDA only where the GPU computes in it natively
-    (compute capability 8.0 and later, asked of `device` itself), not where it is emulated."""
-    if name not in DTYPES:
-        raise ValueError(f"unknown dtype {name!r}: use one of {', '.join(DTYPES)}")
-    if name == "bfloat16" and device.type == "cuda" and not has_native_bfloat16(device):
-        raise ValueError("this GPU has no native bfloat16 (compute capability below 8.0); "
-                         "use --dtype float16 or float32")
-    return DTYPES[name]
-
-
-def pick_device(name: str | None) -> torch.device:
-    """'cuda' when available, else 'cpu'; an explicit name must exist on this machine."""
-    if name is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise ValueError(f"unknown device {name!r}: use cpu, cuda or cuda:N") from None
-    if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"device {name!r} is not supported: use cpu or cuda")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {name!r} asked for, but CUDA is not available here; use --device cpu")
-    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
-        raise ValueError(f"device {name!r} does not exist: this machine has {torch.cuda.device_count()} GPUs")
-    return device
 
 
 def encode_prompt(enc: tiktoken.Encoding, text: str, *, block_size: int) -> list[int]:
@@ -95,9 +81,6 @@ def encode_prompt(enc: tiktoken.Encoding, text: str, *, block_size: int) -> list
     return ids
 
 
-# ---- showing text and numbers ----------------------------------------------------------------
-
-
 def token_text(enc: tiktoken.Encoding, token: int) -> str:
     """One token as a quoted literal, so spaces and newlines stay visible: ' the', '\\n'."""
     return repr(enc.decode_single_token_bytes(token).decode("utf-8", errors="replace"))
@@ -108,50 +91,39 @@ _STEP_STYLES = ("\x1b[30;46m", "\x1b[30;43m")
 
 
 class StepPrinter:
-    """An `on_step` callback that writes the text as it is generated, each step in its colour (or in
-    [brackets]) with show_steps. An incremental decoder holds back a UTF-8 character split across two
-    steps until the rest arrives; the end-of-text token is not printed."""
+    """An `on_step` callback that writes the text as it is generated, with show_steps each step in its
+    colour (or [brackets]). A UTF-8 character split across two steps waits for its rest."""
 
-    def __init__(self, enc: tiktoken.Encoding, stream, *, eot_id: int | None, show_steps: bool, color: bool) -> None:
-        self.enc, self.stream, self.eot_id = enc, stream, eot_id
-        self.show_steps, self.color = show_steps, color
+    def __init__(self, enc: tiktoken.Encoding, stream, *, eot_id: int | None, show_steps: bool) -> None:
+        self.enc, self.stream, self.eot_id, self.show_steps = enc, stream, eot_id, show_steps
+        # Colour only on a terminal, and never when NO_COLOR (no-color.org) is set.
+        self.color = not os.environ.get("NO_COLOR") and hasattr(stream, "isatty") and stream.isatty()
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self.texts: list[str] = []  # each step's text, unstyled
+        self.steps = 0
 
     def __call__(self, tokens: list[int]) -> None:
-        text = self.decoder.decode(self.enc.decode_bytes([t for t in tokens if t != self.eot_id]))
-        self.texts.append(text)
-        self._write(text)
+        self.steps += 1
+        self._write(self.decoder.decode(self.enc.decode_bytes([t for t in tokens if t != self.eot_id])))
 
-    def close(self) -> str:
-        """Flush any held-back bytes, end the line; return the whole text."""
+    def close(self) -> None:
+        """Write any held-back bytes (in the last step's style) and end the line."""
         tail = self.decoder.decode(b"", final=True)
         if tail:
-            self.texts[-1] += tail
             self._write(tail)
         self.stream.write("\n")
         self.stream.flush()
-        return "".join(self.texts)
 
     def _write(self, text: str) -> None:
         if self.show_steps:
-            text = f"{_STEP_STYLES[(len(self.texts) - 1) % 2]}{text}\x1b[0m" if self.color else f"[{text}]"
+            text = f"{_STEP_STYLES[(self.steps - 1) % 2]}{text}\x1b[0m" if self.color else f"[{text}]"
         self.stream.write(text)
         self.stream.flush()  # the reader watches the text grow, step by step
 
 
-def use_color(stream) -> bool:
-    """Colour only on a terminal, and never when NO_COLOR (no-color.org) is set."""
-    return not os.environ.get("NO_COLOR") and hasattr(stream, "isatty") and stream.isatty()
-
-
 def stat_line(stats: GenerationStats, *, new_tokens: int, block_size: int) -> str:
     """One line: steps, tokens/step (bonus counted), ms/token and why generation stopped."""
-    stop = f"stopped after max-new-tokens ({new_tokens})"
-    if stats.stop_reason == "context":
-        stop = (f"stopped at the context limit: {stats.prompt_tokens} prompt + {new_tokens} new tokens fill all "
-                f"{block_size} positions")
-    elif stats.stop_reason == "eos":
-        stop = "stopped at the end-of-text token"
-    ms = 1000 * stats.seconds / max(new_tokens, 1)
-    return f"{stats.steps} steps, {stats.tokens_per_step:.2f} tokens/step (bonus token counted), {ms:.1f} ms/token, {stop}"
+    stop = {"context": f"stopped at the context limit: {stats.prompt_tokens} prompt + {new_tokens} new tokens "
+                       f"fill all {block_size} positions", "eos": "stopped at the end-of-text token"}
+    return (f"{stats.steps} steps, {stats.tokens_per_step:.2f} tokens/step (bonus token counted), "
+            f"{1000 * stats.seconds / max(new_tokens, 1):.1f} ms/token, "
+            + stop.get(stats.stop_reason, f"stopped after max-new-tokens ({new_tokens})"))

@@ -1,22 +1,32 @@
-"""One Medusa decoding step, walked through in words: what each head guesses, the tree, what the
-backbone says at every node, and which tokens the step keeps.
+"""`decode.py --explain`: one Medusa step in words: what each head guesses, the tree, what the backbone
+says at every node, and which tokens the step keeps. `--demo` makes a model to explain on the spot.
 
-It runs reference.py's own functions in the order its `medusa_generate` does, so the printed step is
-the file a learner reads; dependent (hydra) heads fill the tree through the engine's proposer.
+It runs reference.py's functions in the order its `medusa_generate` does, so the printed step is the
+file a learner reads; the tree is filled by the heads' own proposer.
 """
 
 from __future__ import annotations
+
+import codecs
+import contextlib
+import io
 
 import tiktoken
 import torch
 import torch.nn.functional as F
 
 from .. import reference as ref
-from ..hydra import HydraProposer
-from ..model import GPT
+from ..heads import HeadsConfig, MedusaHeads
+from ..io.loading import Checkpoint
+from ..io.tokenizer import make_encoding, train_bpe
+from ..model import GPT, GPTConfig
 from ..sampling import Sampling
+from ..training import MedusaLM
 from ..tree import Tree
 from .common import token_text
+
+DEMO_NOTE = ("DEMO: a 2-layer model and its 4 heads trained for a few seconds on the Zen of Python, which they "
+             "know by heart;\nreal heads are right less often. Train one with train_tiny.py for real figures.")
 
 
 def _header(number: int, title: str) -> str:
@@ -25,178 +35,175 @@ def _header(number: int, title: str) -> str:
 
 
 def _snippet(text: str, limit: int = 70) -> str:
-    # Long prompts matter only by their end: that is where the next token comes from.
-    return repr(text if len(text) <= limit else "…" + text[-limit:])
+    return repr(text if len(text) <= limit else "…" + text[-limit:])  # the end is where the next token comes from
 
 
-def _ordinal(n: int) -> str:
-    return f"{n}{'th' if 10 <= n % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
-
-
-def _guesses(enc: tiktoken.Encoding, logits: torch.Tensor, k: int) -> str:
-    probs = F.softmax(logits.float(), dim=-1)
-    top = probs.topk(k)
-    pairs = zip(top.values.tolist(), top.indices.tolist())
+def _guesses(enc: tiktoken.Encoding, logits: torch.Tensor, k: int, ids: torch.Tensor | None = None) -> str:
+    top = F.softmax(logits.float(), dim=-1).topk(k)
+    pairs = zip(top.values.tolist(), (top.indices if ids is None else ids[top.indices]).tolist())
     return ", ".join(f"#{r} {token_text(enc, t)} ({p:.2f})" for r, (p, t) in enumerate(pairs))
 
 
-def _greedy_scores(enc, tree: Tree, toks: list[int], labels: list[str], logits: torch.Tensor) -> list[str]:
-    """Section 5 for greedy acceptance: the backbone's argmax at every node, and the child it confirms."""
-    y = logits.argmax(dim=-1).tolist()  # [N]
-    out = ["At each node, the backbone's argmax = the token it would write after that node's path.",
-           "If a child of the node holds exactly that token, the child's guess is confirmed.",
-           "(A leaf has no child to confirm: its argmax can only be a bonus token.)"]
-    args = [token_text(enc, c) for c in y]
-    w_tok = max(len("token"), *map(len, labels)) + 2
-    w_arg = max(len("backbone argmax"), *map(len, args)) + 2
-    out.append(f"{'node':<6}{'token':<{w_tok}}{'backbone argmax':<{w_arg}}confirms child")
-    for i in range(tree.num_nodes):
-        kids = ref.children(tree.parents, i)
-        hit = next((c for c in kids if toks[c] == y[i]), None)
-        mark = f"[{hit}] ✓" if hit is not None else ("- (leaf)" if not kids else "none ✗")
-        out.append(f"{f'[{i}]':<6}{labels[i]:<{w_tok}}{args[i]:<{w_arg}}{mark}")
-    return out
+def prefill(out: list[str], model: GPT, enc, prompt: list[int], cache: list, *, sampling: Sampling, generator):
+    """Section 1: the prompt through the backbone once; returns the root and its hidden state [C]."""
+    L = len(prompt)
+    out.append(_header(1, "Prefill: the prompt goes through the backbone once"))
+    logits, hidden = ref.forward(model, prompt, list(range(L)), cache, torch.ones(L, L, dtype=torch.bool).tril())
+    root = ref.next_token(logits[-1], sampling, generator)
+    how = "the argmax of" if sampling.greedy else "drawn from"
+    out += [f"The KV cache now holds the {L} prompt tokens.",
+            f"Backbone's top guesses for the next token: {_guesses(enc, logits[-1], 3)}",
+            f"Root token (the backbone's own next token, {how} these): {token_text(enc, root)}",
+            "The root is already certain: it is emitted now, before the first Medusa step."]
+    return root, hidden[-1]
 
 
-def _sampled_scores(tree: Tree, toks: list[int], labels: list[str], logits: torch.Tensor, drafts, *,
-                    sampling: Sampling) -> list[str]:
-    """Section 5 for the sampling rules: p of every candidate after its parent's path (and q, if drawn)."""
+def guesses(out: list[str], model: GPT, heads, enc, tree: Tree, root: int, hidden: torch.Tensor) -> None:
+    """Section 2 (§2.1.1): each head's top guesses, as many as the tree uses, after the top guesses before it."""
+    out += [_header(2, "Heads: guesses further ahead, from the same last hidden state"), heads.description,
+            "The root is token t+1; head k guesses token t+k+1."]
+    K, chain = heads.num_heads, [root]  # the top guesses so far: what dependent heads read
+    for k in range(K):
+        following = torch.tensor([chain + [root] * (K - len(chain))], device=hidden.device)  # [1, K]
+        logits = heads(hidden[None], model, following=following, num=k + 1)[k, 0]  # [M]
+        chain.append(int(heads.draft_ids[logits.argmax()]))
+        used = max((r + 1 for r, d in zip(tree.ranks, tree.depths) if d == k + 1), default=0)
+        shown = _guesses(enc, logits, used, heads.draft_ids) if used else "not used by this tree"
+        out.append(f"head {k + 1} (t+{k + 2}): {shown}")
+    out.append("The backbone alone would need one forward pass per token to check these one by one.")
+
+
+def candidates(out: list[str], model: GPT, heads, enc, tree: Tree, root: int, hidden: torch.Tensor, *,
+               sampling: Sampling, generator) -> tuple[list[int], list | None]:
+    """Sections 3-4 (§2.1.2): the tree the heads' proposer fills, and its mask; (tokens [N], drafts or None)."""
+    proposal = heads.proposer(model, tree).propose(torch.tensor([root], device=hidden.device), hidden[None],
+                                                   history=[[root]], max_depth=tree.depth, sampling=sampling,
+                                                   generator=generator)
+    tokens, draft = proposal.tokens[0].tolist(), proposal.draft
+    out += [_header(3, f"Tree: {tree.num_nodes - 1} candidate nodes + the root"),
+            ("A node at depth d holds head d's guess of the listed rank" if draft is None else
+             "Rejection sampling draws the candidates: a node at depth d holds the r-th token drawn (without\n"
+             "replacement) from the q its parent's children come from")
+            + "; a path from the root is one possible\ncontinuation. All paths are checked together next.",
+            tree.draw([token_text(enc, t) for t in tokens]),
+            _header(4, "Tree attention mask"),
+            "Row = a node asking, column = a node it may look at (■ yes, · no). Every node also sees the",
+            "cached prompt, and sits at position prompt length + its depth, as if its path were the only",
+            "continuation: a node sees itself and its ancestors, never its siblings.", tree.draw_mask()]
+    return tokens, None if draft is None else draft.per_node(0, draft.samples.tolist())
+
+
+def verify(out: list[str], enc, tree: Tree, tokens: list[int], logits: torch.Tensor, drafts, *,
+           sampling: Sampling) -> None:
+    """Section 5: what the backbone says at every node: its argmax (greedy), or p (and q) of each candidate."""
+    out.append(_header(5, "Verify: one forward pass over all nodes"))
+    labels = [token_text(enc, t) for t in tokens]
+    w = max(len("token"), *map(len, labels)) + 2
+    if sampling.greedy:
+        y = logits.argmax(dim=-1).tolist()  # [N]
+        args = [token_text(enc, c) for c in y]
+        wa = max(len("backbone argmax"), *map(len, args)) + 2
+        out += ["At each node, the backbone's argmax = the token it would write after that node's path; a",
+                "child holding exactly that token is confirmed (a leaf's argmax can only be a bonus token).",
+                f"{'node':<6}{'token':<{w}}{'backbone argmax':<{wa}}confirms child"]
+        for i in range(tree.num_nodes):
+            kids = tree.children[i]
+            hit = next((c for c in kids if tokens[c] == y[i]), None)
+            mark = f"[{hit}] ✓" if hit is not None else ("- (leaf)" if not kids else "none ✗")
+            out.append(f"{f'[{i}]':<6}{labels[i]:<{w}}{args[i]:<{wa}}{mark}")
+        return
     p = sampling.probs(logits)  # [N, V]
-    out = ["At each node, p = the backbone's distribution for the next token after that node's path.",
-           "A candidate is judged by p at its parent: the column shows p(candidate)."]
-    if drafts is not None:
-        out.append("q(candidate) is the head's probability of drawing it; the first child tried is accepted")
-        out.append("with probability min(1, p/q).")
-    w_tok = max(len("token"), *map(len, labels)) + 2
-    out.append(f"{'node':<6}{'token':<{w_tok}}{'p(token)':<10}" + ("q(token)" if drafts is not None else ""))
+    out += ["At each node, p = the backbone's distribution for the token after that node's path; a",
+            "candidate is judged by p at its parent" + (", and by q, the head's probability of drawing it."
+                                                        if drafts is not None else "."),
+            f"{'node':<6}{'token':<{w}}{'p(token)':<10}" + ("q(token)" if drafts is not None else "")]
     for i in range(1, tree.num_nodes):
         par = tree.parents[i]
-        row = f"{f'[{i}]':<6}{labels[i]:<{w_tok}}{p[par, toks[i]].item():<10.3f}"
-        if drafts is not None:
-            row += f"{drafts[par][0][toks[i]].exp().item():.3f}"  # the q the parent's children came from
-        out.append(row)
-    return out
+        q = f"{drafts[par][0][tokens[i]].exp().item():.3f}" if drafts is not None else ""
+        out.append(f"{f'[{i}]':<6}{labels[i]:<{w}}{p[par, tokens[i]].item():<10.3f}{q}")
 
 
-def _propose(model, heads, tree: Tree, root: int, hidden: torch.Tensor, *, sampling: Sampling, generator):
-    """(tokens [N], drafts per node or None): the reference's propose, the engine's proposer for hydra."""
-    if heads.config.kind == "hydra":
-        roots = torch.tensor([root], device=hidden.device)
-        proposal = HydraProposer(model, heads, tree).propose(roots, hidden[None], max_depth=tree.depth,
-                                                             sampling=sampling, generator=generator)
-        draft = proposal.draft
-        return proposal.tokens[0].tolist(), draft.per_node(0, draft.samples.tolist()) if draft is not None else None
-    head_logits = heads(hidden[None], model.lm_head)[:, 0]  # [K, V]
-    return ref.propose(head_logits, tree, root, sampling=sampling, generator=generator)
+RULES = {  # what section 6 says of each rule; "rejection" with drawn candidates, "topk" with the top-k
+    "greedy": "Greedy: from the root, descend while the backbone's argmax is a child's token.",
+    "typical": "Typical acceptance: keep a candidate whose probability clears min(ε, δ·exp(-H(p))).",
+    "rejection": "Rejection sampling: try a node's children in order, accepting x with probability\n"
+                 "min(1, p(x)/q(x)) and moving p to norm(max(0, p - q)) after a miss (lossless).",
+    "topk": "Rejection sampling of top-k candidates: draw y from p at each node and descend while y is\n"
+            "a child's token; the first y that is not becomes the bonus (lossless).",
+}
+
+
+def accept(out: list[str], enc, tree: Tree, tokens: list[int], path: list[int], bonus: int, *, rule: str,
+           prompt_len: int) -> None:
+    """Sections 6 and 7: the accepted path and its bonus token, and what the step emitted and kept."""
+    labels = [token_text(enc, t) for t in tokens]
+    steps = [f"[{i}] {labels[i]}" + (" (root, already emitted)" if i == 0 else "") for i in path]
+    emitted = [tokens[i] for i in path[1:]] + [bonus]
+    out += [_header(6, "Accept: a path of accepted candidates, plus a bonus token"), RULES[rule],
+            "accepted path: " + " → ".join(steps),
+            f"bonus token:   {token_text(enc, bonus)}, the backbone's own next token after [{path[-1]}], free "
+            "from the same pass", _header(7, "Result"),
+            f"This step emitted {len(emitted)} token(s) ({len(path) - 1} accepted + 1 bonus) with one forward "
+            f"pass: {_snippet(enc.decode(emitted))}"]
+    if len(path) == 1:
+        out.append("No guess was confirmed, yet the bonus token still makes the step as good as a plain one.")
+    out += ["(Plain decoding needs one forward pass per token; tokens/step counts the bonus token.)",
+            f"The KV cache keeps the slots of {', '.join(f'[{i}]' for i in path)} and drops the rest: it now "
+            f"holds {prompt_len + len(path)} tokens.",
+            f"The bonus becomes the next root; the heads read the hidden state at node [{path[-1]}] next."]
 
 
 @torch.no_grad()
-def explain_step(
-    model: GPT,
-    heads,
-    enc: tiktoken.Encoding,
-    prompt_ids: list[int],
-    *,
-    tree: Tree,
-    sampling: Sampling = Sampling(),
-    generator: torch.Generator | None = None,
-) -> str:
-    """Run one Medusa step after the prompt with the reference's functions; describe every stage."""
+def explain_step(model: GPT, heads, enc: tiktoken.Encoding, prompt_ids: list[int], *, tree: Tree,
+                 sampling: Sampling = Sampling(), generator: torch.Generator | None = None) -> str:
+    """One Medusa step after the prompt with the reference's functions, every stage described."""
     tree.check_heads(heads.num_heads)
     block, L = model.config.block_size, len(prompt_ids)
     if L == 0 or L >= block - 1:
         raise ValueError(f"the prompt must have 1 to {block - 2} tokens, not {L}")
     tree = tree.truncated(block - 2 - L)  # the deepest node's position must stay inside the context
-    out: list[str] = ["One Medusa decoding step, in full", "================================="]
-    out.append(f"Prompt ({L} tokens): {_snippet(enc.decode(prompt_ids))}")
-    rule = "greedy" if sampling.greedy else f"{sampling.rule}, temperature {sampling.temperature:g}"
-    out.append(f"Acceptance rule: {rule}")
-
-    out.append(_header(1, "Prefill: the prompt goes through the backbone once"))
+    rule = "greedy" if sampling.greedy else f"{sampling.acceptance}, temperature {sampling.temperature:g}"
+    out = ["One Medusa decoding step, in full", "=" * 33, f"Prompt ({L} tokens): {_snippet(enc.decode(prompt_ids))}",
+           f"Acceptance rule: {rule}"]
     cache = [None] * model.config.n_layer
-    logits, hidden = ref.forward(model, prompt_ids, list(range(L)), cache, torch.ones(L, L, dtype=torch.bool).tril())
-    root, hidden = ref.next_token(logits[-1], sampling, generator), hidden[-1]
-    out.append(f"The KV cache now holds the {L} prompt tokens.")
-    out.append(f"Backbone's top guesses for the next token: {_guesses(enc, logits[-1], 3)}")
-    how = "the argmax of" if sampling.greedy else "drawn from"
-    out.append(f"Root token (the backbone's own next token, {how} these): {token_text(enc, root)}")
-    out.append("The root is already certain: it is emitted now, before the first Medusa step.")
-
-    out.append(_header(2, "Heads: guesses further ahead, from the same last hidden state"))
-    used = tree.top_k()
-    if heads.config.kind == "hydra":
-        out.append("Dependent (hydra) heads: head k reads this hidden state and the k tokens before its guess")
-        out.append("(the root, then the drafted path), so every node's children come from that node's own q,")
-        out.append("filled depth by depth, one head call per depth (step 3).")
-        first = heads.head_logits(1, hidden, torch.tensor([root], device=hidden.device), lm_head=model.lm_head,
-                                  wte=model.transformer.wte)  # [V]
-        if used:
-            out.append(f"head 1 (2nd token after the root), reading the root: {_guesses(enc, first, used[0])}")
-    else:
-        head_logits = heads(hidden[None], model.lm_head)[:, 0]  # [K, V]
-        for k in range(heads.num_heads):
-            shown = used[k] if k < len(used) else 0
-            nth = _ordinal(k + 1)
-            guesses = _guesses(enc, head_logits[k], shown) if shown else "not used by this tree"
-            out.append(f"head {k + 1} ({nth} token after the root): {guesses}")
-    out.append("The backbone alone would need one forward pass per token to check these one by one.")
-
-    tokens, drafts = _propose(model, heads, tree, root, hidden, sampling=sampling, generator=generator)
-    out.append(_header(3, f"Tree: {tree.num_nodes - 1} candidate nodes + the root"))
-    labels = [token_text(enc, t) for t in tokens]
-    if drafts is None:
-        out.append("A node at depth d holds head d's guess of the listed rank"
-                   + (", given the node's own path;" if heads.config.kind == "hydra" else ";"))
-        out.append("a path from the root is one possible continuation. All paths are checked together next.")
-    else:
-        out.append("Rejection sampling draws the candidates: a node at depth d holds the r-th token drawn from")
-        out.append("the q its parent's children come from (without replacement, r = its rank); a path from the")
-        out.append("root is one possible continuation. All paths are checked together next.")
-    out.append(tree.draw(labels))
-
-    out.append(_header(4, "Tree attention mask"))
-    out.append("Row = a node asking, column = a node it may look at (■ yes, · no). Every node also sees")
-    out.append(f"all {L} cached prompt tokens, and sits at position {L} + its depth, as if its path were")
-    out.append("the only continuation: a node sees itself and its ancestors, never its siblings.")
-    out.append(tree.draw_mask())
-
-    out.append(_header(5, "Verify: one forward pass over all nodes"))
-    N = tree.num_nodes
-    mask = torch.cat([torch.ones(N, L, dtype=torch.bool), ref.tree_attention_mask(tree.parents)], dim=1)
-    logits, _ = ref.forward(model, tokens, [L + d for d in tree.depth_list], cache, mask)  # [N, V]
-    if sampling.greedy:
-        out.extend(_greedy_scores(enc, tree, tokens, labels, logits))
-    else:
-        out.extend(_sampled_scores(tree, tokens, labels, logits, drafts, sampling=sampling))
-
-    out.append(_header(6, "Accept: a path of accepted candidates, plus a bonus token"))
+    root, hidden = prefill(out, model, enc, prompt_ids, cache, sampling=sampling, generator=generator)
+    guesses(out, model, heads, enc, tree, root, hidden)
+    tokens, drafts = candidates(out, model, heads, enc, tree, root, hidden, sampling=sampling, generator=generator)
+    mask = torch.cat([torch.ones(tree.num_nodes, L, dtype=torch.bool), ref.tree_attention_mask(tree.parents)], 1)
+    logits, _ = ref.forward(model, tokens, [L + d for d in tree.depths], cache, mask)  # [N, V]
+    verify(out, enc, tree, tokens, logits, drafts, sampling=sampling)
     path, bonus = ref.accept(tree.parents, tokens, logits, sampling=sampling, generator=generator, drafts=drafts)
-    if sampling.rule == "rejection" and drafts is not None:
-        out.append("Rejection sampling: try a node's children in order, accepting x with probability")
-        out.append("min(1, p(x)/q(x)) and moving p to norm(max(0, p - q)) after a miss (lossless).")
-    elif sampling.rule == "rejection":
-        out.append("Rejection sampling of top-k candidates: draw y from p at each node and descend while y is")
-        out.append("a child's token; the first y that is not becomes the bonus (lossless: the same as trying")
-        out.append("each child x with probability p(x), then setting p(x) to 0 and renormalising).")
-    elif sampling.rule == "typical":
-        out.append("Typical acceptance: keep a candidate whose probability clears min(ε, δ·exp(-H(p))).")
-    else:
-        out.append("Greedy: from the root, descend while the backbone's argmax is a child's token.")
-    steps = [f"[{i}] {labels[i]}" + (" (root, already emitted)" if i == 0 else "") for i in path]
-    out.append("accepted path: " + " → ".join(steps))
-    out.append(f"bonus token:   {token_text(enc, bonus)}, the backbone's own next token after [{path[-1]}], "
-               "free from the same pass")
-
-    out.append(_header(7, "Result"))
-    emitted = [tokens[i] for i in path[1:]] + [bonus]
-    noun = "token" if len(emitted) == 1 else "tokens"
-    out.append(f"This step emitted {len(emitted)} {noun} ({len(path) - 1} accepted + 1 bonus) with one forward "
-               f"pass: {_snippet(enc.decode(emitted))}")
-    if len(path) == 1:
-        out.append("No guess was confirmed, yet the bonus token still makes the step as good as a plain one.")
-    out.append("(Plain decoding needs one forward pass per token; tokens/step counts the bonus token.)")
-    kept = ", ".join(f"[{i}]" for i in path)
-    out.append(f"The KV cache keeps the slots of {kept} and drops the rest: it now holds {L + len(path)} tokens.")
-    out.append(f"The bonus becomes the next root, and the heads read the hidden state at node [{path[-1]}]")
-    out.append("to fill the next tree.")
+    rule = "topk" if sampling.acceptance == "rejection" and drafts is None else sampling.acceptance
+    accept(out, enc, tree, tokens, path, bonus, rule=rule, prompt_len=L)
     return "\n".join(out)
+
+
+def demo_checkpoint(*, device: torch.device, dtype: torch.dtype, steps: int = 300, seed: int = 0
+                    ) -> tuple[Checkpoint, str]:
+    """A 2-layer GPT and four Medusa heads that learn the Zen of Python (the `this` module) by heart in a
+    few seconds (Medusa-2's joint loss, §2.2.2), so the heads are confident; and a prompt. Seeded."""
+    with contextlib.redirect_stdout(io.StringIO()):  # its first import prints the text
+        import this
+    text = codecs.decode(this.s, "rot13")  # the module stores it in rot13
+    enc = make_encoding(train_bpe(text, vocab_size=300))
+    ids = torch.tensor(enc.encode_ordinary(text))
+    torch.manual_seed(seed)
+    model = GPT(GPTConfig(vocab_size=enc.n_vocab, block_size=128, n_layer=2, n_head=4, n_embd=64))
+    heads = MedusaHeads(HeadsConfig(num_heads=4, n_embd=64, vocab_size=enc.n_vocab))
+    module = MedusaLM(model, heads)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # ops this small gain nothing from threads, and lose much on a busy machine
+    optimizer = torch.optim.AdamW(module.parameters(), lr=3e-3)
+    gen, T = torch.Generator().manual_seed(seed), 64
+    for _ in range(steps):
+        starts = torch.randint(0, ids.numel() - T - 1, (16,), generator=gen)
+        x = torch.stack([ids[s : s + T] for s in starts])  # [16, T]
+        y = torch.stack([ids[s + 1 : s + T + 1] for s in starts])  # [16, T]
+        loss, _ = module(x, y, lm_weight=1.0, heads_weight=0.5, decay=0.8)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+    torch.set_num_threads(threads)
+    line = text.splitlines()[9]  # "Special cases aren't special enough to break the rules."
+    model, heads = (m.eval().to(device=device, dtype=dtype) for m in (model, heads))
+    return Checkpoint("(demo)", model, heads, enc, None, {}), line[: len(line) // 2].rstrip()

@@ -1,8 +1,5 @@
-"""Measure how often a checkpoint's heads are accepted: heads_accuracy.json, which `--tree N` reads.
-
-    python -m medusa_mini.cli.measure --ckpt out/tiny [--prompts 32] [--max-new-tokens 64]
-
-`train_tiny.py` writes the table at the end of training; this re-measures it, in float32.
+"""`python -m medusa_mini.cli.measure --ckpt DIR`: how often a checkpoint's heads are accepted, measured
+again (train_tiny.py measures it after training) in float32: heads_accuracy.json, which `--tree N` reads.
 """
 
 from __future__ import annotations
@@ -13,18 +10,18 @@ import sys
 import torch
 
 from ..io.loading import PROMPTS_FILE, load_for_decoding, load_prompts
+from ..train.device import pick_device
+from ..train.report import ACCURACY_FILE, format_accuracy, greedy_continuations, measure_head_accuracy, save_accuracy
 from ..tree import build_tree
-from ..tune.acceptance_tables import ACCURACY_FILE, continuations, format_accuracy, measure_head_accuracy, save_accuracy
-from .common import OneLineParser, pick_device
+from .common import OneLineParser
 
 BUDGETS = (1, 2, 4, 8, 16, 32, 64)
 
 
 def recompute_accuracy(directory: str, *, num_prompts: int = 32, max_new_tokens: int = 64, top_k: int = 10,
                        device: torch.device | str = "cpu") -> torch.Tensor:
-    """Measure the table on the greedy continuations of a checkpoint's prompts.json, save
-    heads_accuracy.json, return acc [K, top_k]."""
-    ckpt = load_for_decoding(directory, device=torch.device(device))  # model, heads, tokenizer
+    """acc [K, top_k] on the greedy continuations of the checkpoint's prompts.json, saved with it."""
+    ckpt = load_for_decoding(directory, device=torch.device(device))
     if ckpt.heads is None:
         raise ValueError(f"checkpoint {directory} has no Medusa heads; train heads first")
     room = ckpt.block_size - max_new_tokens  # each prompt cut so that its continuation fits in the context
@@ -33,7 +30,7 @@ def recompute_accuracy(directory: str, *, num_prompts: int = 32, max_new_tokens:
     prompts = [ids[:room] for ids in map(ckpt.enc.encode_ordinary, load_prompts(directory)[:num_prompts]) if ids]
     if not prompts:
         raise ValueError(f"every prompt in {os.path.join(directory, PROMPTS_FILE)} encodes to no tokens")
-    greedy = continuations(ckpt.model, prompts, max_new_tokens=max_new_tokens)
+    greedy = greedy_continuations(ckpt.model, prompts, max_new_tokens=max_new_tokens)
     acc = measure_head_accuracy(ckpt.model, ckpt.heads, greedy, prompt_lens=[len(p) for p in prompts],
                                 top_k=min(top_k, ckpt.model.config.vocab_size))
     meta = {"measured_on": f"greedy continuations ({max_new_tokens} new tokens) of the first {len(prompts)} "
@@ -47,9 +44,9 @@ def main(argv: list[str] | None = None) -> int:
                       "Medusa heads are accepted on greedy continuations of its prompts.json; save "
                       "heads_accuracy.json, from which decode.py --tree N builds trees.")
     p.add_argument("--ckpt", required=True, help="checkpoint directory (with prompts.json and a tokenizer)")
-    p.add_argument("--prompts", type=int, default=32, help="how many prompts of prompts.json to use (default: %(default)s)")
-    p.add_argument("--max-new-tokens", type=int, default=64, help="continuation length per prompt (default: %(default)s)")
-    p.add_argument("--top-k", type=int, default=10, help="ranks measured per head (default: %(default)s)")
+    p.add_argument("--prompts", type=int, default=32, help="prompts of prompts.json used (default: 32)")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="continuation length per prompt (default: 64)")
+    p.add_argument("--top-k", type=int, default=10, help="ranks measured per head (default: 10)")
     p.add_argument("--device", help="cpu, cuda, ... (default: cuda if available)")
     ns = p.parse_args(argv)
     try:

@@ -1,0 +1,284 @@
+"""Running and summarising decodings: each way of decoding (`Method`), timed in turns, summed up by one
+function (`summarise`) into the rows of `decode.py --compare`, one prompt or B prompts at a time, and
+those rows as text.
+
+Each row is set against the plain decoder of its temperature: speedup (tokens/s over plain's) and step
+cost (ms per pass over plain's), so speedup ≈ tokens/step ÷ step cost. Greedy rows must make plain
+greedy's tokens; in half precision a near-tie may round either way, so a difference is located instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from .. import reference
+from ..decoding import GenerationStats, generate_batch, medusa_generate_batch
+from ..io.loading import Checkpoint
+from ..proposal import PromptLookup
+from ..sampling import Sampling
+from ..step import EAGER, Steps
+from ..tree import Tree
+from .common import BONUS_NOTE, in_turns, timed
+from .compiled import StaticCaches
+
+REPEAT = 3  # every generation runs this many times, methods in turns; the fastest counts
+Results = list[tuple[list[int], GenerationStats]]  # per row of a batch: its new tokens and statistics
+Runs = list[tuple[Results, float]]  # per batch of prompts: its results and the seconds it took
+
+
+@dataclass(frozen=True)
+class Method:
+    """Plain decoding (no drafter), a drafter (heads, `PromptLookup`) on `tree`, or reference.py's decoder."""
+
+    name: str  # "plain", "Medusa", "prompt lookup", "reference"
+    sampling: Sampling
+    drafter: object = None
+    tree: Tree | None = None
+    reference: bool = False
+
+    @property
+    def label(self) -> str:
+        if self.sampling.greedy:
+            return f"{self.name} greedy"
+        rule = "sampling" if self.drafter is None else self.sampling.acceptance
+        return f"{self.name} {rule} (T={self.sampling.temperature:g})"
+
+    @property
+    def key(self) -> str:
+        return self.label.split(" (")[0].lower().replace(" ", "_")
+
+
+@dataclass
+class Engine:
+    """How this run decodes: eager steps, or compiled ones and the static caches they replay on."""
+
+    ck: Checkpoint
+    steps: Steps = EAGER
+    caches: StaticCaches | None = None
+
+
+def decode(engine: Engine, method: Method, prompts: list[list[int]], *, seed: int, max_new_tokens: int,
+           stop_at_eot: bool = True, on_step=None) -> Results:
+    """The prompts decoded together (the reference: one by one), one generator seeded `seed`; untimed."""
+    ck = engine.ck
+    kw = dict(max_new_tokens=max_new_tokens, sampling=method.sampling, eos_id=ck.eot_id if stop_at_eot else None,
+              generator=torch.Generator(device=ck.model.device).manual_seed(seed))
+    if method.reference:
+        out = [reference.medusa_generate(ck.model, ck.heads, ids, tree=method.tree, **kw) for ids in prompts]
+        for b, (tokens, _) in enumerate(out if on_step else []):
+            on_step(b, tokens)
+        # The engine's statistics; the reference counts passes, its tokens come in one.
+        return [(tokens, GenerationStats(len(ids), steps, [len(tokens) - 1] if steps else []))
+                for ids, (tokens, steps) in zip(prompts, out)]
+    if engine.caches is not None:  # block_size + N slots for a tree of N nodes (prompt lookup: a chain of N)
+        kw["cache"] = engine.caches(len(prompts), ck.block_size + (method.tree.num_nodes if method.drafter else 0))
+    kw.update(on_step=on_step, steps=engine.steps)
+    if method.drafter is None:
+        return generate_batch(ck.model, prompts, **kw)
+    return medusa_generate_batch(ck.model, method.drafter, prompts, tree=method.tree, **kw)
+
+
+def decode_each(engine: Engine, method: Method, prompts: list[list[int]], *, batch_size: int, seed: int,
+                max_new_tokens: int, on_step=None) -> Results:
+    """Every prompt's (tokens, stats), `batch_size` at a time, each batch timed; its seconds go to each row."""
+    out = []
+    for i in range(0, len(prompts), batch_size):
+        results, seconds = timed(engine.ck.model.device, lambda: decode(
+            engine, method, prompts[i : i + batch_size], seed=seed, max_new_tokens=max_new_tokens, on_step=on_step))
+        for _, stats in results:
+            stats.seconds = seconds
+        out += results
+    return out
+
+
+def run_in_turns(engine: Engine, methods: list[Method], batches: list[list[list[int]]], *, max_new_tokens: int,
+                 seed: int, repeat: int = REPEAT, stop_at_eot: bool = True) -> tuple[dict[str, Runs], set[str]]:
+    """Per method key, each batch's fastest of `repeat` runs, methods taking turns (`in_turns`) after a short
+    untimed run each; and the keys whose repeats made other tokens (non-deterministic kernels)."""
+    def call(m: Method, batch: list[list[int]], n: int):
+        return lambda: decode(engine, m, batch, seed=seed, max_new_tokens=n, stop_at_eot=stop_at_eot)
+
+    device = engine.ck.model.device
+    in_turns({m.key: call(m, batches[0], min(max_new_tokens, 8)) for m in methods}, rounds=1, device=device)
+    runs = in_turns({(m.key, i): call(m, b, max_new_tokens) for i, b in enumerate(batches) for m in methods},
+                    rounds=repeat, device=device)
+    tokens = {k: [[t for t, _ in results] for results, _ in tries] for k, tries in runs.items()}
+    unsteady = {key for (key, _), seen in tokens.items() if any(t != seen[0] for t in seen)}
+    return {m.key: [min(runs[m.key, i], key=lambda run: run[1]) for i in range(len(batches))]
+            for m in methods}, unsteady
+
+
+def summarise(runs: Runs) -> dict:
+    """One row's numbers from its timed runs: steps (its rows'), passes (its batches' forward passes:
+    a batch runs until its slowest row stops), new tokens, seconds, tokens/step (bonus counted),
+    ms/token, ms/step (per pass) and tokens/s."""
+    rows = [row for results, _ in runs for row in results]
+    steps = sum(st.steps for _, st in rows)
+    passes = sum(max(st.steps for _, st in results) for results, _ in runs)
+    new, seconds = sum(len(tokens) for tokens, _ in rows), sum(s for _, s in runs)
+    return {"steps": steps, "passes": passes, "new_tokens": new, "seconds": seconds,
+            "tokens_per_step": sum(sum(st.step_tokens) for _, st in rows) / max(steps, 1),
+            "ms_per_token": 1000 * seconds / max(new, 1), "ms_per_step": 1000 * seconds / max(passes, 1),
+            "tokens_per_s": new / seconds if seconds else 0.0}
+
+
+@torch.no_grad()
+def first_difference(ck: Checkpoint, prompt: list[int], want: list[int], got: list[int]) -> dict | None:
+    """Where `got` first leaves `want`, and the backbone's top-1 minus top-2 logit there; None if equal."""
+    if got == want:
+        return None
+    pos = next((i for i, (a, b) in enumerate(zip(want, got)) if a != b), min(len(want), len(got)))
+    seq = torch.tensor(prompt + want[:pos], device=ck.model.device)[-ck.block_size:]  # [T]
+    top2 = ck.model(seq[None])[0][0, -1].float().topk(2).values  # [2]
+    return {"position": pos, "margin": float(top2[0] - top2[1])}
+
+
+def compare_methods(ck: Checkpoint, tree: Tree, sampling: Sampling, *, temperature: float,
+                    with_reference: bool = False) -> list[Method]:
+    """--compare's rows: greedy, then sampled at `temperature`, plain, by prompt lookup and by the heads; the
+    reference under each rule of the heads. Top-p and draft come from `sampling`."""
+    greedy = dataclasses.replace(sampling, acceptance="greedy", temperature=0.0)
+    typical, rejection = (dataclasses.replace(greedy, acceptance=r, temperature=temperature)
+                          for r in ("typical", "rejection"))
+    lookup, heads = PromptLookup(), ck.heads
+    methods = [Method("plain", greedy), Method("prompt lookup", greedy, lookup, tree),
+               Method("Medusa", greedy, heads, tree), Method("Medusa", typical, heads, tree),
+               Method("plain", rejection), Method("prompt lookup", rejection, lookup, tree),
+               Method("Medusa", rejection, heads, tree)]
+    return methods + [Method("reference", m.sampling, heads, tree, reference=True)
+                      for m in methods if with_reference and m.name == "Medusa"]
+
+
+def compare(engine: Engine, prompts: list[list[int]], methods: list[Method], *, max_new_tokens: int, seed: int,
+            batch_sizes: list[int] = (1,), repeat: int = REPEAT) -> dict:
+    """A row per method and batch size, the prompts (cycled up to the largest batch) taken B at a time,
+    each set against plain decoding and greedy rows against the first size's plain greedy tokens."""
+    work = [prompts[i % len(prompts)] for i in range(max(max(batch_sizes), len(prompts)))]
+    rows, first = [], None
+    for B in batch_sizes:
+        runs, unsteady = run_in_turns(engine, methods, [work[i : i + B] for i in range(0, len(work), B)],
+                                      max_new_tokens=max_new_tokens, seed=seed, repeat=repeat)
+        first = first or runs
+        for m in methods:
+            results = [row for batch, _ in runs[m.key] for row in batch]
+            rows.append({"method": m.label, "key": m.key, "batch_size": B, "temperature": m.sampling.temperature,
+                         "plain": m.drafter is None, **summarise(runs[m.key]), "tokens": [t for t, _ in results],
+                         "stop_reasons": [st.stop_reason for _, st in results], "repeats_differ": m.key in unsteady})
+    for row in rows:
+        plain = next(r for r in rows if r["plain"] and (r["temperature"], r["batch_size"]) == (
+            row["temperature"], row["batch_size"]))
+        row["speedup"] = row["tokens_per_s"] / plain["tokens_per_s"] if plain["tokens_per_s"] else 0.0
+        row["step_cost"] = row["ms_per_step"] / plain["ms_per_step"] if plain["ms_per_step"] else 0.0
+        row["same_as_plain_greedy"] = None
+        if row["temperature"] == 0:
+            row["differences"] = [{"prompt": i, **d} for i, (ids, want, got) in enumerate(
+                zip(work, rows[0]["tokens"], row["tokens"])) if (d := first_difference(engine.ck, ids, want, got))]
+            row["same_as_plain_greedy"] = not row["differences"]
+        if row["key"].startswith("reference"):
+            engine_row = next(r for r in rows if r["key"] == row["key"].replace("reference", "medusa"))
+            row["same_as_engine"] = sum(a == b for a, b in zip(row["tokens"], engine_row["tokens"]))
+    drafters = [m.key for m in methods if m.drafter is not None]
+    return {"rows": rows, "batch_sizes": list(batch_sizes), "prompts": len(work), "max_new_tokens": max_new_tokens,
+            "repeat": repeat, "crossover": {key: crossover(rows, key) for key in drafters},
+            "per_prompt": per_prompt(work, first) if list(batch_sizes) == [1] and "prompt_lookup_greedy" in first
+            else None}
+
+
+def per_prompt(prompts: list[list[int]], runs: dict[str, Runs]) -> list[dict]:
+    """Per prompt (runs of one prompt at a time): tokens/step of prompt lookup greedy and of Medusa greedy,
+    and the share of plain greedy's new tokens that repeat the token before them (what lookup finds)."""
+    out = []
+    for i, ids in enumerate(prompts):
+        seq = ids[-1:] + runs["plain_greedy"][i][0][0][0]
+        out.append({"prompt": i, **{key: runs[key][i][0][0][1].tokens_per_step
+                                    for key in ("prompt_lookup_greedy", "medusa_greedy")},
+                    "repeats": sum(a == b for a, b in zip(seq, seq[1:])) / max(len(seq) - 1, 1)})
+    return out
+
+
+def crossover(rows: list[dict], key: str) -> int | None:
+    """The smallest batch size from which `key`'s speedup stays below 1x, or None if it never falls."""
+    mine = sorted((r for r in rows if r["key"] == key), key=lambda r: r["batch_size"])
+    below = [r["batch_size"] for i, r in enumerate(mine) if all(x["speedup"] < 1 for x in mine[i:])]
+    return below[0] if below else None
+
+
+COLUMNS = {  # row key: (header, width, format)
+    "batch_size": ("batch", 6, "d"), "new_tokens": ("tokens", 7, "d"), "steps": ("steps", 7, "d"),
+    "tokens_per_s": ("tokens/s", 10, ".1f"), "tokens_per_step": ("tokens/step", 13, ".2f"),
+    "step_cost": ("step cost", 11, ".2f"), "ms_per_token": ("ms/token", 10, ".2f"),
+    "ms_per_step": ("ms/step", 9, ".2f"), "speedup": ("speedup", 9, ".2f"),
+}
+
+
+def table(result: dict, columns: tuple[str, ...]) -> list[str]:
+    """One line per row, its method first and whether it made plain greedy's tokens last; then the
+    settings, what the numbers count, and where rows stopped early or left plain greedy."""
+    head = f"{'method':<32}" + "".join(f"{COLUMNS[c][0]:>{COLUMNS[c][1]}}" for c in columns) + "  same as plain greedy"
+    lines = [head, "-" * len(head)]
+    for r in result["rows"]:
+        same, n = "-", len(r["tokens"])
+        if r["same_as_plain_greedy"] is not None:
+            same = "yes" if r["same_as_plain_greedy"] else f"{n - len(r['differences'])}/{n} prompts"
+        lines.append(f"{r['method']:<32}" + "".join(f"{format(r[c], COLUMNS[c][2]):>{COLUMNS[c][1]}}"
+                                                    for c in columns) + f"  {same}")
+    dtype = f", {result['dtype']}" if result["dtype"] != "float32" else ""
+    if result.get("compile_warmup_s") is not None:
+        dtype += f", compiled steps (compilation {result['compile_warmup_s']:.1f} s, not timed)"
+    top_p = f"; top-p {result['top_p']:g}" if result["top_p"] < 1 else ""
+    lines += [f"\ndevice {result['device']}{dtype}, {result['threads']} thread(s); {result['prompts']} prompts; "
+              f"tree {result['tree']} ({result['tree_nodes']} nodes incl. root); max-new-tokens "
+              f"{result['max_new_tokens']}{top_p}; Medusa rejection candidates: "
+              + ("the heads' top-k" if result["draft"] == "topk" else "drawn from q"),
+              f"Note: {BONUS_NOTE}; plain decoding is exactly 1.00. Step cost: ms\nper step over the plain "
+              f"decoder's: speedup ≈ tokens/step ÷ step cost. Times include the prefill; fastest of "
+              f"{result['repeat']} runs."]
+    for reason, what in (("context", "at the context limit"), ("eos", "at the end-of-text token")):
+        if stopped := sum(row["stop_reasons"].count(reason) for row in result["rows"]):
+            lines.append(f"{stopped} generation(s) stopped {what} (the tokens column counts what each row made).")
+    for r in result["rows"]:
+        lines += [f"{r['method']} differs from plain greedy on prompt {d['prompt'] + 1} at new token "
+                  f"{d['position'] + 1}: plain's top-2 logit margin there is {d['margin']:.3g}"
+                  + (" (a near-tie that rounding can flip)" if d["margin"] < 0.1 else "")
+                  for d in r.get("differences", [])]
+        if "same_as_engine" in r:
+            n = len(r["tokens"])
+            lines.append(f"{r['method']}: the engine's tokens on {r['same_as_engine']}/{n} prompts"
+                         + ("" if r["same_as_engine"] == n or r["temperature"] == 0 else
+                            " (a draw that lands within rounding of a probability can go either way)"))
+        if r["repeats_differ"]:
+            lines.append(f"{r['method']}: repeated runs made different tokens (non-deterministic kernels); "
+                         "the fastest run's are reported")
+    return lines
+
+
+def format_compare(result: dict) -> str:
+    lines = table(result, ("new_tokens", "steps", "tokens_per_step", "step_cost", "ms_per_token", "speedup"))
+    lines.append(f"\n{'prompt':<8}{'prompt lookup':>15}{'Medusa':>8}{'repeats':>9}   (greedy tokens/step; repeats: "
+                 "new tokens equal to the one before)")
+    lines += [f"{p['prompt'] + 1:<8}{p['prompt_lookup_greedy']:>15.2f}{p['medusa_greedy']:>8.2f}{p['repeats']:>9.0%}"
+              for p in result["per_prompt"]]
+    return "\n".join(lines)
+
+
+def why_line(result: dict, key: str) -> str:
+    """One measured sentence on where a drafter stops paying, and why: its step's cost against a plain
+    one, and the passes a batch makes against what its rows needed (the slowest row sets the pace)."""
+    rows = {(r["key"], r["batch_size"]): r for r in result["rows"]}
+    first, B = result["batch_sizes"][0], result["crossover"][key] or result["batch_sizes"][-1]
+    r, cost = rows[(key, B)], f"a step costs {rows[(key, first)]['step_cost']:.2f}x a plain step at batch {first}"
+    if B == first and result["crossover"][key]:
+        return f"{r['method']} does not pay at any batch size here: {cost} for {r['tokens_per_step']:.2f} tokens."
+    waiting = r["passes"] * B / max(r["steps"], 1)  # 1.0: every row needed every pass
+    where = f"stops paying at batch {B}" if result["crossover"][key] else f"still pays at batch {B}"
+    return (f"{r['method']} {where}: {cost} and {r['step_cost']:.2f}x at batch {B}, and a batch of {B} makes "
+            f"{waiting:.2f}x the passes its rows need ({r['tokens_per_step']:.2f} tokens per row per step).")
+
+
+def format_batches(result: dict) -> str:
+    lines = table(result, ("batch_size", "tokens_per_s", "tokens_per_step", "step_cost", "ms_per_step", "speedup"))
+    return "\n".join(lines + [f"{result['prompts']} prompts taken B at a time; tokens/s counts every row's new "
+                              "tokens over the whole run."] + [why_line(result, key) for key in result["crossover"]])

@@ -1,0 +1,86 @@
+"""decode.py --compare on a tiny saved checkpoint: plain, prompt lookup, Medusa and reference rows on the
+same prompts, greedy rows making plain greedy's tokens, half precision, batch sizes."""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import pytest
+
+import decode
+from medusa_mini.cli.runs import compare
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+ROWS = ["plain_greedy", "prompt_lookup_greedy", "medusa_greedy", "medusa_typical", "plain_sampling",
+        "prompt_lookup_rejection", "medusa_rejection"]
+
+
+@pytest.fixture(autouse=True)
+def one_run_each(monkeypatch):  # one timed run per generation, not the fastest of three: the same tokens
+    monkeypatch.setattr(decode, "compare", functools.partial(compare, repeat=1))
+
+
+def run(capsys, *argv: str) -> str:
+    assert decode.main(list(argv)) == 0
+    return capsys.readouterr().out
+
+
+def test_greedy_rows_make_plain_greedys_tokens_and_the_reference_makes_the_engines(ckpt, capsys):
+    result = json.loads(run(capsys, "--ckpt", ckpt, "--compare", "--reference", "--json", "--max-new-tokens", "12"))
+    rows = {row["key"]: row for row in result["rows"]}
+    assert list(rows) == ROWS + ["reference_greedy", "reference_typical", "reference_rejection"]
+    for key in ("prompt_lookup_greedy", "medusa_greedy", "reference_greedy"):
+        assert rows[key]["tokens"] == rows["plain_greedy"]["tokens"] and rows[key]["same_as_plain_greedy"] is True
+    for rule in ("typical", "rejection"):
+        ref, engine = rows[f"reference_{rule}"], rows[f"medusa_{rule}"]
+        assert ref["tokens"] == engine["tokens"] and ref["same_as_engine"] == 3
+        assert engine["same_as_plain_greedy"] is None
+    assert all(len(t) == 12 for row in rows.values() for t in row["tokens"])
+    assert rows["plain_greedy"]["tokens_per_step"] == 1.0 and (result["tree"], result["tree_nodes"]) == ("cpu", 12)
+
+
+def test_the_table_shows_each_row_against_plain_and_its_settings(ckpt, capsys):
+    out = run(capsys, "--ckpt", ckpt, "--compare", "--max-new-tokens", "12")
+    head = out.splitlines()[0]
+    for label, same in (("plain greedy", "yes"), ("prompt lookup greedy", "yes"), ("Medusa greedy", "yes"),
+                        ("Medusa typical (T=0.8)", "-"), ("plain sampling (T=0.8)", "-")):
+        line = next(line for line in out.splitlines() if line.startswith(label))
+        assert line.split()[-1] == same, line
+        if label.startswith("plain"):  # the plain decoders set the step cost: 1.00 under its header
+            assert line[: head.index("step cost") + 9].split()[-1] == "1.00", line
+    for needle in ("bonus token", "3 prompts", "tree cpu (12 nodes", "max-new-tokens 12", "1 thread"):
+        assert needle in out, needle
+
+
+def test_prompt_lookup_gains_on_a_prompt_of_one_repeated_token_and_not_on_one_without_repeats(ckpt, capsys):
+    argv = ["--ckpt", ckpt, "--compare", "--max-new-tokens", "16", "--prompt", "nnnnnnnn", "--prompt", "a big dog ran"]
+    repeated, plain = json.loads(run(capsys, *argv, "--json"))["per_prompt"]
+    assert repeated["prompt_lookup_greedy"] > 1.5 and plain["prompt_lookup_greedy"] == 1.0
+    assert repeated["repeats"] > 0.5 and plain["repeats"] == 0
+    footer = run(capsys, *argv).split("repeats")[-1].splitlines()[1:]
+    assert [line.split()[0] for line in footer] == ["1", "2"]
+    assert footer[1].split()[1] == "1.00" and footer[1].split()[-1] == "0%"
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_compare_in_half_precision_runs_every_row_and_locates_any_difference(ckpt, capsys, dtype):
+    result = json.loads(run(capsys, "--ckpt", ckpt, "--compare", "--json", "--dtype", dtype, "--max-new-tokens", "12",
+                            "--num-prompts", "2"))
+    assert result["dtype"] == dtype and [r["key"] for r in result["rows"]] == ROWS
+    for row in result["rows"]:
+        assert all(len(t) == 12 for t in row["tokens"])
+        assert all(0 <= d["position"] < 12 and d["margin"] >= 0 for d in row.get("differences", []))
+
+
+def test_the_batch_table_has_every_method_at_every_size_and_says_where_medusa_stops_paying(ckpt, capsys, tmp_path):
+    argv = ["--ckpt", ckpt, "--compare", "--batch-size", "1,2", "--max-new-tokens", "8"]
+    rows = json.loads(run(capsys, *argv, "--json"))["rows"]
+    assert [(r["key"], r["batch_size"]) for r in rows] == [(k, b) for b in (1, 2) for k in (
+        "plain_greedy", "medusa_greedy", "plain_sampling", "medusa_rejection")]
+    assert all(r["tokens_per_s"] > 0 and r["tokens_per_step"] >= 1.0 for r in rows)
+    assert all(r["same_as_plain_greedy"] for r in rows if r["temperature"] == 0)  # batch 1's greedy tokens
+    out = run(capsys, *argv, "--plot", str(tmp_path / "batch.png"))
+    verdicts = [line for line in out.splitlines()
+                if any(v in line for v in ("stops paying at batch", "still pays at batch", "does not pay at any"))]
+    assert len(verdicts) == 2 and (tmp_path / "batch.png").stat().st_size > 0  # the figure: test_plots.py

@@ -1,0 +1,82 @@
+"""`--tree` (cli/trees.py): a preset, a node budget N built from heads_accuracy.json (which `python -m
+medusa_mini.cli.measure` measures), or a JSON file of choices; else the device's default."""
+
+import json
+
+import pytest
+import torch
+
+from conftest import save_small_checkpoint
+from medusa_mini.cli import measure
+from medusa_mini.cli.trees import resolve_tree
+from medusa_mini.train.report import load_accuracy, save_accuracy
+from medusa_mini.tree import Tree, build_tree, chain, preset
+
+VICUNA = torch.tensor([[a * 0.45**r for r in range(10)] for a in (0.56, 0.32, 0.20, 0.15)])
+
+
+def resolve(spec, ckpt_dir, *, device="cpu", num_heads=4):
+    return resolve_tree(spec, ckpt_dir=str(ckpt_dir), device=device, num_heads=num_heads)
+
+
+def test_a_node_budget_builds_the_best_tree_of_that_size_cut_to_the_heads_loaded(tmp_path):
+    save_accuracy(tmp_path, VICUNA)
+    assert resolve("8", tmp_path) == (build_tree(VICUNA, 8)[0], "8")
+    assert resolve("64", tmp_path, num_heads=2)[0] == build_tree(VICUNA, 64)[0].truncated(2)
+    assert resolve("chain3", tmp_path) == (chain(3), "chain3")  # a preset names its tree
+
+
+def test_without_a_tree_the_device_picks_the_budget_or_without_accuracies_its_preset(tmp_path):
+    assert resolve(None, tmp_path) == (preset("cpu"), "cpu")
+    assert resolve(None, tmp_path, device="cuda") == (preset("gpu"), "gpu")
+    save_accuracy(tmp_path, VICUNA)
+    assert resolve(None, tmp_path) == (build_tree(VICUNA, 8)[0], "8")
+    assert resolve(None, tmp_path, device="cuda:0")[1] == "64"
+
+
+@pytest.mark.parametrize("content", [[[0], [1], [0, 0]], {"choices": [[0], [1], [0, 0]]}], ids=["list", "object"])
+def test_a_json_file_of_choices_is_a_tree(tmp_path, monkeypatch, content):
+    (tmp_path / "mine.json").write_text(json.dumps(content))
+    want = Tree.from_choices([(0,), (1,), (0, 0)])
+    assert resolve(str(tmp_path / "mine.json"), tmp_path / "elsewhere") == (want, "mine.json")
+    monkeypatch.chdir(tmp_path.parent)  # a relative name: the working directory, then the checkpoint
+    assert resolve("mine.json", tmp_path) == (want, "mine.json")
+
+
+@pytest.mark.parametrize("spec, content, message", [
+    ("huge", None, r"unknown tree 'huge'"), ("300", None, r"--tree 300: a node budget must be between 1 and 256"),
+    ("8", None, r"--tree 8 needs heads accuracies: run python -m medusa_mini.cli.measure --ckpt"),
+    ("gone.json", None, r"tree file gone.json does not exist"), ("chain3", None, r"depth 3 but the model has 2"),
+    ("t.json", "[[0], [1", r"t.json is not readable JSON .*; a tree file holds"),
+    ("t.json", '{"nodes": [[0]]}', r"must hold a list of choices"), ("t.json", "[]", r"has no choices"),
+    ("t.json", "[[0], [1, 0]]", r"t.json: tree choice \[1, 0\] has no parent: add \[1\]"),
+    ("t.json", "[[0], [0, 0], [0, 0, 0]]", r"depth 3 but there are only 2 heads"),
+])
+def test_bad_trees_are_one_line_errors(tmp_path, spec, content, message):
+    if content is not None:
+        (tmp_path / spec).write_text(content)
+    with pytest.raises(ValueError, match=message) as error:
+        resolve(spec, tmp_path, num_heads=2)
+    assert "\n" not in str(error.value)
+
+
+def test_measure_saves_the_accuracy_table_and_prints_the_product_rule_by_node_budget(tmp_path, capsys):
+    save_small_checkpoint(tmp_path)
+    assert measure.main(["--ckpt", str(tmp_path), "--prompts", "3", "--max-new-tokens", "8"]) == 0
+    out = capsys.readouterr().out
+    acc = load_accuracy(tmp_path)
+    assert acc.shape == (3, 10) and "top-1" in out
+    assert f"8 nodes: {build_tree(acc, 8)[1]:.2f}" in out  # the estimate printed is build_tree's own
+    saved = json.loads((tmp_path / "heads_accuracy.json").read_text())
+    assert saved["num_prompts"] == 3 and saved["max_new_tokens"] == 8 and saved["top_k"] == 10
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--ckpt", "{tmp}/missing"], "missing"), (["--ckpt", "{tmp}", "--prompts", "0"], "--prompts"),
+    (["--ckpt", "{tmp}", "--max-new-tokens", "2"], "--max-new-tokens")])
+def test_measure_refuses_bad_input_in_one_line_with_exit_status_2(tmp_path, capsys, argv, needle):
+    with pytest.raises(SystemExit) as exc:
+        measure.main([a.format(tmp=tmp_path) for a in argv])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.startswith("python -m medusa_mini.cli.measure: error: ") and needle in err
+    assert err.count("\n") == 1
