@@ -2,14 +2,14 @@
 
     python benchmarks/bench_step.py                          # tiny and gpt2-shaped models, this device
     python benchmarks/bench_step.py --configs tiny --threads 2 --json
-    python benchmarks/bench_step.py --configs gpt2,gpt2-xl --dtypes float32,bfloat16 --compile   # a GPU
+    python benchmarks/bench_step.py --configs gpt2 --dtypes float32,bfloat16 --compile   # a GPU
 
-Medusa wins only if a step that verifies N candidates costs little more than a plain step. On random
-weights (speed depends on shapes, not values) this prints, in ms: a plain step; verify N, one
-tree-masked forward over N nodes; and per Medusa tree ('cpu', 'gpu') each stage of a greedy
-`medusa_step` and the whole step, over a plain step and over its verify alone (target: 1.15x).
-Each time is the median of --repeat runs after --warmup rounds, the steps taking turns, the KV cache
-reset to the same prefix before each. --compile measures each config again with compiled steps.
+Speedup = tokens/step / step cost: Medusa pays only if a step that verifies N candidates costs little
+more than a plain step. On random weights (speed depends on shapes, not values), in ms: a plain step;
+verify N, one tree-masked forward over N nodes; per Medusa tree ('cpu', 'gpu') each stage of a greedy
+`medusa_step` and the whole step. Targets: heads at most 10% of a plain step, a whole step at most
+1.15x its verify. The heads guess among --draft-vocab tokens. Each time is the median of --repeat runs
+after --warmup rounds, steps in turns (`in_turns`), the KV cache reset to the same prefix before each.
 """
 
 from __future__ import annotations
@@ -18,9 +18,11 @@ import json
 import os
 import platform
 import shlex
+import statistics
 import sys
+from argparse import ArgumentTypeError, Namespace
 from functools import partial
-from typing import Callable
+from typing import Callable, Iterable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # run as a script from anywhere, without installing the package
@@ -28,17 +30,16 @@ if ROOT not in sys.path:  # run as a script from anywhere, without installing th
 
 import torch  # noqa: E402
 
-from benchmarks.clock import at_least_one, names_of, time_in_turns  # noqa: E402
-from medusa_mini.acceptance import Accepted, accept_paths  # noqa: E402
-from medusa_mini.cli.common import DTYPES, OneLineParser, pick_device, pick_dtype  # noqa: E402
-from medusa_mini.cli.compiled import compile_steps, step_cache  # noqa: E402
+from medusa_mini.acceptance import accept_paths  # noqa: E402
+from medusa_mini.cli.common import OneLineParser, in_turns, timed  # noqa: E402
+from medusa_mini.cli.compiled import StaticCaches, compile_steps  # noqa: E402
 from medusa_mini.decoding import prefill  # noqa: E402
-from medusa_mini.heads import HeadsConfig, MedusaHeads  # noqa: E402
+from medusa_mini.heads import DraftHeads, HeadsConfig, make_heads  # noqa: E402
 from medusa_mini.io.gpt2 import GPT2_CONFIGS  # noqa: E402
 from medusa_mini.model import GPT, GPTConfig, KVCache  # noqa: E402
-from medusa_mini.proposal import MedusaProposer, Proposal  # noqa: E402
 from medusa_mini.sampling import Sampling  # noqa: E402
-from medusa_mini.step import keep_path, medusa_step, usable_nodes, verify  # noqa: E402
+from medusa_mini.step import EAGER, Steps, keep_path, medusa_step, read_step, usable_nodes  # noqa: E402
+from medusa_mini.train.device import DTYPES, pick_device, pick_dtype  # noqa: E402
 from medusa_mini.tree import Tree, build_tree, preset  # noqa: E402
 
 CONFIGS: dict[str, GPTConfig] = {"tiny": GPTConfig(), **GPT2_CONFIGS}
@@ -47,134 +48,178 @@ CUDA_NODES = (*NODES, 96, 128)  # a GPU at batch 1 may verify this many for abou
 MAX_VERIFY_NODES = 256
 MEDUSA_TREES = ("cpu", "gpu")
 STAGES = ("heads", "verify", "accept", "keep_path", "host read", "step")
+DRAFT_VOCAB = 8192  # the default draft vocabulary of a larger vocabulary (GPT-2's)
+
+
+def at_least_one(text: str) -> int:
+    """An argparse type: an integer of at least 1."""
+    if int(text) < 1:
+        raise ArgumentTypeError(f"must be at least 1, not {text}")
+    return int(text)
+
+
+def names_of(allowed: Iterable[str]) -> Callable[[str], list[str]]:
+    """An argparse type: a comma-separated list of names from `allowed`."""
+    allowed = list(allowed)
+
+    def names(text: str) -> list[str]:
+        chosen = [n.strip() for n in text.split(",") if n.strip()]
+        if not chosen or not set(chosen) <= set(allowed):
+            raise ArgumentTypeError(f"{text!r}: unknown name; use {', '.join(allowed)}")
+        return chosen
+    return names
+
+
+def numbers(low: int, high: int | None = None) -> Callable[[str], tuple[int, ...]]:
+    """An argparse type: distinct whole numbers from `low` to `high` (None: no limit), comma-separated."""
+    def parse(text: str) -> tuple[int, ...]:
+        parts = [p.strip() for p in text.split(",")]
+        if not all(p.isdigit() and low <= int(p) <= (high or int(p)) for p in parts):
+            raise ArgumentTypeError(f"{text!r}: give numbers from {low}{f' to {high}' if high else ''}, e.g. 2,4,8")
+        return tuple(sorted({int(p) for p in parts}))
+    return parse
 
 
 def verify_tree(nodes: int) -> Tree:
-    """The root and the first N - 1 choices of the 'gpu' preset (a choice's prefixes come before it),
-    or past its size the best N - 1 nodes for heads right 60%, 36%, ... of the time at rank 0."""
-    if not 1 <= nodes <= MAX_VERIFY_NODES:
-        raise ValueError(f"a verify tree has 1 to {MAX_VERIFY_NODES} nodes, not {nodes}")
-    choices = preset("gpu").choices
-    if nodes <= len(choices) + 1:
-        return Tree.from_choices(choices[: nodes - 1])
+    """The best tree of N nodes (root included) for heads right 60%, 36%, ... of the time at rank 0."""
     acc = torch.tensor([[0.6 ** (k + 1) / (r + 1) for r in range(10)] for k in range(4)])  # [K heads, R ranks]
     return build_tree(acc, nodes - 1)[0]
 
 
-def host_read(proposal: Proposal, accepted: Accepted) -> list[list[int]]:
-    """The step's one host sync, as `medusa_step` makes it: path, tokens, bonus and count per row."""
-    return torch.cat([accepted.nodes, proposal.tokens.gather(1, accepted.nodes), accepted.bonus[:, None],
-                      accepted.count[:, None]], dim=1).tolist()  # [B][2 (D + 1) + 2]
-
-
-def check_prefix(config: GPTConfig, prefix_len: int) -> None:
-    """The cached prefix must leave room in the context for the deepest Medusa tree."""
-    depth = max(preset(name).depth for name in MEDUSA_TREES)
+def check_config(config: GPTConfig, *, prefix_len: int, draft_vocab: int | None) -> int:
+    """M, the tokens the heads guess among: `draft_vocab` (0: the whole vocabulary), by default DRAFT_VOCAB
+    of a larger vocabulary, else all of it. A ValueError if the trees ask for more ranks than M holds, or
+    if they do not fit in the context after the cached prefix."""
+    depth, ranks = (max(getattr(preset(name), k) for name in MEDUSA_TREES) for k in ("depth", "max_rank"))
     if not 1 <= prefix_len < config.block_size - depth:
-        raise ValueError(f"prefix length {prefix_len} must be between 1 and {config.block_size - depth - 1}, so "
-                         f"that a depth-{depth} tree fits after it in the context of {config.block_size}")
+        raise ValueError(f"--prefix {prefix_len} must be from 1 to {config.block_size - depth - 1}, so that a "
+                         f"depth-{depth} tree fits after it in the context of {config.block_size}")
+    size = draft_vocab if draft_vocab is not None else DRAFT_VOCAB if config.vocab_size > DRAFT_VOCAB else 0
+    if size != 0 and not ranks < size <= config.vocab_size:
+        raise ValueError(f"--draft-vocab {size}: give 0 (all) or {ranks + 1} to {config.vocab_size}")
+    return size
 
 
-def build(config: GPTConfig, *, device: torch.device, dtype: torch.dtype, seed: int) -> tuple[GPT, MedusaHeads]:
-    """A random backbone and four Medusa heads on its lm_head, in `dtype`."""
+def build(config: GPTConfig, *, device: torch.device, dtype: torch.dtype, seed: int,
+          draft_vocab: int) -> tuple[GPT, DraftHeads]:
+    """A random backbone and four Medusa heads guessing among the first `draft_vocab` token ids, in `dtype`."""
     torch.manual_seed(seed)
     with device:  # initialise in place: copying a large model across devices costs more than its init
         model = GPT(config).eval().to(dtype)
-        cfg = HeadsConfig(num_heads=4, n_embd=config.n_embd, vocab_size=config.vocab_size)
-        heads = MedusaHeads(cfg, lm_head_weight=model.lm_head.weight).eval().to(dtype)
+        heads = make_heads(HeadsConfig(num_heads=4, n_embd=config.n_embd, vocab_size=config.vocab_size))
+        heads = heads.eval().to(dtype)
+    heads.use_draft_vocabulary(heads.vocab_order, draft_vocab)
     return model, heads
 
 
-def tree_stages(model: GPT, cache: KVCache, heads: MedusaHeads, tree: Tree, root: torch.Tensor,
-                hidden: torch.Tensor, *, prefix_len: int) -> dict[str, Callable[[], object]]:
-    """One callable per stage of a greedy `medusa_step` on `tree`, its inputs made once before timing by
-    the stages before it (same inputs every run, so the same path)."""
-    proposer, greedy = MedusaProposer(model, heads, tree), Sampling()
-    span = prefix_len + tree.num_nodes  # the slots decoding reads in this step (the host knows them)
-    propose = partial(proposer.propose, root, hidden, max_depth=tree.depth, sampling=greedy, generator=None)
-    proposal = propose()
-    start = cache.lengths.clone()  # [1]
-    logits, _ = verify(model, cache, tree, proposal.tokens, span=span)  # [1, N, V]
+def tree_stages(model: GPT, cache: KVCache, heads: DraftHeads, tree: Tree, root: torch.Tensor, hidden: torch.Tensor,
+                *, history: list[list[int]], steps: Steps) -> dict[str, Callable[[], object]]:
+    """One callable per stage of a greedy `medusa_step` on `tree`, each stage's inputs made once, here, by
+    the stages before it (the same inputs every run, so the same path)."""
+    proposer, greedy = heads.proposer(model, tree), Sampling()
+    attended = steps.attended(len(history[0]) - 1 + tree.num_nodes)  # the prefix and the nodes
+    propose = partial(proposer.propose, root, hidden, history=history, max_depth=tree.depth, sampling=greedy,
+                      generator=None)
+    proposal, start, t = propose(), cache.lengths, tree.tensors(root.device)  # start [1]
+    verify = partial(steps.verify, model, cache, proposal.tokens, depths=t.depths, ancestor_mask=t.ancestor_mask,
+                     attended=attended)
+    logits = verify()[0].clone()  # [1, N, V], out of a captured graph's buffers, which later replays reuse
     usable = usable_nodes(tree, start, torch.full_like(start, model.config.block_size))  # [1, N]
     accept = partial(accept_paths, proposal, logits, sampling=greedy, generator=None, usable=usable)
     accepted = accept()
-    return {"heads": propose, "verify": partial(verify, model, cache, tree, proposal.tokens, span=span),
-            "accept": accept, "keep_path": partial(keep_path, cache, accepted, start=start, active=usable[:, 0]),
-            "host read": partial(host_read, proposal, accepted),
-            "step": partial(medusa_step, model, cache, proposer, root, hidden, span=span)}
+    return {"heads": propose, "verify": verify, "accept": accept,
+            "keep_path": partial(keep_path, cache, accepted, start=start, active=usable[:, 0]),
+            "host read": partial(read_step, proposal, accepted),
+            "step": partial(medusa_step, model, cache, proposer, root, hidden, history=history, attended=attended,
+                            steps=steps)}
 
 
 @torch.no_grad()
 def bench_config(config: GPTConfig, *, device: torch.device, repeat: int, warmup: int = 3, prefix_len: int = 128,
                  nodes: tuple[int, ...] = NODES, seed: int = 0, dtype: torch.dtype = torch.float32,
-                 compiled: bool = False, compile_backend: str = "inductor") -> dict:
-    """Every timing of one config in one dtype, eager or compiled, as plain numbers (ms)."""
-    check_prefix(config, prefix_len)
-    model, heads = build(config, device=device, dtype=dtype, seed=seed)
+                 draft_vocab: int | None = None, compiled: bool = False, compile_backend: str = "inductor") -> dict:
+    """Every timing of one config in one dtype, eager or with compiled steps, as plain numbers (ms)."""
+    draft_vocab = check_config(config, prefix_len=prefix_len, draft_vocab=draft_vocab)
+    model, heads = build(config, device=device, dtype=dtype, seed=seed, draft_vocab=draft_vocab)
+    trees = {name: preset(name) for name in MEDUSA_TREES}
+    steps = EAGER
     if compiled:
-        torch.compiler.reset()  # graphs are cached per code object, across models: start afresh
-        model = compile_steps(model, backend=compile_backend)
+        torch.compiler.reset()  # compiled code is kept per function, across models: start afresh
+        steps = compile_steps(device, backend=compile_backend)
+        torch._dynamo.config.recompile_limit += len(nodes) + len(trees) + 1  # one graph per shape
         warmup = max(warmup, 3) if device.type == "cuda" else warmup  # CUDA graphs: eager, record, replay
-    max_len = config.block_size + max(max(nodes), preset("gpu").num_nodes)
-    cache = step_cache(model, max_len) or KVCache(config, max_len=max_len, device=device, dtype=dtype)
     gen = torch.Generator().manual_seed(seed)
     prefix = torch.randint(0, config.vocab_size, (1, prefix_len), generator=gen).to(device)  # [1, P]
-    logits, hidden = prefill(model, prefix, cache)  # [1, V], [1, C]
-    # The root stays on the device, as decoding keeps it: an int would add a host-to-device copy per step.
-    root = logits.argmax(dim=-1)  # [1]
+    # As decoding sizes them: a step over N nodes on block_size + N slots (a compiled step reads them all).
+    static = StaticCaches(model)
+    caches = {n: static(1, config.block_size + n) for n in {0, *nodes, *(t.num_nodes for t in trees.values())}}
+    for cache in caches.values():
+        logits, hidden = prefill(model, prefix, cache)  # [1, V], [1, C]
+    root = logits.argmax(dim=-1)  # [1], kept on the device as decoding keeps it
+    history = [prefix[0].tolist() + root.tolist()]
 
     def reset() -> None:
-        cache.lengths = prefix_len  # later slots are stale and get overwritten, as in decoding
+        for cache in caches.values():
+            cache.lengths = prefix_len  # later slots are stale and get overwritten, as in decoding
 
     def plain() -> int:
-        out, _ = model(root[:, None], cache=cache, span=prefix_len + 1)  # [1, 1, V]
+        out, _ = steps.plain(model, caches[0], root[:, None], attended=steps.attended(prefix_len + 1))  # [1, 1, V]
         return int(out[0, -1].argmax())
 
-    steps: dict[str, Callable[[], object]] = {"plain": plain}
+    calls: dict[str, Callable[[], object]] = {"plain": plain}
     for n in nodes:
-        tokens = torch.randint(0, config.vocab_size, (1, n), generator=gen).to(device)  # [1, n]
-        steps[f"verify {n}"] = partial(verify, model, cache, verify_tree(n), tokens, span=prefix_len + n)
-    for name in MEDUSA_TREES:
-        reset()
-        stages = tree_stages(model, cache, heads, preset(name), root, hidden, prefix_len=prefix_len)
-        steps.update({f"{name} {stage}": fn for stage, fn in stages.items()})
-    ms, first_round = time_in_turns(steps, reset=reset, device=device, repeat=repeat, warmup=warmup)
+        t, tokens = verify_tree(n).tensors(device), torch.randint(0, config.vocab_size, (1, n), generator=gen)
+        calls[f"verify {n}"] = partial(steps.verify, model, caches[n], tokens.to(device), depths=t.depths,
+                                       ancestor_mask=t.ancestor_mask, attended=steps.attended(prefix_len + n))
     reset()
+    stages, setup_s = timed(device, lambda: {name: tree_stages(model, caches[tree.num_nodes], heads, tree, root, hidden,
+                                                               history=history, steps=steps)
+                                             for name, tree in trees.items()})
+    calls.update({f"{name} {stage}": fn for name in trees for stage, fn in stages[name].items()})
+    runs = in_turns(calls, rounds=warmup + repeat, device=device, before_each=reset)
+    reset()
+    ms = {key: 1e3 * statistics.median(s for _, s in times[warmup:]) for key, times in runs.items()}
     medusa = {}
-    for name in MEDUSA_TREES:
+    for name, tree in trees.items():
         stage_ms = {stage: ms[f"{name} {stage}"] for stage in STAGES}
-        medusa[name] = {"nodes": preset(name).num_nodes, "ms": stage_ms["step"], "stages_ms": stage_ms,
-                        "ratio": stage_ms["step"] / ms["plain"], "step_vs_verify": stage_ms["step"] / stage_ms["verify"],
-                        "accepted": len(steps[f"{name} step"]().paths[0]) - 1}  # random weights: few
+        medusa[name] = {"nodes": tree.num_nodes, "stages_ms": stage_ms, "heads_share": stage_ms["heads"] / ms["plain"],
+                        "step_vs_plain": stage_ms["step"] / ms["plain"],
+                        "step_vs_verify": stage_ms["step"] / stage_ms["verify"],
+                        "accepted": len(runs[f"{name} step"][-1][0].paths[0]) - 1}  # random weights: few
     return {"config": {k: getattr(config, k) for k in ("n_layer", "n_head", "n_embd", "vocab_size", "block_size")},
-            "prefix_len": prefix_len, "repeat": repeat, "warmup": warmup, "dtype": str(dtype).split(".")[-1],
-            "compiled": compiled, "first_round_s": first_round, "plain_ms": ms["plain"],
+            "draft_vocab": heads.draft_ids.numel(), "prefix_len": prefix_len, "repeat": repeat, "warmup": warmup,
+            "dtype": str(dtype).split(".")[-1], "compiled": compiled, "plain_ms": ms["plain"],
+            "first_round_s": setup_s + sum(times[0][1] for times in runs.values()),
             "verify_ms": {n: ms[f"verify {n}"] for n in nodes}, "medusa": medusa}
 
 
 def table_rows(results: list[dict]) -> list[tuple[str, list[float]]]:
-    """One row per timing, (label, a number per result): ms, or x for a label ending in '(x)'."""
-    first = results[0]
-    rows = [("first round, s (compilation, if any)", [r["first_round_s"] for r in results]),
+    """One row per timing, (label, a number per result): ms, or what a label ending in '(x)' or '(%)' says."""
+    rows = [("first round, s (compiling, if any)", [r["first_round_s"] for r in results]),
             ("plain step (1 token + argmax)", [r["plain_ms"] for r in results])]
-    rows += [(f"verify, N = {n}", [r["verify_ms"][n] for r in results]) for n in first["verify_ms"]]
-    for tree, info in first["medusa"].items():
+    rows += [(f"verify, N = {n}", [r["verify_ms"][n] for r in results]) for n in results[0]["verify_ms"]]
+    for tree, info in results[0]["medusa"].items():
         m = [r["medusa"][tree] for r in results]
         rows += [(f"{tree} tree ({info['nodes']} nodes incl. root): {stage}", [x["stages_ms"][stage] for x in m])
                  for stage in STAGES[:-1]]
-        rows += [(f"{tree} tree: whole medusa_step", [x["ms"] for x in m]),
-                 (f"{tree} tree: whole step / plain step (x)", [x["ratio"] for x in m]),
+        rows += [(f"{tree} tree: whole medusa_step", [x["stages_ms"]["step"] for x in m]),
+                 (f"{tree} tree: heads / plain step (%)", [100 * x["heads_share"] for x in m]),
+                 (f"{tree} tree: whole step / plain step (x)", [x["step_vs_plain"] for x in m]),
                  (f"{tree} tree: whole step / verify alone (x)", [x["step_vs_verify"] for x in m])]
     return rows
 
 
-def format_table(results: dict[str, dict], *, header: list[str]) -> str:
-    """Configs as columns, one timing per row."""
-    names, first = list(results), next(iter(results.values()))
-    rows = [("layers / heads / width / vocabulary",
-             ["{n_layer} / {n_head} / {n_embd} / {vocab_size}".format(**r["config"]) for r in results.values()])]
+def format_table(results: dict[str, dict], meta: dict) -> str:
+    """Configs as columns, one timing per row, under what ran them (`meta`)."""
+    names, first, load = list(results), next(iter(results.values())), meta["load_avg_1min"]
+    header = [f"torch {meta['torch']}, {meta['device']} ({meta['device_name']}), {meta['threads']} threads, load "
+              f"average {'unknown' if load is None else f'{load:.2f}'} before the run", f"command: {meta['command']}"]
+    rows = [("layers / heads / width / vocabulary / draft", [
+        "{n_layer} / {n_head} / {n_embd} / {vocab_size}".format(**r["config"]) + f" / {r['draft_vocab']}"
+        for r in results.values()])]
     rows += [(label, [f"{v:.2f}" for v in values]) for label, values in table_rows(list(results.values()))]
-    width, col = max(len(label) for label, _ in rows) + 2, max(12, *(len(n) + 2 for n in names))
+    width = max(len(label) for label, _ in rows) + 2
+    col = max(12, *(len(n) + 2 for n in names), *(len(v) + 2 for _, values in rows for v in values))
     lines = [*header, "", " " * width + "".join(f"{n:>{col}}" for n in names)]
     lines += [f"{label:<{width}}" + "".join(f"{v:>{col}}" for v in vals) for label, vals in rows]
     lines.append(f"\nms, median of the repetitions after {first['warmup']} warm-up rounds, steps in turns; KV cache "
@@ -182,35 +227,30 @@ def format_table(results: dict[str, dict], *, header: list[str]) -> str:
     return "\n".join(lines)
 
 
-def parse_args(argv: list[str]):
+def parse_args(argv: list[str]) -> Namespace:
     p = OneLineParser(prog="python benchmarks/bench_step.py", description="Time plain steps, tree verifies and "
                       "the stages of a Medusa step on random weights.")
-    p.add_argument("--configs", default="tiny,gpt2", help=f"comma-separated, from: {', '.join(CONFIGS)}")
+    p.add_argument("--configs", type=names_of(CONFIGS), default="tiny,gpt2", help=f"from: {', '.join(CONFIGS)}")
     p.add_argument("--device", help="default: cuda if available, else cpu")
-    p.add_argument("--repeat", type=int, default=10, help="timed repetitions per measurement (default: 10)")
-    p.add_argument("--warmup", type=int, default=3, help="untimed rounds first, at least 1 (default: 3)")
-    p.add_argument("--dtypes", default="float32", help=f"comma-separated, from: {', '.join(DTYPES)}")
+    p.add_argument("--repeat", type=at_least_one, default=10, help="timed repetitions per measurement (default: 10)")
+    p.add_argument("--warmup", type=at_least_one, default=3, help="untimed rounds first (default: 3)")
+    p.add_argument("--dtypes", type=names_of(DTYPES), default="float32", help=f"from: {', '.join(DTYPES)}")
+    p.add_argument("--draft-vocab", type=int, metavar="M", help="tokens the heads guess among, 0: the whole "
+                   f"vocabulary (default: {DRAFT_VOCAB} for the GPT-2 shapes, 0 for tiny)")
     p.add_argument("--compile", action="store_true", help="measure every config again with compiled steps")
-    p.add_argument("--nodes", help=f"verify sizes (default: {','.join(map(str, NODES))}; CUDA: up to 128)")
+    p.add_argument("--nodes", type=numbers(1, MAX_VERIFY_NODES),
+                   help=f"verify sizes (default: {','.join(map(str, NODES))}; CUDA: up to 128)")
     p.add_argument("--prefix", type=int, default=128, help="tokens in the KV cache before each step (default: 128)")
-    p.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's choice)")
+    p.add_argument("--threads", type=at_least_one, help="torch.set_num_threads (default: torch's choice)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights and tokens (default: 0)")
     p.add_argument("--json", action="store_true", help="print the numbers as JSON instead of a table")
     a = p.parse_args(argv)
     try:
-        a.config_names = names_of("--configs", a.configs, CONFIGS)
-        at_least_one(a, "repeat", "warmup", "threads")
-        for name in a.config_names:  # every config checked before the first is measured
-            try:
-                check_prefix(CONFIGS[name], a.prefix)
-            except ValueError as e:
-                raise ValueError(f"--prefix, config {name}: {e}") from None
+        for name in a.configs:  # every config checked before the first is measured
+            check_config(CONFIGS[name], prefix_len=a.prefix, draft_vocab=a.draft_vocab)
         a.device = pick_device(a.device)
-        a.dtype_list = [pick_dtype(d, a.device) for d in names_of("--dtypes", a.dtypes, DTYPES)]
-        sizes = [n.strip() for n in a.nodes.split(",")] if a.nodes else None
-        if sizes is not None and not all(s.isdigit() and 1 <= int(s) <= MAX_VERIFY_NODES for s in sizes):
-            raise ValueError(f"--nodes {a.nodes!r}: give sizes from 1 to {MAX_VERIFY_NODES}, comma-separated")
-        a.node_list = tuple(map(int, sizes)) if sizes else CUDA_NODES if a.device.type == "cuda" else NODES
+        a.dtypes = [pick_dtype(d, a.device) for d in a.dtypes]
+        a.nodes = a.nodes or (CUDA_NODES if a.device.type == "cuda" else NODES)
     except ValueError as e:
         p.error(str(e))
     return a
@@ -225,19 +265,12 @@ def main(argv: list[str] | None = None) -> int:
     results = {" ".join([name] + ([str(dtype).split(".")[-1]] if dtype != torch.float32 else [])
                         + (["compiled"] if compiled else [])):
                bench_config(CONFIGS[name], device=a.device, repeat=a.repeat, warmup=a.warmup, prefix_len=a.prefix,
-                            seed=a.seed, nodes=a.node_list, dtype=dtype, compiled=compiled)
-               for name in a.config_names for dtype in a.dtype_list for compiled in (False, True)[: 1 + a.compile]}
-    device_name = (torch.cuda.get_device_name(a.device) if a.device.type == "cuda"
-                   else platform.processor() or platform.machine())
-    meta = {"torch": torch.__version__, "device": str(a.device), "device_name": device_name,
-            "threads": torch.get_num_threads(), "load_avg_1min": load,
-            "command": shlex.join(["python", "benchmarks/bench_step.py", *argv])}
-    if a.json:
-        print(json.dumps({**meta, "configs": results}, indent=2))
-    else:
-        print(format_table(results, header=[
-            f"torch {meta['torch']}, {meta['device']} ({device_name}), {meta['threads']} threads, load average "
-            f"{'unknown' if load is None else f'{load:.2f}'} before the run", f"command: {meta['command']}"]))
+                            seed=a.seed, nodes=a.nodes, dtype=dtype, compiled=compiled, draft_vocab=a.draft_vocab)
+               for name in a.configs for dtype in a.dtypes for compiled in (False, True)[: 1 + a.compile]}
+    meta = {"torch": torch.__version__, "device": str(a.device), "threads": torch.get_num_threads(),
+            "device_name": torch.cuda.get_device_name(a.device) if a.device.type == "cuda" else platform.machine(),
+            "load_avg_1min": load, "command": shlex.join(["python", "benchmarks/bench_step.py", *argv])}
+    print(json.dumps({**meta, "configs": results}, indent=2) if a.json else format_table(results, meta))
     return 0
 
 

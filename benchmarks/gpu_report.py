@@ -1,36 +1,30 @@
 """Every figure a GPU run of the project should report, measured and written as one markdown report.
 
     python benchmarks/gpu_report.py --out gpu.md                       # all four parts, one after another
-    python benchmarks/gpu_report.py --out gpu.md --part step           # or part by part, each within its
-    python benchmarks/gpu_report.py --out gpu.md --part train --append # budget (default 510 s)
+    python benchmarks/gpu_report.py --out gpu.md --part step --append  # or part by part
     python benchmarks/gpu_report.py --device cpu --quick --out cpu.md  # the same code, small, on a CPU
 
-Parts, each running the project's own commands: step: `bench_step.py --json` per GPT-2 shape and dtype,
-eager and compiled on CUDA; train: `train_tiny.py --preset gpu` into --ckpt, seconds and peak memory per
-stage; decode: `decode.py --compare --json --dtype bfloat16 --compile` on it; batch: the same with
---batch-size 1,2,4,8,16.
-
-Each part appends its section when it ends, so a stopped run keeps what it finished; a command stops at
---budget-s and the report says so. Exit status: 0, 1 if a part failed (the report says why), 2 for bad
-flags (one line).
+Each part runs the project's own commands and writes their tables: step: `bench_step.py` per GPT-2 shape
+and dtype, eager and (on CUDA) compiled, down to the heads' share of a plain step and a whole step over
+its verify; train: `train_tiny.py --preset gpu` into --ckpt; decode: `decode.py --compare` on it in
+bfloat16 (compiled on CUDA); batch: the same with --batch-size 1,2,4,8,16. A part runs within --budget-s
+and appends its section when it ends, so a stopped run keeps what it finished. Exit status: 0, 1 if a
+part failed (its section says why, in one line), 2 for bad flags.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
-import re
 import shlex
 import signal
 import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Callable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # run as a script from anywhere, without installing the package
@@ -38,61 +32,33 @@ if ROOT not in sys.path:  # run as a script from anywhere, without installing th
 
 import torch  # noqa: E402
 
-from benchmarks.bench_step import CONFIGS, table_rows  # noqa: E402
-from benchmarks.clock import names_of  # noqa: E402
-from medusa_mini.cli.common import DTYPES, OneLineParser, pick_device  # noqa: E402
+from benchmarks.bench_step import CONFIGS, names_of  # noqa: E402
+from medusa_mini.cli.common import OneLineParser  # noqa: E402
+from medusa_mini.train.device import DTYPES, pick_device  # noqa: E402
 
 PARTS = ("step", "train", "decode", "batch")
 GPT2_SHAPES = "gpt2,gpt2-medium,gpt2-large,gpt2-xl"
-BATCH_SIZES, QUICK_BATCH_SIZES = "1,2,4,8,16", "1,2,4"
 QUICK_STEP = ["--nodes", "1,4,16", "--repeat", "3", "--warmup", "1"]
 QUICK_DECODE = ["--num-prompts", "2", "--max-new-tokens", "32"]
 BUDGET_S, QUICK_BUDGET_S = 510.0, 170.0  # a part stays under 9 minutes on an H100; --quick under 3
-BATCH_FIELDS = ("method", "batch_size", "tokens_per_s", "speedup", "tokens_per_step")
 
 
-@dataclass
-class ScriptRun:
-    """One finished (or stopped) command: its exit status (None: stopped at its budget), output, seconds."""
-
-    argv: list[str]
-    returncode: int | None
-    stdout: str
-    stderr: str
-    seconds: float
-
-    @property
-    def ok(self) -> bool:
-        return self.returncode == 0
-
-    def failure(self) -> str:
-        """One line saying why a command gave nothing to tabulate."""
-        if self.returncode is None:
-            return f"stopped at its budget after {self.seconds:.0f} s"
-        last = next((ln for ln in reversed(self.stderr.splitlines()) if ln.strip()), "no message")
-        return f"exit status {self.returncode} after {self.seconds:.0f} s: {last.strip()}"
-
-
-def run_script(argv: list[str], *, timeout_s: float, label: str, echo_stdout: bool = False) -> ScriptRun:
-    """`python ARGV` in the repository root, stopped after timeout_s; its stderr (and with echo_stdout
-    its stdout) is echoed line by line, prefixed with `label`, and kept."""
+def run_script(argv: list[str], *, timeout_s: float, label: str) -> tuple[int | None, str, float]:
+    """`python ARGV` in the repository root, stopped after timeout_s: its exit status (None: stopped), its
+    output (stdout and stderr as they came, echoed to stderr line by line, prefixed with `label`), seconds."""
     t0 = time.perf_counter()
-    # A session of its own: stopping it stops what it started too (compile workers holding its pipes).
-    proc = subprocess.Popen([sys.executable, *argv], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    # A session of its own: stopping it stops what it started too (compile workers holding its pipe).
+    proc = subprocess.Popen([sys.executable, *argv], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
-    out: list[str] = []
-    err: list[str] = []
+    lines: list[str] = []
 
-    def pump(stream, keep: list[str], echo: bool) -> None:
-        for line in stream:
-            keep.append(line)
-            if echo:
-                print(f"  [{label}] {line}", end="", file=sys.stderr, flush=True)
+    def pump() -> None:
+        for line in proc.stdout:
+            lines.append(line)
+            print(f"  [{label}] {line}", end="", file=sys.stderr, flush=True)
 
-    pumps = [threading.Thread(target=pump, args=args, daemon=True)
-             for args in ((proc.stdout, out, echo_stdout), (proc.stderr, err, True))]
-    for t in pumps:
-        t.start()
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
     try:
         returncode: int | None = proc.wait(timeout=max(timeout_s, 0.0))
     except subprocess.TimeoutExpired:
@@ -102,195 +68,95 @@ def run_script(argv: list[str], *, timeout_s: float, label: str, echo_stdout: bo
     except ProcessLookupError:
         pass
     proc.wait()
-    for t in pumps:
-        t.join()
-    return ScriptRun(argv, returncode, "".join(out), "".join(err), time.perf_counter() - t0)
+    reader.join()
+    return returncode, "".join(lines), time.perf_counter() - t0
 
 
-# ---- markdown tables from the commands' output ---------------------------------------------------
+def section(argv: list[str], *, timeout_s: float, label: str, keep=str.splitlines) -> tuple[list[str], bool]:
+    """A command's lines for the report: the command, then the lines `keep` picks from its output in a code
+    block, or one line saying why there are none (stopped at its budget, failed, or printed none)."""
+    returncode, output, seconds = run_script(argv, timeout_s=timeout_s, label=label)
+    head = [f"Command: `{shlex.join(['python', *argv])}`, {seconds:.0f} s.", ""]
+    last = next((line.strip() for line in reversed(output.splitlines()) if line.strip()), "no message")
+    why = (f"stopped at its budget after {seconds:.0f} s" if returncode is None
+           else f"exit status {returncode} after {seconds:.0f} s: {last}" if returncode else None)
+    lines = [] if why else keep(output)
+    if not lines:
+        return [*head, f"Failed: {why or 'it printed nothing to report'}"], False
+    return [*head, "```", *lines, "```"], True
 
 
-def cell(value) -> str:
-    """A table cell: floats with 2 decimals (3 significant digits below 1), None as '-'."""
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        return f"{value:.3g}" if abs(value) < 1 else f"{value:.2f}"
-    return str(value).replace("|", "\\|")
-
-
-def md_table(header: Sequence[str], rows: Iterable[Sequence]) -> str:
-    """A markdown table; columns of numbers (None allowed) right-aligned, the others left-aligned."""
-    rows = [list(row) for row in rows]
-    numeric = [all(isinstance(row[i], (int, float)) or row[i] is None for row in rows) for i in range(len(header))]
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---:" if n else "---" for n in numeric) + "|"]
-    return "\n".join(lines + ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows])
-
-
-def variant_name(result: dict) -> str:
-    return result["dtype"] + (" compiled" if result["compiled"] else "")
-
-
-def step_table(config: str, variants: list[dict]) -> str:
-    """One GPT shape from bench_step.py --json: a row per measurement, a column per dtype and eager/compiled."""
-    shape = "{n_layer} layers, {n_head} heads, width {n_embd}, vocabulary {vocab_size}".format(**variants[0]["config"])
-    return md_table([f"{config} ({shape})", *(variant_name(v) for v in variants)],
-                    [[label, *values] for label, values in table_rows(variants)])
-
-
-def step_summary(by_config: dict[str, list[dict]]) -> str:
-    """The targets side by side: verify over 64 nodes against a plain step, a whole step against its verify."""
-    rows = []
-    for config, variants in by_config.items():
-        for v in variants:
-            v64 = v["verify_ms"].get("64")
-            rows.append([f"{config} {variant_name(v)}", v["plain_ms"], v64, None if v64 is None else v64 / v["plain_ms"],
-                         v["medusa"]["cpu"]["step_vs_verify"], v["medusa"]["gpu"]["ratio"]])
-    return md_table(["shape and variant", "plain step, ms", "verify 64, ms", "verify 64 / plain (x)",
-                     "cpu tree: step / verify (x)", "gpu tree: step / plain (x)"], rows)
-
-
-def parse_training_log(log: str) -> dict:
-    """From train_tiny.py's output: {stage: (seconds, peak GiB or None)}, in order, and the summary lines."""
-    stages: dict[str, tuple[float, float | None]] = {}
-    summary: list[str] = []
-    for line in log.splitlines():
-        if m := re.match(r"tokenizer\s+\d+ tokens, trained in ([\d.]+)s", line):  # trained before the clock
-            stages["tokenizer"] = (float(m.group(1)), None)
-        elif line.startswith("stages "):
-            for name, sec, peak in re.findall(r"(\w+) ([\d.]+) s(?: \(peak ([\d.]+) GiB\))?", line):
-                stages[name] = (float(sec), float(peak) if peak else None)
-        if line.startswith("summary ") or (summary and line.startswith(" ")):
-            summary.append(line)
-    return {"stages": stages, "summary": summary}
-
-
-def train_table(parsed: dict, *, wall_s: float) -> str:
-    rows = [[name, sec, peak] for name, (sec, peak) in parsed["stages"].items()]
-    rows.append(["whole command (start-up, data and saving too)", wall_s, None])
-    return md_table(["stage", "seconds", "peak memory, GiB"], rows)
-
-
-def decode_table(result: dict) -> str:
-    """decode.py --compare --json: its rows, with tokens/s beside ms/token."""
-    rows = [[r["method"], r["new_tokens"], r["steps"], r["tokens_per_step"], r["ms_per_token"],
-             1000.0 / r["ms_per_token"], r["speedup"],
-             {None: "-", True: "yes", False: "no"}[r.get("same_as_plain_greedy")]] for r in result["rows"]]
-    table = md_table(["method", "tokens", "steps", "tokens/step", "ms/token", "tokens/s", "speedup (x)",
-                      "same as plain greedy"], rows)
-    compiled = result.get("compile_warmup_s")
-    how = (f"device {result['device']}, {result['dtype']}, "
-           + (f"compiled steps (compilation {compiled:.1f} s, not timed)" if compiled is not None else "eager")
-           + f"; tree {result['tree']} ({result['tree_nodes']} nodes incl. root); {result['prompts']} prompts x "
-           f"{result['max_new_tokens']} new tokens; fastest of 3 runs in turns.")
-    return f"{table}\n\n{how} Tokens/step counts the bonus token; ms/token includes the prefill."
-
-
-def batch_table(result: dict) -> str:
-    """decode.py --compare --batch-size ... --json; a row without a needed field is a KeyError."""
-    if not result.get("rows"):
-        raise ValueError("decode.py --compare --batch-size --json gave no rows")
-    return md_table(["method", "batch size", "tokens/s", "speedup (x)", "tokens/step"],
-                    [[r[f] for f in BATCH_FIELDS] for r in result["rows"]])
-
-
-# ---- the parts --------------------------------------------------------------------------------------
-
-
-def command_text(argv: list[str]) -> str:
-    return "`" + shlex.join(["python", *argv]) + "`"
+def step_table(output: str) -> list[str]:
+    """bench_step.py's table from its column names on ([] if it printed none)."""
+    lines = output.splitlines()
+    first = next((i for i, line in enumerate(lines) if line.startswith("layers / heads")), None)
+    return [] if first is None else lines[first - 1 :]
 
 
 def step_part(s: argparse.Namespace) -> tuple[str, bool]:
-    """bench_step.py once per shape and dtype; what the budget did not reach is named with its command."""
+    """bench_step.py once per shape, every dtype a column; what the budget did not reach is named."""
     deadline = time.monotonic() + s.budget_s
-    by_config: dict[str, list[dict]] = {}
-    notes, commands = [], []
+    text, ok = ["## What one step costs", "", "Random weights (speed depends on shapes, not values). Targets: the "
+                "heads at most 10% of a plain step, a whole step at most 1.15x its verify alone."], True
     for config in s.configs:
-        for dtype in s.dtypes:
-            left = deadline - time.monotonic()
-            if left <= 1:
-                notes.append(f"{config} {dtype}: the part's {s.budget_s:.0f} s were spent; measure it with "
-                             f"`--part step --configs {config} --dtypes {dtype} --append`")
-                continue
-            argv = ["benchmarks/bench_step.py", "--configs", config, "--dtypes", dtype, "--device", s.device,
-                    "--json", *s.compile, *(QUICK_STEP if s.quick else [])]
-            commands.append(command_text(argv))
-            run = run_script(argv, timeout_s=left, label=f"step {config} {dtype}")
-            if run.ok:
-                by_config.setdefault(config, []).extend(json.loads(run.stdout)["configs"].values())
-            else:
-                notes.append(f"{config} {dtype}: {run.failure()}")
-    text = ["## What one step costs", "", "Random weights (speed depends on shapes, not values); ms, median of the "
-            "repetitions (CUDA events on a GPU); KV cache holding 128 tokens before each step; a compiled column's "
-            "first round includes compiling every step shape.", "", "Commands:", "", *(f"- {c}" for c in commands)]
-    if by_config:
-        text += ["", step_summary(by_config), "", *(f"{step_table(c, v)}\n" for c, v in by_config.items())]
-    text += [f"\nNot measured: {n}" for n in notes]
-    return "\n".join(text), not notes
+        text += ["", f"### {config}", ""]
+        left = deadline - time.monotonic()
+        if left <= 1:
+            text.append(f"Not measured: the part's {s.budget_s:.0f} s were spent; measure it with "
+                        f"`--part step --configs {config} --append`.")
+            ok = False
+            continue
+        argv = ["benchmarks/bench_step.py", "--configs", config, "--dtypes", ",".join(s.dtypes), "--device",
+                s.device, *s.compile, *(QUICK_STEP if s.quick else [])]
+        lines, done = section(argv, timeout_s=left, label=f"step {config}", keep=step_table)
+        text, ok = text + lines, ok and done
+    return "\n".join(text), ok
 
 
-def train_part(s: argparse.Namespace) -> tuple[str, bool]:
-    argv = ["train_tiny.py", "--preset", "smoke" if s.quick else "gpu", "--out", s.ckpt, "--device", s.device,
-            *s.train_flags]
-    run = run_script(argv, timeout_s=s.budget_s, label="train", echo_stdout=True)
-    head = [f"## Training the {argv[2]} preset", "", f"Command: {command_text(argv)}.", ""]
-    if not run.ok:
-        return "\n".join([*head, f"Failed: {run.failure()}"]), False
-    parsed = parse_training_log(run.stdout)
-    text = [*head, train_table(parsed, wall_s=run.seconds), "",
-            "Peak memory is torch's peak allocation in the stage (CUDA only).", ""]
-    text += ["```", *parsed["summary"], "```"] if parsed["summary"] else []
-    return "\n".join(text), bool(parsed["stages"])
+def training_summary(log: str) -> list[str]:
+    """train_tiny.py's summary and its seconds and peak memory per stage, from its log."""
+    lines = log.splitlines()
+    first = next((i for i, line in enumerate(lines) if line.startswith("summary ")), len(lines))
+    return [line for line in lines[first:] if line.startswith((" ", "summary ", "stages "))]
+
+
+def command_part(s: argparse.Namespace, argv: list[str], *, title: str, keep=str.splitlines) -> tuple[str, bool]:
+    lines, ok = section(argv, timeout_s=s.budget_s, label=title, keep=keep)
+    return "\n".join([f"## {title}", "", *lines]), ok
 
 
 def decode_argv(s: argparse.Namespace, *extra: str) -> list[str]:
-    return ["decode.py", "--ckpt", s.ckpt, "--compare", *extra, "--json", "--dtype", "bfloat16", "--device", s.device,
+    return ["decode.py", "--ckpt", s.ckpt, "--compare", *extra, "--dtype", "bfloat16", "--device", s.device,
             *s.compile, *(QUICK_DECODE if s.quick else []), *s.decode_flags]
 
 
-def decode_part(s: argparse.Namespace) -> tuple[str, bool]:
-    return table_part(s, decode_argv(s), title="## decode.py --compare", label="decode", tabulate=decode_table)
-
-
-def batch_part(s: argparse.Namespace) -> tuple[str, bool]:
-    argv = decode_argv(s, "--batch-size", QUICK_BATCH_SIZES if s.quick else BATCH_SIZES)
-    return table_part(s, argv, title="## Batch sizes", label="batch", tabulate=batch_table)
-
-
-def table_part(s: argparse.Namespace, argv: list[str], *, title: str, label: str, tabulate) -> tuple[str, bool]:
-    """Run a command that prints one JSON object and tabulate it; a failure is one line of the section."""
-    run = run_script(argv, timeout_s=s.budget_s, label=label)
-    head = [title, "", f"Command: {command_text(argv)}.", ""]
-    try:
-        if not run.ok:
-            raise ValueError(run.failure())
-        return "\n".join([*head, tabulate(json.loads(run.stdout))]), True
-    except (ValueError, KeyError) as e:  # JSONDecodeError is a ValueError; KeyError: a field missing
-        why = f"a row lacks {e.args[0]}" if isinstance(e, KeyError) else " ".join(str(e).split())
-        return "\n".join([*head, f"Failed: {why}"]), False
-
-
-RUN_PART = {"step": step_part, "train": train_part, "decode": decode_part, "batch": batch_part}
+RUN_PART: dict[str, Callable[[argparse.Namespace], tuple[str, bool]]] = {
+    "step": step_part,
+    "train": lambda s: command_part(s, ["train_tiny.py", "--preset", "smoke" if s.quick else "gpu", "--out", s.ckpt,
+                                        "--device", s.device, *s.train_flags], title="Training",
+                                    keep=training_summary),
+    "decode": lambda s: command_part(s, decode_argv(s), title="decode.py --compare"),
+    "batch": lambda s: command_part(s, decode_argv(s, "--batch-size", "1,2,4" if s.quick else "1,2,4,8,16"),
+                                    title="Batch sizes")}
 
 
 def header(s: argparse.Namespace, argv: list[str]) -> str:
-    device = torch.device(s.device)
-    if device.type == "cuda":
-        props = torch.cuda.get_device_properties(device)
+    """The report's title and what produced it: device, torch, CUDA, Python, code version, date, command."""
+    if s.device.startswith("cuda"):
+        props = torch.cuda.get_device_properties(torch.device(s.device))
         name = f"{props.name}, {props.total_memory / 2**30:.0f} GiB"
     else:
         name = f"CPU ({platform.processor() or platform.machine()}), {torch.get_num_threads()} threads"
     try:
-        commit = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True, text=True)
+        commit = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True,
+                                text=True).stdout.strip()
     except OSError:  # no git on this machine
-        commit = subprocess.CompletedProcess([], 1, "", "")
-    rows = [["device", f"{s.device}: {name}"], ["torch", torch.__version__],
-            ["CUDA", torch.version.cuda or "none (a CPU build of torch)"], ["Python", platform.python_version()],
-            ["code", commit.stdout.strip() or "unknown"],
-            ["date (UTC)", datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M")],
-            ["command", command_text(["benchmarks/gpu_report.py", *argv])]]
-    return f"# medusa_mini on {name.split(',')[0]}\n\n{md_table(['', ''], rows)}\n"
+        commit = ""
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M")
+    return (f"# medusa_mini on {name.split(',')[0]}\n\n- device: {s.device}: {name}\n- torch {torch.__version__}, "
+            f"CUDA {torch.version.cuda or 'none (a CPU build of torch)'}, Python {platform.python_version()}\n"
+            f"- code: {commit or 'unknown'}; date (UTC): {now}\n"
+            f"- command: `{shlex.join(['python', 'benchmarks/gpu_report.py', *argv])}`\n")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -303,8 +169,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="smoke training, the tiny shape, few nodes and prompts")
     p.add_argument("--ckpt", default="out/gpu_report", metavar="DIR",
                    help="where train writes its checkpoint, which decode and batch read (default: %(default)s)")
-    p.add_argument("--configs", help=f"step: shapes for bench_step.py (default: {GPT2_SHAPES}; --quick: tiny)")
-    p.add_argument("--dtypes", default="bfloat16,float32", help="step: one bench_step.py run each (default: %(default)s)")
+    p.add_argument("--configs", type=names_of(CONFIGS),
+                   help=f"step: shapes for bench_step.py (default: {GPT2_SHAPES}; --quick: tiny)")
+    p.add_argument("--dtypes", type=names_of(DTYPES), default="bfloat16,float32",
+                   help="step: the number formats of bench_step.py (default: %(default)s)")
     p.add_argument("--budget-s", type=float, metavar="S",
                    help=f"seconds each part may take (default: {BUDGET_S:.0f}; --quick: {QUICK_BUDGET_S:.0f})")
     p.add_argument("--train-flags", default="", metavar="'FLAGS'", help="more train_tiny.py flags, quoted")
@@ -323,10 +191,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                              "or name one with --ckpt")
         if not os.path.isdir(os.path.dirname(os.path.abspath(a.out))):
             raise ValueError(f"--out {a.out}: its folder does not exist")
-        a.configs = names_of("--configs", a.configs or ("tiny" if a.quick else GPT2_SHAPES), CONFIGS)
-        a.dtypes = names_of("--dtypes", a.dtypes, DTYPES)
     except ValueError as e:
         p.error(str(e))
+    a.configs = a.configs or (["tiny"] if a.quick else GPT2_SHAPES.split(","))
     a.compile = ["--compile"] if a.device.startswith("cuda") else []  # on a CPU: minutes, no gain
     return a
 
@@ -341,12 +208,11 @@ def main(argv: list[str] | None = None) -> int:
     for part in s.parts:
         print(f"[{part}] starting, budget {s.budget_s:.0f} s", file=sys.stderr, flush=True)
         t0 = time.perf_counter()
-        section, ok = RUN_PART[part](s)
+        text, ok = RUN_PART[part](s)
         seconds = time.perf_counter() - t0
         with open(s.out, "a", encoding="utf-8") as f:
-            f.write(f"\n{section}\n\n_Part {part}: {seconds:.0f} s of its {s.budget_s:.0f} s budget._\n")
-        print(f"[{part}] {'done' if ok else 'FAILED'} in {seconds:.0f} s of its {s.budget_s:.0f} s budget",
-              file=sys.stderr, flush=True)
+            f.write(f"\n{text}\n\n_Part {part}: {seconds:.0f} s of its {s.budget_s:.0f} s budget._\n")
+        print(f"[{part}] {'done' if ok else 'FAILED'} in {seconds:.0f} s", file=sys.stderr, flush=True)
         failed += [] if ok else [part]
     print(f"report: {s.out}" + (f"; failed: {', '.join(failed)}" if failed else ""), file=sys.stderr)
     return 1 if failed else 0

@@ -1,16 +1,17 @@
-"""benchmarks/sweep.py: per acceptance rule and node budget, tokens/step and tokens/s against plain decoding."""
+"""benchmarks/sweep.py: per rule, drafter, draft vocabulary and node budget, tokens/step and tokens/s against
+plain decoding of the same rule."""
 
 import json
 import sys
 
 import pytest
-from conftest import save_small_checkpoint, save_tiny
 
 from benchmarks import sweep
+from conftest import save_small_checkpoint, save_tiny
 from medusa_mini.cli import plots
 from medusa_mini.cli.measure import recompute_accuracy
+from medusa_mini.train.report import load_accuracy
 from medusa_mini.tree import build_tree, expected_tokens_per_step
-from medusa_mini.tune.acceptance_tables import load_accuracy
 
 FAST = ["--budgets", "2,4", "--max-new-tokens", "8", "--repeat", "1", "--num-prompts", "2", "--device", "cpu"]
 
@@ -31,48 +32,57 @@ def run_json(ckpt: str, capsys, *extra: str) -> dict:
     return json.loads(capsys.readouterr().out)
 
 
-def test_every_rule_and_budget_is_a_row_measured_against_the_plain_decoder_of_its_rule(medusa_ckpt, capsys):
+def test_every_rule_and_budget_is_a_row_against_the_plain_decoder_of_its_temperature(medusa_ckpt, capsys):
     result = run_json(medusa_ckpt, capsys, "--rules", ",".join(sweep.RULES))
     rows, acc = result["rows"], load_accuracy(medusa_ckpt)
     assert [(r["rule"], r["nodes"]) for r in rows] == [(rule, n) for rule in sweep.RULES for n in (2, 4)]
-    assert set(result["plain"]) == {"plain greedy", "plain sampling (T=0.8)"}
-    for r in rows:
-        plain = result["plain"]["plain greedy" if r["rule"] == "greedy" else "plain sampling (T=0.8)"]
-        assert r["speedup"] == pytest.approx(r["tokens_per_s"] / plain["tokens_per_s"])
-        assert r["tokens_per_s"] == pytest.approx(r["new_tokens"] / r["seconds"]) and r["new_tokens"] == 16
-        assert 1 <= r["tokens_per_step"] <= r["verified_nodes"] + 1 and 1 <= r["verified_nodes"] <= r["nodes"]
-    for r in (r for r in rows if r["rule"] == "greedy"):  # lossless, and the product rule beside it
-        assert r["prompts_same_as_plain_greedy"] == 2
-        assert r["expected_tokens_per_step"] == pytest.approx(expected_tokens_per_step(acc, build_tree(acc, r["nodes"])[0]))
-    assert all(r["expected_tokens_per_step"] is None for r in rows if r["rule"] != "greedy")
+    assert sorted(result["plain"]) == ["plain greedy", "plain sampling (T=0.8)"]
     assert result["plain"]["plain greedy"]["tokens_per_step"] == 1.0
+    for r in rows:
+        assert r["temperature"] == (0 if r["rule"].endswith("greedy") else 0.8) and r["new_tokens"] == 16
+        assert 1 <= r["tokens_per_step"] <= r["verified_nodes"] + 1 and 1 <= r["verified_nodes"] <= r["nodes"]
+    for r in (r for r in rows if r["temperature"] == 0):  # lossless: heads and prompt lookup alike
+        assert r["same_as_plain_greedy"] == 2
+    for r in rows:  # the product rule's estimate beside the heads' greedy rows only
+        tree = build_tree(acc, r["nodes"])[0]
+        assert r["expected_tokens_per_step"] == (pytest.approx(expected_tokens_per_step(acc, tree))
+                                                 if r["rule"] == "greedy" else None)
 
 
-def test_the_table_and_the_plot_give_each_rule_its_block_and_series(medusa_ckpt, capsys, tmp_path, monkeypatch):
+def test_each_draft_vocabulary_gets_its_rows_and_greedy_stays_lossless(medusa_ckpt, capsys):
+    result = run_json(medusa_ckpt, capsys, "--rules", "greedy,rejection-sampled", "--draft-vocab", "300,20")
+    assert [(r["rule"], r["draft_vocab"], r["nodes"]) for r in result["rows"]] == [
+        (rule, m, n) for rule in ("greedy", "rejection-sampled") for m in (20, 300) for n in (2, 4)]
+    assert all(r["same_as_plain_greedy"] == 2 for r in result["rows"] if r["rule"] == "greedy")
+    assert {r["draft_vocab"] for r in run_json(medusa_ckpt, capsys, "--rules", "greedy")["rows"]} == {300}
+
+
+def test_the_table_and_the_plot_give_each_rule_and_draft_vocabulary_its_block_and_series(
+        medusa_ckpt, capsys, tmp_path, monkeypatch):
     pytest.importorskip("matplotlib")  # the figure itself: tests/cli/test_plots.py
     drawn = []
     monkeypatch.setattr(sweep, "plot_node_sweep", lambda series, path, **kw: drawn.append((series, kw)) or
                         plots.plot_node_sweep(series, path, **kw))
     png = tmp_path / "sweep.png"
-    result = run_json(medusa_ckpt, capsys, "--rules", "greedy,rejection-sampled", "--budgets", "1,2", "--plot", str(png))
-    text = sweep.format_sweep(result)
-    assert f"greedy: plain greedy {result['plain']['plain greedy']['tokens_per_s']:.1f} tokens/s" in text
-    assert "rejection sampling, drafts drawn from q (T=0.8): plain sampling (T=0.8)" in text
-    lines = text.splitlines()
-    first = lines[lines.index(next(ln for ln in lines if ln.startswith("nodes"))) + 1].split()
-    greedy1 = result["rows"][0]
-    assert first == ["1", f"{greedy1['expected_tokens_per_step']:.2f}", f"{greedy1['tokens_per_step']:.2f}",
-                     f"{greedy1['ms_per_step']:.2f}", f"{greedy1['tokens_per_s']:.1f}", f"{greedy1['speedup']:.2f}x", "2/2"]
+    result = run_json(medusa_ckpt, capsys, "--rules", "greedy,lookup-greedy", "--budgets", "1,2", "--plot", str(png))
+    lines = sweep.format_sweep(result).splitlines()
+    heads, lookup = (lines.index(ln) for ln in lines if ln.startswith(("greedy, draft", "lookup-greedy")))
+    plain = result["plain"]["plain greedy"]["tokens_per_s"]
+    assert lines[heads] == f"greedy, draft vocabulary 300: plain greedy {plain:.1f} tokens/s"
+    assert lines[heads + 2].split()[::6] == ["1", "2/2"] and lines[lookup + 2].split()[::5] == ["1", "2/2"]
     (series, kw), = drawn
-    assert [name for name, _ in series] == ["greedy", "rejection sampling, drafts drawn from q (T=0.8)"]
+    assert [name for name, _ in series] == ["greedy, draft vocabulary 300", "lookup-greedy"]
     assert [[r["nodes"] for r in rows] for _, rows in series] == [[1, 2], [1, 2]] and png.stat().st_size > 0
-    assert kw["plain_tokens_per_s"] == {k: v["tokens_per_s"] for k, v in result["plain"].items()}
+    assert kw["plain_tokens_per_s"] == {"plain greedy": plain}
 
 
 @pytest.mark.parametrize("flags, message", [
     (["--budgets", "0,4"], "--budgets"), (["--budgets", "two"], "--budgets"), (["--rules", "dynamic"], "--rules"),
-    (["--repeat", "0"], "--repeat"), (["--temperature", "0"], "--temperature"), (["--num-prompts", "0"], "--num-prompts"),
-    (["--plot", "/no/such/folder/s.png"], "--plot"), (["--max-new-tokens", "64"], "no room for a prompt"),
+    (["--repeat", "0"], "--repeat"), (["--temperature", "0"], "--temperature"),
+    (["--num-prompts", "0"], "--num-prompts"), (["--plot", "/no/such/folder/s.png"], "--plot"),
+    (["--max-new-tokens", "64"], "no room for a prompt"),
+    (["--draft-vocab", "4000"], "--draft-vocab"),
+    (["--draft-vocab", "1", "--max-new-tokens", "8"], "draft vocabulary has 1"),  # fewer tokens than the tree's ranks
 ])
 def test_bad_flags_exit_2_with_one_line(medusa_ckpt, capsys, flags, message):
     with pytest.raises(SystemExit) as exc:
