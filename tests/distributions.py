@@ -12,14 +12,19 @@ from medusa_mini.sampling import sampling_probs
 
 
 @torch.no_grad()
-def exact_sequence_probs(model, prompt, n, *, temperature, top_p=1.0):
-    """Chain rule by brute force: P(x1..xn | prompt) for every sequence over the tiny vocabulary."""
-    V = model.config.vocab_size
+def exact_sequence_probs(model, prompt, n, *, temperature, top_p=1.0, eos_id=None):
+    """Chain rule by brute force, every sequence over the tiny vocabulary in one forward: P(x1..xn | prompt).
+
+    With eos_id a sequence ends at its first end token (kept), and holds the mass of every sequence
+    that shares it up to there."""
+    V, P = model.config.vocab_size, len(prompt)
+    seqs = torch.tensor(list(itertools.product(range(V), repeat=n)))  # [V^n, n]
+    logits, _ = model(torch.cat([torch.tensor(prompt).expand(len(seqs), P), seqs[:, :-1]], dim=1))
+    p = sampling_probs(logits[:, P - 1 :], temperature=temperature, top_p=top_p)  # [V^n, n, V]
     probs = {}
-    for seq in itertools.product(range(V), repeat=n):
-        logits = model(torch.tensor([prompt + list(seq)]))[0][0]  # [P + n, V]
-        p = sampling_probs(logits[len(prompt) - 1 : len(prompt) - 1 + n], temperature=temperature, top_p=top_p)
-        probs[seq] = math.prod(p[i, t].item() for i, t in enumerate(seq))
+    for seq, prob in zip(seqs.tolist(), p.gather(2, seqs[..., None])[..., 0].double().prod(dim=1).tolist()):
+        seq = tuple(seq[: seq.index(eos_id) + 1] if eos_id in seq else seq)
+        probs[seq] = probs.get(seq, 0.0) + prob
     return probs
 
 

@@ -1,0 +1,152 @@
+"""The apparatus of the exactness tests (test_exactness.py): drafters whose heads know the future, many
+sampled rows, and samples compared with an exact distribution under a rigorous bound.
+
+The heads here read each row's tokens so far (which every proposer is given) and return the backbone's
+own logits further ahead, so the top-ranked candidates are plain greedy's continuation and paths are
+long. Which heads propose never changes what a lossless rule emits, only how fast: heads that help are
+fair, and they reach the deep nodes where a wrong rule shows.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import torch
+
+from conftest import tiny_model
+from distributions import expected_tv, total_variation
+from medusa_mini.decoding import medusa_generate_batch
+from medusa_mini.proposal import HydraProposer, MedusaProposer
+
+V = 4  # the vocabulary of the distribution tests: 4^n sequences of n tokens, enumerated
+FALSE_ALARM = 1e-4  # the chance that an honest sampler's TV crosses `tv_bound`, per comparison
+
+
+def small_model(seed: int, *, block_size: int = 16):
+    """tiny_model on the 4-token vocabulary, its position embeddings as large as its token embeddings
+    (tiny_model leaves them near zero), so a node scored at the wrong position gets a visibly different p."""
+    model = tiny_model(seed, vocab_size=V, block_size=block_size)
+    with torch.no_grad():
+        model.transformer.wpe.weight.normal_(0.0, 0.3, generator=torch.Generator().manual_seed(seed))
+    return model
+
+
+@torch.no_grad()
+def last_logits(model, seqs: list[list[int]]) -> torch.Tensor:
+    """The backbone's logits after each sequence (its last block_size tokens): [len(seqs), V], one padded
+    forward (causal: the padding after a sequence never reaches its last position)."""
+    seqs = [s[-model.config.block_size :] for s in seqs]
+    width = max(map(len, seqs))
+    logits, _ = model(torch.tensor([s + [0] * (width - len(s)) for s in seqs]),
+                      logits_at=torch.tensor([len(s) - 1 for s in seqs]))
+    return logits[:, 0]
+
+
+def remembering(proposer_class):
+    """`proposer_class` that keeps each step's history (every row's tokens, ending with its root) for its heads."""
+
+    class Remembering(proposer_class):
+        def propose(self, roots, hidden, *, history, **kwargs):
+            self.history = history
+            return super().propose(roots, hidden, history=history, **kwargs)
+
+    return Remembering
+
+
+class FutureHeads:
+    """A Medusa drafter that knows the future: head k gives gamma x the backbone's logits after the root
+    and the k - 1 greedy tokens that follow it (gamma = 1: head 1's q is p at the root; a large gamma makes
+    q nearly a point mass on the top-k), over draft_ids [M] (default all V): a head's guesses depend on the
+    depth alone, as Medusa heads' do."""
+
+    proposer_class = remembering(MedusaProposer)
+
+    def __init__(self, *, gamma: float = 1.0, draft_ids: torch.Tensor | None = None) -> None:
+        self.gamma, self.draft_ids = gamma, draft_ids
+
+    def proposer(self, model, tree):
+        ids = torch.arange(model.config.vocab_size) if self.draft_ids is None else self.draft_ids
+
+        def head_logits(*args):
+            return self.gamma * self.ahead(model, proposer.history, *args)[..., ids]
+
+        proposer = self.proposer_class(tree, head_logits, draft_ids=ids, vocab_size=model.config.vocab_size,
+                                       num_heads=tree.depth)  # as many heads as the tree asks for
+        return proposer
+
+    def ahead(self, model, history, hidden, num):
+        """[B, num, V]: the backbone's logits after each row's root, then after 1, ..., num - 1 greedy tokens more."""
+        seqs, out = [list(h) for h in history], []
+        for _ in range(num):
+            out.append(last_logits(model, seqs))
+            for s, t in zip(seqs, out[-1].argmax(dim=-1).tolist()):
+                s.append(t)
+        return torch.stack(out, dim=1)
+
+
+class FutureHydraHeads(FutureHeads):
+    """Dependent heads that know the future: head k, given the root and the path drafted below it, gives
+    gamma x the backbone's logits after exactly that path, so each node's children come from its own q."""
+
+    proposer_class = remembering(HydraProposer)
+
+    def ahead(self, model, history, k, hidden, paths):
+        """paths [B, n, >= k] (each row's root, then the drafted path) -> [B, n, V]."""
+        B, n = paths.shape[:2]
+        drafted = paths[..., :k].tolist()
+        return last_logits(model, [history[b][:-1] + drafted[b][m] for b in range(B) for m in range(n)]).view(B, n, -1)
+
+
+def sample_rows(model, drafter, prompts, *, rows: int, batches: int = 1, seed: int, **settings):
+    """`batches` runs of medusa_generate_batch over `rows` copies of `prompts`, interleaved (rows of one
+    batch are independent samples). Returns, per prompt, [(emitted tokens, GenerationStats)] of its rows.
+    settings: medusa_generate_batch's (tree, max_new_tokens, sampling, eos_id)."""
+    gen = torch.Generator().manual_seed(seed)
+    out: list[list] = [[] for _ in prompts]
+    for _ in range(batches):
+        for b, (tokens, stats) in enumerate(medusa_generate_batch(model, drafter, prompts * rows, generator=gen,
+                                                                  **settings)):
+            out[b % len(prompts)].append((tuple(tokens), stats))
+    return out
+
+
+def deepest(rows) -> int:
+    """The deepest node accepted in any step of any row."""
+    return max(max(stats.accepted_nodes, default=0) for _, stats in rows)
+
+
+def views(n: int) -> dict:
+    """What is compared: the whole sequence, each token, each two neighbours (slices, so sequences an end
+    token cut short have their own outcomes)."""
+    return {"joint": slice(None), **{f"token {i + 1}": slice(i, i + 1) for i in range(n)},
+            **{f"tokens {i + 1}-{i + 2}": slice(i, i + 2) for i in range(n - 1)}}
+
+
+def tv_bound(exact: dict, M: int) -> float:
+    """What the TV between M honest samples and `exact` exceeds with probability < FALSE_ALARM: its mean
+    is at most `expected_tv` (Jensen), and one sample moves it by at most 1/M, so by McDiarmid's
+    inequality P(TV > mean + t) <= exp(-2 M t^2). Rigorous for any number of outcomes, large or small."""
+    return expected_tv(exact, M) + math.sqrt(math.log(1 / FALSE_ALARM) / (2 * M))
+
+
+def marginal(dist: dict, view: slice) -> dict:
+    out: dict = {}
+    for seq, p in dist.items():
+        out[seq[view]] = out.get(seq[view], 0.0) + p
+    return out
+
+
+def failures(rows, exact: dict) -> list[str]:
+    """How the sampled rows' sequences betray a sampler that is not `exact`: each view whose TV crosses
+    `tv_bound`, and any sequence of probability 0. Empty for an honest sampler (but for < 1e-4 per view)."""
+    seqs = [tokens for tokens, _ in rows]
+    found = {s: c / len(seqs) for s, c in Counter(seqs).items()}
+    out = [f"{sum(exact.get(s, 0.0) == 0 for s in seqs)} sequences of probability 0"] if any(
+        exact.get(s, 0.0) == 0 for s in found) else []
+    for name, view in views(max(map(len, exact))).items():
+        want = marginal(exact, view)
+        tv, bound = total_variation(marginal(found, view), want), tv_bound(want, len(seqs))
+        if tv >= bound:
+            out.append(f"{name}: TV {tv:.4f} >= bound {bound:.4f}")
+    return out
