@@ -146,18 +146,27 @@ class MedusaHeads(DraftHeads):
         super().__init__(config)
         self.blocks = nn.ModuleList([ResBlock(config.n_embd, config.n_embd) for _ in range(config.num_heads)])
 
+    def stacked(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every block's W_k and b_k stacked, [K C, C] and [K C]: one matmul runs all the heads' blocks."""
+        return (torch.cat([block.linear.weight for block in self.blocks]),
+                torch.cat([block.linear.bias for block in self.blocks]))
+
     def forward(self, hidden: torch.Tensor, model: nn.Module, *, following: torch.Tensor | None = None,
-                num: int | None = None, weight: torch.Tensor | None = None) -> torch.Tensor:
-        """hidden [..., C] -> logits [K', ..., M] of the first `num` heads (default all K), through
-        `weight` [M, C] (default `draft_weight(model)`). `following` is for dependent heads; ignored."""
-        blocks = self.blocks[:num]  # a tree of depth 0 asks for none
-        z = torch.stack([block(hidden) for block in blocks]) if len(blocks) else hidden[None][:0]  # [K', ..., C]
-        return F.linear(z, self.draft_weight(model) if weight is None else weight)
+                num: int | None = None, blocks: tuple | None = None, weight: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """hidden [..., C] -> logits [K', ..., M] of the first `num` heads (default all K). blocks (`stacked`)
+        and weight [M, C] (`draft_weight`) may come ready-made. `following` is for dependent heads."""
+        K, C = self.num_heads if num is None else num, self.config.n_embd
+        w, b = self.stacked() if blocks is None else blocks
+        z = F.linear(hidden, w[: K * C], b[: K * C]).unflatten(-1, (K, C))  # [..., K', C]
+        z = hidden.unsqueeze(-2) + F.silu(z)  # head k: h + SiLU(W_k h + b_k)
+        return F.linear(z.movedim(-2, 0), self.draft_weight(model) if weight is None else weight)  # [K', ..., M]
 
     def proposer(self, model: nn.Module, tree: Tree) -> MedusaProposer:
-        """The proposer of one generation: the draft vocabulary's lm_head rows are gathered once, here."""
-        weight = self.draft_weight(model).detach()
-        return MedusaProposer(tree, lambda hidden, num: self(hidden, model, num=num, weight=weight).transpose(0, 1),
+        """The proposer of one generation: the blocks' stacked weights and the draft vocabulary's lm_head
+        rows are made once, here, not at every step."""
+        blocks, weight = tuple(t.detach() for t in self.stacked()), self.draft_weight(model).detach()
+        return MedusaProposer(tree, lambda h, num: self(h, model, num=num, blocks=blocks, weight=weight).transpose(0, 1),
                               draft_ids=self.draft_ids, vocab_size=self.config.vocab_size, num_heads=self.num_heads)
 
 

@@ -105,8 +105,8 @@ class MedusaProposer(HeadsProposer):
 
 def fill(tree: Tree, roots: torch.Tensor, guesses: torch.Tensor) -> torch.Tensor:
     """Node i gets its depth's rank(i) guess: roots [B], guesses [B, D, R] -> tokens [B, N]."""
-    t = tree.tensors(guesses.device)
-    return torch.cat([roots[:, None], guesses[:, t.depths[1:] - 1, t.ranks[1:]]], dim=1)  # [B, N]
+    every = torch.cat([roots[:, None], guesses.flatten(1)], dim=1)  # [B, 1 + D R]: the root, then each head's
+    return every.index_select(1, tree.tensors(guesses.device).guess_index)  # [B, N]
 
 
 class HydraProposer(HeadsProposer):

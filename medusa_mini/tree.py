@@ -149,6 +149,7 @@ class TreeTensors:
     depths: torch.Tensor  # [N] long: position offset of each node from the root
     ranks: torch.Tensor  # [N] long: the rank of the head's guesses each node holds (0 for the root)
     node_paths: torch.Tensor  # [N, D + 1] long: the root-to-node path of each node, then the node repeated
+    guess_index: torch.Tensor  # [N] long: where each node's token sits in [root, head 1's R guesses, head 2's, ...]
     earlier_siblings: torch.Tensor  # [N, N] bool: j is a sibling of i with a smaller rank (tried first)
 
 
@@ -164,8 +165,10 @@ def tree_tensors(tree: Tree, device: str) -> TreeTensors:
     parents = torch.tensor(tree.parents)
     siblings = (parents[:, None] == parents[None, :]) & (parents[:, None] >= 0)  # [N, N]
     as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
+    R = tree.max_rank + 1
+    guess = [0] + [1 + (d - 1) * R + r for d, r in zip(tree.depths[1:], tree.ranks[1:])]
     return TreeTensors(parents=parents.to(device), ancestor_mask=mask.to(device), depths=as_long(tree.depths),
-                       ranks=as_long(tree.ranks), node_paths=paths.to(device),
+                       ranks=as_long(tree.ranks), node_paths=paths.to(device), guess_index=as_long(guess),
                        earlier_siblings=(siblings & torch.ones(N, N, dtype=torch.bool).tril(-1)).to(device))
 
 
