@@ -7,25 +7,28 @@
     python decode.py --compare --batch-size 1,2,4,8,16   # where batching ends Medusa's speedup
     python decode.py --reference          # the same tokens from reference.py, the readable decoder
 
-Tokens/step counts the bonus token (the verify pass's own next token); plain decoding is 1.0.
-Bad input (missing checkpoint, bad tree, empty prompt, ...) gives a one-line error and exit status 2.
+Tokens/step counts the bonus token (the verify pass's own next token). Bad input: one line, exit status 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import codecs
 import json
 import os
 import sys
+from dataclasses import asdict
 
+import tiktoken
 import torch
 
-from medusa_mini.cli.common import SAMPLING_TEMPERATURE, OneLineParser, StepPrinter, as_flags, encode_prompt, stat_line
+from medusa_mini.cli.common import SAMPLING_TEMPERATURE, OneLineParser
 from medusa_mini.cli.compiled import StaticCaches, compile_steps, warm_up
 from medusa_mini.cli.explain import DEMO_NOTE, demo_checkpoint, explain_step
-from medusa_mini.cli.plots import plot_batch, require_matplotlib
+from medusa_mini.cli.plots import check_plot_path, plot_batch
 from medusa_mini.cli.runs import Engine, Method, compare, compare_methods, decode_each, format_batches, format_compare
 from medusa_mini.cli.trees import resolve_tree
+from medusa_mini.decoding import GenerationStats
 from medusa_mini.io.loading import PROMPTS_FILE, load_for_decoding, load_prompts
 from medusa_mini.sampling import Sampling
 from medusa_mini.train.device import DTYPES, pick_device, pick_dtype
@@ -34,8 +37,7 @@ from medusa_mini.train.device import DTYPES, pick_device, pick_dtype
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="decode.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ckpt", default="out/tiny", metavar="DIR", help="checkpoint directory (default: %(default)s)")
-    p.add_argument("--prompt", action="append", metavar="TEXT", help="prompt text; repeat for several "
-                   "(default: the checkpoint's prompts.json)")
+    p.add_argument("--prompt", action="append", metavar="TEXT", help="repeat for several (default: prompts.json)")
     p.add_argument("--num-prompts", type=int, default=8, metavar="N", help="stored prompts used (default: 8)")
     p.add_argument("--max-new-tokens", type=int, default=128, metavar="N", help="new tokens per prompt (default: 128)")
     p.add_argument("--method", choices=("plain", "greedy", "typical", "rejection"), help="plain: one forward pass "
@@ -46,16 +48,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seeds the sampling generator (default: 0)")
     p.add_argument("--tree", metavar="N|NAME|FILE.json", help="N nodes built from heads_accuracy.json; a preset "
                    "(cpu, gpu, chainN); or a JSON list of choices (default: 8 on a CPU, 64 on CUDA, else a preset)")
-    p.add_argument("--batch-size", metavar="B", help="decode the prompts B at a time; with --compare, a list "
-                   "(1,2,4,8) gives tokens/s per batch size (default: 1)")
+    p.add_argument("--batch-size", metavar="B", help="prompts per batch; with --compare a list: 1,2,4,8 (default: 1)")
     p.add_argument("--device", help="cpu or cuda (default: cuda if available, else cpu)")
-    p.add_argument("--dtype", choices=tuple(DTYPES), default="float32", help="weights and KV cache in this "
-                   "precision; in half precision greedy Medusa may differ from plain greedy at near-ties, which "
-                   "--compare reports (default: float32)")
-    p.add_argument("--compile", action="store_true", help="torch.compile the plain step and the tree verify "
-                   "(CUDA graphs on CUDA), compiled before any timing")
-    p.add_argument("--reference", action="store_true", help="decode with reference.py, the readable decoder "
-                   "(same tokens, slower); with --compare, add its rows")
+    p.add_argument("--dtype", choices=tuple(DTYPES), default="float32", help="weights and KV cache (default: float32)")
+    p.add_argument("--compile", action="store_true", help="compile the plain step and the verify (CUDA graphs)")
+    p.add_argument("--reference", action="store_true", help="decode with reference.py (with --compare: add its rows)")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--show", action="store_true", help="print the tree and its mask, then each pass's tokens")
     mode.add_argument("--explain", action="store_true", help="walk through one Medusa step on the first prompt")
@@ -86,8 +83,6 @@ def check_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
         p.error("--demo goes with --explain: python decode.py --explain --demo")
     if a.plot is not None and not a.batch_table:
         p.error("--plot draws the batch table: use it with --compare --batch-size 1,2,4,8")
-    if a.plot is not None and not os.path.isdir(os.path.dirname(os.path.abspath(a.plot))):
-        p.error(f"--plot {a.plot}: its folder does not exist")
     if a.reference and a.method == "plain":
         p.error("--reference decodes with Medusa; choose --method greedy, typical or rejection")
     if a.temperature is None:
@@ -96,9 +91,11 @@ def check_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     try:  # every sampling setting is checked here, once; plain decoding reads only T and top-p
         a.sampling = Sampling(acceptance=rule, temperature=a.temperature, top_p=a.top_p)
         if a.plot is not None:
-            require_matplotlib()  # now, not after a long run
-    except ValueError as e:
-        p.error(as_flags(str(e)).replace("greedy acceptance", "--method greedy"))
+            check_plot_path(a.plot)
+    except ValueError as e:  # the library names a setting as Sampling does: name its flag instead
+        head, _, rest = str(e).partition(" ")
+        message = f"--{head.replace('_', '-')} {rest}" if head in ("temperature", "top_p") else str(e)
+        p.error(message.replace("greedy acceptance", "--method greedy"))
 
 
 def prepare(a: argparse.Namespace):
@@ -120,10 +117,13 @@ def prepare(a: argparse.Namespace):
         device=device)
     prompts = []
     for i, text in enumerate(texts, start=1):
-        try:
-            prompts.append((text, encode_prompt(ck.enc, text, block_size=ck.block_size)))
-        except ValueError as e:
-            raise ValueError(f"prompt {i} ({'--prompt' if a.prompt else PROMPTS_FILE}): {e}") from None
+        ids, which = ck.enc.encode_ordinary(text), f"prompt {i} ({'--prompt' if a.prompt else PROMPTS_FILE})"
+        if not ids:
+            raise ValueError(f"{which} is empty; give some text with --prompt")
+        if len(ids) >= ck.block_size:  # room for at least one new token
+            raise ValueError(f"{which} is {len(ids)} tokens long but the context holds {ck.block_size}; "
+                             f"shorten it to at most {ck.block_size - 1} tokens")
+        prompts.append((text, ids))
     return ck, tree, name, prompts
 
 
@@ -140,12 +140,53 @@ def methods_of(a: argparse.Namespace, ck, tree) -> list[Method]:
 
 
 def compiled(engine: Engine, methods: list[Method], a: argparse.Namespace, prompts: int) -> float:
-    """Compile the steps and warm up every shape this run meets; the seconds it took."""
+    """Compile the steps and warm up every shape this run meets, before any timing; the seconds it took."""
     engine.steps, engine.caches = compile_steps(engine.ck.model.device), StaticCaches(engine.ck.model)
     trees = list({m.drafter.proposer(engine.ck.model, m.tree).tree for m in methods if m.drafter and not m.reference})
     n = max(max(a.batch_sizes), prompts) if a.batch_table else prompts  # the batch table cycles the prompts
     rows = {r for B in a.batch_sizes for r in (min(B, n), n % B)} - {0}  # B at a time: the last batch is smaller
-    return sum(warm_up(engine.ck.model, engine.steps, engine.caches, trees, rows=b) for b in rows)
+    seconds = sum(warm_up(engine.ck.model, engine.steps, engine.caches, trees, rows=b) for b in rows)
+    print(f"compiled the plain step and the verify steps in {seconds:.1f} s (not in any timing)", file=sys.stderr)
+    return seconds
+
+
+# Two background colours with black text, so even a step that produced only spaces is visible.
+STEP_STYLES = ("\x1b[30;46m", "\x1b[30;43m")
+
+
+class StepPrinter:
+    """An `on_step` callback that prints the text as it comes, with show_steps each step in its colour (on a
+    terminal without NO_COLOR, no-color.org) or [brackets]; a UTF-8 character split across steps waits."""
+
+    def __init__(self, enc: tiktoken.Encoding, *, eot_id: int | None, show_steps: bool) -> None:
+        self.enc, self.eot_id, self.show_steps = enc, eot_id, show_steps
+        self.color = not os.environ.get("NO_COLOR") and sys.stdout.isatty()
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.steps = 0
+
+    def __call__(self, tokens: list[int]) -> None:
+        self.steps += 1
+        self._write(self.decoder.decode(self.enc.decode_bytes([t for t in tokens if t != self.eot_id])))
+
+    def close(self) -> None:
+        """Print any held-back bytes (in the last step's style) and end the line."""
+        if tail := self.decoder.decode(b"", final=True):
+            self._write(tail)
+        print()
+
+    def _write(self, text: str) -> None:
+        if self.show_steps:
+            text = f"{STEP_STYLES[(self.steps - 1) % 2]}{text}\x1b[0m" if self.color else f"[{text}]"
+        print(text, end="", flush=True)  # the reader watches the text grow, step by step
+
+
+def stat_line(stats: GenerationStats, *, new_tokens: int, block_size: int) -> str:
+    """One line: steps, tokens/step (bonus counted), ms/token and why generation stopped."""
+    stop = {"context": f"stopped at the context limit: {stats.prompt_tokens} prompt + {new_tokens} new tokens "
+                       f"fill all {block_size} positions", "eos": "stopped at the end-of-text token"}
+    return (f"{stats.steps} steps, {stats.tokens_per_step:.2f} tokens/step (bonus token counted), "
+            f"{1000 * stats.seconds / max(new_tokens, 1):.1f} ms/token, "
+            + stop.get(stats.stop_reason, f"stopped after max-new-tokens ({new_tokens})"))
 
 
 def print_each(engine: Engine, method: Method, prompts: list[tuple[str, list[int]]], a, label: str) -> None:
@@ -156,13 +197,12 @@ def print_each(engine: Engine, method: Method, prompts: list[tuple[str, list[int
     for n, (text, ids) in enumerate(prompts, start=1):
         if a.json:
             tokens, stats = done[n - 1]
-            print(json.dumps({"prompt": text, "prompt_tokens": len(ids), "tokens": tokens, "method": method.key,
-                              "text": ck.enc.decode([t for t in tokens if t != ck.eot_id]), "steps": stats.steps,
-                              "tokens_per_step": stats.tokens_per_step, "seconds": stats.seconds, "stop_reason":
-                              stats.stop_reason, "batch_size": a.batch_size, "temperature": a.temperature},
-                             ensure_ascii=False))
+            text_out = ck.enc.decode([t for t in tokens if t != ck.eot_id])
+            print(json.dumps({"prompt": text, "method": method.key, "tokens": tokens, "text": text_out, **asdict(stats),
+                              "tokens_per_step": stats.tokens_per_step, "batch_size": a.batch_size,
+                              "temperature": a.temperature}, ensure_ascii=False))
             continue
-        printer = StepPrinter(ck.enc, sys.stdout, eot_id=ck.eot_id, show_steps=a.show)
+        printer = StepPrinter(ck.enc, eot_id=ck.eot_id, show_steps=a.show)
         how = f"; one {'colour' if printer.color else '[chunk]'} per forward pass, the first from the prefill"
         print(f"=== prompt {n}/{len(prompts)} ({len(ids)} tokens) ===\n{text}\n=== {label}{how if a.show else ''} ===")
         if done is None:
@@ -189,8 +229,6 @@ def run(a: argparse.Namespace) -> None:
     ck, tree, tree_name, prompts = prepare(a)
     engine, methods = Engine(ck), methods_of(a, ck, tree)
     warmup_s = compiled(engine, methods, a, len(prompts)) if a.compile else None
-    if warmup_s is not None:
-        print(f"compiled the plain step and the verify steps in {warmup_s:.1f} s (not in any timing)", file=sys.stderr)
     if a.compare:
         compare_table(engine, methods, [ids for _, ids in prompts], a, tree=tree_name, tree_nodes=tree.num_nodes,
                       compile_warmup_s=warmup_s)

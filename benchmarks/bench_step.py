@@ -4,12 +4,10 @@
     python benchmarks/bench_step.py --configs tiny --threads 2 --json
     python benchmarks/bench_step.py --configs gpt2 --dtypes float32,bfloat16 --compile   # a GPU
 
-Speedup = tokens/step / step cost: Medusa pays only if a step that verifies N candidates costs little
-more than a plain step. On random weights (speed depends on shapes, not values), in ms: a plain step;
-verify N, one tree-masked forward over N nodes; per Medusa tree ('cpu', 'gpu') each stage of a greedy
-`medusa_step` and the whole step. Targets: heads at most 10% of a plain step, a whole step at most
-1.15x its verify. The heads guess among --draft-vocab tokens. Each time is the median of --repeat runs
-after --warmup rounds, steps in turns (`in_turns`), the KV cache reset to the same prefix before each.
+Speedup = tokens/step ÷ step cost, so Medusa pays only if a step that verifies N candidates costs little
+more than a plain step. On random weights (speed depends on shapes, not values): a plain step; verify N,
+one tree-masked forward over N nodes; per Medusa tree each stage of a greedy `medusa_step`, and the whole
+step. Targets: heads at most 10% of a plain step, a whole step at most 1.15x its verify.
 """
 
 from __future__ import annotations
@@ -45,9 +43,8 @@ from medusa_mini.tree import Tree, build_tree, preset  # noqa: E402
 CONFIGS: dict[str, GPTConfig] = {"tiny": GPTConfig(), **GPT2_CONFIGS}
 NODES = (1, 2, 4, 8, 16, 32, 64)
 CUDA_NODES = (*NODES, 96, 128)  # a GPU at batch 1 may verify this many for about the price of one
-MAX_VERIFY_NODES = 256
 MEDUSA_TREES = ("cpu", "gpu")
-STAGES = ("heads", "verify", "accept", "keep_path", "host read", "step")
+STAGES = ("heads", "verify", "accept", "keep_path", "host read", "whole step")
 DRAFT_VOCAB = 8192  # the default draft vocabulary of a larger vocabulary (GPT-2's)
 
 
@@ -60,8 +57,6 @@ def at_least_one(text: str) -> int:
 
 def names_of(allowed: Iterable[str]) -> Callable[[str], list[str]]:
     """An argparse type: a comma-separated list of names from `allowed`."""
-    allowed = list(allowed)
-
     def names(text: str) -> list[str]:
         chosen = [n.strip() for n in text.split(",") if n.strip()]
         if not chosen or not set(chosen) <= set(allowed):
@@ -87,9 +82,8 @@ def verify_tree(nodes: int) -> Tree:
 
 
 def check_config(config: GPTConfig, *, prefix_len: int, draft_vocab: int | None) -> int:
-    """M, the tokens the heads guess among: `draft_vocab` (0: the whole vocabulary), by default DRAFT_VOCAB
-    of a larger vocabulary, else all of it. A ValueError if the trees ask for more ranks than M holds, or
-    if they do not fit in the context after the cached prefix."""
+    """M, the heads' draft vocabulary: `draft_vocab` (0: all), by default DRAFT_VOCAB of a larger vocabulary,
+    else all; a ValueError if the trees rank more or do not fit in the context after the prefix."""
     depth, ranks = (max(getattr(preset(name), k) for name in MEDUSA_TREES) for k in ("depth", "max_rank"))
     if not 1 <= prefix_len < config.block_size - depth:
         raise ValueError(f"--prefix {prefix_len} must be from 1 to {config.block_size - depth - 1}, so that a "
@@ -106,8 +100,7 @@ def build(config: GPTConfig, *, device: torch.device, dtype: torch.dtype, seed: 
     torch.manual_seed(seed)
     with device:  # initialise in place: copying a large model across devices costs more than its init
         model = GPT(config).eval().to(dtype)
-        heads = make_heads(HeadsConfig(num_heads=4, n_embd=config.n_embd, vocab_size=config.vocab_size))
-        heads = heads.eval().to(dtype)
+        heads = make_heads(HeadsConfig(4, config.n_embd, config.vocab_size)).eval().to(dtype)
     heads.use_draft_vocabulary(heads.vocab_order, draft_vocab)
     return model, heads
 
@@ -130,7 +123,7 @@ def tree_stages(model: GPT, cache: KVCache, heads: DraftHeads, tree: Tree, root:
     return {"heads": propose, "verify": verify, "accept": accept,
             "keep_path": partial(keep_path, cache, accepted, start=start, active=usable[:, 0]),
             "host read": partial(read_step, proposal, accepted),
-            "step": partial(medusa_step, model, cache, proposer, root, hidden, history=history, attended=attended,
+            "whole step": partial(medusa_step, model, cache, proposer, root, hidden, history=history, attended=attended,
                             steps=steps)}
 
 
@@ -183,9 +176,9 @@ def bench_config(config: GPTConfig, *, device: torch.device, repeat: int, warmup
     for name, tree in trees.items():
         stage_ms = {stage: ms[f"{name} {stage}"] for stage in STAGES}
         medusa[name] = {"nodes": tree.num_nodes, "stages_ms": stage_ms, "heads_share": stage_ms["heads"] / ms["plain"],
-                        "step_vs_plain": stage_ms["step"] / ms["plain"],
-                        "step_vs_verify": stage_ms["step"] / stage_ms["verify"],
-                        "accepted": len(runs[f"{name} step"][-1][0].paths[0]) - 1}  # random weights: few
+                        "step_vs_plain": stage_ms["whole step"] / ms["plain"],
+                        "step_vs_verify": stage_ms["whole step"] / stage_ms["verify"],
+                        "accepted": len(runs[f"{name} whole step"][-1][0].paths[0]) - 1}  # random weights: few
     return {"config": {k: getattr(config, k) for k in ("n_layer", "n_head", "n_embd", "vocab_size", "block_size")},
             "draft_vocab": heads.draft_ids.numel(), "prefix_len": prefix_len, "repeat": repeat, "warmup": warmup,
             "dtype": str(dtype).split(".")[-1], "compiled": compiled, "plain_ms": ms["plain"],
@@ -193,43 +186,36 @@ def bench_config(config: GPTConfig, *, device: torch.device, repeat: int, warmup
             "verify_ms": {n: ms[f"verify {n}"] for n in nodes}, "medusa": medusa}
 
 
-def table_rows(results: list[dict]) -> list[tuple[str, list[float]]]:
-    """One row per timing, (label, a number per result): ms, or what a label ending in '(x)' or '(%)' says."""
-    rows = [("first round, s (compiling, if any)", [r["first_round_s"] for r in results]),
-            ("plain step (1 token + argmax)", [r["plain_ms"] for r in results])]
-    rows += [(f"verify, N = {n}", [r["verify_ms"][n] for r in results]) for n in results[0]["verify_ms"]]
-    for tree, info in results[0]["medusa"].items():
-        m = [r["medusa"][tree] for r in results]
+def format_table(results: dict[str, dict], meta: dict) -> str:
+    """Configs as columns, one timing per row (ms, or what a label ending in '(x)' or '(%)' says), under what
+    ran them (`meta`)."""
+    names, rs, load = list(results), list(results.values()), meta["load_avg_1min"]
+    rows = [("first round, s (compiling, if any)", [r["first_round_s"] for r in rs]),
+            ("plain step (1 token + argmax)", [r["plain_ms"] for r in rs])]
+    rows += [(f"verify, N = {n}", [r["verify_ms"][n] for r in rs]) for n in rs[0]["verify_ms"]]
+    for tree, info in rs[0]["medusa"].items():
+        m = [r["medusa"][tree] for r in rs]
         rows += [(f"{tree} tree ({info['nodes']} nodes incl. root): {stage}", [x["stages_ms"][stage] for x in m])
-                 for stage in STAGES[:-1]]
-        rows += [(f"{tree} tree: whole medusa_step", [x["stages_ms"]["step"] for x in m]),
-                 (f"{tree} tree: heads / plain step (%)", [100 * x["heads_share"] for x in m]),
+                 for stage in STAGES]
+        rows += [(f"{tree} tree: heads / plain step (%)", [100 * x["heads_share"] for x in m]),
                  (f"{tree} tree: whole step / plain step (x)", [x["step_vs_plain"] for x in m]),
                  (f"{tree} tree: whole step / verify alone (x)", [x["step_vs_verify"] for x in m])]
-    return rows
-
-
-def format_table(results: dict[str, dict], meta: dict) -> str:
-    """Configs as columns, one timing per row, under what ran them (`meta`)."""
-    names, first, load = list(results), next(iter(results.values())), meta["load_avg_1min"]
-    header = [f"torch {meta['torch']}, {meta['device']} ({meta['device_name']}), {meta['threads']} threads, load "
-              f"average {'unknown' if load is None else f'{load:.2f}'} before the run", f"command: {meta['command']}"]
-    rows = [("layers / heads / width / vocabulary / draft", [
-        "{n_layer} / {n_head} / {n_embd} / {vocab_size}".format(**r["config"]) + f" / {r['draft_vocab']}"
-        for r in results.values()])]
-    rows += [(label, [f"{v:.2f}" for v in values]) for label, values in table_rows(list(results.values()))]
+    shapes = ["{n_layer} / {n_head} / {n_embd} / {vocab_size}".format(**r["config"]) + f" / {r['draft_vocab']}"
+              for r in rs]
+    rows = [("layers / heads / width / vocabulary / draft", shapes), *((k, [f"{v:.2f}" for v in vs]) for k, vs in rows)]
     width = max(len(label) for label, _ in rows) + 2
     col = max(12, *(len(n) + 2 for n in names), *(len(v) + 2 for _, values in rows for v in values))
-    lines = [*header, "", " " * width + "".join(f"{n:>{col}}" for n in names)]
+    lines = [f"torch {meta['torch']}, {meta['device']} ({meta['device_name']}), {meta['threads']} threads, load "
+             f"average {'unknown' if load is None else f'{load:.2f}'} before the run", f"command: {meta['command']}",
+             "", " " * width + "".join(f"{n:>{col}}" for n in names)]
     lines += [f"{label:<{width}}" + "".join(f"{v:>{col}}" for v in vals) for label, vals in rows]
-    lines.append(f"\nms, median of the repetitions after {first['warmup']} warm-up rounds, steps in turns; KV cache "
-                 f"holding {first['prefix_len']} tokens before each step; random weights, greedy acceptance")
+    lines.append(f"\nms, median of the repetitions after {rs[0]['warmup']} warm-up rounds, steps in turns; KV cache "
+                 f"holding {rs[0]['prefix_len']} tokens before each step; random weights, greedy acceptance")
     return "\n".join(lines)
 
 
 def parse_args(argv: list[str]) -> Namespace:
-    p = OneLineParser(prog="python benchmarks/bench_step.py", description="Time plain steps, tree verifies and "
-                      "the stages of a Medusa step on random weights.")
+    p = OneLineParser(prog="python benchmarks/bench_step.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--configs", type=names_of(CONFIGS), default="tiny,gpt2", help=f"from: {', '.join(CONFIGS)}")
     p.add_argument("--device", help="default: cuda if available, else cpu")
     p.add_argument("--repeat", type=at_least_one, default=10, help="timed repetitions per measurement (default: 10)")
@@ -238,8 +224,7 @@ def parse_args(argv: list[str]) -> Namespace:
     p.add_argument("--draft-vocab", type=int, metavar="M", help="tokens the heads guess among, 0: the whole "
                    f"vocabulary (default: {DRAFT_VOCAB} for the GPT-2 shapes, 0 for tiny)")
     p.add_argument("--compile", action="store_true", help="measure every config again with compiled steps")
-    p.add_argument("--nodes", type=numbers(1, MAX_VERIFY_NODES),
-                   help=f"verify sizes (default: {','.join(map(str, NODES))}; CUDA: up to 128)")
+    p.add_argument("--nodes", type=numbers(1, 256), help="verify sizes (default: 1,2,4,...,64; CUDA: up to 128)")
     p.add_argument("--prefix", type=int, default=128, help="tokens in the KV cache before each step (default: 128)")
     p.add_argument("--threads", type=at_least_one, help="torch.set_num_threads (default: torch's choice)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights and tokens (default: 0)")

@@ -5,20 +5,21 @@
     python benchmarks/gpu_report.py --device cpu --quick --out cpu.md  # the same code, small, on a CPU
 
 Each part runs the project's own commands and writes their tables: step: `bench_step.py` per GPT-2 shape
-and dtype, eager and (on CUDA) compiled, down to the heads' share of a plain step and a whole step over
-its verify; train: `train_tiny.py --preset gpu` into --ckpt; decode: `decode.py --compare` on it in
-bfloat16 (compiled on CUDA); batch: the same with --batch-size 1,2,4,8,16. A part runs within --budget-s
-and appends its section when it ends, so a stopped run keeps what it finished. Exit status: 0, 1 if a
-part failed (its section says why, in one line), 2 for bad flags.
+and dtype, eager and (on CUDA) compiled; train: `train_tiny.py --preset gpu` into --ckpt; decode: `decode.py
+--compare` on it in bfloat16 (compiled on CUDA); batch: the same with --batch-size 1,2,4,8,16. A part runs
+within --budget-s and appends its section when it ends, so a stopped run keeps what it finished. Exit
+status: 0, 1 if a part failed (its section says why, in one line), 2 for bad flags.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import os
 import platform
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -33,7 +34,7 @@ if ROOT not in sys.path:  # run as a script from anywhere, without installing th
 import torch  # noqa: E402
 
 from benchmarks.bench_step import CONFIGS, names_of  # noqa: E402
-from medusa_mini.cli.common import OneLineParser  # noqa: E402
+from medusa_mini.cli.common import OneLineParser, timed  # noqa: E402
 from medusa_mini.train.device import DTYPES, pick_device  # noqa: E402
 
 PARTS = ("step", "train", "decode", "batch")
@@ -63,10 +64,8 @@ def run_script(argv: list[str], *, timeout_s: float, label: str) -> tuple[int | 
         returncode: int | None = proc.wait(timeout=max(timeout_s, 0.0))
     except subprocess.TimeoutExpired:
         returncode = None
-    try:  # what is left of its session, if anything
+    with contextlib.suppress(ProcessLookupError):  # what is left of its session, if anything
         os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
     proc.wait()
     reader.join()
     return returncode, "".join(lines), time.perf_counter() - t0
@@ -93,26 +92,6 @@ def step_table(output: str) -> list[str]:
     return [] if first is None else lines[first - 1 :]
 
 
-def step_part(s: argparse.Namespace) -> tuple[str, bool]:
-    """bench_step.py once per shape, every dtype a column; what the budget did not reach is named."""
-    deadline = time.monotonic() + s.budget_s
-    text, ok = ["## What one step costs", "", "Random weights (speed depends on shapes, not values). Targets: the "
-                "heads at most 10% of a plain step, a whole step at most 1.15x its verify alone."], True
-    for config in s.configs:
-        text += ["", f"### {config}", ""]
-        left = deadline - time.monotonic()
-        if left <= 1:
-            text.append(f"Not measured: the part's {s.budget_s:.0f} s were spent; measure it with "
-                        f"`--part step --configs {config} --append`.")
-            ok = False
-            continue
-        argv = ["benchmarks/bench_step.py", "--configs", config, "--dtypes", ",".join(s.dtypes), "--device",
-                s.device, *s.compile, *(QUICK_STEP if s.quick else [])]
-        lines, done = section(argv, timeout_s=left, label=f"step {config}", keep=step_table)
-        text, ok = text + lines, ok and done
-    return "\n".join(text), ok
-
-
 def training_summary(log: str) -> list[str]:
     """train_tiny.py's summary and its seconds and peak memory per stage, from its log."""
     lines = log.splitlines()
@@ -120,9 +99,18 @@ def training_summary(log: str) -> list[str]:
     return [line for line in lines[first:] if line.startswith((" ", "summary ", "stages "))]
 
 
-def command_part(s: argparse.Namespace, argv: list[str], *, title: str, keep=str.splitlines) -> tuple[str, bool]:
-    lines, ok = section(argv, timeout_s=s.budget_s, label=title, keep=keep)
-    return "\n".join([f"## {title}", "", *lines]), ok
+def run_part(s: argparse.Namespace, title: str, commands: list[tuple[str | None, list[str]]], *, intro: str = "",
+             keep=str.splitlines) -> tuple[str, bool]:
+    """A part's section: each command (under its heading, if it has one) within what is left of the part's
+    budget, with the lines `keep` picks from its output; a command the budget did not reach is named."""
+    deadline, text, ok = time.monotonic() + s.budget_s, [f"## {title}", *(["", intro] if intro else [])], True
+    for heading, argv in commands:
+        text += ["", f"### {heading}"] if heading else []
+        left = deadline - time.monotonic()
+        lines, done = section(argv, timeout_s=left, label=heading or title, keep=keep) if left > 1 else (
+            [f"Not run: the part's {s.budget_s:.0f} s were spent; run it alone with `--part ... --append`."], False)
+        text, ok = text + ["", *lines], ok and done
+    return "\n".join(text), ok
 
 
 def decode_argv(s: argparse.Namespace, *extra: str) -> list[str]:
@@ -131,13 +119,17 @@ def decode_argv(s: argparse.Namespace, *extra: str) -> list[str]:
 
 
 RUN_PART: dict[str, Callable[[argparse.Namespace], tuple[str, bool]]] = {
-    "step": step_part,
-    "train": lambda s: command_part(s, ["train_tiny.py", "--preset", "smoke" if s.quick else "gpu", "--out", s.ckpt,
-                                        "--device", s.device, *s.train_flags], title="Training",
-                                    keep=training_summary),
-    "decode": lambda s: command_part(s, decode_argv(s), title="decode.py --compare"),
-    "batch": lambda s: command_part(s, decode_argv(s, "--batch-size", "1,2,4" if s.quick else "1,2,4,8,16"),
-                                    title="Batch sizes")}
+    "step": lambda s: run_part(s, "What one step costs", [(config, [
+        "benchmarks/bench_step.py", "--configs", config, "--dtypes", ",".join(s.dtypes), "--device", s.device,
+        *s.compile, *(QUICK_STEP if s.quick else [])]) for config in s.configs], keep=step_table,
+        intro="Random weights (speed depends on shapes, not values). Targets: the heads at most 10% of a plain "
+              "step, a whole step at most 1.15x its verify alone."),
+    "train": lambda s: run_part(s, "Training", [(None, ["train_tiny.py", "--preset", "smoke" if s.quick else "gpu",
+                                                        "--out", s.ckpt, "--device", s.device, *s.train_flags])],
+                                keep=training_summary),
+    "decode": lambda s: run_part(s, "decode.py --compare", [(None, decode_argv(s))]),
+    "batch": lambda s: run_part(s, "Batch sizes", [(None, decode_argv(s, "--batch-size", "1,2,4" if s.quick
+                                                                       else "1,2,4,8,16"))])}
 
 
 def header(s: argparse.Namespace, argv: list[str]) -> str:
@@ -147,11 +139,8 @@ def header(s: argparse.Namespace, argv: list[str]) -> str:
         name = f"{props.name}, {props.total_memory / 2**30:.0f} GiB"
     else:
         name = f"CPU ({platform.processor() or platform.machine()}), {torch.get_num_threads()} threads"
-    try:
-        commit = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True,
-                                text=True).stdout.strip()
-    except OSError:  # no git on this machine
-        commit = ""
+    commit = shutil.which("git") and subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT,
+                                                    capture_output=True, text=True).stdout.strip()
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M")
     return (f"# medusa_mini on {name.split(',')[0]}\n\n- device: {s.device}: {name}\n- torch {torch.__version__}, "
             f"CUDA {torch.version.cuda or 'none (a CPU build of torch)'}, Python {platform.python_version()}\n"
@@ -207,9 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     failed = []
     for part in s.parts:
         print(f"[{part}] starting, budget {s.budget_s:.0f} s", file=sys.stderr, flush=True)
-        t0 = time.perf_counter()
-        text, ok = RUN_PART[part](s)
-        seconds = time.perf_counter() - t0
+        (text, ok), seconds = timed("cpu", lambda: RUN_PART[part](s))  # the wall clock
         with open(s.out, "a", encoding="utf-8") as f:
             f.write(f"\n{text}\n\n_Part {part}: {seconds:.0f} s of its {s.budget_s:.0f} s budget._\n")
         print(f"[{part}] {'done' if ok else 'FAILED'} in {seconds:.0f} s", file=sys.stderr, flush=True)

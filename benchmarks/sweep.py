@@ -3,11 +3,9 @@
     python benchmarks/sweep.py --ckpt out/tiny [--budgets 1,2,4,8,16,32] [--rules greedy,lookup-greedy]
         [--draft-vocab 1024,4096] [--num-prompts 8] [--max-new-tokens 64] [--repeat 3] [--json] [--plot FILE.png]
 
-Per node budget N (root excluded) the tree is `build_tree(acc, N)` on heads_accuracy.json, as `decode.py
---tree N` builds it; `lookup-greedy` verifies prompt lookup's chain of as many nodes instead of the heads'.
-Per rule, draft vocabulary (the heads guess among the M most frequent tokens of their training text) and
-budget: tokens/step, ms/step, tokens/s and the speedup over plain decoding of the same rule; for greedy
-the product rule's estimate and agreement with plain greedy. Each run the fastest of --repeat, in turns.
+Budget N (root excluded) decodes with `build_tree(acc, N)`, as `decode.py --tree N` does; `lookup-greedy`
+verifies prompt lookup's chain of as many nodes. Each row against plain decoding of its rule; greedy rows
+also against the product rule's estimate and plain greedy's tokens.
 """
 
 from __future__ import annotations
@@ -26,7 +24,7 @@ import torch  # noqa: E402
 
 from benchmarks.bench_step import at_least_one, names_of, numbers  # noqa: E402
 from medusa_mini.cli.common import BONUS_NOTE, SAMPLING_TEMPERATURE, OneLineParser  # noqa: E402
-from medusa_mini.cli.plots import plot_node_sweep, require_matplotlib  # noqa: E402
+from medusa_mini.cli.plots import check_plot_path, plot_node_sweep  # noqa: E402
 from medusa_mini.cli.runs import Engine, Method, run_in_turns, summarise  # noqa: E402
 from medusa_mini.io.loading import Checkpoint, load_for_decoding, load_prompts  # noqa: E402
 from medusa_mini.proposal import PromptLookup  # noqa: E402
@@ -35,34 +33,24 @@ from medusa_mini.train.device import DTYPES, pick_device, pick_dtype  # noqa: E4
 from medusa_mini.train.report import load_accuracy  # noqa: E402
 from medusa_mini.tree import build_tree, expected_tokens_per_step  # noqa: E402
 
-BUDGETS = (1, 2, 4, 8, 16, 32)
-RULES = ("greedy", "rejection-topk", "rejection-sampled", "typical", "lookup-greedy")
-DEFAULT_RULES = RULES[:3]
+RULES = {  # rule: how it samples at --temperature (none: greedy, at T = 0)
+    "greedy": None, "rejection-topk": dict(acceptance="rejection", draft="topk"),
+    "rejection-sampled": dict(acceptance="rejection", draft="sampled"), "typical": dict(acceptance="typical"),
+    "lookup-greedy": None}
 
 
-def rule_sampling(rule: str, *, temperature: float) -> Sampling:
-    """The Sampling a rule decodes with; the plain decoder of a rule reads only its temperature."""
-    if rule.endswith("greedy"):
-        return Sampling()
-    if rule == "typical":
-        return Sampling(acceptance="typical", temperature=temperature)
-    return Sampling(acceptance="rejection", temperature=temperature, draft=rule.split("-")[1])
-
-
-def with_draft_vocabulary(heads, size: int):
-    """A copy of `heads` guessing among the `size` most frequent tokens of their training text."""
-    heads = copy.deepcopy(heads)
-    heads.use_draft_vocabulary(heads.vocab_order, size)
-    return heads
-
-
-def sweep_methods(ck: Checkpoint, acc: torch.Tensor, *, budgets: tuple[int, ...], rules: tuple[str, ...],
-                  draft_vocabs: tuple[int, ...], temperature: float) -> list[tuple[Method, dict]]:
-    """The plain decoders the rules need, then one method per rule, drafter and budget; each with what
-    its row says of it."""
-    samplings = {rule: rule_sampling(rule, temperature=temperature) for rule in rules}
-    out = list({s.temperature: (Method("plain", s), {}) for s in samplings.values()}.values())  # reads only T
-    heads = {h.draft_ids.numel(): h for h in (with_draft_vocabulary(ck.heads, M) for M in draft_vocabs)}
+def sweep(ck: Checkpoint, acc: torch.Tensor, prompts: list[list[int]], *, budgets: tuple[int, ...],
+          rules: tuple[str, ...], draft_vocabs: tuple[int, ...], temperature: float, max_new_tokens: int,
+          repeat: int, seed: int) -> dict:
+    """The plain decoders the rules need, then a row per rule, drafter and budget, each against the plain
+    decoder of its temperature: every method on every prompt, timed in turns, end-of-text stopping nothing."""
+    samplings = {r: Sampling(**RULES[r], temperature=temperature) if RULES[r] else Sampling() for r in rules}
+    specs = list({s.temperature: (Method("plain", s), {}) for s in samplings.values()}.values())  # reads only T
+    heads = {}
+    for M in draft_vocabs:  # a copy per size, guessing among the M most frequent tokens of its training text
+        h = copy.deepcopy(ck.heads)
+        h.use_draft_vocabulary(h.vocab_order, M)
+        heads[h.draft_ids.numel()] = h  # M = 0: the whole vocabulary
     for rule in rules:
         for M, drafter in ({None: PromptLookup()} if rule.startswith("lookup") else heads).items():
             for n in budgets:
@@ -72,16 +60,7 @@ def sweep_methods(ck: Checkpoint, acc: torch.Tensor, *, budgets: tuple[int, ...]
                 info = {"rule": rule, "nodes": n, "draft_vocab": M,
                         "verified_nodes": drafter.proposer(ck.model, tree).tree.num_nodes - 1,
                         "expected_tokens_per_step": expected_tokens_per_step(acc, tree) if rule == "greedy" else None}
-                out.append((Method(name, samplings[rule], drafter, tree), info))
-    return out
-
-
-def sweep(ck: Checkpoint, acc: torch.Tensor, prompts: list[list[int]], *, budgets: tuple[int, ...],
-          rules: tuple[str, ...], draft_vocabs: tuple[int, ...], temperature: float, max_new_tokens: int,
-          repeat: int, seed: int) -> dict:
-    """Every method on every prompt, timed in turns, the end-of-text token stopping nothing: a row per
-    rule, drafter and budget (`summarise`), each against the plain decoder of its temperature."""
-    specs = sweep_methods(ck, acc, budgets=budgets, rules=rules, draft_vocabs=draft_vocabs, temperature=temperature)
+                specs.append((Method(name, samplings[rule], drafter, tree), info))
     runs, _ = run_in_turns(Engine(ck), [m for m, _ in specs], [[ids] for ids in prompts], max_new_tokens=max_new_tokens,
                            seed=seed, repeat=repeat, stop_at_eot=False)
     rows = [{"method": m.label, "temperature": m.sampling.temperature, **summarise(runs[m.key]), **info,
@@ -111,7 +90,8 @@ def series(result: dict) -> list[tuple[str, dict, list[dict]]]:
 def format_sweep(result: dict) -> str:
     """A block per rule and draft vocabulary: its plain decoder's speed, then one line per budget."""
     n = result["num_prompts"]
-    lines = [f"{n} prompts x {result['max_new_tokens']} new tokens, fastest of {result['repeat']} runs in turns; "
+    lines = ["checkpoint {checkpoint} on {device}, {dtype}, {threads} threads; {num_heads} heads".format(**result),
+             f"{n} prompts x {result['max_new_tokens']} new tokens, fastest of {result['repeat']} runs in turns; "
              f"nodes exclude the root; times include the prefill", f"Note: {BONUS_NOTE}."]
     for label, plain, rows in series(result):
         greedy = plain["temperature"] == 0
@@ -130,47 +110,21 @@ def format_sweep(result: dict) -> str:
     return "\n".join(lines)
 
 
-def parser() -> OneLineParser:
-    p = OneLineParser(prog="python benchmarks/sweep.py", description="Tokens/step and tokens/s of Medusa per "
-                      "acceptance rule, drafter and node budget, against plain decoding of the same rule.")
-    p.add_argument("--ckpt", required=True, help="checkpoint directory with heads_accuracy.json and prompts.json")
-    p.add_argument("--budgets", type=numbers(1, 256), default=BUDGETS, metavar="N,N,...",
-                   help="node budgets, root excluded (default: %s)" % ",".join(map(str, BUDGETS)))
-    p.add_argument("--rules", type=names_of(RULES), default=",".join(DEFAULT_RULES), metavar="RULE,...",
-                   help=f"from {', '.join(RULES)} (default: {','.join(DEFAULT_RULES)})")
-    p.add_argument("--draft-vocab", type=numbers(0), metavar="M,M,...",
-                   help="draft vocabulary sizes of the heads, 0: the whole vocabulary (default: the checkpoint's)")
-    p.add_argument("--temperature", type=float, default=SAMPLING_TEMPERATURE, metavar="T",
-                   help="temperature of every rule but greedy (default: %(default)s)")
-    p.add_argument("--num-prompts", type=at_least_one, default=8, help="the first prompts of prompts.json (default: 8)")
-    p.add_argument("--max-new-tokens", type=at_least_one, default=64, help="tokens per prompt (default: 64)")
-    p.add_argument("--repeat", type=at_least_one, default=3, help="runs of each; the fastest counts (default: 3)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the sampled rules (default: 0)")
-    p.add_argument("--device", help="cpu, cuda, ... (default: cuda if available)")
-    p.add_argument("--dtype", choices=tuple(DTYPES), default="float32", help="(default: float32)")
-    p.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
-    p.add_argument("--plot", metavar="FILE.png", help="also draw the table (needs matplotlib)")
-    return p
-
-
 def load(ns: argparse.Namespace) -> tuple[Checkpoint, torch.Tensor, list[list[int]]]:
     """The flags checked, then the checkpoint, its accuracy table and the chosen prompts, cut to leave room
     for the new tokens; a one-line ValueError for the first thing wrong."""
     ns.rules = tuple(r for r in RULES if r in ns.rules)  # in RULES' order
-    if set(ns.rules) - {"greedy", "lookup-greedy"} and not ns.temperature > 0:
+    if any(RULES[r] for r in ns.rules) and not ns.temperature > 0:
         raise ValueError(f"--temperature must be > 0 for the sampled rules, not {ns.temperature}")
-    if ns.plot:  # before the sweep, not after it: a missing library or folder fails in a second
-        require_matplotlib()
-        if not os.path.isdir(os.path.dirname(os.path.abspath(ns.plot))):
-            raise ValueError(f"--plot {ns.plot}: its folder does not exist")
+    if ns.plot:
+        check_plot_path(ns.plot)
     device = pick_device(ns.device)
     ck = load_for_decoding(ns.ckpt, device=device, dtype=pick_dtype(ns.dtype, device))
     if ck.heads is None:
         raise ValueError(f"checkpoint {ns.ckpt} has no Medusa heads; train heads first")
-    V = ck.model.config.vocab_size
     ns.draft_vocab = ns.draft_vocab or (ck.heads.draft_ids.numel(),)
-    if max(ns.draft_vocab) > V:
-        raise ValueError(f"--draft-vocab {max(ns.draft_vocab)}: the vocabulary has {V} tokens")
+    if max(ns.draft_vocab) > ck.model.config.vocab_size:
+        raise ValueError(f"--draft-vocab {max(ns.draft_vocab)}: the vocabulary has {ck.model.config.vocab_size} tokens")
     acc = load_accuracy(ns.ckpt)  # its error says how to measure it
     if build_tree(acc, 1)[0].num_nodes == 1:  # no node is ever accepted: every tree is the root alone
         raise ValueError("heads_accuracy.json: no head's top guess was ever right, so every tree is the root "
@@ -185,7 +139,23 @@ def load(ns: argparse.Namespace) -> tuple[Checkpoint, torch.Tensor, list[list[in
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = parser()
+    p = OneLineParser(prog="python benchmarks/sweep.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--ckpt", required=True, help="checkpoint directory with heads_accuracy.json and prompts.json")
+    p.add_argument("--budgets", type=numbers(1, 256), default="1,2,4,8,16,32", metavar="N,N,...",
+                   help="node budgets, root excluded (default: %(default)s)")
+    p.add_argument("--rules", type=names_of(RULES), default="greedy,rejection-topk,rejection-sampled",
+                   metavar="RULE,...", help=f"from {', '.join(RULES)} (default: %(default)s)")
+    p.add_argument("--draft-vocab", type=numbers(0), metavar="M,...", help="sizes, 0: all (default: the checkpoint's)")
+    p.add_argument("--temperature", type=float, default=SAMPLING_TEMPERATURE, metavar="T",
+                   help="temperature of every rule but greedy (default: %(default)s)")
+    p.add_argument("--num-prompts", type=at_least_one, default=8, help="the first prompts of prompts.json (default: 8)")
+    p.add_argument("--max-new-tokens", type=at_least_one, default=64, help="tokens per prompt (default: 64)")
+    p.add_argument("--repeat", type=at_least_one, default=3, help="runs of each; the fastest counts (default: 3)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the sampled rules (default: 0)")
+    p.add_argument("--device", help="cpu, cuda, ... (default: cuda if available)")
+    p.add_argument("--dtype", choices=tuple(DTYPES), default="float32", help="(default: float32)")
+    p.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
+    p.add_argument("--plot", metavar="FILE.png", help="also draw the table (needs matplotlib)")
     ns = p.parse_args(argv)
     try:
         ck, acc, prompts = load(ns)
@@ -200,12 +170,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"plot: {ns.plot}", file=sys.stderr)
     except (ValueError, OSError) as e:
         p.error(str(e))
-    if ns.json:
-        print(json.dumps(result, indent=2))
-    else:
-        print(f"checkpoint {ns.ckpt} on {result['device']}, {ns.dtype}, {result['threads']} threads; "
-              f"{result['num_heads']} heads")
-        print(format_sweep(result))
+    print(json.dumps(result, indent=2) if ns.json else format_sweep(result))
     return 0
 
 

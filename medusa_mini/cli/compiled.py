@@ -1,17 +1,11 @@
-"""`--compile`: the two steps decoding repeats, compiled by name, and the static caches they replay on.
-
-The prefill (one shape per prompt length) stays eager. The plain step (T = 1) and the tree verify (T = N,
-one shape per tree and truncation) repeat with static shapes, so `compile_steps` compiles them as
-gpt-fast compiles its one-token step: whole graphs, one per shape, and on CUDA CUDA graphs (mode
-"reduce-overhead"), which remove the kernel launches that dominate batch-1 decoding. A CUDA graph
-replays on the addresses it recorded, and its outputs live in its buffers until its next replay
-(decoding reads them before the next step): `StaticCaches` keeps one KV cache per shape, marked
-static, and `warm_up` records every shape on them before anything is timed.
-"""
+"""`--compile`: the plain step (T = 1) and the tree verify (T = N) compiled by name, whole graphs, one per
+shape, on CUDA as CUDA graphs (mode "reduce-overhead"), which remove the kernel launches that dominate
+batch-1 decoding; the prefill stays eager. A CUDA graph replays on the addresses it recorded and overwrites
+its outputs at its next replay: `StaticCaches` keeps one KV cache per shape, marked static, and `warm_up`
+records every shape before anything is timed."""
 
 from __future__ import annotations
 
-import time
 from typing import Callable
 
 import torch
@@ -19,7 +13,7 @@ import torch
 from .. import step
 from ..model import GPT, KVCache
 from ..tree import Tree
-from .common import sync_device
+from .common import timed
 
 
 def compile_steps(device: torch.device | str, *, backend: str | Callable = "inductor") -> step.Steps:
@@ -57,17 +51,16 @@ def warm_up(model: GPT, steps: step.Steps, caches: StaticCaches, trees: list[Tre
     config = torch._dynamo.config  # each shape is one more specialisation of the same two functions
     config.recompile_limit += len(shapes) + 1
     config.accumulated_recompile_limit += len(shapes) + 1
-    sync_device(device)
-    t0 = time.perf_counter()
-    for _ in range(3):
-        cache = caches(rows, block)
-        cache.lengths = 0
-        steps.plain(model, cache, torch.zeros(rows, 1, dtype=torch.long, device=device))
-    for nodes, t in shapes:
-        cache, tensors = caches(rows, block + nodes), t.tensors(device)
+
+    def every_shape() -> None:
         for _ in range(3):
+            cache = caches(rows, block)
             cache.lengths = 0
-            steps.verify(model, cache, torch.zeros(rows, t.num_nodes, dtype=torch.long, device=device),
-                         depths=tensors.depths, ancestor_mask=tensors.ancestor_mask)
-    sync_device(device)
-    return time.perf_counter() - t0
+            steps.plain(model, cache, torch.zeros(rows, 1, dtype=torch.long, device=device))
+        for nodes, t in shapes:
+            cache, tensors = caches(rows, block + nodes), t.tensors(device)
+            for _ in range(3):
+                cache.lengths = 0
+                steps.verify(model, cache, torch.zeros(rows, t.num_nodes, dtype=torch.long, device=device),
+                             depths=tensors.depths, ancestor_mask=tensors.ancestor_mask)
+    return timed(device, every_shape)[1]

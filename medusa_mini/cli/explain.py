@@ -1,8 +1,6 @@
-"""`decode.py --explain`: one Medusa step in words: what each head guesses, the tree, what the backbone
-says at every node, and which tokens the step keeps. `--demo` makes a model to explain on the spot.
-
-It runs reference.py's functions in the order its `medusa_generate` does, so the printed step is the
-file a learner reads; the tree is filled by the heads' own proposer.
+"""`decode.py --explain`: one Medusa step in words, stage by stage, run with reference.py's functions in
+the order its `medusa_generate` calls them (the tree filled by the heads' own proposer), so the printed step
+is the file a learner reads. `--demo` makes a model to explain on the spot.
 """
 
 from __future__ import annotations
@@ -11,6 +9,7 @@ import codecs
 import contextlib
 import io
 
+import numpy as np
 import tiktoken
 import torch
 import torch.nn.functional as F
@@ -21,12 +20,17 @@ from ..io.loading import Checkpoint
 from ..io.tokenizer import make_encoding, train_bpe
 from ..model import GPT, GPTConfig
 from ..sampling import Sampling
+from ..train.data import get_batch
 from ..training import MedusaLM
 from ..tree import Tree
-from .common import token_text
 
 DEMO_NOTE = ("DEMO: a 2-layer model and its 4 heads trained for a few seconds on the Zen of Python, which they "
              "know by heart;\nreal heads are right less often. Train one with train_tiny.py for real figures.")
+
+
+def token_text(enc: tiktoken.Encoding, token: int) -> str:
+    """One token as a quoted literal, so spaces and newlines stay visible: ' the', '\\n'."""
+    return repr(enc.decode_single_token_bytes(token).decode("utf-8", errors="replace"))
 
 
 def _header(number: int, title: str) -> str:
@@ -186,7 +190,7 @@ def demo_checkpoint(*, device: torch.device, dtype: torch.dtype, steps: int = 30
         import this
     text = codecs.decode(this.s, "rot13")  # the module stores it in rot13
     enc = make_encoding(train_bpe(text, vocab_size=300))
-    ids = torch.tensor(enc.encode_ordinary(text))
+    ids = np.array(enc.encode_ordinary(text))
     torch.manual_seed(seed)
     model = GPT(GPTConfig(vocab_size=enc.n_vocab, block_size=128, n_layer=2, n_head=4, n_embd=64))
     heads = MedusaHeads(HeadsConfig(num_heads=4, n_embd=64, vocab_size=enc.n_vocab))
@@ -194,11 +198,9 @@ def demo_checkpoint(*, device: torch.device, dtype: torch.dtype, steps: int = 30
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # ops this small gain nothing from threads, and lose much on a busy machine
     optimizer = torch.optim.AdamW(module.parameters(), lr=3e-3)
-    gen, T = torch.Generator().manual_seed(seed), 64
+    gen = torch.Generator().manual_seed(seed)
     for _ in range(steps):
-        starts = torch.randint(0, ids.numel() - T - 1, (16,), generator=gen)
-        x = torch.stack([ids[s : s + T] for s in starts])  # [16, T]
-        y = torch.stack([ids[s + 1 : s + T + 1] for s in starts])  # [16, T]
+        x, y = get_batch(ids, batch_size=16, block_size=64, generator=gen)  # [16, 64] each
         loss, _ = module(x, y, lm_weight=1.0, heads_weight=0.5, decay=0.8)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()

@@ -1,25 +1,19 @@
-"""Figures of the benchmark tables, as PNG files: node-budget sweeps and batch sizes.
-
-matplotlib is an optional extra (`pip install -e ".[plot]"`), imported only when drawing, on the Agg
-canvas (no display, no pyplot state). Without it every function raises PlotError, a one-line ValueError
-that the command lines turn into exit status 2.
-"""
+"""Figures of the benchmark tables, as PNG files: node-budget sweeps and batch sizes. matplotlib is an
+optional extra, imported only when drawing, on the Agg canvas (no display, no pyplot state)."""
 
 from __future__ import annotations
 
+import os
 from typing import Mapping, Sequence
 
 MISSING = 'drawing a plot needs matplotlib: pip install matplotlib (or pip install -e ".[plot]")'
-DPI = 120
 
 
-class PlotError(ValueError):
-    """A plot that cannot be drawn: matplotlib missing, or no rows."""
-
-
-def require_matplotlib() -> None:
-    """Raise PlotError now if matplotlib is missing: scripts call this before a long run, not after."""
+def check_plot_path(path: str) -> None:
+    """A ValueError now, not after a long run, if matplotlib is missing or `path`'s folder does not exist."""
     _figure()
+    if not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+        raise ValueError(f"--plot {path}: its folder does not exist")
 
 
 def _figure():
@@ -28,22 +22,17 @@ def _figure():
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError:
-        raise PlotError(MISSING) from None
+        raise ValueError(MISSING) from None
     fig = Figure(figsize=(11, 4.2), layout="constrained")
     FigureCanvasAgg(fig)  # the canvas savefig renders with: Agg, whatever backend pyplot would pick
     return fig, list(fig.subplots(1, 2, squeeze=False)[0])
 
 
 def plot_node_sweep(series: Sequence[tuple[str, Sequence[Mapping]]], path: str, *,
-                    plain_tokens_per_s: Mapping[str, float] = {}, title: str = "") -> str:
-    """Tokens/step (left) and tokens/s (right) against the node budget, one colour per named series.
-
-    A row holds `nodes` (root excluded), `tokens_per_step`, `tokens_per_s`, and optionally
-    `expected_tokens_per_step` (dashed; at the measured `ms_per_step` on the right).
-    plain_tokens_per_s: {plain decoder's name: tokens/s}, each a dotted line. Returns path.
-    """
-    if not any(rows for _, rows in series):
-        raise PlotError("plot_node_sweep: no rows to plot")
+                    plain_tokens_per_s: Mapping[str, float] = {}, title: str) -> str:
+    """Tokens/step (left) and tokens/s (right) against the node budget, one colour per named series of rows
+    of `nodes` (root excluded), `tokens_per_step`, `tokens_per_s` and optionally `expected_tokens_per_step`
+    (dashed; at the measured `ms_per_step` on the right); a dotted line per plain decoder. Returns path."""
     fig, (steps_ax, speed_ax) = _figure()
     for name, rows in series:
         rows = sorted(rows, key=lambda r: r["nodes"])
@@ -53,12 +42,11 @@ def plot_node_sweep(series: Sequence[tuple[str, Sequence[Mapping]]], path: str, 
         speed_ax.plot(nodes, [r["tokens_per_s"] for r in rows], marker="o", color=colour, label=f"{name}, measured")
         expected = [r for r in rows if r.get("expected_tokens_per_step") is not None]
         if expected:
-            steps_ax.plot([r["nodes"] for r in expected], [r["expected_tokens_per_step"] for r in expected],
-                          ls="--", marker="x", color=colour, label=f"{name}, expected")
-            timed = [r for r in expected if r.get("ms_per_step")]
-            speed_ax.plot([r["nodes"] for r in timed], [1000 * r["expected_tokens_per_step"] / r["ms_per_step"]
-                                                        for r in timed],
-                          ls="--", marker="x", color=colour, label=f"{name}, expected at measured ms/step")
+            at = [r["nodes"] for r in expected]
+            steps_ax.plot(at, [r["expected_tokens_per_step"] for r in expected], ls="--", marker="x", color=colour,
+                          label=f"{name}, expected")
+            speed_ax.plot(at, [1000 * r["expected_tokens_per_step"] / r["ms_per_step"] for r in expected], ls="--",
+                          marker="x", color=colour, label=f"{name}, expected at measured ms/step")
     steps_ax.axhline(1.0, color="gray", ls=":", label="plain decoding (1.00)")
     for i, (name, tokens_per_s) in enumerate(plain_tokens_per_s.items()):
         speed_ax.axhline(tokens_per_s, color=("gray", "silver", "dimgray")[i % 3], ls=":", label=name)
@@ -67,17 +55,12 @@ def plot_node_sweep(series: Sequence[tuple[str, Sequence[Mapping]]], path: str, 
                    title=title, path=path)
 
 
-def plot_batch(rows: Sequence[Mapping], path: str, *, title: str = "") -> str:
+def plot_batch(rows: Sequence[Mapping], path: str, *, title: str) -> str:
     """Tokens/s (left) and the speedup of every method not named "plain ..." (right) against batch size;
     rows hold `method`, `batch_size`, `tokens_per_s` and `speedup`. Returns path."""
-    if not rows:
-        raise PlotError("plot_batch: no rows to plot")
     fig, (speed_ax, gain_ax) = _figure()
-    by_method: dict[str, list[Mapping]] = {}
-    for row in rows:
-        by_method.setdefault(row["method"], []).append(row)
-    for method, mine in by_method.items():
-        mine = sorted(mine, key=lambda r: r["batch_size"])
+    for method in dict.fromkeys(r["method"] for r in rows):
+        mine = sorted((r for r in rows if r["method"] == method), key=lambda r: r["batch_size"])
         sizes = [r["batch_size"] for r in mine]
         (line,) = speed_ax.plot(sizes, [r["tokens_per_s"] for r in mine], marker="o", label=method)
         if not method.startswith("plain"):
@@ -97,7 +80,6 @@ def _finish(fig, ylabels: Mapping, ticks: list[int], xlabel: str, *, title: str,
         ax.set_ylim(bottom=0)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize="small")
-    if title:
-        fig.suptitle(title)
-    fig.savefig(path, dpi=DPI)
+    fig.suptitle(title)
+    fig.savefig(path, dpi=120)
     return path

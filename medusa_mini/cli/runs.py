@@ -1,16 +1,13 @@
-"""Running and summarising decodings: each way of decoding (`Method`), timed in turns, summed up by one
-function (`summarise`) into the rows of `decode.py --compare`, one prompt or B prompts at a time, and
-those rows as text.
-
-Each row is set against the plain decoder of its temperature: speedup (tokens/s over plain's) and step
-cost (ms per pass over plain's), so speedup ≈ tokens/step ÷ step cost. Greedy rows must make plain
-greedy's tokens; in half precision a near-tie may round either way, so a difference is located instead.
+"""The rows of `decode.py --compare` and the sweep: each way of decoding (`Method`) timed in turns, one
+prompt or B prompts at a time, summed up by `summarise`, each set against the plain decoder of its
+temperature: speedup (tokens/s over plain's) and step cost (ms per pass over plain's), so speedup ≈
+tokens/step ÷ step cost. Greedy rows must make plain greedy's tokens; in half precision a near-tie may
+round either way, so a difference is located instead.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 
 import torch
 
@@ -29,7 +26,7 @@ Results = list[tuple[list[int], GenerationStats]]  # per row of a batch: its new
 Runs = list[tuple[Results, float]]  # per batch of prompts: its results and the seconds it took
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Method:
     """Plain decoding (no drafter), a drafter (heads, `PromptLookup`) on `tree`, or reference.py's decoder."""
 
@@ -51,7 +48,7 @@ class Method:
         return self.label.split(" (")[0].lower().replace(" ", "_")
 
 
-@dataclass
+@dataclasses.dataclass
 class Engine:
     """How this run decodes: eager steps, or compiled ones and the static caches they replay on."""
 
@@ -112,9 +109,8 @@ def run_in_turns(engine: Engine, methods: list[Method], batches: list[list[list[
 
 
 def summarise(runs: Runs) -> dict:
-    """One row's numbers from its timed runs: steps (its rows'), passes (its batches' forward passes:
-    a batch runs until its slowest row stops), new tokens, seconds, tokens/step (bonus counted),
-    ms/token, ms/step (per pass) and tokens/s."""
+    """One row's numbers from its timed runs; passes are its batches' forward passes (a batch runs until
+    its slowest row stops), so ms/step is per pass."""
     rows = [row for results, _ in runs for row in results]
     steps = sum(st.steps for _, st in rows)
     passes = sum(max(st.steps for _, st in results) for results, _ in runs)
@@ -157,11 +153,10 @@ def compare(engine: Engine, prompts: list[list[int]], methods: list[Method], *, 
     """A row per method and batch size, the prompts (cycled up to the largest batch) taken B at a time,
     each set against plain decoding and greedy rows against the first size's plain greedy tokens."""
     work = [prompts[i % len(prompts)] for i in range(max(max(batch_sizes), len(prompts)))]
-    rows, first = [], None
+    rows = []
     for B in batch_sizes:
         runs, unsteady = run_in_turns(engine, methods, [work[i : i + B] for i in range(0, len(work), B)],
                                       max_new_tokens=max_new_tokens, seed=seed, repeat=repeat)
-        first = first or runs
         for m in methods:
             results = [row for batch, _ in runs[m.key] for row in batch]
             rows.append({"method": m.label, "key": m.key, "batch_size": B, "temperature": m.sampling.temperature,
@@ -180,10 +175,9 @@ def compare(engine: Engine, prompts: list[list[int]], methods: list[Method], *, 
         if row["key"].startswith("reference"):
             engine_row = next(r for r in rows if r["key"] == row["key"].replace("reference", "medusa"))
             row["same_as_engine"] = sum(a == b for a, b in zip(row["tokens"], engine_row["tokens"]))
-    drafters = [m.key for m in methods if m.drafter is not None]
     return {"rows": rows, "batch_sizes": list(batch_sizes), "prompts": len(work), "max_new_tokens": max_new_tokens,
-            "repeat": repeat, "crossover": {key: crossover(rows, key) for key in drafters},
-            "per_prompt": per_prompt(work, first) if list(batch_sizes) == [1] and "prompt_lookup_greedy" in first
+            "repeat": repeat, "crossover": {m.key: crossover(rows, m.key) for m in methods if m.drafter is not None},
+            "per_prompt": per_prompt(work, runs) if list(batch_sizes) == [1] and "prompt_lookup_greedy" in runs
             else None}
 
 
@@ -225,14 +219,11 @@ def table(result: dict, columns: tuple[str, ...]) -> list[str]:
             same = "yes" if r["same_as_plain_greedy"] else f"{n - len(r['differences'])}/{n} prompts"
         lines.append(f"{r['method']:<32}" + "".join(f"{format(r[c], COLUMNS[c][2]):>{COLUMNS[c][1]}}"
                                                     for c in columns) + f"  {same}")
-    dtype = f", {result['dtype']}" if result["dtype"] != "float32" else ""
-    if result.get("compile_warmup_s") is not None:
-        dtype += f", compiled steps (compilation {result['compile_warmup_s']:.1f} s, not timed)"
-    top_p = f"; top-p {result['top_p']:g}" if result["top_p"] < 1 else ""
-    lines += [f"\ndevice {result['device']}{dtype}, {result['threads']} thread(s); {result['prompts']} prompts; "
-              f"tree {result['tree']} ({result['tree_nodes']} nodes incl. root); max-new-tokens "
-              f"{result['max_new_tokens']}{top_p}; Medusa rejection candidates: "
-              + ("the heads' top-k" if result["draft"] == "topk" else "drawn from q"),
+    compiled = result.get("compile_warmup_s")
+    lines += ["\ndevice {device}, {dtype}, {threads} thread(s); {prompts} prompts; tree {tree} ({tree_nodes} nodes "
+              "incl. root); max-new-tokens {max_new_tokens}; top-p {top_p:g}".format(**result)
+              + ("" if compiled is None else f"; steps compiled in {compiled:.1f} s (not timed)")
+              + "; Medusa rejection candidates: " + {"topk": "the heads' top-k"}.get(result["draft"], "drawn from q"),
               f"Note: {BONUS_NOTE}; plain decoding is exactly 1.00. Step cost: ms\nper step over the plain "
               f"decoder's: speedup ≈ tokens/step ÷ step cost. Times include the prefill; fastest of "
               f"{result['repeat']} runs."]

@@ -1,7 +1,9 @@
 """benchmarks/gpu_report.py: one command, every GPU figure in one markdown report; its smallest run on a CPU
-and, with the commands faked, the paths only CUDA takes."""
+(the commands run in this process) and, with the commands faked, the paths only CUDA takes."""
 
-import subprocess
+import contextlib
+import io
+import re
 import sys
 from argparse import Namespace
 from types import SimpleNamespace
@@ -9,24 +11,41 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from benchmarks import gpu_report
-from conftest import ROOT
+import decode
+import train_tiny
+from benchmarks import bench_step, gpu_report
 
-FAST_TRAIN = ("--backbone-steps 6 --heads-steps 4 --distill-prompts 8 --distill-tokens 12 --eval-prompts 2 "
-              "--batch-size 4 --n-embd 32 --log-every 1000")
+TRAIN = ("--max-bytes 60000 --vocab-size 300 --backbone-steps 6 --heads-steps 4 --distill-prompts 8 "
+         "--distill-tokens 12 --eval-prompts 2 --batch-size 4 --n-embd 32 --log-every 1000")
+DECODE = "--max-new-tokens 4 --prompt 'def main():'"  # prompts.json of so little text may hold none
+MAINS = {"benchmarks/bench_step.py": bench_step.main, "train_tiny.py": train_tiny.main, "decode.py": decode.main}
 
 
-@pytest.mark.slow
-def test_quick_cpu_report_holds_every_part_down_to_the_heads_share_and_the_step_over_its_verify(tmp_path):
+def in_this_process(argv: list[str]) -> tuple[int, str, float]:
+    """`run_script` without a new interpreter: the command's main in this process, its output captured."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out), pytest.raises(SystemExit) as end:
+        sys.exit(MAINS[argv[0]](argv[1:]))  # as the script ends
+    return end.value.code, out.getvalue(), 1.0
+
+
+def faked(monkeypatch, reply) -> list[list[str]]:
+    calls: list[list[str]] = []
+    monkeypatch.setattr(gpu_report, "run_script", lambda argv, **_: calls.append(argv) or reply(argv))
+    return calls
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_quick_cpu_report_holds_every_part_down_to_the_heads_share_and_the_step_over_its_verify(
+        tmp_path, capsys, monkeypatch):
+    faked(monkeypatch, in_this_process)
     out = tmp_path / "report.md"
-    r = subprocess.run([sys.executable, "benchmarks/gpu_report.py", "--device", "cpu", "--quick", "--out", str(out),
-                        "--ckpt", str(tmp_path / "ckpt"), "--dtypes", "float32", "--train-flags", FAST_TRAIN,
-                        "--decode-flags", "--max-new-tokens 8"], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
-    text = out.read_text()
+    assert gpu_report.main(["--device", "cpu", "--quick", "--out", str(out), "--ckpt", str(tmp_path / "ckpt"),
+                            "--dtypes", "float32", "--train-flags", TRAIN, "--decode-flags", DECODE]) == 0
+    text, err = out.read_text(), capsys.readouterr().err
     assert text.startswith("# medusa_mini on CPU") and f"torch {torch.__version__}" in text and "Failed" not in text
-    for part in gpu_report.PARTS:
-        assert f"[{part}] done in" in r.stderr and f"_Part {part}: " in text
+    for part in gpu_report.PARTS:  # each part's section, and its seconds against its budget
+        assert f"[{part}] done in" in err and re.search(rf"\n_Part {part}: \d+ s of its 170 s budget._\n", text)
     parts = {part.split("\n")[0]: part for part in text.split("\n## ")[1:]}  # title: section
     step = parts["What one step costs"]
     assert "### tiny" in step and "whole step / verify alone (x)" in step and "torch 2" not in step
@@ -42,17 +61,11 @@ def cuda_settings(tmp_path, **kw) -> Namespace:
     return Namespace(**{**base, **kw})
 
 
-def faked(monkeypatch, reply) -> list[list[str]]:
-    calls: list[list[str]] = []
-    monkeypatch.setattr(gpu_report, "run_script", lambda argv, **_: calls.append(argv) or reply(argv))
-    return calls
-
-
 def test_step_part_on_cuda_compiles_keeps_each_table_and_names_what_its_budget_did_not_reach(tmp_path, monkeypatch):
     table = "       gpt2\nlayers / heads / width / vocabulary / draft   12 / 12 / 768 / 50257 / 8192\nplain step  1"
     calls = faked(monkeypatch, lambda argv: (None, "", 99.0) if "gpt2-xl" in argv else
                   (0, f"torch 2.x, cuda\ncommand: ...\n\n{table}\n", 1.0))
-    section, ok = gpu_report.step_part(cuda_settings(tmp_path, configs=["gpt2", "gpt2-xl"]))
+    section, ok = gpu_report.RUN_PART["step"](cuda_settings(tmp_path, configs=["gpt2", "gpt2-xl"]))
     assert not ok and len(calls) == 2 and all("--compile" in argv for argv in calls)
     assert f"```\n{table}\n```" in section and "torch 2.x" not in section
     assert "### gpt2-xl" in section and "Failed: stopped at its budget" in section
@@ -87,11 +100,12 @@ def test_a_command_past_its_budget_is_stopped_and_says_so():
     assert not ok and lines[-1].startswith("Failed: stopped at its budget after 1 s")
 
 
-def test_a_failed_part_is_written_into_the_report_and_exits_1(tmp_path, capsys):
-    out = tmp_path / "r.md"
-    assert gpu_report.main(["--device", "cpu", "--quick", "--part", "train", "--out", str(out), "--ckpt",
-                            str(tmp_path / "ckpt"), "--train-flags", "--n-embd 30 --n-head 4"]) == 1
-    assert "Failed: exit status 2" in out.read_text() and "divisible" in out.read_text()
+def test_a_failed_part_is_one_line_in_the_report_and_exits_1(tmp_path, capsys, monkeypatch):
+    faked(monkeypatch, in_this_process)
+    assert gpu_report.main(["--device", "cpu", "--quick", "--part", "train", "--out", str(tmp_path / "r.md"),
+                            "--ckpt", str(tmp_path / "ckpt"), "--train-flags", "--n-embd 30 --n-head 4"]) == 1
+    text = (tmp_path / "r.md").read_text()  # the failure, in one line
+    assert re.search(r"\nFailed: exit status 2 after \d+ s: train_tiny.py: error: .*divisible.*\n", text)
     assert "failed: train" in capsys.readouterr().err
 
 

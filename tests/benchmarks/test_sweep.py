@@ -2,14 +2,12 @@
 plain decoding of the same rule."""
 
 import json
-import sys
 
 import pytest
 
 from benchmarks import sweep
 from conftest import save_small_checkpoint, save_tiny
-from medusa_mini.cli import plots
-from medusa_mini.cli.measure import recompute_accuracy
+from medusa_mini.cli import measure, plots
 from medusa_mini.train.report import load_accuracy
 from medusa_mini.tree import build_tree, expected_tokens_per_step
 
@@ -22,7 +20,7 @@ def medusa_ckpt(tmp_path_factory):
     guess the backbone's next token: right wherever its text repeats."""
     directory = tmp_path_factory.mktemp("medusa")
     save_small_checkpoint(directory)
-    recompute_accuracy(str(directory), num_prompts=4, max_new_tokens=8)
+    measure.main(["--ckpt", str(directory), "--prompts", "4", "--max-new-tokens", "8"])
     return str(directory)
 
 
@@ -80,11 +78,11 @@ def test_the_table_and_the_plot_give_each_rule_and_draft_vocabulary_its_block_an
     (["--budgets", "0,4"], "--budgets"), (["--budgets", "two"], "--budgets"), (["--rules", "dynamic"], "--rules"),
     (["--repeat", "0"], "--repeat"), (["--temperature", "0"], "--temperature"),
     (["--num-prompts", "0"], "--num-prompts"), (["--plot", "/no/such/folder/s.png"], "--plot"),
-    (["--max-new-tokens", "64"], "no room for a prompt"),
-    (["--draft-vocab", "4000"], "--draft-vocab"),
+    (["--max-new-tokens", "64"], "no room for a prompt"), (["--draft-vocab", "4000"], "--draft-vocab"),
     (["--draft-vocab", "1", "--max-new-tokens", "8"], "draft vocabulary has 1"),  # fewer tokens than the tree's ranks
 ])
-def test_bad_flags_exit_2_with_one_line(medusa_ckpt, capsys, flags, message):
+def test_bad_flags_exit_2_with_one_line_before_decoding(medusa_ckpt, capsys, monkeypatch, flags, message):
+    monkeypatch.setattr(sweep, "run_in_turns", lambda *a, **k: pytest.fail("decoded despite a bad flag"))
     with pytest.raises(SystemExit) as exc:
         sweep.main(["--ckpt", medusa_ckpt, "--device", "cpu", *flags])
     err = capsys.readouterr().err
@@ -92,23 +90,11 @@ def test_bad_flags_exit_2_with_one_line(medusa_ckpt, capsys, flags, message):
 
 
 @pytest.mark.parametrize("measured, message", [(False, "medusa_mini.cli.measure"), (True, "train the heads")])
-def test_a_missing_table_says_how_to_measure_it_and_heads_never_right_say_to_train_them(tmp_path, capsys, measured,
-                                                                                         message):
+def test_a_missing_table_says_to_measure_it_and_heads_never_right_to_train_them(tmp_path, capsys, measured, message):
     save_tiny(tmp_path, with_heads=True)  # random heads: their top guesses miss on every continuation
     if measured:
-        recompute_accuracy(str(tmp_path), num_prompts=3, max_new_tokens=8)
+        measure.main(["--ckpt", str(tmp_path), "--prompts", "3", "--max-new-tokens", "8"])
     with pytest.raises(SystemExit) as exc:
         sweep.main(["--ckpt", str(tmp_path), *FAST])
     err = capsys.readouterr().err
     assert exc.value.code == 2 and err.count("\n") == 1 and message in err
-
-
-def test_plot_without_matplotlib_stops_before_sweeping(medusa_ckpt, tmp_path, capsys, monkeypatch):
-    for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
-        monkeypatch.delitem(sys.modules, name)
-    monkeypatch.setitem(sys.modules, "matplotlib", None)
-    monkeypatch.setattr(sweep, "sweep", lambda *a, **k: pytest.fail("swept although it cannot plot"))
-    with pytest.raises(SystemExit) as exc:
-        sweep.main(["--ckpt", medusa_ckpt, "--device", "cpu", "--plot", str(tmp_path / "s.png")])
-    err = capsys.readouterr().err
-    assert exc.value.code == 2 and err.count("\n") == 1 and plots.MISSING in err

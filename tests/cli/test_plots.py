@@ -7,7 +7,7 @@ import pytest
 
 from conftest import ROOT
 from medusa_mini.cli import plots
-from medusa_mini.cli.plots import PlotError, plot_batch, plot_node_sweep
+from medusa_mini.cli.plots import plot_batch, plot_node_sweep
 
 
 def assert_png(path, *, colours: int) -> None:
@@ -49,10 +49,10 @@ def test_without_matplotlib_every_plot_says_how_to_install_it_in_one_line(tmp_pa
     for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
         monkeypatch.delitem(sys.modules, name)
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib...` now raises ImportError
-    for draw in (lambda: plots.require_matplotlib(),
-                 lambda: plot_batch(batch_rows(), str(tmp_path / "b.png")),
-                 lambda: plot_node_sweep([("static", sweep_rows(0.5))], str(tmp_path / "s.png"))):
-        with pytest.raises(PlotError, match="pip install matplotlib") as exc:
+    for draw in (lambda: plots.check_plot_path(str(tmp_path / "p.png")),
+                 lambda: plot_batch(batch_rows(), str(tmp_path / "b.png"), title="b"),
+                 lambda: plot_node_sweep([("s", sweep_rows(0.5))], str(tmp_path / "s.png"), title="s")):
+        with pytest.raises(ValueError, match="pip install matplotlib") as exc:
             draw()
         assert str(exc.value) == plots.MISSING
     assert not list(tmp_path.iterdir())
