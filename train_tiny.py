@@ -5,7 +5,7 @@ corpus prompts) -> heads on that text -> draft vocabulary -> summary -> a GPT-2 
 Ctrl-C saves after the current step (--resume continues exactly); a second Ctrl-C stops at once.
 
     python train_tiny.py                  # picks --preset gpu or cpu by the device
-    python train_tiny.py --preset smoke   # under a minute on two CPU cores
+    python train_tiny.py --preset smoke   # the whole pipeline in small
     python train_tiny.py --init gpt2 --out out/gpt2   # Medusa heads on GPT-2 (downloads it once)
     torchrun --nproc_per_node 2 train_tiny.py --preset smoke   # DDP (gloo on CPU, NCCL on GPU)
 """
@@ -28,13 +28,11 @@ def parse_args(argv: list[str] | None = None) -> TrainArgs:
     p.add_argument("--data", help="a UTF-8 text file or folder (default: this Python's standard library)")
     p.add_argument("--out", default="out/tiny", help="checkpoint directory (default: out/tiny)")
     p.add_argument("--init", help="start from GPT-2 weights (gpt2, gpt2-medium, ..., or a path) and train heads only")
-    p.add_argument("--tokenizer", metavar="DIR", help="another checkpoint's tokenizer instead of training one")
     p.add_argument("--resume", action="store_true", help="continue an interrupted run in --out exactly")
     p.add_argument("--seed", type=int, default=0, help="seeds the model, the batches and the sampling (default: 0)")
     p.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     p.add_argument("--dtype", choices=DTYPES, help="number format of the training forward (autocast; float16 adds "
                    "loss scaling; default: float32 on CPU, on CUDA bfloat16 where native, else float16)")
-    p.add_argument("--threads", type=int, help="torch CPU threads")
     p.add_argument("--save-every", type=int, help="steps between checkpoints (default: a fifth of a stage)")
     p.add_argument("--log-every", type=float, default=10.0, help="seconds between progress lines (default: 10)")
     hp = p.add_argument_group("hyper-parameters (defaults: the preset's)")
@@ -47,10 +45,9 @@ def parse_args(argv: list[str] | None = None) -> TrainArgs:
         cuda = device.startswith("cuda")
         preset = ns.preset or (("gpt2" if cuda else "gpt2-cpu") if ns.init else ("gpu" if cuda else "cpu"))
         chosen = {name: v for name in TrainArgs.hyper_parameters() if (v := getattr(ns, name)) is not None}
-        return TrainArgs(preset=preset, data=ns.data, out=ns.out, init=ns.init, tokenizer=ns.tokenizer,
-                         resume=ns.resume, seed=ns.seed, device=device, dtype=training_dtype(ns.dtype, device),
-                         threads=ns.threads, save_every=ns.save_every, log_every=ns.log_every,
-                         **{**PRESETS[preset], **chosen})
+        return TrainArgs(preset=preset, data=ns.data, out=ns.out, init=ns.init, resume=ns.resume, seed=ns.seed,
+                         device=device, dtype=training_dtype(ns.dtype, device), save_every=ns.save_every,
+                         log_every=ns.log_every, **{**PRESETS[preset], **chosen})
     except ValueError as e:
         p.error(str(e))
 
@@ -63,10 +60,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"train_tiny.py: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        if os.path.exists(os.path.join(args.out, STATE_FILE)):
-            print(f"\ninterrupted: progress saved in {args.out}; continue with --resume", file=sys.stderr)
-        else:
-            print("\ninterrupted before anything was saved; start again", file=sys.stderr)
+        saved = os.path.exists(os.path.join(args.out, STATE_FILE))
+        print(f"\ninterrupted: progress saved in {args.out}; continue with --resume" if saved
+              else "\ninterrupted before anything was saved; start again", file=sys.stderr)
         return 130
     return 0
 

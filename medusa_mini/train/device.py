@@ -1,9 +1,6 @@
 """Devices and number formats (--device, --dtype) for decoding and training alike, each rank's GPU, copies
-that do not wait, and the clock of a run's stages.
-
-float32 is exact. bfloat16 and float16 train under torch.autocast (matmuls in 16 bits; weights, reductions
-and the optimizer in float32); float16's narrow range needs a GradScaler, bfloat16 has float32's range.
-"""
+that do not wait, and the clock of a run's stages. bfloat16 and float16 train under torch.autocast
+(weights, reductions and the optimizer stay float32); float16's narrow range needs a GradScaler."""
 
 from __future__ import annotations
 
@@ -26,36 +23,28 @@ def pick_device(name: str | None) -> torch.device:
         raise ValueError(f"unknown device {name!r}: use cpu, cuda or cuda:N") from None
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"device {name!r} is not supported: use cpu or cuda")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {name!r} asked for, but CUDA is not available here; use --device cpu")
     if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
-        raise ValueError(f"device {name!r} does not exist: this machine has {torch.cuda.device_count()} GPUs")
+        raise ValueError(f"device {name!r} is not here ({torch.cuda.device_count()} CUDA GPUs); use --device cpu")
     return device
 
 
 def rank_device(device: str) -> str:
     """The device this process trains on: under torchrun, "cuda" means this rank's GPU, cuda:LOCAL_RANK."""
     if device.startswith("cuda") and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        return f"cuda:{int(os.environ.get('LOCAL_RANK', os.environ.get('RANK', '0')))}"
+        return f"cuda:{int(os.environ['LOCAL_RANK'])}"
     return device
 
 
 def has_native_bfloat16(device: torch.device) -> bool:
     """A CUDA device of compute capability 8.0+ (Ampere on), whose tensor cores compute in bfloat16. Not
     torch.cuda.is_bf16_supported(): it counts emulation (several times slower) and asks the current GPU."""
-    if device.type != "cuda":
-        return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return tuple(torch.cuda.get_device_capability(index)) >= (8, 0)
+    return device.type == "cuda" and tuple(torch.cuda.get_device_capability(device)) >= (8, 0)
 
 
 def pick_dtype(name: str, device: torch.device) -> torch.dtype:
-    """A --dtype name as a torch dtype; bfloat16 on CUDA only where it is native."""
-    if name not in DTYPES:
-        raise ValueError(f"unknown dtype {name!r}: use one of {', '.join(DTYPES)}")
+    """A --dtype name (a key of DTYPES) as a torch dtype; bfloat16 on CUDA only where it is native."""
     if name == "bfloat16" and device.type == "cuda" and not has_native_bfloat16(device):
-        raise ValueError("this GPU has no native bfloat16 (compute capability below 8.0); "
-                         "use --dtype float16 or float32")
+        raise ValueError("this GPU has no native bfloat16 (compute capability < 8.0): use --dtype float16 or float32")
     return DTYPES[name]
 
 
@@ -71,8 +60,7 @@ def training_dtype(name: str | None, device: str) -> str:
 
 
 def to_device(t: torch.Tensor, device: str | torch.device) -> torch.Tensor:
-    """Copy a CPU tensor to `device` without waiting: from pinned memory a copy is queued like a kernel, so
-    the next batch travels while a step runs."""
+    """Copy a CPU tensor to `device` without waiting: from pinned memory it travels while a step runs."""
     return t.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else t.to(device)
 
 
@@ -88,14 +76,11 @@ class StageClock:
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
         t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            if self.cuda:  # the queue must drain before the clock stops, or the time is the host's only
-                torch.cuda.synchronize(self.device)
-                self.peak[name] = f" (peak {torch.cuda.max_memory_allocated(self.device) / 2**30:.2f} GiB)"
-            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
+        yield
+        if self.cuda:  # the queue must drain before the clock stops, or the time is the host's only
+            torch.cuda.synchronize(self.device)
+            self.peak[name] = f" (peak {torch.cuda.max_memory_allocated(self.device) / 2**30:.2f} GiB)"
+        self.seconds[name] = time.perf_counter() - t0
 
-    def line(self) -> str:
-        """"stages     backbone 123.40 s (peak 3.21 GiB), ...": two decimals, so no stage reads as 0 s."""
+    def line(self) -> str:  # two decimals, so no stage reads as 0 s
         return "stages     " + ", ".join(f"{n} {s:.2f} s{self.peak.get(n, '')}" for n, s in self.seconds.items())

@@ -1,11 +1,7 @@
-"""What `train_tiny.py` reports, measured never assumed: progress lines, the validation loss, the summary
-(each head's accuracy on held-out text and on the backbone's own greedy continuations, the tokens per step
-trees built from them should give, the draft vocabulary's coverage), heads_accuracy.json and prompts.json.
-
-The acceptance table: acc[k][r] = P(head k+1's rank-r guess is the backbone's greedy token k+2 places
-ahead), on greedy continuations: the chance that greedy acceptance takes the guess once it took the node
-above. `tree.build_tree` multiplies these along paths.
-"""
+"""What `train_tiny.py` reports, measured: progress lines, the validation loss, the summary, prompts.json and
+the acceptance table heads_accuracy.json: acc[k][r] = P(head k+1's rank-r guess is the backbone's greedy
+token k+2 places ahead) on greedy continuations, the chance that greedy acceptance takes the guess once it
+took the node above (`tree.build_tree` multiplies these along paths)."""
 
 from __future__ import annotations
 
@@ -59,17 +55,19 @@ def validation_loss(model: GPT, batches: list) -> float:
     return (sum(lm_loss(model(x)[0], y) for x, y in batches) / len(batches)).item()
 
 
-def summarize(r, val_batches: list) -> dict:
+def summarize(r, val_batches: list, val_tokens: np.ndarray) -> dict:
     """Measure, print and save (heads_accuracy.json) the trained model's figures; return them."""
     model, heads, args = r.model, r.heads, r.args
     K, V, M = heads.num_heads, heads.config.vocab_size, heads.config.draft_vocab_size
     val_loss, top_k = validation_loss(model, val_batches), min(10, heads.draft_ids.numel())
     windows = [row for x, _ in val_batches for row in x.tolist()]
     text = measure_head_accuracy(model, heads, windows, prompt_lens=1, top_k=top_k)
-    # Against what the model itself says: held-out prompts continued greedily.
+    # Against what the model itself says: held-out prompts (a draw of their own) continued greedily.
     P = min(32, model.config.block_size // 4)
     n = min(96, model.config.block_size - P)
-    seqs = greedy_continuations(model, [w[:P] for w in windows[: 8 * args.eval_prompts]], max_new_tokens=n)
+    prompts, _ = get_batch(val_tokens, batch_size=min(64, 8 * args.eval_prompts), block_size=P,
+                           generator=torch.Generator().manual_seed(args.seed + 5))
+    seqs = greedy_continuations(model, prompts.tolist(), max_new_tokens=n)
     acc = measure_head_accuracy(model, heads, seqs, prompt_lens=P, top_k=top_k)
     save_accuracy(args.out, acc, meta={"measured_on": f"{len(seqs)} held-out prompts x {n} greedy tokens"})
     # The share of the greedy tokens inside the draft vocabulary of each size m: rank[token] < m.
@@ -97,8 +95,7 @@ def summarize(r, val_batches: list) -> dict:
 def held_out_prompts(out: str, val_docs, enc, *, count: int, seed: int, block_size: int) -> None:
     """`count` snippets of held-out text (at most 240 characters, line to line, under a third of the
     context), saved as prompts.json: decode.py's default prompts, text the model never trained on."""
-    rng = random.Random(seed)
-    prompts: list[str] = []
+    rng, prompts = random.Random(seed), []
     texts = [t for _, t in val_docs if t.strip()]
     for _ in range(count * 50 if texts else 0):
         if len(prompts) == count:
@@ -133,8 +130,6 @@ def measure_head_accuracy(model: GPT, heads: DraftHeads, sequences: list[list[in
     device, K, draft_ids = model.device, heads.num_heads, heads.draft_ids.to(model.device)
     if not 0 < top_k <= draft_ids.numel():
         raise ValueError(f"top_k={top_k} must be between 1 and the draft vocabulary's size {draft_ids.numel()}")
-    if max(map(len, sequences)) > model.config.block_size:
-        raise ValueError(f"a sequence is longer than the context ({model.config.block_size} tokens)")
     prompt_lens = [prompt_lens] * len(sequences) if isinstance(prompt_lens, int) else prompt_lens
     hits, counts = torch.zeros(K, top_k, dtype=torch.float64), torch.zeros(K, dtype=torch.float64)
     for seq, P in zip(sequences, prompt_lens):
@@ -146,19 +141,16 @@ def measure_head_accuracy(model: GPT, heads: DraftHeads, sequences: list[list[in
             guesses = draft_ids[heads(hidden[0, t], model, following=following[t]).topk(top_k, dim=-1).indices]
             hits += (guesses == targets[:, t, None]).sum(1).cpu()  # guesses [K, m, top_k] token ids
             counts += (targets[:, t] != IGNORE).sum(1).cpu()
-    if counts.sum() == 0:
-        raise ValueError("no position has a target: the sequences are too short (need 3+ tokens)")
     return hits / counts.clamp(min=1)[:, None]
 
 
-def save_accuracy(directory: str | os.PathLike, acc: torch.Tensor, *, meta: dict | None = None) -> str:
-    """Write heads_accuracy.json atomically, one line per head; return its path."""
+def save_accuracy(directory: str | os.PathLike, acc: torch.Tensor, *, meta: dict | None = None) -> None:
+    """Write heads_accuracy.json atomically, one line per head, then `meta` (what it was measured on)."""
     acc = check_acc(acc)
-    obj = {"top_k": acc.shape[1], "num_heads": acc.shape[0], "measured_on": "unspecified", **(meta or {})}
     rows = ",\n    ".join(json.dumps([round(x, 6) for x in row]) for row in acc.tolist())
-    path = os.path.join(os.fspath(directory), ACCURACY_FILE)
-    atomic_write_text(path, '{\n  "acc": [\n    ' + rows + "\n  ]," + json.dumps(obj, indent=2)[1:] + "\n")
-    return path
+    rest = json.dumps({"top_k": acc.shape[1], "num_heads": acc.shape[0], **(meta or {})}, indent=2)
+    path = os.path.join(directory, ACCURACY_FILE)
+    atomic_write_text(path, '{\n  "acc": [\n    ' + rows + "\n  ]," + rest[1:] + "\n")
 
 
 def load_accuracy(directory: str | os.PathLike) -> torch.Tensor:
@@ -166,15 +158,10 @@ def load_accuracy(directory: str | os.PathLike) -> torch.Tensor:
     path = os.path.join(os.fspath(directory), ACCURACY_FILE)
     obj = read_json(path, hint=f"measure it with python -m medusa_mini.cli.measure --ckpt {directory}")
     try:
-        rows = obj["acc"]
-        if any(type(x) not in (int, float) for row in rows for x in row):
-            raise ValueError("not all numbers")
-        if obj.get("top_k", len(rows[0])) != len(rows[0]):
-            raise ValueError("top_k is not the row length")
-        return check_acc(torch.tensor(rows, dtype=torch.float64))
-    except (TypeError, ValueError, KeyError, IndexError) as e:
+        return check_acc(torch.tensor(obj["acc"], dtype=torch.float64))
+    except (TypeError, ValueError, KeyError) as e:
         raise ValueError(f'{path} must hold {{"acc": [[...], ...]}}: one row of numbers in [0, 1] per head, '
-                         f"all of one length, top_k (if given) that length; {e}") from None
+                         f"all of one length; {e}") from None
 
 
 def format_accuracy(acc: torch.Tensor) -> str:

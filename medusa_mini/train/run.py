@@ -1,10 +1,7 @@
-"""The stages of `train_tiny.py`: tokenizer, backbone, self-distillation, heads, draft vocabulary, summary.
-
-Every stage is resumable: the state goes to `train_state.pt` periodically and on Ctrl-C. Under torchrun
-(DDP) every rank trains on its own batches, gradients are averaged, only rank 0 prints and writes the
-shared files. `--init` (gpt2, ..., or a local checkpoint) replaces the tokenizer and the backbone with
-pretrained, frozen ones: Medusa-1 heads taught by self-distillation (paper §2.3.2).
-"""
+"""The stages of `train_tiny.py`: tokenizer, backbone, self-distillation, heads, draft vocabulary, summary,
+each resumable. Under torchrun (DDP) every rank trains on its own batches, gradients are averaged, rank 0
+prints and writes. `--init` (gpt2, ..., or a checkpoint) brings a pretrained, frozen tokenizer and backbone:
+Medusa-1 heads taught by self-distillation (paper §2.3.2)."""
 
 from __future__ import annotations
 
@@ -29,27 +26,9 @@ from .report import held_out_prompts, progress_line, summarize, validation_batch
 from .state import STATE_FILE, Run
 
 
-def _tokenizer(r: Run, train_docs, *, resume: bool) -> tiktoken.Encoding:
-    """BPE trained on the training text, another checkpoint's (--tokenizer: a draft model must speak the
-    same tokens), or on --resume the one saved."""
-    a, t0 = r.args, time.time()
-    if resume:
-        return load_tokenizer(a.out)
-    if not a.tokenizer:
-        enc = make_encoding(train_bpe("".join(text for _, text in train_docs), vocab_size=a.vocab_size))
-        r.log(f"tokenizer  {enc.n_vocab} tokens, trained in {time.time() - t0:.1f}s")
-        return enc
-    try:
-        enc = load_tokenizer(a.tokenizer)
-    except ValueError as e:
-        raise TrainError(f"--tokenizer: {e}") from None
-    r.log(f"tokenizer  {enc.n_vocab} tokens, from {a.tokenizer}")
-    return enc
-
-
 def _pretrained(r: Run) -> tuple[GPT, tiktoken.Encoding]:
     """--init: GPT-2 weights, frozen, and their tokenizer (the directory's own, else tiktoken's "gpt2").
-    Under torchrun rank 0 downloads alone, the others wait: ranks writing one `.part` file would corrupt it."""
+    Under torchrun rank 0 downloads alone: ranks writing one `.part` file at once would corrupt it."""
     init = r.args.init
     try:
         if r.main and not os.path.exists(os.path.expanduser(init)) and init in GPT2_CONFIGS:
@@ -75,23 +54,28 @@ def _prepare(r: Run, state: dict | None):
         train_docs, val_docs = split_documents(load_corpus(a.data, max_bytes=a.max_bytes), seed=a.seed)
     except ValueError as e:
         raise TrainError(str(e)) from None
-    model, enc = _pretrained(r) if a.init else (None, _tokenizer(r, train_docs, resume=state is not None))
-    torch.manual_seed(a.seed)
-    if model is None:
+    torch.manual_seed(a.seed)  # the backbone's and the heads' first weights
+    if a.init:
+        model, enc = _pretrained(r)
+    else:
+        if state:
+            enc = load_tokenizer(a.out)
+        else:  # BPE on the training text
+            t0 = time.time()
+            enc = make_encoding(train_bpe("".join(text for _, text in train_docs), vocab_size=a.vocab_size))
+            r.log(f"tokenizer  {enc.n_vocab} tokens, trained in {time.time() - t0:.1f}s")
         model = GPT(GPTConfig(vocab_size=enc.n_vocab, block_size=a.block_size, n_layer=a.n_layer,
                               n_head=a.n_head, n_embd=a.n_embd)).to(r.device)
     cfg = model.config
-    train_tokens, val_tokens = (encode_documents(enc, docs, eot_id=enc.eot_token) for docs in (train_docs, val_docs))
+    train_tokens, val_tokens = (encode_documents(enc, docs) for docs in (train_docs, val_docs))
     if min(len(train_tokens), len(val_tokens)) <= cfg.block_size:
         raise TrainError(f"the data is too small for --block-size {cfg.block_size}: give more text")
-    if a.draft_vocab > cfg.vocab_size:
-        raise TrainError(f"--draft-vocab {a.draft_vocab} is larger than the vocabulary ({cfg.vocab_size} tokens)")
     r.heads = make_heads(HeadsConfig(num_heads=a.num_heads, n_embd=cfg.n_embd, vocab_size=cfg.vocab_size,
                                      kind=a.heads)).to(r.device)
-    if state and state["model"] is not None:
-        model.load_state_dict(state["model"])
     if state:
         r.heads.load_state_dict(state["heads"])
+        if not a.init:
+            model.load_state_dict(state["model"])
     if r.main and enc.name == "gpt2":  # saved as a reference: tiktoken fetches it
         save_tokenizer_reference(a.out, "gpt2")
     elif r.main:
@@ -104,8 +88,7 @@ def _prepare(r: Run, state: dict | None):
 
 
 def _optimizer(params_and_lrs: list[tuple[list[torch.nn.Parameter], float]], args: TrainArgs) -> torch.optim.Optimizer:
-    """AdamW decaying matrices only (GPT-2 practice: LayerNorm gains and biases must not shrink to 0); each
-    param group keeps its learning rate as "base_lr" for the schedule."""
+    """AdamW decaying matrices only (LayerNorm gains and biases must not shrink to 0), "base_lr" per group."""
     groups = []
     for params, lr in params_and_lrs:
         for decay in (True, False):
@@ -117,9 +100,8 @@ def _optimizer(params_and_lrs: list[tuple[list[torch.nn.Parameter], float]], arg
 
 def _train(r: Run, module: MedusaLM, optimizer, *, stage: str, steps: int, start: int, gen, batch_fn, loss_kwargs,
            state=None, evaluate=None) -> None:
-    """The optimizer loop of both training stages: cosine lr, clipping, progress, saves, Ctrl-C; `state`:
-    the saved one to resume from. It waits for the device only to print: metrics stay tensors until then,
-    and the ranks agree on stopping and printing through host memory."""
+    """The optimizer loop of both training stages, from `state` (saved) on: cosine lr, clipping, progress,
+    saves, Ctrl-C. It waits for the device only to print; the ranks agree through host memory."""
     # No find_unused_parameters: every trainable parameter gets a gradient each step (a frozen backbone
     # has requires_grad off; with λ0 = 0 the joint stage leaves the heads out).
     ddp = DDP(module) if r.world > 1 else module
@@ -129,8 +111,7 @@ def _train(r: Run, module: MedusaLM, optimizer, *, stage: str, steps: int, start
     if state and state["optim"] is not None:
         optimizer.load_state_dict(state["optim"])
         gen.set_state(state["gen"])
-        if state["scaler"]:
-            scaler.load_state_dict(state["scaler"])
+        scaler.load_state_dict(state["scaler"])  # a disabled scaler ignores it
     saved = dict(optimizer=optimizer, gen=gen, scaler=scaler)
     t_start, t_log, tokens_seen = time.time(), 0.0, 0
     for step in range(start, steps):
@@ -141,7 +122,7 @@ def _train(r: Run, module: MedusaLM, optimizer, *, stage: str, steps: int, start
             group["lr"] = cosine_lr(step, steps, lr=group["base_lr"])
         x, y, valid = batch_fn(gen)
         with torch.autocast(device_type, dtype=DTYPES[a.dtype], enabled=a.dtype != "float32"):
-            loss, metrics = ddp(x, y, valid=valid, heads_chunk=a.heads_chunk or None, **loss_kwargs(step))
+            loss, metrics = ddp(x, y, valid=valid, **loss_kwargs(step))
         optimizer.zero_grad(set_to_none=True)
         scaler.scale(loss).backward()
         scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
@@ -189,17 +170,16 @@ def backbone_stage(r: Run, train_tokens: np.ndarray, val_batches: list, *, step:
 @torch.no_grad()
 def distill_stage(r: Run, train_tokens: np.ndarray) -> torch.Tensor:
     """Self-distillation (paper §2.3.2): the backbone continues corpus prompts -> [S, P + n] tokens, the
-    temperatures cycled per chunk (greedy text teaches what greedy decoding meets, sampled text sampling)."""
+    temperatures cycled per chunk: greedy text teaches what greedy decoding meets, sampled text sampling."""
     a, t0 = r.args, time.time()
     g = torch.Generator().manual_seed(a.seed * 7919 + 17 + r.rank)
     sample_gen = torch.Generator(device=r.device).manual_seed(a.seed * 7919 + 29 + r.rank)
-    temps, chunk, parts = a.temperatures(), 64, []
+    temps, chunk, parts = [float(t) for t in a.distill_temperatures.split(",")], 64, []
     for i in range(0, a.distill_prompts, chunk):
         x, _ = get_batch(train_tokens, batch_size=min(chunk, a.distill_prompts - i), block_size=a.distill_prompt_len,
                          generator=g, device=r.device)
-        temperature = temps[i // chunk % len(temps)]
-        parts.append(self_distill(r.model, x, max_new_tokens=a.distill_tokens, temperature=temperature,
-                                  generator=sample_gen))
+        parts.append(self_distill(r.model, x, max_new_tokens=a.distill_tokens,
+                                  temperature=temps[i // chunk % len(temps)], generator=sample_gen))
     data = torch.cat(parts)  # [S, P + n]
     r.log(f"distill    {data.shape[0]} continuations x {data.shape[1] - a.distill_prompt_len} tokens "
           f"at T={a.distill_temperatures} in {time.time() - t0:.1f}s")
@@ -209,8 +189,7 @@ def distill_stage(r: Run, train_tokens: np.ndarray) -> torch.Tensor:
 def heads_stage(r: Run, *, step: int, state: dict | None) -> None:
     """Medusa-1 (paper §2.2.1): backbone frozen, heads trained on the backbone's own text (`r.distill`)."""
     a, distill = r.args, r.distill
-    # target j is token j+1: train only on tokens the backbone wrote itself
-    valid_row = (torch.arange(distill.shape[1] - 1, device=r.device) + 1) >= a.distill_prompt_len
+    valid_row = torch.arange(1, distill.shape[1], device=r.device) >= a.distill_prompt_len  # tokens it wrote
 
     def batch(g):
         seq = distill[to_device(torch.randint(distill.shape[0], (a.heads_batch_size,), generator=g), r.device)]
@@ -224,13 +203,15 @@ def heads_stage(r: Run, *, step: int, state: dict | None) -> None:
 
 def choose_draft_vocabulary(r: Run) -> None:
     """FR-Spec: the heads guess among the --draft-vocab tokens most frequent in what the backbone wrote
-    during self-distillation (prompts excluded; every rank's text), stored with the heads."""
+    during self-distillation (prompts excluded; every rank's text), stored with the heads; a size at or
+    above the vocabulary's is the whole vocabulary."""
     written = r.distill[:, r.args.distill_prompt_len:].contiguous()
     if r.world > 1:
         parts = [torch.empty_like(written) for _ in range(r.world)]
         dist.all_gather(parts, written)
         written = torch.cat(parts)
-    r.heads.use_draft_vocabulary(frequency_order(written, r.heads.config.vocab_size), r.args.draft_vocab)
+    V = r.heads.config.vocab_size
+    r.heads.use_draft_vocabulary(frequency_order(written, V), min(r.args.draft_vocab, V))
 
 
 def _train_stages(r: Run, state: dict | None, clock: StageClock, train_tokens: np.ndarray, val_batches: list):
@@ -244,10 +225,8 @@ def _train_stages(r: Run, state: dict | None, clock: StageClock, train_tokens: n
                 backbone_stage(r, train_tokens, val_batches, step=step, state=state)
         stage, step, state = "distill", 0, None
         r.save(stage=stage, step=0)
-    r.model.eval()
-    for p in r.model.parameters():
-        p.requires_grad_(False)
-        p.grad = None  # stale backbone gradients must not enter the heads' gradient clipping
+    r.model.eval().requires_grad_(False)
+    r.model.zero_grad(set_to_none=True)  # the backbone's gradients are not needed again
     if stage == "distill":
         with clock.stage("distill"):
             r.distill = distill_stage(r, train_tokens)
@@ -262,8 +241,6 @@ def _train_stages(r: Run, state: dict | None, clock: StageClock, train_tokens: n
 
 def run(args: TrainArgs) -> None:
     """Run (or resume) every stage and write the checkpoint to args.out."""
-    if args.threads:
-        torch.set_num_threads(args.threads)
     if args.device.startswith("cuda"):
         torch.set_float32_matmul_precision("high")  # TF32: several times faster, at an error training never sees
     if not args.resume and os.path.exists(os.path.join(args.out, STATE_FILE)):
@@ -283,7 +260,7 @@ def run(args: TrainArgs) -> None:
         r.print_checksum()
     if r.main:
         with clock.stage("summary"):
-            r.extra.update(summarize(r, val_batches))
+            r.extra.update(summarize(r, val_batches, val_tokens))
         r.log(clock.line())
         held_out_prompts(args.out, val_docs, enc, count=args.eval_prompts, seed=args.seed, block_size=block_size)
         r.write_checkpoint()

@@ -1,8 +1,5 @@
-"""A training run's state: ranks and device, saving and resuming exactly, Ctrl-C, replica checksums.
-
-The state file holds everything a step depends on (weights, optimizer, generator, loss scale, stage and
-step, the self-distilled text). Under torchrun each rank keeps its generator and text in a file of its own.
-"""
+"""A training run's state: ranks and device, saving and resuming exactly (weights, optimizer, generators,
+loss scale, stage and step, the self-distilled text), Ctrl-C, replica checksums."""
 
 from __future__ import annotations
 
@@ -10,7 +7,6 @@ import contextlib
 import hashlib
 import os
 import signal
-import sys
 
 import torch
 import torch.distributed as dist
@@ -47,7 +43,7 @@ class Run:
             print(msg, flush=True)
 
     def save(self, *, stage: str, step: int, optimizer=None, gen=None, scaler=None) -> None:
-        """State for --resume, and a usable checkpoint. Each rank keeps its own generator and text."""
+        """State for --resume (each rank's generator and text in a file of its own) and a usable checkpoint."""
         mine = {"gen": gen and gen.get_state(), "distill": None if self.distill is None else self.distill.cpu()}
         if self.world > 1:
             atomic_write(self.rank_path, lambda f: torch.save(mine, f))
@@ -76,9 +72,10 @@ class Run:
         except Exception as e:  # a torn or foreign file
             raise TrainError(f"--resume: cannot read the saved state in {self.args.out}: {e}") from None
         mine, theirs = self.args.identity(), state.get("identity") or {}
-        if mine != theirs or state.get("world", 1) != self.world:
-            diff = sorted(k for k in mine if mine.get(k) != theirs.get(k)) or ["number of processes"]
-            raise TrainError(f"--resume with a different configuration ({', '.join(diff)}); use the original flags")
+        diff = sorted(k for k in mine | theirs if mine.get(k) != theirs.get(k))  # a setting left out is None
+        if diff or state.get("world", 1) != self.world:
+            raise TrainError(f"--resume with a different configuration ({', '.join(diff or ['number of processes'])});"
+                             " use the original flags")
         return state
 
     @contextlib.contextmanager
@@ -119,9 +116,8 @@ class Run:
         h = hashlib.sha256()
         for t in [*self.model.state_dict().values(), *self.heads.state_dict().values()]:
             h.update(t.detach().cpu().contiguous().numpy().tobytes())
-        # One write per line: print() writes text and newline separately, and two ranks would interleave them.
-        sys.stdout.write(f"rank {self.rank}/{self.world} weights sha256 {h.hexdigest()[:16]}\n")
-        sys.stdout.flush()
+        # The newline in the text: print() writes it separately, and two ranks would interleave the writes.
+        print(f"rank {self.rank}/{self.world} weights sha256 {h.hexdigest()[:16]}\n", end="", flush=True)
 
     def finish(self) -> None:
         """Remove the resume state (each rank its own file) once every rank is done, then leave the group."""

@@ -112,9 +112,9 @@ def test_measured_accuracy_predicts_measured_tokens_per_step():
 
 
 def test_accuracy_survives_a_save_and_load_round_trip_and_prints_cumulative_top1_and_top5(tmp_path):
-    path = report.save_accuracy(tmp_path, VICUNA, meta={"measured_on": "hand-written", "num_prompts": 0})
+    report.save_accuracy(tmp_path, VICUNA, meta={"measured_on": "hand-written", "num_prompts": 0})
     assert torch.allclose(load_accuracy(tmp_path), VICUNA.double(), atol=1e-6)
-    saved = json.loads(open(path).read())
+    saved = json.loads((tmp_path / "heads_accuracy.json").read_text())
     assert saved["top_k"] == 10 and saved["num_heads"] == 4 and saved["measured_on"] == "hand-written"
     assert [p.name for p in tmp_path.iterdir()] == ["heads_accuracy.json"]  # no temporary left behind
     lines = report.format_accuracy(VICUNA).splitlines()
@@ -123,7 +123,7 @@ def test_accuracy_survives_a_save_and_load_round_trip_and_prints_cumulative_top1
 
 @pytest.mark.parametrize("content", [
     "not json", "[1, 2]", '{"acc": []}', '{"acc": [[0.5], [0.5, 0.2]]}', '{"acc": [[0.5, "x"]]}',
-    '{"acc": [[1.5]]}', '{"acc": [[0.5, 0.2]], "top_k": 3}', '{"acc": [[true]]}', None,
+    '{"acc": [[1.5]]}', '{"rows": [[0.5]]}', None,
 ])
 def test_a_bad_or_missing_accuracy_file_gives_a_clear_error(tmp_path, content):
     if content is not None:

@@ -16,8 +16,8 @@ def gpu_capability(monkeypatch):
     (every index: `caps["all"]`); `caps["asked"]` lists the GPUs asked."""
     caps = {"all": (8, 0), "asked": []}
 
-    def get_device_capability(index):
-        caps["asked"].append(index)
+    def get_device_capability(device):
+        caps["asked"].append(index := torch.device(device).index)
         return caps.get(index, caps["all"])
 
     def no_current_device_question(*args, **kwargs):
