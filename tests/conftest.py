@@ -20,32 +20,49 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # `-n 2`: one core per worker, or the
 from medusa_mini.heads import DraftHeads, HeadsConfig, MedusaHeads, make_heads  # noqa: E402
 from medusa_mini.model import GPT, GPTConfig  # noqa: E402
 from medusa_mini.proposal import MedusaProposer  # noqa: E402
+from medusa_mini.sampling import Sampling  # noqa: E402
 from medusa_mini.tree import Tree  # noqa: E402
 
 
+@torch.no_grad()
+def peaked(model: GPT) -> GPT:
+    """GPT-2's init gives nearly uniform logits; larger random weights give varied, peaked distributions,
+    so acceptance actually happens and argmax ties are rare. A tied lm_head changes with wte, in place."""
+    for name, p in model.named_parameters():
+        if p.dim() == 2 and "wpe" not in name:
+            p.normal_(0.0, 0.3)
+    return model.eval()
+
+
 def tiny_model(seed: int = 0, *, vocab_size: int = 64, block_size: int = 64, n_layer: int = 2) -> GPT:
+    """A peaked GPT whose lm_head is untied too (a tied one makes a model that repeats its input)."""
     torch.manual_seed(seed)
-    config = GPTConfig(vocab_size=vocab_size, block_size=block_size, n_layer=n_layer, n_head=2, n_embd=32)
-    model = GPT(config).eval()
-    # GPT-2's init gives nearly uniform logits and, with tied embeddings, a model that repeats its
-    # input. Larger random weights and an untied output layer give varied, peaked distributions, so
-    # acceptance actually happens and argmax ties are rare.
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("weight") and p.dim() == 2 and "wpe" not in name:
-                p.normal_(0.0, 0.3)
+    model = peaked(GPT(GPTConfig(vocab_size=vocab_size, block_size=block_size, n_layer=n_layer, n_head=2, n_embd=32)))
     model.lm_head.weight = torch.nn.Parameter(torch.randn(vocab_size, 32) * 0.3)
     return model
+
+
+@torch.no_grad()
+def scrambled(heads: DraftHeads) -> DraftHeads:
+    """Zero-initialised heads all agree with the backbone; random weights make them differ."""
+    for block in heads.blocks:
+        torch.nn.init.normal_(block.linear.weight, std=0.5)
+    return heads.eval()
 
 
 def random_heads(model: GPT, *, num_heads: int = 4, seed: int = 0, kind: str = "medusa") -> DraftHeads:
     torch.manual_seed(seed)
     cfg = model.config
-    heads = make_heads(HeadsConfig(num_heads=num_heads, n_embd=cfg.n_embd, vocab_size=cfg.vocab_size, kind=kind))
-    with torch.no_grad():  # zero-initialised heads all agree with the backbone; make them differ
-        for block in heads.blocks:
-            torch.nn.init.normal_(block.linear.weight, std=0.5)
-    return heads.eval()
+    return scrambled(make_heads(HeadsConfig(num_heads=num_heads, n_embd=cfg.n_embd, vocab_size=cfg.vocab_size,
+                                            kind=kind)))
+
+
+RULES = {  # every acceptance rule, at a temperature where candidates are often accepted
+    "greedy": Sampling(),
+    "typical": Sampling(acceptance="typical", temperature=0.8),
+    "rejection": Sampling(temperature=0.8),  # candidates drawn from the heads' q
+    "rejection-topk": Sampling(temperature=0.8, draft="topk"),
+}
 
 
 @pytest.fixture
@@ -114,45 +131,39 @@ def corpus(n_sentences: int = 300) -> str:
 
 
 def save_tiny(directory, *, with_heads: bool) -> None:
-    from medusa_mini.io.checkpoint import save_checkpoint
-    from medusa_mini.io.tokenizer import make_encoding, save_tokenizer, train_bpe
+    """A peaked two-layer GPT (random Medusa heads if with_heads), its tokenizer and prompts.json."""
+    from medusa_mini.io.tokenizer import make_encoding, train_bpe
 
     enc = make_encoding(train_bpe(corpus(), vocab_size=300))
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=enc.n_vocab, block_size=64, n_layer=2, n_head=2, n_embd=32)).eval()
+    model = peaked(GPT(GPTConfig(vocab_size=enc.n_vocab, block_size=64, n_layer=2, n_head=2, n_embd=32)))
     with torch.no_grad():
-        # GPT-2's small init makes near-uniform logits; larger weights give clear argmaxes. The tie of
-        # wte and lm_head survives because both names point at one tensor, changed in place.
-        for name, p in model.named_parameters():
-            if p.dim() == 2 and "wpe" not in name:
-                p.normal_(0.0, 0.3)
         model.transformer.wte.weight[enc.eot_token].zero_()  # rarely chosen, so runs reach their limits
-    heads = None
-    if with_heads:
-        heads = MedusaHeads(HeadsConfig(num_heads=4, n_embd=32, vocab_size=enc.n_vocab))  # the backbone's lm_head
-        with torch.no_grad():
-            for block in heads.blocks:
-                torch.nn.init.normal_(block.linear.weight, std=0.5)
-    save_checkpoint(directory, model, heads=heads, extra={"eot_id": enc.eot_token})
-    save_tokenizer(enc, directory)
-    with open(os.path.join(directory, "prompts.json"), "w") as f:
-        json.dump({"prompts": PROMPTS}, f)
+    heads = scrambled(MedusaHeads(HeadsConfig(num_heads=4, n_embd=32, vocab_size=enc.n_vocab))) if with_heads else None
+    save_directory(directory, model, heads, enc, PROMPTS, extra={"eot_id": enc.eot_token})
 
 
-def save_small_checkpoint(directory):
-    """A one-layer GPT with three heads, its tokenizer and prompts.json, as train_tiny.py leaves them."""
-    from medusa_mini.io.checkpoint import save_checkpoint
-    from medusa_mini.io.tokenizer import make_encoding, save_tokenizer, train_bpe
+def save_small_checkpoint(directory) -> None:
+    """A one-layer GPT with three fresh heads (each guessing the backbone's next token), its tokenizer
+    and prompts.json."""
+    from medusa_mini.io.tokenizer import make_encoding, train_bpe
 
-    text = "the cat sat on the mat and the dog sat on the log. " * 40
-    enc = make_encoding(train_bpe(text, vocab_size=300))
-    save_tokenizer(enc, directory)
+    enc = make_encoding(train_bpe("the cat sat on the mat and the dog sat on the log. " * 40, vocab_size=300))
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=300, block_size=64, n_layer=1, n_head=2, n_embd=32)).eval()
     heads = MedusaHeads(HeadsConfig(num_heads=3, n_embd=32, vocab_size=300))
-    save_checkpoint(directory, model, heads=heads)
-    prompts = ["the cat sat", "on the mat and", "the dog", "sat on the log. the"]
-    (directory / "prompts.json").write_text(json.dumps({"prompts": prompts}))
+    save_directory(directory, model, heads, enc, ["the cat sat", "on the mat and", "the dog", "sat on the log. the"])
+
+
+def save_directory(directory, model: GPT, heads, enc, prompts: list[str], **kwargs) -> None:
+    """As train_tiny.py leaves a run: the checkpoint, the tokenizer and prompts.json."""
+    from medusa_mini.io.checkpoint import save_checkpoint
+    from medusa_mini.io.tokenizer import save_tokenizer
+
+    save_checkpoint(directory, model, heads=heads, **kwargs)
+    save_tokenizer(enc, directory)
+    with open(os.path.join(directory, "prompts.json"), "w") as f:
+        json.dump({"prompts": prompts}, f)
 
 
 # ---- what the command-line tests share ------------------------------------------------------
@@ -160,8 +171,8 @@ def save_small_checkpoint(directory):
 
 @pytest.fixture
 def one_thread():
-    """One torch thread for the test: a model this small gains nothing from threads, and on a busy
-    machine their spinning costs seconds (command lines run with whatever the session left)."""
+    """One torch thread: a model this small gains nothing from threads, and on a busy machine their
+    spinning costs seconds (command lines run with whatever the session left)."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

@@ -1,7 +1,8 @@
-"""CUDA's device rules on any device, for tests that run the GPU path on a CPU (tests/test_meta_device.py).
+"""CUDA's device rules on any device, for tests that run the GPU path on a CPU (test_meta_device.py, test_step.py).
 
 `CudaRules` is a dispatch mode: it sees every operator below Python, checks that the tensors it mixes
-are on one device as CUDA would, and stops (or answers) every read of a device value on the host.
+are on one device as CUDA would, stops (or answers) every read of a device value on the host, and counts
+what the host sends: tensors built from host data and copies to the device.
 """
 
 import torch
@@ -30,11 +31,13 @@ class CudaRules(TorchDispatchMode):
     def __init__(self, device: torch.device, *, device_generator: torch.Generator | None = None,
                  answer_reads: bool = False) -> None:
         super().__init__()
-        self.device, self.device_generator, self.answer_reads, self.reads = device, device_generator, answer_reads, 0
+        self.device, self.device_generator, self.answer_reads = device, device_generator, answer_reads
+        self.reads = self.uploads = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = func._schema.name
+        self.uploads += self.sends(name, args, kwargs)
         if name == "aten::_local_scalar_dense" and args[0].device == self.device:  # item, int, bool
             return self.host_read(name, made_up(args[0].dtype))
         if name == "aten::_to_copy" and args[0].device == self.device and kwargs.get("device", self.device) != self.device:
@@ -47,6 +50,14 @@ class CudaRules(TorchDispatchMode):
         if name not in self.COPIES:
             self.check_devices(func, name, args, kwargs)
         return func(*args, **kwargs)
+
+    def sends(self, name: str, args, kwargs) -> bool:
+        """A tensor built from host data, or copied from the host to the device (on a GPU, from pageable memory)."""
+        if name == "aten::_to_copy":
+            return args[0].device != self.device and kwargs.get("device") == self.device
+        if name == "aten::copy_":
+            return args[0].device == self.device != args[1].device
+        return name == "aten::lift_fresh"
 
     def host_read(self, name: str, answer):
         if not self.answer_reads:

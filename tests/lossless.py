@@ -1,5 +1,5 @@
-"""The apparatus of the exactness tests (test_exactness.py): drafters whose heads know the future, many
-sampled rows, and samples compared with an exact distribution under a rigorous bound.
+"""The apparatus of the lossless tests: exact sequence distributions by enumeration, sampled rows compared
+with them under a rigorous bound, and drafters whose heads know the future.
 
 The heads here read each row's tokens so far (which every proposer is given) and return the backbone's
 own logits further ahead, so the top-ranked candidates are plain greedy's continuation and paths are
@@ -9,15 +9,16 @@ fair, and they reach the deep nodes where a wrong rule shows.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import Counter
 
 import torch
 
 from conftest import tiny_model
-from distributions import expected_tv, total_variation
 from medusa_mini.decoding import medusa_generate_batch
 from medusa_mini.proposal import HydraProposer, MedusaProposer
+from medusa_mini.sampling import sampling_probs
 
 V = 4  # the vocabulary of the distribution tests: 4^n sequences of n tokens, enumerated
 FALSE_ALARM = 1e-4  # the chance that an honest sampler's TV crosses `tv_bound`, per comparison
@@ -30,6 +31,30 @@ def small_model(seed: int, *, block_size: int = 16):
     with torch.no_grad():
         model.transformer.wpe.weight.normal_(0.0, 0.3, generator=torch.Generator().manual_seed(seed))
     return model
+
+
+@torch.no_grad()
+def exact_sequence_probs(model, prompt, n, *, temperature, top_p=1.0, eos_id=None) -> dict:
+    """P(x1..xn | prompt) of every sequence over the tiny vocabulary, by the chain rule in one forward.
+    With eos_id a sequence ends at its first end token (kept), holding the mass of all that share it."""
+    V, P = model.config.vocab_size, len(prompt)
+    seqs = torch.tensor(list(itertools.product(range(V), repeat=n)))  # [V^n, n]
+    logits, _ = model(torch.cat([torch.tensor(prompt).expand(len(seqs), P), seqs[:, :-1]], dim=1))
+    p = sampling_probs(logits[:, P - 1 :], temperature=temperature, top_p=top_p)  # [V^n, n, V]
+    probs: dict = {}
+    for seq, prob in zip(seqs.tolist(), p.gather(2, seqs[..., None])[..., 0].double().prod(dim=1).tolist()):
+        seq = tuple(seq[: seq.index(eos_id) + 1] if eos_id in seq else seq)
+        probs[seq] = probs.get(seq, 0.0) + prob
+    return probs
+
+
+def total_variation(p: dict, q: dict) -> float:
+    return 0.5 * sum(abs(p.get(k, 0.0) - q.get(k, 0.0)) for k in set(p) | set(q))
+
+
+def expected_tv(p: dict, samples: int) -> float:
+    """E|TV| of an honest empirical estimate from `samples` draws is at most 1/2 Σ sqrt(p(1-p)/M) (Jensen)."""
+    return 0.5 * sum(math.sqrt(x * (1 - x) / samples) for x in p.values())
 
 
 @torch.no_grad()
@@ -107,7 +132,7 @@ def sample_rows(model, drafter, prompts, *, rows: int, batches: int = 1, seed: i
     for _ in range(batches):
         for b, (tokens, stats) in enumerate(medusa_generate_batch(model, drafter, prompts * rows, generator=gen,
                                                                   **settings)):
-            out[b % len(prompts)].append((tuple(tokens), stats))
+            out[b % len(prompts)].append((tokens, stats))
     return out
 
 
@@ -140,7 +165,7 @@ def marginal(dist: dict, view: slice) -> dict:
 def failures(rows, exact: dict) -> list[str]:
     """How the sampled rows' sequences betray a sampler that is not `exact`: each view whose TV crosses
     `tv_bound`, and any sequence of probability 0. Empty for an honest sampler (but for < 1e-4 per view)."""
-    seqs = [tokens for tokens, _ in rows]
+    seqs = [tuple(tokens) for tokens, _ in rows]
     found = {s: c / len(seqs) for s, c in Counter(seqs).items()}
     out = [f"{sum(exact.get(s, 0.0) == 0 for s in seqs)} sequences of probability 0"] if any(
         exact.get(s, 0.0) == 0 for s in found) else []

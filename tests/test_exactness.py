@@ -1,26 +1,19 @@
 """What is lossless, and the deliberate bugs that break it: each lossless claim (and typical acceptance's
-nucleus) is paired with tests that patch a mistake into the engine and assert that the claim's own
-check then fails. The apparatus (heads that know the future, the bound) is in lossless.py.
+nucleus) is paired with tests that patch a mistake into the engine and assert that the claim's own check
+then fails. The apparatus (exact distributions, the bound, heads that know the future) is in lossless.py.
 
-- Greedy Medusa writes plain greedy's tokens, in every row of a ragged batch, whatever the drafter
-  (heads that know the future, Medusa or hydra, over a draft vocabulary or not; prompt lookup); in
-  float32 and bfloat16 a parting is forgiven only at a near-tie within twice the measured difference
-  between a verify pass and a plain step. Its check fails when nodes sit at their slot instead of
-  their depth, see a causal mask instead of the tree's, when the cache keeps the wrong slots, or when
-  candidates are judged at the wrong node.
-- Rejection sampling emits exactly the backbone's distribution: on a 4-token vocabulary every case's
-  sequences are compared with the exact distribution, enumerated from plain forward passes, under a
-  rigorous bound (lossless.py), while the case accepts nodes as deep as it states. Cases: top-k and drawn
-  candidates, T = 0.8 and 1.5, top-p, a depth-3 tree with a rank gap, trees cut by the budget and by
-  the context, an end token inside an accepted path, dependent (hydra) heads in a ragged batch, a draft
-  vocabulary that leaves out p's favourite token, and prompt lookup. Each bug the cases guard against
-  (p read without top-p, q keeping earlier draws, a stale residual, another row's q, ...) fails the same check.
+- Greedy Medusa writes plain greedy's tokens in every row of a ragged batch, whatever the drafter; in
+  bfloat16 a parting is forgiven only at a near-tie within twice the measured verify error.
+- Rejection sampling emits exactly the backbone's distribution: on a 4-token vocabulary each case's
+  sequences are compared with the distribution enumerated from plain forward passes, while the case
+  accepts nodes as deep as it states. Typical acceptance fails that check, as the paper says it trades.
 - Typical acceptance never emits a token outside the nucleus; top-p breaks ties by token id in a batch
   as alone; an end token stops generation under every rule; a temperature too small for float32 is greedy.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, replace
 
 import pytest
@@ -30,9 +23,8 @@ import medusa_mini.acceptance as acceptance
 import medusa_mini.reference as ref
 import medusa_mini.sampling as sampling_module
 import medusa_mini.step as step
-from conftest import ContinuationHeads, random_heads, tiny_model
-from distributions import exact_sequence_probs
-from lossless import FutureHeads, FutureHydraHeads, V, deepest, failures, sample_rows, small_model
+from conftest import RULES, ContinuationHeads, random_heads, tiny_model
+from lossless import FutureHeads, FutureHydraHeads, V, deepest, exact_sequence_probs, failures, sample_rows, small_model
 from medusa_mini.acceptance import accept_paths, path_accept, typical_accept_paths
 from medusa_mini.decoding import generate, generate_batch, medusa_generate, medusa_generate_batch, prefill
 from medusa_mini.model import KVCache, compact_kv_cache
@@ -41,12 +33,7 @@ from medusa_mini.sampling import Sampling, sampling_probs, try_children, typical
 from medusa_mini.step import Steps, plain_step, verify
 from medusa_mini.tree import Tree, chain, preset
 
-
-@pytest.fixture(autouse=True)
-def _one_thread(one_thread):
-    """Tiny models gain nothing from threads; on a shared machine their spinning costs 4x."""
-    yield
-
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models gain nothing from threads
 
 # Every token at depth 1, so the root always has a matching child, and two children under each.
 DEEP_TREE = Tree.from_choices([(r,) for r in range(V)] + [(r, c) for r in range(V) for c in range(2)])
@@ -283,26 +270,27 @@ def test_the_exact_distribution_check_fails_when(bug, monkeypatch):
     assert any(failures(rows, exact) for rows, exact in CASES[case].run())
 
 
+@torch.no_grad()
+def test_typical_acceptance_fails_the_exact_distribution_check():
+    """The documented trade (§2.3.1): typical acceptance favours likely candidates, so its sequences drift
+    from the backbone's distribution past the bound every rejection case stays within."""
+    typical = Sampling(acceptance="typical", temperature=1.0, epsilon=0.3, delta=0.6)
+    [(rows, exact)] = Case(FutureHeads(), typical, rows=1000, deepest=1, n=3).run()
+    assert failures(rows, exact)
+
+
 # ---- typical acceptance respects top-p ---------------------------------------------------------------
 
 
-def nucleus_case():
-    """One node distribution p = (0.5, 0.3, 0.12, 0.05, 0.03) at every node; top_p = 0.75 keeps tokens
-    0 and 1. The tree: node 1 = token 2 (outside the nucleus, but p = 0.12 clears the bar of p without
-    top-p), node 2 = token 0, node 3 = token 0 below node 1. Read without top-p, node 3 (depth 2) wins."""
-    parents = [-1, 0, 0, 1]
-    tokens = [4, 2, 0, 0]
-    p = torch.tensor([0.5, 0.3, 0.12, 0.05, 0.03])
-    logits = p.log().expand(len(parents), -1).clone()  # [N, V]
-    sampling = Sampling(acceptance="typical", temperature=1.0, top_p=0.75)
-    return Tree.from_choices([(0,), (1,), (0, 0)]), parents, tokens, logits, sampling
-
-
 def test_typical_acceptance_never_accepts_or_emits_a_token_outside_the_nucleus():
-    tree, parents, tokens, logits, sampling = nucleus_case()
+    """p = (0.5, 0.3, 0.12, 0.05, 0.03) at every node; top_p = 0.75 keeps tokens 0 and 1. Node 1 = token 2
+    (outside the nucleus, but p = 0.12 clears the bar of p without top-p), node 2 = token 0, node 3 = token
+    0 below node 1. Read without top-p, node 3 (depth 2) would win."""
+    tree, parents, tokens = Tree.from_choices([(0,), (1,), (0, 0)]), [-1, 0, 0, 1], [4, 2, 0, 0]
+    logits = torch.tensor([0.5, 0.3, 0.12, 0.05, 0.03]).log().expand(len(parents), -1).clone()  # [N, V]
+    sampling = Sampling(acceptance="typical", temperature=1.0, top_p=0.75)
     nucleus = set(sampling.probs(logits[0]).nonzero().flatten().tolist())
     assert nucleus == {0, 1}
-    # The same candidates judged by p without top-p go through token 2.
     full = replace(sampling, top_p=1.0)
     p_full = full.probs(logits[0])
     assert p_full[2] > typical_threshold(p_full, epsilon=full.epsilon, delta=full.delta)
@@ -421,14 +409,6 @@ def test_top_p_with_ties_at_the_cut_keeps_the_lower_token_ids_in_a_batch_as_alon
 # ---- an end token stops generation, under every rule ---------------------------------------------
 
 
-RULES = {
-    "greedy": Sampling(),
-    "typical": Sampling(acceptance="typical", temperature=0.3),
-    "rejection-topk": Sampling(acceptance="rejection", temperature=0.3, draft="topk"),
-    "rejection-sampled": Sampling(acceptance="rejection", temperature=0.3, draft="sampled"),
-}
-
-
 @torch.no_grad()
 @pytest.mark.parametrize("rule", RULES)
 def test_an_end_token_inside_an_accepted_path_stops_generation_after_it_in_the_engine_and_the_reference(rule):
@@ -442,9 +422,7 @@ def test_an_end_token_inside_an_accepted_path_stops_generation_after_it_in_the_e
         steps: list[list[int]] = []
         full, _ = medusa_generate(model, heads, prompt, generator=torch.Generator().manual_seed(seed),
                                   on_step=steps.append, **settings)
-        starts = [0]
-        for s in steps:
-            starts.append(starts[-1] + len(s))
+        starts = list(itertools.accumulate(map(len, steps), initial=0))  # where each step's tokens begin
         mid = [starts[i] + j for i, s in enumerate(steps) for j in range(len(s) - 1)
                if full.index(s[j]) == starts[i] + j]  # first emitted here, with tokens after it in its step
         if not mid:

@@ -97,7 +97,7 @@ def test_the_draft_vocabulary_is_the_most_frequent_tokens_and_targets_outside_it
     assert heads.draft_index(targets).tolist() == [[3, 0, IGNORE, IGNORE], [1, IGNORE, 2, 3]]
 
 
-def test_heads_refuse_what_they_cannot_do():
+def test_heads_refuse_what_they_cannot_do_and_a_refused_draft_vocabulary_changes_nothing():
     model = tiny_model()
     with pytest.raises(ValueError, match="following="):
         random_heads(model, kind="hydra")(torch.randn(1, C), model)  # a Medusa call site: a clear error
@@ -113,21 +113,16 @@ def test_heads_refuse_what_they_cannot_do():
     heads.use_draft_vocabulary(shuffled(), 2)
     with pytest.raises(ValueError, match="rank 2; the draft vocabulary has 2 tokens"):
         heads.proposer(model, Tree.from_choices([(0,), (1,), (2,)]))
-
-
-def test_a_refused_draft_vocabulary_leaves_the_heads_as_they_were():
-    heads = random_heads(tiny_model())
-    heads.use_draft_vocabulary(shuffled(), 10)
     with pytest.raises(ValueError, match="draft_vocab_size"):
         heads.use_draft_vocabulary(shuffled(1), V + 1)
-    assert heads.config.draft_vocab_size == 10 and heads.draft_ids.tolist() == sorted(shuffled()[:10].tolist())
+    assert heads.config.draft_vocab_size == 2 and heads.draft_ids.tolist() == sorted(shuffled()[:2].tolist())
 
 
 @pytest.mark.parametrize("tree", [TREE, preset("cpu"), chain(3)], ids=["small", "cpu", "chain"])
 @pytest.mark.parametrize("kind", KINDS)
 def test_depth_by_depth_filling_equals_the_node_by_node_definition(kind, tree):
-    """Node i holds rank ranks[i] of q(. | its parent's path) (Medusa's q depends on the depth only), a
-    token of the draft vocabulary."""
+    """Node i holds rank ranks[i] of q(. | its parent's path), a token of the draft vocabulary (hydra's q
+    reads the path drafted above the node, Medusa's the depth alone)."""
     model = tiny_model(2)
     heads = random_heads(model, kind=kind, seed=2)
     heads.use_draft_vocabulary(shuffled(2), 16)
@@ -153,19 +148,6 @@ def test_sampled_drafts_draw_each_nodes_children_from_its_own_q(kind):
             q = q_logits(heads, model, hidden, [tokens[j] for j in TREE.path(node)])
             torch.testing.assert_close(drawn[0], draft_log_probs(q, heads.draft_ids, temperature=T, vocab_size=V))
             assert len(set(drawn[1])) == len(drawn[1]) and [tokens[c] for c in kids] == [drawn[1][TREE.ranks[c]] for c in kids]
-
-
-@pytest.mark.parametrize("kind", KINDS)
-def test_siblings_differ_by_their_parents_unlike_medusa(kind):
-    model = tiny_model(3)
-    heads = random_heads(model, kind=kind)
-    if kind == "hydra":
-        with torch.no_grad():  # let the drafted tokens, not h_t, dominate the guess
-            for block in heads.blocks:
-                block.linear.weight[:, C:] *= 10
-    tree = Tree.from_choices([(r,) for r in range(4)] + [(r, 0) for r in range(4)])
-    second = propose(heads, model, tree, 5, torch.randn(C)).tokens[0, 5:].tolist()  # nodes (r, 0)
-    assert (len(set(second)) > 1) == (kind == "hydra")  # Medusa's head 2 puts one token under every guess
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -195,8 +177,8 @@ def test_dependent_heads_learn_more_and_accept_more_than_medusa_heads_trained_th
     for kind in KINDS:
         torch.manual_seed(0)
         heads = make_heads(HeadsConfig(num_heads=3, n_embd=C, vocab_size=V, kind=kind))
-        module, opt = MedusaLM(model, heads), torch.optim.Adam(heads.parameters(), lr=3e-2)
-        for _ in range(80):
+        module, opt = MedusaLM(model, heads), torch.optim.Adam(heads.parameters(), lr=5e-2)
+        for _ in range(40):
             loss, _ = module(seqs[:, :-1], seqs[:, 1:], lm_weight=0.0, heads_weight=1.0, decay=1.0, detach_backbone=True)
             opt.zero_grad()
             loss.backward()

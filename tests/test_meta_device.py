@@ -1,12 +1,10 @@
 """The GPU path on a CPU: every stage of the engine on torch's `meta` device, under CUDA's device rules.
 
 A meta tensor has a shape, a dtype and a device but no data: the engine runs on it as on a GPU whose
-values nobody may read. A tensor made without `device=` then meets a model tensor and the op raises,
-the commonest way code that passes on a CPU fails on a GPU. `CudaRules` closes meta's two gaps (a CPU
-index tensor in gather and scatter, a CPU generator drawing for a meta tensor), and answers each read
-of a device value on the host (where a GPU waits) with made-up values, counting it: decoding runs to its
-end and a test says how often it waited. A generator cannot live on meta, so the CPU generator `GEN`
-stands for the device's: counted as on meta, refused for a draw on the host, as CUDA would.
+values nobody may read, and a tensor made without `device=` fails where it meets a model tensor, the
+commonest way code that passes on a CPU fails on a GPU. `CudaRules` closes meta's gaps (a CPU index in
+gather, a CPU generator drawing for a meta tensor) and answers each host read with made-up values,
+counting it. The CPU generator `GEN` stands for the device's, which cannot live on meta.
 
 Shapes: B rows, T tokens, N tree nodes, C n_embd, V vocabulary.
 """
@@ -15,7 +13,7 @@ import pytest
 import torch
 from torch.utils._pytree import tree_leaves
 
-from conftest import random_heads, tiny_model
+from conftest import RULES, random_heads, tiny_model
 from device_rules import CudaRules
 from medusa_mini import acceptance, reference
 from medusa_mini import model as model_module
@@ -30,12 +28,6 @@ from medusa_mini.tree import preset
 META = torch.device("meta")
 V, C = 64, 32
 TREE = preset("cpu")
-SAMPLINGS = {
-    "greedy": Sampling(),
-    "typical": Sampling(acceptance="typical", temperature=0.8),
-    "rejection": Sampling(temperature=0.8),  # candidates drawn from the heads' q
-    "rejection-topk": Sampling(temperature=0.8, draft="topk"),  # decided on the device, as greedy is
-}
 DRAFTERS = ["medusa", "hydra", "lookup"]
 GEN = torch.Generator().manual_seed(0)  # stands for the meta device's generator (see the module docstring)
 
@@ -90,7 +82,7 @@ def test_the_reference_decodes_with_the_engines_model_on_the_device():
     assert len(out) == 4
 
 
-@pytest.mark.parametrize("rule", SAMPLINGS)
+@pytest.mark.parametrize("rule", RULES)
 @pytest.mark.parametrize("kind", DRAFTERS)
 def test_whole_generations_run_on_the_device_when_each_host_read_is_answered(kind, rule):
     """Every stage of every step under CUDA's rules (a device mismatch raises): the drafter fills its tree,
@@ -99,7 +91,7 @@ def test_whole_generations_run_on_the_device_when_each_host_read_is_answered(kin
     per step."""
     with meta_rules(answer_reads=True) as rules:
         results = medusa_generate_batch(meta_model(), meta_drafter(kind), [[1] * 60, [4, 5, 6]], tree=TREE,
-                                        max_new_tokens=6, sampling=SAMPLINGS[rule], generator=GEN)
+                                        max_new_tokens=6, sampling=RULES[rule], generator=GEN)
     # Made-up reads accept no candidate (a count of 0): each step emits its bonus alone; row 0 meets the
     # context (64 tokens) first.
     assert [(len(tokens), stats.steps, stats.stop_reason) for tokens, stats in results] == [

@@ -64,25 +64,12 @@ def test_rows_of_one_batch_keep_their_own_lengths_and_positions(model):
         torch.testing.assert_close(torch.stack([g[b] for g in got]), want, atol=ATOL, rtol=0)
 
 
-def test_overfilling_the_cache_or_using_it_outside_no_grad_is_a_clear_error(model):
+def test_an_overfilled_cache_a_cache_outside_no_grad_and_a_width_heads_do_not_divide_are_clear_errors(model):
     """A cache stores values for decoding; writing a graph into it would keep every step's graph alive."""
     with pytest.raises(ValueError, match="KV cache full"), torch.no_grad():
         model(torch.tensor([[1, 2, 3, 4, 5]]), cache=KVCache(model.config, max_len=4))
     with pytest.raises(RuntimeError, match="torch.no_grad"):
         model(torch.tensor([[1, 2]]), cache=KVCache(model.config))
-
-
-def test_gelu_is_the_tanh_approximation_gpt2_uses():
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(n_layer=1, n_embd=8, n_head=2, vocab_size=16, block_size=8))
-    x = torch.randn(1, 3, 8)
-    mlp = model.transformer.h[0].mlp
-    h = mlp.c_fc(x)
-    tanh_gelu = 0.5 * h * (1 + torch.tanh((2 / torch.pi) ** 0.5 * (h + 0.044715 * h**3)))
-    torch.testing.assert_close(mlp(x), mlp.c_proj(tanh_gelu))
-
-
-def test_config_rejects_heads_that_do_not_divide_the_width():
     with pytest.raises(ValueError, match="divisible"):
         GPTConfig(n_embd=30, n_head=4)
 

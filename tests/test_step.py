@@ -3,11 +3,9 @@ and the proposals it verifies (proposal.py): the heads' and prompt lookup's."""
 
 import pytest
 import torch
-from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from conftest import random_heads, tiny_model
-from medusa_mini import reference as ref
+from conftest import RULES, random_heads, tiny_model
+from device_rules import CudaRules
 from medusa_mini.acceptance import Accepted
 from medusa_mini.decoding import prefill
 from medusa_mini.model import KVCache
@@ -21,26 +19,6 @@ from medusa_mini.tree import Tree, chain, preset
 #           └─ 2 (1,)
 TREE = Tree.from_choices([(0,), (1,), (0, 0), (0, 1), (0, 0, 0)])
 V = 64
-
-
-def test_the_medusa_proposer_fills_each_row_as_the_reference_does_and_only_sampled_drafts_draw():
-    """Every rule's candidates are the reference's; only rejection sampling with sampled drafts draws
-    them (one row then: a batch reads the generator in another order than one row at a time)."""
-    model = tiny_model(1)
-    heads, roots = random_heads(model, num_heads=3), [7, 9]
-    heads.use_draft_vocabulary(torch.randperm(V, generator=torch.Generator().manual_seed(1)), 12)
-    proposer = heads.proposer(model, TREE)
-    for sampling in [Sampling(), Sampling(acceptance="typical", temperature=0.8), Sampling(temperature=0.8, draft="topk"),
-                     Sampling(temperature=0.8)]:
-        rows = 1 if sampling.draws_candidates else 2
-        hidden = torch.randn(rows, 32, generator=torch.Generator().manual_seed(1))  # [B, C]
-        got = proposer.propose(torch.tensor(roots[:rows]), hidden, history=[[r] for r in roots[:rows]], max_depth=3,
-                               sampling=sampling, generator=torch.Generator().manual_seed(0))
-        for b in range(rows):
-            want, drafts = ref.propose(heads(hidden[b], model, num=3), heads.draft_ids, TREE, roots[b], vocab_size=V,
-                                       sampling=sampling, generator=torch.Generator().manual_seed(0))
-            assert got.tokens[b].tolist() == want
-        assert (got.draft is not None) == (drafts is not None) == sampling.draws_candidates
 
 
 def test_near_the_end_the_proposal_holds_the_shallow_part_of_the_tree_and_asks_only_its_heads():
@@ -145,48 +123,20 @@ def test_prompt_lookup_drafts_each_rows_continuation_on_a_chain_cut_to_the_longe
     assert alone.tree.num_nodes == 1 and alone.tokens.tolist() == [[9]]
 
 
-class HostReads(TorchFunctionMode):
-    """Records every tensor method that brings a value to the host (each a sync on a GPU)."""
-
-    READS = {"tolist", "item", "__bool__", "__int__", "__float__", "__index__", "numpy", "cpu"}
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.seen: list[str] = []
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if getattr(func, "__name__", "") in self.READS:
-            self.seen.append(func.__name__)
-        return func(*args, **(kwargs or {}))
-
-
-class HiddenTransfers(TorchDispatchMode):
-    """Counts what no Python method call shows: reads of one device scalar below Python (`x[i]` with a
-    0-dim tensor i turns i into an int first) and tensors built from host data (torch.tensor(list),
-    a list index): on a GPU the first waits for the device, the second is a copy from pageable memory."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.scalar_reads = self.host_tensors = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.scalar_reads += func is torch.ops.aten._local_scalar_dense.default
-        self.host_tensors += func is torch.ops.aten.lift_fresh.default
-        return func(*args, **(kwargs or {}))
-
-
-@pytest.mark.parametrize("sampling", [Sampling(), Sampling(acceptance="typical", temperature=0.8)], ids=["greedy", "typical"])
+@pytest.mark.parametrize("rule", ["greedy", "typical", "rejection-topk"])
 @pytest.mark.parametrize("kind", ["medusa", "hydra"])
-def test_a_greedy_or_typical_step_reads_the_device_once_and_sends_it_nothing(kind, sampling):
-    """Candidates, verify, acceptance and compaction stay on the device; one .tolist() ends the step."""
+def test_a_step_without_drawn_candidates_sends_the_device_nothing(kind, rule):
+    """Candidates, verify, acceptance and compaction stay on the device: no tensor is built from host data
+    (torch.tensor(list), a list index: on a GPU a copy from pageable memory) and no device scalar is read
+    (HostRead). That the step reads the host once, at its end, is counted in tests/test_meta_device.py."""
     model, heads, batch = tiny_model(5), random_heads(tiny_model(5), seed=2, kind=kind), 3
     cache = KVCache(model.config, batch_size=batch, max_len=64)
     logits, hidden = prefill(model, torch.tensor([[3, 1, 4, 1, 5]] * batch), cache)
     proposer, gen = heads.proposer(model, preset("cpu")), torch.Generator().manual_seed(0)
-    step = medusa_step(model, cache, proposer, logits.argmax(-1), hidden, sampling=sampling, generator=gen)
+    step = medusa_step(model, cache, proposer, logits.argmax(-1), hidden, sampling=RULES[rule], generator=gen)
     stop_at = torch.full((batch,), 64)
-    with HostReads() as reads, HiddenTransfers() as hidden_transfers:  # a second step: the tree's tensors exist
-        medusa_step(model, cache, proposer, step.next_roots, step.next_hidden, sampling=sampling, generator=gen,
+    with CudaRules(torch.device("cpu")) as rules:  # a second step: the tree's tensors exist
+        medusa_step(model, cache, proposer, step.next_roots, step.next_hidden, sampling=RULES[rule], generator=gen,
                     stop_at=stop_at, max_depth=4)
-    assert reads.seen == ["tolist"]
-    assert hidden_transfers.scalar_reads == 0 and hidden_transfers.host_tensors == 0
+    assert rules.uploads == 0
+

@@ -20,47 +20,36 @@ from medusa_mini.tree import CPU_CHOICES, GPU_CHOICES, Tree, build_tree, chain, 
 #   │  │  └─ 5 (0,0,0)
 #   │  └─ 4 (0,1)  head 2 rank 1
 #   └─ 2 (1,)      head 1 rank 1
-HAND = [(1,), (0, 0, 0), (0,), (0, 1), (0, 0)]  # deliberately unsorted
+TREE = Tree.from_choices([(1,), (0, 0, 0), (0,), (0, 1), (0, 0)])  # the choices deliberately unsorted
 ACC_HAND = torch.tensor([[0.6, 0.2, 0.1], [0.4, 0.2, 0.1], [0.3, 0.1, 0.05]])  # acc[head][rank]
 VICUNA = torch.tensor([[a * 0.45**r for r in range(10)] for a in (0.56, 0.32, 0.20, 0.15)])
 
 
 def test_choices_are_sorted_so_parents_precede_children_and_a_nodes_position_offset_is_its_depth():
-    tree = Tree.from_choices(HAND)
-    assert tree.choices == ((0,), (1,), (0, 0), (0, 1), (0, 0, 0))
-    assert tree.parents == [-1, 0, 0, 1, 1, 3]
-    assert tree.children == [[1, 2], [3, 4], [], [5], [], []]
-    assert tree.depths == [0, 1, 1, 2, 2, 3] and tree.first == [0, 1, 3, 5, 6]  # nodes of one depth in a run
-    assert tree.ranks == [0, 0, 1, 0, 1, 0] and tree.max_rank == 1 and tree.depth == 3  # head d fills depth d
+    assert TREE.choices == ((0,), (1,), (0, 0), (0, 1), (0, 0, 0))
+    assert TREE.parents == [-1, 0, 0, 1, 1, 3]
+    assert TREE.children == [[1, 2], [3, 4], [], [5], [], []]
+    assert TREE.depths == [0, 1, 1, 2, 2, 3] and TREE.first == [0, 1, 3, 5, 6]  # nodes of one depth in a run
+    assert TREE.ranks == [0, 0, 1, 0, 1, 0] and TREE.max_rank == 1 and TREE.depth == 3  # head d fills depth d
 
 
 def test_the_tree_tensors_hold_the_host_lists_on_the_device_asked_for():
-    tree = Tree.from_choices(HAND)
-    t = tree.tensors("meta")
+    t = TREE.tensors("meta")
     assert {x.device.type for x in vars(t).values()} == {"meta"}
-    t = tree.tensors("cpu")
-    assert (t.parents.tolist(), t.depths.tolist(), t.ranks.tolist()) == (tree.parents, tree.depths, tree.ranks)
+    t = TREE.tensors("cpu")
+    assert (t.parents.tolist(), t.depths.tolist(), t.ranks.tolist()) == (TREE.parents, TREE.depths, TREE.ranks)
 
 
 def test_node_sees_only_its_ancestors():
-    mask = Tree.from_choices(HAND).tensors().ancestor_mask
-    expected = [
-        # 0  1  2  3  4  5   (key node)
-        [1, 0, 0, 0, 0, 0],  # 0 root sees itself
-        [1, 1, 0, 0, 0, 0],  # 1 sees root
-        [1, 0, 1, 0, 0, 0],  # 2 does not see its sibling 1
-        [1, 1, 0, 1, 0, 0],  # 3 sees 1 and root
-        [1, 1, 0, 0, 1, 0],  # 4 does not see its sibling 3
-        [1, 1, 0, 1, 0, 1],  # 5 sees 3, 1, root
-    ]
-    assert mask.tolist() == [[bool(v) for v in row] for row in expected]
+    mask = TREE.tensors().ancestor_mask
+    seen = ["".join("x" if v else "." for v in row) for row in mask.tolist()]  # row i: what node i sees
+    assert seen == ["x.....", "xx....", "x.x...", "xx.x..", "xx..x.", "xx.x.x"]  # 2 not 1, 4 not 3: siblings
 
 
 def test_each_node_path_runs_from_the_root_to_the_node_then_repeats_the_node():
-    tree = Tree.from_choices(HAND)
-    rows = tree.tensors().node_paths.tolist()
+    rows = TREE.tensors().node_paths.tolist()
     assert rows == [[0, 0, 0, 0], [0, 1, 1, 1], [0, 2, 2, 2], [0, 1, 3, 3], [0, 1, 4, 4], [0, 1, 3, 5]]
-    assert [tree.path(i) for i in range(6)] == [[0], [0, 1], [0, 2], [0, 1, 3], [0, 1, 4], [0, 1, 3, 5]]
+    assert [TREE.path(i) for i in range(6)] == [[0], [0, 1], [0, 2], [0, 1, 3], [0, 1, 4], [0, 1, 3, 5]]
 
 
 def test_the_ancestor_mask_equals_the_references_walk_up_the_parents_on_random_trees():
@@ -73,7 +62,7 @@ def test_the_ancestor_mask_equals_the_references_walk_up_the_parents_on_random_t
 
 
 def test_earlier_siblings_are_the_siblings_tried_first():
-    got = Tree.from_choices(HAND).tensors().earlier_siblings
+    got = TREE.tensors().earlier_siblings
     assert got.nonzero().tolist() == [[2, 1], [4, 3]]  # 2 after its sibling 1, 4 after 3
 
 
@@ -107,24 +96,22 @@ def test_presets_are_valid_and_sized_for_their_device_and_a_chain_is_one_top1_gu
 
 
 def test_truncation_keeps_the_shallow_part_of_the_tree_and_a_shallow_enough_tree_whole():
-    tree = Tree.from_choices(HAND)
-    assert tree.truncated(1).choices == ((0,), (1,))
-    assert tree.truncated(0).num_nodes == 1
-    assert tree.truncated(3) == tree == tree.truncated(9)
-    assert tree.truncated(2).choices == ((0,), (1,), (0, 0), (0, 1))
+    assert TREE.truncated(1).choices == ((0,), (1,))
+    assert TREE.truncated(0).num_nodes == 1
+    assert TREE.truncated(3) == TREE == TREE.truncated(9)
+    assert TREE.truncated(2).choices == ((0,), (1,), (0, 0), (0, 1))
 
 
 def test_drawings_show_every_node_and_every_mask_entry():
-    tree = Tree.from_choices(HAND)
-    drawing = tree.draw(labels=["'a'", "'b'", "'c'", "'d'", "'e'", "'f'"])
+    drawing = TREE.draw(labels=["'a'", "'b'", "'c'", "'d'", "'e'", "'f'"])
     assert drawing.splitlines()[0] == "[0] root 'a'"
     assert "[5] head 3 rank 0 'f'" in drawing and len(drawing.splitlines()) == 6
-    rows = tree.draw_mask().splitlines()[1:]
+    rows = TREE.draw_mask().splitlines()[1:]
     filled = [row.split()[1:].count("■") for row in rows]
     assert filled == [1, 2, 2, 3, 3, 4]  # each node's path
 
 
-def test_build_tree_on_a_hand_written_table_takes_the_largest_values_in_order():
+def test_build_tree_takes_the_largest_values_in_order_so_a_dominant_top1_gives_a_chain():
     tree, expected = build_tree(ACC_HAND, 6)
     assert set(tree.choices) == {(0,), (0, 0), (1,), (0, 1), (2,), (1, 0)}
     assert expected == pytest.approx(1 + 0.6 + 0.24 + 0.2 + 0.12 + 0.1 + 0.08)
@@ -132,6 +119,8 @@ def test_build_tree_on_a_hand_written_table_takes_the_largest_values_in_order():
     assert set(tree7.choices) - set(tree.choices) == {(0, 0, 0)}
     assert expected7 == pytest.approx(expected + 0.072)
     assert build_tree(ACC_HAND, 0) == (Tree.from_choices([]), 1.0)  # zero nodes: the root alone, the bonus token
+    dominant = torch.full((4, 10), 0.01).index_fill(1, torch.tensor([0]), 0.9)
+    assert build_tree(dominant, 4)[0] == chain(4)  # a dominant top-1 and K nodes: a chain
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -146,13 +135,6 @@ def test_the_built_tree_is_always_valid_and_its_value_follows_the_product_rule(s
         for c in tree.choices:  # rank r is only offered after rank r - 1 of the same parent
             assert c[-1] == 0 or c[:-1] + (c[-1] - 1,) in tree.choices
         assert expected == pytest.approx(expected_tokens_per_step(acc, tree))
-
-
-def test_with_a_dominant_top1_and_k_nodes_the_tree_is_a_chain():
-    acc = torch.full((4, 10), 0.01)
-    acc[:, 0] = 0.9
-    tree, _ = build_tree(acc, 4)
-    assert tree.choices == chain(4).choices
 
 
 def test_expected_tokens_of_a_chain_sums_the_running_products_of_top1_accuracies():

@@ -44,11 +44,6 @@ def outputs(model: GPT, heads=None) -> list[torch.Tensor]:
     return [logits] + ([heads(hidden, model, following=next_tokens(IDS, 3))] if heads is not None else [])
 
 
-def metadata(path) -> dict:
-    raw = path.read_bytes()
-    return json.loads(raw[8 : 8 + struct.unpack("<Q", raw[:8])[0]]).get("__metadata__")
-
-
 def test_an_untied_lm_head_cannot_be_saved_as_gpt2(tmp_path):
     model = tiny_gpt()
     model.lm_head.weight = torch.nn.Parameter(torch.randn(61, 16))
@@ -66,7 +61,8 @@ def test_save_then_load_gives_identical_logits_over_the_same_draft_vocabulary(tm
     assert config["medusa_mini"] == {"tokenizer": "bpe-61", "step": 100} and config["eos_token_id"] == 60
     assert (config["model_type"], config["architectures"]) == ("gpt2", ["GPT2LMHeadModel"])
     assert model2.config == model.config and model2.lm_head.weight is model2.transformer.wte.weight
-    assert metadata(tmp_path / "model.safetensors") == {"format": "pt"}  # transformers needs it
+    raw = (tmp_path / "model.safetensors").read_bytes()
+    assert json.loads(raw[8 : 8 + struct.unpack("<Q", raw[:8])[0]])["__metadata__"] == {"format": "pt"}  # for transformers
     assert type(heads2) is type(heads)
     if heads is not None:
         assert heads2.config == heads.config and torch.equal(heads2.draft_ids, heads.draft_ids)

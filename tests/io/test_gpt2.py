@@ -153,19 +153,10 @@ def test_a_bad_source_gives_one_clear_line_and_a_pickle_is_never_executed(tmp_pa
     assert "\n" not in str(err.value)
 
 
-class Hub(http.server.ThreadingHTTPServer):
-    """An HTTP server on 127.0.0.1 serving `files`, honouring Range, with scripted faults: per path a queue
-    of "drop" (close halfway), "no-range" (ignore Range), "no-length" (no Content-Length) or a status."""
-
-    def __init__(self) -> None:
-        super().__init__(("127.0.0.1", 0), HubHandler)
-        self.url = f"http://127.0.0.1:{self.server_address[1]}"
-        self.files: dict[str, bytes] = {}
-        self.faults: dict[str, list] = {}
-        self.requests: list[tuple[str, str | None]] = []  # (path, Range header)
-
-
 class HubHandler(http.server.BaseHTTPRequestHandler):
+    """Serves the server's `files`, honouring Range, with scripted faults: per path a queue of "drop" (close
+    halfway), "no-range" (ignore Range), "no-length" (no Content-Length) or an HTTP status."""
+
     def log_message(self, *args) -> None:
         pass
 
@@ -193,7 +184,9 @@ class HubHandler(http.server.BaseHTTPRequestHandler):
 @pytest.fixture
 def hub(monkeypatch):
     monkeypatch.setenv("no_proxy", "127.0.0.1,localhost")
-    with Hub() as hub:
+    with http.server.ThreadingHTTPServer(("127.0.0.1", 0), HubHandler) as hub:
+        hub.url = f"http://127.0.0.1:{hub.server_address[1]}"
+        hub.files, hub.faults, hub.requests = {}, {}, []  # requests: (path, Range header)
         threading.Thread(target=hub.serve_forever, args=(0.05,), daemon=True).start()
         yield hub
         hub.shutdown()
