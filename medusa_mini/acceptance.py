@@ -53,14 +53,11 @@ def path_accept(tree: TreeTensors, tokens: torch.Tensor, y: torch.Tensor, *,
                 usable: torch.Tensor | None = None) -> Accepted:
     """`reference.walk` for B rows, on the device: tokens [B, N], y [B, N] the backbone's token at every node.
 
-    A candidate passes when it is y at its parent. Siblings hold distinct tokens when they come from a
-    top-k or draws without replacement; should two repeat one token, only the earlier (the one the walk
-    tries first) may pass. Then at most one child of a node passes, the accepted nodes form one chain
-    from the root, and its deepest node ends the walk's path.
+    A candidate passes when it is y at its parent. Siblings hold distinct tokens (a proposer's promise: a
+    top-k, or draws without replacement), so at most one child of a node passes, the accepted nodes form
+    one chain from the root, and its deepest node ends the walk's path.
     """
     match = tokens == y[:, tree.parents.clamp(min=0)]  # [B, N]
-    same = tokens[:, :, None] == tokens[:, None, :]  # [B, N, N]
-    match &= ~(tree.earlier_siblings & same).any(dim=-1)  # not shadowed by an earlier sibling
     if usable is not None:
         match &= usable
     ok = whole_path_passes(tree, match)  # [B, N]
@@ -71,8 +68,9 @@ def path_accept(tree: TreeTensors, tokens: torch.Tensor, y: torch.Tensor, *,
 def greedy_accept_paths(tree: TreeTensors, tokens: torch.Tensor, logits: torch.Tensor, *,
                         usable: torch.Tensor | None = None) -> Accepted:
     """`reference.greedy_accept` for B rows: `path_accept` with y = the argmax of logits [B, N, V]
-    (ties go to the lowest token id, as in the reference)."""
-    return path_accept(tree, tokens, logits.argmax(dim=-1), usable=usable)
+    (ties go to the lowest token id, as in the reference), taken in float32: the same for any half
+    precision, whose argmax a CPU computes slowly (BENCHMARKS.md)."""
+    return path_accept(tree, tokens, logits.float().argmax(dim=-1), usable=usable)
 
 
 def typical_accept_paths(tree: TreeTensors, tokens: torch.Tensor, logits: torch.Tensor, *, sampling: Sampling,

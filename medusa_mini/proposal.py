@@ -56,7 +56,7 @@ class Proposal:
 
 class Proposer(Protocol):
     """Makes each step's proposal from roots [B], the hidden states [B, C] that produced them and each
-    row's tokens so far (prompt and output, ending with the root)."""
+    row's tokens so far (prompt and output, ending with the root). Siblings hold distinct tokens."""
 
     tree: Tree  # the full tree; a proposal may hold a truncated one near the end of a generation
 

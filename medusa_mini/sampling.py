@@ -74,7 +74,7 @@ class Sampling:
     def next_token(self, logits: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
         """The backbone's own next token from logits [..., V], as long [...] on their device:
         argmax when greedy, else a draw from p."""
-        return logits.argmax(dim=-1) if self.greedy else draw(self.probs(logits), generator)
+        return logits.float().argmax(dim=-1) if self.greedy else draw(self.probs(logits), generator)
 
 
 def scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:

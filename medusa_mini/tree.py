@@ -150,26 +150,22 @@ class TreeTensors:
     ranks: torch.Tensor  # [N] long: the rank of the head's guesses each node holds (0 for the root)
     node_paths: torch.Tensor  # [N, D + 1] long: the root-to-node path of each node, then the node repeated
     guess_index: torch.Tensor  # [N] long: where each node's token sits in [root, head 1's R guesses, head 2's, ...]
-    earlier_siblings: torch.Tensor  # [N, N] bool: j is a sibling of i with a smaller rank (tried first)
 
 
 @lru_cache(maxsize=64)
 def tree_tensors(tree: Tree, device: str) -> TreeTensors:
-    """`Tree.tensors`: rebuilding them every step would cost a tenth of a tiny model's step, and a
-    captured step needs fixed inputs. Row i of the mask marks node i's path from the root, not the walk
+    """`Tree.tensors`, built once per tree and device: a captured step needs fixed inputs, and a step
+    should not rebuild them. Row i of the mask marks node i's path from the root, not the walk
     up from each node that the reference's `tree_attention_mask` takes: two constructions, held equal."""
     N, D = tree.num_nodes, tree.depth
     paths = torch.tensor([p + [i] * (D + 1 - len(p)) for i, p in enumerate(map(tree.path, range(N)))])  # [N, D + 1]
     mask = torch.zeros(N, N, dtype=torch.bool)
     mask[torch.arange(N)[:, None], paths] = True
-    parents = torch.tensor(tree.parents)
-    siblings = (parents[:, None] == parents[None, :]) & (parents[:, None] >= 0)  # [N, N]
     as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
     R = tree.max_rank + 1
     guess = [0] + [1 + (d - 1) * R + r for d, r in zip(tree.depths[1:], tree.ranks[1:])]
-    return TreeTensors(parents=parents.to(device), ancestor_mask=mask.to(device), depths=as_long(tree.depths),
-                       ranks=as_long(tree.ranks), node_paths=paths.to(device), guess_index=as_long(guess),
-                       earlier_siblings=(siblings & torch.ones(N, N, dtype=torch.bool).tril(-1)).to(device))
+    return TreeTensors(parents=as_long(tree.parents), ancestor_mask=mask.to(device), depths=as_long(tree.depths),
+                       ranks=as_long(tree.ranks), node_paths=paths.to(device), guess_index=as_long(guess))
 
 
 # ---- presets ---------------------------------------------------------------------------------

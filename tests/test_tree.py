@@ -61,11 +61,6 @@ def test_the_ancestor_mask_equals_the_references_walk_up_the_parents_on_random_t
     assert {t.depth for t in trees} == {0, 1, 2, 3, 4, 5}  # the root alone, chains and bushes of every depth
 
 
-def test_earlier_siblings_are_the_siblings_tried_first():
-    got = TREE.tensors().earlier_siblings
-    assert got.nonzero().tolist() == [[2, 1], [4, 3]]  # 2 after its sibling 1, 4 after 3
-
-
 @pytest.mark.parametrize(
     "choices, kwargs, message",
     [

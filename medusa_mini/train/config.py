@@ -101,9 +101,9 @@ PRESETS: dict[str, dict] = {
                 batch_size=64, backbone_steps=4000, lr=6e-4, distill_prompts=4096, distill_tokens=128,
                 heads_steps=1500, heads_batch_size=128, eval_prompts=32, draft_vocab=1024),
     # --init gpt2...: heads only on a frozen GPT-2, sized for one GPU or a CPU
-    # (8,192 of GPT-2's 50,257 tokens: the heads' projection then costs under a tenth of a step, bench_step.py)
+    # (4,096 of GPT-2's 50,257 tokens: the heads then cost under a tenth of a plain step, bench_step.py)
     "gpt2": dict(medusa=1, backbone_steps=0, distill_prompts=4096, distill_tokens=128, heads_steps=2000,
-                 eval_prompts=32, draft_vocab=8192),
+                 eval_prompts=32, draft_vocab=4096),
     "gpt2-cpu": dict(medusa=1, backbone_steps=0, distill_prompts=32, distill_prompt_len=16, distill_tokens=32,
-                     heads_steps=30, heads_batch_size=4, eval_prompts=4, draft_vocab=8192),
+                     heads_steps=30, heads_batch_size=4, eval_prompts=4, draft_vocab=4096),
 }

@@ -28,8 +28,8 @@ def test_the_table_prints_every_stage_the_heads_share_of_a_plain_step_and_the_st
     assert all(float(cells[label]) > 0 for label in labels)
 
 
-def test_the_draft_vocabulary_is_8192_tokens_for_gpt2_shapes_and_all_for_tiny_unless_asked():
-    assert check_config(CONFIGS["gpt2"], prefix_len=128, draft_vocab=None) == 8192
+def test_the_draft_vocabulary_is_4096_tokens_for_gpt2_shapes_and_all_for_tiny_unless_asked():
+    assert check_config(CONFIGS["gpt2"], prefix_len=128, draft_vocab=None) == 4096
     assert check_config(CONFIGS["tiny"], prefix_len=128, draft_vocab=None) == 0
     assert check_config(CONFIGS["gpt2"], prefix_len=128, draft_vocab=0) == 0
     with pytest.raises(ValueError, match="--draft-vocab"):  # fewer tokens than the trees' ranks
