@@ -219,7 +219,8 @@ def compare_table(engine: Engine, methods: list[Method], prompts: list[list[int]
     result = compare(engine, prompts, methods, batch_sizes=a.batch_sizes, max_new_tokens=a.max_new_tokens, seed=a.seed)
     model = engine.ck.model
     result.update(device=str(model.device), dtype=str(model.lm_head.weight.dtype).split(".")[-1],
-                  threads=torch.get_num_threads(), top_p=a.top_p, draft=a.sampling.draft, **settings)
+                  threads=torch.get_num_threads(), top_p=a.top_p, draft=a.sampling.draft, heads=engine.ck.heads.name,
+                  **settings)
     if a.plot:
         plot_batch(result["rows"], a.plot, title=f"medusa_mini, {engine.ck.directory}, {result['device']}")
     print(json.dumps(result) if a.json else (format_batches if a.batch_table else format_compare)(result))

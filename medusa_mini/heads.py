@@ -80,6 +80,7 @@ def frequency_order(tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
 class DraftHeads(nn.Module):
     """What both kinds share: the config and the draft vocabulary."""
 
+    name = ""  # what reports call them
     description = ""
 
     def __init__(self, config: HeadsConfig) -> None:
@@ -139,6 +140,7 @@ class ResBlock(nn.Module):
 class MedusaHeads(DraftHeads):
     """K residual blocks on h_t, then the draft vocabulary's rows of the backbone's lm_head."""
 
+    name = "Medusa"
     description = ("Medusa heads: head k reads only this hidden state, so every node of one depth holds "
                    "the same head's guesses.")
 
@@ -173,6 +175,7 @@ class MedusaHeads(DraftHeads):
 class HydraHeads(DraftHeads):
     """K dependent heads: head k reads h_t and the embeddings (the backbone's wte) of x_{t+1..t+k}."""
 
+    name = "Hydra"
     description = ("Dependent (hydra) heads: head k reads this hidden state and the k tokens before its "
                    "guess (the root, then the drafted path), so every node's children come from that "
                    "node's own q; the tree is filled depth by depth, one head call per depth.")

@@ -220,16 +220,17 @@ def table(result: dict, columns: tuple[str, ...]) -> list[str]:
         lines.append(f"{r['method']:<32}" + "".join(f"{format(r[c], COLUMNS[c][2]):>{COLUMNS[c][1]}}"
                                                     for c in columns) + f"  {same}")
     compiled = result.get("compile_warmup_s")
-    lines += ["\ndevice {device}, {dtype}, {threads} thread(s); {prompts} prompts; tree {tree} ({tree_nodes} nodes "
+    lines += ["\ndevice {device}, {dtype}, {threads} threads; {prompts} prompts; tree {tree} ({tree_nodes} nodes "
               "incl. root); max-new-tokens {max_new_tokens}; top-p {top_p:g}".format(**result)
               + ("" if compiled is None else f"; steps compiled in {compiled:.1f} s (not timed)")
-              + "; Medusa rejection candidates: " + {"topk": "the heads' top-k"}.get(result["draft"], "drawn from q"),
+              + f"; {result['heads']} heads; Medusa rejection candidates: "
+              + {"topk": "the heads' top-k"}.get(result["draft"], "drawn from q"),
               f"Note: {BONUS_NOTE}; plain decoding is exactly 1.00. Step cost: ms\nper step over the plain "
               f"decoder's: speedup ≈ tokens/step ÷ step cost. Times include the prefill; fastest of "
               f"{result['repeat']} runs."]
     for reason, what in (("context", "at the context limit"), ("eos", "at the end-of-text token")):
         if stopped := sum(row["stop_reasons"].count(reason) for row in result["rows"]):
-            lines.append(f"{stopped} generation(s) stopped {what} (the tokens column counts what each row made).")
+            lines.append(f"{stopped} of the generations stopped {what} (the tokens column counts what each row made).")
     for r in result["rows"]:
         lines += [f"{r['method']} differs from plain greedy on prompt {d['prompt'] + 1} at new token "
                   f"{d['position'] + 1}: plain's top-2 logit margin there is {d['margin']:.3g}"
