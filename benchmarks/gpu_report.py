@@ -121,7 +121,7 @@ def decode_argv(s: argparse.Namespace, *extra: str) -> list[str]:
 RUN_PART: dict[str, Callable[[argparse.Namespace], tuple[str, bool]]] = {
     "step": lambda s: run_part(s, "What one step costs", [(config, [
         "benchmarks/bench_step.py", "--configs", config, "--dtypes", ",".join(s.dtypes), "--device", s.device,
-        *s.compile, *(QUICK_STEP if s.quick else [])]) for config in s.configs], keep=step_table,
+        *s.compile, *(QUICK_STEP if s.quick else []), *s.step_flags]) for config in s.configs], keep=step_table,
         intro="Random weights (speed depends on shapes, not values). Targets: the heads at most 10% of a plain "
               "step, a whole step at most 1.15x its verify alone."),
     "train": lambda s: run_part(s, "Training", [(None, ["train_tiny.py", "--preset", "smoke" if s.quick else "gpu",
@@ -164,12 +164,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="step: the number formats of bench_step.py (default: %(default)s)")
     p.add_argument("--budget-s", type=float, metavar="S",
                    help=f"seconds each part may take (default: {BUDGET_S:.0f}; --quick: {QUICK_BUDGET_S:.0f})")
+    p.add_argument("--step-flags", default="", metavar="'FLAGS'", help="more bench_step.py flags, quoted")
     p.add_argument("--train-flags", default="", metavar="'FLAGS'", help="more train_tiny.py flags, quoted")
     p.add_argument("--decode-flags", default="", metavar="'FLAGS'", help="more decode.py flags, quoted")
     a = p.parse_args(argv)
     try:  # the flags' own names become the settings of the parts
         a.device = str(pick_device(a.device))
-        a.train_flags, a.decode_flags = shlex.split(a.train_flags), shlex.split(a.decode_flags)  # unclosed quotes
+        a.step_flags, a.train_flags, a.decode_flags = map(shlex.split, (a.step_flags, a.train_flags, a.decode_flags))  # unclosed quotes
         a.budget_s = a.budget_s if a.budget_s is not None else (QUICK_BUDGET_S if a.quick else BUDGET_S)
         if a.budget_s <= 0:
             raise ValueError(f"--budget-s must be positive, not {a.budget_s:g}")

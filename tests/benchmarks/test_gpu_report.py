@@ -56,8 +56,8 @@ def test_quick_cpu_report_holds_every_part_down_to_the_heads_share_and_the_step_
 
 def cuda_settings(tmp_path, **kw) -> Namespace:
     base = dict(out=str(tmp_path / "r.md"), parts=list(gpu_report.PARTS), device="cuda", quick=False,
-                ckpt=str(tmp_path), configs=["gpt2"], dtypes=["bfloat16"], budget_s=100.0, train_flags=[],
-                decode_flags=[], append=False, compile=["--compile"])
+                ckpt=str(tmp_path), configs=["gpt2"], dtypes=["bfloat16"], budget_s=100.0, step_flags=[],
+                train_flags=[], decode_flags=[], append=False, compile=["--compile"])
     return Namespace(**{**base, **kw})
 
 
@@ -65,8 +65,9 @@ def test_step_part_on_cuda_compiles_keeps_each_table_and_names_what_its_budget_d
     table = "       gpt2\nlayers / heads / width / vocabulary / draft   12 / 12 / 768 / 50257 / 8192\nplain step  1"
     calls = faked(monkeypatch, lambda argv: (None, "", 99.0) if "gpt2-xl" in argv else
                   (0, f"torch 2.x, cuda\ncommand: ...\n\n{table}\n", 1.0))
-    section, ok = gpu_report.RUN_PART["step"](cuda_settings(tmp_path, configs=["gpt2", "gpt2-xl"]))
-    assert not ok and len(calls) == 2 and all("--compile" in argv for argv in calls)
+    settings = cuda_settings(tmp_path, configs=["gpt2", "gpt2-xl"], step_flags=["--nodes", "1,9"])
+    section, ok = gpu_report.RUN_PART["step"](settings)
+    assert not ok and len(calls) == 2 and all("--compile" in argv and argv[-2:] == ["--nodes", "1,9"] for argv in calls)
     assert f"```\n{table}\n```" in section and "torch 2.x" not in section
     assert "### gpt2-xl" in section and "Failed: stopped at its budget" in section
 
