@@ -28,7 +28,7 @@ if ROOT not in sys.path:  # run as a script from anywhere, without installing th
 
 import torch  # noqa: E402
 
-from medusa_mini.acceptance import accept_paths  # noqa: E402
+from medusa_mini.acceptance import Accepted  # noqa: E402
 from medusa_mini.cli.common import OneLineParser, in_turns, timed  # noqa: E402
 from medusa_mini.cli.compiled import StaticCaches, compile_steps  # noqa: E402
 from medusa_mini.decoding import prefill  # noqa: E402
@@ -36,7 +36,7 @@ from medusa_mini.heads import DraftHeads, HeadsConfig, make_heads  # noqa: E402
 from medusa_mini.io.gpt2 import GPT2_CONFIGS  # noqa: E402
 from medusa_mini.model import GPT, GPTConfig, KVCache  # noqa: E402
 from medusa_mini.sampling import Sampling  # noqa: E402
-from medusa_mini.step import EAGER, Steps, keep_path, medusa_step, read_step, usable_nodes  # noqa: E402
+from medusa_mini.step import EAGER, Steps, greedy_verify, medusa_step, read_step, usable_nodes  # noqa: E402
 from medusa_mini.train.device import DTYPES, pick_device, pick_dtype  # noqa: E402
 from medusa_mini.tree import Tree, build_tree, preset  # noqa: E402
 
@@ -44,7 +44,7 @@ CONFIGS: dict[str, GPTConfig] = {"tiny": GPTConfig(), **GPT2_CONFIGS}
 NODES = (1, 2, 4, 8, 16, 32, 64)
 CUDA_NODES = (*NODES, 96, 128)  # a GPU at batch 1 may verify this many for about the price of one
 MEDUSA_TREES = ("cpu", "gpu")
-STAGES = ("heads", "verify", "accept", "keep_path", "host read", "whole step")
+STAGES = ("heads", "verify", "greedy verify", "host read", "whole step")  # greedy verify: verify, accept, keep path
 DRAFT_VOCAB = 4096  # the default draft vocabulary of a larger vocabulary (GPT-2's): its heads cost < 10% of a step
 
 
@@ -109,19 +109,18 @@ def tree_stages(model: GPT, cache: KVCache, heads: DraftHeads, tree: Tree, root:
                 *, history: list[list[int]], steps: Steps) -> dict[str, Callable[[], object]]:
     """One callable per stage of a greedy `medusa_step` on `tree`, each stage's inputs made once, here, by
     the stages before it (the same inputs every run, so the same path)."""
-    proposer, greedy = heads.proposer(model, tree), Sampling()
+    proposer = heads.proposer(model, tree)
     attended = steps.attended(len(history[0]) - 1 + tree.num_nodes)  # the prefix and the nodes
-    propose = partial(proposer.propose, root, hidden, history=history, max_depth=tree.depth, sampling=greedy,
+    propose = partial(proposer.propose, root, hidden, history=history, max_depth=tree.depth, sampling=Sampling(),
                       generator=None)
     proposal, start, t = propose(), cache.lengths, tree.tensors(root.device)  # start [1]
     verify = partial(steps.verify, model, cache, proposal.tokens, depths=t.depths, ancestor_mask=t.ancestor_mask,
                      attended=attended)
-    logits = verify()[0].clone()  # [1, N, V], out of a captured graph's buffers, which later replays reuse
     usable = usable_nodes(tree, start, torch.full_like(start, model.config.block_size))  # [1, N]
-    accept = partial(accept_paths, proposal, logits, sampling=greedy, generator=None, usable=usable)
-    accepted = accept()
-    return {"heads": propose, "verify": verify, "accept": accept,
-            "keep_path": partial(keep_path, cache, accepted, start=start, active=usable[:, 0]),
+    greedy = partial(steps.greedy_verify or greedy_verify, model, cache, proposal.tokens, tree=t, usable=usable,
+                     attended=attended)
+    accepted = Accepted(*(x.clone() for x in greedy()[0]))  # out of a captured graph's buffers: the next
+    return {"heads": propose, "verify": verify, "greedy verify": greedy,  # call reuses them
             "host read": partial(read_step, proposal, accepted),
             "whole step": partial(medusa_step, model, cache, proposer, root, hidden, history=history, attended=attended,
                             steps=steps)}

@@ -78,7 +78,7 @@ def compact_kv_cache(cache: KVCache, keep: torch.Tensor, *, start: torch.Tensor,
         # As 16-bit integers: a half-precision gather and scatter cost many times an integer one on a CPU.
         bits = t.view(torch.int16) if t.element_size() == 2 else t
         bits.scatter_(2, dest, bits.gather(2, src))
-    cache.lengths = start + count
+    cache.length_buffer.copy_(start + count)  # in place, as a compiled step must
 
 
 class CausalSelfAttention(nn.Module):

@@ -7,8 +7,9 @@ every row at once; `keep_path` compacts each row's cache. Nothing waits for the 
 where `read_step` reads the emitted tokens of every row at once: one host sync per step (drawn
 candidates are the exception: rejection sampling tries them on the host).
 
-Decoding repeats two forward passes, `plain_step` and `verify`; `Steps` names the pair a loop runs,
-eager by default or compiled (cli/compiled.py), as gpt-fast compiles its `decode_one_token`.
+Decoding repeats two forward passes, `plain_step` and `verify` (for greedy acceptance, `greedy_verify`:
+the verify and all that follows it); `Steps` names what a loop runs, eager by default or compiled
+(cli/compiled.py), as gpt-fast compiles its `decode_one_token`.
 
 Shapes: B rows, N tree nodes, D tree depth, V vocabulary, C n_embd.
 """
@@ -20,11 +21,11 @@ from typing import Callable
 
 import torch
 
-from .acceptance import Accepted, accept_paths
+from .acceptance import Accepted, accept_paths, greedy_accept_paths
 from .model import GPT, KVCache, compact_kv_cache
 from .proposal import Proposal, Proposer
 from .sampling import Sampling
-from .tree import Tree
+from .tree import Tree, TreeTensors
 
 
 def plain_step(model: GPT, cache: KVCache, tokens: torch.Tensor, *,
@@ -46,22 +47,6 @@ def verify(model: GPT, cache: KVCache, tokens: torch.Tensor, *, depths: torch.Te
     return model(tokens, pos=pos, cache=cache, attn_mask=ancestor_mask, attended=attended)
 
 
-@dataclass(frozen=True)
-class Steps:
-    """The two forward passes decoding repeats. Compiled ones keep static shapes: they read the whole
-    cache every step (`static`), where eager ones read only the slots in use."""
-
-    plain: Callable = plain_step
-    verify: Callable = verify
-    static: bool = False
-
-    def attended(self, slots: int) -> int | None:
-        return None if self.static else slots
-
-
-EAGER = Steps()
-
-
 def usable_nodes(tree: Tree, start: torch.Tensor, stop_at: torch.Tensor) -> torch.Tensor:
     """[B, N] bool: the nodes row b may accept. A node at depth d emits d + 1 tokens, and row b stops
     when prompt and output reach stop_at[b] tokens: its cache holds start[b] of them, the root one more.
@@ -76,6 +61,54 @@ def keep_path(cache: KVCache, accepted: Accepted, *, start: torch.Tensor, active
     the length counts only the accepted ones, and stays put for a row that is not `active` [B]."""
     count = torch.where(active, accepted.count + 1, 0)
     compact_kv_cache(cache, start[:, None] + accepted.nodes, start=start, count=count)
+
+
+def finish_step(cache: KVCache, accepted: Accepted, hiddens: torch.Tensor, *, start: torch.Tensor,
+                active: torch.Tensor) -> torch.Tensor:
+    """`keep_path`, then the hidden state [B, C] at each row's last accepted node (hiddens [B, N, C] from
+    the verify), which proposes the next tree."""
+    keep_path(cache, accepted, start=start, active=active)
+    last = accepted.nodes[:, -1]  # [B]
+    return hiddens.gather(1, last[:, None, None].expand(-1, 1, hiddens.shape[-1]))[:, 0]  # [B, C]
+
+
+def greedy_finish(cache: KVCache, tree: TreeTensors, tokens: torch.Tensor, logits: torch.Tensor,
+                  hiddens: torch.Tensor, *, usable: torch.Tensor, start: torch.Tensor) -> tuple[Accepted, torch.Tensor]:
+    """All of a greedy step after its verify, in one function a compiler can capture whole (no draws,
+    fixed shapes): accept (tokens [B, N], logits [B, N, V]), keep the path, the next hidden state [B, C]."""
+    accepted = greedy_accept_paths(tree, tokens, logits, usable=usable)
+    return accepted, finish_step(cache, accepted, hiddens, start=start, active=usable[:, 0])
+
+
+def greedy_verify(model: GPT, cache: KVCache, tokens: torch.Tensor, *, tree: TreeTensors, usable: torch.Tensor,
+                  attended: int | None = None) -> tuple[Accepted, torch.Tensor]:
+    """`verify`, then `greedy_finish`: a greedy step after its proposal, as one function, so a compiler
+    captures it as one graph (two would hand the verify's logits across, which CUDA graphs free between
+    calls)."""
+    start = cache.lengths  # [B]
+    logits, hiddens = verify(model, cache, tokens, depths=tree.depths, ancestor_mask=tree.ancestor_mask,
+                             attended=attended)  # [B, N, V], [B, N, C]
+    return greedy_finish(cache, tree, tokens, logits, hiddens, usable=usable, start=start)
+
+
+@dataclass(frozen=True)
+class Steps:
+    """What decoding repeats, as a compiler may capture it: the two forward passes and, for greedy
+    acceptance, `greedy_verify` (None: verify, then greedy_finish, eagerly; on a GPU at batch 1 the
+    accept and keep stages are a few dozen small kernels whose launches cost more than their work).
+    Compiled ones keep static shapes: they read the whole cache every step (`static`), where eager ones
+    read only the slots in use."""
+
+    plain: Callable = plain_step
+    verify: Callable = verify
+    greedy_verify: Callable | None = None
+    static: bool = False
+
+    def attended(self, slots: int) -> int | None:
+        return None if self.static else slots
+
+
+EAGER = Steps()
 
 
 @dataclass
@@ -127,14 +160,20 @@ def medusa_step(
     proposal = proposer.propose(roots, hidden, history=history or [[]] * len(roots), max_depth=depth,
                                 sampling=sampling, generator=generator)
     t = proposal.tree.tensors(roots.device)
-    logits, hiddens = steps.verify(model, cache, proposal.tokens, depths=t.depths, ancestor_mask=t.ancestor_mask,
-                                   attended=attended)  # [B, N, V], [B, N, C]
     if stop_at is None:
         stop_at = torch.full_like(start, model.config.block_size)
     usable = usable_nodes(proposal.tree, start, stop_at)  # [B, N]
-    accepted = accept_paths(proposal, logits, sampling=sampling, generator=generator, usable=usable)
-    keep_path(cache, accepted, start=start, active=usable[:, 0])
+    if sampling.acceptance == "greedy" and steps.greedy_verify is not None:
+        accepted, next_hidden = steps.greedy_verify(model, cache, proposal.tokens, tree=t, usable=usable,
+                                                    attended=attended)
+    else:
+        logits, hiddens = steps.verify(model, cache, proposal.tokens, depths=t.depths, ancestor_mask=t.ancestor_mask,
+                                       attended=attended)  # [B, N, V], [B, N, C]
+        if sampling.acceptance == "greedy":
+            accepted, next_hidden = greedy_finish(cache, t, proposal.tokens, logits, hiddens, usable=usable,
+                                                  start=start)
+        else:
+            accepted = accept_paths(proposal, logits, sampling=sampling, generator=generator, usable=usable)
+            next_hidden = finish_step(cache, accepted, hiddens, start=start, active=usable[:, 0])
     paths, new_tokens = read_step(proposal, accepted)
-    last = accepted.nodes[:, -1]  # [B]
-    next_hidden = hiddens.gather(1, last[:, None, None].expand(-1, 1, hiddens.shape[-1]))[:, 0]  # [B, C]
     return StepResult(paths=paths, new_tokens=new_tokens, next_roots=accepted.bonus, next_hidden=next_hidden)

@@ -1,11 +1,12 @@
-"""`--compile`: the plain step (T = 1) and the tree verify (T = N) compiled by name, whole graphs, one per
-shape, on CUDA as CUDA graphs (mode "reduce-overhead"), which remove the kernel launches that dominate
-batch-1 decoding; the prefill stays eager. A CUDA graph replays on the addresses it recorded and overwrites
-its outputs at its next replay: `StaticCaches` keeps one KV cache per shape, marked static, and `warm_up`
-records every shape before anything is timed."""
+"""`--compile`: the plain step (T = 1), the tree verify (T = N) and the greedy verify (the verify, greedy
+acceptance and keeping the path) compiled by name, whole graphs, one per shape, on CUDA as CUDA graphs (mode "reduce-overhead"), which
+remove the kernel launches that dominate batch-1 decoding; the prefill stays eager. A CUDA graph replays
+on the addresses it recorded and overwrites its outputs at its next replay: `StaticCaches` keeps one KV
+cache per shape, marked static, and `warm_up` records every shape before anything is timed."""
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Callable
 
 import torch
@@ -17,12 +18,12 @@ from .common import timed
 
 
 def compile_steps(device: torch.device | str, *, backend: str | Callable = "inductor") -> step.Steps:
-    """`step.plain_step` and `step.verify` under torch.compile; CUDA graphs on CUDA (a backend other than
+    """Every stage `step.Steps` names under torch.compile; CUDA graphs on CUDA (a backend other than
     inductor, as the tests use, checks the capture cheaply)."""
     mode = "reduce-overhead" if torch.device(device).type == "cuda" and backend == "inductor" else None
     options = dict(fullgraph=True, dynamic=False, mode=mode, backend=backend)
     return step.Steps(plain=torch.compile(step.plain_step, **options), verify=torch.compile(step.verify, **options),
-                      static=True)
+                      greedy_verify=torch.compile(step.greedy_verify, **options), static=True)
 
 
 class StaticCaches:
@@ -48,9 +49,9 @@ def warm_up(model: GPT, steps: step.Steps, caches: StaticCaches, trees: list[Tre
     first runs eagerly, the second records, the third replays. Returns the seconds it took."""
     device, block = model.device, model.config.block_size
     shapes = {(tree.num_nodes, tree.truncated(d)) for tree in trees for d in range(tree.depth + 1)}
-    config = torch._dynamo.config  # each shape is one more specialisation of the same two functions
+    config = torch._dynamo.config  # each shape is one more specialisation of each function
     config.recompile_limit += len(shapes) + 1
-    config.accumulated_recompile_limit += len(shapes) + 1
+    config.accumulated_recompile_limit += 2 * len(shapes) + 1
 
     def every_shape() -> None:
         for _ in range(3):
@@ -59,8 +60,12 @@ def warm_up(model: GPT, steps: step.Steps, caches: StaticCaches, trees: list[Tre
             steps.plain(model, cache, torch.zeros(rows, 1, dtype=torch.long, device=device))
         for nodes, t in shapes:
             cache, tensors = caches(rows, block + nodes), t.tensors(device)
-            for _ in range(3):
-                cache.lengths = 0
-                steps.verify(model, cache, torch.zeros(rows, t.num_nodes, dtype=torch.long, device=device),
-                             depths=tensors.depths, ancestor_mask=tensors.ancestor_mask)
+            tokens = torch.zeros(rows, t.num_nodes, dtype=torch.long, device=device)
+            start = torch.zeros(rows, dtype=torch.long, device=device)
+            usable = step.usable_nodes(t, start, torch.full_like(start, block))  # [rows, N]
+            for verify in (partial(steps.verify, depths=tensors.depths, ancestor_mask=tensors.ancestor_mask),
+                           partial(steps.greedy_verify, tree=tensors, usable=usable)):
+                for _ in range(3):
+                    cache.lengths = 0
+                    verify(model, cache, tokens)
     return timed(device, every_shape)[1]

@@ -20,8 +20,9 @@ TREE = Tree.from_choices([(0,), (1,), (0, 0), (1, 0), (0, 0, 0)])
 class GraphReplay:
     """A torch.compile backend that runs each captured graph as a CUDA graph would replay it, on a CPU:
     every graph returns the same output buffers at every call, and every call first fills all graphs'
-    outputs with NaN (one memory pool); static inputs (parameters, tensors marked static: the KV cache)
-    must keep their first address; other inputs are copied in, so a graph must not write into them."""
+    outputs with garbage (one memory pool: a new call frees the last one's outputs); static inputs
+    (parameters, tensors marked static: the KV cache) must keep their first address; other inputs are
+    copied in, so a graph must not write into them."""
 
     def __init__(self) -> None:
         self.graphs: list[torch.fx.GraphModule] = []
@@ -35,8 +36,8 @@ class GraphReplay:
         self.graphs.append(gm)
 
         def replay(*args):
-            for t in self.pool:
-                t.fill_(float("nan"))
+            for t in self.pool:  # NaN, or an integer no index or token can be
+                t.fill_(float("nan") if t.is_floating_point() else torch.iinfo(t.dtype).min)
             inputs = list(args)
             for i, t in enumerate(args):
                 if static[i]:
