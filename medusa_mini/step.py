@@ -72,32 +72,25 @@ def finish_step(cache: KVCache, accepted: Accepted, hiddens: torch.Tensor, *, st
     return hiddens.gather(1, last[:, None, None].expand(-1, 1, hiddens.shape[-1]))[:, 0]  # [B, C]
 
 
-def greedy_finish(cache: KVCache, tree: TreeTensors, tokens: torch.Tensor, logits: torch.Tensor,
-                  hiddens: torch.Tensor, *, usable: torch.Tensor, start: torch.Tensor) -> tuple[Accepted, torch.Tensor]:
-    """All of a greedy step after its verify, in one function a compiler can capture whole (no draws,
-    fixed shapes): accept (tokens [B, N], logits [B, N, V]), keep the path, the next hidden state [B, C]."""
-    accepted = greedy_accept_paths(tree, tokens, logits, usable=usable)
-    return accepted, finish_step(cache, accepted, hiddens, start=start, active=usable[:, 0])
-
-
 def greedy_verify(model: GPT, cache: KVCache, tokens: torch.Tensor, *, tree: TreeTensors, usable: torch.Tensor,
                   attended: int | None = None) -> tuple[Accepted, torch.Tensor]:
-    """`verify`, then `greedy_finish`: a greedy step after its proposal, as one function, so a compiler
-    captures it as one graph (two would hand the verify's logits across, which CUDA graphs free between
-    calls)."""
+    """All of a greedy step after its proposal (tokens [B, N]), as one function, so a compiler captures it
+    as one graph (two would hand the verify's logits across, which CUDA graphs free between calls):
+    `verify`, greedy acceptance (no draws, fixed shapes), `finish_step`."""
     start = cache.lengths  # [B]
     logits, hiddens = verify(model, cache, tokens, depths=tree.depths, ancestor_mask=tree.ancestor_mask,
                              attended=attended)  # [B, N, V], [B, N, C]
-    return greedy_finish(cache, tree, tokens, logits, hiddens, usable=usable, start=start)
+    accepted = greedy_accept_paths(tree, tokens, logits, usable=usable)
+    return accepted, finish_step(cache, accepted, hiddens, start=start, active=usable[:, 0])
 
 
 @dataclass(frozen=True)
 class Steps:
     """What decoding repeats, as a compiler may capture it: the two forward passes and, for greedy
-    acceptance, `greedy_verify` (None: verify, then greedy_finish, eagerly; on a GPU at batch 1 the
-    accept and keep stages are a few dozen small kernels whose launches cost more than their work).
-    Compiled ones keep static shapes: they read the whole cache every step (`static`), where eager ones
-    read only the slots in use."""
+    acceptance, `greedy_verify` (None: `verify`, then acceptance and `finish_step`, eagerly, as for every
+    rule; on a GPU at batch 1 those stages are a few dozen small kernels whose launches cost more than
+    their work). Compiled ones keep static shapes: they read the whole cache every step (`static`),
+    where eager ones read only the slots in use."""
 
     plain: Callable = plain_step
     verify: Callable = verify
@@ -169,11 +162,7 @@ def medusa_step(
     else:
         logits, hiddens = steps.verify(model, cache, proposal.tokens, depths=t.depths, ancestor_mask=t.ancestor_mask,
                                        attended=attended)  # [B, N, V], [B, N, C]
-        if sampling.acceptance == "greedy":
-            accepted, next_hidden = greedy_finish(cache, t, proposal.tokens, logits, hiddens, usable=usable,
-                                                  start=start)
-        else:
-            accepted = accept_paths(proposal, logits, sampling=sampling, generator=generator, usable=usable)
-            next_hidden = finish_step(cache, accepted, hiddens, start=start, active=usable[:, 0])
+        accepted = accept_paths(proposal, logits, sampling=sampling, generator=generator, usable=usable)
+        next_hidden = finish_step(cache, accepted, hiddens, start=start, active=usable[:, 0])
     paths, new_tokens = read_step(proposal, accepted)
     return StepResult(paths=paths, new_tokens=new_tokens, next_roots=accepted.bonus, next_hidden=next_hidden)
