@@ -50,6 +50,8 @@ class HeadsConfig:
         if not 0 <= self.draft_vocab_size <= self.vocab_size:
             raise ValueError(f"draft_vocab_size must be 0 (the whole vocabulary) to {self.vocab_size}, "
                              f"not {self.draft_vocab_size}")
+        if self.draft_vocab_size == self.vocab_size:  # one spelling of the whole vocabulary: 0
+            self.draft_vocab_size = 0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -102,15 +104,14 @@ class DraftHeads(nn.Module):
         """Guess among the first `size` tokens of `order` [V] (0 or V: the whole vocabulary)."""
         if sorted(order.tolist()) != list(range(self.config.vocab_size)):
             raise ValueError("the draft vocabulary's order must hold every token id once")
-        size = 0 if size == self.config.vocab_size else size
-        HeadsConfig(**{**self.config.to_dict(), "draft_vocab_size": size})  # checked as a new config would be
-        self.config.draft_vocab_size = size
+        checked = HeadsConfig(**{**self.config.to_dict(), "draft_vocab_size": size})  # as a new config would be
+        self.config.draft_vocab_size = checked.draft_vocab_size
         self.vocab_order.copy_(order)
 
     def draft_index(self, tokens: torch.Tensor) -> torch.Tensor:
         """Target token ids [...] (IGNORE where none) as indices into the draft vocabulary; a token outside
         it becomes IGNORE too: the heads cannot guess it, so training does not ask them to."""
-        if self.config.draft_vocab_size in (0, self.config.vocab_size):
+        if not self.config.draft_vocab_size:
             return tokens
         ids = self.draft_ids.to(tokens.device)
         index = torch.full((self.config.vocab_size,), IGNORE, dtype=torch.long, device=tokens.device)
@@ -120,7 +121,7 @@ class DraftHeads(nn.Module):
     def draft_weight(self, model: nn.Module) -> torch.Tensor:
         """[M, C]: the rows of the backbone's lm_head for the draft vocabulary (the whole matrix for all V)."""
         weight = model.lm_head.weight
-        return weight if self.config.draft_vocab_size in (0, self.config.vocab_size) else weight[self.draft_ids]
+        return weight[self.draft_ids] if self.config.draft_vocab_size else weight
 
 
 class ResBlock(nn.Module):

@@ -72,7 +72,7 @@ def summarize(r, val_batches: list, val_tokens: np.ndarray) -> dict:
     save_accuracy(args.out, acc, meta={"measured_on": f"{len(seqs)} held-out prompts x {n} greedy tokens"})
     # The share of the greedy tokens inside the draft vocabulary of each size m: rank[token] < m.
     ranks = heads.vocab_order.cpu().argsort()[torch.tensor([s[P:] for s in seqs])]
-    sizes = sorted({m for m in COVERAGE_SIZES if m < V} | ({M} if 0 < M < V else set()))
+    sizes = sorted({m for m in COVERAGE_SIZES if m < V} | ({M} if M else set()))
     coverage = {m: (ranks < m).double().mean().item() for m in sizes}
     figures = {"top-1 on held-out text": text[:, 0], "top-5 on held-out text": text[:, :5].sum(1),
                "top-1 vs own greedy continuation": acc[:, 0], "top-5 vs own greedy continuation": acc[:, :5].sum(1),
