@@ -50,6 +50,8 @@ def load_heads(directory: str | os.PathLike, model: GPT, *, device: torch.device
     """The heads saved in `directory`, for `model`; a one-line ValueError names what is wrong."""
     config_path, weights_path = os.path.join(directory, HEADS_CONFIG_FILE), os.path.join(directory, HEADS_FILE)
     fields = read_json(config_path, hint="save the heads again")
+    if not isinstance(fields, dict):
+        raise ValueError(f"{config_path} must be a JSON object; save the heads again")
     if fields.pop("own_lm_head", False):  # the format before draft vocabularies; False: the lm_head is shared
         raise ValueError(f"{config_path}: heads with their own lm_head are no longer supported; train them again")
     try:
