@@ -33,6 +33,7 @@ from .step import EAGER, Steps, medusa_step
 from .tree import Tree
 
 RowCallback = Callable[[int, list[int]], None]  # (row, the tokens it just emitted)
+CacheSource = Callable[[int, int], KVCache]  # (rows, slots) -> a KV cache of that size
 
 
 @dataclass
@@ -61,13 +62,16 @@ def _check_prompt(model: GPT, prompt: list[int] | torch.Tensor) -> list[int]:
     return ids
 
 
-def reuse_cache(cache: KVCache | None, model: GPT, *, batch_size: int, max_len: int) -> KVCache:
-    """`cache` emptied for a new generation, or a new one of batch_size rows and max_len slots when None.
+def reuse_cache(cache: KVCache | CacheSource | None, model: GPT, *, batch_size: int, max_len: int) -> KVCache:
+    """`cache` emptied for a new generation, or a new one of batch_size rows and max_len slots when None;
+    a callable is asked for the cache of that size (`cache(batch_size, max_len)`, one kept per shape).
 
     Reusing one cache keeps its tensors at fixed addresses from one generation to the next, which a
     captured CUDA graph needs (a new address means recording the graph again). Its size must be the
     one asked for: the attention mask spans the whole cache, so another size is another shape.
     """
+    if callable(cache):
+        cache = cache(batch_size, max_len)
     if cache is None:
         return KVCache(model.config, batch_size=batch_size, max_len=max_len, device=model.device,
                        dtype=model.lm_head.weight.dtype)
@@ -151,8 +155,8 @@ class Generations:
 @torch.no_grad()
 def generate_batch(
     model: GPT, prompts: list, *, max_new_tokens: int, sampling: Sampling = Sampling(), eos_id: int | None = None,
-    generator: torch.Generator | None = None, on_step: RowCallback | None = None, cache: KVCache | None = None,
-    steps: Steps = EAGER,
+    generator: torch.Generator | None = None, on_step: RowCallback | None = None,
+    cache: KVCache | CacheSource | None = None, steps: Steps = EAGER,
 ) -> list[tuple[list[int], GenerationStats]]:
     """Plain autoregressive decoding of B prompts with the KV cache: one forward pass per token per row.
 
@@ -185,7 +189,7 @@ def generate_batch(
 def medusa_generate_batch(
     model: GPT, drafter, prompts: list, *, tree: Tree, max_new_tokens: int,
     sampling: Sampling = Sampling(), eos_id: int | None = None, generator: torch.Generator | None = None,
-    on_step: RowCallback | None = None, cache: KVCache | None = None, steps: Steps = EAGER,
+    on_step: RowCallback | None = None, cache: KVCache | CacheSource | None = None, steps: Steps = EAGER,
 ) -> list[tuple[list[int], GenerationStats]]:
     """Medusa decoding of B prompts: propose -> verify -> accept -> compact, until every row has stopped.
 

@@ -70,9 +70,7 @@ def decode(engine: Engine, method: Method, prompts: list[list[int]], *, seed: in
         # The engine's statistics; the reference counts passes, its tokens come in one.
         return [(tokens, GenerationStats(len(ids), steps, [len(tokens) - 1] if steps else []))
                 for ids, (tokens, steps) in zip(prompts, out)]
-    if engine.caches is not None:  # block_size + N slots for a tree of N nodes (prompt lookup: a chain of N)
-        kw["cache"] = engine.caches(len(prompts), ck.block_size + (method.tree.num_nodes if method.drafter else 0))
-    kw.update(on_step=on_step, steps=engine.steps)
+    kw.update(on_step=on_step, steps=engine.steps, cache=engine.caches)  # the loop asks for its size
     if method.drafter is None:
         return generate_batch(ck.model, prompts, **kw)
     return medusa_generate_batch(ck.model, method.drafter, prompts, tree=method.tree, **kw)
