@@ -1,12 +1,12 @@
 """`--compile`: the plain step (T = 1), the tree verify (T = N) and the greedy verify (the verify, greedy
-acceptance and keeping the path) compiled by name, whole graphs, one per shape, on CUDA as CUDA graphs (mode "reduce-overhead"), which
-remove the kernel launches that dominate batch-1 decoding; the prefill stays eager. A CUDA graph replays
+acceptance and keeping the path) compiled by name, whole graphs, one per shape, on CUDA as CUDA graphs
+(mode "reduce-overhead"), which remove the kernel launches that dominate batch-1 decoding; the prefill
+stays eager. A CUDA graph replays
 on the addresses it recorded and overwrites its outputs at its next replay: `StaticCaches` keeps one KV
 cache per shape, marked static, and `warm_up` records every shape before anything is timed."""
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Callable
 
 import torch
@@ -43,29 +43,38 @@ class StaticCaches:
 
 
 @torch.no_grad()
-def warm_up(model: GPT, steps: step.Steps, caches: StaticCaches, trees: list[Tree], *, rows: int) -> float:
-    """Run every shape decoding `rows` rows can meet: the plain step, and each tree with each of its
-    truncations (a generation's last steps verify fewer depths). Three calls each: under CUDA graphs the
-    first runs eagerly, the second records, the third replays. Returns the seconds it took."""
+def warm_up(model: GPT, steps: step.Steps, caches: StaticCaches, *, rows: int, plain: bool,
+            verify: list[Tree] = (), greedy: list[Tree] = ()) -> float:
+    """Run every shape decoding `rows` rows can meet: the plain step (if `plain`), and each tree with each
+    of its truncations (a generation's last steps verify fewer depths) through `steps.verify` (trees
+    decoded under a sampling rule) or `steps.greedy_verify` (under greedy acceptance): only the graphs
+    the run uses. Three calls each: under CUDA graphs the first runs eagerly, the second records, the
+    third replays. Returns the seconds it took."""
     device, block = model.device, model.config.block_size
-    shapes = {(tree.num_nodes, tree.truncated(d)) for tree in trees for d in range(tree.depth + 1)}
-    config = torch._dynamo.config  # each shape is one more specialisation of each function
-    config.recompile_limit += len(shapes) + 1
-    config.accumulated_recompile_limit += 2 * len(shapes) + 1
+
+    def truncations(trees: list[Tree]) -> set[tuple[int, Tree]]:
+        return {(tree.num_nodes, tree.truncated(d)) for tree in trees for d in range(tree.depth + 1)}
+
+    shapes = [(truncations(verify), False), (truncations(greedy), True)]
+    config = torch._dynamo.config  # each shape is one more specialisation of its function
+    config.recompile_limit += max(len(s) for s, _ in shapes) + 1
+    config.accumulated_recompile_limit += sum(len(s) for s, _ in shapes) + 1
 
     def every_shape() -> None:
-        for _ in range(3):
+        for _ in range(3 * plain):
             cache = caches(rows, block)
             cache.lengths = 0
             steps.plain(model, cache, torch.zeros(rows, 1, dtype=torch.long, device=device))
-        for nodes, t in shapes:
-            cache, tensors = caches(rows, block + nodes), t.tensors(device)
-            tokens = torch.zeros(rows, t.num_nodes, dtype=torch.long, device=device)
-            start = torch.zeros(rows, dtype=torch.long, device=device)
-            usable = step.usable_nodes(t, start, torch.full_like(start, block))  # [rows, N]
-            for verify in (partial(steps.verify, depths=tensors.depths, ancestor_mask=tensors.ancestor_mask),
-                           partial(steps.greedy_verify, tree=tensors, usable=usable)):
+        for trees, greedily in shapes:
+            for nodes, t in trees:
+                cache, tensors = caches(rows, block + nodes), t.tensors(device)
+                tokens = torch.zeros(rows, t.num_nodes, dtype=torch.long, device=device)
+                start = torch.zeros(rows, dtype=torch.long, device=device)
+                usable = step.usable_nodes(t, start, torch.full_like(start, block))  # [rows, N]
                 for _ in range(3):
                     cache.lengths = 0
-                    verify(model, cache, tokens)
+                    if greedily:
+                        steps.greedy_verify(model, cache, tokens, tree=tensors, usable=usable)
+                    else:
+                        steps.verify(model, cache, tokens, depths=tensors.depths, ancestor_mask=tensors.ancestor_mask)
     return timed(device, every_shape)[1]

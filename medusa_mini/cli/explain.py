@@ -147,8 +147,8 @@ def accept(out: list[str], enc, tree: Tree, tokens: list[int], path: list[int], 
             "accepted path: " + " → ".join(steps),
             f"bonus token:   {token_text(enc, bonus)}, the backbone's own next token after [{path[-1]}], free "
             "from the same pass", _header(7, "Result"),
-            f"This step emitted {len(emitted)} token{'s' * (len(emitted) > 1)} ({len(path) - 1} accepted + 1 bonus) with one forward "
-            f"pass: {_snippet(enc.decode(emitted))}"]
+            f"This step emitted {len(emitted)} token{'s' * (len(emitted) > 1)} ({len(path) - 1} accepted + 1 bonus) "
+            f"with one forward pass: {_snippet(enc.decode(emitted))}"]
     if len(path) == 1:
         out.append("No guess was confirmed, yet the bonus token still makes the step as good as a plain one.")
     out += ["(Plain decoding needs one forward pass per token; tokens/step counts the bonus token.)",

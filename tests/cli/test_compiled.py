@@ -64,7 +64,7 @@ def warmed_up(seed: int):
     """A tiny model, its steps compiled (replayed as CUDA graphs) and its static caches, warmed up for TREE."""
     torch.compiler.reset()  # graphs are cached per function, across models: start afresh
     model, steps = tiny_model(seed), compile_steps("cpu", backend=GraphReplay())
-    warm_up(model, steps, caches := StaticCaches(model), [TREE], rows=1)
+    warm_up(model, steps, caches := StaticCaches(model), rows=1, plain=True, verify=[TREE], greedy=[TREE])
     return model, steps, caches
 
 
