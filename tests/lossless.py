@@ -123,16 +123,15 @@ class FutureHydraHeads(FutureHeads):
         return last_logits(model, [history[b][:-1] + drafted[b][m] for b in range(B) for m in range(n)]).view(B, n, -1)
 
 
-def sample_rows(model, drafter, prompts, *, rows: int, batches: int = 1, seed: int, **settings):
-    """`batches` runs of medusa_generate_batch over `rows` copies of `prompts`, interleaved (rows of one
-    batch are independent samples). Returns, per prompt, [(emitted tokens, GenerationStats)] of its rows.
+def sample_rows(model, drafter, prompts, *, rows: int, seed: int, **settings):
+    """One medusa_generate_batch over `rows` copies of `prompts`, interleaved (rows of one batch are
+    independent samples). Returns, per prompt, [(emitted tokens, GenerationStats)] of its rows.
     settings: medusa_generate_batch's (tree, max_new_tokens, sampling, eos_id)."""
     gen = torch.Generator().manual_seed(seed)
     out: list[list] = [[] for _ in prompts]
-    for _ in range(batches):
-        for b, (tokens, stats) in enumerate(medusa_generate_batch(model, drafter, prompts * rows, generator=gen,
-                                                                  **settings)):
-            out[b % len(prompts)].append((tokens, stats))
+    results = medusa_generate_batch(model, drafter, prompts * rows, generator=gen, **settings)
+    for b, (tokens, stats) in enumerate(results):
+        out[b % len(prompts)].append((tokens, stats))
     return out
 
 
