@@ -26,7 +26,7 @@ from benchmarks.bench_step import at_least_one, names_of, numbers  # noqa: E402
 from medusa_mini.cli.common import BONUS_NOTE, SAMPLING_TEMPERATURE, OneLineParser  # noqa: E402
 from medusa_mini.cli.plots import check_plot_path, plot_node_sweep  # noqa: E402
 from medusa_mini.cli.runs import Engine, Method, run_in_turns, summarise  # noqa: E402
-from medusa_mini.io.loading import Checkpoint, load_for_decoding, load_prompts  # noqa: E402
+from medusa_mini.io.loading import Checkpoint, load_for_decoding, prompt_ids  # noqa: E402
 from medusa_mini.proposal import PromptLookup  # noqa: E402
 from medusa_mini.sampling import Sampling  # noqa: E402
 from medusa_mini.train.device import DTYPES, pick_device, pick_dtype  # noqa: E402
@@ -129,13 +129,7 @@ def load(ns: argparse.Namespace) -> tuple[Checkpoint, torch.Tensor, list[list[in
     if build_tree(acc, 1)[0].num_nodes == 1:  # no node is ever accepted: every tree is the root alone
         raise ValueError("heads_accuracy.json: no head's top guess was ever right, so every tree is the root "
                          "alone; train the heads, then measure again")
-    room = ck.block_size - ns.max_new_tokens
-    if room < 1:
-        raise ValueError(f"--max-new-tokens {ns.max_new_tokens} leaves no room for a prompt in {ck.block_size}")
-    prompts = [ids[-room:] for ids in map(ck.enc.encode_ordinary, load_prompts(ns.ckpt)[: ns.num_prompts]) if ids]
-    if not prompts:
-        raise ValueError(f"prompts.json in {ns.ckpt} has no prompt with a token")
-    return ck, acc, prompts
+    return ck, acc, prompt_ids(ck, count=ns.num_prompts, max_new_tokens=ns.max_new_tokens)
 
 
 def main(argv: list[str] | None = None) -> int:

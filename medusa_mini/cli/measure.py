@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import sys
 
-from ..io.loading import PROMPTS_FILE, load_for_decoding, load_prompts
+from ..io.loading import PROMPTS_FILE, load_for_decoding, prompt_ids
 from ..train.device import pick_device
 from ..train.report import ACCURACY_FILE, format_accuracy, greedy_continuations, measure_head_accuracy, save_accuracy
 from ..tree import build_tree
@@ -28,12 +28,7 @@ def main(argv: list[str] | None = None) -> int:
         ck = load_for_decoding(a.ckpt, device=pick_device(a.device))
         if ck.heads is None:
             raise ValueError(f"checkpoint {a.ckpt} has no Medusa heads; train heads first")
-        room = ck.block_size - a.max_new_tokens  # each prompt cut so that its continuation fits in the context
-        if room < 1:
-            raise ValueError(f"--max-new-tokens {a.max_new_tokens} leaves no room for a prompt in {ck.block_size}")
-        prompts = [ids[:room] for ids in map(ck.enc.encode_ordinary, load_prompts(a.ckpt)[: a.prompts]) if ids]
-        if not prompts:
-            raise ValueError(f"every prompt in {os.path.join(a.ckpt, PROMPTS_FILE)} encodes to no tokens")
+        prompts = prompt_ids(ck, count=a.prompts, max_new_tokens=a.max_new_tokens)
     except (ValueError, OSError) as e:
         p.error(str(e))
     greedy = greedy_continuations(ck.model, prompts, max_new_tokens=a.max_new_tokens)

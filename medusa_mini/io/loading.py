@@ -58,3 +58,15 @@ def load_prompts(directory: str) -> list[str]:
     if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) for p in prompts):
         raise ValueError(f'{path} must hold {{"prompts": ["text", ...]}} with at least one prompt')
     return prompts
+
+
+def prompt_ids(ck: Checkpoint, *, count: int, max_new_tokens: int) -> list[list[int]]:
+    """The first `count` prompts of ck's prompts.json as token ids, each cut to the last tokens that leave
+    room for max_new_tokens in the context; prompts that encode to nothing are left out."""
+    room = ck.block_size - max_new_tokens
+    if room < 1:
+        raise ValueError(f"--max-new-tokens {max_new_tokens} leaves no room for a prompt in {ck.block_size}")
+    prompts = [ids[-room:] for ids in map(ck.enc.encode_ordinary, load_prompts(ck.directory)[:count]) if ids]
+    if not prompts:
+        raise ValueError(f"every prompt in {os.path.join(ck.directory, PROMPTS_FILE)} encodes to no tokens")
+    return prompts
