@@ -44,7 +44,7 @@ CONFIGS: dict[str, GPTConfig] = {"tiny": GPTConfig(), **GPT2_CONFIGS}
 NODES = (1, 2, 4, 8, 16, 32, 64)
 CUDA_NODES = (*NODES, 96, 128)  # a GPU at batch 1 may verify this many for about the price of one
 MEDUSA_TREES = ("cpu", "gpu")
-STAGES = ("heads", "verify", "greedy verify", "host read", "whole step")  # greedy verify: verify, accept, keep path
+STAGES = ("heads", "verify", "greedy verify", "host read", "whole step")  # greedy verify: verify, accept, keep path (compiled: and draft)
 DRAFT_VOCAB = 4096  # the default draft vocabulary of a larger vocabulary (GPT-2's): its heads cost < 10% of a step
 
 
@@ -117,13 +117,16 @@ def tree_stages(model: GPT, cache: KVCache, heads: DraftHeads, tree: Tree, root:
     verify = partial(steps.verify, model, cache, proposal.tokens, depths=t.depths, ancestor_mask=t.ancestor_mask,
                      attended=attended)
     usable = usable_nodes(tree, start, torch.full_like(start, model.config.block_size))  # [1, N]
+    # Compiled, the greedy verify also drafts the next tree (the heads in its graph), and a decoding loop's
+    # step takes the tree the step before drafted: the whole step then has no eager heads.
+    drafts = steps.greedy_verify is not None
     greedy = partial(steps.greedy_verify or greedy_verify, model, cache, proposal.tokens, tree=t, usable=usable,
-                     attended=attended)
+                     attended=attended, heads=proposer.heads if drafts else None)
     accepted = Accepted(*(x.clone() for x in greedy()[0]))  # out of a captured graph's buffers: the next
     return {"heads": propose, "verify": verify, "greedy verify": greedy,  # call reuses them
             "host read": partial(read_step, proposal, accepted),
             "whole step": partial(medusa_step, model, cache, proposer, root, hidden, history=history, attended=attended,
-                            steps=steps)}
+                                  steps=steps, drafted=proposal.tokens if drafts else None)}
 
 
 @torch.no_grad()

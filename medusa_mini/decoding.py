@@ -208,6 +208,7 @@ def medusa_generate_batch(
     roots = sampling.next_token(logits, generator)  # [B] on the device, as every later root
     stopped = rows.emit([[t] for t in roots.tolist()], step=False)
     stop_at = torch.tensor(rows.stop_at, device=device)  # [B]
+    drafted = None  # the next tree's tokens, when a compiled greedy step drafted them
     while rows.active:
         if stopped:  # a stopped row accepts nothing more and its cache length stays put
             stop_at[stopped] = 0
@@ -215,11 +216,11 @@ def medusa_generate_batch(
         max_depth = max(rows.stop_at[b] - 2 - lengths[b] for b in rows.active)
         step = medusa_step(model, cache, proposer, roots, hidden, history=rows.history(), sampling=sampling,
                            generator=generator, stop_at=stop_at, max_depth=max_depth, steps=steps,
-                           attended=steps.attended(max(lengths) + proposer.tree.num_nodes))
+                           attended=steps.attended(max(lengths) + proposer.tree.num_nodes), drafted=drafted)
         for b in rows.active:
             lengths[b] += len(step.paths[b])
         stopped = rows.emit(step.new_tokens, step=True, accepted=[len(p) - 1 for p in step.paths])
-        roots, hidden = step.next_roots, step.next_hidden
+        roots, hidden, drafted = step.next_roots, step.next_hidden, step.next_tokens
     return rows.results()
 
 

@@ -16,7 +16,8 @@ is most of what the heads cost; the backbone still verifies over the whole vocab
 acceptance rule stays what it is (rejection sampling's residual carries the tokens q never proposes).
 
 Each kind carries what differs, so no caller asks which kind it holds: its teacher-forced logits
-(`forward`, for training and measuring), its `proposer` (how it fills a tree) and its `description`.
+(`forward`, for training and measuring), its `proposer` (how it fills a tree), `draft_greedily` (the
+same top-k tree as one function a compiled step captures) and its `description`.
 
 Shapes: K heads, C n_embd, V vocabulary, M draft vocabulary, `...` any leading dims.
 """
@@ -29,8 +30,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .proposal import HydraProposer, MedusaProposer
-from .tree import Tree
+from .proposal import HydraProposer, MedusaProposer, fill, fill_depth_by_depth, top_k
+from .tree import Tree, TreeTensors
 
 HEAD_KINDS = ("medusa", "hydra")
 IGNORE = -100  # F.cross_entropy's default ignore_index: a position with no target
@@ -170,7 +171,14 @@ class MedusaHeads(DraftHeads):
         rows are made once, here, not at every step."""
         blocks, weight = tuple(t.detach() for t in self.stacked()), self.draft_weight(model).detach()
         return MedusaProposer(tree, lambda h, num: self(h, model, num=num, blocks=blocks, weight=weight).transpose(0, 1),
-                              draft_ids=self.draft_ids, vocab_size=self.config.vocab_size, num_heads=self.num_heads)
+                              heads=self, draft_ids=self.draft_ids, vocab_size=self.config.vocab_size)
+
+    def draft_greedily(self, model: nn.Module, roots: torch.Tensor, hidden: torch.Tensor, tree: TreeTensors
+                       ) -> torch.Tensor:
+        """The proposer's top-k tree, roots [B], hidden [B, C] -> tokens [B, N], as one pure function, so
+        a compiled greedy step drafts the next tree in its own graph (`step.greedy_verify`)."""
+        logits = self(hidden, model, num=len(tree.first) - 2).transpose(0, 1)  # [B, D, M]
+        return fill(tree, roots, top_k(logits, self.draft_ids, tree.num_ranks))
 
 
 class HydraHeads(DraftHeads):
@@ -208,4 +216,11 @@ class HydraHeads(DraftHeads):
     def proposer(self, model: nn.Module, tree: Tree) -> HydraProposer:
         weight = self.draft_weight(model).detach()
         return HydraProposer(tree, lambda k, hidden, tokens: self.head_logits(k, hidden, tokens, model, weight=weight),
-                             draft_ids=self.draft_ids, vocab_size=self.config.vocab_size, num_heads=self.num_heads)
+                             heads=self, draft_ids=self.draft_ids, vocab_size=self.config.vocab_size)
+
+    def draft_greedily(self, model: nn.Module, roots: torch.Tensor, hidden: torch.Tensor, tree: TreeTensors
+                       ) -> torch.Tensor:
+        """The proposer's top-k tree as one pure function, for a compiled greedy step (see MedusaHeads')."""
+        weight, ids = self.draft_weight(model), self.draft_ids
+        return fill_depth_by_depth(tree, roots, hidden, lambda k, h, tokens: self.head_logits(k, h, tokens, model, weight=weight),
+                                   lambda logits: top_k(logits, ids, tree.num_ranks))

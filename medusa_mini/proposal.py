@@ -23,7 +23,7 @@ from typing import Callable, Protocol
 import torch
 
 from .sampling import Sampling, draft_log_probs, draw_without_replacement
-from .tree import Tree, chain
+from .tree import Tree, TreeTensors, chain
 
 
 @dataclass(frozen=True)
@@ -59,6 +59,7 @@ class Proposer(Protocol):
     row's tokens so far (prompt and output, ending with the root). Siblings hold distinct tokens."""
 
     tree: Tree  # the full tree; a proposal may hold a truncated one near the end of a generation
+    heads: object  # the draft heads, whose `draft_greedily` fills the full tree in a compiled step; or None
 
     def propose(self, roots: torch.Tensor, hidden: torch.Tensor, *, history: list[list[int]], max_depth: int,
                 sampling: Sampling, generator: torch.Generator | None) -> Proposal:
@@ -67,14 +68,42 @@ class Proposer(Protocol):
 
 
 class HeadsProposer:
-    """A fixed tree, the heads' logits (a function, see each kind) over their draft vocabulary draft_ids [M]."""
+    """A fixed tree, the heads' logits (a function, see each kind) over their draft vocabulary draft_ids [M].
+    `heads`: the module itself, whose `draft_greedily` a compiled greedy step runs in its graph."""
 
-    def __init__(self, tree: Tree, head_logits: Callable, *, draft_ids: torch.Tensor, vocab_size: int,
-                 num_heads: int) -> None:
-        tree.check_heads(num_heads)
+    def __init__(self, tree: Tree, head_logits: Callable, *, heads, draft_ids: torch.Tensor, vocab_size: int) -> None:
+        tree.check_heads(heads.num_heads)
         if tree.max_rank >= draft_ids.numel():
             raise ValueError(f"the tree asks for rank {tree.max_rank}; the draft vocabulary has {draft_ids.numel()} tokens")
-        self.tree, self.head_logits, self.draft_ids, self.vocab_size = tree, head_logits, draft_ids, vocab_size
+        self.tree, self.head_logits, self.heads = tree, head_logits, heads
+        self.draft_ids, self.vocab_size = draft_ids, vocab_size
+
+
+def top_k(logits: torch.Tensor, draft_ids: torch.Tensor, k: int) -> torch.Tensor:
+    """The k most likely tokens, most likely first: logits [..., M] over draft_ids [M] -> token ids [..., k]."""
+    return draft_ids[logits.topk(k, dim=-1).indices]
+
+
+def fill(tree: TreeTensors, roots: torch.Tensor, guesses: torch.Tensor) -> torch.Tensor:
+    """Node i gets its depth's rank(i) guess: roots [B], guesses [B, D, R] -> tokens [B, N]."""
+    every = torch.cat([roots[:, None], guesses.flatten(1)], dim=1)  # [B, 1 + D R]: the root, then each head's
+    return every.index_select(1, tree.guess_index)  # [B, N]
+
+
+def fill_depth_by_depth(tree: TreeTensors, roots: torch.Tensor, hidden: torch.Tensor, head_logits: Callable,
+                        pick: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """Dependent heads' tree, roots [B] and hidden [B, C] -> tokens [B, N]: each node's children are
+    pick(logits [B, n, M] of q(. | the node's path)) [B, n, R], nodes of depth d - 1 all at once.
+
+    head_logits(k, hidden [B, n, C], tokens [B, n, k]) -> [B, n, M]: head k given each node's path."""
+    (B, C), first = hidden.shape, tree.first
+    tokens = roots[:, None].repeat(1, tree.parents.numel())  # [B, N], filled depth by depth below
+    for d in range(1, len(first) - 1):
+        lo, hi, kids = first[d - 1], first[d], slice(first[d], first[d + 1])
+        paths = tokens[:, tree.node_paths[lo:hi, :d]]  # [B, n, d]: the root, then the drafted path
+        picks = pick(head_logits(d, hidden[:, None].expand(B, hi - lo, C), paths))  # [B, n, R]
+        tokens[:, kids] = picks[:, tree.parents[kids] - lo, tree.ranks[kids]]
+    return tokens
 
 
 class MedusaProposer(HeadsProposer):
@@ -88,30 +117,25 @@ class MedusaProposer(HeadsProposer):
     def propose(self, roots: torch.Tensor, hidden: torch.Tensor, *, max_depth: int, sampling: Sampling,
                 generator: torch.Generator | None, history: list[list[int]] | None = None) -> Proposal:
         tree = self.tree.truncated(max(max_depth, 0))
-        D, R = tree.depth, tree.max_rank + 1
-        if D == 0:  # the root alone: the last token of a generation needs no guess, and draws none
+        t = tree.tensors(roots.device)
+        if tree.depth == 0:  # the root alone: the last token of a generation needs no guess, and draws none
             # A fresh contiguous tensor, as every other proposal's: a compiled verify is specialised on
             # its input's strides, and roots may be a column of a larger tensor.
             return Proposal(roots[:, None].clone(memory_format=torch.contiguous_format), tree)
-        logits = self.head_logits(hidden, D)  # [B, D, M]: only the heads the tree reaches
+        logits = self.head_logits(hidden, tree.depth)  # [B, D, M]: only the heads the tree reaches
         ids = self.draft_ids.to(logits.device)
         if not sampling.draws_candidates:
-            return Proposal(fill(tree, roots, ids[logits.topk(R, dim=-1).indices]), tree)
+            return Proposal(fill(t, roots, top_k(logits, ids, t.num_ranks)), tree)
         log_q = draft_log_probs(logits, ids, temperature=sampling.temperature, vocab_size=self.vocab_size)
-        samples = draw_without_replacement(log_q, R, generator)  # [B, D, R]
+        samples = draw_without_replacement(log_q, t.num_ranks, generator)  # [B, D, R]
         rows = tuple(d if kids else -1 for d, kids in zip(tree.depths, tree.children))
-        return Proposal(fill(tree, roots, samples), tree, Draft(log_q=log_q, samples=samples, rows=rows))
-
-
-def fill(tree: Tree, roots: torch.Tensor, guesses: torch.Tensor) -> torch.Tensor:
-    """Node i gets its depth's rank(i) guess: roots [B], guesses [B, D, R] -> tokens [B, N]."""
-    every = torch.cat([roots[:, None], guesses.flatten(1)], dim=1)  # [B, 1 + D R]: the root, then each head's
-    return every.index_select(1, tree.tensors(guesses.device).guess_index)  # [B, N]
+        return Proposal(fill(t, roots, samples), tree, Draft(log_q=log_q, samples=samples, rows=rows))
 
 
 class HydraProposer(HeadsProposer):
-    """A fixed tree filled by dependent heads, depth by depth: a node's children are the top-k of
-    q(. | the node's path), or, for sampled drafts, distinct draws from it (one Draft row per node).
+    """A fixed tree filled by dependent heads, depth by depth (`fill_depth_by_depth`): a node's children
+    are the top-k of q(. | the node's path), or, for sampled drafts, distinct draws from it (one Draft
+    row per node).
 
     head_logits(k, hidden [B, n, C], tokens [B, n, k]) -> [B, n, M]: head k given each node's path.
     """
@@ -120,26 +144,18 @@ class HydraProposer(HeadsProposer):
     def propose(self, roots: torch.Tensor, hidden: torch.Tensor, *, max_depth: int, sampling: Sampling,
                 generator: torch.Generator | None, history: list[list[int]] | None = None) -> Proposal:
         tree = self.tree.truncated(max(max_depth, 0))
-        t, (B, C), R = tree.tensors(hidden.device), hidden.shape, tree.max_rank + 1
-        ids = self.draft_ids.to(hidden.device)
-        tokens = roots[:, None].repeat(1, tree.num_nodes)  # [B, N], filled depth by depth below
-        draws = sampling.draws_candidates and tree.depth > 0
+        t, ids = tree.tensors(hidden.device), self.draft_ids.to(hidden.device)
+        if not (sampling.draws_candidates and tree.depth > 0):
+            return Proposal(fill_depth_by_depth(t, roots, hidden, self.head_logits,
+                                                lambda logits: top_k(logits, ids, t.num_ranks)), tree)
         log_qs, samples = [], []
-        for d in range(1, tree.depth + 1):
-            # Every node of depth d - 1 (nodes of one depth are consecutive) reads its own path.
-            lo, hi, kids = tree.first[d - 1], tree.first[d], slice(tree.first[d], tree.first[d + 1])
-            paths = tokens[:, t.node_paths[lo:hi, :d]]  # [B, n, d]: the root, then the drafted path
-            logits = self.head_logits(d, hidden[:, None].expand(B, hi - lo, C), paths)  # [B, n, M]
-            if draws:
-                log_q = draft_log_probs(logits, ids, temperature=sampling.temperature, vocab_size=self.vocab_size)
-                picks = draw_without_replacement(log_q, R, generator)  # [B, n, R]
-                log_qs.append(log_q)
-                samples.append(picks)
-            else:
-                picks = ids[logits.topk(R, dim=-1).indices]  # [B, n, R]
-            tokens[:, kids] = picks[:, t.parents[kids] - lo, t.ranks[kids]]
-        if not draws:
-            return Proposal(tokens, tree)
+
+        def draw_children(logits: torch.Tensor) -> torch.Tensor:  # [B, n, M] -> [B, n, R], q kept for the tries
+            log_qs.append(draft_log_probs(logits, ids, temperature=sampling.temperature, vocab_size=self.vocab_size))
+            samples.append(draw_without_replacement(log_qs[-1], t.num_ranks, generator))
+            return samples[-1]
+
+        tokens = fill_depth_by_depth(t, roots, hidden, self.head_logits, draw_children)
         rows = tuple(i if kids else -1 for i, kids in enumerate(tree.children))  # row i = node i's q
         return Proposal(tokens, tree, Draft(log_q=torch.cat(log_qs, 1), samples=torch.cat(samples, 1), rows=rows))
 
@@ -175,7 +191,7 @@ class PromptLookupProposer:
     continuation repeat its last token: candidates like any other, accepted only where the backbone agrees."""
 
     def __init__(self, tree: Tree, *, max_ngram: int) -> None:
-        self.tree, self.max_ngram = tree, max_ngram
+        self.tree, self.max_ngram, self.heads = tree, max_ngram, None
 
     def propose(self, roots: torch.Tensor, hidden: torch.Tensor, *, history: list[list[int]], max_depth: int,
                 sampling: Sampling, generator: torch.Generator | None) -> Proposal:

@@ -73,15 +73,19 @@ def finish_step(cache: KVCache, accepted: Accepted, hiddens: torch.Tensor, *, st
 
 
 def greedy_verify(model: GPT, cache: KVCache, tokens: torch.Tensor, *, tree: TreeTensors, usable: torch.Tensor,
-                  attended: int | None = None) -> tuple[Accepted, torch.Tensor]:
+                  attended: int | None = None, heads=None) -> tuple[Accepted, torch.Tensor, torch.Tensor | None]:
     """All of a greedy step after its proposal (tokens [B, N]), as one function, so a compiler captures it
     as one graph (two would hand the verify's logits across, which CUDA graphs free between calls):
-    `verify`, greedy acceptance (no draws, fixed shapes), `finish_step`."""
+    `verify`, greedy acceptance (no draws, fixed shapes), `finish_step`; with `heads`, also the next
+    step's tokens [B, N] on the same tree (`draft_greedily` from the bonus tokens and the hidden states
+    `finish_step` returns), which the heads would otherwise compute in a few dozen launches of their own.
+    Returns (accepted, next hidden [B, C], next tokens or None)."""
     start = cache.lengths  # [B]
     logits, hiddens = verify(model, cache, tokens, depths=tree.depths, ancestor_mask=tree.ancestor_mask,
                              attended=attended)  # [B, N, V], [B, N, C]
     accepted = greedy_accept_paths(tree, tokens, logits, usable=usable)
-    return accepted, finish_step(cache, accepted, hiddens, start=start, active=usable[:, 0])
+    hidden = finish_step(cache, accepted, hiddens, start=start, active=usable[:, 0])  # [B, C]
+    return accepted, hidden, None if heads is None else heads.draft_greedily(model, accepted.bonus, hidden, tree)
 
 
 @dataclass(frozen=True)
@@ -112,6 +116,7 @@ class StepResult:
     new_tokens: list[list[int]]  # per row, the accepted candidates then the bonus (the root came before)
     next_roots: torch.Tensor  # [B] the bonus tokens, on the device: the next step's roots
     next_hidden: torch.Tensor  # [B, C] the hidden state at each row's last accepted node
+    next_tokens: torch.Tensor | None = None  # [B, N] the next step's full tree, when this step drafted it
 
 
 def read_step(proposal: Proposal, accepted: Accepted) -> tuple[list[list[int]], list[list[int]]]:
@@ -139,6 +144,7 @@ def medusa_step(
     max_depth: int | None = None,
     attended: int | None = None,
     steps: Steps = EAGER,
+    drafted: torch.Tensor | None = None,
 ) -> StepResult:
     """One Medusa step for B rows: candidates -> verify -> accept -> compact, then one host sync.
 
@@ -146,23 +152,33 @@ def medusa_step(
     hidden states that produced them. history: each row's tokens so far (prompt lookup reads them).
     stop_at: [B] the total length at which each row stops (default: the context); max_depth: the
     deepest node any row can use (default: the proposer's); attended: the cache slots any row reads
-    once the nodes are in (default: all).
+    once the nodes are in (default: all). drafted: [B, N] the full tree's tokens, when the step before
+    drafted them (`StepResult.next_tokens`); used unless this step's tree is cut short.
     """
     start = cache.lengths  # [B] the roots' slots
     depth = proposer.tree.depth if max_depth is None else max_depth
-    proposal = proposer.propose(roots, hidden, history=history or [[]] * len(roots), max_depth=depth,
-                                sampling=sampling, generator=generator)
+    if drafted is not None and depth >= proposer.tree.depth:
+        proposal = Proposal(drafted, proposer.tree)
+    else:
+        proposal = proposer.propose(roots, hidden, history=history or [[]] * len(roots), max_depth=depth,
+                                    sampling=sampling, generator=generator)
     t = proposal.tree.tensors(roots.device)
     if stop_at is None:
         stop_at = torch.full_like(start, model.config.block_size)
     usable = usable_nodes(proposal.tree, start, stop_at)  # [B, N]
+    next_tokens = None
     if sampling.acceptance == "greedy" and steps.greedy_verify is not None:
-        accepted, next_hidden = steps.greedy_verify(model, cache, proposal.tokens, tree=t, usable=usable,
-                                                    attended=attended)
+        # The heads draft the next tree in the same graph, unless this tree is cut short (the end is near).
+        heads = proposer.heads if proposal.tree is proposer.tree else None
+        accepted, next_hidden, next_tokens = steps.greedy_verify(model, cache, proposal.tokens, tree=t, usable=usable,
+                                                                 attended=attended, heads=heads)
+        if next_tokens is not None:  # the next step's input: a copy, as a CUDA graph overwrites its outputs
+            next_tokens = next_tokens.clone()
     else:
         logits, hiddens = steps.verify(model, cache, proposal.tokens, depths=t.depths, ancestor_mask=t.ancestor_mask,
                                        attended=attended)  # [B, N, V], [B, N, C]
         accepted = accept_paths(proposal, logits, sampling=sampling, generator=generator, usable=usable)
         next_hidden = finish_step(cache, accepted, hiddens, start=start, active=usable[:, 0])
     paths, new_tokens = read_step(proposal, accepted)
-    return StepResult(paths=paths, new_tokens=new_tokens, next_roots=accepted.bonus, next_hidden=next_hidden)
+    return StepResult(paths=paths, new_tokens=new_tokens, next_roots=accepted.bonus, next_hidden=next_hidden,
+                      next_tokens=next_tokens)

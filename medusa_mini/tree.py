@@ -142,7 +142,8 @@ class Tree:
 
 @dataclass(frozen=True)
 class TreeTensors:
-    """A tree's index tensors on one device (`Tree.tensors`). N nodes, D depth."""
+    """A tree's index tensors on one device (`Tree.tensors`), and the sizes a compiled step needs as
+    constants. N nodes, D depth."""
 
     parents: torch.Tensor  # [N] long: each node's parent, -1 for the root
     ancestor_mask: torch.Tensor  # [N, N] bool: j is i or an ancestor of i, the tree attention mask (Fig. 2)
@@ -150,6 +151,8 @@ class TreeTensors:
     ranks: torch.Tensor  # [N] long: the rank of the head's guesses each node holds (0 for the root)
     node_paths: torch.Tensor  # [N, D + 1] long: the root-to-node path of each node, then the node repeated
     guess_index: torch.Tensor  # [N] long: where each node's token sits in [root, head 1's R guesses, head 2's, ...]
+    first: tuple[int, ...]  # `Tree.first`: nodes of depth d are first[d] .. first[d + 1] - 1
+    num_ranks: int  # R, the ranks any node uses (`Tree.max_rank` + 1)
 
 
 @lru_cache(maxsize=64)
@@ -165,7 +168,8 @@ def tree_tensors(tree: Tree, device: str) -> TreeTensors:
     R = tree.max_rank + 1
     guess = [0] + [1 + (d - 1) * R + r for d, r in zip(tree.depths[1:], tree.ranks[1:])]
     return TreeTensors(parents=as_long(tree.parents), ancestor_mask=mask.to(device), depths=as_long(tree.depths),
-                       ranks=as_long(tree.ranks), node_paths=paths.to(device), guess_index=as_long(guess))
+                       ranks=as_long(tree.ranks), node_paths=paths.to(device), guess_index=as_long(guess),
+                       first=tuple(tree.first), num_ranks=R)
 
 
 # ---- presets ---------------------------------------------------------------------------------

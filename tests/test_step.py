@@ -29,7 +29,7 @@ def test_near_the_end_the_proposal_holds_the_shallow_part_of_the_tree_and_asks_o
         asked.append(num)
         return heads(hidden, model, num=num).transpose(0, 1)
 
-    proposer = MedusaProposer(TREE, head_logits, draft_ids=heads.draft_ids, vocab_size=V, num_heads=3)
+    proposer = MedusaProposer(TREE, head_logits, heads=heads, draft_ids=heads.draft_ids, vocab_size=V)
     hidden = torch.randn(1, 32, generator=torch.Generator().manual_seed(0))
     for depth, want in ((3, TREE), (5, TREE), (1, TREE.truncated(1)), (0, TREE.truncated(0))):
         proposal = proposer.propose(torch.tensor([7]), hidden, max_depth=depth, sampling=Sampling(), generator=None)

@@ -35,9 +35,10 @@ def test_choices_are_sorted_so_parents_precede_children_and_a_nodes_position_off
 
 def test_the_tree_tensors_hold_the_host_lists_on_the_device_asked_for():
     t = TREE.tensors("meta")
-    assert {x.device.type for x in vars(t).values()} == {"meta"}
+    assert {x.device.type for x in vars(t).values() if isinstance(x, torch.Tensor)} == {"meta"}
     t = TREE.tensors("cpu")
     assert (t.parents.tolist(), t.depths.tolist(), t.ranks.tolist()) == (TREE.parents, TREE.depths, TREE.ranks)
+    assert (list(t.first), t.num_ranks) == (TREE.first, TREE.max_rank + 1)  # sizes, as constants
 
 
 def test_node_sees_only_its_ancestors():

@@ -1,9 +1,9 @@
 """`--compile`: the plain step (T = 1), the tree verify (T = N) and the greedy verify (the verify, greedy
-acceptance and keeping the path) compiled by name, whole graphs, one per shape, on CUDA as CUDA graphs
-(mode "reduce-overhead"), which remove the kernel launches that dominate batch-1 decoding; the prefill
-stays eager. A CUDA graph replays
-on the addresses it recorded and overwrites its outputs at its next replay: `StaticCaches` keeps one KV
-cache per shape, marked static, and `warm_up` records every shape before anything is timed."""
+acceptance, keeping the path and the heads' next tree) compiled by name, whole graphs, one per shape, on
+CUDA as CUDA graphs (mode "reduce-overhead"), which remove the kernel launches that dominate batch-1
+decoding; the prefill stays eager. A CUDA graph replays on the addresses it recorded and overwrites its
+outputs at its next replay: `StaticCaches` keeps one KV cache per shape, marked static, and `warm_up`
+records every shape before anything is timed."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import torch
 
 from .. import step
 from ..model import GPT, KVCache
+from ..proposal import Proposer
 from ..tree import Tree
 from .common import timed
 
@@ -44,18 +45,20 @@ class StaticCaches:
 
 @torch.no_grad()
 def warm_up(model: GPT, steps: step.Steps, caches: StaticCaches, *, rows: int, plain: bool,
-            verify: list[Tree] = (), greedy: list[Tree] = ()) -> float:
+            verify: list[Tree] = (), greedy: list[Proposer] = ()) -> float:
     """Run every shape decoding `rows` rows can meet: the plain step (if `plain`), and each tree with each
     of its truncations (a generation's last steps verify fewer depths) through `steps.verify` (trees
-    decoded under a sampling rule) or `steps.greedy_verify` (under greedy acceptance): only the graphs
+    decoded under a sampling rule) or `steps.greedy_verify` (the trees of proposers under greedy
+    acceptance; the full tree with its heads, which draft the next one in the graph): only the graphs
     the run uses. Three calls each: under CUDA graphs the first runs eagerly, the second records, the
     third replays. Returns the seconds it took."""
     device, block = model.device, model.config.block_size
 
-    def truncations(trees: list[Tree]) -> set[tuple[int, Tree]]:
-        return {(tree.num_nodes, tree.truncated(d)) for tree in trees for d in range(tree.depth + 1)}
+    def truncations(trees: list[tuple[Tree, object]]) -> set[tuple[int, Tree, object]]:
+        return {(tree.num_nodes, tree.truncated(d), heads if d == tree.depth else None)
+                for tree, heads in trees for d in range(tree.depth + 1)}
 
-    shapes = [(truncations(verify), False), (truncations(greedy), True)]
+    shapes = [(truncations([(t, None) for t in verify]), False), (truncations([(p.tree, p.heads) for p in greedy]), True)]
     config = torch._dynamo.config  # each shape is one more specialisation of its function
     config.recompile_limit += max(len(s) for s, _ in shapes) + 1
     config.accumulated_recompile_limit += sum(len(s) for s, _ in shapes) + 1
@@ -66,7 +69,7 @@ def warm_up(model: GPT, steps: step.Steps, caches: StaticCaches, *, rows: int, p
             cache.lengths = 0
             steps.plain(model, cache, torch.zeros(rows, 1, dtype=torch.long, device=device))
         for trees, greedily in shapes:
-            for nodes, t in trees:
+            for nodes, t, heads in trees:
                 cache, tensors = caches(rows, block + nodes), t.tensors(device)
                 tokens = torch.zeros(rows, t.num_nodes, dtype=torch.long, device=device)
                 start = torch.zeros(rows, dtype=torch.long, device=device)
@@ -74,7 +77,7 @@ def warm_up(model: GPT, steps: step.Steps, caches: StaticCaches, *, rows: int, p
                 for _ in range(3):
                     cache.lengths = 0
                     if greedily:
-                        steps.greedy_verify(model, cache, tokens, tree=tensors, usable=usable)
+                        steps.greedy_verify(model, cache, tokens, tree=tensors, usable=usable, heads=heads)
                     else:
                         steps.verify(model, cache, tokens, depths=tensors.depths, ancestor_mask=tensors.ancestor_mask)
     return timed(device, every_shape)[1]

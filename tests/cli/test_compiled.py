@@ -10,8 +10,9 @@ import pytest
 import torch
 
 import decode
-from conftest import tiny_model
+from conftest import random_heads, tiny_model
 from medusa_mini.cli.compiled import StaticCaches, compile_steps, warm_up
+from medusa_mini.decoding import medusa_generate_batch
 from medusa_mini.tree import Tree
 
 TREE = Tree.from_choices([(0,), (1,), (0, 0), (1, 0), (0, 0, 0)])
@@ -60,23 +61,46 @@ class GraphReplay:
         return replay
 
 
-def warmed_up(seed: int):
-    """A tiny model, its steps compiled (replayed as CUDA graphs) and its static caches, warmed up for TREE."""
+def warmed_up(seed: int, *, backend=None, kind: str = "medusa", rows: int = 1):
+    """A tiny model, heads of `kind`, its steps compiled (replayed as CUDA graphs, by `backend`) and its
+    static caches, warmed up for TREE."""
     torch.compiler.reset()  # graphs are cached per function, across models: start afresh
-    model, steps = tiny_model(seed), compile_steps("cpu", backend=GraphReplay())
-    warm_up(model, steps, caches := StaticCaches(model), rows=1, plain=True, verify=[TREE], greedy=[TREE])
-    return model, steps, caches
+    model, steps = tiny_model(seed), compile_steps("cpu", backend=backend or GraphReplay())
+    heads = random_heads(model, seed=seed, kind=kind)
+    warm_up(model, steps, caches := StaticCaches(model), rows=rows, plain=True, verify=[TREE],
+            greedy=[heads.proposer(model, TREE)])
+    return model, heads, steps, caches
 
 
 @torch.no_grad()
 def test_graph_replay_poisons_a_steps_outputs_when_a_step_runs_again():
     """What catches a decoding loop that reads a step's logits or hidden state after the next step."""
-    model, steps, caches = warmed_up(7)
+    model, _, steps, caches = warmed_up(7)
     logits, hidden = steps.plain(model, caches(1, model.config.block_size), torch.tensor([[3]]))
     t = TREE.tensors("cpu")
     steps.verify(model, caches(1, model.config.block_size + TREE.num_nodes), torch.zeros(1, TREE.num_nodes,
                  dtype=torch.long), depths=t.depths, ancestor_mask=t.ancestor_mask)
     assert logits.isnan().all() and hidden.isnan().all()
+
+
+@pytest.mark.parametrize("kind", ["medusa", "hydra"])
+def test_a_compiled_greedy_step_drafts_the_next_tree_in_its_graph(monkeypatch, kind):
+    """Compiled, greedy decoding runs the heads in the greedy verify's graph, so they launch nothing of
+    their own: the eager proposer fills only the first tree and those cut short near the end, and the
+    tokens are the eager ones, for a ragged batch."""
+    backend = GraphReplay()
+    model, heads, steps, caches = warmed_up(5, backend=backend, kind=kind, rows=2)
+    graphs, proposer_type, proposed = len(backend.graphs), type(heads.proposer(model, TREE)), []
+    propose = proposer_type.propose
+    monkeypatch.setattr(proposer_type, "propose", lambda *a, **kw: proposed.append(1) or propose(*a, **kw))
+    run = partial(medusa_generate_batch, model, heads, [[1, 2, 3], [4, 5]], tree=TREE, max_new_tokens=30)
+    compiled = run(steps=steps, cache=caches)
+    drafted_eagerly = len(proposed)
+    eager = run()
+    assert [out for out, _ in compiled] == [out for out, _ in eager]
+    assert len(proposed) - drafted_eagerly == eager[0][1].steps > 1 + TREE.depth  # eager: every step proposes
+    assert 1 <= drafted_eagerly <= 1 + TREE.depth  # compiled: the first tree and the truncated ones
+    assert len(backend.graphs) == graphs  # the warm-up recorded the drafting graph
 
 
 def test_a_kv_cache_not_marked_static_is_refused_under_cuda_graphs_rules(monkeypatch):
