@@ -53,11 +53,11 @@ class TrainArgs:
     lambda0: float = hp(0.2, "Medusa-2 heads-loss weight (ramped up)")
     heads_stride: int = hp(4, "joint training: head losses at every n-th position only (speed)")
     head_decay: float = hp(0.8, "head k's loss weight decay^k (joint)")
-    distill_prompts: int = hp(512, "self-distillation prompts")
+    distill_prompts: int = hp(1024, "self-distillation prompts")
     distill_prompt_len: int = hp(32, "tokens per prompt")
     distill_tokens: int = hp(96, "tokens the backbone writes per prompt")
     distill_temperatures: str = hp("0,0.8", "sampling temperatures, cycled (0: greedy)")
-    heads_steps: int = hp(250, "heads-only optimizer steps on the self-distilled text")
+    heads_steps: int = hp(500, "heads-only optimizer steps on the self-distilled text")
     heads_batch_size: int = hp(32, "sequences per heads step")
     heads_lr: float = hp(1e-3, "heads-only learning rate")
     draft_vocab: int = hp(512, "M: heads guess among the M tokens most frequent in the self-distilled text (0: all)")
@@ -95,7 +95,9 @@ PRESETS: dict[str, dict] = {
     "smoke": dict(max_bytes=300_000, vocab_size=512, n_layer=2, n_head=2, n_embd=64, block_size=128,
                   batch_size=8, backbone_steps=120, distill_prompts=64, distill_prompt_len=16,
                   distill_tokens=48, heads_steps=80, heads_batch_size=16, eval_prompts=4, draft_vocab=128),
-    "cpu": dict(),  # two CPU cores; a draft vocabulary of a quarter of the tokens measured fastest (BENCHMARKS.md)
+    # two CPU cores; a draft vocabulary of a quarter of the tokens measured fastest, and twice the heads'
+    # distilled text and steps of before took greedy tokens/step from 3.60 to 3.91 for 4 minutes (BENCHMARKS.md)
+    "cpu": dict(),
     # one GPU; the whole standard library (~11 MB), so 4000 steps x 16K tokens pass over it ~20 times, not ~85
     "gpu": dict(max_bytes=16_000_000, eval_every=250, vocab_size=4096, n_layer=8, n_head=8, n_embd=512,
                 batch_size=64, backbone_steps=4000, lr=6e-4, distill_prompts=4096, distill_tokens=128,
