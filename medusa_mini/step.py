@@ -8,8 +8,8 @@ where `read_step` reads the emitted tokens of every row at once: one host sync p
 candidates are the exception: rejection sampling tries them on the host).
 
 Decoding repeats two forward passes, `plain_step` and `verify` (for greedy acceptance, `greedy_verify`:
-the verify and all that follows it); `Steps` names what a loop runs, eager by default or compiled
-(cli/compiled.py), as gpt-fast compiles its `decode_one_token`.
+the verify and all that follows it, up to the heads' next tree); `Steps` names what a loop runs, eager
+by default or compiled (cli/compiled.py), as gpt-fast compiles its `decode_one_token`.
 
 Shapes: B rows, N tree nodes, D tree depth, V vocabulary, C n_embd.
 """
