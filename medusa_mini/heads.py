@@ -171,7 +171,8 @@ class MedusaHeads(DraftHeads):
         rows are made once, here, not at every step."""
         blocks, weight = tuple(t.detach() for t in self.stacked()), self.draft_weight(model).detach()
         return MedusaProposer(tree, lambda h, num: self(h, model, num=num, blocks=blocks, weight=weight).transpose(0, 1),
-                              heads=self, draft_ids=self.draft_ids, vocab_size=self.config.vocab_size)
+                              draft_ids=self.draft_ids, vocab_size=self.config.vocab_size, num_heads=self.num_heads,
+                              heads=self)
 
     def draft_greedily(self, model: nn.Module, roots: torch.Tensor, hidden: torch.Tensor, tree: TreeTensors
                        ) -> torch.Tensor:
@@ -218,7 +219,8 @@ class HydraHeads(DraftHeads):
     def proposer(self, model: nn.Module, tree: Tree) -> HydraProposer:
         weight = self.draft_weight(model).detach()
         return HydraProposer(tree, lambda k, hidden, tokens: self.head_logits(k, hidden, tokens, model, weight=weight),
-                             heads=self, draft_ids=self.draft_ids, vocab_size=self.config.vocab_size)
+                             draft_ids=self.draft_ids, vocab_size=self.config.vocab_size, num_heads=self.num_heads,
+                             heads=self)
 
     def draft_greedily(self, model: nn.Module, roots: torch.Tensor, hidden: torch.Tensor, tree: TreeTensors
                        ) -> torch.Tensor:

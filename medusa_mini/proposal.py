@@ -69,10 +69,12 @@ class Proposer(Protocol):
 
 class HeadsProposer:
     """A fixed tree, the heads' logits (a function, see each kind) over their draft vocabulary draft_ids [M].
-    `heads`: the module itself, whose `draft_greedily` a compiled greedy step runs in its graph."""
+    `heads`: the module itself, whose `draft_greedily` a compiled greedy step runs in its graph (None:
+    the proposer alone drafts)."""
 
-    def __init__(self, tree: Tree, head_logits: Callable, *, heads, draft_ids: torch.Tensor, vocab_size: int) -> None:
-        tree.check_heads(heads.num_heads)
+    def __init__(self, tree: Tree, head_logits: Callable, *, draft_ids: torch.Tensor, vocab_size: int,
+                 num_heads: int, heads=None) -> None:
+        tree.check_heads(num_heads)
         if tree.max_rank >= draft_ids.numel():
             raise ValueError(f"the tree asks for rank {tree.max_rank}; the draft vocabulary has {draft_ids.numel()} tokens")
         self.tree, self.head_logits, self.heads = tree, head_logits, heads

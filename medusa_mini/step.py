@@ -152,9 +152,11 @@ def medusa_step(
     hidden states that produced them. history: each row's tokens so far (prompt lookup reads them).
     stop_at: [B] the total length at which each row stops (default: the context); max_depth: the
     deepest node any row can use (default: the proposer's); attended: the cache slots any row reads
-    once the nodes are in (default: all). drafted: [B, N] the full tree's tokens, when the step before
-    drafted them (`StepResult.next_tokens`); used unless this step's tree is cut short.
+    once the nodes are in (default: all). drafted: [B, N] the full tree's top-k tokens, when the greedy
+    step before drafted them (`StepResult.next_tokens`); used unless this step's tree is cut short.
     """
+    if drafted is not None and sampling.acceptance != "greedy":
+        raise ValueError("drafted tokens are the heads' top-k guesses: only greedy acceptance takes them")
     start = cache.lengths  # [B] the roots' slots
     depth = proposer.tree.depth if max_depth is None else max_depth
     if drafted is not None and depth >= proposer.tree.depth:

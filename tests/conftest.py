@@ -102,7 +102,7 @@ class ContinuationHeads:
 
     def proposer(self, model: GPT, tree) -> MedusaProposer:
         return MedusaProposer(tree, lambda hidden, num: self(hidden, model, num=num).transpose(0, 1),
-                              heads=self, draft_ids=self.draft_ids, vocab_size=self.V)
+                              draft_ids=self.draft_ids, vocab_size=self.V, num_heads=self.num_heads)
 
     @torch.no_grad()
     def __call__(self, hidden: torch.Tensor, model: GPT, *, num: int | None = None, following=None) -> torch.Tensor:

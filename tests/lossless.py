@@ -96,8 +96,8 @@ class FutureHeads:
         def head_logits(*args):
             return self.gamma * self.ahead(model, proposer.history, *args)[..., ids]
 
-        self.num_heads = tree.depth  # as many heads as the tree asks for
-        proposer = self.proposer_class(tree, head_logits, heads=self, draft_ids=ids, vocab_size=model.config.vocab_size)
+        proposer = self.proposer_class(tree, head_logits, draft_ids=ids, vocab_size=model.config.vocab_size,
+                                       num_heads=tree.depth)  # as many heads as the tree asks for
         return proposer
 
     def ahead(self, model, history, hidden, num):

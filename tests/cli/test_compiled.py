@@ -3,6 +3,7 @@ captured graph under CUDA graphs' rules (`GraphReplay`) checks it on a CPU in mi
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from functools import partial
 
@@ -13,6 +14,7 @@ import decode
 from conftest import random_heads, tiny_model
 from medusa_mini.cli.compiled import StaticCaches, compile_steps, warm_up
 from medusa_mini.decoding import medusa_generate_batch
+from medusa_mini.step import Steps, verify
 from medusa_mini.tree import Tree
 
 TREE = Tree.from_choices([(0,), (1,), (0, 0), (1, 0), (0, 0, 0)])
@@ -86,19 +88,25 @@ def test_graph_replay_poisons_a_steps_outputs_when_a_step_runs_again():
 @pytest.mark.parametrize("kind", ["medusa", "hydra"])
 def test_a_compiled_greedy_step_drafts_the_next_tree_in_its_graph(monkeypatch, kind):
     """Compiled, greedy decoding runs the heads in the greedy verify's graph, so they launch nothing of
-    their own: the eager proposer fills only the first tree and those cut short near the end, and the
-    tokens are the eager ones, for a ragged batch."""
+    their own: the eager proposer fills only the first tree and those cut short near the end, every step
+    verifies the tree the eager proposer would have filled, and the tokens are the eager ones, for a
+    ragged batch."""
     backend = GraphReplay()
     model, heads, steps, caches = warmed_up(5, backend=backend, kind=kind, rows=2)
-    graphs, proposer_type, proposed = len(backend.graphs), type(heads.proposer(model, TREE)), []
+    graphs, proposer_type, proposed, verified = len(backend.graphs), type(heads.proposer(model, TREE)), [], []
     propose = proposer_type.propose
     monkeypatch.setattr(proposer_type, "propose", lambda *a, **kw: proposed.append(1) or propose(*a, **kw))
+
+    def recording(verify):  # what each step verifies: its tokens [B, N]
+        return lambda model, cache, tokens, **kw: verified.append(tokens.tolist()) or verify(model, cache, tokens, **kw)
+
     run = partial(medusa_generate_batch, model, heads, [[1, 2, 3], [4, 5]], tree=TREE, max_new_tokens=30)
-    compiled = run(steps=steps, cache=caches)
-    drafted_eagerly = len(proposed)
-    eager = run()
-    assert [out for out, _ in compiled] == [out for out, _ in eager]
-    assert len(proposed) - drafted_eagerly == eager[0][1].steps > 1 + TREE.depth  # eager: every step proposes
+    compiled = run(steps=dataclasses.replace(steps, greedy_verify=recording(steps.greedy_verify)), cache=caches)
+    drafted_eagerly, trees = len(proposed), verified[:]
+    verified.clear()
+    eager = run(steps=Steps(verify=recording(verify)))
+    assert [out for out, _ in compiled] == [out for out, _ in eager] and trees == verified
+    assert len(proposed) - drafted_eagerly == len(verified) > 1 + TREE.depth  # eager: every step proposes
     assert 1 <= drafted_eagerly <= 1 + TREE.depth  # compiled: the first tree and the truncated ones
     assert len(backend.graphs) == graphs  # the warm-up recorded the drafting graph
 

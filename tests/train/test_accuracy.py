@@ -51,7 +51,7 @@ class LookupHeads:
 
     def proposer(self, model, tree):
         return MedusaProposer(tree, lambda hidden, num: self(hidden, model, num=num).transpose(0, 1),
-                              heads=self, draft_ids=self.draft_ids, vocab_size=self.V)
+                              draft_ids=self.draft_ids, vocab_size=self.V, num_heads=self.num_heads)
 
     def __call__(self, hidden, model, *, following=None, num=None):
         row = torch.cdist(hidden.reshape(-1, hidden.shape[-1]), self.states).argmin(dim=1)  # [m]
