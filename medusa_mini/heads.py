@@ -180,7 +180,7 @@ class MedusaHeads(DraftHeads):
         a compiled greedy step drafts the next tree in its own graph (`step.greedy_verify`). It stacks the
         blocks and gathers the draft rows at every call (`proposer` does it once): in a graph a copy of a
         few MB, cheaper than the eager heads' launches it replaces."""
-        logits = self(hidden, model, num=len(tree.first) - 2).transpose(0, 1)  # [B, D, M]
+        logits = self(hidden, model, num=tree.depth).transpose(0, 1)  # [B, D, M]
         return fill(tree, roots, top_k(logits, self.draft_ids, tree.num_ranks))
 
 

@@ -100,7 +100,7 @@ def fill_depth_by_depth(tree: TreeTensors, roots: torch.Tensor, hidden: torch.Te
     head_logits(k, hidden [B, n, C], tokens [B, n, k]) -> [B, n, M]: head k given each node's path."""
     (B, C), first = hidden.shape, tree.first
     tokens = roots[:, None].expand(B, tree.parents.numel()).clone()  # [B, N], filled depth by depth below
-    for d in range(1, len(first) - 1):
+    for d in range(1, tree.depth + 1):
         lo, hi, kids = first[d - 1], first[d], slice(first[d], first[d + 1])
         paths = tokens[:, tree.node_paths[lo:hi, :d]]  # [B, n, d]: the root, then the drafted path
         picks = pick(head_logits(d, hidden[:, None].expand(B, hi - lo, C), paths))  # [B, n, R]

@@ -154,6 +154,11 @@ class TreeTensors:
     first: tuple[int, ...]  # `Tree.first`: nodes of depth d are first[d] .. first[d + 1] - 1
     num_ranks: int  # R, the ranks any node uses (`Tree.max_rank` + 1)
 
+    @property
+    def depth(self) -> int:
+        """D, as `Tree.depth`."""
+        return len(self.first) - 2
+
 
 @lru_cache(maxsize=64)
 def tree_tensors(tree: Tree, device: str) -> TreeTensors:
