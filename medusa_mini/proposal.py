@@ -58,8 +58,12 @@ class Proposer(Protocol):
     """Makes each step's proposal from roots [B], the hidden states [B, C] that produced them and each
     row's tokens so far (prompt and output, ending with the root). Siblings hold distinct tokens."""
 
-    tree: Tree  # the full tree; a proposal may hold a truncated one near the end of a generation
+    tree: Tree  # the full tree; a proposal may hold a smaller one (`trees`)
     heads: object  # the draft heads, whose `draft_greedily` fills the full tree in a compiled step; or None
+
+    def trees(self) -> list[Tree]:
+        """Every tree a proposal can hold: the shapes a compiled loop meets, each one graph."""
+        ...
 
     def propose(self, roots: torch.Tensor, hidden: torch.Tensor, *, history: list[list[int]], max_depth: int,
                 sampling: Sampling, generator: torch.Generator | None) -> Proposal:
@@ -79,6 +83,10 @@ class HeadsProposer:
             raise ValueError(f"the tree asks for rank {tree.max_rank}; the draft vocabulary has {draft_ids.numel()} tokens")
         self.tree, self.head_logits, self.heads = tree, head_logits, heads
         self.draft_ids, self.vocab_size = draft_ids, vocab_size
+
+    def trees(self) -> list[Tree]:
+        """The tree cut to each depth: near a generation's end the deeper nodes could not be used."""
+        return [self.tree.truncated(d) for d in range(self.tree.depth + 1)]
 
 
 def top_k(logits: torch.Tensor, draft_ids: torch.Tensor, k: int) -> torch.Tensor:
@@ -187,19 +195,29 @@ def lookup(text: list[int], *, max_ngram: int, length: int) -> list[int]:
     return []
 
 
+def chain_length(longest: int, depth: int) -> int:
+    """The chain that holds a continuation of `longest` tokens: the next power of two, at most `depth`
+    (0 stays 0). Lengths 0, 1, 2, 4, ..., depth: a compiled loop meets log2(depth) + 2 shapes, not depth + 1."""
+    return 0 if longest <= 0 else min(1 << (longest - 1).bit_length(), depth)
+
+
 class PromptLookupProposer:
-    """Each row's continuation from `lookup` fills a chain, cut to the longest continuation of any row (a
-    step in which no row finds one verifies the root alone: a plain step). A shorter row's nodes past its
-    continuation repeat its last token: candidates like any other, accepted only where the backbone agrees."""
+    """Each row's continuation from `lookup` fills a chain, cut to `chain_length` of the longest
+    continuation of any row (a step in which no row finds one verifies the root alone: a plain step).
+    Nodes past a row's continuation repeat its last token: candidates like any other, accepted only where
+    the backbone agrees; nodes past what a row may still emit are not usable (`step.usable_nodes`)."""
 
     def __init__(self, tree: Tree, *, max_ngram: int) -> None:
         self.tree, self.max_ngram, self.heads = tree, max_ngram, None
+
+    def trees(self) -> list[Tree]:
+        return list({self.tree.truncated(chain_length(n, self.tree.depth)): None for n in range(self.tree.depth + 1)})
 
     def propose(self, roots: torch.Tensor, hidden: torch.Tensor, *, history: list[list[int]], max_depth: int,
                 sampling: Sampling, generator: torch.Generator | None) -> Proposal:
         length = max(min(max_depth, self.tree.depth), 0)  # no longer than the chain, nor than any row can use
         found = [lookup(text, max_ngram=self.max_ngram, length=length) for text in history]
-        tree = self.tree.truncated(min(max_depth, max(map(len, found))))
+        tree = self.tree.truncated(chain_length(max(map(len, found)), self.tree.depth))
         D = tree.depth
         rest = torch.tensor([c + c[-1:] * (D - len(c)) if c else text[-1:] * D for c, text in zip(found, history)],
                             dtype=torch.long).view(len(found), D)  # [B, D]

@@ -108,19 +108,39 @@ def test_lookup_continues_the_first_earlier_occurrence_of_the_longest_repeated_t
     assert lookup(text, max_ngram=3, length=4) == want
 
 
-def test_prompt_lookup_drafts_each_rows_continuation_on_a_chain_cut_to_the_longest():
-    """Nodes past a row's continuation repeat its last token (a guess like any other); no continuation in any
-    row: the root alone."""
+def test_prompt_lookup_drafts_each_rows_continuation_on_a_chain_of_the_next_power_of_two():
+    """Nodes past a row's continuation repeat its last token (a guess like any other); the chain is the
+    longest continuation rounded up to a power of two; no continuation in any row: the root alone."""
     proposer = PromptLookup(max_ngram=2).proposer(None, preset("cpu"))  # a chain of the tree's 11 nodes
     assert proposer.tree == chain(11)
     history = [[1, 2, 3, 1, 2], [4, 5, 6, 5], [7, 8, 9]]
     proposal = proposer.propose(torch.tensor([2, 5, 9]), torch.zeros(3, 32), history=history, max_depth=5,
                                 sampling=Sampling(), generator=None)
-    assert proposal.tree == chain(3)
-    assert proposal.tokens.tolist() == [[2, 3, 1, 2], [5, 6, 5, 5], [9, 9, 9, 9]]
+    assert proposal.tree == chain(4)  # continuations of 3, 2 and 0 tokens
+    assert proposal.tokens.tolist() == [[2, 3, 1, 2, 2], [5, 6, 5, 5, 5], [9, 9, 9, 9, 9]]
     alone = proposer.propose(torch.tensor([9]), torch.zeros(1, 32), history=[[7, 8, 9]], max_depth=5,
                              sampling=Sampling(), generator=None)
     assert alone.tree.num_nodes == 1 and alone.tokens.tolist() == [[9]]
+
+
+@pytest.mark.parametrize("kind", ["medusa", "hydra", "prompt lookup"])
+def test_every_proposal_holds_one_of_the_few_trees_its_proposer_names(kind):
+    """What a compiled loop records in its warm-up (`Proposer.trees`): every tree a proposal holds, at any
+    room left and any continuation length; prompt lookup's 64-node chain takes 8 of them, not 65."""
+    model, tree = tiny_model(3), chain(64) if kind == "prompt lookup" else TREE
+    proposer = PromptLookup().proposer(model, tree) if kind == "prompt lookup" else \
+        random_heads(model, num_heads=3, kind=kind).proposer(model, tree)
+    trees, seen = proposer.trees(), set()
+    assert len(trees) == (8 if kind == "prompt lookup" else 4) == len(set(trees)) and tree in trees
+    for repeat in range(0, 70, 3):  # the text repeats its last `repeat` tokens, so lookup finds that many
+        text = list(range(1, 70 - repeat)) + list(range(70 - 2 * repeat, 70 - repeat)) if repeat else [1, 2, 3]
+        for max_depth in (0, 1, 2, 3, 5, 40, 64):
+            root = torch.tensor([text[-1] % model.config.vocab_size])
+            proposal = proposer.propose(root, torch.zeros(1, model.config.n_embd),
+                                        history=[text], max_depth=max_depth, sampling=Sampling(), generator=None)
+            assert proposal.tree in trees and proposal.tokens.shape == (1, proposal.tree.num_nodes)
+            seen.add(proposal.tree)
+    assert seen == set(trees)
 
 
 @pytest.mark.parametrize("rule", ["greedy", "typical", "rejection-topk"])

@@ -45,20 +45,19 @@ class StaticCaches:
 
 @torch.no_grad()
 def warm_up(model: GPT, steps: step.Steps, caches: StaticCaches, *, rows: int, plain: bool,
-            verify: list[Tree] = (), greedy: list[Proposer] = ()) -> float:
-    """Run every shape decoding `rows` rows can meet: the plain step (if `plain`), and each tree with each
-    of its truncations (a generation's last steps verify fewer depths) through `steps.verify` (trees
-    decoded under a sampling rule) or `steps.greedy_verify` (the trees of proposers under greedy
-    acceptance; the full tree with its heads, which draft the next one in the graph): only the graphs
-    the run uses. Three calls each: under CUDA graphs the first runs eagerly, the second records, the
-    third replays. Returns the seconds it took."""
+            verify: list[Proposer] = (), greedy: list[Proposer] = ()) -> float:
+    """Run every shape decoding `rows` rows can meet: the plain step (if `plain`), and every tree each
+    proposer's proposals can hold (`Proposer.trees`) through `steps.verify` (proposers decoding under a
+    sampling rule) or `steps.greedy_verify` (under greedy acceptance; the full tree with the proposer's
+    heads, which draft the next one in the graph): only the graphs the run uses. Three calls each: under
+    CUDA graphs the first runs eagerly, the second records, the third replays. Returns the seconds."""
     device, block = model.device, model.config.block_size
 
-    def truncations(trees: list[tuple[Tree, object]]) -> set[tuple[int, Tree, object]]:
-        return {(tree.num_nodes, tree.truncated(d), heads if d == tree.depth else None)
-                for tree, heads in trees for d in range(tree.depth + 1)}
+    def every_tree(proposers: list[Proposer], *, with_heads: bool) -> set[tuple[int, Tree, object]]:
+        return {(p.tree.num_nodes, t, p.heads if with_heads and t == p.tree else None)
+                for p in proposers for t in p.trees()}
 
-    shapes = [(truncations([(t, None) for t in verify]), False), (truncations([(p.tree, p.heads) for p in greedy]), True)]
+    shapes = [(every_tree(verify, with_heads=False), False), (every_tree(greedy, with_heads=True), True)]
     config = torch._dynamo.config  # each shape is one more specialisation of its function
     config.recompile_limit += max(len(s) for s, _ in shapes) + 1
     config.accumulated_recompile_limit += sum(len(s) for s, _ in shapes) + 1

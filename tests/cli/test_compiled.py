@@ -69,8 +69,8 @@ def warmed_up(seed: int, *, backend=None, kind: str = "medusa", rows: int = 1):
     torch.compiler.reset()  # graphs are cached per function, across models: start afresh
     model, steps = tiny_model(seed), compile_steps("cpu", backend=backend or GraphReplay())
     heads = random_heads(model, seed=seed, kind=kind)
-    warm_up(model, steps, caches := StaticCaches(model), rows=rows, plain=True, verify=[TREE],
-            greedy=[heads.proposer(model, TREE)])
+    proposer = heads.proposer(model, TREE)
+    warm_up(model, steps, caches := StaticCaches(model), rows=rows, plain=True, verify=[proposer], greedy=[proposer])
     return model, heads, steps, caches
 
 
