@@ -241,14 +241,16 @@ def check_acc(acc: torch.Tensor) -> torch.Tensor:
     return acc
 
 
-def build_tree(acc: torch.Tensor, num_nodes: int) -> tuple[Tree, float]:
+def build_tree(acc: torch.Tensor, num_nodes: int, *, min_gain: float = 0.0) -> tuple[Tree, float]:
     """The tree of `num_nodes` candidates (root excluded) grown greedily by expected acceptance.
 
     Candidates are the next sibling and the first child of every chosen node; the one with the
     largest value Π_i acc[i][r_i] joins next (ties: shallower, then smaller ranks). A child is offered
     only after its parent and rank r+1 only after rank r, so every prefix is present. When each row
     of acc decreases with rank, values decrease along these offers and the greedy tree is the optimum.
-    Nodes of value 0 are never added, so a table with few nonzero entries gives a smaller tree.
+    Nodes of value 0 are never added, so a table with few nonzero entries gives a smaller tree; nor,
+    where every node costs a share of the step (a CPU), one whose value is below min_gain times the
+    expected tokens per step so far: it would slow the step more than it adds.
     Returns (tree, expected tokens per step = 1 + Σ values, the bonus token counted).
     """
     a = check_acc(acc).tolist()
@@ -259,7 +261,7 @@ def build_tree(acc: torch.Tensor, num_nodes: int) -> tuple[Tree, float]:
     chosen, total = [], 0.0
     while heap and len(chosen) < num_nodes:
         neg, depth, choice, parent_value = heapq.heappop(heap)
-        if neg == 0:  # never accepted: such a node would only cost verify time
+        if neg == 0 or -neg < min_gain * (1.0 + total):  # would cost more verify time than it earns
             break
         chosen.append(choice)
         total -= neg

@@ -119,6 +119,19 @@ def test_build_tree_takes_the_largest_values_in_order_so_a_dominant_top1_gives_a
     assert build_tree(dominant, 4)[0] == chain(4)  # a dominant top-1 and K nodes: a chain
 
 
+@pytest.mark.parametrize("min_gain", [0.01, 0.025, 0.05, 0.2])
+def test_where_nodes_cost_time_a_node_joins_only_while_it_adds_min_gain_of_the_tokens_so_far(min_gain):
+    """The cost-aware tree is the greedy tree cut where the next node's value falls below min_gain
+    times the expected tokens per step of the nodes before it."""
+    tree, expected = build_tree(VICUNA, 64, min_gain=min_gain)
+    n = tree.num_nodes - 1
+    assert (tree, expected) == build_tree(VICUNA, n)  # a prefix of the greedy order
+    for k in range(1, n + 1):  # every node joined while it paid
+        assert build_tree(VICUNA, k)[1] - build_tree(VICUNA, k - 1)[1] >= min_gain * build_tree(VICUNA, k - 1)[1]
+    assert build_tree(VICUNA, n + 1)[1] - expected < min_gain * expected  # the next one would not
+    assert 1 <= n < 64 and build_tree(VICUNA, 64, min_gain=0.0)[0].num_nodes == 65
+
+
 @pytest.mark.parametrize("seed", range(20))
 def test_the_built_tree_is_always_valid_and_its_value_follows_the_product_rule(seed):
     gen = torch.Generator().manual_seed(seed)

@@ -1,6 +1,7 @@
 """Which tree a run decodes with (`--tree`): a preset, a JSON file of choices, or a node budget N, the best
-tree of N nodes for heads_accuracy.json. By default N is 8 on a CPU, where every node costs time, and 64 on
-a GPU; without the table, the device's preset."""
+tree of N nodes for heads_accuracy.json. By default ('auto') 64 nodes on a GPU, where a verify of 64 costs
+little more than one of 1; on a CPU, where every node costs time, at most 8 and only those that pay
+for themselves (`CPU_MIN_GAIN`); without the table, the device's preset."""
 
 from __future__ import annotations
 
@@ -12,22 +13,29 @@ from ..io.files import read_json
 from ..train.report import ACCURACY_FILE, load_accuracy
 from ..tree import Tree, build_tree, preset
 
+# On a CPU a node adds about 2.5% to a Medusa step of the cpu preset (bench_step.py: a verify of 9 nodes
+# against 1); a node whose value is below 2.5% of the tokens per step so far slows the step more than it
+# adds. On this project's checkpoints that gives Medusa heads 6 nodes and Hydra heads 4, the budgets the
+# node-budget sweep finds fastest (BENCHMARKS.md).
+CPU_MIN_GAIN = 0.025
+
 
 def resolve_tree(spec: str | None, *, ckpt_dir: str, device: torch.device | str, num_heads: int) -> tuple[Tree, str]:
-    """(the tree, its name for reports) from a node budget N, a preset ('cpu', 'gpu', 'chainN') or a JSON
+    """(the tree, its name for reports) from a node budget N, 'auto', a preset ('cpu', 'gpu', 'chainN') or a JSON
     file of choices ([[0], [1], [0, 0], ...] or {"choices": [...]}), looked up in the working directory,
     then in the checkpoint's. A tree must not be deeper than the model has heads."""
     gpu, measured = torch.device(device).type != "cpu", os.path.isfile(os.path.join(ckpt_dir, ACCURACY_FILE))
     if spec is None:
-        spec = ("64" if gpu else "8") if ckpt_dir and measured else ("gpu" if gpu else "cpu")
-    if spec.isdigit():
-        if not 1 <= int(spec) <= 256:
+        spec = "auto" if ckpt_dir and measured else ("gpu" if gpu else "cpu")
+    if spec == "auto" or spec.isdigit():
+        if spec.isdigit() and not 1 <= int(spec) <= 256:
             raise ValueError(f"--tree {spec}: a node budget must be between 1 and 256")
         if not measured:
             raise ValueError(f"--tree {spec} needs heads accuracies: run python -m medusa_mini.cli.measure "
                              f"--ckpt {ckpt_dir}")
+        budget, min_gain = (int(spec), 0.0) if spec.isdigit() else (64, 0.0) if gpu else (8, CPU_MIN_GAIN)
         # The table may have been measured for more heads than are loaded.
-        tree = build_tree(load_accuracy(ckpt_dir), int(spec))[0].truncated(num_heads)
+        tree = build_tree(load_accuracy(ckpt_dir), budget, min_gain=min_gain)[0].truncated(num_heads)
     elif spec.endswith(".json") or os.path.sep in spec:
         path = next((p for p in (spec, os.path.join(ckpt_dir, spec)) if os.path.isfile(p)), None)
         if path is None:

@@ -8,7 +8,7 @@ import torch
 
 from conftest import save_small_checkpoint
 from medusa_mini.cli import measure
-from medusa_mini.cli.trees import resolve_tree
+from medusa_mini.cli.trees import CPU_MIN_GAIN, resolve_tree
 from medusa_mini.train.report import load_accuracy, save_accuracy
 from medusa_mini.tree import Tree, build_tree, chain, preset
 
@@ -30,8 +30,11 @@ def test_without_a_tree_the_device_picks_the_budget_or_without_accuracies_its_pr
     assert resolve(None, tmp_path) == (preset("cpu"), "cpu")
     assert resolve(None, tmp_path, device="cuda") == (preset("gpu"), "gpu")
     save_accuracy(tmp_path, VICUNA)
-    assert resolve(None, tmp_path) == (build_tree(VICUNA, 8)[0], "8")
-    assert resolve(None, tmp_path, device="cuda:0")[1] == "64"
+    acc = load_accuracy(tmp_path)  # as stored: rounded, which may break the table's ties otherwise
+    cpu_tree, name = resolve(None, tmp_path)  # on a CPU, at most 8 nodes, each worth its time
+    assert (cpu_tree, name) == (build_tree(acc, 8, min_gain=CPU_MIN_GAIN)[0], "auto") == resolve("auto", tmp_path)
+    assert cpu_tree.num_nodes - 1 == 6 and cpu_tree == build_tree(acc, 6)[0]
+    assert resolve(None, tmp_path, device="cuda:0") == (build_tree(acc, 64)[0], "auto")
 
 
 @pytest.mark.parametrize("content", [[[0], [1], [0, 0]], {"choices": [[0], [1], [0, 0]]}], ids=["list", "object"])
@@ -46,6 +49,7 @@ def test_a_json_file_of_choices_is_a_tree(tmp_path, monkeypatch, content):
 @pytest.mark.parametrize("spec, content, message", [
     ("huge", None, r"unknown tree 'huge'"), ("300", None, r"--tree 300: a node budget must be between 1 and 256"),
     ("8", None, r"--tree 8 needs heads accuracies: run python -m medusa_mini.cli.measure --ckpt"),
+    ("auto", None, r"--tree auto needs heads accuracies"),
     ("gone.json", None, r"tree file gone.json does not exist"), ("chain3", None, r"depth 3 but the model has 2"),
     ("t.json", "[[0], [1", r"t.json is not readable JSON .*; a tree file holds"),
     ("t.json", '{"nodes": [[0]]}', r"must hold a list of choices"), ("t.json", "[]", r"has no choices"),
