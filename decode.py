@@ -46,9 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"0 = greedy (default: 0, or {SAMPLING_TEMPERATURE} for typical and rejection)")
     p.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling mass (default: 1.0)")
     p.add_argument("--seed", type=int, default=0, help="seeds the sampling generator (default: 0)")
-    p.add_argument("--tree", metavar="N|NAME|FILE.json", help="N nodes built from heads_accuracy.json; auto: 64 of them on CUDA, on a "
-                   "CPU up to 8 that pay for their cost; a preset (cpu, gpu, chainN); or a JSON list of choices "
-                   "(default: auto, without heads_accuracy.json the device's preset)")
+    p.add_argument("--tree", metavar="N|auto|NAME|FILE.json",
+                   help="N nodes built from heads_accuracy.json; auto: 64 of them on CUDA, on a CPU up to 8 that "
+                        "pay for their cost; a preset (cpu, gpu, chainN); or a JSON list of choices (default: auto, "
+                        "without heads_accuracy.json the device's preset)")
     p.add_argument("--batch-size", metavar="B", help="prompts per batch; with --compare a list: 1,2,4,8 (default: 1)")
     p.add_argument("--device", help="cpu or cuda (default: cuda if available, else cpu)")
     p.add_argument("--dtype", choices=tuple(DTYPES), default="float32", help="weights and KV cache (default: float32)")

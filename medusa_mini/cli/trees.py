@@ -13,10 +13,10 @@ from ..io.files import read_json
 from ..train.report import ACCURACY_FILE, load_accuracy
 from ..tree import Tree, build_tree, preset
 
-# On a CPU a node adds about 2.5% to a Medusa step of the cpu preset (bench_step.py: a verify of 9 nodes
-# against 1); a node whose value is below 2.5% of the tokens per step so far slows the step more than it
-# adds. On this project's checkpoints that gives Medusa heads 6 nodes and Hydra heads 4, the budgets the
-# node-budget sweep finds fastest (BENCHMARKS.md).
+# On two CPU cores a node adds 2.5-3.5% to a Medusa step of the cpu preset (bench_step.py --configs tiny:
+# a verify over 9 nodes against 1, per node, over the whole step); a node worth less than that share of
+# the tokens per step so far slows the step more than it adds. 2.5% gives this project's checkpoints
+# 6 nodes (Medusa heads) and 4 (Hydra heads), the budgets the node-budget sweep finds fastest (BENCHMARKS.md).
 CPU_MIN_GAIN = 0.025
 
 
