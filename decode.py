@@ -27,7 +27,7 @@ from medusa_mini.cli.compiled import StaticCaches, compile_steps, warm_up
 from medusa_mini.cli.explain import DEMO_NOTE, demo_checkpoint, explain_step
 from medusa_mini.cli.plots import check_plot_path, plot_batch
 from medusa_mini.cli.runs import Engine, Method, compare, compare_methods, decode_each, format_batches, format_compare
-from medusa_mini.cli.trees import resolve_tree
+from medusa_mini.cli.trees import TreeChoice, resolve_tree
 from medusa_mini.decoding import GenerationStats
 from medusa_mini.io.loading import PROMPTS_FILE, load_for_decoding, load_prompts
 from medusa_mini.sampling import Sampling
@@ -101,7 +101,7 @@ def check_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
 
 
 def prepare(a: argparse.Namespace):
-    """(checkpoint, tree, its name, [(text, ids)] prompts); ValueError for anything unusable."""
+    """(checkpoint, the TreeChoice, [(text, ids)] prompts); ValueError for anything unusable."""
     device = pick_device(a.device)
     dtype = pick_dtype(a.dtype, device)
     if a.demo:
@@ -114,7 +114,7 @@ def prepare(a: argparse.Namespace):
     if ck.heads is None and (a.method != "plain" or a.compare or a.explain or a.show):
         wanted = "--compare" if a.compare else "--explain" if a.explain else "Medusa decoding"
         raise ValueError(f"{a.ckpt} has no Medusa heads, which {wanted} needs; use --method plain or train heads")
-    tree, name = (None, None) if ck.heads is None else resolve_tree(
+    choice = None if ck.heads is None else resolve_tree(
         a.tree or ("cpu" if a.demo else None), num_heads=ck.heads.num_heads, ckpt_dir="" if a.demo else a.ckpt,
         device=device)
     prompts = []
@@ -126,14 +126,16 @@ def prepare(a: argparse.Namespace):
             raise ValueError(f"{which} is {len(ids)} tokens long but the context holds {ck.block_size}; "
                              f"shorten it to at most {ck.block_size - 1} tokens")
         prompts.append((text, ids))
-    return ck, tree, name, prompts
+    return ck, choice, prompts
 
 
-def methods_of(a: argparse.Namespace, ck, tree) -> list[Method]:
+def methods_of(a: argparse.Namespace, ck, choice: TreeChoice | None) -> list[Method]:
     """What this run decodes with: --compare's rows (the batch table's four), or the one --method."""
+    tree = None if choice is None else choice.tree
     if a.compare:
         temperature = a.temperature if a.temperature > 0 else SAMPLING_TEMPERATURE
-        methods = compare_methods(ck, tree, a.sampling, temperature=temperature, with_reference=a.reference)
+        methods = compare_methods(ck, tree, a.sampling, temperature=temperature, lookup_nodes=choice.budget,
+                                  with_reference=a.reference)
         batch_rows = ("plain_greedy", "medusa_greedy", "plain_sampling", "medusa_rejection")
         return [m for m in methods if m.key in batch_rows or not a.batch_table]
     if a.method == "plain":
@@ -234,12 +236,13 @@ def compare_table(engine: Engine, methods: list[Method], prompts: list[list[int]
 
 
 def run(a: argparse.Namespace) -> None:
-    ck, tree, tree_name, prompts = prepare(a)
-    engine, methods = Engine(ck), methods_of(a, ck, tree)
+    ck, choice, prompts = prepare(a)
+    tree, tree_name = (None, None) if choice is None else choice[:2]
+    engine, methods = Engine(ck), methods_of(a, ck, choice)
     warmup_s = compiled(engine, methods, a, len(prompts)) if a.compile else None
     if a.compare:
         compare_table(engine, methods, [ids for _, ids in prompts], a, tree=tree_name, tree_nodes=tree.num_nodes,
-                      compile_warmup_s=warmup_s)
+                      lookup_nodes=choice.budget, compile_warmup_s=warmup_s)
     elif a.explain:
         print((DEMO_NOTE + "\n\n" if a.demo else "") + explain_step(
             ck.model, ck.heads, ck.enc, prompts[0][1], tree=tree, sampling=a.sampling,

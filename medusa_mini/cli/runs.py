@@ -17,7 +17,7 @@ from ..io.loading import Checkpoint
 from ..proposal import PromptLookup
 from ..sampling import Sampling
 from ..step import EAGER, Steps
-from ..tree import Tree
+from ..tree import Tree, chain
 from .common import BONUS_NOTE, in_turns, timed
 from .compiled import StaticCaches
 
@@ -131,16 +131,17 @@ def first_difference(ck: Checkpoint, prompt: list[int], want: list[int], got: li
 
 
 def compare_methods(ck: Checkpoint, tree: Tree, sampling: Sampling, *, temperature: float,
-                    with_reference: bool = False) -> list[Method]:
-    """--compare's rows: greedy, then sampled at `temperature`, plain, by prompt lookup and by the heads; the
-    reference under each rule of the heads. Top-p and draft come from `sampling`."""
+                    lookup_nodes: int | None = None, with_reference: bool = False) -> list[Method]:
+    """--compare's rows: greedy, then sampled at `temperature`, plain, by prompt lookup (a chain of
+    `lookup_nodes`, by default the tree's node count) and by the heads; the reference under each rule of
+    the heads. Top-p and draft come from `sampling`."""
     greedy = dataclasses.replace(sampling, acceptance="greedy", temperature=0.0)
     typical, rejection = (dataclasses.replace(greedy, acceptance=r, temperature=temperature)
                           for r in ("typical", "rejection"))
-    lookup, heads = PromptLookup(), ck.heads
-    methods = [Method("plain", greedy), Method("prompt lookup", greedy, lookup, tree),
+    lookup, heads, line = PromptLookup(), ck.heads, chain(lookup_nodes or max(tree.num_nodes - 1, 1))
+    methods = [Method("plain", greedy), Method("prompt lookup", greedy, lookup, line),
                Method("Medusa", greedy, heads, tree), Method("Medusa", typical, heads, tree),
-               Method("plain", rejection), Method("prompt lookup", rejection, lookup, tree),
+               Method("plain", rejection), Method("prompt lookup", rejection, lookup, line),
                Method("Medusa", rejection, heads, tree)]
     return methods + [Method("reference", m.sampling, heads, tree, reference=True)
                       for m in methods if with_reference and m.name == "Medusa"]
@@ -219,7 +220,8 @@ def table(result: dict, columns: tuple[str, ...]) -> list[str]:
                                                     for c in columns) + f"  {same}")
     compiled = result.get("compile_warmup_s")
     lines += ["\ndevice {device}, {dtype}, {threads} threads; {prompts} prompts; tree {tree} ({tree_nodes} nodes "
-              "incl. root); max-new-tokens {max_new_tokens}; top-p {top_p:g}".format(**result)
+              "incl. root; prompt lookup: a chain of up to {lookup_nodes}); max-new-tokens {max_new_tokens}; "
+              "top-p {top_p:g}".format(**result)
               + ("" if compiled is None else f"; steps compiled in {compiled:.1f} s (not timed)")
               + f"; {result['heads']} heads; Medusa rejection candidates: "
               + {"topk": "the heads' top-k"}.get(result["draft"], "drawn from q"),

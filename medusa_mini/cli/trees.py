@@ -6,6 +6,7 @@ for themselves (`CPU_MIN_GAIN`); without the table, the device's preset."""
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 
@@ -20,10 +21,20 @@ from ..tree import Tree, build_tree, preset
 CPU_MIN_GAIN = 0.025
 
 
-def resolve_tree(spec: str | None, *, ckpt_dir: str, device: torch.device | str, num_heads: int) -> tuple[Tree, str]:
-    """(the tree, its name for reports) from a node budget N, 'auto', a preset ('cpu', 'gpu', 'chainN') or a JSON
-    file of choices ([[0], [1], [0, 0], ...] or {"choices": [...]}), looked up in the working directory,
-    then in the checkpoint's. A tree must not be deeper than the model has heads."""
+class TreeChoice(NamedTuple):
+    """What `--tree` chose: the heads' tree, its name for reports, and the nodes a step may verify: N, or
+    auto's ceiling, else the tree's own. Prompt lookup drafts a chain of `budget` nodes: it verifies only
+    what it finds (rounded up to a power of two), so the heads' cost rule is not its own."""
+
+    tree: Tree
+    name: str
+    budget: int
+
+
+def resolve_tree(spec: str | None, *, ckpt_dir: str, device: torch.device | str, num_heads: int) -> TreeChoice:
+    """The tree from a node budget N, 'auto', a preset ('cpu', 'gpu', 'chainN') or a JSON file of choices
+    ([[0], [1], [0, 0], ...] or {"choices": [...]}), looked up in the working directory, then in the
+    checkpoint's. A tree must not be deeper than the model has heads."""
     gpu, measured = torch.device(device).type != "cpu", os.path.isfile(os.path.join(ckpt_dir, ACCURACY_FILE))
     if spec is None:
         spec = "auto" if ckpt_dir and measured else ("gpu" if gpu else "cpu")
@@ -51,4 +62,4 @@ def resolve_tree(spec: str | None, *, ckpt_dir: str, device: torch.device | str,
     else:
         tree = preset(spec)
     tree.check_heads(num_heads)
-    return tree, spec
+    return TreeChoice(tree, spec, budget if spec == "auto" or spec.isdigit() else max(tree.num_nodes - 1, 1))

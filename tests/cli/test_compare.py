@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import functools
 import json
+import shutil
 
 import pytest
+import torch
 
 import decode
 from medusa_mini.cli.runs import compare
+from medusa_mini.proposal import PromptLookup
+from medusa_mini.train.report import save_accuracy
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 ROWS = ["plain_greedy", "prompt_lookup_greedy", "medusa_greedy", "medusa_typical", "plain_sampling",
@@ -49,8 +53,23 @@ def test_the_table_shows_each_row_against_plain_and_its_settings(ckpt, capsys):
         assert line.split()[-1] == same, line
         if label.startswith("plain"):  # the plain decoders set the step cost: 1.00 under its header
             assert line[: head.index("step cost") + 9].split()[-1] == "1.00", line
-    for needle in ("bonus token", "3 prompts", "tree cpu (12 nodes", "max-new-tokens 12", "1 thread"):
+    for needle in ("bonus token", "3 prompts", "tree cpu (12 nodes", "a chain of up to 11", "max-new-tokens 12",
+                   "1 thread"):
         assert needle in out, needle
+
+
+def test_auto_trims_the_heads_tree_while_prompt_lookup_drafts_the_whole_budget(ckpt, capsys, tmp_path, monkeypatch):
+    """On a CPU `auto` keeps only the heads' nodes that pay for their cost (6 of 8 for this table); prompt
+    lookup verifies only what it finds, so its chain is the whole budget of 8, not the heads' 6."""
+    directory, chains = tmp_path / "measured", []
+    shutil.copytree(ckpt, directory)
+    save_accuracy(directory, torch.tensor([[a * 0.45**r for r in range(10)] for a in (0.56, 0.32, 0.20, 0.15)]))
+    proposer = PromptLookup.proposer
+    monkeypatch.setattr(PromptLookup, "proposer", lambda self, model, tree: chains.append(tree.num_nodes - 1)
+                        or proposer(self, model, tree))
+    result = json.loads(run(capsys, "--ckpt", str(directory), "--compare", "--json", "--max-new-tokens", "8"))
+    assert (result["tree"], result["tree_nodes"], result["lookup_nodes"]) == ("auto", 7, 8)
+    assert chains and set(chains) == {8}
 
 
 def test_prompt_lookup_gains_on_a_prompt_of_one_repeated_token_and_not_on_one_without_repeats(ckpt, capsys):

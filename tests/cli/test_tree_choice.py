@@ -21,29 +21,31 @@ def resolve(spec, ckpt_dir, *, device="cpu", num_heads=4):
 
 def test_a_node_budget_builds_the_best_tree_of_that_size_cut_to_the_heads_loaded(tmp_path):
     save_accuracy(tmp_path, VICUNA)
-    assert resolve("8", tmp_path) == (build_tree(VICUNA, 8)[0], "8")
+    assert resolve("8", tmp_path) == (build_tree(VICUNA, 8)[0], "8", 8)
     assert resolve("64", tmp_path, num_heads=2)[0] == build_tree(VICUNA, 64)[0].truncated(2)
-    assert resolve("chain3", tmp_path) == (chain(3), "chain3")  # a preset names its tree
+    assert resolve("chain3", tmp_path) == (chain(3), "chain3", 3)  # a preset names its tree, its size the budget
 
 
 def test_without_a_tree_the_device_picks_the_budget_or_without_accuracies_its_preset(tmp_path):
-    assert resolve(None, tmp_path) == (preset("cpu"), "cpu")
-    assert resolve(None, tmp_path, device="cuda") == (preset("gpu"), "gpu")
+    assert resolve(None, tmp_path) == (preset("cpu"), "cpu", preset("cpu").num_nodes - 1)
+    assert resolve(None, tmp_path, device="cuda") == (preset("gpu"), "gpu", preset("gpu").num_nodes - 1)
     save_accuracy(tmp_path, VICUNA)
     acc = load_accuracy(tmp_path)  # as stored: rounded, which may break the table's ties otherwise
-    cpu_tree, name = resolve(None, tmp_path)  # on a CPU, at most 8 nodes, each worth its time
-    assert (cpu_tree, name) == (build_tree(acc, 8, min_gain=CPU_MIN_GAIN)[0], "auto") == resolve("auto", tmp_path)
+    cpu_tree, name, budget = resolve(None, tmp_path)  # on a CPU, at most 8 nodes, each worth its time
+    assert (cpu_tree, name) == (build_tree(acc, 8, min_gain=CPU_MIN_GAIN)[0], "auto")
+    assert resolve("auto", tmp_path) == (cpu_tree, name, budget)
     assert cpu_tree.num_nodes - 1 == 6 and cpu_tree == build_tree(acc, 6)[0]
-    assert resolve(None, tmp_path, device="cuda:0") == (build_tree(acc, 64)[0], "auto")
+    assert budget == 8  # prompt lookup's chain: it verifies only what it finds, so it takes the whole budget
+    assert resolve(None, tmp_path, device="cuda:0") == (build_tree(acc, 64)[0], "auto", 64)
 
 
 @pytest.mark.parametrize("content", [[[0], [1], [0, 0]], {"choices": [[0], [1], [0, 0]]}], ids=["list", "object"])
 def test_a_json_file_of_choices_is_a_tree(tmp_path, monkeypatch, content):
     (tmp_path / "mine.json").write_text(json.dumps(content))
     want = Tree.from_choices([(0,), (1,), (0, 0)])
-    assert resolve(str(tmp_path / "mine.json"), tmp_path / "elsewhere") == (want, "mine.json")
+    assert resolve(str(tmp_path / "mine.json"), tmp_path / "elsewhere") == (want, "mine.json", 3)
     monkeypatch.chdir(tmp_path.parent)  # a relative name: the working directory, then the checkpoint
-    assert resolve("mine.json", tmp_path) == (want, "mine.json")
+    assert resolve("mine.json", tmp_path) == (want, "mine.json", 3)
 
 
 @pytest.mark.parametrize("spec, content, message", [
