@@ -197,7 +197,7 @@ def lookup(text: list[int], *, max_ngram: int, length: int) -> list[int]:
 
 def chain_length(longest: int, depth: int) -> int:
     """The chain that holds a continuation of `longest` tokens: the next power of two, at most `depth`
-    (0 stays 0). Lengths 0, 1, 2, 4, ..., depth: a compiled loop meets log2(depth) + 2 shapes, not depth + 1."""
+    (0 stays 0). Lengths 0, 1, 2, 4, ..., depth: a compiled loop meets ceil(log2(depth)) + 2 shapes, not depth + 1."""
     return 0 if longest <= 0 else min(1 << (longest - 1).bit_length(), depth)
 
 

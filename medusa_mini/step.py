@@ -151,7 +151,8 @@ def medusa_step(
     roots: [B] each row's last emitted token, whose K/V are not in `cache` yet; hidden: [B, C] the
     hidden states that produced them. history: each row's tokens so far (prompt lookup reads them).
     stop_at: [B] the total length at which each row stops (default: the context); max_depth: the
-    deepest node any row can use (default: the proposer's); attended: the cache slots any row reads
+    deepest node any row can use (default: the proposer's), which a proposer need not draft beyond
+    (prompt lookup's rounded-up chain may: `usable` masks such nodes); attended: the cache slots any row reads
     once the nodes are in (default: all). drafted: [B, N] the full tree's top-k tokens, when the greedy
     step before drafted them (`StepResult.next_tokens`); used unless this step's tree is cut short.
     """

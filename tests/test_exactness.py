@@ -169,7 +169,8 @@ CASES = {
     "cut-by-the-context": Case(FutureHeads(gamma=2.0), rejection(draft="topk"), rows=800, deepest=2,
                                tree=GAP_TREE, block_size=6, max_new_tokens=8),
     "end-token": Case(FutureHeads(gamma=2.0), rejection(), rows=600, deepest=2, eos_id=3),
-    "prompt-lookup": Case(PromptLookup(), rejection(), rows=800, deepest=2, tree=chain(3),
+    # A 3-token continuation is verified on a chain of 4, one node deeper than the 5 new tokens allow.
+    "prompt-lookup": Case(PromptLookup(), rejection(), rows=800, deepest=3, tree=chain(4), n=5,
                           prompts=((0, 3, 0, 2, 2, 2, 2, 0, 3),)),
 }
 

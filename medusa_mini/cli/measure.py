@@ -1,6 +1,6 @@
 """`python -m medusa_mini.cli.measure --ckpt DIR`: measure again (train_tiny.py does after training), in
 float32, how often a checkpoint's heads are accepted on greedy continuations of its prompts.json; save
-heads_accuracy.json, from which `decode.py --tree N` builds trees."""
+heads_accuracy.json, from which `decode.py --tree N` (and `auto`, the default) builds trees."""
 
 from __future__ import annotations
 
