@@ -9,7 +9,7 @@ from device_rules import CudaRules
 from medusa_mini.acceptance import Accepted
 from medusa_mini.decoding import prefill
 from medusa_mini.model import KVCache
-from medusa_mini.proposal import MedusaProposer, PromptLookup, Proposal, lookup
+from medusa_mini.proposal import MedusaProposer, PromptLookup, Proposal, chain_length, lookup
 from medusa_mini.sampling import Sampling
 from medusa_mini.step import Steps, greedy_verify, keep_path, medusa_step, read_step, usable_nodes, verify
 from medusa_mini.tree import Tree, chain, preset
@@ -121,6 +121,11 @@ def test_prompt_lookup_drafts_each_rows_continuation_on_a_chain_of_the_next_powe
     alone = proposer.propose(torch.tensor([9]), torch.zeros(1, 32), history=[[7, 8, 9]], max_depth=5,
                              sampling=Sampling(), generator=None)
     assert alone.tree.num_nodes == 1 and alone.tokens.tolist() == [[9]]
+
+
+def test_a_continuation_is_verified_on_the_next_power_of_two_chain_capped_at_the_full_chain():
+    assert [chain_length(n, 6) for n in range(8)] == [0, 1, 2, 4, 4, 6, 6, 6]
+    assert [chain_length(n, 64) for n in (5, 8, 9, 33, 64)] == [8, 8, 16, 64, 64]
 
 
 @pytest.mark.parametrize("kind", ["medusa", "hydra", "prompt lookup"])
