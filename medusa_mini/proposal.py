@@ -211,7 +211,8 @@ class PromptLookupProposer:
         self.tree, self.max_ngram, self.heads = tree, max_ngram, None
 
     def trees(self) -> list[Tree]:
-        return list({self.tree.truncated(chain_length(n, self.tree.depth)): None for n in range(self.tree.depth + 1)})
+        D = self.tree.depth
+        return [self.tree.truncated(n) for n in sorted({chain_length(n, D) for n in range(D + 1)})]
 
     def propose(self, roots: torch.Tensor, hidden: torch.Tensor, *, history: list[list[int]], max_depth: int,
                 sampling: Sampling, generator: torch.Generator | None) -> Proposal:

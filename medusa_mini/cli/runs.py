@@ -131,14 +131,14 @@ def first_difference(ck: Checkpoint, prompt: list[int], want: list[int], got: li
 
 
 def compare_methods(ck: Checkpoint, tree: Tree, sampling: Sampling, *, temperature: float,
-                    lookup_nodes: int | None = None, with_reference: bool = False) -> list[Method]:
+                    lookup_nodes: int, with_reference: bool = False) -> list[Method]:
     """--compare's rows: greedy, then sampled at `temperature`, plain, by prompt lookup (a chain of
-    `lookup_nodes`, by default the tree's node count) and by the heads; the reference under each rule of
-    the heads. Top-p and draft come from `sampling`."""
+    `lookup_nodes`, `TreeChoice.budget`) and by the heads; the reference under each rule of the heads.
+    Top-p and draft come from `sampling`."""
     greedy = dataclasses.replace(sampling, acceptance="greedy", temperature=0.0)
     typical, rejection = (dataclasses.replace(greedy, acceptance=r, temperature=temperature)
                           for r in ("typical", "rejection"))
-    lookup, heads, line = PromptLookup(), ck.heads, chain(lookup_nodes or max(tree.num_nodes - 1, 1))
+    lookup, heads, line = PromptLookup(), ck.heads, chain(lookup_nodes)
     methods = [Method("plain", greedy), Method("prompt lookup", greedy, lookup, line),
                Method("Medusa", greedy, heads, tree), Method("Medusa", typical, heads, tree),
                Method("plain", rejection), Method("prompt lookup", rejection, lookup, line),

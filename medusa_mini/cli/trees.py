@@ -38,6 +38,7 @@ def resolve_tree(spec: str | None, *, ckpt_dir: str, device: torch.device | str,
     gpu, measured = torch.device(device).type != "cpu", os.path.isfile(os.path.join(ckpt_dir, ACCURACY_FILE))
     if spec is None:
         spec = "auto" if ckpt_dir and measured else ("gpu" if gpu else "cpu")
+    budget = None  # a tree given whole (a preset, a file): its own size
     if spec == "auto" or spec.isdigit():
         if spec.isdigit() and not 1 <= int(spec) <= 256:
             raise ValueError(f"--tree {spec}: a node budget must be between 1 and 256")
@@ -62,4 +63,4 @@ def resolve_tree(spec: str | None, *, ckpt_dir: str, device: torch.device | str,
     else:
         tree = preset(spec)
     tree.check_heads(num_heads)
-    return TreeChoice(tree, spec, budget if spec == "auto" or spec.isdigit() else max(tree.num_nodes - 1, 1))
+    return TreeChoice(tree, spec, budget or max(tree.num_nodes - 1, 1))
