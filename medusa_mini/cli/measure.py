@@ -1,6 +1,7 @@
 """`python -m medusa_mini.cli.measure --ckpt DIR`: measure again (train_tiny.py does after training), in
 float32, how often a checkpoint's heads are accepted on greedy continuations of its prompts.json; save
-heads_accuracy.json, from which `decode.py --tree N` (and `auto`, the default) builds trees."""
+heads_accuracy.json, from which `decode.py --tree N` (and `auto`, the default) builds trees. Then the
+same under rejection sampling: Σ min(p, q) per head on sampled continuations (printed, not saved)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,16 @@ import sys
 
 from ..io.loading import PROMPTS_FILE, load_for_decoding, prompt_ids
 from ..train.device import pick_device
-from ..train.report import ACCURACY_FILE, format_accuracy, greedy_continuations, measure_head_accuracy, save_accuracy
+from ..train.report import (
+    ACCURACY_FILE,
+    continuations,
+    format_accuracy,
+    measure_head_accuracy,
+    measure_sampled_acceptance,
+    save_accuracy,
+)
 from ..tree import build_tree
-from .common import OneLineParser
+from .common import SAMPLING_TEMPERATURE, OneLineParser
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -20,18 +28,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompts", type=int, default=32, help="prompts of prompts.json used (default: 32)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="continuation length per prompt (default: 64)")
     p.add_argument("--top-k", type=int, default=10, help="ranks measured per head (default: 10)")
+    p.add_argument("--temperature", type=float, default=SAMPLING_TEMPERATURE,
+                   help=f"of the sampled continuations, p and q (default: {SAMPLING_TEMPERATURE:g})")
+    p.add_argument("--seed", type=int, default=0, help="seeds the sampled continuations (default: 0)")
     p.add_argument("--device", help="cpu, cuda, ... (default: cuda if available)")
     a = p.parse_args(argv)
     try:
-        if a.prompts < 1 or a.max_new_tokens < 3 or a.top_k < 1:
-            raise ValueError("--prompts and --top-k must be >= 1 and --max-new-tokens >= 3")
+        if a.prompts < 1 or a.max_new_tokens < 3 or a.top_k < 1 or not a.temperature > 0:
+            raise ValueError("--prompts and --top-k must be >= 1, --max-new-tokens >= 3 and --temperature > 0")
         ck = load_for_decoding(a.ckpt, device=pick_device(a.device))
         if ck.heads is None:
             raise ValueError(f"checkpoint {a.ckpt} has no Medusa heads; train heads first")
         prompts = prompt_ids(ck, count=a.prompts, max_new_tokens=a.max_new_tokens)
     except (ValueError, OSError) as e:
         p.error(str(e))
-    greedy = greedy_continuations(ck.model, prompts, max_new_tokens=a.max_new_tokens)
+    greedy = continuations(ck.model, prompts, max_new_tokens=a.max_new_tokens)
     acc = measure_head_accuracy(ck.model, ck.heads, greedy, prompt_lens=[len(ids) for ids in prompts],
                                 top_k=min(a.top_k, ck.heads.draft_ids.numel()))
     save_accuracy(a.ckpt, acc, meta={"measured_on": f"greedy continuations ({a.max_new_tokens} new tokens) of the "
@@ -40,6 +51,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"saved {os.path.join(a.ckpt, ACCURACY_FILE)}\n{format_accuracy(acc)}")
     print("expected tokens/step of build_tree (product rule, bonus token counted) by node budget:")
     print("  ".join(f"{n} nodes: {build_tree(acc, n)[1]:.2f}" for n in (1, 2, 4, 8, 16, 32, 64)))
+    sampled = continuations(ck.model, prompts, max_new_tokens=a.max_new_tokens, temperature=a.temperature, seed=a.seed)
+    accept = measure_sampled_acceptance(ck.model, ck.heads, sampled, prompt_lens=[len(ids) for ids in prompts],
+                                        temperature=a.temperature)
+    print(f"rejection sampling at T={a.temperature:g}: each head's one drawn candidate is accepted with "
+          f"Σ min(p, q) = " + "  ".join(f"{v:.3f}" for v in accept.tolist()))
     return 0
 
 

@@ -1,7 +1,8 @@
 """What `train_tiny.py` reports, measured: progress lines, the validation loss, the summary, prompts.json and
 the acceptance table heads_accuracy.json: acc[k][r] = P(head k+1's rank-r guess is the backbone's greedy
 token k+2 places ahead) on greedy continuations, the chance that greedy acceptance takes the guess once it
-took the node above (`tree.build_tree` multiplies these along paths)."""
+took the node above (`tree.build_tree` multiplies these along paths). Its sampling counterpart,
+`measure_sampled_acceptance`, is Σ min(p, q) per head on sampled continuations."""
 
 from __future__ import annotations
 
@@ -13,12 +14,15 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
+from ..cli.common import SAMPLING_TEMPERATURE
 from ..decoding import generate_batch
 from ..heads import IGNORE, DraftHeads, next_tokens
 from ..io.files import atomic_write_text, read_json
 from ..io.loading import PROMPTS_FILE
 from ..model import GPT
+from ..sampling import Sampling, sampling_probs, scaled
 from ..training import head_targets, lm_loss
 from ..tree import build_tree, check_acc, expected_tokens_per_step, preset
 from .data import get_batch
@@ -67,8 +71,11 @@ def summarize(r, val_batches: list, val_tokens: np.ndarray) -> dict:
     n = min(96, model.config.block_size - P)
     prompts, _ = get_batch(val_tokens, batch_size=min(64, 8 * args.eval_prompts), block_size=P,
                            generator=torch.Generator().manual_seed(args.seed + 5))
-    seqs = greedy_continuations(model, prompts.tolist(), max_new_tokens=n)
+    seqs = continuations(model, prompts.tolist(), max_new_tokens=n)
     acc = measure_head_accuracy(model, heads, seqs, prompt_lens=P, top_k=top_k)
+    sampled = continuations(model, prompts.tolist(), max_new_tokens=n, temperature=SAMPLING_TEMPERATURE,
+                            seed=args.seed + 6)
+    accept = measure_sampled_acceptance(model, heads, sampled, prompt_lens=P, temperature=SAMPLING_TEMPERATURE)
     save_accuracy(args.out, acc, meta={"measured_on": f"{len(seqs)} held-out prompts x {n} greedy tokens"})
     # The share of the greedy tokens inside the draft vocabulary of each size m: rank[token] < m.
     ranks = heads.vocab_order.cpu().argsort()[torch.tensor([s[P:] for s in seqs])]
@@ -76,6 +83,7 @@ def summarize(r, val_batches: list, val_tokens: np.ndarray) -> dict:
     coverage = {m: (ranks < m).double().mean().item() for m in sizes}
     figures = {"top-1 on held-out text": text[:, 0], "top-5 on held-out text": text[:, :5].sum(1),
                "top-1 vs own greedy continuation": acc[:, 0], "top-5 vs own greedy continuation": acc[:, :5].sum(1),
+               f"Σ min(p, q) on own text at T={SAMPLING_TEMPERATURE:g}": accept,
                "official Medusa-1, Vicuna-7B top-1": torch.tensor(OFFICIAL_TOP1[:K])}
     lines = [f"summary    validation loss {val_loss:.3f} nats/token (perplexity {math.exp(val_loss):.1f})",
              f"           {'head':<36}" + "".join(f"{k:>7d}" for k in range(1, K + 1))]
@@ -89,6 +97,7 @@ def summarize(r, val_batches: list, val_tokens: np.ndarray) -> dict:
     r.log("\n".join(lines))
     return {"val_loss": round(val_loss, 4), "head_top1_text": [round(v, 4) for v in text[:, 0].tolist()],
             "head_top1_own": [round(v, 4) for v in acc[:, 0].tolist()],
+            "head_accept_sampled": [round(v, 4) for v in accept.tolist()],
             "draft_vocab_coverage": {str(m): round(c, 4) for m, c in coverage.items()}}
 
 
@@ -112,12 +121,16 @@ def held_out_prompts(out: str, val_docs, enc, *, count: int, seed: int, block_si
     atomic_write_text(os.path.join(out, PROMPTS_FILE), json.dumps({"prompts": prompts}, indent=1, ensure_ascii=False))
 
 
-def greedy_continuations(model: GPT, prompts: list[list[int]], *, max_new_tokens: int) -> list[list[int]]:
-    """Each prompt + the backbone's greedy continuation, token for token what `generate` writes."""
-    out = []
+def continuations(model: GPT, prompts: list[list[int]], *, max_new_tokens: int, temperature: float = 0.0,
+                  seed: int = 0) -> list[list[int]]:
+    """Each prompt + the backbone's continuation, token for token what `generate` writes: greedy at
+    temperature 0, else sampled (seeded)."""
+    out, sampling = [], Sampling(temperature=temperature)
+    g = torch.Generator(device=model.device).manual_seed(seed)
     for b in range(0, len(prompts), ROWS):
         part = prompts[b : b + ROWS]
-        out += [p + new for p, (new, _) in zip(part, generate_batch(model, part, max_new_tokens=max_new_tokens))]
+        rows = generate_batch(model, part, max_new_tokens=max_new_tokens, sampling=sampling, generator=g)
+        out += [p + new for p, (new, _) in zip(part, rows)]
     return out
 
 
@@ -142,6 +155,31 @@ def measure_head_accuracy(model: GPT, heads: DraftHeads, sequences: list[list[in
             hits += (guesses == targets[:, t, None]).sum(1).cpu()  # guesses [K, m, top_k] token ids
             counts += (targets[:, t] != IGNORE).sum(1).cpu()
     return hits / counts.clamp(min=1)[:, None]
+
+
+@torch.no_grad()
+def measure_sampled_acceptance(model: GPT, heads: DraftHeads, sequences: list[list[int]], *,
+                               prompt_lens: int | Sequence[int], temperature: float) -> torch.Tensor:
+    """[K] float64: head k's Σ_x min(p(x), q_k(x)) averaged over `sequences` (prompts + continuations sampled at
+    `temperature`), p the backbone's distribution of the token head k guesses, q_k the head's, both at that
+    temperature: the chance that rejection sampling accepts head k's one drawn candidate where the text
+    has got to (accepted paths are distributed as sampled text). Where the greedy figure
+    (`measure_head_accuracy`) asks for the right token, this asks for the right distribution."""
+    device, K, ids = model.device, heads.num_heads, heads.draft_ids.to(model.device)
+    prompt_lens = [prompt_lens] * len(sequences) if isinstance(prompt_lens, int) else prompt_lens
+    total, counts = torch.zeros(K, dtype=torch.float64), torch.zeros(K, dtype=torch.float64)
+    for seq, P in zip(sequences, prompt_lens):
+        x, y = torch.tensor([seq[:-1]], device=device), torch.tensor([seq[1:]], device=device)  # [1, T]
+        logits, hidden = model(x)  # [1, T, V], [1, T, C]
+        p = sampling_probs(logits[0], temperature=temperature)[:, ids]  # [T, M]: q is 0 outside the draft ids
+        following, T = next_tokens(y, K)[0], x.shape[1]  # [T, K]: the sampled path, which hydra heads read
+        for t in torch.arange(max(P - 1, 0), T - 1, device=device).split(POSITIONS):  # head 1 has a target
+            q = F.softmax(scaled(heads(hidden[0, t], model, following=following[t]), temperature), dim=-1)  # [K, m, M]
+            for k in range(1, K + 1):
+                ok = t + k < T  # [m] p of token t+k+1 is logits[t + k]
+                total[k - 1] += torch.minimum(p[t[ok] + k], q[k - 1, ok]).sum().item()
+                counts[k - 1] += ok.sum().item()
+    return total / counts.clamp(min=1)
 
 
 def save_accuracy(directory: str | os.PathLike, acc: torch.Tensor, *, meta: dict | None = None) -> None:

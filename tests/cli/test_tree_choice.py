@@ -75,11 +75,15 @@ def test_measure_saves_the_accuracy_table_and_prints_the_product_rule_by_node_bu
     assert f"8 nodes: {build_tree(acc, 8)[1]:.2f}" in out  # the estimate printed is build_tree's own
     saved = json.loads((tmp_path / "heads_accuracy.json").read_text())
     assert saved["num_prompts"] == 3 and saved["max_new_tokens"] == 8 and saved["top_k"] == 10
+    sampled = out.strip().splitlines()[-1]  # and under rejection sampling: one rate per head
+    assert sampled.startswith("rejection sampling at T=0.8") and len(sampled.split("=")[-1].split()) == 3
+    assert all(0 <= float(v) <= 1 for v in sampled.split("=")[-1].split())
 
 
 @pytest.mark.parametrize("argv, needle", [
     (["--ckpt", "{tmp}/missing"], "missing"), (["--ckpt", "{tmp}", "--prompts", "0"], "--prompts"),
-    (["--ckpt", "{tmp}", "--max-new-tokens", "2"], "--max-new-tokens")])
+    (["--ckpt", "{tmp}", "--max-new-tokens", "2"], "--max-new-tokens"),
+    (["--ckpt", "{tmp}", "--temperature", "0"], "--temperature")])
 def test_measure_refuses_bad_input_in_one_line_with_exit_status_2(tmp_path, capsys, argv, needle):
     with pytest.raises(SystemExit) as exc:
         measure.main([a.format(tmp=tmp_path) for a in argv])

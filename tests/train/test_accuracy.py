@@ -9,12 +9,13 @@ import json
 import pytest
 import torch
 
-from conftest import tiny_model
+from conftest import random_heads, tiny_model
 from medusa_mini.decoding import generate, medusa_generate
 from medusa_mini.heads import HeadsConfig
 from medusa_mini.proposal import MedusaProposer
+from medusa_mini.sampling import sampling_probs
 from medusa_mini.train import report
-from medusa_mini.train.report import greedy_continuations, load_accuracy, measure_head_accuracy
+from medusa_mini.train.report import continuations, load_accuracy, measure_head_accuracy, measure_sampled_acceptance
 from medusa_mini.tree import build_tree
 
 VICUNA = torch.tensor([[a * 0.45**r for r in range(10)] for a in (0.56, 0.32, 0.20, 0.15)])
@@ -65,17 +66,17 @@ class LookupHeads:
         return logits.permute(1, 0, 2).reshape(self.num_heads, *hidden.shape[:-1], -1)[:num]
 
 
-def test_greedy_continuations_are_plain_greedy_decoding():
+def test_continuations_are_plain_greedy_decoding_at_temperature_zero():
     model = tiny_model(0)
     prompts = _prompts(20) + [[3, 1, 4]]  # more than one batch of rows, prompts of two lengths
-    assert greedy_continuations(model, prompts, max_new_tokens=12) == [
+    assert continuations(model, prompts, max_new_tokens=12) == [
         p + generate(model, p, max_new_tokens=12)[0] for p in prompts]
 
 
 @pytest.mark.parametrize("true_rank_probs, atol", [((1.0,), 0.0), ((0.5, 0.3), 0.12)])
 def test_measured_accuracy_counts_ranks_and_only_positions_with_a_target(true_rank_probs, atol):
     model = tiny_model(1)
-    seqs = greedy_continuations(model, _prompts(6), max_new_tokens=40)
+    seqs = continuations(model, _prompts(6), max_new_tokens=40)
     heads = LookupHeads(model, seqs, true_rank_probs=true_rank_probs, seed=1)
     acc = measure_head_accuracy(model, heads, seqs, prompt_lens=5, top_k=10)
     # 6 sequences x ~40 positions per head: the measured rates sit near the chances of each rank, 0 past them
@@ -87,7 +88,7 @@ def test_measured_accuracy_counts_ranks_and_only_positions_with_a_target(true_ra
 def test_a_guess_is_a_token_of_the_draft_vocabulary():
     """Oracle heads over a draft vocabulary: always right where the true token is in it, never elsewhere."""
     model = tiny_model(3)
-    seqs = greedy_continuations(model, _prompts(4), max_new_tokens=30)
+    seqs = continuations(model, _prompts(4), max_new_tokens=30)
     written = sorted({t for s in seqs for t in s[5:]})
     for draft in (written, written[::2]):  # every token the heads must guess, then half of them
         heads = LookupHeads(model, seqs, draft_ids=torch.tensor(draft))
@@ -97,10 +98,64 @@ def test_a_guess_is_a_token_of_the_draft_vocabulary():
         assert acc[:, 0].tolist() == pytest.approx(inside) and (draft != written or inside == [1.0] * 4)
 
 
+class ProphetHeads:
+    """Heads that know the future: head k at t returns the backbone's own logits for token t+k+1 (its
+    logits at t+k), found by the hidden state (nearest neighbour), so q_k = p wherever a target exists."""
+
+    def __init__(self, model, sequences, *, num_heads=3):
+        self.num_heads, self.draft_ids = num_heads, torch.arange(model.config.vocab_size)
+        states, futures = [], []
+        with torch.no_grad():
+            for s in sequences:
+                logits, hidden = model(torch.tensor([s]))  # [1, T, V], [1, T, C]
+                states.append(hidden[0])
+                futures.append(torch.stack([logits[0, [min(t + k, len(s) - 1) for t in range(len(s))]]
+                                            for k in range(1, num_heads + 1)], dim=1))  # [T, K, V]
+        self.states, self.futures = torch.cat(states), torch.cat(futures)
+
+    def __call__(self, hidden, model, *, following=None, num=None):
+        row = torch.cdist(hidden.reshape(-1, hidden.shape[-1]), self.states).argmin(dim=1)  # [m]
+        return self.futures[row].movedim(1, 0).reshape(self.num_heads, *hidden.shape[:-1], -1)[:num]
+
+
+def test_heads_whose_q_is_p_are_always_accepted_by_rejection_sampling():
+    model = tiny_model(4)
+    seqs = continuations(model, _prompts(4), max_new_tokens=20, temperature=0.9, seed=1)
+    got = measure_sampled_acceptance(model, ProphetHeads(model, seqs), seqs, prompt_lens=5, temperature=0.9)
+    assert got.tolist() == pytest.approx([1.0, 1.0, 1.0], abs=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["medusa", "hydra"])
+def test_sampled_acceptance_is_the_mean_of_sum_min_p_q_over_the_sampled_text(kind):
+    """Written plainly: head k at t (from each prompt's last token) against the backbone's p at t+k, both at
+    the temperature, over a draft vocabulary of half the tokens (q is 0 outside it); hydra heads read the
+    sampled tokens between t and their guess."""
+    model = tiny_model(5)
+    heads = random_heads(model, num_heads=3, seed=5, kind=kind)
+    heads.use_draft_vocabulary(torch.randperm(64, generator=torch.Generator().manual_seed(5)), 32)
+    seqs = continuations(model, _prompts(3, length=6), max_new_tokens=15, temperature=0.7, seed=2)
+    assert seqs != continuations(model, _prompts(3, length=6), max_new_tokens=15)  # sampled, not greedy
+    sums = [[] for _ in range(3)]
+    with torch.no_grad():
+        for s in seqs:
+            logits, hidden = model(torch.tensor([s]))
+            p = sampling_probs(logits[0], temperature=0.7)  # [T, V]
+            for t in range(5, len(s) - 1):
+                q = torch.zeros(3, 64)
+                q[:, heads.draft_ids] = torch.softmax(heads(hidden[0, t], model, following=torch.tensor(s[t + 1 : t + 4]
+                                                       + [0] * 3)[:3]) / 0.7, dim=-1)
+                for k in range(1, 4):
+                    if t + k < len(s) - 1:
+                        sums[k - 1].append(torch.minimum(p[t + k], q[k - 1]).sum().item())
+    got = measure_sampled_acceptance(model, heads, seqs, prompt_lens=6, temperature=0.7)
+    assert got.tolist() == pytest.approx([sum(v) / len(v) for v in sums], abs=1e-6)
+    assert 0.05 < got.min() and got.max() < 0.95  # neither all nor nothing: a real test of the sum
+
+
 def test_measured_accuracy_predicts_measured_tokens_per_step():
     model = tiny_model(2)
     prompts = _prompts(6)
-    seqs = greedy_continuations(model, prompts, max_new_tokens=44)  # 40 decoded + room for 4 heads
+    seqs = continuations(model, prompts, max_new_tokens=44)  # 40 decoded + room for 4 heads
     heads = LookupHeads(model, seqs, true_rank_probs=(0.55, 0.2, 0.1), seed=2)
     tree, expected = build_tree(measure_head_accuracy(model, heads, seqs, prompt_lens=5), 8)
     emitted = steps = 0
