@@ -28,16 +28,23 @@ def _tokens(seed, shape=(4, 17)):
     return torch.randint(0, 50, shape, generator=torch.Generator().manual_seed(seed))
 
 
-def plain_head_losses(logits, y, keep=lambda b, t, k: True):
+def plain_head_losses(logits, y, keep=lambda b, t, k: True, p=None, soft_rows=None):
     """The heads' loss written plainly: head k (1-based) at (b, t) against y[b, t + k] wherever `keep`
-    says; logits [K, B, T, V] -> mean cross-entropy [K], top-1 accuracy [K]."""
+    says; logits [K, B, T, V] -> mean cross-entropy [K], top-1 accuracy [K]. With p [B, T, V], the
+    backbone's distributions, the cross-entropy is against p[b, t + k] instead (soft targets), in the
+    rows `soft_rows` lists (default all)."""
     K, B, T, _ = logits.shape
     losses, accs = [], []
     for k in range(1, K + 1):
         pairs = [(b, t) for b in range(B) for t in range(T - k) if keep(b, t, k)]
         got = torch.stack([logits[k - 1, b, t] for b, t in pairs])
         want = torch.stack([y[b, t + k] for b, t in pairs])
-        losses.append(F.cross_entropy(got, want))
+        if p is None:
+            losses.append(F.cross_entropy(got, want))
+        else:
+            soft = torch.stack([p[b, t + k] if soft_rows is None or b in soft_rows else F.one_hot(y[b, t + k], p.shape[-1])
+                                for b, t in pairs]).float()
+            losses.append(F.cross_entropy(got, soft))
         accs.append((got.argmax(-1) == want).float().mean())
     return torch.stack(losses), torch.stack(accs)
 
@@ -112,6 +119,52 @@ def test_chunked_head_loss_equals_the_plain_masked_loss_in_values_and_gradients(
     assert acc.tolist() == want_acc.tolist() and not acc.requires_grad
     for g, w in zip(grads(got), grads(want)):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("kind, stride, draft, rows", [("medusa", 1, 0, None), ("medusa", 3, 20, None),
+                                                       ("hydra", 1, 20, None), ("medusa", 1, 20, [0, 3])])
+def test_soft_targets_are_the_backbones_p_where_it_predicts_each_heads_token(kind, stride, draft, rows):
+    """Head k at t learns p(token t+k+1), the backbone's softmax at t+k over the draft vocabulary
+    (renormalised: the heads cannot guess outside it), in every row or in the rows a mask marks (the
+    sampled text; the others keep their tokens); accuracy still counts the token that came."""
+    model, heads = _setup(kind=kind)
+    if draft:
+        heads.use_draft_vocabulary(torch.randperm(50, generator=torch.Generator().manual_seed(4)), draft)
+    x = _tokens(5)
+    y, ids = x[:, 1:], heads.draft_ids
+    _, metrics = MedusaLM(model, heads)(x[:, :-1], y, lm_weight=0.0, heads_weight=1.0, decay=1.0,
+                                        detach_backbone=True, heads_stride=stride, heads_offset=1,
+                                        soft_targets=True if rows is None else torch.isin(torch.arange(4), torch.tensor(rows)))
+    logits, hidden = model(x[:, :-1])
+    p = F.softmax(logits[..., ids], dim=-1)  # [B, T, M]
+    index = torch.full((50,), IGNORE).index_put_((ids,), torch.arange(ids.numel()))
+    losses, accs = plain_head_losses(heads(hidden, model, following=next_tokens(y, 3)), index[y],
+                                     lambda b, t, k: (stride == 1 or t % stride == 1) and index[y[b, t + k]] >= 0, p=p,
+                                     soft_rows=rows)
+    torch.testing.assert_close(metrics["heads"], losses.detach(), rtol=0, atol=1e-5)
+    assert metrics["acc"].tolist() == accs.tolist()
+
+
+@pytest.mark.parametrize("soft", [False, True])
+def test_a_head_taught_p_learns_p_and_a_head_taught_tokens_learns_the_tokens(soft):
+    """What rejection sampling needs from q is p (it accepts with probability Σ min(p, q)): heads trained
+    on one written token per position learn that token instead, here on one repeated sequence."""
+    model, heads = _setup(num_heads=1)
+    module, x = MedusaLM(model, heads), _tokens(6, (1, 9))
+    opt = torch.optim.Adam(heads.parameters(), lr=0.05)
+    for _ in range(150):
+        loss, _ = module(x[:, :-1], x[:, 1:], lm_weight=0.0, heads_weight=1.0, decay=1.0, detach_backbone=True,
+                         soft_targets=soft)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    with torch.no_grad():
+        logits, hidden = model(x[:, :-1])
+        p = F.softmax(logits[0, 1:], dim=-1)  # [T-1, V] the backbone's p of head 1's targets
+        q = F.softmax(heads(hidden, model)[0, 0, :-1], dim=-1)  # [T-1, V] head 1's q at t for token t+2
+    kl = (p * (p.log() - q.log())).sum(-1).mean().item()
+    q_token = q.gather(1, x[0, 2:, None]).mean().item()  # q of the tokens that came
+    assert (kl < 0.05 and q_token < 0.5) if soft else (kl > 0.5 and q_token > 0.9), (kl, q_token)
 
 
 def test_a_head_without_any_target_has_zero_loss_and_accuracy_not_nan():

@@ -23,6 +23,8 @@ from .config import TrainArgs, TrainError
 from .data import encode_documents, get_batch, load_corpus, split_documents
 from .device import DTYPES, StageClock, to_device
 from .report import held_out_prompts, progress_line, summarize, validation_batches, validation_loss
+
+DISTILL_CHUNK = 64  # continuations self-distilled at a time, each chunk at the next of --distill-temperatures
 from .state import STATE_FILE, Run
 
 
@@ -120,9 +122,9 @@ def _train(r: Run, module: MedusaLM, optimizer, *, stage: str, steps: int, start
             raise KeyboardInterrupt
         for group in optimizer.param_groups:
             group["lr"] = cosine_lr(step, steps, lr=group["base_lr"])
-        x, y, valid = batch_fn(gen)
+        x, y, valid, rows = batch_fn(gen)  # rows: loss settings of this batch's own (a dict)
         with torch.autocast(device_type, dtype=DTYPES[a.dtype], enabled=a.dtype != "float32"):
-            loss, metrics = ddp(x, y, valid=valid, **loss_kwargs(step))
+            loss, metrics = ddp(x, y, valid=valid, **loss_kwargs(step), **rows)
         optimizer.zero_grad(set_to_none=True)
         scaler.scale(loss).backward()
         scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
@@ -153,7 +155,7 @@ def backbone_stage(r: Run, train_tokens: np.ndarray, val_batches: list, *, step:
 
     def batch(g):
         return *get_batch(train_tokens, batch_size=a.batch_size, block_size=model.config.block_size,
-                          generator=g, device=r.device), None
+                          generator=g, device=r.device), None, {}
 
     def loss_kwargs(s: int) -> dict:
         w = lambda_schedule(s, a.backbone_steps, lambda0=a.lambda0) if joint else 0.0
@@ -174,26 +176,39 @@ def distill_stage(r: Run, train_tokens: np.ndarray) -> torch.Tensor:
     a, t0 = r.args, time.time()
     g = torch.Generator().manual_seed(a.seed * 7919 + 17 + r.rank)
     sample_gen = torch.Generator(device=r.device).manual_seed(a.seed * 7919 + 29 + r.rank)
-    temps, chunk, parts = [float(t) for t in a.distill_temperatures.split(",")], 64, []
+    temps, chunk, parts = continuation_temperatures(a), DISTILL_CHUNK, []
     for i in range(0, a.distill_prompts, chunk):
         x, _ = get_batch(train_tokens, batch_size=min(chunk, a.distill_prompts - i), block_size=a.distill_prompt_len,
                          generator=g, device=r.device)
         parts.append(self_distill(r.model, x, max_new_tokens=a.distill_tokens,
-                                  temperature=temps[i // chunk % len(temps)], generator=sample_gen))
+                                  temperature=temps[i], generator=sample_gen))
     data = torch.cat(parts)  # [S, P + n]
     r.log(f"distill    {data.shape[0]} continuations x {data.shape[1] - a.distill_prompt_len} tokens "
           f"at T={a.distill_temperatures} in {time.time() - t0:.1f}s")
     return data
 
 
+def continuation_temperatures(a: TrainArgs) -> list[float]:
+    """The temperature of each of the --distill-prompts continuations: --distill-temperatures, cycled over
+    chunks of DISTILL_CHUNK."""
+    temps = [float(t) for t in a.distill_temperatures.split(",")]
+    return [temps[i // DISTILL_CHUNK % len(temps)] for i in range(a.distill_prompts)]
+
+
 def heads_stage(r: Run, *, step: int, state: dict | None) -> None:
-    """Medusa-1 (paper §2.2.1): backbone frozen, heads trained on the backbone's own text (`r.distill`)."""
+    """Medusa-1 (paper §2.2.1): backbone frozen, heads trained on the backbone's own text (`r.distill`).
+    With --heads-target p, the heads learn p itself on the sampled text (`training.teacher_states`), and the
+    tokens on the greedy text, where p at temperature 0 is the written token: each the draft its decoding
+    needs (rejection sampling's q should be p; greedy acceptance asks only for the argmax)."""
     a, distill = r.args, r.distill
     valid_row = torch.arange(1, distill.shape[1], device=r.device) >= a.distill_prompt_len  # tokens it wrote
+    sampled = torch.tensor([t > 0 for t in continuation_temperatures(a)], device=r.device)  # [S] not greedy
 
     def batch(g):
-        seq = distill[to_device(torch.randint(distill.shape[0], (a.heads_batch_size,), generator=g), r.device)]
-        return seq[:, :-1], seq[:, 1:], valid_row.expand(a.heads_batch_size, -1)
+        rows = to_device(torch.randint(distill.shape[0], (a.heads_batch_size,), generator=g), r.device)
+        seq = distill[rows]
+        soft = sampled[rows] if a.heads_target == "p" else False
+        return seq[:, :-1], seq[:, 1:], valid_row.expand(a.heads_batch_size, -1), {"soft_targets": soft}
 
     _train(r, MedusaLM(r.model, r.heads), _optimizer([(list(r.heads.parameters()), a.heads_lr)], a), stage="heads",
            steps=a.heads_steps, start=step, gen=torch.Generator().manual_seed(a.seed * 1009 + r.rank + 1),
