@@ -50,32 +50,29 @@ def head_targets(y: torch.Tensor, num_heads: int, *, valid: torch.Tensor | None 
 
 
 def _chunk_head_sums(heads: DraftHeads, model: GPT, h: torch.Tensor, targets: torch.Tensor,
-                     following: torch.Tensor, teacher: torch.Tensor | None, soft: torch.Tensor | None
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+                     following: torch.Tensor, teacher: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """h [n, C], targets [K, n], following [n, K] -> summed cross-entropy [K] and top-1 hits [K].
-    teacher [n, K, C]: the backbone's hidden state where it predicts head k's target; at the positions
-    `soft` [n] marks, the cross-entropy is against its distribution p over the draft vocabulary, not
-    against the token that came."""
+    teacher [n, K, C]: the backbone's hidden state where it predicts head k's target; given, the
+    cross-entropy is against its distribution p over the draft vocabulary, not the token that came."""
     logits = heads(h, model, following=following).float()  # [K, n, M]
     K, n, M = logits.shape
-    ce = F.cross_entropy(logits.reshape(K * n, M), targets.reshape(K * n), reduction="none")  # IGNORE: 0
-    if teacher is not None:
+    if teacher is None:
+        ce = F.cross_entropy(logits.reshape(K * n, M), targets.reshape(K * n), reduction="none")  # IGNORE: 0
+    else:
         with torch.no_grad():
             p = F.softmax(F.linear(teacher.movedim(1, 0), heads.draft_weight(model)).float(), dim=-1)  # [K, n, M]
-        soft_ce = -(p * F.log_softmax(logits, dim=-1)).sum(-1)  # [K, n]
-        ce = torch.where((soft[None] & (targets != IGNORE)).flatten(), soft_ce.flatten(), ce)
+        ce = -(p * F.log_softmax(logits, dim=-1)).sum(-1).masked_fill(targets == IGNORE, 0.0).flatten()
     hits = (logits.detach().argmax(-1) == targets).sum(-1)  # [K]; IGNORE never equals an index
     return ce.view(K, n).sum(-1), hits.to(logits.dtype)
 
 
 def chunked_head_loss(heads: DraftHeads, model: GPT, hidden: torch.Tensor, targets: torch.Tensor, *,
                       following: torch.Tensor, teacher: torch.Tensor | None = None,
-                      soft: torch.Tensor | None = None, chunk_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      chunk_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The heads' cross-entropy (paper §2.2.1) without all K x B x T x M logits at once.
 
     hidden [B, T, C], targets [K, B, T] (draft-vocabulary indices, IGNORE where none), following [B, T, K]
-    (the true next tokens, which dependent heads read), teacher [B, T, K, C] and soft [B, T] bool, or None
-    (`_chunk_head_sums`)
+    (the true next tokens, which dependent heads read), teacher [B, T, K, C] or None (`_chunk_head_sums`)
     -> mean cross-entropy [K] and detached top-1
     accuracy [K] over the positions with a target (0 for none). `chunk_size` positions at a time (default:
     LOGITS_PER_CHUNK logits); with several chunks each runs under torch.utils.checkpoint, so both passes
@@ -84,18 +81,16 @@ def chunked_head_loss(heads: DraftHeads, model: GPT, hidden: torch.Tensor, targe
     K, C = targets.shape[0], hidden.shape[-1]
     h, tgt, fol = hidden.reshape(-1, C), targets.reshape(K, -1), following.reshape(-1, K)  # n = B·T positions
     tch = None if teacher is None else teacher.reshape(-1, K, C)  # [n, K, C]
-    sft = None if teacher is None else soft.reshape(-1)  # [n]
     n = h.shape[0]
     size = chunk_size or max(1, LOGITS_PER_CHUNK // (K * (heads.config.draft_vocab_size or heads.config.vocab_size)))
     if size >= n:  # one chunk: nothing to free early, so no recomputation either
-        ce_sum, hits = _chunk_head_sums(heads, model, h, tgt, fol, tch, sft)
+        ce_sum, hits = _chunk_head_sums(heads, model, h, tgt, fol, tch)
     else:
         ce_sum = hits = 0
         for i in range(0, n, size):
             # preserve_rng_state=False: the chunk draws no random numbers, so there is no state to replay
             c, t = checkpoint(_chunk_head_sums, heads, model, h[i : i + size], tgt[:, i : i + size], fol[i : i + size],
-                              None if tch is None else tch[i : i + size], None if sft is None else sft[i : i + size],
-                              use_reentrant=False, preserve_rng_state=False)
+                              None if tch is None else tch[i : i + size], use_reentrant=False, preserve_rng_state=False)
             ce_sum, hits = ce_sum + c, hits + t
     counts = (tgt != IGNORE).sum(-1).clamp(min=1).to(ce_sum.dtype)  # [K]
     return ce_sum / counts, hits / counts
@@ -149,14 +144,14 @@ class MedusaLM(nn.Module):
     def forward(
         self, x: torch.Tensor, y: torch.Tensor, *, lm_weight: float, heads_weight: float, decay: float,
         valid: torch.Tensor | None = None, detach_backbone: bool = False, heads_stride: int = 1,
-        heads_offset: int = 0, heads_chunk: int | None = None, soft_targets: bool | torch.Tensor = False,
+        heads_offset: int = 0, heads_chunk: int | None = None, soft_targets: bool = False,
     ) -> tuple[torch.Tensor, dict]:
         """Total loss and detached on-device metrics ("lm" [], "heads" [K], "acc" [K]); x, y, valid: [B, T].
 
         heads_stride s > 1 trains the heads at every s-th position from heads_offset only (K vocabulary
         projections per position cost more than the backbone); the caller moves the offset each step.
         soft_targets: head k learns the backbone's whole distribution p for token t+k+1 (`teacher_states`),
-        not only the token that came: True in every row, a [B] bool tensor in the rows it marks.
+        not only the token that came.
         """
         loss = torch.zeros((), device=x.device)
         metrics: dict = {}
@@ -178,14 +173,11 @@ class MedusaLM(nn.Module):
             targets = self.heads.draft_index(head_targets(y, K, valid=valid, positions=positions))  # [K, B, T']
             following = next_tokens(y, K)  # [B, T, K]
             following = following if positions is None else following[:, positions]
-            teacher = soft = None
-            if soft_targets is not False:
-                teacher = teacher_states(hidden.detach(), K)  # [B, T, K, C]
-                soft = torch.as_tensor(soft_targets, device=x.device).expand(x.shape[0])[:, None].expand(x.shape)  # [B, T]
-                if positions is not None:
-                    teacher, soft = teacher[:, positions], soft[:, positions]
+            teacher = teacher_states(hidden.detach(), K) if soft_targets else None  # [B, T, K, C]
+            if teacher is not None and positions is not None:
+                teacher = teacher[:, positions]
             losses, accs = chunked_head_loss(self.heads, self.model, h, targets, following=following,
-                                             teacher=teacher, soft=soft, chunk_size=heads_chunk)
+                                             teacher=teacher, chunk_size=heads_chunk)
             weights = head_weights(K, decay=decay)
             loss = loss + heads_weight * sum(w * l for w, l in zip(weights, losses.unbind()))
             metrics["heads"] = losses.detach()

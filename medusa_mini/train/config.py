@@ -61,8 +61,8 @@ class TrainArgs:
     heads_steps: int = hp(500, "heads-only optimizer steps on the self-distilled text")
     heads_batch_size: int = hp(32, "sequences per heads step")
     heads_lr: float = hp(1e-3, "heads-only learning rate")
-    heads_target: str = hp("token", "heads-only stage: head k learns the token the backbone wrote (token) "
-                                    "or the backbone's whole distribution p there (p)")
+    heads_target: str = hp("token", "heads-only stage: head k learns the token the backbone wrote (token: "
+                                    "greedy's draft) or its whole distribution p there (p: rejection sampling's)")
     draft_vocab: int = hp(512, "M: heads guess among the M tokens most frequent in the self-distilled text (0: all)")
     eval_prompts: int = hp(16, "held-out prompts saved for decode.py")
     eval_every: int = hp(0, "backbone steps between validation losses (0: only the summary's)")

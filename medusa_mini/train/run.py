@@ -23,8 +23,6 @@ from .config import TrainArgs, TrainError
 from .data import encode_documents, get_batch, load_corpus, split_documents
 from .device import DTYPES, StageClock, to_device
 from .report import held_out_prompts, progress_line, summarize, validation_batches, validation_loss
-
-DISTILL_CHUNK = 64  # continuations self-distilled at a time, each chunk at the next of --distill-temperatures
 from .state import STATE_FILE, Run
 
 
@@ -122,9 +120,9 @@ def _train(r: Run, module: MedusaLM, optimizer, *, stage: str, steps: int, start
             raise KeyboardInterrupt
         for group in optimizer.param_groups:
             group["lr"] = cosine_lr(step, steps, lr=group["base_lr"])
-        x, y, valid, rows = batch_fn(gen)  # rows: loss settings of this batch's own (a dict)
+        x, y, valid = batch_fn(gen)
         with torch.autocast(device_type, dtype=DTYPES[a.dtype], enabled=a.dtype != "float32"):
-            loss, metrics = ddp(x, y, valid=valid, **loss_kwargs(step), **rows)
+            loss, metrics = ddp(x, y, valid=valid, **loss_kwargs(step))
         optimizer.zero_grad(set_to_none=True)
         scaler.scale(loss).backward()
         scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
@@ -155,7 +153,7 @@ def backbone_stage(r: Run, train_tokens: np.ndarray, val_batches: list, *, step:
 
     def batch(g):
         return *get_batch(train_tokens, batch_size=a.batch_size, block_size=model.config.block_size,
-                          generator=g, device=r.device), None, {}
+                          generator=g, device=r.device), None
 
     def loss_kwargs(s: int) -> dict:
         w = lambda_schedule(s, a.backbone_steps, lambda0=a.lambda0) if joint else 0.0
@@ -176,44 +174,33 @@ def distill_stage(r: Run, train_tokens: np.ndarray) -> torch.Tensor:
     a, t0 = r.args, time.time()
     g = torch.Generator().manual_seed(a.seed * 7919 + 17 + r.rank)
     sample_gen = torch.Generator(device=r.device).manual_seed(a.seed * 7919 + 29 + r.rank)
-    temps, chunk, parts = continuation_temperatures(a), DISTILL_CHUNK, []
+    temps, chunk, parts = [float(t) for t in a.distill_temperatures.split(",")], 64, []
     for i in range(0, a.distill_prompts, chunk):
         x, _ = get_batch(train_tokens, batch_size=min(chunk, a.distill_prompts - i), block_size=a.distill_prompt_len,
                          generator=g, device=r.device)
         parts.append(self_distill(r.model, x, max_new_tokens=a.distill_tokens,
-                                  temperature=temps[i], generator=sample_gen))
+                                  temperature=temps[i // chunk % len(temps)], generator=sample_gen))
     data = torch.cat(parts)  # [S, P + n]
     r.log(f"distill    {data.shape[0]} continuations x {data.shape[1] - a.distill_prompt_len} tokens "
           f"at T={a.distill_temperatures} in {time.time() - t0:.1f}s")
     return data
 
 
-def continuation_temperatures(a: TrainArgs) -> list[float]:
-    """The temperature of each of the --distill-prompts continuations: --distill-temperatures, cycled over
-    chunks of DISTILL_CHUNK."""
-    temps = [float(t) for t in a.distill_temperatures.split(",")]
-    return [temps[i // DISTILL_CHUNK % len(temps)] for i in range(a.distill_prompts)]
-
-
 def heads_stage(r: Run, *, step: int, state: dict | None) -> None:
-    """Medusa-1 (paper §2.2.1): backbone frozen, heads trained on the backbone's own text (`r.distill`).
-    With --heads-target p, the heads learn p itself on the sampled text (`training.teacher_states`), and the
-    tokens on the greedy text, where p at temperature 0 is the written token: each the draft its decoding
-    needs (rejection sampling's q should be p; greedy acceptance asks only for the argmax)."""
+    """Medusa-1 (paper §2.2.1): backbone frozen, heads trained on the backbone's own text (`r.distill`): on
+    its tokens, or with --heads-target p on its distribution there (`training.teacher_states`)."""
     a, distill = r.args, r.distill
     valid_row = torch.arange(1, distill.shape[1], device=r.device) >= a.distill_prompt_len  # tokens it wrote
-    sampled = torch.tensor([t > 0 for t in continuation_temperatures(a)], device=r.device)  # [S] not greedy
 
     def batch(g):
-        rows = to_device(torch.randint(distill.shape[0], (a.heads_batch_size,), generator=g), r.device)
-        seq = distill[rows]
-        soft = sampled[rows] if a.heads_target == "p" else False
-        return seq[:, :-1], seq[:, 1:], valid_row.expand(a.heads_batch_size, -1), {"soft_targets": soft}
+        seq = distill[to_device(torch.randint(distill.shape[0], (a.heads_batch_size,), generator=g), r.device)]
+        return seq[:, :-1], seq[:, 1:], valid_row.expand(a.heads_batch_size, -1)
 
     _train(r, MedusaLM(r.model, r.heads), _optimizer([(list(r.heads.parameters()), a.heads_lr)], a), stage="heads",
            steps=a.heads_steps, start=step, gen=torch.Generator().manual_seed(a.seed * 1009 + r.rank + 1),
            batch_fn=batch, state=state,
-           loss_kwargs=lambda s: dict(lm_weight=0.0, heads_weight=1.0, decay=1.0, detach_backbone=True))
+           loss_kwargs=lambda s: dict(lm_weight=0.0, heads_weight=1.0, decay=1.0, detach_backbone=True,
+                                      soft_targets=a.heads_target == "p"))
 
 
 def choose_draft_vocabulary(r: Run) -> None:
