@@ -142,7 +142,7 @@ def without_earlier_draws(log_q: torch.Tensor, drawn: list[int], x: int) -> torc
     log_q[drawn[: drawn.index(x)]] = float("-inf")
     if torch.isneginf(log_q[x]):  # q had no mass left for x (a tiny T, a small draft vocabulary): x was
         log_q[x] = 0.0  # picked, not drawn, independently of the tries: it is tried as a point mass
-    return (log_q - torch.logsumexp(log_q, dim=0)).exp()
+    return torch.softmax(log_q, dim=0)
 
 
 def try_children(p: torch.Tensor, candidates: list[int], draft: tuple | None, u: list[float]):
@@ -160,7 +160,8 @@ def try_children(p: torch.Tensor, candidates: list[int], draft: tuple | None, u:
         if u[i] * q[x] < p[x]:  # u < p/q without dividing: q(x) may underflow to 0
             return i, p
         residual = (p - q).clamp_min(0.0)
-        if residual.sum() <= 0:  # p = q up to rounding: every x with p(x) > 0 passes
+        mass = residual.sum()
+        if mass <= 0:  # p = q up to rounding: every x with p(x) > 0 passes
             return (i if p[x] > 0 else None), p
-        p = residual / residual.sum()
+        p = residual / mass
     return None, p
