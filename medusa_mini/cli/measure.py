@@ -1,7 +1,8 @@
 """`python -m medusa_mini.cli.measure --ckpt DIR`: measure again (train_tiny.py does after training), in
 float32, how often a checkpoint's heads are accepted on greedy continuations of its prompts.json; save
 heads_accuracy.json, from which `decode.py --tree N` (and `auto`, the default) builds trees. Then the
-same under rejection sampling: Σ min(p, q) per head on sampled continuations (printed, not saved)."""
+same under rejection sampling: Σ min(p, q) per head on sampled continuations (printed, not saved), and with
+--ceiling what a Medusa head 1 that learned its marginal perfectly would score."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from ..train.report import (
     continuations,
     format_accuracy,
     measure_head_accuracy,
+    measure_marginal_ceiling,
     measure_sampled_acceptance,
     save_accuracy,
 )
@@ -31,6 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--temperature", type=float, default=SAMPLING_TEMPERATURE,
                    help=f"of the sampled continuations, p and q (default: {SAMPLING_TEMPERATURE:g})")
     p.add_argument("--seed", type=int, default=0, help="seeds the sampled continuations (default: 0)")
+    p.add_argument("--ceiling", action="store_true", help="also head 1's ceiling: one forward over the 64 "
+                   "likeliest roots at every 4th position (slower)")
     p.add_argument("--device", help="cpu, cuda, ... (default: cuda if available)")
     a = p.parse_args(argv)
     try:
@@ -56,6 +60,11 @@ def main(argv: list[str] | None = None) -> int:
                                         temperature=a.temperature)
     print(f"rejection sampling at T={a.temperature:g}: each head's one drawn candidate is accepted with "
           f"Σ min(p, q) = " + "  ".join(f"{v:.3f}" for v in accept.tolist()))
+    if a.ceiling:
+        ceiling, covered = measure_marginal_ceiling(ck.model, sampled, prompt_lens=[len(ids) for ids in prompts],
+                                                    temperature=a.temperature)
+        print(f"a Medusa head 1 that learned its marginal perfectly: Σ min(p, q) = {ceiling:.3f} "
+              f"(over the 64 likeliest roots, {covered:.0%} of their probability)")
     return 0
 
 

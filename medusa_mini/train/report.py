@@ -182,6 +182,31 @@ def measure_sampled_acceptance(model: GPT, heads: DraftHeads, sequences: list[li
     return total / counts.clamp(min=1)
 
 
+@torch.no_grad()
+def measure_marginal_ceiling(model: GPT, sequences: list[list[int]], *, prompt_lens: int | Sequence[int],
+                             temperature: float, roots: int = 64, every: int = 4) -> tuple[float, float]:
+    """What a Medusa head 1 trained to perfection would score in `measure_sampled_acceptance`: (mean Σ min, mean
+    root mass covered). Head 1 at t guesses token t+2 without the token t+1 (the root r, drawn from p_t), so
+    cross-entropy teaches it at best the marginal m = Σ_r p_t(r) p(· | r); here m is computed over the
+    `roots` likeliest roots (renormalised) at every `every`-th position, and Σ_x min(p(x | r), m(x)) is
+    averaged over r ~ p_t. A head that reads r (Hydra's) is not bound by it. One forward per position."""
+    device, V = model.device, model.config.vocab_size
+    prompt_lens = [prompt_lens] * len(sequences) if isinstance(prompt_lens, int) else prompt_lens
+    total = covered = positions = 0.0
+    for seq, P in zip(sequences, prompt_lens):
+        for t in range(max(P - 1, 0), len(seq) - 2, every):  # as in measure_sampled_acceptance
+            context = torch.tensor(seq[: t + 1], device=device)  # [t + 1]
+            p_root = sampling_probs(model(context[None])[0][0, -1], temperature=temperature)  # [V]
+            w, r = p_root.topk(min(roots, V))  # [R] the likeliest roots and their probabilities
+            x = torch.cat([context.expand(len(r), -1), r[:, None]], dim=1)  # [R, t + 2]
+            p_next = sampling_probs(model(x)[0][:, -1], temperature=temperature)  # [R, V] p(· | r)
+            share = w / w.sum()  # [R]
+            marginal = share @ p_next  # [V]
+            total += (share * torch.minimum(p_next, marginal).sum(-1)).sum().item()
+            covered, positions = covered + w.sum().item(), positions + 1
+    return total / max(positions, 1), covered / max(positions, 1)
+
+
 def save_accuracy(directory: str | os.PathLike, acc: torch.Tensor, *, meta: dict | None = None) -> None:
     """Write heads_accuracy.json atomically, one line per head, then `meta` (what it was measured on)."""
     acc = check_acc(acc)

@@ -68,16 +68,17 @@ def test_bad_trees_are_one_line_errors(tmp_path, spec, content, message):
 
 def test_measure_saves_the_accuracy_table_and_prints_the_product_rule_by_node_budget(tmp_path, capsys):
     save_small_checkpoint(tmp_path)
-    assert measure.main(["--ckpt", str(tmp_path), "--prompts", "3", "--max-new-tokens", "8"]) == 0
+    assert measure.main(["--ckpt", str(tmp_path), "--prompts", "3", "--max-new-tokens", "8", "--ceiling"]) == 0
     out = capsys.readouterr().out
     acc = load_accuracy(tmp_path)
     assert acc.shape == (3, 10) and "top-1" in out
     assert f"8 nodes: {build_tree(acc, 8)[1]:.2f}" in out  # the estimate printed is build_tree's own
     saved = json.loads((tmp_path / "heads_accuracy.json").read_text())
     assert saved["num_prompts"] == 3 and saved["max_new_tokens"] == 8 and saved["top_k"] == 10
-    sampled = out.strip().splitlines()[-1]  # and under rejection sampling: one rate per head
+    sampled, ceiling = out.strip().splitlines()[-2:]  # and under rejection sampling: one rate per head
     assert sampled.startswith("rejection sampling at T=0.8") and len(sampled.split("=")[-1].split()) == 3
     assert all(0 <= float(v) <= 1 for v in sampled.split("=")[-1].split())
+    assert ceiling.startswith("a Medusa head 1 that learned its marginal perfectly: Σ min(p, q) = 0.")
 
 
 @pytest.mark.parametrize("argv, needle", [

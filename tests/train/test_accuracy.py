@@ -15,7 +15,13 @@ from medusa_mini.heads import HeadsConfig
 from medusa_mini.proposal import MedusaProposer
 from medusa_mini.sampling import sampling_probs
 from medusa_mini.train import report
-from medusa_mini.train.report import continuations, load_accuracy, measure_head_accuracy, measure_sampled_acceptance
+from medusa_mini.train.report import (
+    continuations,
+    load_accuracy,
+    measure_head_accuracy,
+    measure_marginal_ceiling,
+    measure_sampled_acceptance,
+)
 from medusa_mini.tree import build_tree
 
 VICUNA = torch.tensor([[a * 0.45**r for r in range(10)] for a in (0.56, 0.32, 0.20, 0.15)])
@@ -150,6 +156,38 @@ def test_sampled_acceptance_is_the_mean_of_sum_min_p_q_over_the_sampled_text(kin
     got = measure_sampled_acceptance(model, heads, seqs, prompt_lens=6, temperature=0.7)
     assert got.tolist() == pytest.approx([sum(v) / len(v) for v in sums], abs=1e-6)
     assert 0.05 < got.min() and got.max() < 0.95  # neither all nor nothing: a real test of the sum
+
+
+class Lagged(torch.nn.Module):
+    """A model whose logits at t are table[x[t - lag]]: with lag 0 a bigram model, where p of token t+2
+    depends on token t+1 (the root); with lag 1 it does not."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, lag, vocab_size=12):
+        super().__init__()
+        self.table, self.lag = torch.randn(vocab_size, vocab_size, generator=torch.Generator().manual_seed(7)) * 2, lag
+        self.config = HeadsConfig(vocab_size=vocab_size)  # only its vocab_size is read
+
+    def forward(self, x):
+        return self.table[x if self.lag == 0 else torch.cat([x[:, :1], x[:, :-1]], dim=1)], None
+
+
+def test_a_head_that_cannot_see_the_root_is_capped_by_its_marginal_over_the_root():
+    seqs, T = [[1, 2, 3, 4, 5, 6, 7], [3, 3, 0, 9, 11, 2]], 0.7
+    blind = Lagged(lag=1)  # p of token t+2 ignores token t+1: the marginal is p itself, always accepted
+    assert measure_marginal_ceiling(blind, seqs, prompt_lens=2, temperature=T, roots=12, every=1) == pytest.approx((1, 1))
+    bigram = Lagged(lag=0)
+    p = torch.softmax(bigram.table / T, dim=-1)  # [V, V] p(next token | token)
+    want = []
+    for s in seqs:
+        for t in range(1, len(s) - 2):
+            p_root = p[s[t]]  # [V] the root's distribution
+            marginal = p_root @ p  # [V] Σ_r p(r) p(· | r)
+            want.append((p_root * torch.minimum(p, marginal).sum(-1)).sum().item())
+    got, covered = measure_marginal_ceiling(bigram, seqs, prompt_lens=2, temperature=T, roots=12, every=1)
+    assert got == pytest.approx(sum(want) / len(want)) and covered == pytest.approx(1.0) and got < 0.9
+    assert measure_marginal_ceiling(bigram, seqs, prompt_lens=2, temperature=T, roots=3, every=1)[1] < 0.99
 
 
 def test_measured_accuracy_predicts_measured_tokens_per_step():
