@@ -22,7 +22,7 @@ from dataclasses import asdict
 import tiktoken
 import torch
 
-from medusa_mini.cli.common import SAMPLING_TEMPERATURE, OneLineParser
+from medusa_mini.cli.common import OneLineParser
 from medusa_mini.cli.compiled import StaticCaches, compile_steps, warm_up
 from medusa_mini.cli.explain import DEMO_NOTE, demo_checkpoint, explain_step
 from medusa_mini.cli.plots import check_plot_path, plot_batch
@@ -30,7 +30,7 @@ from medusa_mini.cli.runs import Engine, Method, compare, compare_methods, decod
 from medusa_mini.cli.trees import TreeChoice, resolve_tree
 from medusa_mini.decoding import GenerationStats
 from medusa_mini.io.loading import PROMPTS_FILE, load_for_decoding, load_prompts
-from medusa_mini.sampling import Sampling
+from medusa_mini.sampling import SAMPLING_TEMPERATURE, Sampling
 from medusa_mini.train.device import DTYPES, pick_device, pick_dtype
 
 

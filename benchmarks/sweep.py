@@ -23,12 +23,12 @@ if ROOT not in sys.path:  # run as a script from anywhere, without installing th
 import torch  # noqa: E402
 
 from benchmarks.bench_step import at_least_one, names_of, numbers  # noqa: E402
-from medusa_mini.cli.common import BONUS_NOTE, SAMPLING_TEMPERATURE, OneLineParser  # noqa: E402
+from medusa_mini.cli.common import BONUS_NOTE, OneLineParser  # noqa: E402
 from medusa_mini.cli.plots import check_plot_path, plot_node_sweep  # noqa: E402
 from medusa_mini.cli.runs import Engine, Method, run_in_turns, summarise  # noqa: E402
 from medusa_mini.io.loading import Checkpoint, load_for_decoding, prompt_ids  # noqa: E402
 from medusa_mini.proposal import PromptLookup  # noqa: E402
-from medusa_mini.sampling import Sampling  # noqa: E402
+from medusa_mini.sampling import SAMPLING_TEMPERATURE, Sampling  # noqa: E402
 from medusa_mini.train.device import DTYPES, pick_device, pick_dtype  # noqa: E402
 from medusa_mini.train.report import load_accuracy  # noqa: E402
 from medusa_mini.tree import build_tree, expected_tokens_per_step  # noqa: E402

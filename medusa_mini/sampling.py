@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 ACCEPTANCE_RULES = ("greedy", "typical", "rejection")
+SAMPLING_TEMPERATURE = 0.8  # the commands' and reports' temperature when they sample (Sampling's default is greedy)
 DRAFTS = ("sampled", "topk")  # how rejection sampling fills the tree: draws from the heads, or their top-k
 
 

@@ -1,4 +1,4 @@
-"""What the command-line scripts share: the sampling default, the clock (`timed`, `in_turns`), and one-line
+"""What the command-line scripts share: the clock (`timed`, `in_turns`), and one-line
 errors: a script passes bad input, a ValueError, to `OneLineParser.error` (`<prog>: error: ...`, status 2)."""
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ from typing import Callable, NoReturn, TypeVar
 import torch
 
 R, K = TypeVar("R"), TypeVar("K")
-SAMPLING_TEMPERATURE = 0.8  # the command lines' sampling default
 BONUS_NOTE = "tokens/step counts the bonus token (the verify pass's own next token)"
 
 

@@ -10,6 +10,7 @@ import os
 import sys
 
 from ..io.loading import PROMPTS_FILE, load_for_decoding, prompt_ids
+from ..sampling import SAMPLING_TEMPERATURE
 from ..train.device import pick_device
 from ..train.report import (
     ACCURACY_FILE,
@@ -21,7 +22,7 @@ from ..train.report import (
     save_accuracy,
 )
 from ..tree import build_tree
-from .common import SAMPLING_TEMPERATURE, OneLineParser
+from .common import OneLineParser
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,13 +16,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..cli.common import SAMPLING_TEMPERATURE
 from ..decoding import generate_batch
 from ..heads import IGNORE, DraftHeads, next_tokens
 from ..io.files import atomic_write_text, read_json
 from ..io.loading import PROMPTS_FILE
 from ..model import GPT
-from ..sampling import Sampling, sampling_probs, scaled
+from ..sampling import SAMPLING_TEMPERATURE, Sampling, sampling_probs, scaled
 from ..training import head_targets, lm_loss
 from ..tree import build_tree, check_acc, expected_tokens_per_step, preset
 from .data import get_batch
