@@ -161,8 +161,8 @@ def measure_sampled_acceptance(model: GPT, heads: DraftHeads, sequences: list[li
                                prompt_lens: int | Sequence[int], temperature: float) -> torch.Tensor:
     """[K] float64: head k's Σ_x min(p(x), q_k(x)) averaged over `sequences` (prompts + continuations sampled at
     `temperature`), p the backbone's distribution of the token head k guesses, q_k the head's, both at that
-    temperature: the chance that rejection sampling accepts head k's one drawn candidate where the text
-    has got to (accepted paths are distributed as sampled text). Where the greedy figure
+    temperature: about the chance that rejection sampling accepts head k's one drawn candidate (decoding
+    writes sampled text, though its steps do not start at every position alike). Where the greedy figure
     (`measure_head_accuracy`) asks for the right token, this asks for the right distribution."""
     device, K, ids = model.device, heads.num_heads, heads.draft_ids.to(model.device)
     prompt_lens = [prompt_lens] * len(sequences) if isinstance(prompt_lens, int) else prompt_lens
