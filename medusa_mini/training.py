@@ -49,11 +49,12 @@ def head_targets(y: torch.Tensor, num_heads: int, *, valid: torch.Tensor | None 
     return targets if positions is None else targets[:, :, positions]
 
 
-def _chunk_head_sums(heads: DraftHeads, model: GPT, h: torch.Tensor, targets: torch.Tensor,
-                     following: torch.Tensor, teacher: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def _chunk_head_sums(heads: DraftHeads, model: GPT, h: torch.Tensor, targets: torch.Tensor, following: torch.Tensor,
+                     teacher: torch.Tensor | None, known: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """h [n, C], targets [K, n], following [n, K] -> summed cross-entropy [K] and top-1 hits [K].
     teacher [n, K, C]: the backbone's hidden state where it predicts head k's target; given, the
-    cross-entropy is against its distribution p over the draft vocabulary, not the token that came."""
+    cross-entropy is against its distribution p over the draft vocabulary, not the token that came, at
+    every position `known` [K, n] marks (a target exists, in the draft vocabulary or not)."""
     logits = heads(h, model, following=following).float()  # [K, n, M]
     K, n, M = logits.shape
     if teacher is None:
@@ -61,38 +62,41 @@ def _chunk_head_sums(heads: DraftHeads, model: GPT, h: torch.Tensor, targets: to
     else:
         with torch.no_grad():
             p = F.softmax(F.linear(teacher.movedim(1, 0), heads.draft_weight(model)).float(), dim=-1)  # [K, n, M]
-        ce = -(p * F.log_softmax(logits, dim=-1)).sum(-1).masked_fill(targets == IGNORE, 0.0).flatten()
+        ce = -(p * F.log_softmax(logits, dim=-1)).sum(-1).masked_fill(~known, 0.0).flatten()
     hits = (logits.detach().argmax(-1) == targets).sum(-1)  # [K]; IGNORE never equals an index
     return ce.view(K, n).sum(-1), hits.to(logits.dtype)
 
 
 def chunked_head_loss(heads: DraftHeads, model: GPT, hidden: torch.Tensor, targets: torch.Tensor, *,
-                      following: torch.Tensor, teacher: torch.Tensor | None = None,
+                      following: torch.Tensor, teacher: torch.Tensor | None = None, known: torch.Tensor | None = None,
                       chunk_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The heads' cross-entropy (paper §2.2.1) without all K x B x T x M logits at once.
 
     hidden [B, T, C], targets [K, B, T] (draft-vocabulary indices, IGNORE where none), following [B, T, K]
-    (the true next tokens, which dependent heads read), teacher [B, T, K, C] or None (`_chunk_head_sums`)
-    -> mean cross-entropy [K] and detached top-1
-    accuracy [K] over the positions with a target (0 for none). `chunk_size` positions at a time (default:
+    (the true next tokens, which dependent heads read), teacher [B, T, K, C] or None (`_chunk_head_sums`),
+    known [K, B, T] where a target exists (default: targets != IGNORE; with a teacher also where the token
+    is outside the draft vocabulary, as p is defined there) -> mean cross-entropy [K] and detached top-1
+    accuracy [K] over the `known` positions (0 for none; a token outside the draft vocabulary is a miss). `chunk_size` positions at a time (default:
     LOGITS_PER_CHUNK logits); with several chunks each runs under torch.utils.checkpoint, so both passes
     hold one chunk's logits, at the price of computing them twice. No `.item()`, no data-dependent shapes.
     """
     K, C = targets.shape[0], hidden.shape[-1]
     h, tgt, fol = hidden.reshape(-1, C), targets.reshape(K, -1), following.reshape(-1, K)  # n = B·T positions
     tch = None if teacher is None else teacher.reshape(-1, K, C)  # [n, K, C]
+    kn = (tgt != IGNORE) if known is None else known.reshape(K, -1)  # [K, n]
     n = h.shape[0]
     size = chunk_size or max(1, LOGITS_PER_CHUNK // (K * (heads.config.draft_vocab_size or heads.config.vocab_size)))
     if size >= n:  # one chunk: nothing to free early, so no recomputation either
-        ce_sum, hits = _chunk_head_sums(heads, model, h, tgt, fol, tch)
+        ce_sum, hits = _chunk_head_sums(heads, model, h, tgt, fol, tch, kn)
     else:
         ce_sum = hits = 0
         for i in range(0, n, size):
             # preserve_rng_state=False: the chunk draws no random numbers, so there is no state to replay
             c, t = checkpoint(_chunk_head_sums, heads, model, h[i : i + size], tgt[:, i : i + size], fol[i : i + size],
-                              None if tch is None else tch[i : i + size], use_reentrant=False, preserve_rng_state=False)
+                              None if tch is None else tch[i : i + size], kn[:, i : i + size], use_reentrant=False,
+                              preserve_rng_state=False)
             ce_sum, hits = ce_sum + c, hits + t
-    counts = (tgt != IGNORE).sum(-1).clamp(min=1).to(ce_sum.dtype)  # [K]
+    counts = kn.sum(-1).clamp(min=1).to(ce_sum.dtype)  # [K]
     return ce_sum / counts, hits / counts
 
 
@@ -102,10 +106,11 @@ def teacher_states(hidden: torch.Tensor, num_heads: int) -> torch.Tensor:
 
     Soft targets (distillation from the backbone, as Hydra++ trains its heads, arXiv 2402.05109 §4):
     head k at t then learns p(token t+k+1 | the text up to t+k), the backbone's whole distribution, not
-    the one token the text holds there (p at temperature 1, as its logits give it: decoding applies its
-    temperature to p and q alike). Averaged over the text the target is the same (a Medusa head can
-    only learn the marginal over the k tokens it does not see), but each position teaches the whole
-    distribution, which is what rejection sampling's q must match: it accepts with Σ min(p, q)."""
+    the one token the text holds there (p at temperature 1, as its logits give it, over the draft
+    vocabulary). A Medusa head can only learn the marginal over the k tokens it does not see, whichever
+    target it is taught; p teaches each position the whole distribution, which is what rejection
+    sampling's q must resemble (it accepts with Σ min(p, q)), where a token teaches only its argmax.
+    Decoding tempers p and q alike, which does not keep a marginal exactly a marginal."""
     B, T, C = hidden.shape
     out = hidden.new_zeros(B, T, num_heads, C)
     for k in range(1, min(num_heads, T - 1) + 1):
@@ -170,14 +175,15 @@ class MedusaLM(nn.Module):
             if heads_stride > 1:
                 positions = torch.arange(heads_offset % heads_stride, x.shape[1], heads_stride, device=x.device)  # [T']
                 h = h[:, positions]  # [B, T', C]
-            targets = self.heads.draft_index(head_targets(y, K, valid=valid, positions=positions))  # [K, B, T']
+            tokens = head_targets(y, K, valid=valid, positions=positions)  # [K, B, T'] token ids
+            targets = self.heads.draft_index(tokens)  # [K, B, T'] draft-vocabulary indices
             following = next_tokens(y, K)  # [B, T, K]
             following = following if positions is None else following[:, positions]
             teacher = teacher_states(hidden.detach(), K) if soft_targets else None  # [B, T, K, C]
             if teacher is not None and positions is not None:
                 teacher = teacher[:, positions]
-            losses, accs = chunked_head_loss(self.heads, self.model, h, targets, following=following,
-                                             teacher=teacher, chunk_size=heads_chunk)
+            losses, accs = chunked_head_loss(self.heads, self.model, h, targets, following=following, teacher=teacher,
+                                             known=tokens != IGNORE if soft_targets else None, chunk_size=heads_chunk)
             weights = head_weights(K, decay=decay)
             loss = loss + heads_weight * sum(w * l for w, l in zip(weights, losses.unbind()))
             metrics["heads"] = losses.detach()
