@@ -18,7 +18,6 @@ Shapes: B rows, N nodes, V vocabulary, D tree depth.
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import NamedTuple
 
 import torch
@@ -116,11 +115,10 @@ def rejection_accept_drawn(proposal: Proposal, logits: torch.Tensor, *, sampling
     """Rejection sampling of drawn candidates, row by row on the host: the tries are sequential (each
     depends on the residual the previous rejection left; `sampling.try_children`), a few scalar
     operations each. Unusable nodes are left out; a row without a usable root accepts and draws nothing.
-    The same walk and draws as `reference.rejection_accept`, with p at every node and every row's q brought
-    to the host once per step, not once per node (on a GPU each copy waits for the device)."""
-    tree, B = proposal.tree, logits.shape[0]
-    p_host = sampling.probs(logits).double().cpu()  # [B, N, V]
-    draft = replace(proposal.draft, log_q=proposal.draft.log_q.to("cpu", torch.float64))  # [B, Q, V]
+    The same walk and draws as `reference.rejection_accept`, with p computed for every node at once on
+    the device; only the p and q of the nodes the walk reaches come to the host, once each."""
+    tree, draft, B = proposal.tree, proposal.draft, logits.shape[0]
+    p_all = sampling.probs(logits)  # [B, N, V]
     tokens, samples = proposal.tokens.tolist(), draft.samples.tolist()
     ok = usable.tolist() if usable is not None else [[True] * tree.num_nodes] * B
     D1 = tree.depth + 1
@@ -130,9 +128,11 @@ def rejection_accept_drawn(proposal: Proposal, logits: torch.Tensor, *, sampling
         if ok[b][0]:
             drafts = draft.per_node(b, samples)
             while True:
-                kids = [c for c in tree.children[path[-1]] if ok[b][c]]
+                node = path[-1]
+                kids = [c for c in tree.children[node] if ok[b][c]]
                 u = torch.rand(len(kids), generator=generator, device=logits.device).tolist()
-                i, p = try_children(p_host[b, path[-1]], [tokens[b][c] for c in kids], drafts[path[-1]], u)
+                q = drafts[node] and (drafts[node][0].cpu().double(), drafts[node][1])  # (log q [V], draws)
+                i, p = try_children(p_all[b, node].cpu().double(), [tokens[b][c] for c in kids], q, u)
                 if i is None:
                     bonus = int(draw(p.to(logits.device), generator))
                     break
