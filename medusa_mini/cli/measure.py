@@ -2,10 +2,11 @@
 float32, how often a checkpoint's heads are accepted on greedy continuations of its prompts.json; save
 heads_accuracy.json, from which `decode.py --tree N` (and `auto`, the default) builds trees. Then the
 same under rejection sampling: Σ min(p, q) per head on sampled continuations (printed, not saved), and with
---ceiling what a Medusa head 1 that learned its marginal perfectly would score."""
+--marginal what head 1 would score were its q the exact marginal over the root it cannot see."""
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 
@@ -17,7 +18,7 @@ from ..train.report import (
     continuations,
     format_accuracy,
     measure_head_accuracy,
-    measure_marginal_ceiling,
+    measure_marginal_acceptance,
     measure_sampled_acceptance,
     save_accuracy,
 )
@@ -34,13 +35,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--temperature", type=float, default=SAMPLING_TEMPERATURE,
                    help=f"of the sampled continuations, p and q (default: {SAMPLING_TEMPERATURE:g})")
     p.add_argument("--seed", type=int, default=0, help="seeds the sampled continuations (default: 0)")
-    p.add_argument("--ceiling", action="store_true", help="also head 1's ceiling: one forward over the 64 "
-                   "likeliest roots at every 4th position (slower)")
+    p.add_argument("--marginal", action="store_true", help="also head 1's score were its q the exact marginal "
+                   "over the root it cannot see: a forward over the 64 likeliest roots at every 4th position (slower)")
     p.add_argument("--device", help="cpu, cuda, ... (default: cuda if available)")
     a = p.parse_args(argv)
     try:
-        if a.prompts < 1 or a.max_new_tokens < 3 or a.top_k < 1 or not a.temperature > 0:
-            raise ValueError("--prompts and --top-k must be >= 1, --max-new-tokens >= 3 and --temperature > 0")
+        if a.prompts < 1 or a.max_new_tokens < 3 or a.top_k < 1 or not 0 < a.temperature < math.inf:
+            raise ValueError("--prompts and --top-k must be >= 1, --max-new-tokens >= 3 and --temperature a number > 0")
         ck = load_for_decoding(a.ckpt, device=pick_device(a.device))
         if ck.heads is None:
             raise ValueError(f"checkpoint {a.ckpt} has no Medusa heads; train heads first")
@@ -61,11 +62,11 @@ def main(argv: list[str] | None = None) -> int:
                                         temperature=a.temperature)
     print(f"rejection sampling at T={a.temperature:g}: each head's one drawn candidate is accepted with "
           f"Σ min(p, q) = " + "  ".join(f"{v:.3f}" for v in accept.tolist()))
-    if a.ceiling:
-        ceiling, covered = measure_marginal_ceiling(ck.model, sampled, prompt_lens=[len(ids) for ids in prompts],
-                                                    temperature=a.temperature)
-        print(f"a Medusa head 1 that learned its marginal perfectly: Σ min(p, q) = {ceiling:.3f} "
-              f"(over the 64 likeliest roots, {covered:.0%} of their probability)")
+    if a.marginal:
+        score, covered = measure_marginal_acceptance(ck.model, sampled, prompt_lens=[len(ids) for ids in prompts],
+                                                     temperature=a.temperature)
+        print(f"head 1 with q = the exact marginal over the root, what its training aims at: Σ min(p, q) = "
+              f"{score:.3f} (the 64 likeliest roots, {covered:.0%} of the root's probability)")
     return 0
 
 

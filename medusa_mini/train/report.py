@@ -122,8 +122,8 @@ def held_out_prompts(out: str, val_docs, enc, *, count: int, seed: int, block_si
 
 def continuations(model: GPT, prompts: list[list[int]], *, max_new_tokens: int, temperature: float = 0.0,
                   seed: int = 0) -> list[list[int]]:
-    """Each prompt + the backbone's continuation, token for token what `generate` writes: greedy at
-    temperature 0, else sampled (seeded)."""
+    """Each prompt + the backbone's continuation: greedy at temperature 0 (token for token what `generate`
+    writes), else sampled by `generate_batch`, ROWS prompts at a time from one seeded generator."""
     out, sampling = [], Sampling(temperature=temperature)
     g = torch.Generator(device=model.device).manual_seed(seed)
     for b in range(0, len(prompts), ROWS):
@@ -145,11 +145,14 @@ def measure_head_accuracy(model: GPT, heads: DraftHeads, sequences: list[list[in
     prompt_lens = [prompt_lens] * len(sequences) if isinstance(prompt_lens, int) else prompt_lens
     hits, counts = torch.zeros(K, top_k, dtype=torch.float64), torch.zeros(K, dtype=torch.float64)
     for seq, P in zip(sequences, prompt_lens):
+        first = max(P - 1, 0)  # the prompt's last token: decoding's first hidden state
+        if len(seq) < first + 3:  # no position where head 1 has a target
+            continue
         x, y = torch.tensor([seq[:-1]], device=device), torch.tensor([seq[1:]], device=device)  # [1, T]
         targets = head_targets(y, K)[:, 0]  # [K, T] token ids, IGNORE where none
         following = next_tokens(y, K)[0]  # [T, K]: along a greedy continuation, the path greedy decoding takes
         _, hidden = model(x, logits_at=slice(0, 0))  # [1, T, C]
-        for t in torch.arange(max(P - 1, 0), len(seq) - 2, device=device).split(POSITIONS):  # head 1 has a target
+        for t in torch.arange(first, len(seq) - 2, device=device).split(POSITIONS):  # head 1 has a target
             guesses = draft_ids[heads(hidden[0, t], model, following=following[t]).topk(top_k, dim=-1).indices]
             hits += (guesses == targets[:, t, None]).sum(1).cpu()  # guesses [K, m, top_k] token ids
             counts += (targets[:, t] != IGNORE).sum(1).cpu()
@@ -168,11 +171,14 @@ def measure_sampled_acceptance(model: GPT, heads: DraftHeads, sequences: list[li
     prompt_lens = [prompt_lens] * len(sequences) if isinstance(prompt_lens, int) else prompt_lens
     total, counts = torch.zeros(K, dtype=torch.float64), torch.zeros(K, dtype=torch.float64)
     for seq, P in zip(sequences, prompt_lens):
+        first = max(P - 1, 0)
+        if len(seq) < first + 3:  # no position where head 1 has a target
+            continue
         x, y = torch.tensor([seq[:-1]], device=device), torch.tensor([seq[1:]], device=device)  # [1, T]
         logits, hidden = model(x)  # [1, T, V], [1, T, C]
         p = sampling_probs(logits[0], temperature=temperature)[:, ids]  # [T, M]: q is 0 outside the draft ids
         following, T = next_tokens(y, K)[0], x.shape[1]  # [T, K]: the sampled path, which hydra heads read
-        for t in torch.arange(max(P - 1, 0), T - 1, device=device).split(POSITIONS):  # head 1 has a target
+        for t in torch.arange(first, T - 1, device=device).split(POSITIONS):  # head 1 has a target
             q = F.softmax(scaled(heads(hidden[0, t], model, following=following[t]), temperature), dim=-1)  # [K, m, M]
             for k in range(1, K + 1):
                 ok = t + k < T  # [m] p of token t+k+1 is logits[t + k]
@@ -182,13 +188,15 @@ def measure_sampled_acceptance(model: GPT, heads: DraftHeads, sequences: list[li
 
 
 @torch.no_grad()
-def measure_marginal_ceiling(model: GPT, sequences: list[list[int]], *, prompt_lens: int | Sequence[int],
-                             temperature: float, roots: int = 64, every: int = 4) -> tuple[float, float]:
-    """What a Medusa head 1 trained to perfection would score in `measure_sampled_acceptance`: (mean Σ min, mean
-    root mass covered). Head 1 at t guesses token t+2 without the token t+1 (the root r, drawn from p_t), so
-    cross-entropy teaches it at best the marginal m = Σ_r p_t(r) p(· | r); here m is computed over the
-    `roots` likeliest roots (renormalised) at every `every`-th position, and Σ_x min(p(x | r), m(x)) is
-    averaged over r ~ p_t. A head that reads r (Hydra's) is not bound by it. One forward per position."""
+def measure_marginal_acceptance(model: GPT, sequences: list[list[int]], *, prompt_lens: int | Sequence[int],
+                                temperature: float, roots: int = 64, every: int = 4) -> tuple[float, float]:
+    """What head 1 would score in `measure_sampled_acceptance` if its q were the exact marginal: (mean Σ min,
+    mean root mass covered). Head 1 at t guesses token t+2 without the token t+1 (the root r, drawn from
+    p_t), so training on text sampled at T aims it at m = Σ_r p_t(r) p(· | r), every distribution at T;
+    here m is taken over the `roots` likeliest roots (renormalised), over the whole vocabulary, at every
+    `every`-th position, and Σ_x min(p(x | r), m(x)) is averaged over r ~ p_t. Not an upper bound (a q
+    chosen for Σ min itself can score more), but the target of a Medusa head's training; a head that reads
+    r (Hydra's) is not aimed at it. Two forwards per position: the context, then its `roots` rows."""
     device, V = model.device, model.config.vocab_size
     prompt_lens = [prompt_lens] * len(sequences) if isinstance(prompt_lens, int) else prompt_lens
     total = covered = positions = 0.0

@@ -68,23 +68,27 @@ def test_bad_trees_are_one_line_errors(tmp_path, spec, content, message):
 
 def test_measure_saves_the_accuracy_table_and_prints_the_product_rule_by_node_budget(tmp_path, capsys):
     save_small_checkpoint(tmp_path)
-    assert measure.main(["--ckpt", str(tmp_path), "--prompts", "3", "--max-new-tokens", "8", "--ceiling"]) == 0
+    assert measure.main(["--ckpt", str(tmp_path), "--prompts", "3", "--max-new-tokens", "8", "--marginal",
+                         "--temperature", "0.5", "--seed", "3"]) == 0
     out = capsys.readouterr().out
     acc = load_accuracy(tmp_path)
     assert acc.shape == (3, 10) and "top-1" in out
     assert f"8 nodes: {build_tree(acc, 8)[1]:.2f}" in out  # the estimate printed is build_tree's own
     saved = json.loads((tmp_path / "heads_accuracy.json").read_text())
     assert saved["num_prompts"] == 3 and saved["max_new_tokens"] == 8 and saved["top_k"] == 10
-    sampled, ceiling = out.strip().splitlines()[-2:]  # and under rejection sampling: one rate per head
-    assert sampled.startswith("rejection sampling at T=0.8") and len(sampled.split("=")[-1].split()) == 3
+    sampled, marginal = out.strip().splitlines()[-2:]  # and under rejection sampling: one rate per head
+    assert sampled.startswith("rejection sampling at T=0.5") and len(sampled.split("=")[-1].split()) == 3
     assert all(0 <= float(v) <= 1 for v in sampled.split("=")[-1].split())
-    assert ceiling.startswith("a Medusa head 1 that learned its marginal perfectly: Σ min(p, q) = 0.")
+    assert marginal.startswith("head 1 with q = the exact marginal over the root") and "Σ min(p, q) = 0." in marginal
+    capsys.readouterr()
+    measure.main(["--ckpt", str(tmp_path), "--prompts", "3", "--max-new-tokens", "8", "--temperature", "0.5", "--seed", "4"])
+    assert capsys.readouterr().out.strip().splitlines()[-1] != sampled  # the seed draws other continuations
 
 
 @pytest.mark.parametrize("argv, needle", [
     (["--ckpt", "{tmp}/missing"], "missing"), (["--ckpt", "{tmp}", "--prompts", "0"], "--prompts"),
     (["--ckpt", "{tmp}", "--max-new-tokens", "2"], "--max-new-tokens"),
-    (["--ckpt", "{tmp}", "--temperature", "0"], "--temperature")])
+    (["--ckpt", "{tmp}", "--temperature", "0"], "--temperature"), (["--ckpt", "{tmp}", "--temperature", "inf"], "--temperature")])
 def test_measure_refuses_bad_input_in_one_line_with_exit_status_2(tmp_path, capsys, argv, needle):
     with pytest.raises(SystemExit) as exc:
         measure.main([a.format(tmp=tmp_path) for a in argv])

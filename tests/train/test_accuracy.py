@@ -19,7 +19,7 @@ from medusa_mini.train.report import (
     continuations,
     load_accuracy,
     measure_head_accuracy,
-    measure_marginal_ceiling,
+    measure_marginal_acceptance,
     measure_sampled_acceptance,
 )
 from medusa_mini.tree import build_tree
@@ -124,6 +124,18 @@ class ProphetHeads:
         return self.futures[row].movedim(1, 0).reshape(self.num_heads, *hidden.shape[:-1], -1)[:num]
 
 
+def test_a_sequence_without_a_position_for_head_1_counts_nothing():
+    model = tiny_model(4)
+    heads = random_heads(model, num_heads=3, seed=4)
+    seqs = continuations(model, _prompts(3), max_new_tokens=10, temperature=0.9, seed=1)
+    short = [seqs[0][:5], seqs[1][:6]]  # a 5-token prompt alone, then with one new token: no target for head 1
+    assert measure_head_accuracy(model, heads, seqs + short, prompt_lens=5).equal(
+        measure_head_accuracy(model, heads, seqs, prompt_lens=5))
+    assert measure_sampled_acceptance(model, heads, seqs + short, prompt_lens=5, temperature=0.9).equal(
+        measure_sampled_acceptance(model, heads, seqs, prompt_lens=5, temperature=0.9))
+    assert measure_head_accuracy(model, heads, short, prompt_lens=5).sum() == 0
+
+
 def test_heads_whose_q_is_p_are_always_accepted_by_rejection_sampling():
     model = tiny_model(4)
     seqs = continuations(model, _prompts(4), max_new_tokens=20, temperature=0.9, seed=1)
@@ -176,7 +188,7 @@ class Lagged(torch.nn.Module):
 def test_a_head_that_cannot_see_the_root_is_capped_by_its_marginal_over_the_root():
     seqs, T = [[1, 2, 3, 4, 5, 6, 7], [3, 3, 0, 9, 11, 2]], 0.7
     blind = Lagged(lag=1)  # p of token t+2 ignores token t+1: the marginal is p itself, always accepted
-    assert measure_marginal_ceiling(blind, seqs, prompt_lens=2, temperature=T, roots=12, every=1) == pytest.approx((1, 1))
+    assert measure_marginal_acceptance(blind, seqs, prompt_lens=2, temperature=T, roots=12, every=1) == pytest.approx((1, 1))
     bigram = Lagged(lag=0)
     p = torch.softmax(bigram.table / T, dim=-1)  # [V, V] p(next token | token)
     want = []
@@ -185,9 +197,9 @@ def test_a_head_that_cannot_see_the_root_is_capped_by_its_marginal_over_the_root
             p_root = p[s[t]]  # [V] the root's distribution
             marginal = p_root @ p  # [V] Σ_r p(r) p(· | r)
             want.append((p_root * torch.minimum(p, marginal).sum(-1)).sum().item())
-    got, covered = measure_marginal_ceiling(bigram, seqs, prompt_lens=2, temperature=T, roots=12, every=1)
+    got, covered = measure_marginal_acceptance(bigram, seqs, prompt_lens=2, temperature=T, roots=12, every=1)
     assert got == pytest.approx(sum(want) / len(want)) and covered == pytest.approx(1.0) and got < 0.9
-    assert measure_marginal_ceiling(bigram, seqs, prompt_lens=2, temperature=T, roots=3, every=1)[1] < 0.99
+    assert measure_marginal_acceptance(bigram, seqs, prompt_lens=2, temperature=T, roots=3, every=1)[1] < 0.99
 
 
 def test_measured_accuracy_predicts_measured_tokens_per_step():

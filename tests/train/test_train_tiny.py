@@ -113,6 +113,10 @@ def test_a_run_writes_a_complete_checkpoint_and_a_measured_summary(reference_run
     model, heads, cfg = load_checkpoint(out)
     assert heads.num_heads == 4 and cfg["medusa_mini"]["eot_id"] == model.config.vocab_size - 1
     assert heads.draft_ids.numel() == 128  # the smoke preset's --draft-vocab
+    accept = cfg["medusa_mini"]["head_accept_sampled"]  # Σ min(p, q) per head, printed as the summary shows it
+    assert len(accept) == 4 and all(0 < a < 1 for a in accept)
+    line = next(line for line in text.splitlines() if "Σ min(p, q) on own text at T=0.8" in line)
+    assert line.endswith("".join(f"{a:7.2f}" for a in accept))
     coverage = cfg["medusa_mini"]["draft_vocab_coverage"]  # the chosen size, and 256 (< 300 tokens)
     assert list(coverage) == ["128", "256"] and f"coverage of greedy text: 128 {coverage['128']:.2f}, 256" in text
 
