@@ -48,8 +48,9 @@ def main(argv: list[str] | None = None) -> int:
         prompts = prompt_ids(ck, count=a.prompts, max_new_tokens=a.max_new_tokens)
     except (ValueError, OSError) as e:
         p.error(str(e))
+    lens = [len(ids) for ids in prompts]
     greedy = continuations(ck.model, prompts, max_new_tokens=a.max_new_tokens)
-    acc = measure_head_accuracy(ck.model, ck.heads, greedy, prompt_lens=[len(ids) for ids in prompts],
+    acc = measure_head_accuracy(ck.model, ck.heads, greedy, prompt_lens=lens,
                                 top_k=min(a.top_k, ck.heads.draft_ids.numel()))
     save_accuracy(a.ckpt, acc, meta={"measured_on": f"greedy continuations ({a.max_new_tokens} new tokens) of the "
                                      f"first {len(prompts)} prompts of {PROMPTS_FILE}", "num_prompts": len(prompts),
@@ -58,13 +59,11 @@ def main(argv: list[str] | None = None) -> int:
     print("expected tokens/step of build_tree (product rule, bonus token counted) by node budget:")
     print("  ".join(f"{n} nodes: {build_tree(acc, n)[1]:.2f}" for n in (1, 2, 4, 8, 16, 32, 64)))
     sampled = continuations(ck.model, prompts, max_new_tokens=a.max_new_tokens, temperature=a.temperature, seed=a.seed)
-    accept = measure_sampled_acceptance(ck.model, ck.heads, sampled, prompt_lens=[len(ids) for ids in prompts],
-                                        temperature=a.temperature)
+    accept = measure_sampled_acceptance(ck.model, ck.heads, sampled, prompt_lens=lens, temperature=a.temperature)
     print(f"rejection sampling at T={a.temperature:g}: each head's one drawn candidate is accepted with "
           f"Σ min(p, q) = " + "  ".join(f"{v:.3f}" for v in accept.tolist()))
     if a.marginal:
-        score, covered = measure_marginal_acceptance(ck.model, sampled, prompt_lens=[len(ids) for ids in prompts],
-                                                     temperature=a.temperature)
+        score, covered = measure_marginal_acceptance(ck.model, sampled, prompt_lens=lens, temperature=a.temperature)
         print(f"head 1 with q = the exact marginal over the root, what its training aims at: Σ min(p, q) = "
               f"{score:.3f} (the 64 likeliest roots, {covered:.0%} of the root's probability)")
     return 0

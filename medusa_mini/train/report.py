@@ -10,7 +10,7 @@ import json
 import math
 import os
 import random
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 import torch
@@ -133,6 +133,15 @@ def continuations(model: GPT, prompts: list[list[int]], *, max_new_tokens: int, 
     return out
 
 
+def with_head_targets(sequences: list[list[int]], prompt_lens: int | Sequence[int]) -> Iterator[tuple[list[int], int]]:
+    """(sequence, first) for each sequence where head 1 has a target: `first` is the position of its
+    prompt's last token (one count for all or one each), the first hidden state decoding drafts from."""
+    for seq, P in zip(sequences, [prompt_lens] * len(sequences) if isinstance(prompt_lens, int) else prompt_lens):
+        first = max(P - 1, 0)
+        if len(seq) >= first + 3:  # head 1 at `first` guesses token first + 2
+            yield seq, first
+
+
 @torch.no_grad()
 def measure_head_accuracy(model: GPT, heads: DraftHeads, sequences: list[list[int]], *,
                           prompt_lens: int | Sequence[int], top_k: int = 10) -> torch.Tensor:
@@ -142,12 +151,8 @@ def measure_head_accuracy(model: GPT, heads: DraftHeads, sequences: list[list[in
     device, K, draft_ids = model.device, heads.num_heads, heads.draft_ids.to(model.device)
     if not 0 < top_k <= draft_ids.numel():
         raise ValueError(f"top_k={top_k} must be between 1 and the draft vocabulary's size {draft_ids.numel()}")
-    prompt_lens = [prompt_lens] * len(sequences) if isinstance(prompt_lens, int) else prompt_lens
     hits, counts = torch.zeros(K, top_k, dtype=torch.float64), torch.zeros(K, dtype=torch.float64)
-    for seq, P in zip(sequences, prompt_lens):
-        first = max(P - 1, 0)  # the prompt's last token: decoding's first hidden state
-        if len(seq) < first + 3:  # no position where head 1 has a target
-            continue
+    for seq, first in with_head_targets(sequences, prompt_lens):
         x, y = torch.tensor([seq[:-1]], device=device), torch.tensor([seq[1:]], device=device)  # [1, T]
         targets = head_targets(y, K)[:, 0]  # [K, T] token ids, IGNORE where none
         following = next_tokens(y, K)[0]  # [T, K]: along a greedy continuation, the path greedy decoding takes
@@ -168,12 +173,8 @@ def measure_sampled_acceptance(model: GPT, heads: DraftHeads, sequences: list[li
     writes sampled text, though its steps do not start at every position alike). Where the greedy figure
     (`measure_head_accuracy`) asks for the right token, this asks for the right distribution."""
     device, K, ids = model.device, heads.num_heads, heads.draft_ids.to(model.device)
-    prompt_lens = [prompt_lens] * len(sequences) if isinstance(prompt_lens, int) else prompt_lens
     total, counts = torch.zeros(K, dtype=torch.float64), torch.zeros(K, dtype=torch.float64)
-    for seq, P in zip(sequences, prompt_lens):
-        first = max(P - 1, 0)
-        if len(seq) < first + 3:  # no position where head 1 has a target
-            continue
+    for seq, first in with_head_targets(sequences, prompt_lens):
         x, y = torch.tensor([seq[:-1]], device=device), torch.tensor([seq[1:]], device=device)  # [1, T]
         logits, hidden = model(x)  # [1, T, V], [1, T, C]
         p = sampling_probs(logits[0], temperature=temperature)[:, ids]  # [T, M]: q is 0 outside the draft ids
@@ -198,10 +199,9 @@ def measure_marginal_acceptance(model: GPT, sequences: list[list[int]], *, promp
     chosen for Σ min itself can score more), but the target of a Medusa head's training; a head that reads
     r (Hydra's) is not aimed at it. Two forwards per position: the context, then its `roots` rows."""
     device, V = model.device, model.config.vocab_size
-    prompt_lens = [prompt_lens] * len(sequences) if isinstance(prompt_lens, int) else prompt_lens
     total = covered = positions = 0.0
-    for seq, P in zip(sequences, prompt_lens):
-        for t in range(max(P - 1, 0), len(seq) - 2, every):  # as in measure_sampled_acceptance
+    for seq, first in with_head_targets(sequences, prompt_lens):
+        for t in range(first, len(seq) - 2, every):  # as in measure_sampled_acceptance
             context = torch.tensor(seq[: t + 1], device=device)  # [t + 1]
             p_root = sampling_probs(model(context[None])[0][0, -1], temperature=temperature)  # [V]
             w, r = p_root.topk(min(roots, V))  # [R] the likeliest roots and their probabilities
