@@ -9,7 +9,7 @@ import torch
 from conftest import random_tree
 from medusa_mini import reference as ref
 from medusa_mini.acceptance import accept_paths, greedy_accept_paths, typical_accept_paths
-from medusa_mini.proposal import Proposal
+from medusa_mini.proposal import Draft, Proposal
 from medusa_mini.sampling import Sampling
 from medusa_mini.tree import Tree
 
@@ -69,18 +69,37 @@ def test_vectorised_typical_equals_the_node_walk_with_the_same_draws(temperature
     assert deep > 10
 
 
-@pytest.mark.parametrize("rule", ["greedy", "typical", "rejection"])
+@pytest.mark.parametrize("rule", ["greedy", "typical", "rejection", "rejection of drawn candidates"])
 def test_nodes_a_row_cannot_use_are_never_accepted(rule):
     """Near the end of a row's budget deeper nodes are unusable; a finished row accepts nothing."""
     tree = Tree.from_choices([(0,), (0, 0), (0, 0, 0)])  # a chain: 0 -> 1 -> 2 -> 3
     tokens = torch.tensor([[0, 1, 2, 3]] * 3)
     logits = torch.nn.functional.one_hot(torch.tensor([[1, 2, 3, 0]] * 3), 4).float() * 20  # all accepted
     usable = torch.tensor([[True] * 4, [True, True, False, False], [False] * 4])
-    sampling = Sampling(acceptance=rule, temperature=0.0 if rule == "greedy" else 1.0)
-    got = accept_paths(Proposal(tokens, tree), logits, sampling=sampling,
+    sampling = Sampling(acceptance=rule.split()[0], temperature=0.0 if rule == "greedy" else 1.0)
+    draft = None
+    if rule.endswith("drawn candidates"):  # node i's child was drawn from q = a point mass on token i + 1
+        samples = torch.tensor([[[1], [2], [3]]] * 3)  # [B, depth, 1 draw]
+        log_q = torch.full((3, 3, 4), float("-inf")).scatter_(2, samples, 0.0)
+        draft = Draft(log_q=log_q, samples=samples, rows=(0, 1, 2, -1))
+    got = accept_paths(Proposal(tokens, tree, draft), logits, sampling=sampling,
                        generator=torch.Generator().manual_seed(0), usable=usable)
     assert got.count.tolist()[:2] == [3, 1]
     assert got.count[2] == 0  # its root is unusable too: the step must not move its cache
+
+
+def test_typical_acceptance_needs_p_strictly_above_the_bar():
+    """§2.3.1 accepts x when p(x) > min(ε, δ·exp(−H(p))): a candidate exactly at the bar fails, in the
+    reference and the engine. p is exactly 1/2 on tokens 0 and 1, so with δ = 10 the bar is ε."""
+    tokens = torch.tensor([[0, 1]])
+    logits = torch.tensor([[[0.0, 0.0, float("-inf"), float("-inf")]] * 2])  # [1, 2 nodes, 4]
+    for epsilon, accepted in [(0.5, False), (0.4999, True)]:
+        sampling = Sampling(acceptance="typical", temperature=1.0, epsilon=epsilon, delta=10.0)
+        path, _ = ref.typical_accept([-1, 0], tokens[0].tolist(), logits[0], sampling=sampling,
+                                     generator=torch.Generator().manual_seed(0))
+        got = typical_accept_paths(Tree.from_choices([(0,)]).tensors("cpu"), tokens, logits, sampling=sampling,
+                                   generator=torch.Generator().manual_seed(0))
+        assert (len(path) == 2, int(got.count[0]) == 1) == (accepted, accepted)
 
 
 def test_topk_rejection_on_the_device_makes_the_reference_walks_decisions_with_the_same_draws():
