@@ -115,8 +115,10 @@ def rejection_accept_drawn(proposal: Proposal, logits: torch.Tensor, *, sampling
     """Rejection sampling of drawn candidates, row by row on the host: the tries are sequential (each
     depends on the residual the previous rejection left; `sampling.try_children`), a few scalar
     operations each. Unusable nodes are left out; a row without a usable root accepts and draws nothing.
-    The same walk and draws as `reference.rejection_accept`, with p computed for every node at once on
-    the device; only the p and q of the nodes the walk reaches come to the host, once each."""
+    Each row walks and draws as `reference.rejection_accept` (a row near its end draws fewer uniforms,
+    so in a batch the rows after it see other numbers, from the same distributions). p is computed for
+    every node at once on the device; only the p and q of the nodes the walk reaches come to the host,
+    once each."""
     tree, draft, B = proposal.tree, proposal.draft, logits.shape[0]
     p_all = sampling.probs(logits)  # [B, N, V]
     tokens, samples = proposal.tokens.tolist(), draft.samples.tolist()

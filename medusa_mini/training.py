@@ -124,7 +124,8 @@ def head_weights(num_heads: int, *, decay: float) -> list[float]:
 
 
 def lambda_schedule(step: int, total: int, *, lambda0: float, ramp: float = 0.3) -> float:
-    """Medusa-2's heads weight: ramped linearly from 0 to λ0 over the first `ramp` of training."""
+    """Medusa-2's heads weight: ramped linearly up to λ0 over the first `ramp` of training (step 0, the
+    first, already takes λ0 / ramp steps: no step trains the heads with weight 0)."""
     ramp_steps = max(1, int(total * ramp))
     return lambda0 * min(1.0, (step + 1) / ramp_steps)
 

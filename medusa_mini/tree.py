@@ -27,7 +27,7 @@ Choice = tuple[int, ...]
 
 @dataclass(frozen=True)
 class Tree:
-    """A validated candidate tree. Node i > 0 corresponds to `choices[i - 1]`; node 0 is the root.
+    """A candidate tree, validated (`from_choices` also sorts). Node i > 0 corresponds to `choices[i - 1]`; node 0 is the root.
 
     parents[i]: node i's parent (-1 for the root); children[i]: its children in rank order; depths[i]:
     its depth (= its position offset from the root); ranks[i]: the rank it holds (0 for the root);
@@ -38,6 +38,11 @@ class Tree:
 
     def __post_init__(self) -> None:
         index = {c: i + 1 for i, c in enumerate(self.choices)}
+        # The host lists below assume sorted, distinct, prefix-closed choices: `from_choices` makes them.
+        if list(self.choices) != sorted(index, key=lambda c: (len(c), c)) or any(
+                not c or min(c) < 0 or (len(c) > 1 and c[:-1] not in index) for c in self.choices):
+            raise ValueError("Tree(choices) takes choices sorted by depth then rank, each with its parent: "
+                             "make trees with Tree.from_choices")
         parents = [-1] + [index.get(c[:-1], 0) for c in self.choices]
         children: list[list[int]] = [[] for _ in parents]
         for i, p in enumerate(parents[1:], start=1):

@@ -54,7 +54,7 @@ def test_each_node_path_runs_from_the_root_to_the_node_then_repeats_the_node():
 
 
 def test_the_ancestor_mask_equals_the_references_walk_up_the_parents_on_random_trees():
-    """Two independent constructions of the tree attention mask: matrix powers of the parent relation
+    """Two independent constructions of the tree attention mask: each node's root-to-node path marked
     (tree.py) and a walk from every node up to the root (reference.py)."""
     trees = [Tree.from_choices([])] + [random_tree(random.Random(seed)) for seed in range(100)]
     for tree in trees:
@@ -77,6 +77,15 @@ def test_the_ancestor_mask_equals_the_references_walk_up_the_parents_on_random_t
 def test_bad_choices_are_a_clear_error_naming_the_choice(choices, kwargs, message):
     with pytest.raises(ValueError, match=message):
         Tree.from_choices(choices, **kwargs)
+
+
+@pytest.mark.parametrize("choices", [((0,), (0, 0), (1,)), ((0,), (0, 1, 0)), ((0,), (0,)), ((0,), (-1,)), ((),)])
+def test_a_tree_made_directly_refuses_choices_from_choices_would_sort_or_refuse(choices):
+    """Its node lists assume depth-sorted, prefix-closed choices: unsorted ones would put a depth-1 node in
+    the run of depth 2, a missing parent would hang its child on the root."""
+    with pytest.raises(ValueError, match="Tree.from_choices"):
+        Tree(choices)
+    assert Tree(((0,), (1,), (0, 0))) == Tree.from_choices([(0, 0), (1,), (0,)])
 
 
 def test_presets_are_valid_and_sized_for_their_device_and_a_chain_is_one_top1_guess_per_head():
