@@ -33,7 +33,7 @@ def parse_args(argv: list[str] | None = None) -> TrainArgs:
     p.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     p.add_argument("--dtype", choices=DTYPES, help="number format of the training forward (autocast; float16 adds "
                    "loss scaling; default: float32 on CPU, on CUDA bfloat16 where native, else float16)")
-    p.add_argument("--save-every", type=int, help="steps between checkpoints (default: a fifth of a stage)")
+    p.add_argument("--save-every", type=int, help="steps between checkpoints (default: a fifth of a stage, at least 50)")
     p.add_argument("--log-every", type=float, default=10.0, help="seconds between progress lines (default: 10)")
     hp = p.add_argument_group("hyper-parameters (defaults: the preset's)")
     for name, f in TrainArgs.hyper_parameters().items():

@@ -1,5 +1,6 @@
 """A `train_tiny.py` run: its settings, its hyper-parameters (each a flag) and the presets. A run's identity
-(hyper-parameters, data, seed) is what `--resume` compares: a resumed run never changes its settings."""
+(hyper-parameters, data path, seed), with a digest of the text itself (`Run.load_state`), is what `--resume`
+compares: a resumed run never changes its settings or its data. The device may change."""
 
 from __future__ import annotations
 

@@ -3,6 +3,7 @@ user's; documents ``(name, text)`` of at most about 64 KB (cut at line ends), sp
 
 from __future__ import annotations
 
+import hashlib
 import os
 import pathlib
 import random
@@ -61,15 +62,19 @@ def default_corpus_files(*, max_bytes: int = 3_000_000) -> list[pathlib.Path]:
     return chosen
 
 
-def load_corpus(path: str | os.PathLike[str] | None = None, *, max_bytes: int = 3_000_000) -> list[Document]:
+def load_corpus(path: str | os.PathLike[str] | None = None, *, max_bytes: int = 3_000_000,
+                skip: str | os.PathLike[str] | None = None) -> list[Document]:
     """Documents ``(name, text)``, named by path: from the standard library capped at ``max_bytes`` (path
-    None), a UTF-8 file, or a folder's UTF-8 text files (recursively, sorted, hidden ones skipped). User
-    data is used whole. ValueError when there is no text."""
+    None), a UTF-8 file, or a folder's UTF-8 text files (recursively, sorted, hidden ones and those under
+    the folder ``skip`` left out: a run's own output is not text to learn from). User data is used
+    whole. ValueError when there is no text."""
     if path is None:
         root, files = STDLIB, default_corpus_files(max_bytes=max_bytes)
     elif (root := pathlib.Path(path)).is_dir():
+        skipped = pathlib.Path(skip).resolve() if skip is not None else None
         files = sorted(p for p in root.rglob("*") if p.is_file()
-                       and not any(part.startswith(".") for part in p.relative_to(root).parts))
+                       and not any(part.startswith(".") for part in p.relative_to(root).parts)
+                       and not (skipped and p.resolve().is_relative_to(skipped)))
     elif root.is_file():
         root, files = root.parent, [root]
     else:
@@ -81,6 +86,15 @@ def load_corpus(path: str | os.PathLike[str] | None = None, *, max_bytes: int = 
     if not docs:
         raise ValueError(f"no non-empty UTF-8 text in {path or root}")
     return docs
+
+
+def corpus_digest(docs: Sequence[Document]) -> str:
+    """A SHA-256 of the documents' names and texts: --resume refuses a run whose data changed under it."""
+    h = hashlib.sha256()
+    for name, text in docs:
+        h.update(f"{len(name)}:{name}{len(text)}:".encode())
+        h.update(text.encode("utf-8"))
+    return h.hexdigest()
 
 
 def split_documents(docs: Sequence[Document], *, val_fraction: float = 0.05,

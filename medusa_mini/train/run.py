@@ -20,7 +20,7 @@ from ..io.tokenizer import load_tokenizer, make_encoding, save_tokenizer, save_t
 from ..model import GPT, GPTConfig
 from ..training import MedusaLM, cosine_lr, lambda_schedule, self_distill
 from .config import TrainArgs, TrainError
-from .data import encode_documents, get_batch, load_corpus, split_documents
+from .data import corpus_digest, encode_documents, get_batch, load_corpus, split_documents
 from .device import DTYPES, StageClock, to_device
 from .report import held_out_prompts, progress_line, summarize, validation_batches, validation_loss
 from .state import STATE_FILE, Run
@@ -47,11 +47,19 @@ def _pretrained(r: Run) -> tuple[GPT, tiktoken.Encoding]:
     return model.requires_grad_(False), enc
 
 
-def _prepare(r: Run, state: dict | None):
-    """Documents, tokenizer, backbone (pretrained with --init) and heads, restored on --resume; token arrays."""
+def _documents(args: TrainArgs) -> list:
+    """The corpus (never the files of --out, which a run writes into and a resume would then read)."""
+    try:
+        return load_corpus(args.data, max_bytes=args.max_bytes, skip=args.out)
+    except ValueError as e:
+        raise TrainError(str(e)) from None
+
+
+def _prepare(r: Run, state: dict | None, docs: list):
+    """Split documents, tokenizer, backbone (pretrained with --init) and heads, restored on --resume; token arrays."""
     a = r.args
     try:
-        train_docs, val_docs = split_documents(load_corpus(a.data, max_bytes=a.max_bytes), seed=a.seed)
+        train_docs, val_docs = split_documents(docs, seed=a.seed)
     except ValueError as e:
         raise TrainError(str(e)) from None
     torch.manual_seed(a.seed)  # the backbone's and the heads' first weights
@@ -248,9 +256,11 @@ def run(args: TrainArgs) -> None:
     if not args.resume and os.path.exists(os.path.join(args.out, STATE_FILE)):
         raise TrainError(f"{args.out} holds an unfinished run: add --resume, or choose another --out")
     r = Run(args)
+    docs = _documents(args)
+    r.data_digest = corpus_digest(docs)
     state = r.load_state() if args.resume else None
     os.makedirs(args.out, exist_ok=True)
-    enc, val_docs, train_tokens, val_tokens = _prepare(r, state)
+    enc, val_docs, train_tokens, val_tokens = _prepare(r, state, docs)
     block_size = r.model.config.block_size
     val_batches = validation_batches(val_tokens, block_size=block_size, seed=args.seed, device=r.device)
     clock = StageClock(r.device)

@@ -37,6 +37,7 @@ class Run:
         self.rank_path = f"{self.state_path}.rank{self.rank}"
         self.stop_requested = self.model_written = False
         self.distill = None  # [S, P + n] the self-distilled text, once written
+        self.data_digest = ""  # `data.corpus_digest` of the text the run trains on
 
     def log(self, msg: str) -> None:
         if self.main:
@@ -50,8 +51,8 @@ class Run:
             dist.barrier()
         if not self.main:
             return
-        state = {"identity": self.args.identity(), "world": self.world, "stage": stage, "step": step,
-                 "model": None if self.args.init else self.model.state_dict(), "heads": self.heads.state_dict(),
+        state = {"identity": self.args.identity(), "data": self.data_digest, "world": self.world, "stage": stage,
+                 "step": step, "model": None if self.args.init else self.model.state_dict(), "heads": self.heads.state_dict(),
                  "optim": optimizer and optimizer.state_dict(), "scaler": scaler and scaler.state_dict(), **mine}
         atomic_write(self.state_path, lambda f: torch.save(state, f))
         self.write_checkpoint()
@@ -76,6 +77,9 @@ class Run:
         if diff or state.get("world", 1) != self.world:
             raise TrainError(f"--resume with a different configuration ({', '.join(diff or ['number of processes'])});"
                              " use the original flags")
+        if state.get("data") != self.data_digest:
+            raise TrainError("--resume: the text under --data is not the text this run began with; restore it, "
+                             "or start a new run without --resume")
         return state
 
     @contextlib.contextmanager

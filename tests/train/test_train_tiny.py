@@ -196,9 +196,27 @@ def test_an_unfinished_run_is_neither_overwritten_nor_resumed_with_another_confi
     before = (out / "train_state.pt").read_bytes()
     assert train_tiny.main(FAST + ["--out", str(out)]) == 2
     assert "--resume" in capsys.readouterr().err
-    assert train_tiny.main(FAST + ["--out", str(out), "--resume", "--lr", "0.5"]) == 2
-    assert "different configuration (lr)" in capsys.readouterr().err
+    (tmp_path / "other.txt").write_text("def f(x):\n    return x\n" * 2000)
+    for flag, value in [("--lr", "0.5"), ("--seed", "1"), ("--dtype", "bfloat16"), ("--data", str(tmp_path / "other.txt"))]:
+        assert train_tiny.main(FAST + ["--out", str(out), "--resume", flag, value]) == 2
+        assert f"different configuration ({flag[2:]})" in capsys.readouterr().err
     assert (out / "train_state.pt").read_bytes() == before
+
+
+def test_resume_refuses_other_text_under_the_same_data_path_and_never_learns_from_its_own_output(tmp_path,
+                                                                                               monkeypatch, capsys):
+    data = tmp_path / "data"
+    data.mkdir()
+    text = "".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n\n" for i in range(2000))
+    (data / "a.py").write_text(text)
+    out = data / "out"  # inside --data: the files the run writes there are not text to learn from
+    ctrl_c(monkeypatch, during=2)
+    assert train_tiny.main(FAST + ["--data", str(data), "--out", str(out)]) == 130
+    (data / "a.py").write_text(text.replace("return", "yield"))
+    assert train_tiny.main(FAST + ["--data", str(data), "--out", str(out), "--resume"]) == 2
+    assert "the text under --data is not the text this run began with" in capsys.readouterr().err
+    (data / "a.py").write_text(text)
+    assert train_tiny.main(FAST + ["--data", str(data), "--out", str(out), "--resume"]) == 0
 
 
 def test_bad_flags_or_data_are_a_one_line_error_with_code_2_and_write_nothing(tmp_path, capsys):
