@@ -26,6 +26,16 @@ from .report import held_out_prompts, progress_line, summarize, validation_batch
 from .state import STATE_FILE, Run
 
 
+def tokenizer_folder(init: str) -> str | None:
+    """Where --init's own tokenizer is: the checkpoint folder, or a weights file's folder, if it holds
+    one; None for a name (gpt2, ...), whose tokenizer is tiktoken's, whatever the working folder holds."""
+    path = os.path.expanduser(init)
+    if not os.path.exists(path):
+        return None
+    folder = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+    return folder if os.path.isfile(os.path.join(folder, "tokenizer_config.json")) else None
+
+
 def _pretrained(r: Run) -> tuple[GPT, tiktoken.Encoding]:
     """--init: GPT-2 weights, frozen, and their tokenizer (the directory's own, else tiktoken's "gpt2").
     Under torchrun rank 0 downloads alone: ranks writing one `.part` file at once would corrupt it."""
@@ -37,9 +47,8 @@ def _pretrained(r: Run) -> tuple[GPT, tiktoken.Encoding]:
         if r.world > 1:
             dist.barrier(group=r.host_group)
         model = load_gpt2(init, device=r.device)
-        folder = init if os.path.isdir(init) else os.path.dirname(os.path.abspath(init))
-        own = os.path.isfile(os.path.join(folder, "tokenizer_config.json"))
-        enc = load_tokenizer(folder) if own else tiktoken.get_encoding("gpt2")
+        folder = tokenizer_folder(init)
+        enc = load_tokenizer(folder) if folder else tiktoken.get_encoding("gpt2")
     except (ValueError, OSError) as e:
         raise TrainError(f"--init {init}: {e}") from None
     if enc.n_vocab > model.config.vocab_size:

@@ -288,6 +288,20 @@ def test_under_torchrun_rank_0_downloads_gpt2_alone_and_every_rank_trains_on_it(
     assert len(sums) == 2 and sums[0] == sums[1] and same_weights(hub_dir, tmp_path / "out", backbone_only=True)
 
 
+def test_init_by_name_takes_tiktokens_gpt2_tokenizer_even_where_the_working_folder_holds_another(tmp_path,
+                                                                                                 monkeypatch):
+    for folder in (tmp_path, tmp_path / "ck"):
+        folder.mkdir(exist_ok=True)
+        (folder / "tokenizer_config.json").write_text("{}")
+    (tmp_path / "ck" / "model.safetensors").write_bytes(b"")
+    (tmp_path / "bare").mkdir()
+    monkeypatch.chdir(tmp_path)
+    assert run_mod.tokenizer_folder("gpt2") is None  # a name: not the working folder's tokenizer
+    assert run_mod.tokenizer_folder("ck") == "ck"
+    assert run_mod.tokenizer_folder(str(tmp_path / "ck" / "model.safetensors")) == str(tmp_path / "ck")
+    assert run_mod.tokenizer_folder("bare") is None
+
+
 def test_init_trains_heads_on_a_frozen_checkpoint_replacing_an_older_run_and_resumes_exactly(tmp_path, monkeypatch,
                                                                                              reference_run):
     """--init with a local GPT-2 layout directory (as the hub's, but written here): heads only, backbone kept."""
