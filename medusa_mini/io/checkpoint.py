@@ -1,8 +1,9 @@
 """Checkpoint directories that transformers loads as a GPT-2: config.json (GPT-2's config; its key
 "medusa_mini" holds the caller's `extra`), model.safetensors (GPT-2's layout), and with heads
 medusa_heads.safetensors (their state_dict, the draft vocabulary's order included) and medusa_config.json
-(HeadsConfig). The files are written together, config.json last: a failed save leaves the previous
-checkpoint loadable."""
+(HeadsConfig). The files are written together, config.json last: a save that fails with an error leaves
+the previous checkpoint loadable; one killed midway may leave a mix, which loading refuses in one line
+(`atomic_write_files`). train_tiny.py's --resume writes the whole set again."""
 
 from __future__ import annotations
 

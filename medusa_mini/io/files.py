@@ -29,8 +29,10 @@ def fsync_dir(folder: str) -> None:
 
 
 def atomic_write_files(files: dict[str, Writer]) -> None:
-    """Write each file into a temporary sibling, then rename them into place in order; if anything fails,
-    the files already replaced get their old bytes back, so readers see the old set or the new one."""
+    """Write each file into a temporary sibling, then rename them into place in order; if anything raises,
+    the files already replaced get their old bytes back: the old set stays. Each rename is atomic, the set
+    is not: a process killed between two renames leaves some files new, the rest old, and the old bytes
+    in `<file>.<pid>.bak` beside them (nothing is lost; a reader may meet the mix)."""
     staged: list[tuple[str, str]] = []  # (temporary file, final path)
     done: list[tuple[str, str | None]] = []  # (final path, a link to its old bytes, None if it had none)
     try:

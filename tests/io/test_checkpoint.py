@@ -45,6 +45,15 @@ def outputs(model: GPT, heads=None) -> list[torch.Tensor]:
     return [logits] + ([heads(hidden, model, following=next_tokens(IDS, 3))] if heads is not None else [])
 
 
+def test_a_layer_norm_epsilon_other_than_gpt2s_survives_a_save_and_a_load(tmp_path):
+    model = randomized(GPT(GPTConfig(vocab_size=61, block_size=32, n_layer=2, n_head=2, n_embd=16,
+                                     layer_norm_epsilon=1e-2)), 0)
+    save_checkpoint(tmp_path, model)
+    back = load_checkpoint(tmp_path)[0]
+    assert back.config.layer_norm_epsilon == 1e-2
+    assert torch.equal(outputs(back)[0], outputs(model)[0])  # an epsilon this large moves the logits
+
+
 def test_an_untied_lm_head_cannot_be_saved_as_gpt2(tmp_path):
     model = tiny_gpt()
     model.lm_head.weight = torch.nn.Parameter(torch.randn(61, 16))

@@ -116,6 +116,8 @@ def test_the_config_comes_from_tensor_shapes_when_no_config_json_is_given():
     meta = {f"h.{i}.ln_1.weight": torch.empty(1024, device="meta") for i in range(24)}  # shapes only, no memory
     meta |= {k: torch.empty(n, 1024, device="meta") for k, n in (("wte.weight", 50257), ("wpe.weight", 1024))}
     assert infer_gpt2_config(meta) == GPT2_CONFIGS["gpt2-medium"]
+    meta["wpe.weight"] = torch.empty(512, 1024, device="meta")  # [positions, C]: a shorter context
+    assert infer_gpt2_config(meta).block_size == 512
 
 
 def edited(change):

@@ -51,6 +51,20 @@ def test_the_written_file_has_the_documented_byte_layout(tmp_path):
     assert covered == len(data), "tensors tile the buffer in order"
 
 
+def test_half_precisions_carry_the_formats_names_and_their_raw_bits(tmp_path):
+    """F16 is IEEE half, BF16 bfloat16: a swapped pair would round-trip here yet misread every real file."""
+    tensors = {"h": torch.tensor([1.5, -2.0, 65504.0], dtype=torch.float16),
+               "b": torch.tensor([1.5, -2.0, 3.0e38], dtype=torch.bfloat16)}
+    write(tmp_path / "t.safetensors", tensors)
+    raw = (tmp_path / "t.safetensors").read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + n])
+    assert (header["h"]["dtype"], header["b"]["dtype"]) == ("F16", "BF16")
+    for name, bits in (("h", [0x3E00, 0xC000, 0x7BFF]), ("b", [0x3FC0, 0xC000, 0x7F62])):
+        begin, end = header[name]["data_offsets"]
+        assert list(struct.unpack("<3H", raw[8 + n + begin : 8 + n + end])) == bits
+
+
 def test_a_failing_write_keeps_the_old_file_and_leaves_no_temporary_files(tmp_path):
     path = tmp_path / "t.safetensors"
     write(path, {"x": torch.ones(3)})

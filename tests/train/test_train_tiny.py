@@ -23,6 +23,7 @@ from medusa_mini.heads import frequency_order
 from medusa_mini.io.checkpoint import load_checkpoint, save_checkpoint
 from medusa_mini.model import GPT, GPTConfig
 from medusa_mini.train import run as run_mod
+from medusa_mini.train.data import load_corpus, split_documents
 from medusa_mini.train.report import load_accuracy
 from medusa_mini.training import MedusaLM
 from medusa_mini.tree import build_tree, expected_tokens_per_step, preset
@@ -329,6 +330,11 @@ def test_smoke_preset_end_to_end_medusa_greedy_equals_plain_greedy(tmp_path, cap
     out = tmp_path / "smoke"
     assert train_tiny.main(["--preset", "smoke", "--out", str(out), "--log-every", "1000"]) == 0
     capsys.readouterr()
+    # decode.py's default prompts are held-out text: pieces of validation documents, not training text
+    train_docs, val_docs = split_documents(load_corpus(None, max_bytes=300_000), seed=0)  # the preset's split
+    prompts = json.loads((out / "prompts.json").read_text())["prompts"]
+    assert len(prompts) == 4 and all(any(p in t for _, t in val_docs) for p in prompts)
+    assert not all(any(p in t for _, t in train_docs) for p in prompts)
     assert decode.main(["--ckpt", str(out), "--compare", "--json", "--max-new-tokens", "48"]) == 0
     rows = {row["key"]: row for row in json.loads(capsys.readouterr().out)["rows"]}
     plain, medusa = rows["plain_greedy"], rows["medusa_greedy"]
