@@ -5,7 +5,7 @@ corpus prompts) -> heads on that text -> draft vocabulary -> summary -> a GPT-2 
 Ctrl-C saves after the current step (--resume continues exactly); a second Ctrl-C stops at once.
 
     python train_tiny.py                  # picks --preset gpu or cpu by the device
-    python train_tiny.py --preset smoke   # the whole pipeline in small
+    python train_tiny.py --preset smoke   # the whole pipeline in small, into out/smoke
     python train_tiny.py --init gpt2 --out out/gpt2   # Medusa heads on GPT-2 (downloads it once)
     torchrun --nproc_per_node 2 train_tiny.py --preset smoke   # DDP (gloo on CPU, NCCL on GPU)
 """
@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import sys
 
-from medusa_mini.cli.common import OneLineParser
+from medusa_mini.cli.common import OneLineParser, seed
 from medusa_mini.train.config import PRESETS, TrainArgs, TrainError
 from medusa_mini.train.device import DTYPES, pick_device, rank_device, training_dtype
 from medusa_mini.train.run import STATE_FILE, run
@@ -26,10 +26,11 @@ def parse_args(argv: list[str] | None = None) -> TrainArgs:
     p.add_argument("--preset", choices=sorted(PRESETS),
                    help="size of the run (default: gpu if CUDA else cpu; with --init: gpt2 on CUDA else gpt2-cpu)")
     p.add_argument("--data", help="a UTF-8 text file or folder (default: this Python's standard library)")
-    p.add_argument("--out", default="out/tiny", help="checkpoint directory (default: out/tiny)")
+    p.add_argument("--out", help="checkpoint directory (default: out/tiny for the cpu and gpu presets, else "
+                   "out/<preset>: a smoke run never replaces the real one)")
     p.add_argument("--init", help="start from GPT-2 weights (gpt2, gpt2-medium, ..., or a path) and train heads only")
     p.add_argument("--resume", action="store_true", help="continue an interrupted run in --out exactly")
-    p.add_argument("--seed", type=int, default=0, help="seeds the model, the batches and the sampling (default: 0)")
+    p.add_argument("--seed", type=seed, default=0, help="seeds the model, the batches and the sampling (default: 0)")
     p.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     p.add_argument("--dtype", choices=DTYPES, help="number format of the training forward (autocast; float16 adds "
                    "loss scaling; default: float32 on CPU, on CUDA bfloat16 where native, else float16)")
@@ -45,7 +46,8 @@ def parse_args(argv: list[str] | None = None) -> TrainArgs:
         cuda = device.startswith("cuda")
         preset = ns.preset or (("gpt2" if cuda else "gpt2-cpu") if ns.init else ("gpu" if cuda else "cpu"))
         chosen = {name: v for name in TrainArgs.hyper_parameters() if (v := getattr(ns, name)) is not None}
-        return TrainArgs(preset=preset, data=ns.data, out=ns.out, init=ns.init, resume=ns.resume, seed=ns.seed,
+        out = ns.out if ns.out is not None else f"out/{'tiny' if preset in ('cpu', 'gpu') else preset}"
+        return TrainArgs(preset=preset, data=ns.data, out=out, init=ns.init, resume=ns.resume, seed=ns.seed,
                          device=device, dtype=training_dtype(ns.dtype, device), save_every=ns.save_every,
                          log_every=ns.log_every, **{**PRESETS[preset], **chosen})
     except ValueError as e:

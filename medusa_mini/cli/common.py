@@ -42,6 +42,14 @@ def in_turns(calls: dict[K, Callable[[], R]], *, rounds: int, device: torch.devi
     return out
 
 
+def seed(text: str) -> int:
+    """The argparse type of every --seed: an integer every generator takes, 0 to 2**63 - 1."""
+    value = int(text)  # not an integer: argparse's own one-line error
+    if not 0 <= value < 2**63:
+        raise argparse.ArgumentTypeError(f"{value} is not a seed: give an integer from 0 to 2**63 - 1")
+    return value
+
+
 class OneLineParser(argparse.ArgumentParser):
     """An ArgumentParser whose errors, its own and the script's, are one line: `<prog>: error: <message>`."""
 

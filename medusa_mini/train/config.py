@@ -5,6 +5,8 @@ compares: a resumed run never changes its settings or its data. The device may c
 from __future__ import annotations
 
 import dataclasses
+import math
+import os
 import re
 from dataclasses import dataclass, field
 
@@ -12,7 +14,9 @@ from ..heads import HEAD_KINDS
 
 HEAD_TARGETS = ("token", "p")
 MINIMUM = {"vocab_size": 257, "n_layer": 1, "n_head": 1, "n_embd": 1, "block_size": 1, "batch_size": 1,
-           "num_heads": 1, "save_every": 1}  # vocabulary: 256 bytes + end-of-text; any other number: 0
+           "num_heads": 1, "save_every": 1, "medusa": 1, "distill_prompts": 1, "distill_prompt_len": 1,
+           "distill_tokens": 1, "heads_batch_size": 1, "eval_prompts": 1}  # vocabulary: 256 bytes + end-of-text;
+# any other number: 0. Self-distillation and the summary need at least one prompt and token.
 
 
 class TrainError(Exception):
@@ -69,10 +73,14 @@ class TrainArgs:
     eval_every: int = hp(0, "backbone steps between validation losses (0: only the summary's)")
 
     def __post_init__(self) -> None:
-        for name in [*self.hyper_parameters(), "save_every"]:
+        for name in [*self.hyper_parameters(), "save_every", "log_every"]:
             value, least = getattr(self, name), MINIMUM.get(name, 0)
-            if isinstance(value, (int, float)) and value < least:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= {least}, got {value}")
+            if isinstance(value, (int, float)) and not (math.isfinite(value) and value >= least):  # nan too
+                raise ValueError(f"--{name.replace('_', '-')} must be a number >= {least}, got {value}")
+        if self.medusa not in (1, 2):
+            raise ValueError(f"--medusa must be 1 (heads on the frozen backbone) or 2 (trained jointly), not {self.medusa}")
+        if not self.out or os.path.isfile(self.out):
+            raise ValueError(f"--out must name a folder for the checkpoint, not {self.out!r}")
         if self.heads not in HEAD_KINDS:
             raise ValueError(f"--heads must be one of {', '.join(HEAD_KINDS)}, not {self.heads!r}")
         if self.heads_target not in HEAD_TARGETS:

@@ -233,14 +233,24 @@ def test_bad_flags_or_data_are_a_one_line_error_with_code_2_and_write_nothing(tm
                 ["--eval-every", "-1"], ["--save-every", "0"], ["--heads", "eagle"], ["--resume"],
                 ["--draft-vocab", "-1"], ["--heads-target", "q"], *(["--data", str(tmp_path / name)] for name in ("missing.txt", "empty.txt",
                                                                                        "binary.bin")),
-                ["--init", str(tmp_path / "nope")]):
+                ["--init", str(tmp_path / "nope")], ["--distill-prompts", "0"], ["--distill-tokens", "0"],
+                ["--distill-prompt-len", "0"], ["--eval-prompts", "0"], ["--heads-batch-size", "0"], ["--lr", "nan"],
+                ["--lr", "inf"], ["--log-every", "nan"], ["--medusa", "3"], ["--seed", str(2**64)],
+                ["--out", ""], ["--out", str(tmp_path / "empty.txt")]):
         try:
-            code = train_tiny.main([*FAST, *bad, "--out", str(tmp_path / "x")])
+            code = train_tiny.main([*FAST, "--out", str(tmp_path / "x"), *bad])
         except SystemExit as e:  # argparse's own errors
             code = e.code
         err = capsys.readouterr().err
         assert code == 2 and err.startswith("train_tiny.py: error:") and len(err.strip().splitlines()) == 1, (bad, err)
     assert not (tmp_path / "x").exists() or not any((tmp_path / "x").iterdir())  # nothing half-written
+
+
+def test_a_smoke_or_gpt2_run_never_lands_in_the_real_checkpoints_folder_by_default():
+    assert train_tiny.parse_args(["--preset", "cpu"]).out == "out/tiny"
+    assert train_tiny.parse_args(["--preset", "smoke"]).out == "out/smoke"
+    assert train_tiny.parse_args(["--preset", "gpt2-cpu", "--init", "gpt2"]).out == "out/gpt2-cpu"
+    assert train_tiny.parse_args(["--preset", "smoke", "--out", "mine"]).out == "mine"
 
 
 def test_help_lists_presets_and_every_hyper_parameter():
