@@ -22,7 +22,7 @@ from dataclasses import asdict
 import tiktoken
 import torch
 
-from medusa_mini.cli.common import OneLineParser
+from medusa_mini.cli.common import OneLineParser, seed
 from medusa_mini.cli.compiled import StaticCaches, compile_steps, warm_up
 from medusa_mini.cli.explain import DEMO_NOTE, demo_checkpoint, explain_step
 from medusa_mini.cli.plots import check_plot_path, plot_batch
@@ -45,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, metavar="T",
                    help=f"0 = greedy (default: 0, or {SAMPLING_TEMPERATURE} for typical and rejection)")
     p.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling mass (default: 1.0)")
-    p.add_argument("--seed", type=int, default=0, help="seeds the sampling generator (default: 0)")
+    p.add_argument("--seed", type=seed, default=0, help="seeds the sampling generator (default: 0)")
     p.add_argument("--tree", metavar="N|auto|NAME|FILE.json",
                    help="N nodes built from heads_accuracy.json; auto: 64 of them on CUDA, on a CPU up to 8 that "
                         "pay for their cost; a preset (cpu, gpu, chainN); or a JSON list of choices (default: auto, "
@@ -61,7 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     mode.add_argument("--compare", action="store_true", help="table: plain, prompt lookup and Medusa decoding")
     p.add_argument("--demo", action="store_true", help="with --explain: a tiny model trained on the spot")
     p.add_argument("--plot", metavar="FILE.png", help="with --compare --batch-size B1,B2,...: draw the table")
-    p.add_argument("--json", action="store_true", help="JSON lines per prompt (with --compare: one object)")
+    p.add_argument("--json", action="store_true", help="JSON lines per prompt (with --compare: one object; "
+                   "with --batch-size B, a row's seconds are its whole batch's)")
     return p
 
 
@@ -70,6 +71,16 @@ def check_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     for flag, value in (("--max-new-tokens", a.max_new_tokens), ("--num-prompts", a.num_prompts)):
         if value < 1:
             p.error(f"{flag} must be at least 1, not {value}")
+    for flag, value in (("--tree", a.tree), ("--batch-size", a.batch_size)):
+        if value is not None and not value.strip():
+            p.error(f"{flag} is empty: give a value, or leave the flag out for its default")
+    if a.compare and a.max_new_tokens < 2:
+        p.error("--compare needs --max-new-tokens of at least 2: the first token comes from the prefill, "
+                "before any step")
+    if a.compare and a.method is not None:
+        p.error("--compare decodes with every method; leave out --method (--temperature sets the sampled rows')")
+    if a.explain and a.method == "plain":
+        p.error("--explain walks through a Medusa step; choose --method greedy, typical or rejection")
     sizes = (a.batch_size or "1").split(",")
     if not all(x.strip().isdigit() and int(x) >= 1 for x in sizes):
         p.error(f"--batch-size takes a size >= 1 (with --compare, a list such as 1,2,4,8), not {a.batch_size!r}")
@@ -85,6 +96,8 @@ def check_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
         p.error("--demo goes with --explain: python decode.py --explain --demo")
     if a.plot is not None and not a.batch_table:
         p.error("--plot draws the batch table: use it with --compare --batch-size 1,2,4,8")
+    if a.reference and a.batch_table:
+        p.error("--reference adds its rows to the one-batch table; leave out the list of batch sizes")
     if a.reference and a.method == "plain":
         p.error("--reference decodes with Medusa; choose --method greedy, typical or rejection")
     if a.temperature is None:
@@ -112,11 +125,14 @@ def prepare(a: argparse.Namespace):
         ck = load_for_decoding(a.ckpt, device=device, dtype=dtype)
         texts = a.prompt or load_prompts(a.ckpt)[: a.num_prompts]
     if ck.heads is None and (a.method != "plain" or a.compare or a.explain or a.show):
-        wanted = "--compare" if a.compare else "--explain" if a.explain else "Medusa decoding"
-        raise ValueError(f"{a.ckpt} has no Medusa heads, which {wanted} needs; use --method plain or train heads")
+        wanted = "--compare" if a.compare else "--explain" if a.explain else "--show" if a.show else "Medusa decoding"
+        fix = "use --method plain or train heads" if wanted == "Medusa decoding" else "train heads first"
+        raise ValueError(f"{a.ckpt} has no Medusa heads, which {wanted} needs; {fix}")
     choice = None if ck.heads is None else resolve_tree(
         a.tree or ("cpu" if a.demo else None), num_heads=ck.heads.num_heads, ckpt_dir="" if a.demo else a.ckpt,
         device=device)
+    if choice is not None:
+        ck.heads.proposer(ck.model, choice.tree)  # a tree the heads cannot fill fails here, before any output
     prompts = []
     for i, text in enumerate(texts, start=1):
         ids, which = ck.enc.encode_ordinary(text), f"prompt {i} ({'--prompt' if a.prompt else PROMPTS_FILE})"
@@ -189,13 +205,22 @@ class StepPrinter:
         print(text, end="", flush=True)  # the reader watches the text grow, step by step
 
 
-def stat_line(stats: GenerationStats, *, new_tokens: int, block_size: int) -> str:
-    """One line: steps, tokens/step (bonus counted), ms/token and why generation stopped."""
+def stat_line(stats: GenerationStats, *, new_tokens: int, block_size: int, speed: str) -> str:
+    """One line: steps, tokens/step (bonus counted), the speed as measured (`speed`) and why it stopped."""
     stop = {"context": f"stopped at the context limit: {stats.prompt_tokens} prompt + {new_tokens} new tokens "
-                       f"fill all {block_size} positions", "eos": "stopped at the end-of-text token"}
-    return (f"{stats.steps} steps, {stats.tokens_per_step:.2f} tokens/step (bonus token counted), "
-            f"{1000 * stats.seconds / max(new_tokens, 1):.1f} ms/token, "
-            + stop.get(stats.stop_reason, f"stopped after max-new-tokens ({new_tokens})"))
+                       f"fill all {block_size} positions", "eos": "stopped at the end-of-text token",
+            "max_new_tokens": f"stopped after max-new-tokens ({new_tokens})"}
+    return (f"{stats.steps} steps, {stats.tokens_per_step:.2f} tokens/step (bonus token counted), {speed}, "
+            + stop.get(stats.stop_reason, "stopped"))
+
+
+def speed_text(rows: list[tuple[list[int], GenerationStats]], *, streamed: bool) -> str:
+    """ms/token of one decoding call: its seconds (every row's `seconds`) over all the tokens it made, with
+    what the clock included: a streamed prompt's printing, or a batch's other rows."""
+    ms = 1000 * rows[0][1].seconds / max(sum(len(tokens) for tokens, _ in rows), 1)
+    if streamed:
+        return f"{ms:.1f} ms/token as streamed (printing included; --compare times decoding alone)"
+    return f"{ms:.1f} ms/token" + (f" over its batch of {len(rows)}" if len(rows) > 1 else "")
 
 
 def print_each(engine: Engine, method: Method, prompts: list[tuple[str, list[int]]], a, label: str) -> None:
@@ -215,12 +240,15 @@ def print_each(engine: Engine, method: Method, prompts: list[tuple[str, list[int
         how = f"; one {'colour' if printer.color else '[chunk]'} per forward pass, the first from the prefill"
         print(f"=== prompt {n}/{len(prompts)} ({len(ids)} tokens) ===\n{text}\n=== {label}{how if a.show else ''} ===")
         if done is None:
-            tokens, stats = decode_each(engine, method, [ids], on_step=lambda b, t: printer(t), **kw)[0]
+            batch = decode_each(engine, method, [ids], on_step=lambda b, t: printer(t), **kw)
         else:
-            tokens, stats = done[n - 1]
-            printer(tokens)
+            first = (n - 1) // a.batch_size * a.batch_size
+            batch = done[first : first + a.batch_size]
+            printer(done[n - 1][0])
+        tokens, stats = done[n - 1] if done is not None else batch[0]
         printer.close()
-        print(f"stats: {stat_line(stats, new_tokens=len(tokens), block_size=ck.block_size)}\n")
+        speed = speed_text(batch, streamed=done is None)
+        print(f"stats: {stat_line(stats, new_tokens=len(tokens), block_size=ck.block_size, speed=speed)}\n")
 
 
 def compare_table(engine: Engine, methods: list[Method], prompts: list[list[int]], a, **settings) -> None:

@@ -57,6 +57,14 @@ class Engine:
     caches: StaticCaches | None = None
 
 
+def stop_reason(ck: Checkpoint, prompt: list[int], tokens: list[int], *, stop_at_eot: bool) -> str:
+    """Why a generation of `tokens` after `prompt` ended, as the engine's loops say it (the reference's
+    loop returns only its tokens): an end token, a full context, or the token budget."""
+    if stop_at_eot and tokens and tokens[-1] == ck.eot_id:
+        return "eos"
+    return "context" if len(prompt) + len(tokens) >= ck.block_size else "max_new_tokens"
+
+
 def decode(engine: Engine, method: Method, prompts: list[list[int]], *, seed: int, max_new_tokens: int,
            stop_at_eot: bool = True, on_step=None) -> Results:
     """The prompts decoded together (the reference: one by one), one generator seeded `seed`; untimed."""
@@ -68,7 +76,8 @@ def decode(engine: Engine, method: Method, prompts: list[list[int]], *, seed: in
         for b, (tokens, _) in enumerate(out if on_step else []):
             on_step(b, tokens)
         # The engine's statistics; the reference counts passes, its tokens come in one.
-        return [(tokens, GenerationStats(len(ids), steps, [len(tokens) - 1] if steps else []))
+        return [(tokens, GenerationStats(len(ids), steps, [len(tokens) - 1] if steps else [],
+                                         stop_reason=stop_reason(ck, ids, tokens, stop_at_eot=stop_at_eot)))
                 for ids, (tokens, steps) in zip(prompts, out)]
     kw.update(on_step=on_step, steps=engine.steps, cache=engine.caches)  # the loop asks for its size
     if method.drafter is None:
@@ -108,12 +117,14 @@ def run_in_turns(engine: Engine, methods: list[Method], batches: list[list[list[
 
 def summarise(runs: Runs) -> dict:
     """One row's numbers from its timed runs; passes are its batches' forward passes (a batch runs until
-    its slowest row stops), so ms/step is per pass."""
+    its slowest row stops), so ms/step is per pass; row_passes counts each pass once per row it carried
+    (a last batch may be smaller), what the rows' own steps compare with."""
     rows = [row for results, _ in runs for row in results]
     steps = sum(st.steps for _, st in rows)
     passes = sum(max(st.steps for _, st in results) for results, _ in runs)
+    row_passes = sum(max(st.steps for _, st in results) * len(results) for results, _ in runs)
     new, seconds = sum(len(tokens) for tokens, _ in rows), sum(s for _, s in runs)
-    return {"steps": steps, "passes": passes, "new_tokens": new, "seconds": seconds,
+    return {"steps": steps, "passes": passes, "row_passes": row_passes, "new_tokens": new, "seconds": seconds,
             "tokens_per_step": sum(sum(st.step_tokens) for _, st in rows) / max(steps, 1),
             "ms_per_token": 1000 * seconds / max(new, 1), "ms_per_step": 1000 * seconds / max(passes, 1),
             "tokens_per_s": new / seconds if seconds else 0.0}
@@ -174,7 +185,8 @@ def compare(engine: Engine, prompts: list[list[int]], methods: list[Method], *, 
         if row["key"].startswith("reference"):
             engine_row = next(r for r in rows if r["key"] == row["key"].replace("reference", "medusa"))
             row["same_as_engine"] = sum(a == b for a, b in zip(row["tokens"], engine_row["tokens"]))
-    return {"rows": rows, "batch_sizes": list(batch_sizes), "prompts": len(work), "max_new_tokens": max_new_tokens,
+    return {"rows": rows, "batch_sizes": list(batch_sizes), "prompts": len(work), "distinct_prompts": len(prompts),
+            "max_new_tokens": max_new_tokens,
             "repeat": repeat, "crossover": {m.key: crossover(rows, m.key) for m in methods if m.drafter is not None},
             "per_prompt": per_prompt(work, runs) if list(batch_sizes) == [1] and "prompt_lookup_greedy" in runs
             else None}
@@ -207,9 +219,10 @@ COLUMNS = {  # row key: (header, width, format)
 }
 
 
-def table(result: dict, columns: tuple[str, ...]) -> list[str]:
+def table(result: dict, columns: tuple[str, ...], *, identity: str) -> list[str]:
     """One line per row, its method first and whether it made plain greedy's tokens last; then the
-    settings, what the numbers count, and where rows stopped early or left plain greedy."""
+    settings, what the numbers count (`identity`: how speedup follows from the columns), and where rows
+    stopped early or left plain greedy."""
     head = f"{'method':<32}" + "".join(f"{COLUMNS[c][0]:>{COLUMNS[c][1]}}" for c in columns) + "  same as plain greedy"
     lines = [head, "-" * len(head)]
     for r in result["rows"]:
@@ -226,8 +239,7 @@ def table(result: dict, columns: tuple[str, ...]) -> list[str]:
               + f"; {result['heads']} heads; Medusa rejection candidates: "
               + {"topk": "the heads' top-k"}.get(result["draft"], "drawn from q"),
               f"Note: {BONUS_NOTE}; plain decoding is exactly 1.00. Step cost: ms\nper step over the plain "
-              f"decoder's: speedup ≈ tokens/step ÷ step cost. Times include the prefill; fastest of "
-              f"{result['repeat']} runs."]
+              f"decoder's: {identity} Times include the prefill; fastest of {result['repeat']} runs."]
     for reason, what in (("context", "at the context limit"), ("eos", "at the end-of-text token")):
         if stopped := sum(row["stop_reasons"].count(reason) for row in result["rows"]):
             lines.append(f"{stopped} of the generations stopped {what} (the tokens column counts what each row made).")
@@ -248,7 +260,8 @@ def table(result: dict, columns: tuple[str, ...]) -> list[str]:
 
 
 def format_compare(result: dict) -> str:
-    lines = table(result, ("new_tokens", "steps", "tokens_per_step", "step_cost", "ms_per_token", "speedup"))
+    lines = table(result, ("new_tokens", "steps", "tokens_per_step", "step_cost", "ms_per_token", "speedup"),
+                  identity="speedup ≈ tokens/step ÷ step cost.")
     lines.append(f"\n{'prompt':<8}{'prompt lookup':>15}{'Medusa':>8}{'repeats':>9}   (greedy tokens/step; repeats: "
                  "new tokens equal to the one before)")
     lines += [f"{p['prompt'] + 1:<8}{p['prompt_lookup_greedy']:>15.2f}{p['medusa_greedy']:>8.2f}{p['repeats']:>9.0%}"
@@ -264,13 +277,18 @@ def why_line(result: dict, key: str) -> str:
     r, cost = rows[(key, B)], f"a step costs {rows[(key, first)]['step_cost']:.2f}x a plain step at batch {first}"
     if B == first and result["crossover"][key]:
         return f"{r['method']} does not pay at any batch size here: {cost} for {r['tokens_per_step']:.2f} tokens."
-    waiting = r["passes"] * B / max(r["steps"], 1)  # 1.0: every row needed every pass
+    waiting = r["row_passes"] / max(r["steps"], 1)  # 1.0: every row needed every pass
     where = f"stops paying at batch {B}" if result["crossover"][key] else f"still pays at batch {B}"
     return (f"{r['method']} {where}: {cost} and {r['step_cost']:.2f}x at batch {B}, and a batch of {B} makes "
             f"{waiting:.2f}x the passes its rows need ({r['tokens_per_step']:.2f} tokens per row per step).")
 
 
 def format_batches(result: dict) -> str:
-    lines = table(result, ("batch_size", "tokens_per_s", "tokens_per_step", "step_cost", "ms_per_step", "speedup"))
-    return "\n".join(lines + [f"{result['prompts']} prompts taken B at a time; tokens/s counts every row's new "
-                              "tokens over the whole run."] + [why_line(result, key) for key in result["crossover"]])
+    lines = table(result, ("batch_size", "tokens_per_s", "tokens_per_step", "step_cost", "ms_per_step", "speedup"),
+                  identity="tokens/step is per row, step cost per pass of a whole batch, which runs until its "
+                           "slowest row stops: speedup ≈ tokens/step ÷ step cost ÷ the extra passes its rows wait "
+                           "for (below) over plain's.")
+    n, distinct = result["prompts"], result["distinct_prompts"]
+    prompts = f"{n} prompts" + (f" ({distinct} distinct, cycled)" if distinct < n else "")
+    return "\n".join(lines + [f"{prompts} taken B at a time; tokens/s counts every row's new tokens over the "
+                              "whole run."] + [why_line(result, key) for key in result["crossover"]])

@@ -83,7 +83,8 @@ def load_checkpoint(directory: str | os.PathLike, *,
     a one-line ValueError names what is missing or broken."""
     directory = os.fspath(directory)
     if not os.path.isdir(directory):
-        raise ValueError(f"checkpoint directory {directory} does not exist; pass a saved checkpoint")
+        what = "is a file, not a checkpoint directory" if os.path.exists(directory) else "does not exist"
+        raise ValueError(f"checkpoint directory {directory} {what}; pass a saved checkpoint's folder")
     model = load_gpt2(directory, device=device)  # checks config.json; a directory: nothing is downloaded
     config = read_json(os.path.join(directory, CONFIG_FILE), hint="save the checkpoint again")
     has_heads = os.path.exists(os.path.join(directory, HEADS_CONFIG_FILE))

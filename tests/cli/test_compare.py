@@ -11,7 +11,9 @@ import pytest
 import torch
 
 import decode
-from medusa_mini.cli.runs import compare
+from medusa_mini.cli import runs as runs_mod
+from medusa_mini.cli.runs import compare, summarise, why_line
+from medusa_mini.decoding import GenerationStats
 from medusa_mini.proposal import PromptLookup
 from medusa_mini.train.report import save_accuracy
 
@@ -103,3 +105,49 @@ def test_the_batch_table_has_every_method_at_every_size_and_says_where_medusa_st
     verdicts = [line for line in out.splitlines()
                 if any(v in line for v in ("stops paying at batch", "still pays at batch", "does not pay at any"))]
     assert len(verdicts) == 2 and (tmp_path / "batch.png").stat().st_size > 0  # the figure: test_plots.py
+
+
+def stats(steps: int, tokens: int) -> tuple[list[int], GenerationStats]:
+    """A row that made `tokens` new tokens: the prefill's, then `steps` steps sharing the rest."""
+    per_step = [(tokens - 1) // steps + (i < (tokens - 1) % steps) for i in range(steps)]
+    return list(range(tokens)), GenerationStats(prompt_tokens=4, steps=steps, step_tokens=per_step)
+
+
+def test_a_rows_numbers_count_passes_per_batch_and_every_token_once():
+    """Batches of 2 and 1 rows (3 prompts at B = 2): a batch makes as many passes as its slowest row."""
+    runs = [([stats(5, 11), stats(3, 7)], 0.2), ([stats(4, 9)], 0.1)]
+    r = summarise(runs)
+    assert (r["steps"], r["passes"], r["row_passes"], r["new_tokens"]) == (12, 9, 14, 27)
+    assert r["tokens_per_step"] == 24 / 12 and r["seconds"] == pytest.approx(0.3)
+    assert r["ms_per_step"] == pytest.approx(300 / 9) and r["tokens_per_s"] == pytest.approx(27 / 0.3)
+    result = {"rows": [{"key": "medusa_greedy", "method": "Medusa greedy", "batch_size": b, **r, "step_cost": 1.5}
+                       for b in (1, 2)], "batch_sizes": [1, 2], "crossover": {"medusa_greedy": None}}
+    assert f"makes {14 / 12:.2f}x the passes its rows need" in why_line(result, "medusa_greedy")
+
+
+def test_speedup_and_step_cost_are_against_plain_at_the_same_temperature_and_batch_size(ckpt, capsys):
+    result = json.loads(run(capsys, "--ckpt", ckpt, "--compare", "--json", "--batch-size", "1,2",
+                            "--max-new-tokens", "8", "--num-prompts", "3"))
+    for row in result["rows"]:
+        plain = next(p for p in result["rows"] if p["plain"] and (p["temperature"], p["batch_size"]) == (
+            row["temperature"], row["batch_size"]))
+        assert row["speedup"] == pytest.approx(row["tokens_per_s"] / plain["tokens_per_s"])
+        assert row["step_cost"] == pytest.approx(row["ms_per_step"] / plain["ms_per_step"])
+    plain_rows = {(r["temperature"], r["batch_size"]): r["ms_per_step"] for r in result["rows"] if r["plain"]}
+    assert len(plain_rows) == 4 and len(set(plain_rows.values())) == 4  # four baselines, each its own
+
+
+def test_a_greedy_row_that_leaves_plain_greedy_is_reported_where_it_leaves(ckpt, capsys, monkeypatch):
+    real = runs_mod.decode
+
+    def one_token_off(engine, method, prompts, **kw):  # Medusa greedy's last token on every prompt, changed
+        out = real(engine, method, prompts, **kw)
+        return [(t[:-1] + [(t[-1] + 1) % 50], st) if method.key == "medusa_greedy" else (t, st) for t, st in out]
+
+    monkeypatch.setattr(runs_mod, "decode", one_token_off)
+    result = json.loads(run(capsys, "--ckpt", ckpt, "--compare", "--json", "--max-new-tokens", "6"))
+    rows = {r["key"]: r for r in result["rows"]}
+    assert rows["medusa_greedy"]["same_as_plain_greedy"] is False and rows["prompt_lookup_greedy"]["same_as_plain_greedy"]
+    assert [(d["prompt"], d["position"]) for d in rows["medusa_greedy"]["differences"]] == [(0, 5), (1, 5), (2, 5)]
+    out = run(capsys, "--ckpt", ckpt, "--compare", "--max-new-tokens", "6")
+    assert "Medusa greedy differs from plain greedy on prompt 1 at new token 6" in out

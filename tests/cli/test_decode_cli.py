@@ -68,6 +68,7 @@ def test_show_brackets_each_step_and_joins_to_the_plain_text(ckpt, capsys):
     medusa = json.loads(run(capsys, *argv, "--json"))
     out = run(capsys, *argv, "--show")  # not a terminal: brackets, no colour
     assert "\x1b[" not in out and "attention mask" in out and "[0] root" in out and "(bonus token counted)" in out
+    assert "ms/token as streamed (printing included" in out  # the clock ran while the text printed
     header = "the first from the prefill ===\n"
     shown = out[out.index(header) + len(header): out.rindex("\nstats: ")]
     assert "[" not in ref["text"] and shown.replace("[", "").replace("]", "") == ref["text"]
@@ -84,18 +85,22 @@ def test_generation_stops_cleanly_at_the_context_limit(ckpt, capsys):
     obj = json.loads(run(capsys, *argv, "--json"))
     assert obj["stop_reason"] == "context" and obj["prompt_tokens"] + len(obj["tokens"]) == 64
     assert "stopped at the context limit" in run(capsys, *argv)
+    assert "stopped at the context limit" in run(capsys, *argv, "--reference")
 
 
 @pytest.mark.parametrize("rule", [["--method", "greedy"], ["--method", "typical"], ["--method", "rejection"]])
-def test_the_reference_decoder_prints_the_engines_tokens(ckpt, capsys, rule):
-    argv = ["--ckpt", ckpt, "--max-new-tokens", "16", "--seed", "2", *rule]
-    assert tokens_of(capsys, *argv, "--reference") == tokens_of(capsys, *argv)
+def test_the_reference_decoder_prints_the_engines_tokens_and_stop_reasons(ckpt, capsys, rule):
+    argv = ["--ckpt", ckpt, "--max-new-tokens", "16", "--seed", "2", *rule, "--json"]
+    ends = [[(o["tokens"], o["stop_reason"]) for o in map(json.loads, run(capsys, *argv, *ref).splitlines())]
+            for ref in ([], ["--reference"])]
+    assert ends[0] == ends[1] and {reason for _, reason in ends[0]} <= {"eos", "max_new_tokens"}
 
 
 @pytest.mark.parametrize("rule", [[], ["--method", "plain"]])
 def test_a_batch_of_prompts_decodes_each_as_if_alone_when_greedy(ckpt, capsys, rule):
     argv = ["--ckpt", ckpt, "--max-new-tokens", "14", *rule]
     assert tokens_of(capsys, *argv, "--batch-size", "2") == tokens_of(capsys, *argv)
+    assert run(capsys, *argv, "--num-prompts", "3", "--batch-size", "2").count(" ms/token over its batch of 2,") == 2
 
 
 def test_hydra_heads_decode_and_explain_like_medusa_heads(ckpt_hydra, capsys):
@@ -142,9 +147,19 @@ def broken_ckpt(ckpt, tmp_path_factory):
     (["--compare", "--batch-size", "1,2", "--plot", "{tmp}/no/b.png"], "folder does not exist"),
     (["--reference", "--method", "plain"], "--reference decodes with Medusa"),
     (["--ckpt", "{hydra}", "--reference"], "hydra heads read the tokens drafted"),  # the heads' own check
+    (["--ckpt", "{tmp}/nothing"], "holds neither model.safetensors"), (["--ckpt", "{ckpt}/config.json"], "is a file, not a checkpoint"),
+    (["--ckpt", "{no_heads}", "--method", "plain", "--show"], "which --show needs; train heads first"),
+    (["--compare", "--max-new-tokens", "1"], "at least 2"), (["--compare", "--method", "typical"], "leave out --method"),
+    (["--explain", "--method", "plain"], "--explain walks through a Medusa step"),
+    (["--compare", "--batch-size", "1,2", "--reference"], "--reference adds its rows"),
+    (["--tree", ""], "--tree is empty"), (["--batch-size", " "], "--batch-size is empty"),
+    (["--seed", str(2**64)], "not a seed"), (["--tree", "{tmp}/wide.json"], "the draft vocabulary has"),
 ])
 def test_bad_input_exits_2_with_one_line(argv, needle, ckpt, ckpt_no_heads, ckpt_hydra, broken_ckpt, tmp_path, capsys):
-    argv = [a.format(tmp=str(tmp_path), broken=broken_ckpt, no_heads=ckpt_no_heads, hydra=ckpt_hydra) for a in argv]
+    (tmp_path / "wide.json").write_text("[[100000]]")  # a rank past any draft vocabulary: refused before output
+    (tmp_path / "nothing").mkdir()
+    argv = [a.format(tmp=str(tmp_path), broken=broken_ckpt, no_heads=ckpt_no_heads, hydra=ckpt_hydra, ckpt=ckpt)
+            for a in argv]
     with pytest.raises(SystemExit) as exc:
         decode.main(argv if "--ckpt" in argv else ["--ckpt", ckpt, *argv])
     err = capsys.readouterr().err
