@@ -29,7 +29,7 @@ if ROOT not in sys.path:  # run as a script from anywhere, without installing th
 import torch  # noqa: E402
 
 from medusa_mini.acceptance import Accepted  # noqa: E402
-from medusa_mini.cli.common import OneLineParser, in_turns, timed  # noqa: E402
+from medusa_mini.cli.common import OneLineParser, in_turns, seed, timed  # noqa: E402
 from medusa_mini.cli.compiled import StaticCaches, compile_steps  # noqa: E402
 from medusa_mini.decoding import prefill  # noqa: E402
 from medusa_mini.heads import DraftHeads, HeadsConfig, make_heads  # noqa: E402
@@ -218,18 +218,20 @@ def format_table(results: dict[str, dict], meta: dict) -> str:
 
 def parse_args(argv: list[str]) -> Namespace:
     p = OneLineParser(prog="python benchmarks/bench_step.py", description=__doc__.split("\n\n")[0])
-    p.add_argument("--configs", type=names_of(CONFIGS), default="tiny,gpt2", help=f"from: {', '.join(CONFIGS)}")
+    p.add_argument("--configs", type=names_of(CONFIGS), default="tiny,gpt2",
+                   help=f"from: {', '.join(CONFIGS)} (default: %(default)s)")
     p.add_argument("--device", help="default: cuda if available, else cpu")
     p.add_argument("--repeat", type=at_least_one, default=10, help="timed repetitions per measurement (default: 10)")
     p.add_argument("--warmup", type=at_least_one, default=3, help="untimed rounds first (default: 3)")
-    p.add_argument("--dtypes", type=names_of(DTYPES), default="float32", help=f"from: {', '.join(DTYPES)}")
+    p.add_argument("--dtypes", type=names_of(DTYPES), default="float32",
+                   help=f"from: {', '.join(DTYPES)} (default: %(default)s)")
     p.add_argument("--draft-vocab", type=int, metavar="M", help="tokens the heads guess among, 0: the whole "
                    f"vocabulary (default: {DRAFT_VOCAB} for the GPT-2 shapes, 0 for tiny)")
     p.add_argument("--compile", action="store_true", help="measure every config again with compiled steps")
     p.add_argument("--nodes", type=numbers(1, 256), help="verify sizes (default: 1,2,4,...,64; CUDA: up to 128)")
     p.add_argument("--prefix", type=int, default=128, help="tokens in the KV cache before each step (default: 128)")
     p.add_argument("--threads", type=at_least_one, help="torch.set_num_threads (default: torch's choice)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random weights and tokens (default: 0)")
+    p.add_argument("--seed", type=seed, default=0, help="seed of the random weights and tokens (default: 0)")
     p.add_argument("--json", action="store_true", help="print the numbers as JSON instead of a table")
     a = p.parse_args(argv)
     try:

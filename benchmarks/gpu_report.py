@@ -7,8 +7,9 @@
 Each part runs the project's own commands and writes their tables: step: `bench_step.py` per GPT-2 shape
 and dtype, eager and (on CUDA) compiled; train: `train_tiny.py --preset gpu` into --ckpt; decode: `decode.py
 --compare` on it in bfloat16 (compiled on CUDA); batch: the same with --batch-size 1,2,4,8,16. A part runs
-within --budget-s and appends its section when it ends, so a stopped run keeps what it finished. Exit
-status: 0, 1 if a part failed (its section says why, in one line), 2 for bad flags.
+within --budget-s and adds its section when it ends, so a stopped run keeps what it finished: --out is
+replaced whole each time (an older report stays as it was until the first part ends). Exit status: 0, 1 if
+a part failed (its section says why, in one line), 2 for bad flags, the forwarded ones included.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import io
+import math
 import os
 import platform
 import shlex
@@ -23,6 +26,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from typing import Callable
@@ -33,8 +37,10 @@ if ROOT not in sys.path:  # run as a script from anywhere, without installing th
 
 import torch  # noqa: E402
 
+from benchmarks import bench_step  # noqa: E402
 from benchmarks.bench_step import CONFIGS, names_of  # noqa: E402
 from medusa_mini.cli.common import OneLineParser, timed  # noqa: E402
+from medusa_mini.io.files import atomic_write_text  # noqa: E402
 from medusa_mini.train.device import DTYPES, pick_device  # noqa: E402
 
 PARTS = ("step", "train", "decode", "batch")
@@ -118,18 +124,50 @@ def decode_argv(s: argparse.Namespace, *extra: str) -> list[str]:
             *s.compile, *(QUICK_DECODE if s.quick else []), *s.decode_flags]
 
 
-RUN_PART: dict[str, Callable[[argparse.Namespace], tuple[str, bool]]] = {
-    "step": lambda s: run_part(s, "What one step costs", [(config, [
+COMMANDS: dict[str, Callable[[argparse.Namespace], list[tuple[str | None, list[str]]]]] = {  # (heading, argv)
+    "step": lambda s: [(config, [
         "benchmarks/bench_step.py", "--configs", config, "--dtypes", ",".join(s.dtypes), "--device", s.device,
-        *s.compile, *(QUICK_STEP if s.quick else []), *s.step_flags]) for config in s.configs], keep=step_table,
-        intro="Random weights (speed depends on shapes, not values). Targets: the heads at most 10% of a plain "
-              "step, a whole step at most 1.15x its verify alone."),
-    "train": lambda s: run_part(s, "Training", [(None, ["train_tiny.py", "--preset", "smoke" if s.quick else "gpu",
-                                                        "--out", s.ckpt, "--device", s.device, *s.train_flags])],
-                                keep=training_summary),
-    "decode": lambda s: run_part(s, "decode.py --compare", [(None, decode_argv(s))]),
-    "batch": lambda s: run_part(s, "Batch sizes", [(None, decode_argv(s, "--batch-size", "1,2,4" if s.quick
-                                                                       else "1,2,4,8,16"))])}
+        *s.compile, *(QUICK_STEP if s.quick else []), *s.step_flags]) for config in s.configs],
+    "train": lambda s: [(None, ["train_tiny.py", "--preset", "smoke" if s.quick else "gpu", "--out", s.ckpt,
+                                "--device", s.device, *s.train_flags])],
+    "decode": lambda s: [(None, decode_argv(s))],
+    "batch": lambda s: [(None, decode_argv(s, "--batch-size", "1,2,4" if s.quick else "1,2,4,8,16"))]}
+
+RUN_PART: dict[str, Callable[[argparse.Namespace], tuple[str, bool]]] = {
+    "step": lambda s: run_part(s, "What one step costs", COMMANDS["step"](s), keep=step_table,
+                               intro="Random weights (speed depends on shapes, not values). Targets: the heads at "
+                                     "most 10% of a plain step, a whole step at most 1.15x its verify alone."),
+    "train": lambda s: run_part(s, "Training", COMMANDS["train"](s), keep=training_summary),
+    "decode": lambda s: run_part(s, "decode.py --compare", COMMANDS["decode"](s)),
+    "batch": lambda s: run_part(s, "Batch sizes", COMMANDS["batch"](s))}
+FORWARDED = {"benchmarks/bench_step.py": "--step-flags", "train_tiny.py": "--train-flags", "decode.py": "--decode-flags"}
+
+
+def flag_checks(script: str) -> Callable[[list[str]], object]:
+    """`script`'s own parsing and checks of its flags, which load nothing (imported only when called)."""
+    if script == "decode.py":
+        import decode
+
+        def parse(flags: list[str]) -> None:
+            parser = decode.build_parser()
+            decode.check_args(parser, parser.parse_args(flags))
+        return parse
+    if script == "train_tiny.py":
+        import train_tiny
+        return train_tiny.parse_args
+    return bench_step.parse_args
+
+
+def check_command(argv: list[str]) -> None:
+    """A ValueError naming the forwarded flags if the script `argv` runs would refuse them, found by its
+    own checks run here, its one-line error caught, not printed: now, not after the parts before it."""
+    script, printed = argv[0], io.StringIO()
+    try:
+        with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
+            flag_checks(script)(argv[1:])
+    except SystemExit as e:  # its parser's error (status 2), or --help (0), which would print and stop it
+        message = printed.getvalue().strip().partition(": error: ")[2] if e.code else "--help prints and stops"
+        raise ValueError(f"{FORWARDED[script]}: {os.path.basename(script)} refuses its flags: {message}") from None
 
 
 def header(s: argparse.Namespace, argv: list[str]) -> str:
@@ -169,37 +207,64 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--decode-flags", default="", metavar="'FLAGS'", help="more decode.py flags, quoted")
     a = p.parse_args(argv)
     try:  # the flags' own names become the settings of the parts
+        check_out(a.out)
         a.device = str(pick_device(a.device))
         a.step_flags, a.train_flags, a.decode_flags = map(shlex.split, (a.step_flags, a.train_flags, a.decode_flags))  # unclosed quotes
         a.budget_s = a.budget_s if a.budget_s is not None else (QUICK_BUDGET_S if a.quick else BUDGET_S)
-        if a.budget_s <= 0:
-            raise ValueError(f"--budget-s must be positive, not {a.budget_s:g}")
+        if not 0 < a.budget_s < math.inf:  # nan too
+            raise ValueError(f"--budget-s must be a finite number of seconds > 0, not {a.budget_s:g}")
         a.parts = [part for part in PARTS if part in (a.part or PARTS)]
         if {"decode", "batch"} & set(a.parts) and "train" not in a.parts and not os.path.isfile(
                 os.path.join(a.ckpt, "config.json")):
             raise ValueError(f"no checkpoint in {a.ckpt} for the decode and batch parts: run --part train first, "
                              "or name one with --ckpt")
-        if not os.path.isdir(os.path.dirname(os.path.abspath(a.out))):
-            raise ValueError(f"--out {a.out}: its folder does not exist")
+        a.configs = a.configs or (["tiny"] if a.quick else GPT2_SHAPES.split(","))
+        a.compile = ["--compile"] if a.device.startswith("cuda") else []  # on a CPU: minutes, no gain
+        for part in a.parts:
+            for _, command in COMMANDS[part](a):
+                check_command(command)
+        a.before = read_report(a.out) if a.append and os.path.exists(a.out) else ""  # what --append keeps
     except ValueError as e:
         p.error(str(e))
-    a.configs = a.configs or (["tiny"] if a.quick else GPT2_SHAPES.split(","))
-    a.compile = ["--compile"] if a.device.startswith("cuda") else []  # on a CPU: minutes, no gain
     return a
+
+
+def check_out(path: str) -> None:
+    """A ValueError unless `path` names a file that can be written: not empty, not a folder, in a folder
+    that exists and takes new files (the report is written beside it first, then renamed)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not path:
+        raise ValueError("--out needs a file name, such as gpu.md")
+    if os.path.isdir(path) or path.endswith(("/", os.sep)):
+        raise ValueError(f"--out {path} is a folder; name a file in it, such as {os.path.join(path, 'gpu.md')}")
+    if not os.path.isdir(folder):
+        raise ValueError(f"--out {path}: its folder does not exist")
+    try:  # as the report will be: a new file there (os.access trusts root, whom a read-only mount refuses)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".gpu_report.", suffix=".tmp"):
+            pass
+    except OSError as e:
+        raise ValueError(f"--out {path}: no file can be written in {folder} ({e.strerror})") from None
+
+
+def read_report(path: str) -> str:
+    """The report --append adds to; a ValueError if it cannot be read as text."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"--append: {path} cannot be read as a UTF-8 report ({e})") from None
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     s = parse_args(argv)
-    if not (s.append and os.path.exists(s.out)):
-        with open(s.out, "w", encoding="utf-8") as f:
-            f.write(header(s, argv))
+    report = s.before or header(s, argv)  # --out keeps its old text until a part has a section to add
     failed = []
     for part in s.parts:
         print(f"[{part}] starting, budget {s.budget_s:.0f} s", file=sys.stderr, flush=True)
         (text, ok), seconds = timed("cpu", lambda: RUN_PART[part](s))  # the wall clock
-        with open(s.out, "a", encoding="utf-8") as f:
-            f.write(f"\n{text}\n\n_Part {part}: {seconds:.0f} s of its {s.budget_s:.0f} s budget._\n")
+        report += f"\n{text}\n\n_Part {part}: {seconds:.0f} s of its {s.budget_s:.0f} s budget._\n"
+        atomic_write_text(s.out, report)
         print(f"[{part}] {'done' if ok else 'FAILED'} in {seconds:.0f} s", file=sys.stderr, flush=True)
         failed += [] if ok else [part]
     print(f"report: {s.out}" + (f"; failed: {', '.join(failed)}" if failed else ""), file=sys.stderr)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import os
 import sys
 
@@ -23,7 +24,7 @@ if ROOT not in sys.path:  # run as a script from anywhere, without installing th
 import torch  # noqa: E402
 
 from benchmarks.bench_step import at_least_one, names_of, numbers  # noqa: E402
-from medusa_mini.cli.common import BONUS_NOTE, OneLineParser  # noqa: E402
+from medusa_mini.cli.common import BONUS_NOTE, OneLineParser, seed  # noqa: E402
 from medusa_mini.cli.plots import check_plot_path, plot_node_sweep  # noqa: E402
 from medusa_mini.cli.runs import Engine, Method, run_in_turns, summarise  # noqa: E402
 from medusa_mini.io.loading import Checkpoint, load_for_decoding, prompt_ids  # noqa: E402
@@ -114,9 +115,11 @@ def load(ns: argparse.Namespace) -> tuple[Checkpoint, torch.Tensor, list[list[in
     """The flags checked, then the checkpoint, its accuracy table and the chosen prompts, cut to leave room
     for the new tokens; a one-line ValueError for the first thing wrong."""
     ns.rules = tuple(r for r in RULES if r in ns.rules)  # in RULES' order
-    if any(RULES[r] for r in ns.rules) and not ns.temperature > 0:
-        raise ValueError(f"--temperature must be > 0 for the sampled rules, not {ns.temperature}")
-    if ns.plot:
+    sampled = any(RULES[r] for r in ns.rules)  # greedy rules read no temperature, yet the results report it
+    if not (0 < ns.temperature if sampled else 0 <= ns.temperature) or ns.temperature == math.inf:  # nan too
+        raise ValueError(f"--temperature must be a finite number {'> 0 for the sampled rules' if sampled else '>= 0'}"
+                         f", not {ns.temperature}")
+    if ns.plot is not None:  # "" too: no file to draw into
         check_plot_path(ns.plot)
     device = pick_device(ns.device)
     ck = load_for_decoding(ns.ckpt, device=device, dtype=pick_dtype(ns.dtype, device))
@@ -145,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-prompts", type=at_least_one, default=8, help="the first prompts of prompts.json (default: 8)")
     p.add_argument("--max-new-tokens", type=at_least_one, default=64, help="tokens per prompt (default: 64)")
     p.add_argument("--repeat", type=at_least_one, default=3, help="runs of each; the fastest counts (default: 3)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the sampled rules (default: 0)")
+    p.add_argument("--seed", type=seed, default=0, help="seed of the sampled rules (default: 0)")
     p.add_argument("--device", help="cpu, cuda, ... (default: cuda if available)")
     p.add_argument("--dtype", choices=tuple(DTYPES), default="float32", help="(default: float32)")
     p.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
@@ -157,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
                        temperature=ns.temperature, max_new_tokens=ns.max_new_tokens, repeat=ns.repeat, seed=ns.seed)
         result.update(checkpoint=ns.ckpt, device=str(ck.model.device), dtype=ns.dtype, num_heads=ck.heads.num_heads,
                       threads=torch.get_num_threads())
-        if ns.plot:
+        if ns.plot is not None:
             plot_node_sweep([(label, rows) for label, _, rows in series(result)], ns.plot,
                             title=f"{ns.ckpt} on {result['device']}, {ns.dtype}",
                             plain_tokens_per_s={k: r["tokens_per_s"] for k, r in result["plain"].items()})

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import os
 import sys
+import tempfile
 
 from ..io.loading import PROMPTS_FILE, load_for_decoding, prompt_ids
 from ..sampling import SAMPLING_TEMPERATURE
@@ -23,7 +24,7 @@ from ..train.report import (
     save_accuracy,
 )
 from ..tree import build_tree
-from .common import OneLineParser
+from .common import OneLineParser, seed
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,18 +35,27 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top-k", type=int, default=10, help="ranks measured per head (default: 10)")
     p.add_argument("--temperature", type=float, default=SAMPLING_TEMPERATURE,
                    help=f"of the sampled continuations, p and q (default: {SAMPLING_TEMPERATURE:g})")
-    p.add_argument("--seed", type=int, default=0, help="seeds the sampled continuations (default: 0)")
+    p.add_argument("--seed", type=seed, default=0, help="seeds the sampled continuations (default: 0)")
     p.add_argument("--marginal", action="store_true", help="also head 1's score were its q the exact marginal "
                    "over the root it cannot see: a forward over the 64 likeliest roots at every 4th position (slower)")
     p.add_argument("--device", help="cpu, cuda, ... (default: cuda if available)")
     a = p.parse_args(argv)
-    try:
-        if a.prompts < 1 or a.max_new_tokens < 3 or a.top_k < 1 or not 0 < a.temperature < math.inf:
-            raise ValueError("--prompts and --top-k must be >= 1, --max-new-tokens >= 3 and --temperature a number > 0")
+    try:  # everything checked before heads_accuracy.json is replaced
+        for flag, value, least in (("--prompts", a.prompts, 1), ("--max-new-tokens", a.max_new_tokens, 3),
+                                   ("--top-k", a.top_k, 1)):
+            if value < least:
+                raise ValueError(f"{flag} must be at least {least}, not {value}")
+        if not 0 < a.temperature < math.inf:  # nan too
+            raise ValueError(f"--temperature must be a finite number > 0, not {a.temperature}")
         ck = load_for_decoding(a.ckpt, device=pick_device(a.device))
         if ck.heads is None:
             raise ValueError(f"checkpoint {a.ckpt} has no Medusa heads; train heads first")
         prompts = prompt_ids(ck, count=a.prompts, max_new_tokens=a.max_new_tokens)
+        try:  # as save_accuracy will: a new file there (os.access trusts root, whom a read-only mount refuses)
+            with tempfile.NamedTemporaryFile(dir=a.ckpt, prefix=f".{ACCURACY_FILE}.", suffix=".tmp"):
+                pass
+        except OSError as e:
+            raise ValueError(f"{ACCURACY_FILE} cannot be written in {a.ckpt} ({e.strerror})") from None
     except (ValueError, OSError) as e:
         p.error(str(e))
     lens = [len(ids) for ids in prompts]

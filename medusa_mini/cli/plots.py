@@ -1,19 +1,38 @@
-"""Figures of the benchmark tables, as PNG files: node-budget sweeps and batch sizes. matplotlib is an
-optional extra, imported only when drawing, on the Agg canvas (no display, no pyplot state)."""
+"""Figures of the benchmark tables, as PNG (or another FORMATS) files: node-budget sweeps and batch sizes.
+matplotlib is an optional extra, imported only when drawing, on the Agg canvas (no display, no pyplot state)."""
 
 from __future__ import annotations
 
 import os
 from typing import Mapping, Sequence
 
+from ..io.files import atomic_write
+
+# What matplotlib's Agg canvas writes from version 3.5 on with no other tool, listed here so that a path is
+# checked without importing matplotlib: its format is the file's extension, as savefig takes it.
+FORMATS = ("png", "svg", "svgz", "pdf", "eps", "ps", "jpg", "jpeg", "tif", "tiff")
 MISSING = 'drawing a plot needs matplotlib: pip install matplotlib (or pip install -e ".[plot]")'
 
 
 def check_plot_path(path: str) -> None:
-    """A ValueError now, not after a long run, if matplotlib is missing or `path`'s folder does not exist."""
-    _figure()
+    """A ValueError now, not after a long run, if `path` is no file matplotlib can write (empty, a folder,
+    a missing folder, an extension not in FORMATS: savefig would otherwise write PATH.png) or matplotlib is
+    missing."""
+    if not path:
+        raise ValueError("--plot needs a file name, such as plot.png")
+    if os.path.isdir(path):
+        raise ValueError(f"--plot {path} is a folder; name a file in it, such as {os.path.join(path, 'plot.png')}")
     if not os.path.isdir(os.path.dirname(os.path.abspath(path))):
         raise ValueError(f"--plot {path}: its folder does not exist")
+    if _format(path) not in FORMATS:
+        raise ValueError(f"--plot {path}: end the name in .png or another format matplotlib writes: "
+                         + ", ".join(f".{f}" for f in FORMATS))
+    _figure()
+
+
+def _format(path: str) -> str:
+    """The format savefig writes `path` in: its extension (lower case; "" for none)."""
+    return os.path.splitext(path)[1][1:].lower()
 
 
 def _figure():
@@ -81,5 +100,6 @@ def _finish(fig, ylabels: Mapping, ticks: list[int], xlabel: str, *, title: str,
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize="small")
     fig.suptitle(title)
-    fig.savefig(path, dpi=120)
+    # Into a temporary file first: a figure that fails to render leaves an older one at `path` as it was.
+    atomic_write(path, lambda f: fig.savefig(f, format=_format(path) or "png", dpi=120))
     return path

@@ -16,6 +16,8 @@ from .files import read_json
 from .tokenizer import load_tokenizer
 
 PROMPTS_FILE = "prompts.json"  # held-out prompts that training stores next to the checkpoint
+# How to get prompts.json, for commands that read prompts from it alone (decode.py also takes --prompt TEXT).
+WRITE_PROMPTS = 'train_tiny.py writes it with the checkpoint, or write one yourself: {"prompts": ["text", ...]}'
 
 
 @dataclass
@@ -50,10 +52,11 @@ def load_for_decoding(directory: str, *, device: torch.device, dtype: torch.dtyp
     return Checkpoint(directory, model, heads, enc, eot_id, config)
 
 
-def load_prompts(directory: str) -> list[str]:
-    """The held-out prompts stored in prompts.json: {"prompts": ["...", ...]}."""
+def load_prompts(directory: str, *, hint: str = "pass prompts with --prompt TEXT") -> list[str]:
+    """The held-out prompts stored in prompts.json: {"prompts": ["...", ...]}; `hint`, the caller's way
+    round a missing or unreadable file, ends that error."""
     path = os.path.join(directory, PROMPTS_FILE)
-    obj = read_json(path, hint="pass prompts with --prompt TEXT")
+    obj = read_json(path, hint=hint)
     prompts = obj.get("prompts") if isinstance(obj, dict) else None
     if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) for p in prompts):
         raise ValueError(f'{path} must hold {{"prompts": ["text", ...]}} with at least one prompt')
@@ -62,11 +65,13 @@ def load_prompts(directory: str) -> list[str]:
 
 def prompt_ids(ck: Checkpoint, *, count: int, max_new_tokens: int) -> list[list[int]]:
     """The first `count` prompts of ck's prompts.json as token ids, each cut to the last tokens that leave
-    room for max_new_tokens in the context; prompts that encode to nothing are left out."""
+    room for max_new_tokens in the context; prompts that encode to nothing are left out. Its callers take
+    no prompts of their own: a missing file's error says how to make one."""
     room = ck.block_size - max_new_tokens
     if room < 1:
         raise ValueError(f"--max-new-tokens {max_new_tokens} leaves no room for a prompt in {ck.block_size}")
-    prompts = [ids[-room:] for ids in map(ck.enc.encode_ordinary, load_prompts(ck.directory)[:count]) if ids]
+    texts = load_prompts(ck.directory, hint=WRITE_PROMPTS)[:count]
+    prompts = [ids[-room:] for ids in map(ck.enc.encode_ordinary, texts) if ids]
     if not prompts:
         raise ValueError(f"every prompt in {os.path.join(ck.directory, PROMPTS_FILE)} encodes to no tokens")
     return prompts

@@ -52,6 +52,7 @@ def test_compiled_steps_are_measured_like_eager_ones():
     (["--configs", "tiny", "--prefix", "100000"], "--prefix"), (["--threads", "0"], "--threads"),
     (["--warmup", "0"], "--warmup"), (["--dtypes", "float8"], "--dtypes"), (["--dtypes", ","], "--dtypes"),
     (["--nodes", "4,x"], "--nodes"), (["--nodes", "300"], "--nodes"), (["--draft-vocab", "100000"], "--draft-vocab"),
+    (["--seed", "99999999999999999999"], "--seed"), (["--seed", "-1"], "--seed"),
 ])
 def test_bad_input_is_one_line_and_exit_status_2_before_any_measuring(argv, needle, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -75,3 +76,11 @@ def test_json_holds_every_stage_of_both_trees_per_dtype_and_names_the_command(ca
         for info in r["medusa"].values():
             assert list(info["stages_ms"]) == list(STAGES) and all(t > 0 for t in info["stages_ms"].values())
             assert 0 <= info["accepted"] < info["nodes"]
+
+
+def test_help_shows_every_default(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    assert exc.value.code == 0
+    assert "(default: tiny,gpt2)" in text and "(default: float32)" in text and "(default: 0)" in text

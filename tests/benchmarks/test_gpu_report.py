@@ -104,20 +104,49 @@ def test_a_command_past_its_budget_is_stopped_and_says_so():
 
 def test_a_failed_part_is_one_line_in_the_report_and_exits_1(tmp_path, capsys, monkeypatch):
     faked(monkeypatch, in_this_process)
+    missing = tmp_path / "no such text.txt"  # its flags pass train_tiny.py's checks; its run fails
     assert gpu_report.main(["--device", "cpu", "--quick", "--part", "train", "--out", str(tmp_path / "r.md"),
-                            "--ckpt", str(tmp_path / "ckpt"), "--train-flags", "--n-embd 30 --n-head 4"]) == 1
+                            "--ckpt", str(tmp_path / "ckpt"), "--train-flags", f"--data '{missing}'"]) == 1
     text = (tmp_path / "r.md").read_text()  # the failure, in one line
-    assert re.search(r"\nFailed: exit status 2 after \d+ s: train_tiny.py: error: .*divisible.*\n", text)
+    assert re.search(r"\nFailed: exit status 2 after \d+ s: train_tiny.py: error: .*does not exist.*\n", text)
     assert "failed: train" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv, needle", [
     (["--part", "nope"], "--part"), (["--device", "tpu"], "unknown device"), (["--budget-s", "0"], "--budget-s"),
+    (["--budget-s", "nan"], "--budget-s"), (["--budget-s", "inf"], "--budget-s"),
     (["--configs", "gpt5"], "--configs"), (["--dtypes", "float8"], "--dtypes"),
     (["--part", "decode", "--ckpt", "no/such/dir"], "no checkpoint"), (["--train-flags", "'unclosed"], "quotation"),
+    (["--out", ""], "--out needs a file name"), (["--out", "{tmp}"], "is a folder"),
+    (["--out", "{tmp}/sub/"], "is a folder"), (["--out", "{tmp}/no/such/r.md"], "folder does not exist"),
+    # forwarded flags, checked by their script's own parser before any part runs
+    (["--step-flags", "--repeat 0"], "--step-flags: bench_step.py refuses its flags: argument --repeat"),
+    (["--step-flags=--help"], "--step-flags: bench_step.py refuses its flags: --help"),
+    (["--train-flags", "--n-embd 30 --n-head 4"], "--train-flags: train_tiny.py refuses its flags: --n-embd 30"),
+    (["--part", "train", "--part", "batch", "--decode-flags", "--plot {tmp}/b.txt"],
+     "--decode-flags: decode.py refuses its flags: --plot"),
+    (["--part", "train", "--part", "decode", "--decode-flags", "--num-prompts 0"], "--num-prompts"),
 ])
-def test_bad_flags_exit_2_with_one_line(tmp_path, capsys, argv, needle):
+def test_bad_flags_exit_2_with_one_line_before_any_part_runs(tmp_path, capsys, monkeypatch, argv, needle):
+    faked(monkeypatch, lambda argv: pytest.fail(f"ran {argv} despite a bad flag"))
     with pytest.raises(SystemExit) as exc:
-        gpu_report.main(["--out", str(tmp_path / "r.md"), *argv])
+        gpu_report.main(["--device", "cpu", "--out", str(tmp_path / "r.md"), *(a.format(tmp=tmp_path) for a in argv)])
     err = capsys.readouterr().err
-    assert exc.value.code == 2 and err.count("\n") == 1 and needle in err and not (tmp_path / "r.md").exists()
+    assert exc.value.code == 2 and err.count("\n") == 1 and needle in err and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("append", [False, True])
+def test_an_existing_report_is_replaced_only_once_a_part_has_its_section(tmp_path, monkeypatch, append):
+    out = tmp_path / "r.md"
+    out.write_text("# an older report\n")
+    seen = []
+    faked(monkeypatch, lambda argv: seen.append(out.read_text()) or (1, "boom\n", 1.0))
+    assert gpu_report.main(["--device", "cpu", "--part", "step", "--part", "train", "--out", str(out),
+                            "--ckpt", str(tmp_path / "ckpt"), *(["--append"] if append else [])]) == 1
+    text = out.read_text()
+    steps = len(gpu_report.GPT2_SHAPES.split(","))
+    assert seen[:steps] == ["# an older report\n"] * steps  # untouched while the first part runs
+    assert "## What one step costs" in seen[steps] and "## Training" not in seen[steps]  # then its section
+    assert text.startswith("# an older report\n\n## What one step costs" if append else "# medusa_mini on CPU")
+    assert "## Training" in text and text.count("Failed: exit status 1") == steps + 1
+    assert [p.name for p in tmp_path.iterdir()] == ["r.md"]  # no temporary file left beside it

@@ -2,9 +2,11 @@
 plain decoding of the same rule."""
 
 import json
+import shutil
 
 import pytest
 
+import decode
 from benchmarks import sweep
 from conftest import save_small_checkpoint, save_tiny
 from medusa_mini.cli import measure, plots
@@ -80,13 +82,18 @@ def test_the_table_and_the_plot_give_each_rule_and_draft_vocabulary_its_block_an
     (["--num-prompts", "0"], "--num-prompts"), (["--plot", "/no/such/folder/s.png"], "--plot"),
     (["--max-new-tokens", "64"], "no room for a prompt"), (["--draft-vocab", "4000"], "--draft-vocab"),
     (["--draft-vocab", "1", "--max-new-tokens", "8"], "draft vocabulary has 1"),  # fewer tokens than the tree's ranks
+    (["--temperature", "inf"], "--temperature"), (["--temperature", "nan"], "--temperature"),
+    (["--rules", "greedy", "--temperature", "-1"], "--temperature"), (["--seed", "99999999999999999999"], "--seed"),
+    # a plot path savefig would not write as named: refused before decoding, not after
+    (["--plot", ""], "--plot needs a file name"), (["--plot", "{tmp}"], "is a folder"),
+    (["--plot", "{tmp}/s.txt"], "end the name in .png"), (["--plot", "{tmp}/s"], "end the name in .png"),
 ])
-def test_bad_flags_exit_2_with_one_line_before_decoding(medusa_ckpt, capsys, monkeypatch, flags, message):
+def test_bad_flags_exit_2_with_one_line_before_decoding(medusa_ckpt, capsys, monkeypatch, tmp_path, flags, message):
     monkeypatch.setattr(sweep, "run_in_turns", lambda *a, **k: pytest.fail("decoded despite a bad flag"))
     with pytest.raises(SystemExit) as exc:
-        sweep.main(["--ckpt", medusa_ckpt, "--device", "cpu", *flags])
+        sweep.main(["--ckpt", medusa_ckpt, "--device", "cpu", *(f.format(tmp=tmp_path) for f in flags)])
     err = capsys.readouterr().err
-    assert exc.value.code == 2 and err.count("\n") == 1 and message in err
+    assert exc.value.code == 2 and err.count("\n") == 1 and message in err and not list(tmp_path.iterdir())
 
 
 @pytest.mark.parametrize("measured, message", [(False, "medusa_mini.cli.measure"), (True, "train the heads")])
@@ -98,3 +105,36 @@ def test_a_missing_table_says_to_measure_it_and_heads_never_right_to_train_them(
         sweep.main(["--ckpt", str(tmp_path), *FAST])
     err = capsys.readouterr().err
     assert exc.value.code == 2 and err.count("\n") == 1 and message in err
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--prompts", "0"], "--prompts must be at least 1"), (["--top-k", "0"], "--top-k must be at least 1"),
+    (["--max-new-tokens", "2"], "--max-new-tokens must be at least 3"),
+    (["--temperature", "nan"], "--temperature must be"), (["--temperature", "inf"], "--temperature must be"),
+    (["--seed", "99999999999999999999"], "--seed"), (["--seed", "-1"], "--seed"),
+])
+def test_measure_names_the_bad_flag_before_it_replaces_the_table_sweep_reads(medusa_ckpt, tmp_path, capsys, flags,
+                                                                             message):
+    ckpt = shutil.copytree(medusa_ckpt, tmp_path / "ckpt")
+    table = (ckpt / "heads_accuracy.json").read_text()
+    with pytest.raises(SystemExit) as exc:
+        measure.main(["--ckpt", str(ckpt), "--prompts", "4", "--max-new-tokens", "8", "--device", "cpu", *flags])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.startswith("python -m medusa_mini.cli.measure: error: ") and message in err
+    assert err.count("\n") == 1 and (ckpt / "heads_accuracy.json").read_text() == table
+
+
+@pytest.mark.parametrize("command, hint", [
+    (lambda d: measure.main(["--ckpt", d, "--max-new-tokens", "8", "--device", "cpu"]), "train_tiny.py writes it"),
+    (lambda d: sweep.main(["--ckpt", d, *FAST]), "train_tiny.py writes it"),
+    (lambda d: decode.main(["--ckpt", d, "--max-new-tokens", "4", "--device", "cpu"]), "--prompt TEXT"),
+], ids=["measure", "sweep", "decode"])
+def test_a_missing_prompts_json_says_how_to_give_prompts_the_way_each_command_takes_them(
+        medusa_ckpt, tmp_path, capsys, command, hint):
+    ckpt = shutil.copytree(medusa_ckpt, tmp_path / "ckpt")
+    (ckpt / "prompts.json").unlink()
+    with pytest.raises(SystemExit) as exc:
+        command(str(ckpt))
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.count("\n") == 1 and "prompts.json is missing" in err and hint in err
+    assert ("--prompt" in err) == (hint == "--prompt TEXT")  # only decode.py has --prompt

@@ -1,5 +1,7 @@
 """cli/plots.py: PNG figures from benchmark rows; matplotlib optional, imported only when drawing."""
 
+import contextlib
+import os
 import subprocess
 import sys
 
@@ -45,10 +47,14 @@ def test_each_plot_draws_every_series_in_its_own_colour(tmp_path, draw, colours)
     assert_png(out, colours=colours)
 
 
-def test_without_matplotlib_every_plot_says_how_to_install_it_in_one_line(tmp_path, monkeypatch):
+def hide_matplotlib(monkeypatch) -> None:
     for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
         monkeypatch.delitem(sys.modules, name)
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib...` now raises ImportError
+
+
+def test_without_matplotlib_every_plot_says_how_to_install_it_in_one_line(tmp_path, monkeypatch):
+    hide_matplotlib(monkeypatch)
     for draw in (lambda: plots.check_plot_path(str(tmp_path / "p.png")),
                  lambda: plot_batch(batch_rows(), str(tmp_path / "b.png"), title="b"),
                  lambda: plot_node_sweep([("s", sweep_rows(0.5))], str(tmp_path / "s.png"), title="s")):
@@ -64,3 +70,46 @@ def test_importing_decode_and_the_plots_module_does_not_import_matplotlib():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True,
                          timeout=120).stdout
     assert out.strip() == "[]"
+
+
+@pytest.mark.parametrize("with_matplotlib", [True, False])
+@pytest.mark.parametrize("name, message", [
+    ("", "--plot needs a file name"), (".", "is a folder"), ("folder", "is a folder"),  # savefig: folder.png
+    ("plot.txt", "end the name in .png"), ("plot", "end the name in .png"),  # savefig: unknown format; plot.png
+    ("missing/plot.png", "its folder does not exist"),
+])
+def test_check_plot_path_refuses_a_path_savefig_would_not_write_as_named_with_or_without_matplotlib(
+        tmp_path, monkeypatch, with_matplotlib, name, message):
+    (tmp_path / "folder").mkdir()
+    monkeypatch.chdir(tmp_path)
+    if not with_matplotlib:  # the path is judged without it: its own error first
+        hide_matplotlib(monkeypatch)
+    with pytest.raises(ValueError, match=message) as exc:
+        plots.check_plot_path(name)
+    assert "\n" not in str(exc.value) and sorted(os.listdir(tmp_path)) == ["folder"]
+
+
+def test_every_format_the_check_accepts_is_one_matplotlib_writes_and_the_file_is_written_in_it(tmp_path):
+    canvas = pytest.importorskip("matplotlib.backends.backend_agg")
+    figure = pytest.importorskip("matplotlib.figure")
+    assert set(plots.FORMATS) <= set(canvas.FigureCanvasAgg(figure.Figure()).get_supported_filetypes())
+    for name in ("b.SVG", "b.pdf", "b.png"):
+        plots.check_plot_path(str(tmp_path / name))
+        assert plot_batch(batch_rows(), str(tmp_path / name), title="b") == str(tmp_path / name)
+    heads = {p.name: p.read_bytes()[:5] for p in tmp_path.iterdir()}
+    assert heads == {"b.SVG": b"<?xml", "b.pdf": b"%PDF-", "b.png": b"\x89PNG\r"}  # only these: no temporary
+
+
+def test_a_figure_that_fails_to_render_leaves_the_older_file_as_it_was(tmp_path, monkeypatch):
+    figure = pytest.importorskip("matplotlib.figure")
+    out = tmp_path / "b.png"
+    out.write_bytes(b"an older figure")
+
+    def fail_halfway(self, file, *args, **kwargs):  # savefig writes as it renders: a half-written figure
+        with open(file, "wb") if isinstance(file, (str, os.PathLike)) else contextlib.nullcontext(file) as f:
+            f.write(b"half a figure")
+        raise RuntimeError("cannot render")
+    monkeypatch.setattr(figure.Figure, "savefig", fail_halfway)
+    with pytest.raises(RuntimeError, match="cannot render"):
+        plot_batch(batch_rows(), str(out), title="b")
+    assert out.read_bytes() == b"an older figure" and os.listdir(tmp_path) == ["b.png"]
