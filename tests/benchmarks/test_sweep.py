@@ -43,6 +43,9 @@ def test_every_rule_and_budget_is_a_row_against_the_plain_decoder_of_its_tempera
         assert 1 <= r["tokens_per_step"] <= r["verified_nodes"] + 1 and 1 <= r["verified_nodes"] <= r["nodes"]
     for r in (r for r in rows if r["temperature"] == 0):  # lossless: heads and prompt lookup alike
         assert r["same_as_plain_greedy"] == 2
+    plain = {p["temperature"]: p["tokens_per_s"] for p in result["plain"].values()}
+    assert len(set(plain.values())) == 2  # two baselines, and each row is set against its own
+    assert all(r["speedup"] == pytest.approx(r["tokens_per_s"] / plain[r["temperature"]]) for r in rows)
     for r in rows:  # the product rule's estimate beside the heads' greedy rows only
         tree = build_tree(acc, r["nodes"])[0]
         assert r["expected_tokens_per_step"] == (pytest.approx(expected_tokens_per_step(acc, tree))
