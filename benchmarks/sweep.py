@@ -107,7 +107,8 @@ def format_sweep(result: dict) -> str:
         lines += [f"  budget {r['nodes']} verifies {r['verified_nodes']} nodes (the table offers no more)"
                   for r in rows if r["verified_nodes"] < r["nodes"]]
     if "greedy" in result["rules"]:
-        lines.append("\nexpected: the product rule on heads_accuracy.json (tree.expected_tokens_per_step)")
+        lines.append("\nexpected: the product rule on heads_accuracy.json (tree.expected_tokens_per_step), measured "
+                     "over the checkpoint's own draft vocabulary: the same estimate under every --draft-vocab")
     return "\n".join(lines)
 
 
