@@ -67,17 +67,16 @@ class KVCache:
 def compact_kv_cache(cache: KVCache, keep: torch.Tensor, *, start: torch.Tensor, count: torch.Tensor) -> None:
     """Keep only the accepted path (paper §2.1.2): in row b, copy slots keep[b] [A] to [start[b], start[b] + A)
     and set its length to start[b] + count[b]. A static-shape step always copies A = D + 1 slots: those
-    past a row's count are padding, stale like every slot after its length. `gather` copies first, so
-    the ranges may overlap."""
+    past a row's count are padding, stale like every slot after its length. The read makes a copy
+    before the write, so the ranges may overlap; the write is an index_put_, which a compiler keeps in
+    place (a scatter_ it would apply to a copy of the whole cache)."""
     B, A = keep.shape
-    k0 = cache.k[0]
-    shape = (B, k0.shape[1], A, k0.shape[-1])  # [B, nh, A, hs]: every layer's keys and values alike
-    src = keep[:, None, :, None].expand(shape)
-    dest = (start[:, None] + torch.arange(A, device=keep.device))[:, None, :, None].expand(shape)
+    rows = torch.arange(B, device=keep.device)[:, None].expand(B, A)  # [B, A]
+    dest = start[:, None] + torch.arange(A, device=keep.device)  # [B, A]
     for t in cache.k + cache.v:  # [B, nh, max_len, hs]
-        # As 16-bit integers: a half-precision gather and scatter cost many times an integer one on a CPU.
+        # As 16-bit integers: half-precision indexing costs many times an integer one on a CPU.
         bits = t.view(torch.int16) if t.element_size() == 2 else t
-        bits.scatter_(2, dest, bits.gather(2, src))
+        bits[rows, :, dest] = bits[rows, :, keep]  # [B, A, nh, hs]
     cache.length_buffer.copy_(start + count)  # in place, as a compiled step must
 
 
@@ -99,7 +98,7 @@ class CausalSelfAttention(nn.Module):
         x: torch.Tensor,
         *,
         layer_kv: tuple[torch.Tensor, torch.Tensor] | None,
-        write_at: torch.Tensor | None,
+        write_at: tuple[torch.Tensor, torch.Tensor] | None,
         attn_mask: torch.Tensor | None,
         attended: int | None = None,
     ) -> torch.Tensor:
@@ -107,16 +106,19 @@ class CausalSelfAttention(nn.Module):
         hs = C // self.n_head
         q, k, v = self.c_attn(x).split(C, dim=2)  # 3 x [B, T, C]
         q = q.view(B, T, self.n_head, hs).transpose(1, 2)  # [B, nh, T, hs]
-        k = k.view(B, T, self.n_head, hs).transpose(1, 2)  # [B, nh, T, hs]
-        v = v.view(B, T, self.n_head, hs).transpose(1, 2)  # [B, nh, T, hs]
+        k = k.view(B, T, self.n_head, hs)  # [B, T, nh, hs]
+        v = v.view(B, T, self.n_head, hs)  # [B, T, nh, hs]
         if layer_kv is not None:
             # layer_kv: keys and values [B, nh, max_len, hs] each, written in place at each row's slots
-            # (write_at [B, nh, T, hs]: no torch.cat, no Python-int slice); attention reads the first
-            # `attended` slots.
+            # (write_at: rows and slots, [B, T] each: no torch.cat, no Python-int slice; an index_put_,
+            # which a compiler keeps in place, where it copies a scatter_'s whole target); attention
+            # reads the first `attended` slots.
             k_cache, v_cache = layer_kv
-            k_cache.scatter_(2, write_at, k)
-            v_cache.scatter_(2, write_at, v)
+            k_cache[write_at[0], :, write_at[1]] = k  # [B, T, nh, hs] into [B, nh, max_len, hs]
+            v_cache[write_at[0], :, write_at[1]] = v
             k, v = k_cache[:, :, :attended], v_cache[:, :, :attended]  # [B, nh, S, hs]
+        else:
+            k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, nh, T, hs]
         causal = attn_mask is None  # no cache and no mask: training's causal attention, SDPA's own
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=causal)  # [B, nh, T, hs]
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # [B, T, C]
@@ -228,12 +230,11 @@ class GPT(nn.Module):
         if cache is not None:
             if torch.is_grad_enabled():  # a cache holds values for decoding, never an autograd graph
                 raise RuntimeError("a forward with a KV cache decodes: run it under torch.no_grad()")
-            if T > cache.max_len:  # a fuller cache is caught by scatter_ (its lengths are on the device)
+            if T > cache.max_len:  # a fuller cache is caught by the write (its lengths are on the device)
                 raise ValueError(f"KV cache full: {T} tokens > max_len {cache.max_len}")
             lengths = cache.lengths  # [B]
             slots = lengths[:, None] + torch.arange(T, device=idx.device)  # [B, T]
-            hs = self.config.n_embd // self.config.n_head
-            write_at = slots[:, None, :, None].expand(B, self.config.n_head, T, hs)  # [B, nh, T, hs], every layer
+            write_at = (torch.arange(B, device=idx.device)[:, None].expand(B, T), slots)  # rows, slots: every layer
             new_mask = attn_mask if attn_mask is not None else causal_mask(T, device=idx.device)
             attended = cache.max_len if attended is None else min(attended, cache.max_len)
             attn_mask = cache_attention_mask(lengths, new_mask, max_len=attended)  # [B, T, S]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 from functools import partial
 
 import pytest
@@ -14,7 +15,7 @@ import decode
 from conftest import random_heads, tiny_model
 from medusa_mini.cli.compiled import StaticCaches, compile_steps, warm_up
 from medusa_mini.decoding import medusa_generate_batch
-from medusa_mini.step import Steps, verify
+from medusa_mini.step import Steps, greedy_verify, verify
 from medusa_mini.tree import Tree
 
 TREE = Tree.from_choices([(0,), (1,), (0, 0), (1, 0), (0, 0, 0)])
@@ -75,6 +76,22 @@ def warmed_up(seed: int, *, backend=None, kind: str = "medusa", rows: int = 1):
 
 
 @torch.no_grad()
+def test_the_warm_up_runs_every_shape_three_times_so_cuda_graphs_record_and_replay_before_any_timing():
+    """Under CUDA graphs a shape's first call runs eagerly, the second records, the third replays: a shape
+    called fewer times in the warm-up would be recorded inside the first timed generation."""
+    model, calls = tiny_model(0), []
+
+    def counting(name):
+        real = {"plain": Steps.plain, "verify": Steps.verify}.get(name)
+        return lambda *args, **kw: calls.append((name, args[2].shape)) or (real or greedy_verify)(*args, **kw)
+
+    steps = Steps(plain=counting("plain"), verify=counting("verify"), greedy_verify=counting("greedy"), static=True)
+    proposer = random_heads(model, seed=0).proposer(model, TREE)
+    warm_up(model, steps, StaticCaches(model), rows=2, plain=True, verify=[proposer], greedy=[proposer])
+    shapes = [(name, shape) for name, shape in dict.fromkeys(calls)]
+    assert len(shapes) == 1 + 2 * len(proposer.trees()) and all(calls.count(s) == 3 for s in shapes)
+
+
 def test_graph_replay_poisons_a_steps_outputs_when_a_step_runs_again():
     """What catches a decoding loop that reads a step's logits or hidden state after the next step."""
     model, _, steps, caches = warmed_up(7)
@@ -145,3 +162,31 @@ def test_decode_prints_the_eager_tokens_with_its_steps_replayed_as_cuda_graphs(c
         assert ("compiled the plain step and the verify steps in" in err) == compiling
     assert runs[0] == runs[1] and all(len(row) == 3 and len(row[1]) == 64 - 55 for row in runs[0])
     assert backend.graphs and len(backend.graphs) == after_warm_up[-1]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (shutil.which("c++") or shutil.which("g++")), reason="inductor needs a C++ compiler on a CPU")
+def test_inductor_writes_and_compacts_the_kv_cache_in_place_never_copying_it_whole(tmp_path, monkeypatch):
+    """A compiled step writes each new key into the cache where it lies; a scatter_ it would apply to a
+    copy of the whole cache tensor, then copy back: two full copies per layer and kind, every step. The
+    generated code must allocate no buffer of a cache tensor's shape."""
+    from torch._inductor.utils import run_and_get_code
+
+    from medusa_mini.model import KVCache, compact_kv_cache
+    from medusa_mini.step import plain_step
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # generate the code, not a cached copy
+    torch._dynamo.reset()
+    model = tiny_model(block_size=80).eval()
+    cache = KVCache(model.config, max_len=80)
+    cache.lengths = 5
+    whole = "empty_strided_cpu((1, 2, 80, 16)"  # [B, nh, max_len, hs]
+    with torch.no_grad():
+        _, code = run_and_get_code(torch.compile(plain_step, fullgraph=True), model, cache,
+                                   torch.zeros(1, 1, dtype=torch.long))
+        assert code and not any(whole in c for c in code)
+        keep, start, count = torch.tensor([[0, 2, 3]]), torch.tensor([5]), torch.tensor([3])
+        _, code = run_and_get_code(torch.compile(compact_kv_cache, fullgraph=True), cache, keep, start=start,
+                                   count=count)
+        assert code and not any(whole in c for c in code)
+    torch._dynamo.reset()
