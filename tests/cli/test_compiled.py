@@ -75,7 +75,6 @@ def warmed_up(seed: int, *, backend=None, kind: str = "medusa", rows: int = 1):
     return model, heads, steps, caches
 
 
-@torch.no_grad()
 def test_the_warm_up_runs_every_shape_three_times_so_cuda_graphs_record_and_replay_before_any_timing():
     """Under CUDA graphs a shape's first call runs eagerly, the second records, the third replays: a shape
     called fewer times in the warm-up would be recorded inside the first timed generation."""
@@ -92,6 +91,7 @@ def test_the_warm_up_runs_every_shape_three_times_so_cuda_graphs_record_and_repl
     assert len(shapes) == 1 + 2 * len(proposer.trees()) and all(calls.count(s) == 3 for s in shapes)
 
 
+@torch.no_grad()
 def test_graph_replay_poisons_a_steps_outputs_when_a_step_runs_again():
     """What catches a decoding loop that reads a step's logits or hidden state after the next step."""
     model, _, steps, caches = warmed_up(7)
