@@ -47,6 +47,21 @@ def test_compiled_steps_are_measured_like_eager_ones():
     assert all(t > 0 for info in r["medusa"].values() for t in info["stages_ms"].values())
 
 
+def test_each_figure_is_the_median_of_the_timed_rounds_the_warm_up_rounds_left_out(monkeypatch):
+    """Fake clock: warm-up rounds take 9 s, the timed ones 1, 2 and 30 ms; every figure must be 2 ms."""
+    real = bench_step.in_turns
+
+    def fake_in_turns(calls, *, rounds, device, before_each=None):
+        out = real(calls, rounds=rounds, device=device, before_each=before_each)  # the results, really run
+        seconds = [9.0] * (rounds - 3) + [0.001, 0.030, 0.002]
+        return {key: [(result, s) for (result, _), s in zip(runs, seconds)] for key, runs in out.items()}
+
+    monkeypatch.setattr(bench_step, "in_turns", fake_in_turns)
+    r = bench_config(SMALL, device=torch.device("cpu"), repeat=3, warmup=2, prefix_len=8, nodes=(1, 4))
+    figures = [r["plain_ms"], *r["verify_ms"].values(), *(t for m in r["medusa"].values() for t in m["stages_ms"].values())]
+    assert figures and all(t == pytest.approx(2.0) for t in figures)
+
+
 @pytest.mark.parametrize("argv, needle", [
     (["--configs", "gpt5"], "--configs"), (["--device", "tpu"], "unknown device"), (["--prefix", "0"], "--prefix"),
     (["--configs", "tiny", "--prefix", "100000"], "--prefix"), (["--threads", "0"], "--threads"),
