@@ -166,10 +166,12 @@ def test_decode_prints_the_eager_tokens_with_its_steps_replayed_as_cuda_graphs(c
 
 @pytest.mark.slow
 @pytest.mark.skipif(not (shutil.which("c++") or shutil.which("g++")), reason="inductor needs a C++ compiler on a CPU")
-def test_inductor_writes_and_compacts_the_kv_cache_in_place_never_copying_it_whole(tmp_path, monkeypatch):
-    """A compiled step writes each new key into the cache where it lies; a scatter_ it would apply to a
-    copy of the whole cache tensor, then copy back: two full copies per layer and kind, every step. The
-    generated code must allocate no buffer of a cache tensor's shape."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_inductor_writes_and_compacts_the_kv_cache_in_place_never_copying_it_whole(tmp_path, monkeypatch, dtype):
+    """A compiled step writes each new key into the cache where it lies and keeps the path as the eager one
+    does, bit for bit: a scatter_ inductor applies to a copy of the whole cache tensor, then copies back (two full copies per
+    layer and kind, every step); an index_put_ through an int16 view of a half-precision cache it writes
+    back as converted numbers. The generated code must allocate no buffer of a cache tensor's shape."""
     from torch._inductor.utils import run_and_get_code
 
     from medusa_mini.model import KVCache, compact_kv_cache
@@ -177,16 +179,25 @@ def test_inductor_writes_and_compacts_the_kv_cache_in_place_never_copying_it_who
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # generate the code, not a cached copy
     torch._dynamo.reset()
-    model = tiny_model(block_size=80).eval()
-    cache = KVCache(model.config, max_len=80)
-    cache.lengths = 5
-    whole = "empty_strided_cpu((1, 2, 80, 16)"  # [B, nh, max_len, hs]
+    model = tiny_model(block_size=80).to(dtype).eval()
+    eager, compiled = (KVCache(model.config, batch_size=2, max_len=80, dtype=dtype) for _ in range(2))
+    for cache in (eager, compiled):
+        cache.lengths = torch.tensor([5, 9])
+    whole = "empty_strided_cpu((2, 2, 80, 16)"  # [B, nh, max_len, hs]
+    tokens = torch.tensor([[3, 1, 4], [1, 5, 9]])
+    # Row b's accepted slots from start[b], and where they go: [start[b], start[b] + 3), overlapping them.
+    keep, start, count = torch.tensor([[5, 7, 8], [9, 10, 12]]), torch.tensor([5, 9]), torch.tensor([2, 3])
     with torch.no_grad():
-        _, code = run_and_get_code(torch.compile(plain_step, fullgraph=True), model, cache,
-                                   torch.zeros(1, 1, dtype=torch.long))
+        plain_step(model, eager, tokens)
+        _, code = run_and_get_code(torch.compile(plain_step, fullgraph=True), model, compiled, tokens)
         assert code and not any(whole in c for c in code)
-        keep, start, count = torch.tensor([[0, 2, 3]]), torch.tensor([5]), torch.tensor([3])
-        _, code = run_and_get_code(torch.compile(compact_kv_cache, fullgraph=True), cache, keep, start=start,
+        for a, b in zip(eager.k + eager.v, compiled.k + compiled.v):  # the same values: compaction only moves them
+            a.copy_(torch.randn(a.shape, generator=torch.Generator().manual_seed(0)))
+            b.copy_(a)
+        compact_kv_cache(eager, keep, start=start, count=count)
+        _, code = run_and_get_code(torch.compile(compact_kv_cache, fullgraph=True), compiled, keep, start=start,
                                    count=count)
         assert code and not any(whole in c for c in code)
+    for a, b in zip(eager.k + eager.v + [eager.length_buffer], compiled.k + compiled.v + [compiled.length_buffer]):
+        assert torch.equal(a, b)
     torch._dynamo.reset()
