@@ -131,7 +131,7 @@ def prepare(a: argparse.Namespace):
     choice = None if ck.heads is None else resolve_tree(
         a.tree or ("cpu" if a.demo else None), num_heads=ck.heads.num_heads, ckpt_dir="" if a.demo else a.ckpt,
         device=device)
-    if choice is not None:
+    if choice is not None and (a.method != "plain" or a.compare or a.explain or a.show):
         ck.heads.proposer(ck.model, choice.tree)  # a tree the heads cannot fill fails here, before any output
     prompts = []
     for i, text in enumerate(texts, start=1):

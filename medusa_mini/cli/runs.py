@@ -57,12 +57,13 @@ class Engine:
     caches: StaticCaches | None = None
 
 
-def stop_reason(ck: Checkpoint, prompt: list[int], tokens: list[int], *, stop_at_eot: bool) -> str:
+def stop_reason(ck: Checkpoint, prompt: list[int], tokens: list[int], *, stop_at_eot: bool, max_new_tokens: int) -> str:
     """Why a generation of `tokens` after `prompt` ended, as the engine's loops say it (the reference's
-    loop returns only its tokens): an end token, a full context, or the token budget."""
+    loop returns only its tokens): an end token, else the token budget if it fits the context (one that
+    ends exactly at the context's end included), else the context."""
     if stop_at_eot and tokens and tokens[-1] == ck.eot_id:
         return "eos"
-    return "context" if len(prompt) + len(tokens) >= ck.block_size else "max_new_tokens"
+    return "max_new_tokens" if len(prompt) + max_new_tokens <= ck.block_size else "context"
 
 
 def decode(engine: Engine, method: Method, prompts: list[list[int]], *, seed: int, max_new_tokens: int,
@@ -77,7 +78,8 @@ def decode(engine: Engine, method: Method, prompts: list[list[int]], *, seed: in
             on_step(b, tokens)
         # The engine's statistics; the reference counts passes, its tokens come in one.
         return [(tokens, GenerationStats(len(ids), steps, [len(tokens) - 1] if steps else [],
-                                         stop_reason=stop_reason(ck, ids, tokens, stop_at_eot=stop_at_eot)))
+                                         stop_reason=stop_reason(ck, ids, tokens, stop_at_eot=stop_at_eot,
+                                                                 max_new_tokens=max_new_tokens)))
                 for ids, (tokens, steps) in zip(prompts, out)]
     kw.update(on_step=on_step, steps=engine.steps, cache=engine.caches)  # the loop asks for its size
     if method.drafter is None:

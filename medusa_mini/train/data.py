@@ -65,16 +65,18 @@ def default_corpus_files(*, max_bytes: int = 3_000_000) -> list[pathlib.Path]:
 def load_corpus(path: str | os.PathLike[str] | None = None, *, max_bytes: int = 3_000_000,
                 skip: str | os.PathLike[str] | None = None) -> list[Document]:
     """Documents ``(name, text)``, named by path: from the standard library capped at ``max_bytes`` (path
-    None), a UTF-8 file, or a folder's UTF-8 text files (recursively, sorted, hidden ones and those under
-    the folder ``skip`` left out: a run's own output is not text to learn from). User data is used
-    whole. ValueError when there is no text."""
+    None), a UTF-8 file, or a folder's UTF-8 text files (recursively, sorted; left out: hidden ones, the
+    folder ``skip`` and every checkpoint folder, one holding model.safetensors: a run's output is not
+    text to learn from, and a resumed run must read what it began with). User data is used whole.
+    ValueError when there is no text."""
     if path is None:
         root, files = STDLIB, default_corpus_files(max_bytes=max_bytes)
     elif (root := pathlib.Path(path)).is_dir():
-        skipped = pathlib.Path(skip).resolve() if skip is not None else None
+        skipped = [p.parent.resolve() for p in root.rglob("model.safetensors")]
+        skipped += [pathlib.Path(skip).resolve()] if skip is not None else []
         files = sorted(p for p in root.rglob("*") if p.is_file()
                        and not any(part.startswith(".") for part in p.relative_to(root).parts)
-                       and not (skipped and p.resolve().is_relative_to(skipped)))
+                       and not any(p.resolve().is_relative_to(folder) for folder in skipped))
     elif root.is_file():
         root, files = root.parent, [root]
     else:

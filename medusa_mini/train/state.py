@@ -77,7 +77,10 @@ class Run:
         if diff or state.get("world", 1) != self.world:
             raise TrainError(f"--resume with a different configuration ({', '.join(diff or ['number of processes'])});"
                              " use the original flags")
-        if state.get("data") != self.data_digest:
+        if "data" not in state:
+            raise TrainError("--resume: this run was saved by an older train_tiny.py, which kept no digest of its "
+                             "text; resume it with that version, or start a new run without --resume")
+        if state["data"] != self.data_digest:
             raise TrainError("--resume: the text under --data is not the text this run began with; restore it, "
                              "or start a new run without --resume")
         return state

@@ -75,6 +75,13 @@ def test_show_brackets_each_step_and_joins_to_the_plain_text(ckpt, capsys):
     assert shown.count("[") == medusa["steps"] + 1  # the prefill's token, then one chunk per step
 
 
+def test_plain_decoding_never_asks_the_heads_to_fill_a_tree(ckpt, capsys, tmp_path):
+    (tmp_path / "wide.json").write_text("[[100000]]")  # a rank past the draft vocabulary: Medusa refuses it
+    out = run(capsys, "--ckpt", ckpt, "--method", "plain", "--tree", str(tmp_path / "wide.json"), "--max-new-tokens",
+              "4", "--num-prompts", "1")
+    assert "plain greedy" in out
+
+
 def test_plain_decoding_needs_no_heads(ckpt_no_heads, capsys):
     out = run(capsys, "--ckpt", ckpt_no_heads, "--method", "plain", "--max-new-tokens", "5", "--num-prompts", "1")
     assert "plain greedy" in out and "1.00 tokens/step" in out
@@ -86,6 +93,9 @@ def test_generation_stops_cleanly_at_the_context_limit(ckpt, capsys):
     assert obj["stop_reason"] == "context" and obj["prompt_tokens"] + len(obj["tokens"]) == 64
     assert "stopped at the context limit" in run(capsys, *argv)
     assert "stopped at the context limit" in run(capsys, *argv, "--reference")
+    exact = argv[:-1] + ["9"]  # 55 + 9 = 64: a budget that ends with the context is what stopped it
+    assert [json.loads(run(capsys, *exact, "--json", *ref))["stop_reason"] for ref in ([], ["--reference"])] == [
+        "max_new_tokens", "max_new_tokens"]
 
 
 @pytest.mark.parametrize("rule", [["--method", "greedy"], ["--method", "typical"], ["--method", "rejection"]])

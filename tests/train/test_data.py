@@ -71,6 +71,13 @@ def test_a_folder_loads_its_text_files_sorted_and_recursively(tmp_path):
     (tmp_path / ".git").mkdir()
     (tmp_path / ".git" / "config").write_text("hidden\n")
     assert load_corpus(tmp_path) == [("a.md", "# a\n"), ("b.txt", "bee\n"), ("sub/a.py", "x = 1\n")]
+    for folder in ("out/smoke", "out/mine"):  # checkpoints, and the folder a run writes: not text to learn from
+        (tmp_path / folder).mkdir(parents=True)
+        (tmp_path / folder / "config.json").write_text("{}\n")
+    (tmp_path / "out/smoke/model.safetensors").write_bytes(b"\x00")
+    assert load_corpus(tmp_path, skip=tmp_path / "out/mine") == [
+        ("a.md", "# a\n"), ("b.txt", "bee\n"), ("sub/a.py", "x = 1\n")]
+    assert ("out/mine/config.json", "{}\n") in load_corpus(tmp_path)  # a folder without a checkpoint is text
 
 
 @pytest.mark.parametrize("file", [None, b"  \n", bytes(range(256)), "na\xefve caf\xe9".encode("latin-1")])

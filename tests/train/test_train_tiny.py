@@ -217,6 +217,11 @@ def test_resume_refuses_other_text_under_the_same_data_path_and_never_learns_fro
     assert train_tiny.main(FAST + ["--data", str(data), "--out", str(out), "--resume"]) == 2
     assert "the text under --data is not the text this run began with" in capsys.readouterr().err
     (data / "a.py").write_text(text)
+    saved = torch.load(out / "train_state.pt", weights_only=True)
+    torch.save({k: v for k, v in saved.items() if k != "data"}, out / "train_state.pt")  # as saved before digests
+    assert train_tiny.main(FAST + ["--data", str(data), "--out", str(out), "--resume"]) == 2
+    assert "saved by an older train_tiny.py" in capsys.readouterr().err
+    torch.save(saved, out / "train_state.pt")
     assert train_tiny.main(FAST + ["--data", str(data), "--out", str(out), "--resume"]) == 0
 
 
