@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 import decode
 from conftest import PROMPTS, ROOT, save_tiny
@@ -175,3 +176,19 @@ def test_bad_input_exits_2_with_one_line(argv, needle, ckpt, ckpt_no_heads, ckpt
     err = capsys.readouterr().err
     assert exc.value.code == 2 and err.startswith("decode.py: error: ") and err.count("\n") == 1, err
     assert needle in err, err
+
+
+@pytest.mark.parametrize("mode", [["--compare", "--json"], ["--explain", "--method", "rejection"]])
+def test_every_generator_decode_makes_lives_on_the_models_device(ckpt, capsys, monkeypatch, mode):
+    """On a GPU a CPU generator cannot draw for the device's tensors; on a CPU nothing would tell: each
+    generator must name its device, the model's."""
+    devices = []
+
+    class Recorded(torch.Generator):  # a real generator that notes the device it was asked for
+        def __new__(cls, *args, **kw):
+            devices.append(kw.get("device"))
+            return super().__new__(cls, *args, **kw)
+
+    monkeypatch.setattr(torch, "Generator", Recorded)
+    run(capsys, "--ckpt", ckpt, "--max-new-tokens", "4", "--num-prompts", "1", *mode)
+    assert devices and all(d == torch.device("cpu") for d in devices), devices
