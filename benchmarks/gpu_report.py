@@ -264,7 +264,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{part}] starting, budget {s.budget_s:.0f} s", file=sys.stderr, flush=True)
         (text, ok), seconds = timed("cpu", lambda: RUN_PART[part](s))  # the wall clock
         report += f"\n{text}\n\n_Part {part}: {seconds:.0f} s of its {s.budget_s:.0f} s budget._\n"
-        atomic_write_text(s.out, report)
+        try:
+            atomic_write_text(s.out, report)
+        except OSError as e:  # a full disk, say: the report as of the last part stays where it was
+            print(f"gpu_report.py: error: {s.out} could not be written after part {part} ({e.strerror}); "
+                  "it holds the parts before it", file=sys.stderr)
+            return 1
         print(f"[{part}] {'done' if ok else 'FAILED'} in {seconds:.0f} s", file=sys.stderr, flush=True)
         failed += [] if ok else [part]
     print(f"report: {s.out}" + (f"; failed: {', '.join(failed)}" if failed else ""), file=sys.stderr)

@@ -150,3 +150,22 @@ def test_an_existing_report_is_replaced_only_once_a_part_has_its_section(tmp_pat
     assert text.startswith("# an older report\n\n## What one step costs" if append else "# medusa_mini on CPU")
     assert "## Training" in text and text.count("Failed: exit status 1") == steps + 1
     assert [p.name for p in tmp_path.iterdir()] == ["r.md"]  # no temporary file left beside it
+
+
+def test_a_report_that_cannot_be_written_is_one_line_and_keeps_the_parts_before(tmp_path, capsys, monkeypatch):
+    out, writes = tmp_path / "r.md", []
+    real = gpu_report.atomic_write_text
+
+    def disk_full_on_the_second(path, text):  # the disk fills after the first part's section
+        writes.append(text)
+        if len(writes) == 2:
+            raise OSError(28, "No space left on device")
+        real(path, text)
+
+    faked(monkeypatch, lambda argv: (1, "boom\n", 1.0))
+    monkeypatch.setattr(gpu_report, "atomic_write_text", disk_full_on_the_second)
+    assert gpu_report.main(["--device", "cpu", "--quick", "--part", "step", "--part", "train", "--out", str(out),
+                            "--ckpt", str(tmp_path / "ckpt")]) == 1
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert err.startswith("gpu_report.py: error: ") and "after part train (No space left on device)" in err
+    assert out.read_text() == writes[0] and "## Training" not in writes[0]
