@@ -26,7 +26,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from typing import Callable
@@ -40,7 +39,7 @@ import torch  # noqa: E402
 from benchmarks import bench_step  # noqa: E402
 from benchmarks.bench_step import CONFIGS, names_of  # noqa: E402
 from medusa_mini.cli.common import OneLineParser, timed  # noqa: E402
-from medusa_mini.io.files import atomic_write_text  # noqa: E402
+from medusa_mini.io.files import atomic_write_text, check_writable  # noqa: E402
 from medusa_mini.train.device import DTYPES, pick_device  # noqa: E402
 
 PARTS = ("step", "train", "decode", "batch")
@@ -239,9 +238,8 @@ def check_out(path: str) -> None:
         raise ValueError(f"--out {path} is a folder; name a file in it, such as {os.path.join(path, 'gpu.md')}")
     if not os.path.isdir(folder):
         raise ValueError(f"--out {path}: its folder does not exist")
-    try:  # as the report will be: a new file there (os.access trusts root, whom a read-only mount refuses)
-        with tempfile.NamedTemporaryFile(dir=folder, prefix=".gpu_report.", suffix=".tmp"):
-            pass
+    try:
+        check_writable(folder)
     except OSError as e:
         raise ValueError(f"--out {path}: no file can be written in {folder} ({e.strerror})") from None
 

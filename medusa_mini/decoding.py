@@ -99,6 +99,12 @@ def prefill(model: GPT, ids: torch.Tensor, cache: KVCache, *, lengths: list[int]
     return logits[:, 0], hidden.gather(1, last[:, None, None].expand(B, 1, hidden.shape[-1]))[:, 0]
 
 
+def length_stop_reason(prompt_tokens: int, max_new_tokens: int, block_size: int) -> str:
+    """What stops a row that meets no end token: its token budget if prompt and budget fit the context (a
+    budget that ends exactly at the context's end included), else the context."""
+    return "max_new_tokens" if prompt_tokens + max_new_tokens <= block_size else "context"
+
+
 class Generations:
     """Each row's output, statistics and stop rule, kept on the host from the tokens each step reads."""
 
@@ -110,7 +116,7 @@ class Generations:
         block = model.config.block_size
         # Row b stops when prompt + output reach stop_at[b] tokens.
         self.stop_at = [min(len(p) + max_new_tokens, block) for p in self.prompts]
-        self.why = ["max_new_tokens" if len(p) + max_new_tokens <= block else "context" for p in self.prompts]
+        self.why = [length_stop_reason(len(p), max_new_tokens, block) for p in self.prompts]
         self.eos_id, self.on_step = eos_id, on_step
         self.out: list[list[int]] = [[] for _ in self.prompts]
         self.stats = [GenerationStats(prompt_tokens=len(p)) for p in self.prompts]

@@ -25,6 +25,25 @@ import torch
 Choice = tuple[int, ...]
 
 
+def choice_problem(choices: list[Choice] | tuple[Choice, ...], *, num_heads: int | None = None) -> str | None:
+    """The first thing wrong with a tree's choices, naming the choice: empty, a negative rank, deeper than
+    num_heads, a duplicate, a missing prefix (official Medusa fails later with an index error on the last
+    two); None if nothing is."""
+    seen: set[Choice] = set()
+    for c in choices:
+        if not c:
+            return "tree choice () is empty; the root is implicit, leave it out"
+        if min(c) < 0:
+            return f"tree choice {list(c)} has a negative rank"
+        if num_heads is not None and len(c) > num_heads:
+            return f"tree choice {list(c)} has depth {len(c)} but there are only {num_heads} heads"
+        if c in seen:
+            return f"tree choice {list(c)} appears twice"
+        seen.add(c)
+    return next((f"tree choice {list(c)} has no parent: add {list(c[:-1])}" for c in choices
+                 if len(c) > 1 and c[:-1] not in seen), None)
+
+
 @dataclass(frozen=True)
 class Tree:
     """A candidate tree, validated (`from_choices` also sorts). Node i > 0 corresponds to `choices[i - 1]`; node 0 is the root.
@@ -39,10 +58,9 @@ class Tree:
     def __post_init__(self) -> None:
         index = {c: i + 1 for i, c in enumerate(self.choices)}
         # The host lists below assume sorted, distinct, prefix-closed choices: `from_choices` makes them.
-        if list(self.choices) != sorted(index, key=lambda c: (len(c), c)) or any(
-                not c or min(c) < 0 or (len(c) > 1 and c[:-1] not in index) for c in self.choices):
-            raise ValueError("Tree(choices) takes choices sorted by depth then rank, each with its parent: "
-                             "make trees with Tree.from_choices")
+        unsorted = list(self.choices) != sorted(index, key=lambda c: (len(c), c))
+        if problem := choice_problem(self.choices) or (unsorted and "they are not sorted by depth then rank"):
+            raise ValueError(f"Tree(choices): {problem}; make trees with Tree.from_choices")
         parents = [-1] + [index.get(c[:-1], 0) for c in self.choices]
         children: list[list[int]] = [[] for _ in parents]
         for i, p in enumerate(parents[1:], start=1):
@@ -57,27 +75,14 @@ class Tree:
     def from_choices(choices, *, num_heads: int | None = None) -> "Tree":
         """Validate and sort choices (by depth, then rank) so parents always precede children.
 
-        Raises ValueError naming the offending choice: not a sequence of ints, a negative rank, a depth
-        > num_heads, a duplicate, or a missing prefix (official Medusa fails later with an index error
-        on the last two).
+        Raises ValueError naming the offending choice: not a sequence of ints, or `choice_problem`'s.
         """
-        parsed: dict[Choice, None] = {}  # in order, and a set
         for c in choices:
             if isinstance(c, int) or not all(isinstance(r, int) and not isinstance(r, bool) for r in c):
                 raise ValueError(f"tree choice {c!r} must be a list of integer ranks, e.g. [0, 1]")
-            c = tuple(c)
-            if len(c) == 0:
-                raise ValueError("tree choice () is empty; the root is implicit, leave it out")
-            if any(r < 0 for r in c):
-                raise ValueError(f"tree choice {list(c)} has a negative rank")
-            if num_heads is not None and len(c) > num_heads:
-                raise ValueError(f"tree choice {list(c)} has depth {len(c)} but there are only {num_heads} heads")
-            if c in parsed:
-                raise ValueError(f"tree choice {list(c)} appears twice")
-            parsed[c] = None
-        for c in parsed:
-            if len(c) > 1 and c[:-1] not in parsed:
-                raise ValueError(f"tree choice {list(c)} has no parent: add {list(c[:-1])}")
+        parsed = [tuple(c) for c in choices]
+        if problem := choice_problem(parsed, num_heads=num_heads):
+            raise ValueError(problem)
         return Tree(tuple(sorted(parsed, key=lambda c: (len(c), c))))
 
     @property

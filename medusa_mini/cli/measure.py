@@ -9,8 +9,8 @@ from __future__ import annotations
 import math
 import os
 import sys
-import tempfile
 
+from ..io.files import check_writable
 from ..io.loading import PROMPTS_FILE, load_for_decoding, prompt_ids
 from ..sampling import SAMPLING_TEMPERATURE
 from ..train.device import pick_device
@@ -51,9 +51,8 @@ def main(argv: list[str] | None = None) -> int:
         if ck.heads is None:
             raise ValueError(f"checkpoint {a.ckpt} has no Medusa heads; train heads first")
         prompts = prompt_ids(ck, count=a.prompts, max_new_tokens=a.max_new_tokens)
-        try:  # as save_accuracy will: a new file there (os.access trusts root, whom a read-only mount refuses)
-            with tempfile.NamedTemporaryFile(dir=a.ckpt, prefix=f".{ACCURACY_FILE}.", suffix=".tmp"):
-                pass
+        try:
+            check_writable(a.ckpt)  # as save_accuracy will need, before the measuring
         except OSError as e:
             raise ValueError(f"{ACCURACY_FILE} cannot be written in {a.ckpt} ({e.strerror})") from None
     except (ValueError, OSError) as e:

@@ -12,7 +12,7 @@ import dataclasses
 import torch
 
 from .. import reference
-from ..decoding import GenerationStats, generate_batch, medusa_generate_batch
+from ..decoding import GenerationStats, generate_batch, length_stop_reason, medusa_generate_batch
 from ..io.loading import Checkpoint
 from ..proposal import PromptLookup
 from ..sampling import Sampling
@@ -59,11 +59,10 @@ class Engine:
 
 def stop_reason(ck: Checkpoint, prompt: list[int], tokens: list[int], *, stop_at_eot: bool, max_new_tokens: int) -> str:
     """Why a generation of `tokens` after `prompt` ended, as the engine's loops say it (the reference's
-    loop returns only its tokens): an end token, else the token budget if it fits the context (one that
-    ends exactly at the context's end included), else the context."""
+    loop returns only its tokens): an end token, else `length_stop_reason`."""
     if stop_at_eot and tokens and tokens[-1] == ck.eot_id:
         return "eos"
-    return "max_new_tokens" if len(prompt) + max_new_tokens <= ck.block_size else "context"
+    return length_stop_reason(len(prompt), max_new_tokens, ck.block_size)
 
 
 def decode(engine: Engine, method: Method, prompts: list[list[int]], *, seed: int, max_new_tokens: int,

@@ -28,6 +28,13 @@ def fsync_dir(folder: str) -> None:
             os.close(fd)
 
 
+def check_writable(folder: str | os.PathLike) -> None:
+    """An OSError now, not after a long run, unless a new file can be made in `folder`, as an atomic write
+    makes its temporary sibling (os.access trusts root, whom a read-only mount still refuses)."""
+    with tempfile.NamedTemporaryFile(dir=folder, prefix=".writable.", suffix=".tmp"):
+        pass
+
+
 def atomic_write_files(files: dict[str, Writer]) -> None:
     """Write each file into a temporary sibling, then rename them into place in order; if anything raises,
     the files already replaced get their old bytes back: the old set stays. Each rename is atomic, the set
