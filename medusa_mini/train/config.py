@@ -112,9 +112,11 @@ PRESETS: dict[str, dict] = {
     # two CPU cores; a draft vocabulary of a quarter of the tokens measured fastest, and twice the heads'
     # distilled text and steps of before took greedy tokens/step from 3.60 to 3.91 for 4 minutes (BENCHMARKS.md)
     "cpu": dict(),
-    # one GPU; the whole standard library (~11 MB), so 4000 steps x 16K tokens pass over it ~20 times, not ~85
+    # one GPU; the whole standard library (~11 MB): 1200 steps x 16K tokens pass over it ~6 times. 4000 (~20
+    # passes) overfit it on an H100: validation loss 2.87 at step 1250, 3.62 at 4000, and greedy tokens/step
+    # 1.87 against 3.14 after 1200 steps (BENCHMARKS.md)
     "gpu": dict(max_bytes=16_000_000, eval_every=250, vocab_size=4096, n_layer=8, n_head=8, n_embd=512,
-                batch_size=64, backbone_steps=4000, lr=6e-4, distill_prompts=4096, distill_tokens=128,
+                batch_size=64, backbone_steps=1200, lr=6e-4, distill_prompts=4096, distill_tokens=128,
                 heads_steps=1500, heads_batch_size=128, eval_prompts=32, draft_vocab=1024),
     # --init gpt2...: heads only on a frozen GPT-2, sized for one GPU or a CPU
     # (4,096 of GPT-2's 50,257 tokens: the heads then cost under a tenth of a plain step, bench_step.py)
