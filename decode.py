@@ -164,13 +164,13 @@ def compiled(engine: Engine, methods: list[Method], a: argparse.Namespace, promp
     engine.steps, engine.caches = compile_steps(engine.ck.model.device), StaticCaches(engine.ck.model)
     model, drafted = engine.ck.model, [m for m in methods if m.drafter and not m.reference]
 
-    def proposers(greedy: bool) -> list:  # what fills each tree (prompt lookup: a chain)
-        return [m.drafter.proposer(model, m.tree) for m in drafted if m.sampling.greedy == greedy]
+    # what fills each tree (prompt lookup: a chain), under which rule
+    proposers = [(m.drafter.proposer(model, m.tree), m.sampling) for m in drafted]
 
     n = max(max(a.batch_sizes), prompts) if a.batch_table else prompts  # the batch table cycles the prompts
     rows = {r for B in a.batch_sizes for r in (min(B, n), n % B)} - {0}  # B at a time: the last batch is smaller
     seconds = sum(warm_up(model, engine.steps, engine.caches, rows=b, plain=any(m.drafter is None for m in methods),
-                          verify=proposers(False), greedy=proposers(True)) for b in rows)
+                          proposers=proposers) for b in rows)
     print(f"compiled the plain step and the verify steps in {seconds:.1f} s (not in any timing)", file=sys.stderr)
     return seconds
 

@@ -36,7 +36,7 @@ from medusa_mini.heads import DraftHeads, HeadsConfig, make_heads  # noqa: E402
 from medusa_mini.io.gpt2 import GPT2_CONFIGS  # noqa: E402
 from medusa_mini.model import GPT, GPTConfig, KVCache  # noqa: E402
 from medusa_mini.sampling import Sampling  # noqa: E402
-from medusa_mini.step import EAGER, Steps, greedy_verify, medusa_step, read_step, usable_nodes  # noqa: E402
+from medusa_mini.step import EAGER, Steps, medusa_step, read_step, usable_nodes, verify_and_accept  # noqa: E402
 from medusa_mini.train.device import DTYPES, pick_device, pick_dtype  # noqa: E402
 from medusa_mini.tree import Tree, build_tree, preset  # noqa: E402
 
@@ -117,10 +117,10 @@ def tree_stages(model: GPT, cache: KVCache, heads: DraftHeads, tree: Tree, root:
     verify = partial(steps.verify, model, cache, proposal.tokens, depths=t.depths, ancestor_mask=t.ancestor_mask,
                      attended=attended)
     usable = usable_nodes(tree, start, torch.full_like(start, model.config.block_size))  # [1, N]
-    # Compiled, the greedy verify also drafts the next tree (the heads in its graph), and a decoding loop's
+    # Compiled, the greedy verify (`verify_and_accept`) also drafts the next tree (the heads in its graph), and a decoding loop's
     # step takes the tree the step before drafted: the whole step then has no eager heads.
-    drafts = steps.greedy_verify is not None
-    greedy = partial(steps.greedy_verify or greedy_verify, model, cache, proposal.tokens, tree=t, usable=usable,
+    drafts = steps.verify_and_accept is not None
+    greedy = partial(steps.verify_and_accept or verify_and_accept, model, cache, proposal.tokens, tree=t, usable=usable,
                      attended=attended, heads=proposer.heads if drafts else None)
     accepted = Accepted(*(x.clone() for x in greedy()[0]))  # out of a captured graph's buffers: the next
     return {"heads": propose, "verify": verify, "greedy verify": greedy,  # call reuses them

@@ -23,7 +23,7 @@ from typing import NamedTuple
 import torch
 
 from .proposal import Proposal
-from .sampling import Sampling, draw, try_children, typical_threshold
+from .sampling import Sampling, draw, inverse_cdf, try_children, typical_threshold
 from .tree import TreeTensors
 
 
@@ -74,8 +74,10 @@ def greedy_accept_paths(tree: TreeTensors, tokens: torch.Tensor, logits: torch.T
 
 
 def typical_accept_paths(tree: TreeTensors, tokens: torch.Tensor, logits: torch.Tensor, *, sampling: Sampling,
-                         generator: torch.Generator | None, usable: torch.Tensor | None = None) -> Accepted:
-    """`reference.typical_accept` for B rows, on the device, with the same draws.
+                         u: torch.Tensor, usable: torch.Tensor | None = None) -> Accepted:
+    """`reference.typical_accept` for B rows, on the device, with the same draws: u [B] are the uniforms
+    of the bonus draws (`typical_uniforms`), drawn before, so the rule holds no generator and a compiler
+    captures it whole (`step.verify_and_accept`).
 
     Among the accepted nodes the winner is the walk's: the deepest, then the larger sum of log p along
     its path (added parent first in float64, in the walk's order, so equal sums are equal here too),
@@ -100,7 +102,12 @@ def typical_accept_paths(tree: TreeTensors, tokens: torch.Tensor, logits: torch.
     top &= best_score == best_score.max(dim=-1, keepdim=True).values
     last = torch.where(top, torch.arange(N, device=logits.device), N).min(dim=-1).values  # [B]
     at_last = p.gather(1, last[:, None, None].expand(B, 1, V))[:, 0]  # [B, V]
-    return Accepted(nodes=tree.node_paths[last], count=tree.depths[last], bonus=draw(at_last, generator))
+    return Accepted(nodes=tree.node_paths[last], count=tree.depths[last], bonus=inverse_cdf(at_last, u))
+
+
+def typical_uniforms(rows: int, generator: torch.Generator | None, *, device: torch.device | str) -> torch.Tensor:
+    """The uniforms [rows] of a typical step's bonus draws: what `draw` would take from the generator."""
+    return torch.rand(rows, generator=generator, device=device)
 
 
 def rejection_accept_topk(tree: TreeTensors, tokens: torch.Tensor, logits: torch.Tensor, *, sampling: Sampling,
@@ -151,7 +158,8 @@ def accept_paths(proposal: Proposal, logits: torch.Tensor, *, sampling: Sampling
     if sampling.acceptance == "greedy":
         return greedy_accept_paths(tree, tokens, logits, usable=usable)
     if sampling.acceptance == "typical":
-        return typical_accept_paths(tree, tokens, logits, sampling=sampling, generator=generator, usable=usable)
+        u = typical_uniforms(logits.shape[0], generator, device=logits.device)
+        return typical_accept_paths(tree, tokens, logits, sampling=sampling, u=u, usable=usable)
     if proposal.draft is None:
         return rejection_accept_topk(tree, tokens, logits, sampling=sampling, generator=generator, usable=usable)
     return rejection_accept_drawn(proposal, logits, sampling=sampling, generator=generator, usable=usable)

@@ -177,7 +177,7 @@ class MedusaHeads(DraftHeads):
     def draft_greedily(self, model: nn.Module, roots: torch.Tensor, hidden: torch.Tensor, tree: TreeTensors
                        ) -> torch.Tensor:
         """The proposer's top-k tree, roots [B], hidden [B, C] -> tokens [B, N], as one pure function, so
-        a compiled greedy step drafts the next tree in its own graph (`step.greedy_verify`). It stacks the
+        a compiled greedy or typical step drafts the next tree in its own graph (`step.verify_and_accept`). It stacks the
         blocks and gathers the draft rows at every call (`proposer` does it once): in a graph a copy of a
         few MB, cheaper than the eager heads' launches it replaces."""
         logits = self(hidden, model, num=tree.depth).transpose(0, 1)  # [B, D, M]

@@ -115,11 +115,17 @@ def draft_log_probs(head_logits: torch.Tensor, draft_ids: torch.Tensor, *, tempe
 
 
 def draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """One draw from each row of probs [..., V] (rows need not sum to 1) by inverting the cumulative
-    distribution: long [...] on probs' device, so a step can use it without waiting for the host.
-    A zero-probability token owns an empty interval and is never drawn."""
+    """One draw from each row of probs [..., V] (rows need not sum to 1): long [...] on probs' device, so
+    a step can use it without waiting for the host (`inverse_cdf` of one uniform per row)."""
+    return inverse_cdf(probs, torch.rand(probs.shape[:-1], generator=generator, device=probs.device))
+
+
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The draw that uniforms u [...] in [0, 1) make from probs [..., V] (rows need not sum to 1), by
+    inverting the cumulative distribution: long [...]. A zero-probability token owns an empty interval
+    and is never drawn. Apart from `draw`, so a compiled step takes uniforms drawn before it (a captured
+    graph holds no generator)."""
     cdf = probs.cumsum(dim=-1)  # [..., V]
-    u = torch.rand(probs.shape[:-1], generator=generator, device=probs.device)  # [...]
     return torch.searchsorted(cdf, (u * cdf[..., -1])[..., None], right=True)[..., 0].clamp_(max=probs.shape[-1] - 1)
 
 

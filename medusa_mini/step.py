@@ -7,9 +7,10 @@ every row at once; `keep_path` compacts each row's cache. Nothing waits for the 
 where `read_step` reads the emitted tokens of every row at once: one host sync per step (drawn
 candidates are the exception: rejection sampling tries them on the host).
 
-Decoding repeats two forward passes, `plain_step` and `verify` (for greedy acceptance, `greedy_verify`:
-the verify and all that follows it, up to the heads' next tree); `Steps` names what a loop runs, eager
-by default or compiled (cli/compiled.py), as gpt-fast compiles its `decode_one_token`.
+Decoding repeats two forward passes, `plain_step` and `verify` (for the rules decided on the device,
+greedy and typical, `verify_and_accept`: the verify and all that follows it, up to the heads' next
+tree); `Steps` names what a loop runs, eager by default or compiled (cli/compiled.py), as gpt-fast
+compiles its `decode_one_token`.
 
 Shapes: B rows, N tree nodes, D tree depth, V vocabulary, C n_embd.
 """
@@ -21,7 +22,7 @@ from typing import Callable
 
 import torch
 
-from .acceptance import Accepted, accept_paths, greedy_accept_paths
+from .acceptance import Accepted, accept_paths, greedy_accept_paths, typical_accept_paths, typical_uniforms
 from .model import GPT, KVCache, compact_kv_cache
 from .proposal import Proposal, Proposer
 from .sampling import Sampling
@@ -72,33 +73,45 @@ def finish_step(cache: KVCache, accepted: Accepted, hiddens: torch.Tensor, *, st
     return hiddens.gather(1, last[:, None, None].expand(-1, 1, hiddens.shape[-1]))[:, 0]  # [B, C]
 
 
-def greedy_verify(model: GPT, cache: KVCache, tokens: torch.Tensor, *, tree: TreeTensors, usable: torch.Tensor,
-                  attended: int | None = None, heads=None) -> tuple[Accepted, torch.Tensor, torch.Tensor | None]:
-    """All of a greedy step after its proposal (tokens [B, N]), as one function, so a compiler captures it
-    as one graph (two would hand the verify's logits across, which CUDA graphs free between calls):
-    `verify`, greedy acceptance (no draws, fixed shapes), `finish_step`; with `heads`, also the next
-    step's tokens [B, N] on the same tree (`draft_greedily` from the bonus tokens and the hidden states
-    `finish_step` returns), which the heads would otherwise compute in a few dozen launches of their own.
-    Returns (accepted, next hidden [B, C], next tokens or None)."""
+# The rules `verify_and_accept` decides: on the device, in fixed shapes. Rejection sampling of drawn
+# candidates walks each row on the host (acceptance.rejection_accept_drawn).
+ON_DEVICE = ("greedy", "typical")
+
+
+def verify_and_accept(model: GPT, cache: KVCache, tokens: torch.Tensor, *, tree: TreeTensors, usable: torch.Tensor,
+                      sampling: Sampling = Sampling(), u: torch.Tensor | None = None, attended: int | None = None,
+                      heads=None) -> tuple[Accepted, torch.Tensor, torch.Tensor | None]:
+    """All of a greedy or typical step after its proposal (tokens [B, N]), as one function, so a compiler
+    captures it as one graph (two would hand the verify's logits across, which CUDA graphs free between
+    calls): `verify`, the acceptance (greedy; or typical, §2.3.1, whose bonus draws take the uniforms u [B]
+    drawn before, as a graph holds no generator), `finish_step`; with `heads`, also the next step's tokens
+    [B, N] on the same tree (`draft_greedily`: the heads' top-k, which both rules verify, from the bonus
+    tokens and the hidden states `finish_step` returns), which the heads would otherwise compute in a few
+    dozen launches of their own. Returns (accepted, next hidden [B, C], next tokens or None)."""
+    if sampling.acceptance not in ON_DEVICE:
+        raise ValueError(f"{sampling.acceptance} acceptance is not decided on the device; use verify, then accept_paths")
     start = cache.lengths  # [B]
     logits, hiddens = verify(model, cache, tokens, depths=tree.depths, ancestor_mask=tree.ancestor_mask,
                              attended=attended)  # [B, N, V], [B, N, C]
-    accepted = greedy_accept_paths(tree, tokens, logits, usable=usable)
+    if sampling.acceptance == "greedy":
+        accepted = greedy_accept_paths(tree, tokens, logits, usable=usable)
+    else:
+        accepted = typical_accept_paths(tree, tokens, logits, sampling=sampling, u=u, usable=usable)
     hidden = finish_step(cache, accepted, hiddens, start=start, active=usable[:, 0])  # [B, C]
     return accepted, hidden, None if heads is None else heads.draft_greedily(model, accepted.bonus, hidden, tree)
 
 
 @dataclass(frozen=True)
 class Steps:
-    """What decoding repeats, as a compiler may capture it: the two forward passes and, for greedy
-    acceptance, `greedy_verify` (None: `verify`, then acceptance and `finish_step`, eagerly, as for every
-    rule; on a GPU at batch 1 those stages are a few dozen small kernels whose launches cost more than
-    their work). Compiled ones keep static shapes: they read the whole cache every step (`static`),
+    """What decoding repeats, as a compiler may capture it: the two forward passes and, for greedy and
+    typical acceptance, `verify_and_accept` (None: `verify`, then acceptance and `finish_step`, eagerly, as
+    for every rule; on a GPU at batch 1 those stages are a few dozen small kernels whose launches cost more
+    than their work). Compiled ones keep static shapes: they read the whole cache every step (`static`),
     where eager ones read only the slots in use."""
 
     plain: Callable = plain_step
     verify: Callable = verify
-    greedy_verify: Callable | None = None
+    verify_and_accept: Callable | None = None
     static: bool = False
 
     def attended(self, slots: int) -> int | None:
@@ -153,11 +166,11 @@ def medusa_step(
     stop_at: [B] the total length at which each row stops (default: the context); max_depth: the
     deepest node any row can use (default: the proposer's), which a proposer need not draft beyond
     (prompt lookup's rounded-up chain may: `usable` masks such nodes); attended: the cache slots any row reads
-    once the nodes are in (default: all). drafted: [B, N] the full tree's top-k tokens, when the greedy
-    step before drafted them (`StepResult.next_tokens`); used unless this step's tree is cut short.
+    once the nodes are in (default: all). drafted: [B, N] the full tree's top-k tokens, when the step
+    before drafted them (`verify_and_accept`, `StepResult.next_tokens`); used unless this tree is cut short.
     """
-    if drafted is not None and sampling.acceptance != "greedy":
-        raise ValueError("drafted tokens are the heads' top-k guesses: only greedy acceptance takes them")
+    if drafted is not None and sampling.draws_candidates:
+        raise ValueError("drafted tokens are the heads' top-k guesses: drawn candidates cannot take them")
     start = cache.lengths  # [B] the roots' slots
     depth = proposer.tree.depth if max_depth is None else max_depth
     if drafted is not None and depth >= proposer.tree.depth:
@@ -170,11 +183,13 @@ def medusa_step(
         stop_at = torch.full_like(start, model.config.block_size)
     usable = usable_nodes(proposal.tree, start, stop_at)  # [B, N]
     next_tokens = None
-    if sampling.acceptance == "greedy" and steps.greedy_verify is not None:
+    if sampling.acceptance in ON_DEVICE and steps.verify_and_accept is not None:
         # The heads draft the next tree in the same graph, unless this tree is cut short (the end is near).
         heads = proposer.heads if proposal.tree is proposer.tree else None
-        accepted, next_hidden, next_tokens = steps.greedy_verify(model, cache, proposal.tokens, tree=t, usable=usable,
-                                                                 attended=attended, heads=heads)
+        u = None if sampling.greedy else typical_uniforms(len(roots), generator, device=roots.device)
+        accepted, next_hidden, next_tokens = steps.verify_and_accept(
+            model, cache, proposal.tokens, tree=t, usable=usable, sampling=sampling, u=u, attended=attended,
+            heads=heads)
         if next_tokens is not None:  # the next step's input: a copy, as a CUDA graph overwrites its outputs
             next_tokens = next_tokens.clone()
     else:

@@ -8,7 +8,7 @@ import torch
 
 from conftest import random_tree
 from medusa_mini import reference as ref
-from medusa_mini.acceptance import accept_paths, greedy_accept_paths, typical_accept_paths
+from medusa_mini.acceptance import accept_paths, greedy_accept_paths, typical_accept_paths, typical_uniforms
 from medusa_mini.proposal import Draft, Proposal
 from medusa_mini.sampling import Sampling
 from medusa_mini.tree import Tree
@@ -62,7 +62,8 @@ def test_vectorised_typical_equals_the_node_walk_with_the_same_draws(temperature
             logits = torch.randn(logits.shape, generator=torch.Generator().manual_seed(seed)) * 2
         g1, g2 = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed)
         want = ref.typical_accept(tree.parents, tokens[0].tolist(), logits[0], sampling=sampling, generator=g1)
-        got = typical_accept_paths(tree.tensors("cpu"), tokens, logits, sampling=sampling, generator=g2)
+        got = typical_accept_paths(tree.tensors("cpu"), tokens, logits, sampling=sampling,
+                                   u=typical_uniforms(1, g2, device="cpu"))
         assert as_host(got) == want
         assert torch.rand((), generator=g1) == torch.rand((), generator=g2)
         deep += len(want[0]) > 2
@@ -98,7 +99,7 @@ def test_typical_acceptance_needs_p_strictly_above_the_bar():
         path, _ = ref.typical_accept([-1, 0], tokens[0].tolist(), logits[0], sampling=sampling,
                                      generator=torch.Generator().manual_seed(0))
         got = typical_accept_paths(Tree.from_choices([(0,)]).tensors("cpu"), tokens, logits, sampling=sampling,
-                                   generator=torch.Generator().manual_seed(0))
+                                   u=typical_uniforms(1, torch.Generator().manual_seed(0), device="cpu"))
         assert (len(path) == 2, int(got.count[0]) == 1) == (accepted, accepted)
 
 

@@ -12,7 +12,7 @@ from medusa_mini.decoding import generate, generate_batch, medusa_generate, medu
 from medusa_mini.model import GPT, GPTConfig, KVCache
 from medusa_mini.proposal import PromptLookup
 from medusa_mini.sampling import Sampling
-from medusa_mini.step import Steps, greedy_verify, plain_step, verify
+from medusa_mini.step import Steps, plain_step, verify, verify_and_accept
 from medusa_mini.tree import Tree, chain, preset
 
 TREES = {
@@ -196,8 +196,8 @@ def test_steps_that_read_the_whole_cache_make_the_tokens_of_eager_ones():
             return step(*args, attended=attended, **kwargs)
         return run
 
-    static = Steps(plain=recording(plain_step), verify=recording(verify), greedy_verify=recording(greedy_verify),
-                   static=True)
+    static = Steps(plain=recording(plain_step), verify=recording(verify),
+                   verify_and_accept=recording(verify_and_accept), static=True)
     heads = random_heads(model, seed=15)
     for run in (lambda **kw: generate_batch(model, PROMPTS, max_new_tokens=20, **kw),
                 lambda **kw: medusa_generate_batch(model, heads, PROMPTS, tree=preset("cpu"), max_new_tokens=20, **kw)):

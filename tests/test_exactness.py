@@ -25,7 +25,7 @@ import medusa_mini.sampling as sampling_module
 import medusa_mini.step as step
 from conftest import RULES, ContinuationHeads, random_heads, tiny_model
 from lossless import FutureHeads, FutureHydraHeads, V, deepest, exact_sequence_probs, failures, sample_rows, small_model
-from medusa_mini.acceptance import accept_paths, path_accept, typical_accept_paths
+from medusa_mini.acceptance import accept_paths, path_accept, typical_accept_paths, typical_uniforms
 from medusa_mini.decoding import generate, generate_batch, medusa_generate, medusa_generate_batch, prefill
 from medusa_mini.model import KVCache, compact_kv_cache
 from medusa_mini.proposal import Draft, PromptLookup
@@ -301,7 +301,7 @@ def test_typical_acceptance_never_accepts_or_emits_a_token_outside_the_nucleus()
                                          generator=torch.Generator().manual_seed(seed))
         assert path == [0, 2] and bonus in nucleus
         got = typical_accept_paths(tree.tensors("cpu"), torch.tensor([tokens]), logits[None], sampling=sampling,
-                                   generator=torch.Generator().manual_seed(seed))
+                                   u=typical_uniforms(1, torch.Generator().manual_seed(seed), device="cpu"))
         assert got.nodes[0, : got.count[0] + 1].tolist() == [0, 2] and int(got.bonus[0]) == bonus
 
 
@@ -357,7 +357,7 @@ def test_typical_acceptance_decides_each_row_of_a_batch_as_alone_given_the_same_
     # Candidates drawn from p at their parent: likely tokens, so paths are often long.
     tokens = torch.stack([torch.multinomial(p[:, max(par, 0)], 1, generator=g)[:, 0] for par in tree.parents], 1)
     got = typical_accept_paths(tree.tensors(), tokens, logits, sampling=sampling,
-                               generator=torch.Generator().manual_seed(1))
+                               u=typical_uniforms(B, torch.Generator().manual_seed(1), device="cpu"))
     for b in range(B):
         def advanced():  # the generator as row b of the batch meets it: b numbers already drawn
             gen = torch.Generator().manual_seed(1)
@@ -365,7 +365,7 @@ def test_typical_acceptance_decides_each_row_of_a_batch_as_alone_given_the_same_
             return gen
 
         alone = typical_accept_paths(tree.tensors(), tokens[b : b + 1], logits[b : b + 1], sampling=sampling,
-                                     generator=advanced())
+                                     u=typical_uniforms(1, advanced(), device="cpu"))
         want_path, want_bonus = ref.typical_accept(tree.parents, tokens[b].tolist(), logits[b], sampling=sampling,
                                                    generator=advanced())
         count = int(got.count[b])

@@ -21,7 +21,7 @@ from medusa_mini.decoding import generate_batch, medusa_generate_batch, prefill
 from medusa_mini.model import KVCache
 from medusa_mini.proposal import PromptLookup
 from medusa_mini.sampling import Sampling
-from medusa_mini.step import Steps, greedy_verify, medusa_step
+from medusa_mini.step import Steps, medusa_step, verify_and_accept
 from medusa_mini.training import MedusaLM, self_distill
 from medusa_mini.tree import preset
 
@@ -100,13 +100,16 @@ def test_whole_generations_run_on_the_device_when_each_host_read_is_answered(kin
         assert rules.reads == 1 + 5
 
 
+@pytest.mark.parametrize("rule", ["greedy", "typical"])
 @pytest.mark.parametrize("kind", DRAFTERS)
-def test_a_greedy_step_drafting_the_next_tree_in_its_graph_stays_on_the_device(kind):
-    """The greedy verify compiled steps run, eagerly: acceptance, keep_path and the heads' next tree
+def test_a_step_drafting_the_next_tree_in_its_graph_stays_on_the_device(kind, rule):
+    """`verify_and_accept`, which compiled steps run, eagerly: acceptance, keep_path and the heads' next tree
     (`draft_greedily`) under CUDA's rules, one host read per step."""
+    sampling = Sampling(acceptance=rule, temperature=0.8 * (rule == "typical"))
     with meta_rules(answer_reads=True) as rules:
         results = medusa_generate_batch(meta_model(), meta_drafter(kind), [[1] * 60, [4, 5, 6]], tree=TREE,
-                                        max_new_tokens=6, steps=Steps(greedy_verify=greedy_verify))
+                                        max_new_tokens=6, sampling=sampling,
+                                        steps=Steps(verify_and_accept=verify_and_accept))
     assert [stats.steps for _, stats in results] == [3, 5] and rules.reads == 1 + 5
 
 

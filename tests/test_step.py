@@ -11,7 +11,7 @@ from medusa_mini.decoding import prefill
 from medusa_mini.model import KVCache
 from medusa_mini.proposal import MedusaProposer, PromptLookup, Proposal, chain_length, lookup
 from medusa_mini.sampling import Sampling
-from medusa_mini.step import Steps, greedy_verify, keep_path, medusa_step, read_step, usable_nodes, verify
+from medusa_mini.step import Steps, keep_path, medusa_step, read_step, usable_nodes, verify, verify_and_accept
 from medusa_mini.tree import Tree, chain, preset
 
 #   0 root ─┬─ 1 (0,) ─┬─ 3 (0,0) ── 5 (0,0,0)
@@ -166,21 +166,25 @@ def test_a_step_without_drawn_candidates_sends_the_device_nothing(kind, rule):
     assert rules.uploads == 0
 
 
+@pytest.mark.parametrize("rule", ["greedy", "typical"])
 @pytest.mark.parametrize("kind", ["medusa", "hydra"])
-def test_a_greedy_step_drafting_the_next_tree_sends_the_device_nothing_and_only_greedy_takes_its_draft(kind):
-    """The greedy verify compiled steps run (here eagerly) drafts the next tree from the device tensors it
-    holds; the next step verifies it as it is. Top-k guesses are no draw from q: a sampling rule refuses them."""
+def test_a_step_drafting_the_next_tree_sends_the_device_nothing_and_drawn_candidates_refuse_its_draft(kind, rule):
+    """The verify-and-accept compiled steps run (here eagerly) drafts the next tree from the device tensors
+    it holds; the next step verifies it as it is. Top-k guesses are no draw from q: rejection sampling of
+    drawn candidates refuses them."""
     model, heads, batch = tiny_model(5), random_heads(tiny_model(5), seed=2, kind=kind), 3
     cache = KVCache(model.config, batch_size=batch, max_len=64)
     logits, hidden = prefill(model, torch.tensor([[3, 1, 4, 1, 5]] * batch), cache)
-    proposer, drafting = heads.proposer(model, preset("cpu")), Steps(greedy_verify=greedy_verify)
-    step = medusa_step(model, cache, proposer, logits.argmax(-1), hidden, steps=drafting)
+    proposer, drafting = heads.proposer(model, preset("cpu")), Steps(verify_and_accept=verify_and_accept)
+    gen = torch.Generator().manual_seed(0)
+    step = medusa_step(model, cache, proposer, logits.argmax(-1), hidden, sampling=RULES[rule], generator=gen,
+                       steps=drafting)
     assert step.next_tokens.shape == (batch, preset("cpu").num_nodes)
     with CudaRules(torch.device("cpu")) as rules:
         medusa_step(model, cache, proposer, step.next_roots, step.next_hidden, stop_at=torch.full((batch,), 64),
-                    max_depth=4, steps=drafting, drafted=step.next_tokens)
+                    sampling=RULES[rule], generator=gen, max_depth=4, steps=drafting, drafted=step.next_tokens)
     assert rules.uploads == 0
-    with pytest.raises(ValueError, match="only greedy acceptance"):
-        medusa_step(model, cache, proposer, step.next_roots, step.next_hidden, sampling=RULES["typical"],
+    with pytest.raises(ValueError, match="drawn candidates cannot"):
+        medusa_step(model, cache, proposer, step.next_roots, step.next_hidden, sampling=RULES["rejection"],
                     drafted=step.next_tokens)
 

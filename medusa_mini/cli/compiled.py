@@ -1,5 +1,6 @@
-"""`--compile`: the plain step (T = 1), the tree verify (T = N) and the greedy verify (the verify, greedy
-acceptance, keeping the path and the heads' next tree) compiled by name, whole graphs, one per shape, on
+"""`--compile`: the plain step (T = 1), the tree verify (T = N) and `verify_and_accept` (the verify, greedy
+or typical acceptance, keeping the path and the heads' next tree) compiled by name, whole graphs, one per
+shape and rule, on
 CUDA as CUDA graphs (mode "reduce-overhead"), which remove the kernel launches that dominate batch-1
 decoding; the prefill stays eager. A CUDA graph replays on the addresses it recorded and overwrites its
 outputs at its next replay: `StaticCaches` keeps one KV cache per shape, marked static, and `warm_up`
@@ -14,7 +15,7 @@ import torch
 from .. import step
 from ..model import GPT, KVCache
 from ..proposal import Proposer
-from ..tree import Tree
+from ..sampling import Sampling
 from .common import timed
 
 
@@ -24,7 +25,7 @@ def compile_steps(device: torch.device | str, *, backend: str | Callable = "indu
     mode = "reduce-overhead" if torch.device(device).type == "cuda" and backend == "inductor" else None
     options = dict(fullgraph=True, dynamic=False, mode=mode, backend=backend)
     return step.Steps(plain=torch.compile(step.plain_step, **options), verify=torch.compile(step.verify, **options),
-                      greedy_verify=torch.compile(step.greedy_verify, **options), static=True)
+                      verify_and_accept=torch.compile(step.verify_and_accept, **options), static=True)
 
 
 class StaticCaches:
@@ -45,38 +46,36 @@ class StaticCaches:
 
 @torch.no_grad()
 def warm_up(model: GPT, steps: step.Steps, caches: StaticCaches, *, rows: int, plain: bool,
-            verify: list[Proposer] = (), greedy: list[Proposer] = ()) -> float:
+            proposers: list[tuple[Proposer, Sampling]] = ()) -> float:
     """Run every shape decoding `rows` rows can meet: the plain step (if `plain`), and every tree each
-    proposer's proposals can hold (`Proposer.trees`) through `steps.verify` (proposers decoding under a
-    sampling rule) or `steps.greedy_verify` (under greedy acceptance; the full tree with the proposer's
-    heads, which draft the next one in the graph): only the graphs the run uses. Three calls each: under
-    CUDA graphs the first runs eagerly, the second records, the third replays. Returns the seconds."""
+    proposer's proposals can hold (`Proposer.trees`) under its rule: through `steps.verify_and_accept`
+    (greedy and typical acceptance; the full tree with the proposer's heads, which draft the next one in
+    the graph) or `steps.verify` (rejection sampling): only the graphs the run uses. Three calls each:
+    under CUDA graphs the first runs eagerly, the second records, the third replays. Returns the seconds."""
     device, block = model.device, model.config.block_size
-
-    def every_tree(proposers: list[Proposer], *, with_heads: bool) -> set[tuple[int, Tree, object]]:
-        return {(p.tree.num_nodes, t, p.heads if with_heads and t == p.tree else None)
-                for p in proposers for t in p.trees()}
-
-    shapes = [(every_tree(verify, with_heads=False), False), (every_tree(greedy, with_heads=True), True)]
+    # (nodes, tree, heads, rule): rejection's verify does not depend on its rule, so one entry serves all.
+    shapes = {(p.tree.num_nodes, t, p.heads if t == p.tree else None, s) if s.acceptance in step.ON_DEVICE
+              else (p.tree.num_nodes, t, None, None) for p, s in proposers for t in p.trees()}
     config = torch._dynamo.config  # each shape is one more specialisation of its function
-    config.recompile_limit += max(len(s) for s, _ in shapes) + 1
-    config.accumulated_recompile_limit += sum(len(s) for s, _ in shapes) + 1
+    config.recompile_limit += len(shapes) + 1
+    config.accumulated_recompile_limit += len(shapes) + 1
 
     def every_shape() -> None:
         for _ in range(3 * plain):
             cache = caches(rows, block)
             cache.lengths = 0
             steps.plain(model, cache, torch.zeros(rows, 1, dtype=torch.long, device=device))
-        for trees, greedily in shapes:
-            for nodes, t, heads in trees:
-                cache, tensors = caches(rows, block + nodes), t.tensors(device)
-                tokens = torch.zeros(rows, t.num_nodes, dtype=torch.long, device=device)
-                start = torch.zeros(rows, dtype=torch.long, device=device)
-                usable = step.usable_nodes(t, start, torch.full_like(start, block))  # [rows, N]
-                for _ in range(3):
-                    cache.lengths = 0
-                    if greedily:
-                        steps.greedy_verify(model, cache, tokens, tree=tensors, usable=usable, heads=heads)
-                    else:
-                        steps.verify(model, cache, tokens, depths=tensors.depths, ancestor_mask=tensors.ancestor_mask)
+        for nodes, t, heads, sampling in shapes:
+            cache, tensors = caches(rows, block + nodes), t.tensors(device)
+            tokens = torch.zeros(rows, t.num_nodes, dtype=torch.long, device=device)
+            start = torch.zeros(rows, dtype=torch.long, device=device)
+            usable = step.usable_nodes(t, start, torch.full_like(start, block))  # [rows, N]
+            u = None if sampling is None or sampling.greedy else torch.zeros(rows, device=device)
+            for _ in range(3):
+                cache.lengths = 0
+                if sampling is not None:
+                    steps.verify_and_accept(model, cache, tokens, tree=tensors, usable=usable, sampling=sampling,
+                                            u=u, heads=heads)
+                else:
+                    steps.verify(model, cache, tokens, depths=tensors.depths, ancestor_mask=tensors.ancestor_mask)
     return timed(device, every_shape)[1]

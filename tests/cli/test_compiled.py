@@ -12,13 +12,14 @@ import pytest
 import torch
 
 import decode
-from conftest import random_heads, tiny_model
+from conftest import RULES, random_heads, tiny_model
 from medusa_mini.cli.compiled import StaticCaches, compile_steps, warm_up
 from medusa_mini.decoding import medusa_generate_batch
-from medusa_mini.step import Steps, greedy_verify, verify
+from medusa_mini.step import Steps, verify, verify_and_accept
 from medusa_mini.tree import Tree
 
 TREE = Tree.from_choices([(0,), (1,), (0, 0), (1, 0), (0, 0, 0)])
+EVERY_RULE = (RULES["greedy"], RULES["typical"], RULES["rejection"])
 
 
 class GraphReplay:
@@ -71,7 +72,8 @@ def warmed_up(seed: int, *, backend=None, kind: str = "medusa", rows: int = 1):
     model, steps = tiny_model(seed), compile_steps("cpu", backend=backend or GraphReplay())
     heads = random_heads(model, seed=seed, kind=kind)
     proposer = heads.proposer(model, TREE)
-    warm_up(model, steps, caches := StaticCaches(model), rows=rows, plain=True, verify=[proposer], greedy=[proposer])
+    warm_up(model, steps, caches := StaticCaches(model), rows=rows, plain=True,
+            proposers=[(proposer, rule) for rule in EVERY_RULE])
     return model, heads, steps, caches
 
 
@@ -80,15 +82,15 @@ def test_the_warm_up_runs_every_shape_three_times_so_cuda_graphs_record_and_repl
     called fewer times in the warm-up would be recorded inside the first timed generation."""
     model, calls = tiny_model(0), []
 
-    def counting(name):
-        real = {"plain": Steps.plain, "verify": Steps.verify}.get(name)
-        return lambda *args, **kw: calls.append((name, args[2].shape)) or (real or greedy_verify)(*args, **kw)
+    def counting(name, real):
+        return lambda *args, **kw: calls.append((name, args[2].shape, kw.get("sampling"))) or real(*args, **kw)
 
-    steps = Steps(plain=counting("plain"), verify=counting("verify"), greedy_verify=counting("greedy"), static=True)
+    steps = Steps(plain=counting("plain", Steps.plain), verify=counting("verify", Steps.verify),
+                  verify_and_accept=counting("accept", verify_and_accept), static=True)
     proposer = random_heads(model, seed=0).proposer(model, TREE)
-    warm_up(model, steps, StaticCaches(model), rows=2, plain=True, verify=[proposer], greedy=[proposer])
-    shapes = [(name, shape) for name, shape in dict.fromkeys(calls)]
-    assert len(shapes) == 1 + 2 * len(proposer.trees()) and all(calls.count(s) == 3 for s in shapes)
+    warm_up(model, steps, StaticCaches(model), rows=2, plain=True, proposers=[(proposer, r) for r in EVERY_RULE])
+    shapes = list(dict.fromkeys(calls))  # greedy and typical are two graphs of verify_and_accept per tree
+    assert len(shapes) == 1 + 3 * len(proposer.trees()) and all(calls.count(s) == 3 for s in shapes)
 
 
 @torch.no_grad()
@@ -102,12 +104,13 @@ def test_graph_replay_poisons_a_steps_outputs_when_a_step_runs_again():
     assert logits.isnan().all() and hidden.isnan().all()
 
 
+@pytest.mark.parametrize("rule", ["greedy", "typical"])
 @pytest.mark.parametrize("kind", ["medusa", "hydra"])
-def test_a_compiled_greedy_step_drafts_the_next_tree_in_its_graph(monkeypatch, kind):
-    """Compiled, greedy decoding runs the heads in the greedy verify's graph, so they launch nothing of
-    their own: the eager proposer fills only the first tree and those cut short near the end, every step
-    verifies the tree the eager proposer would have filled, and the tokens are the eager ones, for a
-    ragged batch."""
+def test_a_compiled_greedy_or_typical_step_drafts_the_next_tree_in_its_graph(monkeypatch, kind, rule):
+    """Compiled, greedy and typical decoding run the heads in `verify_and_accept`'s graph, so they launch
+    nothing of their own: the eager proposer fills only the first tree and those cut short near the end,
+    every step verifies the tree the eager proposer would have filled, and the tokens are the eager ones
+    (typical: the same draws), for a ragged batch."""
     backend = GraphReplay()
     model, heads, steps, caches = warmed_up(5, backend=backend, kind=kind, rows=2)
     graphs, proposer_type, proposed, verified = len(backend.graphs), type(heads.proposer(model, TREE)), [], []
@@ -117,8 +120,11 @@ def test_a_compiled_greedy_step_drafts_the_next_tree_in_its_graph(monkeypatch, k
     def recording(verify):  # what each step verifies: its tokens [B, N]
         return lambda model, cache, tokens, **kw: verified.append(tokens.tolist()) or verify(model, cache, tokens, **kw)
 
-    run = partial(medusa_generate_batch, model, heads, [[1, 2, 3], [4, 5]], tree=TREE, max_new_tokens=30)
-    compiled = run(steps=dataclasses.replace(steps, greedy_verify=recording(steps.greedy_verify)), cache=caches)
+    def run(**kw):
+        return medusa_generate_batch(model, heads, [[1, 2, 3], [4, 5]], tree=TREE, max_new_tokens=30,
+                                     sampling=RULES[rule], generator=torch.Generator().manual_seed(3), **kw)
+
+    compiled = run(steps=dataclasses.replace(steps, verify_and_accept=recording(steps.verify_and_accept)), cache=caches)
     drafted_eagerly, trees = len(proposed), verified[:]
     verified.clear()
     eager = run(steps=Steps(verify=recording(verify)))
