@@ -117,8 +117,8 @@ def tree_stages(model: GPT, cache: KVCache, heads: DraftHeads, tree: Tree, root:
     verify = partial(steps.verify, model, cache, proposal.tokens, depths=t.depths, ancestor_mask=t.ancestor_mask,
                      attended=attended)
     usable = usable_nodes(tree, start, torch.full_like(start, model.config.block_size))  # [1, N]
-    # Compiled, the greedy verify (`verify_and_accept`) also drafts the next tree (the heads in its graph), and a decoding loop's
-    # step takes the tree the step before drafted: the whole step then has no eager heads.
+    # Compiled, the greedy verify (`verify_and_accept`) also drafts the next tree (the heads in its graph), and a
+    # decoding loop's step takes the tree the step before drafted: the whole step then has no eager heads.
     drafts = steps.verify_and_accept is not None
     greedy = partial(steps.verify_and_accept or verify_and_accept, model, cache, proposal.tokens, tree=t, usable=usable,
                      attended=attended, heads=proposer.heads if drafts else None)

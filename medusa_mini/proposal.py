@@ -73,7 +73,7 @@ class Proposer(Protocol):
 
 class HeadsProposer:
     """A fixed tree, the heads' logits (a function, see each kind) over their draft vocabulary draft_ids [M].
-    `heads`: the module itself, whose `draft_greedily` a compiled greedy step runs in its graph (None:
+    `heads`: the module itself, whose `draft_greedily` a compiled greedy or typical step runs in its graph (None:
     the proposer alone drafts)."""
 
     def __init__(self, tree: Tree, head_logits: Callable, *, draft_ids: torch.Tensor, vocab_size: int,

@@ -89,7 +89,9 @@ def verify_and_accept(model: GPT, cache: KVCache, tokens: torch.Tensor, *, tree:
     tokens and the hidden states `finish_step` returns), which the heads would otherwise compute in a few
     dozen launches of their own. Returns (accepted, next hidden [B, C], next tokens or None)."""
     if sampling.acceptance not in ON_DEVICE:
-        raise ValueError(f"{sampling.acceptance} acceptance is not decided on the device; use verify, then accept_paths")
+        raise ValueError(f"{sampling.acceptance} acceptance is not decided on the device: verify, then accept_paths")
+    if sampling.acceptance == "typical" and u is None:
+        raise ValueError("typical acceptance draws its bonus tokens from u: pass typical_uniforms(B, generator)")
     start = cache.lengths  # [B]
     logits, hiddens = verify(model, cache, tokens, depths=tree.depths, ancestor_mask=tree.ancestor_mask,
                              attended=attended)  # [B, N, V], [B, N, C]
