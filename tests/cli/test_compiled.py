@@ -65,15 +65,15 @@ class GraphReplay:
         return replay
 
 
-def warmed_up(seed: int, *, backend=None, kind: str = "medusa", rows: int = 1):
+def warmed_up(seed: int, *, backend=None, kind: str = "medusa", rows: int = 1, rules=(RULES["rejection"],)):
     """A tiny model, heads of `kind`, its steps compiled (replayed as CUDA graphs, by `backend`) and its
-    static caches, warmed up for TREE."""
+    static caches, warmed up for TREE under `rules` (by default rejection sampling's verify alone)."""
     torch.compiler.reset()  # graphs are cached per function, across models: start afresh
     model, steps = tiny_model(seed), compile_steps("cpu", backend=backend or GraphReplay())
     heads = random_heads(model, seed=seed, kind=kind)
     proposer = heads.proposer(model, TREE)
     warm_up(model, steps, caches := StaticCaches(model), rows=rows, plain=True,
-            proposers=[(proposer, rule) for rule in EVERY_RULE])
+            proposers=[(proposer, rule) for rule in rules])
     return model, heads, steps, caches
 
 
@@ -112,7 +112,7 @@ def test_a_compiled_greedy_or_typical_step_drafts_the_next_tree_in_its_graph(mon
     every step verifies the tree the eager proposer would have filled, and the tokens are the eager ones
     (typical: the same draws), for a ragged batch."""
     backend = GraphReplay()
-    model, heads, steps, caches = warmed_up(5, backend=backend, kind=kind, rows=2)
+    model, heads, steps, caches = warmed_up(5, backend=backend, kind=kind, rows=2, rules=(RULES[rule],))
     graphs, proposer_type, proposed, verified = len(backend.graphs), type(heads.proposer(model, TREE)), [], []
     propose = proposer_type.propose
     monkeypatch.setattr(proposer_type, "propose", lambda *a, **kw: proposed.append(1) or propose(*a, **kw))
