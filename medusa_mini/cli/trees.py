@@ -16,8 +16,9 @@ from ..tree import Tree, build_tree, preset
 
 # On two CPU cores a node adds 2.5-3.5% to a Medusa step of the cpu preset (bench_step.py --configs tiny:
 # a verify over 9 nodes against 1, per node, over the whole step); a node worth less than that share of
-# the tokens per step so far slows the step more than it adds. 2.5% gives this project's checkpoints
-# 6 nodes (Medusa heads) and 4 (Hydra heads), the budgets the node-budget sweep finds fastest (BENCHMARKS.md).
+# the tokens per step so far slows the step more than it adds. 2.5% gave this project's four-head checkpoints
+# 6 nodes (Medusa heads) and 4 (Hydra heads), the budgets the node-budget sweep finds fastest (BENCHMARKS.md);
+# the five-head preset's Medusa heads get a 5-node chain.
 CPU_MIN_GAIN = 0.025
 
 
