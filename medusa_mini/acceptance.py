@@ -110,6 +110,28 @@ def typical_uniforms(rows: int, generator: torch.Generator | None, *, device: to
     return torch.rand(rows, generator=generator, device=device)
 
 
+# The rules decided with no generator in hand, on the device and in fixed shapes, so that a compiled step
+# captures them whole (`step.verify_and_accept`); rejection sampling draws as it goes.
+ON_DEVICE = ("greedy", "typical")
+
+
+def check_on_device(sampling: Sampling, u: torch.Tensor | None) -> None:
+    """A ValueError unless `accept_on_device` can decide `sampling`'s rule with the uniforms u."""
+    if sampling.acceptance not in ON_DEVICE:
+        raise ValueError(f"{sampling.acceptance} acceptance is not decided on the device: verify, then accept_paths")
+    if not sampling.greedy and u is None:
+        raise ValueError("typical acceptance draws its bonus tokens from u: pass typical_uniforms(B, generator)")
+
+
+def accept_on_device(tree: TreeTensors, tokens: torch.Tensor, logits: torch.Tensor, *, sampling: Sampling,
+                     u: torch.Tensor | None, usable: torch.Tensor | None = None) -> Accepted:
+    """Greedy or typical acceptance for B rows (`check_on_device`); u [B]: typical's bonus uniforms
+    (`typical_uniforms`), None for greedy, which draws nothing."""
+    if sampling.greedy:
+        return greedy_accept_paths(tree, tokens, logits, usable=usable)
+    return typical_accept_paths(tree, tokens, logits, sampling=sampling, u=u, usable=usable)
+
+
 def rejection_accept_topk(tree: TreeTensors, tokens: torch.Tensor, logits: torch.Tensor, *, sampling: Sampling,
                           generator: torch.Generator | None, usable: torch.Tensor | None = None) -> Accepted:
     """`reference.rejection_accept` with top-k candidates, for B rows on the device: one draw from p at
@@ -155,11 +177,9 @@ def accept_paths(proposal: Proposal, logits: torch.Tensor, *, sampling: Sampling
                  generator: torch.Generator | None, usable: torch.Tensor | None = None) -> Accepted:
     """The acceptance rule `sampling` names, for B rows: logits [B, N, V] at every node of the proposal."""
     tree, tokens = proposal.tree.tensors(logits.device), proposal.tokens
-    if sampling.acceptance == "greedy":
-        return greedy_accept_paths(tree, tokens, logits, usable=usable)
-    if sampling.acceptance == "typical":
-        u = typical_uniforms(logits.shape[0], generator, device=logits.device)
-        return typical_accept_paths(tree, tokens, logits, sampling=sampling, u=u, usable=usable)
+    if sampling.acceptance in ON_DEVICE:
+        u = None if sampling.greedy else typical_uniforms(logits.shape[0], generator, device=logits.device)
+        return accept_on_device(tree, tokens, logits, sampling=sampling, u=u, usable=usable)
     if proposal.draft is None:
         return rejection_accept_topk(tree, tokens, logits, sampling=sampling, generator=generator, usable=usable)
     return rejection_accept_drawn(proposal, logits, sampling=sampling, generator=generator, usable=usable)

@@ -22,7 +22,7 @@ from typing import Callable
 
 import torch
 
-from .acceptance import Accepted, accept_paths, greedy_accept_paths, typical_accept_paths, typical_uniforms
+from .acceptance import ON_DEVICE, Accepted, accept_on_device, accept_paths, check_on_device, typical_uniforms
 from .model import GPT, KVCache, compact_kv_cache
 from .proposal import Proposal, Proposer
 from .sampling import Sampling
@@ -73,11 +73,6 @@ def finish_step(cache: KVCache, accepted: Accepted, hiddens: torch.Tensor, *, st
     return hiddens.gather(1, last[:, None, None].expand(-1, 1, hiddens.shape[-1]))[:, 0]  # [B, C]
 
 
-# The rules `verify_and_accept` decides: on the device, in fixed shapes. Rejection sampling of drawn
-# candidates walks each row on the host (acceptance.rejection_accept_drawn).
-ON_DEVICE = ("greedy", "typical")
-
-
 def verify_and_accept(model: GPT, cache: KVCache, tokens: torch.Tensor, *, tree: TreeTensors, usable: torch.Tensor,
                       sampling: Sampling = Sampling(), u: torch.Tensor | None = None, attended: int | None = None,
                       heads=None) -> tuple[Accepted, torch.Tensor, torch.Tensor | None]:
@@ -88,17 +83,11 @@ def verify_and_accept(model: GPT, cache: KVCache, tokens: torch.Tensor, *, tree:
     [B, N] on the same tree (`draft_greedily`: the heads' top-k, which both rules verify, from the bonus
     tokens and the hidden states `finish_step` returns), which the heads would otherwise compute in a few
     dozen launches of their own. Returns (accepted, next hidden [B, C], next tokens or None)."""
-    if sampling.acceptance not in ON_DEVICE:
-        raise ValueError(f"{sampling.acceptance} acceptance is not decided on the device: verify, then accept_paths")
-    if sampling.acceptance == "typical" and u is None:
-        raise ValueError("typical acceptance draws its bonus tokens from u: pass typical_uniforms(B, generator)")
+    check_on_device(sampling, u)  # before the verify writes the cache
     start = cache.lengths  # [B]
     logits, hiddens = verify(model, cache, tokens, depths=tree.depths, ancestor_mask=tree.ancestor_mask,
                              attended=attended)  # [B, N, V], [B, N, C]
-    if sampling.acceptance == "greedy":
-        accepted = greedy_accept_paths(tree, tokens, logits, usable=usable)
-    else:
-        accepted = typical_accept_paths(tree, tokens, logits, sampling=sampling, u=u, usable=usable)
+    accepted = accept_on_device(tree, tokens, logits, sampling=sampling, u=u, usable=usable)
     hidden = finish_step(cache, accepted, hiddens, start=start, active=usable[:, 0])  # [B, C]
     return accepted, hidden, None if heads is None else heads.draft_greedily(model, accepted.bonus, hidden, tree)
 

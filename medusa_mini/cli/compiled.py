@@ -13,6 +13,7 @@ from typing import Callable
 import torch
 
 from .. import step
+from ..acceptance import ON_DEVICE
 from ..model import GPT, KVCache
 from ..proposal import Proposer
 from ..sampling import Sampling
@@ -54,7 +55,7 @@ def warm_up(model: GPT, steps: step.Steps, caches: StaticCaches, *, rows: int, p
     under CUDA graphs the first runs eagerly, the second records, the third replays. Returns the seconds."""
     device, block = model.device, model.config.block_size
     # (nodes, tree, heads, rule): rejection's verify does not depend on its rule, so one entry serves all.
-    shapes = {(p.tree.num_nodes, t, p.heads if t == p.tree else None, s) if s.acceptance in step.ON_DEVICE
+    shapes = {(p.tree.num_nodes, t, p.heads if t == p.tree else None, s) if s.acceptance in ON_DEVICE
               else (p.tree.num_nodes, t, None, None) for p, s in proposers for t in p.trees()}
     config = torch._dynamo.config  # each shape is one more specialisation of its function
     config.recompile_limit += len(shapes) + 1
