@@ -1,14 +1,18 @@
 """The engine's acceptance: the reference's three rules (reference.py), decided for B rows at once.
 
 Every rule judges each node on its own, on the device and all at once: does the candidate pass at its
-parent (greedy: it is the backbone's token there; typical: p(candidate) clears the bar)? A node is
+parent (greedy: it is the backbone's token there; typical: p(candidate) clears the bar; rejection: its
+try at the parent accepts it)? A node is
 accepted when it and all its ancestors pass (`whole_path_passes`, one product with the ancestor mask),
 and the step keeps the accepted node the rule prefers: the deepest (typical: then the most likely),
 whose path from the root (`TreeTensors.node_paths`) is the accepted path. A step thus reads its result
 with a single host sync. Greedy and top-k rejection sampling are one rule with two sources of y, the
 backbone's token at every node: its argmax, or one draw from p (`reference.rejection_accept` says why
-that is exact). Only drawn candidates need speculative sampling's sequential tries, which walk each row
-on the host. Tests hold every rule to the reference, decision for decision and draw for draw.
+that is exact). Drawn candidates need speculative sampling's tries, sequential among a node's children
+but independent across nodes, so every node tries its children at once, slot by slot. The random
+numbers are drawn before (`acceptance_uniforms`), so no rule holds a generator and a compiled step
+captures any of them whole. Tests hold every rule to the reference, decision for decision and draw for
+draw.
 
 `usable` [B, N] marks the nodes a row may accept this step: near the end of a row's token budget or
 of the context, deeper nodes could not be used; a finished row in a batch has none, not even its root.
@@ -22,8 +26,8 @@ from typing import NamedTuple
 
 import torch
 
-from .proposal import Proposal
-from .sampling import Sampling, draw, inverse_cdf, try_children, typical_threshold
+from .proposal import Draft, Proposal
+from .sampling import Sampling, inverse_cdf, speculative_try, typical_threshold, without_earlier_draws
 from .tree import TreeTensors
 
 
@@ -76,7 +80,7 @@ def greedy_accept_paths(tree: TreeTensors, tokens: torch.Tensor, logits: torch.T
 def typical_accept_paths(tree: TreeTensors, tokens: torch.Tensor, logits: torch.Tensor, *, sampling: Sampling,
                          u: torch.Tensor, usable: torch.Tensor | None = None) -> Accepted:
     """`reference.typical_accept` for B rows, on the device, with the same draws: u [B] are the uniforms
-    of the bonus draws (`typical_uniforms`), drawn before, so the rule holds no generator and a compiler
+    of the bonus draws (`acceptance_uniforms`), drawn before, so the rule holds no generator and a compiler
     captures it whole (`step.verify_and_accept`).
 
     Among the accepted nodes the winner is the walk's: the deepest, then the larger sum of log p along
@@ -105,81 +109,83 @@ def typical_accept_paths(tree: TreeTensors, tokens: torch.Tensor, logits: torch.
     return Accepted(nodes=tree.node_paths[last], count=tree.depths[last], bonus=inverse_cdf(at_last, u))
 
 
-def typical_uniforms(rows: int, generator: torch.Generator | None, *, device: torch.device | str) -> torch.Tensor:
-    """The uniforms [rows] of a typical step's bonus draws: what `draw` would take from the generator."""
-    return torch.rand(rows, generator=generator, device=device)
-
-
-# The rules decided with no generator in hand, on the device and in fixed shapes, so that a compiled step
-# captures them whole (`step.verify_and_accept`); rejection sampling draws as it goes.
-ON_DEVICE = ("greedy", "typical")
-
-
-def check_on_device(sampling: Sampling, u: torch.Tensor | None) -> None:
-    """A ValueError unless `accept_on_device` can decide `sampling`'s rule with the uniforms u."""
-    if sampling.acceptance not in ON_DEVICE:
-        raise ValueError(f"{sampling.acceptance} acceptance is not decided on the device: verify, then accept_paths")
-    if not sampling.greedy and u is None:
-        raise ValueError("typical acceptance draws its bonus tokens from u: pass typical_uniforms(B, generator)")
-
-
-def accept_on_device(tree: TreeTensors, tokens: torch.Tensor, logits: torch.Tensor, *, sampling: Sampling,
-                     u: torch.Tensor | None, usable: torch.Tensor | None = None) -> Accepted:
-    """Greedy or typical acceptance for B rows (`check_on_device`); u [B]: typical's bonus uniforms
-    (`typical_uniforms`), None for greedy, which draws nothing."""
+def acceptance_uniforms(sampling: Sampling, rows: int, nodes: int, generator: torch.Generator | None, *,
+                        device: torch.device | str) -> torch.Tensor | None:
+    """The uniform numbers a step's acceptance uses, drawn before it, so the rules hold no generator and
+    a compiler captures them whole (`step.verify_and_accept`): none for greedy; [B] for typical, its bonus
+    draws; [B, N] for rejection sampling, one per node (`reference.rejection_accept` draws the same)."""
     if sampling.greedy:
-        return greedy_accept_paths(tree, tokens, logits, usable=usable)
-    return typical_accept_paths(tree, tokens, logits, sampling=sampling, u=u, usable=usable)
+        return None
+    return torch.rand((rows,) if sampling.acceptance == "typical" else (rows, nodes), generator=generator,
+                      device=device)
 
 
 def rejection_accept_topk(tree: TreeTensors, tokens: torch.Tensor, logits: torch.Tensor, *, sampling: Sampling,
-                          generator: torch.Generator | None, usable: torch.Tensor | None = None) -> Accepted:
-    """`reference.rejection_accept` with top-k candidates, for B rows on the device: one draw from p at
-    every node of every row, then `path_accept` (the same draws as the reference's, row by row)."""
-    return path_accept(tree, tokens, draw(sampling.probs(logits), generator), usable=usable)
+                          u: torch.Tensor, usable: torch.Tensor | None = None) -> Accepted:
+    """`reference.rejection_accept` with top-k candidates, for B rows: a draw from p at every node of
+    every row, node i's with u[:, i], then `path_accept`."""
+    return path_accept(tree, tokens, inverse_cdf(sampling.probs(logits), u), usable=usable)
 
 
-def rejection_accept_drawn(proposal: Proposal, logits: torch.Tensor, *, sampling: Sampling,
-                           generator: torch.Generator | None, usable: torch.Tensor | None = None) -> Accepted:
-    """Rejection sampling of drawn candidates, row by row on the host: the tries are sequential (each
-    depends on the residual the previous rejection left; `sampling.try_children`), a few scalar
-    operations each. Unusable nodes are left out; a row without a usable root accepts and draws nothing.
-    Each row walks and draws as `reference.rejection_accept` (a row near its end draws fewer uniforms,
-    so in a batch the rows after it see other numbers, from the same distributions). p is computed for
-    every node at once on the device; only the p and q of the nodes the walk reaches come to the host,
-    once each."""
-    tree, draft, B = proposal.tree, proposal.draft, logits.shape[0]
-    p_all = sampling.probs(logits)  # [B, N, V]
-    tokens, samples = proposal.tokens.tolist(), draft.samples.tolist()
-    ok = usable.tolist() if usable is not None else [[True] * tree.num_nodes] * B
-    D1 = tree.depth + 1
-    rows = []  # per row: the path's D + 1 nodes (the last repeated), the count, the bonus
-    for b in range(B):
-        path, bonus = [0], 0
-        if ok[b][0]:
-            drafts = draft.per_node(b, samples)
-            while True:
-                node = path[-1]
-                kids = [c for c in tree.children[node] if ok[b][c]]
-                u = torch.rand(len(kids), generator=generator, device=logits.device).tolist()
-                q = drafts[node] and (drafts[node][0].cpu().double(), drafts[node][1])  # (log q [V], draws)
-                i, p = try_children(p_all[b, node].cpu().double(), [tokens[b][c] for c in kids], q, u)
-                if i is None:
-                    bonus = int(draw(p.to(logits.device), generator))
-                    break
-                path.append(kids[i])
-        rows.append(path + [path[-1]] * (D1 - len(path)) + [len(path) - 1, bonus])
-    back = torch.tensor(rows, device=logits.device)  # [B, D + 3]: one copy to the device, not three
-    return Accepted(nodes=back[:, :D1], count=back[:, D1], bonus=back[:, D1 + 1])
+def rejection_accept_drawn(tree: TreeTensors, tokens: torch.Tensor, logits: torch.Tensor, *, sampling: Sampling,
+                           draft: Draft, u: torch.Tensor, usable: torch.Tensor | None = None) -> Accepted:
+    """`reference.rejection_accept` with candidates drawn from q, for B rows at once, on the device.
+
+    A node's tries are sequential (each is judged against the residual its misses before it left), but
+    the tries of different nodes are not: the walk's decision at a node depends only on that node's p,
+    q, candidates and uniforms. So every node tries its children at once, slot by slot
+    (`TreeTensors.tries`), as if the walk reached it, with the reference's uniforms (child c's is u[:, c]);
+    then the walk only follows what passed: at most one child of a node passes, the accepted nodes form
+    one chain, and its deepest node's residual, what is left of p, gives the bonus with u[:, 0].
+    Unusable nodes are never tried; a row without a usable root tries nothing.
+    """
+    p = sampling.probs(logits).double()  # [B, N, V]: p at each node, then the residual its misses leave
+    ok = torch.ones_like(tokens, dtype=torch.bool) if usable is None else usable  # [B, N]
+    passes = torch.zeros_like(ok)  # [B, N] the node passed its try at its parent
+    done = torch.zeros_like(ok)  # [B, N] the node tries no more children: one passed, or p = q (flat)
+    for nodes, kids in tree.tries:  # [n] nodes with a child in this slot, [n] that child
+        log_q, draws = draft.at(nodes)  # [B, n, V], [B, n, R]: what the children were drawn from
+        x = tokens[:, kids]  # [B, n]
+        q = without_earlier_draws(log_q, draws, tree.ranks[kids].expand_as(x), x)  # [B, n, V]
+        accepted, flat, residual = speculative_try(p[:, nodes], q, x, u[:, kids])  # [B, n], [B, n], [B, n, V]
+        tried = ~done[:, nodes] & ok[:, kids]  # [B, n]
+        passes[:, kids] = tried & accepted
+        p[:, nodes] = torch.where((tried & ~accepted & ~flat)[..., None], residual, p[:, nodes])
+        done[:, nodes] |= tried & (accepted | flat)
+    on_path = whole_path_passes(tree, passes)  # [B, N]
+    last = torch.where(on_path, tree.depths, -1).argmax(dim=-1)  # [B] the deepest accepted node
+    at_last = p.gather(1, last[:, None, None].expand(-1, 1, p.shape[-1]))[:, 0]  # [B, V]
+    return Accepted(nodes=tree.node_paths[last], count=tree.depths[last], bonus=inverse_cdf(at_last, u[:, 0]))
+
+
+def check_uniforms(sampling: Sampling, u: torch.Tensor | None) -> None:
+    """A ValueError unless `accept_on_device` can decide `sampling`'s rule with the uniforms u."""
+    if not sampling.greedy and u is None:
+        raise ValueError(f"{sampling.acceptance} acceptance draws from u: pass acceptance_uniforms(sampling, B, N, "
+                         "generator)")
+
+
+def accept_on_device(tree: TreeTensors, tokens: torch.Tensor, logits: torch.Tensor, *, sampling: Sampling,
+                     u: torch.Tensor | None, draft: Draft | None = None, usable: torch.Tensor | None = None
+                     ) -> Accepted:
+    """The acceptance rule `sampling` names, for B rows on the device (`check_uniforms`): logits [B, N, V]
+    at every node of tokens [B, N]; u from `acceptance_uniforms`; draft: the proposal's, the q its
+    candidates were drawn from, or None: they are point masses (the heads' top-k, a prompt lookup's
+    continuation, a lone root), which top-k rejection decides."""
+    if sampling.greedy:
+        return greedy_accept_paths(tree, tokens, logits, usable=usable)
+    if sampling.acceptance == "typical":
+        return typical_accept_paths(tree, tokens, logits, sampling=sampling, u=u, usable=usable)
+    if draft is None:
+        return rejection_accept_topk(tree, tokens, logits, sampling=sampling, u=u, usable=usable)
+    return rejection_accept_drawn(tree, tokens, logits, sampling=sampling, draft=draft, u=u, usable=usable)
 
 
 def accept_paths(proposal: Proposal, logits: torch.Tensor, *, sampling: Sampling,
                  generator: torch.Generator | None, usable: torch.Tensor | None = None) -> Accepted:
-    """The acceptance rule `sampling` names, for B rows: logits [B, N, V] at every node of the proposal."""
-    tree, tokens = proposal.tree.tensors(logits.device), proposal.tokens
-    if sampling.acceptance in ON_DEVICE:
-        u = None if sampling.greedy else typical_uniforms(logits.shape[0], generator, device=logits.device)
-        return accept_on_device(tree, tokens, logits, sampling=sampling, u=u, usable=usable)
-    if proposal.draft is None:
-        return rejection_accept_topk(tree, tokens, logits, sampling=sampling, generator=generator, usable=usable)
-    return rejection_accept_drawn(proposal, logits, sampling=sampling, generator=generator, usable=usable)
+    """The acceptance rule `sampling` names, for B rows: logits [B, N, V] at every node of the proposal,
+    the uniforms drawn from `generator`."""
+    B, N = proposal.tokens.shape
+    u = acceptance_uniforms(sampling, B, N, generator, device=logits.device)
+    return accept_on_device(proposal.tree.tensors(logits.device), proposal.tokens, logits, sampling=sampling, u=u,
+                            draft=proposal.draft, usable=usable)

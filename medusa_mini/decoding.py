@@ -214,7 +214,7 @@ def medusa_generate_batch(
     roots = sampling.next_token(logits, generator)  # [B] on the device, as every later root
     stopped = rows.emit([[t] for t in roots.tolist()], step=False)
     stop_at = torch.tensor(rows.stop_at, device=device)  # [B]
-    drafted = None  # the next tree's tokens, when a compiled greedy or typical step drafted them
+    drafted = None  # the next tree's tokens, when a compiled step drafted their top-k
     while rows.active:
         if stopped:  # a stopped row accepts nothing more and its cache length stays put
             stop_at[stopped] = 0

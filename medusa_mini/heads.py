@@ -177,7 +177,7 @@ class MedusaHeads(DraftHeads):
     def draft_greedily(self, model: nn.Module, roots: torch.Tensor, hidden: torch.Tensor, tree: TreeTensors
                        ) -> torch.Tensor:
         """The proposer's top-k tree, roots [B], hidden [B, C] -> tokens [B, N], as one pure function, so
-        a compiled greedy or typical step drafts the next tree in its own graph (`step.verify_and_accept`).
+        a compiled step with top-k candidates drafts the next tree in its own graph (`step.verify_and_accept`).
         It stacks the blocks and gathers the draft rows at every call (`proposer` does it once): in a graph
         a copy of a few MB, cheaper than the eager heads' launches it replaces."""
         logits = self(hidden, model, num=tree.depth).transpose(0, 1)  # [B, D, M]
@@ -224,7 +224,7 @@ class HydraHeads(DraftHeads):
 
     def draft_greedily(self, model: nn.Module, roots: torch.Tensor, hidden: torch.Tensor, tree: TreeTensors
                        ) -> torch.Tensor:
-        """The proposer's top-k tree as one pure function, for a compiled greedy or typical step (see MedusaHeads')."""
+        """The proposer's top-k tree as one pure function, for a compiled step with top-k candidates (see MedusaHeads')."""
         weight, ids = self.draft_weight(model), self.draft_ids
         return fill_depth_by_depth(tree, roots, hidden, lambda k, h, tokens: self.head_logits(k, h, tokens, model, weight=weight),
                                    lambda logits: top_k(logits, ids, tree.num_ranks))

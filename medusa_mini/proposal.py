@@ -17,7 +17,7 @@ takes any such *drafter*. Shapes: B rows, N nodes, D depth, R ranks, V vocabular
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
 import torch
@@ -38,9 +38,18 @@ class Draft:
     log_q: torch.Tensor
     samples: torch.Tensor
     rows: tuple[int, ...]
+    row_of: torch.Tensor = field(init=False, repr=False)  # [N] `rows` on the device, a leaf's -1 as 0 (unused)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "row_of", torch.tensor(self.rows, device=self.log_q.device).clamp(min=0))
+
+    def at(self, nodes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """What each of nodes [n] drew its children from, in every row: log q [B, n, V], draws [B, n, R]."""
+        which = self.row_of[nodes]  # [n]
+        return self.log_q[:, which], self.samples[:, which]
 
     def per_node(self, b: int, samples: list) -> list[tuple[torch.Tensor, list[int]] | None]:
-        """Row b as the acceptance walk takes it: per node, (log q [V], draws) of its children, or None.
+        """Row b as the reference's walk takes it: per node, (log q [V], draws) of its children, or None.
         samples: `self.samples.tolist()`, read once per step for all rows."""
         return [(self.log_q[b, r], samples[b][r]) if r >= 0 else None for r in self.rows]
 
@@ -73,7 +82,7 @@ class Proposer(Protocol):
 
 class HeadsProposer:
     """A fixed tree, the heads' logits (a function, see each kind) over their draft vocabulary draft_ids [M].
-    `heads`: the module itself, whose `draft_greedily` a compiled greedy or typical step runs in its graph (None:
+    `heads`: the module itself, whose `draft_greedily` a compiled step with top-k candidates runs in its graph (None:
     the proposer alone drafts)."""
 
     def __init__(self, tree: Tree, head_logits: Callable, *, draft_ids: torch.Tensor, vocab_size: int,

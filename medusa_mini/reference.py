@@ -29,7 +29,16 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .sampling import Sampling, draft_log_probs, draw, draw_without_replacement, try_children, typical_threshold
+from .sampling import (
+    Sampling,
+    draft_log_probs,
+    draw,
+    draw_without_replacement,
+    inverse_cdf,
+    speculative_try,
+    typical_threshold,
+    without_earlier_draws,
+)
 
 if TYPE_CHECKING:  # names for the type hints only: this file runs on the model's weights alone
     from .heads import MedusaHeads
@@ -152,27 +161,47 @@ def typical_accept(parents: list[int], tokens: list[int], logits: torch.Tensor, 
     return path[::-1], int(draw(sampling.probs(logits[best]), generator))
 
 
+def try_children(p: torch.Tensor, candidates: list[int], draft: tuple, u: torch.Tensor) -> tuple[int | None, torch.Tensor]:
+    """Speculative sampling's tries at one node: candidates x1, x2, ... drawn from the draft against the
+    target p [V] (float64), each with its own uniform u [len(candidates)]; after a miss the next one is
+    tried against the residual (`speculative_try`). draft: (log q [V], the draws in order); x_i was
+    drawn from q without the draws before it (`without_earlier_draws`). Returns (index of the accepted
+    candidate or None, the p the bonus is drawn from when none is)."""
+    log_q, draws = draft
+    for i, x in enumerate(candidates):
+        x_, rank, drawn = (torch.tensor(v, device=p.device) for v in (x, draws.index(x), draws))
+        accepted, flat, residual = speculative_try(p, without_earlier_draws(log_q, drawn, rank, x_), x_, u[i])
+        if accepted:
+            return i, p
+        if flat:
+            return None, p
+        p = residual
+    return None, p
+
+
 def rejection_accept(parents: list[int], tokens: list[int], logits: torch.Tensor, *, sampling: Sampling,
                      generator: torch.Generator | None, drafts: list | None = None) -> tuple[list[int], int]:
     """Lossless rejection sampling on a tree (Leviathan et al. 2023; SpecInfer): every emitted sequence
     is exactly a sample of the backbone (fresh randomness at each node and the chain rule).
 
+    One uniform number per node is drawn first, u [N], and each is used once (the engine draws the same).
     Top-k candidates (drafts None) are point masses, and then trying a node's children in turn is the
     same as drawing y from p once: child x is accepted exactly when y = x, and when no child is, y is a
-    draw from p with the children removed, the bonus. So it is `walk` with y drawn from p at every node.
-    Drawn candidates (`propose`'s q per node) try each child with `try_children`; if none is accepted,
-    the bonus is drawn from what is left of p.
+    draw from p with the children removed, the bonus. So it is `walk` with y drawn from p at every node,
+    node i's with u[i]. Drawn candidates (`propose`'s q per node) try each child c with u[c]
+    (`try_children`); if none is accepted, the bonus is drawn from what is left of p with u[0] (the
+    root is never tried).
     """
+    u = torch.rand(len(parents), generator=generator, device=logits.device)  # [N]
     if drafts is None:
-        return walk(parents, tokens, draw(sampling.probs(logits), generator).tolist())
+        return walk(parents, tokens, inverse_cdf(sampling.probs(logits), u).tolist())
     node, path = 0, [0]
     while True:
         kids = children(parents, node)
-        u = torch.rand(len(kids), generator=generator, device=logits.device).tolist()
-        p = sampling.probs(logits[node]).double().cpu()  # [V]
-        i, p = try_children(p, [tokens[c] for c in kids], drafts[node], u)
+        p = sampling.probs(logits[node]).double()  # [V]
+        i, p = (None, p) if not kids else try_children(p, [tokens[c] for c in kids], drafts[node], u[kids])
         if i is None:
-            return path, int(draw(p.to(logits.device), generator))
+            return path, int(inverse_cdf(p, u[0]))
         node = kids[i]
         path.append(node)
 

@@ -6,7 +6,7 @@ after temperature and top-p: plain sampling draws from it, and rejection samplin
 
 The pieces of sampling that the reference (reference.py) and the engine (acceptance.py, proposal.py)
 both use live here, once: p and q, drawing, drawing drafts without replacement, typical acceptance's
-bar and speculative sampling's tries at one node. Neither side imports the other.
+bar and speculative sampling's try of one candidate. Neither side imports the other.
 """
 
 from __future__ import annotations
@@ -142,33 +142,34 @@ def typical_threshold(p: torch.Tensor, *, epsilon: float, delta: float) -> torch
     return torch.minimum(torch.full_like(entropy, epsilon), delta * torch.exp(-entropy))
 
 
-def without_earlier_draws(log_q: torch.Tensor, drawn: list[int], x: int) -> torch.Tensor:
-    """q_i, the distribution candidate x was drawn from: log_q [V] with the draws before x removed
-    (they were drawn without replacement), renormalised; float64 [V] probabilities."""
-    log_q = log_q.to("cpu", torch.float64, copy=True)
-    log_q[drawn[: drawn.index(x)]] = float("-inf")
-    if torch.isneginf(log_q[x]):  # q had no mass left for x (a tiny T, a small draft vocabulary): x was
-        log_q[x] = 0.0  # picked, not drawn, independently of the tries: it is tried as a point mass
-    return torch.softmax(log_q, dim=0)
+def without_earlier_draws(log_q: torch.Tensor, draws: torch.Tensor, rank: torch.Tensor, x: torch.Tensor
+                          ) -> torch.Tensor:
+    """q_r, the distribution the rank-r draw x was drawn from: log_q [..., V] with the draws before it
+    (draws [..., R], in order) removed, as they were drawn without replacement, renormalised; float64
+    probabilities [..., V]. rank, x: [...]."""
+    earlier = torch.arange(draws.shape[-1], device=draws.device) < rank[..., None]  # [..., R]
+    log_q = log_q.double().masked_fill(torch.zeros_like(log_q, dtype=torch.bool).scatter(-1, draws, earlier),
+                                       float("-inf"))  # [..., V]
+    # q had no mass left for x (a tiny T, a small draft vocabulary): Gumbel-top-k ranks every token of q
+    # before it, so all of them are removed and x, picked rather than drawn, is tried as a point mass.
+    at_x = log_q.gather(-1, x[..., None])  # [..., 1]
+    return torch.softmax(log_q.scatter(-1, x[..., None], torch.where(at_x.isneginf(), 0.0, at_x)), dim=-1)
 
 
-def try_children(p: torch.Tensor, candidates: list[int], draft: tuple | None, u: list[float]):
-    """Speculative sampling's tries at one node: candidates x1, x2, ... against the target p [V].
+def speculative_try(p: torch.Tensor, q: torch.Tensor, x: torch.Tensor, u: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One try of speculative sampling: candidate x [...], drawn from q [..., V], against the target p
+    [..., V], with the uniform u [...].
 
-    Try i accepts x_i with probability min(1, p(x_i) / q_i(x_i)); after a miss p <- norm(max(0, p - q_i)),
-    the residual. Each try then emits exactly p: min(p, q) + (1 - Σ min(p, q)) · norm(max(0, p - q)) = p.
-    draft: (log q [V], the draws in order), q_i from `without_earlier_draws`; None means point masses
-    (top-k candidates): accept x_i with probability p(x_i), then p(x_i) <- 0. u: one uniform number per
-    candidate. Returns (index of the accepted candidate or None, the final p for the bonus). Float64
-    scalar work on the host.
+    x is accepted with probability min(1, p(x) / q(x)); after a miss p becomes the residual
+    norm(max(0, p - q)), which is what makes a try emit exactly p: min(p, q) + (1 - Σ min(p, q)) ·
+    norm(max(0, p - q)) = p. Returns (accepted [...] bool, flat [...] bool: p = q up to rounding, so
+    every x with p(x) > 0 passes and no residual is left to try another candidate against, the residual
+    [..., V], meaningful where neither).
     """
-    for i, x in enumerate(candidates):
-        q = F.one_hot(torch.tensor(x), p.numel()).double() if draft is None else without_earlier_draws(*draft, x)
-        if u[i] * q[x] < p[x]:  # u < p/q without dividing: q(x) may underflow to 0
-            return i, p
-        residual = (p - q).clamp_min(0.0)
-        mass = residual.sum()
-        if mass <= 0:  # p = q up to rounding: every x with p(x) > 0 passes
-            return (i if p[x] > 0 else None), p
-        p = residual / mass
-    return None, p
+    p_x, q_x = p.gather(-1, x[..., None])[..., 0], q.gather(-1, x[..., None])[..., 0]  # [...]
+    residual = (p - q).clamp_min(0.0)  # [..., V]
+    mass = residual.sum(dim=-1)  # [...]
+    flat = mass <= 0
+    accepted = torch.where(flat, p_x > 0, u * q_x < p_x)  # u < p/q without dividing: q(x) may underflow to 0
+    return accepted, flat, residual / mass[..., None]

@@ -2,15 +2,14 @@
 
 The same stages as the reference's loop body (reference.py), made fast: a `Proposer` (proposal.py)
 fills the tree for every row on the device; `verify` scores every node of every row in one tree-masked
-forward over the static KV cache; `accept_paths` (acceptance.py) applies the rule to every node of
-every row at once; `keep_path` compacts each row's cache. Nothing waits for the host until the end,
-where `read_step` reads the emitted tokens of every row at once: one host sync per step (drawn
-candidates are the exception: rejection sampling tries them on the host).
+forward over the static KV cache; `accept_on_device` (acceptance.py) applies the rule to every node of
+every row at once, with uniform numbers drawn before it; `keep_path` compacts each row's cache. Nothing
+waits for the host until the end, where `read_step` reads the emitted tokens of every row at once: one
+host sync per step.
 
-Decoding repeats two forward passes, `plain_step` and `verify` (for the rules decided on the device,
-greedy and typical, `verify_and_accept`: the verify and all that follows it, up to the heads' next
-tree); `Steps` names what a loop runs, eager by default or compiled (cli/compiled.py), as gpt-fast
-compiles its `decode_one_token`.
+Decoding repeats two forward passes, `plain_step` and `verify` (or `verify_and_accept`: the verify and
+all that follows it, up to the heads' next tree); `Steps` names what a loop runs, eager by default or
+compiled (cli/compiled.py), as gpt-fast compiles its `decode_one_token`.
 
 Shapes: B rows, N tree nodes, D tree depth, V vocabulary, C n_embd.
 """
@@ -22,9 +21,9 @@ from typing import Callable
 
 import torch
 
-from .acceptance import ON_DEVICE, Accepted, accept_on_device, accept_paths, check_on_device, typical_uniforms
+from .acceptance import Accepted, accept_on_device, acceptance_uniforms, check_uniforms
 from .model import GPT, KVCache, compact_kv_cache
-from .proposal import Proposal, Proposer
+from .proposal import Draft, Proposal, Proposer
 from .sampling import Sampling
 from .tree import Tree, TreeTensors
 
@@ -74,29 +73,29 @@ def finish_step(cache: KVCache, accepted: Accepted, hiddens: torch.Tensor, *, st
 
 
 def verify_and_accept(model: GPT, cache: KVCache, tokens: torch.Tensor, *, tree: TreeTensors, usable: torch.Tensor,
-                      sampling: Sampling = Sampling(), u: torch.Tensor | None = None, attended: int | None = None,
-                      heads=None) -> tuple[Accepted, torch.Tensor, torch.Tensor | None]:
-    """All of a greedy or typical step after its proposal (tokens [B, N]), as one function, so a compiler
-    captures it as one graph (two would hand the verify's logits across, which CUDA graphs free between
-    calls): `verify`, the acceptance (greedy; or typical, §2.3.1, whose bonus draws take the uniforms u [B]
-    drawn before, as a graph holds no generator), `finish_step`; with `heads`, also the next step's tokens
-    [B, N] on the same tree (`draft_greedily`: the heads' top-k, which both rules verify, from the bonus
-    tokens and the hidden states `finish_step` returns), which the heads would otherwise compute in a few
-    dozen launches of their own. Returns (accepted, next hidden [B, C], next tokens or None)."""
-    check_on_device(sampling, u)  # before the verify writes the cache
+                      sampling: Sampling = Sampling(), u: torch.Tensor | None = None, draft: Draft | None = None,
+                      attended: int | None = None, heads=None) -> tuple[Accepted, torch.Tensor, torch.Tensor | None]:
+    """All of a step after its proposal (tokens [B, N]), as one function, so a compiler captures it as one
+    graph (two would hand the verify's logits across, which CUDA graphs free between calls): `verify`,
+    the acceptance (`accept_on_device`: any rule, its uniforms u drawn before, as a graph holds no
+    generator; draft: drawn candidates' q), `finish_step`; with `heads`, also the next step's tokens
+    [B, N] on the same tree (`draft_greedily`: the heads' top-k, from the bonus tokens and the hidden
+    states `finish_step` returns), which the heads would otherwise compute in a few dozen launches of
+    their own. Returns (accepted, next hidden [B, C], next tokens or None)."""
+    check_uniforms(sampling, u)  # before the verify writes the cache
     start = cache.lengths  # [B]
     logits, hiddens = verify(model, cache, tokens, depths=tree.depths, ancestor_mask=tree.ancestor_mask,
                              attended=attended)  # [B, N, V], [B, N, C]
-    accepted = accept_on_device(tree, tokens, logits, sampling=sampling, u=u, usable=usable)
+    accepted = accept_on_device(tree, tokens, logits, sampling=sampling, u=u, draft=draft, usable=usable)
     hidden = finish_step(cache, accepted, hiddens, start=start, active=usable[:, 0])  # [B, C]
     return accepted, hidden, None if heads is None else heads.draft_greedily(model, accepted.bonus, hidden, tree)
 
 
 @dataclass(frozen=True)
 class Steps:
-    """What decoding repeats, as a compiler may capture it: the two forward passes and, for greedy and
-    typical acceptance, `verify_and_accept` (None: `verify`, then acceptance and `finish_step`, eagerly, as
-    for every rule; on a GPU at batch 1 those stages are a few dozen small kernels whose launches cost more
+    """What decoding repeats, as a compiler may capture it: the two forward passes and `verify_and_accept`
+    (None: `verify`, then acceptance and `finish_step`, eagerly; on a GPU at batch 1 those stages are a
+    few dozen small kernels, or a few hundred for rejection sampling's tries, whose launches cost more
     than their work). Compiled ones keep static shapes: they read the whole cache every step (`static`),
     where eager ones read only the slots in use."""
 
@@ -173,20 +172,22 @@ def medusa_step(
     if stop_at is None:
         stop_at = torch.full_like(start, model.config.block_size)
     usable = usable_nodes(proposal.tree, start, stop_at)  # [B, N]
-    next_tokens = None
-    if sampling.acceptance in ON_DEVICE and steps.verify_and_accept is not None:
-        # The heads draft the next tree in the same graph, unless this tree is cut short (the end is near).
-        heads = proposer.heads if proposal.tree is proposer.tree else None
-        u = None if sampling.greedy else typical_uniforms(len(roots), generator, device=roots.device)
+    next_tokens, draft = None, proposal.draft
+    u = acceptance_uniforms(sampling, *proposal.tokens.shape, generator, device=roots.device)
+    if steps.verify_and_accept is not None:
+        # The heads draft the next tree's top-k in the same graph, unless this tree is cut short (the end
+        # is near) or the next candidates are to be drawn.
+        draws = sampling.draws_candidates
+        heads = proposer.heads if proposal.tree is proposer.tree and not draws else None
         accepted, next_hidden, next_tokens = steps.verify_and_accept(
-            model, cache, proposal.tokens, tree=t, usable=usable, sampling=sampling, u=u, attended=attended,
-            heads=heads)
+            model, cache, proposal.tokens, tree=t, usable=usable, sampling=sampling, u=u, draft=draft,
+            attended=attended, heads=heads)
         if next_tokens is not None:  # the next step's input: a copy, as a CUDA graph overwrites its outputs
             next_tokens = next_tokens.clone()
     else:
         logits, hiddens = steps.verify(model, cache, proposal.tokens, depths=t.depths, ancestor_mask=t.ancestor_mask,
                                        attended=attended)  # [B, N, V], [B, N, C]
-        accepted = accept_paths(proposal, logits, sampling=sampling, generator=generator, usable=usable)
+        accepted = accept_on_device(t, proposal.tokens, logits, sampling=sampling, u=u, draft=draft, usable=usable)
         next_hidden = finish_step(cache, accepted, hiddens, start=start, active=usable[:, 0])
     paths, new_tokens = read_step(proposal, accepted)
     return StepResult(paths=paths, new_tokens=new_tokens, next_roots=accepted.bonus, next_hidden=next_hidden,

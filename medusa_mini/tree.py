@@ -161,6 +161,8 @@ class TreeTensors:
     ranks: torch.Tensor  # [N] long: the rank of the head's guesses each node holds (0 for the root)
     node_paths: torch.Tensor  # [N, D + 1] long: the root-to-node path of each node, then the node repeated
     guess_index: torch.Tensor  # [N] long: where each node's token sits in [root, head 1's R guesses, head 2's, ...]
+    tries: tuple[tuple[torch.Tensor, torch.Tensor], ...]  # per slot s: (nodes with more than s children, their
+    # child in slot s, rank order), long [n_s] each: the s-th child a node tries
     first: tuple[int, ...]  # `Tree.first`: nodes of depth d are first[d] .. first[d + 1] - 1
     num_ranks: int  # R, the ranks any node uses (`Tree.max_rank` + 1)
 
@@ -182,9 +184,12 @@ def tree_tensors(tree: Tree, device: str) -> TreeTensors:
     as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
     R = tree.max_rank + 1
     guess = [0] + [1 + (d - 1) * R + r for d, r in zip(tree.depths[1:], tree.ranks[1:])]
+    slots = range(max(map(len, tree.children)))
+    tries = tuple((as_long([i for i, kids in enumerate(tree.children) if len(kids) > s]),
+                   as_long([kids[s] for kids in tree.children if len(kids) > s])) for s in slots)
     return TreeTensors(parents=as_long(tree.parents), ancestor_mask=mask.to(device), depths=as_long(tree.depths),
                        ranks=as_long(tree.ranks), node_paths=paths.to(device), guess_index=as_long(guess),
-                       first=tuple(tree.first), num_ranks=R)
+                       tries=tries, first=tuple(tree.first), num_ranks=R)
 
 
 # ---- presets ---------------------------------------------------------------------------------

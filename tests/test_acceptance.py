@@ -8,9 +8,9 @@ import torch
 
 from conftest import random_tree
 from medusa_mini import reference as ref
-from medusa_mini.acceptance import accept_paths, greedy_accept_paths, typical_accept_paths, typical_uniforms
+from medusa_mini.acceptance import accept_paths, acceptance_uniforms, greedy_accept_paths, typical_accept_paths
 from medusa_mini.proposal import Draft, Proposal
-from medusa_mini.sampling import Sampling
+from medusa_mini.sampling import Sampling, draw_without_replacement
 from medusa_mini.tree import Tree
 
 
@@ -63,7 +63,7 @@ def test_vectorised_typical_equals_the_node_walk_with_the_same_draws(temperature
         g1, g2 = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed)
         want = ref.typical_accept(tree.parents, tokens[0].tolist(), logits[0], sampling=sampling, generator=g1)
         got = typical_accept_paths(tree.tensors("cpu"), tokens, logits, sampling=sampling,
-                                   u=typical_uniforms(1, g2, device="cpu"))
+                                   u=acceptance_uniforms(sampling, 1, 0, g2, device="cpu"))
         assert as_host(got) == want
         assert torch.rand((), generator=g1) == torch.rand((), generator=g2)
         deep += len(want[0]) > 2
@@ -99,7 +99,7 @@ def test_typical_acceptance_needs_p_strictly_above_the_bar():
         path, _ = ref.typical_accept([-1, 0], tokens[0].tolist(), logits[0], sampling=sampling,
                                      generator=torch.Generator().manual_seed(0))
         got = typical_accept_paths(Tree.from_choices([(0,)]).tensors("cpu"), tokens, logits, sampling=sampling,
-                                   u=typical_uniforms(1, torch.Generator().manual_seed(0), device="cpu"))
+                                   u=acceptance_uniforms(sampling, 1, 0, torch.Generator().manual_seed(0), device="cpu"))
         assert (len(path) == 2, int(got.count[0]) == 1) == (accepted, accepted)
 
 
@@ -117,3 +117,35 @@ def test_topk_rejection_on_the_device_makes_the_reference_walks_decisions_with_t
     for b in range(2):
         assert as_host(got, b) == ref.rejection_accept(tree.parents, tokens[b].tolist(), logits[b],
                                                        sampling=sampling, generator=gen)
+
+
+def test_drawn_rejection_on_the_device_makes_the_reference_walks_decisions_in_every_row():
+    """Rejection sampling of drawn candidates tries every node's children at once on the device; the
+    reference walks each row node by node, trying children in rank order against the residual. Given a
+    row's uniforms (row b of acceptance_uniforms: numbers b N .. b N + N - 1 of the generator), both
+    accept the same path and draw the same bonus, on random trees with rank gaps and a q per node near
+    p, so paths run deep and later children are tried after misses."""
+    deepest, missed_then_accepted = 0, 0
+    for seed in range(8):
+        tree, tokens, logits = random_case(seed, vocab=8, rows=5)
+        B, N, V = logits.shape
+        gen = torch.Generator().manual_seed(seed)
+        logits = logits + torch.randn(B, N, V, generator=gen)  # fewer ties than the integer logits
+        sampling = Sampling(acceptance="rejection", temperature=1.0)
+        log_q = torch.log_softmax(logits + torch.randn(B, N, V, generator=gen), dim=-1)  # [B, N, V] each node's q
+        samples = draw_without_replacement(log_q, tree.max_rank + 1, gen)  # [B, N, R]
+        for c in range(1, N):  # child c holds the draw of its rank from its parent's q
+            tokens[:, c] = samples[:, tree.parents[c], tree.ranks[c]]
+        draft = Draft(log_q=log_q, samples=samples, rows=tuple(range(N)))
+        got = accept_paths(Proposal(tokens, tree, draft), logits, sampling=sampling,
+                           generator=torch.Generator().manual_seed(seed))
+        for b in range(B):
+            row = torch.Generator().manual_seed(seed)
+            torch.rand(b * N, generator=row)  # the numbers rows 0 .. b - 1 took
+            drafts = [(log_q[b, n], samples[b, n].tolist()) for n in range(N)]
+            want = ref.rejection_accept(tree.parents, tokens[b].tolist(), logits[b], sampling=sampling, generator=row,
+                                        drafts=drafts)
+            assert as_host(got, b) == want
+            missed_then_accepted += any(tree.children[a].index(n) > 0 for a, n in zip(want[0], want[0][1:]))
+        deepest = max(deepest, int(got.count.max()))
+    assert deepest >= 2 and missed_then_accepted  # deep paths, and a child accepted after a miss

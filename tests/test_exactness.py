@@ -21,15 +21,20 @@ import torch
 
 import medusa_mini.acceptance as acceptance
 import medusa_mini.reference as ref
-import medusa_mini.sampling as sampling_module
 import medusa_mini.step as step
 from conftest import RULES, ContinuationHeads, random_heads, tiny_model
 from lossless import FutureHeads, FutureHydraHeads, V, deepest, exact_sequence_probs, failures, sample_rows, small_model
-from medusa_mini.acceptance import accept_paths, path_accept, typical_accept_paths, typical_uniforms
+from medusa_mini.acceptance import (
+    accept_on_device,
+    acceptance_uniforms,
+    path_accept,
+    rejection_accept_topk,
+    typical_accept_paths,
+)
 from medusa_mini.decoding import generate, generate_batch, medusa_generate, medusa_generate_batch, prefill
 from medusa_mini.model import KVCache, compact_kv_cache
 from medusa_mini.proposal import Draft, PromptLookup
-from medusa_mini.sampling import Sampling, sampling_probs, try_children, typical_threshold
+from medusa_mini.sampling import Sampling, sampling_probs, speculative_try, typical_threshold
 from medusa_mini.step import Steps, plain_step, verify
 from medusa_mini.tree import Tree, chain, preset
 
@@ -195,70 +200,66 @@ def test_rejection_sampling_emits_exactly_the_backbones_distribution(case):
         assert sum(inside) > 10
 
 
-def q_keeps_earlier_draws(log_q, drawn, x):
-    return log_q.to("cpu", torch.float64).exp()
+def q_keeps_earlier_draws(log_q, draws, rank, x):
+    return log_q.double().softmax(dim=-1)
 
 
-def residual_not_updated(p, candidates, draft, u):
+def residual_not_updated(p, q, x, u):
     """Each candidate tried against p itself, and the bonus drawn from p: no residual after a miss."""
-    for i, x in enumerate(candidates):
-        if try_children(p, [x], draft, [u[i]])[0] is not None:
-            return i, p
-    return None, p
+    accepted, flat, _ = speculative_try(p, q, x, u)
+    return accepted, flat, p
 
 
-def residual_only_over_the_draft_vocabulary(p, candidates, draft, u):
-    i, p = try_children(p, candidates, draft, u)
-    return i, p if i is not None or draft is None else p * draft[0].isfinite().cpu()
+def residual_only_over_the_draft_vocabulary(p, q, x, u):
+    accepted, flat, residual = speculative_try(p, q, x, u)
+    return accepted, flat, residual * (q > 0)
 
 
-def first_draw_accepted_untested(p, candidates, draft, u):
-    return (0, p) if candidates else (None, p)
+def first_draw_accepted_untested(p, q, x, u):
+    accepted, flat, residual = speculative_try(p, q, x, u)
+    return torch.ones_like(accepted), flat, residual
 
 
-def accepts_without_top_p(proposal, logits, *, sampling, **kwargs):
-    return accept_paths(proposal, logits, sampling=replace(sampling, top_p=1.0), **kwargs)
+def accepts_without_top_p(tree, tokens, logits, *, sampling, **kwargs):
+    return accept_on_device(tree, tokens, logits, sampling=replace(sampling, top_p=1.0), **kwargs)
 
 
-def one_uniform_per_row(tree, tokens, logits, *, sampling, generator, usable=None):
+def one_uniform_per_row(tree, tokens, logits, *, sampling, u, usable=None):
     """Top-k rejection with ONE uniform number for every node of a row: each node's y is still a draw from
     its p, but the draws along a path are coupled, not fresh at each depth."""
-    cdf = sampling.probs(logits).cumsum(dim=-1)  # [B, N, V]
-    u = torch.rand(cdf.shape[0], generator=generator)[:, None, None]  # [B, 1, 1]
-    y = torch.searchsorted(cdf, u * cdf[..., -1:], right=True)[..., 0].clamp(max=cdf.shape[-1] - 1)
-    return path_accept(tree, tokens, y, usable=usable)
+    return rejection_accept_topk(tree, tokens, logits, sampling=sampling, u=u[:, :1].expand_as(u), usable=usable)
 
 
-def another_rows_q(draft, b, samples, per_node=Draft.per_node):
-    """`Draft.per_node` giving row b's draws with row b + 1's q."""
-    other = per_node(draft, (b + 1) % draft.log_q.shape[0], samples)
-    return [mine and (theirs[0], mine[1]) for mine, theirs in zip(per_node(draft, b, samples), other)]
+def another_rows_q(draft, nodes, at=Draft.at):
+    """`Draft.at` giving row b its own draws with row b + 1's q."""
+    log_q, draws = at(draft, nodes)
+    return log_q.roll(1, dims=0), draws
 
 
-def a_siblings_q(draft, b, samples, per_node=Draft.per_node):
-    """`Draft.per_node` with each inner node's children (DEEP_TREE's depth 1) tried against the next one's q."""
-    nodes = per_node(draft, b, samples)
-    inner = [i for i, node in enumerate(nodes) if node and i > 0]
-    wrong = list(nodes)
+def a_siblings_q(draft, nodes, at=Draft.at):
+    """`Draft.at` with each inner node's children (DEEP_TREE's depth 1) tried against the next one's q."""
+    inner = [i for i, row in enumerate(draft.rows) if row >= 0 and i > 0]
+    sibling = list(range(len(draft.rows)))
     for i, j in zip(inner, inner[1:] + inner[:1]):
-        wrong[i] = (nodes[j][0], nodes[i][1])
-    return wrong
+        sibling[i] = j
+    return at(draft, torch.tensor(sibling)[nodes])[0], at(draft, nodes)[1]
 
 
 SAMPLING_BUGS = {  # name: (the case whose check must fail, the module attribute to patch, the wrong value)
     "top_k_draws_share_one_uniform_per_row": ("top-k", acceptance, "rejection_accept_topk", one_uniform_per_row),
-    "q_keeps_earlier_draws": ("drawn-depth-3-rank-gap", sampling_module, "without_earlier_draws",
-                              q_keeps_earlier_draws),
-    "the_first_draw_is_accepted_untested": ("drawn-depth-3-rank-gap", acceptance, "try_children",
+    "q_keeps_earlier_draws": ("drawn-depth-3-rank-gap", acceptance, "without_earlier_draws", q_keeps_earlier_draws),
+    "the_first_draw_is_accepted_untested": ("drawn-depth-3-rank-gap", acceptance, "speculative_try",
                                             first_draw_accepted_untested),
-    "drawn_candidates_are_judged_by_p_without_top_p": ("drawn-top-p", step, "accept_paths", accepts_without_top_p),
-    "top_k_candidates_are_judged_by_p_without_top_p": ("top-k-top-p", step, "accept_paths", accepts_without_top_p),
-    "the_residual_is_not_updated_after_a_miss": ("drawn-draft-vocabulary-T1.5", acceptance, "try_children",
+    "drawn_candidates_are_judged_by_p_without_top_p": ("drawn-top-p", step, "accept_on_device",
+                                                       accepts_without_top_p),
+    "top_k_candidates_are_judged_by_p_without_top_p": ("top-k-top-p", step, "accept_on_device",
+                                                       accepts_without_top_p),
+    "the_residual_is_not_updated_after_a_miss": ("drawn-draft-vocabulary-T1.5", acceptance, "speculative_try",
                                                  residual_not_updated),
     "the_residual_leaves_out_tokens_outside_the_draft_vocabulary": (
-        "drawn-draft-vocabulary-T1.5", acceptance, "try_children", residual_only_over_the_draft_vocabulary),
-    "a_row_tries_its_draws_against_another_rows_q": ("hydra-ragged-batch", Draft, "per_node", another_rows_q),
-    "children_are_tried_against_a_siblings_q": ("hydra-ragged-batch", Draft, "per_node", a_siblings_q),
+        "drawn-draft-vocabulary-T1.5", acceptance, "speculative_try", residual_only_over_the_draft_vocabulary),
+    "a_row_tries_its_draws_against_another_rows_q": ("hydra-ragged-batch", Draft, "at", another_rows_q),
+    "children_are_tried_against_a_siblings_q": ("hydra-ragged-batch", Draft, "at", a_siblings_q),
 }
 
 
@@ -301,7 +302,7 @@ def test_typical_acceptance_never_accepts_or_emits_a_token_outside_the_nucleus()
                                          generator=torch.Generator().manual_seed(seed))
         assert path == [0, 2] and bonus in nucleus
         got = typical_accept_paths(tree.tensors("cpu"), torch.tensor([tokens]), logits[None], sampling=sampling,
-                                   u=typical_uniforms(1, torch.Generator().manual_seed(seed), device="cpu"))
+                                   u=acceptance_uniforms(sampling, 1, 0, torch.Generator().manual_seed(seed), device="cpu"))
         assert got.nodes[0, : got.count[0] + 1].tolist() == [0, 2] and int(got.bonus[0]) == bonus
 
 
@@ -339,7 +340,7 @@ def test_typical_medusa_with_top_p_emits_only_nucleus_tokens_in_the_engine_and_t
 
 
 def test_the_nucleus_check_fails_when_typical_acceptance_reads_p_without_top_p(monkeypatch):
-    monkeypatch.setattr(step, "accept_paths", accepts_without_top_p)
+    monkeypatch.setattr(step, "accept_on_device", accepts_without_top_p)
     assert typical_tokens_outside_the_nucleus()[0] > 0
 
 
@@ -357,7 +358,7 @@ def test_typical_acceptance_decides_each_row_of_a_batch_as_alone_given_the_same_
     # Candidates drawn from p at their parent: likely tokens, so paths are often long.
     tokens = torch.stack([torch.multinomial(p[:, max(par, 0)], 1, generator=g)[:, 0] for par in tree.parents], 1)
     got = typical_accept_paths(tree.tensors(), tokens, logits, sampling=sampling,
-                               u=typical_uniforms(B, torch.Generator().manual_seed(1), device="cpu"))
+                               u=acceptance_uniforms(sampling, B, 0, torch.Generator().manual_seed(1), device="cpu"))
     for b in range(B):
         def advanced():  # the generator as row b of the batch meets it: b numbers already drawn
             gen = torch.Generator().manual_seed(1)
@@ -365,7 +366,7 @@ def test_typical_acceptance_decides_each_row_of_a_batch_as_alone_given_the_same_
             return gen
 
         alone = typical_accept_paths(tree.tensors(), tokens[b : b + 1], logits[b : b + 1], sampling=sampling,
-                                     u=typical_uniforms(1, advanced(), device="cpu"))
+                                     u=acceptance_uniforms(sampling, 1, 0, advanced(), device="cpu"))
         want_path, want_bonus = ref.typical_accept(tree.parents, tokens[b].tolist(), logits[b], sampling=sampling,
                                                    generator=advanced())
         count = int(got.count[b])

@@ -191,17 +191,17 @@ def test_a_step_drafting_the_next_tree_sends_the_device_nothing_and_drawn_candid
 
 
 @torch.no_grad()
-def test_verify_and_accept_decides_only_rules_without_the_host_and_typical_only_with_its_uniforms():
-    """Rejection sampling of drawn candidates walks on the host, so it has no place in the one-graph step;
-    typical acceptance draws its bonus tokens from uniforms drawn before the graph, which must be given."""
+def test_verify_and_accept_refuses_a_sampled_rule_without_its_uniforms():
+    """The one-graph step holds no generator: typical acceptance and rejection sampling take the uniforms
+    drawn before it; missing, they are refused before the verify writes the cache."""
     model = tiny_model(5)
     cache = KVCache(model.config, batch_size=1, max_len=64)
     tree = preset("cpu")
     args = (model, cache, torch.zeros(1, tree.num_nodes, dtype=torch.long))
     kw = dict(tree=tree.tensors("cpu"), usable=torch.ones(1, tree.num_nodes, dtype=torch.bool))
-    with pytest.raises(ValueError, match="not decided on the device"):
-        verify_and_accept(*args, **kw, sampling=RULES["rejection"])
-    with pytest.raises(ValueError, match="typical_uniforms"):
-        verify_and_accept(*args, **kw, sampling=RULES["typical"])
+    for rule in ("typical", "rejection"):
+        with pytest.raises(ValueError, match="acceptance_uniforms"):
+            verify_and_accept(*args, **kw, sampling=RULES[rule])
+    assert int(cache.lengths[0]) == 0
     accepted, hidden, _ = verify_and_accept(*args, **kw, sampling=RULES["typical"], u=torch.tensor([0.5]))
     assert hidden.shape == (1, model.config.n_embd) and int(cache.lengths[0]) == int(accepted.count[0]) + 1

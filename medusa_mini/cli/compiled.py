@@ -1,7 +1,6 @@
-"""`--compile`: the plain step (T = 1), the tree verify (T = N) and `verify_and_accept` (the verify, greedy
-or typical acceptance, keeping the path and the heads' next tree) compiled by name, whole graphs, one per
-shape and rule, on
-CUDA as CUDA graphs (mode "reduce-overhead"), which remove the kernel launches that dominate batch-1
+"""`--compile`: the plain step (T = 1), the tree verify (T = N) and `verify_and_accept` (the verify, the
+acceptance, keeping the path and the heads' next tree) compiled by name, whole graphs, one per shape and
+rule, on CUDA as CUDA graphs (mode "reduce-overhead"), which remove the kernel launches that dominate batch-1
 decoding; the prefill stays eager. A CUDA graph replays on the addresses it recorded and overwrites its
 outputs at its next replay: `StaticCaches` keeps one KV cache per shape, marked static, and `warm_up`
 records every shape before anything is timed."""
@@ -13,9 +12,9 @@ from typing import Callable
 import torch
 
 from .. import step
-from ..acceptance import ON_DEVICE
+from ..acceptance import acceptance_uniforms
 from ..model import GPT, KVCache
-from ..proposal import Proposer
+from ..proposal import HeadsProposer, Proposer
 from ..sampling import Sampling
 from .common import timed
 
@@ -49,14 +48,15 @@ class StaticCaches:
 def warm_up(model: GPT, steps: step.Steps, caches: StaticCaches, *, rows: int, plain: bool,
             proposers: list[tuple[Proposer, Sampling]] = ()) -> float:
     """Run every shape decoding `rows` rows can meet: the plain step (if `plain`), and every tree each
-    proposer's proposals can hold (`Proposer.trees`) under its rule: through `steps.verify_and_accept`
-    (greedy and typical acceptance; the full tree with the proposer's heads, which draft the next one in
-    the graph) or `steps.verify` (rejection sampling): only the graphs the run uses. Three calls each:
-    under CUDA graphs the first runs eagerly, the second records, the third replays. Returns the seconds."""
+    proposer's proposals can hold (`Proposer.trees`) under its rule through `steps.verify_and_accept` (the
+    full tree with the proposer's heads, which draft the next one's top-k in the graph): only the graphs
+    the run uses. Three calls each: under CUDA graphs the first runs eagerly, the second records, the third
+    replays. Returns the seconds."""
     device, block = model.device, model.config.block_size
-    # (nodes, tree, heads, rule): rejection's verify does not depend on its rule, so one entry serves all.
-    shapes = {(p.tree.num_nodes, t, p.heads if t == p.tree else None, s) if s.acceptance in ON_DEVICE
-              else (p.tree.num_nodes, t, None, None) for p, s in proposers for t in p.trees()}
+    # (slots, tree, heads, rule, proposer): the proposer only where candidates are drawn (it makes the draft)
+    shapes = {(p.tree.num_nodes, t, p.heads if t == p.tree and not s.draws_candidates else None, s,
+               p if s.draws_candidates and isinstance(p, HeadsProposer) else None)
+              for p, s in proposers for t in p.trees()}
     config = torch._dynamo.config  # each shape is one more specialisation of its function
     config.recompile_limit += len(shapes) + 1
     config.accumulated_recompile_limit += len(shapes) + 1
@@ -66,17 +66,17 @@ def warm_up(model: GPT, steps: step.Steps, caches: StaticCaches, *, rows: int, p
             cache = caches(rows, block)
             cache.lengths = 0
             steps.plain(model, cache, torch.zeros(rows, 1, dtype=torch.long, device=device))
-        for nodes, t, heads, sampling in shapes:
+        for nodes, t, heads, sampling, drawing in shapes:
             cache, tensors = caches(rows, block + nodes), t.tensors(device)
             tokens = torch.zeros(rows, t.num_nodes, dtype=torch.long, device=device)
             start = torch.zeros(rows, dtype=torch.long, device=device)
             usable = step.usable_nodes(t, start, torch.full_like(start, block))  # [rows, N]
-            u = None if sampling is None or sampling.greedy else torch.zeros(rows, device=device)
+            u = acceptance_uniforms(sampling, rows, t.num_nodes, None, device=device)
+            draft = None if drawing is None else drawing.propose(
+                start, torch.zeros(rows, model.config.n_embd, device=device, dtype=model.lm_head.weight.dtype),
+                max_depth=t.depth, sampling=sampling, generator=None).draft
             for _ in range(3):
                 cache.lengths = 0
-                if sampling is not None:
-                    steps.verify_and_accept(model, cache, tokens, tree=tensors, usable=usable, sampling=sampling,
-                                            u=u, heads=heads)
-                else:
-                    steps.verify(model, cache, tokens, depths=tensors.depths, ancestor_mask=tensors.ancestor_mask)
+                steps.verify_and_accept(model, cache, tokens, tree=tensors, usable=usable, sampling=sampling, u=u,
+                                        draft=draft, heads=heads)
     return timed(device, every_shape)[1]

@@ -134,6 +134,29 @@ def test_a_compiled_greedy_or_typical_step_drafts_the_next_tree_in_its_graph(mon
     assert len(backend.graphs) == graphs  # the warm-up recorded the drafting graph
 
 
+@pytest.mark.parametrize("rule", ["rejection", "rejection-topk"])
+@pytest.mark.parametrize("kind", ["medusa", "hydra"])
+def test_a_compiled_rejection_step_decides_in_its_graph_with_the_eager_draws(kind, rule):
+    """Rejection sampling, of drawn or of top-k candidates, runs its tries inside `verify_and_accept`'s
+    graph with the uniforms drawn before it: every step of a ragged batch goes through the recorded
+    graph, and the tokens are the eager ones, draw for draw."""
+    backend = GraphReplay()
+    model, heads, steps, caches = warmed_up(6, backend=backend, kind=kind, rows=2, rules=(RULES[rule],))
+    graphs, calls = len(backend.graphs), []
+    counted = dataclasses.replace(steps, verify_and_accept=lambda *a, **kw: calls.append(1) or
+                                  steps.verify_and_accept(*a, **kw))
+
+    def run(**kw):
+        return medusa_generate_batch(model, heads, [[1, 2, 3], [4, 5]], tree=TREE, max_new_tokens=30,
+                                     sampling=RULES[rule], generator=torch.Generator().manual_seed(4), **kw)
+
+    compiled, eager = run(steps=counted, cache=caches), run()
+    assert [out for out, _ in compiled] == [out for out, _ in eager]
+    assert len(calls) == max(st.steps for _, st in compiled)
+    assert sum(sum(st.accepted_nodes) for _, st in compiled) > 0  # the walk accepted candidates, not only bonuses
+    assert len(backend.graphs) == graphs  # the warm-up recorded every graph the run replays
+
+
 def test_a_kv_cache_not_marked_static_is_refused_under_cuda_graphs_rules(monkeypatch):
     """Why StaticCaches marks its tensors: a CUDA graph would write into its own copy of the cache."""
     monkeypatch.setattr(torch._dynamo, "mark_static_address", lambda t, guard=True: None)
