@@ -104,11 +104,11 @@ def test_graph_replay_poisons_a_steps_outputs_when_a_step_runs_again():
     assert logits.isnan().all() and hidden.isnan().all()
 
 
-@pytest.mark.parametrize("rule", ["greedy", "typical"])
+@pytest.mark.parametrize("rule", ["greedy", "typical", "rejection-topk"])
 @pytest.mark.parametrize("kind", ["medusa", "hydra"])
-def test_a_compiled_greedy_or_typical_step_drafts_the_next_tree_in_its_graph(monkeypatch, kind, rule):
-    """Compiled, greedy and typical decoding run the heads in `verify_and_accept`'s graph, so they launch
-    nothing of their own: the eager proposer fills only the first tree and those cut short near the end,
+def test_a_compiled_step_with_top_k_candidates_drafts_the_next_tree_in_its_graph(monkeypatch, kind, rule):
+    """Compiled, every rule that verifies the heads' top-k runs the heads in `verify_and_accept`'s graph, so
+    they launch nothing of their own: the eager proposer fills only the first tree and those cut short near the end,
     every step verifies the tree the eager proposer would have filled, and the tokens are the eager ones
     (typical: the same draws), for a ragged batch."""
     backend = GraphReplay()
@@ -134,21 +134,20 @@ def test_a_compiled_greedy_or_typical_step_drafts_the_next_tree_in_its_graph(mon
     assert len(backend.graphs) == graphs  # the warm-up recorded the drafting graph
 
 
-@pytest.mark.parametrize("rule", ["rejection", "rejection-topk"])
 @pytest.mark.parametrize("kind", ["medusa", "hydra"])
-def test_a_compiled_rejection_step_decides_in_its_graph_with_the_eager_draws(kind, rule):
-    """Rejection sampling, of drawn or of top-k candidates, runs its tries inside `verify_and_accept`'s
-    graph with the uniforms drawn before it: every step of a ragged batch goes through the recorded
-    graph, and the tokens are the eager ones, draw for draw."""
-    backend = GraphReplay()
-    model, heads, steps, caches = warmed_up(6, backend=backend, kind=kind, rows=2, rules=(RULES[rule],))
+def test_a_compiled_step_tries_drawn_candidates_in_its_graph_with_the_eager_draws(kind):
+    """Rejection sampling of candidates drawn from q runs its tries inside `verify_and_accept`'s graph,
+    with the uniforms drawn before it: every step of a ragged batch goes through the recorded graph, and
+    the tokens are the eager ones, draw for draw."""
+    backend, rule = GraphReplay(), RULES["rejection"]
+    model, heads, steps, caches = warmed_up(6, backend=backend, kind=kind, rows=2, rules=(rule,))
     graphs, calls = len(backend.graphs), []
     counted = dataclasses.replace(steps, verify_and_accept=lambda *a, **kw: calls.append(1) or
                                   steps.verify_and_accept(*a, **kw))
 
     def run(**kw):
         return medusa_generate_batch(model, heads, [[1, 2, 3], [4, 5]], tree=TREE, max_new_tokens=30,
-                                     sampling=RULES[rule], generator=torch.Generator().manual_seed(4), **kw)
+                                     sampling=rule, generator=torch.Generator().manual_seed(4), **kw)
 
     compiled, eager = run(steps=counted, cache=caches), run()
     assert [out for out, _ in compiled] == [out for out, _ in eager]
