@@ -160,7 +160,7 @@ def rejection_accept_drawn(tree: TreeTensors, tokens: torch.Tensor, logits: torc
 
 def check_uniforms(sampling: Sampling, u: torch.Tensor | None) -> None:
     """A ValueError unless `accept_on_device` can decide `sampling`'s rule with the uniforms u."""
-    if not sampling.greedy and u is None:
+    if not sampling.greedy and (u is None or u.dim() != (1 if sampling.acceptance == "typical" else 2)):
         raise ValueError(f"{sampling.acceptance} acceptance draws from u: pass acceptance_uniforms(sampling, B, N, "
                          "generator)")
 

@@ -17,7 +17,7 @@ takes any such *drafter*. Shapes: B rows, N nodes, D depth, R ranks, V vocabular
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Protocol
 
 import torch
@@ -30,28 +30,24 @@ from .tree import Tree, TreeTensors, chain
 class Draft:
     """Sampled candidates: the q each node's children were drawn from, and the draws in order.
 
-    log_q: [B, Q, V], one row per q; samples: [B, Q, R] distinct tokens drawn from it. rows[node] is the
-    row the node's children were drawn from (-1 for a leaf): the depth for Medusa heads, whose q depends
-    only on it; the node itself for dependent heads, whose q depends on the path.
+    log_q: [B, Q, V], one row per q; samples: [B, Q, R] distinct tokens drawn from it. rows: [N] long on
+    the device, the row node i's children were drawn from (-1 for a leaf): the depth for Medusa heads,
+    whose q depends only on it; the node itself for dependent heads, whose q depends on the path.
     """
 
     log_q: torch.Tensor
     samples: torch.Tensor
-    rows: tuple[int, ...]
-    row_of: torch.Tensor = field(init=False, repr=False)  # [N] `rows` on the device, a leaf's -1 as 0 (unused)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "row_of", torch.tensor(self.rows, device=self.log_q.device).clamp(min=0))
+    rows: torch.Tensor
 
     def at(self, nodes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """What each of nodes [n] drew its children from, in every row: log q [B, n, V], draws [B, n, R]."""
-        which = self.row_of[nodes]  # [n]
+        which = self.rows.clamp(min=0)[nodes]  # [n]; a leaf's row is never asked for
         return self.log_q[:, which], self.samples[:, which]
 
-    def per_node(self, b: int, samples: list) -> list[tuple[torch.Tensor, list[int]] | None]:
-        """Row b as the reference's walk takes it: per node, (log q [V], draws) of its children, or None.
-        samples: `self.samples.tolist()`, read once per step for all rows."""
-        return [(self.log_q[b, r], samples[b][r]) if r >= 0 else None for r in self.rows]
+    def per_node(self, b: int) -> list[tuple[torch.Tensor, list[int]] | None]:
+        """Row b as the reference's walk takes it: per node, (log q [V], draws) of its children, or None."""
+        samples = self.samples[b].tolist()  # [Q][R]
+        return [(self.log_q[b, r], samples[r]) if r >= 0 else None for r in self.rows.tolist()]
 
 
 @dataclass(frozen=True)
@@ -147,7 +143,7 @@ class MedusaProposer(HeadsProposer):
             return Proposal(fill(t, roots, top_k(logits, ids, t.num_ranks)), tree)
         log_q = draft_log_probs(logits, ids, temperature=sampling.temperature, vocab_size=self.vocab_size)
         samples = draw_without_replacement(log_q, t.num_ranks, generator)  # [B, D, R]
-        rows = tuple(d if kids else -1 for d, kids in zip(tree.depths, tree.children))
+        rows = torch.where(t.inner, t.depths, -1)  # [N] node i's children were drawn from head depth(i) + 1
         return Proposal(fill(t, roots, samples), tree, Draft(log_q=log_q, samples=samples, rows=rows))
 
 
@@ -175,7 +171,7 @@ class HydraProposer(HeadsProposer):
             return samples[-1]
 
         tokens = fill_depth_by_depth(t, roots, hidden, self.head_logits, draw_children)
-        rows = tuple(i if kids else -1 for i, kids in enumerate(tree.children))  # row i = node i's q
+        rows = torch.where(t.inner, torch.arange(len(t.inner), device=t.inner.device), -1)  # [N] row i: node i's q
         return Proposal(tokens, tree, Draft(log_q=torch.cat(log_qs, 1), samples=torch.cat(samples, 1), rows=rows))
 
 

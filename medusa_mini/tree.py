@@ -159,6 +159,7 @@ class TreeTensors:
     ancestor_mask: torch.Tensor  # [N, N] bool: j is i or an ancestor of i, the tree attention mask (Fig. 2)
     depths: torch.Tensor  # [N] long: position offset of each node from the root
     ranks: torch.Tensor  # [N] long: the rank of the head's guesses each node holds (0 for the root)
+    inner: torch.Tensor  # [N] bool: the node has children
     node_paths: torch.Tensor  # [N, D + 1] long: the root-to-node path of each node, then the node repeated
     guess_index: torch.Tensor  # [N] long: where each node's token sits in [root, head 1's R guesses, head 2's, ...]
     tries: tuple[tuple[torch.Tensor, torch.Tensor], ...]  # per slot s: (nodes with more than s children, their
@@ -188,7 +189,7 @@ def tree_tensors(tree: Tree, device: str) -> TreeTensors:
     tries = tuple((as_long([i for i, kids in enumerate(tree.children) if len(kids) > s]),
                    as_long([kids[s] for kids in tree.children if len(kids) > s])) for s in slots)
     return TreeTensors(parents=as_long(tree.parents), ancestor_mask=mask.to(device), depths=as_long(tree.depths),
-                       ranks=as_long(tree.ranks), node_paths=paths.to(device), guess_index=as_long(guess),
+                       ranks=as_long(tree.ranks), inner=as_long(list(map(len, tree.children))) > 0, node_paths=paths.to(device), guess_index=as_long(guess),
                        tries=tries, first=tuple(tree.first), num_ranks=R)
 
 

@@ -8,7 +8,13 @@ import torch
 
 from conftest import random_tree
 from medusa_mini import reference as ref
-from medusa_mini.acceptance import accept_paths, acceptance_uniforms, greedy_accept_paths, typical_accept_paths
+from medusa_mini.acceptance import (
+    accept_on_device,
+    accept_paths,
+    acceptance_uniforms,
+    greedy_accept_paths,
+    typical_accept_paths,
+)
 from medusa_mini.proposal import Draft, Proposal
 from medusa_mini.sampling import Sampling, draw_without_replacement
 from medusa_mini.tree import Tree
@@ -82,7 +88,7 @@ def test_nodes_a_row_cannot_use_are_never_accepted(rule):
     if rule.endswith("drawn candidates"):  # node i's child was drawn from q = a point mass on token i + 1
         samples = torch.tensor([[[1], [2], [3]]] * 3)  # [B, depth, 1 draw]
         log_q = torch.full((3, 3, 4), float("-inf")).scatter_(2, samples, 0.0)
-        draft = Draft(log_q=log_q, samples=samples, rows=(0, 1, 2, -1))
+        draft = Draft(log_q=log_q, samples=samples, rows=torch.tensor([0, 1, 2, -1]))
     got = accept_paths(Proposal(tokens, tree, draft), logits, sampling=sampling,
                        generator=torch.Generator().manual_seed(0), usable=usable)
     assert got.count.tolist()[:2] == [3, 1]
@@ -119,33 +125,59 @@ def test_topk_rejection_on_the_device_makes_the_reference_walks_decisions_with_t
                                                        sampling=sampling, generator=gen)
 
 
-def test_drawn_rejection_on_the_device_makes_the_reference_walks_decisions_in_every_row():
+# A node with four children (ranks 0-3) and rank gaps below: (0, 0) and (0, 2), (1, 1) alone.
+WIDE_GAP_TREE = Tree.from_choices([(0,), (1,), (2,), (3,), (0, 0), (0, 2), (1, 1), (0, 0, 0), (0, 2, 1)])
+DRAWN_CASES = {  # name: (tree or None for random trees, heads, q, top_p, room: the deepest usable depth)
+    "hydra-random-trees": (None, "hydra", "near-p", 1.0, 9),
+    "medusa-rank-gaps": (WIDE_GAP_TREE, "medusa", "near-p", 1.0, 9),
+    "q-equal-to-p": (WIDE_GAP_TREE, "hydra", "p", 1.0, 9),
+    "draft-vocabulary-runs-out": (WIDE_GAP_TREE, "medusa", "three-tokens", 1.0, 9),
+    "top-p": (WIDE_GAP_TREE, "hydra", "near-p", 0.7, 9),
+    "cut-short": (WIDE_GAP_TREE, "medusa", "near-p", 1.0, 1),
+}
+
+
+@pytest.mark.parametrize("case", DRAWN_CASES)
+def test_drawn_rejection_on_the_device_makes_the_reference_walks_decisions_in_every_row(case):
     """Rejection sampling of drawn candidates tries every node's children at once on the device; the
-    reference walks each row node by node, trying children in rank order against the residual. Given a
-    row's uniforms (row b of acceptance_uniforms: numbers b N .. b N + N - 1 of the generator), both
-    accept the same path and draw the same bonus, on random trees with rank gaps and a q per node near
-    p, so paths run deep and later children are tried after misses."""
-    deepest, missed_then_accepted = 0, 0
+    reference walks each row node by node, trying children in rank order against the residual. With a
+    row's uniforms (the reference's torch.rand(N) over the tree it walks) both accept the same path and
+    draw the same bonus: Medusa's q per depth and Hydra's per node, rank gaps, q = p (no residual left),
+    q over three tokens (later draws are point masses), top-p, and nodes past the end (the reference walks
+    the tree cut there, whose nodes come first)."""
+    fixed, heads, q_kind, top_p, room = DRAWN_CASES[case]
+    sampling = Sampling(acceptance="rejection", temperature=1.0, top_p=top_p)
+    deepest, after_a_miss = 0, 0
     for seed in range(8):
         tree, tokens, logits = random_case(seed, vocab=8, rows=5)
-        B, N, V = logits.shape
+        tree = fixed or tree
+        B, N, V = tokens.shape[0], tree.num_nodes, logits.shape[-1]
         gen = torch.Generator().manual_seed(seed)
-        logits = logits + torch.randn(B, N, V, generator=gen)  # fewer ties than the integer logits
-        sampling = Sampling(acceptance="rejection", temperature=1.0)
-        log_q = torch.log_softmax(logits + torch.randn(B, N, V, generator=gen), dim=-1)  # [B, N, V] each node's q
-        samples = draw_without_replacement(log_q, tree.max_rank + 1, gen)  # [B, N, R]
+        logits = torch.randn(B, N, V, generator=gen) * 2  # [B, N, V]
+        qs = N if heads == "hydra" else tree.depth  # q per node, or per depth (head)
+        near = logits[:, :qs] if heads == "hydra" else logits[:, [tree.first[d] for d in range(qs)]]  # [B, Q, V]
+        log_q = {"p": sampling.probs(near).log(), "near-p": torch.log_softmax(near + torch.randn(near.shape, generator=gen), -1),
+                 "three-tokens": torch.log_softmax(near, -1).masked_fill(torch.arange(V) >= 3, float("-inf"))}[q_kind]
+        samples = draw_without_replacement(log_q, tree.max_rank + 1, gen)  # [B, Q, R]
+        row = [n if heads == "hydra" else tree.depths[n] for n in range(N)]  # node n's q
+        tokens = torch.zeros(B, N, dtype=torch.long)
         for c in range(1, N):  # child c holds the draw of its rank from its parent's q
-            tokens[:, c] = samples[:, tree.parents[c], tree.ranks[c]]
-        draft = Draft(log_q=log_q, samples=samples, rows=tuple(range(N)))
-        got = accept_paths(Proposal(tokens, tree, draft), logits, sampling=sampling,
-                           generator=torch.Generator().manual_seed(seed))
+            tokens[:, c] = samples[:, row[tree.parents[c]], tree.ranks[c]]
+        rows = torch.tensor([row[n] if tree.children[n] else -1 for n in range(N)])
+        cut = tree.truncated(room)
+        u = torch.rand(B, N, generator=gen)
+        u[:, : cut.num_nodes] = torch.stack([torch.rand(cut.num_nodes, generator=torch.Generator().manual_seed(b))
+                                             for b in range(B)])
+        usable = tree.tensors().depths[None].expand(B, N) <= room
+        got = accept_on_device(tree.tensors(), tokens, logits, sampling=sampling, u=u, usable=usable,
+                               draft=Draft(log_q=log_q, samples=samples, rows=rows))
         for b in range(B):
-            row = torch.Generator().manual_seed(seed)
-            torch.rand(b * N, generator=row)  # the numbers rows 0 .. b - 1 took
-            drafts = [(log_q[b, n], samples[b, n].tolist()) for n in range(N)]
-            want = ref.rejection_accept(tree.parents, tokens[b].tolist(), logits[b], sampling=sampling, generator=row,
-                                        drafts=drafts)
+            drafts = [(log_q[b, row[n]], samples[b, row[n]].tolist()) if cut.children[n] else None
+                      for n in range(cut.num_nodes)]
+            want = ref.rejection_accept(cut.parents, tokens[b, : cut.num_nodes].tolist(), logits[b, : cut.num_nodes],
+                                        sampling=sampling, generator=torch.Generator().manual_seed(b), drafts=drafts)
             assert as_host(got, b) == want
-            missed_then_accepted += any(tree.children[a].index(n) > 0 for a, n in zip(want[0], want[0][1:]))
+            after_a_miss += any(tree.children[a].index(n) > 0 for a, n in zip(want[0], want[0][1:]))
         deepest = max(deepest, int(got.count.max()))
-    assert deepest >= 2 and missed_then_accepted  # deep paths, and a child accepted after a miss
+    assert deepest == min(room, fixed.depth) if fixed else deepest >= 2  # as deep as the tree or the cut allows
+    assert after_a_miss or q_kind == "p"  # a child accepted after its elder sibling missed

@@ -231,14 +231,14 @@ def one_uniform_per_row(tree, tokens, logits, *, sampling, u, usable=None):
 
 
 def another_rows_q(draft, nodes, at=Draft.at):
-    """`Draft.at` giving row b its own draws with row b + 1's q."""
+    """`Draft.at` giving row b its own draws with row b - 1's q."""
     log_q, draws = at(draft, nodes)
     return log_q.roll(1, dims=0), draws
 
 
 def a_siblings_q(draft, nodes, at=Draft.at):
     """`Draft.at` with each inner node's children (DEEP_TREE's depth 1) tried against the next one's q."""
-    inner = [i for i, row in enumerate(draft.rows) if row >= 0 and i > 0]
+    inner = [i for i, row in enumerate(draft.rows.tolist()) if row >= 0 and i > 0]
     sibling = list(range(len(draft.rows)))
     for i, j in zip(inner, inner[1:] + inner[:1]):
         sibling[i] = j

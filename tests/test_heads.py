@@ -142,7 +142,7 @@ def test_sampled_drafts_draw_each_nodes_children_from_its_own_q(kind):
     proposal = propose(heads, model, TREE, 7, hidden, Sampling(temperature=T), torch.Generator().manual_seed(0))
     tokens, draft = proposal.tokens[0].tolist(), proposal.draft
     assert set(tokens[1:]) <= set(heads.draft_ids.tolist())
-    for node, (kids, drawn) in enumerate(zip(TREE.children, draft.per_node(0, draft.samples.tolist()))):
+    for node, (kids, drawn) in enumerate(zip(TREE.children, draft.per_node(0))):
         assert (drawn is None) == (not kids)
         if kids:
             q = q_logits(heads, model, hidden, [tokens[j] for j in TREE.path(node)])

@@ -86,9 +86,8 @@ def test_the_reference_decodes_with_the_engines_model_on_the_device():
 @pytest.mark.parametrize("kind", DRAFTERS)
 def test_whole_generations_run_on_the_device_when_each_host_read_is_answered(kind, rule):
     """Every stage of every step under CUDA's rules (a device mismatch raises): the drafter fills its tree,
-    verify, the usable nodes (row 0 meets the context while row 1 goes on), the rule, keep_path. But for
-    the rejection walk over drawn candidates, decoding reads the host once after the prefill and once
-    per step."""
+    verify, the usable nodes (row 0 meets the context while row 1 goes on), the rule, keep_path. Decoding
+    reads the host once after the prefill and once per step."""
     with meta_rules(answer_reads=True) as rules:
         results = medusa_generate_batch(meta_model(), meta_drafter(kind), [[1] * 60, [4, 5, 6]], tree=TREE,
                                         max_new_tokens=6, sampling=RULES[rule], generator=GEN)
@@ -96,19 +95,18 @@ def test_whole_generations_run_on_the_device_when_each_host_read_is_answered(kin
     # context (64 tokens) first.
     assert [(len(tokens), stats.steps, stats.stop_reason) for tokens, stats in results] == [
         (4, 3, "context"), (6, 5, "max_new_tokens")]
-    if rule != "rejection" or kind == "lookup":
-        assert rules.reads == 1 + 5
+    assert rules.reads == 1 + 5
 
 
-@pytest.mark.parametrize("rule", ["greedy", "typical"])
+@pytest.mark.parametrize("rule", RULES)
 @pytest.mark.parametrize("kind", DRAFTERS)
-def test_a_step_drafting_the_next_tree_in_its_graph_stays_on_the_device(kind, rule):
-    """`verify_and_accept`, which compiled steps run, eagerly: acceptance, keep_path and the heads' next tree
-    (`draft_greedily`) under CUDA's rules, one host read per step."""
-    sampling = Sampling(acceptance=rule, temperature=0.8 * (rule == "typical"))
+def test_the_step_compiled_steps_run_stays_on_the_device(kind, rule):
+    """`verify_and_accept`, which compiled steps run, eagerly: acceptance under every rule, keep_path and,
+    for top-k candidates, the heads' next tree (`draft_greedily`) under CUDA's rules, one host read per
+    step."""
     with meta_rules(answer_reads=True) as rules:
         results = medusa_generate_batch(meta_model(), meta_drafter(kind), [[1] * 60, [4, 5, 6]], tree=TREE,
-                                        max_new_tokens=6, sampling=sampling,
+                                        max_new_tokens=6, sampling=RULES[rule], generator=GEN,
                                         steps=Steps(verify_and_accept=verify_and_accept))
     assert [stats.steps for _, stats in results] == [3, 5] and rules.reads == 1 + 5
 

@@ -148,9 +148,9 @@ def test_every_proposal_holds_one_of_the_few_trees_its_proposer_names(kind):
     assert seen == set(trees)
 
 
-@pytest.mark.parametrize("rule", ["greedy", "typical", "rejection-topk"])
+@pytest.mark.parametrize("rule", RULES)
 @pytest.mark.parametrize("kind", ["medusa", "hydra"])
-def test_a_step_without_drawn_candidates_sends_the_device_nothing(kind, rule):
+def test_a_step_sends_the_device_nothing(kind, rule):
     """Candidates, verify, acceptance and compaction stay on the device: no tensor is built from host data
     (torch.tensor(list), a list index: on a GPU a copy from pageable memory) and no device scalar is read
     (HostRead). That the step reads the host once, at its end, is counted in tests/test_meta_device.py."""

@@ -1,7 +1,7 @@
-"""`--compile`: the plain step (T = 1), the tree verify (T = N) and `verify_and_accept` (the verify, the
-acceptance, keeping the path and the heads' next tree) compiled by name, whole graphs, one per shape and
-rule, on CUDA as CUDA graphs (mode "reduce-overhead"), which remove the kernel launches that dominate batch-1
-decoding; the prefill stays eager. A CUDA graph replays on the addresses it recorded and overwrites its
+"""`--compile`: the plain step (T = 1) and `verify_and_accept` (the tree verify, the acceptance, keeping the
+path and the heads' next tree) compiled by name, whole graphs, one per shape and rule, on CUDA as CUDA
+graphs (mode "reduce-overhead"), which remove the kernel launches that dominate batch-1 decoding; the
+tree verify alone too, which only benchmarks/bench_step.py times on its own. The prefill stays eager. A CUDA graph replays on the addresses it recorded and overwrites its
 outputs at its next replay: `StaticCaches` keeps one KV cache per shape, marked static, and `warm_up`
 records every shape before anything is timed."""
 
@@ -74,7 +74,7 @@ def warm_up(model: GPT, steps: step.Steps, caches: StaticCaches, *, rows: int, p
             u = acceptance_uniforms(sampling, rows, t.num_nodes, None, device=device)
             draft = None if drawing is None else drawing.propose(
                 start, torch.zeros(rows, model.config.n_embd, device=device, dtype=model.lm_head.weight.dtype),
-                max_depth=t.depth, sampling=sampling, generator=None).draft
+                max_depth=t.depth, sampling=sampling, generator=torch.Generator(device)).draft  # not the run's
             for _ in range(3):
                 cache.lengths = 0
                 steps.verify_and_accept(model, cache, tokens, tree=tensors, usable=usable, sampling=sampling, u=u,

@@ -94,7 +94,7 @@ def candidates(out: list[str], model: GPT, heads, enc, tree: Tree, root: int, hi
             "Row = a node asking, column = a node it may look at (■ yes, · no). Every node also sees the",
             "cached prompt, and sits at position prompt length + its depth, as if its path were the only",
             "continuation: a node sees itself and its ancestors, never its siblings.", tree.draw_mask()]
-    return tokens, None if draft is None else draft.per_node(0, draft.samples.tolist())
+    return tokens, None if draft is None else draft.per_node(0)
 
 
 def verify(out: list[str], enc, tree: Tree, tokens: list[int], logits: torch.Tensor, drafts, *,

@@ -67,7 +67,7 @@ class GraphReplay:
 
 def warmed_up(seed: int, *, backend=None, kind: str = "medusa", rows: int = 1, rules=(RULES["rejection"],)):
     """A tiny model, heads of `kind`, its steps compiled (replayed as CUDA graphs, by `backend`) and its
-    static caches, warmed up for TREE under `rules` (by default rejection sampling's verify alone)."""
+    static caches, warmed up for TREE under `rules` (by default rejection sampling of drawn candidates)."""
     torch.compiler.reset()  # graphs are cached per function, across models: start afresh
     model, steps = tiny_model(seed), compile_steps("cpu", backend=backend or GraphReplay())
     heads = random_heads(model, seed=seed, kind=kind)
@@ -89,8 +89,9 @@ def test_the_warm_up_runs_every_shape_three_times_so_cuda_graphs_record_and_repl
                   verify_and_accept=counting("accept", verify_and_accept), static=True)
     proposer = random_heads(model, seed=0).proposer(model, TREE)
     warm_up(model, steps, StaticCaches(model), rows=2, plain=True, proposers=[(proposer, r) for r in EVERY_RULE])
-    shapes = list(dict.fromkeys(calls))  # greedy and typical are two graphs of verify_and_accept per tree
+    shapes = list(dict.fromkeys(calls))  # each rule is one graph of verify_and_accept per tree
     assert len(shapes) == 1 + 3 * len(proposer.trees()) and all(calls.count(s) == 3 for s in shapes)
+    assert {name for name, *_ in calls} == {"plain", "accept"}  # no rule verifies on its own
 
 
 @torch.no_grad()
