@@ -139,14 +139,14 @@ def rejection_accept_drawn(tree: TreeTensors, tokens: torch.Tensor, logits: torc
     one chain, and its deepest node's residual, what is left of p, gives the bonus with u[:, 0].
     Unusable nodes are never tried; a row without a usable root tries nothing.
     """
-    p = sampling.probs(logits).double()  # [B, N, V]: p at each node, then the residual its misses leave
+    p = sampling.probs(logits)  # [B, N, V]: p at each node, then the residual its misses leave
     ok = torch.ones_like(tokens, dtype=torch.bool) if usable is None else usable  # [B, N]
     passes = torch.zeros_like(ok)  # [B, N] the node passed its try at its parent
     done = torch.zeros_like(ok)  # [B, N] the node tries no more children: one passed, or p = q (flat)
     for nodes, kids in tree.tries:  # [n] nodes with a child in this slot, [n] that child
-        log_q, draws = draft.at(nodes)  # [B, n, V], [B, n, R]: what the children were drawn from
+        q, draws = draft.at(nodes)  # [B, n, V], [B, n, R]: what the children were drawn from
         x = tokens[:, kids]  # [B, n]
-        q = without_earlier_draws(log_q, draws, tree.ranks[kids].expand_as(x), x)  # [B, n, V]
+        q = without_earlier_draws(q, draws, tree.ranks[kids].expand_as(x), x)  # [B, n, V]
         accepted, flat, residual = speculative_try(p[:, nodes], q, x, u[:, kids])  # [B, n], [B, n], [B, n, V]
         tried = ~done[:, nodes] & ok[:, kids]  # [B, n]
         passes[:, kids] = tried & accepted

@@ -40,9 +40,10 @@ class Draft:
     rows: torch.Tensor
 
     def at(self, nodes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """What each of nodes [n] drew its children from, in every row: log q [B, n, V], draws [B, n, R]."""
+        """What each of nodes [n] drew its children from, in every row: q [B, n, V] (probabilities) and the
+        draws [B, n, R]."""
         which = self.rows.clamp(min=0)[nodes]  # [n]; a leaf's row is never asked for
-        return self.log_q[:, which], self.samples[:, which]
+        return self.log_q[:, which].exp(), self.samples[:, which]
 
     def per_node(self, b: int) -> list[tuple[torch.Tensor, list[int]] | None]:
         """Row b as the reference's walk takes it: per node, (log q [V], draws) of its children, or None."""

@@ -163,14 +163,15 @@ def typical_accept(parents: list[int], tokens: list[int], logits: torch.Tensor, 
 
 def try_children(p: torch.Tensor, candidates: list[int], draft: tuple, u: torch.Tensor) -> tuple[int | None, torch.Tensor]:
     """Speculative sampling's tries at one node: candidates x1, x2, ... drawn from the draft against the
-    target p [V] (float64), each with its own uniform u [len(candidates)]; after a miss the next one is
+    target p [V], each with its own uniform u [len(candidates)]; after a miss the next one is
     tried against the residual (`speculative_try`). draft: (log q [V], the draws in order); x_i was
     drawn from q without the draws before it (`without_earlier_draws`). Returns (index of the accepted
     candidate or None, the p the bonus is drawn from when none is)."""
     log_q, draws = draft
+    q = log_q.exp()  # [V]
     for i, x in enumerate(candidates):
         x_, rank, drawn = (torch.tensor(v, device=p.device) for v in (x, draws.index(x), draws))
-        accepted, flat, residual = speculative_try(p, without_earlier_draws(log_q, drawn, rank, x_), x_, u[i])
+        accepted, flat, residual = speculative_try(p, without_earlier_draws(q, drawn, rank, x_), x_, u[i])
         if accepted:
             return i, p
         if flat:
@@ -198,7 +199,7 @@ def rejection_accept(parents: list[int], tokens: list[int], logits: torch.Tensor
     node, path = 0, [0]
     while True:
         kids = children(parents, node)
-        p = sampling.probs(logits[node]).double()  # [V]
+        p = sampling.probs(logits[node])  # [V]
         i, p = (None, p) if not kids else try_children(p, [tokens[c] for c in kids], drafts[node], u[kids])
         if i is None:
             return path, int(inverse_cdf(p, u[0]))
