@@ -6,8 +6,8 @@
 
 Speedup = tokens/step ÷ step cost, so Medusa pays only if a step that verifies N candidates costs little
 more than a plain step. On random weights (speed depends on shapes, not values): a plain step; verify N,
-one tree-masked forward over N nodes; per Medusa tree each stage of a greedy `medusa_step`, and the whole
-step. Targets: heads at most 10% of a plain step, a whole step at most 1.15x its verify.
+one tree-masked forward over N nodes; per Medusa tree each stage of a greedy `medusa_step`, the verify
+with rejection sampling of drawn candidates in its place, and the whole step. Targets: heads at most 10% of a plain step, a whole step at most 1.15x its verify.
 """
 
 from __future__ import annotations
@@ -28,14 +28,14 @@ if ROOT not in sys.path:  # run as a script from anywhere, without installing th
 
 import torch  # noqa: E402
 
-from medusa_mini.acceptance import Accepted  # noqa: E402
+from medusa_mini.acceptance import Accepted, acceptance_uniforms  # noqa: E402
 from medusa_mini.cli.common import OneLineParser, in_turns, seed, timed  # noqa: E402
 from medusa_mini.cli.compiled import StaticCaches, compile_steps  # noqa: E402
 from medusa_mini.decoding import prefill  # noqa: E402
 from medusa_mini.heads import DraftHeads, HeadsConfig, make_heads  # noqa: E402
 from medusa_mini.io.gpt2 import GPT2_CONFIGS  # noqa: E402
 from medusa_mini.model import GPT, GPTConfig, KVCache  # noqa: E402
-from medusa_mini.sampling import Sampling  # noqa: E402
+from medusa_mini.sampling import SAMPLING_TEMPERATURE, Sampling  # noqa: E402
 from medusa_mini.step import EAGER, Steps, medusa_step, read_step, usable_nodes, verify_and_accept  # noqa: E402
 from medusa_mini.train.device import DTYPES, pick_device, pick_dtype  # noqa: E402
 from medusa_mini.tree import Tree, build_tree, preset  # noqa: E402
@@ -44,7 +44,9 @@ CONFIGS: dict[str, GPTConfig] = {"tiny": GPTConfig(), **GPT2_CONFIGS}
 NODES = (1, 2, 4, 8, 16, 32, 64)
 CUDA_NODES = (*NODES, 96, 128)  # a GPU at batch 1 may verify this many for about the price of one
 MEDUSA_TREES = ("cpu", "gpu")
-STAGES = ("heads", "verify", "greedy verify", "host read", "whole step")  # greedy verify: verify, accept, keep path (compiled: and draft)
+# greedy verify: verify, accept, keep path (compiled: and draft); rejection verify: the same, with candidates
+# drawn from q at T = 0.8 and tried by rejection sampling (the tries of `acceptance.rejection_accept_drawn`)
+STAGES = ("heads", "verify", "greedy verify", "rejection verify", "host read", "whole step")
 DRAFT_VOCAB = 4096  # the default draft vocabulary of a larger vocabulary (GPT-2's): its heads cost < 10% of a step
 
 
@@ -107,7 +109,8 @@ def build(config: GPTConfig, *, device: torch.device, dtype: torch.dtype, seed: 
 
 def tree_stages(model: GPT, cache: KVCache, heads: DraftHeads, tree: Tree, root: torch.Tensor, hidden: torch.Tensor,
                 *, history: list[list[int]], steps: Steps) -> dict[str, Callable[[], object]]:
-    """One callable per stage of a greedy `medusa_step` on `tree`, each stage's inputs made once, here, by
+    """One callable per stage of a greedy `medusa_step` on `tree` (and its verify under rejection sampling of
+    drawn candidates), each stage's inputs made once, here, by
     the stages before it (the same inputs every run, so the same path)."""
     proposer = heads.proposer(model, tree)
     attended = steps.attended(len(history[0]) - 1 + tree.num_nodes)  # the prefix and the nodes
@@ -123,7 +126,13 @@ def tree_stages(model: GPT, cache: KVCache, heads: DraftHeads, tree: Tree, root:
     greedy = partial(steps.verify_and_accept or verify_and_accept, model, cache, proposal.tokens, tree=t, usable=usable,
                      attended=attended, heads=proposer.heads if drafts else None)
     accepted = Accepted(*(x.clone() for x in greedy()[0]))  # out of a captured graph's buffers: the next
-    return {"heads": propose, "verify": verify, "greedy verify": greedy,  # call reuses them
+    # call reuses them. Drawn candidates: one proposal, its draft and uniforms made once, as for greedy.
+    gen, drawn = torch.Generator(root.device).manual_seed(0), Sampling(temperature=SAMPLING_TEMPERATURE)
+    sampled = proposer.propose(root, hidden, history=history, max_depth=tree.depth, sampling=drawn, generator=gen)
+    rejection = partial(steps.verify_and_accept or verify_and_accept, model, cache, sampled.tokens, tree=t, usable=usable,
+                        attended=attended, sampling=drawn, draft=sampled.draft,
+                        u=acceptance_uniforms(drawn, *sampled.tokens.shape, gen, device=root.device))
+    return {"heads": propose, "verify": verify, "greedy verify": greedy, "rejection verify": rejection,
             "host read": partial(read_step, proposal, accepted),
             "whole step": partial(medusa_step, model, cache, proposer, root, hidden, history=history, attended=attended,
                                   steps=steps, drafted=proposal.tokens if drafts else None)}
@@ -212,7 +221,8 @@ def format_table(results: dict[str, dict], meta: dict) -> str:
              "", " " * width + "".join(f"{n:>{col}}" for n in names)]
     lines += [f"{label:<{width}}" + "".join(f"{v:>{col}}" for v in vals) for label, vals in rows]
     lines.append(f"\nms, median of the repetitions after {rs[0]['warmup']} warm-up rounds, steps in turns; KV cache "
-                 f"holding {rs[0]['prefix_len']} tokens before each step; random weights, greedy acceptance")
+                 f"holding {rs[0]['prefix_len']} tokens before each step; random weights, greedy acceptance but in the "
+                 "rejection verify (candidates drawn from q at T = 0.8)")
     return "\n".join(lines)
 
 
