@@ -44,6 +44,11 @@ class Accepted(NamedTuple):
     count: torch.Tensor
     bonus: torch.Tensor
 
+    @staticmethod
+    def ending_at(tree: TreeTensors, last: torch.Tensor, bonus: torch.Tensor) -> "Accepted":
+        """The path from the root to node last [B] of each row, then its bonus [B]."""
+        return Accepted(nodes=tree.node_paths[last], count=tree.depths[last], bonus=bonus)
+
 
 def whole_path_passes(tree: TreeTensors, passes: torch.Tensor) -> torch.Tensor:
     """[B, N] bool: every node on node i's path passes (the root, never judged, always does).
@@ -51,6 +56,12 @@ def whole_path_passes(tree: TreeTensors, passes: torch.Tensor) -> torch.Tensor:
     passes: [B, N] bool, each node's own test at its parent."""
     passes = passes | (tree.depths == 0)  # [B, N]
     return ~(tree.ancestor_mask & ~passes[:, None, :]).any(dim=-1)  # no ancestor of i (or i) fails
+
+
+def deepest_accepted(tree: TreeTensors, passes: torch.Tensor) -> torch.Tensor:
+    """[B] the deepest node whose whole path passes (passes [B, N], each node's own test). Where siblings
+    never both pass, the accepted nodes form one chain from the root, and this node ends it."""
+    return torch.where(whole_path_passes(tree, passes), tree.depths, -1).argmax(dim=-1)
 
 
 def path_accept(tree: TreeTensors, tokens: torch.Tensor, y: torch.Tensor, *,
@@ -64,9 +75,8 @@ def path_accept(tree: TreeTensors, tokens: torch.Tensor, y: torch.Tensor, *,
     match = tokens == y[:, tree.parents.clamp(min=0)]  # [B, N]
     if usable is not None:
         match &= usable
-    ok = whole_path_passes(tree, match)  # [B, N]
-    last = torch.where(ok, tree.depths, -1).argmax(dim=-1)  # [B] the deepest accepted node
-    return Accepted(nodes=tree.node_paths[last], count=tree.depths[last], bonus=y.gather(1, last[:, None])[:, 0])
+    last = deepest_accepted(tree, match)  # [B]
+    return Accepted.ending_at(tree, last, y.gather(1, last[:, None])[:, 0])
 
 
 def greedy_accept_paths(tree: TreeTensors, tokens: torch.Tensor, logits: torch.Tensor, *,
@@ -106,7 +116,7 @@ def typical_accept_paths(tree: TreeTensors, tokens: torch.Tensor, logits: torch.
     top &= best_score == best_score.max(dim=-1, keepdim=True).values
     last = torch.where(top, torch.arange(N, device=logits.device), N).min(dim=-1).values  # [B]
     at_last = p.gather(1, last[:, None, None].expand(B, 1, V))[:, 0]  # [B, V]
-    return Accepted(nodes=tree.node_paths[last], count=tree.depths[last], bonus=inverse_cdf(at_last, u))
+    return Accepted.ending_at(tree, last, inverse_cdf(at_last, u))
 
 
 def acceptance_uniforms(sampling: Sampling, rows: int, nodes: int, generator: torch.Generator | None, *,
@@ -152,10 +162,9 @@ def rejection_accept_drawn(tree: TreeTensors, tokens: torch.Tensor, logits: torc
         passes[:, kids] = tried & accepted
         p[:, nodes] = torch.where((tried & ~accepted & ~flat)[..., None], residual, p[:, nodes])
         done[:, nodes] |= tried & (accepted | flat)
-    on_path = whole_path_passes(tree, passes)  # [B, N]
-    last = torch.where(on_path, tree.depths, -1).argmax(dim=-1)  # [B] the deepest accepted node
-    at_last = p.gather(1, last[:, None, None].expand(-1, 1, p.shape[-1]))[:, 0]  # [B, V]
-    return Accepted(nodes=tree.node_paths[last], count=tree.depths[last], bonus=inverse_cdf(at_last, u[:, 0]))
+    last = deepest_accepted(tree, passes)  # [B]
+    at_last = p.gather(1, last[:, None, None].expand(-1, 1, p.shape[-1]))[:, 0]  # [B, V] what is left of p there
+    return Accepted.ending_at(tree, last, inverse_cdf(at_last, u[:, 0]))
 
 
 def check_uniforms(sampling: Sampling, u: torch.Tensor | None) -> None:
