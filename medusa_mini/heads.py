@@ -30,7 +30,16 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .proposal import HydraProposer, MedusaProposer, fill, fill_depth_by_depth, top_k
+from .proposal import (
+    Draft,
+    HydraProposer,
+    MedusaProposer,
+    draw_depth_by_depth,
+    draw_tree,
+    fill,
+    fill_depth_by_depth,
+    top_k,
+)
 from .tree import Tree, TreeTensors
 
 HEAD_KINDS = ("medusa", "hydra")
@@ -183,6 +192,14 @@ class MedusaHeads(DraftHeads):
         logits = self(hidden, model, num=tree.depth).transpose(0, 1)  # [B, D, M]
         return fill(tree, roots, top_k(logits, self.draft_ids, tree.num_ranks))
 
+    def draft_drawing(self, model: nn.Module, roots: torch.Tensor, hidden: torch.Tensor, tree: TreeTensors, *,
+                      temperature: float, u: torch.Tensor) -> tuple[torch.Tensor, Draft]:
+        """The proposer's drawn tree (`proposal.draw_tree`, the uniforms u [B, D, V] drawn before) as one
+        pure function, so a compiled step drafts drawn candidates in a graph (`step.draft_drawn`)."""
+        logits = self(hidden, model, num=tree.depth).transpose(0, 1)  # [B, D, M]
+        return draw_tree(tree, roots, logits, draft_ids=self.draft_ids, temperature=temperature,
+                         vocab_size=self.config.vocab_size, u=u)
+
 
 class HydraHeads(DraftHeads):
     """K dependent heads: head k reads h_t and the embeddings (the backbone's wte) of x_{t+1..t+k}."""
@@ -228,3 +245,10 @@ class HydraHeads(DraftHeads):
         weight, ids = self.draft_weight(model), self.draft_ids
         return fill_depth_by_depth(tree, roots, hidden, lambda k, h, tokens: self.head_logits(k, h, tokens, model, weight=weight),
                                    lambda logits: top_k(logits, ids, tree.num_ranks))
+
+    def draft_drawing(self, model: nn.Module, roots: torch.Tensor, hidden: torch.Tensor, tree: TreeTensors, *,
+                      temperature: float, u: torch.Tensor) -> tuple[torch.Tensor, Draft]:
+        """The proposer's drawn tree (`proposal.draw_depth_by_depth`) as one pure function (see MedusaHeads')."""
+        weight = self.draft_weight(model)
+        return draw_depth_by_depth(tree, roots, hidden, lambda k, h, tokens: self.head_logits(k, h, tokens, model, weight=weight),
+                                   draft_ids=self.draft_ids, temperature=temperature, vocab_size=self.config.vocab_size, u=u)

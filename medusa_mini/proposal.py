@@ -22,7 +22,7 @@ from typing import Callable, Protocol
 
 import torch
 
-from .sampling import Sampling, draft_log_probs, draw_without_replacement
+from .sampling import Sampling, draft_log_probs, gumbel_top_k
 from .tree import Tree, TreeTensors, chain
 
 
@@ -94,6 +94,12 @@ class HeadsProposer:
         """The tree cut to each depth: near a generation's end the deeper nodes could not be used."""
         return [self.tree.truncated(d) for d in range(self.tree.depth + 1)]
 
+    def draw_uniforms(self, tree: Tree, rows: int, generator: torch.Generator | None, *,
+                      device: torch.device | str) -> torch.Tensor:
+        """The uniforms [B, Q, V] a drawn proposal on `tree` turns into Gumbel noise: one per token of each q
+        (Q: one q per depth for Medusa heads, per node above the leaves' depth for dependent heads)."""
+        return torch.rand((rows, self.q_rows(tree), self.vocab_size), generator=generator, device=device)
+
 
 def top_k(logits: torch.Tensor, draft_ids: torch.Tensor, k: int) -> torch.Tensor:
     """The k most likely tokens, most likely first: logits [..., M] over draft_ids [M] -> token ids [..., k]."""
@@ -122,6 +128,36 @@ def fill_depth_by_depth(tree: TreeTensors, roots: torch.Tensor, hidden: torch.Te
     return tokens
 
 
+def draw_tree(tree: TreeTensors, roots: torch.Tensor, logits: torch.Tensor, *, draft_ids: torch.Tensor,
+              temperature: float, vocab_size: int, u: torch.Tensor) -> tuple[torch.Tensor, Draft]:
+    """Medusa heads' drawn tree: head d's logits [B, D, M] give q at temperature, and the node of depth d
+    and rank r holds head d's r-th distinct draw from it (`gumbel_top_k` of the uniforms u [B, D, V]).
+    Returns tokens [B, N] (roots [B] at node 0) and the draft the tries need."""
+    log_q = draft_log_probs(logits, draft_ids, temperature=temperature, vocab_size=vocab_size)  # [B, D, V]
+    samples = gumbel_top_k(log_q, tree.num_ranks, u)  # [B, D, R]
+    rows = torch.where(tree.inner, tree.depths, -1)  # [N] node i's children were drawn from head depth(i) + 1
+    return fill(tree, roots, samples), Draft(log_q=log_q, samples=samples, rows=rows)
+
+
+def draw_depth_by_depth(tree: TreeTensors, roots: torch.Tensor, hidden: torch.Tensor, head_logits: Callable, *,
+                        draft_ids: torch.Tensor, temperature: float, vocab_size: int, u: torch.Tensor
+                        ) -> tuple[torch.Tensor, Draft]:
+    """Dependent heads' drawn tree (`fill_depth_by_depth`): each node's children are distinct draws from
+    q(. | the node's path), node i's from the uniforms u[:, i] ([B, Q, V], Q the nodes above the leaves'
+    depth). Returns tokens [B, N] and the draft, one q per node."""
+    log_qs, samples = [], []
+
+    def draw_children(logits: torch.Tensor) -> torch.Tensor:  # [B, n, M] -> [B, n, R], q kept for the tries
+        lo = sum(q.shape[1] for q in log_qs)  # the nodes drawn for so far
+        log_qs.append(draft_log_probs(logits, draft_ids, temperature=temperature, vocab_size=vocab_size))
+        samples.append(gumbel_top_k(log_qs[-1], tree.num_ranks, u[:, lo : lo + logits.shape[1]]))
+        return samples[-1]
+
+    tokens = fill_depth_by_depth(tree, roots, hidden, head_logits, draw_children)
+    rows = torch.where(tree.inner, torch.arange(len(tree.inner), device=tree.inner.device), -1)  # [N] row i: node i's
+    return tokens, Draft(log_q=torch.cat(log_qs, 1), samples=torch.cat(samples, 1), rows=rows)
+
+
 class MedusaProposer(HeadsProposer):
     """A fixed tree filled with Medusa heads' guesses (§2.1): each head's top-k, or, for rejection
     sampling's sampled drafts, distinct draws from each head's q (`Sampling.draws_candidates`).
@@ -142,10 +178,14 @@ class MedusaProposer(HeadsProposer):
         ids = self.draft_ids.to(logits.device)
         if not sampling.draws_candidates:
             return Proposal(fill(t, roots, top_k(logits, ids, t.num_ranks)), tree)
-        log_q = draft_log_probs(logits, ids, temperature=sampling.temperature, vocab_size=self.vocab_size)
-        samples = draw_without_replacement(log_q, t.num_ranks, generator)  # [B, D, R]
-        rows = torch.where(t.inner, t.depths, -1)  # [N] node i's children were drawn from head depth(i) + 1
-        return Proposal(fill(t, roots, samples), tree, Draft(log_q=log_q, samples=samples, rows=rows))
+        u = self.draw_uniforms(tree, len(roots), generator, device=logits.device)
+        tokens, draft = draw_tree(t, roots, logits, draft_ids=ids, temperature=sampling.temperature,
+                                  vocab_size=self.vocab_size, u=u)
+        return Proposal(tokens, tree, draft)
+
+    @staticmethod
+    def q_rows(tree: Tree) -> int:
+        return tree.depth
 
 
 class HydraProposer(HeadsProposer):
@@ -164,16 +204,14 @@ class HydraProposer(HeadsProposer):
         if not (sampling.draws_candidates and tree.depth > 0):
             return Proposal(fill_depth_by_depth(t, roots, hidden, self.head_logits,
                                                 lambda logits: top_k(logits, ids, t.num_ranks)), tree)
-        log_qs, samples = [], []
+        u = self.draw_uniforms(tree, len(roots), generator, device=hidden.device)
+        tokens, draft = draw_depth_by_depth(t, roots, hidden, self.head_logits, draft_ids=ids, u=u,
+                                            temperature=sampling.temperature, vocab_size=self.vocab_size)
+        return Proposal(tokens, tree, draft)
 
-        def draw_children(logits: torch.Tensor) -> torch.Tensor:  # [B, n, M] -> [B, n, R], q kept for the tries
-            log_qs.append(draft_log_probs(logits, ids, temperature=sampling.temperature, vocab_size=self.vocab_size))
-            samples.append(draw_without_replacement(log_qs[-1], t.num_ranks, generator))
-            return samples[-1]
-
-        tokens = fill_depth_by_depth(t, roots, hidden, self.head_logits, draw_children)
-        rows = torch.where(t.inner, torch.arange(len(t.inner), device=t.inner.device), -1)  # [N] row i: node i's q
-        return Proposal(tokens, tree, Draft(log_q=torch.cat(log_qs, 1), samples=torch.cat(samples, 1), rows=rows))
+    @staticmethod
+    def q_rows(tree: Tree) -> int:
+        return tree.first[tree.depth]  # the nodes above the deepest depth
 
 
 class PromptLookup:

@@ -130,9 +130,15 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 
 def draw_without_replacement(log_q: torch.Tensor, width: int, generator: torch.Generator | None) -> torch.Tensor:
-    """`width` distinct tokens drawn from q in order: log_q [..., V] -> [..., width] (Gumbel-top-k:
-    adding Gumbel noise to log q and keeping the top `width` is sequential sampling without replacement)."""
-    u = torch.rand(log_q.shape, generator=generator, device=log_q.device)
+    """`width` distinct tokens drawn from q in order: log_q [..., V] -> [..., width] (`gumbel_top_k` of
+    uniforms drawn here)."""
+    return gumbel_top_k(log_q, width, torch.rand(log_q.shape, generator=generator, device=log_q.device))
+
+
+def gumbel_top_k(log_q: torch.Tensor, width: int, u: torch.Tensor) -> torch.Tensor:
+    """The `width` distinct tokens that uniforms u [..., V] draw from q, in order: log_q [..., V] -> [..., width].
+    Adding Gumbel noise to log q and keeping the top `width` is sequential sampling without replacement;
+    apart from `draw_without_replacement`, so a compiled step takes uniforms drawn before it."""
     return (log_q - torch.log(-torch.log(u))).topk(width, dim=-1).indices
 
 

@@ -91,17 +91,27 @@ def verify_and_accept(model: GPT, cache: KVCache, tokens: torch.Tensor, *, tree:
     return accepted, hidden, None if heads is None else heads.draft_greedily(model, accepted.bonus, hidden, tree)
 
 
+def draft_drawn(model: GPT, heads, roots: torch.Tensor, hidden: torch.Tensor, *, tree: TreeTensors,
+                temperature: float, u: torch.Tensor) -> tuple[torch.Tensor, Draft]:
+    """The heads' drawn candidates on `tree` from roots [B] and hidden [B, C], the Gumbel noise's uniforms u
+    [B, Q, V] drawn before (`HeadsProposer.draw_uniforms`), as one function a compiler captures whole:
+    tokens [B, N] and their draft, what the eager proposer makes from the same uniforms."""
+    return heads.draft_drawing(model, roots, hidden, tree, temperature=temperature, u=u)
+
+
 @dataclass(frozen=True)
 class Steps:
     """What decoding repeats, as a compiler may capture it: the two forward passes and `verify_and_accept`
     (None: `verify`, then acceptance and `finish_step`, eagerly; on a GPU at batch 1 those stages are a
     few dozen small kernels, or a few hundred for rejection sampling's tries, whose launches cost more
-    than their work). Compiled ones keep static shapes: they read the whole cache every step (`static`),
+    than their work), and `draft_drawn` for candidates drawn from the heads' q (None: the proposer draws
+    them, eagerly). Compiled ones keep static shapes: they read the whole cache every step (`static`),
     where eager ones read only the slots in use."""
 
     plain: Callable = plain_step
     verify: Callable = verify
     verify_and_accept: Callable | None = None
+    draft_drawn: Callable | None = None
     static: bool = False
 
     def attended(self, slots: int) -> int | None:
@@ -163,8 +173,16 @@ def medusa_step(
         raise ValueError("drafted tokens are the heads' top-k guesses: drawn candidates cannot take them")
     start = cache.lengths  # [B] the roots' slots
     depth = proposer.tree.depth if max_depth is None else max_depth
+    tree = proposer.tree.truncated(max(depth, 0))
     if drafted is not None and depth >= proposer.tree.depth:
         proposal = Proposal(drafted, proposer.tree)
+    elif sampling.draws_candidates and steps.draft_drawn is not None and proposer.heads is not None and tree.depth:
+        u = proposer.draw_uniforms(tree, len(roots), generator, device=roots.device)  # as the proposer would
+        # Copies in and out: roots and hidden may be the last step's graph outputs, which no replay outlives.
+        tokens, draft = steps.draft_drawn(model, proposer.heads, roots.clone(), hidden.clone(),
+                                          tree=tree.tensors(roots.device), temperature=sampling.temperature, u=u)
+        proposal = Proposal(tokens.clone(), tree, Draft(log_q=draft.log_q.clone(), samples=draft.samples.clone(),
+                                                         rows=draft.rows.clone()))
     else:
         proposal = proposer.propose(roots, hidden, history=history or [[]] * len(roots), max_depth=depth,
                                     sampling=sampling, generator=generator)

@@ -21,7 +21,7 @@ from medusa_mini.decoding import generate_batch, medusa_generate_batch, prefill
 from medusa_mini.model import KVCache
 from medusa_mini.proposal import PromptLookup
 from medusa_mini.sampling import Sampling
-from medusa_mini.step import Steps, medusa_step, verify_and_accept
+from medusa_mini.step import Steps, draft_drawn, medusa_step, verify_and_accept
 from medusa_mini.training import MedusaLM, self_distill
 from medusa_mini.tree import preset
 
@@ -101,13 +101,13 @@ def test_whole_generations_run_on_the_device_when_each_host_read_is_answered(kin
 @pytest.mark.parametrize("rule", RULES)
 @pytest.mark.parametrize("kind", DRAFTERS)
 def test_the_step_compiled_steps_run_stays_on_the_device(kind, rule):
-    """`verify_and_accept`, which compiled steps run, eagerly: acceptance under every rule, keep_path and,
-    for top-k candidates, the heads' next tree (`draft_greedily`) under CUDA's rules, one host read per
-    step."""
+    """`verify_and_accept` and `draft_drawn`, which compiled steps run, eagerly: the drawn candidates,
+    acceptance under every rule, keep_path and, for top-k candidates, the heads' next tree
+    (`draft_greedily`) under CUDA's rules, one host read per step."""
     with meta_rules(answer_reads=True) as rules:
         results = medusa_generate_batch(meta_model(), meta_drafter(kind), [[1] * 60, [4, 5, 6]], tree=TREE,
                                         max_new_tokens=6, sampling=RULES[rule], generator=GEN,
-                                        steps=Steps(verify_and_accept=verify_and_accept))
+                                        steps=Steps(verify_and_accept=verify_and_accept, draft_drawn=draft_drawn))
     assert [stats.steps for _, stats in results] == [3, 5] and rules.reads == 1 + 5
 
 

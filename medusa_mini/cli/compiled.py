@@ -1,6 +1,6 @@
-"""`--compile`: the plain step (T = 1) and `verify_and_accept` (the tree verify, the acceptance, keeping the
-path and the heads' next tree) compiled by name, whole graphs, one per shape and rule, on CUDA as CUDA
-graphs (mode "reduce-overhead"), which remove the kernel launches that dominate batch-1 decoding; the
+"""`--compile`: the plain step (T = 1), `verify_and_accept` (the tree verify, the acceptance, keeping the
+path and the heads' next tree) and `draft_drawn` (the heads' drawn candidates) compiled by name, whole
+graphs, one per shape and rule, on CUDA as CUDA graphs (mode "reduce-overhead"), which remove the kernel launches that dominate batch-1 decoding; the
 tree verify alone too, which only benchmarks/bench_step.py times on its own. The prefill stays eager. A CUDA graph replays on the addresses it recorded and overwrites its
 outputs at its next replay: `StaticCaches` keeps one KV cache per shape, marked static, and `warm_up`
 records every shape before anything is timed."""
@@ -25,7 +25,8 @@ def compile_steps(device: torch.device | str, *, backend: str | Callable = "indu
     mode = "reduce-overhead" if torch.device(device).type == "cuda" and backend == "inductor" else None
     options = dict(fullgraph=True, dynamic=False, mode=mode, backend=backend)
     return step.Steps(plain=torch.compile(step.plain_step, **options), verify=torch.compile(step.verify, **options),
-                      verify_and_accept=torch.compile(step.verify_and_accept, **options), static=True)
+                      verify_and_accept=torch.compile(step.verify_and_accept, **options),
+                      draft_drawn=torch.compile(step.draft_drawn, **options), static=True)
 
 
 class StaticCaches:
@@ -49,8 +50,8 @@ def warm_up(model: GPT, steps: step.Steps, caches: StaticCaches, *, rows: int, p
             proposers: list[tuple[Proposer, Sampling]] = ()) -> float:
     """Run every shape decoding `rows` rows can meet: the plain step (if `plain`), and every tree each
     proposer's proposals can hold (`Proposer.trees`) under its rule through `steps.verify_and_accept` (the
-    full tree with the proposer's heads, which draft the next one's top-k in the graph): only the graphs
-    the run uses. Three calls each: under CUDA graphs the first runs eagerly, the second records, the third
+    full tree with the proposer's heads, which draft the next one's top-k in the graph) and, for candidates
+    drawn from the heads' q, `steps.draft_drawn`: only the graphs the run uses. Three calls each: under CUDA graphs the first runs eagerly, the second records, the third
     replays. Returns the seconds."""
     device, block = model.device, model.config.block_size
     # (slots, tree, heads, rule, proposer): the proposer only where candidates are drawn (it makes the draft)
@@ -72,9 +73,13 @@ def warm_up(model: GPT, steps: step.Steps, caches: StaticCaches, *, rows: int, p
             start = torch.zeros(rows, dtype=torch.long, device=device)
             usable = step.usable_nodes(t, start, torch.full_like(start, block))  # [rows, N]
             u = acceptance_uniforms(sampling, rows, t.num_nodes, None, device=device)
-            draft = None if drawing is None else drawing.propose(
-                start, torch.zeros(rows, model.config.n_embd, device=device, dtype=model.lm_head.weight.dtype),
-                max_depth=t.depth, sampling=sampling, generator=torch.Generator(device)).draft  # not the run's
+            hidden = torch.zeros(rows, model.config.n_embd, device=device, dtype=model.lm_head.weight.dtype)
+            draft = None if drawing is None else drawing.propose(  # a generator of its own: not the run's
+                start, hidden, max_depth=t.depth, sampling=sampling, generator=torch.Generator(device)).draft
+            draws = steps.draft_drawn is not None and drawing is not None and drawing.heads is not None and t.depth
+            for _ in range(3 * bool(draws)):
+                steps.draft_drawn(model, drawing.heads, start, hidden, tree=tensors, temperature=sampling.temperature,
+                                  u=drawing.draw_uniforms(t, rows, torch.Generator(device), device=device))
             for _ in range(3):
                 cache.lengths = 0
                 steps.verify_and_accept(model, cache, tokens, tree=tensors, usable=usable, sampling=sampling, u=u,

@@ -15,7 +15,7 @@ import decode
 from conftest import RULES, random_heads, tiny_model
 from medusa_mini.cli.compiled import StaticCaches, compile_steps, warm_up
 from medusa_mini.decoding import medusa_generate_batch
-from medusa_mini.step import Steps, verify, verify_and_accept
+from medusa_mini.step import Steps, draft_drawn, verify, verify_and_accept
 from medusa_mini.tree import Tree
 
 TREE = Tree.from_choices([(0,), (1,), (0, 0), (1, 0), (0, 0, 0)])
@@ -85,13 +85,18 @@ def test_the_warm_up_runs_every_shape_three_times_so_cuda_graphs_record_and_repl
     def counting(name, real):
         return lambda *args, **kw: calls.append((name, args[2].shape, kw.get("sampling"))) or real(*args, **kw)
 
+    def drawing(*args, **kw):
+        calls.append(("draw", kw["tree"].depth, kw["temperature"]))
+        return draft_drawn(*args, **kw)
+
     steps = Steps(plain=counting("plain", Steps.plain), verify=counting("verify", Steps.verify),
-                  verify_and_accept=counting("accept", verify_and_accept), static=True)
+                  verify_and_accept=counting("accept", verify_and_accept), draft_drawn=drawing, static=True)
     proposer = random_heads(model, seed=0).proposer(model, TREE)
     warm_up(model, steps, StaticCaches(model), rows=2, plain=True, proposers=[(proposer, r) for r in EVERY_RULE])
     shapes = list(dict.fromkeys(calls))  # each rule is one graph of verify_and_accept per tree
-    assert len(shapes) == 1 + 3 * len(proposer.trees()) and all(calls.count(s) == 3 for s in shapes)
-    assert {name for name, *_ in calls} == {"plain", "accept"}  # no rule verifies on its own
+    trees = len(proposer.trees())  # drawn candidates: one drafting graph per tree but the root alone
+    assert len(shapes) == 1 + 3 * trees + (trees - 1) and all(calls.count(s) == 3 for s in shapes)
+    assert {name for name, *_ in calls} == {"plain", "accept", "draw"}  # no rule verifies on its own
 
 
 @torch.no_grad()
@@ -136,13 +141,18 @@ def test_a_compiled_step_with_top_k_candidates_drafts_the_next_tree_in_its_graph
 
 
 @pytest.mark.parametrize("kind", ["medusa", "hydra"])
-def test_a_compiled_step_tries_drawn_candidates_in_its_graph_with_the_eager_draws(kind):
-    """Rejection sampling of candidates drawn from q runs its tries inside `verify_and_accept`'s graph,
-    with the uniforms drawn before it: every step of a ragged batch goes through the recorded graph, and
-    the tokens are the eager ones, draw for draw."""
+def test_a_compiled_step_draws_and_tries_candidates_in_its_graphs_with_the_eager_draws(kind, monkeypatch):
+    """Rejection sampling of candidates drawn from q, compiled: the heads draw them in `draft_drawn`'s graph
+    and the tries run in `verify_and_accept`'s, with the uniforms drawn before each, the eager proposer's
+    numbers; every step of a ragged batch goes through the recorded graphs, the eager proposer draws
+    nothing, and the tokens are the eager ones, draw for draw."""
     backend, rule = GraphReplay(), RULES["rejection"]
     model, heads, steps, caches = warmed_up(6, backend=backend, kind=kind, rows=2, rules=(rule,))
-    graphs, calls = len(backend.graphs), []
+    graphs, calls, drawn_eagerly = len(backend.graphs), [], []
+    proposer_type = type(heads.proposer(model, TREE))
+    propose = proposer_type.propose
+    monkeypatch.setattr(proposer_type, "propose", lambda *a, **kw: (p := propose(*a, **kw), drawn_eagerly.append(
+        p.draft is not None))[0])
     counted = dataclasses.replace(steps, verify_and_accept=lambda *a, **kw: calls.append(1) or
                                   steps.verify_and_accept(*a, **kw))
 
@@ -150,8 +160,10 @@ def test_a_compiled_step_tries_drawn_candidates_in_its_graph_with_the_eager_draw
         return medusa_generate_batch(model, heads, [[1, 2, 3], [4, 5]], tree=TREE, max_new_tokens=30,
                                      sampling=rule, generator=torch.Generator().manual_seed(4), **kw)
 
-    compiled, eager = run(steps=counted, cache=caches), run()
-    assert [out for out, _ in compiled] == [out for out, _ in eager]
+    compiled = run(steps=counted, cache=caches)
+    assert not any(drawn_eagerly)
+    eager = run()
+    assert [out for out, _ in compiled] == [out for out, _ in eager] and sum(drawn_eagerly) > 1
     assert len(calls) == max(st.steps for _, st in compiled)
     assert sum(sum(st.accepted_nodes) for _, st in compiled) > 0  # the walk accepted candidates, not only bonuses
     assert len(backend.graphs) == graphs  # the warm-up recorded every graph the run replays
