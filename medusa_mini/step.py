@@ -8,8 +8,9 @@ waits for the host until the end, where `read_step` reads the emitted tokens of 
 host sync per step.
 
 Decoding repeats two forward passes, `plain_step` and `verify` (or `verify_and_accept`: the verify and
-all that follows it, up to the heads' next tree); `Steps` names what a loop runs, eager by default or
-compiled (cli/compiled.py), as gpt-fast compiles its `decode_one_token`.
+all that follows it, up to the heads' next top-k tree), and, for candidates drawn from the heads' q,
+`draft_drawn`; `Steps` names what a loop runs, eager by default or compiled (cli/compiled.py), as
+gpt-fast compiles its `decode_one_token`.
 
 Shapes: B rows, N tree nodes, D tree depth, V vocabulary, C n_embd.
 """

@@ -65,9 +65,9 @@ class GraphReplay:
         return replay
 
 
-def warmed_up(seed: int, *, backend=None, kind: str = "medusa", rows: int = 1, rules=(RULES["rejection"],)):
+def warmed_up(seed: int, *, backend=None, kind: str = "medusa", rows: int = 1, rules=()):
     """A tiny model, heads of `kind`, its steps compiled (replayed as CUDA graphs, by `backend`) and its
-    static caches, warmed up for TREE under `rules` (by default rejection sampling of drawn candidates)."""
+    static caches, warmed up for TREE under `rules` (by default the plain step alone)."""
     torch.compiler.reset()  # graphs are cached per function, across models: start afresh
     model, steps = tiny_model(seed), compile_steps("cpu", backend=backend or GraphReplay())
     heads = random_heads(model, seed=seed, kind=kind)
@@ -102,7 +102,7 @@ def test_the_warm_up_runs_every_shape_three_times_so_cuda_graphs_record_and_repl
 @torch.no_grad()
 def test_graph_replay_poisons_a_steps_outputs_when_a_step_runs_again():
     """What catches a decoding loop that reads a step's logits or hidden state after the next step."""
-    model, _, steps, caches = warmed_up(7)
+    model, _, steps, caches = warmed_up(7)  # the verify compiles at its first call
     logits, hidden = steps.plain(model, caches(1, model.config.block_size), torch.tensor([[3]]))
     t = TREE.tensors("cpu")
     steps.verify(model, caches(1, model.config.block_size + TREE.num_nodes), torch.zeros(1, TREE.num_nodes,
