@@ -7,7 +7,8 @@
 Speedup = tokens/step ÷ step cost, so Medusa pays only if a step that verifies N candidates costs little
 more than a plain step. On random weights (speed depends on shapes, not values): a plain step; verify N,
 one tree-masked forward over N nodes; per Medusa tree each stage of a greedy `medusa_step`, the verify
-with rejection sampling of drawn candidates in its place, and the whole step. Targets: heads at most 10% of a plain step, a whole step at most 1.15x its verify.
+with rejection sampling of drawn candidates in its place, and the whole step. Targets: heads at most 10%
+of a plain step, a whole step at most 1.15x its verify.
 """
 
 from __future__ import annotations

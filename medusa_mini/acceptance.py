@@ -154,9 +154,9 @@ def rejection_accept_drawn(tree: TreeTensors, tokens: torch.Tensor, logits: torc
     passes = torch.zeros_like(ok)  # [B, N] the node passed its try at its parent
     done = torch.zeros_like(ok)  # [B, N] the node tries no more children: one passed, or p = q (flat)
     for nodes, kids in tree.tries:  # [n] nodes with a child in this slot, [n] that child
-        q, draws = draft.at(nodes)  # [B, n, V], [B, n, R]: what the children were drawn from
+        log_q, draws = draft.at(nodes)  # [B, n, V], [B, n, R]: what the children were drawn from
         x = tokens[:, kids]  # [B, n]
-        q = without_earlier_draws(q, draws, tree.ranks[kids].expand_as(x), x)  # [B, n, V]
+        q = without_earlier_draws(log_q, draws, tree.ranks[kids].expand_as(x), x)  # [B, n, V]
         accepted, flat, residual = speculative_try(p[:, nodes], q, x, u[:, kids])  # [B, n], [B, n], [B, n, V]
         tried = ~done[:, nodes] & ok[:, kids]  # [B, n]
         passes[:, kids] = tried & accepted

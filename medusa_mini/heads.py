@@ -16,8 +16,9 @@ is most of what the heads cost; the backbone still verifies over the whole vocab
 acceptance rule stays what it is (rejection sampling's residual carries the tokens q never proposes).
 
 Each kind carries what differs, so no caller asks which kind it holds: its teacher-forced logits
-(`forward`, for training and measuring), its `proposer` (how it fills a tree), `draft_greedily` (the
-same top-k tree as one function a compiled step captures) and its `description`.
+(`forward`, for training and measuring), its `proposer` (how it fills a tree), `draft_greedily` and
+`draft_drawing` (the same top-k or drawn tree as one function a compiled step captures) and its
+`description`.
 
 Shapes: K heads, C n_embd, V vocabulary, M draft vocabulary, `...` any leading dims.
 """
@@ -25,6 +26,7 @@ Shapes: K heads, C n_embd, V vocabulary, M draft vocabulary, `...` any leading d
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -239,16 +241,19 @@ class HydraHeads(DraftHeads):
                              draft_ids=self.draft_ids, vocab_size=self.config.vocab_size, num_heads=self.num_heads,
                              heads=self)
 
+    def heads_of(self, model: nn.Module) -> Callable:
+        """head_logits(k, hidden, tokens) on the draft rows gathered once, as the proposer calls it."""
+        weight = self.draft_weight(model)
+        return lambda k, hidden, tokens: self.head_logits(k, hidden, tokens, model, weight=weight)
+
     def draft_greedily(self, model: nn.Module, roots: torch.Tensor, hidden: torch.Tensor, tree: TreeTensors
                        ) -> torch.Tensor:
-        """The proposer's top-k tree as one pure function, for a compiled step with top-k candidates (see MedusaHeads')."""
-        weight, ids = self.draft_weight(model), self.draft_ids
-        return fill_depth_by_depth(tree, roots, hidden, lambda k, h, tokens: self.head_logits(k, h, tokens, model, weight=weight),
-                                   lambda logits: top_k(logits, ids, tree.num_ranks))
+        """The proposer's top-k tree as one pure function, for a compiled step (see MedusaHeads')."""
+        return fill_depth_by_depth(tree, roots, hidden, self.heads_of(model),
+                                   lambda logits: top_k(logits, self.draft_ids, tree.num_ranks))
 
     def draft_drawing(self, model: nn.Module, roots: torch.Tensor, hidden: torch.Tensor, tree: TreeTensors, *,
                       temperature: float, u: torch.Tensor) -> tuple[torch.Tensor, Draft]:
         """The proposer's drawn tree (`proposal.draw_depth_by_depth`) as one pure function (see MedusaHeads')."""
-        weight = self.draft_weight(model)
-        return draw_depth_by_depth(tree, roots, hidden, lambda k, h, tokens: self.head_logits(k, h, tokens, model, weight=weight),
-                                   draft_ids=self.draft_ids, temperature=temperature, vocab_size=self.config.vocab_size, u=u)
+        return draw_depth_by_depth(tree, roots, hidden, self.heads_of(model), draft_ids=self.draft_ids,
+                                   temperature=temperature, vocab_size=self.config.vocab_size, u=u)

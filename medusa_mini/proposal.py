@@ -40,10 +40,9 @@ class Draft:
     rows: torch.Tensor
 
     def at(self, nodes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """What each of nodes [n] drew its children from, in every row: q [B, n, V] (probabilities) and the
-        draws [B, n, R]."""
+        """What each of nodes [n] drew its children from, in every row: log q [B, n, V] and the draws [B, n, R]."""
         which = self.rows.clamp(min=0)[nodes]  # [n]; a leaf's row is never asked for
-        return self.log_q[:, which].exp(), self.samples[:, which]
+        return self.log_q[:, which], self.samples[:, which]
 
     def per_node(self, b: int) -> list[tuple[torch.Tensor, list[int]] | None]:
         """Row b as the reference's walk takes it: per node, (log q [V], draws) of its children, or None."""
@@ -65,7 +64,7 @@ class Proposer(Protocol):
     row's tokens so far (prompt and output, ending with the root). Siblings hold distinct tokens."""
 
     tree: Tree  # the full tree; a proposal may hold a smaller one (`trees`)
-    heads: object  # the draft heads, whose `draft_greedily` fills the full tree in a compiled step; or None
+    heads: object  # the draft heads, whose `draft_greedily` and `draft_drawing` fill trees in compiled steps; or None
 
     def trees(self) -> list[Tree]:
         """Every tree a proposal can hold: the shapes a compiled loop meets, each one graph."""
@@ -79,8 +78,8 @@ class Proposer(Protocol):
 
 class HeadsProposer:
     """A fixed tree, the heads' logits (a function, see each kind) over their draft vocabulary draft_ids [M].
-    `heads`: the module itself, whose `draft_greedily` a compiled step with top-k candidates runs in its graph (None:
-    the proposer alone drafts)."""
+    `heads`: the module itself, whose `draft_greedily` and `draft_drawing` compiled steps run in their graphs
+    (None: the proposer alone drafts)."""
 
     def __init__(self, tree: Tree, head_logits: Callable, *, draft_ids: torch.Tensor, vocab_size: int,
                  num_heads: int, heads=None) -> None:
@@ -97,7 +96,7 @@ class HeadsProposer:
     def draw_uniforms(self, tree: Tree, rows: int, generator: torch.Generator | None, *,
                       device: torch.device | str) -> torch.Tensor:
         """The uniforms [B, Q, V] a drawn proposal on `tree` turns into Gumbel noise: one per token of each q
-        (Q: one q per depth for Medusa heads, per node above the leaves' depth for dependent heads)."""
+        (Q: one q per depth for Medusa heads, per node above the deepest depth for dependent heads)."""
         return torch.rand((rows, self.q_rows(tree), self.vocab_size), generator=generator, device=device)
 
 
@@ -143,7 +142,7 @@ def draw_depth_by_depth(tree: TreeTensors, roots: torch.Tensor, hidden: torch.Te
                         draft_ids: torch.Tensor, temperature: float, vocab_size: int, u: torch.Tensor
                         ) -> tuple[torch.Tensor, Draft]:
     """Dependent heads' drawn tree (`fill_depth_by_depth`): each node's children are distinct draws from
-    q(. | the node's path), node i's from the uniforms u[:, i] ([B, Q, V], Q the nodes above the leaves'
+    q(. | the node's path), node i's from the uniforms u[:, i] ([B, Q, V], Q the nodes above the deepest
     depth). Returns tokens [B, N] and the draft, one q per node."""
     log_qs, samples = [], []
 

@@ -168,10 +168,9 @@ def try_children(p: torch.Tensor, candidates: list[int], draft: tuple, u: torch.
     drawn from q without the draws before it (`without_earlier_draws`). Returns (index of the accepted
     candidate or None, the p the bonus is drawn from when none is)."""
     log_q, draws = draft
-    q = log_q.exp()  # [V]
     for i, x in enumerate(candidates):
         x_, rank, drawn = (torch.tensor(v, device=p.device) for v in (x, draws.index(x), draws))
-        accepted, flat, residual = speculative_try(p, without_earlier_draws(q, drawn, rank, x_), x_, u[i])
+        accepted, flat, residual = speculative_try(p, without_earlier_draws(log_q, drawn, rank, x_), x_, u[i])
         if accepted:
             return i, p
         if flat:

@@ -139,6 +139,7 @@ def gumbel_top_k(log_q: torch.Tensor, width: int, u: torch.Tensor) -> torch.Tens
     """The `width` distinct tokens that uniforms u [..., V] draw from q, in order: log_q [..., V] -> [..., width].
     Adding Gumbel noise to log q and keeping the top `width` is sequential sampling without replacement;
     apart from `draw_without_replacement`, so a compiled step takes uniforms drawn before it."""
+    u = u.clamp_min(torch.finfo(u.dtype).tiny)  # a 0 would rule its token out
     return (log_q - torch.log(-torch.log(u))).topk(width, dim=-1).indices
 
 
@@ -148,17 +149,17 @@ def typical_threshold(p: torch.Tensor, *, epsilon: float, delta: float) -> torch
     return torch.minimum(torch.full_like(entropy, epsilon), delta * torch.exp(-entropy))
 
 
-def without_earlier_draws(q: torch.Tensor, draws: torch.Tensor, rank: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """q_r, the distribution the rank-r draw x was drawn from: q [..., V] (probabilities) with
-    the draws before it (draws [..., R], in order) removed, as they were drawn without replacement,
-    renormalised -> [..., V]. rank, x: [...]."""
+def without_earlier_draws(log_q: torch.Tensor, draws: torch.Tensor, rank: torch.Tensor, x: torch.Tensor
+                          ) -> torch.Tensor:
+    """q_r, the distribution the rank-r draw x was drawn from: log_q [..., V] with the draws before it
+    (draws [..., R], in order) removed, as they were drawn without replacement, renormalised (in log
+    space, so a remainder too small for exp survives) -> probabilities [..., V]. rank, x: [...]."""
     earlier = torch.arange(draws.shape[-1], device=draws.device) < rank[..., None]  # [..., R]
-    q = q.scatter(-1, draws, torch.where(earlier, 0.0, q.gather(-1, draws)))  # [..., V]
-    left = q.sum(dim=-1, keepdim=True)  # [..., 1]
-    # No mass left (a tiny T, a small draft vocabulary): Gumbel-top-k ranks every token of q before the
-    # ones q rules out, so all of q was drawn before x, which was picked, not drawn: a point mass.
-    q = q.scatter(-1, x[..., None], torch.where(left > 0, q.gather(-1, x[..., None]), 1.0))
-    return q / torch.where(left > 0, left, 1.0)
+    log_q = log_q.scatter(-1, draws, torch.where(earlier, float("-inf"), log_q.gather(-1, draws)))  # [..., V]
+    # q had no mass left for x (a tiny T, a small draft vocabulary): Gumbel-top-k ranks every token of q
+    # before it, so all of them are removed and x, picked rather than drawn, is tried as a point mass.
+    at_x = log_q.gather(-1, x[..., None])  # [..., 1]
+    return torch.softmax(log_q.scatter(-1, x[..., None], torch.where(at_x.isneginf(), 0.0, at_x)), dim=-1)
 
 
 def speculative_try(p: torch.Tensor, q: torch.Tensor, x: torch.Tensor, u: torch.Tensor

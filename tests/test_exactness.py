@@ -200,8 +200,8 @@ def test_rejection_sampling_emits_exactly_the_backbones_distribution(case):
         assert sum(inside) > 10
 
 
-def q_keeps_earlier_draws(q, draws, rank, x):
-    return q / q.sum(dim=-1, keepdim=True)
+def q_keeps_earlier_draws(log_q, draws, rank, x):
+    return log_q.softmax(dim=-1)
 
 
 def residual_not_updated(p, q, x, u):
@@ -232,8 +232,8 @@ def one_uniform_per_row(tree, tokens, logits, *, sampling, u, usable=None):
 
 def another_rows_q(draft, nodes, at=Draft.at):
     """`Draft.at` giving row b its own draws with row b - 1's q."""
-    q, draws = at(draft, nodes)
-    return q.roll(1, dims=0), draws
+    log_q, draws = at(draft, nodes)
+    return log_q.roll(1, dims=0), draws
 
 
 def a_siblings_q(draft, nodes, at=Draft.at):

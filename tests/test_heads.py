@@ -151,6 +151,27 @@ def test_sampled_drafts_draw_each_nodes_children_from_its_own_q(kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_the_compiled_steps_drawing_function_draws_the_proposers_tree_from_the_same_numbers(kind):
+    """`draft_drawing` (what `step.draft_drawn` compiles) given the uniforms the proposer takes from the
+    generator (`draw_uniforms`, one per token of each q the tree asks for) returns the proposer's tokens
+    and draft, for the full tree and each cut of it, in a batch."""
+    model = tiny_model(4)
+    heads = random_heads(model, kind=kind, seed=4)
+    heads.use_draft_vocabulary(shuffled(4), 16)
+    proposer, sampling = heads.proposer(model, TREE), Sampling(temperature=0.8)
+    roots, hidden = torch.tensor([7, 3]), torch.randn(2, C)
+    for tree in proposer.trees()[1:]:
+        eager = proposer.propose(roots, hidden, history=[[7], [3]], max_depth=tree.depth, sampling=sampling,
+                                 generator=torch.Generator().manual_seed(1))
+        u = proposer.draw_uniforms(tree, 2, torch.Generator().manual_seed(1), device="cpu")
+        tokens, draft = heads.draft_drawing(model, roots, hidden, tree.tensors(), temperature=0.8, u=u)
+        assert eager.tree == tree and proposer.q_rows(tree) == eager.draft.log_q.shape[1]
+        assert torch.equal(tokens, eager.tokens) and torch.equal(draft.samples, eager.draft.samples)
+        assert torch.equal(draft.rows, eager.draft.rows)
+        torch.testing.assert_close(draft.log_q, eager.draft.log_q)
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_teacher_forced_logits_are_the_logits_decoding_computes_along_the_true_path(kind):
     """Training feeds the true next tokens (`next_tokens`), decoding the drafted ones. Along a chain the
     heads drafted themselves the two paths are one, so the teacher-forced argmaxes are that chain."""

@@ -11,8 +11,10 @@ from medusa_mini.sampling import (
     draft_log_probs,
     draw,
     draw_without_replacement,
+    gumbel_top_k,
     sampling_probs,
     typical_threshold,
+    without_earlier_draws,
 )
 
 
@@ -67,6 +69,27 @@ def test_drawn_candidates_are_distinct_draws_from_q_in_draw_order():
     assert all(len(set(row)) == 3 and 4 not in row for row in rows)  # no repeat, nothing q rules out
     assert_frequency(sum(row[0] == 0 for row in rows), 4000, 0.7)
     assert_frequency(sum(row[1] == 0 for row in rows), 4000, 3 * 0.1 * 0.7 / 0.9)  # second, after another
+
+
+def test_a_later_draw_is_tried_against_q_without_the_draws_before_it_however_little_is_left():
+    """The rank-1 draw came from q with the rank-0 draw removed and renormalised, even when what is left
+    is far below what exp can hold in float32 (a low temperature); when nothing is left, the draw was a
+    pick, tried as a point mass."""
+    log_q = torch.tensor([[0.0, -150.0, -152.0, float("-inf")]] * 2)  # [2, V]
+    draws, rank = torch.tensor([[0, 1], [0, 1]]), torch.tensor([1, 0])
+    got = without_earlier_draws(log_q, draws, rank, torch.tensor([1, 0]))
+    want = torch.tensor([-150.0, -152.0], dtype=torch.float64).softmax(0).float()
+    torch.testing.assert_close(got[0], torch.cat([torch.zeros(1), want, torch.zeros(1)]))
+    torch.testing.assert_close(got[1], log_q[1].softmax(0))  # rank 0: q itself
+    only = torch.tensor([0.0, float("-inf"), float("-inf"), float("-inf")])
+    assert without_earlier_draws(only, torch.tensor([0, 3]), torch.tensor(1), torch.tensor(3)).tolist() == [0, 0, 0, 1]
+
+
+def test_a_uniform_of_zero_leaves_its_token_likelier_than_one_q_barely_holds():
+    """torch.rand may return 0, whose Gumbel noise would be -inf: token 0 (q = 1/2) would rank below
+    token 1 (q = e^-50)."""
+    log_q = torch.tensor([0.0, -50.0, 0.0]).log_softmax(0)
+    assert gumbel_top_k(log_q, 2, torch.tensor([0.0, 0.5, 0.5])).tolist() == [2, 0]
 
 
 def test_greedy_is_decided_by_the_temperature_alone_and_sampling_means_lossless_rejection_sampling():

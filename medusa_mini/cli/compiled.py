@@ -1,9 +1,10 @@
 """`--compile`: the plain step (T = 1), `verify_and_accept` (the tree verify, the acceptance, keeping the
 path and the heads' next tree) and `draft_drawn` (the heads' drawn candidates) compiled by name, whole
-graphs, one per shape and rule, on CUDA as CUDA graphs (mode "reduce-overhead"), which remove the kernel launches that dominate batch-1 decoding; the
-tree verify alone too, which only benchmarks/bench_step.py times on its own. The prefill stays eager. A CUDA graph replays on the addresses it recorded and overwrites its
-outputs at its next replay: `StaticCaches` keeps one KV cache per shape, marked static, and `warm_up`
-records every shape before anything is timed."""
+graphs, one per shape and rule, on CUDA as CUDA graphs (mode "reduce-overhead"), which remove the kernel
+launches that dominate batch-1 decoding; the tree verify alone too, which only benchmarks/bench_step.py
+times on its own. The prefill stays eager. A CUDA graph replays on the addresses it recorded and
+overwrites its outputs at its next replay: `StaticCaches` keeps one KV cache per shape, marked static,
+and `warm_up` records every shape before anything is timed."""
 
 from __future__ import annotations
 
@@ -51,8 +52,8 @@ def warm_up(model: GPT, steps: step.Steps, caches: StaticCaches, *, rows: int, p
     """Run every shape decoding `rows` rows can meet: the plain step (if `plain`), and every tree each
     proposer's proposals can hold (`Proposer.trees`) under its rule through `steps.verify_and_accept` (the
     full tree with the proposer's heads, which draft the next one's top-k in the graph) and, for candidates
-    drawn from the heads' q, `steps.draft_drawn`: only the graphs the run uses. Three calls each: under CUDA graphs the first runs eagerly, the second records, the third
-    replays. Returns the seconds."""
+    drawn from the heads' q, `steps.draft_drawn`: only the graphs the run uses. Three calls each: under
+    CUDA graphs the first runs eagerly, the second records, the third replays. Returns the seconds."""
     device, block = model.device, model.config.block_size
     # (slots, tree, heads, rule, proposer): the proposer only where candidates are drawn (it makes the draft)
     shapes = {(p.tree.num_nodes, t, p.heads if t == p.tree and not s.draws_candidates else None, s,

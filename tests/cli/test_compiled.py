@@ -148,20 +148,22 @@ def test_a_compiled_step_draws_and_tries_candidates_in_its_graphs_with_the_eager
     nothing, and the tokens are the eager ones, draw for draw."""
     backend, rule = GraphReplay(), RULES["rejection"]
     model, heads, steps, caches = warmed_up(6, backend=backend, kind=kind, rows=2, rules=(rule,))
-    graphs, calls, drawn_eagerly = len(backend.graphs), [], []
+    graphs, calls, drawn_eagerly, drawn_depths = len(backend.graphs), [], [], set()
     proposer_type = type(heads.proposer(model, TREE))
     propose = proposer_type.propose
     monkeypatch.setattr(proposer_type, "propose", lambda *a, **kw: (p := propose(*a, **kw), drawn_eagerly.append(
         p.draft is not None))[0])
     counted = dataclasses.replace(steps, verify_and_accept=lambda *a, **kw: calls.append(1) or
-                                  steps.verify_and_accept(*a, **kw))
+                                  steps.verify_and_accept(*a, **kw),
+                                  draft_drawn=lambda *a, **kw: drawn_depths.add(kw["tree"].depth) or
+                                  steps.draft_drawn(*a, **kw))
 
     def run(**kw):
         return medusa_generate_batch(model, heads, [[1, 2, 3], [4, 5]], tree=TREE, max_new_tokens=30,
                                      sampling=rule, generator=torch.Generator().manual_seed(4), **kw)
 
     compiled = run(steps=counted, cache=caches)
-    assert not any(drawn_eagerly)
+    assert not any(drawn_eagerly) and drawn_depths == set(range(1, TREE.depth + 1))  # cut trees too, near the end
     eager = run()
     assert [out for out, _ in compiled] == [out for out, _ in eager] and sum(drawn_eagerly) > 1
     assert len(calls) == max(st.steps for _, st in compiled)
