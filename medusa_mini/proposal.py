@@ -44,6 +44,10 @@ class Draft:
         which = self.rows.clamp(min=0)[nodes]  # [n]; a leaf's row is never asked for
         return self.log_q[:, which], self.samples[:, which]
 
+    def clone(self) -> "Draft":
+        """A copy in new tensors (a CUDA graph's outputs do not outlive its next replay)."""
+        return Draft(log_q=self.log_q.clone(), samples=self.samples.clone(), rows=self.rows.clone())
+
     def per_node(self, b: int) -> list[tuple[torch.Tensor, list[int]] | None]:
         """Row b as the reference's walk takes it: per node, (log q [V], draws) of its children, or None."""
         samples = self.samples[b].tolist()  # [Q][R]

@@ -182,8 +182,7 @@ def medusa_step(
         # Copies in and out: roots and hidden may be the last step's graph outputs, which no replay outlives.
         tokens, draft = steps.draft_drawn(model, proposer.heads, roots.clone(), hidden.clone(),
                                           tree=tree.tensors(roots.device), temperature=sampling.temperature, u=u)
-        proposal = Proposal(tokens.clone(), tree, Draft(log_q=draft.log_q.clone(), samples=draft.samples.clone(),
-                                                         rows=draft.rows.clone()))
+        proposal = Proposal(tokens.clone(), tree, draft.clone())
     else:
         proposal = proposer.propose(roots, hidden, history=history or [[]] * len(roots), max_depth=depth,
                                     sampling=sampling, generator=generator)

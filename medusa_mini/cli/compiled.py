@@ -79,8 +79,11 @@ def warm_up(model: GPT, steps: step.Steps, caches: StaticCaches, *, rows: int, p
                 start, hidden, max_depth=t.depth, sampling=sampling, generator=torch.Generator(device)).draft
             draws = steps.draft_drawn is not None and drawing is not None and drawing.heads is not None and t.depth
             for _ in range(3 * bool(draws)):
-                steps.draft_drawn(model, drawing.heads, start, hidden, tree=tensors, temperature=sampling.temperature,
-                                  u=drawing.draw_uniforms(t, rows, torch.Generator(device), device=device))
+                drawn = steps.draft_drawn(model, drawing.heads, start, hidden, tree=tensors,
+                                          temperature=sampling.temperature,
+                                          u=drawing.draw_uniforms(t, rows, torch.Generator(device), device=device))
+                # what decoding hands the verify (copies, `step.medusa_step`): the layouts its graph is made for
+                tokens, draft = drawn[0].clone(), drawn[1].clone()
             for _ in range(3):
                 cache.lengths = 0
                 steps.verify_and_accept(model, cache, tokens, tree=tensors, usable=usable, sampling=sampling, u=u,
