@@ -2,11 +2,10 @@
 
 Every rule judges each node on its own, on the device and all at once: does the candidate pass at its
 parent (greedy: it is the backbone's token there; typical: p(candidate) clears the bar; rejection: its
-try at the parent accepts it)? A node is
-accepted when it and all its ancestors pass (`whole_path_passes`, one product with the ancestor mask),
-and the step keeps the accepted node the rule prefers: the deepest (typical: then the most likely),
-whose path from the root (`TreeTensors.node_paths`) is the accepted path. A step thus reads its result
-with a single host sync. Greedy and top-k rejection sampling are one rule with two sources of y, the
+try at the parent accepts it)? A node is accepted when it and all its ancestors pass
+(`whole_path_passes`, one product with the ancestor mask), and the step keeps the accepted node the rule
+prefers: the deepest (typical: then the most likely), whose path from the root (`TreeTensors.node_paths`)
+is the accepted path. A step thus reads its result with a single host sync. Greedy and top-k rejection sampling are one rule with two sources of y, the
 backbone's token at every node: its argmax, or one draw from p (`reference.rejection_accept` says why
 that is exact). Drawn candidates need speculative sampling's tries, sequential among a node's children
 but independent across nodes, so every node tries its children at once, slot by slot. The random
