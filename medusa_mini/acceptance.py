@@ -5,13 +5,13 @@ parent (greedy: it is the backbone's token there; typical: p(candidate) clears t
 try at the parent accepts it)? A node is accepted when it and all its ancestors pass
 (`whole_path_passes`, one product with the ancestor mask), and the step keeps the accepted node the rule
 prefers: the deepest (typical: then the most likely), whose path from the root (`TreeTensors.node_paths`)
-is the accepted path. A step thus reads its result with a single host sync. Greedy and top-k rejection sampling are one rule with two sources of y, the
-backbone's token at every node: its argmax, or one draw from p (`reference.rejection_accept` says why
-that is exact). Drawn candidates need speculative sampling's tries, sequential among a node's children
-but independent across nodes, so every node tries its children at once, slot by slot. The random
-numbers are drawn before (`acceptance_uniforms`), so no rule holds a generator and a compiled step
-captures any of them whole. Tests hold every rule to the reference, decision for decision and draw for
-draw.
+is the accepted path. A step thus reads its result with a single host sync. Greedy and top-k rejection
+sampling are one rule with two sources of y, the backbone's token at every node: its argmax, or one draw
+from p (`reference.rejection_accept` says why that is exact). Drawn candidates need speculative
+sampling's tries, sequential among a node's children but independent across nodes, so every node tries
+its children at once, slot by slot. The random numbers are drawn before (`acceptance_uniforms`), so no
+rule holds a generator and a compiled step captures any of them whole. Tests hold every rule to the
+reference, decision for decision and draw for draw.
 
 `usable` [B, N] marks the nodes a row may accept this step: near the end of a row's token budget or
 of the context, deeper nodes could not be used; a finished row in a batch has none, not even its root.
@@ -156,10 +156,11 @@ def rejection_accept_drawn(tree: TreeTensors, tokens: torch.Tensor, logits: torc
         log_q, draws = draft.at(nodes)  # [B, n, V], [B, n, R]: what the children were drawn from
         x = tokens[:, kids]  # [B, n]
         q = without_earlier_draws(log_q, draws, tree.ranks[kids].expand_as(x), x)  # [B, n, V]
-        accepted, flat, residual = speculative_try(p[:, nodes], q, x, u[:, kids])  # [B, n], [B, n], [B, n, V]
+        p_n = p[:, nodes]  # [B, n, V]
+        accepted, flat, residual = speculative_try(p_n, q, x, u[:, kids])  # [B, n], [B, n], [B, n, V]
         tried = ~done[:, nodes] & ok[:, kids]  # [B, n]
         passes[:, kids] = tried & accepted
-        p[:, nodes] = torch.where((tried & ~accepted & ~flat)[..., None], residual, p[:, nodes])
+        p[:, nodes] = torch.where((tried & ~accepted & ~flat)[..., None], residual, p_n)
         done[:, nodes] |= tried & (accepted | flat)
     last = deepest_accepted(tree, passes)  # [B]
     at_last = p.gather(1, last[:, None, None].expand(-1, 1, p.shape[-1]))[:, 0]  # [B, V] what is left of p there

@@ -97,6 +97,11 @@ class HeadsProposer:
         """The tree cut to each depth: near a generation's end the deeper nodes could not be used."""
         return [self.tree.truncated(d) for d in range(self.tree.depth + 1)]
 
+    @staticmethod
+    def q_rows(tree: Tree) -> int:
+        """Q, how many q a drawn proposal on `tree` draws from (each kind says)."""
+        raise NotImplementedError
+
     def draw_uniforms(self, tree: Tree, rows: int, generator: torch.Generator | None, *,
                       device: torch.device | str) -> torch.Tensor:
         """The uniforms [B, Q, V] a drawn proposal on `tree` turns into Gumbel noise: one per token of each q
@@ -188,7 +193,7 @@ class MedusaProposer(HeadsProposer):
 
     @staticmethod
     def q_rows(tree: Tree) -> int:
-        return tree.depth
+        return tree.depth  # one q per head
 
 
 class HydraProposer(HeadsProposer):

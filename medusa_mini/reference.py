@@ -161,7 +161,8 @@ def typical_accept(parents: list[int], tokens: list[int], logits: torch.Tensor, 
     return path[::-1], int(draw(sampling.probs(logits[best]), generator))
 
 
-def try_children(p: torch.Tensor, candidates: list[int], draft: tuple, u: torch.Tensor) -> tuple[int | None, torch.Tensor]:
+def try_children(p: torch.Tensor, candidates: list[int], draft: tuple, u: torch.Tensor
+                 ) -> tuple[int | None, torch.Tensor]:
     """Speculative sampling's tries at one node: candidates x1, x2, ... drawn from the draft against the
     target p [V], each with its own uniform u [len(candidates)]; after a miss the next one is
     tried against the residual (`speculative_try`). draft: (log q [V], the draws in order); x_i was

@@ -189,8 +189,9 @@ def tree_tensors(tree: Tree, device: str) -> TreeTensors:
     tries = tuple((as_long([i for i, kids in enumerate(tree.children) if len(kids) > s]),
                    as_long([kids[s] for kids in tree.children if len(kids) > s])) for s in slots)
     return TreeTensors(parents=as_long(tree.parents), ancestor_mask=mask.to(device), depths=as_long(tree.depths),
-                       ranks=as_long(tree.ranks), inner=as_long(list(map(len, tree.children))) > 0, node_paths=paths.to(device), guess_index=as_long(guess),
-                       tries=tries, first=tuple(tree.first), num_ranks=R)
+                       ranks=as_long(tree.ranks), inner=as_long(list(map(len, tree.children))) > 0,
+                       node_paths=paths.to(device), guess_index=as_long(guess), tries=tries, first=tuple(tree.first),
+                       num_ranks=R)
 
 
 # ---- presets ---------------------------------------------------------------------------------

@@ -75,15 +75,17 @@ def warm_up(model: GPT, steps: step.Steps, caches: StaticCaches, *, rows: int, p
             usable = step.usable_nodes(t, start, torch.full_like(start, block))  # [rows, N]
             u = acceptance_uniforms(sampling, rows, t.num_nodes, None, device=device)
             hidden = torch.zeros(rows, model.config.n_embd, device=device, dtype=model.lm_head.weight.dtype)
-            draft = None if drawing is None else drawing.propose(  # a generator of its own: not the run's
-                start, hidden, max_depth=t.depth, sampling=sampling, generator=torch.Generator(device)).draft
-            draws = steps.draft_drawn is not None and drawing is not None and drawing.heads is not None and t.depth
-            for _ in range(3 * bool(draws)):
-                drawn = steps.draft_drawn(model, drawing.heads, start, hidden, tree=tensors,
-                                          temperature=sampling.temperature,
-                                          u=drawing.draw_uniforms(t, rows, torch.Generator(device), device=device))
+            draft = None
+            if drawing is not None and steps.draft_drawn is not None and drawing.heads is not None and t.depth:
+                for _ in range(3):  # a generator of its own, here and below: not the run's
+                    drawn = steps.draft_drawn(model, drawing.heads, start, hidden, tree=tensors,
+                                              temperature=sampling.temperature,
+                                              u=drawing.draw_uniforms(t, rows, torch.Generator(device), device=device))
                 # what decoding hands the verify (copies, `step.medusa_step`): the layouts its graph is made for
                 tokens, draft = drawn[0].clone(), drawn[1].clone()
+            elif drawing is not None:
+                draft = drawing.propose(start, hidden, max_depth=t.depth, sampling=sampling,
+                                        generator=torch.Generator(device)).draft
             for _ in range(3):
                 cache.lengths = 0
                 steps.verify_and_accept(model, cache, tokens, tree=tensors, usable=usable, sampling=sampling, u=u,
