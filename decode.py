@@ -114,7 +114,8 @@ def check_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
 
 
 def prepare(a: argparse.Namespace):
-    """(checkpoint, the TreeChoice, [(text, ids)] prompts); ValueError for anything unusable."""
+    """(checkpoint, the TreeChoice, --compare's for drawn candidates (else the same), [(text, ids)] prompts);
+    ValueError for anything unusable."""
     device = pick_device(a.device)
     dtype = pick_dtype(a.dtype, device)
     if a.demo:
@@ -128,11 +129,17 @@ def prepare(a: argparse.Namespace):
         wanted = "--compare" if a.compare else "--explain" if a.explain else "--show" if a.show else "Medusa decoding"
         fix = "use --method plain or train heads" if wanted == "Medusa decoding" else "train heads first"
         raise ValueError(f"{a.ckpt} has no Medusa heads, which {wanted} needs; {fix}")
-    choice = None if ck.heads is None else resolve_tree(
-        a.tree or ("cpu" if a.demo else None), num_heads=ck.heads.num_heads, ckpt_dir="" if a.demo else a.ckpt,
-        device=device)
+    choice = drawn = None
+    if ck.heads is not None:
+        def tree_for(draws: bool) -> TreeChoice:  # --compare's rejection row draws its candidates: its own tree
+            return resolve_tree(a.tree or ("cpu" if a.demo else None), num_heads=ck.heads.num_heads,
+                                ckpt_dir="" if a.demo else a.ckpt, device=device, drawn=draws)
+
+        choice = tree_for(a.sampling.draws_candidates and not a.compare)
+        drawn = tree_for(True) if a.compare else choice
     if choice is not None and (a.method != "plain" or a.compare or a.explain or a.show):
-        ck.heads.proposer(ck.model, choice.tree)  # a tree the heads cannot fill fails here, before any output
+        for tree in {choice.tree, drawn.tree}:  # a tree the heads cannot fill fails here, before any output
+            ck.heads.proposer(ck.model, tree)
     prompts = []
     for i, text in enumerate(texts, start=1):
         ids, which = ck.enc.encode_ordinary(text), f"prompt {i} ({'--prompt' if a.prompt else PROMPTS_FILE})"
@@ -142,16 +149,16 @@ def prepare(a: argparse.Namespace):
             raise ValueError(f"{which} is {len(ids)} tokens long but the context holds {ck.block_size}; "
                              f"shorten it to at most {ck.block_size - 1} tokens")
         prompts.append((text, ids))
-    return ck, choice, prompts
+    return ck, choice, drawn, prompts
 
 
-def methods_of(a: argparse.Namespace, ck, choice: TreeChoice | None) -> list[Method]:
+def methods_of(a: argparse.Namespace, ck, choice: TreeChoice | None, drawn: TreeChoice | None) -> list[Method]:
     """What this run decodes with: --compare's rows (the batch table's four), or the one --method."""
     tree = None if choice is None else choice.tree
     if a.compare:
         temperature = a.temperature if a.temperature > 0 else SAMPLING_TEMPERATURE
         methods = compare_methods(ck, tree, a.sampling, temperature=temperature, lookup_nodes=choice.budget,
-                                  with_reference=a.reference)
+                                  drawn_tree=drawn.tree, with_reference=a.reference)
         batch_rows = ("plain_greedy", "medusa_greedy", "plain_sampling", "medusa_rejection")
         return [m for m in methods if m.key in batch_rows or not a.batch_table]
     if a.method == "plain":
@@ -264,13 +271,13 @@ def compare_table(engine: Engine, methods: list[Method], prompts: list[list[int]
 
 
 def run(a: argparse.Namespace) -> None:
-    ck, choice, prompts = prepare(a)
+    ck, choice, drawn, prompts = prepare(a)
     tree, tree_name = (None, None) if choice is None else choice[:2]
-    engine, methods = Engine(ck), methods_of(a, ck, choice)
+    engine, methods = Engine(ck), methods_of(a, ck, choice, drawn)
     warmup_s = compiled(engine, methods, a, len(prompts)) if a.compile else None
     if a.compare:
         compare_table(engine, methods, [ids for _, ids in prompts], a, tree=tree_name, tree_nodes=tree.num_nodes,
-                      lookup_nodes=choice.budget, compile_warmup_s=warmup_s)
+                      drawn_tree_nodes=None if drawn.tree == tree else drawn.tree.num_nodes, lookup_nodes=choice.budget, compile_warmup_s=warmup_s)
     elif a.explain:
         print((DEMO_NOTE + "\n\n" if a.demo else "") + explain_step(
             ck.model, ck.heads, ck.enc, prompts[0][1], tree=tree, sampling=a.sampling,

@@ -3,9 +3,10 @@
     python benchmarks/sweep.py --ckpt out/tiny [--budgets 1,2,4,8,16,32] [--rules greedy,lookup-greedy]
         [--draft-vocab 1024,4096] [--num-prompts 8] [--max-new-tokens 64] [--repeat 3] [--json] [--plot FILE.png]
 
-Budget N (root excluded) decodes with `build_tree(acc, N)`, as `decode.py --tree N` does; `lookup-greedy`
-verifies prompt lookup's chain of as many nodes. Each row against plain decoding of its rule; greedy rows
-also against the product rule's estimate and plain greedy's tokens.
+Budget N (root excluded) decodes with `build_tree(acc, N)`, as `decode.py --tree N` does, acc the table of
+the rule (`rejection-sampled`: the drawn candidates' own, where heads_accuracy.json has it); `lookup-greedy`
+verifies prompt lookup's chain of as many nodes. Each row against plain decoding of its rule; greedy and
+drawn rows also against the product rule's estimate, greedy rows against plain greedy's tokens.
 """
 
 from __future__ import annotations
@@ -42,9 +43,10 @@ RULES = {  # rule: how it samples at --temperature (none: greedy, at T = 0)
 
 def sweep(ck: Checkpoint, acc: torch.Tensor, prompts: list[list[int]], *, budgets: tuple[int, ...],
           rules: tuple[str, ...], draft_vocabs: tuple[int, ...], temperature: float, max_new_tokens: int,
-          repeat: int, seed: int) -> dict:
+          repeat: int, seed: int, drawn_acc: torch.Tensor | None = None) -> dict:
     """The plain decoders the rules need, then a row per rule, drafter and budget, each against the plain
-    decoder of its temperature: every method on every prompt, timed in turns, end-of-text stopping nothing."""
+    decoder of its temperature: every method on every prompt, timed in turns, end-of-text stopping nothing.
+    drawn_acc: the table of drawn candidates, which builds the trees of `rejection-sampled` (None: acc's)."""
     samplings = {r: Sampling(**RULES[r], temperature=temperature) if RULES[r] else Sampling() for r in rules}
     specs = list({s.temperature: (Method("plain", s), {}) for s in samplings.values()}.values())  # reads only T
     heads = {}
@@ -54,13 +56,16 @@ def sweep(ck: Checkpoint, acc: torch.Tensor, prompts: list[list[int]], *, budget
         heads[h.draft_ids.numel()] = h  # M = 0: the whole vocabulary
     for rule in rules:
         for M, drafter in ({None: PromptLookup()} if rule.startswith("lookup") else heads).items():
+            drawn = samplings[rule].draws_candidates and drawn_acc is not None
+            table = drawn_acc if drawn else acc
             for n in budgets:
-                tree = build_tree(acc, n)[0].truncated(ck.heads.num_heads)  # acc may describe more heads
+                tree = build_tree(table, n)[0].truncated(ck.heads.num_heads)  # a table may describe more heads
                 # A name of its own per row: the runs are kept by the method's key, made from it.
                 name = f"{'prompt lookup' if M is None else f'Medusa M{M}'} {rule} {n}"
                 info = {"rule": rule, "nodes": n, "draft_vocab": M,
                         "verified_nodes": drafter.proposer(ck.model, tree).tree.num_nodes - 1,
-                        "expected_tokens_per_step": expected_tokens_per_step(acc, tree) if rule == "greedy" else None}
+                        "expected_tokens_per_step": expected_tokens_per_step(table, tree)
+                        if rule == "greedy" or drawn else None}
                 specs.append((Method(name, samplings[rule], drafter, tree), info))
     runs, _ = run_in_turns(Engine(ck), [m for m, _ in specs], [[ids] for ids in prompts], max_new_tokens=max_new_tokens,
                            seed=seed, repeat=repeat, stop_at_eot=False)
@@ -106,15 +111,17 @@ def format_sweep(result: dict) -> str:
                          + (f"  {r['same_as_plain_greedy']}/{n}" if greedy else ""))
         lines += [f"  budget {r['nodes']} verifies {r['verified_nodes']} nodes (the table offers no more)"
                   for r in rows if r["verified_nodes"] < r["nodes"]]
-    if "greedy" in result["rules"]:
-        lines.append("\nexpected: the product rule on heads_accuracy.json (tree.expected_tokens_per_step), measured "
-                     "over the checkpoint's own draft vocabulary: the same estimate under every --draft-vocab")
+    if any(r["expected_tokens_per_step"] is not None for r in result["rows"]):
+        lines.append("\nexpected: the product rule on heads_accuracy.json (tree.expected_tokens_per_step; drawn "
+                     "candidates: their own table), measured over the checkpoint's own draft vocabulary: the same "
+                     "estimate under every --draft-vocab")
     return "\n".join(lines)
 
 
-def load(ns: argparse.Namespace) -> tuple[Checkpoint, torch.Tensor, list[list[int]]]:
-    """The flags checked, then the checkpoint, its accuracy table and the chosen prompts, cut to leave room
-    for the new tokens; a one-line ValueError for the first thing wrong."""
+def load(ns: argparse.Namespace) -> tuple[Checkpoint, torch.Tensor, torch.Tensor, list[list[int]]]:
+    """The flags checked, then the checkpoint, its accuracy tables (greedy's, and the drawn candidates' or
+    greedy's again) and the chosen prompts, cut to leave room for the new tokens; a one-line ValueError for
+    the first thing wrong."""
     ns.rules = tuple(r for r in RULES if r in ns.rules)  # in RULES' order
     sampled = any(RULES[r] for r in ns.rules)  # greedy rules read no temperature, yet the results report it
     if not (0 < ns.temperature if sampled else 0 <= ns.temperature) or ns.temperature == math.inf:  # nan too
@@ -133,7 +140,8 @@ def load(ns: argparse.Namespace) -> tuple[Checkpoint, torch.Tensor, list[list[in
     if build_tree(acc, 1)[0].num_nodes == 1:  # no node is ever accepted: every tree is the root alone
         raise ValueError("heads_accuracy.json: no head's top guess was ever right, so every tree is the root "
                          "alone; train the heads, then measure again")
-    return ck, acc, prompt_ids(ck, count=ns.num_prompts, max_new_tokens=ns.max_new_tokens)
+    drawn = load_accuracy(ns.ckpt, drawn=True)
+    return ck, acc, drawn, prompt_ids(ck, count=ns.num_prompts, max_new_tokens=ns.max_new_tokens)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -156,9 +164,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--plot", metavar="FILE.png", help="also draw the table (needs matplotlib)")
     ns = p.parse_args(argv)
     try:
-        ck, acc, prompts = load(ns)
+        ck, acc, drawn, prompts = load(ns)
         result = sweep(ck, acc, prompts, budgets=ns.budgets, rules=ns.rules, draft_vocabs=ns.draft_vocab,
-                       temperature=ns.temperature, max_new_tokens=ns.max_new_tokens, repeat=ns.repeat, seed=ns.seed)
+                       temperature=ns.temperature, max_new_tokens=ns.max_new_tokens, repeat=ns.repeat, seed=ns.seed,
+                       drawn_acc=drawn)
         result.update(checkpoint=ns.ckpt, device=str(ck.model.device), dtype=ns.dtype, num_heads=ck.heads.num_heads,
                       threads=torch.get_num_threads())
         if ns.plot is not None:

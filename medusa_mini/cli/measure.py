@@ -1,8 +1,10 @@
 """`python -m medusa_mini.cli.measure --ckpt DIR`: measure again (train_tiny.py does after training), in
 float32, how often a checkpoint's heads are accepted on greedy continuations of its prompts.json; save
 heads_accuracy.json, from which `decode.py --tree N` (and `auto`, the default) builds trees. Then the
-same under rejection sampling: Σ min(p, q) per head on sampled continuations (printed, not saved), and with
---marginal what head 1 would score were its q the exact marginal over the root it cannot see."""
+same under rejection sampling on sampled continuations: Σ min(p, q) per head (printed), the chance that
+each head's r-th drawn candidate is the one accepted (saved too: `auto` builds rejection sampling's trees
+from it), and with --marginal what head 1 would score were its q the exact marginal over the root it
+cannot see."""
 
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from ..train.report import (
     measure_head_accuracy,
     measure_marginal_acceptance,
     measure_sampled_acceptance,
+    measure_try_acceptance,
     save_accuracy,
 )
 from ..tree import build_tree
@@ -59,18 +62,25 @@ def main(argv: list[str] | None = None) -> int:
         p.error(str(e))
     lens = [len(ids) for ids in prompts]
     greedy = continuations(ck.model, prompts, max_new_tokens=a.max_new_tokens)
-    acc = measure_head_accuracy(ck.model, ck.heads, greedy, prompt_lens=lens,
-                                top_k=min(a.top_k, ck.heads.draft_ids.numel()))
-    save_accuracy(a.ckpt, acc, meta={"measured_on": f"greedy continuations ({a.max_new_tokens} new tokens) of the "
-                                     f"first {len(prompts)} prompts of {PROMPTS_FILE}", "num_prompts": len(prompts),
-                                     "max_new_tokens": a.max_new_tokens})
-    print(f"saved {os.path.join(a.ckpt, ACCURACY_FILE)}\n{format_accuracy(acc)}")
-    print("expected tokens/step of build_tree (product rule, bonus token counted) by node budget:")
-    print("  ".join(f"{n} nodes: {build_tree(acc, n)[1]:.2f}" for n in (1, 2, 4, 8, 16, 32, 64)))
+    top_k = min(a.top_k, ck.heads.draft_ids.numel())
+    acc = measure_head_accuracy(ck.model, ck.heads, greedy, prompt_lens=lens, top_k=top_k)
     sampled = continuations(ck.model, prompts, max_new_tokens=a.max_new_tokens, temperature=a.temperature, seed=a.seed)
     accept = measure_sampled_acceptance(ck.model, ck.heads, sampled, prompt_lens=lens, temperature=a.temperature)
+    drawn = measure_try_acceptance(ck.model, ck.heads, sampled, prompt_lens=lens, temperature=a.temperature,
+                                   ranks=top_k, seed=a.seed)
+    on = f"({a.max_new_tokens} new tokens) of the first {len(prompts)} prompts of {PROMPTS_FILE}"
+    save_accuracy(a.ckpt, acc, drawn=drawn, meta={"measured_on": f"greedy continuations {on}",
+                                                  "drawn_on": f"continuations sampled at T={a.temperature:g} {on}",
+                                                  "num_prompts": len(prompts), "max_new_tokens": a.max_new_tokens})
+    budgets = (1, 2, 4, 8, 16, 32, 64)
+    print(f"saved {os.path.join(a.ckpt, ACCURACY_FILE)}\n{format_accuracy(acc)}")
+    print("expected tokens/step of build_tree (product rule, bonus token counted) by node budget:")
+    print("  ".join(f"{n} nodes: {build_tree(acc, n)[1]:.2f}" for n in budgets))
     print(f"rejection sampling at T={a.temperature:g}: each head's one drawn candidate is accepted with "
           f"Σ min(p, q) = " + "  ".join(f"{v:.3f}" for v in accept.tolist()))
+    print(f"drawn candidates at T={a.temperature:g}, accepted among each head's first r draws:\n{format_accuracy(drawn)}")
+    print("expected tokens/step of rejection sampling's tree (drawn candidates) by node budget:")
+    print("  ".join(f"{n} nodes: {build_tree(drawn, n)[1]:.2f}" for n in budgets))
     if a.marginal:
         score, covered = measure_marginal_acceptance(ck.model, sampled, prompt_lens=lens, temperature=a.temperature)
         print(f"head 1 with q = the exact marginal over the root, what its training aims at: Σ min(p, q) = "

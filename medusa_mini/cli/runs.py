@@ -143,10 +143,11 @@ def first_difference(ck: Checkpoint, prompt: list[int], want: list[int], got: li
 
 
 def compare_methods(ck: Checkpoint, tree: Tree, sampling: Sampling, *, temperature: float,
-                    lookup_nodes: int, with_reference: bool = False) -> list[Method]:
+                    lookup_nodes: int, drawn_tree: Tree | None = None, with_reference: bool = False) -> list[Method]:
     """--compare's rows: greedy, then sampled at `temperature`, plain, by prompt lookup (a chain of
-    `lookup_nodes`, `TreeChoice.budget`) and by the heads; the reference under each rule of the heads.
-    Top-p and draft come from `sampling`."""
+    `lookup_nodes`, `TreeChoice.budget`) and by the heads (on `tree`; rejection sampling's drawn candidates
+    on `drawn_tree`, default `tree`); the reference under each rule of the heads, on the same trees. Top-p
+    and draft come from `sampling`."""
     greedy = dataclasses.replace(sampling, acceptance="greedy", temperature=0.0)
     typical, rejection = (dataclasses.replace(greedy, acceptance=r, temperature=temperature)
                           for r in ("typical", "rejection"))
@@ -154,8 +155,8 @@ def compare_methods(ck: Checkpoint, tree: Tree, sampling: Sampling, *, temperatu
     methods = [Method("plain", greedy), Method("prompt lookup", greedy, lookup, line),
                Method("Medusa", greedy, heads, tree), Method("Medusa", typical, heads, tree),
                Method("plain", rejection), Method("prompt lookup", rejection, lookup, line),
-               Method("Medusa", rejection, heads, tree)]
-    return methods + [Method("reference", m.sampling, heads, tree, reference=True)
+               Method("Medusa", rejection, heads, drawn_tree if rejection.draws_candidates and drawn_tree else tree)]
+    return methods + [Method("reference", m.sampling, heads, m.tree, reference=True)
                       for m in methods if with_reference and m.name == "Medusa"]
 
 
@@ -233,9 +234,11 @@ def table(result: dict, columns: tuple[str, ...], *, identity: str) -> list[str]
         lines.append(f"{r['method']:<32}" + "".join(f"{format(r[c], COLUMNS[c][2]):>{COLUMNS[c][1]}}"
                                                     for c in columns) + f"  {same}")
     compiled = result.get("compile_warmup_s")
+    drawn = result.get("drawn_tree_nodes")  # None: rejection sampling's tree is the others'
     lines += ["\ndevice {device}, {dtype}, {threads} threads; {prompts} prompts; tree {tree} ({tree_nodes} nodes "
-              "incl. root; prompt lookup: a chain of up to {lookup_nodes}); max-new-tokens {max_new_tokens}; "
-              "top-p {top_p:g}".format(**result)
+              "incl. root{drawn}; prompt lookup: a chain of up to {lookup_nodes}); max-new-tokens {max_new_tokens}; "
+              "top-p {top_p:g}".format(**result, drawn="" if drawn is None else
+                                       f"; Medusa rejection's, from its own table: {drawn}")
               + ("" if compiled is None else f"; steps compiled in {compiled:.1f} s (not timed)")
               + f"; {result['heads']} heads; Medusa rejection candidates: "
               + {"topk": "the heads' top-k"}.get(result["draft"], "drawn from q"),

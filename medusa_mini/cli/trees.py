@@ -32,10 +32,13 @@ class TreeChoice(NamedTuple):
     budget: int
 
 
-def resolve_tree(spec: str | None, *, ckpt_dir: str, device: torch.device | str, num_heads: int) -> TreeChoice:
+def resolve_tree(spec: str | None, *, ckpt_dir: str, device: torch.device | str, num_heads: int,
+                 drawn: bool = False) -> TreeChoice:
     """The tree from a node budget N, 'auto', a preset ('cpu', 'gpu', 'chainN') or a JSON file of choices
     ([[0], [1], [0, 0], ...] or {"choices": [...]}), looked up in the working directory, then in the
-    checkpoint's. A tree must not be deeper than the model has heads."""
+    checkpoint's. A tree must not be deeper than the model has heads. `drawn`: for rejection sampling's
+    drawn candidates, whose budget trees grow from their own table (`load_accuracy`): a drawn candidate
+    passes far less often than a top-1 guess, so siblings, more tries at a node, are worth more than depth."""
     gpu, measured = torch.device(device).type != "cpu", os.path.isfile(os.path.join(ckpt_dir, ACCURACY_FILE))
     if spec is None:
         spec = "auto" if ckpt_dir and measured else ("gpu" if gpu else "cpu")
@@ -48,7 +51,7 @@ def resolve_tree(spec: str | None, *, ckpt_dir: str, device: torch.device | str,
                              f"--ckpt {ckpt_dir}")
         budget, min_gain = (int(spec), 0.0) if spec.isdigit() else (64, 0.0) if gpu else (8, CPU_MIN_GAIN)
         # The table may have been measured for more heads than are loaded.
-        tree = build_tree(load_accuracy(ckpt_dir), budget, min_gain=min_gain)[0].truncated(num_heads)
+        tree = build_tree(load_accuracy(ckpt_dir, drawn=drawn), budget, min_gain=min_gain)[0].truncated(num_heads)
     elif spec.endswith(".json") or os.path.sep in spec:
         path = next((p for p in (spec, os.path.join(ckpt_dir, spec)) if os.path.isfile(p)), None)
         if path is None:

@@ -1,8 +1,9 @@
 """What `train_tiny.py` reports, measured: progress lines, the validation loss, the summary, prompts.json and
-the acceptance table heads_accuracy.json: acc[k][r] = P(head k+1's rank-r guess is the backbone's greedy
+the acceptance tables in heads_accuracy.json: acc[k][r] = P(head k+1's rank-r guess is the backbone's greedy
 token k+2 places ahead) on greedy continuations, the chance that greedy acceptance takes the guess once it
-took the node above (`tree.build_tree` multiplies these along paths). Its sampling counterpart,
-`measure_sampled_acceptance`, is Σ min(p, q) per head on sampled continuations."""
+took the node above (`tree.build_tree` multiplies these along paths), and its sampling counterpart for
+drawn candidates, `measure_try_acceptance`: the chance that rejection sampling accepts head k+1's r-th draw
+on sampled continuations. `measure_sampled_acceptance` is that table's first try, Σ min(p, q), exactly."""
 
 from __future__ import annotations
 
@@ -21,7 +22,16 @@ from ..heads import IGNORE, DraftHeads, next_tokens
 from ..io.files import atomic_write_text, read_json
 from ..io.loading import PROMPTS_FILE
 from ..model import GPT
-from ..sampling import SAMPLING_TEMPERATURE, Sampling, sampling_probs, scaled
+from ..sampling import (
+    SAMPLING_TEMPERATURE,
+    Sampling,
+    draft_log_probs,
+    gumbel_top_k,
+    sampling_probs,
+    scaled,
+    speculative_try,
+    without_earlier_draws,
+)
 from ..training import head_targets, lm_loss
 from ..tree import build_tree, check_acc, expected_tokens_per_step, preset
 from .data import get_batch
@@ -75,7 +85,11 @@ def summarize(r, val_batches: list, val_tokens: np.ndarray) -> dict:
     sampled = continuations(model, prompts.tolist(), max_new_tokens=n, temperature=SAMPLING_TEMPERATURE,
                             seed=args.seed + 6)
     accept = measure_sampled_acceptance(model, heads, sampled, prompt_lens=P, temperature=SAMPLING_TEMPERATURE)
-    save_accuracy(args.out, acc, meta={"measured_on": f"{len(seqs)} held-out prompts x {n} greedy tokens"})
+    drawn = measure_try_acceptance(model, heads, sampled, prompt_lens=P, temperature=SAMPLING_TEMPERATURE,
+                                   ranks=top_k, seed=args.seed + 7)
+    save_accuracy(args.out, acc, drawn=drawn, meta={"measured_on": f"{len(seqs)} held-out prompts x {n} greedy tokens",
+                                                    "drawn_on": f"the same prompts x {n} tokens sampled at "
+                                                                f"T={SAMPLING_TEMPERATURE:g}"})
     # The share of the greedy tokens inside the draft vocabulary of each size m: rank[token] < m.
     ranks = heads.vocab_order.cpu().argsort()[torch.tensor([s[P:] for s in seqs])]
     sizes = sorted({m for m in COVERAGE_SIZES if m < V} | ({M} if M else set()))
@@ -90,6 +104,8 @@ def summarize(r, val_batches: list, val_tokens: np.ndarray) -> dict:
     lines.append(f"           {'expected tokens/step, greedy (bonus counted):':<48}"
                  + ", ".join(f"{b} nodes {build_tree(acc, b)[1]:.2f}" for b in (4, 8, 16, 32, 64))
                  + f"; cpu preset {expected_tokens_per_step(acc, preset('cpu').truncated(K)):.2f}")
+    lines.append(f"           {f'expected tokens/step, rejection (T={SAMPLING_TEMPERATURE:g}):':<48}"
+                 + ", ".join(f"{b} nodes {build_tree(drawn, b)[1]:.2f}" for b in (4, 8, 16, 32, 64)))
     if coverage:
         lines.append("           draft vocabulary coverage of greedy text: "
                      + ", ".join(f"{m} {c:.2f}" for m, c in coverage.items()))
@@ -189,6 +205,50 @@ def measure_sampled_acceptance(model: GPT, heads: DraftHeads, sequences: list[li
 
 
 @torch.no_grad()
+def measure_try_acceptance(model: GPT, heads: DraftHeads, sequences: list[list[int]], *,
+                           prompt_lens: int | Sequence[int], temperature: float, ranks: int = 10, draws: int = 4,
+                           seed: int = 0) -> torch.Tensor:
+    """acc [K, ranks] float64, the acceptance table of rejection sampling with drawn candidates: acc[k][r] =
+    P(head k+1's r-th distinct draw from q is the candidate its tries accept), on `sequences` sampled at
+    `temperature` as in `measure_sampled_acceptance`, averaged over `draws` sets of draws per position.
+
+    Try r passes with chance min(1, p_r(x) / q_r(x)), p_r the residual its misses before it left
+    (`sampling.speculative_try`, `acceptance.rejection_accept_drawn`), so a set of draws is worth
+    Π_{j<r} (1 - a_j) · a_r to rank r, in expectation over the uniforms. At most one sibling passes, as at
+    most one top-k guess is the greedy token: the table plays greedy's part in `tree.build_tree`, whose
+    product rule then asks how far a drawn path gets. acc[k][0] averages to Σ min(p, q).
+    """
+    device, K, ids, V = model.device, heads.num_heads, heads.draft_ids.to(model.device), model.config.vocab_size
+    R = min(ranks, ids.numel())
+    g = torch.Generator(device=device).manual_seed(seed)
+    passed, counts = torch.zeros(K, R, dtype=torch.float64), torch.zeros(K, dtype=torch.float64)
+    for seq, first in with_head_targets(sequences, prompt_lens):
+        x, y = torch.tensor([seq[:-1]], device=device), torch.tensor([seq[1:]], device=device)  # [1, T]
+        logits, hidden = model(x)  # [1, T, V], [1, T, C]
+        p_all = sampling_probs(logits[0], temperature=temperature)  # [T, V]
+        following, T = next_tokens(y, K)[0], x.shape[1]  # [T, K]: the sampled path, which hydra heads read
+        for t in torch.arange(first, T - 1, device=device).split(POSITIONS):  # head 1 has a target
+            head_logits = heads(hidden[0, t], model, following=following[t])  # [K, m, M]
+            for k in range(1, K + 1):
+                ok = t + k < T  # [m] p of token t+k+1 is p_all[t + k]
+                log_q = draft_log_probs(head_logits[k - 1, ok], ids, temperature=temperature, vocab_size=V)  # [m, V]
+                for _ in range(draws):
+                    p, left = p_all[t[ok] + k], torch.ones(len(log_q), dtype=torch.float64, device=device)  # [m, V], [m]
+                    samples = gumbel_top_k(log_q, R, torch.rand(log_q.shape, generator=g, device=device))  # [m, R]
+                    for r in range(R):
+                        x_r = samples[:, r]  # [m]
+                        q = without_earlier_draws(log_q, samples, torch.full_like(x_r, r), x_r)  # [m, V]
+                        _, flat, residual = speculative_try(p, q, x_r, torch.zeros_like(p[:, 0]))
+                        p_x, q_x = p.gather(1, x_r[:, None])[:, 0], q.gather(1, x_r[:, None])[:, 0]  # [m]
+                        chance = torch.where(flat, (p_x > 0).float(), (p_x / q_x).clamp(max=1.0)).double()  # [m]
+                        passed[k - 1, r] += (left * chance).sum().item() / draws
+                        left = left * (1 - chance)
+                        p = torch.where(flat[:, None], p, residual)  # after a miss, the residual is the target
+                counts[k - 1] += ok.sum().item()
+    return passed / counts.clamp(min=1)[:, None]
+
+
+@torch.no_grad()
 def measure_marginal_acceptance(model: GPT, sequences: list[list[int]], *, prompt_lens: int | Sequence[int],
                                 temperature: float, roots: int = 64, every: int = 4) -> tuple[float, float]:
     """What head 1 would score in `measure_sampled_acceptance` if its q were the exact marginal: (mean Σ min,
@@ -214,23 +274,31 @@ def measure_marginal_acceptance(model: GPT, sequences: list[list[int]], *, promp
     return total / max(positions, 1), covered / max(positions, 1)
 
 
-def save_accuracy(directory: str | os.PathLike, acc: torch.Tensor, *, meta: dict | None = None) -> None:
-    """Write heads_accuracy.json atomically, one line per head, then `meta` (what it was measured on)."""
+def save_accuracy(directory: str | os.PathLike, acc: torch.Tensor, *, drawn: torch.Tensor | None = None,
+                  meta: dict | None = None) -> None:
+    """Write heads_accuracy.json atomically, one line per head: acc, the greedy table, then drawn, rejection
+    sampling's table for drawn candidates (`measure_try_acceptance`), if measured, then `meta` (what they
+    were measured on)."""
+    def lines(table: torch.Tensor) -> str:
+        return "[\n    " + ",\n    ".join(json.dumps([round(x, 6) for x in row]) for row in check_acc(table).tolist()) + "\n  ]"
+
     acc = check_acc(acc)
-    rows = ",\n    ".join(json.dumps([round(x, 6) for x in row]) for row in acc.tolist())
+    tables = f'  "acc": {lines(acc)},\n' + (f'  "acc_drawn": {lines(drawn)},\n' if drawn is not None else "")
     rest = json.dumps({"top_k": acc.shape[1], "num_heads": acc.shape[0], **(meta or {})}, indent=2)
-    path = os.path.join(directory, ACCURACY_FILE)
-    atomic_write_text(path, '{\n  "acc": [\n    ' + rows + "\n  ]," + rest[1:] + "\n")
+    atomic_write_text(os.path.join(directory, ACCURACY_FILE), "{\n" + tables + rest[2:] + "\n")
 
 
-def load_accuracy(directory: str | os.PathLike) -> torch.Tensor:
-    """acc [K, R] float64 from heads_accuracy.json; a one-line ValueError for a missing or bad file."""
+def load_accuracy(directory: str | os.PathLike, *, drawn: bool = False) -> torch.Tensor:
+    """acc [K, R] float64 from heads_accuracy.json: the greedy table, or with `drawn` the table of drawn
+    candidates where the file has one (files measured before it have not: greedy's then stands in); a
+    one-line ValueError for a missing or bad file."""
     path = os.path.join(os.fspath(directory), ACCURACY_FILE)
     obj = read_json(path, hint=f"measure it with python -m medusa_mini.cli.measure --ckpt {directory}")
+    key = "acc_drawn" if drawn and isinstance(obj, dict) and "acc_drawn" in obj else "acc"
     try:
-        return check_acc(torch.tensor(obj["acc"], dtype=torch.float64))
+        return check_acc(torch.tensor(obj[key], dtype=torch.float64))
     except (TypeError, ValueError, KeyError) as e:
-        raise ValueError(f'{path} must hold {{"acc": [[...], ...]}}: one row of numbers in [0, 1] per head, '
+        raise ValueError(f'{path} must hold {{"{key}": [[...], ...]}}: one row of numbers in [0, 1] per head, '
                          f"all of one length; {e}") from None
 
 

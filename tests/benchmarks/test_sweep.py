@@ -46,10 +46,14 @@ def test_every_rule_and_budget_is_a_row_against_the_plain_decoder_of_its_tempera
     plain = {p["temperature"]: p["tokens_per_s"] for p in result["plain"].values()}
     assert len(set(plain.values())) == 2  # two baselines, and each row is set against its own
     assert all(r["speedup"] == pytest.approx(r["tokens_per_s"] / plain[r["temperature"]]) for r in rows)
-    for r in rows:  # the product rule's estimate beside the heads' greedy rows only
-        tree = build_tree(acc, r["nodes"])[0]
-        assert r["expected_tokens_per_step"] == (pytest.approx(expected_tokens_per_step(acc, tree))
-                                                 if r["rule"] == "greedy" else None)
+    drawn = load_accuracy(medusa_ckpt, drawn=True)  # the drawn candidates' own table builds their trees
+    for r in rows:  # the product rule's estimate beside the heads' greedy and drawn rows only
+        table = drawn if r["rule"] == "rejection-sampled" else acc
+        tree = build_tree(table, r["nodes"])[0]
+        assert r["expected_tokens_per_step"] == (pytest.approx(expected_tokens_per_step(table, tree))
+                                                 if r["rule"] in ("greedy", "rejection-sampled") else None)
+        if not r["rule"].startswith("lookup"):
+            assert r["verified_nodes"] == tree.num_nodes - 1
 
 
 def test_each_draft_vocabulary_gets_its_rows_and_greedy_stays_lossless(medusa_ckpt, capsys):

@@ -15,7 +15,9 @@ from medusa_mini.cli import runs as runs_mod
 from medusa_mini.cli.runs import compare, summarise, why_line
 from medusa_mini.decoding import GenerationStats
 from medusa_mini.proposal import PromptLookup
-from medusa_mini.train.report import save_accuracy
+from medusa_mini.cli.trees import CPU_MIN_GAIN
+from medusa_mini.train.report import load_accuracy, save_accuracy
+from medusa_mini.tree import build_tree
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 ROWS = ["plain_greedy", "prompt_lookup_greedy", "medusa_greedy", "medusa_typical", "plain_sampling",
@@ -72,6 +74,32 @@ def test_auto_trims_the_heads_tree_while_prompt_lookup_drafts_the_whole_budget(c
     result = json.loads(run(capsys, "--ckpt", str(directory), "--compare", "--json", "--max-new-tokens", "8"))
     assert (result["tree"], result["tree_nodes"], result["lookup_nodes"]) == ("auto", 7, 8)
     assert chains and set(chains) == {8}
+
+
+def test_rejection_samplings_drawn_candidates_decode_on_the_tree_of_their_own_table(ckpt, capsys, tmp_path,
+                                                                                   monkeypatch):
+    """`auto` builds the drawn candidates' tree from their own table: the Medusa rejection row and its
+    reference decode on it, every other Medusa row on greedy's; the table's settings line says so."""
+    directory, trees = tmp_path / "measured", {}
+    shutil.copytree(ckpt, directory)
+    greedy_table = torch.tensor([[a * 0.45**r for r in range(10)] for a in (0.56, 0.32, 0.20)])
+    drawn_table = torch.tensor([[a * 0.3**r for r in range(10)] for a in (0.35, 0.28, 0.26)])
+    save_accuracy(directory, greedy_table, drawn=drawn_table)
+
+    def recording(decoder, name):
+        def wrapper(model, drafter, prompts, *, tree, sampling, **kw):
+            if not isinstance(drafter, PromptLookup):
+                trees.setdefault((name, sampling.acceptance), set()).add(tree.choices)
+            return decoder(model, drafter, prompts, tree=tree, sampling=sampling, **kw)
+        return wrapper
+
+    monkeypatch.setattr(runs_mod, "medusa_generate_batch", recording(runs_mod.medusa_generate_batch, "engine"))
+    monkeypatch.setattr(runs_mod.reference, "medusa_generate", recording(runs_mod.reference.medusa_generate, "reference"))
+    out = run(capsys, "--ckpt", str(directory), "--compare", "--reference", "--max-new-tokens", "8")
+    drawn, greedy = (build_tree(load_accuracy(directory, drawn=d), 8, min_gain=CPU_MIN_GAIN)[0].choices for d in (True, False))
+    assert drawn != greedy and trees == {(who, rule): {drawn if rule == "rejection" else greedy}
+                                         for who in ("engine", "reference") for rule in ("greedy", "typical", "rejection")}
+    assert f"tree auto ({len(greedy) + 1} nodes incl. root; Medusa rejection's, from its own table: {len(drawn) + 1};" in out
 
 
 def test_prompt_lookup_gains_on_a_prompt_of_one_repeated_token_and_not_on_one_without_repeats(ckpt, capsys):

@@ -15,8 +15,8 @@ from medusa_mini.tree import Tree, build_tree, chain, preset
 VICUNA = torch.tensor([[a * 0.45**r for r in range(10)] for a in (0.56, 0.32, 0.20, 0.15)])
 
 
-def resolve(spec, ckpt_dir, *, device="cpu", num_heads=4):
-    return resolve_tree(spec, ckpt_dir=str(ckpt_dir), device=device, num_heads=num_heads)
+def resolve(spec, ckpt_dir, *, device="cpu", num_heads=4, drawn=False):
+    return resolve_tree(spec, ckpt_dir=str(ckpt_dir), device=device, num_heads=num_heads, drawn=drawn)
 
 
 def test_a_node_budget_builds_the_best_tree_of_that_size_cut_to_the_heads_loaded(tmp_path):
@@ -37,6 +37,24 @@ def test_without_a_tree_the_device_picks_the_budget_or_without_accuracies_its_pr
     assert cpu_tree.num_nodes - 1 == 6 and cpu_tree == build_tree(acc, 6)[0]
     assert budget == 8  # prompt lookup's chain: it verifies only what it finds, so it takes the whole budget
     assert resolve(None, tmp_path, device="cuda:0") == (build_tree(acc, 64)[0], "auto", 64)
+
+
+DRAWN = torch.tensor([[a * 0.3**r for r in range(10)] for a in (0.35, 0.28, 0.26, 0.25)])  # drawn candidates
+
+
+def test_drawn_candidates_grow_their_budget_tree_from_their_own_table_or_else_greedys(tmp_path):
+    """A drawn candidate passes far less often than a top-1 guess: its tree spends a budget on more tries
+    at the root before depth. A table measured before drawn candidates had theirs stands in with greedy's."""
+    save_accuracy(tmp_path, VICUNA)
+    assert resolve("8", tmp_path, drawn=True) == resolve("8", tmp_path)  # no table of its own yet
+    save_accuracy(tmp_path, VICUNA, drawn=DRAWN)
+    drawn, greedy = resolve("8", tmp_path, drawn=True), resolve("8", tmp_path)
+    assert drawn == (build_tree(load_accuracy(tmp_path, drawn=True), 8)[0], "8", 8) and greedy[0] == build_tree(VICUNA, 8)[0]
+    assert drawn.tree != greedy.tree
+    on_cpu = resolve("auto", tmp_path, drawn=True)  # on a CPU only the nodes worth their time
+    assert on_cpu.tree == build_tree(load_accuracy(tmp_path, drawn=True), 8, min_gain=CPU_MIN_GAIN)[0]
+    assert on_cpu.tree.choices == ((0,), (1,), (0, 0)) and resolve("auto", tmp_path).tree.num_nodes == 7
+    assert resolve("chain3", tmp_path, drawn=True) == resolve("chain3", tmp_path)  # a tree given whole is no budget
 
 
 @pytest.mark.parametrize("content", [[[0], [1], [0, 0]], {"choices": [[0], [1], [0, 0]]}], ids=["list", "object"])
@@ -76,13 +94,19 @@ def test_measure_saves_the_accuracy_table_and_prints_the_product_rule_by_node_bu
     assert f"8 nodes: {build_tree(acc, 8)[1]:.2f}" in out  # the estimate printed is build_tree's own
     saved = json.loads((tmp_path / "heads_accuracy.json").read_text())
     assert saved["num_prompts"] == 3 and saved["max_new_tokens"] == 8 and saved["top_k"] == 10
-    sampled, marginal = out.strip().splitlines()[-2:]  # and under rejection sampling: one rate per head
-    assert sampled.startswith("rejection sampling at T=0.5") and len(sampled.split("=")[-1].split()) == 3
+    drawn = load_accuracy(tmp_path, drawn=True)  # and rejection sampling's table of drawn candidates
+    assert drawn.shape == (3, 10) and not drawn.equal(acc) and (drawn.sum(1) <= 1).all()
+    assert out.strip().splitlines()[-2].endswith(f"8 nodes: {build_tree(drawn, 8)[1]:.2f}  16 nodes: "
+                                                 f"{build_tree(drawn, 16)[1]:.2f}  32 nodes: {build_tree(drawn, 32)[1]:.2f}"
+                                                 f"  64 nodes: {build_tree(drawn, 64)[1]:.2f}")
+    sampled = next(line for line in out.splitlines() if line.startswith("rejection sampling at T=0.5"))
+    marginal = out.strip().splitlines()[-1]  # under rejection sampling: one rate per head
+    assert len(sampled.split("=")[-1].split()) == 3
     assert all(0 <= float(v) <= 1 for v in sampled.split("=")[-1].split())
     assert marginal.startswith("head 1 with q = the exact marginal over the root") and "Σ min(p, q) = 0." in marginal
     capsys.readouterr()
     measure.main(["--ckpt", str(tmp_path), "--prompts", "3", "--max-new-tokens", "8", "--temperature", "0.5", "--seed", "4"])
-    assert capsys.readouterr().out.strip().splitlines()[-1] != sampled  # the seed draws other continuations
+    assert sampled not in capsys.readouterr().out  # the seed draws other continuations
 
 
 @pytest.mark.parametrize("argv, needle", [

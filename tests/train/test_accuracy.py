@@ -13,7 +13,7 @@ from conftest import random_heads, tiny_model
 from medusa_mini.decoding import generate, medusa_generate
 from medusa_mini.heads import HeadsConfig
 from medusa_mini.proposal import MedusaProposer
-from medusa_mini.sampling import sampling_probs
+from medusa_mini.sampling import Sampling, sampling_probs
 from medusa_mini.train import report
 from medusa_mini.train.report import (
     continuations,
@@ -21,6 +21,7 @@ from medusa_mini.train.report import (
     measure_head_accuracy,
     measure_marginal_acceptance,
     measure_sampled_acceptance,
+    measure_try_acceptance,
 )
 from medusa_mini.tree import build_tree
 
@@ -168,6 +169,80 @@ def test_sampled_acceptance_is_the_mean_of_sum_min_p_q_over_the_sampled_text(kin
     got = measure_sampled_acceptance(model, heads, seqs, prompt_lens=6, temperature=0.7)
     assert got.tolist() == pytest.approx([sum(v) / len(v) for v in sums], abs=1e-6)
     assert 0.05 < got.min() and got.max() < 0.95  # neither all nor nothing: a real test of the sum
+
+
+@pytest.mark.parametrize("kind", ["medusa", "hydra"])
+def test_a_drawn_candidates_first_try_passes_with_sum_min_p_q_and_each_draw_at_most_once(kind):
+    """The drawn table's first rank is Σ min(p, q) (`measure_sampled_acceptance`, exact) up to the draws'
+    noise; a node accepts at most one of its draws, so a head's ranks sum to at most 1."""
+    model = tiny_model(5)
+    heads = random_heads(model, num_heads=3, seed=5, kind=kind)
+    heads.use_draft_vocabulary(torch.randperm(64, generator=torch.Generator().manual_seed(5)), 32)
+    seqs = continuations(model, _prompts(4, length=6), max_new_tokens=20, temperature=1.5, seed=2)
+    exact = measure_sampled_acceptance(model, heads, seqs, prompt_lens=6, temperature=1.5)
+    drawn = measure_try_acceptance(model, heads, seqs, prompt_lens=6, temperature=1.5, ranks=5, draws=32, seed=1)
+    assert drawn.shape == (3, 5) and drawn[:, 0].tolist() == pytest.approx(exact.tolist(), abs=0.02)
+    assert 0.1 < exact.min() and (drawn[:, 1:] > 0.01).all() and (drawn.sum(1) <= 1).all()
+    assert drawn.equal(measure_try_acceptance(model, heads, seqs, prompt_lens=6, temperature=1.5, ranks=5, draws=32,
+                                              seed=1))  # seeded: the same draws
+
+
+def test_heads_whose_q_is_p_have_their_first_draw_accepted_and_no_other():
+    model = tiny_model(4)
+    seqs = continuations(model, _prompts(4), max_new_tokens=20, temperature=0.9, seed=1)
+    drawn = measure_try_acceptance(model, ProphetHeads(model, seqs), seqs, prompt_lens=5, temperature=0.9, ranks=3)
+    assert drawn[:, 0].tolist() == pytest.approx([1.0] * 3, abs=1e-5) and drawn[:, 1:].abs().max() < 1e-5
+
+
+class Fixed:
+    """A backbone whose p and a head whose q are the same at every position: logits [1, T, V] and [1, m, V]."""
+
+    device, draft_ids, num_heads = torch.device("cpu"), torch.arange(3), 1
+
+    def __init__(self, p, q):
+        self.config = HeadsConfig(vocab_size=len(p))  # only its vocab_size is read
+        self.log_p, self.log_q = torch.tensor(p).log(), torch.tensor(q).log()
+
+    def __call__(self, x, *args, following=None):  # the model on tokens [1, T]; the heads on hidden [m, C]
+        if args:
+            return self.log_q.expand(1, len(x), -1)
+        return self.log_p.expand(1, x.shape[1], -1), torch.zeros(1, x.shape[1], 1)
+
+
+def test_the_drawn_table_is_the_chance_that_each_draw_is_the_one_accepted():
+    """Written out for one p and q over three tokens: draw x0, then x1 from q without x0; try x0 against p
+    (passes with min(1, p/q)), after a miss try x1 against the residual norm(max(0, p - q)) with q renormalised
+    without x0."""
+    p, q = [0.5, 0.3, 0.2], [0.2, 0.15, 0.65]
+    want = [0.0, 0.0]
+    for x0, x1 in itertools.permutations(range(3), 2):
+        chance = q[x0] * q[x1] / (1 - q[x0])  # the draws in this order
+        a0 = min(1.0, p[x0] / q[x0])
+        residual = [max(0.0, a - b) for a, b in zip(p, q)]
+        q1 = [0.0 if x == x0 else b / (1 - q[x0]) for x, b in enumerate(q)]
+        a1 = min(1.0, residual[x1] / sum(residual) / q1[x1])
+        want[0], want[1] = want[0] + chance * a0, want[1] + chance * (1 - a0) * a1
+    fixed = Fixed(p, q)
+    got = measure_try_acceptance(fixed, fixed, [list(range(12))], prompt_lens=1, temperature=1.0, ranks=2, draws=400)
+    assert want[0] == pytest.approx(sum(min(a, b) for a, b in zip(p, q)))  # Σ min(p, q): 0.55
+    assert got[0].tolist() == pytest.approx(want, abs=0.015)
+
+
+def test_the_drawn_table_predicts_rejection_samplings_tokens_per_step():
+    """The product rule on the drawn table (`build_tree`, as `decode.py --tree N` builds rejection sampling's
+    tree) against the tokens per step that rejection sampling of drawn candidates makes on that tree."""
+    model, T, prompts = tiny_model(3), 2.0, _prompts(16)
+    heads = random_heads(model, num_heads=3, seed=3)
+    seqs = continuations(model, prompts, max_new_tokens=48, temperature=T, seed=1)
+    drawn = measure_try_acceptance(model, heads, seqs, prompt_lens=5, temperature=T, ranks=4)
+    tree, expected = build_tree(drawn, 6)
+    assert {(1,), (0, 0)} <= set(tree.choices)  # a second try at the root is worth more than depth 3
+    emitted = steps = 0
+    for i, p in enumerate(prompts):
+        _, stats = medusa_generate(model, heads, p, tree=tree, max_new_tokens=48, sampling=Sampling(temperature=T),
+                                   generator=torch.Generator().manual_seed(i))
+        emitted, steps = emitted + sum(stats.step_tokens), steps + stats.steps
+    assert 1.5 < expected and 0.9 < (emitted / steps - 1) / (expected - 1) < 1.1
 
 
 class Lagged(torch.nn.Module):

@@ -111,6 +111,9 @@ def test_a_run_writes_a_complete_checkpoint_and_a_measured_summary(reference_run
     assert (acc := load_accuracy(out)).shape == (4, 10)
     want = ", ".join(f"{b} nodes {build_tree(acc, b)[1]:.2f}" for b in (4, 8, 16, 32, 64))
     assert f"{want}; cpu preset {expected_tokens_per_step(acc, preset('cpu')):.2f}" in text
+    drawn = load_accuracy(out, drawn=True)  # and rejection sampling's, from the drawn candidates' own table
+    assert drawn.shape == (4, 10) and not drawn.equal(acc)
+    assert ", ".join(f"{b} nodes {build_tree(drawn, b)[1]:.2f}" for b in (4, 8, 16, 32, 64)) in text
     model, heads, cfg = load_checkpoint(out)
     assert heads.num_heads == 4 and cfg["medusa_mini"]["eot_id"] == model.config.vocab_size - 1
     assert heads.draft_ids.numel() == 128  # the smoke preset's --draft-vocab
