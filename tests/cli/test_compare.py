@@ -13,9 +13,9 @@ import torch
 import decode
 from medusa_mini.cli import runs as runs_mod
 from medusa_mini.cli.runs import compare, summarise, why_line
+from medusa_mini.cli.trees import CPU_MIN_GAIN
 from medusa_mini.decoding import GenerationStats
 from medusa_mini.proposal import PromptLookup
-from medusa_mini.cli.trees import CPU_MIN_GAIN
 from medusa_mini.train.report import load_accuracy, save_accuracy
 from medusa_mini.tree import build_tree
 
