@@ -146,22 +146,27 @@ def rejection_accept_drawn(tree: TreeTensors, tokens: torch.Tensor, logits: torc
     (`TreeTensors.tries`), as if the walk reached it, with the reference's uniforms (child c's is u[:, c]);
     then the walk only follows what passed: at most one child of a node passes, the accepted nodes form
     one chain, and its deepest node's residual, what is left of p, gives the bonus with u[:, 0].
-    Unusable nodes are never tried; a row without a usable root tries nothing.
+    Unusable nodes are never tried; a row without a usable root tries nothing. The q each node was drawn
+    from is made for all nodes at once: only the residual passes from slot to slot.
     """
     p = sampling.probs(logits)  # [B, N, V]: p at each node, then the residual its misses leave
     ok = torch.ones_like(tokens, dtype=torch.bool) if usable is None else usable  # [B, N]
     passes = torch.zeros_like(ok)  # [B, N] the node passed its try at its parent
-    done = torch.zeros_like(ok)  # [B, N] the node tries no more children: one passed, or p = q (flat)
-    for nodes, kids in tree.tries:  # [n] nodes with a child in this slot, [n] that child
-        log_q, draws = draft.at(nodes)  # [B, n, V], [B, n, R]: what the children were drawn from
-        x = tokens[:, kids]  # [B, n]
-        q = without_earlier_draws(log_q, draws, tree.ranks[kids].expand_as(x), x)  # [B, n, V]
-        p_n = p[:, nodes]  # [B, n, V]
-        accepted, flat, residual = speculative_try(p_n, q, x, u[:, kids])  # [B, n], [B, n], [B, n, V]
-        tried = ~done[:, nodes] & ok[:, kids]  # [B, n]
-        passes[:, kids] = tried & accepted
-        p[:, nodes] = torch.where((tried & ~accepted & ~flat)[..., None], residual, p_n)
-        done[:, nodes] |= tried & (accepted | flat)
+    nodes, kids = tree.tries  # [n] the nodes with children, [n, S] their children in the order they are tried
+    if kids.numel():
+        kid = kids.clamp(min=0)  # [n, S]; a missing child (-1) is never tried
+        log_q, draws = draft.at(tree.parents.clamp(min=0))  # [B, N, V], [B, N, R]: what each node was drawn from
+        q = without_earlier_draws(log_q, draws, tree.ranks.expand_as(tokens), tokens)  # [B, N, V] (the root's unused)
+        tried = (kids >= 0) & ok[:, kid]  # [B, n, S] the child exists and may be accepted
+        target, done = p[:, nodes], torch.zeros_like(tried[..., 0])  # [B, n, V], [B, n]: a try passed, or p = q
+        for s in range(kid.shape[1]):
+            c = kid[:, s]  # [n] each node's child in this slot
+            accepted, flat, residual = speculative_try(target, q[:, c], tokens[:, c], u[:, c])  # [B, n] x2, [B, n, V]
+            now = tried[:, :, s] & ~done  # [B, n] this slot's child is tried
+            passes[:, c] |= now & accepted  # a missing child (c = 0) is never tried: it adds nothing
+            target = torch.where((now & ~accepted & ~flat)[..., None], residual, target)
+            done |= now & (accepted | flat)
+        p[:, nodes] = target
     last = deepest_accepted(tree, passes)  # [B]
     at_last = p.gather(1, last[:, None, None].expand(-1, 1, p.shape[-1]))[:, 0]  # [B, V] what is left of p there
     return Accepted.ending_at(tree, last, inverse_cdf(at_last, u[:, 0]))

@@ -162,8 +162,8 @@ class TreeTensors:
     inner: torch.Tensor  # [N] bool: the node has children
     node_paths: torch.Tensor  # [N, D + 1] long: the root-to-node path of each node, then the node repeated
     guess_index: torch.Tensor  # [N] long: where each node's token sits in [root, head 1's R guesses, head 2's, ...]
-    tries: tuple[tuple[torch.Tensor, torch.Tensor], ...]  # per slot s: (nodes with more than s children, their
-    # child in slot s, rank order), long [n_s] each: the s-th child a node tries
+    tries: tuple[torch.Tensor, torch.Tensor]  # (the n nodes with children, long [n]; their children in rank
+    # order, the order they are tried in, long [n, S], -1 past a node's last), S the most children of a node
     first: tuple[int, ...]  # `Tree.first`: nodes of depth d are first[d] .. first[d + 1] - 1
     num_ranks: int  # R, the ranks any node uses (`Tree.max_rank` + 1)
 
@@ -185,9 +185,10 @@ def tree_tensors(tree: Tree, device: str) -> TreeTensors:
     as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
     R = tree.max_rank + 1
     guess = [0] + [1 + (d - 1) * R + r for d, r in zip(tree.depths[1:], tree.ranks[1:])]
-    slots = range(max(map(len, tree.children)))
-    tries = tuple((as_long([i for i, kids in enumerate(tree.children) if len(kids) > s]),
-                   as_long([kids[s] for kids in tree.children if len(kids) > s])) for s in slots)
+    S = max(map(len, tree.children))
+    parents_of_kids = [i for i, kids in enumerate(tree.children) if kids]
+    tries = (as_long(parents_of_kids), as_long([tree.children[i] + [-1] * (S - len(tree.children[i]))
+                                                for i in parents_of_kids]).view(len(parents_of_kids), S))
     return TreeTensors(parents=as_long(tree.parents), ancestor_mask=mask.to(device), depths=as_long(tree.depths),
                        ranks=as_long(tree.ranks), inner=as_long(list(map(len, tree.children))) > 0,
                        node_paths=paths.to(device), guess_index=as_long(guess), tries=tries, first=tuple(tree.first),
