@@ -152,20 +152,19 @@ def rejection_accept_drawn(tree: TreeTensors, tokens: torch.Tensor, logits: torc
     p = sampling.probs(logits)  # [B, N, V]: p at each node, then the residual its misses leave
     ok = torch.ones_like(tokens, dtype=torch.bool) if usable is None else usable  # [B, N]
     passes = torch.zeros_like(ok)  # [B, N] the node passed its try at its parent
-    nodes, kids = tree.tries  # [n] the nodes with children, [n, S] their children in the order they are tried
-    if kids.numel():
-        kid = kids.clamp(min=0)  # [n, S]; a missing child (-1) is never tried
+    nodes, kids, sizes = tree.tries  # [n] nodes, most children first; [n, S] their children in try order
+    if sizes:
         log_q, draws = draft.at(tree.parents.clamp(min=0))  # [B, N, V], [B, N, R]: what each node was drawn from
         q = without_earlier_draws(log_q, draws, tree.ranks.expand_as(tokens), tokens)  # [B, N, V] (the root's unused)
-        tried = (kids >= 0) & ok[:, kid]  # [B, n, S] the child exists and may be accepted
-        target, done = p[:, nodes], torch.zeros_like(tried[..., 0])  # [B, n, V], [B, n]: a try passed, or p = q
-        for s in range(kid.shape[1]):
-            c = kid[:, s]  # [n] each node's child in this slot
-            accepted, flat, residual = speculative_try(target, q[:, c], tokens[:, c], u[:, c])  # [B, n] x2, [B, n, V]
-            now = tried[:, :, s] & ~done  # [B, n] this slot's child is tried
-            passes[:, c] |= now & accepted  # a missing child (c = 0) is never tried: it adds nothing
-            target = torch.where((now & ~accepted & ~flat)[..., None], residual, target)
-            done |= now & (accepted | flat)
+        target, done = p[:, nodes], torch.zeros_like(ok[:, nodes])  # [B, n, V], [B, n]: a try passed, or p = q
+        for s, n_s in enumerate(sizes):  # the first n_s nodes have a child in slot s
+            c = kids[:n_s, s]  # [n_s]
+            t = target[:, :n_s]  # [B, n_s, V] the residual the misses before left
+            accepted, flat, residual = speculative_try(t, q[:, c], tokens[:, c], u[:, c])  # [B, n_s] x2, [B, n_s, V]
+            now = ok[:, c] & ~done[:, :n_s]  # [B, n_s] the child is tried
+            passes[:, c] = now & accepted
+            target[:, :n_s] = torch.where((now & ~accepted & ~flat)[..., None], residual, t)
+            done[:, :n_s] |= now & (accepted | flat)
         p[:, nodes] = target
     last = deepest_accepted(tree, passes)  # [B]
     at_last = p.gather(1, last[:, None, None].expand(-1, 1, p.shape[-1]))[:, 0]  # [B, V] what is left of p there

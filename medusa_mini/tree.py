@@ -162,8 +162,9 @@ class TreeTensors:
     inner: torch.Tensor  # [N] bool: the node has children
     node_paths: torch.Tensor  # [N, D + 1] long: the root-to-node path of each node, then the node repeated
     guess_index: torch.Tensor  # [N] long: where each node's token sits in [root, head 1's R guesses, head 2's, ...]
-    tries: tuple[torch.Tensor, torch.Tensor]  # (the n nodes with children, long [n]; their children in rank
-    # order, the order they are tried in, long [n, S], -1 past a node's last), S the most children of a node
+    tries: tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]  # (the n nodes with children, most children first,
+    # long [n]; their children in rank order, the order they are tried in, long [n, S], -1 past a node's last;
+    # per slot s < S, how many nodes have a child in it: the first ones)
     first: tuple[int, ...]  # `Tree.first`: nodes of depth d are first[d] .. first[d + 1] - 1
     num_ranks: int  # R, the ranks any node uses (`Tree.max_rank` + 1)
 
@@ -186,9 +187,9 @@ def tree_tensors(tree: Tree, device: str) -> TreeTensors:
     R = tree.max_rank + 1
     guess = [0] + [1 + (d - 1) * R + r for d, r in zip(tree.depths[1:], tree.ranks[1:])]
     S = max(map(len, tree.children))
-    parents_of_kids = [i for i, kids in enumerate(tree.children) if kids]
-    tries = (as_long(parents_of_kids), as_long([tree.children[i] + [-1] * (S - len(tree.children[i]))
-                                                for i in parents_of_kids]).view(len(parents_of_kids), S))
+    inner = sorted((i for i, kids in enumerate(tree.children) if kids), key=lambda i: -len(tree.children[i]))
+    tries = (as_long(inner), as_long([tree.children[i] + [-1] * (S - len(tree.children[i])) for i in inner]).view(
+        len(inner), S), tuple(sum(len(tree.children[i]) > s for i in inner) for s in range(S)))
     return TreeTensors(parents=as_long(tree.parents), ancestor_mask=mask.to(device), depths=as_long(tree.depths),
                        ranks=as_long(tree.ranks), inner=as_long(list(map(len, tree.children))) > 0,
                        node_paths=paths.to(device), guess_index=as_long(guess), tries=tries, first=tuple(tree.first),
