@@ -136,7 +136,7 @@ def prepare(a: argparse.Namespace):
                                 ckpt_dir="" if a.demo else a.ckpt, device=device, drawn=draws)
 
         choice = tree_for(a.sampling.draws_candidates and not a.compare)
-        drawn = tree_for(True) if a.compare else choice
+        drawn = tree_for(True) if a.compare and a.sampling.draft == "sampled" else choice
     if choice is not None and (a.method != "plain" or a.compare or a.explain or a.show):
         for tree in {choice.tree, drawn.tree}:  # a tree the heads cannot fill fails here, before any output
             ck.heads.proposer(ck.model, tree)
@@ -276,8 +276,9 @@ def run(a: argparse.Namespace) -> None:
     engine, methods = Engine(ck), methods_of(a, ck, choice, drawn)
     warmup_s = compiled(engine, methods, a, len(prompts)) if a.compile else None
     if a.compare:
+        own = None if drawn.tree == tree else drawn.tree.num_nodes  # the rejection row's tree, if another
         compare_table(engine, methods, [ids for _, ids in prompts], a, tree=tree_name, tree_nodes=tree.num_nodes,
-                      drawn_tree_nodes=None if drawn.tree == tree else drawn.tree.num_nodes, lookup_nodes=choice.budget, compile_warmup_s=warmup_s)
+                      drawn_tree_nodes=own, lookup_nodes=choice.budget, compile_warmup_s=warmup_s)
     elif a.explain:
         print((DEMO_NOTE + "\n\n" if a.demo else "") + explain_step(
             ck.model, ck.heads, ck.enc, prompts[0][1], tree=tree, sampling=a.sampling,

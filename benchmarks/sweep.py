@@ -31,8 +31,8 @@ from medusa_mini.cli.runs import Engine, Method, run_in_turns, summarise  # noqa
 from medusa_mini.io.loading import Checkpoint, load_for_decoding, prompt_ids  # noqa: E402
 from medusa_mini.proposal import PromptLookup  # noqa: E402
 from medusa_mini.sampling import SAMPLING_TEMPERATURE, Sampling  # noqa: E402
+from medusa_mini.train.accuracy import load_accuracy  # noqa: E402
 from medusa_mini.train.device import DTYPES, pick_device, pick_dtype  # noqa: E402
-from medusa_mini.train.report import load_accuracy  # noqa: E402
 from medusa_mini.tree import build_tree, expected_tokens_per_step  # noqa: E402
 
 RULES = {  # rule: how it samples at --temperature (none: greedy, at T = 0)
@@ -118,10 +118,10 @@ def format_sweep(result: dict) -> str:
     return "\n".join(lines)
 
 
-def load(ns: argparse.Namespace) -> tuple[Checkpoint, torch.Tensor, torch.Tensor, list[list[int]]]:
+def load(ns: argparse.Namespace) -> tuple[Checkpoint, torch.Tensor, torch.Tensor | None, list[list[int]]]:
     """The flags checked, then the checkpoint, its accuracy tables (greedy's, and the drawn candidates' or
-    greedy's again) and the chosen prompts, cut to leave room for the new tokens; a one-line ValueError for
-    the first thing wrong."""
+    None where the file predates it) and the chosen prompts, cut to leave room for the new tokens; a
+    one-line ValueError for the first thing wrong."""
     ns.rules = tuple(r for r in RULES if r in ns.rules)  # in RULES' order
     sampled = any(RULES[r] for r in ns.rules)  # greedy rules read no temperature, yet the results report it
     if not (0 < ns.temperature if sampled else 0 <= ns.temperature) or ns.temperature == math.inf:  # nan too

@@ -186,10 +186,12 @@ def tree_tensors(tree: Tree, device: str) -> TreeTensors:
     as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
     R = tree.max_rank + 1
     guess = [0] + [1 + (d - 1) * R + r for d, r in zip(tree.depths[1:], tree.ranks[1:])]
+    # Most children first, so the nodes with a child in slot s are the first few: a slice, not a gather.
     S = max(map(len, tree.children))
     inner = sorted((i for i, kids in enumerate(tree.children) if kids), key=lambda i: -len(tree.children[i]))
-    tries = (as_long(inner), as_long([tree.children[i] + [-1] * (S - len(tree.children[i])) for i in inner]).view(
-        len(inner), S), tuple(sum(len(tree.children[i]) > s for i in inner) for s in range(S)))
+    kids = as_long([tree.children[i] + [-1] * (S - len(tree.children[i])) for i in inner])
+    sizes = tuple(sum(len(tree.children[i]) > s for i in inner) for s in range(S))
+    tries = (as_long(inner), kids.view(len(inner), S), sizes)  # view: a root alone makes [0, 0], not [0]
     return TreeTensors(parents=as_long(tree.parents), ancestor_mask=mask.to(device), depths=as_long(tree.depths),
                        ranks=as_long(tree.ranks), inner=as_long(list(map(len, tree.children))) > 0,
                        node_paths=paths.to(device), guess_index=as_long(guess), tries=tries, first=tuple(tree.first),

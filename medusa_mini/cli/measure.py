@@ -15,8 +15,7 @@ import sys
 from ..io.files import check_writable
 from ..io.loading import PROMPTS_FILE, load_for_decoding, prompt_ids
 from ..sampling import SAMPLING_TEMPERATURE
-from ..train.device import pick_device
-from ..train.report import (
+from ..train.accuracy import (
     ACCURACY_FILE,
     continuations,
     format_accuracy,
@@ -26,6 +25,7 @@ from ..train.report import (
     measure_try_acceptance,
     save_accuracy,
 )
+from ..train.device import pick_device
 from ..tree import build_tree
 from .common import OneLineParser, seed
 
@@ -78,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     print("  ".join(f"{n} nodes: {build_tree(acc, n)[1]:.2f}" for n in budgets))
     print(f"rejection sampling at T={a.temperature:g}: each head's one drawn candidate is accepted with "
           f"Σ min(p, q) = " + "  ".join(f"{v:.3f}" for v in accept.tolist()))
-    print(f"drawn candidates at T={a.temperature:g}, accepted among each head's first r draws:\n{format_accuracy(drawn)}")
+    print(f"drawn candidates at T={a.temperature:g}, accepted among each head's first r draws:")
+    print(format_accuracy(drawn))
     print("expected tokens/step of rejection sampling's tree (drawn candidates) by node budget:")
     print("  ".join(f"{n} nodes: {build_tree(drawn, n)[1]:.2f}" for n in budgets))
     if a.marginal:

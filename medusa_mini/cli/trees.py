@@ -11,7 +11,7 @@ from typing import NamedTuple
 import torch
 
 from ..io.files import read_json
-from ..train.report import ACCURACY_FILE, load_accuracy
+from ..train.accuracy import ACCURACY_FILE, load_accuracy
 from ..tree import Tree, build_tree, preset
 
 # On two CPU cores a node adds 2.5-3.5% to a Medusa step of the cpu preset (bench_step.py --configs tiny:
@@ -51,7 +51,10 @@ def resolve_tree(spec: str | None, *, ckpt_dir: str, device: torch.device | str,
                              f"--ckpt {ckpt_dir}")
         budget, min_gain = (int(spec), 0.0) if spec.isdigit() else (64, 0.0) if gpu else (8, CPU_MIN_GAIN)
         # The table may have been measured for more heads than are loaded.
-        tree = build_tree(load_accuracy(ckpt_dir, drawn=drawn), budget, min_gain=min_gain)[0].truncated(num_heads)
+        acc = load_accuracy(ckpt_dir, drawn=True) if drawn else None
+        if acc is None:  # measured before drawn candidates had a table of their own: greedy's stands in
+            acc = load_accuracy(ckpt_dir)
+        tree = build_tree(acc, budget, min_gain=min_gain)[0].truncated(num_heads)
     elif spec.endswith(".json") or os.path.sep in spec:
         path = next((p for p in (spec, os.path.join(ckpt_dir, spec)) if os.path.isfile(p)), None)
         if path is None:

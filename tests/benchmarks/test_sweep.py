@@ -10,7 +10,7 @@ import decode
 from benchmarks import sweep
 from conftest import save_small_checkpoint, save_tiny
 from medusa_mini.cli import measure, plots
-from medusa_mini.train.report import load_accuracy
+from medusa_mini.train.accuracy import load_accuracy, save_accuracy
 from medusa_mini.tree import build_tree, expected_tokens_per_step
 
 FAST = ["--budgets", "2,4", "--max-new-tokens", "8", "--repeat", "1", "--num-prompts", "2", "--device", "cpu"]
@@ -54,6 +54,19 @@ def test_every_rule_and_budget_is_a_row_against_the_plain_decoder_of_its_tempera
                                                  if r["rule"] in ("greedy", "rejection-sampled") else None)
         if not r["rule"].startswith("lookup"):
             assert r["verified_nodes"] == tree.num_nodes - 1
+
+
+def test_a_table_without_drawn_candidates_builds_their_trees_from_greedys_and_predicts_nothing(medusa_ckpt, capsys,
+                                                                                               tmp_path):
+    """A heads_accuracy.json measured before the drawn table existed: greedy's builds the trees, and no
+    estimate is printed for the drawn rows, which greedy's table does not describe."""
+    old = tmp_path / "old"
+    shutil.copytree(medusa_ckpt, old)
+    save_accuracy(old, load_accuracy(old))  # greedy's table alone
+    rows = run_json(str(old), capsys, "--rules", "rejection-sampled")["rows"]
+    acc = load_accuracy(old)
+    assert [r["verified_nodes"] for r in rows] == [build_tree(acc, n)[0].num_nodes - 1 for n in (2, 4)]
+    assert all(r["expected_tokens_per_step"] is None for r in rows)
 
 
 def test_each_draft_vocabulary_gets_its_rows_and_greedy_stays_lossless(medusa_ckpt, capsys):

@@ -16,7 +16,7 @@ from medusa_mini.cli.runs import compare, summarise, why_line
 from medusa_mini.cli.trees import CPU_MIN_GAIN
 from medusa_mini.decoding import GenerationStats
 from medusa_mini.proposal import PromptLookup
-from medusa_mini.train.report import load_accuracy, save_accuracy
+from medusa_mini.train.accuracy import load_accuracy, save_accuracy
 from medusa_mini.tree import build_tree
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -94,12 +94,16 @@ def test_rejection_samplings_drawn_candidates_decode_on_the_tree_of_their_own_ta
         return wrapper
 
     monkeypatch.setattr(runs_mod, "medusa_generate_batch", recording(runs_mod.medusa_generate_batch, "engine"))
-    monkeypatch.setattr(runs_mod.reference, "medusa_generate", recording(runs_mod.reference.medusa_generate, "reference"))
+    monkeypatch.setattr(runs_mod.reference, "medusa_generate",
+                        recording(runs_mod.reference.medusa_generate, "reference"))
     out = run(capsys, "--ckpt", str(directory), "--compare", "--reference", "--max-new-tokens", "8")
-    drawn, greedy = (build_tree(load_accuracy(directory, drawn=d), 8, min_gain=CPU_MIN_GAIN)[0].choices for d in (True, False))
+    drawn, greedy = (build_tree(load_accuracy(directory, drawn=d), 8, min_gain=CPU_MIN_GAIN)[0].choices
+                     for d in (True, False))
+    rules = ("greedy", "typical", "rejection")
     assert drawn != greedy and trees == {(who, rule): {drawn if rule == "rejection" else greedy}
-                                         for who in ("engine", "reference") for rule in ("greedy", "typical", "rejection")}
-    assert f"tree auto ({len(greedy) + 1} nodes incl. root; Medusa rejection's, from its own table: {len(drawn) + 1};" in out
+                                         for who in ("engine", "reference") for rule in rules}
+    assert (f"tree auto ({len(greedy) + 1} nodes incl. root; Medusa rejection's, from its own table: "
+            f"{len(drawn) + 1};") in out
 
 
 def test_prompt_lookup_gains_on_a_prompt_of_one_repeated_token_and_not_on_one_without_repeats(ckpt, capsys):

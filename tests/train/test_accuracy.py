@@ -1,7 +1,8 @@
-"""The acceptance table (train/report.py): acc[k][r] counts how often head k+1's rank-r guess, a token of
-the draft vocabulary, is the backbone's own greedy token, over greedy continuations of prompts; the
-product rule on it predicts greedy Medusa's tokens per step; the table survives a save and load, and a
-bad file is one clear error."""
+"""The acceptance tables (train/accuracy.py): acc[k][r] counts how often head k+1's rank-r guess, a token of
+the draft vocabulary, is the backbone's own greedy token, over greedy continuations of prompts; the drawn
+table, how often its r-th drawn candidate is the one rejection sampling accepts, over sampled ones. The
+product rule on each predicts its rule's tokens per step; the tables survive a save and load, and a bad
+file is one clear error."""
 
 import itertools
 import json
@@ -14,8 +15,8 @@ from medusa_mini.decoding import generate, medusa_generate
 from medusa_mini.heads import HeadsConfig
 from medusa_mini.proposal import MedusaProposer
 from medusa_mini.sampling import Sampling, sampling_probs
-from medusa_mini.train import report
-from medusa_mini.train.report import (
+from medusa_mini.train import accuracy
+from medusa_mini.train.accuracy import (
     continuations,
     load_accuracy,
     measure_head_accuracy,
@@ -174,7 +175,7 @@ def test_sampled_acceptance_is_the_mean_of_sum_min_p_q_over_the_sampled_text(kin
 @pytest.mark.parametrize("kind", ["medusa", "hydra"])
 def test_a_drawn_candidates_first_try_passes_with_sum_min_p_q_and_each_draw_at_most_once(kind):
     """The drawn table's first rank is Σ min(p, q) (`measure_sampled_acceptance`, exact) up to the draws'
-    noise; a node accepts at most one of its draws, so a head's ranks sum to at most 1."""
+    noise, with a draft vocabulary of half the tokens; the draws are seeded."""
     model = tiny_model(5)
     heads = random_heads(model, num_heads=3, seed=5, kind=kind)
     heads.use_draft_vocabulary(torch.randperm(64, generator=torch.Generator().manual_seed(5)), 32)
@@ -182,7 +183,7 @@ def test_a_drawn_candidates_first_try_passes_with_sum_min_p_q_and_each_draw_at_m
     exact = measure_sampled_acceptance(model, heads, seqs, prompt_lens=6, temperature=1.5)
     drawn = measure_try_acceptance(model, heads, seqs, prompt_lens=6, temperature=1.5, ranks=5, draws=32, seed=1)
     assert drawn.shape == (3, 5) and drawn[:, 0].tolist() == pytest.approx(exact.tolist(), abs=0.02)
-    assert 0.1 < exact.min() and (drawn[:, 1:] > 0.01).all() and (drawn.sum(1) <= 1).all()
+    assert 0.1 < exact.min() and (drawn[:, 1:] > 0.01).all()  # later draws pass too, less often
     assert drawn.equal(measure_try_acceptance(model, heads, seqs, prompt_lens=6, temperature=1.5, ranks=5, draws=32,
                                               seed=1))  # seeded: the same draws
 
@@ -292,12 +293,12 @@ def test_measured_accuracy_predicts_measured_tokens_per_step():
 
 
 def test_accuracy_survives_a_save_and_load_round_trip_and_prints_cumulative_top1_and_top5(tmp_path):
-    report.save_accuracy(tmp_path, VICUNA, meta={"measured_on": "hand-written", "num_prompts": 0})
+    accuracy.save_accuracy(tmp_path, VICUNA, meta={"measured_on": "hand-written", "num_prompts": 0})
     assert torch.allclose(load_accuracy(tmp_path), VICUNA.double(), atol=1e-6)
     saved = json.loads((tmp_path / "heads_accuracy.json").read_text())
     assert saved["top_k"] == 10 and saved["num_heads"] == 4 and saved["measured_on"] == "hand-written"
     assert [p.name for p in tmp_path.iterdir()] == ["heads_accuracy.json"]  # no temporary left behind
-    lines = report.format_accuracy(VICUNA).splitlines()
+    lines = accuracy.format_accuracy(VICUNA).splitlines()
     assert lines[1:] == ["   1  0.560  0.999", "   2  0.320  0.571", "   3  0.200  0.357", "   4  0.150  0.268"]
 
 

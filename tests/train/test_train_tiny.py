@@ -23,8 +23,8 @@ from medusa_mini.heads import frequency_order
 from medusa_mini.io.checkpoint import load_checkpoint, save_checkpoint
 from medusa_mini.model import GPT, GPTConfig
 from medusa_mini.train import run as run_mod
+from medusa_mini.train.accuracy import load_accuracy
 from medusa_mini.train.data import load_corpus, split_documents
-from medusa_mini.train.report import load_accuracy
 from medusa_mini.training import MedusaLM
 from medusa_mini.tree import build_tree, expected_tokens_per_step, preset
 
@@ -119,6 +119,7 @@ def test_a_run_writes_a_complete_checkpoint_and_a_measured_summary(reference_run
     assert heads.draft_ids.numel() == 128  # the smoke preset's --draft-vocab
     accept = cfg["medusa_mini"]["head_accept_sampled"]  # Σ min(p, q) per head, printed as the summary shows it
     assert len(accept) == 4 and all(0 < a < 1 for a in accept)
+    assert drawn[:, 0].tolist() == pytest.approx(accept, abs=0.05)  # the drawn table's first try, on the same text
     line = next(line for line in text.splitlines() if "Σ min(p, q) on own text at T=0.8" in line)
     assert line.endswith("".join(f"{a:7.2f}" for a in accept))
     coverage = cfg["medusa_mini"]["draft_vocab_coverage"]  # the chosen size, and 256 (< 300 tokens)

@@ -1,0 +1,219 @@
+"""The acceptance tables in heads_accuracy.json, measured on the model's own continuations and read back.
+
+acc[k][r] = P(head k+1's rank-r guess is the backbone's greedy token k+2 places ahead) on greedy
+continuations: the chance that greedy acceptance takes the guess once it took the node above
+(`tree.build_tree` multiplies these along paths). Its sampling counterpart for drawn candidates,
+`measure_try_acceptance`: the chance that rejection sampling accepts head k+1's r-th draw, on sampled
+continuations; `measure_sampled_acceptance` computes its first column exactly, Σ min(p, q).
+`train_tiny.py`'s summary (report.py) and `python -m medusa_mini.cli.measure` both measure them."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from ..decoding import generate_batch
+from ..heads import IGNORE, DraftHeads, next_tokens
+from ..io.files import atomic_write_text, read_json
+from ..model import GPT
+from ..sampling import (
+    Sampling,
+    draft_log_probs,
+    gumbel_top_k,
+    sampling_probs,
+    scaled,
+    speculative_try,
+    without_earlier_draws,
+)
+from ..training import head_targets
+from ..tree import check_acc
+
+ACCURACY_FILE = "heads_accuracy.json"
+ROWS, POSITIONS = 16, 256  # rows per greedy batch, positions per heads call: bound the cache and [K, m, M] logits
+
+
+def continuations(model: GPT, prompts: list[list[int]], *, max_new_tokens: int, temperature: float = 0.0,
+                  seed: int = 0) -> list[list[int]]:
+    """Each prompt + the backbone's continuation: greedy at temperature 0 (token for token what `generate`
+    writes), else sampled by `generate_batch`, ROWS prompts at a time from one seeded generator."""
+    out, sampling = [], Sampling(temperature=temperature)
+    g = torch.Generator(device=model.device).manual_seed(seed)
+    for b in range(0, len(prompts), ROWS):
+        part = prompts[b : b + ROWS]
+        rows = generate_batch(model, part, max_new_tokens=max_new_tokens, sampling=sampling, generator=g)
+        out += [p + new for p, (new, _) in zip(part, rows)]
+    return out
+
+
+def with_head_targets(sequences: list[list[int]], prompt_lens: int | Sequence[int]) -> Iterator[tuple[list[int], int]]:
+    """(sequence, first) for each sequence where head 1 has a target: `first` is the position of its
+    prompt's last token (one count for all or one each), the first hidden state decoding drafts from."""
+    for seq, P in zip(sequences, [prompt_lens] * len(sequences) if isinstance(prompt_lens, int) else prompt_lens):
+        first = max(P - 1, 0)
+        if len(seq) >= first + 3:  # head 1 at `first` guesses token first + 2
+            yield seq, first
+
+
+@torch.no_grad()
+def measure_head_accuracy(model: GPT, heads: DraftHeads, sequences: list[list[int]], *,
+                          prompt_lens: int | Sequence[int], top_k: int = 10) -> torch.Tensor:
+    """acc [K, top_k] float64 (module docstring) on `sequences`: prompts of `prompt_lens` tokens (one count
+    or one each) + their greedy continuations. As in decoding, heads read from each prompt's last token on;
+    a guess is a token id of the draft vocabulary; a position counts where the head's target exists."""
+    device, K, draft_ids = model.device, heads.num_heads, heads.draft_ids.to(model.device)
+    if not 0 < top_k <= draft_ids.numel():
+        raise ValueError(f"top_k={top_k} must be between 1 and the draft vocabulary's size {draft_ids.numel()}")
+    hits, counts = torch.zeros(K, top_k, dtype=torch.float64), torch.zeros(K, dtype=torch.float64)
+    for seq, first in with_head_targets(sequences, prompt_lens):
+        x, y = torch.tensor([seq[:-1]], device=device), torch.tensor([seq[1:]], device=device)  # [1, T]
+        targets = head_targets(y, K)[:, 0]  # [K, T] token ids, IGNORE where none
+        following = next_tokens(y, K)[0]  # [T, K]: along a greedy continuation, the path greedy decoding takes
+        _, hidden = model(x, logits_at=slice(0, 0))  # [1, T, C]
+        for t in torch.arange(first, len(seq) - 2, device=device).split(POSITIONS):  # head 1 has a target
+            guesses = draft_ids[heads(hidden[0, t], model, following=following[t]).topk(top_k, dim=-1).indices]
+            hits += (guesses == targets[:, t, None]).sum(1).cpu()  # guesses [K, m, top_k] token ids
+            counts += (targets[:, t] != IGNORE).sum(1).cpu()
+    return hits / counts.clamp(min=1)[:, None]
+
+
+@torch.no_grad()
+def measure_sampled_acceptance(model: GPT, heads: DraftHeads, sequences: list[list[int]], *,
+                               prompt_lens: int | Sequence[int], temperature: float) -> torch.Tensor:
+    """[K] float64: head k's Σ_x min(p(x), q_k(x)) averaged over `sequences` (prompts + continuations sampled at
+    `temperature`), p the backbone's distribution of the token head k guesses, q_k the head's, both at that
+    temperature: about the chance that rejection sampling accepts head k's one drawn candidate (decoding
+    writes sampled text, though its steps do not start at every position alike). Where the greedy figure
+    (`measure_head_accuracy`) asks for the right token, this asks for the right distribution."""
+    device, K, ids = model.device, heads.num_heads, heads.draft_ids.to(model.device)
+    total, counts = torch.zeros(K, dtype=torch.float64), torch.zeros(K, dtype=torch.float64)
+    for seq, first in with_head_targets(sequences, prompt_lens):
+        x, y = torch.tensor([seq[:-1]], device=device), torch.tensor([seq[1:]], device=device)  # [1, T]
+        logits, hidden = model(x)  # [1, T, V], [1, T, C]
+        p = sampling_probs(logits[0], temperature=temperature)[:, ids]  # [T, M]: q is 0 outside the draft ids
+        following, T = next_tokens(y, K)[0], x.shape[1]  # [T, K]: the sampled path, which hydra heads read
+        for t in torch.arange(first, T - 1, device=device).split(POSITIONS):  # head 1 has a target
+            q = F.softmax(scaled(heads(hidden[0, t], model, following=following[t]), temperature), dim=-1)  # [K, m, M]
+            for k in range(1, K + 1):
+                ok = t + k < T  # [m] p of token t+k+1 is logits[t + k]
+                total[k - 1] += torch.minimum(p[t[ok] + k], q[k - 1, ok]).sum().item()
+                counts[k - 1] += ok.sum().item()
+    return total / counts.clamp(min=1)
+
+
+@torch.no_grad()
+def measure_try_acceptance(model: GPT, heads: DraftHeads, sequences: list[list[int]], *,
+                           prompt_lens: int | Sequence[int], temperature: float, ranks: int = 10, draws: int = 4,
+                           seed: int = 0) -> torch.Tensor:
+    """acc [K, ranks] float64, the acceptance table of rejection sampling with drawn candidates: acc[k][r] =
+    P(head k+1's r-th distinct draw from q is the candidate its tries accept), on `sequences` sampled at
+    `temperature` as in `measure_sampled_acceptance`, averaged over `draws` sets of draws per position.
+
+    Try r passes with chance a_r = min(1, p_r(x) / q_r(x)), p_r the residual its misses before it left
+    (`sampling.speculative_try`, `acceptance.rejection_accept_drawn`), so a set of draws is worth
+    Π_{j<r} (1 - a_j) · a_r to rank r, in expectation over the uniforms. At most one sibling passes, as at
+    most one top-k guess is the greedy token, so the table plays greedy's part in `tree.build_tree`: its
+    product rule then estimates how far a drawn path gets, approximately, as greedy's does (a node's
+    children must hold ranks 0, 1, ... without gaps, as build_tree's do, and the text is sampled, where
+    a path is what the tries accepted). acc[k][0] estimates Σ min(p, q), exactly in expectation.
+    """
+    device, K, ids, V = model.device, heads.num_heads, heads.draft_ids.to(model.device), model.config.vocab_size
+    R = min(ranks, ids.numel())
+    g = torch.Generator(device=device).manual_seed(seed)
+    passed, counts = torch.zeros(K, R, dtype=torch.float64), torch.zeros(K, dtype=torch.float64)
+    for seq, first in with_head_targets(sequences, prompt_lens):
+        x, y = torch.tensor([seq[:-1]], device=device), torch.tensor([seq[1:]], device=device)  # [1, T]
+        logits, hidden = model(x)  # [1, T, V], [1, T, C]
+        p_all = sampling_probs(logits[0], temperature=temperature)  # [T, V]
+        following, T = next_tokens(y, K)[0], x.shape[1]  # [T, K]: the sampled path, which hydra heads read
+        for t in torch.arange(first, T - 1, device=device).split(POSITIONS):  # head 1 has a target
+            head_logits = heads(hidden[0, t], model, following=following[t])  # [K, m, M]
+            for k in range(1, K + 1):
+                ok = t + k < T  # [m] p of token t+k+1 is p_all[t + k]
+                log_q = draft_log_probs(head_logits[k - 1, ok], ids, temperature=temperature, vocab_size=V)  # [m, V]
+                for _ in range(draws):
+                    p = p_all[t[ok] + k]  # [m, V] the first try's target
+                    left = torch.ones(len(log_q), dtype=torch.float64, device=device)  # [m] no try passed yet
+                    samples = gumbel_top_k(log_q, R, torch.rand(log_q.shape, generator=g, device=device))  # [m, R]
+                    for r in range(R):
+                        x_r = samples[:, r]  # [m]
+                        q = without_earlier_draws(log_q, samples, torch.full_like(x_r, r), x_r)  # [m, V]
+                        _, flat, residual = speculative_try(p, q, x_r, torch.zeros_like(p[:, 0]))
+                        p_x, q_x = p.gather(1, x_r[:, None])[:, 0], q.gather(1, x_r[:, None])[:, 0]  # [m]
+                        # As the engine's u·q(x) < p(x): where q(x) underflows to 0, or p = q (flat),
+                        # x passes iff p(x) > 0.
+                        ratio = (p_x / q_x.clamp_min(torch.finfo(q_x.dtype).tiny)).clamp(max=1.0)
+                        chance = torch.where(flat | (q_x <= 0), (p_x > 0).float(), ratio).double()  # [m]
+                        passed[k - 1, r] += (left * chance).sum().item() / draws
+                        left = torch.where(flat, 0.0, left * (1 - chance))  # p = q: no later draw is tried
+                        p = torch.where(flat[:, None], p, residual)  # after a miss, the residual is the target
+                counts[k - 1] += ok.sum().item()
+    return passed / counts.clamp(min=1)[:, None]
+
+
+@torch.no_grad()
+def measure_marginal_acceptance(model: GPT, sequences: list[list[int]], *, prompt_lens: int | Sequence[int],
+                                temperature: float, roots: int = 64, every: int = 4) -> tuple[float, float]:
+    """What head 1 would score in `measure_sampled_acceptance` if its q were the exact marginal: (mean Σ min,
+    mean root mass covered). Head 1 at t guesses token t+2 without the token t+1 (the root r, drawn from
+    p_t), so training on text sampled at T aims it at m = Σ_r p_t(r) p(· | r), every distribution at T;
+    here m is taken over the `roots` likeliest roots (renormalised), over the whole vocabulary, at every
+    `every`-th position, and Σ_x min(p(x | r), m(x)) is averaged over r ~ p_t. Not an upper bound (a q
+    chosen for Σ min itself can score more), but the target of a Medusa head's training; a head that reads
+    r (Hydra's) is not aimed at it. Two forwards per position: the context, then its `roots` rows."""
+    device, V = model.device, model.config.vocab_size
+    total = covered = positions = 0.0
+    for seq, first in with_head_targets(sequences, prompt_lens):
+        for t in range(first, len(seq) - 2, every):  # as in measure_sampled_acceptance
+            context = torch.tensor(seq[: t + 1], device=device)  # [t + 1]
+            p_root = sampling_probs(model(context[None])[0][0, -1], temperature=temperature)  # [V]
+            w, r = p_root.topk(min(roots, V))  # [R] the likeliest roots and their probabilities
+            x = torch.cat([context.expand(len(r), -1), r[:, None]], dim=1)  # [R, t + 2]
+            p_next = sampling_probs(model(x)[0][:, -1], temperature=temperature)  # [R, V] p(· | r)
+            share = w / w.sum()  # [R]
+            marginal = share @ p_next  # [V]
+            total += (share * torch.minimum(p_next, marginal).sum(-1)).sum().item()
+            covered, positions = covered + w.sum().item(), positions + 1
+    return total / max(positions, 1), covered / max(positions, 1)
+
+
+def save_accuracy(directory: str | os.PathLike, acc: torch.Tensor, *, drawn: torch.Tensor | None = None,
+                  meta: dict | None = None) -> None:
+    """Write heads_accuracy.json atomically, one line per head: acc, the greedy table, then drawn, rejection
+    sampling's table for drawn candidates (`measure_try_acceptance`), if measured, then `meta` (what they
+    were measured on)."""
+    def lines(table: torch.Tensor) -> str:
+        rows = (json.dumps([round(x, 6) for x in row]) for row in check_acc(table).tolist())
+        return "[\n    " + ",\n    ".join(rows) + "\n  ]"
+
+    acc = check_acc(acc)
+    tables = f'  "acc": {lines(acc)},\n' + (f'  "acc_drawn": {lines(drawn)},\n' if drawn is not None else "")
+    rest = json.dumps({"top_k": acc.shape[1], "num_heads": acc.shape[0], **(meta or {})}, indent=2)
+    atomic_write_text(os.path.join(directory, ACCURACY_FILE), "{\n" + tables + rest[2:] + "\n")
+
+
+def load_accuracy(directory: str | os.PathLike, *, drawn: bool = False) -> torch.Tensor | None:
+    """acc [K, R] float64 from heads_accuracy.json: the greedy table, or with `drawn` the table of drawn
+    candidates, None where the file has none (it was measured before that table existed); a one-line
+    ValueError for a missing or bad file."""
+    path = os.path.join(os.fspath(directory), ACCURACY_FILE)
+    obj = read_json(path, hint=f"measure it with python -m medusa_mini.cli.measure --ckpt {directory}")
+    key = "acc_drawn" if drawn else "acc"
+    if drawn and isinstance(obj, dict) and key not in obj:
+        return None
+    try:
+        return check_acc(torch.tensor(obj[key], dtype=torch.float64))
+    except (TypeError, ValueError, KeyError) as e:
+        raise ValueError(f'{path} must hold {{"{key}": [[...], ...]}}: one row of numbers in [0, 1] per head, '
+                         f"all of one length; {e}") from None
+
+
+def format_accuracy(acc: torch.Tensor) -> str:
+    """Per head: top-1 and top-5 cumulative acceptance (summed over the first 1 or 5 ranks)."""
+    cum = check_acc(acc).cumsum(dim=1)
+    lines = ["head  top-1  top-5   (cumulative: accepted among the first r guesses)"]
+    lines += [f"{k + 1:>4}  {cum[k, 0]:.3f}  {cum[k, min(4, cum.shape[1] - 1)]:.3f}" for k in range(len(cum))]
+    return "\n".join(lines)
