@@ -135,23 +135,30 @@ def measure_try_acceptance(model: GPT, heads: DraftHeads, sequences: list[list[i
                 ok = t + k < T  # [m] p of token t+k+1 is p_all[t + k]
                 log_q = draft_log_probs(head_logits[k - 1, ok], ids, temperature=temperature, vocab_size=V)  # [m, V]
                 for _ in range(draws):
-                    p = p_all[t[ok] + k]  # [m, V] the first try's target
-                    left = torch.ones(len(log_q), dtype=torch.float64, device=device)  # [m] no try passed yet
                     samples = gumbel_top_k(log_q, R, torch.rand(log_q.shape, generator=g, device=device))  # [m, R]
-                    for r in range(R):
-                        x_r = samples[:, r]  # [m]
-                        q = without_earlier_draws(log_q, samples, torch.full_like(x_r, r), x_r)  # [m, V]
-                        _, flat, residual = speculative_try(p, q, x_r, torch.zeros_like(p[:, 0]))
-                        p_x, q_x = p.gather(1, x_r[:, None])[:, 0], q.gather(1, x_r[:, None])[:, 0]  # [m]
-                        # As the engine's u·q(x) < p(x): where q(x) underflows to 0, or p = q (flat),
-                        # x passes iff p(x) > 0.
-                        ratio = (p_x / q_x.clamp_min(torch.finfo(q_x.dtype).tiny)).clamp(max=1.0)
-                        chance = torch.where(flat | (q_x <= 0), (p_x > 0).float(), ratio).double()  # [m]
-                        passed[k - 1, r] += (left * chance).sum().item() / draws
-                        left = torch.where(flat, 0.0, left * (1 - chance))  # p = q: no later draw is tried
-                        p = torch.where(flat[:, None], p, residual)  # after a miss, the residual is the target
+                    passed[k - 1] += draw_chances(p_all[t[ok] + k], log_q, samples).sum(0).cpu() / draws
                 counts[k - 1] += ok.sum().item()
     return passed / counts.clamp(min=1)[:, None]
+
+
+def draw_chances(p: torch.Tensor, log_q: torch.Tensor, samples: torch.Tensor) -> torch.Tensor:
+    """[m, R] float64: the chance, over the uniforms, that draw r of samples [m, R] (distinct draws from q,
+    log_q [m, V], in order) is the one speculative sampling's tries accept against p [m, V]: Π_{j<r} (1 - a_j)
+    · a_r, with a_r = min(1, p_r(x_r) / q_r(x_r)), p_r the residual the misses before it left and q_r q
+    without the draws before it (`acceptance.rejection_accept_drawn` makes the same tries with uniforms)."""
+    chances, left = [], torch.ones(len(p), dtype=torch.float64, device=p.device)  # [m] no try passed yet
+    for r in range(samples.shape[1]):
+        x = samples[:, r]  # [m]
+        q = without_earlier_draws(log_q, samples, torch.full_like(x, r), x)  # [m, V]
+        _, flat, residual = speculative_try(p, q, x, torch.zeros_like(p[:, 0]))
+        p_x, q_x = p.gather(1, x[:, None])[:, 0], q.gather(1, x[:, None])[:, 0]  # [m]
+        # As the engine's u·q(x) < p(x): where q(x) underflows to 0, or p = q (flat), x passes iff p(x) > 0.
+        ratio = (p_x / q_x.clamp_min(torch.finfo(q_x.dtype).tiny)).clamp(max=1.0)
+        chance = torch.where(flat | (q_x <= 0), (p_x > 0).float(), ratio).double()  # [m]
+        chances.append(left * chance)
+        left = torch.where(flat, 0.0, left * (1 - chance))  # p = q: no later draw is tried
+        p = torch.where(flat[:, None], p, residual)  # after a miss, the residual is the next try's target
+    return torch.stack(chances, dim=1)
 
 
 @torch.no_grad()
