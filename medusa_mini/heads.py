@@ -236,14 +236,13 @@ class HydraHeads(DraftHeads):
         return torch.stack(logits) if logits else F.linear(hidden[None][:0], weight)  # [K', ..., M] (K' may be 0)
 
     def proposer(self, model: nn.Module, tree: Tree) -> HydraProposer:
-        weight = self.draft_weight(model).detach()
-        return HydraProposer(tree, lambda k, hidden, tokens: self.head_logits(k, hidden, tokens, model, weight=weight),
-                             draft_ids=self.draft_ids, vocab_size=self.config.vocab_size, num_heads=self.num_heads,
-                             heads=self)
+        return HydraProposer(tree, self.heads_of(model), draft_ids=self.draft_ids, vocab_size=self.config.vocab_size,
+                             num_heads=self.num_heads, heads=self)
 
     def heads_of(self, model: nn.Module) -> Callable:
-        """head_logits(k, hidden, tokens) on the draft rows gathered once, as the proposer calls it."""
-        weight = self.draft_weight(model)
+        """head_logits(k, hidden, tokens) for decoding: the draft vocabulary's lm_head rows gathered once,
+        detached, for the proposer and the compiled drafting alike."""
+        weight = self.draft_weight(model).detach()
         return lambda k, hidden, tokens: self.head_logits(k, hidden, tokens, model, weight=weight)
 
     def draft_greedily(self, model: nn.Module, roots: torch.Tensor, hidden: torch.Tensor, tree: TreeTensors
