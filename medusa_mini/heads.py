@@ -16,9 +16,9 @@ is most of what the heads cost; the backbone still verifies over the whole vocab
 acceptance rule stays what it is (rejection sampling's residual carries the tokens q never proposes).
 
 Each kind carries what differs, so no caller asks which kind it holds: its teacher-forced logits
-(`forward`, for training and measuring), its `proposer` (how it fills a tree), `draft_greedily` and
-`draft_drawing` (the same top-k or drawn tree as one function a compiled step captures) and its
-`description`.
+(`forward`, for training and measuring), its logits for decoding (`heads_of`), its proposer's class (whose
+`fill_tree` fills a tree; `proposer`, `draft_greedily` and `draft_drawing`, the same tree as one function
+a compiled step captures, all call it) and its `description`.
 
 Shapes: K heads, C n_embd, V vocabulary, M draft vocabulary, `...` any leading dims.
 """
@@ -32,16 +32,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .proposal import (
-    Draft,
-    HydraProposer,
-    MedusaProposer,
-    draw_depth_by_depth,
-    draw_tree,
-    fill,
-    fill_depth_by_depth,
-    top_k,
-)
+from .proposal import Draft, HeadsProposer, HydraProposer, MedusaProposer
 from .tree import Tree, TreeTensors
 
 HEAD_KINDS = ("medusa", "hydra")
@@ -135,6 +126,34 @@ class DraftHeads(nn.Module):
         weight = model.lm_head.weight
         return weight[self.draft_ids] if self.config.draft_vocab_size else weight
 
+    proposer_class: type[HeadsProposer]  # each kind's, whose `fill_tree` makes every tree of these heads
+
+    def heads_of(self, model: nn.Module) -> Callable:
+        """The heads' logits for decoding, as the kind's proposer calls them (its `head_logits`), with what
+        every call shares (the draft vocabulary's lm_head rows, ...) made once, here, and detached."""
+        raise NotImplementedError
+
+    def proposer(self, model: nn.Module, tree: Tree) -> HeadsProposer:
+        """The proposer of one generation: `heads_of` is made once, here, not at every step."""
+        return self.proposer_class(tree, self.heads_of(model), draft_ids=self.draft_ids,
+                                   vocab_size=self.config.vocab_size, num_heads=self.num_heads, heads=self)
+
+    def draft_greedily(self, model: nn.Module, roots: torch.Tensor, hidden: torch.Tensor, tree: TreeTensors
+                       ) -> torch.Tensor:
+        """The proposer's top-k tree, roots [B], hidden [B, C] -> tokens [B, N], as one pure function, so
+        a compiled step with top-k candidates drafts the next tree in its own graph (`step.verify_and_accept`).
+        It makes `heads_of` at every call (the proposer, once): in a graph a copy of a few MB, cheaper than
+        the eager heads' launches it replaces."""
+        return self.proposer_class.fill_tree(tree, roots, hidden, self.heads_of(model), draft_ids=self.draft_ids,
+                                             vocab_size=self.config.vocab_size)[0]
+
+    def draft_drawing(self, model: nn.Module, roots: torch.Tensor, hidden: torch.Tensor, tree: TreeTensors, *,
+                      temperature: float, u: torch.Tensor) -> tuple[torch.Tensor, Draft]:
+        """The proposer's drawn tree (the uniforms u [B, Q, V] drawn before, `HeadsProposer.draw_uniforms`) as
+        one pure function, so a compiled step drafts drawn candidates in a graph (`step.draft_drawn`)."""
+        return self.proposer_class.fill_tree(tree, roots, hidden, self.heads_of(model), draft_ids=self.draft_ids,
+                                             vocab_size=self.config.vocab_size, temperature=temperature, u=u)
+
 
 class ResBlock(nn.Module):
     """x + SiLU(W x + b); W starts at zero, so the block starts as the identity."""
@@ -154,6 +173,7 @@ class MedusaHeads(DraftHeads):
     """K residual blocks on h_t, then the draft vocabulary's rows of the backbone's lm_head."""
 
     name = "Medusa"
+    proposer_class = MedusaProposer
     description = ("Medusa heads: head k reads only this hidden state, so every node of one depth holds "
                    "the same head's guesses.")
 
@@ -177,36 +197,18 @@ class MedusaHeads(DraftHeads):
         z = hidden.unsqueeze(-2) + F.silu(z)  # head k: h + SiLU(W_k h + b_k)
         return F.linear(z.movedim(-2, 0), self.draft_weight(model) if weight is None else weight)  # [K', ..., M]
 
-    def proposer(self, model: nn.Module, tree: Tree) -> MedusaProposer:
-        """The proposer of one generation: the blocks' stacked weights and the draft vocabulary's lm_head
-        rows are made once, here, not at every step."""
+    def heads_of(self, model: nn.Module) -> Callable:
+        """head_logits(hidden [B, C], num) -> [B, num, M], the first `num` heads' logits for decoding: the
+        blocks' stacked weights and the draft vocabulary's lm_head rows made once, detached."""
         blocks, weight = tuple(t.detach() for t in self.stacked()), self.draft_weight(model).detach()
-        return MedusaProposer(tree, lambda h, num: self(h, model, num=num, blocks=blocks, weight=weight).transpose(0, 1),
-                              draft_ids=self.draft_ids, vocab_size=self.config.vocab_size, num_heads=self.num_heads,
-                              heads=self)
-
-    def draft_greedily(self, model: nn.Module, roots: torch.Tensor, hidden: torch.Tensor, tree: TreeTensors
-                       ) -> torch.Tensor:
-        """The proposer's top-k tree, roots [B], hidden [B, C] -> tokens [B, N], as one pure function, so
-        a compiled step with top-k candidates drafts the next tree in its own graph (`step.verify_and_accept`).
-        It stacks the blocks and gathers the draft rows at every call (`proposer` does it once): in a graph
-        a copy of a few MB, cheaper than the eager heads' launches it replaces."""
-        logits = self(hidden, model, num=tree.depth).transpose(0, 1)  # [B, D, M]
-        return fill(tree, roots, top_k(logits, self.draft_ids, tree.num_ranks))
-
-    def draft_drawing(self, model: nn.Module, roots: torch.Tensor, hidden: torch.Tensor, tree: TreeTensors, *,
-                      temperature: float, u: torch.Tensor) -> tuple[torch.Tensor, Draft]:
-        """The proposer's drawn tree (`proposal.draw_tree`, the uniforms u [B, D, V] drawn before) as one
-        pure function, so a compiled step drafts drawn candidates in a graph (`step.draft_drawn`)."""
-        logits = self(hidden, model, num=tree.depth).transpose(0, 1)  # [B, D, M]
-        return draw_tree(tree, roots, logits, draft_ids=self.draft_ids, temperature=temperature,
-                         vocab_size=self.config.vocab_size, u=u)
+        return lambda hidden, num: self(hidden, model, num=num, blocks=blocks, weight=weight).transpose(0, 1)
 
 
 class HydraHeads(DraftHeads):
     """K dependent heads: head k reads h_t and the embeddings (the backbone's wte) of x_{t+1..t+k}."""
 
     name = "Hydra"
+    proposer_class = HydraProposer
     description = ("Dependent (hydra) heads: head k reads this hidden state and the k tokens before its "
                    "guess (the root, then the drafted path), so every node's children come from that "
                    "node's own q; the tree is filled depth by depth, one head call per depth.")
@@ -235,24 +237,8 @@ class HydraHeads(DraftHeads):
                   for k in range(1, (self.num_heads if num is None else num) + 1)]
         return torch.stack(logits) if logits else F.linear(hidden[None][:0], weight)  # [K', ..., M] (K' may be 0)
 
-    def proposer(self, model: nn.Module, tree: Tree) -> HydraProposer:
-        return HydraProposer(tree, self.heads_of(model), draft_ids=self.draft_ids, vocab_size=self.config.vocab_size,
-                             num_heads=self.num_heads, heads=self)
-
     def heads_of(self, model: nn.Module) -> Callable:
-        """head_logits(k, hidden, tokens) for decoding: the draft vocabulary's lm_head rows gathered once,
-        detached, for the proposer and the compiled drafting alike."""
+        """head_logits(k, hidden [B, n, C], tokens [B, n, k]) -> [B, n, M], head k's logits for decoding: the
+        draft vocabulary's lm_head rows gathered once, detached."""
         weight = self.draft_weight(model).detach()
         return lambda k, hidden, tokens: self.head_logits(k, hidden, tokens, model, weight=weight)
-
-    def draft_greedily(self, model: nn.Module, roots: torch.Tensor, hidden: torch.Tensor, tree: TreeTensors
-                       ) -> torch.Tensor:
-        """The proposer's top-k tree as one pure function, for a compiled step (see MedusaHeads')."""
-        return fill_depth_by_depth(tree, roots, hidden, self.heads_of(model),
-                                   lambda logits: top_k(logits, self.draft_ids, tree.num_ranks))
-
-    def draft_drawing(self, model: nn.Module, roots: torch.Tensor, hidden: torch.Tensor, tree: TreeTensors, *,
-                      temperature: float, u: torch.Tensor) -> tuple[torch.Tensor, Draft]:
-        """The proposer's drawn tree (`proposal.draw_depth_by_depth`) as one pure function (see MedusaHeads')."""
-        return draw_depth_by_depth(tree, roots, hidden, self.heads_of(model), draft_ids=self.draft_ids,
-                                   temperature=temperature, vocab_size=self.config.vocab_size, u=u)

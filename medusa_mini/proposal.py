@@ -18,12 +18,15 @@ takes any such *drafter*. Shapes: B rows, N nodes, D depth, R ranks, V vocabular
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
 
 import torch
 
 from .sampling import Sampling, draft_log_probs, gumbel_top_k
 from .tree import Tree, TreeTensors, chain
+
+if TYPE_CHECKING:  # heads.py imports this module: the name is for the type hints alone
+    from .heads import DraftHeads
 
 
 @dataclass(frozen=True)
@@ -83,10 +86,13 @@ class Proposer(Protocol):
 class HeadsProposer:
     """A fixed tree, the heads' logits (a function, see each kind) over their draft vocabulary draft_ids [M].
     `heads`: the module itself, whose `draft_greedily` and `draft_drawing` compiled steps run in their graphs
-    (None: the proposer alone drafts)."""
+    (None: the proposer alone drafts). Each kind fills the tree with its own `fill_tree`, which those two
+    call too: one function per kind makes every tree, eager or compiled."""
+
+    fill_tree: Callable  # (tree, roots, hidden, head_logits, *, draft_ids, vocab_size, temperature, u) -> tokens, draft
 
     def __init__(self, tree: Tree, head_logits: Callable, *, draft_ids: torch.Tensor, vocab_size: int,
-                 num_heads: int, heads=None) -> None:
+                 num_heads: int, heads: DraftHeads | None = None) -> None:
         tree.check_heads(num_heads)
         if tree.max_rank >= draft_ids.numel():
             raise ValueError(f"the tree asks for rank {tree.max_rank}; the draft vocabulary has {draft_ids.numel()} tokens")
@@ -96,6 +102,21 @@ class HeadsProposer:
     def trees(self) -> list[Tree]:
         """The tree cut to each depth: near a generation's end the deeper nodes could not be used."""
         return [self.tree.truncated(d) for d in range(self.tree.depth + 1)]
+
+    @torch.no_grad()
+    def propose(self, roots: torch.Tensor, hidden: torch.Tensor, *, max_depth: int, sampling: Sampling,
+                generator: torch.Generator | None, history: list[list[int]] | None = None) -> Proposal:
+        tree = self.tree.truncated(max(max_depth, 0))
+        if tree.depth == 0:  # the root alone: the last token of a generation needs no guess, and draws none
+            # A fresh contiguous tensor, as every other proposal's: a compiled verify is specialised on
+            # its input's strides, and roots may be a column of a larger tensor.
+            return Proposal(roots[:, None].clone(memory_format=torch.contiguous_format), tree)
+        draws = sampling.draws_candidates
+        u = self.draw_uniforms(tree, len(roots), generator, device=roots.device) if draws else None
+        tokens, draft = self.fill_tree(tree.tensors(roots.device), roots, hidden, self.head_logits,
+                                       draft_ids=self.draft_ids.to(roots.device), vocab_size=self.vocab_size,
+                                       temperature=sampling.temperature, u=u)
+        return Proposal(tokens, tree, draft)
 
     @staticmethod
     def q_rows(tree: Tree) -> int:
@@ -166,6 +187,31 @@ def draw_depth_by_depth(tree: TreeTensors, roots: torch.Tensor, hidden: torch.Te
     return tokens, Draft(log_q=torch.cat(log_qs, 1), samples=torch.cat(samples, 1), rows=rows)
 
 
+def medusa_tree(tree: TreeTensors, roots: torch.Tensor, hidden: torch.Tensor, head_logits: Callable, *,
+                draft_ids: torch.Tensor, vocab_size: int, temperature: float = 0.0, u: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, Draft | None]:
+    """Medusa heads' tree from roots [B] and hidden [B, C]: each head's top-k (u None), or its distinct
+    draws from q at `temperature` (`draw_tree`, the uniforms u [B, D, V]). Returns tokens [B, N] and the
+    draft (None for the top-k). head_logits(hidden [B, C], num) -> [B, num, M]."""
+    logits = head_logits(hidden, tree.depth)  # [B, D, M]: only the heads the tree reaches
+    if u is None:
+        return fill(tree, roots, top_k(logits, draft_ids, tree.num_ranks)), None
+    return draw_tree(tree, roots, logits, draft_ids=draft_ids, temperature=temperature, vocab_size=vocab_size, u=u)
+
+
+def hydra_tree(tree: TreeTensors, roots: torch.Tensor, hidden: torch.Tensor, head_logits: Callable, *,
+               draft_ids: torch.Tensor, vocab_size: int, temperature: float = 0.0, u: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, Draft | None]:
+    """Dependent heads' tree from roots [B] and hidden [B, C], depth by depth: each node's top-k (u None), or
+    its distinct draws (`draw_depth_by_depth`, the uniforms u [B, Q, V]). Returns tokens [B, N] and the draft
+    (None for the top-k). head_logits(k, hidden [B, n, C], tokens [B, n, k]) -> [B, n, M]."""
+    if u is None:
+        return fill_depth_by_depth(tree, roots, hidden, head_logits,
+                                   lambda logits: top_k(logits, draft_ids, tree.num_ranks)), None  # [B, n, R]
+    return draw_depth_by_depth(tree, roots, hidden, head_logits, draft_ids=draft_ids, temperature=temperature,
+                               vocab_size=vocab_size, u=u)
+
+
 class MedusaProposer(HeadsProposer):
     """A fixed tree filled with Medusa heads' guesses (§2.1): each head's top-k, or, for rejection
     sampling's sampled drafts, distinct draws from each head's q (`Sampling.draws_candidates`).
@@ -173,23 +219,7 @@ class MedusaProposer(HeadsProposer):
     head_logits(hidden [B, C], num) -> [B, num, M]: the first `num` heads' logits.
     """
 
-    @torch.no_grad()
-    def propose(self, roots: torch.Tensor, hidden: torch.Tensor, *, max_depth: int, sampling: Sampling,
-                generator: torch.Generator | None, history: list[list[int]] | None = None) -> Proposal:
-        tree = self.tree.truncated(max(max_depth, 0))
-        t = tree.tensors(roots.device)
-        if tree.depth == 0:  # the root alone: the last token of a generation needs no guess, and draws none
-            # A fresh contiguous tensor, as every other proposal's: a compiled verify is specialised on
-            # its input's strides, and roots may be a column of a larger tensor.
-            return Proposal(roots[:, None].clone(memory_format=torch.contiguous_format), tree)
-        logits = self.head_logits(hidden, tree.depth)  # [B, D, M]: only the heads the tree reaches
-        ids = self.draft_ids.to(logits.device)
-        if not sampling.draws_candidates:
-            return Proposal(fill(t, roots, top_k(logits, ids, t.num_ranks)), tree)
-        u = self.draw_uniforms(tree, len(roots), generator, device=logits.device)
-        tokens, draft = draw_tree(t, roots, logits, draft_ids=ids, temperature=sampling.temperature,
-                                  vocab_size=self.vocab_size, u=u)
-        return Proposal(tokens, tree, draft)
+    fill_tree = staticmethod(medusa_tree)
 
     @staticmethod
     def q_rows(tree: Tree) -> int:
@@ -204,18 +234,7 @@ class HydraProposer(HeadsProposer):
     head_logits(k, hidden [B, n, C], tokens [B, n, k]) -> [B, n, M]: head k given each node's path.
     """
 
-    @torch.no_grad()
-    def propose(self, roots: torch.Tensor, hidden: torch.Tensor, *, max_depth: int, sampling: Sampling,
-                generator: torch.Generator | None, history: list[list[int]] | None = None) -> Proposal:
-        tree = self.tree.truncated(max(max_depth, 0))
-        t, ids = tree.tensors(hidden.device), self.draft_ids.to(hidden.device)
-        if not (sampling.draws_candidates and tree.depth > 0):
-            return Proposal(fill_depth_by_depth(t, roots, hidden, self.head_logits,
-                                                lambda logits: top_k(logits, ids, t.num_ranks)), tree)
-        u = self.draw_uniforms(tree, len(roots), generator, device=hidden.device)
-        tokens, draft = draw_depth_by_depth(t, roots, hidden, self.head_logits, draft_ids=ids, u=u,
-                                            temperature=sampling.temperature, vocab_size=self.vocab_size)
-        return Proposal(tokens, tree, draft)
+    fill_tree = staticmethod(hydra_tree)
 
     @staticmethod
     def q_rows(tree: Tree) -> int:
