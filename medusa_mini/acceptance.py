@@ -118,15 +118,19 @@ def typical_accept_paths(tree: TreeTensors, tokens: torch.Tensor, logits: torch.
     return Accepted.ending_at(tree, last, inverse_cdf(at_last, u))
 
 
+def uniform_dims(sampling: Sampling) -> int:
+    """How many dimensions the uniforms of `sampling`'s rule have: 0 (none) for greedy; 1, [B], for
+    typical, its bonus draws; 2, [B, N], for rejection sampling, one per node."""
+    return {"greedy": 0, "typical": 1, "rejection": 2}[sampling.acceptance]
+
+
 def acceptance_uniforms(sampling: Sampling, rows: int, nodes: int, generator: torch.Generator | None, *,
                         device: torch.device | str) -> torch.Tensor | None:
-    """The uniform numbers a step's acceptance uses, drawn before it, so the rules hold no generator and
-    a compiler captures them whole (`step.verify_and_accept`): none for greedy; [B] for typical, its bonus
-    draws; [B, N] for rejection sampling, one per node (`reference.rejection_accept` draws the same)."""
-    if sampling.greedy:
-        return None
-    return torch.rand((rows,) if sampling.acceptance == "typical" else (rows, nodes), generator=generator,
-                      device=device)
+    """The uniform numbers a step's acceptance uses (`uniform_dims`), drawn before it, so the rules hold no
+    generator and a compiler captures them whole (`step.verify_and_accept`; `reference.rejection_accept`
+    draws the same)."""
+    dims = uniform_dims(sampling)
+    return torch.rand((rows, nodes)[:dims], generator=generator, device=device) if dims else None
 
 
 def rejection_accept_topk(tree: TreeTensors, tokens: torch.Tensor, logits: torch.Tensor, *, sampling: Sampling,
@@ -173,7 +177,8 @@ def rejection_accept_drawn(tree: TreeTensors, tokens: torch.Tensor, logits: torc
 
 def check_uniforms(sampling: Sampling, u: torch.Tensor | None) -> None:
     """A ValueError unless `accept_on_device` can decide `sampling`'s rule with the uniforms u."""
-    if not sampling.greedy and (u is None or u.dim() != (1 if sampling.acceptance == "typical" else 2)):
+    dims = uniform_dims(sampling)
+    if dims and (u is None or u.dim() != dims):
         raise ValueError(f"{sampling.acceptance} acceptance draws from u: pass acceptance_uniforms(sampling, B, N, "
                          "generator)")
 

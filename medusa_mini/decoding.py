@@ -28,10 +28,12 @@ from typing import Callable
 import torch
 
 from .model import GPT, KVCache
+from .proposal import Drafter
 from .sampling import Sampling
-from .step import EAGER, Steps, medusa_step
+from .step import EAGER, Steps, deepest_usable_depth, medusa_step
 from .tree import Tree
 
+Prompt = list[int] | torch.Tensor  # token ids
 RowCallback = Callable[[int, list[int]], None]  # (row, the tokens it just emitted)
 CacheSource = Callable[[int, int], KVCache]  # (rows, slots) -> a KV cache of that size
 
@@ -96,7 +98,7 @@ def prefill(model: GPT, ids: torch.Tensor, cache: KVCache, *, lengths: list[int]
     logits, hidden = model(ids, cache=cache, logits_at=last, attended=T)  # [B, 1, V], [B, T, C]: an empty cache
     if lengths is not None:
         cache.lengths = torch.tensor(lengths, device=ids.device)
-    return logits[:, 0], hidden.gather(1, last[:, None, None].expand(B, 1, hidden.shape[-1]))[:, 0]
+    return logits[:, 0], hidden.gather(1, last[:, None, None].expand(B, 1, hidden.shape[-1]))[:, 0]  # [B, V], [B, C]
 
 
 def length_stop_reason(prompt_tokens: int, max_new_tokens: int, block_size: int) -> str:
@@ -108,7 +110,7 @@ def length_stop_reason(prompt_tokens: int, max_new_tokens: int, block_size: int)
 class Generations:
     """Each row's output, statistics and stop rule, kept on the host from the tokens each step reads."""
 
-    def __init__(self, model: GPT, prompts: list, *, max_new_tokens: int, eos_id: int | None,
+    def __init__(self, model: GPT, prompts: list[Prompt], *, max_new_tokens: int, eos_id: int | None,
                  on_step: RowCallback | None) -> None:
         self.prompts = [_check_prompt(model, p) for p in prompts]
         if not self.prompts:
@@ -160,7 +162,7 @@ class Generations:
 
 @torch.no_grad()
 def generate_batch(
-    model: GPT, prompts: list, *, max_new_tokens: int, sampling: Sampling = Sampling(), eos_id: int | None = None,
+    model: GPT, prompts: list[Prompt], *, max_new_tokens: int, sampling: Sampling = Sampling(), eos_id: int | None = None,
     generator: torch.Generator | None = None, on_step: RowCallback | None = None,
     cache: KVCache | CacheSource | None = None, steps: Steps = EAGER,
 ) -> list[tuple[list[int], GenerationStats]]:
@@ -193,7 +195,7 @@ def generate_batch(
 
 @torch.no_grad()
 def medusa_generate_batch(
-    model: GPT, drafter, prompts: list, *, tree: Tree, max_new_tokens: int,
+    model: GPT, drafter: Drafter, prompts: list[Prompt], *, tree: Tree, max_new_tokens: int,
     sampling: Sampling = Sampling(), eos_id: int | None = None, generator: torch.Generator | None = None,
     on_step: RowCallback | None = None, cache: KVCache | CacheSource | None = None, steps: Steps = EAGER,
 ) -> list[tuple[list[int], GenerationStats]]:
@@ -220,7 +222,7 @@ def medusa_generate_batch(
             stop_at[stopped] = 0
         # Near a row's end, deeper nodes could not be used: proposers draft no deeper than some row can use
         # (prompt lookup's chain, rounded up, may; stop_at masks those nodes).
-        max_depth = max(rows.stop_at[b] - 2 - lengths[b] for b in rows.active)
+        max_depth = max(deepest_usable_depth(rows.stop_at[b], lengths[b]) for b in rows.active)
         step = medusa_step(model, cache, proposer, roots, hidden, history=rows.history(), sampling=sampling,
                            generator=generator, stop_at=stop_at, max_depth=max_depth, steps=steps,
                            attended=steps.attended(max(lengths) + proposer.tree.num_nodes), drafted=drafted)
@@ -241,7 +243,7 @@ def generate(model: GPT, prompt: list[int] | torch.Tensor, *, on_step: Callable[
     return generate_batch(model, [prompt], on_step=_one_row(on_step), **kwargs)[0]
 
 
-def medusa_generate(model: GPT, drafter, prompt: list[int] | torch.Tensor, *,
+def medusa_generate(model: GPT, drafter: Drafter, prompt: list[int] | torch.Tensor, *,
                     on_step: Callable[[list[int]], None] | None = None, **kwargs) -> tuple[list[int], GenerationStats]:
     """`medusa_generate_batch` for one prompt: (new tokens, statistics). on_step(tokens) after every step."""
     return medusa_generate_batch(model, drafter, [prompt], on_step=_one_row(on_step), **kwargs)[0]

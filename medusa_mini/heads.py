@@ -201,6 +201,7 @@ class MedusaHeads(DraftHeads):
         """head_logits(hidden [B, C], num) -> [B, num, M], the first `num` heads' logits for decoding: the
         blocks' stacked weights and the draft vocabulary's lm_head rows made once, detached."""
         blocks, weight = tuple(t.detach() for t in self.stacked()), self.draft_weight(model).detach()
+        # [num, B, M] -> [B, num, M]
         return lambda hidden, num: self(hidden, model, num=num, blocks=blocks, weight=weight).transpose(0, 1)
 
 

@@ -39,9 +39,10 @@ class KVCache:
 
     A forward writes row b's T new keys/values at slots [lengths[b], lengths[b] + T) and advances its
     length, so rows may hold prefixes of different lengths. Slots are storage, not positions: a tree's
-    nodes sit in consecutive slots but carry position ids prefix + depth. `lengths` is a [B] tensor on
-    the device, changed only in place, so a step reads and advances it without the host (static shapes
-    and fixed buffers, what torch.compile and CUDA graphs need). One tensor per layer and kind: a
+    nodes sit in consecutive slots but carry position ids prefix + depth. The lengths live in
+    `length_buffer`, a [B] tensor on the device changed only in place (`lengths` reads a snapshot of it),
+    so a step reads and advances them without the host (static shapes and fixed buffers, what
+    torch.compile and CUDA graphs need). One tensor per layer and kind: a
     compiled step writes into each where it lies (a slice of one big tensor would be copied whole).
     """
 
@@ -163,7 +164,7 @@ def cache_attention_mask(lengths: torch.Tensor, new_mask: torch.Tensor, *, max_l
     never needs to know them.
     """
     B, T = lengths.shape[0], new_mask.shape[-1]
-    new_mask = new_mask.expand(B, T, T)
+    new_mask = new_mask.expand(B, T, T)  # [B, T, T]: one mask for every row, or each row's own
     rel = torch.arange(max_len, device=new_mask.device)[None, :] - lengths[:, None]  # [B, max_len] slot - length
     is_new = (rel >= 0) & (rel < T)  # [B, max_len]
     among_new = new_mask.gather(2, rel.clamp(0, T - 1)[:, None, :].expand(B, T, max_len))  # [B, T, max_len]

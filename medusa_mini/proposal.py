@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Protocol
 
 import torch
+import torch.nn as nn
 
 from .sampling import Sampling, draft_log_probs, gumbel_top_k
 from .tree import Tree, TreeTensors, chain
@@ -80,6 +81,14 @@ class Proposer(Protocol):
     def propose(self, roots: torch.Tensor, hidden: torch.Tensor, *, history: list[list[int]], max_depth: int,
                 sampling: Sampling, generator: torch.Generator | None) -> Proposal:
         """max_depth: deeper nodes could not be used this step (the end of a budget or of the context)."""
+        ...
+
+
+class Drafter(Protocol):
+    """What a decoding loop drafts with: heads (`heads.DraftHeads`) or `PromptLookup`, each of which makes
+    the proposer of one generation."""
+
+    def proposer(self, model: nn.Module, tree: Tree) -> Proposer:
         ...
 
 
@@ -251,7 +260,7 @@ class PromptLookup:
             raise ValueError(f"max_ngram must be at least 1, not {max_ngram}")
         self.max_ngram = max_ngram
 
-    def proposer(self, model, tree: Tree) -> PromptLookupProposer:
+    def proposer(self, model: nn.Module, tree: Tree) -> PromptLookupProposer:
         return PromptLookupProposer(chain(max(tree.num_nodes - 1, 1)), max_ngram=self.max_ngram)
 
 

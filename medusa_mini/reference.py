@@ -65,7 +65,11 @@ def tree_attention_mask(parents: list[int]) -> torch.Tensor:
     return mask
 
 
-def forward(model: GPT, tokens: list[int], positions: list[int], cache: list, mask: torch.Tensor):
+LayerKV = tuple[torch.Tensor, torch.Tensor]  # one layer's keys and values, [nh, L, hs] each
+
+
+def forward(model: GPT, tokens: list[int], positions: list[int], cache: list[LayerKV | None], mask: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor]:
     """T new tokens through the backbone's own weights -> (logits [T, V], hidden [T, C]).
 
     cache: per layer, (keys, values) [nh, L, hs] of the L earlier tokens (None before the first call),
@@ -161,7 +165,7 @@ def typical_accept(parents: list[int], tokens: list[int], logits: torch.Tensor, 
     return path[::-1], int(draw(sampling.probs(logits[best]), generator))
 
 
-def try_children(p: torch.Tensor, candidates: list[int], draft: tuple, u: torch.Tensor
+def try_children(p: torch.Tensor, candidates: list[int], draft: tuple[torch.Tensor, list[int]], u: torch.Tensor
                  ) -> tuple[int | None, torch.Tensor]:
     """Speculative sampling's tries at one node: candidates x1, x2, ... drawn from the draft against the
     target p [V], each with its own uniform u [len(candidates)]; after a miss the next one is
@@ -181,7 +185,8 @@ def try_children(p: torch.Tensor, candidates: list[int], draft: tuple, u: torch.
 
 
 def rejection_accept(parents: list[int], tokens: list[int], logits: torch.Tensor, *, sampling: Sampling,
-                     generator: torch.Generator | None, drafts: list | None = None) -> tuple[list[int], int]:
+                     generator: torch.Generator | None,
+                     drafts: list[tuple[torch.Tensor, list[int]] | None] | None = None) -> tuple[list[int], int]:
     """Lossless rejection sampling on a tree (Leviathan et al. 2023; SpecInfer): every emitted sequence
     is exactly a sample of the backbone (fresh randomness at each node and the chain rule).
 
@@ -217,11 +222,6 @@ def accept(parents: list[int], tokens: list[int], logits: torch.Tensor, *, sampl
     return rejection_accept(parents, tokens, logits, sampling=sampling, generator=generator, drafts=drafts)
 
 
-def next_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> int:
-    """The backbone's own next token from logits [V]: the argmax, or a draw from p."""
-    return int(logits.argmax()) if sampling.greedy else int(draw(sampling.probs(logits), generator))
-
-
 @torch.no_grad()
 def medusa_generate(model: GPT, heads: MedusaHeads, prompt: list[int], *, tree: Tree, max_new_tokens: int,
                     sampling: Sampling = Sampling(), eos_id: int | None = None,
@@ -235,7 +235,7 @@ def medusa_generate(model: GPT, heads: MedusaHeads, prompt: list[int], *, tree: 
     cache = [None] * model.config.n_layer
     L = len(prompt)
     logits, hidden = forward(model, prompt, list(range(L)), cache, torch.ones(L, L, dtype=torch.bool).tril())
-    root, hidden = next_token(logits[-1], sampling, generator), hidden[-1]  # prefill: the first token
+    root, hidden = int(sampling.next_token(logits[-1], generator)), hidden[-1]  # prefill: the first token
     out, steps = [root], 0
     while L + 1 < stop_at and eos_id not in out:  # L + 1 = the prompt and every emitted token
         t = tree.truncated(stop_at - 2 - L)  # a node at depth d emits d + 1 tokens

@@ -111,7 +111,7 @@ def draft_log_probs(head_logits: torch.Tensor, draft_ids: torch.Tensor, *, tempe
     the temperature p is sampled at -> [..., V], with q = 0 (log q = -inf) outside the draft vocabulary."""
     log_q = F.log_softmax(scaled(head_logits, temperature), dim=-1)  # [..., M]
     full = log_q.new_full((*log_q.shape[:-1], vocab_size), float("-inf"))
-    return full.scatter_(-1, draft_ids.expand(log_q.shape), log_q)
+    return full.scatter_(-1, draft_ids.expand(log_q.shape), log_q)  # [..., V]: draft_ids [M] as [..., M]
 
 
 def draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:

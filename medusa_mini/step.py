@@ -7,7 +7,7 @@ every row at once, with uniform numbers drawn before it; `keep_path` compacts ea
 waits for the host until the end, where `read_step` reads the emitted tokens of every row at once: one
 host sync per step.
 
-Decoding repeats two forward passes, `plain_step` and `verify` (or `verify_and_accept`: the verify and
+Plain decoding repeats `plain_step`; Medusa repeats `verify` (or `verify_and_accept`: the verify and
 all that follows it, up to the heads' next top-k tree), and, for candidates drawn from the heads' q,
 `draft_drawn`; `Steps` names what a loop runs, eager by default or compiled (cli/compiled.py), as
 gpt-fast compiles its `decode_one_token`.
@@ -18,7 +18,7 @@ Shapes: B rows, N tree nodes, D tree depth, V vocabulary, C n_embd.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -27,6 +27,9 @@ from .model import GPT, KVCache, compact_kv_cache
 from .proposal import Draft, Proposal, Proposer
 from .sampling import Sampling
 from .tree import Tree, TreeTensors
+
+if TYPE_CHECKING:
+    from .heads import DraftHeads
 
 
 def plain_step(model: GPT, cache: KVCache, tokens: torch.Tensor, *,
@@ -48,12 +51,17 @@ def verify(model: GPT, cache: KVCache, tokens: torch.Tensor, *, depths: torch.Te
     return model(tokens, pos=pos, cache=cache, attn_mask=ancestor_mask, attended=attended)
 
 
+def deepest_usable_depth(stop_at: int | torch.Tensor, start: int | torch.Tensor) -> int | torch.Tensor:
+    """The deepest node a row can use this step (negative: the row is done). A node at depth d emits d + 1
+    tokens, and the row stops when prompt and output reach stop_at tokens: its cache holds start of them,
+    the root one more. Ints or [B] tensors alike."""
+    return stop_at - 2 - start
+
+
 def usable_nodes(tree: Tree, start: torch.Tensor, stop_at: torch.Tensor) -> torch.Tensor:
-    """[B, N] bool: the nodes row b may accept. A node at depth d emits d + 1 tokens, and row b stops
-    when prompt and output reach stop_at[b] tokens: its cache holds start[b] of them, the root one more.
-    A row with no room (finished, in a batch that goes on) has no usable node, not even its root."""
-    room = stop_at - 2 - start  # [B] the deepest usable depth; negative: the row is done
-    return tree.tensors(start.device).depths <= room[:, None]
+    """[B, N] bool: the nodes row b may accept (`deepest_usable_depth`). A row with no room (finished, in a
+    batch that goes on) has no usable node, not even its root."""
+    return tree.tensors(start.device).depths <= deepest_usable_depth(stop_at, start)[:, None]
 
 
 def keep_path(cache: KVCache, accepted: Accepted, *, start: torch.Tensor, active: torch.Tensor) -> None:
@@ -75,7 +83,8 @@ def finish_step(cache: KVCache, accepted: Accepted, hiddens: torch.Tensor, *, st
 
 def verify_and_accept(model: GPT, cache: KVCache, tokens: torch.Tensor, *, tree: TreeTensors, usable: torch.Tensor,
                       sampling: Sampling = Sampling(), u: torch.Tensor | None = None, draft: Draft | None = None,
-                      attended: int | None = None, heads=None) -> tuple[Accepted, torch.Tensor, torch.Tensor | None]:
+                      attended: int | None = None, heads: DraftHeads | None = None
+                      ) -> tuple[Accepted, torch.Tensor, torch.Tensor | None]:
     """All of a step after its proposal (tokens [B, N]), as one function, so a compiler captures it as one
     graph (two would hand the verify's logits across, which CUDA graphs free between calls): `verify`,
     the acceptance (`accept_on_device`: any rule, its uniforms u drawn before, as a graph holds no
@@ -92,7 +101,7 @@ def verify_and_accept(model: GPT, cache: KVCache, tokens: torch.Tensor, *, tree:
     return accepted, hidden, None if heads is None else heads.draft_greedily(model, accepted.bonus, hidden, tree)
 
 
-def draft_drawn(model: GPT, heads, roots: torch.Tensor, hidden: torch.Tensor, *, tree: TreeTensors,
+def draft_drawn(model: GPT, heads: DraftHeads, roots: torch.Tensor, hidden: torch.Tensor, *, tree: TreeTensors,
                 temperature: float, u: torch.Tensor) -> tuple[torch.Tensor, Draft]:
     """The heads' drawn candidates on `tree` from roots [B] and hidden [B, C], the Gumbel noise's uniforms u
     [B, Q, V] drawn before (`HeadsProposer.draw_uniforms`), as one function a compiler captures whole:

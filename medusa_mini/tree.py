@@ -19,6 +19,7 @@ import heapq
 import math
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Iterable, Sequence
 
 import torch
 
@@ -72,7 +73,7 @@ class Tree:
             object.__setattr__(self, name, value)
 
     @staticmethod
-    def from_choices(choices, *, num_heads: int | None = None) -> "Tree":
+    def from_choices(choices: Iterable[Sequence[int]], *, num_heads: int | None = None) -> "Tree":
         """Validate and sort choices (by depth, then rank) so parents always precede children.
 
         Raises ValueError naming the offending choice: not a sequence of ints, or `choice_problem`'s.
@@ -167,11 +168,7 @@ class TreeTensors:
     # per slot s < S, how many nodes have a child in it: the first ones)
     first: tuple[int, ...]  # `Tree.first`: nodes of depth d are first[d] .. first[d + 1] - 1
     num_ranks: int  # R, the ranks any node uses (`Tree.max_rank` + 1)
-
-    @property
-    def depth(self) -> int:
-        """D, as `Tree.depth`."""
-        return len(self.first) - 2
+    depth: int  # D, `Tree.depth`
 
 
 @lru_cache(maxsize=64)
@@ -195,7 +192,7 @@ def tree_tensors(tree: Tree, device: str) -> TreeTensors:
     return TreeTensors(parents=as_long(tree.parents), ancestor_mask=mask.to(device), depths=as_long(tree.depths),
                        ranks=as_long(tree.ranks), inner=as_long(list(map(len, tree.children))) > 0,
                        node_paths=paths.to(device), guess_index=as_long(guess), tries=tries, first=tuple(tree.first),
-                       num_ranks=R)
+                       num_ranks=R, depth=D)
 
 
 # ---- presets ---------------------------------------------------------------------------------
