@@ -112,17 +112,22 @@ def test_typical_acceptance_needs_p_strictly_above_the_bar():
 def test_topk_rejection_on_the_device_makes_the_reference_walks_decisions_with_the_same_draws():
     """Top-k rejection sampling draws y from p at every node of every row at once, then matches paths on
     the device; the reference walks each row, drawing at every node of its row: one generator, the same
-    numbers in row order, the same paths and bonus tokens."""
+    numbers in row order, the same paths and bonus tokens: paths of every depth, 0 to 2, among the seeds."""
     tree = Tree.from_choices([(0,), (1,), (0, 0)])
     tokens = torch.tensor([[0, 1, 2, 3], [0, 2, 1, 0]])
-    logits = torch.randn(2, 4, 4, generator=torch.Generator().manual_seed(3))
     sampling = Sampling(acceptance="rejection", temperature=1.0, draft="topk")
-    got = accept_paths(Proposal(tokens, tree), logits, sampling=sampling,
-                       generator=torch.Generator().manual_seed(5))
-    gen = torch.Generator().manual_seed(5)
-    for b in range(2):
-        assert as_host(got, b) == ref.rejection_accept(tree.parents, tokens[b].tolist(), logits[b],
-                                                       sampling=sampling, generator=gen)
+    depths = set()
+    for seed in range(12):
+        logits = torch.randn(2, 4, 4, generator=torch.Generator().manual_seed(seed))
+        got = accept_paths(Proposal(tokens, tree), logits, sampling=sampling,
+                           generator=torch.Generator().manual_seed(seed + 100))
+        gen = torch.Generator().manual_seed(seed + 100)
+        for b in range(2):
+            path, bonus = ref.rejection_accept(tree.parents, tokens[b].tolist(), logits[b], sampling=sampling,
+                                               generator=gen)
+            assert as_host(got, b) == (path, bonus)
+            depths.add(len(path) - 1)
+    assert depths == {0, 1, 2}
 
 
 # A node with four children (ranks 0-3) and rank gaps below: (0, 0) and (0, 2), (1, 1) alone.

@@ -89,6 +89,10 @@ def test_a_reused_cache_gives_the_tokens_of_a_fresh_one_and_must_have_the_asked_
             medusa_generate(model, heads, prompt, tree=tree, max_new_tokens=10)[0]
     with pytest.raises(ValueError, match="slots"):
         generate(model, [1, 2], max_new_tokens=3, cache=tree_cache)
+    with pytest.raises(ValueError, match="slots"):  # a tree's nodes need slots past the context
+        medusa_generate(model, heads, [1, 2], tree=tree, max_new_tokens=3, cache=plain_cache)
+    with pytest.raises(ValueError, match="has 1 rows .* needs 2 of"):
+        generate_batch(model, [[1, 2], [3]], max_new_tokens=3, cache=plain_cache)
 
 
 # ---- batches: each row is its own generation ------------------------------------------------------

@@ -53,7 +53,7 @@ def prefill(out: list[str], model: GPT, enc, prompt: list[int], cache: list, *, 
     L = len(prompt)
     out.append(_header(1, "Prefill: the prompt goes through the backbone once"))
     logits, hidden = ref.forward(model, prompt, list(range(L)), cache, torch.ones(L, L, dtype=torch.bool).tril())
-    root = ref.next_token(logits[-1], sampling, generator)
+    root = int(sampling.next_token(logits[-1], generator))
     how = "the argmax of" if sampling.greedy else "drawn from"
     out += [f"The KV cache now holds the {L} prompt tokens.",
             f"Backbone's top guesses for the next token: {_guesses(enc, logits[-1], 3)}",

@@ -117,7 +117,8 @@ def test_prompt_lookup_gains_on_a_prompt_of_one_repeated_token_and_not_on_one_wi
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_compare_in_half_precision_runs_every_row_and_locates_any_difference(ckpt, capsys, dtype):
+def test_compare_in_half_precision_runs_every_row(ckpt, capsys, dtype):
+    """Every row makes its tokens; any parting it names lies inside them (a forced one: below)."""
     result = json.loads(run(capsys, "--ckpt", ckpt, "--compare", "--json", "--dtype", dtype, "--max-new-tokens", "12",
                             "--num-prompts", "2"))
     assert result["dtype"] == dtype and [r["key"] for r in result["rows"]] == ROWS

@@ -136,6 +136,15 @@ def test_two_runs_of_the_same_sampled_decode_print_the_same_tokens(ckpt):
     assert [o["tokens"] for o in objs[0]] == [o["tokens"] for o in objs[1]]
 
 
+def test_a_bad_checkpoint_ends_the_real_process_with_status_2_and_one_line(tmp_path):
+    """As a user meets it: the process's exit status and stderr, for an error found after parsing (the rest
+    of the bad inputs run in-process below, through the same main)."""
+    r = subprocess.run([sys.executable, "decode.py", "--ckpt", str(tmp_path / "nowhere")], capture_output=True,
+                       text=True, cwd=ROOT, timeout=120)
+    assert r.returncode == 2 and r.stdout == "", r
+    assert r.stderr.startswith("decode.py: error: checkpoint directory") and r.stderr.count("\n") == 1, r.stderr
+
+
 @pytest.fixture(scope="module")
 def broken_ckpt(ckpt, tmp_path_factory):
     d = tmp_path_factory.mktemp("broken") / "ckpt"
@@ -165,6 +174,9 @@ def broken_ckpt(ckpt, tmp_path_factory):
     (["--compare", "--batch-size", "1,2", "--reference"], "--reference adds its rows"),
     (["--tree", ""], "--tree is empty"), (["--batch-size", " "], "--batch-size is empty"),
     (["--seed", str(2**64)], "not a seed"), (["--tree", "{tmp}/wide.json"], "the draft vocabulary has"),
+    (["--num-prompts", "0"], "--num-prompts must be at least 1"), (["--json", "--show"], "--json cannot"),
+    (["--json", "--explain"], "--json cannot"), (["--batch-size", "2", "--reference"], "one at a time"),
+    (["--batch-size", "2", "--explain"], "one at a time"),
 ])
 def test_bad_input_exits_2_with_one_line(argv, needle, ckpt, ckpt_no_heads, ckpt_hydra, broken_ckpt, tmp_path, capsys):
     (tmp_path / "wide.json").write_text("[[100000]]")  # a rank past any draft vocabulary: refused before output
@@ -178,17 +190,19 @@ def test_bad_input_exits_2_with_one_line(argv, needle, ckpt, ckpt_no_heads, ckpt
     assert needle in err, err
 
 
-@pytest.mark.parametrize("mode", [["--compare", "--json"], ["--explain", "--method", "rejection"]])
+@pytest.mark.parametrize("mode", [[], ["--method", "rejection"], ["--method", "plain", "--temperature", "0.8"],
+                                  ["--reference", "--method", "rejection"], ["--compare", "--json"],
+                                  ["--explain", "--method", "rejection"]])
 def test_every_generator_decode_makes_lives_on_the_models_device(ckpt, capsys, monkeypatch, mode):
     """On a GPU a CPU generator cannot draw for the device's tensors; on a CPU nothing would tell: each
-    generator must name its device, the model's."""
+    generator must name its device, the model's (by keyword or position)."""
     devices = []
 
     class Recorded(torch.Generator):  # a real generator that notes the device it was asked for
         def __new__(cls, *args, **kw):
-            devices.append(kw.get("device"))
+            devices.append(kw.get("device", args[0] if args else None))
             return super().__new__(cls, *args, **kw)
 
     monkeypatch.setattr(torch, "Generator", Recorded)
     run(capsys, "--ckpt", ckpt, "--max-new-tokens", "4", "--num-prompts", "1", *mode)
-    assert devices and all(d == torch.device("cpu") for d in devices), devices
+    assert devices and all(d is not None and torch.device(d) == torch.device("cpu") for d in devices), devices
