@@ -45,15 +45,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, metavar="T",
                    help=f"0 = greedy (default: 0, or {SAMPLING_TEMPERATURE} for typical and rejection)")
     p.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling mass (default: 1.0)")
-    p.add_argument("--seed", type=seed, default=0, help="seeds the sampling generator (default: 0)")
+    p.add_argument("--seed", type=seed, default=0, metavar="N", help="seeds the sampling generator (default: 0)")
     p.add_argument("--tree", metavar="N|auto|NAME|FILE.json",
                    help="N nodes built from heads_accuracy.json; auto: 64 of them on CUDA, on a CPU up to 8 that "
-                        "pay for their cost; a preset (cpu, gpu, chainN); or a JSON list of choices (default: auto, "
-                        "without heads_accuracy.json the device's preset)")
+                        "pay for their cost; a preset (cpu, gpu, chainN); or choices, in a JSON file or inline: "
+                        "'[[0],[1],[0,0]]' (default: auto, without heads_accuracy.json the device's preset)")
     p.add_argument("--batch-size", metavar="B", help="prompts per batch; with --compare a list: 1,2,4,8 (default: 1)")
     p.add_argument("--device", help="cpu or cuda (default: cuda if available, else cpu)")
     p.add_argument("--dtype", choices=tuple(DTYPES), default="float32", help="weights and KV cache (default: float32)")
-    p.add_argument("--compile", action="store_true", help="compile the plain step and the verify (CUDA graphs)")
+    p.add_argument("--compile", action="store_true", help="compile the plain step and the verify: CUDA graphs on a GPU; "
+                   "on a CPU minutes of compiling for little gain")
     p.add_argument("--reference", action="store_true", help="decode with reference.py (with --compare: add its rows)")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--show", action="store_true", help="print the tree and its mask, then each pass's tokens")
@@ -82,7 +83,7 @@ def check_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     if a.explain and a.method == "plain":
         p.error("--explain walks through a Medusa step; choose --method greedy, typical or rejection")
     sizes = (a.batch_size or "1").split(",")
-    if not all(x.strip().isdigit() and int(x) >= 1 for x in sizes):
+    if not all(x.strip().isascii() and x.strip().isdigit() and int(x) >= 1 for x in sizes):
         p.error(f"--batch-size takes a size >= 1 (with --compare, a list such as 1,2,4,8), not {a.batch_size!r}")
     if len(sizes) > 1 and not a.compare:
         p.error("--batch-size takes one size; a list of sizes goes with --compare")
@@ -100,6 +101,12 @@ def check_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
         p.error("--reference adds its rows to the one-batch table; leave out the list of batch sizes")
     if a.reference and a.method == "plain":
         p.error("--reference decodes with Medusa; choose --method greedy, typical or rejection")
+    if a.method in ("typical", "rejection") and a.temperature == 0:
+        p.error(f"--method {a.method} samples: give --temperature > 0 (default {SAMPLING_TEMPERATURE}), or use "
+                "--method greedy for temperature 0")
+    if a.explain and (a.compile or a.reference):
+        p.error("--explain walks through one step with the reference's functions, eagerly; leave out "
+                + ("--compile" if a.compile else "--reference"))
     if a.temperature is None:
         a.temperature = SAMPLING_TEMPERATURE if a.method in ("typical", "rejection") else 0.0
     rule = None if a.compare or a.method == "plain" else a.method  # --compare makes its own rows
@@ -119,7 +126,7 @@ def prepare(a: argparse.Namespace):
     device = pick_device(a.device)
     dtype = pick_dtype(a.dtype, device)
     if a.demo:
-        print("training the demo model and its heads (a few seconds)...", file=sys.stderr)
+        print("training the demo model and its heads (about 20 s on two CPU cores)...", file=sys.stderr)
         ck, text = demo_checkpoint(device=device, dtype=dtype)
         texts = a.prompt or [text]
     else:

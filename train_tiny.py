@@ -26,15 +26,17 @@ def parse_args(argv: list[str] | None = None) -> TrainArgs:
     p.add_argument("--preset", choices=sorted(PRESETS),
                    help="size of the run (default: gpu if CUDA else cpu; with --init: gpt2 on CUDA else gpt2-cpu)")
     p.add_argument("--data", help="a UTF-8 text file or folder (default: this Python's standard library)")
-    p.add_argument("--out", help="checkpoint directory (default: out/tiny for the cpu and gpu presets, else "
+    p.add_argument("--out", metavar="DIR", help="checkpoint directory (default: out/tiny for the cpu and gpu presets, else "
                    "out/<preset>: a smoke run never replaces the real one)")
-    p.add_argument("--init", help="start from GPT-2 weights (gpt2, gpt2-medium, ..., or a path) and train heads only")
+    p.add_argument("--init", metavar="NAME|DIR", help="start from GPT-2 weights (gpt2, gpt2-medium, ..., or a path) "
+                   "and train heads only: the backbone keeps its shape and stays frozen (--medusa 1, no backbone "
+                   "steps; the backbone's shape flags are ignored)")
     p.add_argument("--resume", action="store_true", help="continue an interrupted run in --out exactly")
     p.add_argument("--seed", type=seed, default=0, help="seeds the model, the batches and the sampling (default: 0)")
     p.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     p.add_argument("--dtype", choices=DTYPES, help="number format of the training forward (autocast; float16 adds "
                    "loss scaling; default: float32 on CPU, on CUDA bfloat16 where native, else float16)")
-    p.add_argument("--save-every", type=int, help="steps between checkpoints (default: a fifth of a stage, at least 50)")
+    p.add_argument("--save-every", type=int, metavar="STEPS", help="steps between checkpoints (default: a fifth of a stage, at least 50)")
     p.add_argument("--log-every", type=float, default=10.0, help="seconds between progress lines (default: 10)")
     hp = p.add_argument_group("hyper-parameters (defaults: the preset's)")
     for name, f in TrainArgs.hyper_parameters().items():

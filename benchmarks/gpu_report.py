@@ -69,9 +69,10 @@ def run_script(argv: list[str], *, timeout_s: float, label: str) -> tuple[int | 
         returncode: int | None = proc.wait(timeout=max(timeout_s, 0.0))
     except subprocess.TimeoutExpired:
         returncode = None
-    with contextlib.suppress(ProcessLookupError):  # what is left of its session, if anything
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    finally:  # also on Ctrl-C or SIGTERM (`main`): nothing it started outlives the report
+        with contextlib.suppress(ProcessLookupError):  # what is left of its session, if anything
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
     reader.join()
     return returncode, "".join(lines), time.perf_counter() - t0
 
@@ -140,6 +141,10 @@ RUN_PART: dict[str, Callable[[argparse.Namespace], tuple[str, bool]]] = {
     "decode": lambda s: run_part(s, "decode.py --compare", COMMANDS["decode"](s)),
     "batch": lambda s: run_part(s, "Batch sizes", COMMANDS["batch"](s))}
 FORWARDED = {"benchmarks/bench_step.py": "--step-flags", "train_tiny.py": "--train-flags", "decode.py": "--decode-flags"}
+# The flags each part sets itself: forwarded again, the last would win and the part would measure something else.
+RESERVED = {"--step-flags": ("--configs", "--dtypes", "--device", "--compile"),
+            "--train-flags": ("--preset", "--out", "--device"),
+            "--decode-flags": ("--ckpt", "--compare", "--batch-size", "--dtype", "--device", "--compile")}
 
 
 def flag_checks(script: str) -> Callable[[list[str]], object]:
@@ -209,6 +214,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         check_out(a.out)
         a.device = str(pick_device(a.device))
         a.step_flags, a.train_flags, a.decode_flags = map(shlex.split, (a.step_flags, a.train_flags, a.decode_flags))  # unclosed quotes
+        for name, flags in (("--step-flags", a.step_flags), ("--train-flags", a.train_flags),
+                            ("--decode-flags", a.decode_flags)):
+            taken = [f for f in flags if f.split("=")[0] in RESERVED[name]]
+            if taken:
+                raise ValueError(f"{name}: the report sets {taken[0].split('=')[0]} itself; "
+                                 f"leave out {', '.join(RESERVED[name])}")
         a.budget_s = a.budget_s if a.budget_s is not None else (QUICK_BUDGET_S if a.quick else BUDGET_S)
         if not 0 < a.budget_s < math.inf:  # nan too
             raise ValueError(f"--budget-s must be a finite number of seconds > 0, not {a.budget_s:g}")
@@ -256,6 +267,15 @@ def read_report(path: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     s = parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # as Ctrl-C: the running part's command is stopped
+    try:
+        return run_parts(s, argv)
+    except KeyboardInterrupt:
+        print(f"gpu_report.py: interrupted; {s.out} holds the parts that ended before", file=sys.stderr)
+        return 130
+
+
+def run_parts(s: argparse.Namespace, argv: list[str]) -> int:
     report = s.before or header(s, argv)  # --out keeps its old text until a part has a section to add
     failed = []
     for part in s.parts:

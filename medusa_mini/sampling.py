@@ -44,7 +44,7 @@ class Sampling:
     def __post_init__(self) -> None:
         if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
                 and self.temperature >= 0):
-            raise ValueError(f"temperature must be a number >= 0 (0 = greedy), not {self.temperature!r}")
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), not {self.temperature!r}")
         if self.acceptance not in (None, *ACCEPTANCE_RULES):
             raise ValueError(f"unknown acceptance rule {self.acceptance!r}: use greedy, typical or rejection")
         if self.acceptance == "greedy" and self.temperature > 0:

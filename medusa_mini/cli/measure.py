@@ -32,7 +32,8 @@ from .common import OneLineParser, seed
 
 def main(argv: list[str] | None = None) -> int:
     p = OneLineParser(prog="python -m medusa_mini.cli.measure", description=__doc__)
-    p.add_argument("--ckpt", required=True, help="checkpoint directory (with prompts.json and a tokenizer)")
+    p.add_argument("--ckpt", required=True, metavar="DIR",
+                   help="checkpoint directory (with prompts.json and a tokenizer); its heads_accuracy.json is rewritten")
     p.add_argument("--prompts", type=int, default=32, help="prompts of prompts.json used (default: 32)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="continuation length per prompt (default: 64)")
     p.add_argument("--top-k", type=int, default=10, help="ranks measured per head (default: 10)")

@@ -5,6 +5,7 @@ for themselves (`CPU_MIN_GAIN`); without the table, the device's preset."""
 
 from __future__ import annotations
 
+import json
 import os
 from typing import NamedTuple
 
@@ -32,6 +33,16 @@ class TreeChoice(NamedTuple):
     budget: int
 
 
+def tree_from_choices(choices: object, *, num_heads: int, where: str) -> Tree:
+    """The tree of a list of choices from the user (`where` names it in the one-line error)."""
+    if not isinstance(choices, list) or not choices:
+        raise ValueError(f'{where} has no choices: it must hold a list of choices or {{"choices": [...]}}')
+    try:
+        return Tree.from_choices(choices, num_heads=num_heads)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{where}: {e}") from None
+
+
 def resolve_tree(spec: str | None, *, ckpt_dir: str, device: torch.device | str, num_heads: int,
                  drawn: bool = False) -> TreeChoice:
     """The tree from a node budget N, 'auto', a preset ('cpu', 'gpu', 'chainN') or a JSON file of choices
@@ -43,31 +54,38 @@ def resolve_tree(spec: str | None, *, ckpt_dir: str, device: torch.device | str,
     if spec is None:
         spec = "auto" if ckpt_dir and measured else ("gpu" if gpu else "cpu")
     budget = None  # a tree given whole (a preset, a file): its own size
-    if spec == "auto" or spec.isdigit():
-        if spec.isdigit() and not 1 <= int(spec) <= 256:
+    count = spec.isascii() and spec.isdigit()  # a node budget ('²' is a digit to str.isdigit, not to int)
+    if spec == "auto" or count:
+        if count and not 1 <= int(spec) <= 256:
             raise ValueError(f"--tree {spec}: a node budget must be between 1 and 256")
         if not measured:
             raise ValueError(f"--tree {spec} needs heads accuracies: run python -m medusa_mini.cli.measure "
                              f"--ckpt {ckpt_dir}")
-        budget, min_gain = (int(spec), 0.0) if spec.isdigit() else (64, 0.0) if gpu else (8, CPU_MIN_GAIN)
+        budget, min_gain = (int(spec), 0.0) if count else (64, 0.0) if gpu else (8, CPU_MIN_GAIN)
         # The table may have been measured for more heads than are loaded.
         acc = load_accuracy(ckpt_dir, drawn=True) if drawn else None
         if acc is None:  # measured before drawn candidates had a table of their own: greedy's stands in
             acc = load_accuracy(ckpt_dir)
         tree = build_tree(acc, budget, min_gain=min_gain)[0].truncated(num_heads)
+    elif spec.lstrip().startswith("["):  # choices inline
+        try:
+            choices = json.loads(spec)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--tree {spec}: not JSON ({e.msg}); write choices as '[[0], [1], [0, 0]]'") from None
+        tree, spec = tree_from_choices(choices, num_heads=num_heads, where=f"--tree {spec}"), "inline"
     elif spec.endswith(".json") or os.path.sep in spec:
         path = next((p for p in (spec, os.path.join(ckpt_dir, spec)) if os.path.isfile(p)), None)
         if path is None:
             raise ValueError(f"tree file {spec} does not exist")
         obj = read_json(path, hint='a tree file holds [[0], [1], [0, 0], ...] or {"choices": [...]}')
         choices, spec = obj.get("choices") if isinstance(obj, dict) else obj, os.path.basename(spec)
-        if not isinstance(choices, list) or not choices:
-            raise ValueError(f'tree file {path} has no choices: it must hold a list of choices or {{"choices": [...]}}')
-        try:
-            tree = Tree.from_choices(choices, num_heads=num_heads)
-        except (ValueError, TypeError) as e:
-            raise ValueError(f"tree file {path}: {e}") from None
+        tree = tree_from_choices(choices, num_heads=num_heads, where=f"tree file {path}")
     else:
-        tree = preset(spec)
+        try:
+            tree = preset(spec)
+        except ValueError:
+            raise ValueError(f"unknown --tree {spec!r}: give a node budget N (1 to 256), auto, a preset (cpu, gpu, "
+                             "chainN with N >= 1), a JSON file of choices, or choices inline: '[[0], [1], [0, 0]]'"
+                             ) from None
     tree.check_heads(num_heads)
     return TreeChoice(tree, spec, budget or max(tree.num_nodes - 1, 1))

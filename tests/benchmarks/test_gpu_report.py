@@ -3,8 +3,11 @@
 
 import contextlib
 import io
+import os
 import re
+import signal
 import sys
+import threading
 from argparse import Namespace
 from types import SimpleNamespace
 
@@ -126,6 +129,11 @@ def test_a_failed_part_is_one_line_in_the_report_and_exits_1(tmp_path, capsys, m
     (["--part", "train", "--part", "batch", "--decode-flags", "--plot {tmp}/b.txt"],
      "--decode-flags: decode.py refuses its flags: --plot"),
     (["--part", "train", "--part", "decode", "--decode-flags", "--num-prompts 0"], "--num-prompts"),
+    # flags a part sets itself: forwarded, the last would win
+    (["--decode-flags", "--batch-size 2"], "--decode-flags: the report sets --batch-size itself"),
+    (["--decode-flags=--dtype=float32"], "--decode-flags: the report sets --dtype itself"),
+    (["--step-flags", "--configs tiny"], "--step-flags: the report sets --configs itself"),
+    (["--train-flags", "--out x"], "--train-flags: the report sets --out itself"),
 ])
 def test_bad_flags_exit_2_with_one_line_before_any_part_runs(tmp_path, capsys, monkeypatch, argv, needle):
     faked(monkeypatch, lambda argv: pytest.fail(f"ran {argv} despite a bad flag"))
@@ -169,3 +177,21 @@ def test_a_report_that_cannot_be_written_is_one_line_and_keeps_the_parts_before(
     err = capsys.readouterr().err.splitlines()[-1]
     assert err.startswith("gpu_report.py: error: ") and "after part train (No space left on device)" in err
     assert out.read_text() == writes[0] and "## Training" not in writes[0]
+
+
+def test_a_stopped_report_leaves_no_command_of_its_own_running(tmp_path):
+    """SIGTERM (or Ctrl-C) while a part's command runs: the command and what it started are killed and
+    reaped before the report stops."""
+    pid_file = tmp_path / "pid"
+    child = f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(60)"
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # as gpu_report.main installs it
+    timer = threading.Timer(1.5, signal.pthread_kill, (threading.main_thread().ident, signal.SIGTERM))
+    try:
+        timer.start()
+        with pytest.raises(SystemExit):
+            gpu_report.run_script(["-c", child], timeout_s=30, label="sleeper")
+    finally:
+        timer.cancel()
+        signal.signal(signal.SIGTERM, previous)
+    with pytest.raises(ProcessLookupError):
+        os.kill(int(pid_file.read_text()), 0)

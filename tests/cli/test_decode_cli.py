@@ -176,7 +176,11 @@ def broken_ckpt(ckpt, tmp_path_factory):
     (["--seed", str(2**64)], "not a seed"), (["--tree", "{tmp}/wide.json"], "the draft vocabulary has"),
     (["--num-prompts", "0"], "--num-prompts must be at least 1"), (["--json", "--show"], "--json cannot"),
     (["--json", "--explain"], "--json cannot"), (["--batch-size", "2", "--reference"], "one at a time"),
-    (["--batch-size", "2", "--explain"], "one at a time"),
+    (["--batch-size", "2", "--explain"], "one at a time"), (["--batch-size", "²"], "a size >= 1"),
+    (["--method", "typical", "--temperature", "0"], "--method typical samples: give --temperature > 0"),
+    (["--method", "rejection", "--temperature", "0"], "or use --method greedy for temperature 0"),
+    (["--explain", "--compile"], "leave out --compile"), (["--explain", "--reference"], "leave out --reference"),
+    (["--temperature", "inf"], "--temperature must be a finite number"),
 ])
 def test_bad_input_exits_2_with_one_line(argv, needle, ckpt, ckpt_no_heads, ckpt_hydra, broken_ckpt, tmp_path, capsys):
     (tmp_path / "wide.json").write_text("[[100000]]")  # a rank past any draft vocabulary: refused before output

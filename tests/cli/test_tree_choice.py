@@ -61,15 +61,21 @@ def test_drawn_candidates_grow_their_budget_tree_from_their_own_table_or_else_gr
 
 @pytest.mark.parametrize("content", [[[0], [1], [0, 0]], {"choices": [[0], [1], [0, 0]]}], ids=["list", "object"])
 def test_a_json_file_of_choices_is_a_tree(tmp_path, monkeypatch, content):
+    """In a file (looked up in the working directory, then the checkpoint), or inline."""
     (tmp_path / "mine.json").write_text(json.dumps(content))
     want = Tree.from_choices([(0,), (1,), (0, 0)])
     assert resolve(str(tmp_path / "mine.json"), tmp_path / "elsewhere") == (want, "mine.json", 3)
     monkeypatch.chdir(tmp_path.parent)  # a relative name: the working directory, then the checkpoint
     assert resolve("mine.json", tmp_path) == (want, "mine.json", 3)
+    assert resolve(json.dumps(content.get("choices", content) if isinstance(content, dict) else content),
+                   tmp_path) == (want, "inline", 3)
 
 
 @pytest.mark.parametrize("spec, content, message", [
-    ("huge", None, r"unknown tree 'huge'"), ("300", None, r"--tree 300: a node budget must be between 1 and 256"),
+    ("huge", None, r"unknown --tree 'huge': give a node budget N .* or choices inline"),
+    ("chain0", None, r"unknown --tree 'chain0'"), ("²", None, r"unknown --tree '²'"),
+    ("[[0], [1", None, r"--tree \[\[0\], \[1: not JSON"), ("[[0], [1, 0]]", None, r"--tree .*: tree choice \[1, 0\] has no parent"),
+    ("[]", None, r"--tree \[\] has no choices"), ("300", None, r"--tree 300: a node budget must be between 1 and 256"),
     ("8", None, r"--tree 8 needs heads accuracies: run python -m medusa_mini.cli.measure --ckpt"),
     ("auto", None, r"--tree auto needs heads accuracies"),
     ("gone.json", None, r"tree file gone.json does not exist"), ("chain3", None, r"depth 3 but the model has 2"),
