@@ -132,8 +132,8 @@ def prepare(a: argparse.Namespace):
     else:
         ck = load_for_decoding(a.ckpt, device=device, dtype=dtype)
         texts = a.prompt or load_prompts(a.ckpt)[: a.num_prompts]
-    if ck.heads is None and (a.method != "plain" or a.compare or a.explain or a.show):
-        wanted = "--compare" if a.compare else "--explain" if a.explain else "--show" if a.show else "Medusa decoding"
+    if ck.heads is None and (a.method != "plain" or a.compare or a.explain):
+        wanted = "--compare" if a.compare else "--explain" if a.explain else "Medusa decoding"
         fix = "use --method plain or train heads" if wanted == "Medusa decoding" else "train heads first"
         raise ValueError(f"{a.ckpt} has no Medusa heads, which {wanted} needs; {fix}")
     choice = drawn = None
@@ -144,7 +144,7 @@ def prepare(a: argparse.Namespace):
 
         choice = tree_for(a.sampling.draws_candidates and not a.compare)
         drawn = tree_for(True) if a.compare and a.sampling.draft == "sampled" else choice
-    if choice is not None and (a.method != "plain" or a.compare or a.explain or a.show):
+    if choice is not None and (a.method != "plain" or a.compare or a.explain):
         for tree in {choice.tree, drawn.tree}:  # a tree the heads cannot fill fails here, before any output
             ck.heads.proposer(ck.model, tree)
     prompts = []
@@ -291,7 +291,7 @@ def run(a: argparse.Namespace) -> None:
             ck.model, ck.heads, ck.enc, prompts[0][1], tree=tree, sampling=a.sampling,
             generator=torch.Generator(device=ck.model.device).manual_seed(a.seed)))
     else:
-        if a.show:
+        if a.show and methods[0].drafter is not None:  # plain decoding verifies no tree
             print(f"tree {tree_name}: {tree.num_nodes - 1} nodes + root, depth {tree.depth}\n{tree.draw()}\n")
             print(f"attention mask (row attends to column):\n{tree.draw_mask()}\n")
         label = methods[0].label + (f", tree {tree_name}" if methods[0].drafter is not None else "")

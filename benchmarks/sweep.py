@@ -141,6 +141,12 @@ def load(ns: argparse.Namespace) -> tuple[Checkpoint, torch.Tensor, torch.Tensor
         raise ValueError("heads_accuracy.json: no head's top guess was ever right, so every tree is the root "
                          "alone; train the heads, then measure again")
     drawn = load_accuracy(ns.ckpt, drawn=True)
+    tables = [acc] + ([drawn] if drawn is not None and "rejection-sampled" in ns.rules else [])
+    ranks = max(build_tree(t, n)[0].truncated(ck.heads.num_heads).max_rank + 1 for t in tables for n in ns.budgets)
+    small = [M for M in ns.draft_vocab if 0 < M < ranks]  # 0: the whole vocabulary
+    if small and any(not r.startswith("lookup") for r in ns.rules):  # a rank-r node needs a head's top r + 1
+        raise ValueError(f"--draft-vocab {small[0]}: the trees of --budgets {','.join(map(str, ns.budgets))} take "
+                         f"each head's top {ranks}, so give at least {ranks}")
     return ck, acc, drawn, prompt_ids(ck, count=ns.num_prompts, max_new_tokens=ns.max_new_tokens)
 
 

@@ -101,7 +101,7 @@ def test_the_table_and_the_plot_give_each_rule_and_draft_vocabulary_its_block_an
     (["--repeat", "0"], "--repeat"), (["--temperature", "0"], "--temperature"),
     (["--num-prompts", "0"], "--num-prompts"), (["--plot", "/no/such/folder/s.png"], "--plot"),
     (["--max-new-tokens", "64"], "no room for a prompt"), (["--draft-vocab", "4000"], "--draft-vocab"),
-    (["--draft-vocab", "1", "--max-new-tokens", "8"], "draft vocabulary has 1"),  # fewer tokens than the tree's ranks
+    (["--draft-vocab", "1", "--max-new-tokens", "8"], "--draft-vocab 1: the trees of --budgets"),  # fewer tokens than the tree's ranks
     (["--temperature", "inf"], "--temperature"), (["--temperature", "nan"], "--temperature"),
     (["--rules", "greedy", "--temperature", "-1"], "--temperature"), (["--seed", "99999999999999999999"], "--seed"),
     # a plot path savefig would not write as named: refused before decoding, not after

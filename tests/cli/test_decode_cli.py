@@ -76,6 +76,11 @@ def test_show_brackets_each_step_and_joins_to_the_plain_text(ckpt, capsys):
     assert shown.count("[") == medusa["steps"] + 1  # the prefill's token, then one chunk per step
 
 
+def test_plain_show_needs_no_heads_and_shows_no_tree(ckpt_no_heads, capsys):
+    out = run(capsys, "--ckpt", ckpt_no_heads, "--method", "plain", "--show", "--max-new-tokens", "6")
+    assert "=== plain greedy; one [chunk] per forward pass" in out and "attention mask" not in out and "root" not in out
+
+
 def test_plain_decoding_never_asks_the_heads_to_fill_a_tree(ckpt, capsys, tmp_path):
     (tmp_path / "wide.json").write_text("[[100000]]")  # a rank past the draft vocabulary: Medusa refuses it
     out = run(capsys, "--ckpt", ckpt, "--method", "plain", "--tree", str(tmp_path / "wide.json"), "--max-new-tokens",
@@ -168,7 +173,6 @@ def broken_ckpt(ckpt, tmp_path_factory):
     (["--reference", "--method", "plain"], "--reference decodes with Medusa"),
     (["--ckpt", "{hydra}", "--reference"], "hydra heads read the tokens drafted"),  # the heads' own check
     (["--ckpt", "{tmp}/nothing"], "holds neither model.safetensors"), (["--ckpt", "{ckpt}/config.json"], "is a file, not a checkpoint"),
-    (["--ckpt", "{no_heads}", "--method", "plain", "--show"], "which --show needs; train heads first"),
     (["--compare", "--max-new-tokens", "1"], "at least 2"), (["--compare", "--method", "typical"], "leave out --method"),
     (["--explain", "--method", "plain"], "--explain walks through a Medusa step"),
     (["--compare", "--batch-size", "1,2", "--reference"], "--reference adds its rows"),
