@@ -53,8 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", metavar="B", help="prompts per batch; with --compare a list: 1,2,4,8 (default: 1)")
     p.add_argument("--device", help="cpu or cuda (default: cuda if available, else cpu)")
     p.add_argument("--dtype", choices=tuple(DTYPES), default="float32", help="weights and KV cache (default: float32)")
-    p.add_argument("--compile", action="store_true", help="compile the plain step and the verify: CUDA graphs on a GPU; "
-                   "on a CPU minutes of compiling for little gain")
+    p.add_argument("--compile", action="store_true", help="compile the plain step and Medusa's (verify, acceptance, "
+                   "the next tree's draft): CUDA graphs on a GPU; on a CPU minutes of compiling for little gain")
     p.add_argument("--reference", action="store_true", help="decode with reference.py (with --compare: add its rows)")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--show", action="store_true", help="print the tree and its mask, then each pass's tokens")

@@ -41,7 +41,7 @@ def parse_args(argv: list[str] | None = None) -> TrainArgs:
     hp = p.add_argument_group("hyper-parameters (defaults: the preset's)")
     for name, f in TrainArgs.hyper_parameters().items():
         hp.add_argument("--" + name.replace("_", "-"), type=type(f.default), metavar=type(f.default).__name__.upper(),
-                        help=f.metadata["help"] + f" (the preset's; cpu: {f.default})")
+                        help=f.metadata["help"] + f" (the preset's; cpu: {PRESETS['cpu'].get(name, f.default)})")
     ns = p.parse_args(argv)
     try:
         device = rank_device(str(pick_device(ns.device)))
