@@ -71,11 +71,11 @@ class Proposer(Protocol):
     """Makes each step's proposal from roots [B], the hidden states [B, C] that produced them and each
     row's tokens so far (prompt and output, ending with the root). Siblings hold distinct tokens."""
 
-    tree: Tree  # the full tree; a proposal may hold a smaller one (`trees`)
+    tree: Tree  # the full tree; a proposal may hold a smaller one, its first nodes (a cut, a shorter chain)
     heads: object  # the draft heads, whose `draft_greedily` and `draft_drawing` fill trees in compiled steps; or None
 
     def trees(self) -> list[Tree]:
-        """Every tree a proposal can hold: the shapes a compiled loop meets, each one graph."""
+        """Every tree a static step's proposal holds: the shapes a compiled loop meets, each one graph."""
         ...
 
     def propose(self, roots: torch.Tensor, hidden: torch.Tensor, *, history: list[list[int]], max_depth: int,
@@ -109,22 +109,23 @@ class HeadsProposer:
         self.draft_ids, self.vocab_size = draft_ids, vocab_size
 
     def trees(self) -> list[Tree]:
-        """The tree cut to each depth: near a generation's end the deeper nodes could not be used."""
-        return [self.tree.truncated(d) for d in range(self.tree.depth + 1)]
+        """The whole tree alone: a compiled (static) step never cuts it, it masks the nodes a row cannot use
+        (`step.medusa_step`), so one graph serves a generation to its last token."""
+        return [self.tree]
 
     @torch.no_grad()
     def propose(self, roots: torch.Tensor, hidden: torch.Tensor, *, max_depth: int, sampling: Sampling,
                 generator: torch.Generator | None, history: list[list[int]] | None = None) -> Proposal:
         tree = self.tree.truncated(max(max_depth, 0))
-        if tree.depth == 0:  # the root alone: the last token of a generation needs no guess, and draws none
+        draws = sampling.draws_candidates
+        u = self.draw_uniforms(len(roots), generator, device=roots.device) if draws else None  # [B, Q, V], whole
+        if tree.depth == 0:  # the root alone: the last token of a generation needs no guess
             # A fresh contiguous tensor, as every other proposal's: a compiled verify is specialised on
             # its input's strides, and roots may be a column of a larger tensor.
             return Proposal(roots[:, None].clone(memory_format=torch.contiguous_format), tree)
-        draws = sampling.draws_candidates
-        u = self.draw_uniforms(tree, len(roots), generator, device=roots.device) if draws else None
         tokens, draft = self.fill_tree(tree.tensors(roots.device), roots, hidden, self.head_logits,
                                        draft_ids=self.draft_ids.to(roots.device), vocab_size=self.vocab_size,
-                                       temperature=sampling.temperature, u=u)
+                                       temperature=sampling.temperature, u=None if u is None else self.cut(u, tree))
         return Proposal(tokens, tree, draft)
 
     @staticmethod
@@ -132,11 +133,18 @@ class HeadsProposer:
         """Q, how many q a drawn proposal on `tree` draws from (each kind says)."""
         raise NotImplementedError
 
-    def draw_uniforms(self, tree: Tree, rows: int, generator: torch.Generator | None, *,
-                      device: torch.device | str) -> torch.Tensor:
-        """The uniforms [B, Q, V] a drawn proposal on `tree` turns into Gumbel noise: one per token of each q
-        (Q: one q per depth for Medusa heads, per node above the deepest depth for dependent heads)."""
-        return torch.rand((rows, self.q_rows(tree), self.vocab_size), generator=generator, device=device)
+    def draw_uniforms(self, rows: int, generator: torch.Generator | None, *, device: torch.device | str
+                      ) -> torch.Tensor:
+        """The uniforms [B, Q, V] a drawn proposal turns into Gumbel noise: one per token of each q of the whole
+        tree (Q: one q per depth for Medusa heads, per node above the deepest depth for dependent heads),
+        whatever the step's cut: a cut tree takes the first of them (`cut`), so where a generation cuts its
+        tree changes no draw, and a static step, which never cuts it, draws what an eager one does."""
+        return torch.rand((rows, self.q_rows(self.tree), self.vocab_size), generator=generator, device=device)
+
+    def cut(self, u: torch.Tensor, tree: Tree) -> torch.Tensor:
+        """The uniforms [B, Q', V] of `tree`, this proposer's tree cut to a depth, from the whole tree's u [B, Q, V]:
+        its q come first (depths, or nodes, in order). A fresh tensor: a compiled step is specialised on strides."""
+        return u[:, : self.q_rows(tree)].clone(memory_format=torch.contiguous_format)
 
 
 def top_k(logits: torch.Tensor, draft_ids: torch.Tensor, k: int) -> torch.Tensor:

@@ -111,8 +111,9 @@ def propose(head_logits: torch.Tensor, draft_ids: torch.Tensor, tree: Tree, root
     if not sampling.draws_candidates:
         guesses = draft_ids[head_logits[:D].topk(R, dim=-1).indices].tolist()  # [D][R] token ids
         return [root] + [guesses[len(c) - 1][c[-1]] for c in tree.choices], None
-    log_q = draft_log_probs(head_logits[:D], draft_ids, temperature=sampling.temperature, vocab_size=vocab_size)
-    guesses = draw_without_replacement(log_q, R, generator).tolist()  # [D][R]
+    # Every head given draws, the tree's first D used: a tree cut near the end draws what the whole one does.
+    log_q = draft_log_probs(head_logits, draft_ids, temperature=sampling.temperature, vocab_size=vocab_size)
+    guesses = draw_without_replacement(log_q, R, generator).tolist()  # [K][R]
     drafts = [(log_q[d], guesses[d]) if d < D else None for d in tree.depths]  # a node's children's q
     return [root] + [guesses[len(c) - 1][c[-1]] for c in tree.choices], drafts
 
@@ -185,12 +186,13 @@ def try_children(p: torch.Tensor, candidates: list[int], draft: tuple[torch.Tens
 
 
 def rejection_accept(parents: list[int], tokens: list[int], logits: torch.Tensor, *, sampling: Sampling,
-                     generator: torch.Generator | None,
-                     drafts: list[tuple[torch.Tensor, list[int]] | None] | None = None) -> tuple[list[int], int]:
+                     generator: torch.Generator | None, drafts: list[tuple[torch.Tensor, list[int]] | None] | None = None,
+                     nodes: int | None = None) -> tuple[list[int], int]:
     """Lossless rejection sampling on a tree (Leviathan et al. 2023; SpecInfer): every emitted sequence
     is exactly a sample of the backbone (fresh randomness at each node and the chain rule).
 
-    One uniform number per node is drawn first, u [N], and each is used once (the engine draws the same).
+    One uniform number per node is drawn first, u [N], and each is used once (the engine draws the same;
+    `nodes`: as many as the whole tree has, of which a tree cut near the end uses the first N).
     Top-k candidates (drafts None) are point masses, and then trying a node's children in turn is the
     same as drawing y from p once: child x is accepted exactly when y = x, and when no child is, y is a
     draw from p with the children removed, the bonus. So it is `walk` with y drawn from p at every node,
@@ -198,7 +200,7 @@ def rejection_accept(parents: list[int], tokens: list[int], logits: torch.Tensor
     (`try_children`); if none is accepted, the bonus is drawn from what is left of p with u[0] (the
     root is never tried).
     """
-    u = torch.rand(len(parents), generator=generator, device=logits.device)  # [N]
+    u = torch.rand(nodes or len(parents), generator=generator, device=logits.device)[: len(parents)]  # [N]
     if drafts is None:
         return walk(parents, tokens, inverse_cdf(sampling.probs(logits), u).tolist())
     node, path = 0, [0]
@@ -213,13 +215,16 @@ def rejection_accept(parents: list[int], tokens: list[int], logits: torch.Tensor
 
 
 def accept(parents: list[int], tokens: list[int], logits: torch.Tensor, *, sampling: Sampling,
-           generator: torch.Generator | None, drafts: list | None = None) -> tuple[list[int], int]:
-    """The acceptance rule `sampling` names: (accepted path, root first; bonus token)."""
+           generator: torch.Generator | None, drafts: list | None = None, nodes: int | None = None
+           ) -> tuple[list[int], int]:
+    """The acceptance rule `sampling` names: (accepted path, root first; bonus token); `nodes`: the whole
+    tree's, for rejection sampling's uniforms."""
     if sampling.acceptance == "greedy":
         return greedy_accept(parents, tokens, logits)
     if sampling.acceptance == "typical":
         return typical_accept(parents, tokens, logits, sampling=sampling, generator=generator)
-    return rejection_accept(parents, tokens, logits, sampling=sampling, generator=generator, drafts=drafts)
+    return rejection_accept(parents, tokens, logits, sampling=sampling, generator=generator, drafts=drafts,
+                            nodes=nodes)
 
 
 @torch.no_grad()
@@ -229,7 +234,8 @@ def medusa_generate(model: GPT, heads: MedusaHeads, prompt: list[int], *, tree: 
     """Medusa decoding, batch 1: returns (new tokens, backbone forward passes after the prefill).
 
     It stops at `max_new_tokens`, at the end of the context, or after `eos_id` (kept). Near the end the
-    tree loses the depths whose tokens could no longer be used.
+    tree loses the depths whose tokens could no longer be used; its random numbers are drawn for the
+    whole tree still, so where it is cut changes no draw.
     """
     stop_at = min(len(prompt) + max_new_tokens, model.config.block_size)  # the length where we stop
     cache = [None] * model.config.n_layer
@@ -239,12 +245,13 @@ def medusa_generate(model: GPT, heads: MedusaHeads, prompt: list[int], *, tree: 
     out, steps = [root], 0
     while L + 1 < stop_at and eos_id not in out:  # L + 1 = the prompt and every emitted token
         t = tree.truncated(stop_at - 2 - L)  # a node at depth d emits d + 1 tokens
-        head_logits = heads(hidden[None], model, num=t.depth)[:, 0]  # [D, M]: guesses 2, 3, ... places ahead
+        head_logits = heads(hidden[None], model, num=tree.depth)[:, 0]  # [K, M]: guesses 2, 3, ... places ahead
         tokens, drafts = propose(head_logits, heads.draft_ids, t, root, vocab_size=model.config.vocab_size,
                                  sampling=sampling, generator=generator)
         mask = torch.cat([torch.ones(t.num_nodes, L, dtype=torch.bool), tree_attention_mask(t.parents)], 1)
         logits, hiddens = forward(model, tokens, [L + d for d in t.depths], cache, mask)  # verify
-        path, root = accept(t.parents, tokens, logits, sampling=sampling, generator=generator, drafts=drafts)
+        path, root = accept(t.parents, tokens, logits, sampling=sampling, generator=generator, drafts=drafts,
+                            nodes=tree.num_nodes)
         keep = list(range(L)) + [L + i for i in path]  # the prefix, the root and the accepted nodes
         cache = [(k[:, keep], v[:, keep]) for k, v in cache]
         out += [tokens[i] for i in path[1:]] + [root]  # the accepted candidates, then the bonus

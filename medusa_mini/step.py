@@ -174,20 +174,23 @@ def medusa_step(
     roots: [B] each row's last emitted token, whose K/V are not in `cache` yet; hidden: [B, C] the
     hidden states that produced them. history: each row's tokens so far (prompt lookup reads them).
     stop_at: [B] the total length at which each row stops (default: the context); max_depth: the
-    deepest node any row can use (default: the proposer's), which a proposer need not draft beyond
-    (prompt lookup's rounded-up chain may: `usable` masks such nodes); attended: the cache slots any row reads
-    once the nodes are in (default: all). drafted: [B, N] the full tree's top-k tokens, when the step
-    before drafted them (`verify_and_accept`, `StepResult.next_tokens`); used unless this tree is cut short.
+    deepest node any row can use (default: the proposer's): eager steps cut the tree there, less to
+    verify, static ones (`Steps.static`) verify it whole, one graph for every step, and either way
+    `usable` masks the nodes a row cannot use (prompt lookup's rounded-up chain has some too). The random
+    numbers are drawn for the whole tree and cut with it, so both make the same draws. attended: the cache
+    slots any row reads once the nodes are in (default: all). drafted: [B, N] the full tree's top-k
+    tokens, when the step before drafted them (`verify_and_accept`, `StepResult.next_tokens`); used unless
+    this tree is cut short.
     """
     if drafted is not None and sampling.draws_candidates:
         raise ValueError("drafted tokens are the heads' top-k guesses: drawn candidates cannot take them")
     start = cache.lengths  # [B] the roots' slots
-    depth = proposer.tree.depth if max_depth is None else max_depth
+    depth = proposer.tree.depth if max_depth is None or steps.static else max_depth
     tree = proposer.tree.truncated(max(depth, 0))
     if drafted is not None and depth >= proposer.tree.depth:
         proposal = Proposal(drafted, proposer.tree)
     elif sampling.draws_candidates and steps.draft_drawn is not None and proposer.heads is not None and tree.depth:
-        u = proposer.draw_uniforms(tree, len(roots), generator, device=roots.device)  # as the proposer would
+        u = proposer.cut(proposer.draw_uniforms(len(roots), generator, device=roots.device), tree)  # as it would
         # Copies in and out: roots and hidden may be the last step's graph outputs, which no replay outlives.
         tokens, draft = steps.draft_drawn(model, proposer.heads, roots.clone(), hidden.clone(),
                                           tree=tree.tensors(roots.device), temperature=sampling.temperature, u=u)
@@ -200,7 +203,10 @@ def medusa_step(
         stop_at = torch.full_like(start, model.config.block_size)
     usable = usable_nodes(proposal.tree, start, stop_at)  # [B, N]
     next_tokens, draft = None, proposal.draft
-    u = acceptance_uniforms(sampling, *proposal.tokens.shape, generator, device=roots.device)
+    u = acceptance_uniforms(sampling, len(roots), proposer.tree.num_nodes, generator, device=roots.device)
+    if u is not None and u.dim() == 2:  # one per node of the whole tree: a cut tree's nodes come first
+        # A fresh tensor: a compiled step is specialised on its inputs' strides, a slice's even where a dim is 1.
+        u = u[:, : proposal.tree.num_nodes].clone(memory_format=torch.contiguous_format)
     if steps.verify_and_accept is not None:
         # The heads draft the next tree's top-k in the same graph, unless this tree is cut short (the end
         # is near) or the next candidates are to be drawn.

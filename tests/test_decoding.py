@@ -189,21 +189,30 @@ def test_prompt_lookup_verifies_the_root_alone_without_a_repeated_ngram_and_draf
     assert out == list(range(6, 19)) and stats.tokens_per_step > 2
 
 
-def test_steps_that_read_the_whole_cache_make_the_tokens_of_eager_ones():
+@pytest.mark.parametrize("rule", RULES)
+def test_static_steps_make_the_tokens_of_eager_ones(rule):
     """Compiled steps keep static shapes: they read every slot of the cache, its stale and empty ones
-    masked. That changes no token, in plain and Medusa decoding of a ragged batch."""
-    model, slots_read = tiny_model(15), []
+    masked, and verify the whole tree to the end, the nodes a row cannot use masked where eager steps cut
+    the tree. That changes no token, in plain and Medusa decoding of a ragged batch, under any rule: the
+    random numbers are drawn for the whole tree either way."""
+    model, slots_read, verified = tiny_model(15), [], []
 
-    def recording(step):
-        def run(*args, attended=None, **kwargs):
-            slots_read.append(attended)
-            return step(*args, attended=attended, **kwargs)
+    def recording(step, nodes, slots):
+        def run(model, cache, tokens, *args, attended=None, **kwargs):
+            nodes.append(tokens.shape[1])
+            slots.append(attended)
+            return step(model, cache, tokens, *args, attended=attended, **kwargs)
         return run
 
-    static = Steps(plain=recording(plain_step), verify=recording(verify),
-                   verify_and_accept=recording(verify_and_accept), static=True)
-    heads = random_heads(model, seed=15)
-    for run in (lambda **kw: generate_batch(model, PROMPTS, max_new_tokens=20, **kw),
-                lambda **kw: medusa_generate_batch(model, heads, PROMPTS, tree=preset("cpu"), max_new_tokens=20, **kw)):
-        assert run(steps=static) == run()
-    assert slots_read and set(slots_read) == {None}  # every static step read the whole cache
+    static = Steps(plain=recording(plain_step, [], slots_read), verify=recording(verify, verified, slots_read),
+                   verify_and_accept=recording(verify_and_accept, verified, slots_read), static=True)
+    eager_nodes = []
+    eager = Steps(verify=recording(verify, eager_nodes, []))
+    heads, tree, sampling = random_heads(model, seed=15), preset("cpu"), RULES[rule]
+    for run in (lambda **kw: generate_batch(model, PROMPTS, max_new_tokens=20, sampling=sampling, **kw),
+                lambda **kw: medusa_generate_batch(model, heads, PROMPTS, tree=tree, max_new_tokens=20,
+                                                   sampling=sampling, **kw)):
+        assert run(steps=static, generator=torch.Generator().manual_seed(4)) == \
+            run(steps=eager, generator=torch.Generator().manual_seed(4))
+    assert set(slots_read) == {None}  # every static step read the whole cache
+    assert set(verified) == {tree.num_nodes} and min(eager_nodes) < tree.num_nodes  # eager ones cut the tree

@@ -49,8 +49,8 @@ class StaticCaches:
 @torch.no_grad()
 def warm_up(model: GPT, steps: step.Steps, caches: StaticCaches, *, rows: int, plain: bool,
             proposers: list[tuple[Proposer, Sampling]] = ()) -> float:
-    """Run every shape decoding `rows` rows can meet: the plain step (if `plain`), and every tree each
-    proposer's proposals can hold (`Proposer.trees`) under its rule through `steps.verify_and_accept` (the
+    """Run every shape decoding `rows` rows can meet: the plain step (if `plain`), and every tree a static
+    step of each proposer verifies (`Proposer.trees`: the heads' whole tree, prompt lookup's chains) under its rule through `steps.verify_and_accept` (the
     full tree with the proposer's heads, which draft the next one's top-k in the graph) and, for candidates
     drawn from the heads' q, `steps.draft_drawn`: only the graphs the run uses. Three calls each: under
     CUDA graphs the first runs eagerly, the second records, the third replays. Returns the seconds."""
@@ -80,7 +80,7 @@ def warm_up(model: GPT, steps: step.Steps, caches: StaticCaches, *, rows: int, p
                 for _ in range(3):  # a generator of its own, here and below: not the run's
                     drawn = steps.draft_drawn(model, drawing.heads, start, hidden, tree=tensors,
                                               temperature=sampling.temperature,
-                                              u=drawing.draw_uniforms(t, rows, torch.Generator(device), device=device))
+                                              u=drawing.draw_uniforms(rows, torch.Generator(device), device=device))
                 # what decoding hands the verify (copies, `step.medusa_step`): the layouts its graph is made for
                 tokens, draft = drawn[0].clone(), drawn[1].clone()
             elif drawing is not None:

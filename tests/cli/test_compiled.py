@@ -93,9 +93,9 @@ def test_the_warm_up_runs_every_shape_three_times_so_cuda_graphs_record_and_repl
                   verify_and_accept=counting("accept", verify_and_accept), draft_drawn=drawing, static=True)
     proposer = random_heads(model, seed=0).proposer(model, TREE)
     warm_up(model, steps, StaticCaches(model), rows=2, plain=True, proposers=[(proposer, r) for r in EVERY_RULE])
-    shapes = list(dict.fromkeys(calls))  # each rule is one graph of verify_and_accept per tree
-    trees = len(proposer.trees())  # drawn candidates: one drafting graph per tree but the root alone
-    assert len(shapes) == 1 + 3 * trees + (trees - 1) and all(calls.count(s) == 3 for s in shapes)
+    shapes = list(dict.fromkeys(calls))  # the plain step, one verify_and_accept per rule, one drawing graph
+    assert proposer.trees() == [TREE]  # a static step never cuts the tree: one graph serves every step
+    assert len(shapes) == 1 + 3 + 1 and all(calls.count(s) == 3 for s in shapes)
     assert {name for name, *_ in calls} == {"plain", "accept", "draw"}  # no rule verifies on its own
 
 
@@ -114,9 +114,9 @@ def test_graph_replay_poisons_a_steps_outputs_when_a_step_runs_again():
 @pytest.mark.parametrize("kind", ["medusa", "hydra"])
 def test_a_compiled_step_with_top_k_candidates_drafts_the_next_tree_in_its_graph(monkeypatch, kind, rule):
     """Compiled, every rule that verifies the heads' top-k runs the heads in `verify_and_accept`'s graph, so
-    they launch nothing of their own: the eager proposer fills only the first tree and those cut short near the end,
-    every step verifies the tree the eager proposer would have filled, and the tokens are the eager ones
-    (typical: the same draws), for a ragged batch."""
+    they launch nothing of their own: the eager proposer fills only the first tree; every step verifies the
+    whole tree, whose first nodes are the tree the eager step verifies (cut near the end), and the tokens
+    are the eager ones (typical: the same draws), for a ragged batch."""
     backend = GraphReplay()
     model, heads, steps, caches = warmed_up(5, backend=backend, kind=kind, rows=2, rules=(RULES[rule],))
     graphs, proposer_type, proposed, verified = len(backend.graphs), type(heads.proposer(model, TREE)), [], []
@@ -134,9 +134,12 @@ def test_a_compiled_step_with_top_k_candidates_drafts_the_next_tree_in_its_graph
     drafted_eagerly, trees = len(proposed), verified[:]
     verified.clear()
     eager = run(steps=Steps(verify=recording(verify)))
-    assert [out for out, _ in compiled] == [out for out, _ in eager] and trees == verified
+    assert [out for out, _ in compiled] == [out for out, _ in eager] and len(trees) == len(verified)
+    assert all(len(whole) == TREE.num_nodes and whole[: len(cut)] == cut
+               for step, eager_step in zip(trees, verified) for whole, cut in zip(step, eager_step))
+    assert any(len(step[0]) < TREE.num_nodes for step in verified)  # the eager steps cut the tree near the end
     assert len(proposed) - drafted_eagerly == len(verified) > 1 + TREE.depth  # eager: every step proposes
-    assert 1 <= drafted_eagerly <= 1 + TREE.depth  # compiled: the first tree and the truncated ones
+    assert drafted_eagerly == 1  # compiled: the first tree alone
     assert len(backend.graphs) == graphs  # the warm-up recorded the drafting graph
 
 
@@ -144,8 +147,9 @@ def test_a_compiled_step_with_top_k_candidates_drafts_the_next_tree_in_its_graph
 def test_a_compiled_step_draws_and_tries_candidates_in_its_graphs_with_the_eager_draws(kind, monkeypatch):
     """Rejection sampling of candidates drawn from q, compiled: the heads draw them in `draft_drawn`'s graph
     and the tries run in `verify_and_accept`'s, with the uniforms drawn before each, the eager proposer's
-    numbers; every step of a ragged batch goes through the recorded graphs, the eager proposer draws
-    nothing, and the tokens are the eager ones, draw for draw."""
+    numbers; every step of a ragged batch goes through the recorded graphs on the whole tree (the eager
+    steps cut it near the end), the eager proposer draws nothing, and the tokens are the eager ones, draw
+    for draw."""
     backend, rule = GraphReplay(), RULES["rejection"]
     model, heads, steps, caches = warmed_up(6, backend=backend, kind=kind, rows=2, rules=(rule,))
     graphs, calls, drawn_eagerly, drawn_depths = len(backend.graphs), [], [], set()
@@ -163,7 +167,7 @@ def test_a_compiled_step_draws_and_tries_candidates_in_its_graphs_with_the_eager
                                      sampling=rule, generator=torch.Generator().manual_seed(4), **kw)
 
     compiled = run(steps=counted, cache=caches)
-    assert not any(drawn_eagerly) and drawn_depths == set(range(1, TREE.depth + 1))  # cut trees too, near the end
+    assert not any(drawn_eagerly) and drawn_depths == {TREE.depth}  # never a cut tree
     eager = run()
     assert [out for out, _ in compiled] == [out for out, _ in eager] and sum(drawn_eagerly) > 1
     assert len(calls) == max(st.steps for _, st in compiled)
