@@ -121,8 +121,9 @@ def tree_stages(model: GPT, cache: KVCache, heads: DraftHeads, tree: Tree, root:
     verify = partial(steps.verify, model, cache, proposal.tokens, depths=t.depths, ancestor_mask=t.ancestor_mask,
                      attended=attended)
     usable = usable_nodes(tree, start, torch.full_like(start, model.config.block_size))  # [1, N]
-    # Compiled, the greedy verify (`verify_and_accept`) also drafts the next tree (the heads in its graph), and a
-    # decoding loop's step takes the tree the step before drafted: the whole step then has no eager heads.
+    # Compiled, the greedy and rejection verifies (`verify_and_accept`) also draft the next tree (the heads in
+    # their graph, drawing for rejection sampling), and a decoding loop's step takes the tree the step before
+    # drafted: the whole step then has no eager heads.
     drafts = steps.verify_and_accept is not None
     greedy = partial(steps.verify_and_accept or verify_and_accept, model, cache, proposal.tokens, tree=t, usable=usable,
                      attended=attended, heads=proposer.heads if drafts else None)
@@ -132,11 +133,13 @@ def tree_stages(model: GPT, cache: KVCache, heads: DraftHeads, tree: Tree, root:
     sampled = proposer.propose(root, hidden, history=history, max_depth=tree.depth, sampling=drawn, generator=gen)
     rejection = partial(steps.verify_and_accept or verify_and_accept, model, cache, sampled.tokens, tree=t, usable=usable,
                         attended=attended, sampling=drawn, draft=sampled.draft,
-                        u=acceptance_uniforms(drawn, *sampled.tokens.shape, gen, device=root.device))
+                        u=acceptance_uniforms(drawn, *sampled.tokens.shape, gen, device=root.device),
+                        heads=proposer.heads if drafts else None,
+                        u_next=proposer.draw_uniforms(1, gen, device=root.device) if drafts else None)
     return {"heads": propose, "verify": verify, "greedy verify": greedy, "rejection verify": rejection,
             "host read": partial(read_step, proposal, accepted),
             "whole step": partial(medusa_step, model, cache, proposer, root, hidden, history=history, attended=attended,
-                                  steps=steps, drafted=proposal.tokens if drafts else None)}
+                                  steps=steps, drafted=proposal if drafts else None)}
 
 
 @torch.no_grad()

@@ -216,7 +216,7 @@ def medusa_generate_batch(
     roots = sampling.next_token(logits, generator)  # [B] on the device, as every later root
     stopped = rows.emit([[t] for t in roots.tolist()], step=False)
     stop_at = torch.tensor(rows.stop_at, device=device)  # [B]
-    drafted = None  # the next tree's tokens, when a compiled step drafted their top-k
+    drafted = None  # the next step's proposal, when a compiled step drafted it
     while rows.active:
         if stopped:  # a stopped row accepts nothing more and its cache length stays put
             stop_at[stopped] = 0
@@ -229,7 +229,7 @@ def medusa_generate_batch(
         for b in rows.active:
             lengths[b] += len(step.paths[b])
         stopped = rows.emit(step.new_tokens, step=True, accepted=[len(p) - 1 for p in step.paths])
-        roots, hidden, drafted = step.next_roots, step.next_hidden, step.next_tokens
+        roots, hidden, drafted = step.next_roots, step.next_hidden, step.next_proposal
     return rows.results()
 
 

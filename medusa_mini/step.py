@@ -8,9 +8,9 @@ waits for the host until the end, where `read_step` reads the emitted tokens of 
 host sync per step.
 
 Plain decoding repeats `plain_step`; Medusa repeats `verify` (or `verify_and_accept`: the verify and
-all that follows it, up to the heads' next top-k tree), and, for candidates drawn from the heads' q,
-`draft_drawn`; `Steps` names what a loop runs, eager by default or compiled (cli/compiled.py), as
-gpt-fast compiles its `decode_one_token`.
+all that follows it, up to the heads' next tree, top-k or, in a static step, drawn), and, for a first
+tree of candidates drawn from the heads' q, `draft_drawn`; `Steps` names what a loop runs, eager by
+default or compiled (cli/compiled.py), as gpt-fast compiles its `decode_one_token`.
 
 Shapes: B rows, N tree nodes, D tree depth, V vocabulary, C n_embd.
 """
@@ -83,22 +83,28 @@ def finish_step(cache: KVCache, accepted: Accepted, hiddens: torch.Tensor, *, st
 
 def verify_and_accept(model: GPT, cache: KVCache, tokens: torch.Tensor, *, tree: TreeTensors, usable: torch.Tensor,
                       sampling: Sampling = Sampling(), u: torch.Tensor | None = None, draft: Draft | None = None,
-                      attended: int | None = None, heads: DraftHeads | None = None
-                      ) -> tuple[Accepted, torch.Tensor, torch.Tensor | None]:
+                      attended: int | None = None, heads: DraftHeads | None = None, u_next: torch.Tensor | None = None
+                      ) -> tuple[Accepted, torch.Tensor, torch.Tensor | None, Draft | None]:
     """All of a step after its proposal (tokens [B, N]), as one function, so a compiler captures it as one
     graph (two would hand the verify's logits across, which CUDA graphs free between calls): `verify`,
     the acceptance (`accept_on_device`: any rule, its uniforms u drawn before, as a graph holds no
-    generator; draft: drawn candidates' q), `finish_step`; with `heads`, also the next step's tokens
-    [B, N] on the same tree (`draft_greedily`: the heads' top-k, from the bonus tokens and the hidden
-    states `finish_step` returns), which the heads would otherwise compute in a few dozen launches of
-    their own. Returns (accepted, next hidden [B, C], next tokens or None)."""
+    generator; draft: drawn candidates' q), `finish_step`; with `heads`, also the next step's candidates
+    [B, N] on the same tree, from the bonus tokens and the hidden states `finish_step` returns: the heads'
+    top-k (`draft_greedily`), or, given the next step's uniforms u_next [B, Q, V], their draws and the
+    draft they came from (`draft_drawing`), which the heads would otherwise compute in a few dozen
+    launches of their own. Returns (accepted, next hidden [B, C], next tokens or None, next draft or None)."""
     check_uniforms(sampling, u)  # before the verify writes the cache
     start = cache.lengths  # [B]
     logits, hiddens = verify(model, cache, tokens, depths=tree.depths, ancestor_mask=tree.ancestor_mask,
                              attended=attended)  # [B, N, V], [B, N, C]
     accepted = accept_on_device(tree, tokens, logits, sampling=sampling, u=u, draft=draft, usable=usable)
     hidden = finish_step(cache, accepted, hiddens, start=start, active=usable[:, 0])  # [B, C]
-    return accepted, hidden, None if heads is None else heads.draft_greedily(model, accepted.bonus, hidden, tree)
+    if heads is None:
+        return accepted, hidden, None, None
+    if u_next is None:
+        return accepted, hidden, heads.draft_greedily(model, accepted.bonus, hidden, tree), None
+    return accepted, hidden, *heads.draft_drawing(model, accepted.bonus, hidden, tree,
+                                                  temperature=sampling.temperature, u=u_next)
 
 
 def draft_drawn(model: GPT, heads: DraftHeads, roots: torch.Tensor, hidden: torch.Tensor, *, tree: TreeTensors,
@@ -115,8 +121,9 @@ class Steps:
     (None: `verify`, then acceptance and `finish_step`, eagerly; on a GPU at batch 1 those stages are a
     few dozen small kernels, or a few hundred for rejection sampling's tries, whose launches cost more
     than their work), and `draft_drawn` for candidates drawn from the heads' q (None: the proposer draws
-    them, eagerly). Compiled ones keep static shapes: they read the whole cache every step (`static`),
-    where eager ones read only the slots in use."""
+    them, eagerly). Compiled ones keep static shapes (`static`): they read the whole cache and verify the
+    whole tree every step, where eager ones read only the slots in use and cut the tree near the end; a
+    static `verify_and_accept` also draws the next tree of drawn candidates, `draft_drawn` only the first."""
 
     plain: Callable = plain_step
     verify: Callable = verify
@@ -139,7 +146,7 @@ class StepResult:
     new_tokens: list[list[int]]  # per row, the accepted candidates then the bonus (the root came before)
     next_roots: torch.Tensor  # [B] the bonus tokens, on the device: the next step's roots
     next_hidden: torch.Tensor  # [B, C] the hidden state at each row's last accepted node
-    next_tokens: torch.Tensor | None = None  # [B, N] the next step's full tree, when this step drafted it
+    next_proposal: Proposal | None = None  # the next step's, on the whole tree, when this step drafted it
 
 
 def read_step(proposal: Proposal, accepted: Accepted) -> tuple[list[list[int]], list[list[int]]]:
@@ -167,7 +174,7 @@ def medusa_step(
     max_depth: int | None = None,
     attended: int | None = None,
     steps: Steps = EAGER,
-    drafted: torch.Tensor | None = None,
+    drafted: Proposal | None = None,
 ) -> StepResult:
     """One Medusa step for B rows: candidates -> verify -> accept -> compact, then one host sync.
 
@@ -178,17 +185,20 @@ def medusa_step(
     verify, static ones (`Steps.static`) verify it whole, one graph for every step, and either way
     `usable` masks the nodes a row cannot use (prompt lookup's rounded-up chain has some too). The random
     numbers are drawn for the whole tree and cut with it, so both make the same draws. attended: the cache
-    slots any row reads once the nodes are in (default: all). drafted: [B, N] the full tree's top-k
-    tokens, when the step before drafted them (`verify_and_accept`, `StepResult.next_tokens`); used unless
-    this tree is cut short.
+    slots any row reads once the nodes are in (default: all). drafted: the proposal on the whole tree the step
+    before drafted in its graph (`verify_and_accept`, `StepResult.next_proposal`); used unless this tree is
+    cut short. A static step of drawn candidates draws the next step's uniforms after its own, in the
+    order an eager loop draws them, and the next tree in its graph: the same draws, and one set more at a
+    generation's last step, which a generator reused for another generation would then go on from.
     """
-    if drafted is not None and sampling.draws_candidates:
-        raise ValueError("drafted tokens are the heads' top-k guesses: drawn candidates cannot take them")
+    if drafted is not None and sampling.draws_candidates != (drafted.draft is not None):
+        raise ValueError("the drafted proposal's candidates do not match the rule: top-k guesses for greedy and "
+                         "typical acceptance, draws with their draft for rejection sampling of drawn candidates")
     start = cache.lengths  # [B] the roots' slots
     depth = proposer.tree.depth if max_depth is None or steps.static else max_depth
     tree = proposer.tree.truncated(max(depth, 0))
     if drafted is not None and depth >= proposer.tree.depth:
-        proposal = Proposal(drafted, proposer.tree)
+        proposal = drafted
     elif sampling.draws_candidates and steps.draft_drawn is not None and proposer.heads is not None and tree.depth:
         u = proposer.cut(proposer.draw_uniforms(len(roots), generator, device=roots.device), tree)  # as it would
         # Copies in and out: roots and hidden may be the last step's graph outputs, which no replay outlives.
@@ -202,21 +212,23 @@ def medusa_step(
     if stop_at is None:
         stop_at = torch.full_like(start, model.config.block_size)
     usable = usable_nodes(proposal.tree, start, stop_at)  # [B, N]
-    next_tokens, draft = None, proposal.draft
+    next_proposal, draft = None, proposal.draft
     u = acceptance_uniforms(sampling, len(roots), proposer.tree.num_nodes, generator, device=roots.device)
     if u is not None and u.dim() == 2:  # one per node of the whole tree: a cut tree's nodes come first
         # A fresh tensor: a compiled step is specialised on its inputs' strides, a slice's even where a dim is 1.
         u = u[:, : proposal.tree.num_nodes].clone(memory_format=torch.contiguous_format)
     if steps.verify_and_accept is not None:
-        # The heads draft the next tree's top-k in the same graph, unless this tree is cut short (the end
-        # is near) or the next candidates are to be drawn.
+        # The heads draft the next tree in the same graph, unless this tree is cut short (the end is near).
+        # Drawn candidates only in a static step, whose next tree is never cut: an eager one cut next
+        # would draw its own uniforms, and the ones drawn here would be spent.
         draws = sampling.draws_candidates
-        heads = proposer.heads if proposal.tree is proposer.tree and not draws else None
-        accepted, next_hidden, next_tokens = steps.verify_and_accept(
+        heads = proposer.heads if proposal.tree is proposer.tree and (steps.static or not draws) else None
+        u_next = proposer.draw_uniforms(len(roots), generator, device=roots.device) if heads is not None and draws else None
+        accepted, next_hidden, next_tokens, next_draft = steps.verify_and_accept(
             model, cache, proposal.tokens, tree=t, usable=usable, sampling=sampling, u=u, draft=draft,
-            attended=attended, heads=heads)
-        if next_tokens is not None:  # the next step's input: a copy, as a CUDA graph overwrites its outputs
-            next_tokens = next_tokens.clone()
+            attended=attended, heads=heads, u_next=u_next)
+        if next_tokens is not None:  # the next step's input: copies, as a CUDA graph overwrites its outputs
+            next_proposal = Proposal(next_tokens.clone(), proposer.tree, None if next_draft is None else next_draft.clone())
     else:
         logits, hiddens = steps.verify(model, cache, proposal.tokens, depths=t.depths, ancestor_mask=t.ancestor_mask,
                                        attended=attended)  # [B, N, V], [B, N, C]
@@ -224,4 +236,4 @@ def medusa_step(
         next_hidden = finish_step(cache, accepted, hiddens, start=start, active=usable[:, 0])
     paths, new_tokens = read_step(proposal, accepted)
     return StepResult(paths=paths, new_tokens=new_tokens, next_roots=accepted.bonus, next_hidden=next_hidden,
-                      next_tokens=next_tokens)
+                      next_proposal=next_proposal)

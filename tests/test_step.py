@@ -174,7 +174,7 @@ def test_a_step_sends_the_device_nothing(kind, rule):
 def test_a_step_drafting_the_next_tree_sends_the_device_nothing_and_drawn_candidates_refuse_its_draft(kind, rule):
     """The verify-and-accept compiled steps run (here eagerly) drafts the next tree from the device tensors
     it holds; the next step verifies it as it is. Top-k guesses are no draw from q: rejection sampling of
-    drawn candidates refuses them."""
+    drawn candidates refuses them, and the rules of top-k guesses refuse drawn ones."""
     model, heads, batch = tiny_model(5), random_heads(tiny_model(5), seed=2, kind=kind), 3
     cache = KVCache(model.config, batch_size=batch, max_len=64)
     logits, hidden = prefill(model, torch.tensor([[3, 1, 4, 1, 5]] * batch), cache)
@@ -182,14 +182,21 @@ def test_a_step_drafting_the_next_tree_sends_the_device_nothing_and_drawn_candid
     gen = torch.Generator().manual_seed(0)
     step = medusa_step(model, cache, proposer, logits.argmax(-1), hidden, sampling=RULES[rule], generator=gen,
                        steps=drafting)
-    assert step.next_tokens.shape == (batch, preset("cpu").num_nodes)
+    drafted = step.next_proposal
+    assert drafted.tokens.shape == (batch, preset("cpu").num_nodes) and drafted.draft is None
     with CudaRules(torch.device("cpu")) as rules:
         medusa_step(model, cache, proposer, step.next_roots, step.next_hidden, stop_at=torch.full((batch,), 64),
-                    sampling=RULES[rule], generator=gen, max_depth=4, steps=drafting, drafted=step.next_tokens)
+                    sampling=RULES[rule], generator=gen, max_depth=4, steps=drafting, drafted=drafted)
     assert rules.uploads == 0
-    with pytest.raises(ValueError, match="drawn candidates cannot"):
+    with pytest.raises(ValueError, match="do not match the rule"):
         medusa_step(model, cache, proposer, step.next_roots, step.next_hidden, sampling=RULES["rejection"],
-                    drafted=step.next_tokens)
+                    drafted=drafted)
+    static = Steps(verify_and_accept=verify_and_accept, static=True)  # draws the next candidates in its graph
+    drawn = medusa_step(model, cache, proposer, step.next_roots, step.next_hidden, sampling=RULES["rejection"],
+                        generator=gen, steps=static).next_proposal
+    assert drawn.draft is not None and drawn.tokens.shape == (batch, preset("cpu").num_nodes)
+    with pytest.raises(ValueError, match="do not match the rule"):
+        medusa_step(model, cache, proposer, step.next_roots, step.next_hidden, sampling=RULES[rule], drafted=drawn)
 
 
 
@@ -206,5 +213,5 @@ def test_verify_and_accept_refuses_a_sampled_rule_without_its_uniforms():
         with pytest.raises(ValueError, match="acceptance_uniforms"):
             verify_and_accept(*args, **kw, sampling=RULES[rule])
     assert int(cache.lengths[0]) == 0
-    accepted, hidden, _ = verify_and_accept(*args, **kw, sampling=RULES["typical"], u=torch.tensor([0.5]))
+    accepted, hidden, *_ = verify_and_accept(*args, **kw, sampling=RULES["typical"], u=torch.tensor([0.5]))
     assert hidden.shape == (1, model.config.n_embd) and int(cache.lengths[0]) == int(accepted.count[0]) + 1

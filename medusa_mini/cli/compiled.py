@@ -1,5 +1,6 @@
 """`--compile`: the plain step (T = 1), `verify_and_accept` (the tree verify, the acceptance, keeping the
-path and the heads' next tree) and `draft_drawn` (the heads' drawn candidates) compiled by name, whole
+path and the heads' next tree, top-k or drawn) and `draft_drawn` (a generation's first drawn candidates)
+compiled by name, whole
 graphs, one per shape and rule, on CUDA as CUDA graphs (mode "reduce-overhead"), which remove the kernel
 launches that dominate batch-1 decoding; the tree verify alone too, which only benchmarks/bench_step.py
 times on its own. The prefill stays eager. A CUDA graph replays on the addresses it recorded and
@@ -56,7 +57,7 @@ def warm_up(model: GPT, steps: step.Steps, caches: StaticCaches, *, rows: int, p
     CUDA graphs the first runs eagerly, the second records, the third replays. Returns the seconds."""
     device, block = model.device, model.config.block_size
     # (slots, tree, heads, rule, proposer): the proposer only where candidates are drawn (it makes the draft)
-    shapes = {(p.tree.num_nodes, t, p.heads if t == p.tree and not s.draws_candidates else None, s,
+    shapes = {(p.tree.num_nodes, t, p.heads if t == p.tree else None, s,
                p if s.draws_candidates and isinstance(p, HeadsProposer) else None)
               for p, s in proposers for t in p.trees()}
     config = torch._dynamo.config  # each shape is one more specialisation of its function
@@ -86,8 +87,10 @@ def warm_up(model: GPT, steps: step.Steps, caches: StaticCaches, *, rows: int, p
             elif drawing is not None:
                 draft = drawing.propose(start, hidden, max_depth=t.depth, sampling=sampling,
                                         generator=torch.Generator(device)).draft
+            # the next tree's uniforms, where the graph draws it (`step.medusa_step`)
+            u_next = drawing.draw_uniforms(rows, None, device=device) if heads is not None and drawing else None
             for _ in range(3):
                 cache.lengths = 0
                 steps.verify_and_accept(model, cache, tokens, tree=tensors, usable=usable, sampling=sampling, u=u,
-                                        draft=draft, heads=heads)
+                                        draft=draft, heads=heads, u_next=u_next)
     return timed(device, every_shape)[1]

@@ -145,21 +145,22 @@ def test_a_compiled_step_with_top_k_candidates_drafts_the_next_tree_in_its_graph
 
 @pytest.mark.parametrize("kind", ["medusa", "hydra"])
 def test_a_compiled_step_draws_and_tries_candidates_in_its_graphs_with_the_eager_draws(kind, monkeypatch):
-    """Rejection sampling of candidates drawn from q, compiled: the heads draw them in `draft_drawn`'s graph
-    and the tries run in `verify_and_accept`'s, with the uniforms drawn before each, the eager proposer's
-    numbers; every step of a ragged batch goes through the recorded graphs on the whole tree (the eager
-    steps cut it near the end), the eager proposer draws nothing, and the tokens are the eager ones, draw
-    for draw."""
+    """Rejection sampling of candidates drawn from q, compiled: the heads draw the first tree in
+    `draft_drawn`'s graph, and every step after it tries them and draws the next tree in
+    `verify_and_accept`'s, one graph a step, with the uniforms drawn before, the eager proposer's numbers
+    in the eager order; every step of a ragged batch goes through the recorded graphs on the whole tree
+    (the eager steps cut it near the end), the eager proposer draws nothing, and the tokens are the eager
+    ones, draw for draw."""
     backend, rule = GraphReplay(), RULES["rejection"]
     model, heads, steps, caches = warmed_up(6, backend=backend, kind=kind, rows=2, rules=(rule,))
-    graphs, calls, drawn_eagerly, drawn_depths = len(backend.graphs), [], [], set()
+    graphs, calls, drawn_eagerly, drawn_depths = len(backend.graphs), [], [], []
     proposer_type = type(heads.proposer(model, TREE))
     propose = proposer_type.propose
     monkeypatch.setattr(proposer_type, "propose", lambda *a, **kw: (p := propose(*a, **kw), drawn_eagerly.append(
         p.draft is not None))[0])
     counted = dataclasses.replace(steps, verify_and_accept=lambda *a, **kw: calls.append(1) or
                                   steps.verify_and_accept(*a, **kw),
-                                  draft_drawn=lambda *a, **kw: drawn_depths.add(kw["tree"].depth) or
+                                  draft_drawn=lambda *a, **kw: drawn_depths.append(kw["tree"].depth) or
                                   steps.draft_drawn(*a, **kw))
 
     def run(**kw):
@@ -167,7 +168,7 @@ def test_a_compiled_step_draws_and_tries_candidates_in_its_graphs_with_the_eager
                                      sampling=rule, generator=torch.Generator().manual_seed(4), **kw)
 
     compiled = run(steps=counted, cache=caches)
-    assert not any(drawn_eagerly) and drawn_depths == {TREE.depth}  # never a cut tree
+    assert not any(drawn_eagerly) and drawn_depths == [TREE.depth]  # the first tree; the graph draws the rest
     eager = run()
     assert [out for out, _ in compiled] == [out for out, _ in eager] and sum(drawn_eagerly) > 1
     assert len(calls) == max(st.steps for _, st in compiled)
