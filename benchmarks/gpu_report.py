@@ -216,7 +216,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         a.step_flags, a.train_flags, a.decode_flags = map(shlex.split, (a.step_flags, a.train_flags, a.decode_flags))  # unclosed quotes
         for name, flags in (("--step-flags", a.step_flags), ("--train-flags", a.train_flags),
                             ("--decode-flags", a.decode_flags)):
-            taken = [f for f in flags if f.split("=")[0] in RESERVED[name]]
+            # argparse takes an unambiguous prefix of a flag as the flag: --dev is --device
+            taken = [f for f in flags if f.startswith("--") and len(f.split("=")[0]) > 2
+                     and any(r.startswith(f.split("=")[0]) for r in RESERVED[name])]
             if taken:
                 raise ValueError(f"{name}: the report sets {taken[0].split('=')[0]} itself; "
                                  f"leave out {', '.join(RESERVED[name])}")

@@ -141,7 +141,8 @@ def load(ns: argparse.Namespace) -> tuple[Checkpoint, torch.Tensor, torch.Tensor
         raise ValueError("heads_accuracy.json: no head's top guess was ever right, so every tree is the root "
                          "alone; train the heads, then measure again")
     drawn = load_accuracy(ns.ckpt, drawn=True)
-    tables = [acc] + ([drawn] if drawn is not None and "rejection-sampled" in ns.rules else [])
+    tables = [drawn if rule == "rejection-sampled" and drawn is not None else acc  # the rules' own trees
+              for rule in ns.rules if not rule.startswith("lookup")] or [acc]
     ranks = max(build_tree(t, n)[0].truncated(ck.heads.num_heads).max_rank + 1 for t in tables for n in ns.budgets)
     small = [M for M in ns.draft_vocab if 0 < M < ranks]  # 0: the whole vocabulary
     if small and any(not r.startswith("lookup") for r in ns.rules):  # a rank-r node needs a head's top r + 1

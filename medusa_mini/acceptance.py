@@ -202,7 +202,8 @@ def accept_on_device(tree: TreeTensors, tokens: torch.Tensor, logits: torch.Tens
 def accept_paths(proposal: Proposal, logits: torch.Tensor, *, sampling: Sampling,
                  generator: torch.Generator | None, usable: torch.Tensor | None = None) -> Accepted:
     """The acceptance rule `sampling` names, for B rows: logits [B, N, V] at every node of the proposal,
-    the uniforms drawn from `generator`."""
+    the uniforms drawn from `generator` for the proposal's own tree (`step.medusa_step` draws them for the
+    proposer's whole tree, of which a cut one takes the first)."""
     B, N = proposal.tokens.shape
     u = acceptance_uniforms(sampling, B, N, generator, device=logits.device)
     return accept_on_device(proposal.tree.tensors(logits.device), proposal.tokens, logits, sampling=sampling, u=u,

@@ -220,8 +220,9 @@ def medusa_generate_batch(
     while rows.active:
         if stopped:  # a stopped row accepts nothing more and its cache length stays put
             stop_at[stopped] = 0
-        # Near a row's end, deeper nodes could not be used: proposers draft no deeper than some row can use
-        # (prompt lookup's chain, rounded up, may; stop_at masks those nodes).
+        # Near a row's end, deeper nodes could not be used: eager steps draft no deeper than some row can
+        # use, static ones the whole tree (prompt lookup's chain, rounded up, may go deeper too); stop_at
+        # masks those nodes.
         max_depth = max(deepest_usable_depth(rows.stop_at[b], lengths[b]) for b in rows.active)
         step = medusa_step(model, cache, proposer, roots, hidden, history=rows.history(), sampling=sampling,
                            generator=generator, stop_at=stop_at, max_depth=max_depth, steps=steps,

@@ -150,7 +150,8 @@ class DraftHeads(nn.Module):
     def draft_drawing(self, model: nn.Module, roots: torch.Tensor, hidden: torch.Tensor, tree: TreeTensors, *,
                       temperature: float, u: torch.Tensor) -> tuple[torch.Tensor, Draft]:
         """The proposer's drawn tree (the uniforms u [B, Q, V] drawn before, `HeadsProposer.draw_uniforms`) as
-        one pure function, so a compiled step drafts drawn candidates in a graph (`step.draft_drawn`)."""
+        one pure function, so a compiled step drafts drawn candidates in a graph (`step.draft_drawn` for a
+        generation's first tree, `step.verify_and_accept` for the next ones)."""
         return self.proposer_class.fill_tree(tree, roots, hidden, self.heads_of(model), draft_ids=self.draft_ids,
                                              vocab_size=self.config.vocab_size, temperature=temperature, u=u)
 

@@ -219,10 +219,11 @@ def medusa_step(
         u = u[:, : proposal.tree.num_nodes].clone(memory_format=torch.contiguous_format)
     if steps.verify_and_accept is not None:
         # The heads draft the next tree in the same graph, unless this tree is cut short (the end is near).
-        # Drawn candidates only in a static step, whose next tree is never cut: an eager one cut next
-        # would draw its own uniforms, and the ones drawn here would be spent.
+        # Drawn candidates only in a static step, whose next tree is never cut (an eager one cut next
+        # would draw its own uniforms, and the ones drawn here would be spent), and not for a root alone.
         draws = sampling.draws_candidates
-        heads = proposer.heads if proposal.tree is proposer.tree and (steps.static or not draws) else None
+        drawing = steps.static and proposal.tree.depth > 0
+        heads = proposer.heads if proposal.tree is proposer.tree and (drawing or not draws) else None
         u_next = proposer.draw_uniforms(len(roots), generator, device=roots.device) if heads is not None and draws else None
         accepted, next_hidden, next_tokens, next_draft = steps.verify_and_accept(
             model, cache, proposal.tokens, tree=t, usable=usable, sampling=sampling, u=u, draft=draft,

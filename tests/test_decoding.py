@@ -12,7 +12,7 @@ from medusa_mini.decoding import generate, generate_batch, medusa_generate, medu
 from medusa_mini.model import GPT, GPTConfig, KVCache
 from medusa_mini.proposal import PromptLookup
 from medusa_mini.sampling import Sampling
-from medusa_mini.step import Steps, plain_step, verify, verify_and_accept
+from medusa_mini.step import Steps, draft_drawn, plain_step, verify, verify_and_accept
 from medusa_mini.tree import Tree, chain, preset
 
 TREES = {
@@ -216,3 +216,18 @@ def test_static_steps_make_the_tokens_of_eager_ones(rule):
             run(steps=eager, generator=torch.Generator().manual_seed(4))
     assert set(slots_read) == {None}  # every static step read the whole cache
     assert set(verified) == {tree.num_nodes} and min(eager_nodes) < tree.num_nodes  # eager ones cut the tree
+
+
+@pytest.mark.parametrize("kind", ["medusa", "hydra"])
+def test_a_static_step_on_the_root_alone_draws_nothing_ahead(kind):
+    """A tree of the root alone verifies one token, a plain step: a static step of drawn candidates then
+    drafts no next tree in its graph (there is none to draw), and decodes as the eager loop does."""
+    model = tiny_model(15)
+    heads, root_only = random_heads(model, seed=15, kind=kind), Tree.from_choices([])
+    static = Steps(verify_and_accept=verify_and_accept, draft_drawn=draft_drawn, static=True)
+
+    def run(steps):
+        return medusa_generate_batch(model, heads, PROMPTS, tree=root_only, max_new_tokens=8, sampling=RULES["rejection"],
+                                     generator=torch.Generator().manual_seed(2), steps=steps)
+
+    assert run(static) == run(Steps())

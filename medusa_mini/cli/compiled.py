@@ -51,13 +51,14 @@ class StaticCaches:
 def warm_up(model: GPT, steps: step.Steps, caches: StaticCaches, *, rows: int, plain: bool,
             proposers: list[tuple[Proposer, Sampling]] = ()) -> float:
     """Run every shape decoding `rows` rows can meet: the plain step (if `plain`), and every tree a static
-    step of each proposer verifies (`Proposer.trees`: the heads' whole tree, prompt lookup's chains) under its rule through `steps.verify_and_accept` (the
-    full tree with the proposer's heads, which draft the next one's top-k in the graph) and, for candidates
-    drawn from the heads' q, `steps.draft_drawn`: only the graphs the run uses. Three calls each: under
-    CUDA graphs the first runs eagerly, the second records, the third replays. Returns the seconds."""
+    step of each proposer verifies (`Proposer.trees`: the heads' whole tree, prompt lookup's chains) under
+    its rule through `steps.verify_and_accept` (the whole tree with the proposer's heads, which draft the
+    next one in the graph, top-k or drawn) and, for a first tree drawn from the heads' q, `steps.draft_drawn`:
+    only the graphs the run uses. Three calls each: under CUDA graphs the first runs eagerly, the second
+    records, the third replays. Returns the seconds."""
     device, block = model.device, model.config.block_size
     # (slots, tree, heads, rule, proposer): the proposer only where candidates are drawn (it makes the draft)
-    shapes = {(p.tree.num_nodes, t, p.heads if t == p.tree else None, s,
+    shapes = {(p.tree.num_nodes, t, p.heads if t == p.tree and (t.depth or not s.draws_candidates) else None, s,
                p if s.draws_candidates and isinstance(p, HeadsProposer) else None)
               for p, s in proposers for t in p.trees()}
     config = torch._dynamo.config  # each shape is one more specialisation of its function
@@ -74,7 +75,7 @@ def warm_up(model: GPT, steps: step.Steps, caches: StaticCaches, *, rows: int, p
             tokens = torch.zeros(rows, t.num_nodes, dtype=torch.long, device=device)
             start = torch.zeros(rows, dtype=torch.long, device=device)
             usable = step.usable_nodes(t, start, torch.full_like(start, block))  # [rows, N]
-            u = acceptance_uniforms(sampling, rows, t.num_nodes, None, device=device)
+            u = acceptance_uniforms(sampling, rows, t.num_nodes, torch.Generator(device), device=device)  # not the run's
             hidden = torch.zeros(rows, model.config.n_embd, device=device, dtype=model.lm_head.weight.dtype)
             draft = None
             if drawing is not None and steps.draft_drawn is not None and drawing.heads is not None and t.depth:
@@ -88,7 +89,8 @@ def warm_up(model: GPT, steps: step.Steps, caches: StaticCaches, *, rows: int, p
                 draft = drawing.propose(start, hidden, max_depth=t.depth, sampling=sampling,
                                         generator=torch.Generator(device)).draft
             # the next tree's uniforms, where the graph draws it (`step.medusa_step`)
-            u_next = drawing.draw_uniforms(rows, None, device=device) if heads is not None and drawing else None
+            u_next = drawing.draw_uniforms(rows, torch.Generator(device), device=device) \
+                if heads is not None and drawing else None
             for _ in range(3):
                 cache.lengths = 0
                 steps.verify_and_accept(model, cache, tokens, tree=tensors, usable=usable, sampling=sampling, u=u,

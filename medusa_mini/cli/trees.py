@@ -67,11 +67,12 @@ def resolve_tree(spec: str | None, *, ckpt_dir: str, device: torch.device | str,
         if acc is None:  # measured before drawn candidates had a table of their own: greedy's stands in
             acc = load_accuracy(ckpt_dir)
         tree = build_tree(acc, budget, min_gain=min_gain)[0].truncated(num_heads)
-    elif spec.lstrip().startswith("["):  # choices inline
+    elif spec.lstrip().startswith(("[", "{")):  # choices inline
         try:
-            choices = json.loads(spec)
+            obj = json.loads(spec)
         except json.JSONDecodeError as e:
             raise ValueError(f"--tree {spec}: not JSON ({e.msg}); write choices as '[[0], [1], [0, 0]]'") from None
+        choices = obj.get("choices") if isinstance(obj, dict) else obj
         tree, spec = tree_from_choices(choices, num_heads=num_heads, where=f"--tree {spec}"), "inline"
     elif spec.endswith(".json") or os.path.sep in spec:
         path = next((p for p in (spec, os.path.join(ckpt_dir, spec)) if os.path.isfile(p)), None)

@@ -134,6 +134,7 @@ def test_a_failed_part_is_one_line_in_the_report_and_exits_1(tmp_path, capsys, m
     (["--decode-flags=--dtype=float32"], "--decode-flags: the report sets --dtype itself"),
     (["--step-flags", "--configs tiny"], "--step-flags: the report sets --configs itself"),
     (["--train-flags", "--out x"], "--train-flags: the report sets --out itself"),
+    (["--decode-flags", "--dev cpu"], "--decode-flags: the report sets --dev itself"),  # argparse's prefix
 ])
 def test_bad_flags_exit_2_with_one_line_before_any_part_runs(tmp_path, capsys, monkeypatch, argv, needle):
     faked(monkeypatch, lambda argv: pytest.fail(f"ran {argv} despite a bad flag"))

@@ -67,8 +67,7 @@ def test_a_json_file_of_choices_is_a_tree(tmp_path, monkeypatch, content):
     assert resolve(str(tmp_path / "mine.json"), tmp_path / "elsewhere") == (want, "mine.json", 3)
     monkeypatch.chdir(tmp_path.parent)  # a relative name: the working directory, then the checkpoint
     assert resolve("mine.json", tmp_path) == (want, "mine.json", 3)
-    assert resolve(json.dumps(content.get("choices", content) if isinstance(content, dict) else content),
-                   tmp_path) == (want, "inline", 3)
+    assert resolve(json.dumps(content), tmp_path) == (want, "inline", 3)
 
 
 @pytest.mark.parametrize("spec, content, message", [
