@@ -17,8 +17,8 @@ acceptance rule stays what it is (rejection sampling's residual carries the toke
 
 Each kind carries what differs, so no caller asks which kind it holds: its teacher-forced logits
 (`forward`, for training and measuring), its logits for decoding (`heads_of`), its proposer's class (whose
-`fill_tree` fills a tree; `proposer`, `draft_greedily` and `draft_drawing`, the same tree as one function
-a compiled step captures, all call it) and its `description`.
+`fill_tree` fills a tree; `proposer` and `draft`, the same tree as one function a compiled step
+captures, both call it) and its `description`.
 
 Shapes: K heads, C n_embd, V vocabulary, M draft vocabulary, `...` any leading dims.
 """
@@ -138,20 +138,13 @@ class DraftHeads(nn.Module):
         return self.proposer_class(tree, self.heads_of(model), draft_ids=self.draft_ids,
                                    vocab_size=self.config.vocab_size, num_heads=self.num_heads, heads=self)
 
-    def draft_greedily(self, model: nn.Module, roots: torch.Tensor, hidden: torch.Tensor, tree: TreeTensors
-                       ) -> torch.Tensor:
-        """The proposer's top-k tree, roots [B], hidden [B, C] -> tokens [B, N], as one pure function, so
-        a compiled step with top-k candidates drafts the next tree in its own graph (`step.verify_and_accept`).
-        It makes `heads_of` at every call (the proposer, once): in a graph a copy of a few MB, cheaper than
-        the eager heads' launches it replaces."""
-        return self.proposer_class.fill_tree(tree, roots, hidden, self.heads_of(model), draft_ids=self.draft_ids,
-                                             vocab_size=self.config.vocab_size)[0]
-
-    def draft_drawing(self, model: nn.Module, roots: torch.Tensor, hidden: torch.Tensor, tree: TreeTensors, *,
-                      temperature: float, u: torch.Tensor) -> tuple[torch.Tensor, Draft]:
-        """The proposer's drawn tree (the uniforms u [B, Q, V] drawn before, `HeadsProposer.draw_uniforms`) as
-        one pure function, so a compiled step drafts drawn candidates in a graph (`step.draft_drawn` for a
-        generation's first tree, `step.verify_and_accept` for the next ones)."""
+    def draft(self, model: nn.Module, roots: torch.Tensor, hidden: torch.Tensor, tree: TreeTensors, *,
+              temperature: float = 0.0, u: torch.Tensor | None = None) -> tuple[torch.Tensor, Draft | None]:
+        """The proposer's tree, roots [B], hidden [B, C] -> tokens [B, N] and their draft, as one pure function,
+        so a compiled step drafts in a graph (`step.verify_and_accept`, `step.draft_drawn`): the top-k (u
+        None, no draft), or draws from q at `temperature` with the uniforms u [B, Q, V] drawn before
+        (`HeadsProposer.draw_uniforms`). It makes `heads_of` at every call (the proposer, once): in a graph
+        a copy of a few MB, cheaper than the eager heads' launches it replaces."""
         return self.proposer_class.fill_tree(tree, roots, hidden, self.heads_of(model), draft_ids=self.draft_ids,
                                              vocab_size=self.config.vocab_size, temperature=temperature, u=u)
 

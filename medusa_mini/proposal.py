@@ -72,7 +72,7 @@ class Proposer(Protocol):
     row's tokens so far (prompt and output, ending with the root). Siblings hold distinct tokens."""
 
     tree: Tree  # the full tree; a proposal may hold a smaller one, its first nodes (a cut, a shorter chain)
-    heads: object  # the draft heads, whose `draft_greedily` and `draft_drawing` fill trees in compiled steps; or None
+    heads: object  # the draft heads, whose `draft` fills trees in compiled steps; or None
 
     def trees(self) -> list[Tree]:
         """Every tree a static step's proposal holds: the shapes a compiled loop meets, each one graph."""
@@ -94,9 +94,9 @@ class Drafter(Protocol):
 
 class HeadsProposer:
     """A fixed tree, the heads' logits (a function, see each kind) over their draft vocabulary draft_ids [M].
-    `heads`: the module itself, whose `draft_greedily` and `draft_drawing` compiled steps run in their graphs
-    (None: the proposer alone drafts). Each kind fills the tree with its own `fill_tree`, which those two
-    call too: one function per kind makes every tree, eager or compiled."""
+    `heads`: the module itself, whose `draft` compiled steps run in their graphs (None: the proposer alone
+    drafts). Each kind fills the tree with its own `fill_tree`, which `draft` calls too: one function per
+    kind makes every tree, eager or compiled."""
 
     fill_tree: Callable  # (tree, roots, hidden, head_logits, *, draft_ids, vocab_size, temperature, u) -> tokens, draft
 
@@ -143,8 +143,15 @@ class HeadsProposer:
 
     def cut(self, u: torch.Tensor, tree: Tree) -> torch.Tensor:
         """The uniforms [B, Q', V] of `tree`, this proposer's tree cut to a depth, from the whole tree's u [B, Q, V]:
-        its q come first (depths, or nodes, in order). A fresh tensor: a compiled step is specialised on strides."""
-        return u[:, : self.q_rows(tree)].clone(memory_format=torch.contiguous_format)
+        its q come first (depths, or nodes, in order)."""
+        return first(u, self.q_rows(tree))
+
+
+def first(u: torch.Tensor, n: int) -> torch.Tensor:
+    """The first n of the uniforms u [B, Q, ...] drawn for a whole tree, those of the tree cut from it (its
+    nodes, or its q, come first): u itself when nothing is cut, else a fresh contiguous tensor, as a compiled
+    step is specialised on its inputs' strides, a slice's even where a dim is 1."""
+    return u if n == u.shape[1] else u[:, :n].clone(memory_format=torch.contiguous_format)
 
 
 def top_k(logits: torch.Tensor, draft_ids: torch.Tensor, k: int) -> torch.Tensor:

@@ -24,7 +24,7 @@ import torch
 
 from .acceptance import Accepted, accept_on_device, acceptance_uniforms, check_uniforms
 from .model import GPT, KVCache, compact_kv_cache
-from .proposal import Draft, Proposal, Proposer
+from .proposal import Draft, Proposal, Proposer, first
 from .sampling import Sampling
 from .tree import Tree, TreeTensors
 
@@ -56,6 +56,16 @@ def deepest_usable_depth(stop_at: int | torch.Tensor, start: int | torch.Tensor)
     tokens, and the row stops when prompt and output reach stop_at tokens: its cache holds start of them,
     the root one more. Ints or [B] tensors alike."""
     return stop_at - 2 - start
+
+
+def heads_in_graph(proposer: Proposer, tree: Tree, sampling: Sampling, *, static: bool) -> DraftHeads | None:
+    """The heads a `verify_and_accept` on `tree` drafts the next tree with, or None: not on a tree cut short
+    (the next is another); drawn candidates only in a static step, whose next tree is never cut (an eager
+    one cut next would draw its own uniforms, spending those drawn for the graph), and not after the root
+    alone, which has no tree to draw."""
+    if tree is not proposer.tree or (sampling.draws_candidates and not (static and tree.depth)):
+        return None
+    return proposer.heads
 
 
 def usable_nodes(tree: Tree, start: torch.Tensor, stop_at: torch.Tensor) -> torch.Tensor:
@@ -90,9 +100,9 @@ def verify_and_accept(model: GPT, cache: KVCache, tokens: torch.Tensor, *, tree:
     the acceptance (`accept_on_device`: any rule, its uniforms u drawn before, as a graph holds no
     generator; draft: drawn candidates' q), `finish_step`; with `heads`, also the next step's candidates
     [B, N] on the same tree, from the bonus tokens and the hidden states `finish_step` returns: the heads'
-    top-k (`draft_greedily`), or, given the next step's uniforms u_next [B, Q, V], their draws and the
-    draft they came from (`draft_drawing`), which the heads would otherwise compute in a few dozen
-    launches of their own. Returns (accepted, next hidden [B, C], next tokens or None, next draft or None)."""
+    top-k, or, given the next step's uniforms u_next [B, Q, V], their draws and the draft they came from
+    (`heads.draft`), which the heads would otherwise compute in a few dozen launches of their own.
+    Returns (accepted, next hidden [B, C], next tokens or None, next draft or None)."""
     check_uniforms(sampling, u)  # before the verify writes the cache
     start = cache.lengths  # [B]
     logits, hiddens = verify(model, cache, tokens, depths=tree.depths, ancestor_mask=tree.ancestor_mask,
@@ -101,10 +111,8 @@ def verify_and_accept(model: GPT, cache: KVCache, tokens: torch.Tensor, *, tree:
     hidden = finish_step(cache, accepted, hiddens, start=start, active=usable[:, 0])  # [B, C]
     if heads is None:
         return accepted, hidden, None, None
-    if u_next is None:
-        return accepted, hidden, heads.draft_greedily(model, accepted.bonus, hidden, tree), None
-    return accepted, hidden, *heads.draft_drawing(model, accepted.bonus, hidden, tree,
-                                                  temperature=sampling.temperature, u=u_next)
+    return accepted, hidden, *heads.draft(model, accepted.bonus, hidden, tree, temperature=sampling.temperature,
+                                          u=u_next)
 
 
 def draft_drawn(model: GPT, heads: DraftHeads, roots: torch.Tensor, hidden: torch.Tensor, *, tree: TreeTensors,
@@ -112,7 +120,7 @@ def draft_drawn(model: GPT, heads: DraftHeads, roots: torch.Tensor, hidden: torc
     """The heads' drawn candidates on `tree` from roots [B] and hidden [B, C], the Gumbel noise's uniforms u
     [B, Q, V] drawn before (`HeadsProposer.draw_uniforms`), as one function a compiler captures whole:
     tokens [B, N] and their draft, what the eager proposer makes from the same uniforms."""
-    return heads.draft_drawing(model, roots, hidden, tree, temperature=temperature, u=u)
+    return heads.draft(model, roots, hidden, tree, temperature=temperature, u=u)
 
 
 @dataclass(frozen=True)
@@ -215,16 +223,11 @@ def medusa_step(
     next_proposal, draft = None, proposal.draft
     u = acceptance_uniforms(sampling, len(roots), proposer.tree.num_nodes, generator, device=roots.device)
     if u is not None and u.dim() == 2:  # one per node of the whole tree: a cut tree's nodes come first
-        # A fresh tensor: a compiled step is specialised on its inputs' strides, a slice's even where a dim is 1.
-        u = u[:, : proposal.tree.num_nodes].clone(memory_format=torch.contiguous_format)
+        u = first(u, proposal.tree.num_nodes)
     if steps.verify_and_accept is not None:
-        # The heads draft the next tree in the same graph, unless this tree is cut short (the end is near).
-        # Drawn candidates only in a static step, whose next tree is never cut (an eager one cut next
-        # would draw its own uniforms, and the ones drawn here would be spent), and not for a root alone.
-        draws = sampling.draws_candidates
-        drawing = steps.static and proposal.tree.depth > 0
-        heads = proposer.heads if proposal.tree is proposer.tree and (drawing or not draws) else None
-        u_next = proposer.draw_uniforms(len(roots), generator, device=roots.device) if heads is not None and draws else None
+        heads = heads_in_graph(proposer, proposal.tree, sampling, static=steps.static)
+        draws_next = heads is not None and sampling.draws_candidates
+        u_next = proposer.draw_uniforms(len(roots), generator, device=roots.device) if draws_next else None
         accepted, next_hidden, next_tokens, next_draft = steps.verify_and_accept(
             model, cache, proposal.tokens, tree=t, usable=usable, sampling=sampling, u=u, draft=draft,
             attended=attended, heads=heads, u_next=u_next)

@@ -152,7 +152,7 @@ def test_sampled_drafts_draw_each_nodes_children_from_its_own_q(kind):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_the_compiled_steps_drawing_function_draws_the_proposers_tree_from_the_same_numbers(kind):
-    """`draft_drawing` (what `step.draft_drawn` compiles) given the uniforms the proposer takes from the
+    """`draft` (what `step.draft_drawn` compiles) given the uniforms the proposer takes from the
     generator (`draw_uniforms`, one per token of each q of the whole tree, `cut` with it) returns the
     proposer's tokens and draft, for the full tree and each cut of it, in a batch."""
     model = tiny_model(4)
@@ -164,7 +164,7 @@ def test_the_compiled_steps_drawing_function_draws_the_proposers_tree_from_the_s
         eager = proposer.propose(roots, hidden, history=[[7], [3]], max_depth=tree.depth, sampling=sampling,
                                  generator=torch.Generator().manual_seed(1))
         u = proposer.cut(proposer.draw_uniforms(2, torch.Generator().manual_seed(1), device="cpu"), tree)
-        tokens, draft = heads.draft_drawing(model, roots, hidden, tree.tensors(), temperature=0.8, u=u)
+        tokens, draft = heads.draft(model, roots, hidden, tree.tensors(), temperature=0.8, u=u)
         assert eager.tree == tree and proposer.q_rows(tree) == eager.draft.log_q.shape[1]
         assert torch.equal(tokens, eager.tokens) and torch.equal(draft.samples, eager.draft.samples)
         assert torch.equal(draft.rows, eager.draft.rows)

@@ -103,7 +103,7 @@ def test_whole_generations_run_on_the_device_when_each_host_read_is_answered(kin
 def test_the_step_compiled_steps_run_stays_on_the_device(kind, rule):
     """`verify_and_accept` and `draft_drawn`, which compiled steps run, eagerly: the drawn candidates,
     acceptance under every rule, keep_path and, for top-k candidates, the heads' next tree
-    (`draft_greedily`) under CUDA's rules, one host read per step."""
+    (`heads.draft`) under CUDA's rules, one host read per step."""
     with meta_rules(answer_reads=True) as rules:
         results = medusa_generate_batch(meta_model(), meta_drafter(kind), [[1] * 60, [4, 5, 6]], tree=TREE,
                                         max_new_tokens=6, sampling=RULES[rule], generator=GEN,

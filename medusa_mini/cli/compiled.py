@@ -58,7 +58,7 @@ def warm_up(model: GPT, steps: step.Steps, caches: StaticCaches, *, rows: int, p
     records, the third replays. Returns the seconds."""
     device, block = model.device, model.config.block_size
     # (slots, tree, heads, rule, proposer): the proposer only where candidates are drawn (it makes the draft)
-    shapes = {(p.tree.num_nodes, t, p.heads if t == p.tree and (t.depth or not s.draws_candidates) else None, s,
+    shapes = {(p.tree.num_nodes, t, step.heads_in_graph(p, t, s, static=True), s,
                p if s.draws_candidates and isinstance(p, HeadsProposer) else None)
               for p, s in proposers for t in p.trees()}
     config = torch._dynamo.config  # each shape is one more specialisation of its function
