@@ -16,7 +16,7 @@ reference, decision for decision and draw for draw.
 `usable` [B, N] marks the nodes a row may accept this step: near the end of a row's token budget or
 of the context, deeper nodes could not be used; a finished row in a batch has none, not even its root.
 
-Shapes: B rows, N nodes, V vocabulary, D tree depth.
+Shapes: B rows, N nodes, V vocabulary, D tree depth, R ranks; n inner nodes and S slots (`TreeTensors.tries`).
 """
 
 from __future__ import annotations

@@ -16,11 +16,12 @@ is most of what the heads cost; the backbone still verifies over the whole vocab
 acceptance rule stays what it is (rejection sampling's residual carries the tokens q never proposes).
 
 Each kind carries what differs, so no caller asks which kind it holds: its teacher-forced logits
-(`forward`, for training and measuring), its logits for decoding (`heads_of`), its proposer's class (whose
-`fill_tree` fills a tree; `proposer` and `draft`, the same tree as one function a compiled step
-captures, both call it) and its `description`.
+(`forward`, for training and measuring), its logits for decoding (`heads_of`), its proposer's class and
+its `description`. The proposer class's `fill_tree` is the one function that fills a tree: the eager
+proposer (`proposer`) and the compiled steps' `draft` both call it.
 
-Shapes: K heads, C n_embd, V vocabulary, M draft vocabulary, `...` any leading dims.
+Shapes: K heads, C n_embd, V vocabulary, M draft vocabulary, B rows, N tree nodes, Q the q a drawn tree
+draws from, `...` any leading dims.
 """
 
 from __future__ import annotations
@@ -129,8 +130,10 @@ class DraftHeads(nn.Module):
     proposer_class: type[HeadsProposer]  # each kind's, whose `fill_tree` makes every tree of these heads
 
     def heads_of(self, model: nn.Module) -> Callable:
-        """The heads' logits for decoding, as the kind's proposer calls them (its `head_logits`), with what
-        every call shares (the draft vocabulary's lm_head rows, ...) made once, here, and detached."""
+        """The heads' logits for decoding, the function the kind's proposer calls (its `head_logits`), with
+        what every call shares (the draft vocabulary's lm_head rows, ...) made once, here, and detached:
+        Medusa's takes (hidden [B, C], num) -> [B, num, M]; Hydra's (k, hidden [B, n, C], tokens [B, n, k])
+        -> [B, n, M]."""
         raise NotImplementedError
 
     def proposer(self, model: nn.Module, tree: Tree) -> HeadsProposer:
@@ -213,7 +216,7 @@ class HydraHeads(DraftHeads):
         C = config.n_embd
         self.blocks = nn.ModuleList([ResBlock((k + 1) * C, C) for k in range(1, config.num_heads + 1)])
 
-    def head_logits(self, k: int, hidden: torch.Tensor, tokens: torch.Tensor, model: nn.Module, *,
+    def one_head_logits(self, k: int, hidden: torch.Tensor, tokens: torch.Tensor, model: nn.Module, *,
                     weight: torch.Tensor | None = None) -> torch.Tensor:
         """Head k (1-based): hidden [..., C], tokens [..., >= k] (x_{t+1}, ...) -> logits [..., M]."""
         embeds = model.transformer.wte(tokens[..., :k]).flatten(-2)  # [..., k C]
@@ -228,7 +231,7 @@ class HydraHeads(DraftHeads):
             raise ValueError("hydra heads read the tokens drafted before their target: pass following= "
                              "(heads.next_tokens), or decode through heads.proposer")
         weight = self.draft_weight(model)
-        logits = [self.head_logits(k, hidden, following, model, weight=weight)
+        logits = [self.one_head_logits(k, hidden, following, model, weight=weight)
                   for k in range(1, (self.num_heads if num is None else num) + 1)]
         return torch.stack(logits) if logits else F.linear(hidden[None][:0], weight)  # [K', ..., M] (K' may be 0)
 
@@ -236,4 +239,4 @@ class HydraHeads(DraftHeads):
         """head_logits(k, hidden [B, n, C], tokens [B, n, k]) -> [B, n, M], head k's logits for decoding: the
         draft vocabulary's lm_head rows gathered once, detached."""
         weight = self.draft_weight(model).detach()
-        return lambda k, hidden, tokens: self.head_logits(k, hidden, tokens, model, weight=weight)
+        return lambda k, hidden, tokens: self.one_head_logits(k, hidden, tokens, model, weight=weight)

@@ -5,7 +5,8 @@ prefix) and Medusa's tree verification (cache, explicit tree mask, position ids 
 Module names follow GPT-2 checkpoints (`transformer.wte`, `transformer.h.{i}.attn.c_attn`, ...), so the
 tiny model and GPT-2 are one class and loading weights is one loop.
 
-Shapes: B batch, T new tokens, L cached tokens, C n_embd, nh heads, hs head size, V vocabulary.
+Shapes: B batch, T new tokens, S cache slots attended (`attended`, default all max_len), C n_embd, nh
+heads, hs head size, V vocabulary.
 """
 
 from __future__ import annotations
@@ -217,7 +218,8 @@ class GPT(nn.Module):
         logits_at: torch.Tensor | slice | None = None,
         attended: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """T new tokens per row, idx [B, T] -> (logits [B, T', V], hidden after ln_f [B, T, C]).
+        """T new tokens per row, idx [B, T] -> (logits [B, T', V], hidden after ln_f [B, T, C]); T' is T, or 1 for
+        a [B] logits_at, or the slice's length.
 
         pos: [T] or [B, T] position ids (default: each row's cache length + 0..T-1). cache: written at
         each row's next T slots (under torch.no_grad()). attn_mask: [T, T] or [B, T, T] bool among the new
@@ -244,7 +246,7 @@ class GPT(nn.Module):
         if attn_mask is not None:
             # SDPA would turn a boolean mask into an additive one in every layer; do it once here.
             additive = torch.zeros(attn_mask.shape, dtype=self.transformer.wte.weight.dtype, device=idx.device)
-            attn_mask = additive.masked_fill_(~attn_mask, float("-inf")).unsqueeze(-3)  # [B, 1, T, S]: every head
+            attn_mask = additive.masked_fill_(~attn_mask, float("-inf")).unsqueeze(-3)  # [B or 1, 1, T, S]: every head
         x = self.transformer.wte(idx) + self.transformer.wpe(pos)  # [B, T, C]
         for i, block in enumerate(self.transformer.h):
             layer_kv = (cache.k[i], cache.v[i]) if cache is not None else None

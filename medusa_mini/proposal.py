@@ -12,7 +12,8 @@ step (step.py) treats them alike:
   occurrence in the row's own text (prompt lookup decoding), a chain of point masses.
 
 Heads make their proposer (`heads.proposer(model, tree)`), and so does `PromptLookup`: a decoding loop
-takes any such *drafter*. Shapes: B rows, N nodes, D depth, R ranks, V vocabulary, M draft vocabulary.
+takes any such *drafter*. Shapes: B rows, N nodes, D depth, R ranks, V vocabulary, M draft vocabulary, C
+n_embd, Q the q a drawn tree draws from (one per depth for Medusa heads, one per inner node for Hydra's).
 """
 
 from __future__ import annotations
@@ -34,28 +35,29 @@ if TYPE_CHECKING:  # heads.py imports this module: the name is for the type hint
 class Draft:
     """Sampled candidates: the q each node's children were drawn from, and the draws in order.
 
-    log_q: [B, Q, V], one row per q; samples: [B, Q, R] distinct tokens drawn from it. rows: [N] long on
-    the device, the row node i's children were drawn from (-1 for a leaf): the depth for Medusa heads,
-    whose q depends only on it; the node itself for dependent heads, whose q depends on the path.
+    log_q: [B, Q, V], one q per index of its Q axis; samples: [B, Q, R] distinct tokens drawn from each.
+    q_index: [N] long on the device, which q node i's children were drawn from (-1 for a leaf): its depth
+    for Medusa heads, whose q depends only on it; the node itself for dependent heads, whose q depends on
+    the path.
     """
 
     log_q: torch.Tensor
     samples: torch.Tensor
-    rows: torch.Tensor
+    q_index: torch.Tensor
 
     def at(self, nodes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """What each of nodes [n] drew its children from, in every row: log q [B, n, V] and the draws [B, n, R]."""
-        which = self.rows.clamp(min=0)[nodes]  # [n]; a leaf's row is never asked for
+        which = self.q_index.clamp(min=0)[nodes]  # [n]; a leaf's is never asked for
         return self.log_q[:, which], self.samples[:, which]
 
     def clone(self) -> "Draft":
         """A copy in new tensors (a CUDA graph's outputs do not outlive its next replay)."""
-        return Draft(log_q=self.log_q.clone(), samples=self.samples.clone(), rows=self.rows.clone())
+        return Draft(log_q=self.log_q.clone(), samples=self.samples.clone(), q_index=self.q_index.clone())
 
     def per_node(self, b: int) -> list[tuple[torch.Tensor, list[int]] | None]:
         """Row b as the reference's walk takes it: per node, (log q [V], draws) of its children, or None."""
         samples = self.samples[b].tolist()  # [Q][R]
-        return [(self.log_q[b, r], samples[r]) if r >= 0 else None for r in self.rows.tolist()]
+        return [(self.log_q[b, q], samples[q]) if q >= 0 else None for q in self.q_index.tolist()]
 
 
 @dataclass(frozen=True)
@@ -93,8 +95,8 @@ class Drafter(Protocol):
 
 
 class HeadsProposer:
-    """A fixed tree, the heads' logits (a function, see each kind) over their draft vocabulary draft_ids [M].
-    `heads`: the module itself, whose `draft` compiled steps run in their graphs (None: the proposer alone
+    """Proposes from draft heads on a fixed tree, through its kind's `fill_tree`: head_logits is the kind's
+    logits function (`DraftHeads.heads_of`) over the draft vocabulary draft_ids [M]. `heads`: the module itself, whose `draft` compiled steps run in their graphs (None: the proposer alone
     drafts). Each kind fills the tree with its own `fill_tree`, which `draft` calls too: one function per
     kind makes every tree, eager or compiled."""
 
@@ -129,7 +131,7 @@ class HeadsProposer:
         return Proposal(tokens, tree, draft)
 
     @staticmethod
-    def q_rows(tree: Tree) -> int:
+    def q_count(tree: Tree) -> int:
         """Q, how many q a drawn proposal on `tree` draws from (each kind says)."""
         raise NotImplementedError
 
@@ -139,15 +141,15 @@ class HeadsProposer:
         tree (Q: one q per depth for Medusa heads, per node above the deepest depth for dependent heads),
         whatever the step's cut: a cut tree takes the first of them (`cut`), so where a generation cuts its
         tree changes no draw, and a static step, which never cuts it, draws what an eager one does."""
-        return torch.rand((rows, self.q_rows(self.tree), self.vocab_size), generator=generator, device=device)
+        return torch.rand((rows, self.q_count(self.tree), self.vocab_size), generator=generator, device=device)
 
     def cut(self, u: torch.Tensor, tree: Tree) -> torch.Tensor:
         """The uniforms [B, Q', V] of `tree`, this proposer's tree cut to a depth, from the whole tree's u [B, Q, V]:
         its q come first (depths, or nodes, in order)."""
-        return first(u, self.q_rows(tree))
+        return cut_uniforms(u, self.q_count(tree))
 
 
-def first(u: torch.Tensor, n: int) -> torch.Tensor:
+def cut_uniforms(u: torch.Tensor, n: int) -> torch.Tensor:
     """The first n of the uniforms u [B, Q, ...] drawn for a whole tree, those of the tree cut from it (its
     nodes, or its q, come first): u itself when nothing is cut, else a fresh contiguous tensor, as a compiled
     step is specialised on its inputs' strides, a slice's even where a dim is 1."""
@@ -177,6 +179,7 @@ def fill_depth_by_depth(tree: TreeTensors, roots: torch.Tensor, hidden: torch.Te
         lo, hi, kids = first[d - 1], first[d], slice(first[d], first[d + 1])
         paths = tokens[:, tree.node_paths[lo:hi, :d]]  # [B, n, d]: the root, then the drafted path
         picks = pick(head_logits(d, hidden[:, None].expand(B, hi - lo, C), paths))  # [B, n, R]
+        # [B, n_d]: each node of depth d takes its parent's pick (parents counted from lo) at its rank
         tokens[:, kids] = picks[:, tree.parents[kids] - lo, tree.ranks[kids]]
     return tokens
 
@@ -188,8 +191,8 @@ def draw_tree(tree: TreeTensors, roots: torch.Tensor, logits: torch.Tensor, *, d
     Returns tokens [B, N] (roots [B] at node 0) and the draft the tries need."""
     log_q = draft_log_probs(logits, draft_ids, temperature=temperature, vocab_size=vocab_size)  # [B, D, V]
     samples = gumbel_top_k(log_q, tree.num_ranks, u)  # [B, D, R]
-    rows = torch.where(tree.inner, tree.depths, -1)  # [N] node i's children were drawn from head depth(i) + 1
-    return fill(tree, roots, samples), Draft(log_q=log_q, samples=samples, rows=rows)
+    q_index = torch.where(tree.inner, tree.depths, -1)  # [N] node i's children were drawn from head depth(i) + 1
+    return fill(tree, roots, samples), Draft(log_q=log_q, samples=samples, q_index=q_index)
 
 
 def draw_depth_by_depth(tree: TreeTensors, roots: torch.Tensor, hidden: torch.Tensor, head_logits: Callable, *,
@@ -207,8 +210,8 @@ def draw_depth_by_depth(tree: TreeTensors, roots: torch.Tensor, hidden: torch.Te
         return samples[-1]
 
     tokens = fill_depth_by_depth(tree, roots, hidden, head_logits, draw_children)
-    rows = torch.where(tree.inner, torch.arange(len(tree.inner), device=tree.inner.device), -1)  # [N] row i: node i's
-    return tokens, Draft(log_q=torch.cat(log_qs, 1), samples=torch.cat(samples, 1), rows=rows)
+    q_index = torch.where(tree.inner, torch.arange(len(tree.inner), device=tree.inner.device), -1)  # [N] q i: node i's
+    return tokens, Draft(log_q=torch.cat(log_qs, 1), samples=torch.cat(samples, 1), q_index=q_index)
 
 
 def medusa_tree(tree: TreeTensors, roots: torch.Tensor, hidden: torch.Tensor, head_logits: Callable, *,
@@ -246,7 +249,7 @@ class MedusaProposer(HeadsProposer):
     fill_tree = staticmethod(medusa_tree)
 
     @staticmethod
-    def q_rows(tree: Tree) -> int:
+    def q_count(tree: Tree) -> int:
         return tree.depth  # one q per head
 
 
@@ -261,7 +264,7 @@ class HydraProposer(HeadsProposer):
     fill_tree = staticmethod(hydra_tree)
 
     @staticmethod
-    def q_rows(tree: Tree) -> int:
+    def q_count(tree: Tree) -> int:
         return tree.first[tree.depth]  # the nodes above the deepest depth
 
 

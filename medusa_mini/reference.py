@@ -102,7 +102,8 @@ def propose(head_logits: torch.Tensor, draft_ids: torch.Tensor, tree: Tree, root
             sampling: Sampling, generator: torch.Generator | None) -> tuple[list[int], list | None]:
     """Fill the tree (§2.1.1-2.1.2): the node of choice (r1, ..., rd) holds head d's rank-rd guess.
 
-    head_logits: [K, M] over the draft vocabulary draft_ids [M]. Greedy and typical acceptance take each
+    head_logits: [D', M] over the draft vocabulary draft_ids [M], one row per head of the whole tree, of which
+    the first D = tree.depth are this (maybe cut) tree's. Greedy and typical acceptance take each
     head's top-k; rejection sampling with sampled drafts draws the candidates from each head's q instead,
     and returns, per node, the q [V] its children were drawn from with the draws in order (the
     acceptance walk needs both).
@@ -113,7 +114,7 @@ def propose(head_logits: torch.Tensor, draft_ids: torch.Tensor, tree: Tree, root
         return [root] + [guesses[len(c) - 1][c[-1]] for c in tree.choices], None
     # Every head given draws, the tree's first D used: a tree cut near the end draws what the whole one does.
     log_q = draft_log_probs(head_logits, draft_ids, temperature=sampling.temperature, vocab_size=vocab_size)
-    guesses = draw_without_replacement(log_q, R, generator).tolist()  # [K][R]
+    guesses = draw_without_replacement(log_q, R, generator).tolist()  # [D'][R]
     drafts = [(log_q[d], guesses[d]) if d < D else None for d in tree.depths]  # a node's children's q
     return [root] + [guesses[len(c) - 1][c[-1]] for c in tree.choices], drafts
 
@@ -245,7 +246,7 @@ def medusa_generate(model: GPT, heads: MedusaHeads, prompt: list[int], *, tree: 
     out, steps = [root], 0
     while L + 1 < stop_at and eos_id not in out:  # L + 1 = the prompt and every emitted token
         t = tree.truncated(stop_at - 2 - L)  # a node at depth d emits d + 1 tokens
-        head_logits = heads(hidden[None], model, num=tree.depth)[:, 0]  # [K, M]: guesses 2, 3, ... places ahead
+        head_logits = heads(hidden[None], model, num=tree.depth)[:, 0]  # [D', M], the whole tree's heads: 2, 3, ... ahead
         tokens, drafts = propose(head_logits, heads.draft_ids, t, root, vocab_size=model.config.vocab_size,
                                  sampling=sampling, generator=generator)
         mask = torch.cat([torch.ones(t.num_nodes, L, dtype=torch.bool), tree_attention_mask(t.parents)], 1)

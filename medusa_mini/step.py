@@ -7,12 +7,13 @@ every row at once, with uniform numbers drawn before it; `keep_path` compacts ea
 waits for the host until the end, where `read_step` reads the emitted tokens of every row at once: one
 host sync per step.
 
-Plain decoding repeats `plain_step`; Medusa repeats `verify` (or `verify_and_accept`: the verify and
-all that follows it, up to the heads' next tree, top-k or, in a static step, drawn), and, for a first
-tree of candidates drawn from the heads' q, `draft_drawn`; `Steps` names what a loop runs, eager by
-default or compiled (cli/compiled.py), as gpt-fast compiles its `decode_one_token`.
+Plain decoding repeats `plain_step`. Medusa, eager: `verify`, then `acceptance.accept_on_device`, then
+`finish_step`. Compiled: `verify_and_accept` is all of that as one graph, which also drafts the next tree
+with the heads (top-k, or drawn in a static step); `draft_drawn` drafts only a generation's first drawn
+tree. `Steps` names what a loop runs, eager by default or compiled (cli/compiled.py), as gpt-fast
+compiles its `decode_one_token`.
 
-Shapes: B rows, N tree nodes, D tree depth, V vocabulary, C n_embd.
+Shapes: B rows, N tree nodes, D tree depth, V vocabulary, C n_embd, Q the q a drawn tree draws from.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch
 
 from .acceptance import Accepted, accept_on_device, acceptance_uniforms, check_uniforms
 from .model import GPT, KVCache, compact_kv_cache
-from .proposal import Draft, Proposal, Proposer, first
+from .proposal import Draft, Proposal, Proposer, cut_uniforms
 from .sampling import Sampling
 from .tree import Tree, TreeTensors
 
@@ -76,7 +77,7 @@ def usable_nodes(tree: Tree, start: torch.Tensor, stop_at: torch.Tensor) -> torc
 
 def keep_path(cache: KVCache, accepted: Accepted, *, start: torch.Tensor, active: torch.Tensor) -> None:
     """Keep the K/V of each row's root and accepted nodes in consecutive slots from start [B], the root's
-    slot. Always D + 1 slots move per row (a fixed shape; a top-ranked chain simply moves onto itself);
+    slot. Always D + 1 slots move per row (a fixed shape; a chain tree's accepted path moves onto itself);
     the length counts only the accepted ones, and stays put for a row that is not `active` [B]."""
     count = torch.where(active, accepted.count + 1, 0)
     compact_kv_cache(cache, start[:, None] + accepted.nodes, start=start, count=count)
@@ -140,6 +141,8 @@ class Steps:
     static: bool = False
 
     def attended(self, slots: int) -> int | None:
+        """The cache slots a forward reads: eager, only `slots`, those in use; static, None (all max_len), so
+        every step has one shape."""
         return None if self.static else slots
 
 
@@ -163,6 +166,7 @@ def read_step(proposal: Proposal, accepted: Accepted) -> tuple[list[list[int]], 
     D1 = accepted.nodes.shape[1]
     read = torch.cat([accepted.nodes, proposal.tokens.gather(1, accepted.nodes), accepted.bonus[:, None],
                       accepted.count[:, None]], dim=1).tolist()  # [B][2 (D + 1) + 2]
+    # row = [nodes (D + 1) | their tokens (D + 1) | bonus | count]; the tokens emitted skip the root's
     paths = [row[: row[-1] + 1] for row in read]
     return paths, [row[D1 + 1 : D1 + 1 + row[-1]] + [row[-2]] for row in read]
 
@@ -223,7 +227,7 @@ def medusa_step(
     next_proposal, draft = None, proposal.draft
     u = acceptance_uniforms(sampling, len(roots), proposer.tree.num_nodes, generator, device=roots.device)
     if u is not None and u.dim() == 2:  # one per node of the whole tree: a cut tree's nodes come first
-        u = first(u, proposal.tree.num_nodes)
+        u = cut_uniforms(u, proposal.tree.num_nodes)
     if steps.verify_and_accept is not None:
         heads = heads_in_graph(proposer, proposal.tree, sampling, static=steps.static)
         draws_next = heads is not None and sampling.draws_candidates

@@ -1,8 +1,8 @@
 """Candidate trees and tree attention (paper §2.1.2, Fig. 2).
 
 A tree is built from *choices*: each choice is a path of top-k ranks, e.g. (0,) = head 1's top-1
-guess, (0, 2) = its child filled with head 2's top-3 guess. Node 0 is the root: the last committed
-token, which the verify pass feeds together with every candidate. A node at depth d is filled by head d
+guess, (0, 2) = its child filled with head 2's third-best guess (rank 2). Node 0 is the root: the last
+committed token, which the verify pass feeds together with every candidate. A node at depth d is filled by head d
 with rank `choice[-1]`, so all nodes at one depth draw from the same head's guesses.
 
 A Tree is a value (frozen, compared and hashed by its choices): its host lists are computed when it is
@@ -163,9 +163,11 @@ class TreeTensors:
     inner: torch.Tensor  # [N] bool: the node has children
     node_paths: torch.Tensor  # [N, D + 1] long: the root-to-node path of each node, then the node repeated
     guess_index: torch.Tensor  # [N] long: where each node's token sits in [root, head 1's R guesses, head 2's, ...]
-    tries: tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]  # (the n nodes with children, most children first,
-    # long [n]; their children in rank order, the order they are tried in, long [n, S], -1 past a node's last;
-    # per slot s < S, how many nodes have a child in it: the first ones)
+    # Rejection sampling tries slot s of every node with children at once (`acceptance.rejection_accept_drawn`):
+    # (inner: the n nodes with children, most children first, long [n]; kids: their children in rank order,
+    # the order they are tried in, long [n, S], S the most children of any node, -1 past a node's last;
+    # sizes: per slot s < S, how many nodes have a child in it, always the first ones, so a slice)
+    tries: tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]
     first: tuple[int, ...]  # `Tree.first`: nodes of depth d are first[d] .. first[d + 1] - 1
     num_ranks: int  # R, the ranks any node uses (`Tree.max_rank` + 1)
     depth: int  # D, `Tree.depth`
@@ -179,7 +181,7 @@ def tree_tensors(tree: Tree, device: str) -> TreeTensors:
     N, D = tree.num_nodes, tree.depth
     paths = torch.tensor([p + [i] * (D + 1 - len(p)) for i, p in enumerate(map(tree.path, range(N)))])  # [N, D + 1]
     mask = torch.zeros(N, N, dtype=torch.bool)
-    mask[torch.arange(N)[:, None], paths] = True
+    mask[torch.arange(N)[:, None], paths] = True  # rows [N, 1] x paths [N, D + 1]: a repeated node marks itself again
     as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
     R = tree.max_rank + 1
     guess = [0] + [1 + (d - 1) * R + r for d, r in zip(tree.depths[1:], tree.ranks[1:])]

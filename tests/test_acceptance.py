@@ -88,7 +88,7 @@ def test_nodes_a_row_cannot_use_are_never_accepted(rule):
     if rule.endswith("drawn candidates"):  # node i's child was drawn from q = a point mass on token i + 1
         samples = torch.tensor([[[1], [2], [3]]] * 3)  # [B, depth, 1 draw]
         log_q = torch.full((3, 3, 4), float("-inf")).scatter_(2, samples, 0.0)
-        draft = Draft(log_q=log_q, samples=samples, rows=torch.tensor([0, 1, 2, -1]))
+        draft = Draft(log_q=log_q, samples=samples, q_index=torch.tensor([0, 1, 2, -1]))
     got = accept_paths(Proposal(tokens, tree, draft), logits, sampling=sampling,
                        generator=torch.Generator().manual_seed(0), usable=usable)
     assert got.count.tolist()[:2] == [3, 1]
@@ -168,14 +168,14 @@ def test_drawn_rejection_on_the_device_makes_the_reference_walks_decisions_in_ev
         tokens = torch.zeros(B, N, dtype=torch.long)
         for c in range(1, N):  # child c holds the draw of its rank from its parent's q
             tokens[:, c] = samples[:, row[tree.parents[c]], tree.ranks[c]]
-        rows = torch.tensor([row[n] if tree.children[n] else -1 for n in range(N)])
+        q_index = torch.tensor([row[n] if tree.children[n] else -1 for n in range(N)])
         cut = tree.truncated(room)
         u = torch.rand(B, N, generator=gen)
         u[:, : cut.num_nodes] = torch.stack([torch.rand(cut.num_nodes, generator=torch.Generator().manual_seed(b))
                                              for b in range(B)])
         usable = tree.tensors().depths[None].expand(B, N) <= room
         got = accept_on_device(tree.tensors(), tokens, logits, sampling=sampling, u=u, usable=usable,
-                               draft=Draft(log_q=log_q, samples=samples, rows=rows))
+                               draft=Draft(log_q=log_q, samples=samples, q_index=q_index))
         for b in range(B):
             drafts = [(log_q[b, row[n]], samples[b, row[n]].tolist()) if cut.children[n] else None
                       for n in range(cut.num_nodes)]

@@ -243,8 +243,8 @@ def another_rows_q(draft, nodes, at=Draft.at):
 
 def a_siblings_q(draft, nodes, at=Draft.at):
     """`Draft.at` with each inner node's children (DEEP_TREE's depth 1) tried against the next one's q."""
-    inner = [i for i, row in enumerate(draft.rows.tolist()) if row >= 0 and i > 0]
-    sibling = list(range(len(draft.rows)))
+    inner = [i for i, q in enumerate(draft.q_index.tolist()) if q >= 0 and i > 0]
+    sibling = list(range(len(draft.q_index)))
     for i, j in zip(inner, inner[1:] + inner[:1]):
         sibling[i] = j
     return at(draft, torch.tensor(sibling)[nodes])[0], at(draft, nodes)[1]

@@ -165,9 +165,9 @@ def test_the_compiled_steps_drawing_function_draws_the_proposers_tree_from_the_s
                                  generator=torch.Generator().manual_seed(1))
         u = proposer.cut(proposer.draw_uniforms(2, torch.Generator().manual_seed(1), device="cpu"), tree)
         tokens, draft = heads.draft(model, roots, hidden, tree.tensors(), temperature=0.8, u=u)
-        assert eager.tree == tree and proposer.q_rows(tree) == eager.draft.log_q.shape[1]
+        assert eager.tree == tree and proposer.q_count(tree) == eager.draft.log_q.shape[1]
         assert torch.equal(tokens, eager.tokens) and torch.equal(draft.samples, eager.draft.samples)
-        assert torch.equal(draft.rows, eager.draft.rows)
+        assert torch.equal(draft.q_index, eager.draft.q_index)
         torch.testing.assert_close(draft.log_q, eager.draft.log_q)
 
 
