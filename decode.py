@@ -183,7 +183,8 @@ def compiled(engine: Engine, methods: list[Method], a: argparse.Namespace, promp
 
     n = max(max(a.batch_sizes), prompts) if a.batch_table else prompts  # the batch table cycles the prompts
     rows = {r for B in a.batch_sizes for r in (min(B, n), n % B)} - {0}  # B at a time: the last batch is smaller
-    seconds = sum(warm_up(model, engine.steps, engine.caches, rows=b, plain=any(m.drafter is None for m in methods),
+    plain = {m.sampling for m in methods if m.drafter is None}  # plain decoding's rules: greedy, sampling
+    seconds = sum(warm_up(model, engine.steps, engine.caches, rows=b, plain=plain,
                           proposers=proposers) for b in rows)
     print(f"compiled the plain step and the verify steps in {seconds:.1f} s (not in any timing)", file=sys.stderr)
     return seconds

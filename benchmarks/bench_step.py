@@ -171,8 +171,8 @@ def bench_config(config: GPTConfig, *, device: torch.device, repeat: int, warmup
             cache.lengths = prefix_len  # later slots are stale and get overwritten, as in decoding
 
     def plain() -> int:
-        out, _ = steps.plain(model, caches[0], root[:, None], attended=steps.attended(prefix_len + 1))  # [1, 1, V]
-        return int(out[0, -1].argmax())
+        token, _, _ = steps.plain(model, caches[0], root[:, None], attended=steps.attended(prefix_len + 1))  # [1]
+        return int(token[0])  # the greedy token, chosen in the step
 
     calls: dict[str, Callable[[], object]] = {"plain": plain}
     for n in nodes:

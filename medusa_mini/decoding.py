@@ -168,8 +168,9 @@ def generate_batch(
 ) -> list[tuple[list[int], GenerationStats]]:
     """Plain autoregressive decoding of B prompts with the KV cache: one forward pass per token per row.
 
-    Each token is `sampling.next_token`: the argmax at temperature 0, else a draw from p (temperature,
-    top-p); the acceptance settings play no part here. One host read per step. `cache`: one to reuse
+    Each token is `sampling.next_token`'s: the argmax at temperature 0, else a draw from p (temperature,
+    top-p), chosen inside the step (`plain_step`) from uniforms drawn before it; the acceptance settings
+    play no part here. One host read per step. `cache`: one to reuse
     (see `reuse_cache`), B rows of block_size slots; by default a new one. `steps`: compiled ones, or eager.
     """
     rows = Generations(model, prompts, max_new_tokens=max_new_tokens, eos_id=eos_id, on_step=on_step)
@@ -185,10 +186,11 @@ def generate_batch(
             stop_at[stopped] = 0
         start = cache.lengths  # [B]
         longest += 1
-        logits, _ = steps.plain(model, cache, tok[:, None], attended=steps.attended(longest))  # [B, 1, V]
+        u = sampling.uniforms((B,), generator, device=device)  # what next_token would draw, drawn before the step
+        tok, _, _ = steps.plain(model, cache, tok[:, None], sampling=sampling, u=u, attended=steps.attended(longest))
+        tok = tok.clone()  # [B]: a compiled step's output, which its next replay overwrites
         if len(rows.active) < B:
             cache.lengths = torch.where(start + 1 < stop_at, start + 1, start)
-        tok = sampling.next_token(logits[:, -1], generator)  # [B]
         stopped = rows.emit([[t] for t in tok.tolist()], step=True)  # the step's one host read
     return rows.results()
 

@@ -75,7 +75,18 @@ class Sampling:
     def next_token(self, logits: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
         """The backbone's own next token from logits [..., V], as long [...] on their device:
         argmax when greedy, else a draw from p."""
-        return logits.float().argmax(dim=-1) if self.greedy else draw(self.probs(logits), generator)
+        return self.choose(logits, self.uniforms(logits.shape[:-1], generator, device=logits.device))
+
+    def uniforms(self, shape: tuple[int, ...], generator: torch.Generator | None, *,
+                 device: torch.device | str) -> torch.Tensor | None:
+        """What choosing tokens of `shape` draws: None when greedy, else one uniform each, drawn before a
+        compiled step that chooses them (a captured graph holds no generator)."""
+        return None if self.greedy else torch.rand(shape, generator=generator, device=device)
+
+    def choose(self, logits: torch.Tensor, u: torch.Tensor | None) -> torch.Tensor:
+        """`next_token` from uniforms u [...] drawn before (`uniforms`): argmax when greedy, else the draw u
+        makes from p (`inverse_cdf`), as `draw` makes it."""
+        return logits.float().argmax(dim=-1) if self.greedy else inverse_cdf(self.probs(logits), u)
 
 
 def scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:

@@ -33,10 +33,15 @@ if TYPE_CHECKING:
     from .heads import DraftHeads
 
 
-def plain_step(model: GPT, cache: KVCache, tokens: torch.Tensor, *,
-               attended: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token per row, tokens [B, 1], through the cache: logits [B, 1, V], hidden [B, 1, C]."""
-    return model(tokens, cache=cache, attended=attended)
+def plain_step(model: GPT, cache: KVCache, tokens: torch.Tensor, *, sampling: Sampling = Sampling(),
+               u: torch.Tensor | None = None, attended: int | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One token per row, tokens [B, 1], through the cache, and the next token chosen in the same call:
+    (next tokens [B], logits [B, 1, V], hidden [B, 1, C]). A compiled plain step so chooses its token
+    inside its graph, as Medusa's `verify_and_accept` accepts inside its own: the baseline pays for no
+    launch that Medusa's step does not. u: [B] from `Sampling.uniforms`, None when greedy."""
+    logits, hidden = model(tokens, cache=cache, attended=attended)
+    return sampling.choose(logits[:, -1], u), logits, hidden
 
 
 def verify(model: GPT, cache: KVCache, tokens: torch.Tensor, *, depths: torch.Tensor, ancestor_mask: torch.Tensor,

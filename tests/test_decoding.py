@@ -43,6 +43,33 @@ def test_plain_sampling_emits_exactly_the_backbones_distribution():
     assert failures(rows, exact_sequence_probs(model, [1, 2], 3, temperature=0.8)) == []
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+@torch.no_grad()
+def test_a_plain_step_chooses_its_own_next_token_so_the_baseline_pays_no_launch_medusa_does_not(
+        temperature, monkeypatch):
+    """Medusa's compiled step accepts inside its graph; the plain step must choose its token inside its own,
+    not in eager operations after it: the loop calls `Sampling.next_token` only for the prefill's token,
+    and emits the tokens the steps chose, the draws `next_token` makes from the same generator on the
+    logits of whole-sequence forwards without a cache."""
+    model, sampling = tiny_model(4), Sampling(temperature=temperature)
+    ids, gen = [3, 1, 4], torch.Generator().manual_seed(2)
+    for _ in range(6):
+        ids.append(int(sampling.next_token(model(torch.tensor([ids]))[0][0, -1], gen)))
+    expected = ids[3:]
+    after_the_loop, chosen = [], []
+    real_next_token = Sampling.next_token
+    monkeypatch.setattr(Sampling, "next_token", lambda *a: after_the_loop.append(1) or real_next_token(*a))
+
+    def step(*args, **kwargs):
+        token, logits, hidden = plain_step(*args, **kwargs)
+        chosen.append(int(token[0]))
+        return token, logits, hidden
+
+    got = generate(model, [3, 1, 4], max_new_tokens=6, sampling=sampling, steps=Steps(plain=step),
+                   generator=torch.Generator().manual_seed(2))[0]
+    assert got == expected and got[1:] == chosen and len(after_the_loop) == 1
+
+
 @pytest.mark.parametrize("rule", ["typical", "rejection"])
 def test_sampled_generation_stops_cleanly_at_the_context_limit(rule):
     """(Greedy rows meeting the context are held to plain greedy's tokens in the batch test below.)"""

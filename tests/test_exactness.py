@@ -498,7 +498,7 @@ def verify_error(model, prompt: list[int], tree: Tree) -> float:
                       dtype=model.lm_head.weight.dtype) for _ in range(2)]
     root = prefill(model, torch.tensor([prompt]), caches[0])[0].argmax(dim=-1, keepdim=True)  # [1, 1]
     prefill(model, torch.tensor([prompt]), caches[1])
-    plain, _ = plain_step(model, caches[0], root)  # [1, 1, V]
+    _, plain, _ = plain_step(model, caches[0], root)  # [1, 1, V]
     others = torch.randint(0, model.config.vocab_size, (1, tree.num_nodes - 1),
                            generator=torch.Generator().manual_seed(0))
     tree_logits, _ = verify(model, caches[1], torch.cat([root, others], dim=1), depths=t.depths,

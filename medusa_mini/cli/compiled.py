@@ -9,7 +9,7 @@ and `warm_up` records every shape before anything is timed."""
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 
@@ -48,9 +48,10 @@ class StaticCaches:
 
 
 @torch.no_grad()
-def warm_up(model: GPT, steps: step.Steps, caches: StaticCaches, *, rows: int, plain: bool,
+def warm_up(model: GPT, steps: step.Steps, caches: StaticCaches, *, rows: int, plain: Iterable[Sampling] = (),
             proposers: list[tuple[Proposer, Sampling]] = ()) -> float:
-    """Run every shape decoding `rows` rows can meet: the plain step (if `plain`), and every tree a static
+    """Run every shape decoding `rows` rows can meet: the plain step under each rule of `plain` (it chooses
+    its token in its graph, greedy or drawn), and every tree a static
     step of each proposer verifies (`Proposer.trees`: the heads' whole tree, prompt lookup's chains) under
     its rule through `steps.verify_and_accept` (the whole tree with the proposer's heads, which draft the
     next one in the graph, top-k or drawn) and, for a first tree drawn from the heads' q, `steps.draft_drawn`:
@@ -61,15 +62,18 @@ def warm_up(model: GPT, steps: step.Steps, caches: StaticCaches, *, rows: int, p
     shapes = {(p.tree.num_nodes, t, step.heads_in_graph(p, t, s, static=True), s,
                p if s.draws_candidates and isinstance(p, HeadsProposer) else None)
               for p, s in proposers for t in p.trees()}
+    plain = set(plain)
     config = torch._dynamo.config  # each shape is one more specialisation of its function
-    config.recompile_limit += len(shapes) + 1
-    config.accumulated_recompile_limit += len(shapes) + 1
+    config.recompile_limit += len(shapes) + len(plain)
+    config.accumulated_recompile_limit += len(shapes) + len(plain)
 
     def every_shape() -> None:
-        for _ in range(3 * plain):
-            cache = caches(rows, block)
-            cache.lengths = 0
-            steps.plain(model, cache, torch.zeros(rows, 1, dtype=torch.long, device=device))
+        for sampling in plain:
+            for _ in range(3):
+                cache = caches(rows, block)
+                cache.lengths = 0
+                u = sampling.uniforms((rows,), torch.Generator(device), device=device)  # not the run's
+                steps.plain(model, cache, torch.zeros(rows, 1, dtype=torch.long, device=device), sampling=sampling, u=u)
         for nodes, t, heads, sampling, drawing in shapes:
             cache, tensors = caches(rows, block + nodes), t.tensors(device)
             tokens = torch.zeros(rows, t.num_nodes, dtype=torch.long, device=device)

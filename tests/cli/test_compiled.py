@@ -72,7 +72,7 @@ def warmed_up(seed: int, *, backend=None, kind: str = "medusa", rows: int = 1, r
     model, steps = tiny_model(seed), compile_steps("cpu", backend=backend or GraphReplay())
     heads = random_heads(model, seed=seed, kind=kind)
     proposer = heads.proposer(model, TREE)
-    warm_up(model, steps, caches := StaticCaches(model), rows=rows, plain=True,
+    warm_up(model, steps, caches := StaticCaches(model), rows=rows, plain=[RULES["greedy"]],
             proposers=[(proposer, rule) for rule in rules])
     return model, heads, steps, caches
 
@@ -92,10 +92,12 @@ def test_the_warm_up_runs_every_shape_three_times_so_cuda_graphs_record_and_repl
     steps = Steps(plain=counting("plain", Steps.plain), verify=counting("verify", Steps.verify),
                   verify_and_accept=counting("accept", verify_and_accept), draft_drawn=drawing, static=True)
     proposer = random_heads(model, seed=0).proposer(model, TREE)
-    warm_up(model, steps, StaticCaches(model), rows=2, plain=True, proposers=[(proposer, r) for r in EVERY_RULE])
-    shapes = list(dict.fromkeys(calls))  # the plain step, one verify_and_accept per rule, one drawing graph
+    warm_up(model, steps, StaticCaches(model), rows=2, plain=[RULES["greedy"], RULES["rejection"]],
+            proposers=[(proposer, r) for r in EVERY_RULE])
+    # the plain step per rule (it chooses its token in its graph), one verify_and_accept per rule, one drawing graph
+    shapes = list(dict.fromkeys(calls))
     assert proposer.trees() == [TREE]  # a static step never cuts the tree: one graph serves every step
-    assert len(shapes) == 1 + 3 + 1 and all(calls.count(s) == 3 for s in shapes)
+    assert len(shapes) == 2 + 3 + 1 and all(calls.count(s) == 3 for s in shapes)
     assert {name for name, *_ in calls} == {"plain", "accept", "draw"}  # no rule verifies on its own
 
 
@@ -103,7 +105,7 @@ def test_the_warm_up_runs_every_shape_three_times_so_cuda_graphs_record_and_repl
 def test_graph_replay_poisons_a_steps_outputs_when_a_step_runs_again():
     """What catches a decoding loop that reads a step's logits or hidden state after the next step."""
     model, _, steps, caches = warmed_up(7)  # the verify compiles at its first call
-    logits, hidden = steps.plain(model, caches(1, model.config.block_size), torch.tensor([[3]]))
+    _, logits, hidden = steps.plain(model, caches(1, model.config.block_size), torch.tensor([[3]]))
     t = TREE.tensors("cpu")
     steps.verify(model, caches(1, model.config.block_size + TREE.num_nodes), torch.zeros(1, TREE.num_nodes,
                  dtype=torch.long), depths=t.depths, ancestor_mask=t.ancestor_mask)
