@@ -217,7 +217,7 @@ class HydraHeads(DraftHeads):
         self.blocks = nn.ModuleList([ResBlock((k + 1) * C, C) for k in range(1, config.num_heads + 1)])
 
     def one_head_logits(self, k: int, hidden: torch.Tensor, tokens: torch.Tensor, model: nn.Module, *,
-                    weight: torch.Tensor | None = None) -> torch.Tensor:
+                        weight: torch.Tensor | None = None) -> torch.Tensor:
         """Head k (1-based): hidden [..., C], tokens [..., >= k] (x_{t+1}, ...) -> logits [..., M]."""
         embeds = model.transformer.wte(tokens[..., :k]).flatten(-2)  # [..., k C]
         z = self.blocks[k - 1](hidden, torch.cat([hidden, embeds], dim=-1))  # [..., C]

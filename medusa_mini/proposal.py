@@ -95,10 +95,11 @@ class Drafter(Protocol):
 
 
 class HeadsProposer:
-    """Proposes from draft heads on a fixed tree, through its kind's `fill_tree`: head_logits is the kind's
-    logits function (`DraftHeads.heads_of`) over the draft vocabulary draft_ids [M]. `heads`: the module itself, whose `draft` compiled steps run in their graphs (None: the proposer alone
-    drafts). Each kind fills the tree with its own `fill_tree`, which `draft` calls too: one function per
-    kind makes every tree, eager or compiled."""
+    """Proposes from draft heads on a fixed tree: head_logits is the kind's logits function
+    (`DraftHeads.heads_of`) over the draft vocabulary draft_ids [M]; `heads`, the module itself, whose
+    `draft` compiled steps run in their graphs (None: the proposer alone drafts). Each kind fills the tree
+    with its own `fill_tree`, which `draft` calls too: one function per kind makes every tree, eager or
+    compiled."""
 
     fill_tree: Callable  # (tree, roots, hidden, head_logits, *, draft_ids, vocab_size, temperature, u) -> tokens, draft
 

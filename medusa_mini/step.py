@@ -40,6 +40,8 @@ def plain_step(model: GPT, cache: KVCache, tokens: torch.Tensor, *, sampling: Sa
     (next tokens [B], logits [B, 1, V], hidden [B, 1, C]). A compiled plain step so chooses its token
     inside its graph, as Medusa's `verify_and_accept` accepts inside its own: the baseline pays for no
     launch that Medusa's step does not. u: [B] from `Sampling.uniforms`, None when greedy."""
+    if not sampling.greedy and (u is None or u.shape != tokens.shape[:1]):  # before the forward writes the cache
+        raise ValueError("a sampled plain step draws from u: pass sampling.uniforms((B,), generator, device=...)")
     logits, hidden = model(tokens, cache=cache, attended=attended)
     return sampling.choose(logits[:, -1], u), logits, hidden
 
@@ -131,12 +133,12 @@ def draft_drawn(model: GPT, heads: DraftHeads, roots: torch.Tensor, hidden: torc
 
 @dataclass(frozen=True)
 class Steps:
-    """What decoding repeats, as a compiler may capture it: the two forward passes and `verify_and_accept`
-    (None: `verify`, then acceptance and `finish_step`, eagerly; on a GPU at batch 1 those stages are a
-    few dozen small kernels, or a few hundred for rejection sampling's tries, whose launches cost more
-    than their work), and `draft_drawn` for candidates drawn from the heads' q (None: the proposer draws
-    them, eagerly). Compiled ones keep static shapes (`static`): they read the whole cache and verify the
-    whole tree every step, where eager ones read only the slots in use and cut the tree near the end; a
+    """What decoding repeats, as a compiler may capture it: the plain step (its forward and the token it chooses),
+    the verify and `verify_and_accept` (None: `verify`, then acceptance and `finish_step`, eagerly; on a GPU at
+    batch 1 those stages are a few dozen small kernels, or a few hundred for rejection sampling's tries, whose
+    launches cost more than their work), and `draft_drawn` for candidates drawn from the heads' q (None: the
+    proposer draws them, eagerly). Compiled ones keep static shapes (`static`): they read the whole cache and
+    verify the whole tree every step, where eager ones read only the slots in use and cut the tree near the end; a
     static `verify_and_accept` also draws the next tree of drawn candidates, `draft_drawn` only the first."""
 
     plain: Callable = plain_step

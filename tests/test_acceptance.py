@@ -164,11 +164,11 @@ def test_drawn_rejection_on_the_device_makes_the_reference_walks_decisions_in_ev
         log_q = {"p": sampling.probs(near).log(), "near-p": torch.log_softmax(near + torch.randn(near.shape, generator=gen), -1),
                  "three-tokens": torch.log_softmax(near, -1).masked_fill(torch.arange(V) >= 3, float("-inf"))}[q_kind]
         samples = draw_without_replacement(log_q, tree.max_rank + 1, gen)  # [B, Q, R]
-        row = [n if heads == "hydra" else tree.depths[n] for n in range(N)]  # node n's q
+        q_of = [n if heads == "hydra" else tree.depths[n] for n in range(N)]  # node n's q
         tokens = torch.zeros(B, N, dtype=torch.long)
         for c in range(1, N):  # child c holds the draw of its rank from its parent's q
-            tokens[:, c] = samples[:, row[tree.parents[c]], tree.ranks[c]]
-        q_index = torch.tensor([row[n] if tree.children[n] else -1 for n in range(N)])
+            tokens[:, c] = samples[:, q_of[tree.parents[c]], tree.ranks[c]]
+        q_index = torch.tensor([q_of[n] if tree.children[n] else -1 for n in range(N)])
         cut = tree.truncated(room)
         u = torch.rand(B, N, generator=gen)
         u[:, : cut.num_nodes] = torch.stack([torch.rand(cut.num_nodes, generator=torch.Generator().manual_seed(b))
@@ -177,7 +177,7 @@ def test_drawn_rejection_on_the_device_makes_the_reference_walks_decisions_in_ev
         got = accept_on_device(tree.tensors(), tokens, logits, sampling=sampling, u=u, usable=usable,
                                draft=Draft(log_q=log_q, samples=samples, q_index=q_index))
         for b in range(B):
-            drafts = [(log_q[b, row[n]], samples[b, row[n]].tolist()) if cut.children[n] else None
+            drafts = [(log_q[b, q_of[n]], samples[b, q_of[n]].tolist()) if cut.children[n] else None
                       for n in range(cut.num_nodes)]
             want = ref.rejection_accept(cut.parents, tokens[b, : cut.num_nodes].tolist(), logits[b, : cut.num_nodes],
                                         sampling=sampling, generator=torch.Generator().manual_seed(b), drafts=drafts)

@@ -215,3 +215,20 @@ def test_verify_and_accept_refuses_a_sampled_rule_without_its_uniforms():
     assert int(cache.lengths[0]) == 0
     accepted, hidden, *_ = verify_and_accept(*args, **kw, sampling=RULES["typical"], u=torch.tensor([0.5]))
     assert hidden.shape == (1, model.config.n_embd) and int(cache.lengths[0]) == int(accepted.count[0]) + 1
+
+
+@torch.no_grad()
+def test_a_sampled_plain_step_refuses_missing_uniforms_before_writing_the_cache():
+    """The plain step chooses its token in the call, from uniforms drawn before it, as a graph holds no
+    generator; missing or of the wrong shape, they are refused before the forward writes the cache."""
+    model, sampling = tiny_model(5), Sampling(temperature=0.8)
+    cache = KVCache(model.config, batch_size=2, max_len=64)
+    tokens = torch.tensor([[3], [4]])
+    for u in (None, torch.tensor([0.5])):
+        with pytest.raises(ValueError, match="sampling.uniforms"):
+            Steps.plain(model, cache, tokens, sampling=sampling, u=u)  # the eager plain_step
+    assert cache.lengths.tolist() == [0, 0]
+    chosen, logits, _ = Steps.plain(model, cache, tokens, sampling=sampling, u=torch.tensor([0.0, 0.9999]))
+    p = sampling.probs(logits[:, -1])  # [2, V]: u near 0 draws p's first token of mass, near 1 its last
+    nonzero = [torch.nonzero(row)[:, 0] for row in p]
+    assert chosen.tolist() == [int(nonzero[0][0]), int(nonzero[1][-1])] and cache.lengths.tolist() == [1, 1]
