@@ -1,9 +1,8 @@
-"""`--compile`: the plain step (T = 1), `verify_and_accept` (the tree verify, the acceptance, keeping the
-path and the heads' next tree, top-k or drawn) and `draft_drawn` (a generation's first drawn candidates)
-compiled by name, whole
-graphs, one per shape and rule, on CUDA as CUDA graphs (mode "reduce-overhead"), which remove the kernel
-launches that dominate batch-1 decoding; the tree verify alone too, which only benchmarks/bench_step.py
-times on its own. The prefill stays eager. A CUDA graph replays on the addresses it recorded and
+"""`--compile`: the plain step (T = 1, and the token it chooses), `verify_and_accept` (the tree verify, the
+acceptance, keeping the path and the heads' next tree, top-k or drawn) and `draft_drawn` (a generation's
+first drawn candidates) compiled by name, whole graphs, one per shape and rule, on CUDA as CUDA graphs
+(mode "reduce-overhead"), which remove the kernel launches that dominate batch-1 decoding; the tree verify
+alone too, which only benchmarks/bench_step.py times on its own. The prefill stays eager. A CUDA graph replays on the addresses it recorded and
 overwrites its outputs at its next replay: `StaticCaches` keeps one KV cache per shape, marked static,
 and `warm_up` records every shape before anything is timed."""
 
@@ -51,11 +50,11 @@ class StaticCaches:
 def warm_up(model: GPT, steps: step.Steps, caches: StaticCaches, *, rows: int, plain: Iterable[Sampling] = (),
             proposers: list[tuple[Proposer, Sampling]] = ()) -> float:
     """Run every shape decoding `rows` rows can meet: the plain step under each rule of `plain` (it chooses
-    its token in its graph, greedy or drawn), and every tree a static
-    step of each proposer verifies (`Proposer.trees`: the heads' whole tree, prompt lookup's chains) under
-    its rule through `steps.verify_and_accept` (the whole tree with the proposer's heads, which draft the
-    next one in the graph, top-k or drawn) and, for a first tree drawn from the heads' q, `steps.draft_drawn`:
-    only the graphs the run uses. Three calls each: under CUDA graphs the first runs eagerly, the second
+    its token in its graph, greedy or drawn), and every tree a static step of each proposer verifies
+    (`Proposer.trees`: the heads' whole tree, prompt lookup's chains) under its rule through
+    `steps.verify_and_accept` (the whole tree with the proposer's heads, which draft the next one in the
+    graph, top-k or drawn) and, for a first tree drawn from the heads' q, `steps.draft_drawn`: only the
+    graphs the run uses. Three calls each: under CUDA graphs the first runs eagerly, the second
     records, the third replays. Returns the seconds."""
     device, block = model.device, model.config.block_size
     # (slots, tree, heads, rule, proposer): the proposer only where candidates are drawn (it makes the draft)
