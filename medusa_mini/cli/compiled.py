@@ -2,9 +2,9 @@
 acceptance, keeping the path and the heads' next tree, top-k or drawn) and `draft_drawn` (a generation's
 first drawn candidates) compiled by name, whole graphs, one per shape and rule, on CUDA as CUDA graphs
 (mode "reduce-overhead"), which remove the kernel launches that dominate batch-1 decoding; the tree verify
-alone too, which only benchmarks/bench_step.py times on its own. The prefill stays eager. A CUDA graph replays on the addresses it recorded and
-overwrites its outputs at its next replay: `StaticCaches` keeps one KV cache per shape, marked static,
-and `warm_up` records every shape before anything is timed."""
+alone too, which only benchmarks/bench_step.py times on its own. The prefill stays eager. A CUDA graph
+replays on the addresses it recorded and overwrites its outputs at its next replay: `StaticCaches` keeps
+one KV cache per shape, marked static, and `warm_up` records every shape before anything is timed."""
 
 from __future__ import annotations
 
