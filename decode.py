@@ -27,7 +27,7 @@ from medusa_mini.cli.compiled import StaticCaches, compile_steps, warm_up
 from medusa_mini.cli.explain import DEMO_NOTE, demo_checkpoint, explain_step
 from medusa_mini.cli.plots import check_plot_path, plot_batch
 from medusa_mini.cli.runs import Engine, Method, compare, compare_methods, decode_each, format_batches, format_compare
-from medusa_mini.cli.trees import TreeChoice, resolve_tree
+from medusa_mini.cli.trees import TreeChoice, draw_mask, draw_tree, resolve_tree
 from medusa_mini.decoding import GenerationStats
 from medusa_mini.io.loading import PROMPTS_FILE, load_for_decoding, load_prompts
 from medusa_mini.sampling import SAMPLING_TEMPERATURE, Sampling
@@ -143,7 +143,7 @@ def prepare(a: argparse.Namespace):
                                 ckpt_dir="" if a.demo else a.ckpt, device=device, drawn=draws)
 
         choice = tree_for(a.sampling.draws_candidates and not a.compare)
-        drawn = tree_for(True) if a.compare and a.sampling.draft == "sampled" else choice
+        drawn = tree_for(True) if a.compare and a.sampling.candidates == "drawn" else choice
     if choice is not None and (a.method != "plain" or a.compare or a.explain):
         for tree in {choice.tree, drawn.tree}:  # a tree the heads cannot fill fails here, before any output
             ck.heads.proposer(ck.model, tree)
@@ -271,7 +271,7 @@ def compare_table(engine: Engine, methods: list[Method], prompts: list[list[int]
     result = compare(engine, prompts, methods, batch_sizes=a.batch_sizes, max_new_tokens=a.max_new_tokens, seed=a.seed)
     model = engine.ck.model
     result.update(device=str(model.device), dtype=str(model.lm_head.weight.dtype).split(".")[-1],
-                  threads=torch.get_num_threads(), top_p=a.top_p, draft=a.sampling.draft, heads=engine.ck.heads.name,
+                  threads=torch.get_num_threads(), top_p=a.top_p, candidates=a.sampling.candidates, heads=engine.ck.heads.name,
                   **settings)
     if a.plot:
         plot_batch(result["rows"], a.plot, title=f"medusa_mini, {engine.ck.directory}, {result['device']}")
@@ -293,8 +293,8 @@ def run(a: argparse.Namespace) -> None:
             generator=torch.Generator(device=ck.model.device).manual_seed(a.seed)))
     else:
         if a.show and methods[0].drafter is not None:  # plain decoding verifies no tree
-            print(f"tree {tree_name}: {tree.num_nodes - 1} nodes + root, depth {tree.depth}\n{tree.draw()}\n")
-            print(f"attention mask (row attends to column):\n{tree.draw_mask()}\n")
+            print(f"tree {tree_name}: {tree.num_nodes - 1} nodes + root, depth {tree.depth}\n{draw_tree(tree)}\n")
+            print(f"attention mask (row attends to column):\n{draw_mask(tree)}\n")
         label = methods[0].label + (f", tree {tree_name}" if methods[0].drafter is not None else "")
         print_each(engine, methods[0], prompts, a, label + (f", {a.batch_size} per batch" if a.batch_size > 1 else ""))
 

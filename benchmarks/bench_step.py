@@ -20,6 +20,7 @@ import shlex
 import statistics
 import sys
 from argparse import ArgumentTypeError, Namespace
+from collections import Counter
 from functools import partial
 from typing import Callable, Iterable
 
@@ -29,15 +30,17 @@ if ROOT not in sys.path:  # run as a script from anywhere, without installing th
 
 import torch  # noqa: E402
 
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
 from medusa_mini.acceptance import Accepted, acceptance_uniforms  # noqa: E402
 from medusa_mini.cli.common import OneLineParser, in_turns, seed, timed  # noqa: E402
-from medusa_mini.cli.compiled import StaticCaches, compile_steps  # noqa: E402
+from medusa_mini.cli.compiled import StaticCaches, compile_options, compile_steps, verify_and_accept  # noqa: E402
 from medusa_mini.decoding import prefill  # noqa: E402
 from medusa_mini.heads import DraftHeads, HeadsConfig, make_heads  # noqa: E402
 from medusa_mini.io.gpt2 import GPT2_CONFIGS  # noqa: E402
 from medusa_mini.model import GPT, GPTConfig, KVCache  # noqa: E402
 from medusa_mini.sampling import SAMPLING_TEMPERATURE, Sampling  # noqa: E402
-from medusa_mini.step import EAGER, Steps, medusa_step, read_step, usable_nodes, verify_and_accept  # noqa: E402
+from medusa_mini.step import Steps, read_step, verify  # noqa: E402
 from medusa_mini.train.device import DTYPES, pick_device, pick_dtype  # noqa: E402
 from medusa_mini.tree import Tree, build_tree, preset  # noqa: E402
 
@@ -109,51 +112,108 @@ def build(config: GPTConfig, *, device: torch.device, dtype: torch.dtype, seed: 
 
 
 def tree_stages(model: GPT, cache: KVCache, heads: DraftHeads, tree: Tree, root: torch.Tensor, hidden: torch.Tensor,
-                *, history: list[list[int]], steps: Steps) -> dict[str, Callable[[], object]]:
-    """One callable per stage of a greedy `medusa_step` on `tree` (and its verify under rejection sampling of
-    drawn candidates), each stage's inputs made once, here, by
-    the stages before it (the same inputs every run, so the same path)."""
-    proposer = heads.proposer(model, tree)
-    attended = steps.attended(len(history[0]) - 1 + tree.num_nodes)  # the prefix and the nodes
-    propose = partial(proposer.propose, root, hidden, history=history, max_depth=tree.depth, sampling=Sampling(),
-                      generator=None)
-    proposal, start, t = propose(), cache.lengths, tree.tensors(root.device)  # start [1]
-    verify = partial(steps.verify, model, cache, proposal.tokens, depths=t.depths, ancestor_mask=t.ancestor_mask,
-                     attended=attended)
-    usable = usable_nodes(tree, start, torch.full_like(start, model.config.block_size))  # [1, N]
-    # Compiled, the greedy and rejection verifies (`verify_and_accept`) also draft the next tree (the heads in
-    # their graph, drawing for rejection sampling), and a decoding loop's step takes the tree the step before
-    # drafted: the whole step then has no eager heads.
-    drafts = steps.verify_and_accept is not None
-    greedy = partial(steps.verify_and_accept or verify_and_accept, model, cache, proposal.tokens, tree=t, usable=usable,
-                     attended=attended, heads=proposer.heads if drafts else None)
-    accepted = Accepted(*(x.clone() for x in greedy()[0]))  # out of a captured graph's buffers: the next
-    # call reuses them. Drawn candidates: one proposal, its draft and uniforms made once, as for greedy.
-    gen, drawn = torch.Generator(root.device).manual_seed(0), Sampling(temperature=SAMPLING_TEMPERATURE)
-    sampled = proposer.propose(root, hidden, history=history, max_depth=tree.depth, sampling=drawn, generator=gen)
-    rejection = partial(steps.verify_and_accept or verify_and_accept, model, cache, sampled.tokens, tree=t, usable=usable,
-                        attended=attended, sampling=drawn, draft=sampled.draft,
-                        u=acceptance_uniforms(drawn, *sampled.tokens.shape, gen, device=root.device),
-                        heads=proposer.heads if drafts else None,
-                        u_next=proposer.draw_uniforms(1, gen, device=root.device) if drafts else None)
-    return {"heads": propose, "verify": verify, "greedy verify": greedy, "rejection verify": rejection,
-            "host read": partial(read_step, proposal, accepted),
-            "whole step": partial(medusa_step, model, cache, proposer, root, hidden, history=history, attended=attended,
-                                  steps=steps, drafted=proposal if drafts else None)}
+                *, history: list[list[int]], steps: Steps, compiled: bool) -> dict[str, Callable[[], object]]:
+    """One callable per stage of a greedy Medusa step on `tree` (and its verify under rejection sampling of
+    drawn candidates), each stage's inputs made once, here (the same inputs every run, so the same path).
+    Compiled, the verifies are `verify_and_accept`'s graphs, which also draft the next tree, and the whole
+    step takes the tree the step before drafted: no eager heads in it."""
+    proposer, gen, device = heads.proposer(model, tree), torch.Generator(root.device).manual_seed(0), root.device
+    attended = None if compiled else len(history[0]) - 1 + tree.num_nodes  # the prefix and the nodes
+    t, stop_at = tree.tensors(device), torch.full_like(root, model.config.block_size)
+    greedy, drawn = Sampling(), Sampling(temperature=SAMPLING_TEMPERATURE)
+    propose = partial(proposer.propose, root, hidden, history=history, sampling=greedy, u=None)
+    proposal = propose()
+    sampled = proposer.propose(root, hidden, history=history, sampling=drawn,
+                               u=proposer.uniforms(drawn, 1, gen, device=device))
+    check = steps.medusa.verify_and_accept if compiled else verify_and_accept
+    greedy_verify = partial(check, model, cache, proposal.tokens, tree=t, stop_at=stop_at, sampling=greedy, u=None,
+                            attended=attended, heads=proposer.heads if compiled else None)
+    accepted = Accepted(*(x.clone() for x in greedy_verify()[0]))  # out of a graph's buffers, which the next call reuses
+    rejection_verify = partial(check, model, cache, sampled.tokens, tree=t, stop_at=stop_at, sampling=drawn,
+                               u=acceptance_uniforms(drawn, 1, tree.num_nodes, gen, device=device), drawn=sampled.drawn,
+                               attended=attended, heads=proposer.heads if compiled else None,
+                               u_next=proposer.uniforms(drawn, 1, gen, device=device) if compiled else None)
+
+    def whole_step():
+        if compiled:  # the tree the step before drafted in its graph
+            steps.medusa.ahead = (root, proposal)
+        return steps.medusa(model, cache, proposer, root, hidden, history=history, stop_at=stop_at, attended=attended)
+
+    return {"heads": propose, "verify": partial(verify, model, cache, proposal.tokens, tree=t, attended=attended),
+            "greedy verify": greedy_verify, "rejection verify": rejection_verify,
+            "host read": partial(read_step, proposal, accepted), "whole step": whole_step}
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the device operations a call dispatches, by name: every operator below Python but views (they
+    launch nothing) and reads of device values on the host (the step's one read)."""
+
+    SKIPPED = ("aten::_local_scalar_dense", "aten::lift_fresh", "aten::detach")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func._schema.name
+        to_host = name == "aten::_to_copy" and torch.device(kwargs.get("device") or args[0].device).type == "cpu"
+        if not (func.is_view or name in self.SKIPPED or to_host and args[0].device.type != "cpu"):
+            self.ops[name] += 1
+        return func(*args, **kwargs)
+
+
+def count_ops(fn: Callable[[], object]) -> Counter[str]:
+    """The device operations fn() dispatches, by name (`OpCounter`)."""
+    with OpCounter() as counter:
+        fn()
+    return counter.ops
+
+
+OP_RULES = {"greedy": Sampling(), "typical": Sampling(acceptance="typical", temperature=SAMPLING_TEMPERATURE),
+            "rejection": Sampling(temperature=SAMPLING_TEMPERATURE),
+            "rejection top-k": Sampling(temperature=SAMPLING_TEMPERATURE, candidates="topk")}
+
+
+@torch.no_grad()
+def step_ops(model: GPT, heads: DraftHeads, caches: dict[int, KVCache], trees: dict[str, Tree], root: torch.Tensor,
+             hidden: torch.Tensor, *, history: list[list[int]], reset: Callable[[], None]) -> dict[str, int]:
+    """Device operations of one eager step: the plain one (its uniform drawn, the token chosen) under greedy
+    and sampling, and Medusa's on each tree under each rule (proposal to host read); and of one heads call."""
+    gen, device, plain = torch.Generator(root.device).manual_seed(0), root.device, Sampling(temperature=SAMPLING_TEMPERATURE)
+    counts = {}
+    for name, sampling in (("plain greedy", Sampling()), ("plain sampling", plain)):
+        reset()
+        counts[name] = count_ops(lambda: Steps.plain(model, caches[0], root[:, None], sampling=sampling,
+                                                     u=sampling.uniforms((1,), gen, device=device)))
+    stop_at = torch.full_like(root, model.config.block_size)
+    for tree_name, tree in trees.items():
+        proposer = heads.proposer(model, tree)
+        counts[f"{tree_name} heads call"] = count_ops(lambda: proposer.head_logits(hidden, tree.depth))
+        for rule, sampling in OP_RULES.items():
+            step = partial(Steps.medusa, model, caches[tree.num_nodes], proposer, root, hidden, history=history,
+                           stop_at=stop_at, sampling=sampling, generator=gen, attended=len(history[0]) - 1 + tree.num_nodes)
+            step()  # the tree's index tensors are made at its first step, once
+            reset()
+            counts[f"{tree_name} {rule}"] = count_ops(step)
+    reset()
+    return {key: sum(ops.values()) for key, ops in counts.items()}
 
 
 @torch.no_grad()
 def bench_config(config: GPTConfig, *, device: torch.device, repeat: int, warmup: int = 3, prefix_len: int = 128,
                  nodes: tuple[int, ...] = NODES, seed: int = 0, dtype: torch.dtype = torch.float32,
                  draft_vocab: int | None = None, compiled: bool = False, compile_backend: str = "inductor") -> dict:
-    """Every timing of one config in one dtype, eager or with compiled steps, as plain numbers (ms)."""
+    """Every timing of one config in one dtype, eager or with compiled steps, as plain numbers (ms), and the
+    eager steps' device operations."""
     draft_vocab = check_config(config, prefix_len=prefix_len, draft_vocab=draft_vocab)
     model, heads = build(config, device=device, dtype=dtype, seed=seed, draft_vocab=draft_vocab)
     trees = {name: preset(name) for name in MEDUSA_TREES}
-    steps = EAGER
+    steps, verify_step = Steps(), verify
     if compiled:
         torch.compiler.reset()  # compiled code is kept per function, across models: start afresh
         steps = compile_steps(device, backend=compile_backend)
+        verify_step = torch.compile(verify, **compile_options(device, backend=compile_backend))
         torch._dynamo.config.recompile_limit += len(nodes) + len(trees) + 1  # one graph per shape
         warmup = max(warmup, 3) if device.type == "cuda" else warmup  # CUDA graphs: eager, record, replay
     gen = torch.Generator().manual_seed(seed)
@@ -171,17 +231,18 @@ def bench_config(config: GPTConfig, *, device: torch.device, repeat: int, warmup
             cache.lengths = prefix_len  # later slots are stale and get overwritten, as in decoding
 
     def plain() -> int:
-        token, _, _ = steps.plain(model, caches[0], root[:, None], attended=steps.attended(prefix_len + 1))  # [1]
+        token, _, _ = steps.plain(model, caches[0], root[:, None], attended=prefix_len + 1)  # [1]
         return int(token[0])  # the greedy token, chosen in the step
 
+    ops = step_ops(model, heads, caches, trees, root, hidden, history=history, reset=reset)
     calls: dict[str, Callable[[], object]] = {"plain": plain}
     for n in nodes:
         t, tokens = verify_tree(n).tensors(device), torch.randint(0, config.vocab_size, (1, n), generator=gen)
-        calls[f"verify {n}"] = partial(steps.verify, model, caches[n], tokens.to(device), depths=t.depths,
-                                       ancestor_mask=t.ancestor_mask, attended=steps.attended(prefix_len + n))
+        calls[f"verify {n}"] = partial(verify_step, model, caches[n], tokens.to(device), tree=t,
+                                       attended=None if compiled else prefix_len + n)
     reset()
     stages, setup_s = timed(device, lambda: {name: tree_stages(model, caches[tree.num_nodes], heads, tree, root, hidden,
-                                                               history=history, steps=steps)
+                                                               history=history, steps=steps, compiled=compiled)
                                              for name, tree in trees.items()})
     calls.update({f"{name} {stage}": fn for name in trees for stage, fn in stages[name].items()})
     runs = in_turns(calls, rounds=warmup + repeat, device=device, before_each=reset)
@@ -193,10 +254,13 @@ def bench_config(config: GPTConfig, *, device: torch.device, repeat: int, warmup
         medusa[name] = {"nodes": tree.num_nodes, "stages_ms": stage_ms, "heads_share": stage_ms["heads"] / ms["plain"],
                         "step_vs_plain": stage_ms["whole step"] / ms["plain"],
                         "step_vs_verify": stage_ms["whole step"] / stage_ms["verify"],
+                        "ops": {rule: ops[f"{name} {rule}"] for rule in OP_RULES},
+                        "heads_call_ops": ops[f"{name} heads call"],
                         "accepted": len(runs[f"{name} whole step"][-1][0].paths[0]) - 1}  # random weights: few
     return {"config": {k: getattr(config, k) for k in ("n_layer", "n_head", "n_embd", "vocab_size", "block_size")},
             "draft_vocab": heads.draft_ids.numel(), "prefix_len": prefix_len, "repeat": repeat, "warmup": warmup,
             "dtype": str(dtype).split(".")[-1], "compiled": compiled, "plain_ms": ms["plain"],
+            "plain_ops": {"greedy": ops["plain greedy"], "sampling": ops["plain sampling"]},
             "first_round_s": setup_s + sum(times[0][1] for times in runs.values()),
             "verify_ms": {n: ms[f"verify {n}"] for n in nodes}, "medusa": medusa}
 
@@ -206,18 +270,24 @@ def format_table(results: dict[str, dict], meta: dict) -> str:
     ran them (`meta`)."""
     names, rs, load = list(results), list(results.values()), meta["load_avg_1min"]
     rows = [("first round, s (compiling, if any)", [r["first_round_s"] for r in rs]),
-            ("plain step (1 token + argmax)", [r["plain_ms"] for r in rs])]
+            ("plain step (1 token + argmax)", [r["plain_ms"] for r in rs]),
+            ("plain step, device operations (greedy / sampling)",
+             [f"{r['plain_ops']['greedy']} / {r['plain_ops']['sampling']}" for r in rs])]
     rows += [(f"verify, N = {n}", [r["verify_ms"][n] for r in rs]) for n in rs[0]["verify_ms"]]
     for tree, info in rs[0]["medusa"].items():
         m = [r["medusa"][tree] for r in rs]
         rows += [(f"{tree} tree ({info['nodes']} nodes incl. root): {stage}", [x["stages_ms"][stage] for x in m])
                  for stage in STAGES]
+        rows += [(f"{tree} tree: {rule} step, device operations (x plain)",
+                  [f"{x['ops'][rule]} ({x['ops'][rule] / r['plain_ops']['greedy' if rule == 'greedy' else 'sampling']:.2f})"
+                   for x, r in zip(m, rs)]) for rule in OP_RULES]
         rows += [(f"{tree} tree: heads / plain step (%)", [100 * x["heads_share"] for x in m]),
                  (f"{tree} tree: whole step / plain step (x)", [x["step_vs_plain"] for x in m]),
                  (f"{tree} tree: whole step / verify alone (x)", [x["step_vs_verify"] for x in m])]
     shapes = ["{n_layer} / {n_head} / {n_embd} / {vocab_size}".format(**r["config"]) + f" / {r['draft_vocab']}"
               for r in rs]
-    rows = [("layers / heads / width / vocabulary / draft", shapes), *((k, [f"{v:.2f}" for v in vs]) for k, vs in rows)]
+    rows = [("layers / heads / width / vocabulary / draft", shapes),
+            *((k, [v if isinstance(v, str) else f"{v:.2f}" for v in vs]) for k, vs in rows)]
     width = max(len(label) for label, _ in rows) + 2
     col = max(12, *(len(n) + 2 for n in names), *(len(v) + 2 for _, values in rows for v in values))
     lines = [f"torch {meta['torch']}, {meta['device']} ({meta['device_name']}), {meta['threads']} threads, load "

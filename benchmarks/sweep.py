@@ -4,7 +4,7 @@
         [--draft-vocab 1024,4096] [--num-prompts 8] [--max-new-tokens 64] [--repeat 3] [--json] [--plot FILE.png]
 
 Budget N (root excluded) decodes with `build_tree(acc, N)`, as `decode.py --tree N` does, acc the table of
-the rule (`rejection-sampled`: the drawn candidates' own, where heads_accuracy.json has it); `lookup-greedy`
+the rule (`rejection-drawn`: the drawn candidates' own, where heads_accuracy.json has it); `lookup-greedy`
 verifies prompt lookup's chain of as many nodes. Each row against plain decoding of its rule; greedy and
 drawn rows also against the product rule's estimate, greedy rows against plain greedy's tokens.
 """
@@ -36,8 +36,8 @@ from medusa_mini.train.device import DTYPES, pick_device, pick_dtype  # noqa: E4
 from medusa_mini.tree import build_tree, expected_tokens_per_step  # noqa: E402
 
 RULES = {  # rule: how it samples at --temperature (none: greedy, at T = 0)
-    "greedy": None, "rejection-topk": dict(acceptance="rejection", draft="topk"),
-    "rejection-sampled": dict(acceptance="rejection", draft="sampled"), "typical": dict(acceptance="typical"),
+    "greedy": None, "rejection-topk": dict(acceptance="rejection", candidates="topk"),
+    "rejection-drawn": dict(acceptance="rejection", candidates="drawn"), "typical": dict(acceptance="typical"),
     "lookup-greedy": None}
 
 
@@ -46,7 +46,7 @@ def sweep(ck: Checkpoint, acc: torch.Tensor, prompts: list[list[int]], *, budget
           repeat: int, seed: int, drawn_acc: torch.Tensor | None = None) -> dict:
     """The plain decoders the rules need, then a row per rule, drafter and budget, each against the plain
     decoder of its temperature: every method on every prompt, timed in turns, end-of-text stopping nothing.
-    drawn_acc: the table of drawn candidates, which builds the trees of `rejection-sampled` (None: acc's)."""
+    drawn_acc: the table of drawn candidates, which builds the trees of `rejection-drawn` (None: acc's)."""
     samplings = {r: Sampling(**RULES[r], temperature=temperature) if RULES[r] else Sampling() for r in rules}
     specs = list({s.temperature: (Method("plain", s), {}) for s in samplings.values()}.values())  # reads only T
     heads = {}
@@ -141,7 +141,7 @@ def load(ns: argparse.Namespace) -> tuple[Checkpoint, torch.Tensor, torch.Tensor
         raise ValueError("heads_accuracy.json: no head's top guess was ever right, so every tree is the root "
                          "alone; train the heads, then measure again")
     drawn = load_accuracy(ns.ckpt, drawn=True)
-    tables = [drawn if rule == "rejection-sampled" and drawn is not None else acc  # the rules' own trees
+    tables = [drawn if rule == "rejection-drawn" and drawn is not None else acc  # the rules' own trees
               for rule in ns.rules if not rule.startswith("lookup")] or [acc]
     ranks = max(build_tree(t, n)[0].truncated(ck.heads.num_heads).max_rank + 1 for t in tables for n in ns.budgets)
     small = [M for M in ns.draft_vocab if 0 < M < ranks]  # 0: the whole vocabulary
@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ckpt", required=True, help="checkpoint directory with heads_accuracy.json and prompts.json")
     p.add_argument("--budgets", type=numbers(1, 256), default="1,2,4,8,16,32", metavar="N,N,...",
                    help="node budgets, root excluded (default: %(default)s)")
-    p.add_argument("--rules", type=names_of(RULES), default="greedy,rejection-topk,rejection-sampled",
+    p.add_argument("--rules", type=names_of(RULES), default="greedy,rejection-topk,rejection-drawn",
                    metavar="RULE,...", help=f"from {', '.join(RULES)} (default: %(default)s)")
     p.add_argument("--draft-vocab", type=numbers(0), metavar="M,...", help="sizes, 0: all (default: the checkpoint's)")
     p.add_argument("--temperature", type=float, default=SAMPLING_TEMPERATURE, metavar="T",

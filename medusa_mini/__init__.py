@@ -9,7 +9,7 @@ run), cli/ (the command lines' shared code).
 """
 
 from . import reference
-from .acceptance import Accepted, accept_paths
+from .acceptance import Accepted, accept
 from .decoding import GenerationStats, generate, generate_batch, medusa_generate, medusa_generate_batch
 from .heads import HeadsConfig, HydraHeads, MedusaHeads, make_heads
 from .model import GPT, GPTConfig, KVCache, compact_kv_cache
@@ -20,5 +20,5 @@ from .tree import Tree, build_tree, chain, preset
 __all__ = [
     "reference", "GPT", "GPTConfig", "KVCache", "compact_kv_cache", "HeadsConfig", "MedusaHeads", "HydraHeads",
     "make_heads", "PromptLookup", "Tree", "build_tree", "chain", "preset", "Sampling", "sampling_probs", "Accepted",
-    "accept_paths", "GenerationStats", "generate", "generate_batch", "medusa_generate", "medusa_generate_batch",
+    "accept", "GenerationStats", "generate", "generate_batch", "medusa_generate", "medusa_generate_batch",
 ]

@@ -9,9 +9,9 @@ is the accepted path. A step thus reads its result with a single host sync. Gree
 sampling are one rule with two sources of y, the backbone's token at every node: its argmax, or one draw
 from p (`reference.rejection_accept` says why that is exact). Drawn candidates need speculative
 sampling's tries, sequential among a node's children but independent across nodes, so every node tries
-its children at once, slot by slot. The random numbers are drawn before (`acceptance_uniforms`), so no
-rule holds a generator and a compiled step captures any of them whole. Tests hold every rule to the
-reference, decision for decision and draw for draw.
+its children at once, slot by slot. Every rule takes the uniforms it draws from (`acceptance_uniforms`,
+drawn before it, in the reference's order). Tests hold every rule to the reference, decision for
+decision and draw for draw.
 
 `usable` [B, N] marks the nodes a row may accept this step: near the end of a row's token budget or
 of the context, deeper nodes could not be used; a finished row in a batch has none, not even its root.
@@ -25,7 +25,7 @@ from typing import NamedTuple
 
 import torch
 
-from .proposal import Draft, Proposal
+from .proposal import Drawn
 from .sampling import Sampling, inverse_cdf, speculative_try, typical_threshold, without_earlier_draws
 from .tree import TreeTensors
 
@@ -89,8 +89,7 @@ def greedy_accept_paths(tree: TreeTensors, tokens: torch.Tensor, logits: torch.T
 def typical_accept_paths(tree: TreeTensors, tokens: torch.Tensor, logits: torch.Tensor, *, sampling: Sampling,
                          u: torch.Tensor, usable: torch.Tensor | None = None) -> Accepted:
     """`reference.typical_accept` for B rows, on the device, with the same draws: u [B] are the uniforms
-    of the bonus draws (`acceptance_uniforms`), drawn before, so the rule holds no generator and a compiler
-    captures it whole (`step.verify_and_accept`).
+    of the bonus draws (`acceptance_uniforms`).
 
     Among the accepted nodes the winner is the walk's: the deepest, then the larger sum of log p along
     its path (added parent first in float64, in the walk's order, so equal sums are equal here too),
@@ -126,9 +125,7 @@ def uniform_dims(sampling: Sampling) -> int:
 
 def acceptance_uniforms(sampling: Sampling, rows: int, nodes: int, generator: torch.Generator | None, *,
                         device: torch.device | str) -> torch.Tensor | None:
-    """The uniform numbers a step's acceptance uses (`uniform_dims`), drawn before it, so the rules hold no
-    generator and a compiler captures them whole (`step.verify_and_accept`; `reference.rejection_accept`
-    draws the same)."""
+    """The uniform numbers a step's acceptance uses (`uniform_dims`), those `reference.accept` draws."""
     dims = uniform_dims(sampling)
     return torch.rand((rows, nodes)[:dims], generator=generator, device=device) if dims else None
 
@@ -136,12 +133,13 @@ def acceptance_uniforms(sampling: Sampling, rows: int, nodes: int, generator: to
 def rejection_accept_topk(tree: TreeTensors, tokens: torch.Tensor, logits: torch.Tensor, *, sampling: Sampling,
                           u: torch.Tensor, usable: torch.Tensor | None = None) -> Accepted:
     """`reference.rejection_accept` with top-k candidates, for B rows: a draw from p at every node of
-    every row, node i's with u[:, i], then `path_accept`."""
-    return path_accept(tree, tokens, inverse_cdf(sampling.probs(logits), u), usable=usable)
+    every row, node i's with u[:, i], then `path_accept`. u [B, N'] may hold more (drawn for a whole
+    chain of which prompt lookup verifies the first N nodes)."""
+    return path_accept(tree, tokens, inverse_cdf(sampling.probs(logits), u[:, : tokens.shape[1]]), usable=usable)
 
 
 def rejection_accept_drawn(tree: TreeTensors, tokens: torch.Tensor, logits: torch.Tensor, *, sampling: Sampling,
-                           draft: Draft, u: torch.Tensor, usable: torch.Tensor | None = None) -> Accepted:
+                           drawn: Drawn, u: torch.Tensor, usable: torch.Tensor | None = None) -> Accepted:
     """`reference.rejection_accept` with candidates drawn from q, for B rows at once, on the device.
 
     A node's tries are sequential (each is judged against the residual its misses before it left), but
@@ -158,7 +156,7 @@ def rejection_accept_drawn(tree: TreeTensors, tokens: torch.Tensor, logits: torc
     passes = torch.zeros_like(ok)  # [B, N] the node passed its try at its parent
     nodes, kids, sizes = tree.tries  # [n] nodes, most children first; [n, S] their children in try order
     if sizes:
-        log_q, draws = draft.at(tree.parents.clamp(min=0))  # [B, N, V], [B, N, R]: what each node was drawn from
+        log_q, draws = drawn.at(tree.parents.clamp(min=0))  # [B, N, V], [B, N, R]: what each node was drawn from
         q = without_earlier_draws(log_q, draws, tree.ranks.expand_as(tokens), tokens)  # [B, N, V] (the root's unused)
         target, done = p[:, nodes], torch.zeros_like(ok[:, nodes])  # [B, n, V], [B, n]: a try passed, or p = q
         for s, n_s in enumerate(sizes):  # the first n_s nodes have a child in slot s
@@ -176,35 +174,24 @@ def rejection_accept_drawn(tree: TreeTensors, tokens: torch.Tensor, logits: torc
 
 
 def check_uniforms(sampling: Sampling, u: torch.Tensor | None) -> None:
-    """A ValueError unless `accept_on_device` can decide `sampling`'s rule with the uniforms u."""
+    """A ValueError unless `accept` can decide `sampling`'s rule with the uniforms u."""
     dims = uniform_dims(sampling)
     if dims and (u is None or u.dim() != dims):
         raise ValueError(f"{sampling.acceptance} acceptance draws from u: pass acceptance_uniforms(sampling, B, N, "
                          "generator)")
 
 
-def accept_on_device(tree: TreeTensors, tokens: torch.Tensor, logits: torch.Tensor, *, sampling: Sampling,
-                     u: torch.Tensor | None, draft: Draft | None = None, usable: torch.Tensor | None = None
-                     ) -> Accepted:
+def accept(tree: TreeTensors, tokens: torch.Tensor, logits: torch.Tensor, *, sampling: Sampling,
+           u: torch.Tensor | None, drawn: Drawn | None = None, usable: torch.Tensor | None = None) -> Accepted:
     """The acceptance rule `sampling` names, for B rows on the device (`check_uniforms`): logits [B, N, V]
-    at every node of tokens [B, N]; u from `acceptance_uniforms`; draft: the proposal's, the q its
+    at every node of tokens [B, N]; u from `acceptance_uniforms`; drawn: the proposal's, the q its
     candidates were drawn from, or None: they are point masses (the heads' top-k, a prompt lookup's
     continuation, a lone root), which top-k rejection decides."""
     if sampling.greedy:
         return greedy_accept_paths(tree, tokens, logits, usable=usable)
     if sampling.acceptance == "typical":
         return typical_accept_paths(tree, tokens, logits, sampling=sampling, u=u, usable=usable)
-    if draft is None:
+    if drawn is None:
         return rejection_accept_topk(tree, tokens, logits, sampling=sampling, u=u, usable=usable)
-    return rejection_accept_drawn(tree, tokens, logits, sampling=sampling, draft=draft, u=u, usable=usable)
+    return rejection_accept_drawn(tree, tokens, logits, sampling=sampling, drawn=drawn, u=u, usable=usable)
 
-
-def accept_paths(proposal: Proposal, logits: torch.Tensor, *, sampling: Sampling,
-                 generator: torch.Generator | None, usable: torch.Tensor | None = None) -> Accepted:
-    """The acceptance rule `sampling` names, for B rows: logits [B, N, V] at every node of the proposal,
-    the uniforms drawn from `generator` for the proposal's own tree (`step.medusa_step` draws them for the
-    proposer's whole tree, of which a cut one takes the first)."""
-    B, N = proposal.tokens.shape
-    u = acceptance_uniforms(sampling, B, N, generator, device=logits.device)
-    return accept_on_device(proposal.tree.tensors(logits.device), proposal.tokens, logits, sampling=sampling, u=u,
-                            draft=proposal.draft, usable=usable)

@@ -30,7 +30,7 @@ import torch
 from .model import GPT, KVCache
 from .proposal import Drafter
 from .sampling import Sampling
-from .step import EAGER, Steps, deepest_usable_depth, medusa_step
+from .step import Steps
 from .tree import Tree
 
 Prompt = list[int] | torch.Tensor  # token ids
@@ -66,11 +66,8 @@ def _check_prompt(model: GPT, prompt: list[int] | torch.Tensor) -> list[int]:
 
 def reuse_cache(cache: KVCache | CacheSource | None, model: GPT, *, batch_size: int, max_len: int) -> KVCache:
     """`cache` emptied for a new generation, or a new one of batch_size rows and max_len slots when None;
-    a callable is asked for the cache of that size (`cache(batch_size, max_len)`, one kept per shape).
-
-    Reusing one cache keeps its tensors at fixed addresses from one generation to the next, which a
-    captured CUDA graph needs (a new address means recording the graph again). Its size must be the
-    one asked for: the attention mask spans the whole cache, so another size is another shape.
+    a callable is asked for the cache of that size (`cache(batch_size, max_len)`: cli/compiled.py keeps
+    one per size, at fixed addresses). A cache to reuse must have the size asked for.
     """
     if callable(cache):
         cache = cache(batch_size, max_len)
@@ -164,20 +161,20 @@ class Generations:
 def generate_batch(
     model: GPT, prompts: list[Prompt], *, max_new_tokens: int, sampling: Sampling = Sampling(), eos_id: int | None = None,
     generator: torch.Generator | None = None, on_step: RowCallback | None = None,
-    cache: KVCache | CacheSource | None = None, steps: Steps = EAGER,
+    cache: KVCache | CacheSource | None = None, steps: Steps = Steps(),
 ) -> list[tuple[list[int], GenerationStats]]:
     """Plain autoregressive decoding of B prompts with the KV cache: one forward pass per token per row.
 
     Each token is `sampling.next_token`'s: the argmax at temperature 0, else a draw from p (temperature,
-    top-p), chosen inside the step (`plain_step`) from uniforms drawn before it; the acceptance settings
-    play no part here. One host read per step. `cache`: one to reuse
-    (see `reuse_cache`), B rows of block_size slots; by default a new one. `steps`: compiled ones, or eager.
+    top-p), chosen by the step (`plain_step`); the acceptance settings play no part here. One host read
+    per step. `cache`: one to reuse (see `reuse_cache`), B rows of block_size slots; by default a new
+    one. `steps`: the eager steps, or compiled ones.
     """
     rows = Generations(model, prompts, max_new_tokens=max_new_tokens, eos_id=eos_id, on_step=on_step)
     B, device = len(rows.prompts), model.device
     cache = reuse_cache(cache, model, batch_size=B, max_len=model.config.block_size)
     logits, _ = prefill(model, rows.padded(device), cache, lengths=[len(p) for p in rows.prompts])
-    tok = sampling.next_token(logits, generator)  # [B] on the device: the next inputs, without the host
+    tok = sampling.next_token(logits, sampling.uniforms((B,), generator, device=device))  # [B], on the device
     stopped = rows.emit([[t] for t in tok.tolist()], step=False)
     stop_at = torch.tensor(rows.stop_at, device=device)  # [B]
     longest = max(len(p) for p in rows.prompts)  # every row's cache length is at most this, on the host
@@ -186,9 +183,8 @@ def generate_batch(
             stop_at[stopped] = 0
         start = cache.lengths  # [B]
         longest += 1
-        u = sampling.uniforms((B,), generator, device=device)  # what next_token would draw, drawn before the step
-        tok, _, _ = steps.plain(model, cache, tok[:, None], sampling=sampling, u=u, attended=steps.attended(longest))
-        tok = tok.clone()  # [B]: a compiled step's output, which its next replay overwrites
+        u = sampling.uniforms((B,), generator, device=device)
+        tok, _, _ = steps.plain(model, cache, tok[:, None], sampling=sampling, u=u, attended=longest)
         if len(rows.active) < B:
             cache.lengths = torch.where(start + 1 < stop_at, start + 1, start)
         stopped = rows.emit([[t] for t in tok.tolist()], step=True)  # the step's one host read
@@ -199,40 +195,34 @@ def generate_batch(
 def medusa_generate_batch(
     model: GPT, drafter: Drafter, prompts: list[Prompt], *, tree: Tree, max_new_tokens: int,
     sampling: Sampling = Sampling(), eos_id: int | None = None, generator: torch.Generator | None = None,
-    on_step: RowCallback | None = None, cache: KVCache | CacheSource | None = None, steps: Steps = EAGER,
+    on_step: RowCallback | None = None, cache: KVCache | CacheSource | None = None, steps: Steps = Steps(),
 ) -> list[tuple[list[int], GenerationStats]]:
     """Medusa decoding of B prompts: propose -> verify -> accept -> compact, until every row has stopped.
 
     drafter: heads (or `PromptLookup`), whose `proposer(model, tree)` fills each step's tree from each
     row's last accepted node. With greedy or rejection acceptance each row's output is plain decoding's,
     in distribution and, when greedy, token for token. `cache`: one to reuse (see `reuse_cache`), B rows
-    of block_size + N slots; by default a new one. `steps`: compiled ones, or eager.
+    of block_size + N slots; by default a new one. `steps`: the eager steps, or compiled ones.
     """
     proposer = drafter.proposer(model, tree)
     rows = Generations(model, prompts, max_new_tokens=max_new_tokens, eos_id=eos_id, on_step=on_step)
-    B, device = len(rows.prompts), model.device
+    B, device, N = len(rows.prompts), model.device, proposer.tree.num_nodes
     # Slots beyond block_size hold a tree's nodes; their positions are still < block_size.
-    cache = reuse_cache(cache, model, batch_size=B, max_len=model.config.block_size + proposer.tree.num_nodes)
+    cache = reuse_cache(cache, model, batch_size=B, max_len=model.config.block_size + N)
     lengths = [len(p) for p in rows.prompts]
     logits, hidden = prefill(model, rows.padded(device), cache, lengths=lengths)  # [B, V], [B, C]
-    roots = sampling.next_token(logits, generator)  # [B] on the device, as every later root
+    roots = sampling.next_token(logits, sampling.uniforms((B,), generator, device=device))  # [B], on the device
     stopped = rows.emit([[t] for t in roots.tolist()], step=False)
     stop_at = torch.tensor(rows.stop_at, device=device)  # [B]
-    drafted = None  # the next step's proposal, when a compiled step drafted it
     while rows.active:
         if stopped:  # a stopped row accepts nothing more and its cache length stays put
             stop_at[stopped] = 0
-        # Near a row's end, deeper nodes could not be used: eager steps draft no deeper than some row can
-        # use, static ones the whole tree (prompt lookup's chain, rounded up, may go deeper too); stop_at
-        # masks those nodes.
-        max_depth = max(deepest_usable_depth(rows.stop_at[b], lengths[b]) for b in rows.active)
-        step = medusa_step(model, cache, proposer, roots, hidden, history=rows.history(), sampling=sampling,
-                           generator=generator, stop_at=stop_at, max_depth=max_depth, steps=steps,
-                           attended=steps.attended(max(lengths) + proposer.tree.num_nodes), drafted=drafted)
+        step = steps.medusa(model, cache, proposer, roots, hidden, history=rows.history(), stop_at=stop_at,
+                            sampling=sampling, generator=generator, attended=max(lengths) + N)
         for b in rows.active:
             lengths[b] += len(step.paths[b])
         stopped = rows.emit(step.new_tokens, step=True, accepted=[len(p) - 1 for p in step.paths])
-        roots, hidden, drafted = step.next_roots, step.next_hidden, step.next_proposal
+        roots, hidden = step.next_roots, step.next_hidden
     return rows.results()
 
 

@@ -17,11 +17,9 @@ acceptance rule stays what it is (rejection sampling's residual carries the toke
 
 Each kind carries what differs, so no caller asks which kind it holds: its teacher-forced logits
 (`forward`, for training and measuring), its logits for decoding (`heads_of`), its proposer's class and
-its `description`. The proposer class's `fill_tree` is the one function that fills a tree: the eager
-proposer (`proposer`) and the compiled steps' `draft` both call it.
+its `description`. The proposer class's `fill_tree` is the one function that fills a tree.
 
-Shapes: K heads, C n_embd, V vocabulary, M draft vocabulary, B rows, N tree nodes, Q the q a drawn tree
-draws from, `...` any leading dims.
+Shapes: K heads, C n_embd, V vocabulary, M draft vocabulary, B rows, `...` any leading dims.
 """
 
 from __future__ import annotations
@@ -33,8 +31,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .proposal import Draft, HeadsProposer, HydraProposer, MedusaProposer
-from .tree import Tree, TreeTensors
+from .proposal import HeadsProposer, HydraProposer, MedusaProposer
+from .tree import Tree
 
 HEAD_KINDS = ("medusa", "hydra")
 IGNORE = -100  # F.cross_entropy's default ignore_index: a position with no target
@@ -140,16 +138,6 @@ class DraftHeads(nn.Module):
         """The proposer of one generation: `heads_of` is made once, here, not at every step."""
         return self.proposer_class(tree, self.heads_of(model), draft_ids=self.draft_ids,
                                    vocab_size=self.config.vocab_size, num_heads=self.num_heads, heads=self)
-
-    def draft(self, model: nn.Module, roots: torch.Tensor, hidden: torch.Tensor, tree: TreeTensors, *,
-              temperature: float = 0.0, u: torch.Tensor | None = None) -> tuple[torch.Tensor, Draft | None]:
-        """The proposer's tree, roots [B], hidden [B, C] -> tokens [B, N] and their draft, as one pure function,
-        so a compiled step drafts in a graph (`step.verify_and_accept`, `step.draft_drawn`): the top-k (u
-        None, no draft), or draws from q at `temperature` with the uniforms u [B, Q, V] drawn before
-        (`HeadsProposer.draw_uniforms`). It makes `heads_of` at every call (the proposer, once): in a graph
-        a copy of a few MB, cheaper than the eager heads' launches it replaces."""
-        return self.proposer_class.fill_tree(tree, roots, hidden, self.heads_of(model), draft_ids=self.draft_ids,
-                                             vocab_size=self.config.vocab_size, temperature=temperature, u=u)
 
 
 class ResBlock(nn.Module):

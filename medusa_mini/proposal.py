@@ -1,12 +1,12 @@
-"""The engine's proposals: what one step verifies, and the proposers that make them.
+"""The engine's proposals: what one step verifies, and the proposers that make them (the reference's `propose`).
 
-A `Proposal` is B rows of candidate tokens [B, N] on one tree shared by every row, plus, for rejection
-sampling's sampled drafts, the q each node's children were drawn from (`Draft`). A `Proposer` makes one
-from the roots, the hidden states that produced them and each row's tokens so far. Three exist, and the
-step (step.py) treats them alike:
+A `Proposal` is B rows of candidate tokens [B, N] on one tree shared by every row, plus, for drawn
+candidates, the q each node's children were drawn from (`Drawn`). A `Proposer` makes one from the roots,
+the hidden states that produced them and each row's tokens so far. Three exist, and the step (step.py)
+treats them alike:
 
 - `MedusaProposer`: a fixed tree filled with Medusa heads' top-k guesses, or with tokens drawn from
-  their q without replacement (paper §2.1.1-2.1.2; the reference's `propose`, for B rows);
+  their q without replacement (paper §2.1.1-2.1.2);
 - `HydraProposer`: dependent heads, which fill the tree depth by depth, each node's children from its q;
 - `PromptLookupProposer`: no heads at all: the tokens that followed the latest n-gram's earlier
   occurrence in the row's own text (prompt lookup decoding), a chain of point masses.
@@ -19,26 +19,22 @@ n_embd, Q the q a drawn tree draws from (one per depth for Medusa heads, one per
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Protocol
+from typing import Callable, Protocol
 
 import torch
 import torch.nn as nn
 
-from .sampling import Sampling, draft_log_probs, gumbel_top_k
+from .sampling import Sampling, gumbel_top_k, q_log_probs
 from .tree import Tree, TreeTensors, chain
-
-if TYPE_CHECKING:  # heads.py imports this module: the name is for the type hints alone
-    from .heads import DraftHeads
 
 
 @dataclass(frozen=True)
-class Draft:
-    """Sampled candidates: the q each node's children were drawn from, and the draws in order.
+class Drawn:
+    """Drawn candidates: the q each node's children were drawn from, and the draws in order.
 
     log_q: [B, Q, V], one q per index of its Q axis; samples: [B, Q, R] distinct tokens drawn from each.
-    q_index: [N] long on the device, which q node i's children were drawn from (-1 for a leaf): its depth
-    for Medusa heads, whose q depends only on it; the node itself for dependent heads, whose q depends on
-    the path.
+    q_index: [N] long, which q node i's children were drawn from (-1 for a leaf): its depth for Medusa
+    heads, whose q depends only on it; the node itself for dependent heads, whose q depends on the path.
     """
 
     log_q: torch.Tensor
@@ -50,10 +46,6 @@ class Draft:
         which = self.q_index.clamp(min=0)[nodes]  # [n]; a leaf's is never asked for
         return self.log_q[:, which], self.samples[:, which]
 
-    def clone(self) -> "Draft":
-        """A copy in new tensors (a CUDA graph's outputs do not outlive its next replay)."""
-        return Draft(log_q=self.log_q.clone(), samples=self.samples.clone(), q_index=self.q_index.clone())
-
     def per_node(self, b: int) -> list[tuple[torch.Tensor, list[int]] | None]:
         """Row b as the reference's walk takes it: per node, (log q [V], draws) of its children, or None."""
         samples = self.samples[b].tolist()  # [Q][R]
@@ -62,27 +54,31 @@ class Draft:
 
 @dataclass(frozen=True)
 class Proposal:
-    """What one step verifies: tokens [B, N] (node 0 = each row's root) on `tree`, and their draft."""
+    """What one step verifies: tokens [B, N] (node 0 = each row's root) on `tree`, and how they were drawn."""
 
     tokens: torch.Tensor
     tree: Tree
-    draft: Draft | None = None
+    drawn: Drawn | None = None
 
 
 class Proposer(Protocol):
     """Makes each step's proposal from roots [B], the hidden states [B, C] that produced them and each
     row's tokens so far (prompt and output, ending with the root). Siblings hold distinct tokens."""
 
-    tree: Tree  # the full tree; a proposal may hold a smaller one, its first nodes (a cut, a shorter chain)
-    heads: object  # the draft heads, whose `draft` fills trees in compiled steps; or None
+    tree: Tree  # the full tree; prompt lookup's proposals hold its first nodes, a shorter chain
+    heads: nn.Module | None  # the heads that fill the tree, or None (prompt lookup)
 
     def trees(self) -> list[Tree]:
-        """Every tree a static step's proposal holds: the shapes a compiled loop meets, each one graph."""
+        """Every tree a proposal may hold."""
         ...
 
-    def propose(self, roots: torch.Tensor, hidden: torch.Tensor, *, history: list[list[int]], max_depth: int,
-                sampling: Sampling, generator: torch.Generator | None) -> Proposal:
-        """max_depth: deeper nodes could not be used this step (the end of a budget or of the context)."""
+    def uniforms(self, sampling: Sampling, rows: int, generator: torch.Generator | None, *,
+                 device: torch.device | str) -> torch.Tensor | None:
+        """The uniforms `propose` turns into drawn candidates, or None (its candidates are no draws)."""
+        ...
+
+    def propose(self, roots: torch.Tensor, hidden: torch.Tensor, *, history: list[list[int]], sampling: Sampling,
+                u: torch.Tensor | None) -> Proposal:
         ...
 
 
@@ -96,15 +92,13 @@ class Drafter(Protocol):
 
 class HeadsProposer:
     """Proposes from draft heads on a fixed tree: head_logits is the kind's logits function
-    (`DraftHeads.heads_of`) over the draft vocabulary draft_ids [M]; `heads`, the module itself, whose
-    `draft` compiled steps run in their graphs (None: the proposer alone drafts). Each kind fills the tree
-    with its own `fill_tree`, which `draft` calls too: one function per kind makes every tree, eager or
-    compiled."""
+    (`DraftHeads.heads_of`) over the draft vocabulary draft_ids [M]; `heads`, the module itself. Each kind
+    fills the tree with its own `fill_tree`, the one function that makes its trees."""
 
-    fill_tree: Callable  # (tree, roots, hidden, head_logits, *, draft_ids, vocab_size, temperature, u) -> tokens, draft
+    fill_tree: Callable  # (tree, roots, hidden, head_logits, *, draft_ids, vocab_size, temperature, u) -> tokens, drawn
 
     def __init__(self, tree: Tree, head_logits: Callable, *, draft_ids: torch.Tensor, vocab_size: int,
-                 num_heads: int, heads: DraftHeads | None = None) -> None:
+                 num_heads: int, heads: nn.Module | None = None) -> None:
         tree.check_heads(num_heads)
         if tree.max_rank >= draft_ids.numel():
             raise ValueError(f"the tree asks for rank {tree.max_rank}; the draft vocabulary has {draft_ids.numel()} tokens")
@@ -112,49 +106,29 @@ class HeadsProposer:
         self.draft_ids, self.vocab_size = draft_ids, vocab_size
 
     def trees(self) -> list[Tree]:
-        """The whole tree alone: a compiled (static) step never cuts it, it masks the nodes a row cannot use
-        (`step.medusa_step`), so one graph serves a generation to its last token."""
-        return [self.tree]
-
-    @torch.no_grad()
-    def propose(self, roots: torch.Tensor, hidden: torch.Tensor, *, max_depth: int, sampling: Sampling,
-                generator: torch.Generator | None, history: list[list[int]] | None = None) -> Proposal:
-        tree = self.tree.truncated(max(max_depth, 0))
-        draws = sampling.draws_candidates
-        u = self.draw_uniforms(len(roots), generator, device=roots.device) if draws else None  # [B, Q, V], whole
-        if tree.depth == 0:  # the root alone: the last token of a generation needs no guess
-            # A fresh contiguous tensor, as every other proposal's: a compiled verify is specialised on
-            # its input's strides, and roots may be a column of a larger tensor.
-            return Proposal(roots[:, None].clone(memory_format=torch.contiguous_format), tree)
-        tokens, draft = self.fill_tree(tree.tensors(roots.device), roots, hidden, self.head_logits,
-                                       draft_ids=self.draft_ids.to(roots.device), vocab_size=self.vocab_size,
-                                       temperature=sampling.temperature, u=None if u is None else self.cut(u, tree))
-        return Proposal(tokens, tree, draft)
+        return [self.tree]  # the whole tree, always: near the end of a row the step masks what it cannot use
 
     @staticmethod
     def q_count(tree: Tree) -> int:
         """Q, how many q a drawn proposal on `tree` draws from (each kind says)."""
         raise NotImplementedError
 
-    def draw_uniforms(self, rows: int, generator: torch.Generator | None, *, device: torch.device | str
-                      ) -> torch.Tensor:
-        """The uniforms [B, Q, V] a drawn proposal turns into Gumbel noise: one per token of each q of the whole
-        tree (Q: one q per depth for Medusa heads, per node above the deepest depth for dependent heads),
-        whatever the step's cut: a cut tree takes the first of them (`cut`), so where a generation cuts its
-        tree changes no draw, and a static step, which never cuts it, draws what an eager one does."""
+    def uniforms(self, sampling: Sampling, rows: int, generator: torch.Generator | None, *,
+                 device: torch.device | str) -> torch.Tensor | None:
+        """[B, Q, V] for drawn candidates, one per token of each q (Gumbel noise); None for the top-k."""
+        if not sampling.draws_candidates:
+            return None
         return torch.rand((rows, self.q_count(self.tree), self.vocab_size), generator=generator, device=device)
 
-    def cut(self, u: torch.Tensor, tree: Tree) -> torch.Tensor:
-        """The uniforms [B, Q', V] of `tree`, this proposer's tree cut to a depth, from the whole tree's u [B, Q, V]:
-        its q come first (depths, or nodes, in order)."""
-        return cut_uniforms(u, self.q_count(tree))
-
-
-def cut_uniforms(u: torch.Tensor, n: int) -> torch.Tensor:
-    """The first n of the uniforms u [B, Q, ...] drawn for a whole tree, those of the tree cut from it (its
-    nodes, or its q, come first): u itself when nothing is cut, else a fresh contiguous tensor, as a compiled
-    step is specialised on its inputs' strides, a slice's even where a dim is 1."""
-    return u if n == u.shape[1] else u[:, :n].clone(memory_format=torch.contiguous_format)
+    @torch.no_grad()
+    def propose(self, roots: torch.Tensor, hidden: torch.Tensor, *, sampling: Sampling, u: torch.Tensor | None,
+                history: list[list[int]] | None = None) -> Proposal:
+        if self.tree.depth == 0:  # the root alone: no guess to make
+            return Proposal(roots[:, None], self.tree)
+        tokens, drawn = self.fill_tree(self.tree.tensors(roots.device), roots, hidden, self.head_logits,
+                                       draft_ids=self.draft_ids, vocab_size=self.vocab_size,
+                                       temperature=sampling.temperature, u=u)
+        return Proposal(tokens, self.tree, drawn)
 
 
 def top_k(logits: torch.Tensor, draft_ids: torch.Tensor, k: int) -> torch.Tensor:
@@ -185,64 +159,48 @@ def fill_depth_by_depth(tree: TreeTensors, roots: torch.Tensor, hidden: torch.Te
     return tokens
 
 
-def draw_tree(tree: TreeTensors, roots: torch.Tensor, logits: torch.Tensor, *, draft_ids: torch.Tensor,
-              temperature: float, vocab_size: int, u: torch.Tensor) -> tuple[torch.Tensor, Draft]:
-    """Medusa heads' drawn tree: head d's logits [B, D, M] give q at temperature, and the node of depth d
-    and rank r holds head d's r-th distinct draw from it (`gumbel_top_k` of the uniforms u [B, D, V]).
-    Returns tokens [B, N] (roots [B] at node 0) and the draft the tries need."""
-    log_q = draft_log_probs(logits, draft_ids, temperature=temperature, vocab_size=vocab_size)  # [B, D, V]
+def medusa_tree(tree: TreeTensors, roots: torch.Tensor, hidden: torch.Tensor, head_logits: Callable, *,
+                draft_ids: torch.Tensor, vocab_size: int, temperature: float = 0.0, u: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, Drawn | None]:
+    """Medusa heads' tree from roots [B] and hidden [B, C]: each head's top-k (u None), or its distinct draws
+    from q at `temperature`, the node of depth d and rank r holding head d's r-th (`gumbel_top_k` of the
+    uniforms u [B, D, V]). Returns tokens [B, N] and how they were drawn (None for the top-k).
+    head_logits(hidden [B, C], num) -> [B, num, M]."""
+    logits = head_logits(hidden, tree.depth)  # [B, D, M]: only the heads the tree reaches
+    if u is None:
+        return fill(tree, roots, top_k(logits, draft_ids, tree.num_ranks)), None
+    log_q = q_log_probs(logits, draft_ids, temperature=temperature, vocab_size=vocab_size)  # [B, D, V]
     samples = gumbel_top_k(log_q, tree.num_ranks, u)  # [B, D, R]
     q_index = torch.where(tree.inner, tree.depths, -1)  # [N] node i's children were drawn from head depth(i) + 1
-    return fill(tree, roots, samples), Draft(log_q=log_q, samples=samples, q_index=q_index)
+    return fill(tree, roots, samples), Drawn(log_q=log_q, samples=samples, q_index=q_index)
 
 
-def draw_depth_by_depth(tree: TreeTensors, roots: torch.Tensor, hidden: torch.Tensor, head_logits: Callable, *,
-                        draft_ids: torch.Tensor, temperature: float, vocab_size: int, u: torch.Tensor
-                        ) -> tuple[torch.Tensor, Draft]:
-    """Dependent heads' drawn tree (`fill_depth_by_depth`): each node's children are distinct draws from
-    q(. | the node's path), node i's from the uniforms u[:, i] ([B, Q, V], Q the nodes above the deepest
-    depth). Returns tokens [B, N] and the draft, one q per node."""
+def hydra_tree(tree: TreeTensors, roots: torch.Tensor, hidden: torch.Tensor, head_logits: Callable, *,
+               draft_ids: torch.Tensor, vocab_size: int, temperature: float = 0.0, u: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, Drawn | None]:
+    """Dependent heads' tree from roots [B] and hidden [B, C], depth by depth (`fill_depth_by_depth`): each
+    node's top-k (u None), or its distinct draws from q(. | the node's path), node i's from the uniforms
+    u[:, i] ([B, Q, V], Q the nodes above the deepest depth). Returns tokens [B, N] and how they were
+    drawn, one q per node (None for the top-k). head_logits(k, hidden [B, n, C], tokens [B, n, k]) -> [B, n, M]."""
+    if u is None:
+        return fill_depth_by_depth(tree, roots, hidden, head_logits,
+                                   lambda logits: top_k(logits, draft_ids, tree.num_ranks)), None  # [B, n, R]
     log_qs, samples = [], []
 
     def draw_children(logits: torch.Tensor) -> torch.Tensor:  # [B, n, M] -> [B, n, R], q kept for the tries
         lo = sum(q.shape[1] for q in log_qs)  # the nodes drawn for so far
-        log_qs.append(draft_log_probs(logits, draft_ids, temperature=temperature, vocab_size=vocab_size))
+        log_qs.append(q_log_probs(logits, draft_ids, temperature=temperature, vocab_size=vocab_size))
         samples.append(gumbel_top_k(log_qs[-1], tree.num_ranks, u[:, lo : lo + logits.shape[1]]))
         return samples[-1]
 
     tokens = fill_depth_by_depth(tree, roots, hidden, head_logits, draw_children)
     q_index = torch.where(tree.inner, torch.arange(len(tree.inner), device=tree.inner.device), -1)  # [N] q i: node i's
-    return tokens, Draft(log_q=torch.cat(log_qs, 1), samples=torch.cat(samples, 1), q_index=q_index)
-
-
-def medusa_tree(tree: TreeTensors, roots: torch.Tensor, hidden: torch.Tensor, head_logits: Callable, *,
-                draft_ids: torch.Tensor, vocab_size: int, temperature: float = 0.0, u: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, Draft | None]:
-    """Medusa heads' tree from roots [B] and hidden [B, C]: each head's top-k (u None), or its distinct
-    draws from q at `temperature` (`draw_tree`, the uniforms u [B, D, V]). Returns tokens [B, N] and the
-    draft (None for the top-k). head_logits(hidden [B, C], num) -> [B, num, M]."""
-    logits = head_logits(hidden, tree.depth)  # [B, D, M]: only the heads the tree reaches
-    if u is None:
-        return fill(tree, roots, top_k(logits, draft_ids, tree.num_ranks)), None
-    return draw_tree(tree, roots, logits, draft_ids=draft_ids, temperature=temperature, vocab_size=vocab_size, u=u)
-
-
-def hydra_tree(tree: TreeTensors, roots: torch.Tensor, hidden: torch.Tensor, head_logits: Callable, *,
-               draft_ids: torch.Tensor, vocab_size: int, temperature: float = 0.0, u: torch.Tensor | None = None
-               ) -> tuple[torch.Tensor, Draft | None]:
-    """Dependent heads' tree from roots [B] and hidden [B, C], depth by depth: each node's top-k (u None), or
-    its distinct draws (`draw_depth_by_depth`, the uniforms u [B, Q, V]). Returns tokens [B, N] and the draft
-    (None for the top-k). head_logits(k, hidden [B, n, C], tokens [B, n, k]) -> [B, n, M]."""
-    if u is None:
-        return fill_depth_by_depth(tree, roots, hidden, head_logits,
-                                   lambda logits: top_k(logits, draft_ids, tree.num_ranks)), None  # [B, n, R]
-    return draw_depth_by_depth(tree, roots, hidden, head_logits, draft_ids=draft_ids, temperature=temperature,
-                               vocab_size=vocab_size, u=u)
+    return tokens, Drawn(log_q=torch.cat(log_qs, 1), samples=torch.cat(samples, 1), q_index=q_index)
 
 
 class MedusaProposer(HeadsProposer):
     """A fixed tree filled with Medusa heads' guesses (§2.1): each head's top-k, or, for rejection
-    sampling's sampled drafts, distinct draws from each head's q (`Sampling.draws_candidates`).
+    sampling of drawn candidates, distinct draws from each head's q (`Sampling.draws_candidates`).
 
     head_logits(hidden [B, C], num) -> [B, num, M]: the first `num` heads' logits.
     """
@@ -256,8 +214,7 @@ class MedusaProposer(HeadsProposer):
 
 class HydraProposer(HeadsProposer):
     """A fixed tree filled by dependent heads, depth by depth (`fill_depth_by_depth`): a node's children
-    are the top-k of q(. | the node's path), or, for sampled drafts, distinct draws from it (one Draft
-    row per node).
+    are the top-k of q(. | the node's path), or, drawn, distinct draws from it (one q per node).
 
     head_logits(k, hidden [B, n, C], tokens [B, n, k]) -> [B, n, M]: head k given each node's path.
     """
@@ -296,7 +253,7 @@ def lookup(text: list[int], *, max_ngram: int, length: int) -> list[int]:
 
 def chain_length(longest: int, depth: int) -> int:
     """The chain that holds a continuation of `longest` tokens: the next power of two, at most `depth`
-    (0 stays 0). Lengths 0, 1, 2, 4, ..., depth: a compiled loop meets ceil(log2(depth)) + 2 shapes, not depth + 1."""
+    (0 stays 0): lengths 0, 1, 2, 4, ..., depth, few trees for any text (each one's tensors made once)."""
     return 0 if longest <= 0 else min(1 << (longest - 1).bit_length(), depth)
 
 
@@ -313,10 +270,13 @@ class PromptLookupProposer:
         D = self.tree.depth
         return [self.tree.truncated(n) for n in sorted({chain_length(n, D) for n in range(D + 1)})]
 
-    def propose(self, roots: torch.Tensor, hidden: torch.Tensor, *, history: list[list[int]], max_depth: int,
-                sampling: Sampling, generator: torch.Generator | None) -> Proposal:
-        length = max(min(max_depth, self.tree.depth), 0)  # no longer than the chain, nor than any row can use
-        found = [lookup(text, max_ngram=self.max_ngram, length=length) for text in history]
+    def uniforms(self, sampling: Sampling, rows: int, generator: torch.Generator | None, *,
+                 device: torch.device | str) -> None:
+        return None  # a continuation is no draw
+
+    def propose(self, roots: torch.Tensor, hidden: torch.Tensor, *, history: list[list[int]], sampling: Sampling,
+                u: torch.Tensor | None = None) -> Proposal:
+        found = [lookup(text, max_ngram=self.max_ngram, length=self.tree.depth) for text in history]
         tree = self.tree.truncated(chain_length(max(map(len, found)), self.tree.depth))
         D = tree.depth
         rest = torch.tensor([c + c[-1:] * (D - len(c)) if c else text[-1:] * D for c, text in zip(found, history)],

@@ -9,6 +9,7 @@ Words, each with one meaning here and everywhere in the project:
   bonus   the token the backbone itself writes after the last accepted node (from the same pass).
   p       the backbone's (target) distribution at a node, after temperature and top-p.
   q       a head's (draft) distribution, from which rejection sampling may draw the candidates.
+  draft   to propose candidates: a drafter is draft heads (Medusa's, Hydra's) or prompt lookup.
   draft vocabulary  the tokens heads guess among (the most frequent ones; q = 0 elsewhere).
 
 One step (§2): the heads guess tokens 2, 3, ... places ahead from the last hidden state; their guesses
@@ -31,10 +32,9 @@ import torch
 
 from .sampling import (
     Sampling,
-    draft_log_probs,
-    draw,
-    draw_without_replacement,
+    gumbel_top_k,
     inverse_cdf,
+    q_log_probs,
     speculative_try,
     typical_threshold,
     without_earlier_draws,
@@ -104,7 +104,7 @@ def propose(head_logits: torch.Tensor, draft_ids: torch.Tensor, tree: Tree, root
 
     head_logits: [D', M] over the draft vocabulary draft_ids [M], one row per head of the whole tree, of which
     the first D = tree.depth are this (maybe cut) tree's. Greedy and typical acceptance take each
-    head's top-k; rejection sampling with sampled drafts draws the candidates from each head's q instead,
+    head's top-k; rejection sampling of drawn candidates draws them from each head's q instead,
     and returns, per node, the q [V] its children were drawn from with the draws in order (the
     acceptance walk needs both).
     """
@@ -113,10 +113,11 @@ def propose(head_logits: torch.Tensor, draft_ids: torch.Tensor, tree: Tree, root
         guesses = draft_ids[head_logits[:D].topk(R, dim=-1).indices].tolist()  # [D][R] token ids
         return [root] + [guesses[len(c) - 1][c[-1]] for c in tree.choices], None
     # Every head given draws, the tree's first D used: a tree cut near the end draws what the whole one does.
-    log_q = draft_log_probs(head_logits, draft_ids, temperature=sampling.temperature, vocab_size=vocab_size)
-    guesses = draw_without_replacement(log_q, R, generator).tolist()  # [D'][R]
-    drafts = [(log_q[d], guesses[d]) if d < D else None for d in tree.depths]  # a node's children's q
-    return [root] + [guesses[len(c) - 1][c[-1]] for c in tree.choices], drafts
+    log_q = q_log_probs(head_logits, draft_ids, temperature=sampling.temperature, vocab_size=vocab_size)  # [D', V]
+    u = torch.rand(log_q.shape, generator=generator, device=log_q.device)  # [D', V]: Gumbel noise's uniforms
+    guesses = gumbel_top_k(log_q, R, u).tolist()  # [D'][R]
+    drawn = [(log_q[d], guesses[d]) if d < D else None for d in tree.depths]  # a node's children's q
+    return [root] + [guesses[len(c) - 1][c[-1]] for c in tree.choices], drawn
 
 
 def walk(parents: list[int], tokens: list[int], y: list[int]) -> tuple[list[int], int]:
@@ -164,17 +165,18 @@ def typical_accept(parents: list[int], tokens: list[int], logits: torch.Tensor, 
     path = [best]
     while path[-1] != 0:
         path.append(parents[path[-1]])
-    return path[::-1], int(draw(sampling.probs(logits[best]), generator))
+    u = torch.rand((), generator=generator, device=logits.device)
+    return path[::-1], int(inverse_cdf(sampling.probs(logits[best]), u))
 
 
-def try_children(p: torch.Tensor, candidates: list[int], draft: tuple[torch.Tensor, list[int]], u: torch.Tensor
+def try_children(p: torch.Tensor, candidates: list[int], drawn: tuple[torch.Tensor, list[int]], u: torch.Tensor
                  ) -> tuple[int | None, torch.Tensor]:
-    """Speculative sampling's tries at one node: candidates x1, x2, ... drawn from the draft against the
+    """Speculative sampling's tries at one node: candidates x1, x2, ... drawn from q against the
     target p [V], each with its own uniform u [len(candidates)]; after a miss the next one is
-    tried against the residual (`speculative_try`). draft: (log q [V], the draws in order); x_i was
+    tried against the residual (`speculative_try`). drawn: (log q [V], the draws in order); x_i was
     drawn from q without the draws before it (`without_earlier_draws`). Returns (index of the accepted
     candidate or None, the p the bonus is drawn from when none is)."""
-    log_q, draws = draft
+    log_q, draws = drawn
     for i, x in enumerate(candidates):
         x_, rank, drawn = (torch.tensor(v, device=p.device) for v in (x, draws.index(x), draws))
         accepted, flat, residual = speculative_try(p, without_earlier_draws(log_q, drawn, rank, x_), x_, u[i])
@@ -187,14 +189,14 @@ def try_children(p: torch.Tensor, candidates: list[int], draft: tuple[torch.Tens
 
 
 def rejection_accept(parents: list[int], tokens: list[int], logits: torch.Tensor, *, sampling: Sampling,
-                     generator: torch.Generator | None, drafts: list[tuple[torch.Tensor, list[int]] | None] | None = None,
+                     generator: torch.Generator | None, drawn: list[tuple[torch.Tensor, list[int]] | None] | None = None,
                      nodes: int | None = None) -> tuple[list[int], int]:
     """Lossless rejection sampling on a tree (Leviathan et al. 2023; SpecInfer): every emitted sequence
     is exactly a sample of the backbone (fresh randomness at each node and the chain rule).
 
-    One uniform number per node is drawn first, u [N], and each is used once (the engine draws the same;
-    `nodes`: as many as the whole tree has, of which a tree cut near the end uses the first N).
-    Top-k candidates (drafts None) are point masses, and then trying a node's children in turn is the
+    One uniform number per node is drawn first, u [N], and each is used once (`nodes`: the whole tree's
+    count, of which a tree cut near the end uses the first N, only to draw what the engine draws).
+    Top-k candidates (drawn None) are point masses, and then trying a node's children in turn is the
     same as drawing y from p once: child x is accepted exactly when y = x, and when no child is, y is a
     draw from p with the children removed, the bonus. So it is `walk` with y drawn from p at every node,
     node i's with u[i]. Drawn candidates (`propose`'s q per node) try each child c with u[c]
@@ -202,13 +204,13 @@ def rejection_accept(parents: list[int], tokens: list[int], logits: torch.Tensor
     root is never tried).
     """
     u = torch.rand(nodes or len(parents), generator=generator, device=logits.device)[: len(parents)]  # [N]
-    if drafts is None:
+    if drawn is None:
         return walk(parents, tokens, inverse_cdf(sampling.probs(logits), u).tolist())
     node, path = 0, [0]
     while True:
         kids = children(parents, node)
         p = sampling.probs(logits[node])  # [V]
-        i, p = (None, p) if not kids else try_children(p, [tokens[c] for c in kids], drafts[node], u[kids])
+        i, p = (None, p) if not kids else try_children(p, [tokens[c] for c in kids], drawn[node], u[kids])
         if i is None:
             return path, int(inverse_cdf(p, u[0]))
         node = kids[i]
@@ -216,7 +218,7 @@ def rejection_accept(parents: list[int], tokens: list[int], logits: torch.Tensor
 
 
 def accept(parents: list[int], tokens: list[int], logits: torch.Tensor, *, sampling: Sampling,
-           generator: torch.Generator | None, drafts: list | None = None, nodes: int | None = None
+           generator: torch.Generator | None, drawn: list | None = None, nodes: int | None = None
            ) -> tuple[list[int], int]:
     """The acceptance rule `sampling` names: (accepted path, root first; bonus token); `nodes`: the whole
     tree's, for rejection sampling's uniforms."""
@@ -224,7 +226,7 @@ def accept(parents: list[int], tokens: list[int], logits: torch.Tensor, *, sampl
         return greedy_accept(parents, tokens, logits)
     if sampling.acceptance == "typical":
         return typical_accept(parents, tokens, logits, sampling=sampling, generator=generator)
-    return rejection_accept(parents, tokens, logits, sampling=sampling, generator=generator, drafts=drafts,
+    return rejection_accept(parents, tokens, logits, sampling=sampling, generator=generator, drawn=drawn,
                             nodes=nodes)
 
 
@@ -236,22 +238,23 @@ def medusa_generate(model: GPT, heads: MedusaHeads, prompt: list[int], *, tree: 
 
     It stops at `max_new_tokens`, at the end of the context, or after `eos_id` (kept). Near the end the
     tree loses the depths whose tokens could no longer be used; its random numbers are drawn for the
-    whole tree still, so where it is cut changes no draw.
+    whole tree still, only so that the engine, which masks those nodes instead, makes the same draws.
     """
     stop_at = min(len(prompt) + max_new_tokens, model.config.block_size)  # the length where we stop
     cache = [None] * model.config.n_layer
     L = len(prompt)
     logits, hidden = forward(model, prompt, list(range(L)), cache, torch.ones(L, L, dtype=torch.bool).tril())
-    root, hidden = int(sampling.next_token(logits[-1], generator)), hidden[-1]  # prefill: the first token
+    u = sampling.uniforms((), generator, device=logits.device)
+    root, hidden = int(sampling.next_token(logits[-1], u)), hidden[-1]  # prefill: the first token
     out, steps = [root], 0
     while L + 1 < stop_at and eos_id not in out:  # L + 1 = the prompt and every emitted token
         t = tree.truncated(stop_at - 2 - L)  # a node at depth d emits d + 1 tokens
         head_logits = heads(hidden[None], model, num=tree.depth)[:, 0]  # [D', M], the whole tree's heads: 2, 3, ... ahead
-        tokens, drafts = propose(head_logits, heads.draft_ids, t, root, vocab_size=model.config.vocab_size,
-                                 sampling=sampling, generator=generator)
+        tokens, drawn = propose(head_logits, heads.draft_ids, t, root, vocab_size=model.config.vocab_size,
+                                sampling=sampling, generator=generator)
         mask = torch.cat([torch.ones(t.num_nodes, L, dtype=torch.bool), tree_attention_mask(t.parents)], 1)
         logits, hiddens = forward(model, tokens, [L + d for d in t.depths], cache, mask)  # verify
-        path, root = accept(t.parents, tokens, logits, sampling=sampling, generator=generator, drafts=drafts,
+        path, root = accept(t.parents, tokens, logits, sampling=sampling, generator=generator, drawn=drawn,
                             nodes=tree.num_nodes)
         keep = list(range(L)) + [L + i for i in path]  # the prefix, the root and the accepted nodes
         cache = [(k[:, keep], v[:, keep]) for k, v in cache]

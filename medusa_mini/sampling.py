@@ -4,9 +4,12 @@ Every decoding layer takes a single `Sampling`, so the settings are checked once
 and "temperature 0 means greedy" is decided in one place. p is the backbone's (target) distribution
 after temperature and top-p: plain sampling draws from it, and rejection sampling reproduces it exactly.
 
-The pieces of sampling that the reference (reference.py) and the engine (acceptance.py, proposal.py)
-both use live here, once: p and q, drawing, drawing drafts without replacement, typical acceptance's
-bar and speculative sampling's try of one candidate. Neither side imports the other.
+Randomness enters one way: uniform numbers in [0, 1), drawn from a generator before they are used. A
+draw from a distribution is the inverse of its cumulative distribution at one uniform (`inverse_cdf`);
+distinct draws without replacement are the top of log q plus Gumbel noise made from uniforms
+(`gumbel_top_k`). So a rule is a function of its uniforms, and whoever draws them in the same order
+makes the same decisions: the reference (reference.py) and the engine share these functions and
+neither imports the other.
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ import torch.nn.functional as F
 
 ACCEPTANCE_RULES = ("greedy", "typical", "rejection")
 SAMPLING_TEMPERATURE = 0.8  # the commands' and reports' temperature when they sample (Sampling's default is greedy)
-DRAFTS = ("sampled", "topk")  # how rejection sampling fills the tree: draws from the heads, or their top-k
+CANDIDATES = ("drawn", "topk")  # how rejection sampling fills the tree: draws from the heads' q, or their top-k
+FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 @dataclass(frozen=True)
@@ -30,8 +34,8 @@ class Sampling:
         (lossless speculative sampling). At temperature 0 every rule is greedy, and it is stored so;
         None picks rejection when sampling, the rule whose output has plain sampling's distribution.
     temperature: 0 = argmax; > 0 samples from p. top_p: nucleus mass kept in p.
-    draft: for rejection sampling, "sampled" draws the candidates from the heads' q, "topk" takes
-        their top-k (both lossless). Plain decoding reads only temperature and top_p.
+    candidates: for rejection sampling, "drawn" draws the tree's candidates from the heads' q, "topk"
+        takes their top-k (both lossless). Plain decoding reads only temperature and top_p.
     """
 
     acceptance: str | None = None
@@ -39,25 +43,25 @@ class Sampling:
     top_p: float = 1.0
     epsilon: float = 0.09
     delta: float = 0.3
-    draft: str = "sampled"
+    candidates: str = "drawn"
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
-                and self.temperature >= 0):
-            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), not {self.temperature!r}")
+        T = self.temperature
+        if not (isinstance(T, (int, float)) and math.isfinite(T) and 0 <= T <= FLOAT32_MAX):
+            raise ValueError(f"temperature must be a number from 0 (greedy) to {FLOAT32_MAX:.3g} (float32's "
+                             f"largest), not {T!r}")
         if self.acceptance not in (None, *ACCEPTANCE_RULES):
             raise ValueError(f"unknown acceptance rule {self.acceptance!r}: use greedy, typical or rejection")
-        if self.acceptance == "greedy" and self.temperature > 0:
+        if self.acceptance == "greedy" and T > 0:
             raise ValueError("greedy acceptance is for temperature 0; to sample with Medusa use rejection "
                              "(lossless) or typical acceptance")
-        if self.draft not in DRAFTS:
-            raise ValueError(f"unknown draft {self.draft!r}: use sampled or topk")
+        if self.candidates not in CANDIDATES:
+            raise ValueError(f"unknown candidates {self.candidates!r}: use drawn or topk")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], not {self.top_p}")
         if not (self.epsilon > 0 and self.delta > 0):
             raise ValueError(f"epsilon and delta must be > 0 (typical acceptance), not {self.epsilon} and {self.delta}")
-        rule = "greedy" if self.temperature == 0 else (self.acceptance or "rejection")
-        object.__setattr__(self, "acceptance", rule)
+        object.__setattr__(self, "acceptance", "greedy" if T == 0 else (self.acceptance or "rejection"))
 
     @property
     def greedy(self) -> bool:
@@ -65,27 +69,22 @@ class Sampling:
 
     @property
     def draws_candidates(self) -> bool:
-        """True when the tree's candidates are drawn from the heads' q (sampled rejection drafts)."""
-        return self.acceptance == "rejection" and self.draft == "sampled"
+        """True when the tree's candidates are drawn from the heads' q (rejection sampling, drawn candidates)."""
+        return self.acceptance == "rejection" and self.candidates == "drawn"
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         """p: logits [..., V] -> [..., V] (see `sampling_probs`)."""
         return sampling_probs(logits, temperature=self.temperature, top_p=self.top_p)
 
-    def next_token(self, logits: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-        """The backbone's own next token from logits [..., V], as long [...] on their device:
-        argmax when greedy, else a draw from p."""
-        return self.choose(logits, self.uniforms(logits.shape[:-1], generator, device=logits.device))
-
     def uniforms(self, shape: tuple[int, ...], generator: torch.Generator | None, *,
                  device: torch.device | str) -> torch.Tensor | None:
-        """What choosing tokens of `shape` draws: None when greedy, else one uniform each, drawn before a
-        compiled step that chooses them (a captured graph holds no generator)."""
+        """What choosing tokens of `shape` draws: one uniform each, or None when greedy."""
         return None if self.greedy else torch.rand(shape, generator=generator, device=device)
 
-    def choose(self, logits: torch.Tensor, u: torch.Tensor | None) -> torch.Tensor:
-        """`next_token` from uniforms u [...] drawn before (`uniforms`): argmax when greedy, else the draw u
-        makes from p (`inverse_cdf`), as `draw` makes it."""
+    def next_token(self, logits: torch.Tensor, u: torch.Tensor | None) -> torch.Tensor:
+        """The backbone's own next token from logits [..., V] and the uniforms u [...] from `uniforms`: long
+        [...] on their device, the argmax when greedy (taken in float32, ties to the lowest id), else the
+        draw u makes from p."""
         return logits.float().argmax(dim=-1) if self.greedy else inverse_cdf(self.probs(logits), u)
 
 
@@ -93,8 +92,8 @@ def scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     """(logits - their maximum) / T in float32, [..., V]: the maximum becomes 0, so no temperature, however
     small, overflows into NaN; a T below float32's smallest normal number acts as that number (p is then
     the argmax's, shared among exact ties)."""
-    if temperature <= 0:
-        raise ValueError("temperature must be > 0 to sample; use greedy for temperature 0")
+    if not 0 < temperature <= FLOAT32_MAX:
+        raise ValueError(f"temperature must be in (0, {FLOAT32_MAX:.3g}] to sample; use greedy for temperature 0")
     z = logits.float()
     return (z - z.amax(dim=-1, keepdim=True)) / max(temperature, torch.finfo(torch.float32).tiny)
 
@@ -116,8 +115,8 @@ def sampling_probs(logits: torch.Tensor, *, temperature: float, top_p: float = 1
     return probs
 
 
-def draft_log_probs(head_logits: torch.Tensor, draft_ids: torch.Tensor, *, temperature: float,
-                    vocab_size: int) -> torch.Tensor:
+def q_log_probs(head_logits: torch.Tensor, draft_ids: torch.Tensor, *, temperature: float,
+                vocab_size: int) -> torch.Tensor:
     """log q over the whole vocabulary: head logits [..., M] over the draft vocabulary draft_ids [M], at
     the temperature p is sampled at -> [..., V], with q = 0 (log q = -inf) outside the draft vocabulary."""
     log_q = F.log_softmax(scaled(head_logits, temperature), dim=-1)  # [..., M]
@@ -125,31 +124,18 @@ def draft_log_probs(head_logits: torch.Tensor, draft_ids: torch.Tensor, *, tempe
     return full.scatter_(-1, draft_ids.expand(log_q.shape), log_q)  # [..., V]: draft_ids [M] as [..., M]
 
 
-def draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """One draw from each row of probs [..., V] (rows need not sum to 1): long [...] on probs' device, so
-    a step can use it without waiting for the host (`inverse_cdf` of one uniform per row)."""
-    return inverse_cdf(probs, torch.rand(probs.shape[:-1], generator=generator, device=probs.device))
-
-
 def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """The draw that uniforms u [...] in [0, 1) make from probs [..., V] (rows need not sum to 1), by
-    inverting the cumulative distribution: long [...]. A zero-probability token owns an empty interval
-    and is never drawn. Apart from `draw`, so a compiled step takes uniforms drawn before it (a captured
-    graph holds no generator)."""
+    """The draw that uniforms u [...] in [0, 1) make from probs [..., V] (rows need not sum to 1): long
+    [...]. A zero-probability token owns an empty interval of the cumulative distribution and is never
+    drawn."""
     cdf = probs.cumsum(dim=-1)  # [..., V]
     return torch.searchsorted(cdf, (u * cdf[..., -1])[..., None], right=True)[..., 0].clamp_(max=probs.shape[-1] - 1)
 
 
-def draw_without_replacement(log_q: torch.Tensor, width: int, generator: torch.Generator | None) -> torch.Tensor:
-    """`width` distinct tokens drawn from q in order: log_q [..., V] -> [..., width] (`gumbel_top_k` of
-    uniforms drawn here)."""
-    return gumbel_top_k(log_q, width, torch.rand(log_q.shape, generator=generator, device=log_q.device))
-
-
 def gumbel_top_k(log_q: torch.Tensor, width: int, u: torch.Tensor) -> torch.Tensor:
     """The `width` distinct tokens that uniforms u [..., V] draw from q, in order: log_q [..., V] -> [..., width].
-    Adding Gumbel noise to log q and keeping the top `width` is sequential sampling without replacement;
-    apart from `draw_without_replacement`, so a compiled step takes uniforms drawn before it."""
+    Adding Gumbel noise, -log(-log u), to log q and keeping the top `width` is sequential sampling
+    without replacement."""
     u = u.clamp_min(torch.finfo(u.dtype).tiny)  # a 0 would rule its token out
     return (log_q - torch.log(-torch.log(u))).topk(width, dim=-1).indices
 

@@ -119,42 +119,10 @@ class Tree:
         """The nodes from the root down to `node`."""
         return self.path(self.parents[node]) + [node] if node > 0 else [0]
 
-    # ---- drawings ----------------------------------------------------------------------------
-
-    def draw(self, labels: list[str] | None = None) -> str:
-        """The tree as indented text, one node a line: `[i] head d rank r label`."""
-        lines: list[str] = []
-
-        def visit(node: int, prefix: str, last: bool) -> None:
-            label = f" {labels[node]}" if labels is not None else ""
-            if node == 0:
-                lines.append(f"[0] root{label}")
-            else:
-                branch = "└─ " if last else "├─ "
-                lines.append(f"{prefix}{branch}[{node}] head {self.depths[node]} rank {self.ranks[node]}{label}")
-                prefix += "   " if last else "│  "
-            kids = self.children[node]
-            for j, kid in enumerate(kids):
-                visit(kid, prefix if node else "", j == len(kids) - 1)
-
-        visit(0, "", True)
-        return "\n".join(lines)
-
-    def draw_mask(self) -> str:
-        """The N x N tree attention mask: row = query node, column = key node, ■ = may attend."""
-        mask, N = self.tensors().ancestor_mask, self.num_nodes
-        width = len(str(N - 1))
-        rows = [" " * (width + 1) + " ".join(f"{j:>{width}}" for j in range(N))]
-        for i in range(N):
-            cells = " ".join(f"{'■' if mask[i, j] else '·':>{width}}" for j in range(N))
-            rows.append(f"{i:>{width}} {cells}")
-        return "\n".join(rows)
-
 
 @dataclass(frozen=True)
 class TreeTensors:
-    """A tree's index tensors on one device (`Tree.tensors`), and the sizes a compiled step needs as
-    constants. N nodes, D depth."""
+    """A tree's index tensors on one device (`Tree.tensors`), and its sizes. N nodes, D depth."""
 
     parents: torch.Tensor  # [N] long: each node's parent, -1 for the root
     ancestor_mask: torch.Tensor  # [N, N] bool: j is i or an ancestor of i, the tree attention mask (Fig. 2)
@@ -175,9 +143,9 @@ class TreeTensors:
 
 @lru_cache(maxsize=64)
 def tree_tensors(tree: Tree, device: str) -> TreeTensors:
-    """`Tree.tensors`, built once per tree and device: a captured step needs fixed inputs, and a step
-    should not rebuild them. Row i of the mask marks node i's path from the root, not the walk
-    up from each node that the reference's `tree_attention_mask` takes: two constructions, held equal."""
+    """`Tree.tensors`, built once per tree and device, so no step rebuilds them. Row i of the mask marks
+    node i's path from the root, not the walk up from each node that the reference's
+    `tree_attention_mask` takes: two constructions, held equal."""
     N, D = tree.num_nodes, tree.depth
     paths = torch.tensor([p + [i] * (D + 1 - len(p)) for i, p in enumerate(map(tree.path, range(N)))])  # [N, D + 1]
     mask = torch.zeros(N, N, dtype=torch.bool)

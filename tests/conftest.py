@@ -61,7 +61,7 @@ RULES = {  # every acceptance rule, at a temperature where candidates are often 
     "greedy": Sampling(),
     "typical": Sampling(acceptance="typical", temperature=0.8),
     "rejection": Sampling(temperature=0.8),  # candidates drawn from the heads' q
-    "rejection-topk": Sampling(temperature=0.8, draft="topk"),
+    "rejection-topk": Sampling(temperature=0.8, candidates="topk"),
 }
 
 

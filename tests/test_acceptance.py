@@ -8,15 +8,9 @@ import torch
 
 from conftest import random_tree
 from medusa_mini import reference as ref
-from medusa_mini.acceptance import (
-    accept_on_device,
-    accept_paths,
-    acceptance_uniforms,
-    greedy_accept_paths,
-    typical_accept_paths,
-)
-from medusa_mini.proposal import Draft, Proposal
-from medusa_mini.sampling import Sampling, draw_without_replacement
+from medusa_mini.acceptance import accept, acceptance_uniforms, greedy_accept_paths, typical_accept_paths
+from medusa_mini.proposal import Drawn
+from medusa_mini.sampling import Sampling, gumbel_top_k
 from medusa_mini.tree import Tree
 
 
@@ -32,6 +26,12 @@ def random_case(seed: int, *, vocab: int = 4, rows: int = 1):
             tokens[b, kids] = torch.randperm(vocab, generator=gen)[: len(kids)]
     logits = torch.randint(0, 3, (rows, tree.num_nodes, vocab), generator=gen).float()
     return tree, tokens, logits
+
+
+def decide(tree, tokens, logits, sampling, *, seed, drawn=None, usable=None):
+    """`accept` with the uniforms a generator seeded `seed` draws for the step."""
+    u = acceptance_uniforms(sampling, *tokens.shape, torch.Generator().manual_seed(seed), device="cpu")
+    return accept(tree.tensors(), tokens, logits, sampling=sampling, u=u, drawn=drawn, usable=usable)
 
 
 def as_host(accepted, b=0):
@@ -84,13 +84,12 @@ def test_nodes_a_row_cannot_use_are_never_accepted(rule):
     logits = torch.nn.functional.one_hot(torch.tensor([[1, 2, 3, 0]] * 3), 4).float() * 20  # all accepted
     usable = torch.tensor([[True] * 4, [True, True, False, False], [False] * 4])
     sampling = Sampling(acceptance=rule.split()[0], temperature=0.0 if rule == "greedy" else 1.0)
-    draft = None
+    drawn = None
     if rule.endswith("drawn candidates"):  # node i's child was drawn from q = a point mass on token i + 1
         samples = torch.tensor([[[1], [2], [3]]] * 3)  # [B, depth, 1 draw]
         log_q = torch.full((3, 3, 4), float("-inf")).scatter_(2, samples, 0.0)
-        draft = Draft(log_q=log_q, samples=samples, q_index=torch.tensor([0, 1, 2, -1]))
-    got = accept_paths(Proposal(tokens, tree, draft), logits, sampling=sampling,
-                       generator=torch.Generator().manual_seed(0), usable=usable)
+        drawn = Drawn(log_q=log_q, samples=samples, q_index=torch.tensor([0, 1, 2, -1]))
+    got = decide(tree, tokens, logits, sampling, seed=0, drawn=drawn, usable=usable)
     assert got.count.tolist()[:2] == [3, 1]
     assert got.count[2] == 0  # its root is unusable too: the step must not move its cache
 
@@ -115,12 +114,11 @@ def test_topk_rejection_on_the_device_makes_the_reference_walks_decisions_with_t
     numbers in row order, the same paths and bonus tokens: paths of every depth, 0 to 2, among the seeds."""
     tree = Tree.from_choices([(0,), (1,), (0, 0)])
     tokens = torch.tensor([[0, 1, 2, 3], [0, 2, 1, 0]])
-    sampling = Sampling(acceptance="rejection", temperature=1.0, draft="topk")
+    sampling = Sampling(acceptance="rejection", temperature=1.0, candidates="topk")
     depths = set()
     for seed in range(12):
         logits = torch.randn(2, 4, 4, generator=torch.Generator().manual_seed(seed))
-        got = accept_paths(Proposal(tokens, tree), logits, sampling=sampling,
-                           generator=torch.Generator().manual_seed(seed + 100))
+        got = decide(tree, tokens, logits, sampling, seed=seed + 100)
         gen = torch.Generator().manual_seed(seed + 100)
         for b in range(2):
             path, bonus = ref.rejection_accept(tree.parents, tokens[b].tolist(), logits[b], sampling=sampling,
@@ -163,7 +161,7 @@ def test_drawn_rejection_on_the_device_makes_the_reference_walks_decisions_in_ev
         near = logits[:, :qs] if heads == "hydra" else logits[:, [tree.first[d] for d in range(qs)]]  # [B, Q, V]
         log_q = {"p": sampling.probs(near).log(), "near-p": torch.log_softmax(near + torch.randn(near.shape, generator=gen), -1),
                  "three-tokens": torch.log_softmax(near, -1).masked_fill(torch.arange(V) >= 3, float("-inf"))}[q_kind]
-        samples = draw_without_replacement(log_q, tree.max_rank + 1, gen)  # [B, Q, R]
+        samples = gumbel_top_k(log_q, tree.max_rank + 1, torch.rand(log_q.shape, generator=gen))  # [B, Q, R]
         q_of = [n if heads == "hydra" else tree.depths[n] for n in range(N)]  # node n's q
         tokens = torch.zeros(B, N, dtype=torch.long)
         for c in range(1, N):  # child c holds the draw of its rank from its parent's q
@@ -174,13 +172,13 @@ def test_drawn_rejection_on_the_device_makes_the_reference_walks_decisions_in_ev
         u[:, : cut.num_nodes] = torch.stack([torch.rand(cut.num_nodes, generator=torch.Generator().manual_seed(b))
                                              for b in range(B)])
         usable = tree.tensors().depths[None].expand(B, N) <= room
-        got = accept_on_device(tree.tensors(), tokens, logits, sampling=sampling, u=u, usable=usable,
-                               draft=Draft(log_q=log_q, samples=samples, q_index=q_index))
+        got = accept(tree.tensors(), tokens, logits, sampling=sampling, u=u, usable=usable,
+                     drawn=Drawn(log_q=log_q, samples=samples, q_index=q_index))
         for b in range(B):
-            drafts = [(log_q[b, q_of[n]], samples[b, q_of[n]].tolist()) if cut.children[n] else None
-                      for n in range(cut.num_nodes)]
+            drawn = [(log_q[b, q_of[n]], samples[b, q_of[n]].tolist()) if cut.children[n] else None
+                     for n in range(cut.num_nodes)]
             want = ref.rejection_accept(cut.parents, tokens[b, : cut.num_nodes].tolist(), logits[b, : cut.num_nodes],
-                                        sampling=sampling, generator=torch.Generator().manual_seed(b), drafts=drafts)
+                                        sampling=sampling, generator=torch.Generator().manual_seed(b), drawn=drawn)
             assert as_host(got, b) == want
             after_a_miss += any(tree.children[a].index(n) > 0 for a, n in zip(want[0], want[0][1:]))
         deepest = max(deepest, int(got.count.max()))

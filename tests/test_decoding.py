@@ -5,14 +5,14 @@ reference's decisions, stops cleanly, and compiled-style steps change nothing.""
 import pytest
 import torch
 
+import medusa_mini.step as step
 from conftest import RULES, ContinuationHeads, random_heads, tiny_model
 from lossless import exact_sequence_probs, failures, small_model
 from medusa_mini import reference as ref
 from medusa_mini.decoding import generate, generate_batch, medusa_generate, medusa_generate_batch
 from medusa_mini.model import GPT, GPTConfig, KVCache
 from medusa_mini.proposal import PromptLookup
-from medusa_mini.sampling import Sampling
-from medusa_mini.step import Steps, draft_drawn, plain_step, verify, verify_and_accept
+from medusa_mini.sampling import Sampling, sampling_probs
 from medusa_mini.tree import Tree, chain, preset
 
 TREES = {
@@ -35,39 +35,36 @@ def drafter(kind: str, model, *prompts, seed: int = 0):
     return heads
 
 
-@torch.no_grad()
-def test_plain_sampling_emits_exactly_the_backbones_distribution():
+def plain_sampling_failures(top_p: float) -> list[str]:
+    """How 2000 rows of plain sampling at T = 0.8 and `top_p` betray the exact distribution (`lossless.failures`)."""
     model = small_model(11)
-    rows = generate_batch(model, [[1, 2]] * 2000, max_new_tokens=3, sampling=Sampling(temperature=0.8),
-                          generator=torch.Generator().manual_seed(1))
-    assert failures(rows, exact_sequence_probs(model, [1, 2], 3, temperature=0.8)) == []
+    with torch.no_grad():
+        rows = generate_batch(model, [[1, 2]] * 2000, max_new_tokens=3, sampling=Sampling(temperature=0.8, top_p=top_p),
+                              generator=torch.Generator().manual_seed(1))
+    return failures(rows, exact_sequence_probs(model, [1, 2], 3, temperature=0.8, top_p=top_p))
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.8])
+def test_plain_sampling_emits_exactly_the_backbones_distribution(top_p):
+    assert plain_sampling_failures(top_p) == []
+
+
+def test_the_plain_sampling_check_fails_when_the_plain_step_ignores_top_p(monkeypatch):
+    monkeypatch.setattr(Sampling, "probs", lambda self, logits: sampling_probs(logits, temperature=self.temperature))
+    assert plain_sampling_failures(0.8) != []
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 @torch.no_grad()
-def test_a_plain_step_chooses_its_own_next_token_so_the_baseline_pays_no_launch_medusa_does_not(
-        temperature, monkeypatch):
-    """Medusa's compiled step accepts inside its graph; the plain step must choose its token inside its own,
-    not in eager operations after it: the loop calls `Sampling.next_token` only for the prefill's token,
-    and emits the tokens the steps chose, the draws `next_token` makes from the same generator on the
-    logits of whole-sequence forwards without a cache."""
+def test_plain_decoding_emits_the_backbones_own_next_tokens_drawn_in_order_from_one_generator(temperature):
+    """Token after token, the argmax, or the draw `next_token` makes from the generator's next uniform, of
+    the logits a whole-sequence forward without a cache gives."""
     model, sampling = tiny_model(4), Sampling(temperature=temperature)
     ids, gen = [3, 1, 4], torch.Generator().manual_seed(2)
     for _ in range(6):
-        ids.append(int(sampling.next_token(model(torch.tensor([ids]))[0][0, -1], gen)))
-    expected = ids[3:]
-    after_the_loop, chosen = [], []
-    real_next_token = Sampling.next_token
-    monkeypatch.setattr(Sampling, "next_token", lambda *a: after_the_loop.append(1) or real_next_token(*a))
-
-    def step(*args, **kwargs):
-        token, logits, hidden = plain_step(*args, **kwargs)
-        chosen.append(int(token[0]))
-        return token, logits, hidden
-
-    got = generate(model, [3, 1, 4], max_new_tokens=6, sampling=sampling, steps=Steps(plain=step),
-                   generator=torch.Generator().manual_seed(2))[0]
-    assert got == expected and got[1:] == chosen and len(after_the_loop) == 1
+        ids.append(int(sampling.next_token(model(torch.tensor([ids]))[0][0, -1], sampling.uniforms((), gen, device="cpu"))))
+    got = generate(model, [3, 1, 4], max_new_tokens=6, sampling=sampling, generator=torch.Generator().manual_seed(2))[0]
+    assert got == ids[3:]
 
 
 @pytest.mark.parametrize("rule", ["typical", "rejection"])
@@ -198,63 +195,17 @@ def successor_model() -> GPT:
     return model
 
 
-def test_prompt_lookup_verifies_the_root_alone_without_a_repeated_ngram_and_drafts_right_on_a_repeated_text():
+def test_prompt_lookup_verifies_the_root_alone_without_a_repeated_ngram_and_drafts_right_on_a_repeated_text(
+        monkeypatch):
     """Without a repeated n-gram prompt lookup takes plain decoding's forward passes, each verifying the
     root alone; on a text whose continuation was written earlier, it emits several tokens a step."""
     model, prompt, verified = successor_model(), list(range(10)), []  # greedy: 10, 11, ...: nothing repeats
-
-    def counting_verify(model, cache, tokens, **kwargs):
-        verified.append(tokens.shape[1])
-        return verify(model, cache, tokens, **kwargs)
-
-    out, stats = medusa_generate(model, PromptLookup(), prompt, tree=preset("cpu"), max_new_tokens=20,
-                                 steps=Steps(verify=counting_verify))
+    real_verify = step.verify
+    monkeypatch.setattr(step, "verify", lambda model, cache, tokens, **kw: verified.append(tokens.shape[1]) or
+                        real_verify(model, cache, tokens, **kw))
+    out, stats = medusa_generate(model, PromptLookup(), prompt, tree=preset("cpu"), max_new_tokens=20)
     assert out == generate(model, prompt, max_new_tokens=20)[0] == list(range(10, 30))
     assert verified == [1] * 19 and stats.steps == 19  # plain decoding's passes: one a token after the prefill's
     out, stats = medusa_generate(model, PromptLookup(), list(range(20)) + list(range(6)), tree=chain(4),
                                  max_new_tokens=13)  # what follows 3, 4, 5 is written earlier
     assert out == list(range(6, 19)) and stats.tokens_per_step > 2
-
-
-@pytest.mark.parametrize("rule", RULES)
-def test_static_steps_make_the_tokens_of_eager_ones(rule):
-    """Compiled steps keep static shapes: they read every slot of the cache, its stale and empty ones
-    masked, and verify the whole tree to the end, the nodes a row cannot use masked where eager steps cut
-    the tree. That changes no token, in plain and Medusa decoding of a ragged batch, under any rule: the
-    random numbers are drawn for the whole tree either way."""
-    model, slots_read, verified = tiny_model(15), [], []
-
-    def recording(step, nodes, slots):
-        def run(model, cache, tokens, *args, attended=None, **kwargs):
-            nodes.append(tokens.shape[1])
-            slots.append(attended)
-            return step(model, cache, tokens, *args, attended=attended, **kwargs)
-        return run
-
-    static = Steps(plain=recording(plain_step, [], slots_read), verify=recording(verify, verified, slots_read),
-                   verify_and_accept=recording(verify_and_accept, verified, slots_read), static=True)
-    eager_nodes = []
-    eager = Steps(verify=recording(verify, eager_nodes, []))
-    heads, tree, sampling = random_heads(model, seed=15), preset("cpu"), RULES[rule]
-    for run in (lambda **kw: generate_batch(model, PROMPTS, max_new_tokens=20, sampling=sampling, **kw),
-                lambda **kw: medusa_generate_batch(model, heads, PROMPTS, tree=tree, max_new_tokens=20,
-                                                   sampling=sampling, **kw)):
-        assert run(steps=static, generator=torch.Generator().manual_seed(4)) == \
-            run(steps=eager, generator=torch.Generator().manual_seed(4))
-    assert set(slots_read) == {None}  # every static step read the whole cache
-    assert set(verified) == {tree.num_nodes} and min(eager_nodes) < tree.num_nodes  # eager ones cut the tree
-
-
-@pytest.mark.parametrize("kind", ["medusa", "hydra"])
-def test_a_static_step_on_the_root_alone_draws_nothing_ahead(kind):
-    """A tree of the root alone verifies one token, a plain step: a static step of drawn candidates then
-    drafts no next tree in its graph (there is none to draw), and decodes as the eager loop does."""
-    model = tiny_model(15)
-    heads, root_only = random_heads(model, seed=15, kind=kind), Tree.from_choices([])
-    static = Steps(verify_and_accept=verify_and_accept, draft_drawn=draft_drawn, static=True)
-
-    def run(steps):
-        return medusa_generate_batch(model, heads, PROMPTS, tree=root_only, max_new_tokens=8, sampling=RULES["rejection"],
-                                     generator=torch.Generator().manual_seed(2), steps=steps)
-
-    assert run(static) == run(Steps())

@@ -25,18 +25,12 @@ import medusa_mini.reference as ref
 import medusa_mini.step as step
 from conftest import RULES, ContinuationHeads, random_heads, tiny_model
 from lossless import FutureHeads, FutureHydraHeads, V, deepest, exact_sequence_probs, failures, sample_rows, small_model
-from medusa_mini.acceptance import (
-    accept_on_device,
-    acceptance_uniforms,
-    path_accept,
-    rejection_accept_topk,
-    typical_accept_paths,
-)
+from medusa_mini.acceptance import accept, acceptance_uniforms, path_accept, rejection_accept_topk, typical_accept_paths
 from medusa_mini.decoding import generate, generate_batch, medusa_generate, medusa_generate_batch, prefill
 from medusa_mini.model import KVCache, compact_kv_cache
-from medusa_mini.proposal import Draft, PromptLookup
+from medusa_mini.proposal import Drawn, PromptLookup
 from medusa_mini.sampling import Sampling, sampling_probs, speculative_try, typical_threshold
-from medusa_mini.step import Steps, plain_step, verify
+from medusa_mini.step import plain_step, verify
 from medusa_mini.tree import Tree, chain, preset
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models gain nothing from threads
@@ -86,14 +80,14 @@ def test_greedy_medusa_equals_plain_greedy_in_every_row_of_a_ragged_batch(drafte
         assert depth == GREEDY_TREE.depth  # the deepest accepted node: heads that know the future fill whole paths
 
 
-def verify_at_slots(model, cache, tokens, *, depths, ancestor_mask, attended=None):
-    slots = torch.arange(len(depths))  # node i written at slot length + i, and placed there too
-    return verify(model, cache, tokens, depths=slots, ancestor_mask=ancestor_mask, attended=attended)
+def verify_at_slots(model, cache, tokens, *, tree, attended=None):
+    slots = torch.arange(len(tree.depths))  # node i written at slot length + i, and placed there too
+    return verify(model, cache, tokens, tree=replace(tree, depths=slots), attended=attended)
 
 
-def verify_causal(model, cache, tokens, *, depths, ancestor_mask, attended=None):
-    return verify(model, cache, tokens, depths=depths, ancestor_mask=torch.ones_like(ancestor_mask).tril(),
-                  attended=attended)
+def verify_causal(model, cache, tokens, *, tree, attended=None):
+    causal = torch.ones_like(tree.ancestor_mask).tril()
+    return verify(model, cache, tokens, tree=replace(tree, ancestor_mask=causal), attended=attended)
 
 
 def keep_node_indices(cache, keep, *, start, count):
@@ -106,11 +100,11 @@ def judged_at_themselves(tree, tokens, y, *, usable=None):
     return path_accept(replace(tree, parents=torch.arange(len(tree.parents))), tokens, y, usable=usable)
 
 
-GREEDY_BUGS = {  # name: (module attribute to patch and the wrong value, or None; the steps to run)
-    "nodes_sit_at_their_slot_not_their_depth": (None, Steps(verify=verify_at_slots)),
-    "nodes_see_a_causal_mask_not_the_tree_mask": (None, Steps(verify=verify_causal)),
-    "the_cache_keeps_node_indices_not_the_paths_slots": ((step, "compact_kv_cache", keep_node_indices), Steps()),
-    "children_are_judged_at_themselves_not_their_parent": ((acceptance, "path_accept", judged_at_themselves), Steps()),
+GREEDY_BUGS = {  # name: the module attribute to patch, and the wrong value
+    "nodes_sit_at_their_slot_not_their_depth": (step, "verify", verify_at_slots),
+    "nodes_see_a_causal_mask_not_the_tree_mask": (step, "verify", verify_causal),
+    "the_cache_keeps_node_indices_not_the_paths_slots": (step, "compact_kv_cache", keep_node_indices),
+    "children_are_judged_at_themselves_not_their_parent": (acceptance, "path_accept", judged_at_themselves),
 }
 
 
@@ -118,11 +112,8 @@ GREEDY_BUGS = {  # name: (module attribute to patch and the wrong value, or None
 @pytest.mark.parametrize("bug", GREEDY_BUGS)
 def test_greedy_equals_plain_greedy_fails_when(bug, monkeypatch):
     """With the bug in, some row of the ragged batch parts from plain greedy (heads that know the future)."""
-    patch, steps = GREEDY_BUGS[bug]
-    if patch:
-        monkeypatch.setattr(*patch)
-    model = small_model(3)
-    assert greedy_mismatches(model, FutureHeads(), steps=steps)[0] > 0
+    monkeypatch.setattr(*GREEDY_BUGS[bug])
+    assert greedy_mismatches(small_model(3), FutureHeads())[0] > 0
 
 
 # ---- rejection sampling: the backbone's exact distribution ----------------------------------------------
@@ -163,17 +154,17 @@ def rejection(temperature=0.8, **settings):
 # q = softmax(gamma x logits / T): gamma 20 makes each head's draws nearly its top-k, so a node's later
 # candidates are tried against a q far from the whole one; gamma 2 keeps q sharper than p, so tries fail.
 CASES = {
-    "top-k": Case(FutureHeads(gamma=2.0), rejection(draft="topk"), rows=1500, deepest=2),
+    "top-k": Case(FutureHeads(gamma=2.0), rejection(candidates="topk"), rows=1500, deepest=2),
     "drawn-depth-3-rank-gap": Case(FutureHeads(gamma=20.0), rejection(), rows=700, deepest=3, tree=GAP_TREE, n=5),
     "drawn-top-p": Case(FutureHeads(gamma=2.0), rejection(top_p=0.8), rows=600, deepest=2, tree=GAP_TREE),
-    "top-k-top-p": Case(FutureHeads(gamma=2.0), rejection(top_p=0.8, draft="topk"), rows=600, deepest=2),
+    "top-k-top-p": Case(FutureHeads(gamma=2.0), rejection(top_p=0.8, candidates="topk"), rows=600, deepest=2),
     # p's favourite first token here is 2 (0.37 at T = 1.5): the draft vocabulary leaves it out
     "drawn-draft-vocabulary-T1.5": Case(FutureHeads(gamma=2.0, draft_ids=torch.tensor([0, 1, 3])),
                                         rejection(1.5), rows=700, deepest=2, tree=GREEDY_TREE),
     "hydra-ragged-batch": Case(FutureHydraHeads(gamma=20.0), rejection(), rows=500, deepest=2, model=15,
                                prompts=((2, 1), (3, 0, 1))),
     "cut-by-the-budget": Case(FutureHeads(gamma=2.0), rejection(), rows=600, deepest=2, tree=GAP_TREE),
-    "cut-by-the-context": Case(FutureHeads(gamma=2.0), rejection(draft="topk"), rows=800, deepest=2,
+    "cut-by-the-context": Case(FutureHeads(gamma=2.0), rejection(candidates="topk"), rows=800, deepest=2,
                                tree=GAP_TREE, block_size=6, max_new_tokens=8),
     "end-token": Case(FutureHeads(gamma=2.0), rejection(), rows=600, deepest=2, eos_id=3),
     # A 3-token continuation is verified on a chain of 4, one node deeper than the 5 new tokens allow.
@@ -226,7 +217,7 @@ def first_draw_accepted_untested(p, q, x, u):
 
 
 def accepts_without_top_p(tree, tokens, logits, *, sampling, **kwargs):
-    return accept_on_device(tree, tokens, logits, sampling=replace(sampling, top_p=1.0), **kwargs)
+    return accept(tree, tokens, logits, sampling=replace(sampling, top_p=1.0), **kwargs)
 
 
 def one_uniform_per_row(tree, tokens, logits, *, sampling, u, usable=None):
@@ -235,19 +226,19 @@ def one_uniform_per_row(tree, tokens, logits, *, sampling, u, usable=None):
     return rejection_accept_topk(tree, tokens, logits, sampling=sampling, u=u[:, :1].expand_as(u), usable=usable)
 
 
-def another_rows_q(draft, nodes, at=Draft.at):
-    """`Draft.at` giving row b its own draws with row b - 1's q."""
-    log_q, draws = at(draft, nodes)
+def another_rows_q(drawn, nodes, at=Drawn.at):
+    """`Drawn.at` giving row b its own draws with row b - 1's q."""
+    log_q, draws = at(drawn, nodes)
     return log_q.roll(1, dims=0), draws
 
 
-def a_siblings_q(draft, nodes, at=Draft.at):
-    """`Draft.at` with each inner node's children (DEEP_TREE's depth 1) tried against the next one's q."""
-    inner = [i for i, q in enumerate(draft.q_index.tolist()) if q >= 0 and i > 0]
-    sibling = list(range(len(draft.q_index)))
+def a_siblings_q(drawn, nodes, at=Drawn.at):
+    """`Drawn.at` with each inner node's children (DEEP_TREE's depth 1) tried against the next one's q."""
+    inner = [i for i, q in enumerate(drawn.q_index.tolist()) if q >= 0 and i > 0]
+    sibling = list(range(len(drawn.q_index)))
     for i, j in zip(inner, inner[1:] + inner[:1]):
         sibling[i] = j
-    return at(draft, torch.tensor(sibling)[nodes])[0], at(draft, nodes)[1]
+    return at(drawn, torch.tensor(sibling)[nodes])[0], at(drawn, nodes)[1]
 
 
 SAMPLING_BUGS = {  # name: (the case whose check must fail, the module attribute to patch, the wrong value)
@@ -255,16 +246,14 @@ SAMPLING_BUGS = {  # name: (the case whose check must fail, the module attribute
     "q_keeps_earlier_draws": ("drawn-depth-3-rank-gap", acceptance, "without_earlier_draws", q_keeps_earlier_draws),
     "the_first_draw_is_accepted_untested": ("drawn-depth-3-rank-gap", acceptance, "speculative_try",
                                             first_draw_accepted_untested),
-    "drawn_candidates_are_judged_by_p_without_top_p": ("drawn-top-p", step, "accept_on_device",
-                                                       accepts_without_top_p),
-    "top_k_candidates_are_judged_by_p_without_top_p": ("top-k-top-p", step, "accept_on_device",
-                                                       accepts_without_top_p),
+    "drawn_candidates_are_judged_by_p_without_top_p": ("drawn-top-p", step, "accept", accepts_without_top_p),
+    "top_k_candidates_are_judged_by_p_without_top_p": ("top-k-top-p", step, "accept", accepts_without_top_p),
     "the_residual_is_not_updated_after_a_miss": ("drawn-draft-vocabulary-T1.5", acceptance, "speculative_try",
                                                  residual_not_updated),
     "the_residual_leaves_out_tokens_outside_the_draft_vocabulary": (
         "drawn-draft-vocabulary-T1.5", acceptance, "speculative_try", residual_only_over_the_draft_vocabulary),
-    "a_row_tries_its_draws_against_another_rows_q": ("hydra-ragged-batch", Draft, "at", another_rows_q),
-    "children_are_tried_against_a_siblings_q": ("hydra-ragged-batch", Draft, "at", a_siblings_q),
+    "a_row_tries_its_draws_against_another_rows_q": ("hydra-ragged-batch", Drawn, "at", another_rows_q),
+    "children_are_tried_against_a_siblings_q": ("hydra-ragged-batch", Drawn, "at", a_siblings_q),
 }
 
 
@@ -345,7 +334,7 @@ def test_typical_medusa_with_top_p_emits_only_nucleus_tokens_in_the_engine_and_t
 
 
 def test_the_nucleus_check_fails_when_typical_acceptance_reads_p_without_top_p(monkeypatch):
-    monkeypatch.setattr(step, "accept_on_device", accepts_without_top_p)
+    monkeypatch.setattr(step, "accept", accepts_without_top_p)
     assert typical_tokens_outside_the_nucleus()[0] > 0
 
 
@@ -480,7 +469,7 @@ def test_a_temperature_below_float32s_range_is_greedy_for_plain_sampling_and_eve
     assert [tokens for tokens, _ in plain] == want
     for kind in ("medusa", "hydra"):
         heads = random_heads(model, seed=1, kind=kind)
-        for sampling in (Sampling(acceptance="typical", temperature=temperature), rejection(temperature, draft="topk"),
+        for sampling in (Sampling(acceptance="typical", temperature=temperature), rejection(temperature, candidates="topk"),
                          rejection(temperature)):
             rows = medusa_generate_batch(model, heads, prompts, tree=preset("cpu"), max_new_tokens=20,
                                          sampling=sampling, generator=torch.Generator().manual_seed(0))
@@ -501,8 +490,7 @@ def verify_error(model, prompt: list[int], tree: Tree) -> float:
     _, plain, _ = plain_step(model, caches[0], root)  # [1, 1, V]
     others = torch.randint(0, model.config.vocab_size, (1, tree.num_nodes - 1),
                            generator=torch.Generator().manual_seed(0))
-    tree_logits, _ = verify(model, caches[1], torch.cat([root, others], dim=1), depths=t.depths,
-                            ancestor_mask=t.ancestor_mask)  # [1, N, V]
+    tree_logits, _ = verify(model, caches[1], torch.cat([root, others], dim=1), tree=t)  # [1, N, V]
     return (plain[0, 0].float() - tree_logits[0, 0].float()).abs().max().item()
 
 

@@ -8,7 +8,7 @@ import torch
 from conftest import random_heads, tiny_model
 from medusa_mini.decoding import generate, medusa_generate
 from medusa_mini.heads import IGNORE, HeadsConfig, frequency_order, make_heads, next_tokens
-from medusa_mini.sampling import Sampling, draft_log_probs
+from medusa_mini.sampling import Sampling, q_log_probs
 from medusa_mini.training import MedusaLM, self_distill
 from medusa_mini.tree import Tree, chain, preset
 
@@ -28,8 +28,9 @@ def shuffled(seed: int = 0) -> torch.Tensor:
 
 def propose(heads, model, tree, root, hidden, sampling=Sampling(), generator=None):
     """One row's proposal: the heads' proposer filling `tree` below `root` from hidden [C]."""
-    return heads.proposer(model, tree).propose(torch.tensor([root]), hidden[None], history=[[root]],
-                                               max_depth=tree.depth, sampling=sampling, generator=generator)
+    proposer = heads.proposer(model, tree)
+    return proposer.propose(torch.tensor([root]), hidden[None], history=[[root]], sampling=sampling,
+                            u=proposer.uniforms(sampling, 1, generator, device="cpu"))
 
 
 def q_logits(heads, model, hidden, path: list[int]) -> torch.Tensor:
@@ -134,41 +135,20 @@ def test_depth_by_depth_filling_equals_the_node_by_node_definition(kind, tree):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_sampled_drafts_draw_each_nodes_children_from_its_own_q(kind):
+def test_drawn_candidates_are_each_nodes_children_drawn_from_its_own_q(kind):
     model = tiny_model(4)
     heads = random_heads(model, kind=kind, seed=4)
     heads.use_draft_vocabulary(shuffled(4), 16)
     hidden, T = torch.randn(C), 0.8
     proposal = propose(heads, model, TREE, 7, hidden, Sampling(temperature=T), torch.Generator().manual_seed(0))
-    tokens, draft = proposal.tokens[0].tolist(), proposal.draft
+    tokens, drawn_from = proposal.tokens[0].tolist(), proposal.drawn
     assert set(tokens[1:]) <= set(heads.draft_ids.tolist())
-    for node, (kids, drawn) in enumerate(zip(TREE.children, draft.per_node(0))):
+    for node, (kids, drawn) in enumerate(zip(TREE.children, drawn_from.per_node(0))):
         assert (drawn is None) == (not kids)
         if kids:
             q = q_logits(heads, model, hidden, [tokens[j] for j in TREE.path(node)])
-            torch.testing.assert_close(drawn[0], draft_log_probs(q, heads.draft_ids, temperature=T, vocab_size=V))
+            torch.testing.assert_close(drawn[0], q_log_probs(q, heads.draft_ids, temperature=T, vocab_size=V))
             assert len(set(drawn[1])) == len(drawn[1]) and [tokens[c] for c in kids] == [drawn[1][TREE.ranks[c]] for c in kids]
-
-
-@pytest.mark.parametrize("kind", KINDS)
-def test_the_compiled_steps_drawing_function_draws_the_proposers_tree_from_the_same_numbers(kind):
-    """`draft` (what `step.draft_drawn` compiles) given the uniforms the proposer takes from the
-    generator (`draw_uniforms`, one per token of each q of the whole tree, `cut` with it) returns the
-    proposer's tokens and draft, for the full tree and each cut of it, in a batch."""
-    model = tiny_model(4)
-    heads = random_heads(model, kind=kind, seed=4)
-    heads.use_draft_vocabulary(shuffled(4), 16)
-    proposer, sampling = heads.proposer(model, TREE), Sampling(temperature=0.8)
-    roots, hidden = torch.tensor([7, 3]), torch.randn(2, C)
-    for tree in (TREE.truncated(depth) for depth in range(1, TREE.depth + 1)):
-        eager = proposer.propose(roots, hidden, history=[[7], [3]], max_depth=tree.depth, sampling=sampling,
-                                 generator=torch.Generator().manual_seed(1))
-        u = proposer.cut(proposer.draw_uniforms(2, torch.Generator().manual_seed(1), device="cpu"), tree)
-        tokens, draft = heads.draft(model, roots, hidden, tree.tensors(), temperature=0.8, u=u)
-        assert eager.tree == tree and proposer.q_count(tree) == eager.draft.log_q.shape[1]
-        assert torch.equal(tokens, eager.tokens) and torch.equal(draft.samples, eager.draft.samples)
-        assert torch.equal(draft.q_index, eager.draft.q_index)
-        torch.testing.assert_close(draft.log_q, eager.draft.log_q)
 
 
 @pytest.mark.parametrize("kind", KINDS)

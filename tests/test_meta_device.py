@@ -17,11 +17,12 @@ from conftest import RULES, random_heads, tiny_model
 from device_rules import CudaRules
 from medusa_mini import acceptance, reference
 from medusa_mini import model as model_module
+from medusa_mini.cli.compiled import compile_steps
 from medusa_mini.decoding import generate_batch, medusa_generate_batch, prefill
 from medusa_mini.model import KVCache
 from medusa_mini.proposal import PromptLookup
 from medusa_mini.sampling import Sampling
-from medusa_mini.step import Steps, draft_drawn, medusa_step, verify_and_accept
+from medusa_mini.step import medusa_step
 from medusa_mini.training import MedusaLM, self_distill
 from medusa_mini.tree import preset
 
@@ -100,14 +101,14 @@ def test_whole_generations_run_on_the_device_when_each_host_read_is_answered(kin
 
 @pytest.mark.parametrize("rule", RULES)
 @pytest.mark.parametrize("kind", DRAFTERS)
-def test_the_step_compiled_steps_run_stays_on_the_device(kind, rule):
-    """`verify_and_accept` and `draft_drawn`, which compiled steps run, eagerly: the drawn candidates,
-    acceptance under every rule, keep_path and, for top-k candidates, the heads' next tree
-    (`heads.draft`) under CUDA's rules, one host read per step."""
+def test_the_steps_compile_makes_stay_on_the_device(kind, rule):
+    """cli/compiled.py's steps, run eagerly (compiling: the identity): the first drawn tree, the verify,
+    acceptance under every rule, keep_path and the heads' next tree in one function, under CUDA's rules,
+    one host read per step."""
+    steps = compile_steps(META, compile=lambda fn: fn)
     with meta_rules(answer_reads=True) as rules:
         results = medusa_generate_batch(meta_model(), meta_drafter(kind), [[1] * 60, [4, 5, 6]], tree=TREE,
-                                        max_new_tokens=6, sampling=RULES[rule], generator=GEN,
-                                        steps=Steps(verify_and_accept=verify_and_accept, draft_drawn=draft_drawn))
+                                        max_new_tokens=6, sampling=RULES[rule], generator=GEN, steps=steps)
     assert [stats.steps for _, stats in results] == [3, 5] and rules.reads == 1 + 5
 
 
@@ -184,4 +185,5 @@ def test_a_tensor_left_on_the_host_in_the_engine_fails_the_device_run(monkeypatc
     monkeypatch.setattr(module, name, misplaced)
     with meta_rules(answer_reads=True), pytest.raises(RuntimeError, match="device"):
         cache, logits, hidden = prefilled(model)
-        medusa_step(model, cache, proposer, logits.argmax(-1), hidden)
+        medusa_step(model, cache, proposer, logits.argmax(-1), hidden, history=[[1, 2, 3], [1, 2, 3, 4, 5]],
+                    stop_at=torch.full((2,), 64, device=META))

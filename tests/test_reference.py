@@ -42,22 +42,22 @@ DRAFT_IDS = torch.tensor([2, 5, 11, 17, 23, 31, 40, 63])  # a draft vocabulary o
 def test_propose_fills_each_node_with_its_heads_guess_of_its_rank_from_the_draft_vocabulary():
     head_logits = torch.randn(3, 8, generator=torch.Generator().manual_seed(0))  # [K, M]
     ranked = DRAFT_IDS[head_logits.topk(2, dim=-1).indices]  # [K, 2] token ids
-    tokens, drafts = ref.propose(head_logits, DRAFT_IDS, TREE, 7, vocab_size=64, sampling=Sampling(), generator=None)
-    assert drafts is None
+    tokens, drawn = ref.propose(head_logits, DRAFT_IDS, TREE, 7, vocab_size=64, sampling=Sampling(), generator=None)
+    assert drawn is None
     assert tokens == [7] + [ranked[len(c) - 1, c[-1]].item() for c in TREE.choices]
 
 
-def test_sampled_drafts_give_each_node_the_q_its_children_were_drawn_from():
+def test_drawn_candidates_give_each_node_the_q_its_children_were_drawn_from():
     head_logits = torch.randn(3, 8, generator=torch.Generator().manual_seed(1))
-    tokens, drafts = ref.propose(head_logits, DRAFT_IDS, TREE, 7, vocab_size=64, sampling=Sampling(temperature=0.5),
-                                 generator=torch.Generator().manual_seed(0))
+    tokens, drawn = ref.propose(head_logits, DRAFT_IDS, TREE, 7, vocab_size=64, sampling=Sampling(temperature=0.5),
+                                generator=torch.Generator().manual_seed(0))
     assert set(tokens[1:]) <= set(DRAFT_IDS.tolist())
     for node, d in enumerate(TREE.depths):
         kids = ref.children(PARENTS, node)
         if kids:
-            log_q, drawn = drafts[node]
+            log_q, draws = drawn[node]
             torch.testing.assert_close(log_q[DRAFT_IDS], torch.log_softmax(head_logits[d] / 0.5, -1))  # head d+1, at T
-            assert [tokens[c] for c in kids] == [drawn[TREE.choices[c - 1][-1]] for c in kids]
+            assert [tokens[c] for c in kids] == [draws[TREE.choices[c - 1][-1]] for c in kids]
 
 
 # ---- greedy acceptance --------------------------------------------------------------------------------
@@ -96,7 +96,7 @@ TWO_BY_TWO = [(0,), (1,), (0, 0), (0, 1)]
 
 
 @pytest.mark.parametrize("choices, draft_ids, sampling", [
-    (TWO_BY_TWO, range(V), Sampling(temperature=1.0, draft="topk")), (TWO_BY_TWO, range(V), T1),
+    (TWO_BY_TWO, range(V), Sampling(temperature=1.0, candidates="topk")), (TWO_BY_TWO, range(V), T1),
     ([(1,), (1, 0)], range(V), T1), (TWO_BY_TWO, [0, 1, 2], T1),
 ], ids=["top-k", "drawn", "drawn-rank-1-without-rank-0", "drawn-draft-vocabulary"])
 def test_rejection_sampling_emits_tokens_with_exactly_the_backbones_probabilities(choices, draft_ids, sampling):
@@ -112,8 +112,8 @@ def test_rejection_sampling_emits_tokens_with_exactly_the_backbones_probabilitie
     gen = torch.Generator().manual_seed(0)
     first, second, accepted = Counter(), Counter(), 0
     for _ in range(4000):
-        tokens, drafts = ref.propose(head_logits, draft_ids, tree, 0, vocab_size=V, sampling=sampling, generator=gen)
-        path, bonus = ref.rejection_accept(tree.parents, tokens, logits, sampling=sampling, generator=gen, drafts=drafts)
+        tokens, drawn = ref.propose(head_logits, draft_ids, tree, 0, vocab_size=V, sampling=sampling, generator=gen)
+        path, bonus = ref.rejection_accept(tree.parents, tokens, logits, sampling=sampling, generator=gen, drawn=drawn)
         out = emitted(path, bonus, tokens)
         accepted += len(path) - 1
         first[out[0]] += 1
@@ -134,9 +134,9 @@ def test_a_draft_equal_to_the_backbone_is_always_accepted_and_a_top_1_guess_only
     logits = torch.log(torch.stack([p[0], p[1], p[1]]))  # node 1's p is head 2's q
     gen = torch.Generator().manual_seed(2)
     for _ in range(200):
-        tokens, drafts = ref.propose(torch.log(p), torch.arange(V), tree, 0, vocab_size=V, sampling=T1, generator=gen)
-        assert ref.rejection_accept(tree.parents, tokens, logits, sampling=T1, generator=gen, drafts=drafts)[0] == [0, 1, 2]
-    flat, topk = logits_from([[0.22, 0.2, 0.2, 0.19, 0.19]] * 2), Sampling(temperature=1.0, draft="topk")
+        tokens, drawn = ref.propose(torch.log(p), torch.arange(V), tree, 0, vocab_size=V, sampling=T1, generator=gen)
+        assert ref.rejection_accept(tree.parents, tokens, logits, sampling=T1, generator=gen, drawn=drawn)[0] == [0, 1, 2]
+    flat, topk = logits_from([[0.22, 0.2, 0.2, 0.19, 0.19]] * 2), Sampling(temperature=1.0, candidates="topk")
     paths = [ref.rejection_accept([-1, 0], [0, 0], flat, sampling=topk, generator=gen)[0] for _ in range(2000)]
     assert abs(sum(len(path) == 2 for path in paths) / 2000 - 0.22) < 0.05  # token 0, the top-1 guess, p .22
 

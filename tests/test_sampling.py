@@ -8,10 +8,9 @@ import torch
 
 from medusa_mini.sampling import (
     Sampling,
-    draft_log_probs,
-    draw,
-    draw_without_replacement,
     gumbel_top_k,
+    inverse_cdf,
+    q_log_probs,
     sampling_probs,
     typical_threshold,
     without_earlier_draws,
@@ -48,16 +47,15 @@ def test_the_typical_bar_is_min_epsilon_delta_exp_minus_entropy():
 def test_q_over_a_draft_vocabulary_is_the_heads_softmax_there_and_zero_elsewhere():
     head_logits = torch.tensor([[1.0, 2.0, 0.5], [0.0, 0.0, 3.0]])  # [2, M = 3]
     draft_ids = torch.tensor([1, 4, 6])
-    log_q = draft_log_probs(head_logits, draft_ids, temperature=0.5, vocab_size=8)  # [2, V = 8]
+    log_q = q_log_probs(head_logits, draft_ids, temperature=0.5, vocab_size=8)  # [2, V = 8]
     torch.testing.assert_close(log_q[:, draft_ids], torch.log_softmax(head_logits / 0.5, dim=-1))
     assert torch.isneginf(log_q[:, [0, 2, 3, 5, 7]]).all()
 
 
 def test_a_draw_follows_the_probabilities_and_never_picks_a_zero_one():
     probs = torch.tensor([0.1, 0.0, 0.6, 0.3, 0.0])
-    gen = torch.Generator().manual_seed(0)
     n = 20000
-    counts = Counter(draw(probs.expand(n, 5), gen).tolist())
+    counts = Counter(inverse_cdf(probs.expand(n, 5), torch.rand(n, generator=torch.Generator().manual_seed(0))).tolist())
     assert set(counts) == {0, 2, 3}
     for tok in (0, 2, 3):
         assert_frequency(counts[tok], n, probs[tok].item())
@@ -65,7 +63,7 @@ def test_a_draw_follows_the_probabilities_and_never_picks_a_zero_one():
 
 def test_drawn_candidates_are_distinct_draws_from_q_in_draw_order():
     log_q = torch.tensor([0.7, 0.1, 0.1, 0.1, 0.0]).log().expand(4000, 5)
-    rows = draw_without_replacement(log_q, 3, torch.Generator().manual_seed(4)).tolist()
+    rows = gumbel_top_k(log_q, 3, torch.rand(log_q.shape, generator=torch.Generator().manual_seed(4))).tolist()
     assert all(len(set(row)) == 3 and 4 not in row for row in rows)  # no repeat, nothing q rules out
     assert_frequency(sum(row[0] == 0 for row in rows), 4000, 0.7)
     assert_frequency(sum(row[1] == 0 for row in rows), 4000, 3 * 0.1 * 0.7 / 0.9)  # second, after another
@@ -98,14 +96,15 @@ def test_greedy_is_decided_by_the_temperature_alone_and_sampling_means_lossless_
     for rule in ("typical", "rejection"):
         assert Sampling(acceptance=rule, temperature=0.0).acceptance == "greedy"
         assert Sampling(acceptance=rule, temperature=0.5).acceptance == rule
-    assert Sampling(temperature=0.5).draws_candidates and not Sampling(temperature=0.5, draft="topk").draws_candidates
+    assert Sampling(temperature=0.5).draws_candidates and not Sampling(temperature=0.5, candidates="topk").draws_candidates
 
 
 @pytest.mark.parametrize("kwargs, needle", [
     (dict(acceptance="greedy", temperature=0.7), "greedy acceptance is for temperature 0"),
     (dict(temperature=-1.0), "temperature"), (dict(temperature=float("nan")), "temperature"),
+    (dict(temperature=1e39), "float32's largest"),
     (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"), (dict(epsilon=0.0), "epsilon"),
-    (dict(acceptance="nucleus"), "unknown acceptance rule"), (dict(draft="beam"), "unknown draft"),
+    (dict(acceptance="nucleus"), "unknown acceptance rule"), (dict(candidates="beam"), "unknown candidates"),
 ])
 def test_impossible_settings_fail_at_construction(kwargs, needle):
     with pytest.raises(ValueError, match=needle):
@@ -115,5 +114,7 @@ def test_impossible_settings_fail_at_construction(kwargs, needle):
 def test_the_next_token_is_the_argmax_when_greedy_and_a_draw_from_p_otherwise():
     logits = torch.log(torch.tensor([0.2, 0.5, 0.3]))
     assert int(Sampling().next_token(logits, None)) == 1
-    draws = Sampling(temperature=1.0).next_token(logits.expand(4000, 3), torch.Generator().manual_seed(0))
+    sampling = Sampling(temperature=1.0)
+    draws = sampling.next_token(logits.expand(4000, 3), sampling.uniforms((4000,), torch.Generator().manual_seed(0),
+                                                                            device="cpu"))
     assert_frequency(int((draws == 0).sum()), 4000, 0.2)

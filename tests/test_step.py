@@ -9,9 +9,9 @@ from device_rules import CudaRules
 from medusa_mini.acceptance import Accepted
 from medusa_mini.decoding import prefill
 from medusa_mini.model import KVCache
-from medusa_mini.proposal import MedusaProposer, PromptLookup, Proposal, chain_length, lookup
+from medusa_mini.proposal import PromptLookup, Proposal, chain_length, lookup
 from medusa_mini.sampling import Sampling
-from medusa_mini.step import Steps, keep_path, medusa_step, read_step, usable_nodes, verify, verify_and_accept
+from medusa_mini.step import keep_path, medusa_step, plain_step, read_step, usable_nodes, verify
 from medusa_mini.tree import Tree, chain, preset
 
 #   0 root ─┬─ 1 (0,) ─┬─ 3 (0,0) ── 5 (0,0,0)
@@ -21,33 +21,16 @@ TREE = Tree.from_choices([(0,), (1,), (0, 0), (0, 1), (0, 0, 0)])
 V = 64
 
 
-def test_near_the_end_the_proposal_holds_the_shallow_part_of_the_tree_and_asks_only_its_heads():
-    model = tiny_model(0)
-    heads, asked = random_heads(model, num_heads=3), []
-
-    def head_logits(hidden, num):  # [B, num, V]
-        asked.append(num)
-        return heads(hidden, model, num=num).transpose(0, 1)
-
-    proposer = MedusaProposer(TREE, head_logits, draft_ids=heads.draft_ids, vocab_size=V, num_heads=3)
-    hidden = torch.randn(1, 32, generator=torch.Generator().manual_seed(0))
-    for depth, want in ((3, TREE), (5, TREE), (1, TREE.truncated(1)), (0, TREE.truncated(0))):
-        proposal = proposer.propose(torch.tensor([7]), hidden, max_depth=depth, sampling=Sampling(), generator=None)
-        assert proposal.tree == want and proposal.tokens.shape == (1, want.num_nodes)
-    assert proposal.tokens.tolist() == [[7]] and asked == [3, 3, 1]  # the root alone needs no head
-
-
 def test_usable_nodes_are_those_whose_tokens_fit_before_each_rows_stop():
     """A node at depth d emits d + 1 tokens after the root; a row whose cache holds `start` tokens stops
     at `stop_at`, so it may use depths up to stop_at - 2 - start. A finished row uses none."""
-    usable = usable_nodes(TREE, torch.tensor([10, 10, 10, 10]), torch.tensor([20, 13, 12, 11]))
+    usable = usable_nodes(TREE.tensors(), torch.tensor([10, 10, 10, 10]), torch.tensor([20, 13, 12, 11]))
     depths = TREE.depths  # [0, 1, 1, 2, 2, 3]
     assert usable.tolist() == [[True] * 6, [d <= 1 for d in depths], [d == 0 for d in depths], [False] * 6]
 
 
 def verify_tree(model, cache, tree, tokens):
-    t = tree.tensors()
-    return verify(model, cache, tokens, depths=t.depths, ancestor_mask=t.ancestor_mask)
+    return verify(model, cache, tokens, tree=tree.tensors())
 
 
 def test_verify_scores_every_node_as_if_its_path_were_the_only_continuation_in_every_row():
@@ -114,12 +97,11 @@ def test_prompt_lookup_drafts_each_rows_continuation_on_a_chain_of_the_next_powe
     proposer = PromptLookup(max_ngram=2).proposer(None, preset("cpu"))  # a chain of the tree's 11 nodes
     assert proposer.tree == chain(11)
     history = [[1, 2, 3, 1, 2], [4, 5, 6, 5], [7, 8, 9]]
-    proposal = proposer.propose(torch.tensor([2, 5, 9]), torch.zeros(3, 32), history=history, max_depth=5,
-                                sampling=Sampling(), generator=None)
+    proposal = proposer.propose(torch.tensor([2, 5, 9]), torch.zeros(3, 32), history=history, sampling=Sampling(),
+                                u=None)
     assert proposal.tree == chain(4)  # continuations of 3, 2 and 0 tokens
     assert proposal.tokens.tolist() == [[2, 3, 1, 2, 2], [5, 6, 5, 5, 5], [9, 9, 9, 9, 9]]
-    alone = proposer.propose(torch.tensor([9]), torch.zeros(1, 32), history=[[7, 8, 9]], max_depth=5,
-                             sampling=Sampling(), generator=None)
+    alone = proposer.propose(torch.tensor([9]), torch.zeros(1, 32), history=[[7, 8, 9]], sampling=Sampling(), u=None)
     assert alone.tree.num_nodes == 1 and alone.tokens.tolist() == [[9]]
 
 
@@ -129,10 +111,9 @@ def test_a_continuation_is_verified_on_the_next_power_of_two_chain_capped_at_the
 
 
 @pytest.mark.parametrize("kind", ["medusa", "hydra", "prompt lookup"])
-def test_every_proposal_of_a_static_step_holds_one_of_the_few_trees_its_proposer_names(kind):
-    """What a compiled loop records in its warm-up (`Proposer.trees`): every tree a static step's proposal
-    holds. The heads' whole tree alone: a static step never cuts it (`medusa_step` asks for its whole depth
-    and masks what a row cannot use). Prompt lookup's chains, at any room left and any continuation
+def test_every_proposal_holds_one_of_the_few_trees_its_proposer_names(kind):
+    """What a compiled loop records in its warm-up (`Proposer.trees`): the heads' whole tree alone (a step
+    masks what a row cannot use, it never cuts the tree); prompt lookup's chains for any continuation
     length: its 64-node chain takes 8 of them, not 65."""
     lookup = kind == "prompt lookup"
     model, tree = tiny_model(3), chain(64) if lookup else TREE
@@ -140,14 +121,13 @@ def test_every_proposal_of_a_static_step_holds_one_of_the_few_trees_its_proposer
         random_heads(model, num_heads=3, kind=kind).proposer(model, tree)
     trees, seen = proposer.trees(), set()
     assert len(trees) == (8 if lookup else 1) == len(set(trees)) and tree in trees
-    for repeat in range(0, 70, 3):  # the text repeats its last `repeat` tokens, so lookup finds that many
+    for repeat in [1, 2, *range(0, 70, 3)]:  # the text repeats its last `repeat` tokens: lookup finds that many
         text = list(range(1, 70 - repeat)) + list(range(70 - 2 * repeat, 70 - repeat)) if repeat else [1, 2, 3]
-        for max_depth in (0, 1, 2, 3, 5, 40, 64) if lookup else (tree.depth,):
-            root = torch.tensor([text[-1] % model.config.vocab_size])
-            proposal = proposer.propose(root, torch.zeros(1, model.config.n_embd),
-                                        history=[text], max_depth=max_depth, sampling=Sampling(), generator=None)
-            assert proposal.tree in trees and proposal.tokens.shape == (1, proposal.tree.num_nodes)
-            seen.add(proposal.tree)
+        root = torch.tensor([text[-1] % model.config.vocab_size])
+        proposal = proposer.propose(root, torch.zeros(1, model.config.n_embd), history=[text], sampling=Sampling(),
+                                    u=None)
+        assert proposal.tree in trees and proposal.tokens.shape == (1, proposal.tree.num_nodes)
+        seen.add(proposal.tree)
     assert seen == set(trees)
 
 
@@ -161,60 +141,12 @@ def test_a_step_sends_the_device_nothing(kind, rule):
     cache = KVCache(model.config, batch_size=batch, max_len=64)
     logits, hidden = prefill(model, torch.tensor([[3, 1, 4, 1, 5]] * batch), cache)
     proposer, gen = heads.proposer(model, preset("cpu")), torch.Generator().manual_seed(0)
-    step = medusa_step(model, cache, proposer, logits.argmax(-1), hidden, sampling=RULES[rule], generator=gen)
     stop_at = torch.full((batch,), 64)
+    kw = dict(history=[[3, 1, 4, 1, 5]] * batch, stop_at=stop_at, sampling=RULES[rule], generator=gen)
+    step = medusa_step(model, cache, proposer, logits.argmax(-1), hidden, **kw)
     with CudaRules(torch.device("cpu")) as rules:  # a second step: the tree's tensors exist
-        medusa_step(model, cache, proposer, step.next_roots, step.next_hidden, sampling=RULES[rule], generator=gen,
-                    stop_at=stop_at, max_depth=4)
+        medusa_step(model, cache, proposer, step.next_roots, step.next_hidden, **kw)
     assert rules.uploads == 0
-
-
-@pytest.mark.parametrize("rule", ["greedy", "typical"])
-@pytest.mark.parametrize("kind", ["medusa", "hydra"])
-def test_a_step_drafting_the_next_tree_sends_the_device_nothing_and_drawn_candidates_refuse_its_draft(kind, rule):
-    """The verify-and-accept compiled steps run (here eagerly) drafts the next tree from the device tensors
-    it holds; the next step verifies it as it is. Top-k guesses are no draw from q: rejection sampling of
-    drawn candidates refuses them, and the rules of top-k guesses refuse drawn ones."""
-    model, heads, batch = tiny_model(5), random_heads(tiny_model(5), seed=2, kind=kind), 3
-    cache = KVCache(model.config, batch_size=batch, max_len=64)
-    logits, hidden = prefill(model, torch.tensor([[3, 1, 4, 1, 5]] * batch), cache)
-    proposer, drafting = heads.proposer(model, preset("cpu")), Steps(verify_and_accept=verify_and_accept)
-    gen = torch.Generator().manual_seed(0)
-    step = medusa_step(model, cache, proposer, logits.argmax(-1), hidden, sampling=RULES[rule], generator=gen,
-                       steps=drafting)
-    drafted = step.next_proposal
-    assert drafted.tokens.shape == (batch, preset("cpu").num_nodes) and drafted.draft is None
-    with CudaRules(torch.device("cpu")) as rules:
-        medusa_step(model, cache, proposer, step.next_roots, step.next_hidden, stop_at=torch.full((batch,), 64),
-                    sampling=RULES[rule], generator=gen, max_depth=4, steps=drafting, drafted=drafted)
-    assert rules.uploads == 0
-    with pytest.raises(ValueError, match="do not match the rule"):
-        medusa_step(model, cache, proposer, step.next_roots, step.next_hidden, sampling=RULES["rejection"],
-                    drafted=drafted)
-    static = Steps(verify_and_accept=verify_and_accept, static=True)  # draws the next candidates in its graph
-    drawn = medusa_step(model, cache, proposer, step.next_roots, step.next_hidden, sampling=RULES["rejection"],
-                        generator=gen, steps=static).next_proposal
-    assert drawn.draft is not None and drawn.tokens.shape == (batch, preset("cpu").num_nodes)
-    with pytest.raises(ValueError, match="do not match the rule"):
-        medusa_step(model, cache, proposer, step.next_roots, step.next_hidden, sampling=RULES[rule], drafted=drawn)
-
-
-
-@torch.no_grad()
-def test_verify_and_accept_refuses_a_sampled_rule_without_its_uniforms():
-    """The one-graph step holds no generator: typical acceptance and rejection sampling take the uniforms
-    drawn before it; missing, they are refused before the verify writes the cache."""
-    model = tiny_model(5)
-    cache = KVCache(model.config, batch_size=1, max_len=64)
-    tree = preset("cpu")
-    args = (model, cache, torch.zeros(1, tree.num_nodes, dtype=torch.long))
-    kw = dict(tree=tree.tensors("cpu"), usable=torch.ones(1, tree.num_nodes, dtype=torch.bool))
-    for rule in ("typical", "rejection"):
-        with pytest.raises(ValueError, match="acceptance_uniforms"):
-            verify_and_accept(*args, **kw, sampling=RULES[rule])
-    assert int(cache.lengths[0]) == 0
-    accepted, hidden, *_ = verify_and_accept(*args, **kw, sampling=RULES["typical"], u=torch.tensor([0.5]))
-    assert hidden.shape == (1, model.config.n_embd) and int(cache.lengths[0]) == int(accepted.count[0]) + 1
 
 
 @torch.no_grad()
@@ -226,9 +158,9 @@ def test_a_sampled_plain_step_refuses_missing_uniforms_before_writing_the_cache(
     tokens = torch.tensor([[3], [4]])
     for u in (None, torch.tensor([0.5])):
         with pytest.raises(ValueError, match="sampling.uniforms"):
-            Steps.plain(model, cache, tokens, sampling=sampling, u=u)  # the eager plain_step
+            plain_step(model, cache, tokens, sampling=sampling, u=u)
     assert cache.lengths.tolist() == [0, 0]
-    chosen, logits, _ = Steps.plain(model, cache, tokens, sampling=sampling, u=torch.tensor([0.0, 0.9999]))
+    chosen, logits, _ = plain_step(model, cache, tokens, sampling=sampling, u=torch.tensor([0.0, 0.9999]))
     p = sampling.probs(logits[:, -1])  # [2, V]: u near 0 draws p's first token of mass, near 1 its last
     nonzero = [torch.nonzero(row)[:, 0] for row in p]
     assert chosen.tolist() == [int(nonzero[0][0]), int(nonzero[1][-1])] and cache.lengths.tolist() == [1, 1]

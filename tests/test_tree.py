@@ -107,15 +107,6 @@ def test_truncation_keeps_the_shallow_part_of_the_tree_and_a_shallow_enough_tree
     assert TREE.truncated(2).choices == ((0,), (1,), (0, 0), (0, 1))
 
 
-def test_drawings_show_every_node_and_every_mask_entry():
-    drawing = TREE.draw(labels=["'a'", "'b'", "'c'", "'d'", "'e'", "'f'"])
-    assert drawing.splitlines()[0] == "[0] root 'a'"
-    assert "[5] head 3 rank 0 'f'" in drawing and len(drawing.splitlines()) == 6
-    rows = TREE.draw_mask().splitlines()[1:]
-    filled = [row.split()[1:].count("■") for row in rows]
-    assert filled == [1, 2, 2, 3, 3, 4]  # each node's path
-
-
 def test_build_tree_takes_the_largest_values_in_order_so_a_dominant_top1_gives_a_chain():
     tree, expected = build_tree(ACC_HAND, 6)
     assert set(tree.choices) == {(0,), (0, 0), (1,), (0, 1), (2,), (1, 0)}

@@ -1,10 +1,20 @@
-"""`--compile`: the plain step (T = 1, and the token it chooses), `verify_and_accept` (the tree verify, the
-acceptance, keeping the path and the heads' next tree, top-k or drawn) and `draft_drawn` (a generation's
-first drawn candidates) compiled by name, whole graphs, one per shape and rule, on CUDA as CUDA graphs
-(mode "reduce-overhead"), which remove the kernel launches that dominate batch-1 decoding; the tree verify
-alone too, which only benchmarks/bench_step.py times on its own. The prefill stays eager. A CUDA graph
-replays on the addresses it recorded and overwrites its outputs at its next replay: `StaticCaches` keeps
-one KV cache per shape, marked static, and `warm_up` records every shape before anything is timed."""
+"""`--compile`: the plain step and Medusa's as whole graphs, CUDA graphs on a GPU (mode "reduce-overhead"),
+which remove the kernel launches that dominate decoding at batch 1. They make the eager steps' decisions
+(step.py), draw for draw, through the seam the decoding loops take (`step.Steps`):
+
+- `CompiledPlain`: `plain_step` compiled, the token chosen in its graph.
+- `CompiledMedusa`: `verify_and_accept` (the verify, the acceptance under any rule, keeping the path,
+  and the heads' next tree, top-k or drawn) is one graph a step; `draft_tree` draws a generation's first
+  tree of drawn candidates. The tree a graph drafted is the next step's proposal; prompt lookup's chains
+  come from its eager proposer, one graph per chain length.
+
+Every shape is fixed: a step reads the whole KV cache and verifies the whole tree. A CUDA graph replays
+on the addresses it recorded and overwrites its outputs at its next replay: `StaticCaches` keeps one KV
+cache per shape at a fixed address, the steps copy out every output the next call needs, and `warm_up`
+records every shape before anything is timed. The prefill stays eager.
+
+Shapes: B rows, N tree nodes, C n_embd, V vocabulary, Q the q a drawn tree draws from.
+"""
 
 from __future__ import annotations
 
@@ -12,22 +22,124 @@ from typing import Callable, Iterable
 
 import torch
 
-from .. import step
-from ..acceptance import acceptance_uniforms
+from ..acceptance import Accepted, accept, acceptance_uniforms, check_uniforms
 from ..model import GPT, KVCache
-from ..proposal import HeadsProposer, Proposer
+from ..proposal import Drawn, Proposal, Proposer
 from ..sampling import Sampling
+from ..step import StepResult, Steps, keep_path, last_hidden, plain_step, read_step, usable_nodes, verify
+from ..tree import TreeTensors
 from .common import timed
 
 
-def compile_steps(device: torch.device | str, *, backend: str | Callable = "inductor") -> step.Steps:
-    """Every stage `step.Steps` names under torch.compile; CUDA graphs on CUDA (a backend other than
+def draft_tree(model: GPT, heads: torch.nn.Module, roots: torch.Tensor, hidden: torch.Tensor, *, tree: TreeTensors,
+               temperature: float, u: torch.Tensor | None) -> tuple[torch.Tensor, Drawn | None]:
+    """The heads' proposer's tree as a pure function of their weights (in a graph the draft vocabulary's
+    lm_head rows are gathered at each call, a copy cheaper than launching the eager heads): roots [B],
+    hidden [B, C] -> tokens [B, N] and, given the uniforms u [B, Q, V], how they were drawn."""
+    return heads.proposer_class.fill_tree(tree, roots, hidden, heads.heads_of(model), draft_ids=heads.draft_ids,
+                                          vocab_size=heads.config.vocab_size, temperature=temperature, u=u)
+
+
+def verify_and_accept(model: GPT, cache: KVCache, tokens: torch.Tensor, *, tree: TreeTensors, stop_at: torch.Tensor,
+                      sampling: Sampling, u: torch.Tensor | None, drawn: Drawn | None = None,
+                      heads: torch.nn.Module | None = None, u_next: torch.Tensor | None = None,
+                      attended: int | None = None) -> tuple[Accepted, torch.Tensor, torch.Tensor | None, Drawn | None]:
+    """All of `step.medusa_step` after its proposal (tokens [B, N]) as one function, so one graph a step (two
+    would hand the verify's logits across, which CUDA graphs free between calls): verify, accept, keep the
+    path, and with `heads` the next step's candidates on the same tree (`draft_tree`, u_next its uniforms);
+    attended: the cache slots read (compiled: all, None, one shape). Returns (accepted, next hidden [B, C], next tokens [B, N] or None, how they were drawn or None)."""
+    check_uniforms(sampling, u)  # before the verify writes the cache
+    start = cache.lengths  # [B]
+    usable = usable_nodes(tree, start, stop_at)  # [B, N]
+    logits, hiddens = verify(model, cache, tokens, tree=tree, attended=attended)  # [B, N, V], [B, N, C]
+    accepted = accept(tree, tokens, logits, sampling=sampling, u=u, drawn=drawn, usable=usable)
+    keep_path(cache, accepted, start=start, active=usable[:, 0])
+    hidden = last_hidden(hiddens, accepted)  # [B, C]
+    if heads is None:
+        return accepted, hidden, None, None
+    return accepted, hidden, *draft_tree(model, heads, accepted.bonus, hidden, tree=tree,
+                                         temperature=sampling.temperature, u=u_next)
+
+
+def copied(drawn: Drawn | None) -> Drawn | None:
+    """A copy in new tensors: a graph's outputs do not outlive its next replay."""
+    return None if drawn is None else Drawn(drawn.log_q.clone(), drawn.samples.clone(), drawn.q_index.clone())
+
+
+def contiguous(u: torch.Tensor | None, n: int) -> torch.Tensor | None:
+    """The first n of the acceptance uniforms u [B, N'] drawn for prompt lookup's whole chain, as a fresh
+    tensor (a graph is made for its inputs' strides, a slice's too)."""
+    return u if u is None or u.dim() < 2 or u.shape[1] == n else u[:, :n].clone(memory_format=torch.contiguous_format)
+
+
+class CompiledPlain:
+    """`plain_step` compiled: every step reads the whole cache (one shape), its next token copied out."""
+
+    def __init__(self, compile: Callable) -> None:
+        self.step = compile(plain_step)
+
+    def __call__(self, model: GPT, cache: KVCache, tokens: torch.Tensor, *, sampling: Sampling = Sampling(),
+                 u: torch.Tensor | None = None, attended: int | None = None):
+        token, logits, hidden = self.step(model, cache, tokens, sampling=sampling, u=u)
+        return token.clone(), logits, hidden
+
+
+class CompiledMedusa:
+    """`step.medusa_step`'s signature and decisions, one graph a step. The uniforms are drawn as the eager step
+    draws them: a graph that drafts the next tree of drawn candidates takes the uniforms of that tree
+    after its own acceptance's, the order in which the next eager step would draw them (and one set more
+    at a generation's last step, which a generator reused for another generation would go on from)."""
+
+    def __init__(self, compile: Callable) -> None:
+        self.verify_and_accept, self.draft_tree = compile(verify_and_accept), compile(draft_tree)
+        self.ahead: tuple[torch.Tensor, Proposal] | None = None  # the roots the last graph drafted for, its proposal
+
+    def proposal(self, model: GPT, proposer: Proposer, roots: torch.Tensor, hidden: torch.Tensor, *,
+                 history: list[list[int]], sampling: Sampling, generator: torch.Generator | None) -> Proposal:
+        """The tree the last step drafted for these roots, else the first drawn tree in its own graph, else
+        the eager proposer's."""
+        if self.ahead is not None and self.ahead[0] is roots:
+            return self.ahead[1]
+        u = proposer.uniforms(sampling, len(roots), generator, device=roots.device)
+        if u is None or proposer.heads is None or proposer.tree.depth == 0:
+            return proposer.propose(roots, hidden, history=history, sampling=sampling, u=u)
+        tokens, drawn = self.draft_tree(model, proposer.heads, roots.clone(), hidden.clone(),
+                                        tree=proposer.tree.tensors(roots.device), temperature=sampling.temperature, u=u)
+        return Proposal(tokens.clone(), proposer.tree, copied(drawn))
+
+    @torch.no_grad()
+    def __call__(self, model: GPT, cache: KVCache, proposer: Proposer, roots: torch.Tensor, hidden: torch.Tensor, *,
+                 history: list[list[int]], stop_at: torch.Tensor, sampling: Sampling = Sampling(),
+                 generator: torch.Generator | None = None, attended: int | None = None) -> StepResult:
+        B, device = len(roots), roots.device
+        proposal = self.proposal(model, proposer, roots, hidden, history=history, sampling=sampling, generator=generator)
+        u = acceptance_uniforms(sampling, B, proposer.tree.num_nodes, generator, device=device)
+        heads = proposer.heads if proposal.tree.depth else None  # a root alone has no next tree to draft
+        u_next = proposer.uniforms(sampling, B, generator, device=device) if heads is not None else None
+        accepted, next_hidden, tokens, drawn = self.verify_and_accept(
+            model, cache, proposal.tokens, tree=proposal.tree.tensors(device), stop_at=stop_at, sampling=sampling,
+            u=contiguous(u, proposal.tree.num_nodes), drawn=proposal.drawn, heads=heads, u_next=u_next)
+        paths, new_tokens = read_step(proposal, accepted)
+        result = StepResult(paths, new_tokens, next_roots=accepted.bonus.clone(), next_hidden=next_hidden.clone())
+        self.ahead = None if tokens is None else (result.next_roots, Proposal(tokens.clone(), proposal.tree,
+                                                                              copied(drawn)))
+        return result
+
+
+def compile_options(device: torch.device | str, *, backend: str | Callable = "inductor") -> dict:
+    """torch.compile's settings: whole graphs of fixed shapes; CUDA graphs on CUDA (a backend other than
     inductor, as the tests use, checks the capture cheaply)."""
     mode = "reduce-overhead" if torch.device(device).type == "cuda" and backend == "inductor" else None
-    options = dict(fullgraph=True, dynamic=False, mode=mode, backend=backend)
-    return step.Steps(plain=torch.compile(step.plain_step, **options), verify=torch.compile(step.verify, **options),
-                      verify_and_accept=torch.compile(step.verify_and_accept, **options),
-                      draft_drawn=torch.compile(step.draft_drawn, **options), static=True)
+    return dict(fullgraph=True, dynamic=False, mode=mode, backend=backend)
+
+
+def compile_steps(device: torch.device | str, *, backend: str | Callable = "inductor",
+                  compile: Callable | None = None) -> Steps:
+    """The compiled steps (`compile`: how to compile a function, by default torch.compile with
+    `compile_options`; the identity runs the fixed-shape steps eagerly)."""
+    options = compile_options(device, backend=backend)
+    compile = compile or (lambda fn: torch.compile(fn, **options))
+    return Steps(plain=CompiledPlain(compile), medusa=CompiledMedusa(compile))
 
 
 class StaticCaches:
@@ -47,55 +159,43 @@ class StaticCaches:
 
 
 @torch.no_grad()
-def warm_up(model: GPT, steps: step.Steps, caches: StaticCaches, *, rows: int, plain: Iterable[Sampling] = (),
+def warm_up(model: GPT, steps: Steps, caches: StaticCaches, *, rows: int, plain: Iterable[Sampling] = (),
             proposers: list[tuple[Proposer, Sampling]] = ()) -> float:
-    """Run every shape decoding `rows` rows can meet: the plain step under each rule of `plain` (it chooses
-    its token in its graph, greedy or drawn), and every tree a static step of each proposer verifies
-    (`Proposer.trees`: the heads' whole tree, prompt lookup's chains) under its rule through
-    `steps.verify_and_accept` (the whole tree with the proposer's heads, which draft the next one in the
-    graph, top-k or drawn) and, for a first tree drawn from the heads' q, `steps.draft_drawn`: only the
-    graphs the run uses. Three calls each: under CUDA graphs the first runs eagerly, the second
-    records, the third replays. Returns the seconds."""
-    device, block = model.device, model.config.block_size
-    # (slots, tree, heads, rule, proposer): the proposer only where candidates are drawn (it makes the draft)
-    shapes = {(p.tree.num_nodes, t, step.heads_in_graph(p, t, s, static=True), s,
-               p if s.draws_candidates and isinstance(p, HeadsProposer) else None)
-              for p, s in proposers for t in p.trees()}
+    """Run every shape decoding `rows` rows meets: the plain step under each rule of `plain`, and for each
+    proposer and rule every tree its proposals hold (`Proposer.trees`) through `verify_and_accept`, and
+    `draft_tree` where it draws the first tree. Three calls each: under CUDA graphs the first runs
+    eagerly, the second records, the third replays. Random numbers from generators of its own. Returns
+    the seconds."""
+    device, block, medusa = model.device, model.config.block_size, steps.medusa
+    shapes = {(p, t, s) for p, s in proposers for t in p.trees()}
     plain = set(plain)
     config = torch._dynamo.config  # each shape is one more specialisation of its function
     config.recompile_limit += len(shapes) + len(plain)
     config.accumulated_recompile_limit += len(shapes) + len(plain)
+
+    def zeros(*shape, dtype=torch.long) -> torch.Tensor:
+        return torch.zeros(shape, dtype=dtype, device=device)
 
     def every_shape() -> None:
         for sampling in plain:
             for _ in range(3):
                 cache = caches(rows, block)
                 cache.lengths = 0
-                u = sampling.uniforms((rows,), torch.Generator(device), device=device)  # not the run's
-                steps.plain(model, cache, torch.zeros(rows, 1, dtype=torch.long, device=device), sampling=sampling, u=u)
-        for nodes, t, heads, sampling, drawing in shapes:
-            cache, tensors = caches(rows, block + nodes), t.tensors(device)
-            tokens = torch.zeros(rows, t.num_nodes, dtype=torch.long, device=device)
-            start = torch.zeros(rows, dtype=torch.long, device=device)
-            usable = step.usable_nodes(t, start, torch.full_like(start, block))  # [rows, N]
-            u = acceptance_uniforms(sampling, rows, t.num_nodes, torch.Generator(device), device=device)  # not the run's
-            hidden = torch.zeros(rows, model.config.n_embd, device=device, dtype=model.lm_head.weight.dtype)
-            draft = None
-            if drawing is not None and steps.draft_drawn is not None and drawing.heads is not None and t.depth:
-                for _ in range(3):  # a generator of its own, here and below: not the run's
-                    drawn = steps.draft_drawn(model, drawing.heads, start, hidden, tree=tensors,
-                                              temperature=sampling.temperature,
-                                              u=drawing.draw_uniforms(rows, torch.Generator(device), device=device))
-                # what decoding hands the verify (copies, `step.medusa_step`): the layouts its graph is made for
-                tokens, draft = drawn[0].clone(), drawn[1].clone()
-            elif drawing is not None:
-                draft = drawing.propose(start, hidden, max_depth=t.depth, sampling=sampling,
-                                        generator=torch.Generator(device)).draft
-            # the next tree's uniforms, where the graph draws it (`step.medusa_step`)
-            u_next = drawing.draw_uniforms(rows, torch.Generator(device), device=device) \
-                if heads is not None and drawing else None
+                steps.plain(model, cache, zeros(rows, 1), sampling=sampling,
+                            u=sampling.uniforms((rows,), torch.Generator(device), device=device))
+        for proposer, tree, sampling in shapes:
+            cache, t, hidden = caches(rows, block + proposer.tree.num_nodes), tree.tensors(device), \
+                zeros(rows, model.config.n_embd, dtype=model.lm_head.weight.dtype)
+            heads = proposer.heads if tree.depth else None
+            u_draw = proposer.uniforms(sampling, rows, torch.Generator(device), device=device) if heads else None
+            tokens, drawn = zeros(rows, tree.num_nodes), None
+            for _ in range(3 if u_draw is not None else 0):
+                tokens, drawn = medusa.draft_tree(model, heads, zeros(rows), hidden, tree=t,
+                                                  temperature=sampling.temperature, u=u_draw)
+            tokens, drawn = tokens.clone(), copied(drawn)  # what a step hands its graph
+            u = acceptance_uniforms(sampling, rows, tree.num_nodes, torch.Generator(device), device=device)
             for _ in range(3):
                 cache.lengths = 0
-                steps.verify_and_accept(model, cache, tokens, tree=tensors, usable=usable, sampling=sampling, u=u,
-                                        draft=draft, heads=heads, u_next=u_next)
+                medusa.verify_and_accept(model, cache, tokens, tree=t, stop_at=zeros(rows) + block, sampling=sampling,
+                                         u=u, drawn=drawn, heads=heads, u_next=u_draw)
     return timed(device, every_shape)[1]

@@ -23,6 +23,7 @@ from ..sampling import Sampling
 from ..train.data import get_batch
 from ..training import MedusaLM
 from ..tree import Tree
+from .trees import draw_mask, draw_tree
 
 DEMO_NOTE = ("DEMO: a 2-layer model and its 4 heads trained for a few seconds on the Zen of Python, which they "
              "know by heart;\nreal heads are right less often. Train one with train_tiny.py for real figures.")
@@ -53,7 +54,7 @@ def prefill(out: list[str], model: GPT, enc, prompt: list[int], cache: list, *, 
     L = len(prompt)
     out.append(_header(1, "Prefill: the prompt goes through the backbone once"))
     logits, hidden = ref.forward(model, prompt, list(range(L)), cache, torch.ones(L, L, dtype=torch.bool).tril())
-    root = int(sampling.next_token(logits[-1], generator))
+    root = int(sampling.next_token(logits[-1], sampling.uniforms((), generator, device=logits.device)))
     how = "the argmax of" if sampling.greedy else "drawn from"
     out += [f"The KV cache now holds the {L} prompt tokens.",
             f"Backbone's top guesses for the next token: {_guesses(enc, logits[-1], 3)}",
@@ -79,25 +80,25 @@ def guesses(out: list[str], model: GPT, heads, enc, tree: Tree, root: int, hidde
 
 def candidates(out: list[str], model: GPT, heads, enc, tree: Tree, root: int, hidden: torch.Tensor, *,
                sampling: Sampling, generator) -> tuple[list[int], list | None]:
-    """Sections 3-4 (§2.1.2): the tree the heads' proposer fills, and its mask; (tokens [N], drafts or None)."""
-    proposal = heads.proposer(model, tree).propose(torch.tensor([root], device=hidden.device), hidden[None],
-                                                   history=[[root]], max_depth=tree.depth, sampling=sampling,
-                                                   generator=generator)
-    tokens, draft = proposal.tokens[0].tolist(), proposal.draft
+    """Sections 3-4 (§2.1.2): the tree the heads' proposer fills, and its mask; (tokens [N], drawn or None)."""
+    proposer = heads.proposer(model, tree)
+    proposal = proposer.propose(torch.tensor([root], device=hidden.device), hidden[None], history=[[root]],
+                                sampling=sampling, u=proposer.uniforms(sampling, 1, generator, device=hidden.device))
+    tokens, drawn = proposal.tokens[0].tolist(), proposal.drawn
     out += [_header(3, f"Tree: {tree.num_nodes - 1} candidate nodes + the root"),
-            ("A node at depth d holds head d's guess of the listed rank" if draft is None else
+            ("A node at depth d holds head d's guess of the listed rank" if drawn is None else
              "Rejection sampling draws the candidates: a node at depth d holds the r-th token drawn (without\n"
              "replacement) from the q its parent's children come from")
             + "; a path from the root is one possible\ncontinuation. All paths are checked together next.",
-            tree.draw([token_text(enc, t) for t in tokens]),
+            draw_tree(tree, [token_text(enc, t) for t in tokens]),
             _header(4, "Tree attention mask"),
             "Row = a node asking, column = a node it may look at (■ yes, · no). Every node also sees the",
             "cached prompt, and sits at position prompt length + its depth, as if its path were the only",
-            "continuation: a node sees itself and its ancestors, never its siblings.", tree.draw_mask()]
-    return tokens, None if draft is None else draft.per_node(0)
+            "continuation: a node sees itself and its ancestors, never its siblings.", draw_mask(tree)]
+    return tokens, None if drawn is None else drawn.per_node(0)
 
 
-def verify(out: list[str], enc, tree: Tree, tokens: list[int], logits: torch.Tensor, drafts, *,
+def verify(out: list[str], enc, tree: Tree, tokens: list[int], logits: torch.Tensor, drawn, *,
            sampling: Sampling) -> None:
     """Section 5: what the backbone says at every node: its argmax (greedy), or p (and q) of each candidate."""
     out.append(_header(5, "Verify: one forward pass over all nodes"))
@@ -119,11 +120,11 @@ def verify(out: list[str], enc, tree: Tree, tokens: list[int], logits: torch.Ten
     p = sampling.probs(logits)  # [N, V]
     out += ["At each node, p = the backbone's distribution for the token after that node's path; a",
             "candidate is judged by p at its parent" + (", and by q, the head's probability of drawing it."
-                                                        if drafts is not None else "."),
-            f"{'node':<6}{'token':<{w}}{'p(token)':<10}" + ("q(token)" if drafts is not None else "")]
+                                                        if drawn is not None else "."),
+            f"{'node':<6}{'token':<{w}}{'p(token)':<10}" + ("q(token)" if drawn is not None else "")]
     for i in range(1, tree.num_nodes):
         par = tree.parents[i]
-        q = f"{drafts[par][0][tokens[i]].exp().item():.3f}" if drafts is not None else ""
+        q = f"{drawn[par][0][tokens[i]].exp().item():.3f}" if drawn is not None else ""
         out.append(f"{f'[{i}]':<6}{labels[i]:<{w}}{p[par, tokens[i]].item():<10.3f}{q}")
 
 
@@ -172,12 +173,12 @@ def explain_step(model: GPT, heads, enc: tiktoken.Encoding, prompt_ids: list[int
     cache = [None] * model.config.n_layer
     root, hidden = prefill(out, model, enc, prompt_ids, cache, sampling=sampling, generator=generator)
     guesses(out, model, heads, enc, tree, root, hidden)
-    tokens, drafts = candidates(out, model, heads, enc, tree, root, hidden, sampling=sampling, generator=generator)
+    tokens, drawn = candidates(out, model, heads, enc, tree, root, hidden, sampling=sampling, generator=generator)
     mask = torch.cat([torch.ones(tree.num_nodes, L, dtype=torch.bool), ref.tree_attention_mask(tree.parents)], 1)
     logits, _ = ref.forward(model, tokens, [L + d for d in tree.depths], cache, mask)  # [N, V]
-    verify(out, enc, tree, tokens, logits, drafts, sampling=sampling)
-    path, bonus = ref.accept(tree.parents, tokens, logits, sampling=sampling, generator=generator, drafts=drafts)
-    rule = "topk" if sampling.acceptance == "rejection" and drafts is None else sampling.acceptance
+    verify(out, enc, tree, tokens, logits, drawn, sampling=sampling)
+    path, bonus = ref.accept(tree.parents, tokens, logits, sampling=sampling, generator=generator, drawn=drawn)
+    rule = "topk" if sampling.acceptance == "rejection" and drawn is None else sampling.acceptance
     accept(out, enc, tree, tokens, path, bonus, rule=rule, prompt_len=L)
     return "\n".join(out)
 

@@ -16,7 +16,7 @@ from ..decoding import GenerationStats, generate_batch, length_stop_reason, medu
 from ..io.loading import Checkpoint
 from ..proposal import PromptLookup
 from ..sampling import Sampling
-from ..step import EAGER, Steps
+from ..step import Steps
 from ..tree import Tree, chain
 from .common import BONUS_NOTE, in_turns, timed
 from .compiled import StaticCaches
@@ -53,7 +53,7 @@ class Engine:
     """How this run decodes: eager steps, or compiled ones and the static caches they replay on."""
 
     ck: Checkpoint
-    steps: Steps = EAGER
+    steps: Steps = Steps()
     caches: StaticCaches | None = None
 
 
@@ -241,7 +241,7 @@ def table(result: dict, columns: tuple[str, ...], *, identity: str) -> list[str]
                                        f"; Medusa rejection's, from its own table: {drawn}")
               + ("" if compiled is None else f"; steps compiled in {compiled:.1f} s (not timed)")
               + f"; {result['heads']} heads; Medusa rejection candidates: "
-              + {"topk": "the heads' top-k"}.get(result["draft"], "drawn from q"),
+              + {"topk": "the heads' top-k"}.get(result["candidates"], "drawn from q"),
               f"Note: {BONUS_NOTE}; plain decoding is exactly 1.00. Step cost: ms\nper step over the plain "
               f"decoder's: {identity} Times include the prefill; fastest of {result['repeat']} runs."]
     for reason, what in (("context", "at the context limit"), ("eos", "at the end-of-text token")):

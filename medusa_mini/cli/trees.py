@@ -90,3 +90,32 @@ def resolve_tree(spec: str | None, *, ckpt_dir: str, device: torch.device | str,
                              ) from None
     tree.check_heads(num_heads)
     return TreeChoice(tree, spec, budget or max(tree.num_nodes - 1, 1))
+
+
+def draw_tree(tree: Tree, labels: list[str] | None = None) -> str:
+    """The tree as indented text, one node a line: `[i] head d rank r label`."""
+    lines: list[str] = []
+
+    def visit(node: int, prefix: str, last: bool) -> None:
+        label = f" {labels[node]}" if labels is not None else ""
+        if node == 0:
+            lines.append(f"[0] root{label}")
+        else:
+            lines.append(f"{prefix}{'└─ ' if last else '├─ '}[{node}] head {tree.depths[node]} rank {tree.ranks[node]}{label}")
+            prefix += "   " if last else "│  "
+        kids = tree.children[node]
+        for j, kid in enumerate(kids):
+            visit(kid, prefix if node else "", j == len(kids) - 1)
+
+    visit(0, "", True)
+    return "\n".join(lines)
+
+
+def draw_mask(tree: Tree) -> str:
+    """The N x N tree attention mask: row = query node, column = key node, ■ = may attend."""
+    mask, N = tree.tensors().ancestor_mask, tree.num_nodes
+    width = len(str(N - 1))
+    rows = [" " * (width + 1) + " ".join(f"{j:>{width}}" for j in range(N))]
+    for i in range(N):
+        rows.append(f"{i:>{width}} " + " ".join(f"{'■' if mask[i, j] else '·':>{width}}" for j in range(N)))
+    return "\n".join(rows)

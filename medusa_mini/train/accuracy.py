@@ -22,8 +22,8 @@ from ..io.files import atomic_write_text, read_json
 from ..model import GPT
 from ..sampling import (
     Sampling,
-    draft_log_probs,
     gumbel_top_k,
+    q_log_probs,
     sampling_probs,
     scaled,
     speculative_try,
@@ -133,7 +133,7 @@ def measure_try_acceptance(model: GPT, heads: DraftHeads, sequences: list[list[i
             head_logits = heads(hidden[0, t], model, following=following[t])  # [K, m, M]
             for k in range(1, K + 1):
                 ok = t + k < T  # [m] p of token t+k+1 is p_all[t + k]
-                log_q = draft_log_probs(head_logits[k - 1, ok], ids, temperature=temperature, vocab_size=V)  # [m, V]
+                log_q = q_log_probs(head_logits[k - 1, ok], ids, temperature=temperature, vocab_size=V)  # [m, V]
                 for _ in range(draws):
                     samples = gumbel_top_k(log_q, R, torch.rand(log_q.shape, generator=g, device=device))  # [m, R]
                     passed[k - 1] += draw_chances(p_all[t[ok] + k], log_q, samples).sum(0).cpu() / draws

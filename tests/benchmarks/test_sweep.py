@@ -48,10 +48,10 @@ def test_every_rule_and_budget_is_a_row_against_the_plain_decoder_of_its_tempera
     assert all(r["speedup"] == pytest.approx(r["tokens_per_s"] / plain[r["temperature"]]) for r in rows)
     drawn = load_accuracy(medusa_ckpt, drawn=True)  # the drawn candidates' own table builds their trees
     for r in rows:  # the product rule's estimate beside the heads' greedy and drawn rows only
-        table = drawn if r["rule"] == "rejection-sampled" else acc
+        table = drawn if r["rule"] == "rejection-drawn" else acc
         tree = build_tree(table, r["nodes"])[0]
         assert r["expected_tokens_per_step"] == (pytest.approx(expected_tokens_per_step(table, tree))
-                                                 if r["rule"] in ("greedy", "rejection-sampled") else None)
+                                                 if r["rule"] in ("greedy", "rejection-drawn") else None)
         if not r["rule"].startswith("lookup"):
             assert r["verified_nodes"] == tree.num_nodes - 1
 
@@ -63,16 +63,16 @@ def test_a_table_without_drawn_candidates_builds_their_trees_from_greedys_and_pr
     old = tmp_path / "old"
     shutil.copytree(medusa_ckpt, old)
     save_accuracy(old, load_accuracy(old))  # greedy's table alone
-    rows = run_json(str(old), capsys, "--rules", "rejection-sampled")["rows"]
+    rows = run_json(str(old), capsys, "--rules", "rejection-drawn")["rows"]
     acc = load_accuracy(old)
     assert [r["verified_nodes"] for r in rows] == [build_tree(acc, n)[0].num_nodes - 1 for n in (2, 4)]
     assert all(r["expected_tokens_per_step"] is None for r in rows)
 
 
 def test_each_draft_vocabulary_gets_its_rows_and_greedy_stays_lossless(medusa_ckpt, capsys):
-    result = run_json(medusa_ckpt, capsys, "--rules", "greedy,rejection-sampled", "--draft-vocab", "300,20")
+    result = run_json(medusa_ckpt, capsys, "--rules", "greedy,rejection-drawn", "--draft-vocab", "300,20")
     assert [(r["rule"], r["draft_vocab"], r["nodes"]) for r in result["rows"]] == [
-        (rule, m, n) for rule in ("greedy", "rejection-sampled") for m in (20, 300) for n in (2, 4)]
+        (rule, m, n) for rule in ("greedy", "rejection-drawn") for m in (20, 300) for n in (2, 4)]
     assert all(r["same_as_plain_greedy"] == 2 for r in result["rows"] if r["rule"] == "greedy")
     assert {r["draft_vocab"] for r in run_json(medusa_ckpt, capsys, "--rules", "greedy")["rows"]} == {300}
 

@@ -3,7 +3,6 @@ captured graph under CUDA graphs' rules (`GraphReplay`) checks it on a CPU in mi
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import shutil
 from functools import partial
@@ -13,9 +12,10 @@ import torch
 
 import decode
 from conftest import RULES, random_heads, tiny_model
-from medusa_mini.cli.compiled import StaticCaches, compile_steps, warm_up
-from medusa_mini.decoding import medusa_generate_batch
-from medusa_mini.step import Steps, draft_drawn, verify, verify_and_accept
+from medusa_mini.cli.compiled import StaticCaches, compile_steps, verify_and_accept, warm_up
+from medusa_mini.decoding import generate_batch, medusa_generate_batch
+from medusa_mini.model import KVCache
+from medusa_mini.proposal import PromptLookup
 from medusa_mini.tree import Tree
 
 TREE = Tree.from_choices([(0,), (1,), (0, 0), (1, 0), (0, 0, 0)])
@@ -71,111 +71,106 @@ def warmed_up(seed: int, *, backend=None, kind: str = "medusa", rows: int = 1, r
     torch.compiler.reset()  # graphs are cached per function, across models: start afresh
     model, steps = tiny_model(seed), compile_steps("cpu", backend=backend or GraphReplay())
     heads = random_heads(model, seed=seed, kind=kind)
-    proposer = heads.proposer(model, TREE)
     warm_up(model, steps, caches := StaticCaches(model), rows=rows, plain=[RULES["greedy"]],
-            proposers=[(proposer, rule) for rule in rules])
+            proposers=[(heads.proposer(model, TREE), rule) for rule in rules])
     return model, heads, steps, caches
+
+
+def counting(calls: list):
+    """A `compile` that runs each function eagerly and records each call: (its name, the shape of its
+    third argument, the rule)."""
+    def compile(fn):
+        def run(*args, **kw):
+            calls.append((fn.__name__, tuple(args[2].shape), kw.get("sampling", kw.get("temperature"))))
+            return fn(*args, **kw)
+        return run
+    return compile
 
 
 def test_the_warm_up_runs_every_shape_three_times_so_cuda_graphs_record_and_replay_before_any_timing():
     """Under CUDA graphs a shape's first call runs eagerly, the second records, the third replays: a shape
-    called fewer times in the warm-up would be recorded inside the first timed generation."""
+    called fewer times in the warm-up would be recorded inside the first timed generation. One shape per
+    plain rule, one verify_and_accept per Medusa rule (the whole tree, never cut), one first drawn tree."""
     model, calls = tiny_model(0), []
-
-    def counting(name, real):
-        return lambda *args, **kw: calls.append((name, args[2].shape, kw.get("sampling"))) or real(*args, **kw)
-
-    def drawing(*args, **kw):
-        calls.append(("draw", kw["tree"].depth, kw["temperature"]))
-        return draft_drawn(*args, **kw)
-
-    steps = Steps(plain=counting("plain", Steps.plain), verify=counting("verify", Steps.verify),
-                  verify_and_accept=counting("accept", verify_and_accept), draft_drawn=drawing, static=True)
+    steps = compile_steps("cpu", compile=counting(calls))
     proposer = random_heads(model, seed=0).proposer(model, TREE)
     warm_up(model, steps, StaticCaches(model), rows=2, plain=[RULES["greedy"], RULES["rejection"]],
             proposers=[(proposer, r) for r in EVERY_RULE])
-    # the plain step per rule (it chooses its token in its graph), one verify_and_accept per rule, one drawing graph
     shapes = list(dict.fromkeys(calls))
-    assert proposer.trees() == [TREE]  # a static step never cuts the tree: one graph serves every step
-    assert len(shapes) == 2 + 3 + 1 and all(calls.count(s) == 3 for s in shapes)
-    assert {name for name, *_ in calls} == {"plain", "accept", "draw"}  # no rule verifies on its own
+    assert proposer.trees() == [TREE] and len(shapes) == 2 + 3 + 1 and all(calls.count(s) == 3 for s in shapes)
+    assert {name for name, *_ in calls} == {"plain_step", "verify_and_accept", "draft_tree"}
 
 
 @torch.no_grad()
 def test_graph_replay_poisons_a_steps_outputs_when_a_step_runs_again():
     """What catches a decoding loop that reads a step's logits or hidden state after the next step."""
-    model, _, steps, caches = warmed_up(7)  # the verify compiles at its first call
-    _, logits, hidden = steps.plain(model, caches(1, model.config.block_size), torch.tensor([[3]]))
-    t = TREE.tensors("cpu")
-    steps.verify(model, caches(1, model.config.block_size + TREE.num_nodes), torch.zeros(1, TREE.num_nodes,
-                 dtype=torch.long), depths=t.depths, ancestor_mask=t.ancestor_mask)
-    assert logits.isnan().all() and hidden.isnan().all()
+    model, _, steps, caches = warmed_up(7)
+    block, N = model.config.block_size, TREE.num_nodes
+    token, logits, hidden = steps.plain(model, caches(1, block), torch.tensor([[3]]))
+    steps.medusa.verify_and_accept(model, caches(1, block + N), torch.zeros(1, N, dtype=torch.long),
+                                   tree=TREE.tensors(), stop_at=torch.tensor([block]), sampling=RULES["greedy"], u=None)
+    assert logits.isnan().all() and hidden.isnan().all() and int(token[0]) >= 0  # the token was copied out
 
 
-@pytest.mark.parametrize("rule", ["greedy", "typical", "rejection-topk"])
+def run_both(model, drafter, sampling, steps, *, tree=TREE, prompts=([1, 2, 3], [4, 5]), cache=None):
+    """(eager, with `steps` and `cache`) tokens of a Medusa generation of a ragged batch, from the same seed."""
+    def run(**kw):
+        return [out for out, _ in medusa_generate_batch(model, drafter, list(prompts), tree=tree, max_new_tokens=30,
+                                                         sampling=sampling, generator=torch.Generator().manual_seed(3),
+                                                         **kw)]
+    return run(), run(steps=steps, cache=cache)
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_the_fixed_shape_steps_make_the_eager_tokens_for_every_drafter_and_tree(rule):
+    """The compiled steps, run eagerly: plain decoding and Medusa with heads of both kinds, prompt lookup and
+    a tree of the root alone, in a ragged batch whose long prompt meets the context, every rule: the eager
+    tokens, draw for draw."""
+    model, sampling = tiny_model(15), RULES[rule]
+    steps = compile_steps("cpu", compile=lambda fn: fn)
+    prompts = ([1, 2, 3], [4, 5], list(range(1, 50)))
+    plain = [generate_batch(model, list(prompts), max_new_tokens=20, sampling=sampling,
+                            generator=torch.Generator().manual_seed(4), **kw) for kw in ({}, dict(steps=steps))]
+    assert plain[0] == plain[1]
+    for drafter in (random_heads(model, seed=15), random_heads(model, seed=15, kind="hydra"), PromptLookup()):
+        for tree in (TREE, Tree.from_choices([])):
+            eager, fixed = run_both(model, drafter, sampling, steps, tree=tree, prompts=prompts)
+            assert eager == fixed
+
+
+@torch.no_grad()
+def test_verify_and_accept_refuses_a_sampled_rule_without_its_uniforms_before_writing_the_cache():
+    model = tiny_model(5)
+    cache = KVCache(model.config, batch_size=1, max_len=64)
+    args = (model, cache, torch.zeros(1, TREE.num_nodes, dtype=torch.long))
+    kw = dict(tree=TREE.tensors("cpu"), stop_at=torch.tensor([64]))
+    for rule in ("typical", "rejection"):
+        with pytest.raises(ValueError, match="acceptance_uniforms"):
+            verify_and_accept(*args, **kw, sampling=RULES[rule], u=None)
+    assert int(cache.lengths[0]) == 0
+    accepted, hidden, *_ = verify_and_accept(*args, **kw, sampling=RULES["typical"], u=torch.tensor([0.5]))
+    assert hidden.shape == (1, model.config.n_embd) and int(cache.lengths[0]) == int(accepted.count[0]) + 1
+
+
+@pytest.mark.parametrize("rule", ["greedy", "typical", "rejection-topk", "rejection"])
 @pytest.mark.parametrize("kind", ["medusa", "hydra"])
-def test_a_compiled_step_with_top_k_candidates_drafts_the_next_tree_in_its_graph(monkeypatch, kind, rule):
-    """Compiled, every rule that verifies the heads' top-k runs the heads in `verify_and_accept`'s graph, so
-    they launch nothing of their own: the eager proposer fills only the first tree; every step verifies the
-    whole tree, whose first nodes are the tree the eager step verifies (cut near the end), and the tokens
-    are the eager ones (typical: the same draws), for a ragged batch."""
+def test_a_compiled_step_drafts_the_next_tree_in_its_graph_and_makes_the_eager_tokens(kind, rule, monkeypatch):
+    """Compiled (graphs replayed as CUDA graphs would), every step verifies, accepts and drafts the next tree
+    in `verify_and_accept`'s one graph, with the uniforms drawn before in the eager order: the eager
+    proposer fills no tree but, for top-k candidates, the first (drawn ones: `draft_tree`'s graph draws
+    it), and the tokens are the eager ones, for a ragged batch; the warm-up recorded every graph."""
     backend = GraphReplay()
     model, heads, steps, caches = warmed_up(5, backend=backend, kind=kind, rows=2, rules=(RULES[rule],))
-    graphs, proposer_type, proposed, verified = len(backend.graphs), type(heads.proposer(model, TREE)), [], []
+    graphs, proposer_type, proposed, calls = len(backend.graphs), type(heads.proposer(model, TREE)), [], []
     propose = proposer_type.propose
     monkeypatch.setattr(proposer_type, "propose", lambda *a, **kw: proposed.append(1) or propose(*a, **kw))
-
-    def recording(verify):  # what each step verifies: its tokens [B, N]
-        return lambda model, cache, tokens, **kw: verified.append(tokens.tolist()) or verify(model, cache, tokens, **kw)
-
-    def run(**kw):
-        return medusa_generate_batch(model, heads, [[1, 2, 3], [4, 5]], tree=TREE, max_new_tokens=30,
-                                     sampling=RULES[rule], generator=torch.Generator().manual_seed(3), **kw)
-
-    compiled = run(steps=dataclasses.replace(steps, verify_and_accept=recording(steps.verify_and_accept)), cache=caches)
-    drafted_eagerly, trees = len(proposed), verified[:]
-    verified.clear()
-    eager = run(steps=Steps(verify=recording(verify)))
-    assert [out for out, _ in compiled] == [out for out, _ in eager] and len(trees) == len(verified)
-    assert all(len(whole) == TREE.num_nodes and whole[: len(cut)] == cut
-               for step, eager_step in zip(trees, verified) for whole, cut in zip(step, eager_step))
-    assert any(len(step[0]) < TREE.num_nodes for step in verified)  # the eager steps cut the tree near the end
-    assert len(proposed) - drafted_eagerly == len(verified) > 1 + TREE.depth  # eager: every step proposes
-    assert drafted_eagerly == 1  # compiled: the first tree alone
-    assert len(backend.graphs) == graphs  # the warm-up recorded the drafting graph
-
-
-@pytest.mark.parametrize("kind", ["medusa", "hydra"])
-def test_a_compiled_step_draws_and_tries_candidates_in_its_graphs_with_the_eager_draws(kind, monkeypatch):
-    """Rejection sampling of candidates drawn from q, compiled: the heads draw the first tree in
-    `draft_drawn`'s graph, and every step after it tries them and draws the next tree in
-    `verify_and_accept`'s, one graph a step, with the uniforms drawn before, the eager proposer's numbers
-    in the eager order; every step of a ragged batch goes through the recorded graphs on the whole tree
-    (the eager steps cut it near the end), the eager proposer draws nothing, and the tokens are the eager
-    ones, draw for draw."""
-    backend, rule = GraphReplay(), RULES["rejection"]
-    model, heads, steps, caches = warmed_up(6, backend=backend, kind=kind, rows=2, rules=(rule,))
-    graphs, calls, drawn_eagerly, drawn_depths = len(backend.graphs), [], [], []
-    proposer_type = type(heads.proposer(model, TREE))
-    propose = proposer_type.propose
-    monkeypatch.setattr(proposer_type, "propose", lambda *a, **kw: (p := propose(*a, **kw), drawn_eagerly.append(
-        p.draft is not None))[0])
-    counted = dataclasses.replace(steps, verify_and_accept=lambda *a, **kw: calls.append(1) or
-                                  steps.verify_and_accept(*a, **kw),
-                                  draft_drawn=lambda *a, **kw: drawn_depths.append(kw["tree"].depth) or
-                                  steps.draft_drawn(*a, **kw))
-
-    def run(**kw):
-        return medusa_generate_batch(model, heads, [[1, 2, 3], [4, 5]], tree=TREE, max_new_tokens=30,
-                                     sampling=rule, generator=torch.Generator().manual_seed(4), **kw)
-
-    compiled = run(steps=counted, cache=caches)
-    assert not any(drawn_eagerly) and drawn_depths == [TREE.depth]  # the first tree; the graph draws the rest
-    eager = run()
-    assert [out for out, _ in compiled] == [out for out, _ in eager] and sum(drawn_eagerly) > 1
-    assert len(calls) == max(st.steps for _, st in compiled)
-    assert sum(sum(st.accepted_nodes) for _, st in compiled) > 0  # the walk accepted candidates, not only bonuses
-    assert len(backend.graphs) == graphs  # the warm-up recorded every graph the run replays
+    medusa = steps.medusa
+    real = medusa.verify_and_accept
+    medusa.verify_and_accept = lambda *a, **kw: calls.append(1) or real(*a, **kw)
+    eager, compiled = run_both(model, heads, RULES[rule], steps, cache=caches)
+    eager_proposals = len(proposed) - (rule != "rejection")
+    assert compiled == eager and eager_proposals == len(calls) > 1
+    assert len(backend.graphs) == graphs and sum(map(len, compiled)) == 60
 
 
 def test_a_kv_cache_not_marked_static_is_refused_under_cuda_graphs_rules(monkeypatch):
@@ -224,7 +219,7 @@ def test_inductor_writes_and_compacts_the_kv_cache_in_place_never_copying_it_who
     back as converted numbers. The generated code must allocate no buffer of a cache tensor's shape."""
     from torch._inductor.utils import run_and_get_code
 
-    from medusa_mini.model import KVCache, compact_kv_cache
+    from medusa_mini.model import compact_kv_cache
     from medusa_mini.step import plain_step
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # generate the code, not a cached copy

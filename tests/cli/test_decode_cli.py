@@ -184,7 +184,7 @@ def broken_ckpt(ckpt, tmp_path_factory):
     (["--method", "typical", "--temperature", "0"], "--method typical samples: give --temperature > 0"),
     (["--method", "rejection", "--temperature", "0"], "or use --method greedy for temperature 0"),
     (["--explain", "--compile"], "leave out --compile"), (["--explain", "--reference"], "leave out --reference"),
-    (["--temperature", "inf"], "--temperature must be a finite number"),
+    (["--temperature", "inf"], "--temperature must be a number from 0"),
 ])
 def test_bad_input_exits_2_with_one_line(argv, needle, ckpt, ckpt_no_heads, ckpt_hydra, broken_ckpt, tmp_path, capsys):
     (tmp_path / "wide.json").write_text("[[100000]]")  # a rank past any draft vocabulary: refused before output

@@ -8,7 +8,7 @@ import torch
 
 from conftest import save_small_checkpoint
 from medusa_mini.cli import measure
-from medusa_mini.cli.trees import CPU_MIN_GAIN, resolve_tree
+from medusa_mini.cli.trees import CPU_MIN_GAIN, draw_mask, draw_tree, resolve_tree
 from medusa_mini.train.accuracy import load_accuracy, save_accuracy
 from medusa_mini.tree import Tree, build_tree, chain, preset
 
@@ -125,3 +125,13 @@ def test_measure_refuses_bad_input_in_one_line_with_exit_status_2(tmp_path, caps
     err = capsys.readouterr().err
     assert exc.value.code == 2 and err.startswith("python -m medusa_mini.cli.measure: error: ") and needle in err
     assert err.count("\n") == 1
+
+
+def test_the_drawings_show_every_node_and_every_mask_entry():
+    TREE = Tree.from_choices([(1,), (0, 0, 0), (0,), (0, 1), (0, 0)])  # [0] root, [1] (0,), [2] (1,), ...
+    drawing = draw_tree(TREE, labels=["'a'", "'b'", "'c'", "'d'", "'e'", "'f'"])
+    assert drawing.splitlines()[0] == "[0] root 'a'"
+    assert "[5] head 3 rank 0 'f'" in drawing and len(drawing.splitlines()) == 6
+    rows = draw_mask(TREE).splitlines()[1:]
+    filled = [row.split()[1:].count("■") for row in rows]
+    assert filled == [1, 2, 2, 3, 3, 4]  # each node's path
