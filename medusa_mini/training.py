@@ -49,73 +49,41 @@ def head_targets(y: torch.Tensor, num_heads: int, *, valid: torch.Tensor | None 
     return targets if positions is None else targets[:, :, positions]
 
 
-def _chunk_head_sums(heads: DraftHeads, model: GPT, h: torch.Tensor, targets: torch.Tensor, following: torch.Tensor,
-                     teacher: torch.Tensor | None, known: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """h [n, C], targets [K, n], following [n, K] -> summed cross-entropy [K] and top-1 hits [K].
-    teacher [n, K, C]: the backbone's hidden state where it predicts head k's target; given, the
-    cross-entropy is against its distribution p over the draft vocabulary, not the token that came, at
-    every position `known` [K, n] marks (a target exists, in the draft vocabulary or not)."""
+def _chunk_head_sums(heads: DraftHeads, model: GPT, h: torch.Tensor, targets: torch.Tensor,
+                     following: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """h [n, C], targets [K, n], following [n, K] -> summed cross-entropy [K] and top-1 hits [K]."""
     logits = heads(h, model, following=following).float()  # [K, n, M]
     K, n, M = logits.shape
-    if teacher is None:
-        ce = F.cross_entropy(logits.reshape(K * n, M), targets.reshape(K * n), reduction="none")  # IGNORE: 0
-    else:
-        with torch.no_grad():
-            p = F.softmax(F.linear(teacher.movedim(1, 0), heads.draft_weight(model)).float(), dim=-1)  # [K, n, M]
-        ce = -(p * F.log_softmax(logits, dim=-1)).sum(-1).masked_fill(~known, 0.0).flatten()
+    ce = F.cross_entropy(logits.reshape(K * n, M), targets.reshape(K * n), reduction="none")  # IGNORE: 0
     hits = (logits.detach().argmax(-1) == targets).sum(-1)  # [K]; IGNORE never equals an index
     return ce.view(K, n).sum(-1), hits.to(logits.dtype)
 
 
 def chunked_head_loss(heads: DraftHeads, model: GPT, hidden: torch.Tensor, targets: torch.Tensor, *,
-                      following: torch.Tensor, teacher: torch.Tensor | None = None, known: torch.Tensor | None = None,
-                      chunk_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      following: torch.Tensor, chunk_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The heads' cross-entropy (paper §2.2.1) without all K x B x T x M logits at once.
 
     hidden [B, T, C], targets [K, B, T] (draft-vocabulary indices, IGNORE where none), following [B, T, K]
-    (the true next tokens, which dependent heads read), teacher [B, T, K, C] or None (`_chunk_head_sums`),
-    known [K, B, T] where a target exists (default: targets != IGNORE; with a teacher also where the token
-    is outside the draft vocabulary, as p is defined there) -> mean cross-entropy [K] and detached top-1
-    accuracy [K] over the `known` positions (0 for none; a token outside the draft vocabulary is a miss). `chunk_size` positions at a time (default:
+    (the true next tokens, which dependent heads read) -> mean cross-entropy [K] and detached top-1
+    accuracy [K] over the positions with a target (0 for none). `chunk_size` positions at a time (default:
     LOGITS_PER_CHUNK logits); with several chunks each runs under torch.utils.checkpoint, so both passes
     hold one chunk's logits, at the price of computing them twice. No `.item()`, no data-dependent shapes.
     """
     K, C = targets.shape[0], hidden.shape[-1]
     h, tgt, fol = hidden.reshape(-1, C), targets.reshape(K, -1), following.reshape(-1, K)  # n = B·T positions
-    tch = None if teacher is None else teacher.reshape(-1, K, C)  # [n, K, C]
-    kn = (tgt != IGNORE) if known is None else known.reshape(K, -1)  # [K, n]
     n = h.shape[0]
     size = chunk_size or max(1, LOGITS_PER_CHUNK // (K * (heads.config.draft_vocab_size or heads.config.vocab_size)))
     if size >= n:  # one chunk: nothing to free early, so no recomputation either
-        ce_sum, hits = _chunk_head_sums(heads, model, h, tgt, fol, tch, kn)
+        ce_sum, hits = _chunk_head_sums(heads, model, h, tgt, fol)
     else:
         ce_sum = hits = 0
         for i in range(0, n, size):
             # preserve_rng_state=False: the chunk draws no random numbers, so there is no state to replay
             c, t = checkpoint(_chunk_head_sums, heads, model, h[i : i + size], tgt[:, i : i + size], fol[i : i + size],
-                              None if tch is None else tch[i : i + size], kn[:, i : i + size], use_reentrant=False,
-                              preserve_rng_state=False)
+                              use_reentrant=False, preserve_rng_state=False)
             ce_sum, hits = ce_sum + c, hits + t
-    counts = kn.sum(-1).clamp(min=1).to(ce_sum.dtype)  # [K]
+    counts = (tgt != IGNORE).sum(-1).clamp(min=1).to(ce_sum.dtype)  # [K]
     return ce_sum / counts, hits / counts
-
-
-def teacher_states(hidden: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """Where the backbone predicts each head's target: hidden [B, T, C] -> [B, T, K, C], out[:, t, k-1] =
-    hidden[:, t + k] (zeros past the end, where no head has a target).
-
-    Soft targets (distillation from the backbone, as Hydra++ trains its heads, arXiv 2402.05109 §4):
-    head k at t then learns p(token t+k+1 | the text up to t+k), the backbone's whole distribution, not
-    the one token the text holds there (p at temperature 1, as its logits give it, over the draft
-    vocabulary). A Medusa head can only learn the marginal over the k tokens it does not see, whichever
-    target it is taught; p teaches each position the whole distribution, which is what rejection
-    sampling's q must resemble (it accepts with Σ min(p, q)), where a token teaches only its argmax.
-    Decoding tempers p and q alike, which does not keep a marginal exactly a marginal."""
-    B, T, C = hidden.shape
-    out = hidden.new_zeros(B, T, num_heads, C)
-    for k in range(1, min(num_heads, T - 1) + 1):
-        out[:, : T - k, k - 1] = hidden[:, k:]
-    return out
 
 
 def head_weights(num_heads: int, *, decay: float) -> list[float]:
@@ -150,14 +118,12 @@ class MedusaLM(nn.Module):
     def forward(
         self, x: torch.Tensor, y: torch.Tensor, *, lm_weight: float, heads_weight: float, decay: float,
         valid: torch.Tensor | None = None, detach_backbone: bool = False, heads_stride: int = 1,
-        heads_offset: int = 0, heads_chunk: int | None = None, soft_targets: bool = False,
+        heads_offset: int = 0, heads_chunk: int | None = None,
     ) -> tuple[torch.Tensor, dict]:
         """Total loss and detached on-device metrics ("lm" [], "heads" [K], "acc" [K]); x, y, valid: [B, T].
 
         heads_stride s > 1 trains the heads at every s-th position from heads_offset only (K vocabulary
         projections per position cost more than the backbone); the caller moves the offset each step.
-        soft_targets: head k learns the backbone's whole distribution p for token t+k+1 (`teacher_states`),
-        not only the token that came.
         """
         loss = torch.zeros((), device=x.device)
         metrics: dict = {}
@@ -180,11 +146,8 @@ class MedusaLM(nn.Module):
             targets = self.heads.draft_index(tokens)  # [K, B, T'] draft-vocabulary indices
             following = next_tokens(y, K)  # [B, T, K]
             following = following if positions is None else following[:, positions]
-            teacher = teacher_states(hidden.detach(), K) if soft_targets else None  # [B, T, K, C]
-            if teacher is not None and positions is not None:
-                teacher = teacher[:, positions]
-            losses, accs = chunked_head_loss(self.heads, self.model, h, targets, following=following, teacher=teacher,
-                                             known=tokens != IGNORE if soft_targets else None, chunk_size=heads_chunk)
+            losses, accs = chunked_head_loss(self.heads, self.model, h, targets, following=following,
+                                             chunk_size=heads_chunk)
             weights = head_weights(K, decay=decay)
             loss = loss + heads_weight * sum(w * l for w, l in zip(weights, losses.unbind()))
             metrics["heads"] = losses.detach()

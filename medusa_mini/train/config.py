@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 
 from ..heads import HEAD_KINDS
 
-HEAD_TARGETS = ("token", "p")
 MINIMUM = {"vocab_size": 257, "n_layer": 1, "n_head": 1, "n_embd": 1, "block_size": 1, "batch_size": 1,
            "num_heads": 1, "save_every": 1, "medusa": 1, "distill_prompts": 1, "distill_prompt_len": 1,
            "distill_tokens": 1, "heads_batch_size": 1, "eval_prompts": 1}  # vocabulary: 256 bytes + end-of-text;
@@ -66,8 +65,6 @@ class TrainArgs:
     heads_steps: int = hp(500, "heads-only optimizer steps on the self-distilled text")
     heads_batch_size: int = hp(32, "sequences per heads step")
     heads_lr: float = hp(1e-3, "heads-only learning rate")
-    heads_target: str = hp("token", "heads-only stage: head k learns the token the backbone wrote (token: "
-                                    "greedy's draft) or its whole distribution p there (p: rejection sampling's)")
     draft_vocab: int = hp(512, "M: heads guess among the M tokens most frequent in the self-distilled text (0: all)")
     eval_prompts: int = hp(16, "held-out prompts saved for decode.py")
     eval_every: int = hp(0, "backbone steps between validation losses (0: only the summary's)")
@@ -83,8 +80,6 @@ class TrainArgs:
             raise ValueError(f"--out must name a folder for the checkpoint, not {self.out!r}")
         if self.heads not in HEAD_KINDS:
             raise ValueError(f"--heads must be one of {', '.join(HEAD_KINDS)}, not {self.heads!r}")
-        if self.heads_target not in HEAD_TARGETS:
-            raise ValueError(f"--heads-target must be one of {', '.join(HEAD_TARGETS)}, not {self.heads_target!r}")
         if self.n_embd % self.n_head:
             raise ValueError(f"--n-embd {self.n_embd} must be divisible by --n-head {self.n_head}")
         if self.distill_prompt_len >= self.block_size:

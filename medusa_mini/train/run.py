@@ -204,8 +204,7 @@ def distill_stage(r: Run, train_tokens: np.ndarray) -> torch.Tensor:
 
 
 def heads_stage(r: Run, *, step: int, state: dict | None) -> None:
-    """Medusa-1 (paper §2.2.1): backbone frozen, heads trained on the backbone's own text (`r.distill`): on
-    its tokens, or with --heads-target p on its distribution there (`training.teacher_states`)."""
+    """Medusa-1 (paper §2.2.1): backbone frozen, heads trained on the backbone's own text (`r.distill`)."""
     a, distill = r.args, r.distill
     valid_row = torch.arange(1, distill.shape[1], device=r.device) >= a.distill_prompt_len  # tokens it wrote
 
@@ -216,8 +215,7 @@ def heads_stage(r: Run, *, step: int, state: dict | None) -> None:
     _train(r, MedusaLM(r.model, r.heads), _optimizer([(list(r.heads.parameters()), a.heads_lr)], a), stage="heads",
            steps=a.heads_steps, start=step, gen=torch.Generator().manual_seed(a.seed * 1009 + r.rank + 1),
            batch_fn=batch, state=state,
-           loss_kwargs=lambda s: dict(lm_weight=0.0, heads_weight=1.0, decay=1.0, detach_backbone=True,
-                                      soft_targets=a.heads_target == "p"))
+           loss_kwargs=lambda s: dict(lm_weight=0.0, heads_weight=1.0, decay=1.0, detach_backbone=True))
 
 
 def choose_draft_vocabulary(r: Run) -> None:

@@ -72,7 +72,9 @@ class Run:
                 state.update(torch.load(self.rank_path, map_location="cpu", weights_only=True))
         except Exception as e:  # a torn or foreign file
             raise TrainError(f"--resume: cannot read the saved state in {self.args.out}: {e}") from None
-        mine, theirs = self.args.identity(), state.get("identity") or {}
+        mine, theirs = self.args.identity(), dict(state.get("identity") or {})
+        if theirs.get("heads_target") == "token":  # saved when heads could also be taught p; token is what is left
+            del theirs["heads_target"]
         diff = sorted(k for k in mine | theirs if mine.get(k) != theirs.get(k))  # a setting left out is None
         if diff or state.get("world", 1) != self.world:
             raise TrainError(f"--resume with a different configuration ({', '.join(diff or ['number of processes'])});"

@@ -141,13 +141,8 @@ def test_hydra_heads_with_a_draft_vocabulary_train_then_train_alone_on_the_same_
     assert cfg["medusa_mini"]["heads"] == "hydra" and heads.config.kind == "hydra"
     texts = torch.cat(written)[:, 16:]  # the smoke preset's prompts are 16 tokens
     assert set(heads.draft_ids.tolist()) == set(frequency_order(texts, 300)[:64].tolist())
-    again, soft = tmp_path / "hydra_on_it", []  # and heads taught p
-    real_forward = MedusaLM.forward
-    monkeypatch.setattr(MedusaLM, "forward", lambda self, *a, **k: soft.append(k.get("soft_targets")) or
-                        real_forward(self, *a, **k))
-    assert train_tiny.main(FAST + ["--heads", "hydra", "--init", str(first), "--out", str(again),
-                                   "--heads-target", "p"]) == 0
-    assert soft and all(s is True for s in soft)
+    again = tmp_path / "hydra_on_it"
+    assert train_tiny.main(FAST + ["--heads", "hydra", "--init", str(first), "--out", str(again)]) == 0
     assert load_checkpoint(again)[1].config.kind == "hydra" and same_weights(first, again, backbone_only=True)
     capsys.readouterr()
     assert decode.main(["--ckpt", str(first), "--compare", "--prompt", "def f(x):", "--max-new-tokens", "8"]) == 0
@@ -225,6 +220,11 @@ def test_resume_refuses_other_text_under_the_same_data_path_and_never_learns_fro
     torch.save({k: v for k, v in saved.items() if k != "data"}, out / "train_state.pt")  # as saved before digests
     assert train_tiny.main(FAST + ["--data", str(data), "--out", str(out), "--resume"]) == 2
     assert "saved by an older train_tiny.py" in capsys.readouterr().err
+    saved["identity"]["heads_target"] = "p"  # saved when heads could be taught p: not this run's training
+    torch.save(saved, out / "train_state.pt")
+    assert train_tiny.main(FAST + ["--data", str(data), "--out", str(out), "--resume"]) == 2
+    assert "different configuration (heads_target)" in capsys.readouterr().err
+    saved["identity"]["heads_target"] = "token"  # what every run did then, and does now
     torch.save(saved, out / "train_state.pt")
     assert train_tiny.main(FAST + ["--data", str(data), "--out", str(out), "--resume"]) == 0
 
@@ -240,7 +240,7 @@ def test_bad_flags_or_data_are_a_one_line_error_with_code_2_and_write_nothing(tm
     for bad in (["--n-embd", "30", "--n-head", "4"], ["--distill-temperatures", "0,-1"], ["--device", "tpu9"],
                 ["--vocab-size", "256"], ["--dtype", "float8"], ["--dtype", "float16", "--device", "cpu"],
                 ["--eval-every", "-1"], ["--save-every", "0"], ["--heads", "eagle"], ["--resume"],
-                ["--draft-vocab", "-1"], ["--heads-target", "q"], *(["--data", str(tmp_path / name)] for name in ("missing.txt", "empty.txt",
+                ["--draft-vocab", "-1"], *(["--data", str(tmp_path / name)] for name in ("missing.txt", "empty.txt",
                                                                                        "binary.bin")),
                 ["--init", str(tmp_path / "nope")], ["--distill-prompts", "0"], ["--distill-tokens", "0"],
                 ["--distill-prompt-len", "0"], ["--eval-prompts", "0"], ["--heads-batch-size", "0"], ["--lr", "nan"],
