@@ -32,21 +32,16 @@ def lm_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
 
 
-def head_targets(y: torch.Tensor, num_heads: int, *, valid: torch.Tensor | None = None,
-                 positions: torch.Tensor | None = None) -> torch.Tensor:
-    """Every head's targets [K, B, T'] at columns `positions` of y [B, T] (default all), IGNORE where none.
-
-    Head k (1-based) at t predicts token t+k+1 = y[:, t + k] (paper §2.1.1); the last k positions have
-    none, nor those `valid` [B, T] marks False. Fixed shapes, so nothing waits for the device."""
-    B, T = y.shape
-    rows = []
-    for k in range(1, num_heads + 1):
-        tgt = torch.full_like(y, IGNORE)  # [B, T]
-        if k < T:
-            tgt[:, : T - k] = y[:, k:] if valid is None else y[:, k:].masked_fill(~valid[:, k:], IGNORE)
-        rows.append(tgt)
-    targets = torch.stack(rows)  # [K, B, T]
-    return targets if positions is None else targets[:, :, positions]
+def head_targets(y: torch.Tensor, num_heads: int, *, valid: torch.Tensor | None = None) -> torch.Tensor:
+    """Every head's targets [K, B, T] from y [B, T], IGNORE where none: head k (1-based) at t predicts token
+    t+k+1 = y[:, t + k] (paper §2.1.1); the last k positions have none, nor those `valid` [B, T] marks False.
+    Fixed shapes, so nothing waits for the device."""
+    y = y if valid is None else y.masked_fill(~valid, IGNORE)
+    T = y.shape[1]
+    targets = torch.full((num_heads, *y.shape), IGNORE, dtype=y.dtype, device=y.device)  # [K, B, T]
+    for k in range(1, min(num_heads, T - 1) + 1):
+        targets[k - 1, :, : T - k] = y[:, k:]
+    return targets
 
 
 def _chunk_head_sums(heads: DraftHeads, model: GPT, h: torch.Tensor, targets: torch.Tensor,
@@ -73,15 +68,13 @@ def chunked_head_loss(heads: DraftHeads, model: GPT, hidden: torch.Tensor, targe
     h, tgt, fol = hidden.reshape(-1, C), targets.reshape(K, -1), following.reshape(-1, K)  # n = B·T positions
     n = h.shape[0]
     size = chunk_size or max(1, LOGITS_PER_CHUNK // (K * (heads.config.draft_vocab_size or heads.config.vocab_size)))
-    if size >= n:  # one chunk: nothing to free early, so no recomputation either
-        ce_sum, hits = _chunk_head_sums(heads, model, h, tgt, fol)
-    else:
-        ce_sum = hits = 0
-        for i in range(0, n, size):
-            # preserve_rng_state=False: the chunk draws no random numbers, so there is no state to replay
-            c, t = checkpoint(_chunk_head_sums, heads, model, h[i : i + size], tgt[:, i : i + size], fol[i : i + size],
-                              use_reentrant=False, preserve_rng_state=False)
-            ce_sum, hits = ce_sum + c, hits + t
+    ce_sum = hits = 0
+    for i in range(0, n, size):
+        chunk = (heads, model, h[i : i + size], tgt[:, i : i + size], fol[i : i + size])
+        # One chunk: nothing to free early, so no recomputation. The chunk draws no random numbers: no state to replay.
+        c, t = _chunk_head_sums(*chunk) if size >= n else checkpoint(_chunk_head_sums, *chunk, use_reentrant=False,
+                                                                      preserve_rng_state=False)
+        ce_sum, hits = ce_sum + c, hits + t
     counts = (tgt != IGNORE).sum(-1).clamp(min=1).to(ce_sum.dtype)  # [K]
     return ce_sum / counts, hits / counts
 
@@ -112,8 +105,7 @@ class MedusaLM(nn.Module):
 
     def __init__(self, model: GPT, heads: DraftHeads | None) -> None:
         super().__init__()
-        self.model = model
-        self.heads = heads
+        self.model, self.heads = model, heads
 
     def forward(
         self, x: torch.Tensor, y: torch.Tensor, *, lm_weight: float, heads_weight: float, decay: float,
@@ -136,22 +128,13 @@ class MedusaLM(nn.Module):
             metrics["lm"] = ce.detach()
             loss = loss + lm_weight * ce
         if self.heads is not None and heads_weight > 0:
-            K = self.heads.num_heads
-            h = hidden.detach() if detach_backbone else hidden
-            positions = None
-            if heads_stride > 1:
-                positions = torch.arange(heads_offset % heads_stride, x.shape[1], heads_stride, device=x.device)  # [T']
-                h = h[:, positions]  # [B, T', C]
-            tokens = head_targets(y, K, valid=valid, positions=positions)  # [K, B, T'] token ids
-            targets = self.heads.draft_index(tokens)  # [K, B, T'] draft-vocabulary indices
-            following = next_tokens(y, K)  # [B, T, K]
-            following = following if positions is None else following[:, positions]
-            losses, accs = chunked_head_loss(self.heads, self.model, h, targets, following=following,
+            K, cols = self.heads.num_heads, slice(heads_offset % heads_stride, None, heads_stride)  # T' positions
+            h = (hidden.detach() if detach_backbone else hidden)[:, cols]  # [B, T', C]
+            targets = self.heads.draft_index(head_targets(y, K, valid=valid)[:, :, cols])  # [K, B, T'] draft indices
+            losses, accs = chunked_head_loss(self.heads, self.model, h, targets, following=next_tokens(y, K)[:, cols],
                                              chunk_size=heads_chunk)
-            weights = head_weights(K, decay=decay)
-            loss = loss + heads_weight * sum(w * l for w, l in zip(weights, losses.unbind()))
-            metrics["heads"] = losses.detach()
-            metrics["acc"] = accs
+            loss = loss + heads_weight * sum(w * l for w, l in zip(head_weights(K, decay=decay), losses.unbind()))
+            metrics["heads"], metrics["acc"] = losses.detach(), accs
         return loss, metrics
 
 

@@ -49,7 +49,7 @@ def test_head_k_at_position_t_targets_token_t_plus_k_plus_1_where_valid():
         assert targets[k - 1, 0].tolist() == list(range(k + 1, 10)) + [IGNORE] * k
     masked = head_targets(y, 2, valid=torch.arange(9)[None] >= 5)  # only y[5:] (tokens 6..9) may be targets
     assert masked[1, 0].tolist() == [IGNORE] * 3 + [6, 7, 8, 9] + [IGNORE] * 2
-    assert head_targets(y, 2, positions=torch.tensor([0, 4]))[:, 0].tolist() == [[2, 6], [3, 7]]
+    assert head_targets(y[:, :2], 3)[:, 0].tolist() == [[2, IGNORE], [IGNORE] * 2, [IGNORE] * 2]  # T <= k: none
 
 
 def test_schedules():

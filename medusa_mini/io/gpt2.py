@@ -167,19 +167,12 @@ def load_gpt2(name_or_path: str | os.PathLike, *, device: torch.device | str = "
             raise ValueError(f"{config_path}: {e}") from None
     tensors = _read_weights(weights)
     config = config or infer_gpt2_config(tensors)  # a bare weights file: its shapes say which GPT-2 it is
-    model = empty_gpt(config, device=device)
+    with torch.device("meta"):  # no random initialisation (slow for gpt2-xl) and no full copy on the CPU first
+        model = GPT(config)
+    model = model.to_empty(device=device)
+    model.lm_head.weight = model.transformer.wte.weight  # to_empty gave the tied pair separate storage
     try:
         load_gpt2_weights(model, tensors)
     except ValueError as e:
         raise ValueError(f"{weights}: {e}") from None
     return model.eval()
-
-
-def empty_gpt(config: GPTConfig, *, device: torch.device | str = "cpu") -> GPT:
-    """A GPT with uninitialised weights on `device`, built on the meta device: no random initialisation
-    (slow for gpt2-xl) and no full copy on the CPU first."""
-    with torch.device("meta"):
-        model = GPT(config)
-    model = model.to_empty(device=device)
-    model.lm_head.weight = model.transformer.wte.weight  # to_empty gave the tied pair separate storage
-    return model

@@ -2,10 +2,10 @@
 
 acc[k][r] = P(head k+1's rank-r guess is the backbone's greedy token k+2 places ahead) on greedy
 continuations: the chance that greedy acceptance takes the guess once it took the node above
-(`tree.build_tree` multiplies these along paths). Its sampling counterpart for drawn candidates,
-`measure_try_acceptance`: the chance that rejection sampling accepts head k+1's r-th draw, on sampled
-continuations; `measure_sampled_acceptance` computes its first column exactly, Σ min(p, q).
-`train_tiny.py`'s summary (report.py) and `python -m medusa_mini.cli.measure` both measure them."""
+(`tree.build_tree` multiplies these along paths). Its sampling counterpart, `measure_try_acceptance`: the
+chance that rejection sampling accepts head k+1's r-th draw, on sampled continuations; its first column
+is Σ min(p, q), which `measure_sampled_acceptance` computes exactly. `train_tiny.py`'s summary (report.py)
+and `python -m medusa_mini.cli.measure` both measure them."""
 
 from __future__ import annotations
 
@@ -62,8 +62,7 @@ def with_head_targets(sequences: list[list[int]], prompt_lens: int | Sequence[in
 def measure_head_accuracy(model: GPT, heads: DraftHeads, sequences: list[list[int]], *,
                           prompt_lens: int | Sequence[int], top_k: int = 10) -> torch.Tensor:
     """acc [K, top_k] float64 (module docstring) on `sequences`: prompts of `prompt_lens` tokens (one count
-    or one each) + their greedy continuations. As in decoding, heads read from each prompt's last token on;
-    a guess is a token id of the draft vocabulary; a position counts where the head's target exists."""
+    or one each) + their greedy continuations, read from each prompt's last token on, as decoding does."""
     device, K, draft_ids = model.device, heads.num_heads, heads.draft_ids.to(model.device)
     if not 0 < top_k <= draft_ids.numel():
         raise ValueError(f"top_k={top_k} must be between 1 and the draft vocabulary's size {draft_ids.numel()}")
@@ -80,27 +79,37 @@ def measure_head_accuracy(model: GPT, heads: DraftHeads, sequences: list[list[in
     return hits / counts.clamp(min=1)[:, None]
 
 
-@torch.no_grad()
-def measure_sampled_acceptance(model: GPT, heads: DraftHeads, sequences: list[list[int]], *,
-                               prompt_lens: int | Sequence[int], temperature: float) -> torch.Tensor:
-    """[K] float64: head k's Σ_x min(p(x), q_k(x)) averaged over `sequences` (prompts + continuations sampled at
-    `temperature`), p the backbone's distribution of the token head k guesses, q_k the head's, both at that
-    temperature: about the chance that rejection sampling accepts head k's one drawn candidate (decoding
-    writes sampled text, though its steps do not start at every position alike). Where the greedy figure
-    (`measure_head_accuracy`) asks for the right token, this asks for the right distribution."""
-    device, K, ids = model.device, heads.num_heads, heads.draft_ids.to(model.device)
-    total, counts = torch.zeros(K, dtype=torch.float64), torch.zeros(K, dtype=torch.float64)
+def _sampled_positions(model: GPT, heads: DraftHeads, sequences: list[list[int]], prompt_lens: int | Sequence[int],
+                       temperature: float) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+    """(k - 1, p [m, V], head k's logits [m, M]) per chunk of positions t where head k has a target: p the
+    backbone's distribution (at `temperature`) of the token head k guesses, token t+k+1. Hydra heads read
+    the text's own tokens between t and their guess."""
+    device, K = model.device, heads.num_heads
     for seq, first in with_head_targets(sequences, prompt_lens):
         x, y = torch.tensor([seq[:-1]], device=device), torch.tensor([seq[1:]], device=device)  # [1, T]
         logits, hidden = model(x)  # [1, T, V], [1, T, C]
-        p = sampling_probs(logits[0], temperature=temperature)[:, ids]  # [T, M]: q is 0 outside the draft ids
-        following, T = next_tokens(y, K)[0], x.shape[1]  # [T, K]: the sampled path, which hydra heads read
+        p = sampling_probs(logits[0], temperature=temperature)  # [T, V]
+        following, T = next_tokens(y, K)[0], x.shape[1]  # [T, K]
         for t in torch.arange(first, T - 1, device=device).split(POSITIONS):  # head 1 has a target
-            q = F.softmax(scaled(heads(hidden[0, t], model, following=following[t]), temperature), dim=-1)  # [K, m, M]
+            head_logits = heads(hidden[0, t], model, following=following[t])  # [K, m, M]
             for k in range(1, K + 1):
-                ok = t + k < T  # [m] p of token t+k+1 is logits[t + k]
-                total[k - 1] += torch.minimum(p[t[ok] + k], q[k - 1, ok]).sum().item()
-                counts[k - 1] += ok.sum().item()
+                ok = t + k < T  # [m] p of token t+k+1 is p[t + k]
+                yield k - 1, p[t[ok] + k], head_logits[k - 1, ok]
+
+
+@torch.no_grad()
+def measure_sampled_acceptance(model: GPT, heads: DraftHeads, sequences: list[list[int]], *,
+                               prompt_lens: int | Sequence[int], temperature: float) -> torch.Tensor:
+    """[K] float64: head k's Σ_x min(p(x), q_k(x)) averaged over `sequences` (prompts + continuations sampled
+    at `temperature`), p and q_k at that temperature: about the chance that rejection sampling accepts head
+    k's one drawn candidate. Where `measure_head_accuracy` asks for the right token, this asks for the right
+    distribution."""
+    ids, K = heads.draft_ids.to(model.device), heads.num_heads
+    total, counts = torch.zeros(K, dtype=torch.float64), torch.zeros(K, dtype=torch.float64)
+    for k, p, logits in _sampled_positions(model, heads, sequences, prompt_lens, temperature):
+        q = F.softmax(scaled(logits, temperature), dim=-1)  # [m, M]: 0 outside the draft ids
+        total[k] += torch.minimum(p[:, ids], q).sum().item()
+        counts[k] += len(p)
     return total / counts.clamp(min=1)
 
 
@@ -108,44 +117,30 @@ def measure_sampled_acceptance(model: GPT, heads: DraftHeads, sequences: list[li
 def measure_try_acceptance(model: GPT, heads: DraftHeads, sequences: list[list[int]], *,
                            prompt_lens: int | Sequence[int], temperature: float, ranks: int = 10, draws: int = 4,
                            seed: int = 0) -> torch.Tensor:
-    """acc [K, ranks] float64, the acceptance table of rejection sampling with drawn candidates: acc[k][r] =
-    P(head k+1's r-th distinct draw from q is the candidate its tries accept), on `sequences` sampled at
-    `temperature` as in `measure_sampled_acceptance`, averaged over `draws` sets of draws per position.
-
-    Try r passes with chance a_r = min(1, p_r(x) / q_r(x)), p_r the residual its misses before it left
-    (`sampling.speculative_try`, `acceptance.rejection_accept_drawn`), so a set of draws is worth
-    Π_{j<r} (1 - a_j) · a_r to rank r, in expectation over the uniforms. At most one sibling passes, as at
-    most one top-k guess is the greedy token, so the table plays greedy's part in `tree.build_tree`: its
-    product rule then estimates how far a drawn path gets, approximately, as greedy's does (a node's
-    children must hold ranks 0, 1, ... without gaps, as build_tree's do, and the text is sampled, where
-    a path is what the tries accepted). acc[k][0] estimates Σ min(p, q), exactly in expectation.
-    """
-    device, K, ids, V = model.device, heads.num_heads, heads.draft_ids.to(model.device), model.config.vocab_size
+    """acc [K, ranks] float64, rejection sampling's table for drawn candidates: acc[k][r] = P(head k+1's r-th
+    distinct draw from q is the candidate its tries accept), on text sampled at `temperature`, averaged over
+    `draws` sets of draws per position (`draw_chances`). At most one sibling passes, as at most one top-k
+    guess is the greedy token, so the table plays greedy's part in `tree.build_tree`, approximately (a
+    node's children must hold ranks 0, 1, ... without gaps, as build_tree's do). acc[k][0] estimates
+    Σ min(p, q), exactly in expectation."""
+    ids, K, V = heads.draft_ids.to(model.device), heads.num_heads, model.config.vocab_size
     R = min(ranks, ids.numel())
-    g = torch.Generator(device=device).manual_seed(seed)
+    g = torch.Generator(device=model.device).manual_seed(seed)
     passed, counts = torch.zeros(K, R, dtype=torch.float64), torch.zeros(K, dtype=torch.float64)
-    for seq, first in with_head_targets(sequences, prompt_lens):
-        x, y = torch.tensor([seq[:-1]], device=device), torch.tensor([seq[1:]], device=device)  # [1, T]
-        logits, hidden = model(x)  # [1, T, V], [1, T, C]
-        p_all = sampling_probs(logits[0], temperature=temperature)  # [T, V]
-        following, T = next_tokens(y, K)[0], x.shape[1]  # [T, K]: the sampled path, which hydra heads read
-        for t in torch.arange(first, T - 1, device=device).split(POSITIONS):  # head 1 has a target
-            head_logits = heads(hidden[0, t], model, following=following[t])  # [K, m, M]
-            for k in range(1, K + 1):
-                ok = t + k < T  # [m] p of token t+k+1 is p_all[t + k]
-                log_q = q_log_probs(head_logits[k - 1, ok], ids, temperature=temperature, vocab_size=V)  # [m, V]
-                for _ in range(draws):
-                    samples = gumbel_top_k(log_q, R, torch.rand(log_q.shape, generator=g, device=device))  # [m, R]
-                    passed[k - 1] += draw_chances(p_all[t[ok] + k], log_q, samples).sum(0).cpu() / draws
-                counts[k - 1] += ok.sum().item()
+    for k, p, logits in _sampled_positions(model, heads, sequences, prompt_lens, temperature):
+        log_q = q_log_probs(logits, ids, temperature=temperature, vocab_size=V)  # [m, V]
+        for _ in range(draws):
+            samples = gumbel_top_k(log_q, R, torch.rand(log_q.shape, generator=g, device=model.device))  # [m, R]
+            passed[k] += draw_chances(p, log_q, samples).sum(0).cpu() / draws
+        counts[k] += len(p)
     return passed / counts.clamp(min=1)[:, None]
 
 
 def draw_chances(p: torch.Tensor, log_q: torch.Tensor, samples: torch.Tensor) -> torch.Tensor:
     """[m, R] float64: the chance, over the uniforms, that draw r of samples [m, R] (distinct draws from q,
-    log_q [m, V], in order) is the one speculative sampling's tries accept against p [m, V]: Π_{j<r} (1 - a_j)
-    · a_r, with a_r = min(1, p_r(x_r) / q_r(x_r)), p_r the residual the misses before it left and q_r q
-    without the draws before it (`acceptance.rejection_accept_drawn` makes the same tries with uniforms)."""
+    log_q [m, V], in order) is the one rejection sampling's tries accept against p [m, V]: Π_{j<r} (1 - a_j)
+    · a_r, a_r = min(1, p_r(x_r) / q_r(x_r)), p_r the residual the misses before it left, q_r q without the
+    draws before it (as `acceptance.rejection_accept_drawn` tries with uniforms)."""
     chances, left = [], torch.ones(len(p), dtype=torch.float64, device=p.device)  # [m] no try passed yet
     for r in range(samples.shape[1]):
         x = samples[:, r]  # [m]
@@ -165,12 +160,9 @@ def draw_chances(p: torch.Tensor, log_q: torch.Tensor, samples: torch.Tensor) ->
 def measure_marginal_acceptance(model: GPT, sequences: list[list[int]], *, prompt_lens: int | Sequence[int],
                                 temperature: float, roots: int = 64, every: int = 4) -> tuple[float, float]:
     """What head 1 would score in `measure_sampled_acceptance` if its q were the exact marginal: (mean Σ min,
-    mean root mass covered). Head 1 at t guesses token t+2 without the token t+1 (the root r, drawn from
-    p_t), so training on text sampled at T aims it at m = Σ_r p_t(r) p(· | r), every distribution at T;
-    here m is taken over the `roots` likeliest roots (renormalised), over the whole vocabulary, at every
-    `every`-th position, and Σ_x min(p(x | r), m(x)) is averaged over r ~ p_t. Not an upper bound (a q
-    chosen for Σ min itself can score more), but the target of a Medusa head's training; a head that reads
-    r (Hydra's) is not aimed at it. Two forwards per position: the context, then its `roots` rows."""
+    mean root mass covered). Head 1 at t guesses token t+2 without seeing token t+1 (the root r ~ p_t), so
+    training on sampled text aims it at m = Σ_r p_t(r) p(· | r); m is taken over the `roots` likeliest roots
+    (renormalised) at every `every`-th position. Not an upper bound, but a Medusa head's training target."""
     device, V = model.device, model.config.vocab_size
     total = covered = positions = 0.0
     for seq, first in with_head_targets(sequences, prompt_lens):
@@ -181,7 +173,7 @@ def measure_marginal_acceptance(model: GPT, sequences: list[list[int]], *, promp
             x = torch.cat([context.expand(len(r), -1), r[:, None]], dim=1)  # [R, t + 2]
             p_next = sampling_probs(model(x)[0][:, -1], temperature=temperature)  # [R, V] p(· | r)
             share = w / w.sum()  # [R]
-            marginal = share @ p_next  # [V]
+            marginal = share @ p_next  # [V] m
             total += (share * torch.minimum(p_next, marginal).sum(-1)).sum().item()
             covered, positions = covered + w.sum().item(), positions + 1
     return total / max(positions, 1), covered / max(positions, 1)
@@ -189,9 +181,8 @@ def measure_marginal_acceptance(model: GPT, sequences: list[list[int]], *, promp
 
 def save_accuracy(directory: str | os.PathLike, acc: torch.Tensor, *, drawn: torch.Tensor | None = None,
                   meta: dict | None = None) -> None:
-    """Write heads_accuracy.json atomically, one line per head: acc, the greedy table, then drawn, rejection
-    sampling's table for drawn candidates (`measure_try_acceptance`), if measured, then `meta` (what they
-    were measured on)."""
+    """Write heads_accuracy.json atomically, one line per head: acc (greedy's table), drawn (rejection
+    sampling's, `measure_try_acceptance`) if measured, then `meta` (what they were measured on)."""
     def lines(table: torch.Tensor) -> str:
         rows = (json.dumps([round(x, 6) for x in row]) for row in check_acc(table).tolist())
         return "[\n    " + ",\n    ".join(rows) + "\n  ]"
@@ -203,9 +194,8 @@ def save_accuracy(directory: str | os.PathLike, acc: torch.Tensor, *, drawn: tor
 
 
 def load_accuracy(directory: str | os.PathLike, *, drawn: bool = False) -> torch.Tensor | None:
-    """acc [K, R] float64 from heads_accuracy.json: the greedy table, or with `drawn` the table of drawn
-    candidates, None where the file has none (it was measured before that table existed); a one-line
-    ValueError for a missing or bad file."""
+    """acc [K, R] float64 from heads_accuracy.json: greedy's table, or with `drawn` the drawn candidates' (None
+    where a file measured before it has none); a one-line ValueError for a missing or bad file."""
     path = os.path.join(os.fspath(directory), ACCURACY_FILE)
     obj = read_json(path, hint=f"measure it with python -m medusa_mini.cli.measure --ckpt {directory}")
     key = "acc_drawn" if drawn else "acc"

@@ -1,7 +1,6 @@
 """The stages of `train_tiny.py`: tokenizer, backbone, self-distillation, heads, draft vocabulary, summary,
 each resumable. Under torchrun (DDP) every rank trains on its own batches, gradients are averaged, rank 0
-prints and writes. `--init` (gpt2, ..., or a checkpoint) brings a pretrained, frozen tokenizer and backbone:
-Medusa-1 heads taught by self-distillation (paper §2.3.2)."""
+prints and writes. `--init` brings a pretrained, frozen tokenizer and backbone (gpt2, ..., or a checkpoint)."""
 
 from __future__ import annotations
 
@@ -56,21 +55,9 @@ def _pretrained(r: Run) -> tuple[GPT, tiktoken.Encoding]:
     return model.requires_grad_(False), enc
 
 
-def _documents(args: TrainArgs) -> list:
-    """The corpus (never the files of --out, which a run writes into and a resume would then read)."""
-    try:
-        return load_corpus(args.data, max_bytes=args.max_bytes, skip=args.out)
-    except ValueError as e:
-        raise TrainError(str(e)) from None
-
-
-def _prepare(r: Run, state: dict | None, docs: list):
-    """Split documents, tokenizer, backbone (pretrained with --init) and heads, restored on --resume; token arrays."""
+def _prepare(r: Run, state: dict | None, train_docs: list, val_docs: list) -> tuple:
+    """Tokenizer, backbone (pretrained with --init) and heads, restored on --resume; the token arrays."""
     a = r.args
-    try:
-        train_docs, val_docs = split_documents(docs, seed=a.seed)
-    except ValueError as e:
-        raise TrainError(str(e)) from None
     torch.manual_seed(a.seed)  # the backbone's and the heads' first weights
     if a.init:
         model, enc = _pretrained(r)
@@ -101,7 +88,7 @@ def _prepare(r: Run, state: dict | None, docs: list):
     r.extra = {"eot_id": enc.eot_token, "preset": a.preset, "medusa": a.medusa, "init": a.init, "heads": a.heads}
     r.log(f"data       {len(train_tokens):,} train / {len(val_tokens):,} val tokens  "
           f"model {model.num_params() / 1e6:.2f}M params  device {r.device}  ranks {r.world}")
-    return enc, val_docs, train_tokens, val_tokens
+    return enc, train_tokens, val_tokens
 
 
 def _optimizer(params_and_lrs: list[tuple[list[torch.nn.Parameter], float]], args: TrainArgs) -> torch.optim.Optimizer:
@@ -263,11 +250,15 @@ def run(args: TrainArgs) -> None:
     if not args.resume and os.path.exists(os.path.join(args.out, STATE_FILE)):
         raise TrainError(f"{args.out} holds an unfinished run: add --resume, or choose another --out")
     r = Run(args)
-    docs = _documents(args)
+    try:  # never the files of --out: a run writes there, and a resume would then read them
+        docs = load_corpus(args.data, max_bytes=args.max_bytes, skip=args.out)
+        train_docs, val_docs = split_documents(docs, seed=args.seed)
+    except ValueError as e:
+        raise TrainError(str(e)) from None
     r.data_digest = corpus_digest(docs)
     state = r.load_state() if args.resume else None
     os.makedirs(args.out, exist_ok=True)
-    enc, val_docs, train_tokens, val_tokens = _prepare(r, state, docs)
+    enc, train_tokens, val_tokens = _prepare(r, state, train_docs, val_docs)
     block_size = r.model.config.block_size
     val_batches = validation_batches(val_tokens, block_size=block_size, seed=args.seed, device=r.device)
     clock = StageClock(r.device)
