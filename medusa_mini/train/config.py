@@ -1,6 +1,6 @@
-"""A `train_tiny.py` run: its settings, its hyper-parameters (each a flag) and the presets. A run's identity
-(hyper-parameters, data path, seed), with a digest of the text itself (`Run.load_state`), is what `--resume`
-compares: a resumed run never changes its settings or its data. The device may change."""
+"""A `train_tiny.py` run: its settings, its hyper-parameters (each a flag) and the presets. `--resume`
+compares a run's identity (hyper-parameters, data path, seed) and a digest of its text: a resumed run never
+changes its settings or its data. The device may change."""
 
 from __future__ import annotations
 
@@ -14,8 +14,7 @@ from ..heads import HEAD_KINDS
 
 MINIMUM = {"vocab_size": 257, "n_layer": 1, "n_head": 1, "n_embd": 1, "block_size": 1, "batch_size": 1,
            "num_heads": 1, "save_every": 1, "medusa": 1, "distill_prompts": 1, "distill_prompt_len": 1,
-           "distill_tokens": 1, "heads_batch_size": 1, "eval_prompts": 1}  # vocabulary: 256 bytes + end-of-text;
-# any other number: 0. Self-distillation and the summary need at least one prompt and token.
+           "distill_tokens": 1, "heads_batch_size": 1, "eval_prompts": 1}  # vocabulary: 256 bytes + end-of-text
 
 
 class TrainError(Exception):
@@ -104,19 +103,17 @@ PRESETS: dict[str, dict] = {
     "smoke": dict(max_bytes=300_000, vocab_size=512, n_layer=2, n_head=2, n_embd=64, block_size=128,
                   batch_size=8, backbone_steps=120, distill_prompts=64, distill_prompt_len=16,
                   distill_tokens=48, heads_steps=80, heads_batch_size=16, eval_prompts=4, draft_vocab=128),
-    # two CPU cores; a draft vocabulary of a quarter of the tokens measured fastest, and twice the heads'
-    # distilled text and steps of before took greedy tokens/step from 3.60 to 3.91 for 4 minutes. Five heads,
-    # not four: 4.79 tokens/step on the auto tree against 3.81 (Medusa-1, five on the frozen backbone: 3.91;
-    # BENCHMARKS.md, "The heads' training")
+    # two CPU cores; a draft vocabulary of a quarter of the tokens measured fastest; twice the heads' text and
+    # steps took greedy tokens/step from 3.60 to 3.91; five heads, not four: 4.79 on the auto tree against 3.81
+    # (BENCHMARKS.md, "The heads' training")
     "cpu": dict(num_heads=5),
-    # one GPU; the whole standard library (~11 MB): 1200 steps x 16K tokens pass over it ~6 times. 4000 (~20
-    # passes) overfit it on an H100: validation loss 2.87 at step 1250, 3.62 at 4000, and greedy tokens/step
-    # 1.87 against 3.14 after 1200 steps (BENCHMARKS.md)
+    # one GPU; the whole standard library (~11 MB) ~6 times. 4000 steps (~20 passes) overfit it on an H100:
+    # greedy tokens/step 1.87 against 3.14 after 1200 (BENCHMARKS.md)
     "gpu": dict(max_bytes=16_000_000, eval_every=250, vocab_size=4096, n_layer=8, n_head=8, n_embd=512,
                 batch_size=64, backbone_steps=1200, lr=6e-4, distill_prompts=4096, distill_tokens=128,
                 heads_steps=1500, heads_batch_size=128, eval_prompts=32, draft_vocab=1024),
-    # --init gpt2...: heads only on a frozen GPT-2, sized for one GPU or a CPU
-    # (4,096 of GPT-2's 50,257 tokens: the heads then cost under a tenth of a plain step, bench_step.py)
+    # --init gpt2...: heads only on a frozen GPT-2, for one GPU or a CPU; a draft vocabulary of 4,096 of its
+    # 50,257 tokens makes the heads cost under a tenth of a plain step (bench_step.py)
     "gpt2": dict(medusa=1, backbone_steps=0, distill_prompts=4096, distill_tokens=128, heads_steps=2000,
                  eval_prompts=32, draft_vocab=4096),
     "gpt2-cpu": dict(medusa=1, backbone_steps=0, distill_prompts=32, distill_prompt_len=16, distill_tokens=32,

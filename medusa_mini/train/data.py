@@ -36,14 +36,14 @@ def _chunk_lines(name: str, text: str) -> list[Document]:
     """``text`` as documents of about DOCUMENT_CHARS cut at line ends: ``name``, or ``name#0``, ``name#1``, ..."""
     if len(text) <= DOCUMENT_CHARS:
         return [(name, text)]
-    pieces, current, size = [], [], 0
+    pieces, size = [[]], 0
     for line in text.splitlines(keepends=True):
         if size and size + len(line) > DOCUMENT_CHARS:
-            pieces.append("".join(current))
-            current, size = [], 0
-        current.append(line)
+            pieces.append([])
+            size = 0
+        pieces[-1].append(line)
         size += len(line)
-    return [(f"{name}#{i}", piece) for i, piece in enumerate(pieces + ["".join(current)])]
+    return [(f"{name}#{i}", "".join(piece)) for i, piece in enumerate(pieces)]
 
 
 def default_corpus_files(*, max_bytes: int = 3_000_000) -> list[pathlib.Path]:
@@ -65,10 +65,9 @@ def default_corpus_files(*, max_bytes: int = 3_000_000) -> list[pathlib.Path]:
 def load_corpus(path: str | os.PathLike[str] | None = None, *, max_bytes: int = 3_000_000,
                 skip: str | os.PathLike[str] | None = None) -> list[Document]:
     """Documents ``(name, text)``, named by path: from the standard library capped at ``max_bytes`` (path
-    None), a UTF-8 file, or a folder's UTF-8 text files (recursively, sorted; left out: hidden ones, the
-    folder ``skip`` and every checkpoint folder, one holding model.safetensors: a run's output is not
-    text to learn from, and a resumed run must read what it began with). User data is used whole.
-    ValueError when there is no text."""
+    None), a UTF-8 file, or a folder's UTF-8 text files, recursively, sorted, used whole. Left out: hidden
+    files, the folder ``skip`` and checkpoint folders (a run's output is not text to learn from, and a
+    resumed run must read what it began with). ValueError when there is no text."""
     if path is None:
         root, files = STDLIB, default_corpus_files(max_bytes=max_bytes)
     elif (root := pathlib.Path(path)).is_dir():

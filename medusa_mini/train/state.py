@@ -52,8 +52,9 @@ class Run:
         if not self.main:
             return
         state = {"identity": self.args.identity(), "data": self.data_digest, "world": self.world, "stage": stage,
-                 "step": step, "model": None if self.args.init else self.model.state_dict(), "heads": self.heads.state_dict(),
-                 "optim": optimizer and optimizer.state_dict(), "scaler": scaler and scaler.state_dict(), **mine}
+                 "step": step, "model": None if self.args.init else self.model.state_dict(),
+                 "heads": self.heads.state_dict(), "optim": optimizer and optimizer.state_dict(),
+                 "scaler": scaler and scaler.state_dict(), **mine}
         atomic_write(self.state_path, lambda f: torch.save(state, f))
         self.write_checkpoint()
 
@@ -73,18 +74,15 @@ class Run:
         except Exception as e:  # a torn or foreign file
             raise TrainError(f"--resume: cannot read the saved state in {self.args.out}: {e}") from None
         mine, theirs = self.args.identity(), dict(state.get("identity") or {})
-        if theirs.get("heads_target") == "token":  # saved when heads could also be taught p; token is what is left
+        if theirs.get("heads_target") == "token":  # saved when heads could be taught p too; tokens are what is left
             del theirs["heads_target"]
         diff = sorted(k for k in mine | theirs if mine.get(k) != theirs.get(k))  # a setting left out is None
         if diff or state.get("world", 1) != self.world:
             raise TrainError(f"--resume with a different configuration ({', '.join(diff or ['number of processes'])});"
                              " use the original flags")
-        if "data" not in state:
-            raise TrainError("--resume: this run was saved by an older train_tiny.py, which kept no digest of its "
-                             "text; resume it with that version, or start a new run without --resume")
-        if state["data"] != self.data_digest:
-            raise TrainError("--resume: the text under --data is not the text this run began with; restore it, "
-                             "or start a new run without --resume")
+        if state.get("data") != self.data_digest:  # no digest: saved by a train_tiny.py that kept none
+            raise TrainError("--resume: the text under --data is not the text this run began with (or its digest "
+                             "was not saved); restore it, or start a new run without --resume")
         return state
 
     @contextlib.contextmanager
