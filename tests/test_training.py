@@ -91,29 +91,6 @@ def test_self_distillation_is_greedy_at_temperature_zero_seeded_and_within_the_c
     assert a.equal(b) and not a.equal(c) and a.shape == (2, 16)
 
 
-@pytest.mark.parametrize("kind, chunk", [("medusa", 1), ("medusa", 29), ("medusa", 1000), ("hydra", None),
-                                         ("hydra", 7)])  # 29 does not divide 2 x 20 = 40 positions: ragged
-def test_chunked_head_loss_equals_the_plain_masked_loss_in_values_and_gradients(kind, chunk):
-    """Hydra heads read the true next tokens (`following`): each chunk must get its own."""
-    model, heads = _setup(kind=kind)
-    h = torch.randn(2, 20, 32, generator=torch.Generator().manual_seed(2), requires_grad=True)  # [B, T, C]
-    y = _tokens(3, (2, 20))
-    valid = torch.arange(20).expand(2, 20) >= 6  # ignored positions inside the rows, as the heads stage's prompts
-    weights = torch.tensor([1.0, 0.8, 0.64])
-
-    def grads(losses):
-        return torch.autograd.grad((weights * losses).sum(), [h, *heads.parameters(), model.lm_head.weight])
-
-    following = next_tokens(y, 3)
-    want, want_acc = plain_head_losses(heads(h, model, following=following), y, lambda b, t, k: valid[b, t + k])
-    got, acc = chunked_head_loss(heads, model, h, head_targets(y, 3, valid=valid), following=following,
-                                 chunk_size=chunk)
-    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
-    assert acc.tolist() == want_acc.tolist() and not acc.requires_grad
-    for g, w in zip(grads(got), grads(want)):
-        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-7)
-
-
 def test_a_head_without_any_target_has_zero_loss_and_accuracy_not_nan():
     model, heads = _setup()
     loss, acc = chunked_head_loss(heads, model, torch.randn(1, 3, 32), torch.full((3, 1, 3), IGNORE),
@@ -121,23 +98,30 @@ def test_a_head_without_any_target_has_zero_loss_and_accuracy_not_nan():
     assert loss.tolist() == [0.0, 0.0, 0.0] and acc.tolist() == [0.0, 0.0, 0.0]
 
 
-@pytest.mark.parametrize("kind, stride, draft, chunk", [("medusa", 1, 0, None), ("medusa", 3, 0, None),
-                                                        ("medusa", 3, 20, None), ("hydra", 1, 20, 7)])
-def test_training_metrics_stay_on_the_device_and_equal_the_plain_losses(kind, stride, draft, chunk):
-    """Over a draft vocabulary the heads learn only the tokens inside it (their indices there)."""
+@pytest.mark.parametrize("kind, stride, draft, chunk", [("medusa", 1, 0, None), ("medusa", 1, 0, 3), ("medusa", 3, 20, 29),
+                                                        ("hydra", 1, 20, 7), ("hydra", 3, 0, None)])
+def test_the_heads_loss_in_chunks_strided_or_over_a_draft_vocabulary_is_the_plain_masked_one(kind, stride, draft,
+                                                                                              chunk):
+    """Values, top-1 and gradients: head k at t against token t+k+1 where `valid` (the heads stage's prompts are
+    no targets), at every stride-th position from the offset, over a draft vocabulary where the token is in it
+    (as its index there). Hydra heads read the true next tokens: each chunk (29 is ragged) must get its own."""
     model, heads = _setup(kind=kind)
     if draft:
         heads.use_draft_vocabulary(torch.randperm(50, generator=torch.Generator().manual_seed(4)), draft)
-    x = _tokens(5)
-    _, metrics = MedusaLM(model, heads)(x[:, :-1], x[:, 1:], lm_weight=1.0, heads_weight=0.5, decay=0.8,
-                                        heads_stride=stride, heads_offset=1, heads_chunk=chunk)
+    module, x = MedusaLM(model, heads), _tokens(5, (4, 21))
+    y, valid = x[:, 1:], torch.arange(20).expand(4, 20) >= 6
+    loss, metrics = module(x[:, :-1], y, valid=valid, lm_weight=1.0, heads_weight=0.5, decay=0.8, heads_stride=stride,
+                           heads_offset=1, heads_chunk=chunk)
     assert all(isinstance(v, torch.Tensor) and not v.requires_grad for v in metrics.values())
     logits, hidden = model(x[:, :-1])
-    y, ids = x[:, 1:], heads.draft_ids
-    index = torch.full((50,), IGNORE).index_put_((ids,), torch.arange(ids.numel()))[y]  # [B, T]
+    index = torch.full((50,), IGNORE).index_put_((heads.draft_ids,), torch.arange(heads.draft_ids.numel()))[y]
     assert not draft or (index < 0).any()  # some tokens lie outside the draft vocabulary
-    losses, accs = plain_head_losses(heads(hidden, model, following=next_tokens(y, 3)), index,
-                                     lambda b, t, k: (stride == 1 or t % stride == 1) and index[b, t + k] >= 0)
-    assert metrics["lm"].item() == F.cross_entropy(logits.flatten(0, 1), y.flatten()).item()
-    assert metrics["acc"].tolist() == accs.tolist()
+    losses, accs = plain_head_losses(heads(hidden, model, following=next_tokens(y, 3)), index, lambda b, t, k: (
+        stride == 1 or t % stride == 1) and valid[b, t + k] and index[b, t + k] >= 0)
+    lm = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+    assert metrics["lm"].item() == lm.item() and metrics["acc"].tolist() == accs.tolist()
     torch.testing.assert_close(metrics["heads"], losses.detach(), rtol=0, atol=1e-5)
+    want = lm + 0.5 * (torch.tensor([0.8, 0.64, 0.512]) * losses).sum()
+    params = list(module.parameters())
+    for g, w in zip(torch.autograd.grad(loss, params), torch.autograd.grad(want, params), strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)

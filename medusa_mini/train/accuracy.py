@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from ..decoding import generate_batch
-from ..heads import IGNORE, DraftHeads, next_tokens
+from ..heads import DraftHeads, next_tokens
 from ..io.files import atomic_write_text, read_json
 from ..model import GPT
 from ..sampling import (
@@ -29,7 +29,6 @@ from ..sampling import (
     speculative_try,
     without_earlier_draws,
 )
-from ..training import head_targets
 from ..tree import check_acc
 
 ACCURACY_FILE = "heads_accuracy.json"
@@ -58,43 +57,39 @@ def with_head_targets(sequences: list[list[int]], prompt_lens: int | Sequence[in
             yield seq, first
 
 
-@torch.no_grad()
-def measure_head_accuracy(model: GPT, heads: DraftHeads, sequences: list[list[int]], *,
-                          prompt_lens: int | Sequence[int], top_k: int = 10) -> torch.Tensor:
-    """acc [K, top_k] float64 (module docstring) on `sequences`: prompts of `prompt_lens` tokens (one count
-    or one each) + their greedy continuations, read from each prompt's last token on, as decoding does."""
-    device, K, draft_ids = model.device, heads.num_heads, heads.draft_ids.to(model.device)
-    if not 0 < top_k <= draft_ids.numel():
-        raise ValueError(f"top_k={top_k} must be between 1 and the draft vocabulary's size {draft_ids.numel()}")
-    hits, counts = torch.zeros(K, top_k, dtype=torch.float64), torch.zeros(K, dtype=torch.float64)
-    for seq, first in with_head_targets(sequences, prompt_lens):
-        x, y = torch.tensor([seq[:-1]], device=device), torch.tensor([seq[1:]], device=device)  # [1, T]
-        targets = head_targets(y, K)[:, 0]  # [K, T] token ids, IGNORE where none
-        following = next_tokens(y, K)[0]  # [T, K]: along a greedy continuation, the path greedy decoding takes
-        _, hidden = model(x, logits_at=slice(0, 0))  # [1, T, C]
-        for t in torch.arange(first, len(seq) - 2, device=device).split(POSITIONS):  # head 1 has a target
-            guesses = draft_ids[heads(hidden[0, t], model, following=following[t]).topk(top_k, dim=-1).indices]
-            hits += (guesses == targets[:, t, None]).sum(1).cpu()  # guesses [K, m, top_k] token ids
-            counts += (targets[:, t] != IGNORE).sum(1).cpu()
-    return hits / counts.clamp(min=1)[:, None]
-
-
-def _sampled_positions(model: GPT, heads: DraftHeads, sequences: list[list[int]], prompt_lens: int | Sequence[int],
-                       temperature: float) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
-    """(k - 1, p [m, V], head k's logits [m, M]) per chunk of positions t where head k has a target: p the
-    backbone's distribution (at `temperature`) of the token head k guesses, token t+k+1. Hydra heads read
-    the text's own tokens between t and their guess."""
+def _positions(model: GPT, heads: DraftHeads, sequences: list[list[int]], prompt_lens: int | Sequence[int],
+               temperature: float | None = None) -> Iterator[tuple]:
+    """(k - 1, target [m], p [m, V] or None, head k's logits [m, M]) per chunk of positions t where head k has a
+    target, token t+k+1, from each prompt's last token on, as decoding drafts: p is the backbone's distribution
+    of it at `temperature` (None: not computed). Hydra heads read the text's own tokens between t and it."""
     device, K = model.device, heads.num_heads
     for seq, first in with_head_targets(sequences, prompt_lens):
         x, y = torch.tensor([seq[:-1]], device=device), torch.tensor([seq[1:]], device=device)  # [1, T]
-        logits, hidden = model(x)  # [1, T, V], [1, T, C]
-        p = sampling_probs(logits[0], temperature=temperature)  # [T, V]
+        logits, hidden = model(x) if temperature is not None else model(x, logits_at=slice(0, 0))  # hidden [1, T, C]
+        p = None if temperature is None else sampling_probs(logits[0], temperature=temperature)  # [T, V]
         following, T = next_tokens(y, K)[0], x.shape[1]  # [T, K]
         for t in torch.arange(first, T - 1, device=device).split(POSITIONS):  # head 1 has a target
             head_logits = heads(hidden[0, t], model, following=following[t])  # [K, m, M]
             for k in range(1, K + 1):
-                ok = t + k < T  # [m] p of token t+k+1 is p[t + k]
-                yield k - 1, p[t[ok] + k], head_logits[k - 1, ok]
+                ok = t + k < T  # [m] token t+k+1 is y[0, t + k]
+                yield k - 1, y[0, t[ok] + k], None if p is None else p[t[ok] + k], head_logits[k - 1, ok]
+
+
+@torch.no_grad()
+def measure_head_accuracy(model: GPT, heads: DraftHeads, sequences: list[list[int]], *,
+                          prompt_lens: int | Sequence[int], top_k: int = 10) -> torch.Tensor:
+    """acc [K, top_k] float64 (module docstring) on `sequences`: prompts of `prompt_lens` tokens (one count
+    or one each) + their greedy continuations."""
+    draft_ids = heads.draft_ids.to(model.device)
+    if not 0 < top_k <= draft_ids.numel():
+        raise ValueError(f"top_k={top_k} must be between 1 and the draft vocabulary's size {draft_ids.numel()}")
+    K = heads.num_heads
+    hits, counts = torch.zeros(K, top_k, dtype=torch.float64), torch.zeros(K, dtype=torch.float64)
+    for k, target, _, logits in _positions(model, heads, sequences, prompt_lens):
+        guesses = draft_ids[logits.topk(top_k, dim=-1).indices]  # [m, top_k] token ids
+        hits[k] += (guesses == target[:, None]).sum(0).cpu()
+        counts[k] += len(target)
+    return hits / counts.clamp(min=1)[:, None]
 
 
 @torch.no_grad()
@@ -106,7 +101,7 @@ def measure_sampled_acceptance(model: GPT, heads: DraftHeads, sequences: list[li
     distribution."""
     ids, K = heads.draft_ids.to(model.device), heads.num_heads
     total, counts = torch.zeros(K, dtype=torch.float64), torch.zeros(K, dtype=torch.float64)
-    for k, p, logits in _sampled_positions(model, heads, sequences, prompt_lens, temperature):
+    for k, _, p, logits in _positions(model, heads, sequences, prompt_lens, temperature):
         q = F.softmax(scaled(logits, temperature), dim=-1)  # [m, M]: 0 outside the draft ids
         total[k] += torch.minimum(p[:, ids], q).sum().item()
         counts[k] += len(p)
@@ -127,7 +122,7 @@ def measure_try_acceptance(model: GPT, heads: DraftHeads, sequences: list[list[i
     R = min(ranks, ids.numel())
     g = torch.Generator(device=model.device).manual_seed(seed)
     passed, counts = torch.zeros(K, R, dtype=torch.float64), torch.zeros(K, dtype=torch.float64)
-    for k, p, logits in _sampled_positions(model, heads, sequences, prompt_lens, temperature):
+    for k, _, p, logits in _positions(model, heads, sequences, prompt_lens, temperature):
         log_q = q_log_probs(logits, ids, temperature=temperature, vocab_size=V)  # [m, V]
         for _ in range(draws):
             samples = gumbel_top_k(log_q, R, torch.rand(log_q.shape, generator=g, device=model.device))  # [m, R]

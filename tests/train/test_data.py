@@ -11,16 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from medusa_mini.io.tokenizer import make_encoding, train_bpe
+from medusa_mini.io.tokenizer import make_encoding
 from medusa_mini.train.data import default_corpus_files, encode_documents, get_batch, load_corpus, split_documents
 
 STDLIB = pathlib.Path(sysconfig.get_paths()["stdlib"])
-
-
-@pytest.fixture(scope="module")
-def enc():
-    text = "".join(t for _, t in load_corpus(max_bytes=8_000))
-    return make_encoding(train_bpe(text, vocab_size=300))
 
 
 def seeded(seed: int) -> torch.Generator:
@@ -93,23 +87,18 @@ def test_missing_empty_or_binary_data_is_a_one_line_error(tmp_path, file, in_fol
     assert str(target) in str(info.value) and "\n" not in str(info.value)
 
 
-def test_split_keeps_documents_whole_in_order_and_depends_on_the_seed():
+def test_split_keeps_documents_whole_in_order_by_the_seed_and_cuts_a_single_one_at_a_line_end():
     docs = [(f"doc{i}", f"text {i}\n" * (i + 1)) for i in range(40)]
     train, val = split_documents(docs, val_fraction=0.1, seed=3)
     assert len(val) == 4 and len(train) == 36 and sorted(train + val) == sorted(docs)
     assert train == [d for d in docs if d in train] and val == [d for d in docs if d in val]
     assert split_documents(docs, val_fraction=0.1, seed=3) == (train, val)
     assert split_documents(docs, val_fraction=0.1, seed=4)[1] != val
-
-
-def test_a_single_document_is_split_at_a_line_boundary():
     text = lines_text(1000)
-    train, val = split_documents([("one", text)], val_fraction=0.1)
-    (_, head), (_, tail) = train[0], val[0]
+    (_, head), (_, tail) = (side[0] for side in split_documents([("one", text)], val_fraction=0.1))
     assert head + tail == text and head.endswith("\n") and 0.85 < len(head) / len(text) < 0.95
-    # without any newline the cut falls mid-text, still leaving both sides non-empty
-    train, val = split_documents([("flat", "abcdefghij")], val_fraction=0.2)
-    assert (train[0][1], val[0][1]) == ("abcdefgh", "ij")
+    # without any line end the cut falls between characters
+    assert split_documents([("flat", "abcdefghij")], val_fraction=0.2) == ([("flat", "abcdefgh")], [("flat", "ij")])
 
 
 @pytest.mark.parametrize("val_fraction", [0.001, 0.5, 0.999])
@@ -119,7 +108,8 @@ def test_split_puts_at_least_one_document_on_each_side(val_fraction):
         assert len(train) == len(val) == 1 and train[0][1] and val[0][1]
 
 
-def test_encoded_documents_are_separated_by_end_of_text_in_the_smallest_unsigned_type(enc):
+def test_encoded_documents_are_separated_by_end_of_text_in_the_smallest_unsigned_type():
+    enc = make_encoding({bytes([b]): b for b in range(256)})
     docs = [("a", "def f():\n"), ("b", "    return 1\n"), ("c", "")]
     tokens = encode_documents(enc, docs)
     pieces = [enc.encode_ordinary(t) for _, t in docs]

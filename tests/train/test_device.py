@@ -12,20 +12,17 @@ from medusa_mini.train.device import pick_dtype, rank_device, training_dtype
 
 @pytest.fixture
 def gpu_capability(monkeypatch):
-    """Fakes torch.cuda's view of the GPUs: each has the compute capability set in the returned dict
-    (every index: `caps["all"]`); `caps["asked"]` lists the GPUs asked."""
+    """Fakes torch.cuda's view of the GPUs: GPU i has the compute capability caps[i], else caps["all"];
+    caps["asked"] lists the GPUs asked. Asking the current device instead of the target fails."""
     caps = {"all": (8, 0), "asked": []}
 
     def get_device_capability(device):
         caps["asked"].append(index := torch.device(device).index)
         return caps.get(index, caps["all"])
 
-    def no_current_device_question(*args, **kwargs):
-        raise AssertionError("the current device was asked; the target device must be")
-
+    for name in ("is_bf16_supported", "current_device"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a, **k: pytest.fail("the current device was asked"))
     monkeypatch.setattr(torch.cuda, "get_device_capability", get_device_capability)
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", no_current_device_question)
-    monkeypatch.setattr(torch.cuda, "current_device", no_current_device_question)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     return caps
 

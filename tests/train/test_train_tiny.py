@@ -127,26 +127,6 @@ def test_a_run_writes_a_complete_checkpoint_and_a_measured_summary(reference_run
     assert list(coverage) == ["128", "256"] and f"coverage of greedy text: 128 {coverage['128']:.2f}, 256" in text
 
 
-def test_hydra_heads_decode_exactly_over_the_draft_vocabulary_of_the_backbones_own_text(tmp_path, monkeypatch,
-                                                                                        capsys):
-    """The draft vocabulary: the --draft-vocab tokens most frequent in what the backbone wrote during
-    self-distillation, prompts left out."""
-    import decode
-
-    written, real = [], run_mod.self_distill  # the self-distilled text, recorded
-    monkeypatch.setattr(run_mod, "self_distill", lambda *a, **k: written.append(real(*a, **k)) or written[-1])
-    out = tmp_path / "hydra"
-    assert train_tiny.main(FAST + ["--heads", "hydra", "--draft-vocab", "64", "--out", str(out)]) == 0
-    assert "coverage of greedy text: 64 " in capsys.readouterr().out
-    _, heads, cfg = load_checkpoint(out)
-    assert cfg["medusa_mini"]["heads"] == "hydra" and heads.config.kind == "hydra"
-    texts = torch.cat(written)[:, 16:]  # the smoke preset's prompts are 16 tokens
-    assert set(heads.draft_ids.tolist()) == set(frequency_order(texts, 300)[:64].tolist())
-    assert decode.main(["--ckpt", str(out), "--compare", "--prompt", "def f(x):", "--max-new-tokens", "8"]) == 0
-    text = capsys.readouterr().out
-    assert "Medusa greedy" in text and " no\n" not in text  # decoded exactly over the draft vocabulary
-
-
 @pytest.mark.parametrize("during", [1, 4, "distill", 9])  # backbone steps 1 and 4, self-distillation, heads step 3
 def test_after_ctrl_c_a_resumed_run_ends_with_the_weights_of_an_uninterrupted_one(tmp_path, monkeypatch, during,
                                                                                   reference_run):
@@ -304,18 +284,25 @@ def test_init_by_name_takes_tiktokens_gpt2_tokenizer_even_where_the_working_fold
     assert found == [None, "ck", str(tmp_path / "ck"), None]  # a name: tiktoken's, not the working folder's
 
 
-def test_init_trains_heads_on_a_frozen_checkpoint_replacing_an_older_run_and_resumes_exactly(tmp_path, monkeypatch,
-                                                                                             reference_run):
-    """--init with a local GPT-2 layout directory (as the hub's, but written here): heads only, backbone kept;
-    heads of another kind than the checkpoint's compare fairly on one backbone."""
-    base = reference_run[0]
-    args = FAST + ["--init", str(base), "--preset", "gpt2-cpu", "--heads", "hydra", "--distill-prompts", "4"]
-    ref, out = tmp_path / "ref", tmp_path / "out"
+def test_init_trains_heads_of_another_kind_on_a_frozen_checkpoint_over_its_own_texts_tokens_and_resumes_exactly(
+        tmp_path, monkeypatch, capsys, reference_run):
+    """--init with a local GPT-2 layout directory (as the hub's, but written here), replacing an older run: heads
+    only, the backbone kept, so head kinds compare fairly on one backbone. The draft vocabulary: the --draft-vocab
+    tokens most frequent in what the backbone wrote during self-distillation, prompts left out."""
+    base, ref, out = reference_run[0], tmp_path / "ref", tmp_path / "out"
+    args = FAST + ["--init", str(base), "--preset", "gpt2-cpu", "--heads", "hydra", "--draft-vocab", "64",
+                   "--distill-prompts", "4"]
     assert train_tiny.main(FAST + ["--out", str(ref), "--n-embd", "48", "--backbone-steps", "2"]) == 0  # older run
+    written, real = [], run_mod.self_distill  # the self-distilled text, recorded
+    monkeypatch.setattr(run_mod, "self_distill", lambda *a, **k: written.append(real(*a, **k)) or written[-1])
     assert train_tiny.main(args + ["--out", str(ref)]) == 0
-    assert same_weights(base, ref, backbone_only=True)
+    assert "coverage of greedy text: 64 " in capsys.readouterr().out
+    monkeypatch.undo()
     _, heads, cfg = load_checkpoint(ref)
-    assert heads.num_heads == 4 and heads.config.kind == "hydra" and cfg["medusa_mini"]["init"] == str(base)
+    assert same_weights(base, ref, backbone_only=True) and cfg["medusa_mini"]["init"] == str(base)
+    assert heads.num_heads == 4 and heads.config.kind == cfg["medusa_mini"]["heads"] == "hydra"
+    texts = torch.cat(written)[:, 16:]  # the preset's prompts are 16 tokens
+    assert set(heads.draft_ids.tolist()) == set(frequency_order(texts, 300)[:64].tolist())
     assert (ref / "tokenizer.tiktoken").read_bytes() == (base / "tokenizer.tiktoken").read_bytes()
     ctrl_c(monkeypatch, during=3)
     assert train_tiny.main(args + ["--out", str(out)]) == 130
