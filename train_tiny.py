@@ -1,8 +1,8 @@
 """Train a small GPT and its Medusa heads on a corpus that ships with Python: no download.
 
-Stages: tokenizer -> backbone (with the heads for --medusa 2) -> self-distillation (the backbone continues
-corpus prompts) -> heads on that text -> draft vocabulary -> summary -> a GPT-2 checkpoint for decode.py.
-Ctrl-C saves after the current step (--resume continues exactly); a second Ctrl-C stops at once.
+Stages: tokenizer -> backbone (with the heads for --medusa 2) -> self-distillation -> heads on that text ->
+draft vocabulary -> summary -> a GPT-2 checkpoint for decode.py. Ctrl-C saves after the current step
+(--resume continues exactly); a second Ctrl-C stops at once.
 
     python train_tiny.py                  # picks --preset gpu or cpu by the device
     python train_tiny.py --preset smoke   # the whole pipeline in small, into out/smoke
@@ -26,8 +26,8 @@ def parse_args(argv: list[str] | None = None) -> TrainArgs:
     p.add_argument("--preset", choices=sorted(PRESETS),
                    help="size of the run (default: gpu if CUDA else cpu; with --init: gpt2 on CUDA else gpt2-cpu)")
     p.add_argument("--data", help="a UTF-8 text file or folder (default: this Python's standard library)")
-    p.add_argument("--out", metavar="DIR", help="checkpoint directory (default: out/tiny for the cpu and gpu presets, else "
-                   "out/<preset>: a smoke run never replaces the real one)")
+    p.add_argument("--out", metavar="DIR", help="checkpoint directory (default: out/tiny for the cpu and gpu "
+                   "presets, else out/<preset>: a smoke run never replaces the real one)")
     p.add_argument("--init", metavar="NAME|DIR", help="start from GPT-2 weights (gpt2, gpt2-medium, ..., or a path) "
                    "and train heads only: the backbone keeps its shape and stays frozen (--medusa 1, no backbone "
                    "steps; the backbone's shape flags are ignored)")
@@ -36,7 +36,8 @@ def parse_args(argv: list[str] | None = None) -> TrainArgs:
     p.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     p.add_argument("--dtype", choices=DTYPES, help="number format of the training forward (autocast; float16 adds "
                    "loss scaling; default: float32 on CPU, on CUDA bfloat16 where native, else float16)")
-    p.add_argument("--save-every", type=int, metavar="STEPS", help="steps between checkpoints (default: a fifth of a stage, at least 50)")
+    p.add_argument("--save-every", type=int, metavar="STEPS",
+                   help="steps between checkpoints (default: a fifth of a stage, at least 50)")
     p.add_argument("--log-every", type=float, default=10.0, help="seconds between progress lines (default: 10)")
     hp = p.add_argument_group("hyper-parameters (defaults: the preset's)")
     for name, f in TrainArgs.hyper_parameters().items():

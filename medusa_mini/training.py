@@ -1,11 +1,7 @@
-"""Training losses and data for the backbone and the draft heads (paper §2.2).
-
-- Backbone: next-token cross-entropy.
-- Medusa-1 (§2.2.1): backbone frozen; heads trained with Σ_k w_k · CE(head_k at t, token t+k+1).
-- Medusa-2 (§2.2.2): joint; L = L_LM + λ · Σ_k 0.8^k · L_k, heads at a higher learning rate, λ ramped
-  up so the young heads do not disturb the backbone early on.
-- Self-distillation (§2.3.2): the heads learn from text the backbone itself writes, so they predict
-  what the model will actually say at decoding time, and no dataset is needed.
+"""Training losses and data for the backbone and the draft heads (paper §2.2). Medusa-1 (§2.2.1): backbone
+frozen, heads trained with Σ_k w_k · CE(head_k at t, token t+k+1). Medusa-2 (§2.2.2): joint, L = L_LM + λ ·
+Σ_k 0.8^k · L_k, heads at a higher learning rate, λ ramped up so young heads do not disturb the backbone.
+Self-distillation (§2.3.2): heads learn from text the backbone writes, what it will say when decoding.
 
 Shapes: B batch, T tokens, K heads, V vocabulary, M draft vocabulary, C n_embd.
 """
@@ -56,14 +52,11 @@ def _chunk_head_sums(heads: DraftHeads, model: GPT, h: torch.Tensor, targets: to
 
 def chunked_head_loss(heads: DraftHeads, model: GPT, hidden: torch.Tensor, targets: torch.Tensor, *,
                       following: torch.Tensor, chunk_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The heads' cross-entropy (paper §2.2.1) without all K x B x T x M logits at once.
-
-    hidden [B, T, C], targets [K, B, T] (draft-vocabulary indices, IGNORE where none), following [B, T, K]
-    (the true next tokens, which dependent heads read) -> mean cross-entropy [K] and detached top-1
-    accuracy [K] over the positions with a target (0 for none). `chunk_size` positions at a time (default:
-    LOGITS_PER_CHUNK logits); with several chunks each runs under torch.utils.checkpoint, so both passes
-    hold one chunk's logits, at the price of computing them twice. No `.item()`, no data-dependent shapes.
-    """
+    """The heads' cross-entropy without all K x B x T x M logits at once: hidden [B, T, C], targets [K, B, T]
+    (draft-vocabulary indices, IGNORE where none), following [B, T, K] (the true next tokens, which dependent
+    heads read) -> mean cross-entropy [K] and detached top-1 accuracy [K] where a target exists (0 for none).
+    `chunk_size` positions at a time (default: LOGITS_PER_CHUNK logits), each chunk under checkpointing, so
+    both passes hold one chunk's logits at the price of computing them twice. No data-dependent shapes."""
     K, C = targets.shape[0], hidden.shape[-1]
     h, tgt, fol = hidden.reshape(-1, C), targets.reshape(K, -1), following.reshape(-1, K)  # n = B·T positions
     n = h.shape[0]
@@ -113,10 +106,8 @@ class MedusaLM(nn.Module):
         heads_offset: int = 0, heads_chunk: int | None = None,
     ) -> tuple[torch.Tensor, dict]:
         """Total loss and detached on-device metrics ("lm" [], "heads" [K], "acc" [K]); x, y, valid: [B, T].
-
         heads_stride s > 1 trains the heads at every s-th position from heads_offset only (K vocabulary
-        projections per position cost more than the backbone); the caller moves the offset each step.
-        """
+        projections per position cost more than the backbone); the caller moves the offset each step."""
         loss = torch.zeros((), device=x.device)
         metrics: dict = {}
         if lm_weight == 0.0 and detach_backbone:

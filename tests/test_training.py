@@ -10,7 +10,7 @@ from medusa_mini import training
 from medusa_mini.decoding import generate
 from medusa_mini.heads import IGNORE, HeadsConfig, make_heads, next_tokens
 from medusa_mini.model import GPT, GPTConfig
-from medusa_mini.training import MedusaLM, chunked_head_loss, cosine_lr, head_targets, lambda_schedule, self_distill
+from medusa_mini.training import MedusaLM, chunked_head_loss, cosine_lr, lambda_schedule, self_distill
 
 
 def _setup(num_heads=3, kind="medusa"):
@@ -40,16 +40,6 @@ def plain_head_losses(logits, y, keep=lambda b, t, k: True):
         losses.append(F.cross_entropy(got, want))
         accs.append((got.argmax(-1) == want).float().mean())
     return torch.stack(losses), torch.stack(accs)
-
-
-def test_head_k_at_position_t_targets_token_t_plus_k_plus_1_where_valid():
-    y = torch.arange(1, 10)[None]  # token i is the number i; y[:, t] = token t + 1
-    targets = head_targets(y, 3)  # [K, B, T]
-    for k in (1, 2, 3):
-        assert targets[k - 1, 0].tolist() == list(range(k + 1, 10)) + [IGNORE] * k
-    masked = head_targets(y, 2, valid=torch.arange(9)[None] >= 5)  # only y[5:] (tokens 6..9) may be targets
-    assert masked[1, 0].tolist() == [IGNORE] * 3 + [6, 7, 8, 9] + [IGNORE] * 2
-    assert head_targets(y[:, :2], 3)[:, 0].tolist() == [[2, IGNORE], [IGNORE] * 2, [IGNORE] * 2]  # T <= k: none
 
 
 def test_schedules():

@@ -1,9 +1,7 @@
-"""Checkpoint directories that transformers loads as a GPT-2: config.json (GPT-2's config; its key
-"medusa_mini" holds the caller's `extra`), model.safetensors (GPT-2's layout), and with heads
-medusa_heads.safetensors (their state_dict, the draft vocabulary's order included) and medusa_config.json
-(HeadsConfig). The files are written together, config.json last: a save that fails with an error leaves
-the previous checkpoint loadable; one killed midway may leave a mix, which loading refuses in one line
-(`atomic_write_files`). train_tiny.py's --resume writes the whole set again."""
+"""Checkpoint directories that transformers loads as a GPT-2: config.json (its key "medusa_mini" holds the
+caller's `extra`), model.safetensors, and with heads medusa_heads.safetensors (their state_dict, the draft
+vocabulary's order included) and medusa_config.json (HeadsConfig). The files are written together, config.json
+last: a save that fails leaves the previous checkpoint loadable (`atomic_write_files`)."""
 
 from __future__ import annotations
 
@@ -27,9 +25,8 @@ PT = {"format": "pt"}  # transformers refuses safetensors files whose metadata l
 
 def save_checkpoint(directory: str | os.PathLike, model: GPT, *, heads: DraftHeads | None = None,
                     extra: dict | None = None, eos_token_id: int | None = None, write_model: bool = True) -> None:
-    """Save `model` (and `heads`) as a GPT-2 directory, `extra` (JSON) under config.json's "medusa_mini";
-    `eos_token_id` is GPT-2's bos and eos id. write_model=False keeps an existing model.safetensors, so
-    that a frozen backbone is not written again at every save of its heads."""
+    """Save `model` (and `heads`) as a GPT-2 directory, `extra` under config.json's "medusa_mini"; `eos_token_id`
+    is GPT-2's bos and eos id. write_model=False keeps an existing model.safetensors (a frozen backbone)."""
     directory = os.fspath(directory)
     os.makedirs(directory, exist_ok=True)
     files = {}

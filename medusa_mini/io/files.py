@@ -37,9 +37,8 @@ def check_writable(folder: str | os.PathLike) -> None:
 
 def atomic_write_files(files: dict[str, Writer]) -> None:
     """Write each file into a temporary sibling, then rename them into place in order; if anything raises,
-    the files already replaced get their old bytes back: the old set stays. Each rename is atomic, the set
-    is not: a process killed between two renames leaves some files new, the rest old, and the old bytes
-    in `<file>.<pid>.bak` beside them (nothing is lost; a reader may meet the mix)."""
+    the files already replaced get their old bytes back. Each rename is atomic, the set is not: a process
+    killed between two renames leaves a mix, the old bytes in `<file>.<pid>.bak` beside them."""
     staged: list[tuple[str, str]] = []  # (temporary file, final path)
     done: list[tuple[str, str | None]] = []  # (final path, a link to its old bytes, None if it had none)
     try:

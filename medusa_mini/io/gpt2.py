@@ -1,7 +1,6 @@
-"""OpenAI's GPT-2 as a `GPT`: its four configs, and loading from local files or from the Hugging Face hub
-through a resumable download into `$MEDUSA_MINI_CACHE` (default ~/.cache/medusa_mini). `MEDUSA_MINI_HUB_URL`
-replaces https://huggingface.co (a mirror, or a local server in tests). Its tokenizer is tiktoken's "gpt2".
-"""
+"""OpenAI's GPT-2 as a `GPT`: its four configs, loaded from local files or from the Hugging Face hub through a
+resumable download into `$MEDUSA_MINI_CACHE` (default ~/.cache/medusa_mini); `MEDUSA_MINI_HUB_URL` replaces
+https://huggingface.co (a mirror, or a local server). Its tokenizer is tiktoken's "gpt2"."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
-"""GPT-2's file layout: the model's tensors and config as a transformers GPT2LMHeadModel stores them, and back.
-GPT-2's four projections are Conv1D layers, whose weight is stored [in, out]; this GPT's are nn.Linear
-([out, in]) under the same names, so exactly those four are transposed. The lm_head is the token embedding
-(tied), so it is not stored."""
+"""GPT-2's file layout: tensors and config as a transformers GPT2LMHeadModel stores them, and back. Its four
+projections are Conv1D layers, weights stored [in, out]; this GPT's are nn.Linear ([out, in]) under the same
+names, so exactly those four are transposed. The lm_head is the token embedding (tied): not stored."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
-"""The safetensors format, read and written by this project's own code: an 8-byte little-endian header
-length N; N bytes of JSON `{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {str:
-str}}`, space-padded so that the data starts 8-byte aligned; then the raw little-endian tensor bytes, offsets
-counted from the end of the header. The reader treats every file as hostile: a malformed header is one
-ValueError naming the file, raised before anything is allocated."""
+"""The safetensors format, read and written here: an 8-byte little-endian header length N; N bytes of JSON
+`{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {str: str}}`, space-padded to
+8-byte alignment; then the raw little-endian tensor bytes, offsets counted from the end of the header. Every
+file is hostile: a malformed header is one ValueError naming the file, raised before anything is allocated."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
-"""Byte-level BPE, GPT-2's recipe (GPT-2's pre-token regex, the 256 single bytes, then the most frequent
-adjacent pair merged again and again), used through tiktoken. On disk: tokenizer.tiktoken (tiktoken's rank
-file, `<base64 token bytes> <rank>` per line) and tokenizer_config.json (`{"type": "bpe", "name", "pattern",
-"special_tokens"}`, or `{"type": "tiktoken", "name": "gpt2"}` for one of tiktoken's named encodings).
-"""
+"""Byte-level BPE, GPT-2's recipe (its pre-token regex, the 256 single bytes, then the most frequent adjacent
+pair merged again and again), used through tiktoken. On disk: tokenizer.tiktoken (`<base64 token bytes> <rank>`
+per line) and tokenizer_config.json (`{"type": "bpe", "name", "pattern", "special_tokens"}`, or
+`{"type": "tiktoken", "name": "gpt2"}` for one of tiktoken's named encodings)."""
 
 from __future__ import annotations
 

@@ -130,9 +130,11 @@ def test_a_run_writes_a_complete_checkpoint_and_a_measured_summary(reference_run
 @pytest.mark.parametrize("during", [1, 4, "distill", 9])  # backbone steps 1 and 4, self-distillation, heads step 3
 def test_after_ctrl_c_a_resumed_run_ends_with_the_weights_of_an_uninterrupted_one(tmp_path, monkeypatch, during,
                                                                                   reference_run):
+    """Validation during the run (--eval-every) draws its batches from a generator of their own."""
     out = tmp_path / "out"
-    ctrl_c(monkeypatch, **dict(during=1, owner=run_mod, name="self_distill") if during == "distill" else dict(during=during))
-    assert train_tiny.main(FAST + ["--out", str(out)]) == 130
+    where = dict(during=1, owner=run_mod, name="self_distill") if during == "distill" else dict(during=during)
+    ctrl_c(monkeypatch, **where)
+    assert train_tiny.main(FAST + ["--out", str(out), "--eval-every", "2"]) == 130
     load_checkpoint(out)  # what was saved at the interruption is a usable checkpoint
     monkeypatch.undo()
     assert train_tiny.main(FAST + ["--out", str(out), "--resume"]) == 0
@@ -145,19 +147,14 @@ def test_a_second_ctrl_c_stops_at_once(tmp_path, monkeypatch, capsys):
     assert not (tmp_path / "out" / "train_state.pt").exists() and "before anything was saved" in capsys.readouterr().err
 
 
-def test_validation_during_training_leaves_the_weights_unchanged(tmp_path, reference_run, capsys):
-    """--eval-every draws its batches from a generator of their own."""
-    out = tmp_path / "eval"
-    assert train_tiny.main(FAST + ["--out", str(out), "--eval-every", "2"]) == 0
-    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("eval ")]
-    assert [line.split()[2] for line in lines] == ["2/6", "4/6", "6/6"] and "validation loss" in lines[0]
-    assert same_weights(reference_run[0], out)
-
-
-def test_bfloat16_training_reaches_float32s_validation_loss(tmp_path, reference_run, capsys):
+def test_bfloat16_training_reaches_float32s_validation_loss_measured_every_eval_every_steps(tmp_path, reference_run,
+                                                                                           capsys):
     out = tmp_path / "bf16"
-    assert train_tiny.main(FAST + ["--out", str(out), "--dtype", "bfloat16"]) == 0
-    assert "stages     backbone" in capsys.readouterr().out  # time per stage in the summary
+    assert train_tiny.main(FAST + ["--out", str(out), "--dtype", "bfloat16", "--eval-every", "2"]) == 0
+    printed = capsys.readouterr().out
+    lines = [line for line in printed.splitlines() if line.startswith("eval ")]
+    assert [line.split()[2] for line in lines] == ["2/6", "4/6", "6/6"] and "validation loss" in lines[0]
+    assert "stages     backbone" in printed  # time per stage in the summary
     f32, bf16 = (load_checkpoint(d)[2]["medusa_mini"]["val_loss"] for d in (reference_run[0], out))
     assert abs(bf16 - f32) <= 0.05 * f32 and not same_weights(reference_run[0], out)  # autocast ran in bfloat16
 
