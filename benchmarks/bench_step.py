@@ -29,7 +29,6 @@ if ROOT not in sys.path:  # run as a script from anywhere, without installing th
     sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
-
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from medusa_mini.acceptance import Accepted, acceptance_uniforms  # noqa: E402
@@ -137,7 +136,7 @@ def tree_stages(model: GPT, cache: KVCache, heads: DraftHeads, tree: Tree, root:
     def whole_step():
         if compiled:  # the tree the step before drafted in its graph
             steps.medusa.ahead = (root, proposal)
-        return steps.medusa(model, cache, proposer, root, hidden, history=history, stop_at=stop_at, attended=attended)
+        return steps.medusa(model, cache, proposer, root, hidden, history=history, stop_at=None, attended=attended)
 
     return {"heads": propose, "verify": partial(verify, model, cache, proposal.tokens, tree=t, attended=attended),
             "greedy verify": greedy_verify, "rejection verify": rejection_verify,
@@ -148,7 +147,7 @@ class OpCounter(TorchDispatchMode):
     """Counts the device operations a call dispatches, by name: every operator below Python but views (they
     launch nothing) and reads of device values on the host (the step's one read)."""
 
-    SKIPPED = ("aten::_local_scalar_dense", "aten::lift_fresh", "aten::detach")
+    SKIPPED = ("aten::_local_scalar_dense", "aten::lift_fresh", "aten::detach", "aten::_unsafe_view")
 
     def __init__(self) -> None:
         super().__init__()
@@ -186,13 +185,12 @@ def step_ops(model: GPT, heads: DraftHeads, caches: dict[int, KVCache], trees: d
         reset()
         counts[name] = count_ops(lambda: Steps.plain(model, caches[0], root[:, None], sampling=sampling,
                                                      u=sampling.uniforms((1,), gen, device=device)))
-    stop_at = torch.full_like(root, model.config.block_size)
-    for tree_name, tree in trees.items():
+    for tree_name, tree in trees.items():  # steps with room for the whole tree, as most are
         proposer = heads.proposer(model, tree)
         counts[f"{tree_name} heads call"] = count_ops(lambda: proposer.head_logits(hidden, tree.depth))
         for rule, sampling in OP_RULES.items():
             step = partial(Steps.medusa, model, caches[tree.num_nodes], proposer, root, hidden, history=history,
-                           stop_at=stop_at, sampling=sampling, generator=gen, attended=len(history[0]) - 1 + tree.num_nodes)
+                           stop_at=None, sampling=sampling, generator=gen, attended=len(history[0]) - 1 + tree.num_nodes)
             step()  # the tree's index tensors are made at its first step, once
             reset()
             counts[f"{tree_name} {rule}"] = count_ops(step)

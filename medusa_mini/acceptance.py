@@ -2,19 +2,20 @@
 
 Every rule judges each node on its own, on the device and all at once: does the candidate pass at its
 parent (greedy: it is the backbone's token there; typical: p(candidate) clears the bar; rejection: its
-try at the parent accepts it)? A node is accepted when it and all its ancestors pass
-(`whole_path_passes`, one product with the ancestor mask), and the step keeps the accepted node the rule
-prefers: the deepest (typical: then the most likely), whose path from the root (`TreeTensors.node_paths`)
-is the accepted path. A step thus reads its result with a single host sync. Greedy and top-k rejection
-sampling are one rule with two sources of y, the backbone's token at every node: its argmax, or one draw
-from p (`reference.rejection_accept` says why that is exact). Drawn candidates need speculative
-sampling's tries, sequential among a node's children but independent across nodes, so every node tries
-its children at once, slot by slot. Every rule takes the uniforms it draws from (`acceptance_uniforms`,
+try at the parent accepts it)? A node is accepted when every node of its path below the root passes
+(one gather along `TreeTensors.below_root`), and the step keeps the accepted node the rule prefers:
+the deepest (typical: then the most likely), whose path from the root is the accepted path. A step thus
+reads its result with a single host read. Greedy and top-k rejection sampling are one rule with two
+sources of y, the backbone's token at every node: its argmax, or one draw from p
+(`reference.rejection_accept` says why that is exact). Drawn candidates need speculative sampling's
+tries, sequential among a node's children but independent across nodes, so every node tries its
+children at once, slot by slot. Every rule takes the uniforms it draws from (`acceptance_uniforms`,
 drawn before it, in the reference's order). Tests hold every rule to the reference, decision for
 decision and draw for draw.
 
-`usable` [B, N] marks the nodes a row may accept this step: near the end of a row's token budget or
-of the context, deeper nodes could not be used; a finished row in a batch has none, not even its root.
+`usable` [B, N] (None: every node) marks the nodes a row may accept this step: near the end of a row's
+token budget or of the context, deeper nodes could not be used; a finished row in a batch has none,
+not even its root.
 
 Shapes: B rows, N nodes, V vocabulary, D tree depth, R ranks; n inner nodes and S slots (`TreeTensors.tries`).
 """
@@ -46,21 +47,21 @@ class Accepted(NamedTuple):
     @staticmethod
     def ending_at(tree: TreeTensors, last: torch.Tensor, bonus: torch.Tensor) -> "Accepted":
         """The path from the root to node last [B] of each row, then its bonus [B]."""
-        return Accepted(nodes=tree.node_paths[last], count=tree.depths[last], bonus=bonus)
+        path = tree.paths_and_depths[last]  # [B, D + 2]: the path, then its depth
+        return Accepted(nodes=path[:, :-1], count=path[:, -1], bonus=bonus)
 
 
 def whole_path_passes(tree: TreeTensors, passes: torch.Tensor) -> torch.Tensor:
-    """[B, N] bool: every node on node i's path passes (the root, never judged, always does).
-
-    passes: [B, N] bool, each node's own test at its parent."""
-    passes = passes | (tree.depths == 0)  # [B, N]
-    return ~(tree.ancestor_mask & ~passes[:, None, :]).any(dim=-1)  # no ancestor of i (or i) fails
+    """[B, N] bool: every node of node i's path below the root passes (passes [B, N], each node's own test at
+    its parent). The root's own entry is undefined: no caller reads it."""
+    return passes[:, tree.below_root].all(dim=-1)  # [B, N, D] -> [B, N]
 
 
 def deepest_accepted(tree: TreeTensors, passes: torch.Tensor) -> torch.Tensor:
-    """[B] the deepest node whose whole path passes (passes [B, N], each node's own test). Where siblings
-    never both pass, the accepted nodes form one chain from the root, and this node ends it."""
-    return torch.where(whole_path_passes(tree, passes), tree.depths, -1).argmax(dim=-1)
+    """[B] the deepest node whose whole path passes, the root if none (passes [B, N], each node's own test).
+    Where siblings never both pass, the accepted nodes form one chain from the root, and along a chain
+    the deepest node has the largest index (nodes are numbered parents first): the root weighs 0."""
+    return (whole_path_passes(tree, passes) * tree.index).argmax(dim=-1)
 
 
 def path_accept(tree: TreeTensors, tokens: torch.Tensor, y: torch.Tensor, *,
@@ -71,7 +72,7 @@ def path_accept(tree: TreeTensors, tokens: torch.Tensor, y: torch.Tensor, *,
     top-k, or draws without replacement), so at most one child of a node passes, the accepted nodes form
     one chain from the root, and its deepest node ends the walk's path.
     """
-    match = tokens == y[:, tree.parents.clamp(min=0)]  # [B, N]
+    match = tokens == y[:, tree.parent_index]  # [B, N]
     if usable is not None:
         match &= usable
     last = deepest_accepted(tree, match)  # [B]
@@ -92,27 +93,25 @@ def typical_accept_paths(tree: TreeTensors, tokens: torch.Tensor, logits: torch.
     of the bonus draws (`acceptance_uniforms`).
 
     Among the accepted nodes the winner is the walk's: the deepest, then the larger sum of log p along
-    its path (added parent first in float64, in the walk's order, so equal sums are equal here too),
+    its path (added root side first in float64, in the walk's order, so equal sums are equal here too),
     then the smallest node index (the walk keeps the first it meets).
     """
     B, N, V = logits.shape
     p = sampling.probs(logits)  # [B, N, V], top-p included: outside the nucleus p = 0, which never passes
     bar = typical_threshold(p, epsilon=sampling.epsilon, delta=sampling.delta)  # [B, N]
-    parent = tree.parents.clamp(min=0)  # [N], the root's own entry unused
-    p_x = p.view(B, N * V).gather(1, parent[None] * V + tokens)  # [B, N] p(candidate | its parent's path)
-    passes = p_x > bar[:, parent]  # [B, N]
+    p_x = p.view(B, N * V).gather(1, tree.parent_index * V + tokens)  # [B, N] p(candidate | its parent's path)
+    passes = p_x > bar[:, tree.parent_index]  # [B, N]
     if usable is not None:
         passes &= usable
-    ok = whole_path_passes(tree, passes)  # [B, N]
-    log_p = torch.log(p_x.clamp_min(1e-30)).double()  # [B, N]
-    score = torch.zeros_like(log_p)  # [B, N] sum of log p along each node's path
-    for d in range(1, tree.node_paths.shape[1]):  # D steps, parents first
-        score = torch.where(tree.depths == d, score[:, parent] + log_p, score)
-    depth = torch.where(ok, tree.depths, -1)  # [B, N]
-    top = depth == depth.max(dim=-1, keepdim=True).values
-    best_score = torch.where(top, score, float("-inf"))
-    top &= best_score == best_score.max(dim=-1, keepdim=True).values
-    last = torch.where(top, torch.arange(N, device=logits.device), N).min(dim=-1).values  # [B]
+    depth = torch.where(whole_path_passes(tree, passes), tree.depths, -1)  # [B, N]
+    depth[:, 0].zero_()  # the root, never judged, always passes
+    along = torch.log(p_x.clamp_min(1e-30)).double()[:, tree.below_root] * tree.on_path  # [B, N, D]
+    score = along.new_zeros(B, N)  # [B, N]: the sum of log p along each node's path, root side first
+    for d in range(tree.depth):
+        score = score + along[..., d]
+    top = depth == depth.max(dim=-1, keepdim=True).values  # [B, N] the deepest accepted nodes
+    score = torch.where(top, score, float("-inf"))
+    last = (score == score.max(dim=-1, keepdim=True).values).byte().argmax(dim=-1)  # [B]: the first of the best
     at_last = p.gather(1, last[:, None, None].expand(B, 1, V))[:, 0]  # [B, V]
     return Accepted.ending_at(tree, last, inverse_cdf(at_last, u))
 
@@ -152,21 +151,20 @@ def rejection_accept_drawn(tree: TreeTensors, tokens: torch.Tensor, logits: torc
     from is made for all nodes at once: only the residual passes from slot to slot.
     """
     p = sampling.probs(logits)  # [B, N, V]: p at each node, then the residual its misses leave
-    ok = torch.ones_like(tokens, dtype=torch.bool) if usable is None else usable  # [B, N]
-    passes = torch.zeros_like(ok)  # [B, N] the node passed its try at its parent
+    passes = torch.zeros_like(tokens, dtype=torch.bool)  # [B, N] the node passed its try at its parent
     nodes, kids, sizes = tree.tries  # [n] nodes, most children first; [n, S] their children in try order
     if sizes:
-        log_q, draws = drawn.at(tree.parents.clamp(min=0))  # [B, N, V], [B, N, R]: what each node was drawn from
+        log_q, draws = drawn.at(tree.parent_index)  # [B, N, V], [B, N, R]: what each node was drawn from
         q = without_earlier_draws(log_q, draws, tree.ranks.expand_as(tokens), tokens)  # [B, N, V] (the root's unused)
-        target, done = p[:, nodes], torch.zeros_like(ok[:, nodes])  # [B, n, V], [B, n]: a try passed, or p = q
+        q, x, u_kids = q[:, kids], tokens[:, kids], u[:, kids]  # [B, n, S, V], [B, n, S] x2: each slot's child
+        target = p[:, nodes]  # [B, n, V] the residual the misses so far left
+        trying = torch.ones_like(x[..., 0], dtype=torch.bool) if usable is None else usable[:, kids[:, 0]]  # [B, n]
         for s, n_s in enumerate(sizes):  # the first n_s nodes have a child in slot s
-            c = kids[:n_s, s]  # [n_s]
-            t = target[:, :n_s]  # [B, n_s, V] the residual the misses before left
-            accepted, flat, residual = speculative_try(t, q[:, c], tokens[:, c], u[:, c])  # [B, n_s] x2, [B, n_s, V]
-            now = ok[:, c] & ~done[:, :n_s]  # [B, n_s] the child is tried
-            passes[:, c] = now & accepted
-            target[:, :n_s] = torch.where((now & ~accepted & ~flat)[..., None], residual, t)
-            done[:, :n_s] |= now & (accepted | flat)
+            t = target[:, :n_s]  # [B, n_s, V]
+            accepted, flat, residual = speculative_try(t, q[:, :n_s, s], x[:, :n_s, s], u_kids[:, :n_s, s])
+            passes[:, kids[:n_s, s]] = trying[:, :n_s] & accepted
+            trying[:, :n_s] &= ~(accepted | flat)  # a child accepted, or p = q: no residual to try another against
+            target[:, :n_s] = torch.where(trying[:, :n_s, None], residual, t)
         p[:, nodes] = target
     last = deepest_accepted(tree, passes)  # [B]
     at_last = p.gather(1, last[:, None, None].expand(-1, 1, p.shape[-1]))[:, 0]  # [B, V] what is left of p there
@@ -194,4 +192,3 @@ def accept(tree: TreeTensors, tokens: torch.Tensor, logits: torch.Tensor, *, sam
     if drawn is None:
         return rejection_accept_topk(tree, tokens, logits, sampling=sampling, u=u, usable=usable)
     return rejection_accept_drawn(tree, tokens, logits, sampling=sampling, drawn=drawn, u=u, usable=usable)
-

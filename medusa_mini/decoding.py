@@ -217,8 +217,11 @@ def medusa_generate_batch(
     while rows.active:
         if stopped:  # a stopped row accepts nothing more and its cache length stays put
             stop_at[stopped] = 0
-        step = steps.medusa(model, cache, proposer, roots, hidden, history=rows.history(), stop_at=stop_at,
-                            sampling=sampling, generator=generator, attended=max(lengths) + N)
+        # Room for the whole tree in every row (the usual step): no node to mask.
+        room = len(rows.active) == B and all(rows.stop_at[b] - lengths[b] - 2 >= proposer.tree.depth for b in range(B))
+        step = steps.medusa(model, cache, proposer, roots, hidden, history=rows.history(),
+                            stop_at=None if room else stop_at, sampling=sampling, generator=generator,
+                            attended=max(lengths) + N)
         for b in rows.active:
             lengths[b] += len(step.paths[b])
         stopped = rows.emit(step.new_tokens, step=True, accepted=[len(p) - 1 for p in step.paths])

@@ -171,23 +171,25 @@ class MedusaHeads(DraftHeads):
         return (torch.cat([block.linear.weight for block in self.blocks]),
                 torch.cat([block.linear.bias for block in self.blocks]))
 
+    def residual(self, hidden: torch.Tensor, num: int, blocks: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """Head k's h + SiLU(W_k h + b_k) for the first `num` heads, hidden [..., C] -> [..., num, C], with every
+        head's block in one matmul (blocks: `stacked`)."""
+        C, (w, b) = self.config.n_embd, blocks
+        return hidden.unsqueeze(-2) + F.silu(F.linear(hidden, w[: num * C], b[: num * C]).unflatten(-1, (num, C)))
+
     def forward(self, hidden: torch.Tensor, model: nn.Module, *, following: torch.Tensor | None = None,
-                num: int | None = None, blocks: tuple | None = None, weight: torch.Tensor | None = None
-                ) -> torch.Tensor:
-        """hidden [..., C] -> logits [K', ..., M] of the first `num` heads (default all K). blocks (`stacked`)
-        and weight [M, C] (`draft_weight`) may come ready-made. `following` is for dependent heads."""
-        K, C = self.num_heads if num is None else num, self.config.n_embd
-        w, b = self.stacked() if blocks is None else blocks
-        z = F.linear(hidden, w[: K * C], b[: K * C]).unflatten(-1, (K, C))  # [..., K', C]
-        z = hidden.unsqueeze(-2) + F.silu(z)  # head k: h + SiLU(W_k h + b_k)
-        return F.linear(z.movedim(-2, 0), self.draft_weight(model) if weight is None else weight)  # [K', ..., M]
+                num: int | None = None) -> torch.Tensor:
+        """hidden [..., C] -> logits [K', ..., M] of the first `num` heads (default all K). `following` is for
+        dependent heads."""
+        z = self.residual(hidden, self.num_heads if num is None else num, self.stacked())  # [..., K', C]
+        return F.linear(z.movedim(-2, 0), self.draft_weight(model))  # [K', ..., M]
 
     def heads_of(self, model: nn.Module) -> Callable:
         """head_logits(hidden [B, C], num) -> [B, num, M], the first `num` heads' logits for decoding: the
-        blocks' stacked weights and the draft vocabulary's lm_head rows made once, detached."""
+        blocks' stacked weights and the draft vocabulary's lm_head rows made once, detached, and one
+        matmul over B·num rows (no copy of any weight at a call)."""
         blocks, weight = tuple(t.detach() for t in self.stacked()), self.draft_weight(model).detach()
-        # [num, B, M] -> [B, num, M]
-        return lambda hidden, num: self(hidden, model, num=num, blocks=blocks, weight=weight).transpose(0, 1)
+        return lambda hidden, num: F.linear(self.residual(hidden, num, blocks), weight)
 
 
 class HydraHeads(DraftHeads):

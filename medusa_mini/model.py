@@ -36,25 +36,25 @@ class GPTConfig:
 
 
 class KVCache:
-    """Static, preallocated keys k[i] and values v[i], [B, nh, max_len, hs] per layer, and a length per row.
+    """Static, preallocated keys and values of every layer, kv [n_layer, 2, B, nh, max_len, hs], and a length
+    per row (the DESIGN's layout: one tensor, so keeping the accepted path is one copy for all layers).
 
     A forward writes row b's T new keys/values at slots [lengths[b], lengths[b] + T) and advances its
     length, so rows may hold prefixes of different lengths. Slots are storage, not positions: a tree's
     nodes sit in consecutive slots but carry position ids prefix + depth. The lengths live in
     `length_buffer`, a [B] tensor on the device changed only in place (`lengths` reads a snapshot of it),
-    so a step reads and advances them without the host (static shapes and fixed buffers, what
-    torch.compile and CUDA graphs need). One tensor per layer and kind: a
-    compiled step writes into each where it lies (a slice of one big tensor would be copied whole).
+    so a step reads and advances them without the host.
     """
 
     def __init__(self, config: GPTConfig, *, batch_size: int = 1, max_len: int | None = None,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> None:
         self.max_len = max_len if max_len is not None else config.block_size
         self.batch_size = batch_size
-        shape = (batch_size, config.n_head, self.max_len, config.n_embd // config.n_head)
-        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
-        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
+        shape = (config.n_layer, 2, batch_size, config.n_head, self.max_len, config.n_embd // config.n_head)
+        self.kv = torch.zeros(shape, device=device, dtype=dtype)
         self.length_buffer = torch.zeros(batch_size, dtype=torch.long, device=device)
+        self.rows = torch.arange(batch_size, device=device)[:, None]  # [B, 1]: each row's index, for every write
+        self.layers = torch.arange(config.n_layer, device=device)  # [n_layer]: each layer's, for its writes
 
     @property
     def lengths(self) -> torch.Tensor:
@@ -65,21 +65,31 @@ class KVCache:
     def lengths(self, value: int | torch.Tensor) -> None:
         self.length_buffer.copy_(torch.as_tensor(value))  # in place: the buffer's address never changes
 
+    def place(self, T: int, new_mask: torch.Tensor | None, *, attended: int | None
+              ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Where T new tokens go, slots [B, T] from each row's length, and what each may see among the first S
+        slots (S = attended, default all max_len): mask [B, T, S] (`cache_attention_mask`; new_mask None:
+        causal among the new tokens). Read before the forward advances the lengths."""
+        if T > self.max_len:  # a fuller cache is caught by the write (its lengths are on the device)
+            raise ValueError(f"KV cache full: {T} tokens > max_len {self.max_len}")
+        device, S = self.length_buffer.device, self.max_len if attended is None else min(attended, self.max_len)
+        new_mask = new_mask if new_mask is not None else causal_mask(T, device=device)
+        slots = self.length_buffer[:, None] + torch.arange(T, device=device)  # [B, T]
+        return slots, cache_attention_mask(self.length_buffer, new_mask, max_len=S), S
 
-def compact_kv_cache(cache: KVCache, keep: torch.Tensor, *, start: torch.Tensor, count: torch.Tensor) -> None:
-    """Keep only the accepted path (paper §2.1.2): in row b, copy slots keep[b] [A] to [start[b], start[b] + A)
-    and set its length to start[b] + count[b]. A static-shape step always copies A = D + 1 slots: those
-    past a row's count are padding, stale like every slot after its length. The read makes a copy
-    before the write, so the ranges may overlap; the write is an index_put_, which a compiler keeps in
-    place (a scatter_ it would apply to a copy of the whole cache)."""
-    B, A = keep.shape
-    rows = torch.arange(B, device=keep.device)[:, None].expand(B, A)  # [B, A]
-    dest = start[:, None] + torch.arange(A, device=keep.device)  # [B, A]
-    for t in cache.k + cache.v:  # [B, nh, max_len, hs]
-        # The values themselves: indexing is as fast in half precision as in int16 (a gather and scatter
-        # were not), and inductor writes an int16 view's index_put_ back as converted numbers, not bits.
-        t[rows, :, dest] = t[rows, :, keep]  # [B, A, nh, hs]
-    cache.length_buffer.copy_(start + count)  # in place, as a compiled step must
+    def write(self, layer: int, kv: torch.Tensor, slots: torch.Tensor) -> None:
+        """Layer `layer`'s new keys and values kv [B, T, 2, nh, hs] into each row's slots [B, T]: one index_put_
+        into the whole tensor, the layer picked by a 1-element index (through a view of the layer a compiler
+        would copy the layer whole)."""
+        self.kv[self.layers[layer : layer + 1], :, self.rows, :, slots] = kv
+
+
+def compact_kv_cache(cache: KVCache, keep: torch.Tensor, *, to: torch.Tensor, length: torch.Tensor) -> None:
+    """Keep only the accepted path (paper §2.1.2): in row b, copy slots keep[b] [A] to slots to[b] [A] in every
+    layer at once, and set its length to length[b]. Slots past a row's length are stale, whatever they hold.
+    The read makes a copy before the write, so the two may overlap."""
+    cache.kv[:, :, cache.rows, :, to] = cache.kv[:, :, cache.rows, :, keep]  # [B, A, n_layer, 2, nh, hs]
+    cache.length_buffer.copy_(length)
 
 
 class CausalSelfAttention(nn.Module):
@@ -99,28 +109,20 @@ class CausalSelfAttention(nn.Module):
         self,
         x: torch.Tensor,
         *,
-        layer_kv: tuple[torch.Tensor, torch.Tensor] | None,
-        write_at: tuple[torch.Tensor, torch.Tensor] | None,
+        cache: KVCache | None,
+        layer: int,
+        slots: torch.Tensor | None,
         attn_mask: torch.Tensor | None,
         attended: int | None = None,
     ) -> torch.Tensor:
         B, T, C = x.shape
-        hs = C // self.n_head
-        q, k, v = self.c_attn(x).split(C, dim=2)  # 3 x [B, T, C]
-        q = q.view(B, T, self.n_head, hs).transpose(1, 2)  # [B, nh, T, hs]
-        k = k.view(B, T, self.n_head, hs)  # [B, T, nh, hs]
-        v = v.view(B, T, self.n_head, hs)  # [B, T, nh, hs]
-        if layer_kv is not None:
-            # layer_kv: keys and values [B, nh, max_len, hs] each, written in place at each row's slots
-            # (write_at: rows and slots, [B, T] each: no torch.cat, no Python-int slice; an index_put_,
-            # which a compiler keeps in place, where it copies a scatter_'s whole target); attention
-            # reads the first `attended` slots.
-            k_cache, v_cache = layer_kv
-            k_cache[write_at[0], :, write_at[1]] = k  # [B, T, nh, hs] into [B, nh, max_len, hs]
-            v_cache[write_at[0], :, write_at[1]] = v
-            k, v = k_cache[:, :, :attended], v_cache[:, :, :attended]  # [B, nh, S, hs]
+        qkv = self.c_attn(x).view(B, T, 3, self.n_head, C // self.n_head)  # [B, T, 3, nh, hs]
+        q = qkv[:, :, 0].transpose(1, 2)  # [B, nh, T, hs]
+        if cache is not None:  # written in place at each row's slots [B, T], then its first `attended` read
+            cache.write(layer, qkv[:, :, 1:], slots)
+            k, v = cache.kv[layer, :, :, :, :attended].unbind(0)  # [B, nh, S, hs] each
         else:
-            k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, nh, T, hs]
+            k, v = qkv[:, :, 1:].permute(2, 0, 3, 1, 4).unbind(0)  # [B, nh, T, hs] each
         causal = attn_mask is None  # no cache and no mask: training's causal attention, SDPA's own
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=causal)  # [B, nh, T, hs]
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # [B, T, C]
@@ -165,11 +167,9 @@ def cache_attention_mask(lengths: torch.Tensor, new_mask: torch.Tensor, *, max_l
     never needs to know them.
     """
     B, T = lengths.shape[0], new_mask.shape[-1]
-    new_mask = new_mask.expand(B, T, T)  # [B, T, T]: one mask for every row, or each row's own
-    rel = torch.arange(max_len, device=new_mask.device)[None, :] - lengths[:, None]  # [B, max_len] slot - length
-    is_new = (rel >= 0) & (rel < T)  # [B, max_len]
-    among_new = new_mask.gather(2, rel.clamp(0, T - 1)[:, None, :].expand(B, T, max_len))  # [B, T, max_len]
-    return (among_new & is_new[:, None, :]) | (rel < 0)[:, None, :]
+    rel = torch.arange(max_len, device=new_mask.device) - lengths[:, None, None]  # [B, 1, max_len] slot - length
+    among_new = new_mask.expand(B, T, T).gather(2, rel.clamp(0, T - 1).expand(B, T, max_len))  # [B, T, max_len]
+    return (rel < 0) | (among_new & (rel < T))
 
 
 def causal_mask(T: int, *, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -226,21 +226,14 @@ class GPT(nn.Module):
         tokens, True = may attend (default causal); with a cache every new token also sees its row's
         prefix. logits_at: the positions that get logits (a slice, or a [B] tensor, one per row; default
         all): the lm_head is a small model's largest matmul. attended: read only the cache's first
-        `attended` slots (default all max_len, one shape for any length: what a captured step needs).
+        `attended` slots (default all max_len).
         """
         B, T = idx.shape
-        slots = write_at = None
+        slots = None
         if cache is not None:
             if torch.is_grad_enabled():  # a cache holds values for decoding, never an autograd graph
                 raise RuntimeError("a forward with a KV cache decodes: run it under torch.no_grad()")
-            if T > cache.max_len:  # a fuller cache is caught by the write (its lengths are on the device)
-                raise ValueError(f"KV cache full: {T} tokens > max_len {cache.max_len}")
-            lengths = cache.lengths  # [B]
-            slots = lengths[:, None] + torch.arange(T, device=idx.device)  # [B, T]
-            write_at = (torch.arange(B, device=idx.device)[:, None].expand(B, T), slots)  # rows, slots: every layer
-            new_mask = attn_mask if attn_mask is not None else causal_mask(T, device=idx.device)
-            attended = cache.max_len if attended is None else min(attended, cache.max_len)
-            attn_mask = cache_attention_mask(lengths, new_mask, max_len=attended)  # [B, T, S]
+            slots, attn_mask, attended = cache.place(T, attn_mask, attended=attended)  # [B, T], [B, T, S], S
         if pos is None:
             pos = slots if slots is not None else torch.arange(T, device=idx.device)  # [B, T] or [T]
         if attn_mask is not None:
@@ -249,8 +242,7 @@ class GPT(nn.Module):
             attn_mask = additive.masked_fill_(~attn_mask, float("-inf")).unsqueeze(-3)  # [B or 1, 1, T, S]: every head
         x = self.transformer.wte(idx) + self.transformer.wpe(pos)  # [B, T, C]
         for i, block in enumerate(self.transformer.h):
-            layer_kv = (cache.k[i], cache.v[i]) if cache is not None else None
-            x = block(x, layer_kv=layer_kv, write_at=write_at, attn_mask=attn_mask, attended=attended)
+            x = block(x, cache=cache, layer=i, slots=slots, attn_mask=attn_mask, attended=attended)
         hidden = self.transformer.ln_f(x)  # [B, T, C]
         if cache is not None:
             cache.length_buffer.add_(T)

@@ -44,23 +44,25 @@ def verify(model: GPT, cache: KVCache, tokens: torch.Tensor, *, tree: TreeTensor
     context (a node past it is never usable); each sees its row's whole prefix, itself and its
     ancestors (the tree's ancestor mask).
     """
-    pos = (cache.lengths[:, None] + tree.depths).clamp(max=model.config.block_size - 1)  # [B, N]
+    pos = (cache.length_buffer[:, None] + tree.depths).clamp(max=model.config.block_size - 1)  # [B, N]
     return model(tokens, pos=pos, cache=cache, attn_mask=tree.ancestor_mask, attended=attended)
 
 
 def usable_nodes(tree: TreeTensors, start: torch.Tensor, stop_at: torch.Tensor) -> torch.Tensor:
-    """[B, N] bool: the nodes row b may accept. A node at depth d emits d + 1 tokens, and row b stops when
-    prompt and output reach stop_at[b] tokens, of which its cache holds start[b] and the root one more; a
-    row with no room (finished, in a batch that goes on) has no usable node, not even its root."""
-    return tree.depths <= (stop_at - 2 - start)[:, None]
+    """[B, N] bool: the nodes row b may accept. Row b stops when prompt and output reach stop_at[b] tokens;
+    its cache holds start[b] of them, and a node at depth d adds d + 2: the root, its path and the bonus.
+    A row with no room (finished, in a batch that goes on) has no usable node, not even its root."""
+    return start[:, None] + tree.reach <= stop_at[:, None]
 
 
-def keep_path(cache: KVCache, accepted: Accepted, *, start: torch.Tensor, active: torch.Tensor) -> None:
+def keep_path(cache: KVCache, tree: TreeTensors, accepted: Accepted, *, start: torch.Tensor,
+              active: torch.Tensor | None = None) -> None:
     """Keep the K/V of each row's root and accepted nodes in consecutive slots from start [B], the root's
     slot. Always D + 1 slots move per row (a fixed shape; a chain tree's accepted path moves onto itself);
-    the length counts only the accepted ones, and stays put for a row that is not `active` [B]."""
-    count = torch.where(active, accepted.count + 1, 0)
-    compact_kv_cache(cache, start[:, None] + accepted.nodes, start=start, count=count)
+    the length counts only the accepted ones, and stays put for a row that is not `active` [B] (None: all)."""
+    kept = accepted.count + 1 if active is None else (accepted.count + 1) * active  # [B]
+    to = start[:, None] + tree.index[: accepted.nodes.shape[1]]  # [B, D + 1]: from the root's slot on
+    compact_kv_cache(cache, start[:, None] + accepted.nodes, to=to, length=start + kept)
 
 
 def last_hidden(hiddens: torch.Tensor, accepted: Accepted) -> torch.Tensor:
@@ -92,13 +94,14 @@ def read_step(proposal: Proposal, accepted: Accepted) -> tuple[list[list[int]], 
 
 @torch.no_grad()
 def medusa_step(model: GPT, cache: KVCache, proposer: Proposer, roots: torch.Tensor, hidden: torch.Tensor, *,
-                history: list[list[int]], stop_at: torch.Tensor, sampling: Sampling = Sampling(),
+                history: list[list[int]], stop_at: torch.Tensor | None, sampling: Sampling = Sampling(),
                 generator: torch.Generator | None = None, attended: int | None = None) -> StepResult:
     """One Medusa step for B rows: propose -> verify -> accept -> keep the path, then one host read.
 
     roots: [B] each row's last emitted token, whose K/V are not in `cache` yet; hidden: [B, C] the hidden
     states that produced them. history: each row's tokens so far (prompt lookup reads them). stop_at: [B]
-    the total length at which each row stops; the nodes a row cannot use are masked (`usable_nodes`).
+    the total length at which each row stops, the nodes a row cannot use masked (`usable_nodes`); None
+    when every row has room for the whole tree.
     The random numbers, those of drawn candidates and then the acceptance's, are drawn for the proposer's
     whole tree, in the reference's order. attended: the cache slots any row reads (default all).
     """
@@ -107,10 +110,10 @@ def medusa_step(model: GPT, cache: KVCache, proposer: Proposer, roots: torch.Ten
     proposal = proposer.propose(roots, hidden, history=history, sampling=sampling, u=u_draw)
     u = acceptance_uniforms(sampling, B, proposer.tree.num_nodes, generator, device=device)
     tree = proposal.tree.tensors(device)
-    usable = usable_nodes(tree, start, stop_at)  # [B, N]
+    usable = None if stop_at is None else usable_nodes(tree, start, stop_at)  # [B, N]
     logits, hiddens = verify(model, cache, proposal.tokens, tree=tree, attended=attended)  # [B, N, V], [B, N, C]
     accepted = accept(tree, proposal.tokens, logits, sampling=sampling, u=u, drawn=proposal.drawn, usable=usable)
-    keep_path(cache, accepted, start=start, active=usable[:, 0])
+    keep_path(cache, tree, accepted, start=start, active=None if usable is None else usable[:, 0])
     paths, new_tokens = read_step(proposal, accepted)
     return StepResult(paths, new_tokens, next_roots=accepted.bonus, next_hidden=last_hidden(hiddens, accepted))
 

@@ -125,11 +125,17 @@ class TreeTensors:
     """A tree's index tensors on one device (`Tree.tensors`), and its sizes. N nodes, D depth."""
 
     parents: torch.Tensor  # [N] long: each node's parent, -1 for the root
+    parent_index: torch.Tensor  # [N] long: each node's parent, 0 for the root (an index into the nodes)
     ancestor_mask: torch.Tensor  # [N, N] bool: j is i or an ancestor of i, the tree attention mask (Fig. 2)
     depths: torch.Tensor  # [N] long: position offset of each node from the root
     ranks: torch.Tensor  # [N] long: the rank of the head's guesses each node holds (0 for the root)
     inner: torch.Tensor  # [N] bool: the node has children
     node_paths: torch.Tensor  # [N, D + 1] long: the root-to-node path of each node, then the node repeated
+    paths_and_depths: torch.Tensor  # [N, D + 2] long: node_paths, then each node's depth: one gather reads both
+    below_root: torch.Tensor  # [N, D] long: each node's path without the root, then the node repeated
+    on_path: torch.Tensor  # [N, D] float64: 1 where below_root holds a path's node, 0 where it repeats the last
+    reach: torch.Tensor  # [N] long: depth + 2, what a row's length grows by when the node ends its path
+    index: torch.Tensor  # [N] long: 0 .. N - 1
     guess_index: torch.Tensor  # [N] long: where each node's token sits in [root, head 1's R guesses, head 2's, ...]
     # Rejection sampling tries slot s of every node with children at once (`acceptance.rejection_accept_drawn`):
     # (inner: the n nodes with children, most children first, long [n]; kids: their children in rank order,
@@ -159,10 +165,17 @@ def tree_tensors(tree: Tree, device: str) -> TreeTensors:
     kids = as_long([tree.children[i] + [-1] * (S - len(tree.children[i])) for i in inner])
     sizes = tuple(sum(len(tree.children[i]) > s for i in inner) for s in range(S))
     tries = (as_long(inner), kids.view(len(inner), S), sizes)  # view: a root alone makes [0, 0], not [0]
-    return TreeTensors(parents=as_long(tree.parents), ancestor_mask=mask.to(device), depths=as_long(tree.depths),
-                       ranks=as_long(tree.ranks), inner=as_long(list(map(len, tree.children))) > 0,
-                       node_paths=paths.to(device), guess_index=as_long(guess), tries=tries, first=tuple(tree.first),
-                       num_ranks=R, depth=D)
+    depths = torch.tensor(tree.depths)
+    below = paths[:, 1:].clone()
+    below[0] = 0  # the root's own row: no node below the root, its entry never decides anything
+    on_path = torch.arange(1, D + 1) <= depths[:, None]  # [N, D]
+    return TreeTensors(parents=as_long(tree.parents), parent_index=as_long(tree.parents).clamp(min=0),
+                       ancestor_mask=mask.to(device), depths=depths.to(device), ranks=as_long(tree.ranks),
+                       inner=as_long(list(map(len, tree.children))) > 0, node_paths=paths.to(device),
+                       paths_and_depths=torch.cat([paths, depths[:, None]], 1).to(device), below_root=below.to(device),
+                       on_path=on_path.to(device, torch.float64), reach=(depths + 2).to(device),
+                       index=torch.arange(N, device=device), guess_index=as_long(guess), tries=tries,
+                       first=tuple(tree.first), num_ranks=R, depth=D)
 
 
 # ---- presets ---------------------------------------------------------------------------------

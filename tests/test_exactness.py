@@ -90,14 +90,14 @@ def verify_causal(model, cache, tokens, *, tree, attended=None):
     return verify(model, cache, tokens, tree=replace(tree, ancestor_mask=causal), attended=attended)
 
 
-def keep_node_indices(cache, keep, *, start, count):
+def keep_node_indices(cache, keep, *, to, length):
     """Slots counted from 0, not from each row's root: the path's K/V taken from the prefix's first slots."""
-    compact_kv_cache(cache, keep - start[:, None], start=start, count=count)
+    compact_kv_cache(cache, keep - to[:, :1], to=to, length=length)
 
 
 def judged_at_themselves(tree, tokens, y, *, usable=None):
     """Each candidate compared with the backbone's token after itself, not after its parent."""
-    return path_accept(replace(tree, parents=torch.arange(len(tree.parents))), tokens, y, usable=usable)
+    return path_accept(replace(tree, parent_index=torch.arange(len(tree.parents))), tokens, y, usable=usable)
 
 
 GREEDY_BUGS = {  # name: the module attribute to patch, and the wrong value

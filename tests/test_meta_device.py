@@ -73,7 +73,7 @@ def test_a_prefill_of_rows_of_different_lengths_and_a_plain_step_stay_on_the_dev
         with torch.no_grad():  # as decoding runs it
             step_logits, step_hidden = model(logits.argmax(-1)[:, None], cache=cache)  # the plain step, T = 1
     assert (logits.shape, hidden.shape, step_logits.shape) == ((2, V), (2, C), (2, 1, V))
-    assert all_on_meta(logits, hidden, step_logits, step_hidden, cache.k, cache.v, cache.length_buffer)
+    assert all_on_meta(logits, hidden, step_logits, step_hidden, cache.kv, cache.length_buffer)
 
 
 def test_the_reference_decodes_with_the_engines_model_on_the_device():

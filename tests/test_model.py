@@ -41,12 +41,12 @@ def test_cached_incremental_decoding_matches_full_forward(model, read):
 @torch.no_grad()
 def test_static_cache_is_never_reallocated(model):
     cache = KVCache(model.config)
-    ptrs = [t.data_ptr() for t in cache.k + cache.v]
+    ptrs = [t.data_ptr() for t in (cache.kv, cache.length_buffer)]
     model(torch.tensor([[1, 2, 3]]), cache=cache)
     model(torch.tensor([[4]]), cache=cache)
-    compact_kv_cache(cache, torch.tensor([[1, 3]]), start=torch.tensor([1]), count=torch.tensor([2]))
+    compact_kv_cache(cache, torch.tensor([[1, 3]]), to=torch.tensor([[1, 2]]), length=torch.tensor([3]))
     model(torch.tensor([[5, 6]]), cache=cache)
-    assert [t.data_ptr() for t in cache.k + cache.v] == ptrs and cache.lengths.tolist() == [5]
+    assert [t.data_ptr() for t in (cache.kv, cache.length_buffer)] == ptrs and cache.lengths.tolist() == [5]
 
 
 @torch.no_grad()
@@ -108,8 +108,7 @@ def test_a_decode_step_is_one_captured_graph_with_eager_logits_at_every_length(k
             model(torch.arange(prefix)[None], cache=cache)
         want, got = step(eager_cache), compiled(graph_cache)
         torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
-        for got, want in zip(graph_cache.k + graph_cache.v, eager_cache.k + eager_cache.v):
-            torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+        torch.testing.assert_close(graph_cache.kv, eager_cache.kv, atol=ATOL, rtol=0)
         assert graph_cache.lengths.tolist() == eager_cache.lengths.tolist() == [prefix + depths.numel()]
     assert len(graphs) == 1
 
@@ -117,12 +116,12 @@ def test_a_decode_step_is_one_captured_graph_with_eager_logits_at_every_length(k
 def test_keeping_a_path_moves_each_rows_slots_to_its_start_and_sets_its_length():
     config = GPTConfig(vocab_size=64, block_size=32, n_layer=2, n_head=2, n_embd=16)
     cache = KVCache(config, batch_size=2, max_len=32)
-    before = [torch.randn(t.shape) for t in cache.k + cache.v]
-    for t, b in zip(cache.k + cache.v, before):
-        t.copy_(b)
-    compact_kv_cache(cache, torch.tensor([[5, 7, 9], [4, 4, 6]]), start=torch.tensor([5, 3]), count=torch.tensor([2, 1]))
+    before = torch.randn(cache.kv.shape)
+    cache.kv.copy_(before)
+    compact_kv_cache(cache, torch.tensor([[5, 7, 9], [4, 4, 6]]), to=torch.tensor([[5, 6, 7], [3, 4, 5]]),
+                     length=torch.tensor([7, 4]))
     assert cache.lengths.tolist() == [7, 4]
-    for t, b in zip(cache.k + cache.v, before):
+    for t, b in zip(cache.kv.flatten(0, 1), before.flatten(0, 1)):  # every layer's keys and values
         assert torch.equal(t[0, :, 5:8], b[0, :, [5, 7, 9]])  # row 0: slots 5, 7, 9 now at 5, 6, 7
         assert torch.equal(t[1, :, 3:6], b[1, :, [4, 4, 6]])  # row 1: from slot 3 on
         assert torch.equal(t[:, :, :3], b[:, :, :3])  # the prefix stays

@@ -59,14 +59,13 @@ def test_keep_path_leaves_each_rows_cache_as_if_only_its_accepted_path_had_been_
     verify_tree(model, cache, TREE, tokens)
     accepted = Accepted(nodes=torch.tensor([[0, 1, 4, 4], [0, 2, 2, 2], [0, 0, 0, 0]]), count=torch.tensor([2, 1, 0]),
                         bonus=torch.tensor([0, 0, 0]))  # a static-shape path repeats its last node
-    keep_path(cache, accepted, start=start, active=torch.tensor([True, True, False]))
+    keep_path(cache, TREE.tensors(), accepted, start=start, active=torch.tensor([True, True, False]))
     assert cache.lengths.tolist() == [6, 4, 3]
     for b, kept in enumerate(([0, 1, 4], [0, 2])):
         alone = KVCache(model.config, max_len=32)
         seq = prompts[b] + tokens[b, kept].tolist()
         prefill(model, torch.tensor([seq]), alone)
-        for got, want in zip(cache.k + cache.v, alone.k + alone.v):
-            torch.testing.assert_close(got[b, :, : len(seq)], want[0, :, : len(seq)], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(cache.kv[:, :, b, :, : len(seq)], alone.kv[:, :, 0, :, : len(seq)], atol=1e-5, rtol=1e-5)
 
 
 def test_the_steps_one_read_gives_each_rows_path_and_its_accepted_tokens_then_the_bonus():

@@ -53,7 +53,7 @@ def verify_and_accept(model: GPT, cache: KVCache, tokens: torch.Tensor, *, tree:
     usable = usable_nodes(tree, start, stop_at)  # [B, N]
     logits, hiddens = verify(model, cache, tokens, tree=tree, attended=attended)  # [B, N, V], [B, N, C]
     accepted = accept(tree, tokens, logits, sampling=sampling, u=u, drawn=drawn, usable=usable)
-    keep_path(cache, accepted, start=start, active=usable[:, 0])
+    keep_path(cache, tree, accepted, start=start, active=usable[:, 0])
     hidden = last_hidden(hiddens, accepted)  # [B, C]
     if heads is None:
         return accepted, hidden, None, None
@@ -109,9 +109,11 @@ class CompiledMedusa:
 
     @torch.no_grad()
     def __call__(self, model: GPT, cache: KVCache, proposer: Proposer, roots: torch.Tensor, hidden: torch.Tensor, *,
-                 history: list[list[int]], stop_at: torch.Tensor, sampling: Sampling = Sampling(),
+                 history: list[list[int]], stop_at: torch.Tensor | None, sampling: Sampling = Sampling(),
                  generator: torch.Generator | None = None, attended: int | None = None) -> StepResult:
         B, device = len(roots), roots.device
+        if stop_at is None:  # every node usable, as a tensor: one graph whatever the room
+            stop_at = torch.full((B,), model.config.block_size, device=device)
         proposal = self.proposal(model, proposer, roots, hidden, history=history, sampling=sampling, generator=generator)
         u = acceptance_uniforms(sampling, B, proposer.tree.num_nodes, generator, device=device)
         heads = proposer.heads if proposal.tree.depth else None  # a root alone has no next tree to draft
@@ -152,7 +154,7 @@ class StaticCaches:
         if (rows, slots) not in self.caches:
             cache = KVCache(self.model.config, batch_size=rows, max_len=slots, device=self.model.device,
                             dtype=self.model.lm_head.weight.dtype)
-            for t in (*cache.k, *cache.v, cache.length_buffer):
+            for t in (cache.kv, cache.length_buffer, cache.rows, cache.layers):
                 torch._dynamo.mark_static_address(t, guard=False)
             self.caches[rows, slots] = cache
         return self.caches[rows, slots]
