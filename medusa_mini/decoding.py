@@ -1,23 +1,16 @@
 """The engine's decoding loops, for B prompts at once: plain `generate` and Medusa's `medusa_generate` (§2).
 
-Medusa repeats one step (`step.medusa_step`: propose -> verify -> accept -> keep the accepted path's
-K/V) until every row has stopped; reference.py's `medusa_generate` is the same loop for one prompt,
-written plainly. Both engine loops share prefill, stopping rules and statistics, so their numbers are
-comparable:
+Medusa repeats one step (`step.medusa_step`) until every row has stopped; reference.py's
+`medusa_generate` is the same loop for one prompt, written plainly. Both engine loops share prefill,
+stopping rules and statistics: steps are backbone forward passes after the prefill; tokens per step
+counts the bonus token (plain decoding: exactly 1.0); the prefill's token is emitted before the first
+step and counted in neither.
 
-- steps: backbone forward passes after the prefill;
-- tokens per step: tokens emitted by those steps / steps, the bonus token counted (plain decoding is
-  exactly 1.0). The prefill's token is emitted before the first step and counted in neither.
-
-A row stops at `max_new_tokens`, at an end token (kept in the output) or when prompt + output reach
-the context length. In a batch, each row accepts its own path and keeps its own cache length; a row
-that has stopped rides along, masked, until the last one stops (shapes stay static), and never emits
-again. Prompts of different lengths are padded at their end for the prefill only: the padding is
-never attended to and its cache slots are given back, so no padding token reaches any row.
-
-`generate` and `medusa_generate` take one prompt; `generate_batch` and `medusa_generate_batch` a list.
-Medusa's loop takes any *drafter*, an object whose `proposer(model, tree)` makes the step's candidates:
-Medusa or hydra heads, or `proposal.PromptLookup`.
+A row stops at `max_new_tokens`, at an end token (kept) or when prompt + output fill the context. In a
+batch each row accepts its own path and keeps its own cache length; a row that has stopped rides along,
+masked, and never emits again. Prompts of different lengths are padded at their end for the prefill
+only: the padding is never attended to and its slots are given back. Medusa's loop takes any *drafter*
+whose `proposer(model, tree)` makes the candidates: Medusa or hydra heads, or `proposal.PromptLookup`.
 """
 
 from __future__ import annotations
@@ -53,14 +46,10 @@ class GenerationStats:
 
 
 def _check_prompt(model: GPT, prompt: list[int] | torch.Tensor) -> list[int]:
-    ids = torch.as_tensor(prompt, dtype=torch.long).flatten().tolist()
-    if not ids:
-        raise ValueError("the prompt is empty: give at least one token")
-    if len(ids) >= model.config.block_size:
-        raise ValueError(
-            f"the prompt has {len(ids)} tokens; the context holds {model.config.block_size}, "
-            "so the prompt must be shorter"
-        )
+    ids, block = torch.as_tensor(prompt, dtype=torch.long).flatten().tolist(), model.config.block_size
+    if not ids or len(ids) >= block:
+        raise ValueError("the prompt is empty: give at least one token" if not ids else
+                         f"the prompt has {len(ids)} tokens; the context holds {block}, so the prompt must be shorter")
     return ids
 
 
@@ -149,6 +138,16 @@ class Generations:
                 stopped.append(b)
         return stopped
 
+    def start(self, model: GPT, cache: KVCache | CacheSource | None, *, slots: int, sampling: Sampling,
+              generator: torch.Generator | None) -> tuple[KVCache, torch.Tensor, torch.Tensor, list[int]]:
+        """The prefill into a cache of `slots` slots per row (`reuse_cache`) and every row's first token, emitted:
+        (cache, first tokens [B] on the device, hidden states [B, C] that chose them, rows that stopped)."""
+        B, device = len(self.prompts), model.device
+        cache = reuse_cache(cache, model, batch_size=B, max_len=slots)
+        logits, hidden = prefill(model, self.padded(device), cache, lengths=[len(p) for p in self.prompts])
+        first = sampling.next_token(logits, sampling.uniforms((B,), generator, device=device))  # [B]
+        return cache, first, hidden, self.emit([[t] for t in first.tolist()], step=False)
+
     def history(self) -> list[list[int]]:
         """Each row's prompt and output so far (the last token is the next step's root)."""
         return [p + o for p, o in zip(self.prompts, self.out)]
@@ -172,10 +171,8 @@ def generate_batch(
     """
     rows = Generations(model, prompts, max_new_tokens=max_new_tokens, eos_id=eos_id, on_step=on_step)
     B, device = len(rows.prompts), model.device
-    cache = reuse_cache(cache, model, batch_size=B, max_len=model.config.block_size)
-    logits, _ = prefill(model, rows.padded(device), cache, lengths=[len(p) for p in rows.prompts])
-    tok = sampling.next_token(logits, sampling.uniforms((B,), generator, device=device))  # [B], on the device
-    stopped = rows.emit([[t] for t in tok.tolist()], step=False)
+    cache, tok, _, stopped = rows.start(model, cache, slots=model.config.block_size, sampling=sampling,
+                                        generator=generator)
     stop_at = torch.tensor(rows.stop_at, device=device)  # [B]
     longest = max(len(p) for p in rows.prompts)  # every row's cache length is at most this, on the host
     while rows.active:
@@ -208,11 +205,9 @@ def medusa_generate_batch(
     rows = Generations(model, prompts, max_new_tokens=max_new_tokens, eos_id=eos_id, on_step=on_step)
     B, device, N = len(rows.prompts), model.device, proposer.tree.num_nodes
     # Slots beyond block_size hold a tree's nodes; their positions are still < block_size.
-    cache = reuse_cache(cache, model, batch_size=B, max_len=model.config.block_size + N)
+    cache, roots, hidden, stopped = rows.start(model, cache, slots=model.config.block_size + N, sampling=sampling,
+                                               generator=generator)
     lengths = [len(p) for p in rows.prompts]
-    logits, hidden = prefill(model, rows.padded(device), cache, lengths=lengths)  # [B, V], [B, C]
-    roots = sampling.next_token(logits, sampling.uniforms((B,), generator, device=device))  # [B], on the device
-    stopped = rows.emit([[t] for t in roots.tolist()], step=False)
     stop_at = torch.tensor(rows.stop_at, device=device)  # [B]
     while rows.active:
         if stopped:  # a stopped row accepts nothing more and its cache length stays put

@@ -40,10 +40,9 @@ class KVCache:
     per row (the DESIGN's layout: one tensor, so keeping the accepted path is one copy for all layers).
 
     A forward writes row b's T new keys/values at slots [lengths[b], lengths[b] + T) and advances its
-    length, so rows may hold prefixes of different lengths. Slots are storage, not positions: a tree's
-    nodes sit in consecutive slots but carry position ids prefix + depth. The lengths live in
-    `length_buffer`, a [B] tensor on the device changed only in place (`lengths` reads a snapshot of it),
-    so a step reads and advances them without the host.
+    length. Slots are storage, not positions: a tree's nodes sit in consecutive slots but carry position
+    ids prefix + depth. The lengths live on the device in `length_buffer`, changed only in place
+    (`lengths` reads a snapshot), so a step reads and advances them without the host.
     """
 
     def __init__(self, config: GPTConfig, *, batch_size: int = 1, max_len: int | None = None,
@@ -105,16 +104,8 @@ class CausalSelfAttention(nn.Module):
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        *,
-        cache: KVCache | None,
-        layer: int,
-        slots: torch.Tensor | None,
-        attn_mask: torch.Tensor | None,
-        attended: int | None = None,
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *, cache: KVCache | None, layer: int, slots: torch.Tensor | None,
+                attn_mask: torch.Tensor | None, attended: int | None = None) -> torch.Tensor:
         B, T, C = x.shape
         qkv = self.c_attn(x).view(B, T, 3, self.n_head, C // self.n_head)  # [B, T, 3, nh, hs]
         q = qkv[:, :, 0].transpose(1, 2)  # [B, nh, T, hs]
@@ -208,16 +199,9 @@ class GPT(nn.Module):
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
-    def forward(
-        self,
-        idx: torch.Tensor,
-        *,
-        pos: torch.Tensor | None = None,
-        cache: KVCache | None = None,
-        attn_mask: torch.Tensor | None = None,
-        logits_at: torch.Tensor | slice | None = None,
-        attended: int | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, idx: torch.Tensor, *, pos: torch.Tensor | None = None, cache: KVCache | None = None,
+                attn_mask: torch.Tensor | None = None, logits_at: torch.Tensor | slice | None = None,
+                attended: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """T new tokens per row, idx [B, T] -> (logits [B, T', V], hidden after ln_f [B, T, C]); T' is T, or 1 for
         a [B] logits_at, or the slice's length.
 

@@ -1,9 +1,7 @@
 """The engine's proposals: what one step verifies, and the proposers that make them (the reference's `propose`).
 
-A `Proposal` is B rows of candidate tokens [B, N] on one tree shared by every row, plus, for drawn
-candidates, the q each node's children were drawn from (`Drawn`). A `Proposer` makes one from the roots,
-the hidden states that produced them and each row's tokens so far. Three exist, and the step (step.py)
-treats them alike:
+A `Proposal` is B rows of candidate tokens [B, N] on one tree, plus, for drawn candidates, the q each
+node's children were drawn from (`Drawn`). Three `Proposer`s make them, and the step treats them alike:
 
 - `MedusaProposer`: a fixed tree filled with Medusa heads' top-k guesses, or with tokens drawn from
   their q without replacement (paper §2.1.1-2.1.2);
@@ -96,6 +94,7 @@ class HeadsProposer:
     fills the tree with its own `fill_tree`, the one function that makes its trees."""
 
     fill_tree: Callable  # (tree, roots, hidden, head_logits, *, draft_ids, vocab_size, temperature, u) -> tokens, drawn
+    q_count: Callable[[Tree], int]  # Q, how many q a drawn tree draws from
 
     def __init__(self, tree: Tree, head_logits: Callable, *, draft_ids: torch.Tensor, vocab_size: int,
                  num_heads: int, heads: nn.Module | None = None) -> None:
@@ -107,11 +106,6 @@ class HeadsProposer:
 
     def trees(self) -> list[Tree]:
         return [self.tree]  # the whole tree, always: near the end of a row the step masks what it cannot use
-
-    @staticmethod
-    def q_count(tree: Tree) -> int:
-        """Q, how many q a drawn proposal on `tree` draws from (each kind says)."""
-        raise NotImplementedError
 
     def uniforms(self, sampling: Sampling, rows: int, generator: torch.Generator | None, *,
                  device: torch.device | str) -> torch.Tensor | None:
@@ -206,10 +200,7 @@ class MedusaProposer(HeadsProposer):
     """
 
     fill_tree = staticmethod(medusa_tree)
-
-    @staticmethod
-    def q_count(tree: Tree) -> int:
-        return tree.depth  # one q per head
+    q_count = staticmethod(lambda tree: tree.depth)  # one q per head
 
 
 class HydraProposer(HeadsProposer):
@@ -220,10 +211,7 @@ class HydraProposer(HeadsProposer):
     """
 
     fill_tree = staticmethod(hydra_tree)
-
-    @staticmethod
-    def q_count(tree: Tree) -> int:
-        return tree.first[tree.depth]  # the nodes above the deepest depth
+    q_count = staticmethod(lambda tree: tree.first[tree.depth])  # one q per node above the deepest depth
 
 
 class PromptLookup:

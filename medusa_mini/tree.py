@@ -2,13 +2,10 @@
 
 A tree is built from *choices*: each choice is a path of top-k ranks, e.g. (0,) = head 1's top-1
 guess, (0, 2) = its child filled with head 2's third-best guess (rank 2). Node 0 is the root: the last
-committed token, which the verify pass feeds together with every candidate. A node at depth d is filled by head d
-with rank `choice[-1]`, so all nodes at one depth draw from the same head's guesses.
-
-A Tree is a value (frozen, compared and hashed by its choices): its host lists are computed when it is
-made, and its index tensors once per tree and device (`tree_tensors`, the project's one cache), so a
-step, or a truncated tree equal to one seen before, finds them ready. `build_tree` grows the tree with
-the most expected accepted tokens for a node budget from a measured acceptance table.
+committed token, which the verify pass feeds with every candidate. A node at depth d holds head d's guess
+of rank `choice[-1]`. A Tree is a value (frozen, hashed by its choices); its index tensors are made once
+per tree and device (`tree_tensors`). `build_tree` grows the tree with the most expected accepted
+tokens for a node budget from a measured acceptance table.
 
 Shapes: N nodes (root included), K heads, D maximum depth.
 """
