@@ -13,9 +13,8 @@ children at once, slot by slot. Every rule takes the uniforms it draws from (`ac
 drawn before it, in the reference's order). Tests hold every rule to the reference, decision for
 decision and draw for draw.
 
-`usable` [B, N] (None: every node) marks the nodes a row may accept this step: near the end of a row's
-token budget or of the context, deeper nodes could not be used; a finished row in a batch has none,
-not even its root.
+`usable` [B, N] (None: every node) marks the nodes a row may accept: near the end of its budget or of the
+context deeper nodes could not be used; a finished row in a batch has none, not even its root.
 
 Shapes: B rows, N nodes, V vocabulary, D tree depth, R ranks; n inner nodes and S slots (`TreeTensors.tries`).
 """
@@ -152,19 +151,21 @@ def rejection_accept_drawn(tree: TreeTensors, tokens: torch.Tensor, logits: torc
     """
     p = sampling.probs(logits)  # [B, N, V]: p at each node, then the residual its misses leave
     passes = torch.zeros_like(tokens, dtype=torch.bool)  # [B, N] the node passed its try at its parent
-    nodes, kids, sizes = tree.tries  # [n] nodes, most children first; [n, S] their children in try order
+    nodes, kids, sizes, by_slot = tree.tries  # [n] nodes, most children first; [n, S] their children in try order
     if sizes:
         log_q, draws = drawn.at(tree.parent_index)  # [B, N, V], [B, N, R]: what each node was drawn from
         q = without_earlier_draws(log_q, draws, tree.ranks.expand_as(tokens), tokens)  # [B, N, V] (the root's unused)
         q, x, u_kids = q[:, kids], tokens[:, kids], u[:, kids]  # [B, n, S, V], [B, n, S] x2: each slot's child
         target = p[:, nodes]  # [B, n, V] the residual the misses so far left
         trying = torch.ones_like(x[..., 0], dtype=torch.bool) if usable is None else usable[:, kids[:, 0]]  # [B, n]
+        passed = []  # per slot s: [B, n_s], its child passed
         for s, n_s in enumerate(sizes):  # the first n_s nodes have a child in slot s
             t = target[:, :n_s]  # [B, n_s, V]
             accepted, flat, residual = speculative_try(t, q[:, :n_s, s], x[:, :n_s, s], u_kids[:, :n_s, s])
-            passes[:, kids[:n_s, s]] = trying[:, :n_s] & accepted
+            passed.append(trying[:, :n_s] & accepted)
             trying[:, :n_s] &= ~(accepted | flat)  # a child accepted, or p = q: no residual to try another against
             target[:, :n_s] = torch.where(trying[:, :n_s, None], residual, t)
+        passes[:, by_slot] = torch.cat(passed, dim=1)
         p[:, nodes] = target
     last = deepest_accepted(tree, passes)  # [B]
     at_last = p.gather(1, last[:, None, None].expand(-1, 1, p.shape[-1]))[:, 0]  # [B, V] what is left of p there

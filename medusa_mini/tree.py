@@ -137,8 +137,9 @@ class TreeTensors:
     # Rejection sampling tries slot s of every node with children at once (`acceptance.rejection_accept_drawn`):
     # (inner: the n nodes with children, most children first, long [n]; kids: their children in rank order,
     # the order they are tried in, long [n, S], S the most children of any node, -1 past a node's last;
-    # sizes: per slot s < S, how many nodes have a child in it, always the first ones, so a slice)
-    tries: tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]
+    # sizes: per slot s < S, how many nodes have a child in it, always the first ones, so a slice;
+    # by_slot: those children slot after slot, long [N - 1])
+    tries: tuple[torch.Tensor, torch.Tensor, tuple[int, ...], torch.Tensor]
     first: tuple[int, ...]  # `Tree.first`: nodes of depth d are first[d] .. first[d + 1] - 1
     num_ranks: int  # R, the ranks any node uses (`Tree.max_rank` + 1)
     depth: int  # D, `Tree.depth`
@@ -161,7 +162,8 @@ def tree_tensors(tree: Tree, device: str) -> TreeTensors:
     inner = sorted((i for i, kids in enumerate(tree.children) if kids), key=lambda i: -len(tree.children[i]))
     kids = as_long([tree.children[i] + [-1] * (S - len(tree.children[i])) for i in inner])
     sizes = tuple(sum(len(tree.children[i]) > s for i in inner) for s in range(S))
-    tries = (as_long(inner), kids.view(len(inner), S), sizes)  # view: a root alone makes [0, 0], not [0]
+    by_slot = [tree.children[i][s] for s, n in enumerate(sizes) for i in inner[:n]]
+    tries = (as_long(inner), kids.view(len(inner), S), sizes, as_long(by_slot))  # view: a root alone makes [0, 0]
     depths = torch.tensor(tree.depths)
     below = paths[:, 1:].clone()
     below[0] = 0  # the root's own row: no node below the root, its entry never decides anything
