@@ -1,6 +1,6 @@
-"""Which tree a run decodes with (`--tree`): a preset, a JSON file of choices, or a node budget N, the best
-tree of N nodes for heads_accuracy.json. By default ('auto') 64 nodes on a GPU, where a verify of 64 costs
-little more than one of 1; on a CPU, where every node costs time, at most 8 and only those that pay
+"""Which tree a run decodes with (`--tree`): a preset, choices (a JSON file or inline), or a node budget N,
+the best tree of N nodes for heads_accuracy.json. By default ('auto') 64 nodes on a GPU, where a verify of
+64 costs little more than one of 1; on a CPU, where every node costs time, at most 8 and only those that pay
 for themselves (`CPU_MIN_GAIN`); without the table, the device's preset."""
 
 from __future__ import annotations
@@ -21,40 +21,32 @@ from ..tree import Tree, build_tree, preset
 # 6 nodes (Medusa heads) and 4 (Hydra heads), the budgets the node-budget sweep finds fastest (BENCHMARKS.md);
 # the five-head preset's Medusa heads get a 5-node chain.
 CPU_MIN_GAIN = 0.025
+HINT = 'a tree file holds [[0], [1], [0, 0], ...] or {"choices": [...]}'
 
 
 class TreeChoice(NamedTuple):
     """What `--tree` chose: the heads' tree, its name for reports, and the nodes a step may verify: N, or
     auto's ceiling, else the tree's own. Prompt lookup drafts a chain of `budget` nodes: it verifies only
-    what it finds (rounded up to a power of two), so the heads' cost rule is not its own."""
+    what it finds, so the heads' cost rule is not its own."""
 
     tree: Tree
     name: str
     budget: int
 
 
-def tree_from_choices(choices: object, *, num_heads: int, where: str) -> Tree:
-    """The tree of a list of choices from the user (`where` names it in the one-line error)."""
-    if not isinstance(choices, list) or not choices:
-        raise ValueError(f'{where} has no choices: it must hold a list of choices or {{"choices": [...]}}')
-    try:
-        return Tree.from_choices(choices, num_heads=num_heads)
-    except (ValueError, TypeError) as e:
-        raise ValueError(f"{where}: {e}") from None
-
-
 def resolve_tree(spec: str | None, *, ckpt_dir: str, device: torch.device | str, num_heads: int,
                  drawn: bool = False) -> TreeChoice:
-    """The tree from a node budget N, 'auto', a preset ('cpu', 'gpu', 'chainN') or a JSON file of choices
-    ([[0], [1], [0, 0], ...] or {"choices": [...]}), looked up in the working directory, then in the
-    checkpoint's. A tree must not be deeper than the model has heads. `drawn`: for rejection sampling's
-    drawn candidates, whose budget trees grow from their own table (`load_accuracy`): a drawn candidate
-    passes far less often than a top-1 guess, so siblings, more tries at a node, are worth more than depth."""
+    """The tree of a node budget N, 'auto', a preset ('cpu', 'gpu', 'chainN'), or choices ([[0], [1], [0, 0]]
+    or {"choices": [...]}) inline or in a JSON file (in the working directory, else the checkpoint's), no
+    deeper than the heads loaded. `drawn`: for rejection sampling's drawn candidates, whose budget trees grow
+    from their own table: a drawn candidate passes far less often than a top-1 guess, so siblings (more
+    tries at a node) are worth more than depth."""
     gpu, measured = torch.device(device).type != "cpu", os.path.isfile(os.path.join(ckpt_dir, ACCURACY_FILE))
     if spec is None:
         spec = "auto" if ckpt_dir and measured else ("gpu" if gpu else "cpu")
-    budget = None  # a tree given whole (a preset, a file): its own size
+    budget = None  # a tree given whole (a preset, choices): its own size
     count = spec.isascii() and spec.isdigit()  # a node budget ('²' is a digit to str.isdigit, not to int)
+    inline = spec.lstrip().startswith(("[", "{"))
     if spec == "auto" or count:
         if count and not 1 <= int(spec) <= 256:
             raise ValueError(f"--tree {spec}: a node budget must be between 1 and 256")
@@ -62,25 +54,29 @@ def resolve_tree(spec: str | None, *, ckpt_dir: str, device: torch.device | str,
             raise ValueError(f"--tree {spec} needs heads accuracies: run python -m medusa_mini.cli.measure "
                              f"--ckpt {ckpt_dir}")
         budget, min_gain = (int(spec), 0.0) if count else (64, 0.0) if gpu else (8, CPU_MIN_GAIN)
-        # The table may have been measured for more heads than are loaded.
         acc = load_accuracy(ckpt_dir, drawn=True) if drawn else None
         if acc is None:  # measured before drawn candidates had a table of their own: greedy's stands in
             acc = load_accuracy(ckpt_dir)
-        tree = build_tree(acc, budget, min_gain=min_gain)[0].truncated(num_heads)
-    elif spec.lstrip().startswith(("[", "{")):  # choices inline
-        try:
-            obj = json.loads(spec)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--tree {spec}: not JSON ({e.msg}); write choices as '[[0], [1], [0, 0]]'") from None
+        tree = build_tree(acc, budget, min_gain=min_gain)[0].truncated(num_heads)  # it may describe more heads
+    elif inline or spec.endswith(".json") or os.path.sep in spec:
+        if inline:
+            where, name = f"--tree {spec}", "inline"
+            try:
+                obj = json.loads(spec)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where}: not JSON ({e.msg}); write choices as '[[0], [1], [0, 0]]'") from None
+        else:
+            path = next((p for p in (spec, os.path.join(ckpt_dir, spec)) if os.path.isfile(p)), None)
+            if path is None:
+                raise ValueError(f"tree file {spec} does not exist")
+            obj, where, name = read_json(path, hint=HINT), f"tree file {path}", os.path.basename(spec)
         choices = obj.get("choices") if isinstance(obj, dict) else obj
-        tree, spec = tree_from_choices(choices, num_heads=num_heads, where=f"--tree {spec}"), "inline"
-    elif spec.endswith(".json") or os.path.sep in spec:
-        path = next((p for p in (spec, os.path.join(ckpt_dir, spec)) if os.path.isfile(p)), None)
-        if path is None:
-            raise ValueError(f"tree file {spec} does not exist")
-        obj = read_json(path, hint='a tree file holds [[0], [1], [0, 0], ...] or {"choices": [...]}')
-        choices, spec = obj.get("choices") if isinstance(obj, dict) else obj, os.path.basename(spec)
-        tree = tree_from_choices(choices, num_heads=num_heads, where=f"tree file {path}")
+        if not isinstance(choices, list) or not choices:
+            raise ValueError(f'{where} has no choices: it must hold a list of choices or {{"choices": [...]}}')
+        try:
+            tree, spec = Tree.from_choices(choices, num_heads=num_heads), name
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"{where}: {e}") from None
     else:
         try:
             tree = preset(spec)
@@ -101,11 +97,11 @@ def draw_tree(tree: Tree, labels: list[str] | None = None) -> str:
         if node == 0:
             lines.append(f"[0] root{label}")
         else:
-            lines.append(f"{prefix}{'└─ ' if last else '├─ '}[{node}] head {tree.depths[node]} rank {tree.ranks[node]}{label}")
+            lines.append(f"{prefix}{'└─ ' if last else '├─ '}[{node}] head {tree.depths[node]} rank "
+                         f"{tree.ranks[node]}{label}")
             prefix += "   " if last else "│  "
-        kids = tree.children[node]
-        for j, kid in enumerate(kids):
-            visit(kid, prefix if node else "", j == len(kids) - 1)
+        for j, kid in enumerate(tree.children[node]):
+            visit(kid, prefix if node else "", j == len(tree.children[node]) - 1)
 
     visit(0, "", True)
     return "\n".join(lines)
@@ -114,8 +110,6 @@ def draw_tree(tree: Tree, labels: list[str] | None = None) -> str:
 def draw_mask(tree: Tree) -> str:
     """The N x N tree attention mask: row = query node, column = key node, ■ = may attend."""
     mask, N = tree.tensors().ancestor_mask, tree.num_nodes
-    width = len(str(N - 1))
-    rows = [" " * (width + 1) + " ".join(f"{j:>{width}}" for j in range(N))]
-    for i in range(N):
-        rows.append(f"{i:>{width}} " + " ".join(f"{'■' if mask[i, j] else '·':>{width}}" for j in range(N)))
-    return "\n".join(rows)
+    w = len(str(N - 1))
+    return "\n".join([" " * (w + 1) + " ".join(f"{j:>{w}}" for j in range(N))] + [
+        f"{i:>{w}} " + " ".join(f"{'■' if mask[i, j] else '·':>{w}}" for j in range(N)) for i in range(N)])
