@@ -1,10 +1,9 @@
 """`python -m medusa_mini.cli.measure --ckpt DIR`: measure again (train_tiny.py does after training), in
-float32, how often a checkpoint's heads are accepted on greedy continuations of its prompts.json; save
-heads_accuracy.json, from which `decode.py --tree N` (and `auto`, the default) builds trees. Then the
-same under rejection sampling on sampled continuations: Σ min(p, q) per head (printed), the chance that
-each head's r-th drawn candidate is the one accepted (saved too: `auto` builds rejection sampling's trees
-from it), and with --marginal what head 1 would score were its q the exact marginal over the root it
-cannot see."""
+float32, how often the heads are accepted on greedy continuations of prompts.json, saved as
+heads_accuracy.json, from which `decode.py --tree N` (and `auto`) builds trees; then under rejection
+sampling: Σ min(p, q) per head, the chance that each head's r-th drawn candidate is the one accepted (saved
+too: rejection sampling's trees), and with --marginal head 1's score were its q the exact marginal over the
+root it cannot see."""
 
 from __future__ import annotations
 
@@ -15,16 +14,7 @@ import sys
 from ..io.files import check_writable
 from ..io.loading import PROMPTS_FILE, load_for_decoding, prompt_ids
 from ..sampling import SAMPLING_TEMPERATURE
-from ..train.accuracy import (
-    ACCURACY_FILE,
-    continuations,
-    format_accuracy,
-    measure_head_accuracy,
-    measure_marginal_acceptance,
-    measure_sampled_acceptance,
-    measure_try_acceptance,
-    save_accuracy,
-)
+from ..train import accuracy
 from ..train.device import pick_device
 from ..tree import build_tree
 from .common import OneLineParser, seed
@@ -32,8 +22,8 @@ from .common import OneLineParser, seed
 
 def main(argv: list[str] | None = None) -> int:
     p = OneLineParser(prog="python -m medusa_mini.cli.measure", description=__doc__)
-    p.add_argument("--ckpt", required=True, metavar="DIR",
-                   help="checkpoint directory (with prompts.json and a tokenizer); its heads_accuracy.json is rewritten")
+    p.add_argument("--ckpt", required=True, metavar="DIR", help="checkpoint directory (with prompts.json and a "
+                   "tokenizer); its heads_accuracy.json is rewritten")
     p.add_argument("--prompts", type=int, default=32, help="prompts of prompts.json used (default: 32)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="continuation length per prompt (default: 64)")
     p.add_argument("--top-k", type=int, default=10, help="ranks measured per head (default: 10)")
@@ -56,35 +46,36 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"checkpoint {a.ckpt} has no Medusa heads; train heads first")
         prompts = prompt_ids(ck, count=a.prompts, max_new_tokens=a.max_new_tokens)
         try:
-            check_writable(a.ckpt)  # as save_accuracy will need, before the measuring
+            check_writable(a.ckpt)
         except OSError as e:
-            raise ValueError(f"{ACCURACY_FILE} cannot be written in {a.ckpt} ({e.strerror})") from None
+            raise ValueError(f"{accuracy.ACCURACY_FILE} cannot be written in {a.ckpt} ({e.strerror})") from None
     except (ValueError, OSError) as e:
         p.error(str(e))
-    lens = [len(ids) for ids in prompts]
-    greedy = continuations(ck.model, prompts, max_new_tokens=a.max_new_tokens)
+    lens, T = [len(ids) for ids in prompts], a.temperature
+    greedy = accuracy.continuations(ck.model, prompts, max_new_tokens=a.max_new_tokens)
     top_k = min(a.top_k, ck.heads.draft_ids.numel())
-    acc = measure_head_accuracy(ck.model, ck.heads, greedy, prompt_lens=lens, top_k=top_k)
-    sampled = continuations(ck.model, prompts, max_new_tokens=a.max_new_tokens, temperature=a.temperature, seed=a.seed)
-    accept = measure_sampled_acceptance(ck.model, ck.heads, sampled, prompt_lens=lens, temperature=a.temperature)
-    drawn = measure_try_acceptance(ck.model, ck.heads, sampled, prompt_lens=lens, temperature=a.temperature,
-                                   ranks=top_k, seed=a.seed)
+    acc = accuracy.measure_head_accuracy(ck.model, ck.heads, greedy, prompt_lens=lens, top_k=top_k)
+    sampled = accuracy.continuations(ck.model, prompts, max_new_tokens=a.max_new_tokens, temperature=T, seed=a.seed)
+    accept = accuracy.measure_sampled_acceptance(ck.model, ck.heads, sampled, prompt_lens=lens, temperature=T)
+    drawn = accuracy.measure_try_acceptance(ck.model, ck.heads, sampled, prompt_lens=lens, temperature=T,
+                                            ranks=top_k, seed=a.seed)
     on = f"({a.max_new_tokens} new tokens) of the first {len(prompts)} prompts of {PROMPTS_FILE}"
-    save_accuracy(a.ckpt, acc, drawn=drawn, meta={"measured_on": f"greedy continuations {on}",
-                                                  "drawn_on": f"continuations sampled at T={a.temperature:g} {on}",
-                                                  "num_prompts": len(prompts), "max_new_tokens": a.max_new_tokens})
-    budgets = (1, 2, 4, 8, 16, 32, 64)
-    print(f"saved {os.path.join(a.ckpt, ACCURACY_FILE)}\n{format_accuracy(acc)}")
-    print("expected tokens/step of build_tree (product rule, bonus token counted) by node budget:")
-    print("  ".join(f"{n} nodes: {build_tree(acc, n)[1]:.2f}" for n in budgets))
-    print(f"rejection sampling at T={a.temperature:g}: each head's one drawn candidate is accepted with "
-          f"Σ min(p, q) = " + "  ".join(f"{v:.3f}" for v in accept.tolist()))
-    print(f"drawn candidates at T={a.temperature:g}, accepted among each head's first r draws:")
-    print(format_accuracy(drawn))
-    print("expected tokens/step of rejection sampling's tree (drawn candidates) by node budget:")
-    print("  ".join(f"{n} nodes: {build_tree(drawn, n)[1]:.2f}" for n in budgets))
+    accuracy.save_accuracy(a.ckpt, acc, drawn=drawn, meta={
+        "measured_on": f"greedy continuations {on}", "drawn_on": f"continuations sampled at T={T:g} {on}",
+        "num_prompts": len(prompts), "max_new_tokens": a.max_new_tokens})
+
+    def by_budget(table) -> str:
+        return "  ".join(f"{n} nodes: {build_tree(table, n)[1]:.2f}" for n in (1, 2, 4, 8, 16, 32, 64))
+
+    print(f"saved {os.path.join(a.ckpt, accuracy.ACCURACY_FILE)}\n{accuracy.format_accuracy(acc)}\n"
+          f"expected tokens/step of build_tree (product rule, bonus token counted) by node budget:\n{by_budget(acc)}")
+    print(f"rejection sampling at T={T:g}: each head's one drawn candidate is accepted with Σ min(p, q) = "
+          + "  ".join(f"{v:.3f}" for v in accept.tolist()))
+    print(f"drawn candidates at T={T:g}, accepted among each head's first r draws:\n"
+          f"{accuracy.format_accuracy(drawn)}\nexpected tokens/step of rejection sampling's tree (drawn candidates) "
+          f"by node budget:\n{by_budget(drawn)}")
     if a.marginal:
-        score, covered = measure_marginal_acceptance(ck.model, sampled, prompt_lens=lens, temperature=a.temperature)
+        score, covered = accuracy.measure_marginal_acceptance(ck.model, sampled, prompt_lens=lens, temperature=T)
         print(f"head 1 with q = the exact marginal over the root, what its training aims at: Σ min(p, q) = "
               f"{score:.3f} (the 64 likeliest roots, {covered:.0%} of the root's probability)")
     return 0
