@@ -27,6 +27,14 @@ from .trees import draw_mask, draw_tree
 
 DEMO_NOTE = ("DEMO: a 2-layer model and its 4 heads trained for a few seconds on the Zen of Python, which they "
              "know by heart;\nreal heads are right less often. Train one with train_tiny.py for real figures.")
+RULES = {  # section 6 on each rule; "topk": rejection sampling of the heads' top-k candidates
+    "greedy": "Greedy: from the root, descend while the backbone's argmax is a child's token.",
+    "typical": "Typical acceptance: keep a candidate whose probability clears min(ε, δ·exp(-H(p))).",
+    "rejection": "Rejection sampling: try a node's children in order, accepting x with probability\n"
+                 "min(1, p(x)/q(x)) and moving p to norm(max(0, p - q)) after a miss (lossless).",
+    "topk": "Rejection sampling of top-k candidates: draw y from p at each node and descend while y is\n"
+            "a child's token; the first y that is not becomes the bonus (lossless).",
+}
 
 
 def token_text(enc: tiktoken.Encoding, token: int) -> str:
@@ -49,21 +57,13 @@ def _guesses(enc: tiktoken.Encoding, logits: torch.Tensor, k: int, ids: torch.Te
     return ", ".join(f"#{r} {token_text(enc, t)} ({p:.2f})" for r, (p, t) in enumerate(pairs))
 
 
-def prefill(out: list[str], model: GPT, enc, prompt: list[int], cache: list, *, sampling: Sampling, generator):
-    """Section 1: the prompt through the backbone once; returns the root and its hidden state [C]."""
-    L = len(prompt)
-    out.append(_header(1, "Prefill: the prompt goes through the backbone once"))
-    logits, hidden = ref.forward(model, prompt, list(range(L)), cache, torch.ones(L, L, dtype=torch.bool).tril())
-    root = int(sampling.next_token(logits[-1], sampling.uniforms((), generator, device=logits.device)))
-    how = "the argmax of" if sampling.greedy else "drawn from"
-    out += [f"The KV cache now holds the {L} prompt tokens.",
-            f"Backbone's top guesses for the next token: {_guesses(enc, logits[-1], 3)}",
-            f"Root token (the backbone's own next token, {how} these): {token_text(enc, root)}",
-            "The root is already certain: it is emitted now, before the first Medusa step."]
-    return root, hidden[-1]
+def _table(rows: list[list[str]]) -> list[str]:
+    """Columns padded to their widest cell plus two spaces; the last column as it is."""
+    widths = [max(len(row[c]) for row in rows) + 2 for c in range(len(rows[0]) - 1)]
+    return ["".join(f"{cell:<{w}}" for cell, w in zip(row, widths)) + row[-1] for row in rows]
 
 
-def guesses(out: list[str], model: GPT, heads, enc, tree: Tree, root: int, hidden: torch.Tensor) -> None:
+def heads_section(out: list[str], model: GPT, heads, enc, tree: Tree, root: int, hidden: torch.Tensor) -> None:
     """Section 2 (§2.1.1): each head's top guesses, as many as the tree uses, after the top guesses before it."""
     out += [_header(2, "Heads: guesses further ahead, from the same last hidden state"), heads.description,
             "The root is token t+1; head k guesses token t+k+1."]
@@ -73,89 +73,36 @@ def guesses(out: list[str], model: GPT, heads, enc, tree: Tree, root: int, hidde
         logits = heads(hidden[None], model, following=following, num=k + 1)[k, 0]  # [M]
         chain.append(int(heads.draft_ids[logits.argmax()]))
         used = max((r + 1 for r, d in zip(tree.ranks, tree.depths) if d == k + 1), default=0)
-        shown = _guesses(enc, logits, used, heads.draft_ids) if used else "not used by this tree"
-        out.append(f"head {k + 1} (t+{k + 2}): {shown}")
+        out.append(f"head {k + 1} (t+{k + 2}): "
+                   + (_guesses(enc, logits, used, heads.draft_ids) if used else "not used by this tree"))
     out.append("The backbone alone would need one forward pass per token to check these one by one.")
 
 
-def candidates(out: list[str], model: GPT, heads, enc, tree: Tree, root: int, hidden: torch.Tensor, *,
-               sampling: Sampling, generator) -> tuple[list[int], list | None]:
-    """Sections 3-4 (§2.1.2): the tree the heads' proposer fills, and its mask; (tokens [N], drawn or None)."""
-    proposer = heads.proposer(model, tree)
-    proposal = proposer.propose(torch.tensor([root], device=hidden.device), hidden[None], history=[[root]],
-                                sampling=sampling, u=proposer.uniforms(sampling, 1, generator, device=hidden.device))
-    tokens, drawn = proposal.tokens[0].tolist(), proposal.drawn
-    out += [_header(3, f"Tree: {tree.num_nodes - 1} candidate nodes + the root"),
-            ("A node at depth d holds head d's guess of the listed rank" if drawn is None else
-             "Rejection sampling draws the candidates: a node at depth d holds the r-th token drawn (without\n"
-             "replacement) from the q its parent's children come from")
-            + "; a path from the root is one possible\ncontinuation. All paths are checked together next.",
-            draw_tree(tree, [token_text(enc, t) for t in tokens]),
-            _header(4, "Tree attention mask"),
-            "Row = a node asking, column = a node it may look at (■ yes, · no). Every node also sees the",
-            "cached prompt, and sits at position prompt length + its depth, as if its path were the only",
-            "continuation: a node sees itself and its ancestors, never its siblings.", draw_mask(tree)]
-    return tokens, None if drawn is None else drawn.per_node(0)
-
-
-def verify(out: list[str], enc, tree: Tree, tokens: list[int], logits: torch.Tensor, drawn, *,
-           sampling: Sampling) -> None:
+def verify_section(out: list[str], labels: list[str], tree: Tree, tokens: list[int], logits: torch.Tensor,
+                   drawn, enc, *, sampling: Sampling) -> None:
     """Section 5: what the backbone says at every node: its argmax (greedy), or p (and q) of each candidate."""
     out.append(_header(5, "Verify: one forward pass over all nodes"))
-    labels = [token_text(enc, t) for t in tokens]
-    w = max(len("token"), *map(len, labels)) + 2
     if sampling.greedy:
         y = logits.argmax(dim=-1).tolist()  # [N]
-        args = [token_text(enc, c) for c in y]
-        wa = max(len("backbone argmax"), *map(len, args)) + 2
+        rows = [["node", "token", "backbone argmax", "confirms child"]]
+        for i, kids in enumerate(tree.children):
+            hit = next((c for c in kids if tokens[c] == y[i]), None)
+            rows.append([f"[{i}]", labels[i], token_text(enc, y[i]),
+                         f"[{hit}] ✓" if hit is not None else "none ✗" if kids else "- (leaf)"])
         out += ["At each node, the backbone's argmax = the token it would write after that node's path; a",
                 "child holding exactly that token is confirmed (a leaf's argmax can only be a bonus token).",
-                f"{'node':<6}{'token':<{w}}{'backbone argmax':<{wa}}confirms child"]
-        for i in range(tree.num_nodes):
-            kids = tree.children[i]
-            hit = next((c for c in kids if tokens[c] == y[i]), None)
-            mark = f"[{hit}] ✓" if hit is not None else ("- (leaf)" if not kids else "none ✗")
-            out.append(f"{f'[{i}]':<6}{labels[i]:<{w}}{args[i]:<{wa}}{mark}")
+                *_table(rows)]
         return
     p = sampling.probs(logits)  # [N, V]
-    out += ["At each node, p = the backbone's distribution for the token after that node's path; a",
-            "candidate is judged by p at its parent" + (", and by q, the head's probability of drawing it."
-                                                        if drawn is not None else "."),
-            f"{'node':<6}{'token':<{w}}{'p(token)':<10}" + ("q(token)" if drawn is not None else "")]
+    rows = [["node", "token", "p(token)", "q(token)" if drawn is not None else ""]]
     for i in range(1, tree.num_nodes):
         par = tree.parents[i]
-        q = f"{drawn[par][0][tokens[i]].exp().item():.3f}" if drawn is not None else ""
-        out.append(f"{f'[{i}]':<6}{labels[i]:<{w}}{p[par, tokens[i]].item():<10.3f}{q}")
-
-
-RULES = {  # what section 6 says of each rule; "rejection" with drawn candidates, "topk" with the top-k
-    "greedy": "Greedy: from the root, descend while the backbone's argmax is a child's token.",
-    "typical": "Typical acceptance: keep a candidate whose probability clears min(ε, δ·exp(-H(p))).",
-    "rejection": "Rejection sampling: try a node's children in order, accepting x with probability\n"
-                 "min(1, p(x)/q(x)) and moving p to norm(max(0, p - q)) after a miss (lossless).",
-    "topk": "Rejection sampling of top-k candidates: draw y from p at each node and descend while y is\n"
-            "a child's token; the first y that is not becomes the bonus (lossless).",
-}
-
-
-def accept(out: list[str], enc, tree: Tree, tokens: list[int], path: list[int], bonus: int, *, rule: str,
-           prompt_len: int) -> None:
-    """Sections 6 and 7: the accepted path and its bonus token, and what the step emitted and kept."""
-    labels = [token_text(enc, t) for t in tokens]
-    steps = [f"[{i}] {labels[i]}" + (" (root, already emitted)" if i == 0 else "") for i in path]
-    emitted = [tokens[i] for i in path[1:]] + [bonus]
-    out += [_header(6, "Accept: a path of accepted candidates, plus a bonus token"), RULES[rule],
-            "accepted path: " + " → ".join(steps),
-            f"bonus token:   {token_text(enc, bonus)}, the backbone's own next token after [{path[-1]}], free "
-            "from the same pass", _header(7, "Result"),
-            f"This step emitted {len(emitted)} token{'s' * (len(emitted) > 1)} ({len(path) - 1} accepted + 1 bonus) "
-            f"with one forward pass: {_snippet(enc.decode(emitted))}"]
-    if len(path) == 1:
-        out.append("No guess was confirmed, yet the bonus token still makes the step as good as a plain one.")
-    out += ["(Plain decoding needs one forward pass per token; tokens/step counts the bonus token.)",
-            f"The KV cache keeps the slots of {', '.join(f'[{i}]' for i in path)} and drops the rest: it now "
-            f"holds {prompt_len + len(path)} tokens.",
-            f"The bonus becomes the next root; the heads read the hidden state at node [{path[-1]}] next."]
+        q = "" if drawn is None else f"{drawn[par][0][tokens[i]].exp().item():.3f}"
+        rows.append([f"[{i}]", labels[i], f"{p[par, tokens[i]].item():.3f}", q])
+    out += ["At each node, p = the backbone's distribution for the token after that node's path; a",
+            "candidate is judged by p at its parent" + ("." if drawn is None else
+                                                        ", and by q, the head's probability of drawing it."),
+            *_table(rows)]
 
 
 @torch.no_grad()
@@ -170,16 +117,59 @@ def explain_step(model: GPT, heads, enc: tiktoken.Encoding, prompt_ids: list[int
     rule = "greedy" if sampling.greedy else f"{sampling.acceptance}, temperature {sampling.temperature:g}"
     out = ["One Medusa decoding step, in full", "=" * 33, f"Prompt ({L} tokens): {_snippet(enc.decode(prompt_ids))}",
            f"Acceptance rule: {rule}"]
+
+    # 1. The prefill: the root, and the hidden state every head reads.
     cache = [None] * model.config.n_layer
-    root, hidden = prefill(out, model, enc, prompt_ids, cache, sampling=sampling, generator=generator)
-    guesses(out, model, heads, enc, tree, root, hidden)
-    tokens, drawn = candidates(out, model, heads, enc, tree, root, hidden, sampling=sampling, generator=generator)
+    logits, hidden = ref.forward(model, prompt_ids, list(range(L)), cache, torch.ones(L, L, dtype=torch.bool).tril())
+    root = int(sampling.next_token(logits[-1], sampling.uniforms((), generator, device=logits.device)))
+    hidden = hidden[-1]
+    out += [_header(1, "Prefill: the prompt goes through the backbone once"),
+            f"The KV cache now holds the {L} prompt tokens.",
+            f"Backbone's top guesses for the next token: {_guesses(enc, logits[-1], 3)}",
+            f"Root token (the backbone's own next token, {'the argmax of' if sampling.greedy else 'drawn from'} "
+            f"these): {token_text(enc, root)}",
+            "The root is already certain: it is emitted now, before the first Medusa step."]
+    heads_section(out, model, heads, enc, tree, root, hidden)
+
+    # 3-4 (§2.1.2). The tree the heads' proposer fills, and its mask.
+    proposer = heads.proposer(model, tree)
+    proposal = proposer.propose(torch.tensor([root], device=hidden.device), hidden[None], history=[[root]],
+                                sampling=sampling, u=proposer.uniforms(sampling, 1, generator, device=hidden.device))
+    tokens = proposal.tokens[0].tolist()
+    drawn = None if proposal.drawn is None else proposal.drawn.per_node(0)
+    labels = [token_text(enc, t) for t in tokens]
+    out += [_header(3, f"Tree: {tree.num_nodes - 1} candidate nodes + the root"),
+            ("A node at depth d holds head d's guess of the listed rank" if drawn is None else
+             "Rejection sampling draws the candidates: a node at depth d holds the r-th token drawn (without\n"
+             "replacement) from the q its parent's children come from")
+            + "; a path from the root is one possible\ncontinuation. All paths are checked together next.",
+            draw_tree(tree, labels), _header(4, "Tree attention mask"),
+            "Row = a node asking, column = a node it may look at (■ yes, · no). Every node also sees the",
+            "cached prompt, and sits at position prompt length + its depth, as if its path were the only",
+            "continuation: a node sees itself and its ancestors, never its siblings.", draw_mask(tree)]
+
+    # 5. Verify every node in one forward pass.
     mask = torch.cat([torch.ones(tree.num_nodes, L, dtype=torch.bool), ref.tree_attention_mask(tree.parents)], 1)
     logits, _ = ref.forward(model, tokens, [L + d for d in tree.depths], cache, mask)  # [N, V]
-    verify(out, enc, tree, tokens, logits, drawn, sampling=sampling)
+    verify_section(out, labels, tree, tokens, logits, drawn, enc, sampling=sampling)
+
+    # 6-7. Accept a path and its bonus token; what the step emitted and the cache kept.
     path, bonus = ref.accept(tree.parents, tokens, logits, sampling=sampling, generator=generator, drawn=drawn)
+    emitted = [tokens[i] for i in path[1:]] + [bonus]
     rule = "topk" if sampling.acceptance == "rejection" and drawn is None else sampling.acceptance
-    accept(out, enc, tree, tokens, path, bonus, rule=rule, prompt_len=L)
+    out += [_header(6, "Accept: a path of accepted candidates, plus a bonus token"), RULES[rule],
+            "accepted path: " + " → ".join(f"[{i}] {labels[i]}" + (" (root, already emitted)" if i == 0 else "")
+                                           for i in path),
+            f"bonus token:   {token_text(enc, bonus)}, the backbone's own next token after [{path[-1]}], free "
+            "from the same pass", _header(7, "Result"),
+            f"This step emitted {len(emitted)} token{'s' * (len(emitted) > 1)} ({len(path) - 1} accepted + 1 bonus) "
+            f"with one forward pass: {_snippet(enc.decode(emitted))}"]
+    if len(path) == 1:
+        out.append("No guess was confirmed, yet the bonus token still makes the step as good as a plain one.")
+    out += ["(Plain decoding needs one forward pass per token; tokens/step counts the bonus token.)",
+            f"The KV cache keeps the slots of {', '.join(f'[{i}]' for i in path)} and drops the rest: it now "
+            f"holds {L + len(path)} tokens.",
+            f"The bonus becomes the next root; the heads read the hidden state at node [{path[-1]}] next."]
     return "\n".join(out)
 
 
