@@ -41,32 +41,28 @@ RULES = {  # rule: how it samples at --temperature (none: greedy, at T = 0)
     "lookup-greedy": None}
 
 
-def sweep(ck: Checkpoint, acc: torch.Tensor, prompts: list[list[int]], *, budgets: tuple[int, ...],
-          rules: tuple[str, ...], draft_vocabs: tuple[int, ...], temperature: float, max_new_tokens: int,
-          repeat: int, seed: int, drawn_acc: torch.Tensor | None = None) -> dict:
-    """The plain decoders the rules need, then a row per rule, drafter and budget, each against the plain
-    decoder of its temperature: every method on every prompt, timed in turns, end-of-text stopping nothing.
-    drawn_acc: the table of drawn candidates, which builds the trees of `rejection-drawn` (None: acc's)."""
-    samplings = {r: Sampling(**RULES[r], temperature=temperature) if RULES[r] else Sampling() for r in rules}
+def sweep(ck: Checkpoint, tables: dict, prompts: list[list[int]], *, budgets: tuple[int, ...],
+          draft_vocabs: tuple[int, ...], temperature: float, max_new_tokens: int, repeat: int, seed: int) -> dict:
+    """The plain decoders the rules need, then a row per rule (`tables`: rule -> (its accuracy table, whether
+    that table predicts its tokens/step)), drafter and budget, each against the plain decoder of its
+    temperature: every method on every prompt, timed in turns, end-of-text stopping nothing."""
+    samplings = {r: Sampling(**RULES[r], temperature=temperature) if RULES[r] else Sampling() for r in tables}
     specs = list({s.temperature: (Method("plain", s), {}) for s in samplings.values()}.values())  # reads only T
     heads = {}
     for M in draft_vocabs:  # a copy per size, guessing among the M most frequent tokens of its training text
         h = copy.deepcopy(ck.heads)
         h.use_draft_vocabulary(h.vocab_order, M)
         heads[h.draft_ids.numel()] = h  # M = 0: the whole vocabulary
-    for rule in rules:
+    for rule, (table, predicts) in tables.items():
         for M, drafter in ({None: PromptLookup()} if rule.startswith("lookup") else heads).items():
-            drawn = samplings[rule].draws_candidates and drawn_acc is not None
-            table = drawn_acc if drawn else acc
             for n in budgets:
                 tree = build_tree(table, n)[0].truncated(ck.heads.num_heads)  # a table may describe more heads
                 # A name of its own per row: the runs are kept by the method's key, made from it.
                 name = f"{'prompt lookup' if M is None else f'Medusa M{M}'} {rule} {n}"
-                info = {"rule": rule, "nodes": n, "draft_vocab": M,
-                        "verified_nodes": drafter.proposer(ck.model, tree).tree.num_nodes - 1,
-                        "expected_tokens_per_step": expected_tokens_per_step(table, tree)
-                        if rule == "greedy" or drawn else None}
-                specs.append((Method(name, samplings[rule], drafter, tree), info))
+                specs.append((Method(name, samplings[rule], drafter, tree), {
+                    "rule": rule, "nodes": n, "draft_vocab": M,
+                    "verified_nodes": drafter.proposer(ck.model, tree).tree.num_nodes - 1,
+                    "expected_tokens_per_step": expected_tokens_per_step(table, tree) if predicts else None}))
     runs, _ = run_in_turns(Engine(ck), [m for m, _ in specs], [[ids] for ids in prompts], max_new_tokens=max_new_tokens,
                            seed=seed, repeat=repeat, stop_at_eot=False)
     rows = [{"method": m.label, "temperature": m.sampling.temperature, **summarise(runs[m.key]), **info,
@@ -77,7 +73,7 @@ def sweep(ck: Checkpoint, acc: torch.Tensor, prompts: list[list[int]], *, budget
         r["same_as_plain_greedy"] = None if r["temperature"] else sum(
             out == ref for out, ref in zip(r["tokens"], plain[0]["tokens"]))  # prompts, of num_prompts
     return {"plain": {r["method"]: r for r in plain.values()}, "rows": [r for r in rows if "rule" in r],
-            "rules": list(rules), "temperature": temperature, "num_prompts": len(prompts),
+            "rules": list(tables), "temperature": temperature, "num_prompts": len(prompts),
             "max_new_tokens": max_new_tokens, "repeat": repeat}
 
 
@@ -85,11 +81,10 @@ def series(result: dict) -> list[tuple[str, dict, list[dict]]]:
     """(label, its plain decoder's row, rows) per rule and draft vocabulary, in the rows' order."""
     out: dict[tuple, tuple[str, dict, list[dict]]] = {}
     for r in result["rows"]:
-        T = r["temperature"]
-        label = r["rule"] + (f" (T={T:g})" if T else "") + (
-            "" if r["draft_vocab"] is None else f", draft vocabulary {r['draft_vocab']}")
+        T, M = r["temperature"], r["draft_vocab"]
+        label = r["rule"] + (f" (T={T:g})" if T else "") + ("" if M is None else f", draft vocabulary {M}")
         plain = next(p for p in result["plain"].values() if p["temperature"] == T)
-        out.setdefault((r["rule"], r["draft_vocab"]), (label, plain, []))[2].append(r)
+        out.setdefault((r["rule"], M), (label, plain, []))[2].append(r)
     return list(out.values())
 
 
@@ -107,8 +102,8 @@ def format_sweep(result: dict) -> str:
         for r in rows:
             expected = "" if r["expected_tokens_per_step"] is None else f"{r['expected_tokens_per_step']:.2f}"
             lines.append(f"{r['nodes']:>5}{expected:>9}{r['tokens_per_step']:>9.2f}{r['ms_per_step']:>9.2f}"
-                         f"{r['tokens_per_s']:>9.1f}{r['speedup']:>8.2f}x"
-                         + (f"  {r['same_as_plain_greedy']}/{n}" if greedy else ""))
+                         f"{r['tokens_per_s']:>9.1f}{r['speedup']:>8.2f}x" + (f"  {r['same_as_plain_greedy']}/{n}"
+                                                                              if greedy else ""))
         lines += [f"  budget {r['nodes']} verifies {r['verified_nodes']} nodes (the table offers no more)"
                   for r in rows if r["verified_nodes"] < r["nodes"]]
     if any(r["expected_tokens_per_step"] is not None for r in result["rows"]):
@@ -118,12 +113,11 @@ def format_sweep(result: dict) -> str:
     return "\n".join(lines)
 
 
-def load(ns: argparse.Namespace) -> tuple[Checkpoint, torch.Tensor, torch.Tensor | None, list[list[int]]]:
-    """The flags checked, then the checkpoint, its accuracy tables (greedy's, and the drawn candidates' or
-    None where the file predates it) and the chosen prompts, cut to leave room for the new tokens; a
-    one-line ValueError for the first thing wrong."""
-    ns.rules = tuple(r for r in RULES if r in ns.rules)  # in RULES' order
-    sampled = any(RULES[r] for r in ns.rules)  # greedy rules read no temperature, yet the results report it
+def load(ns: argparse.Namespace) -> tuple[Checkpoint, dict, list[list[int]]]:
+    """The flags checked, then the checkpoint, each rule's accuracy table (for `sweep`) and the prompts, cut
+    to leave room for the new tokens; a one-line ValueError for the first thing wrong."""
+    rules = [r for r in RULES if r in ns.rules]  # in RULES' order
+    sampled = any(RULES[r] for r in rules)  # greedy rules read no temperature, yet the results report it
     if not (0 < ns.temperature if sampled else 0 <= ns.temperature) or ns.temperature == math.inf:  # nan too
         raise ValueError(f"--temperature must be a finite number {'> 0 for the sampled rules' if sampled else '>= 0'}"
                          f", not {ns.temperature}")
@@ -140,15 +134,17 @@ def load(ns: argparse.Namespace) -> tuple[Checkpoint, torch.Tensor, torch.Tensor
     if build_tree(acc, 1)[0].num_nodes == 1:  # no node is ever accepted: every tree is the root alone
         raise ValueError("heads_accuracy.json: no head's top guess was ever right, so every tree is the root "
                          "alone; train the heads, then measure again")
-    drawn = load_accuracy(ns.ckpt, drawn=True)
-    tables = [drawn if rule == "rejection-drawn" and drawn is not None else acc  # the rules' own trees
-              for rule in ns.rules if not rule.startswith("lookup")] or [acc]
-    ranks = max(build_tree(t, n)[0].truncated(ck.heads.num_heads).max_rank + 1 for t in tables for n in ns.budgets)
+    drawn = load_accuracy(ns.ckpt, drawn=True)  # None where the file predates the drawn candidates' table
+    tables = {r: (drawn, True) if r == "rejection-drawn" and drawn is not None else (acc, r == "greedy")
+              for r in rules}
+    heads_tables = [t for r, (t, _) in tables.items() if not r.startswith("lookup")]
+    ranks = max(build_tree(t, n)[0].truncated(ck.heads.num_heads).max_rank + 1
+                for t in heads_tables or [acc] for n in ns.budgets)
     small = [M for M in ns.draft_vocab if 0 < M < ranks]  # 0: the whole vocabulary
-    if small and any(not r.startswith("lookup") for r in ns.rules):  # a rank-r node needs a head's top r + 1
+    if small and heads_tables:  # a rank-r node needs a head's top r + 1
         raise ValueError(f"--draft-vocab {small[0]}: the trees of --budgets {','.join(map(str, ns.budgets))} take "
                          f"each head's top {ranks}, so give at least {ranks}")
-    return ck, acc, drawn, prompt_ids(ck, count=ns.num_prompts, max_new_tokens=ns.max_new_tokens)
+    return ck, tables, prompt_ids(ck, count=ns.num_prompts, max_new_tokens=ns.max_new_tokens)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -171,10 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--plot", metavar="FILE.png", help="also draw the table (needs matplotlib)")
     ns = p.parse_args(argv)
     try:
-        ck, acc, drawn, prompts = load(ns)
-        result = sweep(ck, acc, prompts, budgets=ns.budgets, rules=ns.rules, draft_vocabs=ns.draft_vocab,
-                       temperature=ns.temperature, max_new_tokens=ns.max_new_tokens, repeat=ns.repeat, seed=ns.seed,
-                       drawn_acc=drawn)
+        ck, tables, prompts = load(ns)
+        result = sweep(ck, tables, prompts, budgets=ns.budgets, draft_vocabs=ns.draft_vocab, seed=ns.seed,
+                       temperature=ns.temperature, max_new_tokens=ns.max_new_tokens, repeat=ns.repeat)
         result.update(checkpoint=ns.ckpt, device=str(ck.model.device), dtype=ns.dtype, num_heads=ck.heads.num_heads,
                       threads=torch.get_num_threads())
         if ns.plot is not None:

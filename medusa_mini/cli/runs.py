@@ -57,33 +57,26 @@ class Engine:
     caches: StaticCaches | None = None
 
 
-def stop_reason(ck: Checkpoint, prompt: list[int], tokens: list[int], *, stop_at_eot: bool, max_new_tokens: int) -> str:
-    """Why a generation of `tokens` after `prompt` ended, as the engine's loops say it (the reference's
-    loop returns only its tokens): an end token, else `length_stop_reason`."""
-    if stop_at_eot and tokens and tokens[-1] == ck.eot_id:
-        return "eos"
-    return length_stop_reason(len(prompt), max_new_tokens, ck.block_size)
-
-
 def decode(engine: Engine, method: Method, prompts: list[list[int]], *, seed: int, max_new_tokens: int,
            stop_at_eot: bool = True, on_step=None) -> Results:
     """The prompts decoded together (the reference: one by one), one generator seeded `seed`; untimed."""
     ck = engine.ck
     kw = dict(max_new_tokens=max_new_tokens, sampling=method.sampling, eos_id=ck.eot_id if stop_at_eot else None,
               generator=torch.Generator(device=ck.model.device).manual_seed(seed))
-    if method.reference:
-        out = [reference.medusa_generate(ck.model, ck.heads, ids, tree=method.tree, **kw) for ids in prompts]
-        for b, (tokens, _) in enumerate(out if on_step else []):
-            on_step(b, tokens)
-        # The engine's statistics; the reference counts passes, its tokens come in one.
-        return [(tokens, GenerationStats(len(ids), steps, [len(tokens) - 1] if steps else [],
-                                         stop_reason=stop_reason(ck, ids, tokens, stop_at_eot=stop_at_eot,
-                                                                 max_new_tokens=max_new_tokens)))
-                for ids, (tokens, steps) in zip(prompts, out)]
-    kw.update(on_step=on_step, steps=engine.steps, cache=engine.caches)  # the loop asks for its size
-    if method.drafter is None:
-        return generate_batch(ck.model, prompts, **kw)
-    return medusa_generate_batch(ck.model, method.drafter, prompts, tree=method.tree, **kw)
+    if not method.reference:
+        kw.update(on_step=on_step, steps=engine.steps, cache=engine.caches)  # the loop asks for its size
+        if method.drafter is None:
+            return generate_batch(ck.model, prompts, **kw)
+        return medusa_generate_batch(ck.model, method.drafter, prompts, tree=method.tree, **kw)
+    out = []
+    for ids in prompts:  # the engine's statistics from the reference's tokens and passes
+        tokens, steps = reference.medusa_generate(ck.model, ck.heads, ids, tree=method.tree, **kw)
+        if on_step:
+            on_step(len(out), tokens)  # the reference returns its tokens at once
+        eot = stop_at_eot and tokens and tokens[-1] == ck.eot_id
+        out.append((tokens, GenerationStats(len(ids), steps, [len(tokens) - 1] if steps else [], stop_reason="eos"
+                                            if eot else length_stop_reason(len(ids), max_new_tokens, ck.block_size))))
+    return out
 
 
 def decode_each(engine: Engine, method: Method, prompts: list[list[int]], *, batch_size: int, seed: int,
@@ -117,9 +110,9 @@ def run_in_turns(engine: Engine, methods: list[Method], batches: list[list[list[
 
 
 def summarise(runs: Runs) -> dict:
-    """One row's numbers from its timed runs; passes are its batches' forward passes (a batch runs until
-    its slowest row stops), so ms/step is per pass; row_passes counts each pass once per row it carried
-    (a last batch may be smaller), what the rows' own steps compare with."""
+    """One row's numbers from its timed runs. A batch runs until its slowest row stops: `passes` counts its
+    forward passes (ms/step is per pass), `row_passes` each pass once per row it carried, what the rows'
+    own steps compare with."""
     rows = [row for results, _ in runs for row in results]
     steps = sum(st.steps for _, st in rows)
     passes = sum(max(st.steps for _, st in results) for results, _ in runs)
@@ -145,9 +138,8 @@ def first_difference(ck: Checkpoint, prompt: list[int], want: list[int], got: li
 def compare_methods(ck: Checkpoint, tree: Tree, sampling: Sampling, *, temperature: float,
                     lookup_nodes: int, drawn_tree: Tree | None = None, with_reference: bool = False) -> list[Method]:
     """--compare's rows: greedy, then sampled at `temperature`, plain, by prompt lookup (a chain of
-    `lookup_nodes`, `TreeChoice.budget`) and by the heads (on `tree`; rejection sampling's drawn candidates
-    on `drawn_tree`, default `tree`); the reference under each rule of the heads, on the same trees. Top-p
-    and draft come from `sampling`."""
+    `lookup_nodes`) and by the heads (on `tree`; rejection sampling's drawn candidates on `drawn_tree`, by
+    default `tree`); the reference under each rule of the heads. Top-p and draft come from `sampling`."""
     greedy = dataclasses.replace(sampling, acceptance="greedy", temperature=0.0)
     typical, rejection = (dataclasses.replace(greedy, acceptance=r, temperature=temperature)
                           for r in ("typical", "rejection"))
@@ -187,9 +179,9 @@ def compare(engine: Engine, prompts: list[list[int]], methods: list[Method], *, 
         if row["key"].startswith("reference"):
             engine_row = next(r for r in rows if r["key"] == row["key"].replace("reference", "medusa"))
             row["same_as_engine"] = sum(a == b for a, b in zip(row["tokens"], engine_row["tokens"]))
+    crossover = {m.key: crossover_of(rows, m.key) for m in methods if m.drafter is not None}
     return {"rows": rows, "batch_sizes": list(batch_sizes), "prompts": len(work), "distinct_prompts": len(prompts),
-            "max_new_tokens": max_new_tokens,
-            "repeat": repeat, "crossover": {m.key: crossover(rows, m.key) for m in methods if m.drafter is not None},
+            "max_new_tokens": max_new_tokens, "repeat": repeat, "crossover": crossover,
             "per_prompt": per_prompt(work, runs) if list(batch_sizes) == [1] and "prompt_lookup_greedy" in runs
             else None}
 
@@ -206,11 +198,10 @@ def per_prompt(prompts: list[list[int]], runs: dict[str, Runs]) -> list[dict]:
     return out
 
 
-def crossover(rows: list[dict], key: str) -> int | None:
+def crossover_of(rows: list[dict], key: str) -> int | None:
     """The smallest batch size from which `key`'s speedup stays below 1x, or None if it never falls."""
     mine = sorted((r for r in rows if r["key"] == key), key=lambda r: r["batch_size"])
-    below = [r["batch_size"] for i, r in enumerate(mine) if all(x["speedup"] < 1 for x in mine[i:])]
-    return below[0] if below else None
+    return next((r["batch_size"] for i, r in enumerate(mine) if all(x["speedup"] < 1 for x in mine[i:])), None)
 
 
 COLUMNS = {  # row key: (header, width, format)
@@ -233,8 +224,7 @@ def table(result: dict, columns: tuple[str, ...], *, identity: str) -> list[str]
             same = "yes" if r["same_as_plain_greedy"] else f"{n - len(r['differences'])}/{n} prompts"
         lines.append(f"{r['method']:<32}" + "".join(f"{format(r[c], COLUMNS[c][2]):>{COLUMNS[c][1]}}"
                                                     for c in columns) + f"  {same}")
-    compiled = result.get("compile_warmup_s")
-    drawn = result.get("drawn_tree_nodes")  # None: rejection sampling's tree is the others'
+    compiled, drawn = result.get("compile_warmup_s"), result.get("drawn_tree_nodes")  # None: the others' tree
     lines += ["\ndevice {device}, {dtype}, {threads} threads; {prompts} prompts; tree {tree} ({tree_nodes} nodes "
               "incl. root{drawn}; prompt lookup: a chain of up to {lookup_nodes}); max-new-tokens {max_new_tokens}; "
               "top-p {top_p:g}".format(**result, drawn="" if drawn is None else

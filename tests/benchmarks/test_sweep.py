@@ -2,6 +2,8 @@
 plain decoding of the same rule."""
 
 import json
+import os
+import shlex
 import shutil
 
 import pytest
@@ -35,7 +37,8 @@ def run_json(ckpt: str, capsys, *extra: str) -> dict:
 def test_every_rule_and_budget_is_a_row_against_the_plain_decoder_of_its_temperature(medusa_ckpt, capsys):
     result = run_json(medusa_ckpt, capsys, "--rules", ",".join(sweep.RULES))
     rows, acc = result["rows"], load_accuracy(medusa_ckpt)
-    assert [(r["rule"], r["nodes"]) for r in rows] == [(rule, n) for rule in sweep.RULES for n in (2, 4)]
+    assert [(r["rule"], r["nodes"], r["draft_vocab"]) for r in rows] == [  # the checkpoint's draft vocabulary
+        (rule, n, None if rule.startswith("lookup") else 300) for rule in sweep.RULES for n in (2, 4)]
     assert sorted(result["plain"]) == ["plain greedy", "plain sampling (T=0.8)"]
     assert result["plain"]["plain greedy"]["tokens_per_step"] == 1.0
     for r in rows:
@@ -69,51 +72,28 @@ def test_a_table_without_drawn_candidates_builds_their_trees_from_greedys_and_pr
     assert all(r["expected_tokens_per_step"] is None for r in rows)
 
 
-def test_each_draft_vocabulary_gets_its_rows_and_greedy_stays_lossless(medusa_ckpt, capsys):
-    result = run_json(medusa_ckpt, capsys, "--rules", "greedy,rejection-drawn", "--draft-vocab", "300,20")
-    assert [(r["rule"], r["draft_vocab"], r["nodes"]) for r in result["rows"]] == [
-        (rule, m, n) for rule in ("greedy", "rejection-drawn") for m in (20, 300) for n in (2, 4)]
-    assert all(r["same_as_plain_greedy"] == 2 for r in result["rows"] if r["rule"] == "greedy")
-    assert {r["draft_vocab"] for r in run_json(medusa_ckpt, capsys, "--rules", "greedy")["rows"]} == {300}
-
-
-def test_the_table_and_the_plot_give_each_rule_and_draft_vocabulary_its_block_and_series(
+def test_each_rule_and_draft_vocabulary_gets_its_rows_block_and_series_and_greedy_stays_lossless(
         medusa_ckpt, capsys, tmp_path, monkeypatch):
     pytest.importorskip("matplotlib")  # the figure itself: tests/cli/test_plots.py
     drawn = []
     monkeypatch.setattr(sweep, "plot_node_sweep", lambda series, path, **kw: drawn.append((series, kw)) or
                         plots.plot_node_sweep(series, path, **kw))
     png = tmp_path / "sweep.png"
-    result = run_json(medusa_ckpt, capsys, "--rules", "greedy,lookup-greedy", "--budgets", "1,2", "--plot", str(png))
+    result = run_json(medusa_ckpt, capsys, "--rules", "greedy,lookup-greedy", "--budgets", "1,2", "--draft-vocab",
+                      "300,20", "--plot", str(png))
+    assert [(r["rule"], r["draft_vocab"], r["nodes"]) for r in result["rows"]] == [
+        ("greedy", m, n) for m in (20, 300) for n in (1, 2)] + [("lookup-greedy", None, n) for n in (1, 2)]
+    assert all(r["same_as_plain_greedy"] == 2 for r in result["rows"])
     lines = sweep.format_sweep(result).splitlines()
-    heads, lookup = (lines.index(ln) for ln in lines if ln.startswith(("greedy, draft", "lookup-greedy")))
+    names = ["greedy, draft vocabulary 20", "greedy, draft vocabulary 300", "lookup-greedy"]
     plain = result["plain"]["plain greedy"]["tokens_per_s"]
-    assert lines[heads] == f"greedy, draft vocabulary 300: plain greedy {plain:.1f} tokens/s"
-    assert lines[heads + 2].split()[::6] == ["1", "2/2"] and lines[lookup + 2].split()[::5] == ["1", "2/2"]
+    blocks = [lines.index(f"{name}: plain greedy {plain:.1f} tokens/s") for name in names]
+    # a line per budget, ending in the prompts that made plain greedy's tokens
+    assert [(lines[i + 2].split()[0], lines[i + 3].split()[-1]) for i in blocks] == [("1", "2/2")] * 3
     (series, kw), = drawn
-    assert [name for name, _ in series] == ["greedy, draft vocabulary 300", "lookup-greedy"]
-    assert [[r["nodes"] for r in rows] for _, rows in series] == [[1, 2], [1, 2]] and png.stat().st_size > 0
+    assert [name for name, _ in series] == names and png.stat().st_size > 0
+    assert [[r["nodes"] for r in rows] for _, rows in series] == [[1, 2]] * 3
     assert kw["plain_tokens_per_s"] == {"plain greedy": plain}
-
-
-@pytest.mark.parametrize("flags, message", [
-    (["--budgets", "0,4"], "--budgets"), (["--budgets", "two"], "--budgets"), (["--rules", "dynamic"], "--rules"),
-    (["--repeat", "0"], "--repeat"), (["--temperature", "0"], "--temperature"),
-    (["--num-prompts", "0"], "--num-prompts"), (["--plot", "/no/such/folder/s.png"], "--plot"),
-    (["--max-new-tokens", "64"], "no room for a prompt"), (["--draft-vocab", "4000"], "--draft-vocab"),
-    (["--draft-vocab", "1", "--max-new-tokens", "8"], "--draft-vocab 1: the trees of --budgets"),  # fewer tokens than the tree's ranks
-    (["--temperature", "inf"], "--temperature"), (["--temperature", "nan"], "--temperature"),
-    (["--rules", "greedy", "--temperature", "-1"], "--temperature"), (["--seed", "99999999999999999999"], "--seed"),
-    # a plot path savefig would not write as named: refused before decoding, not after
-    (["--plot", ""], "--plot needs a file name"), (["--plot", "{tmp}"], "is a folder"),
-    (["--plot", "{tmp}/s.txt"], "end the name in .png"), (["--plot", "{tmp}/s"], "end the name in .png"),
-])
-def test_bad_flags_exit_2_with_one_line_before_decoding(medusa_ckpt, capsys, monkeypatch, tmp_path, flags, message):
-    monkeypatch.setattr(sweep, "run_in_turns", lambda *a, **k: pytest.fail("decoded despite a bad flag"))
-    with pytest.raises(SystemExit) as exc:
-        sweep.main(["--ckpt", medusa_ckpt, "--device", "cpu", *(f.format(tmp=tmp_path) for f in flags)])
-    err = capsys.readouterr().err
-    assert exc.value.code == 2 and err.count("\n") == 1 and message in err and not list(tmp_path.iterdir())
 
 
 @pytest.mark.parametrize("measured, message", [(False, "medusa_mini.cli.measure"), (True, "train the heads")])
@@ -127,34 +107,34 @@ def test_a_missing_table_says_to_measure_it_and_heads_never_right_to_train_them(
     assert exc.value.code == 2 and err.count("\n") == 1 and message in err
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--prompts", "0"], "--prompts must be at least 1"), (["--top-k", "0"], "--top-k must be at least 1"),
-    (["--max-new-tokens", "2"], "--max-new-tokens must be at least 3"),
-    (["--temperature", "nan"], "--temperature must be"), (["--temperature", "inf"], "--temperature must be"),
-    (["--seed", "99999999999999999999"], "--seed"), (["--seed", "-1"], "--seed"),
+MAINS = {"sweep": (sweep.main, FAST), "measure": (measure.main, ["--prompts", "4", "--max-new-tokens", "8"]),
+         "decode": (decode.main, ["--max-new-tokens", "4", "--device", "cpu"])}
+
+
+@pytest.mark.parametrize("script, case", [  # the error names what follows "->", else the first flag given
+    *(("sweep", case) for case in (
+        "--budgets 0,4", "--budgets two", "--rules dynamic", "--repeat 0", "--temperature 0", "--num-prompts 0",
+        "--max-new-tokens 64", "--draft-vocab 4000", "--draft-vocab 1 --max-new-tokens 8",  # below the trees' ranks
+        "--temperature inf", "--temperature nan", "--rules greedy --temperature -1 -> --temperature",
+        "--seed 99999999999999999999", "--plot {tmp}/no/s.png", "--plot ''", "--plot {tmp}", "--plot {tmp}/s.txt",
+        "--plot {tmp}/s")),  # a path savefig would not write as named: refused before decoding, not after
+    *(("measure", case) for case in ("--prompts 0", "--top-k 0", "--max-new-tokens 2", "--temperature 0",
+                                     "--temperature nan", "--temperature inf", "--seed 99999999999999999999",
+                                     "--seed -1", "--ckpt {tmp}/missing -> missing")),
+    # without prompts.json, each says how to give prompts as it takes them
+    ("sweep", "--ckpt {tmp}/bare -> train_tiny.py writes it"), ("measure", "--ckpt {tmp}/bare -> train_tiny.py "
+     "writes it"), ("decode", "--ckpt {tmp}/bare -> --prompt TEXT"),
 ])
-def test_measure_names_the_bad_flag_before_it_replaces_the_table_sweep_reads(medusa_ckpt, tmp_path, capsys, flags,
-                                                                             message):
-    ckpt = shutil.copytree(medusa_ckpt, tmp_path / "ckpt")
-    table = (ckpt / "heads_accuracy.json").read_text()
+def test_bad_input_exits_2_with_one_line_before_anything_is_decoded_or_replaced(medusa_ckpt, capsys, monkeypatch,
+                                                                                 tmp_path, script, case):
+    ckpt, bare = shutil.copytree(medusa_ckpt, tmp_path / "ckpt"), shutil.copytree(medusa_ckpt, tmp_path / "bare")
+    (bare / "prompts.json").unlink()
+    table = (ckpt / "heads_accuracy.json").read_text()  # what measure would replace
+    monkeypatch.setattr(sweep, "run_in_turns", lambda *a, **k: pytest.fail("decoded despite bad input"))
+    main, base = MAINS[script]
+    args, _, needle = case.partition(" -> ")
     with pytest.raises(SystemExit) as exc:
-        measure.main(["--ckpt", str(ckpt), "--prompts", "4", "--max-new-tokens", "8", "--device", "cpu", *flags])
+        main(["--ckpt", str(ckpt), *base, *shlex.split(args.format(tmp=tmp_path))])
     err = capsys.readouterr().err
-    assert exc.value.code == 2 and err.startswith("python -m medusa_mini.cli.measure: error: ") and message in err
-    assert err.count("\n") == 1 and (ckpt / "heads_accuracy.json").read_text() == table
-
-
-@pytest.mark.parametrize("command, hint", [
-    (lambda d: measure.main(["--ckpt", d, "--max-new-tokens", "8", "--device", "cpu"]), "train_tiny.py writes it"),
-    (lambda d: sweep.main(["--ckpt", d, *FAST]), "train_tiny.py writes it"),
-    (lambda d: decode.main(["--ckpt", d, "--max-new-tokens", "4", "--device", "cpu"]), "--prompt TEXT"),
-], ids=["measure", "sweep", "decode"])
-def test_a_missing_prompts_json_says_how_to_give_prompts_the_way_each_command_takes_them(
-        medusa_ckpt, tmp_path, capsys, command, hint):
-    ckpt = shutil.copytree(medusa_ckpt, tmp_path / "ckpt")
-    (ckpt / "prompts.json").unlink()
-    with pytest.raises(SystemExit) as exc:
-        command(str(ckpt))
-    err = capsys.readouterr().err
-    assert exc.value.code == 2 and err.count("\n") == 1 and "prompts.json is missing" in err and hint in err
-    assert ("--prompt" in err) == (hint == "--prompt TEXT")  # only decode.py has --prompt
+    assert exc.value.code == 2 and err.count("\n") == 1 and (needle or args.split()[0]) in err, err
+    assert (ckpt / "heads_accuracy.json").read_text() == table and sorted(os.listdir(tmp_path)) == ["bare", "ckpt"]

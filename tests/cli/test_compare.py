@@ -12,12 +12,11 @@ import torch
 
 import decode
 from medusa_mini.cli import runs as runs_mod
-from medusa_mini.cli.runs import compare, summarise, why_line
+from medusa_mini.cli.runs import compare, format_batches, format_compare, summarise, why_line
 from medusa_mini.cli.trees import CPU_MIN_GAIN
 from medusa_mini.decoding import GenerationStats
-from medusa_mini.proposal import PromptLookup
 from medusa_mini.train.accuracy import load_accuracy, save_accuracy
-from medusa_mini.tree import build_tree
+from medusa_mini.tree import build_tree, chain
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 ROWS = ["plain_greedy", "prompt_lookup_greedy", "medusa_greedy", "medusa_typical", "plain_sampling",
@@ -29,27 +28,25 @@ def one_run_each(monkeypatch):  # one timed run per generation, not the fastest 
     monkeypatch.setattr(decode, "compare", functools.partial(compare, repeat=1))
 
 
-def run(capsys, *argv: str) -> str:
-    assert decode.main(list(argv)) == 0
-    return capsys.readouterr().out
+def compared(capsys, *argv: str) -> dict:
+    assert decode.main(["--compare", "--json", *argv]) == 0
+    return json.loads(capsys.readouterr().out)
 
 
-def test_greedy_rows_make_plain_greedys_tokens_and_the_reference_makes_the_engines(ckpt, capsys):
-    result = json.loads(run(capsys, "--ckpt", ckpt, "--compare", "--reference", "--json", "--max-new-tokens", "12"))
+def test_greedy_rows_make_plain_greedys_tokens_the_reference_the_engines_and_the_table_says_so(ckpt, capsys):
+    result = compared(capsys, "--ckpt", ckpt, "--reference", "--max-new-tokens", "12")
     rows = {row["key"]: row for row in result["rows"]}
     assert list(rows) == ROWS + ["reference_greedy", "reference_typical", "reference_rejection"]
     for key in ("prompt_lookup_greedy", "medusa_greedy", "reference_greedy"):
         assert rows[key]["tokens"] == rows["plain_greedy"]["tokens"] and rows[key]["same_as_plain_greedy"] is True
-    for rule in ("typical", "rejection"):
+    for rule in ("greedy", "typical", "rejection"):  # the reference decodes as the engine, and stops as it does
         ref, engine = rows[f"reference_{rule}"], rows[f"medusa_{rule}"]
-        assert ref["tokens"] == engine["tokens"] and ref["same_as_engine"] == 3
-        assert engine["same_as_plain_greedy"] is None
+        assert ref["same_as_engine"] == 3 and (ref["tokens"], ref["stop_reasons"]) == (engine["tokens"],
+                                                                                    engine["stop_reasons"])
+        assert engine["same_as_plain_greedy"] is (True if rule == "greedy" else None)
     assert all(len(t) == 12 for row in rows.values() for t in row["tokens"])
     assert rows["plain_greedy"]["tokens_per_step"] == 1.0 and (result["tree"], result["tree_nodes"]) == ("cpu", 12)
-
-
-def test_the_table_shows_each_row_against_plain_and_its_settings(ckpt, capsys):
-    out = run(capsys, "--ckpt", ckpt, "--compare", "--max-new-tokens", "12")
+    out = format_compare(result)
     head = out.splitlines()[0]
     for label, same in (("plain greedy", "yes"), ("prompt lookup greedy", "yes"), ("Medusa greedy", "yes"),
                         ("Medusa typical (T=0.8)", "-"), ("plain sampling (T=0.8)", "-")):
@@ -58,60 +55,39 @@ def test_the_table_shows_each_row_against_plain_and_its_settings(ckpt, capsys):
         if label.startswith("plain"):  # the plain decoders set the step cost: 1.00 under its header
             assert line[: head.index("step cost") + 9].split()[-1] == "1.00", line
     for needle in ("bonus token", "3 prompts", "tree cpu (12 nodes", "a chain of up to 11", "max-new-tokens 12",
-                   "1 thread"):
+                   "1 thread", "reference rejection (T=0.8): the engine's tokens on 3/3 prompts"):
         assert needle in out, needle
 
 
-def test_auto_trims_the_heads_tree_while_prompt_lookup_drafts_the_whole_budget(ckpt, capsys, tmp_path, monkeypatch):
+def test_auto_trims_the_heads_tree_and_drawn_candidates_decode_on_the_tree_of_their_own_table(
+        ckpt, capsys, tmp_path, monkeypatch):
     """On a CPU `auto` keeps only the heads' nodes that pay for their cost (6 of 8 for this table); prompt
-    lookup verifies only what it finds, so its chain is the whole budget of 8, not the heads' 6."""
-    directory, chains = tmp_path / "measured", []
+    lookup verifies only what it finds, so its chain is the whole budget of 8. The drawn candidates' tree
+    grows from their own table: the Medusa rejection row and its reference decode on it, the rest on greedy's."""
+    directory, trees, real = tmp_path / "measured", {}, runs_mod.decode
     shutil.copytree(ckpt, directory)
-    save_accuracy(directory, torch.tensor([[a * 0.45**r for r in range(10)] for a in (0.56, 0.32, 0.20, 0.15)]))
-    proposer = PromptLookup.proposer
-    monkeypatch.setattr(PromptLookup, "proposer", lambda self, model, tree: chains.append(tree.num_nodes - 1)
-                        or proposer(self, model, tree))
-    result = json.loads(run(capsys, "--ckpt", str(directory), "--compare", "--json", "--max-new-tokens", "8"))
+    save_accuracy(directory, torch.tensor([[a * 0.45**r for r in range(10)] for a in (0.56, 0.32, 0.20, 0.15)]),
+                  drawn=torch.tensor([[a * 0.3**r for r in range(10)] for a in (0.35, 0.28, 0.26, 0.25)]))
+    monkeypatch.setattr(runs_mod, "decode", lambda engine, method, *a, **kw: trees.setdefault(
+        method.key, set()).add(method.tree.choices if method.tree else None) or real(engine, method, *a, **kw))
+    result = compared(capsys, "--ckpt", str(directory), "--reference", "--max-new-tokens", "8")
     assert (result["tree"], result["tree_nodes"], result["lookup_nodes"]) == ("auto", 7, 8)
-    assert chains and set(chains) == {8}
-
-
-def test_rejection_samplings_drawn_candidates_decode_on_the_tree_of_their_own_table(ckpt, capsys, tmp_path,
-                                                                                   monkeypatch):
-    """`auto` builds the drawn candidates' tree from their own table: the Medusa rejection row and its
-    reference decode on it, every other Medusa row on greedy's; the table's settings line says so."""
-    directory, trees = tmp_path / "measured", {}
-    shutil.copytree(ckpt, directory)
-    greedy_table = torch.tensor([[a * 0.45**r for r in range(10)] for a in (0.56, 0.32, 0.20)])
-    drawn_table = torch.tensor([[a * 0.3**r for r in range(10)] for a in (0.35, 0.28, 0.26)])
-    save_accuracy(directory, greedy_table, drawn=drawn_table)
-
-    def recording(decoder, name):
-        def wrapper(model, drafter, prompts, *, tree, sampling, **kw):
-            if not isinstance(drafter, PromptLookup):
-                trees.setdefault((name, sampling.acceptance), set()).add(tree.choices)
-            return decoder(model, drafter, prompts, tree=tree, sampling=sampling, **kw)
-        return wrapper
-
-    monkeypatch.setattr(runs_mod, "medusa_generate_batch", recording(runs_mod.medusa_generate_batch, "engine"))
-    monkeypatch.setattr(runs_mod.reference, "medusa_generate",
-                        recording(runs_mod.reference.medusa_generate, "reference"))
-    out = run(capsys, "--ckpt", str(directory), "--compare", "--reference", "--max-new-tokens", "8")
     drawn, greedy = (build_tree(load_accuracy(directory, drawn=d), 8, min_gain=CPU_MIN_GAIN)[0].choices
                      for d in (True, False))
-    rules = ("greedy", "typical", "rejection")
-    assert drawn != greedy and trees == {(who, rule): {drawn if rule == "rejection" else greedy}
-                                         for who in ("engine", "reference") for rule in rules}
-    assert (f"tree auto ({len(greedy) + 1} nodes incl. root; Medusa rejection's, from its own table: "
-            f"{len(drawn) + 1};") in out
+    assert drawn != greedy and trees == {key: {{"plain": None, "prompt": chain(8).choices}.get(
+        key.split("_")[0], drawn if key.endswith("rejection") else greedy)} for key in ROWS + [
+        "reference_greedy", "reference_typical", "reference_rejection"]}
+    assert f"tree auto (7 nodes incl. root; Medusa rejection's, from its own table: {len(drawn) + 1};" in \
+        format_compare(result)
 
 
 def test_prompt_lookup_gains_on_a_prompt_of_one_repeated_token_and_not_on_one_without_repeats(ckpt, capsys):
-    argv = ["--ckpt", ckpt, "--compare", "--max-new-tokens", "16", "--prompt", "nnnnnnnn", "--prompt", "a big dog ran"]
-    repeated, plain = json.loads(run(capsys, *argv, "--json"))["per_prompt"]
+    result = compared(capsys, "--ckpt", ckpt, "--max-new-tokens", "16", "--prompt", "nnnnnnnn", "--prompt",
+                      "a big dog ran")
+    repeated, plain = result["per_prompt"]
     assert repeated["prompt_lookup_greedy"] > 1.5 and plain["prompt_lookup_greedy"] == 1.0
     assert repeated["repeats"] > 0.5 and plain["repeats"] == 0
-    footer = run(capsys, *argv).split("repeats")[-1].splitlines()[1:]
+    footer = format_compare(result).split("repeats")[-1].splitlines()[1:]
     assert [line.split()[0] for line in footer] == ["1", "2"]
     assert footer[1].split()[1] == "1.00" and footer[1].split()[-1] == "0%"
 
@@ -119,23 +95,28 @@ def test_prompt_lookup_gains_on_a_prompt_of_one_repeated_token_and_not_on_one_wi
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_compare_in_half_precision_runs_every_row(ckpt, capsys, dtype):
     """Every row makes its tokens; any parting it names lies inside them (a forced one: below)."""
-    result = json.loads(run(capsys, "--ckpt", ckpt, "--compare", "--json", "--dtype", dtype, "--max-new-tokens", "12",
-                            "--num-prompts", "2"))
+    result = compared(capsys, "--ckpt", ckpt, "--dtype", dtype, "--max-new-tokens", "12", "--num-prompts", "2")
     assert result["dtype"] == dtype and [r["key"] for r in result["rows"]] == ROWS
     for row in result["rows"]:
         assert all(len(t) == 12 for t in row["tokens"])
         assert all(0 <= d["position"] < 12 and d["margin"] >= 0 for d in row.get("differences", []))
 
 
-def test_the_batch_table_has_every_method_at_every_size_and_says_where_medusa_stops_paying(ckpt, capsys, tmp_path):
-    argv = ["--ckpt", ckpt, "--compare", "--batch-size", "1,2", "--max-new-tokens", "8"]
-    rows = json.loads(run(capsys, *argv, "--json"))["rows"]
+def test_the_batch_table_sets_each_method_at_each_size_against_plain_and_says_where_medusa_stops_paying(
+        ckpt, capsys, tmp_path):
+    result = compared(capsys, "--ckpt", ckpt, "--batch-size", "1,2", "--max-new-tokens", "8", "--plot",
+                      str(tmp_path / "batch.png"))
+    rows = result["rows"]
     assert [(r["key"], r["batch_size"]) for r in rows] == [(k, b) for b in (1, 2) for k in (
         "plain_greedy", "medusa_greedy", "plain_sampling", "medusa_rejection")]
     assert all(r["tokens_per_s"] > 0 and r["tokens_per_step"] >= 1.0 for r in rows)
     assert all(r["same_as_plain_greedy"] for r in rows if r["temperature"] == 0)  # batch 1's greedy tokens
-    out = run(capsys, *argv, "--plot", str(tmp_path / "batch.png"))
-    verdicts = [line for line in out.splitlines()
+    for row in rows:  # against plain decoding at the same temperature and batch size
+        plain = next(p for p in rows if p["plain"] and (p["temperature"], p["batch_size"]) == (
+            row["temperature"], row["batch_size"]))
+        assert row["speedup"] == pytest.approx(row["tokens_per_s"] / plain["tokens_per_s"])
+        assert row["step_cost"] == pytest.approx(row["ms_per_step"] / plain["ms_per_step"])
+    verdicts = [line for line in format_batches(result).splitlines()
                 if any(v in line for v in ("stops paying at batch", "still pays at batch", "does not pay at any"))]
     assert len(verdicts) == 2 and (tmp_path / "batch.png").stat().st_size > 0  # the figure: test_plots.py
 
@@ -148,25 +129,13 @@ def stats(steps: int, tokens: int) -> tuple[list[int], GenerationStats]:
 
 def test_a_rows_numbers_count_passes_per_batch_and_every_token_once():
     """Batches of 2 and 1 rows (3 prompts at B = 2): a batch makes as many passes as its slowest row."""
-    runs = [([stats(5, 11), stats(3, 7)], 0.2), ([stats(4, 9)], 0.1)]
-    r = summarise(runs)
+    r = summarise([([stats(5, 11), stats(3, 7)], 0.2), ([stats(4, 9)], 0.1)])
     assert (r["steps"], r["passes"], r["row_passes"], r["new_tokens"]) == (12, 9, 14, 27)
     assert r["tokens_per_step"] == 24 / 12 and r["seconds"] == pytest.approx(0.3)
     assert r["ms_per_step"] == pytest.approx(300 / 9) and r["tokens_per_s"] == pytest.approx(27 / 0.3)
     result = {"rows": [{"key": "medusa_greedy", "method": "Medusa greedy", "batch_size": b, **r, "step_cost": 1.5}
                        for b in (1, 2)], "batch_sizes": [1, 2], "crossover": {"medusa_greedy": None}}
     assert f"makes {14 / 12:.2f}x the passes its rows need" in why_line(result, "medusa_greedy")
-
-
-def test_speedup_and_step_cost_are_against_plain_at_the_same_temperature_and_batch_size(ckpt, capsys):
-    result = json.loads(run(capsys, "--ckpt", ckpt, "--compare", "--json", "--batch-size", "1,2",
-                            "--max-new-tokens", "8", "--num-prompts", "3"))
-    for row in result["rows"]:
-        plain = next(p for p in result["rows"] if p["plain"] and (p["temperature"], p["batch_size"]) == (
-            row["temperature"], row["batch_size"]))
-        assert row["speedup"] == pytest.approx(row["tokens_per_s"] / plain["tokens_per_s"])
-        assert row["step_cost"] == pytest.approx(row["ms_per_step"] / plain["ms_per_step"])
-    assert len({(r["temperature"], r["batch_size"]) for r in result["rows"] if r["plain"]}) == 4  # 2 T x 2 B
 
 
 def test_a_greedy_row_that_leaves_plain_greedy_is_reported_where_it_leaves(ckpt, capsys, monkeypatch):
@@ -177,9 +146,9 @@ def test_a_greedy_row_that_leaves_plain_greedy_is_reported_where_it_leaves(ckpt,
         return [(t[:-1] + [(t[-1] + 1) % 50], st) if method.key == "medusa_greedy" else (t, st) for t, st in out]
 
     monkeypatch.setattr(runs_mod, "decode", one_token_off)
-    result = json.loads(run(capsys, "--ckpt", ckpt, "--compare", "--json", "--max-new-tokens", "6"))
+    result = compared(capsys, "--ckpt", ckpt, "--max-new-tokens", "6")
     rows = {r["key"]: r for r in result["rows"]}
-    assert rows["medusa_greedy"]["same_as_plain_greedy"] is False and rows["prompt_lookup_greedy"]["same_as_plain_greedy"]
+    assert rows["medusa_greedy"]["same_as_plain_greedy"] is False
+    assert rows["prompt_lookup_greedy"]["same_as_plain_greedy"] is True
     assert [(d["prompt"], d["position"]) for d in rows["medusa_greedy"]["differences"]] == [(0, 5), (1, 5), (2, 5)]
-    out = run(capsys, "--ckpt", ckpt, "--compare", "--max-new-tokens", "6")
-    assert "Medusa greedy differs from plain greedy on prompt 1 at new token 6" in out
+    assert "Medusa greedy differs from plain greedy on prompt 1 at new token 6" in format_compare(result)
