@@ -28,7 +28,6 @@ from medusa_mini.cli.explain import DEMO_NOTE, demo_checkpoint, explain_step
 from medusa_mini.cli.plots import check_plot_path, plot_batch
 from medusa_mini.cli.runs import Engine, Method, compare, compare_methods, decode_each, format_batches, format_compare
 from medusa_mini.cli.trees import TreeChoice, draw_mask, draw_tree, resolve_tree
-from medusa_mini.decoding import GenerationStats
 from medusa_mini.io.loading import PROMPTS_FILE, load_for_decoding, load_prompts
 from medusa_mini.sampling import SAMPLING_TEMPERATURE, Sampling
 from medusa_mini.train.device import DTYPES, pick_device, pick_dtype
@@ -67,46 +66,41 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def check_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
-    """Reject impossible settings before any loading; fill in the batch sizes and the sampling settings."""
-    for flag, value in (("--max-new-tokens", a.max_new_tokens), ("--num-prompts", a.num_prompts)):
-        if value < 1:
-            p.error(f"{flag} must be at least 1, not {value}")
-    for flag, value in (("--tree", a.tree), ("--batch-size", a.batch_size)):
-        if value is not None and not value.strip():
-            p.error(f"{flag} is empty: give a value, or leave the flag out for its default")
-    if a.compare and a.max_new_tokens < 2:
-        p.error("--compare needs --max-new-tokens of at least 2: the first token comes from the prefill, "
-                "before any step")
-    if a.compare and a.method is not None:
-        p.error("--compare decodes with every method; leave out --method (--temperature sets the sampled rows')")
-    if a.explain and a.method == "plain":
-        p.error("--explain walks through a Medusa step; choose --method greedy, typical or rejection")
-    sizes = (a.batch_size or "1").split(",")
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags, every impossible setting refused before any loading; the batch sizes and the sampling
+    settings filled in."""
+    p = build_parser()
+    a = p.parse_args(argv)
+    sizes = (a.batch_size if a.batch_size is not None else "1").split(",")
     if not all(x.strip().isascii() and x.strip().isdigit() and int(x) >= 1 for x in sizes):
         p.error(f"--batch-size takes a size >= 1 (with --compare, a list such as 1,2,4,8), not {a.batch_size!r}")
-    if len(sizes) > 1 and not a.compare:
-        p.error("--batch-size takes one size; a list of sizes goes with --compare")
     a.batch_sizes = sorted({int(x) for x in sizes})
     a.batch_size, a.batch_table = a.batch_sizes[0], a.compare and a.batch_sizes != [1]
-    if a.json and (a.show or a.explain):
-        p.error("--json cannot be combined with --show or --explain")
-    if a.batch_size > 1 and (a.show or a.reference or a.explain):
-        p.error("--batch-size decodes several prompts at once; --show, --reference and --explain take one at a time")
-    if a.demo and not a.explain:
-        p.error("--demo goes with --explain: python decode.py --explain --demo")
-    if a.plot is not None and not a.batch_table:
-        p.error("--plot draws the batch table: use it with --compare --batch-size 1,2,4,8")
-    if a.reference and a.batch_table:
-        p.error("--reference adds its rows to the one-batch table; leave out the list of batch sizes")
-    if a.reference and a.method == "plain":
-        p.error("--reference decodes with Medusa; choose --method greedy, typical or rejection")
-    if a.method in ("typical", "rejection") and a.temperature == 0:
-        p.error(f"--method {a.method} samples: give --temperature > 0 (default {SAMPLING_TEMPERATURE}), or use "
-                "--method greedy for temperature 0")
-    if a.explain and (a.compile or a.reference):
-        p.error("--explain walks through one step with the reference's functions, eagerly; leave out "
-                + ("--compile" if a.compile else "--reference"))
+    for wrong, message in (
+        (min(a.max_new_tokens, a.num_prompts) < 1,
+         f"{'--max-new-tokens' if a.max_new_tokens < 1 else '--num-prompts'} must be at least 1"),
+        (a.compare and a.max_new_tokens < 2,
+         "--compare needs --max-new-tokens of at least 2: the first token comes from the prefill, before any step"),
+        (a.compare and a.method, "--compare decodes with every method; leave out --method (--temperature sets "
+                                 "the sampled rows')"),
+        (a.method == "plain" and (a.explain or a.reference), f"{'--explain' if a.explain else '--reference'} "
+                                                             "decodes with Medusa; choose --method greedy, typical "
+                                                             "or rejection"),
+        (len(sizes) > 1 and not a.compare, "--batch-size takes one size; a list of sizes goes with --compare"),
+        (a.json and (a.show or a.explain), "--json cannot be combined with --show or --explain"),
+        (a.batch_size > 1 and (a.show or a.reference or a.explain),
+         "--batch-size decodes several prompts at once; --show, --reference and --explain take one at a time"),
+        (a.demo and not a.explain, "--demo goes with --explain: python decode.py --explain --demo"),
+        (a.plot is not None and not a.batch_table,
+         "--plot draws the batch table: use it with --compare --batch-size 1,2,4,8"),
+        (a.reference and a.batch_table,
+         "--reference adds its rows to the one-batch table; leave out the list of batch sizes"),
+        (a.method in ("typical", "rejection") and a.temperature == 0, f"--method {a.method} samples: give "
+         f"--temperature > 0 (default {SAMPLING_TEMPERATURE}), or use --method greedy for temperature 0"),
+        (a.explain and (a.compile or a.reference), "--explain walks through one step with the reference's "
+         "functions, eagerly; leave out " + ("--compile" if a.compile else "--reference"))):
+        if wrong:
+            p.error(message)
     if a.temperature is None:
         a.temperature = SAMPLING_TEMPERATURE if a.method in ("typical", "rejection") else 0.0
     rule = None if a.compare or a.method == "plain" else a.method  # --compare makes its own rows
@@ -118,11 +112,12 @@ def check_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
         head, _, rest = str(e).partition(" ")
         message = f"--{head.replace('_', '-')} {rest}" if head in ("temperature", "top_p") else str(e)
         p.error(message.replace("greedy acceptance", "--method greedy"))
+    return a
 
 
 def prepare(a: argparse.Namespace):
     """(checkpoint, the TreeChoice, --compare's for drawn candidates (else the same), [(text, ids)] prompts);
-    ValueError for anything unusable."""
+    a ValueError for anything unusable, before any output."""
     device = pick_device(a.device)
     dtype = pick_dtype(a.dtype, device)
     if a.demo:
@@ -132,20 +127,21 @@ def prepare(a: argparse.Namespace):
     else:
         ck = load_for_decoding(a.ckpt, device=device, dtype=dtype)
         texts = a.prompt or load_prompts(a.ckpt)[: a.num_prompts]
-    if ck.heads is None and (a.method != "plain" or a.compare or a.explain):
+    medusa = a.method != "plain" or a.compare or a.explain
+    if ck.heads is None and medusa:
         wanted = "--compare" if a.compare else "--explain" if a.explain else "Medusa decoding"
         fix = "use --method plain or train heads" if wanted == "Medusa decoding" else "train heads first"
         raise ValueError(f"{a.ckpt} has no Medusa heads, which {wanted} needs; {fix}")
     choice = drawn = None
     if ck.heads is not None:
         def tree_for(draws: bool) -> TreeChoice:  # --compare's rejection row draws its candidates: its own tree
-            return resolve_tree(a.tree or ("cpu" if a.demo else None), num_heads=ck.heads.num_heads,
-                                ckpt_dir="" if a.demo else a.ckpt, device=device, drawn=draws)
+            spec = a.tree if a.tree is not None else "cpu" if a.demo else None
+            return resolve_tree(spec, num_heads=ck.heads.num_heads, ckpt_dir="" if a.demo else a.ckpt,
+                                device=device, drawn=draws)
 
         choice = tree_for(a.sampling.draws_candidates and not a.compare)
         drawn = tree_for(True) if a.compare and a.sampling.candidates == "drawn" else choice
-    if choice is not None and (a.method != "plain" or a.compare or a.explain):
-        for tree in {choice.tree, drawn.tree}:  # a tree the heads cannot fill fails here, before any output
+        for tree in {choice.tree, drawn.tree} if medusa else ():  # a tree the heads cannot fill fails here
             ck.heads.proposer(ck.model, tree)
     prompts = []
     for i, text in enumerate(texts, start=1):
@@ -176,16 +172,13 @@ def methods_of(a: argparse.Namespace, ck, choice: TreeChoice | None, drawn: Tree
 def compiled(engine: Engine, methods: list[Method], a: argparse.Namespace, prompts: int) -> float:
     """Compile the steps and warm up every shape this run meets, before any timing; the seconds it took."""
     engine.steps, engine.caches = compile_steps(engine.ck.model.device), StaticCaches(engine.ck.model)
-    model, drafted = engine.ck.model, [m for m in methods if m.drafter and not m.reference]
-
+    model = engine.ck.model
     # what fills each tree (prompt lookup: a chain), under which rule
-    proposers = [(m.drafter.proposer(model, m.tree), m.sampling) for m in drafted]
-
+    proposers = [(m.drafter.proposer(model, m.tree), m.sampling) for m in methods if m.drafter and not m.reference]
     n = max(max(a.batch_sizes), prompts) if a.batch_table else prompts  # the batch table cycles the prompts
     rows = {r for B in a.batch_sizes for r in (min(B, n), n % B)} - {0}  # B at a time: the last batch is smaller
     plain = {m.sampling for m in methods if m.drafter is None}  # plain decoding's rules: greedy, sampling
-    seconds = sum(warm_up(model, engine.steps, engine.caches, rows=b, plain=plain,
-                          proposers=proposers) for b in rows)
+    seconds = sum(warm_up(model, engine.steps, engine.caches, rows=b, plain=plain, proposers=proposers) for b in rows)
     print(f"compiled the plain step and the verify steps in {seconds:.1f} s (not in any timing)", file=sys.stderr)
     return seconds
 
@@ -195,8 +188,8 @@ STEP_STYLES = ("\x1b[30;46m", "\x1b[30;43m")
 
 
 class StepPrinter:
-    """An `on_step` callback that prints the text as it comes, with show_steps each step in its colour (on a
-    terminal without NO_COLOR, no-color.org) or [brackets]; a UTF-8 character split across steps waits."""
+    """An `on_step` callback that prints the text as it comes; with show_steps each step in its colour (on a
+    terminal without NO_COLOR, no-color.org) or [brackets]. A UTF-8 character split across steps waits."""
 
     def __init__(self, enc: tiktoken.Encoding, *, eot_id: int | None, show_steps: bool) -> None:
         self.enc, self.eot_id, self.show_steps = enc, eot_id, show_steps
@@ -220,62 +213,43 @@ class StepPrinter:
         print(text, end="", flush=True)  # the reader watches the text grow, step by step
 
 
-def stat_line(stats: GenerationStats, *, new_tokens: int, block_size: int, speed: str) -> str:
-    """One line: steps, tokens/step (bonus counted), the speed as measured (`speed`) and why it stopped."""
-    stop = {"context": f"stopped at the context limit: {stats.prompt_tokens} prompt + {new_tokens} new tokens "
+def stat_line(rows: list, row: int, *, block_size: int, streamed: bool) -> str:
+    """One line on rows[row] of one decoding call: steps, tokens/step (bonus counted), ms/token (the call's
+    seconds over all its rows' tokens, with what the clock included) and why it stopped."""
+    tokens, stats = rows[row]
+    ms = 1000 * stats.seconds / max(sum(len(t) for t, _ in rows), 1)
+    speed = (" as streamed (printing included; --compare times decoding alone)" if streamed
+             else f" over its batch of {len(rows)}" if len(rows) > 1 else "")
+    stop = {"context": f"stopped at the context limit: {stats.prompt_tokens} prompt + {len(tokens)} new tokens "
                        f"fill all {block_size} positions", "eos": "stopped at the end-of-text token",
-            "max_new_tokens": f"stopped after max-new-tokens ({new_tokens})"}
-    return (f"{stats.steps} steps, {stats.tokens_per_step:.2f} tokens/step (bonus token counted), {speed}, "
-            + stop.get(stats.stop_reason, "stopped"))
-
-
-def speed_text(rows: list[tuple[list[int], GenerationStats]], *, streamed: bool) -> str:
-    """ms/token of one decoding call: its seconds (every row's `seconds`) over all the tokens it made, with
-    what the clock included: a streamed prompt's printing, or a batch's other rows."""
-    ms = 1000 * rows[0][1].seconds / max(sum(len(tokens) for tokens, _ in rows), 1)
-    if streamed:
-        return f"{ms:.1f} ms/token as streamed (printing included; --compare times decoding alone)"
-    return f"{ms:.1f} ms/token" + (f" over its batch of {len(rows)}" if len(rows) > 1 else "")
+            "max_new_tokens": f"stopped after max-new-tokens ({len(tokens)})"}
+    return (f"{stats.steps} steps, {stats.tokens_per_step:.2f} tokens/step (bonus token counted), {ms:.1f} "
+            f"ms/token{speed}, " + stop.get(stats.stop_reason, "stopped"))
 
 
 def print_each(engine: Engine, method: Method, prompts: list[tuple[str, list[int]]], a, label: str) -> None:
-    """Stream each prompt's continuation (a batch's: once all are done) and a line of statistics; with
+    """Each prompt's continuation, streamed (a batch's: once all are done), and a line of statistics; with
     --json, one object per prompt per line (`tokens`: the new ids, an end token included)."""
-    ck, kw = engine.ck, dict(batch_size=a.batch_size, seed=a.seed, max_new_tokens=a.max_new_tokens)
-    done = decode_each(engine, method, [ids for _, ids in prompts], **kw) if a.batch_size > 1 or a.json else None
-    for n, (text, ids) in enumerate(prompts, start=1):
+    ck, kw, B = engine.ck, dict(batch_size=a.batch_size, seed=a.seed, max_new_tokens=a.max_new_tokens), a.batch_size
+    done = decode_each(engine, method, [ids for _, ids in prompts], **kw) if B > 1 or a.json else None
+    for n, (text, ids) in enumerate(prompts):
         if a.json:
-            tokens, stats = done[n - 1]
-            text_out = ck.enc.decode([t for t in tokens if t != ck.eot_id])
-            print(json.dumps({"prompt": text, "method": method.key, "tokens": tokens, "text": text_out, **asdict(stats),
-                              "tokens_per_step": stats.tokens_per_step, "batch_size": a.batch_size,
-                              "temperature": a.temperature}, ensure_ascii=False))
+            tokens, stats = done[n]
+            print(json.dumps({"prompt": text, "method": method.key, "tokens": tokens, "text": ck.enc.decode(
+                [t for t in tokens if t != ck.eot_id]), **asdict(stats), "tokens_per_step": stats.tokens_per_step,
+                "batch_size": B, "temperature": a.temperature}, ensure_ascii=False))
             continue
         printer = StepPrinter(ck.enc, eot_id=ck.eot_id, show_steps=a.show)
         how = f"; one {'colour' if printer.color else '[chunk]'} per forward pass, the first from the prefill"
-        print(f"=== prompt {n}/{len(prompts)} ({len(ids)} tokens) ===\n{text}\n=== {label}{how if a.show else ''} ===")
+        print(f"=== prompt {n + 1}/{len(prompts)} ({len(ids)} tokens) ===\n{text}\n=== {label}"
+              f"{how if a.show else ''} ===")
         if done is None:
-            batch = decode_each(engine, method, [ids], on_step=lambda b, t: printer(t), **kw)
+            batch, row = decode_each(engine, method, [ids], on_step=lambda b, t: printer(t), **kw), 0
         else:
-            first = (n - 1) // a.batch_size * a.batch_size
-            batch = done[first : first + a.batch_size]
-            printer(done[n - 1][0])
-        tokens, stats = done[n - 1] if done is not None else batch[0]
+            batch, row = done[n // B * B : n // B * B + B], n % B
+            printer(batch[row][0])
         printer.close()
-        speed = speed_text(batch, streamed=done is None)
-        print(f"stats: {stat_line(stats, new_tokens=len(tokens), block_size=ck.block_size, speed=speed)}\n")
-
-
-def compare_table(engine: Engine, methods: list[Method], prompts: list[list[int]], a, **settings) -> None:
-    """--compare: one table of the methods, or of the methods by batch size (--plot: drawn too)."""
-    result = compare(engine, prompts, methods, batch_sizes=a.batch_sizes, max_new_tokens=a.max_new_tokens, seed=a.seed)
-    model = engine.ck.model
-    result.update(device=str(model.device), dtype=str(model.lm_head.weight.dtype).split(".")[-1],
-                  threads=torch.get_num_threads(), top_p=a.top_p, candidates=a.sampling.candidates, heads=engine.ck.heads.name,
-                  **settings)
-    if a.plot:
-        plot_batch(result["rows"], a.plot, title=f"medusa_mini, {engine.ck.directory}, {result['device']}")
-    print(json.dumps(result) if a.json else (format_batches if a.batch_table else format_compare)(result))
+        print(f"stats: {stat_line(batch, row, block_size=ck.block_size, streamed=done is None)}\n")
 
 
 def run(a: argparse.Namespace) -> None:
@@ -284,9 +258,16 @@ def run(a: argparse.Namespace) -> None:
     engine, methods = Engine(ck), methods_of(a, ck, choice, drawn)
     warmup_s = compiled(engine, methods, a, len(prompts)) if a.compile else None
     if a.compare:
-        own = None if drawn.tree == tree else drawn.tree.num_nodes  # the rejection row's tree, if another
-        compare_table(engine, methods, [ids for _, ids in prompts], a, tree=tree_name, tree_nodes=tree.num_nodes,
-                      drawn_tree_nodes=own, lookup_nodes=choice.budget, compile_warmup_s=warmup_s)
+        result = compare(engine, [ids for _, ids in prompts], methods, batch_sizes=a.batch_sizes,
+                         max_new_tokens=a.max_new_tokens, seed=a.seed)
+        result.update(device=str(ck.model.device), dtype=str(ck.model.lm_head.weight.dtype).split(".")[-1],
+                      threads=torch.get_num_threads(), top_p=a.top_p, candidates=a.sampling.candidates,
+                      heads=ck.heads.name, tree=tree_name, tree_nodes=tree.num_nodes, lookup_nodes=choice.budget,
+                      drawn_tree_nodes=None if drawn.tree == tree else drawn.tree.num_nodes,  # the rejection row's
+                      compile_warmup_s=warmup_s)
+        if a.plot:
+            plot_batch(result["rows"], a.plot, title=f"medusa_mini, {ck.directory}, {result['device']}")
+        print(json.dumps(result) if a.json else (format_batches if a.batch_table else format_compare)(result))
     elif a.explain:
         print((DEMO_NOTE + "\n\n" if a.demo else "") + explain_step(
             ck.model, ck.heads, ck.enc, prompts[0][1], tree=tree, sampling=a.sampling,
@@ -300,9 +281,7 @@ def run(a: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    a = parser.parse_args(argv)
-    check_args(parser, a)
+    a = parse_args(argv)
     try:
         run(a)
     except KeyboardInterrupt:
@@ -311,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
     except (ValueError, OSError) as e:  # bad input, and the library's own checks
-        parser.error(str(e))
+        build_parser().error(str(e))
     return 0
 
 

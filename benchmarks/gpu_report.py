@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import importlib
 import io
 import math
 import os
@@ -28,7 +29,6 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Callable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # run as a script from anywhere, without installing the package
@@ -36,17 +36,21 @@ if ROOT not in sys.path:  # run as a script from anywhere, without installing th
 
 import torch  # noqa: E402
 
-from benchmarks import bench_step  # noqa: E402
 from benchmarks.bench_step import CONFIGS, names_of  # noqa: E402
-from medusa_mini.cli.common import OneLineParser, timed  # noqa: E402
+from medusa_mini.cli.common import OneLineParser, check_file_path, timed  # noqa: E402
 from medusa_mini.io.files import atomic_write_text, check_writable  # noqa: E402
 from medusa_mini.train.device import DTYPES, pick_device  # noqa: E402
 
-PARTS = ("step", "train", "decode", "batch")
 GPT2_SHAPES = "gpt2,gpt2-medium,gpt2-large,gpt2-xl"
 QUICK_STEP = ["--nodes", "1,4,16", "--repeat", "3", "--warmup", "1"]
 QUICK_DECODE = ["--num-prompts", "2", "--max-new-tokens", "32"]
 BUDGET_S, QUICK_BUDGET_S = 510.0, 170.0  # a part stays under 9 minutes on an H100; --quick under 3
+FORWARDED = {"benchmarks/bench_step.py": "--step-flags", "train_tiny.py": "--train-flags",
+             "decode.py": "--decode-flags"}
+# The flags each part sets itself: forwarded again, the last would win and the part would measure something else.
+RESERVED = {"--step-flags": ("--configs", "--dtypes", "--device", "--compile"),
+            "--train-flags": ("--preset", "--out", "--device"),
+            "--decode-flags": ("--ckpt", "--compare", "--batch-size", "--dtype", "--device", "--compile")}
 
 
 def run_script(argv: list[str], *, timeout_s: float, label: str) -> tuple[int | None, str, float]:
@@ -105,12 +109,34 @@ def training_summary(log: str) -> list[str]:
     return [line for line in lines[first:] if line.startswith((" ", "summary ", "stages "))]
 
 
-def run_part(s: argparse.Namespace, title: str, commands: list[tuple[str | None, list[str]]], *, intro: str = "",
-             keep=str.splitlines) -> tuple[str, bool]:
+PARTS = {  # part: its section's title, the lines kept of each command's output, an introduction
+    "step": ("What one step costs", step_table, "Random weights (speed depends on shapes, not values). Targets: "
+             "the heads at most 10% of a plain step, a whole step at most 1.15x its verify alone."),
+    "train": ("Training", training_summary, ""),
+    "decode": ("decode.py --compare", str.splitlines, ""),
+    "batch": ("Batch sizes", str.splitlines, "")}
+
+
+def commands(s: argparse.Namespace, part: str) -> list[tuple[str | None, list[str]]]:
+    """A part's commands, each (its heading or None, argv)."""
+    if part == "step":
+        return [(config, ["benchmarks/bench_step.py", "--configs", config, "--dtypes", ",".join(s.dtypes),
+                          "--device", s.device, *s.compile, *(QUICK_STEP if s.quick else []), *s.step_flags])
+                for config in s.configs]
+    if part == "train":
+        return [(None, ["train_tiny.py", "--preset", "smoke" if s.quick else "gpu", "--out", s.ckpt,
+                        "--device", s.device, *s.train_flags])]
+    batch = ["--batch-size", "1,2,4" if s.quick else "1,2,4,8,16"] if part == "batch" else []
+    return [(None, ["decode.py", "--ckpt", s.ckpt, "--compare", *batch, "--dtype", "bfloat16", "--device", s.device,
+                    *s.compile, *(QUICK_DECODE if s.quick else []), *s.decode_flags])]
+
+
+def run_part(s: argparse.Namespace, part: str) -> tuple[str, bool]:
     """A part's section: each command (under its heading, if it has one) within what is left of the part's
-    budget, with the lines `keep` picks from its output; a command the budget did not reach is named."""
+    budget, with the lines its `keep` picks; a command the budget did not reach is named."""
+    title, keep, intro = PARTS[part]
     deadline, text, ok = time.monotonic() + s.budget_s, [f"## {title}", *(["", intro] if intro else [])], True
-    for heading, argv in commands:
+    for heading, argv in commands(s, part):
         text += ["", f"### {heading}"] if heading else []
         left = deadline - time.monotonic()
         lines, done = section(argv, timeout_s=left, label=heading or title, keep=keep) if left > 1 else (
@@ -119,56 +145,13 @@ def run_part(s: argparse.Namespace, title: str, commands: list[tuple[str | None,
     return "\n".join(text), ok
 
 
-def decode_argv(s: argparse.Namespace, *extra: str) -> list[str]:
-    return ["decode.py", "--ckpt", s.ckpt, "--compare", *extra, "--dtype", "bfloat16", "--device", s.device,
-            *s.compile, *(QUICK_DECODE if s.quick else []), *s.decode_flags]
-
-
-COMMANDS: dict[str, Callable[[argparse.Namespace], list[tuple[str | None, list[str]]]]] = {  # (heading, argv)
-    "step": lambda s: [(config, [
-        "benchmarks/bench_step.py", "--configs", config, "--dtypes", ",".join(s.dtypes), "--device", s.device,
-        *s.compile, *(QUICK_STEP if s.quick else []), *s.step_flags]) for config in s.configs],
-    "train": lambda s: [(None, ["train_tiny.py", "--preset", "smoke" if s.quick else "gpu", "--out", s.ckpt,
-                                "--device", s.device, *s.train_flags])],
-    "decode": lambda s: [(None, decode_argv(s))],
-    "batch": lambda s: [(None, decode_argv(s, "--batch-size", "1,2,4" if s.quick else "1,2,4,8,16"))]}
-
-RUN_PART: dict[str, Callable[[argparse.Namespace], tuple[str, bool]]] = {
-    "step": lambda s: run_part(s, "What one step costs", COMMANDS["step"](s), keep=step_table,
-                               intro="Random weights (speed depends on shapes, not values). Targets: the heads at "
-                                     "most 10% of a plain step, a whole step at most 1.15x its verify alone."),
-    "train": lambda s: run_part(s, "Training", COMMANDS["train"](s), keep=training_summary),
-    "decode": lambda s: run_part(s, "decode.py --compare", COMMANDS["decode"](s)),
-    "batch": lambda s: run_part(s, "Batch sizes", COMMANDS["batch"](s))}
-FORWARDED = {"benchmarks/bench_step.py": "--step-flags", "train_tiny.py": "--train-flags", "decode.py": "--decode-flags"}
-# The flags each part sets itself: forwarded again, the last would win and the part would measure something else.
-RESERVED = {"--step-flags": ("--configs", "--dtypes", "--device", "--compile"),
-            "--train-flags": ("--preset", "--out", "--device"),
-            "--decode-flags": ("--ckpt", "--compare", "--batch-size", "--dtype", "--device", "--compile")}
-
-
-def flag_checks(script: str) -> Callable[[list[str]], object]:
-    """`script`'s own parsing and checks of its flags, which load nothing (imported only when called)."""
-    if script == "decode.py":
-        import decode
-
-        def parse(flags: list[str]) -> None:
-            parser = decode.build_parser()
-            decode.check_args(parser, parser.parse_args(flags))
-        return parse
-    if script == "train_tiny.py":
-        import train_tiny
-        return train_tiny.parse_args
-    return bench_step.parse_args
-
-
 def check_command(argv: list[str]) -> None:
-    """A ValueError naming the forwarded flags if the script `argv` runs would refuse them, found by its
-    own checks run here, its one-line error caught, not printed: now, not after the parts before it."""
+    """A ValueError naming the forwarded flags if the script `argv` runs would refuse them: its own
+    parse_args (which loads nothing) runs here, its one-line error caught: now, not after the parts before."""
     script, printed = argv[0], io.StringIO()
     try:
         with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
-            flag_checks(script)(argv[1:])
+            importlib.import_module(script[:-3].replace("/", ".")).parse_args(argv[1:])
     except SystemExit as e:  # its parser's error (status 2), or --help (0), which would print and stop it
         message = printed.getvalue().strip().partition(": error: ")[2] if e.code else "--help prints and stops"
         raise ValueError(f"{FORWARDED[script]}: {os.path.basename(script)} refuses its flags: {message}") from None
@@ -206,22 +189,25 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="step: the number formats of bench_step.py (default: %(default)s)")
     p.add_argument("--budget-s", type=float, metavar="S",
                    help=f"seconds each part may take (default: {BUDGET_S:.0f}; --quick: {QUICK_BUDGET_S:.0f})")
-    p.add_argument("--step-flags", default="", metavar="'FLAGS'", help="more bench_step.py flags, quoted")
-    p.add_argument("--train-flags", default="", metavar="'FLAGS'", help="more train_tiny.py flags, quoted")
-    p.add_argument("--decode-flags", default="", metavar="'FLAGS'", help="more decode.py flags, quoted")
+    for name, script in (("step", "bench_step.py"), ("train", "train_tiny.py"), ("decode", "decode.py")):
+        p.add_argument(f"--{name}-flags", default="", metavar="'FLAGS'", help=f"more {script} flags, quoted")
     a = p.parse_args(argv)
     try:  # the flags' own names become the settings of the parts
-        check_out(a.out)
+        check_file_path("--out", a.out, "gpu.md")
+        folder = os.path.dirname(os.path.abspath(a.out))
+        try:  # the report is written beside --out first, then renamed
+            check_writable(folder)
+        except OSError as e:
+            raise ValueError(f"--out {a.out}: no file can be written in {folder} ({e.strerror})") from None
         a.device = str(pick_device(a.device))
-        a.step_flags, a.train_flags, a.decode_flags = map(shlex.split, (a.step_flags, a.train_flags, a.decode_flags))  # unclosed quotes
-        for name, flags in (("--step-flags", a.step_flags), ("--train-flags", a.train_flags),
-                            ("--decode-flags", a.decode_flags)):
+        for name, reserved in RESERVED.items():
+            attr = name[2:].replace("-", "_")
+            setattr(a, attr, flags := shlex.split(getattr(a, attr)))  # a ValueError for unclosed quotes
             # argparse takes an unambiguous prefix of a flag as the flag: --dev is --device
-            taken = [f for f in flags if f.startswith("--") and len(f.split("=")[0]) > 2
-                     and any(r.startswith(f.split("=")[0]) for r in RESERVED[name])]
+            taken = [f.split("=")[0] for f in flags if f.startswith("--") and len(f.split("=")[0]) > 2
+                     and any(r.startswith(f.split("=")[0]) for r in reserved)]
             if taken:
-                raise ValueError(f"{name}: the report sets {taken[0].split('=')[0]} itself; "
-                                 f"leave out {', '.join(RESERVED[name])}")
+                raise ValueError(f"{name}: the report sets {taken[0]} itself; leave out {', '.join(reserved)}")
         a.budget_s = a.budget_s if a.budget_s is not None else (QUICK_BUDGET_S if a.quick else BUDGET_S)
         if not 0 < a.budget_s < math.inf:  # nan too
             raise ValueError(f"--budget-s must be a finite number of seconds > 0, not {a.budget_s:g}")
@@ -233,65 +219,41 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         a.configs = a.configs or (["tiny"] if a.quick else GPT2_SHAPES.split(","))
         a.compile = ["--compile"] if a.device.startswith("cuda") else []  # on a CPU: minutes, no gain
         for part in a.parts:
-            for _, command in COMMANDS[part](a):
+            for _, command in commands(a, part):
                 check_command(command)
-        a.before = read_report(a.out) if a.append and os.path.exists(a.out) else ""  # what --append keeps
+        a.before = ""  # what --append keeps
+        if a.append and os.path.exists(a.out):
+            try:
+                with open(a.out, encoding="utf-8") as f:
+                    a.before = f.read()
+            except (OSError, UnicodeDecodeError) as e:
+                raise ValueError(f"--append: {a.out} cannot be read as a UTF-8 report ({e})") from None
     except ValueError as e:
         p.error(str(e))
     return a
-
-
-def check_out(path: str) -> None:
-    """A ValueError unless `path` names a file that can be written: not empty, not a folder, in a folder
-    that exists and takes new files (the report is written beside it first, then renamed)."""
-    folder = os.path.dirname(os.path.abspath(path))
-    if not path:
-        raise ValueError("--out needs a file name, such as gpu.md")
-    if os.path.isdir(path) or path.endswith(("/", os.sep)):
-        raise ValueError(f"--out {path} is a folder; name a file in it, such as {os.path.join(path, 'gpu.md')}")
-    if not os.path.isdir(folder):
-        raise ValueError(f"--out {path}: its folder does not exist")
-    try:
-        check_writable(folder)
-    except OSError as e:
-        raise ValueError(f"--out {path}: no file can be written in {folder} ({e.strerror})") from None
-
-
-def read_report(path: str) -> str:
-    """The report --append adds to; a ValueError if it cannot be read as text."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            return f.read()
-    except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"--append: {path} cannot be read as a UTF-8 report ({e})") from None
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     s = parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # as Ctrl-C: the running part's command is stopped
+    report, failed = s.before or header(s, argv), []  # --out keeps its old text until a part adds a section
     try:
-        return run_parts(s, argv)
+        for part in s.parts:
+            print(f"[{part}] starting, budget {s.budget_s:.0f} s", file=sys.stderr, flush=True)
+            (text, ok), seconds = timed("cpu", lambda: run_part(s, part))  # the wall clock
+            report += f"\n{text}\n\n_Part {part}: {seconds:.0f} s of its {s.budget_s:.0f} s budget._\n"
+            try:
+                atomic_write_text(s.out, report)
+            except OSError as e:  # a full disk, say: the report as of the last part stays where it was
+                print(f"gpu_report.py: error: {s.out} could not be written after part {part} ({e.strerror}); "
+                      "it holds the parts before it", file=sys.stderr)
+                return 1
+            print(f"[{part}] {'done' if ok else 'FAILED'} in {seconds:.0f} s", file=sys.stderr, flush=True)
+            failed += [] if ok else [part]
     except KeyboardInterrupt:
         print(f"gpu_report.py: interrupted; {s.out} holds the parts that ended before", file=sys.stderr)
         return 130
-
-
-def run_parts(s: argparse.Namespace, argv: list[str]) -> int:
-    report = s.before or header(s, argv)  # --out keeps its old text until a part has a section to add
-    failed = []
-    for part in s.parts:
-        print(f"[{part}] starting, budget {s.budget_s:.0f} s", file=sys.stderr, flush=True)
-        (text, ok), seconds = timed("cpu", lambda: RUN_PART[part](s))  # the wall clock
-        report += f"\n{text}\n\n_Part {part}: {seconds:.0f} s of its {s.budget_s:.0f} s budget._\n"
-        try:
-            atomic_write_text(s.out, report)
-        except OSError as e:  # a full disk, say: the report as of the last part stays where it was
-            print(f"gpu_report.py: error: {s.out} could not be written after part {part} ({e.strerror}); "
-                  "it holds the parts before it", file=sys.stderr)
-            return 1
-        print(f"[{part}] {'done' if ok else 'FAILED'} in {seconds:.0f} s", file=sys.stderr, flush=True)
-        failed += [] if ok else [part]
     print(f"report: {s.out}" + (f"; failed: {', '.join(failed)}" if failed else ""), file=sys.stderr)
     return 1 if failed else 0
 

@@ -5,9 +5,11 @@ import contextlib
 import io
 import os
 import re
+import shlex
 import signal
 import sys
 import threading
+import time
 from argparse import Namespace
 from types import SimpleNamespace
 
@@ -65,87 +67,70 @@ def cuda_settings(tmp_path, **kw) -> Namespace:
     return Namespace(**{**base, **kw})
 
 
-def test_step_part_on_cuda_compiles_keeps_each_table_and_names_what_its_budget_did_not_reach(tmp_path, monkeypatch):
+def test_on_cuda_each_part_compiles_keeps_what_it_reports_and_names_what_failed_or_its_budget_did_not_reach(
+        tmp_path, monkeypatch):
     table = "       gpt2\nlayers / heads / width / vocabulary / draft   12 / 12 / 768 / 50257 / 8192\nplain step  1"
     calls = faked(monkeypatch, lambda argv: (None, "", 99.0) if "gpt2-xl" in argv else
                   (0, f"torch 2.x, cuda\ncommand: ...\n\n{table}\n", 1.0))
     settings = cuda_settings(tmp_path, configs=["gpt2", "gpt2-xl"], step_flags=["--nodes", "1,9"])
-    section, ok = gpu_report.RUN_PART["step"](settings)
+    section, ok = gpu_report.run_part(settings, "step")
     assert not ok and len(calls) == 2 and all("--compile" in argv and argv[-2:] == ["--nodes", "1,9"] for argv in calls)
     assert f"```\n{table}\n```" in section and "torch 2.x" not in section
     assert "### gpt2-xl" in section and "Failed: stopped at its budget" in section
-
-
-def test_training_keeps_its_summary_and_stages_and_decoding_runs_compiled_bfloat16_on_cuda(tmp_path, monkeypatch):
     log = ("tokenizer  4096 tokens, trained in 12.5s\nbackbone   step 10\nsummary    validation loss 3.210 nats/token\n"
            "           head   1   2\nstages     backbone 201.3 s (peak 7.25 GiB), heads 60.0 s (peak 5.00 GiB)\n"
            "saved      out/x\n")
     calls = faked(monkeypatch, lambda argv: (0, log, 320.0))
-    section, ok = gpu_report.RUN_PART["train"](cuda_settings(tmp_path))
+    section, ok = gpu_report.run_part(cuda_settings(tmp_path), "train")
     assert ok and calls[0][:3] == ["train_tiny.py", "--preset", "gpu"] and "cuda" in calls[0]
     assert "validation loss 3.210" in section and "head   1   2" in section and "(peak 7.25 GiB)" in section
     assert "step 10" not in section and "saved" not in section and "320 s" in section
     calls = faked(monkeypatch, lambda argv: (1, "decode.py: error: boom\n", 2.0))
-    section, ok = gpu_report.RUN_PART["decode"](cuda_settings(tmp_path))
+    section, ok = gpu_report.run_part(cuda_settings(tmp_path), "decode")
     assert not ok and "Failed: exit status 1 after 2 s: decode.py: error: boom" in section
     assert {"--compare", "--compile"} <= set(calls[0]) and calls[0][calls[0].index("--dtype") + 1] == "bfloat16"
-
-
-def test_header_on_cuda_names_the_gpu_and_its_memory(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_properties",
                         lambda device: SimpleNamespace(name="NVIDIA H100 80GB HBM3", total_memory=80 * 2**30))
     text = gpu_report.header(cuda_settings(tmp_path), ["--out", "r.md"])
     assert text.startswith("# medusa_mini on NVIDIA H100 80GB HBM3") and "- device: cuda: NVIDIA H100" in text
 
 
-def test_a_command_past_its_budget_is_stopped_and_says_so():
-    argv = ["-c", "import time; print('started', flush=True); time.sleep(60)"]
-    assert gpu_report.run_script(argv, timeout_s=1, label="sleep")[:2] == (None, "started\n")
-    lines, ok = gpu_report.section(argv, timeout_s=1, label="sleep")
-    assert not ok and lines[-1].startswith("Failed: stopped at its budget after 1 s")
+def test_a_command_keeps_its_output_and_one_that_outlasts_its_budget_is_stopped():
+    """Budgets far from any start-up time: 600 s for a command that ends at once, 1 s for one that sleeps 600."""
+    assert gpu_report.run_script(["-c", "print('done')"], timeout_s=600, label="quick")[:2] == (0, "done\n")
+    lines, ok = gpu_report.section(["-c", "import time; time.sleep(600)"], timeout_s=1, label="sleeper")
+    assert not ok and re.fullmatch(r"Failed: stopped at its budget after \d+ s", lines[-1])
 
 
-def test_a_failed_part_is_one_line_in_the_report_and_exits_1(tmp_path, capsys, monkeypatch):
-    faked(monkeypatch, in_this_process)
-    missing = tmp_path / "no such text.txt"  # its flags pass train_tiny.py's checks; its run fails
-    assert gpu_report.main(["--device", "cpu", "--quick", "--part", "train", "--out", str(tmp_path / "r.md"),
-                            "--ckpt", str(tmp_path / "ckpt"), "--train-flags", f"--data '{missing}'"]) == 1
-    text = (tmp_path / "r.md").read_text()  # the failure, in one line
-    assert re.search(r"\nFailed: exit status 2 after \d+ s: train_tiny.py: error: .*does not exist.*\n", text)
-    assert "failed: train" in capsys.readouterr().err
-
-
-@pytest.mark.parametrize("argv, needle", [
-    (["--part", "nope"], "--part"), (["--device", "tpu"], "unknown device"), (["--budget-s", "0"], "--budget-s"),
-    (["--budget-s", "nan"], "--budget-s"), (["--budget-s", "inf"], "--budget-s"),
-    (["--configs", "gpt5"], "--configs"), (["--dtypes", "float8"], "--dtypes"),
-    (["--part", "decode", "--ckpt", "no/such/dir"], "no checkpoint"), (["--train-flags", "'unclosed"], "quotation"),
-    (["--out", ""], "--out needs a file name"), (["--out", "{tmp}"], "is a folder"),
-    (["--out", "{tmp}/sub/"], "is a folder"), (["--out", "{tmp}/no/such/r.md"], "folder does not exist"),
+@pytest.mark.parametrize("case", [  # the error names what follows "->", else the first flag given
+    "--part nope", "--device tpu -> device", "--budget-s 0", "--budget-s nan", "--budget-s inf", "--configs gpt5",
+    "--dtypes float8", "--part decode --ckpt no/such/dir -> --ckpt", "--train-flags \"'unclosed\" -> quotation",
+    "--out ''", "--out {tmp}", "--out {tmp}/sub/", "--out {tmp}/no/such/r.md",
     # forwarded flags, checked by their script's own parser before any part runs
-    (["--step-flags", "--repeat 0"], "--step-flags: bench_step.py refuses its flags: argument --repeat"),
-    (["--step-flags=--help"], "--step-flags: bench_step.py refuses its flags: --help"),
-    (["--train-flags", "--n-embd 30 --n-head 4"], "--train-flags: train_tiny.py refuses its flags: --n-embd 30"),
-    (["--part", "train", "--part", "batch", "--decode-flags", "--plot {tmp}/b.txt"],
-     "--decode-flags: decode.py refuses its flags: --plot"),
-    (["--part", "train", "--part", "decode", "--decode-flags", "--num-prompts 0"], "--num-prompts"),
+    "--step-flags '--repeat 0' -> --step-flags: bench_step.py refuses its flags: argument --repeat",
+    "--step-flags=--help -> --step-flags: bench_step.py refuses its flags: --help",
+    "--train-flags '--n-embd 30 --n-head 4' -> --train-flags: train_tiny.py refuses its flags: --n-embd 30",
+    "--part train --part batch --decode-flags '--plot {tmp}/b.txt' -> decode.py refuses its flags: --plot",
+    "--part train --part decode --decode-flags '--num-prompts 0' -> --num-prompts",
     # flags a part sets itself: forwarded, the last would win
-    (["--decode-flags", "--batch-size 2"], "--decode-flags: the report sets --batch-size itself"),
-    (["--decode-flags=--dtype=float32"], "--decode-flags: the report sets --dtype itself"),
-    (["--step-flags", "--configs tiny"], "--step-flags: the report sets --configs itself"),
-    (["--train-flags", "--out x"], "--train-flags: the report sets --out itself"),
-    (["--decode-flags", "--dev cpu"], "--decode-flags: the report sets --dev itself"),  # argparse's prefix
+    "--decode-flags '--batch-size 2' -> the report sets --batch-size itself",
+    "--decode-flags=--dtype=float32 -> the report sets --dtype itself",
+    "--step-flags '--configs tiny' -> --step-flags: the report sets --configs itself",
+    "--train-flags '--out x' -> the report sets --out itself",
+    "--decode-flags '--dev cpu' -> the report sets --dev itself",  # argparse takes a prefix as the flag
 ])
-def test_bad_flags_exit_2_with_one_line_before_any_part_runs(tmp_path, capsys, monkeypatch, argv, needle):
+def test_bad_flags_exit_2_with_one_line_before_any_part_runs(tmp_path, capsys, monkeypatch, case):
     faked(monkeypatch, lambda argv: pytest.fail(f"ran {argv} despite a bad flag"))
+    args, _, needle = case.partition(" -> ")
     with pytest.raises(SystemExit) as exc:
-        gpu_report.main(["--device", "cpu", "--out", str(tmp_path / "r.md"), *(a.format(tmp=tmp_path) for a in argv)])
+        gpu_report.main(["--device", "cpu", "--out", str(tmp_path / "r.md"), *shlex.split(args.format(tmp=tmp_path))])
     err = capsys.readouterr().err
-    assert exc.value.code == 2 and err.count("\n") == 1 and needle in err and list(tmp_path.iterdir()) == []
+    assert exc.value.code == 2 and err.count("\n") == 1 and (needle or args.split()[0]) in err
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize("append", [False, True])
-def test_an_existing_report_is_replaced_only_once_a_part_has_its_section(tmp_path, monkeypatch, append):
+def test_an_existing_report_is_replaced_only_once_a_part_has_its_section(tmp_path, capsys, monkeypatch, append):
     out = tmp_path / "r.md"
     out.write_text("# an older report\n")
     seen = []
@@ -157,7 +142,8 @@ def test_an_existing_report_is_replaced_only_once_a_part_has_its_section(tmp_pat
     assert seen[:steps] == ["# an older report\n"] * steps  # untouched while the first part runs
     assert "## What one step costs" in seen[steps] and "## Training" not in seen[steps]  # then its section
     assert text.startswith("# an older report\n\n## What one step costs" if append else "# medusa_mini on CPU")
-    assert "## Training" in text and text.count("Failed: exit status 1") == steps + 1
+    assert "## Training" in text and text.count("Failed: exit status 1 after 1 s: boom\n") == steps + 1
+    assert capsys.readouterr().err.endswith(f"report: {out}; failed: step, train\n")
     assert [p.name for p in tmp_path.iterdir()] == ["r.md"]  # no temporary file left beside it
 
 
@@ -181,18 +167,23 @@ def test_a_report_that_cannot_be_written_is_one_line_and_keeps_the_parts_before(
 
 
 def test_a_stopped_report_leaves_no_command_of_its_own_running(tmp_path):
-    """SIGTERM (or Ctrl-C) while a part's command runs: the command and what it started are killed and
-    reaped before the report stops."""
+    """SIGTERM (or Ctrl-C) while a part's command runs, once it has started: the command and what it
+    started are killed and reaped before the report stops, whatever the budget left."""
     pid_file = tmp_path / "pid"
-    child = f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(60)"
+    child = (f"import os, time; open({str(pid_file)!r} + '.tmp', 'w').write(str(os.getpid())); "
+             f"os.rename({str(pid_file)!r} + '.tmp', {str(pid_file)!r}); time.sleep(600)")
+
+    def stop_once_started() -> None:
+        while not pid_file.exists():
+            time.sleep(0.05)
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGTERM)
+
     previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # as gpu_report.main installs it
-    timer = threading.Timer(1.5, signal.pthread_kill, (threading.main_thread().ident, signal.SIGTERM))
     try:
-        timer.start()
+        threading.Thread(target=stop_once_started, daemon=True).start()
         with pytest.raises(SystemExit):
-            gpu_report.run_script(["-c", child], timeout_s=30, label="sleeper")
+            gpu_report.run_script(["-c", child], timeout_s=600, label="sleeper")
     finally:
-        timer.cancel()
         signal.signal(signal.SIGTERM, previous)
     with pytest.raises(ProcessLookupError):
         os.kill(int(pid_file.read_text()), 0)

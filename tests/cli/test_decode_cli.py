@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import json
+import shlex
 import shutil
 import subprocess
 import sys
@@ -42,16 +43,8 @@ def run(capsys, *argv: str) -> str:
     return capsys.readouterr().out
 
 
-def tokens_of(capsys, *argv: str) -> list[list[int]]:
-    return [json.loads(line)["tokens"] for line in run(capsys, *argv, "--json").splitlines()]
-
-
-def test_json_gives_one_object_per_prompt(ckpt, capsys):
-    out = run(capsys, "--ckpt", ckpt, "--json", "--max-new-tokens", "10", "--num-prompts", "2")
-    objs = [json.loads(line) for line in out.splitlines()]
-    assert [(o["prompt"], o["method"], len(o["tokens"]), o["stop_reason"]) for o in objs] == [
-        (p, "medusa_greedy", 10, "max_new_tokens") for p in PROMPTS[:2]]
-    assert all(o["steps"] >= 1 and o["tokens_per_step"] >= 1.0 and o["seconds"] > 0 for o in objs)
+def objects(capsys, *argv: str) -> list[dict]:
+    return [json.loads(line) for line in run(capsys, *argv, "--json").splitlines()]
 
 
 @pytest.mark.parametrize("rule, needles", [
@@ -76,21 +69,14 @@ def test_show_brackets_each_step_and_joins_to_the_plain_text(ckpt, capsys):
     assert shown.count("[") == medusa["steps"] + 1  # the prefill's token, then one chunk per step
 
 
-def test_plain_show_needs_no_heads_and_shows_no_tree(ckpt_no_heads, capsys):
+def test_plain_decoding_needs_no_heads_shows_no_tree_and_never_asks_heads_to_fill_one(ckpt, ckpt_no_heads, capsys,
+                                                                                     tmp_path):
     out = run(capsys, "--ckpt", ckpt_no_heads, "--method", "plain", "--show", "--max-new-tokens", "6")
-    assert "=== plain greedy; one [chunk] per forward pass" in out and "attention mask" not in out and "root" not in out
-
-
-def test_plain_decoding_never_asks_the_heads_to_fill_a_tree(ckpt, capsys, tmp_path):
+    assert "=== plain greedy; one [chunk] per forward pass" in out and "1.00 tokens/step" in out
+    assert "attention mask" not in out and "root" not in out
     (tmp_path / "wide.json").write_text("[[100000]]")  # a rank past the draft vocabulary: Medusa refuses it
-    out = run(capsys, "--ckpt", ckpt, "--method", "plain", "--tree", str(tmp_path / "wide.json"), "--max-new-tokens",
-              "4", "--num-prompts", "1")
-    assert "plain greedy" in out
-
-
-def test_plain_decoding_needs_no_heads(ckpt_no_heads, capsys):
-    out = run(capsys, "--ckpt", ckpt_no_heads, "--method", "plain", "--max-new-tokens", "5", "--num-prompts", "1")
-    assert "plain greedy" in out and "1.00 tokens/step" in out
+    assert "plain greedy" in run(capsys, "--ckpt", ckpt, "--method", "plain", "--tree", str(tmp_path / "wide.json"),
+                                 "--max-new-tokens", "4", "--num-prompts", "1")
 
 
 def test_generation_stops_cleanly_at_the_context_limit(ckpt, capsys):
@@ -104,24 +90,21 @@ def test_generation_stops_cleanly_at_the_context_limit(ckpt, capsys):
         "max_new_tokens", "max_new_tokens"]
 
 
-@pytest.mark.parametrize("rule", [["--method", "greedy"], ["--method", "typical"], ["--method", "rejection"]])
-def test_the_reference_decoder_prints_the_engines_tokens_and_stop_reasons(ckpt, capsys, rule):
-    argv = ["--ckpt", ckpt, "--max-new-tokens", "16", "--seed", "2", *rule, "--json"]
-    ends = [[(o["tokens"], o["stop_reason"]) for o in map(json.loads, run(capsys, *argv, *ref).splitlines())]
-            for ref in ([], ["--reference"])]
-    assert ends[0] == ends[1] and {reason for _, reason in ends[0]} <= {"eos", "max_new_tokens"}
-
-
 @pytest.mark.parametrize("rule", [[], ["--method", "plain"]])
-def test_a_batch_of_prompts_decodes_each_as_if_alone_when_greedy(ckpt, capsys, rule):
+def test_json_is_an_object_per_prompt_and_a_batch_decodes_each_prompt_as_if_alone_when_greedy(ckpt, capsys, rule):
     argv = ["--ckpt", ckpt, "--max-new-tokens", "14", *rule]
-    assert tokens_of(capsys, *argv, "--batch-size", "2") == tokens_of(capsys, *argv)
-    assert run(capsys, *argv, "--num-prompts", "3", "--batch-size", "2").count(" ms/token over its batch of 2,") == 2
+    alone = objects(capsys, *argv)
+    assert [(o["prompt"], o["method"], len(o["tokens"]), o["stop_reason"]) for o in alone] == [
+        (p, "plain_greedy" if rule else "medusa_greedy", 14, "max_new_tokens") for p in PROMPTS]
+    assert all(o["steps"] >= 1 and o["tokens_per_step"] >= 1.0 and o["seconds"] > 0 for o in alone)
+    assert [o["tokens"] for o in objects(capsys, *argv, "--batch-size", "2")] == [o["tokens"] for o in alone]
+    assert run(capsys, *argv, "--batch-size", "2").count(" ms/token over its batch of 2,") == 2
 
 
 def test_hydra_heads_decode_and_explain_like_medusa_heads(ckpt_hydra, capsys):
     argv = ["--ckpt", ckpt_hydra, "--max-new-tokens", "12"]
-    assert tokens_of(capsys, *argv) == tokens_of(capsys, *argv, "--method", "plain")  # greedy: lossless
+    tokens = [[o["tokens"] for o in objects(capsys, *argv, *rule)] for rule in ([], ["--method", "plain"])]
+    assert tokens[0] == tokens[1]  # greedy: lossless
     assert "Dependent (hydra) heads" in run(capsys, *argv, "--explain")
 
 
@@ -133,19 +116,18 @@ def test_the_demo_explains_a_step_without_any_checkpoint(capsys, tmp_path, monke
     assert out.startswith("DEMO:") and "accepted path" in out and "7. Result" in out
 
 
-def test_two_runs_of_the_same_sampled_decode_print_the_same_tokens(ckpt):
-    argv = [sys.executable, "decode.py", "--ckpt", ckpt, "--method", "rejection", "--seed", "3", "--json"]
-    runs = [subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, timeout=120) for _ in range(2)]
+def test_as_a_process_two_sampled_runs_print_the_same_tokens_and_a_bad_checkpoint_is_status_2_in_one_line(
+        ckpt, tmp_path):
+    """As a user meets it: the process's output, exit status and stderr (the rest of the bad inputs run
+    in-process below, through the same main)."""
+    def decode_py(*argv: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "decode.py", *argv], capture_output=True, text=True, cwd=ROOT)
+
+    runs = [decode_py("--ckpt", ckpt, "--method", "rejection", "--seed", "3", "--json") for _ in range(2)]
     objs = [[json.loads(line) for line in r.stdout.splitlines()] for r in runs]
     assert objs[0][0]["temperature"] == 0.8 and len(objs[0]) == 3  # the sampling default when none is given
     assert [o["tokens"] for o in objs[0]] == [o["tokens"] for o in objs[1]]
-
-
-def test_a_bad_checkpoint_ends_the_real_process_with_status_2_and_one_line(tmp_path):
-    """As a user meets it: the process's exit status and stderr, for an error found after parsing (the rest
-    of the bad inputs run in-process below, through the same main)."""
-    r = subprocess.run([sys.executable, "decode.py", "--ckpt", str(tmp_path / "nowhere")], capture_output=True,
-                       text=True, cwd=ROOT, timeout=120)
+    r = decode_py("--ckpt", str(tmp_path / "nowhere"))
     assert r.returncode == 2 and r.stdout == "", r
     assert r.stderr.startswith("decode.py: error: checkpoint directory") and r.stderr.count("\n") == 1, r.stderr
 
@@ -158,44 +140,32 @@ def broken_ckpt(ckpt, tmp_path_factory):
     return str(d)
 
 
-@pytest.mark.parametrize("argv, needle", [  # bad trees: tests/cli/test_tree_choice.py
-    (["--ckpt", "{tmp}/nowhere"], "does not exist"), (["--ckpt", "{broken}"], "model.safetensors"),
-    (["--ckpt", "{no_heads}"], "no Medusa heads"), (["--ckpt", "{no_heads}", "--compare"], "no Medusa heads"),
-    (["--tree", "chain6"], "4 Medusa heads"), (["--prompt", ""], "empty"),
-    (["--prompt", "the cat " * 100], "context holds 64"), (["--temperature", "-1"], "--temperature"),
-    (["--top-p", "1.5"], "--top-p"), (["--max-new-tokens", "0"], "--max-new-tokens"),
-    (["--method", "greedy", "--temperature", "0.7"], "--method greedy is for temperature 0"),
-    (["--max-new-tokens", "many"], "invalid int"), (["--batch-size", "2", "--show"], "--batch-size"),
-    (["--batch-size", "1,2"], "a list of sizes goes with --compare"),
-    (["--compare", "--batch-size", "1,x"], "a size >= 1"),
-    (["--plot", "{tmp}/b.png"], "--plot draws the batch table"), (["--demo"], "--demo goes with --explain"),
-    (["--compare", "--batch-size", "1,2", "--plot", "{tmp}/no/b.png"], "folder does not exist"),
-    (["--reference", "--method", "plain"], "--reference decodes with Medusa"),
-    (["--ckpt", "{hydra}", "--reference"], "hydra heads read the tokens drafted"),  # the heads' own check
-    (["--ckpt", "{tmp}/nothing"], "holds neither model.safetensors"), (["--ckpt", "{ckpt}/config.json"], "is a file, not a checkpoint"),
-    (["--compare", "--max-new-tokens", "1"], "at least 2"), (["--compare", "--method", "typical"], "leave out --method"),
-    (["--explain", "--method", "plain"], "--explain walks through a Medusa step"),
-    (["--compare", "--batch-size", "1,2", "--reference"], "--reference adds its rows"),
-    (["--tree", ""], "--tree is empty"), (["--batch-size", " "], "--batch-size is empty"),
-    (["--seed", str(2**64)], "not a seed"), (["--tree", "{tmp}/wide.json"], "the draft vocabulary has"),
-    (["--num-prompts", "0"], "--num-prompts must be at least 1"), (["--json", "--show"], "--json cannot"),
-    (["--json", "--explain"], "--json cannot"), (["--batch-size", "2", "--reference"], "one at a time"),
-    (["--batch-size", "2", "--explain"], "one at a time"), (["--batch-size", "²"], "a size >= 1"),
-    (["--method", "typical", "--temperature", "0"], "--method typical samples: give --temperature > 0"),
-    (["--method", "rejection", "--temperature", "0"], "or use --method greedy for temperature 0"),
-    (["--explain", "--compile"], "leave out --compile"), (["--explain", "--reference"], "leave out --reference"),
-    (["--temperature", "inf"], "--temperature must be a number from 0"),
+@pytest.mark.parametrize("case", [  # what the error names: what follows "->", else the first flag given
+    "--ckpt {tmp}/nowhere -> does not exist", "--ckpt {broken} -> model.safetensors", "--ckpt {tmp} -> safetensors",
+    "--ckpt {ckpt}/config.json -> is a file", "--ckpt {no_heads} -> no Medusa heads",
+    "--ckpt {no_heads} --compare -> no Medusa heads", "--ckpt {hydra} --reference -> hydra heads",
+    "--tree chain6 -> 4 Medusa heads", "--tree {tmp}/wide.json -> draft vocabulary", "--tree ''", "--prompt ''",
+    "--prompt '{long}' -> context holds 64", "--temperature -1", "--temperature inf", "--top-p 1.5",
+    "--max-new-tokens 0", "--max-new-tokens many", "--num-prompts 0", "--seed 18446744073709551616",
+    "--method greedy --temperature 0.7", "--method typical --temperature 0 -> --temperature",
+    "--method rejection --temperature 0 -> --temperature", "--batch-size 2 --show", "--batch-size 2 --reference",
+    "--batch-size 2 --explain", "--batch-size 1,2", "--batch-size ' '", "--batch-size ²",
+    "--compare --batch-size 1,x -> --batch-size", "--plot {tmp}/b.png", "--demo", "--reference --method plain",
+    "--compare --batch-size 1,2 --plot {tmp}/no/b.png -> --plot", "--compare --max-new-tokens 1 -> --max-new-tokens",
+    "--compare --method typical -> --method", "--explain --method plain", "--json --show", "--json --explain",
+    "--compare --batch-size 1,2 --reference -> --reference", "--explain --compile -> --compile",
+    "--explain --reference -> --reference",
 ])
-def test_bad_input_exits_2_with_one_line(argv, needle, ckpt, ckpt_no_heads, ckpt_hydra, broken_ckpt, tmp_path, capsys):
+def test_bad_input_exits_2_with_one_line(case, ckpt, ckpt_no_heads, ckpt_hydra, broken_ckpt, tmp_path, capsys):
     (tmp_path / "wide.json").write_text("[[100000]]")  # a rank past any draft vocabulary: refused before output
-    (tmp_path / "nothing").mkdir()
-    argv = [a.format(tmp=str(tmp_path), broken=broken_ckpt, no_heads=ckpt_no_heads, hydra=ckpt_hydra, ckpt=ckpt)
-            for a in argv]
+    args, _, needle = case.partition(" -> ")
+    argv = shlex.split(args.format(tmp=tmp_path, broken=broken_ckpt, no_heads=ckpt_no_heads, hydra=ckpt_hydra,
+                                   ckpt=ckpt, long="the cat " * 100))
     with pytest.raises(SystemExit) as exc:
         decode.main(argv if "--ckpt" in argv else ["--ckpt", ckpt, *argv])
     err = capsys.readouterr().err
     assert exc.value.code == 2 and err.startswith("decode.py: error: ") and err.count("\n") == 1, err
-    assert needle in err, err
+    assert (needle or argv[0]) in err, err
 
 
 @pytest.mark.parametrize("mode", [[], ["--method", "rejection"], ["--method", "plain", "--temperature", "0.8"],
