@@ -67,8 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """The flags, every impossible setting refused before any loading; the batch sizes and the sampling
-    settings filled in."""
+    """The flags, every impossible setting refused before any loading; batch sizes and sampling filled in."""
     p = build_parser()
     a = p.parse_args(argv)
     sizes = (a.batch_size if a.batch_size is not None else "1").split(",")
@@ -116,8 +115,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def prepare(a: argparse.Namespace):
-    """(checkpoint, the TreeChoice, --compare's for drawn candidates (else the same), [(text, ids)] prompts);
-    a ValueError for anything unusable, before any output."""
+    """(checkpoint, TreeChoice, --compare's for drawn candidates, [(text, ids)]); a ValueError before any output."""
     device = pick_device(a.device)
     dtype = pick_dtype(a.dtype, device)
     if a.demo:
@@ -214,8 +212,8 @@ class StepPrinter:
 
 
 def stat_line(rows: list, row: int, *, block_size: int, streamed: bool) -> str:
-    """One line on rows[row] of one decoding call: steps, tokens/step (bonus counted), ms/token (the call's
-    seconds over all its rows' tokens, with what the clock included) and why it stopped."""
+    """rows[row] of one decoding call in a line: steps, tokens/step, ms/token (the call's, with what its clock
+    included) and why it stopped."""
     tokens, stats = rows[row]
     ms = 1000 * stats.seconds / max(sum(len(t) for t, _ in rows), 1)
     speed = (" as streamed (printing included; --compare times decoding alone)" if streamed

@@ -132,8 +132,7 @@ def commands(s: argparse.Namespace, part: str) -> list[tuple[str | None, list[st
 
 
 def run_part(s: argparse.Namespace, part: str) -> tuple[str, bool]:
-    """A part's section: each command (under its heading, if it has one) within what is left of the part's
-    budget, with the lines its `keep` picks; a command the budget did not reach is named."""
+    """A part's section: each command within what is left of the part's budget (one it did not reach, named)."""
     title, keep, intro = PARTS[part]
     deadline, text, ok = time.monotonic() + s.budget_s, [f"## {title}", *(["", intro] if intro else [])], True
     for heading, argv in commands(s, part):
@@ -146,8 +145,8 @@ def run_part(s: argparse.Namespace, part: str) -> tuple[str, bool]:
 
 
 def check_command(argv: list[str]) -> None:
-    """A ValueError naming the forwarded flags if the script `argv` runs would refuse them: its own
-    parse_args (which loads nothing) runs here, its one-line error caught: now, not after the parts before."""
+    """A ValueError now, not after the parts before, if the script would refuse its forwarded flags: its own
+    parse_args (which loads nothing) runs here."""
     script, printed = argv[0], io.StringIO()
     try:
         with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):

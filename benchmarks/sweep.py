@@ -43,9 +43,8 @@ RULES = {  # rule: how it samples at --temperature (none: greedy, at T = 0)
 
 def sweep(ck: Checkpoint, tables: dict, prompts: list[list[int]], *, budgets: tuple[int, ...],
           draft_vocabs: tuple[int, ...], temperature: float, max_new_tokens: int, repeat: int, seed: int) -> dict:
-    """The plain decoders the rules need, then a row per rule (`tables`: rule -> (its accuracy table, whether
-    that table predicts its tokens/step)), drafter and budget, each against the plain decoder of its
-    temperature: every method on every prompt, timed in turns, end-of-text stopping nothing."""
+    """A row per rule (`tables`: rule -> (its accuracy table, whether it predicts the rule's tokens/step)),
+    drafter and budget against the plain decoder of its temperature, all timed in turns, ignoring end-of-text."""
     samplings = {r: Sampling(**RULES[r], temperature=temperature) if RULES[r] else Sampling() for r in tables}
     specs = list({s.temperature: (Method("plain", s), {}) for s in samplings.values()}.values())  # reads only T
     heads = {}
@@ -114,8 +113,7 @@ def format_sweep(result: dict) -> str:
 
 
 def load(ns: argparse.Namespace) -> tuple[Checkpoint, dict, list[list[int]]]:
-    """The flags checked, then the checkpoint, each rule's accuracy table (for `sweep`) and the prompts, cut
-    to leave room for the new tokens; a one-line ValueError for the first thing wrong."""
+    """The flags checked; the checkpoint, each rule's table (for `sweep`) and the prompts, or a ValueError."""
     rules = [r for r in RULES if r in ns.rules]  # in RULES' order
     sampled = any(RULES[r] for r in rules)  # greedy rules read no temperature, yet the results report it
     if not (0 < ns.temperature if sampled else 0 <= ns.temperature) or ns.temperature == math.inf:  # nan too

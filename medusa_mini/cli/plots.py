@@ -68,8 +68,7 @@ def plot_node_sweep(series: Sequence[tuple[str, Sequence[Mapping]]], path: str, 
 
 
 def plot_batch(rows: Sequence[Mapping], path: str, *, title: str) -> str:
-    """Tokens/s (left) and the speedup of every method but "plain ..." (right) against batch size; rows hold
-    `method`, `batch_size`, `tokens_per_s` and `speedup`. Returns path."""
+    """Tokens/s (left) and the speedup of every method but "plain ..." (right) against batch size. Returns path."""
     fig, (speed_ax, gain_ax) = _figure()
     for method in dict.fromkeys(r["method"] for r in rows):
         mine = sorted((r for r in rows if r["method"] == method), key=lambda r: r["batch_size"])

@@ -1,9 +1,7 @@
-"""The rows of `decode.py --compare` and the sweep: each way of decoding (`Method`) timed in turns, one
-prompt or B prompts at a time, summed up by `summarise`, each set against the plain decoder of its
-temperature: speedup (tokens/s over plain's) and step cost (ms per pass over plain's), so speedup ≈
-tokens/step ÷ step cost. Greedy rows must make plain greedy's tokens; in half precision a near-tie may
-round either way, so a difference is located instead.
-"""
+"""The rows of `decode.py --compare` and the sweep: each way of decoding (`Method`) timed in turns, B prompts
+at a time, against the plain decoder of its temperature: speedup (tokens/s over plain's) ≈ tokens/step ÷ step
+cost (ms per pass over plain's). Greedy rows must make plain greedy's tokens; in half precision a near-tie may
+round either way, so a difference is located instead."""
 
 from __future__ import annotations
 
@@ -94,8 +92,8 @@ def decode_each(engine: Engine, method: Method, prompts: list[list[int]], *, bat
 
 def run_in_turns(engine: Engine, methods: list[Method], batches: list[list[list[int]]], *, max_new_tokens: int,
                  seed: int, repeat: int = REPEAT, stop_at_eot: bool = True) -> tuple[dict[str, Runs], set[str]]:
-    """Per method key, each batch's fastest of `repeat` runs, methods taking turns (`in_turns`) after a short
-    untimed run each; and the keys whose repeats made other tokens (non-deterministic kernels)."""
+    """Per method key, each batch's fastest of `repeat` runs in turns, after a short untimed run each; and the
+    keys whose repeats made other tokens (non-deterministic kernels)."""
     def call(m: Method, batch: list[list[int]], n: int):
         return lambda: decode(engine, m, batch, seed=seed, max_new_tokens=n, stop_at_eot=stop_at_eot)
 
@@ -110,9 +108,8 @@ def run_in_turns(engine: Engine, methods: list[Method], batches: list[list[list[
 
 
 def summarise(runs: Runs) -> dict:
-    """One row's numbers from its timed runs. A batch runs until its slowest row stops: `passes` counts its
-    forward passes (ms/step is per pass), `row_passes` each pass once per row it carried, what the rows'
-    own steps compare with."""
+    """One row's numbers. A batch runs until its slowest row stops: `passes` are its forward passes (ms/step is
+    per pass), `row_passes` count each pass once per row it carried, what the rows' own steps compare with."""
     rows = [row for results, _ in runs for row in results]
     steps = sum(st.steps for _, st in rows)
     passes = sum(max(st.steps for _, st in results) for results, _ in runs)
@@ -137,9 +134,8 @@ def first_difference(ck: Checkpoint, prompt: list[int], want: list[int], got: li
 
 def compare_methods(ck: Checkpoint, tree: Tree, sampling: Sampling, *, temperature: float,
                     lookup_nodes: int, drawn_tree: Tree | None = None, with_reference: bool = False) -> list[Method]:
-    """--compare's rows: greedy, then sampled at `temperature`, plain, by prompt lookup (a chain of
-    `lookup_nodes`) and by the heads (on `tree`; rejection sampling's drawn candidates on `drawn_tree`, by
-    default `tree`); the reference under each rule of the heads. Top-p and draft come from `sampling`."""
+    """--compare's rows, greedy then sampled at `temperature`: plain, prompt lookup (a chain of `lookup_nodes`),
+    the heads (rejection sampling's drawn candidates on `drawn_tree`), the reference under each of their rules."""
     greedy = dataclasses.replace(sampling, acceptance="greedy", temperature=0.0)
     typical, rejection = (dataclasses.replace(greedy, acceptance=r, temperature=temperature)
                           for r in ("typical", "rejection"))
@@ -154,8 +150,7 @@ def compare_methods(ck: Checkpoint, tree: Tree, sampling: Sampling, *, temperatu
 
 def compare(engine: Engine, prompts: list[list[int]], methods: list[Method], *, max_new_tokens: int, seed: int,
             batch_sizes: list[int] = (1,), repeat: int = REPEAT) -> dict:
-    """A row per method and batch size, the prompts (cycled up to the largest batch) taken B at a time,
-    each set against plain decoding and greedy rows against the first size's plain greedy tokens."""
+    """A row per method and batch size, the prompts (cycled up to the largest batch) taken B at a time."""
     work = [prompts[i % len(prompts)] for i in range(max(max(batch_sizes), len(prompts)))]
     rows = []
     for B in batch_sizes:
@@ -187,8 +182,8 @@ def compare(engine: Engine, prompts: list[list[int]], methods: list[Method], *, 
 
 
 def per_prompt(prompts: list[list[int]], runs: dict[str, Runs]) -> list[dict]:
-    """Per prompt (runs of one prompt at a time): tokens/step of prompt lookup greedy and of Medusa greedy,
-    and the share of plain greedy's new tokens that repeat the token before them (what lookup finds)."""
+    """Per prompt: greedy tokens/step of prompt lookup and of Medusa, and the share of plain greedy's new tokens
+    that repeat the one before (what lookup finds)."""
     out = []
     for i, ids in enumerate(prompts):
         seq = ids[-1:] + runs["plain_greedy"][i][0][0][0]
@@ -213,9 +208,8 @@ COLUMNS = {  # row key: (header, width, format)
 
 
 def table(result: dict, columns: tuple[str, ...], *, identity: str) -> list[str]:
-    """One line per row, its method first and whether it made plain greedy's tokens last; then the
-    settings, what the numbers count (`identity`: how speedup follows from the columns), and where rows
-    stopped early or left plain greedy."""
+    """A line per row, then the settings, what the numbers count (`identity`: how speedup follows from the
+    columns), and where rows stopped early or left plain greedy."""
     head = f"{'method':<32}" + "".join(f"{COLUMNS[c][0]:>{COLUMNS[c][1]}}" for c in columns) + "  same as plain greedy"
     lines = [head, "-" * len(head)]
     for r in result["rows"]:
@@ -264,8 +258,8 @@ def format_compare(result: dict) -> str:
 
 
 def why_line(result: dict, key: str) -> str:
-    """One measured sentence on where a drafter stops paying, and why: its step's cost against a plain
-    one, and the passes a batch makes against what its rows needed (the slowest row sets the pace)."""
+    """Where a drafter stops paying, and why: its step's cost, and the passes a batch makes against what its
+    rows needed (the slowest row sets the pace)."""
     rows = {(r["key"], r["batch_size"]): r for r in result["rows"]}
     first, B = result["batch_sizes"][0], result["crossover"][key] or result["batch_sizes"][-1]
     r, cost = rows[(key, B)], f"a step costs {rows[(key, first)]['step_cost']:.2f}x a plain step at batch {first}"

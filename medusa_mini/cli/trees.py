@@ -1,7 +1,7 @@
-"""Which tree a run decodes with (`--tree`): a preset, choices (a JSON file or inline), or a node budget N,
-the best tree of N nodes for heads_accuracy.json. By default ('auto') 64 nodes on a GPU, where a verify of
-64 costs little more than one of 1; on a CPU, where every node costs time, at most 8 and only those that pay
-for themselves (`CPU_MIN_GAIN`); without the table, the device's preset."""
+"""Which tree a run decodes with (`--tree`): a preset, choices (a JSON file or inline), or a node budget N, the
+best tree of N nodes for heads_accuracy.json. By default ('auto') 64 nodes on a GPU, where a verify of 64 costs
+little more than one of 1; on a CPU, where every node costs time, at most 8 and only those that pay for
+themselves (`CPU_MIN_GAIN`); without the table, the device's preset."""
 
 from __future__ import annotations
 
@@ -25,9 +25,8 @@ HINT = 'a tree file holds [[0], [1], [0, 0], ...] or {"choices": [...]}'
 
 
 class TreeChoice(NamedTuple):
-    """What `--tree` chose: the heads' tree, its name for reports, and the nodes a step may verify: N, or
-    auto's ceiling, else the tree's own. Prompt lookup drafts a chain of `budget` nodes: it verifies only
-    what it finds, so the heads' cost rule is not its own."""
+    """The heads' tree, its name, and the nodes a step may verify (N, auto's ceiling, else the tree's own):
+    prompt lookup's chain, which verifies only what it finds, so the heads' cost rule is not its own."""
 
     tree: Tree
     name: str
@@ -36,11 +35,9 @@ class TreeChoice(NamedTuple):
 
 def resolve_tree(spec: str | None, *, ckpt_dir: str, device: torch.device | str, num_heads: int,
                  drawn: bool = False) -> TreeChoice:
-    """The tree of a node budget N, 'auto', a preset ('cpu', 'gpu', 'chainN'), or choices ([[0], [1], [0, 0]]
-    or {"choices": [...]}) inline or in a JSON file (in the working directory, else the checkpoint's), no
-    deeper than the heads loaded. `drawn`: for rejection sampling's drawn candidates, whose budget trees grow
-    from their own table: a drawn candidate passes far less often than a top-1 guess, so siblings (more
-    tries at a node) are worth more than depth."""
+    """The tree of a node budget N, 'auto', a preset, or choices inline or in a JSON file (the working
+    directory's, else the checkpoint's). `drawn`: for rejection sampling's drawn candidates, whose budget trees
+    grow from their own table: they pass far less often than top-1 guesses, so siblings beat depth."""
     gpu, measured = torch.device(device).type != "cpu", os.path.isfile(os.path.join(ckpt_dir, ACCURACY_FILE))
     if spec is None:
         spec = "auto" if ckpt_dir and measured else ("gpu" if gpu else "cpu")

@@ -95,13 +95,6 @@ def test_on_cuda_each_part_compiles_keeps_what_it_reports_and_names_what_failed_
     assert text.startswith("# medusa_mini on NVIDIA H100 80GB HBM3") and "- device: cuda: NVIDIA H100" in text
 
 
-def test_a_command_keeps_its_output_and_one_that_outlasts_its_budget_is_stopped():
-    """Budgets far from any start-up time: 600 s for a command that ends at once, 1 s for one that sleeps 600."""
-    assert gpu_report.run_script(["-c", "print('done')"], timeout_s=600, label="quick")[:2] == (0, "done\n")
-    lines, ok = gpu_report.section(["-c", "import time; time.sleep(600)"], timeout_s=1, label="sleeper")
-    assert not ok and re.fullmatch(r"Failed: stopped at its budget after \d+ s", lines[-1])
-
-
 @pytest.mark.parametrize("case", [  # the error names what follows "->", else the first flag given
     "--part nope", "--device tpu -> device", "--budget-s 0", "--budget-s nan", "--budget-s inf", "--configs gpt5",
     "--dtypes float8", "--part decode --ckpt no/such/dir -> --ckpt", "--train-flags \"'unclosed\" -> quotation",
@@ -166,9 +159,12 @@ def test_a_report_that_cannot_be_written_is_one_line_and_keeps_the_parts_before(
     assert out.read_text() == writes[0] and "## Training" not in writes[0]
 
 
-def test_a_stopped_report_leaves_no_command_of_its_own_running(tmp_path):
-    """SIGTERM (or Ctrl-C) while a part's command runs, once it has started: the command and what it
-    started are killed and reaped before the report stops, whatever the budget left."""
+def test_a_command_keeps_its_output_is_stopped_at_its_budget_and_on_sigterm_leaves_nothing_running(tmp_path):
+    """Budgets far from any start-up time: 600 s for a command that ends at once, 1 s for one that sleeps 600.
+    SIGTERM (or Ctrl-C) once a command has started: it and what it started are killed and reaped."""
+    assert gpu_report.run_script(["-c", "print('done')"], timeout_s=600, label="quick")[:2] == (0, "done\n")
+    lines, ok = gpu_report.section(["-c", "import time; time.sleep(600)"], timeout_s=1, label="sleeper")
+    assert not ok and re.fullmatch(r"Failed: stopped at its budget after \d+ s", lines[-1])
     pid_file = tmp_path / "pid"
     child = (f"import os, time; open({str(pid_file)!r} + '.tmp', 'w').write(str(os.getpid())); "
              f"os.rename({str(pid_file)!r} + '.tmp', {str(pid_file)!r}); time.sleep(600)")

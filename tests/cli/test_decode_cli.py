@@ -132,14 +132,6 @@ def test_as_a_process_two_sampled_runs_print_the_same_tokens_and_a_bad_checkpoin
     assert r.stderr.startswith("decode.py: error: checkpoint directory") and r.stderr.count("\n") == 1, r.stderr
 
 
-@pytest.fixture(scope="module")
-def broken_ckpt(ckpt, tmp_path_factory):
-    d = tmp_path_factory.mktemp("broken") / "ckpt"
-    shutil.copytree(ckpt, d)
-    (d / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not a header}")
-    return str(d)
-
-
 @pytest.mark.parametrize("case", [  # what the error names: what follows "->", else the first flag given
     "--ckpt {tmp}/nowhere -> does not exist", "--ckpt {broken} -> model.safetensors", "--ckpt {tmp} -> safetensors",
     "--ckpt {ckpt}/config.json -> is a file", "--ckpt {no_heads} -> no Medusa heads",
@@ -156,11 +148,13 @@ def broken_ckpt(ckpt, tmp_path_factory):
     "--compare --batch-size 1,2 --reference -> --reference", "--explain --compile -> --compile",
     "--explain --reference -> --reference",
 ])
-def test_bad_input_exits_2_with_one_line(case, ckpt, ckpt_no_heads, ckpt_hydra, broken_ckpt, tmp_path, capsys):
+def test_bad_input_exits_2_with_one_line(case, ckpt, ckpt_no_heads, ckpt_hydra, tmp_path, capsys):
     (tmp_path / "wide.json").write_text("[[100000]]")  # a rank past any draft vocabulary: refused before output
+    broken = shutil.copytree(ckpt, tmp_path / "broken")
+    (broken / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not a header}")
     args, _, needle = case.partition(" -> ")
-    argv = shlex.split(args.format(tmp=tmp_path, broken=broken_ckpt, no_heads=ckpt_no_heads, hydra=ckpt_hydra,
-                                   ckpt=ckpt, long="the cat " * 100))
+    argv = shlex.split(args.format(tmp=tmp_path, broken=broken, no_heads=ckpt_no_heads, hydra=ckpt_hydra, ckpt=ckpt,
+                                   long="the cat " * 100))
     with pytest.raises(SystemExit) as exc:
         decode.main(argv if "--ckpt" in argv else ["--ckpt", ckpt, *argv])
     err = capsys.readouterr().err

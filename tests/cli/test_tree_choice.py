@@ -19,18 +19,14 @@ def resolve(spec, ckpt_dir, *, device="cpu", num_heads=4, drawn=False):
     return resolve_tree(spec, ckpt_dir=str(ckpt_dir), device=device, num_heads=num_heads, drawn=drawn)
 
 
-def test_a_node_budget_builds_the_best_tree_of_that_size_cut_to_the_heads_loaded(tmp_path):
-    save_accuracy(tmp_path, VICUNA)
-    assert resolve("8", tmp_path) == (build_tree(VICUNA, 8)[0], "8", 8)
-    assert resolve("64", tmp_path, num_heads=2)[0] == build_tree(VICUNA, 64)[0].truncated(2)
-    assert resolve("chain3", tmp_path) == (chain(3), "chain3", 3)  # a preset names its tree, its size the budget
-
-
-def test_without_a_tree_the_device_picks_the_budget_or_without_accuracies_its_preset(tmp_path):
-    assert resolve(None, tmp_path) == (preset("cpu"), "cpu", preset("cpu").num_nodes - 1)
+def test_a_budget_builds_the_best_tree_of_that_size_and_without_one_the_device_picks_it_or_its_preset(tmp_path):
+    assert resolve(None, tmp_path) == (preset("cpu"), "cpu", preset("cpu").num_nodes - 1)  # no accuracies yet
     assert resolve(None, tmp_path, device="cuda") == (preset("gpu"), "gpu", preset("gpu").num_nodes - 1)
     save_accuracy(tmp_path, VICUNA)
     acc = load_accuracy(tmp_path)  # as stored: rounded, which may break the table's ties otherwise
+    assert resolve("8", tmp_path) == (build_tree(acc, 8)[0], "8", 8)
+    assert resolve("64", tmp_path, num_heads=2)[0] == build_tree(acc, 64)[0].truncated(2)  # cut to the heads loaded
+    assert resolve("chain3", tmp_path) == (chain(3), "chain3", 3)  # a preset names its tree, its size the budget
     cpu_tree, name, budget = resolve(None, tmp_path)  # on a CPU, at most 8 nodes, each worth its time
     assert (cpu_tree, name) == (build_tree(acc, 8, min_gain=CPU_MIN_GAIN)[0], "auto")
     assert resolve("auto", tmp_path) == (cpu_tree, name, budget)
