@@ -1,11 +1,9 @@
 """The acceptance tables in heads_accuracy.json, measured on the model's own continuations and read back.
 
-acc[k][r] = P(head k+1's rank-r guess is the backbone's greedy token k+2 places ahead) on greedy
-continuations: the chance that greedy acceptance takes the guess once it took the node above
-(`tree.build_tree` multiplies these along paths). Its sampling counterpart, `measure_try_acceptance`: the
-chance that rejection sampling accepts head k+1's r-th draw, on sampled continuations; its first column
-is Σ min(p, q), which `measure_sampled_acceptance` computes exactly. `train_tiny.py`'s summary (report.py)
-and `python -m medusa_mini.cli.measure` both measure them."""
+acc[k][r] = P(head k+1's rank-r guess is the backbone's greedy token k+2 places ahead): the chance that
+greedy acceptance takes the guess once it took the node above (`tree.build_tree` multiplies these along
+paths). Rejection sampling's counterpart, `measure_try_acceptance`, is the chance that it accepts head k+1's
+r-th draw; its first column is Σ min(p, q), which `measure_sampled_acceptance` computes exactly."""
 
 from __future__ import annotations
 
@@ -97,8 +95,7 @@ def measure_sampled_acceptance(model: GPT, heads: DraftHeads, sequences: list[li
                                prompt_lens: int | Sequence[int], temperature: float) -> torch.Tensor:
     """[K] float64: head k's Σ_x min(p(x), q_k(x)) averaged over `sequences` (prompts + continuations sampled
     at `temperature`), p and q_k at that temperature: about the chance that rejection sampling accepts head
-    k's one drawn candidate. Where `measure_head_accuracy` asks for the right token, this asks for the right
-    distribution."""
+    k's one drawn candidate, where `measure_head_accuracy` asks for the greedy token."""
     ids, K = heads.draft_ids.to(model.device), heads.num_heads
     total, counts = torch.zeros(K, dtype=torch.float64), torch.zeros(K, dtype=torch.float64)
     for k, _, p, logits in _positions(model, heads, sequences, prompt_lens, temperature):
@@ -112,12 +109,10 @@ def measure_sampled_acceptance(model: GPT, heads: DraftHeads, sequences: list[li
 def measure_try_acceptance(model: GPT, heads: DraftHeads, sequences: list[list[int]], *,
                            prompt_lens: int | Sequence[int], temperature: float, ranks: int = 10, draws: int = 4,
                            seed: int = 0) -> torch.Tensor:
-    """acc [K, ranks] float64, rejection sampling's table for drawn candidates: acc[k][r] = P(head k+1's r-th
-    distinct draw from q is the candidate its tries accept), on text sampled at `temperature`, averaged over
-    `draws` sets of draws per position (`draw_chances`). At most one sibling passes, as at most one top-k
-    guess is the greedy token, so the table plays greedy's part in `tree.build_tree`, approximately (a
-    node's children must hold ranks 0, 1, ... without gaps, as build_tree's do). acc[k][0] estimates
-    Σ min(p, q), exactly in expectation."""
+    """acc [K, ranks] float64: acc[k][r] = P(head k+1's r-th distinct draw from q is the candidate rejection
+    sampling's tries accept), on text sampled at `temperature`, over `draws` sets of draws per position. At
+    most one sibling passes, as at most one top-k guess is the greedy token, so the table plays greedy's part
+    in `tree.build_tree`, approximately. acc[k][0] estimates Σ min(p, q), exactly in expectation."""
     ids, K, V = heads.draft_ids.to(model.device), heads.num_heads, model.config.vocab_size
     R = min(ranks, ids.numel())
     g = torch.Generator(device=model.device).manual_seed(seed)

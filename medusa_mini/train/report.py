@@ -17,13 +17,7 @@ from ..model import GPT
 from ..sampling import SAMPLING_TEMPERATURE
 from ..training import lm_loss
 from ..tree import build_tree, expected_tokens_per_step, preset
-from .accuracy import (
-    continuations,
-    measure_head_accuracy,
-    measure_sampled_acceptance,
-    measure_try_acceptance,
-    save_accuracy,
-)
+from . import accuracy
 from .data import get_batch
 
 OFFICIAL_TOP1 = (0.56, 0.32, 0.20, 0.15)  # official Medusa-1 heads on Vicuna-7B, heads 1-4 (paper, repository)
@@ -58,33 +52,32 @@ def validation_loss(model: GPT, batches: list) -> float:
 
 def summarize(r, val_batches: list, val_tokens: np.ndarray) -> dict:
     """Measure, print and save (heads_accuracy.json) the trained model's figures; return them."""
-    model, heads, args = r.model, r.heads, r.args
+    model, heads, args, T = r.model, r.heads, r.args, SAMPLING_TEMPERATURE
     K, V, M = heads.num_heads, heads.config.vocab_size, heads.config.draft_vocab_size
     val_loss, top_k = validation_loss(model, val_batches), min(10, heads.draft_ids.numel())
     windows = [row for x, _ in val_batches for row in x.tolist()]
-    text = measure_head_accuracy(model, heads, windows, prompt_lens=1, top_k=top_k)
-    # Against what the model itself says: held-out prompts (a draw of their own) continued greedily.
+    text = accuracy.measure_head_accuracy(model, heads, windows, prompt_lens=1, top_k=top_k)
+    # Against what the model itself says: held-out prompts (a draw of their own) continued greedily, and sampled.
     P = min(32, model.config.block_size // 4)
     n = min(96, model.config.block_size - P)
     prompts, _ = get_batch(val_tokens, batch_size=min(64, 8 * args.eval_prompts), block_size=P,
                            generator=torch.Generator().manual_seed(args.seed + 5))
-    seqs = continuations(model, prompts.tolist(), max_new_tokens=n)
-    acc = measure_head_accuracy(model, heads, seqs, prompt_lens=P, top_k=top_k)
-    sampled = continuations(model, prompts.tolist(), max_new_tokens=n, temperature=SAMPLING_TEMPERATURE,
-                            seed=args.seed + 6)
-    accept = measure_sampled_acceptance(model, heads, sampled, prompt_lens=P, temperature=SAMPLING_TEMPERATURE)
-    drawn = measure_try_acceptance(model, heads, sampled, prompt_lens=P, temperature=SAMPLING_TEMPERATURE,
-                                   ranks=top_k, seed=args.seed + 7)
-    save_accuracy(args.out, acc, drawn=drawn, meta={"measured_on": f"{len(seqs)} held-out prompts x {n} greedy tokens",
-                                                    "drawn_on": f"the same prompts x {n} tokens sampled at "
-                                                                f"T={SAMPLING_TEMPERATURE:g}"})
+    seqs = accuracy.continuations(model, prompts.tolist(), max_new_tokens=n)
+    acc = accuracy.measure_head_accuracy(model, heads, seqs, prompt_lens=P, top_k=top_k)
+    sampled = accuracy.continuations(model, prompts.tolist(), max_new_tokens=n, temperature=T, seed=args.seed + 6)
+    accept = accuracy.measure_sampled_acceptance(model, heads, sampled, prompt_lens=P, temperature=T)
+    drawn = accuracy.measure_try_acceptance(model, heads, sampled, prompt_lens=P, temperature=T, ranks=top_k,
+                                            seed=args.seed + 7)
+    accuracy.save_accuracy(args.out, acc, drawn=drawn, meta={
+        "measured_on": f"{len(seqs)} held-out prompts x {n} greedy tokens",
+        "drawn_on": f"the same prompts x {n} tokens sampled at T={T:g}"})
     # The share of the greedy tokens inside the draft vocabulary of each size m: rank[token] < m.
     ranks = heads.vocab_order.cpu().argsort()[torch.tensor([s[P:] for s in seqs])]
     sizes = sorted({m for m in COVERAGE_SIZES if m < V} | ({M} if M else set()))
     coverage = {m: (ranks < m).double().mean().item() for m in sizes}
     figures = {"top-1 on held-out text": text[:, 0], "top-5 on held-out text": text[:, :5].sum(1),
                "top-1 vs own greedy continuation": acc[:, 0], "top-5 vs own greedy continuation": acc[:, :5].sum(1),
-               f"Σ min(p, q) on own text at T={SAMPLING_TEMPERATURE:g}": accept,
+               f"Σ min(p, q) on own text at T={T:g}": accept,
                "official Medusa-1, Vicuna-7B top-1": torch.tensor(OFFICIAL_TOP1[:K])}
     lines = [f"summary    validation loss {val_loss:.3f} nats/token (perplexity {math.exp(val_loss):.1f})",
              f"           {'head':<36}" + "".join(f"{k:>7d}" for k in range(1, K + 1))]
@@ -92,7 +85,7 @@ def summarize(r, val_batches: list, val_tokens: np.ndarray) -> dict:
     lines.append(f"           {'expected tokens/step, greedy (bonus counted):':<48}"
                  + ", ".join(f"{b} nodes {build_tree(acc, b)[1]:.2f}" for b in (4, 8, 16, 32, 64))
                  + f"; cpu preset {expected_tokens_per_step(acc, preset('cpu').truncated(K)):.2f}")
-    lines.append(f"           {f'expected tokens/step, rejection (T={SAMPLING_TEMPERATURE:g}):':<48}"
+    lines.append(f"           {f'expected tokens/step, rejection (T={T:g}):':<48}"
                  + ", ".join(f"{b} nodes {build_tree(drawn, b)[1]:.2f}" for b in (4, 8, 16, 32, 64)))
     if coverage:
         lines.append("           draft vocabulary coverage of greedy text: "

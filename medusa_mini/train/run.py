@@ -207,8 +207,7 @@ def heads_stage(r: Run, *, step: int, state: dict | None) -> None:
 
 def choose_draft_vocabulary(r: Run) -> None:
     """FR-Spec: the heads guess among the --draft-vocab tokens most frequent in what the backbone wrote
-    during self-distillation (prompts excluded; every rank's text), stored with the heads; a size at or
-    above the vocabulary's is the whole vocabulary."""
+    during self-distillation (prompts excluded; every rank's text); at or above V, the whole vocabulary."""
     written = r.distill[:, r.args.distill_prompt_len:].contiguous()
     if r.world > 1:
         parts = [torch.empty_like(written) for _ in range(r.world)]
