@@ -67,7 +67,7 @@ def test_head_losses_reach_the_backbone_in_medusa_2_only(medusa):
     assert all(b.linear.weight.grad.abs().sum() > 0 for b in heads.blocks)
     # The shared lm_head (tied to wte) is frozen by requires_grad in the heads stage.
     body = [p.grad for name, p in model.named_parameters() if name != "transformer.wte.weight"]
-    assert all(g is None for g in body) if medusa == 1 else model.transformer.h[0].attn.c_attn.weight.grad.abs().sum() > 0
+    assert all(g is None for g in body) if medusa == 1 else model.transformer.h[0].attn.c_attn.weight.grad.abs().sum()
 
 
 def test_self_distillation_is_greedy_at_temperature_zero_seeded_and_within_the_context():
@@ -88,8 +88,8 @@ def test_a_head_without_any_target_has_zero_loss_and_accuracy_not_nan():
     assert loss.tolist() == [0.0, 0.0, 0.0] and acc.tolist() == [0.0, 0.0, 0.0]
 
 
-@pytest.mark.parametrize("kind, stride, draft, chunk", [("medusa", 1, 0, None), ("medusa", 1, 0, 3), ("medusa", 3, 20, 29),
-                                                        ("hydra", 1, 20, 7), ("hydra", 3, 0, None)])
+@pytest.mark.parametrize("kind, stride, draft, chunk", [
+    ("medusa", 1, 0, None), ("medusa", 1, 0, 3), ("hydra", 1, 20, 7), ("medusa", 3, 20, 29), ("hydra", 3, 0, None)])
 def test_the_heads_loss_in_chunks_strided_or_over_a_draft_vocabulary_is_the_plain_masked_one(kind, stride, draft,
                                                                                               chunk):
     """Values, top-1 and gradients: head k at t against token t+k+1 where `valid` (the heads stage's prompts are

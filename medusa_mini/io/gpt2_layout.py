@@ -25,8 +25,7 @@ def gpt2_state_dict(model: GPT) -> dict[str, torch.Tensor]:
 
 def check_tensors(expected: dict[str, tuple], found: dict[str, torch.Tensor], *, fits: str) -> None:
     """A one-line ValueError for the first missing, unexpected or misshaped tensor; `fits` names the owner."""
-    missing = [k for k in expected if k not in found]
-    unexpected = [k for k in found if k not in expected]
+    missing, unexpected = [k for k in expected if k not in found], [k for k in found if k not in expected]
     for keys, what in ((missing, "lacks tensor {}, which {} needs"), (unexpected, "has tensor {}, which {} lacks")):
         if keys:
             more = f" (and {len(keys) - 1} more)" if len(keys) > 1 else ""
@@ -41,7 +40,7 @@ def load_gpt2_weights(model: GPT, tensors: dict[str, torch.Tensor]) -> None:
     """Copy GPT-2-layout tensors, keys with or without the "transformer." prefix, into `model`. Everything
     is checked before anything is copied, so a failed load leaves the model untouched."""
     found: dict[str, torch.Tensor] = {}
-    lm_head = None
+    lm_head = None  # tied: equal to wte if a file holds it
     for key, t in tensors.items():
         short = key.removeprefix(_PREFIX)
         if short == "lm_head.weight":
@@ -64,16 +63,14 @@ def load_gpt2_weights(model: GPT, tensors: dict[str, torch.Tensor]) -> None:
 def gpt2_config_dict(model: GPT, *, eos_token_id: int | None = None) -> dict:
     """The config.json of a transformers GPT-2 shaped like `model`; `eos_token_id` is also its bos id."""
     c = model.config
-    return {
-        "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"],
-        "vocab_size": c.vocab_size, "n_positions": c.block_size, "n_ctx": c.block_size,
-        "n_embd": c.n_embd, "n_layer": c.n_layer, "n_head": c.n_head, "n_inner": None,
-        "activation_function": "gelu_new", "layer_norm_epsilon": c.layer_norm_epsilon,
-        "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "initializer_range": 0.02,
-        "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
-        "tie_word_embeddings": True, "use_cache": True, "bos_token_id": eos_token_id, "eos_token_id": eos_token_id,
-        "torch_dtype": str(model.transformer.wte.weight.dtype).removeprefix("torch."),
-    }
+    return {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": c.vocab_size,
+            "n_positions": c.block_size, "n_ctx": c.block_size, "n_embd": c.n_embd, "n_layer": c.n_layer,
+            "n_head": c.n_head, "n_inner": None, "activation_function": "gelu_new",
+            "layer_norm_epsilon": c.layer_norm_epsilon, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
+            "initializer_range": 0.02, "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
+            "reorder_and_upcast_attn": False, "tie_word_embeddings": True, "use_cache": True,
+            "bos_token_id": eos_token_id, "eos_token_id": eos_token_id,
+            "torch_dtype": str(model.transformer.wte.weight.dtype).removeprefix("torch.")}
 
 
 def config_from_gpt2_dict(d: object) -> GPTConfig:

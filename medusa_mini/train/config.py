@@ -74,7 +74,7 @@ class TrainArgs:
             if isinstance(value, (int, float)) and not (math.isfinite(value) and value >= least):  # nan too
                 raise ValueError(f"--{name.replace('_', '-')} must be a number >= {least}, got {value}")
         if self.medusa not in (1, 2):
-            raise ValueError(f"--medusa must be 1 (heads on the frozen backbone) or 2 (trained jointly), not {self.medusa}")
+            raise ValueError(f"--medusa must be 1 (heads on the frozen backbone) or 2 (jointly), not {self.medusa}")
         if not self.out or os.path.isfile(self.out):
             raise ValueError(f"--out must name a folder for the checkpoint, not {self.out!r}")
         if self.heads not in HEAD_KINDS:

@@ -277,7 +277,7 @@ def test_init_by_name_takes_tiktokens_gpt2_tokenizer_even_where_the_working_fold
         (folder / "tokenizer_config.json").write_text("{}")
     (tmp_path / "ck" / "model.safetensors").write_bytes(b"")
     monkeypatch.chdir(tmp_path)
-    found = [run_mod.tokenizer_folder(init) for init in ("gpt2", "ck", str(tmp_path / "ck" / "model.safetensors"), "bare")]
+    found = [run_mod.tokenizer_folder(i) for i in ("gpt2", "ck", str(tmp_path / "ck" / "model.safetensors"), "bare")]
     assert found == [None, "ck", str(tmp_path / "ck"), None]  # a name: tiktoken's, not the working folder's
 
 
