@@ -114,7 +114,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return a
 
 
-def prepare(a: argparse.Namespace):
+def prepare(a: argparse.Namespace) -> tuple:
     """(checkpoint, TreeChoice, --compare's for drawn candidates, [(text, ids)]); a ValueError before any output."""
     device = pick_device(a.device)
     dtype = pick_dtype(a.dtype, device)
