@@ -22,11 +22,11 @@ from dataclasses import asdict
 import tiktoken
 import torch
 
-from medusa_mini.cli.common import OneLineParser, seed
+from medusa_mini.cli.common import OneLineParser, seed, timed
 from medusa_mini.cli.compiled import StaticCaches, compile_steps, warm_up
 from medusa_mini.cli.explain import DEMO_NOTE, demo_checkpoint, explain_step
 from medusa_mini.cli.plots import check_plot_path, plot_batch
-from medusa_mini.cli.runs import Engine, Method, compare, compare_methods, decode_each, format_batches, format_compare
+from medusa_mini.cli.runs import Engine, Method, compare, compare_methods, decode, format_batches, format_compare
 from medusa_mini.cli.trees import TreeChoice, draw_mask, draw_tree, resolve_tree
 from medusa_mini.io.loading import PROMPTS_FILE, load_for_decoding, load_prompts
 from medusa_mini.sampling import SAMPLING_TEMPERATURE, Sampling
@@ -226,28 +226,35 @@ def stat_line(rows: list, row: int, *, block_size: int, streamed: bool) -> str:
 
 
 def print_each(engine: Engine, method: Method, prompts: list[tuple[str, list[int]]], a, label: str) -> None:
-    """Each prompt's continuation, streamed (a batch's: once all are done), and a line of statistics; with
-    --json, one object per prompt per line (`tokens`: the new ids, an end token included)."""
-    ck, kw, B = engine.ck, dict(batch_size=a.batch_size, seed=a.seed, max_new_tokens=a.max_new_tokens), a.batch_size
-    done = decode_each(engine, method, [ids for _, ids in prompts], **kw) if B > 1 or a.json else None
-    for n, (text, ids) in enumerate(prompts):
-        if a.json:
-            tokens, stats = done[n]
-            print(json.dumps({"prompt": text, "method": method.key, "tokens": tokens, "text": ck.enc.decode(
-                [t for t in tokens if t != ck.eot_id]), **asdict(stats), "tokens_per_step": stats.tokens_per_step,
-                "batch_size": B, "temperature": a.temperature}, ensure_ascii=False))
-            continue
-        printer = StepPrinter(ck.enc, eot_id=ck.eot_id, show_steps=a.show)
+    """Each prompt's continuation and a line of statistics, B prompts at a time (one prompt streams its steps;
+    a batch prints once done); --json: one object per prompt (`tokens`: the new ids, an end token included)."""
+    ck, B = engine.ck, a.batch_size
+
+    def announce(n: int) -> StepPrinter:
+        printer, (text, ids) = StepPrinter(ck.enc, eot_id=ck.eot_id, show_steps=a.show), prompts[n]
         how = f"; one {'colour' if printer.color else '[chunk]'} per forward pass, the first from the prefill"
         print(f"=== prompt {n + 1}/{len(prompts)} ({len(ids)} tokens) ===\n{text}\n=== {label}"
               f"{how if a.show else ''} ===")
-        if done is None:
-            batch, row = decode_each(engine, method, [ids], on_step=lambda b, t: printer(t), **kw), 0
-        else:
-            batch, row = done[n // B * B : n // B * B + B], n % B
-            printer(batch[row][0])
-        printer.close()
-        print(f"stats: {stat_line(batch, row, block_size=ck.block_size, streamed=done is None)}\n")
+        return printer
+
+    for first in range(0, len(prompts), B):
+        chunk, streamed = prompts[first : first + B], B == 1 and not a.json
+        printer = announce(first) if streamed else None
+        rows, seconds = timed(ck.model.device, lambda: decode(
+            engine, method, [ids for _, ids in chunk], seed=a.seed, max_new_tokens=a.max_new_tokens,
+            on_step=(lambda b, t: printer(t)) if streamed else None))
+        for row, ((text, _), (tokens, stats)) in enumerate(zip(chunk, rows)):
+            stats.seconds = seconds  # the whole batch's
+            if a.json:
+                print(json.dumps({"prompt": text, "method": method.key, "tokens": tokens, "text": ck.enc.decode(
+                    [t for t in tokens if t != ck.eot_id]), **asdict(stats), "tokens_per_step": stats.tokens_per_step,
+                    "batch_size": B, "temperature": a.temperature}, ensure_ascii=False))
+                continue
+            if not streamed:
+                printer = announce(first + row)
+                printer(tokens)
+            printer.close()
+            print(f"stats: {stat_line(rows, row, block_size=ck.block_size, streamed=streamed)}\n")
 
 
 def run(a: argparse.Namespace) -> None:

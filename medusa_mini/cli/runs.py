@@ -16,7 +16,7 @@ from ..proposal import PromptLookup
 from ..sampling import Sampling
 from ..step import Steps
 from ..tree import Tree, chain
-from .common import BONUS_NOTE, in_turns, timed
+from .common import BONUS_NOTE, in_turns
 from .compiled import StaticCaches
 
 REPEAT = 3  # every generation runs this many times, methods in turns; the fastest counts
@@ -74,19 +74,6 @@ def decode(engine: Engine, method: Method, prompts: list[list[int]], *, seed: in
         eot = stop_at_eot and tokens and tokens[-1] == ck.eot_id
         out.append((tokens, GenerationStats(len(ids), steps, [len(tokens) - 1] if steps else [], stop_reason="eos"
                                             if eot else length_stop_reason(len(ids), max_new_tokens, ck.block_size))))
-    return out
-
-
-def decode_each(engine: Engine, method: Method, prompts: list[list[int]], *, batch_size: int, seed: int,
-                max_new_tokens: int, on_step=None) -> Results:
-    """Every prompt's (tokens, stats), `batch_size` at a time, each batch timed; its seconds go to each row."""
-    out = []
-    for i in range(0, len(prompts), batch_size):
-        results, seconds = timed(engine.ck.model.device, lambda: decode(
-            engine, method, prompts[i : i + batch_size], seed=seed, max_new_tokens=max_new_tokens, on_step=on_step))
-        for _, stats in results:
-            stats.seconds = seconds
-        out += results
     return out
 
 
