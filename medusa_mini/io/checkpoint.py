@@ -12,8 +12,7 @@ import torch
 from ..heads import DraftHeads, HeadsConfig, make_heads
 from ..model import GPT
 from .files import atomic_write_files, fsync_dir, json_writer, read_json, remove_file
-from .gpt2 import load_gpt2
-from .gpt2_layout import check_tensors, gpt2_config_dict, gpt2_state_dict
+from .gpt2 import check_tensors, gpt2_config_dict, gpt2_state_dict, load_gpt2
 from .safetensors import read_safetensors, write_safetensors
 
 CONFIG_FILE = "config.json"
@@ -54,10 +53,8 @@ def load_heads(directory: str | os.PathLike, model: GPT, *, device: torch.device
         raise ValueError(f"{config_path}: heads with their own lm_head are no longer supported; train them again")
     try:
         config = HeadsConfig(**fields)
-    except TypeError as e:
-        raise ValueError(f"{config_path} does not describe heads ({e}); save the heads again") from None
-    except ValueError as e:
-        raise ValueError(f"{config_path}: {e}") from None
+    except (TypeError, ValueError) as e:  # a field HeadsConfig does not know, or a value it refuses
+        raise ValueError(f"{config_path}: {e}; save the heads again") from None
     if (config.n_embd, config.vocab_size) != (model.config.n_embd, model.config.vocab_size):
         raise ValueError(f"heads in {directory} need n_embd={config.n_embd}, vocab_size={config.vocab_size}; "
                          f"the model is {model.config}")
