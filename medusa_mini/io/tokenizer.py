@@ -125,27 +125,22 @@ def make_encoding(ranks: Mapping[bytes, int]) -> tiktoken.Encoding:
 
 
 def save_tokenizer(enc: tiktoken.Encoding, directory: str | os.PathLike) -> pathlib.Path:
-    """Save an encoding (ranks, special tokens, split pattern, name) to `directory`; return it."""
-    specials = {t: enc.encode_single_token(t) for t in sorted(enc.special_tokens_set)}
-    lines = []
-    for rank in sorted(set(range(enc.n_vocab)) - set(specials.values())):
-        with contextlib.suppress(KeyError):  # ids need not be dense
-            lines.append(f"{base64.b64encode(enc.decode_single_token_bytes(rank)).decode('ascii')} {rank}\n")
-    pattern = getattr(enc, "_pat_str", GPT2_SPLIT_PATTERN)  # tiktoken has no public accessor for it
-    config = {"type": "bpe", "name": enc.name, "pattern": pattern, "special_tokens": specials}
-    return _save(directory, config, ranks="".join(lines))
-
-
-def save_tokenizer_reference(directory: str | os.PathLike, name: str) -> pathlib.Path:
-    """Save a reference to tiktoken's named encoding `name` (tiktoken fetches it when it is loaded)."""
-    return _save(directory, {"type": "tiktoken", "name": name})
-
-
-def _save(directory: str | os.PathLike, config: dict, *, ranks: str | None = None) -> pathlib.Path:
+    """Save an encoding to `directory` and return it: one of tiktoken's named encodings as a reference
+    (tiktoken fetches it when it is loaded), any other whole (ranks, special tokens, split pattern, name)."""
     directory = pathlib.Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    files = {} if ranks is None else {str(directory / RANKS_FILE): text_writer(ranks)}
-    atomic_write_files(files | {str(directory / CONFIG_FILE): json_writer(config)})
+    if enc.name in tiktoken.list_encoding_names():
+        files = {CONFIG_FILE: json_writer({"type": "tiktoken", "name": enc.name})}
+    else:
+        specials = {t: enc.encode_single_token(t) for t in sorted(enc.special_tokens_set)}
+        lines = []
+        for rank in sorted(set(range(enc.n_vocab)) - set(specials.values())):
+            with contextlib.suppress(KeyError):  # ids need not be dense
+                lines.append(f"{base64.b64encode(enc.decode_single_token_bytes(rank)).decode('ascii')} {rank}\n")
+        pattern = getattr(enc, "_pat_str", GPT2_SPLIT_PATTERN)  # tiktoken has no public accessor for it
+        config = {"type": "bpe", "name": enc.name, "pattern": pattern, "special_tokens": specials}
+        files = {RANKS_FILE: text_writer("".join(lines)), CONFIG_FILE: json_writer(config)}
+    atomic_write_files({str(directory / name): write for name, write in files.items()})
     return directory
 
 
@@ -163,7 +158,7 @@ def _read_ranks(path: pathlib.Path) -> dict[bytes, int]:
 
 
 def load_tokenizer(directory: str | os.PathLike) -> tiktoken.Encoding:
-    """The tokenizer save_tokenizer or save_tokenizer_reference wrote to `directory`."""
+    """The tokenizer save_tokenizer wrote to `directory`."""
     config_path = pathlib.Path(directory) / CONFIG_FILE
     config = read_json(config_path, hint="save the tokenizer again")
     config = config if isinstance(config, dict) else {}
