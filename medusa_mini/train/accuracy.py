@@ -12,21 +12,12 @@ import os
 from collections.abc import Iterator, Sequence
 
 import torch
-import torch.nn.functional as F
 
 from ..decoding import generate_batch
 from ..heads import DraftHeads, next_tokens
 from ..io.files import atomic_write_text, read_json
 from ..model import GPT
-from ..sampling import (
-    Sampling,
-    gumbel_top_k,
-    q_log_probs,
-    sampling_probs,
-    scaled,
-    speculative_try,
-    without_earlier_draws,
-)
+from ..sampling import Sampling, gumbel_top_k, q_log_probs, sampling_probs, speculative_try, without_earlier_draws
 from ..tree import check_acc
 
 ACCURACY_FILE = "heads_accuracy.json"
@@ -99,7 +90,7 @@ def measure_sampled_acceptance(model: GPT, heads: DraftHeads, sequences: list[li
     ids, K = heads.draft_ids.to(model.device), heads.num_heads
     total, counts = torch.zeros(K, dtype=torch.float64), torch.zeros(K, dtype=torch.float64)
     for k, _, p, logits in _positions(model, heads, sequences, prompt_lens, temperature):
-        q = F.softmax(scaled(logits, temperature), dim=-1)  # [m, M]: 0 outside the draft ids
+        q = sampling_probs(logits, temperature=temperature)  # [m, M]: 0 outside the draft ids
         total[k] += torch.minimum(p[:, ids], q).sum().item()
         counts[k] += len(p)
     return total / counts.clamp(min=1)
