@@ -1,1 +1,1 @@
-"""Wing: the train_tiny.py run: data, configuration, stages, state, report."""
+"""Wing: the train_tiny.py run: configuration, data, devices, the stages, the acceptance tables."""

@@ -1,5 +1,5 @@
 """Training text: by default this interpreter's standard library (real, structured, offline), or the
-user's; documents ``(name, text)`` of at most about 64 KB (cut at line ends), splits, batches."""
+user's; documents ``(name, text)`` of at most about 64 KB (cut at line ends), splits, batches, held-out prompts."""
 
 from __future__ import annotations
 
@@ -129,3 +129,24 @@ def get_batch(tokens: np.ndarray, *, batch_size: int, block_size: int, generator
     windows = tokens[starts[:, None] + np.arange(block_size + 1)].astype(np.int64)
     x, y = (torch.from_numpy(np.ascontiguousarray(w)) for w in (windows[:, :-1], windows[:, 1:]))
     return to_device(x, device), to_device(y, device)
+
+
+def held_out_prompts(val_docs: Sequence[Document], enc: tiktoken.Encoding, *, count: int, seed: int,
+                     block_size: int) -> list[str]:
+    """`count` snippets of held-out text (at most 240 characters, line to line, under a third of the
+    context): decode.py's default prompts (prompts.json), text the model never trained on."""
+    rng, prompts = random.Random(seed), []
+    texts = [t for _, t in val_docs if t.strip()]
+    for _ in range(count * 50 if texts else 0):
+        if len(prompts) == count:
+            break
+        lines = texts[rng.randrange(len(texts))].splitlines(keepends=True)
+        snippet = ""
+        for line in lines[rng.randrange(len(lines)):]:
+            if snippet and len(snippet) + len(line) > 240:
+                break
+            snippet += line
+        snippet = snippet[:240]
+        if snippet.strip() and 0 < len(enc.encode_ordinary(snippet)) < block_size // 3:
+            prompts.append(snippet)
+    return prompts

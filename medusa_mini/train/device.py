@@ -1,12 +1,10 @@
 """Devices and number formats (--device, --dtype) for decoding and training alike, each rank's GPU, copies
-that do not wait, and the clock of a run's stages. bfloat16 and float16 train under torch.autocast
-(weights, reductions and the optimizer stay float32); float16's narrow range needs a GradScaler."""
+that do not wait. bfloat16 and float16 train under torch.autocast (weights, reductions and the optimizer stay
+float32); float16's narrow range needs a GradScaler."""
 
 from __future__ import annotations
 
-import contextlib
 import os
-import time
 
 import torch
 
@@ -62,25 +60,3 @@ def training_dtype(name: str | None, device: str) -> str:
 def to_device(t: torch.Tensor, device: str | torch.device) -> torch.Tensor:
     """Copy a CPU tensor to `device` without waiting: from pinned memory it travels while a step runs."""
     return t.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else t.to(device)
-
-
-class StageClock:
-    """Wall time of each stage and, on CUDA, its peak allocated memory."""
-
-    def __init__(self, device: str) -> None:
-        self.device, self.cuda, self.seconds, self.peak = device, device.startswith("cuda"), {}, {}
-
-    @contextlib.contextmanager
-    def stage(self, name: str):
-        if self.cuda:
-            torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-        t0 = time.perf_counter()
-        yield
-        if self.cuda:  # the queue must drain before the clock stops, or the time is the host's only
-            torch.cuda.synchronize(self.device)
-            self.peak[name] = f" (peak {torch.cuda.max_memory_allocated(self.device) / 2**30:.2f} GiB)"
-        self.seconds[name] = time.perf_counter() - t0
-
-    def line(self) -> str:  # two decimals, so no stage reads as 0 s
-        return "stages     " + ", ".join(f"{n} {s:.2f} s{self.peak.get(n, '')}" for n, s in self.seconds.items())

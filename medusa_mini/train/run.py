@@ -2,12 +2,15 @@
 vocabulary, summary. `Run` holds what every stage needs and saves it for an exact --resume (weights,
 optimizer, generators, loss scale, stage and step, the self-distilled text); the first Ctrl-C saves after
 the current step. Under torchrun (DDP) every rank trains on its own batches, gradients are averaged, rank 0
-prints and writes. `--init` brings a pretrained, frozen tokenizer and backbone (gpt2, ..., or a checkpoint)."""
+prints and writes. `--init` brings a pretrained, frozen tokenizer and backbone (gpt2, ..., or a checkpoint).
+The summary measures the trained model: validation loss, the acceptance tables of accuracy.py (saved as
+heads_accuracy.json), the draft vocabulary's coverage."""
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import math
 import os
 import signal
 import time
@@ -20,17 +23,22 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..heads import HeadsConfig, frequency_order, make_heads
 from ..io.checkpoint import save_checkpoint
-from ..io.files import atomic_write, remove_file
+from ..io.files import atomic_write, json_writer, remove_file
 from ..io.gpt2 import GPT2_CONFIGS, download_gpt2, load_gpt2
+from ..io.loading import PROMPTS_FILE
 from ..io.tokenizer import load_tokenizer, make_encoding, save_tokenizer, train_bpe
 from ..model import GPT, GPTConfig
-from ..training import MedusaLM, cosine_lr, lambda_schedule, self_distill
+from ..sampling import SAMPLING_TEMPERATURE
+from ..training import MedusaLM, cosine_lr, lambda_schedule, lm_loss, self_distill
+from ..tree import build_tree, expected_tokens_per_step, preset
+from . import accuracy
 from .config import TrainArgs, TrainError
-from .data import corpus_digest, encode_documents, get_batch, load_corpus, split_documents
-from .device import DTYPES, StageClock, to_device
-from .report import held_out_prompts, progress_line, summarize, validation_batches, validation_loss
+from .data import corpus_digest, encode_documents, get_batch, held_out_prompts, load_corpus, split_documents
+from .device import DTYPES, to_device
 
 STATE_FILE = "train_state.pt"
+OFFICIAL_TOP1 = (0.56, 0.32, 0.20, 0.15)  # official Medusa-1 heads on Vicuna-7B, heads 1-4 (paper, repository)
+COVERAGE_SIZES = (256, 512, 1024, 2048, 4096, 8192)
 
 
 class Run:
@@ -53,6 +61,7 @@ class Run:
         self.stop_requested = self.model_written = False
         self.distill = None  # [S, P + n] the self-distilled text, once written
         self.data_digest = ""  # `data.corpus_digest` of the text the run trains on
+        self.stages: list[str] = []  # each timed stage, as the `stages` line shows it
 
     def log(self, msg: str) -> None:
         if self.main:
@@ -75,8 +84,8 @@ class Run:
 
     def write_checkpoint(self) -> None:
         # A pretrained backbone never changes: written once, not copied again (gigabytes) at every save.
-        save_checkpoint(self.args.out, self.model, heads=self.heads, extra=self.extra, eos_token_id=self.eot_id,
-                        write_model=not (self.args.init and self.model_written))
+        save_checkpoint(self.args.out, self.model, heads=self.heads, extra=self.extra,
+                        eos_token_id=self.extra["eot_id"], write_model=not (self.args.init and self.model_written))
         self.model_written = True
 
     def load_state(self) -> dict:
@@ -140,6 +149,21 @@ class Run:
             h.update(t.detach().cpu().contiguous().numpy().tobytes())
         # The newline in the text: print() writes it separately, and two ranks would interleave the writes.
         print(f"rank {self.rank}/{self.world} weights sha256 {h.hexdigest()[:16]}\n", end="", flush=True)
+
+    @contextlib.contextmanager
+    def stage(self, name: str):
+        """Time a stage for the `stages` line, with its peak allocated memory on CUDA."""
+        cuda = self.device.startswith("cuda")
+        if cuda:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        t0 = time.perf_counter()
+        yield
+        peak = ""
+        if cuda:  # the queue must drain before the clock stops, or the time is the host's only
+            torch.cuda.synchronize(self.device)
+            peak = f" (peak {torch.cuda.max_memory_allocated(self.device) / 2**30:.2f} GiB)"
+        self.stages.append(f"{name} {time.perf_counter() - t0:.2f} s{peak}")  # two decimals: no stage reads 0 s
 
     def finish(self) -> None:
         """Remove the resume state (each rank its own file) once every rank is done, then leave the group."""
@@ -208,7 +232,7 @@ def _prepare(r: Run, state: dict | None, train_docs: list, val_docs: list) -> tu
             model.load_state_dict(state["model"])
     if r.main:
         save_tokenizer(enc, a.out)
-    r.model, r.eot_id = model, enc.eot_token
+    r.model = model
     r.extra = {"eot_id": enc.eot_token, "preset": a.preset, "medusa": a.medusa, "init": a.init, "heads": a.heads}
     r.log(f"data       {len(train_tokens):,} train / {len(val_tokens):,} val tokens  "
           f"model {model.num_params() / 1e6:.2f}M params  device {r.device}  ranks {r.world}")
@@ -224,6 +248,18 @@ def _optimizer(params_and_lrs: list[tuple[list[torch.nn.Parameter], float]], arg
                 groups.append({"params": chosen, "weight_decay": args.weight_decay if decay else 0.0, "base_lr": lr})
     fused = all(p.is_cuda for g in groups for p in g["params"])  # one kernel for all tensors, CUDA only
     return torch.optim.AdamW(groups, betas=(0.9, 0.95), fused=fused or None)
+
+
+def progress_line(stage: str, step: int, steps: int, metrics: dict, *, tokens_per_s: float, eta: float) -> str:
+    """One progress line: the current step's losses and head top-1, throughput, time left."""
+    parts = [f"{stage:9s} step {step + 1:5d}/{steps}"]
+    if "lm" in metrics:
+        parts.append(f"lm {metrics['lm']:.3f}")
+    if "heads" in metrics:
+        parts.append("heads " + " ".join(f"{v:.2f}" for v in metrics["heads"]))
+        parts.append("top1 " + " ".join(f"{v:.2f}" for v in metrics["acc"]))
+    parts.append(f"{tokens_per_s:,.0f} tok/s  ETA {int(eta // 60)}m{int(eta % 60):02d}s")
+    return "  ".join(parts)
 
 
 def _train(r: Run, module: MedusaLM, optimizer, *, stage: str, steps: int, start: int, gen, batch_fn, loss_kwargs,
@@ -269,6 +305,20 @@ def _train(r: Run, module: MedusaLM, optimizer, *, stage: str, steps: int, start
             evaluate(step + 1)
         if (step + 1) % (a.save_every or max(50, steps // 5)) == 0 and step + 1 < steps:
             r.save(stage=stage, step=step + 1, **saved)
+
+
+def validation_batches(val_tokens: np.ndarray, *, block_size: int, seed: int, device: str) -> list:
+    """Eight fixed batches (x, y) of 8 held-out windows [8, T], T <= 256; their own generator, so measuring
+    never changes what is trained."""
+    g = torch.Generator().manual_seed(seed * 7919 + 101)
+    T = min(block_size, 256, len(val_tokens) - 1)
+    return [get_batch(val_tokens, batch_size=8, block_size=T, generator=g, device=device) for _ in range(8)]
+
+
+@torch.no_grad()
+def validation_loss(model: GPT, batches: list) -> float:
+    """The backbone's mean next-token loss on `batches`, in float32 whatever --dtype, one read."""
+    return (sum(lm_loss(model(x)[0], y) for x, y in batches) / len(batches)).item()
 
 
 def backbone_stage(r: Run, train_tokens: np.ndarray, val_batches: list, *, step: int, state: dict | None) -> None:
@@ -341,29 +391,76 @@ def choose_draft_vocabulary(r: Run) -> None:
     r.heads.use_draft_vocabulary(frequency_order(written, V), min(r.args.draft_vocab, V))
 
 
-def _train_stages(r: Run, state: dict | None, clock: StageClock, train_tokens: np.ndarray, val_batches: list):
+def _train_stages(r: Run, state: dict | None, train_tokens: np.ndarray, val_batches: list) -> None:
     """Backbone (with the heads for --medusa 2), self-distillation, heads, from where `state` stopped."""
     stage, step = (state["stage"], state["step"]) if state else ("backbone", 0)
     if state:
         r.log(f"resuming   at {stage} step {step}")
     if stage == "backbone":
         if r.args.backbone_steps > 0:
-            with clock.stage("backbone"):
+            with r.stage("backbone"):
                 backbone_stage(r, train_tokens, val_batches, step=step, state=state)
         stage, step, state = "distill", 0, None
         r.save(stage=stage, step=0)
     r.model.eval().requires_grad_(False)
     r.model.zero_grad(set_to_none=True)  # the backbone's gradients are not needed again
     if stage == "distill":
-        with clock.stage("distill"):
+        with r.stage("distill"):
             r.distill = distill_stage(r, train_tokens)
         stage, step, state = "heads", 0, None
         r.save(stage=stage, step=0)
     else:
         r.distill = state["distill"].to(r.device)
     if r.args.heads_steps > 0:
-        with clock.stage("heads"):
+        with r.stage("heads"):
             heads_stage(r, step=step, state=state)
+
+
+def summarize(r, val_batches: list, val_tokens: np.ndarray) -> dict:
+    """Measure, print and save (heads_accuracy.json) the trained model's figures; return them."""
+    model, heads, args, T = r.model, r.heads, r.args, SAMPLING_TEMPERATURE
+    K, V, M = heads.num_heads, heads.config.vocab_size, heads.config.draft_vocab_size
+    val_loss, top_k = validation_loss(model, val_batches), min(10, heads.draft_ids.numel())
+    windows = [row for x, _ in val_batches for row in x.tolist()]
+    text = accuracy.measure_head_accuracy(model, heads, windows, prompt_lens=1, top_k=top_k)
+    # Against what the model itself says: held-out prompts (a draw of their own) continued greedily, and sampled.
+    P = min(32, model.config.block_size // 4)
+    n = min(96, model.config.block_size - P)
+    prompts, _ = get_batch(val_tokens, batch_size=min(64, 8 * args.eval_prompts), block_size=P,
+                           generator=torch.Generator().manual_seed(args.seed + 5))
+    seqs = accuracy.continuations(model, prompts.tolist(), max_new_tokens=n)
+    acc = accuracy.measure_head_accuracy(model, heads, seqs, prompt_lens=P, top_k=top_k)
+    sampled = accuracy.continuations(model, prompts.tolist(), max_new_tokens=n, temperature=T, seed=args.seed + 6)
+    accept = accuracy.measure_sampled_acceptance(model, heads, sampled, prompt_lens=P, temperature=T)
+    drawn = accuracy.measure_try_acceptance(model, heads, sampled, prompt_lens=P, temperature=T, ranks=top_k,
+                                            seed=args.seed + 7)
+    accuracy.save_accuracy(args.out, acc, drawn=drawn, meta={
+        "measured_on": f"{len(seqs)} held-out prompts x {n} greedy tokens",
+        "drawn_on": f"the same prompts x {n} tokens sampled at T={T:g}"})
+    # The share of the greedy tokens inside the draft vocabulary of each size m: rank[token] < m.
+    ranks = heads.vocab_order.cpu().argsort()[torch.tensor([s[P:] for s in seqs])]
+    sizes = sorted({m for m in COVERAGE_SIZES if m < V} | ({M} if M else set()))
+    coverage = {m: (ranks < m).double().mean().item() for m in sizes}
+    figures = {"top-1 on held-out text": text[:, 0], "top-5 on held-out text": text[:, :5].sum(1),
+               "top-1 vs own greedy continuation": acc[:, 0], "top-5 vs own greedy continuation": acc[:, :5].sum(1),
+               f"Σ min(p, q) on own text at T={T:g}": accept,
+               "official Medusa-1, Vicuna-7B top-1": torch.tensor(OFFICIAL_TOP1[:K])}
+    lines = [f"summary    validation loss {val_loss:.3f} nats/token (perplexity {math.exp(val_loss):.1f})",
+             f"           {'head':<36}" + "".join(f"{k:>7d}" for k in range(1, K + 1))]
+    lines += [f"           {name:<36}" + "".join(f"{v:7.2f}" for v in xs.tolist()) for name, xs in figures.items()]
+    lines.append(f"           {'expected tokens/step, greedy (bonus counted):':<48}"
+                 + ", ".join(f"{b} nodes {build_tree(acc, b)[1]:.2f}" for b in (4, 8, 16, 32, 64))
+                 + f"; cpu preset {expected_tokens_per_step(acc, preset('cpu').truncated(K)):.2f}")
+    lines.append(f"           {f'expected tokens/step, rejection (T={T:g}):':<48}"
+                 + ", ".join(f"{b} nodes {build_tree(drawn, b)[1]:.2f}" for b in (4, 8, 16, 32, 64)))
+    if coverage:
+        lines.append("           draft vocabulary coverage of greedy text: "
+                     + ", ".join(f"{m} {c:.2f}" for m, c in coverage.items()))
+    r.log("\n".join(lines))
+    return {"val_loss": round(val_loss, 4), "head_top1_text": [round(v, 4) for v in text[:, 0].tolist()],
+            "head_top1_own": [round(v, 4) for v in acc[:, 0].tolist()],
+            "head_accept_sampled": [round(v, 4) for v in accept.tolist()],
+            "draft_vocab_coverage": {str(m): round(c, 4) for m, c in coverage.items()}}
 
 
 def run(args: TrainArgs) -> None:
@@ -384,18 +481,18 @@ def run(args: TrainArgs) -> None:
     enc, train_tokens, val_tokens = _prepare(r, state, train_docs, val_docs)
     block_size = r.model.config.block_size
     val_batches = validation_batches(val_tokens, block_size=block_size, seed=args.seed, device=r.device)
-    clock = StageClock(r.device)
     with r.ctrl_c_saves():
-        _train_stages(r, state, clock, train_tokens, val_batches)
+        _train_stages(r, state, train_tokens, val_batches)
     choose_draft_vocabulary(r)  # before the summary: it measures the heads as they will decode
     r.heads.eval()
     if r.world > 1:
         r.print_checksum()
     if r.main:
-        with clock.stage("summary"):
+        with r.stage("summary"):
             r.extra.update(summarize(r, val_batches, val_tokens))
-        r.log(clock.line())
-        held_out_prompts(args.out, val_docs, enc, count=args.eval_prompts, seed=args.seed, block_size=block_size)
+        r.log("stages     " + ", ".join(r.stages))
+        prompts = held_out_prompts(val_docs, enc, count=args.eval_prompts, seed=args.seed, block_size=block_size)
+        atomic_write(os.path.join(args.out, PROMPTS_FILE), json_writer({"prompts": prompts}))
         r.write_checkpoint()
         r.log(f"saved      {args.out}  (python decode.py --ckpt {args.out} --compare)")
     r.finish()
