@@ -144,7 +144,17 @@ def save_tokenizer(enc: tiktoken.Encoding, directory: str | os.PathLike) -> path
     return directory
 
 
-def _read_ranks(path: pathlib.Path) -> dict[bytes, int]:
+def load_tokenizer(directory: str | os.PathLike) -> tiktoken.Encoding:
+    """The tokenizer save_tokenizer wrote to `directory`; a one-line ValueError names a missing or corrupt file."""
+    config_path, path = pathlib.Path(directory) / CONFIG_FILE, pathlib.Path(directory) / RANKS_FILE
+    config = read_json(config_path, hint="save the tokenizer again")
+    config = config if isinstance(config, dict) else {}
+    if config.get("type") == "tiktoken" and isinstance(config.get("name"), str):
+        return tiktoken.get_encoding(config["name"])
+    pattern, specials = config.get("pattern"), config.get("special_tokens")
+    if config.get("type") != "bpe" or not isinstance(pattern, str) or not isinstance(specials, dict) or not all(
+            isinstance(v, int) for v in specials.values()):
+        raise ValueError(f"corrupt tokenizer config {config_path}: unknown type, or bad pattern or special_tokens")
     try:
         pairs = [line.split() for line in path.read_text(encoding="ascii").splitlines() if line.strip()]
         ranks = {base64.b64decode(token, validate=True): int(rank) for token, rank in pairs}
@@ -154,21 +164,6 @@ def _read_ranks(path: pathlib.Path) -> dict[bytes, int]:
         raise ValueError(f"corrupt tokenizer ranks {path}: a token or a rank appears twice, or a rank is negative")
     if any(bytes([b]) not in ranks for b in range(256)):
         raise ValueError(f"corrupt tokenizer ranks {path}: some single-byte tokens are missing")
-    return ranks
-
-
-def load_tokenizer(directory: str | os.PathLike) -> tiktoken.Encoding:
-    """The tokenizer save_tokenizer wrote to `directory`."""
-    config_path = pathlib.Path(directory) / CONFIG_FILE
-    config = read_json(config_path, hint="save the tokenizer again")
-    config = config if isinstance(config, dict) else {}
-    if config.get("type") == "tiktoken" and isinstance(config.get("name"), str):
-        return tiktoken.get_encoding(config["name"])
-    pattern, specials = config.get("pattern"), config.get("special_tokens")
-    if config.get("type") != "bpe" or not isinstance(pattern, str) or not isinstance(specials, dict) or not all(
-            isinstance(v, int) for v in specials.values()):
-        raise ValueError(f"corrupt tokenizer config {config_path}: unknown type, or bad pattern or special_tokens")
-    ranks = _read_ranks(pathlib.Path(directory) / RANKS_FILE)
     if set(specials.values()) & set(ranks.values()):
         raise ValueError(f"corrupt tokenizer config {config_path}: special ids collide with ranks")
     try:

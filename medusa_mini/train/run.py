@@ -307,14 +307,6 @@ def _train(r: Run, module: MedusaLM, optimizer, *, stage: str, steps: int, start
             r.save(stage=stage, step=step + 1, **saved)
 
 
-def validation_batches(val_tokens: np.ndarray, *, block_size: int, seed: int, device: str) -> list:
-    """Eight fixed batches (x, y) of 8 held-out windows [8, T], T <= 256; their own generator, so measuring
-    never changes what is trained."""
-    g = torch.Generator().manual_seed(seed * 7919 + 101)
-    T = min(block_size, 256, len(val_tokens) - 1)
-    return [get_batch(val_tokens, batch_size=8, block_size=T, generator=g, device=device) for _ in range(8)]
-
-
 @torch.no_grad()
 def validation_loss(model: GPT, batches: list) -> float:
     """The backbone's mean next-token loss on `batches`, in float32 whatever --dtype, one read."""
@@ -416,7 +408,7 @@ def _train_stages(r: Run, state: dict | None, train_tokens: np.ndarray, val_batc
             heads_stage(r, step=step, state=state)
 
 
-def summarize(r, val_batches: list, val_tokens: np.ndarray) -> dict:
+def summarize(r: Run, val_batches: list, val_tokens: np.ndarray) -> dict:
     """Measure, print and save (heads_accuracy.json) the trained model's figures; return them."""
     model, heads, args, T = r.model, r.heads, r.args, SAMPLING_TEMPERATURE
     K, V, M = heads.num_heads, heads.config.vocab_size, heads.config.draft_vocab_size
@@ -480,7 +472,9 @@ def run(args: TrainArgs) -> None:
     os.makedirs(args.out, exist_ok=True)
     enc, train_tokens, val_tokens = _prepare(r, state, train_docs, val_docs)
     block_size = r.model.config.block_size
-    val_batches = validation_batches(val_tokens, block_size=block_size, seed=args.seed, device=r.device)
+    # Eight fixed batches of 8 held-out windows, drawn by a generator of their own: measuring changes no training.
+    g, T = torch.Generator().manual_seed(args.seed * 7919 + 101), min(block_size, 256, len(val_tokens) - 1)
+    val_batches = [get_batch(val_tokens, batch_size=8, block_size=T, generator=g, device=r.device) for _ in range(8)]
     with r.ctrl_c_saves():
         _train_stages(r, state, train_tokens, val_batches)
     choose_draft_vocabulary(r)  # before the summary: it measures the heads as they will decode
