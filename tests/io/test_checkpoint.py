@@ -1,8 +1,6 @@
 """Checkpoints: a saved model and its heads (draft vocabulary included) reload with identical logits, a
 broken directory gives one line naming the file, and a failed save never damages the previous one."""
 
-from __future__ import annotations
-
 import json
 import os
 import struct

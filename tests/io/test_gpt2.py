@@ -1,8 +1,6 @@
 """GPT-2 loading: Hugging Face files (both key layouts, safetensors or .bin) reproduce an independent
-reference forward pass, bad files give clear errors, and downloads (from a local HTTP server) resume and
-land in the cache once."""
-
-from __future__ import annotations
+reference forward pass, bad files give clear errors, and downloads (from a local HTTP server) resume (a
+download by name into the cache, once, under torchrun: tests/train/test_train_tiny.py)."""
 
 import contextlib
 import http.server
@@ -194,12 +192,6 @@ def hub(monkeypatch):
         hub.shutdown()
 
 
-def free_port() -> int:
-    with socket.socket() as s:  # free a moment ago: nobody listens there
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 DATA = bytes(range(256)) * 4000  # ~1 MB, more than one read chunk
 
 
@@ -230,21 +222,9 @@ def test_a_download_reports_progress_and_recovers_from_a_broken_connection_or_a_
 ])
 def test_a_failed_download_is_one_clear_line_and_leaves_no_file(hub, tmp_path, faults, match):
     hub.files["/f"], hub.faults["/f"] = DATA, list(faults)
-    url = hub.url + "/f" if faults else f"http://127.0.0.1:{free_port()}/f"
+    with socket.socket() as s:  # a port free a moment ago: nobody listens there
+        s.bind(("127.0.0.1", 0))
+        url = hub.url + "/f" if faults else f"http://127.0.0.1:{s.getsockname()[1]}/f"
     with pytest.raises(OSError, match=match):
         download(url, tmp_path / "f")
     assert not (tmp_path / "f").exists() and (tmp_path / "f.part").exists() == (faults[:1] == ["drop"])
-
-
-def test_load_gpt2_by_name_downloads_once_into_the_cache(hub, tmp_path, monkeypatch):
-    w = reference_weights()
-    write_dir(tmp_path / "hub", hub_style(w))
-    for file in ("config.json", "model.safetensors"):
-        hub.files[f"/gpt2/resolve/main/{file}"] = (tmp_path / "hub" / file).read_bytes()
-    monkeypatch.setenv("MEDUSA_MINI_HUB_URL", hub.url)
-    monkeypatch.setenv("MEDUSA_MINI_CACHE", str(tmp_path / "cache"))
-    monkeypatch.chdir(tmp_path)
-    for _ in range(2):
-        np.testing.assert_allclose(logits_of(load_gpt2("gpt2")), reference_logits(w, IDS), atol=1e-4)
-    assert sorted(p.name for p in (tmp_path / "cache" / "gpt2").iterdir()) == ["config.json", "model.safetensors"]
-    assert len(hub.requests) == 2, "the second load reads the cache only"

@@ -1,8 +1,6 @@
 """The safetensors format: written byte for byte as documented, read back bit-exact, hostile files rejected
 with one clear line before any allocation, and a failed write never damages the old file."""
 
-from __future__ import annotations
-
 import json
 import os
 import struct

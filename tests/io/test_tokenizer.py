@@ -1,7 +1,5 @@
 """Byte-level BPE: the textbook algorithm's merges, used through tiktoken, saved and loaded back."""
 
-from __future__ import annotations
-
 import base64
 import json
 import os

@@ -1,7 +1,5 @@
 """One rule for number formats, decoding and training alike, checked on a CPU: CUDA's answers are faked."""
 
-from __future__ import annotations
-
 import contextlib
 
 import pytest
