@@ -77,28 +77,18 @@ def test_a_guess_is_a_token_of_the_draft_vocabulary():
         assert acc[:, 0].tolist() == pytest.approx(inside) and (draft != written or inside == [1.0] * 4)
 
 
-def test_a_sequence_without_a_position_for_head_1_counts_nothing():
-    model = tiny_model(4)
-    heads = random_heads(model, num_heads=3, seed=4)
-    seqs = continuations(model, _prompts(3), max_new_tokens=10, temperature=0.9, seed=1)
-    short = [seqs[0][:5], seqs[1][:6]]  # a 5-token prompt alone, then with one new token: no target for head 1
-    assert measure_head_accuracy(model, heads, seqs + short, prompt_lens=5).equal(
-        measure_head_accuracy(model, heads, seqs, prompt_lens=5))
-    assert accuracy.measure_sampled_acceptance(model, heads, seqs + short, prompt_lens=5, temperature=0.9).equal(
-        accuracy.measure_sampled_acceptance(model, heads, seqs, prompt_lens=5, temperature=0.9))
-    assert measure_head_accuracy(model, heads, short, prompt_lens=5).sum() == 0
-
-
 @pytest.mark.parametrize("kind", ["medusa", "hydra"])
 def test_sampled_acceptance_is_the_mean_sum_min_p_q_and_the_drawn_tables_first_try_passes_as_often(kind):
     """Written plainly: head k at t (from each prompt's last token) against the backbone's p at t+k, both at
     the temperature, over a draft vocabulary of half the tokens (q is 0 outside it); hydra heads read the
-    sampled tokens between t and their guess. The drawn table's first rank estimates it from seeded draws."""
+    sampled tokens between t and their guess. The drawn table's first rank estimates it from seeded draws. A
+    prompt alone, or with one new token, gives head 1 no target: it counts nothing."""
     model, T = tiny_model(5), 1.5
     heads = random_heads(model, num_heads=3, seed=5, kind=kind)
     heads.use_draft_vocabulary(torch.randperm(64, generator=torch.Generator().manual_seed(5)), 32)
     seqs = continuations(model, _prompts(4, length=6), max_new_tokens=20, temperature=T, seed=2)
     assert seqs != continuations(model, _prompts(4, length=6), max_new_tokens=20)  # sampled, not greedy
+    seqs += [seqs[0][:6], seqs[1][:7]]
     sums = [[] for _ in range(3)]
     with torch.no_grad():
         for s in seqs:
@@ -134,14 +124,7 @@ class Fixed:
         return self.log_p.expand(1, x.shape[1], -1), torch.zeros(1, x.shape[1], 1)
 
 
-def test_heads_whose_q_is_p_are_always_accepted_and_only_their_first_draw_is_tried():
-    fixed, seqs = Fixed([0.5, 0.3, 0.2], [0.5, 0.3, 0.2]), [list(range(12))]
-    exact = accuracy.measure_sampled_acceptance(fixed, fixed, seqs, prompt_lens=1, temperature=0.9)
-    drawn = accuracy.measure_try_acceptance(fixed, fixed, seqs, prompt_lens=1, temperature=0.9, ranks=3)
-    assert exact.tolist() == pytest.approx([1.0]) and drawn[0].tolist() == pytest.approx([1.0, 0.0, 0.0], abs=1e-5)
-
-
-def test_the_drawn_table_is_the_chance_that_each_draw_is_the_one_accepted():
+def test_the_drawn_table_is_the_chance_that_each_draw_is_the_one_accepted_and_q_equal_to_p_always_is():
     """Written out for one p and q over three tokens: draw x0, then x1 from q without x0; try x0 against p
     (passes with min(1, p/q)), after a miss try x1 against the residual norm(max(0, p - q)) with q renormalised
     without x0."""
@@ -159,6 +142,11 @@ def test_the_drawn_table_is_the_chance_that_each_draw_is_the_one_accepted():
                                           draws=400)
     assert want[0] == pytest.approx(sum(min(a, b) for a, b in zip(p, q)))  # Σ min(p, q): 0.55
     assert got[0].tolist() == pytest.approx(want, abs=0.015)
+    # heads whose q is p: always accepted, and only their first draw is tried
+    fixed, seqs = Fixed(p, p), [list(range(12))]
+    exact = accuracy.measure_sampled_acceptance(fixed, fixed, seqs, prompt_lens=1, temperature=0.9)
+    drawn = accuracy.measure_try_acceptance(fixed, fixed, seqs, prompt_lens=1, temperature=0.9, ranks=3)
+    assert exact.tolist() == pytest.approx([1.0]) and drawn[0].tolist() == pytest.approx([1.0, 0.0, 0.0], abs=1e-5)
 
 
 def test_the_drawn_table_predicts_rejection_samplings_tokens_per_step():
@@ -217,6 +205,8 @@ def test_measured_accuracy_counts_each_rank_where_a_head_has_a_target_and_predic
     seqs = continuations(model, prompts, max_new_tokens=44)  # 40 decoded + room for 4 heads
     heads = LookupHeads(model, seqs, true_rank_probs=(0.55, 0.2, 0.1), seed=2)
     acc = measure_head_accuracy(model, heads, seqs, prompt_lens=5, top_k=10)
+    short = [seqs[0][:5], seqs[1][:6]]  # a prompt alone, then with one new token: no target for head 1
+    assert measure_head_accuracy(model, heads, seqs + short, prompt_lens=5, top_k=10).equal(acc)
     # 6 sequences x ~40 positions per head: the measured rates sit near the chances of each rank, 0 past them
     assert acc.shape == (4, 10) and acc.dtype == torch.float64 and acc[:, 3:].sum() == 0
     assert torch.allclose(acc[:, :3], torch.tensor([[0.55, 0.2, 0.1]], dtype=torch.float64), atol=0.12)

@@ -269,24 +269,18 @@ def test_under_torchrun_rank_0_downloads_gpt2_alone_and_every_rank_trains_on_it(
     assert len(sums) == 2 and sums[0] == sums[1] and same_weights(hub_dir, tmp_path / "out", backbone_only=True)
 
 
-def test_init_by_name_takes_tiktokens_gpt2_tokenizer_even_where_the_working_folder_holds_another(tmp_path,
-                                                                                                 monkeypatch):
-    (tmp_path / "bare").mkdir()
-    (tmp_path / "ck").mkdir()
-    for folder in (tmp_path, tmp_path / "ck"):
-        (folder / "tokenizer_config.json").write_text("{}")
-    (tmp_path / "ck" / "model.safetensors").write_bytes(b"")
-    monkeypatch.chdir(tmp_path)
-    found = [run_mod.tokenizer_folder(i) for i in ("gpt2", "ck", str(tmp_path / "ck" / "model.safetensors"), "bare")]
-    assert found == [None, "ck", str(tmp_path / "ck"), None]  # a name: tiktoken's, not the working folder's
-
-
 def test_init_trains_heads_of_another_kind_on_a_frozen_checkpoint_over_its_own_texts_tokens_and_resumes_exactly(
         tmp_path, monkeypatch, capsys, reference_run):
     """--init with a local GPT-2 layout directory (as the hub's, but written here), replacing an older run: heads
     only, the backbone kept, so head kinds compare fairly on one backbone. The draft vocabulary: the --draft-vocab
-    tokens most frequent in what the backbone wrote during self-distillation, prompts left out."""
+    tokens most frequent in what the backbone wrote during self-distillation, prompts left out. Its tokenizer: the
+    one beside the weights; for a name (gpt2, ...), tiktoken's, whatever the working folder holds."""
     base, ref, out = reference_run[0], tmp_path / "ref", tmp_path / "out"
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tokenizer_config.json").write_text("{}")
+    (tmp_path / "bare").mkdir()
+    found = [run_mod.tokenizer_folder(i) for i in ("gpt2", str(base), str(base / "model.safetensors"), "bare")]
+    assert found == [None, str(base), str(base), None]
     args = FAST + ["--init", str(base), "--preset", "gpt2-cpu", "--heads", "hydra", "--draft-vocab", "64",
                    "--distill-prompts", "4"]
     assert train_tiny.main(FAST + ["--out", str(ref), "--n-embd", "48", "--backbone-steps", "2"]) == 0  # older run
