@@ -24,10 +24,6 @@ def _setup(num_heads=3, kind="medusa"):
     return model, heads
 
 
-def _tokens(seed, shape=(4, 17)):
-    return torch.randint(0, 50, shape, generator=torch.Generator().manual_seed(seed))
-
-
 def plain_head_losses(logits, y, keep=lambda b, t, k: True):
     """The heads' loss written plainly: head k (1-based) at (b, t) against y[b, t + k] wherever `keep`
     says; logits [K, B, T, V] -> mean cross-entropy [K], top-1 accuracy [K]."""
@@ -59,7 +55,7 @@ def test_schedules():
 @pytest.mark.parametrize("medusa", [1, 2])
 def test_head_losses_reach_the_backbone_in_medusa_2_only(medusa):
     model, heads = _setup(2)  # the backbone left trainable on purpose: detach_backbone alone must shield it
-    x = _tokens(3)
+    x = torch.randint(0, 50, (4, 17), generator=torch.Generator().manual_seed(3))
     loss, metrics = MedusaLM(model, heads)(x[:, :-1], x[:, 1:], lm_weight=0.0, heads_weight=1.0, decay=0.8,
                                             detach_backbone=medusa == 1)
     loss.backward()
@@ -90,15 +86,14 @@ def test_a_head_without_any_target_has_zero_loss_and_accuracy_not_nan():
 
 @pytest.mark.parametrize("kind, stride, draft, chunk", [
     ("medusa", 1, 0, None), ("medusa", 1, 0, 3), ("hydra", 1, 20, 7), ("medusa", 3, 20, 29), ("hydra", 3, 0, None)])
-def test_the_heads_loss_in_chunks_strided_or_over_a_draft_vocabulary_is_the_plain_masked_one(kind, stride, draft,
-                                                                                              chunk):
+def test_the_heads_loss_chunked_strided_or_over_a_draft_vocabulary_is_the_plain_masked_one(kind, stride, draft, chunk):
     """Values, top-1 and gradients: head k at t against token t+k+1 where `valid` (the heads stage's prompts are
     no targets), at every stride-th position from the offset, over a draft vocabulary where the token is in it
     (as its index there). Hydra heads read the true next tokens: each chunk (29 is ragged) must get its own."""
     model, heads = _setup(kind=kind)
     if draft:
         heads.use_draft_vocabulary(torch.randperm(50, generator=torch.Generator().manual_seed(4)), draft)
-    module, x = MedusaLM(model, heads), _tokens(5, (4, 21))
+    module, x = MedusaLM(model, heads), torch.randint(0, 50, (4, 21), generator=torch.Generator().manual_seed(5))
     y, valid = x[:, 1:], torch.arange(20).expand(4, 20) >= 6
     loss, metrics = module(x[:, :-1], y, valid=valid, lm_weight=1.0, heads_weight=0.5, decay=0.8, heads_stride=stride,
                            heads_offset=1, heads_chunk=chunk)

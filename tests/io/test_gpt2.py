@@ -199,9 +199,8 @@ DATA = bytes(range(256)) * 4000  # ~1 MB, more than one read chunk
     (DATA[:512000], [], ["bytes=512000-"]),  # the .part file an interrupted call left is resumed
     (DATA, [], [f"bytes={len(DATA)}-"]),  # a complete .part file (stopped before the rename) is kept
 ])
-def test_a_download_reports_progress_and_recovers_from_a_broken_connection_or_a_leftover_part_file(
-    hub, tmp_path, capsys, part, faults, ranges
-):
+def test_a_download_shows_progress_and_resumes_a_broken_connection_or_a_part_file(hub, tmp_path, capsys, part, faults,
+                                                                                  ranges):
     hub.files["/f"], hub.faults["/f"] = DATA, list(faults)
     (tmp_path / "f.part").write_bytes(part)
     download(hub.url + "/f", tmp_path / "f")

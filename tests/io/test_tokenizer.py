@@ -98,8 +98,7 @@ def test_the_encoding_fills_vocab_size_compresses_and_round_trips_any_text_exact
         assert small_encoding.decode(small_encoding.encode_ordinary(text)) == text
 
 
-def test_a_saved_tokenizer_is_in_tiktokens_format_and_loads_to_an_identical_encoding(tmp_path, monkeypatch,
-                                                                                     small_encoding):
+def test_a_saved_tokenizer_is_in_tiktokens_format_and_loads_back_identical(tmp_path, monkeypatch, small_encoding):
     save_tokenizer(small_encoding, tmp_path)
     save_tokenizer(small_encoding, tmp_path)  # overwriting works too, and leaves no temporary files
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tokenizer.tiktoken", "tokenizer_config.json"]

@@ -128,8 +128,7 @@ def test_a_run_writes_a_complete_checkpoint_and_a_measured_summary(reference_run
 
 
 @pytest.mark.parametrize("during", [1, 4, "distill", 9])  # backbone steps 1 and 4, self-distillation, heads step 3
-def test_after_ctrl_c_a_resumed_run_ends_with_the_weights_of_an_uninterrupted_one(tmp_path, monkeypatch, during,
-                                                                                  reference_run):
+def test_after_ctrl_c_a_resumed_run_ends_as_an_uninterrupted_one(tmp_path, monkeypatch, during, reference_run):
     """Validation during the run (--eval-every) draws its batches from a generator of their own."""
     out = tmp_path / "out"
     where = dict(during=1, owner=run_mod, name="self_distill") if during == "distill" else dict(during=during)
@@ -147,8 +146,7 @@ def test_a_second_ctrl_c_stops_at_once(tmp_path, monkeypatch, capsys):
     assert not (tmp_path / "out" / "train_state.pt").exists() and "before anything was saved" in capsys.readouterr().err
 
 
-def test_bfloat16_training_reaches_float32s_validation_loss_measured_every_eval_every_steps(tmp_path, reference_run,
-                                                                                           capsys):
+def test_bfloat16_reaches_float32s_validation_loss_measured_every_eval_every_steps(tmp_path, reference_run, capsys):
     out = tmp_path / "bf16"
     assert train_tiny.main(FAST + ["--out", str(out), "--dtype", "bfloat16", "--eval-every", "2"]) == 0
     printed = capsys.readouterr().out
@@ -159,13 +157,11 @@ def test_bfloat16_training_reaches_float32s_validation_loss_measured_every_eval_
     assert abs(bf16 - f32) <= 0.05 * f32 and not same_weights(reference_run[0], out)  # autocast ran in bfloat16
 
 
-def test_resume_refuses_another_configuration_or_text_and_a_run_never_learns_from_its_own_output(tmp_path,
-                                                                                               monkeypatch, capsys):
+def test_resume_refuses_other_settings_or_text_and_a_run_never_learns_its_own_output(tmp_path, monkeypatch, capsys):
     data = tmp_path / "data"
     data.mkdir()
     text = "".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n\n" for i in range(2000))
     (data / "a.py").write_text(text)
-    (tmp_path / "other.txt").write_text(text.replace("return", "yield"))
     out = data / "out"  # inside --data: the files the run writes there are not text to learn from
     args = FAST + ["--data", str(data), "--out", str(out)]
     ctrl_c(monkeypatch, during=2)
@@ -174,7 +170,7 @@ def test_resume_refuses_another_configuration_or_text_and_a_run_never_learns_fro
     saved = (out / "train_state.pt").read_bytes()
     refused = [([], "add --resume")] + [(["--resume", flag, value], f"different configuration ({flag[2:]})") for
                                        flag, value in [("--lr", "0.5"), ("--seed", "1"), ("--dtype", "bfloat16"),
-                                                       ("--data", str(tmp_path / "other.txt"))]]
+                                                       ("--data", str(data / "a.py"))]]
     for extra, error in refused:
         assert train_tiny.main(args + extra) == 2 and error in capsys.readouterr().err
     assert (out / "train_state.pt").read_bytes() == saved
@@ -199,10 +195,17 @@ BAD_INPUT = [["--n-embd", "30", "--n-head", "4"], ["--distill-temperatures", "0,
              ["--log-every", "nan"], ["--medusa", "3"], ["--seed", str(2**64)], ["--out", ""], ["--out", "empty.txt"]]
 
 
-def test_bad_flags_or_data_are_one_line_naming_the_flag_or_its_value_with_code_2_and_write_nothing(tmp_path,
-                                                                                                   monkeypatch, capsys):
-    # One run as a user starts it (the exit code and stderr of the real process), the rest in-process: the same
-    # parser and checks, without paying for a Python start each.
+def test_help_lists_every_flag_and_bad_flags_or_data_are_one_line_naming_it_with_code_2(tmp_path, monkeypatch, capsys):
+    """--help lists the presets and every hyper-parameter; only the real runs write out/tiny. A bad flag: one run
+    as a user starts it (the exit code and stderr of the real process), the rest in-process (the same parser and
+    checks, without paying for a Python start each); nothing half-written."""
+    with pytest.raises(SystemExit) as exit:
+        train_tiny.parse_args(["--help"])
+    text = capsys.readouterr().out
+    assert exit.value.code == 0 and all(f"--{name.replace('_', '-')} " in text for name in TrainArgs.hyper_parameters())
+    assert all(flag in text for flag in ("--preset", "--data", "--resume", "--init", "--dtype", "gpt2-cpu"))
+    outs = [["--preset", "cpu"], ["--preset", "smoke"], ["--preset", "gpt2-cpu", "--init", "gpt2"], ["--out", "mine"]]
+    assert [train_tiny.parse_args(a).out for a in outs] == ["out/tiny", "out/smoke", "out/gpt2-cpu", "mine"]
     monkeypatch.chdir(tmp_path)
     (tmp_path / "empty.txt").write_text("")
     (tmp_path / "binary.bin").write_bytes(b"\x00\x01\x02" * 100)
@@ -218,16 +221,6 @@ def test_bad_flags_or_data_are_one_line_naming_the_flag_or_its_value_with_code_2
         assert code == 2 and err.startswith("train_tiny.py: error:") and err.count("\n") == 1, (bad, err)
         assert bad[0] in err or bad[-1] in err, (bad, err)
     assert not (tmp_path / "x").exists() or not any((tmp_path / "x").iterdir())  # nothing half-written
-
-
-def test_help_lists_presets_and_every_hyper_parameter_and_only_the_real_runs_write_out_tiny(capsys):
-    with pytest.raises(SystemExit) as exit:
-        train_tiny.parse_args(["--help"])
-    text = capsys.readouterr().out
-    assert exit.value.code == 0 and all(f"--{name.replace('_', '-')} " in text for name in TrainArgs.hyper_parameters())
-    assert all(flag in text for flag in ("--preset", "--data", "--resume", "--init", "--dtype", "gpt2-cpu"))
-    outs = [["--preset", "cpu"], ["--preset", "smoke"], ["--preset", "gpt2-cpu", "--init", "gpt2"], ["--out", "mine"]]
-    assert [train_tiny.parse_args(a).out for a in outs] == ["out/tiny", "out/smoke", "out/gpt2-cpu", "mine"]
 
 
 def test_two_ddp_processes_keep_identical_replicas_and_resume_exactly_after_ctrl_c_on_one(tmp_path):
