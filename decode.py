@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import codecs
+import functools
 import json
 import os
 import sys
@@ -22,18 +23,18 @@ from dataclasses import asdict
 import tiktoken
 import torch
 
-from medusa_mini.cli.common import OneLineParser, seed, timed
+from medusa_mini.cli.common import OneLineParser, check_plot_path, seed, timed
 from medusa_mini.cli.compiled import StaticCaches, compile_steps, warm_up
-from medusa_mini.cli.explain import DEMO_NOTE, demo_checkpoint, explain_step
-from medusa_mini.cli.plots import check_plot_path, plot_batch
-from medusa_mini.cli.runs import Engine, Method, compare, compare_methods, decode, format_batches, format_compare
-from medusa_mini.cli.trees import TreeChoice, draw_mask, draw_tree, resolve_tree
+from medusa_mini.cli.explain import DEMO_NOTE, demo_checkpoint, draw_mask, draw_tree, explain_step
+from medusa_mini.cli.measure import TreeChoice, resolve_tree
+from medusa_mini.cli.runs import Engine, Method, compare, compare_methods, decode, format_table, plot_batch
 from medusa_mini.io.loading import PROMPTS_FILE, load_for_decoding, load_prompts
 from medusa_mini.sampling import SAMPLING_TEMPERATURE, Sampling
 from medusa_mini.train.device import DTYPES, pick_device, pick_dtype
 
 
-def build_parser() -> argparse.ArgumentParser:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags, every impossible setting refused before any loading; batch sizes and sampling filled in."""
     p = OneLineParser(prog="decode.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ckpt", default="out/tiny", metavar="DIR", help="checkpoint directory (default: %(default)s)")
     p.add_argument("--prompt", action="append", metavar="TEXT", help="repeat for several (default: prompts.json)")
@@ -63,12 +64,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", metavar="FILE.png", help="with --compare --batch-size B1,B2,...: draw the table")
     p.add_argument("--json", action="store_true", help="JSON lines per prompt (with --compare: one object; "
                    "with --batch-size B, a row's seconds are its whole batch's)")
-    return p
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """The flags, every impossible setting refused before any loading; batch sizes and sampling filled in."""
-    p = build_parser()
     a = p.parse_args(argv)
     sizes = (a.batch_size if a.batch_size is not None else "1").split(",")
     if not all(x.strip().isascii() and x.strip().isdigit() and int(x) >= 1 for x in sizes):
@@ -132,13 +127,10 @@ def prepare(a: argparse.Namespace) -> tuple:
         raise ValueError(f"{a.ckpt} has no Medusa heads, which {wanted} needs; {fix}")
     choice = drawn = None
     if ck.heads is not None:
-        def tree_for(draws: bool) -> TreeChoice:  # --compare's rejection row draws its candidates: its own tree
-            spec = a.tree if a.tree is not None else "cpu" if a.demo else None
-            return resolve_tree(spec, num_heads=ck.heads.num_heads, ckpt_dir="" if a.demo else a.ckpt,
-                                device=device, drawn=draws)
-
-        choice = tree_for(a.sampling.draws_candidates and not a.compare)
-        drawn = tree_for(True) if a.compare and a.sampling.candidates == "drawn" else choice
+        tree_for = functools.partial(resolve_tree, a.tree if a.tree is not None else "cpu" if a.demo else None,
+                                     num_heads=ck.heads.num_heads, ckpt_dir="" if a.demo else a.ckpt, device=device)
+        choice = tree_for(drawn=a.sampling.draws_candidates and not a.compare)
+        drawn = tree_for(drawn=True) if a.compare else choice  # --compare's rejection row draws: its own tree
         for tree in {choice.tree, drawn.tree} if medusa else ():  # a tree the heads cannot fill fails here
             ck.heads.proposer(ck.model, tree)
     prompts = []
@@ -211,23 +203,10 @@ class StepPrinter:
         print(text, end="", flush=True)  # the reader watches the text grow, step by step
 
 
-def stat_line(rows: list, row: int, *, block_size: int, streamed: bool) -> str:
-    """rows[row] of one decoding call in a line: steps, tokens/step, ms/token (the call's, with what its clock
-    included) and why it stopped."""
-    tokens, stats = rows[row]
-    ms = 1000 * stats.seconds / max(sum(len(t) for t, _ in rows), 1)
-    speed = (" as streamed (printing included; --compare times decoding alone)" if streamed
-             else f" over its batch of {len(rows)}" if len(rows) > 1 else "")
-    stop = {"context": f"stopped at the context limit: {stats.prompt_tokens} prompt + {len(tokens)} new tokens "
-                       f"fill all {block_size} positions", "eos": "stopped at the end-of-text token",
-            "max_new_tokens": f"stopped after max-new-tokens ({len(tokens)})"}
-    return (f"{stats.steps} steps, {stats.tokens_per_step:.2f} tokens/step (bonus token counted), {ms:.1f} "
-            f"ms/token{speed}, " + stop.get(stats.stop_reason, "stopped"))
-
-
 def print_each(engine: Engine, method: Method, prompts: list[tuple[str, list[int]]], a, label: str) -> None:
     """Each prompt's continuation and a line of statistics, B prompts at a time (one prompt streams its steps;
-    a batch prints once done); --json: one object per prompt (`tokens`: the new ids, an end token included)."""
+    a batch prints once done); ms/token is the decoding call's, with what its clock included. --json: one
+    object per prompt (`tokens`: the new ids, an end token included)."""
     ck, B = engine.ck, a.batch_size
 
     def announce(n: int) -> StepPrinter:
@@ -243,6 +222,9 @@ def print_each(engine: Engine, method: Method, prompts: list[tuple[str, list[int
         rows, seconds = timed(ck.model.device, lambda: decode(
             engine, method, [ids for _, ids in chunk], seed=a.seed, max_new_tokens=a.max_new_tokens,
             on_step=(lambda b, t: printer(t)) if streamed else None))
+        ms = 1000 * seconds / max(sum(len(t) for t, _ in rows), 1)
+        speed = (" as streamed (printing included; --compare times decoding alone)" if streamed
+                 else f" over its batch of {len(rows)}" if len(rows) > 1 else "")
         for row, ((text, _), (tokens, stats)) in enumerate(zip(chunk, rows)):
             stats.seconds = seconds  # the whole batch's
             if a.json:
@@ -254,7 +236,11 @@ def print_each(engine: Engine, method: Method, prompts: list[tuple[str, list[int
                 printer = announce(first + row)
                 printer(tokens)
             printer.close()
-            print(f"stats: {stat_line(rows, row, block_size=ck.block_size, streamed=streamed)}\n")
+            stop = {"context": f"at the context limit: {stats.prompt_tokens} prompt + {len(tokens)} new tokens fill "
+                               f"all {ck.block_size} positions", "eos": "at the end-of-text token",
+                    "max_new_tokens": f"after max-new-tokens ({len(tokens)})"}
+            print(f"stats: {stats.steps} steps, {stats.tokens_per_step:.2f} tokens/step (bonus token counted), "
+                  f"{ms:.1f} ms/token{speed}, stopped {stop[stats.stop_reason]}\n")
 
 
 def run(a: argparse.Namespace) -> None:
@@ -272,7 +258,7 @@ def run(a: argparse.Namespace) -> None:
                       compile_warmup_s=warmup_s)
         if a.plot:
             plot_batch(result["rows"], a.plot, title=f"medusa_mini, {ck.directory}, {result['device']}")
-        print(json.dumps(result) if a.json else (format_batches if a.batch_table else format_compare)(result))
+        print(json.dumps(result) if a.json else format_table(result))
     elif a.explain:
         print((DEMO_NOTE + "\n\n" if a.demo else "") + explain_step(
             ck.model, ck.heads, ck.enc, prompts[0][1], tree=tree, sampling=a.sampling,
@@ -295,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
     except (ValueError, OSError) as e:  # bad input, and the library's own checks
-        build_parser().error(str(e))
+        OneLineParser(prog="decode.py").error(str(e))
     return 0
 
 

@@ -25,9 +25,8 @@ if ROOT not in sys.path:  # run as a script from anywhere, without installing th
 import torch  # noqa: E402
 
 from benchmarks.bench_step import at_least_one, names_of, numbers  # noqa: E402
-from medusa_mini.cli.common import BONUS_NOTE, OneLineParser, seed  # noqa: E402
-from medusa_mini.cli.plots import check_plot_path, plot_node_sweep  # noqa: E402
-from medusa_mini.cli.runs import Engine, Method, run_in_turns, summarise  # noqa: E402
+from medusa_mini.cli.common import BONUS_NOTE, OneLineParser, check_plot_path, draw, seed  # noqa: E402
+from medusa_mini.cli.runs import Engine, Method, compare  # noqa: E402
 from medusa_mini.io.loading import Checkpoint, load_for_decoding, prompt_ids  # noqa: E402
 from medusa_mini.proposal import PromptLookup  # noqa: E402
 from medusa_mini.sampling import SAMPLING_TEMPERATURE, Sampling  # noqa: E402
@@ -46,7 +45,8 @@ def sweep(ck: Checkpoint, tables: dict, prompts: list[list[int]], *, budgets: tu
     """A row per rule (`tables`: rule -> (its accuracy table, whether it predicts the rule's tokens/step)),
     drafter and budget against the plain decoder of its temperature, all timed in turns, ignoring end-of-text."""
     samplings = {r: Sampling(**RULES[r], temperature=temperature) if RULES[r] else Sampling() for r in tables}
-    specs = list({s.temperature: (Method("plain", s), {}) for s in samplings.values()}.values())  # reads only T
+    plain = dict(sorted({s.temperature: s for s in samplings.values()}.items()))  # plain decoding reads only T
+    specs = [(Method("plain", s), {}) for s in plain.values()]  # greedy's first: the tokens greedy rows must make
     heads = {}
     for M in draft_vocabs:  # a copy per size, guessing among the M most frequent tokens of its training text
         h = copy.deepcopy(ck.heads)
@@ -62,16 +62,10 @@ def sweep(ck: Checkpoint, tables: dict, prompts: list[list[int]], *, budgets: tu
                     "rule": rule, "nodes": n, "draft_vocab": M,
                     "verified_nodes": drafter.proposer(ck.model, tree).tree.num_nodes - 1,
                     "expected_tokens_per_step": expected_tokens_per_step(table, tree) if predicts else None}))
-    runs, _ = run_in_turns(Engine(ck), [m for m, _ in specs], [[ids] for ids in prompts], max_new_tokens=max_new_tokens,
-                           seed=seed, repeat=repeat, stop_at_eot=False)
-    rows = [{"method": m.label, "temperature": m.sampling.temperature, **summarise(runs[m.key]), **info,
-             "tokens": [tokens for batch, _ in runs[m.key] for tokens, _ in batch]} for m, info in specs]
-    plain = {r["temperature"]: r for r in rows if "rule" not in r}
-    for r in rows:
-        r["speedup"] = r["tokens_per_s"] / plain[r["temperature"]]["tokens_per_s"]
-        r["same_as_plain_greedy"] = None if r["temperature"] else sum(
-            out == ref for out, ref in zip(r["tokens"], plain[0]["tokens"]))  # prompts, of num_prompts
-    return {"plain": {r["method"]: r for r in plain.values()}, "rows": [r for r in rows if "rule" in r],
+    result = compare(Engine(ck), prompts, [m for m, _ in specs], max_new_tokens=max_new_tokens, seed=seed,
+                     repeat=repeat, stop_at_eot=False)
+    rows = [{**row, **info} for row, (_, info) in zip(result["rows"], specs)]
+    return {"plain": {r["method"]: r for r in rows if r["plain"]}, "rows": [r for r in rows if not r["plain"]],
             "rules": list(tables), "temperature": temperature, "num_prompts": len(prompts),
             "max_new_tokens": max_new_tokens, "repeat": repeat}
 
@@ -101,8 +95,8 @@ def format_sweep(result: dict) -> str:
         for r in rows:
             expected = "" if r["expected_tokens_per_step"] is None else f"{r['expected_tokens_per_step']:.2f}"
             lines.append(f"{r['nodes']:>5}{expected:>9}{r['tokens_per_step']:>9.2f}{r['ms_per_step']:>9.2f}"
-                         f"{r['tokens_per_s']:>9.1f}{r['speedup']:>8.2f}x" + (f"  {r['same_as_plain_greedy']}/{n}"
-                                                                              if greedy else ""))
+                         f"{r['tokens_per_s']:>9.1f}{r['speedup']:>8.2f}x"
+                         + (f"  {n - len(r['differences'])}/{n}" if greedy else ""))
         lines += [f"  budget {r['nodes']} verifies {r['verified_nodes']} nodes (the table offers no more)"
                   for r in rows if r["verified_nodes"] < r["nodes"]]
     if any(r["expected_tokens_per_step"] is not None for r in result["rows"]):
@@ -110,6 +104,26 @@ def format_sweep(result: dict) -> str:
                      "candidates: their own table), measured over the checkpoint's own draft vocabulary: the same "
                      "estimate under every --draft-vocab")
     return "\n".join(lines)
+
+
+def plot_sweep(result: dict, path: str, *, title: str) -> str:
+    """Tokens/step (left) and tokens/s (right) against the node budget, a colour per `series`: measured, and
+    dashed the product rule's estimate (on the right at the measured ms/step); dotted, the plain decoders."""
+    steps = [(None, 1.0, dict(color="gray", ls=":", label="plain decoding (1.00)"))]
+    speed = [(None, r["tokens_per_s"], dict(color=("gray", "silver", "dimgray")[i % 3], ls=":", label=name))
+             for i, (name, r) in enumerate(result["plain"].items())]
+    for i, (label, _, rows) in enumerate(series(result)):
+        nodes, style = [r["nodes"] for r in rows], dict(marker="o", color=f"C{i}", label=f"{label}, measured")
+        steps.append((nodes, [r["tokens_per_step"] for r in rows], style))
+        speed.append((nodes, [r["tokens_per_s"] for r in rows], style))
+        if known := [r for r in rows if r["expected_tokens_per_step"] is not None]:
+            at, expected = [r["nodes"] for r in known], [r["expected_tokens_per_step"] for r in known]
+            dashed = dict(ls="--", marker="x", color=f"C{i}")
+            steps.append((at, expected, {**dashed, "label": f"{label}, expected"}))
+            speed.append((at, [1000 * e / r["ms_per_step"] for e, r in zip(expected, known)],
+                          {**dashed, "label": f"{label}, expected at measured ms/step"}))
+    return draw(path, {"tokens per step (bonus counted)": steps, "tokens per second": speed},
+                xlabel="node budget (root excluded)", ticks=sorted({r["nodes"] for r in result["rows"]}), title=title)
 
 
 def load(ns: argparse.Namespace) -> tuple[Checkpoint, dict, list[list[int]]]:
@@ -171,9 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         result.update(checkpoint=ns.ckpt, device=str(ck.model.device), dtype=ns.dtype, num_heads=ck.heads.num_heads,
                       threads=torch.get_num_threads())
         if ns.plot is not None:
-            plot_node_sweep([(label, rows) for label, _, rows in series(result)], ns.plot,
-                            title=f"{ns.ckpt} on {result['device']}, {ns.dtype}",
-                            plain_tokens_per_s={k: r["tokens_per_s"] for k, r in result["plain"].items()})
+            plot_sweep(result, ns.plot, title=f"{ns.ckpt} on {result['device']}, {ns.dtype}")
             print(f"plot: {ns.plot}", file=sys.stderr)
     except (ValueError, OSError) as e:
         p.error(str(e))

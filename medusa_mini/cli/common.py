@@ -1,5 +1,6 @@
-"""What the command-line scripts share: the clock (`timed`, `in_turns`), and one-line errors: a script
-passes bad input, a ValueError, to `OneLineParser.error` (`<prog>: error: ...`, exit status 2)."""
+"""What the command-line scripts share: the clock (`timed`, `in_turns`); one-line errors: a script passes
+bad input, a ValueError, to `OneLineParser.error` (`<prog>: error: ...`, exit status 2); and figures, in two
+panels (matplotlib, an optional extra, imported only when drawing, on the Agg canvas: no display, no pyplot)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,13 @@ from typing import Callable, NoReturn, TypeVar
 
 import torch
 
+from ..io.files import atomic_write
+
 R, K = TypeVar("R"), TypeVar("K")
 BONUS_NOTE = "tokens/step counts the bonus token (the verify pass's own next token)"
+# What matplotlib's Agg canvas writes (3.5 on) with no other tool, so that a path is checked without
+# importing matplotlib; savefig takes the file's extension as its format.
+PLOT_FORMATS = ("png", "svg", "svgz", "pdf", "eps", "ps", "jpg", "jpeg", "tif", "tiff")
 
 
 def timed(device: torch.device | str, fn: Callable[[], R]) -> tuple[R, float]:
@@ -66,3 +72,47 @@ class OneLineParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {' '.join(str(message).split())}\n")
+
+
+def check_plot_path(path: str) -> None:
+    """A ValueError now, not after a long run, if matplotlib is missing or `path` is no file it writes as
+    named (savefig would write a folder or an unknown extension as PATH.png)."""
+    check_file_path("--plot", path, "plot.png")
+    if os.path.splitext(path)[1][1:].lower() not in PLOT_FORMATS:
+        raise ValueError(f"--plot {path}: end the name in .png or another format matplotlib writes: "
+                         + ", ".join(f".{f}" for f in PLOT_FORMATS))
+    _figure()
+
+
+def _figure():
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise ValueError('drawing a plot needs matplotlib: pip install matplotlib (or pip install -e ".[plot]")'
+                         ) from None
+    fig = Figure(figsize=(11, 4.2), layout="constrained")
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def draw(path: str, panels: dict[str, list[tuple]], *, xlabel: str, ticks: list[int], title: str) -> str:
+    """Two panels side by side, {y label: [(xs, ys, plot keywords), ...]} (xs None: a horizontal line at
+    ys), over a log2 x axis at the measured points `ticks`; titled and saved in the format `path` names."""
+    fig = _figure()
+    for ax, (ylabel, lines) in zip(fig.subplots(1, 2, squeeze=False)[0], panels.items()):
+        for xs, ys, style in lines:
+            if xs is None:
+                ax.axhline(ys, **style)
+            else:
+                ax.plot(xs, ys, **style)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(ticks, [str(t) for t in ticks])
+        ax.set(xlabel=xlabel, ylabel=ylabel)
+        ax.set_ylim(bottom=0)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize="small")
+    fig.suptitle(title)
+    # Into a temporary file first: a figure that fails to render leaves an older one at `path` as it was.
+    atomic_write(path, lambda f: fig.savefig(f, format=os.path.splitext(path)[1][1:].lower(), dpi=120))
+    return path

@@ -23,7 +23,6 @@ from ..sampling import Sampling
 from ..train.data import get_batch
 from ..training import MedusaLM
 from ..tree import Tree
-from .trees import draw_mask, draw_tree
 
 DEMO_NOTE = ("DEMO: a 2-layer model and its 4 heads trained for a few seconds on the Zen of Python, which they "
              "know by heart;\nreal heads are right less often. Train one with train_tiny.py for real figures.")
@@ -61,6 +60,33 @@ def _table(rows: list[list[str]]) -> list[str]:
     """Columns padded to their widest cell plus two spaces; the last column as it is."""
     widths = [max(len(row[c]) for row in rows) + 2 for c in range(len(rows[0]) - 1)]
     return ["".join(f"{cell:<{w}}" for cell, w in zip(row, widths)) + row[-1] for row in rows]
+
+
+def draw_tree(tree: Tree, labels: list[str] | None = None) -> str:
+    """The tree as indented text, one node a line: `[i] head d rank r label`."""
+    lines: list[str] = []
+
+    def visit(node: int, prefix: str, last: bool) -> None:
+        label = f" {labels[node]}" if labels is not None else ""
+        if node == 0:
+            lines.append(f"[0] root{label}")
+        else:
+            lines.append(f"{prefix}{'└─ ' if last else '├─ '}[{node}] head {tree.depths[node]} rank "
+                         f"{tree.ranks[node]}{label}")
+            prefix += "   " if last else "│  "
+        for j, kid in enumerate(tree.children[node]):
+            visit(kid, prefix if node else "", j == len(tree.children[node]) - 1)
+
+    visit(0, "", True)
+    return "\n".join(lines)
+
+
+def draw_mask(tree: Tree) -> str:
+    """The N x N tree attention mask: row = query node, column = key node, ■ = may attend."""
+    mask, N = tree.tensors().ancestor_mask, tree.num_nodes
+    w = len(str(N - 1))
+    return "\n".join([" " * (w + 1) + " ".join(f"{j:>{w}}" for j in range(N))] + [
+        f"{i:>{w}} " + " ".join(f"{'■' if mask[i, j] else '·':>{w}}" for j in range(N)) for i in range(N)])
 
 
 def heads_section(out: list[str], model: GPT, heads, enc, tree: Tree, root: int, hidden: torch.Tensor) -> None:

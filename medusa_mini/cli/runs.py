@@ -1,7 +1,7 @@
 """The rows of `decode.py --compare` and the sweep: each way of decoding (`Method`) timed in turns, B prompts
 at a time, against the plain decoder of its temperature: speedup (tokens/s over plain's) ≈ tokens/step ÷ step
 cost (ms per pass over plain's). Greedy rows must make plain greedy's tokens; in half precision a near-tie may
-round either way, so a difference is located instead."""
+round either way, so a difference is located instead. The tables, and the batch table's figure."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from ..proposal import PromptLookup
 from ..sampling import Sampling
 from ..step import Steps
 from ..tree import Tree, chain
-from .common import BONUS_NOTE, in_turns
+from .common import BONUS_NOTE, draw, in_turns
 from .compiled import StaticCaches
 
 REPEAT = 3  # every generation runs this many times, methods in turns; the fastest counts
@@ -136,21 +136,22 @@ def compare_methods(ck: Checkpoint, tree: Tree, sampling: Sampling, *, temperatu
 
 
 def compare(engine: Engine, prompts: list[list[int]], methods: list[Method], *, max_new_tokens: int, seed: int,
-            batch_sizes: list[int] = (1,), repeat: int = REPEAT) -> dict:
-    """A row per method and batch size, the prompts (cycled up to the largest batch) taken B at a time."""
+            batch_sizes: list[int] = (1,), repeat: int = REPEAT, stop_at_eot: bool = True) -> dict:
+    """A row per method and batch size, the prompts (cycled up to the largest batch) taken B at a time; the
+    first row's tokens are those greedy rows must make."""
     work = [prompts[i % len(prompts)] for i in range(max(max(batch_sizes), len(prompts)))]
     rows = []
     for B in batch_sizes:
         runs, unsteady = run_in_turns(engine, methods, [work[i : i + B] for i in range(0, len(work), B)],
-                                      max_new_tokens=max_new_tokens, seed=seed, repeat=repeat)
+                                      max_new_tokens=max_new_tokens, seed=seed, repeat=repeat, stop_at_eot=stop_at_eot)
         for m in methods:
             results = [row for batch, _ in runs[m.key] for row in batch]
             rows.append({"method": m.label, "key": m.key, "batch_size": B, "temperature": m.sampling.temperature,
                          "plain": m.drafter is None, **summarise(runs[m.key]), "tokens": [t for t, _ in results],
                          "stop_reasons": [st.stop_reason for _, st in results], "repeats_differ": m.key in unsteady})
+    plains = {(r["temperature"], r["batch_size"]): r for r in rows if r["plain"]}
     for row in rows:
-        plain = next(r for r in rows if r["plain"] and (r["temperature"], r["batch_size"]) == (
-            row["temperature"], row["batch_size"]))
+        plain = plains[row["temperature"], row["batch_size"]]
         row["speedup"] = row["tokens_per_s"] / plain["tokens_per_s"] if plain["tokens_per_s"] else 0.0
         row["step_cost"] = row["ms_per_step"] / plain["ms_per_step"] if plain["ms_per_step"] else 0.0
         row["same_as_plain_greedy"] = None
@@ -161,9 +162,8 @@ def compare(engine: Engine, prompts: list[list[int]], methods: list[Method], *, 
         if row["key"].startswith("reference"):
             engine_row = next(r for r in rows if r["key"] == row["key"].replace("reference", "medusa"))
             row["same_as_engine"] = sum(a == b for a, b in zip(row["tokens"], engine_row["tokens"]))
-    crossover = {m.key: crossover_of(rows, m.key) for m in methods if m.drafter is not None}
     return {"rows": rows, "batch_sizes": list(batch_sizes), "prompts": len(work), "distinct_prompts": len(prompts),
-            "max_new_tokens": max_new_tokens, "repeat": repeat, "crossover": crossover,
+            "max_new_tokens": max_new_tokens, "repeat": repeat,
             "per_prompt": per_prompt(work, runs) if list(batch_sizes) == [1] and "prompt_lookup_greedy" in runs
             else None}
 
@@ -180,12 +180,6 @@ def per_prompt(prompts: list[list[int]], runs: dict[str, Runs]) -> list[dict]:
     return out
 
 
-def crossover_of(rows: list[dict], key: str) -> int | None:
-    """The smallest batch size from which `key`'s speedup stays below 1x, or None if it never falls."""
-    mine = sorted((r for r in rows if r["key"] == key), key=lambda r: r["batch_size"])
-    return next((r["batch_size"] for i, r in enumerate(mine) if all(x["speedup"] < 1 for x in mine[i:])), None)
-
-
 COLUMNS = {  # row key: (header, width, format)
     "batch_size": ("batch", 6, "d"), "new_tokens": ("tokens", 7, "d"), "steps": ("steps", 7, "d"),
     "tokens_per_s": ("tokens/s", 10, ".1f"), "tokens_per_step": ("tokens/step", 13, ".2f"),
@@ -194,9 +188,27 @@ COLUMNS = {  # row key: (header, width, format)
 }
 
 
-def table(result: dict, columns: tuple[str, ...], *, identity: str) -> list[str]:
-    """A line per row, then the settings, what the numbers count (`identity`: how speedup follows from the
-    columns), and where rows stopped early or left plain greedy."""
+def why_line(rows: list[dict]) -> str:
+    """Where a drafter (its rows, in batch sizes' order) stops paying: the smallest batch size from which its
+    speedup stays below 1x; and why: its step's cost, and the passes a batch makes against what its rows
+    needed (the slowest row sets the pace)."""
+    stops = next((i for i in range(len(rows)) if all(r["speedup"] < 1 for r in rows[i:])), None)
+    r, first = rows[-1 if stops is None else stops], rows[0]
+    B, cost = r["batch_size"], f"a step costs {first['step_cost']:.2f}x a plain step at batch {first['batch_size']}"
+    if stops == 0:
+        return f"{r['method']} does not pay at any batch size here: {cost} for {r['tokens_per_step']:.2f} tokens."
+    waiting = r["row_passes"] / max(r["steps"], 1)  # 1.0: every row needed every pass
+    where = f"still pays at batch {B}" if stops is None else f"stops paying at batch {B}"
+    return (f"{r['method']} {where}: {cost} and {r['step_cost']:.2f}x at batch {B}, and a batch of {B} makes "
+            f"{waiting:.2f}x the passes its rows need ({r['tokens_per_step']:.2f} tokens per row per step).")
+
+
+def format_table(result: dict) -> str:
+    """`compare`'s rows, then the settings, what the numbers count and where rows stopped early or left plain
+    greedy; then at batch 1 greedy tokens/step per prompt, or with batch sizes where each drafter stops paying."""
+    batches = result["batch_sizes"] != [1]
+    columns = (("batch_size", "tokens_per_s") if batches else ("new_tokens", "steps")) + (
+        "tokens_per_step", "step_cost", "ms_per_step" if batches else "ms_per_token", "speedup")
     head = f"{'method':<32}" + "".join(f"{COLUMNS[c][0]:>{COLUMNS[c][1]}}" for c in columns) + "  same as plain greedy"
     lines = [head, "-" * len(head)]
     for r in result["rows"]:
@@ -205,6 +217,9 @@ def table(result: dict, columns: tuple[str, ...], *, identity: str) -> list[str]
             same = "yes" if r["same_as_plain_greedy"] else f"{n - len(r['differences'])}/{n} prompts"
         lines.append(f"{r['method']:<32}" + "".join(f"{format(r[c], COLUMNS[c][2]):>{COLUMNS[c][1]}}"
                                                     for c in columns) + f"  {same}")
+    identity = ("tokens/step is per row, step cost per pass of a whole batch, which runs until its slowest row "
+                "stops: speedup ≈ tokens/step ÷ step cost ÷ the extra passes its rows wait for (below) over plain's."
+                if batches else "speedup ≈ tokens/step ÷ step cost.")
     compiled, drawn = result.get("compile_warmup_s"), result.get("drawn_tree_nodes")  # None: the others' tree
     lines += ["\ndevice {device}, {dtype}, {threads} threads; {prompts} prompts; tree {tree} ({tree_nodes} nodes "
               "incl. root{drawn}; prompt lookup: a chain of up to {lookup_nodes}); max-new-tokens {max_new_tokens}; "
@@ -231,12 +246,12 @@ def table(result: dict, columns: tuple[str, ...], *, identity: str) -> list[str]
         if r["repeats_differ"]:
             lines.append(f"{r['method']}: repeated runs made different tokens (non-deterministic kernels); "
                          "the fastest run's are reported")
-    return lines
-
-
-def format_compare(result: dict) -> str:
-    lines = table(result, ("new_tokens", "steps", "tokens_per_step", "step_cost", "ms_per_token", "speedup"),
-                  identity="speedup ≈ tokens/step ÷ step cost.")
+    if batches:
+        n, distinct = result["prompts"], result["distinct_prompts"]
+        lines.append(f"{n} prompts" + (f" ({distinct} distinct, cycled)" if distinct < n else "")
+                     + " taken B at a time; tokens/s counts every row's new tokens over the whole run.")
+        drafters = dict.fromkeys(r["key"] for r in result["rows"] if not r["plain"])
+        return "\n".join(lines + [why_line([r for r in result["rows"] if r["key"] == key]) for key in drafters])
     lines.append(f"\n{'prompt':<8}{'prompt lookup':>15}{'Medusa':>8}{'repeats':>9}   (greedy tokens/step; repeats: "
                  "new tokens equal to the one before)")
     lines += [f"{p['prompt'] + 1:<8}{p['prompt_lookup_greedy']:>15.2f}{p['medusa_greedy']:>8.2f}{p['repeats']:>9.0%}"
@@ -244,26 +259,14 @@ def format_compare(result: dict) -> str:
     return "\n".join(lines)
 
 
-def why_line(result: dict, key: str) -> str:
-    """Where a drafter stops paying, and why: its step's cost, and the passes a batch makes against what its
-    rows needed (the slowest row sets the pace)."""
-    rows = {(r["key"], r["batch_size"]): r for r in result["rows"]}
-    first, B = result["batch_sizes"][0], result["crossover"][key] or result["batch_sizes"][-1]
-    r, cost = rows[(key, B)], f"a step costs {rows[(key, first)]['step_cost']:.2f}x a plain step at batch {first}"
-    if B == first and result["crossover"][key]:
-        return f"{r['method']} does not pay at any batch size here: {cost} for {r['tokens_per_step']:.2f} tokens."
-    waiting = r["row_passes"] / max(r["steps"], 1)  # 1.0: every row needed every pass
-    where = f"stops paying at batch {B}" if result["crossover"][key] else f"still pays at batch {B}"
-    return (f"{r['method']} {where}: {cost} and {r['step_cost']:.2f}x at batch {B}, and a batch of {B} makes "
-            f"{waiting:.2f}x the passes its rows need ({r['tokens_per_step']:.2f} tokens per row per step).")
-
-
-def format_batches(result: dict) -> str:
-    lines = table(result, ("batch_size", "tokens_per_s", "tokens_per_step", "step_cost", "ms_per_step", "speedup"),
-                  identity="tokens/step is per row, step cost per pass of a whole batch, which runs until its "
-                           "slowest row stops: speedup ≈ tokens/step ÷ step cost ÷ the extra passes its rows wait "
-                           "for (below) over plain's.")
-    n, distinct = result["prompts"], result["distinct_prompts"]
-    prompts = f"{n} prompts" + (f" ({distinct} distinct, cycled)" if distinct < n else "")
-    return "\n".join(lines + [f"{prompts} taken B at a time; tokens/s counts every row's new tokens over the "
-                              "whole run."] + [why_line(result, key) for key in result["crossover"]])
+def plot_batch(rows: list[dict], path: str, *, title: str) -> str:
+    """The batch table drawn: tokens/s (left) and every drafter's speedup (right) against batch size."""
+    speed, gain = [], [(None, 1.0, dict(color="black", ls="--", lw=1, label="1x: as fast as plain"))]
+    for i, method in enumerate(dict.fromkeys(r["method"] for r in rows)):
+        mine = [r for r in rows if r["method"] == method]  # in batch sizes' order, as `compare` makes them
+        sizes, style = [r["batch_size"] for r in mine], dict(marker="o", color=f"C{i}", label=method)
+        speed.append((sizes, [r["tokens_per_s"] for r in mine], style))
+        if not method.startswith("plain"):
+            gain.append((sizes, [r["speedup"] for r in mine], style))
+    return draw(path, {"tokens per second": speed, "speedup over plain": gain}, xlabel="batch size",
+                ticks=sorted({r["batch_size"] for r in rows}), title=title)

@@ -11,7 +11,7 @@ import pytest
 import decode
 from benchmarks import sweep
 from conftest import save_small_checkpoint, save_tiny
-from medusa_mini.cli import measure, plots
+from medusa_mini.cli import measure
 from medusa_mini.train.accuracy import load_accuracy, save_accuracy
 from medusa_mini.tree import build_tree, expected_tokens_per_step
 
@@ -45,7 +45,7 @@ def test_every_rule_and_budget_is_a_row_against_the_plain_decoder_of_its_tempera
         assert r["temperature"] == (0 if r["rule"].endswith("greedy") else 0.8) and r["new_tokens"] == 16
         assert 1 <= r["tokens_per_step"] <= r["verified_nodes"] + 1 and 1 <= r["verified_nodes"] <= r["nodes"]
     for r in (r for r in rows if r["temperature"] == 0):  # lossless: heads and prompt lookup alike
-        assert r["same_as_plain_greedy"] == 2
+        assert r["same_as_plain_greedy"] is True
     plain = {p["temperature"]: p["tokens_per_s"] for p in result["plain"].values()}
     assert len(set(plain.values())) == 2  # two baselines, and each row is set against its own
     assert all(r["speedup"] == pytest.approx(r["tokens_per_s"] / plain[r["temperature"]]) for r in rows)
@@ -73,27 +73,22 @@ def test_a_table_without_drawn_candidates_builds_their_trees_from_greedys_and_pr
 
 
 def test_each_rule_and_draft_vocabulary_gets_its_rows_block_and_series_and_greedy_stays_lossless(
-        medusa_ckpt, capsys, tmp_path, monkeypatch):
+        medusa_ckpt, capsys, tmp_path):
     pytest.importorskip("matplotlib")  # the figure itself: tests/cli/test_plots.py
-    drawn = []
-    monkeypatch.setattr(sweep, "plot_node_sweep", lambda series, path, **kw: drawn.append((series, kw)) or
-                        plots.plot_node_sweep(series, path, **kw))
     png = tmp_path / "sweep.png"
     result = run_json(medusa_ckpt, capsys, "--rules", "greedy,lookup-greedy", "--budgets", "1,2", "--draft-vocab",
                       "300,20", "--plot", str(png))
     assert [(r["rule"], r["draft_vocab"], r["nodes"]) for r in result["rows"]] == [
         ("greedy", m, n) for m in (20, 300) for n in (1, 2)] + [("lookup-greedy", None, n) for n in (1, 2)]
-    assert all(r["same_as_plain_greedy"] == 2 for r in result["rows"])
+    assert all(r["same_as_plain_greedy"] is True for r in result["rows"])
     lines = sweep.format_sweep(result).splitlines()
     names = ["greedy, draft vocabulary 20", "greedy, draft vocabulary 300", "lookup-greedy"]
     plain = result["plain"]["plain greedy"]["tokens_per_s"]
     blocks = [lines.index(f"{name}: plain greedy {plain:.1f} tokens/s") for name in names]
     # a line per budget, ending in the prompts that made plain greedy's tokens
     assert [(lines[i + 2].split()[0], lines[i + 3].split()[-1]) for i in blocks] == [("1", "2/2")] * 3
-    (series, kw), = drawn
-    assert [name for name, _ in series] == names and png.stat().st_size > 0
-    assert [[r["nodes"] for r in rows] for _, rows in series] == [[1, 2]] * 3
-    assert kw["plain_tokens_per_s"] == {"plain greedy": plain}
+    assert [(name, [r["nodes"] for r in rows]) for name, _, rows in sweep.series(result)] == [
+        (name, [1, 2]) for name in names] and png.stat().st_size > 0
 
 
 @pytest.mark.parametrize("measured, message", [(False, "medusa_mini.cli.measure"), (True, "train the heads")])
@@ -130,7 +125,7 @@ def test_bad_input_exits_2_with_one_line_before_anything_is_decoded_or_replaced(
     ckpt, bare = shutil.copytree(medusa_ckpt, tmp_path / "ckpt"), shutil.copytree(medusa_ckpt, tmp_path / "bare")
     (bare / "prompts.json").unlink()
     table = (ckpt / "heads_accuracy.json").read_text()  # what measure would replace
-    monkeypatch.setattr(sweep, "run_in_turns", lambda *a, **k: pytest.fail("decoded despite bad input"))
+    monkeypatch.setattr(sweep, "compare", lambda *a, **k: pytest.fail("decoded despite bad input"))
     main, base = MAINS[script]
     args, _, needle = case.partition(" -> ")
     with pytest.raises(SystemExit) as exc:

@@ -12,8 +12,8 @@ import torch
 
 import decode
 from medusa_mini.cli import runs as runs_mod
-from medusa_mini.cli.runs import compare, format_batches, format_compare, summarise, why_line
-from medusa_mini.cli.trees import CPU_MIN_GAIN
+from medusa_mini.cli.measure import CPU_MIN_GAIN
+from medusa_mini.cli.runs import compare, format_table, summarise, why_line
 from medusa_mini.decoding import GenerationStats
 from medusa_mini.train.accuracy import load_accuracy, save_accuracy
 from medusa_mini.tree import build_tree, chain
@@ -46,7 +46,7 @@ def test_greedy_rows_make_plain_greedys_tokens_the_reference_the_engines_and_the
         assert engine["same_as_plain_greedy"] is (True if rule == "greedy" else None)
     assert all(len(t) == 12 for row in rows.values() for t in row["tokens"])
     assert rows["plain_greedy"]["tokens_per_step"] == 1.0 and (result["tree"], result["tree_nodes"]) == ("cpu", 12)
-    out = format_compare(result)
+    out = format_table(result)
     head = out.splitlines()[0]
     for label, same in (("plain greedy", "yes"), ("prompt lookup greedy", "yes"), ("Medusa greedy", "yes"),
                         ("Medusa typical (T=0.8)", "-"), ("plain sampling (T=0.8)", "-")):
@@ -78,7 +78,7 @@ def test_auto_trims_the_heads_tree_and_drawn_candidates_decode_on_the_tree_of_th
         key.split("_")[0], drawn if key.endswith("rejection") else greedy)} for key in ROWS + [
         "reference_greedy", "reference_typical", "reference_rejection"]}
     assert f"tree auto (7 nodes incl. root; Medusa rejection's, from its own table: {len(drawn) + 1};" in \
-        format_compare(result)
+        format_table(result)
 
 
 def test_prompt_lookup_gains_on_a_prompt_of_one_repeated_token_and_not_on_one_without_repeats(ckpt, capsys):
@@ -87,7 +87,7 @@ def test_prompt_lookup_gains_on_a_prompt_of_one_repeated_token_and_not_on_one_wi
     repeated, plain = result["per_prompt"]
     assert repeated["prompt_lookup_greedy"] > 1.5 and plain["prompt_lookup_greedy"] == 1.0
     assert repeated["repeats"] > 0.5 and plain["repeats"] == 0
-    footer = format_compare(result).split("repeats")[-1].splitlines()[1:]
+    footer = format_table(result).split("repeats")[-1].splitlines()[1:]
     assert [line.split()[0] for line in footer] == ["1", "2"]
     assert footer[1].split()[1] == "1.00" and footer[1].split()[-1] == "0%"
 
@@ -116,7 +116,7 @@ def test_the_batch_table_sets_each_method_at_each_size_against_plain_and_says_wh
             row["temperature"], row["batch_size"]))
         assert row["speedup"] == pytest.approx(row["tokens_per_s"] / plain["tokens_per_s"])
         assert row["step_cost"] == pytest.approx(row["ms_per_step"] / plain["ms_per_step"])
-    verdicts = [line for line in format_batches(result).splitlines()
+    verdicts = [line for line in format_table(result).splitlines()
                 if any(v in line for v in ("stops paying at batch", "still pays at batch", "does not pay at any"))]
     assert len(verdicts) == 2 and (tmp_path / "batch.png").stat().st_size > 0  # the figure: test_plots.py
 
@@ -133,9 +133,9 @@ def test_a_rows_numbers_count_passes_per_batch_and_every_token_once():
     assert (r["steps"], r["passes"], r["row_passes"], r["new_tokens"]) == (12, 9, 14, 27)
     assert r["tokens_per_step"] == 24 / 12 and r["seconds"] == pytest.approx(0.3)
     assert r["ms_per_step"] == pytest.approx(300 / 9) and r["tokens_per_s"] == pytest.approx(27 / 0.3)
-    result = {"rows": [{"key": "medusa_greedy", "method": "Medusa greedy", "batch_size": b, **r, "step_cost": 1.5}
-                       for b in (1, 2)], "batch_sizes": [1, 2], "crossover": {"medusa_greedy": None}}
-    assert f"makes {14 / 12:.2f}x the passes its rows need" in why_line(result, "medusa_greedy")
+    rows = [{"method": "Medusa greedy", "batch_size": b, **r, "step_cost": 1.5, "speedup": 1.2} for b in (1, 2)]
+    assert f"still pays at batch 2: a step costs 1.50x a plain step at batch 1 and 1.50x at batch 2, and a batch " \
+           f"of 2 makes {14 / 12:.2f}x the passes its rows need" in why_line(rows)
 
 
 def test_a_greedy_row_that_leaves_plain_greedy_is_reported_where_it_leaves(ckpt, capsys, monkeypatch):
@@ -151,4 +151,4 @@ def test_a_greedy_row_that_leaves_plain_greedy_is_reported_where_it_leaves(ckpt,
     assert rows["medusa_greedy"]["same_as_plain_greedy"] is False
     assert rows["prompt_lookup_greedy"]["same_as_plain_greedy"] is True
     assert [(d["prompt"], d["position"]) for d in rows["medusa_greedy"]["differences"]] == [(0, 5), (1, 5), (2, 5)]
-    assert "Medusa greedy differs from plain greedy on prompt 1 at new token 6" in format_compare(result)
+    assert "Medusa greedy differs from plain greedy on prompt 1 at new token 6" in format_table(result)

@@ -1,4 +1,5 @@
-"""cli/plots.py: PNG figures from benchmark rows; matplotlib optional, imported only when drawing."""
+"""The figures: the batch table's (runs.plot_batch) and the sweep's (sweep.plot_sweep), drawn by common.draw;
+matplotlib optional, imported only when drawing."""
 
 import contextlib
 import os
@@ -7,9 +8,10 @@ import sys
 
 import pytest
 
+from benchmarks.sweep import plot_sweep
 from conftest import ROOT
-from medusa_mini.cli import plots
-from medusa_mini.cli.plots import plot_batch, plot_node_sweep
+from medusa_mini.cli.common import PLOT_FORMATS, check_plot_path
+from medusa_mini.cli.runs import plot_batch
 
 
 def assert_png(path, *, colours: int) -> None:
@@ -22,10 +24,15 @@ def assert_png(path, *, colours: int) -> None:
     assert len(coloured) > 200 and len(hues) >= colours, (len(coloured), hues)
 
 
-def sweep_rows(scale: float) -> list[dict]:
-    return [{"nodes": n, "expected_tokens_per_step": 1 + scale * i / 2, "tokens_per_step": 1 + scale * i / 1.8,
-             "ms_per_step": 4.0 + i, "tokens_per_s": 1000 * (1 + scale * i / 1.8) / (4.0 + i)}
+def draw_sweep(path: str) -> str:  # two series, with and without an expected curve, each against its own plain
+    rows = [{"rule": rule, "temperature": T, "draft_vocab": None, "nodes": n, "tokens_per_step": 1 + scale * i,
+             "expected_tokens_per_step": 1 + scale * i / 1.1 if T == 0 else None, "ms_per_step": 4.0 + i,
+             "tokens_per_s": 1000 * (1 + scale * i) / (4.0 + i)}
+            for rule, T, scale in (("greedy", 0, 0.3), ("rejection-drawn", 0.8, 0.1))
             for i, n in enumerate((1, 2, 4, 8, 16, 32, 64))]
+    plain = {"plain greedy": {"temperature": 0, "tokens_per_s": 250.0},
+             "plain sampling (T=0.8)": {"temperature": 0.8, "tokens_per_s": 240.0}}
+    return plot_sweep({"rows": rows, "plain": plain}, path, title="test")
 
 
 def batch_rows() -> list[dict]:
@@ -34,19 +41,10 @@ def batch_rows() -> list[dict]:
                                                            ("Medusa rejection", 1.4 - b / 20))]
 
 
-def draw_sweep(path: str) -> str:  # two series, without and with an expected curve, each against its own plain
-    return plot_node_sweep([("greedy", sweep_rows(0.5)), ("rejection", [
-        {k: r[k] for k in ("nodes", "tokens_per_step", "tokens_per_s")} for r in sweep_rows(0.2)])], path,
-        plain_tokens_per_s={"plain greedy": 250.0, "plain sampling (T=0.8)": 240.0}, title="test")
-
-
-def test_each_plot_draws_every_series_in_its_own_colour(tmp_path):
+def test_each_plot_draws_every_series_in_its_own_colour_and_importing_them_imports_no_matplotlib(tmp_path):
     assert_png(draw_sweep(str(tmp_path / "sweep.png")), colours=2)
     assert_png(plot_batch(batch_rows(), str(tmp_path / "batch.png"), title="batch sizes"), colours=3)
-
-
-def test_importing_decode_and_the_plots_module_does_not_import_matplotlib():
-    code = ("import sys, decode, medusa_mini.cli.plots; "
+    code = ("import sys, decode, benchmarks.sweep; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'matplotlib'))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True).stdout
     assert out.strip() == "[]"
@@ -67,7 +65,7 @@ def test_a_path_savefig_would_not_write_as_named_or_a_missing_matplotlib_is_one_
         for module in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
             monkeypatch.delitem(sys.modules, module)
         monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib...` now raises ImportError
-    checks = [lambda: plots.check_plot_path(name)]
+    checks = [lambda: check_plot_path(name)]
     if message is None and not with_matplotlib:
         message = "pip install matplotlib"
         checks += [lambda: plot_batch(batch_rows(), name, title="b"), lambda: draw_sweep(name)]
@@ -78,21 +76,16 @@ def test_a_path_savefig_would_not_write_as_named_or_a_missing_matplotlib_is_one_
     assert sorted(os.listdir(tmp_path)) == ["folder"]
 
 
-def test_every_format_the_check_accepts_is_one_matplotlib_writes_and_the_file_is_written_in_it(tmp_path):
+def test_every_format_the_check_accepts_is_written_in_it_and_a_figure_that_fails_leaves_the_older_file(
+        tmp_path, monkeypatch):
     canvas = pytest.importorskip("matplotlib.backends.backend_agg")
     figure = pytest.importorskip("matplotlib.figure")
-    assert set(plots.FORMATS) <= set(canvas.FigureCanvasAgg(figure.Figure()).get_supported_filetypes())
+    assert set(PLOT_FORMATS) <= set(canvas.FigureCanvasAgg(figure.Figure()).get_supported_filetypes())
     for name in ("b.SVG", "b.pdf", "b.png"):
-        plots.check_plot_path(str(tmp_path / name))
+        check_plot_path(str(tmp_path / name))
         assert plot_batch(batch_rows(), str(tmp_path / name), title="b") == str(tmp_path / name)
     heads = {p.name: p.read_bytes()[:5] for p in tmp_path.iterdir()}
     assert heads == {"b.SVG": b"<?xml", "b.pdf": b"%PDF-", "b.png": b"\x89PNG\r"}  # only these: no temporary
-
-
-def test_a_figure_that_fails_to_render_leaves_the_older_file_as_it_was(tmp_path, monkeypatch):
-    figure = pytest.importorskip("matplotlib.figure")
-    out = tmp_path / "b.png"
-    out.write_bytes(b"an older figure")
 
     def fail_halfway(self, file, *args, **kwargs):  # savefig writes as it renders: a half-written figure
         with open(file, "wb") if isinstance(file, (str, os.PathLike)) else contextlib.nullcontext(file) as f:
@@ -100,5 +93,5 @@ def test_a_figure_that_fails_to_render_leaves_the_older_file_as_it_was(tmp_path,
         raise RuntimeError("cannot render")
     monkeypatch.setattr(figure.Figure, "savefig", fail_halfway)
     with pytest.raises(RuntimeError, match="cannot render"):
-        plot_batch(batch_rows(), str(out), title="b")
-    assert out.read_bytes() == b"an older figure" and os.listdir(tmp_path) == ["b.png"]
+        plot_batch(batch_rows(), str(tmp_path / "b.png"), title="b")
+    assert (tmp_path / "b.png").read_bytes()[:5] == b"\x89PNG\r" and len(os.listdir(tmp_path)) == 3

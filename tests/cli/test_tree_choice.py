@@ -1,5 +1,5 @@
-"""`--tree` (cli/trees.py): a preset, a node budget N built from heads_accuracy.json (which `python -m
-medusa_mini.cli.measure` measures), or a JSON file of choices; else the device's default."""
+"""cli/measure.py: `python -m medusa_mini.cli.measure` measures heads_accuracy.json, and `--tree` is a preset,
+a node budget N built from it, or a JSON file of choices; else the device's default. The drawings: explain.py."""
 
 import json
 
@@ -8,7 +8,8 @@ import torch
 
 from conftest import save_small_checkpoint
 from medusa_mini.cli import measure
-from medusa_mini.cli.trees import CPU_MIN_GAIN, draw_mask, draw_tree, resolve_tree
+from medusa_mini.cli.explain import draw_mask, draw_tree
+from medusa_mini.cli.measure import CPU_MIN_GAIN, resolve_tree
 from medusa_mini.train.accuracy import load_accuracy, save_accuracy
 from medusa_mini.tree import Tree, build_tree, chain, preset
 
