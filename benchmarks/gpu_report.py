@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import importlib
 import io
 import math
@@ -81,20 +80,6 @@ def run_script(argv: list[str], *, timeout_s: float, label: str) -> tuple[int | 
     return returncode, "".join(lines), time.perf_counter() - t0
 
 
-def section(argv: list[str], *, timeout_s: float, label: str, keep=str.splitlines) -> tuple[list[str], bool]:
-    """A command's lines for the report: the command, then the lines `keep` picks from its output in a code
-    block, or one line saying why there are none (stopped at its budget, failed, or printed none)."""
-    returncode, output, seconds = run_script(argv, timeout_s=timeout_s, label=label)
-    head = [f"Command: `{shlex.join(['python', *argv])}`, {seconds:.0f} s.", ""]
-    last = next((line.strip() for line in reversed(output.splitlines()) if line.strip()), "no message")
-    why = (f"stopped at its budget after {seconds:.0f} s" if returncode is None
-           else f"exit status {returncode} after {seconds:.0f} s: {last}" if returncode else None)
-    lines = [] if why else keep(output)
-    if not lines:
-        return [*head, f"Failed: {why or 'it printed nothing to report'}"], False
-    return [*head, "```", *lines, "```"], True
-
-
 def step_table(output: str) -> list[str]:
     """bench_step.py's table from its column names on ([] if it printed none)."""
     lines = output.splitlines()
@@ -132,15 +117,25 @@ def commands(s: argparse.Namespace, part: str) -> list[tuple[str | None, list[st
 
 
 def run_part(s: argparse.Namespace, part: str) -> tuple[str, bool]:
-    """A part's section: each command within what is left of the part's budget (one it did not reach, named)."""
+    """A part's section: each command within what is left of the part's budget, then the lines its `keep`
+    picks from the output in a code block, or one line saying why there are none (not reached, stopped at its
+    budget, failed, or printed none)."""
     title, keep, intro = PARTS[part]
     deadline, text, ok = time.monotonic() + s.budget_s, [f"## {title}", *(["", intro] if intro else [])], True
     for heading, argv in commands(s, part):
         text += ["", f"### {heading}"] if heading else []
-        left = deadline - time.monotonic()
-        lines, done = section(argv, timeout_s=left, label=heading or title, keep=keep) if left > 1 else (
-            [f"Not run: the part's {s.budget_s:.0f} s were spent; run it alone with `--part ... --append`."], False)
-        text, ok = text + ["", *lines], ok and done
+        if (left := deadline - time.monotonic()) <= 1:
+            text += ["", f"Not run: the part's {s.budget_s:.0f} s were spent; run it alone with `--part ... --append`."]
+            ok = False
+            continue
+        returncode, output, seconds = run_script(argv, timeout_s=left, label=heading or title)
+        last = next((line.strip() for line in reversed(output.splitlines()) if line.strip()), "no message")
+        why = (f"stopped at its budget after {seconds:.0f} s" if returncode is None
+               else f"exit status {returncode} after {seconds:.0f} s: {last}" if returncode else None)
+        lines = [] if why else keep(output)
+        text += ["", f"Command: `{shlex.join(['python', *argv])}`, {seconds:.0f} s.", ""]
+        text += ["```", *lines, "```"] if lines else [f"Failed: {why or 'it printed nothing to report'}"]
+        ok = ok and bool(lines)
     return "\n".join(text), ok
 
 
@@ -165,7 +160,7 @@ def header(s: argparse.Namespace, argv: list[str]) -> str:
         name = f"CPU ({platform.processor() or platform.machine()}), {torch.get_num_threads()} threads"
     commit = shutil.which("git") and subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT,
                                                     capture_output=True, text=True).stdout.strip()
-    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M")
+    now = time.strftime("%Y-%m-%d %H:%M", time.gmtime())
     return (f"# medusa_mini on {name.split(',')[0]}\n\n- device: {s.device}: {name}\n- torch {torch.__version__}, "
             f"CUDA {torch.version.cuda or 'none (a CPU build of torch)'}, Python {platform.python_version()}\n"
             f"- code: {commit or 'unknown'}; date (UTC): {now}\n"
