@@ -42,7 +42,7 @@ COVERAGE_SIZES = (256, 512, 1024, 2048, 4096, 8192)
 
 
 class Run:
-    """What every stage needs: args, ranks, device, model and heads; saving and resuming them."""
+    """What every stage needs: args, ranks, device, model and heads; saving and resuming them; the stage clock."""
 
     def __init__(self, args: TrainArgs) -> None:
         self.args, self.device = args, args.device
