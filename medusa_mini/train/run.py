@@ -179,10 +179,8 @@ def tokenizer_folder(init: str) -> str | None:
     """Where --init's own tokenizer is: the checkpoint folder, or a weights file's folder, if it holds
     one; None for a name (gpt2, ...), whose tokenizer is tiktoken's, whatever the working folder holds."""
     path = os.path.expanduser(init)
-    if not os.path.exists(path):
-        return None
     folder = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
-    return folder if os.path.isfile(os.path.join(folder, "tokenizer_config.json")) else None
+    return folder if os.path.exists(path) and os.path.isfile(os.path.join(folder, "tokenizer_config.json")) else None
 
 
 def _pretrained(r: Run) -> tuple[GPT, tiktoken.Encoding]:
