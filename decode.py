@@ -71,28 +71,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a.batch_sizes = sorted({int(x) for x in sizes})
     a.batch_size, a.batch_table = a.batch_sizes[0], a.compare and a.batch_sizes != [1]
     for wrong, message in (
-        (min(a.max_new_tokens, a.num_prompts) < 1,
-         f"{'--max-new-tokens' if a.max_new_tokens < 1 else '--num-prompts'} must be at least 1"),
-        (a.compare and a.max_new_tokens < 2,
-         "--compare needs --max-new-tokens of at least 2: the first token comes from the prefill, before any step"),
-        (a.compare and a.method, "--compare decodes with every method; leave out --method (--temperature sets "
-                                 "the sampled rows')"),
-        (a.method == "plain" and (a.explain or a.reference), f"{'--explain' if a.explain else '--reference'} "
-                                                             "decodes with Medusa; choose --method greedy, typical "
-                                                             "or rejection"),
-        (len(sizes) > 1 and not a.compare, "--batch-size takes one size; a list of sizes goes with --compare"),
+        (min(a.max_new_tokens, a.num_prompts) < 1, "--max-new-tokens and --num-prompts must be at least 1"),
+        (a.compare and a.max_new_tokens < 2, "--compare needs --max-new-tokens 2 or more: the prefill makes the first"),
+        (a.compare and a.method, "--compare decodes with every method: leave out --method"),
+        (a.method == "plain" and (a.explain or a.reference), "--explain and --reference decode with Medusa heads"),
+        (len(sizes) > 1 and not a.compare, "--batch-size takes one size; a list goes with --compare"),
         (a.json and (a.show or a.explain), "--json cannot be combined with --show or --explain"),
         (a.batch_size > 1 and (a.show or a.reference or a.explain),
          "--batch-size decodes several prompts at once; --show, --reference and --explain take one at a time"),
         (a.demo and not a.explain, "--demo goes with --explain: python decode.py --explain --demo"),
-        (a.plot is not None and not a.batch_table,
-         "--plot draws the batch table: use it with --compare --batch-size 1,2,4,8"),
-        (a.reference and a.batch_table,
-         "--reference adds its rows to the one-batch table; leave out the list of batch sizes"),
-        (a.method in ("typical", "rejection") and a.temperature == 0, f"--method {a.method} samples: give "
-         f"--temperature > 0 (default {SAMPLING_TEMPERATURE}), or use --method greedy for temperature 0"),
-        (a.explain and (a.compile or a.reference), "--explain walks through one step with the reference's "
-         "functions, eagerly; leave out " + ("--compile" if a.compile else "--reference"))):
+        (a.plot is not None and not a.batch_table, "--plot draws the batch table: add --compare --batch-size 1,2,4"),
+        (a.reference and a.batch_table, "--reference adds rows to the one-batch table: leave out the batch sizes"),
+        (a.method in ("typical", "rejection") and a.temperature == 0,
+         f"--method {a.method} samples: give --temperature > 0, or use --method greedy"),
+        (a.explain and (a.compile or a.reference), "--explain runs the reference's functions: leave out --compile "
+                                                   "and --reference")):
         if wrong:
             p.error(message)
     if a.temperature is None:
@@ -122,9 +115,7 @@ def prepare(a: argparse.Namespace) -> tuple:
         texts = a.prompt or load_prompts(a.ckpt)[: a.num_prompts]
     medusa = a.method != "plain" or a.compare or a.explain
     if ck.heads is None and medusa:
-        wanted = "--compare" if a.compare else "--explain" if a.explain else "Medusa decoding"
-        fix = "use --method plain or train heads" if wanted == "Medusa decoding" else "train heads first"
-        raise ValueError(f"{a.ckpt} has no Medusa heads, which {wanted} needs; {fix}")
+        raise ValueError(f"{a.ckpt} has no Medusa heads: train heads, or decode with --method plain")
     choice = drawn = None
     if ck.heads is not None:
         tree_for = functools.partial(resolve_tree, a.tree if a.tree is not None else "cpu" if a.demo else None,
@@ -182,10 +173,9 @@ class StepPrinter:
     terminal without NO_COLOR, no-color.org) or [brackets]. A UTF-8 character split across steps waits."""
 
     def __init__(self, enc: tiktoken.Encoding, *, eot_id: int | None, show_steps: bool) -> None:
-        self.enc, self.eot_id, self.show_steps = enc, eot_id, show_steps
+        self.enc, self.eot_id, self.show_steps, self.steps = enc, eot_id, show_steps, 0
         self.color = not os.environ.get("NO_COLOR") and sys.stdout.isatty()
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self.steps = 0
 
     def __call__(self, tokens: list[int]) -> None:
         self.steps += 1

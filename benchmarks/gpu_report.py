@@ -44,12 +44,12 @@ GPT2_SHAPES = "gpt2,gpt2-medium,gpt2-large,gpt2-xl"
 QUICK_STEP = ["--nodes", "1,4,16", "--repeat", "3", "--warmup", "1"]
 QUICK_DECODE = ["--num-prompts", "2", "--max-new-tokens", "32"]
 BUDGET_S, QUICK_BUDGET_S = 510.0, 170.0  # a part stays under 9 minutes on an H100; --quick under 3
-FORWARDED = {"benchmarks/bench_step.py": "--step-flags", "train_tiny.py": "--train-flags",
-             "decode.py": "--decode-flags"}
-# The flags each part sets itself: forwarded again, the last would win and the part would measure something else.
-RESERVED = {"--step-flags": ("--configs", "--dtypes", "--device", "--compile"),
-            "--train-flags": ("--preset", "--out", "--device"),
-            "--decode-flags": ("--ckpt", "--compare", "--batch-size", "--dtype", "--device", "--compile")}
+# Flags forwarded to a script: the script, and the flags its part sets itself (forwarded again, the last would
+# win and the part would measure something else).
+FORWARDED = {"--step-flags": ("benchmarks/bench_step.py", ("--configs", "--dtypes", "--device", "--compile")),
+             "--train-flags": ("train_tiny.py", ("--preset", "--out", "--device")),
+             "--decode-flags": ("decode.py", ("--ckpt", "--compare", "--batch-size", "--dtype", "--device",
+                                              "--compile"))}
 
 
 def run_script(argv: list[str], *, timeout_s: float, label: str) -> tuple[int | None, str, float]:
@@ -148,7 +148,8 @@ def check_command(argv: list[str]) -> None:
             importlib.import_module(script[:-3].replace("/", ".")).parse_args(argv[1:])
     except SystemExit as e:  # its parser's error (status 2), or --help (0), which would print and stop it
         message = printed.getvalue().strip().partition(": error: ")[2] if e.code else "--help prints and stops"
-        raise ValueError(f"{FORWARDED[script]}: {os.path.basename(script)} refuses its flags: {message}") from None
+        flag = next(flag for flag, (forwarded_to, _) in FORWARDED.items() if forwarded_to == script)
+        raise ValueError(f"{flag}: {os.path.basename(script)} refuses its flags: {message}") from None
 
 
 def header(s: argparse.Namespace, argv: list[str]) -> str:
@@ -183,8 +184,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="step: the number formats of bench_step.py (default: %(default)s)")
     p.add_argument("--budget-s", type=float, metavar="S",
                    help=f"seconds each part may take (default: {BUDGET_S:.0f}; --quick: {QUICK_BUDGET_S:.0f})")
-    for name, script in (("step", "bench_step.py"), ("train", "train_tiny.py"), ("decode", "decode.py")):
-        p.add_argument(f"--{name}-flags", default="", metavar="'FLAGS'", help=f"more {script} flags, quoted")
+    for flag, (script, _) in FORWARDED.items():
+        p.add_argument(flag, default="", metavar="'FLAGS'", help=f"more {os.path.basename(script)} flags, quoted")
     a = p.parse_args(argv)
     try:  # the flags' own names become the settings of the parts
         check_file_path("--out", a.out, "gpu.md")
@@ -194,13 +195,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         except OSError as e:
             raise ValueError(f"--out {a.out}: no file can be written in {folder} ({e.strerror})") from None
         a.device = str(pick_device(a.device))
-        for name, reserved in RESERVED.items():
+        for name, (_, reserved) in FORWARDED.items():
             attr = name[2:].replace("-", "_")
             setattr(a, attr, flags := shlex.split(getattr(a, attr)))  # a ValueError for unclosed quotes
+            names = [n for f in flags if (n := f.split("=")[0]).startswith("--") and len(n) > 2]
             # argparse takes an unambiguous prefix of a flag as the flag: --dev is --device
-            taken = [f.split("=")[0] for f in flags if f.startswith("--") and len(f.split("=")[0]) > 2
-                     and any(r.startswith(f.split("=")[0]) for r in reserved)]
-            if taken:
+            if taken := [n for n in names if any(r.startswith(n) for r in reserved)]:
                 raise ValueError(f"{name}: the report sets {taken[0]} itself; leave out {', '.join(reserved)}")
         a.budget_s = a.budget_s if a.budget_s is not None else (QUICK_BUDGET_S if a.quick else BUDGET_S)
         if not 0 < a.budget_s < math.inf:  # nan too

@@ -58,9 +58,12 @@ def sweep(ck: Checkpoint, tables: dict, prompts: list[list[int]], *, budgets: tu
                 tree = build_tree(table, n)[0].truncated(ck.heads.num_heads)  # a table may describe more heads
                 # A name of its own per row: the runs are kept by the method's key, made from it.
                 name = f"{'prompt lookup' if M is None else f'Medusa M{M}'} {rule} {n}"
+                try:  # a rank-r node needs a head's top r + 1: a draft vocabulary of at least r + 1 tokens
+                    verified = drafter.proposer(ck.model, tree).tree.num_nodes - 1
+                except ValueError as e:
+                    raise ValueError(f"--draft-vocab {M}: {e}") from None
                 specs.append((Method(name, samplings[rule], drafter, tree), {
-                    "rule": rule, "nodes": n, "draft_vocab": M,
-                    "verified_nodes": drafter.proposer(ck.model, tree).tree.num_nodes - 1,
+                    "rule": rule, "nodes": n, "draft_vocab": M, "verified_nodes": verified,
                     "expected_tokens_per_step": expected_tokens_per_step(table, tree) if predicts else None}))
     result = compare(Engine(ck), prompts, [m for m, _ in specs], max_new_tokens=max_new_tokens, seed=seed,
                      repeat=repeat, stop_at_eot=False)
@@ -149,13 +152,6 @@ def load(ns: argparse.Namespace) -> tuple[Checkpoint, dict, list[list[int]]]:
     drawn = load_accuracy(ns.ckpt, drawn=True)  # None where the file predates the drawn candidates' table
     tables = {r: (drawn, True) if r == "rejection-drawn" and drawn is not None else (acc, r == "greedy")
               for r in rules}
-    heads_tables = [t for r, (t, _) in tables.items() if not r.startswith("lookup")]
-    ranks = max(build_tree(t, n)[0].truncated(ck.heads.num_heads).max_rank + 1
-                for t in heads_tables or [acc] for n in ns.budgets)
-    small = [M for M in ns.draft_vocab if 0 < M < ranks]  # 0: the whole vocabulary
-    if small and heads_tables:  # a rank-r node needs a head's top r + 1
-        raise ValueError(f"--draft-vocab {small[0]}: the trees of --budgets {','.join(map(str, ns.budgets))} take "
-                         f"each head's top {ranks}, so give at least {ranks}")
     return ck, tables, prompt_ids(ck, count=ns.num_prompts, max_new_tokens=ns.max_new_tokens)
 
 

@@ -70,17 +70,14 @@ def resolve_tree(spec: str | None, *, ckpt_dir: str, device: torch.device | str,
             acc = accuracy.load_accuracy(ckpt_dir)
         tree = build_tree(acc, budget, min_gain=min_gain)[0].truncated(num_heads)  # it may describe more heads
     elif inline or spec.endswith(".json") or os.path.sep in spec:
-        if inline:
-            where, name = f"--tree {spec}", "inline"
-            try:
-                obj = json.loads(spec)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: not JSON ({e.msg}); write choices as '[[0], [1], [0, 0]]'") from None
-        else:
-            path = next((p for p in (spec, os.path.join(ckpt_dir, spec)) if os.path.isfile(p)), None)
-            if path is None:
-                raise ValueError(f"tree file {spec} does not exist")
-            obj, where, name = read_json(path, hint=HINT), f"tree file {path}", os.path.basename(spec)
+        path = None if inline else next((p for p in (spec, os.path.join(ckpt_dir, spec)) if os.path.isfile(p)), None)
+        if not inline and path is None:
+            raise ValueError(f"tree file {spec} does not exist")
+        where, name = (f"--tree {spec}", "inline") if inline else (f"tree file {path}", os.path.basename(spec))
+        try:
+            obj = json.loads(spec) if inline else read_json(path, hint=HINT)  # read_json's errors: one line each
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where}: not JSON ({e.msg}); write choices as '[[0], [1], [0, 0]]'") from None
         choices = obj.get("choices") if isinstance(obj, dict) else obj
         if not isinstance(choices, list) or not choices:
             raise ValueError(f'{where} has no choices: it must hold a list of choices or {{"choices": [...]}}')
@@ -143,16 +140,13 @@ def main(argv: list[str] | None = None) -> int:
         "measured_on": f"greedy continuations {on}", "drawn_on": f"continuations sampled at T={T:g} {on}",
         "num_prompts": len(prompts), "max_new_tokens": a.max_new_tokens})
 
-    def by_budget(table) -> str:
-        return "  ".join(f"{n} nodes: {build_tree(table, n)[1]:.2f}" for n in (1, 2, 4, 8, 16, 32, 64))
-
-    print(f"saved {os.path.join(a.ckpt, accuracy.ACCURACY_FILE)}\n{accuracy.format_accuracy(acc)}\n"
-          f"expected tokens/step of build_tree (product rule, bonus token counted) by node budget:\n{by_budget(acc)}")
+    print(f"saved {os.path.join(a.ckpt, accuracy.ACCURACY_FILE)}")
+    for what, table in (("greedy continuations", acc), (f"drawn candidates, sampled at T={T:g}", drawn)):
+        print(f"{what}:\n{accuracy.format_accuracy(table)}\nexpected tokens/step of its tree (product rule, bonus "
+              "token counted) by node budget:\n"
+              + "  ".join(f"{n} nodes: {build_tree(table, n)[1]:.2f}" for n in (1, 2, 4, 8, 16, 32, 64)))
     print(f"rejection sampling at T={T:g}: each head's one drawn candidate is accepted with Σ min(p, q) = "
           + "  ".join(f"{v:.3f}" for v in accept.tolist()))
-    print(f"drawn candidates at T={T:g}, accepted among each head's first r draws:\n"
-          f"{accuracy.format_accuracy(drawn)}\nexpected tokens/step of rejection sampling's tree (drawn candidates) "
-          f"by node budget:\n{by_budget(drawn)}")
     if a.marginal:
         score, covered = accuracy.measure_marginal_acceptance(ck.model, sampled, prompt_lens=lens, temperature=T)
         print(f"head 1 with q = the exact marginal over the root, what its training aims at: Σ min(p, q) = "
