@@ -41,8 +41,7 @@ def faked(monkeypatch, reply) -> list[list[str]]:
 
 
 @pytest.mark.usefixtures("one_thread")
-def test_quick_cpu_report_holds_every_part_down_to_the_heads_share_and_the_step_over_its_verify(
-        tmp_path, capsys, monkeypatch):
+def test_quick_cpu_report_holds_every_part_down_to_the_heads_share(tmp_path, capsys, monkeypatch):
     faked(monkeypatch, in_this_process)
     out = tmp_path / "report.md"
     assert gpu_report.main(["--device", "cpu", "--quick", "--out", str(out), "--ckpt", str(tmp_path / "ckpt"),
@@ -67,8 +66,7 @@ def cuda_settings(tmp_path, **kw) -> Namespace:
     return Namespace(**{**base, **kw})
 
 
-def test_on_cuda_each_part_compiles_keeps_what_it_reports_and_names_what_failed_or_its_budget_did_not_reach(
-        tmp_path, monkeypatch):
+def test_on_cuda_each_part_compiles_keeps_its_lines_and_names_what_failed(tmp_path, monkeypatch):
     table = "       gpt2\nlayers / heads / width / vocabulary / draft   12 / 12 / 768 / 50257 / 8192\nplain step  1"
     calls = faked(monkeypatch, lambda argv: (None, "", 99.0) if "gpt2-xl" in argv else
                   (0, f"torch 2.x, cuda\ncommand: ...\n\n{table}\n", 1.0))
@@ -122,41 +120,33 @@ def test_bad_flags_exit_2_with_one_line_before_any_part_runs(tmp_path, capsys, m
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("append", [False, True])
-def test_an_existing_report_is_replaced_only_once_a_part_has_its_section(tmp_path, capsys, monkeypatch, append):
-    out = tmp_path / "r.md"
+@pytest.mark.parametrize("case", ["anew", "append", "disk full"])
+def test_a_report_is_replaced_once_a_part_has_its_section_a_failed_write_keeps_it(tmp_path, capsys, monkeypatch, case):
+    out, seen, writes, real = tmp_path / "r.md", [], [], gpu_report.atomic_write_text
     out.write_text("# an older report\n")
-    seen = []
     faked(monkeypatch, lambda argv: seen.append(out.read_text()) or (1, "boom\n", 1.0))
-    assert gpu_report.main(["--device", "cpu", "--part", "step", "--part", "train", "--out", str(out),
-                            "--ckpt", str(tmp_path / "ckpt"), *(["--append"] if append else [])]) == 1
-    text = out.read_text()
-    steps = len(gpu_report.GPT2_SHAPES.split(","))
-    assert seen[:steps] == ["# an older report\n"] * steps  # untouched while the first part runs
-    assert "## What one step costs" in seen[steps] and "## Training" not in seen[steps]  # then its section
-    assert text.startswith("# an older report\n\n## What one step costs" if append else "# medusa_mini on CPU")
-    assert "## Training" in text and text.count("Failed: exit status 1 after 1 s: boom\n") == steps + 1
-    assert capsys.readouterr().err.endswith(f"report: {out}; failed: step, train\n")
-    assert [p.name for p in tmp_path.iterdir()] == ["r.md"]  # no temporary file left beside it
 
-
-def test_a_report_that_cannot_be_written_is_one_line_and_keeps_the_parts_before(tmp_path, capsys, monkeypatch):
-    out, writes = tmp_path / "r.md", []
-    real = gpu_report.atomic_write_text
-
-    def disk_full_on_the_second(path, text):  # the disk fills after the first part's section
+    def write(path, text):  # a disk that fills after the first part's section, in case "disk full"
         writes.append(text)
-        if len(writes) == 2:
+        if case == "disk full" and len(writes) == 2:
             raise OSError(28, "No space left on device")
         real(path, text)
 
-    faked(monkeypatch, lambda argv: (1, "boom\n", 1.0))
-    monkeypatch.setattr(gpu_report, "atomic_write_text", disk_full_on_the_second)
-    assert gpu_report.main(["--device", "cpu", "--quick", "--part", "step", "--part", "train", "--out", str(out),
-                            "--ckpt", str(tmp_path / "ckpt")]) == 1
-    err = capsys.readouterr().err.splitlines()[-1]
-    assert err.startswith("gpu_report.py: error: ") and "after part train (No space left on device)" in err
-    assert out.read_text() == writes[0] and "## Training" not in writes[0]
+    monkeypatch.setattr(gpu_report, "atomic_write_text", write)
+    assert gpu_report.main(["--device", "cpu", "--part", "step", "--part", "train", "--out", str(out), "--ckpt",
+                            str(tmp_path / "ckpt"), *(["--append"] if case == "append" else [])]) == 1
+    steps, err = len(gpu_report.GPT2_SHAPES.split(",")), capsys.readouterr().err
+    assert seen[:steps] == ["# an older report\n"] * steps  # untouched while the first part runs
+    assert "## What one step costs" in seen[steps] and "## Training" not in seen[steps]  # then its section
+    assert [p.name for p in tmp_path.iterdir()] == ["r.md"]  # no temporary file left beside it
+    if case == "disk full":
+        assert err.splitlines()[-1].startswith("gpu_report.py: error: ")
+        assert "after part train (No space left on device)" in err and out.read_text() == writes[0]
+        return
+    text = out.read_text()
+    assert text.startswith("# an older report\n\n## What one step costs" if case == "append" else "# medusa_mini")
+    assert "## Training" in text and text.count("Failed: exit status 1 after 1 s: boom\n") == steps + 1
+    assert err.endswith(f"report: {out}; failed: step, train\n")
 
 
 def test_a_command_keeps_its_output_is_stopped_at_its_budget_and_on_sigterm_leaves_nothing_running(tmp_path):

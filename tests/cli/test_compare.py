@@ -33,8 +33,17 @@ def compared(capsys, *argv: str) -> dict:
     return json.loads(capsys.readouterr().out)
 
 
-def test_greedy_rows_make_plain_greedys_tokens_the_reference_the_engines_and_the_table_says_so(ckpt, capsys):
-    result = compared(capsys, "--ckpt", ckpt, "--reference", "--max-new-tokens", "12")
+def test_greedy_rows_are_plain_greedys_the_reference_the_engines_each_on_its_tree(ckpt, capsys, tmp_path, monkeypatch):
+    """On a CPU `auto` keeps only the heads' nodes that pay for their cost (6 of 8 for this table); prompt
+    lookup verifies only what it finds, so its chain is the whole budget of 8. The drawn candidates' tree
+    grows from their own table: the Medusa rejection row and its reference decode on it, the rest on greedy's."""
+    directory, trees, real = tmp_path / "measured", {}, runs_mod.decode
+    shutil.copytree(ckpt, directory)
+    save_accuracy(directory, torch.tensor([[a * 0.45**r for r in range(10)] for a in (0.56, 0.32, 0.20, 0.15)]),
+                  drawn=torch.tensor([[a * 0.3**r for r in range(10)] for a in (0.35, 0.28, 0.26, 0.25)]))
+    monkeypatch.setattr(runs_mod, "decode", lambda engine, method, *a, **kw: trees.setdefault(
+        method.key, set()).add(method.tree.choices if method.tree else None) or real(engine, method, *a, **kw))
+    result = compared(capsys, "--ckpt", str(directory), "--reference", "--max-new-tokens", "12")
     rows = {row["key"]: row for row in result["rows"]}
     assert list(rows) == ROWS + ["reference_greedy", "reference_typical", "reference_rejection"]
     for key in ("prompt_lookup_greedy", "medusa_greedy", "reference_greedy"):
@@ -45,7 +54,12 @@ def test_greedy_rows_make_plain_greedys_tokens_the_reference_the_engines_and_the
                                                                                     engine["stop_reasons"])
         assert engine["same_as_plain_greedy"] is (True if rule == "greedy" else None)
     assert all(len(t) == 12 for row in rows.values() for t in row["tokens"])
-    assert rows["plain_greedy"]["tokens_per_step"] == 1.0 and (result["tree"], result["tree_nodes"]) == ("cpu", 12)
+    assert rows["plain_greedy"]["tokens_per_step"] == 1.0
+    assert (result["tree"], result["tree_nodes"], result["lookup_nodes"]) == ("auto", 7, 8)
+    drawn, greedy = (build_tree(load_accuracy(directory, drawn=d), 8, min_gain=CPU_MIN_GAIN)[0].choices
+                     for d in (True, False))
+    assert drawn != greedy and trees == {key: {{"plain": None, "prompt": chain(8).choices}.get(
+        key.split("_")[0], drawn if key.endswith("rejection") else greedy)} for key in rows}
     out = format_table(result)
     head = out.splitlines()[0]
     for label, same in (("plain greedy", "yes"), ("prompt lookup greedy", "yes"), ("Medusa greedy", "yes"),
@@ -54,47 +68,39 @@ def test_greedy_rows_make_plain_greedys_tokens_the_reference_the_engines_and_the
         assert line.split()[-1] == same, line
         if label.startswith("plain"):  # the plain decoders set the step cost: 1.00 under its header
             assert line[: head.index("step cost") + 9].split()[-1] == "1.00", line
-    for needle in ("bonus token", "3 prompts", "tree cpu (12 nodes", "a chain of up to 11", "max-new-tokens 12",
-                   "1 thread", "reference rejection (T=0.8): the engine's tokens on 3/3 prompts"):
+    for needle in ("bonus token", "3 prompts", f"tree auto (7 nodes incl. root; Medusa rejection's, from its own "
+                   f"table: {len(drawn) + 1}; prompt lookup: a chain of up to 8)", "max-new-tokens 12", "1 thread",
+                   "reference rejection (T=0.8): the engine's tokens on 3/3 prompts"):
         assert needle in out, needle
 
 
-def test_auto_trims_the_heads_tree_and_drawn_candidates_decode_on_the_tree_of_their_own_table(
-        ckpt, capsys, tmp_path, monkeypatch):
-    """On a CPU `auto` keeps only the heads' nodes that pay for their cost (6 of 8 for this table); prompt
-    lookup verifies only what it finds, so its chain is the whole budget of 8. The drawn candidates' tree
-    grows from their own table: the Medusa rejection row and its reference decode on it, the rest on greedy's."""
-    directory, trees, real = tmp_path / "measured", {}, runs_mod.decode
-    shutil.copytree(ckpt, directory)
-    save_accuracy(directory, torch.tensor([[a * 0.45**r for r in range(10)] for a in (0.56, 0.32, 0.20, 0.15)]),
-                  drawn=torch.tensor([[a * 0.3**r for r in range(10)] for a in (0.35, 0.28, 0.26, 0.25)]))
-    monkeypatch.setattr(runs_mod, "decode", lambda engine, method, *a, **kw: trees.setdefault(
-        method.key, set()).add(method.tree.choices if method.tree else None) or real(engine, method, *a, **kw))
-    result = compared(capsys, "--ckpt", str(directory), "--reference", "--max-new-tokens", "8")
-    assert (result["tree"], result["tree_nodes"], result["lookup_nodes"]) == ("auto", 7, 8)
-    drawn, greedy = (build_tree(load_accuracy(directory, drawn=d), 8, min_gain=CPU_MIN_GAIN)[0].choices
-                     for d in (True, False))
-    assert drawn != greedy and trees == {key: {{"plain": None, "prompt": chain(8).choices}.get(
-        key.split("_")[0], drawn if key.endswith("rejection") else greedy)} for key in ROWS + [
-        "reference_greedy", "reference_typical", "reference_rejection"]}
-    assert f"tree auto (7 nodes incl. root; Medusa rejection's, from its own table: {len(drawn) + 1};" in \
-        format_table(result)
+def test_lookup_gains_on_repeats_and_a_row_that_leaves_plain_greedy_is_named_where(ckpt, capsys, monkeypatch):
+    real = runs_mod.decode
 
+    def one_token_off(engine, method, prompts, **kw):  # Medusa greedy's last token on every prompt, changed
+        out = real(engine, method, prompts, **kw)
+        return [(t[:-1] + [(t[-1] + 1) % 50], st) if method.key == "medusa_greedy" else (t, st) for t, st in out]
 
-def test_prompt_lookup_gains_on_a_prompt_of_one_repeated_token_and_not_on_one_without_repeats(ckpt, capsys):
+    monkeypatch.setattr(runs_mod, "decode", one_token_off)
     result = compared(capsys, "--ckpt", ckpt, "--max-new-tokens", "16", "--prompt", "nnnnnnnn", "--prompt",
                       "a big dog ran")
-    repeated, plain = result["per_prompt"]
+    repeated, plain = result["per_prompt"]  # one token repeated, and a prompt without repeats
     assert repeated["prompt_lookup_greedy"] > 1.5 and plain["prompt_lookup_greedy"] == 1.0
     assert repeated["repeats"] > 0.5 and plain["repeats"] == 0
-    footer = format_table(result).split("repeats")[-1].splitlines()[1:]
+    rows = {r["key"]: r for r in result["rows"]}
+    assert (rows["medusa_greedy"]["same_as_plain_greedy"], rows["prompt_lookup_greedy"]["same_as_plain_greedy"]) == (
+        False, True)
+    assert [(d["prompt"], d["position"]) for d in rows["medusa_greedy"]["differences"]] == [(0, 15), (1, 15)]
+    out = format_table(result)
+    assert "Medusa greedy differs from plain greedy on prompt 1 at new token 16" in out
+    footer = out.split("repeats")[-1].splitlines()[1:]
     assert [line.split()[0] for line in footer] == ["1", "2"]
     assert footer[1].split()[1] == "1.00" and footer[1].split()[-1] == "0%"
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_compare_in_half_precision_runs_every_row(ckpt, capsys, dtype):
-    """Every row makes its tokens; any parting it names lies inside them (a forced one: below)."""
+    """Every row makes its tokens; any parting it names lies inside them (a forced one: above)."""
     result = compared(capsys, "--ckpt", ckpt, "--dtype", dtype, "--max-new-tokens", "12", "--num-prompts", "2")
     assert result["dtype"] == dtype and [r["key"] for r in result["rows"]] == ROWS
     for row in result["rows"]:
@@ -102,8 +108,7 @@ def test_compare_in_half_precision_runs_every_row(ckpt, capsys, dtype):
         assert all(0 <= d["position"] < 12 and d["margin"] >= 0 for d in row.get("differences", []))
 
 
-def test_the_batch_table_sets_each_method_at_each_size_against_plain_and_says_where_medusa_stops_paying(
-        ckpt, capsys, tmp_path):
+def test_the_batch_table_sets_each_size_against_plain_and_says_where_medusa_stops_paying(ckpt, capsys, tmp_path):
     result = compared(capsys, "--ckpt", ckpt, "--batch-size", "1,2", "--max-new-tokens", "8", "--plot",
                       str(tmp_path / "batch.png"))
     rows = result["rows"]
@@ -136,19 +141,3 @@ def test_a_rows_numbers_count_passes_per_batch_and_every_token_once():
     rows = [{"method": "Medusa greedy", "batch_size": b, **r, "step_cost": 1.5, "speedup": 1.2} for b in (1, 2)]
     assert f"still pays at batch 2: a step costs 1.50x a plain step at batch 1 and 1.50x at batch 2, and a batch " \
            f"of 2 makes {14 / 12:.2f}x the passes its rows need" in why_line(rows)
-
-
-def test_a_greedy_row_that_leaves_plain_greedy_is_reported_where_it_leaves(ckpt, capsys, monkeypatch):
-    real = runs_mod.decode
-
-    def one_token_off(engine, method, prompts, **kw):  # Medusa greedy's last token on every prompt, changed
-        out = real(engine, method, prompts, **kw)
-        return [(t[:-1] + [(t[-1] + 1) % 50], st) if method.key == "medusa_greedy" else (t, st) for t, st in out]
-
-    monkeypatch.setattr(runs_mod, "decode", one_token_off)
-    result = compared(capsys, "--ckpt", ckpt, "--max-new-tokens", "6")
-    rows = {r["key"]: r for r in result["rows"]}
-    assert rows["medusa_greedy"]["same_as_plain_greedy"] is False
-    assert rows["prompt_lookup_greedy"]["same_as_plain_greedy"] is True
-    assert [(d["prompt"], d["position"]) for d in rows["medusa_greedy"]["differences"]] == [(0, 5), (1, 5), (2, 5)]
-    assert "Medusa greedy differs from plain greedy on prompt 1 at new token 6" in format_table(result)

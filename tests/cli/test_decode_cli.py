@@ -47,16 +47,17 @@ def objects(capsys, *argv: str) -> list[dict]:
     return [json.loads(line) for line in run(capsys, *argv, "--json").splitlines()]
 
 
-@pytest.mark.parametrize("rule, needles", [
-    ([], ("Prefill", "Root token", "head 4", "■", "backbone argmax", "emitted", "[0] root", "accepted path")),
-    (["--method", "rejection"], ("min(1, p(x)/q(x))", "Rejection sampling draws the candidates", "bonus token")),
+@pytest.mark.parametrize("heads, rule, needles", [
+    ("medusa", [], ("Prefill", "Root token", "head 4", "■", "backbone argmax", "emitted", "[0] root", "accepted path")),
+    ("medusa", ["--method", "rejection"], ("min(1, p(x)/q(x))", "Rejection sampling draws the candidates", "bonus")),
+    ("hydra", [], ("Dependent (hydra) heads", "head 4", "accepted path")),
 ])
-def test_explain_walks_through_one_step(ckpt, capsys, rule, needles):
-    out = run(capsys, "--ckpt", ckpt, "--explain", *rule)
+def test_explain_walks_through_one_step_of_either_kind_of_heads(ckpt, ckpt_hydra, capsys, heads, rule, needles):
+    out = run(capsys, "--ckpt", ckpt_hydra if heads == "hydra" else ckpt, "--explain", *rule)
     assert all(needle in out for needle in needles), out
 
 
-def test_show_brackets_each_step_and_joins_to_the_plain_text(ckpt, capsys):
+def test_show_brackets_each_step_of_the_text_and_plain_decoding_needs_no_heads(ckpt, ckpt_no_heads, capsys, tmp_path):
     argv = ["--ckpt", ckpt, "--prompt", PROMPTS[0], "--max-new-tokens", "20"]
     ref = json.loads(run(capsys, *argv, "--json", "--method", "plain"))
     medusa = json.loads(run(capsys, *argv, "--json"))
@@ -67,10 +68,6 @@ def test_show_brackets_each_step_and_joins_to_the_plain_text(ckpt, capsys):
     shown = out[out.index(header) + len(header): out.rindex("\nstats: ")]
     assert "[" not in ref["text"] and shown.replace("[", "").replace("]", "") == ref["text"]
     assert shown.count("[") == medusa["steps"] + 1  # the prefill's token, then one chunk per step
-
-
-def test_plain_decoding_needs_no_heads_shows_no_tree_and_never_asks_heads_to_fill_one(ckpt, ckpt_no_heads, capsys,
-                                                                                     tmp_path):
     out = run(capsys, "--ckpt", ckpt_no_heads, "--method", "plain", "--show", "--max-new-tokens", "6")
     assert "=== plain greedy; one [chunk] per forward pass" in out and "1.00 tokens/step" in out
     assert "attention mask" not in out and "root" not in out
@@ -81,13 +78,12 @@ def test_plain_decoding_needs_no_heads_shows_no_tree_and_never_asks_heads_to_fil
 
 def test_generation_stops_cleanly_at_the_context_limit(ckpt, capsys):
     argv = ["--ckpt", ckpt, "--prompt", " ".join(["the cat sat on the mat"] * 6), "--max-new-tokens", "50"]  # 55 of 64
-    obj = json.loads(run(capsys, *argv, "--json"))
-    assert obj["stop_reason"] == "context" and obj["prompt_tokens"] + len(obj["tokens"]) == 64
-    assert "stopped at the context limit" in run(capsys, *argv)
-    assert "stopped at the context limit" in run(capsys, *argv, "--reference")
-    exact = argv[:-1] + ["9"]  # 55 + 9 = 64: a budget that ends with the context is what stopped it
-    assert [json.loads(run(capsys, *exact, "--json", *ref))["stop_reason"] for ref in ([], ["--reference"])] == [
-        "max_new_tokens", "max_new_tokens"]
+    for ref in ([], ["--reference"]):
+        obj = json.loads(run(capsys, *argv, "--json", *ref))
+        assert obj["stop_reason"] == "context" and obj["prompt_tokens"] + len(obj["tokens"]) == 64
+        # 55 + 9 = 64: a budget that ends with the context is what stopped it
+        assert json.loads(run(capsys, *argv[:-1], "9", "--json", *ref))["stop_reason"] == "max_new_tokens"
+    assert "stopped at the context limit: 55 prompt + 9 new tokens fill all 64 positions" in run(capsys, *argv)
 
 
 @pytest.mark.parametrize("rule", [[], ["--method", "plain"]])
@@ -101,13 +97,6 @@ def test_json_is_an_object_per_prompt_and_a_batch_decodes_each_prompt_as_if_alon
     assert run(capsys, *argv, "--batch-size", "2").count(" ms/token over its batch of 2,") == 2
 
 
-def test_hydra_heads_decode_and_explain_like_medusa_heads(ckpt_hydra, capsys):
-    argv = ["--ckpt", ckpt_hydra, "--max-new-tokens", "12"]
-    tokens = [[o["tokens"] for o in objects(capsys, *argv, *rule)] for rule in ([], ["--method", "plain"])]
-    assert tokens[0] == tokens[1]  # greedy: lossless
-    assert "Dependent (hydra) heads" in run(capsys, *argv, "--explain")
-
-
 @pytest.mark.slow
 def test_the_demo_explains_a_step_without_any_checkpoint(capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # no out/tiny here
@@ -116,8 +105,7 @@ def test_the_demo_explains_a_step_without_any_checkpoint(capsys, tmp_path, monke
     assert out.startswith("DEMO:") and "accepted path" in out and "7. Result" in out
 
 
-def test_as_a_process_two_sampled_runs_print_the_same_tokens_and_a_bad_checkpoint_is_status_2_in_one_line(
-        ckpt, tmp_path):
+def test_as_a_process_sampled_runs_repeat_their_tokens_and_bad_input_is_one_line(ckpt, tmp_path):
     """As a user meets it: the process's output, exit status and stderr (the rest of the bad inputs run
     in-process below, through the same main)."""
     def decode_py(*argv: str) -> subprocess.CompletedProcess:

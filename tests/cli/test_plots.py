@@ -76,8 +76,7 @@ def test_a_path_savefig_would_not_write_as_named_or_a_missing_matplotlib_is_one_
     assert sorted(os.listdir(tmp_path)) == ["folder"]
 
 
-def test_every_format_the_check_accepts_is_written_in_it_and_a_figure_that_fails_leaves_the_older_file(
-        tmp_path, monkeypatch):
+def test_each_format_accepted_is_written_and_a_figure_that_fails_leaves_the_older(tmp_path, monkeypatch):
     canvas = pytest.importorskip("matplotlib.backends.backend_agg")
     figure = pytest.importorskip("matplotlib.figure")
     assert set(PLOT_FORMATS) <= set(canvas.FigureCanvasAgg(figure.Figure()).get_supported_filetypes())

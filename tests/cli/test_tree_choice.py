@@ -20,40 +20,30 @@ def resolve(spec, ckpt_dir, *, device="cpu", num_heads=4, drawn=False):
     return resolve_tree(spec, ckpt_dir=str(ckpt_dir), device=device, num_heads=num_heads, drawn=drawn)
 
 
-def test_a_budget_builds_the_best_tree_of_that_size_and_without_one_the_device_picks_it_or_its_preset(tmp_path):
+DRAWN = torch.tensor([[a * 0.3**r for r in range(10)] for a in (0.35, 0.28, 0.26, 0.25)])  # drawn candidates
+
+
+def test_a_budget_builds_the_best_tree_from_its_rules_table_else_the_device_picks_it(tmp_path):
+    """A drawn candidate passes far less often than a top-1 guess: its tree, from its own table, spends a budget
+    on more tries at the root before depth; a table measured before drawn candidates had theirs: greedy's."""
     assert resolve(None, tmp_path) == (preset("cpu"), "cpu", preset("cpu").num_nodes - 1)  # no accuracies yet
     assert resolve(None, tmp_path, device="cuda") == (preset("gpu"), "gpu", preset("gpu").num_nodes - 1)
     save_accuracy(tmp_path, VICUNA)
     acc = load_accuracy(tmp_path)  # as stored: rounded, which may break the table's ties otherwise
-    assert resolve("8", tmp_path) == (build_tree(acc, 8)[0], "8", 8)
+    assert resolve("8", tmp_path) == resolve("8", tmp_path, drawn=True) == (build_tree(acc, 8)[0], "8", 8)
     assert resolve("64", tmp_path, num_heads=2)[0] == build_tree(acc, 64)[0].truncated(2)  # cut to the heads loaded
-    assert resolve("chain3", tmp_path) == (chain(3), "chain3", 3)  # a preset names its tree, its size the budget
     cpu_tree, name, budget = resolve(None, tmp_path)  # on a CPU, at most 8 nodes, each worth its time
-    assert (cpu_tree, name) == (build_tree(acc, 8, min_gain=CPU_MIN_GAIN)[0], "auto")
-    assert resolve("auto", tmp_path) == (cpu_tree, name, budget)
+    assert (cpu_tree, name) == (build_tree(acc, 8, min_gain=CPU_MIN_GAIN)[0], "auto") == resolve("auto", tmp_path)[:2]
     assert cpu_tree.num_nodes - 1 == 6 and cpu_tree == build_tree(acc, 6)[0]
     assert budget == 8  # prompt lookup's chain: it verifies only what it finds, so it takes the whole budget
     assert resolve(None, tmp_path, device="cuda:0") == (build_tree(acc, 64)[0], "auto", 64)
-
-
-DRAWN = torch.tensor([[a * 0.3**r for r in range(10)] for a in (0.35, 0.28, 0.26, 0.25)])  # drawn candidates
-
-
-def test_drawn_candidates_grow_their_budget_tree_from_their_own_table_or_else_greedys(tmp_path):
-    """A drawn candidate passes far less often than a top-1 guess: its tree spends a budget on more tries
-    at the root before depth. A table measured before drawn candidates had theirs stands in with greedy's."""
-    save_accuracy(tmp_path, VICUNA)
-    assert resolve("8", tmp_path, drawn=True) == resolve("8", tmp_path)  # no table of its own yet
-    assert load_accuracy(tmp_path, drawn=True) is None
     save_accuracy(tmp_path, VICUNA, drawn=DRAWN)
-    drawn, greedy = resolve("8", tmp_path, drawn=True), resolve("8", tmp_path)
-    assert drawn == (build_tree(load_accuracy(tmp_path, drawn=True), 8)[0], "8", 8)
-    assert greedy[0] == build_tree(VICUNA, 8)[0]
-    assert drawn.tree != greedy.tree
-    on_cpu = resolve("auto", tmp_path, drawn=True)  # on a CPU only the nodes worth their time
-    assert on_cpu.tree == build_tree(load_accuracy(tmp_path, drawn=True), 8, min_gain=CPU_MIN_GAIN)[0]
-    assert on_cpu.tree.choices == ((0,), (1,), (0, 0)) and resolve("auto", tmp_path).tree.num_nodes == 7
-    assert resolve("chain3", tmp_path, drawn=True) == resolve("chain3", tmp_path)  # a tree given whole is no budget
+    drawn = load_accuracy(tmp_path, drawn=True)
+    assert resolve("8", tmp_path, drawn=True) == (build_tree(drawn, 8)[0], "8", 8) != resolve("8", tmp_path)
+    on_cpu = resolve("auto", tmp_path, drawn=True).tree
+    assert on_cpu == build_tree(drawn, 8, min_gain=CPU_MIN_GAIN)[0] and on_cpu.choices == ((0,), (1,), (0, 0))
+    # a preset names its tree, its size the budget: a tree given whole is no budget, for either table
+    assert resolve("chain3", tmp_path) == resolve("chain3", tmp_path, drawn=True) == (chain(3), "chain3", 3)
 
 
 @pytest.mark.parametrize("content", [[[0], [1], [0, 0]], {"choices": [[0], [1], [0, 0]]}], ids=["list", "object"])
@@ -91,7 +81,7 @@ def test_measure_saves_both_tables_and_prints_their_trees_estimates_and_the_samp
     lines = capsys.readouterr().out.strip().splitlines()
     acc, drawn = load_accuracy(tmp_path), load_accuracy(tmp_path, drawn=True)  # rejection sampling's too
     saved = json.loads((tmp_path / "heads_accuracy.json").read_text())
-    assert acc.shape == drawn.shape == (3, 10) and not drawn.equal(acc) and "top-1" in lines[1]
+    assert acc.shape == drawn.shape == (3, 10) and not drawn.equal(acc) and "top-1" in lines[2]
     assert (saved["num_prompts"], saved["max_new_tokens"], saved["top_k"]) == (3, 8, 10)
     for table in (acc, drawn):  # the estimates printed are build_tree's own, each table's
         assert any(line.endswith("  ".join(f"{n} nodes: {build_tree(table, n)[1]:.2f}" for n in (8, 16, 32, 64)))
