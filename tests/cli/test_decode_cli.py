@@ -105,16 +105,16 @@ def test_the_demo_explains_a_step_without_any_checkpoint(capsys, tmp_path, monke
     assert out.startswith("DEMO:") and "accepted path" in out and "7. Result" in out
 
 
-def test_as_a_process_sampled_runs_repeat_their_tokens_and_bad_input_is_one_line(ckpt, tmp_path):
+def test_as_a_process_sampled_runs_repeat_their_tokens_and_bad_input_is_one_line(ckpt, tmp_path, capsys):
     """As a user meets it: the process's output, exit status and stderr (the rest of the bad inputs run
     in-process below, through the same main)."""
     def decode_py(*argv: str) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "decode.py", *argv], capture_output=True, text=True, cwd=ROOT)
 
-    runs = [decode_py("--ckpt", ckpt, "--method", "rejection", "--seed", "3", "--json") for _ in range(2)]
-    objs = [[json.loads(line) for line in r.stdout.splitlines()] for r in runs]
-    assert objs[0][0]["temperature"] == 0.8 and len(objs[0]) == 3  # the sampling default when none is given
-    assert [o["tokens"] for o in objs[0]] == [o["tokens"] for o in objs[1]]
+    argv = ["--ckpt", ckpt, "--method", "rejection", "--seed", "3"]
+    objs = [json.loads(line) for line in decode_py(*argv, "--json").stdout.splitlines()]
+    assert objs[0]["temperature"] == 0.8 and len(objs) == 3  # the sampling default when none is given
+    assert [o["tokens"] for o in objs] == [o["tokens"] for o in objects(capsys, *argv)]  # and in this process
     r = decode_py("--ckpt", str(tmp_path / "nowhere"))
     assert r.returncode == 2 and r.stdout == "", r
     assert r.stderr.startswith("decode.py: error: checkpoint directory") and r.stderr.count("\n") == 1, r.stderr
