@@ -10,7 +10,6 @@ import signal
 import sys
 import threading
 import time
-from argparse import Namespace
 from types import SimpleNamespace
 
 import pytest
@@ -59,11 +58,11 @@ def test_quick_cpu_report_holds_every_part_down_to_the_heads_share(tmp_path, cap
     assert "plain greedy" in parts["decode.py --compare"] and "--batch-size 1,2,4" in parts["Batch sizes"]
 
 
-def cuda_settings(tmp_path, **kw) -> Namespace:
+def cuda_settings(tmp_path, **kw) -> SimpleNamespace:  # the settings parse_args makes, on CUDA
     base = dict(out=str(tmp_path / "r.md"), parts=list(gpu_report.PARTS), device="cuda", quick=False,
                 ckpt=str(tmp_path), configs=["gpt2"], dtypes=["bfloat16"], budget_s=100.0, step_flags=[],
                 train_flags=[], decode_flags=[], append=False, compile=["--compile"])
-    return Namespace(**{**base, **kw})
+    return SimpleNamespace(**{**base, **kw})
 
 
 def test_on_cuda_each_part_compiles_keeps_its_lines_and_names_what_failed(tmp_path, monkeypatch):
