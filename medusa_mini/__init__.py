@@ -5,7 +5,7 @@ same decisions fast, for batches: model (GPT-2 and a static KV cache), heads (Me
 ones), tree, sampling, proposal (the candidates of one step, prompt lookup's too), acceptance, step,
 decoding; then training. All of it imports only torch, numpy and itself. The wings import the core,
 never the reverse: io/ (tokenizer, safetensors, checkpoints, GPT-2 weights), train/ (the train_tiny.py
-run), cli/ (the command lines' shared code).
+run), cli/ (the command lines' shared code and the compiled steps).
 """
 
 from . import reference

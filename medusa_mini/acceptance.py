@@ -110,7 +110,8 @@ def typical_accept_paths(tree: TreeTensors, tokens: torch.Tensor, logits: torch.
         score = score + along[..., d]
     top = depth == depth.max(dim=-1, keepdim=True).values  # [B, N] the deepest accepted nodes
     score = torch.where(top, score, float("-inf"))
-    last = (score == score.max(dim=-1, keepdim=True).values).byte().argmax(dim=-1)  # [B]: the first of the best
+    best = (score == score.max(dim=-1, keepdim=True).values).byte()  # [B, N]; argmax takes no bool
+    last = best.argmax(dim=-1)  # [B]: the first of the best (argmax returns the first of equal maxima)
     at_last = p.gather(1, last[:, None, None].expand(B, 1, V))[:, 0]  # [B, V]
     return Accepted.ending_at(tree, last, inverse_cdf(at_last, u))
 
@@ -146,25 +147,25 @@ def rejection_accept_drawn(tree: TreeTensors, tokens: torch.Tensor, logits: torc
     (`TreeTensors.tries`), as if the walk reached it, with the reference's uniforms (child c's is u[:, c]);
     then the walk only follows what passed: at most one child of a node passes, the accepted nodes form
     one chain, and its deepest node's residual, what is left of p, gives the bonus with u[:, 0].
-    Unusable nodes are never tried; a row without a usable root tries nothing. The q each node was drawn
-    from is made for all nodes at once: only the residual passes from slot to slot.
+    Unusable nodes are never tried; a row without a usable root tries nothing.
     """
-    p = sampling.probs(logits)  # [B, N, V]: p at each node, then the residual its misses leave
-    passes = torch.zeros_like(tokens, dtype=torch.bool)  # [B, N] the node passed its try at its parent
-    nodes, kids, sizes, by_slot = tree.tries  # [n] nodes, most children first; [n, S] their children in try order
+    p, passes = sampling.probs(logits), torch.zeros_like(tokens, dtype=torch.bool)  # [B, N, V], [B, N]
+    nodes, sizes, by_slot = tree.tries  # [n] nodes, most children first; per slot, how many; their children
     if sizes:
         log_q, draws = drawn.at(tree.parent_index)  # [B, N, V], [B, N, R]: what each node was drawn from
         q = without_earlier_draws(log_q, draws, tree.ranks.expand_as(tokens), tokens)  # [B, N, V] (the root's unused)
-        q, x, u_kids = q[:, kids], tokens[:, kids], u[:, kids]  # [B, n, S, V], [B, n, S] x2: each slot's child
+        q_kids, x, u_kids = q[:, by_slot], tokens[:, by_slot], u[:, by_slot]  # [B, N - 1, V], [B, N - 1] x2: by slot
         target = p[:, nodes]  # [B, n, V] the residual the misses so far left
-        trying = torch.ones_like(x[..., 0], dtype=torch.bool) if usable is None else usable[:, kids[:, 0]]  # [B, n]
-        passed = []  # per slot s: [B, n_s], its child passed
-        for s, n_s in enumerate(sizes):  # the first n_s nodes have a child in slot s
-            t = target[:, :n_s]  # [B, n_s, V]
-            accepted, flat, residual = speculative_try(t, q[:, :n_s, s], x[:, :n_s, s], u_kids[:, :n_s, s])
+        firsts = by_slot[: len(nodes)]  # slot 0: every node's first child, usable as its siblings are
+        trying = torch.ones_like(target[..., 0], dtype=torch.bool) if usable is None else usable[:, firsts]  # [B, n]
+        passed, first = [], 0  # per slot s: [B, n_s], its child passed; where slot s starts in by_slot
+        for n_s in sizes:  # the first n_s nodes have a child in slot s
+            t, kid = target[:, :n_s], slice(first, first + n_s)  # [B, n_s, V]
+            accepted, flat, residual = speculative_try(t, q_kids[:, kid], x[:, kid], u_kids[:, kid])
             passed.append(trying[:, :n_s] & accepted)
             trying[:, :n_s] &= ~(accepted | flat)  # a child accepted, or p = q: no residual to try another against
             target[:, :n_s] = torch.where(trying[:, :n_s, None], residual, t)
+            first += n_s
         passes[:, by_slot] = torch.cat(passed, dim=1)
         p[:, nodes] = target
     last = deepest_accepted(tree, passes)  # [B]

@@ -158,8 +158,8 @@ class Generations:
 
 @torch.no_grad()
 def generate_batch(
-    model: GPT, prompts: list[Prompt], *, max_new_tokens: int, sampling: Sampling = Sampling(), eos_id: int | None = None,
-    generator: torch.Generator | None = None, on_step: RowCallback | None = None,
+    model: GPT, prompts: list[Prompt], *, max_new_tokens: int, sampling: Sampling = Sampling(),
+    eos_id: int | None = None, generator: torch.Generator | None = None, on_step: RowCallback | None = None,
     cache: KVCache | CacheSource | None = None, steps: Steps = Steps(),
 ) -> list[tuple[list[int], GenerationStats]]:
     """Plain autoregressive decoding of B prompts with the KV cache: one forward pass per token per row.

@@ -175,7 +175,8 @@ class MedusaHeads(DraftHeads):
         """Head k's h + SiLU(W_k h + b_k) for the first `num` heads, hidden [..., C] -> [..., num, C], with every
         head's block in one matmul (blocks: `stacked`)."""
         C, (w, b) = self.config.n_embd, blocks
-        return hidden.unsqueeze(-2) + F.silu(F.linear(hidden, w[: num * C], b[: num * C]).unflatten(-1, (num, C)))
+        z = F.linear(hidden, w[: num * C], b[: num * C]).unflatten(-1, (num, C))  # [..., num C] -> [..., num, C]
+        return hidden.unsqueeze(-2) + F.silu(z)
 
     def forward(self, hidden: torch.Tensor, model: nn.Module, *, following: torch.Tensor | None = None,
                 num: int | None = None) -> torch.Tensor:

@@ -79,7 +79,7 @@ class KVCache:
     def write(self, layer: int, kv: torch.Tensor, slots: torch.Tensor) -> None:
         """Layer `layer`'s new keys and values kv [B, T, 2, nh, hs] into each row's slots [B, T]: one index_put_
         into the whole tensor, the layer picked by a 1-element index (through a view of the layer a compiler
-        would copy the layer whole)."""
+        would copy the layer whole). Index tensors split by a slice lead the result: its shape is [B, T, 2, nh, hs]."""
         self.kv[self.layers[layer : layer + 1], :, self.rows, :, slots] = kv
 
 

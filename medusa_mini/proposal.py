@@ -11,7 +11,8 @@ node's children were drawn from (`Drawn`). Three `Proposer`s make them, and the 
 
 Heads make their proposer (`heads.proposer(model, tree)`), and so does `PromptLookup`: a decoding loop
 takes any such *drafter*. Shapes: B rows, N nodes, D depth, R ranks, V vocabulary, M draft vocabulary, C
-n_embd, Q the q a drawn tree draws from (one per depth for Medusa heads, one per inner node for Hydra's).
+n_embd, Q the q a drawn tree draws from (one per depth for Medusa heads; for Hydra's, one per node above the
+deepest depth).
 """
 
 from __future__ import annotations
@@ -100,7 +101,7 @@ class HeadsProposer:
                  num_heads: int, heads: nn.Module | None = None) -> None:
         tree.check_heads(num_heads)
         if tree.max_rank >= draft_ids.numel():
-            raise ValueError(f"the tree asks for rank {tree.max_rank}; the draft vocabulary has {draft_ids.numel()} tokens")
+            raise ValueError(f"the tree asks for rank {tree.max_rank}; the draft vocabulary has {len(draft_ids)}")
         self.tree, self.head_logits, self.heads = tree, head_logits, heads
         self.draft_ids, self.vocab_size = draft_ids, vocab_size
 

@@ -189,8 +189,8 @@ def try_children(p: torch.Tensor, candidates: list[int], drawn: tuple[torch.Tens
 
 
 def rejection_accept(parents: list[int], tokens: list[int], logits: torch.Tensor, *, sampling: Sampling,
-                     generator: torch.Generator | None, drawn: list[tuple[torch.Tensor, list[int]] | None] | None = None,
-                     nodes: int | None = None) -> tuple[list[int], int]:
+                     generator: torch.Generator | None, drawn: list | None = None, nodes: int | None = None
+                     ) -> tuple[list[int], int]:
     """Lossless rejection sampling on a tree (Leviathan et al. 2023; SpecInfer): every emitted sequence
     is exactly a sample of the backbone (fresh randomness at each node and the chain rule).
 
@@ -249,7 +249,7 @@ def medusa_generate(model: GPT, heads: MedusaHeads, prompt: list[int], *, tree: 
     out, steps = [root], 0
     while L + 1 < stop_at and eos_id not in out:  # L + 1 = the prompt and every emitted token
         t = tree.truncated(stop_at - 2 - L)  # a node at depth d emits d + 1 tokens
-        head_logits = heads(hidden[None], model, num=tree.depth)[:, 0]  # [D', M], the whole tree's heads: 2, 3, ... ahead
+        head_logits = heads(hidden[None], model, num=tree.depth)[:, 0]  # [D', M]: the whole tree's heads
         tokens, drawn = propose(head_logits, heads.draft_ids, t, root, vocab_size=model.config.vocab_size,
                                 sampling=sampling, generator=generator)
         mask = torch.cat([torch.ones(t.num_nodes, L, dtype=torch.bool), tree_attention_mask(t.parents)], 1)

@@ -60,8 +60,8 @@ def keep_path(cache: KVCache, tree: TreeTensors, accepted: Accepted, *, start: t
     """Keep the K/V of each row's root and accepted nodes in consecutive slots from start [B], the root's
     slot. Always D + 1 slots move per row (a fixed shape; a chain tree's accepted path moves onto itself);
     the length counts only the accepted ones, and stays put for a row that is not `active` [B] (None: all)."""
-    kept = accepted.count + 1 if active is None else (accepted.count + 1) * active  # [B]
-    to = start[:, None] + tree.index[: accepted.nodes.shape[1]]  # [B, D + 1]: from the root's slot on
+    kept = accepted.count + 1 if active is None else torch.where(active, accepted.count + 1, 0)  # [B]
+    to = start[:, None] + tree.index[: accepted.nodes.shape[1]]  # [B, D + 1]: start + 0, 1, ..., D
     compact_kv_cache(cache, start[:, None] + accepted.nodes, to=to, length=start + kept)
 
 
@@ -102,8 +102,8 @@ def medusa_step(model: GPT, cache: KVCache, proposer: Proposer, roots: torch.Ten
     states that produced them. history: each row's tokens so far (prompt lookup reads them). stop_at: [B]
     the total length at which each row stops, the nodes a row cannot use masked (`usable_nodes`); None
     when every row has room for the whole tree.
-    The random numbers, those of drawn candidates and then the acceptance's, are drawn for the proposer's
-    whole tree, in the reference's order. attended: the cache slots any row reads (default all).
+    The random numbers, those of drawn candidates and then the acceptance's (per node of the proposer's whole
+    tree; typical: one per row), are drawn in the reference's order. attended: the cache slots read (default all).
     """
     B, device, start = len(roots), roots.device, cache.lengths  # start [B]: the roots' slots
     u_draw = proposer.uniforms(sampling, B, generator, device=device)

@@ -55,8 +55,8 @@ def chunked_head_loss(heads: DraftHeads, model: GPT, hidden: torch.Tensor, targe
     """The heads' cross-entropy without all K x B x T x M logits at once: hidden [B, T, C], targets [K, B, T]
     (draft-vocabulary indices, IGNORE where none), following [B, T, K] (the true next tokens, which dependent
     heads read) -> mean cross-entropy [K] and detached top-1 accuracy [K] where a target exists (0 for none).
-    `chunk_size` positions at a time (default: LOGITS_PER_CHUNK logits), each chunk under checkpointing, so
-    both passes hold one chunk's logits at the price of computing them twice. No data-dependent shapes."""
+    `chunk_size` positions at a time (default: LOGITS_PER_CHUNK logits), several chunks each under checkpointing,
+    so both passes hold one chunk's logits at the price of computing them twice. No data-dependent shapes."""
     K, C = targets.shape[0], hidden.shape[-1]
     h, tgt, fol = hidden.reshape(-1, C), targets.reshape(K, -1), following.reshape(-1, K)  # n = B·T positions
     n = h.shape[0]

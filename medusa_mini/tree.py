@@ -44,7 +44,7 @@ def choice_problem(choices: list[Choice] | tuple[Choice, ...], *, num_heads: int
 
 @dataclass(frozen=True)
 class Tree:
-    """A candidate tree, validated (`from_choices` also sorts). Node i > 0 corresponds to `choices[i - 1]`; node 0 is the root.
+    """A candidate tree, validated (`from_choices` also sorts). Node i > 0 is `choices[i - 1]`; node 0 is the root.
 
     parents[i]: node i's parent (-1 for the root); children[i]: its children in rank order; depths[i]:
     its depth (= its position offset from the root); ranks[i]: the rank it holds (0 for the root);
@@ -103,7 +103,7 @@ class Tree:
         return tree_tensors(self, str(device))
 
     def truncated(self, max_depth: int) -> "Tree":
-        """The subtree of nodes at depth <= max_depth (near the end of a generation)."""
+        """The subtree of nodes at depth <= max_depth (the reference's near a row's end; prompt lookup's chains)."""
         return self if self.depth <= max_depth else Tree(tuple(c for c in self.choices if len(c) <= max_depth))
 
     def check_heads(self, num_heads: int) -> None:
@@ -131,15 +131,13 @@ class TreeTensors:
     paths_and_depths: torch.Tensor  # [N, D + 2] long: node_paths, then each node's depth: one gather reads both
     below_root: torch.Tensor  # [N, D] long: each node's path without the root, then the node repeated
     on_path: torch.Tensor  # [N, D] float64: 1 where below_root holds a path's node, 0 where it repeats the last
-    reach: torch.Tensor  # [N] long: depth + 2, what a row's length grows by when the node ends its path
+    reach: torch.Tensor  # [N] long: depth + 2: start + reach is a row's text length after a path ending here
     index: torch.Tensor  # [N] long: 0 .. N - 1
     guess_index: torch.Tensor  # [N] long: where each node's token sits in [root, head 1's R guesses, head 2's, ...]
     # Rejection sampling tries slot s of every node with children at once (`acceptance.rejection_accept_drawn`):
-    # (inner: the n nodes with children, most children first, long [n]; kids: their children in rank order,
-    # the order they are tried in, long [n, S], S the most children of any node, -1 past a node's last;
-    # sizes: per slot s < S, how many nodes have a child in it, always the first ones, so a slice;
-    # by_slot: those children slot after slot, long [N - 1])
-    tries: tuple[torch.Tensor, torch.Tensor, tuple[int, ...], torch.Tensor]
+    # (nodes: the n nodes with children, most children first, long [n]; sizes: per slot s, how many of them
+    # have an s-th child, always the first ones, so a slice; by_slot: the children, slot after slot, long [N - 1])
+    tries: tuple[torch.Tensor, tuple[int, ...], torch.Tensor]
     first: tuple[int, ...]  # `Tree.first`: nodes of depth d are first[d] .. first[d + 1] - 1
     num_ranks: int  # R, the ranks any node uses (`Tree.max_rank` + 1)
     depth: int  # D, `Tree.depth`
@@ -158,15 +156,10 @@ def tree_tensors(tree: Tree, device: str) -> TreeTensors:
     R = tree.max_rank + 1
     guess = [0] + [1 + (d - 1) * R + r for d, r in zip(tree.depths[1:], tree.ranks[1:])]
     # Most children first, so the nodes with a child in slot s are the first few: a slice, not a gather.
-    S = max(map(len, tree.children))
     inner = sorted((i for i, kids in enumerate(tree.children) if kids), key=lambda i: -len(tree.children[i]))
-    kids = as_long([tree.children[i] + [-1] * (S - len(tree.children[i])) for i in inner])
-    sizes = tuple(sum(len(tree.children[i]) > s for i in inner) for s in range(S))
-    by_slot = [tree.children[i][s] for s, n in enumerate(sizes) for i in inner[:n]]
-    tries = (as_long(inner), kids.view(len(inner), S), sizes, as_long(by_slot))  # view: a root alone makes [0, 0]
-    depths = torch.tensor(tree.depths)
-    below = paths[:, 1:].clone()
-    below[0] = 0  # the root's own row: no node below the root, its entry never decides anything
+    sizes = tuple(sum(len(tree.children[i]) > s for i in inner) for s in range(max(map(len, tree.children))))
+    tries = (as_long(inner), sizes, as_long([tree.children[i][s] for s, n in enumerate(sizes) for i in inner[:n]]))
+    depths, below = torch.tensor(tree.depths), paths[:, 1:]  # below: the root's own row is zeros, never read
     on_path = torch.arange(1, D + 1) <= depths[:, None]  # [N, D]
     return TreeTensors(parents=as_long(tree.parents), parent_index=as_long(tree.parents).clamp(min=0),
                        ancestor_mask=mask.to(device), depths=depths.to(device), ranks=as_long(tree.ranks),

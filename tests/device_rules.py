@@ -40,7 +40,8 @@ class CudaRules(TorchDispatchMode):
         self.uploads += self.sends(name, args, kwargs)
         if name == "aten::_local_scalar_dense" and args[0].device == self.device:  # item, int, bool
             return self.host_read(name, made_up(args[0].dtype))
-        if name == "aten::_to_copy" and args[0].device == self.device and kwargs.get("device", self.device) != self.device:
+        leaving = kwargs.get("device", self.device) != self.device
+        if name == "aten::_to_copy" and args[0].device == self.device and leaving:
             dtype = kwargs.get("dtype") or args[0].dtype  # tolist, .cpu(), .to("cpu")
             return self.host_read(name, torch.full(args[0].shape, made_up(dtype), dtype=dtype, device=kwargs["device"]))
         if name == "aten::copy_" and args[1].device == self.device and args[0].device != self.device:

@@ -104,7 +104,8 @@ def test_typical_acceptance_needs_p_strictly_above_the_bar():
         path, _ = ref.typical_accept([-1, 0], tokens[0].tolist(), logits[0], sampling=sampling,
                                      generator=torch.Generator().manual_seed(0))
         got = typical_accept_paths(Tree.from_choices([(0,)]).tensors("cpu"), tokens, logits, sampling=sampling,
-                                   u=acceptance_uniforms(sampling, 1, 0, torch.Generator().manual_seed(0), device="cpu"))
+                                   u=acceptance_uniforms(sampling, 1, 0, torch.Generator().manual_seed(0),
+                                                         device="cpu"))
         assert (len(path) == 2, int(got.count[0]) == 1) == (accepted, accepted)
 
 
@@ -159,7 +160,8 @@ def test_drawn_rejection_on_the_device_makes_the_reference_walks_decisions_in_ev
         logits = torch.randn(B, N, V, generator=gen) * 2  # [B, N, V]
         qs = N if heads == "hydra" else tree.depth  # q per node, or per depth (head)
         near = logits[:, :qs] if heads == "hydra" else logits[:, [tree.first[d] for d in range(qs)]]  # [B, Q, V]
-        log_q = {"p": sampling.probs(near).log(), "near-p": torch.log_softmax(near + torch.randn(near.shape, generator=gen), -1),
+        noisy = near + torch.randn(near.shape, generator=gen)
+        log_q = {"p": sampling.probs(near).log(), "near-p": torch.log_softmax(noisy, -1),
                  "three-tokens": torch.log_softmax(near, -1).masked_fill(torch.arange(V) >= 3, float("-inf"))}[q_kind]
         samples = gumbel_top_k(log_q, tree.max_rank + 1, torch.rand(log_q.shape, generator=gen))  # [B, Q, R]
         q_of = [n if heads == "hydra" else tree.depths[n] for n in range(N)]  # node n's q

@@ -62,7 +62,8 @@ def test_plain_decoding_emits_the_backbones_own_next_tokens_drawn_in_order_from_
     model, sampling = tiny_model(4), Sampling(temperature=temperature)
     ids, gen = [3, 1, 4], torch.Generator().manual_seed(2)
     for _ in range(6):
-        ids.append(int(sampling.next_token(model(torch.tensor([ids]))[0][0, -1], sampling.uniforms((), gen, device="cpu"))))
+        logits = model(torch.tensor([ids]))[0][0, -1]
+        ids.append(int(sampling.next_token(logits, sampling.uniforms((), gen, device="cpu"))))
     got = generate(model, [3, 1, 4], max_new_tokens=6, sampling=sampling, generator=torch.Generator().manual_seed(2))[0]
     assert got == ids[3:]
 

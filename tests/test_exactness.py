@@ -296,7 +296,8 @@ def test_typical_acceptance_never_accepts_or_emits_a_token_outside_the_nucleus()
                                          generator=torch.Generator().manual_seed(seed))
         assert path == [0, 2] and bonus in nucleus
         got = typical_accept_paths(tree.tensors("cpu"), torch.tensor([tokens]), logits[None], sampling=sampling,
-                                   u=acceptance_uniforms(sampling, 1, 0, torch.Generator().manual_seed(seed), device="cpu"))
+                                   u=acceptance_uniforms(sampling, 1, 0, torch.Generator().manual_seed(seed),
+                                                         device="cpu"))
         assert got.nodes[0, : got.count[0] + 1].tolist() == [0, 2] and int(got.bonus[0]) == bonus
 
 
@@ -469,8 +470,8 @@ def test_a_temperature_below_float32s_range_is_greedy_for_plain_sampling_and_eve
     assert [tokens for tokens, _ in plain] == want
     for kind in ("medusa", "hydra"):
         heads = random_heads(model, seed=1, kind=kind)
-        for sampling in (Sampling(acceptance="typical", temperature=temperature), rejection(temperature, candidates="topk"),
-                         rejection(temperature)):
+        for sampling in (Sampling(acceptance="typical", temperature=temperature),
+                         rejection(temperature, candidates="topk"), rejection(temperature)):
             rows = medusa_generate_batch(model, heads, prompts, tree=preset("cpu"), max_new_tokens=20,
                                          sampling=sampling, generator=torch.Generator().manual_seed(0))
             assert [tokens for tokens, _ in rows] == want, (kind, sampling)

@@ -26,8 +26,8 @@ PACKAGE = os.path.join(ROOT, "medusa_mini")
 SCRIPTS = ("decode.py", "train_tiny.py")
 BUDGETS = {  # most lines each may hold: the core (medusa_mini/*.py) and each core file, all code, the tests, the docs
     "core": 2200, "reference": 265, "model": 250, "heads": 235, "tree": 285, "sampling": 180, "proposal": 275,
-    "acceptance": 195, "step": 170, "decoding": 245, "training": 145, "__init__": 25,
-    "code": 6200, "tests": 5430, "README.md": 300, "BENCHMARKS.md": 400,
+    "acceptance": 200, "step": 170, "decoding": 245, "training": 145, "__init__": 25,
+    "code": 6200, "tests": 5448, "README.md": 300, "BENCHMARKS.md": 400,
 }
 CORE_FUNCTION_LINES = 45  # one idea per function: a core function longer than this holds two
 SPEED_WORDS = re.compile(r"graph|cuda|compil|static|captur|replay", re.IGNORECASE)  # what lives in the compiled wing
@@ -105,8 +105,8 @@ def kind_checks(path: str) -> list[str]:
     for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
         if isinstance(node, ast.Compare):
             operands = [node.left, *node.comparators]
-            if any(isinstance(o, ast.Attribute) and o.attr == "kind" or isinstance(o, ast.Constant) and o.value == "hydra"
-                   for o in operands):
+            if any((isinstance(o, ast.Attribute) and o.attr == "kind")
+                   or (isinstance(o, ast.Constant) and o.value == "hydra") for o in operands):
                 found.append(f"{os.path.relpath(path, ROOT)}:{node.lineno}")
         elif isinstance(node, ast.Call) and getattr(node.func, "id", "") in ("isinstance", "issubclass"):
             named = {getattr(n, "id", getattr(n, "attr", "")) for n in ast.walk(node.args[-1])}
@@ -138,7 +138,7 @@ def test_the_readme_map_names_every_module_and_every_named_file_exists():
     listed = set(re.findall(r"^\| `([\w/]+\.py)` \|", readme, flags=re.M))
     modules = {os.path.relpath(p, ROOT).replace(os.sep, "/") for p in python_files("medusa_mini", "benchmarks")
                if not p.endswith("__init__.py")} | set(SCRIPTS)
-    assert listed == modules, f"missing from the map: {sorted(modules - listed)}; no such file: {sorted(listed - modules)}"
+    assert listed == modules, f"not in the map: {sorted(modules - listed)}; no such file: {sorted(listed - modules)}"
 
 
 def line_count(path: str) -> int:
@@ -165,7 +165,8 @@ def test_no_core_function_is_longer_than_one_idea():
 
 def test_the_core_speaks_of_compiling_only_to_point_at_the_wing():
     """Graphs, CUDA, compiling, static shapes, capture and replay are the compiled wing's business."""
-    lines = [f"{name}: {line.strip()}" for name in (*CORE, "__init__") for line in open(core_file(name), encoding="utf-8")
+    core = {name: open(core_file(name), encoding="utf-8").read().splitlines() for name in (*CORE, "__init__")}
+    lines = [f"{name}: {line.strip()}" for name, text in core.items() for line in text
              if SPEED_WORDS.search(line) and "staticmethod" not in line]
     assert len(lines) <= CORE_SPEED_LINES, "\n".join(lines)
 

@@ -17,8 +17,8 @@ def full_logits(model: GPT, ids: list[int]) -> torch.Tensor:
 
 def test_parameter_names_follow_gpt2_and_the_lm_head_is_tied_to_the_token_embedding():
     model = GPT(GPTConfig(n_layer=1))
-    block = [f"transformer.h.0.{m}.{p}" for m in ("ln_1", "attn.c_attn", "attn.c_proj", "ln_2", "mlp.c_fc", "mlp.c_proj")
-             for p in ("weight", "bias")]
+    modules = ("ln_1", "attn.c_attn", "attn.c_proj", "ln_2", "mlp.c_fc", "mlp.c_proj")
+    block = [f"transformer.h.0.{m}.{p}" for m in modules for p in ("weight", "bias")]
     assert list(model.state_dict()) == ["transformer.wte.weight", "transformer.wpe.weight", *block,
                                         "transformer.ln_f.weight", "transformer.ln_f.bias", "lm_head.weight"]
     assert model.lm_head.weight.data_ptr() == model.transformer.wte.weight.data_ptr()
@@ -95,7 +95,8 @@ def test_a_decode_step_is_one_captured_graph_with_eager_logits_at_every_length(k
     model = GPT(GPTConfig(vocab_size=64, block_size=32, n_layer=1, n_head=2, n_embd=16)).eval()
     tree = Tree.from_choices([(0,), (1,), (0, 0), (0, 1), (0, 0, 0)])
     t = tree.tensors()
-    new_mask, depths = (t.ancestor_mask, t.depths) if kind == "tree verify" else (None, torch.zeros(1, dtype=torch.long))
+    tree_verify = kind == "tree verify"
+    new_mask, depths = (t.ancestor_mask, t.depths) if tree_verify else (None, torch.zeros(1, dtype=torch.long))
     tokens = torch.randint(0, 64, (1, depths.numel()), generator=torch.Generator().manual_seed(0))
 
     def step(cache: KVCache) -> torch.Tensor:

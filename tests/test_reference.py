@@ -135,7 +135,8 @@ def test_a_draft_equal_to_the_backbone_is_always_accepted_and_a_top_1_guess_only
     gen = torch.Generator().manual_seed(2)
     for _ in range(200):
         tokens, drawn = ref.propose(torch.log(p), torch.arange(V), tree, 0, vocab_size=V, sampling=T1, generator=gen)
-        assert ref.rejection_accept(tree.parents, tokens, logits, sampling=T1, generator=gen, drawn=drawn)[0] == [0, 1, 2]
+        path, _ = ref.rejection_accept(tree.parents, tokens, logits, sampling=T1, generator=gen, drawn=drawn)
+        assert path == [0, 1, 2]
     flat, topk = logits_from([[0.22, 0.2, 0.2, 0.19, 0.19]] * 2), Sampling(temperature=1.0, candidates="topk")
     paths = [ref.rejection_accept([-1, 0], [0, 0], flat, sampling=topk, generator=gen)[0] for _ in range(2000)]
     assert abs(sum(len(path) == 2 for path in paths) / 2000 - 0.22) < 0.05  # token 0, the top-1 guess, p .22
@@ -177,7 +178,8 @@ def test_typical_accepts_exactly_the_candidates_above_min_epsilon_delta_exp_minu
 
 def test_typical_takes_the_longest_accepted_path():
     logits = logits_from([P_OTHER] * 6)  # everything passes (uniform p, bar .06): the deepest node wins
-    assert ref.typical_accept(PARENTS, TOKENS, logits, sampling=typical(), generator=torch.Generator())[0] == [0, 1, 3, 5]
+    path, _ = ref.typical_accept(PARENTS, TOKENS, logits, sampling=typical(), generator=torch.Generator())
+    assert path == [0, 1, 3, 5]
 
 
 def test_typical_breaks_ties_by_the_larger_sum_of_log_p():

@@ -55,7 +55,8 @@ def test_q_over_a_draft_vocabulary_is_the_heads_softmax_there_and_zero_elsewhere
 def test_a_draw_follows_the_probabilities_and_never_picks_a_zero_one():
     probs = torch.tensor([0.1, 0.0, 0.6, 0.3, 0.0])
     n = 20000
-    counts = Counter(inverse_cdf(probs.expand(n, 5), torch.rand(n, generator=torch.Generator().manual_seed(0))).tolist())
+    u = torch.rand(n, generator=torch.Generator().manual_seed(0))
+    counts = Counter(inverse_cdf(probs.expand(n, 5), u).tolist())
     assert set(counts) == {0, 2, 3}
     for tok in (0, 2, 3):
         assert_frequency(counts[tok], n, probs[tok].item())
@@ -96,7 +97,8 @@ def test_greedy_is_decided_by_the_temperature_alone_and_sampling_means_lossless_
     for rule in ("typical", "rejection"):
         assert Sampling(acceptance=rule, temperature=0.0).acceptance == "greedy"
         assert Sampling(acceptance=rule, temperature=0.5).acceptance == rule
-    assert Sampling(temperature=0.5).draws_candidates and not Sampling(temperature=0.5, candidates="topk").draws_candidates
+    assert Sampling(temperature=0.5).draws_candidates
+    assert not Sampling(temperature=0.5, candidates="topk").draws_candidates
 
 
 @pytest.mark.parametrize("kwargs, needle", [

@@ -65,7 +65,8 @@ def test_keep_path_leaves_each_rows_cache_as_if_only_its_accepted_path_had_been_
         alone = KVCache(model.config, max_len=32)
         seq = prompts[b] + tokens[b, kept].tolist()
         prefill(model, torch.tensor([seq]), alone)
-        torch.testing.assert_close(cache.kv[:, :, b, :, : len(seq)], alone.kv[:, :, 0, :, : len(seq)], atol=1e-5, rtol=1e-5)
+        L = len(seq)
+        torch.testing.assert_close(cache.kv[:, :, b, :, :L], alone.kv[:, :, 0, :, :L], atol=1e-5, rtol=1e-5)
 
 
 def test_the_steps_one_read_gives_each_rows_path_and_its_accepted_tokens_then_the_bonus():

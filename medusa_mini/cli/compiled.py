@@ -47,7 +47,8 @@ def verify_and_accept(model: GPT, cache: KVCache, tokens: torch.Tensor, *, tree:
     """All of `step.medusa_step` after its proposal (tokens [B, N]) as one function, so one graph a step (two
     would hand the verify's logits across, which CUDA graphs free between calls): verify, accept, keep the
     path, and with `heads` the next step's candidates on the same tree (`draft_tree`, u_next its uniforms);
-    attended: the cache slots read (compiled: all, None, one shape). Returns (accepted, next hidden [B, C], next tokens [B, N] or None, how they were drawn or None)."""
+    attended: the cache slots read (compiled: all, None, one shape). Returns (accepted, next hidden [B, C],
+    next tokens [B, N] or None, how they were drawn or None)."""
     check_uniforms(sampling, u)  # before the verify writes the cache
     start = cache.lengths  # [B]
     usable = usable_nodes(tree, start, stop_at)  # [B, N]
@@ -66,14 +67,15 @@ def copied(drawn: Drawn | None) -> Drawn | None:
     return None if drawn is None else Drawn(drawn.log_q.clone(), drawn.samples.clone(), drawn.q_index.clone())
 
 
-def contiguous(u: torch.Tensor | None, n: int) -> torch.Tensor | None:
+def first_uniforms(u: torch.Tensor | None, n: int) -> torch.Tensor | None:
     """The first n of the acceptance uniforms u [B, N'] drawn for prompt lookup's whole chain, as a fresh
     tensor (a graph is made for its inputs' strides, a slice's too)."""
     return u if u is None or u.dim() < 2 or u.shape[1] == n else u[:, :n].clone(memory_format=torch.contiguous_format)
 
 
 class CompiledPlain:
-    """`plain_step` compiled: every step reads the whole cache (one shape), its next token copied out."""
+    """`plain_step` compiled: every step reads the whole cache (one shape, `attended` ignored), its next token
+    copied out."""
 
     def __init__(self, compile: Callable) -> None:
         self.step = compile(plain_step)
@@ -88,17 +90,18 @@ class CompiledMedusa:
     """`step.medusa_step`'s signature and decisions, one graph a step. The uniforms are drawn as the eager step
     draws them: a graph that drafts the next tree of drawn candidates takes the uniforms of that tree
     after its own acceptance's, the order in which the next eager step would draw them (and one set more
-    at a generation's last step, which a generator reused for another generation would go on from)."""
+    at a generation's last step, which a generator reused for another generation would go on from). Every
+    step reads the whole cache (`attended` ignored)."""
 
     def __init__(self, compile: Callable) -> None:
         self.verify_and_accept, self.draft_tree = compile(verify_and_accept), compile(draft_tree)
-        self.ahead: tuple[torch.Tensor, Proposal] | None = None  # the roots the last graph drafted for, its proposal
+        self.ahead: tuple | None = None  # (roots, proposer, sampling) the last graph drafted for, and its proposal
 
     def proposal(self, model: GPT, proposer: Proposer, roots: torch.Tensor, hidden: torch.Tensor, *,
                  history: list[list[int]], sampling: Sampling, generator: torch.Generator | None) -> Proposal:
         """The tree the last step drafted for these roots, else the first drawn tree in its own graph, else
         the eager proposer's."""
-        if self.ahead is not None and self.ahead[0] is roots:
+        if self.ahead is not None and all(a is b for a, b in zip(self.ahead[0], (roots, proposer, sampling))):
             return self.ahead[1]
         u = proposer.uniforms(sampling, len(roots), generator, device=roots.device)
         if u is None or proposer.heads is None or proposer.tree.depth == 0:
@@ -111,20 +114,20 @@ class CompiledMedusa:
     def __call__(self, model: GPT, cache: KVCache, proposer: Proposer, roots: torch.Tensor, hidden: torch.Tensor, *,
                  history: list[list[int]], stop_at: torch.Tensor | None, sampling: Sampling = Sampling(),
                  generator: torch.Generator | None = None, attended: int | None = None) -> StepResult:
-        B, device = len(roots), roots.device
+        B, device, kw = len(roots), roots.device, dict(history=history, sampling=sampling, generator=generator)
         if stop_at is None:  # every node usable, as a tensor: one graph whatever the room
             stop_at = torch.full((B,), model.config.block_size, device=device)
-        proposal = self.proposal(model, proposer, roots, hidden, history=history, sampling=sampling, generator=generator)
+        proposal = self.proposal(model, proposer, roots, hidden, **kw)
         u = acceptance_uniforms(sampling, B, proposer.tree.num_nodes, generator, device=device)
         heads = proposer.heads if proposal.tree.depth else None  # a root alone has no next tree to draft
         u_next = proposer.uniforms(sampling, B, generator, device=device) if heads is not None else None
         accepted, next_hidden, tokens, drawn = self.verify_and_accept(
             model, cache, proposal.tokens, tree=proposal.tree.tensors(device), stop_at=stop_at, sampling=sampling,
-            u=contiguous(u, proposal.tree.num_nodes), drawn=proposal.drawn, heads=heads, u_next=u_next)
+            u=first_uniforms(u, proposal.tree.num_nodes), drawn=proposal.drawn, heads=heads, u_next=u_next)
         paths, new_tokens = read_step(proposal, accepted)
         result = StepResult(paths, new_tokens, next_roots=accepted.bonus.clone(), next_hidden=next_hidden.clone())
-        self.ahead = None if tokens is None else (result.next_roots, Proposal(tokens.clone(), proposal.tree,
-                                                                              copied(drawn)))
+        drafted = None if tokens is None else Proposal(tokens.clone(), proposal.tree, copied(drawn))
+        self.ahead = None if drafted is None else ((result.next_roots, proposer, sampling), drafted)
         return result
 
 

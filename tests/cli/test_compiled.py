@@ -214,7 +214,7 @@ def test_decode_prints_the_eager_tokens_with_its_steps_replayed_as_cuda_graphs(c
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_inductor_writes_and_compacts_the_kv_cache_in_place_never_copying_it_whole(tmp_path, monkeypatch, dtype):
     """A compiled step writes each new key into the cache where it lies and keeps the path as the eager one
-    does, bit for bit: a scatter_ inductor applies to a copy of the whole cache tensor, then copies back (two full copies per
+    does, bit for bit: a scatter_ inductor applies to a copy of the whole cache tensor, then copies back (two copies per
     layer and kind, every step); an index_put_ through an int16 view of a half-precision cache it writes
     back as converted numbers. The generated code must allocate no buffer of a cache tensor's shape."""
     from torch._inductor.utils import run_and_get_code
@@ -228,12 +228,13 @@ def test_inductor_writes_and_compacts_the_kv_cache_in_place_never_copying_it_who
     eager, compiled = (KVCache(model.config, batch_size=2, max_len=80, dtype=dtype) for _ in range(2))
     for cache in (eager, compiled):
         cache.lengths = torch.tensor([5, 9])
-    def copies_the_cache(code: list[str]) -> bool:  # a buffer of [..., max_len, hs]: a layer's keys or values, or more
+    def copies_the_cache(code: list[str]) -> bool:  # a buffer of [..., max_len, hs]: a layer's keys or values
         return any("empty_strided" in line and ", 80, 16)" in line for c in code for line in c.splitlines())
 
     tokens = torch.tensor([[3, 1, 4], [1, 5, 9]])
     # Row b's accepted slots from start[b], and where they go: [start[b], start[b] + 3), overlapping them.
-    keep, to, length = torch.tensor([[5, 7, 8], [9, 10, 12]]), torch.tensor([[5, 6, 7], [9, 10, 11]]), torch.tensor([7, 12])
+    keep, to = torch.tensor([[5, 7, 8], [9, 10, 12]]), torch.tensor([[5, 6, 7], [9, 10, 11]])
+    length = torch.tensor([7, 12])
     with torch.no_grad():
         plain_step(model, eager, tokens)
         _, code = run_and_get_code(torch.compile(plain_step, fullgraph=True), model, compiled, tokens)
@@ -241,7 +242,8 @@ def test_inductor_writes_and_compacts_the_kv_cache_in_place_never_copying_it_who
         eager.kv.copy_(torch.randn(eager.kv.shape, generator=torch.Generator().manual_seed(0)))
         compiled.kv.copy_(eager.kv)  # the same values: compaction only moves them
         compact_kv_cache(eager, keep, to=to, length=length)
-        _, code = run_and_get_code(torch.compile(compact_kv_cache, fullgraph=True), compiled, keep, to=to, length=length)
+        compiled_compaction = torch.compile(compact_kv_cache, fullgraph=True)
+        _, code = run_and_get_code(compiled_compaction, compiled, keep, to=to, length=length)
         assert code and not copies_the_cache(code)
     assert torch.equal(eager.kv, compiled.kv) and torch.equal(eager.length_buffer, compiled.length_buffer)
     torch._dynamo.reset()
