@@ -23,7 +23,7 @@ import torch
 from .model import GPT, KVCache
 from .proposal import Drafter
 from .sampling import Sampling
-from .step import Steps
+from .step import Steps, has_room
 from .tree import Tree
 
 Prompt = list[int] | torch.Tensor  # token ids
@@ -213,7 +213,7 @@ def medusa_generate_batch(
         if stopped:  # a stopped row accepts nothing more and its cache length stays put
             stop_at[stopped] = 0
         # Room for the whole tree in every row (the usual step): no node to mask.
-        room = len(rows.active) == B and all(rows.stop_at[b] - lengths[b] - 2 >= proposer.tree.depth for b in range(B))
+        room = len(rows.active) == B and all(map(has_room, lengths, [proposer.tree.depth] * B, rows.stop_at))
         step = steps.medusa(model, cache, proposer, roots, hidden, history=rows.history(),
                             stop_at=None if room else stop_at, sampling=sampling, generator=generator,
                             attended=max(lengths) + N)

@@ -1,11 +1,9 @@
 """The engine's Medusa step (paper §2) for B rows: propose -> verify -> accept -> keep the accepted path.
 
-The reference's loop body (reference.py), for B rows at once and on the device: a `Proposer`
-(proposal.py) fills the tree for every row; `verify` scores every node of every row in one tree-masked
-forward over the static KV cache; `acceptance.accept` applies the rule to every node of every row at once;
-`keep_path` compacts each row's cache; `read_step` reads what every row emitted, the step's one host
-read. Plain decoding repeats `plain_step`. `Steps` names the two steps a decoding loop repeats: these,
-or the compiled ones of cli/compiled.py, which make the same decisions.
+The reference's loop body (reference.py), for B rows on the device: a `Proposer` fills every row's tree;
+`verify` scores every node in one tree-masked forward over the static KV cache; `acceptance.accept`
+judges every node at once; `keep_path` compacts each row's cache; `read_step` is the step's one host read.
+`Steps` names the two steps a decoding loop repeats: these, or cli/compiled.py's, with the same decisions.
 
 Shapes: B rows, N tree nodes, D tree depth, V vocabulary, C n_embd.
 """
@@ -48,11 +46,15 @@ def verify(model: GPT, cache: KVCache, tokens: torch.Tensor, *, tree: TreeTensor
     return model(tokens, pos=pos, cache=cache, attn_mask=tree.ancestor_mask, attended=attended)
 
 
+def has_room(start: int | torch.Tensor, depth: int | torch.Tensor, stop_at: int | torch.Tensor) -> bool | torch.Tensor:
+    """Whether a path ending at `depth` fits (ints or tensors): a row stops when its text reaches stop_at tokens,
+    its cache holds start, and the path adds depth + 2 (root, candidates, bonus)."""
+    return start + depth + 2 <= stop_at
+
+
 def usable_nodes(tree: TreeTensors, start: torch.Tensor, stop_at: torch.Tensor) -> torch.Tensor:
-    """[B, N] bool: the nodes row b may accept. Row b stops when prompt and output reach stop_at[b] tokens;
-    its cache holds start[b] of them, and a node at depth d adds d + 2: the root, its path and the bonus.
-    A row with no room (finished, in a batch that goes on) has no usable node, not even its root."""
-    return start[:, None] + tree.reach <= stop_at[:, None]
+    """[B, N] bool: the nodes row b may accept (`has_room`); a finished row (stop_at 0) has none, not even its root."""
+    return has_room(start[:, None], tree.depths, stop_at[:, None])
 
 
 def keep_path(cache: KVCache, tree: TreeTensors, accepted: Accepted, *, start: torch.Tensor,
@@ -67,8 +69,7 @@ def keep_path(cache: KVCache, tree: TreeTensors, accepted: Accepted, *, start: t
 
 def last_hidden(hiddens: torch.Tensor, accepted: Accepted) -> torch.Tensor:
     """The hidden state [B, C] at each row's last accepted node (hiddens [B, N, C]), which proposes next."""
-    last = accepted.nodes[:, -1]  # [B]
-    return hiddens.gather(1, last[:, None, None].expand(-1, 1, hiddens.shape[-1]))[:, 0]
+    return hiddens.gather(1, accepted.nodes[:, -1, None, None].expand(-1, 1, hiddens.shape[-1]))[:, 0]  # [B, 1, C]
 
 
 @dataclass

@@ -131,7 +131,6 @@ class TreeTensors:
     paths_and_depths: torch.Tensor  # [N, D + 2] long: node_paths, then each node's depth: one gather reads both
     below_root: torch.Tensor  # [N, D] long: each node's path without the root, then the node repeated
     on_path: torch.Tensor  # [N, D] float64: 1 where below_root holds a path's node, 0 where it repeats the last
-    reach: torch.Tensor  # [N] long: depth + 2: start + reach is a row's text length after a path ending here
     index: torch.Tensor  # [N] long: 0 .. N - 1
     guess_index: torch.Tensor  # [N] long: where each node's token sits in [root, head 1's R guesses, head 2's, ...]
     # Rejection sampling tries slot s of every node with children at once (`acceptance.rejection_accept_drawn`):
@@ -165,8 +164,8 @@ def tree_tensors(tree: Tree, device: str) -> TreeTensors:
                        ancestor_mask=mask.to(device), depths=depths.to(device), ranks=as_long(tree.ranks),
                        inner=as_long(list(map(len, tree.children))) > 0, node_paths=paths.to(device),
                        paths_and_depths=torch.cat([paths, depths[:, None]], 1).to(device), below_root=below.to(device),
-                       on_path=on_path.to(device, torch.float64), reach=(depths + 2).to(device),
-                       index=torch.arange(N, device=device), guess_index=as_long(guess), tries=tries,
+                       on_path=on_path.to(device, torch.float64), index=torch.arange(N, device=device),
+                       guess_index=as_long(guess), tries=tries,
                        first=tuple(tree.first), num_ranks=R, depth=D)
 
 
