@@ -23,7 +23,7 @@ from dataclasses import asdict
 import tiktoken
 import torch
 
-from medusa_mini.cli.common import OneLineParser, check_plot_path, seed, timed
+from medusa_mini.cli.common import OneLineParser, at_least, check_plot_path, numbers, seed, timed
 from medusa_mini.cli.compiled import StaticCaches, compile_steps, warm_up
 from medusa_mini.cli.explain import DEMO_NOTE, demo_checkpoint, draw_mask, draw_tree, explain_step
 from medusa_mini.cli.measure import TreeChoice, resolve_tree
@@ -38,8 +38,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = OneLineParser(prog="decode.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ckpt", default="out/tiny", metavar="DIR", help="checkpoint directory (default: %(default)s)")
     p.add_argument("--prompt", action="append", metavar="TEXT", help="repeat for several (default: prompts.json)")
-    p.add_argument("--num-prompts", type=int, default=8, metavar="N", help="stored prompts used (default: 8)")
-    p.add_argument("--max-new-tokens", type=int, default=128, metavar="N", help="new tokens per prompt (default: 128)")
+    p.add_argument("--num-prompts", type=at_least(1), default=8, metavar="N", help="stored prompts used (default: 8)")
+    p.add_argument("--max-new-tokens", type=at_least(1), default=128, metavar="N",
+                   help="new tokens per prompt (default: 128)")
     p.add_argument("--method", choices=("plain", "greedy", "typical", "rejection"), help="plain: one forward pass "
                    "per token; else Medusa with that acceptance rule (default: greedy at T = 0, else rejection)")
     p.add_argument("--temperature", type=float, metavar="T",
@@ -50,7 +51,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="N nodes built from heads_accuracy.json; auto: 64 of them on CUDA, on a CPU up to 8 that "
                         "pay for their cost; a preset (cpu, gpu, chainN); or choices, in a JSON file or inline: "
                         "'[[0],[1],[0,0]]' (default: auto, without heads_accuracy.json the device's preset)")
-    p.add_argument("--batch-size", metavar="B", help="prompts per batch; with --compare a list: 1,2,4,8 (default: 1)")
+    p.add_argument("--batch-size", type=numbers(1), default="1", metavar="B",
+                   help="prompts per batch; with --compare a list: 1,2,4,8 (default: 1)")
     p.add_argument("--device", help="cpu or cuda (default: cuda if available, else cpu)")
     p.add_argument("--dtype", choices=tuple(DTYPES), default="float32", help="weights and KV cache (default: float32)")
     p.add_argument("--compile", action="store_true", help="compile the plain step and Medusa's (verify, acceptance, "
@@ -65,17 +67,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", action="store_true", help="JSON lines per prompt (with --compare: one object; "
                    "with --batch-size B, a row's seconds are its whole batch's)")
     a = p.parse_args(argv)
-    sizes = (a.batch_size if a.batch_size is not None else "1").split(",")
-    if not all(x.strip().isascii() and x.strip().isdigit() and int(x) >= 1 for x in sizes):
-        p.error(f"--batch-size takes a size >= 1 (with --compare, a list such as 1,2,4,8), not {a.batch_size!r}")
-    a.batch_sizes = sorted({int(x) for x in sizes})
+    a.batch_sizes = list(a.batch_size)
     a.batch_size, a.batch_table = a.batch_sizes[0], a.compare and a.batch_sizes != [1]
     for wrong, message in (
-        (min(a.max_new_tokens, a.num_prompts) < 1, "--max-new-tokens and --num-prompts must be at least 1"),
         (a.compare and a.max_new_tokens < 2, "--compare needs --max-new-tokens 2 or more: the prefill makes the first"),
         (a.compare and a.method, "--compare decodes with every method: leave out --method"),
         (a.method == "plain" and (a.explain or a.reference), "--explain and --reference decode with Medusa heads"),
-        (len(sizes) > 1 and not a.compare, "--batch-size takes one size; a list goes with --compare"),
+        (len(a.batch_sizes) > 1 and not a.compare, "--batch-size takes one size; a list goes with --compare"),
         (a.json and (a.show or a.explain), "--json cannot be combined with --show or --explain"),
         (a.batch_size > 1 and (a.show or a.reference or a.explain),
          "--batch-size decodes several prompts at once; --show, --reference and --explain take one at a time"),

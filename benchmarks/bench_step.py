@@ -4,11 +4,11 @@
     python benchmarks/bench_step.py --configs tiny --threads 2 --json
     python benchmarks/bench_step.py --configs gpt2 --dtypes float32,bfloat16 --compile   # a GPU
 
-Speedup = tokens/step ÷ step cost: Medusa pays only if a step verifying N candidates costs little more than
-a plain step. On random weights (speed depends on shapes, not values): a plain step; verify N, one
-tree-masked forward over N nodes; per Medusa tree each stage of a greedy `medusa_step` (verify, accept and
-keep the path as `verify_and_accept` runs them, a usable mask included), the same with rejection sampling
-of drawn candidates, the whole step, each step's device operations. Targets: heads <= 10% of a plain step.
+Speedup = tokens/step ÷ step cost: Medusa pays only if a step verifying N candidates costs little more than a plain
+step. On random weights (speed depends on shapes, not values): a plain step; verify N, one tree-masked forward over N
+nodes; per Medusa tree the heads, verify, the greedy and the rejection verify (drawn candidates at T = 0.8: verify,
+accept and keep the path as `verify_and_accept` runs them), the host read, the whole step, and each step's device
+operations. Targets: heads <= 10% of a plain step.
 """
 
 from __future__ import annotations
@@ -19,65 +19,36 @@ import platform
 import shlex
 import statistics
 import sys
-from argparse import ArgumentTypeError, Namespace
+from argparse import Namespace
 from collections import Counter
 from functools import partial
-from typing import Callable, Iterable
+from typing import Callable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # run as a script from anywhere, without installing the package
     sys.path.insert(0, ROOT)
 
-import torch  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from medusa_mini.acceptance import Accepted, acceptance_uniforms  # noqa: E402
-from medusa_mini.cli.common import OneLineParser, in_turns, seed, timed  # noqa: E402
-from medusa_mini.cli.compiled import StaticCaches, compile_options, compile_steps, verify_and_accept  # noqa: E402
-from medusa_mini.decoding import prefill  # noqa: E402
-from medusa_mini.heads import DraftHeads, HeadsConfig, make_heads  # noqa: E402
-from medusa_mini.io.gpt2 import GPT2_CONFIGS  # noqa: E402
-from medusa_mini.model import GPT, GPTConfig, KVCache  # noqa: E402
-from medusa_mini.sampling import SAMPLING_TEMPERATURE, Sampling  # noqa: E402
-from medusa_mini.step import Steps, read_step, verify  # noqa: E402
-from medusa_mini.train.device import DTYPES, pick_device, pick_dtype  # noqa: E402
-from medusa_mini.tree import Tree, build_tree, preset  # noqa: E402
+from medusa_mini.acceptance import Accepted, acceptance_uniforms
+from medusa_mini.cli.common import OneLineParser, at_least, in_turns, names_of, numbers, seed, timed
+from medusa_mini.cli.compiled import StaticCaches, compile_options, compile_steps, verify_and_accept
+from medusa_mini.decoding import prefill
+from medusa_mini.heads import DraftHeads, HeadsConfig, make_heads
+from medusa_mini.io.gpt2 import GPT2_CONFIGS
+from medusa_mini.model import GPT, GPTConfig, KVCache
+from medusa_mini.sampling import SAMPLING_TEMPERATURE, Sampling
+from medusa_mini.step import Steps, read_step, verify
+from medusa_mini.train.device import DTYPES, pick_device, pick_dtype
+from medusa_mini.tree import Tree, build_tree, preset
 
 CONFIGS: dict[str, GPTConfig] = {"tiny": GPTConfig(), **GPT2_CONFIGS}
 NODES = (1, 2, 4, 8, 16, 32, 64)
 CUDA_NODES = (*NODES, 96, 128)  # a GPU at batch 1 may verify this many for about the price of one
 MEDUSA_TREES = ("cpu", "gpu")
-# greedy verify: verify, accept, keep path (compiled: and draft); rejection verify: the same, with candidates
-# drawn from q at T = 0.8 and tried by rejection sampling (the tries of `acceptance.rejection_accept_drawn`)
 STAGES = ("heads", "verify", "greedy verify", "rejection verify", "host read", "whole step")
 DRAFT_VOCAB = 4096  # the default draft vocabulary of a larger vocabulary (GPT-2's): its heads cost < 10% of a step
-
-
-def at_least_one(text: str) -> int:
-    """An argparse type: an integer of at least 1."""
-    if int(text) < 1:
-        raise ArgumentTypeError(f"must be at least 1, not {text}")
-    return int(text)
-
-
-def names_of(allowed: Iterable[str]) -> Callable[[str], list[str]]:
-    """An argparse type: a comma-separated list of names from `allowed`."""
-    def names(text: str) -> list[str]:
-        chosen = [n.strip() for n in text.split(",") if n.strip()]
-        if not chosen or not set(chosen) <= set(allowed):
-            raise ArgumentTypeError(f"{text!r}: unknown name; use {', '.join(allowed)}")
-        return chosen
-    return names
-
-
-def numbers(low: int, high: int | None = None) -> Callable[[str], tuple[int, ...]]:
-    """An argparse type: distinct whole numbers from `low` to `high` (None: no limit), comma-separated."""
-    def parse(text: str) -> tuple[int, ...]:
-        parts = [p.strip() for p in text.split(",")]
-        if not all(p.isdigit() and low <= int(p) <= (high or int(p)) for p in parts):
-            raise ArgumentTypeError(f"{text!r}: give numbers from {low}{f' to {high}' if high else ''}, e.g. 2,4,8")
-        return tuple(sorted({int(p) for p in parts}))
-    return parse
 
 
 def verify_tree(nodes: int) -> Tree:
@@ -112,9 +83,8 @@ def build(config: GPTConfig, *, device: torch.device, dtype: torch.dtype, seed: 
 
 def tree_stages(model: GPT, cache: KVCache, heads: DraftHeads, tree: Tree, root: torch.Tensor, hidden: torch.Tensor,
                 *, history: list[list[int]], steps: Steps, compiled: bool) -> dict[str, Callable[[], object]]:
-    """One callable per stage of a greedy Medusa step on `tree` (and its verify under rejection sampling of
-    drawn candidates), each stage's inputs made once, here (the same inputs every run, so the same path).
-    Compiled, the verifies are `verify_and_accept`'s graphs, which also draft the next tree, and the whole
+    """One callable per stage of a Medusa step on `tree`, its inputs made once, here (every run takes the same
+    path). Compiled, the verifies are `verify_and_accept`'s graphs, which also draft the next tree, and the whole
     step takes the tree the step before drafted: no eager heads in it."""
     proposer, gen, device = heads.proposer(model, tree), torch.Generator(root.device).manual_seed(0), root.device
     attended = None if compiled else len(history[0]) - 1 + tree.num_nodes  # the prefix and the nodes
@@ -304,8 +274,8 @@ def parse_args(argv: list[str]) -> Namespace:
     p.add_argument("--configs", type=names_of(CONFIGS), default="tiny,gpt2",
                    help=f"from: {', '.join(CONFIGS)} (default: %(default)s)")
     p.add_argument("--device", help="default: cuda if available, else cpu")
-    p.add_argument("--repeat", type=at_least_one, default=10, help="timed repetitions per measurement (default: 10)")
-    p.add_argument("--warmup", type=at_least_one, default=3, help="untimed rounds first (default: 3)")
+    p.add_argument("--repeat", type=at_least(1), default=10, help="timed repetitions per measurement (default: 10)")
+    p.add_argument("--warmup", type=at_least(1), default=3, help="untimed rounds first (default: 3)")
     p.add_argument("--dtypes", type=names_of(DTYPES), default="float32",
                    help=f"from: {', '.join(DTYPES)} (default: %(default)s)")
     p.add_argument("--draft-vocab", type=int, metavar="M", help="tokens the heads guess among, 0: the whole "
@@ -313,7 +283,7 @@ def parse_args(argv: list[str]) -> Namespace:
     p.add_argument("--compile", action="store_true", help="measure every config again with compiled steps")
     p.add_argument("--nodes", type=numbers(1, 256), help="verify sizes (default: 1,2,4,...,64; CUDA: up to 128)")
     p.add_argument("--prefix", type=int, default=128, help="tokens in the KV cache before each step (default: 128)")
-    p.add_argument("--threads", type=at_least_one, help="torch.set_num_threads (default: torch's choice)")
+    p.add_argument("--threads", type=at_least(1), help="torch.set_num_threads (default: torch's choice)")
     p.add_argument("--seed", type=seed, default=0, help="seed of the random weights and tokens (default: 0)")
     p.add_argument("--json", action="store_true", help="print the numbers as JSON instead of a table")
     a = p.parse_args(argv)

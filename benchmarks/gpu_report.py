@@ -4,12 +4,11 @@
     python benchmarks/gpu_report.py --out gpu.md --part step --append  # or part by part
     python benchmarks/gpu_report.py --device cpu --quick --out cpu.md  # the same code, small, on a CPU
 
-Each part runs the project's own commands and writes their tables: step: `bench_step.py` per GPT-2 shape
-and dtype, eager and (on CUDA) compiled; train: `train_tiny.py --preset gpu` into --ckpt; decode: `decode.py
---compare` on it in bfloat16 (compiled on CUDA); batch: the same with --batch-size 1,2,4,8,16. A part runs
-within --budget-s and adds its section when it ends, so a stopped run keeps what it finished: --out is
-replaced whole each time (an older report stays as it was until the first part ends). Exit status: 0, 1 if
-a part failed (its section says why, in one line), 2 for bad flags, the forwarded ones included.
+Parts: step: `bench_step.py` per GPT-2 shape and dtype, eager and (on CUDA) compiled; train: `train_tiny.py
+--preset gpu` into --ckpt; decode: `decode.py --compare` on it in bfloat16 (compiled on CUDA); batch: the same with
+--batch-size 1,2,4,8,16. A part runs within --budget-s; when it ends, --out is replaced by the report with its
+section, so a stopped run keeps what it finished. Exit status: 0, 1 if a part failed (its section says why), 2 for
+bad flags, the forwarded ones included.
 """
 
 from __future__ import annotations
@@ -20,6 +19,7 @@ import importlib
 import io
 import math
 import os
+import pathlib
 import platform
 import shlex
 import shutil
@@ -33,19 +33,18 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # run as a script from anywhere, without installing the package
     sys.path.insert(0, ROOT)
 
-import torch  # noqa: E402
+import torch
 
-from benchmarks.bench_step import CONFIGS, names_of  # noqa: E402
-from medusa_mini.cli.common import OneLineParser, check_file_path, timed  # noqa: E402
-from medusa_mini.io.files import atomic_write_text, check_writable  # noqa: E402
-from medusa_mini.train.device import DTYPES, pick_device  # noqa: E402
+from benchmarks.bench_step import CONFIGS
+from medusa_mini.cli.common import OneLineParser, check_file_path, names_of, timed
+from medusa_mini.io.files import atomic_write_text, check_writable
+from medusa_mini.train.device import DTYPES, pick_device
 
 GPT2_SHAPES = "gpt2,gpt2-medium,gpt2-large,gpt2-xl"
 QUICK_STEP = ["--nodes", "1,4,16", "--repeat", "3", "--warmup", "1"]
 QUICK_DECODE = ["--num-prompts", "2", "--max-new-tokens", "32"]
 BUDGET_S, QUICK_BUDGET_S = 510.0, 170.0  # a part stays under 9 minutes on an H100; --quick under 3
-# Flags forwarded to a script: the script, and the flags its part sets itself (forwarded again, the last would
-# win and the part would measure something else).
+# Flags forwarded to a script: the script, and the flags its part sets itself (forwarded, the last would win).
 FORWARDED = {"--step-flags": ("benchmarks/bench_step.py", ("--configs", "--dtypes", "--device", "--compile")),
              "--train-flags": ("train_tiny.py", ("--preset", "--out", "--device")),
              "--decode-flags": ("decode.py", ("--ckpt", "--compare", "--batch-size", "--dtype", "--device",
@@ -189,11 +188,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     a = p.parse_args(argv)
     try:  # the flags' own names become the settings of the parts
         check_file_path("--out", a.out, "gpu.md")
-        folder = os.path.dirname(os.path.abspath(a.out))
-        try:  # the report is written beside --out first, then renamed
-            check_writable(folder)
-        except OSError as e:
-            raise ValueError(f"--out {a.out}: no file can be written in {folder} ({e.strerror})") from None
+        check_writable(os.path.dirname(os.path.abspath(a.out)), f"--out {a.out}")  # its temporary file goes there
         a.device = str(pick_device(a.device))
         for name, (_, reserved) in FORWARDED.items():
             attr = name[2:].replace("-", "_")
@@ -215,13 +210,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         for part in a.parts:
             for _, command in commands(a, part):
                 check_command(command)
-        a.before = ""  # what --append keeps
-        if a.append and os.path.exists(a.out):
-            try:
-                with open(a.out, encoding="utf-8") as f:
-                    a.before = f.read()
-            except (OSError, UnicodeDecodeError) as e:
-                raise ValueError(f"--append: {a.out} cannot be read as a UTF-8 report ({e})") from None
+        try:  # what --append keeps
+            a.before = pathlib.Path(a.out).read_text(encoding="utf-8") if a.append and os.path.exists(a.out) else ""
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"--append: {a.out} cannot be read as a UTF-8 report ({e})") from None
     except ValueError as e:
         p.error(str(e))
     return a

@@ -22,17 +22,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # run as a script from anywhere, without installing the package
     sys.path.insert(0, ROOT)
 
-import torch  # noqa: E402
+import torch
 
-from benchmarks.bench_step import at_least_one, names_of, numbers  # noqa: E402
-from medusa_mini.cli.common import BONUS_NOTE, OneLineParser, check_plot_path, draw, seed  # noqa: E402
-from medusa_mini.cli.runs import Engine, Method, compare  # noqa: E402
-from medusa_mini.io.loading import Checkpoint, load_for_decoding, prompt_ids  # noqa: E402
-from medusa_mini.proposal import PromptLookup  # noqa: E402
-from medusa_mini.sampling import SAMPLING_TEMPERATURE, Sampling  # noqa: E402
-from medusa_mini.train.accuracy import load_accuracy  # noqa: E402
-from medusa_mini.train.device import DTYPES, pick_device, pick_dtype  # noqa: E402
-from medusa_mini.tree import build_tree, expected_tokens_per_step  # noqa: E402
+from medusa_mini.cli.common import BONUS_NOTE, OneLineParser, at_least, check_plot_path, draw, names_of, numbers, seed
+from medusa_mini.cli.runs import Engine, Method, compare
+from medusa_mini.io.loading import Checkpoint, load_for_decoding, prompt_ids
+from medusa_mini.proposal import PromptLookup
+from medusa_mini.sampling import SAMPLING_TEMPERATURE, Sampling
+from medusa_mini.train.accuracy import load_accuracy
+from medusa_mini.train.device import DTYPES, pick_device, pick_dtype
+from medusa_mini.tree import build_tree, expected_tokens_per_step
 
 RULES = {  # rule: how it samples at --temperature (none: greedy, at T = 0)
     "greedy": None, "rejection-topk": dict(acceptance="rejection", candidates="topk"),
@@ -165,9 +164,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--draft-vocab", type=numbers(0), metavar="M,...", help="sizes, 0: all (default: the checkpoint's)")
     p.add_argument("--temperature", type=float, default=SAMPLING_TEMPERATURE, metavar="T",
                    help="temperature of every rule but greedy (default: %(default)s)")
-    p.add_argument("--num-prompts", type=at_least_one, default=8, help="the first prompts of prompts.json (default: 8)")
-    p.add_argument("--max-new-tokens", type=at_least_one, default=64, help="tokens per prompt (default: 64)")
-    p.add_argument("--repeat", type=at_least_one, default=3, help="runs of each; the fastest counts (default: 3)")
+    p.add_argument("--num-prompts", type=at_least(1), default=8, help="the first prompts of prompts.json (default: 8)")
+    p.add_argument("--max-new-tokens", type=at_least(1), default=64, help="tokens per prompt (default: 64)")
+    p.add_argument("--repeat", type=at_least(1), default=3, help="runs of each; the fastest counts (default: 3)")
     p.add_argument("--seed", type=seed, default=0, help="seed of the sampled rules (default: 0)")
     p.add_argument("--device", help="cpu, cuda, ... (default: cuda if available)")
     p.add_argument("--dtype", choices=tuple(DTYPES), default="float32", help="(default: float32)")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import os
 import time
-from typing import Callable, NoReturn, TypeVar
+from typing import Callable, Iterable, NoReturn, TypeVar
 
 import torch
 
@@ -47,6 +47,36 @@ def in_turns(calls: dict[K, Callable[[], R]], *, rounds: int, device: torch.devi
                 before_each()
             out[key].append(timed(device, call))
     return out
+
+
+def at_least(low: int) -> Callable[[str], int]:
+    """An argparse type: an integer of at least `low`."""
+    def integer(text: str) -> int:
+        if int(text) < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, not {text}")
+        return int(text)
+    return integer
+
+
+def names_of(allowed: Iterable[str]) -> Callable[[str], list[str]]:
+    """An argparse type: a comma-separated list of names from `allowed`."""
+    def names(text: str) -> list[str]:
+        chosen = [n.strip() for n in text.split(",") if n.strip()]
+        if not chosen or not set(chosen) <= set(allowed):
+            raise argparse.ArgumentTypeError(f"{text!r}: unknown name; use {', '.join(allowed)}")
+        return chosen
+    return names
+
+
+def numbers(low: int, high: int | None = None) -> Callable[[str], tuple[int, ...]]:
+    """An argparse type: distinct whole numbers from `low` to `high` (None: no limit), comma-separated."""
+    def parse(text: str) -> tuple[int, ...]:
+        parts = [p.strip() for p in text.split(",")]
+        if not all(p.isascii() and p.isdigit() and low <= int(p) <= (high or int(p)) for p in parts):
+            raise argparse.ArgumentTypeError(f"{text!r}: give numbers from {low}{f' to {high}' if high else ''}, "
+                                             "e.g. 2,4,8")
+        return tuple(sorted({int(p) for p in parts}))
+    return parse
 
 
 def seed(text: str) -> int:

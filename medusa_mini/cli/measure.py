@@ -27,7 +27,7 @@ from ..sampling import SAMPLING_TEMPERATURE
 from ..train import accuracy
 from ..train.device import pick_device
 from ..tree import Tree, build_tree, preset
-from .common import OneLineParser, seed
+from .common import OneLineParser, at_least, seed
 
 # On two CPU cores a node adds 2.5-3.5% to a Medusa step of the cpu preset (bench_step.py --configs tiny:
 # a verify over 9 nodes against 1, per node, over the whole step); a node worth less than that share of
@@ -100,9 +100,9 @@ def main(argv: list[str] | None = None) -> int:
     p = OneLineParser(prog="python -m medusa_mini.cli.measure", description=__doc__)
     p.add_argument("--ckpt", required=True, metavar="DIR", help="checkpoint directory (with prompts.json and a "
                    "tokenizer); its heads_accuracy.json is rewritten")
-    p.add_argument("--prompts", type=int, default=32, help="prompts of prompts.json used (default: 32)")
-    p.add_argument("--max-new-tokens", type=int, default=64, help="continuation length per prompt (default: 64)")
-    p.add_argument("--top-k", type=int, default=10, help="ranks measured per head (default: 10)")
+    p.add_argument("--prompts", type=at_least(1), default=32, help="prompts of prompts.json used (default: 32)")
+    p.add_argument("--max-new-tokens", type=at_least(3), default=64, help="tokens per prompt (default: 64)")
+    p.add_argument("--top-k", type=at_least(1), default=10, help="ranks measured per head (default: 10)")
     p.add_argument("--temperature", type=float, default=SAMPLING_TEMPERATURE,
                    help=f"of the sampled continuations, p and q (default: {SAMPLING_TEMPERATURE:g})")
     p.add_argument("--seed", type=seed, default=0, help="seeds the sampled continuations (default: 0)")
@@ -111,20 +111,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", help="cpu, cuda, ... (default: cuda if available)")
     a = p.parse_args(argv)
     try:  # everything checked before heads_accuracy.json is replaced
-        for flag, value, least in (("--prompts", a.prompts, 1), ("--max-new-tokens", a.max_new_tokens, 3),
-                                   ("--top-k", a.top_k, 1)):
-            if value < least:
-                raise ValueError(f"{flag} must be at least {least}, not {value}")
         if not 0 < a.temperature < math.inf:  # nan too
             raise ValueError(f"--temperature must be a finite number > 0, not {a.temperature}")
         ck = load_for_decoding(a.ckpt, device=pick_device(a.device))
         if ck.heads is None:
             raise ValueError(f"checkpoint {a.ckpt} has no Medusa heads; train heads first")
         prompts = prompt_ids(ck, count=a.prompts, max_new_tokens=a.max_new_tokens)
-        try:
-            check_writable(a.ckpt)
-        except OSError as e:
-            raise ValueError(f"{accuracy.ACCURACY_FILE} cannot be written in {a.ckpt} ({e.strerror})") from None
+        check_writable(a.ckpt, accuracy.ACCURACY_FILE)
     except (ValueError, OSError) as e:
         p.error(str(e))
     lens, T = [len(ids) for ids in prompts], a.temperature

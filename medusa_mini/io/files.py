@@ -28,11 +28,14 @@ def fsync_dir(folder: str) -> None:
             os.close(fd)
 
 
-def check_writable(folder: str | os.PathLike) -> None:
-    """An OSError now, not after a long run, unless a new file can be made in `folder`, as an atomic write
-    makes its temporary sibling (os.access trusts root, whom a read-only mount still refuses)."""
-    with tempfile.NamedTemporaryFile(dir=folder, prefix=".writable.", suffix=".tmp"):
-        pass
+def check_writable(folder: str | os.PathLike, what: str) -> None:
+    """A ValueError naming `what` now, not after a long run, unless a new file can be made in `folder`, as an
+    atomic write makes its temporary sibling (os.access trusts root, whom a read-only mount still refuses)."""
+    try:
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".writable.", suffix=".tmp"):
+            pass
+    except OSError as e:
+        raise ValueError(f"{what}: no file can be written in {folder} ({e.strerror})") from None
 
 
 def atomic_write_files(files: dict[str, Writer]) -> None:
