@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import random
@@ -177,6 +178,15 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture
+def one_run_each(monkeypatch):
+    """decode.py --compare times each generation once, not the fastest of three: the same tokens."""
+    import decode
+    from medusa_mini.cli.runs import compare
+
+    monkeypatch.setattr(decode, "compare", functools.partial(compare, repeat=1))
 
 
 @pytest.fixture(scope="module")

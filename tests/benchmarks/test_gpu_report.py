@@ -39,7 +39,7 @@ def faked(monkeypatch, reply) -> list[list[str]]:
     return calls
 
 
-@pytest.mark.usefixtures("one_thread")
+@pytest.mark.usefixtures("one_thread", "one_run_each")
 def test_quick_cpu_report_holds_every_part_down_to_the_heads_share(tmp_path, capsys, monkeypatch):
     faked(monkeypatch, in_this_process)
     out = tmp_path / "report.md"

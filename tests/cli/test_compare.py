@@ -3,7 +3,6 @@ same prompts, greedy rows making plain greedy's tokens, half precision, batch si
 
 from __future__ import annotations
 
-import functools
 import json
 import shutil
 
@@ -13,19 +12,14 @@ import torch
 import decode
 from medusa_mini.cli import runs as runs_mod
 from medusa_mini.cli.measure import CPU_MIN_GAIN
-from medusa_mini.cli.runs import compare, format_table, summarise, why_line
+from medusa_mini.cli.runs import format_table, summarise, why_line
 from medusa_mini.decoding import GenerationStats
 from medusa_mini.train.accuracy import load_accuracy, save_accuracy
 from medusa_mini.tree import build_tree, chain
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = pytest.mark.usefixtures("one_thread", "one_run_each")
 ROWS = ["plain_greedy", "prompt_lookup_greedy", "medusa_greedy", "medusa_typical", "plain_sampling",
         "prompt_lookup_rejection", "medusa_rejection"]
-
-
-@pytest.fixture(autouse=True)
-def one_run_each(monkeypatch):  # one timed run per generation, not the fastest of three: the same tokens
-    monkeypatch.setattr(decode, "compare", functools.partial(compare, repeat=1))
 
 
 def compared(capsys, *argv: str) -> dict:

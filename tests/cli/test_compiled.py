@@ -183,7 +183,8 @@ def test_a_kv_cache_not_marked_static_is_refused_under_cuda_graphs_rules(monkeyp
 @pytest.mark.parametrize("flags", [["--method", "rejection", "--temperature", "0.8", "--batch-size", "2"],
                                    ["--method", "plain", "--batch-size", "2"], ["--compare"]],
                          ids=["rejection-batch-2", "plain-batch-2", "compare"])
-def test_decode_prints_the_eager_tokens_with_its_steps_replayed_as_cuda_graphs(ckpt, capsys, monkeypatch, flags):
+def test_decode_prints_the_eager_tokens_with_its_steps_replayed_as_cuda_graphs(ckpt, capsys, monkeypatch, flags,
+                                                                               one_run_each):
     """Prompts of three lengths, one of which meets the context; two at a time, the last batch has one row.
     --compare runs every row: plain, prompt lookup and Medusa, greedy and sampled."""
     torch.compiler.reset()

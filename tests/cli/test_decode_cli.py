@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import shlex
 import shutil
 import subprocess
@@ -100,24 +101,19 @@ def test_json_is_an_object_per_prompt_and_a_batch_decodes_each_prompt_as_if_alon
 @pytest.mark.slow
 def test_the_demo_explains_a_step_without_any_checkpoint(capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # no out/tiny here
-    monkeypatch.setattr(decode, "demo_checkpoint", functools.partial(decode.demo_checkpoint, steps=100))
+    monkeypatch.setattr(decode, "demo_checkpoint", functools.partial(decode.demo_checkpoint, steps=5))
     out = run(capsys, "--explain", "--demo")
     assert out.startswith("DEMO:") and "accepted path" in out and "7. Result" in out
 
 
-def test_as_a_process_sampled_runs_repeat_their_tokens_and_bad_input_is_one_line(ckpt, tmp_path, capsys):
-    """As a user meets it: the process's output, exit status and stderr (the rest of the bad inputs run
-    in-process below, through the same main)."""
-    def decode_py(*argv: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "decode.py", *argv], capture_output=True, text=True, cwd=ROOT)
-
-    argv = ["--ckpt", ckpt, "--method", "rejection", "--seed", "3"]
-    objs = [json.loads(line) for line in decode_py(*argv, "--json").stdout.splitlines()]
-    assert objs[0]["temperature"] == 0.8 and len(objs) == 3  # the sampling default when none is given
+def test_as_a_process_a_sampled_run_repeats_its_tokens(ckpt, capsys):
+    """As a user meets it: a fresh process's output and exit status (bad input, through the same main, below)."""
+    argv = ["--ckpt", ckpt, "--method", "rejection", "--seed", "3", "--max-new-tokens", "16"]
+    r = subprocess.run([sys.executable, "decode.py", *argv, "--json"], capture_output=True, text=True, cwd=ROOT,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    objs = [json.loads(line) for line in r.stdout.splitlines()]
+    assert r.returncode == 0 and objs[0]["temperature"] == 0.8 and len(objs) == 3  # the sampling default
     assert [o["tokens"] for o in objs] == [o["tokens"] for o in objects(capsys, *argv)]  # and in this process
-    r = decode_py("--ckpt", str(tmp_path / "nowhere"))
-    assert r.returncode == 2 and r.stdout == "", r
-    assert r.stderr.startswith("decode.py: error: checkpoint directory") and r.stderr.count("\n") == 1, r.stderr
 
 
 @pytest.mark.parametrize("case", [  # what the error names: what follows "->", else the first flag given

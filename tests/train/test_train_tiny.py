@@ -296,7 +296,7 @@ def test_init_trains_heads_of_another_kind_on_a_frozen_checkpoint_over_its_own_t
 
 
 @pytest.mark.slow
-def test_smoke_preset_end_to_end_medusa_greedy_equals_plain_greedy(tmp_path, capsys):
+def test_smoke_preset_end_to_end_medusa_greedy_equals_plain_greedy(tmp_path, capsys, one_run_each):
     """The user's path in small: train the smoke preset, then decode.py --compare --json on it."""
     import decode
 
