@@ -68,18 +68,6 @@ def test_plain_decoding_emits_the_backbones_own_next_tokens_drawn_in_order_from_
     assert got == ids[3:]
 
 
-@pytest.mark.parametrize("rule", ["typical", "rejection"])
-def test_sampled_generation_stops_cleanly_at_the_context_limit(rule):
-    """(Greedy rows meeting the context are held to plain greedy's tokens in the batch test below.)"""
-    model = tiny_model(2, block_size=24)
-    prompt = list(range(1, 11))
-    oracle = ContinuationHeads(model, prompt, max_new_tokens=100)
-    got, stats = medusa_generate(model, oracle, prompt, tree=TREES["gpu"], max_new_tokens=100,
-                                 sampling=Sampling(acceptance=rule, temperature=0.7),
-                                 generator=torch.Generator().manual_seed(0))
-    assert len(got) == 24 - len(prompt) and stats.stop_reason == "context"
-
-
 def test_streaming_callback_receives_every_token_in_order_step_by_step():
     model = tiny_model(6)
     seen = []

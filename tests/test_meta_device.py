@@ -83,33 +83,24 @@ def test_the_reference_decodes_with_the_engines_model_on_the_device():
     assert len(out) == 4
 
 
+@pytest.mark.parametrize("steps", ["eager", "compiled"])
 @pytest.mark.parametrize("rule", RULES)
 @pytest.mark.parametrize("kind", DRAFTERS)
-def test_whole_generations_run_on_the_device_when_each_host_read_is_answered(kind, rule):
+def test_whole_generations_run_on_the_device_when_each_host_read_is_answered(kind, rule, steps):
     """Every stage of every step under CUDA's rules (a device mismatch raises): the drafter fills its tree,
-    verify, the usable nodes (row 0 meets the context while row 1 goes on), the rule, keep_path. Decoding
-    reads the host once after the prefill and once per step."""
+    verify, the usable nodes (row 0 meets the context while row 1 goes on), the rule, keep_path; also with
+    cli/compiled.py's steps, run eagerly (compiling: the identity): the first drawn tree, then verify,
+    acceptance, keep_path and the heads' next tree in one function. Decoding reads the host once after the
+    prefill and once per step."""
+    compiled = dict(steps=compile_steps(META, compile=lambda fn: fn)) if steps == "compiled" else {}
     with meta_rules(answer_reads=True) as rules:
         results = medusa_generate_batch(meta_model(), meta_drafter(kind), [[1] * 60, [4, 5, 6]], tree=TREE,
-                                        max_new_tokens=6, sampling=RULES[rule], generator=GEN)
+                                        max_new_tokens=6, sampling=RULES[rule], generator=GEN, **compiled)
     # Made-up reads accept no candidate (a count of 0): each step emits its bonus alone; row 0 meets the
     # context (64 tokens) first.
     assert [(len(tokens), stats.steps, stats.stop_reason) for tokens, stats in results] == [
         (4, 3, "context"), (6, 5, "max_new_tokens")]
     assert rules.reads == 1 + 5
-
-
-@pytest.mark.parametrize("rule", RULES)
-@pytest.mark.parametrize("kind", DRAFTERS)
-def test_the_steps_compile_makes_stay_on_the_device(kind, rule):
-    """cli/compiled.py's steps, run eagerly (compiling: the identity): the first drawn tree, the verify,
-    acceptance under every rule, keep_path and the heads' next tree in one function, under CUDA's rules,
-    one host read per step."""
-    steps = compile_steps(META, compile=lambda fn: fn)
-    with meta_rules(answer_reads=True) as rules:
-        results = medusa_generate_batch(meta_model(), meta_drafter(kind), [[1] * 60, [4, 5, 6]], tree=TREE,
-                                        max_new_tokens=6, sampling=RULES[rule], generator=GEN, steps=steps)
-    assert [stats.steps for _, stats in results] == [3, 5] and rules.reads == 1 + 5
 
 
 @pytest.mark.parametrize("sampling", [Sampling(), Sampling(temperature=0.8)], ids=["greedy", "sampled"])
