@@ -121,14 +121,17 @@ def test_only_heads_py_knows_which_kind_of_heads_it_holds():
     assert [where for p in paths + [os.path.join(ROOT, s) for s in SCRIPTS] for where in kind_checks(p)] == []
 
 
-def test_importing_the_decoding_loop_loads_no_tokenizer_io_training_cli_or_benchmark_module():
+def test_importing_the_decoding_loop_loads_no_tokenizer_io_training_cli_or_benchmark_module_nor_matplotlib():
+    """matplotlib is optional: decode.py and the sweep import it only to draw."""
     code = ("import json, sys, medusa_mini.decoding as d; assert callable(d.medusa_generate); "
-            "print(json.dumps(sorted(sys.modules)))")
-    loaded = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                                       cwd=ROOT, check=True, timeout=120).stdout)
+            "loaded = sorted(sys.modules); import decode, benchmarks.sweep; "
+            "print(json.dumps([loaded, [m for m in sys.modules if m.split('.')[0] == 'matplotlib']]))")
+    loaded, plotting = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                                 cwd=ROOT, check=True, timeout=120).stdout)
     ours = {m for m in loaded if m.startswith("medusa_mini.")}
     assert ours and all(m.split(".")[1] in CORE for m in ours), ours
     assert not {m for m in loaded if m.split(".")[0] in {"tiktoken", "benchmarks", "decode", "train_tiny"}}
+    assert plotting == []
 
 
 def test_the_readme_map_names_every_module_and_every_named_file_exists():
