@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import os
 import random
@@ -81,42 +82,51 @@ def random_tree(rng: random.Random) -> Tree:
     return Tree.from_choices(choices)
 
 
-class ContinuationHeads:
+class OracleHeads:
     """Heads that know the future, so deep acceptance and the compaction of many slots get exercised
-    (random heads accept almost nothing). They know the backbone's greedy continuation of each prompt and
-    recognise where they are from the hidden state alone (the nearest of the backbone's states along a
-    prompt and its continuation), so they serve the reference, the engine and batches alike. There, head
-    k's rank-0 guess is the token k places ahead (if `draft_ids` holds it); every other guess is random.
-    """
+    (random heads accept almost nothing). They know `sequences` and recognise where they are from the hidden
+    state alone (the nearest of the backbone's states along them), so they serve the reference, the engine
+    and batches alike. There, head k's guess of the token k + 1 places after the root is ranked r with chance
+    true_rank_probs[r], else far below the top 10 ((1.0,): always first); they guess among `draft_ids`
+    (default all: a token outside them is never guessed); every other guess is random."""
 
-    def __init__(self, model: GPT, *prompts: list[int], max_new_tokens: int, num_heads: int = 4, seed: int = 0,
-                 draft_ids: torch.Tensor | None = None):
-        from medusa_mini.decoding import generate
-
+    def __init__(self, model: GPT, sequences: list[list[int]], *, num_heads: int = 4, true_rank_probs=(1.0,),
+                 seed: int = 0, draft_ids: torch.Tensor | None = None):
         self.num_heads, self.V = num_heads, model.config.vocab_size
-        self.seqs = [list(p) + generate(model, p, max_new_tokens=max_new_tokens)[0] for p in prompts]
-        with torch.no_grad():  # per continuation [S, C]: state j produced seq[j + 1]
-            self.states = [model(torch.tensor([seq]))[1][0] for seq in self.seqs]
-        self.gen = torch.Generator().manual_seed(seed)
+        self.draft_ids = torch.arange(self.V) if draft_ids is None else draft_ids
         self.config = HeadsConfig(num_heads=num_heads, n_embd=model.config.n_embd, vocab_size=self.V)
-        self.draft_ids = torch.arange(self.V) if draft_ids is None else draft_ids  # the tokens it guesses among
+        index = {t: i for i, t in enumerate(self.draft_ids.tolist())}
+        with torch.no_grad():  # state t of a sequence produced its token t + 1, the root
+            self.states = torch.cat([model(torch.tensor([s]))[1][0] for s in sequences]).float()  # [S, C]
+        futures = [[index.get(s[t + k + 2], -1) if t + k + 2 < len(s) else -1 for k in range(num_heads)]
+                   for s in sequences for t in range(len(s))]  # [S, K] draft indices
+        gen = torch.Generator().manual_seed(seed)
+        cum = torch.tensor(list(itertools.accumulate(true_rank_probs)))
+        rank = torch.searchsorted(cum, torch.rand(len(futures), num_heads, generator=gen), right=True).tolist()
+        self.logits = torch.rand(len(futures), num_heads, len(self.draft_ids), generator=gen)  # [S, K, M] in [0, 1)
+        for j, k in itertools.product(range(len(futures)), range(num_heads)):
+            tok, r = futures[j][k], rank[j][k]
+            if tok >= 0:  # exactly r other tokens above the true one; far below the top 10 when "absent"
+                top = self.logits[j, k].clone().index_fill_(0, torch.tensor([tok]), -1.0).sort(descending=True).values
+                self.logits[j, k, tok] = 2.0 if r == 0 else (top[r - 1] + top[r]) / 2 if r < len(cum) else -1.0
 
     def proposer(self, model: GPT, tree) -> MedusaProposer:
         return MedusaProposer(tree, lambda hidden, num: self(hidden, model, num=num).transpose(0, 1),
                               draft_ids=self.draft_ids, vocab_size=self.V, num_heads=self.num_heads)
 
-    @torch.no_grad()
     def __call__(self, hidden: torch.Tensor, model: GPT, *, num: int | None = None, following=None) -> torch.Tensor:
-        B = hidden.shape[0]
-        logits = torch.rand(self.num_heads, B, self.V, generator=self.gen)
-        for seq, states in zip(self.seqs, self.states):
-            nearest = torch.cdist(hidden.float(), states.float()).min(dim=-1)  # [B]
-            for b in range(B):
-                if nearest.values[b] < 0.05:  # rounding apart: the same prefix (other prefixes are ~1 away)
-                    j = int(nearest.indices[b])  # this state produced seq[j + 1], the root
-                    for k, tok in enumerate(seq[j + 2 : j + 2 + self.num_heads]):
-                        logits[k, b, tok] = 10.0
-        return logits[:num, ..., self.draft_ids].to(hidden.device)  # [K', B, M]
+        row = torch.cdist(hidden.reshape(-1, hidden.shape[-1]).float(), self.states).argmin(dim=1)  # [m]
+        return self.logits[row].permute(1, 0, 2).reshape(self.num_heads, *hidden.shape[:-1], -1)[:num]  # [K', ..., M]
+
+
+class ContinuationHeads(OracleHeads):
+    """Oracle heads that know the backbone's greedy continuation of each prompt."""
+
+    def __init__(self, model: GPT, *prompts: list[int], max_new_tokens: int, **kwargs):
+        from medusa_mini.decoding import generate
+
+        super().__init__(model, [list(p) + generate(model, p, max_new_tokens=max_new_tokens)[0] for p in prompts],
+                         **kwargs)
 
 
 # ---- checkpoint directories, as train_tiny.py leaves them (the io wing, imported only here) -----

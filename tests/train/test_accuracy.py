@@ -8,10 +8,9 @@ import json
 import pytest
 import torch
 
-from conftest import random_heads, tiny_model
+from conftest import OracleHeads, random_heads, tiny_model
 from medusa_mini.decoding import generate, medusa_generate
 from medusa_mini.heads import HeadsConfig
-from medusa_mini.proposal import MedusaProposer
 from medusa_mini.sampling import Sampling, sampling_probs
 from medusa_mini.train import accuracy
 from medusa_mini.train.accuracy import continuations, load_accuracy, measure_head_accuracy
@@ -22,39 +21,6 @@ VICUNA = torch.tensor([[a * 0.45**r for r in range(10)] for a in (0.56, 0.32, 0.
 
 def _prompts(n, length=5):
     return [torch.randint(0, 64, (length,), generator=torch.Generator().manual_seed(s)).tolist() for s in range(n)]
-
-
-class LookupHeads:
-    """Heads that recognise a hidden state of known sequences (nearest neighbour) and put the true future
-    token at rank r with chance true_rank_probs[r], else outside the top 10 ((1.0,): an oracle), over the
-    draft vocabulary `draft_ids` (default all): logits [K, ..., M]; a token outside it is never guessed."""
-
-    def __init__(self, model, sequences, *, num_heads=4, true_rank_probs=(1.0,), seed=0, draft_ids=None):
-        self.num_heads, self.V = num_heads, model.config.vocab_size
-        self.draft_ids = torch.arange(self.V) if draft_ids is None else draft_ids
-        self.config = HeadsConfig(num_heads=num_heads, n_embd=model.config.n_embd, vocab_size=self.V)
-        index = {t: i for i, t in enumerate(self.draft_ids.tolist())}
-        with torch.no_grad():
-            self.states = torch.cat([model(torch.tensor([s]))[1][0] for s in sequences])  # [S, C]
-        futures = [[index.get(s[t + k + 2], -1) if t + k + 2 < len(s) else -1 for k in range(num_heads)]
-                   for s in sequences for t in range(len(s))]  # [S, K] draft indices
-        gen = torch.Generator().manual_seed(seed)
-        cum = torch.tensor(list(itertools.accumulate(true_rank_probs)))
-        rank = torch.searchsorted(cum, torch.rand(len(futures), num_heads, generator=gen), right=True).tolist()
-        self.logits = torch.rand(len(futures), num_heads, len(self.draft_ids), generator=gen)  # [S, K, M] in [0, 1)
-        for j, k in itertools.product(range(len(futures)), range(num_heads)):
-            tok, r = futures[j][k], rank[j][k]
-            if tok >= 0:  # exactly r other tokens above the true one; far below the top 10 when "absent"
-                top = self.logits[j, k].clone().index_fill_(0, torch.tensor([tok]), -1.0).sort(descending=True).values
-                self.logits[j, k, tok] = 2.0 if r == 0 else (top[r - 1] + top[r]) / 2 if r < len(cum) else -1.0
-
-    def proposer(self, model, tree):
-        return MedusaProposer(tree, lambda hidden, num: self(hidden, model, num=num).transpose(0, 1),
-                              draft_ids=self.draft_ids, vocab_size=self.V, num_heads=self.num_heads)
-
-    def __call__(self, hidden, model, *, following=None, num=None):
-        row = torch.cdist(hidden.reshape(-1, hidden.shape[-1]), self.states).argmin(dim=1)  # [m]
-        return self.logits[row].permute(1, 0, 2).reshape(self.num_heads, *hidden.shape[:-1], -1)[:num]
 
 
 def test_continuations_are_plain_greedy_decoding_at_temperature_zero():
@@ -70,7 +36,7 @@ def test_a_guess_is_a_token_of_the_draft_vocabulary():
     seqs = continuations(model, _prompts(4), max_new_tokens=30)
     written = sorted({t for s in seqs for t in s[5:]})
     for draft in (written, written[::2]):  # every token the heads must guess, then half of them
-        heads = LookupHeads(model, seqs, draft_ids=torch.tensor(draft))
+        heads = OracleHeads(model, seqs, draft_ids=torch.tensor(draft))
         acc = measure_head_accuracy(model, heads, seqs, prompt_lens=[5] * 4, top_k=1)
         inside = [sum(s[t] in draft for s in seqs for t in range(6 + k, len(s))) / sum(len(s) - 6 - k for s in seqs)
                   for k in range(4)]
@@ -203,7 +169,7 @@ def test_measured_accuracy_counts_each_rank_where_a_head_has_a_target_and_predic
     model = tiny_model(2)
     prompts = _prompts(6)
     seqs = continuations(model, prompts, max_new_tokens=44)  # 40 decoded + room for 4 heads
-    heads = LookupHeads(model, seqs, true_rank_probs=(0.55, 0.2, 0.1), seed=2)
+    heads = OracleHeads(model, seqs, true_rank_probs=(0.55, 0.2, 0.1), seed=2)
     acc = measure_head_accuracy(model, heads, seqs, prompt_lens=5, top_k=10)
     short = [seqs[0][:5], seqs[1][:6]]  # a prompt alone, then with one new token: no target for head 1
     assert measure_head_accuracy(model, heads, seqs + short, prompt_lens=5, top_k=10).equal(acc)
