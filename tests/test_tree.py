@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from conftest import random_tree
+from conftest import VICUNA, random_tree
 from medusa_mini import reference as ref
 from medusa_mini.tree import CPU_CHOICES, GPU_CHOICES, Tree, build_tree, chain, expected_tokens_per_step, preset
 
@@ -22,7 +22,6 @@ from medusa_mini.tree import CPU_CHOICES, GPU_CHOICES, Tree, build_tree, chain, 
 #   └─ 2 (1,)      head 1 rank 1
 TREE = Tree.from_choices([(1,), (0, 0, 0), (0,), (0, 1), (0, 0)])  # the choices deliberately unsorted
 ACC_HAND = torch.tensor([[0.6, 0.2, 0.1], [0.4, 0.2, 0.1], [0.3, 0.1, 0.05]])  # acc[head][rank]
-VICUNA = torch.tensor([[a * 0.45**r for r in range(10)] for a in (0.56, 0.32, 0.20, 0.15)])
 
 
 def test_choices_are_sorted_so_parents_precede_children_and_a_nodes_position_offset_is_its_depth():

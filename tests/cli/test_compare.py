@@ -7,9 +7,9 @@ import json
 import shutil
 
 import pytest
-import torch
 
 import decode
+from conftest import DRAWN, VICUNA
 from medusa_mini.cli import runs as runs_mod
 from medusa_mini.cli.measure import CPU_MIN_GAIN
 from medusa_mini.cli.runs import format_table, summarise, why_line
@@ -33,8 +33,7 @@ def test_greedy_rows_are_plain_greedys_the_reference_the_engines_each_on_its_tre
     grows from their own table: the Medusa rejection row and its reference decode on it, the rest on greedy's."""
     directory, trees, real = tmp_path / "measured", {}, runs_mod.decode
     shutil.copytree(ckpt, directory)
-    save_accuracy(directory, torch.tensor([[a * 0.45**r for r in range(10)] for a in (0.56, 0.32, 0.20, 0.15)]),
-                  drawn=torch.tensor([[a * 0.3**r for r in range(10)] for a in (0.35, 0.28, 0.26, 0.25)]))
+    save_accuracy(directory, VICUNA, drawn=DRAWN)
     monkeypatch.setattr(runs_mod, "decode", lambda engine, method, *a, **kw: trees.setdefault(
         method.key, set()).add(method.tree.choices if method.tree else None) or real(engine, method, *a, **kw))
     result = compared(capsys, "--ckpt", str(directory), "--reference", "--max-new-tokens", "12")

@@ -4,23 +4,17 @@ a node budget N built from it, or a JSON file of choices; else the device's defa
 import json
 
 import pytest
-import torch
 
-from conftest import save_small_checkpoint
+from conftest import DRAWN, VICUNA, save_small_checkpoint
 from medusa_mini.cli import measure
 from medusa_mini.cli.explain import draw_mask, draw_tree
 from medusa_mini.cli.measure import CPU_MIN_GAIN, resolve_tree
 from medusa_mini.train.accuracy import load_accuracy, save_accuracy
 from medusa_mini.tree import Tree, build_tree, chain, preset
 
-VICUNA = torch.tensor([[a * 0.45**r for r in range(10)] for a in (0.56, 0.32, 0.20, 0.15)])
-
 
 def resolve(spec, ckpt_dir, *, device="cpu", num_heads=4, drawn=False):
     return resolve_tree(spec, ckpt_dir=str(ckpt_dir), device=device, num_heads=num_heads, drawn=drawn)
-
-
-DRAWN = torch.tensor([[a * 0.3**r for r in range(10)] for a in (0.35, 0.28, 0.26, 0.25)])  # drawn candidates
 
 
 def test_a_budget_builds_the_best_tree_from_its_rules_table_else_the_device_picks_it(tmp_path):

@@ -8,15 +8,13 @@ import json
 import pytest
 import torch
 
-from conftest import OracleHeads, random_heads, tiny_model
+from conftest import VICUNA, OracleHeads, random_heads, tiny_model
 from medusa_mini.decoding import generate, medusa_generate
 from medusa_mini.heads import HeadsConfig
 from medusa_mini.sampling import Sampling, sampling_probs
 from medusa_mini.train import accuracy
 from medusa_mini.train.accuracy import continuations, load_accuracy, measure_head_accuracy
 from medusa_mini.tree import build_tree
-
-VICUNA = torch.tensor([[a * 0.45**r for r in range(10)] for a in (0.56, 0.32, 0.20, 0.15)])
 
 
 def _prompts(n, length=5):
