@@ -1,15 +1,13 @@
 """heads_accuracy.json, the heads' acceptance tables: measured, and made into the tree a run decodes with.
 
-`python -m medusa_mini.cli.measure --ckpt DIR` measures them again (train_tiny.py does after training), in
-float32: how often the heads are accepted on greedy continuations of prompts.json; then under rejection
-sampling: Σ min(p, q) per head, the chance that each head's r-th drawn candidate is the one accepted (saved
-too: rejection sampling's trees), and with --marginal head 1's score were its q the exact marginal over the
-root it cannot see.
+`python -m medusa_mini.cli.measure --ckpt DIR` measures them again in float32, as train_tiny.py does: how often
+each head's guesses are accepted on greedy continuations of prompts.json; under rejection sampling, Σ min(p, q)
+per head and how often its r-th drawn candidate is accepted (rejection sampling's trees); with --marginal, head
+1's score were its q the exact marginal over the root it cannot see.
 
-`--tree` (`resolve_tree`): a preset, choices (a JSON file or inline), or a node budget N, the best tree of N
-nodes for the table. By default ('auto') 64 nodes on a GPU, where a verify of 64 costs little more than one of
-1; on a CPU, where every node costs time, at most 8 and only those that pay for themselves (`CPU_MIN_GAIN`);
-without the table, the device's preset."""
+`--tree` (`resolve_tree`): a preset, choices (JSON, a file or inline), or N, the best tree of N nodes for the
+table; 'auto': 64 nodes on a GPU, on a CPU at most 8 that pay for themselves (`CPU_MIN_GAIN`); without the
+table, the device's preset."""
 
 from __future__ import annotations
 
@@ -29,11 +27,9 @@ from ..train.device import pick_device
 from ..tree import Tree, build_tree, preset
 from .common import OneLineParser, at_least, seed
 
-# On two CPU cores a node adds 2.5-3.5% to a Medusa step of the cpu preset (bench_step.py --configs tiny:
-# a verify over 9 nodes against 1, per node, over the whole step); a node worth less than that share of
-# the tokens per step so far slows the step more than it adds. 2.5% gave this project's four-head checkpoints
-# 6 nodes (Medusa heads) and 4 (Hydra heads), the budgets the node-budget sweep finds fastest (BENCHMARKS.md);
-# the five-head preset's Medusa heads get a 5-node chain.
+# On two CPU cores a node adds 2.5-3.5% to a Medusa step of the cpu preset (bench_step.py --configs tiny), so a
+# node worth less than that share of the tokens per step so far costs more than it adds. 2.5% gave four-head
+# checkpoints 6 nodes (Medusa) and 4 (Hydra), the node-budget sweep's fastest (BENCHMARKS.md); five heads: 5.
 CPU_MIN_GAIN = 0.025
 HINT = 'a tree file holds [[0], [1], [0, 0], ...] or {"choices": [...]}'
 

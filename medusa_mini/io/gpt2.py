@@ -109,15 +109,11 @@ def config_from_gpt2_dict(d: object) -> GPTConfig:
         raise ValueError(f"GPT-2 config is missing {e.args[0]!r}") from None
     except (TypeError, ValueError) as e:
         raise ValueError(f"GPT-2 config has an invalid value: {e}") from None
-    unsupported = {  # this GPT's MLP is 4 C wide with tanh-GELU, and its attention scales by 1/sqrt(hs)
-        "activation_function": d.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"),
-        "n_inner": d.get("n_inner") not in (None, 4 * n_embd),
-        "tie_word_embeddings": d.get("tie_word_embeddings", True) is not True,
-        "scale_attn_weights": d.get("scale_attn_weights", True) is not True,
-        "scale_attn_by_inverse_layer_idx": d.get("scale_attn_by_inverse_layer_idx", False) is not False,
-    }
-    for field, bad in unsupported.items():
-        if bad:
+    supported = {  # this GPT's MLP is 4 C wide with tanh-GELU, and its attention scales by 1/sqrt(hs)
+        "activation_function": ("gelu_new", "gelu_pytorch_tanh"), "n_inner": (None, 4 * n_embd),
+        "tie_word_embeddings": (True,), "scale_attn_weights": (True,), "scale_attn_by_inverse_layer_idx": (False,)}
+    for field, values in supported.items():
+        if field in d and d[field] not in values:
             raise ValueError(f"GPT-2 config sets {field}={d[field]!r}, which this GPT does not implement")
     return config
 

@@ -1,9 +1,8 @@
 """The acceptance tables in heads_accuracy.json, measured on the model's own continuations and read back.
 
-acc[k][r] = P(head k+1's rank-r guess is the backbone's greedy token k+2 places ahead): the chance that
-greedy acceptance takes the guess once it took the node above (`tree.build_tree` multiplies these along
-paths). Rejection sampling's counterpart, `measure_try_acceptance`, is the chance that it accepts head k+1's
-r-th draw; its first column is Σ min(p, q), which `measure_sampled_acceptance` computes exactly."""
+acc[k][r] = P(head k+1's rank-r guess is the backbone's greedy token k+2 places ahead): the chance that greedy
+acceptance takes the guess once it took the node above (`tree.build_tree` multiplies these along paths).
+`measure_try_acceptance` is rejection sampling's counterpart, the chance that it accepts head k+1's r-th draw."""
 
 from __future__ import annotations
 
@@ -26,8 +25,7 @@ ROWS, POSITIONS = 16, 256  # rows per greedy batch, positions per heads call: bo
 
 def continuations(model: GPT, prompts: list[list[int]], *, max_new_tokens: int, temperature: float = 0.0,
                   seed: int = 0) -> list[list[int]]:
-    """Each prompt + the backbone's continuation: greedy at temperature 0 (token for token what `generate`
-    writes), else sampled by `generate_batch`, ROWS prompts at a time from one seeded generator."""
+    """Each prompt + the backbone's continuation (temperature 0: greedy), ROWS prompts at a time, one generator."""
     out, sampling = [], Sampling(temperature=temperature)
     g = torch.Generator(device=model.device).manual_seed(seed)
     for b in range(0, len(prompts), ROWS):
@@ -38,8 +36,7 @@ def continuations(model: GPT, prompts: list[list[int]], *, max_new_tokens: int, 
 
 
 def with_head_targets(sequences: list[list[int]], prompt_lens: int | Sequence[int]) -> Iterator[tuple[list[int], int]]:
-    """(sequence, first) for each sequence where head 1 has a target: `first` is the position of its
-    prompt's last token (one count for all or one each), the first hidden state decoding drafts from."""
+    """(sequence, first) where head 1 has a target: `first`, its prompt's last token, is where decoding drafts first."""
     for seq, P in zip(sequences, [prompt_lens] * len(sequences) if isinstance(prompt_lens, int) else prompt_lens):
         first = max(P - 1, 0)
         if len(seq) >= first + 3:  # head 1 at `first` guesses token first + 2
@@ -67,8 +64,7 @@ def _positions(model: GPT, heads: DraftHeads, sequences: list[list[int]], prompt
 @torch.no_grad()
 def measure_head_accuracy(model: GPT, heads: DraftHeads, sequences: list[list[int]], *,
                           prompt_lens: int | Sequence[int], top_k: int = 10) -> torch.Tensor:
-    """acc [K, top_k] float64 (module docstring) on `sequences`: prompts of `prompt_lens` tokens (one count
-    or one each) + their greedy continuations."""
+    """acc [K, top_k] float64 (module docstring) on `sequences`: prompts + their greedy continuations."""
     draft_ids = heads.draft_ids.to(model.device)
     if not 0 < top_k <= draft_ids.numel():
         raise ValueError(f"top_k={top_k} must be between 1 and the draft vocabulary's size {draft_ids.numel()}")
@@ -84,9 +80,8 @@ def measure_head_accuracy(model: GPT, heads: DraftHeads, sequences: list[list[in
 @torch.no_grad()
 def measure_sampled_acceptance(model: GPT, heads: DraftHeads, sequences: list[list[int]], *,
                                prompt_lens: int | Sequence[int], temperature: float) -> torch.Tensor:
-    """[K] float64: head k's Σ_x min(p(x), q_k(x)) averaged over `sequences` (prompts + continuations sampled
-    at `temperature`), p and q_k at that temperature: about the chance that rejection sampling accepts head
-    k's one drawn candidate, where `measure_head_accuracy` asks for the greedy token."""
+    """[K] float64: head k's Σ_x min(p(x), q_k(x)) at `temperature`, averaged over `sequences` (continuations
+    sampled at it): the chance that rejection sampling accepts head k's one drawn candidate."""
     ids, K = heads.draft_ids.to(model.device), heads.num_heads
     total, counts = torch.zeros(K, dtype=torch.float64), torch.zeros(K, dtype=torch.float64)
     for k, _, p, logits in _positions(model, heads, sequences, prompt_lens, temperature):
@@ -162,8 +157,7 @@ def measure_marginal_acceptance(model: GPT, sequences: list[list[int]], *, promp
 
 def save_accuracy(directory: str | os.PathLike, acc: torch.Tensor, *, drawn: torch.Tensor | None = None,
                   meta: dict | None = None) -> None:
-    """Write heads_accuracy.json atomically, one line per head: acc (greedy's table), drawn (rejection
-    sampling's, `measure_try_acceptance`) if measured, then `meta` (what they were measured on)."""
+    """Write heads_accuracy.json, one line per head: acc (greedy's table), drawn (rejection sampling's), `meta`."""
     def lines(table: torch.Tensor) -> str:
         rows = (json.dumps([round(x, 6) for x in row]) for row in check_acc(table).tolist())
         return "[\n    " + ",\n    ".join(rows) + "\n  ]"
@@ -175,8 +169,8 @@ def save_accuracy(directory: str | os.PathLike, acc: torch.Tensor, *, drawn: tor
 
 
 def load_accuracy(directory: str | os.PathLike, *, drawn: bool = False) -> torch.Tensor | None:
-    """acc [K, R] float64 from heads_accuracy.json: greedy's table, or with `drawn` the drawn candidates' (None
-    where a file measured before it has none); a one-line ValueError for a missing or bad file."""
+    """Greedy's table [K, R] float64 from heads_accuracy.json, or with `drawn` the drawn candidates' (None where
+    an older file has none); a one-line ValueError for a missing or bad file."""
     path = os.path.join(os.fspath(directory), ACCURACY_FILE)
     obj = read_json(path, hint=f"measure it with python -m medusa_mini.cli.measure --ckpt {directory}")
     key = "acc_drawn" if drawn else "acc"

@@ -1,10 +1,7 @@
-"""A `train_tiny.py` run, resumable at every stage: tokenizer, backbone, self-distillation, heads, draft
-vocabulary, summary. `Run` holds what every stage needs and saves it for an exact --resume (weights,
-optimizer, generators, loss scale, stage and step, the self-distilled text); the first Ctrl-C saves after
-the current step. Under torchrun (DDP) every rank trains on its own batches, gradients are averaged, rank 0
-prints and writes. `--init` brings a pretrained, frozen tokenizer and backbone (gpt2, ..., or a checkpoint).
-The summary measures the trained model: validation loss, the acceptance tables of accuracy.py (saved as
-heads_accuracy.json), the draft vocabulary's coverage."""
+"""A `train_tiny.py` run, resumable at every stage: tokenizer and backbone (or `--init`'s, pretrained and
+frozen), self-distillation, heads, draft vocabulary, summary (validation loss, accuracy.py's tables saved as
+heads_accuracy.json, the draft vocabulary's coverage). `Run` saves what an exact --resume needs; the first
+Ctrl-C saves after the current step. Under torchrun (DDP) each rank trains on its own batches, rank 0 writes."""
 
 from __future__ import annotations
 
@@ -209,13 +206,11 @@ def _prepare(r: Run, state: dict | None, train_docs: list, val_docs: list) -> tu
     torch.manual_seed(a.seed)  # the backbone's and the heads' first weights
     if a.init:
         model, enc = _pretrained(r)
-    else:
-        if state:
-            enc = load_tokenizer(a.out)
-        else:  # BPE on the training text
-            t0 = time.time()
-            enc = make_encoding(train_bpe("".join(text for _, text in train_docs), vocab_size=a.vocab_size))
-            r.log(f"tokenizer  {enc.n_vocab} tokens, trained in {time.time() - t0:.1f}s")
+    else:  # a resumed run's tokenizer, or BPE on the training text
+        t0 = time.time()
+        enc = load_tokenizer(a.out) if state else make_encoding(
+            train_bpe("".join(text for _, text in train_docs), vocab_size=a.vocab_size))
+        r.log(f"tokenizer  {enc.n_vocab} tokens, {'loaded' if state else 'trained'} in {time.time() - t0:.1f}s")
         model = GPT(GPTConfig(vocab_size=enc.n_vocab, block_size=a.block_size, n_layer=a.n_layer,
                               n_head=a.n_head, n_embd=a.n_embd)).to(r.device)
     cfg = model.config
@@ -447,9 +442,8 @@ def summarize(r: Run, val_batches: list, val_tokens: np.ndarray) -> dict:
         lines.append("           draft vocabulary coverage of greedy text: "
                      + ", ".join(f"{m} {c:.2f}" for m, c in coverage.items()))
     r.log("\n".join(lines))
-    return {"val_loss": round(val_loss, 4), "head_top1_text": [round(v, 4) for v in text[:, 0].tolist()],
-            "head_top1_own": [round(v, 4) for v in acc[:, 0].tolist()],
-            "head_accept_sampled": [round(v, 4) for v in accept.tolist()],
+    saved = {"head_top1_text": text[:, 0], "head_top1_own": acc[:, 0], "head_accept_sampled": accept}
+    return {"val_loss": round(val_loss, 4), **{k: [round(v, 4) for v in xs.tolist()] for k, xs in saved.items()},
             "draft_vocab_coverage": {str(m): round(c, 4) for m, c in coverage.items()}}
 
 
