@@ -192,9 +192,8 @@ class StepPrinter:
 
 
 def print_each(engine: Engine, method: Method, prompts: list[tuple[str, list[int]]], a, label: str) -> None:
-    """Each prompt's continuation and a line of statistics, B prompts at a time (one prompt streams its steps;
-    a batch prints once done); ms/token is the decoding call's, with what its clock included. --json: one
-    object per prompt (`tokens`: the new ids, an end token included)."""
+    """Each prompt's continuation and statistics, B prompts at a time (one prompt streams its steps, a batch prints
+    once done; ms/token is the decoding call's); --json: an object per prompt (`tokens`: new ids, an end token's)."""
     ck, B = engine.ck, a.batch_size
 
     def announce(n: int) -> StepPrinter:

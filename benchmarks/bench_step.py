@@ -173,8 +173,7 @@ def step_ops(model: GPT, heads: DraftHeads, caches: dict[int, KVCache], trees: d
 def bench_config(config: GPTConfig, *, device: torch.device, repeat: int, warmup: int = 3, prefix_len: int = 128,
                  nodes: tuple[int, ...] = NODES, seed: int = 0, dtype: torch.dtype = torch.float32,
                  draft_vocab: int | None = None, compiled: bool = False, compile_backend: str = "inductor") -> dict:
-    """Every timing of one config in one dtype, eager or with compiled steps, as plain numbers (ms), and the
-    eager steps' device operations."""
+    """Every timing of one config in one dtype (ms), eager or with compiled steps, and the eager steps' operations."""
     draft_vocab = check_config(config, prefix_len=prefix_len, draft_vocab=draft_vocab)
     model, heads = build(config, device=device, dtype=dtype, seed=seed, draft_vocab=draft_vocab)
     trees = {name: preset(name) for name in MEDUSA_TREES}
@@ -235,8 +234,7 @@ def bench_config(config: GPTConfig, *, device: torch.device, repeat: int, warmup
 
 
 def format_table(results: dict[str, dict], meta: dict) -> str:
-    """Configs as columns, one timing per row (ms, or what a label ending in '(x)' or '(%)' says), under what
-    ran them (`meta`)."""
+    """Configs as columns, one timing per row (ms, or what a label's '(x)' or '(%)' says), under `meta`."""
     names, rs, load = list(results), list(results.values()), meta["load_avg_1min"]
     rows = [("first round, s (compiling, if any)", [r["first_round_s"] for r in rs]),
             ("plain step (1 token + argmax)", [r["plain_ms"] for r in rs]),

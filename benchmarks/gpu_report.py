@@ -116,9 +116,8 @@ def commands(s: argparse.Namespace, part: str) -> list[tuple[str | None, list[st
 
 
 def run_part(s: argparse.Namespace, part: str) -> tuple[str, bool]:
-    """A part's section: each command within what is left of the part's budget, then the lines its `keep`
-    picks from the output in a code block, or one line saying why there are none (not reached, stopped at its
-    budget, failed, or printed none)."""
+    """A part's section: each command within what is left of the part's budget, then the lines its `keep` picks from
+    the output in a code block, or why there are none (not reached, stopped at its budget, failed, printed none)."""
     title, keep, intro = PARTS[part]
     deadline, text, ok = time.monotonic() + s.budget_s, [f"## {title}", *(["", intro] if intro else [])], True
     for heading, argv in commands(s, part):
@@ -139,8 +138,7 @@ def run_part(s: argparse.Namespace, part: str) -> tuple[str, bool]:
 
 
 def check_command(argv: list[str]) -> None:
-    """A ValueError now, not after the parts before, if the script would refuse its forwarded flags: its own
-    parse_args (which loads nothing) runs here."""
+    """A ValueError now, not after the parts before, if the script's own parse_args refuses its forwarded flags."""
     script, printed = argv[0], io.StringIO()
     try:
         with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):

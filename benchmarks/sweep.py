@@ -1,12 +1,11 @@
 """Sweep the node budget: tokens per step and tokens per second per drafter, rule and draft vocabulary.
 
-    python benchmarks/sweep.py --ckpt out/tiny [--budgets 1,2,4,8,16,32] [--rules greedy,lookup-greedy]
-        [--draft-vocab 1024,4096] [--num-prompts 8] [--max-new-tokens 64] [--repeat 3] [--json] [--plot FILE.png]
+    python benchmarks/sweep.py --ckpt out/tiny --rules greedy,lookup-greedy --draft-vocab 1024,4096 --plot sweep.png
 
-Budget N (root excluded) decodes with `build_tree(acc, N)`, as `decode.py --tree N` does, acc the table of
-the rule (`rejection-drawn`: the drawn candidates' own, where heads_accuracy.json has it); `lookup-greedy`
-verifies prompt lookup's chain of as many nodes. Each row against plain decoding of its rule; greedy and
-drawn rows also against the product rule's estimate, greedy rows against plain greedy's tokens.
+Budget N (root excluded) decodes with `build_tree(acc, N)`, as `decode.py --tree N` does, acc the rule's table
+(`rejection-drawn`: the drawn candidates' own, where heads_accuracy.json has it); `lookup-greedy` verifies prompt
+lookup's chain of N nodes. Each row against plain decoding of its rule; greedy and drawn rows also against the
+product rule's estimate, greedy rows against plain greedy's tokens.
 """
 
 from __future__ import annotations

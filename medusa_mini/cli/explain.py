@@ -1,7 +1,6 @@
-"""`decode.py --explain`: one Medusa step in words, stage by stage, run with reference.py's functions in
-the order its `medusa_generate` calls them (the tree filled by the heads' own proposer), so the printed step
-is the file a learner reads. `--demo` makes a model to explain on the spot. The tree and its mask drawn as
-text: here, and by `--show`."""
+"""`decode.py --explain`: one Medusa step in words, run with reference.py's functions in the order its
+`medusa_generate` calls them (the heads' proposer fills the tree), so the printed step is the file a learner reads;
+`--demo` makes a model to explain on the spot. The tree and its mask drawn as text, here and by `--show`."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
-"""The rows of `decode.py --compare` and the sweep: each way of decoding (`Method`) timed in turns, B prompts
-at a time, against the plain decoder of its temperature: speedup (tokens/s over plain's) ≈ tokens/step ÷ step
-cost (ms per pass over plain's). Greedy rows must make plain greedy's tokens; in half precision a near-tie may
-round either way, so a difference is located instead. The tables, and the batch table's figure."""
+"""The rows of `decode.py --compare` and the sweep: each way of decoding (`Method`) timed in turns, B prompts at
+a time, against the plain decoder of its temperature: speedup ≈ tokens/step ÷ step cost. Greedy rows must make plain
+greedy's tokens; in half precision a near-tie may round either way, so a parting is located. The tables, the figure."""
 
 from __future__ import annotations
 
@@ -189,9 +188,8 @@ COLUMNS = {  # row key: (header, width, format)
 
 
 def why_line(rows: list[dict]) -> str:
-    """Where a drafter (its rows, in batch sizes' order) stops paying: the smallest batch size from which its
-    speedup stays below 1x; and why: its step's cost, and the passes a batch makes against what its rows
-    needed (the slowest row sets the pace)."""
+    """Where a drafter (its rows, in batch sizes' order) stops paying, the smallest batch size from which its speedup
+    stays below 1x, and why: its step's cost, and the passes a batch makes against those its rows needed."""
     stops = next((i for i in range(len(rows)) if all(r["speedup"] < 1 for r in rows[i:])), None)
     r, first = rows[-1 if stops is None else stops], rows[0]
     B, cost = r["batch_size"], f"a step costs {first['step_cost']:.2f}x a plain step at batch {first['batch_size']}"
