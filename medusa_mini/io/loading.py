@@ -64,9 +64,8 @@ def load_prompts(directory: str, *, hint: str = "pass prompts with --prompt TEXT
 
 
 def prompt_ids(ck: Checkpoint, *, count: int, max_new_tokens: int) -> list[list[int]]:
-    """The first `count` prompts of ck's prompts.json as token ids, each cut to the last tokens that leave
-    room for max_new_tokens in the context; prompts that encode to nothing are left out. Its callers take
-    no prompts of their own: a missing file's error says how to make one."""
+    """The first `count` prompts of ck's prompts.json as token ids, each cut to leave room for max_new_tokens, empty
+    ones left out; its callers take no prompts of their own, so a missing file's error says how to make one."""
     room = ck.block_size - max_new_tokens
     if room < 1:
         raise ValueError(f"--max-new-tokens {max_new_tokens} leaves no room for a prompt in {ck.block_size}")

@@ -64,10 +64,9 @@ def default_corpus_files(*, max_bytes: int = 3_000_000) -> list[pathlib.Path]:
 
 def load_corpus(path: str | os.PathLike[str] | None = None, *, max_bytes: int = 3_000_000,
                 skip: str | os.PathLike[str] | None = None) -> list[Document]:
-    """Documents ``(name, text)``, named by path: from the standard library capped at ``max_bytes`` (path
-    None), a UTF-8 file, or a folder's UTF-8 text files, recursively, sorted, used whole. Left out: hidden
-    files, the folder ``skip`` and checkpoint folders (a run's output is not text to learn from, and a
-    resumed run must read what it began with). ValueError when there is no text."""
+    """Documents ``(name, text)`` named by path: the standard library capped at ``max_bytes`` (path None), a UTF-8
+    file, or a folder's UTF-8 text files, sorted, whole, but hidden files, the folder ``skip`` and checkpoints (a
+    run's output is no text to learn from, and a resume must read what it began with). ValueError: no text."""
     if path is None:
         root, files = STDLIB, default_corpus_files(max_bytes=max_bytes)
     elif (root := pathlib.Path(path)).is_dir():
