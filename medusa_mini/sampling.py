@@ -152,11 +152,11 @@ def without_earlier_draws(log_q: torch.Tensor, draws: torch.Tensor, rank: torch.
     (draws [..., R], in order) removed, as they were drawn without replacement, renormalised (in log
     space, so a remainder too small for exp survives) -> probabilities [..., V]. rank, x: [...]."""
     earlier = torch.arange(draws.shape[-1], device=draws.device) < rank[..., None]  # [..., R]
-    log_q = log_q.scatter(-1, draws, torch.where(earlier, float("-inf"), log_q.gather(-1, draws)))  # [..., V]
+    log_q = log_q.scatter(-1, draws, log_q.gather(-1, draws).masked_fill(earlier, float("-inf")))  # [..., V]
     # q had no mass left for x (a tiny T, a small draft vocabulary): Gumbel-top-k ranks every token of q
     # before it, so all of them are removed and x, picked rather than drawn, is tried as a point mass.
     at_x = log_q.gather(-1, x[..., None])  # [..., 1]
-    return torch.softmax(log_q.scatter(-1, x[..., None], torch.where(at_x.isneginf(), 0.0, at_x)), dim=-1)
+    return torch.softmax(log_q.scatter(-1, x[..., None], at_x.nan_to_num(neginf=0.0)), dim=-1)  # log q is never NaN
 
 
 def speculative_try(p: torch.Tensor, q: torch.Tensor, x: torch.Tensor, u: torch.Tensor

@@ -86,11 +86,10 @@ def read_step(proposal: Proposal, accepted: Accepted) -> tuple[list[list[int]], 
     """The step's one host read: per row, the accepted path (root first) and the tokens it emits (the
     accepted candidates, then the bonus)."""
     D1 = accepted.nodes.shape[1]
-    read = torch.cat([accepted.nodes, proposal.tokens.gather(1, accepted.nodes), accepted.bonus[:, None],
-                      accepted.count[:, None]], dim=1).tolist()  # [B][2 (D + 1) + 2]
-    # row = [nodes (D + 1) | their tokens (D + 1) | bonus | count]; the tokens emitted skip the root's
-    paths = [row[: row[-1] + 1] for row in read]
-    return paths, [row[D1 + 1 : D1 + 1 + row[-1]] + [row[-2]] for row in read]
+    read = torch.cat([accepted.nodes, accepted.count[:, None], accepted.bonus[:, None], proposal.tokens],
+                     dim=1).tolist()  # [B][D + 1 + 2 + N]: row = [nodes | count | bonus | every node's token]
+    paths = [row[: row[D1] + 1] for row in read]
+    return paths, [[row[D1 + 2 + node] for node in path[1:]] + [row[D1 + 1]] for row, path in zip(read, paths)]
 
 
 @torch.no_grad()
