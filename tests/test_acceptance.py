@@ -56,24 +56,29 @@ def test_vectorised_greedy_equals_the_node_walk_on_random_trees_in_every_row():
     assert deep > 60  # the cases exercise deep paths, not only the root
 
 
-@pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
-def test_vectorised_typical_equals_the_node_walk_with_the_same_draws(temperature):
-    """Same path, same bonus and the same random numbers consumed, on random trees and logits;
-    integer logits make equal log-p sums, where the smaller node index wins in both."""
+@pytest.mark.parametrize("temperature, top_p", [(0.5, 1.0), (1.0, 1.0), (2.0, 1.0), (0.9, 0.8)])
+def test_vectorised_typical_equals_the_node_walk_with_the_same_draws_in_every_row(temperature, top_p):
+    """Same path, same bonus and the same random numbers consumed, on random trees and logits, top-p
+    included: row b of a batch draws its bonus with the generator's number b (torch.rand(B) is B single
+    draws in order), as the reference walking that row alone after b numbers; so a row decides in a batch
+    as alone. Integer logits make equal log-p sums, where the smaller node index wins in both."""
     deep = 0
-    sampling = Sampling(acceptance="typical", temperature=temperature, epsilon=0.3, delta=0.6)
+    sampling = Sampling(acceptance="typical", temperature=temperature, top_p=top_p, epsilon=0.3, delta=0.6)
     for seed in range(150):
-        tree, tokens, logits = random_case(seed)
+        tree, tokens, logits = random_case(seed, rows=3)
         if seed % 2:  # continuous logits too: distinct scores decide
             logits = torch.randn(logits.shape, generator=torch.Generator().manual_seed(seed)) * 2
-        g1, g2 = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed)
-        want = ref.typical_accept(tree.parents, tokens[0].tolist(), logits[0], sampling=sampling, generator=g1)
+        batch = torch.Generator().manual_seed(seed)
         got = typical_accept_paths(tree.tensors("cpu"), tokens, logits, sampling=sampling,
-                                   u=acceptance_uniforms(sampling, 1, 0, g2, device="cpu"))
-        assert as_host(got) == want
-        assert torch.rand((), generator=g1) == torch.rand((), generator=g2)
-        deep += len(want[0]) > 2
-    assert deep > 10
+                                   u=acceptance_uniforms(sampling, 3, 0, batch, device="cpu"))
+        for b in range(3):
+            alone = torch.Generator().manual_seed(seed)
+            torch.rand(b, generator=alone)  # the numbers of the rows before it
+            want = ref.typical_accept(tree.parents, tokens[b].tolist(), logits[b], sampling=sampling, generator=alone)
+            assert as_host(got, b) == want
+            deep += len(want[0]) > 2
+        assert torch.rand((), generator=batch) == torch.rand((), generator=alone)
+    assert deep > 60
 
 
 @pytest.mark.parametrize("rule", ["greedy", "typical", "rejection", "rejection of drawn candidates"])

@@ -25,7 +25,7 @@ import medusa_mini.reference as ref
 import medusa_mini.step as step
 from conftest import RULES, ContinuationHeads, random_heads, tiny_model
 from lossless import FutureHeads, FutureHydraHeads, V, deepest, exact_sequence_probs, failures, sample_rows, small_model
-from medusa_mini.acceptance import accept, acceptance_uniforms, path_accept, rejection_accept_topk, typical_accept_paths
+from medusa_mini.acceptance import accept, path_accept, rejection_accept_topk
 from medusa_mini.decoding import generate, generate_batch, medusa_generate, medusa_generate_batch, prefill
 from medusa_mini.model import KVCache, compact_kv_cache
 from medusa_mini.proposal import Drawn, PromptLookup
@@ -314,37 +314,6 @@ def test_typical_medusa_with_top_p_emits_only_nucleus_tokens_in_the_engine_and_t
 def test_the_nucleus_check_fails_when_typical_acceptance_reads_p_without_top_p(monkeypatch):
     monkeypatch.setattr(step, "accept", accepts_without_top_p)
     assert typical_tokens_outside_the_nucleus()[0] > 0
-
-
-@torch.no_grad()
-def test_typical_acceptance_decides_each_row_of_a_batch_as_alone_given_the_same_logits():
-    """End to end, a batch and a lone run consume the generator differently, so their tokens are not
-    comparable. The decision is: given identical logits and the same uniform number for its bonus
-    (torch.rand(B) is B single draws in order), row b of a batch accepts the same path and draws the
-    same bonus as the engine and the reference on that row alone (top-p included)."""
-    tree = preset("cpu")
-    B, N, g = 6, tree.num_nodes, torch.Generator().manual_seed(0)
-    logits = torch.randn(B, N, 16, generator=g) * 2.5
-    sampling = Sampling(acceptance="typical", temperature=0.9, top_p=0.9)
-    p = sampling.probs(logits)
-    # Candidates drawn from p at their parent: likely tokens, so paths are often long.
-    tokens = torch.stack([torch.multinomial(p[:, max(par, 0)], 1, generator=g)[:, 0] for par in tree.parents], 1)
-    got = typical_accept_paths(tree.tensors(), tokens, logits, sampling=sampling,
-                               u=acceptance_uniforms(sampling, B, 0, torch.Generator().manual_seed(1), device="cpu"))
-    for b in range(B):
-        def advanced():  # the generator as row b of the batch meets it: b numbers already drawn
-            gen = torch.Generator().manual_seed(1)
-            torch.rand(b, generator=gen)
-            return gen
-
-        alone = typical_accept_paths(tree.tensors(), tokens[b : b + 1], logits[b : b + 1], sampling=sampling,
-                                     u=acceptance_uniforms(sampling, 1, 0, advanced(), device="cpu"))
-        want_path, want_bonus = ref.typical_accept(tree.parents, tokens[b].tolist(), logits[b], sampling=sampling,
-                                                   generator=advanced())
-        count = int(got.count[b])
-        assert got.nodes[b, : count + 1].tolist() == alone.nodes[0, : count + 1].tolist() == want_path
-        assert int(got.bonus[b]) == int(alone.bonus[0]) == want_bonus
-    assert got.count.max() >= 2
 
 
 # ---- top-p ties: a batch decides as one row, by token id ---------------------------------------------
