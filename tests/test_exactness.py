@@ -359,46 +359,43 @@ def test_an_end_token_inside_an_accepted_path_stops_generation_after_it_in_the_e
     (candidates accepted after it in that step). With it, the same seed emits exactly the run's tokens
     up to and including it: the candidates after it in the step are dropped."""
     model = tiny_model(2)
-    settings = dict(tree=preset("cpu"), max_new_tokens=30, sampling=RULES[rule])
     for seed, prompt in enumerate([[1, 2, 3], [5, 6], [9, 8, 7, 6], [4, 4]]):
-        heads = ContinuationHeads(model, prompt, max_new_tokens=40, seed=seed)
-        steps: list[list[int]] = []
-        full, _ = medusa_generate(model, heads, prompt, generator=torch.Generator().manual_seed(seed),
-                                  on_step=steps.append, **settings)
+        heads, steps = ContinuationHeads(model, prompt, max_new_tokens=40, seed=seed), []
+
+        def run(generate, eos_id=None, **kw):
+            return generate(model, heads, prompt, tree=preset("cpu"), max_new_tokens=30, sampling=RULES[rule],
+                            generator=torch.Generator().manual_seed(seed), eos_id=eos_id, **kw)
+
+        full, _ = run(medusa_generate, on_step=steps.append)
         starts = list(itertools.accumulate(map(len, steps), initial=0))  # where each step's tokens begin
         mid = [starts[i] + j for i, s in enumerate(steps) for j in range(len(s) - 1)
                if full.index(s[j]) == starts[i] + j]  # first emitted here, with tokens after it in its step
-        if not mid:
-            continue
-        eos = full[mid[0]]
-        heads = ContinuationHeads(model, prompt, max_new_tokens=40, seed=seed)
-        got, stats = medusa_generate(model, heads, prompt, generator=torch.Generator().manual_seed(seed),
-                                     eos_id=eos, **settings)
-        assert got == full[: mid[0] + 1] and stats.stop_reason == "eos"
-        runs = [ref.medusa_generate(model, ContinuationHeads(model, prompt, max_new_tokens=40, seed=seed), prompt,
-                                    generator=torch.Generator().manual_seed(seed), eos_id=end, **settings)
-                for end in (None, eos)]
-        assert eos in runs[0][0] and runs[1] == (runs[0][0][: runs[0][0].index(eos) + 1], stats.steps)
-        return
+        if mid:
+            got, stats = run(medusa_generate, eos_id=full[mid[0]])
+            assert got == full[: mid[0] + 1] and stats.stop_reason == "eos"
+            (whole, _), alone = run(ref.medusa_generate), run(ref.medusa_generate, eos_id=full[mid[0]])
+            assert alone == (whole[: whole.index(full[mid[0]]) + 1], stats.steps)
+            return
     pytest.fail("no run emitted a token in the middle of a step: the test checked nothing")
 
 
 @torch.no_grad()
 @pytest.mark.parametrize("rule", RULES)
 def test_an_end_token_drawn_at_the_prefill_ends_generation_there_in_the_engine_and_the_reference(rule):
-    model = tiny_model(3)
-    sampling, prompt = RULES[rule], [4, 9, 1]
-    first = generate(model, prompt, max_new_tokens=1, sampling=sampling,
-                     generator=torch.Generator().manual_seed(5))[0][0]  # the prefill's own token
+    model, prompt = tiny_model(3), [4, 9, 1]
     heads = random_heads(model, seed=3)
-    settings = dict(tree=preset("cpu"), max_new_tokens=20, sampling=sampling)
-    full, _ = medusa_generate(model, heads, prompt, generator=torch.Generator().manual_seed(5), **settings)
+
+    def run(generate, **kw):
+        return generate(model, heads, prompt, tree=preset("cpu"), max_new_tokens=20, sampling=RULES[rule],
+                        generator=torch.Generator().manual_seed(5), **kw)
+
+    first = generate(model, prompt, max_new_tokens=1, sampling=RULES[rule],
+                     generator=torch.Generator().manual_seed(5))[0][0]  # the prefill's own token
+    full, _ = run(medusa_generate)
     assert full[0] == first and len(full) == 20  # without the end token it goes on
-    got, stats = medusa_generate(model, heads, prompt, eos_id=first, generator=torch.Generator().manual_seed(5),
-                                 **settings)
+    got, stats = run(medusa_generate, eos_id=first)
     assert got == [first] and stats.steps == 0 and stats.stop_reason == "eos"
-    assert ref.medusa_generate(model, heads, prompt, eos_id=first, generator=torch.Generator().manual_seed(5),
-                               **settings) == ([first], 0)
+    assert run(ref.medusa_generate, eos_id=first) == ([first], 0)
 
 
 # ---- a temperature too small for float32 is greedy ------------------------------------------------
