@@ -120,13 +120,17 @@ def test_greedy_medusa_equals_plain_greedy_in_every_row_of_a_batch(kind, tree_na
     """Random heads, prompt lookup (a tiny model's greedy text repeats itself, so its lookups find
     continuations, right and wrong), and an oracle whose rank-0 path is always right, so that steps accept
     the tree's full depth. Rows of different lengths accept different paths and stop at different steps
-    (the long prompt reaches the context first); no row's output holds another's token or a padding token."""
+    (the long prompt reaches the context first); no row's output holds another's token or a padding token.
+    The reference, given the same Medusa heads (random or oracle), makes each row's tokens in as many steps."""
     model = tiny_model(seed)
     want = [generate(model, p, max_new_tokens=30) for p in PROMPTS]
+    heads = None if kind == "plain" else drafter(kind, model, *PROMPTS, seed=seed)
     got = (generate_batch(model, PROMPTS, max_new_tokens=30) if kind == "plain" else
-           medusa_generate_batch(model, drafter(kind, model, *PROMPTS, seed=seed), PROMPTS, tree=TREES[tree_name],
-                                 max_new_tokens=30))
+           medusa_generate_batch(model, heads, PROMPTS, tree=TREES[tree_name], max_new_tokens=30))
     assert [g[0] for g in got] == [w[0] for w in want]
+    if kind in ("medusa", "oracle"):  # the reference too, step for step
+        assert [ref.medusa_generate(model, heads, p, tree=TREES[tree_name], max_new_tokens=30)
+                for p in PROMPTS] == [(tokens, stats.steps) for tokens, stats in got]
     assert [g[1].stop_reason for g in got] == [w[1].stop_reason for w in want]
     assert len({g[1].steps for g in got}) > 1  # the rows did stop at different steps
     assert all(sum(s.step_tokens) == len(t) - 1 for t, s in got) and all(s.steps == len(t) - 1 for t, s in want)

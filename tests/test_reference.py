@@ -1,7 +1,8 @@
 """The reference (reference.py), the spec a learner reads first: candidates, the three acceptance rules
-as node-by-node walks on hand-written logits, and whole decoding runs on tiny models. The rules' claims
-(paper §2.3) are tested as claims: greedy writes plain greedy's tokens, rejection sampling emits exactly
-the backbone's probabilities (that typical acceptance does not is in tests/test_exactness.py)."""
+as node-by-node walks on hand-written logits. The rules' claims (paper §2.3) are tested as claims:
+rejection sampling emits exactly the backbone's probabilities (that typical acceptance does not is in
+tests/test_exactness.py); that the reference's greedy decoding writes plain greedy's tokens, whole runs
+on every tree, is tested beside the engine's, in tests/test_decoding.py."""
 
 import math
 from collections import Counter
@@ -9,11 +10,9 @@ from collections import Counter
 import pytest
 import torch
 
-from conftest import ContinuationHeads, random_heads, tiny_model
 from medusa_mini import reference as ref
-from medusa_mini.decoding import generate
 from medusa_mini.sampling import Sampling
-from medusa_mini.tree import Tree, chain, preset
+from medusa_mini.tree import Tree, chain
 
 #   0 root ─┬─ 1 (0,) token 3 ─┬─ 3 (0,0) token 1 ── 5 (0,0,0) token 2
 #           │                  └─ 4 (0,1) token 0
@@ -194,26 +193,3 @@ def test_typical_acceptance_approaches_greedy_as_temperature_goes_to_zero():
         logits = torch.randn(TREE.num_nodes, V, generator=torch.Generator().manual_seed(seed))
         want = ref.greedy_accept(PARENTS, TOKENS, logits)
         assert ref.typical_accept(PARENTS, TOKENS, logits, sampling=typical(temperature=1e-4), generator=gen) == want
-
-
-# ---- whole decoding runs ----------------------------------------------------------------------------------
-
-TREES = {"chain": chain(4), "cpu": preset("cpu"), "gpu": preset("gpu"),
-         "wide": Tree.from_choices([(r,) for r in range(8)] + [(0, r) for r in range(4)])}
-
-
-@pytest.mark.parametrize("heads_kind", ["random", "continuation"])
-@pytest.mark.parametrize("tree_name", TREES)
-@pytest.mark.parametrize("seed", range(3))
-def test_reference_greedy_medusa_equals_plain_greedy(heads_kind, tree_name, seed):
-    """With random heads, and with heads that know the continuation (every step accepts the tree's
-    whole depth)."""
-    model = tiny_model(seed)
-    prompt = torch.randint(0, 64, (3 + 4 * seed,), generator=torch.Generator().manual_seed(seed)).tolist()
-    heads = (ContinuationHeads(model, prompt, max_new_tokens=40) if heads_kind == "continuation"
-             else random_heads(model, seed=seed))
-    want, _ = generate(model, prompt, max_new_tokens=40)
-    got, steps = ref.medusa_generate(model, heads, prompt, tree=TREES[tree_name], max_new_tokens=40)
-    assert got == want
-    if heads_kind == "continuation":  # every step accepts the whole depth (random heads: at least one token)
-        assert steps <= math.ceil(39 / (TREES[tree_name].depth + 1)) + 1
