@@ -25,13 +25,12 @@ TREES = {
 
 
 def drafter(kind: str, model, *prompts, seed: int = 0):
-    """Random Medusa heads over a draft vocabulary (the 24 highest token ids), random hydra heads, an
-    oracle that knows each prompt's continuation, or prompt lookup."""
+    """Random Medusa or hydra heads over a draft vocabulary (the 24 highest token ids), an oracle that
+    knows each prompt's continuation, or prompt lookup."""
     if kind in ("oracle", "lookup"):
         return ContinuationHeads(model, *prompts, max_new_tokens=40) if kind == "oracle" else PromptLookup()
     heads = random_heads(model, seed=seed, kind=kind)
-    if kind == "medusa":
-        heads.use_draft_vocabulary(torch.arange(64).flip(0), 24)
+    heads.use_draft_vocabulary(torch.arange(64).flip(0), 24)
     return heads
 
 
