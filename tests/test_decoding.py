@@ -67,15 +67,6 @@ def test_plain_decoding_emits_the_backbones_own_next_tokens_drawn_in_order_from_
     assert got == ids[3:]
 
 
-def test_streaming_callback_receives_every_token_in_order_step_by_step():
-    model = tiny_model(6)
-    seen = []
-    oracle = ContinuationHeads(model, [4, 4], max_new_tokens=25)
-    out, stats = medusa_generate(model, oracle, [4, 4], tree=preset("cpu"), max_new_tokens=25, on_step=seen.append)
-    assert [t for chunk in seen for t in chunk] == out
-    assert [len(c) for c in seen[1:]] == stats.step_tokens and len(seen[0]) == 1  # prefill's token first
-
-
 @pytest.mark.parametrize("prompt, message", [([], "empty"), (list(range(64)), "must be shorter")])
 def test_bad_prompts_are_a_clear_error(prompt, message):
     model = tiny_model()

@@ -39,17 +39,6 @@ def test_cached_incremental_decoding_matches_full_forward(model, read):
 
 
 @torch.no_grad()
-def test_static_cache_is_never_reallocated(model):
-    cache = KVCache(model.config)
-    ptrs = [t.data_ptr() for t in (cache.kv, cache.length_buffer)]
-    model(torch.tensor([[1, 2, 3]]), cache=cache)
-    model(torch.tensor([[4]]), cache=cache)
-    compact_kv_cache(cache, torch.tensor([[1, 3]]), to=torch.tensor([[1, 2]]), length=torch.tensor([3]))
-    model(torch.tensor([[5, 6]]), cache=cache)
-    assert [t.data_ptr() for t in (cache.kv, cache.length_buffer)] == ptrs and cache.lengths.tolist() == [5]
-
-
-@torch.no_grad()
 def test_rows_of_one_batch_keep_their_own_lengths_and_positions(model):
     """Two prompts of different lengths in one cache: each row decodes as if it were alone."""
     rows = [[5, 9, 11, 2, 40, 7], [3, 1]]
