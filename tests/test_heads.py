@@ -120,37 +120,31 @@ def test_heads_refuse_what_they_cannot_do_and_a_refused_draft_vocabulary_changes
     assert heads.config.draft_vocab_size == 2 and heads.draft_ids.tolist() == sorted(shuffled()[:2].tolist())
 
 
+@pytest.mark.parametrize("drawn", [False, True], ids=["top-k", "drawn"])
 @pytest.mark.parametrize("tree", [TREE, preset("cpu"), chain(3)], ids=["small", "cpu", "chain"])
 @pytest.mark.parametrize("kind", KINDS)
-def test_depth_by_depth_filling_equals_the_node_by_node_definition(kind, tree):
+def test_each_node_holds_its_rank_of_its_parents_q_top_k_or_drawn_from_the_draft_vocabulary(kind, tree, drawn):
     """Node i holds rank ranks[i] of q(. | its parent's path), a token of the draft vocabulary (hydra's q
-    reads the path drafted above the node, Medusa's the depth alone)."""
+    reads the path drafted above the node, Medusa's the depth alone): of its top-k, filled depth by depth;
+    or of distinct draws from it, each node keeping the q its children were drawn from."""
     model = tiny_model(2)
     heads = random_heads(model, kind=kind, seed=2)
     heads.use_draft_vocabulary(shuffled(2), 16)
-    hidden, want = torch.randn(C), [7]
-    for i in range(1, tree.num_nodes):
-        q = q_logits(heads, model, hidden, [want[j] for j in tree.path(tree.parents[i])])
-        want.append(int(heads.draft_ids[q.topk(tree.max_rank + 1).indices[tree.ranks[i]]]))
-    assert propose(heads, model, tree, 7, hidden).tokens[0].tolist() == want
-
-
-@pytest.mark.parametrize("kind", KINDS)
-def test_drawn_candidates_are_each_nodes_children_drawn_from_its_own_q(kind):
-    model = tiny_model(4)
-    heads = random_heads(model, kind=kind, seed=4)
-    heads.use_draft_vocabulary(shuffled(4), 16)
     hidden, T = torch.randn(C), 0.8
-    proposal = propose(heads, model, TREE, 7, hidden, Sampling(temperature=T), torch.Generator().manual_seed(0))
-    tokens, drawn_from = proposal.tokens[0].tolist(), proposal.drawn
-    assert set(tokens[1:]) <= set(heads.draft_ids.tolist())
-    for node, (kids, drawn) in enumerate(zip(TREE.children, drawn_from.per_node(0))):
-        assert (drawn is None) == (not kids)
-        if kids:
-            q = q_logits(heads, model, hidden, [tokens[j] for j in TREE.path(node)])
-            torch.testing.assert_close(drawn[0], q_log_probs(q, heads.draft_ids, temperature=T, vocab_size=V))
-            assert len(set(drawn[1])) == len(drawn[1])
-            assert [tokens[c] for c in kids] == [drawn[1][TREE.ranks[c]] for c in kids]
+    sampling, gen = (Sampling(temperature=T), torch.Generator().manual_seed(0)) if drawn else (Sampling(), None)
+    proposal = propose(heads, model, tree, 7, hidden, sampling, gen)
+    tokens, per_node = proposal.tokens[0].tolist(), proposal.drawn.per_node(0) if drawn else [None] * tree.num_nodes
+    assert tokens[0] == 7 and set(tokens[1:]) <= set(heads.draft_ids.tolist())
+    for node, (kids, draws) in enumerate(zip(tree.children, per_node)):
+        assert not drawn or (draws is None) == (not kids)
+        if not kids:
+            continue
+        q = q_logits(heads, model, hidden, [tokens[j] for j in tree.path(node)])
+        if drawn:
+            torch.testing.assert_close(draws[0], q_log_probs(q, heads.draft_ids, temperature=T, vocab_size=V))
+            assert len(set(draws[1])) == len(draws[1])
+        ranked = draws[1] if drawn else heads.draft_ids[q.topk(tree.max_rank + 1).indices].tolist()
+        assert [tokens[c] for c in kids] == [ranked[tree.ranks[c]] for c in kids]
 
 
 @pytest.mark.parametrize("kind", KINDS)
