@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import itertools
 import json
+import math
 import os
 import random
 import sys
@@ -70,6 +71,11 @@ RULES = {  # every acceptance rule, at a temperature where candidates are often 
 # Acceptance tables acc[head][rank] shaped like measured ones: greedy's (top-1 guesses), and drawn candidates'.
 VICUNA = torch.tensor([[a * 0.45**r for r in range(10)] for a in (0.56, 0.32, 0.20, 0.15)])
 DRAWN = torch.tensor([[a * 0.3**r for r in range(10)] for a in (0.35, 0.28, 0.26, 0.25)])
+
+
+def assert_frequency(count: int, n: int, p: float) -> None:
+    """count of n draws is within five standard deviations (at most sqrt(1/4n)) of probability p."""
+    assert abs(count / n - p) < 5 * math.sqrt(0.25 / n)
 
 
 @pytest.fixture

@@ -6,6 +6,7 @@ from collections import Counter
 import pytest
 import torch
 
+from conftest import assert_frequency
 from medusa_mini.sampling import (
     Sampling,
     gumbel_top_k,
@@ -15,10 +16,6 @@ from medusa_mini.sampling import (
     typical_threshold,
     without_earlier_draws,
 )
-
-
-def assert_frequency(count: int, n: int, p: float) -> None:
-    assert abs(count / n - p) < 5 * math.sqrt(0.25 / n)
 
 
 def test_top_p_keeps_the_smallest_set_reaching_p():

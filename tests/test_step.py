@@ -29,10 +29,6 @@ def test_usable_nodes_are_those_whose_tokens_fit_before_each_rows_stop():
     assert usable.tolist() == [[True] * 6, [d <= 1 for d in depths], [d == 0 for d in depths], [False] * 6]
 
 
-def verify_tree(model, cache, tree, tokens):
-    return verify(model, cache, tokens, tree=tree.tensors())
-
-
 def test_verify_scores_every_node_as_if_its_path_were_the_only_continuation_in_every_row():
     model = tiny_model(3)
     prompts = [[5, 9, 2, 11], [1, 2]]  # rows of different lengths
@@ -40,7 +36,7 @@ def test_verify_scores_every_node_as_if_its_path_were_the_only_continuation_in_e
     prefill(model, torch.tensor([prompts[0], prompts[1] + [0, 0]]), cache, lengths=[4, 2])
     tokens = torch.tensor([[4, 8, 15, 16, 23, 42], [3, 1, 4, 1, 5, 9]])  # [B, N]
     with torch.no_grad():
-        logits, _ = verify_tree(model, cache, TREE, tokens)  # [B, N, V]
+        logits, _ = verify(model, cache, tokens, tree=TREE.tensors())  # [B, N, V]
         for b, prompt in enumerate(prompts):
             for node in range(TREE.num_nodes):
                 seq = torch.tensor(prompt + tokens[b, TREE.path(node)].tolist())  # the prompt, then the path alone
@@ -56,7 +52,7 @@ def test_keep_path_leaves_each_rows_cache_as_if_only_its_accepted_path_had_been_
     cache = KVCache(model.config, batch_size=3, max_len=32)
     prefill(model, torch.tensor([prompts[0], prompts[1] + [0], prompts[2]]), cache, lengths=[3, 2, 3])
     start = cache.lengths
-    verify_tree(model, cache, TREE, tokens)
+    verify(model, cache, tokens, tree=TREE.tensors())
     accepted = Accepted(nodes=torch.tensor([[0, 1, 4, 4], [0, 2, 2, 2], [0, 0, 0, 0]]), count=torch.tensor([2, 1, 0]),
                         bonus=torch.tensor([0, 0, 0]))  # a static-shape path repeats its last node
     keep_path(cache, TREE.tensors(), accepted, start=start, active=torch.tensor([True, True, False]))

@@ -217,7 +217,6 @@ def test_inductor_writes_and_compacts_the_kv_cache_in_place_never_copying_it_who
     does, bit for bit: a write through one layer's view, or a scatter_, inductor applies to a copy of that
     layer or of the whole cache, then copies back, every step. The generated code must allocate no buffer of
     a layer's keys' or values' shape, [..., max_len, hs]."""
-    dtype = torch.float32
     from torch._inductor.utils import run_and_get_code
 
     from medusa_mini.model import compact_kv_cache
@@ -225,8 +224,8 @@ def test_inductor_writes_and_compacts_the_kv_cache_in_place_never_copying_it_who
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # generate the code, not a cached copy
     torch._dynamo.reset()
-    model = tiny_model(block_size=80, n_layer=1).to(dtype).eval()  # one layer's view shows a copy as two would
-    eager, compiled = (KVCache(model.config, batch_size=2, max_len=80, dtype=dtype) for _ in range(2))
+    model = tiny_model(block_size=80, n_layer=1).eval()  # one layer's view shows a copy as two would
+    eager, compiled = (KVCache(model.config, batch_size=2, max_len=80) for _ in range(2))
     for cache in (eager, compiled):
         cache.lengths = torch.tensor([5, 9])
     def copies_the_cache(code: list[str]) -> bool:  # a buffer of [..., max_len, hs]: a layer's keys or values
