@@ -44,7 +44,7 @@ GREEDY_TREE = Tree.from_choices([(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0
 PROMPTS = [[1, 2], [3, 0, 1], [2], [0, 3, 3, 1], [3], [0], [1, 1, 2], [2, 0]]  # a ragged batch
 
 
-# ---- greedy: plain greedy's tokens, whatever proposes -------------------------------------------------
+# ---- greedy: plain greedy's tokens, with heads that know the future ------------------------------------
 
 
 DRAFTERS = {  # random heads and prompt lookup: tests/test_decoding.py, on every tree
@@ -54,9 +54,9 @@ DRAFTERS = {  # random heads and prompt lookup: tests/test_decoding.py, on every
 }
 
 
-def greedy_mismatches(model, drafter, **settings) -> tuple[int, int]:
+def greedy_mismatches(model, drafter) -> tuple[int, int]:
     """(rows of PROMPTS whose greedy Medusa tokens are not plain greedy's, the deepest accepted node)."""
-    rows = medusa_generate_batch(model, drafter, PROMPTS, tree=GREEDY_TREE, max_new_tokens=12, **settings)
+    rows = medusa_generate_batch(model, drafter, PROMPTS, tree=GREEDY_TREE, max_new_tokens=12)
     want = [tokens for tokens, _ in generate_batch(model, PROMPTS, max_new_tokens=12)]
     return sum(got != w for (got, _), w in zip(rows, want)), deepest(rows)
 

@@ -13,12 +13,12 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
 import train_tiny
+from conftest import ROOT
 from medusa_mini.heads import frequency_order
 from medusa_mini.io.checkpoint import load_checkpoint, save_checkpoint
 from medusa_mini.model import GPT, GPTConfig
@@ -29,7 +29,6 @@ from medusa_mini.train.data import load_corpus, split_documents
 from medusa_mini.training import MedusaLM
 from medusa_mini.tree import build_tree, expected_tokens_per_step, preset
 
-ROOT = Path(__file__).resolve().parents[2]
 FAST = ["--preset", "smoke", "--max-bytes", "60000", "--vocab-size", "300", "--backbone-steps", "6",
         "--heads-steps", "4", "--distill-prompts", "8", "--distill-tokens", "12", "--eval-prompts", "2",
         "--batch-size", "4", "--block-size", "64", "--n-embd", "32", "--log-every", "1000"]
@@ -85,8 +84,8 @@ def torchrun(tmp_path, ctrl_c_step: int, *args, **env) -> subprocess.CompletedPr
         port = sock.getsockname()[1]
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
                            str(port), str(tmp_path / "worker.py"), str(ctrl_c_step), *FAST, "--device", "cpu", *args],
-                          capture_output=True, text=True, timeout=300, cwd=str(ROOT),
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **env})
+                          capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT, **env})
 
 
 def checksums(stdout: str) -> list[str]:
