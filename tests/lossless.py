@@ -16,7 +16,7 @@ from collections import Counter
 import torch
 
 from conftest import tiny_model
-from medusa_mini.decoding import medusa_generate_batch
+from medusa_mini.decoding import generate_batch, medusa_generate_batch
 from medusa_mini.proposal import HydraProposer, MedusaProposer
 from medusa_mini.sampling import sampling_probs
 
@@ -123,13 +123,14 @@ class FutureHydraHeads(FutureHeads):
         return last_logits(model, [history[b][:-1] + drafted[b][m] for b in range(B) for m in range(n)]).view(B, n, -1)
 
 
-def sample_rows(model, drafter, prompts, *, rows: int, seed: int, **settings):
-    """One medusa_generate_batch over `rows` copies of `prompts`, interleaved (rows of one batch are
-    independent samples). Returns, per prompt, [(emitted tokens, GenerationStats)] of its rows.
-    settings: medusa_generate_batch's (tree, max_new_tokens, sampling, eos_id)."""
+def sample_rows(model, drafter, prompts, *, rows: int, seed: int, tree, **settings):
+    """One medusa_generate_batch (drafter None: generate_batch, plain sampling) over `rows` copies of
+    `prompts`, interleaved (rows of one batch are independent samples). Returns, per prompt,
+    [(emitted tokens, GenerationStats)] of its rows. settings: max_new_tokens, sampling, eos_id."""
     gen = torch.Generator().manual_seed(seed)
     out: list[list] = [[] for _ in prompts]
-    results = medusa_generate_batch(model, drafter, prompts * rows, generator=gen, **settings)
+    results = (generate_batch(model, prompts * rows, generator=gen, **settings) if drafter is None else
+               medusa_generate_batch(model, drafter, prompts * rows, generator=gen, tree=tree, **settings))
     for b, (tokens, stats) in enumerate(results):
         out[b % len(prompts)].append((tokens, stats))
     return out

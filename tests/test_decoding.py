@@ -7,12 +7,11 @@ import torch
 
 import medusa_mini.step as step
 from conftest import RULES, ContinuationHeads, random_heads, tiny_model
-from lossless import exact_sequence_probs, failures, small_model
 from medusa_mini import reference as ref
 from medusa_mini.decoding import generate, generate_batch, medusa_generate, medusa_generate_batch
 from medusa_mini.model import GPT, GPTConfig, KVCache
 from medusa_mini.proposal import PromptLookup
-from medusa_mini.sampling import Sampling, sampling_probs
+from medusa_mini.sampling import Sampling
 from medusa_mini.tree import Tree, chain, preset
 
 TREES = {
@@ -32,25 +31,6 @@ def drafter(kind: str, model, *prompts, seed: int = 0):
     heads = random_heads(model, seed=seed, kind=kind)
     heads.use_draft_vocabulary(torch.arange(64).flip(0), 24)
     return heads
-
-
-def plain_sampling_failures(top_p: float) -> list[str]:
-    """How 2000 rows of plain sampling at T = 0.8 and `top_p` betray the exact distribution (`lossless.failures`)."""
-    model = small_model(11)
-    with torch.no_grad():
-        rows = generate_batch(model, [[1, 2]] * 2000, max_new_tokens=3, sampling=Sampling(temperature=0.8, top_p=top_p),
-                              generator=torch.Generator().manual_seed(1))
-    return failures(rows, exact_sequence_probs(model, [1, 2], 3, temperature=0.8, top_p=top_p))
-
-
-@pytest.mark.parametrize("top_p", [1.0, 0.8])
-def test_plain_sampling_emits_exactly_the_backbones_distribution(top_p):
-    assert plain_sampling_failures(top_p) == []
-
-
-def test_the_plain_sampling_check_fails_when_the_plain_step_ignores_top_p(monkeypatch):
-    monkeypatch.setattr(Sampling, "probs", lambda self, logits: sampling_probs(logits, temperature=self.temperature))
-    assert plain_sampling_failures(0.8) != []
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])

@@ -5,9 +5,9 @@ then fails. The apparatus (exact distributions, the bound, heads that know the f
 - Greedy Medusa writes plain greedy's tokens in every row of a ragged batch with heads that know the
   future (other drafters: tests/test_decoding.py); in bfloat16 a parting is forgiven only at a near-tie
   within twice the measured verify error.
-- Rejection sampling emits exactly the backbone's distribution: on a 4-token vocabulary each case's
-  sequences are compared with the distribution enumerated from plain forward passes, while the case
-  accepts nodes as deep as it states. Typical acceptance fails that check, as the paper says it trades.
+- Plain and rejection sampling emit exactly the backbone's distribution: on a 4-token vocabulary each
+  case's sequences are compared with the distribution enumerated from plain forward passes, while the
+  case accepts nodes as deep as it states. Typical acceptance fails that check, as the paper says it trades.
 - Typical acceptance never emits a token outside the nucleus; top-p breaks ties by token id in a batch
   as alone; an end token stops generation under every rule; a temperature too small for float32 is greedy.
 """
@@ -109,8 +109,8 @@ def test_greedy_equals_plain_greedy_fails_when(bug, monkeypatch):
 
 @dataclass(frozen=True)
 class Case:
-    """A setting of rejection sampling on small_model(model): `rows` rows per prompt in one batch, and
-    the deepest node they must accept."""
+    """A setting of rejection sampling (drafter None: plain sampling) on small_model(model): `rows` rows
+    per prompt in one batch, and the deepest node they must accept."""
 
     drafter: object
     sampling: Sampling
@@ -142,6 +142,8 @@ def rejection(temperature=0.8, **settings):
 # q = softmax(gamma x logits / T): gamma 20 makes each head's draws nearly its top-k, so a node's later
 # candidates are tried against a q far from the whole one; gamma 2 keeps q sharper than p, so tries fail.
 CASES = {
+    "plain": Case(None, Sampling(temperature=0.8), rows=2000, deepest=0, n=3),
+    "plain-top-p": Case(None, Sampling(temperature=0.8, top_p=0.8), rows=2000, deepest=0, n=3),
     "top-k": Case(FutureHeads(gamma=2.0), rejection(candidates="topk"), rows=1500, deepest=2),
     "drawn-depth-3-rank-gap": Case(FutureHeads(gamma=20.0), rejection(), rows=700, deepest=3, tree=GAP_TREE, n=5),
     "drawn-top-p": Case(FutureHeads(gamma=2.0), rejection(top_p=0.8), rows=600, deepest=2, tree=GAP_TREE),
@@ -163,12 +165,13 @@ CASES = {
 
 @torch.no_grad()
 @pytest.mark.parametrize("case", CASES)
-def test_rejection_sampling_emits_exactly_the_backbones_distribution(case):
+def test_plain_and_rejection_sampling_emit_exactly_the_backbones_distribution(case):
     """Each prompt's sequences pass `lossless.failures` against its exact distribution (no view's TV crosses
-    the bound, no sequence of probability 0), and the deepest accepted node is the case's: 3 on the depth-3
-    tree given 5 tokens, 2 where 4 tokens (the budget) or a 6-token context cut that tree to depth 2.
-    Every row of the context case stops at the context; in more than 10 rows of the end-token case the
-    end token is accepted inside a path, and the candidates accepted after it are dropped."""
+    the bound, no sequence of probability 0), and the deepest accepted node is the case's: none in plain
+    sampling's, the baseline; 3 on the depth-3 tree given 5 tokens; 2 where 4 tokens (the budget) or a
+    6-token context cut that tree to depth 2. Every row of the context case stops at the context; in more
+    than 10 rows of the end-token case the end token is accepted inside a path, and the candidates
+    accepted after it are dropped."""
     runs = CASES[case].run()
     for rows, exact in runs:
         assert failures(rows, exact) == []
@@ -229,7 +232,12 @@ def a_siblings_q(drawn, nodes, at=Drawn.at):
     return at(drawn, torch.tensor(sibling)[nodes])[0], at(drawn, nodes)[1]
 
 
+def probs_without_top_p(sampling, logits):
+    return sampling_probs(logits, temperature=sampling.temperature)
+
+
 SAMPLING_BUGS = {  # name: (the case whose check must fail, the module attribute to patch, the wrong value)
+    "the_plain_step_draws_from_p_without_top_p": ("plain-top-p", Sampling, "probs", probs_without_top_p),
     "top_k_draws_share_one_uniform_per_row": ("top-k", acceptance, "rejection_accept_topk", one_uniform_per_row),
     "q_keeps_earlier_draws": ("drawn-depth-3-rank-gap", acceptance, "without_earlier_draws", q_keeps_earlier_draws),
     "the_first_draw_is_accepted_untested": ("drawn-depth-3-rank-gap", acceptance, "speculative_try",
