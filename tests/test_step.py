@@ -87,9 +87,12 @@ def test_lookup_continues_the_first_earlier_occurrence_of_the_longest_repeated_t
     assert lookup(text, max_ngram=3, length=4) == want
 
 
-def test_prompt_lookup_drafts_each_rows_continuation_on_a_chain_of_the_next_power_of_two():
+def test_prompt_lookup_drafts_each_rows_continuation_on_a_chain_of_the_next_power_of_two_capped_at_the_full_one():
     """Nodes past a row's continuation repeat its last token (a guess like any other); the chain is the
-    longest continuation rounded up to a power of two; no continuation in any row: the root alone."""
+    longest continuation rounded up to a power of two, at most the full chain; no continuation in any row:
+    the root alone."""
+    assert [chain_length(n, 6) for n in range(8)] == [0, 1, 2, 4, 4, 6, 6, 6]
+    assert [chain_length(n, 64) for n in (5, 8, 9, 33, 64)] == [8, 8, 16, 64, 64]
     proposer = PromptLookup(max_ngram=2).proposer(None, preset("cpu"))  # a chain of the tree's 11 nodes
     assert proposer.tree == chain(11)
     history = [[1, 2, 3, 1, 2], [4, 5, 6, 5], [7, 8, 9]]
@@ -99,11 +102,6 @@ def test_prompt_lookup_drafts_each_rows_continuation_on_a_chain_of_the_next_powe
     assert proposal.tokens.tolist() == [[2, 3, 1, 2, 2], [5, 6, 5, 5, 5], [9, 9, 9, 9, 9]]
     alone = proposer.propose(torch.tensor([9]), torch.zeros(1, 32), history=[[7, 8, 9]], sampling=Sampling(), u=None)
     assert alone.tree.num_nodes == 1 and alone.tokens.tolist() == [[9]]
-
-
-def test_a_continuation_is_verified_on_the_next_power_of_two_chain_capped_at_the_full_chain():
-    assert [chain_length(n, 6) for n in range(8)] == [0, 1, 2, 4, 4, 6, 6, 6]
-    assert [chain_length(n, 64) for n in (5, 8, 9, 33, 64)] == [8, 8, 16, 64, 64]
 
 
 @pytest.mark.parametrize("kind", ["medusa", "hydra", "prompt lookup"])
