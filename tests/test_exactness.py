@@ -274,42 +274,28 @@ def test_typical_acceptance_fails_the_exact_distribution_check():
 # ---- typical acceptance respects top-p ---------------------------------------------------------------
 
 
-@torch.no_grad()
-def outside_nucleus(model, prompt, out, sampling) -> int:
-    """How many emitted tokens have probability 0 under top-p given everything before them."""
-    logits, _ = model(torch.tensor([prompt + out]))
-    p = sampling_probs(logits[0, len(prompt) - 1 : -1], temperature=sampling.temperature, top_p=sampling.top_p)
-    return int((p[torch.arange(len(out)), torch.tensor(out)] == 0).sum())
-
-
-TYPICAL_TOP_P = Sampling(acceptance="typical", temperature=1.0, top_p=0.6)
+# Heads whose q is p: their likeliest candidates pass typical acceptance, inside the nucleus and out.
+TYPICAL_TOP_P = Case(FutureHeads(), Sampling(acceptance="typical", temperature=1.0, top_p=0.6), rows=400, n=6,
+                     deepest=2)
 
 
 @torch.no_grad()
-def typical_tokens_outside_the_nucleus(runs=(medusa_generate,)) -> tuple[int, int]:
-    """(tokens outside the nucleus, candidates accepted) over four prompts of typical Medusa with top-p."""
-    model = tiny_model(6, vocab_size=8, block_size=48)
-    heads = random_heads(model, num_heads=2, seed=6)
-    tree = Tree.from_choices([(r,) for r in range(4)] + [(0, 0), (1, 0), (2, 0)])
-    bad, accepted = 0, 0
-    for seed, prompt in enumerate([[1, 2], [3, 4, 5], [7], [0, 6, 2, 1]]):
-        for run in runs:
-            out, info = run(model, heads, prompt, tree=tree, max_new_tokens=30, sampling=TYPICAL_TOP_P,
-                            generator=torch.Generator().manual_seed(seed))
-            assert len(out) == 30
-            bad += outside_nucleus(model, prompt, out, TYPICAL_TOP_P)
-        accepted += sum(info.accepted_nodes)  # the engine's statistics
-    return bad, accepted
+def rows_outside_the_nucleus() -> int:
+    """Rows of typical Medusa with top-p emitting a token of probability 0 under top-p given everything
+    before it (their sequence has probability 0); the rows accept candidates as deep as the tree."""
+    [(rows, exact)] = TYPICAL_TOP_P.run()
+    assert deepest(rows) == TYPICAL_TOP_P.deepest
+    return sum(exact.get(tuple(tokens), 0.0) == 0 for tokens, _ in rows)
 
 
-def test_typical_medusa_with_top_p_emits_only_nucleus_tokens_in_the_engine_and_the_reference():
-    bad, accepted = typical_tokens_outside_the_nucleus((ref.medusa_generate, medusa_generate))
-    assert bad == 0 and accepted > 10  # candidates were accepted, not only drawn bonus tokens
+def test_typical_medusa_with_top_p_emits_only_nucleus_tokens():
+    """In the engine; the reference's typical walk decides as the engine with top-p (tests/test_acceptance.py)."""
+    assert rows_outside_the_nucleus() == 0
 
 
 def test_the_nucleus_check_fails_when_typical_acceptance_reads_p_without_top_p(monkeypatch):
     monkeypatch.setattr(step, "accept", accepts_without_top_p)
-    assert typical_tokens_outside_the_nucleus()[0] > 0
+    assert rows_outside_the_nucleus() > 0
 
 
 # ---- top-p ties: a batch decides as one row, by token id ---------------------------------------------
