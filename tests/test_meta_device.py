@@ -51,29 +51,11 @@ def meta_drafter(kind: str):
     return heads.to(META)
 
 
-def prefilled(model, *, dtype: torch.dtype = torch.float32):
-    """A 2-row cache after prompts of 3 and 5 tokens, and each row's prefill logits [B, V] and hidden [B, C]."""
-    cache = KVCache(model.config, batch_size=2, max_len=model.config.block_size + 16, device=META, dtype=dtype)
-    logits, hidden = prefill(model, torch.zeros(2, 5, dtype=torch.long, device=META), cache, lengths=[3, 5])
-    return cache, logits, hidden
-
-
 def all_on_meta(*tensors) -> bool:
     return all(t.device == META for t in tree_leaves(tensors) if isinstance(t, torch.Tensor))
 
 
 # ---- the stages, on the device alone ---------------------------------------------------------------
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
-def test_a_prefill_of_rows_of_different_lengths_and_a_plain_step_stay_on_the_device(dtype):
-    model = meta_model(dtype)
-    with meta_rules():
-        cache, logits, hidden = prefilled(model, dtype=dtype)
-        with torch.no_grad():  # as decoding runs it
-            step_logits, step_hidden = model(logits.argmax(-1)[:, None], cache=cache)  # the plain step, T = 1
-    assert (logits.shape, hidden.shape, step_logits.shape) == ((2, V), (2, C), (2, 1, V))
-    assert all_on_meta(logits, hidden, step_logits, step_hidden, cache.kv, cache.length_buffer)
 
 
 def test_the_reference_decodes_with_the_engines_model_on_the_device():
@@ -103,14 +85,16 @@ def test_whole_generations_run_on_the_device_when_each_host_read_is_answered(kin
     assert rules.reads == 1 + 5
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("sampling", [Sampling(), Sampling(temperature=0.8)], ids=["greedy", "sampled"])
-def test_plain_generation_and_self_distillation_run_on_the_device_reading_the_host_once_per_token(sampling):
+def test_plain_generation_and_self_distillation_run_on_the_device_reading_the_host_once_per_token(sampling, dtype):
+    """The prefill of rows of different lengths (one meets the context), then the plain step, in either format."""
     with meta_rules(answer_reads=True) as rules:
-        results = generate_batch(meta_model(), [[1] * 61, [4, 5]], max_new_tokens=5, sampling=sampling,
+        results = generate_batch(meta_model(dtype), [[1] * 61, [4, 5]], max_new_tokens=5, sampling=sampling,
                                  generator=GEN)
     assert [len(tokens) for tokens, _ in results] == [3, 5] and rules.reads == 5
     with meta_rules(answer_reads=True) as rules:
-        out = self_distill(meta_model(), torch.zeros(3, 4, dtype=torch.long, device=META), max_new_tokens=5,
+        out = self_distill(meta_model(dtype), torch.zeros(3, 4, dtype=torch.long, device=META), max_new_tokens=5,
                            temperature=sampling.temperature, generator=GEN)
     assert out.shape == (3, 9) and out.device == META and rules.reads == 1 + 5  # the prompts, then each token
 
@@ -175,7 +159,8 @@ def test_a_tensor_left_on_the_host_in_the_engine_fails_the_device_run(monkeypatc
     model = meta_model()
     proposer = meta_drafter("medusa").proposer(model, TREE)
     monkeypatch.setattr(module, name, misplaced)
+    cache = KVCache(model.config, batch_size=2, max_len=model.config.block_size + 16, device=META)
     with meta_rules(answer_reads=True), pytest.raises(RuntimeError, match="device"):
-        cache, logits, hidden = prefilled(model)
+        logits, hidden = prefill(model, torch.zeros(2, 5, dtype=torch.long, device=META), cache, lengths=[3, 5])
         medusa_step(model, cache, proposer, logits.argmax(-1), hidden, history=[[1, 2, 3], [1, 2, 3, 4, 5]],
                     stop_at=torch.full((2,), 64, device=META))
