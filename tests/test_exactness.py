@@ -142,7 +142,7 @@ def rejection(temperature=0.8, **settings):
 # q = softmax(gamma x logits / T): gamma 20 makes each head's draws nearly its top-k, so a node's later
 # candidates are tried against a q far from the whole one; gamma 2 keeps q sharper than p, so tries fail.
 CASES = {
-    "plain": Case(None, Sampling(temperature=0.8), rows=2000, deepest=0, n=3),
+    "plain-end-token": Case(None, Sampling(temperature=0.8), rows=2000, deepest=0, n=3, eos_id=3),
     "plain-top-p": Case(None, Sampling(temperature=0.8, top_p=0.8), rows=2000, deepest=0, n=3),
     "top-k": Case(FutureHeads(gamma=2.0), rejection(candidates="topk"), rows=1500, deepest=2),
     "drawn-depth-3-rank-gap": Case(FutureHeads(gamma=20.0), rejection(), rows=700, deepest=3, tree=GAP_TREE, n=5),
@@ -168,10 +168,10 @@ CASES = {
 def test_plain_and_rejection_sampling_emit_exactly_the_backbones_distribution(case):
     """Each prompt's sequences pass `lossless.failures` against its exact distribution (no view's TV crosses
     the bound, no sequence of probability 0), and the deepest accepted node is the case's: none in plain
-    sampling's, the baseline; 3 on the depth-3 tree given 5 tokens; 2 where 4 tokens (the budget) or a
-    6-token context cut that tree to depth 2. Every row of the context case stops at the context; in more
-    than 10 rows of the end-token case the end token is accepted inside a path, and the candidates
-    accepted after it are dropped."""
+    sampling's, the baseline (whose rows stop at an end token one by one); 3 on the depth-3 tree given 5
+    tokens; 2 where 4 tokens (the budget) or a 6-token context cut that tree to depth 2. Every row of the
+    context case stops at the context; in more than 10 rows of the end-token case the end token is
+    accepted inside a path, and the candidates accepted after it are dropped."""
     runs = CASES[case].run()
     for rows, exact in runs:
         assert failures(rows, exact) == []
