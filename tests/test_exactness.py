@@ -336,11 +336,12 @@ def test_top_p_with_ties_at_the_cut_keeps_the_lower_token_ids_in_a_batch_as_alon
 
 @torch.no_grad()
 @pytest.mark.parametrize("rule", RULES)
-def test_an_end_token_inside_an_accepted_path_stops_generation_after_it_in_the_engine_and_the_reference(rule):
-    """Run once without an end token, streamed: the prefill's token, then each step's tokens, in order.
-    Pick as end token a token first emitted in the middle of a step (candidates accepted after it in that
-    step). With it, the same seed emits exactly the run's tokens up to and including it: the candidates
-    after it in the step are dropped."""
+def test_an_end_token_at_the_prefill_or_inside_a_path_stops_generation_after_it_in_the_engine_and_the_reference(rule):
+    """Run once without an end token, streamed: the prefill's token (plain decoding's first, from the same
+    seed), then each step's tokens, in order. As end token take the prefill's token, then a token first
+    emitted in the middle of a step (candidates accepted after it in that step). With either, the same seed
+    emits exactly the run's tokens up to and including it: no step after the prefill's, and the candidates
+    after it in its step dropped."""
     model = tiny_model(2)
     for seed, prompt in enumerate([[1, 2, 3], [5, 6], [9, 8, 7, 6], [4, 4]]):
         heads, steps = ContinuationHeads(model, prompt, max_new_tokens=40, seed=seed), []
@@ -351,35 +352,20 @@ def test_an_end_token_inside_an_accepted_path_stops_generation_after_it_in_the_e
 
         full, stats = run(medusa_generate, on_step=steps.append)
         assert [t for s in steps for t in s] == full and [len(s) for s in steps] == [1, *stats.step_tokens]
+        assert full[:1] == generate(model, prompt, max_new_tokens=1, sampling=RULES[rule],
+                                    generator=torch.Generator().manual_seed(seed))[0]
         starts = list(itertools.accumulate(map(len, steps), initial=0))  # where each step's tokens begin
         mid = [starts[i] + j for i, s in enumerate(steps) for j in range(len(s) - 1)
                if full.index(s[j]) == starts[i] + j]  # first emitted here, with tokens after it in its step
         if mid:
-            got, stats = run(medusa_generate, eos_id=full[mid[0]])
-            assert got == full[: mid[0] + 1] and stats.stop_reason == "eos"
-            (whole, _), alone = run(ref.medusa_generate), run(ref.medusa_generate, eos_id=full[mid[0]])
-            assert alone == (whole[: whole.index(full[mid[0]]) + 1], stats.steps)
+            whole, _ = run(ref.medusa_generate)
+            for end in (full[0], full[mid[0]]):
+                got, stats = run(medusa_generate, eos_id=end)
+                assert got == full[: full.index(end) + 1] and stats.stop_reason == "eos"
+                assert (stats.steps == 0) == (end == full[0])
+                assert run(ref.medusa_generate, eos_id=end) == (whole[: whole.index(end) + 1], stats.steps)
             return
     pytest.fail("no run emitted a token in the middle of a step: the test checked nothing")
-
-
-@torch.no_grad()
-@pytest.mark.parametrize("rule", RULES)
-def test_an_end_token_drawn_at_the_prefill_ends_generation_there_in_the_engine_and_the_reference(rule):
-    model, prompt = tiny_model(3), [4, 9, 1]
-    heads = random_heads(model, seed=3)
-
-    def run(generate, **kw):
-        return generate(model, heads, prompt, tree=preset("cpu"), max_new_tokens=20, sampling=RULES[rule],
-                        generator=torch.Generator().manual_seed(5), **kw)
-
-    first = generate(model, prompt, max_new_tokens=1, sampling=RULES[rule],
-                     generator=torch.Generator().manual_seed(5))[0][0]  # the prefill's own token
-    full, _ = run(medusa_generate)
-    assert full[0] == first and len(full) == 20  # without the end token it goes on
-    got, stats = run(medusa_generate, eos_id=first)
-    assert got == [first] and stats.steps == 0 and stats.stop_reason == "eos"
-    assert run(ref.medusa_generate, eos_id=first) == ([first], 0)
 
 
 # ---- a temperature too small for float32 is greedy ------------------------------------------------
