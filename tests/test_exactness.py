@@ -26,11 +26,11 @@ import medusa_mini.reference as ref
 import medusa_mini.step as step
 from conftest import RULES, ContinuationHeads, random_heads, tiny_model
 from lossless import FutureHeads, FutureHydraHeads, V, deepest, exact_sequence_probs, failures, sample_rows, small_model
-from medusa_mini.acceptance import accept, path_accept, rejection_accept_topk
+from medusa_mini.acceptance import accept, path_accept, rejection_accept_topk, typical_accept_paths
 from medusa_mini.decoding import generate, generate_batch, medusa_generate, medusa_generate_batch, prefill
 from medusa_mini.model import KVCache, compact_kv_cache
 from medusa_mini.proposal import Drawn, PromptLookup
-from medusa_mini.sampling import Sampling, sampling_probs, speculative_try
+from medusa_mini.sampling import Sampling, inverse_cdf, sampling_probs, speculative_try
 from medusa_mini.step import plain_step, verify
 from medusa_mini.tree import Tree, chain, preset
 
@@ -211,6 +211,13 @@ def accepts_without_top_p(tree, tokens, logits, *, sampling, **kwargs):
     return accept(tree, tokens, logits, sampling=replace(sampling, top_p=1.0), **kwargs)
 
 
+def typical_judges_by_p_without_top_p(tree, tokens, logits, *, sampling, u, usable=None):
+    """Candidates judged by p without top-p; the bonus still drawn from p with it."""
+    judged = typical_accept_paths(tree, tokens, logits, sampling=replace(sampling, top_p=1.0), u=u, usable=usable)
+    p = sampling.probs(logits)  # [B, N, V]
+    return judged._replace(bonus=inverse_cdf(p.gather(1, judged.nodes[:, -1, None, None].expand_as(p[:, :1]))[:, 0], u))
+
+
 def one_uniform_per_row(tree, tokens, logits, *, sampling, u, usable=None):
     """Top-k rejection with ONE uniform number for every node of a row: each node's y is still a draw from
     its p, but the draws along a path are coupled, not fresh at each depth."""
@@ -274,9 +281,10 @@ def test_typical_acceptance_fails_the_exact_distribution_check():
 # ---- typical acceptance respects top-p ---------------------------------------------------------------
 
 
-# Heads whose q is p: their likeliest candidates pass typical acceptance, inside the nucleus and out.
+# Heads whose q is p: their likeliest candidates pass typical acceptance, inside the nucleus and out. The
+# second guess's branch is the deeper, so the walk takes that guess wherever it passes, in the nucleus or not.
 TYPICAL_TOP_P = Case(FutureHeads(), Sampling(acceptance="typical", temperature=1.0, top_p=0.6), rows=400, n=6,
-                     deepest=2)
+                     deepest=2, tree=Tree.from_choices([(0,), (1,), (1, 0)]))
 
 
 @torch.no_grad()
@@ -293,8 +301,11 @@ def test_typical_medusa_with_top_p_emits_only_nucleus_tokens():
     assert rows_outside_the_nucleus() == 0
 
 
-def test_the_nucleus_check_fails_when_typical_acceptance_reads_p_without_top_p(monkeypatch):
-    monkeypatch.setattr(step, "accept", accepts_without_top_p)
+@pytest.mark.parametrize("where, name, mistake", [
+    (step, "accept", accepts_without_top_p),  # the bonus drawn without top-p too
+    (acceptance, "typical_accept_paths", typical_judges_by_p_without_top_p)])
+def test_the_nucleus_check_fails_when_typical_acceptance_reads_p_without_top_p(monkeypatch, where, name, mistake):
+    monkeypatch.setattr(where, name, mistake)
     assert rows_outside_the_nucleus() > 0
 
 
