@@ -136,6 +136,8 @@ def prepare(a: argparse.Namespace) -> tuple:
 
 def methods_of(a: argparse.Namespace, ck, choice: TreeChoice | None, drawn: TreeChoice | None) -> list[Method]:
     """What this run decodes with: --compare's rows (the batch table's four), or the one --method."""
+    if a.reference and ck.heads is not None and ck.heads.reads_the_draft:  # refused before any output
+        raise ValueError(f"--reference decodes with Medusa heads, not {ck.heads.name} heads: leave it out here")
     tree = None if choice is None else choice.tree
     if a.compare:
         temperature = a.temperature if a.temperature > 0 else SAMPLING_TEMPERATURE

@@ -86,6 +86,7 @@ class DraftHeads(nn.Module):
 
     name = ""  # what reports call them
     description = ""
+    reads_the_draft = False  # heads that read the drafted tokens (hydra's) decode through their proposer alone
 
     def __init__(self, config: HeadsConfig) -> None:
         super().__init__()
@@ -197,6 +198,7 @@ class HydraHeads(DraftHeads):
     """K dependent heads: head k reads h_t and the embeddings (the backbone's wte) of x_{t+1..t+k}."""
 
     name = "Hydra"
+    reads_the_draft = True
     proposer_class = HydraProposer
     description = ("Dependent (hydra) heads: head k reads this hidden state and the k tokens before its "
                    "guess (the root, then the drafted path), so every node's children come from that "

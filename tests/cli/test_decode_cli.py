@@ -119,7 +119,7 @@ def test_as_a_process_a_sampled_run_repeats_its_tokens(ckpt, capsys):
 @pytest.mark.parametrize("case", [  # what the error names: what follows "->", else the first flag given
     "--ckpt {tmp}/nowhere -> does not exist", "--ckpt {broken} -> model.safetensors", "--ckpt {tmp} -> safetensors",
     "--ckpt {ckpt}/config.json -> is a file", "--ckpt {no_heads} -> no Medusa heads",
-    "--ckpt {no_heads} --compare -> no Medusa heads", "--ckpt {hydra} --reference -> hydra heads",
+    "--ckpt {no_heads} --compare -> no Medusa heads", "--ckpt {hydra} --reference -> not Hydra heads",
     "--tree chain6 -> 4 Medusa heads", "--tree {tmp}/wide.json -> draft vocabulary", "--tree ''", "--prompt ''",
     "--prompt '{long}' -> context holds 64", "--temperature -1", "--temperature inf", "--top-p 1.5",
     "--max-new-tokens 0", "--max-new-tokens many", "--num-prompts 0", "--seed 18446744073709551616",
@@ -141,9 +141,9 @@ def test_bad_input_exits_2_with_one_line(case, ckpt, ckpt_no_heads, ckpt_hydra, 
                                    long="the cat " * 100))
     with pytest.raises(SystemExit) as exc:
         decode.main(argv if "--ckpt" in argv else ["--ckpt", ckpt, *argv])
-    err = capsys.readouterr().err
+    out, err = capsys.readouterr()
     assert exc.value.code == 2 and err.startswith("decode.py: error: ") and err.count("\n") == 1, err
-    assert (needle or argv[0]) in err, err
+    assert (needle or argv[0]) in err and out == "", (err, out)
 
 
 @pytest.mark.parametrize("mode", [[], ["--method", "rejection"], ["--method", "plain", "--temperature", "0.8"],
