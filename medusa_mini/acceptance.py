@@ -25,6 +25,7 @@ from typing import NamedTuple
 
 import torch
 
+from .model import at_each_row
 from .proposal import Drawn
 from .sampling import Sampling, inverse_cdf, speculative_try, typical_threshold, without_earlier_draws
 from .tree import TreeTensors
@@ -112,8 +113,7 @@ def typical_accept_paths(tree: TreeTensors, tokens: torch.Tensor, logits: torch.
     score = torch.where(top, score, float("-inf"))
     best = (score == score.max(dim=-1, keepdim=True).values).byte()  # [B, N]; argmax takes no bool
     last = best.argmax(dim=-1)  # [B]: the first of the best (argmax returns the first of equal maxima)
-    at_last = p.gather(1, last[:, None, None].expand(B, 1, V))[:, 0]  # [B, V]
-    return Accepted.ending_at(tree, last, inverse_cdf(at_last, u))
+    return Accepted.ending_at(tree, last, inverse_cdf(at_each_row(p, last), u))
 
 
 def uniform_dims(sampling: Sampling) -> int:
@@ -169,8 +169,7 @@ def rejection_accept_drawn(tree: TreeTensors, tokens: torch.Tensor, logits: torc
         passes[:, by_slot] = torch.cat(passed, dim=1)
         p[:, nodes] = target
     last = deepest_accepted(tree, passes)  # [B]
-    at_last = p.gather(1, last[:, None, None].expand(-1, 1, p.shape[-1]))[:, 0]  # [B, V] what is left of p there
-    return Accepted.ending_at(tree, last, inverse_cdf(at_last, u[:, 0]))
+    return Accepted.ending_at(tree, last, inverse_cdf(at_each_row(p, last), u[:, 0]))  # what is left of p there
 
 
 def check_uniforms(sampling: Sampling, u: torch.Tensor | None) -> None:

@@ -20,7 +20,7 @@ from typing import Callable
 
 import torch
 
-from .model import GPT, KVCache
+from .model import GPT, KVCache, at_each_row
 from .proposal import Drafter
 from .sampling import Sampling
 from .step import Steps, has_room
@@ -84,7 +84,7 @@ def prefill(model: GPT, ids: torch.Tensor, cache: KVCache, *, lengths: list[int]
     logits, hidden = model(ids, cache=cache, logits_at=last, attended=T)  # [B, 1, V], [B, T, C]: an empty cache
     if lengths is not None:
         cache.lengths = torch.tensor(lengths, device=ids.device)
-    return logits[:, 0], hidden.gather(1, last[:, None, None].expand(B, 1, hidden.shape[-1]))[:, 0]  # [B, V], [B, C]
+    return logits[:, 0], at_each_row(hidden, last)  # [B, V], [B, C]
 
 
 def length_stop_reason(prompt_tokens: int, max_new_tokens: int, block_size: int) -> str:
@@ -213,7 +213,7 @@ def medusa_generate_batch(
         if stopped:  # a stopped row accepts nothing more and its cache length stays put
             stop_at[stopped] = 0
         # Room for the whole tree in every row (the usual step): no node to mask.
-        room = len(rows.active) == B and all(map(has_room, lengths, [proposer.tree.depth] * B, rows.stop_at))
+        room = len(rows.active) == B and all(has_room(n, proposer.tree.depth, s) for n, s in zip(lengths, rows.stop_at))
         step = steps.medusa(model, cache, proposer, roots, hidden, history=rows.history(),
                             stop_at=None if room else stop_at, sampling=sampling, generator=generator,
                             attended=max(lengths) + N)

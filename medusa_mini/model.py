@@ -83,6 +83,11 @@ class KVCache:
         self.kv[self.layers[layer : layer + 1], :, self.rows, :, slots] = kv
 
 
+def at_each_row(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """x [B, T, F] at one position per row, index [B] -> [B, F] (a row's last token, its last accepted node)."""
+    return x.gather(1, index[:, None, None].expand(-1, 1, x.shape[-1]))[:, 0]
+
+
 def compact_kv_cache(cache: KVCache, keep: torch.Tensor, *, to: torch.Tensor, length: torch.Tensor) -> None:
     """Keep only the accepted path (paper §2.1.2): in row b, copy slots keep[b] [A] to slots to[b] [A] in every
     layer at once, and set its length to length[b]. Slots past a row's length are stale, whatever they hold.
@@ -231,7 +236,7 @@ class GPT(nn.Module):
         if cache is not None:
             cache.length_buffer.add_(T)
         if isinstance(logits_at, torch.Tensor):  # one position per row: [B] -> hidden [B, 1, C]
-            h = hidden.gather(1, logits_at[:, None, None].expand(B, 1, hidden.shape[-1]))
+            h = at_each_row(hidden, logits_at)[:, None]
         else:
             h = hidden if logits_at is None else hidden[:, logits_at]
         return self.lm_head(h), hidden

@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 
 from .acceptance import Accepted, accept, acceptance_uniforms
-from .model import GPT, KVCache, compact_kv_cache
+from .model import GPT, KVCache, at_each_row, compact_kv_cache
 from .proposal import Proposal, Proposer
 from .sampling import Sampling
 from .tree import TreeTensors
@@ -47,8 +47,7 @@ def verify(model: GPT, cache: KVCache, tokens: torch.Tensor, *, tree: TreeTensor
 
 
 def has_room(start: int | torch.Tensor, depth: int | torch.Tensor, stop_at: int | torch.Tensor) -> bool | torch.Tensor:
-    """Whether a path ending at `depth` fits (ints or tensors): a row stops when its text reaches stop_at tokens,
-    its cache holds start, and the path adds depth + 2 (root, candidates, bonus)."""
+    """A path to `depth` adds depth + 2 tokens (root, candidates, bonus): do they fit from start to stop_at?"""
     return start + depth + 2 <= stop_at
 
 
@@ -69,7 +68,7 @@ def keep_path(cache: KVCache, tree: TreeTensors, accepted: Accepted, *, start: t
 
 def last_hidden(hiddens: torch.Tensor, accepted: Accepted) -> torch.Tensor:
     """The hidden state [B, C] at each row's last accepted node (hiddens [B, N, C]), which proposes next."""
-    return hiddens.gather(1, accepted.nodes[:, -1, None, None].expand(-1, 1, hiddens.shape[-1]))[:, 0]  # [B, 1, C]
+    return at_each_row(hiddens, accepted.nodes[:, -1])
 
 
 @dataclass
