@@ -163,7 +163,7 @@ def rejection_accept_drawn(tree: TreeTensors, tokens: torch.Tensor, logits: torc
             t, kid = target[:, :n_s], slice(first, first + n_s)  # [B, n_s, V]
             accepted, flat, residual = speculative_try(t, q_kids[:, kid], x[:, kid], u_kids[:, kid])
             passed.append(trying[:, :n_s] & accepted)
-            trying[:, :n_s] &= ~(accepted | flat)  # a child accepted, or p = q: no residual to try another against
+            trying[:, :n_s].bitwise_and_(~(accepted | flat))  # a child passed, or p = q: no residual to try against
             target[:, :n_s] = torch.where(trying[:, :n_s, None], residual, t)
             first += n_s
         passes[:, by_slot] = torch.cat(passed, dim=1)

@@ -206,7 +206,7 @@ class GPT(nn.Module):
 
     def forward(self, idx: torch.Tensor, *, pos: torch.Tensor | None = None, cache: KVCache | None = None,
                 attn_mask: torch.Tensor | None = None, logits_at: torch.Tensor | slice | None = None,
-                attended: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                attended: int | None = None, advance: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """T new tokens per row, idx [B, T] -> (logits [B, T', V], hidden after ln_f [B, T, C]); T' is T, or 1 for
         a [B] logits_at, or the slice's length.
 
@@ -215,7 +215,8 @@ class GPT(nn.Module):
         tokens, True = may attend (default causal); with a cache every new token also sees its row's
         prefix. logits_at: the positions that get logits (a slice, or a [B] tensor, one per row; default
         all): the lm_head is a small model's largest matmul. attended: read only the cache's first
-        `attended` slots (default all max_len).
+        `attended` slots (default all max_len). advance=False writes the new tokens past each row's length
+        without moving it: a tree's nodes are tentative until the step keeps its accepted path.
         """
         B, T = idx.shape
         slots = None
@@ -233,7 +234,7 @@ class GPT(nn.Module):
         for i, block in enumerate(self.transformer.h):
             x = block(x, cache=cache, layer=i, slots=slots, attn_mask=attn_mask, attended=attended)
         hidden = self.transformer.ln_f(x)  # [B, T, C]
-        if cache is not None:
+        if cache is not None and advance:
             cache.length_buffer.add_(T)
         if isinstance(logits_at, torch.Tensor):  # one position per row: [B] -> hidden [B, 1, C]
             h = at_each_row(hidden, logits_at)[:, None]

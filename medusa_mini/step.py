@@ -38,12 +38,12 @@ def verify(model: GPT, cache: KVCache, tokens: torch.Tensor, *, tree: TreeTensor
     """One tree-masked forward over all N nodes of B rows (§2.1.2), tokens [B, N] -> logits [B, N, V],
     hidden [B, N, C].
 
-    Row b's nodes occupy cache slots [L_b, L_b + N) but sit at positions L_b + depth, clamped to the
-    context (a node past it is never usable); each sees its row's whole prefix, itself and its
-    ancestors (the tree's ancestor mask).
+    Row b's nodes occupy cache slots [L_b, L_b + N) past its length L_b, which stays put (they are
+    tentative until `keep_path`), but sit at positions L_b + depth, clamped to the context (a node past it
+    is never usable); each sees its row's whole prefix, itself and its ancestors (the tree's ancestor mask).
     """
     pos = (cache.length_buffer[:, None] + tree.depths).clamp(max=model.config.block_size - 1)  # [B, N]
-    return model(tokens, pos=pos, cache=cache, attn_mask=tree.ancestor_mask, attended=attended)
+    return model(tokens, pos=pos, cache=cache, attn_mask=tree.ancestor_mask, attended=attended, advance=False)
 
 
 def has_room(start: int | torch.Tensor, depth: int | torch.Tensor, stop_at: int | torch.Tensor) -> bool | torch.Tensor:
@@ -56,11 +56,12 @@ def usable_nodes(tree: TreeTensors, start: torch.Tensor, stop_at: torch.Tensor) 
     return has_room(start[:, None], tree.depths, stop_at[:, None])
 
 
-def keep_path(cache: KVCache, tree: TreeTensors, accepted: Accepted, *, start: torch.Tensor,
-              active: torch.Tensor | None = None) -> None:
-    """Keep the K/V of each row's root and accepted nodes in consecutive slots from start [B], the root's
-    slot. Always D + 1 slots move per row (a fixed shape; a chain tree's accepted path moves onto itself);
-    the length counts only the accepted ones, and stays put for a row that is not `active` [B] (None: all)."""
+def keep_path(cache: KVCache, tree: TreeTensors, accepted: Accepted, *, active: torch.Tensor | None = None) -> None:
+    """Keep the K/V of each row's root and accepted nodes in consecutive slots from its length, the root's
+    slot (`verify` left it there), and advance the length past them. Always D + 1 slots move per row (a fixed
+    shape; a chain tree's accepted path moves onto itself); the length counts only the accepted ones, and
+    stays put for a row that is not `active` [B] (None: all)."""
+    start = cache.length_buffer  # [B]: moved only by the copy, after every read
     kept = accepted.count + 1 if active is None else torch.where(active, accepted.count + 1, 0)  # [B]
     to = start[:, None] + tree.index[: accepted.nodes.shape[1]]  # [B, D + 1]: start + 0, 1, ..., D
     compact_kv_cache(cache, start[:, None] + accepted.nodes, to=to, length=start + kept)
@@ -104,15 +105,15 @@ def medusa_step(model: GPT, cache: KVCache, proposer: Proposer, roots: torch.Ten
     The random numbers, those of drawn candidates and then the acceptance's (per node of the proposer's whole
     tree; typical: one per row), are drawn in the reference's order. attended: the cache slots read (default all).
     """
-    B, device, start = len(roots), roots.device, cache.lengths  # start [B]: the roots' slots
+    B, device = len(roots), roots.device
     u_draw = proposer.uniforms(sampling, B, generator, device=device)
     proposal = proposer.propose(roots, hidden, history=history, sampling=sampling, u=u_draw)
     u = acceptance_uniforms(sampling, B, proposer.tree.num_nodes, generator, device=device)
     tree = proposal.tree.tensors(device)
-    usable = None if stop_at is None else usable_nodes(tree, start, stop_at)  # [B, N]
+    usable = None if stop_at is None else usable_nodes(tree, cache.length_buffer, stop_at)  # [B, N]
     logits, hiddens = verify(model, cache, proposal.tokens, tree=tree, attended=attended)  # [B, N, V], [B, N, C]
     accepted = accept(tree, proposal.tokens, logits, sampling=sampling, u=u, drawn=proposal.drawn, usable=usable)
-    keep_path(cache, tree, accepted, start=start, active=None if usable is None else usable[:, 0])
+    keep_path(cache, tree, accepted, active=None if usable is None else usable[:, 0])
     paths, new_tokens = read_step(proposal, accepted)
     return StepResult(paths, new_tokens, next_roots=accepted.bonus, next_hidden=last_hidden(hiddens, accepted))
 

@@ -50,11 +50,10 @@ def verify_and_accept(model: GPT, cache: KVCache, tokens: torch.Tensor, *, tree:
     attended: the cache slots read (compiled: all, None, one shape). Returns (accepted, next hidden [B, C],
     next tokens [B, N] or None, how they were drawn or None)."""
     check_uniforms(sampling, u)  # before the verify writes the cache
-    start = cache.lengths  # [B]
-    usable = usable_nodes(tree, start, stop_at)  # [B, N]
+    usable = usable_nodes(tree, cache.length_buffer, stop_at)  # [B, N]
     logits, hiddens = verify(model, cache, tokens, tree=tree, attended=attended)  # [B, N, V], [B, N, C]
     accepted = accept(tree, tokens, logits, sampling=sampling, u=u, drawn=drawn, usable=usable)
-    keep_path(cache, tree, accepted, start=start, active=usable[:, 0])
+    keep_path(cache, tree, accepted, active=usable[:, 0])
     hidden = last_hidden(hiddens, accepted)  # [B, C]
     if heads is None:
         return accepted, hidden, None, None
