@@ -39,10 +39,10 @@ class KVCache:
     """Static, preallocated keys and values of every layer, kv [n_layer, 2, B, nh, max_len, hs], and a length
     per row (the DESIGN's layout: one tensor, so keeping the accepted path is one copy for all layers).
 
-    A forward writes row b's T new keys/values at slots [lengths[b], lengths[b] + T) and advances its
-    length. Slots are storage, not positions: a tree's nodes sit in consecutive slots but carry position
-    ids prefix + depth. The lengths live on the device in `length_buffer`, changed only in place
-    (`lengths` reads a snapshot), so a step reads and advances them without the host.
+    A forward writes row b's T new keys/values at slots [lengths[b], lengths[b] + T) and advances its length.
+    Slots are storage, not positions: a tree's nodes sit in consecutive slots but carry position ids prefix +
+    depth. The lengths live on the device in `length_buffer`, changed only in place (`lengths` reads a
+    snapshot), so a step reads and advances them without the host.
     """
 
     def __init__(self, config: GPTConfig, *, batch_size: int = 1, max_len: int | None = None,
@@ -210,13 +210,13 @@ class GPT(nn.Module):
         """T new tokens per row, idx [B, T] -> (logits [B, T', V], hidden after ln_f [B, T, C]); T' is T, or 1 for
         a [B] logits_at, or the slice's length.
 
-        pos: [T] or [B, T] position ids (default: each row's cache length + 0..T-1). cache: written at
-        each row's next T slots (under torch.no_grad()). attn_mask: [T, T] or [B, T, T] bool among the new
-        tokens, True = may attend (default causal); with a cache every new token also sees its row's
+        pos: [T] or [B, T] position ids (default: each row's cache length + 0..T-1). cache: written at each
+        row's next T slots (under torch.no_grad()), its lengths then advanced, unless advance=False (a tree's
+        nodes are tentative until the step keeps its accepted path). attn_mask: [T, T] or [B, T, T] bool among
+        the new tokens, True = may attend (default causal); with a cache every new token also sees its row's
         prefix. logits_at: the positions that get logits (a slice, or a [B] tensor, one per row; default
         all): the lm_head is a small model's largest matmul. attended: read only the cache's first
-        `attended` slots (default all max_len). advance=False writes the new tokens past each row's length
-        without moving it: a tree's nodes are tentative until the step keeps its accepted path.
+        `attended` slots (default all max_len).
         """
         B, T = idx.shape
         slots = None
@@ -237,10 +237,8 @@ class GPT(nn.Module):
         if cache is not None and advance:
             cache.length_buffer.add_(T)
         if isinstance(logits_at, torch.Tensor):  # one position per row: [B] -> hidden [B, 1, C]
-            h = at_each_row(hidden, logits_at)[:, None]
-        else:
-            h = hidden if logits_at is None else hidden[:, logits_at]
-        return self.lm_head(h), hidden
+            return self.lm_head(at_each_row(hidden, logits_at)[:, None]), hidden
+        return self.lm_head(hidden if logits_at is None else hidden[:, logits_at]), hidden
 
     @property
     def device(self) -> torch.device:
