@@ -5,10 +5,8 @@
     python benchmarks/bench_step.py --configs gpt2 --dtypes float32,bfloat16 --compile   # a GPU
 
 Speedup = tokens/step ÷ step cost: Medusa pays only if a step verifying N candidates costs little more than a plain
-step. On random weights (speed depends on shapes, not values): a plain step; verify N, one tree-masked forward over N
-nodes; per Medusa tree the heads, verify, the greedy and the rejection verify (drawn candidates at T = 0.8: verify,
-accept and keep the path as `verify_and_accept` runs them), the host read, the whole step, and each step's device
-operations. Targets: heads <= 10% of a plain step.
+step. On random weights (speed depends on shapes, not values): a plain step, verify N (one tree-masked forward), and
+per Medusa tree each stage of a step and its device operations. Targets: heads <= 10% of a plain step.
 """
 
 from __future__ import annotations
@@ -70,17 +68,6 @@ def check_config(config: GPTConfig, *, prefix_len: int, draft_vocab: int | None)
     return size
 
 
-def build(config: GPTConfig, *, device: torch.device, dtype: torch.dtype, seed: int,
-          draft_vocab: int) -> tuple[GPT, DraftHeads]:
-    """A random backbone and four Medusa heads guessing among the first `draft_vocab` token ids, in `dtype`."""
-    torch.manual_seed(seed)
-    with device:  # initialise in place: copying a large model across devices costs more than its init
-        model = GPT(config).eval().to(dtype)
-        heads = make_heads(HeadsConfig(4, config.n_embd, config.vocab_size)).eval().to(dtype)
-    heads.use_draft_vocabulary(heads.vocab_order, draft_vocab)
-    return model, heads
-
-
 def tree_stages(model: GPT, cache: KVCache, heads: DraftHeads, tree: Tree, root: torch.Tensor, hidden: torch.Tensor,
                 *, history: list[list[int]], steps: Steps, compiled: bool) -> dict[str, Callable[[], object]]:
     """One callable per stage of a Medusa step on `tree`, its inputs made once, here (every run takes the same
@@ -94,13 +81,12 @@ def tree_stages(model: GPT, cache: KVCache, heads: DraftHeads, tree: Tree, root:
     proposal = propose()
     sampled = proposer.propose(root, hidden, history=history, sampling=drawn,
                                u=proposer.uniforms(drawn, 1, gen, device=device))
-    check = steps.medusa.verify_and_accept if compiled else verify_and_accept
-    greedy_verify = partial(check, model, cache, proposal.tokens, tree=t, stop_at=stop_at, sampling=greedy, u=None,
-                            attended=attended, heads=proposer.heads if compiled else None)
+    check = partial(steps.medusa.verify_and_accept if compiled else verify_and_accept, model, cache, tree=t,
+                    stop_at=stop_at, attended=attended, heads=proposer.heads if compiled else None)
+    greedy_verify = partial(check, proposal.tokens, sampling=greedy, u=None)
     accepted = Accepted(*(x.clone() for x in greedy_verify()[0]))  # out of a graph's buffers: the next call reuses them
-    rejection_verify = partial(check, model, cache, sampled.tokens, tree=t, stop_at=stop_at, sampling=drawn,
-                               u=acceptance_uniforms(drawn, 1, tree.num_nodes, gen, device=device), drawn=sampled.drawn,
-                               attended=attended, heads=proposer.heads if compiled else None,
+    rejection_verify = partial(check, sampled.tokens, sampling=drawn, drawn=sampled.drawn,
+                               u=acceptance_uniforms(drawn, 1, tree.num_nodes, gen, device=device),
                                u_next=proposer.uniforms(drawn, 1, gen, device=device) if compiled else None)
 
     def whole_step():
@@ -175,7 +161,11 @@ def bench_config(config: GPTConfig, *, device: torch.device, repeat: int, warmup
                  draft_vocab: int | None = None, compiled: bool = False, compile_backend: str = "inductor") -> dict:
     """Every timing of one config in one dtype (ms), eager or with compiled steps, and the eager steps' operations."""
     draft_vocab = check_config(config, prefix_len=prefix_len, draft_vocab=draft_vocab)
-    model, heads = build(config, device=device, dtype=dtype, seed=seed, draft_vocab=draft_vocab)
+    torch.manual_seed(seed)
+    with device:  # initialise in place: copying a large model across devices costs more than its init
+        model = GPT(config).eval().to(dtype)
+        heads = make_heads(HeadsConfig(4, config.n_embd, config.vocab_size)).eval().to(dtype)
+    heads.use_draft_vocabulary(heads.vocab_order, draft_vocab)  # four heads guessing among the first M token ids
     trees = {name: preset(name) for name in MEDUSA_TREES}
     steps, verify_step = Steps(), verify
     if compiled:
