@@ -226,7 +226,10 @@ def bench_config(config: GPTConfig, *, device: torch.device, repeat: int, warmup
 def format_table(results: dict[str, dict], meta: dict) -> str:
     """Configs as columns, one timing per row (ms, or what a label's '(x)' or '(%)' says), under `meta`."""
     names, rs, load = list(results), list(results.values()), meta["load_avg_1min"]
-    rows = [("first round, s (compiling, if any)", [r["first_round_s"] for r in rs]),
+    shapes = ["{n_layer} / {n_head} / {n_embd} / {vocab_size}".format(**r["config"]) + f" / {r['draft_vocab']}"
+              for r in rs]
+    rows = [("layers / heads / width / vocabulary / draft", shapes),
+            ("first round, s (compiling, if any)", [r["first_round_s"] for r in rs]),
             ("plain step (1 token + argmax)", [r["plain_ms"] for r in rs]),
             ("plain step, device operations (greedy / sampling)",
              [f"{r['plain_ops']['greedy']} / {r['plain_ops']['sampling']}" for r in rs])]
@@ -241,10 +244,7 @@ def format_table(results: dict[str, dict], meta: dict) -> str:
         rows += [(f"{tree} tree: heads / plain step (%)", [100 * x["heads_share"] for x in m]),
                  (f"{tree} tree: whole step / plain step (x)", [x["step_vs_plain"] for x in m]),
                  (f"{tree} tree: whole step / verify alone (x)", [x["step_vs_verify"] for x in m])]
-    shapes = ["{n_layer} / {n_head} / {n_embd} / {vocab_size}".format(**r["config"]) + f" / {r['draft_vocab']}"
-              for r in rs]
-    rows = [("layers / heads / width / vocabulary / draft", shapes),
-            *((k, [v if isinstance(v, str) else f"{v:.2f}" for v in vs]) for k, vs in rows)]
+    rows = [(label, [v if isinstance(v, str) else f"{v:.2f}" for v in vs]) for label, vs in rows]
     width = max(len(label) for label, _ in rows) + 2
     col = max(12, *(len(n) + 2 for n in names), *(len(v) + 2 for _, values in rows for v in values))
     lines = [f"torch {meta['torch']}, {meta['device']} ({meta['device_name']}), {meta['threads']} threads, load "

@@ -96,8 +96,7 @@ def training_summary(log: str) -> list[str]:
 PARTS = {  # part: its section's title, the lines kept of each command's output, an introduction
     "step": ("What one step costs", step_table, "Random weights (speed depends on shapes, not values). Targets: "
              "the heads at most 10% of a plain step, a whole step at most 1.15x its verify alone."),
-    "train": ("Training", training_summary, ""),
-    "decode": ("decode.py --compare", str.splitlines, ""),
+    "train": ("Training", training_summary, ""), "decode": ("decode.py --compare", str.splitlines, ""),
     "batch": ("Batch sizes", str.splitlines, "")}
 
 

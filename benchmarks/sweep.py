@@ -148,8 +148,7 @@ def load(ns: argparse.Namespace) -> tuple[Checkpoint, dict, list[list[int]]]:
         raise ValueError("heads_accuracy.json: no head's top guess was ever right, so every tree is the root "
                          "alone; train the heads, then measure again")
     drawn = load_accuracy(ns.ckpt, drawn=True)  # None where the file predates the drawn candidates' table
-    tables = {r: (drawn, True) if r == "rejection-drawn" and drawn is not None else (acc, r == "greedy")
-              for r in rules}
+    tables = {r: (drawn, True) if r == "rejection-drawn" and drawn is not None else (acc, r == "greedy") for r in rules}
     return ck, tables, prompt_ids(ck, count=ns.num_prompts, max_new_tokens=ns.max_new_tokens)
 
 
