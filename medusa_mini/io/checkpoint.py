@@ -26,7 +26,6 @@ def save_checkpoint(directory: str | os.PathLike, model: GPT, *, heads: DraftHea
                     extra: dict | None = None, eos_token_id: int | None = None, write_model: bool = True) -> None:
     """Save `model` (and `heads`) as a GPT-2 directory, `extra` under config.json's "medusa_mini"; `eos_token_id`
     is GPT-2's bos and eos id. write_model=False keeps an existing model.safetensors (a frozen backbone)."""
-    directory = os.fspath(directory)
     os.makedirs(directory, exist_ok=True)
     files = {}
     if write_model or not os.path.isfile(os.path.join(directory, WEIGHTS_FILE)):
@@ -73,9 +72,7 @@ def load_heads(directory: str | os.PathLike, model: GPT, *, device: torch.device
 
 def load_checkpoint(directory: str | os.PathLike, *,
                     device: torch.device | str = "cpu") -> tuple[GPT, DraftHeads | None, dict]:
-    """(model, heads or None, config.json) from a directory save_checkpoint wrote, or any GPT-2 directory;
-    a one-line ValueError names what is missing or broken."""
-    directory = os.fspath(directory)
+    """(model, heads or None, config.json) from save_checkpoint's or any GPT-2 directory; one-line ValueErrors."""
     if not os.path.isdir(directory):
         what = "is a file, not a checkpoint directory" if os.path.exists(directory) else "does not exist"
         raise ValueError(f"checkpoint directory {directory} {what}; pass a saved checkpoint's folder")

@@ -97,7 +97,6 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
 
 def read_json(path: str | os.PathLike, *, hint: str) -> object:
     """The JSON value in `path`, or a one-line ValueError that names the file and says `hint` (the fix)."""
-    path = os.fspath(path)
     if not os.path.isfile(path):
         raise ValueError(f"{path} is missing; {hint}")
     try:

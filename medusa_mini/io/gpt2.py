@@ -220,8 +220,7 @@ def _read_weights(path: str) -> dict[str, torch.Tensor]:
 
 
 def infer_gpt2_config(tensors: dict[str, torch.Tensor]) -> GPTConfig:
-    """GPTConfig from GPT-2-layout tensor shapes; n_head, which shapes cannot tell, from the GPT-2 of the
-    same depth and width."""
+    """GPTConfig from GPT-2-layout tensor shapes; n_head, which they cannot tell, from the GPT-2 of that shape."""
     short = {k.removeprefix("transformer."): t for k, t in tensors.items()}
     if "wte.weight" not in short or "wpe.weight" not in short:
         raise ValueError("tensors lack wte.weight / wpe.weight; not a GPT-2 layout")

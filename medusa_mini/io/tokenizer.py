@@ -125,8 +125,7 @@ def make_encoding(ranks: Mapping[bytes, int]) -> tiktoken.Encoding:
 
 
 def save_tokenizer(enc: tiktoken.Encoding, directory: str | os.PathLike) -> pathlib.Path:
-    """Save an encoding to `directory` and return it: one of tiktoken's named encodings as a reference
-    (tiktoken fetches it when it is loaded), any other whole (ranks, special tokens, split pattern, name)."""
+    """Save an encoding to `directory` (returned): tiktoken's named ones by name (it fetches them), others whole."""
     directory = pathlib.Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     if enc.name in tiktoken.list_encoding_names():

@@ -65,10 +65,7 @@ def _positions(model: GPT, heads: DraftHeads, sequences: list[list[int]], prompt
 def measure_head_accuracy(model: GPT, heads: DraftHeads, sequences: list[list[int]], *,
                           prompt_lens: int | Sequence[int], top_k: int = 10) -> torch.Tensor:
     """acc [K, top_k] float64 (module docstring) on `sequences`: prompts + their greedy continuations."""
-    draft_ids = heads.draft_ids.to(model.device)
-    if not 0 < top_k <= draft_ids.numel():
-        raise ValueError(f"top_k={top_k} must be between 1 and the draft vocabulary's size {draft_ids.numel()}")
-    K = heads.num_heads
+    draft_ids, K = heads.draft_ids.to(model.device), heads.num_heads
     hits, counts = torch.zeros(K, top_k, dtype=torch.float64), torch.zeros(K, dtype=torch.float64)
     for k, target, _, logits in _positions(model, heads, sequences, prompt_lens):
         guesses = draft_ids[logits.topk(top_k, dim=-1).indices]  # [m, top_k] token ids

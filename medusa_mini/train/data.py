@@ -112,8 +112,7 @@ def split_documents(docs: Sequence[Document], *, val_fraction: float = 0.05,
 
 
 def encode_documents(enc: tiktoken.Encoding, docs: Sequence[Document]) -> np.ndarray:
-    """All documents' token ids with the end-of-text token between them; special-token strings in the text
-    are ordinary text. uint16 when every id fits, else uint32."""
+    """All documents' token ids, end-of-text between them, special-token strings as text; uint16 where ids fit."""
     dtype = np.uint16 if enc.n_vocab <= 2**16 else np.uint32
     eot = np.array([enc.eot_token], dtype=dtype)
     parts = [np.asarray(ids, dtype=dtype) for ids in enc.encode_ordinary_batch([text for _, text in docs])]

@@ -1,6 +1,5 @@
 """A `train_tiny.py` run, resumable at every stage: tokenizer and backbone (or `--init`'s, pretrained and
-frozen), self-distillation, heads, draft vocabulary, summary (validation loss, accuracy.py's tables saved as
-heads_accuracy.json, the draft vocabulary's coverage). `Run` saves what an exact --resume needs; the first
+frozen), self-distillation, heads, draft vocabulary, summary. `Run` saves what an exact --resume needs; the first
 Ctrl-C saves after the current step. Under torchrun (DDP) each rank trains on its own batches, rank 0 writes."""
 
 from __future__ import annotations
