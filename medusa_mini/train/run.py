@@ -105,20 +105,12 @@ class Run:
                              "was not saved); restore it, or start a new run without --resume")
         return state
 
-    @contextlib.contextmanager
-    def ctrl_c_saves(self):
-        """First Ctrl-C: finish the current optimizer step, save, stop. Second Ctrl-C: stop at once."""
-        def handler(signum, frame):
-            if self.stop_requested:
-                raise KeyboardInterrupt
-            self.stop_requested = True
-            print("\nCtrl-C: saving after this step (press again to stop at once)", flush=True)
-
-        previous = signal.signal(signal.SIGINT, handler)
-        try:
-            yield
-        finally:
-            signal.signal(signal.SIGINT, previous)
+    def on_ctrl_c(self, signum, frame) -> None:
+        """SIGINT while training: the first Ctrl-C saves after the current optimizer step, the second stops at once."""
+        if self.stop_requested:
+            raise KeyboardInterrupt
+        self.stop_requested = True
+        print("\nCtrl-C: saving after this step (press again to stop at once)", flush=True)
 
     def any_rank(self, flag: bool) -> bool:
         """True if `flag` is true on any rank (all ranks must ask); host memory only, the GPU is not waited for."""
@@ -466,8 +458,11 @@ def run(args: TrainArgs) -> None:
     # Eight fixed batches of 8 held-out windows, drawn by a generator of their own: measuring changes no training.
     g, T = torch.Generator().manual_seed(args.seed * 7919 + 101), min(block_size, 256, len(val_tokens) - 1)
     val_batches = [get_batch(val_tokens, batch_size=8, block_size=T, generator=g, device=r.device) for _ in range(8)]
-    with r.ctrl_c_saves():
+    previous = signal.signal(signal.SIGINT, r.on_ctrl_c)
+    try:
         _train_stages(r, state, train_tokens, val_batches)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     choose_draft_vocabulary(r)  # before the summary: it measures the heads as they will decode
     r.heads.eval()
     if r.world > 1:
