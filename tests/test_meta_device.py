@@ -5,8 +5,6 @@ values nobody may read, and a tensor made without `device=` fails where it meets
 commonest way code that passes on a CPU fails on a GPU. `CudaRules` closes meta's gaps (a CPU index in
 gather, a CPU generator drawing for a meta tensor) and answers each host read with made-up values,
 counting it. The CPU generator `GEN` stands for the device's, which cannot live on meta.
-
-Shapes: B rows, T tokens, N tree nodes, C n_embd, V vocabulary.
 """
 
 import pytest
@@ -49,10 +47,6 @@ def meta_drafter(kind: str):
     heads = random_heads(tiny_model(0), kind=kind)
     heads.use_draft_vocabulary(torch.randperm(V, generator=torch.Generator().manual_seed(0)), 16)
     return heads.to(META)
-
-
-def all_on_meta(*tensors) -> bool:
-    return all(t.device == META for t in tree_leaves(tensors) if isinstance(t, torch.Tensor))
 
 
 # ---- the stages, on the device alone ---------------------------------------------------------------
@@ -113,7 +107,8 @@ def test_a_training_step_runs_forward_and_backward_on_the_device(kind, stage):
     with meta_rules():
         loss, metrics = MedusaLM(model, heads)(x[:, :-1], x[:, 1:], valid=valid, **kw)
         loss.backward()
-    assert all_on_meta(loss, metrics, [p.grad for p in heads.parameters()])
+    on_device = tree_leaves((loss, metrics, [p.grad for p in heads.parameters()]))
+    assert all(t.device == META for t in on_device if isinstance(t, torch.Tensor))
     assert all(p.grad is not None for p in heads.parameters())
     assert (model.transformer.h[0].mlp.c_fc.weight.grad is not None) == (stage == "joint")  # Medusa-1: detached
 
@@ -143,12 +138,9 @@ def causal_mask_on_the_host(T, *, device="cpu"):
     return torch.ones(T, T, dtype=torch.bool).tril()  # device= forgotten
 
 
-WHOLE_PATH_PASSES = acceptance.whole_path_passes
-
-
-def whole_path_passes_with_a_host_index(tree, passes):
+def whole_path_passes_with_a_host_index(tree, passes, real=acceptance.whole_path_passes):
     B, N = passes.shape
-    return WHOLE_PATH_PASSES(tree, passes.gather(1, torch.arange(N).expand(B, N)))  # device= forgotten
+    return real(tree, passes.gather(1, torch.arange(N).expand(B, N)))  # device= forgotten
 
 
 @pytest.mark.parametrize("module, name, misplaced", [

@@ -30,10 +30,6 @@ def logits_from(probs_rows):
     return torch.log(torch.tensor(probs_rows, dtype=torch.float))
 
 
-def onehot_logits(argmaxes):
-    return torch.stack([torch.nn.functional.one_hot(torch.tensor(a), V).float() * 5 for a in argmaxes])
-
-
 # ---- candidates ---------------------------------------------------------------------------------------
 
 DRAFT_IDS = torch.tensor([2, 5, 11, 17, 23, 31, 40, 63])  # a draft vocabulary of M = 8 of V = 64 tokens
@@ -70,7 +66,7 @@ def test_drawn_candidates_give_each_node_the_q_its_children_were_drawn_from():
     ([3, 1, 0, 2, 0, 4], ([0, 1, 3, 5], 4)),  # the whole deepest path
 ], ids=["descends-while-the-argmax-is-a-child", "no-match", "lower-ranked-branch", "whole-deepest-path"])
 def test_greedy_descends_while_the_argmax_is_a_child_and_emits_the_backbones_token_after(argmaxes, want):
-    assert ref.greedy_accept(PARENTS, TOKENS, onehot_logits(argmaxes)) == want
+    assert ref.greedy_accept(PARENTS, TOKENS, torch.nn.functional.one_hot(torch.tensor(argmaxes), V) * 5.0) == want
 
 
 # ---- rejection sampling ---------------------------------------------------------------------------------
@@ -78,15 +74,6 @@ def test_greedy_descends_while_the_argmax_is_a_child_and_emits_the_backbones_tok
 P_ROOT = [0.1, 0.2, 0.3, 0.4, 0.0]  # p at the root
 P_NODE1 = [0.5, 0.25, 0.0, 0.0, 0.25]  # p at every node below it
 P_OTHER = [0.2] * 5
-
-
-def emitted(path, bonus, tokens):
-    return [tokens[i] for i in path[1:]] + [bonus]
-
-
-def assert_follows(counter, probs):
-    for tok in range(V):
-        assert_frequency(counter[tok], sum(counter.values()), probs[tok])
 
 
 Q_HEAD1 = [0.05, 0.05, 0.6, 0.1, 0.2]  # q puts most mass on token 2, p (P_ROOT) on token 3
@@ -113,14 +100,15 @@ def test_rejection_sampling_emits_tokens_with_exactly_the_backbones_probabilitie
     for _ in range(4000):
         tokens, drawn = ref.propose(head_logits, draft_ids, tree, 0, vocab_size=V, sampling=sampling, generator=gen)
         path, bonus = ref.rejection_accept(tree.parents, tokens, logits, sampling=sampling, generator=gen, drawn=drawn)
-        out = emitted(path, bonus, tokens)
+        out = [tokens[i] for i in path[1:]] + [bonus]
         accepted += len(path) - 1
         first[out[0]] += 1
         if len(path) > 1:  # the second token came from a node below an accepted candidate: p = P_NODE1
             second[out[1]] += 1
     assert accepted > 0.3 * 4000  # candidates were really accepted, not only bonus tokens drawn
-    assert_follows(first, P_ROOT)
-    assert_follows(second, P_NODE1)
+    for counter, p in ((first, P_ROOT), (second, P_NODE1)):
+        for tok in range(V):
+            assert_frequency(counter[tok], sum(counter.values()), p[tok])
     assert first[4] == 0 and second[2] == second[3] == 0  # p(root)[4] = 0; p(node 1) gives 2 and 3 none
 
 
@@ -153,17 +141,13 @@ def test_a_token_p_rules_out_is_never_accepted_even_when_q_matches_p_to_rounding
 # ---- typical acceptance -------------------------------------------------------------------------------
 
 
-def entropy(p):
-    return -sum(x * math.log(x) for x in p if x > 0)
-
-
 def typical(epsilon=0.09, delta=0.3, temperature=1.0):
     return Sampling(acceptance="typical", temperature=temperature, epsilon=epsilon, delta=delta)
 
 
 def test_typical_accepts_exactly_the_candidates_above_min_epsilon_delta_exp_minus_entropy():
     logits = logits_from([P_ROOT, P_OTHER])  # a lone candidate at depth 1, judged by p(root)
-    scale = math.exp(-entropy(P_ROOT))  # the bar is min(eps, delta * scale)
+    scale = math.exp(sum(x * math.log(x) for x in P_ROOT if x > 0))  # exp(-H(p)): the bar is min(eps, delta * scale)
     gen = torch.Generator().manual_seed(0)
 
     def passes(token, eps, delta):
@@ -175,13 +159,10 @@ def test_typical_accepts_exactly_the_candidates_above_min_epsilon_delta_exp_minu
     assert (passes(3, 0.35, 10.0), passes(2, 0.35, 10.0)) == (True, False)  # now epsilon is the lower bar
 
 
-def test_typical_takes_the_longest_accepted_path():
+def test_typical_takes_the_longest_accepted_path_and_breaks_ties_by_the_larger_sum_of_log_p():
     logits = logits_from([P_OTHER] * 6)  # everything passes (uniform p, bar .06): the deepest node wins
     path, _ = ref.typical_accept(PARENTS, TOKENS, logits, sampling=typical(), generator=torch.Generator())
     assert path == [0, 1, 3, 5]
-
-
-def test_typical_breaks_ties_by_the_larger_sum_of_log_p():
     logits = logits_from([[0.1, 0.3, 0.6, 0.0, 0.0], P_OTHER, P_OTHER])  # two depth-1 candidates, both pass
     path, _ = ref.typical_accept([-1, 0, 0], [0, 1, 2], logits, sampling=typical(), generator=torch.Generator())
     assert path == [0, 2]  # token 2 (p .6) beats the higher-ranked token 1 (p .3)
