@@ -108,9 +108,7 @@ def test_typical_acceptance_needs_p_strictly_above_the_bar():
         sampling = Sampling(acceptance="typical", temperature=1.0, epsilon=epsilon, delta=10.0)
         path, _ = ref.typical_accept([-1, 0], tokens[0].tolist(), logits[0], sampling=sampling,
                                      generator=torch.Generator().manual_seed(0))
-        got = typical_accept_paths(Tree.from_choices([(0,)]).tensors("cpu"), tokens, logits, sampling=sampling,
-                                   u=acceptance_uniforms(sampling, 1, 0, torch.Generator().manual_seed(0),
-                                                         device="cpu"))
+        got = decide(Tree.from_choices([(0,)]), tokens, logits, sampling, seed=0)
         assert (len(path) == 2, int(got.count[0]) == 1) == (accepted, accepted)
 
 
@@ -158,9 +156,8 @@ def test_drawn_rejection_on_the_device_makes_the_reference_walks_decisions_in_ev
     sampling = Sampling(acceptance="rejection", temperature=1.0, top_p=top_p)
     deepest, after_a_miss = 0, 0
     for seed in range(8):
-        tree, tokens, logits = random_case(seed, vocab=8, rows=5)
-        tree = fixed or tree
-        B, N, V = tokens.shape[0], tree.num_nodes, logits.shape[-1]
+        tree = fixed or random_tree(random.Random(seed))
+        B, N, V = 5, tree.num_nodes, 8
         gen = torch.Generator().manual_seed(seed)
         logits = torch.randn(B, N, V, generator=gen) * 2  # [B, N, V]
         qs = N if heads == "hydra" else tree.depth  # q per node, or per depth (head)

@@ -63,19 +63,6 @@ def test_an_overfilled_cache_a_cache_outside_no_grad_and_a_width_heads_do_not_di
         GPTConfig(n_embd=30, n_head=4)
 
 
-def compiled_once(fn):
-    """fn under torch.compile(fullgraph=True) with a backend that records each captured graph and
-    runs it eagerly: a graph break is an error, and a recompilation shows as a second graph."""
-    graphs = []
-
-    def backend(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    torch.compiler.reset()
-    return torch.compile(fn, fullgraph=True, backend=backend), graphs
-
-
 @torch.no_grad()
 @pytest.mark.parametrize("kind", ["plain step", "tree verify"])
 def test_a_decode_step_is_one_captured_graph_with_eager_logits_at_every_length(kind):
@@ -91,7 +78,11 @@ def test_a_decode_step_is_one_captured_graph_with_eager_logits_at_every_length(k
     def step(cache: KVCache) -> torch.Tensor:
         return model(tokens, pos=cache.lengths[:, None] + depths, cache=cache, attn_mask=new_mask)[0]
 
-    compiled, graphs = compiled_once(step)
+    # fullgraph: a graph break is an error; the backend records each graph and runs it eagerly, so a
+    # recompilation shows as a second graph
+    graphs = []
+    torch.compiler.reset()
+    compiled = torch.compile(step, fullgraph=True, backend=lambda gm, example_inputs: graphs.append(gm) or gm.forward)
     for prefix in (3, 7, 12):
         eager_cache, graph_cache = KVCache(model.config), KVCache(model.config)
         for cache in (eager_cache, graph_cache):
