@@ -48,15 +48,6 @@ def exact_sequence_probs(model, prompt, n, *, temperature, top_p=1.0, eos_id=Non
     return probs
 
 
-def total_variation(p: dict, q: dict) -> float:
-    return 0.5 * sum(abs(p.get(k, 0.0) - q.get(k, 0.0)) for k in set(p) | set(q))
-
-
-def expected_tv(p: dict, samples: int) -> float:
-    """E|TV| of an honest empirical estimate from `samples` draws is at most 1/2 Σ sqrt(p(1-p)/M) (Jensen)."""
-    return 0.5 * sum(math.sqrt(x * (1 - x) / samples) for x in p.values())
-
-
 @torch.no_grad()
 def last_logits(model, seqs: list[list[int]]) -> torch.Tensor:
     """The backbone's logits after each sequence (its last block_size tokens): [len(seqs), V], one padded
@@ -141,18 +132,12 @@ def deepest(rows) -> int:
     return max(max(stats.accepted_nodes, default=0) for _, stats in rows)
 
 
-def views(n: int) -> dict:
-    """What is compared: the whole sequence, each token, each two neighbours (slices, so sequences an end
-    token cut short have their own outcomes)."""
-    return {"joint": slice(None), **{f"token {i + 1}": slice(i, i + 1) for i in range(n)},
-            **{f"tokens {i + 1}-{i + 2}": slice(i, i + 2) for i in range(n - 1)}}
-
-
 def tv_bound(exact: dict, M: int) -> float:
     """What the TV between M honest samples and `exact` exceeds with probability < FALSE_ALARM: its mean
-    is at most `expected_tv` (Jensen), and one sample moves it by at most 1/M, so by McDiarmid's
+    is at most 1/2 Σ sqrt(p(1-p)/M) (Jensen), and one sample moves it by at most 1/M, so by McDiarmid's
     inequality P(TV > mean + t) <= exp(-2 M t^2). Rigorous for any number of outcomes, large or small."""
-    return expected_tv(exact, M) + math.sqrt(math.log(1 / FALSE_ALARM) / (2 * M))
+    mean = 0.5 * sum(math.sqrt(p * (1 - p) / M) for p in exact.values())
+    return mean + math.sqrt(math.log(1 / FALSE_ALARM) / (2 * M))
 
 
 def marginal(dist: dict, view: slice) -> dict:
@@ -163,15 +148,20 @@ def marginal(dist: dict, view: slice) -> dict:
 
 
 def failures(rows, exact: dict) -> list[str]:
-    """How the sampled rows' sequences betray a sampler that is not `exact`: each view whose TV crosses
-    `tv_bound`, and any sequence of probability 0. Empty for an honest sampler (but for < 1e-4 per view)."""
+    """How the sampled rows betray a sampler that is not `exact`: any sequence of probability 0, and each
+    view whose TV crosses `tv_bound` (the whole sequence, each token, each two neighbours: slices, so
+    sequences an end token cut short have their own outcomes). Empty for an honest one but for < 1e-4 a view."""
     seqs = [tuple(tokens) for tokens, _ in rows]
     found = {s: c / len(seqs) for s, c in Counter(seqs).items()}
     out = [f"{sum(exact.get(s, 0.0) == 0 for s in seqs)} sequences of probability 0"] if any(
         exact.get(s, 0.0) == 0 for s in found) else []
-    for name, view in views(max(map(len, exact))).items():
-        want = marginal(exact, view)
-        tv, bound = total_variation(marginal(found, view), want), tv_bound(want, len(seqs))
+    n = max(map(len, exact))
+    views = {"joint": slice(None), **{f"token {i + 1}": slice(i, i + 1) for i in range(n)},
+             **{f"tokens {i + 1}-{i + 2}": slice(i, i + 2) for i in range(n - 1)}}
+    for name, view in views.items():
+        got, want = marginal(found, view), marginal(exact, view)
+        tv = 0.5 * sum(abs(got.get(k, 0.0) - want.get(k, 0.0)) for k in set(got) | set(want))
+        bound = tv_bound(want, len(seqs))
         if tv >= bound:
             out.append(f"{name}: TV {tv:.4f} >= bound {bound:.4f}")
     return out

@@ -187,10 +187,6 @@ def test_plain_and_rejection_sampling_emit_exactly_the_backbones_distribution(ca
         assert sum(inside) > 10
 
 
-def q_keeps_earlier_draws(log_q, draws, rank, x):
-    return log_q.softmax(dim=-1)
-
-
 def residual_not_updated(p, q, x, u):
     """Each candidate tried against p itself, and the bonus drawn from p: no residual after a miss."""
     accepted, flat, _ = speculative_try(p, q, x, u)
@@ -239,14 +235,12 @@ def a_siblings_q(drawn, nodes, at=Drawn.at):
     return at(drawn, torch.tensor(sibling)[nodes])[0], at(drawn, nodes)[1]
 
 
-def probs_without_top_p(sampling, logits):
-    return sampling_probs(logits, temperature=sampling.temperature)
-
-
 SAMPLING_BUGS = {  # name: (the case whose check must fail, the module attribute to patch, the wrong value)
-    "the_plain_step_draws_from_p_without_top_p": ("plain-top-p", Sampling, "probs", probs_without_top_p),
+    "the_plain_step_draws_from_p_without_top_p": ("plain-top-p", Sampling, "probs", lambda sampling, logits:
+                                                  sampling_probs(logits, temperature=sampling.temperature)),
     "top_k_draws_share_one_uniform_per_row": ("top-k", acceptance, "rejection_accept_topk", one_uniform_per_row),
-    "q_keeps_earlier_draws": ("drawn-depth-3-rank-gap", acceptance, "without_earlier_draws", q_keeps_earlier_draws),
+    "q_keeps_earlier_draws": ("drawn-depth-3-rank-gap", acceptance, "without_earlier_draws",
+                              lambda log_q, draws, rank, x: log_q.softmax(dim=-1)),
     "the_first_draw_is_accepted_untested": ("drawn-depth-3-rank-gap", acceptance, "speculative_try",
                                             first_draw_accepted_untested),
     "drawn_candidates_are_judged_by_p_without_top_p": ("drawn-top-p", step, "accept", accepts_without_top_p),
