@@ -111,9 +111,6 @@ def test_greedy_medusa_equals_plain_greedy_in_every_row_of_a_batch(kind, tree_na
         assert sum(sum(stats.accepted_nodes) for _, stats in got) > 0
 
 
-# ---- the engine makes the reference's decisions ------------------------------------------------------
-
-
 @pytest.mark.parametrize("rule", RULES)
 @pytest.mark.parametrize("tree_name", ["cpu", "gpu"])
 def test_the_engine_prints_the_references_tokens_with_the_same_seed(rule, tree_name):
@@ -128,9 +125,6 @@ def test_the_engine_prints_the_references_tokens_with_the_same_seed(rule, tree_n
         want = ref.medusa_generate(model, heads, prompt, generator=torch.Generator().manual_seed(seed), **settings)
         got, stats = medusa_generate(model, heads, prompt, generator=torch.Generator().manual_seed(seed), **settings)
         assert (got, stats.steps) == want
-
-
-# ---- prompt lookup, static steps ---------------------------------------------
 
 
 def successor_model() -> GPT:

@@ -303,9 +303,6 @@ def test_the_nucleus_check_fails_when_typical_acceptance_reads_p_without_top_p(m
     assert rows_outside_the_nucleus() > 0
 
 
-# ---- top-p ties: a batch decides as one row, by token id ---------------------------------------------
-
-
 def lower_ids_nucleus(p: torch.Tensor, top_p: float) -> set[int]:
     """The spec, in Python: order by probability, ties by token id; keep while the mass before < top_p."""
     kept, before = set(), 0.0
@@ -334,9 +331,6 @@ def test_top_p_with_ties_at_the_cut_keeps_the_lower_token_ids_in_a_batch_as_alon
             assert kept == lower_ids_nucleus(probs, cut)
             assert kept != {len(probs) - 1 - t for t in lower_ids_nucleus(probs.flip(0), cut)}  # the higher ids
     assert set(sampling_probs(short, temperature=1.0, top_p=top_p)[0].nonzero().flatten().tolist()) == {0, 1, 3}
-
-
-# ---- an end token stops generation, under every rule ---------------------------------------------
 
 
 @torch.no_grad()
@@ -373,9 +367,6 @@ def test_an_end_token_at_the_prefill_or_inside_a_path_stops_generation_after_it_
     pytest.fail("no run emitted a token in the middle of a step: the test checked nothing")
 
 
-# ---- a temperature too small for float32 is greedy ------------------------------------------------
-
-
 @torch.no_grad()
 @pytest.mark.parametrize("temperature", [1e-45, 1e-300])
 def test_a_temperature_below_float32s_range_is_greedy_for_plain_sampling_and_every_medusa_rule(temperature):
@@ -393,9 +384,6 @@ def test_a_temperature_below_float32s_range_is_greedy_for_plain_sampling_and_eve
             rows = medusa_generate_batch(model, heads, prompts, tree=preset("cpu"), max_new_tokens=20,
                                          sampling=sampling, generator=torch.Generator().manual_seed(0))
             assert [tokens for tokens, _ in rows] == want, (kind, sampling)
-
-
-# ---- greedy in bfloat16: partings only at near-ties, within the measured verify error --------------------
 
 
 @torch.no_grad()
