@@ -1,9 +1,4 @@
-"""CUDA's device rules on any device, for tests that run the GPU path on a CPU (test_meta_device.py, test_step.py).
-
-`CudaRules` is a dispatch mode: it sees every operator below Python, checks that the tensors it mixes
-are on one device as CUDA would, stops (or answers) every read of a device value on the host, and counts
-what the host sends: tensors built from host data and copies to the device.
-"""
+"""CUDA's device rules on any device, for tests that run the GPU path on a CPU (test_meta_device.py, test_step.py)."""
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -15,9 +10,10 @@ class HostRead(Exception):
 
 
 class CudaRules(TorchDispatchMode):
-    """CUDA's device checks, applied to every operator on any device; each host read stops (`HostRead`)
-    or, with answer_reads, gets made-up values of the right shape: zeros, True for booleans (so every
-    node is usable, and a rule's walk runs).
+    """A dispatch mode: CUDA's device checks on every operator below Python, on any device. Each host read
+    of a device value stops (`HostRead`) or, with answer_reads, gets made-up values of the right shape:
+    zeros, True for booleans (so every node is usable, and a rule's walk runs). `uploads` counts what the
+    host sends: tensors built from host data, copies to the device.
 
     An operator may mix devices only as CUDA lets it: a 0-dim CPU tensor counts as a scalar, advanced
     indexing takes CPU index tensors, a copy goes anywhere. A draw's generator must be on its device;

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import tiny_model
+from conftest import scrambled, tiny_model
 from medusa_mini import training
 from medusa_mini.decoding import generate
 from medusa_mini.heads import IGNORE, HeadsConfig, make_heads, next_tokens
@@ -18,10 +18,7 @@ def _setup(num_heads=3, kind="medusa"):
     would hide a wrong gradient."""
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=50, block_size=32, n_layer=2, n_head=2, n_embd=32))
-    heads = make_heads(HeadsConfig(num_heads=num_heads, n_embd=32, vocab_size=50, kind=kind))
-    for block in heads.blocks:
-        torch.nn.init.normal_(block.linear.weight, std=0.3)
-    return model, heads
+    return model, scrambled(make_heads(HeadsConfig(num_heads=num_heads, n_embd=32, vocab_size=50, kind=kind)))
 
 
 def plain_head_losses(logits, y, keep=lambda b, t, k: True):
