@@ -94,12 +94,11 @@ def random_tree(rng: random.Random) -> Tree:
 
 
 class OracleHeads:
-    """Heads that know the future, so deep acceptance and the compaction of many slots get exercised
-    (random heads accept almost nothing). They know `sequences` and recognise where they are from the hidden
-    state alone (the nearest of the backbone's states along them), so they serve the reference, the engine
-    and batches alike. There, head k's guess of the token k + 1 places after the root is ranked r with chance
-    true_rank_probs[r], else far below the top 10 ((1.0,): always first); they guess among `draft_ids`
-    (default all: a token outside them is never guessed); every other guess is random."""
+    """Heads that know `sequences`, so deep acceptance and the compaction of many slots get exercised (random
+    heads accept almost nothing). They find where they are from the hidden state alone (the nearest backbone
+    state along them), so they serve the reference, the engine and batches alike. Head k's guess of the token
+    k + 1 places after the root ranks r with chance true_rank_probs[r], else far below the top 10; they guess
+    among `draft_ids` (default all); every other guess is random."""
 
     def __init__(self, model: GPT, sequences: list[list[int]], *, num_heads: int = 4, true_rank_probs=(1.0,),
                  seed: int = 0, draft_ids: torch.Tensor | None = None):
@@ -166,8 +165,7 @@ def save_tiny(directory, *, with_heads: bool) -> None:
 
 
 def save_small_checkpoint(directory) -> None:
-    """A one-layer GPT with three fresh heads (each guessing the backbone's next token), its tokenizer
-    and prompts.json."""
+    """A one-layer GPT, three fresh heads (each guessing the backbone's next token), tokenizer, prompts.json."""
     from medusa_mini.io.tokenizer import make_encoding, train_bpe
 
     enc = make_encoding(train_bpe("the cat sat on the mat and the dog sat on the log. " * 40, vocab_size=300))

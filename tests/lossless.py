@@ -71,10 +71,9 @@ def remembering(proposer_class):
 
 
 class FutureHeads:
-    """A Medusa drafter that knows the future: head k gives gamma x the backbone's logits after the root
-    and the k - 1 greedy tokens that follow it (gamma = 1: head 1's q is p at the root; a large gamma makes
-    q nearly a point mass on the top-k), over draft_ids [M] (default all V): a head's guesses depend on the
-    depth alone, as Medusa heads' do."""
+    """A Medusa drafter that knows the future: head k gives gamma x the backbone's logits after the root and
+    the k - 1 greedy tokens after it (gamma = 1: head 1's q is p at the root; a large gamma makes q nearly a
+    point mass on the top-k) over draft_ids (default all): its guesses depend on the depth alone."""
 
     proposer_class = remembering(MedusaProposer)
 
@@ -115,9 +114,8 @@ class FutureHydraHeads(FutureHeads):
 
 
 def sample_rows(model, drafter, prompts, *, rows: int, seed: int, tree, **settings):
-    """One medusa_generate_batch (drafter None: generate_batch, plain sampling) over `rows` copies of
-    `prompts`, interleaved (rows of one batch are independent samples). Returns, per prompt,
-    [(emitted tokens, GenerationStats)] of its rows. settings: max_new_tokens, sampling, eos_id."""
+    """Per prompt, [(tokens, stats)] of its `rows` rows in one medusa_generate_batch (drafter None:
+    generate_batch, plain sampling) over copies of `prompts` interleaved: rows are independent samples."""
     gen = torch.Generator().manual_seed(seed)
     out: list[list] = [[] for _ in prompts]
     results = (generate_batch(model, prompts * rows, generator=gen, **settings) if drafter is None else

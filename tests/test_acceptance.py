@@ -58,10 +58,9 @@ def test_vectorised_greedy_equals_the_node_walk_on_random_trees_in_every_row():
 
 @pytest.mark.parametrize("temperature, top_p", [(0.5, 1.0), (1.0, 1.0), (2.0, 1.0), (0.9, 0.8)])
 def test_vectorised_typical_equals_the_node_walk_with_the_same_draws_in_every_row(temperature, top_p):
-    """Same path, same bonus and the same random numbers consumed, on random trees and logits, top-p
-    included: row b of a batch draws its bonus with the generator's number b (torch.rand(B) is B single
-    draws in order), as the reference walking that row alone after b numbers; so a row decides in a batch
-    as alone. Integer logits make equal log-p sums, where the smaller node index wins in both."""
+    """Same path, bonus and random numbers consumed: row b draws its bonus with the generator's number b
+    (torch.rand(B) is B single draws in order), as the reference walking it alone after b numbers; so a row
+    decides in a batch as alone. Integer logits make equal log-p sums: the smaller node index wins in both."""
     deep = 0
     sampling = Sampling(acceptance="typical", temperature=temperature, top_p=top_p, epsilon=0.3, delta=0.6)
     for seed in range(150):
@@ -113,9 +112,8 @@ def test_typical_acceptance_needs_p_strictly_above_the_bar():
 
 
 def test_topk_rejection_on_the_device_makes_the_reference_walks_decisions_with_the_same_draws():
-    """Top-k rejection sampling draws y from p at every node of every row at once, then matches paths on
-    the device; the reference walks each row, drawing at every node of its row: one generator, the same
-    numbers in row order, the same paths and bonus tokens: paths of every depth, 0 to 2, among the seeds."""
+    """The engine draws y from p at every node of every row at once, then matches paths; the reference walks
+    each row, drawing at each node: one generator, the same numbers in row order, paths of every depth."""
     tree = Tree.from_choices([(0,), (1,), (0, 0)])
     tokens = torch.tensor([[0, 1, 2, 3], [0, 2, 1, 0]])
     sampling = Sampling(acceptance="rejection", temperature=1.0, candidates="topk")
@@ -146,12 +144,11 @@ DRAWN_CASES = {  # name: (tree or None for random trees, heads, q, top_p, room: 
 
 @pytest.mark.parametrize("case", DRAWN_CASES)
 def test_drawn_rejection_on_the_device_makes_the_reference_walks_decisions_in_every_row(case):
-    """Rejection sampling of drawn candidates tries every node's children at once on the device; the
-    reference walks each row node by node, trying children in rank order against the residual. With a
-    row's uniforms (the reference's torch.rand(N) over the tree it walks) both accept the same path and
-    draw the same bonus: Medusa's q per depth and Hydra's per node, rank gaps, q = p (no residual left),
-    q over three tokens (later draws are point masses), top-p, and nodes past the end (the reference walks
-    the tree cut there, whose nodes come first)."""
+    """The engine tries every node's children at once; the reference walks each row, trying children in rank
+    order against the residual. With a row's uniforms (the reference's torch.rand(N)) both accept the same
+    path and bonus: Medusa's q per depth and Hydra's per node, rank gaps, q = p (no residual left), q over
+    three tokens (later draws are point masses), top-p, and nodes past the end (the reference walks the cut
+    tree, whose nodes come first)."""
     fixed, heads, q_kind, top_p, room = DRAWN_CASES[case]
     sampling = Sampling(acceptance="rejection", temperature=1.0, top_p=top_p)
     deepest, after_a_miss = 0, 0

@@ -87,11 +87,10 @@ PROMPTS = [[5], [3, 1, 4, 1, 5, 9, 2, 6], [7, 7, 2], list(range(1, 40))]  # diff
 @pytest.mark.parametrize("kind, tree_name", [("plain", "chain")] + [
     (kind, tree) for kind in ("medusa", "oracle", "hydra", "lookup") for tree in TREES])
 def test_greedy_medusa_equals_plain_greedy_in_every_row_of_a_batch(kind, tree_name, seed):
-    """Random heads, prompt lookup (a tiny model's greedy text repeats itself, so its lookups find
-    continuations, right and wrong), and an oracle whose rank-0 path is always right, so that steps accept
-    the tree's full depth. Rows of different lengths accept different paths and stop at different steps
-    (the long prompt reaches the context first); no row's output holds another's token or a padding token.
-    The reference, given the same Medusa heads (random or oracle), makes each row's tokens in as many steps."""
+    """Random heads, prompt lookup (a tiny model's greedy text repeats itself, so lookups find continuations,
+    right and wrong), and an oracle whose rank-0 path is always right (steps accept the tree's full depth).
+    Rows of different lengths stop at different steps (the long prompt at the context). The reference, given
+    the same Medusa heads (random or oracle), makes each row's tokens in as many steps."""
     model = tiny_model(seed)
     want = [generate(model, p, max_new_tokens=30) for p in PROMPTS]
     heads = None if kind == "plain" else drafter(kind, model, *PROMPTS, seed=seed)
@@ -114,10 +113,9 @@ def test_greedy_medusa_equals_plain_greedy_in_every_row_of_a_batch(kind, tree_na
 @pytest.mark.parametrize("rule", RULES)
 @pytest.mark.parametrize("tree_name", ["cpu", "gpu"])
 def test_the_engine_prints_the_references_tokens_with_the_same_seed(rule, tree_name):
-    """Same tokens, same steps: the static cache, the vectorised rules and the batch dimension change
-    how the step is computed, not what it decides; heads over a draft vocabulary propose the reference's
-    candidates, drawn or not. (Sampled rules compare random draws against probabilities that differ in
-    the last bits between the two attention codes: over 4 prompts of 40 tokens no draw lands that close.)"""
+    """Same tokens, same steps: the static cache, the vectorised rules and the batch change how the step is
+    computed, not what it decides. (Sampled rules compare draws with probabilities that differ in the last
+    bits between the two attention codes: over 4 prompts of 40 tokens no draw lands that close.)"""
     model = tiny_model(12)
     heads = drafter("medusa", model, seed=12)
     for seed, prompt in enumerate([[1, 2, 3], [9, 8, 7, 6, 5], [4], list(range(3, 30))]):

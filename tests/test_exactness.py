@@ -166,12 +166,10 @@ CASES = {
 @torch.no_grad()
 @pytest.mark.parametrize("case", CASES)
 def test_plain_and_rejection_sampling_emit_exactly_the_backbones_distribution(case):
-    """Each prompt's sequences pass `lossless.failures` against its exact distribution (no view's TV crosses
-    the bound, no sequence of probability 0), and the deepest accepted node is the case's: none in plain
-    sampling's, the baseline (whose rows stop at an end token one by one); 3 on the depth-3 tree given 5
-    tokens; 2 where 4 tokens (the budget) or a 6-token context cut that tree to depth 2. Every row of the
-    context case stops at the context; in more than 10 rows of the end-token case the end token is
-    accepted inside a path, and the candidates accepted after it are dropped."""
+    """Each prompt's sequences pass `lossless.failures` against its exact distribution, and the deepest
+    accepted node is the case's: none in plain sampling, the baseline; 3 on the depth-3 tree given 5 tokens;
+    2 where 4 tokens (the budget) or a 6-token context cut that tree to depth 2. Every row of the context
+    case stops at the context; in over 10 rows of the end-token case an end token accepted inside a path."""
     runs = CASES[case].run()
     for rows, exact in runs:
         assert failures(rows, exact) == []
@@ -315,10 +313,9 @@ def lower_ids_nucleus(p: torch.Tensor, top_p: float) -> set[int]:
 
 
 def test_top_p_with_ties_at_the_cut_keeps_the_lower_token_ids_in_a_batch_as_alone():
-    """Ties at the cut: tokens 1, 3, 4 share one probability and top-p keeps two of them; 64 and 2048
-    tokens all tied, half kept. Every row of the batch is its own result alone and keeps the lower ids
-    (on 64 tied tokens an unstable sort, torch's at least, keeps others); keeping the higher ids would
-    differ on every row: every row has its tie at the cut."""
+    """Tokens 1, 3, 4 tie and top-p keeps two; 64 and 2048 tokens all tie, half kept. Every row of the batch
+    is its own result alone and keeps the lower ids (on 64 tied tokens an unstable sort, torch's at least,
+    keeps others); keeping the higher ids would differ on every row: each has its tie at the cut."""
     short = torch.tensor([[3.0, 1.0, 0.0, 1.0, 1.0, -2.0], [0.0, 1.0, 1.0, 3.0, -1.0, 1.0]])
     p = short.softmax(dim=-1)
     top_p = float(p[0, 0] + 1.5 * p[0, 1])  # between one and two tied tokens' mass after the top one
@@ -336,11 +333,9 @@ def test_top_p_with_ties_at_the_cut_keeps_the_lower_token_ids_in_a_batch_as_alon
 @torch.no_grad()
 @pytest.mark.parametrize("rule", RULES)
 def test_an_end_token_at_the_prefill_or_inside_a_path_stops_generation_after_it_in_the_engine_and_the_reference(rule):
-    """Run once without an end token, streamed: the prefill's token (plain decoding's first, from the same
-    seed), then each step's tokens, in order. As end token take the prefill's token, then a token first
-    emitted in the middle of a step (candidates accepted after it in that step). With either, the same seed
-    emits exactly the run's tokens up to and including it: no step after the prefill's, and the candidates
-    after it in its step dropped."""
+    """Run once without an end token, streamed: the prefill's token (plain decoding's first), then each
+    step's tokens. As end token take the prefill's token, then a token first emitted in the middle of a
+    step. With either, the same seed emits exactly the run's tokens up to and including it."""
     model = tiny_model(2)
     for seed, prompt in enumerate([[1, 2, 3], [5, 6], [9, 8, 7, 6], [4, 4]]):
         heads, steps = ContinuationHeads(model, prompt, max_new_tokens=40, seed=seed), []
@@ -404,10 +399,9 @@ def verify_error(model, prompt: list[int], tree: Tree) -> float:
 @torch.no_grad()
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_greedy_medusa_parts_from_plain_greedy_only_at_a_tie_within_twice_the_measured_verify_error(dtype):
-    """Greedy Medusa is exact because the root's logits in the tree pass are a plain step's: measured on
-    this model, to within a few units in the last place of the largest logit (matmuls of other shapes
-    may add in other orders). Where greedy Medusa and plain greedy part, plain's top two logits there must be
-    within twice that measured difference: a near-tie, and nothing else, is forgiven."""
+    """Greedy Medusa is exact because the root's logits in the tree pass are a plain step's, to within a few
+    units in the last place (matmuls of other shapes may add in other orders). Where greedy Medusa and plain
+    greedy part, plain's top two logits must be within twice the measured difference: only a near-tie."""
     model = tiny_model(7, vocab_size=64, block_size=64).to(dtype)
     prompts = [[3, 1, 4, 1, 5], list(range(10, 30)), [9]]
     error = max(verify_error(model, p, tree) for p in prompts for tree in (preset("cpu"), preset("gpu")))

@@ -193,9 +193,8 @@ def test_dependent_heads_learn_more_and_accept_more_than_medusa_heads_trained_th
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_heads_call_in_decoding_copies_no_weight(kind, dtype):
-    """The proposer's heads call runs the heads' matmuls on weights made once per generation (the blocks
-    stacked, the draft vocabulary's rows gathered): no copy or clone of any tensor at a call, in any number
-    format (a copy of the stacked weights at every call once cost a bfloat16 CPU 10 ms of 13)."""
+    """Weights are made once per generation (the blocks stacked, the draft vocabulary's rows gathered), never
+    copied at a call (a copy at every call once cost a bfloat16 CPU 10 ms of 13)."""
     from benchmarks.bench_step import count_ops
 
     model = tiny_model(3).to(dtype)

@@ -63,11 +63,9 @@ def test_the_reference_decodes_with_the_engines_model_on_the_device():
 @pytest.mark.parametrize("rule", RULES)
 @pytest.mark.parametrize("kind", DRAFTERS)
 def test_whole_generations_run_on_the_device_when_each_host_read_is_answered(kind, rule, steps):
-    """Every stage of every step under CUDA's rules (a device mismatch raises): the drafter fills its tree,
-    verify, the usable nodes (row 0 meets the context while row 1 goes on), the rule, keep_path; also with
-    cli/compiled.py's steps, run eagerly (compiling: the identity): the first drawn tree, then verify,
-    acceptance, keep_path and the heads' next tree in one function. Decoding reads the host once after the
-    prefill and once per step."""
+    """Every stage of every step under CUDA's rules (a device mismatch raises), row 0 meeting the context
+    while row 1 goes on; also with cli/compiled.py's steps, run eagerly (compiling: the identity). Decoding
+    reads the host once after the prefill and once per step."""
     compiled = dict(steps=compile_steps(META, compile=lambda fn: fn)) if steps == "compiled" else {}
     with meta_rules(answer_reads=True) as rules:
         results = medusa_generate_batch(meta_model(), meta_drafter(kind), [[1] * 60, [4, 5, 6]], tree=TREE,

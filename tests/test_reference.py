@@ -86,10 +86,9 @@ TWO_BY_TWO = [(0,), (1,), (0, 0), (0, 1)]
     ([(1,), (1, 0)], range(V), T1), (TWO_BY_TWO, [0, 1, 2], T1),
 ], ids=["top-k", "drawn", "drawn-rank-1-without-rank-0", "drawn-draft-vocabulary"])
 def test_rejection_sampling_emits_tokens_with_exactly_the_backbones_probabilities(choices, draft_ids, sampling):
-    """The first emitted token follows p(root), the second (below an accepted candidate) p(node 1), and a
-    token p rules out is never emitted: with q's top-k tried in turn, and with candidates drawn from q,
-    accepted with min(1, p/q), residual norm(max(0, p - q)), also when a node's sibling draws are skipped
-    (rank 1 without rank 0) and when q gives the tokens outside a draft vocabulary nothing."""
+    """The first emitted token follows p(root), the second (below an accepted candidate) p(node 1), never a
+    token p rules out: with q's top-k tried in turn, with candidates drawn from q (accepted with min(1, p/q),
+    residual norm(max(0, p - q))), with rank 1 drawn without rank 0, and over a draft vocabulary."""
     tree, draft_ids = Tree.from_choices(choices), torch.tensor(draft_ids)
     if len(draft_ids) < V:  # the draft vocabulary leaves out p's favourite root token: only the residual gives it
         assert max(range(V), key=P_ROOT.__getitem__) not in draft_ids

@@ -68,9 +68,8 @@ def test_drawn_candidates_are_distinct_draws_from_q_in_draw_order():
 
 
 def test_a_later_draw_is_tried_against_q_without_the_draws_before_it_however_little_is_left():
-    """The rank-1 draw came from q with the rank-0 draw removed and renormalised, even when what is left
-    is far below what exp can hold in float32 (a low temperature); when nothing is left, the draw was a
-    pick, tried as a point mass."""
+    """The rank-1 draw came from q without the rank-0 draw, renormalised, even when what is left is far below
+    float32's exp (a low temperature); when nothing is left, the draw was a pick: a point mass."""
     log_q = torch.tensor([[0.0, -150.0, -152.0, float("-inf")]] * 2)  # [2, V]
     draws, rank = torch.tensor([[0, 1], [0, 1]]), torch.tensor([1, 0])
     got = without_earlier_draws(log_q, draws, rank, torch.tensor([1, 0]))

@@ -88,9 +88,8 @@ def test_lookup_continues_the_first_earlier_occurrence_of_the_longest_repeated_t
 
 
 def test_prompt_lookup_drafts_each_rows_continuation_on_a_chain_of_the_next_power_of_two_capped_at_the_full_one():
-    """Nodes past a row's continuation repeat its last token (a guess like any other); the chain is the
-    longest continuation rounded up to a power of two, at most the full chain; no continuation in any row:
-    the root alone."""
+    """Nodes past a row's continuation repeat its last token (a guess like any other); no continuation in
+    any row: the root alone."""
     assert [chain_length(n, 6) for n in range(8)] == [0, 1, 2, 4, 4, 6, 6, 6]
     assert [chain_length(n, 64) for n in (5, 8, 9, 33, 64)] == [8, 8, 16, 64, 64]
     proposer = PromptLookup(max_ngram=2).proposer(None, preset("cpu"))  # a chain of the tree's 11 nodes
@@ -128,9 +127,8 @@ def test_every_proposal_holds_one_of_the_few_trees_its_proposer_names(kind):
 @pytest.mark.parametrize("rule", RULES)
 @pytest.mark.parametrize("kind", ["medusa", "hydra"])
 def test_a_step_sends_the_device_nothing(kind, rule):
-    """Candidates, verify, acceptance and compaction stay on the device: no tensor is built from host data
-    (torch.tensor(list), a list index: on a GPU a copy from pageable memory) and no device scalar is read
-    (HostRead). That the step reads the host once, at its end, is counted in tests/test_meta_device.py."""
+    """No tensor is built from host data (torch.tensor(list), a list index: on a GPU a copy from pageable
+    memory) and no device scalar is read (HostRead); the one read at a step's end: test_meta_device.py."""
     model, heads, batch = tiny_model(5), random_heads(tiny_model(5), seed=2, kind=kind), 3
     cache = KVCache(model.config, batch_size=batch, max_len=64)
     logits, hidden = prefill(model, torch.tensor([[3, 1, 4, 1, 5]] * batch), cache)
