@@ -20,6 +20,7 @@ if ROOT not in sys.path:  # the command-line scripts (decode.py, train_tiny.py, 
 if os.environ.get("PYTEST_XDIST_WORKER"):  # `-n 2`: one core per worker, or the workers' threads fight
     torch.set_num_threads(1)
 
+from medusa_mini.decoding import generate  # noqa: E402
 from medusa_mini.heads import DraftHeads, HeadsConfig, MedusaHeads, make_heads  # noqa: E402
 from medusa_mini.model import GPT, GPTConfig  # noqa: E402
 from medusa_mini.proposal import MedusaProposer  # noqa: E402
@@ -133,8 +134,6 @@ class ContinuationHeads(OracleHeads):
     """Oracle heads that know the backbone's greedy continuation of each prompt."""
 
     def __init__(self, model: GPT, *prompts: list[int], max_new_tokens: int, **kwargs):
-        from medusa_mini.decoding import generate
-
         super().__init__(model, [list(p) + generate(model, p, max_new_tokens=max_new_tokens)[0] for p in prompts],
                          **kwargs)
 

@@ -78,8 +78,6 @@ def test_a_reused_cache_gives_the_tokens_of_a_fresh_one_and_must_have_the_asked_
         generate_batch(model, [[1, 2], [3]], max_new_tokens=3, cache=plain_cache)
 
 
-# ---- batches: each row is its own generation ------------------------------------------------------
-
 PROMPTS = [[5], [3, 1, 4, 1, 5, 9, 2, 6], [7, 7, 2], list(range(1, 40))]  # different lengths, one near the end
 
 
