@@ -2,14 +2,10 @@
 nucleus) is paired with tests that patch a mistake into the engine and assert that the claim's own check
 then fails. The apparatus (exact distributions, the bound, heads that know the future) is in lossless.py.
 
-- Greedy Medusa writes plain greedy's tokens in every row of a ragged batch with heads that know the
-  future (other drafters: tests/test_decoding.py); in bfloat16 a parting is forgiven only at a near-tie
-  within twice the measured verify error.
-- Plain and rejection sampling emit exactly the backbone's distribution: on a 4-token vocabulary each
-  case's sequences are compared with the distribution enumerated from plain forward passes, while the
-  case accepts nodes as deep as it states. Typical acceptance fails that check, as the paper says it trades.
-- Typical acceptance never emits a token outside the nucleus; top-p breaks ties by token id in a batch
-  as alone; an end token stops generation under every rule; a temperature too small for float32 is greedy.
+Greedy Medusa writes plain greedy's tokens in every row of a ragged batch (in bfloat16 it may part only at
+a near-tie); plain and rejection sampling emit exactly the backbone's distribution, enumerated on a 4-token
+vocabulary; typical acceptance does not (the paper's trade) but never leaves the nucleus. Top-p breaks ties
+by token id, in a batch as alone; an end token stops every rule; a temperature too small for float32 is greedy.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
-"""The house rules, checked: the Medusa core stands alone, the wings lean on it, never the reverse, and the
-house stays small: every line budget lives here, in `BUDGETS`.
-
-The core is the top level of `medusa_mini/` (the reference; model, heads, tree, sampling, proposal,
-acceptance, step, decoding, training); io/, train/ and cli/ are the wings. A reader who imports the
-decoding loop gets the algorithm and nothing of tokenizers, checkpoints, clocks or command lines; the
-reference runs without the engine, which is proven equal to it by tests, never by calling it.
-
-A budget is raised by editing it here, in a commit that gives the measurement earning the lines.
+"""The house rules, checked: the Medusa core (the top level of `medusa_mini/`) stands alone, the wings (io/,
+train/, cli/) lean on it, never the reverse, and the house stays small: every line budget lives in `BUDGETS`.
+A reader who imports the decoding loop gets the algorithm and nothing of tokenizers, checkpoints, clocks or
+command lines; the reference runs without the engine, which tests prove equal to it, never by calling it.
+A budget is raised here, in a commit that gives the measurement earning the lines.
 """
 
 from __future__ import annotations
