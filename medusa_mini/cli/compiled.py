@@ -1,12 +1,9 @@
 """`--compile`: the plain step and Medusa's as whole graphs, CUDA graphs on a GPU (mode "reduce-overhead"),
-which remove the kernel launches that dominate decoding at batch 1. They make the eager steps' decisions
-(step.py), draw for draw, through the seam the decoding loops take (`step.Steps`):
-
-- `CompiledPlain`: `plain_step` compiled, the token chosen in its graph.
-- `CompiledMedusa`: `verify_and_accept` (the verify, the acceptance under any rule, keeping the path,
-  and the heads' next tree, top-k or drawn) is one graph a step; `draft_tree` draws a generation's first
-  tree of drawn candidates. The tree a graph drafted is the next step's proposal; prompt lookup's chains
-  come from its eager proposer, one graph per chain length.
+which remove the kernel launches that dominate decoding at batch 1. Through the seam the decoding loops take
+(`step.Steps`) they make the eager steps' decisions, draw for draw: `CompiledPlain` chooses the token in its
+graph; `CompiledMedusa` runs `verify_and_accept` (verify, accept under any rule, keep the path, draft the
+heads' next tree) as one graph a step, and `draft_tree` for a generation's first tree of drawn candidates.
+Prompt lookup's chains come from its eager proposer, one graph per chain length.
 
 Every shape is fixed: a step reads the whole KV cache and verifies the whole tree. A CUDA graph replays
 on the addresses it recorded and overwrites its outputs at its next replay: `StaticCaches` keeps one KV
@@ -15,7 +12,6 @@ records every shape before anything is timed. The prefill stays eager.
 
 Shapes: B rows, N tree nodes, C n_embd, V vocabulary, Q the q a drawn tree draws from.
 """
-
 from __future__ import annotations
 
 from typing import Callable, Iterable
@@ -66,15 +62,8 @@ def copied(drawn: Drawn | None) -> Drawn | None:
     return None if drawn is None else Drawn(drawn.log_q.clone(), drawn.samples.clone(), drawn.q_index.clone())
 
 
-def first_uniforms(u: torch.Tensor | None, n: int) -> torch.Tensor | None:
-    """The first n of the acceptance uniforms u [B, N'] drawn for prompt lookup's whole chain, as a fresh
-    tensor (a graph is made for its inputs' strides, a slice's too)."""
-    return u if u is None or u.dim() < 2 or u.shape[1] == n else u[:, :n].clone(memory_format=torch.contiguous_format)
-
-
 class CompiledPlain:
-    """`plain_step` compiled: every step reads the whole cache (one shape, `attended` ignored), its next token
-    copied out."""
+    """`plain_step` compiled: every step reads the whole cache (`attended` ignored), its token copied out."""
 
     def __init__(self, compile: Callable) -> None:
         self.step = compile(plain_step)
@@ -86,11 +75,10 @@ class CompiledPlain:
 
 
 class CompiledMedusa:
-    """`step.medusa_step`'s signature and decisions, one graph a step. The uniforms are drawn as the eager step
-    draws them: a graph that drafts the next tree of drawn candidates takes the uniforms of that tree
-    after its own acceptance's, the order in which the next eager step would draw them (and one set more
-    at a generation's last step, which a generator reused for another generation would go on from). Every
-    step reads the whole cache (`attended` ignored)."""
+    """`step.medusa_step`'s signature and decisions, one graph a step that reads the whole cache (`attended`
+    ignored). A graph that drafts the next tree of drawn candidates takes that tree's uniforms after its own
+    acceptance's, as the next eager step would draw them (and one set more at a generation's last step, which
+    a generator reused for another generation would go on from)."""
 
     def __init__(self, compile: Callable) -> None:
         self.verify_and_accept, self.draft_tree = compile(verify_and_accept), compile(draft_tree)
@@ -118,11 +106,14 @@ class CompiledMedusa:
             stop_at = torch.full((B,), model.config.block_size, device=device)
         proposal = self.proposal(model, proposer, roots, hidden, **kw)
         u = acceptance_uniforms(sampling, B, proposer.tree.num_nodes, generator, device=device)
+        n = proposal.tree.num_nodes
+        if u is not None and u.dim() == 2 and u.shape[1] != n:  # drawn for lookup's whole chain: its first n
+            u = u[:, :n].clone(memory_format=torch.contiguous_format)  # fresh: a graph is made for its inputs' strides
         heads = proposer.heads if proposal.tree.depth else None  # a root alone has no next tree to draft
         u_next = proposer.uniforms(sampling, B, generator, device=device) if heads is not None else None
         accepted, next_hidden, tokens, drawn = self.verify_and_accept(
             model, cache, proposal.tokens, tree=proposal.tree.tensors(device), stop_at=stop_at, sampling=sampling,
-            u=first_uniforms(u, proposal.tree.num_nodes), drawn=proposal.drawn, heads=heads, u_next=u_next)
+            u=u, drawn=proposal.drawn, heads=heads, u_next=u_next)
         paths, new_tokens = read_step(proposal, accepted)
         result = StepResult(paths, new_tokens, next_roots=accepted.bonus.clone(), next_hidden=next_hidden.clone())
         drafted = None if tokens is None else Proposal(tokens.clone(), proposal.tree, copied(drawn))
@@ -165,11 +156,10 @@ class StaticCaches:
 @torch.no_grad()
 def warm_up(model: GPT, steps: Steps, caches: StaticCaches, *, rows: int, plain: Iterable[Sampling] = (),
             proposers: list[tuple[Proposer, Sampling]] = ()) -> float:
-    """Run every shape decoding `rows` rows meets: the plain step under each rule of `plain`, and for each
-    proposer and rule every tree its proposals hold (`Proposer.trees`) through `verify_and_accept`, and
-    `draft_tree` where it draws the first tree. Three calls each: under CUDA graphs the first runs
-    eagerly, the second records, the third replays. Random numbers from generators of its own. Returns
-    the seconds."""
+    """Run every shape decoding `rows` rows meets, the plain step under each rule of `plain`, and for each
+    proposer and rule every tree its proposals hold (`Proposer.trees`) through `verify_and_accept` (and
+    `draft_tree` where it draws the first tree), three times: under CUDA graphs the first call runs eagerly,
+    the second records, the third replays. Random numbers from generators of its own; returns the seconds."""
     device, block, medusa = model.device, model.config.block_size, steps.medusa
     shapes = {(p, t, s) for p, s in proposers for t in p.trees()}
     plain = set(plain)
