@@ -63,20 +63,17 @@ def _table(rows: list[list[str]]) -> list[str]:
 
 def draw_tree(tree: Tree, labels: list[str] | None = None) -> str:
     """The tree as indented text, one node a line: `[i] head d rank r label`."""
-    lines: list[str] = []
+    labels = [f" {label}" for label in labels] if labels is not None else [""] * tree.num_nodes
+    lines = [f"[0] root{labels[0]}"]
 
-    def visit(node: int, prefix: str, last: bool) -> None:
-        label = f" {labels[node]}" if labels is not None else ""
-        if node == 0:
-            lines.append(f"[0] root{label}")
-        else:
-            lines.append(f"{prefix}{'└─ ' if last else '├─ '}[{node}] head {tree.depths[node]} rank "
-                         f"{tree.ranks[node]}{label}")
-            prefix += "   " if last else "│  "
-        for j, kid in enumerate(tree.children[node]):
-            visit(kid, prefix if node else "", j == len(tree.children[node]) - 1)
+    def visit(node: int, prefix: str) -> None:
+        for kid in tree.children[node]:
+            last = kid == tree.children[node][-1]
+            lines.append(f"{prefix}{'└─ ' if last else '├─ '}[{kid}] head {tree.depths[kid]} rank {tree.ranks[kid]}"
+                         + labels[kid])
+            visit(kid, prefix + ("   " if last else "│  "))
 
-    visit(0, "", True)
+    visit(0, "")
     return "\n".join(lines)
 
 
@@ -134,7 +131,6 @@ def verify_section(out: list[str], labels: list[str], tree: Tree, tokens: list[i
 def explain_step(model: GPT, heads, enc: tiktoken.Encoding, prompt_ids: list[int], *, tree: Tree,
                  sampling: Sampling = Sampling(), generator: torch.Generator | None = None) -> str:
     """One Medusa step after the prompt with the reference's functions, every stage described."""
-    tree.check_heads(heads.num_heads)
     block, L = model.config.block_size, len(prompt_ids)
     if L == 0 or L >= block - 1:
         raise ValueError(f"the prompt must have 1 to {block - 2} tokens, not {L}")
