@@ -5,6 +5,7 @@ greedy's tokens; in half precision a near-tie may round either way, so a parting
 from __future__ import annotations
 
 import dataclasses
+from functools import partial
 
 import torch
 
@@ -80,13 +81,11 @@ def run_in_turns(engine: Engine, methods: list[Method], batches: list[list[list[
                  seed: int, repeat: int = REPEAT, stop_at_eot: bool = True) -> tuple[dict[str, Runs], set[str]]:
     """Per method key, each batch's fastest of `repeat` runs in turns, after a short untimed run each; and the
     keys whose repeats made other tokens (non-deterministic kernels)."""
-    def call(m: Method, batch: list[list[int]], n: int):
-        return lambda: decode(engine, m, batch, seed=seed, max_new_tokens=n, stop_at_eot=stop_at_eot)
-
-    device = engine.ck.model.device
-    in_turns({m.key: call(m, batches[0], min(max_new_tokens, 8)) for m in methods}, rounds=1, device=device)
-    runs = in_turns({(m.key, i): call(m, b, max_new_tokens) for i, b in enumerate(batches) for m in methods},
-                    rounds=repeat, device=device)
+    device, kw = engine.ck.model.device, dict(seed=seed, stop_at_eot=stop_at_eot)
+    in_turns({m.key: partial(decode, engine, m, batches[0], max_new_tokens=min(max_new_tokens, 8), **kw)
+              for m in methods}, rounds=1, device=device)
+    runs = in_turns({(m.key, i): partial(decode, engine, m, b, max_new_tokens=max_new_tokens, **kw)
+                     for i, b in enumerate(batches) for m in methods}, rounds=repeat, device=device)
     tokens = {k: [[t for t, _ in results] for results, _ in tries] for k, tries in runs.items()}
     unsteady = {key for (key, _), seen in tokens.items() if any(t != seen[0] for t in seen)}
     return {m.key: [min(runs[m.key, i], key=lambda run: run[1]) for i in range(len(batches))]
