@@ -111,7 +111,7 @@ def prepare(a: argparse.Namespace) -> tuple:
     else:
         ck = load_for_decoding(a.ckpt, device=device, dtype=dtype)
         texts = a.prompt or load_prompts(a.ckpt)[: a.num_prompts]
-    medusa = a.method != "plain" or a.compare or a.explain
+    medusa = a.method != "plain"  # --compare takes no --method, --explain refuses plain
     if ck.heads is None and medusa:
         raise ValueError(f"{a.ckpt} has no Medusa heads: train heads, or decode with --method plain")
     choice = drawn = None
@@ -138,22 +138,21 @@ def methods_of(a: argparse.Namespace, ck, choice: TreeChoice | None, drawn: Tree
     """What this run decodes with: --compare's rows (the batch table's four), or the one --method."""
     if a.reference and ck.heads is not None and ck.heads.reads_the_draft:  # refused before any output
         raise ValueError(f"--reference decodes with Medusa heads, not {ck.heads.name} heads: leave it out here")
-    tree = None if choice is None else choice.tree
     if a.compare:
         temperature = a.temperature if a.temperature > 0 else SAMPLING_TEMPERATURE
-        methods = compare_methods(ck, tree, a.sampling, temperature=temperature, lookup_nodes=choice.budget,
+        methods = compare_methods(ck, choice.tree, a.sampling, temperature=temperature, lookup_nodes=choice.budget,
                                   drawn_tree=drawn.tree, with_reference=a.reference)
         batch_rows = ("plain_greedy", "medusa_greedy", "plain_sampling", "medusa_rejection")
         return [m for m in methods if m.key in batch_rows or not a.batch_table]
     if a.method == "plain":
         return [Method("plain", a.sampling)]
-    return [Method("reference" if a.reference else "Medusa", a.sampling, ck.heads, tree, reference=a.reference)]
+    return [Method("reference" if a.reference else "Medusa", a.sampling, ck.heads, choice.tree, reference=a.reference)]
 
 
 def compiled(engine: Engine, methods: list[Method], a: argparse.Namespace, prompts: int) -> float:
     """Compile the steps and warm up every shape this run meets, before any timing; the seconds it took."""
-    engine.steps, engine.caches = compile_steps(engine.ck.model.device), StaticCaches(engine.ck.model)
     model = engine.ck.model
+    engine.steps, engine.caches = compile_steps(model.device), StaticCaches(model)
     # what fills each tree (prompt lookup: a chain), under which rule
     proposers = [(m.drafter.proposer(model, m.tree), m.sampling) for m in methods if m.drafter and not m.reference]
     n = max(max(a.batch_sizes), prompts) if a.batch_table else prompts  # the batch table cycles the prompts
