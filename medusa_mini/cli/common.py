@@ -137,9 +137,7 @@ def draw(path: str, panels: dict[str, list[tuple]], *, xlabel: str, ticks: list[
             else:
                 ax.plot(xs, ys, **style)
         ax.set_xscale("log", base=2)
-        ax.set_xticks(ticks, [str(t) for t in ticks])
-        ax.set(xlabel=xlabel, ylabel=ylabel)
-        ax.set_ylim(bottom=0)
+        ax.set(xticks=ticks, xticklabels=[str(t) for t in ticks], xlabel=xlabel, ylabel=ylabel, ylim=(0, None))
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize="small")
     fig.suptitle(title)
