@@ -103,7 +103,6 @@ def heads_section(out: list[str], model: GPT, heads, enc, tree: Tree, root: int,
 def verify_section(out: list[str], labels: list[str], tree: Tree, tokens: list[int], logits: torch.Tensor,
                    drawn, enc, *, sampling: Sampling) -> None:
     """Section 5: what the backbone says at every node: its argmax (greedy), or p (and q) of each candidate."""
-    out.append(_header(5, "Verify: one forward pass over all nodes"))
     if sampling.greedy:
         y = logits.argmax(dim=-1).tolist()  # [N]
         rows = [["node", "token", "backbone argmax", "confirms child"]]
@@ -111,20 +110,19 @@ def verify_section(out: list[str], labels: list[str], tree: Tree, tokens: list[i
             hit = next((c for c in kids if tokens[c] == y[i]), None)
             rows.append([f"[{i}]", labels[i], token_text(enc, y[i]),
                          f"[{hit}] ✓" if hit is not None else "none ✗" if kids else "- (leaf)"])
-        out += ["At each node, the backbone's argmax = the token it would write after that node's path; a",
-                "child holding exactly that token is confirmed (a leaf's argmax can only be a bonus token).",
-                *_table(rows)]
-        return
-    p = sampling.probs(logits)  # [N, V]
-    rows = [["node", "token", "p(token)", "q(token)" if drawn is not None else ""]]
-    for i in range(1, tree.num_nodes):
-        par = tree.parents[i]
-        q = "" if drawn is None else f"{drawn[par][0][tokens[i]].exp().item():.3f}"
-        rows.append([f"[{i}]", labels[i], f"{p[par, tokens[i]].item():.3f}", q])
-    out += ["At each node, p = the backbone's distribution for the token after that node's path; a",
-            "candidate is judged by p at its parent" + ("." if drawn is None else
-                                                        ", and by q, the head's probability of drawing it."),
-            *_table(rows)]
+        intro = ["At each node, the backbone's argmax = the token it would write after that node's path; a",
+                 "child holding exactly that token is confirmed (a leaf's argmax can only be a bonus token)."]
+    else:
+        p = sampling.probs(logits)  # [N, V]
+        rows = [["node", "token", "p(token)", "q(token)" if drawn is not None else ""]]
+        for i in range(1, tree.num_nodes):
+            par = tree.parents[i]
+            q = "" if drawn is None else f"{drawn[par][0][tokens[i]].exp().item():.3f}"
+            rows.append([f"[{i}]", labels[i], f"{p[par, tokens[i]].item():.3f}", q])
+        intro = ["At each node, p = the backbone's distribution for the token after that node's path; a",
+                 "candidate is judged by p at its parent" + ("." if drawn is None else
+                                                             ", and by q, the head's probability of drawing it.")]
+    out += [_header(5, "Verify: one forward pass over all nodes"), *intro, *_table(rows)]
 
 
 @torch.no_grad()
