@@ -161,8 +161,7 @@ def warm_up(model: GPT, steps: Steps, caches: StaticCaches, *, rows: int, plain:
     `draft_tree` where it draws the first tree), three times: under CUDA graphs the first call runs eagerly,
     the second records, the third replays. Random numbers from generators of its own; returns the seconds."""
     device, block, medusa = model.device, model.config.block_size, steps.medusa
-    shapes = {(p, t, s) for p, s in proposers for t in p.trees()}
-    plain = set(plain)
+    shapes, plain = {(p, t, s) for p, s in proposers for t in p.trees()}, set(plain)
     config = torch._dynamo.config  # each shape is one more specialisation of its function
     config.recompile_limit += len(shapes) + len(plain)
     config.accumulated_recompile_limit += len(shapes) + len(plain)
