@@ -1,6 +1,6 @@
 """`--compile`: the plain step and Medusa's as whole graphs, CUDA graphs on a GPU (mode "reduce-overhead"),
 which remove the kernel launches that dominate decoding at batch 1. Through the seam the decoding loops take
-(`step.Steps`) they make the eager steps' decisions, draw for draw: `CompiledPlain` chooses the token in its
+(`step.Steps`) they make the eager steps' decisions, draw for draw: the plain step chooses the token in its
 graph; `CompiledMedusa` runs `verify_and_accept` (verify, accept under any rule, keep the path, draft the
 heads' next tree) as one graph a step, and `draft_tree` for a generation's first tree of drawn candidates.
 Prompt lookup's chains come from its eager proposer, one graph per chain length.
@@ -60,18 +60,6 @@ def verify_and_accept(model: GPT, cache: KVCache, tokens: torch.Tensor, *, tree:
 def copied(drawn: Drawn | None) -> Drawn | None:
     """A copy in new tensors: a graph's outputs do not outlive its next replay."""
     return None if drawn is None else Drawn(drawn.log_q.clone(), drawn.samples.clone(), drawn.q_index.clone())
-
-
-class CompiledPlain:
-    """`plain_step` compiled: every step reads the whole cache (`attended` ignored), its token copied out."""
-
-    def __init__(self, compile: Callable) -> None:
-        self.step = compile(plain_step)
-
-    def __call__(self, model: GPT, cache: KVCache, tokens: torch.Tensor, *, sampling: Sampling = Sampling(),
-                 u: torch.Tensor | None = None, attended: int | None = None):
-        token, logits, hidden = self.step(model, cache, tokens, sampling=sampling, u=u)
-        return token.clone(), logits, hidden
 
 
 class CompiledMedusa:
@@ -134,7 +122,14 @@ def compile_steps(device: torch.device | str, *, backend: str | Callable = "indu
     `compile_options`; the identity runs the fixed-shape steps eagerly)."""
     options = compile_options(device, backend=backend)
     compile = compile or (lambda fn: torch.compile(fn, **options))
-    return Steps(plain=CompiledPlain(compile), medusa=CompiledMedusa(compile))
+    compiled_plain = compile(plain_step)
+
+    def plain(model: GPT, cache: KVCache, tokens: torch.Tensor, *, sampling: Sampling = Sampling(),
+              u: torch.Tensor | None = None, attended: int | None = None):  # the whole cache read: `attended` ignored
+        token, logits, hidden = compiled_plain(model, cache, tokens, sampling=sampling, u=u)
+        return token.clone(), logits, hidden
+
+    return Steps(plain=plain, medusa=CompiledMedusa(compile))
 
 
 class StaticCaches:
