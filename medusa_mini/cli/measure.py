@@ -48,9 +48,10 @@ def resolve_tree(spec: str | None, *, ckpt_dir: str, device: torch.device | str,
     """The tree of a node budget N, 'auto', a preset, or choices inline or in a JSON file (the working
     directory's, else the checkpoint's). `drawn`: for rejection sampling's drawn candidates, whose budget trees
     grow from their own table: they pass far less often than top-1 guesses, so siblings beat depth."""
-    gpu, measured = torch.device(device).type != "cpu", os.path.isfile(os.path.join(ckpt_dir, accuracy.ACCURACY_FILE))
+    gpu = torch.device(device).type != "cpu"
+    measured = bool(ckpt_dir) and os.path.isfile(os.path.join(ckpt_dir, accuracy.ACCURACY_FILE))  # "": no folder
     if spec is None:
-        spec = "auto" if ckpt_dir and measured else ("gpu" if gpu else "cpu")
+        spec = "auto" if measured else ("gpu" if gpu else "cpu")
     budget = None  # a tree given whole (a preset, choices): its own size
     count = spec.isascii() and spec.isdigit()  # a node budget ('²' is a digit to str.isdigit, not to int)
     inline = spec.lstrip().startswith(("[", "{"))
@@ -58,8 +59,9 @@ def resolve_tree(spec: str | None, *, ckpt_dir: str, device: torch.device | str,
         if count and not 1 <= int(spec) <= 256:
             raise ValueError(f"--tree {spec}: a node budget must be between 1 and 256")
         if not measured:
-            raise ValueError(f"--tree {spec} needs heads accuracies: run python -m medusa_mini.cli.measure "
-                             f"--ckpt {ckpt_dir}")
+            raise ValueError(f"--tree {spec} needs heads accuracies: " + (
+                f"run python -m medusa_mini.cli.measure --ckpt {ckpt_dir}" if ckpt_dir else
+                "a checkpoint without a folder (--demo) has none; give a preset or choices"))
         budget, min_gain = (int(spec), 0.0) if count else (64, 0.0) if gpu else (8, CPU_MIN_GAIN)
         acc = accuracy.load_accuracy(ckpt_dir, drawn=True) if drawn else None
         if acc is None:  # measured before drawn candidates had a table of their own: greedy's stands in

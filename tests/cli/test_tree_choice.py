@@ -40,6 +40,15 @@ def test_a_budget_builds_the_best_tree_from_its_rules_table_else_the_device_pick
     assert resolve("chain3", tmp_path) == resolve("chain3", tmp_path, drawn=True) == (chain(3), "chain3", 3)
 
 
+def test_a_checkpoint_without_a_folder_never_reads_the_working_directorys_accuracies(tmp_path, monkeypatch):
+    """--explain --demo's model has no folder: another model's heads_accuracy.json where it runs is not its own."""
+    save_accuracy(tmp_path, VICUNA)
+    monkeypatch.chdir(tmp_path)
+    assert resolve(None, "") == (preset("cpu"), "cpu", preset("cpu").num_nodes - 1)
+    with pytest.raises(ValueError, match=r"^--tree auto needs heads accuracies: .*\(--demo\) has none"):
+        resolve("auto", "")
+
+
 @pytest.mark.parametrize("content", [[[0], [1], [0, 0]], {"choices": [[0], [1], [0, 0]]}], ids=["list", "object"])
 def test_a_json_file_of_choices_is_a_tree(tmp_path, monkeypatch, content):
     """In a file (looked up in the working directory, then the checkpoint), or inline."""
