@@ -154,20 +154,20 @@ def rejection_accept_drawn(tree: TreeTensors, tokens: torch.Tensor, logits: torc
     if sizes:
         log_q, draws = drawn.at(tree.parent_index)  # [B, N, V], [B, N, R]: what each node was drawn from
         q = without_earlier_draws(log_q, draws, tree.ranks.expand_as(tokens), tokens)  # [B, N, V] (the root's unused)
-        q_kids, x, u_kids = q[:, by_slot], tokens[:, by_slot], u[:, by_slot]  # [B, N - 1, V], [B, N - 1] x2: by slot
+        q_kids, x, u_kids = (v[:, by_slot].split(sizes, dim=1) for v in (q, tokens, u))  # per slot: [B, n_s, ...]
         target = p[:, nodes]  # [B, n, V] the residual the misses so far left
         firsts = by_slot[: len(nodes)]  # slot 0: every node's first child, usable as its siblings are
         trying = torch.ones_like(target[..., 0], dtype=torch.bool) if usable is None else usable[:, firsts]  # [B, n]
-        passed, first = [], 0  # per slot s: [B, n_s], its child passed; where slot s starts in by_slot
-        for n_s in sizes:  # the first n_s nodes have a child in slot s
-            t, kid = target[:, :n_s], slice(first, first + n_s)  # [B, n_s, V]
-            accepted, flat, residual = speculative_try(t, q_kids[:, kid], x[:, kid], u_kids[:, kid])
-            passed.append(trying[:, :n_s] & accepted)
-            trying[:, :n_s].bitwise_and_(~(accepted | flat))  # a child passed, or p = q: no residual to try against
-            target[:, :n_s] = torch.where(trying[:, :n_s, None], residual, t)
-            first += n_s
+        passed, done = [], []  # per slot s: [B, n_s], its child passed; the nodes done after it
+        for s, n_next in enumerate(sizes[1:] + (0,)):  # the first n_s nodes have a child in slot s
+            accepted, flat, residual = speculative_try(target, q_kids[s], x[s], u_kids[s])
+            passed.append(trying & accepted)
+            trying = trying & ~(accepted | flat)  # a child passed, or p = q: no residual to try another against
+            target = torch.where(trying[..., None], residual, target)  # [B, n_s, V]
+            done.insert(0, target[:, n_next:])  # the nodes without a child in slot s + 1 are done
+            target, trying = target[:, :n_next], trying[:, :n_next]
         passes[:, by_slot] = torch.cat(passed, dim=1)
-        p[:, nodes] = target
+        p[:, nodes] = torch.cat(done, dim=1)  # [B, n, V]: the nodes in order, most children first
     last = deepest_accepted(tree, passes)  # [B]
     return Accepted.ending_at(tree, last, inverse_cdf(at_each_row(p, last), u[:, 0]))  # what is left of p there
 
