@@ -39,8 +39,8 @@ class KVCache:
     """Static, preallocated keys and values of every layer, kv [n_layer, 2, B, nh, max_len, hs], and a length
     per row (the DESIGN's layout: one tensor, so keeping the accepted path is one copy for all layers).
 
-    A forward writes row b's T new keys/values at slots [lengths[b], lengths[b] + T) and advances its length
-    (a tree verify's: once the step keeps the path). Slots are storage, not positions: a tree's nodes sit in
+    A forward writes row b's T new keys/values at slots [lengths[b], lengths[b] + T) and advances its length,
+    unless advance=False (a tree verify: `keep_path` does). Slots are storage, not positions: a tree's nodes sit in
     consecutive slots but carry position ids prefix + depth. The lengths live on the device in `length_buffer`,
     changed in place (`lengths` reads a snapshot), so a step reads and advances them without the host.
     """

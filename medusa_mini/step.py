@@ -58,7 +58,7 @@ def usable_nodes(tree: TreeTensors, start: torch.Tensor, stop_at: torch.Tensor) 
 
 def keep_path(cache: KVCache, tree: TreeTensors, accepted: Accepted, *, active: torch.Tensor | None = None) -> None:
     """Keep the K/V of each row's root and accepted nodes in consecutive slots from its length (the root's slot,
-    where `verify` left it) and advance the length past them, only for `active` [B] rows (None: all). Always
+    where `verify` left it); the length advances past them only for `active` [B] rows (None: all). Always
     D + 1 slots move per row (a fixed shape; a chain tree's accepted path moves onto itself)."""
     start = cache.length_buffer  # [B]: moved only by the copy, after every read
     kept = accepted.count + 1 if active is None else torch.where(active, accepted.count + 1, 0)  # [B]

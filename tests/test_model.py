@@ -66,8 +66,7 @@ def test_an_overfilled_cache_a_cache_outside_no_grad_and_a_width_heads_do_not_di
 @torch.no_grad()
 @pytest.mark.parametrize("kind", ["plain step", "tree verify"])
 def test_a_decode_step_is_one_captured_graph_with_eager_logits_at_every_length(kind):
-    """Static shapes: the T = 1 step and the T = N verify never depend on the cache length, so one
-    graph, captured once, serves every step and gives the eager logits and the same KV cache."""
+    """Static shapes: one graph, captured once, serves every cache length with the eager logits and KV cache."""
     model = GPT(GPTConfig(vocab_size=64, block_size=32, n_layer=1, n_head=2, n_embd=16)).eval()
     tree = Tree.from_choices([(0,), (1,), (0, 0), (0, 1), (0, 0, 0)])
     t = tree.tensors()
@@ -76,7 +75,8 @@ def test_a_decode_step_is_one_captured_graph_with_eager_logits_at_every_length(k
     tokens = torch.randint(0, 64, (1, depths.numel()), generator=torch.Generator().manual_seed(0))
 
     def step(cache: KVCache) -> torch.Tensor:
-        return model(tokens, pos=cache.lengths[:, None] + depths, cache=cache, attn_mask=new_mask)[0]
+        return model(tokens, pos=cache.lengths[:, None] + depths, cache=cache, attn_mask=new_mask,
+                     advance=not tree_verify)[0]  # a verify's nodes are tentative: the length stays
 
     # fullgraph: a graph break is an error; the backend records each graph and runs it eagerly, so a
     # recompilation shows as a second graph
@@ -90,7 +90,7 @@ def test_a_decode_step_is_one_captured_graph_with_eager_logits_at_every_length(k
         want, got = step(eager_cache), compiled(graph_cache)
         torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
         torch.testing.assert_close(graph_cache.kv, eager_cache.kv, atol=ATOL, rtol=0)
-        assert graph_cache.lengths.tolist() == eager_cache.lengths.tolist() == [prefix + depths.numel()]
+        assert graph_cache.lengths.tolist() == eager_cache.lengths.tolist() == [prefix + (not tree_verify)]
     assert len(graphs) == 1
 
 
