@@ -31,8 +31,7 @@ def test_greedy_rows_are_plain_greedys_the_reference_the_engines_each_on_its_tre
     """On a CPU `auto` keeps only the heads' nodes that pay for their cost (6 of 8 for this table); prompt
     lookup verifies only what it finds, so its chain is the whole budget of 8. The drawn candidates' tree
     grows from their own table: the Medusa rejection row and its reference decode on it, the rest on greedy's."""
-    directory, trees, real = tmp_path / "measured", {}, runs_mod.decode
-    shutil.copytree(ckpt, directory)
+    directory, trees, real = shutil.copytree(ckpt, tmp_path / "measured"), {}, runs_mod.decode
     save_accuracy(directory, VICUNA, drawn=DRAWN)
     monkeypatch.setattr(runs_mod, "decode", lambda engine, method, *a, **kw: trees.setdefault(
         method.key, set()).add(method.tree.choices if method.tree else None) or real(engine, method, *a, **kw))

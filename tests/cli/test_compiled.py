@@ -43,13 +43,10 @@ class GraphReplay:
         def replay(*args):
             for t in self.pool:  # NaN, or an integer no index or token can be
                 t.fill_(float("nan") if t.is_floating_point() else torch.iinfo(t.dtype).min)
-            inputs = list(args)
             for i, t in enumerate(args):
-                if static[i]:
-                    assert addresses.setdefault(i, t.data_ptr()) == t.data_ptr(), (
-                        f"{names[i]} moved: a CUDA graph would replay on the address it recorded")
-                else:
-                    inputs[i] = t.clone()
+                assert not static[i] or addresses.setdefault(i, t.data_ptr()) == t.data_ptr(), (
+                    f"{names[i]} moved: a CUDA graph would replay on the address it recorded")
+            inputs = [t if static[i] else t.clone() for i, t in enumerate(args)]
             versions = [t._version for t in inputs]
             result = gm(*inputs)
             for i, t in enumerate(inputs):
@@ -76,23 +73,19 @@ def warmed_up(seed: int, *, backend=None, kind: str = "medusa", rows: int = 1, r
     return model, heads, steps, caches
 
 
-def counting(calls: list):
-    """A `compile` that runs each function eagerly and records each call: (its name, the shape of its
-    third argument, the rule)."""
-    def compile(fn):
-        def run(*args, **kw):
-            calls.append((fn.__name__, tuple(args[2].shape), kw.get("sampling", kw.get("temperature"))))
-            return fn(*args, **kw)
-        return run
-    return compile
-
-
 def test_the_warm_up_runs_every_shape_three_times_so_cuda_graphs_record_and_replay_before_any_timing():
     """Under CUDA graphs a shape's first call runs eagerly, the second records, the third replays: a shape
     called fewer times in the warm-up would be recorded inside the first timed generation. One shape per
     plain rule, one verify_and_accept per Medusa rule (the whole tree, never cut), one first drawn tree."""
     model, calls = tiny_model(0), []
-    steps = compile_steps("cpu", compile=counting(calls))
+
+    def compile(fn):  # runs fn eagerly, recording each call: its name, its third argument's shape, the rule
+        def run(*args, **kw):
+            calls.append((fn.__name__, tuple(args[2].shape), kw.get("sampling", kw.get("temperature"))))
+            return fn(*args, **kw)
+        return run
+
+    steps = compile_steps("cpu", compile=compile)
     proposer = random_heads(model, seed=0).proposer(model, TREE)
     warm_up(model, steps, StaticCaches(model), rows=2, plain=[RULES["greedy"], RULES["rejection"]],
             proposers=[(proposer, r) for r in EVERY_RULE])
@@ -114,11 +107,9 @@ def test_graph_replay_poisons_a_steps_outputs_when_a_step_runs_again():
 
 def run_both(model, drafter, sampling, steps, *, tree=TREE, prompts=([1, 2, 3], [4, 5]), cache=None):
     """(eager, with `steps` and `cache`) tokens of a Medusa generation of a ragged batch, from the same seed."""
-    def run(**kw):
-        return [out for out, _ in medusa_generate_batch(model, drafter, list(prompts), tree=tree, max_new_tokens=30,
-                                                         sampling=sampling, generator=torch.Generator().manual_seed(3),
-                                                         **kw)]
-    return run(), run(steps=steps, cache=cache)
+    return [[out for out, _ in medusa_generate_batch(model, drafter, list(prompts), tree=tree, max_new_tokens=30,
+                                                     sampling=sampling, generator=torch.Generator().manual_seed(3),
+                                                     **kw)] for kw in ({}, dict(steps=steps, cache=cache))]
 
 
 @pytest.mark.parametrize("rule", RULES)
@@ -162,11 +153,9 @@ def test_a_compiled_step_drafts_the_next_tree_in_its_graph_and_makes_the_eager_t
     backend = GraphReplay()
     model, heads, steps, caches = warmed_up(5, backend=backend, kind=kind, rows=2, rules=(RULES[rule],))
     graphs, proposer_type, proposed, calls = len(backend.graphs), type(heads.proposer(model, TREE)), [], []
-    propose = proposer_type.propose
+    propose, verify = proposer_type.propose, steps.medusa.verify_and_accept
     monkeypatch.setattr(proposer_type, "propose", lambda *a, **kw: proposed.append(1) or propose(*a, **kw))
-    medusa = steps.medusa
-    real = medusa.verify_and_accept
-    medusa.verify_and_accept = lambda *a, **kw: calls.append(1) or real(*a, **kw)
+    steps.medusa.verify_and_accept = lambda *a, **kw: calls.append(1) or verify(*a, **kw)
     eager, compiled = run_both(model, heads, RULES[rule], steps, cache=caches)
     eager_proposals = len(proposed) - (rule != "rejection")
     assert compiled == eager and eager_proposals == len(calls) > 1
