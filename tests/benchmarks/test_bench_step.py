@@ -11,9 +11,9 @@ from benchmarks.bench_step import CONFIGS, OP_RULES, STAGES, bench_config, check
 from medusa_mini.model import GPTConfig
 
 SMALL = GPTConfig(vocab_size=64, block_size=64, n_layer=2, n_head=2, n_embd=32)
+pytestmark = pytest.mark.usefixtures("one_thread")  # restores the thread count that --threads sets process-wide
 
 
-@pytest.mark.usefixtures("one_thread")  # restores the thread count that --threads sets process-wide
 def test_the_table_prints_every_stage_the_heads_share_of_a_plain_step_and_the_step_over_its_verify(capsys, monkeypatch):
     monkeypatch.setitem(bench_step.CONFIGS, "small", SMALL)
     main(["--configs", "small", "--repeat", "1", "--warmup", "1", "--prefix", "16", "--threads", "1", "--nodes", "1,4",
@@ -73,7 +73,6 @@ def test_bad_input_is_one_line_and_exit_status_2_before_any_measuring(argv, need
     assert needle in err
 
 
-@pytest.mark.usefixtures("one_thread")  # restores the thread count that --threads sets process-wide
 def test_json_holds_every_stage_of_both_trees_per_dtype_and_names_the_command(capsys, monkeypatch):
     monkeypatch.setitem(bench_step.CONFIGS, "small", SMALL)
     main(["--configs", "small", "--repeat", "1", "--warmup", "1", "--prefix", "16", "--threads", "1",
@@ -87,4 +86,3 @@ def test_json_holds_every_stage_of_both_trees_per_dtype_and_names_the_command(ca
         for info in r["medusa"].values():
             assert list(info["stages_ms"]) == list(STAGES) and all(t > 0 for t in info["stages_ms"].values())
             assert 0 <= info["accepted"] < info["nodes"]
-

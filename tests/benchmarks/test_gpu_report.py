@@ -25,14 +25,6 @@ DECODE = "--max-new-tokens 4 --prompt 'def main():'"  # prompts.json of so littl
 MAINS = {"benchmarks/bench_step.py": bench_step.main, "train_tiny.py": train_tiny.main, "decode.py": decode.main}
 
 
-def in_this_process(argv: list[str]) -> tuple[int, str, float]:
-    """`run_script` without a new interpreter: the command's main in this process, its output captured."""
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out), pytest.raises(SystemExit) as end:
-        sys.exit(MAINS[argv[0]](argv[1:]))  # as the script ends
-    return end.value.code, out.getvalue(), 1.0
-
-
 def faked(monkeypatch, reply) -> list[list[str]]:
     calls: list[list[str]] = []
     monkeypatch.setattr(gpu_report, "run_script", lambda argv, **_: calls.append(argv) or reply(argv))
@@ -41,6 +33,12 @@ def faked(monkeypatch, reply) -> list[list[str]]:
 
 @pytest.mark.usefixtures("one_thread", "one_run_each")
 def test_quick_cpu_report_holds_every_part_down_to_the_heads_share(tmp_path, capsys, monkeypatch):
+    def in_this_process(argv: list[str]) -> tuple[int, str, float]:  # run_script, the command's main in this process
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out), pytest.raises(SystemExit) as end:
+            sys.exit(MAINS[argv[0]](argv[1:]))  # as the script ends
+        return end.value.code, out.getvalue(), 1.0
+
     faked(monkeypatch, in_this_process)
     out = tmp_path / "report.md"
     assert gpu_report.main(["--device", "cpu", "--quick", "--out", str(out), "--ckpt", str(tmp_path / "ckpt"),
@@ -58,18 +56,17 @@ def test_quick_cpu_report_holds_every_part_down_to_the_heads_share(tmp_path, cap
     assert "plain greedy" in parts["decode.py --compare"] and "--batch-size 1,2,4" in parts["Batch sizes"]
 
 
-def cuda_settings(tmp_path, **kw) -> SimpleNamespace:  # the settings parse_args makes, on CUDA
-    base = dict(out=str(tmp_path / "r.md"), parts=list(gpu_report.PARTS), device="cuda", quick=False,
-                ckpt=str(tmp_path), configs=["gpt2"], dtypes=["bfloat16"], budget_s=100.0, step_flags=[],
-                train_flags=[], decode_flags=[], append=False, compile=["--compile"])
-    return SimpleNamespace(**{**base, **kw})
-
-
 def test_on_cuda_each_part_compiles_keeps_its_lines_and_names_what_failed(tmp_path, monkeypatch):
+    def cuda_settings(**kw) -> SimpleNamespace:  # the settings parse_args makes, on CUDA
+        return SimpleNamespace(**dict(out=str(tmp_path / "r.md"), parts=list(gpu_report.PARTS), device="cuda",
+                                      quick=False, ckpt=str(tmp_path), configs=["gpt2"], dtypes=["bfloat16"],
+                                      budget_s=100.0, step_flags=[], train_flags=[], decode_flags=[], append=False,
+                                      compile=["--compile"]) | kw)
+
     table = "       gpt2\nlayers / heads / width / vocabulary / draft   12 / 12 / 768 / 50257 / 8192\nplain step  1"
     calls = faked(monkeypatch, lambda argv: (None, "", 99.0) if "gpt2-xl" in argv else
                   (0, f"torch 2.x, cuda\ncommand: ...\n\n{table}\n", 1.0))
-    settings = cuda_settings(tmp_path, configs=["gpt2", "gpt2-xl"], step_flags=["--nodes", "1,9"])
+    settings = cuda_settings(configs=["gpt2", "gpt2-xl"], step_flags=["--nodes", "1,9"])
     section, ok = gpu_report.run_part(settings, "step")
     assert not ok and len(calls) == 2 and all("--compile" in argv and argv[-2:] == ["--nodes", "1,9"] for argv in calls)
     assert f"```\n{table}\n```" in section and "torch 2.x" not in section
@@ -78,17 +75,17 @@ def test_on_cuda_each_part_compiles_keeps_its_lines_and_names_what_failed(tmp_pa
            "           head   1   2\nstages     backbone 201.3 s (peak 7.25 GiB), heads 60.0 s (peak 5.00 GiB)\n"
            "saved      out/x\n")
     calls = faked(monkeypatch, lambda argv: (0, log, 320.0))
-    section, ok = gpu_report.run_part(cuda_settings(tmp_path), "train")
+    section, ok = gpu_report.run_part(cuda_settings(), "train")
     assert ok and calls[0][:3] == ["train_tiny.py", "--preset", "gpu"] and "cuda" in calls[0]
     assert "validation loss 3.210" in section and "head   1   2" in section and "(peak 7.25 GiB)" in section
     assert "step 10" not in section and "saved" not in section and "320 s" in section
     calls = faked(monkeypatch, lambda argv: (1, "decode.py: error: boom\n", 2.0))
-    section, ok = gpu_report.run_part(cuda_settings(tmp_path), "decode")
+    section, ok = gpu_report.run_part(cuda_settings(), "decode")
     assert not ok and "Failed: exit status 1 after 2 s: decode.py: error: boom" in section
     assert {"--compare", "--compile"} <= set(calls[0]) and calls[0][calls[0].index("--dtype") + 1] == "bfloat16"
     monkeypatch.setattr(torch.cuda, "get_device_properties",
                         lambda device: SimpleNamespace(name="NVIDIA H100 80GB HBM3", total_memory=80 * 2**30))
-    text = gpu_report.header(cuda_settings(tmp_path), ["--out", "r.md"])
+    text = gpu_report.header(cuda_settings(), ["--out", "r.md"])
     assert text.startswith("# medusa_mini on NVIDIA H100 80GB HBM3") and "- device: cuda: NVIDIA H100" in text
 
 

@@ -118,14 +118,12 @@ def test_the_batch_table_sets_each_size_against_plain_and_says_where_medusa_stop
     assert len(verdicts) == 2 and (tmp_path / "batch.png").stat().st_size > 0  # the figure: test_plots.py
 
 
-def stats(steps: int, tokens: int) -> tuple[list[int], GenerationStats]:
-    """A row that made `tokens` new tokens: the prefill's, then `steps` steps sharing the rest."""
-    per_step = [(tokens - 1) // steps + (i < (tokens - 1) % steps) for i in range(steps)]
-    return list(range(tokens)), GenerationStats(prompt_tokens=4, steps=steps, step_tokens=per_step)
-
-
 def test_a_rows_numbers_count_passes_per_batch_and_every_token_once():
     """Batches of 2 and 1 rows (3 prompts at B = 2): a batch makes as many passes as its slowest row."""
+    def stats(steps: int, tokens: int):  # `tokens` new tokens: the prefill's, then `steps` steps sharing the rest
+        per_step = [(tokens - 1) // steps + (i < (tokens - 1) % steps) for i in range(steps)]
+        return list(range(tokens)), GenerationStats(prompt_tokens=4, steps=steps, step_tokens=per_step)
+
     r = summarise([([stats(5, 11), stats(3, 7)], 0.2), ([stats(4, 9)], 0.1)])
     assert (r["steps"], r["passes"], r["row_passes"], r["new_tokens"]) == (12, 9, 14, 27)
     assert r["tokens_per_step"] == 24 / 12 and r["seconds"] == pytest.approx(0.3)

@@ -19,7 +19,6 @@ from medusa_mini.proposal import PromptLookup
 from medusa_mini.tree import Tree
 
 TREE = Tree.from_choices([(0,), (1,), (0, 0), (1, 0), (0, 0, 0)])
-EVERY_RULE = (RULES["greedy"], RULES["typical"], RULES["rejection"])
 
 
 class GraphReplay:
@@ -88,7 +87,7 @@ def test_the_warm_up_runs_every_shape_three_times_so_cuda_graphs_record_and_repl
     steps = compile_steps("cpu", compile=compile)
     proposer = random_heads(model, seed=0).proposer(model, TREE)
     warm_up(model, steps, StaticCaches(model), rows=2, plain=[RULES["greedy"], RULES["rejection"]],
-            proposers=[(proposer, r) for r in EVERY_RULE])
+            proposers=[(proposer, RULES[r]) for r in ("greedy", "typical", "rejection")])
     shapes = list(dict.fromkeys(calls))
     assert proposer.trees() == [TREE] and len(shapes) == 2 + 3 + 1 and all(calls.count(s) == 3 for s in shapes)
     assert {name for name, *_ in calls} == {"plain_step", "verify_and_accept", "draft_tree"}

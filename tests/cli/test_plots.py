@@ -1,5 +1,5 @@
 """The figures: the batch table's (runs.plot_batch) and the sweep's (sweep.plot_sweep), drawn by common.draw;
-matplotlib optional, imported only when drawing."""
+matplotlib optional, imported only when drawing (tests/test_layout.py checks it)."""
 
 import contextlib
 import os
@@ -10,16 +10,6 @@ import pytest
 from benchmarks.sweep import plot_sweep
 from medusa_mini.cli.common import PLOT_FORMATS, check_plot_path
 from medusa_mini.cli.runs import plot_batch
-
-
-def assert_png(path, *, colours: int) -> None:
-    """A figure with at least `colours` line colours: its pixels far from white, grey and black, by hue."""
-    image = pytest.importorskip("matplotlib.image").imread(path)[..., :3]  # [H, W, 3] in [0, 1]
-    assert image.shape[0] > 200 and image.shape[1] > 400
-    rgb = image.reshape(-1, 3)
-    coloured = rgb[(rgb.max(axis=1) - rgb.min(axis=1)) > 0.3]  # saturated pixels: the series' lines
-    hues = {tuple((c * 4).round().astype(int)) for c in coloured}
-    assert len(coloured) > 200 and len(hues) >= colours, (len(coloured), hues)
 
 
 def draw_sweep(path: str) -> str:  # two series, with and without an expected curve, each against its own plain
@@ -40,9 +30,15 @@ def batch_rows() -> list[dict]:
 
 
 def test_each_plot_draws_every_series_in_its_own_colour(tmp_path):
-    """(Importing the modules that draw imports no matplotlib: tests/test_layout.py.)"""
-    assert_png(draw_sweep(str(tmp_path / "sweep.png")), colours=2)
-    assert_png(plot_batch(batch_rows(), str(tmp_path / "batch.png"), title="batch sizes"), colours=3)
+    imread = pytest.importorskip("matplotlib.image").imread
+    for path, colours in ((draw_sweep(str(tmp_path / "sweep.png")), 2),
+                          (plot_batch(batch_rows(), str(tmp_path / "batch.png"), title="batch sizes"), 3)):
+        image = imread(path)[..., :3]  # [H, W, 3] in [0, 1]
+        assert image.shape[0] > 200 and image.shape[1] > 400
+        rgb = image.reshape(-1, 3)
+        coloured = rgb[(rgb.max(axis=1) - rgb.min(axis=1)) > 0.3]  # far from white, grey and black: the lines
+        hues = {tuple((c * 4).round().astype(int)) for c in coloured}
+        assert len(coloured) > 200 and len(hues) >= colours, (len(coloured), hues)  # a colour per series
 
 
 @pytest.mark.parametrize("name, message", [
