@@ -11,13 +11,13 @@ from benchmarks.bench_step import CONFIGS, OP_RULES, STAGES, bench_config, check
 from medusa_mini.model import GPTConfig
 
 SMALL = GPTConfig(vocab_size=64, block_size=64, n_layer=2, n_head=2, n_embd=32)
+ONCE_ON_SMALL = ["--configs", "small", "--repeat", "1", "--warmup", "1", "--prefix", "16", "--threads", "1"]
 pytestmark = pytest.mark.usefixtures("one_thread")  # restores the thread count that --threads sets process-wide
 
 
 def test_the_table_prints_every_stage_the_heads_share_of_a_plain_step_and_the_step_over_its_verify(capsys, monkeypatch):
     monkeypatch.setitem(bench_step.CONFIGS, "small", SMALL)
-    main(["--configs", "small", "--repeat", "1", "--warmup", "1", "--prefix", "16", "--threads", "1", "--nodes", "1,4",
-          "--draft-vocab", "16"])
+    main([*ONCE_ON_SMALL, "--nodes", "1,4", "--draft-vocab", "16"])
     lines = capsys.readouterr().out.splitlines()
     cells = dict(re.split(r"\s{2,}", line.strip()) for line in lines if re.search(r"\S\s{2,}\S", line))
     assert cells["layers / heads / width / vocabulary / draft"] == "2 / 2 / 32 / 64 / 16"
@@ -40,9 +40,8 @@ def test_the_operation_count_sees_every_device_operation_but_views_and_host_read
 
 
 def test_the_draft_vocabulary_is_4096_tokens_for_gpt2_shapes_and_all_for_tiny_unless_asked():
-    assert check_config(CONFIGS["gpt2"], prefix_len=128, draft_vocab=None) == 4096
-    assert check_config(CONFIGS["tiny"], prefix_len=128, draft_vocab=None) == 0
-    assert check_config(CONFIGS["gpt2"], prefix_len=128, draft_vocab=0) == 0
+    for config, asked, size in (("gpt2", None, 4096), ("tiny", None, 0), ("gpt2", 0, 0)):
+        assert check_config(CONFIGS[config], prefix_len=128, draft_vocab=asked) == size
     with pytest.raises(ValueError, match="--draft-vocab"):  # fewer tokens than the trees' ranks
         check_config(CONFIGS["gpt2"], prefix_len=128, draft_vocab=4)
 
@@ -75,8 +74,7 @@ def test_bad_input_is_one_line_and_exit_status_2_before_any_measuring(argv, need
 
 def test_json_holds_every_stage_of_both_trees_per_dtype_and_names_the_command(capsys, monkeypatch):
     monkeypatch.setitem(bench_step.CONFIGS, "small", SMALL)
-    main(["--configs", "small", "--repeat", "1", "--warmup", "1", "--prefix", "16", "--threads", "1",
-          "--dtypes", "float32,bfloat16", "--nodes", "2,100", "--json"])
+    main([*ONCE_ON_SMALL, "--dtypes", "float32,bfloat16", "--nodes", "2,100", "--json"])
     out = json.loads(capsys.readouterr().out)
     assert out["device"] == "cpu" and out["threads"] == 1 and "--json" in out["command"]
     assert list(out["configs"]) == ["small", "small bfloat16"]

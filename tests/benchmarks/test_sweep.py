@@ -30,7 +30,6 @@ def medusa_ckpt(tmp_path_factory):
 
 
 def run_json(ckpt: str, capsys, *extra: str) -> dict:
-    capsys.readouterr()
     assert sweep.main(["--ckpt", ckpt, *FAST, "--json", *extra]) == 0
     return json.loads(capsys.readouterr().out)
 

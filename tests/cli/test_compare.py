@@ -1,5 +1,4 @@
-"""decode.py --compare on a tiny saved checkpoint: plain, prompt lookup, Medusa and reference rows on the
-same prompts, greedy rows making plain greedy's tokens, half precision, batch sizes."""
+"""decode.py --compare on a tiny saved checkpoint: plain, prompt lookup, Medusa and reference rows, same prompts."""
 
 from __future__ import annotations
 

@@ -113,9 +113,8 @@ def run_both(model, drafter, sampling, steps, *, tree=TREE, prompts=([1, 2, 3], 
 
 @pytest.mark.parametrize("rule", RULES)
 def test_the_fixed_shape_steps_make_the_eager_tokens_for_every_drafter_and_tree(rule):
-    """The compiled steps, run eagerly: plain decoding and Medusa with heads of both kinds, prompt lookup and
-    a tree of the root alone, in a ragged batch whose long prompt meets the context, every rule: the eager
-    tokens, draw for draw."""
+    """Run eagerly, in a ragged batch whose long prompt meets the context: plain decoding and Medusa with heads
+    of both kinds, prompt lookup and a tree of the root alone make the eager tokens, draw for draw."""
     model, sampling = tiny_model(15), RULES[rule]
     steps = compile_steps("cpu", compile=lambda fn: fn)
     prompts = ([1, 2, 3], [4, 5], list(range(1, 50)))

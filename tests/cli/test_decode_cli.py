@@ -1,5 +1,4 @@
-"""decode.py end to end on a tiny saved checkpoint: every mode prints what it promises, batches and the
-reference make the engine's tokens, and bad input ends in one line on stderr and exit status 2."""
+"""decode.py end to end on a tiny saved checkpoint, each mode as a user runs it."""
 
 from __future__ import annotations
 

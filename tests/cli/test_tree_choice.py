@@ -50,8 +50,7 @@ def test_a_checkpoint_without_a_folder_never_reads_the_working_directorys_accura
 
 
 @pytest.mark.parametrize("content", [[[0], [1], [0, 0]], {"choices": [[0], [1], [0, 0]]}], ids=["list", "object"])
-def test_a_json_file_of_choices_is_a_tree(tmp_path, monkeypatch, content):
-    """In a file (looked up in the working directory, then the checkpoint), or inline."""
+def test_a_json_file_of_choices_is_a_tree(tmp_path, monkeypatch, content):  # or inline
     (tmp_path / "mine.json").write_text(json.dumps(content))
     want = Tree.from_choices([(0,), (1,), (0, 0)])
     assert resolve(str(tmp_path / "mine.json"), tmp_path / "elsewhere") == (want, "mine.json", 3)
