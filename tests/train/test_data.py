@@ -15,10 +15,6 @@ from medusa_mini.train.data import default_corpus_files, encode_documents, get_b
 STDLIB = pathlib.Path(sysconfig.get_paths()["stdlib"])
 
 
-def seeded(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
-
-
 def lines_text(n_lines: int) -> str:
     return "".join(f"line {i}: {'x' * (i % 50)}\n" for i in range(n_lines))
 
@@ -54,22 +50,17 @@ def test_a_single_file_becomes_documents_cut_on_line_boundaries(tmp_path):
 
 
 def test_a_folder_loads_its_text_files_sorted_and_recursively(tmp_path):
-    (tmp_path / "b.txt").write_text("bee\n")
-    (tmp_path / "sub").mkdir()
-    (tmp_path / "sub" / "a.py").write_text("x = 1\n")
-    (tmp_path / "a.md").write_text("# a\n")
-    (tmp_path / "image.png").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00")
-    (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
-    (tmp_path / ".git").mkdir()
-    (tmp_path / ".git" / "config").write_text("hidden\n")
-    assert load_corpus(tmp_path) == [("a.md", "# a\n"), ("b.txt", "bee\n"), ("sub/a.py", "x = 1\n")]
-    for folder in ("out/smoke", "out/mine"):  # checkpoints, and the folder a run writes: not text to learn from
-        (tmp_path / folder).mkdir(parents=True)
-        (tmp_path / folder / "config.json").write_text("{}\n")
-    (tmp_path / "out/smoke/model.safetensors").write_bytes(b"\x00")
-    assert load_corpus(tmp_path, skip=tmp_path / "out/mine") == [
-        ("a.md", "# a\n"), ("b.txt", "bee\n"), ("sub/a.py", "x = 1\n")]
-    assert ("out/mine/config.json", "{}\n") in load_corpus(tmp_path)  # a folder without a checkpoint is text
+    files = {"b.txt": b"bee\n", "sub/a.py": b"x = 1\n", "a.md": b"# a\n", "image.png": b"\x89PNG\r\n\x1a\n\x00\x00\x00",
+             "latin1.txt": "caf\xe9".encode("latin-1"), ".git/config": b"hidden\n", "out/mine/config.json": b"{}\n",
+             "out/smoke/config.json": b"{}\n", "out/smoke/model.safetensors": b"\x00"}
+    for name, content in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_bytes(content)
+    texts = [("a.md", "# a\n"), ("b.txt", "bee\n"), ("sub/a.py", "x = 1\n")]
+    # checkpoints (out/smoke), and the folder a run writes (skip): not text to learn from
+    assert load_corpus(tmp_path, skip=tmp_path / "out/mine") == texts
+    mine = ("out/mine/config.json", "{}\n")  # a folder without a checkpoint is text
+    assert load_corpus(tmp_path) == texts[:2] + [mine] + texts[2:]
 
 
 @pytest.mark.parametrize("file", [None, b"  \n", bytes(range(256)), "na\xefve caf\xe9".encode("latin-1")])
@@ -120,10 +111,11 @@ def test_encoded_documents_are_separated_by_end_of_text_in_the_smallest_unsigned
 
 def test_batches_are_contiguous_windows_with_next_token_targets_drawn_from_the_generator():
     tokens = np.arange(5000, dtype=np.uint16)  # consecutive tokens: a contiguous window counts up
-    x, y = get_batch(tokens, batch_size=8, block_size=32, generator=seeded(0), device="cpu")
+    x, y = get_batch(tokens, batch_size=8, block_size=32, generator=torch.Generator().manual_seed(0), device="cpu")
     assert x.shape == y.shape == (8, 32) and x.dtype == y.dtype == torch.int64
     assert torch.equal(x[:, :1] + torch.arange(32), x) and torch.equal(y, x + 1)
-    assert torch.equal(get_batch(tokens, batch_size=8, block_size=32, generator=seeded(0))[0], x)
-    assert not torch.equal(get_batch(tokens, batch_size=8, block_size=32, generator=seeded(1))[0], x)
-    x, y = get_batch(tokens[:10], batch_size=64, block_size=9, generator=seeded(0))  # the last window reached
-    assert torch.equal(y, torch.arange(1, 10).expand(64, 9))
+    again, other = (get_batch(tokens, batch_size=8, block_size=32, generator=torch.Generator().manual_seed(seed))[0]
+                    for seed in (0, 1))
+    assert torch.equal(again, x) and not torch.equal(other, x)
+    x, y = get_batch(tokens[:10], batch_size=64, block_size=9, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(y, torch.arange(1, 10).expand(64, 9))  # the last window reached
