@@ -68,8 +68,7 @@ def test_save_then_load_gives_identical_logits_over_the_same_draft_vocabulary(tm
     if heads is not None:
         assert heads2.config == heads.config and torch.equal(heads2.draft_ids, heads.draft_ids)
         assert len(heads2.draft_ids) == (draft or 61)
-    for a, b in zip(outputs(model, heads), outputs(model2, heads2), strict=True):
-        assert torch.equal(a, b)
+    assert all(torch.equal(a, b) for a, b in zip(outputs(model, heads), outputs(model2, heads2), strict=True))
 
 
 def test_heads_saved_before_draft_vocabularies_load_over_the_whole_vocabulary(tmp_path):
@@ -107,8 +106,7 @@ def test_a_save_failing_midway_leaves_the_previous_checkpoint_loadable(tmp_path,
     assert set(os.listdir(tmp_path)) == CHECKPOINT_FILES | HEADS_FILES, "no temporary files left behind"
     model, heads, config = load_checkpoint(tmp_path)
     assert config["medusa_mini"] == {"version": 1}
-    for a, b in zip(outputs(old, old_heads), outputs(model, heads), strict=True):
-        assert torch.equal(a, b)
+    assert all(torch.equal(a, b) for a, b in zip(outputs(old, old_heads), outputs(model, heads), strict=True))
 
 
 @pytest.mark.parametrize("name, content, match", [  # a dict updates the saved JSON ("delete" removes a key)

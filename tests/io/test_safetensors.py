@@ -49,8 +49,7 @@ def test_the_written_file_has_the_documented_byte_layout_and_each_formats_raw_bi
     assert header.pop("__metadata__") == {"note": "hi"}
     for (begin, end), name in sorted((e["data_offsets"], k) for k, e in header.items()):
         assert (header[name]["dtype"], data[begin:end]) == want[name]
-        assert header[name]["shape"] == list(tensors[name].shape)
-        assert begin == covered
+        assert (header[name]["shape"], begin) == (list(tensors[name].shape), covered)
         covered = end
     assert covered == len(data), "tensors tile the buffer in order"
 

@@ -135,11 +135,9 @@ DAMAGE = {  # name: (the file the error must name, its new text from the old, No
 
 @pytest.mark.parametrize("culprit, damage", DAMAGE.values(), ids=DAMAGE.keys())
 def test_a_missing_or_corrupt_tokenizer_gives_one_line_naming_the_file(tmp_path, small_encoding, damage, culprit):
-    directory = save_tokenizer(small_encoding, tmp_path / "tok")
-    if (new := damage((directory / culprit).read_text())) is None:
-        (directory / culprit).unlink()
-    else:
-        (directory / culprit).write_text(new)
+    path = save_tokenizer(small_encoding, tmp_path / "tok") / culprit
+    new = damage(path.read_text())
+    path.unlink() if new is None else path.write_text(new)
     with pytest.raises(ValueError) as info:
-        load_tokenizer(directory)
+        load_tokenizer(path.parent)
     assert "\n" not in str(info.value) and culprit in str(info.value)
