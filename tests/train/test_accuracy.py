@@ -128,18 +128,17 @@ def test_the_drawn_table_predicts_rejection_samplings_tokens_per_step():
     assert 1.5 < expected and 0.9 < (rate - 1) / (expected - 1) < 1.1
 
 
-class Lagged(torch.nn.Module):
+class Lagged:
     """A model whose logits at t are table[x[t - lag]]: with lag 0 a bigram model, where p of token t+2
     depends on token t+1 (the root); with lag 1 it does not."""
 
     device = torch.device("cpu")
 
     def __init__(self, lag, vocab_size=12):
-        super().__init__()
         self.table, self.lag = torch.randn(vocab_size, vocab_size, generator=torch.Generator().manual_seed(7)) * 2, lag
         self.config = HeadsConfig(vocab_size=vocab_size)  # only its vocab_size is read
 
-    def forward(self, x):
+    def __call__(self, x):
         return self.table[x if self.lag == 0 else torch.cat([x[:, :1], x[:, :-1]], dim=1)], None
 
 

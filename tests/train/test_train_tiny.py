@@ -8,7 +8,6 @@ import io
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -63,8 +62,9 @@ def same_weights(a, b, backbone_only=False) -> bool:
     return wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
-def ctrl_c(monkeypatch, *, during: int, presses: int = 1, owner=MedusaLM, name="forward"):
-    """Press Ctrl-C (a real SIGINT) `presses` times in the `during`-th call of owner.name (default: step)."""
+@contextlib.contextmanager
+def ctrl_c(*, during: int, presses: int = 1, owner=MedusaLM, name="forward"):
+    """Within it, press Ctrl-C (a real SIGINT) `presses` times in the `during`-th call of owner.name (default: step)."""
     real, calls = getattr(owner, name), iter(range(1, 10**6))
 
     def call(*args, **kwargs):
@@ -73,17 +73,17 @@ def ctrl_c(monkeypatch, *, during: int, presses: int = 1, owner=MedusaLM, name="
                 os.kill(os.getpid(), signal.SIGINT)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(owner, name, call)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(owner, name, call)
+        yield
 
 
 def torchrun(tmp_path, ctrl_c_step: int, *args, **env) -> subprocess.CompletedProcess:
     """train_tiny.py FAST in two CPU processes of WORKER under torchrun."""
     (tmp_path / "worker.py").write_text(WORKER)
-    with socket.socket() as sock:  # a fixed port can still be held by an earlier run; the OS knows a free one
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                           str(port), str(tmp_path / "worker.py"), str(ctrl_c_step), *FAST, "--device", "cpu", *args],
+    # --standalone: the rendezvous takes a port the OS says is free, where a fixed one may still be held
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           str(tmp_path / "worker.py"), str(ctrl_c_step), *FAST, "--device", "cpu", *args],
                           capture_output=True, text=True, timeout=300, cwd=ROOT,
                           env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT, **env})
 
@@ -127,21 +127,20 @@ def test_a_run_writes_a_complete_checkpoint_and_a_measured_summary(reference_run
 
 
 @pytest.mark.parametrize("during", [1, 4, "distill", 9])  # backbone steps 1 and 4, self-distillation, heads step 3
-def test_after_ctrl_c_a_resumed_run_ends_as_an_uninterrupted_one(tmp_path, monkeypatch, during, reference_run):
+def test_after_ctrl_c_a_resumed_run_ends_as_an_uninterrupted_one(tmp_path, during, reference_run):
     """Validation during the run (--eval-every) draws its batches from a generator of their own."""
     out = tmp_path / "out"
     where = dict(during=1, owner=run_mod, name="self_distill") if during == "distill" else dict(during=during)
-    ctrl_c(monkeypatch, **where)
-    assert train_tiny.main(FAST + ["--out", str(out), "--eval-every", "2"]) == 130
+    with ctrl_c(**where):
+        assert train_tiny.main(FAST + ["--out", str(out), "--eval-every", "2"]) == 130
     load_checkpoint(out)  # what was saved at the interruption is a usable checkpoint
-    monkeypatch.undo()
     assert train_tiny.main(FAST + ["--out", str(out), "--resume"]) == 0
     assert same_weights(reference_run[0], out) and not (out / "train_state.pt").exists()
 
 
-def test_a_second_ctrl_c_stops_at_once(tmp_path, monkeypatch, capsys):
-    ctrl_c(monkeypatch, during=2, presses=2)
-    assert train_tiny.main(FAST + ["--out", str(tmp_path / "out")]) == 130
+def test_a_second_ctrl_c_stops_at_once(tmp_path, capsys):
+    with ctrl_c(during=2, presses=2):
+        assert train_tiny.main(FAST + ["--out", str(tmp_path / "out")]) == 130
     assert not (tmp_path / "out" / "train_state.pt").exists() and "before anything was saved" in capsys.readouterr().err
 
 
@@ -156,16 +155,15 @@ def test_bfloat16_reaches_float32s_validation_loss_measured_every_eval_every_ste
     assert abs(bf16 - f32) <= 0.05 * f32 and not same_weights(reference_run[0], out)  # autocast ran in bfloat16
 
 
-def test_resume_refuses_other_settings_or_text_and_a_run_never_learns_its_own_output(tmp_path, monkeypatch, capsys):
+def test_resume_refuses_other_settings_or_text_and_a_run_never_learns_its_own_output(tmp_path, capsys):
     data = tmp_path / "data"
     data.mkdir()
     text = "".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n\n" for i in range(2000))
     (data / "a.py").write_text(text)
     out = data / "out"  # inside --data: the files the run writes there are not text to learn from
     args = FAST + ["--data", str(data), "--out", str(out)]
-    ctrl_c(monkeypatch, during=2)
-    assert train_tiny.main(args) == 130
-    monkeypatch.undo()
+    with ctrl_c(during=2):
+        assert train_tiny.main(args) == 130
     saved = (out / "train_state.pt").read_bytes()
     refused = [([], "add --resume")] + [(["--resume", flag, value], f"different configuration ({flag[2:]})") for
                                        flag, value in [("--lr", "0.5"), ("--seed", "1"), ("--dtype", "bfloat16"),
@@ -283,9 +281,8 @@ def test_init_trains_heads_of_another_kind_on_a_frozen_checkpoint_over_its_own_t
     texts = torch.cat(written)[:, 16:]  # the preset's prompts are 16 tokens
     assert set(heads.draft_ids.tolist()) == set(frequency_order(texts, 300)[:64].tolist())
     assert (ref / "tokenizer.tiktoken").read_bytes() == (base / "tokenizer.tiktoken").read_bytes()
-    ctrl_c(monkeypatch, during=3)
-    assert train_tiny.main(args + ["--out", str(out)]) == 130
-    monkeypatch.undo()
+    with ctrl_c(during=3):
+        assert train_tiny.main(args + ["--out", str(out)]) == 130
     assert train_tiny.main(args + ["--out", str(out), "--resume"]) == 0
     assert same_weights(ref, out)
 
@@ -327,8 +324,7 @@ def test_float16_loss_scaling_skips_overflows_and_resumes_exactly(tmp_path, monk
     assert all(torch.isfinite(v).all() for v in weights(ref).values())
     for during in (3, 9):  # backbone step 3, heads step 3
         out = tmp_path / str(during)
-        with monkeypatch.context() as m:
-            ctrl_c(m, during=during)
+        with ctrl_c(during=during):
             assert train_tiny.main(args + ["--out", str(out)]) == 130
         saved = torch.load(out / "train_state.pt", weights_only=True)["scaler"]  # {} from a disabled scaler
         assert saved["scale"] != 2.0**17 and saved["growth_interval"] == 1  # the scaler's own state, saved
