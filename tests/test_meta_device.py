@@ -132,18 +132,10 @@ def test_meta_alone_lets_a_host_index_and_a_host_generator_through_and_cuda_rule
         torch.rand(3, device=META, generator=GEN)
 
 
-def causal_mask_on_the_host(T, *, device="cpu"):
-    return torch.ones(T, T, dtype=torch.bool).tril()  # device= forgotten
-
-
-def whole_path_passes_with_a_host_index(tree, passes, real=acceptance.whole_path_passes):
-    B, N = passes.shape
-    return real(tree, passes.gather(1, torch.arange(N).expand(B, N)))  # device= forgotten
-
-
-@pytest.mark.parametrize("module, name, misplaced", [
-    (model_module, "causal_mask", causal_mask_on_the_host),
-    (acceptance, "whole_path_passes", whole_path_passes_with_a_host_index),
+@pytest.mark.parametrize("module, name, misplaced", [  # each with its device= forgotten
+    (model_module, "causal_mask", lambda T, device: torch.ones(T, T, dtype=torch.bool).tril()),
+    (acceptance, "whole_path_passes", lambda tree, passes, real=acceptance.whole_path_passes: real(
+        tree, passes.gather(1, torch.arange(passes.shape[1]).expand(passes.shape)))),
 ], ids=["a mask on the host (meta's own check)", "a gather index on the host (CudaRules)"])
 def test_a_tensor_left_on_the_host_in_the_engine_fails_the_device_run(monkeypatch, module, name, misplaced):
     model = meta_model()

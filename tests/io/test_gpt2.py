@@ -114,13 +114,10 @@ def test_the_config_comes_from_tensor_shapes_when_no_config_json_is_given():
     assert infer_gpt2_config(meta).block_size == 512
 
 
-def edited(change):
-    """Writes folder m holding the reference weights after `change`."""
-    def write(d):
-        tensors = as_tensors(reference_weights())
-        change(tensors)
-        write_dir(d / "m", tensors)
-    return write
+def edited(change: dict):
+    """Writes folder m holding the reference weights after `change` (a tensor None is left out)."""
+    tensors = as_tensors(reference_weights()) | change
+    return lambda d: write_dir(d / "m", {k: v for k, v in tensors.items() if v is not None})
 
 
 BAD_SOURCES = {  # name: (what to write into the folder, the source to load, what the error says)
@@ -130,13 +127,13 @@ BAD_SOURCES = {  # name: (what to write into the folder, the source to load, wha
     "unknown shape, no config.json": (lambda d: torch.save(as_tensors(reference_weights()), d / "t.bin"), "t.bin",
                                       "cannot tell n_head"),
     "folder without weights": (lambda d: (d / "m").mkdir(), "m", "holds neither model.safetensors"),
-    "missing tensor": (edited(lambda t: t.pop("transformer.h.1.ln_2.bias")), "m", r"lacks tensor 'h\.1\.ln_2\.bias'"),
-    "unexpected tensor": (edited(lambda t: t.update({"transformer.h.2.ln_1.weight": torch.ones(C)})), "m",
+    "missing tensor": (edited({"transformer.h.1.ln_2.bias": None}), "m", r"lacks tensor 'h\.1\.ln_2\.bias'"),
+    "unexpected tensor": (edited({"transformer.h.2.ln_1.weight": torch.ones(C)}), "m",
                           r"has tensor 'h\.2\.ln_1\.weight'"),
-    "misshaped tensor": (edited(lambda t: t.update({"transformer.h.0.attn.c_attn.weight": torch.ones(3 * C, C)})),
-                         "m", r"'h\.0\.attn\.c_attn\.weight' has shape \[96, 32\] .* needs \[32, 96\]"),
-    "untied lm_head": (edited(lambda t: t.update({"lm_head.weight": torch.ones(V, C)})), "m", "differs from wte"),
-    "both key styles": (edited(lambda t: t.update({"wpe.weight": torch.ones(P, C)})), "m", "both with and without"),
+    "misshaped tensor": (edited({"transformer.h.0.attn.c_attn.weight": torch.ones(3 * C, C)}), "m",
+                         r"'h\.0\.attn\.c_attn\.weight' has shape \[96, 32\] .* needs \[32, 96\]"),
+    "untied lm_head": (edited({"lm_head.weight": torch.ones(V, C)}), "m", "differs from wte"),
+    "both key styles": (edited({"wpe.weight": torch.ones(P, C)}), "m", "both with and without"),
 }
 
 
