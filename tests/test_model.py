@@ -10,11 +10,6 @@ from medusa_mini.tree import Tree
 ATOL = 1e-5
 
 
-def full_logits(model: GPT, ids: list[int]) -> torch.Tensor:
-    """Reference: one plain causal forward over the whole sequence, no cache. -> [T, V]"""
-    return model(torch.tensor([ids]))[0][0]
-
-
 def test_parameter_names_follow_gpt2_and_the_lm_head_is_tied_to_the_token_embedding():
     model = GPT(GPTConfig(n_layer=1))
     modules = ("ln_1", "attn.c_attn", "attn.c_proj", "ln_2", "mlp.c_fc", "mlp.c_proj")
@@ -35,7 +30,7 @@ def test_cached_incremental_decoding_matches_full_forward(model, read):
     steps = [first[0]] + [model(torch.tensor([[t]]), cache=cache, attended=attended(i + 1))[0][0]
                           for i, t in enumerate(ids[7:], start=7)]
     assert cache.lengths.tolist() == [len(ids)]
-    torch.testing.assert_close(torch.cat(steps), full_logits(model, ids), atol=ATOL, rtol=0)
+    torch.testing.assert_close(torch.cat(steps), model(torch.tensor([ids]))[0][0], atol=ATOL, rtol=0)  # no cache
 
 
 @torch.no_grad()
@@ -49,7 +44,7 @@ def test_rows_of_one_batch_keep_their_own_lengths_and_positions(model):
     got = [model(more[:, j : j + 1], cache=cache)[0][:, 0] for j in range(2)]  # [B, V] each
     assert cache.lengths.tolist() == [8, 4]
     for b in range(2):
-        want = full_logits(model, rows[b] + more[b].tolist())[len(rows[b]):]
+        want = model(torch.tensor([rows[b] + more[b].tolist()]))[0][0, len(rows[b]):]  # the row alone, no cache
         torch.testing.assert_close(torch.stack([g[b] for g in got]), want, atol=ATOL, rtol=0)
 
 
