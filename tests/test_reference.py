@@ -70,8 +70,6 @@ def test_greedy_descends_while_the_argmax_is_a_child_and_emits_the_backbones_tok
 P_ROOT = [0.1, 0.2, 0.3, 0.4, 0.0]  # p at the root
 P_NODE1 = [0.5, 0.25, 0.0, 0.0, 0.25]  # p at every node below it
 P_OTHER = [0.2] * 5
-
-
 Q_HEAD1 = [0.05, 0.05, 0.6, 0.1, 0.2]  # q puts most mass on token 2, p (P_ROOT) on token 3
 Q_HEAD2 = [0.1, 0.6, 0.1, 0.1, 0.1]
 TWO_BY_TWO = [(0,), (1,), (0, 0), (0, 1)]

@@ -133,8 +133,7 @@ def test_a_step_sends_the_device_nothing(kind, rule):
     cache = KVCache(model.config, batch_size=batch, max_len=64)
     logits, hidden = prefill(model, torch.tensor([[3, 1, 4, 1, 5]] * batch), cache)
     proposer, gen = heads.proposer(model, preset("cpu")), torch.Generator().manual_seed(0)
-    stop_at = torch.full((batch,), 64)
-    kw = dict(history=[[3, 1, 4, 1, 5]] * batch, stop_at=stop_at, sampling=RULES[rule], generator=gen)
+    kw = dict(history=[[3, 1, 4, 1, 5]] * batch, stop_at=torch.full((batch,), 64), sampling=RULES[rule], generator=gen)
     step = medusa_step(model, cache, proposer, logits.argmax(-1), hidden, **kw)
     with CudaRules(torch.device("cpu")) as rules:  # a second step: the tree's tensors exist
         medusa_step(model, cache, proposer, step.next_roots, step.next_hidden, **kw)
