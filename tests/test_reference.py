@@ -55,6 +55,7 @@ def test_drawn_candidates_give_each_node_the_q_its_children_were_drawn_from():
             torch.testing.assert_close(log_q[DRAFT_IDS], torch.log_softmax(head_logits[d] / 0.5, -1))  # head d+1, at T
             assert [tokens[c] for c in kids] == [draws[TREE.choices[c - 1][-1]] for c in kids]
 
+
 @pytest.mark.parametrize("argmaxes, want", [
     ([3, 1, 0, 4, 0, 0], ([0, 1, 3], 4)),  # root argmax 3 -> node 1, argmax 1 -> node 3, argmax 4: no child
     ([4, 1, 1, 1, 1, 1], ([0], 4)),  # no child matches: nothing accepted, the backbone's token emitted
