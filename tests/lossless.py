@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections import Counter
+from operator import itemgetter
 
 import torch
 
@@ -41,11 +42,8 @@ def exact_sequence_probs(model, prompt, n, *, temperature, top_p=1.0, eos_id=Non
     seqs = torch.tensor(list(itertools.product(range(V), repeat=n)))  # [V^n, n]
     logits, _ = model(torch.cat([torch.tensor(prompt).expand(len(seqs), P), seqs[:, :-1]], dim=1))
     p = sampling_probs(logits[:, P - 1 :], temperature=temperature, top_p=top_p)  # [V^n, n, V]
-    probs: dict = {}
-    for seq, prob in zip(seqs.tolist(), p.gather(2, seqs[..., None])[..., 0].double().prod(dim=1).tolist()):
-        seq = tuple(seq[: seq.index(eos_id) + 1] if eos_id in seq else seq)
-        probs[seq] = probs.get(seq, 0.0) + prob
-    return probs
+    probs = dict(zip(map(tuple, seqs.tolist()), p.gather(2, seqs[..., None])[..., 0].double().prod(dim=1).tolist()))
+    return marginal(probs, lambda seq: seq[: seq.index(eos_id) + 1] if eos_id in seq else seq)
 
 
 @torch.no_grad()
@@ -117,12 +115,9 @@ def sample_rows(model, drafter, prompts, *, rows: int, seed: int, tree, **settin
     """Per prompt, [(tokens, stats)] of its `rows` rows in one medusa_generate_batch (drafter None:
     generate_batch, plain sampling) over copies of `prompts` interleaved: rows are independent samples."""
     gen = torch.Generator().manual_seed(seed)
-    out: list[list] = [[] for _ in prompts]
     results = (generate_batch(model, prompts * rows, generator=gen, **settings) if drafter is None else
                medusa_generate_batch(model, drafter, prompts * rows, generator=gen, tree=tree, **settings))
-    for b, (tokens, stats) in enumerate(results):
-        out[b % len(prompts)].append((tokens, stats))
-    return out
+    return [results[i :: len(prompts)] for i in range(len(prompts))]
 
 
 def deepest(rows) -> int:
@@ -138,10 +133,11 @@ def tv_bound(exact: dict, M: int) -> float:
     return mean + math.sqrt(math.log(1 / FALSE_ALARM) / (2 * M))
 
 
-def marginal(dist: dict, view: slice) -> dict:
+def marginal(dist: dict, key) -> dict:
+    """The distribution of key(seq) when seq is distributed as `dist`."""
     out: dict = {}
     for seq, p in dist.items():
-        out[seq[view]] = out.get(seq[view], 0.0) + p
+        out[key(seq)] = out.get(key(seq), 0.0) + p
     return out
 
 
@@ -157,7 +153,7 @@ def failures(rows, exact: dict) -> list[str]:
     views = {"joint": slice(None), **{f"token {i + 1}": slice(i, i + 1) for i in range(n)},
              **{f"tokens {i + 1}-{i + 2}": slice(i, i + 2) for i in range(n - 1)}}
     for name, view in views.items():
-        got, want = marginal(found, view), marginal(exact, view)
+        got, want = marginal(found, itemgetter(view)), marginal(exact, itemgetter(view))
         tv = 0.5 * sum(abs(got.get(k, 0.0) - want.get(k, 0.0)) for k in set(got) | set(want))
         bound = tv_bound(want, len(seqs))
         if tv >= bound:

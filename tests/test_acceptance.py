@@ -17,8 +17,7 @@ from medusa_mini.tree import Tree
 def random_case(seed: int, *, vocab: int = 4, rows: int = 1):
     """A random tree, per row tokens (siblings distinct, as every proposer makes them) and integer logits
     full of argmax ties."""
-    rng = random.Random(seed)
-    tree = random_tree(rng)
+    tree = random_tree(random.Random(seed))
     gen = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, vocab, (rows, tree.num_nodes), generator=gen)
     for b in range(rows):

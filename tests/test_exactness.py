@@ -181,20 +181,9 @@ def test_plain_and_rejection_sampling_emit_exactly_the_backbones_distribution(ca
         assert sum(inside) > 10
 
 
-def residual_not_updated(p, q, x, u):
-    """Each candidate tried against p itself, and the bonus drawn from p: no residual after a miss."""
-    accepted, flat, _ = speculative_try(p, q, x, u)
-    return accepted, flat, p
-
-
-def residual_only_over_the_draft_vocabulary(p, q, x, u):
-    accepted, flat, residual = speculative_try(p, q, x, u)
-    return accepted, flat, residual * (q > 0)
-
-
-def first_draw_accepted_untested(p, q, x, u):
-    accepted, flat, residual = speculative_try(p, q, x, u)
-    return torch.ones_like(accepted), flat, residual
+def try_then(mistake):
+    """`speculative_try` whose answer (accepted, flat, residual) mistake(p, q, *answer) replaces."""
+    return lambda p, q, x, u: mistake(p, q, *speculative_try(p, q, x, u))
 
 
 def accepts_without_top_p(tree, tokens, logits, *, sampling, **kwargs):
@@ -223,10 +212,9 @@ def another_rows_q(drawn, nodes, at=Drawn.at):
 def a_siblings_q(drawn, nodes, at=Drawn.at):
     """`Drawn.at` with each inner node's children (DEEP_TREE's depth 1) tried against the next one's q."""
     inner = [i for i, q in enumerate(drawn.q_index.tolist()) if q >= 0 and i > 0]
-    sibling = list(range(len(drawn.q_index)))
-    for i, j in zip(inner, inner[1:] + inner[:1]):
-        sibling[i] = j
-    return at(drawn, torch.tensor(sibling)[nodes])[0], at(drawn, nodes)[1]
+    sibling = dict(zip(inner, inner[1:] + inner[:1]))
+    moved = torch.tensor([sibling.get(i, i) for i in range(len(drawn.q_index))])
+    return at(drawn, moved[nodes])[0], at(drawn, nodes)[1]
 
 
 SAMPLING_BUGS = {  # name: (the case whose check must fail, the module attribute to patch, the wrong value)
@@ -235,14 +223,16 @@ SAMPLING_BUGS = {  # name: (the case whose check must fail, the module attribute
     "top_k_draws_share_one_uniform_per_row": ("top-k", acceptance, "rejection_accept_topk", one_uniform_per_row),
     "q_keeps_earlier_draws": ("drawn-depth-3-rank-gap", acceptance, "without_earlier_draws",
                               lambda log_q, draws, rank, x: log_q.softmax(dim=-1)),
-    "the_first_draw_is_accepted_untested": ("drawn-depth-3-rank-gap", acceptance, "speculative_try",
-                                            first_draw_accepted_untested),
+    "the_first_draw_is_accepted_untested": ("drawn-depth-3-rank-gap", acceptance, "speculative_try", try_then(
+        lambda p, q, accepted, flat, residual: (torch.ones_like(accepted), flat, residual))),
     "drawn_candidates_are_judged_by_p_without_top_p": ("drawn-top-p", step, "accept", accepts_without_top_p),
     "top_k_candidates_are_judged_by_p_without_top_p": ("top-k-top-p", step, "accept", accepts_without_top_p),
+    # each candidate tried against p itself, and the bonus drawn from p
     "the_residual_is_not_updated_after_a_miss": ("drawn-draft-vocabulary-T1.5", acceptance, "speculative_try",
-                                                 residual_not_updated),
+                                                 try_then(lambda p, q, accepted, flat, residual: (accepted, flat, p))),
     "the_residual_leaves_out_tokens_outside_the_draft_vocabulary": (
-        "drawn-draft-vocabulary-T1.5", acceptance, "speculative_try", residual_only_over_the_draft_vocabulary),
+        "drawn-draft-vocabulary-T1.5", acceptance, "speculative_try",
+        try_then(lambda p, q, accepted, flat, residual: (accepted, flat, residual * (q > 0)))),
     "a_row_tries_its_draws_against_another_rows_q": ("hydra-ragged-batch", Drawn, "at", another_rows_q),
     "children_are_tried_against_a_siblings_q": ("hydra-ragged-batch", Drawn, "at", a_siblings_q),
 }
@@ -299,13 +289,9 @@ def test_the_nucleus_check_fails_when_typical_acceptance_reads_p_without_top_p(m
 
 def lower_ids_nucleus(p: torch.Tensor, top_p: float) -> set[int]:
     """The spec, in Python: order by probability, ties by token id; keep while the mass before < top_p."""
-    kept, before = set(), 0.0
-    for t in sorted(range(len(p)), key=lambda t: (-float(p[t]), t)):
-        if before >= top_p:
-            break
-        kept.add(t)
-        before += float(p[t])
-    return kept
+    order = sorted(range(len(p)), key=lambda t: (-float(p[t]), t))
+    before = itertools.accumulate((float(p[t]) for t in order), initial=0.0)  # non-decreasing
+    return {t for t, mass in zip(order, before) if mass < top_p}
 
 
 def test_top_p_with_ties_at_the_cut_keeps_the_lower_token_ids_in_a_batch_as_alone():
