@@ -56,9 +56,8 @@ def scrambled(heads: DraftHeads) -> DraftHeads:
 
 def random_heads(model: GPT, *, num_heads: int = 4, seed: int = 0, kind: str = "medusa") -> DraftHeads:
     torch.manual_seed(seed)
-    cfg = model.config
-    return scrambled(make_heads(HeadsConfig(num_heads=num_heads, n_embd=cfg.n_embd, vocab_size=cfg.vocab_size,
-                                            kind=kind)))
+    config = HeadsConfig(num_heads=num_heads, n_embd=model.config.n_embd, vocab_size=model.config.vocab_size, kind=kind)
+    return scrambled(make_heads(config))
 
 
 RULES = {  # every acceptance rule, at a temperature where candidates are often accepted

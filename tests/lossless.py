@@ -106,9 +106,8 @@ class FutureHydraHeads(FutureHeads):
 
     def ahead(self, model, history, k, hidden, paths):
         """paths [B, n, >= k] (each row's root, then the drafted path) -> [B, n, V]."""
-        B, n = paths.shape[:2]
-        drafted = paths[..., :k].tolist()
-        return last_logits(model, [history[b][:-1] + drafted[b][m] for b in range(B) for m in range(n)]).view(B, n, -1)
+        seqs = [tokens[:-1] + path for tokens, drafted in zip(history, paths[..., :k].tolist()) for path in drafted]
+        return last_logits(model, seqs).view(*paths.shape[:2], -1)
 
 
 def sample_rows(model, drafter, prompts, *, rows: int, seed: int, tree, **settings):

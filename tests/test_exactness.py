@@ -64,14 +64,9 @@ def test_greedy_medusa_with_heads_that_know_the_future_equals_plain_greedy_in_ev
     assert greedy_mismatches(small_model(3), DRAFTERS[drafter]) == (0, GREEDY_TREE.depth)
 
 
-def verify_at_slots(model, cache, tokens, *, tree, attended=None):
-    slots = torch.arange(len(tree.depths))  # node i written at slot length + i, and placed there too
-    return verify(model, cache, tokens, tree=replace(tree, depths=slots), attended=attended)
-
-
-def verify_causal(model, cache, tokens, *, tree, attended=None):
-    causal = torch.ones_like(tree.ancestor_mask).tril()
-    return verify(model, cache, tokens, tree=replace(tree, ancestor_mask=causal), attended=attended)
+def verify_on(wrong):
+    """`verify` given the tree wrong(tree) in place of the step's tree."""
+    return lambda *args, tree, **kwargs: verify(*args, tree=wrong(tree), **kwargs)
 
 
 def keep_node_indices(cache, keep, *, to, length):
@@ -85,8 +80,10 @@ def judged_at_themselves(tree, tokens, y, *, usable=None):
 
 
 GREEDY_BUGS = {  # name: the module attribute to patch, and the wrong value
-    "nodes_sit_at_their_slot_not_their_depth": (step, "verify", verify_at_slots),
-    "nodes_see_a_causal_mask_not_the_tree_mask": (step, "verify", verify_causal),
+    "nodes_sit_at_their_slot_not_their_depth": (step, "verify", verify_on(  # node i written at slot length + i
+        lambda tree: replace(tree, depths=torch.arange(len(tree.depths))))),  # and placed there too
+    "nodes_see_a_causal_mask_not_the_tree_mask": (step, "verify", verify_on(
+        lambda tree: replace(tree, ancestor_mask=torch.ones_like(tree.ancestor_mask).tril()))),
     "the_cache_keeps_node_indices_not_the_paths_slots": (step, "compact_kv_cache", keep_node_indices),
     "children_are_judged_at_themselves_not_their_parent": (acceptance, "path_accept", judged_at_themselves),
 }
