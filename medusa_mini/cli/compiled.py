@@ -5,13 +5,13 @@ graph; `CompiledMedusa` runs `verify_and_accept` (verify, accept under any rule,
 heads' next tree) as one graph a step, and `draft_tree` for a generation's first tree of drawn candidates.
 Prompt lookup's chains come from its eager proposer, one graph per chain length.
 
-Every shape is fixed: a step reads the whole KV cache and verifies the whole tree. A CUDA graph replays
-on the addresses it recorded and overwrites its outputs at its next replay: `StaticCaches` keeps one KV
-cache per shape at a fixed address, the steps copy out every output the next call needs, and `warm_up`
-records every shape before anything is timed. The prefill stays eager.
+Every shape is fixed: a step reads the whole KV cache and verifies the whole tree. A CUDA graph replays on the
+addresses it recorded and overwrites its outputs at its next replay, so `StaticCaches` keeps each shape's cache at
+one address, the steps copy out what the next call needs, and `warm_up` records every shape first (prefill: eager).
 
 Shapes: B rows, N tree nodes, C n_embd, V vocabulary, Q the q a drawn tree draws from.
 """
+
 from __future__ import annotations
 
 from typing import Callable, Iterable
