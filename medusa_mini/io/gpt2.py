@@ -205,20 +205,6 @@ def download_gpt2(name: str) -> str:
     return folder
 
 
-def _read_weights(path: str) -> dict[str, torch.Tensor]:
-    if path.endswith(".safetensors"):
-        return read_safetensors(path)
-    try:
-        # weights_only: a .bin file is a pickle, and a full unpickle can run arbitrary code.
-        obj = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # torch raises several types for files that are not weights-only pickles
-        why = (str(e).strip() or type(e).__name__).splitlines()[0]
-        raise ValueError(f"{path} is not a weights-only PyTorch file: {why}") from None
-    if not isinstance(obj, dict) or not all(isinstance(t, torch.Tensor) for t in obj.values()):
-        raise ValueError(f"{path} does not hold a dict of tensors (a state_dict)")
-    return obj
-
-
 def infer_gpt2_config(tensors: dict[str, torch.Tensor]) -> GPTConfig:
     """GPTConfig from GPT-2-layout tensor shapes; n_head, which they cannot tell, from the GPT-2 of that shape."""
     short = {k.removeprefix("transformer."): t for k, t in tensors.items()}
@@ -234,18 +220,16 @@ def infer_gpt2_config(tensors: dict[str, torch.Tensor]) -> GPTConfig:
 
 
 def load_gpt2(name_or_path: str | os.PathLike, *, device: torch.device | str = "cpu") -> GPT:
-    """GPT-2 in eval mode from a directory (config.json + model.safetensors or pytorch_model.bin), a single
-    .safetensors/.bin file, or a hub name: gpt2, gpt2-medium, gpt2-large, gpt2-xl (downloaded once)."""
+    """GPT-2 in eval mode from a directory (config.json + model.safetensors), a .safetensors file or a hub name:
+    gpt2, gpt2-medium, gpt2-large, gpt2-xl (downloaded once). The hub ships each as safetensors: no pickle is read."""
     path = os.path.expanduser(os.fspath(name_or_path))
     if not os.path.exists(path):
         path = download_gpt2(path)
-    if os.path.isdir(path):
-        found = [w for f in ("model.safetensors", "pytorch_model.bin") if os.path.isfile(w := os.path.join(path, f))]
-        if not found:
-            raise ValueError(f"{path} holds neither model.safetensors nor pytorch_model.bin")
-        folder, weights = path, found[0]
-    else:
-        folder, weights = os.path.dirname(os.path.abspath(path)), path
+    folder, weights = (path, os.path.join(path, "model.safetensors")) if os.path.isdir(path) else (
+        os.path.dirname(os.path.abspath(path)), path)
+    if not weights.endswith(".safetensors") or not os.path.isfile(weights):
+        raise ValueError(f"no model.safetensors in {path}: GPT-2 weights are read from safetensors only (convert a "
+                         "pytorch_model.bin with safetensors.torch.save_file)")
     config_path, config = os.path.join(folder, "config.json"), None
     if os.path.isfile(config_path) or os.path.isdir(path):
         d = read_json(config_path, hint="put GPT-2's config.json beside its weights")
@@ -253,7 +237,7 @@ def load_gpt2(name_or_path: str | os.PathLike, *, device: torch.device | str = "
             config = config_from_gpt2_dict(d)
         except ValueError as e:
             raise ValueError(f"{config_path}: {e}") from None
-    tensors = _read_weights(weights)
+    tensors = read_safetensors(weights)
     config = config or infer_gpt2_config(tensors)  # a bare weights file: its shapes say which GPT-2 it is
     with torch.device("meta"):  # no random initialisation (slow for gpt2-xl) and no full copy on the CPU first
         model = GPT(config)
