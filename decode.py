@@ -39,18 +39,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ckpt", default="out/tiny", metavar="DIR", help="checkpoint directory (default: %(default)s)")
     p.add_argument("--prompt", action="append", metavar="TEXT", help="repeat for several (default: prompts.json)")
     p.add_argument("--num-prompts", type=at_least(1), default=8, metavar="N", help="stored prompts used (default: 8)")
-    p.add_argument("--max-new-tokens", type=at_least(1), default=128, metavar="N",
-                   help="new tokens per prompt (default: 128)")
+    p.add_argument("--max-new-tokens", type=at_least(1), default=128, metavar="N", help="per prompt (default: 128)")
     p.add_argument("--method", choices=("plain", "greedy", "typical", "rejection"), help="plain: one forward pass "
                    "per token; else Medusa with that acceptance rule (default: greedy at T = 0, else rejection)")
     p.add_argument("--temperature", type=float, metavar="T",
                    help=f"0 = greedy (default: 0, or {SAMPLING_TEMPERATURE} for typical and rejection)")
     p.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling mass (default: 1.0)")
     p.add_argument("--seed", type=seed, default=0, metavar="N", help="seeds the sampling generator (default: 0)")
-    p.add_argument("--tree", metavar="N|auto|NAME|FILE.json",
-                   help="N nodes built from heads_accuracy.json; auto: 64 of them on CUDA, on a CPU up to 8 that "
-                        "pay for their cost; a preset (cpu, gpu, chainN); or choices, in a JSON file or inline: "
-                        "'[[0],[1],[0,0]]' (default: auto, without heads_accuracy.json the device's preset)")
+    p.add_argument("--tree", metavar="N|auto|NAME|FILE.json", help="N nodes built from heads_accuracy.json; auto: "
+                   "64 of them on CUDA, on a CPU up to 8 that pay for their cost; a preset (cpu, gpu, chainN); or "
+                   "choices, in a JSON file or inline: '[[0],[1],[0,0]]' (default: auto, else the device's preset)")
     p.add_argument("--batch-size", type=numbers(1), default="1", metavar="B",
                    help="prompts per batch; with --compare a list: 1,2,4,8 (default: 1)")
     p.add_argument("--device", help="cpu or cuda (default: cuda if available, else cpu)")
@@ -207,9 +205,8 @@ def print_each(engine: Engine, method: Method, prompts: list[tuple[str, list[int
     for first in range(0, len(prompts), B):
         chunk, streamed = prompts[first : first + B], B == 1 and not a.json
         printer = announce(first) if streamed else None
-        rows, seconds = timed(ck.model.device, lambda: decode(
-            engine, method, [ids for _, ids in chunk], seed=a.seed, max_new_tokens=a.max_new_tokens,
-            on_step=(lambda b, t: printer(t)) if streamed else None))
+        rows, seconds = timed(ck.model.device, lambda: decode(engine, method, [ids for _, ids in chunk], seed=a.seed,
+                              max_new_tokens=a.max_new_tokens, on_step=(lambda b, t: printer(t)) if streamed else None))
         ms = 1000 * seconds / max(sum(len(t) for t, _ in rows), 1)
         speed = (" as streamed (printing included; --compare times decoding alone)" if streamed
                  else f" over its batch of {len(rows)}" if len(rows) > 1 else "")
@@ -248,9 +245,8 @@ def run(a: argparse.Namespace) -> None:
             plot_batch(result["rows"], a.plot, title=f"medusa_mini, {ck.directory}, {result['device']}")
         print(json.dumps(result) if a.json else format_table(result))
     elif a.explain:
-        print((DEMO_NOTE + "\n\n" if a.demo else "") + explain_step(
-            ck.model, ck.heads, ck.enc, prompts[0][1], tree=tree, sampling=a.sampling,
-            generator=torch.Generator(device=ck.model.device).manual_seed(a.seed)))
+        print((DEMO_NOTE + "\n\n" if a.demo else "") + explain_step(ck.model, ck.heads, ck.enc, prompts[0][1],
+              tree=tree, sampling=a.sampling, generator=torch.Generator(device=ck.model.device).manual_seed(a.seed)))
     else:
         if a.show and methods[0].drafter is not None:  # plain decoding verifies no tree
             print(f"tree {tree_name}: {tree.num_nodes - 1} nodes + root, depth {tree.depth}\n{draw_tree(tree)}\n")

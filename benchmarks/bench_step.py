@@ -22,9 +22,7 @@ from collections import Counter
 from functools import partial
 from typing import Callable
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:  # run as a script from anywhere, without installing the package
-    sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # runs from anywhere, uninstalled
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode

@@ -30,8 +30,7 @@ import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:  # run as a script from anywhere, without installing the package
-    sys.path.insert(0, ROOT)
+sys.path.insert(0, ROOT)  # run as a script from anywhere, without installing the package
 
 import torch
 
@@ -46,9 +45,8 @@ QUICK_DECODE = ["--num-prompts", "2", "--max-new-tokens", "32"]
 BUDGET_S, QUICK_BUDGET_S = 510.0, 170.0  # a part stays under 9 minutes on an H100; --quick under 3
 # Flags forwarded to a script: the script, and the flags its part sets itself (forwarded, the last would win).
 FORWARDED = {"--step-flags": ("benchmarks/bench_step.py", ("--configs", "--dtypes", "--device", "--compile")),
-             "--train-flags": ("train_tiny.py", ("--preset", "--out", "--device")),
-             "--decode-flags": ("decode.py", ("--ckpt", "--compare", "--batch-size", "--dtype", "--device",
-                                              "--compile"))}
+             "--train-flags": ("train_tiny.py", ("--preset", "--out", "--device")), "--decode-flags": (
+                 "decode.py", ("--ckpt", "--compare", "--batch-size", "--dtype", "--device", "--compile"))}
 
 
 def run_script(argv: list[str], *, timeout_s: float, label: str) -> tuple[int | None, str, float]:
@@ -103,9 +101,8 @@ PARTS = {  # part: its section's title, the lines kept of each command's output,
 def commands(s: argparse.Namespace, part: str) -> list[tuple[str | None, list[str]]]:
     """A part's commands, each (its heading or None, argv)."""
     if part == "step":
-        return [(config, ["benchmarks/bench_step.py", "--configs", config, "--dtypes", ",".join(s.dtypes),
-                          "--device", s.device, *s.compile, *(QUICK_STEP if s.quick else []), *s.step_flags])
-                for config in s.configs]
+        return [(shape, ["benchmarks/bench_step.py", "--configs", shape, "--dtypes", ",".join(s.dtypes), "--device",
+                         s.device, *s.compile, *(QUICK_STEP if s.quick else []), *s.step_flags]) for shape in s.configs]
     if part == "train":
         return [(None, ["train_tiny.py", "--preset", "smoke" if s.quick else "gpu", "--out", s.ckpt,
                         "--device", s.device, *s.train_flags])]

@@ -160,10 +160,9 @@ def compare(engine: Engine, prompts: list[list[int]], methods: list[Method], *, 
         if row["key"].startswith("reference"):
             engine_row = next(r for r in rows if r["key"] == row["key"].replace("reference", "medusa"))
             row["same_as_engine"] = sum(a == b for a, b in zip(row["tokens"], engine_row["tokens"]))
+    one = list(batch_sizes) == [1] and "prompt_lookup_greedy" in runs
     return {"rows": rows, "batch_sizes": list(batch_sizes), "prompts": len(work), "distinct_prompts": len(prompts),
-            "max_new_tokens": max_new_tokens, "repeat": repeat,
-            "per_prompt": per_prompt(work, runs) if list(batch_sizes) == [1] and "prompt_lookup_greedy" in runs
-            else None}
+            "max_new_tokens": max_new_tokens, "repeat": repeat, "per_prompt": per_prompt(work, runs) if one else None}
 
 
 def per_prompt(prompts: list[list[int]], runs: dict[str, Runs]) -> list[dict]:
@@ -172,9 +171,8 @@ def per_prompt(prompts: list[list[int]], runs: dict[str, Runs]) -> list[dict]:
     out = []
     for i, ids in enumerate(prompts):
         seq = ids[-1:] + runs["plain_greedy"][i][0][0][0]
-        out.append({"prompt": i, **{key: runs[key][i][0][0][1].tokens_per_step
-                                    for key in ("prompt_lookup_greedy", "medusa_greedy")},
-                    "repeats": sum(a == b for a, b in zip(seq, seq[1:])) / max(len(seq) - 1, 1)})
+        out.append({"prompt": i, **{key: runs[key][i][0][0][1].tokens_per_step for key in ("prompt_lookup_greedy",
+                    "medusa_greedy")}, "repeats": sum(a == b for a, b in zip(seq, seq[1:])) / max(len(seq) - 1, 1)})
     return out
 
 
