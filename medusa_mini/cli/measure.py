@@ -88,8 +88,7 @@ def resolve_tree(spec: str | None, *, ckpt_dir: str, device: torch.device | str,
             tree = preset(spec)
         except ValueError:
             raise ValueError(f"unknown --tree {spec!r}: give a node budget N (1 to 256), auto, a preset (cpu, gpu, "
-                             "chainN with N >= 1), a JSON file of choices, or choices inline: '[[0], [1], [0, 0]]'"
-                             ) from None
+                             "chainN with N >= 1), or choices in a JSON file or inline: '[[0], [1], [0, 0]]'") from None
     tree.check_heads(num_heads)
     return TreeChoice(tree, spec, budget or max(tree.num_nodes - 1, 1))
 
@@ -130,7 +129,6 @@ def main(argv: list[str] | None = None) -> int:
     accuracy.save_accuracy(a.ckpt, acc, drawn=drawn, meta={
         "measured_on": f"greedy continuations {on}", "drawn_on": f"continuations sampled at T={T:g} {on}",
         "num_prompts": len(prompts), "max_new_tokens": a.max_new_tokens})
-
     print(f"saved {os.path.join(a.ckpt, accuracy.ACCURACY_FILE)}")
     for what, table in (("greedy continuations", acc), (f"drawn candidates, sampled at T={T:g}", drawn)):
         print(f"{what}:\n{accuracy.format_accuracy(table)}\nexpected tokens/step of its tree (product rule, bonus "

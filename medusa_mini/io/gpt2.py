@@ -100,17 +100,16 @@ def config_from_gpt2_dict(d: object) -> GPTConfig:
     if d.get("model_type") != "gpt2":
         raise ValueError(f"model_type is {d.get('model_type')!r}; only 'gpt2' models can be loaded")
     try:
-        n_embd = int(d["n_embd"])
         block_size = int(d["n_positions"] if "n_positions" in d else d["n_ctx"])
         config = GPTConfig(vocab_size=int(d["vocab_size"]), block_size=block_size, n_layer=int(d["n_layer"]),
-                           n_head=int(d["n_head"]), n_embd=n_embd,
+                           n_head=int(d["n_head"]), n_embd=int(d["n_embd"]),
                            layer_norm_epsilon=float(d.get("layer_norm_epsilon", 1e-5)))
     except KeyError as e:
         raise ValueError(f"GPT-2 config is missing {e.args[0]!r}") from None
     except (TypeError, ValueError) as e:
         raise ValueError(f"GPT-2 config has an invalid value: {e}") from None
     supported = {  # this GPT's MLP is 4 C wide with tanh-GELU, and its attention scales by 1/sqrt(hs)
-        "activation_function": ("gelu_new", "gelu_pytorch_tanh"), "n_inner": (None, 4 * n_embd),
+        "activation_function": ("gelu_new", "gelu_pytorch_tanh"), "n_inner": (None, 4 * config.n_embd),
         "tie_word_embeddings": (True,), "scale_attn_weights": (True,), "scale_attn_by_inverse_layer_idx": (False,)}
     for field, values in supported.items():
         if field in d and d[field] not in values:

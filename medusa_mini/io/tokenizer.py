@@ -26,13 +26,6 @@ CONFIG_FILE = "tokenizer_config.json"
 Pair = tuple[int, int]
 
 
-def _count_words(text: str) -> Counter[bytes]:
-    """How often each distinct pre-token occurs, as UTF-8 bytes. <|endoftext|> splits the text: learned as
-    ordinary merges, it would be encoded differently by encode_ordinary and encode."""
-    pattern = regex.compile(GPT2_SPLIT_PATTERN)
-    return Counter(word.encode("utf-8") for chunk in text.split(EOT) for word in pattern.findall(chunk))
-
-
 def _pairs(word: list[int]) -> Counter[Pair]:
     return Counter(zip(word, word[1:]))
 
@@ -106,7 +99,10 @@ def train_bpe(text: str, *, vocab_size: int) -> dict[bytes, int]:
         raise ValueError(f"vocab_size={vocab_size} leaves no room for the 256 byte tokens and {EOT}")
     vocab = [bytes([b]) for b in range(256)]
     ranks = {token: rank for rank, token in enumerate(vocab)}
-    pairs = _PairCounts(_count_words(text))
+    # How often each distinct pre-token occurs, as UTF-8 bytes. <|endoftext|> splits the text: learned as
+    # ordinary merges, it would be encoded differently by encode_ordinary and encode.
+    words = Counter(w.encode("utf-8") for chunk in text.split(EOT) for w in regex.findall(GPT2_SPLIT_PATTERN, chunk))
+    pairs = _PairCounts(words)
     while len(vocab) < vocab_size - 1 and (pair := pairs.most_frequent()) is not None:
         merged = vocab[pair[0]] + vocab[pair[1]]
         if merged not in ranks:  # two splits can build the same bytes; tiktoken needs one rank per bytes
