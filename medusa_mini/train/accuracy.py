@@ -183,6 +183,5 @@ def load_accuracy(directory: str | os.PathLike, *, drawn: bool = False) -> torch
 def format_accuracy(acc: torch.Tensor) -> str:
     """Per head: top-1 and top-5 cumulative acceptance (summed over the first 1 or 5 ranks)."""
     cum = check_acc(acc).cumsum(dim=1)
-    lines = ["head  top-1  top-5   (cumulative: accepted among the first r guesses)"]
-    lines += [f"{k + 1:>4}  {cum[k, 0]:.3f}  {cum[k, min(4, cum.shape[1] - 1)]:.3f}" for k in range(len(cum))]
-    return "\n".join(lines)
+    return "\n".join(["head  top-1  top-5   (cumulative: accepted among the first r guesses)"]
+                     + [f"{k + 1:>4}  {cum[k, 0]:.3f}  {cum[k, min(4, len(cum[k]) - 1)]:.3f}" for k in range(len(cum))])

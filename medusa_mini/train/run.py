@@ -236,14 +236,11 @@ def _optimizer(params_and_lrs: list[tuple[list[torch.nn.Parameter], float]], arg
 
 def progress_line(stage: str, step: int, steps: int, metrics: dict, *, tokens_per_s: float, eta: float) -> str:
     """One progress line: the current step's losses and head top-1, throughput, time left."""
-    parts = [f"{stage:9s} step {step + 1:5d}/{steps}"]
-    if "lm" in metrics:
-        parts.append(f"lm {metrics['lm']:.3f}")
+    parts = [f"{stage:9s} step {step + 1:5d}/{steps}"] + ([f"lm {metrics['lm']:.3f}"] if "lm" in metrics else [])
     if "heads" in metrics:
         parts.append("heads " + " ".join(f"{v:.2f}" for v in metrics["heads"]))
         parts.append("top1 " + " ".join(f"{v:.2f}" for v in metrics["acc"]))
-    parts.append(f"{tokens_per_s:,.0f} tok/s  ETA {int(eta // 60)}m{int(eta % 60):02d}s")
-    return "  ".join(parts)
+    return "  ".join(parts + [f"{tokens_per_s:,.0f} tok/s  ETA {int(eta // 60)}m{int(eta % 60):02d}s"])
 
 
 def _train(r: Run, module: MedusaLM, optimizer, *, stage: str, steps: int, start: int, gen, batch_fn, loss_kwargs,
