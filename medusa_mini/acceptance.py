@@ -3,15 +3,14 @@
 Every rule judges each node on its own, on the device and all at once: does the candidate pass at its
 parent (greedy: it is the backbone's token there; typical: p(candidate) clears the bar; rejection: its
 try at the parent accepts it)? A node is accepted when every node of its path below the root passes
-(one gather along `TreeTensors.below_root`), and the step keeps the accepted node the rule prefers:
+(one matmul counts them, `path_scores`), and the step keeps the accepted node the rule prefers:
 the deepest (typical: then the most likely), whose path from the root is the accepted path. A step thus
 reads its result with a single host read. Greedy and top-k rejection sampling are one rule with two
 sources of y, the backbone's token at every node: its argmax, or one draw from p
 (`reference.rejection_accept` says why that is exact). Drawn candidates need speculative sampling's
 tries, sequential among a node's children but independent across nodes, so every node tries its
 children at once, slot by slot. Every rule takes the uniforms it draws from (`acceptance_uniforms`,
-drawn before it, in the reference's order). Tests hold every rule to the reference, decision for
-decision and draw for draw.
+drawn before it, in the reference's order). Tests hold every rule to the reference, draw for draw.
 
 `usable` [B, N] (None: every node) marks the nodes a row may accept: near the end of its budget or of the
 context deeper nodes could not be used; a finished row in a batch has none, not even its root.
@@ -32,36 +31,41 @@ from .tree import TreeTensors
 
 
 class Accepted(NamedTuple):
-    """An acceptance decision for B rows, as device tensors of fixed shape.
+    """An acceptance decision for B rows, as device tensors of fixed shape: moves [B, 2D + 3], the last accepted
+    node's row of `TreeTensors.path_moves`, and bonus [B], the backbone's token after it."""
 
-    nodes: [B, D + 1] long: the root, then the accepted nodes; past them the last accepted node repeats,
-        so nodes[:, -1] is the node whose hidden state proposes the next tree.
-    count: [B] long, accepted candidates per row (the path's length minus the root).
-    bonus: [B] long, the backbone's token after the last accepted node.
-    """
-
-    nodes: torch.Tensor
-    count: torch.Tensor
+    moves: torch.Tensor
     bonus: torch.Tensor
+
+    @property
+    def nodes(self) -> torch.Tensor:
+        """[B, D + 1] long: the root, then the accepted nodes; past them the last accepted node repeats, so
+        nodes[:, -1] is the node whose hidden state proposes the next tree."""
+        return self.moves[:, : self.moves.shape[1] // 2]
+
+    @property
+    def count(self) -> torch.Tensor:
+        return self.moves[:, -1] - 1  # [B]: accepted candidates per row (the path's length minus the root)
 
     @staticmethod
     def ending_at(tree: TreeTensors, last: torch.Tensor, bonus: torch.Tensor) -> "Accepted":
         """The path from the root to node last [B] of each row, then its bonus [B]."""
-        path = tree.paths_and_depths[last]  # [B, D + 2]: the path, then its depth
-        return Accepted(nodes=path[:, :-1], count=path[:, -1], bonus=bonus)
+        return Accepted(tree.path_moves[last], bonus)
 
 
-def whole_path_passes(tree: TreeTensors, passes: torch.Tensor) -> torch.Tensor:
-    """[B, N] bool: every node of node i's path below the root passes (passes [B, N], each node's own test at
-    its parent). The root's own entry is undefined: no caller reads it."""
-    return passes[:, tree.below_root].all(dim=-1)  # [B, N, D] -> [B, N]
+def path_scores(tree: TreeTensors, passes: torch.Tensor) -> torch.Tensor:
+    """[B, N] float: node i's index where every node of its path below the root passes (so the root's, 0,
+    always), below 0 where one does not (passes [B, N], each node's own test at its parent; the root's
+    unread). One matmul counts each path's passing nodes (`TreeTensors.deepest_score`)."""
+    bias, counts = tree.deepest_score  # [N], [N, N]
+    return torch.addmm(bias, passes.float(), counts)
 
 
 def deepest_accepted(tree: TreeTensors, passes: torch.Tensor) -> torch.Tensor:
     """[B] the deepest node whose whole path passes, the root if none (passes [B, N], each node's own test).
     Where siblings never both pass, the accepted nodes form one chain from the root, and along a chain
-    the deepest node has the largest index (nodes are numbered parents first): the root weighs 0."""
-    return (whole_path_passes(tree, passes) * tree.index).argmax(dim=-1)
+    the deepest node has the largest index (nodes are numbered parents first), the largest score."""
+    return path_scores(tree, passes).argmax(dim=-1)
 
 
 def path_accept(tree: TreeTensors, tokens: torch.Tensor, y: torch.Tensor, *,
@@ -103,8 +107,7 @@ def typical_accept_paths(tree: TreeTensors, tokens: torch.Tensor, logits: torch.
     passes = p_x > bar[:, tree.parent_index]  # [B, N]
     if usable is not None:
         passes &= usable
-    depth = torch.where(whole_path_passes(tree, passes), tree.depths, -1)  # [B, N]
-    depth[:, 0].zero_()  # the root, never judged, always passes
+    depth = torch.where(path_scores(tree, passes) >= 0, tree.depths, -1)  # [B, N]: the accepted nodes' depths
     along = torch.log(p_x.clamp_min(1e-30)).double()[:, tree.below_root] * tree.on_path  # [B, N, D]
     score = along.new_zeros(B, N)  # [B, N]: the sum of log p along each node's path, root side first
     for d in range(tree.depth):
@@ -149,25 +152,26 @@ def rejection_accept_drawn(tree: TreeTensors, tokens: torch.Tensor, logits: torc
     one chain, and its deepest node's residual, what is left of p, gives the bonus with u[:, 0].
     Unusable nodes are never tried; a row without a usable root tries nothing.
     """
-    p, passes = sampling.probs(logits), torch.zeros_like(tokens, dtype=torch.bool)  # [B, N, V], [B, N]
-    nodes, sizes, by_slot = tree.tries  # [n] nodes, most children first; per slot, how many; their children
-    if sizes:
-        log_q, draws = drawn.at(tree.parent_index)  # [B, N, V], [B, N, R]: what each node was drawn from
-        q = without_earlier_draws(log_q, draws, tree.ranks.expand_as(tokens), tokens)  # [B, N, V] (the root's unused)
-        q_kids, x, u_kids = (v[:, by_slot].split(sizes, dim=1) for v in (q, tokens, u))  # per slot: [B, n_s, ...]
-        target = p[:, nodes]  # [B, n, V] the residual the misses so far left
-        firsts = by_slot[: len(nodes)]  # slot 0: every node's first child, usable as its siblings are
-        trying = torch.ones_like(target[..., 0], dtype=torch.bool) if usable is None else usable[:, firsts]  # [B, n]
-        passed, done = [], []  # per slot s: [B, n_s], its child passed; the nodes done after it
-        for s, n_next in enumerate(sizes[1:] + (0,)):  # the first n_s nodes have a child in slot s
-            accepted, flat, residual = speculative_try(target, q_kids[s], x[s], u_kids[s])
-            passed.append(trying & accepted)
-            trying = trying & ~(accepted | flat)  # a child passed, or p = q: no residual to try another against
-            target = torch.where(trying[..., None], residual, target)  # [B, n_s, V]
-            done.insert(0, target[:, n_next:])  # the nodes without a child in slot s + 1 are done
-            target, trying = target[:, :n_next], trying[:, :n_next]
-        passes[:, by_slot] = torch.cat(passed, dim=1)
-        p[:, nodes] = torch.cat(done, dim=1)  # [B, n, V]: the nodes in order, most children first
+    p, tries = sampling.probs(logits), tree.tries  # [B, N, V]
+    if not tries.sizes:  # the root alone: nothing to try
+        return Accepted.ending_at(tree, torch.zeros_like(tokens[:, 0]), inverse_cdf(p[:, 0], u[:, 0]))
+    log_q, draws = drawn.at(tries.parents)  # [B, N - 1, V], [B, N - 1, R]: what each child was drawn from
+    x, u_kids = tokens[:, tries.children], u[:, tries.children]  # [B, N - 1]
+    q = without_earlier_draws(log_q, draws, x, earlier=tries.earlier)  # [B, N - 1, V]
+    q, x, u_kids = (v.split(tries.sizes, dim=1) for v in (q, x, u_kids))  # per slot s: [B, n_s, ...]
+    target = p[:, tries.nodes]  # [B, n, V] the residual the misses so far left
+    firsts = tries.children[: len(tries.nodes)]  # slot 0: every node's first child, usable as its siblings are
+    trying = torch.ones_like(target[..., 0], dtype=torch.bool) if usable is None else usable[:, firsts]  # [B, n]
+    passed, done = [], []  # per slot s: [B, n_s], its child passed; the nodes done after it
+    for s, n_next in enumerate(tries.sizes[1:] + (0,)):  # the first n_s nodes have a child in slot s
+        accepted, live, residual = speculative_try(target, q[s], x[s], u_kids[s])
+        passed.append(trying & accepted)
+        trying = (trying ^ passed[-1]) & live  # a miss, with a residual left to try another candidate against
+        target = torch.where(trying[..., None], residual, target)  # [B, n_s, V]
+        done.insert(0, target[:, n_next:])  # the nodes without a child in slot s + 1 are done
+        target, trying = target[:, :n_next], trying[:, :n_next]
+    passes = torch.cat(passed, dim=1)[:, tries.slot_order]  # [B, N]: each node's, in node order (the root's unread)
+    p[:, tries.nodes] = torch.cat(done, dim=1)  # [B, n, V]: the nodes in order, most children first
     last = deepest_accepted(tree, passes)  # [B]
     return Accepted.ending_at(tree, last, inverse_cdf(at_each_row(p, last), u[:, 0]))  # what is left of p there
 

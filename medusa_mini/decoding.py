@@ -1,10 +1,9 @@
 """The engine's decoding loops, for B prompts at once: plain `generate` and Medusa's `medusa_generate` (§2).
 
-Medusa repeats one step (`step.medusa_step`) until every row has stopped; reference.py's
-`medusa_generate` is the same loop for one prompt, written plainly. Both engine loops share prefill,
-stopping rules and statistics: steps are backbone forward passes after the prefill; tokens per step
-counts the bonus token (plain decoding: exactly 1.0); the prefill's token is emitted before the first
-step and counted in neither.
+Medusa repeats one step (`step.medusa_step`) until every row has stopped; reference.py's `medusa_generate`
+is the same loop for one prompt, written plainly. Both engine loops share prefill, stopping rules and
+statistics: steps are backbone forward passes after the prefill; tokens per step counts the bonus token
+(plain decoding: exactly 1.0); the prefill's token, emitted before the first step, is counted in neither.
 
 A row stops at `max_new_tokens`, at an end token (kept) or when prompt + output fill the context. In a
 batch each row accepts its own path and keeps its own cache length; a row that has stopped rides along,

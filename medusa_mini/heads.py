@@ -130,9 +130,8 @@ class DraftHeads(nn.Module):
 
     def heads_of(self, model: nn.Module) -> Callable:
         """The heads' logits for decoding, the function the kind's proposer calls (its `head_logits`), with
-        what every call shares (the draft vocabulary's lm_head rows, ...) made once, here, and detached:
-        Medusa's takes (hidden [B, C], num) -> [B, num, M]; Hydra's (k, hidden [B, n, C], tokens [B, n, k])
-        -> [B, n, M]."""
+        what every call shares (the draft vocabulary's lm_head rows, ...) made once, here, and detached: Medusa's
+        takes (hidden [B, C], num) -> [B, num, M]; Hydra's (k, hidden [B, n, C], tokens [B, n, k]) -> [B, n, M]."""
         raise NotImplementedError
 
     def proposer(self, model: nn.Module, tree: Tree) -> HeadsProposer:
@@ -181,8 +180,7 @@ class MedusaHeads(DraftHeads):
 
     def forward(self, hidden: torch.Tensor, model: nn.Module, *, following: torch.Tensor | None = None,
                 num: int | None = None) -> torch.Tensor:
-        """hidden [..., C] -> logits [K', ..., M] of the first `num` heads (default all K). `following` is for
-        dependent heads."""
+        """hidden [..., C] -> logits [K', ..., M] of the first `num` heads (default all K); `following`: Hydra's."""
         z = self.residual(hidden, self.num_heads if num is None else num, self.stacked())  # [..., K', C]
         return F.linear(z.movedim(-2, 0), self.draft_weight(model))  # [K', ..., M]
 
@@ -218,8 +216,7 @@ class HydraHeads(DraftHeads):
 
     def forward(self, hidden: torch.Tensor, model: nn.Module, *, following: torch.Tensor | None = None,
                 num: int | None = None) -> torch.Tensor:
-        """Teacher-forced: hidden [..., C], following [..., K] (the true x_{t+1..t+K}, `next_tokens`) ->
-        logits [K', ..., M]."""
+        """Teacher-forced: hidden [..., C], following [..., K] (the true x_{t+1..t+K}) -> logits [K', ..., M]."""
         if following is None:
             raise ValueError("hydra heads read the tokens drafted before their target: pass following= "
                              "(heads.next_tokens), or decode through heads.proposer")

@@ -159,8 +159,7 @@ def cache_attention_mask(lengths: torch.Tensor, new_mask: torch.Tensor, *, max_l
     Slots before a row's length hold its committed prefix: every new token sees them. Slot
     lengths[b] + j holds new token j: new token i sees it iff new_mask[b, i, j] (new_mask [T, T] or
     [B, T, T]: causal for plain decoding, the tree's ancestor mask for verification, paper Fig. 2).
-    Later slots are stale or empty: nobody sees them. Built from the `lengths` tensor, so the host
-    never needs to know them.
+    Later slots are stale or empty: nobody sees them. Built from `lengths`, a tensor the host never reads.
     """
     B, T = lengths.shape[0], new_mask.shape[-1]
     rel = torch.arange(max_len, device=new_mask.device) - lengths[:, None, None]  # [B, 1, max_len] slot - length

@@ -11,8 +11,7 @@ node's children were drawn from (`Drawn`). Three `Proposer`s make them, and the 
 
 Heads make their proposer (`heads.proposer(model, tree)`), and so does `PromptLookup`: a decoding loop
 takes any such *drafter*. Shapes: B rows, N nodes, D depth, R ranks, V vocabulary, M draft vocabulary, C
-n_embd, Q the q a drawn tree draws from (one per depth for Medusa heads; for Hydra's, one per node above the
-deepest depth).
+n_embd, Q the q a drawn tree draws from (Medusa heads: one per depth; Hydra's: one per inner node).
 """
 
 from __future__ import annotations
@@ -41,8 +40,8 @@ class Drawn:
     q_index: torch.Tensor
 
     def at(self, nodes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """What each of nodes [n] drew its children from, in every row: log q [B, n, V] and the draws [B, n, R]."""
-        which = self.q_index.clamp(min=0)[nodes]  # [n]; a leaf's is never asked for
+        """What inner nodes [n] drew their children from, in every row: log q [B, n, V], the draws [B, n, R]."""
+        which = self.q_index[nodes]  # [n]
         return self.log_q[:, which], self.samples[:, which]
 
     def per_node(self, b: int) -> list[tuple[torch.Tensor, list[int]] | None]:
@@ -144,13 +143,13 @@ def fill_depth_by_depth(tree: TreeTensors, roots: torch.Tensor, hidden: torch.Te
 
     head_logits(k, hidden [B, n, C], tokens [B, n, k]) -> [B, n, M]: head k given each node's path."""
     (B, C), first = hidden.shape, tree.first
-    tokens = roots[:, None].expand(B, tree.parents.numel()).clone()  # [B, N], filled depth by depth below
+    tokens = roots[:, None].expand(B, tree.parent_index.numel()).clone()  # [B, N], filled depth by depth below
     for d in range(1, tree.depth + 1):
         lo, hi, kids = first[d - 1], first[d], slice(first[d], first[d + 1])
         paths = tokens[:, tree.node_paths[lo:hi, :d]]  # [B, n, d]: the root, then the drafted path
         picks = pick(head_logits(d, hidden[:, None].expand(B, hi - lo, C), paths))  # [B, n, R]
         # [B, n_d]: each node of depth d takes its parent's pick (parents counted from lo) at its rank
-        tokens[:, kids] = picks[:, tree.parents[kids] - lo, tree.ranks[kids]]
+        tokens[:, kids] = picks[:, tree.parent_index[kids] - lo, tree.ranks[kids]]
     return tokens
 
 
@@ -166,8 +165,7 @@ def medusa_tree(tree: TreeTensors, roots: torch.Tensor, hidden: torch.Tensor, he
         return fill(tree, roots, top_k(logits, draft_ids, tree.num_ranks)), None
     log_q = q_log_probs(logits, draft_ids, temperature=temperature, vocab_size=vocab_size)  # [B, D, V]
     samples = gumbel_top_k(log_q, tree.num_ranks, u)  # [B, D, R]
-    q_index = torch.where(tree.inner, tree.depths, -1)  # [N] node i's children were drawn from head depth(i) + 1
-    return fill(tree, roots, samples), Drawn(log_q=log_q, samples=samples, q_index=q_index)
+    return fill(tree, roots, samples), Drawn(log_q=log_q, samples=samples, q_index=tree.q_by_depth)
 
 
 def hydra_tree(tree: TreeTensors, roots: torch.Tensor, hidden: torch.Tensor, head_logits: Callable, *,
@@ -189,8 +187,7 @@ def hydra_tree(tree: TreeTensors, roots: torch.Tensor, hidden: torch.Tensor, hea
         return samples[-1]
 
     tokens = fill_depth_by_depth(tree, roots, hidden, head_logits, draw_children)
-    q_index = torch.where(tree.inner, torch.arange(len(tree.inner), device=tree.inner.device), -1)  # [N] q i: node i's
-    return tokens, Drawn(log_q=torch.cat(log_qs, 1), samples=torch.cat(samples, 1), q_index=q_index)
+    return tokens, Drawn(log_q=torch.cat(log_qs, 1), samples=torch.cat(samples, 1), q_index=tree.q_by_node)
 
 
 class MedusaProposer(HeadsProposer):

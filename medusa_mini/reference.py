@@ -104,9 +104,8 @@ def propose(head_logits: torch.Tensor, draft_ids: torch.Tensor, tree: Tree, root
 
     head_logits: [D', M] over the draft vocabulary draft_ids [M], one row per head of the whole tree, of which
     the first D = tree.depth are this (maybe cut) tree's. Greedy and typical acceptance take each
-    head's top-k; rejection sampling of drawn candidates draws them from each head's q instead,
-    and returns, per node, the q [V] its children were drawn from with the draws in order (the
-    acceptance walk needs both).
+    head's top-k; rejection sampling of drawn candidates draws them from each head's q instead, and
+    returns, per node, the q [V] its children were drawn from and the draws in order (the walk needs both).
     """
     D, R = tree.depth, tree.max_rank + 1
     if not sampling.draws_candidates:
@@ -135,8 +134,7 @@ def walk(parents: list[int], tokens: list[int], y: list[int]) -> tuple[list[int]
 def greedy_accept(parents: list[int], tokens: list[int], logits: torch.Tensor) -> tuple[list[int], int]:
     """Greedy acceptance (exact): `walk` with y = the argmax of logits [N, V] at every node.
 
-    Every emitted token is the backbone's argmax after the tokens before it: plain greedy decoding's
-    output, in fewer passes."""
+    Every emitted token is the backbone's argmax after the tokens before it: plain greedy's output, in fewer passes."""
     return walk(parents, tokens, logits.argmax(dim=-1).tolist())
 
 
@@ -178,11 +176,13 @@ def try_children(p: torch.Tensor, candidates: list[int], drawn: tuple[torch.Tens
     candidate or None, the p the bonus is drawn from when none is)."""
     log_q, draws = drawn
     for i, x in enumerate(candidates):
-        x_, rank, drawn = (torch.tensor(v, device=p.device) for v in (x, draws.index(x), draws))
-        accepted, flat, residual = speculative_try(p, without_earlier_draws(log_q, drawn, rank, x_), x_, u[i])
+        x_, drawn = (torch.tensor(v, device=p.device) for v in (x, draws))
+        earlier = torch.arange(len(draws), device=p.device) < draws.index(x)  # [R]: the draws before x
+        q = without_earlier_draws(log_q, drawn, x_, earlier=earlier)  # what x was drawn from
+        accepted, live, residual = speculative_try(p, q, x_, u[i])
         if accepted:
             return i, p
-        if flat:
+        if not live:
             return None, p
         p = residual
     return None, p
@@ -200,8 +200,7 @@ def rejection_accept(parents: list[int], tokens: list[int], logits: torch.Tensor
     same as drawing y from p once: child x is accepted exactly when y = x, and when no child is, y is a
     draw from p with the children removed, the bonus. So it is `walk` with y drawn from p at every node,
     node i's with u[i]. Drawn candidates (`propose`'s q per node) try each child c with u[c]
-    (`try_children`); if none is accepted, the bonus is drawn from what is left of p with u[0] (the
-    root is never tried).
+    (`try_children`); if none is accepted, the bonus is drawn from what is left of p with u[0] (no try uses the root's).
     """
     u = torch.rand(nodes or len(parents), generator=generator, device=logits.device)[: len(parents)]  # [N]
     if drawn is None:

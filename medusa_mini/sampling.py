@@ -126,16 +126,14 @@ def q_log_probs(head_logits: torch.Tensor, draft_ids: torch.Tensor, *, temperatu
 
 def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """The draw that uniforms u [...] in [0, 1) make from probs [..., V] (rows need not sum to 1): long
-    [...]. A zero-probability token owns an empty interval of the cumulative distribution and is never
-    drawn."""
+    [...]. A token of probability 0 owns an empty interval of the cumulative distribution: never drawn."""
     cdf = probs.cumsum(dim=-1)  # [..., V]
     return torch.searchsorted(cdf, (u * cdf[..., -1])[..., None], right=True)[..., 0].clamp_(max=probs.shape[-1] - 1)
 
 
 def gumbel_top_k(log_q: torch.Tensor, width: int, u: torch.Tensor) -> torch.Tensor:
     """The `width` distinct tokens that uniforms u [..., V] draw from q, in order: log_q [..., V] -> [..., width].
-    Adding Gumbel noise, -log(-log u), to log q and keeping the top `width` is sequential sampling
-    without replacement."""
+    Adding Gumbel noise, -log(-log u), to log q and keeping the top `width` draws without replacement."""
     u = u.clamp_min(torch.finfo(u.dtype).tiny)  # a 0 would rule its token out
     return (log_q - torch.log(-torch.log(u))).topk(width, dim=-1).indices
 
@@ -146,12 +144,11 @@ def typical_threshold(p: torch.Tensor, *, epsilon: float, delta: float) -> torch
     return torch.minimum(torch.full_like(entropy, epsilon), delta * torch.exp(-entropy))
 
 
-def without_earlier_draws(log_q: torch.Tensor, draws: torch.Tensor, rank: torch.Tensor, x: torch.Tensor
+def without_earlier_draws(log_q: torch.Tensor, draws: torch.Tensor, x: torch.Tensor, *, earlier: torch.Tensor
                           ) -> torch.Tensor:
-    """q_r, the distribution the rank-r draw x was drawn from: log_q [..., V] with the draws before it
-    (draws [..., R], in order) removed, as they were drawn without replacement, renormalised (in log
-    space, so a remainder too small for exp survives) -> probabilities [..., V]. rank, x: [...]."""
-    earlier = torch.arange(draws.shape[-1], device=draws.device) < rank[..., None]  # [..., R]
+    """q_r, what the rank-r draw x [...] was drawn from: log_q [..., V] without the draws before it (draws
+    [..., R] in order, earlier [..., R] marks the first r), as it was drawn without replacement, renormalised
+    (in log space, so a remainder too small for exp survives) -> probabilities [..., V]."""
     log_q = log_q.scatter(-1, draws, log_q.gather(-1, draws).masked_fill(earlier, float("-inf")))  # [..., V]
     # q had no mass left for x (a tiny T, a small draft vocabulary): Gumbel-top-k ranks every token of q
     # before it, so all of them are removed and x, picked rather than drawn, is tried as a point mass.
@@ -166,13 +163,14 @@ def speculative_try(p: torch.Tensor, q: torch.Tensor, x: torch.Tensor, u: torch.
 
     x is accepted with probability min(1, p(x) / q(x)); after a miss p becomes the residual
     norm(max(0, p - q)), which is what makes a try emit exactly p: min(p, q) + (1 - Σ min(p, q)) ·
-    norm(max(0, p - q)) = p. Returns (accepted [...] bool, flat [...] bool: p = q up to rounding, so
-    every x with p(x) > 0 passes and no residual is left to try another candidate against, the residual
-    [..., V], meaningful where neither).
+    norm(max(0, p - q)) = p. Returns (accepted [...] bool, live [...] bool: a residual is left; where
+    not, p = q up to rounding, every x with p(x) > 0 passes and no other candidate can be tried, the
+    residual [..., V], meaningful where live).
     """
     p_x, q_x = p.gather(-1, x[..., None])[..., 0], q.gather(-1, x[..., None])[..., 0]  # [...]
     residual = (p - q).clamp_min(0.0)  # [..., V]
     mass = residual.sum(dim=-1)  # [...]
-    flat = mass <= 0
-    accepted = torch.where(flat, p_x > 0, u * q_x < p_x)  # u < p/q without dividing: q(x) may underflow to 0
-    return accepted, flat, residual / mass[..., None]
+    live = mass > 0
+    # u < p/q without dividing, as q(x) may underflow to 0; times live (1 or 0) to pass every p(x) > 0 where p = q
+    accepted = u * q_x * live < p_x
+    return accepted, live, residual / mass[..., None]

@@ -35,8 +35,7 @@ def plain_step(model: GPT, cache: KVCache, tokens: torch.Tensor, *, sampling: Sa
 
 def verify(model: GPT, cache: KVCache, tokens: torch.Tensor, *, tree: TreeTensors, attended: int | None = None
            ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One tree-masked forward over all N nodes of B rows (§2.1.2), tokens [B, N] -> logits [B, N, V],
-    hidden [B, N, C].
+    """One tree-masked forward over all N nodes of B rows (§2.1.2): tokens [B, N] -> logits [B, N, V], hidden.
 
     Row b's nodes occupy cache slots [L_b, L_b + N) past its length L_b, which stays put (they are
     tentative until `keep_path`), but sit at positions L_b + depth, clamped to the context (a node past it
@@ -56,14 +55,15 @@ def usable_nodes(tree: TreeTensors, start: torch.Tensor, stop_at: torch.Tensor) 
     return has_room(start[:, None], tree.depths, stop_at[:, None])
 
 
-def keep_path(cache: KVCache, tree: TreeTensors, accepted: Accepted, *, active: torch.Tensor | None = None) -> None:
+def keep_path(cache: KVCache, accepted: Accepted, *, active: torch.Tensor | None = None) -> None:
     """Keep the K/V of each row's root and accepted nodes in consecutive slots from its length (the root's slot,
     where `verify` left it); the length advances past them only for `active` [B] rows (None: all). Always
     D + 1 slots move per row (a fixed shape; a chain tree's accepted path moves onto itself)."""
     start = cache.length_buffer  # [B]: moved only by the copy, after every read
-    kept = accepted.count + 1 if active is None else torch.where(active, accepted.count + 1, 0)  # [B]
-    to = start[:, None] + tree.index[: accepted.nodes.shape[1]]  # [B, D + 1]: start + 0, 1, ..., D
-    compact_kv_cache(cache, start[:, None] + accepted.nodes, to=to, length=start + kept)
+    slots = start[:, None] + accepted.moves  # [B, 2D + 3]: the path's slots, those it moves to, the new length
+    D1 = accepted.nodes.shape[1]
+    length = slots[:, -1] if active is None else torch.where(active, slots[:, -1], start)  # [B]
+    compact_kv_cache(cache, slots[:, :D1], to=slots[:, D1:-1], length=length)
 
 
 def last_hidden(hiddens: torch.Tensor, accepted: Accepted) -> torch.Tensor:
@@ -84,11 +84,10 @@ class StepResult:
 def read_step(proposal: Proposal, accepted: Accepted) -> tuple[list[list[int]], list[list[int]]]:
     """The step's one host read: per row, the accepted path (root first) and the tokens it emits (the
     accepted candidates, then the bonus)."""
-    D1 = accepted.nodes.shape[1]
-    read = torch.cat([accepted.nodes, accepted.count[:, None], accepted.bonus[:, None], proposal.tokens],
-                     dim=1).tolist()  # [B][D + 1 + 2 + N]: row = [nodes | count | bonus | every node's token]
-    paths = [row[: row[D1] + 1] for row in read]
-    return paths, [[row[D1 + 2 + node] for node in path[1:]] + [row[D1 + 1]] for row, path in zip(read, paths)]
+    W = accepted.moves.shape[1]
+    read = torch.cat([accepted.moves, accepted.bonus[:, None], proposal.tokens], dim=1).tolist()  # [B][W + 1 + N]
+    paths = [row[: row[W - 1]] for row in read]  # row = [moves, ending with the count kept | bonus | node tokens]
+    return paths, [[row[W + 1 + node] for node in path[1:]] + [row[W]] for row, path in zip(read, paths)]
 
 
 @torch.no_grad()
@@ -112,7 +111,7 @@ def medusa_step(model: GPT, cache: KVCache, proposer: Proposer, roots: torch.Ten
     usable = None if stop_at is None else usable_nodes(tree, cache.length_buffer, stop_at)  # [B, N]
     logits, hiddens = verify(model, cache, proposal.tokens, tree=tree, attended=attended)  # [B, N, V], [B, N, C]
     accepted = accept(tree, proposal.tokens, logits, sampling=sampling, u=u, drawn=proposal.drawn, usable=usable)
-    keep_path(cache, tree, accepted, active=None if usable is None else usable[:, 0])
+    keep_path(cache, accepted, active=None if usable is None else usable[:, 0])
     paths, new_tokens = read_step(proposal, accepted)
     return StepResult(paths, new_tokens, next_roots=accepted.bonus, next_hidden=last_hidden(hiddens, accepted))
 

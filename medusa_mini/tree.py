@@ -16,7 +16,7 @@ import heapq
 import math
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Iterable, Sequence
+from typing import Iterable, NamedTuple, Sequence
 
 import torch
 
@@ -24,9 +24,8 @@ Choice = tuple[int, ...]
 
 
 def choice_problem(choices: list[Choice] | tuple[Choice, ...], *, num_heads: int | None = None) -> str | None:
-    """The first thing wrong with a tree's choices, naming the choice: empty, a negative rank, deeper than
-    num_heads, a duplicate, a missing prefix (official Medusa fails later with an index error on the last
-    two); None if nothing is."""
+    """The first thing wrong with a tree's choices, naming the choice, or None: empty, a negative rank, deeper
+    than num_heads, a duplicate, a missing prefix (the last two fail later in official Medusa, as an index error)."""
     seen: set[Choice] = set()
     for c in choices:
         if not c:
@@ -117,26 +116,36 @@ class Tree:
         return self.path(self.parents[node]) + [node] if node > 0 else [0]
 
 
+class Tries(NamedTuple):
+    """Slot s of every node with children, tried at once (`acceptance.rejection_accept_drawn`); n such nodes."""
+
+    nodes: torch.Tensor  # [n] long: the nodes with children, most children first
+    sizes: tuple[int, ...]  # per slot s, how many of them have an s-th child: always the first ones, so a slice
+    children: torch.Tensor  # [N - 1] long: their children, slot after slot
+    parents: torch.Tensor  # [N - 1] long: each child's parent
+    earlier: torch.Tensor  # [N - 1, R] bool: the ranks drawn before each child's (its q is without them)
+    slot_order: torch.Tensor  # [N] long: where node i is among the children (the root: 0, never read)
+
+
 @dataclass(frozen=True)
 class TreeTensors:
     """A tree's index tensors on one device (`Tree.tensors`), and its sizes. N nodes, D depth."""
 
-    parents: torch.Tensor  # [N] long: each node's parent, -1 for the root
     parent_index: torch.Tensor  # [N] long: each node's parent, 0 for the root (an index into the nodes)
     ancestor_mask: torch.Tensor  # [N, N] bool: j is i or an ancestor of i, the tree attention mask (Fig. 2)
     depths: torch.Tensor  # [N] long: position offset of each node from the root
     ranks: torch.Tensor  # [N] long: the rank of the head's guesses each node holds (0 for the root)
-    inner: torch.Tensor  # [N] bool: the node has children
+    q_by_depth: torch.Tensor  # [N] long: the q Medusa heads draw node i's children from, one per depth: its depth
+    q_by_node: torch.Tensor  # [N] long: the q dependent heads draw them from, one per node: i (both -1 for a leaf)
     node_paths: torch.Tensor  # [N, D + 1] long: the root-to-node path of each node, then the node repeated
-    paths_and_depths: torch.Tensor  # [N, D + 2] long: node_paths, then each node's depth: one gather reads both
+    path_moves: torch.Tensor  # [N, 2D + 3] long: node_paths, the slots 0..D they move to, depth + 1 (`keep_path`)
+    # `acceptance.path_scores`: node i scores N * (its path's passing nodes below the root - its depth) + i, one
+    # matmul: (i - N * depth_i, float32 [N]; N where row j is on column i's path below the root, [N, N])
+    deepest_score: tuple[torch.Tensor, torch.Tensor]
     below_root: torch.Tensor  # [N, D] long: each node's path without the root, then the node repeated
     on_path: torch.Tensor  # [N, D] float64: 1 where below_root holds a path's node, 0 where it repeats the last
-    index: torch.Tensor  # [N] long: 0 .. N - 1
     guess_index: torch.Tensor  # [N] long: where each node's token sits in [root, head 1's R guesses, head 2's, ...]
-    # Rejection sampling tries slot s of every node with children at once (`acceptance.rejection_accept_drawn`):
-    # (nodes: the n nodes with children, most children first, long [n]; sizes: per slot s, how many of them
-    # have an s-th child, always the first ones, so a slice; by_slot: the children, slot after slot, long [N - 1])
-    tries: tuple[torch.Tensor, tuple[int, ...], torch.Tensor]
+    tries: Tries
     first: tuple[int, ...]  # `Tree.first`: nodes of depth d are first[d] .. first[d + 1] - 1
     num_ranks: int  # R, the ranks any node uses (`Tree.max_rank` + 1)
     depth: int  # D, `Tree.depth`
@@ -157,16 +166,22 @@ def tree_tensors(tree: Tree, device: str) -> TreeTensors:
     # Most children first, so the nodes with a child in slot s are the first few: a slice, not a gather.
     inner = sorted((i for i, kids in enumerate(tree.children) if kids), key=lambda i: -len(tree.children[i]))
     sizes = tuple(sum(len(tree.children[i]) > s for i in inner) for s in range(max(map(len, tree.children))))
-    tries = (as_long(inner), sizes, as_long([tree.children[i][s] for s, n in enumerate(sizes) for i in inner[:n]]))
+    kids = [(tree.children[i][s], i) for s, n in enumerate(sizes) for i in inner[:n]]  # (child, parent), by slot
+    at = {kid: j for j, (kid, _) in enumerate(kids)}
+    earlier = torch.tensor([[r < tree.ranks[kid] for r in range(R)] for kid, _ in kids], dtype=torch.bool)
+    tries = Tries(as_long(inner), sizes, as_long([k for k, _ in kids]), as_long([i for _, i in kids]),
+                  earlier.view(-1, R).to(device), as_long([at.get(i, 0) for i in range(N)]))
     depths, below = torch.tensor(tree.depths), paths[:, 1:]  # below: the root's own row is zeros, never read
-    on_path = torch.arange(1, D + 1) <= depths[:, None]  # [N, D]
-    return TreeTensors(parents=as_long(tree.parents), parent_index=as_long(tree.parents).clamp(min=0),
-                       ancestor_mask=mask.to(device), depths=depths.to(device), ranks=as_long(tree.ranks),
-                       inner=as_long(list(map(len, tree.children))) > 0, node_paths=paths.to(device),
-                       paths_and_depths=torch.cat([paths, depths[:, None]], 1).to(device), below_root=below.to(device),
-                       on_path=on_path.to(device, torch.float64), index=torch.arange(N, device=device),
-                       guess_index=as_long(guess), tries=tries,
-                       first=tuple(tree.first), num_ranks=R, depth=D)
+    moves = torch.cat([paths, torch.arange(D + 1).expand(N, -1), depths[:, None] + 1], 1)  # [N, 2D + 3]
+    counts = (mask.T & (torch.arange(N) > 0)[:, None]) * float(N)  # [N, N]: N per node of i's path below the root
+    return TreeTensors(parent_index=as_long(tree.parents).clamp(min=0), ancestor_mask=mask.to(device),
+                       depths=depths.to(device), ranks=as_long(tree.ranks),
+                       q_by_depth=as_long([d if kids else -1 for d, kids in zip(tree.depths, tree.children)]),
+                       q_by_node=as_long([i if kids else -1 for i, kids in enumerate(tree.children)]),
+                       node_paths=paths.to(device), path_moves=moves.to(device), below_root=below.to(device),
+                       deepest_score=((torch.arange(N) - N * depths).to(device, torch.float32), counts.to(device)),
+                       on_path=(torch.arange(1, D + 1) <= depths[:, None]).to(device, torch.float64), tries=tries,
+                       first=tuple(tree.first), num_ranks=R, depth=D, guess_index=as_long(guess))
 
 
 # ---- presets ---------------------------------------------------------------------------------
@@ -192,17 +207,11 @@ def _gpu_choices() -> list[Choice]:
     Rank budgets shrink with depth and with the ranks above, the shape the paper's optimised sparse
     trees take (deeper heads are less accurate, lower ranks rarely win).
     """
-    out: list[Choice] = []
+    out, frontier = [], [()]
     budget = {1: 10, 2: 4, 3: 3, 4: 2}  # per depth: ranks tried below a top-ranked parent
-    frontier: list[Choice] = [()]
-    for depth in range(1, 5):
-        nxt: list[Choice] = []
-        for parent in frontier:
-            penalty = sum(parent)  # parents reached through low ranks get fewer children
-            for r in range(max(1, budget[depth] - penalty)):
-                nxt.append(parent + (r,))
-        frontier = nxt
-        out.extend(nxt)
+    for depth in range(1, 5):  # parents reached through low ranks (a larger sum) get fewer children
+        frontier = [parent + (r,) for parent in frontier for r in range(max(1, budget[depth] - sum(parent)))]
+        out.extend(frontier)
     return out
 
 

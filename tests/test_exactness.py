@@ -76,7 +76,7 @@ def keep_node_indices(cache, keep, *, to, length):
 
 def judged_at_themselves(tree, tokens, y, *, usable=None):
     """Each candidate compared with the backbone's token after itself, not after its parent."""
-    return path_accept(replace(tree, parent_index=torch.arange(len(tree.parents))), tokens, y, usable=usable)
+    return path_accept(replace(tree, parent_index=torch.arange(len(tree.parent_index))), tokens, y, usable=usable)
 
 
 GREEDY_BUGS = {  # name: the module attribute to patch, and the wrong value
@@ -179,7 +179,7 @@ def test_plain_and_rejection_sampling_emit_exactly_the_backbones_distribution(ca
 
 
 def try_then(mistake):
-    """`speculative_try` whose answer (accepted, flat, residual) mistake(p, q, *answer) replaces."""
+    """`speculative_try` whose answer (accepted, live, residual) mistake(p, q, *answer) replaces."""
     return lambda p, q, x, u: mistake(p, q, *speculative_try(p, q, x, u))
 
 
@@ -219,17 +219,17 @@ SAMPLING_BUGS = {  # name: (the case whose check must fail, the module attribute
                                                   sampling_probs(logits, temperature=sampling.temperature)),
     "top_k_draws_share_one_uniform_per_row": ("top-k", acceptance, "rejection_accept_topk", one_uniform_per_row),
     "q_keeps_earlier_draws": ("drawn-depth-3-rank-gap", acceptance, "without_earlier_draws",
-                              lambda log_q, draws, rank, x: log_q.softmax(dim=-1)),
+                              lambda log_q, draws, x, earlier: log_q.softmax(dim=-1)),
     "the_first_draw_is_accepted_untested": ("drawn-depth-3-rank-gap", acceptance, "speculative_try", try_then(
-        lambda p, q, accepted, flat, residual: (torch.ones_like(accepted), flat, residual))),
+        lambda p, q, accepted, live, residual: (torch.ones_like(accepted), live, residual))),
     "drawn_candidates_are_judged_by_p_without_top_p": ("drawn-top-p", step, "accept", accepts_without_top_p),
     "top_k_candidates_are_judged_by_p_without_top_p": ("top-k-top-p", step, "accept", accepts_without_top_p),
     # each candidate tried against p itself, and the bonus drawn from p
     "the_residual_is_not_updated_after_a_miss": ("drawn-draft-vocabulary-T1.5", acceptance, "speculative_try",
-                                                 try_then(lambda p, q, accepted, flat, residual: (accepted, flat, p))),
+                                                 try_then(lambda p, q, accepted, live, residual: (accepted, live, p))),
     "the_residual_leaves_out_tokens_outside_the_draft_vocabulary": (
         "drawn-draft-vocabulary-T1.5", acceptance, "speculative_try",
-        try_then(lambda p, q, accepted, flat, residual: (accepted, flat, residual * (q > 0)))),
+        try_then(lambda p, q, accepted, live, residual: (accepted, live, residual * (q > 0)))),
     "a_row_tries_its_draws_against_another_rows_q": ("hydra-ragged-batch", Drawn, "at", another_rows_q),
     "children_are_tried_against_a_siblings_q": ("hydra-ragged-batch", Drawn, "at", a_siblings_q),
 }

@@ -53,9 +53,9 @@ def test_keep_path_leaves_each_rows_cache_as_if_only_its_accepted_path_had_been_
     prefill(model, torch.tensor([prompts[0], prompts[1] + [0], prompts[2]]), cache, lengths=[3, 2, 3])
     verify(model, cache, tokens, tree=TREE.tensors())
     assert cache.lengths.tolist() == [3, 2, 3]  # the nodes are written past each row's length, tentatively
-    accepted = Accepted(nodes=torch.tensor([[0, 1, 4, 4], [0, 2, 2, 2], [0, 0, 0, 0]]), count=torch.tensor([2, 1, 0]),
-                        bonus=torch.tensor([0, 0, 0]))  # a static-shape path repeats its last node
-    keep_path(cache, TREE.tensors(), accepted, active=torch.tensor([True, True, False]))
+    accepted = Accepted.ending_at(TREE.tensors(), torch.tensor([4, 2, 0]), torch.tensor([0, 0, 0]))
+    assert accepted.nodes.tolist() == [[0, 1, 4, 4], [0, 2, 2, 2], [0, 0, 0, 0]]  # a fixed shape: the last node repeats
+    keep_path(cache, accepted, active=torch.tensor([True, True, False]))
     assert cache.lengths.tolist() == [6, 4, 3]
     for b, kept in enumerate(([0, 1, 4], [0, 2])):
         alone = KVCache(model.config, max_len=32)
@@ -67,8 +67,7 @@ def test_keep_path_leaves_each_rows_cache_as_if_only_its_accepted_path_had_been_
 
 def test_the_steps_one_read_gives_each_rows_path_and_its_accepted_tokens_then_the_bonus():
     proposal = Proposal(torch.tensor([[7, 10, 11, 12, 13, 14], [8, 20, 21, 22, 23, 24]]), TREE)
-    accepted = Accepted(nodes=torch.tensor([[0, 1, 3, 5], [0, 0, 0, 0]]), count=torch.tensor([3, 0]),
-                        bonus=torch.tensor([30, 31]))
+    accepted = Accepted.ending_at(TREE.tensors(), torch.tensor([5, 0]), torch.tensor([30, 31]))
     assert read_step(proposal, accepted) == ([[0, 1, 3, 5], [0]], [[10, 12, 14, 30], [31]])
 
 

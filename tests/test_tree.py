@@ -34,9 +34,11 @@ def test_choices_are_sorted_so_parents_precede_children_and_a_nodes_position_off
 
 def test_the_tree_tensors_hold_the_host_lists_on_the_device_asked_for():
     t = TREE.tensors("meta")
-    assert {x.device.type for x in vars(t).values() if isinstance(x, torch.Tensor)} == {"meta"}
+    every = [x for v in vars(t).values() for x in (v if isinstance(v, tuple) else [v]) if isinstance(x, torch.Tensor)]
+    assert len(every) > 15 and {x.device.type for x in every} == {"meta"}  # the tries' and scores' too
     t = TREE.tensors("cpu")
-    assert (t.parents.tolist(), t.depths.tolist(), t.ranks.tolist()) == (TREE.parents, TREE.depths, TREE.ranks)
+    assert (t.parent_index.tolist(), t.depths.tolist(), t.ranks.tolist()) == ([0, *TREE.parents[1:]], TREE.depths,
+                                                                           TREE.ranks)
     assert (list(t.first), t.num_ranks) == (TREE.first, TREE.max_rank + 1)  # sizes, as constants
 
 

@@ -49,7 +49,7 @@ def verify_and_accept(model: GPT, cache: KVCache, tokens: torch.Tensor, *, tree:
     usable = usable_nodes(tree, cache.length_buffer, stop_at)  # [B, N]
     logits, hiddens = verify(model, cache, tokens, tree=tree, attended=attended)  # [B, N, V], [B, N, C]
     accepted = accept(tree, tokens, logits, sampling=sampling, u=u, drawn=drawn, usable=usable)
-    keep_path(cache, tree, accepted, active=usable[:, 0])
+    keep_path(cache, accepted, active=usable[:, 0])
     hidden = last_hidden(hiddens, accepted)  # [B, C]
     if heads is None:
         return accepted, hidden, None, None

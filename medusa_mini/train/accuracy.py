@@ -115,17 +115,16 @@ def draw_chances(p: torch.Tensor, log_q: torch.Tensor, samples: torch.Tensor) ->
     · a_r, a_r = min(1, p_r(x_r) / q_r(x_r)), p_r the residual the misses before it left, q_r q without the
     draws before it (as `acceptance.rejection_accept_drawn` tries with uniforms)."""
     chances, left = [], torch.ones(len(p), dtype=torch.float64, device=p.device)  # [m] no try passed yet
-    for r in range(samples.shape[1]):
-        x = samples[:, r]  # [m]
-        q = without_earlier_draws(log_q, samples, torch.full_like(x, r), x)  # [m, V]
-        _, flat, residual = speculative_try(p, q, x, torch.zeros_like(p[:, 0]))
+    for r, x in enumerate(samples.unbind(1)):  # x: [m], the rank-r draws
+        q = without_earlier_draws(log_q, samples, x, earlier=torch.arange(samples.shape[1], device=x.device) < r)
+        _, live, residual = speculative_try(p, q, x, torch.zeros_like(p[:, 0]))  # q: [m, V]
         p_x, q_x = p.gather(1, x[:, None])[:, 0], q.gather(1, x[:, None])[:, 0]  # [m]
         # As the engine's u·q(x) < p(x): where q(x) underflows to 0, or p = q (flat), x passes iff p(x) > 0.
         ratio = (p_x / q_x.clamp_min(torch.finfo(q_x.dtype).tiny)).clamp(max=1.0)
-        chance = torch.where(flat | (q_x <= 0), (p_x > 0).float(), ratio).double()  # [m]
+        chance = torch.where(~live | (q_x <= 0), (p_x > 0).float(), ratio).double()  # [m]
         chances.append(left * chance)
-        left = torch.where(flat, 0.0, left * (1 - chance))  # p = q: no later draw is tried
-        p = torch.where(flat[:, None], p, residual)  # after a miss, the residual is the next try's target
+        left = torch.where(live, left * (1 - chance), 0.0)  # p = q (no residual): no later draw is tried
+        p = torch.where(live[:, None], residual, p)  # after a miss, the residual is the next try's target
     return torch.stack(chances, dim=1)
 
 
