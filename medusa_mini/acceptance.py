@@ -32,7 +32,8 @@ from .tree import TreeTensors
 
 class Accepted(NamedTuple):
     """An acceptance decision for B rows, as device tensors of fixed shape: moves [B, 2D + 3], the last accepted
-    node's row of `TreeTensors.path_moves`, and bonus [B], the backbone's token after it."""
+    node's row of `TreeTensors.path_moves` ([its path, D + 1 | the slots 0..D | the path's length]), and bonus
+    [B], the backbone's token after it."""
 
     moves: torch.Tensor
     bonus: torch.Tensor
@@ -45,7 +46,7 @@ class Accepted(NamedTuple):
 
     @property
     def count(self) -> torch.Tensor:
-        return self.moves[:, -1] - 1  # [B]: accepted candidates per row (the path's length minus the root)
+        return self.moves[:, -1] - 1  # [B] long: accepted candidates per row (the path's length minus the root)
 
     @staticmethod
     def ending_at(tree: TreeTensors, last: torch.Tensor, bonus: torch.Tensor) -> "Accepted":
@@ -54,11 +55,11 @@ class Accepted(NamedTuple):
 
 
 def path_scores(tree: TreeTensors, passes: torch.Tensor) -> torch.Tensor:
-    """[B, N] float: node i's index where every node of its path below the root passes (so the root's, 0,
-    always), below 0 where one does not (passes [B, N], each node's own test at its parent; the root's
-    unread). One matmul counts each path's passing nodes (`TreeTensors.deepest_score`)."""
-    bias, counts = tree.deepest_score  # [N], [N, N]
-    return torch.addmm(bias, passes.float(), counts)
+    """[B, N] float: node i's index where every node of its path below the root passes (the root's 0 always),
+    below 0 where one does not (passes [B, N], each node's own test at its parent). One matmul counts each
+    path's passing nodes (`TreeTensors.path_weights`), exactly in float32 or TF32 (whose 10 bits hold N <= 2048)."""
+    bias, weights = tree.path_weights  # [N], [N, N]
+    return torch.addmm(bias, passes.float(), weights)
 
 
 def deepest_accepted(tree: TreeTensors, passes: torch.Tensor) -> torch.Tensor:
@@ -180,8 +181,7 @@ def check_uniforms(sampling: Sampling, u: torch.Tensor | None) -> None:
     """A ValueError unless `accept` can decide `sampling`'s rule with the uniforms u."""
     dims = uniform_dims(sampling)
     if dims and (u is None or u.dim() != dims):
-        raise ValueError(f"{sampling.acceptance} acceptance draws from u: pass acceptance_uniforms(sampling, B, N, "
-                         "generator)")
+        raise ValueError(f"{sampling.acceptance} acceptance draws from u: pass acceptance_uniforms(sampling, ...)")
 
 
 def accept(tree: TreeTensors, tokens: torch.Tensor, logits: torch.Tensor, *, sampling: Sampling,

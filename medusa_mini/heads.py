@@ -180,7 +180,7 @@ class MedusaHeads(DraftHeads):
 
     def forward(self, hidden: torch.Tensor, model: nn.Module, *, following: torch.Tensor | None = None,
                 num: int | None = None) -> torch.Tensor:
-        """hidden [..., C] -> logits [K', ..., M] of the first `num` heads (default all K); `following`: Hydra's."""
+        """hidden [..., C] -> logits [K', ..., M] of the first `num` heads (default all K); `following` unread."""
         z = self.residual(hidden, self.num_heads if num is None else num, self.stacked())  # [..., K', C]
         return F.linear(z.movedim(-2, 0), self.draft_weight(model))  # [K', ..., M]
 
@@ -216,7 +216,7 @@ class HydraHeads(DraftHeads):
 
     def forward(self, hidden: torch.Tensor, model: nn.Module, *, following: torch.Tensor | None = None,
                 num: int | None = None) -> torch.Tensor:
-        """Teacher-forced: hidden [..., C], following [..., K] (the true x_{t+1..t+K}) -> logits [K', ..., M]."""
+        """Teacher-forced: hidden [..., C], following [..., K] (`next_tokens`: x_{t+1..t+K}) -> logits [K', ..., M]."""
         if following is None:
             raise ValueError("hydra heads read the tokens drafted before their target: pass following= "
                              "(heads.next_tokens), or decode through heads.proposer")

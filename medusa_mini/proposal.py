@@ -11,7 +11,7 @@ node's children were drawn from (`Drawn`). Three `Proposer`s make them, and the 
 
 Heads make their proposer (`heads.proposer(model, tree)`), and so does `PromptLookup`: a decoding loop
 takes any such *drafter*. Shapes: B rows, N nodes, D depth, R ranks, V vocabulary, M draft vocabulary, C
-n_embd, Q the q a drawn tree draws from (Medusa heads: one per depth; Hydra's: one per inner node).
+n_embd, Q the q a drawn tree draws from (Medusa heads: one per depth; Hydra's: one per node above the deepest depth).
 """
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ class Drawn:
     q_index: torch.Tensor
 
     def at(self, nodes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """What inner nodes [n] drew their children from, in every row: log q [B, n, V], the draws [B, n, R]."""
+        """What inner nodes [n] drew their children from, in every row: log q [B, n, V], the draws [B, n, R] (never
+        ask for a leaf's: its q_index, -1, reads the last q)."""
         which = self.q_index[nodes]  # [n]
         return self.log_q[:, which], self.samples[:, which]
 

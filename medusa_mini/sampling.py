@@ -171,6 +171,5 @@ def speculative_try(p: torch.Tensor, q: torch.Tensor, x: torch.Tensor, u: torch.
     residual = (p - q).clamp_min(0.0)  # [..., V]
     mass = residual.sum(dim=-1)  # [...]
     live = mass > 0
-    # u < p/q without dividing, as q(x) may underflow to 0; times live (1 or 0) to pass every p(x) > 0 where p = q
-    accepted = u * q_x * live < p_x
+    accepted = u * q_x * live < p_x  # u < p/q without dividing (q(x) may underflow); where p = q, any p(x) > 0
     return accepted, live, residual / mass[..., None]

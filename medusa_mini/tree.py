@@ -140,8 +140,8 @@ class TreeTensors:
     node_paths: torch.Tensor  # [N, D + 1] long: the root-to-node path of each node, then the node repeated
     path_moves: torch.Tensor  # [N, 2D + 3] long: node_paths, the slots 0..D they move to, depth + 1 (`keep_path`)
     # `acceptance.path_scores`: node i scores N * (its path's passing nodes below the root - its depth) + i, one
-    # matmul: (i - N * depth_i, float32 [N]; N where row j is on column i's path below the root, [N, N])
-    deepest_score: tuple[torch.Tensor, torch.Tensor]
+    # matmul: (i - N * depth_i, float32 [N]; weights: N where row j is on column i's path below the root, [N, N])
+    path_weights: tuple[torch.Tensor, torch.Tensor]
     below_root: torch.Tensor  # [N, D] long: each node's path without the root, then the node repeated
     on_path: torch.Tensor  # [N, D] float64: 1 where below_root holds a path's node, 0 where it repeats the last
     guess_index: torch.Tensor  # [N] long: where each node's token sits in [root, head 1's R guesses, head 2's, ...]
@@ -166,20 +166,20 @@ def tree_tensors(tree: Tree, device: str) -> TreeTensors:
     # Most children first, so the nodes with a child in slot s are the first few: a slice, not a gather.
     inner = sorted((i for i, kids in enumerate(tree.children) if kids), key=lambda i: -len(tree.children[i]))
     sizes = tuple(sum(len(tree.children[i]) > s for i in inner) for s in range(max(map(len, tree.children))))
-    kids = [(tree.children[i][s], i) for s, n in enumerate(sizes) for i in inner[:n]]  # (child, parent), by slot
-    at = {kid: j for j, (kid, _) in enumerate(kids)}
-    earlier = torch.tensor([[r < tree.ranks[kid] for r in range(R)] for kid, _ in kids], dtype=torch.bool)
-    tries = Tries(as_long(inner), sizes, as_long([k for k, _ in kids]), as_long([i for _, i in kids]),
-                  earlier.view(-1, R).to(device), as_long([at.get(i, 0) for i in range(N)]))
+    by_slot = [(tree.children[i][s], i) for s, n in enumerate(sizes) for i in inner[:n]]  # (child, its parent)
+    at = {child: j for j, (child, _) in enumerate(by_slot)}
+    earlier = torch.tensor([[r < tree.ranks[c] for r in range(R)] for c, _ in by_slot], dtype=torch.bool)
+    tries = Tries(as_long(inner), sizes, as_long([c for c, _ in by_slot]), as_long([i for _, i in by_slot]),
+                  earlier.view(-1, R).to(device), as_long([at.get(i, 0) for i in range(N)]))  # view: [0, R] if none
     depths, below = torch.tensor(tree.depths), paths[:, 1:]  # below: the root's own row is zeros, never read
     moves = torch.cat([paths, torch.arange(D + 1).expand(N, -1), depths[:, None] + 1], 1)  # [N, 2D + 3]
-    counts = (mask.T & (torch.arange(N) > 0)[:, None]) * float(N)  # [N, N]: N per node of i's path below the root
+    weights = (mask.T & (torch.arange(N) > 0)[:, None]) * float(N)  # [N, N]: N per node of i's path below the root
     return TreeTensors(parent_index=as_long(tree.parents).clamp(min=0), ancestor_mask=mask.to(device),
                        depths=depths.to(device), ranks=as_long(tree.ranks),
                        q_by_depth=as_long([d if kids else -1 for d, kids in zip(tree.depths, tree.children)]),
                        q_by_node=as_long([i if kids else -1 for i, kids in enumerate(tree.children)]),
                        node_paths=paths.to(device), path_moves=moves.to(device), below_root=below.to(device),
-                       deepest_score=((torch.arange(N) - N * depths).to(device, torch.float32), counts.to(device)),
+                       path_weights=((torch.arange(N) - N * depths).to(device, torch.float32), weights.to(device)),
                        on_path=(torch.arange(1, D + 1) <= depths[:, None]).to(device, torch.float64), tries=tries,
                        first=tuple(tree.first), num_ranks=R, depth=D, guess_index=as_long(guess))
 

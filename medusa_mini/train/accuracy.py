@@ -119,7 +119,7 @@ def draw_chances(p: torch.Tensor, log_q: torch.Tensor, samples: torch.Tensor) ->
         q = without_earlier_draws(log_q, samples, x, earlier=torch.arange(samples.shape[1], device=x.device) < r)
         _, live, residual = speculative_try(p, q, x, torch.zeros_like(p[:, 0]))  # q: [m, V]
         p_x, q_x = p.gather(1, x[:, None])[:, 0], q.gather(1, x[:, None])[:, 0]  # [m]
-        # As the engine's u·q(x) < p(x): where q(x) underflows to 0, or p = q (flat), x passes iff p(x) > 0.
+        # As the engine's u·q(x) < p(x): where q(x) underflows to 0, or p = q (no residual), x passes iff p(x) > 0.
         ratio = (p_x / q_x.clamp_min(torch.finfo(q_x.dtype).tiny)).clamp(max=1.0)
         chance = torch.where(~live | (q_x <= 0), (p_x > 0).float(), ratio).double()  # [m]
         chances.append(left * chance)
