@@ -67,7 +67,7 @@ def warmed_up(seed: int, *, backend=None, kind: str = "medusa", rows: int = 1, r
     torch.compiler.reset()  # graphs are cached per function, across models: start afresh
     model, steps = tiny_model(seed), compile_steps("cpu", backend=backend or GraphReplay())
     heads = random_heads(model, seed=seed, kind=kind)
-    warm_up(model, steps, caches := StaticCaches(model), rows=rows, plain=[RULES["greedy"]],
+    warm_up(model, steps, caches := StaticCaches(model), rows=rows, plain=[RULES["greedy"]] * (not rules),
             proposers=[(heads.proposer(model, TREE), rule) for rule in rules])
     return model, heads, steps, caches
 
