@@ -97,14 +97,14 @@ def measure_try_acceptance(model: GPT, heads: DraftHeads, sequences: list[list[i
     most one sibling passes, as at most one top-k guess is the greedy token, so the table plays greedy's part
     in `tree.build_tree`, approximately. acc[k][0] estimates Σ min(p, q), exactly in expectation."""
     ids, K, V = heads.draft_ids.to(model.device), heads.num_heads, model.config.vocab_size
-    R = min(ranks, ids.numel())
-    g = torch.Generator(device=model.device).manual_seed(seed)
+    R, g = min(ranks, ids.numel()), torch.Generator(device=model.device).manual_seed(seed)
     passed, counts = torch.zeros(K, R, dtype=torch.float64), torch.zeros(K, dtype=torch.float64)
     for k, _, p, logits in _positions(model, heads, sequences, prompt_lens, temperature):
         log_q = q_log_probs(logits, ids, temperature=temperature, vocab_size=V)  # [m, V]
-        for _ in range(draws):
-            samples = gumbel_top_k(log_q, R, torch.rand(log_q.shape, generator=g, device=model.device))  # [m, R]
-            passed[k] += draw_chances(p, log_q, samples).sum(0).cpu() / draws
+        samples = torch.cat([gumbel_top_k(log_q, R, torch.rand(log_q.shape, generator=g, device=model.device))
+                             for _ in range(draws)])  # [draws * m, R]: every draw's rows in one call
+        for chances in draw_chances(p.repeat(draws, 1), log_q.repeat(draws, 1), samples).split(len(p)):  # [m, R]
+            passed[k] += chances.sum(0).cpu() / draws
         counts[k] += len(p)
     return passed / counts.clamp(min=1)[:, None]
 
