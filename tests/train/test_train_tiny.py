@@ -31,10 +31,11 @@ from medusa_mini.tree import build_tree, expected_tokens_per_step, preset
 FAST = ["--preset", "smoke", "--max-bytes", "60000", "--vocab-size", "300", "--backbone-steps", "6",
         "--heads-steps", "4", "--distill-prompts", "8", "--distill-tokens", "12", "--eval-prompts", "2",
         "--batch-size", "4", "--block-size", "64", "--n-embd", "32", "--log-every", "1000"]
-# A torchrun worker: train_tiny.py, with Ctrl-C pressed on rank 0 during optimizer step argv[1] (0: never) and
-# a byte-level tokenizer as GPT-2's (tiktoken would fetch the real one from the network).
+# Two DDP ranks of train_tiny.py, with Ctrl-C pressed on rank 0 during optimizer step argv[1] (0: never) and a
+# byte-level tokenizer as GPT-2's (tiktoken would fetch the real one from the network): started by torchrun, or
+# forked from one process with the variables torchrun sets (torch imported once, not by a launcher and each rank).
 WORKER = r'''
-import os, signal, sys
+import os, signal, socket, sys
 import tiktoken
 import train_tiny
 BYTES = tiktoken.Encoding(name="gpt2", pat_str=r"\s*\S+|\s+", mergeable_ranks={bytes([i]): i for i in range(256)},
@@ -47,8 +48,22 @@ def step(self, *args, **kwargs):
         os.kill(os.getpid(), signal.SIGINT)
     return forward(self, *args, **kwargs)
 MedusaLM.forward = step
-code = train_tiny.main(sys.argv[2:]); sys.stdout.flush()
-os._exit(code)  # gloo's threads abort now and then at interpreter exit, even with the group destroyed
+def rank(number=None, port=None):
+    if number is not None:
+        os.environ.update(RANK=str(number), LOCAL_RANK=str(number), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    code = train_tiny.main(sys.argv[2:]); sys.stdout.flush()
+    os._exit(code)  # gloo's threads abort now and then at interpreter exit, even with the group destroyed
+if "RANK" in os.environ:
+    rank()
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
+pids = []
+for number in (0, 1):
+    if (pid := os.fork()) == 0:
+        rank(number, port)
+    pids.append(pid)
+sys.exit(max(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) != 0 for pid in pids))
 '''
 
 
@@ -78,13 +93,13 @@ def ctrl_c(*, during: int, presses: int = 1, owner=MedusaLM, name="forward"):
         yield
 
 
-def torchrun(tmp_path, ctrl_c_step: int, *args, **env) -> subprocess.CompletedProcess:
-    """train_tiny.py FAST in two CPU processes of WORKER under torchrun."""
+def ddp(tmp_path, ctrl_c_step: int, *args, torchrun: bool = False, **env) -> subprocess.CompletedProcess:
+    """train_tiny.py FAST in two CPU processes of WORKER, forked (or under torchrun)."""
     (tmp_path / "worker.py").write_text(WORKER)
     # --standalone: the rendezvous takes a port the OS says is free, where a fixed one may still be held
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           str(tmp_path / "worker.py"), str(ctrl_c_step), *FAST, "--device", "cpu", *args],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT,
+    launch = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"] if torchrun else []
+    return subprocess.run([sys.executable, *launch, str(tmp_path / "worker.py"), str(ctrl_c_step), *FAST,
+                           "--device", "cpu", *args], capture_output=True, text=True, timeout=300, cwd=ROOT,
                           env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT, **env})
 
 
@@ -217,12 +232,12 @@ def test_help_lists_every_flag_and_bad_flags_or_data_are_one_line_naming_it_with
 
 
 def test_two_ddp_processes_keep_identical_replicas_and_resume_exactly_after_ctrl_c_on_one(tmp_path):
-    full = torchrun(tmp_path, 0, "--out", str(tmp_path / "ddp"))
+    full = ddp(tmp_path, 0, "--out", str(tmp_path / "ddp"))
     sums = checksums(full.stdout)
     assert full.returncode == 0 and "ranks 2" in full.stdout and len(sums) == 2 and sums[0] == sums[1], full.stderr
     # Ctrl-C on rank 0 alone during heads step 3: both ranks save and stop; resumed, the same final weights
-    assert torchrun(tmp_path, 9, "--out", str(tmp_path / "cut")).returncode != 0
-    resumed = torchrun(tmp_path, 0, "--out", str(tmp_path / "cut"), "--resume")
+    assert ddp(tmp_path, 9, "--out", str(tmp_path / "cut")).returncode != 0
+    resumed = ddp(tmp_path, 0, "--out", str(tmp_path / "cut"), "--resume")
     assert resumed.returncode == 0 and checksums(resumed.stdout) == sums, resumed.stderr[-2000:]
 
 
@@ -243,7 +258,7 @@ def test_under_torchrun_rank_0_downloads_gpt2_alone_and_every_rank_trains_on_it(
     with http.server.ThreadingHTTPServer(("127.0.0.1", 0),
                                          functools.partial(SlowHub, directory=str(tmp_path / "hub"))) as hub:
         threading.Thread(target=hub.serve_forever, daemon=True).start()
-        r = torchrun(tmp_path, 0, "--init", "gpt2", "--preset", "gpt2-cpu", "--out", str(tmp_path / "out"),
+        r = ddp(tmp_path, 0, "--init", "gpt2", "--preset", "gpt2-cpu", "--out", str(tmp_path / "out"), torchrun=True,
                      MEDUSA_MINI_HUB_URL=f"http://127.0.0.1:{hub.server_port}", no_proxy="127.0.0.1",
                      MEDUSA_MINI_CACHE=str(tmp_path / "cache"))
         hub.shutdown()
