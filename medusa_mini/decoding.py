@@ -156,11 +156,10 @@ class Generations:
 
 
 @torch.no_grad()
-def generate_batch(
-    model: GPT, prompts: list[Prompt], *, max_new_tokens: int, sampling: Sampling = Sampling(),
-    eos_id: int | None = None, generator: torch.Generator | None = None, on_step: RowCallback | None = None,
-    cache: KVCache | CacheSource | None = None, steps: Steps = Steps(),
-) -> list[tuple[list[int], GenerationStats]]:
+def generate_batch(model: GPT, prompts: list[Prompt], *, max_new_tokens: int, sampling: Sampling = Sampling(),
+                   eos_id: int | None = None, generator: torch.Generator | None = None,
+                   on_step: RowCallback | None = None, cache: KVCache | CacheSource | None = None,
+                   steps: Steps = Steps()) -> list[tuple[list[int], GenerationStats]]:
     """Plain autoregressive decoding of B prompts with the KV cache: one forward pass per token per row.
 
     Each token is `sampling.next_token`'s: the argmax at temperature 0, else a draw from p (temperature,

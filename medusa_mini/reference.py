@@ -225,8 +225,7 @@ def accept(parents: list[int], tokens: list[int], logits: torch.Tensor, *, sampl
         return greedy_accept(parents, tokens, logits)
     if sampling.acceptance == "typical":
         return typical_accept(parents, tokens, logits, sampling=sampling, generator=generator)
-    return rejection_accept(parents, tokens, logits, sampling=sampling, generator=generator, drawn=drawn,
-                            nodes=nodes)
+    return rejection_accept(parents, tokens, logits, sampling=sampling, generator=generator, drawn=drawn, nodes=nodes)
 
 
 @torch.no_grad()

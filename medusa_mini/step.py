@@ -33,15 +33,17 @@ def plain_step(model: GPT, cache: KVCache, tokens: torch.Tensor, *, sampling: Sa
     return sampling.next_token(logits[:, -1], u), logits, hidden
 
 
-def verify(model: GPT, cache: KVCache, tokens: torch.Tensor, *, tree: TreeTensors, attended: int | None = None
-           ) -> tuple[torch.Tensor, torch.Tensor]:
+def verify(model: GPT, cache: KVCache, tokens: torch.Tensor, *, tree: TreeTensors, attended: int | None = None,
+           clamp: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """One tree-masked forward over all N nodes of B rows (§2.1.2): tokens [B, N] -> logits [B, N, V], hidden.
 
     Row b's nodes occupy cache slots [L_b, L_b + N) past its length L_b, which stays put (they are
     tentative until `keep_path`), but sit at positions L_b + depth, clamped to the context (a node past it
-    is never usable); each sees its row's whole prefix, itself and its ancestors (the tree's ancestor mask).
+    is never usable; none is when every row has room for the tree); each sees its row's whole prefix,
+    itself and its ancestors (the tree's ancestor mask).
     """
-    pos = (cache.length_buffer[:, None] + tree.depths).clamp(max=model.config.block_size - 1)  # [B, N]
+    pos = cache.length_buffer[:, None] + tree.depths  # [B, N]
+    pos = pos.clamp(max=model.config.block_size - 1) if clamp else pos
     return model(tokens, pos=pos, cache=cache, attn_mask=tree.ancestor_mask, attended=attended, advance=False)
 
 
@@ -109,7 +111,7 @@ def medusa_step(model: GPT, cache: KVCache, proposer: Proposer, roots: torch.Ten
     u = acceptance_uniforms(sampling, B, proposer.tree.num_nodes, generator, device=device)
     tree = proposal.tree.tensors(device)
     usable = None if stop_at is None else usable_nodes(tree, cache.length_buffer, stop_at)  # [B, N]
-    logits, hiddens = verify(model, cache, proposal.tokens, tree=tree, attended=attended)  # [B, N, V], [B, N, C]
+    logits, hiddens = verify(model, cache, proposal.tokens, tree=tree, attended=attended, clamp=usable is not None)
     accepted = accept(tree, proposal.tokens, logits, sampling=sampling, u=u, drawn=proposal.drawn, usable=usable)
     keep_path(cache, accepted, active=None if usable is None else usable[:, 0])
     paths, new_tokens = read_step(proposal, accepted)

@@ -65,8 +65,8 @@ def test_greedy_medusa_with_heads_that_know_the_future_equals_plain_greedy_in_ev
 
 
 def verify_on(wrong):
-    """`verify` given the tree wrong(tree) in place of the step's tree."""
-    return lambda *args, tree, **kwargs: verify(*args, tree=wrong(tree), **kwargs)
+    """`verify` given the tree wrong(tree) in place of the step's tree (whose depths may pass the context: clamped)."""
+    return lambda *args, tree, **kwargs: verify(*args, tree=wrong(tree), **{**kwargs, "clamp": True})
 
 
 def keep_node_indices(cache, keep, *, to, length):
