@@ -149,8 +149,7 @@ def test_a_command_keeps_its_output_is_stopped_at_its_budget_and_on_sigterm_leav
     """Budgets far from any start-up time: 600 s for a command that ends at once, 1 s for one that sleeps 600.
     SIGTERM (or Ctrl-C) once a command has started: it and what it started are killed and reaped."""
     assert gpu_report.run_script(["-c", "print('done')"], timeout_s=600, label="quick")[:2] == (0, "done\n")
-    assert gpu_report.run_script(["-c", "import time; time.sleep(600)"], timeout_s=1, label="sleeper")[:2] == (
-        None, "")
+    assert gpu_report.run_script(["-c", "import time; time.sleep(600)"], timeout_s=1, label="sleeper")[:2] == (None, "")
     pid_file = tmp_path / "pid"
     child = (f"import os, time; open({str(pid_file)!r} + '.tmp', 'w').write(str(os.getpid())); "
              f"os.rename({str(pid_file)!r} + '.tmp', {str(pid_file)!r}); time.sleep(600)")

@@ -31,13 +31,10 @@ from medusa_mini.tree import build_tree, expected_tokens_per_step, preset
 FAST = ["--preset", "smoke", "--max-bytes", "60000", "--vocab-size", "300", "--backbone-steps", "6",
         "--heads-steps", "4", "--distill-prompts", "8", "--distill-tokens", "12", "--eval-prompts", "2",
         "--batch-size", "4", "--block-size", "64", "--n-embd", "32", "--log-every", "1000"]
-# Two DDP ranks of train_tiny.py, with Ctrl-C pressed on rank 0 during optimizer step argv[1] (0: never) and a
-# byte-level tokenizer as GPT-2's (tiktoken would fetch the real one from the network): started by torchrun, or
-# forked from one process with the variables torchrun sets (torch imported once, not by a launcher and each rank).
+# train_tiny.py as two DDP ranks, under torchrun or forked from one process (one torch import) with torchrun's
+# variables; Ctrl-C on rank 0 in optimizer step argv[1] (0: never); GPT-2's tokenizer byte-level (no network).
 WORKER = r'''
-import os, signal, socket, sys
-import tiktoken
-import train_tiny
+import os, signal, socket, sys, tiktoken, train_tiny
 BYTES = tiktoken.Encoding(name="gpt2", pat_str=r"\s*\S+|\s+", mergeable_ranks={bytes([i]): i for i in range(256)},
                           special_tokens={"<|endoftext|>": 256})
 tiktoken.get_encoding = lambda name: BYTES
@@ -48,22 +45,15 @@ def step(self, *args, **kwargs):
         os.kill(os.getpid(), signal.SIGINT)
     return forward(self, *args, **kwargs)
 MedusaLM.forward = step
-def rank(number=None, port=None):
-    if number is not None:
-        os.environ.update(RANK=str(number), LOCAL_RANK=str(number), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def rank(**env):
+    os.environ.update(env)
     code = train_tiny.main(sys.argv[2:]); sys.stdout.flush()
     os._exit(code)  # gloo's threads abort now and then at interpreter exit, even with the group destroyed
-if "RANK" in os.environ:
-    rank()
-with socket.socket() as s:
-    s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
-pids = []
-for number in (0, 1):
-    if (pid := os.fork()) == 0:
-        rank(number, port)
-    pids.append(pid)
-sys.exit(max(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) != 0 for pid in pids))
+if "RANK" in os.environ: rank()  # started by torchrun
+with socket.socket() as s:  # rank 0's store listens on a port the OS says is free
+    s.bind(("127.0.0.1", 0)); env = dict(WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]))
+pids = [os.fork() or rank(RANK=str(r), LOCAL_RANK=str(r), **env) for r in (0, 1)]  # a child (fork() 0) runs its rank
+sys.exit(any([os.waitpid(pid, 0)[1] for pid in pids]))
 '''
 
 
@@ -94,9 +84,9 @@ def ctrl_c(*, during: int, presses: int = 1, owner=MedusaLM, name="forward"):
 
 
 def ddp(tmp_path, ctrl_c_step: int, *args, torchrun: bool = False, **env) -> subprocess.CompletedProcess:
-    """train_tiny.py FAST in two CPU processes of WORKER, forked (or under torchrun)."""
+    """train_tiny.py FAST in two CPU processes of WORKER, forked, or under torchrun (--standalone: its rendezvous
+    takes a port the OS says is free, where a fixed one may still be held)."""
     (tmp_path / "worker.py").write_text(WORKER)
-    # --standalone: the rendezvous takes a port the OS says is free, where a fixed one may still be held
     launch = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"] if torchrun else []
     return subprocess.run([sys.executable, *launch, str(tmp_path / "worker.py"), str(ctrl_c_step), *FAST,
                            "--device", "cpu", *args], capture_output=True, text=True, timeout=300, cwd=ROOT,
@@ -171,8 +161,7 @@ def test_bfloat16_reaches_float32s_validation_loss_measured_every_eval_every_ste
 
 
 def test_resume_refuses_other_settings_or_text_and_a_run_never_learns_its_own_output(tmp_path, capsys):
-    data = tmp_path / "data"
-    data.mkdir()
+    (data := tmp_path / "data").mkdir()
     text = "".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n\n" for i in range(2000))
     (data / "a.py").write_text(text)
     out = data / "out"  # inside --data: the files the run writes there are not text to learn from
