@@ -34,7 +34,7 @@ FAST = ["--preset", "smoke", "--max-bytes", "60000", "--vocab-size", "300", "--b
 # train_tiny.py as two DDP ranks, under torchrun or forked from one process (one torch import) with torchrun's
 # variables; Ctrl-C on rank 0 in optimizer step argv[1] (0: never); GPT-2's tokenizer byte-level (no network).
 WORKER = r'''
-import os, signal, socket, sys, tiktoken, train_tiny
+import os, signal, socket, sys, tiktoken, train_tiny, torch._dynamo  # an optimizer imports dynamo: 2 s a rank
 BYTES = tiktoken.Encoding(name="gpt2", pat_str=r"\s*\S+|\s+", mergeable_ranks={bytes([i]): i for i in range(256)},
                           special_tokens={"<|endoftext|>": 256})
 tiktoken.get_encoding = lambda name: BYTES
