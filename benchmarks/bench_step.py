@@ -92,8 +92,8 @@ def tree_stages(model: GPT, cache: KVCache, heads: DraftHeads, tree: Tree, root:
             steps.medusa.ahead = (root, proposal)
         return steps.medusa(model, cache, proposer, root, hidden, history=history, stop_at=None, attended=attended)
 
-    return {"heads": propose, "verify": partial(verify, model, cache, proposal.tokens, tree=t, attended=attended),
-            "greedy verify": greedy_verify, "rejection verify": rejection_verify,
+    return {"heads": propose, "greedy verify": greedy_verify, "rejection verify": rejection_verify,
+            "verify": partial(verify, model, cache, proposal.tokens, tree=t, attended=attended, clamp=False),
             "host read": partial(read_step, proposal, accepted), "whole step": whole_step}
 
 
@@ -149,7 +149,7 @@ def step_ops(model: GPT, heads: DraftHeads, caches: dict[int, KVCache], trees: d
             step()  # the tree's index tensors are made at its first step, once
             reset()
             counts[f"{tree_name} {rule}"] = count_ops(step)
-    reset()
+            reset()  # every step from the prefix: at the longest --prefix a second step's nodes would pass the context
     return {key: sum(ops.values()) for key, ops in counts.items()}
 
 

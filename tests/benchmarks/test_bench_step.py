@@ -17,7 +17,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # restores the thread count 
 
 def test_the_table_prints_every_stage_the_heads_share_of_a_plain_step_and_the_step_over_its_verify(capsys, monkeypatch):
     monkeypatch.setitem(bench_step.CONFIGS, "small", SMALL)
-    main([*ONCE_ON_SMALL, "--nodes", "1,4", "--draft-vocab", "16"])
+    main([*ONCE_ON_SMALL, "--nodes", "1,4", "--draft-vocab", "16", "--prefix", "59"])  # the longest: 64 - depth 4 - 1
     lines = capsys.readouterr().out.splitlines()
     cells = dict(re.split(r"\s{2,}", line.strip()) for line in lines if re.search(r"\S\s{2,}\S", line))
     assert cells["layers / heads / width / vocabulary / draft"] == "2 / 2 / 32 / 64 / 16"
