@@ -41,19 +41,19 @@ tiktoken.get_encoding = lambda name: BYTES
 from medusa_mini.training import MedusaLM
 forward, steps = MedusaLM.forward, iter(range(1, 10**6))
 def step(self, *args, **kwargs):
-    if next(steps) == int(sys.argv[1]) and os.environ["RANK"] == "0":
-        os.kill(os.getpid(), signal.SIGINT)
+    if next(steps) == int(sys.argv[1]) and os.environ["RANK"] == "0": os.kill(os.getpid(), signal.SIGINT)
     return forward(self, *args, **kwargs)
 MedusaLM.forward = step
 def rank(**env):
-    os.environ.update(env)
-    code = train_tiny.main(sys.argv[2:]); sys.stdout.flush()
+    os.environ.update(env); code = train_tiny.main(sys.argv[2:]); sys.stdout.flush()
     os._exit(code)  # gloo's threads abort now and then at interpreter exit, even with the group destroyed
 if "RANK" in os.environ: rank()  # started by torchrun
 with socket.socket() as s:  # rank 0's store listens on a port the OS says is free
     s.bind(("127.0.0.1", 0)); env = dict(WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]))
 pids = [os.fork() or rank(RANK=str(r), LOCAL_RANK=str(r), **env) for r in (0, 1)]  # a child (fork() 0) runs its rank
-sys.exit(any([os.waitpid(pid, 0)[1] for pid in pids]))
+pid, first = os.wait()  # a rank that failed leaves its peer waiting in gloo for 30 minutes: a minute, then stopped
+signal.signal(signal.SIGALRM, lambda *_: os.kill(sum(pids) - pid, signal.SIGKILL)); signal.alarm(60)
+sys.exit(bool(os.waitpid(sum(pids) - pid, 0)[1] or first))
 '''
 
 
