@@ -39,8 +39,8 @@ def verify(model: GPT, cache: KVCache, tokens: torch.Tensor, *, tree: TreeTensor
 
     Row b's nodes occupy cache slots [L_b, L_b + N) past its length L_b, which stays put (they are
     tentative until `keep_path`), but sit at positions L_b + depth, clamped to the context (a node past it
-    is never usable; none is when every row has room for the tree); each sees its row's whole prefix,
-    itself and its ancestors (the tree's ancestor mask).
+    is never usable; clamp=False where every row has room for the tree, so no node is past it); each sees
+    its row's whole prefix, itself and its ancestors (the tree's ancestor mask).
     """
     pos = cache.length_buffer[:, None] + tree.depths  # [B, N]
     pos = pos.clamp(max=model.config.block_size - 1) if clamp else pos
