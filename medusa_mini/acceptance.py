@@ -33,18 +33,16 @@ from .tree import TreeTensors
 class Accepted(NamedTuple):
     """An acceptance decision for B rows, as device tensors of fixed shape: moves [B, 2D + 3], the last accepted
     node's row of `TreeTensors.path_moves` ([its path, D + 1 | the slots 0..D | the path's length]), and bonus
-    [B], the backbone's token after it."""
+    [B], the backbone's token after it. `nodes` and `count` are methods: torch 2.7 and 2.8 compile no property here."""
 
     moves: torch.Tensor
     bonus: torch.Tensor
 
-    @property
     def nodes(self) -> torch.Tensor:
         """[B, D + 1] long: the root, then the accepted nodes; past them the last accepted node repeats, so
         nodes[:, -1] is the node whose hidden state proposes the next tree."""
         return self.moves[:, : self.moves.shape[1] // 2]
 
-    @property
     def count(self) -> torch.Tensor:
         return self.moves[:, -1] - 1  # [B] long: accepted candidates per row (the path's length minus the root)
 

@@ -63,14 +63,14 @@ def keep_path(cache: KVCache, accepted: Accepted, *, active: torch.Tensor | None
     D + 1 slots move per row (a fixed shape; a chain tree's accepted path moves onto itself)."""
     start = cache.length_buffer  # [B]: moved only by the copy, after every read
     slots = start[:, None] + accepted.moves  # [B, 2D + 3]: the path's slots, those it moves to, the new length
-    D1 = accepted.nodes.shape[1]
+    D1 = accepted.nodes().shape[1]
     length = slots[:, -1] if active is None else torch.where(active, slots[:, -1], start)  # [B]
     compact_kv_cache(cache, slots[:, :D1], to=slots[:, D1:-1], length=length)
 
 
 def last_hidden(hiddens: torch.Tensor, accepted: Accepted) -> torch.Tensor:
     """The hidden state [B, C] at each row's last accepted node (hiddens [B, N, C]), which proposes next."""
-    return at_each_row(hiddens, accepted.nodes[:, -1])
+    return at_each_row(hiddens, accepted.nodes()[:, -1])
 
 
 @dataclass

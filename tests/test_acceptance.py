@@ -34,8 +34,8 @@ def decide(tree, tokens, logits, sampling, *, seed, drawn=None, usable=None):
 
 
 def as_host(accepted, b=0):
-    count = int(accepted.count[b])
-    return accepted.nodes[b, : count + 1].tolist(), int(accepted.bonus[b])
+    count = int(accepted.count()[b])
+    return accepted.nodes()[b, : count + 1].tolist(), int(accepted.bonus[b])
 
 
 def test_vectorised_greedy_equals_the_node_walk_on_random_trees_in_every_row():
@@ -47,10 +47,10 @@ def test_vectorised_greedy_equals_the_node_walk_on_random_trees_in_every_row():
     for seed in range(200):
         tree, tokens, logits = random_case(seed, rows=3)  # a small vocabulary: long matches happen
         got = greedy_accept_paths(tree.tensors("cpu"), tokens, logits)
-        assert got.nodes.shape == (3, tree.depth + 1)
+        assert got.nodes().shape == (3, tree.depth + 1)
         for b in range(3):
             path, bonus = ref.greedy_accept(tree.parents, tokens[b].tolist(), logits[b])
-            assert as_host(got, b) == (path, bonus) and got.nodes[b, -1] == path[-1]
+            assert as_host(got, b) == (path, bonus) and got.nodes()[b, -1] == path[-1]
             deep += len(path) > 2
     assert deep > 60  # the cases exercise deep paths, not only the root
 
@@ -93,8 +93,8 @@ def test_nodes_a_row_cannot_use_are_never_accepted(rule):
         log_q = torch.full((3, 3, 4), float("-inf")).scatter_(2, samples, 0.0)
         drawn = Drawn(log_q=log_q, samples=samples, q_index=torch.tensor([0, 1, 2, -1]))
     got = decide(tree, tokens, logits, sampling, seed=0, drawn=drawn, usable=usable)
-    assert got.count.tolist()[:2] == [3, 1]
-    assert got.count[2] == 0  # its root is unusable too: the step must not move its cache
+    assert got.count().tolist()[:2] == [3, 1]
+    assert got.count()[2] == 0  # its root is unusable too: the step must not move its cache
 
 
 def test_typical_acceptance_needs_p_strictly_above_the_bar():
@@ -107,7 +107,7 @@ def test_typical_acceptance_needs_p_strictly_above_the_bar():
         path, _ = ref.typical_accept([-1, 0], tokens[0].tolist(), logits[0], sampling=sampling,
                                      generator=torch.Generator().manual_seed(0))
         got = decide(Tree.from_choices([(0,)]), tokens, logits, sampling, seed=0)
-        assert (len(path) == 2, int(got.count[0]) == 1) == (accepted, accepted)
+        assert (len(path) == 2, int(got.count()[0]) == 1) == (accepted, accepted)
 
 
 def test_topk_rejection_on_the_device_makes_the_reference_walks_decisions_with_the_same_draws():
@@ -181,6 +181,6 @@ def test_drawn_rejection_on_the_device_makes_the_reference_walks_decisions_in_ev
                                         sampling=sampling, generator=torch.Generator().manual_seed(b), drawn=drawn)
             assert as_host(got, b) == want
             after_a_miss += any(tree.children[a].index(n) > 0 for a, n in zip(want[0], want[0][1:]))
-        deepest = max(deepest, int(got.count.max()))
+        deepest = max(deepest, int(got.count().max()))
     assert deepest == min(room, fixed.depth) if fixed else deepest >= 2  # as deep as the tree or the cut allows
     assert after_a_miss or q_kind == "p"  # a child accepted after its elder sibling missed

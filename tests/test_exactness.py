@@ -191,7 +191,7 @@ def typical_judges_by_p_without_top_p(tree, tokens, logits, *, sampling, u, usab
     """Candidates judged by p without top-p; the bonus still drawn from p with it."""
     judged = typical_accept_paths(tree, tokens, logits, sampling=replace(sampling, top_p=1.0), u=u, usable=usable)
     p = sampling.probs(logits)  # [B, N, V]
-    return judged._replace(bonus=inverse_cdf(p.gather(1, judged.nodes[:, -1, None, None].expand_as(p[:, :1]))[:, 0], u))
+    return judged._replace(bonus=inverse_cdf(p.gather(1, judged.nodes()[:, -1:, None].expand_as(p[:, :1]))[:, 0], u))
 
 
 def one_uniform_per_row(tree, tokens, logits, *, sampling, u, usable=None):

@@ -54,7 +54,7 @@ def test_keep_path_leaves_each_rows_cache_as_if_only_its_accepted_path_had_been_
     verify(model, cache, tokens, tree=TREE.tensors())
     assert cache.lengths.tolist() == [3, 2, 3]  # the nodes are written past each row's length, tentatively
     accepted = Accepted.ending_at(TREE.tensors(), torch.tensor([4, 2, 0]), torch.tensor([0, 0, 0]))
-    assert accepted.nodes.tolist() == [[0, 1, 4, 4], [0, 2, 2, 2], [0, 0, 0, 0]]  # a fixed shape: the last node repeats
+    assert accepted.nodes().tolist() == [[0, 1, 4, 4], [0, 2, 2, 2], [0, 0, 0, 0]]  # fixed shape: the last repeats
     keep_path(cache, accepted, active=torch.tensor([True, True, False]))
     assert cache.lengths.tolist() == [6, 4, 3]
     for b, kept in enumerate(([0, 1, 4], [0, 2])):
