@@ -40,7 +40,7 @@ class Accepted(NamedTuple):
 
     def nodes(self) -> torch.Tensor:
         """[B, D + 1] long: the root, then the accepted nodes; past them the last accepted node repeats, so
-        nodes[:, -1] is the node whose hidden state proposes the next tree."""
+        nodes()[:, -1] is the node whose hidden state proposes the next tree."""
         return self.moves[:, : self.moves.shape[1] // 2]
 
     def count(self) -> torch.Tensor:
