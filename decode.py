@@ -10,8 +10,6 @@
 Tokens/step counts the bonus token (the verify pass's own next token). Bad input: one line, exit status 2.
 """
 
-from __future__ import annotations
-
 import argparse
 import codecs
 import functools

@@ -10,8 +10,6 @@ draft vocabulary -> summary -> a GPT-2 checkpoint for decode.py. Ctrl-C saves af
     torchrun --nproc_per_node 2 train_tiny.py --preset smoke   # DDP (gloo on CPU, NCCL on GPU)
 """
 
-from __future__ import annotations
-
 import os
 import sys
 

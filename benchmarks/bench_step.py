@@ -9,8 +9,6 @@ step. On random weights (speed depends on shapes, not values): a plain step, ver
 per Medusa tree each stage of a step and its device operations. Targets: heads <= 10% of a plain step.
 """
 
-from __future__ import annotations
-
 import json
 import os
 import platform

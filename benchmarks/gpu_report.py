@@ -11,8 +11,6 @@ section, so a stopped run keeps what it finished. Exit status: 0, 1 if a part fa
 bad flags, the forwarded ones included.
 """
 
-from __future__ import annotations
-
 import argparse
 import contextlib
 import importlib

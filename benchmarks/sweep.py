@@ -8,8 +8,6 @@ lookup's chain of N nodes. Each row against plain decoding of its rule; greedy a
 product rule's estimate, greedy rows against plain greedy's tokens.
 """
 
-from __future__ import annotations
-
 import argparse
 import copy
 import json

@@ -18,8 +18,6 @@ context deeper nodes could not be used; a finished row in a batch has none, not 
 Shapes: B rows, N nodes, V vocabulary, D tree depth, R ranks; n inner nodes and S slots (`TreeTensors.tries`).
 """
 
-from __future__ import annotations
-
 from typing import NamedTuple
 
 import torch

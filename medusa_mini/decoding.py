@@ -12,8 +12,6 @@ only: the padding is never attended to and its slots are given back. Medusa's lo
 whose `proposer(model, tree)` makes the candidates: Medusa or hydra heads, or `proposal.PromptLookup`.
 """
 
-from __future__ import annotations
-
 from dataclasses import dataclass, field
 from typing import Callable
 

@@ -22,8 +22,6 @@ its `description`. The proposer class's `fill_tree` is the one function that fil
 Shapes: K heads, C n_embd, V vocabulary, M draft vocabulary, B rows, `...` any leading dims.
 """
 
-from __future__ import annotations
-
 from dataclasses import asdict, dataclass
 from typing import Callable
 

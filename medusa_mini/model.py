@@ -9,8 +9,6 @@ Shapes: B batch, T new tokens, S cache slots attended (`attended`, default all m
 heads, hs head size, V vocabulary.
 """
 
-from __future__ import annotations
-
 import math
 from dataclasses import dataclass
 

@@ -14,8 +14,6 @@ takes any such *drafter*. Shapes: B rows, N nodes, D depth, R ranks, V vocabular
 n_embd, Q the q a drawn tree draws from (Medusa heads: one per depth; Hydra's: one per node above the deepest depth).
 """
 
-from __future__ import annotations
-
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
@@ -223,7 +221,7 @@ class PromptLookup:
             raise ValueError(f"max_ngram must be at least 1, not {max_ngram}")
         self.max_ngram = max_ngram
 
-    def proposer(self, model: nn.Module, tree: Tree) -> PromptLookupProposer:
+    def proposer(self, model: nn.Module, tree: Tree) -> "PromptLookupProposer":
         return PromptLookupProposer(chain(max(tree.num_nodes - 1, 1)), max_ngram=self.max_ngram)
 
 

@@ -23,8 +23,6 @@ torch.cat. The engine (step.py, decoding.py, acceptance.py) makes the same decis
 shapes, batches and one host read per step; tests hold the two to the same tokens.
 """
 
-from __future__ import annotations
-
 import math
 from typing import TYPE_CHECKING
 
@@ -68,7 +66,7 @@ def tree_attention_mask(parents: list[int]) -> torch.Tensor:
 LayerKV = tuple[torch.Tensor, torch.Tensor]  # one layer's keys and values, [nh, L, hs] each
 
 
-def forward(model: GPT, tokens: list[int], positions: list[int], cache: list[LayerKV | None], mask: torch.Tensor
+def forward(model: "GPT", tokens: list[int], positions: list[int], cache: list[LayerKV | None], mask: torch.Tensor
             ) -> tuple[torch.Tensor, torch.Tensor]:
     """T new tokens through the backbone's own weights -> (logits [T, V], hidden [T, C]).
 
@@ -98,7 +96,7 @@ def forward(model: GPT, tokens: list[int], positions: list[int], cache: list[Lay
     return model.lm_head(hidden), hidden
 
 
-def propose(head_logits: torch.Tensor, draft_ids: torch.Tensor, tree: Tree, root: int, *, vocab_size: int,
+def propose(head_logits: torch.Tensor, draft_ids: torch.Tensor, tree: "Tree", root: int, *, vocab_size: int,
             sampling: Sampling, generator: torch.Generator | None) -> tuple[list[int], list | None]:
     """Fill the tree (§2.1.1-2.1.2): the node of choice (r1, ..., rd) holds head d's rank-rd guess.
 
@@ -229,7 +227,7 @@ def accept(parents: list[int], tokens: list[int], logits: torch.Tensor, *, sampl
 
 
 @torch.no_grad()
-def medusa_generate(model: GPT, heads: MedusaHeads, prompt: list[int], *, tree: Tree, max_new_tokens: int,
+def medusa_generate(model: "GPT", heads: "MedusaHeads", prompt: list[int], *, tree: "Tree", max_new_tokens: int,
                     sampling: Sampling = Sampling(), eos_id: int | None = None,
                     generator: torch.Generator | None = None) -> tuple[list[int], int]:
     """Medusa decoding, batch 1: returns (new tokens, backbone forward passes after the prefill).

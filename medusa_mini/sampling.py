@@ -12,8 +12,6 @@ makes the same decisions: the reference (reference.py) and the engine share thes
 neither imports the other.
 """
 
-from __future__ import annotations
-
 import math
 from dataclasses import dataclass
 

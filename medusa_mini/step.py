@@ -8,8 +8,6 @@ judges every node at once; `keep_path` compacts each row's cache; `read_step` is
 Shapes: B rows, N tree nodes, D tree depth, V vocabulary, C n_embd.
 """
 
-from __future__ import annotations
-
 from dataclasses import dataclass
 from typing import Callable
 

@@ -6,8 +6,6 @@ Self-distillation (§2.3.2): heads learn from text the backbone writes, what it 
 Shapes: B batch, T tokens, K heads, V vocabulary, M draft vocabulary, C n_embd.
 """
 
-from __future__ import annotations
-
 import math
 
 import torch

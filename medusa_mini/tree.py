@@ -10,8 +10,6 @@ tokens for a node budget from a measured acceptance table.
 Shapes: N nodes (root included), K heads, D maximum depth.
 """
 
-from __future__ import annotations
-
 import heapq
 import math
 from dataclasses import dataclass

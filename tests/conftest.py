@@ -1,7 +1,5 @@
 """Shared fixtures: tiny random models and checkpoints, so the whole spec runs in seconds on a CPU."""
 
-from __future__ import annotations
-
 import functools
 import itertools
 import json

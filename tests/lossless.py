@@ -7,8 +7,6 @@ long. Which heads propose never changes what a lossless rule emits, only how fas
 fair, and they reach the deep nodes where a wrong rule shows.
 """
 
-from __future__ import annotations
-
 import itertools
 import math
 from collections import Counter

@@ -8,8 +8,6 @@ vocabulary; typical acceptance does not (the paper's trade) but never leaves the
 by token id, in a batch as alone; an end token stops every rule; a temperature too small for float32 is greedy.
 """
 
-from __future__ import annotations
-
 import itertools
 from collections import Counter
 from dataclasses import dataclass, replace

@@ -2,8 +2,6 @@
 bad input, a ValueError, to `OneLineParser.error` (`<prog>: error: ...`, exit status 2); and figures, in two
 panels (matplotlib, an optional extra, imported only when drawing, on the Agg canvas: no display, no pyplot)."""
 
-from __future__ import annotations
-
 import argparse
 import os
 import time

@@ -12,8 +12,6 @@ one address, the steps copy out what the next call needs, and `warm_up` records 
 Shapes: B rows, N tree nodes, C n_embd, V vocabulary, Q the q a drawn tree draws from.
 """
 
-from __future__ import annotations
-
 from typing import Callable, Iterable
 
 import torch

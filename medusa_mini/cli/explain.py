@@ -2,8 +2,6 @@
 `medusa_generate` calls them (the heads' proposer fills the tree), so the printed step is the file a learner reads;
 `--demo` makes a model to explain on the spot. The tree and its mask drawn as text, here and by `--show`."""
 
-from __future__ import annotations
-
 import codecs
 import contextlib
 import io

@@ -8,8 +8,6 @@ per head and how often its r-th drawn candidate is accepted (rejection sampling'
 `--tree` (`resolve_tree`): a preset, choices (JSON, a file or inline), N (the table's best tree of N nodes) or 'auto':
 64 nodes on a GPU, on a CPU at most 8 that pay for themselves (`CPU_MIN_GAIN`); no table: the device's preset."""
 
-from __future__ import annotations
-
 import json
 import math
 import os

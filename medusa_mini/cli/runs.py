@@ -2,8 +2,6 @@
 a time, against the plain decoder of its temperature: speedup ≈ tokens/step ÷ step cost. Greedy rows must make plain
 greedy's tokens; in half precision a near-tie may round either way, so a parting is located. The tables, the figure."""
 
-from __future__ import annotations
-
 import dataclasses
 from functools import partial
 

@@ -3,8 +3,6 @@ caller's `extra`), model.safetensors, and with heads medusa_heads.safetensors (t
 vocabulary's order included) and medusa_config.json (HeadsConfig). The files are written together, config.json
 last: a save that fails leaves the previous checkpoint loadable (`atomic_write_files`)."""
 
-from __future__ import annotations
-
 import os
 
 import torch

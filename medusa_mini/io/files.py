@@ -1,8 +1,6 @@
 """File helpers: writes that a reader, or a crash, never sees half of, and JSON read with a one-line error
 that names the file and its fix."""
 
-from __future__ import annotations
-
 import contextlib
 import json
 import os

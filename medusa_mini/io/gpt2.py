@@ -5,8 +5,6 @@ the Hugging Face hub through a resumable download into `$MEDUSA_MINI_CACHE` (def
 [in, out]; this GPT's are nn.Linear ([out, in]) under the same names, so exactly those four are transposed. The
 lm_head is the token embedding (tied): not stored."""
 
-from __future__ import annotations
-
 import http.client
 import os
 import re

@@ -1,8 +1,6 @@
 """Everything decoding needs from a directory train_tiny.py wrote: model, heads, tokenizer, end-of-text id
 and held-out prompts. Bad input is a one-line ValueError."""
 
-from __future__ import annotations
-
 import os
 from dataclasses import dataclass, field
 

@@ -3,8 +3,6 @@
 8-byte alignment; then the raw little-endian tensor bytes, offsets counted from the end of the header. Every
 file is hostile: a malformed header is one ValueError naming the file, raised before anything is allocated."""
 
-from __future__ import annotations
-
 import json
 import math
 import os

@@ -3,8 +3,6 @@ pair merged again and again), used through tiktoken. On disk: tokenizer.tiktoken
 per line) and tokenizer_config.json (`{"type": "bpe", "name", "pattern", "special_tokens"}`, or
 `{"type": "tiktoken", "name": "gpt2"}` for one of tiktoken's named encodings)."""
 
-from __future__ import annotations
-
 import base64
 import contextlib
 import heapq

@@ -4,8 +4,6 @@ acc[k][r] = P(head k+1's rank-r guess is the backbone's greedy token k+2 places 
 acceptance takes the guess once it took the node above (`tree.build_tree` multiplies these along paths).
 `measure_try_acceptance` is rejection sampling's counterpart, the chance that it accepts head k+1's r-th draw."""
 
-from __future__ import annotations
-
 import json
 import os
 from collections.abc import Iterator, Sequence

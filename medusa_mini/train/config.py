@@ -2,8 +2,6 @@
 compares a run's identity (hyper-parameters, data path, seed) and a digest of its text: a resumed run never
 changes its settings or its data. The device may change."""
 
-from __future__ import annotations
-
 import dataclasses
 import math
 import os

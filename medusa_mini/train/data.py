@@ -1,8 +1,6 @@
 """Training text: by default this interpreter's standard library (real, structured, offline), or the
 user's; documents ``(name, text)`` of at most about 64 KB (cut at line ends), splits, batches, held-out prompts."""
 
-from __future__ import annotations
-
 import hashlib
 import os
 import pathlib

@@ -2,8 +2,6 @@
 that do not wait. bfloat16 and float16 train under torch.autocast (weights, reductions and the optimizer stay
 float32); float16's narrow range needs a GradScaler."""
 
-from __future__ import annotations
-
 import os
 
 import torch

@@ -2,8 +2,6 @@
 frozen), self-distillation, heads, draft vocabulary, summary. `Run` saves what an exact --resume needs; the first
 Ctrl-C saves after the current step. Under torchrun (DDP) each rank trains on its own batches, rank 0 writes."""
 
-from __future__ import annotations
-
 import contextlib
 import hashlib
 import math

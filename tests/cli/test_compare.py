@@ -1,7 +1,5 @@
 """decode.py --compare on a tiny saved checkpoint: plain, prompt lookup, Medusa and reference rows, same prompts."""
 
-from __future__ import annotations
-
 import json
 import shutil
 

@@ -1,8 +1,6 @@
 """`--compile` makes the eager tokens, each step shape captured in the warm-up; a backend that replays each
 captured graph under CUDA graphs' rules (`GraphReplay`) checks it on a CPU in milliseconds."""
 
-from __future__ import annotations
-
 import json
 import shutil
 from functools import partial

@@ -1,7 +1,5 @@
 """decode.py end to end on a tiny saved checkpoint, each mode as a user runs it."""
 
-from __future__ import annotations
-
 import functools
 import json
 import os
