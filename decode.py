@@ -7,8 +7,7 @@
     python decode.py --compare --batch-size 1,2,4,8,16   # where batching ends Medusa's speedup
     python decode.py --reference          # the same tokens from reference.py, the readable decoder
 
-Tokens/step counts the bonus token (the verify pass's own next token). Bad input: one line, exit status 2.
-"""
+Tokens/step counts the bonus token (the verify pass's own next token). Bad input: one line, exit status 2."""
 
 import argparse
 import codecs
@@ -135,9 +134,8 @@ def methods_of(a: argparse.Namespace, ck, choice: TreeChoice | None, drawn: Tree
     if a.reference and ck.heads is not None and ck.heads.reads_the_draft:  # refused before any output
         raise ValueError(f"--reference decodes with Medusa heads, not {ck.heads.name} heads: leave it out here")
     if a.compare:
-        temperature = a.temperature if a.temperature > 0 else SAMPLING_TEMPERATURE
-        methods = compare_methods(ck, choice.tree, a.sampling, temperature=temperature, lookup_nodes=choice.budget,
-                                  drawn_tree=drawn.tree, with_reference=a.reference)
+        methods = compare_methods(ck, choice.tree, a.sampling, temperature=a.temperature or SAMPLING_TEMPERATURE,
+                                  lookup_nodes=choice.budget, drawn_tree=drawn.tree, with_reference=a.reference)
         batch_rows = ("plain_greedy", "medusa_greedy", "plain_sampling", "medusa_rejection")
         return [m for m in methods if m.key in batch_rows or not a.batch_table]
     if a.method == "plain":
@@ -159,13 +157,11 @@ def compiled(engine: Engine, methods: list[Method], a: argparse.Namespace, promp
     return seconds
 
 
-# Two background colours with black text, so even a step that produced only spaces is visible.
-STEP_STYLES = ("\x1b[30;46m", "\x1b[30;43m")
-
-
 class StepPrinter:
     """An `on_step` callback that prints the text as it comes; with show_steps each step in its colour (on a
     terminal without NO_COLOR, no-color.org) or [brackets]. A UTF-8 character split across steps waits."""
+
+    STYLES = ("\x1b[30;46m", "\x1b[30;43m")  # black text on two backgrounds: even a step of spaces shows
 
     def __init__(self, enc: tiktoken.Encoding, *, eot_id: int | None, show_steps: bool) -> None:
         self.enc, self.eot_id, self.show_steps, self.steps = enc, eot_id, show_steps, 0
@@ -184,7 +180,7 @@ class StepPrinter:
 
     def _write(self, text: str) -> None:
         if self.show_steps:
-            text = f"{STEP_STYLES[(self.steps - 1) % 2]}{text}\x1b[0m" if self.color else f"[{text}]"
+            text = f"{self.STYLES[(self.steps - 1) % 2]}{text}\x1b[0m" if self.color else f"[{text}]"
         print(text, end="", flush=True)  # the reader watches the text grow, step by step
 
 

@@ -152,10 +152,9 @@ def header(s: argparse.Namespace, argv: list[str]) -> str:
         name = f"CPU ({platform.processor() or platform.machine()}), {torch.get_num_threads()} threads"
     commit = shutil.which("git") and subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT,
                                                     capture_output=True, text=True).stdout.strip()
-    now = time.strftime("%Y-%m-%d %H:%M", time.gmtime())
     return (f"# medusa_mini on {name.split(',')[0]}\n\n- device: {s.device}: {name}\n- torch {torch.__version__}, "
             f"CUDA {torch.version.cuda or 'none (a CPU build of torch)'}, Python {platform.python_version()}\n"
-            f"- code: {commit or 'unknown'}; date (UTC): {now}\n"
+            f"- code: {commit or 'unknown'}; date (UTC): {time.strftime('%Y-%m-%d %H:%M', time.gmtime())}\n"
             f"- command: `{shlex.join(['python', 'benchmarks/gpu_report.py', *argv])}`\n")
 
 

@@ -55,9 +55,8 @@ def chunked_head_loss(heads: DraftHeads, model: GPT, hidden: torch.Tensor, targe
     heads read) -> mean cross-entropy [K] and detached top-1 accuracy [K] where a target exists (0 for none).
     `chunk_size` positions at a time (default: LOGITS_PER_CHUNK logits), several chunks each under checkpointing,
     so both passes hold one chunk's logits at the price of computing them twice. No data-dependent shapes."""
-    K, C = targets.shape[0], hidden.shape[-1]
-    h, tgt, fol = hidden.reshape(-1, C), targets.reshape(K, -1), following.reshape(-1, K)  # n = B·T positions
-    n = h.shape[0]
+    h, tgt, fol = hidden.flatten(0, 1), targets.flatten(1), following.flatten(0, 1)  # n = B·T positions
+    K, n = tgt.shape
     size = chunk_size or max(1, LOGITS_PER_CHUNK // (K * (heads.config.draft_vocab_size or heads.config.vocab_size)))
     ce_sum = hits = 0
     for i in range(0, n, size):
@@ -78,8 +77,7 @@ def head_weights(num_heads: int, *, decay: float) -> list[float]:
 def lambda_schedule(step: int, total: int, *, lambda0: float, ramp: float = 0.3) -> float:
     """Medusa-2's heads weight: ramped linearly up to λ0 over the first `ramp` of training (step 0, the
     first, already takes λ0 / ramp steps: no step trains the heads with weight 0)."""
-    ramp_steps = max(1, int(total * ramp))
-    return lambda0 * min(1.0, (step + 1) / ramp_steps)
+    return lambda0 * min(1.0, (step + 1) / max(1, int(total * ramp)))
 
 
 def cosine_lr(step: int, total: int, *, lr: float, warmup: float = 0.05, min_ratio: float = 0.1) -> float:
@@ -98,11 +96,9 @@ class MedusaLM(nn.Module):
         super().__init__()
         self.model, self.heads = model, heads
 
-    def forward(
-        self, x: torch.Tensor, y: torch.Tensor, *, lm_weight: float, heads_weight: float, decay: float,
-        valid: torch.Tensor | None = None, detach_backbone: bool = False, heads_stride: int = 1,
-        heads_offset: int = 0, heads_chunk: int | None = None,
-    ) -> tuple[torch.Tensor, dict]:
+    def forward(self, x: torch.Tensor, y: torch.Tensor, *, lm_weight: float, heads_weight: float, decay: float,
+                valid: torch.Tensor | None = None, detach_backbone: bool = False, heads_stride: int = 1,
+                heads_offset: int = 0, heads_chunk: int | None = None) -> tuple[torch.Tensor, dict]:
         """Total loss and detached on-device metrics ("lm" [], "heads" [K], "acc" [K]); x, y, valid: [B, T].
         heads_stride s > 1 trains the heads at every s-th position from heads_offset only (K vocabulary
         projections per position cost more than the backbone); the caller moves the offset each step."""

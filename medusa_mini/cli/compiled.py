@@ -1,16 +1,14 @@
 """`--compile`: the plain step and Medusa's as whole graphs, CUDA graphs on a GPU (mode "reduce-overhead"),
 which remove the kernel launches that dominate decoding at batch 1. Through the seam the decoding loops take
 (`step.Steps`) they make the eager steps' decisions, draw for draw: the plain step chooses the token in its
-graph; `CompiledMedusa` runs `verify_and_accept` (verify, accept under any rule, keep the path, draft the
-heads' next tree) as one graph a step, and `draft_tree` for a generation's first tree of drawn candidates.
-Prompt lookup's chains come from its eager proposer, one graph per chain length.
+graph; `CompiledMedusa` runs `verify_and_accept` as one graph a step, and `draft_tree` for a generation's first
+tree of drawn candidates. Prompt lookup's chains come from its eager proposer, one graph per chain length.
 
 Every shape is fixed: a step reads the whole KV cache and verifies the whole tree. A CUDA graph replays on the
 addresses it recorded and overwrites its outputs at its next replay, so `StaticCaches` keeps each shape's cache at
 one address, the steps copy out what the next call needs, and `warm_up` records every shape first (prefill: eager).
 
-Shapes: B rows, N tree nodes, C n_embd, V vocabulary, Q the q a drawn tree draws from.
-"""
+Shapes: B rows, N tree nodes, C n_embd, V vocabulary, Q the q a drawn tree draws from."""
 
 from typing import Callable, Iterable
 
@@ -118,8 +116,7 @@ def compile_steps(device: torch.device | str, *, backend: str | Callable = "indu
                   compile: Callable | None = None) -> Steps:
     """The compiled steps (`compile`: how to compile a function, by default torch.compile with
     `compile_options`; the identity runs the fixed-shape steps eagerly)."""
-    options = compile_options(device, backend=backend)
-    compile = compile or (lambda fn: torch.compile(fn, **options))
+    compile = compile or (lambda fn: torch.compile(fn, **compile_options(device, backend=backend)))
     compiled_plain = compile(plain_step)
 
     def plain(model: GPT, cache: KVCache, tokens: torch.Tensor, *, sampling: Sampling = Sampling(),

@@ -63,8 +63,7 @@ def load_prompts(directory: str, *, hint: str = "pass prompts with --prompt TEXT
 def prompt_ids(ck: Checkpoint, *, count: int, max_new_tokens: int) -> list[list[int]]:
     """The first `count` prompts of ck's prompts.json as token ids, each cut to leave room for max_new_tokens, empty
     ones left out; its callers take no prompts of their own, so a missing file's error says how to make one."""
-    room = ck.block_size - max_new_tokens
-    if room < 1:
+    if (room := ck.block_size - max_new_tokens) < 1:
         raise ValueError(f"--max-new-tokens {max_new_tokens} leaves no room for a prompt in {ck.block_size}")
     texts = load_prompts(ck.directory, hint=WRITE_PROMPTS)[:count]
     prompts = [ids[-room:] for ids in map(ck.enc.encode_ordinary, texts) if ids]

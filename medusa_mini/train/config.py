@@ -2,11 +2,10 @@
 compares a run's identity (hyper-parameters, data path, seed) and a digest of its text: a resumed run never
 changes its settings or its data. The device may change."""
 
-import dataclasses
 import math
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import Field, dataclass, field, fields
 
 from ..heads import HEAD_KINDS
 
@@ -37,7 +36,7 @@ class TrainArgs:
     dtype: str = "float32"
     save_every: int | None = None
     log_every: float = 10.0
-    # hyper-parameters; the defaults are the cpu preset
+    # hyper-parameters; the defaults are the cpu preset's but for num_heads (PRESETS)
     max_bytes: int = hp(3_000_000, "cap on the default corpus")
     vocab_size: int = hp(2048, "BPE vocabulary incl. end-of-text")
     n_layer: int = hp(4, "transformer blocks")
@@ -87,8 +86,8 @@ class TrainArgs:
             self.backbone_steps, self.medusa = 0, 1
 
     @classmethod
-    def hyper_parameters(cls) -> dict[str, dataclasses.Field]:
-        return {f.name: f for f in dataclasses.fields(cls) if "help" in f.metadata}
+    def hyper_parameters(cls) -> dict[str, Field]:
+        return {f.name: f for f in fields(cls) if "help" in f.metadata}
 
     def identity(self) -> dict:
         """What --resume compares: the hyper-parameters but --eval-every (it only reports), data, seed."""

@@ -90,8 +90,7 @@ def corpus_digest(docs: Sequence[Document]) -> str:
     """A SHA-256 of the documents' names and texts: --resume refuses a run whose data changed under it."""
     h = hashlib.sha256()
     for name, text in docs:
-        h.update(f"{len(name)}:{name}{len(text)}:".encode())
-        h.update(text.encode("utf-8"))
+        h.update(f"{len(name)}:{name}{len(text)}:{text}".encode())
     return h.hexdigest()
 
 

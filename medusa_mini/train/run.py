@@ -345,9 +345,8 @@ def heads_stage(r: Run, *, step: int, state: dict | None) -> None:
         return seq[:, :-1], seq[:, 1:], valid_row.expand(a.heads_batch_size, -1)
 
     _train(r, MedusaLM(r.model, r.heads), _optimizer([(list(r.heads.parameters()), a.heads_lr)], a), stage="heads",
-           steps=a.heads_steps, start=step, gen=torch.Generator().manual_seed(a.seed * 1009 + r.rank + 1),
-           batch_fn=batch, state=state,
-           loss_kwargs=lambda s: dict(lm_weight=0.0, heads_weight=1.0, decay=1.0, detach_backbone=True))
+           steps=a.heads_steps, start=step, gen=torch.Generator().manual_seed(a.seed * 1009 + r.rank + 1), state=state,
+           batch_fn=batch, loss_kwargs=lambda s: dict(lm_weight=0.0, heads_weight=1.0, decay=1.0, detach_backbone=True))
 
 
 def choose_draft_vocabulary(r: Run) -> None:
