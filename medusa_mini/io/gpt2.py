@@ -26,6 +26,7 @@ GPT2_CONFIGS: dict[str, GPTConfig] = {
                                           ("gpt2-large", 36, 20, 1280), ("gpt2-xl", 48, 25, 1600)]}
 RETRIES = 2  # resumptions or restarts of a broken download within one call
 TIMEOUT_S = 30
+META_ABOVE = 50_000_000  # parameters: a larger model is built on the meta device (`load_gpt2`)
 _CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 _BUFFERS = (".attn.bias", ".attn.masked_bias")  # causal masks older transformers saved with the weights
 _PREFIX = "transformer."
@@ -236,7 +237,11 @@ def load_gpt2(name_or_path: str | os.PathLike, *, device: torch.device | str = "
             raise ValueError(f"{config_path}: {e}") from None
     tensors = read_safetensors(weights)
     config = config or infer_gpt2_config(tensors)  # a bare weights file: its shapes say which GPT-2 it is
-    with torch.device("meta"):  # no random initialisation (slow for gpt2-xl) and no full copy on the CPU first
+    # Drawing a GPT-2's random weights takes seconds (gpt2: 3 s on two CPU cores; gpt2-xl has 12 times as many), so
+    # it is built on the meta device, at the price of importing torch's compiler (2 s: meta's normal_ does), which a
+    # small model's milliseconds of drawing never pay (on a fork of the CPU's generator: the global one is untouched).
+    large = 12 * config.n_layer * config.n_embd**2 + config.vocab_size * config.n_embd > META_ABOVE
+    with torch.random.fork_rng(devices=[]), torch.device("meta" if large else "cpu"):
         model = GPT(config)
     model = model.to_empty(device=device)
     model.lm_head.weight = model.transformer.wte.weight  # to_empty gave the tied pair separate storage

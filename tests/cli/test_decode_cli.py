@@ -104,12 +104,14 @@ def test_the_demo_explains_a_step_without_any_checkpoint(capsys, tmp_path, monke
 
 
 def test_as_a_process_a_sampled_run_repeats_its_tokens(ckpt, capsys):
-    """As a user meets it: a fresh process's output and exit status (bad input, through the same main, below)."""
+    """As a user meets it: a fresh process's output and exit status (bad input, through the same main, below).
+    Eager decoding of a small model never imports torch's compiler (2 s of start-up, -X importtime lists it)."""
     argv = ["--ckpt", ckpt, "--method", "rejection", "--seed", "3", "--max-new-tokens", "16"]
-    r = subprocess.run([sys.executable, "decode.py", *argv, "--json"], capture_output=True, text=True, cwd=ROOT,
-                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    r = subprocess.run([sys.executable, "-X", "importtime", "decode.py", *argv, "--json"], capture_output=True,
+                       text=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
     objs = [json.loads(line) for line in r.stdout.splitlines()]
     assert r.returncode == 0 and objs[0]["temperature"] == 0.8 and len(objs) == 3  # the sampling default
+    assert "| torch._dynamo\n" not in r.stderr and "| torch\n" in r.stderr
     assert [o["tokens"] for o in objs] == [o["tokens"] for o in objects(capsys, *argv)]  # and in this process
 
 

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from medusa_mini.io import gpt2
 from medusa_mini.io.files import atomic_write
 from medusa_mini.io.gpt2 import GPT2_CONFIGS, download, infer_gpt2_config, load_gpt2
 from medusa_mini.io.safetensors import write_safetensors
@@ -88,12 +89,15 @@ def write_dir(directory, tensors: dict[str, torch.Tensor], *, weights: str = "mo
 
 @pytest.mark.parametrize("layout, file", [(as_tensors, ""), (hub_style, ""), (as_tensors, "model.safetensors")],
                          ids=["transformers keys", "hub keys and buffers", "weights file"])
-def test_gpt2_files_give_the_reference_logits_with_a_tied_output_and_no_random_init(tmp_path, layout, file):
+@pytest.mark.parametrize("meta_above", [0, gpt2.META_ABOVE], ids=["built on meta", "small"])
+def test_gpt2_files_give_the_reference_logits_with_a_tied_output_and_no_random_init(tmp_path, monkeypatch, layout,
+                                                                                     file, meta_above):
+    monkeypatch.setattr(gpt2, "META_ABOVE", meta_above)
     w = reference_weights()
     source = write_dir(tmp_path / "m", layout(w)) / file
     before = torch.get_rng_state()
     model = load_gpt2(source)
-    assert torch.equal(torch.get_rng_state(), before)  # GPT(config) on a real device would draw ~all weights
+    assert torch.equal(torch.get_rng_state(), before)  # loading draws nothing from the global generator
     assert model.config == GPTConfig(vocab_size=V, block_size=P, n_layer=L, n_head=H, n_embd=C)
     assert model.lm_head.weight is model.transformer.wte.weight
     assert sum(p.numel() for p in model.parameters()) == sum(v.size for v in w.values())
