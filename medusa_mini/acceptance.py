@@ -29,25 +29,12 @@ from .tree import TreeTensors
 
 
 class Accepted(NamedTuple):
-    """An acceptance decision for B rows, as device tensors of fixed shape: moves [B, 2D + 3], the last accepted
-    node's row of `TreeTensors.path_moves` ([its path, D + 1 | the slots 0..D | the path's length]), and bonus
-    [B], the backbone's token after it. `nodes` and `count` are methods: torch 2.7 and 2.8 compile no property here."""
+    """An acceptance decision for B rows, as device tensors: last [B] long, each row's deepest accepted node (the
+    root if none), whose path from the root (`Tree.path`) is the accepted path and whose hidden state proposes
+    the next tree; bonus [B], the backbone's token after it."""
 
-    moves: torch.Tensor
+    last: torch.Tensor
     bonus: torch.Tensor
-
-    def nodes(self) -> torch.Tensor:
-        """[B, D + 1] long: the root, then the accepted nodes; past them the last accepted node repeats, so
-        nodes()[:, -1] is the node whose hidden state proposes the next tree."""
-        return self.moves[:, : self.moves.shape[1] // 2]
-
-    def count(self) -> torch.Tensor:
-        return self.moves[:, -1] - 1  # [B] long: accepted candidates per row (the path's length minus the root)
-
-    @staticmethod
-    def ending_at(tree: TreeTensors, last: torch.Tensor, bonus: torch.Tensor) -> "Accepted":
-        """The path from the root to node last [B] of each row, then its bonus [B]."""
-        return Accepted(tree.path_moves[last], bonus)
 
 
 def path_scores(tree: TreeTensors, passes: torch.Tensor) -> torch.Tensor:
@@ -77,7 +64,7 @@ def path_accept(tree: TreeTensors, tokens: torch.Tensor, y: torch.Tensor, *,
     if usable is not None:
         match &= usable
     last = deepest_accepted(tree, match)  # [B]
-    return Accepted.ending_at(tree, last, y.gather(1, last[:, None])[:, 0])
+    return Accepted(last, y.gather(1, last[:, None])[:, 0])
 
 
 def greedy_accept_paths(tree: TreeTensors, tokens: torch.Tensor, logits: torch.Tensor, *,
@@ -113,7 +100,7 @@ def typical_accept_paths(tree: TreeTensors, tokens: torch.Tensor, logits: torch.
     score = torch.where(top, score, float("-inf"))
     best = (score == score.max(dim=-1, keepdim=True).values).byte()  # [B, N]; argmax takes no bool
     last = best.argmax(dim=-1)  # [B]: the first of the best (argmax returns the first of equal maxima)
-    return Accepted.ending_at(tree, last, inverse_cdf(at_each_row(p, last), u))
+    return Accepted(last, inverse_cdf(at_each_row(p, last), u))
 
 
 def uniform_dims(sampling: Sampling) -> int:
@@ -151,7 +138,7 @@ def rejection_accept_drawn(tree: TreeTensors, tokens: torch.Tensor, logits: torc
     """
     p, tries = sampling.probs(logits), tree.tries  # [B, N, V]
     if not tries.sizes:  # the root alone: nothing to try
-        return Accepted.ending_at(tree, torch.zeros_like(tokens[:, 0]), inverse_cdf(p[:, 0], u[:, 0]))
+        return Accepted(torch.zeros_like(tokens[:, 0]), inverse_cdf(p[:, 0], u[:, 0]))
     log_q, draws = drawn.at(tries.parents)  # [B, N - 1, V], [B, N - 1, R]: what each child was drawn from
     x, u_kids = tokens[:, tries.children], u[:, tries.children]  # [B, N - 1]
     q = without_earlier_draws(log_q, draws, x, earlier=tries.earlier)  # [B, N - 1, V]
@@ -170,7 +157,7 @@ def rejection_accept_drawn(tree: TreeTensors, tokens: torch.Tensor, logits: torc
     passes = torch.cat(passed, dim=1)[:, tries.slot_order]  # [B, N]: each node's, in node order (the root's unread)
     p[:, tries.nodes] = torch.cat(done, dim=1)  # [B, n, V]: the nodes in order, most children first
     last = deepest_accepted(tree, passes)  # [B]
-    return Accepted.ending_at(tree, last, inverse_cdf(at_each_row(p, last), u[:, 0]))  # what is left of p there
+    return Accepted(last, inverse_cdf(at_each_row(p, last), u[:, 0]))  # what is left of p there
 
 
 def check_uniforms(sampling: Sampling, u: torch.Tensor | None) -> None:

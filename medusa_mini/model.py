@@ -62,16 +62,16 @@ class KVCache:
     def lengths(self, value: int | torch.Tensor) -> None:
         self.length_buffer.copy_(torch.as_tensor(value))  # in place: the buffer's address never changes
 
-    def place(self, T: int, new_mask: torch.Tensor | None, *, attended: int | None
+    def place(self, T: int, new_mask: torch.Tensor | None, *, attended: int | None, slots: torch.Tensor | None = None
               ) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """Where T new tokens go, slots [B, T] from each row's length, and what each may see among the first S
-        slots (S = attended, default all max_len): mask [B, T, S] (`cache_attention_mask`; new_mask None:
+        """Where T new tokens go, slots [B, T] (default: from each row's length on), and what each may see among the
+        first S slots (S = attended, default all max_len): mask [B, T, S] (`cache_attention_mask`; new_mask None:
         causal among the new tokens). Read before the forward advances the lengths."""
         if T > self.max_len:  # a fuller cache is caught by the write (its lengths are on the device)
             raise ValueError(f"KV cache full: {T} tokens > max_len {self.max_len}")
         device, S = self.length_buffer.device, self.max_len if attended is None else min(attended, self.max_len)
         new_mask = new_mask if new_mask is not None else causal_mask(T, device=device)
-        slots = self.length_buffer[:, None] + torch.arange(T, device=device)  # [B, T]
+        slots = self.length_buffer[:, None] + torch.arange(T, device=device) if slots is None else slots  # [B, T]
         return slots, cache_attention_mask(self.length_buffer, new_mask, max_len=S), S
 
     def write(self, layer: int, kv: torch.Tensor, slots: torch.Tensor) -> None:
@@ -203,7 +203,8 @@ class GPT(nn.Module):
 
     def forward(self, idx: torch.Tensor, *, pos: torch.Tensor | None = None, cache: KVCache | None = None,
                 attn_mask: torch.Tensor | None = None, logits_at: torch.Tensor | slice | None = None,
-                attended: int | None = None, advance: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                attended: int | None = None, advance: bool = True, slots: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
         """T new tokens per row, idx [B, T] -> (logits [B, T', V], hidden after ln_f [B, T, C]); T' is T, or 1 for
         a [B] logits_at, or the slice's length.
 
@@ -213,14 +214,13 @@ class GPT(nn.Module):
         the new tokens, True = may attend (default causal); with a cache every new token also sees its row's
         prefix. logits_at: the positions that get logits (a slice, or a [B] tensor, one per row; default
         all): the lm_head is a small model's largest matmul. attended: read only the cache's first
-        `attended` slots (default all max_len).
+        `attended` slots (default all max_len). slots: [B, T] each row's next T slots, if the caller has them.
         """
         B, T = idx.shape
-        slots = None
         if cache is not None:
             if torch.is_grad_enabled():  # a cache holds values for decoding, never an autograd graph
                 raise RuntimeError("a forward with a KV cache decodes: run it under torch.no_grad()")
-            slots, attn_mask, attended = cache.place(T, attn_mask, attended=attended)  # [B, T], [B, T, S], S
+            slots, attn_mask, attended = cache.place(T, attn_mask, attended=attended, slots=slots)  # [B, T, S] mask
         if pos is None:
             pos = slots if slots is not None else torch.arange(T, device=idx.device)  # [B, T] or [T]
         if attn_mask is not None:

@@ -31,18 +31,26 @@ def plain_step(model: GPT, cache: KVCache, tokens: torch.Tensor, *, sampling: Sa
     return sampling.next_token(logits[:, -1], u), logits, hidden
 
 
-def verify(model: GPT, cache: KVCache, tokens: torch.Tensor, *, tree: TreeTensors, attended: int | None = None,
-           clamp: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def place_tree(cache: KVCache, tree: TreeTensors) -> torch.Tensor:
+    """[B, N, 2D + 5]: the tree placed after each row's length L_b, in one add (`TreeTensors.offsets`): node i's
+    cache slot L_b + i and position L_b + depth_i, then the slots its path lies in and would move to."""
+    return cache.length_buffer[:, None, None] + tree.offsets
+
+
+def verify(model: GPT, cache: KVCache, tokens: torch.Tensor, *, tree: TreeTensors, placed: torch.Tensor | None = None,
+           attended: int | None = None, clamp: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """One tree-masked forward over all N nodes of B rows (§2.1.2): tokens [B, N] -> logits [B, N, V], hidden.
 
     Row b's nodes occupy cache slots [L_b, L_b + N) past its length L_b, which stays put (they are
-    tentative until `keep_path`), but sit at positions L_b + depth, clamped to the context (a node past it
-    is never usable; clamp=False where every row has room for the tree, so no node is past it); each sees
-    its row's whole prefix, itself and its ancestors (the tree's ancestor mask).
+    tentative until `keep_path`), but sit at positions L_b + depth (`place_tree`; placed: its result, if
+    made), clamped to the context (a node past it is never usable; clamp=False where every row has room for
+    the tree, so no node is past it); each sees its row's whole prefix, itself and its ancestors (the tree's
+    ancestor mask).
     """
-    pos = cache.length_buffer[:, None] + tree.depths  # [B, N]
-    pos = pos.clamp(max=model.config.block_size - 1) if clamp else pos
-    return model(tokens, pos=pos, cache=cache, attn_mask=tree.ancestor_mask, attended=attended, advance=False)
+    placed = place_tree(cache, tree) if placed is None else placed  # [B, N, 2D + 5]
+    pos = placed[..., 1].clamp(max=model.config.block_size - 1) if clamp else placed[..., 1]  # [B, N]
+    return model(tokens, pos=pos, cache=cache, attn_mask=tree.ancestor_mask, attended=attended, advance=False,
+                 slots=placed[..., 0])
 
 
 def has_room(start: int | torch.Tensor, depth: int | torch.Tensor, stop_at: int | torch.Tensor) -> bool | torch.Tensor:
@@ -55,20 +63,20 @@ def usable_nodes(tree: TreeTensors, start: torch.Tensor, stop_at: torch.Tensor) 
     return has_room(start[:, None], tree.depths, stop_at[:, None])
 
 
-def keep_path(cache: KVCache, accepted: Accepted, *, active: torch.Tensor | None = None) -> None:
+def keep_path(cache: KVCache, accepted: Accepted, *, placed: torch.Tensor, active: torch.Tensor | None = None) -> None:
     """Keep the K/V of each row's root and accepted nodes in consecutive slots from its length (the root's slot,
     where `verify` left it); the length advances past them only for `active` [B] rows (None: all). Always
-    D + 1 slots move per row (a fixed shape; a chain tree's accepted path moves onto itself)."""
-    start = cache.length_buffer  # [B]: moved only by the copy, after every read
-    slots = start[:, None] + accepted.moves  # [B, 2D + 3]: the path's slots, those it moves to, the new length
-    D1 = accepted.nodes().shape[1]
-    length = slots[:, -1] if active is None else torch.where(active, slots[:, -1], start)  # [B]
+    D + 1 slots move per row (a fixed shape: past the path's end its last node is copied again, beyond the new
+    length). placed: `place_tree`'s, from the lengths the verify saw."""
+    slots = at_each_row(placed[..., 2:], accepted.last)  # [B, 2D + 3]: the path's slots, those it moves to, the length
+    D1 = (slots.shape[1] - 1) // 2
+    length = slots[:, -1] if active is None else torch.where(active, slots[:, -1], cache.length_buffer)  # [B]
     compact_kv_cache(cache, slots[:, :D1], to=slots[:, D1:-1], length=length)
 
 
 def last_hidden(hiddens: torch.Tensor, accepted: Accepted) -> torch.Tensor:
     """The hidden state [B, C] at each row's last accepted node (hiddens [B, N, C]), which proposes next."""
-    return at_each_row(hiddens, accepted.nodes()[:, -1])
+    return at_each_row(hiddens, accepted.last)
 
 
 @dataclass
@@ -82,12 +90,11 @@ class StepResult:
 
 
 def read_step(proposal: Proposal, accepted: Accepted) -> tuple[list[list[int]], list[list[int]]]:
-    """The step's one host read: per row, the accepted path (root first) and the tokens it emits (the
-    accepted candidates, then the bonus)."""
-    W = accepted.moves.shape[1]
-    read = torch.cat([accepted.moves, accepted.bonus[:, None], proposal.tokens], dim=1).tolist()  # [B][W + 1 + N]
-    paths = [row[: row[W - 1]] for row in read]  # row = [moves, ending with the count kept | bonus | node tokens]
-    return paths, [[row[W + 1 + node] for node in path[1:]] + [row[W]] for row, path in zip(read, paths)]
+    """The step's one host read: per row, the accepted path (root first, `Tree.path`) and the tokens it emits
+    (the accepted candidates, then the bonus)."""
+    read = torch.cat([accepted.last[:, None], accepted.bonus[:, None], proposal.tokens], dim=1).tolist()  # [B][2 + N]
+    paths = [proposal.tree.path(row[0]) for row in read]  # row = [last | bonus | node tokens]
+    return paths, [[row[2 + node] for node in path[1:]] + [row[1]] for row, path in zip(read, paths)]
 
 
 @torch.no_grad()
@@ -109,9 +116,11 @@ def medusa_step(model: GPT, cache: KVCache, proposer: Proposer, roots: torch.Ten
     u = acceptance_uniforms(sampling, B, proposer.tree.num_nodes, generator, device=device)
     tree = proposal.tree.tensors(device)
     usable = None if stop_at is None else usable_nodes(tree, cache.length_buffer, stop_at)  # [B, N]
-    logits, hiddens = verify(model, cache, proposal.tokens, tree=tree, attended=attended, clamp=usable is not None)
+    placed = place_tree(cache, tree)  # [B, N, 2D + 5]
+    logits, hiddens = verify(model, cache, proposal.tokens, tree=tree, placed=placed, attended=attended,
+                             clamp=usable is not None)
     accepted = accept(tree, proposal.tokens, logits, sampling=sampling, u=u, drawn=proposal.drawn, usable=usable)
-    keep_path(cache, accepted, active=None if usable is None else usable[:, 0])
+    keep_path(cache, accepted, placed=placed, active=None if usable is None else usable[:, 0])
     paths, new_tokens = read_step(proposal, accepted)
     return StepResult(paths, new_tokens, next_roots=accepted.bonus, next_hidden=last_hidden(hiddens, accepted))
 

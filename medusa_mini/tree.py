@@ -136,7 +136,8 @@ class TreeTensors:
     q_by_depth: torch.Tensor  # [N] long: the q Medusa heads draw node i's children from, one per depth: its depth
     q_by_node: torch.Tensor  # [N] long: the q dependent heads draw them from, one per node: i (both -1 for a leaf)
     node_paths: torch.Tensor  # [N, D + 1] long: the root-to-node path of each node, then the node repeated
-    path_moves: torch.Tensor  # [N, 2D + 3] long: node_paths, the slots 0..D they move to, depth + 1 (`keep_path`)
+    # [N, 2D + 5] long, from a row's length (`step.place_tree`): node i's cache slot (i), position (its depth),
+    offsets: torch.Tensor  # the slots its path lies in (node_paths) and moves to (0..D), the length after it
     # `acceptance.path_scores`: node i scores N * (its path's passing nodes below the root - its depth) + i, one
     # matmul: (i - N * depth_i, float32 [N]; weights: N where row j is on column i's path below the root, [N, N])
     path_weights: tuple[torch.Tensor, torch.Tensor]
@@ -171,12 +172,13 @@ def tree_tensors(tree: Tree, device: str) -> TreeTensors:
                   earlier.view(-1, R).to(device), as_long([at.get(i, 0) for i in range(N)]))  # view: [0, R] if none
     depths, below = torch.tensor(tree.depths), paths[:, 1:]  # below: the root's own row is zeros, never read
     moves = torch.cat([paths, torch.arange(D + 1).expand(N, -1), depths[:, None] + 1], 1)  # [N, 2D + 3]
+    offsets = torch.cat([torch.arange(N)[:, None], depths[:, None], moves], 1)  # [N, 2D + 5]
     weights = (mask.T & (torch.arange(N) > 0)[:, None]) * float(N)  # [N, N]: N per node of i's path below the root
     return TreeTensors(parent_index=as_long(tree.parents).clamp(min=0), ancestor_mask=mask.to(device),
                        depths=depths.to(device), ranks=as_long(tree.ranks),
                        q_by_depth=as_long([d if kids else -1 for d, kids in zip(tree.depths, tree.children)]),
                        q_by_node=as_long([i if kids else -1 for i, kids in enumerate(tree.children)]),
-                       node_paths=paths.to(device), path_moves=moves.to(device), below_root=below.to(device),
+                       node_paths=paths.to(device), offsets=offsets.to(device), below_root=below.to(device),
                        path_weights=((torch.arange(N) - N * depths).to(device, torch.float32), weights.to(device)),
                        on_path=(torch.arange(1, D + 1) <= depths[:, None]).to(device, torch.float64), tries=tries,
                        first=tuple(tree.first), num_ranks=R, depth=D, guess_index=as_long(guess))

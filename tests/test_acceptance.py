@@ -33,9 +33,8 @@ def decide(tree, tokens, logits, sampling, *, seed, drawn=None, usable=None):
     return accept(tree.tensors(), tokens, logits, sampling=sampling, u=u, drawn=drawn, usable=usable)
 
 
-def as_host(accepted, b=0):
-    count = int(accepted.count()[b])
-    return accepted.nodes()[b, : count + 1].tolist(), int(accepted.bonus[b])
+def as_host(accepted, tree, b=0):
+    return tree.path(int(accepted.last[b])), int(accepted.bonus[b])
 
 
 def test_vectorised_greedy_equals_the_node_walk_on_random_trees_in_every_row():
@@ -47,10 +46,9 @@ def test_vectorised_greedy_equals_the_node_walk_on_random_trees_in_every_row():
     for seed in range(200):
         tree, tokens, logits = random_case(seed, rows=3)  # a small vocabulary: long matches happen
         got = greedy_accept_paths(tree.tensors("cpu"), tokens, logits)
-        assert got.nodes().shape == (3, tree.depth + 1)
         for b in range(3):
             path, bonus = ref.greedy_accept(tree.parents, tokens[b].tolist(), logits[b])
-            assert as_host(got, b) == (path, bonus) and got.nodes()[b, -1] == path[-1]
+            assert as_host(got, tree, b) == (path, bonus)
             deep += len(path) > 2
     assert deep > 60  # the cases exercise deep paths, not only the root
 
@@ -73,7 +71,7 @@ def test_vectorised_typical_equals_the_node_walk_with_the_same_draws_in_every_ro
             alone = torch.Generator().manual_seed(seed)
             torch.rand(b, generator=alone)  # the numbers of the rows before it
             want = ref.typical_accept(tree.parents, tokens[b].tolist(), logits[b], sampling=sampling, generator=alone)
-            assert as_host(got, b) == want
+            assert as_host(got, tree, b) == want
             deep += len(want[0]) > 2
         assert torch.rand((), generator=batch) == torch.rand((), generator=alone)
     assert deep > 60
@@ -93,8 +91,7 @@ def test_nodes_a_row_cannot_use_are_never_accepted(rule):
         log_q = torch.full((3, 3, 4), float("-inf")).scatter_(2, samples, 0.0)
         drawn = Drawn(log_q=log_q, samples=samples, q_index=torch.tensor([0, 1, 2, -1]))
     got = decide(tree, tokens, logits, sampling, seed=0, drawn=drawn, usable=usable)
-    assert got.count().tolist()[:2] == [3, 1]
-    assert got.count()[2] == 0  # its root is unusable too: the step must not move its cache
+    assert got.last.tolist() == [3, 1, 0]  # on a chain node i is i deep; the last row's root is unusable too
 
 
 def test_typical_acceptance_needs_p_strictly_above_the_bar():
@@ -107,7 +104,7 @@ def test_typical_acceptance_needs_p_strictly_above_the_bar():
         path, _ = ref.typical_accept([-1, 0], tokens[0].tolist(), logits[0], sampling=sampling,
                                      generator=torch.Generator().manual_seed(0))
         got = decide(Tree.from_choices([(0,)]), tokens, logits, sampling, seed=0)
-        assert (len(path) == 2, int(got.count()[0]) == 1) == (accepted, accepted)
+        assert (len(path) == 2, int(got.last[0]) == 1) == (accepted, accepted)
 
 
 def test_topk_rejection_on_the_device_makes_the_reference_walks_decisions_with_the_same_draws():
@@ -124,7 +121,7 @@ def test_topk_rejection_on_the_device_makes_the_reference_walks_decisions_with_t
         for b in range(2):
             path, bonus = ref.rejection_accept(tree.parents, tokens[b].tolist(), logits[b], sampling=sampling,
                                                generator=gen)
-            assert as_host(got, b) == (path, bonus)
+            assert as_host(got, tree, b) == (path, bonus)
             depths.add(len(path) - 1)
     assert depths == {0, 1, 2}
 
@@ -179,8 +176,8 @@ def test_drawn_rejection_on_the_device_makes_the_reference_walks_decisions_in_ev
                      for n in range(cut.num_nodes)]
             want = ref.rejection_accept(cut.parents, tokens[b, : cut.num_nodes].tolist(), logits[b, : cut.num_nodes],
                                         sampling=sampling, generator=torch.Generator().manual_seed(b), drawn=drawn)
-            assert as_host(got, b) == want
+            assert as_host(got, tree, b) == want
             after_a_miss += any(tree.children[a].index(n) > 0 for a, n in zip(want[0], want[0][1:]))
-        deepest = max(deepest, int(got.count().max()))
+        deepest = max(deepest, int(tree.tensors().depths[got.last].max()))
     assert deepest == min(room, fixed.depth) if fixed else deepest >= 2  # as deep as the tree or the cut allows
     assert after_a_miss or q_kind == "p"  # a child accepted after its elder sibling missed

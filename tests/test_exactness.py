@@ -63,8 +63,9 @@ def test_greedy_medusa_with_heads_that_know_the_future_equals_plain_greedy_in_ev
 
 
 def verify_on(wrong):
-    """`verify` given the tree wrong(tree) in place of the step's tree (whose depths may pass the context: clamped)."""
-    return lambda *args, tree, **kwargs: verify(*args, tree=wrong(tree), **{**kwargs, "clamp": True})
+    """`verify` given the tree wrong(tree) in place of the step's tree, placed anew (its positions may pass the
+    context: clamped)."""
+    return lambda *args, tree, **kwargs: verify(*args, tree=wrong(tree), **{**kwargs, "clamp": True, "placed": None})
 
 
 def keep_node_indices(cache, keep, *, to, length):
@@ -78,8 +79,9 @@ def judged_at_themselves(tree, tokens, y, *, usable=None):
 
 
 GREEDY_BUGS = {  # name: the module attribute to patch, and the wrong value
-    "nodes_sit_at_their_slot_not_their_depth": (step, "verify", verify_on(  # node i written at slot length + i
-        lambda tree: replace(tree, depths=torch.arange(len(tree.depths))))),  # and placed there too
+    "nodes_sit_at_their_slot_not_their_depth": (step, "verify", verify_on(  # node i at slot and position length + i
+        lambda tree: replace(tree, offsets=torch.cat([tree.offsets[:, :1], tree.offsets[:, :1], tree.offsets[:, 2:]],
+                                                     dim=1)))),
     "nodes_see_a_causal_mask_not_the_tree_mask": (step, "verify", verify_on(
         lambda tree: replace(tree, ancestor_mask=torch.ones_like(tree.ancestor_mask).tril()))),
     "the_cache_keeps_node_indices_not_the_paths_slots": (step, "compact_kv_cache", keep_node_indices),
@@ -189,7 +191,7 @@ def typical_judges_by_p_without_top_p(tree, tokens, logits, *, sampling, u, usab
     """Candidates judged by p without top-p; the bonus still drawn from p with it."""
     judged = typical_accept_paths(tree, tokens, logits, sampling=replace(sampling, top_p=1.0), u=u, usable=usable)
     p = sampling.probs(logits)  # [B, N, V]
-    return judged._replace(bonus=inverse_cdf(p.gather(1, judged.nodes()[:, -1:, None].expand_as(p[:, :1]))[:, 0], u))
+    return judged._replace(bonus=inverse_cdf(p.gather(1, judged.last[:, None, None].expand_as(p[:, :1]))[:, 0], u))
 
 
 def one_uniform_per_row(tree, tokens, logits, *, sampling, u, usable=None):

@@ -11,7 +11,7 @@ from medusa_mini.decoding import prefill
 from medusa_mini.model import KVCache
 from medusa_mini.proposal import PromptLookup, Proposal, chain_length, lookup
 from medusa_mini.sampling import Sampling
-from medusa_mini.step import keep_path, medusa_step, plain_step, read_step, usable_nodes, verify
+from medusa_mini.step import keep_path, medusa_step, place_tree, plain_step, read_step, usable_nodes, verify
 from medusa_mini.tree import Tree, chain, preset
 
 #   0 root ─┬─ 1 (0,) ─┬─ 3 (0,0) ── 5 (0,0,0)
@@ -51,11 +51,12 @@ def test_keep_path_leaves_each_rows_cache_as_if_only_its_accepted_path_had_been_
     tokens = torch.tensor([[4, 8, 15, 16, 23, 42], [5, 6, 7, 8, 9, 10], [1, 1, 1, 1, 1, 1]])
     cache = KVCache(model.config, batch_size=3, max_len=32)
     prefill(model, torch.tensor([prompts[0], prompts[1] + [0], prompts[2]]), cache, lengths=[3, 2, 3])
-    verify(model, cache, tokens, tree=TREE.tensors())
+    placed = place_tree(cache, TREE.tensors())  # [B, N, 2D + 5]
+    verify(model, cache, tokens, tree=TREE.tensors(), placed=placed)
     assert cache.lengths.tolist() == [3, 2, 3]  # the nodes are written past each row's length, tentatively
-    accepted = Accepted.ending_at(TREE.tensors(), torch.tensor([4, 2, 0]), torch.tensor([0, 0, 0]))
-    assert accepted.nodes().tolist() == [[0, 1, 4, 4], [0, 2, 2, 2], [0, 0, 0, 0]]  # fixed shape: the last repeats
-    keep_path(cache, accepted, active=torch.tensor([True, True, False]))
+    assert placed[:, :, 0].tolist() == [list(range(L, L + TREE.num_nodes)) for L in (3, 2, 3)]  # each node's slot
+    keep_path(cache, Accepted(torch.tensor([4, 2, 0]), torch.tensor([0, 0, 0])), placed=placed,
+              active=torch.tensor([True, True, False]))
     assert cache.lengths.tolist() == [6, 4, 3]
     for b, kept in enumerate(([0, 1, 4], [0, 2])):
         alone = KVCache(model.config, max_len=32)
@@ -67,7 +68,7 @@ def test_keep_path_leaves_each_rows_cache_as_if_only_its_accepted_path_had_been_
 
 def test_the_steps_one_read_gives_each_rows_path_and_its_accepted_tokens_then_the_bonus():
     proposal = Proposal(torch.tensor([[7, 10, 11, 12, 13, 14], [8, 20, 21, 22, 23, 24]]), TREE)
-    accepted = Accepted.ending_at(TREE.tensors(), torch.tensor([5, 0]), torch.tensor([30, 31]))
+    accepted = Accepted(torch.tensor([5, 0]), torch.tensor([30, 31]))
     assert read_step(proposal, accepted) == ([[0, 1, 3, 5], [0]], [[10, 12, 14, 30], [31]])
 
 

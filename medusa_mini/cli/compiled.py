@@ -18,7 +18,7 @@ from ..acceptance import Accepted, accept, acceptance_uniforms, check_uniforms
 from ..model import GPT, KVCache
 from ..proposal import Drawn, Proposal, Proposer
 from ..sampling import Sampling
-from ..step import StepResult, Steps, keep_path, last_hidden, plain_step, read_step, usable_nodes, verify
+from ..step import StepResult, Steps, keep_path, last_hidden, place_tree, plain_step, read_step, usable_nodes, verify
 from ..tree import TreeTensors
 from .common import timed
 
@@ -43,9 +43,10 @@ def verify_and_accept(model: GPT, cache: KVCache, tokens: torch.Tensor, *, tree:
     next tokens [B, N] or None, how they were drawn or None)."""
     check_uniforms(sampling, u)  # before the verify writes the cache
     usable = usable_nodes(tree, cache.length_buffer, stop_at)  # [B, N]
-    logits, hiddens = verify(model, cache, tokens, tree=tree, attended=attended)  # [B, N, V], [B, N, C]
+    placed = place_tree(cache, tree)  # [B, N, 2D + 5]
+    logits, hiddens = verify(model, cache, tokens, tree=tree, placed=placed, attended=attended)  # [B, N, V], [B, N, C]
     accepted = accept(tree, tokens, logits, sampling=sampling, u=u, drawn=drawn, usable=usable)
-    keep_path(cache, accepted, active=usable[:, 0])
+    keep_path(cache, accepted, placed=placed, active=usable[:, 0])
     hidden = last_hidden(hiddens, accepted)  # [B, C]
     if heads is None:
         return accepted, hidden, None, None

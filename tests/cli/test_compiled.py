@@ -136,7 +136,7 @@ def test_verify_and_accept_refuses_a_sampled_rule_without_its_uniforms_before_wr
             verify_and_accept(*args, **kw, sampling=RULES[rule], u=None)
     assert int(cache.lengths[0]) == 0
     accepted, hidden, *_ = verify_and_accept(*args, **kw, sampling=RULES["typical"], u=torch.tensor([0.5]))
-    assert hidden.shape == (1, model.config.n_embd) and int(cache.lengths[0]) == int(accepted.count()[0]) + 1
+    assert hidden.shape == (1, model.config.n_embd) and int(cache.lengths[0]) == TREE.depths[int(accepted.last[0])] + 1
 
 
 @pytest.mark.parametrize("rule", ["greedy", "typical", "rejection-topk", "rejection"])
