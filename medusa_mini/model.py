@@ -64,9 +64,9 @@ class KVCache:
 
     def place(self, T: int, new_mask: torch.Tensor | None, *, attended: int | None, slots: torch.Tensor | None = None
               ) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """Where T new tokens go, slots [B, T] (default: from each row's length on), and what each may see among the
-        first S slots (S = attended, default all max_len): mask [B, T, S] (`cache_attention_mask`; new_mask None:
-        causal among the new tokens). Read before the forward advances the lengths."""
+        """Where T new tokens go, slots [B, T]: each row's next T, lengths[b] + 0..T-1 (given, if the caller has
+        them), and what each may see among the first S slots (S = attended, default all max_len): mask [B, T, S]
+        (`cache_attention_mask`; new_mask None: causal among the new tokens). Read before the forward advances."""
         if T > self.max_len:  # a fuller cache is caught by the write (its lengths are on the device)
             raise ValueError(f"KV cache full: {T} tokens > max_len {self.max_len}")
         device, S = self.length_buffer.device, self.max_len if attended is None else min(attended, self.max_len)
@@ -214,7 +214,7 @@ class GPT(nn.Module):
         the new tokens, True = may attend (default causal); with a cache every new token also sees its row's
         prefix. logits_at: the positions that get logits (a slice, or a [B] tensor, one per row; default
         all): the lm_head is a small model's largest matmul. attended: read only the cache's first
-        `attended` slots (default all max_len). slots: [B, T] each row's next T slots, if the caller has them.
+        `attended` slots (default all max_len). slots: [B, T] each row's next T cache slots, if the caller has them.
         """
         B, T = idx.shape
         if cache is not None:
@@ -222,7 +222,7 @@ class GPT(nn.Module):
                 raise RuntimeError("a forward with a KV cache decodes: run it under torch.no_grad()")
             slots, attn_mask, attended = cache.place(T, attn_mask, attended=attended, slots=slots)  # [B, T, S] mask
         if pos is None:
-            pos = slots if slots is not None else torch.arange(T, device=idx.device)  # [B, T] or [T]
+            pos = slots if cache is not None else torch.arange(T, device=idx.device)  # [B, T] or [T]
         if attn_mask is not None:
             # SDPA would turn a boolean mask into an additive one in every layer; do it once here.
             additive = torch.zeros(attn_mask.shape, dtype=self.transformer.wte.weight.dtype, device=idx.device)

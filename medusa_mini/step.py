@@ -33,7 +33,8 @@ def plain_step(model: GPT, cache: KVCache, tokens: torch.Tensor, *, sampling: Sa
 
 def place_tree(cache: KVCache, tree: TreeTensors) -> torch.Tensor:
     """[B, N, 2D + 5]: the tree placed after each row's length L_b, in one add (`TreeTensors.offsets`): node i's
-    cache slot L_b + i and position L_b + depth_i, then the slots its path lies in and would move to."""
+    cache slot L_b + i, its position L_b + depth_i, the D + 1 slots its path lies in, the D + 1 slots it would move
+    to (L_b + 0..D), and the row's length once it is kept (L_b + depth_i + 1)."""
     return cache.length_buffer[:, None, None] + tree.offsets
 
 
@@ -42,8 +43,8 @@ def verify(model: GPT, cache: KVCache, tokens: torch.Tensor, *, tree: TreeTensor
     """One tree-masked forward over all N nodes of B rows (§2.1.2): tokens [B, N] -> logits [B, N, V], hidden.
 
     Row b's nodes occupy cache slots [L_b, L_b + N) past its length L_b, which stays put (they are
-    tentative until `keep_path`), but sit at positions L_b + depth (`place_tree`; placed: its result, if
-    made), clamped to the context (a node past it is never usable; clamp=False where every row has room for
+    tentative until `keep_path`), but sit at positions L_b + depth (placed: `place_tree(cache, tree)`, if the
+    caller has it), clamped to the context (a node past it is never usable; clamp=False where every row has room for
     the tree, so no node is past it); each sees its row's whole prefix, itself and its ancestors (the tree's
     ancestor mask).
     """
@@ -69,7 +70,7 @@ def keep_path(cache: KVCache, accepted: Accepted, *, placed: torch.Tensor, activ
     D + 1 slots move per row (a fixed shape: past the path's end its last node is copied again, beyond the new
     length). placed: `place_tree`'s, from the lengths the verify saw."""
     slots = at_each_row(placed[..., 2:], accepted.last)  # [B, 2D + 3]: the path's slots, those it moves to, the length
-    D1 = (slots.shape[1] - 1) // 2
+    D1 = (slots.shape[1] - 1) // 2  # D + 1
     length = slots[:, -1] if active is None else torch.where(active, slots[:, -1], cache.length_buffer)  # [B]
     compact_kv_cache(cache, slots[:, :D1], to=slots[:, D1:-1], length=length)
 

@@ -136,8 +136,8 @@ class TreeTensors:
     q_by_depth: torch.Tensor  # [N] long: the q Medusa heads draw node i's children from, one per depth: its depth
     q_by_node: torch.Tensor  # [N] long: the q dependent heads draw them from, one per node: i (both -1 for a leaf)
     node_paths: torch.Tensor  # [N, D + 1] long: the root-to-node path of each node, then the node repeated
-    # [N, 2D + 5] long, from a row's length (`step.place_tree`): node i's cache slot (i), position (its depth),
-    offsets: torch.Tensor  # the slots its path lies in (node_paths) and moves to (0..D), the length after it
+    # [N, 2D + 5] long, added to a row's length by `step.place_tree`: i | depth_i | node_paths[i] | 0..D | depth_i + 1
+    offsets: torch.Tensor  # node i's slot and position, its path's slots, the slots they move to, the length after
     # `acceptance.path_scores`: node i scores N * (its path's passing nodes below the root - its depth) + i, one
     # matmul: (i - N * depth_i, float32 [N]; weights: N where row j is on column i's path below the root, [N, N])
     path_weights: tuple[torch.Tensor, torch.Tensor]

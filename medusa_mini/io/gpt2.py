@@ -237,11 +237,11 @@ def load_gpt2(name_or_path: str | os.PathLike, *, device: torch.device | str = "
             raise ValueError(f"{config_path}: {e}") from None
     tensors = read_safetensors(weights)
     config = config or infer_gpt2_config(tensors)  # a bare weights file: its shapes say which GPT-2 it is
-    # Drawing a GPT-2's random weights takes seconds (gpt2: 3 s on two CPU cores; gpt2-xl has 12 times as many), so
-    # it is built on the meta device, at the price of importing torch's compiler (2 s: meta's normal_ does), which a
-    # small model's milliseconds of drawing never pay (on a fork of the CPU's generator: the global one is untouched).
-    large = 12 * config.n_layer * config.n_embd**2 + config.vocab_size * config.n_embd > META_ABOVE
-    with torch.random.fork_rng(devices=[]), torch.device("meta" if large else "cpu"):
+    # Drawing a GPT-2's random weights takes seconds (gpt2: 3 s on two CPU cores; gpt2-xl has 12 times as many).
+    # The meta device skips them, but its normal_ imports torch's compiler (2 s). A small model is drawn instead,
+    # in milliseconds, on a fork of the CPU's generator (the global one is left as it was).
+    approx_params = 12 * config.n_layer * config.n_embd**2 + config.vocab_size * config.n_embd  # blocks, wte
+    with torch.random.fork_rng(devices=[]), torch.device("meta" if approx_params > META_ABOVE else "cpu"):
         model = GPT(config)
     model = model.to_empty(device=device)
     model.lm_head.weight = model.transformer.wte.weight  # to_empty gave the tied pair separate storage
