@@ -97,9 +97,7 @@ def typical_accept_paths(tree: TreeTensors, tokens: torch.Tensor, logits: torch.
     for d in range(tree.depth):
         score = score + along[..., d]
     top = depth == depth.max(dim=-1, keepdim=True).values  # [B, N] the deepest accepted nodes
-    score = torch.where(top, score, float("-inf"))
-    best = (score == score.max(dim=-1, keepdim=True).values).byte()  # [B, N]; argmax takes no bool
-    last = best.argmax(dim=-1)  # [B]: the first of the best (argmax returns the first of equal maxima)
+    last = torch.where(top, score, float("-inf")).argmax(dim=-1)  # [B]: argmax returns the first of equal maxima
     return Accepted(last, inverse_cdf(at_each_row(p, last), u))
 
 
