@@ -30,6 +30,7 @@ def parse_args(argv: list[str] | None = None) -> TrainArgs:
                    "and train heads only: the backbone keeps its shape and stays frozen (--medusa 1, no backbone "
                    "steps; the backbone's shape flags are ignored)")
     p.add_argument("--resume", action="store_true", help="continue an interrupted run in --out exactly")
+    p.add_argument("--overwrite", action="store_true", help="replace the run or checkpoint in --out (default: refuse)")
     p.add_argument("--seed", type=seed, default=0, help="seeds the model, the batches and the sampling (default: 0)")
     p.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     p.add_argument("--dtype", choices=DTYPES, help="number format of the training forward (autocast; float16 adds "
@@ -48,7 +49,8 @@ def parse_args(argv: list[str] | None = None) -> TrainArgs:
         preset = ns.preset or (("gpt2" if cuda else "gpt2-cpu") if ns.init else ("gpu" if cuda else "cpu"))
         chosen = {name: v for name in TrainArgs.hyper_parameters() if (v := getattr(ns, name)) is not None}
         out = ns.out if ns.out is not None else f"out/{'tiny' if preset in ('cpu', 'gpu') else preset}"
-        return TrainArgs(preset=preset, data=ns.data, out=out, init=ns.init, resume=ns.resume, seed=ns.seed,
+        return TrainArgs(preset=preset, data=ns.data, out=out, init=ns.init, resume=ns.resume, overwrite=ns.overwrite,
+                         seed=ns.seed,
                          device=device, dtype=training_dtype(ns.dtype, device), save_every=ns.save_every,
                          log_every=ns.log_every, **{**PRESETS[preset], **chosen})
     except ValueError as e:

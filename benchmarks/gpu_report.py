@@ -103,7 +103,7 @@ def commands(s: argparse.Namespace, part: str) -> list[tuple[str | None, list[st
                          s.device, *s.compile, *(QUICK_STEP if s.quick else []), *s.step_flags]) for shape in s.configs]
     if part == "train":
         return [(None, ["train_tiny.py", "--preset", "smoke" if s.quick else "gpu", "--out", s.ckpt,
-                        "--device", s.device, *s.train_flags])]
+                        "--overwrite", "--device", s.device, *s.train_flags])]
     batch = ["--batch-size", "1,2,4" if s.quick else "1,2,4,8,16"] if part == "batch" else []
     return [(None, ["decode.py", "--ckpt", s.ckpt, "--compare", *batch, "--dtype", "bfloat16", "--device", s.device,
                     *s.compile, *(QUICK_DECODE if s.quick else []), *s.decode_flags])]
@@ -167,7 +167,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--device", help="cuda or cpu (default: cuda if available)")
     p.add_argument("--quick", action="store_true", help="smoke training, the tiny shape, few nodes and prompts")
     p.add_argument("--ckpt", default="out/gpu_report", metavar="DIR",
-                   help="where train writes its checkpoint, which decode and batch read (default: %(default)s)")
+                   help="train's checkpoint (replacing one there), read by decode and batch (default: %(default)s)")
     p.add_argument("--configs", type=names_of(CONFIGS),
                    help=f"step: shapes for bench_step.py (default: {GPT2_SHAPES}; --quick: tiny)")
     p.add_argument("--dtypes", type=names_of(DTYPES), default="bfloat16,float32",

@@ -9,8 +9,8 @@ from dataclasses import Field, dataclass, field, fields
 
 from ..heads import HEAD_KINDS
 
-MINIMUM = {"vocab_size": 257, "n_layer": 1, "n_head": 1, "n_embd": 1, "block_size": 1, "batch_size": 1,
-           "num_heads": 1, "save_every": 1, "medusa": 1, "distill_prompts": 1, "distill_prompt_len": 1,
+MINIMUM = {"vocab_size": 257, "n_layer": 1, "n_head": 1, "n_embd": 1, "block_size": 1, "batch_size": 1, "num_heads": 1,
+           "heads_stride": 1, "save_every": 1, "medusa": 1, "distill_prompts": 1, "distill_prompt_len": 1,
            "distill_tokens": 1, "heads_batch_size": 1, "eval_prompts": 1}  # vocabulary: 256 bytes + end-of-text
 
 
@@ -31,6 +31,7 @@ class TrainArgs:
     out: str = "out/tiny"
     init: str | None = None
     resume: bool = False
+    overwrite: bool = False
     seed: int = 0
     device: str = "cpu"
     dtype: str = "float32"
@@ -70,6 +71,8 @@ class TrainArgs:
             value, least = getattr(self, name), MINIMUM.get(name, 0)
             if isinstance(value, (int, float)) and not (math.isfinite(value) and value >= least):  # nan too
                 raise ValueError(f"--{name.replace('_', '-')} must be a number >= {least}, got {value}")
+        if self.resume and self.overwrite:
+            raise ValueError("--resume continues the run in --out, --overwrite replaces it: give one of them")
         if self.medusa not in (1, 2):
             raise ValueError(f"--medusa must be 1 (heads on the frozen backbone) or 2 (jointly), not {self.medusa}")
         if not self.out or os.path.isfile(self.out):

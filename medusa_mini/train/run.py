@@ -16,8 +16,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..heads import HeadsConfig, frequency_order, make_heads
-from ..io.checkpoint import save_checkpoint
-from ..io.files import atomic_write, json_writer, remove_file
+from ..io.checkpoint import CONFIG_FILE, save_checkpoint
+from ..io.files import atomic_write, check_writable, json_writer, remove_file
 from ..io.gpt2 import GPT2_CONFIGS, download_gpt2, load_gpt2
 from ..io.loading import PROMPTS_FILE
 from ..io.tokenizer import load_tokenizer, make_encoding, save_tokenizer, train_bpe
@@ -436,9 +436,21 @@ def run(args: TrainArgs) -> None:
     """Run (or resume) every stage and write the checkpoint to args.out."""
     if args.device.startswith("cuda"):
         torch.set_float32_matmul_precision("high")  # TF32: several times faster, at an error training never sees
-    if not args.resume and os.path.exists(os.path.join(args.out, STATE_FILE)):
-        raise TrainError(f"{args.out} holds an unfinished run: add --resume, or choose another --out")
+    unfinished, trained = (os.path.exists(os.path.join(args.out, name)) for name in (STATE_FILE, CONFIG_FILE))
+    if (unfinished or trained) and not (args.resume or args.overwrite):  # a failed run would leave a mix of both
+        what = "an unfinished run: add --resume to continue it," if unfinished else "a trained checkpoint: add"
+        raise TrainError(f"{args.out} holds {what} --overwrite to replace it, or choose another --out")
+    try:  # now, not after the corpus and the tokenizer
+        os.makedirs(args.out, exist_ok=True)
+        check_writable(args.out, f"--out {args.out}")
+    except OSError as e:
+        raise TrainError(f"--out {args.out}: cannot make the folder ({e.strerror})") from None
+    except ValueError as e:
+        raise TrainError(str(e)) from None
     r = Run(args)
+    if args.overwrite and r.main:  # an old run's tables and prompts never describe the new weights, even if it stops
+        for name in (STATE_FILE, accuracy.ACCURACY_FILE, PROMPTS_FILE):
+            remove_file(os.path.join(args.out, name))
     try:  # never the files of --out: a run writes there, and a resume would then read them
         docs = load_corpus(args.data, max_bytes=args.max_bytes, skip=args.out)
         train_docs, val_docs = split_documents(docs, seed=args.seed)
@@ -446,7 +458,6 @@ def run(args: TrainArgs) -> None:
         raise TrainError(str(e)) from None
     r.data_digest = corpus_digest(docs)
     state = r.load_state() if args.resume else None
-    os.makedirs(args.out, exist_ok=True)
     enc, train_tokens, val_tokens = _prepare(r, state, train_docs, val_docs)
     block_size = r.model.config.block_size
     # Eight fixed batches of 8 held-out windows, drawn by a generator of their own: measuring changes no training.

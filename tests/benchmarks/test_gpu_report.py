@@ -76,7 +76,7 @@ def test_on_cuda_each_part_compiles_keeps_its_lines_and_names_what_failed(tmp_pa
            "saved      out/x\n")
     calls = faked(monkeypatch, lambda argv: (0, log, 320.0))
     section, ok = gpu_report.run_part(cuda_settings(), "train")
-    assert ok and calls[0][:3] == ["train_tiny.py", "--preset", "gpu"] and "cuda" in calls[0]
+    assert ok and calls[0][:3] == ["train_tiny.py", "--preset", "gpu"] and {"cuda", "--overwrite"} <= set(calls[0])
     assert "validation loss 3.210" in section and "head   1   2" in section and "(peak 7.25 GiB)" in section
     assert "step 10" not in section and "saved" not in section and "320 s" in section
     calls = faked(monkeypatch, lambda argv: (1, "decode.py: error: boom\n", 2.0))

@@ -7,6 +7,7 @@ import http.server
 import io
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -149,6 +150,19 @@ def test_a_second_ctrl_c_stops_at_once(tmp_path, capsys):
     assert not (tmp_path / "out" / "train_state.pt").exists() and "before anything was saved" in capsys.readouterr().err
 
 
+def test_a_run_never_replaces_a_checkpoint_unless_told_to(tmp_path, reference_run, capsys):
+    """A checkpoint in --out is refused, its files untouched; --overwrite replaces it, and a run stopped part-way
+    leaves no accuracy table or prompts of the old run beside its new weights."""
+    shutil.copytree(reference_run[0], out := tmp_path / "out")
+    before = {f.name: f.read_bytes() for f in out.iterdir()}
+    assert train_tiny.main(FAST + ["--out", str(out)]) == 2 and "--overwrite" in capsys.readouterr().err
+    assert {f.name: f.read_bytes() for f in out.iterdir()} == before
+    with ctrl_c(during=2):
+        assert train_tiny.main(FAST + ["--out", str(out), "--overwrite"]) == 130
+    assert not {"heads_accuracy.json", "prompts.json"} & set(os.listdir(out))
+    assert not same_weights(reference_run[0], out)
+
+
 def test_bfloat16_reaches_float32s_validation_loss_measured_every_eval_every_steps(tmp_path, reference_run, capsys):
     out = tmp_path / "bf16"
     assert train_tiny.main(FAST + ["--out", str(out), "--dtype", "bfloat16", "--eval-every", "2"]) == 0
@@ -193,7 +207,8 @@ BAD_INPUT = [["--n-embd", "30", "--n-head", "4"], ["--distill-temperatures", "0,
              ["--data", "missing.txt"], ["--data", "empty.txt"], ["--data", "binary.bin"], ["--init", "nope"],
              ["--distill-prompts", "0"], ["--distill-tokens", "0"], ["--distill-prompt-len", "0"],
              ["--eval-prompts", "0"], ["--heads-batch-size", "0"], ["--lr", "nan"], ["--lr", "inf"], ["--lr", "-1"],
-             ["--log-every", "nan"], ["--medusa", "3"], ["--seed", str(2**64)], ["--out", ""], ["--out", "empty.txt"]]
+             ["--log-every", "nan"], ["--medusa", "3"], ["--seed", str(2**64)], ["--out", ""], ["--out", "empty.txt"],
+             ["--out", "empty.txt/x"], ["--heads-stride", "0"], ["--resume", "--overwrite"]]
 
 
 def test_help_lists_every_flag_and_bad_flags_or_data_are_one_line_naming_it_with_code_2(tmp_path, monkeypatch, capsys):
@@ -261,7 +276,7 @@ def test_under_torchrun_rank_0_downloads_gpt2_alone_and_every_rank_trains_on_it(
 
 def test_init_trains_heads_of_another_kind_on_a_frozen_checkpoint_over_its_own_texts_tokens_and_resumes_exactly(
         tmp_path, monkeypatch, capsys, reference_run):
-    """--init with a local GPT-2 layout directory (as the hub's, but written here), replacing an older run: heads
+    """--init with a local GPT-2 layout directory (as the hub's, but written here), replacing an older run (--overwrite): heads
     only, the backbone kept, so head kinds compare fairly on one backbone. The draft vocabulary: the --draft-vocab
     tokens most frequent in what the backbone wrote during self-distillation, prompts left out. Its tokenizer: the
     one beside the weights; for a name (gpt2, ...), tiktoken's, whatever the working folder holds."""
@@ -276,7 +291,7 @@ def test_init_trains_heads_of_another_kind_on_a_frozen_checkpoint_over_its_own_t
     assert train_tiny.main(FAST + ["--out", str(ref), "--n-embd", "48", "--backbone-steps", "2"]) == 0  # older run
     written, real = [], run_mod.self_distill  # the self-distilled text, recorded
     monkeypatch.setattr(run_mod, "self_distill", lambda *a, **k: written.append(real(*a, **k)) or written[-1])
-    assert train_tiny.main(args + ["--out", str(ref)]) == 0
+    assert train_tiny.main(args + ["--out", str(ref), "--overwrite"]) == 0
     assert "coverage of greedy text: 64 " in capsys.readouterr().out
     monkeypatch.undo()
     _, heads, cfg = load_checkpoint(ref)
