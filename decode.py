@@ -99,13 +99,19 @@ def prepare(a: argparse.Namespace) -> tuple:
     """(checkpoint, TreeChoice, --compare's for drawn candidates, [(text, ids)]); a ValueError before any output."""
     device = pick_device(a.device)
     dtype = pick_dtype(a.dtype, device)
-    if a.demo:
+    if a.demo:  # the tree and prompts are checked on the untrained demo first, not after seconds of training
+        ck, text = demo_checkpoint(device=device, dtype=dtype, steps=0)
+        checked(a, ck, texts := a.prompt or [text], device)
         print("training the demo model and its heads (about 20 s on two CPU cores)...", file=sys.stderr)
-        ck, text = demo_checkpoint(device=device, dtype=dtype)
-        texts = a.prompt or [text]
+        ck, _ = demo_checkpoint(device=device, dtype=dtype)
     else:
         ck = load_for_decoding(a.ckpt, device=device, dtype=dtype)
         texts = a.prompt or load_prompts(a.ckpt)[: a.num_prompts]
+    return ck, *checked(a, ck, texts, device)
+
+
+def checked(a: argparse.Namespace, ck, texts: list[str], device: torch.device) -> tuple:
+    """--tree's TreeChoice, --compare's for drawn candidates, [(text, ids)]: a ValueError for what cannot run."""
     medusa = a.method != "plain"  # --compare takes no --method, --explain refuses plain
     if ck.heads is None and medusa:
         raise ValueError(f"{a.ckpt} has no Medusa heads: train heads, or decode with --method plain")
@@ -126,7 +132,7 @@ def prepare(a: argparse.Namespace) -> tuple:
             raise ValueError(f"{which} is {len(ids)} tokens long but the context holds {ck.block_size}; "
                              f"shorten it to at most {ck.block_size - 1} tokens")
         prompts.append((text, ids))
-    return ck, choice, drawn, prompts
+    return choice, drawn, prompts
 
 
 def methods_of(a: argparse.Namespace, ck, choice: TreeChoice | None, drawn: TreeChoice | None) -> list[Method]:

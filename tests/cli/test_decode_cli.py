@@ -104,6 +104,16 @@ def test_the_demo_explains_a_step_without_any_checkpoint(capsys, tmp_path, monke
     assert out.startswith("DEMO:") and "accepted path" in out and "7. Result" in out
 
 
+def test_the_demo_refuses_a_tree_or_a_prompt_before_it_trains(capsys, monkeypatch):
+    steps, real = [], decode.demo_checkpoint
+    monkeypatch.setattr(decode, "demo_checkpoint", lambda **kw: steps.append(kw.get("steps")) or real(**kw))
+    for bad, needle in (["--tree", "4"], "needs heads accuracies"), (["--prompt", ""], "is empty"):
+        with pytest.raises(SystemExit) as exc:
+            decode.main(["--explain", "--demo", *bad])
+        assert exc.value.code == 2 and needle in capsys.readouterr().err
+    assert steps == [0, 0]  # the untrained demo only
+
+
 def test_as_a_process_a_sampled_run_repeats_its_tokens(ckpt, capsys):
     """As a user meets it: a fresh process's output and exit status (bad input, through the same main, below).
     Eager decoding of a small model never imports torch's compiler (2 s of start-up, -X importtime lists it)."""
