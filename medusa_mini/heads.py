@@ -45,6 +45,9 @@ class HeadsConfig:
     kind: str = "medusa"  # see HEAD_KINDS
 
     def __post_init__(self) -> None:
+        least = {"num_heads": 1, "n_embd": 1, "vocab_size": 1, "draft_vocab_size": 0}
+        if bad := [k for k, n in least.items() if not (isinstance(getattr(self, k), int) and getattr(self, k) >= n)]:
+            raise ValueError(f"{bad[0]} must be an integer >= {least[bad[0]]}, not {getattr(self, bad[0])!r}")
         if self.kind not in HEAD_KINDS:
             raise ValueError(f"unknown head kind {self.kind!r}: use one of {', '.join(HEAD_KINDS)}")
         if not 0 <= self.draft_vocab_size <= self.vocab_size:

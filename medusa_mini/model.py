@@ -29,6 +29,9 @@ class GPTConfig:
     layer_norm_epsilon: float = 1e-5
 
     def __post_init__(self) -> None:
+        sizes = {k: getattr(self, k) for k in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd")}
+        if bad := [k for k, n in sizes.items() if not (isinstance(n, int) and n > 0)]:  # a hand-edited config's too
+            raise ValueError(f"{bad[0]} must be an integer > 0, not {sizes[bad[0]]!r}")
         if self.n_embd % self.n_head != 0:
             raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
 

@@ -48,6 +48,8 @@ def load_heads(directory: str | os.PathLike, model: GPT, *, device: torch.device
         raise ValueError(f"{config_path} must be a JSON object; save the heads again")
     if fields.pop("own_lm_head", False):  # the format before draft vocabularies; False: the lm_head is shared
         raise ValueError(f"{config_path}: heads with their own lm_head are no longer supported; train them again")
+    if missing := {"num_heads", "n_embd", "vocab_size"} - fields.keys():  # their defaults would describe other heads
+        raise ValueError(f"{config_path} has no {sorted(missing)[0]}; save the heads again")
     try:
         config = HeadsConfig(**fields)
     except (TypeError, ValueError) as e:  # a field HeadsConfig does not know, or a value it refuses
