@@ -221,8 +221,8 @@ PRESETS = {"cpu": CPU_CHOICES, "gpu": GPU_CHOICES}
 
 
 def preset(name: str) -> Tree:
-    """'cpu', 'gpu', or 'chainN' (e.g. 'chain4')."""
-    if name.startswith("chain") and name[5:].isdigit() and int(name[5:]) > 0:
+    """'cpu', 'gpu', or 'chainN' (e.g. 'chain4'), N <= 256: a longer chain's choices alone would fill the memory."""
+    if name.startswith("chain") and name[5:].isdigit() and 0 < int(name[5:]) <= 256:
         return chain(int(name[5:]))
     if name not in PRESETS:
         raise ValueError(f"unknown tree {name!r}: use one of {sorted(PRESETS)} or chainN")

@@ -85,7 +85,7 @@ def resolve_tree(spec: str | None, *, ckpt_dir: str, device: torch.device | str,
             tree = preset(spec)
         except ValueError:
             raise ValueError(f"unknown --tree {spec!r}: give a node budget N (1 to 256), auto, a preset (cpu, gpu, "
-                             "chainN with N >= 1), or choices in a JSON file or inline: '[[0], [1], [0, 0]]'") from None
+                             "chainN, N from 1 to 256), or choices in a JSON file or inline: '[[0], [1], [0, 0]]'") from None
     tree.check_heads(num_heads)
     return TreeChoice(tree, spec, budget or max(tree.num_nodes - 1, 1))
 
