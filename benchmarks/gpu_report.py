@@ -183,7 +183,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         a.device = str(pick_device(a.device))
         for name, (_, reserved) in FORWARDED.items():
             attr = name[2:].replace("-", "_")
-            setattr(a, attr, flags := shlex.split(getattr(a, attr)))  # a ValueError for unclosed quotes
+            try:
+                setattr(a, attr, flags := shlex.split(getattr(a, attr)))
+            except ValueError as e:  # unclosed quotes
+                raise ValueError(f"{name}: {e} in {getattr(a, attr)!r}") from None
             names = [n for f in flags if (n := f.split("=")[0]).startswith("--") and len(n) > 2]
             # argparse takes an unambiguous prefix of a flag as the flag: --dev is --device
             if taken := [n for n in names if any(r.startswith(n) for r in reserved)]:

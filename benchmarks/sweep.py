@@ -19,6 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import torch
 
+from medusa_mini.cli import common
 from medusa_mini.cli.common import BONUS_NOTE, OneLineParser, at_least, check_plot_path, draw, names_of, numbers, seed
 from medusa_mini.cli.runs import Engine, Method, compare
 from medusa_mini.io.loading import Checkpoint, load_for_decoding, prompt_ids
@@ -156,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rules", type=names_of(RULES), default="greedy,rejection-topk,rejection-drawn",
                    metavar="RULE,...", help=f"from {', '.join(RULES)} (default: %(default)s)")
     p.add_argument("--draft-vocab", type=numbers(0), metavar="M,...", help="sizes, 0: all (default: the checkpoint's)")
-    p.add_argument("--temperature", type=float, default=SAMPLING_TEMPERATURE, metavar="T",
+    p.add_argument("--temperature", type=common.temperature, default=SAMPLING_TEMPERATURE, metavar="T",
                    help="temperature of every rule but greedy (default: %(default)s)")
     p.add_argument("--num-prompts", type=at_least(1), default=8, help="the first prompts of prompts.json (default: 8)")
     p.add_argument("--max-new-tokens", type=at_least(1), default=64, help="tokens per prompt (default: 64)")

@@ -10,6 +10,7 @@ from typing import Callable, Iterable, NoReturn, TypeVar
 import torch
 
 from ..io.files import atomic_write
+from ..sampling import FLOAT32_MAX
 
 R, K = TypeVar("R"), TypeVar("K")
 BONUS_NOTE = "tokens/step counts the bonus token (the verify pass's own next token)"
@@ -82,6 +83,14 @@ def seed(text: str) -> int:
     value = int(text)  # not an integer: argparse's own one-line error
     if not 0 <= value < 2**63:
         raise argparse.ArgumentTypeError(f"{value} is not a seed: give an integer from 0 to 2**63 - 1")
+    return value
+
+
+def temperature(text: str) -> float:
+    """The argparse type of a sampling --temperature: above 0 (greedy has none) and no larger than float32 holds."""
+    value = float(text)  # not a number: argparse's own one-line error
+    if not 0 < value <= FLOAT32_MAX:  # nan too
+        raise argparse.ArgumentTypeError(f"must be a number above 0, at most {FLOAT32_MAX:.3g}, not {text}")
     return value
 
 

@@ -9,7 +9,6 @@ per head and how often its r-th drawn candidate is accepted (rejection sampling'
 64 nodes on a GPU, on a CPU at most 8 that pay for themselves (`CPU_MIN_GAIN`); no table: the device's preset."""
 
 import json
-import math
 import os
 import sys
 from typing import NamedTuple
@@ -22,7 +21,7 @@ from ..sampling import SAMPLING_TEMPERATURE
 from ..train import accuracy
 from ..train.device import pick_device
 from ..tree import Tree, build_tree, preset
-from .common import OneLineParser, at_least, seed
+from .common import OneLineParser, at_least, seed, temperature
 
 # On two CPU cores a node adds 2.5-3.5% to a Medusa step of the cpu preset (bench_step.py --configs tiny), so a
 # node worth less than that share of the tokens per step so far costs more than it adds. 2.5% gave four-head
@@ -85,7 +84,8 @@ def resolve_tree(spec: str | None, *, ckpt_dir: str, device: torch.device | str,
             tree = preset(spec)
         except ValueError:
             raise ValueError(f"unknown --tree {spec!r}: give a node budget N (1 to 256), auto, a preset (cpu, gpu, "
-                             "chainN, N from 1 to 256), or choices in a JSON file or inline: '[[0], [1], [0, 0]]'") from None
+                             "chainN, N from 1 to 256), or choices in a JSON file or inline: '[[0], [1], [0, 0]]'"
+                             ) from None
     tree.check_heads(num_heads)
     return TreeChoice(tree, spec, budget or max(tree.num_nodes - 1, 1))
 
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompts", type=at_least(1), default=32, help="prompts of prompts.json used (default: 32)")
     p.add_argument("--max-new-tokens", type=at_least(3), default=64, help="tokens per prompt (default: 64)")
     p.add_argument("--top-k", type=at_least(1), default=10, help="ranks measured per head (default: 10)")
-    p.add_argument("--temperature", type=float, default=SAMPLING_TEMPERATURE,
+    p.add_argument("--temperature", type=temperature, default=SAMPLING_TEMPERATURE,
                    help=f"of the sampled continuations, p and q (default: {SAMPLING_TEMPERATURE:g})")
     p.add_argument("--seed", type=seed, default=0, help="seeds the sampled continuations (default: 0)")
     p.add_argument("--marginal", action="store_true", help="also head 1's score were its q the exact marginal "
@@ -105,8 +105,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", help="cpu, cuda, ... (default: cuda if available)")
     a = p.parse_args(argv)
     try:  # everything checked before heads_accuracy.json is replaced
-        if not 0 < a.temperature < math.inf:  # nan too
-            raise ValueError(f"--temperature must be a finite number > 0, not {a.temperature}")
         ck = load_for_decoding(a.ckpt, device=pick_device(a.device))
         if ck.heads is None:
             raise ValueError(f"checkpoint {a.ckpt} has no Medusa heads; train heads first")

@@ -96,7 +96,7 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
 def read_json(path: str | os.PathLike, *, hint: str) -> object:
     """The JSON value in `path`, or a one-line ValueError that names the file and says `hint` (the fix)."""
     if not os.path.isfile(path):
-        raise ValueError(f"{path} is missing; {hint}")
+        raise ValueError(f"{path} {'is a folder, not a file' if os.path.isdir(path) else 'is missing'}; {hint}")
     try:
         with open(path, encoding="utf-8") as f:
             return json.load(f)

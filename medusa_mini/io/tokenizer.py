@@ -148,6 +148,8 @@ def load_tokenizer(directory: str | os.PathLike) -> tiktoken.Encoding:
     if config.get("type") != "bpe" or not isinstance(pattern, str) or not isinstance(specials, dict) or not all(
             isinstance(v, int) for v in specials.values()):
         raise ValueError(f"corrupt tokenizer config {config_path}: unknown type, or bad pattern or special_tokens")
+    if not path.is_file():
+        raise ValueError(f"{path} is missing; save the tokenizer again")
     try:
         pairs = [line.split() for line in path.read_text(encoding="ascii").splitlines() if line.strip()]
         ranks = {base64.b64decode(token, validate=True): int(rank) for token, rank in pairs}

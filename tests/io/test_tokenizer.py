@@ -141,3 +141,10 @@ def test_a_missing_or_corrupt_tokenizer_gives_one_line_naming_the_file(tmp_path,
     with pytest.raises(ValueError) as info:
         load_tokenizer(path.parent)
     assert "\n" not in str(info.value) and culprit in str(info.value)
+    assert (f"{culprit} is missing" in str(info.value)) == (new is None)
+
+
+def test_a_folder_where_its_config_belongs_is_named_as_such(tmp_path):
+    (tmp_path / "tokenizer_config.json").mkdir()
+    with pytest.raises(ValueError, match="tokenizer_config.json is a folder, not a file; save the tokenizer again"):
+        load_tokenizer(tmp_path)

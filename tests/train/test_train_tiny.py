@@ -276,10 +276,11 @@ def test_under_torchrun_rank_0_downloads_gpt2_alone_and_every_rank_trains_on_it(
 
 def test_init_trains_heads_of_another_kind_on_a_frozen_checkpoint_over_its_own_texts_tokens_and_resumes_exactly(
         tmp_path, monkeypatch, capsys, reference_run):
-    """--init with a local GPT-2 layout directory (as the hub's, but written here), replacing an older run (--overwrite): heads
-    only, the backbone kept, so head kinds compare fairly on one backbone. The draft vocabulary: the --draft-vocab
-    tokens most frequent in what the backbone wrote during self-distillation, prompts left out. Its tokenizer: the
-    one beside the weights; for a name (gpt2, ...), tiktoken's, whatever the working folder holds."""
+    """--init with a local GPT-2 layout directory (as the hub's, but written here), replacing an older run
+    (--overwrite): heads only, the backbone kept, so head kinds compare fairly on one backbone. The draft
+    vocabulary: the --draft-vocab tokens most frequent in what the backbone wrote during self-distillation, prompts
+    left out. Its tokenizer: the one beside the weights; for a name (gpt2, ...), tiktoken's, whatever the working
+    folder holds."""
     base, ref, out = reference_run[0], tmp_path / "ref", tmp_path / "out"
     monkeypatch.chdir(tmp_path)
     (tmp_path / "tokenizer_config.json").write_text("{}")
