@@ -31,8 +31,7 @@ class CudaRules(TorchDispatchMode):
         self.reads = self.uploads = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        name = func._schema.name
+        kwargs, name = kwargs or {}, func._schema.name
         self.uploads += self.sends(name, args, kwargs)
         if name == "aten::_local_scalar_dense" and args[0].device == self.device:  # item, int, bool
             return self.host_read(name, made_up(args[0].dtype))

@@ -15,16 +15,13 @@ from medusa_mini.tree import Tree
 
 
 def random_case(seed: int, *, vocab: int = 4, rows: int = 1):
-    """A random tree, per row tokens (siblings distinct, as every proposer makes them) and integer logits
-    full of argmax ties."""
-    tree = random_tree(random.Random(seed))
-    gen = torch.Generator().manual_seed(seed)
+    """A random tree, per row tokens (siblings distinct, as every proposer makes them), integer logits full of ties."""
+    tree, gen = random_tree(random.Random(seed)), torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, vocab, (rows, tree.num_nodes), generator=gen)
     for b in range(rows):
         for kids in tree.children:  # a random distinct token for each child of a node
             tokens[b, kids] = torch.randperm(vocab, generator=gen)[: len(kids)]
-    logits = torch.randint(0, 3, (rows, tree.num_nodes, vocab), generator=gen).float()
-    return tree, tokens, logits
+    return tree, tokens, torch.randint(0, 3, (rows, tree.num_nodes, vocab), generator=gen).float()
 
 
 def decide(tree, tokens, logits, sampling, *, seed, drawn=None, usable=None):
@@ -110,8 +107,7 @@ def test_typical_acceptance_needs_p_strictly_above_the_bar():
 def test_topk_rejection_on_the_device_makes_the_reference_walks_decisions_with_the_same_draws():
     """The engine draws y from p at every node of every row at once, then matches paths; the reference walks
     each row, drawing at each node: one generator, the same numbers in row order, paths of every depth."""
-    tree = Tree.from_choices([(0,), (1,), (0, 0)])
-    tokens = torch.tensor([[0, 1, 2, 3], [0, 2, 1, 0]])
+    tree, tokens = Tree.from_choices([(0,), (1,), (0, 0)]), torch.tensor([[0, 1, 2, 3], [0, 2, 1, 0]])
     sampling = Sampling(acceptance="rejection", temperature=1.0, candidates="topk")
     depths = set()
     for seed in range(12):
@@ -150,8 +146,7 @@ def test_drawn_rejection_on_the_device_makes_the_reference_walks_decisions_in_ev
     deepest, after_a_miss = 0, 0
     for seed in range(8):
         tree = fixed or random_tree(random.Random(seed))
-        B, N, V = 5, tree.num_nodes, 8
-        gen = torch.Generator().manual_seed(seed)
+        B, N, V, gen = 5, tree.num_nodes, 8, torch.Generator().manual_seed(seed)
         logits = torch.randn(B, N, V, generator=gen) * 2  # [B, N, V]
         qs = N if heads == "hydra" else tree.depth  # q per node, or per depth (head)
         near = logits[:, :qs] if heads == "hydra" else logits[:, [tree.first[d] for d in range(qs)]]  # [B, Q, V]
@@ -164,8 +159,7 @@ def test_drawn_rejection_on_the_device_makes_the_reference_walks_decisions_in_ev
         for c in range(1, N):  # child c holds the draw of its rank from its parent's q
             tokens[:, c] = samples[:, q_of[tree.parents[c]], tree.ranks[c]]
         q_index = torch.tensor([q_of[n] if tree.children[n] else -1 for n in range(N)])
-        cut = tree.truncated(room)
-        u = torch.rand(B, N, generator=gen)
+        cut, u = tree.truncated(room), torch.rand(B, N, generator=gen)
         u[:, : cut.num_nodes] = torch.stack([torch.rand(cut.num_nodes, generator=torch.Generator().manual_seed(b))
                                              for b in range(B)])
         usable = tree.tensors().depths[None].expand(B, N) <= room

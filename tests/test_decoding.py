@@ -9,7 +9,7 @@ import medusa_mini.step as step
 from conftest import RULES, ContinuationHeads, random_heads, tiny_model
 from medusa_mini import reference as ref
 from medusa_mini.decoding import generate, generate_batch, medusa_generate, medusa_generate_batch
-from medusa_mini.model import GPT, GPTConfig, KVCache
+from medusa_mini.model import GPT, KVCache
 from medusa_mini.proposal import PromptLookup
 from medusa_mini.sampling import Sampling
 from medusa_mini.tree import Tree, chain, preset
@@ -60,8 +60,7 @@ def test_a_reused_cache_gives_the_tokens_of_a_fresh_one_and_must_have_the_asked_
     """A cache kept from one generation to the next (fixed addresses, as a CUDA graph needs) is emptied
     first, so nothing of the previous generation leaks into the next."""
     model = tiny_model(7)
-    heads = random_heads(model, seed=7)
-    tree = Tree.from_choices([(0,), (1,), (0, 0)])
+    heads, tree = random_heads(model, seed=7), Tree.from_choices([(0,), (1,), (0, 0)])
     block = model.config.block_size
     plain_cache = KVCache(model.config, max_len=block)
     tree_cache = KVCache(model.config, max_len=block + tree.num_nodes)
@@ -127,8 +126,7 @@ def test_the_engine_prints_the_references_tokens_with_the_same_seed(rule, tree_n
 def successor_model() -> GPT:
     """A GPT whose greedy next token is always the last token + 1: its blocks add nothing, positions
     count for nothing, and lm_head row t + 1 is token t's final hidden state."""
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=64, block_size=64, n_layer=1, n_head=2, n_embd=32)).eval()
+    model = tiny_model(n_layer=1)
     with torch.no_grad():
         for p in model.transformer.h.parameters():
             p.zero_()

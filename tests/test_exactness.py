@@ -63,8 +63,7 @@ def test_greedy_medusa_with_heads_that_know_the_future_equals_plain_greedy_in_ev
 
 
 def verify_on(wrong):
-    """`verify` given the tree wrong(tree) in place of the step's tree, placed anew (its positions may pass the
-    context: clamped)."""
+    """`verify` on wrong(tree) for the step's tree, placed anew (its positions may pass the context: clamped)."""
     return lambda *args, tree, **kwargs: verify(*args, tree=wrong(tree), **{**kwargs, "clamp": True, "placed": None})
 
 
@@ -119,8 +118,7 @@ class Case:
 
     def run(self):
         """Per prompt: (its rows' (tokens, stats), its exact distribution)."""
-        model = small_model(self.model, block_size=self.block_size)
-        prompts = [list(p) for p in self.prompts]
+        model, prompts = small_model(self.model, block_size=self.block_size), [list(p) for p in self.prompts]
         rows = sample_rows(model, self.drafter, prompts, rows=self.rows, seed=0, tree=self.tree, eos_id=self.eos_id,
                            sampling=self.sampling, max_new_tokens=self.max_new_tokens or self.n)
         exact = [exact_sequence_probs(model, p, self.n, temperature=self.sampling.temperature,

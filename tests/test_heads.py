@@ -41,8 +41,7 @@ def q_logits(heads, model, hidden, path: list[int]) -> torch.Tensor:
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_fresh_heads_start_as_the_backbones_next_token_prediction(kind):
-    model = tiny_model()
-    heads = make_heads(HeadsConfig(num_heads=3, n_embd=C, vocab_size=V, kind=kind))
+    model, heads = tiny_model(), make_heads(HeadsConfig(num_heads=3, n_embd=C, vocab_size=V, kind=kind))
     h = torch.randn(5, C)
     out = heads(h, model, following=randint(5, 3))  # [K, 5, V]; W = 0: h + SiLU(0) = h
     torch.testing.assert_close(out, model.lm_head(h).expand(3, 5, V), atol=1e-6, rtol=0)
@@ -65,8 +64,7 @@ def test_head_k_reads_exactly_the_k_tokens_before_its_target(kind):
 def test_the_first_num_heads_alone_give_those_heads_logits_for_any_leading_dims(kind, num):
     """A tree of depth D asks heads 1..D only (none for the root alone): each other head costs a projection."""
     model = tiny_model(2)
-    heads = random_heads(model, num_heads=3, kind=kind)
-    h, following = torch.randn(2, 5, C), randint(2, 5, 3)
+    heads, h, following = random_heads(model, num_heads=3, kind=kind), torch.randn(2, 5, C), randint(2, 5, 3)
     full = heads(h, model, following=following)
     assert full.shape == (3, 2, 5, V)
     torch.testing.assert_close(heads(h, model, following=following, num=num), full[:num])
@@ -76,8 +74,7 @@ def test_the_first_num_heads_alone_give_those_heads_logits_for_any_leading_dims(
 @pytest.mark.parametrize("kind", KINDS)
 def test_over_a_draft_vocabulary_the_heads_give_the_full_logits_of_its_tokens(kind):
     model = tiny_model(3)
-    heads = random_heads(model, kind=kind)
-    h, following = torch.randn(3, C), randint(3, 4)
+    heads, h, following = random_heads(model, kind=kind), torch.randn(3, C), randint(3, 4)
     full = heads(h, model, following=following)  # [K, 3, V]
     heads.use_draft_vocabulary(shuffled(), 10)
     assert heads.draft_ids.tolist() == sorted(shuffled()[:10].tolist())
@@ -90,8 +87,7 @@ def test_over_a_draft_vocabulary_the_heads_give_the_full_logits_of_its_tokens(ki
 def test_the_draft_vocabulary_is_the_most_frequent_tokens_and_targets_outside_it_are_ignored():
     ties_by_id = [5, 3, 7, 1, 0, 2, 4, 6]
     assert frequency_order(torch.tensor([[3, 5, 5, 1], [5, 3, 7, 7]]), 8).tolist() == ties_by_id
-    heads = random_heads(tiny_model())
-    targets = torch.tensor([[63, 60, 5, IGNORE], [61, 0, 62, 63]])
+    heads, targets = random_heads(tiny_model()), torch.tensor([[63, 60, 5, IGNORE], [61, 0, 62, 63]])
     assert torch.equal(heads.draft_index(targets), targets)  # the whole vocabulary: ids are indices
     heads.use_draft_vocabulary(torch.arange(V).flip(0), 4)  # draft ids 60..63
     assert heads.draft_index(targets).tolist() == [[3, 0, IGNORE, IGNORE], [1, IGNORE, 2, 3]]

@@ -36,8 +36,7 @@ def test_cached_incremental_decoding_matches_full_forward(model, read):
 @torch.no_grad()
 def test_rows_of_one_batch_keep_their_own_lengths_and_positions(model):
     """Two prompts of different lengths in one cache: each row decodes as if it were alone."""
-    rows = [[5, 9, 11, 2, 40, 7], [3, 1]]
-    cache = KVCache(model.config, batch_size=2)
+    rows, cache = [[5, 9, 11, 2, 40, 7], [3, 1]], KVCache(model.config, batch_size=2)
     model(torch.tensor([rows[0], rows[1] + [0] * 4]), cache=cache)  # the short row padded at its end
     cache.lengths = torch.tensor([6, 2])  # the padding's slots are given back
     more = torch.tensor([[17, 23], [42, 8]])
@@ -63,8 +62,7 @@ def test_an_overfilled_cache_a_cache_outside_no_grad_and_a_width_heads_do_not_di
 def test_a_decode_step_is_one_captured_graph_with_eager_logits_at_every_length(kind):
     """Static shapes: one graph, captured once, serves every cache length with the eager logits and KV cache."""
     model = GPT(GPTConfig(vocab_size=64, block_size=32, n_layer=1, n_head=2, n_embd=16)).eval()
-    tree = Tree.from_choices([(0,), (1,), (0, 0), (0, 1), (0, 0, 0)])
-    t = tree.tensors()
+    t = Tree.from_choices([(0,), (1,), (0, 0), (0, 1), (0, 0, 0)]).tensors()
     tree_verify = kind == "tree verify"
     new_mask, depths = (t.ancestor_mask, t.depths) if tree_verify else (None, torch.zeros(1, dtype=torch.long))
     tokens = torch.randint(0, 64, (1, depths.numel()), generator=torch.Generator().manual_seed(0))
@@ -90,8 +88,7 @@ def test_a_decode_step_is_one_captured_graph_with_eager_logits_at_every_length(k
 
 
 def test_keeping_a_path_moves_each_rows_slots_to_its_start_and_sets_its_length():
-    config = GPTConfig(vocab_size=64, block_size=32, n_layer=2, n_head=2, n_embd=16)
-    cache = KVCache(config, batch_size=2, max_len=32)
+    cache = KVCache(GPTConfig(vocab_size=64, block_size=32, n_layer=2, n_head=2, n_embd=16), batch_size=2, max_len=32)
     before = torch.randn(cache.kv.shape)
     cache.kv.copy_(before)
     compact_kv_cache(cache, torch.tensor([[5, 7, 9], [4, 4, 6]]), to=torch.tensor([[5, 6, 7], [3, 4, 5]]),

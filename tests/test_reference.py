@@ -109,8 +109,7 @@ def test_rejection_sampling_emits_tokens_with_exactly_the_backbones_probabilitie
 def test_a_draft_equal_to_the_backbone_is_always_accepted_and_a_top_1_guess_only_with_its_p():
     """q = p makes min(1, p/q) = 1: every sampled candidate is accepted, the whole chain each time; the
     top-1 guess x is accepted with p(x) alone, rarely where p is flat."""
-    tree = chain(2)
-    p = torch.tensor([P_ROOT, P_NODE1]).clamp_min(1e-12)
+    tree, p = chain(2), torch.tensor([P_ROOT, P_NODE1]).clamp_min(1e-12)
     p = p / p.sum(-1, keepdim=True)
     logits = torch.log(torch.stack([p[0], p[1], p[1]]))  # node 1's p is head 2's q
     gen = torch.Generator().manual_seed(2)

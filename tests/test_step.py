@@ -25,8 +25,7 @@ def test_usable_nodes_are_those_whose_tokens_fit_before_each_rows_stop():
     """A node at depth d emits d + 1 tokens after the root; a row whose cache holds `start` tokens stops
     at `stop_at`, so it may use depths up to stop_at - 2 - start. A finished row uses none."""
     usable = usable_nodes(TREE.tensors(), torch.tensor([10, 10, 10, 10]), torch.tensor([20, 13, 12, 11]))
-    depths = TREE.depths  # [0, 1, 1, 2, 2, 3]
-    assert usable.tolist() == [[True] * 6, [d <= 1 for d in depths], [d == 0 for d in depths], [False] * 6]
+    assert usable.tolist() == [[True] * 6, [d <= 1 for d in TREE.depths], [d == 0 for d in TREE.depths], [False] * 6]
 
 
 def test_verify_scores_every_node_as_if_its_path_were_the_only_continuation_in_every_row():
@@ -46,8 +45,7 @@ def test_verify_scores_every_node_as_if_its_path_were_the_only_continuation_in_e
 @torch.no_grad()
 def test_keep_path_leaves_each_rows_cache_as_if_only_its_accepted_path_had_been_fed():
     """Row 0 accepted root -> 1 -> 4, row 1 root -> 2, row 2 is inactive (finished): it keeps its length."""
-    model = tiny_model(4)
-    prompts = [[1, 2, 3], [7, 8], [6, 6, 6]]
+    model, prompts = tiny_model(4), [[1, 2, 3], [7, 8], [6, 6, 6]]
     tokens = torch.tensor([[4, 8, 15, 16, 23, 42], [5, 6, 7, 8, 9, 10], [1, 1, 1, 1, 1, 1]])
     cache = KVCache(model.config, batch_size=3, max_len=32)
     prefill(model, torch.tensor([prompts[0], prompts[1] + [0], prompts[2]]), cache, lengths=[3, 2, 3])
@@ -59,8 +57,7 @@ def test_keep_path_leaves_each_rows_cache_as_if_only_its_accepted_path_had_been_
               active=torch.tensor([True, True, False]))
     assert cache.lengths.tolist() == [6, 4, 3]
     for b, kept in enumerate(([0, 1, 4], [0, 2])):
-        alone = KVCache(model.config, max_len=32)
-        seq = prompts[b] + tokens[b, kept].tolist()
+        alone, seq = KVCache(model.config, max_len=32), prompts[b] + tokens[b, kept].tolist()
         prefill(model, torch.tensor([seq]), alone)
         L = len(seq)
         torch.testing.assert_close(cache.kv[:, :, b, :, :L], alone.kv[:, :, 0, :, :L], atol=1e-5, rtol=1e-5)
@@ -88,8 +85,7 @@ def test_lookup_continues_the_first_earlier_occurrence_of_the_longest_repeated_t
 
 
 def test_prompt_lookup_drafts_each_rows_continuation_on_a_chain_of_the_next_power_of_two_capped_at_the_full_one():
-    """Nodes past a row's continuation repeat its last token (a guess like any other); no continuation in
-    any row: the root alone."""
+    """Nodes past a row's continuation repeat its last token (a guess like any other); none anywhere: the root alone."""
     assert [chain_length(n, 6) for n in range(8)] == [0, 1, 2, 4, 4, 6, 6, 6]
     assert [chain_length(n, 64) for n in (5, 8, 9, 33, 64)] == [8, 8, 16, 64, 64]
     proposer = PromptLookup(max_ngram=2).proposer(None, preset("cpu"))  # a chain of the tree's 11 nodes
@@ -145,8 +141,7 @@ def test_a_sampled_plain_step_refuses_missing_uniforms_before_writing_the_cache(
     """The plain step chooses its token in the call, from uniforms drawn before it, as a graph holds no
     generator; missing or of the wrong shape, they are refused before the forward writes the cache."""
     model, sampling = tiny_model(5), Sampling(temperature=0.8)
-    cache = KVCache(model.config, batch_size=2, max_len=64)
-    tokens = torch.tensor([[3], [4]])
+    cache, tokens = KVCache(model.config, batch_size=2, max_len=64), torch.tensor([[3], [4]])
     for u in (None, torch.tensor([0.5])):
         with pytest.raises(ValueError, match="sampling.uniforms"):
             plain_step(model, cache, tokens, sampling=sampling, u=u)

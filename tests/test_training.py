@@ -14,8 +14,7 @@ from medusa_mini.training import MedusaLM, chunked_head_loss, cosine_lr, lambda_
 
 
 def _setup(num_heads=3, kind="medusa"):
-    """A 2-layer GPT (vocabulary 50, width 32) and its heads, with random blocks: zero-initialised ones
-    would hide a wrong gradient."""
+    """A GPT and its heads, with random blocks: zero-initialised ones would hide a wrong gradient."""
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=50, block_size=32, n_layer=2, n_head=2, n_embd=32))
     return model, scrambled(make_heads(HeadsConfig(num_heads=num_heads, n_embd=32, vocab_size=50, kind=kind)))
@@ -64,8 +63,7 @@ def test_head_losses_reach_the_backbone_in_medusa_2_only(medusa):
 
 
 def test_self_distillation_is_greedy_at_temperature_zero_seeded_and_within_the_context():
-    model = tiny_model(2, block_size=16)
-    prompts = torch.tensor([[1, 2, 3, 4], [7, 8, 9, 10]])
+    model, prompts = tiny_model(2, block_size=16), torch.tensor([[1, 2, 3, 4], [7, 8, 9, 10]])
     out = self_distill(model, prompts, max_new_tokens=10, temperature=0.0)
     assert out[:, :4].equal(prompts)
     assert out[:, 4:].tolist() == [generate(model, p, max_new_tokens=10)[0] for p in prompts.tolist()]

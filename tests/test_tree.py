@@ -89,9 +89,8 @@ def test_a_tree_made_directly_refuses_choices_from_choices_would_sort_or_refuse(
 def test_presets_are_valid_and_sized_for_their_device_and_a_chain_is_one_top1_guess_per_head():
     cpu, gpu = preset("cpu"), preset("gpu")
     assert chain(3).choices == ((0,), (0, 0), (0, 0, 0)) and chain(3).parents == [-1, 0, 1, 2]
-    assert cpu.num_nodes <= 16 and cpu.depth == 4
+    assert Tree.from_choices(CPU_CHOICES, num_heads=4) == cpu and cpu.num_nodes <= 16 and cpu.depth == 4
     assert 60 <= gpu.num_nodes - 1 <= 70 and gpu.depth == 4
-    assert Tree.from_choices(CPU_CHOICES, num_heads=4) == cpu
     assert Tree.from_choices(GPU_CHOICES, num_heads=4) == gpu and gpu.max_rank == 9
     assert preset("chain5") == chain(5)
     with pytest.raises(ValueError, match="unknown tree"):
@@ -130,8 +129,7 @@ def test_where_nodes_cost_time_a_node_joins_only_while_it_adds_min_gain_of_the_t
 
 @pytest.mark.parametrize("seed", range(20))
 def test_the_built_tree_is_always_valid_and_its_value_follows_the_product_rule(seed):
-    gen = torch.Generator().manual_seed(seed)
-    K, R = 1 + seed % 4, 1 + seed % 5
+    gen, K, R = torch.Generator().manual_seed(seed), 1 + seed % 4, 1 + seed % 5
     acc = torch.rand(K, R, generator=gen) * (0.5 if seed % 2 else 1.0)  # rows not sorted: still valid
     for n in (1, 3, 8, 30):
         tree, expected = build_tree(acc, n)

@@ -114,8 +114,7 @@ def test_the_fixed_shape_steps_make_the_eager_tokens_for_every_drafter_and_tree(
     """Run eagerly, in a ragged batch whose long prompt meets the context: plain decoding and Medusa with heads
     of both kinds, prompt lookup and a tree of the root alone make the eager tokens, draw for draw."""
     model, sampling = tiny_model(15), RULES[rule]
-    steps = compile_steps("cpu", compile=lambda fn: fn)
-    prompts = ([1, 2, 3], [4, 5], list(range(1, 50)))
+    steps, prompts = compile_steps("cpu", compile=lambda fn: fn), ([1, 2, 3], [4, 5], list(range(1, 50)))
     plain = [generate_batch(model, list(prompts), max_new_tokens=20, sampling=sampling,
                             generator=torch.Generator().manual_seed(4), **kw) for kw in ({}, dict(steps=steps))]
     assert plain[0] == plain[1]

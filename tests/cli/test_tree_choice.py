@@ -102,6 +102,5 @@ def test_the_drawings_show_every_node_and_every_mask_entry():
     drawing = draw_tree(TREE, labels=["'a'", "'b'", "'c'", "'d'", "'e'", "'f'"])
     assert drawing.splitlines()[0] == "[0] root 'a'"
     assert "[5] head 3 rank 0 'f'" in drawing and len(drawing.splitlines()) == 6
-    rows = draw_mask(TREE).splitlines()[1:]
-    filled = [row.split()[1:].count("■") for row in rows]
+    filled = [row.split()[1:].count("■") for row in draw_mask(TREE).splitlines()[1:]]
     assert filled == [1, 2, 2, 3, 3, 4]  # each node's path

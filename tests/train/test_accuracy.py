@@ -92,12 +92,10 @@ def test_the_drawn_table_is_the_chance_that_each_draw_is_the_one_accepted_and_q_
     """Written out for one p and q over three tokens: draw x0, then x1 from q without x0; try x0 against p
     (passes with min(1, p/q)), after a miss try x1 against the residual norm(max(0, p - q)) with q renormalised
     without x0."""
-    p, q = [0.5, 0.3, 0.2], [0.2, 0.15, 0.65]
-    want = [0.0, 0.0]
+    p, q, want = [0.5, 0.3, 0.2], [0.2, 0.15, 0.65], [0.0, 0.0]
     for x0, x1 in itertools.permutations(range(3), 2):
         chance = q[x0] * q[x1] / (1 - q[x0])  # the draws in this order
-        a0 = min(1.0, p[x0] / q[x0])
-        residual = [max(0.0, a - b) for a, b in zip(p, q)]
+        a0, residual = min(1.0, p[x0] / q[x0]), [max(0.0, a - b) for a, b in zip(p, q)]
         q1 = [0.0 if x == x0 else b / (1 - q[x0]) for x, b in enumerate(q)]
         a1 = min(1.0, residual[x1] / sum(residual) / q1[x1])
         want[0], want[1] = want[0] + chance * a0, want[1] + chance * (1 - a0) * a1

@@ -97,8 +97,7 @@ def test_split_keeps_documents_whole_in_order_by_the_seed_and_cuts_a_single_one_
 def test_encoded_documents_are_separated_by_end_of_text_in_the_smallest_unsigned_type():
     enc = make_encoding({bytes([b]): b for b in range(256)})
     docs = [("a", "def f():\n"), ("b", "    return 1\n"), ("c", "")]
-    tokens = encode_documents(enc, docs)
-    pieces = [enc.encode_ordinary(t) for _, t in docs]
+    tokens, pieces = encode_documents(enc, docs), [enc.encode_ordinary(t) for _, t in docs]
     assert tokens.tolist() == pieces[0] + [enc.eot_token] + pieces[1] + [enc.eot_token] + pieces[2]
     assert tokens.dtype == np.uint16
     special = encode_documents(enc, [("a", "<|endoftext|>")]).tolist()

@@ -338,8 +338,7 @@ def test_float16_loss_scaling_skips_overflows_and_resumes_exactly(tmp_path, monk
     monkeypatch.setattr(torch.amp, "GradScaler", functools.partial(torch.amp.GradScaler, init_scale=2.0**17,
                                                                    growth_interval=1))
     monkeypatch.setattr(run_mod, "summarize", lambda *args, **kwargs: {})
-    args = FAST + ["--dtype", "float16", "--heads-steps", "8"]
-    ref = tmp_path / "ref"
+    args, ref = FAST + ["--dtype", "float16", "--heads-steps", "8"], tmp_path / "ref"
     assert train_tiny.main(args + ["--out", str(ref)]) == 0
     assert all(torch.isfinite(v).all() for v in weights(ref).values())
     for during in (3, 9):  # backbone step 3, heads step 3
