@@ -236,6 +236,7 @@ def medusa_generate(model: "GPT", heads: "MedusaHeads", prompt: list[int], *, tr
     tree loses the depths whose tokens could no longer be used; its random numbers are drawn for the
     whole tree still, only so that the engine, which masks those nodes instead, makes the same draws.
     """
+    tree.check_heads(heads.num_heads)  # one head per depth
     stop_at = min(len(prompt) + max_new_tokens, model.config.block_size)  # the length where we stop
     cache = [None] * model.config.n_layer
     L = len(prompt)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from conftest import random_heads, tiny_model
+from medusa_mini import reference
 from medusa_mini.decoding import generate, medusa_generate
 from medusa_mini.heads import IGNORE, HeadsConfig, frequency_order, make_heads, next_tokens
 from medusa_mini.sampling import Sampling, q_log_probs
@@ -104,6 +105,8 @@ def test_heads_refuse_what_they_cannot_do_and_a_refused_draft_vocabulary_changes
     heads = random_heads(model, num_heads=2)
     with pytest.raises(ValueError, match="depth 4 but the model has 2 Medusa heads"):
         heads.proposer(model, chain(4))
+    with pytest.raises(ValueError, match="depth 4 but the model has 2 Medusa heads"):  # the reference's loop too
+        reference.medusa_generate(model, heads, [1, 2], tree=chain(4), max_new_tokens=4)
     with pytest.raises(ValueError, match="every token id once"):
         heads.use_draft_vocabulary(torch.zeros(V, dtype=torch.long), 8)
     heads.use_draft_vocabulary(shuffled(), 2)
