@@ -84,7 +84,9 @@ class Run:
 
     def load_state(self) -> dict:
         if not os.path.isfile(self.state_path):
-            raise TrainError(f"--resume: no {STATE_FILE} in {self.args.out}; start without --resume")
+            done = os.path.isfile(os.path.join(self.args.out, CONFIG_FILE))  # a checkpoint, and no run to continue
+            raise TrainError(f"--resume: no {STATE_FILE} in {self.args.out}; " + (
+                "its run has finished: train it again with --overwrite instead" if done else "start without --resume"))
         try:
             state = torch.load(self.state_path, map_location="cpu", weights_only=True)
             if self.world > 1:

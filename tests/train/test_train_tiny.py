@@ -155,7 +155,8 @@ def test_a_run_never_replaces_a_checkpoint_unless_told_to(tmp_path, reference_ru
     leaves no accuracy table or prompts of the old run beside its new weights."""
     shutil.copytree(reference_run[0], out := tmp_path / "out")
     before = {f.name: f.read_bytes() for f in out.iterdir()}
-    assert train_tiny.main(FAST + ["--out", str(out)]) == 2 and "--overwrite" in capsys.readouterr().err
+    for resume in ([], ["--resume"]):  # a finished run: nothing to resume either
+        assert train_tiny.main(FAST + ["--out", str(out), *resume]) == 2 and "--overwrite" in capsys.readouterr().err
     assert {f.name: f.read_bytes() for f in out.iterdir()} == before
     with ctrl_c(during=2):
         assert train_tiny.main(FAST + ["--out", str(out), "--overwrite"]) == 130
