@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         saved = os.path.exists(os.path.join(args.out, STATE_FILE))
         print(f"\ninterrupted: progress saved in {args.out}; continue with --resume" if saved
-              else "\ninterrupted before anything was saved; start again", file=sys.stderr)
+              else "\ninterrupted before anything was saved; run the same command again", file=sys.stderr)
         return 130
     return 0
 

@@ -102,7 +102,7 @@ class Run:
                              " use the original flags")
         if state.get("data") != self.data_digest:  # no digest: saved by a train_tiny.py that kept none
             raise TrainError("--resume: the text under --data is not the text this run began with (or its digest "
-                             "was not saved); restore it, or start a new run without --resume")
+                             "was not saved); restore it, or start anew with --overwrite")
         return state
 
     def on_ctrl_c(self, signum, frame) -> None:
@@ -215,6 +215,11 @@ def _prepare(r: Run, state: dict | None, train_docs: list, val_docs: list) -> tu
         if not a.init:
             model.load_state_dict(state["model"])
     if r.main:
+        try:  # --overwrite: once data and tokenizer are good, the old run stops being a checkpoint before any write
+            for name in (CONFIG_FILE, STATE_FILE, accuracy.ACCURACY_FILE, PROMPTS_FILE) if a.overwrite else ():
+                remove_file(os.path.join(a.out, name))
+        except OSError as e:
+            raise TrainError(f"--overwrite: cannot remove {e.filename} ({e.strerror})") from None
         save_tokenizer(enc, a.out)
     r.model = model
     r.extra = {"eot_id": enc.eot_token, "preset": a.preset, "medusa": a.medusa, "init": a.init, "heads": a.heads}
@@ -450,9 +455,6 @@ def run(args: TrainArgs) -> None:
     except ValueError as e:
         raise TrainError(str(e)) from None
     r = Run(args)
-    if args.overwrite and r.main:  # an old run's tables and prompts never describe the new weights, even if it stops
-        for name in (STATE_FILE, accuracy.ACCURACY_FILE, PROMPTS_FILE):
-            remove_file(os.path.join(args.out, name))
     try:  # never the files of --out: a run writes there, and a resume would then read them
         docs = load_corpus(args.data, max_bytes=args.max_bytes, skip=args.out)
         train_docs, val_docs = split_documents(docs, seed=args.seed)

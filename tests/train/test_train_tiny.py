@@ -151,15 +151,19 @@ def test_a_second_ctrl_c_stops_at_once(tmp_path, capsys):
 
 
 def test_a_run_never_replaces_a_checkpoint_unless_told_to(tmp_path, reference_run, capsys):
-    """A checkpoint in --out is refused, its files untouched; --overwrite replaces it, and a run stopped part-way
-    leaves no accuracy table or prompts of the old run beside its new weights."""
+    """A checkpoint in --out is refused, its files untouched, and so is an --overwrite whose data is bad; a good
+    one unmakes the old checkpoint before it writes: a run stopped part-way never mixes the old run's files with its
+    own."""
     shutil.copytree(reference_run[0], out := tmp_path / "out")
     before = {f.name: f.read_bytes() for f in out.iterdir()}
-    for resume in ([], ["--resume"]):  # a finished run: nothing to resume either
-        assert train_tiny.main(FAST + ["--out", str(out), *resume]) == 2 and "--overwrite" in capsys.readouterr().err
+    for extra, error in ([], "--overwrite"), (["--resume"], "--overwrite"), (["--overwrite", "--data", "no.x"], "no.x"):
+        assert train_tiny.main(FAST + ["--out", str(out), *extra]) == 2 and error in capsys.readouterr().err
     assert {f.name: f.read_bytes() for f in out.iterdir()} == before
-    with ctrl_c(during=2):
+    with ctrl_c(during=2, presses=2):  # stopped before its first save: the old weights are no checkpoint any more
         assert train_tiny.main(FAST + ["--out", str(out), "--overwrite"]) == 130
+    assert not {"config.json", "heads_accuracy.json", "prompts.json"} & set(os.listdir(out))
+    with ctrl_c(during=2):
+        assert train_tiny.main(FAST + ["--out", str(out)]) == 130
     assert not {"heads_accuracy.json", "prompts.json"} & set(os.listdir(out))
     assert not same_weights(reference_run[0], out)
 
