@@ -27,7 +27,7 @@ from medusa_mini.proposal import PromptLookup
 from medusa_mini.sampling import SAMPLING_TEMPERATURE, Sampling
 from medusa_mini.train.accuracy import load_accuracy
 from medusa_mini.train.device import DTYPES, pick_device, pick_dtype
-from medusa_mini.tree import build_tree, expected_tokens_per_step
+from medusa_mini.tree import MAX_NODES, build_tree, expected_tokens_per_step
 
 RULES = {  # rule: how it samples at --temperature (none: greedy, at T = 0)
     "greedy": None, "rejection-topk": dict(acceptance="rejection", candidates="topk"),
@@ -152,7 +152,7 @@ def load(ns: argparse.Namespace) -> tuple[Checkpoint, dict, list[list[int]]]:
 def main(argv: list[str] | None = None) -> int:
     p = OneLineParser(prog="python benchmarks/sweep.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--ckpt", required=True, help="checkpoint directory with heads_accuracy.json and prompts.json")
-    p.add_argument("--budgets", type=numbers(1, 256), default="1,2,4,8,16,32", metavar="N,N,...",
+    p.add_argument("--budgets", type=numbers(1, MAX_NODES), default="1,2,4,8,16,32", metavar="N,N,...",
                    help="node budgets, root excluded (default: %(default)s)")
     p.add_argument("--rules", type=names_of(RULES), default="greedy,rejection-topk,rejection-drawn",
                    metavar="RULE,...", help=f"from {', '.join(RULES)} (default: %(default)s)")

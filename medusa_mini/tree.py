@@ -218,11 +218,12 @@ def _gpu_choices() -> list[Choice]:
 GPU_CHOICES: list[Choice] = _gpu_choices()
 
 PRESETS = {"cpu": CPU_CHOICES, "gpu": GPU_CHOICES}
+MAX_NODES = 256  # a node budget's and a chain's ceiling: a longer chain's choices alone would fill the memory
 
 
 def preset(name: str) -> Tree:
-    """'cpu', 'gpu', or 'chainN' (e.g. 'chain4'), N <= 256: a longer chain's choices alone would fill the memory."""
-    if name.startswith("chain") and name[5:].isdigit() and 0 < int(name[5:]) <= 256:
+    """'cpu', 'gpu', or 'chainN' (e.g. 'chain4'), N from 1 to MAX_NODES."""
+    if name.startswith("chain") and name[5:].isdigit() and 0 < int(name[5:]) <= MAX_NODES:
         return chain(int(name[5:]))
     if name not in PRESETS:
         raise ValueError(f"unknown tree {name!r}: use one of {sorted(PRESETS)} or chainN")

@@ -20,7 +20,7 @@ from ..io.loading import PROMPTS_FILE, load_for_decoding, prompt_ids
 from ..sampling import SAMPLING_TEMPERATURE
 from ..train import accuracy
 from ..train.device import pick_device
-from ..tree import Tree, build_tree, preset
+from ..tree import MAX_NODES, Tree, build_tree, preset
 from .common import OneLineParser, at_least, seed, temperature
 
 # On two CPU cores a node adds 2.5-3.5% to a Medusa step of the cpu preset (bench_step.py --configs tiny), so a
@@ -52,8 +52,8 @@ def resolve_tree(spec: str | None, *, ckpt_dir: str, device: torch.device | str,
     count = spec.isascii() and spec.isdigit()  # a node budget ('²' is a digit to str.isdigit, not to int)
     inline = spec.lstrip().startswith(("[", "{"))
     if spec == "auto" or count:
-        if count and not 1 <= int(spec) <= 256:
-            raise ValueError(f"--tree {spec}: a node budget must be between 1 and 256")
+        if count and not 1 <= int(spec) <= MAX_NODES:
+            raise ValueError(f"--tree {spec}: a node budget must be between 1 and {MAX_NODES}")
         if not measured:
             raise ValueError(f"--tree {spec} needs heads accuracies: " + (
                 f"run python -m medusa_mini.cli.measure --ckpt {ckpt_dir}" if ckpt_dir else
@@ -83,9 +83,9 @@ def resolve_tree(spec: str | None, *, ckpt_dir: str, device: torch.device | str,
         try:
             tree = preset(spec)
         except ValueError:
-            raise ValueError(f"unknown --tree {spec!r}: give a node budget N (1 to 256), auto, a preset (cpu, gpu, "
-                             "chainN, N from 1 to 256), or choices in a JSON file or inline: '[[0], [1], [0, 0]]'"
-                             ) from None
+            raise ValueError(f"unknown --tree {spec!r}: give a node budget N (1 to {MAX_NODES}), auto, a preset (cpu, "
+                             f"gpu, chainN, N from 1 to {MAX_NODES}), or choices in a JSON file or inline: '[[0], [1], "
+                             "[0, 0]]'") from None
     tree.check_heads(num_heads)
     return TreeChoice(tree, spec, budget or max(tree.num_nodes - 1, 1))
 
