@@ -78,8 +78,7 @@ def run_script(argv: list[str], *, timeout_s: float, label: str) -> tuple[int | 
 def step_table(output: str) -> list[str]:
     """bench_step.py's table from its column names on ([] if it printed none)."""
     lines = output.splitlines()
-    first = next((i for i, line in enumerate(lines) if line.startswith("layers / heads")), None)
-    return [] if first is None else lines[first - 1 :]
+    return next((lines[i - 1 :] for i, line in enumerate(lines) if line.startswith("layers / heads")), [])
 
 
 def training_summary(log: str) -> list[str]:

@@ -11,7 +11,6 @@ product rule's estimate, greedy rows against plain greedy's tokens.
 import argparse
 import copy
 import json
-import math
 import os
 import sys
 
@@ -127,10 +126,6 @@ def plot_sweep(result: dict, path: str, *, title: str) -> str:
 def load(ns: argparse.Namespace) -> tuple[Checkpoint, dict, list[list[int]]]:
     """The flags checked; the checkpoint, each rule's table (for `sweep`) and the prompts, or a ValueError."""
     rules = [r for r in RULES if r in ns.rules]  # in RULES' order
-    sampled = any(RULES[r] for r in rules)  # greedy rules read no temperature, yet the results report it
-    if not (0 < ns.temperature if sampled else 0 <= ns.temperature) or ns.temperature == math.inf:  # nan too
-        raise ValueError(f"--temperature must be a finite number {'> 0 for the sampled rules' if sampled else '>= 0'}"
-                         f", not {ns.temperature}")
     if ns.plot is not None:  # "" too: no file to draw into
         check_plot_path(ns.plot)
     device = pick_device(ns.device)
