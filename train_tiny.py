@@ -50,9 +50,8 @@ def parse_args(argv: list[str] | None = None) -> TrainArgs:
         chosen = {name: v for name in TrainArgs.hyper_parameters() if (v := getattr(ns, name)) is not None}
         out = ns.out if ns.out is not None else f"out/{'tiny' if preset in ('cpu', 'gpu') else preset}"
         return TrainArgs(preset=preset, data=ns.data, out=out, init=ns.init, resume=ns.resume, overwrite=ns.overwrite,
-                         seed=ns.seed,
-                         device=device, dtype=training_dtype(ns.dtype, device), save_every=ns.save_every,
-                         log_every=ns.log_every, **{**PRESETS[preset], **chosen})
+                         seed=ns.seed, device=device, dtype=training_dtype(ns.dtype, device),
+                         save_every=ns.save_every, log_every=ns.log_every, **{**PRESETS[preset], **chosen})
     except ValueError as e:
         p.error(str(e))
 

@@ -30,8 +30,7 @@ def check_writable(folder: str | os.PathLike, what: str) -> None:
     """A ValueError naming `what` now, not after a long run, unless a new file can be made in `folder`, as an
     atomic write makes its temporary sibling (os.access trusts root, whom a read-only mount still refuses)."""
     try:
-        with tempfile.NamedTemporaryFile(dir=folder, prefix=".writable.", suffix=".tmp"):
-            pass
+        tempfile.NamedTemporaryFile(dir=folder, prefix=".writable.", suffix=".tmp").close()
     except OSError as e:
         raise ValueError(f"{what}: no file can be written in {folder} ({e.strerror})") from None
 

@@ -14,7 +14,6 @@ from .files import read_json
 from .tokenizer import load_tokenizer
 
 PROMPTS_FILE = "prompts.json"  # held-out prompts that training stores next to the checkpoint
-# How to get prompts.json, for commands that read prompts from it alone (decode.py also takes --prompt TEXT).
 WRITE_PROMPTS = 'train_tiny.py writes it with the checkpoint, or write one yourself: {"prompts": ["text", ...]}'
 
 

@@ -6,7 +6,7 @@ import os
 import pathlib
 import random
 import sysconfig
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
 import tiktoken
@@ -30,18 +30,22 @@ def _read_text(path: pathlib.Path) -> str | None:
         return None
 
 
+def _pieces(lines: Iterable[str], limit: int) -> Iterator[str]:
+    """Consecutive `lines` joined into pieces of at most `limit` characters (a longer line is a piece alone)."""
+    piece = ""
+    for line in lines:
+        if piece and len(piece) + len(line) > limit:
+            yield piece
+            piece = ""
+        piece += line
+    yield piece
+
+
 def _chunk_lines(name: str, text: str) -> list[Document]:
     """``text`` as documents of about DOCUMENT_CHARS cut at line ends: ``name``, or ``name#0``, ``name#1``, ..."""
     if len(text) <= DOCUMENT_CHARS:
         return [(name, text)]
-    pieces, size = [[]], 0
-    for line in text.splitlines(keepends=True):
-        if size and size + len(line) > DOCUMENT_CHARS:
-            pieces.append([])
-            size = 0
-        pieces[-1].append(line)
-        size += len(line)
-    return [(f"{name}#{i}", "".join(piece)) for i, piece in enumerate(pieces)]
+    return [(f"{name}#{i}", piece) for i, piece in enumerate(_pieces(text.splitlines(keepends=True), DOCUMENT_CHARS))]
 
 
 def default_corpus_files(*, max_bytes: int = 3_000_000) -> list[pathlib.Path]:
@@ -136,12 +140,7 @@ def held_out_prompts(val_docs: Sequence[Document], enc: tiktoken.Encoding, *, co
         if len(prompts) == count:
             break
         lines = texts[rng.randrange(len(texts))].splitlines(keepends=True)
-        snippet = ""
-        for line in lines[rng.randrange(len(lines)):]:
-            if snippet and len(snippet) + len(line) > 240:
-                break
-            snippet += line
-        snippet = snippet[:240]
+        snippet = next(_pieces(lines[rng.randrange(len(lines)):], 240))[:240]
         if snippet.strip() and 0 < len(enc.encode_ordinary(snippet)) < block_size // 3:
             prompts.append(snippet)
     return prompts

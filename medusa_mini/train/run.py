@@ -447,19 +447,17 @@ def run(args: TrainArgs) -> None:
     if (unfinished or trained) and not (args.resume or args.overwrite):  # a failed run would leave a mix of both
         what = "an unfinished run: add --resume to continue it," if unfinished else "a trained checkpoint: add"
         raise TrainError(f"{args.out} holds {what} --overwrite to replace it, or choose another --out")
-    try:  # now, not after the corpus and the tokenizer
+    try:  # --out now, not after the corpus and the tokenizer
         os.makedirs(args.out, exist_ok=True)
-        check_writable(args.out, f"--out {args.out}")
     except OSError as e:
         raise TrainError(f"--out {args.out}: cannot make the folder ({e.strerror})") from None
-    except ValueError as e:
-        raise TrainError(str(e)) from None
-    r = Run(args)
-    try:  # never the files of --out: a run writes there, and a resume would then read them
+    try:  # the corpus never holds the files of --out: a run writes there, and a resume would then read them
+        check_writable(args.out, f"--out {args.out}")
         docs = load_corpus(args.data, max_bytes=args.max_bytes, skip=args.out)
         train_docs, val_docs = split_documents(docs, seed=args.seed)
     except ValueError as e:
         raise TrainError(str(e)) from None
+    r = Run(args)
     r.data_digest = corpus_digest(docs)
     state = r.load_state() if args.resume else None
     enc, train_tokens, val_tokens = _prepare(r, state, train_docs, val_docs)
