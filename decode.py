@@ -15,7 +15,6 @@ import functools
 import json
 import os
 import sys
-from dataclasses import asdict
 
 import tiktoken
 import torch
@@ -214,7 +213,7 @@ def print_each(engine: Engine, method: Method, prompts: list[tuple[str, list[int
             stats.seconds = seconds  # the whole batch's
             if a.json:
                 print(json.dumps({"prompt": text, "method": method.key, "tokens": tokens, "text": ck.enc.decode(
-                    [t for t in tokens if t != ck.eot_id]), **asdict(stats), "tokens_per_step": stats.tokens_per_step,
+                    [t for t in tokens if t != ck.eot_id]), **vars(stats), "tokens_per_step": stats.tokens_per_step,
                     "batch_size": B, "temperature": a.temperature}, ensure_ascii=False))
                 continue
             if not streamed:

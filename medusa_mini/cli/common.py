@@ -128,9 +128,7 @@ def _figure():
     except ImportError:
         raise ValueError('drawing a plot needs matplotlib: pip install matplotlib (or pip install -e ".[plot]")'
                          ) from None
-    fig = Figure(figsize=(11, 4.2), layout="constrained")
-    FigureCanvasAgg(fig)
-    return fig
+    return FigureCanvasAgg(Figure(figsize=(11, 4.2), layout="constrained")).figure
 
 
 def draw(path: str, panels: dict[str, list[tuple]], *, xlabel: str, ticks: list[int], title: str) -> str:

@@ -48,10 +48,9 @@ def verify_and_accept(model: GPT, cache: KVCache, tokens: torch.Tensor, *, tree:
     accepted = accept(tree, tokens, logits, sampling=sampling, u=u, drawn=drawn, usable=usable)
     keep_path(cache, accepted, placed=placed, active=usable[:, 0])
     hidden = last_hidden(hiddens, accepted)  # [B, C]
-    if heads is None:
-        return accepted, hidden, None, None
-    return accepted, hidden, *draft_tree(model, heads, accepted.bonus, hidden, tree=tree,
-                                         temperature=sampling.temperature, u=u_next)
+    drafted = (None, None) if heads is None else draft_tree(model, heads, accepted.bonus, hidden, tree=tree,
+                                                            temperature=sampling.temperature, u=u_next)
+    return accepted, hidden, *drafted
 
 
 def copied(drawn: Drawn | None) -> Drawn | None:
@@ -135,13 +134,12 @@ class StaticCaches:
         self.model, self.caches = model, {}
 
     def __call__(self, rows: int, slots: int) -> KVCache:
-        if (rows, slots) not in self.caches:
-            cache = KVCache(self.model.config, batch_size=rows, max_len=slots, device=self.model.device,
-                            dtype=self.model.lm_head.weight.dtype)
+        if (cache := self.caches.get((rows, slots))) is None:
+            cache = self.caches[rows, slots] = KVCache(self.model.config, batch_size=rows, max_len=slots,
+                                                       device=self.model.device, dtype=self.model.lm_head.weight.dtype)
             for t in (cache.kv, cache.length_buffer, cache.rows, cache.layers):
                 torch._dynamo.mark_static_address(t, guard=False)
-            self.caches[rows, slots] = cache
-        return self.caches[rows, slots]
+        return cache
 
 
 @torch.no_grad()

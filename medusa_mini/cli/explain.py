@@ -53,12 +53,6 @@ def _guesses(enc: tiktoken.Encoding, logits: torch.Tensor, k: int, ids: torch.Te
     return ", ".join(f"#{r} {token_text(enc, t)} ({p:.2f})" for r, (p, t) in enumerate(pairs))
 
 
-def _table(rows: list[list[str]]) -> list[str]:
-    """Columns padded to their widest cell plus two spaces; the last column as it is."""
-    widths = [max(len(row[c]) for row in rows) + 2 for c in range(len(rows[0]) - 1)]
-    return ["".join(f"{cell:<{w}}" for cell, w in zip(row, widths)) + row[-1] for row in rows]
-
-
 def draw_tree(tree: Tree, labels: list[str] | None = None) -> str:
     """The tree as indented text, one node a line: `[i] head d rank r label`."""
     labels = [f" {label}" for label in labels] if labels is not None else [""] * tree.num_nodes
@@ -113,14 +107,15 @@ def verify_section(out: list[str], labels: list[str], tree: Tree, tokens: list[i
     else:
         p = sampling.probs(logits)  # [N, V]
         rows = [["node", "token", "p(token)", "q(token)" if drawn is not None else ""]]
-        for i in range(1, tree.num_nodes):
-            par = tree.parents[i]
+        for i, par in enumerate(tree.parents[1:], start=1):
             q = "" if drawn is None else f"{drawn[par][0][tokens[i]].exp().item():.3f}"
             rows.append([f"[{i}]", labels[i], f"{p[par, tokens[i]].item():.3f}", q])
         intro = ["At each node, p = the backbone's distribution for the token after that node's path; a",
                  "candidate is judged by p at its parent" + ("." if drawn is None else
                                                              ", and by q, the head's probability of drawing it.")]
-    out += [_header(5, "Verify: one forward pass over all nodes"), *intro, *_table(rows)]
+    widths = [max(len(row[c]) for row in rows) + 2 for c in range(len(rows[0]) - 1)]  # the last column as it is
+    out += [_header(5, "Verify: one forward pass over all nodes"), *intro,
+            *("".join(f"{cell:<{w}}" for cell, w in zip(row, widths)) + row[-1] for row in rows)]
 
 
 @torch.no_grad()
@@ -139,18 +134,17 @@ def explain_step(model: GPT, heads, enc: tiktoken.Encoding, prompt_ids: list[int
     cache = [None] * model.config.n_layer
     logits, hidden = ref.forward(model, prompt_ids, list(range(L)), cache, torch.ones(L, L, dtype=torch.bool).tril())
     root = int(sampling.next_token(logits[-1], sampling.uniforms((), generator, device=logits.device)))
-    hidden = hidden[-1]
     out += [_header(1, "Prefill: the prompt goes through the backbone once"),
             f"The KV cache now holds the {L} prompt tokens.",
             f"Backbone's top guesses for the next token: {_guesses(enc, logits[-1], 3)}",
             f"Root token (the backbone's own next token, {'the argmax of' if sampling.greedy else 'drawn from'} "
             f"these): {token_text(enc, root)}",
             "The root is already certain: it is emitted now, before the first Medusa step."]
-    heads_section(out, model, heads, enc, tree, root, hidden)
+    heads_section(out, model, heads, enc, tree, root, hidden[-1])
 
     # 3-4 (§2.1.2). The tree the heads' proposer fills, and its mask.
     proposer = heads.proposer(model, tree)
-    proposal = proposer.propose(torch.tensor([root], device=hidden.device), hidden[None], history=[[root]],
+    proposal = proposer.propose(torch.tensor([root], device=hidden.device), hidden[-1:], history=[[root]],
                                 sampling=sampling, u=proposer.uniforms(sampling, 1, generator, device=hidden.device))
     tokens = proposal.tokens[0].tolist()
     drawn = None if proposal.drawn is None else proposal.drawn.per_node(0)

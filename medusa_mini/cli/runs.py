@@ -69,9 +69,8 @@ def decode(engine: Engine, method: Method, prompts: list[list[int]], *, seed: in
         tokens, steps = reference.medusa_generate(ck.model, ck.heads, ids, tree=method.tree, **kw)
         if on_step:
             on_step(len(out), tokens)  # the reference returns its tokens at once
-        eot = stop_at_eot and tokens and tokens[-1] == ck.eot_id
-        out.append((tokens, GenerationStats(len(ids), steps, [len(tokens) - 1] if steps else [], stop_reason="eos"
-                                            if eot else length_stop_reason(len(ids), max_new_tokens, ck.block_size))))
+        why = "eos" if tokens[-1:] == [kw["eos_id"]] else length_stop_reason(len(ids), max_new_tokens, ck.block_size)
+        out.append((tokens, GenerationStats(len(ids), steps, [len(tokens) - 1] if steps else [], stop_reason=why)))
     return out
 
 
@@ -166,12 +165,10 @@ def compare(engine: Engine, prompts: list[list[int]], methods: list[Method], *, 
 def per_prompt(prompts: list[list[int]], runs: dict[str, Runs]) -> list[dict]:
     """Per prompt: greedy tokens/step of prompt lookup and of Medusa, and the share of plain greedy's new tokens
     that repeat the one before (what lookup finds)."""
-    out = []
-    for i, ids in enumerate(prompts):
-        seq = ids[-1:] + runs["plain_greedy"][i][0][0][0]
-        out.append({"prompt": i, **{key: runs[key][i][0][0][1].tokens_per_step for key in ("prompt_lookup_greedy",
-                    "medusa_greedy")}, "repeats": sum(a == b for a, b in zip(seq, seq[1:])) / max(len(seq) - 1, 1)})
-    return out
+    seqs = [ids[-1:] + runs["plain_greedy"][i][0][0][0] for i, ids in enumerate(prompts)]
+    return [{"prompt": i, **{key: runs[key][i][0][0][1].tokens_per_step for key in ("prompt_lookup_greedy",
+             "medusa_greedy")}, "repeats": sum(a == b for a, b in zip(seq, seq[1:])) / max(len(seq) - 1, 1)}
+            for i, seq in enumerate(seqs)]
 
 
 COLUMNS = {  # row key: (header, width, format)
