@@ -15,7 +15,6 @@ import argparse
 import contextlib
 import importlib
 import io
-import math
 import os
 import pathlib
 import platform
@@ -191,7 +190,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             if taken := [n for n in names if any(r.startswith(n) for r in reserved)]:
                 raise ValueError(f"{name}: the report sets {taken[0]} itself; leave out {', '.join(reserved)}")
         a.budget_s = a.budget_s if a.budget_s is not None else (QUICK_BUDGET_S if a.quick else BUDGET_S)
-        if not 0 < a.budget_s < math.inf:  # nan too
+        if not 0 < a.budget_s < float("inf"):  # nan too
             raise ValueError(f"--budget-s must be a finite number of seconds > 0, not {a.budget_s:g}")
         a.parts = [part for part in PARTS if part in (a.part or PARTS)]
         if {"decode", "batch"} & set(a.parts) and "train" not in a.parts and not os.path.isfile(

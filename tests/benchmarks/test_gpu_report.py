@@ -21,7 +21,7 @@ from benchmarks import bench_step, gpu_report
 
 TRAIN = ("--max-bytes 60000 --vocab-size 300 --backbone-steps 6 --heads-steps 4 --distill-prompts 8 "
          "--distill-tokens 12 --eval-prompts 2 --batch-size 4 --block-size 64 --n-embd 32 --log-every 1000")
-DECODE = "--max-new-tokens 4 --prompt 'def main():'"  # prompts.json of so little text may hold none
+DECODE = "--max-new-tokens 4 --prompt 'def main():'"  # one short prompt: the report's decode part, fast
 MAINS = {"benchmarks/bench_step.py": bench_step.main, "train_tiny.py": train_tiny.main, "decode.py": decode.main}
 
 

@@ -112,6 +112,7 @@ def test_a_run_writes_a_complete_checkpoint_and_a_measured_summary(reference_run
     assert set(os.listdir(out)) == {"config.json", "model.safetensors", "medusa_heads.safetensors", "prompts.json",
                                     "medusa_config.json", "tokenizer.tiktoken", "tokenizer_config.json",
                                     "heads_accuracy.json"}  # no resume state
+    assert len(json.loads((out / "prompts.json").read_text())["prompts"]) == 2  # held out, a third of 64 tokens
     assert all(stage in text for stage in ("tokenizer", "backbone", "distill", "heads", "summary", "official Medusa-1"))
     # the summary's expected tokens per step are the product rule on the stored accuracies
     assert (acc := load_accuracy(out)).shape == (4, 10)
