@@ -135,8 +135,6 @@ def rejection_accept_drawn(tree: TreeTensors, tokens: torch.Tensor, logits: torc
     Unusable nodes are never tried; a row without a usable root tries nothing.
     """
     p, tries = sampling.probs(logits), tree.tries  # [B, N, V]
-    if not tries.sizes:  # the root alone: nothing to try
-        return Accepted(torch.zeros_like(tokens[:, 0]), inverse_cdf(p[:, 0], u[:, 0]))
     log_q, draws = drawn.at(tries.parents)  # [B, N - 1, V], [B, N - 1, R]: what each child was drawn from
     x, u_kids = tokens[:, tries.children], u[:, tries.children]  # [B, N - 1]
     q = without_earlier_draws(log_q, draws, x, earlier=tries.earlier)  # [B, N - 1, V]
