@@ -48,8 +48,7 @@ def test_plain_decoding_emits_the_backbones_own_next_tokens_drawn_in_order_from_
 
 
 @pytest.mark.parametrize("prompt, message", [([], "empty"), (list(range(64)), "must be shorter")])
-def test_bad_prompts_are_a_clear_error(prompt, message):
-    model = tiny_model()
+def test_bad_prompts_are_a_clear_error(model, prompt, message):
     with pytest.raises(ValueError, match=message):
         generate(model, prompt, max_new_tokens=5)
     with pytest.raises(ValueError, match=message):

@@ -361,7 +361,6 @@ def test_a_temperature_below_float32s_range_is_greedy_for_plain_sampling_and_eve
 @torch.no_grad()
 def verify_error(model, prompt: list[int], tree: Tree) -> float:
     """After the same prefill: max |root logits of a verify pass of N nodes - a plain one-token step's|."""
-    t = tree.tensors()
     caches = [KVCache(model.config, batch_size=1, max_len=model.config.block_size + tree.num_nodes,
                       dtype=model.lm_head.weight.dtype) for _ in range(2)]
     root = prefill(model, torch.tensor([prompt]), caches[0])[0].argmax(dim=-1, keepdim=True)  # [1, 1]
@@ -369,7 +368,7 @@ def verify_error(model, prompt: list[int], tree: Tree) -> float:
     _, plain, _ = plain_step(model, caches[0], root)  # [1, 1, V]
     others = torch.randint(0, model.config.vocab_size, (1, tree.num_nodes - 1),
                            generator=torch.Generator().manual_seed(0))
-    tree_logits, _ = verify(model, caches[1], torch.cat([root, others], dim=1), tree=t)  # [1, N, V]
+    tree_logits, _ = verify(model, caches[1], torch.cat([root, others], dim=1), tree=tree.tensors())  # [1, N, V]
     return (plain[0, 0].float() - tree_logits[0, 0].float()).abs().max().item()
 
 

@@ -94,8 +94,7 @@ def test_the_draft_vocabulary_is_the_most_frequent_tokens_and_targets_outside_it
     assert heads.draft_index(targets).tolist() == [[3, 0, IGNORE, IGNORE], [1, IGNORE, 2, 3]]
 
 
-def test_heads_refuse_what_they_cannot_do_and_a_refused_draft_vocabulary_changes_nothing():
-    model = tiny_model()
+def test_heads_refuse_what_they_cannot_do_and_a_refused_draft_vocabulary_changes_nothing(model):
     with pytest.raises(ValueError, match="following="):
         random_heads(model, kind="hydra")(torch.randn(1, C), model)  # a Medusa call site: a clear error
     with pytest.raises(ValueError, match="unknown head kind"):

@@ -10,13 +10,17 @@ from medusa_mini.tree import Tree
 ATOL = 1e-5
 
 
-def test_parameter_names_follow_gpt2_and_the_lm_head_is_tied_to_the_token_embedding():
+def test_parameter_names_and_first_values_follow_gpt2_and_the_lm_head_is_tied_to_the_token_embedding():
+    torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=1))
     modules = ("ln_1", "attn.c_attn", "attn.c_proj", "ln_2", "mlp.c_fc", "mlp.c_proj")
     block = [f"transformer.h.0.{m}.{p}" for m in modules for p in ("weight", "bias")]
     assert list(model.state_dict()) == ["transformer.wte.weight", "transformer.wpe.weight", *block,
                                         "transformer.ln_f.weight", "transformer.ln_f.bias", "lm_head.weight"]
     assert model.lm_head.weight.data_ptr() == model.transformer.wte.weight.data_ptr()
+    mlp = model.transformer.h[0].mlp  # N(0, 0.02), the residual stream's projections (c_proj) over √(2 n_layer)
+    for w, std in ((model.transformer.wpe.weight, 0.02), (mlp.c_fc.weight, 0.02), (mlp.c_proj.weight, 0.02 / 2**0.5)):
+        assert abs(w.mean()) < 1e-3 and abs(w.std() - std) < 1e-3
 
 
 @torch.no_grad()
@@ -49,8 +53,10 @@ def test_rows_of_one_batch_keep_their_own_lengths_and_positions(model):
 
 def test_an_overfilled_cache_a_cache_outside_no_grad_and_a_width_heads_do_not_divide_are_clear_errors(model):
     """A cache stores values for decoding; writing a graph into it would keep every step's graph alive."""
-    with pytest.raises(ValueError, match="KV cache full"), torch.no_grad():
-        model(torch.tensor([[1, 2, 3, 4, 5]]), cache=KVCache(model.config, max_len=4))
+    with torch.no_grad():
+        model(torch.tensor([[1, 2, 3, 4]]), cache=KVCache(model.config, max_len=4))  # exactly full: fine
+        with pytest.raises(ValueError, match="KV cache full"):
+            model(torch.tensor([[1, 2, 3, 4, 5]]), cache=KVCache(model.config, max_len=4))
     with pytest.raises(RuntimeError, match="torch.no_grad"):
         model(torch.tensor([[1, 2]]), cache=KVCache(model.config))
     with pytest.raises(ValueError, match="divisible"):

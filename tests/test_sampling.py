@@ -29,6 +29,7 @@ def test_top_p_keeps_the_smallest_set_reaching_p():
 def test_a_tiny_temperature_gives_the_argmax_not_nan_and_shares_exact_ties_and_zero_is_refused(temperature):
     logits = torch.tensor([[1.0, 3.0, 2.0, -5.0], [2.0, 7.0, 7.0, 0.0]])
     assert sampling_probs(logits, temperature=temperature).tolist() == [[0.0, 1.0, 0.0, 0.0], [0.0, 0.5, 0.5, 0.0]]
+    assert Sampling(temperature=torch.finfo().max).probs(logits).allclose(torch.tensor(0.25))  # the largest: flat
     with pytest.raises(ValueError, match="temperature"):
         sampling_probs(logits, temperature=0.0)
 
@@ -52,6 +53,7 @@ def test_a_draw_follows_the_probabilities_and_never_picks_a_zero_one():
     u = torch.rand(n, generator=torch.Generator().manual_seed(0))
     counts = Counter(inverse_cdf(probs.expand(n, 5), u).tolist())
     assert set(counts) == {0, 2, 3}
+    assert inverse_cdf(torch.tensor([2.0, 2.0]), torch.tensor(0.75)) == 1  # a row need not sum to 1
     for tok in (0, 2, 3):
         assert_frequency(counts[tok], n, probs[tok].item())
 

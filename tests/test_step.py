@@ -88,7 +88,7 @@ def test_prompt_lookup_drafts_each_rows_continuation_on_a_chain_of_the_next_powe
     """Nodes past a row's continuation repeat its last token (a guess like any other); none anywhere: the root alone."""
     assert [chain_length(n, 6) for n in range(8)] == [0, 1, 2, 4, 4, 6, 6, 6]
     assert [chain_length(n, 64) for n in (5, 8, 9, 33, 64)] == [8, 8, 16, 64, 64]
-    proposer = PromptLookup(max_ngram=2).proposer(None, preset("cpu"))  # a chain of the tree's 11 nodes
+    proposer = PromptLookup(max_ngram=1).proposer(None, preset("cpu"))  # a chain of the tree's 11 nodes
     assert proposer.tree == chain(11)
     history = [[1, 2, 3, 1, 2], [4, 5, 6, 5], [7, 8, 9]]
     proposal = proposer.propose(torch.tensor([2, 5, 9]), torch.zeros(3, 32), history=history, sampling=Sampling(),

@@ -93,8 +93,9 @@ def test_presets_are_valid_and_sized_for_their_device_and_a_chain_is_one_top1_gu
     assert 60 <= gpu.num_nodes - 1 <= 70 and gpu.depth == 4
     assert Tree.from_choices(GPU_CHOICES, num_heads=4) == gpu and gpu.max_rank == 9
     assert preset("chain5") == chain(5)
-    with pytest.raises(ValueError, match="unknown tree"):
-        preset("huge")
+    for name in ("huge", "chain0", "chain257"):  # a chain of 1 to MAX_NODES nodes
+        with pytest.raises(ValueError, match="unknown tree"):
+            preset(name)
 
 
 def test_truncation_keeps_the_shallow_part_of_the_tree_and_a_shallow_enough_tree_whole():
@@ -157,8 +158,12 @@ def test_with_ranks_ordered_by_accuracy_the_greedy_tree_is_the_best_of_all_valid
         assert build_tree(acc, n)[1] == pytest.approx(best)
 
 
-def test_product_rule_rejects_a_tree_deeper_or_wider_than_the_table():
-    with pytest.raises(ValueError, match="more heads or ranks"):
-        expected_tokens_per_step(ACC_HAND, chain(4))
+def test_product_rule_rejects_a_tree_deeper_or_wider_than_the_table_and_values_that_are_no_probabilities():
+    for tree in (chain(4), Tree.from_choices([(ACC_HAND.shape[1],)])):  # ranks 0 .. R - 1 only
+        with pytest.raises(ValueError, match="more heads or ranks"):
+            expected_tokens_per_step(ACC_HAND, tree)
+    with pytest.raises(ValueError, match="probabilities"):
+        build_tree(torch.tensor([[1.5]]), 1)
+    assert build_tree(torch.ones(1, 1), 1) == (chain(1), 2.0)  # a head always right: 1 is a probability too
     with pytest.raises(ValueError, match=r"\[heads, ranks\]"):
         build_tree(torch.zeros(3), 4)

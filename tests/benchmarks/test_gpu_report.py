@@ -66,8 +66,7 @@ def test_on_cuda_each_part_compiles_keeps_its_lines_and_names_what_failed(tmp_pa
     table = "       gpt2\nlayers / heads / width / vocabulary / draft   12 / 12 / 768 / 50257 / 8192\nplain step  1"
     calls = faked(monkeypatch, lambda argv: (None, "", 99.0) if "gpt2-xl" in argv else
                   (0, f"torch 2.x, cuda\ncommand: ...\n\n{table}\n", 1.0))
-    settings = cuda_settings(configs=["gpt2", "gpt2-xl"], step_flags=["--nodes", "1,9"])
-    section, ok = gpu_report.run_part(settings, "step")
+    section, ok = gpu_report.run_part(cuda_settings(configs=["gpt2", "gpt2-xl"], step_flags=["--nodes", "1,9"]), "step")
     assert not ok and len(calls) == 2 and all("--compile" in argv and argv[-2:] == ["--nodes", "1,9"] for argv in calls)
     assert f"```\n{table}\n```" in section and "torch 2.x" not in section
     assert "### gpt2-xl" in section and "Failed: stopped at its budget" in section

@@ -50,13 +50,12 @@ def test_greedy_rows_are_plain_greedys_the_reference_the_engines_each_on_its_tre
     assert drawn != greedy and trees == {key: {{"plain": None, "prompt": chain(8).choices}.get(
         key.split("_")[0], drawn if key.endswith("rejection") else greedy)} for key in rows}
     out = format_table(result)
-    head = out.splitlines()[0]
     for label, same in (("plain greedy", "yes"), ("prompt lookup greedy", "yes"), ("Medusa greedy", "yes"),
                         ("Medusa typical (T=0.8)", "-"), ("plain sampling (T=0.8)", "-")):
         line = next(line for line in out.splitlines() if line.startswith(label))
         assert line.split()[-1] == same, line
         if label.startswith("plain"):  # the plain decoders set the step cost: 1.00 under its header
-            assert line[: head.index("step cost") + 9].split()[-1] == "1.00", line
+            assert line[: out.splitlines()[0].index("step cost") + 9].split()[-1] == "1.00", line
     for needle in ("bonus token", "3 prompts", f"tree auto (7 nodes incl. root; Medusa rejection's, from its own "
                    f"table: {len(drawn) + 1}; prompt lookup: a chain of up to 8)", "max-new-tokens 12", "1 thread",
                    "reference rejection (T=0.8): the engine's tokens on 3/3 prompts"):

@@ -152,8 +152,7 @@ def test_a_compiled_step_drafts_the_next_tree_in_its_graph_and_makes_the_eager_t
     monkeypatch.setattr(proposer_type, "propose", lambda *a, **kw: proposed.append(1) or propose(*a, **kw))
     steps.medusa.verify_and_accept = lambda *a, **kw: calls.append(1) or verify(*a, **kw)
     eager, compiled = run_both(model, heads, RULES[rule], steps, cache=caches)
-    eager_proposals = len(proposed) - (rule != "rejection")
-    assert compiled == eager and eager_proposals == len(calls) > 1
+    assert compiled == eager and len(proposed) - (rule != "rejection") == len(calls) > 1
     assert len(backend.graphs) == graphs and sum(map(len, compiled)) == 60
 
 

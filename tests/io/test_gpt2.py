@@ -94,9 +94,8 @@ def test_gpt2_files_give_the_reference_logits_with_a_tied_output_and_no_random_i
                                                                                      file, meta_above):
     monkeypatch.setattr(gpt2, "META_ABOVE", meta_above)
     w = reference_weights()
-    source = write_dir(tmp_path / "m", layout(w)) / file
     before = torch.get_rng_state()
-    model = load_gpt2(source)
+    model = load_gpt2(write_dir(tmp_path / "m", layout(w)) / file)
     assert torch.equal(torch.get_rng_state(), before)  # loading draws nothing from the global generator
     assert model.config == GPTConfig(vocab_size=V, block_size=P, n_layer=L, n_head=H, n_embd=C)
     assert model.lm_head.weight is model.transformer.wte.weight

@@ -21,8 +21,7 @@ def _prompts(n, length=5):
     return [torch.randint(0, 64, (length,), generator=torch.Generator().manual_seed(s)).tolist() for s in range(n)]
 
 
-def test_continuations_are_plain_greedy_decoding_at_temperature_zero():
-    model = tiny_model(0)
+def test_continuations_are_plain_greedy_decoding_at_temperature_zero(model):
     prompts = _prompts(20) + [[3, 1, 4]]  # more than one batch of rows, prompts of two lengths
     assert continuations(model, prompts, max_new_tokens=12) == [
         p + generate(model, p, max_new_tokens=12)[0] for p in prompts]
@@ -151,8 +150,7 @@ def test_a_head_that_cannot_see_the_root_is_capped_by_its_marginal_over_the_root
     for s in seqs:
         for t in range(1, len(s) - 2):
             p_root = p[s[t]]  # [V] the root's distribution
-            marginal = p_root @ p  # [V] Σ_r p(r) p(· | r)
-            want.append((p_root * torch.minimum(p, marginal).sum(-1)).sum().item())
+            want.append((p_root * torch.minimum(p, p_root @ p).sum(-1)).sum().item())  # marginal Σ_r p(r) p(· | r)
     got, covered = accuracy.measure_marginal_acceptance(bigram, seqs, prompt_lens=2, temperature=T, roots=12, every=1)
     assert got == pytest.approx(sum(want) / len(want)) and covered == pytest.approx(1.0) and got < 0.9
     assert accuracy.measure_marginal_acceptance(bigram, seqs, prompt_lens=2, temperature=T, roots=3, every=1)[1] < 0.99
