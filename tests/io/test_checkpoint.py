@@ -163,5 +163,7 @@ def test_saving_heads_again_can_keep_the_backbone_file_untouched_and_saving_none
     save_checkpoint(tmp_path, model, heads=heads, write_model=False)
     assert (weights.stat().st_mtime_ns, weights.read_bytes()) == before
     assert torch.all(load_checkpoint(tmp_path)[1].blocks[0].linear.bias == 0.5)
-    save_checkpoint(tmp_path, model)  # heads from an earlier save would not belong to this model
-    assert set(os.listdir(tmp_path)) == CHECKPOINT_FILES and load_checkpoint(tmp_path)[1] is None
+    save_checkpoint(tmp_path, other := tiny_gpt(seed=5))  # heads from an earlier save would not belong to it
+    back, heads_back, config = load_checkpoint(tmp_path)
+    assert set(os.listdir(tmp_path)) == CHECKPOINT_FILES and heads_back is None and config["medusa_mini"] == {}
+    assert torch.equal(back.lm_head.weight, other.lm_head.weight)  # write_model=False spares only a frozen backbone

@@ -129,6 +129,7 @@ DAMAGE = {  # name: (the file the error must name, its new text from the old, No
     "bad base64": ("tokenizer.tiktoken", lambda text: text + "!!!! 400\n"),
     "bad rank": ("tokenizer.tiktoken", lambda text: text + "QUJD x\n"),
     "duplicate rank": ("tokenizer.tiktoken", lambda text: text + "QUJDREVG 3\n"),
+    "duplicate token": ("tokenizer.tiktoken", lambda text: text + text.split()[0] + " 9999\n"),
     "missing byte": ("tokenizer.tiktoken", lambda text: text.split("\n", 1)[1]),
 }
 
