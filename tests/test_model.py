@@ -86,8 +86,7 @@ def test_a_decode_step_is_one_captured_graph_with_eager_logits_at_every_length(k
         eager_cache, graph_cache = KVCache(model.config), KVCache(model.config)
         for cache in (eager_cache, graph_cache):
             model(torch.arange(prefix)[None], cache=cache)
-        want, got = step(eager_cache), compiled(graph_cache)
-        torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+        torch.testing.assert_close(compiled(graph_cache), step(eager_cache), atol=ATOL, rtol=0)
         torch.testing.assert_close(graph_cache.kv, eager_cache.kv, atol=ATOL, rtol=0)
         assert graph_cache.lengths.tolist() == eager_cache.lengths.tolist() == [prefix + (not tree_verify)]
     assert len(graphs) == 1
@@ -95,8 +94,7 @@ def test_a_decode_step_is_one_captured_graph_with_eager_logits_at_every_length(k
 
 def test_keeping_a_path_moves_each_rows_slots_to_its_start_and_sets_its_length():
     cache = KVCache(GPTConfig(vocab_size=64, block_size=32, n_layer=2, n_head=2, n_embd=16), batch_size=2, max_len=32)
-    before = torch.randn(cache.kv.shape)
-    cache.kv.copy_(before)
+    cache.kv.copy_(before := torch.randn(cache.kv.shape))
     compact_kv_cache(cache, torch.tensor([[5, 7, 9], [4, 4, 6]]), to=torch.tensor([[5, 6, 7], [3, 4, 5]]),
                      length=torch.tensor([7, 4]))
     assert cache.lengths.tolist() == [7, 4]

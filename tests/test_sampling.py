@@ -19,10 +19,9 @@ from medusa_mini.sampling import (
 
 
 def test_top_p_keeps_the_smallest_set_reaching_p():
-    probs = sampling_probs(torch.log(torch.tensor([0.1, 0.5, 0.25, 0.15])), temperature=1.0, top_p=0.7)
-    torch.testing.assert_close(probs, torch.tensor([0.0, 0.5 / 0.75, 0.25 / 0.75, 0.0]))
-    full = sampling_probs(torch.log(torch.tensor([0.1, 0.5, 0.25, 0.15])), temperature=1.0)
-    torch.testing.assert_close(full, torch.tensor([0.1, 0.5, 0.25, 0.15]))
+    p = torch.tensor([0.1, 0.5, 0.25, 0.15])  # 0.5 + 0.25 reach 0.7: those two kept, renormalised to 2/3, 1/3
+    torch.testing.assert_close(sampling_probs(p.log(), temperature=1.0, top_p=0.7), torch.tensor([0, 2, 1, 0]) / 3)
+    torch.testing.assert_close(sampling_probs(p.log(), temperature=1.0), p)
 
 
 @pytest.mark.parametrize("temperature", [1e-4, 1e-30, 1e-45])

@@ -57,10 +57,9 @@ def test_keep_path_leaves_each_rows_cache_as_if_only_its_accepted_path_had_been_
               active=torch.tensor([True, True, False]))
     assert cache.lengths.tolist() == [6, 4, 3]
     for b, kept in enumerate(([0, 1, 4], [0, 2])):
-        alone, seq = KVCache(model.config, max_len=32), prompts[b] + tokens[b, kept].tolist()
-        prefill(model, torch.tensor([seq]), alone)
-        L = len(seq)
-        torch.testing.assert_close(cache.kv[:, :, b, :, :L], alone.kv[:, :, 0, :, :L], atol=1e-5, rtol=1e-5)
+        seq = prompts[b] + tokens[b, kept].tolist()
+        prefill(model, torch.tensor([seq]), alone := KVCache(model.config, max_len=len(seq)))  # exactly full
+        torch.testing.assert_close(cache.kv[:, :, b, :, : len(seq)], alone.kv[:, :, 0], atol=1e-5, rtol=1e-5)
 
 
 def test_the_steps_one_read_gives_each_rows_path_and_its_accepted_tokens_then_the_bonus():

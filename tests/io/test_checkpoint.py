@@ -8,9 +8,10 @@ import struct
 import pytest
 import torch
 
-from conftest import tiny_model
+from conftest import save_small_checkpoint, tiny_model
 from medusa_mini.heads import HeadsConfig, make_heads, next_tokens
 from medusa_mini.io.checkpoint import load_checkpoint, save_checkpoint
+from medusa_mini.io.loading import load_for_decoding, load_prompts, prompt_ids
 from medusa_mini.io.safetensors import read_safetensors, write_safetensors
 from medusa_mini.model import GPT, GPTConfig
 
@@ -82,14 +83,15 @@ def test_heads_saved_before_draft_vocabularies_load_over_the_whole_vocabulary(tm
     assert len(heads2.draft_ids) == 61 and torch.equal(outputs(model, heads)[1], outputs(model2, heads2)[1])
 
 
-@pytest.mark.parametrize("failing", ["config.json", "medusa_heads.safetensors", "medusa_config.json", "writer"])
+@pytest.mark.parametrize("failing", ["config.json", "medusa_heads.safetensors", "medusa_config.json", "writer",
+                                     "config.json, saving no heads"])  # two files: model.safetensors goes back too
 def test_a_save_failing_midway_leaves_the_previous_checkpoint_loadable(tmp_path, monkeypatch, failing):
-    old, old_heads = tiny_gpt(seed=0), tiny_heads(draft=20)
+    old, old_heads, new_heads = tiny_gpt(seed=0), tiny_heads(draft=20), None if "," in failing else tiny_heads(seed=9)
     save_checkpoint(tmp_path, old, heads=old_heads, extra={"version": 1})
     real = os.replace
 
     def replace(src, dst):
-        if os.path.basename(dst) == failing and str(src).endswith(".tmp"):
+        if failing.startswith(os.path.basename(dst)) and str(src).endswith(".tmp"):
             raise OSError(f"disk full while replacing {failing}")
         return real(src, dst)
 
@@ -97,7 +99,7 @@ def test_a_save_failing_midway_leaves_the_previous_checkpoint_loadable(tmp_path,
     # "writer": the other files are already staged when config.json cannot be written
     extra = {"version": object() if failing == "writer" else 2}
     with pytest.raises(TypeError if failing == "writer" else OSError):
-        save_checkpoint(tmp_path, tiny_gpt(seed=5), heads=tiny_heads(seed=9), extra=extra)
+        save_checkpoint(tmp_path, tiny_gpt(seed=5), heads=new_heads, extra=extra)
     monkeypatch.undo()
     assert set(os.listdir(tmp_path)) == CHECKPOINT_FILES | HEADS_FILES, "no temporary files left behind"
     model, heads, config = load_checkpoint(tmp_path)
@@ -167,3 +169,13 @@ def test_saving_heads_again_can_keep_the_backbone_file_untouched_and_saving_none
     back, heads_back, config = load_checkpoint(tmp_path)
     assert set(os.listdir(tmp_path)) == CHECKPOINT_FILES and heads_back is None and config["medusa_mini"] == {}
     assert torch.equal(back.lm_head.weight, other.lm_head.weight)  # write_model=False spares only a frozen backbone
+
+
+def test_prompts_json_gives_token_ids_cut_to_leave_room_for_the_new_tokens_and_a_bad_one_is_a_clear_error(tmp_path):
+    save_small_checkpoint(tmp_path)  # block size 64, no eot_id saved: the tokenizer's own
+    ck = load_for_decoding(str(tmp_path), device="cpu")
+    assert [*map(len, prompt_ids(ck, count=3, max_new_tokens=63))] == [1, 1, 1] and ck.eot_id == ck.enc.eot_token
+    for bad in ([], ["a", 5], "a"):
+        (tmp_path / "prompts.json").write_text(json.dumps({"prompts": bad}))
+        with pytest.raises(ValueError, match="must hold"):
+            load_prompts(str(tmp_path))
