@@ -55,8 +55,7 @@ def test_vectorised_typical_equals_the_node_walk_with_the_same_draws_in_every_ro
     """Same path, bonus and random numbers consumed: row b draws its bonus with the generator's number b
     (torch.rand(B) is B single draws in order), as the reference walking it alone after b numbers; so a row
     decides in a batch as alone. Integer logits make equal log-p sums: the smaller node index wins in both."""
-    deep = 0
-    sampling = Sampling(acceptance="typical", temperature=temperature, top_p=top_p, epsilon=0.3, delta=0.6)
+    deep, sampling = 0, Sampling(acceptance="typical", temperature=temperature, top_p=top_p, epsilon=0.3, delta=0.6)
     for seed in range(150):
         tree, tokens, logits = random_case(seed, rows=3)
         if seed % 2:  # continuous logits too: distinct scores decide
@@ -108,8 +107,7 @@ def test_topk_rejection_on_the_device_makes_the_reference_walks_decisions_with_t
     """The engine draws y from p at every node of every row at once, then matches paths; the reference walks
     each row, drawing at each node: one generator, the same numbers in row order, paths of every depth."""
     tree, tokens = Tree.from_choices([(0,), (1,), (0, 0)]), torch.tensor([[0, 1, 2, 3], [0, 2, 1, 0]])
-    sampling = Sampling(acceptance="rejection", temperature=1.0, candidates="topk")
-    depths = set()
+    sampling, depths = Sampling(acceptance="rejection", temperature=1.0, candidates="topk"), set()
     for seed in range(12):
         logits = torch.randn(2, 4, 4, generator=torch.Generator().manual_seed(seed))
         got = decide(tree, tokens, logits, sampling, seed=seed + 100)

@@ -32,7 +32,6 @@ GEN = torch.Generator().manual_seed(0)  # stands for the meta device's generator
 
 
 def meta_rules(*, answer_reads: bool = False) -> CudaRules:
-    """CUDA's rules on the meta device, GEN counted as its generator."""
     return CudaRules(META, device_generator=GEN, answer_reads=answer_reads)
 
 
@@ -70,8 +69,7 @@ def test_whole_generations_run_on_the_device_when_each_host_read_is_answered(kin
     with meta_rules(answer_reads=True) as rules:
         results = medusa_generate_batch(meta_model(), meta_drafter(kind), [[1] * 60, [4, 5, 6]], tree=TREE,
                                         max_new_tokens=6, sampling=RULES[rule], generator=GEN, **compiled)
-    # Made-up reads accept no candidate (a count of 0): each step emits its bonus alone; row 0 meets the
-    # context (64 tokens) first.
+    # Made-up reads accept no candidate (a count of 0): each step emits its bonus alone; row 0 meets the context first.
     assert [(len(tokens), stats.steps, stats.stop_reason) for tokens, stats in results] == [
         (4, 3, "context"), (6, 5, "max_new_tokens")]
     assert rules.reads == 1 + 5
@@ -97,8 +95,7 @@ def test_a_training_step_runs_forward_and_backward_on_the_device(kind, stage):
     """MedusaLM's forward, targets in the draft vocabulary, the chunked heads loss (checkpointed chunks)
     and the backward; no host read."""
     model, heads = tiny_model(0).to(META).train(), meta_drafter(kind).train()
-    x = torch.zeros(2, 17, dtype=torch.long, device=META)
-    valid = torch.ones(2, 16, dtype=torch.bool, device=META)
+    x, valid = torch.zeros(2, 17, dtype=torch.long, device=META), torch.ones(2, 16, dtype=torch.bool, device=META)
     kw = (dict(lm_weight=1.0, heads_weight=0.2, decay=0.8, heads_stride=3, heads_offset=2, heads_chunk=5)
           if stage == "joint" else
           dict(lm_weight=0.0, heads_weight=1.0, decay=1.0, detach_backbone=True, heads_chunk=7))

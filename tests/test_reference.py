@@ -39,8 +39,7 @@ def test_propose_fills_each_node_with_its_heads_guess_of_its_rank_from_the_draft
     head_logits = torch.randn(3, 8, generator=torch.Generator().manual_seed(0))  # [K, M]
     ranked = DRAFT_IDS[head_logits.topk(2, dim=-1).indices]  # [K, 2] token ids
     tokens, drawn = ref.propose(head_logits, DRAFT_IDS, TREE, 7, vocab_size=64, sampling=Sampling(), generator=None)
-    assert drawn is None
-    assert tokens == [7] + [ranked[len(c) - 1, c[-1]].item() for c in TREE.choices]
+    assert drawn is None and tokens == [7] + [ranked[len(c) - 1, c[-1]].item() for c in TREE.choices]
 
 
 def test_drawn_candidates_give_each_node_the_q_its_children_were_drawn_from():
@@ -109,8 +108,7 @@ def test_rejection_sampling_emits_tokens_with_exactly_the_backbones_probabilitie
 def test_a_draft_equal_to_the_backbone_is_always_accepted_and_a_top_1_guess_only_with_its_p():
     """q = p makes min(1, p/q) = 1: every sampled candidate is accepted, the whole chain each time; the
     top-1 guess x is accepted with p(x) alone, rarely where p is flat."""
-    tree, p = chain(2), torch.tensor([P_ROOT, P_NODE1]).clamp_min(1e-12)
-    p = p / p.sum(-1, keepdim=True)
+    tree, p = chain(2), torch.nn.functional.normalize(torch.tensor([P_ROOT, P_NODE1]).clamp_min(1e-12), p=1, dim=-1)
     logits = torch.log(torch.stack([p[0], p[1], p[1]]))  # node 1's p is head 2's q
     gen = torch.Generator().manual_seed(2)
     for _ in range(200):

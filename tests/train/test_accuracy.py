@@ -98,13 +98,11 @@ def test_the_drawn_table_is_the_chance_that_each_draw_is_the_one_accepted_and_q_
         q1 = [0.0 if x == x0 else b / (1 - q[x0]) for x, b in enumerate(q)]
         a1 = min(1.0, residual[x1] / sum(residual) / q1[x1])
         want[0], want[1] = want[0] + chance * a0, want[1] + chance * (1 - a0) * a1
-    fixed = Fixed(p, q)
-    got = accuracy.measure_try_acceptance(fixed, fixed, [list(range(12))], prompt_lens=1, temperature=1.0, ranks=2,
-                                          draws=400)
+    fixed, seqs = Fixed(p, q), [list(range(12))]
+    got = accuracy.measure_try_acceptance(fixed, fixed, seqs, prompt_lens=1, temperature=1.0, ranks=2, draws=400)
     assert want[0] == pytest.approx(sum(min(a, b) for a, b in zip(p, q)))  # Σ min(p, q): 0.55
     assert got[0].tolist() == pytest.approx(want, abs=0.015)
-    # heads whose q is p: always accepted, and only their first draw is tried
-    fixed, seqs = Fixed(p, p), [list(range(12))]
+    fixed = Fixed(p, p)  # heads whose q is p: always accepted, and only their first draw is tried
     exact = accuracy.measure_sampled_acceptance(fixed, fixed, seqs, prompt_lens=1, temperature=0.9)
     drawn = accuracy.measure_try_acceptance(fixed, fixed, seqs, prompt_lens=1, temperature=0.9, ranks=3)
     assert exact.tolist() == pytest.approx([1.0]) and drawn[0].tolist() == pytest.approx([1.0, 0.0, 0.0], abs=1e-5)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from medusa_mini.io.tokenizer import make_encoding
+from medusa_mini.train import data
 from medusa_mini.train.data import default_corpus_files, encode_documents, get_batch, load_corpus, split_documents
 
 STDLIB = pathlib.Path(sysconfig.get_paths()["stdlib"])
@@ -87,6 +88,7 @@ def test_split_keeps_documents_whole_in_order_by_the_seed_and_cuts_a_single_one_
     assert head + tail == text and head.endswith("\n") and 0.85 < len(head) / len(text) < 0.95
     # without any line end the cut falls between characters
     assert split_documents([("flat", "abcdefghij")], val_fraction=0.2) == ([("flat", "abcdefgh")], [("flat", "ij")])
+    assert split_documents([("one", "abcdef\ng")], val_fraction=0.5) == ([("one", "abcdef\n")], [("one", "g")])
     for docs in ([("a", "1\n"), ("b", "2\n")], [("one", "1\n2\n")], [("flat", "12")]):  # at least one on each side
         for val_fraction in (0.001, 0.5, 0.999):
             train, val = split_documents(docs, val_fraction=val_fraction)
@@ -117,3 +119,10 @@ def test_batches_are_contiguous_windows_with_next_token_targets_drawn_from_the_g
     assert torch.equal(again, x) and not torch.equal(other, x)
     x, y = get_batch(tokens[:10], batch_size=64, block_size=9, generator=torch.Generator().manual_seed(0))
     assert torch.equal(y, torch.arange(1, 10).expand(64, 9))  # the last window reached
+
+
+def test_held_out_prompts_are_snippets_of_held_out_text_under_a_third_of_the_context():
+    enc, docs = make_encoding({bytes([b]): b for b in range(256)}), [("v", lines_text(300)), ("blank", " \n")]
+    prompts = data.held_out_prompts(docs, enc, count=4, seed=0, block_size=60)  # a token a byte: 240 bytes do not fit
+    assert len(prompts) == 4 and all(p in docs[0][1] and 0 < len(enc.encode_ordinary(p)) < 20 for p in prompts)
+    assert data.held_out_prompts(docs[1:], enc, count=2, seed=0, block_size=60) == []  # blank text gives none
