@@ -41,7 +41,7 @@ def test_schedules():
     got = [lambda_schedule(s, 100, lambda0=0.2) for s in (0, 14, 28, 29, 30, 99)]
     assert got == pytest.approx([0.2 / 30, 0.1, 0.2 * 29 / 30, 0.2, 0.2, 0.2])
     assert lambda_schedule(1, 10, lambda0=0.5, ramp=0.5) == pytest.approx(0.5 * 2 / 5)
-    assert lambda_schedule(0, 2, lambda0=0.5) == 0.5  # fewer steps than one ramp step: no ramp
+    assert lambda_schedule(0, 2, lambda0=0.5) == cosine_lr(0, 2, lr=0.5) == 0.5  # under one ramp (warm-up) step: none
     # lr, 105 steps, warm-up 5% = 5 steps: lr * (s + 1) / 5; then 0.1 + 0.9 * (1 + cos(pi * (s - 5) / 100)) / 2
     got = [cosine_lr(s, 105, lr=2.0) for s in (0, 2, 4, 5, 30, 55, 80, 104, 105, 500)]
     want = [0.4, 1.2, 2.0, 2.0, 2 * 0.8681980515, 2 * 0.55, 2 * 0.2318019485, 2 * 0.1002220478, 0.2, 0.2]
@@ -79,29 +79,29 @@ def test_a_head_without_any_target_has_zero_loss_and_accuracy_not_nan():
     assert loss.tolist() == [0.0, 0.0, 0.0] and acc.tolist() == [0.0, 0.0, 0.0]
 
 
-@pytest.mark.parametrize("kind, stride, draft, chunk", [
-    ("medusa", 1, 0, None), ("medusa", 1, 0, 3), ("hydra", 1, 20, 7), ("medusa", 3, 20, 29), ("hydra", 3, 0, None)])
-def test_the_heads_loss_chunked_strided_or_over_a_draft_vocabulary_is_the_plain_masked_one(kind, stride, draft, chunk):
-    """Values, top-1 and gradients: head k at t against token t+k+1 where `valid` (the heads stage's prompts are
-    no targets), at every stride-th position from the offset, over a draft vocabulary where the token is in it
-    (as its index there). Hydra heads read the true next tokens: each chunk (29 is ragged) must get its own."""
+@pytest.mark.parametrize("kind, stride, draft, chunk, lm", [("medusa", 1, 0, None, 1.0), ("medusa", 1, 0, 3, 0.0),
+                         ("hydra", 1, 20, 7, 0.0), ("medusa", 3, 20, 29, 1.0), ("hydra", 3, 0, None, 1.0)])
+def test_heads_loss_chunked_strided_frozen_or_over_a_draft_vocabulary_is_the_plain_one(kind, stride, draft, chunk, lm):
+    """Values, top-1 and gradients: head k at t against token t+k+1 where `valid` (prompts are no targets), at every
+    stride-th position from the offset, over a draft vocabulary (as the token's index there); Hydra heads read the
+    true next tokens, each chunk its own (29: ragged); lm = 0: a frozen backbone's detached states train the heads."""
     model, heads = _setup(kind=kind)
     if draft:
         heads.use_draft_vocabulary(torch.randperm(50, generator=torch.Generator().manual_seed(4)), draft)
     module, x = MedusaLM(model, heads), torch.randint(0, 50, (4, 21), generator=torch.Generator().manual_seed(5))
     y, valid = x[:, 1:], torch.arange(20).expand(4, 20) >= 6
-    loss, metrics = module(x[:, :-1], y, valid=valid, lm_weight=1.0, heads_weight=0.5, decay=0.8, heads_stride=stride,
-                           heads_offset=1, heads_chunk=chunk)
+    loss, metrics = module(x[:, :-1], y, valid=valid, lm_weight=lm, heads_weight=0.5, decay=0.8, heads_stride=stride,
+                           heads_offset=1, heads_chunk=chunk, detach_backbone=not lm)
     assert all(isinstance(v, torch.Tensor) and not v.requires_grad for v in metrics.values())
     logits, hidden = model(x[:, :-1])
     index = torch.full((50,), IGNORE).index_put_((heads.draft_ids,), torch.arange(heads.draft_ids.numel()))[y]
     assert not draft or (index < 0).any()  # some tokens lie outside the draft vocabulary
     losses, accs = plain_head_losses(heads(hidden, model, following=next_tokens(y, 3)), index, lambda b, t, k: (
         stride == 1 or t % stride == 1) and valid[b, t + k] and index[b, t + k] >= 0)
-    lm = F.cross_entropy(logits.flatten(0, 1), y.flatten())
-    assert metrics["lm"].item() == lm.item() and metrics["acc"].tolist() == accs.tolist()
+    ce = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+    assert metrics.get("lm", ce).item() == ce.item() and metrics["acc"].tolist() == accs.tolist()
     torch.testing.assert_close(metrics["heads"], losses.detach(), rtol=0, atol=1e-5)
-    want = lm + 0.5 * (torch.tensor([0.8, 0.64, 0.512]) * losses).sum()
-    params = list(module.parameters())
+    want = lm * ce + 0.5 * (torch.tensor([0.8, 0.64, 0.512]) * losses).sum()
+    params = list((module if lm else heads).parameters())
     for g, w in zip(torch.autograd.grad(loss, params), torch.autograd.grad(want, params), strict=True):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)

@@ -25,8 +25,7 @@ ACC_HAND = torch.tensor([[0.6, 0.2, 0.1], [0.4, 0.2, 0.1], [0.3, 0.1, 0.05]])  #
 
 def test_choices_are_sorted_so_parents_precede_children_and_a_nodes_position_offset_is_its_depth():
     assert TREE.choices == ((0,), (1,), (0, 0), (0, 1), (0, 0, 0))
-    assert TREE.parents == [-1, 0, 0, 1, 1, 3]
-    assert TREE.children == [[1, 2], [3, 4], [], [5], [], []]
+    assert TREE.parents == [-1, 0, 0, 1, 1, 3] and TREE.children == [[1, 2], [3, 4], [], [5], [], []]
     assert TREE.depths == [0, 1, 1, 2, 2, 3] and TREE.first == [0, 1, 3, 5, 6]  # nodes of one depth in a run
     assert TREE.ranks == [0, 0, 1, 0, 1, 0] and TREE.max_rank == 1 and TREE.depth == 3  # head d fills depth d
 
