@@ -147,8 +147,8 @@ def corpus(n_sentences: int = 300) -> str:
     return ".\n".join(sentences) + "."
 
 
-def save_tiny(directory, *, with_heads: bool) -> None:
-    """A peaked two-layer GPT (random Medusa heads if with_heads), its tokenizer and prompts.json."""
+def save_tiny(directory, *, with_heads: bool) -> str:
+    """A peaked two-layer GPT (random Medusa heads if with_heads), its tokenizer and prompts.json; the folder."""
     from medusa_mini.io.tokenizer import make_encoding, train_bpe
 
     enc = make_encoding(train_bpe(corpus(), vocab_size=300))
@@ -158,6 +158,7 @@ def save_tiny(directory, *, with_heads: bool) -> None:
         model.transformer.wte.weight[enc.eot_token].zero_()  # rarely chosen, so runs reach their limits
     heads = scrambled(MedusaHeads(HeadsConfig(num_heads=4, n_embd=32, vocab_size=enc.n_vocab))) if with_heads else None
     save_directory(directory, model, heads, enc, PROMPTS, extra={"eot_id": enc.eot_token})
+    return str(directory)
 
 
 def save_small_checkpoint(directory) -> None:
@@ -207,6 +208,4 @@ def one_run_each(monkeypatch):
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     """A tiny checkpoint with Medusa heads, saved as train_tiny.py leaves one."""
-    d = tmp_path_factory.mktemp("ckpt")
-    save_tiny(d, with_heads=True)
-    return str(d)
+    return save_tiny(tmp_path_factory.mktemp("ckpt"), with_heads=True)

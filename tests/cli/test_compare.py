@@ -4,6 +4,7 @@ import json
 import shutil
 
 import pytest
+import torch
 
 import decode
 from conftest import DRAWN, VICUNA
@@ -11,6 +12,7 @@ from medusa_mini.cli import runs as runs_mod
 from medusa_mini.cli.measure import CPU_MIN_GAIN
 from medusa_mini.cli.runs import format_table, summarise, why_line
 from medusa_mini.decoding import GenerationStats
+from medusa_mini.io.loading import load_for_decoding
 from medusa_mini.train.accuracy import load_accuracy, save_accuracy
 from medusa_mini.tree import build_tree, chain
 
@@ -34,7 +36,7 @@ def test_greedy_rows_are_plain_greedys_the_reference_the_engines_each_on_its_tre
         method.key, set()).add(method.tree.choices if method.tree else None) or real(engine, method, *a, **kw))
     result = compared(capsys, "--ckpt", str(directory), "--reference", "--max-new-tokens", "12")
     rows = {row["key"]: row for row in result["rows"]}
-    assert list(rows) == ROWS + ["reference_greedy", "reference_typical", "reference_rejection"]
+    assert [r["key"] for r in result["rows"]] == ROWS + ["reference_greedy", "reference_typical", "reference_rejection"]
     for key in ("prompt_lookup_greedy", "medusa_greedy", "reference_greedy"):
         assert rows[key]["tokens"] == rows["plain_greedy"]["tokens"] and rows[key]["same_as_plain_greedy"] is True
     for rule in ("greedy", "typical", "rejection"):  # the reference decodes as the engine, and stops as it does
@@ -74,8 +76,11 @@ def test_lookup_gains_on_repeats_and_a_row_that_leaves_plain_greedy_is_named_whe
                       "a big dog ran")
     repeated, plain = result["per_prompt"]  # one token repeated, and a prompt without repeats
     assert repeated["prompt_lookup_greedy"] > 1.5 and plain["prompt_lookup_greedy"] == 1.0
-    assert repeated["repeats"] > 0.5 and plain["repeats"] == 0
-    rows = {r["key"]: r for r in result["rows"]}
+    rows, ck = {r["key"]: r for r in result["rows"]}, load_for_decoding(ckpt, device="cpu", dtype=torch.float32)
+    ids, want = ck.enc.encode_ordinary("nnnnnnnn"), rows["plain_greedy"]["tokens"][0]
+    seq, top2 = ids[-1:] + want, ck.model(torch.tensor([ids + want[:15]]))[0][0, -1].topk(2).values  # where they part
+    assert repeated["repeats"] == sum(a == b for a, b in zip(seq, seq[1:])) / 16 > 0.5 and plain["repeats"] == 0
+    assert rows["medusa_greedy"]["differences"][0]["margin"] == pytest.approx((top2[0] - top2[1]).item())
     assert (rows["medusa_greedy"]["same_as_plain_greedy"], rows["prompt_lookup_greedy"]["same_as_plain_greedy"]) == (
         False, True)
     assert [(d["prompt"], d["position"]) for d in rows["medusa_greedy"]["differences"]] == [(0, 15), (1, 15)]
