@@ -121,31 +121,25 @@ def test_a_saved_tokenizer_is_in_tiktokens_format_and_loads_back_identical(tmp_p
     assert json.loads((tmp_path / "ref" / "tokenizer_config.json").read_text()) == {"type": "tiktoken", "name": "gpt2"}
 
 
-DAMAGE = {  # name: (the file the error must name, its new text from the old, None to delete it)
-    "no config": ("tokenizer_config.json", lambda text: None),
-    "config not json": ("tokenizer_config.json", lambda text: "{not json"),
-    "unknown type": ("tokenizer_config.json", lambda text: '{"type": "sentencepiece"}'),
-    "no ranks": ("tokenizer.tiktoken", lambda text: None),
-    "bad base64": ("tokenizer.tiktoken", lambda text: text + "!!!! 400\n"),
-    "bad rank": ("tokenizer.tiktoken", lambda text: text + "QUJD x\n"),
-    "duplicate rank": ("tokenizer.tiktoken", lambda text: text + "QUJDREVG 3\n"),
-    "duplicate token": ("tokenizer.tiktoken", lambda text: text + text.split()[0] + " 9999\n"),
-    "missing byte": ("tokenizer.tiktoken", lambda text: text.split("\n", 1)[1]),
+DAMAGE = {  # name: (the file the error must name, what is done to it, f)
+    "no config": ("tokenizer_config.json", lambda f: f.unlink()),
+    "config a folder": ("tokenizer_config.json", lambda f: f.unlink() or f.mkdir()),
+    "config not json": ("tokenizer_config.json", lambda f: f.write_text("{not json")),
+    "unknown type": ("tokenizer_config.json", lambda f: f.write_text('{"type": "sentencepiece"}')),
+    "no ranks": ("tokenizer.tiktoken", lambda f: f.unlink()),
+    "bad base64": ("tokenizer.tiktoken", lambda f: f.write_text(f.read_text() + "!!!! 400\n")),
+    "bad rank": ("tokenizer.tiktoken", lambda f: f.write_text(f.read_text() + "QUJD x\n")),
+    "duplicate rank": ("tokenizer.tiktoken", lambda f: f.write_text(f.read_text() + "QUJDREVG 3\n")),
+    "duplicate token": ("tokenizer.tiktoken", lambda f: f.write_text((t := f.read_text()) + t.split()[0] + " 9999\n")),
+    "missing byte": ("tokenizer.tiktoken", lambda f: f.write_text(f.read_text().split("\n", 1)[1])),
 }
 
 
 @pytest.mark.parametrize("culprit, damage", DAMAGE.values(), ids=DAMAGE.keys())
 def test_a_missing_or_corrupt_tokenizer_gives_one_line_naming_the_file(tmp_path, small_encoding, damage, culprit):
-    path = save_tokenizer(small_encoding, tmp_path / "tok") / culprit
-    new = damage(path.read_text())
-    path.unlink() if new is None else path.write_text(new)
+    damage(path := save_tokenizer(small_encoding, tmp_path / "tok") / culprit)
     with pytest.raises(ValueError) as info:
         load_tokenizer(path.parent)
     assert "\n" not in str(info.value) and culprit in str(info.value)
-    assert (f"{culprit} is missing" in str(info.value)) == (new is None)
-
-
-def test_a_folder_where_its_config_belongs_is_named_as_such(tmp_path):
-    (tmp_path / "tokenizer_config.json").mkdir()
-    with pytest.raises(ValueError, match="tokenizer_config.json is a folder, not a file; save the tokenizer again"):
-        load_tokenizer(tmp_path)
+    assert (f"{culprit} is missing" in str(info.value)) == (not path.exists())
+    assert ("is a folder, not a file; save the tokenizer again" in str(info.value)) == path.is_dir()

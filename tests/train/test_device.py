@@ -5,7 +5,7 @@ import contextlib
 import pytest
 import torch
 
-from medusa_mini.train.device import pick_dtype, rank_device, training_dtype
+from medusa_mini.train.device import pick_device, pick_dtype, rank_device, training_dtype
 
 
 @pytest.fixture
@@ -50,3 +50,11 @@ def test_a_cpu_trains_in_float32_by_default_never_in_float16_and_never_asks_cuda
     with pytest.raises(ValueError, match="float16 needs CUDA"):
         training_dtype("float16", "cpu")
     assert gpu_capability["asked"] == []
+
+
+def test_a_device_must_be_one_this_machine_has(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)  # one GPU: cuda and cuda:0 name it
+    assert [str(pick_device(name)) for name in ("cpu", "cuda", "cuda:0")] == ["cpu", "cuda", "cuda:0"]
+    for name, message in (("cuda:1", "is not here"), ("mps", "not supported"), ("gpu", "unknown device")):
+        with pytest.raises(ValueError, match=message):
+            pick_device(name)
