@@ -93,8 +93,7 @@ def write_dir(directory, tensors: dict[str, torch.Tensor], *, weights: str = "mo
 def test_gpt2_files_give_the_reference_logits_with_a_tied_output_and_no_random_init(tmp_path, monkeypatch, layout,
                                                                                      file, meta_above):
     monkeypatch.setattr(gpt2, "META_ABOVE", meta_above)
-    w = reference_weights()
-    before = torch.get_rng_state()
+    w, before = reference_weights(), torch.get_rng_state()
     model = load_gpt2(write_dir(tmp_path / "m", layout(w)) / file)
     assert torch.equal(torch.get_rng_state(), before)  # loading draws nothing from the global generator
     assert model.config == GPTConfig(vocab_size=V, block_size=P, n_layer=L, n_head=H, n_embd=C)

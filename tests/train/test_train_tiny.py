@@ -113,7 +113,7 @@ def test_a_run_writes_a_complete_checkpoint_and_a_measured_summary(reference_run
                                     "medusa_config.json", "tokenizer.tiktoken", "tokenizer_config.json",
                                     "heads_accuracy.json"}  # no resume state
     assert len(json.loads((out / "prompts.json").read_text())["prompts"]) == 2  # held out, a third of 64 tokens
-    assert all(stage in text for stage in ("tokenizer", "backbone", "distill", "heads", "summary", "official Medusa-1"))
+    assert all(s in text for s in ("tokenizer", "backbone", "8 continuations", "heads", "summary", "official Medusa-1"))
     # the summary's expected tokens per step are the product rule on the stored accuracies
     assert (acc := load_accuracy(out)).shape == (4, 10)
     want = ", ".join(f"{b} nodes {build_tree(acc, b)[1]:.2f}" for b in (4, 8, 16, 32, 64))
@@ -141,6 +141,8 @@ def test_after_ctrl_c_a_resumed_run_ends_as_an_uninterrupted_one(tmp_path, durin
     with ctrl_c(**where):
         assert train_tiny.main(FAST + ["--out", str(out), "--eval-every", "2"]) == 130
     load_checkpoint(out)  # what was saved at the interruption is a usable checkpoint
+    groups = (torch.load(out / "train_state.pt", weights_only=True)["optim"] or {}).get("param_groups", [])
+    assert [g["weight_decay"] for g in groups] == [0.1, 0.0] * (len(groups) // 2)  # AdamW: gains and biases exempt
     assert train_tiny.main(FAST + ["--out", str(out), "--resume"]) == 0
     assert same_weights(reference_run[0], out) and not (out / "train_state.pt").exists()
 
