@@ -70,7 +70,7 @@ def test_show_brackets_each_step_of_the_text_and_plain_decoding_needs_no_heads(c
     assert "attention mask" not in out and "root" not in out
     (tmp_path / "wide.json").write_text("[[100000]]")  # a rank past the draft vocabulary: Medusa refuses it
     assert "plain greedy" in run(capsys, "--ckpt", ckpt, "--method", "plain", "--tree", str(tmp_path / "wide.json"),
-                                 "--max-new-tokens", "4", "--num-prompts", "1")
+                                 "--max-new-tokens", "1", "--num-prompts", "1")
 
 
 def test_generation_stops_cleanly_at_the_context_limit(ckpt, capsys):
