@@ -7,6 +7,7 @@ import http.server
 import io
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -32,29 +33,30 @@ from medusa_mini.tree import build_tree, expected_tokens_per_step, preset
 FAST = ["--preset", "smoke", "--max-bytes", "60000", "--vocab-size", "300", "--backbone-steps", "6",
         "--heads-steps", "4", "--distill-prompts", "8", "--distill-tokens", "12", "--eval-prompts", "2",
         "--batch-size", "4", "--block-size", "64", "--n-embd", "32", "--log-every", "1000"]
-# train_tiny.py as two DDP ranks, under torchrun or forked from one process (one torch import) with torchrun's
-# variables; Ctrl-C on rank 0 in optimizer step argv[1] (0: never); GPT-2's tokenizer byte-level (no network).
+# train_tiny.py as two DDP ranks, under torchrun or forked from one process (one torch import) with torchrun's variables
+# for each run [Ctrl-C on rank 0 in optimizer step (0: never), *args] of argv[1], then "exit 0|1"; GPT-2 tokens: bytes.
 WORKER = r'''
-import os, signal, socket, sys, tiktoken, train_tiny, torch._dynamo  # an optimizer imports dynamo: 2 s a rank
+import json, os, signal, socket, sys, tiktoken, train_tiny, torch._dynamo  # an optimizer imports dynamo: 2 s a rank
 BYTES = tiktoken.Encoding(name="gpt2", pat_str=r"\s*\S+|\s+", mergeable_ranks={bytes([i]): i for i in range(256)},
                           special_tokens={"<|endoftext|>": 256})
 tiktoken.get_encoding = lambda name: BYTES
 from medusa_mini.training import MedusaLM
 forward, steps = MedusaLM.forward, iter(range(1, 10**6))
 def step(self, *args, **kwargs):
-    if next(steps) == int(sys.argv[1]) and os.environ["RANK"] == "0": os.kill(os.getpid(), signal.SIGINT)
+    if next(steps) == ctrl_c and os.environ["RANK"] == "0": os.kill(os.getpid(), signal.SIGINT)
     return forward(self, *args, **kwargs)
 MedusaLM.forward = step
 def rank(**env):
-    os.environ.update(env); code = train_tiny.main(sys.argv[2:]); sys.stdout.flush()
+    os.environ.update({k: str(v) for k, v in env.items()}); code = train_tiny.main(argv); sys.stdout.flush()
     os._exit(code)  # gloo's threads abort now and then at interpreter exit, even with the group destroyed
-if "RANK" in os.environ: rank()  # started by torchrun
-with socket.socket() as s:  # rank 0's store listens on a port the OS says is free
-    s.bind(("127.0.0.1", 0)); env = dict(WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]))
-pids = [os.fork() or rank(RANK=str(r), LOCAL_RANK=str(r), **env) for r in (0, 1)]  # a child (fork() 0) runs its rank
-pid, first = os.wait()  # a rank that failed leaves its peer waiting in gloo for 30 minutes: a minute, then stopped
-signal.signal(signal.SIGALRM, lambda *_: os.kill(sum(pids) - pid, signal.SIGKILL)); signal.alarm(60)
-sys.exit(bool(os.waitpid(sum(pids) - pid, 0)[1] or first))
+for ctrl_c, *argv in json.loads(sys.argv[1]):
+    if "RANK" in os.environ: rank()  # started by torchrun
+    with socket.socket() as s:  # rank 0's store listens on a port the OS says is free
+        s.bind(("127.0.0.1", 0)); env = dict(WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=s.getsockname()[1])
+    pids = [os.fork() or rank(RANK=r, LOCAL_RANK=r, **env) for r in (0, 1)]  # a child (fork() 0) runs a rank
+    pid, first = os.wait()  # a rank that failed leaves its peer waiting in gloo for 30 minutes: a minute, then stopped
+    signal.signal(signal.SIGALRM, lambda *_: os.kill(sum(pids) - pid, signal.SIGKILL)); signal.alarm(60)
+    print(f"exit {int(bool(os.waitpid(sum(pids) - pid, 0)[1] or first))}", flush=True); signal.alarm(0)
 '''
 
 
@@ -84,14 +86,14 @@ def ctrl_c(*, during: int, presses: int = 1, owner=MedusaLM, name="forward"):
         yield
 
 
-def ddp(tmp_path, ctrl_c_step: int, *args, torchrun: bool = False, **env) -> subprocess.CompletedProcess:
-    """train_tiny.py FAST in two CPU processes of WORKER, forked, or under torchrun (--standalone: its rendezvous
-    takes a port the OS says is free, where a fixed one may still be held)."""
+def ddp(tmp_path, *runs: list, torchrun: bool = False, **env) -> subprocess.CompletedProcess:
+    """train_tiny.py FAST in two CPU processes of WORKER per run, each [Ctrl-C step, *args], forked, or under torchrun
+    (--standalone: its rendezvous takes a port the OS says is free, where a fixed one may still be held)."""
     (tmp_path / "worker.py").write_text(WORKER)
     launch = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"] if torchrun else []
-    return subprocess.run([sys.executable, *launch, str(tmp_path / "worker.py"), str(ctrl_c_step), *FAST,
-                           "--device", "cpu", *args], capture_output=True, text=True, timeout=300, cwd=ROOT,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT, **env})
+    runs = json.dumps([[step, *FAST, "--device", "cpu", *map(str, args)] for step, *args in runs])
+    return subprocess.run([sys.executable, *launch, str(tmp_path / "worker.py"), runs], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT, **env})
 
 
 def checksums(stdout: str) -> list[str]:
@@ -240,13 +242,11 @@ def test_help_lists_every_flag_and_bad_flags_or_data_are_one_line_naming_it_with
 
 
 def test_two_ddp_processes_keep_identical_replicas_and_resume_exactly_after_ctrl_c_on_one(tmp_path):
-    full = ddp(tmp_path, 0, "--out", str(tmp_path / "ddp"))
-    sums = checksums(full.stdout)
-    assert full.returncode == 0 and "ranks 2" in full.stdout and len(sums) == 2 and sums[0] == sums[1], full.stderr
-    # Ctrl-C on rank 0 alone during heads step 3: both ranks save and stop; resumed, the same final weights
-    assert ddp(tmp_path, 9, "--out", str(tmp_path / "cut")).returncode != 0
-    resumed = ddp(tmp_path, 0, "--out", str(tmp_path / "cut"), "--resume")
-    assert resumed.returncode == 0 and checksums(resumed.stdout) == sums, resumed.stderr[-2000:]
+    cut = tmp_path / "cut"  # Ctrl-C on rank 0 alone in heads step 3: both ranks save and stop; resumed, same weights
+    r = ddp(tmp_path, [0, "--out", tmp_path / "ddp"], [9, "--out", cut], [0, "--out", cut, "--resume"])
+    full, code, _, cut_code, resumed, resumed_code, _ = re.split(r"^exit (\d)\n", r.stdout, flags=re.M)
+    assert (code, cut_code, resumed_code) == ("0", "1", "0") and "ranks 2" in full, r.stderr[-2000:]
+    assert checksums(resumed) == checksums(full) == [checksums(full)[0]] * 2  # both ranks' replicas: one checksum
 
 
 @pytest.mark.slow
@@ -266,7 +266,7 @@ def test_under_torchrun_rank_0_downloads_gpt2_alone_and_every_rank_trains_on_it(
     with http.server.ThreadingHTTPServer(("127.0.0.1", 0),
                                          functools.partial(SlowHub, directory=str(tmp_path / "hub"))) as hub:
         threading.Thread(target=hub.serve_forever, daemon=True).start()
-        r = ddp(tmp_path, 0, "--init", "gpt2", "--preset", "gpt2-cpu", "--out", str(tmp_path / "out"), torchrun=True,
+        r = ddp(tmp_path, [0, "--init", "gpt2", "--preset", "gpt2-cpu", "--out", tmp_path / "out"], torchrun=True,
                      MEDUSA_MINI_HUB_URL=f"http://127.0.0.1:{hub.server_port}", no_proxy="127.0.0.1",
                      MEDUSA_MINI_CACHE=str(tmp_path / "cache"))
         hub.shutdown()
