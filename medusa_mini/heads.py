@@ -65,12 +65,12 @@ def make_heads(config: HeadsConfig) -> "DraftHeads":
     return {"medusa": MedusaHeads, "hydra": HydraHeads}[config.kind](config)
 
 
-def next_tokens(y: torch.Tensor, k: int) -> torch.Tensor:
+def next_tokens(y: torch.Tensor, k: int, *, fill: int = 0) -> torch.Tensor:
     """The k tokens after each position, teacher-forced: y [B, T] (y[:, t] = token t+1) -> [B, T, k].
 
-    out[:, t, j] = y[:, t + j] (token t+j+1); 0 past the end, where no head has a target anyway."""
+    out[:, t, j] = y[:, t + j] (token t+j+1); `fill` past the end, where no head has a target anyway."""
     B, T = y.shape
-    out = torch.zeros(B, T, k, dtype=y.dtype, device=y.device)
+    out = torch.full((B, T, k), fill, dtype=y.dtype, device=y.device)
     for j in range(min(k, T)):
         out[:, : T - j, j] = y[:, j:]
     return out
