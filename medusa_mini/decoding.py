@@ -149,9 +149,6 @@ class Generations:
         """Each row's prompt and output so far (the last token is the next step's root)."""
         return [p + o for p, o in zip(self.prompts, self.out)]
 
-    def results(self) -> list[tuple[list[int], GenerationStats]]:
-        return list(zip(self.out, self.stats))
-
 
 @torch.no_grad()
 def generate_batch(model: GPT, prompts: list[Prompt], *, max_new_tokens: int, sampling: Sampling = Sampling(),
@@ -181,7 +178,7 @@ def generate_batch(model: GPT, prompts: list[Prompt], *, max_new_tokens: int, sa
         if len(rows.active) < B:
             cache.lengths = torch.where(start + 1 < stop_at, start + 1, start)
         stopped = rows.emit([[t] for t in tok.tolist()], step=True)  # the step's one host read
-    return rows.results()
+    return list(zip(rows.out, rows.stats))
 
 
 @torch.no_grad()
@@ -217,7 +214,7 @@ def medusa_generate_batch(
             lengths[b] += len(step.paths[b])
         stopped = rows.emit(step.new_tokens, step=True, accepted=[len(p) - 1 for p in step.paths])
         roots, hidden = step.next_roots, step.next_hidden
-    return rows.results()
+    return list(zip(rows.out, rows.stats))
 
 
 def _one_row(on_step: Callable[[list[int]], None] | None) -> RowCallback | None:

@@ -67,12 +67,10 @@ class Proposer(Protocol):
 
     def trees(self) -> list[Tree]:
         """Every tree a proposal may hold."""
-        ...
 
     def uniforms(self, sampling: Sampling, rows: int, generator: torch.Generator | None, *,
                  device: torch.device | str) -> torch.Tensor | None:
         """The uniforms `propose` turns into drawn candidates, or None (its candidates are no draws)."""
-        ...
 
     def propose(self, roots: torch.Tensor, hidden: torch.Tensor, *, history: list[list[int]], sampling: Sampling,
                 u: torch.Tensor | None) -> Proposal:

@@ -75,11 +75,6 @@ def keep_path(cache: KVCache, accepted: Accepted, *, placed: torch.Tensor, activ
     compact_kv_cache(cache, slots[:, :D1], to=slots[:, D1:-1], length=length)
 
 
-def last_hidden(hiddens: torch.Tensor, accepted: Accepted) -> torch.Tensor:
-    """The hidden state [B, C] at each row's last accepted node (hiddens [B, N, C]), which proposes next."""
-    return at_each_row(hiddens, accepted.last)
-
-
 @dataclass
 class StepResult:
     """What one Medusa step decided for B rows. The KV cache already holds each root and accepted path."""
@@ -123,7 +118,7 @@ def medusa_step(model: GPT, cache: KVCache, proposer: Proposer, roots: torch.Ten
     accepted = accept(tree, proposal.tokens, logits, sampling=sampling, u=u, drawn=proposal.drawn, usable=usable)
     keep_path(cache, accepted, placed=placed, active=None if usable is None else usable[:, 0])
     paths, new_tokens = read_step(proposal, accepted)
-    return StepResult(paths, new_tokens, next_roots=accepted.bonus, next_hidden=last_hidden(hiddens, accepted))
+    return StepResult(paths, new_tokens, next_roots=accepted.bonus, next_hidden=at_each_row(hiddens, accepted.last))
 
 
 @dataclass(frozen=True)

@@ -15,10 +15,10 @@ from typing import Callable, Iterable
 import torch
 
 from ..acceptance import Accepted, accept, acceptance_uniforms, check_uniforms
-from ..model import GPT, KVCache
+from ..model import GPT, KVCache, at_each_row
 from ..proposal import Drawn, Proposal, Proposer
 from ..sampling import Sampling
-from ..step import StepResult, Steps, keep_path, last_hidden, place_tree, plain_step, read_step, usable_nodes, verify
+from ..step import StepResult, Steps, keep_path, place_tree, plain_step, read_step, usable_nodes, verify
 from ..tree import TreeTensors
 from .common import timed
 
@@ -47,7 +47,7 @@ def verify_and_accept(model: GPT, cache: KVCache, tokens: torch.Tensor, *, tree:
     logits, hiddens = verify(model, cache, tokens, tree=tree, placed=placed, attended=attended)  # [B, N, V], [B, N, C]
     accepted = accept(tree, tokens, logits, sampling=sampling, u=u, drawn=drawn, usable=usable)
     keep_path(cache, accepted, placed=placed, active=usable[:, 0])
-    hidden = last_hidden(hiddens, accepted)  # [B, C]
+    hidden = at_each_row(hiddens, accepted.last)  # [B, C] the hidden state that proposes next
     drafted = (None, None) if heads is None else draft_tree(model, heads, accepted.bonus, hidden, tree=tree,
                                                             temperature=sampling.temperature, u=u_next)
     return accepted, hidden, *drafted
