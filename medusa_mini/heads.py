@@ -22,7 +22,7 @@ its `description`. The proposer class's `fill_tree` is the one function that fil
 Shapes: K heads, C n_embd, V vocabulary, M draft vocabulary, B rows, `...` any leading dims.
 """
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -55,9 +55,6 @@ class HeadsConfig:
                              f"not {self.draft_vocab_size}")
         if self.draft_vocab_size == self.vocab_size:  # one spelling of the whole vocabulary: 0
             self.draft_vocab_size = 0
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 def make_heads(config: HeadsConfig) -> "DraftHeads":
@@ -108,8 +105,7 @@ class DraftHeads(nn.Module):
         """Guess among the first `size` tokens of `order` [V] (0 or V: the whole vocabulary)."""
         if sorted(order.tolist()) != list(range(self.config.vocab_size)):
             raise ValueError("the draft vocabulary's order must hold every token id once")
-        checked = HeadsConfig(**{**self.config.to_dict(), "draft_vocab_size": size})  # as a new config would be
-        self.config.draft_vocab_size = checked.draft_vocab_size
+        self.config.draft_vocab_size = replace(self.config, draft_vocab_size=size).draft_vocab_size  # checked anew
         self.vocab_order.copy_(order)
 
     def draft_index(self, tokens: torch.Tensor) -> torch.Tensor:

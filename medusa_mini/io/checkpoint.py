@@ -4,6 +4,7 @@ vocabulary's order included) and medusa_config.json (HeadsConfig). The files are
 last: a save that fails leaves the previous checkpoint loadable (`atomic_write_files`)."""
 
 import os
+from dataclasses import asdict
 
 import torch
 
@@ -30,7 +31,7 @@ def save_checkpoint(directory: str | os.PathLike, model: GPT, *, heads: DraftHea
         files[WEIGHTS_FILE] = lambda f: write_safetensors(f, gpt2_state_dict(model), PT)
     if heads is not None:
         files[HEADS_FILE] = lambda f: write_safetensors(f, heads.state_dict(), PT)
-        files[HEADS_CONFIG_FILE] = json_writer(heads.config.to_dict())
+        files[HEADS_CONFIG_FILE] = json_writer(asdict(heads.config))
     config = gpt2_config_dict(model, eos_token_id=eos_token_id) | {"medusa_mini": extra or {}}
     files[CONFIG_FILE] = json_writer(config)  # last: it is what makes a directory a checkpoint
     atomic_write_files({os.path.join(directory, name): write for name, write in files.items()})
