@@ -36,14 +36,13 @@ def timed(device: torch.device | str, fn: Callable[[], R]) -> tuple[R, float]:
 
 
 def in_turns(calls: dict[K, Callable[[], R]], *, rounds: int, device: torch.device | str,
-             before_each: Callable[[], None] | None = None) -> dict[K, list[tuple[R, float]]]:
+             before_each: Callable[[], None] = lambda: None) -> dict[K, list[tuple[R, float]]]:
     """Every call `rounds` times in turns (a, b, c, a, b, c, ...), each `timed`, so that a change in the
     machine's load touches every call alike; `before_each` runs untimed before each call."""
     out: dict[K, list[tuple[R, float]]] = {key: [] for key in calls}
     for _ in range(rounds):
         for key, call in calls.items():
-            if before_each is not None:
-                before_each()
+            before_each()
             out[key].append(timed(device, call))
     return out
 

@@ -202,9 +202,8 @@ def format_table(result: dict) -> str:
     head = f"{'method':<32}" + "".join(f"{COLUMNS[c][0]:>{COLUMNS[c][1]}}" for c in columns) + "  same as plain greedy"
     lines = [head, "-" * len(head)]
     for r in result["rows"]:
-        same, n = "-", len(r["tokens"])
-        if r["same_as_plain_greedy"] is not None:
-            same = "yes" if r["same_as_plain_greedy"] else f"{n - len(r['differences'])}/{n} prompts"
+        n, agreed = len(r["tokens"]), r["same_as_plain_greedy"]
+        same = "-" if agreed is None else "yes" if agreed else f"{n - len(r['differences'])}/{n} prompts"
         lines.append(f"{r['method']:<32}" + "".join(f"{format(r[c], COLUMNS[c][2]):>{COLUMNS[c][1]}}"
                                                     for c in columns) + f"  {same}")
     identity = ("tokens/step is per row, step cost per pass of a whole batch, which runs until its slowest row "
