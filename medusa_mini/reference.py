@@ -117,6 +117,14 @@ def propose(head_logits: torch.Tensor, draft_ids: torch.Tensor, tree: "Tree", ro
     return [root] + [guesses[len(c) - 1][c[-1]] for c in tree.choices], drawn
 
 
+def verify(model: "GPT", tokens: list[int], tree: "Tree", cache: list[LayerKV | None], *, prefix: int
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Score every node in ONE forward pass (§2.1.2) -> (logits [N, V], hiddens [N, C]): a node sees the `prefix`
+    cached tokens, its ancestors and itself, at position prefix + its depth, as if its path were the only one."""
+    mask = torch.cat([torch.ones(tree.num_nodes, prefix, dtype=torch.bool), tree_attention_mask(tree.parents)], 1)
+    return forward(model, tokens, [prefix + d for d in tree.depths], cache, mask)
+
+
 def walk(parents: list[int], tokens: list[int], y: list[int]) -> tuple[list[int], int]:
     """From the root, descend while the backbone's token at the node, y[node], is a child's token.
 
@@ -249,8 +257,7 @@ def medusa_generate(model: "GPT", heads: "MedusaHeads", prompt: list[int], *, tr
         head_logits = heads(hidden[None], model, num=tree.depth)[:, 0]  # [D', M]: the whole tree's heads
         tokens, drawn = propose(head_logits, heads.draft_ids, t, root, vocab_size=model.config.vocab_size,
                                 sampling=sampling, generator=generator)
-        mask = torch.cat([torch.ones(t.num_nodes, L, dtype=torch.bool), tree_attention_mask(t.parents)], 1)
-        logits, hiddens = forward(model, tokens, [L + d for d in t.depths], cache, mask)  # verify
+        logits, hiddens = verify(model, tokens, t, cache, prefix=L)
         path, root = accept(t.parents, tokens, logits, sampling=sampling, generator=generator, drawn=drawn,
                             nodes=tree.num_nodes)
         keep = list(range(L)) + [L + i for i in path]  # the prefix, the root and the accepted nodes

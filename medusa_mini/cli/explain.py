@@ -160,8 +160,7 @@ def explain_step(model: GPT, heads, enc: tiktoken.Encoding, prompt_ids: list[int
             "continuation: a node sees itself and its ancestors, never its siblings.", draw_mask(tree)]
 
     # 5. Verify every node in one forward pass.
-    mask = torch.cat([torch.ones(tree.num_nodes, L, dtype=torch.bool), ref.tree_attention_mask(tree.parents)], 1)
-    logits, _ = ref.forward(model, tokens, [L + d for d in tree.depths], cache, mask)  # [N, V]
+    logits, _ = ref.verify(model, tokens, tree, cache, prefix=L)  # [N, V]
     verify_section(out, labels, tree, tokens, logits, drawn, enc, sampling=sampling)
 
     # 6-7. Accept a path and its bonus token; what the step emitted and the cache kept.
