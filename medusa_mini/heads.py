@@ -65,7 +65,7 @@ def make_heads(config: HeadsConfig) -> "DraftHeads":
 def next_tokens(y: torch.Tensor, k: int, *, fill: int = 0) -> torch.Tensor:
     """The k tokens after each position, teacher-forced: y [B, T] (y[:, t] = token t+1) -> [B, T, k].
 
-    out[:, t, j] = y[:, t + j] (token t+j+1); `fill` past the end, where no head has a target anyway."""
+    out[:, t, j] = y[:, t + j] (token t+j+1); `fill` past the end (0, unread; `head_targets`' IGNORE: no target)."""
     B, T = y.shape
     out = torch.full((B, T, k), fill, dtype=y.dtype, device=y.device)
     for j in range(min(k, T)):

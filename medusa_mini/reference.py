@@ -119,8 +119,8 @@ def propose(head_logits: torch.Tensor, draft_ids: torch.Tensor, tree: "Tree", ro
 
 def verify(model: "GPT", tokens: list[int], tree: "Tree", cache: list[LayerKV | None], *, prefix: int
            ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Score every node in ONE forward pass (§2.1.2) -> (logits [N, V], hiddens [N, C]): a node sees the `prefix`
-    cached tokens, its ancestors and itself, at position prefix + its depth, as if its path were the only one."""
+    """Score every node in ONE forward pass (§2.1.2) -> (logits [N, V], hiddens [N, C]); `cache` grows by all N. A
+    node sees the `prefix` cached tokens, its ancestors and itself, at position prefix + its depth, as if alone."""
     mask = torch.cat([torch.ones(tree.num_nodes, prefix, dtype=torch.bool), tree_attention_mask(tree.parents)], 1)
     return forward(model, tokens, [prefix + d for d in tree.depths], cache, mask)
 

@@ -31,7 +31,7 @@ def head_targets(y: torch.Tensor, num_heads: int, *, valid: torch.Tensor | None 
     t+k+1 = y[:, t + k] (paper §2.1.1); the last k positions have none, nor those `valid` [B, T] marks False.
     Fixed shapes, so nothing waits for the device."""
     y = y if valid is None else y.masked_fill(~valid, IGNORE)
-    return next_tokens(y, num_heads + 1, fill=IGNORE)[..., 1:].movedim(-1, 0)  # [B, T, 1 + K] -> [K, B, T]
+    return next_tokens(y, num_heads + 1, fill=IGNORE)[..., 1:].movedim(-1, 0)  # [B, T, 1 + K], k = 0 is y -> [K, B, T]
 
 
 def _chunk_head_sums(heads: DraftHeads, model: GPT, h: torch.Tensor, targets: torch.Tensor,
