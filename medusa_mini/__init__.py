@@ -17,8 +17,7 @@ from .proposal import PromptLookup
 from .sampling import Sampling, sampling_probs
 from .tree import Tree, build_tree, chain, preset
 
-__all__ = [
-    "reference", "GPT", "GPTConfig", "KVCache", "compact_kv_cache", "HeadsConfig", "MedusaHeads", "HydraHeads",
-    "make_heads", "PromptLookup", "Tree", "build_tree", "chain", "preset", "Sampling", "sampling_probs", "Accepted",
-    "accept", "GenerationStats", "generate", "generate_batch", "medusa_generate", "medusa_generate_batch",
-]
+__all__ = ["reference", "GPT", "GPTConfig", "KVCache", "compact_kv_cache", "HeadsConfig", "MedusaHeads", "HydraHeads",
+           "make_heads", "PromptLookup", "Tree", "build_tree", "chain", "preset", "Sampling", "sampling_probs",
+           "Accepted", "accept", "GenerationStats", "generate", "generate_batch", "medusa_generate",
+           "medusa_generate_batch"]

@@ -107,11 +107,6 @@ class Generations:
         self.stats = [GenerationStats(prompt_tokens=len(p)) for p in self.prompts]
         self.active = list(range(len(self.prompts)))
 
-    def padded(self, device: torch.device) -> torch.Tensor:
-        """[B, T] the prompts, each padded at its end with its own last token (never attended to)."""
-        T = max(len(p) for p in self.prompts)
-        return torch.tensor([p + p[-1:] * (T - len(p)) for p in self.prompts], device=device)
-
     def emit(self, new: list[list[int]], *, step: bool, accepted: list[int] | None = None) -> list[int]:
         """Give each active row b its new tokens new[b], cut at its stop rule; returns the rows that stopped."""
         stopped = []
@@ -139,9 +134,11 @@ class Generations:
               generator: torch.Generator | None) -> tuple[KVCache, torch.Tensor, torch.Tensor, list[int]]:
         """The prefill into a cache of `slots` slots per row (`reuse_cache`) and every row's first token, emitted:
         (cache, first tokens [B] on the device, hidden states [B, C] that chose them, rows that stopped)."""
-        B, device = len(self.prompts), model.device
+        B, device, T = len(self.prompts), model.device, max(len(p) for p in self.prompts)
         cache = reuse_cache(cache, model, batch_size=B, max_len=slots)
-        logits, hidden = prefill(model, self.padded(device), cache, lengths=[len(p) for p in self.prompts])
+        # [B, T]: each prompt padded at its end with its own last token (never attended to)
+        padded = torch.tensor([p + p[-1:] * (T - len(p)) for p in self.prompts], device=device)
+        logits, hidden = prefill(model, padded, cache, lengths=[len(p) for p in self.prompts])
         first = sampling.next_token(logits, sampling.uniforms((B,), generator, device=device))  # [B]
         return cache, first, hidden, self.emit([[t] for t in first.tolist()], step=False)
 

@@ -29,8 +29,7 @@ RULES = {  # section 6 on each rule; "topk": rejection sampling of the heads' to
     "rejection": "Rejection sampling: try a node's children in order, accepting x with probability\n"
                  "min(1, p(x)/q(x)) and moving p to norm(max(0, p - q)) after a miss (lossless).",
     "topk": "Rejection sampling of top-k candidates: draw y from p at each node and descend while y is\n"
-            "a child's token; the first y that is not becomes the bonus (lossless).",
-}
+            "a child's token; the first y that is not becomes the bonus (lossless)."}
 
 
 def token_text(enc: tiktoken.Encoding, token: int) -> str:

@@ -175,8 +175,7 @@ COLUMNS = {  # row key: (header, width, format)
     "batch_size": ("batch", 6, "d"), "new_tokens": ("tokens", 7, "d"), "steps": ("steps", 7, "d"),
     "tokens_per_s": ("tokens/s", 10, ".1f"), "tokens_per_step": ("tokens/step", 13, ".2f"),
     "step_cost": ("step cost", 11, ".2f"), "ms_per_token": ("ms/token", 10, ".2f"),
-    "ms_per_step": ("ms/step", 9, ".2f"), "speedup": ("speedup", 9, ".2f"),
-}
+    "ms_per_step": ("ms/step", 9, ".2f"), "speedup": ("speedup", 9, ".2f")}
 
 
 def why_line(rows: list[dict]) -> str:

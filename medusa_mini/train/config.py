@@ -117,5 +117,4 @@ PRESETS: dict[str, dict] = {
     "gpt2": dict(medusa=1, backbone_steps=0, distill_prompts=4096, distill_tokens=128, heads_steps=2000,
                  eval_prompts=32, draft_vocab=4096),
     "gpt2-cpu": dict(medusa=1, backbone_steps=0, distill_prompts=32, distill_prompt_len=16, distill_tokens=32,
-                     heads_steps=30, heads_batch_size=4, eval_prompts=4, draft_vocab=4096),
-}
+                     heads_steps=30, heads_batch_size=4, eval_prompts=4, draft_vocab=4096)}

@@ -81,10 +81,8 @@ def load_corpus(path: str | os.PathLike[str] | None = None, *, max_bytes: int = 
         root, files = root.parent, [root]
     else:
         raise ValueError(f"data path does not exist: {path}")
-    docs = []
-    for file in files:
-        if text := _read_text(file):
-            docs += _chunk_lines(file.relative_to(root).as_posix(), text)
+    docs = [doc for file in files if (text := _read_text(file))
+            for doc in _chunk_lines(file.relative_to(root).as_posix(), text)]
     if not docs:
         raise ValueError(f"no non-empty UTF-8 text in {path or root}")
     return docs

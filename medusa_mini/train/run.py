@@ -230,11 +230,9 @@ def _prepare(r: Run, state: dict | None, train_docs: list, val_docs: list) -> tu
 
 def _optimizer(params_and_lrs: list[tuple[list[torch.nn.Parameter], float]], args: TrainArgs) -> torch.optim.Optimizer:
     """AdamW decaying matrices only (LayerNorm gains and biases must not shrink to 0), "base_lr" per group."""
-    groups = []
-    for params, lr in params_and_lrs:
-        for decay in (True, False):
-            if chosen := [p for p in params if (p.dim() >= 2) == decay]:
-                groups.append({"params": chosen, "weight_decay": args.weight_decay if decay else 0.0, "base_lr": lr})
+    groups = [{"params": chosen, "weight_decay": args.weight_decay if decay else 0.0, "base_lr": lr}
+              for params, lr in params_and_lrs for decay in (True, False)
+              if (chosen := [p for p in params if (p.dim() >= 2) == decay])]
     fused = all(p.is_cuda for g in groups for p in g["params"])  # one kernel for all tensors, CUDA only
     return torch.optim.AdamW(groups, betas=(0.9, 0.95), fused=fused or None)
 
