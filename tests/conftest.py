@@ -141,17 +141,13 @@ WORDS = "the a cat dog sat ran on under mat tree house red blue big small quickl
 PROMPTS = ["the cat sat on the", "a big dog ran", "then the small red"]
 
 
-def corpus(n_sentences: int = 300) -> str:
-    rng = random.Random(0)
-    sentences = (" ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 9))) for _ in range(n_sentences))
-    return ".\n".join(sentences) + "."
-
-
 def save_tiny(directory, *, with_heads: bool) -> str:
     """A peaked two-layer GPT (random Medusa heads if with_heads), its tokenizer and prompts.json; the folder."""
     from medusa_mini.io.tokenizer import make_encoding, train_bpe
 
-    enc = make_encoding(train_bpe(corpus(), vocab_size=300))
+    rng = random.Random(0)  # a corpus of 300 random sentences
+    text = ".\n".join(" ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 9))) for _ in range(300)) + "."
+    enc = make_encoding(train_bpe(text, vocab_size=300))
     torch.manual_seed(0)
     model = peaked(GPT(GPTConfig(vocab_size=enc.n_vocab, block_size=64, n_layer=2, n_head=2, n_embd=32)))
     with torch.no_grad():

@@ -147,10 +147,9 @@ def test_each_node_holds_its_rank_of_its_parents_q_top_k_or_drawn_from_the_draft
 def test_teacher_forced_logits_are_the_logits_decoding_computes_along_the_true_path(kind):
     """Training feeds the true next tokens (`next_tokens`), decoding the drafted ones. Along a chain the
     heads drafted themselves the two paths are one, so the teacher-forced argmaxes are that chain."""
-    model = tiny_model(5)
+    model, prompt = tiny_model(5), [3, 1, 4, 1, 5]
     heads = random_heads(model, kind=kind, seed=5)
     heads.use_draft_vocabulary(shuffled(5), 16)
-    prompt = [3, 1, 4, 1, 5]
     with torch.no_grad():
         logits, hidden = model(torch.tensor([prompt]))  # hidden [1, 5, C]
     root = int(logits[0, -1].argmax())

@@ -18,7 +18,6 @@ from medusa_mini.tree import Tree, chain, preset
 #           │          └─ 4 (0,1)
 #           └─ 2 (1,)
 TREE = Tree.from_choices([(0,), (1,), (0, 0), (0, 1), (0, 0, 0)])
-V = 64
 
 
 def test_usable_nodes_are_those_whose_tokens_fit_before_each_rows_stop():
@@ -105,15 +104,13 @@ def test_every_proposal_holds_one_of_the_few_trees_its_proposer_names(kind):
     length: its 64-node chain takes 8 of them, not 65."""
     lookup = kind == "prompt lookup"
     model, tree = tiny_model(3), chain(64) if lookup else TREE
-    proposer = PromptLookup().proposer(model, tree) if lookup else \
-        random_heads(model, num_heads=3, kind=kind).proposer(model, tree)
+    proposer = (PromptLookup() if lookup else random_heads(model, num_heads=3, kind=kind)).proposer(model, tree)
     trees, seen = proposer.trees(), set()
     assert len(trees) == (8 if lookup else 1) == len(set(trees)) and tree in trees
     for repeat in [1, 2, *range(0, 70, 3)]:  # the text repeats its last `repeat` tokens: lookup finds that many
         text = list(range(1, 70 - repeat)) + list(range(70 - 2 * repeat, 70 - repeat)) if repeat else [1, 2, 3]
         root = torch.tensor([text[-1] % model.config.vocab_size])
-        proposal = proposer.propose(root, torch.zeros(1, model.config.n_embd), history=[text], sampling=Sampling(),
-                                    u=None)
+        proposal = proposer.propose(root, torch.zeros(1, 32), history=[text], sampling=Sampling(), u=None)
         assert proposal.tree in trees and proposal.tokens.shape == (1, proposal.tree.num_nodes)
         seen.add(proposal.tree)
     assert seen == set(trees)

@@ -66,10 +66,9 @@ def test_each_rule_and_draft_vocabulary_gets_its_block_and_an_old_table_stands_i
     drawn = [r for r in result["rows"] if r["rule"] == "rejection-drawn"]
     assert [r["verified_nodes"] for r in drawn] == [build_tree(acc, n)[0].num_nodes - 1 for n in (1, 2)] * 2
     assert all(r["expected_tokens_per_step"] is None for r in drawn) and png.stat().st_size > 0
-    names = ["greedy, draft vocabulary 20", "greedy, draft vocabulary 300", "rejection-drawn (T=0.8), draft "
-             "vocabulary 20", "rejection-drawn (T=0.8), draft vocabulary 300", "lookup-greedy"]
+    names = [f"{rule}, draft vocabulary {m}" for rule in ("greedy", "rejection-drawn (T=0.8)") for m in (20, 300)]
     assert [(name, [r["nodes"] for r in rows]) for name, _, rows in sweep.series(result)] == [
-        (name, [1, 2]) for name in names]
+        (name, [1, 2]) for name in names + ["lookup-greedy"]]
     lines = sweep.format_sweep(result).splitlines()
     for name, plain, _ in sweep.series(result):  # a line per budget, a greedy one ending in plain greedy's prompts
         i = lines.index(f"{name}: {plain['method']} {plain['tokens_per_s']:.1f} tokens/s")
@@ -96,8 +95,7 @@ MAINS = {"sweep": (sweep.main, FAST), "measure": (measure.main, ["--prompts", "4
      "writes it"), ("decode", "--ckpt {tmp}/bare -> --prompt TEXT"),
 ])
 def test_bad_input_is_one_line_before_any_decoding_or_write(medusa_ckpt, capsys, monkeypatch, tmp_path, script, case):
-    copies = {name: shutil.copytree(medusa_ckpt, tmp_path / name) for name in ("ckpt", "bare", "unmeasured",
-                                                                                "never_right")}
+    copies = {n: shutil.copytree(medusa_ckpt, tmp_path / n) for n in ("ckpt", "bare", "unmeasured", "never_right")}
     (copies["bare"] / "prompts.json").unlink()
     (copies["unmeasured"] / "heads_accuracy.json").unlink()
     save_accuracy(copies["never_right"], torch.zeros(3, 10))  # no head's guess ever right: every tree the root

@@ -27,8 +27,7 @@ def ckpt_no_heads(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def ckpt_hydra(ckpt, tmp_path_factory):  # the tiny checkpoint with dependent (hydra) heads
-    d = tmp_path_factory.mktemp("hydra") / "ckpt"
-    shutil.copytree(ckpt, d)
+    d = shutil.copytree(ckpt, tmp_path_factory.mktemp("hydra") / "ckpt")
     model, _, config = load_checkpoint(d)
     heads = make_heads(HeadsConfig(4, model.config.n_embd, model.config.vocab_size, kind="hydra"))
     save_checkpoint(d, model, heads=heads, extra=config["medusa_mini"], write_model=False)

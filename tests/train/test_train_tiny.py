@@ -271,11 +271,10 @@ def test_under_torchrun_rank_0_downloads_gpt2_alone_and_every_rank_trains_on_it(
                 MEDUSA_MINI_CACHE=str(tmp_path / "cache"))
         hub.shutdown()
     assert r.returncode == 0, r.stderr[-3000:]
-    files = ["config.json", "model.safetensors"]
+    files, sums = ["config.json", "model.safetensors"], checksums(r.stdout)
     assert sorted(asked) == [f"/gpt2/resolve/main/{file}" for file in files]
     assert sorted(os.listdir(tmp_path / "cache" / "gpt2")) == files
-    sums = checksums(r.stdout)
-    assert len(sums) == 2 and sums[0] == sums[1] and same_weights(hub_dir, tmp_path / "out", backbone_only=True)
+    assert sums == [sums[0]] * 2 and same_weights(hub_dir, tmp_path / "out", backbone_only=True)
 
 
 def test_init_trains_heads_of_another_kind_on_a_frozen_checkpoint_over_its_own_texts_tokens_and_resumes_exactly(
