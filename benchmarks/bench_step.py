@@ -86,9 +86,10 @@ def tree_stages(model: GPT, cache: KVCache, heads: DraftHeads, tree: Tree, root:
                                u_next=proposer.uniforms(drawn, 1, gen, device=device) if compiled else None)
 
     def whole_step():
-        if compiled:  # the tree the step before drafted in its graph
-            steps.medusa.ahead = (root, proposal)
-        return steps.medusa(model, cache, proposer, root, hidden, history=history, stop_at=None, attended=attended)
+        if compiled:  # the tree the step before drafted in its graph, for these roots, proposer and rule
+            steps.medusa.ahead = ((root, proposer, greedy), proposal)
+        return steps.medusa(model, cache, proposer, root, hidden, history=history, stop_at=None, sampling=greedy,
+                            attended=attended)
 
     return {"heads": propose, "greedy verify": greedy_verify, "rejection verify": rejection_verify,
             "verify": partial(verify, model, cache, proposal.tokens, tree=t, attended=attended, clamp=False),

@@ -8,6 +8,7 @@ import torch
 
 import benchmarks.bench_step as bench_step
 from benchmarks.bench_step import CONFIGS, OP_RULES, STAGES, bench_config, check_config, count_ops, main, verify_tree
+from medusa_mini.cli.compiled import CompiledMedusa
 from medusa_mini.model import GPTConfig
 
 SMALL = GPTConfig(vocab_size=64, block_size=64, n_layer=2, n_head=2, n_embd=32)
@@ -46,12 +47,19 @@ def test_the_draft_vocabulary_is_4096_tokens_for_gpt2_shapes_and_all_for_tiny_un
         check_config(CONFIGS["gpt2"], prefix_len=128, draft_vocab=4)
 
 
-def test_compiled_steps_are_measured_like_eager_ones():
+def test_compiled_steps_are_measured_like_eager_ones(monkeypatch):
+    def proposal(self, *args, **kwargs):  # the whole step verifies the tree the step before drafted: no eager heads
+        ahead, got = self.ahead, real(self, *args, **kwargs)
+        drafted.append(ahead is not None and got is ahead[1])
+        return got
+
+    real, drafted = CompiledMedusa.proposal, []
+    monkeypatch.setattr(CompiledMedusa, "proposal", proposal)
     r = bench_config(SMALL, device=torch.device("cpu"), repeat=1, warmup=1, prefix_len=8, nodes=(1, 64),
                      compiled=True, compile_backend="eager")
     assert r["compiled"] and set(r["verify_ms"]) == {1, 64} and r["first_round_s"] > 0
     assert [verify_tree(n).num_nodes for n in (1, 2, 64, 128, 256)] == [1, 2, 64, 128, 256]  # verified: N nodes
-    assert all(t > 0 for info in r["medusa"].values() for t in info["stages_ms"].values())
+    assert all(t > 0 for info in r["medusa"].values() for t in info["stages_ms"].values()) and drafted and all(drafted)
 
 
 @pytest.mark.parametrize("argv, needle", [
