@@ -7,10 +7,11 @@ try at the parent accepts it)? A node is accepted when every node of its path be
 the deepest (typical: then the most likely), whose path from the root is the accepted path. A step thus
 reads its result with a single host read. Greedy and top-k rejection sampling are one rule with two
 sources of y, the backbone's token at every node: its argmax, or one draw from p
-(`reference.rejection_accept` says why that is exact). Drawn candidates need speculative sampling's
-tries, sequential among a node's children but independent across nodes, so every node tries its
-children at once, slot by slot. Every rule takes the uniforms it draws from (`acceptance_uniforms`,
-drawn before it, in the reference's order). Tests hold every rule to the reference, draw for draw.
+(`reference.rejection_accept` says why that is exact). Drawn candidates' tries are sequential among a
+node's children, but the residuals they are judged against are no decisions: each node's chain of them is
+built slot by slot, then every try judged at once. Every rule takes the uniforms it draws from
+(`acceptance_uniforms`, drawn before it, in the reference's order). Tests hold every rule to the reference,
+draw for draw.
 
 `usable` [B, N] (None: every node) marks the nodes a row may accept: near the end of its budget or of the
 context deeper nodes could not be used; a finished row in a batch has none, not even its root.
@@ -24,7 +25,7 @@ import torch
 
 from .model import at_each_row
 from .proposal import Drawn
-from .sampling import Sampling, inverse_cdf, speculative_try, typical_threshold, without_earlier_draws
+from .sampling import Sampling, inverse_cdf, residual_after_miss, try_accepts, typical_threshold, without_earlier_draws
 from .tree import TreeTensors
 
 
@@ -126,34 +127,33 @@ def rejection_accept_drawn(tree: TreeTensors, tokens: torch.Tensor, logits: torc
                            drawn: Drawn, u: torch.Tensor, usable: torch.Tensor | None = None) -> Accepted:
     """`reference.rejection_accept` with candidates drawn from q, for B rows at once, on the device.
 
-    A node's tries are sequential (each is judged against the residual its misses before it left), but
-    the tries of different nodes are not: the walk's decision at a node depends only on that node's p,
-    q, candidates and uniforms. So every node tries its children at once, slot by slot
-    (`TreeTensors.tries`), as if the walk reached it, with the reference's uniforms (child c's is u[:, c]);
-    then the walk only follows what passed: at most one child of a node passes, the accepted nodes form
-    one chain, and its deepest node's residual, what is left of p, gives the bonus with u[:, 0].
+    A node's tries are sequential, but what each is judged against is no decision: after a node's first s
+    children miss, p has become r_s = norm(max(0, r_{s-1} - q_s)), r_0 = p, set by p and the q's alone. So
+    every node's chain of residuals is built at once, slot by slot (`TreeTensors.tries`); then every try is
+    judged at once, child c with u[:, c] against the r its elder siblings' misses left, as if the walk reached
+    it, and a node keeps its first accepted child. The walk only follows what passed: the accepted nodes form
+    one chain, and its deepest node draws the bonus with u[:, 0] from the r its misses left. Where r has no
+    mass (p = q up to rounding) the walk stops trying; here r turns NaN, which fails every later try.
     Unusable nodes are never tried; a row without a usable root tries nothing.
     """
     p, tries = sampling.probs(logits), tree.tries  # [B, N, V]
     log_q, draws = drawn.at(tries.parents)  # [B, N - 1, V], [B, N - 1, R]: what each child was drawn from
-    x, u_kids = tokens[:, tries.children], u[:, tries.children]  # [B, N - 1]
+    x, u_kids = tokens[:, tries.children], u[:, tries.children]  # [B, N - 1], in child order
     q = without_earlier_draws(log_q, draws, x, earlier=tries.earlier)  # [B, N - 1, V]
-    q, x, u_kids = (v.split(tries.sizes, dim=1) for v in (q, x, u_kids))  # per slot s: [B, n_s, ...]
-    target = p[:, tries.nodes]  # [B, n, V] the residual the misses so far left
-    firsts = tries.children[: len(tries.nodes)]  # slot 0: every node's first child, usable as its siblings are
-    trying = torch.ones_like(target[..., 0], dtype=torch.bool) if usable is None else usable[:, firsts]  # [B, n]
-    passed, done = [], []  # per slot s: [B, n_s], its child passed; the nodes done after it
-    for s, n_next in enumerate(tries.sizes[1:] + (0,)):  # the first n_s nodes have a child in slot s
-        accepted, live, residual = speculative_try(target, q[s], x[s], u_kids[s])
-        passed.append(trying & accepted)
-        trying = (trying ^ passed[-1]) & live  # a miss, with a residual left to try another candidate against
-        target = torch.where(trying[..., None], residual, target)  # [B, n_s, V]
-        done.insert(0, target[:, n_next:])  # the nodes without a child in slot s + 1 are done
-        target, trying = target[:, :n_next], trying[:, :n_next]
-    passes = torch.cat(passed, dim=1)[:, tries.slot_order]  # [B, N]: each node's, in node order (the root's unread)
-    p[:, tries.nodes] = torch.cat(done, dim=1)  # [B, n, V]: the nodes in order, most children first
-    last = deepest_accepted(tree, passes)  # [B]
-    return Accepted(last, inverse_cdf(at_each_row(p, last), u[:, 0]))  # what is left of p there
+    r, chain, masses = p[:, tries.nodes], [p], []  # r [B, n, V]: p at every node with children
+    for q_s in q.split(tries.sizes, dim=1):  # [B, n_s, V]: the first n_s of them have a child in slot s
+        r, mass = residual_after_miss(r[:, : q_s.shape[1]], q_s)
+        chain.append(r)
+        masses.append(mass)
+    chain = torch.cat(chain, dim=1)  # [B, 2N - 1, V] (`Tries`)
+    live = torch.cat(masses, dim=1) > 0  # [B, N - 1]: a miss leaves a residual
+    tried = torch.ones_like(live) if usable is None else usable[:, tries.children]  # [B, N - 1]
+    at_x = lambda v: v.gather(-1, x[..., None])[..., 0]  # noqa: E731  [B, N - 1, V] -> [B, N - 1]
+    accepted = tried & try_accepts(at_x(chain[:, tries.against]), at_x(q), u_kids, live=live)
+    passes = accepted & (accepted.float() @ tries.elder == 0)  # [B, N - 1]: no elder sibling accepted
+    last = deepest_accepted(tree, passes[:, tries.slot_order])  # [B]; the root's pass is never read
+    misses = ((tried & live).float() @ tries.parent_of).gather(1, last[:, None])[:, 0].long()  # [B]: last's, live
+    return Accepted(last, inverse_cdf(at_each_row(chain, tries.after_misses[last, misses]), u[:, 0]))
 
 
 def check_uniforms(sampling: Sampling, u: torch.Tensor | None) -> None:

@@ -33,7 +33,8 @@ from .sampling import (
     gumbel_top_k,
     inverse_cdf,
     q_log_probs,
-    speculative_try,
+    residual_after_miss,
+    try_accepts,
     typical_threshold,
     without_earlier_draws,
 )
@@ -177,7 +178,7 @@ def try_children(p: torch.Tensor, candidates: list[int], drawn: tuple[torch.Tens
                  ) -> tuple[int | None, torch.Tensor]:
     """Speculative sampling's tries at one node: candidates x1, x2, ... drawn from q against the
     target p [V], each with its own uniform u [len(candidates)]; after a miss the next one is
-    tried against the residual (`speculative_try`). drawn: (log q [V], the draws in order); x_i was
+    tried against the residual (`residual_after_miss`). drawn: (log q [V], the draws in order); x_i was
     drawn from q without the draws before it (`without_earlier_draws`). Returns (index of the accepted
     candidate or None, the p the bonus is drawn from when none is)."""
     log_q, draws = drawn
@@ -185,10 +186,10 @@ def try_children(p: torch.Tensor, candidates: list[int], drawn: tuple[torch.Tens
         x_, drawn = (torch.tensor(v, device=p.device) for v in (x, draws))
         earlier = torch.arange(len(draws), device=p.device) < draws.index(x)  # [R]: the draws before x
         q = without_earlier_draws(log_q, drawn, x_, earlier=earlier)  # what x was drawn from
-        accepted, live, residual = speculative_try(p, q, x_, u[i])
-        if accepted:
+        residual, mass = residual_after_miss(p, q)
+        if try_accepts(p[x], q[x], u[i], live=mass > 0):
             return i, p
-        if not live:
+        if mass == 0:  # p = q up to rounding: nothing is left to try another candidate against
             return None, p
         p = residual
     return None, p

@@ -154,20 +154,18 @@ def without_earlier_draws(log_q: torch.Tensor, draws: torch.Tensor, x: torch.Ten
     return torch.softmax(log_q.scatter(-1, x[..., None], at_x.nan_to_num(neginf=0.0)), dim=-1)  # log q is never NaN
 
 
-def speculative_try(p: torch.Tensor, q: torch.Tensor, x: torch.Tensor, u: torch.Tensor
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One try of speculative sampling: candidate x [...], drawn from q [..., V], against the target p
-    [..., V], with the uniform u [...].
-
-    x is accepted with probability min(1, p(x) / q(x)); after a miss p becomes the residual
-    norm(max(0, p - q)), which is what makes a try emit exactly p: min(p, q) + (1 - Σ min(p, q)) ·
-    norm(max(0, p - q)) = p. Returns (accepted [...] bool, live [...] bool: a residual is left; where
-    not, p = q up to rounding, every x with p(x) > 0 passes and no other candidate can be tried, the
-    residual [..., V], meaningful where live).
-    """
-    p_x, q_x = p.gather(-1, x[..., None])[..., 0], q.gather(-1, x[..., None])[..., 0]  # [...]
+def residual_after_miss(p: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What speculative sampling's target p [..., V] becomes after a candidate drawn from q [..., V] misses:
+    norm(max(0, p - q)) [..., V], and its mass before norm [...]. That is what makes a try emit exactly p:
+    min(p, q) + (1 - Σ min(p, q)) · norm(max(0, p - q)) = p. Where the mass is 0 (p = q up to rounding)
+    nothing is left to try another candidate against, and the residual is 0 / 0, NaN."""
     residual = (p - q).clamp_min(0.0)  # [..., V]
     mass = residual.sum(dim=-1)  # [...]
-    live = mass > 0
-    accepted = u * q_x * live < p_x  # u < p/q without dividing (q(x) may underflow); where p = q, any p(x) > 0
-    return accepted, live, residual / mass[..., None]
+    return residual / mass[..., None], mass
+
+
+def try_accepts(p_x: torch.Tensor, q_x: torch.Tensor, u: torch.Tensor, *, live: torch.Tensor) -> torch.Tensor:
+    """One try of speculative sampling [...] bool: candidate x, drawn from q, is accepted against the target p
+    with probability min(1, p(x) / q(x)), with the uniform u [...]: u < p/q without dividing (q(x) may
+    underflow). Where p's residual would have no mass (not live), p = q up to rounding: any p(x) > 0 passes."""
+    return u * q_x * live < p_x

@@ -115,14 +115,19 @@ class Tree:
 
 
 class Tries(NamedTuple):
-    """Slot s of every node with children, tried at once (`acceptance.rejection_accept_drawn`); n such nodes."""
+    """Slot s of every node with children, tried at once (`acceptance.rejection_accept_drawn`); n such nodes.
+    Its residual chain [2N - 1]: p at each node, then the residual after each child's miss, in child order."""
 
     nodes: torch.Tensor  # [n] long: the nodes with children, most children first
     sizes: tuple[int, ...]  # per slot s, how many of them have an s-th child: always the first ones, so a slice
-    children: torch.Tensor  # [N - 1] long: their children, slot after slot
+    children: torch.Tensor  # [N - 1] long: their children, slot after slot (child order)
     parents: torch.Tensor  # [N - 1] long: each child's parent
     earlier: torch.Tensor  # [N - 1, R] bool: the ranks drawn before each child's (its q is without them)
     slot_order: torch.Tensor  # [N] long: where node i is among the children (the root: 0, never read)
+    against: torch.Tensor  # [N - 1] long: where in the chain each child's target is, its elder siblings' misses'
+    elder: torch.Tensor  # [N - 1, N - 1] float: [j, k] = 1 where child j is an elder sibling of child k
+    parent_of: torch.Tensor  # [N - 1, N] float: 1 where node i is child j's parent
+    after_misses: torch.Tensor  # [N, S + 1] long: where in the chain node i's target is after k misses
 
 
 @dataclass(frozen=True)
@@ -166,10 +171,14 @@ def tree_tensors(tree: Tree, device: str) -> TreeTensors:
     inner = sorted((i for i, kids in enumerate(tree.children) if kids), key=lambda i: -len(tree.children[i]))
     sizes = tuple(sum(len(tree.children[i]) > s for i in inner) for s in range(max(map(len, tree.children))))
     by_slot = [(tree.children[i][s], i) for s, n in enumerate(sizes) for i in inner[:n]]  # (child, its parent)
-    at = {child: j for j, (child, _) in enumerate(by_slot)}
+    at, parents = {child: j for j, (child, _) in enumerate(by_slot)}, torch.tensor([i for _, i in by_slot]).long()
     earlier = torch.tensor([[r < tree.ranks[c] for r in range(R)] for c, _ in by_slot], dtype=torch.bool)
-    tries = Tries(as_long(inner), sizes, as_long([c for c, _ in by_slot]), as_long([i for _, i in by_slot]),
-                  earlier.view(-1, R).to(device), as_long([at.get(i, 0) for i in range(N)]))  # view: [0, R] if none
+    after = [[i] + [N + at[c] for c in kids] + [i] * (len(sizes) - len(kids)) for i, kids in enumerate(tree.children)]
+    tries = Tries(as_long(inner), sizes, as_long([c for c, _ in by_slot]), parents.to(device),
+                  earlier.view(-1, R).to(device), as_long([at.get(i, 0) for i in range(N)]),  # view: [0, R] if none
+                  as_long([after[i][tree.children[i].index(c)] for c, i in by_slot]),
+                  torch.triu(parents[:, None] == parents, diagonal=1).to(device, torch.float32),  # elders come first
+                  (parents[:, None] == torch.arange(N)).to(device, torch.float32), as_long(after))
     depths, below = torch.tensor(tree.depths), paths[:, 1:]  # below: the root's own row is zeros, never read
     moves = torch.cat([paths, torch.arange(D + 1).expand(N, -1), depths[:, None] + 1], 1)  # [N, 2D + 3]
     offsets = torch.cat([torch.arange(N)[:, None], depths[:, None], moves], 1)  # [N, 2D + 5]

@@ -10,7 +10,7 @@ from conftest import random_tree
 from medusa_mini import reference as ref
 from medusa_mini.acceptance import accept, acceptance_uniforms, greedy_accept_paths, typical_accept_paths
 from medusa_mini.proposal import Drawn
-from medusa_mini.sampling import Sampling, gumbel_top_k
+from medusa_mini.sampling import Sampling, gumbel_top_k, inverse_cdf, residual_after_miss
 from medusa_mini.tree import Tree
 
 
@@ -173,3 +173,23 @@ def test_drawn_rejection_on_the_device_makes_the_reference_walks_decisions_in_ev
         deepest = max(deepest, int(tree.tensors().depths[got.last].max()))
     assert deepest == min(room, fixed.depth) if fixed else deepest >= 2  # as deep as the tree or the cut allows
     assert after_a_miss or q_kind == "p"  # a child accepted after its elder sibling missed
+
+
+def test_with_no_residual_left_a_try_passes_iff_p_gives_the_candidate_mass_and_a_miss_ends_the_tries():
+    """q = p up to rounding leaves no residual: a try passes iff p(x) > 0, even where rounding puts q(x) above p(x)
+    with u near 1; a miss there (the last row: p(x) = 0) ends the tries, the bonus from p; the engine decides alike."""
+    B, V, sampling, tree = 300, 3, Sampling(temperature=1.0), Tree.from_choices([(0,), (1,)])  # children: draws 0, 1
+    gen, u, kinds = torch.Generator().manual_seed(0), torch.full((B, 3), 1 - 2**-24), set()  # u: the float below 1
+    logits = torch.randn(B, 3, V, generator=gen)  # [B, N, V]
+    log_q = torch.log_softmax(logits[:, :1] + torch.randint(-1, 2, (B, 1, V), generator=gen) * 1e-7, -1)  # ~ p
+    logits[-1, 0], log_q[-1, 0] = torch.tensor([-torch.inf, 0.0, -torch.inf]), torch.tensor([-800.0, 0.0, -900.0])
+    drawn = Drawn(log_q=log_q, samples=torch.arange(2).expand(B, 1, 2), q_index=torch.tensor([0, -1, -1]))
+    got = accept(tree.tensors(), torch.tensor([[0, 0, 1]] * B), logits, sampling=sampling, u=u, drawn=drawn)
+    for b in range(B):
+        p, q = sampling.probs(logits[b]), log_q[b, 0].softmax(-1)  # [N, V]; [V], what token 0, drawn first, was from
+        i, rest = ref.try_children(p[0], [0, 1], (log_q[b, 0], [0, 1]), u[b, 1:])
+        at = 0 if i is None else i + 1
+        assert (int(got.last[b]), int(got.bonus[b])) == (at, int(inverse_cdf(rest if at == 0 else p[at], u[b, 0])))
+        if residual_after_miss(p[0], q)[1] == 0:
+            kinds.add("passes though q(x) > p(x)" if q[0] > p[0, 0] and at == 1 else "misses" if at == 0 else "passes")
+    assert kinds == {"passes though q(x) > p(x)", "passes", "misses"}

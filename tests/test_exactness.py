@@ -24,7 +24,7 @@ from medusa_mini.acceptance import accept, path_accept, rejection_accept_topk, t
 from medusa_mini.decoding import generate, generate_batch, medusa_generate, medusa_generate_batch, prefill
 from medusa_mini.model import KVCache, compact_kv_cache
 from medusa_mini.proposal import Drawn, PromptLookup
-from medusa_mini.sampling import Sampling, inverse_cdf, sampling_probs, speculative_try
+from medusa_mini.sampling import Sampling, inverse_cdf, residual_after_miss, sampling_probs
 from medusa_mini.step import plain_step, verify
 from medusa_mini.tree import Tree, chain, preset
 
@@ -176,11 +176,6 @@ def test_plain_and_rejection_sampling_emit_exactly_the_backbones_distribution(ca
         assert sum(inside) > 10
 
 
-def try_then(mistake):
-    """`speculative_try` whose answer (accepted, live, residual) mistake(p, q, *answer) replaces."""
-    return lambda p, q, x, u: mistake(p, q, *speculative_try(p, q, x, u))
-
-
 def accepts_without_top_p(tree, tokens, logits, *, sampling, **kwargs):
     return accept(tree, tokens, logits, sampling=replace(sampling, top_p=1.0), **kwargs)
 
@@ -218,16 +213,16 @@ SAMPLING_BUGS = {  # name: (the case whose check must fail, the module attribute
     "top_k_draws_share_one_uniform_per_row": ("top-k", acceptance, "rejection_accept_topk", one_uniform_per_row),
     "q_keeps_earlier_draws": ("drawn-depth-3-rank-gap", acceptance, "without_earlier_draws",
                               lambda log_q, draws, x, earlier: log_q.softmax(dim=-1)),
-    "the_first_draw_is_accepted_untested": ("drawn-depth-3-rank-gap", acceptance, "speculative_try", try_then(
-        lambda p, q, accepted, live, residual: (torch.ones_like(accepted), live, residual))),
+    "the_first_draw_is_accepted_untested": ("drawn-depth-3-rank-gap", acceptance, "try_accepts",
+                                            lambda p_x, q_x, u, *, live: torch.ones_like(live)),
     "drawn_candidates_are_judged_by_p_without_top_p": ("drawn-top-p", step, "accept", accepts_without_top_p),
     "top_k_candidates_are_judged_by_p_without_top_p": ("top-k-top-p", step, "accept", accepts_without_top_p),
     # each candidate tried against p itself, and the bonus drawn from p
-    "the_residual_is_not_updated_after_a_miss": ("drawn-draft-vocabulary-T1.5", acceptance, "speculative_try",
-                                                 try_then(lambda p, q, accepted, live, residual: (accepted, live, p))),
+    "the_residual_is_not_updated_after_a_miss": ("drawn-draft-vocabulary-T1.5", acceptance, "residual_after_miss",
+                                                 lambda p, q: (p, residual_after_miss(p, q)[1])),
     "the_residual_leaves_out_tokens_outside_the_draft_vocabulary": (
-        "drawn-draft-vocabulary-T1.5", acceptance, "speculative_try",
-        try_then(lambda p, q, accepted, live, residual: (accepted, live, residual * (q > 0)))),
+        "drawn-draft-vocabulary-T1.5", acceptance, "residual_after_miss",
+        lambda p, q: (residual_after_miss(p, q)[0] * (q > 0), residual_after_miss(p, q)[1])),
     "a_row_tries_its_draws_against_another_rows_q": ("hydra-ragged-batch", Drawn, "at", another_rows_q),
     "children_are_tried_against_a_siblings_q": ("hydra-ragged-batch", Drawn, "at", a_siblings_q),
 }

@@ -20,7 +20,7 @@ WINGS = ("io", "train", "cli")
 PACKAGE = os.path.join(ROOT, "medusa_mini")
 SCRIPTS = ("decode.py", "train_tiny.py")
 BUDGETS = {  # most lines each may hold: the core (medusa_mini/*.py) and each core file, all code, the tests, the docs
-    "core": 2159, "reference": 268, "model": 250, "heads": 235, "tree": 286, "sampling": 180, "proposal": 275,
+    "core": 2163, "reference": 269, "model": 250, "heads": 235, "tree": 295, "sampling": 180, "proposal": 275,
     "acceptance": 200, "step": 170, "decoding": 245, "training": 145, "__init__": 25,
     "code": 5986, "tests": 5000, "README.md": 300, "BENCHMARKS.md": 400,
 }

@@ -14,7 +14,7 @@ from ..decoding import generate_batch
 from ..heads import DraftHeads, next_tokens
 from ..io.files import atomic_write_text, read_json
 from ..model import GPT
-from ..sampling import Sampling, gumbel_top_k, q_log_probs, sampling_probs, speculative_try, without_earlier_draws
+from ..sampling import Sampling, gumbel_top_k, q_log_probs, residual_after_miss, sampling_probs, without_earlier_draws
 from ..tree import check_acc
 
 ACCURACY_FILE = "heads_accuracy.json"
@@ -115,7 +115,8 @@ def draw_chances(p: torch.Tensor, log_q: torch.Tensor, samples: torch.Tensor) ->
     chances, left = [], torch.ones(len(p), dtype=torch.float64, device=p.device)  # [m] no try passed yet
     for r, x in enumerate(samples.unbind(1)):  # x: [m], the rank-r draws
         q = without_earlier_draws(log_q, samples, x, earlier=torch.arange(samples.shape[1], device=x.device) < r)
-        _, live, residual = speculative_try(p, q, x, torch.zeros_like(p[:, 0]))  # q: [m, V]
+        residual, mass = residual_after_miss(p, q)  # [m, V], [m]
+        live = mass > 0
         p_x, q_x = p.gather(1, x[:, None])[:, 0], q.gather(1, x[:, None])[:, 0]  # [m]
         # As the engine's u·q(x) < p(x): where q(x) underflows to 0, or p = q (no residual), x passes iff p(x) > 0.
         ratio = (p_x / q_x.clamp_min(torch.finfo(q_x.dtype).tiny)).clamp(max=1.0)
