@@ -127,14 +127,14 @@ def rejection_accept_drawn(tree: TreeTensors, tokens: torch.Tensor, logits: torc
                            drawn: Drawn, u: torch.Tensor, usable: torch.Tensor | None = None) -> Accepted:
     """`reference.rejection_accept` with candidates drawn from q, for B rows at once, on the device.
 
-    A node's tries are sequential, but what each is judged against is no decision: after a node's first s
-    children miss, p has become r_s = norm(max(0, r_{s-1} - q_s)), r_0 = p, set by p and the q's alone. So
-    every node's chain of residuals is built at once, slot by slot (`TreeTensors.tries`); then every try is
-    judged at once, child c with u[:, c] against the r its elder siblings' misses left, as if the walk reached
-    it, and a node keeps its first accepted child. The walk only follows what passed: the accepted nodes form
-    one chain, and its deepest node draws the bonus with u[:, 0] from the r its misses left. Where r has no
-    mass (p = q up to rounding) the walk stops trying; here r turns NaN, which fails every later try.
-    Unusable nodes are never tried; a row without a usable root tries nothing.
+    A node's tries are sequential, but what each is judged against depends on no decision: after a node's
+    first s children miss, p has become r_s = norm(max(0, r_{s-1} - q_s)), r_0 = p, q_s the q child s was
+    drawn from. So every node's chain of residuals is built at once, slot by slot (`TreeTensors.tries`), then
+    every try judged at once, child c with u[:, c] against the r its elder siblings' misses left; a node keeps
+    its first accepted child. The accepted nodes form one chain; its deepest node draws the bonus with u[:, 0]
+    from the r its live misses left: a miss leaving no mass (p = q up to rounding) ends the walk's tries, and
+    here that r is 0 / 0, NaN, which fails every later try. Unusable nodes are never tried (siblings share a
+    depth); a row without a usable root tries nothing. A root alone has no drawn candidates (`accept`: top-k).
     """
     p, tries = sampling.probs(logits), tree.tries  # [B, N, V]
     log_q, draws = drawn.at(tries.parents)  # [B, N - 1, V], [B, N - 1, R]: what each child was drawn from
@@ -148,12 +148,12 @@ def rejection_accept_drawn(tree: TreeTensors, tokens: torch.Tensor, logits: torc
     chain = torch.cat(chain, dim=1)  # [B, 2N - 1, V] (`Tries`)
     live = torch.cat(masses, dim=1) > 0  # [B, N - 1]: a miss leaves a residual
     tried = torch.ones_like(live) if usable is None else usable[:, tries.children]  # [B, N - 1]
-    at_x = lambda v: v.gather(-1, x[..., None])[..., 0]  # noqa: E731  [B, N - 1, V] -> [B, N - 1]
-    accepted = tried & try_accepts(at_x(chain[:, tries.against]), at_x(q), u_kids, live=live)
+    p_x = chain.flatten(1).gather(1, tries.against * chain.shape[-1] + x)  # [B, N - 1], reading no other token
+    accepted = tried & try_accepts(p_x, q.gather(-1, x[..., None])[..., 0], u_kids, live=live)
     passes = accepted & (accepted.float() @ tries.elder == 0)  # [B, N - 1]: no elder sibling accepted
     last = deepest_accepted(tree, passes[:, tries.slot_order])  # [B]; the root's pass is never read
-    misses = ((tried & live).float() @ tries.parent_of).gather(1, last[:, None])[:, 0].long()  # [B]: last's, live
-    return Accepted(last, inverse_cdf(at_each_row(chain, tries.after_misses[last, misses]), u[:, 0]))
+    misses = ((tried & live).float() @ tries.parent_of).gather(1, last[:, None])[:, 0]  # [B]: the last node's, live
+    return Accepted(last, inverse_cdf(at_each_row(chain, tries.after_misses[last, misses.long()]), u[:, 0]))
 
 
 def check_uniforms(sampling: Sampling, u: torch.Tensor | None) -> None:

@@ -186,7 +186,7 @@ def try_children(p: torch.Tensor, candidates: list[int], drawn: tuple[torch.Tens
         x_, drawn = (torch.tensor(v, device=p.device) for v in (x, draws))
         earlier = torch.arange(len(draws), device=p.device) < draws.index(x)  # [R]: the draws before x
         q = without_earlier_draws(log_q, drawn, x_, earlier=earlier)  # what x was drawn from
-        residual, mass = residual_after_miss(p, q)
+        residual, mass = residual_after_miss(p, q)  # its mass says whether p = q up to rounding: the try needs it
         if try_accepts(p[x], q[x], u[i], live=mass > 0):
             return i, p
         if mass == 0:  # p = q up to rounding: nothing is left to try another candidate against

@@ -115,8 +115,8 @@ class Tree:
 
 
 class Tries(NamedTuple):
-    """Slot s of every node with children, tried at once (`acceptance.rejection_accept_drawn`); n such nodes.
-    Its residual chain [2N - 1]: p at each node, then the residual after each child's miss, in child order."""
+    """Rejection sampling's tables (`acceptance.rejection_accept_drawn`), j and k places in child order: its chain
+    [2N - 1] holds p at each node, then the residual after each child's miss; S = len(sizes)."""
 
     nodes: torch.Tensor  # [n] long: the nodes with children, most children first
     sizes: tuple[int, ...]  # per slot s, how many of them have an s-th child: always the first ones, so a slice
@@ -124,10 +124,10 @@ class Tries(NamedTuple):
     parents: torch.Tensor  # [N - 1] long: each child's parent
     earlier: torch.Tensor  # [N - 1, R] bool: the ranks drawn before each child's (its q is without them)
     slot_order: torch.Tensor  # [N] long: where node i is among the children (the root: 0, never read)
-    against: torch.Tensor  # [N - 1] long: where in the chain each child's target is, its elder siblings' misses'
-    elder: torch.Tensor  # [N - 1, N - 1] float: [j, k] = 1 where child j is an elder sibling of child k
-    parent_of: torch.Tensor  # [N - 1, N] float: 1 where node i is child j's parent
-    after_misses: torch.Tensor  # [N, S + 1] long: where in the chain node i's target is after k misses
+    against: torch.Tensor  # [N - 1] long: the chain's r child j is judged against, after its elder siblings' misses
+    elder: torch.Tensor  # [N - 1, N - 1] float, to count in a matmul: 1 where child j is an elder sibling of child k
+    parent_of: torch.Tensor  # [N - 1, N] float, to count in a matmul: 1 where node i is child j's parent
+    after_misses: torch.Tensor  # [N, S + 1] long: the chain's r node i is left with after k misses (k <= its children)
 
 
 @dataclass(frozen=True)
