@@ -99,10 +99,10 @@ class TrainArgs:
 
 
 PRESETS: dict[str, dict] = {
-    # the pipeline end to end in small, not a useful model
+    # the pipeline end to end in small, not a useful model: 16 s on two CPU cores
     "smoke": dict(max_bytes=300_000, vocab_size=512, n_layer=2, n_head=2, n_embd=64, block_size=128,
-                  batch_size=8, backbone_steps=120, distill_prompts=64, distill_prompt_len=16,
-                  distill_tokens=48, heads_steps=80, heads_batch_size=16, eval_prompts=4, draft_vocab=128),
+                  batch_size=8, backbone_steps=60, distill_prompts=64, distill_prompt_len=16,
+                  distill_tokens=48, heads_steps=40, heads_batch_size=16, eval_prompts=4, draft_vocab=128),
     # two CPU cores; a draft vocabulary of a quarter of the tokens measured fastest; twice the heads' text and
     # steps took greedy tokens/step from 3.60 to 3.91; five heads, not four: 4.79 on the auto tree against 3.81
     # (BENCHMARKS.md, "The heads' training")
