@@ -26,6 +26,11 @@ from medusa_mini.sampling import Sampling  # noqa: E402
 from medusa_mini.tree import Tree  # noqa: E402
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Slow tests first: no worker then idles at the end while the other runs a long test it met last."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: file order otherwise
+
+
 @torch.no_grad()
 def peaked(model: GPT) -> GPT:
     """GPT-2's init gives nearly uniform logits; larger random weights give varied, peaked distributions,

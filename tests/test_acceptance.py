@@ -134,11 +134,10 @@ DRAWN_CASES = {  # name: (tree or None for random trees, heads, q, top_p, room: 
 
 @pytest.mark.parametrize("case", DRAWN_CASES)
 def test_drawn_rejection_on_the_device_makes_the_reference_walks_decisions_in_every_row(case):
-    """The engine tries every node's children at once; the reference walks each row, trying children in rank
-    order against the residual. With a row's uniforms (the reference's torch.rand(N)) both accept the same
-    path and bonus: Medusa's q per depth and Hydra's per node, rank gaps, q = p (no residual left), q over
-    three tokens (later draws are point masses), top-p, and nodes past the end (the reference walks the cut
-    tree, whose nodes come first)."""
+    """The engine tries every node's children at once; the reference walks each row, trying children in rank order
+    against the residual. With a row's uniforms (the reference's torch.rand(N)) both accept the same path and bonus:
+    Medusa's q per depth and Hydra's per node, rank gaps, q = p (no residual left), q over three tokens (later draws are
+    point masses), top-p, and nodes past the end (the reference walks the cut tree, whose nodes come first)."""
     fixed, heads, q_kind, top_p, room = DRAWN_CASES[case]
     sampling = Sampling(acceptance="rejection", temperature=1.0, top_p=top_p)
     deepest, after_a_miss = 0, 0

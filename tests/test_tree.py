@@ -1,6 +1,5 @@
-"""Trees from choices (paper §2.1.2, Fig. 2): structure, the ancestor mask (held equal to the
-reference's), each node's path, validation, presets, and the tree grown from measured acceptance
-(`build_tree`)."""
+"""Trees from choices (paper §2.1.2, Fig. 2): structure, the ancestor mask (held equal to the reference's), each node's
+path, validation, presets, and the tree grown from measured acceptance (`build_tree`)."""
 
 import itertools
 import random

@@ -20,11 +20,10 @@ TREE = Tree.from_choices([(0,), (1,), (0, 0), (1, 0), (0, 0, 0)])
 
 
 class GraphReplay:
-    """A torch.compile backend that runs each captured graph as a CUDA graph would replay it, on a CPU:
-    every graph returns the same output buffers at every call, and every call first fills all graphs'
-    outputs with garbage (one memory pool: a new call frees the last one's outputs); static inputs
-    (parameters, tensors marked static: the KV cache) must keep their first address; other inputs are
-    copied in, so a graph must not write into them."""
+    """A torch.compile backend that runs each captured graph as a CUDA graph would replay it, on a CPU: every graph
+    returns the same output buffers at every call, and every call first fills all graphs' outputs with garbage (one
+    memory pool: a new call frees the last one's outputs); static inputs (parameters, tensors marked static: the KV
+    cache) must keep their first address; other inputs are copied in, so a graph must not write into them."""
 
     def __init__(self) -> None:
         self.graphs: list[torch.fx.GraphModule] = []

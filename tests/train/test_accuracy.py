@@ -88,9 +88,8 @@ class Fixed:
 
 
 def test_the_drawn_table_is_the_chance_that_each_draw_is_the_one_accepted_and_q_equal_to_p_always_is():
-    """Written out for one p and q over three tokens: draw x0, then x1 from q without x0; try x0 against p
-    (passes with min(1, p/q)), after a miss try x1 against the residual norm(max(0, p - q)) with q renormalised
-    without x0."""
+    """Written out for one p and q over three tokens: draw x0, then x1 from q without x0; try x0 against p (passes with
+    min(1, p/q)), after a miss try x1 against the residual norm(max(0, p - q)) with q renormalised without x0."""
     p, q, want = [0.5, 0.3, 0.2], [0.2, 0.15, 0.65], [0.0, 0.0]
     for x0, x1 in itertools.permutations(range(3), 2):
         chance = q[x0] * q[x1] / (1 - q[x0])  # the draws in this order

@@ -151,9 +151,8 @@ def test_after_ctrl_c_a_resumed_run_ends_as_an_uninterrupted_one(tmp_path, durin
 
 def test_a_run_never_replaces_a_checkpoint_unless_told_to_and_a_second_ctrl_c_stops_at_once(tmp_path, reference_run,
                                                                                              capsys):
-    """A checkpoint in --out is refused, its files untouched, and so is an --overwrite whose data is bad; a good
-    one unmakes the old checkpoint before it writes: a run stopped part-way never mixes the old run's files with its
-    own."""
+    """A checkpoint in --out is refused, its files untouched, and so is an --overwrite whose data is bad; a good one
+    unmakes the old checkpoint before it writes: a run stopped part-way never mixes the old run's files with its own."""
     shutil.copytree(reference_run[0], out := tmp_path / "out")
     before = {f.name: f.read_bytes() for f in out.iterdir()}
     for extra, error in ([], "--overwrite"), (["--resume"], "--overwrite"), (["--overwrite", "--data", "no.x"], "no.x"):
@@ -241,6 +240,7 @@ def test_help_lists_every_flag_and_bad_flags_or_data_are_one_line_naming_it_with
     assert not (tmp_path / "x").exists() or not any((tmp_path / "x").iterdir())  # nothing half-written
 
 
+@pytest.mark.slow
 def test_two_ddp_processes_keep_identical_replicas_and_resume_exactly_after_ctrl_c_on_one(tmp_path):
     cut = tmp_path / "cut"  # Ctrl-C on rank 0 alone in heads step 3: both ranks save and stop; resumed, same weights
     r = ddp(tmp_path, [0, "--out", tmp_path / "ddp"], [9, "--out", cut], [0, "--out", cut, "--resume"])
@@ -280,10 +280,9 @@ def test_under_torchrun_rank_0_downloads_gpt2_alone_and_every_rank_trains_on_it(
 def test_init_trains_heads_of_another_kind_on_a_frozen_checkpoint_over_its_own_texts_tokens_and_resumes_exactly(
         tmp_path, monkeypatch, capsys, reference_run):
     """--init with a local GPT-2 layout directory (as the hub's, but written here), replacing an older run
-    (--overwrite): heads only, the backbone kept, so head kinds compare fairly on one backbone. The draft
-    vocabulary: the --draft-vocab tokens most frequent in what the backbone wrote during self-distillation, prompts
-    left out. Its tokenizer: the one beside the weights; for a name (gpt2, ...), tiktoken's, whatever the working
-    folder holds."""
+    (--overwrite): heads only, the backbone kept, so head kinds compare fairly on one backbone. The draft vocabulary:
+    the --draft-vocab tokens most frequent in what the backbone wrote during self-distillation, prompts left out. Its
+    tokenizer: the one beside the weights; for a name (gpt2, ...), tiktoken's, whatever the working folder holds."""
     base, ref, out = reference_run[0], tmp_path / "ref", tmp_path / "out"
     monkeypatch.chdir(tmp_path)
     (tmp_path / "tokenizer_config.json").write_text("{}")
