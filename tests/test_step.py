@@ -72,10 +72,10 @@ def test_the_steps_one_read_gives_each_rows_path_and_its_accepted_tokens_then_th
 
 @pytest.mark.parametrize("text, want", [
     ([1, 2, 3, 9, 2, 3, 8, 1, 2, 3], [9, 2, 3, 8]),  # 3-gram [1, 2, 3]: its first occurrence, then 4 tokens
-    ([5, 2, 3, 7, 4, 2, 3], [7, 4, 2, 3]),  # no earlier [4, 2, 3]: the 2-gram [2, 3]
+    ([3, 9, 2, 3, 7, 2, 3], [7, 2, 3]),  # no earlier [7, 2, 3]: the 2-gram [2, 3], not the 1-gram [3]
     ([5, 6, 7, 6, 9, 1, 6], [7, 6, 9, 1]),  # only the 1-gram [6]: its first occurrence
     ([4, 5, 6, 7], []),  # nothing repeats: no continuation
-    ([3, 8, 3], [8, 3]),  # a continuation may run into the tail itself, and stops at the text's end
+    ([3, 3, 3], [3]),  # the 2-gram [3, 3]: a continuation may run into the tail itself, and stops at the text's end
     ([3], []),
 ])
 def test_lookup_continues_the_first_earlier_occurrence_of_the_longest_repeated_tail(text, want):
@@ -88,6 +88,7 @@ def test_prompt_lookup_drafts_each_rows_continuation_on_a_chain_of_the_next_powe
     assert [chain_length(n, 64) for n in (5, 8, 9, 33, 64)] == [8, 8, 16, 64, 64]
     proposer = PromptLookup(max_ngram=1).proposer(None, preset("cpu"))  # a chain of the tree's 11 nodes
     assert proposer.tree == chain(11)
+    assert [len(PromptLookup().proposer(None, chain(n)).trees()) for n in (0, 6)] == [2, 5]  # depths 0-1; 0-2, 4, 6
     history = [[1, 2, 3, 1, 2], [4, 5, 6, 5], [7, 8, 9]]
     proposal = proposer.propose(torch.tensor([2, 5, 9]), torch.zeros(3, 32), history=history, sampling=Sampling(),
                                 u=None)
