@@ -80,8 +80,7 @@ def test_nodes_a_row_cannot_use_are_never_accepted(rule):
     tokens = torch.tensor([[0, 1, 2, 3]] * 3)
     logits = torch.nn.functional.one_hot(torch.tensor([[1, 2, 3, 0]] * 3), 4).float() * 20  # all accepted
     usable = torch.tensor([[True] * 4, [True, True, False, False], [False] * 4])
-    sampling = Sampling(acceptance=rule.split()[0], temperature=0.0 if rule == "greedy" else 1.0)
-    drawn = None
+    sampling, drawn = Sampling(acceptance=rule.split()[0], temperature=0.0 if rule == "greedy" else 1.0), None
     if rule.endswith("drawn candidates"):  # node i's child was drawn from q = a point mass on token i + 1
         samples = torch.tensor([[[1], [2], [3]]] * 3)  # [B, depth, 1 draw]
         log_q = torch.full((3, 3, 4), float("-inf")).scatter_(2, samples, 0.0)
@@ -110,8 +109,7 @@ def test_topk_rejection_on_the_device_makes_the_reference_walks_decisions_with_t
     sampling, depths = Sampling(acceptance="rejection", temperature=1.0, candidates="topk"), set()
     for seed in range(12):
         logits = torch.randn(2, 4, 4, generator=torch.Generator().manual_seed(seed))
-        got = decide(tree, tokens, logits, sampling, seed=seed + 100)
-        gen = torch.Generator().manual_seed(seed + 100)
+        got, gen = decide(tree, tokens, logits, sampling, seed=seed + 100), torch.Generator().manual_seed(seed + 100)
         for b in range(2):
             path, bonus = ref.rejection_accept(tree.parents, tokens[b].tolist(), logits[b], sampling=sampling,
                                                generator=gen)

@@ -148,3 +148,12 @@ def test_prompt_lookup_verifies_the_root_alone_without_a_repeated_ngram_and_draf
     out, stats = medusa_generate(model, PromptLookup(), list(range(20)) + list(range(6)), tree=chain(4),
                                  max_new_tokens=13)  # what follows 3, 4, 5 is written earlier
     assert out == list(range(6, 19)) and stats.tokens_per_step > 2
+
+
+def test_a_row_stopped_by_its_end_token_keeps_its_cache_while_the_other_rows_decode():
+    """Its nodes are no longer usable: its cache stays as its last step left it, as when it decodes alone."""
+    model, tree, used = tiny_model(0), preset("cpu"), []
+    for rows in ([[5], [3, 1, 4, 1, 5, 9]], [[5]]):  # the end token 37 ends row 0 at once, never row 1; row 0 alone
+        used.append(KVCache(model.config, batch_size=len(rows), max_len=model.config.block_size + tree.num_nodes))
+        medusa_generate_batch(model, random_heads(model), rows, tree=tree, max_new_tokens=30, eos_id=37, cache=used[-1])
+    assert used[0].lengths[0] == used[1].lengths[0]

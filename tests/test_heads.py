@@ -162,8 +162,7 @@ def test_teacher_forced_logits_are_the_logits_decoding_computes_along_the_true_p
 def test_dependent_heads_learn_more_and_accept_more_than_medusa_heads_trained_the_same_way():
     """Medusa-1 on the frozen backbone's own greedy text (self-distillation); the backbone stays untouched."""
     model = tiny_model(6).requires_grad_(False)
-    backbone = {k: v.clone() for k, v in model.state_dict().items()}
-    prompts = randint(24, 4)
+    backbone, prompts = {k: v.clone() for k, v in model.state_dict().items()}, randint(24, 4)
     seqs = self_distill(model, prompts, max_new_tokens=40, temperature=0.0)  # [24, 44]
     losses, tokens_per_step = {}, {}
     for kind in KINDS:

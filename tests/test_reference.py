@@ -20,8 +20,7 @@ from medusa_mini.tree import Tree, chain
 #           └─ 2 (1,) token 2
 TREE = Tree.from_choices([(0,), (1,), (0, 0), (0, 1), (0, 0, 0)])
 PARENTS = TREE.parents
-TOKENS = [0, 3, 2, 1, 0, 2]
-V = 5
+TOKENS, V = [0, 3, 2, 1, 0, 2], 5
 T1 = Sampling(acceptance="rejection", temperature=1.0)
 
 
@@ -88,8 +87,7 @@ def test_rejection_sampling_emits_tokens_with_exactly_the_backbones_probabilitie
         assert max(range(V), key=P_ROOT.__getitem__) not in draft_ids
     logits = logits_from([P_ROOT] + [P_NODE1] * (tree.num_nodes - 1))
     head_logits = torch.log(torch.tensor([Q_HEAD1, Q_HEAD2]))[:, draft_ids]  # [K, M]
-    gen = torch.Generator().manual_seed(0)
-    first, second, accepted = Counter(), Counter(), 0
+    gen, first, second, accepted = torch.Generator().manual_seed(0), Counter(), Counter(), 0
     for _ in range(4000):
         tokens, drawn = ref.propose(head_logits, draft_ids, tree, 0, vocab_size=V, sampling=sampling, generator=gen)
         path, bonus = ref.rejection_accept(tree.parents, tokens, logits, sampling=sampling, generator=gen, drawn=drawn)

@@ -28,8 +28,7 @@ def test_usable_nodes_are_those_whose_tokens_fit_before_each_rows_stop():
 
 
 def test_verify_scores_every_node_as_if_its_path_were_the_only_continuation_in_every_row():
-    model = tiny_model(3)
-    prompts = [[5, 9, 2, 11], [1, 2]]  # rows of different lengths
+    model, prompts = tiny_model(3), [[5, 9, 2, 11], [1, 2]]  # rows of different lengths
     cache = KVCache(model.config, batch_size=2, max_len=32)
     prefill(model, torch.tensor([prompts[0], prompts[1] + [0, 0]]), cache, lengths=[4, 2])
     tokens = torch.tensor([[4, 8, 15, 16, 23, 42], [3, 1, 4, 1, 5, 9]])  # [B, N]
@@ -90,8 +89,7 @@ def test_prompt_lookup_drafts_each_rows_continuation_on_a_chain_of_the_next_powe
     assert proposer.tree == chain(11)
     assert [len(PromptLookup().proposer(None, chain(n)).trees()) for n in (0, 6)] == [2, 5]  # depths 0-1; 0-2, 4, 6
     history = [[1, 2, 3, 1, 2], [4, 5, 6, 5], [7, 8, 9]]
-    proposal = proposer.propose(torch.tensor([2, 5, 9]), torch.zeros(3, 32), history=history, sampling=Sampling(),
-                                u=None)
+    proposal = proposer.propose(torch.tensor([2, 5, 9]), torch.zeros(3, 32), history=history, sampling=Sampling())
     assert proposal.tree == chain(4)  # continuations of 3, 2 and 0 tokens
     assert proposal.tokens.tolist() == [[2, 3, 1, 2, 2], [5, 6, 5, 5, 5], [9, 9, 9, 9, 9]]
     alone = proposer.propose(torch.tensor([9]), torch.zeros(1, 32), history=[[7, 8, 9]], sampling=Sampling(), u=None)

@@ -147,8 +147,7 @@ def test_a_broken_or_missing_checkpoint_gives_one_line_naming_it(tmp_path, name,
 
 
 def test_transformers_loads_a_saved_checkpoint_with_equal_logits(tmp_path):
-    transformers = pytest.importorskip("transformers")
-    model = tiny_gpt()
+    transformers, model = pytest.importorskip("transformers"), tiny_gpt()
     save_checkpoint(tmp_path, model, heads=tiny_heads(), eos_token_id=60)
     hf = transformers.GPT2LMHeadModel.from_pretrained(tmp_path).eval()
     with torch.no_grad():

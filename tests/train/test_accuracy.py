@@ -142,8 +142,7 @@ def test_a_head_that_cannot_see_the_root_is_capped_by_its_marginal_over_the_root
     assert accuracy.measure_marginal_acceptance(blind, seqs, prompt_lens=2, temperature=T, roots=12, every=1) == (
         pytest.approx(1), pytest.approx(1))
     bigram = Lagged(lag=0)
-    p = torch.softmax(bigram.table / T, dim=-1)  # [V, V] p(next token | token)
-    want = []
+    p, want = torch.softmax(bigram.table / T, dim=-1), []  # p [V, V]: p(next token | token)
     for s in seqs:
         for t in range(1, len(s) - 2):
             p_root = p[s[t]]  # [V] the root's distribution
