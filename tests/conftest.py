@@ -57,10 +57,14 @@ def scrambled(heads: DraftHeads) -> DraftHeads:
     return heads.eval()
 
 
-def random_heads(model: GPT, *, num_heads: int = 4, seed: int = 0, kind: str = "medusa") -> DraftHeads:
+def random_heads(model: GPT, *, num_heads: int = 4, seed: int = 0, kind: str = "medusa", draft: int = 0) -> DraftHeads:
+    """Heads of random weights; draft > 0: guessing among `draft` tokens of a random order (seeded too)."""
     torch.manual_seed(seed)
-    config = HeadsConfig(num_heads=num_heads, n_embd=model.config.n_embd, vocab_size=model.config.vocab_size, kind=kind)
-    return scrambled(make_heads(config))
+    V = model.config.vocab_size
+    heads = scrambled(make_heads(HeadsConfig(num_heads=num_heads, n_embd=model.config.n_embd, vocab_size=V, kind=kind)))
+    if draft:
+        heads.use_draft_vocabulary(torch.randperm(V, generator=torch.Generator().manual_seed(seed)), draft)
+    return heads
 
 
 RULES = {  # every acceptance rule, at a temperature where candidates are often accepted

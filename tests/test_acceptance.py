@@ -190,3 +190,4 @@ def test_with_no_residual_left_a_try_passes_iff_p_gives_the_candidate_mass_and_a
         if residual_after_miss(p[0], q)[1] == 0:
             kinds.add("passes though q(x) > p(x)" if q[0] > p[0, 0] and at == 1 else "misses" if at == 0 else "passes")
     assert kinds == {"passes though q(x) > p(x)", "passes", "misses"}
+    assert (int(got.last[-1]), int(got.bonus[-1])) == (0, 1)  # q = p up to e^-800, yet p rules token 0 out: a miss

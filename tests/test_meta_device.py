@@ -42,9 +42,7 @@ def meta_drafter(kind: str):
     """Heads over a draft vocabulary of 16 tokens, on the device; or prompt lookup."""
     if kind == "lookup":
         return PromptLookup()
-    heads = random_heads(tiny_model(0), kind=kind)
-    heads.use_draft_vocabulary(torch.randperm(V, generator=torch.Generator().manual_seed(0)), 16)
-    return heads.to(META)
+    return random_heads(tiny_model(0), kind=kind, draft=16).to(META)
 
 
 # ---- the stages, on the device alone ---------------------------------------------------------------

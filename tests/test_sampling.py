@@ -98,11 +98,3 @@ def test_greedy_is_decided_by_the_temperature_alone_and_sampling_means_lossless_
 def test_impossible_settings_fail_at_construction(kwargs, needle):
     with pytest.raises(ValueError, match=needle):
         Sampling(**kwargs)
-
-
-def test_the_next_token_is_the_argmax_when_greedy_and_a_draw_from_p_otherwise():
-    logits = torch.log(torch.tensor([0.2, 0.5, 0.3]))
-    assert int(Sampling().next_token(logits, None)) == 1
-    sampling = Sampling(temperature=1.0)
-    u = sampling.uniforms((4000,), torch.Generator().manual_seed(0), device="cpu")
-    assert_frequency(int((sampling.next_token(logits.expand(4000, 3), u) == 0).sum()), 4000, 0.2)

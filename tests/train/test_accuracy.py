@@ -47,8 +47,7 @@ def test_sampled_acceptance_is_the_mean_sum_min_p_q_and_the_drawn_tables_first_t
     sampled tokens between t and their guess. The drawn table's first rank estimates it from seeded draws. A
     prompt alone, or with one new token, gives head 1 no target: it counts nothing."""
     model, T = tiny_model(5), 1.5
-    heads = random_heads(model, num_heads=3, seed=5, kind=kind)
-    heads.use_draft_vocabulary(torch.randperm(64, generator=torch.Generator().manual_seed(5)), 32)
+    heads = random_heads(model, num_heads=3, seed=5, kind=kind, draft=32)
     seqs = continuations(model, _prompts(4, length=6), max_new_tokens=20, temperature=T, seed=2)
     assert seqs != continuations(model, _prompts(4, length=6), max_new_tokens=20)  # sampled, not greedy
     seqs += [seqs[0][:6], seqs[1][:7]]
