@@ -49,6 +49,17 @@ def test_fresh_heads_start_as_the_backbones_next_token_prediction(kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_head_k_is_the_lm_head_over_h_plus_silu_of_its_own_linear_layer(kind):
+    """Head k: lm_head(h + SiLU(W_k h + b_k)); a dependent (hydra) head's W_k reads [h; e(x_{t+1}); ...; e(x_{t+k})]."""
+    model, h, following = tiny_model(4), torch.randn(C), torch.tensor([5, 9, 13, 17])
+    heads = random_heads(model, kind=kind, seed=4)
+    for k, block in enumerate(heads.blocks, start=1):
+        read = h if kind == "medusa" else torch.cat([h, *model.transformer.wte(following[:k])])
+        want = model.lm_head(h + torch.nn.functional.silu(block.linear.weight @ read + block.linear.bias))
+        torch.testing.assert_close(heads(h, model, following=following)[k - 1], want)
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_head_k_reads_exactly_the_k_tokens_before_its_target(kind):
     """Hydra's head k reads x_{t+1..t+k}, not the later ones; Medusa's heads read none of them."""
     model = tiny_model(1)
@@ -86,17 +97,18 @@ def test_over_a_draft_vocabulary_the_heads_give_the_full_logits_of_its_tokens(ki
 
 
 def test_the_draft_vocabulary_is_the_most_frequent_tokens_and_targets_outside_it_are_ignored():
-    ties_by_id = [5, 3, 7, 1, 0, 2, 4, 6]
-    assert frequency_order(torch.tensor([[3, 5, 5, 1], [5, 3, 7, 7]]), 8).tolist() == ties_by_id
+    ties_by_id = [5, 3, 7, 1, 0, 2, 4, 6, *range(8, 100)]  # a sort that is not stable reorders ties among 100 tokens
+    assert frequency_order(torch.tensor([[3, 5, 5, 1], [5, 3, 7, 7]]), 100).tolist() == ties_by_id
     heads, targets = random_heads(tiny_model()), torch.tensor([[63, 60, 5, IGNORE], [61, 0, 62, 63]])
     assert torch.equal(heads.draft_index(targets), targets)  # the whole vocabulary: ids are indices
-    heads.use_draft_vocabulary(torch.arange(V).flip(0), 4)  # draft ids 60..63
-    assert heads.draft_index(targets).tolist() == [[3, 0, IGNORE, IGNORE], [1, IGNORE, 2, 3]]
+    heads.use_draft_vocabulary(torch.arange(V).flip(0).roll(1), 4)  # draft ids 0, 61, 62, 63
+    assert heads.draft_index(targets).tolist() == [[3, IGNORE, IGNORE, IGNORE], [1, 0, 2, 3]]
 
 
 def test_heads_refuse_what_they_cannot_do_and_a_refused_draft_vocabulary_changes_nothing(model):
     with pytest.raises(ValueError, match="following="):
         random_heads(model, kind="hydra")(torch.randn(1, C), model)  # a Medusa call site: a clear error
+    assert make_heads(HeadsConfig(num_heads=1, n_embd=1, vocab_size=1)).num_heads == 1  # the least of each size
     heads = random_heads(model, num_heads=2)
     with pytest.raises(ValueError, match="depth 4 but the model has 2 Medusa heads"):
         heads.proposer(model, chain(4))

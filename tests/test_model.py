@@ -4,7 +4,7 @@ keeping the accepted path are checked against plain forwards in tests/test_step.
 import pytest
 import torch
 
-from medusa_mini.model import GPT, GPTConfig, KVCache, compact_kv_cache
+from medusa_mini.model import GPT, GPTConfig, KVCache, cache_attention_mask, compact_kv_cache
 from medusa_mini.tree import Tree
 
 ATOL = 1e-5
@@ -12,14 +12,14 @@ ATOL = 1e-5
 
 def test_parameter_names_and_first_values_follow_gpt2_and_the_lm_head_is_tied_to_the_token_embedding():
     torch.manual_seed(0)
-    model = GPT(GPTConfig(n_layer=1))
+    model = GPT(GPTConfig(n_layer=2))
     modules = ("ln_1", "attn.c_attn", "attn.c_proj", "ln_2", "mlp.c_fc", "mlp.c_proj")
-    block = [f"transformer.h.0.{m}.{p}" for m in modules for p in ("weight", "bias")]
+    block = [f"transformer.h.{i}.{m}.{p}" for i in range(2) for m in modules for p in ("weight", "bias")]
     assert list(model.state_dict()) == ["transformer.wte.weight", "transformer.wpe.weight", *block,
                                         "transformer.ln_f.weight", "transformer.ln_f.bias", "lm_head.weight"]
     assert model.lm_head.weight.data_ptr() == model.transformer.wte.weight.data_ptr()
     mlp = model.transformer.h[0].mlp  # N(0, 0.02), the residual stream's projections (c_proj) over √(2 n_layer)
-    for w, std in ((model.transformer.wpe.weight, 0.02), (mlp.c_fc.weight, 0.02), (mlp.c_proj.weight, 0.02 / 2**0.5)):
+    for w, std in ((model.transformer.wpe.weight, 0.02), (mlp.c_fc.weight, 0.02), (mlp.c_proj.weight, 0.02 / 2)):
         assert abs(w.mean()) < 1e-3 and abs(w.std() - std) < 1e-3
 
 
@@ -35,6 +35,14 @@ def test_cached_incremental_decoding_matches_full_forward(model, read):
                           for i, t in enumerate(ids[7:], start=7)]
     assert cache.lengths.tolist() == [len(ids)]
     torch.testing.assert_close(torch.cat(steps), model(torch.tensor([ids]))[0][0], atol=ATOL, rtol=0)  # no cache
+
+
+def test_a_new_token_sees_its_rows_prefix_and_the_new_tokens_its_mask_allows_never_a_later_slot():
+    """Three new tokens, a root and its two children, written after prefixes of 2 and 4 slots (paper Fig. 2)."""
+    tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)  # each node sees itself and the root
+    mask = cache_attention_mask(torch.tensor([2, 4]), tree, max_len=8)  # [B, T, max_len]
+    assert mask[0].int().tolist() == [[1, 1, 1, 0, 0, 0, 0, 0], [1, 1, 1, 1, 0, 0, 0, 0], [1, 1, 1, 0, 1, 0, 0, 0]]
+    assert mask[1].int().tolist() == [[1, 1, 1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 0, 1, 0]]
 
 
 @torch.no_grad()
