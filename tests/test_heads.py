@@ -53,10 +53,11 @@ def test_head_k_is_the_lm_head_over_h_plus_silu_of_its_own_linear_layer(kind):
     """Head k: lm_head(h + SiLU(W_k h + b_k)); a dependent (hydra) head's W_k reads [h; e(x_{t+1}); ...; e(x_{t+k})]."""
     model, h, following = tiny_model(4), torch.randn(C), torch.tensor([5, 9, 13, 17])
     heads = random_heads(model, kind=kind, seed=4)
+    got = heads(h, model, following=following)  # [K, V]
     for k, block in enumerate(heads.blocks, start=1):
         read = h if kind == "medusa" else torch.cat([h, *model.transformer.wte(following[:k])])
         want = model.lm_head(h + torch.nn.functional.silu(block.linear.weight @ read + block.linear.bias))
-        torch.testing.assert_close(heads(h, model, following=following)[k - 1], want)
+        torch.testing.assert_close(got[k - 1], want)
 
 
 @pytest.mark.parametrize("kind", KINDS)

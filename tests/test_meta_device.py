@@ -25,7 +25,6 @@ from medusa_mini.training import MedusaLM, self_distill
 from medusa_mini.tree import preset
 
 META = torch.device("meta")
-V, C = 64, 32
 TREE, DRAFTERS = preset("cpu"), ["medusa", "hydra", "lookup"]
 GEN = torch.Generator().manual_seed(0)  # stands for the meta device's generator (see the module docstring)
 
