@@ -46,6 +46,8 @@ def test_a_draw_follows_the_probabilities_and_never_picks_a_zero_one():
     counts = Counter(inverse_cdf(probs.expand(n, 5), u).tolist())
     assert set(counts) == {0, 2, 3}
     assert inverse_cdf(torch.tensor([2.0, 2.0]), torch.tensor(0.75)) == 1  # a row need not sum to 1
+    edges = torch.tensor([0, 0.25, 0, 0.75])  # u = 0 and 0.25 begin tokens 1 and 3; 0 and 2 own empty intervals
+    assert inverse_cdf(edges.expand(2, 4), torch.tensor([0, 0.25])).tolist() == [1, 3]
     for tok in (0, 2, 3):
         assert_frequency(counts[tok], n, probs[tok].item())
 

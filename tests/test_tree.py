@@ -84,7 +84,7 @@ def test_presets_are_valid_and_sized_for_their_device_and_a_chain_is_one_top1_gu
     assert chain(3).choices == ((0,), (0, 0), (0, 0, 0)) and chain(3).parents == [-1, 0, 1, 2]
     assert Tree.from_choices(CPU_CHOICES, num_heads=4) == cpu and Tree.from_choices(GPU_CHOICES, num_heads=4) == gpu
     assert cpu.num_nodes <= 16 and 60 <= gpu.num_nodes - 1 <= 70 and (cpu.depth, gpu.depth, gpu.max_rank) == (4, 4, 9)
-    assert preset("chain5") == chain(5) and preset("chain256").num_nodes == 257  # MAX_NODES below the root
+    assert preset("chain1") == chain(1) and preset("chain256").num_nodes == 257  # MAX_NODES below the root
     for name in ("huge", "chain0", "chain257"):  # a chain of 1 to MAX_NODES nodes
         with pytest.raises(ValueError, match="unknown tree"):
             preset(name)
@@ -152,6 +152,6 @@ def test_product_rule_rejects_a_tree_deeper_or_wider_than_the_table_and_values_t
             expected_tokens_per_step(ACC_HAND, tree)
     with pytest.raises(ValueError, match="probabilities"):
         build_tree(torch.tensor([[1.5]]), 1)
-    assert build_tree(torch.ones(1, 1), 1) == (chain(1), 2.0)  # a head always right: 1 is a probability too
+    assert build_tree(torch.tensor([[1.0, 0.0]]), 4) == (chain(1), 2.0)  # 0 and 1 are probabilities; a 0 never joins
     with pytest.raises(ValueError, match=r"\[heads, ranks\]"):
         build_tree(torch.zeros(3), 4)
