@@ -103,7 +103,7 @@ def test_a_save_failing_midway_leaves_the_previous_checkpoint_loadable(tmp_path,
     monkeypatch.undo()
     assert set(os.listdir(tmp_path)) == CHECKPOINT_FILES | HEADS_FILES, "no temporary files left behind"
     model, heads, config = load_checkpoint(tmp_path)
-    assert config["medusa_mini"] == {"version": 1}
+    assert config["medusa_mini"] == {"version": 1} and {p.stat().st_mode & 0o777 for p in tmp_path.iterdir()} == {0o644}
     assert all(torch.equal(a, b) for a, b in zip(outputs(old, old_heads), outputs(model, heads), strict=True))
 
 
