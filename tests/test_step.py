@@ -86,8 +86,8 @@ def test_prompt_lookup_drafts_each_rows_continuation_on_a_chain_of_the_next_powe
     assert [chain_length(n, 6) for n in range(8)] == [0, 1, 2, 4, 4, 6, 6, 6]
     assert [chain_length(n, 64) for n in (5, 8, 9, 33, 64)] == [8, 8, 16, 64, 64]
     proposer = PromptLookup(max_ngram=1).proposer(None, preset("cpu"))  # a chain of the tree's 11 nodes
-    pytest.raises(ValueError, PromptLookup, max_ngram=0).match("max_ngram")  # a 1-gram at least
     assert proposer.tree == chain(11)
+    pytest.raises(ValueError, PromptLookup, max_ngram=0).match("max_ngram")  # a 1-gram at least
     assert [len(PromptLookup().proposer(None, chain(n)).trees()) for n in (0, 6)] == [2, 5]  # depths 0-1; 0-2, 4, 6
     history = [[1, 2, 3, 1, 2], [4, 5, 6, 5], [7, 8, 9]]
     proposal = proposer.propose(torch.tensor([2, 5, 9]), torch.zeros(3, 32), history=history, sampling=Sampling())
