@@ -1,6 +1,5 @@
 """The Sampling settings, the target distribution p, the heads' q and the draws (sampling.py)."""
 
-import math
 from collections import Counter
 
 import pytest
@@ -8,7 +7,7 @@ import torch
 
 from conftest import assert_frequency
 from medusa_mini import Sampling, sampling_probs
-from medusa_mini.sampling import gumbel_top_k, inverse_cdf, q_log_probs, typical_threshold, without_earlier_draws
+from medusa_mini.sampling import gumbel_top_k, inverse_cdf, q_log_probs, without_earlier_draws
 
 
 def test_top_p_keeps_the_smallest_set_reaching_p():
@@ -24,12 +23,6 @@ def test_a_tiny_temperature_gives_the_argmax_not_nan_and_shares_exact_ties_and_z
     assert Sampling(temperature=torch.finfo().max).probs(logits).allclose(torch.tensor(0.25))  # the largest: flat
     with pytest.raises(ValueError, match="temperature"):
         sampling_probs(logits, temperature=0.0)
-
-
-def test_the_typical_bar_is_min_epsilon_delta_exp_minus_entropy():
-    bar = typical_threshold(torch.tensor([[0.25] * 4, [0.97, 0.01, 0.01, 0.01]]), epsilon=0.09, delta=0.3)
-    peaked_entropy = -(0.97 * math.log(0.97) + 3 * 0.01 * math.log(0.01))  # 0.3 exp(-H) = 0.25: epsilon caps the bar
-    assert bar.tolist() == pytest.approx([0.3 * 0.25, min(0.09, 0.3 * math.exp(-peaked_entropy))])
 
 
 def test_q_over_a_draft_vocabulary_is_the_heads_softmax_there_and_zero_elsewhere():

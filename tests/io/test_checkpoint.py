@@ -8,8 +8,8 @@ import struct
 import pytest
 import torch
 
-from conftest import save_small_checkpoint, tiny_model
-from medusa_mini.heads import HeadsConfig, make_heads, next_tokens
+from conftest import random_heads, save_small_checkpoint, tiny_model
+from medusa_mini.heads import next_tokens
 from medusa_mini.io.checkpoint import load_checkpoint, save_checkpoint
 from medusa_mini.io.loading import load_for_decoding, load_prompts, prompt_ids
 from medusa_mini.io.safetensors import read_safetensors, write_safetensors
@@ -35,10 +35,7 @@ def tiny_gpt(seed: int = 0) -> GPT:
 
 
 def tiny_heads(*, kind: str = "medusa", draft: int = 0, seed: int = 1):
-    heads = randomized(make_heads(HeadsConfig(num_heads=3, n_embd=16, vocab_size=61, kind=kind)), seed)
-    if draft:
-        heads.use_draft_vocabulary(torch.randperm(61, generator=torch.Generator().manual_seed(seed)), draft)
-    return heads
+    return randomized(random_heads(tiny_gpt(), num_heads=3, seed=seed, kind=kind, draft=draft), seed)
 
 
 @torch.no_grad()
