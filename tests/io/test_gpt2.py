@@ -17,12 +17,12 @@ from medusa_mini.io import gpt2
 from medusa_mini.io.files import atomic_write
 from medusa_mini.io.gpt2 import GPT2_CONFIGS, download, infer_gpt2_config, load_gpt2
 from medusa_mini.io.safetensors import write_safetensors
-from medusa_mini.model import GPTConfig
+from medusa_mini.model import GPT, GPTConfig
 
 V, P, C, L, H = 50, 24, 32, 2, 4  # vocab, positions, width, layers, heads of the tiny GPT-2
 IDS = [7, 3, 41, 0, 12, 12, 5, 49, 20]
 HF_CONFIG = {"model_type": "gpt2", "vocab_size": V, "n_positions": P, "n_ctx": P, "n_embd": C, "n_layer": L,
-             "n_head": H, "activation_function": "gelu_new", "layer_norm_epsilon": 1e-05}
+             "n_head": H, "activation_function": "gelu_new", "n_inner": 4 * C}  # epsilon: GPT-2's 1e-5 by default
 
 
 def reference_weights(seed: int = 0) -> dict[str, np.ndarray]:
@@ -103,12 +103,17 @@ def test_gpt2_files_give_the_reference_logits_with_a_tied_output_and_no_random_i
         np.testing.assert_allclose(model(torch.tensor([IDS]))[0][0].double(), reference_logits(w, IDS), atol=1e-4)
 
 
-def test_the_config_comes_from_tensor_shapes_when_no_config_json_is_given():
+def test_each_gpt2_has_its_published_size_and_without_a_config_json_is_told_by_its_tensor_shapes():
+    with torch.device("meta"):  # shapes only: no memory
+        sizes = [GPT(config).num_params() for config in GPT2_CONFIGS.values()]
+    assert sizes == [124_439_808, 354_823_168, 774_030_080, 1_557_611_200]  # gpt2 ... gpt2-xl, as published
     meta = {f"h.{i}.ln_1.weight": torch.empty(1024, device="meta") for i in range(24)}  # shapes only, no memory
     meta |= {k: torch.empty(n, 1024, device="meta") for k, n in (("wte.weight", 50257), ("wpe.weight", 1024))}
     assert infer_gpt2_config(meta) == GPT2_CONFIGS["gpt2-medium"]
     meta["wpe.weight"] = torch.empty(512, 1024, device="meta")  # [positions, C]: a shorter context
     assert infer_gpt2_config(meta).block_size == 512
+    del meta["wpe.weight"]  # no positions: no GPT-2
+    pytest.raises(ValueError, infer_gpt2_config, meta).match("not a GPT-2 layout")
 
 
 def edited(change: dict):
@@ -193,11 +198,13 @@ DATA = bytes(range(256)) * 4000  # ~1 MB, more than one read chunk
     (b"", ["drop", "no-range"], [None, "bytes=512000-"]),  # a server ignoring Range: start over
     (DATA[:512000], [], ["bytes=512000-"]),  # the .part file an interrupted call left is resumed
     (DATA, [], [f"bytes={len(DATA)}-"]),  # a complete .part file (stopped before the rename) is kept
+    (DATA + b"!", [], [f"bytes={len(DATA) + 1}-", None]),  # a .part file longer than the file: start over
 ])
 def test_a_download_shows_progress_and_resumes_a_broken_connection_or_a_part_file(hub, tmp_path, capsys, part, faults,
                                                                                   ranges):
     hub.files["/f"], hub.faults["/f"] = DATA, list(faults)
-    (tmp_path / "f.part").write_bytes(part)
+    if part:  # else a first download: no .part file
+        (tmp_path / "f.part").write_bytes(part)
     download(hub.url + "/f", tmp_path / "f")
     assert (tmp_path / "f").read_bytes() == DATA and not (tmp_path / "f.part").exists()
     assert [r for _, r in hub.requests] == ranges
