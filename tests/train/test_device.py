@@ -38,8 +38,9 @@ def test_gpus_from_ampere_on_train_and_decode_in_bfloat16_older_ones_refuse_it_i
 def test_the_capability_is_asked_of_each_ranks_gpu_not_the_current_one(gpu_capability, monkeypatch):
     gpu_capability["all"], gpu_capability[1] = (7, 0), (8, 6)  # GPU 0 a V100, GPU 1 an A6000
     assert training_dtype(None, "cuda:1") == "bfloat16" and training_dtype(None, "cuda:0") == "float16"
-    monkeypatch.setenv("WORLD_SIZE", "2")  # under torchrun "cuda" is this rank's GPU, not GPU 0
     monkeypatch.setenv("LOCAL_RANK", "1")
+    assert rank_device("cuda") == "cuda"  # one process: the current GPU
+    monkeypatch.setenv("WORLD_SIZE", "2")  # under torchrun "cuda" is this rank's GPU, not GPU 0
     assert rank_device("cuda") == "cuda:1" and rank_device("cpu") == "cpu"
     assert training_dtype(None, rank_device("cuda")) == "bfloat16"
 
