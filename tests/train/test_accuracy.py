@@ -138,8 +138,8 @@ class Lagged:
 def test_a_head_that_cannot_see_the_root_is_capped_by_its_marginal_over_the_root():
     seqs, T = [[1, 2, 3, 4, 5, 6, 7], [3, 3, 0, 9, 11, 2]], 0.7
     blind = Lagged(lag=1)  # p of token t+2 ignores token t+1: the marginal is p itself, always accepted
-    assert accuracy.measure_marginal_acceptance(blind, seqs, prompt_lens=2, temperature=T, roots=12, every=1) == (
-        pytest.approx(1), pytest.approx(1))
+    got, covered = accuracy.measure_marginal_acceptance(blind, seqs, prompt_lens=2, temperature=T, roots=3, every=1)
+    assert got == pytest.approx(1) and covered < 0.99  # the likeliest 3 roots' shares, renormalised, sum to 1
     bigram = Lagged(lag=0)
     p, want = torch.softmax(bigram.table / T, dim=-1), []  # p [V, V]: p(next token | token)
     for s in seqs:
