@@ -61,7 +61,7 @@ def test_a_json_file_of_choices_is_a_tree(tmp_path, monkeypatch, content):  # or
 
 
 @pytest.mark.parametrize("spec, content, message", [  # content: of the file named spec
-    ("huge", None, "unknown --tree 'huge'"), ("chain0", None, "unknown --tree"),
+    ("huge", None, "unknown --tree 'huge'"), ("chain0", None, "unknown --tree"), ("0", None, "between 1 and 256"),
     ("chain257", None, "N from 1 to 256"), ("/", None, "tree file / is a folder"), ("²", None, "unknown --tree"),
     ("[[0], [1", None, "not JSON"), ("[[0], [1, 0]]", None, "has no parent"), ("[]", None, "has no choices"),
     ("300", None, "between 1 and 256"), ("8", None, "medusa_mini.cli.measure --ckpt"), ("auto", None, "measure"),
