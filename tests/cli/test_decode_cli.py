@@ -51,6 +51,9 @@ def objects(capsys, *argv: str) -> list[dict]:
 def test_explain_walks_through_one_step_of_either_kind_of_heads(ckpt, ckpt_hydra, capsys, heads, rule, needles):
     out = run(capsys, "--ckpt", ckpt_hydra if heads == "hydra" else ckpt, "--explain", *rule)
     assert all(needle in out for needle in needles), out
+    if heads == "medusa" and not rule:  # the step decides as decoding's first: the same root, then the same tokens
+        o, enc = objects(capsys, "--ckpt", ckpt)[0], decode.load_for_decoding(ckpt, device="cpu").enc
+        assert f"forward pass: {enc.decode(o['tokens'][1 : 1 + o['step_tokens'][0]])!r}" in out, out
 
 
 def test_show_brackets_each_step_of_the_text_and_plain_decoding_needs_no_heads(ckpt, ckpt_no_heads, capsys, tmp_path):
@@ -124,8 +127,8 @@ def test_as_a_process_a_sampled_run_repeats_its_tokens(ckpt, capsys):
 
 
 @pytest.mark.parametrize("case", [  # what the error names: what follows "->", else the first flag given
-    "--ckpt {tmp}/nowhere -> does not exist", "--ckpt {broken} -> model.safetensors", "--ckpt {tmp} -> safetensors",
-    "--ckpt {ckpt}/config.json -> is a file", "--ckpt {no_heads} -> no Medusa heads",
+    "--ckpt {tmp}/nowhere -> nowhere does not exist", "--ckpt {broken} -> model.safetensors",
+    "--ckpt {tmp} -> safetensors", "--ckpt {ckpt}/config.json -> is a file", "--ckpt {no_heads} -> no Medusa heads",
     "--ckpt {no_heads} --compare -> no Medusa heads", "--ckpt {hydra} --reference -> not Hydra heads",
     "--tree chain6 -> 4 Medusa heads", "--tree {tmp}/wide.json -> draft vocabulary", "--tree ''", "--prompt ''",
     "--prompt '{long}' -> context holds 64", "--temperature -1", "--temperature inf", "--top-p 1.5",
