@@ -133,10 +133,6 @@ def test_the_built_tree_is_always_valid_and_its_value_follows_the_product_rule(s
         assert expected == pytest.approx(expected_tokens_per_step(acc, tree))
 
 
-def test_expected_tokens_of_a_chain_sums_the_running_products_of_top1_accuracies():
-    assert expected_tokens_per_step(VICUNA, chain(4)) == pytest.approx(1 + VICUNA[:4, 0].cumprod(0).sum().item())
-
-
 def test_with_ranks_ordered_by_accuracy_the_greedy_tree_is_the_best_of_all_valid_trees():
     acc = torch.tensor([[0.5, 0.3, 0.1], [0.6, 0.2, 0.05]])
     nodes = [(r,) for r in range(3)] + [(r, s) for r in range(3) for s in range(3)]

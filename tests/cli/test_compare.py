@@ -34,6 +34,8 @@ def test_greedy_rows_are_plain_greedys_the_reference_the_engines_each_on_its_tre
     save_accuracy(directory, VICUNA, drawn=DRAWN)
     monkeypatch.setattr(runs_mod, "decode", lambda engine, method, *a, **kw: trees.setdefault(
         method.key, set()).add(method.tree.choices if method.tree else None) or real(engine, method, *a, **kw))
+    calls, generate = [], runs_mod.reference.medusa_generate  # the reference rows run reference.py's decoder
+    monkeypatch.setattr(runs_mod.reference, "medusa_generate", lambda *a, **k: calls.append(1) or generate(*a, **k))
     result = compared(capsys, "--ckpt", str(directory), "--reference", "--max-new-tokens", "12")
     rows = {row["key"]: row for row in result["rows"]}
     assert [r["key"] for r in result["rows"]] == ROWS + ["reference_greedy", "reference_typical", "reference_rejection"]
@@ -41,7 +43,7 @@ def test_greedy_rows_are_plain_greedys_the_reference_the_engines_each_on_its_tre
         assert rows[key]["tokens"] == rows["plain_greedy"]["tokens"] and rows[key]["same_as_plain_greedy"] is True
     for rule in ("greedy", "typical", "rejection"):  # the reference decodes as the engine, and stops as it does
         ref, engine = rows[f"reference_{rule}"], rows[f"medusa_{rule}"]
-        assert ref["same_as_engine"] == 3 and all(ref[k] == engine[k] for k in ("tokens", "stop_reasons"))
+        assert ref["same_as_engine"] == 3 and all(ref[k] == engine[k] for k in ("tokens", "stop_reasons")) and calls
         assert engine["same_as_plain_greedy"] is (True if rule == "greedy" else None)
     assert all(len(t) == 12 for row in rows.values() for t in row["tokens"])
     assert all(0 < row["seconds"] < 60 for row in rows.values())  # a wall clock's interval, not its reading
@@ -131,3 +133,4 @@ def test_a_rows_numbers_count_passes_per_batch_and_every_token_once():
     rows = [{"method": "Medusa greedy", "batch_size": b, **r, "step_cost": 1.5, "speedup": 1.2} for b in (1, 2)]
     assert f"still pays at batch 2: a step costs 1.50x a plain step at batch 1 and 1.50x at batch 2, and a batch " \
            f"of 2 makes {14 / 12:.2f}x the passes its rows need" in why_line(rows)
+    assert why_line([{**row, "speedup": 0.9} for row in rows]).startswith("Medusa greedy does not pay at any")
