@@ -10,7 +10,7 @@ import torch
 
 import decode
 from conftest import RULES, random_heads, tiny_model
-from medusa_mini.cli.compiled import StaticCaches, compile_steps, verify_and_accept, warm_up
+from medusa_mini.cli.compiled import StaticCaches, compile_options, compile_steps, verify_and_accept, warm_up
 from medusa_mini.decoding import generate_batch, medusa_generate_batch
 from medusa_mini.model import KVCache
 from medusa_mini.proposal import PromptLookup
@@ -158,8 +158,8 @@ def test_a_compiled_step_drafts_the_next_tree_in_its_graph_and_makes_the_eager_t
 def test_a_kv_cache_not_marked_static_is_refused_under_cuda_graphs_rules(monkeypatch):
     """Why StaticCaches marks its tensors: a CUDA graph would write into its own copy of the cache."""
     monkeypatch.setattr(torch._dynamo, "mark_static_address", lambda t, guard=True: None)
-    with pytest.raises(AssertionError, match="writes into"):
-        warmed_up(9)
+    pytest.raises(AssertionError, warmed_up, 9).match("writes into")
+    assert [compile_options(d)["mode"] for d in ("cuda", "cpu")] == ["reduce-overhead", None]  # graphs on CUDA only
 
 
 @pytest.mark.parametrize("flags", [["--method", "rejection", "--temperature", "0.8", "--batch-size", "2"],
