@@ -144,7 +144,6 @@ CASES = {
                                         rejection(1.5), rows=700, deepest=2, tree=GREEDY_TREE),
     "hydra-ragged-batch": Case(FutureHydraHeads(gamma=20.0), rejection(), rows=500, deepest=2, model=15,
                                prompts=((2, 1), (3, 0, 1))),
-    "cut-by-the-budget": Case(FutureHeads(gamma=2.0), rejection(), rows=600, deepest=2, tree=GAP_TREE),
     "cut-by-the-context": Case(FutureHeads(gamma=2.0), rejection(candidates="topk"), rows=800, deepest=2,
                                tree=GAP_TREE, block_size=6, max_new_tokens=8),
     "end-token": Case(FutureHeads(gamma=2.0), rejection(), rows=600, deepest=2, eos_id=3),

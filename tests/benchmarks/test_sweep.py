@@ -85,7 +85,6 @@ MAINS = {"sweep": (sweep.main, FAST), "measure": (measure.main, ["--prompts", "4
         "--max-new-tokens 64", "--draft-vocab 4000", "--draft-vocab 1 --max-new-tokens 8",  # below the trees' ranks
         "--temperature 1e39", "--temperature nan", "--rules greedy --temperature -1 -> --temperature",
         "--seed 99999999999999999999", "--plot {tmp}/no/s.png", "--plot ''", "--plot {tmp}", "--plot {tmp}/s.txt",
-        "--plot {tmp}/s",  # a path savefig would not write as named: refused before decoding, not after
         "--ckpt {tmp}/unmeasured -> medusa_mini.cli.measure", "--ckpt {tmp}/never_right -> train the heads")),
     *(("measure", case) for case in ("--prompts 0", "--top-k 0", "--max-new-tokens 2", "--temperature 0",
                                      "--temperature nan", "--temperature 1e39", "--seed 99999999999999999999",

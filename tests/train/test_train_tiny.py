@@ -213,7 +213,9 @@ BAD_INPUT = [["--n-embd", "30", "--n-head", "4"], ["--distill-temperatures", "0,
              ["--distill-prompts", "0"], ["--distill-tokens", "0"], ["--distill-prompt-len", "0"],
              ["--eval-prompts", "0"], ["--heads-batch-size", "0"], ["--lr", "nan"], ["--lr", "inf"], ["--lr", "-1"],
              ["--log-every", "nan"], ["--medusa", "3"], ["--seed", str(2**64)], ["--out", ""], ["--out", "empty.txt"],
-             ["--out", "empty.txt/x"], ["--heads-stride", "0"], ["--resume", "--overwrite"]]
+             ["--out", "empty.txt/x"], ["--heads-stride", "0"], ["--resume", "--overwrite"], ["--n-layer", "0"],
+             ["--n-head", "0"], ["--n-embd", "0"], ["--batch-size", "0"], ["--num-heads", "0"],
+             ["--distill-prompt-len", "64"]]
 
 
 def test_help_lists_every_flag_and_bad_flags_or_data_are_one_line_naming_it_with_code_2(tmp_path, monkeypatch, capsys):
@@ -224,8 +226,10 @@ def test_help_lists_every_flag_and_bad_flags_or_data_are_one_line_naming_it_with
     text = capsys.readouterr().out
     assert exit.value.code == 0 and all(f"--{name.replace('_', '-')} " in text for name in TrainArgs.hyper_parameters())
     assert all(flag in text for flag in ("--preset", "--data", "--resume", "--init", "--dtype", "gpt2-cpu"))
-    outs = [["--preset", "cpu"], ["--preset", "smoke"], ["--preset", "gpt2-cpu", "--init", "gpt2"], ["--out", "mine"]]
-    assert [train_tiny.parse_args(a).out for a in outs] == ["out/tiny", "out/smoke", "out/gpt2-cpu", "mine"]
+    outs = [["--preset", "cpu"], ["--preset", "smoke"], ["--preset", "gpt2-cpu", "--init", "gpt2"], ["--out", "mine"],
+            ["--vocab-size", "257"]]  # the least: 256 bytes and end-of-text
+    assert [train_tiny.parse_args(a).out for a in outs] == ["out/tiny", "out/smoke", "out/gpt2-cpu", "mine", "out/tiny"]
+    assert vars(train_tiny.parse_args(["--init", "gpt2"])).items() >= {("medusa", 1), ("backbone_steps", 0)}  # frozen
     monkeypatch.chdir(tmp_path)
     (tmp_path / "empty.txt").write_text("")
     (tmp_path / "binary.bin").write_bytes(b"\x00\x01\x02" * 100)
