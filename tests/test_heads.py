@@ -49,7 +49,7 @@ def test_fresh_heads_start_as_the_backbones_next_token_prediction(kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_head_k_is_the_lm_head_over_h_plus_silu_of_its_own_linear_layer(kind):
+def test_head_k_is_the_lm_head_over_h_plus_silu_of_its_linear_layer_reading_no_token_after_its_kth(kind):
     """Head k: lm_head(h + SiLU(W_k h + b_k)); a dependent (hydra) head's W_k reads [h; e(x_{t+1}); ...; e(x_{t+k})]."""
     model, h, following = tiny_model(4), torch.randn(C), torch.tensor([5, 9, 13, 17])
     heads = random_heads(model, kind=kind, seed=4)
@@ -58,19 +58,6 @@ def test_head_k_is_the_lm_head_over_h_plus_silu_of_its_own_linear_layer(kind):
         read = h if kind == "medusa" else torch.cat([h, *model.transformer.wte(following[:k])])
         want = model.lm_head(h + torch.nn.functional.silu(block.linear.weight @ read + block.linear.bias))
         torch.testing.assert_close(got[k - 1], want)
-
-
-@pytest.mark.parametrize("kind", KINDS)
-def test_head_k_reads_exactly_the_k_tokens_before_its_target(kind):
-    """Hydra's head k reads x_{t+1..t+k}, not the later ones; Medusa's heads read none of them."""
-    model = tiny_model(1)
-    heads = random_heads(model, kind=kind)  # K = 4
-    h, following = torch.randn(C), torch.tensor([5, 9, 13, 17])
-    base = heads(h, model, following=following)  # [K, V]
-    for j in range(4):
-        out = heads(h, model, following=torch.where(torch.arange(4) == j, following + 1, following))  # token j moved
-        moved = [not torch.equal(out[k - 1], base[k - 1]) for k in range(1, 5)]
-        assert moved == [kind == "hydra" and j < k for k in range(1, 5)], j
 
 
 @pytest.mark.parametrize("kind, num", [(kind, num) for kind in KINDS for num in (0, 1, 2)])

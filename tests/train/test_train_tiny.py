@@ -116,6 +116,7 @@ def test_a_run_writes_a_complete_checkpoint_and_a_measured_summary(reference_run
                                     "heads_accuracy.json"}  # no resume state
     assert len(json.loads((out / "prompts.json").read_text())["prompts"]) == 2  # held out, a third of 64 tokens
     assert all(s in text for s in ("tokenizer", "backbone", "8 continuations", "heads", "summary", "official Medusa-1"))
+    assert re.search(r"^heads +step +4/4  heads( [\d.]+){4}  top1( [\d.]+){4}  [\d,]+ tok/s  ETA 0m00s$", text, re.M)
     # the summary's expected tokens per step are the product rule on the stored accuracies
     assert (acc := load_accuracy(out)).shape == (4, 10)
     want = ", ".join(f"{b} nodes {build_tree(acc, b)[1]:.2f}" for b in (4, 8, 16, 32, 64))
@@ -166,6 +167,19 @@ def test_a_run_never_replaces_a_checkpoint_unless_told_to_and_a_second_ctrl_c_st
         assert train_tiny.main(FAST + ["--out", str(out)]) == 130
     assert not {"heads_accuracy.json", "prompts.json"} & set(os.listdir(out))
     assert not same_weights(reference_run[0], out)
+
+
+def test_medusa_1_trains_the_backbone_alone_as_joint_training_without_a_heads_loss_does(tmp_path, reference_run,
+                                                                                        capsys):
+    """--medusa 1 from scratch: next-token training alone, then heads on the frozen backbone (§2.2.1); --medusa 2,
+    the default, trains the heads with the backbone, whose progress lines show their losses (§2.2.2)."""
+    runs = [tmp_path / "m1", tmp_path / "l0"]
+    for out, flags in zip(runs, (["--medusa", "1"], ["--lambda0", "0"])):
+        assert train_tiny.main(FAST + ["--out", str(out), *flags]) == 0
+    printed = (capsys.readouterr().out, reference_run[1])
+    joint = [[" heads " in line for line in text.splitlines() if line.startswith("backbone  step")] for text in printed]
+    assert same_weights(*runs) and not same_weights(runs[0], reference_run[0], backbone_only=True)
+    assert joint == [[False] * 4, [True] * 2]  # two runs' first and last steps; the reference run's
 
 
 def test_bfloat16_reaches_float32s_validation_loss_measured_every_eval_every_steps(tmp_path, reference_run, capsys):
