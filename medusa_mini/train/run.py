@@ -461,7 +461,7 @@ def run(args: TrainArgs) -> None:
     enc, train_tokens, val_tokens = _prepare(r, state, train_docs, val_docs)
     block_size = r.model.config.block_size
     # Eight fixed batches of 8 held-out windows, drawn by a generator of their own: measuring changes no training.
-    g, T = torch.Generator().manual_seed(args.seed * 7919 + 101), min(block_size, 256, len(val_tokens) - 1)
+    g, T = torch.Generator().manual_seed(args.seed * 7919 + 101), min(block_size, 256)
     val_batches = [get_batch(val_tokens, batch_size=8, block_size=T, generator=g, device=r.device) for _ in range(8)]
     previous = signal.signal(signal.SIGINT, r.on_ctrl_c)
     try:
