@@ -126,6 +126,7 @@ def test_a_run_writes_a_complete_checkpoint_and_a_measured_summary(reference_run
     assert ", ".join(f"{b} nodes {build_tree(drawn, b)[1]:.2f}" for b in (4, 8, 16, 32, 64)) in text
     model, heads, cfg = load_checkpoint(out)
     assert heads.num_heads == 4 and cfg["medusa_mini"]["eot_id"] == model.config.vocab_size - 1
+    assert 4.5 < cfg["medusa_mini"]["val_loss"] < 6  # nats/token, a mean over batches: 6 steps from ln(300) = 5.70
     assert heads.draft_ids.numel() == 128  # the smoke preset's --draft-vocab
     accept = cfg["medusa_mini"]["head_accept_sampled"]  # Σ min(p, q) per head, printed as the summary shows it
     assert len(accept) == 4 and all(0 < a < 1 for a in accept)
