@@ -139,11 +139,12 @@ def test_a_run_writes_a_complete_checkpoint_and_a_measured_summary(reference_run
 
 @pytest.mark.parametrize("during", [1, 4, "distill", 9])  # backbone steps 1 and 4, self-distillation, heads step 3
 def test_after_ctrl_c_a_resumed_run_ends_as_an_uninterrupted_one(tmp_path, during, reference_run):
-    """Validation during the run (--eval-every) draws its batches from a generator of their own."""
+    """Validation during the run (--eval-every) draws its batches from a generator of their own. Pressed twice in
+    step 4, the run stops at once: it resumes from the save --save-every made after step 2."""
     out = tmp_path / "out"
     where = dict(during=1, owner=run_mod, name="self_distill") if during == "distill" else dict(during=during)
-    with ctrl_c(**where):
-        assert train_tiny.main(FAST + ["--out", str(out), "--eval-every", "2"]) == 130
+    with ctrl_c(**where, presses=1 + (during == 4)):
+        assert train_tiny.main(FAST + ["--out", str(out), "--eval-every", "2", "--save-every", "2"]) == 130
     load_checkpoint(out)  # what was saved at the interruption is a usable checkpoint
     groups = (torch.load(out / "train_state.pt", weights_only=True)["optim"] or {}).get("param_groups", [])
     assert [g["weight_decay"] for g in groups] == [0.1, 0.0] * (len(groups) // 2)  # AdamW: gains and biases exempt
@@ -170,25 +171,24 @@ def test_a_run_never_replaces_a_checkpoint_unless_told_to_and_a_second_ctrl_c_st
     assert not same_weights(reference_run[0], out)
 
 
-def test_medusa_1_trains_the_backbone_alone_as_joint_training_without_a_heads_loss_does(tmp_path, reference_run,
-                                                                                        capsys):
+def test_medusa_1_trains_the_backbone_alone_as_a_joint_run_without_a_heads_loss(tmp_path, reference_run, capsys):
     """--medusa 1 from scratch: next-token training alone, then heads on the frozen backbone (§2.2.1); --medusa 2,
     the default, trains the heads with the backbone, whose progress lines show their losses (§2.2.2)."""
     runs = [tmp_path / "m1", tmp_path / "l0"]
-    for out, flags in zip(runs, (["--medusa", "1"], ["--lambda0", "0"])):
-        assert train_tiny.main(FAST + ["--out", str(out), *flags]) == 0
+    for out, flags in zip(runs, (["--medusa", "1"], ["--lambda0", "0"])):  # 65 prompts: two chunks of 64 at most
+        assert train_tiny.main(FAST + ["--out", str(out), "--distill-prompts", "65", *flags]) == 0
     printed = (capsys.readouterr().out, reference_run[1])
     joint = [[" heads " in line for line in text.splitlines() if line.startswith("backbone  step")] for text in printed]
     assert same_weights(*runs) and not same_weights(runs[0], reference_run[0], backbone_only=True)
-    assert joint == [[False] * 4, [True] * 2]  # two runs' first and last steps; the reference run's
+    assert joint == [[False] * 4, [True] * 2] and printed[0].count("65 continuations x 12 tokens at T=0,0.8") == 2
 
 
 def test_bfloat16_reaches_float32s_validation_loss_measured_every_eval_every_steps(tmp_path, reference_run, capsys):
     out = tmp_path / "bf16"
-    assert train_tiny.main(FAST + ["--out", str(out), "--dtype", "bfloat16", "--eval-every", "2"]) == 0
+    assert train_tiny.main(FAST + ["--out", str(out), "--dtype", "bfloat16", "--eval-every", "4"]) == 0
     printed = capsys.readouterr().out
     lines = [line for line in printed.splitlines() if line.startswith("eval ")]
-    assert [line.split()[2] for line in lines] == ["2/6", "4/6", "6/6"] and "validation loss" in lines[0]
+    assert [line.split()[2] for line in lines] == ["4/6", "6/6"] and "validation loss" in lines[0]  # and the last
     assert "stages     backbone" in printed  # time per stage in the summary
     f32, bf16 = (load_checkpoint(d)[2]["medusa_mini"]["val_loss"] for d in (reference_run[0], out))
     assert abs(bf16 - f32) <= 0.05 * f32 and not same_weights(reference_run[0], out)  # autocast ran in bfloat16
@@ -311,10 +311,11 @@ def test_init_trains_heads_of_another_kind_on_a_frozen_checkpoint_over_its_own_t
     args = FAST + ["--init", str(base), "--preset", "gpt2-cpu", "--heads", "hydra", "--draft-vocab", "64",
                    "--distill-prompts", "4"]
     assert train_tiny.main(FAST + ["--out", str(ref), "--n-embd", "48", "--backbone-steps", "2"]) == 0  # older run
-    written, real = [], run_mod.self_distill  # the self-distilled text, recorded
+    (written, real), (saves, save) = ([], run_mod.self_distill), ([], run_mod.save_checkpoint)  # recorded
     monkeypatch.setattr(run_mod, "self_distill", lambda *a, **k: written.append(real(*a, **k)) or written[-1])
+    monkeypatch.setattr(run_mod, "save_checkpoint", lambda *a, **k: saves.append(k["write_model"]) or save(*a, **k))
     assert train_tiny.main(args + ["--out", str(ref), "--overwrite"]) == 0
-    assert "coverage of greedy text: 64 " in capsys.readouterr().out
+    assert "coverage of greedy text: 64 " in capsys.readouterr().out and saves == [True] + [False] * (len(saves) - 1)
     monkeypatch.undo()
     _, heads, cfg = load_checkpoint(ref)
     assert same_weights(base, ref, backbone_only=True) and cfg["medusa_mini"]["init"] == str(base)
