@@ -85,7 +85,7 @@ def test_on_cuda_each_part_compiles_keeps_its_lines_and_names_what_failed(tmp_pa
     monkeypatch.setattr(torch.cuda, "get_device_properties",
                         lambda device: SimpleNamespace(name="NVIDIA H100 80GB HBM3", total_memory=80 * 2**30))
     text = gpu_report.header(cuda_settings(), ["--out", "r.md"])
-    assert text.startswith("# medusa_mini on NVIDIA H100 80GB HBM3") and "- device: cuda: NVIDIA H100" in text
+    assert text.startswith("# medusa_mini on NVIDIA H100 80GB HBM3") and "cuda: NVIDIA H100 80GB HBM3, 80 GiB" in text
 
 
 @pytest.mark.parametrize("case", [  # the error names what follows "->", else the first flag given
