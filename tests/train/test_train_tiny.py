@@ -244,7 +244,7 @@ def test_help_lists_every_flag_and_bad_flags_or_data_are_one_line_naming_it_with
     outs = [["--preset", "cpu"], ["--preset", "smoke"], ["--preset", "gpt2-cpu", "--init", "gpt2"], ["--out", "mine"],
             ["--vocab-size", "257"]]  # the least: 256 bytes and end-of-text
     assert [train_tiny.parse_args(a).out for a in outs] == ["out/tiny", "out/smoke", "out/gpt2-cpu", "mine", "out/tiny"]
-    assert vars(train_tiny.parse_args(["--init", "gpt2"])).items() >= {("medusa", 1), ("backbone_steps", 0)}  # frozen
+    assert ((a := train_tiny.parse_args(["--init", "gpt2"])).medusa, a.backbone_steps) == (1, 0)  # kept frozen
     monkeypatch.chdir(tmp_path)
     (tmp_path / "empty.txt").write_text("")
     (tmp_path / "binary.bin").write_bytes(b"\x00\x01\x02" * 100)
@@ -311,7 +311,7 @@ def test_init_trains_heads_of_another_kind_on_a_frozen_checkpoint_over_its_own_t
     args = FAST + ["--init", str(base), "--preset", "gpt2-cpu", "--heads", "hydra", "--draft-vocab", "64",
                    "--distill-prompts", "4"]
     assert train_tiny.main(FAST + ["--out", str(ref), "--n-embd", "48", "--backbone-steps", "2"]) == 0  # older run
-    (written, real), (saves, save) = ([], run_mod.self_distill), ([], run_mod.save_checkpoint)  # recorded
+    written, saves, real, save = [], [], run_mod.self_distill, run_mod.save_checkpoint  # the text; model writes
     monkeypatch.setattr(run_mod, "self_distill", lambda *a, **k: written.append(real(*a, **k)) or written[-1])
     monkeypatch.setattr(run_mod, "save_checkpoint", lambda *a, **k: saves.append(k["write_model"]) or save(*a, **k))
     assert train_tiny.main(args + ["--out", str(ref), "--overwrite"]) == 0
