@@ -428,9 +428,8 @@ def summarize(r: Run, val_batches: list, val_tokens: np.ndarray) -> dict:
                  + f"; cpu preset {expected_tokens_per_step(acc, preset('cpu').truncated(K)):.2f}")
     lines.append(f"           {f'expected tokens/step, rejection (T={T:g}):':<48}"
                  + ", ".join(f"{b} nodes {build_tree(drawn, b)[1]:.2f}" for b in (4, 8, 16, 32, 64)))
-    if coverage:
-        lines.append("           draft vocabulary coverage of greedy text: "
-                     + ", ".join(f"{m} {c:.2f}" for m, c in coverage.items()))
+    lines.append("           draft vocabulary coverage of greedy text: "  # never empty: V > 256 (bytes, end-of-text)
+                 + ", ".join(f"{m} {c:.2f}" for m, c in coverage.items()))
     r.log("\n".join(lines))
     saved = {"head_top1_text": text[:, 0], "head_top1_own": acc[:, 0], "head_accept_sampled": accept}
     return {"val_loss": round(val_loss, 4), **{k: [round(v, 4) for v in xs.tolist()] for k, xs in saved.items()},
