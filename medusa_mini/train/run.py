@@ -38,7 +38,7 @@ COVERAGE_SIZES = (256, 512, 1024, 2048, 4096, 8192)
 class Run:
     """What every stage needs: args, ranks, device, model and heads; saving and resuming them; the stage clock."""
 
-    def __init__(self, args: TrainArgs) -> None:
+    def __init__(self, args: TrainArgs, data_digest: str) -> None:
         self.args, self.device = args, args.device
         self.rank, self.world = 0, 1
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -54,7 +54,7 @@ class Run:
         self.rank_path = f"{self.state_path}.rank{self.rank}"
         self.stop_requested = self.model_written = False
         self.distill = None  # [S, P + n] the self-distilled text, once written
-        self.data_digest = ""  # `data.corpus_digest` of the text the run trains on
+        self.data_digest = data_digest  # `data.corpus_digest` of the text the run trains on
         self.stages: list[str] = []  # each timed stage, as the `stages` line shows it
 
     def log(self, msg: str) -> None:
@@ -454,8 +454,7 @@ def run(args: TrainArgs) -> None:
         train_docs, val_docs = split_documents(docs, seed=args.seed)
     except ValueError as e:
         raise TrainError(str(e)) from None
-    r = Run(args)
-    r.data_digest = corpus_digest(docs)
+    r = Run(args, corpus_digest(docs))
     state = r.load_state() if args.resume else None
     enc, train_tokens, val_tokens = _prepare(r, state, train_docs, val_docs)
     block_size = r.model.config.block_size
