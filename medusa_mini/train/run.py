@@ -83,10 +83,6 @@ class Run:
         self.model_written = True
 
     def load_state(self) -> dict:
-        if not os.path.isfile(self.state_path):
-            done = os.path.isfile(os.path.join(self.args.out, CONFIG_FILE))  # a checkpoint, and no run to continue
-            raise TrainError(f"--resume: no {STATE_FILE} in {self.args.out}; " + (
-                "its run has finished: train it again with --overwrite instead" if done else "start without --resume"))
         try:
             state = torch.load(self.state_path, map_location="cpu", weights_only=True)
             if self.world > 1:
@@ -444,6 +440,9 @@ def run(args: TrainArgs) -> None:
     if (unfinished or trained) and not (args.resume or args.overwrite):  # a failed run would leave a mix of both
         what = "an unfinished run: add --resume to continue it," if unfinished else "a trained checkpoint: add"
         raise TrainError(f"{args.out} holds {what} --overwrite to replace it, or choose another --out")
+    if args.resume and not unfinished:
+        raise TrainError(f"--resume: no {STATE_FILE} in {args.out}; " + (
+            "its run has finished: train it again with --overwrite instead" if trained else "start without --resume"))
     try:  # --out now, not after the corpus and the tokenizer
         os.makedirs(args.out, exist_ok=True)
     except OSError as e:
