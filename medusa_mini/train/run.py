@@ -2,7 +2,6 @@
 frozen), self-distillation, heads, draft vocabulary, summary. `Run` saves what an exact --resume needs; the first
 Ctrl-C saves after the current step. Under torchrun (DDP) each rank trains on its own batches, rank 0 writes."""
 
-import contextlib
 import hashlib
 import math
 import os
@@ -134,20 +133,20 @@ class Run:
         # The newline in the text: print() writes it separately, and two ranks would interleave the writes.
         print(f"rank {self.rank}/{self.world} weights sha256 {h.hexdigest()[:16]}\n", end="", flush=True)
 
-    @contextlib.contextmanager
-    def stage(self, name: str):
-        """Time a stage for the `stages` line, with its peak allocated memory on CUDA."""
+    def stage(self, name: str, fn):
+        """fn(), a stage, timed for the `stages` line, with its peak allocated memory on CUDA."""
         cuda = self.device.startswith("cuda")
         if cuda:
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
         t0 = time.perf_counter()
-        yield
+        result = fn()
         peak = ""
         if cuda:  # the queue must drain before the clock stops, or the time is the host's only
             torch.cuda.synchronize(self.device)
             peak = f" (peak {torch.cuda.max_memory_allocated(self.device) / 2**30:.2f} GiB)"
         self.stages.append(f"{name} {time.perf_counter() - t0:.2f} s{peak}")  # two decimals: no stage reads 0 s
+        return result
 
     def finish(self) -> None:
         """Remove the resume state (each rank its own file) once every rank is done, then leave the group."""
@@ -369,22 +368,19 @@ def _train_stages(r: Run, state: dict | None, train_tokens: np.ndarray, val_batc
         r.log(f"resuming   at {stage} step {step}")
     if stage == "backbone":
         if r.args.backbone_steps > 0:
-            with r.stage("backbone"):
-                backbone_stage(r, train_tokens, val_batches, step=step, state=state)
+            r.stage("backbone", lambda: backbone_stage(r, train_tokens, val_batches, step=step, state=state))
         stage, step, state = "distill", 0, None
         r.save(stage=stage, step=0)
     r.model.eval().requires_grad_(False)
     r.model.zero_grad(set_to_none=True)  # the backbone's gradients are not needed again
     if stage == "distill":
-        with r.stage("distill"):
-            r.distill = distill_stage(r, train_tokens)
+        r.distill = r.stage("distill", lambda: distill_stage(r, train_tokens))
         stage, step, state = "heads", 0, None
         r.save(stage=stage, step=0)
     else:
         r.distill = state["distill"].to(r.device)
     if r.args.heads_steps > 0:
-        with r.stage("heads"):
-            heads_stage(r, step=step, state=state)
+        r.stage("heads", lambda: heads_stage(r, step=step, state=state))
 
 
 def summarize(r: Run, val_batches: list, val_tokens: np.ndarray) -> dict:
@@ -470,8 +466,7 @@ def run(args: TrainArgs) -> None:
     if r.world > 1:
         r.print_checksum()
     if r.main:
-        with r.stage("summary"):
-            r.extra.update(summarize(r, val_batches, val_tokens))
+        r.extra.update(r.stage("summary", lambda: summarize(r, val_batches, val_tokens)))
         r.log("stages     " + ", ".join(r.stages))
         prompts = held_out_prompts(val_docs, enc, count=args.eval_prompts, seed=args.seed, block_size=block_size)
         atomic_write(os.path.join(args.out, PROMPTS_FILE), json_writer({"prompts": prompts}))
