@@ -59,9 +59,8 @@ def resolve_tree(spec: str | None, *, ckpt_dir: str, device: torch.device | str,
                 f"run python -m medusa_mini.cli.measure --ckpt {ckpt_dir}" if ckpt_dir else
                 "a checkpoint without a folder (--demo) has none; give a preset or choices"))
         budget, min_gain = (int(spec), 0.0) if count else (64, 0.0) if gpu else (8, CPU_MIN_GAIN)
-        acc = accuracy.load_accuracy(ckpt_dir, drawn=True) if drawn else None
-        if acc is None:  # measured before drawn candidates had a table of their own: greedy's stands in
-            acc = accuracy.load_accuracy(ckpt_dir)
+        if (acc := accuracy.load_accuracy(ckpt_dir, drawn=drawn)) is None:
+            acc = accuracy.load_accuracy(ckpt_dir)  # measured before drawn candidates had a table: greedy's stands in
         tree = build_tree(acc, budget, min_gain=min_gain)[0].truncated(num_heads)  # it may describe more heads
     elif inline or spec.endswith(".json") or os.path.sep in spec:
         path = None if inline else next((p for p in (spec, os.path.join(ckpt_dir, spec)) if os.path.isfile(p)), None)
