@@ -75,8 +75,7 @@ def tree_stages(model: GPT, cache: KVCache, heads: DraftHeads, tree: Tree, root:
     greedy, drawn = Sampling(), Sampling(temperature=SAMPLING_TEMPERATURE)
     propose = partial(proposer.propose, root, hidden, history=history, sampling=greedy, u=None)
     proposal = propose()
-    sampled = proposer.propose(root, hidden, history=history, sampling=drawn,
-                               u=proposer.uniforms(drawn, 1, gen, device=device))
+    sampled = propose(sampling=drawn, u=proposer.uniforms(drawn, 1, gen, device=device))
     check = partial(steps.medusa.verify_and_accept if compiled else verify_and_accept, model, cache, tree=t,
                     stop_at=stop_at, attended=attended, heads=proposer.heads if compiled else None)
     greedy_verify = partial(check, proposal.tokens, sampling=greedy, u=None)
