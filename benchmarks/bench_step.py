@@ -194,13 +194,11 @@ def bench_config(config: GPTConfig, *, device: torch.device, repeat: int, warmup
         t, tokens = verify_tree(n).tensors(device), torch.randint(0, config.vocab_size, (1, n), generator=gen)
         calls[f"verify {n}"] = partial(verify_step, model, caches[n], tokens.to(device), tree=t,
                                        attended=None if compiled else prefix_len + n)
-    reset()
     stages, setup_s = timed(device, lambda: {name: tree_stages(model, caches[tree.num_nodes], heads, tree, root, hidden,
                                                                history=history, steps=steps, compiled=compiled)
                                              for name, tree in trees.items()})
     calls.update({f"{name} {stage}": fn for name in trees for stage, fn in stages[name].items()})
     runs = in_turns(calls, rounds=warmup + repeat, device=device, before_each=reset)
-    reset()
     ms = {key: 1e3 * statistics.median(s for _, s in times[warmup:]) for key, times in runs.items()}
     medusa = {}
     for name, tree in trees.items():
