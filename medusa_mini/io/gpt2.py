@@ -92,27 +92,28 @@ def gpt2_config_dict(model: GPT, *, eos_token_id: int | None = None) -> dict:
             "torch_dtype": str(model.transformer.wte.weight.dtype).removeprefix("torch.")}
 
 
-def config_from_gpt2_dict(d: object) -> GPTConfig:
-    """GPTConfig from a GPT-2 config.json; a ValueError for anything this GPT cannot reproduce."""
+def read_gpt2_config(path: str) -> GPTConfig:
+    """GPTConfig from a GPT-2 config.json; a ValueError naming the file for anything this GPT cannot reproduce."""
+    d = read_json(path, hint="put GPT-2's config.json beside its weights")
     if not isinstance(d, dict):
-        raise ValueError("a GPT-2 config must be a JSON object")
+        raise ValueError(f"{path}: a GPT-2 config must be a JSON object")
     if d.get("model_type") != "gpt2":
-        raise ValueError(f"model_type is {d.get('model_type')!r}; only 'gpt2' models can be loaded")
+        raise ValueError(f"{path}: model_type is {d.get('model_type')!r}; only 'gpt2' models can be loaded")
     try:
         block_size = int(d["n_positions"] if "n_positions" in d else d["n_ctx"])
         config = GPTConfig(vocab_size=int(d["vocab_size"]), block_size=block_size, n_layer=int(d["n_layer"]),
                            n_head=int(d["n_head"]), n_embd=int(d["n_embd"]),
                            layer_norm_epsilon=float(d.get("layer_norm_epsilon", 1e-5)))
     except KeyError as e:
-        raise ValueError(f"GPT-2 config is missing {e.args[0]!r}") from None
+        raise ValueError(f"{path}: GPT-2 config is missing {e.args[0]!r}") from None
     except (TypeError, ValueError) as e:
-        raise ValueError(f"GPT-2 config has an invalid value: {e}") from None
+        raise ValueError(f"{path}: GPT-2 config has an invalid value: {e}") from None
     supported = {  # this GPT's MLP is 4 C wide with tanh-GELU, and its attention scales by 1/sqrt(hs)
         "activation_function": ("gelu_new", "gelu_pytorch_tanh"), "n_inner": (None, 4 * config.n_embd),
         "tie_word_embeddings": (True,), "scale_attn_weights": (True,), "scale_attn_by_inverse_layer_idx": (False,)}
     for field, values in supported.items():
         if field in d and d[field] not in values:
-            raise ValueError(f"GPT-2 config sets {field}={d[field]!r}, which this GPT does not implement")
+            raise ValueError(f"{path}: GPT-2 config sets {field}={d[field]!r}, which this GPT does not implement")
     return config
 
 
@@ -228,13 +229,8 @@ def load_gpt2(name_or_path: str | os.PathLike, *, device: torch.device | str = "
     if not weights.endswith(".safetensors") or not os.path.isfile(weights):
         raise ValueError(f"no model.safetensors in {path}: GPT-2 weights are read from safetensors only (convert a "
                          "pytorch_model.bin with safetensors.torch.save_file)")
-    config_path, config = os.path.join(folder, "config.json"), None
-    if os.path.isfile(config_path) or os.path.isdir(path):
-        d = read_json(config_path, hint="put GPT-2's config.json beside its weights")
-        try:
-            config = config_from_gpt2_dict(d)
-        except ValueError as e:
-            raise ValueError(f"{config_path}: {e}") from None
+    config_path = os.path.join(folder, "config.json")  # a directory needs one, beside a weights file it is optional
+    config = read_gpt2_config(config_path) if os.path.isfile(config_path) or os.path.isdir(path) else None
     tensors = read_safetensors(weights)
     config = config or infer_gpt2_config(tensors)  # a bare weights file: its shapes say which GPT-2 it is
     # Drawing a GPT-2's random weights takes seconds (gpt2: 3 s on two CPU cores; gpt2-xl has 12 times as many).
