@@ -59,15 +59,12 @@ def load_gpt2_weights(model: GPT, tensors: dict[str, torch.Tensor]) -> None:
     """Copy GPT-2-layout tensors, keys with or without the "transformer." prefix, into `model`. Everything
     is checked before anything is copied, so a failed load leaves the model untouched."""
     found: dict[str, torch.Tensor] = {}
-    lm_head = None  # tied: equal to wte if a file holds it
     for key, t in tensors.items():
-        short = key.removeprefix(_PREFIX)
-        if short == "lm_head.weight":
-            lm_head = t
-        elif not short.endswith(_BUFFERS):
-            if short in found:
-                raise ValueError(f"tensor {short!r} appears both with and without the 'transformer.' prefix")
+        if (short := key.removeprefix(_PREFIX)) in found:
+            raise ValueError(f"tensor {short!r} appears both with and without the 'transformer.' prefix")
+        if not short.endswith(_BUFFERS):
             found[short] = t
+    lm_head = found.pop("lm_head.weight", None)  # tied: equal to wte if a file holds it
     params = {k.removeprefix(_PREFIX): p for k, p in model.state_dict().items() if k.startswith(_PREFIX)}
     check_tensors({k: p.shape[::-1] if k.endswith(_CONV1D) else p.shape for k, p in params.items()}, found,
                   fits=f"this GPT ({model.config})")
