@@ -25,7 +25,6 @@ GPT2_CONFIGS: dict[str, GPTConfig] = {
     for name, n_layer, n_head, n_embd in [("gpt2", 12, 12, 768), ("gpt2-medium", 24, 16, 1024),
                                           ("gpt2-large", 36, 20, 1280), ("gpt2-xl", 48, 25, 1600)]}
 RETRIES = 2  # resumptions or restarts of a broken download within one call
-TIMEOUT_S = 30
 META_ABOVE = 50_000_000  # parameters: a larger model is built on the meta device (`load_gpt2`)
 _CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 _BUFFERS = (".attn.bias", ".attn.masked_bias")  # causal masks older transformers saved with the weights
@@ -145,7 +144,7 @@ def _fetch(url: str, part: str) -> None:
     have = os.path.getsize(part) if os.path.exists(part) else 0
     headers = {"User-Agent": "medusa_mini", **({"Range": f"bytes={have}-"} if have else {})}
     try:
-        resp = urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=TIMEOUT_S)
+        resp = urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=30)
     except urllib.error.HTTPError as e:
         e.close()
         if e.code == 416 and have:  # nothing after our partial file: it is complete, or not this file's
