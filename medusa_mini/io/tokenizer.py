@@ -4,7 +4,6 @@ per line) and tokenizer_config.json (`{"type": "bpe", "name", "pattern", "specia
 `{"type": "tiktoken", "name": "gpt2"}` for one of tiktoken's named encodings)."""
 
 import base64
-import contextlib
 import heapq
 import os
 import pathlib
@@ -126,10 +125,8 @@ def save_tokenizer(enc: tiktoken.Encoding, directory: str | os.PathLike) -> path
         files = {CONFIG_FILE: json_writer({"type": "tiktoken", "name": enc.name})}
     else:
         specials = {t: enc.encode_single_token(t) for t in sorted(enc.special_tokens_set)}
-        lines = []
-        for rank in sorted(set(range(enc.n_vocab)) - set(specials.values())):
-            with contextlib.suppress(KeyError):  # ids need not be dense
-                lines.append(f"{base64.b64encode(enc.decode_single_token_bytes(rank)).decode('ascii')} {rank}\n")
+        tokens = sorted(enc.token_byte_values(), key=enc.encode_single_token)  # in rank order; ranks need not be dense
+        lines = [f"{base64.b64encode(t).decode('ascii')} {enc.encode_single_token(t)}\n" for t in tokens]
         pattern = getattr(enc, "_pat_str", GPT2_SPLIT_PATTERN)  # tiktoken has no public accessor for it
         config = {"type": "bpe", "name": enc.name, "pattern": pattern, "special_tokens": specials}
         files = {RANKS_FILE: text_writer("".join(lines)), CONFIG_FILE: json_writer(config)}
