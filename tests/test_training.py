@@ -5,19 +5,19 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import scrambled, tiny_model
+from conftest import random_heads, tiny_model
 from medusa_mini import training
 from medusa_mini.decoding import generate
-from medusa_mini.heads import IGNORE, HeadsConfig, make_heads, next_tokens
+from medusa_mini.heads import IGNORE, next_tokens
 from medusa_mini.model import GPT, GPTConfig
 from medusa_mini.training import MedusaLM, chunked_head_loss, cosine_lr, lambda_schedule, self_distill
 
 
-def _setup(num_heads=3, kind="medusa"):
+def _setup(num_heads=3, kind="medusa", draft=0):
     """A GPT and its heads, with random blocks: zero-initialised ones would hide a wrong gradient."""
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=50, block_size=32, n_layer=2, n_head=2, n_embd=32))
-    return model, scrambled(make_heads(HeadsConfig(num_heads=num_heads, n_embd=32, vocab_size=50, kind=kind)))
+    return model, random_heads(model, num_heads=num_heads, kind=kind, draft=draft)
 
 
 def plain_head_losses(logits, y, keep=lambda b, t, k: True):
@@ -85,9 +85,7 @@ def test_heads_loss_chunked_strided_frozen_or_over_a_draft_vocabulary_is_the_pla
     """Values, top-1 and gradients: head k at t against token t+k+1 where `valid` (prompts are no targets), at every
     stride-th position from the offset, over a draft vocabulary (as the token's index there); Hydra heads read the
     true next tokens, each chunk its own (29: ragged); lm = 0: a frozen backbone's detached states train the heads."""
-    model, heads = _setup(kind=kind)
-    if draft:
-        heads.use_draft_vocabulary(torch.randperm(50, generator=torch.Generator().manual_seed(4)), draft)
+    model, heads = _setup(kind=kind, draft=draft)
     module, x = MedusaLM(model, heads), torch.randint(0, 50, (4, 21), generator=torch.Generator().manual_seed(5))
     y, valid = x[:, 1:], torch.arange(20).expand(4, 20) >= 2
     loss, metrics = module(x[:, :-1], y, valid=valid, lm_weight=lm, heads_weight=0.5, decay=0.8, heads_stride=stride,
