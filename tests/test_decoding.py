@@ -25,13 +25,11 @@ TREES = {
 
 
 def drafter(kind: str, model, *prompts, seed: int = 0):
-    """Random Medusa or hydra heads over a draft vocabulary (the 24 highest token ids), an oracle that
-    knows each prompt's continuation, or prompt lookup."""
+    """Random Medusa or hydra heads over a draft vocabulary (24 token ids of a seeded random order), an oracle
+    that knows each prompt's continuation, or prompt lookup."""
     if kind in ("oracle", "lookup"):
         return ContinuationHeads(model, *prompts, max_new_tokens=40) if kind == "oracle" else PromptLookup()
-    heads = random_heads(model, seed=seed, kind=kind)
-    heads.use_draft_vocabulary(torch.arange(64).flip(0), 24)
-    return heads
+    return random_heads(model, seed=seed, kind=kind, draft=24)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
