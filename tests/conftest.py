@@ -150,8 +150,8 @@ WORDS = "the a cat dog sat ran on under mat tree house red blue big small quickl
 PROMPTS = ["the cat sat on the", "a big dog ran", "then the small red"]
 
 
-def save_tiny(directory, *, with_heads: bool) -> str:
-    """A peaked two-layer GPT (random Medusa heads if with_heads), its tokenizer and prompts.json; the folder."""
+def save_tiny(directory, *, kind: str | None) -> str:
+    """A peaked two-layer GPT (random heads of `kind`, or None), its tokenizer and prompts.json; the folder."""
     from medusa_mini.io.tokenizer import make_encoding, train_bpe
 
     rng = random.Random(0)  # a corpus of 300 random sentences
@@ -161,7 +161,7 @@ def save_tiny(directory, *, with_heads: bool) -> str:
     model = peaked(GPT(GPTConfig(vocab_size=enc.n_vocab, block_size=64, n_layer=2, n_head=2, n_embd=32)))
     with torch.no_grad():
         model.transformer.wte.weight[enc.eot_token].zero_()  # rarely chosen, so runs reach their limits
-    heads = scrambled(MedusaHeads(HeadsConfig(num_heads=4, n_embd=32, vocab_size=enc.n_vocab))) if with_heads else None
+    heads = scrambled(make_heads(HeadsConfig(4, 32, enc.n_vocab, kind=kind))) if kind else None
     save_directory(directory, model, heads, enc, PROMPTS, extra={"eot_id": enc.eot_token})
     return str(directory)
 
@@ -213,4 +213,4 @@ def one_run_each(monkeypatch):
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     """A tiny checkpoint with Medusa heads, saved as train_tiny.py leaves one."""
-    return save_tiny(tmp_path_factory.mktemp("ckpt"), with_heads=True)
+    return save_tiny(tmp_path_factory.mktemp("ckpt"), kind="medusa")

@@ -14,24 +14,18 @@ import torch
 
 import decode
 from conftest import PROMPTS, ROOT, save_tiny
-from medusa_mini.heads import HeadsConfig, make_heads
-from medusa_mini.io.checkpoint import load_checkpoint, save_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
 def ckpt_no_heads(tmp_path_factory):
-    return save_tiny(tmp_path_factory.mktemp("ckpt_no_heads"), with_heads=False)
+    return save_tiny(tmp_path_factory.mktemp("ckpt_no_heads"), kind=None)
 
 
 @pytest.fixture(scope="module")
-def ckpt_hydra(ckpt, tmp_path_factory):  # the tiny checkpoint with dependent (hydra) heads
-    d = shutil.copytree(ckpt, tmp_path_factory.mktemp("hydra") / "ckpt")
-    model, _, config = load_checkpoint(d)
-    heads = make_heads(HeadsConfig(4, model.config.n_embd, model.config.vocab_size, kind="hydra"))
-    save_checkpoint(d, model, heads=heads, extra=config["medusa_mini"], write_model=False)
-    return str(d)
+def ckpt_hydra(tmp_path_factory):  # the tiny checkpoint with dependent (hydra) heads
+    return save_tiny(tmp_path_factory.mktemp("hydra"), kind="hydra")
 
 
 def run(capsys, *argv: str) -> str:
