@@ -56,9 +56,10 @@ def run_script(argv: list[str], *, timeout_s: float, label: str) -> tuple[int | 
     lines: list[str] = []
 
     def pump() -> None:
-        for line in proc.stdout:
-            lines.append(line)
-            print(f"  [{label}] {line}", end="", file=sys.stderr, flush=True)
+        with proc.stdout:  # closed at its end (the process's, and its session's: `finally` below)
+            for line in proc.stdout:
+                lines.append(line)
+                print(f"  [{label}] {line}", end="", file=sys.stderr, flush=True)
 
     reader = threading.Thread(target=pump, daemon=True)
     reader.start()
