@@ -45,6 +45,7 @@ def test_quick_cpu_report_holds_every_part_down_to_the_heads_share(tmp_path, cap
                             "--dtypes", "float32", "--train-flags", TRAIN, "--decode-flags", DECODE]) == 0
     text, err = out.read_text(), capsys.readouterr().err
     assert text.startswith("# medusa_mini on CPU") and f"torch {torch.__version__}" in text and "Failed" not in text
+    assert re.search(r"\n- code: (unknown|[\w.-]+); date", text)  # `git describe`'s name of the commit, not git's path
     budget = f"{gpu_report.QUICK_BUDGET_S:.0f}"
     for part in gpu_report.PARTS:  # each part's section, and its seconds against its budget
         assert f"[{part}] done in" in err and re.search(rf"\n_Part {part}: \d+ s of its {budget} s budget._\n", text)
