@@ -287,9 +287,7 @@ def build_tree(acc: torch.Tensor, num_nodes: int, *, min_gain: float = 0.0) -> t
 def expected_tokens_per_step(acc: torch.Tensor, tree: Tree) -> float:
     """1 + Σ over the tree's nodes of Π_i acc[i][r_i]: the product rule for any tree (presets too)."""
     a = check_acc(acc).tolist()
-    total = 0.0
     for choice in tree.choices:
         if len(choice) > len(a) or max(choice) >= len(a[0]):
             raise ValueError(f"tree node {list(choice)} needs more heads or ranks than acc {len(a)}x{len(a[0])}")
-        total += math.prod(a[i][r] for i, r in enumerate(choice))
-    return 1.0 + total
+    return 1.0 + sum(math.prod(a[i][r] for i, r in enumerate(choice)) for choice in tree.choices)
