@@ -157,21 +157,18 @@ def typical_accept(parents: list[int], tokens: list[int], logits: torch.Tensor, 
     p = sampling.probs(logits)  # [N, V]
     bar = typical_threshold(p, epsilon=sampling.epsilon, delta=sampling.delta).tolist()  # [N]
     N = len(parents)
-    depth, ok, score, best = [0] * N, [True] + [False] * (N - 1), [0.0] * N, 0
+    paths, ok, score, best = [[0]] * N, [True] + [False] * (N - 1), [0.0] * N, 0  # paths[i]: root .. node i
     for i in range(1, N):  # parents come first, so one sweep settles every node
         par = parents[i]
         p_x = p[par, tokens[i]]
-        depth[i] = depth[par] + 1
+        paths[i] = paths[par] + [i]
         ok[i] = ok[par] and float(p_x) > bar[par]
         if ok[i]:
             score[i] = score[par] + float(torch.log(p_x.clamp_min(1e-30)))
-            if (depth[i], score[i]) > (depth[best], score[best]):
+            if (len(paths[i]), score[i]) > (len(paths[best]), score[best]):  # deeper, then more likely
                 best = i
-    path = [best]
-    while path[-1] != 0:
-        path.append(parents[path[-1]])
     u = torch.rand((), generator=generator, device=logits.device)
-    return path[::-1], int(inverse_cdf(sampling.probs(logits[best]), u))
+    return paths[best], int(inverse_cdf(sampling.probs(logits[best]), u))
 
 
 def try_children(p: torch.Tensor, candidates: list[int], drawn: tuple[torch.Tensor, list[int]], u: torch.Tensor
