@@ -157,7 +157,7 @@ def typical_accept(parents: list[int], tokens: list[int], logits: torch.Tensor, 
     p = sampling.probs(logits)  # [N, V]
     bar = typical_threshold(p, epsilon=sampling.epsilon, delta=sampling.delta).tolist()  # [N]
     N = len(parents)
-    paths, ok, score, best = [[0]] * N, [True] + [False] * (N - 1), [0.0] * N, 0  # paths[i]: root .. node i
+    paths, ok, score, best = [[0] for _ in range(N)], [True] + [False] * (N - 1), [0.0] * N, 0  # paths[i]: root to i
     for i in range(1, N):  # parents come first, so one sweep settles every node
         par = parents[i]
         p_x = p[par, tokens[i]]
