@@ -101,14 +101,16 @@ class Generations:
         block = model.config.block_size
         # Row b stops when prompt + output reach stop_at[b] tokens.
         self.stop_at = [min(len(p) + max_new_tokens, block) for p in self.prompts]
+        # The same [B] on the device, for the steps: 0 once a row stops, so it accepts nothing and its length stays put.
+        self.stop_at_device = torch.tensor(self.stop_at, device=model.device)
         self.why = [length_stop_reason(len(p), max_new_tokens, block) for p in self.prompts]
         self.eos_id, self.on_step = eos_id, on_step
         self.out: list[list[int]] = [[] for _ in self.prompts]
         self.stats = [GenerationStats(prompt_tokens=len(p)) for p in self.prompts]
         self.active = list(range(len(self.prompts)))
 
-    def emit(self, new: list[list[int]], *, step: bool, accepted: list[int] | None = None) -> list[int]:
-        """Give each active row b its new tokens new[b], cut at its stop rule; returns the rows that stopped."""
+    def emit(self, new: list[list[int]], *, step: bool, accepted: list[int] | None = None) -> None:
+        """Give each active row b its new tokens new[b], cut at its stop rule."""
         stopped = []
         for b in list(self.active):
             out, stats = self.out[b], self.stats[b]
@@ -128,19 +130,21 @@ class Generations:
                 stats.stop_reason = reason
                 self.active.remove(b)
                 stopped.append(b)
-        return stopped
+        if stopped and self.active:  # for the steps still to come
+            self.stop_at_device[stopped] = 0
 
     def start(self, model: GPT, cache: KVCache | CacheSource | None, *, slots: int, sampling: Sampling,
-              generator: torch.Generator | None) -> tuple[KVCache, torch.Tensor, torch.Tensor, list[int]]:
+              generator: torch.Generator | None) -> tuple[KVCache, torch.Tensor, torch.Tensor]:
         """The prefill into a cache of `slots` slots per row (`reuse_cache`) and every row's first token, emitted:
-        (cache, first tokens [B] on the device, hidden states [B, C] that chose them, rows that stopped)."""
+        (cache, first tokens [B] on the device, hidden states [B, C] that chose them)."""
         B, device, T = len(self.prompts), model.device, max(len(p) for p in self.prompts)
         cache = reuse_cache(cache, model, batch_size=B, max_len=slots)
         # [B, T]: each prompt padded at its end with its own last token (never attended to)
         padded = torch.tensor([p + p[-1:] * (T - len(p)) for p in self.prompts], device=device)
         logits, hidden = prefill(model, padded, cache, lengths=[len(p) for p in self.prompts])
         first = sampling.next_token(logits, sampling.uniforms((B,), generator, device=device))  # [B]
-        return cache, first, hidden, self.emit([[t] for t in first.tolist()], step=False)
+        self.emit([[t] for t in first.tolist()], step=False)
+        return cache, first, hidden
 
     def history(self) -> list[list[int]]:
         """Each row's prompt and output so far (the last token is the next step's root)."""
@@ -161,20 +165,16 @@ def generate_batch(model: GPT, prompts: list[Prompt], *, max_new_tokens: int, sa
     """
     rows = Generations(model, prompts, max_new_tokens=max_new_tokens, eos_id=eos_id, on_step=on_step)
     B, device = len(rows.prompts), model.device
-    cache, tok, _, stopped = rows.start(model, cache, slots=model.config.block_size, sampling=sampling,
-                                        generator=generator)
-    stop_at = torch.tensor(rows.stop_at, device=device)  # [B]
+    cache, tok, _ = rows.start(model, cache, slots=model.config.block_size, sampling=sampling, generator=generator)
     longest = max(len(p) for p in rows.prompts)  # every row's cache length is at most this, on the host
     while rows.active:
-        if stopped:  # a stopped row's next write must not move its length: it stays where it is
-            stop_at[stopped] = 0
         start = cache.lengths  # [B]
         longest += 1
         u = sampling.uniforms((B,), generator, device=device)
         tok, _, _ = steps.plain(model, cache, tok[:, None], sampling=sampling, u=u, attended=longest)
-        if len(rows.active) < B:
-            cache.lengths = torch.where(start + 1 < stop_at, start + 1, start)
-        stopped = rows.emit([[t] for t in tok.tolist()], step=True)  # the step's one host read
+        if len(rows.active) < B:  # a stopped row's write does not move its length
+            cache.lengths = torch.where(start + 1 < rows.stop_at_device, start + 1, start)
+        rows.emit([[t] for t in tok.tolist()], step=True)  # the step's one host read
     return list(zip(rows.out, rows.stats))
 
 
@@ -193,23 +193,20 @@ def medusa_generate_batch(
     """
     proposer = drafter.proposer(model, tree)
     rows = Generations(model, prompts, max_new_tokens=max_new_tokens, eos_id=eos_id, on_step=on_step)
-    B, device, N = len(rows.prompts), model.device, proposer.tree.num_nodes
+    B, N = len(rows.prompts), proposer.tree.num_nodes
     # Slots beyond block_size hold a tree's nodes; their positions are still < block_size.
-    cache, roots, hidden, stopped = rows.start(model, cache, slots=model.config.block_size + N, sampling=sampling,
-                                               generator=generator)
+    cache, roots, hidden = rows.start(model, cache, slots=model.config.block_size + N, sampling=sampling,
+                                      generator=generator)
     lengths = [len(p) for p in rows.prompts]
-    stop_at = torch.tensor(rows.stop_at, device=device)  # [B]
     while rows.active:
-        if stopped:  # a stopped row accepts nothing more and its cache length stays put
-            stop_at[stopped] = 0
         # Room for the whole tree in every row (the usual step): no node to mask.
         room = len(rows.active) == B and all(has_room(n, proposer.tree.depth, s) for n, s in zip(lengths, rows.stop_at))
         step = steps.medusa(model, cache, proposer, roots, hidden, history=rows.history(),
-                            stop_at=None if room else stop_at, sampling=sampling, generator=generator,
+                            stop_at=None if room else rows.stop_at_device, sampling=sampling, generator=generator,
                             attended=max(lengths) + N)
         for b in rows.active:
             lengths[b] += len(step.paths[b])
-        stopped = rows.emit(step.new_tokens, step=True, accepted=[len(p) - 1 for p in step.paths])
+        rows.emit(step.new_tokens, step=True, accepted=[len(p) - 1 for p in step.paths])
         roots, hidden = step.next_roots, step.next_hidden
     return list(zip(rows.out, rows.stats))
 
