@@ -62,9 +62,7 @@ def path_accept(tree: TreeTensors, tokens: torch.Tensor, y: torch.Tensor, *,
     one chain from the root, and its deepest node ends the walk's path.
     """
     match = tokens == y[:, tree.parent_index]  # [B, N]
-    if usable is not None:
-        match &= usable
-    last = deepest_accepted(tree, match)  # [B]
+    last = deepest_accepted(tree, match if usable is None else match & usable)  # [B]
     return Accepted(last, y.gather(1, last[:, None])[:, 0])
 
 
@@ -90,8 +88,7 @@ def typical_accept_paths(tree: TreeTensors, tokens: torch.Tensor, logits: torch.
     bar = typical_threshold(p, epsilon=sampling.epsilon, delta=sampling.delta)  # [B, N]
     p_x = p.view(B, N * V).gather(1, tree.parent_index * V + tokens)  # [B, N] p(candidate | its parent's path)
     passes = p_x > bar[:, tree.parent_index]  # [B, N]
-    if usable is not None:
-        passes &= usable
+    passes = passes if usable is None else passes & usable
     depth = torch.where(path_scores(tree, passes) >= 0, tree.depths, -1)  # [B, N]: the accepted nodes' depths
     along = torch.log(p_x.clamp_min(1e-30)).double()[:, tree.below_root] * tree.on_path  # [B, N, D]
     score = along.new_zeros(B, N)  # [B, N]: the sum of log p along each node's path, root side first
