@@ -18,9 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-ACCEPTANCE_RULES = ("greedy", "typical", "rejection")
 SAMPLING_TEMPERATURE = 0.8  # the commands' and reports' temperature when they sample (Sampling's default is greedy)
-CANDIDATES = ("drawn", "topk")  # how rejection sampling fills the tree: draws from the heads' q, or their top-k
 FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
@@ -48,12 +46,12 @@ class Sampling:
         if not (isinstance(T, (int, float)) and math.isfinite(T) and 0 <= T <= FLOAT32_MAX):
             raise ValueError(f"temperature must be a number from 0 (greedy) to {FLOAT32_MAX:.3g} (float32's "
                              f"largest), not {T!r}")
-        if self.acceptance not in (None, *ACCEPTANCE_RULES):
+        if self.acceptance not in (None, "greedy", "typical", "rejection"):
             raise ValueError(f"unknown acceptance rule {self.acceptance!r}: use greedy, typical or rejection")
         if self.acceptance == "greedy" and T > 0:
             raise ValueError("greedy acceptance is for temperature 0; to sample with Medusa use rejection "
                              "(lossless) or typical acceptance")
-        if self.candidates not in CANDIDATES:
+        if self.candidates not in ("drawn", "topk"):
             raise ValueError(f"unknown candidates {self.candidates!r}: use drawn or topk")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], not {self.top_p}")
