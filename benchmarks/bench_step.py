@@ -188,7 +188,7 @@ def bench_config(config: GPTConfig, *, device: torch.device, repeat: int, warmup
         token, _, _ = steps.plain(model, caches[0], root[:, None], attended=prefix_len + 1)  # [1]
         return int(token[0])  # the greedy token, chosen in the step
 
-    ops = step_ops(model, heads, caches, trees, root, hidden, history=history, reset=reset)
+    ops = step_ops(model, heads, caches, trees, root, hidden, history=history, reset=reset)  # caches left at the prefix
     calls: dict[str, Callable[[], object]] = {"plain": plain}
     for n in nodes:
         t, tokens = verify_tree(n).tensors(device), torch.randint(0, config.vocab_size, (1, n), generator=gen)

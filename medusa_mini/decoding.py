@@ -91,7 +91,7 @@ def length_stop_reason(prompt_tokens: int, max_new_tokens: int, block_size: int)
 
 
 class Generations:
-    """Each row's output, statistics and stop rule, kept on the host from the tokens each step reads."""
+    """Each row's output, statistics and stop rule on the host, from the tokens steps read; stop lengths on both."""
 
     def __init__(self, model: GPT, prompts: list[Prompt], *, max_new_tokens: int, eos_id: int | None,
                  on_step: RowCallback | None) -> None:
@@ -101,7 +101,7 @@ class Generations:
         block = model.config.block_size
         # Row b stops when prompt + output reach stop_at[b] tokens.
         self.stop_at = [min(len(p) + max_new_tokens, block) for p in self.prompts]
-        # The same [B] on the device, for the steps: 0 once a row stops, so it accepts nothing and its length stays put.
+        # The same [B] on the device: 0 once a row stops while others go on, so it accepts nothing and stays put.
         self.stop_at_device = torch.tensor(self.stop_at, device=model.device)
         self.why = [length_stop_reason(len(p), max_new_tokens, block) for p in self.prompts]
         self.eos_id, self.on_step = eos_id, on_step
@@ -110,7 +110,7 @@ class Generations:
         self.active = list(range(len(self.prompts)))
 
     def emit(self, new: list[list[int]], *, step: bool, accepted: list[int] | None = None) -> None:
-        """Give each active row b its new tokens new[b], cut at its stop rule."""
+        """Give each active row b its new tokens new[b], cut at its stop rule (stopped: device stop length 0)."""
         stopped = []
         for b in list(self.active):
             out, stats = self.out[b], self.stats[b]

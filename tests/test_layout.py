@@ -146,7 +146,7 @@ def test_the_readme_map_names_every_module_and_every_named_file_exists():
 
 
 def line_count(path: str) -> int:
-    return len(source(path).splitlines())
+    return source(path).count("\n")  # as `wc -l` counts
 
 
 def test_every_part_of_the_house_stays_within_its_line_budget():
