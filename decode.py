@@ -25,7 +25,7 @@ from medusa_mini.cli.explain import DEMO_NOTE, demo_checkpoint, draw_mask, draw_
 from medusa_mini.cli.measure import TreeChoice, resolve_tree
 from medusa_mini.cli.runs import Engine, Method, compare, compare_methods, decode, format_table, plot_batch
 from medusa_mini.io.loading import PROMPTS_FILE, load_for_decoding, load_prompts
-from medusa_mini.sampling import SAMPLING_TEMPERATURE, Sampling
+from medusa_mini.sampling import ACCEPTANCE_RULES, SAMPLING_TEMPERATURE, Sampling
 from medusa_mini.train.device import DTYPES, pick_device, pick_dtype
 
 
@@ -36,7 +36,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompt", action="append", metavar="TEXT", help="repeat for several (default: prompts.json)")
     p.add_argument("--num-prompts", type=at_least(1), default=8, metavar="N", help="stored prompts used (default: 8)")
     p.add_argument("--max-new-tokens", type=at_least(1), default=128, metavar="N", help="per prompt (default: 128)")
-    p.add_argument("--method", choices=("plain", "greedy", "typical", "rejection"), help="plain: one forward pass "
+    p.add_argument("--method", choices=("plain", *ACCEPTANCE_RULES), help="plain: one forward pass "
                    "per token; else Medusa with that acceptance rule (default: greedy at T = 0, else rejection)")
     p.add_argument("--temperature", type=float, metavar="T",
                    help=f"0 = greedy (default: 0, or {SAMPLING_TEMPERATURE} for typical and rejection)")

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+ACCEPTANCE_RULES = ("greedy", "typical", "rejection")  # Medusa's rules (§2.3); decode.py's --method adds plain
 SAMPLING_TEMPERATURE = 0.8  # the commands' and reports' temperature when they sample (Sampling's default is greedy)
 FLOAT32_MAX = torch.finfo(torch.float32).max
 
@@ -46,7 +47,7 @@ class Sampling:
         if not (isinstance(T, (int, float)) and math.isfinite(T) and 0 <= T <= FLOAT32_MAX):
             raise ValueError(f"temperature must be a number from 0 (greedy) to {FLOAT32_MAX:.3g} (float32's "
                              f"largest), not {T!r}")
-        if self.acceptance not in (None, "greedy", "typical", "rejection"):
+        if self.acceptance not in (None, *ACCEPTANCE_RULES):
             raise ValueError(f"unknown acceptance rule {self.acceptance!r}: use greedy, typical or rejection")
         if self.acceptance == "greedy" and T > 0:
             raise ValueError("greedy acceptance is for temperature 0; to sample with Medusa use rejection "
