@@ -10,6 +10,7 @@ draft vocabulary -> summary -> a GPT-2 checkpoint for decode.py. Ctrl-C saves af
     torchrun --nproc_per_node 2 train_tiny.py --preset smoke   # DDP (gloo on CPU, NCCL on GPU)
 """
 
+import contextlib
 import os
 import sys
 
@@ -58,9 +59,13 @@ def parse_args(argv: list[str] | None = None) -> TrainArgs:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    existed = os.path.isdir(args.out)
     try:
         run(args)
     except TrainError as e:
+        if not existed:  # a refused run leaves no empty --out behind (rmdir removes only an empty folder)
+            with contextlib.suppress(OSError):
+                os.rmdir(args.out)
         print(f"train_tiny.py: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -79,6 +79,8 @@ class TrainArgs:
             raise ValueError(f"--out must name a folder for the checkpoint, not {self.out!r}")
         if self.heads not in HEAD_KINDS:
             raise ValueError(f"--heads must be one of {', '.join(HEAD_KINDS)}, not {self.heads!r}")
+        if self.head_decay > 1:  # later heads weigh less (decay^k); beyond 1 their weights soon overflow
+            raise ValueError(f"--head-decay must be from 0 to 1 (the paper's 0.8), not {self.head_decay}")
         if self.n_embd % self.n_head:
             raise ValueError(f"--n-embd {self.n_embd} must be divisible by --n-head {self.n_head}")
         if self.distill_prompt_len >= self.block_size:

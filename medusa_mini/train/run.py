@@ -87,7 +87,8 @@ class Run:
             if self.world > 1:
                 state.update(torch.load(self.rank_path, map_location="cpu", weights_only=True))
         except Exception as e:  # a torn or foreign file
-            raise TrainError(f"--resume: cannot read the saved state in {self.args.out}: {e}") from None
+            raise TrainError(f"--resume: cannot read the saved state in {self.args.out} ({type(e).__name__}); "
+                             "start anew with --overwrite") from None
         mine, theirs = self.args.identity(), dict(state.get("identity") or {})
         if theirs.get("heads_target") == "token":  # saved when heads could be taught p too; tokens are what is left
             del theirs["heads_target"]
@@ -280,6 +281,9 @@ def _train(r: Run, module: MedusaLM, optimizer, *, stage: str, steps: int, start
             elapsed = max(t_log - t_start, 1e-9)
             eta = (steps - step - 1) * elapsed / (step + 1 - start)
             r.log(progress_line(stage, step, steps, values, tokens_per_s=tokens_seen / elapsed, eta=eta))
+            if not math.isfinite(values.get("lm", 0.0) + sum(values.get("heads", []))):  # nan or inf: diverged
+                raise TrainError(f"{stage} step {step + 1}: the loss is not finite; lower the learning rate (--lr; "
+                                 "the heads stage's: --heads-lr)")
         if evaluate is not None and ((step + 1) % a.eval_every == 0 or step + 1 == steps):
             evaluate(step + 1)
         if (step + 1) % (a.save_every or max(50, steps // 5)) == 0 and step + 1 < steps:

@@ -219,6 +219,8 @@ def test_resume_refuses_other_settings_or_text_and_a_run_never_learns_its_own_ou
         torch.save({**state, "data": digest, "identity": {**state["identity"], "heads_target": target}},
                    out / "train_state.pt")
         assert train_tiny.main(args + ["--resume"]) == (2 if error else 0) and error in capsys.readouterr().err
+    (out / "train_state.pt").write_bytes(b"garbage\n")  # torch explains a refused pickle in six lines
+    assert train_tiny.main(args + ["--resume"]) == 2 and capsys.readouterr().err.count("\n") == 1
 
 
 BAD_INPUT = [["--n-embd", "30", "--n-head", "4"], ["--distill-temperatures", "0,-1"], ["--device", "tpu9"],
@@ -230,7 +232,7 @@ BAD_INPUT = [["--n-embd", "30", "--n-head", "4"], ["--distill-temperatures", "0,
              ["--log-every", "nan"], ["--medusa", "3"], ["--seed", str(2**64)], ["--out", ""], ["--out", "empty.txt"],
              ["--out", "empty.txt/x"], ["--heads-stride", "0"], ["--resume", "--overwrite"], ["--n-layer", "0"],
              ["--n-head", "0"], ["--n-embd", "0"], ["--batch-size", "0"], ["--num-heads", "0"],
-             ["--distill-prompt-len", "64"]]
+             ["--distill-prompt-len", "64"], ["--head-decay", "1.5"]]
 
 
 def test_help_lists_every_flag_and_bad_flags_or_data_are_one_line_naming_it_with_code_2(tmp_path, monkeypatch, capsys):
@@ -256,7 +258,9 @@ def test_help_lists_every_flag_and_bad_flags_or_data_are_one_line_naming_it_with
         err = capsys.readouterr().err
         assert code == 2 and err.startswith("train_tiny.py: error:") and err.count("\n") == 1, (bad, err)
         assert bad[0] in err or bad[-1] in err, (bad, err)
-    assert not (tmp_path / "x").exists() or not any((tmp_path / "x").iterdir())  # nothing half-written
+    assert not (tmp_path / "x").exists()  # nothing half-written, not even an empty folder
+    assert train_tiny.main([*FAST, "--out", "x", "--lr", "1e30"]) == 2 and not (tmp_path / "x" / "config.json").exists()
+    assert "not finite; lower the learning rate (--lr" in (err := capsys.readouterr().err) and err.count("\n") == 1
 
 
 @pytest.mark.slow
