@@ -194,6 +194,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         if not 0 < a.budget_s < float("inf"):  # nan too
             raise ValueError(f"--budget-s must be a finite number of seconds > 0, not {a.budget_s:g}")
         a.parts = [part for part in PARTS if part in (a.part or PARTS)]
+        a.ckpt = os.path.abspath(a.ckpt)  # as the checks below read it: the parts' scripts run in the repository root
         if {"decode", "batch"} & set(a.parts) and "train" not in a.parts and not os.path.isfile(
                 os.path.join(a.ckpt, "config.json")):
             raise ValueError(f"no checkpoint in {a.ckpt} for the decode and batch parts: run --part train first, "

@@ -40,10 +40,11 @@ def test_quick_cpu_report_holds_every_part_down_to_the_heads_share(tmp_path, cap
         return end.value.code, out.getvalue(), 1.0
 
     faked(monkeypatch, in_this_process)
-    out = tmp_path / "report.md"
-    assert gpu_report.main(["--device", "cpu", "--quick", "--out", str(out), "--ckpt", str(tmp_path / "ckpt"),
+    monkeypatch.chdir(tmp_path)  # a relative --ckpt is this folder's, though the parts run in the repository's
+    assert gpu_report.main(["--device", "cpu", "--quick", "--out", str(out := tmp_path / "report.md"), "--ckpt", "ckpt",
                             "--dtypes", "float32", "--train-flags", TRAIN, "--decode-flags", DECODE]) == 0
     text, err = out.read_text(), capsys.readouterr().err
+    assert f"--out {tmp_path / 'ckpt'} --overwrite" in text and f"--ckpt {tmp_path / 'ckpt'} --compare" in text
     assert text.startswith("# medusa_mini on CPU") and f"torch {torch.__version__}" in text and "Failed" not in text
     assert re.search(r"\n- code: (unknown|[\w.-]+); date", text)  # `git describe`'s name of the commit, not git's path
     budget = f"{gpu_report.QUICK_BUDGET_S:.0f}"
