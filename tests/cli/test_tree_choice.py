@@ -95,6 +95,9 @@ def test_measure_saves_both_tables_and_prints_their_trees_estimates_and_the_samp
     assert lines[-1].startswith("head 1 with q = the exact marginal over the root") and "Σ min(p, q) = 0." in lines[-1]
     measure.main(argv + ["--seed", "4"])
     assert sampled not in capsys.readouterr().out  # the seed draws other continuations
+    with pytest.raises(SystemExit, match="2"):  # 3 new tokens: the third head would have none to guess
+        measure.main(argv + ["--max-new-tokens", "3"])
+    assert "--max-new-tokens must exceed the 3 heads" in capsys.readouterr().err
 
 
 def test_the_drawings_show_every_node_and_every_mask_entry():
