@@ -25,8 +25,8 @@ import torch
 
 from .model import at_each_row
 from .proposal import Drawn
-from .sampling import Sampling, inverse_cdf, residual_after_miss, try_accepts, typical_threshold, without_earlier_draws
-from .tree import TreeTensors
+from .sampling import Sampling, inverse_cdf, try_accepts, typical_threshold, without_earlier_draws
+from .tree import TreeTensors, Tries
 
 
 class Accepted(NamedTuple):
@@ -120,37 +120,49 @@ def rejection_accept_topk(tree: TreeTensors, tokens: torch.Tensor, logits: torch
     return path_accept(tree, tokens, inverse_cdf(sampling.probs(logits), u[:, : tokens.shape[1]]), usable=usable)
 
 
+def residual_chain(p: torch.Tensor, q: torch.Tensor, tries: Tries) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every node's chain of residuals at once (`sampling.residual_after_miss`, with its rounding): p [B, N, V], q
+    [B, N - 1, V] in child order -> the chain [B, 3N - 2, V] (`Tries`) and each child's residual mass [B, N - 1]
+    (0 or NaN: nothing left). Slot by slot, the first n_s nodes with children miss their s-th child: r_s = norm(max(0,
+    r_{s-1} - q_s)), each slot in one addcdiv (r_{s-1} = R / mass, kept unnormalised) and all divided at the end."""
+    minus_q, R, mass, residuals, masses = -q, p[:, tries.nodes], None, [], []  # R [B, n, V]: p at the inner nodes
+    for minus_q_s in minus_q.split(tries.sizes, dim=1):  # [B, n_s, V]
+        n = minus_q_s.shape[1]
+        R = (minus_q_s + R[:, :n] if mass is None else torch.addcdiv(minus_q_s, R[:, :n], mass[:, :n, None]))
+        R = R.clamp_min(0.0)
+        mass = R.sum(dim=-1)  # [B, n_s]
+        residuals.append(R)
+        masses.append(mass)
+    chain, masses = torch.cat([p, *residuals, q], dim=1), torch.cat(masses, dim=1)  # [B, 3N - 2, V], [B, N - 1]
+    chain[:, p.shape[1] : 2 * p.shape[1] - 1].div_(masses[..., None])  # normalised; 0 / 0, NaN, where no mass is left
+    return chain, masses
+
+
 def rejection_accept_drawn(tree: TreeTensors, tokens: torch.Tensor, logits: torch.Tensor, *, sampling: Sampling,
                            drawn: Drawn, u: torch.Tensor, usable: torch.Tensor | None = None) -> Accepted:
     """`reference.rejection_accept` with candidates drawn from q, for B rows at once, on the device.
 
     A node's tries are sequential, but what each is judged against depends on no decision: after a node's
     first s children miss, p has become r_s = norm(max(0, r_{s-1} - q_s)), r_0 = p, q_s the q child s was
-    drawn from. So every node's chain of residuals is built at once, slot by slot (`TreeTensors.tries`), then
-    every try judged at once, child c with u[:, c] against the r its elder siblings' misses left; a node keeps
-    its first accepted child. The accepted nodes form one chain; its deepest node draws the bonus with u[:, 0]
-    from the r its live misses left: a miss leaving no mass (p = q up to rounding) ends the walk's tries, and
-    here that r is 0 / 0, NaN, which fails every later try. Unusable nodes are never tried (siblings share a
-    depth); a row without a usable root tries nothing. A root alone has no drawn candidates (`accept`: top-k).
+    drawn from. So every node's chain of residuals is built at once (`residual_chain`), then every try judged at
+    once, child k with u[:, k] against the r its elder siblings' misses left; a node keeps its first accepted
+    child. The accepted nodes form one chain; its deepest node draws the bonus with u[:, 0] from the r its live
+    misses left: a miss leaving no mass (p = q up to rounding) ends the walk's tries, and here that r is 0 / 0,
+    NaN, which fails every later try. One matmul finds that node and that r (`Tries.row_scores`). Unusable nodes
+    are never tried (siblings share a depth); a row without a usable root tries nothing. A root alone has no
+    drawn candidates (`accept`: top-k).
     """
-    p, tries = sampling.probs(logits), tree.tries  # [B, N, V]
-    log_q, draws = drawn.at(tries.parents)  # [B, N - 1, V], [B, N - 1, R]: what each child was drawn from
-    x, u_kids = tokens[:, tries.children], u[:, tries.children]  # [B, N - 1], in child order
-    q = without_earlier_draws(log_q, draws, x, earlier=tries.earlier)  # [B, N - 1, V]
-    r, chain, masses = p[:, tries.nodes], [p], []  # r [B, n, V]: p at every node with children
-    for q_s in q.split(tries.sizes, dim=1):  # [B, n_s, V]: the first n_s of them have a child in slot s
-        r, mass = residual_after_miss(r[:, : q_s.shape[1]], q_s)
-        chain.append(r)
-        masses.append(mass)
-    chain = torch.cat(chain, dim=1)  # [B, 2N - 1, V] (`Tries`)
-    live = torch.cat(masses, dim=1) > 0  # [B, N - 1]: a miss leaves a residual
-    tried = torch.ones_like(live) if usable is None else usable[:, tries.children]  # [B, N - 1]
-    p_x = chain.flatten(1).gather(1, tries.against * chain.shape[-1] + x)  # [B, N - 1], reading no other token
-    accepted = tried & try_accepts(p_x, q.gather(-1, x[..., None])[..., 0], u_kids, live=live)
-    passes = accepted & (accepted.float() @ tries.elder == 0)  # [B, N - 1]: no elder sibling accepted
-    last = deepest_accepted(tree, passes[:, tries.slot_order])  # [B]; the root's pass is never read
-    misses = ((tried & live).float() @ tries.parent_of).gather(1, last[:, None])[:, 0]  # [B]: the last node's, live
-    return Accepted(last, inverse_cdf(at_each_row(chain, tries.after_misses[last, misses.long()]), u[:, 0]))
+    B, N, V = logits.shape
+    tries, log_q, draws = tree.tries, *drawn.at(tree.tries.parents)  # [B, N - 1, V], [B, N - 1, R], child order
+    chain, _ = residual_chain(sampling.probs(logits), without_earlier_draws(log_q, draws, bounds=tries.bounds), tries)
+    at_x = torch.add(tokens[:, None, 1:], tries.read, alpha=V).flatten(1)  # [B, 3 (N - 1)]: `Tries.read` at node k's x
+    p_x, after, q_x = chain.flatten(1).gather(1, at_x).view(B, 3, N - 1).unbind(1)  # [B, N - 1] each, node order
+    live = after == after  # [B, N - 1]: node k's miss leaves a residual (not NaN)
+    judged = torch.stack([try_accepts(p_x, q_x, u[:, 1:N], live=live), live], dim=1)  # [B, 2, N - 1]
+    judged = judged if usable is None else judged & usable[:, None, 1:]
+    bias, weights = tries.row_scores
+    row = torch.addmm(bias, judged.flatten(1).float(), weights).argmax(dim=-1)  # [B]: the chain's r the bonus is from
+    return Accepted(tries.row_node[row], inverse_cdf(at_each_row(chain, row), u[:, 0]))
 
 
 def check_uniforms(sampling: Sampling, u: torch.Tensor | None) -> None:

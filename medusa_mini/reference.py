@@ -180,9 +180,7 @@ def try_children(p: torch.Tensor, candidates: list[int], drawn: tuple[torch.Tens
     candidate or None, the p the bonus is drawn from when none is)."""
     log_q, draws = drawn
     for i, x in enumerate(candidates):
-        x_, drawn = (torch.tensor(v, device=p.device) for v in (x, draws))
-        earlier = torch.arange(len(draws), device=p.device) < draws.index(x)  # [R]: the draws before x
-        q = without_earlier_draws(log_q, drawn, x_, earlier=earlier)  # what x was drawn from
+        q = without_earlier_draws(log_q, torch.tensor(draws, device=p.device), rank=draws.index(x))  # x's own q
         residual, mass = residual_after_miss(p, q)  # its mass says whether p = q up to rounding: the try needs it
         if try_accepts(p[x], q[x], u[i], live=mass > 0):
             return i, p

@@ -142,16 +142,25 @@ def typical_threshold(p: torch.Tensor, *, epsilon: float, delta: float) -> torch
     return torch.minimum(torch.full_like(entropy, epsilon), delta * torch.exp(-entropy))
 
 
-def without_earlier_draws(log_q: torch.Tensor, draws: torch.Tensor, x: torch.Tensor, *, earlier: torch.Tensor
-                          ) -> torch.Tensor:
-    """q_r, what the rank-r draw x [...] was drawn from: log_q [..., V] without the draws before it (draws
-    [..., R] in order, earlier [..., R] marks the first r), as it was drawn without replacement, renormalised
-    (in log space, so a remainder too small for exp survives) -> probabilities [..., V]."""
-    log_q = log_q.scatter(-1, draws, log_q.gather(-1, draws).masked_fill(earlier, float("-inf")))  # [..., V]
-    # q had no mass left for x (a tiny T, a small draft vocabulary): Gumbel-top-k ranks every token of q
-    # before it, so all of them are removed and x, picked rather than drawn, is tried as a point mass.
-    at_x = log_q.gather(-1, x[..., None])  # [..., 1]
-    return torch.softmax(log_q.scatter(-1, x[..., None], at_x.nan_to_num(neginf=0.0)), dim=-1)  # log q is never NaN
+def draw_bounds(rank: torch.Tensor, ranks: int) -> torch.Tensor:
+    """[..., 2, R] float: the bounds `without_earlier_draws` puts on the log q of R draws for the draw x of rank
+    [...]: a floor, -FLOAT32_MAX at x (elsewhere -inf: none), and a ceiling, -inf at the draws before it (else inf)."""
+    r, x = torch.arange(ranks, device=rank.device), rank[..., None]  # [R], [..., 1]
+    return torch.stack([torch.where(r == x, -FLOAT32_MAX, -math.inf), torch.where(r < x, -math.inf, math.inf)], -2)
+
+
+def without_earlier_draws(log_q: torch.Tensor, draws: torch.Tensor, *, rank: int | torch.Tensor | None = None,
+                          bounds: torch.Tensor | None = None) -> torch.Tensor:
+    """q_r, what the rank-r draw x was drawn from: log_q [..., V] without the draws before it (draws [..., R] in
+    order; bounds: `draw_bounds(rank)`, given or made), as it was drawn without replacement, renormalised (in log
+    space, so a remainder too small for exp survives) -> probabilities [..., V]. The earlier draws' log q is capped
+    at -inf, x's raised to at least -FLOAT32_MAX: that floor acts only where q had no mass left for x (a tiny T, a
+    small draft vocabulary): Gumbel-top-k then ranks every token of q before x, all are removed, and x, picked
+    rather than drawn, is tried as a point mass."""
+    bounds = draw_bounds(torch.as_tensor(rank, device=draws.device), draws.shape[-1]) if bounds is None else bounds
+    floor, ceiling = bounds.unbind(-2)  # [..., R] each
+    log_q = log_q.scatter_reduce(-1, draws, ceiling.expand_as(draws), "amin")  # log q is never NaN
+    return log_q.scatter_reduce_(-1, draws, floor.expand_as(draws), "amax").softmax(dim=-1)
 
 
 def residual_after_miss(p: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

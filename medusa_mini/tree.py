@@ -18,6 +18,8 @@ from typing import Iterable, NamedTuple, Sequence
 
 import torch
 
+from .sampling import draw_bounds
+
 Choice = tuple[int, ...]
 
 
@@ -115,19 +117,17 @@ class Tree:
 
 
 class Tries(NamedTuple):
-    """Rejection sampling's tables (`acceptance.rejection_accept_drawn`), j and k places in child order: its chain
-    [2N - 1] holds p at each node, then the residual after each child's miss; S = len(sizes)."""
+    """Rejection sampling's tables (`acceptance.rejection_accept_drawn`). Its chain [3N - 2] holds p at each node, then
+    child by child in child order (j: slot after slot), the residual after the child's miss, then the q it was drawn
+    from. k = 1 .. N - 1 are the nodes below the root (each a child), in node order."""
 
     nodes: torch.Tensor  # [n] long: the nodes with children, most children first
     sizes: tuple[int, ...]  # per slot s, how many of them have an s-th child: always the first ones, so a slice
-    children: torch.Tensor  # [N - 1] long: their children, slot after slot (child order)
-    parents: torch.Tensor  # [N - 1] long: each child's parent
-    earlier: torch.Tensor  # [N - 1, R] bool: the ranks drawn before each child's (its q is without them)
-    slot_order: torch.Tensor  # [N] long: where node i is among the children (the root: 0, never read)
-    against: torch.Tensor  # [N - 1] long: the chain's r child j is judged against, after its elder siblings' misses
-    elder: torch.Tensor  # [N - 1, N - 1] float, to count in a matmul: 1 where child j is an elder sibling of child k
-    parent_of: torch.Tensor  # [N - 1, N] float, to count in a matmul: 1 where node i is child j's parent
-    after_misses: torch.Tensor  # [N, S + 1] long: the chain's r node i is left with after k misses (k <= its children)
+    parents: torch.Tensor  # [N - 1] long: each child's parent, in child order
+    bounds: torch.Tensor  # [N - 1, 2, R] float: `sampling.draw_bounds` of each child's rank, in child order
+    read: torch.Tensor  # [3, N - 1] long: node k's rows of the chain: the r it is tried against, its residual, its q
+    row_scores: tuple[torch.Tensor, torch.Tensor]  # `bonus_row_scores`: bias [2N - 1], weights [2 (N - 1), 2N - 1]
+    row_node: torch.Tensor  # [2N - 1] long: the node whose p, or whose child's residual, each row of the chain is
 
 
 @dataclass(frozen=True)
@@ -155,6 +155,27 @@ class TreeTensors:
     depth: int  # D, `Tree.depth`
 
 
+def bonus_row_scores(tree: Tree, row_node: list[int], children: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """`Tries.row_scores`: the row of the chain the bonus is drawn from, found in one matmul (as `path_scores` finds
+    the deepest accepted node). Row ρ, p at node n or the residual after n's child c missed, qualifies when every
+    node of n's path below the root passes (accepted, and none of its elder siblings) and c's miss was live. Over
+    judged [B, 2 (N - 1)], each node's try accepted then its miss live, bias + judged @ weights scores ρ W · (what
+    of that holds - what it needs) + its rank by node then row, W = 2N - 1 rows: in [0, W) where ρ qualifies, below
+    0 where not. The argmax is the deepest accepted node's (nodes are numbered parents first) last live miss, or its
+    p. Weights are 0 or ±W: exact in float32, and in TF32 for N <= 1024."""
+    N, W = tree.num_nodes, len(row_node)
+    weights = torch.zeros(2 * (N - 1), W)  # row k - 1: node k accepted; row N - 2 + k: node k's miss live
+    for row, n in enumerate(row_node):
+        for k in tree.path(n)[1:]:
+            kin = tree.children[tree.parents[k]]
+            weights[k - 1, row], weights[[e - 1 for e in kin[: kin.index(k)]], row] = W, -W
+        if row >= N:
+            weights[N - 2 + children[row - N], row] = W
+    rank = torch.tensor(sorted(range(W), key=lambda row: (row_node[row], row))).argsort()  # [W]
+    needs = torch.tensor([tree.depths[n] for n in row_node]) + (torch.arange(W) >= N)  # [W]
+    return (rank - W * needs).float(), weights
+
+
 @lru_cache(maxsize=64)
 def tree_tensors(tree: Tree, device: str) -> TreeTensors:
     """`Tree.tensors`, built once per tree and device, so no step rebuilds them. Row i of the mask marks
@@ -172,14 +193,14 @@ def tree_tensors(tree: Tree, device: str) -> TreeTensors:
     sizes = tuple(sum(len(tree.children[i]) > s for i in inner) for s in range(max(map(len, tree.children))))
     by_slot = [(tree.children[i][s], i) for s, n in enumerate(sizes) for i in inner[:n]]  # (child, its parent)
     at, parents = {child: j for j, (child, _) in enumerate(by_slot)}, torch.tensor([i for _, i in by_slot]).long()
-    earlier = torch.tensor([[r < tree.ranks[c] for r in range(R)] for c, _ in by_slot], dtype=torch.bool)
-    after = [[i] + [N + at[c] for c in kids] + [i] * (len(sizes) - len(kids)) for i, kids in enumerate(tree.children)]
-    tries = Tries(as_long(inner), sizes, as_long([c for c, _ in by_slot]), parents.to(device),
-                  earlier.view(-1, R).to(device), as_long([at.get(i, 0) for i in range(N)]),  # view: [0, R] if none
-                  as_long([after[i][tree.children[i].index(c)] for c, i in by_slot]),
-                  torch.triu(parents[:, None] == parents, diagonal=1).to(device, torch.float32),  # elders come first
-                  (parents[:, None] == torch.arange(N)).to(device, torch.float32), as_long(after))
     depths, below = torch.tensor(tree.depths), paths[:, 1:]  # below: the root's own row is zeros, never read
+    kin, kids = [tree.children[tree.parents[k]] for k in range(N)], [c for c, _ in by_slot]  # kin: k's siblings
+    against = [N + at[kin[k][kin[k].index(k) - 1]] if kin[k][0] != k else tree.parents[k] for k in range(1, N)]
+    read = torch.tensor([against, [N + at[k] for k in range(1, N)], [2 * N - 1 + at[k] for k in range(1, N)]])
+    row_node = list(range(N)) + [i for _, i in by_slot]  # [2N - 1]
+    tries = Tries(as_long(inner), sizes, parents.to(device), draw_bounds(as_long([tree.ranks[c] for c in kids]), R),
+                  read.to(device), tuple(t.to(device) for t in bonus_row_scores(tree, row_node, kids)),
+                  as_long(row_node))
     moves = torch.cat([paths, torch.arange(D + 1).expand(N, -1), depths[:, None] + 1], 1)  # [N, 2D + 3]
     offsets = torch.cat([torch.arange(N)[:, None], depths[:, None], moves], 1)  # [N, 2D + 5]
     weights = (mask.T & (torch.arange(N) > 0)[:, None]) * float(N)  # [N, N]: N per node of i's path below the root

@@ -24,7 +24,7 @@ from medusa_mini.acceptance import accept, path_accept, rejection_accept_topk, t
 from medusa_mini.decoding import generate, generate_batch, medusa_generate, medusa_generate_batch, prefill
 from medusa_mini.model import KVCache, compact_kv_cache
 from medusa_mini.proposal import Drawn, PromptLookup
-from medusa_mini.sampling import Sampling, inverse_cdf, residual_after_miss, sampling_probs
+from medusa_mini.sampling import Sampling, inverse_cdf, sampling_probs
 from medusa_mini.step import plain_step, verify
 from medusa_mini.tree import Tree, chain, preset
 
@@ -206,22 +206,32 @@ def a_siblings_q(drawn, nodes, at=Drawn.at):
     return at(drawn, moved[nodes])[0], at(drawn, nodes)[1]
 
 
+def residuals_changed(change, chain_of=acceptance.residual_chain):
+    """`residual_chain` with its residuals r [B, N - 1, V] replaced by change(r, p, q, tries)."""
+    def changed(p, q, tries):
+        chain, masses = chain_of(p, q, tries)
+        r = chain[:, p.shape[1] : 2 * p.shape[1] - 1]
+        r.copy_(change(r, p, q, tries))
+        return chain, masses
+    return changed
+
+
 SAMPLING_BUGS = {  # name: (the case whose check must fail, the module attribute to patch, the wrong value)
     "the_plain_step_draws_from_p_without_top_p": ("plain-top-p", Sampling, "probs", lambda sampling, logits:
                                                   sampling_probs(logits, temperature=sampling.temperature)),
     "top_k_draws_share_one_uniform_per_row": ("top-k", acceptance, "rejection_accept_topk", one_uniform_per_row),
     "q_keeps_earlier_draws": ("drawn-depth-3-rank-gap", acceptance, "without_earlier_draws",
-                              lambda log_q, draws, x, earlier: log_q.softmax(dim=-1)),
+                              lambda log_q, draws, *, bounds: log_q.softmax(dim=-1)),
     "the_first_draw_is_accepted_untested": ("drawn-depth-3-rank-gap", acceptance, "try_accepts",
                                             lambda p_x, q_x, u, *, live: torch.ones_like(live)),
     "drawn_candidates_are_judged_by_p_without_top_p": ("drawn-top-p", step, "accept", accepts_without_top_p),
     "top_k_candidates_are_judged_by_p_without_top_p": ("top-k-top-p", step, "accept", accepts_without_top_p),
     # each candidate tried against p itself, and the bonus drawn from p
-    "the_residual_is_not_updated_after_a_miss": ("drawn-draft-vocabulary-T1.5", acceptance, "residual_after_miss",
-                                                 lambda p, q: (p, residual_after_miss(p, q)[1])),
-    "the_residual_leaves_out_tokens_outside_the_draft_vocabulary": (
-        "drawn-draft-vocabulary-T1.5", acceptance, "residual_after_miss",
-        lambda p, q: (residual_after_miss(p, q)[0] * (q > 0), residual_after_miss(p, q)[1])),
+    "the_residual_is_not_updated_after_a_miss": ("drawn-draft-vocabulary-T1.5", acceptance, "residual_chain",
+                                                 residuals_changed(lambda r, p, q, tries: p[:, tries.parents])),
+    "the_residual_leaves_out_tokens_outside_the_draft_vocabulary": ("drawn-draft-vocabulary-T1.5", acceptance,
+                                                                    "residual_chain", residuals_changed(
+                                                                        lambda r, p, q, tries: r * (q > 0))),
     "a_row_tries_its_draws_against_another_rows_q": ("hydra-ragged-batch", Drawn, "at", another_rows_q),
     "children_are_tried_against_a_siblings_q": ("hydra-ragged-batch", Drawn, "at", a_siblings_q),
 }

@@ -58,14 +58,12 @@ def test_a_later_draw_is_tried_against_q_without_the_draws_before_it_however_lit
     """The rank-1 draw came from q without the rank-0 draw, renormalised, even when what is left is far below
     float32's exp (a low temperature); when nothing is left, the draw was a pick: a point mass."""
     log_q = torch.tensor([[0.0, -150.0, -152.0, float("-inf")]] * 2)  # [2, V]
-    draws, earlier = torch.tensor([[0, 1], [0, 1]]), torch.tensor([[True, False], [False, False]])  # ranks 1 and 0
-    got = without_earlier_draws(log_q, draws, torch.tensor([1, 0]), earlier=earlier)
+    got = without_earlier_draws(log_q, torch.tensor([[0, 1], [0, 1]]), rank=torch.tensor([1, 0]))  # [2, R]: 1, then 0
     want = torch.tensor([-150.0, -152.0], dtype=torch.float64).softmax(0).float()
     torch.testing.assert_close(got[0], torch.cat([torch.zeros(1), want, torch.zeros(1)]))
     torch.testing.assert_close(got[1], log_q[1].softmax(0))  # rank 0: q itself
     only = torch.tensor([0.0, float("-inf"), float("-inf"), float("-inf")])
-    assert without_earlier_draws(only, torch.tensor([0, 3]), torch.tensor(3),
-                                 earlier=torch.tensor([True, False])).tolist() == [0, 0, 0, 1]
+    assert without_earlier_draws(only, torch.tensor([0, 3]), rank=1).tolist() == [0, 0, 0, 1]
 
 
 def test_a_uniform_of_zero_leaves_its_token_likelier_than_one_q_barely_holds():

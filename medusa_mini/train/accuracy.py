@@ -114,7 +114,7 @@ def draw_chances(p: torch.Tensor, log_q: torch.Tensor, samples: torch.Tensor) ->
     draws before it (as `acceptance.rejection_accept_drawn` tries with uniforms)."""
     chances, left = [], torch.ones(len(p), dtype=torch.float64, device=p.device)  # [m] no try passed yet
     for r, x in enumerate(samples.unbind(1)):  # x: [m], the rank-r draws
-        q = without_earlier_draws(log_q, samples, x, earlier=torch.arange(samples.shape[1], device=x.device) < r)
+        q = without_earlier_draws(log_q, samples, rank=r)  # [m, V]
         residual, mass = residual_after_miss(p, q)  # [m, V], [m]
         live = mass > 0
         p_x, q_x = p.gather(1, x[:, None])[:, 0], q.gather(1, x[:, None])[:, 0]  # [m]
