@@ -11,7 +11,7 @@ from ..heads import HEAD_KINDS
 
 MINIMUM = {"vocab_size": 257, "n_layer": 1, "n_head": 1, "n_embd": 1, "block_size": 1, "batch_size": 1, "num_heads": 1,
            "heads_stride": 1, "save_every": 1, "medusa": 1, "distill_prompts": 1, "distill_prompt_len": 1,
-           "distill_tokens": 1, "heads_batch_size": 1, "eval_prompts": 1}  # vocabulary: 256 bytes + end-of-text
+           "distill_tokens": 1, "heads_batch_size": 1, "eval_prompts": 1, "max_bytes": 1}  # 257: bytes, end-of-text
 
 
 class TrainError(Exception):
