@@ -16,7 +16,7 @@ draw for draw.
 `usable` [B, N] (None: every node) marks the nodes a row may accept: near the end of its budget or of the
 context deeper nodes could not be used; a finished row in a batch has none, not even its root.
 
-Shapes: B rows, N nodes, V vocabulary, D tree depth, R ranks; n inner nodes and S slots (`TreeTensors.tries`).
+Shapes: B rows, N nodes, V vocabulary, D tree depth, R ranks; n inner nodes, n_s of them with an s-th child (`Tries`).
 """
 
 from typing import NamedTuple
@@ -120,22 +120,22 @@ def rejection_accept_topk(tree: TreeTensors, tokens: torch.Tensor, logits: torch
     return path_accept(tree, tokens, inverse_cdf(sampling.probs(logits), u[:, : tokens.shape[1]]), usable=usable)
 
 
-def residual_chain(p: torch.Tensor, q: torch.Tensor, tries: Tries) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every node's chain of residuals at once (`sampling.residual_after_miss`, with its rounding): p [B, N, V], q
-    [B, N - 1, V] in child order -> the chain [B, 3N - 2, V] (`Tries`) and each child's residual mass [B, N - 1]
-    (0 or NaN: nothing left). Slot by slot, the first n_s nodes with children miss their s-th child: r_s = norm(max(0,
-    r_{s-1} - q_s)), each slot in one addcdiv (r_{s-1} = R / mass, kept unnormalised) and all divided at the end."""
-    minus_q, R, mass, residuals, masses = -q, p[:, tries.nodes], None, [], []  # R [B, n, V]: p at the inner nodes
+def residual_chain(p: torch.Tensor, q: torch.Tensor, tries: Tries) -> torch.Tensor:
+    """Every node's chain of residuals at once, rounded as `sampling.residual_after_miss` rounds them: p [B, N, V], q
+    [B, N - 1, V] in child order -> the chain [B, 3N - 2, V] (`Tries`: p, the residuals, q); a residual whose miss
+    left no mass (p = q up to rounding) is 0 / 0, NaN. Slot s: the first n_s inner nodes miss their s-th child, and
+    one addcdiv makes rest_s = max(0, rest_{s-1} / mass_{s-1} - q_s), unnormalised until one division at the end."""
+    minus_q, rest, mass, residuals, masses = -q, p[:, tries.nodes], None, [], []  # rest [B, n, V]: p at inner nodes
     for minus_q_s in minus_q.split(tries.sizes, dim=1):  # [B, n_s, V]
         n = minus_q_s.shape[1]
-        R = (minus_q_s + R[:, :n] if mass is None else torch.addcdiv(minus_q_s, R[:, :n], mass[:, :n, None]))
-        R = R.clamp_min(0.0)
-        mass = R.sum(dim=-1)  # [B, n_s]
-        residuals.append(R)
+        rest = minus_q_s + rest[:, :n] if mass is None else torch.addcdiv(minus_q_s, rest[:, :n], mass[:, :n, None])
+        rest = rest.clamp_min(0.0)
+        mass = rest.sum(dim=-1)  # [B, n_s]
+        residuals.append(rest)
         masses.append(mass)
-    chain, masses = torch.cat([p, *residuals, q], dim=1), torch.cat(masses, dim=1)  # [B, 3N - 2, V], [B, N - 1]
-    chain[:, p.shape[1] : 2 * p.shape[1] - 1].div_(masses[..., None])  # normalised; 0 / 0, NaN, where no mass is left
-    return chain, masses
+    chain = torch.cat([p, *residuals, q], dim=1)  # [B, 3N - 2, V]
+    chain[:, p.shape[1] : 2 * p.shape[1] - 1].div_(torch.cat(masses, dim=1)[..., None])  # [B, N - 1, V] normalised
+    return chain
 
 
 def rejection_accept_drawn(tree: TreeTensors, tokens: torch.Tensor, logits: torch.Tensor, *, sampling: Sampling,
@@ -154,10 +154,10 @@ def rejection_accept_drawn(tree: TreeTensors, tokens: torch.Tensor, logits: torc
     """
     B, N, V = logits.shape
     tries, log_q, draws = tree.tries, *drawn.at(tree.tries.parents)  # [B, N - 1, V], [B, N - 1, R], child order
-    chain, _ = residual_chain(sampling.probs(logits), without_earlier_draws(log_q, draws, bounds=tries.bounds), tries)
+    chain = residual_chain(sampling.probs(logits), without_earlier_draws(log_q, draws, bounds=tries.bounds), tries)
     at_x = torch.add(tokens[:, None, 1:], tries.read, alpha=V).flatten(1)  # [B, 3 (N - 1)]: `Tries.read` at node k's x
     p_x, after, q_x = chain.flatten(1).gather(1, at_x).view(B, 3, N - 1).unbind(1)  # [B, N - 1] each, node order
-    live = after == after  # [B, N - 1]: node k's miss leaves a residual (not NaN)
+    live = after == after  # [B, N - 1]: k's miss left mass (r = rest / mass is NaN at x only where mass is 0 or NaN)
     judged = torch.stack([try_accepts(p_x, q_x, u[:, 1:N], live=live), live], dim=1)  # [B, 2, N - 1]
     judged = judged if usable is None else judged & usable[:, None, 1:]
     bias, weights = tries.row_scores

@@ -142,10 +142,10 @@ def typical_threshold(p: torch.Tensor, *, epsilon: float, delta: float) -> torch
     return torch.minimum(torch.full_like(entropy, epsilon), delta * torch.exp(-entropy))
 
 
-def draw_bounds(rank: torch.Tensor, ranks: int) -> torch.Tensor:
-    """[..., 2, R] float: the bounds `without_earlier_draws` puts on the log q of R draws for the draw x of rank
-    [...]: a floor, -FLOAT32_MAX at x (elsewhere -inf: none), and a ceiling, -inf at the draws before it (else inf)."""
-    r, x = torch.arange(ranks, device=rank.device), rank[..., None]  # [R], [..., 1]
+def draw_bounds(rank: torch.Tensor, width: int) -> torch.Tensor:
+    """[..., 2, width] float: the bounds `without_earlier_draws` puts on log q at `width` draws in order, for the draw
+    of rank `rank` [...]: a floor (-FLOAT32_MAX at that draw, else -inf) and a ceiling (-inf before it, else inf)."""
+    r, x = torch.arange(width, device=rank.device), rank[..., None]  # [width], [..., 1]
     return torch.stack([torch.where(r == x, -FLOAT32_MAX, -math.inf), torch.where(r < x, -math.inf, math.inf)], -2)
 
 
@@ -159,7 +159,7 @@ def without_earlier_draws(log_q: torch.Tensor, draws: torch.Tensor, *, rank: int
     rather than drawn, is tried as a point mass."""
     bounds = draw_bounds(torch.as_tensor(rank, device=draws.device), draws.shape[-1]) if bounds is None else bounds
     floor, ceiling = bounds.unbind(-2)  # [..., R] each
-    log_q = log_q.scatter_reduce(-1, draws, ceiling.expand_as(draws), "amin")  # log q is never NaN
+    log_q = log_q.scatter_reduce(-1, draws, ceiling.expand_as(draws), "amin")
     return log_q.scatter_reduce_(-1, draws, floor.expand_as(draws), "amax").softmax(dim=-1)
 
 

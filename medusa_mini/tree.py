@@ -117,9 +117,9 @@ class Tree:
 
 
 class Tries(NamedTuple):
-    """Rejection sampling's tables (`acceptance.rejection_accept_drawn`). Its chain [3N - 2] holds p at each node, then
-    child by child in child order (j: slot after slot), the residual after the child's miss, then the q it was drawn
-    from. k = 1 .. N - 1 are the nodes below the root (each a child), in node order."""
+    """Rejection sampling's tables (`acceptance.rejection_accept_drawn`). Its chain [3N - 2] of rows: p at each node,
+    then in child order (slot after slot) the residual each child's miss leaves, then the q each child was drawn from.
+    k = 1 .. N - 1 are the nodes below the root (each a child), in node order."""
 
     nodes: torch.Tensor  # [n] long: the nodes with children, most children first
     sizes: tuple[int, ...]  # per slot s, how many of them have an s-th child: always the first ones, so a slice
@@ -127,7 +127,7 @@ class Tries(NamedTuple):
     bounds: torch.Tensor  # [N - 1, 2, R] float: `sampling.draw_bounds` of each child's rank, in child order
     read: torch.Tensor  # [3, N - 1] long: node k's rows of the chain: the r it is tried against, its residual, its q
     row_scores: tuple[torch.Tensor, torch.Tensor]  # `bonus_row_scores`: bias [2N - 1], weights [2 (N - 1), 2N - 1]
-    row_node: torch.Tensor  # [2N - 1] long: the node whose p, or whose child's residual, each row of the chain is
+    row_node: torch.Tensor  # [2N - 1] long: the node of each of the chain's first 2N - 1 rows (p, a child's residual)
 
 
 @dataclass(frozen=True)
@@ -155,14 +155,14 @@ class TreeTensors:
     depth: int  # D, `Tree.depth`
 
 
-def bonus_row_scores(tree: Tree, row_node: list[int], children: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+def bonus_row_scores(tree: Tree, row_node: list[int], child_order: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """`Tries.row_scores`: the row of the chain the bonus is drawn from, found in one matmul (as `path_scores` finds
-    the deepest accepted node). Row ρ, p at node n or the residual after n's child c missed, qualifies when every
+    the deepest accepted node). A row, p at node n or the residual after n's child c missed, qualifies when every
     node of n's path below the root passes (accepted, and none of its elder siblings) and c's miss was live. Over
-    judged [B, 2 (N - 1)], each node's try accepted then its miss live, bias + judged @ weights scores ρ W · (what
-    of that holds - what it needs) + its rank by node then row, W = 2N - 1 rows: in [0, W) where ρ qualifies, below
-    0 where not. The argmax is the deepest accepted node's (nodes are numbered parents first) last live miss, or its
-    p. Weights are 0 or ±W: exact in float32, and in TF32 for N <= 1024."""
+    judged [B, 2 (N - 1)] (each node's try accepted, then its miss live), bias + judged @ weights is W · (conditions
+    met - conditions needed) + the row's rank by (node, row), W = 2N - 1: in [0, W) iff the row qualifies. Deeper
+    nodes are larger and a node's live misses are its first children (a dead miss leaves NaN), so the argmax is the
+    deepest accepted node's last live miss, or its p. Weights 0 or ±W: exact in float32, and in TF32 for N <= 1024."""
     N, W = tree.num_nodes, len(row_node)
     weights = torch.zeros(2 * (N - 1), W)  # row k - 1: node k accepted; row N - 2 + k: node k's miss live
     for row, n in enumerate(row_node):
@@ -170,7 +170,7 @@ def bonus_row_scores(tree: Tree, row_node: list[int], children: list[int]) -> tu
             kin = tree.children[tree.parents[k]]
             weights[k - 1, row], weights[[e - 1 for e in kin[: kin.index(k)]], row] = W, -W
         if row >= N:
-            weights[N - 2 + children[row - N], row] = W
+            weights[N - 2 + child_order[row - N], row] = W
     rank = torch.tensor(sorted(range(W), key=lambda row: (row_node[row], row))).argsort()  # [W]
     needs = torch.tensor([tree.depths[n] for n in row_node]) + (torch.arange(W) >= N)  # [W]
     return (rank - W * needs).float(), weights

@@ -209,10 +209,10 @@ def a_siblings_q(drawn, nodes, at=Drawn.at):
 def residuals_changed(change, chain_of=acceptance.residual_chain):
     """`residual_chain` with its residuals r [B, N - 1, V] replaced by change(r, p, q, tries)."""
     def changed(p, q, tries):
-        chain, masses = chain_of(p, q, tries)
+        chain = chain_of(p, q, tries)
         r = chain[:, p.shape[1] : 2 * p.shape[1] - 1]
         r.copy_(change(r, p, q, tries))
-        return chain, masses
+        return chain
     return changed
 
 
