@@ -36,8 +36,6 @@ def as_host(accepted, tree, b=0):
 
 def test_vectorised_greedy_equals_the_node_walk_on_random_trees_in_every_row():
     """Ties too: argmax ties go to the lowest token id in both. The trees have depths 1-5 and widths 1-4."""
-    trees = [random_case(seed)[0] for seed in range(300)]
-    assert {max(len(k) for k in t.children) for t in trees} == {1, 2, 3, 4}
     deep = 0
     for seed in range(200):
         tree, tokens, logits = random_case(seed, rows=3)  # a small vocabulary: long matches happen

@@ -76,7 +76,6 @@ def test_a_tree_made_directly_refuses_choices_from_choices_would_sort_or_refuse(
     the run of depth 2, a missing parent would hang its child on the root."""
     with pytest.raises(ValueError, match="Tree.from_choices"):
         Tree(choices)
-    assert Tree(((0,), (1,), (0, 0))) == Tree.from_choices([(0, 0), (1,), (0,)])
 
 
 def test_presets_are_valid_and_sized_for_their_device_and_a_chain_is_one_top1_guess_per_head():

@@ -92,9 +92,8 @@ def test_on_cuda_each_part_compiles_keeps_its_lines_and_names_what_failed(tmp_pa
 
 @pytest.mark.parametrize("case", [  # the error names what follows "->", else the first flag given
     "--part nope", "--device tpu -> device", "--budget-s 0", "--budget-s nan", "--budget-s inf", "--configs gpt5",
-    "--dtypes float8", "--part decode --ckpt no/such/dir -> --ckpt",
+    "--dtypes float8", "--part decode --ckpt no/such/dir -> --ckpt", "--out {tmp}/sub/",
     "--train-flags \"'unclosed\" -> --train-flags: No closing quotation",
-    "--out ''", "--out {tmp}", "--out {tmp}/sub/", "--out {tmp}/no/such/r.md",
     # forwarded flags, checked by their script's own parser before any part runs
     "--step-flags '--repeat 0' -> --step-flags: bench_step.py refuses its flags: argument --repeat",
     "--step-flags=--help -> --step-flags: bench_step.py refuses its flags: --help",

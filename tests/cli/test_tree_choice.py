@@ -29,7 +29,6 @@ def test_a_budget_builds_the_best_tree_from_its_rules_table_else_the_device_pick
     assert resolve("1", tmp_path) == (build_tree(acc, 1)[0], "1", 1)  # the smallest budget: one node
     cpu_tree, name, _ = resolve(None, tmp_path)  # on a CPU, at most 8 nodes, each worth its time
     assert (cpu_tree, name) == (build_tree(acc, 8, min_gain=CPU_MIN_GAIN)[0], "auto") == resolve("auto", tmp_path)[:2]
-    assert cpu_tree.num_nodes - 1 == 6 and cpu_tree == build_tree(acc, 6)[0]
     assert resolve(None, tmp_path, device="cuda:0") == (build_tree(acc, 64)[0], "auto", 64)
     save_accuracy(tmp_path, VICUNA, drawn=DRAWN)
     drawn = load_accuracy(tmp_path, drawn=True)

@@ -215,7 +215,6 @@ def test_a_download_shows_progress_and_resumes_a_broken_connection_or_a_part_fil
 @pytest.mark.parametrize("faults, match", [
     (["drop"] * 3, "interrupted .* run again to resume"),  # the .part file stays for the next call
     ([404], r"HTTP 404 .* for http://127\.0\.0\.1:\d+/f$"),
-    ([500], r"HTTP 500 .* for http://127\.0\.0\.1:\d+/f$"),
     ([], "cannot connect"),  # to a port nobody listens on
 ])
 def test_a_failed_download_is_one_clear_line_and_leaves_no_file(hub, tmp_path, faults, match):

@@ -189,7 +189,6 @@ def test_bfloat16_reaches_float32s_validation_loss_measured_every_eval_every_ste
     printed = capsys.readouterr().out
     lines = [line for line in printed.splitlines() if line.startswith("eval ")]
     assert [line.split()[2] for line in lines] == ["4/6", "6/6"] and "validation loss" in lines[0]  # and the last
-    assert "stages     backbone" in printed  # time per stage in the summary
     f32, bf16 = (load_checkpoint(d)[2]["medusa_mini"]["val_loss"] for d in (reference_run[0], out))
     assert abs(bf16 - f32) <= 0.05 * f32 and not same_weights(reference_run[0], out)  # autocast ran in bfloat16
 
