@@ -194,13 +194,13 @@ def tree_tensors(tree: Tree, device: str) -> TreeTensors:
     by_slot = [(tree.children[i][s], i) for s, n in enumerate(sizes) for i in inner[:n]]  # (child, its parent)
     at, parents = {child: j for j, (child, _) in enumerate(by_slot)}, torch.tensor([i for _, i in by_slot]).long()
     depths, below = torch.tensor(tree.depths), paths[:, 1:]  # below: the root's own row is zeros, never read
-    kin, kids = [tree.children[tree.parents[k]] for k in range(N)], [c for c, _ in by_slot]  # kin: k's siblings
+    kin, child_order = [tree.children[tree.parents[k]] for k in range(N)], [c for c, _ in by_slot]  # kin: k's siblings
     against = [N + at[kin[k][kin[k].index(k) - 1]] if kin[k][0] != k else tree.parents[k] for k in range(1, N)]
     read = torch.tensor([against, [N + at[k] for k in range(1, N)], [2 * N - 1 + at[k] for k in range(1, N)]])
     row_node = list(range(N)) + [i for _, i in by_slot]  # [2N - 1]
-    tries = Tries(as_long(inner), sizes, parents.to(device), draw_bounds(as_long([tree.ranks[c] for c in kids]), R),
-                  read.to(device), tuple(t.to(device) for t in bonus_row_scores(tree, row_node, kids)),
-                  as_long(row_node))
+    bounds = draw_bounds(as_long([tree.ranks[c] for c in child_order]), R)  # [N - 1, 2, R]
+    tries = Tries(as_long(inner), sizes, parents.to(device), bounds, read.to(device),
+                  tuple(t.to(device) for t in bonus_row_scores(tree, row_node, child_order)), as_long(row_node))
     moves = torch.cat([paths, torch.arange(D + 1).expand(N, -1), depths[:, None] + 1], 1)  # [N, 2D + 3]
     offsets = torch.cat([torch.arange(N)[:, None], depths[:, None], moves], 1)  # [N, 2D + 5]
     weights = (mask.T & (torch.arange(N) > 0)[:, None]) * float(N)  # [N, N]: N per node of i's path below the root
