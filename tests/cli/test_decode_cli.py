@@ -120,6 +120,11 @@ def test_as_a_process_a_sampled_run_repeats_its_tokens(ckpt, capsys):
     assert [o["tokens"] for o in objs] == [o["tokens"] for o in objects(capsys, *argv)]  # and in this process
 
 
+def test_top_p_goes_with_sampling_a_temperature_names_or_compares_sampled_rows():
+    for argv in (["--compare"], ["--method", "rejection"], ["--temperature", "0.5"]):  # never alone: refused, below
+        assert decode.parse_args([*argv, "--top-p", "0.9"]).sampling.top_p == 0.9
+
+
 @pytest.mark.parametrize("case", [  # what the error names: what follows "->", else the first flag given
     "--ckpt {tmp}/nowhere -> nowhere does not exist", "--ckpt {broken} -> model.safetensors",
     "--ckpt {tmp} -> safetensors", "--ckpt {ckpt}/config.json -> is a file", "--ckpt {no_heads} -> no Medusa heads",
