@@ -66,16 +66,14 @@ def test_the_ancestor_mask_equals_the_references_walk_up_the_parents_on_random_t
     ([0, 1], {}, r"integer ranks"),
 ])
 def test_bad_choices_are_a_clear_error_naming_the_choice(choices, kwargs, message):
-    with pytest.raises(ValueError, match=message):
-        Tree.from_choices(choices, **kwargs)
+    pytest.raises(ValueError, Tree.from_choices, choices, **kwargs).match(message)
 
 
 @pytest.mark.parametrize("choices", [((0,), (0, 0), (1,)), ((0,), (0, 1, 0)), ((0,), (0,)), ((0,), (-1,)), ((),)])
 def test_a_tree_made_directly_refuses_choices_from_choices_would_sort_or_refuse(choices):
     """Its node lists assume depth-sorted, prefix-closed choices: unsorted ones would put a depth-1 node in
     the run of depth 2, a missing parent would hang its child on the root."""
-    with pytest.raises(ValueError, match="Tree.from_choices"):
-        Tree(choices)
+    pytest.raises(ValueError, Tree, choices).match("Tree.from_choices")
 
 
 def test_presets_are_valid_and_sized_for_their_device_and_a_chain_is_one_top1_guess_per_head():
@@ -140,10 +138,7 @@ def test_with_ranks_ordered_by_accuracy_the_greedy_tree_is_the_best_of_all_valid
 
 def test_product_rule_rejects_a_tree_deeper_or_wider_than_the_table_and_values_that_are_no_probabilities():
     for tree in (chain(4), Tree.from_choices([(ACC_HAND.shape[1],)])):  # ranks 0 .. R - 1 only
-        with pytest.raises(ValueError, match="more heads or ranks"):
-            expected_tokens_per_step(ACC_HAND, tree)
-    with pytest.raises(ValueError, match="probabilities"):
-        build_tree(torch.tensor([[1.5]]), 1)
+        pytest.raises(ValueError, expected_tokens_per_step, ACC_HAND, tree).match("more heads or ranks")
+    pytest.raises(ValueError, build_tree, torch.tensor([[1.5]]), 1).match("probabilities")
     assert build_tree(torch.tensor([[1.0, 0.0]]), 4) == (chain(1), 2.0)  # 0 and 1 are probabilities; a 0 never joins
-    with pytest.raises(ValueError, match=r"\[heads, ranks\]"):
-        build_tree(torch.zeros(3), 4)
+    pytest.raises(ValueError, build_tree, torch.zeros(3), 4).match(r"\[heads, ranks\]")

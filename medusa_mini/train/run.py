@@ -281,7 +281,8 @@ def _train(r: Run, module: MedusaLM, optimizer, *, stage: str, steps: int, start
             elapsed = max(t_log - t_start, 1e-9)
             eta = (steps - step - 1) * elapsed / (step + 1 - start)
             r.log(progress_line(stage, step, steps, values, tokens_per_s=tokens_seen / elapsed, eta=eta))
-            if not math.isfinite(values.get("lm", 0.0) + sum(values.get("heads", []))):  # nan or inf: diverged
+            # Diverged: a loss not finite has spoilt the weights, but for float16's scaler, which skips its step.
+            if not scaler.is_enabled() and not math.isfinite(values.get("lm", 0.0) + sum(values.get("heads", []))):
                 raise TrainError(f"{stage} step {step + 1}: the loss is not finite; lower the learning rate (--lr; "
                                  "the heads stage's: --heads-lr)")
         if evaluate is not None and ((step + 1) % a.eval_every == 0 or step + 1 == steps):

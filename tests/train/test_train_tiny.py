@@ -373,3 +373,10 @@ def test_float16_loss_scaling_skips_overflows_and_resumes_exactly(tmp_path, monk
         assert saved["scale"] != 2.0**17 and saved["growth_interval"] == 1  # the scaler's own state, saved
         assert train_tiny.main(args + ["--out", str(out), "--resume"]) == 0
         assert same_weights(ref, out), during
+
+    def overflowing(*args, forward=MedusaLM.forward, first=iter([torch.inf]), **kwargs):  # the first step's loss
+        loss, metrics = forward(*args, **kwargs)
+        return loss * (x := next(first, 1.0)), {k: v * x for k, v in metrics.items()}  # overflows, no other does
+
+    monkeypatch.setattr(MedusaLM, "forward", overflowing)  # float16's scaler skips that step: no divergence to stop
+    assert train_tiny.main(args + ["--out", str(tmp_path / "inf")]) == 0
