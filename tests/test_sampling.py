@@ -22,8 +22,7 @@ def test_a_tiny_temperature_gives_the_argmax_not_nan_and_shares_exact_ties_and_z
     logits = torch.tensor([[1.0, 3.0, 2.0, -5.0], [2.0, 7.0, 7.0, 0.0]])
     assert sampling_probs(logits, temperature=temperature).tolist() == [[0.0, 1.0, 0.0, 0.0], [0.0, 0.5, 0.5, 0.0]]
     assert Sampling(temperature=torch.finfo().max).probs(logits).allclose(torch.tensor(0.25))  # the largest: flat
-    with pytest.raises(ValueError, match="temperature"):
-        sampling_probs(logits, temperature=0.0)
+    pytest.raises(ValueError, sampling_probs, logits, temperature=0.0).match("temperature")
 
 
 def test_q_over_a_draft_vocabulary_is_the_heads_softmax_there_and_zero_elsewhere():
@@ -90,5 +89,4 @@ def test_greedy_is_decided_by_the_temperature_alone_and_sampling_means_lossless_
     (dict(acceptance="nucleus"), "unknown acceptance rule"), (dict(candidates="beam"), "unknown candidates"),
 ])
 def test_impossible_settings_fail_at_construction(kwargs, needle):
-    with pytest.raises(ValueError, match=needle):
-        Sampling(**kwargs)
+    pytest.raises(ValueError, Sampling, **kwargs).match(needle)

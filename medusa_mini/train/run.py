@@ -86,6 +86,8 @@ class Run:
             state = torch.load(self.state_path, map_location="cpu", weights_only=True)
             if self.world > 1:
                 state.update(torch.load(self.rank_path, map_location="cpu", weights_only=True))
+        except OSError as e:  # a file missing or unreadable: the run may resume once it is back
+            raise TrainError(f"--resume: cannot read the saved state in {self.args.out}: {e.strerror or e}") from None
         except Exception as e:  # a torn or foreign file
             raise TrainError(f"--resume: cannot read the saved state in {self.args.out} ({type(e).__name__}); "
                              "start anew with --overwrite") from None
@@ -257,7 +259,7 @@ def _train(r: Run, module: MedusaLM, optimizer, *, stage: str, steps: int, start
         gen.set_state(state["gen"])
         scaler.load_state_dict(state["scaler"])  # a disabled scaler ignores it
     saved = dict(optimizer=optimizer, gen=gen, scaler=scaler)
-    t_start, t_log, tokens_seen = time.time(), 0.0, 0
+    t_start, t_log, tokens_seen, strikes = time.time(), 0.0, 0, 0
     for step in range(start, steps):
         if r.any_rank(r.stop_requested):  # Ctrl-C on any rank: all stop at this step
             r.save(stage=stage, step=step, **saved)
@@ -274,20 +276,24 @@ def _train(r: Run, module: MedusaLM, optimizer, *, stage: str, steps: int, start
         scaler.step(optimizer)
         scaler.update()
         tokens_seen += x.numel() * r.world
-        # Every rank must take part in the metrics' all-reduce: print when any rank's clock says so.
-        if r.any_rank(time.time() - t_log >= a.log_every) or step in (start, steps - 1):
-            values = r.mean_metrics(metrics)  # the one place the loop reads the device: it waits for it
+        save = (step + 1) % (a.save_every or max(50, steps // 5)) == 0 and step + 1 < steps
+        log = r.any_rank(time.time() - t_log >= a.log_every) or step in (start, steps - 1)  # all ranks, or none
+        if log or save:  # the metrics' all-reduce, the loop's one wait for the device: to print, or before a save
+            values = r.mean_metrics(metrics)
+            # A loss not finite has spoilt the weights: stop before they are saved or trained on. float16's scaler
+            # skips such a step, keeping the weights, so there it takes two checks in a row.
+            strikes = 0 if math.isfinite(values.get("lm", 0.0) + sum(values.get("heads", []))) else strikes + 1
+        if log:
             t_log = time.time()  # after the wait, so tok/s and the ETA count the device's time
             elapsed = max(t_log - t_start, 1e-9)
             eta = (steps - step - 1) * elapsed / (step + 1 - start)
             r.log(progress_line(stage, step, steps, values, tokens_per_s=tokens_seen / elapsed, eta=eta))
-            # Diverged: a loss not finite has spoilt the weights, but for float16's scaler, which skips its step.
-            if not scaler.is_enabled() and not math.isfinite(values.get("lm", 0.0) + sum(values.get("heads", []))):
-                raise TrainError(f"{stage} step {step + 1}: the loss is not finite; lower the learning rate (--lr; "
-                                 "the heads stage's: --heads-lr)")
+        if strikes > scaler.is_enabled():
+            raise TrainError(f"{stage} step {step + 1}: the loss is not finite; lower the learning rate (--lr; "
+                             "the heads stage's: --heads-lr)")
         if evaluate is not None and ((step + 1) % a.eval_every == 0 or step + 1 == steps):
             evaluate(step + 1)
-        if (step + 1) % (a.save_every or max(50, steps // 5)) == 0 and step + 1 < steps:
+        if save:
             r.save(stage=stage, step=step + 1, **saved)
 
 

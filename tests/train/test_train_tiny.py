@@ -258,7 +258,8 @@ def test_help_lists_every_flag_and_bad_flags_or_data_are_one_line_naming_it_with
         assert code == 2 and err.startswith("train_tiny.py: error:") and err.count("\n") == 1, (bad, err)
         assert bad[0] in err or bad[-1] in err, (bad, err)
     assert not (tmp_path / "x").exists()  # nothing half-written, not even an empty folder
-    assert train_tiny.main([*FAST, "--out", "x", "--lr", "1e30"]) == 2 and not (tmp_path / "x" / "config.json").exists()
+    assert train_tiny.main([*FAST, "--out", "x", "--lr", "1e30", "--save-every", "2"]) == 2  # refused before a save
+    assert not {"config.json", "train_state.pt"} & set(os.listdir(tmp_path / "x"))
     assert "not finite; lower the learning rate (--lr" in (err := capsys.readouterr().err) and err.count("\n") == 1
 
 
@@ -378,5 +379,6 @@ def test_float16_loss_scaling_skips_overflows_and_resumes_exactly(tmp_path, monk
         loss, metrics = forward(*args, **kwargs)
         return loss * (x := next(first, 1.0)), {k: v * x for k, v in metrics.items()}  # overflows, no other does
 
+    assert train_tiny.main(args + ["--out", str(tmp_path / "lr"), "--lr", "1e30"]) == 2  # diverged: stopped
     monkeypatch.setattr(MedusaLM, "forward", overflowing)  # float16's scaler skips that step: no divergence to stop
     assert train_tiny.main(args + ["--out", str(tmp_path / "inf")]) == 0
