@@ -30,6 +30,7 @@ from .data import corpus_digest, encode_documents, get_batch, held_out_prompts, 
 from .device import DTYPES, to_device
 
 STATE_FILE = "train_state.pt"
+LOWER_LR = "lower the learning rate (--lr; the heads stage's: --heads-lr)"
 OFFICIAL_TOP1 = (0.56, 0.32, 0.20, 0.15)  # official Medusa-1 heads on Vicuna-7B, heads 1-4 (paper, repository)
 COVERAGE_SIZES = (256, 512, 1024, 2048, 4096, 8192)
 
@@ -60,8 +61,16 @@ class Run:
         if self.main:
             print(msg, flush=True)
 
+    def check_finite(self, where: str) -> None:
+        """A TrainError, on every rank alike (their replicas are equal), once a trained weight is not finite: a
+        diverged run saves nothing over the last good checkpoint (a check of the loss may come too late)."""
+        trained = [p for p in (*self.model.parameters(), *self.heads.parameters()) if p.requires_grad]
+        if not torch.stack([p.isfinite().all() for p in trained]).all():
+            raise TrainError(f"{where}: the weights are not finite; {LOWER_LR}")
+
     def save(self, *, stage: str, step: int, optimizer=None, gen=None, scaler=None) -> None:
         """State for --resume (each rank's generator and text in a file of its own) and a usable checkpoint."""
+        self.check_finite(f"{stage} step {step}")
         mine = {"gen": gen and gen.get_state(), "distill": None if self.distill is None else self.distill.cpu()}
         if self.world > 1:
             atomic_write(self.rank_path, lambda f: torch.save(mine, f))
@@ -276,24 +285,21 @@ def _train(r: Run, module: MedusaLM, optimizer, *, stage: str, steps: int, start
         scaler.step(optimizer)
         scaler.update()
         tokens_seen += x.numel() * r.world
-        save = (step + 1) % (a.save_every or max(50, steps // 5)) == 0 and step + 1 < steps
-        log = r.any_rank(time.time() - t_log >= a.log_every) or step in (start, steps - 1)  # all ranks, or none
-        if log or save:  # the metrics' all-reduce, the loop's one wait for the device: to print, or before a save
-            values = r.mean_metrics(metrics)
-            # A loss not finite has spoilt the weights: stop before they are saved or trained on. float16's scaler
-            # skips such a step, keeping the weights, so there it takes two checks in a row.
-            strikes = 0 if math.isfinite(values.get("lm", 0.0) + sum(values.get("heads", []))) else strikes + 1
-        if log:
+        # Every rank must take part in the metrics' all-reduce: print when any rank's clock says so.
+        if r.any_rank(time.time() - t_log >= a.log_every) or step in (start, steps - 1):
+            values = r.mean_metrics(metrics)  # the one place the loop reads the device: it waits for it
             t_log = time.time()  # after the wait, so tok/s and the ETA count the device's time
             elapsed = max(t_log - t_start, 1e-9)
             eta = (steps - step - 1) * elapsed / (step + 1 - start)
             r.log(progress_line(stage, step, steps, values, tokens_per_s=tokens_seen / elapsed, eta=eta))
-        if strikes > scaler.is_enabled():
-            raise TrainError(f"{stage} step {step + 1}: the loss is not finite; lower the learning rate (--lr; "
-                             "the heads stage's: --heads-lr)")
+            # A loss not finite: the run diverged, unless float16's scaler skipped just this step (keeping the
+            # weights), so under it a second such line in a row, or one at a stage's end, stops the run.
+            strikes = 0 if math.isfinite(values.get("lm", 0.0) + sum(values.get("heads", []))) else strikes + 1
+            if strikes > scaler.is_enabled() or (strikes and step == steps - 1):
+                raise TrainError(f"{stage} step {step + 1}: the loss is not finite; {LOWER_LR}")
         if evaluate is not None and ((step + 1) % a.eval_every == 0 or step + 1 == steps):
             evaluate(step + 1)
-        if save:
+        if (step + 1) % (a.save_every or max(50, steps // 5)) == 0 and step + 1 < steps:
             r.save(stage=stage, step=step + 1, **saved)
 
 
@@ -472,6 +478,7 @@ def run(args: TrainArgs) -> None:
         _train_stages(r, state, train_tokens, val_batches)
     finally:
         signal.signal(signal.SIGINT, previous)
+    r.check_finite("after training")
     choose_draft_vocabulary(r)  # before the summary: it measures the heads as they will decode
     r.heads.eval()
     if r.world > 1:
