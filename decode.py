@@ -74,7 +74,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         (a.demo and not a.explain, "--demo goes with --explain: python decode.py --explain --demo"),
         (a.plot is not None and not a.batch_table, "--plot draws the batch table: add --compare --batch-size 1,2,4"),
         (a.reference and a.batch_table, "--reference adds rows to the one-batch table: leave out the batch sizes"),
-        (a.top_p != 1 and not a.temperature and not a.compare and a.method not in ("typical", "rejection"),
+        (0 < a.top_p < 1 and not a.temperature and not a.compare and a.method not in ("typical", "rejection"),
          "--top-p filters what is sampled: add --temperature > 0 (greedy decoding samples nothing)"),
         (a.method in ("typical", "rejection") and a.temperature == 0,
          f"--method {a.method} samples: give --temperature > 0, or use --method greedy"),

@@ -166,7 +166,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--device", help="cuda or cpu (default: cuda if available)")
     p.add_argument("--quick", action="store_true", help="smoke training, the tiny shape, few nodes and prompts")
     p.add_argument("--ckpt", default="out/gpu_report", metavar="DIR",
-                   help="train's checkpoint (replacing one there), read by decode and batch (default: %(default)s)")
+                   help="train's checkpoint (replacing one there), read by decode and batch; relative to the current "
+                   "folder (default: %(default)s)")
     p.add_argument("--configs", type=names_of(CONFIGS),
                    help=f"step: shapes for bench_step.py (default: {GPT2_SHAPES}; --quick: tiny)")
     p.add_argument("--dtypes", type=names_of(DTYPES), default="bfloat16,float32",
