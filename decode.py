@@ -61,7 +61,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", action="store_true", help="JSON lines per prompt (with --compare: one object; "
                    "with --batch-size B, a row's seconds are its whole batch's)")
     a = p.parse_args(argv)
-    a.batch_sizes = list(a.batch_size)
+    a.batch_sizes, samples = list(a.batch_size), a.method in ("typical", "rejection")  # Medusa's sampling rules
     a.batch_size, a.batch_table = a.batch_sizes[0], a.compare and a.batch_sizes != [1]
     for wrong, message in (
         (a.compare and a.max_new_tokens < 2, "--compare needs --max-new-tokens 2 or more: the prefill makes the first"),
@@ -74,16 +74,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         (a.demo and not a.explain, "--demo goes with --explain: python decode.py --explain --demo"),
         (a.plot is not None and not a.batch_table, "--plot draws the batch table: add --compare --batch-size 1,2,4"),
         (a.reference and a.batch_table, "--reference adds rows to the one-batch table: leave out the batch sizes"),
-        (0 < a.top_p < 1 and not a.temperature and not a.compare and a.method not in ("typical", "rejection"),
+        (0 < a.top_p < 1 and not a.temperature and not a.compare and not samples,
          "--top-p filters what is sampled: add --temperature > 0 (greedy decoding samples nothing)"),
-        (a.method in ("typical", "rejection") and a.temperature == 0,
+        (samples and a.temperature == 0,
          f"--method {a.method} samples: give --temperature > 0, or use --method greedy"),
         (a.explain and (a.compile or a.reference), "--explain runs the reference's functions: leave out --compile "
                                                    "and --reference")):
         if wrong:
             p.error(message)
     if a.temperature is None:
-        a.temperature = SAMPLING_TEMPERATURE if a.method in ("typical", "rejection") else 0.0
+        a.temperature = SAMPLING_TEMPERATURE if samples else 0.0
     rule = None if a.compare or a.method == "plain" else a.method  # --compare makes its own rows
     try:  # every sampling setting is checked here, once; plain decoding reads only T and top-p
         a.sampling = Sampling(acceptance=rule, temperature=a.temperature, top_p=a.top_p)

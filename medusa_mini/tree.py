@@ -194,10 +194,10 @@ def tree_tensors(tree: Tree, device: str) -> TreeTensors:
     by_slot = [(tree.children[i][s], i) for s, n in enumerate(sizes) for i in inner[:n]]  # (child, its parent)
     at, parents = {child: j for j, (child, _) in enumerate(by_slot)}, torch.tensor([i for _, i in by_slot]).long()
     depths, below = torch.tensor(tree.depths), paths[:, 1:]  # below: the root's own row is zeros, never read
-    kin, child_order = [tree.children[tree.parents[k]] for k in range(N)], [c for c, _ in by_slot]  # kin: k's siblings
-    against = [N + at[kin[k][kin[k].index(k) - 1]] if kin[k][0] != k else tree.parents[k] for k in range(1, N)]
+    elder = {c: kids[j - 1] for kids in tree.children for j, c in enumerate(kids) if j}  # a later child's elder
+    against = [N + at[elder[k]] if k in elder else tree.parents[k] for k in range(1, N)]  # its miss's r, else p
     read = torch.tensor([against, [N + at[k] for k in range(1, N)], [2 * N - 1 + at[k] for k in range(1, N)]])
-    row_node = list(range(N)) + [i for _, i in by_slot]  # [2N - 1]
+    row_node, child_order = list(range(N)) + [i for _, i in by_slot], [c for c, _ in by_slot]  # [2N - 1], [N - 1]
     bounds = draw_bounds(as_long([tree.ranks[c] for c in child_order]), R)  # [N - 1, 2, R]
     tries = Tries(as_long(inner), sizes, parents.to(device), bounds, read.to(device),
                   tuple(t.to(device) for t in bonus_row_scores(tree, row_node, child_order)), as_long(row_node))
