@@ -89,17 +89,16 @@ class DraftHeads(nn.Module):
     def __init__(self, config: HeadsConfig) -> None:
         super().__init__()
         self.config = config
-        # Token ids, most frequent first; the first M of them are the draft vocabulary.
+        # Token ids, most frequent first; the first M are the draft vocabulary, draft_ids [M] those ascending,
+        # sorted when the order is set or loaded, not at each use (a compiled step sorting them cost two kernels).
         self.register_buffer("vocab_order", torch.arange(config.vocab_size))
+        self.register_buffer("draft_ids", torch.arange(config.vocab_size), persistent=False)
+        self.register_load_state_dict_post_hook(
+            lambda heads, _: heads.use_draft_vocabulary(heads.vocab_order, heads.config.draft_vocab_size))
 
     @property
     def num_heads(self) -> int:
         return self.config.num_heads
-
-    @property
-    def draft_ids(self) -> torch.Tensor:
-        """[M] the token ids the heads guess among, ascending (all V when draft_vocab_size is 0)."""
-        return self.vocab_order[: self.config.draft_vocab_size or self.config.vocab_size].sort().values
 
     def use_draft_vocabulary(self, order: torch.Tensor, size: int) -> None:
         """Guess among the first `size` tokens of `order` [V] (0 or V: the whole vocabulary)."""
@@ -107,6 +106,7 @@ class DraftHeads(nn.Module):
             raise ValueError("the draft vocabulary's order must hold every token id once")
         self.config.draft_vocab_size = replace(self.config, draft_vocab_size=size).draft_vocab_size  # checked anew
         self.vocab_order.copy_(order)
+        self.draft_ids = self.vocab_order[: self.config.draft_vocab_size or self.config.vocab_size].sort().values
 
     def draft_index(self, tokens: torch.Tensor) -> torch.Tensor:
         """Target token ids [...] (IGNORE where none) as indices into the draft vocabulary; a token outside

@@ -143,7 +143,7 @@ def test_a_compiled_step_drafts_the_next_tree_in_its_graph_and_makes_the_eager_t
     """Compiled (graphs replayed as CUDA graphs would), every step verifies, accepts and drafts the next tree
     in `verify_and_accept`'s one graph, with the uniforms drawn before in the eager order: the eager
     proposer fills no tree but, for top-k candidates, the first (drawn ones: `draft_tree`'s graph draws
-    it), and the tokens are the eager ones, for a ragged batch; the warm-up recorded every graph."""
+    it), and the tokens are the eager ones, for a ragged batch; the warm-up recorded every graph; none sorts."""
     backend = GraphReplay()
     model, heads, steps, caches = warmed_up(5, backend=backend, kind=kind, rows=2, rules=(RULES[rule],))
     graphs, proposer_type, proposed, calls = len(backend.graphs), type(heads.proposer(model, TREE)), [], []
@@ -153,6 +153,7 @@ def test_a_compiled_step_drafts_the_next_tree_in_its_graph_and_makes_the_eager_t
     eager, compiled = run_both(model, heads, RULES[rule], steps, cache=caches)
     assert compiled == eager and len(proposed) - (rule != "rejection") == len(calls) > 1
     assert len(backend.graphs) == graphs and sum(map(len, compiled)) == 60
+    assert not [n for gm in backend.graphs for n in gm.graph.nodes if getattr(n.target, "__name__", n.target) == "sort"]
 
 
 def test_a_kv_cache_not_marked_static_is_refused_under_cuda_graphs_rules(monkeypatch):
