@@ -6,8 +6,7 @@
 
 Speedup = tokens/step ÷ step cost: Medusa pays only if a step verifying N candidates costs little more than a plain
 step. On random weights (speed depends on shapes, not values): a plain step, verify N (one tree-masked forward), and
-per Medusa tree each stage of a step and its device operations. Targets: heads <= 10% of a plain step.
-"""
+per Medusa tree each stage of a step and its device operations. Targets: heads <= 10% of a plain step."""
 
 import json
 import os
@@ -74,8 +73,7 @@ def tree_stages(model: GPT, cache: KVCache, heads: DraftHeads, tree: Tree, root:
     t, stop_at = tree.tensors(device), torch.full_like(root, model.config.block_size)
     greedy, drawn = Sampling(), Sampling(temperature=SAMPLING_TEMPERATURE)
     propose = partial(proposer.propose, root, hidden, history=history, sampling=greedy, u=None)
-    proposal = propose()
-    sampled = propose(sampling=drawn, u=proposer.uniforms(drawn, 1, gen, device=device))
+    proposal, sampled = propose(), propose(sampling=drawn, u=proposer.uniforms(drawn, 1, gen, device=device))
     check = partial(steps.medusa.verify_and_accept if compiled else verify_and_accept, model, cache, tree=t,
                     stop_at=stop_at, attended=attended, heads=proposer.heads if compiled else None)
     greedy_verify = partial(check, proposal.tokens, sampling=greedy, u=None)

@@ -8,8 +8,7 @@ Parts: step: `bench_step.py` per GPT-2 shape and dtype, eager and (on CUDA) comp
 --preset gpu` into --ckpt; decode: `decode.py --compare` on it in bfloat16 (compiled on CUDA); batch: the same with
 --batch-size 1,2,4,8,16. A part runs within --budget-s; when it ends, --out is replaced by the report with its
 section, so a stopped run keeps what it finished. Exit status: 0, 1 if a part failed (its section says why), 2 for
-bad flags, the forwarded ones included.
-"""
+bad flags, the forwarded ones included."""
 
 import argparse
 import contextlib
@@ -165,9 +164,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--append", action="store_true", help="add the sections to --out instead of writing it anew")
     p.add_argument("--device", help="cuda or cpu (default: cuda if available)")
     p.add_argument("--quick", action="store_true", help="smoke training, the tiny shape, few nodes and prompts")
-    p.add_argument("--ckpt", default="out/gpu_report", metavar="DIR",
-                   help="train's checkpoint (replacing one there), read by decode and batch; relative to the current "
-                   "folder (default: %(default)s)")
+    p.add_argument("--ckpt", default="out/gpu_report", metavar="DIR", help="train's checkpoint (replacing one "
+                   "there), read by decode and batch; relative to the current folder (default: %(default)s)")
     p.add_argument("--configs", type=names_of(CONFIGS),
                    help=f"step: shapes for bench_step.py (default: {GPT2_SHAPES}; --quick: tiny)")
     p.add_argument("--dtypes", type=names_of(DTYPES), default="bfloat16,float32",

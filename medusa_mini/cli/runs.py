@@ -85,8 +85,7 @@ def run_in_turns(engine: Engine, methods: list[Method], batches: list[list[list[
                      for i, b in enumerate(batches) for m in methods}, rounds=repeat, device=device)
     tokens = {k: [[t for t, _ in results] for results, _ in tries] for k, tries in runs.items()}
     unsteady = {key for (key, _), seen in tokens.items() if any(t != seen[0] for t in seen)}
-    return {m.key: [min(runs[m.key, i], key=lambda run: run[1]) for i in range(len(batches))]
-            for m in methods}, unsteady
+    return {m.key: [min(runs[m.key, i], key=lambda r: r[1]) for i in range(len(batches))] for m in methods}, unsteady
 
 
 def summarise(runs: Runs) -> dict:

@@ -37,8 +37,7 @@ def gpt2_state_dict(model: GPT) -> dict[str, torch.Tensor]:
     wte, lm_head = model.transformer.wte.weight, model.lm_head.weight
     if lm_head is not wte and not torch.equal(lm_head, wte):
         raise ValueError("lm_head.weight is not tied to transformer.wte.weight; GPT-2 files cannot hold it")
-    return {key: t.t() if key.endswith(_CONV1D) else t
-            for key, t in model.state_dict().items() if key != "lm_head.weight"}
+    return {k: t.t() if k.endswith(_CONV1D) else t for k, t in model.state_dict().items() if k != "lm_head.weight"}
 
 
 def check_tensors(expected: dict[str, tuple], found: dict[str, torch.Tensor], *, fits: str) -> None:
@@ -96,10 +95,9 @@ def read_gpt2_config(path: str) -> GPTConfig:
     if d.get("model_type") != "gpt2":
         raise ValueError(f"{path}: model_type is {d.get('model_type')!r}; only 'gpt2' models can be loaded")
     try:
-        block_size = int(d["n_positions"] if "n_positions" in d else d["n_ctx"])
-        config = GPTConfig(vocab_size=int(d["vocab_size"]), block_size=block_size, n_layer=int(d["n_layer"]),
-                           n_head=int(d["n_head"]), n_embd=int(d["n_embd"]),
-                           layer_norm_epsilon=float(d.get("layer_norm_epsilon", 1e-5)))
+        config = GPTConfig(block_size=int(d["n_positions"] if "n_positions" in d else d["n_ctx"]),
+                           vocab_size=int(d["vocab_size"]), n_layer=int(d["n_layer"]), n_head=int(d["n_head"]),
+                           n_embd=int(d["n_embd"]), layer_norm_epsilon=float(d.get("layer_norm_epsilon", 1e-5)))
     except KeyError as e:
         raise ValueError(f"{path}: GPT-2 config is missing {e.args[0]!r}") from None
     except (TypeError, ValueError) as e:

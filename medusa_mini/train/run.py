@@ -32,7 +32,6 @@ from .device import DTYPES, to_device
 STATE_FILE = "train_state.pt"
 LOWER_LR = "lower the learning rate (--lr; the heads stage's: --heads-lr)"
 OFFICIAL_TOP1 = (0.56, 0.32, 0.20, 0.15)  # official Medusa-1 heads on Vicuna-7B, heads 1-4 (paper, repository)
-COVERAGE_SIZES = (256, 512, 1024, 2048, 4096, 8192)
 
 
 class Run:
@@ -153,10 +152,9 @@ class Run:
             torch.cuda.reset_peak_memory_stats(self.device)
         t0 = time.perf_counter()
         result = fn()
-        peak = ""
         if cuda:  # the queue must drain before the clock stops, or the time is the host's only
             torch.cuda.synchronize(self.device)
-            peak = f" (peak {torch.cuda.max_memory_allocated(self.device) / 2**30:.2f} GiB)"
+        peak = f" (peak {torch.cuda.max_memory_allocated(self.device) / 2**30:.2f} GiB)" if cuda else ""
         self.stages.append(f"{name} {time.perf_counter() - t0:.2f} s{peak}")  # two decimals: no stage reads 0 s
         return result
 
@@ -388,8 +386,7 @@ def _train_stages(r: Run, state: dict | None, train_tokens: np.ndarray, val_batc
             r.stage("backbone", lambda: backbone_stage(r, train_tokens, val_batches, step=step, state=state))
         stage, step, state = "distill", 0, None
         r.save(stage=stage, step=0)
-    r.model.eval().requires_grad_(False)
-    r.model.zero_grad(set_to_none=True)  # the backbone's gradients are not needed again
+    r.model.eval().requires_grad_(False).zero_grad(set_to_none=True)  # the backbone's gradients are not needed again
     if stage == "distill":
         r.distill = r.stage("distill", lambda: distill_stage(r, train_tokens))
         stage, step, state = "heads", 0, None
@@ -423,7 +420,7 @@ def summarize(r: Run, val_batches: list, val_tokens: np.ndarray) -> dict:
         "drawn_on": f"the same prompts x {n} tokens sampled at T={T:g}"})
     # The share of the greedy tokens inside the draft vocabulary of each size m: rank[token] < m.
     ranks = heads.vocab_order.cpu().argsort()[torch.tensor([s[P:] for s in seqs])]
-    sizes = sorted({m for m in COVERAGE_SIZES if m < V} | ({M} if M else set()))
+    sizes = sorted({m for m in (256, 512, 1024, 2048, 4096, 8192) if m < V} | ({M} if M else set()))
     coverage = {m: (ranks < m).double().mean().item() for m in sizes}
     figures = {"top-1 on held-out text": text[:, 0], "top-5 on held-out text": text[:, :5].sum(1),
                "top-1 vs own greedy continuation": acc[:, 0], "top-5 vs own greedy continuation": acc[:, :5].sum(1),
