@@ -89,16 +89,18 @@ class DraftHeads(nn.Module):
     def __init__(self, config: HeadsConfig) -> None:
         super().__init__()
         self.config = config
-        # Token ids, most frequent first; the first M are the draft vocabulary, draft_ids [M] those ascending,
-        # sorted when the order is set or loaded, not at each use (a compiled step sorting them cost two kernels).
+        # Token ids, most frequent first; the first M are the draft vocabulary, draft_ids [M] those ascending:
+        # derived (not saved), sorted when the order is set or loaded, not at each use (a compiled step's sorts).
         self.register_buffer("vocab_order", torch.arange(config.vocab_size))
-        self.register_buffer("draft_ids", torch.arange(config.vocab_size), persistent=False)
-        self.register_load_state_dict_post_hook(
-            lambda heads, _: heads.use_draft_vocabulary(heads.vocab_order, heads.config.draft_vocab_size))
+        self.register_buffer("draft_ids", torch.arange(config.draft_vocab_size or config.vocab_size), persistent=False)
+        self.register_load_state_dict_post_hook(DraftHeads.sort_draft_ids)  # for a loaded order
 
     @property
     def num_heads(self) -> int:
         return self.config.num_heads
+
+    def sort_draft_ids(self, *_load_result) -> None:
+        self.draft_ids = self.vocab_order[: self.config.draft_vocab_size or self.config.vocab_size].sort().values
 
     def use_draft_vocabulary(self, order: torch.Tensor, size: int) -> None:
         """Guess among the first `size` tokens of `order` [V] (0 or V: the whole vocabulary)."""
@@ -106,7 +108,7 @@ class DraftHeads(nn.Module):
             raise ValueError("the draft vocabulary's order must hold every token id once")
         self.config.draft_vocab_size = replace(self.config, draft_vocab_size=size).draft_vocab_size  # checked anew
         self.vocab_order.copy_(order)
-        self.draft_ids = self.vocab_order[: self.config.draft_vocab_size or self.config.vocab_size].sort().values
+        self.sort_draft_ids()
 
     def draft_index(self, tokens: torch.Tensor) -> torch.Tensor:
         """Target token ids [...] (IGNORE where none) as indices into the draft vocabulary; a token outside

@@ -94,8 +94,7 @@ def test_build_tree_takes_the_largest_values_in_order_so_a_dominant_top1_gives_a
     assert set(tree.choices) == {(0,), (0, 0), (1,), (0, 1), (2,), (1, 0)}
     assert expected == pytest.approx(1 + 0.6 + 0.24 + 0.2 + 0.12 + 0.1 + 0.08)
     tree7, expected7 = build_tree(ACC_HAND, 7)
-    assert set(tree7.choices) - set(tree.choices) == {(0, 0, 0)}
-    assert expected7 == pytest.approx(expected + 0.072)
+    assert set(tree7.choices) - set(tree.choices) == {(0, 0, 0)} and expected7 == pytest.approx(expected + 0.072)
     assert build_tree(ACC_HAND, 0) == (Tree.from_choices([]), 1.0)  # zero nodes: the root alone, the bonus token
     dominant = torch.full((4, 10), 0.01).index_fill(1, torch.tensor([0]), 0.9)
     assert build_tree(dominant, 4)[0] == chain(4)  # a dominant top-1 and K nodes: a chain

@@ -372,8 +372,7 @@ def test_float16_loss_scaling_skips_overflows_and_resumes_exactly(tmp_path, monk
             assert train_tiny.main(args + ["--out", str(out)]) == 130
         saved = torch.load(out / "train_state.pt", weights_only=True)["scaler"]  # {} from a disabled scaler
         assert saved["scale"] != 2.0**17 and saved["growth_interval"] == 1  # the scaler's own state, saved
-        assert train_tiny.main(args + ["--out", str(out), "--resume"]) == 0
-        assert same_weights(ref, out), during
+        assert train_tiny.main(args + ["--out", str(out), "--resume"]) == 0 and same_weights(ref, out), during
 
     def overflowing(*args, forward=MedusaLM.forward, first=iter([torch.inf]), **kwargs):  # the first step's loss
         loss, metrics = forward(*args, **kwargs)
