@@ -45,7 +45,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tree", metavar="N|auto|NAME|FILE.json", help="N nodes built from heads_accuracy.json; auto: "
                    "64 of them on CUDA, on a CPU up to 8 that pay for their cost; a preset (cpu, gpu, chainN); or "
                    "choices, in a JSON file or inline: '[[0],[1],[0,0]]' (default: auto, else the device's preset)")
-    p.add_argument("--batch-size", type=numbers(1), default="1", metavar="B",
+    p.add_argument("--batch-size", type=numbers(1, 4096), default="1", metavar="B",  # --compare fills B rows
                    help="prompts per batch; with --compare a list: 1,2,4,8 (default: 1)")
     p.add_argument("--device", help="cpu or cuda (default: cuda if available, else cpu)")
     p.add_argument("--dtype", choices=tuple(DTYPES), default="float32", help="weights and KV cache (default: float32)")

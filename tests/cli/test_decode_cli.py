@@ -135,7 +135,7 @@ def test_top_p_goes_with_sampling_a_temperature_names_or_compares_sampled_rows()
     "--top-p 1.5 -> must be in (0, 1]", "--top-p 0.9 -> --temperature > 0",
     "--method typical --temperature 0 -> --temperature", "--method rejection --temperature 0 -> --temperature",
     "--batch-size 2 --show", "--batch-size 2 --reference", "--batch-size 2 --explain", "--batch-size 1,2",
-    "--batch-size ' '", "--batch-size ²",
+    "--batch-size ' '", "--batch-size ²", "--compare --batch-size 1,4097 -> from 1 to 4096",
     "--compare --batch-size 1,x -> --batch-size", "--plot {tmp}/b.png", "--demo", "--reference --method plain",
     "--compare --batch-size 1,2 --plot {tmp}/no/b.png -> --plot", "--compare --max-new-tokens 1 -> --max-new-tokens",
     "--compare --method typical -> --method", "--explain --method plain", "--json --show", "--json --explain",
