@@ -90,7 +90,7 @@ class DraftHeads(nn.Module):
         super().__init__()
         self.config = config
         # Token ids, most frequent first; the first M are the draft vocabulary, draft_ids [M] those ascending:
-        # derived (not saved), sorted when the order is set or loaded, not at each use (a compiled step's sorts).
+        # derived (not saved), sorted when the order is set or loaded rather than at each use, in every step.
         self.register_buffer("vocab_order", torch.arange(config.vocab_size))
         self.register_buffer("draft_ids", torch.arange(config.draft_vocab_size or config.vocab_size), persistent=False)
         self.register_load_state_dict_post_hook(DraftHeads.sort_draft_ids)  # for a loaded order
