@@ -59,13 +59,15 @@ def parse_args(argv: list[str] | None = None) -> TrainArgs:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    existed = os.path.isdir(args.out)
+    made, folder = [], os.path.abspath(args.out)
+    while not os.path.isdir(folder):  # the folders the run will make, --out first
+        made, folder = [*made, folder], os.path.dirname(folder)
     try:
         run(args)
     except TrainError as e:
-        if not existed:  # a refused run leaves no empty --out behind (rmdir removes only an empty folder)
+        for folder in made:  # a refused run leaves no empty folder behind (rmdir removes only an empty one)
             with contextlib.suppress(OSError):
-                os.rmdir(args.out)
+                os.rmdir(folder)
         print(f"train_tiny.py: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -32,7 +32,7 @@ import torch
 
 from benchmarks.bench_step import CONFIGS
 from medusa_mini.cli.common import OneLineParser, check_file_path, names_of, timed
-from medusa_mini.io.files import atomic_write_text, check_writable
+from medusa_mini.io.files import atomic_write, check_writable, text_writer
 from medusa_mini.train.device import DTYPES, pick_device
 
 GPT2_SHAPES = "gpt2,gpt2-medium,gpt2-large,gpt2-xl"
@@ -223,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
             (text, ok), seconds = timed("cpu", lambda: run_part(s, part))  # the wall clock
             report += f"\n{text}\n\n_Part {part}: {seconds:.0f} s of its {s.budget_s:.0f} s budget._\n"
             try:
-                atomic_write_text(s.out, report)
+                atomic_write(s.out, text_writer(report))
             except OSError as e:  # a full disk, say: the report as of the last part stays where it was
                 print(f"gpu_report.py: error: {s.out} could not be written after part {part} ({e.strerror}); "
                       "it holds the parts before it", file=sys.stderr)

@@ -201,6 +201,15 @@ def one_thread():
     torch.set_num_threads(before)
 
 
+def refused(capsys, main, argv: list[str]) -> str:
+    """What `main` writes to stderr as it refuses argv: one line, nothing on stdout, exit status 2."""
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    out, err = capsys.readouterr()
+    assert exc.value.code == 2 and err.count("\n") == 1 and out == "", (err, out)
+    return err
+
+
 @pytest.fixture
 def one_run_each(monkeypatch):
     """decode.py --compare times each generation once, not the fastest of three: the same tokens."""

@@ -183,8 +183,7 @@ def test_a_heads_call_in_decoding_copies_no_weight(kind, dtype):
     from benchmarks.bench_step import count_ops
 
     model = tiny_model(3).to(dtype)
-    heads = random_heads(model, kind=kind, seed=3, draft=16).to(dtype)
-    head_logits = heads.proposer(model, TREE).head_logits
+    head_logits = random_heads(model, kind=kind, seed=3, draft=16).to(dtype).proposer(model, TREE).head_logits
     hidden, path = torch.randn(2, C, dtype=dtype), randint(2, 1, 2)
     with torch.no_grad():
         ops = count_ops(lambda: head_logits(hidden, 3) if kind == "medusa" else head_logits(2, hidden[:, None], path))

@@ -47,11 +47,11 @@ def in_turns(calls: dict[K, Callable[[], R]], *, rounds: int, device: torch.devi
     return out
 
 
-def at_least(low: int) -> Callable[[str], int]:
-    """An argparse type: an integer of at least `low`."""
+def at_least(low: int, high: int | None = None) -> Callable[[str], int]:
+    """An argparse type: an integer of at least `low` (and at most `high`)."""
     def integer(text: str) -> int:
-        if int(text) < low:
-            raise argparse.ArgumentTypeError(f"must be at least {low}, not {text}")
+        if not low <= int(text) <= (high or int(text)):
+            raise argparse.ArgumentTypeError(f"must be at least {low}{f' and at most {high}' * bool(high)}, not {text}")
         return int(text)
     return integer
 

@@ -18,6 +18,7 @@ CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 HEADS_FILE = "medusa_heads.safetensors"
 HEADS_CONFIG_FILE = "medusa_config.json"
+CHECKPOINT_FILES = (WEIGHTS_FILE, HEADS_FILE, HEADS_CONFIG_FILE, CONFIG_FILE)  # what save_checkpoint may write
 PT = {"format": "pt"}  # transformers refuses safetensors files whose metadata lacks it
 
 

@@ -26,13 +26,16 @@ def fsync_dir(folder: str) -> None:
             os.close(fd)
 
 
-def check_writable(folder: str | os.PathLike, what: str) -> None:
+def check_writable(folder: str | os.PathLike, what: str, *, files: tuple[str, ...] = ()) -> None:
     """A ValueError naming `what` now, not after a long run, unless a new file can be made in `folder`, as an
-    atomic write makes its temporary sibling (os.access trusts root, whom a read-only mount still refuses)."""
+    atomic write makes its temporary sibling (os.access trusts root, whom a read-only mount still refuses), and
+    unless each of `files` there can be replaced (a folder of that name cannot)."""
     try:
         tempfile.NamedTemporaryFile(dir=folder, prefix=".writable.", suffix=".tmp").close()
     except OSError as e:
         raise ValueError(f"{what}: no file can be written in {folder} ({e.strerror})") from None
+    if folders := [name for name in files if os.path.isdir(os.path.join(folder, name))]:
+        raise ValueError(f"{what}: {os.path.join(folder, folders[0])} is a folder where a file goes; move it away")
 
 
 def atomic_write_files(files: dict[str, Writer]) -> None:
@@ -86,10 +89,6 @@ def text_writer(text: str) -> Writer:
 
 def json_writer(obj: object) -> Writer:
     return text_writer(json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
-
-
-def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    atomic_write(path, text_writer(text))
 
 
 def read_json(path: str | os.PathLike, *, hint: str) -> object:

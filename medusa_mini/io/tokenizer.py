@@ -19,6 +19,7 @@ GPT2_SPLIT_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p
 EOT = "<|endoftext|>"  # the one special token, id right after the ranks
 RANKS_FILE = "tokenizer.tiktoken"
 CONFIG_FILE = "tokenizer_config.json"
+TOKENIZER_FILES = (RANKS_FILE, CONFIG_FILE)  # what save_tokenizer may write
 
 Pair = tuple[int, int]
 

@@ -12,7 +12,7 @@ import torch
 
 from ..decoding import generate_batch
 from ..heads import DraftHeads, next_tokens
-from ..io.files import atomic_write_text, read_json
+from ..io.files import atomic_write, read_json, text_writer
 from ..model import GPT
 from ..sampling import Sampling, gumbel_top_k, q_log_probs, residual_after_miss, sampling_probs, without_earlier_draws
 from ..tree import check_acc
@@ -159,7 +159,7 @@ def save_accuracy(directory: str | os.PathLike, acc: torch.Tensor, *, drawn: tor
 
     tables = f'  "acc": {lines(acc)},\n' + (f'  "acc_drawn": {lines(drawn)},\n' if drawn is not None else "")
     rest = json.dumps({"top_k": acc.shape[1], "num_heads": acc.shape[0], **(meta or {})}, indent=2)
-    atomic_write_text(os.path.join(directory, ACCURACY_FILE), "{\n" + tables + rest[2:] + "\n")
+    atomic_write(os.path.join(directory, ACCURACY_FILE), text_writer("{\n" + tables + rest[2:] + "\n"))
 
 
 def load_accuracy(directory: str | os.PathLike, *, drawn: bool = False) -> torch.Tensor | None:

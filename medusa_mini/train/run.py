@@ -15,11 +15,11 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..heads import HeadsConfig, frequency_order, make_heads
-from ..io.checkpoint import CONFIG_FILE, save_checkpoint
+from ..io.checkpoint import CHECKPOINT_FILES, CONFIG_FILE, save_checkpoint
 from ..io.files import atomic_write, check_writable, json_writer, remove_file
 from ..io.gpt2 import GPT2_CONFIGS, download_gpt2, load_gpt2
 from ..io.loading import PROMPTS_FILE
-from ..io.tokenizer import load_tokenizer, make_encoding, save_tokenizer, train_bpe
+from ..io.tokenizer import TOKENIZER_FILES, load_tokenizer, make_encoding, save_tokenizer, train_bpe
 from ..model import GPT, GPTConfig
 from ..sampling import SAMPLING_TEMPERATURE
 from ..training import MedusaLM, cosine_lr, lambda_schedule, lm_loss, self_distill
@@ -30,6 +30,7 @@ from .data import corpus_digest, encode_documents, get_batch, held_out_prompts, 
 from .device import DTYPES, to_device
 
 STATE_FILE = "train_state.pt"
+OUTPUTS = (STATE_FILE, PROMPTS_FILE, accuracy.ACCURACY_FILE, *CHECKPOINT_FILES, *TOKENIZER_FILES)  # a run's, in --out
 LOWER_LR = "lower the learning rate (--lr; the heads stage's: --heads-lr)"
 OFFICIAL_TOP1 = (0.56, 0.32, 0.20, 0.15)  # official Medusa-1 heads on Vicuna-7B, heads 1-4 (paper, repository)
 
@@ -458,7 +459,7 @@ def run(args: TrainArgs) -> None:
     except OSError as e:
         raise TrainError(f"--out {args.out}: cannot make the folder ({e.strerror})") from None
     try:  # the corpus never holds the files of --out: a run writes there, and a resume would then read them
-        check_writable(args.out, f"--out {args.out}")
+        check_writable(args.out, f"--out {args.out}", files=OUTPUTS)
         docs = load_corpus(args.data, max_bytes=args.max_bytes, skip=args.out)
         train_docs, val_docs = split_documents(docs, seed=args.seed)
     except ValueError as e:

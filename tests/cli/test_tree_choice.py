@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from conftest import DRAWN, VICUNA, save_small_checkpoint
+from conftest import DRAWN, VICUNA, refused, save_small_checkpoint
 from medusa_mini.cli import measure
 from medusa_mini.cli.explain import draw_mask, draw_tree
 from medusa_mini.cli.measure import CPU_MIN_GAIN, resolve_tree
@@ -94,9 +94,11 @@ def test_measure_saves_both_tables_and_prints_their_trees_estimates_and_the_samp
     assert lines[-1].startswith("head 1 with q = the exact marginal over the root") and "Σ min(p, q) = 0." in lines[-1]
     measure.main(argv + ["--seed", "4"])
     assert sampled not in capsys.readouterr().out  # the seed draws other continuations
-    with pytest.raises(SystemExit, match="2"):  # 3 new tokens: the third head would have none to guess
-        measure.main(argv + ["--max-new-tokens", "3"])
-    assert "--max-new-tokens must exceed the 3 heads" in capsys.readouterr().err
+    # 3 new tokens: the third head would have none to guess
+    assert "--max-new-tokens must exceed the 3 heads" in refused(capsys, measure.main, argv + ["--max-new-tokens", "3"])
+    (table := tmp_path / "heads_accuracy.json").unlink()
+    table.mkdir()  # a folder where the table goes: refused before measuring, not at the final write
+    assert "heads_accuracy.json is a folder where a file goes" in refused(capsys, measure.main, argv)
 
 
 def test_the_drawings_show_every_node_and_every_mask_entry():

@@ -186,8 +186,7 @@ def test_medusa_1_trains_the_backbone_alone_as_a_joint_run_without_a_heads_loss(
 def test_bfloat16_reaches_float32s_validation_loss_measured_every_eval_every_steps(tmp_path, reference_run, capsys):
     out = tmp_path / "bf16"
     assert train_tiny.main(FAST + ["--out", str(out), "--dtype", "bfloat16", "--eval-every", "4"]) == 0
-    printed = capsys.readouterr().out
-    lines = [line for line in printed.splitlines() if line.startswith("eval ")]
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("eval ")]
     assert [line.split()[2] for line in lines] == ["4/6", "6/6"] and "validation loss" in lines[0]  # and the last
     f32, bf16 = (load_checkpoint(d)[2]["medusa_mini"]["val_loss"] for d in (reference_run[0], out))
     assert abs(bf16 - f32) <= 0.05 * f32 and not same_weights(reference_run[0], out)  # autocast ran in bfloat16
@@ -230,7 +229,7 @@ BAD_INPUT = [["--n-embd", "30", "--n-head", "4"], ["--distill-temperatures", "0,
              ["--eval-prompts", "0"], ["--heads-batch-size", "0"], ["--lr", "nan"], ["--lr", "inf"], ["--lr", "-1"],
              ["--log-every", "nan"], ["--medusa", "3"], ["--seed", str(2**64)], ["--out", ""], ["--out", "empty.txt"],
              ["--out", "empty.txt/x"], ["--heads-stride", "0"], ["--resume", "--overwrite"], ["--n-layer", "0"],
-             ["--n-head", "0"], ["--n-embd", "0"], ["--batch-size", "0"], ["--num-heads", "0"],
+             ["--n-head", "0"], ["--n-embd", "0"], ["--batch-size", "0"], ["--num-heads", "0"], ["--out", "z"],
              ["--distill-prompt-len", "64"], ["--head-decay", "1.5"], ["--max-bytes", "0"]]
 
 
@@ -249,9 +248,10 @@ def test_help_lists_every_flag_and_bad_flags_or_data_are_one_line_naming_it_with
     monkeypatch.chdir(tmp_path)
     (tmp_path / "empty.txt").write_text("")
     (tmp_path / "binary.bin").write_bytes(b"\x00\x01\x02" * 100)
+    (tmp_path / "z" / "prompts.json").mkdir(parents=True)  # --out z: a folder where a file goes, refused at once
     for bad in BAD_INPUT:
         try:
-            code = train_tiny.main([*FAST, "--out", "x", *bad])
+            code = train_tiny.main([*FAST, "--out", "x/y", *bad])
         except SystemExit as e:  # argparse's own errors
             code = e.code
         err = capsys.readouterr().err
