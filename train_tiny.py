@@ -59,7 +59,7 @@ def parse_args(argv: list[str] | None = None) -> TrainArgs:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    made, folder = [], os.path.abspath(args.out)
+    made, folder = [], os.path.realpath(args.out)  # as makedirs follows links
     while not os.path.isdir(folder):  # the folders the run will make, --out first
         made, folder = [*made, folder], os.path.dirname(folder)
     try:

@@ -263,8 +263,7 @@ def parse_args(argv: list[str]) -> Namespace:
     p.add_argument("--compile", action="store_true", help="measure every config again with compiled steps")
     p.add_argument("--nodes", type=numbers(1, 256), help="verify sizes (default: 1,2,4,...,64; CUDA: up to 128)")
     p.add_argument("--prefix", type=int, default=128, help="tokens in the KV cache before each step (default: 128)")
-    p.add_argument("--threads", type=at_least(1, os.cpu_count() or 1),
-                   help="torch.set_num_threads, at most the cores (default: torch's choice)")
+    p.add_argument("--threads", type=at_least(1, os.cpu_count() or 1), help="torch.set_num_threads (default: torch's)")
     p.add_argument("--seed", type=seed, default=0, help="seed of the random weights and tokens (default: 0)")
     p.add_argument("--json", action="store_true", help="print the numbers as JSON instead of a table")
     a = p.parse_args(argv)

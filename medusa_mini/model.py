@@ -38,7 +38,7 @@ class GPTConfig:
 
 class KVCache:
     """Static, preallocated keys and values of every layer, kv [n_layer, 2, B, nh, max_len, hs], and a length
-    per row (the DESIGN's layout: one tensor, so keeping the accepted path is one copy for all layers).
+    per row (one tensor, so keeping the accepted path is one copy for all layers: `compact_kv_cache`).
 
     A forward writes row b's T new keys/values at slots [lengths[b], lengths[b] + T) and advances its length,
     unless advance=False (a tree verify: `keep_path` does). Slots are storage, not positions: a tree's nodes sit in

@@ -11,6 +11,7 @@ Words, each with one meaning here and everywhere in the project:
   q       a head's (draft) distribution, from which rejection sampling may draw the candidates.
   draft   to propose candidates: a drafter is draft heads (Medusa's, Hydra's) or prompt lookup.
   draft vocabulary  the tokens heads guess among (the most frequent ones; q = 0 elsewhere).
+  host read  a copy of device results into Python (.tolist()): it waits for the device to finish.
 
 One step (§2): the heads guess tokens 2, 3, ... places ahead from the last hidden state; their guesses
 fill a tree; ONE forward pass of the backbone scores every node under a tree attention mask; an
@@ -52,7 +53,6 @@ def children(parents: list[int], node: int) -> list[int]:
 
 def tree_attention_mask(parents: list[int]) -> torch.Tensor:
     """[N, N] bool, True where node i may attend to node j: j is i itself or one of its ancestors (Fig. 2).
-
     Siblings never see each other, so every path is scored as if it were the only continuation."""
     N = len(parents)
     mask = torch.zeros(N, N, dtype=torch.bool)
@@ -104,7 +104,7 @@ def propose(head_logits: torch.Tensor, draft_ids: torch.Tensor, tree: "Tree", ro
     head_logits: [D', M] over the draft vocabulary draft_ids [M], one row per head of the whole tree, of which
     the first D = tree.depth are this (maybe cut) tree's. Greedy and typical acceptance take each
     head's top-k; rejection sampling of drawn candidates draws them from each head's q instead, and
-    returns, per node, the q [V] its children were drawn from and the draws in order (the walk needs both).
+    returns, per node, the log q [V] its children were drawn from and the draws in order (the walk needs both).
     """
     D, R = tree.depth, tree.max_rank + 1
     if not sampling.draws_candidates:

@@ -55,7 +55,7 @@ def verify(model: GPT, cache: KVCache, tokens: torch.Tensor, *, tree: TreeTensor
 
 
 def has_room(start: int | torch.Tensor, depth: int | torch.Tensor, stop_at: int | torch.Tensor) -> bool | torch.Tensor:
-    """A path to `depth` adds depth + 2 tokens (root, candidates, bonus): do they fit from start to stop_at?"""
+    """Does a path to `depth` fit: start (cached tokens) + the root (not yet cached) + depth + the bonus <= stop_at?"""
     return start + depth + 2 <= stop_at
 
 

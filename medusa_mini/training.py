@@ -71,8 +71,8 @@ def head_weights(num_heads: int, *, decay: float) -> list[float]:
 
 
 def lambda_schedule(step: int, total: int, *, lambda0: float, ramp: float = 0.3) -> float:
-    """Medusa-2's heads weight: ramped linearly up to λ0 over the first `ramp` of training (step 0, the
-    first, already takes λ0 / ramp steps: no step trains the heads with weight 0)."""
+    """Medusa-2's heads weight: ramped linearly up to λ0 over the first `ramp` of training (step 0
+    already takes one ramp step's share, λ0 / int(total · ramp): no step trains the heads with weight 0)."""
     return lambda0 * min(1.0, (step + 1) / max(1, int(total * ramp)))
 
 

@@ -118,11 +118,11 @@ class Tree:
 
 class Tries(NamedTuple):
     """Rejection sampling's tables (`acceptance.rejection_accept_drawn`). Its chain [3N - 2] of rows: p at each node,
-    then in child order (slot after slot) the residual each child's miss leaves, then the q each child was drawn from.
-    k = 1 .. N - 1 are the nodes below the root (each a child), in node order."""
+    then in child order (turn after turn) the residual each child's miss leaves, then the q each child was drawn from.
+    k = 1 .. N - 1: the nodes below the root (each a child), in node order. Turn s: the tries of s-th children."""
 
     nodes: torch.Tensor  # [n] long: the nodes with children, most children first
-    sizes: tuple[int, ...]  # per slot s, how many of them have an s-th child: always the first ones, so a slice
+    sizes: tuple[int, ...]  # per turn s, how many of them have an s-th child: always the first ones, so a slice
     parents: torch.Tensor  # [N - 1] long: each child's parent, in child order
     bounds: torch.Tensor  # [N - 1, 2, R] float: `sampling.draw_bounds` of each child's rank, in child order
     read: torch.Tensor  # [3, N - 1] long: node k's rows of the chain: the r it is tried against, its residual, its q
@@ -160,7 +160,7 @@ def bonus_row_scores(tree: Tree, row_node: list[int], child_order: list[int]) ->
     the deepest accepted node). A row, p at node n or the residual after n's child c missed, qualifies when every
     node of n's path below the root passes (accepted, and none of its elder siblings) and c's miss was live. Over
     judged [B, 2 (N - 1)] (each node's try accepted, then its miss live), bias + judged @ weights is W · (conditions
-    met - conditions needed) + the row's rank by (node, row), W = 2N - 1: in [0, W) iff the row qualifies. Deeper
+    met - conditions needed) + the row's place in (node, row) order, W = 2N - 1: in [0, W) iff the row qualifies. Deeper
     nodes are larger and a node's live misses are its first children (a dead miss leaves NaN), so the argmax is the
     deepest accepted node's last live miss, or its p. Weights 0 or ±W: exact in float32, and in TF32 for N <= 1024."""
     N, W = tree.num_nodes, len(row_node)
@@ -171,9 +171,9 @@ def bonus_row_scores(tree: Tree, row_node: list[int], child_order: list[int]) ->
             weights[k - 1, row], weights[[e - 1 for e in kin[: kin.index(k)]], row] = W, -W
         if row >= N:
             weights[N - 2 + child_order[row - N], row] = W
-    rank = torch.tensor(sorted(range(W), key=lambda row: (row_node[row], row))).argsort()  # [W]
+    place = torch.tensor(sorted(range(W), key=lambda row: (row_node[row], row))).argsort()  # [W]
     needs = torch.tensor([tree.depths[n] for n in row_node]) + (torch.arange(W) >= N)  # [W]
-    return (rank - W * needs).float(), weights
+    return (place - W * needs).float(), weights
 
 
 @lru_cache(maxsize=64)
@@ -188,16 +188,16 @@ def tree_tensors(tree: Tree, device: str) -> TreeTensors:
     as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
     R = tree.max_rank + 1
     guess = [0] + [1 + (d - 1) * R + r for d, r in zip(tree.depths[1:], tree.ranks[1:])]
-    # Most children first, so the nodes with a child in slot s are the first few: a slice, not a gather.
+    # Most children first, so the nodes with an s-th child are the first few: a slice, not a gather.
     inner = sorted((i for i, kids in enumerate(tree.children) if kids), key=lambda i: -len(tree.children[i]))
     sizes = tuple(sum(len(tree.children[i]) > s for i in inner) for s in range(max(map(len, tree.children))))
-    by_slot = [(tree.children[i][s], i) for s, n in enumerate(sizes) for i in inner[:n]]  # (child, its parent)
-    at, parents = {child: j for j, (child, _) in enumerate(by_slot)}, torch.tensor([i for _, i in by_slot]).long()
+    by_turn = [(tree.children[i][s], i) for s, n in enumerate(sizes) for i in inner[:n]]  # (child, its parent)
+    at, parents = {child: j for j, (child, _) in enumerate(by_turn)}, torch.tensor([i for _, i in by_turn]).long()
     depths, below = torch.tensor(tree.depths), paths[:, 1:]  # below: the root's own row is zeros, never read
     elder = {c: kids[j - 1] for kids in tree.children for j, c in enumerate(kids) if j}  # a later child's elder
     against = [N + at[elder[k]] if k in elder else tree.parents[k] for k in range(1, N)]  # its miss's r, else p
     read = torch.tensor([against, [N + at[k] for k in range(1, N)], [2 * N - 1 + at[k] for k in range(1, N)]])
-    row_node, child_order = list(range(N)) + [i for _, i in by_slot], [c for c, _ in by_slot]  # [2N - 1], [N - 1]
+    row_node, child_order = list(range(N)) + [i for _, i in by_turn], [c for c, _ in by_turn]  # [2N - 1], [N - 1]
     bounds = draw_bounds(as_long([tree.ranks[c] for c in child_order]), R)  # [N - 1, 2, R]
     tries = Tries(as_long(inner), sizes, parents.to(device), bounds, read.to(device),
                   tuple(t.to(device) for t in bonus_row_scores(tree, row_node, child_order)), as_long(row_node))

@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         if a.max_new_tokens <= (K := ck.heads.num_heads):  # else the last heads have no target: a table of zeros
             raise ValueError(f"--max-new-tokens must exceed the {K} heads: head k is measured from k + 1 new tokens on")
         prompts = prompt_ids(ck, count=a.prompts, max_new_tokens=a.max_new_tokens)
-        check_writable(a.ckpt, accuracy.ACCURACY_FILE, files=(accuracy.ACCURACY_FILE,))
+        check_writable(a.ckpt, f"--ckpt {a.ckpt}", files=(accuracy.ACCURACY_FILE,))
     except (ValueError, OSError) as e:
         p.error(str(e))
     lens, T = [len(ids) for ids in prompts], a.temperature

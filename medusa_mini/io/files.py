@@ -34,7 +34,7 @@ def check_writable(folder: str | os.PathLike, what: str, *, files: tuple[str, ..
         tempfile.NamedTemporaryFile(dir=folder, prefix=".writable.", suffix=".tmp").close()
     except OSError as e:
         raise ValueError(f"{what}: no file can be written in {folder} ({e.strerror})") from None
-    if folders := [name for name in files if os.path.isdir(os.path.join(folder, name))]:
+    if folders := [f for f in files if os.path.isdir(p := os.path.join(folder, f)) and not os.path.islink(p)]:
         raise ValueError(f"{what}: {os.path.join(folder, folders[0])} is a folder where a file goes; move it away")
 
 

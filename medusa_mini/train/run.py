@@ -447,7 +447,7 @@ def run(args: TrainArgs) -> None:
     """Run (or resume) every stage and write the checkpoint to args.out."""
     if args.device.startswith("cuda"):
         torch.set_float32_matmul_precision("high")  # TF32: several times faster, at an error training never sees
-    unfinished, trained = (os.path.exists(os.path.join(args.out, name)) for name in (STATE_FILE, CONFIG_FILE))
+    unfinished, trained = (os.path.isfile(os.path.join(args.out, name)) for name in (STATE_FILE, CONFIG_FILE))
     if (unfinished or trained) and not (args.resume or args.overwrite):  # a failed run would leave a mix of both
         what = "an unfinished run: add --resume to continue it," if unfinished else "a trained checkpoint: add"
         raise TrainError(f"{args.out} holds {what} --overwrite to replace it, or choose another --out")

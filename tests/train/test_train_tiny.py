@@ -257,7 +257,7 @@ def test_help_lists_every_flag_and_bad_flags_or_data_are_one_line_naming_it_with
         err = capsys.readouterr().err
         assert code == 2 and err.startswith("train_tiny.py: error:") and err.count("\n") == 1, (bad, err)
         assert bad[0] in err or bad[-1] in err, (bad, err)
-    assert not (tmp_path / "x").exists()  # nothing half-written, not even an empty folder
+    assert not (tmp_path / "x").exists() and (tmp_path / "z" / "prompts.json").is_dir()  # nothing made or lost
     assert train_tiny.main([*FAST, "--out", "x", "--lr", "1e30", "--save-every", "2"]) == 2  # refused before a save
     assert not {"config.json", "train_state.pt"} & set(os.listdir(tmp_path / "x"))
     assert "not finite; lower the learning rate (--lr" in (err := capsys.readouterr().err) and err.count("\n") == 1
