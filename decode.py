@@ -79,7 +79,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         (samples and a.temperature == 0,
          f"--method {a.method} samples: give --temperature > 0, or use --method greedy"),
         (a.explain and (a.compile or a.reference), "--explain runs the reference's functions: leave out --compile "
-                                                   "and --reference")):
+                                                   "and --reference"),
+        (a.reference and a.compile and not a.compare, "--reference decodes with reference.py, never compiled: leave "
+                                                      "out --compile")):
         if wrong:
             p.error(message)
     if a.temperature is None:
@@ -115,7 +117,7 @@ def checked(a: argparse.Namespace, ck, texts: list[str], device: torch.device) -
     """--tree's TreeChoice, --compare's for drawn candidates, [(text, ids)]: a ValueError for what cannot run."""
     medusa = a.method != "plain"  # --compare takes no --method, --explain refuses plain
     if ck.heads is None and medusa:
-        raise ValueError(f"{a.ckpt} has no Medusa heads: train heads, or decode with --method plain")
+        raise ValueError(f"{a.ckpt} has no Medusa heads: train heads" + ", or use --method plain" * (not a.compare))
     choice = drawn = None
     if ck.heads is not None:
         tree_for = functools.partial(resolve_tree, a.tree if a.tree is not None else "cpu" if a.demo else None,

@@ -173,7 +173,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--budget-s", type=float, metavar="S",
                    help=f"seconds each part may take (default: {BUDGET_S:.0f}; --quick: {QUICK_BUDGET_S:.0f})")
     for flag, (script, _) in FORWARDED.items():
-        p.add_argument(flag, default="", metavar="'FLAGS'", help=f"more {os.path.basename(script)} flags, quoted")
+        p.add_argument(flag, default="", metavar="'FLAGS'",
+                       help=f"more {os.path.basename(script)} flags, quoted; a single one after '=': {flag}='--x'")
     a = p.parse_args(argv)
     try:  # the flags' own names become the settings of the parts
         check_file_path("--out", a.out, "gpu.md")

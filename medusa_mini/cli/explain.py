@@ -46,8 +46,9 @@ def _snippet(text: str, limit: int = 70) -> str:
     return repr(text if len(text) <= limit else "…" + text[-limit:])  # the end is where the next token comes from
 
 
-def _guesses(enc: tiktoken.Encoding, logits: torch.Tensor, k: int, ids: torch.Tensor | None = None) -> str:
-    top = F.softmax(logits.float(), dim=-1).topk(k)
+def _guesses(enc: tiktoken.Encoding, logits: torch.Tensor, k: int, ids: torch.Tensor | None = None, *,
+             temperature: float) -> str:  # the probabilities at the rule's temperature (greedy's argmax: at 1)
+    top = F.softmax(logits.float() / (temperature or 1.0), dim=-1).topk(k)
     pairs = zip(top.values.tolist(), (top.indices if ids is None else ids[top.indices]).tolist())
     return ", ".join(f"#{r} {token_text(enc, t)} ({p:.2f})" for r, (p, t) in enumerate(pairs))
 
@@ -76,7 +77,8 @@ def draw_mask(tree: Tree) -> str:
         f"{i:>{w}} " + " ".join(f"{'■' if mask[i, j] else '·':>{w}}" for j in range(N)) for i in range(N)])
 
 
-def heads_section(out: list[str], model: GPT, heads, enc, tree: Tree, root: int, hidden: torch.Tensor) -> None:
+def heads_section(out: list[str], model: GPT, heads, enc, tree: Tree, root: int, hidden: torch.Tensor, *,
+                  temperature: float) -> None:
     """Section 2 (§2.1.1): each head's top guesses, as many as the tree uses, after the top guesses before it."""
     out += [_header(2, "Heads: guesses further ahead, from the same last hidden state"), heads.description,
             "The root is token t+1; head k guesses token t+k+1."]
@@ -87,7 +89,8 @@ def heads_section(out: list[str], model: GPT, heads, enc, tree: Tree, root: int,
         chain.append(int(heads.draft_ids[logits.argmax()]))
         used = max((r + 1 for r, d in zip(tree.ranks, tree.depths) if d == k + 1), default=0)
         out.append(f"head {k + 1} (t+{k + 2}): "
-                   + (_guesses(enc, logits, used, heads.draft_ids) if used else "not used by this tree"))
+                   + (_guesses(enc, logits, used, heads.draft_ids, temperature=temperature) if used
+                      else "not used by this tree"))
     out.append("The backbone alone would need one forward pass per token to check these one by one.")
 
 
@@ -121,7 +124,7 @@ def verify_section(out: list[str], labels: list[str], tree: Tree, tokens: list[i
 def explain_step(model: GPT, heads, enc: tiktoken.Encoding, prompt_ids: list[int], *, tree: Tree,
                  sampling: Sampling = Sampling(), generator: torch.Generator | None = None) -> str:
     """One Medusa step after the prompt with the reference's functions, every stage described."""
-    block, L = model.config.block_size, len(prompt_ids)
+    block, L, T = model.config.block_size, len(prompt_ids), sampling.temperature
     if L == 0 or L >= block - 1:
         raise ValueError(f"--explain takes a prompt of 1 to {block - 2} tokens (room for a candidate), not {L}")
     tree = tree.truncated(block - 2 - L)  # the deepest node's position must stay inside the context
@@ -135,11 +138,11 @@ def explain_step(model: GPT, heads, enc: tiktoken.Encoding, prompt_ids: list[int
     root = int(sampling.next_token(logits[-1], sampling.uniforms((), generator, device=logits.device)))
     out += [_header(1, "Prefill: the prompt goes through the backbone once"),
             f"The KV cache now holds the {L} prompt tokens.",
-            f"Backbone's top guesses for the next token: {_guesses(enc, logits[-1], 3)}",
-            f"Root token (the backbone's own next token, {'the argmax of' if sampling.greedy else 'drawn from'} "
-            f"these): {token_text(enc, root)}",
+            f"Backbone's top guesses for the next token: {_guesses(enc, logits[-1], 3, temperature=T)}",
+            f"Root token (the backbone's own next token, {'the argmax of these' if sampling.greedy else 'drawn from p'}"
+            f"): {token_text(enc, root)}",
             "The root is already certain: it is emitted now, before the first Medusa step."]
-    heads_section(out, model, heads, enc, tree, root, hidden[-1])
+    heads_section(out, model, heads, enc, tree, root, hidden[-1], temperature=T)
 
     # 3-4 (§2.1.2). The tree the heads' proposer fills, and its mask.
     proposer = heads.proposer(model, tree)

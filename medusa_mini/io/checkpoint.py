@@ -77,7 +77,8 @@ def load_checkpoint(directory: str | os.PathLike, *,
     """(model, heads or None, config.json) from save_checkpoint's or any GPT-2 directory; one-line ValueErrors."""
     if not os.path.isdir(directory):
         what = "is a file, not a checkpoint directory" if os.path.exists(directory) else "does not exist"
-        raise ValueError(f"checkpoint directory {directory} {what}; pass a saved checkpoint's folder")
+        raise ValueError(f"checkpoint directory {directory} {what}; pass a saved checkpoint's folder "
+                         "(python train_tiny.py saves one in out/tiny)")
     model = load_gpt2(directory, device=device)  # checks config.json; a directory: nothing is downloaded
     config = read_json(os.path.join(directory, CONFIG_FILE), hint="save the checkpoint again")
     has_heads = os.path.exists(os.path.join(directory, HEADS_CONFIG_FILE))

@@ -45,6 +45,9 @@ def objects(capsys, *argv: str) -> list[dict]:
 def test_explain_walks_through_one_step_of_either_kind_of_heads(ckpt, ckpt_hydra, capsys, heads, rule, needles):
     out = run(capsys, "--ckpt", ckpt_hydra if heads == "hydra" else ckpt, "--explain", *rule)
     assert all(needle in out for needle in needles), out
+    if rule:  # p and q shown at the rule's temperature: at another, other probabilities of the same tokens
+        hot = run(capsys, "--ckpt", ckpt, "--explain", *rule, "--temperature", "2").splitlines()
+        assert sum(s.startswith(("Backbone's top", "head 1 ")) and s not in hot for s in out.splitlines()) == 2, hot
     if heads == "medusa" and not rule:  # the step decides as decoding's first: the same root, then the same tokens
         o, enc = objects(capsys, "--ckpt", ckpt)[0], decode.load_for_decoding(ckpt, device="cpu").enc
         assert f"forward pass: {enc.decode(o['tokens'][1 : 1 + o['step_tokens'][0]])!r}" in out, out
@@ -138,7 +141,7 @@ def test_top_p_goes_with_sampling_a_temperature_names_or_compares_sampled_rows()
     "--compare --batch-size 1,2 --plot {tmp}/no/b.png -> --plot", "--compare --max-new-tokens 1 -> --max-new-tokens",
     "--compare --method typical -> --method", "--explain --method plain", "--json --show", "--json --explain",
     "--compare --batch-size 1,2 --reference -> --reference", "--explain --compile -> --compile",
-    "--explain --reference -> --reference",
+    "--explain --reference -> --reference", "--reference --compile -> --compile",
 ])
 def test_bad_input_exits_2_with_one_line(case, ckpt, ckpt_no_heads, ckpt_hydra, tmp_path, capsys):
     (tmp_path / "wide.json").write_text("[[100000]]")  # a rank past any draft vocabulary: refused before output
