@@ -178,7 +178,7 @@ def load_accuracy(directory: str | os.PathLike, *, drawn: bool = False) -> torch
 
 
 def format_accuracy(acc: torch.Tensor) -> str:
-    """Per head: top-1 and top-5 cumulative acceptance (summed over the first 1 or 5 ranks)."""
-    cum = check_acc(acc).cumsum(dim=1)
-    return "\n".join(["head  top-1  top-5   (cumulative: accepted among the first r guesses)"]
-                     + [f"{k + 1:>4}  {cum[k, 0]:.3f}  {cum[k, min(4, len(cum[k]) - 1)]:.3f}" for k in range(len(cum))])
+    """Per head: top-1 and top-5 cumulative acceptance (summed over the first 1 or 5 ranks; fewer if fewer measured)."""
+    cum, r = check_acc(acc).cumsum(dim=1), min(5, acc.shape[1])
+    return "\n".join([f"head  top-1  top-{r}   (cumulative: accepted among the first r guesses)"]
+                     + [f"{k + 1:>4}  {cum[k, 0]:.3f}  {cum[k, r - 1]:.3f}" for k in range(len(cum))])
