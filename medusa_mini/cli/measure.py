@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     p = OneLineParser(prog="python -m medusa_mini.cli.measure", description=__doc__)
     p.add_argument("--ckpt", required=True, metavar="DIR", help="checkpoint directory (with prompts.json and a "
                    "tokenizer); its heads_accuracy.json is rewritten")
-    p.add_argument("--prompts", type=at_least(1), default=32, help="prompts of prompts.json used (default: 32)")
+    p.add_argument("--num-prompts", type=at_least(1), default=32, help="prompts of prompts.json used (default: 32)")
     p.add_argument("--max-new-tokens", type=at_least(3), default=64, help="tokens per prompt (default: 64)")
     p.add_argument("--top-k", type=at_least(1), default=10, help="ranks measured per head (default: 10)")
     p.add_argument("--temperature", type=temperature, default=SAMPLING_TEMPERATURE,
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"checkpoint {a.ckpt} has no Medusa heads; train heads first")
         if a.max_new_tokens <= (K := ck.heads.num_heads):  # else the last heads have no target: a table of zeros
             raise ValueError(f"--max-new-tokens must exceed the {K} heads: head k is measured from k + 1 new tokens on")
-        prompts = prompt_ids(ck, count=a.prompts, max_new_tokens=a.max_new_tokens)
+        prompts = prompt_ids(ck, count=a.num_prompts, max_new_tokens=a.max_new_tokens)
         check_writable(a.ckpt, f"--ckpt {a.ckpt}", files=(accuracy.ACCURACY_FILE,))
     except (ValueError, OSError) as e:
         p.error(str(e))

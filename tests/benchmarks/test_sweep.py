@@ -25,7 +25,7 @@ def medusa_ckpt(tmp_path_factory):
     guess the backbone's next token: right wherever its text repeats."""
     directory = tmp_path_factory.mktemp("medusa")
     save_small_checkpoint(directory)
-    measure.main(["--ckpt", str(directory), "--prompts", "4", "--max-new-tokens", "8"])
+    measure.main(["--ckpt", str(directory), "--num-prompts", "4", "--max-new-tokens", "8"])
     return str(directory)
 
 
@@ -75,7 +75,7 @@ def test_each_rule_and_draft_vocabulary_gets_its_block_and_an_old_table_stands_i
         assert lines[i + 2].split()[0] == "1" and lines[i + 3].endswith("  2/2") == (plain["temperature"] == 0)
 
 
-MAINS = {"sweep": (sweep.main, FAST), "measure": (measure.main, ["--prompts", "4", "--max-new-tokens", "8"]),
+MAINS = {"sweep": (sweep.main, FAST), "measure": (measure.main, ["--num-prompts", "4", "--max-new-tokens", "8"]),
          "decode": (decode.main, ["--max-new-tokens", "4", "--device", "cpu"])}
 
 
@@ -86,7 +86,7 @@ MAINS = {"sweep": (sweep.main, FAST), "measure": (measure.main, ["--prompts", "4
         "--temperature 1e39", "--temperature nan", "--rules greedy --temperature -1 -> --temperature",
         "--seed 99999999999999999999", "--plot {tmp}/no/s.png", "--plot ''", "--plot {tmp}", "--plot {tmp}/s.txt",
         "--ckpt {tmp}/unmeasured -> medusa_mini.cli.measure", "--ckpt {tmp}/never_right -> train the heads")),
-    *(("measure", case) for case in ("--prompts 0", "--top-k 0", "--max-new-tokens 2", "--temperature 0",
+    *(("measure", case) for case in ("--num-prompts 0", "--top-k 0", "--max-new-tokens 2", "--temperature 0",
                                      "--seed -1", "--ckpt {tmp}/missing -> missing")),  # sweep's types, above
     # without prompts.json, each says how to give prompts as it takes them
     ("sweep", "--ckpt {tmp}/bare -> train_tiny.py writes it"), ("measure", "--ckpt {tmp}/bare -> train_tiny.py "

@@ -78,7 +78,7 @@ def test_bad_trees_are_one_line_errors(tmp_path, spec, content, message):
 
 def test_measure_saves_both_tables_and_prints_their_trees_estimates_and_the_sampled_rates(tmp_path, capsys):
     save_small_checkpoint(tmp_path)
-    argv = ["--ckpt", str(tmp_path), "--prompts", "3", "--max-new-tokens", "8", "--temperature", "0.5"]
+    argv = ["--ckpt", str(tmp_path), "--num-prompts", "3", "--max-new-tokens", "8", "--temperature", "0.5"]
     assert measure.main(argv + ["--marginal", "--seed", "3"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     acc, drawn = load_accuracy(tmp_path), load_accuracy(tmp_path, drawn=True)  # rejection sampling's too
