@@ -138,8 +138,8 @@ def gumbel_top_k(log_q: torch.Tensor, width: int, u: torch.Tensor) -> torch.Tens
 
 def typical_threshold(p: torch.Tensor, *, epsilon: float, delta: float) -> torch.Tensor:
     """§2.3.1's bar: min(ε, δ·exp(−H(p))) for p [..., V] -> [...]. A flat p (high entropy) lowers it."""
-    entropy = -(p * torch.log(p.clamp_min(1e-30))).sum(dim=-1)
-    return torch.minimum(torch.full_like(entropy, epsilon), delta * torch.exp(-entropy))
+    minus_entropy = (p * torch.log(p.clamp_min(1e-30))).sum(dim=-1)  # Σ p log p = −H(p)
+    return (delta * torch.exp(minus_entropy)).clamp_max(epsilon)
 
 
 def draw_bounds(rank: torch.Tensor, width: int) -> torch.Tensor:
