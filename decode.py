@@ -20,7 +20,7 @@ import tiktoken
 import torch
 
 from medusa_mini.cli.common import OneLineParser, at_least, check_plot_path, numbers, seed, timed
-from medusa_mini.cli.compiled import StaticCaches, compile_steps, warm_up
+from medusa_mini.cli.compiled import StaticCaches, compile_steps, warm_up, with_aligned_head
 from medusa_mini.cli.explain import DEMO_NOTE, demo_checkpoint, draw_mask, draw_tree, explain_step
 from medusa_mini.cli.measure import TreeChoice, resolve_tree
 from medusa_mini.cli.runs import Engine, Method, compare, compare_methods, decode, format_table, plot_batch
@@ -154,7 +154,7 @@ def methods_of(a: argparse.Namespace, ck, choice: TreeChoice | None, drawn: Tree
 
 def compiled(engine: Engine, methods: list[Method], a: argparse.Namespace, prompts: int) -> float:
     """Compile the steps and warm up every shape this run meets, before any timing; the seconds it took."""
-    model = engine.ck.model
+    model = engine.ck.model = with_aligned_head(engine.ck.model)  # this run's every step and prefill
     engine.steps, engine.caches = compile_steps(model.device), StaticCaches(model)
     # what fills each tree (prompt lookup: a chain), under which rule
     proposers = [(m.drafter.proposer(model, m.tree), m.sampling) for m in methods if m.drafter and not m.reference]

@@ -26,7 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from medusa_mini.acceptance import Accepted, acceptance_uniforms
 from medusa_mini.cli.common import OneLineParser, at_least, in_turns, names_of, numbers, seed, timed
-from medusa_mini.cli.compiled import StaticCaches, compile_options, compile_steps, verify_and_accept
+from medusa_mini.cli.compiled import StaticCaches, compile_options, compile_steps, verify_and_accept, with_aligned_head
 from medusa_mini.decoding import prefill
 from medusa_mini.heads import DraftHeads, HeadsConfig, make_heads
 from medusa_mini.io.gpt2 import GPT2_CONFIGS
@@ -64,10 +64,11 @@ def check_config(config: GPTConfig, *, prefix_len: int, draft_vocab: int | None)
 
 
 def tree_stages(model: GPT, cache: KVCache, heads: DraftHeads, tree: Tree, root: torch.Tensor, hidden: torch.Tensor,
-                *, history: list[list[int]], steps: Steps, compiled: bool) -> dict[str, Callable[[], object]]:
+                *, history: list[list[int]], steps: Steps, compiled: bool,
+                verify_step: Callable = verify) -> dict[str, Callable[[], object]]:
     """One callable per stage of a Medusa step on `tree`, its inputs made once, here (every run takes the same
-    path). Compiled, the verifies are `verify_and_accept`'s graphs, which also draft the next tree, and the whole
-    step takes the tree the step before drafted: no eager heads in it."""
+    path). Compiled, the verifies are graphs (`verify_step`'s; `verify_and_accept`'s, which also draft the next
+    tree), and the whole step takes the tree the step before drafted: no eager heads in it."""
     proposer, gen, device = heads.proposer(model, tree), torch.Generator(root.device).manual_seed(0), root.device
     attended = None if compiled else len(history[0]) - 1 + tree.num_nodes  # the prefix and the nodes
     t, stop_at = tree.tensors(device), torch.full_like(root, model.config.block_size)
@@ -89,7 +90,7 @@ def tree_stages(model: GPT, cache: KVCache, heads: DraftHeads, tree: Tree, root:
                             attended=attended)
 
     return {"heads": propose, "greedy verify": greedy_verify, "rejection verify": rejection_verify,
-            "verify": partial(verify, model, cache, proposal.tokens, tree=t, attended=attended, clamp=False),
+            "verify": partial(verify_step, model, cache, proposal.tokens, tree=t, attended=attended, clamp=False),
             "host read": partial(read_step, proposal, accepted), "whole step": whole_step}
 
 
@@ -164,7 +165,7 @@ def bench_config(config: GPTConfig, *, device: torch.device, repeat: int, warmup
     steps, verify_step = Steps(), verify
     if compiled:
         torch.compiler.reset()  # compiled code is kept per function, across models: start afresh
-        steps = compile_steps(device, backend=compile_backend)
+        model, steps = with_aligned_head(model), compile_steps(device, backend=compile_backend)
         verify_step = torch.compile(verify, **compile_options(device, backend=compile_backend))
         torch._dynamo.config.recompile_limit += len(nodes) + len(trees) + 1  # one graph per shape
         warmup = max(warmup, 3) if device.type == "cuda" else warmup  # CUDA graphs: eager, record, replay
@@ -193,7 +194,8 @@ def bench_config(config: GPTConfig, *, device: torch.device, repeat: int, warmup
         calls[f"verify {n}"] = partial(verify_step, model, caches[n], tokens.to(device), tree=t,
                                        attended=None if compiled else prefix_len + n)
     stages, setup_s = timed(device, lambda: {name: tree_stages(model, caches[tree.num_nodes], heads, tree, root, hidden,
-                                                               history=history, steps=steps, compiled=compiled)
+                                                               history=history, steps=steps, compiled=compiled,
+                                                               verify_step=verify_step)
                                              for name, tree in trees.items()})
     calls.update({f"{name} {stage}": fn for name in trees for stage, fn in stages[name].items()})
     runs = in_turns(calls, rounds=warmup + repeat, device=device, before_each=reset)

@@ -10,9 +10,11 @@ one address, the steps copy out what the next call needs, and `warm_up` records 
 
 Shapes: B rows, N tree nodes, C n_embd, V vocabulary, Q the q a drawn tree draws from."""
 
+import copy
 from typing import Callable, Iterable
 
 import torch
+import torch.nn.functional as F
 
 from ..acceptance import Accepted, accept, acceptance_uniforms, check_uniforms
 from ..model import GPT, KVCache, at_each_row
@@ -103,6 +105,35 @@ class CompiledMedusa:
         drafted = None if tokens is None else Proposal(tokens.clone(), proposal.tree, copied(drawn))
         self.ahead = None if drafted is None else ((result.next_roots, proposer, sampling), drafted)
         return result
+
+
+class AlignedHead(torch.nn.Module):
+    """The lm_head with its V rows padded to a multiple of 64 (zeros, in a copy): logits [..., V] are a slice of
+    [..., V + pad], rows whose stride cuBLAS can align. At an odd V (GPT-2's 50,257) it picks a kernel for unaligned
+    rows, 4x slower over a tree's nodes on an H200 (BENCHMARKS.md: the compiled GPT-2 step)."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.vocab_size = len(weight)
+        self.register_buffer("padded", F.pad(weight.detach(), (0, 0, 0, -len(weight) % 64)))  # [V + pad, C]
+
+    @property
+    def weight(self) -> torch.Tensor:  # [V, C], what the heads and the caches read
+        return self.padded[: self.vocab_size]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.padded)[..., : self.vocab_size]
+
+
+def with_aligned_head(model: GPT, *, devices: tuple[str, ...] = ("cuda",)) -> GPT:
+    """On those devices a twin of `model` sharing every weight but its lm_head, an `AlignedHead`; elsewhere
+    `model` (a CPU gains nothing, and there the padded product may round a logit's last bit otherwise)."""
+    if model.device.type not in devices:
+        return model
+    twin = copy.copy(model)
+    twin._modules = dict(model._modules)  # its own: the lm_head set below leaves `model`'s as it is
+    twin.lm_head = AlignedHead(model.lm_head.weight)
+    return twin
 
 
 def compile_options(device: torch.device | str, *, backend: str | Callable = "inductor") -> dict:

@@ -10,7 +10,14 @@ import torch
 
 import decode
 from conftest import RULES, random_heads, tiny_model
-from medusa_mini.cli.compiled import StaticCaches, compile_options, compile_steps, verify_and_accept, warm_up
+from medusa_mini.cli.compiled import (
+    StaticCaches,
+    compile_options,
+    compile_steps,
+    verify_and_accept,
+    warm_up,
+    with_aligned_head,
+)
 from medusa_mini.decoding import generate_batch, medusa_generate_batch
 from medusa_mini.model import KVCache
 from medusa_mini.proposal import PromptLookup
@@ -59,10 +66,11 @@ class GraphReplay:
 
 
 def warmed_up(seed: int, *, backend=None, kind: str = "medusa", rows: int = 1, rules=()):
-    """A tiny model, heads of `kind`, its steps compiled (replayed as CUDA graphs, by `backend`) and its
-    static caches, warmed up for TREE under `rules` (by default the plain step alone)."""
+    """A tiny model (its lm_head aligned, as on CUDA), heads of `kind`, its steps compiled (replayed as CUDA graphs,
+    by `backend`) and its static caches, warmed up for TREE under `rules` (by default the plain step alone)."""
     torch.compiler.reset()  # graphs are cached per function, across models: start afresh
-    model, steps = tiny_model(seed), compile_steps("cpu", backend=backend or GraphReplay())
+    model = with_aligned_head(tiny_model(seed, vocab_size=50), devices=("cpu",))
+    steps = compile_steps("cpu", backend=backend or GraphReplay())
     heads = random_heads(model, seed=seed, kind=kind)
     warm_up(model, steps, caches := StaticCaches(model), rows=rows, plain=[RULES["greedy"]] * (not rules),
             proposers=[(heads.proposer(model, TREE), rule) for rule in rules])
@@ -155,6 +163,15 @@ def test_a_compiled_step_drafts_the_next_tree_in_its_graph_and_makes_the_eager_t
     assert len(backend.graphs) == graphs and sum(map(len, compiled)) == 60
     targets = {getattr(node.target, "__name__", node.target) for gm in backend.graphs for node in gm.graph.nodes}
     assert not targets & {"sort", "argsort", "msort"}
+
+
+def test_an_aligned_head_writes_the_models_logits_at_a_stride_of_64_and_leaves_the_model_as_it_was():
+    """On CUDA the compiled steps run a twin whose lm_head pads the vocabulary (`warmed_up`'s on a CPU)."""
+    model, ids = tiny_model(3, vocab_size=50), torch.tensor([[1, 2, 3]])
+    twin = with_aligned_head(model, devices=("cpu",))
+    assert with_aligned_head(model) is model and twin.transformer is model.transformer
+    assert isinstance(model.lm_head, torch.nn.Linear) and twin(ids)[0].stride(-2) == 64
+    torch.testing.assert_close((twin(ids)[0], twin.lm_head.weight), (model(ids)[0], model.lm_head.weight))
 
 
 def test_a_kv_cache_not_marked_static_is_refused_under_cuda_graphs_rules(monkeypatch):
