@@ -117,8 +117,7 @@ class OracleHeads:
             self.states = torch.cat([model(torch.tensor([s]))[1][0] for s in sequences]).float()  # [S, C]
         futures = [[index.get(s[t + k + 2], -1) if t + k + 2 < len(s) else -1 for k in range(num_heads)]
                    for s in sequences for t in range(len(s))]  # [S, K] draft indices
-        gen = torch.Generator().manual_seed(seed)
-        cum = torch.tensor(list(itertools.accumulate(true_rank_probs)))
+        gen, cum = torch.Generator().manual_seed(seed), torch.tensor(list(itertools.accumulate(true_rank_probs)))
         rank = torch.searchsorted(cum, torch.rand(len(futures), num_heads, generator=gen), right=True).tolist()
         self.logits = torch.rand(len(futures), num_heads, len(self.draft_ids), generator=gen)  # [S, K, M] in [0, 1)
         for j, k in itertools.product(range(len(futures)), range(num_heads)):

@@ -11,7 +11,7 @@ from medusa_mini import reference as ref
 from medusa_mini.acceptance import accept, acceptance_uniforms, greedy_accept_paths, typical_accept_paths
 from medusa_mini.proposal import Drawn
 from medusa_mini.sampling import Sampling, gumbel_top_k, inverse_cdf, residual_after_miss
-from medusa_mini.tree import Tree
+from medusa_mini.tree import Tree, chain
 
 
 def random_case(seed: int, *, vocab: int = 4, rows: int = 1):
@@ -73,8 +73,7 @@ def test_vectorised_typical_equals_the_node_walk_with_the_same_draws_in_every_ro
 @pytest.mark.parametrize("rule", ["greedy", "typical", "rejection", "rejection of drawn candidates"])
 def test_nodes_a_row_cannot_use_are_never_accepted(rule):
     """Near the end of a row's budget deeper nodes are unusable; a finished row accepts nothing."""
-    tree = Tree.from_choices([(0,), (0, 0), (0, 0, 0)])  # a chain: 0 -> 1 -> 2 -> 3
-    tokens = torch.tensor([[0, 1, 2, 3]] * 3)
+    tree, tokens = chain(3), torch.tensor([[0, 1, 2, 3]] * 3)  # a chain: 0 -> 1 -> 2 -> 3
     logits = torch.nn.functional.one_hot(torch.tensor([[1, 2, 3, 0]] * 3), 4).float() * 20  # all accepted
     usable = torch.tensor([[True] * 4, [True, True, False, False], [False] * 4])
     sampling, drawn = Sampling(acceptance=rule.split()[0], temperature=0.0 if rule == "greedy" else 1.0), None
@@ -89,8 +88,7 @@ def test_nodes_a_row_cannot_use_are_never_accepted(rule):
 def test_typical_acceptance_needs_p_strictly_above_the_bar():
     """§2.3.1 accepts x when p(x) > min(ε, δ·exp(−H(p))): a candidate exactly at the bar fails, in the
     reference and the engine. p is exactly 1/2 on tokens 0 and 1, so with δ = 10 the bar is ε."""
-    tokens = torch.tensor([[0, 1]])
-    logits = torch.tensor([[[0.0, 0.0, float("-inf"), float("-inf")]] * 2])  # [1, 2 nodes, 4]
+    tokens, logits = torch.tensor([[0, 1]]), torch.tensor([[[0.0, 0.0, -torch.inf, -torch.inf]] * 2])  # [1, 2 nodes, 4]
     for epsilon, accepted in [(0.5, False), (0.4999, True)]:
         sampling = Sampling(acceptance="typical", temperature=1.0, epsilon=epsilon, delta=10.0)
         path, _ = ref.typical_accept([-1, 0], tokens[0].tolist(), logits[0], sampling=sampling,
@@ -134,8 +132,7 @@ def test_drawn_rejection_on_the_device_makes_the_reference_walks_decisions_in_ev
     Medusa's q per depth and Hydra's per node, rank gaps, q = p (no residual left), q over three tokens (later draws are
     point masses), top-p, and nodes past the end (the reference walks the cut tree, whose nodes come first)."""
     fixed, heads, q_kind, top_p, room = DRAWN_CASES[case]
-    sampling = Sampling(acceptance="rejection", temperature=1.0, top_p=top_p)
-    deepest, after_a_miss = 0, 0
+    sampling, deepest, after_a_miss = Sampling(acceptance="rejection", temperature=1.0, top_p=top_p), 0, 0
     for seed in range(8):
         tree = fixed or random_tree(random.Random(seed))
         B, N, V, gen = 5, tree.num_nodes, 8, torch.Generator().manual_seed(seed)

@@ -13,8 +13,7 @@ from medusa_mini.sampling import Sampling, q_log_probs
 from medusa_mini.training import MedusaLM, self_distill
 from medusa_mini.tree import Tree, chain, preset
 
-KINDS = ["medusa", "hydra"]
-C, V = 32, 64
+KINDS, C, V = ["medusa", "hydra"], 32, 64
 TREE = Tree.from_choices([(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 1, 0), (1, 0, 0)])
 
 
@@ -118,8 +117,7 @@ def test_each_node_holds_its_rank_of_its_parents_q_top_k_or_drawn_from_the_draft
     reads the path drafted above the node, Medusa's the depth alone): of its top-k, filled depth by depth;
     or of distinct draws from it, each node keeping the q its children were drawn from."""
     model = tiny_model(2)
-    heads = random_heads(model, kind=kind, seed=2, draft=16)
-    hidden, T = torch.randn(C), 0.8
+    heads, hidden, T = random_heads(model, kind=kind, seed=2, draft=16), torch.randn(C), 0.8
     sampling, gen = (Sampling(temperature=T), torch.Generator().manual_seed(0)) if drawn else (Sampling(), None)
     proposal = propose(heads, model, tree, 7, hidden, sampling, gen)
     tokens, per_node = proposal.tokens[0].tolist(), proposal.drawn.per_node(0) if drawn else [None] * tree.num_nodes

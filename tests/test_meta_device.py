@@ -39,9 +39,7 @@ def meta_model(dtype: torch.dtype = torch.float32):
 
 def meta_drafter(kind: str):
     """Heads over a draft vocabulary of 16 tokens, on the device; or prompt lookup."""
-    if kind == "lookup":
-        return PromptLookup()
-    return random_heads(tiny_model(0), kind=kind, draft=16).to(META)
+    return PromptLookup() if kind == "lookup" else random_heads(tiny_model(0), kind=kind, draft=16).to(META)
 
 
 # ---- the stages, on the device alone ---------------------------------------------------------------

@@ -19,8 +19,7 @@ from medusa_mini.tree import Tree, chain
 #           │                  └─ 4 (0,1) token 0
 #           └─ 2 (1,) token 2
 TREE = Tree.from_choices([(0,), (1,), (0, 0), (0, 1), (0, 0, 0)])
-PARENTS = TREE.parents
-TOKENS, V = [0, 3, 2, 1, 0, 2], 5
+PARENTS, TOKENS, V = TREE.parents, [0, 3, 2, 1, 0, 2], 5
 T1 = Sampling(acceptance="rejection", temperature=1.0)
 
 
@@ -47,8 +46,7 @@ def test_drawn_candidates_give_each_node_the_q_its_children_were_drawn_from():
                                 generator=torch.Generator().manual_seed(0))
     assert set(tokens[1:]) <= set(DRAFT_IDS.tolist())
     for node, d in enumerate(TREE.depths):
-        kids = ref.children(PARENTS, node)
-        if kids:
+        if kids := ref.children(PARENTS, node):
             log_q, draws = drawn[node]
             torch.testing.assert_close(log_q[DRAFT_IDS], torch.log_softmax(head_logits[d] / 0.5, -1))  # head d+1, at T
             assert [tokens[c] for c in kids] == [draws[TREE.choices[c - 1][-1]] for c in kids]

@@ -26,8 +26,7 @@ def test_a_tiny_temperature_gives_the_argmax_not_nan_and_shares_exact_ties_and_z
 
 
 def test_q_over_a_draft_vocabulary_is_the_heads_softmax_there_and_zero_elsewhere():
-    head_logits = torch.tensor([[1.0, 2.0, 0.5], [0.0, 0.0, 3.0]])  # [2, M = 3]
-    draft_ids = torch.tensor([1, 4, 6])
+    head_logits, draft_ids = torch.tensor([[1.0, 2.0, 0.5], [0.0, 0.0, 3.0]]), torch.tensor([1, 4, 6])  # [2, M = 3]
     log_q = q_log_probs(head_logits, draft_ids, temperature=0.5, vocab_size=8)  # [2, V = 8]
     torch.testing.assert_close(log_q[:, draft_ids], torch.log_softmax(head_logits / 0.5, dim=-1))
     assert torch.isneginf(log_q[:, [0, 2, 3, 5, 7]]).all()

@@ -27,8 +27,7 @@ def plain_head_losses(logits, y, keep=lambda b, t, k: True):
     losses, accs = [], []
     for k in range(1, K + 1):
         pairs = [(b, t) for b in range(B) for t in range(T - k) if keep(b, t, k)]
-        got = torch.stack([logits[k - 1, b, t] for b, t in pairs])
-        want = torch.stack([y[b, t + k] for b, t in pairs])
+        got, want = torch.stack([logits[k - 1, b, t] for b, t in pairs]), torch.stack([y[b, t + k] for b, t in pairs])
         losses.append(F.cross_entropy(got, want))
         accs.append((got.argmax(-1) == want).float().mean())
     return torch.stack(losses), torch.stack(accs)

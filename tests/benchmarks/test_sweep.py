@@ -23,8 +23,7 @@ FAST = ["--budgets", "2,4", "--max-new-tokens", "8", "--repeat", "1", "--num-pro
 def medusa_ckpt(tmp_path_factory):
     """save_small_checkpoint and its heads_accuracy.json. Its Medusa heads start as the identity, so they
     guess the backbone's next token: right wherever its text repeats."""
-    directory = tmp_path_factory.mktemp("medusa")
-    save_small_checkpoint(directory)
+    save_small_checkpoint(directory := tmp_path_factory.mktemp("medusa"))
     measure.main(["--ckpt", str(directory), "--num-prompts", "4", "--max-new-tokens", "8"])
     return str(directory)
 

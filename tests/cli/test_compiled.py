@@ -89,8 +89,7 @@ def test_the_warm_up_runs_every_shape_three_times_so_cuda_graphs_record_and_repl
             return fn(*args, **kw)
         return run
 
-    steps = compile_steps("cpu", compile=compile)
-    proposer = random_heads(model, seed=0).proposer(model, TREE)
+    steps, proposer = compile_steps("cpu", compile=compile), random_heads(model, seed=0).proposer(model, TREE)
     warm_up(model, steps, StaticCaches(model), rows=2, plain=[RULES["greedy"], RULES["rejection"]],
             proposers=[(proposer, RULES[r]) for r in ("greedy", "typical", "rejection")])
     shapes = list(dict.fromkeys(calls))

@@ -64,8 +64,7 @@ def test_a_path_savefig_would_not_write_as_named_or_no_matplotlib_is_one_line(tm
 
 
 def test_each_format_accepted_is_written_and_a_figure_that_fails_leaves_the_older(tmp_path, monkeypatch):
-    canvas = pytest.importorskip("matplotlib.backends.backend_agg")
-    figure = pytest.importorskip("matplotlib.figure")
+    canvas, figure = pytest.importorskip("matplotlib.backends.backend_agg"), pytest.importorskip("matplotlib.figure")
     assert set(PLOT_FORMATS) <= set(canvas.FigureCanvasAgg(figure.Figure()).get_supported_filetypes())
     for name in ("b.SVG", "b.pdf", "b.png"):
         check_plot_path(str(tmp_path / name))

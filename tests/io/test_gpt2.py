@@ -163,8 +163,7 @@ class HubHandler(http.server.BaseHTTPRequestHandler):
         fault = (hub.faults.get(self.path) or [None]).pop(0)
         if isinstance(fault, int) or self.path not in hub.files:
             return self.send_error(fault if isinstance(fault, int) else 404)
-        data = hub.files[self.path]
-        m = re.fullmatch(r"bytes=(\d+)-", self.headers.get("Range") or "")
+        data, m = hub.files[self.path], re.fullmatch(r"bytes=(\d+)-", self.headers.get("Range") or "")
         start = int(m.group(1)) if m and fault != "no-range" else 0
         self.send_response(200 if not start else 206 if start < len(data) else 416)
         if start:

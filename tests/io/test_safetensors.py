@@ -100,8 +100,7 @@ HOSTILE = {
 
 @pytest.mark.parametrize("content, match", HOSTILE.values(), ids=HOSTILE.keys())
 def test_a_broken_or_hostile_file_gives_one_line_naming_it(tmp_path, content, match):
-    path = tmp_path / "bad.safetensors"
-    path.write_bytes(content)
+    (path := tmp_path / "bad.safetensors").write_bytes(content)
     with pytest.raises(ValueError, match=match) as err:
         read_safetensors(path)
     assert str(err.value).startswith(str(path)) and "\n" not in str(err.value)
@@ -109,8 +108,7 @@ def test_a_broken_or_hostile_file_gives_one_line_naming_it(tmp_path, content, ma
 
 @pytest.mark.parametrize("length", [2**62, 150 * 2**20], ids=["2**62", "150MB"])
 def test_a_huge_header_length_is_rejected_before_any_allocation(tmp_path, length):
-    path = tmp_path / "huge.safetensors"
-    with open(path, "wb") as f:
+    with open(path := tmp_path / "huge.safetensors", "wb") as f:
         f.write(struct.pack("<Q", length))
         f.truncate(8 + 200 * 2**20)  # sparse: the file really is long enough for a 150 MB header
     tracemalloc.start()

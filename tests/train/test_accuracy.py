@@ -177,10 +177,8 @@ def test_accuracy_survives_a_save_and_load_round_trip_and_prints_cumulative_top1
     assert lines[1:] == ["   1  0.560  0.999", "   2  0.320  0.571", "   3  0.200  0.357", "   4  0.150  0.268"]
 
 
-@pytest.mark.parametrize("content", [
-    "not json", "[1, 2]", '{"acc": []}', '{"acc": [[0.5], [0.5, 0.2]]}', '{"acc": [[0.5, "x"]]}',
-    '{"acc": [[1.5]]}', '{"rows": [[0.5]]}', None,
-])
+@pytest.mark.parametrize("content", ["not json", "[1, 2]", '{"acc": []}', '{"acc": [[0.5], [0.5, 0.2]]}',
+                                     '{"acc": [[0.5, "x"]]}', '{"acc": [[1.5]]}', '{"rows": [[0.5]]}', None])
 def test_a_bad_or_missing_accuracy_file_gives_a_clear_error(tmp_path, content):
     if content is not None:
         (tmp_path / "heads_accuracy.json").write_text(content)

@@ -276,9 +276,8 @@ def test_two_ddp_processes_keep_identical_replicas_and_resume_exactly_after_ctrl
 def test_under_torchrun_rank_0_downloads_gpt2_alone_and_every_rank_trains_on_it(tmp_path):
     """Ranks downloading at once would write into one .part file: rank 0 downloads, the others wait."""
     torch.manual_seed(0)
-    hub_dir = tmp_path / "hub" / "gpt2" / "resolve" / "main"
+    hub_dir, asked = tmp_path / "hub" / "gpt2" / "resolve" / "main", []
     save_checkpoint(hub_dir, GPT(GPTConfig(vocab_size=257, block_size=64, n_layer=2, n_head=2, n_embd=32)))
-    asked = []
 
     class SlowHub(http.server.SimpleHTTPRequestHandler):  # answers late: both ranks would be mid-download
         def do_GET(self):
