@@ -84,8 +84,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                                       "out --compile")):
         if wrong:
             p.error(message)
-    if a.temperature is None:
-        a.temperature = SAMPLING_TEMPERATURE if samples else 0.0
+    a.temperature = (SAMPLING_TEMPERATURE if samples else 0.0) if a.temperature is None else a.temperature
     rule = None if a.compare or a.method == "plain" else a.method  # --compare makes its own rows
     try:  # every sampling setting is checked here, once; plain decoding reads only T and top-p
         a.sampling = Sampling(acceptance=rule, temperature=a.temperature, top_p=a.top_p)

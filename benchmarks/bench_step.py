@@ -46,8 +46,7 @@ DRAFT_VOCAB = 4096  # the default draft vocabulary of a larger vocabulary (GPT-2
 
 def verify_tree(nodes: int) -> Tree:
     """The best tree of N nodes (root included) for heads right 60%, 36%, ... of the time at rank 0."""
-    acc = torch.tensor([[0.6 ** (k + 1) / (r + 1) for r in range(10)] for k in range(4)])  # [K heads, R ranks]
-    return build_tree(acc, nodes - 1)[0]
+    return build_tree(torch.tensor([[0.6 ** (k + 1) / (r + 1) for r in range(10)] for k in range(4)]), nodes - 1)[0]
 
 
 def check_config(config: GPTConfig, *, prefix_len: int, draft_vocab: int | None) -> int:
@@ -105,8 +104,7 @@ class OpCounter(TorchDispatchMode):
         self.ops: Counter[str] = Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        name = func._schema.name
+        kwargs, name = kwargs or {}, func._schema.name
         to_host = name == "aten::_to_copy" and torch.device(kwargs.get("device") or args[0].device).type == "cpu"
         if not (func.is_view or name in self.SKIPPED or (to_host and args[0].device.type != "cpu")):
             self.ops[name] += 1
@@ -161,8 +159,7 @@ def bench_config(config: GPTConfig, *, device: torch.device, repeat: int, warmup
         model = GPT(config).eval().to(dtype)
         heads = make_heads(HeadsConfig(4, config.n_embd, config.vocab_size)).eval().to(dtype)
     heads.use_draft_vocabulary(heads.vocab_order, draft_vocab)  # four heads guessing among the first M token ids
-    trees = {name: preset(name) for name in MEDUSA_TREES}
-    steps, verify_step = Steps(), verify
+    trees, steps, verify_step = {name: preset(name) for name in MEDUSA_TREES}, Steps(), verify
     if compiled:
         torch.compiler.reset()  # compiled code is kept per function, across models: start afresh
         model, steps = with_aligned_head(model), compile_steps(device, backend=compile_backend)

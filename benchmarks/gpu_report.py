@@ -201,9 +201,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                              "or name one with --ckpt")
         a.configs = a.configs or (["tiny"] if a.quick else GPT2_SHAPES.split(","))
         a.compile = ["--compile"] if a.device.startswith("cuda") else []  # on a CPU: minutes, no gain
-        for part in a.parts:
-            for _, command in commands(a, part):
-                check_command(command)
+        for command in [c for part in a.parts for _, c in commands(a, part)]:
+            check_command(command)
         try:  # what --append keeps
             a.before = pathlib.Path(a.out).read_text(encoding="utf-8") if a.append and os.path.exists(a.out) else ""
         except (OSError, UnicodeDecodeError) as e:

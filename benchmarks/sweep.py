@@ -27,10 +27,9 @@ from medusa_mini.train.accuracy import load_accuracy
 from medusa_mini.train.device import DTYPES, pick_device, pick_dtype
 from medusa_mini.tree import MAX_NODES, build_tree, expected_tokens_per_step
 
-RULES = {  # rule: how it samples at --temperature (none: greedy, at T = 0)
-    "greedy": None, "rejection-topk": dict(acceptance="rejection", candidates="topk"),
-    "rejection-drawn": dict(acceptance="rejection", candidates="drawn"), "typical": dict(acceptance="typical"),
-    "lookup-greedy": None}
+RULES = {"greedy": None, "rejection-topk": dict(acceptance="rejection", candidates="topk"),
+         "rejection-drawn": dict(acceptance="rejection", candidates="drawn"), "typical": dict(acceptance="typical"),
+         "lookup-greedy": None}  # rule: how it samples at --temperature (none: greedy, at T = 0)
 
 
 def sweep(ck: Checkpoint, tables: dict, prompts: list[list[int]], *, budgets: tuple[int, ...],

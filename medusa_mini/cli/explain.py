@@ -148,8 +148,7 @@ def explain_step(model: GPT, heads, enc: tiktoken.Encoding, prompt_ids: list[int
     proposer = heads.proposer(model, tree)
     proposal = proposer.propose(torch.tensor([root], device=hidden.device), hidden[-1:], history=[[root]],
                                 sampling=sampling, u=proposer.uniforms(sampling, 1, generator, device=hidden.device))
-    tokens = proposal.tokens[0].tolist()
-    drawn = None if proposal.drawn is None else proposal.drawn.per_node(0)
+    tokens, drawn = proposal.tokens[0].tolist(), (None if proposal.drawn is None else proposal.drawn.per_node(0))
     labels = [token_text(enc, t) for t in tokens]
     out += [_header(3, f"Tree: {tree.num_nodes - 1} candidate nodes + the root"),
             ("A node at depth d holds head d's guess of the listed rank" if drawn is None else
@@ -196,11 +195,9 @@ def demo_checkpoint(*, device: torch.device, dtype: torch.dtype, steps: int = 30
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=enc.n_vocab, block_size=128, n_layer=2, n_head=4, n_embd=64))
     heads = MedusaHeads(HeadsConfig(num_heads=4, n_embd=64, vocab_size=enc.n_vocab))
-    module = MedusaLM(model, heads)
-    threads = torch.get_num_threads()
+    module, threads = MedusaLM(model, heads), torch.get_num_threads()
     torch.set_num_threads(1)  # ops this small gain nothing from threads, and lose much on a busy machine
-    optimizer = torch.optim.AdamW(module.parameters(), lr=3e-3)
-    gen = torch.Generator().manual_seed(0)
+    optimizer, gen = torch.optim.AdamW(module.parameters(), lr=3e-3), torch.Generator().manual_seed(0)
     for _ in range(steps):
         x, y = get_batch(ids, batch_size=16, block_size=64, generator=gen)  # [16, 64] each
         loss, _ = module(x, y, lm_weight=1.0, heads_weight=0.5, decay=0.8)

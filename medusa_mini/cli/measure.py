@@ -46,8 +46,7 @@ def resolve_tree(spec: str | None, *, ckpt_dir: str, device: torch.device | str,
     grow from their own table: they pass far less often than top-1 guesses, so siblings beat depth."""
     gpu = torch.device(device).type != "cpu"
     measured = bool(ckpt_dir) and os.path.isfile(os.path.join(ckpt_dir, accuracy.ACCURACY_FILE))  # "": no folder
-    if spec is None:
-        spec = "auto" if measured else ("gpu" if gpu else "cpu")
+    spec = ("auto" if measured else "gpu" if gpu else "cpu") if spec is None else spec
     budget = None  # a tree given whole (a preset, choices): its own size
     count = spec.isascii() and spec.isdigit()  # a node budget ('²' is a digit to str.isdigit, not to int)
     inline = spec.lstrip().startswith(("[", "{"))
@@ -113,9 +112,8 @@ def main(argv: list[str] | None = None) -> int:
         check_writable(a.ckpt, f"--ckpt {a.ckpt}", files=(accuracy.ACCURACY_FILE,))
     except (ValueError, OSError) as e:
         p.error(str(e))
-    lens, T = [len(ids) for ids in prompts], a.temperature
+    lens, T, top_k = [len(ids) for ids in prompts], a.temperature, min(a.top_k, ck.heads.draft_ids.numel())
     greedy = accuracy.continuations(ck.model, prompts, max_new_tokens=a.max_new_tokens)
-    top_k = min(a.top_k, ck.heads.draft_ids.numel())
     acc = accuracy.measure_head_accuracy(ck.model, ck.heads, greedy, prompt_lens=lens, top_k=top_k)
     sampled = accuracy.continuations(ck.model, prompts, max_new_tokens=a.max_new_tokens, temperature=T, seed=a.seed)
     accept = accuracy.measure_sampled_acceptance(ck.model, ck.heads, sampled, prompt_lens=lens, temperature=T)

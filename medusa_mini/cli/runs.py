@@ -74,26 +74,11 @@ def decode(engine: Engine, method: Method, prompts: list[list[int]], *, seed: in
     return out
 
 
-def run_in_turns(engine: Engine, methods: list[Method], batches: list[list[list[int]]], *, max_new_tokens: int,
-                 seed: int, repeat: int = REPEAT, stop_at_eot: bool = True) -> tuple[dict[str, Runs], set[str]]:
-    """Per method key, each batch's fastest of `repeat` runs in turns, after a short untimed run each; and the
-    keys whose repeats made other tokens (non-deterministic kernels)."""
-    device, kw = engine.ck.model.device, dict(seed=seed, stop_at_eot=stop_at_eot)
-    in_turns({m.key: partial(decode, engine, m, batches[0], max_new_tokens=min(max_new_tokens, 8), **kw)
-              for m in methods}, rounds=1, device=device)
-    runs = in_turns({(m.key, i): partial(decode, engine, m, b, max_new_tokens=max_new_tokens, **kw)
-                     for i, b in enumerate(batches) for m in methods}, rounds=repeat, device=device)
-    tokens = {k: [[t for t, _ in results] for results, _ in tries] for k, tries in runs.items()}
-    unsteady = {key for (key, _), seen in tokens.items() if any(t != seen[0] for t in seen)}
-    return {m.key: [min(runs[m.key, i], key=lambda r: r[1]) for i in range(len(batches))] for m in methods}, unsteady
-
-
 def summarise(runs: Runs) -> dict:
     """One row's numbers. A batch runs until its slowest row stops: `passes` are its forward passes (ms/step is
     per pass), `row_passes` count each pass once per row it carried, what the rows' own steps compare with."""
     rows = [row for results, _ in runs for row in results]
-    steps = sum(st.steps for _, st in rows)
-    passes = sum(max(st.steps for _, st in results) for results, _ in runs)
+    steps, passes = sum(st.steps for _, st in rows), sum(max(st.steps for _, st in results) for results, _ in runs)
     row_passes = sum(max(st.steps for _, st in results) * len(results) for results, _ in runs)
     new, seconds = sum(len(tokens) for tokens, _ in rows), sum(s for _, s in runs)
     return {"steps": steps, "passes": passes, "row_passes": row_passes, "new_tokens": new, "seconds": seconds,
@@ -131,13 +116,20 @@ def compare_methods(ck: Checkpoint, tree: Tree, sampling: Sampling, *, temperatu
 
 def compare(engine: Engine, prompts: list[list[int]], methods: list[Method], *, max_new_tokens: int, seed: int,
             batch_sizes: list[int] = (1,), repeat: int = REPEAT, stop_at_eot: bool = True) -> dict:
-    """A row per method and batch size, the prompts (cycled up to the largest batch) taken B at a time; the
-    first row's tokens are those greedy rows must make."""
-    work = [prompts[i % len(prompts)] for i in range(max(max(batch_sizes), len(prompts)))]
-    rows = []
+    """A row per method and batch size, the prompts (cycled up to the largest batch) taken B at a time, each
+    batch's fastest of `repeat` runs in turns after a short untimed run each; the first row's tokens are those
+    greedy rows must make; a row's `repeats_differ`: its repeats made other tokens (non-deterministic kernels)."""
+    work, rows = [prompts[i % len(prompts)] for i in range(max(max(batch_sizes), len(prompts)))], []
+    device, kw = engine.ck.model.device, dict(seed=seed, stop_at_eot=stop_at_eot)
     for B in batch_sizes:
-        runs, unsteady = run_in_turns(engine, methods, [work[i : i + B] for i in range(0, len(work), B)],
-                                      max_new_tokens=max_new_tokens, seed=seed, repeat=repeat, stop_at_eot=stop_at_eot)
+        batches = [work[i : i + B] for i in range(0, len(work), B)]
+        in_turns({m.key: partial(decode, engine, m, batches[0], max_new_tokens=min(max_new_tokens, 8), **kw)
+                  for m in methods}, rounds=1, device=device)
+        tries = in_turns({(m.key, i): partial(decode, engine, m, b, max_new_tokens=max_new_tokens, **kw)
+                          for i, b in enumerate(batches) for m in methods}, rounds=repeat, device=device)
+        tokens = {k: [[t for t, _ in results] for results, _ in turns] for k, turns in tries.items()}
+        unsteady = {key for (key, _), seen in tokens.items() if any(t != seen[0] for t in seen)}
+        runs = {m.key: [min(tries[m.key, i], key=lambda r: r[1]) for i in range(len(batches))] for m in methods}
         for m in methods:
             results = [row for batch, _ in runs[m.key] for row in batch]
             rows.append({"method": m.label, "key": m.key, "batch_size": B, "temperature": m.sampling.temperature,
@@ -171,10 +163,9 @@ def per_prompt(prompts: list[list[int]], runs: dict[str, Runs]) -> list[dict]:
 
 
 COLUMNS = {  # row key: (header, width, format)
-    "batch_size": ("batch", 6, "d"), "new_tokens": ("tokens", 7, "d"), "steps": ("steps", 7, "d"),
-    "tokens_per_s": ("tokens/s", 10, ".1f"), "tokens_per_step": ("tokens/step", 13, ".2f"),
-    "step_cost": ("step cost", 11, ".2f"), "ms_per_token": ("ms/token", 10, ".2f"),
-    "ms_per_step": ("ms/step", 9, ".2f"), "speedup": ("speedup", 9, ".2f")}
+    "batch_size": ("batch", 6, "d"), "new_tokens": ("tokens", 7, "d"), "tokens_per_s": ("tokens/s", 10, ".1f"),
+    "steps": ("steps", 7, "d"), "tokens_per_step": ("tokens/step", 13, ".2f"), "step_cost": ("step cost", 11, ".2f"),
+    "ms_per_token": ("ms/token", 10, ".2f"), "ms_per_step": ("ms/step", 9, ".2f"), "speedup": ("speedup", 9, ".2f")}
 
 
 def why_line(rows: list[dict]) -> str:

@@ -216,8 +216,7 @@ def load_gpt2(name_or_path: str | os.PathLike, *, device: torch.device | str = "
     """GPT-2 in eval mode from a directory (config.json + model.safetensors), a .safetensors file or a hub name:
     gpt2, gpt2-medium, gpt2-large, gpt2-xl (downloaded once). The hub ships each as safetensors: no pickle is read."""
     path = os.path.expanduser(os.fspath(name_or_path))
-    if not os.path.exists(path):
-        path = download_gpt2(path)
+    path = path if os.path.exists(path) else download_gpt2(path)
     folder, weights = (path, os.path.join(path, "model.safetensors")) if os.path.isdir(path) else (
         os.path.dirname(os.path.abspath(path)), path)
     if not weights.endswith(".safetensors") or not os.path.isfile(weights):

@@ -44,8 +44,7 @@ class _PairCounts:
     the words holding its pair, so pairs are never recounted from scratch (quadratic on a real corpus)."""
 
     def __init__(self, word_counts: Counter[bytes]) -> None:
-        self.words = [list(word) for word in word_counts]
-        self.freqs = list(word_counts.values())
+        self.words, self.freqs = [list(word) for word in word_counts], list(word_counts.values())
         self.counts: dict[Pair, int] = {}
         self.holders: dict[Pair, set[int]] = {}  # the words holding a pair (or that held it: checked on use)
         for wid, word in enumerate(self.words):

@@ -24,8 +24,7 @@ ROWS, POSITIONS = 16, 256  # rows per greedy batch, positions per heads call: bo
 def continuations(model: GPT, prompts: list[list[int]], *, max_new_tokens: int, temperature: float = 0.0,
                   seed: int = 0) -> list[list[int]]:
     """Each prompt + the backbone's continuation (temperature 0: greedy), ROWS prompts at a time, one generator."""
-    out, sampling = [], Sampling(temperature=temperature)
-    g = torch.Generator(device=model.device).manual_seed(seed)
+    out, sampling, g = [], Sampling(temperature=temperature), torch.Generator(device=model.device).manual_seed(seed)
     for b in range(0, len(prompts), ROWS):
         part = prompts[b : b + ROWS]
         rows = generate_batch(model, part, max_new_tokens=max_new_tokens, sampling=sampling, generator=g)
@@ -66,8 +65,7 @@ def measure_head_accuracy(model: GPT, heads: DraftHeads, sequences: list[list[in
     draft_ids, K = heads.draft_ids.to(model.device), heads.num_heads
     hits, counts = torch.zeros(K, top_k, dtype=torch.float64), torch.zeros(K, dtype=torch.float64)
     for k, target, _, logits in _positions(model, heads, sequences, prompt_lens):
-        guesses = draft_ids[logits.topk(top_k, dim=-1).indices]  # [m, top_k] token ids
-        hits[k] += (guesses == target[:, None]).sum(0).cpu()
+        hits[k] += (draft_ids[logits.topk(top_k, dim=-1).indices] == target[:, None]).sum(0).cpu()  # guesses [m, top_k]
         counts[k] += len(target)
     return hits / counts.clamp(min=1)[:, None]
 
@@ -116,8 +114,7 @@ def draw_chances(p: torch.Tensor, log_q: torch.Tensor, samples: torch.Tensor) ->
     for r, x in enumerate(samples.unbind(1)):  # x: [m], the rank-r draws
         q = without_earlier_draws(log_q, samples, rank=r)  # [m, V]
         residual, mass = residual_after_miss(p, q)  # [m, V], [m]
-        live = mass > 0
-        p_x, q_x = p.gather(1, x[:, None])[:, 0], q.gather(1, x[:, None])[:, 0]  # [m]
+        live, p_x, q_x = mass > 0, p.gather(1, x[:, None])[:, 0], q.gather(1, x[:, None])[:, 0]  # [m]
         # As the engine's u·q(x) < p(x): where q(x) underflows to 0, or p = q (no residual), x passes iff p(x) > 0.
         ratio = (p_x / q_x.clamp_min(torch.finfo(q_x.dtype).tiny)).clamp(max=1.0)
         chance = torch.where(~live | (q_x <= 0), (p_x > 0).float(), ratio).double()  # [m]
@@ -144,8 +141,7 @@ def measure_marginal_acceptance(model: GPT, sequences: list[list[int]], *, promp
             x = torch.cat([context.expand(len(r), -1), r[:, None]], dim=1)  # [R, t + 2]
             p_next = sampling_probs(model(x)[0][:, -1], temperature=temperature)  # [R, V] p(· | r)
             share = w / w.sum()  # [R]
-            marginal = share @ p_next  # [V] m
-            total += (share * torch.minimum(p_next, marginal).sum(-1)).sum().item()
+            total += (share * torch.minimum(p_next, share @ p_next).sum(-1)).sum().item()  # share @ p_next: m [V]
             covered, positions = covered + w.sum().item(), positions + 1
     return total / max(positions, 1), covered / max(positions, 1)
 

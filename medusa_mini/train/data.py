@@ -132,8 +132,7 @@ def held_out_prompts(val_docs: Sequence[Document], enc: tiktoken.Encoding, *, co
                      block_size: int) -> list[str]:
     """`count` snippets of held-out text (at most 240 characters, line to line, under a third of the context;
     shorter where none fits): decode.py's default prompts (prompts.json), text the model never trained on."""
-    rng, prompts = random.Random(seed), []
-    texts = [t for _, t in val_docs if t.strip()]
+    rng, prompts, texts = random.Random(seed), [], [t for _, t in val_docs if t.strip()]
     for limit in (240, 60, 15):
         for _ in range(count * 50 if texts and not prompts else 0):
             if len(prompts) == count:

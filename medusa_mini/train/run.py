@@ -39,8 +39,7 @@ class Run:
     """What every stage needs: args, ranks, device, model and heads; saving and resuming them; the stage clock."""
 
     def __init__(self, args: TrainArgs, data_digest: str) -> None:
-        self.args, self.device = args, args.device
-        self.rank, self.world = 0, 1
+        self.args, self.device, self.rank, self.world = args, args.device, 0, 1
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             cuda = args.device.startswith("cuda")
             if cuda:  # before init_process_group: NCCL binds each process to the current device when it starts
@@ -49,8 +48,7 @@ class Run:
             self.rank, self.world = dist.get_rank(), dist.get_world_size()
             # Per-step flags (stop? print?) go through host memory: NCCL would make every step wait for the GPU.
             self.host_group = dist.new_group(backend="gloo")
-        self.main = self.rank == 0
-        self.state_path = os.path.join(args.out, STATE_FILE)
+        self.main, self.state_path = self.rank == 0, os.path.join(args.out, STATE_FILE)
         self.rank_path = f"{self.state_path}.rank{self.rank}"
         self.stop_requested = self.model_written = False
         self.distill = None  # [S, P + n] the self-distilled text, once written
@@ -187,8 +185,7 @@ def _pretrained(r: Run) -> tuple[GPT, tiktoken.Encoding]:
             tiktoken.get_encoding("gpt2")  # fetches its files once, like the weights
         if r.world > 1:
             dist.barrier(group=r.host_group)
-        model = load_gpt2(init, device=r.device)
-        folder = tokenizer_folder(init)
+        model, folder = load_gpt2(init, device=r.device), tokenizer_folder(init)
         enc = load_tokenizer(folder) if folder else tiktoken.get_encoding("gpt2")
     except (ValueError, OSError) as e:
         raise TrainError(f"--init {init}: {e}") from None
@@ -259,8 +256,7 @@ def _train(r: Run, module: MedusaLM, optimizer, *, stage: str, steps: int, start
     # No find_unused_parameters: every trainable parameter gets a gradient each step (a frozen backbone
     # has requires_grad off; with λ0 = 0 the joint stage leaves the heads out).
     ddp = DDP(module) if r.world > 1 else module
-    trained = [p for p in module.parameters() if p.requires_grad]
-    a, device_type = r.args, torch.device(r.device).type
+    a, device_type, trained = r.args, torch.device(r.device).type, [p for p in module.parameters() if p.requires_grad]
     scaler = torch.amp.GradScaler(device_type, enabled=a.dtype == "float16")  # float16's loss scaling
     if state and state["optim"] is not None:
         optimizer.load_state_dict(state["optim"])
