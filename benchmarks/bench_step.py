@@ -46,7 +46,8 @@ DRAFT_VOCAB = 4096  # the default draft vocabulary of a larger vocabulary (GPT-2
 
 def verify_tree(nodes: int) -> Tree:
     """The best tree of N nodes (root included) for heads right 60%, 36%, ... of the time at rank 0."""
-    return build_tree(torch.tensor([[0.6 ** (k + 1) / (r + 1) for r in range(10)] for k in range(4)]), nodes - 1)[0]
+    acc = torch.tensor([[0.6 ** (k + 1) / (r + 1) for r in range(10)] for k in range(4)])  # [K heads, R ranks]
+    return build_tree(acc, nodes - 1)[0]
 
 
 def check_config(config: GPTConfig, *, prefix_len: int, draft_vocab: int | None) -> int:

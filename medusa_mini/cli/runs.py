@@ -74,6 +74,20 @@ def decode(engine: Engine, method: Method, prompts: list[list[int]], *, seed: in
     return out
 
 
+def run_in_turns(engine: Engine, methods: list[Method], batches: list[list[list[int]]], *, max_new_tokens: int,
+                 seed: int, repeat: int = REPEAT, stop_at_eot: bool = True) -> tuple[dict[str, Runs], set[str]]:
+    """Per method key, each batch's fastest of `repeat` runs in turns, after a short untimed run each; and the
+    keys whose repeats made other tokens (non-deterministic kernels)."""
+    device, kw = engine.ck.model.device, dict(seed=seed, stop_at_eot=stop_at_eot)
+    in_turns({m.key: partial(decode, engine, m, batches[0], max_new_tokens=min(max_new_tokens, 8), **kw)
+              for m in methods}, rounds=1, device=device)
+    runs = in_turns({(m.key, i): partial(decode, engine, m, b, max_new_tokens=max_new_tokens, **kw)
+                     for i, b in enumerate(batches) for m in methods}, rounds=repeat, device=device)
+    tokens = {k: [[t for t, _ in results] for results, _ in tries] for k, tries in runs.items()}
+    unsteady = {key for (key, _), seen in tokens.items() if any(t != seen[0] for t in seen)}
+    return {m.key: [min(runs[m.key, i], key=lambda r: r[1]) for i in range(len(batches))] for m in methods}, unsteady
+
+
 def summarise(runs: Runs) -> dict:
     """One row's numbers. A batch runs until its slowest row stops: `passes` are its forward passes (ms/step is
     per pass), `row_passes` count each pass once per row it carried, what the rows' own steps compare with."""
@@ -116,20 +130,13 @@ def compare_methods(ck: Checkpoint, tree: Tree, sampling: Sampling, *, temperatu
 
 def compare(engine: Engine, prompts: list[list[int]], methods: list[Method], *, max_new_tokens: int, seed: int,
             batch_sizes: list[int] = (1,), repeat: int = REPEAT, stop_at_eot: bool = True) -> dict:
-    """A row per method and batch size, the prompts (cycled up to the largest batch) taken B at a time, each
-    batch's fastest of `repeat` runs in turns after a short untimed run each; the first row's tokens are those
-    greedy rows must make; a row's `repeats_differ`: its repeats made other tokens (non-deterministic kernels)."""
-    work, rows = [prompts[i % len(prompts)] for i in range(max(max(batch_sizes), len(prompts)))], []
-    device, kw = engine.ck.model.device, dict(seed=seed, stop_at_eot=stop_at_eot)
+    """A row per method and batch size, the prompts (cycled up to the largest batch) taken B at a time; the
+    first row's tokens are those greedy rows must make."""
+    work = [prompts[i % len(prompts)] for i in range(max(max(batch_sizes), len(prompts)))]
+    rows = []
     for B in batch_sizes:
-        batches = [work[i : i + B] for i in range(0, len(work), B)]
-        in_turns({m.key: partial(decode, engine, m, batches[0], max_new_tokens=min(max_new_tokens, 8), **kw)
-                  for m in methods}, rounds=1, device=device)
-        tries = in_turns({(m.key, i): partial(decode, engine, m, b, max_new_tokens=max_new_tokens, **kw)
-                          for i, b in enumerate(batches) for m in methods}, rounds=repeat, device=device)
-        tokens = {k: [[t for t, _ in results] for results, _ in turns] for k, turns in tries.items()}
-        unsteady = {key for (key, _), seen in tokens.items() if any(t != seen[0] for t in seen)}
-        runs = {m.key: [min(tries[m.key, i], key=lambda r: r[1]) for i in range(len(batches))] for m in methods}
+        runs, unsteady = run_in_turns(engine, methods, [work[i : i + B] for i in range(0, len(work), B)],
+                                      max_new_tokens=max_new_tokens, seed=seed, repeat=repeat, stop_at_eot=stop_at_eot)
         for m in methods:
             results = [row for batch, _ in runs[m.key] for row in batch]
             rows.append({"method": m.label, "key": m.key, "batch_size": B, "temperature": m.sampling.temperature,

@@ -65,7 +65,8 @@ def measure_head_accuracy(model: GPT, heads: DraftHeads, sequences: list[list[in
     draft_ids, K = heads.draft_ids.to(model.device), heads.num_heads
     hits, counts = torch.zeros(K, top_k, dtype=torch.float64), torch.zeros(K, dtype=torch.float64)
     for k, target, _, logits in _positions(model, heads, sequences, prompt_lens):
-        hits[k] += (draft_ids[logits.topk(top_k, dim=-1).indices] == target[:, None]).sum(0).cpu()  # guesses [m, top_k]
+        guesses = draft_ids[logits.topk(top_k, dim=-1).indices]  # [m, top_k] token ids
+        hits[k] += (guesses == target[:, None]).sum(0).cpu()
         counts[k] += len(target)
     return hits / counts.clamp(min=1)[:, None]
 
