@@ -110,7 +110,7 @@ class CompiledMedusa:
 class AlignedHead(torch.nn.Module):
     """The lm_head with its V rows padded to a multiple of 64 (zeros, in a copy): logits [..., V] are a slice of
     [..., V + pad], rows whose stride cuBLAS can align. At an odd V (GPT-2's 50,257) it picks a kernel for unaligned
-    rows, 4x slower over a tree's nodes on an H200 (BENCHMARKS.md: the compiled GPT-2 step)."""
+    rows, several times slower over a tree's nodes on an H200 (6c5e069 gives the kernels' times)."""
 
     def __init__(self, weight: torch.Tensor) -> None:
         super().__init__()
