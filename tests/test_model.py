@@ -12,7 +12,8 @@ ATOL = 1e-5
 
 def test_parameter_names_and_first_values_follow_gpt2_and_the_lm_head_is_tied_to_the_token_embedding():
     torch.manual_seed(0)
-    model, modules = GPT(GPTConfig(n_layer=2)), ("ln_1", "attn.c_attn", "attn.c_proj", "ln_2", "mlp.c_fc", "mlp.c_proj")
+    model = GPT(GPTConfig(n_layer=2))
+    modules = ("ln_1", "attn.c_attn", "attn.c_proj", "ln_2", "mlp.c_fc", "mlp.c_proj")
     block = [f"transformer.h.{i}.{m}.{p}" for i in range(2) for m in modules for p in ("weight", "bias")]
     assert list(model.state_dict()) == ["transformer.wte.weight", "transformer.wpe.weight", *block,
                                         "transformer.ln_f.weight", "transformer.ln_f.bias", "lm_head.weight"]
@@ -26,7 +27,8 @@ def test_parameter_names_and_first_values_follow_gpt2_and_the_lm_head_is_tied_to
 @pytest.mark.parametrize("read", ["all slots", "slots in use"])
 def test_cached_incremental_decoding_matches_full_forward(model, read):
     """Reading only the slots in use (`attended`, eager decoding) or the whole cache (a captured step)."""
-    ids, cache = torch.randint(0, 64, (20,), generator=torch.Generator().manual_seed(1)).tolist(), KVCache(model.config)
+    ids = torch.randint(0, 64, (20,), generator=torch.Generator().manual_seed(1)).tolist()
+    cache = KVCache(model.config)
     attended = (lambda n: None) if read == "all slots" else (lambda n: n)
     first, _ = model(torch.tensor([ids[:7]]), cache=cache, attended=attended(7))  # a prefill of 7, then one by one
     steps = [first[0]] + [model(torch.tensor([[t]]), cache=cache, attended=attended(i + 1))[0][0]
@@ -72,7 +74,8 @@ def test_an_overfilled_cache_a_cache_outside_no_grad_and_a_width_heads_do_not_di
 def test_a_decode_step_is_one_captured_graph_with_eager_logits_at_every_length(kind):
     """Static shapes: one graph, captured once, serves every cache length with the eager logits and KV cache."""
     model = GPT(GPTConfig(vocab_size=64, block_size=32, n_layer=1, n_head=2, n_embd=16)).eval()
-    t, tree_verify = Tree.from_choices([(0,), (1,), (0, 0), (0, 1), (0, 0, 0)]).tensors(), kind == "tree verify"
+    t = Tree.from_choices([(0,), (1,), (0, 0), (0, 1), (0, 0, 0)]).tensors()
+    tree_verify = kind == "tree verify"
     new_mask, depths = (t.ancestor_mask, t.depths) if tree_verify else (None, torch.zeros(1, dtype=torch.long))
     tokens = torch.randint(0, 64, (1, depths.numel()), generator=torch.Generator().manual_seed(0))
 
