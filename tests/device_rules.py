@@ -17,8 +17,7 @@ class CudaRules(TorchDispatchMode):
 
     An operator may mix devices only as CUDA lets it: a 0-dim CPU tensor counts as a scalar, advanced
     indexing takes CPU index tensors, a copy goes anywhere. A draw's generator must be on its device;
-    `device_generator` is a CPU generator counted as the checked device's own.
-    """
+    `device_generator` is a CPU generator counted as the checked device's own."""
 
     COPIES = ("aten::_to_copy", "aten::copy_")
     INDEXING = ("aten::index", "aten::index_put", "aten::index_put_", "aten::_index_put_impl_")

@@ -4,8 +4,7 @@ with them under a rigorous bound, and drafters whose heads know the future.
 The heads here read each row's tokens so far (which every proposer is given) and return the backbone's
 own logits further ahead, so the top-ranked candidates are plain greedy's continuation and paths are
 long. Which heads propose never changes what a lossless rule emits, only how fast: heads that help are
-fair, and they reach the deep nodes where a wrong rule shows.
-"""
+fair, and they reach the deep nodes where a wrong rule shows."""
 
 import itertools
 import math

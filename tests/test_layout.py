@@ -2,8 +2,7 @@
 train/, cli/) lean on it, never the reverse, and the house stays small: every line budget lives in `BUDGETS`.
 A reader who imports the decoding loop gets the algorithm and nothing of tokenizers, checkpoints, clocks or
 command lines; the reference runs without the engine, which tests prove equal to it, never by calling it.
-A budget is raised here, in a commit that gives the measurement earning the lines.
-"""
+A budget is raised here, in a commit that gives the measurement earning the lines."""
 
 import ast
 import graphlib

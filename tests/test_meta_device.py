@@ -4,8 +4,7 @@ A meta tensor has a shape, a dtype and a device but no data: the engine runs on 
 values nobody may read, and a tensor made without `device=` fails where it meets a model tensor, the
 commonest way code that passes on a CPU fails on a GPU. `CudaRules` closes meta's gaps (a CPU index in
 gather, a CPU generator drawing for a meta tensor) and answers each host read with made-up values,
-counting it. The CPU generator `GEN` stands for the device's, which cannot live on meta.
-"""
+counting it. The CPU generator `GEN` stands for the device's, which cannot live on meta."""
 
 import pytest
 import torch

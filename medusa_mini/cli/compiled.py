@@ -126,9 +126,9 @@ class AlignedHead(torch.nn.Module):
 
 
 def with_aligned_head(model: GPT, *, devices: tuple[str, ...] = ("cuda",)) -> GPT:
-    """On those devices a twin of `model` sharing every weight but its lm_head, an `AlignedHead`; elsewhere
-    `model` (a CPU gains nothing, and there the padded product may round a logit's last bit otherwise)."""
-    if model.device.type not in devices:
+    """On those devices a twin of `model` sharing every weight but its lm_head, an `AlignedHead`; elsewhere, or
+    where V is a multiple of 64 already, `model` (a CPU gains nothing, and may round a logit's last bit otherwise)."""
+    if model.device.type not in devices or model.config.vocab_size % 64 == 0:
         return model
     twin = copy.copy(model)
     twin._modules = dict(model._modules)  # its own: the lm_head set below leaves `model`'s as it is
