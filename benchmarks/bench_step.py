@@ -65,7 +65,7 @@ def check_config(config: GPTConfig, *, prefix_len: int, draft_vocab: int | None)
 
 def tree_stages(model: GPT, cache: KVCache, heads: DraftHeads, tree: Tree, root: torch.Tensor, hidden: torch.Tensor,
                 *, history: list[list[int]], steps: Steps, compiled: bool,
-                verify_step: Callable = verify) -> dict[str, Callable[[], object]]:
+                verify_step: Callable) -> dict[str, Callable[[], object]]:
     """One callable per stage of a Medusa step on `tree`, its inputs made once, here (every run takes the same
     path). Compiled, the verifies are graphs (`verify_step`'s; `verify_and_accept`'s, which also draft the next
     tree), and the whole step takes the tree the step before drafted: no eager heads in it."""

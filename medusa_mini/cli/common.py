@@ -50,10 +50,10 @@ def in_turns(calls: dict[K, Callable[[], R]], *, rounds: int, device: torch.devi
 def at_least(low: int, high: int | None = None) -> Callable[[str], int]:
     """An argparse type: an integer of at least `low` (and at most `high`)."""
     def integer(text: str) -> int:
-        if not low <= int(text) <= (int(text) if high is None else high):
+        if (value := int(text)) < low or (high is not None and value > high):
             most = "" if high is None else f" and at most {high}"
             raise argparse.ArgumentTypeError(f"must be at least {low}{most}, not {text}")
-        return int(text)
+        return value
     return integer
 
 
