@@ -51,8 +51,7 @@ def verify_tree(nodes: int) -> Tree:
 
 
 def check_config(config: GPTConfig, *, prefix_len: int, draft_vocab: int | None) -> int:
-    """M, the heads' draft vocabulary: `draft_vocab` (0: all), by default DRAFT_VOCAB of a larger vocabulary,
-    else all; a ValueError if the trees rank more or do not fit in the context after the prefix."""
+    """M, the heads' draft vocabulary (0: all; default DRAFT_VOCAB of a larger one); a ValueError if trees can't fit."""
     depth, ranks = (max(getattr(preset(name), k) for name in MEDUSA_TREES) for k in ("depth", "max_rank"))
     if not 1 <= prefix_len < config.block_size - depth:
         raise ValueError(f"--prefix {prefix_len} must be from 1 to {config.block_size - depth - 1}, so that a "

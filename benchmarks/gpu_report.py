@@ -108,8 +108,7 @@ def commands(s: argparse.Namespace, part: str) -> list[tuple[str | None, list[st
 
 
 def run_part(s: argparse.Namespace, part: str) -> tuple[str, bool]:
-    """A part's section: each command within what is left of the part's budget, then the lines its `keep` picks from
-    the output in a code block, or why there are none (not reached, stopped at its budget, failed, printed none)."""
+    """A part's section: each command within what is left of its budget, then the lines `keep` picks, or why none."""
     title, keep, intro = PARTS[part]
     deadline, text, ok = time.monotonic() + s.budget_s, [f"## {title}", *(["", intro] if intro else [])], True
     for heading, argv in commands(s, part):
@@ -186,9 +185,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                 setattr(a, attr, flags := shlex.split(getattr(a, attr)))
             except ValueError as e:  # unclosed quotes
                 raise ValueError(f"{name}: {e} in {getattr(a, attr)!r}") from None
-            names = [n for f in flags if (n := f.split("=")[0]).startswith("--") and len(n) > 2]
-            # argparse takes an unambiguous prefix of a flag as the flag: --dev is --device
-            if taken := [n for n in names if any(r.startswith(n) for r in reserved)]:
+            # argparse takes an unambiguous prefix of a flag as the flag: --dev is --device (-- alone ends the flags)
+            if taken := [n for f in flags if len(n := f.split("=")[0]) > 2 and any(r.startswith(n) for r in reserved)]:
                 raise ValueError(f"{name}: the report sets {taken[0]} itself; leave out {', '.join(reserved)}")
         a.budget_s = a.budget_s if a.budget_s is not None else (QUICK_BUDGET_S if a.quick else BUDGET_S)
         if not 0 < a.budget_s < float("inf"):  # nan too

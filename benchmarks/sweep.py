@@ -102,8 +102,7 @@ def format_sweep(result: dict) -> str:
 
 
 def plot_sweep(result: dict, path: str, *, title: str) -> str:
-    """Tokens/step (left) and tokens/s (right) against the node budget, a colour per `series`: measured, and
-    dashed the product rule's estimate (on the right at the measured ms/step); dotted, the plain decoders."""
+    """Tokens/step (left) and tokens/s (right) against the node budget, a colour per `series`, the estimate dashed."""
     steps = [(None, 1.0, dict(color="gray", ls=":", label="plain decoding (1.00)"))]
     speed = [(None, r["tokens_per_s"], dict(color=("gray", "silver", "dimgray")[i % 3], ls=":", label=name))
              for i, (name, r) in enumerate(result["plain"].items())]
