@@ -49,8 +49,7 @@ def load_for_decoding(directory: str, *, device: torch.device, dtype: torch.dtyp
 
 
 def load_prompts(directory: str, *, hint: str = "pass prompts with --prompt TEXT") -> list[str]:
-    """The held-out prompts stored in prompts.json: {"prompts": ["...", ...]}; `hint`, the caller's way
-    round a missing or unreadable file, ends that error."""
+    """The held-out prompts of prompts.json, {"prompts": ["...", ...]}; `hint` ends a missing or bad file's error."""
     path = os.path.join(directory, PROMPTS_FILE)
     obj = read_json(path, hint=hint)
     prompts = obj.get("prompts") if isinstance(obj, dict) else None
