@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from ..acceptance import Accepted, accept, acceptance_uniforms, check_uniforms
+from ..decoding import reuse_cache
 from ..model import GPT, KVCache, at_each_row
 from ..proposal import Drawn, Proposal, Proposer
 from ..sampling import Sampling
@@ -166,8 +167,7 @@ class StaticCaches:
 
     def __call__(self, rows: int, slots: int) -> KVCache:
         if (cache := self.caches.get((rows, slots))) is None:
-            cache = self.caches[rows, slots] = KVCache(self.model.config, batch_size=rows, max_len=slots,
-                                                       device=self.model.device, dtype=self.model.lm_head.weight.dtype)
+            cache = self.caches[rows, slots] = reuse_cache(None, self.model, batch_size=rows, max_len=slots)
             for t in (cache.kv, cache.length_buffer, cache.rows, cache.layers):
                 torch._dynamo.mark_static_address(t, guard=False)
         return cache
@@ -191,14 +191,12 @@ def warm_up(model: GPT, steps: Steps, caches: StaticCaches, *, rows: int, plain:
 
     def every_shape() -> None:
         for sampling in plain:
-            for _ in range(3):
-                cache = caches(rows, block)
-                cache.lengths = 0
+            for _ in range(3):  # each call on an emptied cache, as the decoding loops take theirs
+                cache = reuse_cache(caches, model, batch_size=rows, max_len=block)
                 steps.plain(model, cache, zeros(rows, 1), sampling=sampling,
                             u=sampling.uniforms((rows,), torch.Generator(device), device=device))
         for proposer, tree, sampling in shapes:
-            cache, t, hidden = caches(rows, block + proposer.tree.num_nodes), tree.tensors(device), \
-                zeros(rows, model.config.n_embd, dtype=model.lm_head.weight.dtype)
+            t, hidden = tree.tensors(device), zeros(rows, model.config.n_embd, dtype=model.lm_head.weight.dtype)
             heads = proposer.heads if tree.depth else None
             u_draw = proposer.uniforms(sampling, rows, torch.Generator(device), device=device) if heads else None
             tokens, drawn = zeros(rows, tree.num_nodes), None
@@ -208,7 +206,7 @@ def warm_up(model: GPT, steps: Steps, caches: StaticCaches, *, rows: int, plain:
             tokens, drawn = tokens.clone(), copied(drawn)  # what a step hands its graph
             u = acceptance_uniforms(sampling, rows, tree.num_nodes, torch.Generator(device), device=device)
             for _ in range(3):
-                cache.lengths = 0
+                cache = reuse_cache(caches, model, batch_size=rows, max_len=block + proposer.tree.num_nodes)
                 medusa.verify_and_accept(model, cache, tokens, tree=t, stop_at=zeros(rows) + block, sampling=sampling,
                                          u=u, drawn=drawn, heads=heads, u_next=u_draw)
     return timed(device, every_shape)[1]
