@@ -40,6 +40,7 @@ def with_head_targets(sequences: list[list[int]], prompt_lens: int | Sequence[in
             yield seq, first
 
 
+@torch.no_grad()
 def _positions(model: GPT, heads: DraftHeads, sequences: list[list[int]], prompt_lens: int | Sequence[int],
                temperature: float | None = None) -> Iterator[tuple]:
     """(k - 1, target [m], p [m, V] or None, head k's logits [m, M]) per chunk of positions t where head k has a
@@ -58,7 +59,6 @@ def _positions(model: GPT, heads: DraftHeads, sequences: list[list[int]], prompt
                 yield k - 1, y[0, t[ok] + k], None if p is None else p[t[ok] + k], head_logits[k - 1, ok]
 
 
-@torch.no_grad()
 def measure_head_accuracy(model: GPT, heads: DraftHeads, sequences: list[list[int]], *,
                           prompt_lens: int | Sequence[int], top_k: int = 10) -> torch.Tensor:
     """acc [K, top_k] float64 (module docstring) on `sequences`: prompts + their greedy continuations."""
@@ -71,7 +71,6 @@ def measure_head_accuracy(model: GPT, heads: DraftHeads, sequences: list[list[in
     return hits / counts.clamp(min=1)[:, None]
 
 
-@torch.no_grad()
 def measure_sampled_acceptance(model: GPT, heads: DraftHeads, sequences: list[list[int]], *,
                                prompt_lens: int | Sequence[int], temperature: float) -> torch.Tensor:
     """[K] float64: head k's Σ_x min(p(x), q_k(x)) at `temperature`, averaged over `sequences` (continuations
@@ -85,7 +84,6 @@ def measure_sampled_acceptance(model: GPT, heads: DraftHeads, sequences: list[li
     return total / counts.clamp(min=1)
 
 
-@torch.no_grad()
 def measure_try_acceptance(model: GPT, heads: DraftHeads, sequences: list[list[int]], *,
                            prompt_lens: int | Sequence[int], temperature: float, ranks: int = 10, draws: int = 4,
                            seed: int = 0) -> torch.Tensor:
@@ -100,8 +98,7 @@ def measure_try_acceptance(model: GPT, heads: DraftHeads, sequences: list[list[i
         log_q = q_log_probs(logits, ids, temperature=temperature, vocab_size=V)  # [m, V]
         samples = torch.cat([gumbel_top_k(log_q, R, torch.rand(log_q.shape, generator=g, device=model.device))
                              for _ in range(draws)])  # [draws * m, R]: every draw's rows in one call
-        for chances in draw_chances(p.repeat(draws, 1), log_q.repeat(draws, 1), samples).split(len(p)):  # [m, R]
-            passed[k] += chances.sum(0).cpu() / draws
+        passed[k] += draw_chances(p.repeat(draws, 1), log_q.repeat(draws, 1), samples).sum(0).cpu() / draws
         counts[k] += len(p)
     return passed / counts.clamp(min=1)[:, None]
 
