@@ -231,11 +231,11 @@ def _prepare(r: Run, state: dict | None, train_docs: list, val_docs: list) -> tu
     return enc, train_tokens, val_tokens
 
 
-def _optimizer(params_and_lrs: list[tuple[list[torch.nn.Parameter], float]], args: TrainArgs) -> torch.optim.Optimizer:
+def _optimizer(modules_and_lrs: list[tuple[torch.nn.Module, float]], args: TrainArgs) -> torch.optim.Optimizer:
     """AdamW decaying matrices only (LayerNorm gains and biases must not shrink to 0), "base_lr" per group."""
     groups = [{"params": chosen, "weight_decay": args.weight_decay if decay else 0.0, "base_lr": lr}
-              for params, lr in params_and_lrs for decay in (True, False)
-              if (chosen := [p for p in params if (p.dim() >= 2) == decay])]
+              for module, lr in modules_and_lrs for decay in (True, False)
+              if (chosen := [p for p in module.parameters() if (p.dim() >= 2) == decay])]
     fused = all(p.is_cuda for g in groups for p in g["params"])  # one kernel for all tensors, CUDA only
     return torch.optim.AdamW(groups, betas=(0.9, 0.95), fused=fused or None)
 
@@ -309,8 +309,7 @@ def backbone_stage(r: Run, train_tokens: np.ndarray, val_batches: list, *, step:
     heads at a higher learning rate, λ ramped up."""
     a, model, heads = r.args, r.model, r.heads
     joint = a.medusa == 2 and a.lambda0 > 0  # with λ0 = 0 the heads would get no gradient: leave them out
-    opt = _optimizer([(list(model.parameters()), a.lr)]
-                     + ([(list(heads.parameters()), a.lr * a.heads_lr_mult)] if joint else []), a)
+    opt = _optimizer([(model, a.lr)] + ([(heads, a.lr * a.heads_lr_mult)] if joint else []), a)
 
     def batch(g):
         return *get_batch(train_tokens, batch_size=a.batch_size, block_size=model.config.block_size,
@@ -356,7 +355,7 @@ def heads_stage(r: Run, *, step: int, state: dict | None) -> None:
         seq = distill[to_device(torch.randint(distill.shape[0], (a.heads_batch_size,), generator=g), r.device)]
         return seq[:, :-1], seq[:, 1:], valid_row.expand(a.heads_batch_size, -1)
 
-    _train(r, MedusaLM(r.model, r.heads), _optimizer([(list(r.heads.parameters()), a.heads_lr)], a), stage="heads",
+    _train(r, MedusaLM(r.model, r.heads), _optimizer([(r.heads, a.heads_lr)], a), stage="heads",
            steps=a.heads_steps, start=step, gen=torch.Generator().manual_seed(a.seed * 1009 + r.rank + 1), state=state,
            batch_fn=batch, loss_kwargs=lambda s: dict(lm_weight=0.0, heads_weight=1.0, decay=1.0, detach_backbone=True))
 
