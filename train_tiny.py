@@ -48,11 +48,10 @@ def parse_args(argv: list[str] | None = None) -> TrainArgs:
         device = rank_device(str(pick_device(ns.device)))
         cuda = device.startswith("cuda")
         preset = ns.preset or (("gpt2" if cuda else "gpt2-cpu") if ns.init else ("gpu" if cuda else "cpu"))
-        chosen = {name: v for name in TrainArgs.hyper_parameters() if (v := getattr(ns, name)) is not None}
+        given = {name: v for name, v in vars(ns).items() if v is not None}  # left out: the preset's, else the default
         out = ns.out if ns.out is not None else f"out/{'tiny' if preset in ('cpu', 'gpu') else preset}"
-        return TrainArgs(preset=preset, data=ns.data, out=out, init=ns.init, resume=ns.resume, overwrite=ns.overwrite,
-                         seed=ns.seed, device=device, dtype=training_dtype(ns.dtype, device),
-                         save_every=ns.save_every, log_every=ns.log_every, **{**PRESETS[preset], **chosen})
+        return TrainArgs(**{**PRESETS[preset], **given, "preset": preset, "out": out, "device": device,
+                            "dtype": training_dtype(ns.dtype, device)})
     except ValueError as e:
         p.error(str(e))
 
