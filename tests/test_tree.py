@@ -27,6 +27,7 @@ def test_choices_are_sorted_so_parents_precede_children_and_a_nodes_position_off
     assert TREE.parents == [-1, 0, 0, 1, 1, 3] and TREE.children == [[1, 2], [3, 4], [], [5], [], []]
     assert TREE.depths == [0, 1, 1, 2, 2, 3] and TREE.first == [0, 1, 3, 5, 6]  # nodes of one depth in a run
     assert TREE.ranks == [0, 0, 1, 0, 1, 0] and TREE.max_rank == 1 and TREE.depth == 3  # head d fills depth d
+    assert Tree.from_choices(c for c in TREE.choices[::-1]) == TREE  # any iterable of choices, a generator too
 
 
 def test_the_tree_tensors_hold_the_host_lists_on_the_device_asked_for():
