@@ -8,8 +8,8 @@ the deepest (typical: then the most likely), whose path from the root is the acc
 reads its result with a single host read. Greedy and top-k rejection sampling are one rule with two
 sources of y, the backbone's token at every node: its argmax, or one draw from p
 (`reference.rejection_accept` says why that is exact). Drawn candidates' tries are sequential among a
-node's children, but the residuals they are judged against are no decisions: each node's chain of them is
-built turn by turn, then every try judged at once. Every rule takes the uniforms it draws from
+node's children, but the residuals they are judged against depend on no decision: each node's residuals are
+built turn by turn, then every try is judged at once. Every rule takes the uniforms it draws from
 (`acceptance_uniforms`, drawn before it, in the reference's order). Tests hold every rule to the reference,
 draw for draw.
 
@@ -174,9 +174,9 @@ def check_uniforms(sampling: Sampling, u: torch.Tensor | None) -> None:
 
 def accept(tree: TreeTensors, tokens: torch.Tensor, logits: torch.Tensor, *, sampling: Sampling,
            u: torch.Tensor | None, drawn: Drawn | None = None, usable: torch.Tensor | None = None) -> Accepted:
-    """The acceptance rule `sampling` names, for B rows on the device (`check_uniforms`): logits [B, N, V]
-    at every node of tokens [B, N]; u from `acceptance_uniforms`; drawn: the proposal's, the q its
-    candidates were drawn from, or None: they are point masses (the heads' top-k, a prompt lookup's
+    """The acceptance rule `sampling` names, for B rows on the device: logits [B, N, V] at every node of
+    tokens [B, N]; u from `acceptance_uniforms` (unchecked: `check_uniforms` checks); drawn: the proposal's, the
+    q its candidates were drawn from, or None: they are point masses (the heads' top-k, a prompt lookup's
     continuation, a lone root), which top-k rejection decides."""
     if sampling.greedy:
         return greedy_accept_paths(tree, tokens, logits, usable=usable)

@@ -89,8 +89,8 @@ class DraftHeads(nn.Module):
     def __init__(self, config: HeadsConfig) -> None:
         super().__init__()
         self.config = config
-        # Token ids, most frequent first; the first M are the draft vocabulary, draft_ids [M] those ascending:
-        # derived (not saved), sorted when the order is set or loaded rather than at each use, in every step.
+        # vocab_order: token ids, most frequent first (saved). draft_ids [M]: its first M, ascending (not saved),
+        # sorted only when the order is set or loaded, never per step.
         self.register_buffer("vocab_order", torch.arange(config.vocab_size))
         self.register_buffer("draft_ids", torch.arange(config.draft_vocab_size or config.vocab_size), persistent=False)
         self.register_load_state_dict_post_hook(DraftHeads.sort_draft_ids)  # for a loaded order

@@ -220,9 +220,9 @@ class GPT(nn.Module):
         if pos is None:
             pos = slots if cache is not None else torch.arange(T, device=idx.device)  # [B, T] or [T]
         if attn_mask is not None:
-            # SDPA would turn a boolean mask into an additive one in every layer; do it once here.
+            # SDPA would turn a boolean mask into an additive one in every layer: once here, [B, 1, T, S] ([1, T, T])
             additive = torch.zeros(attn_mask.shape, dtype=self.transformer.wte.weight.dtype, device=idx.device)
-            attn_mask = additive.masked_fill_(~attn_mask, float("-inf")).unsqueeze(-3)  # [B or 1, 1, T, S]: every head
+            attn_mask = additive.masked_fill_(~attn_mask, float("-inf")).unsqueeze(-3)
         x = self.transformer.wte(idx) + self.transformer.wpe(pos)  # [B, T, C]
         for i, block in enumerate(self.transformer.h):
             x = block(x, cache=cache, layer=i, slots=slots, attn_mask=attn_mask, attended=attended)

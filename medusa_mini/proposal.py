@@ -212,7 +212,7 @@ class HydraProposer(HeadsProposer):
 class PromptLookup:
     """Prompt lookup decoding, the training-free baseline (Saxena 2023; HF's prompt_lookup_num_tokens,
     vLLM's ngram): the draft is what followed an earlier occurrence of the text's last n tokens.
-    A drafter like heads: `PromptLookup().proposer(model, tree)` drafts a chain of the tree's node count."""
+    A drafter like heads: `PromptLookup().proposer(model, tree)` drafts a chain of its N - 1 candidates (1 at least)."""
 
     def __init__(self, *, max_ngram: int = 3) -> None:
         if max_ngram < 1:

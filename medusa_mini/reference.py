@@ -4,7 +4,7 @@ Words, each with one meaning here and everywhere in the project:
   node    one candidate token in the tree; node 0 is the root. Nodes are numbered parents first.
   root    the last token already emitted, not yet in the KV cache; every path starts at it.
   choice  a node's address as a path of ranks, e.g. (0, 2): head 1's rank 0, then head 2's rank 2.
-  rank    a position in one head's list of guesses: rank 0 is its most likely (or first drawn) token.
+  rank    a position in one head's guesses: rank 0 is its most likely (or first drawn) token (DDP's: a process).
   path    the nodes from the root down to a node; the accepted path is what a step keeps.
   bonus   the token the backbone itself writes after the last accepted node (from the same pass).
   p       the backbone's (target) distribution at a node, after temperature and top-p.
@@ -40,7 +40,7 @@ from .sampling import (
     without_earlier_draws,
 )
 
-if TYPE_CHECKING:  # names for the type hints only: this file runs on the model's weights alone
+if TYPE_CHECKING:  # names for the type hints only: the model and heads are passed in, never imported
     from .heads import MedusaHeads
     from .model import GPT
     from .tree import Tree
@@ -171,23 +171,23 @@ def typical_accept(parents: list[int], tokens: list[int], logits: torch.Tensor, 
     return paths[best], int(inverse_cdf(sampling.probs(logits[best]), u))
 
 
-def try_children(p: torch.Tensor, candidates: list[int], drawn: tuple[torch.Tensor, list[int]], u: torch.Tensor
+def try_children(r: torch.Tensor, candidates: list[int], drawn: tuple[torch.Tensor, list[int]], u: torch.Tensor
                  ) -> tuple[int | None, torch.Tensor]:
     """Speculative sampling's tries at one node: candidates x1, x2, ... drawn from q against the
-    target p [V], each with its own uniform u [len(candidates)]; after a miss the next one is
-    tried against the residual (`residual_after_miss`). drawn: (log q [V], the draws in order); x_i was
-    drawn from q without the draws before it (`without_earlier_draws`). Returns (index of the accepted
-    candidate or None, the p the bonus is drawn from when none is)."""
+    target r [V] (p at first), each with its own uniform u [len(candidates)]; after a miss the next one is
+    tried against the residual r = norm(max(0, r - q)) (`residual_after_miss`). drawn: (log q [V], the draws in
+    order); x_i was drawn from q without the draws before it (`without_earlier_draws`). Returns (index of the
+    accepted candidate or None, the r the bonus is drawn from when none is)."""
     log_q, draws = drawn
     for i, x in enumerate(candidates):
-        q = without_earlier_draws(log_q, torch.tensor(draws, device=p.device), rank=draws.index(x))  # x's own q
-        residual, mass = residual_after_miss(p, q)  # its mass says whether p = q up to rounding: the try needs it
-        if try_accepts(p[x], q[x], u[i], live=mass > 0):
-            return i, p
-        if mass == 0:  # p = q up to rounding: nothing is left to try another candidate against
-            return None, p
-        p = residual
-    return None, p
+        q = without_earlier_draws(log_q, torch.tensor(draws, device=r.device), rank=draws.index(x))  # x's own q
+        residual, mass = residual_after_miss(r, q)  # its mass says whether r = q up to rounding: the try needs it
+        if try_accepts(r[x], q[x], u[i], live=mass > 0):
+            return i, r
+        if mass == 0:  # r = q up to rounding: nothing is left to try another candidate against
+            return None, r
+        r = residual
+    return None, r
 
 
 def rejection_accept(parents: list[int], tokens: list[int], logits: torch.Tensor, *, sampling: Sampling,
@@ -196,7 +196,7 @@ def rejection_accept(parents: list[int], tokens: list[int], logits: torch.Tensor
     """Lossless rejection sampling on a tree (Leviathan et al. 2023; SpecInfer): every emitted sequence
     is exactly a sample of the backbone (fresh randomness at each node and the chain rule).
 
-    One uniform number per node is drawn first, u [N], and each is used once (`nodes`: the whole tree's
+    One uniform number per node is drawn first, u [N], each used at most once (`nodes`: the whole tree's
     count, of which a tree cut near the end uses the first N, only to draw what the engine draws).
     Top-k candidates (drawn None) are point masses, and then trying a node's children in turn is the
     same as drawing y from p once: child x is accepted exactly when y = x, and when no child is, y is a
@@ -211,9 +211,9 @@ def rejection_accept(parents: list[int], tokens: list[int], logits: torch.Tensor
     while True:
         kids = children(parents, node)
         p = sampling.probs(logits[node])  # [V]
-        i, p = (None, p) if not kids else try_children(p, [tokens[c] for c in kids], drawn[node], u[kids])
+        i, r = (None, p) if not kids else try_children(p, [tokens[c] for c in kids], drawn[node], u[kids])
         if i is None:
-            return path, int(inverse_cdf(p, u[0]))
+            return path, int(inverse_cdf(r, u[0]))
         node = kids[i]
         path.append(node)
 

@@ -1,7 +1,7 @@
 """Candidate trees and tree attention (paper §2.1.2, Fig. 2).
 
-A tree is built from *choices*: each choice is a path of top-k ranks, e.g. (0,) = head 1's top-1
-guess, (0, 2) = its child filled with head 2's third-best guess (rank 2). Node 0 is the root: the last
+A tree is built from *choices*: each choice is a path of ranks, e.g. (0,) = head 1's top-1
+guess, (0, 2) = its child filled with head 2's rank-2 guess (third best, or third drawn). Node 0 is the root: the last
 committed token, which the verify pass feeds with every candidate. A node at depth d holds head d's guess
 of rank `choice[-1]`. A Tree is a value (frozen, hashed by its choices); its index tensors are made once
 per tree and device (`tree_tensors`). `build_tree` grows the tree with the most expected accepted
@@ -235,11 +235,11 @@ def _gpu_choices() -> list[Choice]:
     """About 64 nodes for a GPU, where a 64-token verify pass costs about as much as one token.
 
     Rank budgets shrink with depth and with the ranks above, the shape the paper's optimised sparse
-    trees take (deeper heads are less accurate, lower ranks rarely win).
+    trees take (deeper heads are less accurate, later ranks rarely win).
     """
     out, frontier = [], [()]
     budget = {1: 10, 2: 4, 3: 3, 4: 2}  # per depth: ranks tried below a top-ranked parent
-    for depth in range(1, 5):  # parents reached through low ranks (a larger sum) get fewer children
+    for depth in range(1, 5):  # parents reached through later ranks (a larger sum) get fewer children
         frontier = [parent + (r,) for parent in frontier for r in range(max(1, budget[depth] - sum(parent)))]
         out.extend(frontier)
     return out
