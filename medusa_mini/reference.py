@@ -83,14 +83,14 @@ def forward(model: "GPT", tokens: list[int], positions: list[int], cache: list[L
     nh = model.config.n_head
     hs = C // nh
     for i, block in enumerate(model.transformer.h):
-        q, k, v = block.attn.c_attn(block.ln_1(x)).split(C, dim=-1)  # 3 x [T, C]
-        q, k, v = (t.view(T, nh, hs).transpose(0, 1) for t in (q, k, v))  # [nh, T, hs]
+        query, key, value = block.attn.c_attn(block.ln_1(x)).split(C, dim=-1)  # 3 x [T, C] (q is the heads')
+        query, key, value = (t.view(T, nh, hs).transpose(0, 1) for t in (query, key, value))  # [nh, T, hs]
         if cache[i] is not None:
-            k, v = torch.cat([cache[i][0], k], dim=1), torch.cat([cache[i][1], v], dim=1)  # [nh, L + T, hs]
-        cache[i] = (k, v)
-        att = (q @ k.transpose(1, 2)) / math.sqrt(hs)  # [nh, T, L + T]
+            key, value = torch.cat([cache[i][0], key], dim=1), torch.cat([cache[i][1], value], dim=1)  # [nh, L + T, hs]
+        cache[i] = (key, value)
+        att = (query @ key.transpose(1, 2)) / math.sqrt(hs)  # [nh, T, L + T]
         att = att.masked_fill(~mask, float("-inf")).softmax(dim=-1)
-        y = (att @ v).transpose(0, 1).reshape(T, C)  # [T, C]
+        y = (att @ value).transpose(0, 1).reshape(T, C)  # [T, C]
         x = x + block.attn.c_proj(y)
         x = x + block.mlp(block.ln_2(x))
     hidden = model.transformer.ln_f(x)  # [T, C]
