@@ -59,6 +59,8 @@ def parse_args(argv: list[str] | None = None) -> TrainArgs:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     made, folder = [], os.path.realpath(args.out)  # as makedirs follows links
+    state = os.path.join(args.out, STATE_FILE)  # an old run's (--resume, --overwrite) until this run's first save
+    old = os.stat(state).st_mtime_ns if os.path.exists(state) else None
     while not os.path.isdir(folder):  # the folders the run will make, --out first
         made, folder = [*made, folder], os.path.dirname(folder)
     try:
@@ -70,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"train_tiny.py: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        saved = os.path.exists(os.path.join(args.out, STATE_FILE))
+        saved = os.path.exists(state) and os.stat(state).st_mtime_ns != old
         print(f"\ninterrupted: progress saved in {args.out}; continue with --resume" if saved
               else "\ninterrupted before anything was saved; run the same command again", file=sys.stderr)
         return 130

@@ -50,7 +50,7 @@ class Run:
             self.host_group = dist.new_group(backend="gloo")
         self.main, self.state_path = self.rank == 0, os.path.join(args.out, STATE_FILE)
         self.rank_path = f"{self.state_path}.rank{self.rank}"
-        self.stop_requested = self.model_written = False
+        self.stop_requested = self.model_written = self.writing = False
         self.distill = None  # [S, P + n] the self-distilled text, once written
         self.data_digest = data_digest  # `data.corpus_digest` of the text the run trains on
         self.stages: list[str] = []  # each timed stage, as the `stages` line shows it
@@ -75,12 +75,26 @@ class Run:
             dist.barrier()
         if not self.main:
             return
+        self.start_writing()
         state = {"identity": self.args.identity(), "data": self.data_digest, "world": self.world, "stage": stage,
                  "step": step, "model": None if self.args.init else self.model.state_dict(),
                  "heads": self.heads.state_dict(), "optim": optimizer and optimizer.state_dict(),
                  "scaler": scaler and scaler.state_dict(), **mine}
         atomic_write(self.state_path, lambda f: torch.save(state, f))
         self.write_checkpoint()
+
+    def start_writing(self) -> None:
+        """Before the run's first write to --out: --overwrite's old run stops being a checkpoint only now (a run that
+        fails or stops before it saves leaves it whole; one stopped later, its own files alone), then the tokenizer."""
+        if self.writing:
+            return
+        try:
+            for name in (CONFIG_FILE, STATE_FILE, accuracy.ACCURACY_FILE, PROMPTS_FILE) if self.args.overwrite else ():
+                remove_file(os.path.join(self.args.out, name))
+        except OSError as e:
+            raise TrainError(f"--overwrite: cannot remove {e.filename} ({e.strerror})") from None
+        save_tokenizer(self.enc, self.args.out)
+        self.writing = True
 
     def write_checkpoint(self) -> None:
         # A pretrained backbone never changes: written once, not copied again (gigabytes) at every save.
@@ -217,14 +231,7 @@ def _prepare(r: Run, state: dict | None, train_docs: list, val_docs: list) -> tu
         r.heads.load_state_dict(state["heads"])
         if not a.init:
             model.load_state_dict(state["model"])
-    if r.main:
-        try:  # --overwrite: once data and tokenizer are good, the old run stops being a checkpoint before any write
-            for name in (CONFIG_FILE, STATE_FILE, accuracy.ACCURACY_FILE, PROMPTS_FILE) if a.overwrite else ():
-                remove_file(os.path.join(a.out, name))
-        except OSError as e:
-            raise TrainError(f"--overwrite: cannot remove {e.filename} ({e.strerror})") from None
-        save_tokenizer(enc, a.out)
-    r.model = model
+    r.model, r.enc = model, enc
     r.extra = {"eot_id": enc.eot_token, "preset": a.preset, "medusa": a.medusa, "init": a.init, "heads": a.heads}
     r.log(f"data       {len(train_tokens):,} train / {len(val_tokens):,} val tokens  "
           f"model {model.num_params() / 1e6:.2f}M params  device {r.device}  ranks {r.world}")
@@ -480,6 +487,7 @@ def run(args: TrainArgs) -> None:
         r.extra.update(r.stage("summary", lambda: summarize(r, val_batches, val_tokens)))
         r.log("stages     " + ", ".join(r.stages))
         prompts = held_out_prompts(val_docs, enc, count=args.eval_prompts, seed=args.seed, block_size=block_size)
+        r.start_writing()
         atomic_write(os.path.join(args.out, PROMPTS_FILE), json_writer({"prompts": prompts}))
         r.write_checkpoint()
         r.log(f"saved      {args.out}  (python decode.py --ckpt {args.out} --compare)")

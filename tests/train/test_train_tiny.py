@@ -154,20 +154,21 @@ def test_after_ctrl_c_a_resumed_run_ends_as_an_uninterrupted_one(tmp_path, durin
 
 def test_a_run_never_replaces_a_checkpoint_unless_told_to_and_a_second_ctrl_c_stops_at_once(tmp_path, reference_run,
                                                                                              capsys):
-    """A checkpoint in --out is refused, its files untouched, and so is an --overwrite whose data is bad; a good one
-    unmakes the old checkpoint before it writes: a run stopped part-way never mixes the old run's files with its own."""
+    """A checkpoint in --out is refused, its files untouched, and so is an --overwrite whose data is bad or whose run
+    fails or stops before its first save; that save unmakes the old checkpoint: never a mix of the two runs' files."""
     shutil.copytree(reference_run[0], out := tmp_path / "out")
     before = {f.name: f.read_bytes() for f in out.iterdir()}
-    for extra, error in ([], "--overwrite"), (["--resume"], "--overwrite"), (["--overwrite", "--data", "no.x"], "no.x"):
+    refused = ([], "--overwrite"), (["--resume"], "--overwrite"), (["--overwrite", "--data", "no.x"], "no.x")
+    for extra, error in (*refused, (["--overwrite", "--lr", "1e30"], "not finite")):  # failed before its first save
         assert train_tiny.main(FAST + ["--out", str(out), *extra]) == 2 and error in capsys.readouterr().err
     assert {f.name: f.read_bytes() for f in out.iterdir()} == before
-    with ctrl_c(during=2, presses=2):  # stopped before its first save: the old weights are no checkpoint any more
+    with ctrl_c(during=2, presses=2):  # stopped before its first save: the old checkpoint stays whole
         assert train_tiny.main(FAST + ["--out", str(out), "--overwrite"]) == 130
     assert "before anything was saved" in capsys.readouterr().err
-    assert not {"config.json", "heads_accuracy.json", "prompts.json", "train_state.pt"} & set(os.listdir(out))
-    with ctrl_c(during=2):
-        assert train_tiny.main(FAST + ["--out", str(out)]) == 130
-    assert not {"heads_accuracy.json", "prompts.json"} & set(os.listdir(out))
+    assert {f.name: f.read_bytes() for f in out.iterdir()} == before
+    with ctrl_c(during=2):  # saved after this step: the new run's files alone
+        assert train_tiny.main(FAST + ["--out", str(out), "--overwrite"]) == 130
+    assert "--resume" in capsys.readouterr().err and not {"heads_accuracy.json", "prompts.json"} & set(os.listdir(out))
     assert not same_weights(reference_run[0], out)
 
 
@@ -259,7 +260,7 @@ def test_help_lists_every_flag_and_bad_flags_or_data_are_one_line_naming_it_with
         assert bad[0] in err or bad[-1] in err, (bad, err)
     assert not (tmp_path / "x").exists() and (tmp_path / "z" / "prompts.json").is_dir()  # nothing made or lost
     assert train_tiny.main([*FAST, "--out", "x", "--lr", "1e30", "--save-every", "2"]) == 2  # refused before a save
-    assert not {"config.json", "train_state.pt"} & set(os.listdir(tmp_path / "x"))
+    assert not (tmp_path / "x").exists()  # nothing written before a save: the folder it made is gone too
     assert "not finite; lower the learning rate (--lr" in (err := capsys.readouterr().err) and err.count("\n") == 1
 
 
