@@ -432,9 +432,10 @@ def summarize(r: Run, val_batches: list, val_tokens: np.ndarray) -> dict:
     lines = [f"summary    validation loss {val_loss:.3f} nats/token (perplexity {math.exp(val_loss):.1f})",
              f"           {'head':<36}" + "".join(f"{k:>7d}" for k in range(1, K + 1))]
     lines += [f"           {name:<36}" + "".join(f"{v:7.2f}" for v in xs.tolist()) for name, xs in figures.items()]
+    cpu = preset("cpu").truncated(K)  # its ranks 0-2: a table of fewer (a draft vocabulary of 1 or 2) leaves it out
     lines.append(f"           {'expected tokens/step, greedy (bonus counted):':<48}"
                  + ", ".join(f"{b} nodes {build_tree(acc, b)[1]:.2f}" for b in (4, 8, 16, 32, 64))
-                 + f"; cpu preset {expected_tokens_per_step(acc, preset('cpu').truncated(K)):.2f}")
+                 + (f"; cpu preset {expected_tokens_per_step(acc, cpu):.2f}" if cpu.max_rank < acc.shape[1] else ""))
     lines.append(f"           {f'expected tokens/step, rejection (T={T:g}):':<48}"
                  + ", ".join(f"{b} nodes {build_tree(drawn, b)[1]:.2f}" for b in (4, 8, 16, 32, 64)))
     lines.append("           draft vocabulary coverage of greedy text: "  # never empty: V > 256 (bytes, end-of-text)
