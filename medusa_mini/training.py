@@ -54,7 +54,7 @@ def chunked_head_loss(heads: DraftHeads, model: GPT, hidden: torch.Tensor, targe
     h, tgt, fol = hidden.flatten(0, 1), targets.flatten(1), following.flatten(0, 1)  # n = B·T positions
     K, n = tgt.shape
     size = chunk_size or max(1, LOGITS_PER_CHUNK // (K * (heads.config.draft_vocab_size or heads.config.vocab_size)))
-    ce_sum = hits = 0
+    ce_sum = hits = h.new_zeros(())  # 0-dim: adds each chunk's sums exactly, in their dtype; no position: 0
     for i in range(0, n, size):
         chunk = (heads, model, h[i : i + size], tgt[:, i : i + size], fol[i : i + size])
         # One chunk: nothing to free early, so no recomputation. The chunk draws no random numbers: no state to replay.

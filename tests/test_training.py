@@ -71,11 +71,12 @@ def test_self_distillation_is_greedy_at_temperature_zero_seeded_and_within_the_c
     assert a.equal(b) and not a.equal(c) and a.shape == (2, 16)
 
 
-def test_a_head_without_any_target_has_zero_loss_and_accuracy_not_nan():
+def test_a_head_without_any_target_or_position_has_zero_loss_and_accuracy_not_nan():
     model, heads = _setup()
-    loss, acc = chunked_head_loss(heads, model, torch.randn(1, 3, 32), torch.full((3, 1, 3), IGNORE),
-                                  following=torch.zeros(1, 3, 3, dtype=torch.long), chunk_size=2)
-    assert loss.tolist() == [0.0, 0.0, 0.0] and acc.tolist() == [0.0, 0.0, 0.0]
+    for T in (3, 0):  # 0: a --heads-stride beyond the window's end leaves a step no position
+        loss, acc = chunked_head_loss(heads, model, torch.randn(1, T, 32), torch.full((3, 1, T), IGNORE),
+                                      following=torch.zeros(1, T, 3, dtype=torch.long), chunk_size=2)
+        assert loss.tolist() == [0.0, 0.0, 0.0] and acc.tolist() == [0.0, 0.0, 0.0]
 
 
 @pytest.mark.parametrize("kind, stride, draft, chunk, lm", [("medusa", 1, 0, None, 1.0), ("medusa", 1, 0, 3, 0.0),
