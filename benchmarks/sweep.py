@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--temperature", type=common.temperature, default=SAMPLING_TEMPERATURE, metavar="T",
                    help="temperature of every rule but greedy (default: %(default)s)")
     p.add_argument("--num-prompts", type=at_least(1), default=8, help="the first prompts of prompts.json (default: 8)")
-    p.add_argument("--max-new-tokens", type=at_least(1), default=64, help="tokens per prompt (default: 64)")
+    p.add_argument("--max-new-tokens", type=at_least(2), default=64, help="tokens per prompt (default: 64)")
     p.add_argument("--repeat", type=at_least(1), default=3, help="runs of each; the fastest counts (default: 3)")
     p.add_argument("--seed", type=seed, default=0, help="seed of the sampled rules (default: 0)")
     p.add_argument("--device", help="cpu, cuda, ... (default: cuda if available)")
