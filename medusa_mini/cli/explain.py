@@ -125,8 +125,8 @@ def explain_step(model: GPT, heads, enc: tiktoken.Encoding, prompt_ids: list[int
                  sampling: Sampling = Sampling(), generator: torch.Generator | None = None) -> str:
     """One Medusa step after the prompt with the reference's functions, every stage described."""
     block, L, T = model.config.block_size, len(prompt_ids), sampling.temperature
-    if L == 0 or L >= block - 1:
-        raise ValueError(f"--explain takes a prompt of 1 to {block - 2} tokens (room for a candidate), not {L}")
+    if L == 0 or L > block - 3:  # the prompt, its root, a candidate and the bonus fit in the context
+        raise ValueError(f"--explain takes a prompt of 1 to {block - 3} tokens (room for a candidate), not {L}")
     tree = tree.truncated(block - 2 - L)  # the deepest node's position must stay inside the context
     rule = "greedy" if sampling.greedy else f"{sampling.acceptance}, temperature {sampling.temperature:g}"
     out = ["One Medusa decoding step, in full", "=" * 33, f"Prompt ({L} tokens): {_snippet(enc.decode(prompt_ids))}",
