@@ -68,8 +68,9 @@ def resolve_tree(spec: str | None, *, ckpt_dir: str, device: torch.device | str,
         where, name = (f"--tree {spec}", "inline") if inline else (f"tree file {path}", os.path.basename(spec))
         try:
             obj = json.loads(spec) if inline else read_json(path, hint=HINT)  # read_json's errors: one line each
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{where}: not JSON ({e.msg}); write choices as '[[0], [1], [0, 0]]'") from None
+        except (json.JSONDecodeError, RecursionError) as e:  # the last: nested too deeply
+            why = getattr(e, "msg", "nested too deeply")
+            raise ValueError(f"{where}: not JSON ({why}); write choices as '[[0], [1], [0, 0]]'") from None
         choices = obj.get("choices") if isinstance(obj, dict) else obj
         if not isinstance(choices, list) or not choices:
             raise ValueError(f'{where} has no choices: it must hold a list of choices or {{"choices": [...]}}')

@@ -98,5 +98,5 @@ def read_json(path: str | os.PathLike, *, hint: str) -> object:
     try:
         with open(path, encoding="utf-8") as f:
             return json.load(f)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:  # the last: nested too deeply
         raise ValueError(f"{path} is not readable JSON ({e}); {hint}") from None

@@ -66,7 +66,8 @@ def test_a_json_file_of_choices_is_a_tree(tmp_path, monkeypatch, content):  # or
     ("gone.json", None, "does not exist"), ("chain3", None, "depth 3 but the model has 2"),
     ("t.json", "[[0], [1", "not readable JSON"), ("t.json", '{"nodes": [[0]]}', "list of choices"),
     ("t.json", "[]", "has no choices"), ("t.json", "[[0], [1, 0]]", r"has no parent: add \[1\]"),
-    ("t.json", "[[0], [0, 0], [0, 0, 0]]", "depth 3 but there are only 2 heads")])
+    ("t.json", "[[0], [0, 0], [0, 0, 0]]", "depth 3 but there are only 2 heads"),
+    pytest.param("[" * 5000, None, "JSON", id="deep"), pytest.param("t.json", "[" * 5000, "JSON", id="deep-file")])
 def test_bad_trees_are_one_line_errors(tmp_path, spec, content, message):
     if content is not None:
         (tmp_path / spec).write_text(content)
