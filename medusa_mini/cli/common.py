@@ -5,7 +5,7 @@ panels (matplotlib, an optional extra, imported only when drawing, on the Agg ca
 import argparse
 import os
 import time
-from typing import Callable, Iterable, NoReturn, TypeVar
+from typing import Callable, Collection, NoReturn, TypeVar
 
 import torch
 
@@ -57,8 +57,8 @@ def at_least(low: int, high: int | None = None) -> Callable[[str], int]:
     return integer
 
 
-def names_of(allowed: Iterable[str]) -> Callable[[str], list[str]]:
-    """An argparse type: a comma-separated list of names from `allowed`."""
+def names_of(allowed: Collection[str]) -> Callable[[str], list[str]]:
+    """An argparse type: a comma-separated list of names from `allowed` (read at every call: no generator)."""
     def names(text: str) -> list[str]:
         chosen = [n.strip() for n in text.split(",") if n.strip()]
         if not chosen or not set(chosen) <= set(allowed):
