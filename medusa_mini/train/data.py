@@ -130,15 +130,15 @@ def get_batch(tokens: np.ndarray, *, batch_size: int, block_size: int, generator
 
 def held_out_prompts(val_docs: Sequence[Document], enc: tiktoken.Encoding, *, count: int, seed: int,
                      block_size: int) -> list[str]:
-    """`count` snippets of held-out text (at most 240 characters, line to line, under a third of the context;
-    shorter where none fits): decode.py's default prompts (prompts.json), text the model never trained on."""
+    """`count` distinct snippets of held-out text (at most 240 characters, line to line, under a third of the context;
+    shorter where too few fit): decode.py's default prompts (prompts.json), text the model never trained on."""
     rng, prompts, texts = random.Random(seed), [], [t for _, t in val_docs if t.strip()]
     for limit in (240, 60, 15):
-        for _ in range(count * 50 if texts and not prompts else 0):
+        for _ in range(count * 50 if texts else 0):
             if len(prompts) == count:
                 break
             lines = texts[rng.randrange(len(texts))].splitlines(keepends=True)
             snippet = next(_pieces(lines[rng.randrange(len(lines)):], limit))[:limit]
-            if snippet.strip() and 0 < len(enc.encode_ordinary(snippet)) < block_size // 3:
+            if snippet.strip() and snippet not in prompts and 0 < len(enc.encode_ordinary(snippet)) < block_size // 3:
                 prompts.append(snippet)
     return prompts

@@ -127,3 +127,5 @@ def test_held_out_prompts_are_snippets_of_held_out_text_under_a_third_of_the_con
     prompts = data.held_out_prompts(docs, enc, count=4, seed=0, block_size=150)  # a token a byte: 240 bytes do not fit
     assert len(prompts) == 4 and all(p in docs[0][1] and 0 < len(enc.encode_ordinary(p)) < 50 for p in prompts)
     assert data.held_out_prompts(docs[1:], enc, count=2, seed=0, block_size=60) == []  # blank text gives none
+    few = data.held_out_prompts([("a", "a\n" * 3)], enc, count=4, seed=0, block_size=60)  # three distinct snippets
+    assert sorted(few) == ["a\n", "a\na\n", "a\na\na\n"]
