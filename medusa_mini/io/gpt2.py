@@ -100,7 +100,7 @@ def read_gpt2_config(path: str) -> GPTConfig:
                            n_embd=int(d["n_embd"]), layer_norm_epsilon=float(d.get("layer_norm_epsilon", 1e-5)))
     except KeyError as e:
         raise ValueError(f"{path}: GPT-2 config is missing {e.args[0]!r}") from None
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, OverflowError) as e:  # the last: an infinite size
         raise ValueError(f"{path}: GPT-2 config has an invalid value: {e}") from None
     supported = {  # this GPT's MLP is 4 C wide with tanh-GELU, and its attention scales by 1/sqrt(hs)
         "activation_function": ("gelu_new", "gelu_pytorch_tanh"), "n_inner": (None, 4 * config.n_embd),
