@@ -223,8 +223,10 @@ def _prepare(r: Run, state: dict | None, train_docs: list, val_docs: list) -> tu
                               n_head=a.n_head, n_embd=a.n_embd)).to(r.device)
     cfg = model.config
     train_tokens, val_tokens = (encode_documents(enc, docs) for docs in (train_docs, val_docs))
-    if min(len(train_tokens), len(val_tokens)) <= cfg.block_size:
-        raise TrainError(f"the data is too small for --block-size {cfg.block_size}: give more text")
+    sizes = {"training": len(train_tokens), "held-out": len(val_tokens)}  # held-out: whole documents drawn by --seed
+    if sizes[part := min(sizes, key=sizes.get)] <= cfg.block_size:
+        raise TrainError(f"the {part} text ({sizes[part]:,} tokens) is too small for --block-size {cfg.block_size}: "
+                         "give more text (--data, --max-bytes), or, from a few files, another --seed")
     r.heads = make_heads(HeadsConfig(num_heads=a.num_heads, n_embd=cfg.n_embd, vocab_size=cfg.vocab_size,
                                      kind=a.heads)).to(r.device)
     if state:

@@ -232,7 +232,7 @@ BAD_INPUT = [["--n-embd", "30", "--n-head", "4"], ["--distill-temperatures", "0,
              ["--log-every", "nan"], ["--medusa", "3"], ["--seed", str(2**64)], ["--out", ""], ["--out", "empty.txt"],
              ["--out", "empty.txt/x"], ["--heads-stride", "0"], ["--resume", "--overwrite"], ["--n-layer", "0"],
              ["--n-head", "0"], ["--n-embd", "0"], ["--batch-size", "0"], ["--num-heads", "0"], ["--out", "z"],
-             ["--distill-prompt-len", "64"], ["--head-decay", "1.5"], ["--max-bytes", "0"]]
+             ["--distill-prompt-len", "64"], ["--head-decay", "1.5"], ["--max-bytes", "0"], ["--max-bytes", "400"]]
 
 
 def test_help_lists_every_flag_and_bad_flags_or_data_are_one_line_naming_it_with_code_2(tmp_path, monkeypatch, capsys):
