@@ -493,5 +493,6 @@ def run(args: TrainArgs) -> None:
         r.start_writing()
         atomic_write(os.path.join(args.out, PROMPTS_FILE), json_writer({"prompts": prompts}))
         r.write_checkpoint()
-        r.log(f"saved      {args.out}  (python decode.py --ckpt {args.out} --compare)")
+        r.log(f"saved      {args.out}  (python decode.py --ckpt {args.out} " + ("--compare)" if prompts else
+              "--prompt TEXT: no held-out snippet fits a third of the context)"))
     r.finish()
