@@ -65,18 +65,19 @@ def main(argv: list[str] | None = None) -> int:
         made, folder = [*made, folder], os.path.dirname(folder)
     try:
         run(args)
-    except TrainError as e:
-        for folder in made:  # a refused run leaves no empty folder behind (rmdir removes only an empty one)
+        return 0
+    except (TrainError, KeyboardInterrupt) as e:
+        for folder in made:  # a run refused or stopped before it wrote leaves no empty folder (rmdir takes only those)
             with contextlib.suppress(OSError):
                 os.rmdir(folder)
-        print(f"train_tiny.py: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        saved = os.path.exists(state) and os.stat(state).st_mtime_ns != old
-        print(f"\ninterrupted: progress saved in {args.out}; continue with --resume" if saved
-              else "\ninterrupted before anything was saved; run the same command again", file=sys.stderr)
+        if isinstance(e, TrainError):
+            print(f"train_tiny.py: error: {e}", file=sys.stderr)
+            return 2
+        saved = os.path.exists(state) and os.stat(state).st_mtime_ns != old  # rank 0 wrote it before it stopped
+        if os.environ.get("RANK", "0") == "0":  # one message, not one per DDP process
+            print(f"\ninterrupted: progress saved in {args.out}; continue with --resume" if saved
+                  else "\ninterrupted before anything was saved; run the same command again", file=sys.stderr)
         return 130
-    return 0
 
 
 if __name__ == "__main__":
