@@ -85,6 +85,8 @@ class TrainArgs:
             raise ValueError(f"--n-embd {self.n_embd} must be divisible by --n-head {self.n_head}")
         if self.distill_prompt_len >= self.block_size:
             raise ValueError("--distill-prompt-len must be shorter than --block-size")
+        if self.heads_stride > self.block_size:  # else a step could train no head at all, which DDP cannot reduce
+            raise ValueError(f"--heads-stride must be at most --block-size {self.block_size}, not {self.heads_stride}")
         if not re.fullmatch(r"\d+(\.\d*)?(,\d+(\.\d*)?)*", self.distill_temperatures.replace(" ", "")):
             raise ValueError(f"--distill-temperatures must be numbers >= 0 like 0,0.8: {self.distill_temperatures!r}")
         if self.init:  # a pretrained backbone stays frozen: heads only (Medusa-1)

@@ -175,7 +175,7 @@ def test_a_run_never_replaces_a_checkpoint_unless_told_to_and_a_second_ctrl_c_st
 def test_medusa_1_trains_the_backbone_alone_as_a_joint_run_without_a_heads_loss(tmp_path, reference_run, capsys):
     """--medusa 1 from scratch: next-token training alone, then heads on the frozen backbone (§2.2.1); --medusa 2,
     the default, trains the heads with the backbone, whose progress lines show their losses (§2.2.2). Both guess
-    among 2 tokens, fewer than the cpu tree has ranks: the summary leaves that tree's figure out."""
+    among 2 tokens, fewer than the cpu tree has ranks, and still end with their summary."""
     runs = [tmp_path / "m1", tmp_path / "l0"]
     for out, flags in zip(runs, (["--medusa", "1"], ["--lambda0", "0"])):  # 65 prompts: two chunks of 64 at most
         assert train_tiny.main(FAST + ["--out", str(out), "--distill-prompts", "65", *flags, "--draft-vocab", "2"]) == 0
@@ -223,16 +223,16 @@ def test_resume_refuses_other_settings_or_text_and_a_run_never_learns_its_own_ou
     assert train_tiny.main(args + ["--resume"]) == 2 and capsys.readouterr().err.count("\n") == 1
 
 
-BAD_INPUT = [["--n-embd", "30", "--n-head", "4"], ["--distill-temperatures", "0,-1"], ["--device", "tpu9"],
-             ["--vocab-size", "256"], ["--dtype", "float8"], ["--dtype", "float16", "--device", "cpu"],
-             ["--eval-every", "-1"], ["--save-every", "0"], ["--heads", "eagle"], ["--resume"], ["--draft-vocab", "-1"],
-             ["--data", "missing.txt"], ["--data", "empty.txt"], ["--data", "binary.bin"], ["--init", "nope"],
-             ["--distill-prompts", "0"], ["--distill-tokens", "0"], ["--distill-prompt-len", "0"],
-             ["--eval-prompts", "0"], ["--heads-batch-size", "0"], ["--lr", "nan"], ["--lr", "inf"], ["--lr", "-1"],
-             ["--log-every", "nan"], ["--medusa", "3"], ["--seed", str(2**64)], ["--out", ""], ["--out", "empty.txt"],
-             ["--out", "empty.txt/x"], ["--heads-stride", "0"], ["--resume", "--overwrite"], ["--n-layer", "0"],
-             ["--n-head", "0"], ["--n-embd", "0"], ["--batch-size", "0"], ["--num-heads", "0"], ["--out", "z"],
-             ["--distill-prompt-len", "64"], ["--head-decay", "1.5"], ["--max-bytes", "0"], ["--max-bytes", "400"]]
+BAD_INPUT = [["--dtype", "float16", "--device", "cpu"], ["--n-embd", "30", "--n-head", "4"], ["--distill-prompts", "0"],
+             ["--distill-temperatures", "0,-1"], ["--distill-prompt-len", "64"], ["--distill-prompt-len", "0"],
+             ["--heads-batch-size", "0"], ["--resume", "--overwrite"], ["--data", "missing.txt"], ["--dtype", "float8"],
+             ["--distill-tokens", "0"], ["--data", "binary.bin"], ["--heads-stride", "65"], ["--out", "empty.txt/x"],
+             ["--vocab-size", "256"], ["--draft-vocab", "-1"], ["--data", "empty.txt"], ["--eval-prompts", "0"],
+             ["--heads-stride", "0"], ["--head-decay", "1.5"], ["--eval-every", "-1"], ["--log-every", "nan"],
+             ["--seed", str(2**64)], ["--out", "empty.txt"], ["--max-bytes", "400"], ["--save-every", "0"],
+             ["--batch-size", "0"], ["--device", "tpu9"], ["--heads", "eagle"], ["--num-heads", "0"], ["--medusa", "3"],
+             ["--max-bytes", "0"], ["--init", "nope"], ["--n-layer", "0"], ["--n-head", "0"], ["--n-embd", "0"],
+             ["--lr", "nan"], ["--lr", "inf"], ["--lr", "-1"], ["--out", "z"], ["--out", ""], ["--resume"]]
 
 
 def test_help_lists_every_flag_and_bad_flags_or_data_are_one_line_naming_it_with_code_2(tmp_path, monkeypatch, capsys):
