@@ -84,8 +84,9 @@ class Run:
         self.write_checkpoint()
 
     def start_writing(self) -> None:
-        """Before the run's first write to --out: --overwrite's old run stops being a checkpoint only now (a run that
-        fails or stops before it saves leaves it whole; one stopped later, its own files alone), then the tokenizer."""
+        """Before the run's first save (its state or checkpoint): only now does --overwrite's old run stop being a
+        checkpoint (a run that fails or stops before it saves leaves it whole; one stopped later, its own files
+        alone); then the tokenizer."""
         if self.writing:
             return
         try:
