@@ -50,7 +50,7 @@ class Run:
             self.host_group = dist.new_group(backend="gloo")
         self.main, self.state_path = self.rank == 0, os.path.join(args.out, STATE_FILE)
         self.rank_path = f"{self.state_path}.rank{self.rank}"
-        self.stop_requested = self.model_written = self.writing = False
+        self.stop_requested = self.model_written = False
         self.distill = None  # [S, P + n] the self-distilled text, once written
         self.data_digest = data_digest  # `data.corpus_digest` of the text the run trains on
         self.stages: list[str] = []  # each timed stage, as the `stages` line shows it
@@ -87,7 +87,7 @@ class Run:
         """Before the run's first save (its state or checkpoint): only now does --overwrite's old run stop being a
         checkpoint (a run that fails or stops before it saves leaves it whole; one stopped later, its own files
         alone); then the tokenizer."""
-        if self.writing:
+        if self.model_written:  # saved before: this run's files are there already
             return
         try:
             for name in (CONFIG_FILE, STATE_FILE, accuracy.ACCURACY_FILE, PROMPTS_FILE) if self.args.overwrite else ():
@@ -95,7 +95,6 @@ class Run:
         except OSError as e:
             raise TrainError(f"--overwrite: cannot remove {e.filename} ({e.strerror})") from None
         save_tokenizer(self.enc, self.args.out)
-        self.writing = True
 
     def write_checkpoint(self) -> None:
         # A pretrained backbone never changes: written once, not copied again (gigabytes) at every save.
