@@ -19,8 +19,9 @@ from medusa_mini.cli.compiled import (
     with_aligned_head,
 )
 from medusa_mini.decoding import generate_batch, medusa_generate_batch
-from medusa_mini.model import KVCache
+from medusa_mini.model import KVCache, compact_kv_cache
 from medusa_mini.proposal import PromptLookup
+from medusa_mini.step import plain_step
 from medusa_mini.tree import Tree
 
 TREE = Tree.from_choices([(0,), (1,), (0, 0), (1, 0), (0, 0, 0)])
@@ -222,9 +223,6 @@ def test_inductor_writes_and_compacts_the_kv_cache_in_place_never_copying_it_who
     layer or of the whole cache, then copies back, every step. The generated code must allocate no buffer of
     a layer's keys' or values' shape, [..., max_len, hs]."""
     from torch._inductor.utils import run_and_get_code
-
-    from medusa_mini.model import compact_kv_cache
-    from medusa_mini.step import plain_step
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # generate the code, not a cached copy
     torch._dynamo.reset()

@@ -18,6 +18,7 @@ import time
 import pytest
 import torch
 
+import decode
 import train_tiny
 from conftest import ROOT
 from medusa_mini.heads import frequency_order
@@ -336,8 +337,6 @@ def test_init_trains_heads_of_another_kind_on_a_frozen_checkpoint_over_its_own_t
 @pytest.mark.slow
 def test_smoke_preset_end_to_end_medusa_greedy_equals_plain_greedy(tmp_path, capsys, one_run_each):
     """The user's path in small: train the smoke preset, then decode.py --compare --json on it."""
-    import decode
-
     out = tmp_path / "smoke"
     assert train_tiny.main(["--preset", "smoke", "--out", str(out), "--log-every", "1000"]) == 0
     capsys.readouterr()
