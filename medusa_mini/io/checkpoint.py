@@ -69,6 +69,9 @@ def load_heads(directory: str | os.PathLike, model: GPT, *, device: torch.device
     except ValueError as e:
         raise ValueError(f"{weights_path}: {e}") from None
     heads.load_state_dict(tensors)
+    if not torch.equal(heads.vocab_order.sort().values, torch.arange(config.vocab_size)):  # else an IndexError later
+        raise ValueError(f"{weights_path}: vocab_order is not an order of the {config.vocab_size} token ids; "
+                         "save the heads again")
     return heads.to(device).eval()
 
 

@@ -1,6 +1,7 @@
 """Checkpoints: a saved model and its heads (draft vocabulary included) reload with identical logits, a
 broken directory gives one line naming the file, and a failed save never damages the previous one."""
 
+import io
 import json
 import os
 import struct
@@ -128,11 +129,15 @@ def test_a_save_failing_midway_leaves_the_previous_checkpoint_loadable(tmp_path,
     ("medusa_config.json", {"num_heads": "4"}, "num_heads must be an integer"),
     ("medusa_config.json", {"vocab_size": "delete"}, "has no vocab_size"),
     ("medusa_heads.safetensors", None, "medusa_heads.safetensors is missing"),
+    ("medusa_heads.safetensors", {"vocab_order": torch.zeros(61, dtype=torch.long)}, "vocab_order is not an order"),
 ])
 def test_a_broken_or_missing_checkpoint_gives_one_line_naming_it(tmp_path, name, content, match):
     save_checkpoint(tmp_path, tiny_gpt(), heads=tiny_heads())
     path = tmp_path / name
-    if isinstance(content, dict):
+    if isinstance(content, dict) and name.endswith(".safetensors"):  # tensors replaced
+        write_safetensors(buffer := io.BytesIO(), {**read_safetensors(path), **content})
+        content = buffer.getvalue()
+    elif isinstance(content, dict):
         changed = {**json.loads(path.read_text()), **content}
         content = json.dumps({k: v for k, v in changed.items() if v != "delete"}).encode()
     path.unlink() if content is None else path.write_bytes(content)
