@@ -74,6 +74,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         (a.demo and not a.explain, "--demo goes with --explain: python decode.py --explain --demo"),
         (a.plot is not None and not a.batch_table, "--plot draws the batch table: add --compare --batch-size 1,2,4"),
         (a.reference and a.batch_table, "--reference adds rows to the one-batch table: leave out the batch sizes"),
+        (a.show and a.reference, "--show marks the engine's passes; reference.py returns its tokens at once"),
         (0 < a.top_p < 1 and not a.temperature and not a.compare and not samples,
          "--top-p filters what is sampled: add --temperature > 0 (greedy decoding samples nothing)"),
         (samples and a.temperature == 0,
@@ -130,9 +131,10 @@ def checked(a: argparse.Namespace, ck, texts: list[str], device: torch.device) -
         ids, which = ck.enc.encode_ordinary(text), f"prompt {i} ({'--prompt' if a.prompt else PROMPTS_FILE})"
         if not ids:
             raise ValueError(f"{which} is empty; give some text with --prompt")
-        if len(ids) >= ck.block_size:  # room for at least one new token
+        room = 3 if a.explain else 2 if a.compare else 1  # new positions: a token; two (--compare); a candidate too
+        if len(ids) > ck.block_size - room:
             raise ValueError(f"{which} is {len(ids)} tokens long but the context holds {ck.block_size}; "
-                             f"shorten it to at most {ck.block_size - 1} tokens")
+                             f"shorten it to at most {ck.block_size - room} tokens")
         prompts.append((text, ids))
     return choice, drawn, prompts
 
@@ -243,9 +245,9 @@ def run(a: argparse.Namespace) -> None:
                       heads=ck.heads.name, tree=tree_name, tree_nodes=tree.num_nodes, lookup_nodes=choice.budget,
                       drawn_tree_nodes=None if drawn.tree == tree else drawn.tree.num_nodes,  # the rejection row's
                       compile_warmup_s=warmup_s)
+        print(json.dumps(result) if a.json else format_table(result))  # before the plot: a failed one keeps it
         if a.plot:
             plot_batch(result["rows"], a.plot, title=f"medusa_mini, {ck.directory}, {result['device']}")
-        print(json.dumps(result) if a.json else format_table(result))
     elif a.explain:
         print((DEMO_NOTE + "\n\n" if a.demo else "") + explain_step(ck.model, ck.heads, ck.enc, prompts[0][1],
               tree=tree, sampling=a.sampling, generator=torch.Generator(device=ck.model.device).manual_seed(a.seed)))

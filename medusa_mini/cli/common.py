@@ -9,7 +9,7 @@ from typing import Callable, Collection, NoReturn, TypeVar
 
 import torch
 
-from ..io.files import atomic_write
+from ..io.files import atomic_write, check_writable
 from ..sampling import FLOAT32_MAX
 
 R, K = TypeVar("R"), TypeVar("K")
@@ -95,13 +95,14 @@ def temperature(text: str) -> float:
 
 
 def check_file_path(flag: str, path: str, example: str) -> None:
-    """A ValueError now, not after a long run, unless `path` names a file in a folder that exists."""
+    """A ValueError now, not after a long run, unless `path` names a file in a folder that exists and takes one."""
     if not path:
         raise ValueError(f"{flag} needs a file name, such as {example}")
     if os.path.isdir(path) or path.endswith(("/", os.sep)):
         raise ValueError(f"{flag} {path} is a folder; name a file in it, such as {os.path.join(path, example)}")
-    if not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+    if not os.path.isdir(folder := os.path.dirname(os.path.abspath(path))):
         raise ValueError(f"{flag} {path}: its folder does not exist")
+    check_writable(folder, f"{flag} {path}")  # its temporary file goes there too
 
 
 class OneLineParser(argparse.ArgumentParser):

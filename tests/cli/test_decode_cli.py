@@ -140,7 +140,8 @@ def test_top_p_goes_with_sampling_a_temperature_names_or_compares_sampled_rows()
     "--compare --batch-size 1,2 --plot {tmp}/no/b.png -> --plot", "--compare --max-new-tokens 1 -> --max-new-tokens",
     "--compare --method typical -> --method", "--explain --method plain", "--json --show", "--json --explain",
     "--compare --batch-size 1,2 --reference -> --reference", "--explain --compile -> --compile",
-    "--explain --reference -> --reference", "--reference --compile -> --compile",
+    "--explain --reference -> --reference", "--reference --compile -> --compile", "--show --reference -> --show",
+    f"--explain --prompt {'q' * 62} -> at most 61 tokens", f"--compare --prompt {'q' * 63} -> at most 62 tokens",
 ])
 def test_bad_input_exits_2_with_one_line(case, ckpt, ckpt_no_heads, ckpt_hydra, tmp_path, capsys):
     (tmp_path / "wide.json").write_text("[[100000]]")  # a rank past any draft vocabulary: refused before output
