@@ -77,6 +77,10 @@ class TrainArgs:
             raise ValueError(f"--medusa must be 1 (heads on the frozen backbone) or 2 (jointly), not {self.medusa}")
         if not self.out or os.path.isfile(self.out):
             raise ValueError(f"--out must name a folder for the checkpoint, not {self.out!r}")
+        if empty := [f"--{name}" for name in ("data", "init") if getattr(self, name) == ""]:  # '': the working folder
+            raise ValueError(f"{empty[0]} needs a file or folder, not ''")
+        if self.eval_prompts > 1000:  # each is looked for up to 150 times: that many would take minutes
+            raise ValueError(f"--eval-prompts must be at most 1000 (prompts for decode.py), not {self.eval_prompts}")
         if self.heads not in HEAD_KINDS:
             raise ValueError(f"--heads must be one of {', '.join(HEAD_KINDS)}, not {self.heads!r}")
         if self.head_decay > 1:  # later heads weigh less (decay^k); beyond 1 their weights soon overflow

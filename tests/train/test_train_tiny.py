@@ -233,7 +233,8 @@ BAD_INPUT = [["--dtype", "float16", "--device", "cpu"], ["--n-embd", "30", "--n-
              ["--seed", str(2**64)], ["--out", "empty.txt"], ["--max-bytes", "400"], ["--save-every", "0"],
              ["--batch-size", "0"], ["--device", "tpu9"], ["--heads", "eagle"], ["--num-heads", "0"], ["--medusa", "3"],
              ["--max-bytes", "0"], ["--init", "nope"], ["--n-layer", "0"], ["--n-head", "0"], ["--n-embd", "0"],
-             ["--lr", "nan"], ["--lr", "inf"], ["--lr", "-1"], ["--out", "z"], ["--out", ""], ["--resume"]]
+             ["--lr", "nan"], ["--lr", "inf"], ["--lr", "-1"], ["--out", "z"], ["--out", ""], ["--resume"],
+             ["--data", ""], ["--init", ""], ["--eval-prompts", "1001"]]
 
 
 def test_help_lists_every_flag_and_bad_flags_or_data_are_one_line_naming_it_with_code_2(tmp_path, monkeypatch, capsys):
