@@ -1,5 +1,5 @@
 """A `train_tiny.py` run: its settings, its hyper-parameters (each a flag) and the presets. `--resume`
-compares a run's identity (hyper-parameters, data path, seed) and a digest of its text: a resumed run never
+compares a run's identity (hyper-parameters, seed) and a digest of its text: a resumed run never
 changes its settings or its data. The device may change."""
 
 import math
@@ -101,9 +101,10 @@ class TrainArgs:
         return {f.name: f for f in fields(cls) if "help" in f.metadata}
 
     def identity(self) -> dict:
-        """What --resume compares: the hyper-parameters but --eval-every (it only reports), data, seed."""
+        """What --resume compares: the hyper-parameters but --eval-every (it only reports), init, seed; the text under
+        --data is compared by its digest, however its path is spelled."""
         trained = {k: getattr(self, k) for k in self.hyper_parameters() if k != "eval_every"}
-        return {**trained, "data": self.data, "init": self.init, "seed": self.seed, "dtype": self.dtype}
+        return {**trained, "init": self.init, "seed": self.seed, "dtype": self.dtype}
 
 
 PRESETS: dict[str, dict] = {

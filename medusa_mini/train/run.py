@@ -115,6 +115,7 @@ class Run:
         mine, theirs = self.args.identity(), dict(state.get("identity") or {})
         if theirs.get("heads_target") == "token":  # saved when heads could be taught p too; tokens are what is left
             del theirs["heads_target"]
+        theirs.pop("data", None)  # saved when the path of --data was compared too, not only its text
         diff = sorted(k for k in mine | theirs if mine.get(k) != theirs.get(k))  # a setting left out is None
         if diff or state.get("world", 1) != self.world:
             raise TrainError(f"--resume with a different configuration ({', '.join(diff or ['number of processes'])});"
