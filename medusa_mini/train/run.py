@@ -7,6 +7,7 @@ import math
 import os
 import signal
 import time
+from typing import Callable
 
 import numpy as np
 import tiktoken
@@ -403,8 +404,8 @@ def _train_stages(r: Run, state: dict | None, train_tokens: np.ndarray, val_batc
         r.stage("heads", lambda: heads_stage(r, step=step, state=state))
 
 
-def summarize(r: Run, val_batches: list, val_tokens: np.ndarray) -> dict:
-    """Measure, print and save (heads_accuracy.json) the trained model's figures; return them."""
+def summarize(r: Run, val_batches: list, val_tokens: np.ndarray) -> tuple[dict, Callable[[], None]]:
+    """Measure and print the trained model's figures; return them, and what writes their heads_accuracy.json."""
     model, heads, args, T = r.model, r.heads, r.args, SAMPLING_TEMPERATURE
     K, V, M = heads.num_heads, heads.config.vocab_size, heads.config.draft_vocab_size
     val_loss, top_k = validation_loss(model, val_batches), min(10, heads.draft_ids.numel())
@@ -421,9 +422,8 @@ def summarize(r: Run, val_batches: list, val_tokens: np.ndarray) -> dict:
     accept = accuracy.measure_sampled_acceptance(model, heads, sampled, prompt_lens=P, temperature=T)
     drawn = accuracy.measure_try_acceptance(model, heads, sampled, prompt_lens=P, temperature=T, ranks=top_k,
                                             seed=args.seed + 7)
-    accuracy.save_accuracy(args.out, acc, drawn=drawn, meta={
-        "measured_on": f"{len(seqs)} held-out prompts x {n} greedy tokens",
-        "drawn_on": f"the same prompts x {n} tokens sampled at T={T:g}"})
+    meta = {"measured_on": f"{len(seqs)} held-out prompts x {n} greedy tokens",
+            "drawn_on": f"the same prompts x {n} tokens sampled at T={T:g}"}
     # The share of the greedy tokens inside the draft vocabulary of each size m: rank[token] < m.
     ranks = heads.vocab_order.cpu().argsort()[torch.tensor([s[P:] for s in seqs])]
     sizes = sorted({m for m in (256, 512, 1024, 2048, 4096, 8192) if m < V} | ({M} if M else set()))
@@ -445,8 +445,9 @@ def summarize(r: Run, val_batches: list, val_tokens: np.ndarray) -> dict:
                  + ", ".join(f"{m} {c:.2f}" for m, c in coverage.items()))
     r.log("\n".join(lines))
     saved = {"head_top1_text": text[:, 0], "head_top1_own": acc[:, 0], "head_accept_sampled": accept}
-    return {"val_loss": round(val_loss, 4), **{k: [round(v, 4) for v in xs.tolist()] for k, xs in saved.items()},
-            "draft_vocab_coverage": {str(m): round(c, 4) for m, c in coverage.items()}}
+    stored = {"val_loss": round(val_loss, 4), **{k: [round(v, 4) for v in xs.tolist()] for k, xs in saved.items()},
+              "draft_vocab_coverage": {str(m): round(c, 4) for m, c in coverage.items()}}
+    return stored, lambda: accuracy.save_accuracy(args.out, acc, drawn=drawn, meta=meta)
 
 
 def run(args: TrainArgs) -> None:
@@ -488,12 +489,14 @@ def run(args: TrainArgs) -> None:
     if r.world > 1:
         r.print_checksum()
     if r.main:
-        r.extra.update(r.stage("summary", lambda: summarize(r, val_batches, val_tokens)))
+        figures, save_accuracy = r.stage("summary", lambda: summarize(r, val_batches, val_tokens))
+        r.extra.update(figures)
         r.log("stages     " + ", ".join(r.stages))
         prompts = held_out_prompts(val_docs, enc, count=args.eval_prompts, seed=args.seed, block_size=block_size)
         r.start_writing()
         atomic_write(os.path.join(args.out, PROMPTS_FILE), json_writer({"prompts": prompts}))
         r.write_checkpoint()
+        save_accuracy()  # after the heads it measures: a run stopped in between leaves no table of other heads
         r.log(f"saved      {args.out}  (python decode.py --ckpt {args.out} " + ("--compare)" if prompts else
               "--prompt TEXT: no held-out snippet fits a third of the context)"))
     r.finish()

@@ -138,15 +138,15 @@ def test_a_run_writes_a_complete_checkpoint_and_a_measured_summary(reference_run
     assert list(coverage) == ["128", "256"] and f"coverage of greedy text: 128 {coverage['128']:.2f}, 256" in text
 
 
-@pytest.mark.parametrize("during", [1, 4, "distill", 9])  # backbone steps 1 and 4, self-distillation, heads step 3
+@pytest.mark.parametrize("during", [1, 4, "self_distill", 9, "held_out_prompts"])  # backbone steps 1, 4; heads step 3
 def test_after_ctrl_c_a_resumed_run_ends_as_an_uninterrupted_one(tmp_path, during, reference_run):
     """Validation during the run (--eval-every) draws its batches from a generator of their own. Pressed twice in
     step 4, the run stops at once: it resumes from the save --save-every made after step 2."""
     out = tmp_path / "out"
-    where = dict(during=1, owner=run_mod, name="self_distill") if during == "distill" else dict(during=during)
+    where = dict(during=1, owner=run_mod, name=during) if isinstance(during, str) else dict(during=during)
     with ctrl_c(**where, presses=1 + (during == 4)):
         assert train_tiny.main(FAST + ["--out", str(out), "--eval-every", "2", "--save-every", "2"]) == 130
-    load_checkpoint(out)  # what was saved at the interruption is a usable checkpoint
+    assert load_checkpoint(out)[1] and not (out / "heads_accuracy.json").exists()  # usable, no table of other heads
     groups = (torch.load(out / "train_state.pt", weights_only=True)["optim"] or {}).get("param_groups", [])
     assert [g["weight_decay"] for g in groups] == [0.1, 0.0] * (len(groups) // 2)  # AdamW: gains and biases exempt
     assert train_tiny.main(FAST + ["--out", str(out), "--resume"]) == 0
