@@ -47,6 +47,8 @@ def _check_prompt(model: GPT, prompt: list[int] | torch.Tensor) -> list[int]:
     if not ids or len(ids) >= block:
         raise ValueError("the prompt is empty: give at least one token" if not ids else
                          f"the prompt has {len(ids)} tokens; the context holds {block}, so the prompt must be shorter")
+    if min(ids) < 0 or max(ids) >= model.config.vocab_size:  # else an IndexError, on a GPU a device-side assert
+        raise ValueError(f"the prompt holds token ids outside the vocabulary, 0 to {model.config.vocab_size - 1}")
     return ids
 
 

@@ -75,7 +75,7 @@ class Tree:
         Raises ValueError naming the offending choice: not a sequence of ints, or `choice_problem`'s.
         """
         for c in (choices := list(choices)):  # read twice below: a generator would be empty the second time
-            if isinstance(c, int) or not all(isinstance(r, int) and not isinstance(r, bool) for r in c):
+            if not isinstance(c, Sequence) or not all(isinstance(r, int) and not isinstance(r, bool) for r in c):
                 raise ValueError(f"tree choice {c!r} must be a list of integer ranks, e.g. [0, 1]")
         parsed = [tuple(c) for c in choices]
         if problem := choice_problem(parsed, num_heads=num_heads):

@@ -46,7 +46,8 @@ def test_plain_decoding_emits_the_backbones_own_next_tokens_drawn_in_order_from_
     assert got == ids[3:]
 
 
-@pytest.mark.parametrize("prompt, message", [([], "empty"), (list(range(64)), "must be shorter")])
+@pytest.mark.parametrize("prompt, message", [([], "empty"), (list(range(64)), "must be shorter"), ([3, 64], "0 to 63"),
+                                             ([-1], "outside the vocabulary")])
 def test_bad_prompts_are_a_clear_error(model, prompt, message):
     with pytest.raises(ValueError, match=message):
         generate(model, prompt, max_new_tokens=5)

@@ -59,7 +59,7 @@ def test_the_ancestor_mask_equals_the_references_walk_up_the_parents_on_random_t
 
 @pytest.mark.parametrize("choices, kwargs, message", [
     ([(0,), (0, 1, 0)], {}, r"\[0, 1, 0\] has no parent: add \[0, 1\]"), ([(0,), (0,)], {}, r"\[0\] appears twice"),
-    ([(0,), (-1,)], {}, r"\[-1\] has a negative rank"),
+    ([(0,), (-1,)], {}, r"\[-1\] has a negative rank"), ([0.5], {}, r"integer ranks"),
     ([(0,), (0, 0), (0, 0, 0)], {"num_heads": 2}, r"\[0, 0, 0\] has depth 3 but there are only 2 heads"),
     ([(0,), ()], {}, r"empty"), ([(0,), ("a",)], {}, r"integer ranks"), ([0, 1], {}, r"integer ranks")])
 def test_bad_choices_are_a_clear_error_naming_the_choice(choices, kwargs, message):

@@ -44,8 +44,7 @@ def test_each_plot_draws_every_series_in_its_own_colour(tmp_path):
 @pytest.mark.parametrize("name, message", [
     ("", "--plot needs a file name"), (".", "is a folder"), ("folder", "is a folder"),  # savefig: folder.png
     ("plot.txt", "end the name in .png"), ("plot", "end the name in .png"),  # savefig: unknown format; plot.png
-    ("missing/plot.png", "its folder does not exist"), ("/proc/plot.png", "no file can be written in /proc"),
-    ("plot.png", "pip install matplotlib")])
+    ("missing/plot.png", "does not exist"), ("/proc/p.png", "can be written"), ("plot.png", "pip install matplotlib")])
 def test_a_path_savefig_would_not_write_as_named_or_no_matplotlib_is_one_line(tmp_path, monkeypatch, name, message):
     """The path is judged first, before matplotlib is looked for; then a missing one says how to install it."""
     (tmp_path / "folder").mkdir()
