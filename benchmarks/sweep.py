@@ -1,6 +1,6 @@
 """Sweep the node budget: tokens per step and tokens per second per drafter, rule and draft vocabulary.
 
-    python benchmarks/sweep.py --ckpt out/tiny --rules greedy,lookup-greedy --draft-vocab 1024,4096 --plot sweep.png
+    python benchmarks/sweep.py --ckpt out/tiny --rules greedy,lookup-greedy --draft-vocab 512,1024 --plot sweep.png
 
 Budget N (root excluded) decodes with `build_tree(acc, N)`, as `decode.py --tree N` does, acc the rule's table
 (`rejection-drawn`: the drawn candidates' own, where heads_accuracy.json has it); `lookup-greedy` verifies prompt
