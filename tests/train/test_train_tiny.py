@@ -363,7 +363,7 @@ def test_float16_loss_scaling_skips_overflows_and_resumes_exactly(tmp_path, monk
     monkeypatch.setattr(train_tiny, "training_dtype", lambda name, device: name)
     monkeypatch.setattr(torch.amp, "GradScaler", functools.partial(torch.amp.GradScaler, init_scale=2.0**17,
                                                                    growth_interval=1))
-    monkeypatch.setattr(run_mod, "summarize", lambda *args, **kwargs: {})
+    monkeypatch.setattr(run_mod, "summarize", lambda *args, **kwargs: ({}, lambda: None))  # no figures, no table
     args, ref = FAST + ["--dtype", "float16", "--heads-steps", "8"], tmp_path / "ref"
     assert train_tiny.main(args + ["--out", str(ref)]) == 0
     assert all(torch.isfinite(v).all() for v in weights(ref).values())
