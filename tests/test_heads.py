@@ -5,6 +5,7 @@ greedy is in tests/test_decoding.py; here, what each kind computes and how it fi
 import pytest
 import torch
 
+from benchmarks.bench_step import count_ops
 from conftest import random_heads, tiny_model
 from medusa_mini import reference
 from medusa_mini.decoding import medusa_generate
@@ -178,8 +179,6 @@ def test_dependent_heads_learn_more_and_accept_more_than_medusa_heads_trained_th
 def test_a_heads_call_in_decoding_copies_no_weight(kind, dtype):
     """Weights are made once per generation (the blocks stacked, the draft vocabulary's rows gathered), never
     copied at a call (a copy at every call once cost a bfloat16 CPU 10 ms of 13)."""
-    from benchmarks.bench_step import count_ops
-
     model = tiny_model(3).to(dtype)
     head_logits = random_heads(model, kind=kind, seed=3, draft=16).to(dtype).proposer(model, TREE).head_logits
     hidden, path = torch.randn(2, C, dtype=dtype), randint(2, 1, 2)

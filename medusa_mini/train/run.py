@@ -347,6 +347,8 @@ def distill_stage(r: Run, train_tokens: np.ndarray) -> torch.Tensor:
     sample_gen = torch.Generator(device=r.device).manual_seed(a.seed * 7919 + 29 + r.rank)
     temps, chunk, parts = [float(t) for t in a.distill_temperatures.split(",")], 64, []
     for i in range(0, a.distill_prompts, chunk):
+        if r.any_rank(r.stop_requested):  # Ctrl-C: the state saved before this stage redoes it on --resume
+            raise KeyboardInterrupt
         x, _ = get_batch(train_tokens, batch_size=min(chunk, a.distill_prompts - i), block_size=a.distill_prompt_len,
                          generator=g, device=r.device)
         parts.append(self_distill(r.model, x, max_new_tokens=a.distill_tokens,

@@ -138,7 +138,7 @@ def test_a_run_writes_a_complete_checkpoint_and_a_measured_summary(reference_run
     assert list(coverage) == ["128", "256"] and f"coverage of greedy text: 128 {coverage['128']:.2f}, 256" in text
 
 
-@pytest.mark.parametrize("during", [1, 4, "self_distill", 9, "held_out_prompts"])  # backbone steps 1, 4; heads step 3
+@pytest.mark.parametrize("during", [1, 4, 6, "self_distill", 9, "held_out_prompts"])  # backbone 1, 4, 6; heads 3
 def test_after_ctrl_c_a_resumed_run_ends_as_an_uninterrupted_one(tmp_path, during, reference_run):
     """Validation during the run (--eval-every) draws its batches from a generator of their own. Pressed twice in
     step 4, the run stops at once: it resumes from the save --save-every made after step 2."""
@@ -147,8 +147,9 @@ def test_after_ctrl_c_a_resumed_run_ends_as_an_uninterrupted_one(tmp_path, durin
     with ctrl_c(**where, presses=1 + (during == 4)):
         assert train_tiny.main(FAST + ["--out", str(out), "--eval-every", "2", "--save-every", "2"]) == 130
     assert load_checkpoint(out)[1] and not (out / "heads_accuracy.json").exists()  # usable, no table of other heads
-    groups = (torch.load(out / "train_state.pt", weights_only=True)["optim"] or {}).get("param_groups", [])
+    groups = ((state := torch.load(out / "train_state.pt", weights_only=True))["optim"] or {}).get("param_groups", [])
     assert [g["weight_decay"] for g in groups] == [0.1, 0.0] * (len(groups) // 2)  # AdamW: gains and biases exempt
+    assert (state["stage"] == "distill") == (during == 6)  # pressed in the last backbone step: before distilling
     assert train_tiny.main(FAST + ["--out", str(out), "--resume"]) == 0
     assert same_weights(reference_run[0], out) and not (out / "train_state.pt").exists()
 
