@@ -3,8 +3,8 @@
 Every rule judges each node on its own, on the device and all at once: does the candidate pass at its
 parent (greedy: it is the backbone's token there; typical: p(candidate) clears the bar; rejection: its
 try at the parent accepts it)? A node is accepted when every node of its path below the root passes
-(one matmul counts them, `path_scores`), and the step keeps the accepted node the rule prefers:
-the deepest (typical: then the most likely), whose path from the root is the accepted path. A step thus
+(one matmul counts them, `path_scores`), and the step keeps the accepted node the rule prefers: the
+deepest (typical: then the most likely; drawn candidates: a node's first accepted child). A step thus
 reads its result with a single host read. Greedy and top-k rejection sampling are one rule with two
 sources of y, the backbone's token at every node: its argmax, or one draw from p
 (`reference.rejection_accept` says why that is exact). Drawn candidates' tries are sequential among a

@@ -10,9 +10,9 @@ backbone's own lm_head predicts t+1. Two kinds, one interface:
   target, `h + SiLU(W_k [h; e(x_{t+1}); ...; e(x_{t+k})] + b_k)`, so each node's children come from
   their own q, and the tree is filled depth by depth.
 
-Both project through the backbone's own lm_head onto a *draft vocabulary*: the M most frequent tokens
-of the text the heads learned from (FR-Spec, arXiv 2502.14856). At a real vocabulary this projection
-is most of what the heads cost; the backbone still verifies over the whole vocabulary, so every
+Both project through the backbone's own lm_head (shared; the paper: a copy per head) onto a *draft vocabulary*:
+the M most frequent tokens of the text the heads learned from (FR-Spec, arXiv 2502.14856). At a real vocabulary
+this projection is most of what the heads cost; the backbone still verifies over the whole vocabulary, so every
 acceptance rule stays what it is (rejection sampling's residual carries the tokens q never proposes).
 
 Each kind carries what differs, so no caller asks which kind it holds: its teacher-forced logits

@@ -15,7 +15,7 @@ Words, each with one meaning here and everywhere in the project:
 
 One step (§2): the heads guess tokens 2, 3, ... places ahead from the last hidden state; their guesses
 fill a tree; ONE forward pass of the backbone scores every node under a tree attention mask; an
-acceptance rule keeps the longest path the backbone agrees with, plus the bonus; the KV cache keeps
+acceptance rule keeps a path of candidates the backbone accepts, plus the bonus; the KV cache keeps
 only that path. Greedy acceptance writes exactly plain greedy's tokens; rejection sampling exactly
 plain sampling's distribution; typical acceptance (§2.3.1) trades that guarantee for longer paths.
 
@@ -151,8 +151,8 @@ def typical_accept(parents: list[int], tokens: list[int], logits: torch.Tensor, 
 
     A node is accepted if it and all its ancestors pass; the deepest accepted node wins, ties broken by
     the larger sum of log p along its path, then by the smaller node index. The bonus is drawn from p
-    at the winner. Faster than rejection sampling when p is flat, but NOT p's distribution. p is the
-    one sampling draws from, top-p included: a token outside the nucleus has p = 0 and never passes.
+    at the winner (the paper: its argmax). Faster than rejection sampling when p is flat, NOT p's distribution.
+    p is the one sampling draws from, top-p included: a token outside the nucleus has p = 0, never passing.
     """
     p = sampling.probs(logits)  # [N, V]
     bar = typical_threshold(p, epsilon=sampling.epsilon, delta=sampling.delta).tolist()  # [N]

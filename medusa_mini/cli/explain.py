@@ -91,7 +91,7 @@ def heads_section(out: list[str], model: GPT, heads, enc, tree: Tree, root: int,
         out.append(f"head {k + 1} (t+{k + 2}): "
                    + (_guesses(enc, logits, used, heads.draft_ids, temperature=temperature) if used
                       else "not used by this tree"))
-    out.append("The backbone alone would need one forward pass per token to check these one by one.")
+    out.append("Plain decoding needs one forward pass per token; one pass below checks the whole tree.")
 
 
 def verify_section(out: list[str], labels: list[str], tree: Tree, tokens: list[int], logits: torch.Tensor,
