@@ -21,7 +21,7 @@ import torch
 
 from medusa_mini.cli.common import OneLineParser, at_least, check_plot_path, numbers, seed, timed
 from medusa_mini.cli.compiled import StaticCaches, compile_steps, warm_up, with_aligned_head
-from medusa_mini.cli.explain import DEMO_NOTE, demo_checkpoint, draw_mask, draw_tree, explain_step
+from medusa_mini.cli.explain import DEMO_NOTE, ROOM, demo_checkpoint, draw_mask, draw_tree, explain_step
 from medusa_mini.cli.measure import TreeChoice, resolve_tree
 from medusa_mini.cli.runs import Engine, Method, compare, compare_methods, decode, format_table, plot_batch
 from medusa_mini.io.loading import PROMPTS_FILE, load_for_decoding, load_prompts
@@ -131,7 +131,7 @@ def checked(a: argparse.Namespace, ck, texts: list[str], device: torch.device) -
         ids, which = ck.enc.encode_ordinary(text), f"prompt {i} ({'--prompt' if a.prompt else PROMPTS_FILE})"
         if not ids:
             raise ValueError(f"{which} is empty; give some text with --prompt")
-        room = 3 if a.explain else 2 if a.compare else 1  # new positions: a token; two (--compare); a candidate too
+        room = ROOM if a.explain else 2 if a.compare else 1  # new positions past the prompt (--compare: two tokens)
         if len(ids) > ck.block_size - room:
             raise ValueError(f"{which} is {len(ids)} tokens long but the context holds {ck.block_size}; "
                              f"shorten it to at most {ck.block_size - room} tokens")

@@ -23,6 +23,7 @@ from ..tree import Tree
 
 DEMO_NOTE = ("DEMO: a 2-layer model and its 4 heads trained for a few seconds on the Zen of Python, which they "
              "know by heart;\nreal heads are right less often. Train one with train_tiny.py for real figures.")
+ROOM = 3  # new positions an explained step needs past the prompt: its root, a candidate, the bonus
 RULES = {  # section 6 on each rule; "topk": rejection sampling of the heads' top-k candidates
     "greedy": "Greedy: from the root, descend while the backbone's argmax is a child's token.",
     "typical": "Typical acceptance: keep a candidate whose probability clears min(ε, δ·exp(-H(p))).",
@@ -125,8 +126,8 @@ def explain_step(model: GPT, heads, enc: tiktoken.Encoding, prompt_ids: list[int
                  sampling: Sampling = Sampling(), generator: torch.Generator | None = None) -> str:
     """One Medusa step after the prompt with the reference's functions, every stage described."""
     block, L, T = model.config.block_size, len(prompt_ids), sampling.temperature
-    if L == 0 or L > block - 3:  # the prompt, its root, a candidate and the bonus fit in the context
-        raise ValueError(f"--explain takes a prompt of 1 to {block - 3} tokens (room for a candidate), not {L}")
+    if L == 0 or L > block - ROOM:
+        raise ValueError(f"--explain takes a prompt of 1 to {block - ROOM} tokens (room for a candidate), not {L}")
     tree = tree.truncated(block - 2 - L)  # the deepest node's position must stay inside the context
     rule = "greedy" if sampling.greedy else f"{sampling.acceptance}, temperature {sampling.temperature:g}"
     out = ["One Medusa decoding step, in full", "=" * 33, f"Prompt ({L} tokens): {_snippet(enc.decode(prompt_ids))}",
