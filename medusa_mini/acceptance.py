@@ -1,17 +1,15 @@
 """The engine's acceptance: the reference's three rules (reference.py), decided for B rows at once.
 
-Every rule judges each node on its own, on the device and all at once: does the candidate pass at its
-parent (greedy: it is the backbone's token there; typical: p(candidate) clears the bar; rejection: its
-try at the parent accepts it)? A node is accepted when every node of its path below the root passes
-(one matmul counts them, `path_scores`), and the step keeps the accepted node the rule prefers: the
-deepest (typical: then the most likely; drawn candidates: a node's first accepted child). A step thus
-reads its result with a single host read. Greedy and top-k rejection sampling are one rule with two
-sources of y, the backbone's token at every node: its argmax, or one draw from p
-(`reference.rejection_accept` says why that is exact). Drawn candidates' tries are sequential among a
-node's children, but the residuals they are judged against depend on no decision: each node's residuals are
-built turn by turn, then every try is judged at once. Every rule takes the uniforms it draws from
-(`acceptance_uniforms`, drawn before it, in the reference's order). Tests hold every rule to the reference,
-draw for draw.
+Every rule judges each node on its own, on the device and all at once: does the candidate pass at its parent (greedy: it
+is the backbone's token there; typical: p(candidate) clears the bar; rejection: its try at the parent accepts it)? A
+node is accepted when every node of its path below the root passes (one matmul counts them, `path_scores`), and the step
+keeps the accepted node the rule prefers: the deepest (typical: then the most likely; drawn candidates: a node's first
+accepted child). A step thus reads its result with a single host read. Greedy and top-k rejection sampling are one rule
+with two sources of y, the backbone's token at every node: its argmax, or one draw from p (`reference.rejection_accept`
+says why that is exact). Drawn candidates' tries are sequential among a node's children, but the residuals they are
+judged against depend on no decision: each node's residuals are built turn by turn, then every try is judged at once.
+Every rule takes the uniforms it draws from (`acceptance_uniforms`, drawn before it, in the reference's order). Tests
+hold every rule to the reference, draw for draw.
 
 `usable` [B, N] (None: every node) marks the nodes a row may accept: near the end of its budget or of the
 context deeper nodes could not be used; a finished row in a batch has none, not even its root.
@@ -91,9 +89,7 @@ def typical_accept_paths(tree: TreeTensors, tokens: torch.Tensor, logits: torch.
     passes = passes if usable is None else passes & usable
     depth = torch.where(path_scores(tree, passes) >= 0, tree.depths, -1)  # [B, N]: the accepted nodes' depths
     along = torch.log(p_x.clamp_min(1e-30)).double()[:, tree.below_root] * tree.on_path  # [B, N, D]
-    score = along.new_zeros(B, N)  # [B, N]: the sum of log p along each node's path, root side first
-    for d in range(tree.depth):
-        score = score + along[..., d]
+    score = sum(along.unbind(-1), along.new_zeros(B, N))  # [B, N]: log p summed along each path, root side first
     top = depth == depth.max(dim=-1, keepdim=True).values  # [B, N] the deepest accepted nodes
     last = torch.where(top, score, float("-inf")).argmax(dim=-1)  # [B]: argmax returns the first of equal maxima
     return Accepted(last, inverse_cdf(at_each_row(p, last), u))
@@ -130,9 +126,8 @@ def residual_chain(p: torch.Tensor, q: torch.Tensor, tries: Tries) -> torch.Tens
         n = minus_q_s.shape[1]
         rest = minus_q_s + rest[:, :n] if mass is None else torch.addcdiv(minus_q_s, rest[:, :n], mass[:, :n, None])
         rest = rest.clamp_min(0.0)
-        mass = rest.sum(dim=-1)  # [B, n_s]
         residuals.append(rest)
-        masses.append(mass)
+        masses.append(mass := rest.sum(dim=-1))  # [B, n_s]
     chain = torch.cat([p, *residuals, q], dim=1)  # [B, 3N - 2, V]
     chain[:, p.shape[1] : 2 * p.shape[1] - 1].div_(torch.cat(masses, dim=1)[..., None])  # [B, N - 1, V] normalised
     return chain
@@ -142,15 +137,14 @@ def rejection_accept_drawn(tree: TreeTensors, tokens: torch.Tensor, logits: torc
                            drawn: Drawn, u: torch.Tensor, usable: torch.Tensor | None = None) -> Accepted:
     """`reference.rejection_accept` with candidates drawn from q, for B rows at once, on the device.
 
-    A node's tries are sequential, but what each is judged against depends on no decision: after a node's
-    first s children miss, p has become r_s = norm(max(0, r_{s-1} - q_s)), r_0 = p, q_s the q child s was
-    drawn from. So every node's chain of residuals is built at once (`residual_chain`), then every try judged at
-    once, child k with u[:, k] against the r its elder siblings' misses left; a node keeps its first accepted
-    child. The accepted nodes form one chain; its deepest node draws the bonus with u[:, 0] from the r its live
-    misses left: a miss leaving no mass (p = q up to rounding) ends the walk's tries, and here that r is 0 / 0,
-    NaN, which fails every later try. One matmul finds that node and that r (`Tries.row_scores`). Unusable nodes
-    are never tried (siblings share a depth); a row without a usable root tries nothing. A root alone has no
-    drawn candidates (`accept`: top-k).
+    A node's tries are sequential, but what each is judged against depends on no decision: after a node's first s
+    children miss, p has become r_s = norm(max(0, r_{s-1} - q_s)), r_0 = p, q_s the q child s was drawn from. So every
+    node's chain of residuals is built at once (`residual_chain`), then every try judged at once, child k with u[:, k]
+    against the r its elder siblings' misses left; a node keeps its first accepted child. The accepted nodes form one
+    chain; its deepest node draws the bonus with u[:, 0] from the r its live misses left: a miss leaving no mass (p = q
+    up to rounding) ends the walk's tries, and here that r is 0 / 0, NaN, which fails every later try. One matmul finds
+    that node and that r (`Tries.row_scores`). Unusable nodes are never tried (siblings share a depth); a row without a
+    usable root tries nothing. A root alone has no drawn candidates (`accept`: top-k).
     """
     B, N, V = logits.shape
     tries, log_q, draws = tree.tries, *drawn.at(tree.tries.parents)  # [B, N - 1, V], [B, N - 1, R], child order

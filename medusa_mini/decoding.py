@@ -53,12 +53,10 @@ def _check_prompt(model: GPT, prompt: list[int] | torch.Tensor) -> list[int]:
 
 
 def reuse_cache(cache: KVCache | CacheSource | None, model: GPT, *, batch_size: int, max_len: int) -> KVCache:
-    """`cache` emptied for a new generation, or a new one of batch_size rows and max_len slots when None;
-    a callable is asked for the cache of that size (`cache(batch_size, max_len)`: cli/compiled.py keeps
-    one per size, at fixed addresses). A cache to reuse must have the size asked for.
-    """
-    if callable(cache):
-        cache = cache(batch_size, max_len)
+    """`cache` emptied for a new generation, or a new one of batch_size rows and max_len slots when None; a callable
+    is asked for the cache of that size (`cache(batch_size, max_len)`: cli/compiled.py keeps one per size, at fixed
+    addresses). A cache to reuse must have the size asked for."""
+    cache = cache(batch_size, max_len) if callable(cache) else cache
     if cache is None:
         return KVCache(model.config, batch_size=batch_size, max_len=max_len, device=model.device,
                        dtype=model.lm_head.weight.dtype)
@@ -74,10 +72,9 @@ def prefill(model: GPT, ids: torch.Tensor, cache: KVCache, *, lengths: list[int]
             ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the prompts ids [B, T] into an empty cache; return each row's last logits [B, V] and hidden [B, C].
 
-    lengths: each row's prompt length when the rows were padded at their end to T (default: all T).
-    The padding follows the prompt, so causal attention keeps every prompt token from seeing it; the
-    cache's lengths are then set to the prompts', giving the padding's slots back.
-    """
+    lengths: each row's prompt length when the rows were padded at their end to T (default: all T). The padding
+    follows the prompt, so causal attention keeps every prompt token from seeing it; the cache's lengths are then set
+    to the prompts', giving the padding's slots back."""
     B, T = ids.shape
     last = torch.tensor([n - 1 for n in lengths] if lengths else [T - 1] * B, device=ids.device)  # [B]
     logits, hidden = model(ids, cache=cache, logits_at=last, attended=T)  # [B, 1, V], [B, T, C]: an empty cache
@@ -160,10 +157,9 @@ def generate_batch(model: GPT, prompts: list[Prompt], *, max_new_tokens: int, sa
                    steps: Steps = Steps()) -> list[tuple[list[int], GenerationStats]]:
     """Plain autoregressive decoding of B prompts with the KV cache: one forward pass per token per row.
 
-    Each token is `sampling.next_token`'s: the argmax at temperature 0, else a draw from p (temperature,
-    top-p), chosen by the step (`plain_step`); the acceptance settings play no part here. One host read
-    per step. `cache`: one to reuse (see `reuse_cache`), B rows of block_size slots; by default a new
-    one. `steps`: the eager steps, or compiled ones.
+    Each token is `sampling.next_token`'s: the argmax at temperature 0, else a draw from p (temperature, top-p), chosen
+    by the step (`plain_step`); the acceptance settings play no part here. One host read per step. `cache`: one to reuse
+    (see `reuse_cache`), B rows of block_size slots; by default a new one. `steps`: the eager steps, or compiled ones.
     """
     rows = Generations(model, prompts, max_new_tokens=max_new_tokens, eos_id=eos_id, on_step=on_step)
     B, device = len(rows.prompts), model.device

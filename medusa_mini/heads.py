@@ -64,7 +64,6 @@ def make_heads(config: HeadsConfig) -> "DraftHeads":
 
 def next_tokens(y: torch.Tensor, k: int, *, fill: int = 0) -> torch.Tensor:
     """The k tokens after each position, teacher-forced: y [B, T] (y[:, t] = token t+1) -> [B, T, k].
-
     out[:, t, j] = y[:, t + j] (token t+j+1); `fill` past the end (0, unread; `head_targets`' IGNORE: no target)."""
     B, T = y.shape
     out = torch.full((B, T, k), fill, dtype=y.dtype, device=y.device)
@@ -207,11 +206,11 @@ class HydraHeads(DraftHeads):
         self.blocks = nn.ModuleList([ResBlock((k + 1) * C, C) for k in range(1, config.num_heads + 1)])
 
     def one_head_logits(self, k: int, hidden: torch.Tensor, tokens: torch.Tensor, model: nn.Module, *,
-                        weight: torch.Tensor | None = None) -> torch.Tensor:
-        """Head k (1-based): hidden [..., C], tokens [..., >= k] (x_{t+1}, ...) -> logits [..., M]."""
+                        weight: torch.Tensor) -> torch.Tensor:
+        """Head k (1-based): hidden [..., C], tokens [..., >= k] (x_{t+1}, ...), weight [M, C] -> logits [..., M]."""
         embeds = model.transformer.wte(tokens[..., :k]).flatten(-2)  # [..., k C]
         z = self.blocks[k - 1](hidden, torch.cat([hidden, embeds], dim=-1))  # [..., C]
-        return F.linear(z, self.draft_weight(model) if weight is None else weight)
+        return F.linear(z, weight)
 
     def forward(self, hidden: torch.Tensor, model: nn.Module, *, following: torch.Tensor | None = None,
                 num: int | None = None) -> torch.Tensor:

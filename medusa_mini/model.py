@@ -48,8 +48,7 @@ class KVCache:
 
     def __init__(self, config: GPTConfig, *, batch_size: int = 1, max_len: int | None = None,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> None:
-        self.max_len = max_len if max_len is not None else config.block_size
-        self.batch_size = batch_size
+        self.max_len, self.batch_size = max_len if max_len is not None else config.block_size, batch_size
         shape = (config.n_layer, 2, batch_size, config.n_head, self.max_len, config.n_embd // config.n_head)
         self.kv = torch.zeros(shape, device=device, dtype=dtype)
         self.length_buffer = torch.zeros(batch_size, dtype=torch.long, device=device)
@@ -98,11 +97,9 @@ def compact_kv_cache(cache: KVCache, keep: torch.Tensor, *, to: torch.Tensor, le
 
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head attention over the cached prefix and the new tokens, under an explicit mask.
-
-    With a tree mask this is the paper's tree attention (§2.1.2): every node attends to the prefix, to
-    itself and to its ancestors, so N candidate continuations share one forward pass.
-    """
+    """Multi-head attention over the cached prefix and the new tokens, under an explicit mask. With a tree mask this
+    is the paper's tree attention (§2.1.2): every node attends to the prefix, to itself and to its ancestors, so N
+    candidate continuations share one forward pass."""
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
@@ -122,8 +119,7 @@ class CausalSelfAttention(nn.Module):
             k, v = qkv[:, :, 1:].permute(2, 0, 3, 1, 4).unbind(0)  # [B, nh, T, hs] each
         causal = attn_mask is None  # no cache and no mask: training's causal attention, SDPA's own
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=causal)  # [B, nh, T, hs]
-        y = y.transpose(1, 2).contiguous().view(B, T, C)  # [B, T, C]
-        return self.c_proj(y)
+        return self.c_proj(y.transpose(1, 2).reshape(B, T, C))  # [B, T, C]
 
 
 class MLP(nn.Module):

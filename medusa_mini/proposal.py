@@ -107,9 +107,8 @@ class HeadsProposer:
     def uniforms(self, sampling: Sampling, rows: int, generator: torch.Generator | None, *,
                  device: torch.device | str) -> torch.Tensor | None:
         """[B, Q, V] for drawn candidates, one per token of each q (Gumbel noise); None for the top-k."""
-        if not sampling.draws_candidates:
-            return None
-        return torch.rand((rows, self.q_count(self.tree), self.vocab_size), generator=generator, device=device)
+        shape = (rows, self.q_count(self.tree), self.vocab_size)
+        return torch.rand(shape, generator=generator, device=device) if sampling.draws_candidates else None
 
     @torch.no_grad()
     def propose(self, roots: torch.Tensor, hidden: torch.Tensor, *, sampling: Sampling, u: torch.Tensor | None,
@@ -137,7 +136,6 @@ def fill_depth_by_depth(tree: TreeTensors, roots: torch.Tensor, hidden: torch.Te
                         pick: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """Dependent heads' tree, roots [B] and hidden [B, C] -> tokens [B, N]: each node's children are
     pick(logits [B, n, M] of q(. | the node's path)) [B, n, R], nodes of depth d - 1 all at once.
-
     head_logits(k, hidden [B, n, C], tokens [B, n, k]) -> [B, n, M]: head k given each node's path."""
     (B, C), first = hidden.shape, tree.first
     tokens = roots[:, None].expand(B, tree.parent_index.numel()).clone()  # [B, N], filled depth by depth below
@@ -188,22 +186,18 @@ def hydra_tree(tree: TreeTensors, roots: torch.Tensor, hidden: torch.Tensor, hea
 
 
 class MedusaProposer(HeadsProposer):
-    """A fixed tree filled with Medusa heads' guesses (§2.1): each head's top-k, or, for rejection
-    sampling of drawn candidates, distinct draws from each head's q (`Sampling.draws_candidates`).
-
-    head_logits(hidden [B, C], num) -> [B, num, M]: the first `num` heads' logits.
-    """
+    """A fixed tree filled with Medusa heads' guesses (§2.1): each head's top-k, or, for rejection sampling of drawn
+    candidates, distinct draws from each head's q (`Sampling.draws_candidates`).
+    head_logits(hidden [B, C], num) -> [B, num, M]: the first `num` heads' logits."""
 
     fill_tree = staticmethod(medusa_tree)
     q_count = staticmethod(lambda tree: tree.depth)  # one q per head
 
 
 class HydraProposer(HeadsProposer):
-    """A fixed tree filled by dependent heads, depth by depth (`fill_depth_by_depth`): a node's children
-    are the top-k of q(. | the node's path), or, drawn, distinct draws from it (one q per node).
-
-    head_logits(k, hidden [B, n, C], tokens [B, n, k]) -> [B, n, M]: head k given each node's path.
-    """
+    """A fixed tree filled by dependent heads, depth by depth (`fill_depth_by_depth`): a node's children are the
+    top-k of q(. | the node's path), or, drawn, distinct draws from it (one q per node).
+    head_logits(k, hidden [B, n, C], tokens [B, n, k]) -> [B, n, M]: head k given each node's path."""
 
     fill_tree = staticmethod(hydra_tree)
     q_count = staticmethod(lambda tree: tree.first[tree.depth])  # one q per node above the deepest depth

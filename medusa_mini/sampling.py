@@ -4,12 +4,11 @@ Every decoding layer takes a single `Sampling`, so the settings are checked once
 and "temperature 0 means greedy" is decided in one place. p is the backbone's (target) distribution
 after temperature and top-p: plain sampling draws from it, and rejection sampling reproduces it exactly.
 
-Randomness enters one way: uniform numbers in [0, 1), drawn from a generator before they are used. A
-draw from a distribution is the inverse of its cumulative distribution at one uniform (`inverse_cdf`);
-distinct draws without replacement are the top of log q plus Gumbel noise made from uniforms
-(`gumbel_top_k`). So a rule is a function of its uniforms, and whoever draws them in the same order
-makes the same decisions: the reference (reference.py) and the engine share these functions and
-neither imports the other.
+Randomness enters one way: uniform numbers in [0, 1), drawn from a generator before they are used. A draw from a
+distribution is the inverse of its cumulative distribution at one uniform (`inverse_cdf`); distinct draws without
+replacement are the top of log q plus Gumbel noise made from uniforms (`gumbel_top_k`). So a rule is a function of its
+uniforms, and whoever draws them in the same order makes the same decisions: the reference (reference.py) and the engine
+share these functions and neither imports the other.
 """
 
 import math
@@ -79,9 +78,8 @@ class Sampling:
         return None if self.greedy else torch.rand(shape, generator=generator, device=device)
 
     def next_token(self, logits: torch.Tensor, u: torch.Tensor | None) -> torch.Tensor:
-        """The backbone's own next token from logits [..., V] and the uniforms u [...] from `uniforms`: long
-        [...] on their device, the argmax when greedy (taken in float32, ties to the lowest id), else the
-        draw u makes from p."""
+        """The backbone's own next token from logits [..., V] and the uniforms u [...] from `uniforms`: long [...] on
+        their device, the argmax when greedy (taken in float32, ties to the lowest id), else the draw u makes from p."""
         return logits.float().argmax(dim=-1) if self.greedy else inverse_cdf(self.probs(logits), u)
 
 
@@ -96,10 +94,8 @@ def scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
 
 
 def sampling_probs(logits: torch.Tensor, *, temperature: float, top_p: float = 1.0) -> torch.Tensor:
-    """p: logits [..., V] -> probabilities [..., V] after temperature and nucleus (top-p) filtering.
-
-    Plain sampling and rejection sampling both call this, which is what makes the latter lossless.
-    """
+    """p: logits [..., V] -> probabilities [..., V] after temperature and nucleus (top-p) filtering. Plain sampling
+    and rejection sampling both call this, which is what makes the latter lossless."""
     probs = F.softmax(scaled(logits, temperature), dim=-1)
     if top_p < 1.0:
         # A stable sort puts equal probabilities in token order, so a tie at the cut keeps the same

@@ -42,11 +42,10 @@ def verify(model: GPT, cache: KVCache, tokens: torch.Tensor, *, tree: TreeTensor
            attended: int | None = None, clamp: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """One tree-masked forward over all N nodes of B rows (§2.1.2): tokens [B, N] -> logits [B, N, V], hidden.
 
-    Row b's nodes occupy cache slots [L_b, L_b + N) past its length L_b, which stays put (they are
-    tentative until `keep_path`), but sit at positions L_b + depth (placed: `place_tree(cache, tree)`, if the
-    caller has it), clamped to the context (a node past it is never usable; clamp=False where every row has room for
-    the tree, so no node is past it); each sees its row's whole prefix, itself and its ancestors (the tree's
-    ancestor mask).
+    Row b's nodes occupy cache slots [L_b, L_b + N) past its length L_b, which stays put (they are tentative until
+    `keep_path`), but sit at positions L_b + depth (placed: `place_tree(cache, tree)`, if the caller has it), clamped to
+    the context (a node past it is never usable; clamp=False where every row has room for the tree, so no node is past
+    it); each sees its row's whole prefix, itself and its ancestors (the tree's ancestor mask).
     """
     placed = place_tree(cache, tree) if placed is None else placed  # [B, N, 2D + 5]
     pos = placed[..., 1].clamp(max=model.config.block_size - 1) if clamp else placed[..., 1]  # [B, N]
@@ -99,12 +98,11 @@ def medusa_step(model: GPT, cache: KVCache, proposer: Proposer, roots: torch.Ten
                 generator: torch.Generator | None = None, attended: int | None = None) -> StepResult:
     """One Medusa step for B rows: propose -> verify -> accept -> keep the path, then one host read.
 
-    roots: [B] each row's last emitted token, whose K/V are not in `cache` yet; hidden: [B, C] the hidden
-    states that produced them. history: each row's tokens so far (prompt lookup reads them). stop_at: [B]
-    the total length at which each row stops, the nodes a row cannot use masked (`usable_nodes`); None
-    when every row has room for the whole tree.
-    The random numbers, those of drawn candidates and then the acceptance's (per node of the proposer's whole
-    tree; typical: one per row), are drawn in the reference's order. attended: the cache slots read (default all).
+    roots: [B] each row's last emitted token, whose K/V are not in `cache` yet; hidden: [B, C] the hidden states that
+    produced them. history: each row's tokens so far (prompt lookup reads them). stop_at: [B] the total length at which
+    each row stops, the nodes a row cannot use masked (`usable_nodes`); None when every row has room for the whole tree.
+    The random numbers, those of drawn candidates and then the acceptance's (per node of the proposer's whole tree;
+    typical: one per row), are drawn in the reference's order. attended: the cache slots read (default all).
     """
     B, device = len(roots), roots.device
     u_draw = proposer.uniforms(sampling, B, generator, device=device)

@@ -38,10 +38,9 @@ def _chunk_head_sums(heads: DraftHeads, model: GPT, h: torch.Tensor, targets: to
                      following: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """h [n, C], targets [K, n], following [n, K] -> summed cross-entropy [K] and top-1 hits [K]."""
     logits = heads(h, model, following=following).float()  # [K, n, M]
-    K, n, M = logits.shape
-    ce = F.cross_entropy(logits.reshape(K * n, M), targets.reshape(K * n), reduction="none")  # IGNORE: 0
+    ce = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none").view_as(targets)  # IGNORE: 0
     hits = (logits.detach().argmax(-1) == targets).sum(-1)  # [K]; IGNORE never equals an index
-    return ce.view(K, n).sum(-1), hits.to(logits.dtype)
+    return ce.sum(-1), hits.to(logits.dtype)
 
 
 def chunked_head_loss(heads: DraftHeads, model: GPT, hidden: torch.Tensor, targets: torch.Tensor, *,
@@ -98,8 +97,7 @@ class MedusaLM(nn.Module):
         """Total loss and detached on-device metrics ("lm" [], "heads" [K], "acc" [K]); x, y, valid: [B, T].
         heads_stride s > 1 trains the heads at every s-th position from heads_offset only (K vocabulary
         projections per position cost more than the backbone); the caller moves the offset each step."""
-        loss = torch.zeros((), device=x.device)
-        metrics: dict = {}
+        loss, metrics = torch.zeros((), device=x.device), {}
         if lm_weight == 0.0 and detach_backbone:
             with torch.no_grad():  # frozen backbone: hidden states only, no lm_head over all positions
                 _, hidden = self.model(x, logits_at=slice(0, 0))

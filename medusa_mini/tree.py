@@ -1,11 +1,10 @@
 """Candidate trees and tree attention (paper §2.1.2, Fig. 2).
 
-A tree is built from *choices*: each choice is a path of ranks, e.g. (0,) = head 1's top-1
-guess, (0, 2) = its child filled with head 2's rank-2 guess (third best, or third drawn). Node 0 is the root: the last
-committed token, which the verify pass feeds with every candidate. A node at depth d holds head d's guess
-of rank `choice[-1]`. A Tree is a value (frozen, hashed by its choices); its index tensors are made once
-per tree and device (`tree_tensors`). `build_tree` grows the tree with the most expected accepted
-tokens for a node budget from a measured acceptance table.
+A tree is built from *choices*: each choice is a path of ranks, e.g. (0,) = head 1's top-1 guess, (0, 2) = its child
+filled with head 2's rank-2 guess (third best, or third drawn). Node 0 is the root: the last committed token, which the
+verify pass feeds with every candidate. A node at depth d holds head d's guess of rank `choice[-1]`. A Tree is a value
+(frozen, hashed by its choices); its index tensors are made once per tree and device (`tree_tensors`). `build_tree`
+grows the tree with the most expected accepted tokens for a node budget from a measured acceptance table.
 
 Shapes: N nodes (root included), K heads, D maximum depth.
 """
@@ -70,10 +69,8 @@ class Tree:
 
     @staticmethod
     def from_choices(choices: Iterable[Sequence[int]], *, num_heads: int | None = None) -> "Tree":
-        """Validate and sort choices (by depth, then rank) so parents always precede children.
-
-        Raises ValueError naming the offending choice: not a sequence of ints, or `choice_problem`'s.
-        """
+        """Validate and sort choices (by depth, then rank) so parents always precede children. Raises ValueError
+        naming the offending choice: not a sequence of ints, or `choice_problem`'s."""
         for c in (choices := list(choices)):  # read twice below: a generator would be empty the second time
             if not isinstance(c, Sequence) or not all(isinstance(r, int) and not isinstance(r, bool) for r in c):
                 raise ValueError(f"tree choice {c!r} must be a list of integer ranks, e.g. [0, 1]")
@@ -232,11 +229,9 @@ CPU_CHOICES: list[Choice] = [
 
 
 def _gpu_choices() -> list[Choice]:
-    """About 64 nodes for a GPU, where a 64-token verify pass costs about as much as one token.
-
-    Rank budgets shrink with depth and with the ranks above, the shape the paper's optimised sparse
-    trees take (deeper heads are less accurate, later ranks rarely win).
-    """
+    """About 64 nodes for a GPU, where a 64-token verify pass costs about as much as one token. Rank budgets shrink
+    with depth and with the ranks above, the shape the paper's optimised sparse trees take (deeper heads are less
+    accurate, later ranks rarely win)."""
     out, frontier = [], [()]
     budget = {1: 10, 2: 4, 3: 3, 4: 2}  # per depth: ranks tried below a top-ranked parent
     for depth in range(1, 5):  # parents reached through later ranks (a larger sum) get fewer children
@@ -276,13 +271,12 @@ def check_acc(acc: torch.Tensor) -> torch.Tensor:
 def build_tree(acc: torch.Tensor, num_nodes: int, *, min_gain: float = 0.0) -> tuple[Tree, float]:
     """The tree of `num_nodes` candidates (root excluded) grown greedily by expected acceptance.
 
-    Candidates are the next sibling and the first child of every chosen node; the one with the
-    largest value Π_i acc[i][r_i] joins next (ties: shallower, then smaller ranks). A child is offered
-    only after its parent and rank r+1 only after rank r, so every prefix is present. When each row
-    of acc decreases with rank, values decrease along these offers and the greedy tree is the optimum.
-    Nodes of value 0 are never added, so a table with few nonzero entries gives a smaller tree; nor,
-    where every node costs a share of the step (a CPU), one whose value is below min_gain times the
-    expected tokens per step so far: it would slow the step more than it adds.
+    Candidates are the next sibling and the first child of every chosen node; the one with the largest value
+    Π_i acc[i][r_i] joins next (ties: shallower, then smaller ranks). A child is offered only after its parent and
+    rank r+1 only after rank r, so every prefix is present. When each row of acc decreases with rank, values decrease
+    along these offers and the greedy tree is the optimum. Nodes of value 0 are never added, so a table with few
+    nonzero entries gives a smaller tree; nor, where every node costs a share of the step (a CPU), one whose value is
+    below min_gain times the expected tokens per step so far: it would slow the step more than it adds.
     Returns (tree, expected tokens per step = 1 + Σ values, the bonus token counted).
     """
     a = check_acc(acc).tolist()
