@@ -33,8 +33,7 @@ def save_checkpoint(directory: str | os.PathLike, model: GPT, *, heads: DraftHea
     if heads is not None:
         files[HEADS_FILE] = lambda f: write_safetensors(f, heads.state_dict(), PT)
         files[HEADS_CONFIG_FILE] = json_writer(asdict(heads.config))
-    config = gpt2_config_dict(model, eos_token_id=eos_token_id) | {"medusa_mini": extra or {}}
-    files[CONFIG_FILE] = json_writer(config)  # last: it is what makes a directory a checkpoint
+    files[CONFIG_FILE] = json_writer(gpt2_config_dict(model, eos_token_id=eos_token_id) | {"medusa_mini": extra or {}})
     atomic_write_files({os.path.join(directory, name): write for name, write in files.items()})
     if heads is None:  # heads of an earlier save would not belong to this model
         remove_file(os.path.join(directory, HEADS_FILE))
@@ -45,8 +44,7 @@ def save_checkpoint(directory: str | os.PathLike, model: GPT, *, heads: DraftHea
 def load_heads(directory: str | os.PathLike, model: GPT, *, device: torch.device | str = "cpu") -> DraftHeads:
     """The heads saved in `directory`, for `model`; a one-line ValueError names what is wrong."""
     config_path, weights_path = os.path.join(directory, HEADS_CONFIG_FILE), os.path.join(directory, HEADS_FILE)
-    fields = read_json(config_path, hint="save the heads again")
-    if not isinstance(fields, dict):
+    if not isinstance(fields := read_json(config_path, hint="save the heads again"), dict):
         raise ValueError(f"{config_path} must be a JSON object; save the heads again")
     if fields.pop("own_lm_head", False):  # the format before draft vocabularies; False: the lm_head is shared
         raise ValueError(f"{config_path}: heads with their own lm_head are no longer supported; train them again")

@@ -4,6 +4,7 @@ that names the file and its fix."""
 import contextlib
 import json
 import os
+import pathlib
 import shutil
 import tempfile
 from typing import IO, Callable
@@ -12,8 +13,7 @@ Writer = Callable[[IO[bytes]], object]  # writes a file's bytes to an open binar
 
 
 def remove_file(path: str) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        os.remove(path)
+    pathlib.Path(path).unlink(missing_ok=True)
 
 
 def fsync_dir(folder: str) -> None:
@@ -96,7 +96,6 @@ def read_json(path: str | os.PathLike, *, hint: str) -> object:
     if not os.path.isfile(path):
         raise ValueError(f"{path} {'is a folder, not a file' if os.path.isdir(path) else 'is missing'}; {hint}")
     try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
+        return json.loads(pathlib.Path(path).read_text(encoding="utf-8"))
     except (OSError, ValueError, RecursionError) as e:  # the last: nested too deeply
         raise ValueError(f"{path} is not readable JSON ({e}); {hint}") from None

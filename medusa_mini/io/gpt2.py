@@ -32,8 +32,7 @@ _PREFIX = "transformer."
 
 
 def gpt2_state_dict(model: GPT) -> dict[str, torch.Tensor]:
-    """The tensors of a GPT2LMHeadModel file: no lm_head, Conv1D weights [in, out]. All are views, so that
-    saving from a GPU takes no second copy of the weights there."""
+    """A GPT2LMHeadModel file's tensors (see above), all views: saving from a GPU takes no second copy there."""
     wte, lm_head = model.transformer.wte.weight, model.lm_head.weight
     if lm_head is not wte and not torch.equal(lm_head, wte):
         raise ValueError("lm_head.weight is not tied to transformer.wte.weight; GPT-2 files cannot hold it")
@@ -89,8 +88,7 @@ def gpt2_config_dict(model: GPT, *, eos_token_id: int | None = None) -> dict:
 
 def read_gpt2_config(path: str) -> GPTConfig:
     """GPTConfig from a GPT-2 config.json; a ValueError naming the file for anything this GPT cannot reproduce."""
-    d = read_json(path, hint="put GPT-2's config.json beside its weights")
-    if not isinstance(d, dict):
+    if not isinstance(d := read_json(path, hint="put GPT-2's config.json beside its weights"), dict):
         raise ValueError(f"{path}: a GPT-2 config must be a JSON object")
     if d.get("model_type") != "gpt2":
         raise ValueError(f"{path}: model_type is {d.get('model_type')!r}; only 'gpt2' models can be loaded")
@@ -117,8 +115,8 @@ class _Interrupted(Exception):
 
 def _copy_body(resp, f, *, done: int, total: int | None, label: str) -> None:
     """Append the response body to `f`, showing progress on stderr every half second."""
-    start, t0, shown = done, time.monotonic(), 0.0
-    while True:
+    start, t0, shown, chunk = done, time.monotonic(), 0.0, None
+    while chunk != b"":  # b"": the body has ended
         try:
             chunk = resp.read(1 << 20)
         except (OSError, http.client.HTTPException) as e:
@@ -130,10 +128,7 @@ def _copy_body(resp, f, *, done: int, total: int | None, label: str) -> None:
             size = f"{done / 1e6:.1f}/{total / 1e6:.1f} MB" if total else f"{done / 1e6:.1f} MB"
             rate = (done - start) / max(shown - t0, 1e-9) / 1e6
             print(f"\r{label}: {size}, {rate:.1f} MB/s", end="" if chunk else "\n", file=sys.stderr, flush=True)
-        if not chunk:
-            break
-    # http.client returns b"" when a server closes early instead of raising, so count the bytes.
-    if total is not None and done < total:
+    if total is not None and done < total:  # http.client returns b"" when a server closes early instead of raising
         raise _Interrupted(f"connection closed after {done} of {total} bytes")
 
 
@@ -231,8 +226,7 @@ def load_gpt2(name_or_path: str | os.PathLike, *, device: torch.device | str = "
     # in milliseconds, on a fork of the CPU's generator (the global one is left as it was).
     approx_params = 12 * config.n_layer * config.n_embd**2 + config.vocab_size * config.n_embd  # blocks, wte
     with torch.random.fork_rng(devices=[]), torch.device("meta" if approx_params > META_ABOVE else "cpu"):
-        model = GPT(config)
-    model = model.to_empty(device=device)
+        model = GPT(config).to_empty(device=device)
     model.lm_head.weight = model.transformer.wte.weight  # to_empty gave the tied pair separate storage
     try:
         load_gpt2_weights(model, tensors)

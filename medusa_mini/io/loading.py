@@ -41,8 +41,7 @@ def load_for_decoding(directory: str, *, device: torch.device, dtype: torch.dtyp
     model.to(dtype)
     if heads is not None:
         heads.to(dtype)
-    extra = config.get("medusa_mini")
-    eot_id = extra.get("eot_id") if isinstance(extra, dict) else None
+    eot_id = extra.get("eot_id") if isinstance(extra := config.get("medusa_mini"), dict) else None
     if not isinstance(eot_id, int):  # else the tokenizer's own; without one, only the length stops generation
         eot_id = enc.eot_token if "<|endoftext|>" in enc.special_tokens_set else None
     return Checkpoint(directory, model, heads, enc, eot_id, config)
@@ -51,8 +50,7 @@ def load_for_decoding(directory: str, *, device: torch.device, dtype: torch.dtyp
 def load_prompts(directory: str, *, hint: str = "pass prompts with --prompt TEXT") -> list[str]:
     """The held-out prompts of prompts.json, {"prompts": ["...", ...]}; `hint` ends a missing or bad file's error."""
     path = os.path.join(directory, PROMPTS_FILE)
-    obj = read_json(path, hint=hint)
-    prompts = obj.get("prompts") if isinstance(obj, dict) else None
+    prompts = obj.get("prompts") if isinstance(obj := read_json(path, hint=hint), dict) else None
     if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) for p in prompts):
         raise ValueError(f'{path} must hold {{"prompts": ["text", ...]}} with at least one prompt')
     return prompts

@@ -34,10 +34,9 @@ def write_safetensors(f: IO[bytes], tensors: dict[str, torch.Tensor], metadata: 
     for name, t in tensors.items():
         if t.dtype not in _DTYPE_NAMES:
             raise ValueError(f"tensor {name!r}: dtype {t.dtype} cannot be stored in safetensors here")
-        nbytes = t.numel() * t.element_size()
-        header[name] = {"dtype": _DTYPE_NAMES[t.dtype], "shape": list(t.shape),
-                        "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
+        end = offset + t.numel() * t.element_size()
+        header[name] = {"dtype": _DTYPE_NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, end]}
+        offset = end
     raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
     raw += b" " * (-len(raw) % 8)
     f.write(struct.pack("<Q", len(raw)) + raw)
@@ -48,10 +47,9 @@ def write_safetensors(f: IO[bytes], tensors: dict[str, torch.Tensor], metadata: 
 
 
 def _no_duplicate_keys(pairs: list[tuple[str, object]]) -> dict:
-    out = dict(pairs)
-    if len(out) != len(pairs):
-        raise ValueError(f"duplicate key {next(k for k, n in Counter(k for k, _ in pairs).items() if n > 1)!r}")
-    return out
+    if twice := [k for k, n in Counter(k for k, _ in pairs).items() if n > 1]:
+        raise ValueError(f"duplicate key {twice[0]!r}")
+    return dict(pairs)
 
 
 def _check_entry(name: str, info: object, buffer_size: int) -> tuple[torch.dtype, list[int], tuple[int, int]]:
@@ -68,8 +66,7 @@ def _check_entry(name: str, info: object, buffer_size: int) -> tuple[torch.dtype
     begin, end = offsets
     if not 0 <= begin <= end <= buffer_size:
         raise ValueError(f"tensor {name!r} has data_offsets {offsets} outside the {buffer_size}-byte buffer")
-    nbytes = math.prod(shape) * _DTYPES[dtype].itemsize
-    if end - begin != nbytes:
+    if end - begin != (nbytes := math.prod(shape) * _DTYPES[dtype].itemsize):
         raise ValueError(f"tensor {name!r}: shape {shape} of {dtype} needs {nbytes} bytes, "
                          f"data_offsets span {end - begin}")
     return _DTYPES[dtype], shape, (begin, end)
@@ -81,8 +78,7 @@ def _read_header(f: IO[bytes]) -> tuple[dict[str, tuple], int]:
     if size < 8:
         raise ValueError(f"only {size} bytes, too short for the 8-byte header length")
     (n,) = struct.unpack("<Q", f.read(8))
-    # Both checks come before reading, so a hostile length never turns into a huge allocation.
-    if n > MAX_HEADER_BYTES:
+    if n > MAX_HEADER_BYTES:  # this check and the next come before reading: a hostile length allocates nothing
         raise ValueError(f"header length {n} exceeds the {MAX_HEADER_BYTES}-byte limit (not a safetensors file?)")
     if 8 + n > size:
         raise ValueError(f"header length {n} runs past the end of the {size}-byte file")
@@ -96,8 +92,7 @@ def _read_header(f: IO[bytes]) -> tuple[dict[str, tuple], int]:
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
         raise ValueError("__metadata__ must be an object of strings")
     entries = {name: _check_entry(name, info, size - 8 - n) for name, info in header.items()}
-    # The tensors must tile the buffer exactly: no overlaps (aliasing), no gaps (hidden bytes).
-    covered = 0
+    covered = 0  # the tensors must tile the buffer exactly: no overlaps (aliasing), no gaps (hidden bytes)
     for name, (_, _, (begin, end)) in sorted(entries.items(), key=lambda kv: kv[1][2]):
         if begin != covered:
             what = "overlaps the previous tensor" if begin < covered else f"leaves a gap at byte {covered}"
