@@ -1,6 +1,5 @@
-"""A `train_tiny.py` run: its settings, its hyper-parameters (each a flag) and the presets. `--resume`
-compares a run's identity (hyper-parameters, seed) and a digest of its text: a resumed run never
-changes its settings or its data. The device may change."""
+"""A `train_tiny.py` run: its settings, its hyper-parameters (each a flag) and the presets. `--resume` refuses
+another identity (`TrainArgs.identity`) or other text; the device may change."""
 
 import math
 import os
@@ -9,18 +8,14 @@ from dataclasses import Field, dataclass, field, fields
 
 from ..heads import HEAD_KINDS
 
-MINIMUM = {"vocab_size": 257, "n_layer": 1, "n_head": 1, "n_embd": 1, "block_size": 1, "batch_size": 1, "num_heads": 1,
-           "heads_stride": 1, "save_every": 1, "medusa": 1, "distill_prompts": 1, "distill_prompt_len": 1,
-           "distill_tokens": 1, "heads_batch_size": 1, "eval_prompts": 1, "max_bytes": 1}  # 257: bytes, end-of-text
-
 
 class TrainError(Exception):
     """A problem the user can fix (bad data, a clashing --resume, ...): one line, exit code 2."""
 
 
-def hp(default, help: str):
-    """A hyper-parameter: a flag of its own (`help`), left out it keeps the preset's value."""
-    return field(default=default, metadata={"help": help})
+def hp(default, help: str, least: int = 0):
+    """A hyper-parameter: a flag of its own (`help`), left out it keeps the preset's value; `least`: its minimum."""
+    return field(default=default, metadata={"help": help, "least": least})
 
 
 @dataclass
@@ -35,42 +30,42 @@ class TrainArgs:
     seed: int = 0
     device: str = "cpu"
     dtype: str = "float32"
-    save_every: int | None = None
-    log_every: float = 10.0
+    save_every: int | None = field(default=None, metadata={"least": 1})
+    log_every: float = field(default=10.0, metadata={"least": 0})
     # hyper-parameters; the defaults are the cpu preset's but for num_heads (PRESETS)
-    max_bytes: int = hp(3_000_000, "cap on the default corpus")
-    vocab_size: int = hp(2048, "BPE vocabulary incl. end-of-text")
-    n_layer: int = hp(4, "transformer blocks")
-    n_head: int = hp(4, "attention heads")
-    n_embd: int = hp(256, "width")
-    block_size: int = hp(256, "context length")
-    num_heads: int = hp(4, "Medusa heads K")
+    max_bytes: int = hp(3_000_000, "cap on the default corpus", 1)
+    vocab_size: int = hp(2048, "BPE vocabulary incl. end-of-text", 257)  # the least: 256 bytes and end-of-text
+    n_layer: int = hp(4, "transformer blocks", 1)
+    n_head: int = hp(4, "attention heads", 1)
+    n_embd: int = hp(256, "width", 1)
+    block_size: int = hp(256, "context length", 1)
+    num_heads: int = hp(4, "Medusa heads K", 1)
     heads: str = hp("medusa", "medusa: head k reads h_t only; hydra: h_t and the k tokens before its target")
-    medusa: int = hp(2, "1: heads on the frozen backbone; 2: heads trained jointly with the backbone, then alone")
-    batch_size: int = hp(16, "backbone sequences per step")
+    medusa: int = hp(2, "1: heads on the frozen backbone; 2: heads trained jointly with the backbone, then alone", 1)
+    batch_size: int = hp(16, "backbone sequences per step", 1)
     backbone_steps: int = hp(420, "optimizer steps")
     lr: float = hp(1e-3, "backbone learning rate")
     weight_decay: float = hp(0.1, "AdamW's, on weight matrices only")
     heads_lr_mult: float = hp(4.0, "heads' learning rate over the backbone's in joint training")
     lambda0: float = hp(0.2, "Medusa-2 heads-loss weight (ramped up)")
-    heads_stride: int = hp(4, "joint training: head losses at every n-th position only (speed)")
+    heads_stride: int = hp(4, "joint training: head losses at every n-th position only (speed)", 1)
     head_decay: float = hp(0.8, "head k's loss weight decay^k (joint)")
-    distill_prompts: int = hp(1024, "self-distillation prompts")
-    distill_prompt_len: int = hp(32, "tokens per prompt")
-    distill_tokens: int = hp(96, "tokens the backbone writes per prompt")
+    distill_prompts: int = hp(1024, "self-distillation prompts", 1)
+    distill_prompt_len: int = hp(32, "tokens per prompt", 1)
+    distill_tokens: int = hp(96, "tokens the backbone writes per prompt", 1)
     distill_temperatures: str = hp("0,0.8", "sampling temperatures, cycled (0: greedy)")
     heads_steps: int = hp(500, "heads-only optimizer steps on the self-distilled text")
-    heads_batch_size: int = hp(32, "sequences per heads step")
+    heads_batch_size: int = hp(32, "sequences per heads step", 1)
     heads_lr: float = hp(1e-3, "heads-only learning rate")
     draft_vocab: int = hp(512, "M: heads guess among the M tokens most frequent in the self-distilled text (0: all)")
-    eval_prompts: int = hp(16, "held-out prompts saved for decode.py")
+    eval_prompts: int = hp(16, "held-out prompts saved for decode.py", 1)
     eval_every: int = hp(0, "backbone steps between validation losses (0: only the summary's)")
 
     def __post_init__(self) -> None:
-        for name in [*self.hyper_parameters(), "save_every", "log_every"]:
-            value, least = getattr(self, name), MINIMUM.get(name, 0)
-            if isinstance(value, (int, float)) and not (math.isfinite(value) and value >= least):  # nan too
-                raise ValueError(f"--{name.replace('_', '-')} must be a number >= {least}, got {value}")
+        for f in fields(self):  # the hyper-parameters, --save-every and --log-every: each has its least
+            value, least = getattr(self, f.name), f.metadata.get("least")
+            if least is not None and isinstance(value, (int, float)) and not (math.isfinite(value) and value >= least):
+                raise ValueError(f"--{f.name.replace('_', '-')} must be a number >= {least}, got {value}")  # nan too
         if self.resume and self.overwrite:
             raise ValueError("--resume continues the run in --out, --overwrite replaces it: give one of them")
         if self.medusa not in (1, 2):

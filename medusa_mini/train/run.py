@@ -1,6 +1,5 @@
-"""A `train_tiny.py` run, resumable at every stage: tokenizer and backbone (or `--init`'s, pretrained and
-frozen), self-distillation, heads, draft vocabulary, summary. `Run` saves what an exact --resume needs; the first
-Ctrl-C saves after the current step. Under torchrun (DDP) each rank trains on its own batches, rank 0 writes."""
+"""A `train_tiny.py` run, resumable at every stage (train_tiny.py lists them): `Run` saves what an exact --resume
+needs, also on Ctrl-C. Under torchrun (DDP) each rank trains on its own batches, rank 0 writes."""
 
 import hashlib
 import math
@@ -17,7 +16,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..heads import HeadsConfig, frequency_order, make_heads
 from ..io.checkpoint import CHECKPOINT_FILES, CONFIG_FILE, save_checkpoint
-from ..io.files import atomic_write, check_writable, json_writer, remove_file
+from ..io.files import Writer, atomic_write, check_writable, json_writer, remove_file
 from ..io.gpt2 import GPT2_CONFIGS, download_gpt2, load_gpt2
 from ..io.loading import PROMPTS_FILE
 from ..io.tokenizer import TOKENIZER_FILES, load_tokenizer, make_encoding, save_tokenizer, train_bpe
@@ -76,28 +75,24 @@ class Run:
             dist.barrier()
         if not self.main:
             return
-        self.start_writing()
         state = {"identity": self.args.identity(), "data": self.data_digest, "world": self.world, "stage": stage,
                  "step": step, "model": None if self.args.init else self.model.state_dict(),
                  "heads": self.heads.state_dict(), "optim": optimizer and optimizer.state_dict(),
                  "scaler": scaler and scaler.state_dict(), **mine}
-        atomic_write(self.state_path, lambda f: torch.save(state, f))
-        self.write_checkpoint()
+        self.write(self.state_path, lambda f: torch.save(state, f))
 
-    def start_writing(self) -> None:
-        """Before the run's first save (its state or checkpoint): only now does --overwrite's old run stop being a
-        checkpoint (a run that fails or stops before it saves leaves it whole; one stopped later, its own files
-        alone); then the tokenizer."""
-        if self.model_written:  # saved before: this run's files are there already
-            return
-        try:
+    def write(self, path: str, writer: Writer) -> None:
+        """`writer`'s file at `path` (the resume state, the held-out prompts), then the checkpoint. Only at the run's
+        first save does --overwrite's old run stop being a checkpoint (a run that fails or stops before it saves
+        leaves it whole; one stopped later, its own files alone); then the tokenizer."""
+        if not self.model_written:  # the first save: later, this run's files are there already
             for name in (CONFIG_FILE, STATE_FILE, accuracy.ACCURACY_FILE, PROMPTS_FILE) if self.args.overwrite else ():
-                remove_file(os.path.join(self.args.out, name))
-        except OSError as e:
-            raise TrainError(f"--overwrite: cannot remove {e.filename} ({e.strerror})") from None
-        save_tokenizer(self.enc, self.args.out)
-
-    def write_checkpoint(self) -> None:
+                try:
+                    remove_file(os.path.join(self.args.out, name))
+                except OSError as e:
+                    raise TrainError(f"--overwrite: cannot remove {e.filename} ({e.strerror})") from None
+            save_tokenizer(self.enc, self.args.out)
+        atomic_write(path, writer)
         # A pretrained backbone never changes: written once, not copied again (gigabytes) at every save.
         save_checkpoint(self.args.out, self.model, heads=self.heads, extra=self.extra,
                         eos_token_id=self.extra["eot_id"], write_model=not (self.args.init and self.model_written))
@@ -174,13 +169,12 @@ class Run:
         return result
 
     def finish(self) -> None:
-        """Remove the resume state (each rank its own file) once every rank is done, then leave the group."""
+        """Once every rank is done, leave the group and remove the resume state (each rank its own file)."""
         if self.world > 1:
             dist.barrier()  # a rank tearing the group down while a peer still talks to it aborts the peer
+            dist.destroy_process_group()
         for path in [self.rank_path] + ([self.state_path] if self.main else []):
             remove_file(path)
-        if self.world > 1:
-            dist.destroy_process_group()
 
 
 def tokenizer_folder(init: str) -> str | None:
@@ -262,8 +256,7 @@ def progress_line(stage: str, step: int, steps: int, metrics: dict, *, tokens_pe
 
 def _train(r: Run, module: MedusaLM, optimizer, *, stage: str, steps: int, start: int, gen, batch_fn, loss_kwargs,
            state=None, evaluate=None) -> None:
-    """The optimizer loop of both training stages, from `state` (saved) on: cosine lr, clipping, progress,
-    saves, Ctrl-C. It waits for the device only to print; the ranks agree through host memory."""
+    """The optimizer loop of both training stages, from `state` on: cosine lr, clipping, progress, saves, Ctrl-C."""
     # No find_unused_parameters: every trainable parameter gets a gradient each step (a frozen backbone
     # has requires_grad off; with λ0 = 0 the joint stage leaves the heads out).
     ddp = DDP(module) if r.world > 1 else module
@@ -495,9 +488,7 @@ def run(args: TrainArgs) -> None:
         r.extra.update(figures)
         r.log("stages     " + ", ".join(r.stages))
         prompts = held_out_prompts(val_docs, enc, count=args.eval_prompts, seed=args.seed, block_size=block_size)
-        r.start_writing()
-        atomic_write(os.path.join(args.out, PROMPTS_FILE), json_writer({"prompts": prompts}))
-        r.write_checkpoint()
+        r.write(os.path.join(args.out, PROMPTS_FILE), json_writer({"prompts": prompts}))
         save_accuracy()  # after the heads it measures: a run stopped in between leaves no table of other heads
         r.log(f"saved      {args.out}  (python decode.py --ckpt {args.out} " + ("--compare)" if prompts else
               "--prompt TEXT: no held-out snippet fits a third of the context)"))
