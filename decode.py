@@ -100,8 +100,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def prepare(a: argparse.Namespace) -> tuple:
     """(checkpoint, TreeChoice, --compare's for drawn candidates, [(text, ids)]); a ValueError before any output."""
-    device = pick_device(a.device)
-    dtype = pick_dtype(a.dtype, device)
+    dtype = pick_dtype(a.dtype, device := pick_device(a.device))
     if a.demo:  # the tree and prompts are checked on the untrained demo first, not after seconds of training
         ck, text = demo_checkpoint(device=device, dtype=dtype, steps=0)
         checked(a, ck, texts := a.prompt or [text], device)

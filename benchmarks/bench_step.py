@@ -129,9 +129,8 @@ def step_ops(model: GPT, heads: DraftHeads, caches: dict[int, KVCache], trees: d
              hidden: torch.Tensor, *, history: list[list[int]], reset: Callable[[], None]) -> dict[str, int]:
     """Device operations of one eager step: the plain one (its uniform drawn, the token chosen) under greedy
     and sampling, and Medusa's on each tree under each rule (proposal to host read); and of one heads call."""
-    gen, device, plain = torch.Generator(root.device).manual_seed(0), root.device, OP_RULES["rejection"]
-    counts, eager = {}, Steps()
-    for name, sampling in (("plain greedy", Sampling()), ("plain sampling", plain)):
+    gen, device, counts, eager = torch.Generator(root.device).manual_seed(0), root.device, {}, Steps()
+    for name, sampling in (("plain greedy", OP_RULES["greedy"]), ("plain sampling", OP_RULES["rejection"])):
         reset()
         counts[name] = count_ops(lambda: eager.plain(model, caches[0], root[:, None], sampling=sampling,
                                                      u=sampling.uniforms((1,), gen, device=device)))
@@ -180,12 +179,9 @@ def bench_config(config: GPTConfig, *, device: torch.device, repeat: int, warmup
         for cache in caches.values():
             cache.lengths = prefix_len  # later slots are stale and get overwritten, as in decoding
 
-    def plain() -> int:
-        token, _, _ = steps.plain(model, caches[0], root[:, None], attended=prefix_len + 1)  # [1]
-        return int(token[0])  # the greedy token, chosen in the step
-
     ops = step_ops(model, heads, caches, trees, root, hidden, history=history, reset=reset)  # caches left at the prefix
-    calls: dict[str, Callable[[], object]] = {"plain": plain}
+    calls: dict[str, Callable[[], object]] = {  # the plain step's greedy token [1], chosen in the step, read
+        "plain": lambda: int(steps.plain(model, caches[0], root[:, None], attended=prefix_len + 1)[0][0])}
     for n in nodes:
         t, tokens = verify_tree(n).tensors(device), torch.randint(0, config.vocab_size, (1, n), generator=gen)
         calls[f"verify {n}"] = partial(verify_step, model, caches[n], tokens.to(device), tree=t,
@@ -283,8 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.threads is not None:
         torch.set_num_threads(a.threads)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None  # before: other work competing for cores
-    results = {" ".join([name] + ([str(dtype).split(".")[-1]] if dtype != torch.float32 else [])
-                        + (["compiled"] if compiled else [])):
+    results = {" ".join([name] + [str(dtype).split(".")[-1]] * (dtype != torch.float32) + ["compiled"] * compiled):
                bench_config(CONFIGS[name], device=a.device, repeat=a.repeat, warmup=a.warmup, prefix_len=a.prefix,
                             seed=a.seed, nodes=a.nodes, dtype=dtype, compiled=compiled, draft_vocab=a.draft_vocab)
                for name in a.configs for dtype in a.dtypes for compiled in (False, True)[: 1 + a.compile]}

@@ -60,8 +60,7 @@ def run_script(argv: list[str], *, timeout_s: float, label: str) -> tuple[int | 
                 lines.append(line)
                 print(f"  [{label}] {line}", end="", file=sys.stderr, flush=True)
 
-    reader = threading.Thread(target=pump, daemon=True)
-    reader.start()
+    (reader := threading.Thread(target=pump, daemon=True)).start()
     try:
         returncode: int | None = proc.wait(timeout=max(timeout_s, 0.0))
     except subprocess.TimeoutExpired:

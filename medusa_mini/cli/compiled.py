@@ -138,16 +138,14 @@ def with_aligned_head(model: GPT, *, devices: tuple[str, ...] = ("cuda",)) -> GP
 
 
 def compile_options(device: torch.device | str, *, backend: str | Callable = "inductor") -> dict:
-    """torch.compile's settings: whole graphs of fixed shapes; CUDA graphs on CUDA (a backend other than
-    inductor, as the tests use, checks the capture cheaply)."""
+    """torch.compile's settings (a backend other than inductor, as the tests use, checks the capture cheaply)."""
     mode = "reduce-overhead" if torch.device(device).type == "cuda" and backend == "inductor" else None
     return dict(fullgraph=True, dynamic=False, mode=mode, backend=backend)
 
 
 def compile_steps(device: torch.device | str, *, backend: str | Callable = "inductor",
                   compile: Callable | None = None) -> Steps:
-    """The compiled steps (`compile`: how to compile a function, by default torch.compile with
-    `compile_options`; the identity runs the fixed-shape steps eagerly)."""
+    """The compiled steps (`compile`: how to compile a function; the identity runs the fixed-shape steps eagerly)."""
     compile = compile or (lambda fn: torch.compile(fn, **compile_options(device, backend=backend)))
     compiled_plain = compile(plain_step)
 

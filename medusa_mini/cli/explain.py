@@ -61,10 +61,9 @@ def draw_tree(tree: Tree, labels: list[str] | None = None) -> str:
 
     def visit(node: int, prefix: str) -> None:
         for kid in tree.children[node]:
-            last = kid == tree.children[node][-1]
-            lines.append(f"{prefix}{'└─ ' if last else '├─ '}[{kid}] head {tree.depths[kid]} rank {tree.ranks[kid]}"
-                         + labels[kid])
-            visit(kid, prefix + ("   " if last else "│  "))
+            branch, indent = ("└─ ", "   ") if kid == tree.children[node][-1] else ("├─ ", "│  ")
+            lines.append(f"{prefix}{branch}[{kid}] head {tree.depths[kid]} rank {tree.ranks[kid]}{labels[kid]}")
+            visit(kid, prefix + indent)
 
     visit(0, "")
     return "\n".join(lines)
@@ -72,8 +71,7 @@ def draw_tree(tree: Tree, labels: list[str] | None = None) -> str:
 
 def draw_mask(tree: Tree) -> str:
     """The N x N tree attention mask: row = query node, column = key node, ■ = may attend."""
-    mask, N = tree.tensors().ancestor_mask, tree.num_nodes
-    w = len(str(N - 1))
+    mask, N, w = tree.tensors().ancestor_mask, tree.num_nodes, len(str(tree.num_nodes - 1))
     return "\n".join([" " * (w + 1) + " ".join(f"{j:>{w}}" for j in range(N))] + [
         f"{i:>{w}} " + " ".join(f"{'■' if mask[i, j] else '·':>{w}}" for j in range(N)) for i in range(N)])
 
