@@ -13,7 +13,8 @@ Writer = Callable[[IO[bytes]], object]  # writes a file's bytes to an open binar
 
 
 def remove_file(path: str) -> None:
-    pathlib.Path(path).unlink(missing_ok=True)
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(path)
 
 
 def fsync_dir(folder: str) -> None:

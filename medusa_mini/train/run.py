@@ -169,12 +169,13 @@ class Run:
         return result
 
     def finish(self) -> None:
-        """Once every rank is done, leave the group and remove the resume state (each rank its own file)."""
+        """Remove the resume state (each rank its own file) once every rank is done, then leave the group."""
         if self.world > 1:
             dist.barrier()  # a rank tearing the group down while a peer still talks to it aborts the peer
-            dist.destroy_process_group()
         for path in [self.rank_path] + ([self.state_path] if self.main else []):
             remove_file(path)
+        if self.world > 1:
+            dist.destroy_process_group()
 
 
 def tokenizer_folder(init: str) -> str | None:
