@@ -107,8 +107,9 @@ class HeadsProposer:
     def uniforms(self, sampling: Sampling, rows: int, generator: torch.Generator | None, *,
                  device: torch.device | str) -> torch.Tensor | None:
         """[B, Q, V] for drawn candidates, one per token of each q (Gumbel noise); None for the top-k."""
-        shape = (rows, self.q_count(self.tree), self.vocab_size)
-        return torch.rand(shape, generator=generator, device=device) if sampling.draws_candidates else None
+        if not sampling.draws_candidates:  # nothing to draw: no shape worked out, every step
+            return None
+        return torch.rand((rows, self.q_count(self.tree), self.vocab_size), generator=generator, device=device)
 
     @torch.no_grad()
     def propose(self, roots: torch.Tensor, hidden: torch.Tensor, *, sampling: Sampling, u: torch.Tensor | None,
