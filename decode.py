@@ -125,12 +125,11 @@ def checked(a: argparse.Namespace, ck, texts: list[str], device: torch.device) -
         drawn = tree_for(drawn=True) if a.compare else choice  # --compare's rejection row draws: its own tree
         for tree in {choice.tree, drawn.tree} if medusa else ():  # a tree the heads cannot fill fails here
             ck.heads.proposer(ck.model, tree)
-    prompts = []
+    prompts, room = [], ROOM if a.explain else 2 if a.compare else 1  # new positions past a prompt (--compare: two)
     for i, text in enumerate(texts, start=1):
         ids, which = ck.enc.encode_ordinary(text), f"prompt {i} ({'--prompt' if a.prompt else PROMPTS_FILE})"
         if not ids:
             raise ValueError(f"{which} is empty; give some text with --prompt")
-        room = ROOM if a.explain else 2 if a.compare else 1  # new positions past the prompt (--compare: two tokens)
         if len(ids) > ck.block_size - room:
             raise ValueError(f"{which} is {len(ids)} tokens long but the context holds {ck.block_size}; "
                              f"shorten it to at most {ck.block_size - room} tokens")
