@@ -43,7 +43,11 @@ class GenerationStats:
 
 
 def _check_prompt(model: GPT, prompt: list[int] | torch.Tensor) -> list[int]:
-    ids, block = torch.as_tensor(prompt, dtype=torch.long).flatten().tolist(), model.config.block_size
+    ids, block = torch.as_tensor(prompt, dtype=torch.long), model.config.block_size
+    if not (ids.dim() == 1 or ids.dim() == 2 and len(ids) == 1):  # [T] or [1, T]; a bare id or [B, T] is a slip
+        shape = "one id" if ids.dim() == 0 else f"a tensor of shape {list(ids.shape)}"
+        raise ValueError(f"a prompt is a list of token ids, not {shape}; the batch functions take a list of prompts")
+    ids = ids.flatten().tolist()
     if not ids or len(ids) >= block:
         raise ValueError("the prompt is empty: give at least one token" if not ids else
                          f"the prompt has {len(ids)} tokens; the context holds {block}, so the prompt must be shorter")
@@ -55,14 +59,15 @@ def _check_prompt(model: GPT, prompt: list[int] | torch.Tensor) -> list[int]:
 def reuse_cache(cache: KVCache | CacheSource | None, model: GPT, *, batch_size: int, max_len: int) -> KVCache:
     """`cache` emptied for a new generation, or a new one of batch_size rows and max_len slots when None; a callable
     is asked for the cache of that size (`cache(batch_size, max_len)`: cli/compiled.py keeps one per size, at fixed
-    addresses). A cache to reuse must have the size asked for."""
-    cache = cache(batch_size, max_len) if callable(cache) else cache
+    addresses). A cache to reuse must be the one this would make: its size, layers, heads, dtype and device."""
+    cache, c, dtype = cache(batch_size, max_len) if callable(cache) else cache, model.config, model.lm_head.weight.dtype
     if cache is None:
-        return KVCache(model.config, batch_size=batch_size, max_len=max_len, device=model.device,
-                       dtype=model.lm_head.weight.dtype)
-    if (cache.batch_size, cache.max_len) != (batch_size, max_len):
-        raise ValueError(f"the KV cache to reuse has {cache.batch_size} rows of {cache.max_len} slots; this "
-                         f"generation needs {batch_size} of {max_len}")
+        return KVCache(c, batch_size=batch_size, max_len=max_len, device=model.device, dtype=dtype)
+    have = (tuple(cache.kv.shape), cache.kv.dtype, cache.kv.device)
+    need = ((c.n_layer, 2, batch_size, c.n_head, max_len, c.n_embd // c.n_head), dtype, model.device)  # `KVCache.kv`
+    if have != need:  # [n_layer, 2, B, nh, max_len, hs]
+        say = lambda s, t, d: f"{s[2]} rows of {s[4]} slots ({s[0]} layers, {s[3]} heads of {s[5]}) in {t} on {d}"
+        raise ValueError(f"the KV cache to reuse has {say(*have)}; this generation needs {say(*need)}")
     cache.lengths = 0
     return cache
 
@@ -94,6 +99,8 @@ class Generations:
 
     def __init__(self, model: GPT, prompts: list[Prompt], *, max_new_tokens: int, eos_id: int | None,
                  on_step: RowCallback | None) -> None:
+        if not (isinstance(max_new_tokens, int) and max_new_tokens >= 0):
+            raise ValueError(f"max_new_tokens must be an integer >= 0, not {max_new_tokens!r}")
         self.prompts = [_check_prompt(model, p) for p in prompts]
         if not self.prompts:
             raise ValueError("no prompts: give at least one")

@@ -41,7 +41,7 @@ class HeadsConfig:
     num_heads: int = 4
     n_embd: int = 256
     vocab_size: int = 2048
-    draft_vocab_size: int = 0  # M: guesses come from the M most frequent tokens (0: the whole vocabulary)
+    draft_vocab_size: int = 0  # M: guesses come from vocab_order's first M (`use_draft_vocabulary`; 0: all)
     kind: str = "medusa"  # see HEAD_KINDS
 
     def __post_init__(self) -> None:
@@ -133,7 +133,12 @@ class DraftHeads(nn.Module):
         raise NotImplementedError
 
     def proposer(self, model: nn.Module, tree: Tree) -> HeadsProposer:
-        """The proposer of one generation: `heads_of` is made once, here, not at every step."""
+        """The proposer of one generation (`heads_of` made once, here, not at every step) of heads that fit `model`."""
+        w = model.transformer.wte.weight  # [V, C]
+        ours = (self.config.n_embd, self.config.vocab_size, self.blocks[0].linear.weight.dtype, self.vocab_order.device)
+        if ours != (theirs := (w.shape[1], w.shape[0], w.dtype, w.device)):
+            raise ValueError("heads of width {}, {} tokens, {} on {} cannot draft for a backbone of width {}, {} "
+                             "tokens, {} on {}".format(*ours, *theirs))
         return self.proposer_class(tree, self.heads_of(model), draft_ids=self.draft_ids,
                                    vocab_size=self.config.vocab_size, num_heads=self.num_heads, heads=self)
 

@@ -209,6 +209,8 @@ class GPT(nn.Module):
         `attended` slots (default all max_len). slots: [B, T] each row's next T cache slots, if the caller has them.
         """
         B, T = idx.shape
+        if pos is None and cache is None and T > self.config.block_size:  # else wpe's IndexError
+            raise ValueError(f"{T} tokens do not fit the context of {self.config.block_size}: pass at most that many")
         if cache is not None:
             if torch.is_grad_enabled():  # a cache holds values for decoding, never an autograd graph
                 raise RuntimeError("a forward with a KV cache decodes: run it under torch.no_grad()")

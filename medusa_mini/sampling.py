@@ -12,6 +12,7 @@ share these functions and neither imports the other.
 """
 
 import math
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -43,7 +44,7 @@ class Sampling:
 
     def __post_init__(self) -> None:
         T = self.temperature
-        if not (isinstance(T, (int, float)) and math.isfinite(T) and 0 <= T <= FLOAT32_MAX):
+        if not (isinstance(T, numbers.Real) and math.isfinite(T) and 0 <= T <= FLOAT32_MAX):  # numpy's too
             raise ValueError(f"temperature must be a number from 0 (greedy) to {FLOAT32_MAX:.3g} (float32's "
                              f"largest), not {T!r}")
         if self.acceptance not in (None, *ACCEPTANCE_RULES):

@@ -11,6 +11,7 @@ Shapes: N nodes (root included), K heads, D maximum depth.
 
 import heapq
 import math
+import numbers
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Iterable, NamedTuple, Sequence
@@ -72,9 +73,10 @@ class Tree:
         """Validate and sort choices (by depth, then rank) so parents always precede children. Raises ValueError
         naming the offending choice: not a sequence of ints, or `choice_problem`'s."""
         for c in (choices := list(choices)):  # read twice below: a generator would be empty the second time
-            if not isinstance(c, Sequence) or not all(isinstance(r, int) and not isinstance(r, bool) for r in c):
+            if not isinstance(c, Sequence) or not all(isinstance(r, numbers.Integral) and not isinstance(r, bool)
+                                                      for r in c):  # numpy's integers too (argsort's ranks)
                 raise ValueError(f"tree choice {c!r} must be a list of integer ranks, e.g. [0, 1]")
-        parsed = [tuple(c) for c in choices]
+        parsed = [tuple(map(int, c)) for c in choices]
         if problem := choice_problem(parsed, num_heads=num_heads):
             raise ValueError(problem)
         return Tree(tuple(sorted(parsed, key=lambda c: (len(c), c))))
@@ -251,7 +253,7 @@ def preset(name: str) -> Tree:
     if name.startswith("chain") and name[5:].isdigit() and 0 < int(name[5:]) <= MAX_NODES:
         return chain(int(name[5:]))
     if name not in PRESETS:
-        raise ValueError(f"unknown tree {name!r}: use one of {sorted(PRESETS)} or chainN")
+        raise ValueError(f"unknown tree {name!r}: use one of {sorted(PRESETS)} or chainN, N from 1 to {MAX_NODES}")
     return Tree.from_choices(PRESETS[name])
 
 

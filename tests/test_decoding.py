@@ -46,16 +46,19 @@ def test_plain_decoding_emits_the_backbones_own_next_tokens_drawn_in_order_from_
     assert got == ids[3:]
 
 
-@pytest.mark.parametrize("prompt, message", [([], "empty"), (list(range(64)), "must be shorter"), ([3, 64], "0 to 63"),
-                                             ([-1], "outside the vocabulary")])
-def test_bad_prompts_are_a_clear_error(model, prompt, message):
+@pytest.mark.parametrize("prompts, max_new_tokens, message", [
+    ([[]], 5, "empty"), ([list(range(64))], 5, "must be shorter"), ([[3, 64]], 5, "0 to 63"),
+    ([[-1]], 5, "outside the vocabulary"), ([[2], [1, 2]], -1, "an integer >= 0"), ([[2]], 5.0, "an integer"),
+    ([1, 2, 3], 5, "not one id; the batch functions take a list"), ([torch.ones(2, 3)], 5, r"shape \[2, 3\]")])
+def test_bad_prompts_and_budgets_are_a_clear_error_and_a_flat_list_is_not_a_batch_of_one_id_prompts(
+        model, prompts, max_new_tokens, message):
     with pytest.raises(ValueError, match=message):
-        generate(model, prompt, max_new_tokens=5)
+        generate_batch(model, prompts, max_new_tokens=max_new_tokens)
     with pytest.raises(ValueError, match=message):
-        medusa_generate(model, random_heads(model), prompt, tree=chain(2), max_new_tokens=5)
+        medusa_generate_batch(model, random_heads(model), prompts, tree=chain(2), max_new_tokens=max_new_tokens)
 
 
-def test_a_reused_cache_gives_the_tokens_of_a_fresh_one_and_must_have_the_asked_size():
+def test_a_reused_cache_gives_the_tokens_of_a_fresh_one_and_must_be_the_one_asked_for():
     """A cache kept from one generation to the next (fixed addresses, as a CUDA graph needs) is emptied
     first, so nothing of the previous generation leaks into the next."""
     model = tiny_model(7)
@@ -71,8 +74,10 @@ def test_a_reused_cache_gives_the_tokens_of_a_fresh_one_and_must_have_the_asked_
         generate(model, [1, 2], max_new_tokens=3, cache=tree_cache)
     with pytest.raises(ValueError, match="slots"):  # a tree's nodes need slots past the context
         medusa_generate(model, heads, [1, 2], tree=tree, max_new_tokens=3, cache=plain_cache)
-    with pytest.raises(ValueError, match="has 1 rows .* needs 2 of"):
+    with pytest.raises(ValueError, match="has 1 rows .* needs 2 rows"):
         generate_batch(model, [[1, 2], [3]], max_new_tokens=3, cache=plain_cache)
+    with pytest.raises(ValueError, match="in torch.float64 on cpu; .* in torch.float32 on cpu"):  # index_put_'s error
+        generate(model, [1, 2], max_new_tokens=3, cache=KVCache(model.config, dtype=torch.float64))
 
 
 PROMPTS = [[5], [3, 1, 4, 1, 5, 9, 2, 6], [7, 7, 2], list(range(1, 40))]  # different lengths, one near the end

@@ -98,6 +98,11 @@ def test_heads_refuse_what_they_cannot_do_and_a_refused_draft_vocabulary_changes
     heads = random_heads(model, num_heads=2)
     with pytest.raises(ValueError, match="depth 4 but the model has 2 Medusa heads"):
         heads.proposer(model, chain(4))
+    with pytest.raises(ValueError, match=f"width {C}, {V} tokens, torch.float32 on cpu cannot draft for a backbone of "
+                                         f"width {C}, {V + 1} tokens, torch.float32"):  # not a matmul's shape error
+        heads.proposer(tiny_model(vocab_size=V + 1), chain(2))
+    with pytest.raises(ValueError, match="torch.float64 on cpu cannot draft for a backbone of .* torch.float32"):
+        random_heads(model).double().proposer(model, chain(2))
     with pytest.raises(ValueError, match="depth 4 but the model has 2 Medusa heads"):  # the reference's loop too
         reference.medusa_generate(model, heads, [1, 2], tree=chain(4), max_new_tokens=4)
     with pytest.raises(ValueError, match="every token id once"):

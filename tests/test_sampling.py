@@ -2,6 +2,7 @@
 
 from collections import Counter
 
+import numpy as np
 import pytest
 import torch
 
@@ -20,7 +21,9 @@ def test_top_p_keeps_the_smallest_set_reaching_p():
 @pytest.mark.parametrize("temperature", [1e-4, 1e-30, 1e-45])
 def test_a_tiny_temperature_gives_the_argmax_not_nan_and_shares_exact_ties_and_zero_is_refused(temperature):
     logits = torch.tensor([[1.0, 3.0, 2.0, -5.0], [2.0, 7.0, 7.0, 0.0]])
-    assert sampling_probs(logits, temperature=temperature).tolist() == [[0.0, 1.0, 0.0, 0.0], [0.0, 0.5, 0.5, 0.0]]
+    want = [[0.0, 1.0, 0.0, 0.0], [0.0, 0.5, 0.5, 0.0]]
+    assert sampling_probs(logits, temperature=temperature).tolist() == want
+    assert Sampling(temperature=np.float32(temperature)).probs(logits).tolist() == want  # numpy's numbers too
     assert Sampling(temperature=torch.finfo().max).probs(logits).allclose(torch.tensor(0.25))  # the largest: flat
     pytest.raises(ValueError, sampling_probs, logits, temperature=0.0).match("temperature")
 

@@ -4,6 +4,7 @@ path, validation, presets, and the tree grown from measured acceptance (`build_t
 import itertools
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -28,6 +29,7 @@ def test_choices_are_sorted_so_parents_precede_children_and_a_nodes_position_off
     assert TREE.depths == [0, 1, 1, 2, 2, 3] and TREE.first == [0, 1, 3, 5, 6]  # nodes of one depth in a run
     assert TREE.ranks == [0, 0, 1, 0, 1, 0] and TREE.max_rank == 1 and TREE.depth == 3  # head d fills depth d
     assert Tree.from_choices(c for c in TREE.choices[::-1]) == TREE  # any iterable of choices, a generator too
+    assert Tree.from_choices([list(c) for c in np.array(TREE.choices[:2])]) == Tree(((0,), (1,)))  # numpy's ranks
 
 
 def test_the_tree_tensors_hold_the_host_lists_on_the_device_asked_for():
