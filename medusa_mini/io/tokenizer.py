@@ -1,7 +1,8 @@
 """Byte-level BPE, GPT-2's recipe (its pre-token regex, the 256 single bytes, then the most frequent adjacent
 pair merged again and again), used through tiktoken. On disk: tokenizer.tiktoken (`<base64 token bytes> <rank>`
-per line) and tokenizer_config.json (`{"type": "bpe", "name", "pattern", "special_tokens"}`, or
-`{"type": "tiktoken", "name": "gpt2"}` for one of tiktoken's named encodings)."""
+per line) and tokenizer_config.json (`{"type": "bpe", "name", "pattern", "special_tokens"}`); tiktoken's named
+encodings are saved whole too, so decoding needs no network (`{"type": "tiktoken", "name": "gpt2"}`, an older save,
+still loads by name)."""
 
 import base64
 import heapq
@@ -118,18 +119,16 @@ def make_encoding(ranks: Mapping[bytes, int]) -> tiktoken.Encoding:
 
 
 def save_tokenizer(enc: tiktoken.Encoding, directory: str | os.PathLike) -> pathlib.Path:
-    """Save an encoding to `directory` (returned): tiktoken's named ones by name (it fetches them), others whole."""
+    """Save an encoding to `directory` (returned), whole: tiktoken's named ones too, which it would fetch again from
+    the network (or a cache in /tmp) to load them by name."""
     directory = pathlib.Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    if enc.name in tiktoken.list_encoding_names():
-        files = {CONFIG_FILE: json_writer({"type": "tiktoken", "name": enc.name})}
-    else:
-        specials = {t: enc.encode_single_token(t) for t in sorted(enc.special_tokens_set)}
-        ranks = sorted((enc.encode_single_token(t), t) for t in enc.token_byte_values())  # ranks need not be dense
-        lines = [f"{base64.b64encode(t).decode('ascii')} {rank}\n" for rank, t in ranks]
-        pattern = getattr(enc, "_pat_str", GPT2_SPLIT_PATTERN)  # tiktoken has no public accessor for it
-        config = {"type": "bpe", "name": enc.name, "pattern": pattern, "special_tokens": specials}
-        files = {RANKS_FILE: text_writer("".join(lines)), CONFIG_FILE: json_writer(config)}
+    specials = {t: enc.encode_single_token(t) for t in sorted(enc.special_tokens_set)}
+    ranks = sorted((enc.encode_single_token(t), t) for t in enc.token_byte_values())  # ranks need not be dense
+    lines = [f"{base64.b64encode(t).decode('ascii')} {rank}\n" for rank, t in ranks]
+    pattern = getattr(enc, "_pat_str", GPT2_SPLIT_PATTERN)  # tiktoken has no public accessor for it
+    config = {"type": "bpe", "name": enc.name, "pattern": pattern, "special_tokens": specials}
+    files = {RANKS_FILE: text_writer("".join(lines)), CONFIG_FILE: json_writer(config)}
     atomic_write_files({str(directory / name): write for name, write in files.items()})
     return directory
 
