@@ -3,7 +3,9 @@ bad input, a ValueError, to `OneLineParser.error` (`<prog>: error: ...`, exit st
 panels (matplotlib, an optional extra, imported only when drawing, on the Agg canvas: no display, no pyplot)."""
 
 import argparse
+import io
 import os
+import sys
 import time
 from typing import Callable, Collection, NoReturn, TypeVar
 
@@ -106,7 +108,14 @@ def check_file_path(flag: str, path: str, example: str) -> None:
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """An ArgumentParser whose errors, its own and the script's, are one line: `<prog>: error: <message>`."""
+    """An ArgumentParser whose errors, its own and the script's, are one line: `<prog>: error: <message>`; parsing
+    also lets a console that cannot print Σ, ≈ or a tree's lines (cp1252) show escapes, not fail after the work."""
+
+    def parse_known_args(self, *args, **kwargs):
+        for stream in (sys.stdout, sys.stderr):
+            if isinstance(stream, io.TextIOWrapper):
+                stream.reconfigure(errors="backslashreplace")
+        return super().parse_known_args(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {' '.join(str(message).split())}\n")

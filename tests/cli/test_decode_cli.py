@@ -1,6 +1,7 @@
 """decode.py end to end on a tiny saved checkpoint, each mode as a user runs it."""
 
 import functools
+import io
 import json
 import os
 import re
@@ -106,6 +107,12 @@ def test_the_demo_refuses_a_tree_or_a_prompt_before_it_trains(capsys, monkeypatc
     for bad, needle in (["--tree", "4"], "needs heads accuracies"), (["--prompt", ""], "is empty"):
         assert needle in refused(capsys, decode.main, ["--explain", "--demo", *bad])
     assert steps == [0, 0]  # the untrained demo only
+
+
+def test_a_console_that_cannot_encode_the_trees_lines_shows_escapes_not_an_error(ckpt, monkeypatch):
+    monkeypatch.setattr(sys, "stdout", console := io.TextIOWrapper(io.BytesIO(), encoding="cp1252"))  # Windows'
+    assert decode.main(["--ckpt", ckpt, "--show", "--max-new-tokens", "2", "--num-prompts", "1"]) == 0
+    assert console.flush() is None and "\\u251c\\u2500" in console.buffer.getvalue().decode("cp1252")  # ├─
 
 
 def test_as_a_process_a_sampled_run_repeats_its_tokens(ckpt, capsys):
