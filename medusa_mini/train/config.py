@@ -66,6 +66,8 @@ class TrainArgs:
             value, least = getattr(self, f.name), f.metadata.get("least")
             if least is not None and isinstance(value, (int, float)) and not (math.isfinite(value) and value >= least):
                 raise ValueError(f"--{f.name.replace('_', '-')} must be a number >= {least}, got {value}")  # nan too
+        if not 0 <= self.seed < 2**32:  # the run's generators take seed * 7919 + ..., which must fit in 63 bits
+            raise ValueError(f"--seed must be from 0 to 2**32 - 1 to train, not {self.seed}")
         if self.resume and self.overwrite:
             raise ValueError("--resume continues the run in --out, --overwrite replaces it: give one of them")
         if self.medusa not in (1, 2):
@@ -88,6 +90,8 @@ class TrainArgs:
             raise ValueError(f"--heads-stride must be at most --block-size {self.block_size}, not {self.heads_stride}")
         if not re.fullmatch(r"\d+(\.\d*)?(,\d+(\.\d*)?)*", self.distill_temperatures.replace(" ", "")):
             raise ValueError(f"--distill-temperatures must be numbers >= 0 like 0,0.8: {self.distill_temperatures!r}")
+        if self.preset.startswith("gpt2") and not self.init:  # else heads on a random backbone, and no word of it
+            raise ValueError(f"--preset {self.preset} trains heads on GPT-2: add --init gpt2 (a larger one, a folder)")
         if self.init:  # a pretrained backbone stays frozen: heads only (Medusa-1)
             self.backbone_steps, self.medusa = 0, 1
 

@@ -31,7 +31,7 @@ from .device import DTYPES, to_device
 
 STATE_FILE = "train_state.pt"
 OUTPUTS = (STATE_FILE, PROMPTS_FILE, accuracy.ACCURACY_FILE, *CHECKPOINT_FILES, *TOKENIZER_FILES)  # a run's, in --out
-LOWER_LR = "lower the learning rate (--lr; the heads stage's: --heads-lr)"
+LOWER_LR = "start again with a lower learning rate (--lr; the heads stage's: --heads-lr), and --overwrite if it saved"
 OFFICIAL_TOP1 = (0.56, 0.32, 0.20, 0.15)  # official Medusa-1 heads on Vicuna-7B, heads 1-4 (paper, repository)
 
 

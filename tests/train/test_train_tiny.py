@@ -235,7 +235,7 @@ BAD_INPUT = [["--dtype", "float16", "--device", "cpu"], ["--n-embd", "30", "--n-
              ["--batch-size", "0"], ["--device", "tpu9"], ["--heads", "eagle"], ["--num-heads", "0"], ["--medusa", "3"],
              ["--max-bytes", "0"], ["--init", "nope"], ["--n-layer", "0"], ["--n-head", "0"], ["--n-embd", "0"],
              ["--lr", "nan"], ["--lr", "inf"], ["--lr", "-1"], ["--out", "z"], ["--out", ""], ["--resume"],
-             ["--data", ""], ["--init", ""], ["--eval-prompts", "1001"]]
+             ["--data", ""], ["--init", ""], ["--eval-prompts", "1001"], ["--preset", "gpt2-cpu"], ["--seed", "9" * 10]]
 
 
 def test_help_lists_every_flag_and_bad_flags_or_data_are_one_line_naming_it_with_code_2(tmp_path, monkeypatch, capsys):
@@ -265,7 +265,7 @@ def test_help_lists_every_flag_and_bad_flags_or_data_are_one_line_naming_it_with
     assert not (tmp_path / "x").exists() and (tmp_path / "z" / "prompts.json").is_dir()  # nothing made or lost
     assert train_tiny.main([*FAST, "--out", "x", "--lr", "1e30", "--save-every", "2"]) == 2  # refused before a save
     assert not (tmp_path / "x").exists()  # nothing written before a save: the folder it made is gone too
-    assert "not finite; lower the learning rate (--lr" in (err := capsys.readouterr().err) and err.count("\n") == 1
+    assert "not finite; start again with a lower learning" in (err := capsys.readouterr().err) and err.count("\n") == 1
 
 
 @pytest.mark.slow
