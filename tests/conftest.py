@@ -202,8 +202,7 @@ def one_thread():
 
 def refused(capsys, main, argv: list[str]) -> str:
     """What `main` writes to stderr as it refuses argv: one line, nothing on stdout, exit status 2."""
-    with pytest.raises(SystemExit) as exc:
-        main(argv)
+    exc = pytest.raises(SystemExit, main, argv)
     out, err = capsys.readouterr()
     assert exc.value.code == 2 and err.count("\n") == 1 and out == "", (err, out)
     return err

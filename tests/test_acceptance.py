@@ -117,12 +117,10 @@ def test_topk_rejection_on_the_device_makes_the_reference_walks_decisions_with_t
 # A node with four children (ranks 0-3) and rank gaps below: (0, 0) and (0, 2), (1, 1) alone.
 WIDE_GAP_TREE = Tree.from_choices([(0,), (1,), (2,), (3,), (0, 0), (0, 2), (1, 1), (0, 0, 0), (0, 2, 1)])
 DRAWN_CASES = {  # name: (tree or None for random trees, heads, q, top_p, room: the deepest usable depth)
-    "hydra-random-trees": (None, "hydra", "near-p", 1.0, 9),
+    "hydra-random-trees": (None, "hydra", "near-p", 1.0, 9), "q-equal-to-p": (WIDE_GAP_TREE, "hydra", "p", 1.0, 9),
     "medusa-rank-gaps": (WIDE_GAP_TREE, "medusa", "near-p", 1.0, 9),
-    "q-equal-to-p": (WIDE_GAP_TREE, "hydra", "p", 1.0, 9),
     "draft-vocabulary-runs-out": (WIDE_GAP_TREE, "medusa", "three-tokens", 1.0, 9),
-    "top-p": (WIDE_GAP_TREE, "hydra", "near-p", 0.7, 9),
-    "cut-short": (WIDE_GAP_TREE, "medusa", "near-p", 1.0, 1),
+    "top-p": (WIDE_GAP_TREE, "hydra", "near-p", 0.7, 9), "cut-short": (WIDE_GAP_TREE, "medusa", "near-p", 1.0, 1),
 }
 
 

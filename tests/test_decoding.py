@@ -15,12 +15,10 @@ from medusa_mini.sampling import Sampling
 from medusa_mini.tree import Tree, chain, preset
 
 TREES = {
-    "chain": chain(4),
-    "one": chain(1),  # head 1 alone: a tree one level deep
+    "chain": chain(4), "one": chain(1),  # head 1 alone: a tree one level deep
     "wide": Tree.from_choices([(r,) for r in range(8)] + [(0, r) for r in range(4)]),
     "deep": Tree.from_choices([(0,) * d for d in range(1, 5)] + [(1,), (1, 0), (0, 1), (0, 1, 0)]),
-    "cpu": preset("cpu"),
-    "gpu": preset("gpu"),
+    "cpu": preset("cpu"), "gpu": preset("gpu"),
 }
 
 
@@ -52,8 +50,7 @@ def test_plain_decoding_emits_the_backbones_own_next_tokens_drawn_in_order_from_
     ([1, 2, 3], 5, "not one id; the batch functions take a list"), ([torch.ones(2, 3)], 5, r"shape \[2, 3\]")])
 def test_bad_prompts_and_budgets_are_a_clear_error_and_a_flat_list_is_not_a_batch_of_one_id_prompts(
         model, prompts, max_new_tokens, message):
-    with pytest.raises(ValueError, match=message):
-        generate_batch(model, prompts, max_new_tokens=max_new_tokens)
+    pytest.raises(ValueError, generate_batch, model, prompts, max_new_tokens=max_new_tokens).match(message)
     with pytest.raises(ValueError, match=message):
         medusa_generate_batch(model, random_heads(model), prompts, tree=chain(2), max_new_tokens=max_new_tokens)
 
@@ -70,8 +67,7 @@ def test_a_reused_cache_gives_the_tokens_of_a_fresh_one_and_must_be_the_one_aske
             generate(model, prompt, max_new_tokens=10)[0]
         assert medusa_generate(model, heads, prompt, tree=tree, max_new_tokens=10, cache=tree_cache)[0] == \
             medusa_generate(model, heads, prompt, tree=tree, max_new_tokens=10)[0]
-    with pytest.raises(ValueError, match="slots"):
-        generate(model, [1, 2], max_new_tokens=3, cache=tree_cache)
+    pytest.raises(ValueError, generate, model, [1, 2], max_new_tokens=3, cache=tree_cache).match("slots")
     with pytest.raises(ValueError, match="slots"):  # a tree's nodes need slots past the context
         medusa_generate(model, heads, [1, 2], tree=tree, max_new_tokens=3, cache=plain_cache)
     with pytest.raises(ValueError, match="has 1 rows .* needs 2 rows"):

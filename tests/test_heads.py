@@ -96,8 +96,7 @@ def test_heads_refuse_what_they_cannot_do_and_a_refused_draft_vocabulary_changes
     assert make_heads(HeadsConfig(num_heads=1, n_embd=1, vocab_size=1)).num_heads == 1  # the least of each size
     assert make_heads(HeadsConfig(vocab_size=V, draft_vocab_size=3)).draft_ids.tolist() == [0, 1, 2]  # before an order
     heads = random_heads(model, num_heads=2)
-    with pytest.raises(ValueError, match="depth 4 but the model has 2 Medusa heads"):
-        heads.proposer(model, chain(4))
+    pytest.raises(ValueError, heads.proposer, model, chain(4)).match("depth 4 but the model has 2 Medusa heads")
     with pytest.raises(ValueError, match=f"width {C}, {V} tokens, torch.float32 on cpu cannot draft for a backbone of "
                                          f"width {C}, {V + 1} tokens, torch.float32"):  # not a matmul's shape error
         heads.proposer(tiny_model(vocab_size=V + 1), chain(2))
@@ -110,8 +109,7 @@ def test_heads_refuse_what_they_cannot_do_and_a_refused_draft_vocabulary_changes
     heads.use_draft_vocabulary(shuffled(), 2)
     with pytest.raises(ValueError, match="rank 2; the draft vocabulary has 2"):
         heads.proposer(model, Tree.from_choices([(0,), (1,), (2,)]))
-    with pytest.raises(ValueError, match="draft_vocab_size"):
-        heads.use_draft_vocabulary(shuffled(1), V + 1)
+    pytest.raises(ValueError, heads.use_draft_vocabulary, shuffled(1), V + 1).match("draft_vocab_size")
     assert heads.config.draft_vocab_size == 2 and heads.draft_ids.tolist() == sorted(shuffled()[:2].tolist())
 
 

@@ -56,17 +56,13 @@ def test_rows_of_one_batch_keep_their_own_lengths_and_positions(model):
         torch.testing.assert_close(torch.stack([g[b] for g in got]), want, atol=ATOL, rtol=0)
 
 
-def test_an_overfilled_cache_or_context_a_cache_outside_no_grad_and_a_width_heads_do_not_divide_are_clear_errors(
-        model):
+def test_an_overfilled_cache_or_context_a_cache_outside_no_grad_and_a_width_heads_do_not_divide_are_clear_errors(model):
     """A cache stores values for decoding; writing a graph into it would keep every step's graph alive."""
-    with pytest.raises(ValueError, match="65 tokens do not fit the context of 64"):
-        model(torch.zeros(1, 65, dtype=torch.long))
+    pytest.raises(ValueError, model, torch.zeros(1, 65).long()).match("65 tokens do not fit the context of 64")
     with torch.no_grad(), pytest.raises(ValueError, match="KV cache full"):
         model(torch.tensor([[1, 2, 3, 4, 5]]), cache=KVCache(model.config, max_len=4))
-    with pytest.raises(RuntimeError, match="torch.no_grad"):
-        model(torch.tensor([[1, 2]]), cache=KVCache(model.config))
-    with pytest.raises(ValueError, match="divisible"):
-        GPTConfig(n_embd=30, n_head=4)
+    pytest.raises(RuntimeError, model, torch.tensor([[1, 2]]), cache=KVCache(model.config)).match("torch.no_grad")
+    pytest.raises(ValueError, GPTConfig, n_embd=30, n_head=4).match("divisible")
 
 
 @torch.no_grad()

@@ -136,8 +136,7 @@ def test_a_sampled_plain_step_refuses_missing_uniforms_before_writing_the_cache(
     model, sampling = tiny_model(5), Sampling(temperature=0.8)
     cache, tokens = KVCache(model.config, batch_size=2, max_len=64), torch.tensor([[3], [4]])
     for u in (None, torch.tensor([0.5])):
-        with pytest.raises(ValueError, match="sampling.uniforms"):
-            plain_step(model, cache, tokens, sampling=sampling, u=u)
+        pytest.raises(ValueError, plain_step, model, cache, tokens, sampling=sampling, u=u).match("sampling.uniforms")
     assert cache.lengths.tolist() == [0, 0]
     chosen, logits, _ = plain_step(model, cache, tokens, sampling=sampling, u=torch.tensor([0.0, 0.9999]))
     p = sampling.probs(logits[:, -1])  # [2, V]: u near 0 draws p's first token of mass, near 1 its last

@@ -162,9 +162,7 @@ def test_a_command_keeps_its_output_is_stopped_at_its_budget_and_on_sigterm_leav
     previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # as gpu_report.main installs it
     try:
         threading.Thread(target=stop_once_started, daemon=True).start()
-        with pytest.raises(SystemExit):
-            gpu_report.run_script(["-c", child], timeout_s=600, label="sleeper")
+        pytest.raises(SystemExit, gpu_report.run_script, ["-c", child], timeout_s=600, label="sleeper")
     finally:
         signal.signal(signal.SIGTERM, previous)
-    with pytest.raises(ProcessLookupError):
-        os.kill(int(pid_file.read_text()), 0)
+    pytest.raises(ProcessLookupError, os.kill, int(pid_file.read_text()), 0)

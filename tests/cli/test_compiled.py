@@ -10,14 +10,8 @@ import torch
 
 import decode
 from conftest import RULES, random_heads, tiny_model
-from medusa_mini.cli.compiled import (
-    StaticCaches,
-    compile_options,
-    compile_steps,
-    verify_and_accept,
-    warm_up,
-    with_aligned_head,
-)
+from medusa_mini.cli import compiled as compiled_wing
+from medusa_mini.cli.compiled import compile_options, compile_steps, verify_and_accept, warm_up, with_aligned_head
 from medusa_mini.decoding import generate_batch, medusa_generate_batch
 from medusa_mini.model import KVCache, compact_kv_cache
 from medusa_mini.proposal import PromptLookup
@@ -73,7 +67,7 @@ def warmed_up(seed: int, *, backend=None, kind: str = "medusa", rows: int = 1, r
     model = with_aligned_head(tiny_model(seed, vocab_size=50), devices=("cpu",))
     steps = compile_steps("cpu", backend=backend or GraphReplay())
     heads = random_heads(model, seed=seed, kind=kind)
-    warm_up(model, steps, caches := StaticCaches(model), rows=rows, plain=[RULES["greedy"]] * (not rules),
+    warm_up(model, steps, caches := compiled_wing.StaticCaches(model), rows=rows, plain=[RULES["greedy"]] * (not rules),
             proposers=[(heads.proposer(model, TREE), rule) for rule in rules])
     return model, heads, steps, caches
 
@@ -91,7 +85,7 @@ def test_the_warm_up_runs_every_shape_three_times_so_cuda_graphs_record_and_repl
         return run
 
     steps, proposer = compile_steps("cpu", compile=compile), random_heads(model, seed=0).proposer(model, TREE)
-    warm_up(model, steps, StaticCaches(model), rows=2, plain=[RULES["greedy"], RULES["rejection"]],
+    warm_up(model, steps, compiled_wing.StaticCaches(model), rows=2, plain=[RULES["greedy"], RULES["rejection"]],
             proposers=[(proposer, RULES[r]) for r in ("greedy", "typical", "rejection")])
     shapes = list(dict.fromkeys(calls))
     assert proposer.trees() == [TREE] and len(shapes) == 2 + 3 + 1 and all(calls.count(s) == 3 for s in shapes)

@@ -81,11 +81,9 @@ def test_incremental_training_matches_recounting_from_scratch(small_text):
 
 
 def test_too_small_vocab_or_ranks_without_every_byte_are_rejected():
-    with pytest.raises(ValueError, match="vocab_size"):
-        train_bpe("hello", vocab_size=256)
+    pytest.raises(ValueError, train_bpe, "hello", vocab_size=256).match("vocab_size")
     assert train_bpe("hello hello", vocab_size=257) == {bytes([b]): b for b in range(256)}  # and <|endoftext|>
-    with pytest.raises(ValueError, match="single-byte"):
-        make_encoding({bytes([b]): b for b in range(255)})
+    pytest.raises(ValueError, make_encoding, {bytes([b]): b for b in range(255)}).match("single-byte")
 
 
 def test_the_encoding_fills_vocab_size_compresses_and_round_trips_any_text_exactly(small_text, small_encoding):
@@ -140,8 +138,7 @@ DAMAGE = {  # name: (the file the error must name, what is done to it, f)
 @pytest.mark.parametrize("culprit, damage", DAMAGE.values(), ids=DAMAGE.keys())
 def test_a_missing_or_corrupt_tokenizer_gives_one_line_naming_the_file(tmp_path, small_encoding, damage, culprit):
     damage(path := save_tokenizer(small_encoding, tmp_path / "a" / "tok") / culprit)
-    with pytest.raises(ValueError) as info:
-        load_tokenizer(path.parent)
+    info = pytest.raises(ValueError, load_tokenizer, path.parent)
     assert "\n" not in str(info.value) and culprit in str(info.value)
     assert (f"{culprit} is missing" in str(info.value)) == (not path.exists())
     assert ("is a folder, not a file; save the tokenizer again" in str(info.value)) == path.is_dir()

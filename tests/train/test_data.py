@@ -73,8 +73,7 @@ def test_missing_empty_or_binary_data_is_a_one_line_error(tmp_path, file, in_fol
         target.mkdir()
     if file is not None:
         (target / "blob" if in_folder else target).write_bytes(file)
-    with pytest.raises(ValueError) as info:
-        load_corpus(target)
+    info = pytest.raises(ValueError, load_corpus, target)
     assert str(target) in str(info.value) and "\n" not in str(info.value)
 
 
