@@ -398,6 +398,7 @@ def _train_stages(r: Run, state: dict | None, train_tokens: np.ndarray, val_batc
         r.distill = state["distill"].to(r.device)
     if r.args.heads_steps > 0:
         r.stage("heads", lambda: heads_stage(r, step=step, state=state))
+        r.save(stage="heads", step=r.args.heads_steps)  # a Ctrl-C in the summary then keeps every step
 
 
 def summarize(r: Run, val_batches: list, val_tokens: np.ndarray) -> tuple[dict, Callable[[], None]]:

@@ -150,6 +150,7 @@ def test_after_ctrl_c_a_resumed_run_ends_as_an_uninterrupted_one(tmp_path, durin
     groups = ((state := torch.load(out / "train_state.pt", weights_only=True))["optim"] or {}).get("param_groups", [])
     assert [g["weight_decay"] for g in groups] == [0.1, 0.0] * (len(groups) // 2)  # AdamW: gains and biases exempt
     assert (state["stage"] == "distill") == (during == 6)  # pressed in the last backbone step: before distilling
+    assert (state["stage"], state["step"]) == ("heads", 4) or during != "held_out_prompts"  # after it: all 4 kept
     assert train_tiny.main(FAST + ["--out", str(out), "--resume"]) == 0
     assert same_weights(reference_run[0], out) and not (out / "train_state.pt").exists()
 
@@ -241,8 +242,7 @@ BAD_INPUT = [["--dtype", "float16", "--device", "cpu"], ["--n-embd", "30", "--n-
 def test_help_lists_every_flag_and_bad_flags_or_data_are_one_line_naming_it_with_code_2(tmp_path, monkeypatch, capsys):
     """--help lists the presets and every hyper-parameter; only the real runs write out/tiny. A bad flag or bad
     data: exit status 2 and one line naming it from main, as `python train_tiny.py` exits with; nothing half-written."""
-    with pytest.raises(SystemExit) as exit:
-        train_tiny.parse_args(["--help"])
+    exit = pytest.raises(SystemExit, train_tiny.parse_args, ["--help"])
     text = capsys.readouterr().out
     assert exit.value.code == 0 and all(f"--{name.replace('_', '-')} " in text for name in TrainArgs.hyper_parameters())
     assert all(flag in text for flag in ("--preset", "--data", "--resume", "--init", "--dtype", "gpt2-cpu"))
