@@ -6,9 +6,10 @@
 
 Parts: step: `bench_step.py` per GPT-2 shape and dtype, eager and (on CUDA) compiled; train: `train_tiny.py
 --preset gpu` into --ckpt; decode: `decode.py --compare` on it in bfloat16 (compiled on CUDA); batch: the same with
---batch-size 1,2,4,8,16. A part runs within --budget-s; when it ends, --out is replaced by the report with its
-section, so a stopped run keeps what it finished. Exit status: 0, 1 if a part failed (its section says why), 2 for
-bad flags, the forwarded ones included."""
+--batch-size 1,2,4,8,16. A part runs within --budget-s; when it ends, the report so far is written, so a stopped
+run keeps what it finished: to --out, or, while --out holds an older report (no --append), to --out.partial, which
+replaces it when the run ends. Exit status: 0, 1 if a part failed (its section says why), 2 for bad flags, the
+forwarded ones included."""
 
 import argparse
 import contextlib
@@ -40,7 +41,7 @@ QUICK_STEP = ["--nodes", "1,4,16", "--repeat", "3", "--warmup", "1"]
 QUICK_DECODE = ["--num-prompts", "2", "--max-new-tokens", "32"]
 BUDGET_S, QUICK_BUDGET_S = 510.0, 170.0  # a part stays under 9 minutes on an H100; --quick under 3
 # Flags forwarded to a script: the script, and the flags its part sets itself (forwarded, the last would win).
-FORWARDED = {"--step-flags": ("benchmarks/bench_step.py", ("--configs", "--dtypes", "--device", "--compile")),
+FORWARDED = {"--step-flags": ("benchmarks/bench_step.py", ("--configs", "--dtypes", "--device", "--compile", "--json")),
              "--train-flags": ("train_tiny.py", ("--preset", "--out", "--device")), "--decode-flags": (
                  "decode.py", ("--ckpt", "--compare", "--batch-size", "--dtype", "--device", "--compile"))}
 
@@ -187,8 +188,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             if taken := [n for f in flags if len(n := f.split("=")[0]) > 2 and any(r.startswith(n) for r in reserved)]:
                 raise ValueError(f"{name}: the report sets {taken[0]} itself; leave out {', '.join(reserved)}")
         a.budget_s = a.budget_s if a.budget_s is not None else (QUICK_BUDGET_S if a.quick else BUDGET_S)
-        if not 0 < a.budget_s < float("inf"):  # nan too
-            raise ValueError(f"--budget-s must be a finite number of seconds > 0, not {a.budget_s:g}")
+        if not 1 < a.budget_s < float("inf"):  # nan too; a part with 1 s left starts no command (`run_part`)
+            raise ValueError(f"--budget-s must be a finite number of seconds > 1, not {a.budget_s:g}")
         a.parts = [part for part in PARTS if part in (a.part or PARTS)]
         a.ckpt = os.path.abspath(a.ckpt)  # as the checks below read it: the parts' scripts run in the repository root
         if {"decode", "batch"} & set(a.parts) and "train" not in a.parts and not os.path.isfile(
@@ -212,23 +213,26 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     s = parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # as Ctrl-C: the running part's command is stopped
-    report, failed = s.before or header(s, argv), []  # --out keeps its old text until a part adds a section
+    report, failed = s.before or header(s, argv), []  # with --append, --out's text, each part's section added
+    target = s.out if s.append or not os.path.exists(s.out) else f"{s.out}.partial"  # an older report stays whole
     try:
         for part in s.parts:
             print(f"[{part}] starting, budget {s.budget_s:.0f} s", file=sys.stderr, flush=True)
             (text, ok), seconds = timed("cpu", lambda: run_part(s, part))  # the wall clock
             report += f"\n{text}\n\n_Part {part}: {seconds:.0f} s of its {s.budget_s:.0f} s budget._\n"
             try:
-                atomic_write(s.out, text_writer(report))
+                atomic_write(target, text_writer(report))
             except OSError as e:  # a full disk, say: the report as of the last part stays where it was
-                print(f"gpu_report.py: error: {s.out} could not be written after part {part} ({e.strerror}); "
+                print(f"gpu_report.py: error: {target} could not be written after part {part} ({e.strerror}); "
                       "it holds the parts before it", file=sys.stderr)
                 return 1
             print(f"[{part}] {'done' if ok else 'FAILED'} in {seconds:.0f} s", file=sys.stderr, flush=True)
             failed += [] if ok else [part]
     except KeyboardInterrupt:
-        print(f"gpu_report.py: interrupted; {s.out} holds the parts that ended before", file=sys.stderr)
+        print(f"gpu_report.py: interrupted; {target} holds the parts that ended before", file=sys.stderr)
         return 130
+    if target != s.out:
+        os.replace(target, s.out)
     print(f"report: {s.out}" + (f"; failed: {', '.join(failed)}" if failed else ""), file=sys.stderr)
     return 1 if failed else 0
 

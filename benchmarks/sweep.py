@@ -25,7 +25,7 @@ from medusa_mini.proposal import PromptLookup
 from medusa_mini.sampling import SAMPLING_TEMPERATURE, Sampling
 from medusa_mini.train.accuracy import load_accuracy
 from medusa_mini.train.device import DTYPES, pick_device, pick_dtype
-from medusa_mini.tree import MAX_NODES, build_tree, expected_tokens_per_step
+from medusa_mini.tree import MAX_NODES, build_tree, chain, expected_tokens_per_step
 
 RULES = {"greedy": None, "rejection-topk": dict(acceptance="rejection", candidates="topk"),
          "rejection-drawn": dict(acceptance="rejection", candidates="drawn"), "typical": dict(acceptance="typical"),
@@ -47,7 +47,8 @@ def sweep(ck: Checkpoint, tables: dict, prompts: list[list[int]], *, budgets: tu
     for rule, (table, predicts) in tables.items():
         for M, drafter in ({None: PromptLookup()} if rule.startswith("lookup") else heads).items():
             for n in budgets:
-                tree = build_tree(table, n)[0].truncated(ck.heads.num_heads)  # a table may describe more heads
+                # Prompt lookup drafts a chain of n; heads the table's tree (which may describe more heads)
+                tree = chain(n) if M is None else build_tree(table, n)[0].truncated(ck.heads.num_heads)
                 # A name of its own per row: the runs are kept by the method's key, made from it.
                 name = f"{'prompt lookup' if M is None else f'Medusa M{M}'} {rule} {n}"
                 try:  # a rank-r node needs a head's top r + 1: a draft vocabulary of at least r + 1 tokens
@@ -96,8 +97,8 @@ def format_sweep(result: dict) -> str:
                   for r in rows if r["verified_nodes"] < r["nodes"]]
     if any(r["expected_tokens_per_step"] is not None for r in result["rows"]):
         lines.append("\nexpected: the product rule on heads_accuracy.json (tree.expected_tokens_per_step; drawn "
-                     "candidates: their own table), measured over the checkpoint's own draft vocabulary: the same "
-                     "estimate under every --draft-vocab")
+                     "candidates: their own table, at the temperature it names), measured over the checkpoint's own "
+                     "draft vocabulary: the same estimate under every --draft-vocab")
     return "\n".join(lines)
 
 

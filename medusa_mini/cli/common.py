@@ -60,9 +60,9 @@ def at_least(low: int, high: int | None = None) -> Callable[[str], int]:
 
 
 def names_of(allowed: Collection[str]) -> Callable[[str], list[str]]:
-    """An argparse type: a comma-separated list of names from `allowed` (read at every call: no generator)."""
+    """An argparse type: a comma-separated set of names from `allowed` (read at every call: no generator), in order."""
     def names(text: str) -> list[str]:
-        chosen = [n.strip() for n in text.split(",") if n.strip()]
+        chosen = list(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
         if not chosen or not set(chosen) <= set(allowed):
             raise argparse.ArgumentTypeError(f"{text!r}: unknown name; use {', '.join(allowed)}")
         return chosen

@@ -32,6 +32,7 @@ def test_the_table_prints_every_stage_the_heads_share_of_a_plain_step_and_the_st
     ops = {rule: cells[f"cpu tree: {rule} step, device operations (x plain)"].split() for rule in OP_RULES}
     assert plain[0] < plain[1] and all(int(n) > plain[0] for n, _ in ops.values())  # a Medusa step adds to plain's
     assert ops["greedy"][1] == f"({int(ops['greedy'][0]) / plain[0]:.2f})"
+    assert bench_step.parse_args(["--configs", "tiny,gpt2,tiny"]).configs == ["tiny", "gpt2"]  # one column a name
 
 
 @torch.no_grad()

@@ -92,7 +92,7 @@ def test_on_cuda_each_part_compiles_keeps_its_lines_and_names_what_failed(tmp_pa
 
 
 @pytest.mark.parametrize("case", [  # the error names what follows "->", else the first flag given
-    "--part nope", "--device tpu -> device", "--budget-s 0", "--budget-s nan", "--budget-s inf", "--configs gpt5",
+    "--part nope", "--device tpu -> device", "--budget-s 1", "--budget-s nan", "--budget-s inf", "--configs gpt5",
     "--dtypes float8", "--part decode --ckpt no/such/dir -> --ckpt", "--out {tmp}/sub/",
     "--train-flags \"'unclosed\" -> --train-flags: No closing quotation",
     # forwarded flags, checked by their script's own parser before any part runs
@@ -103,7 +103,7 @@ def test_on_cuda_each_part_compiles_keeps_its_lines_and_names_what_failed(tmp_pa
     "--part train --part decode --decode-flags '--num-prompts 0' -> --num-prompts",
     # flags a part sets itself: forwarded, the last would win
     "--decode-flags '--batch-size 2' -> the report sets --batch-size itself",
-    "--decode-flags=--dtype=float32 -> the report sets --dtype itself",
+    "--decode-flags=--dtype=float32 -> the report sets --dtype itself", "--step-flags=--json -> sets --json itself",
     "--step-flags '--configs tiny' -> --step-flags: the report sets --configs itself",
     "--train-flags '--out x' -> the report sets --out itself",
     "--decode-flags '--dev cpu' -> the report sets --dev itself",  # argparse takes a prefix as the flag
@@ -117,28 +117,31 @@ def test_bad_flags_exit_2_with_one_line_before_any_part_runs(tmp_path, capsys, m
 
 
 @pytest.mark.parametrize("case", ["anew", "append", "disk full"])
-def test_a_report_is_replaced_once_a_part_has_its_section_a_failed_write_keeps_it(tmp_path, capsys, monkeypatch, case):
+def test_each_part_is_written_as_it_ends_and_an_older_report_is_replaced_by_a_whole_one(tmp_path, capsys, monkeypatch,
+                                                                                         case):
+    """Appended to, the older report grows part by part; else the new one grows in r.md.partial beside it."""
     out, seen, writes, real = tmp_path / "r.md", [], [], gpu_report.atomic_write
+    new = out if case == "append" else tmp_path / "r.md.partial"
     out.write_text("# an older report\n")
-    faked(monkeypatch, lambda argv: seen.append(out.read_text()) or (1, "boom\n", 1.0))
+    faked(monkeypatch, lambda argv: seen.append(new.read_text() if new.exists() else "") or (1, "boom\n", 1.0))
 
     def write(path, writer):  # a disk that fills after the first part's section, in case "disk full"
         if case == "disk full" and writes:
             raise OSError(28, "No space left on device")
         real(path, writer)
-        writes.append(out.read_text())
+        writes.append(new.read_text())
 
     monkeypatch.setattr(gpu_report, "atomic_write", write)
     assert gpu_report.main(["--device", "cpu", "--part", "step", "--part", "train", "--out", str(out), "--ckpt",
                             str(tmp_path / "ckpt"), *(["--append"] if case == "append" else [])]) == 1
     steps, err = len(gpu_report.GPT2_SHAPES.split(",")), capsys.readouterr().err
-    assert seen[:steps] == ["# an older report\n"] * steps  # untouched while the first part runs
+    assert seen[:steps] == ["# an older report\n" * (case == "append")] * steps  # untouched while the first part runs
     assert "## What one step costs" in seen[steps] and "## Training" not in seen[steps]  # then its section
-    assert [p.name for p in tmp_path.iterdir()] == ["r.md"]  # no temporary file left beside it
-    if case == "disk full":
-        assert err.splitlines()[-1].startswith("gpu_report.py: error: ")
-        assert "after part train (No space left on device)" in err and out.read_text() == writes[0]
+    if case == "disk full":  # the new report as of its first part beside the older one, which stays whole
+        assert err.splitlines()[-1].startswith("gpu_report.py: error: ") and "after part train (No space left" in err
+        assert out.read_text() == "# an older report\n" and new.read_text() == writes[0]
         return
+    assert [p.name for p in tmp_path.iterdir()] == ["r.md"]  # no temporary or partial file left beside it
     text = out.read_text()
     assert text.startswith("# an older report\n\n## What one step costs" if case == "append" else "# medusa_mini")
     assert "## Training" in text and text.count("Failed: exit status 1 after 1 s: boom\n") == steps + 1

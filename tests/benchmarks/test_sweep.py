@@ -34,7 +34,7 @@ def run_json(ckpt: str, capsys, *extra: str) -> dict:
 
 
 def test_every_rule_and_budget_is_a_row_against_the_plain_decoder_of_its_temperature(medusa_ckpt, capsys):
-    result = run_json(medusa_ckpt, capsys, "--rules", ",".join(sweep.RULES))
+    result = run_json(medusa_ckpt, capsys, "--rules", ",".join(sweep.RULES) + ",greedy")  # a name twice: once
     rows, acc, drawn = result["rows"], load_accuracy(medusa_ckpt), load_accuracy(medusa_ckpt, drawn=True)
     assert [(r["rule"], r["nodes"], r["draft_vocab"]) for r in rows] == [  # the checkpoint's draft vocabulary
         (rule, n, None if rule.startswith("lookup") else 300) for rule in sweep.RULES for n in (2, 4)]
@@ -48,7 +48,7 @@ def test_every_rule_and_budget_is_a_row_against_the_plain_decoder_of_its_tempera
         tree = build_tree(table, r["nodes"])[0]
         assert r["expected_tokens_per_step"] == (pytest.approx(expected_tokens_per_step(table, tree))
                                                  if r["rule"] in ("greedy", "rejection-drawn") else None)
-        assert r["verified_nodes"] == tree.num_nodes - 1 or r["rule"].startswith("lookup")
+        assert r["verified_nodes"] == (r["nodes"] if r["rule"].startswith("lookup") else tree.num_nodes - 1)  # chain
 
 
 def test_each_rule_and_draft_vocabulary_gets_its_block_and_an_old_table_stands_in(medusa_ckpt, capsys, tmp_path):
@@ -56,7 +56,7 @@ def test_each_rule_and_draft_vocabulary_gets_its_block_and_an_old_table_stands_i
     trees, and no estimate is given for their rows, which it does not describe."""
     pytest.importorskip("matplotlib")  # the figure itself: tests/cli/test_plots.py
     old, png = shutil.copytree(medusa_ckpt, tmp_path / "old"), tmp_path / "sweep.png"
-    save_accuracy(old, acc := load_accuracy(old))  # greedy's table alone
+    save_accuracy(old, acc := load_accuracy(old)[:1, :1])  # greedy's table alone, of one node: lookup's chain is n
     result = run_json(str(old), capsys, "--rules", "greedy,rejection-drawn,lookup-greedy", "--budgets", "1,2",
                       "--draft-vocab", "300,20", "--plot", str(png))
     series = [(rule, m) for rule in ("greedy", "rejection-drawn") for m in (20, 300)] + [("lookup-greedy", None)]
@@ -65,6 +65,7 @@ def test_each_rule_and_draft_vocabulary_gets_its_block_and_an_old_table_stands_i
     drawn = [r for r in result["rows"] if r["rule"] == "rejection-drawn"]
     assert [r["verified_nodes"] for r in drawn] == [build_tree(acc, n)[0].num_nodes - 1 for n in (1, 2)] * 2
     assert all(r["expected_tokens_per_step"] is None for r in drawn) and png.stat().st_size > 0
+    assert [r["verified_nodes"] for r in result["rows"] if r["rule"] == "lookup-greedy"] == [1, 2]
     names = [f"{rule}, draft vocabulary {m}" for rule in ("greedy", "rejection-drawn (T=0.8)") for m in (20, 300)]
     assert [(name, [r["nodes"] for r in rows]) for name, _, rows in sweep.series(result)] == [
         (name, [1, 2]) for name in names + ["lookup-greedy"]]
