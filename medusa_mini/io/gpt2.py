@@ -18,7 +18,7 @@ import torch
 
 from ..model import GPT, GPTConfig
 from .files import read_json, remove_file
-from .safetensors import read_safetensors
+from .safetensors import check_safetensors, read_safetensors
 
 GPT2_CONFIGS: dict[str, GPTConfig] = {
     name: GPTConfig(vocab_size=50257, block_size=1024, n_layer=n_layer, n_head=n_head, n_embd=n_embd)
@@ -185,11 +185,16 @@ def download_gpt2(name: str) -> str:
     """The cache folder holding `name`'s config.json and model.safetensors, downloading what it lacks."""
     if name not in GPT2_CONFIGS:
         raise ValueError(f"{name!r} is no local file or directory, nor one of {', '.join(GPT2_CONFIGS)}")
-    folder = os.path.join(os.environ.get("MEDUSA_MINI_CACHE") or os.path.expanduser("~/.cache/medusa_mini"), name)
+    folder = os.path.join(os.path.expanduser(os.environ.get("MEDUSA_MINI_CACHE") or "~/.cache/medusa_mini"), name)
     hub = (os.environ.get("MEDUSA_MINI_HUB_URL") or "https://huggingface.co").rstrip("/")
-    for file in ("config.json", "model.safetensors"):
+    for file, check in (("config.json", read_gpt2_config), ("model.safetensors", check_safetensors)):
         if not os.path.exists(dest := os.path.join(folder, file)):
             download(f"{hub}/{name}/resolve/main/{file}", dest)
+            try:  # a proxy's login page, a file cut short by a server that sent no length: never kept
+                check(dest)
+            except ValueError as e:
+                remove_file(dest)
+                raise ValueError(f"{e} (downloaded from {hub}, then deleted)") from None
     return folder
 
 
@@ -215,8 +220,10 @@ def load_gpt2(name_or_path: str | os.PathLike, *, device: torch.device | str = "
     folder, weights = (path, os.path.join(path, "model.safetensors")) if os.path.isdir(path) else (
         os.path.dirname(os.path.abspath(path)), path)
     if not weights.endswith(".safetensors") or not os.path.isfile(weights):
-        raise ValueError(f"no model.safetensors in {path}: GPT-2 weights are read from safetensors only (convert a "
-                         "pytorch_model.bin with safetensors.torch.save_file)")
+        sharded = os.path.isfile(os.path.join(folder, "model.safetensors.index.json"))
+        raise ValueError(f"no model.safetensors in {path}: GPT-2 weights are read from safetensors only, one file " + (
+            "(save them unsharded: save_pretrained(..., max_shard_size='100GB'))" if sharded else "(convert a "
+            "pytorch_model.bin: save_file({k: v for k, v in torch.load(p).items() if k != 'lm_head.weight'}, ...))"))
     config_path = os.path.join(folder, "config.json")  # a directory needs one, beside a weights file it is optional
     config = read_gpt2_config(config_path) if os.path.isfile(config_path) or os.path.isdir(path) else None
     tensors = read_safetensors(weights)

@@ -33,6 +33,7 @@ class Checkpoint:
 
 def load_for_decoding(directory: str, *, device: torch.device, dtype: torch.dtype = torch.float32) -> Checkpoint:
     """The checkpoint in `directory`, backbone and heads cast to `dtype` (acceptance still computes in float32)."""
+    directory = os.path.expanduser(directory)  # --ckpt=~/x reaches here unexpanded
     model, heads, config = load_checkpoint(directory, device=device)
     enc = load_tokenizer(directory)
     if enc.n_vocab > model.config.vocab_size:  # ids past the embedding table would crash much later

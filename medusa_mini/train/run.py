@@ -19,7 +19,7 @@ from ..io.checkpoint import CHECKPOINT_FILES, CONFIG_FILE, save_checkpoint
 from ..io.files import Writer, atomic_write, check_writable, json_writer, remove_file
 from ..io.gpt2 import GPT2_CONFIGS, download_gpt2, load_gpt2
 from ..io.loading import PROMPTS_FILE
-from ..io.tokenizer import TOKENIZER_FILES, load_tokenizer, make_encoding, save_tokenizer, train_bpe
+from ..io.tokenizer import RANKS_FILE, TOKENIZER_FILES, load_tokenizer, make_encoding, save_tokenizer, train_bpe
 from ..model import GPT, GPTConfig
 from ..sampling import SAMPLING_TEMPERATURE
 from ..training import MedusaLM, cosine_lr, lambda_schedule, lm_loss, self_distill
@@ -179,11 +179,11 @@ class Run:
 
 
 def tokenizer_folder(init: str) -> str | None:
-    """Where --init's own tokenizer is: the checkpoint folder, or a weights file's folder, if it holds
-    one; None for a name (gpt2, ...), whose tokenizer is tiktoken's, whatever the working folder holds."""
+    """Where --init's own tokenizer is: the checkpoint folder, or a weights file's folder, if it holds one
+    of ours (a Hugging Face folder's tokenizer_config.json is not); else None, and the tokenizer is tiktoken's gpt2."""
     path = os.path.expanduser(init)
     folder = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
-    return folder if os.path.exists(path) and os.path.isfile(os.path.join(folder, "tokenizer_config.json")) else None
+    return folder if os.path.exists(path) and os.path.isfile(os.path.join(folder, RANKS_FILE)) else None
 
 
 def _pretrained(r: Run) -> tuple[GPT, tiktoken.Encoding]:

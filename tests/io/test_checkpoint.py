@@ -161,9 +161,11 @@ def test_saving_heads_again_can_keep_the_backbone_file_untouched_and_saving_none
     assert torch.equal(back.lm_head.weight, other.lm_head.weight)  # write_model=False spares only a frozen backbone
 
 
-def test_prompts_json_gives_token_ids_cut_to_leave_room_for_the_new_tokens_and_a_bad_one_is_a_clear_error(tmp_path):
+def test_prompts_json_gives_token_ids_cut_to_leave_room_for_the_new_tokens_and_a_bad_one_is_a_clear_error(tmp_path,
+                                                                                                         monkeypatch):
     save_small_checkpoint(tmp_path)  # block size 64, no eot_id saved: the tokenizer's own
-    ck = load_for_decoding(str(tmp_path), device="cpu")
+    monkeypatch.setenv("HOME", str(tmp_path.parent))
+    ck = load_for_decoding(f"~/{tmp_path.name}", device="cpu")  # as --ckpt=~/... reaches it, unexpanded
     assert [*map(len, prompt_ids(ck, count=3, max_new_tokens=63))] == [1, 1, 1] and ck.eot_id == ck.enc.eot_token
     for bad in ([], ["a", 5], "a"):
         (tmp_path / "prompts.json").write_text(json.dumps({"prompts": bad}))

@@ -5,6 +5,7 @@ download by name into the cache, once, under torchrun: tests/train/test_train_ti
 import contextlib
 import http.server
 import json
+import os
 import re
 import socket
 import threading
@@ -127,7 +128,8 @@ BAD_SOURCES = {  # name: (what to write into the folder, the source to load, wha
     "unknown shape, no config.json": (lambda d: atomic_write(d / "t.safetensors", lambda f: write_safetensors(
         f, as_tensors(reference_weights()))), "t.safetensors", "cannot tell n_head"),
     "folder with a .bin only": (lambda d: write_dir(d / "m", {}, weights="pytorch_model.bin"), "m",
-                                "no model.safetensors in m: .*convert a pytorch_model.bin"),
+                                "no model.safetensors in m: .*convert a pytorch_model.bin: save_file"),
+    "sharded": (lambda d: write_dir(d / "m", {}, weights="model.safetensors.index.json"), "m", "save them unsharded"),
     "missing tensor": (edited({"transformer.h.1.ln_2.bias": None}), "m", r"lacks tensor 'h\.1\.ln_2\.bias'"),
     "unexpected tensor": (edited({"transformer.h.2.ln_1.weight": torch.ones(C)}), "m",
                           r"has tensor 'h\.2\.ln_1\.weight'"),
@@ -207,6 +209,16 @@ def test_a_download_shows_progress_and_resumes_a_broken_connection_or_a_part_fil
     assert (tmp_path / "f").read_bytes() == DATA and not (tmp_path / "f.part").exists()
     assert [r for _, r in hub.requests] == ranges
     assert ("MB/s" in capsys.readouterr().err) == (part != DATA)  # progress whenever bytes arrive
+
+
+def test_a_downloaded_file_that_is_no_gpt2_file_is_not_kept(hub, tmp_path, monkeypatch):
+    """A proxy's login page for config.json is deleted, so the next run downloads it again."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("MEDUSA_MINI_CACHE", "~/cache")  # as a quoted value or a Docker ENV line leaves it
+    monkeypatch.setenv("MEDUSA_MINI_HUB_URL", hub.url)
+    hub.files["/gpt2/resolve/main/config.json"] = b"<html>Sign in to continue</html>"
+    pytest.raises(ValueError, gpt2.download_gpt2, "gpt2").match(r"not readable JSON.*downloaded from .*then deleted")
+    assert os.listdir(tmp_path / "cache" / "gpt2") == []
 
 
 @pytest.mark.parametrize("faults, match", [

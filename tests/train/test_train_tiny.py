@@ -313,7 +313,8 @@ def test_init_trains_heads_of_another_kind_on_a_frozen_checkpoint_over_its_own_t
     base, ref, out = reference_run[0], tmp_path / "ref", tmp_path / "out"
     monkeypatch.chdir(tmp_path)
     (tmp_path / "tokenizer_config.json").write_text("{}")
-    (tmp_path / "bare").mkdir()
+    (tmp_path / "bare").mkdir()  # a Hugging Face folder's tokenizer_config.json is none of ours
+    (tmp_path / "bare" / "tokenizer_config.json").write_text('{"model_max_length": 1024}')
     found = [run_mod.tokenizer_folder(i) for i in ("gpt2", str(base), str(base / "model.safetensors"), "bare")]
     assert found == [None, str(base), str(base), None]
     args = FAST + ["--init", str(base), "--preset", "gpt2-cpu", "--heads", "hydra", "--draft-vocab", "64",
