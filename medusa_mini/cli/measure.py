@@ -46,7 +46,7 @@ def resolve_tree(spec: str | None, *, ckpt_dir: str, device: torch.device | str,
     grow from their own table: they pass far less often than top-1 guesses, so siblings beat depth."""
     gpu = torch.device(device).type != "cpu"
     measured = bool(ckpt_dir) and os.path.isfile(os.path.join(ckpt_dir, accuracy.ACCURACY_FILE))  # "": no folder
-    spec = ("auto" if measured else "gpu" if gpu else "cpu") if spec is None else spec
+    default, spec = spec is None, ("auto" if measured else "gpu" if gpu else "cpu") if spec is None else spec
     budget = None  # a tree given whole (a preset, choices): its own size
     count = spec.isascii() and spec.isdigit()  # a node budget ('²' is a digit to str.isdigit, not to int)
     inline = spec.lstrip().startswith(("[", "{"))
@@ -80,7 +80,7 @@ def resolve_tree(spec: str | None, *, ckpt_dir: str, device: torch.device | str,
             raise ValueError(f"{where}: {e}") from None
     else:
         try:
-            tree = preset(spec)
+            tree = preset(spec).truncated(num_heads) if default else preset(spec)  # the device's: as deep as the heads
         except ValueError:
             raise ValueError(f"unknown --tree {spec!r}: give a node budget N (1 to {MAX_NODES}), auto, a preset (cpu, "
                              f"gpu, chainN, N from 1 to {MAX_NODES}), or choices in a JSON file or inline: '[[0], [1], "

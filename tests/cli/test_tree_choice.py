@@ -22,6 +22,7 @@ def test_a_budget_builds_the_best_tree_from_its_rules_table_else_the_device_pick
     on more tries at the root before depth; a table measured before drawn candidates had theirs: greedy's."""
     assert resolve(None, tmp_path) == (preset("cpu"), "cpu", preset("cpu").num_nodes - 1)  # no accuracies yet
     assert resolve(None, tmp_path, device="cuda") == (preset("gpu"), "gpu", preset("gpu").num_nodes - 1)
+    assert resolve(None, tmp_path, num_heads=2).tree == preset("cpu").truncated(2)  # fewer heads: the preset cut
     save_accuracy(tmp_path, VICUNA)
     acc = load_accuracy(tmp_path)  # as stored: rounded, which may break the table's ties otherwise
     assert resolve("8", tmp_path) == resolve("8", tmp_path, drawn=True) == (build_tree(acc, 8)[0], "8", 8)
