@@ -3,8 +3,8 @@
 A `Proposal` is B rows of candidate tokens [B, N] on one tree, plus, for drawn candidates, the q each
 node's children were drawn from (`Drawn`). Three `Proposer`s make them, and the step treats them alike:
 
-- `MedusaProposer`: a fixed tree filled with Medusa heads' top-k guesses, or with tokens drawn from
-  their q without replacement (paper §2.1.1-2.1.2);
+- `MedusaProposer`: a fixed tree filled with Medusa heads' top-k guesses (paper §2.1.1-2.1.2), or, beyond
+  the paper, with tokens drawn from their q without replacement (recursive speculative decoding's);
 - `HydraProposer`: dependent heads, which fill the tree depth by depth, each node's children from its q;
 - `PromptLookupProposer`: no heads at all: the tokens that followed the latest n-gram's earlier
   occurrence in the row's own text (prompt lookup decoding), a chain of point masses.

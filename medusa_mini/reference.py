@@ -193,8 +193,8 @@ def try_children(r: torch.Tensor, candidates: list[int], drawn: tuple[torch.Tens
 def rejection_accept(parents: list[int], tokens: list[int], logits: torch.Tensor, *, sampling: Sampling,
                      generator: torch.Generator | None, drawn: list | None = None, nodes: int | None = None
                      ) -> tuple[list[int], int]:
-    """Lossless rejection sampling on a tree (Leviathan et al. 2023; SpecInfer): every emitted sequence
-    is exactly a sample of the backbone (fresh randomness at each node and the chain rule).
+    """Lossless rejection sampling on a tree (Leviathan et al. 2023; for draws without replacement, recursive
+    speculative decoding, arXiv 2402.14160): every emitted sequence is exactly a sample of the backbone.
 
     One uniform number per node is drawn first, u [N], each used at most once (`nodes`: the whole tree's
     count, of which a tree cut near the end uses the first N, only to draw what the engine draws).

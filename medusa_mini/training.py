@@ -1,6 +1,7 @@
 """Training losses and data for the backbone and the draft heads (paper §2.2). Medusa-1 (§2.2.1): backbone
 frozen, heads trained with Σ_k w_k · CE(head_k at t, token t+k+1), w_k = 1 in train_tiny (the paper: 0.8^k).
-Medusa-2 (§2.2.2): joint, L = L_LM + λ · Σ_k 0.8^k · L_k, heads at a higher learning rate, λ ramped up.
+Medusa-2 (§2.2.2): joint, L = L_LM + λ · Σ_k 0.8^k · L_k, heads at a higher learning rate, λ ramped up; the heads
+share the lm_head, tied to the embedding, so their losses train those too (the paper: a head of each's own).
 Self-distillation (§2.3.2): heads learn from text the backbone writes, what it will say when decoding.
 
 Shapes: B batch, T tokens, K heads, V vocabulary, M draft vocabulary, C n_embd.

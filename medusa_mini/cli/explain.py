@@ -27,8 +27,8 @@ ROOM = 3  # new positions an explained step needs past the prompt: its root, a c
 RULES = {  # section 6 on each rule; "topk": rejection sampling of the heads' top-k candidates
     "greedy": "Greedy: from the root, descend while the backbone's argmax is a child's token.",
     "typical": "Typical acceptance: keep a candidate whose probability clears min(ε, δ·exp(-H(p))).",
-    "rejection": "Rejection sampling: try a node's children in order, accepting x with probability\n"
-                 "min(1, p(x)/q(x)) and moving p to norm(max(0, p - q)) after a miss (lossless).",
+    "rejection": "Rejection sampling: try a node's children in order, accepting x with probability min(1, p(x)/q(x)),\n"
+                 "q without the earlier draws, and moving p to norm(max(0, p - q)) after a miss (lossless).",
     "topk": "Rejection sampling of top-k candidates: draw y from p at each node and descend while y is\n"
             "a child's token; the first y that is not becomes the bonus (lossless)."}
 

@@ -1,7 +1,7 @@
 """The acceptance tables in heads_accuracy.json, measured on the model's own continuations and read back.
 
-acc[k][r] = P(head k+1's rank-r guess is the backbone's greedy token k+2 places ahead): the chance that greedy
-acceptance takes the guess once it took the node above (`tree.build_tree` multiplies these along paths)."""
+acc[k][r] = P(head k+1's rank-r guess is the backbone's greedy token k+2 places ahead), over every position:
+`tree.build_tree` multiplies these along paths, as if the heads were right independently (as official Medusa)."""
 
 import json
 import os
