@@ -32,7 +32,8 @@ from medusa_mini.train.device import DTYPES, pick_device, pick_dtype
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The flags, every impossible setting refused before any loading; batch sizes and sampling filled in."""
     p = OneLineParser(prog="decode.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ckpt", default="out/tiny", metavar="DIR", help="checkpoint directory (default: %(default)s)")
+    p.add_argument("--ckpt", type=os.path.expanduser, default="out/tiny", metavar="DIR",
+                   help="checkpoint directory (default: %(default)s)")
     p.add_argument("--prompt", action="append", metavar="TEXT", help="repeat for several (default: prompts.json)")
     p.add_argument("--num-prompts", type=at_least(1), default=8, metavar="N", help="stored prompts used (default: 8)")
     p.add_argument("--max-new-tokens", type=at_least(1), default=128, metavar="N", help="per prompt (default: 128)")

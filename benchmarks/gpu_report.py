@@ -191,7 +191,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         if not 1 < a.budget_s < float("inf"):  # nan too; a part with 1 s left starts no command (`run_part`)
             raise ValueError(f"--budget-s must be a finite number of seconds > 1, not {a.budget_s:g}")
         a.parts = [part for part in PARTS if part in (a.part or PARTS)]
-        a.ckpt = os.path.abspath(a.ckpt)  # as the checks below read it: the parts' scripts run in the repository root
+        a.ckpt = os.path.abspath(os.path.expanduser(a.ckpt))  # as the checks read it: the parts run in the repository
         if {"decode", "batch"} & set(a.parts) and "train" not in a.parts and not os.path.isfile(
                 os.path.join(a.ckpt, "config.json")):
             raise ValueError(f"no checkpoint in {a.ckpt} for the decode and batch parts: run --part train first, "
@@ -215,6 +215,9 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # as Ctrl-C: the running part's command is stopped
     report, failed = s.before or header(s, argv), []  # with --append, --out's text, each part's section added
     target = s.out if s.append or not os.path.exists(s.out) else f"{s.out}.partial"  # an older report stays whole
+    if target != s.out:  # an earlier stopped run's is replaced: it holds this run's parts alone
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(target)
     try:
         for part in s.parts:
             print(f"[{part}] starting, budget {s.budget_s:.0f} s", file=sys.stderr, flush=True)

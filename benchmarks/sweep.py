@@ -144,7 +144,8 @@ def load(ns: argparse.Namespace) -> tuple[Checkpoint, dict, list[list[int]]]:
 
 def main(argv: list[str] | None = None) -> int:
     p = OneLineParser(prog="python benchmarks/sweep.py", description=__doc__.split("\n\n")[0])
-    p.add_argument("--ckpt", required=True, help="checkpoint directory with heads_accuracy.json and prompts.json")
+    p.add_argument("--ckpt", type=os.path.expanduser, required=True,
+                   help="checkpoint directory with heads_accuracy.json and prompts.json")
     p.add_argument("--budgets", type=numbers(1, MAX_NODES), default="1,2,4,8,16,32", metavar="N,N,...",
                    help="node budgets, root excluded (default: %(default)s)")
     p.add_argument("--rules", type=names_of(RULES), default="greedy,rejection-topk,rejection-drawn",

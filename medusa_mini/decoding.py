@@ -12,6 +12,7 @@ only: the padding is never attended to and its slots are given back. Medusa's lo
 whose `proposer(model, tree)` makes the candidates: Medusa or hydra heads, or `proposal.PromptLookup`.
 """
 
+import numbers
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -99,7 +100,8 @@ class Generations:
 
     def __init__(self, model: GPT, prompts: list[Prompt], *, max_new_tokens: int, eos_id: int | None,
                  on_step: RowCallback | None) -> None:
-        if not (isinstance(max_new_tokens, int) and max_new_tokens >= 0):
+        if not (isinstance(max_new_tokens, numbers.Integral) and not isinstance(max_new_tokens, bool)
+                and max_new_tokens >= 0):  # numpy's integers too
             raise ValueError(f"max_new_tokens must be an integer >= 0, not {max_new_tokens!r}")
         self.prompts = [_check_prompt(model, p) for p in prompts]
         if not self.prompts:

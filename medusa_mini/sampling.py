@@ -58,6 +58,7 @@ class Sampling:
             raise ValueError(f"top_p must be in (0, 1], not {self.top_p}")
         if not (self.epsilon > 0 and self.delta > 0):
             raise ValueError(f"epsilon and delta must be > 0 (typical acceptance), not {self.epsilon} and {self.delta}")
+        object.__setattr__(self, "temperature", float(T))  # a numpy number or a Fraction as one torch divides by
         object.__setattr__(self, "acceptance", "greedy" if T == 0 else (self.acceptance or "rejection"))
 
     @property

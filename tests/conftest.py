@@ -71,8 +71,7 @@ RULES = {  # every acceptance rule, at a temperature where candidates are often 
     "greedy": Sampling(),
     "typical": Sampling(acceptance="typical", temperature=0.8),
     "rejection": Sampling(temperature=0.8),  # candidates drawn from the heads' q
-    "rejection-topk": Sampling(temperature=0.8, candidates="topk"),
-}
+    "rejection-topk": Sampling(temperature=0.8, candidates="topk")}
 
 
 # Acceptance tables acc[head][rank] shaped like measured ones: greedy's (top-1 guesses), and drawn candidates'.

@@ -120,8 +120,7 @@ DRAWN_CASES = {  # name: (tree or None for random trees, heads, q, top_p, room: 
     "hydra-random-trees": (None, "hydra", "near-p", 1.0, 9), "q-equal-to-p": (WIDE_GAP_TREE, "hydra", "p", 1.0, 9),
     "medusa-rank-gaps": (WIDE_GAP_TREE, "medusa", "near-p", 1.0, 9),
     "draft-vocabulary-runs-out": (WIDE_GAP_TREE, "medusa", "three-tokens", 1.0, 9),
-    "top-p": (WIDE_GAP_TREE, "hydra", "near-p", 0.7, 9), "cut-short": (WIDE_GAP_TREE, "medusa", "near-p", 1.0, 1),
-}
+    "top-p": (WIDE_GAP_TREE, "hydra", "near-p", 0.7, 9), "cut-short": (WIDE_GAP_TREE, "medusa", "near-p", 1.0, 1)}
 
 
 @pytest.mark.parametrize("case", DRAWN_CASES)

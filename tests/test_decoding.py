@@ -2,6 +2,7 @@
 vocabulary, prompt lookup) greedy Medusa is plain greedy in every row of a batch; the engine makes the
 reference's decisions, stops cleanly, and compiled-style steps change nothing."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -18,8 +19,7 @@ TREES = {
     "chain": chain(4), "one": chain(1),  # head 1 alone: a tree one level deep
     "wide": Tree.from_choices([(r,) for r in range(8)] + [(0, r) for r in range(4)]),
     "deep": Tree.from_choices([(0,) * d for d in range(1, 5)] + [(1,), (1, 0), (0, 1), (0, 1, 0)]),
-    "cpu": preset("cpu"), "gpu": preset("gpu"),
-}
+    "cpu": preset("cpu"), "gpu": preset("gpu")}
 
 
 def drafter(kind: str, model, *prompts, seed: int = 0):
@@ -40,7 +40,7 @@ def test_plain_decoding_emits_the_backbones_own_next_tokens_drawn_in_order_from_
     for _ in range(6):
         logits = model(torch.tensor([ids]))[0][0, -1]
         ids.append(int(sampling.next_token(logits, sampling.uniforms((), gen, device="cpu"))))
-    got = generate(model, [3, 1, 4], max_new_tokens=6, sampling=sampling, generator=torch.Generator().manual_seed(2))[0]
+    got = generate(model, [3, 1, 4], max_new_tokens=np.int64(6), sampling=sampling, generator=gen.manual_seed(2))[0]
     assert got == ids[3:]
 
 

@@ -42,8 +42,7 @@ PROMPTS = [[1, 2], [3, 0, 1], [2], [0, 3, 3, 1], [3], [0], [1, 1, 2], [2, 0]]  #
 
 DRAFTERS = {  # random heads and prompt lookup: tests/test_decoding.py, on every tree
     "future-medusa": FutureHeads(), "future-hydra": FutureHydraHeads(),
-    "future-draft-vocabulary": FutureHeads(draft_ids=torch.tensor([1, 2, 3])),
-}
+    "future-draft-vocabulary": FutureHeads(draft_ids=torch.tensor([1, 2, 3]))}
 
 
 def greedy_mismatches(model, drafter) -> tuple[int, int]:

@@ -23,7 +23,8 @@ def test_a_tiny_temperature_gives_the_argmax_not_nan_and_shares_exact_ties_and_z
     logits = torch.tensor([[1.0, 3.0, 2.0, -5.0], [2.0, 7.0, 7.0, 0.0]])
     want = [[0.0, 1.0, 0.0, 0.0], [0.0, 0.5, 0.5, 0.0]]
     assert sampling_probs(logits, temperature=temperature).tolist() == want
-    assert Sampling(temperature=np.float32(temperature)).probs(logits).tolist() == want  # numpy's numbers too
+    assert (s := Sampling(temperature=np.float32(temperature))).probs(logits).tolist() == want  # numpy's numbers too
+    assert type(s.temperature) is float  # any real number is stored as the float torch divides by
     assert Sampling(temperature=torch.finfo().max).probs(logits).allclose(torch.tensor(0.25))  # the largest: flat
     pytest.raises(ValueError, sampling_probs, logits, temperature=0.0).match("temperature")
 

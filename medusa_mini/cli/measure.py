@@ -91,8 +91,8 @@ def resolve_tree(spec: str | None, *, ckpt_dir: str, device: torch.device | str,
 
 def main(argv: list[str] | None = None) -> int:
     p = OneLineParser(prog="python -m medusa_mini.cli.measure", description=__doc__)
-    p.add_argument("--ckpt", required=True, metavar="DIR", help="checkpoint directory (with prompts.json and a "
-                   "tokenizer); its heads_accuracy.json is rewritten")
+    p.add_argument("--ckpt", type=os.path.expanduser, required=True, metavar="DIR",
+                   help="checkpoint folder (with prompts.json and a tokenizer); its heads_accuracy.json is rewritten")
     p.add_argument("--num-prompts", type=at_least(1), default=32, help="prompts of prompts.json used (default: 32)")
     p.add_argument("--max-new-tokens", type=at_least(3), default=64, help="tokens per prompt (default: 64)")
     p.add_argument("--top-k", type=at_least(1), default=10, help="ranks measured per head (default: 10)")

@@ -66,8 +66,6 @@ class TrainArgs:
             value, least = getattr(self, f.name), f.metadata.get("least")
             if least is not None and isinstance(value, (int, float)) and not (math.isfinite(value) and value >= least):
                 raise ValueError(f"--{f.name.replace('_', '-')} must be a number >= {least}, got {value}")  # nan too
-        if not 0 <= self.seed < 2**32:  # the run's generators take seed * 7919 + ..., which must fit in 63 bits
-            raise ValueError(f"--seed must be from 0 to 2**32 - 1 to train, not {self.seed}")
         if self.resume and self.overwrite:
             raise ValueError("--resume continues the run in --out, --overwrite replaces it: give one of them")
         if self.medusa not in (1, 2):

@@ -35,6 +35,11 @@ LOWER_LR = "start again with a lower learning rate (--lr; the heads stage's: --h
 OFFICIAL_TOP1 = (0.56, 0.32, 0.20, 0.15)  # official Medusa-1 heads on Vicuna-7B, heads 1-4 (paper, repository)
 
 
+def seeded(seed: int, *, device: str = "cpu") -> torch.Generator:
+    """A generator of its own for each use of --seed, which goes up to 2**63 - 1: seed * 7919 + ... wraps at 2**64."""
+    return torch.Generator(device).manual_seed(seed % 2**64)
+
+
 class Run:
     """What every stage needs: args, ranks, device, model and heads; saving and resuming them; the stage clock."""
 
@@ -328,7 +333,7 @@ def backbone_stage(r: Run, train_tokens: np.ndarray, val_batches: list, *, step:
         r.log(f"{'eval':9s} step {s:5d}/{a.backbone_steps}  validation loss {validation_loss(model, val_batches):.3f}")
 
     _train(r, MedusaLM(model, heads if joint else None), opt, stage="backbone", steps=a.backbone_steps, start=step,
-           gen=torch.Generator().manual_seed(a.seed * 1009 + r.rank), batch_fn=batch, loss_kwargs=loss_kwargs,
+           gen=seeded(a.seed * 1009 + r.rank), batch_fn=batch, loss_kwargs=loss_kwargs,
            state=state, evaluate=evaluate if a.eval_every and r.main else None)
 
 
@@ -337,8 +342,8 @@ def distill_stage(r: Run, train_tokens: np.ndarray) -> torch.Tensor:
     """Self-distillation (paper §2.3.2): the backbone continues corpus prompts -> [S, P + n] tokens, the
     temperatures cycled per chunk: greedy text teaches what greedy decoding meets, sampled text sampling."""
     a, t0 = r.args, time.time()
-    g = torch.Generator().manual_seed(a.seed * 7919 + 17 + r.rank)
-    sample_gen = torch.Generator(device=r.device).manual_seed(a.seed * 7919 + 29 + r.rank)
+    g = seeded(a.seed * 7919 + 17 + r.rank)
+    sample_gen = seeded(a.seed * 7919 + 29 + r.rank, device=r.device)
     temps, chunk, parts = [float(t) for t in a.distill_temperatures.split(",")], 64, []
     for i in range(0, a.distill_prompts, chunk):
         if r.any_rank(r.stop_requested):  # Ctrl-C: the state saved before this stage redoes it on --resume
@@ -363,7 +368,7 @@ def heads_stage(r: Run, *, step: int, state: dict | None) -> None:
         return seq[:, :-1], seq[:, 1:], valid_row.expand(a.heads_batch_size, -1)
 
     _train(r, MedusaLM(r.model, r.heads), _optimizer([(r.heads, a.heads_lr)], a), stage="heads",
-           steps=a.heads_steps, start=step, gen=torch.Generator().manual_seed(a.seed * 1009 + r.rank + 1), state=state,
+           steps=a.heads_steps, start=step, gen=seeded(a.seed * 1009 + r.rank + 1), state=state,
            batch_fn=batch, loss_kwargs=lambda s: dict(lm_weight=0.0, heads_weight=1.0, decay=1.0, detach_backbone=True))
 
 
@@ -412,7 +417,7 @@ def summarize(r: Run, val_batches: list, val_tokens: np.ndarray) -> tuple[dict, 
     P = min(32, model.config.block_size // 4)
     n = min(96, model.config.block_size - P)
     prompts, _ = get_batch(val_tokens, batch_size=min(64, 8 * args.eval_prompts), block_size=P,
-                           generator=torch.Generator().manual_seed(args.seed + 5))
+                           generator=seeded(args.seed + 5))
     seqs = accuracy.continuations(model, prompts.tolist(), max_new_tokens=n)
     acc = accuracy.measure_head_accuracy(model, heads, seqs, prompt_lens=P, top_k=top_k)
     sampled = accuracy.continuations(model, prompts.tolist(), max_new_tokens=n, temperature=T, seed=args.seed + 6)
@@ -473,7 +478,7 @@ def run(args: TrainArgs) -> None:
     enc, train_tokens, val_tokens = _prepare(r, state, train_docs, val_docs)
     block_size = r.model.config.block_size
     # Eight fixed batches of 8 held-out windows, drawn by a generator of their own: measuring changes no training.
-    g, T = torch.Generator().manual_seed(args.seed * 7919 + 101), min(block_size, 256)
+    g, T = seeded(args.seed * 7919 + 101), min(block_size, 256)
     val_batches = [get_batch(val_tokens, batch_size=8, block_size=T, generator=g, device=r.device) for _ in range(8)]
     previous = signal.signal(signal.SIGINT, r.on_ctrl_c)
     try:

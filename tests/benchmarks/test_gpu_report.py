@@ -123,6 +123,8 @@ def test_each_part_is_written_as_it_ends_and_an_older_report_is_replaced_by_a_wh
     out, seen, writes, real = tmp_path / "r.md", [], [], gpu_report.atomic_write
     new = out if case == "append" else tmp_path / "r.md.partial"
     out.write_text("# an older report\n")
+    if case != "append":  # what an earlier run, stopped, left: replaced, not added to
+        new.write_text("# a stopped run's\n")
     faked(monkeypatch, lambda argv: seen.append(new.read_text() if new.exists() else "") or (1, "boom\n", 1.0))
 
     def write(path, writer):  # a disk that fills after the first part's section, in case "disk full"

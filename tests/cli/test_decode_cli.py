@@ -111,7 +111,8 @@ def test_the_demo_refuses_a_tree_or_a_prompt_before_it_trains(capsys, monkeypatc
 
 def test_a_console_that_cannot_encode_the_trees_lines_shows_escapes_not_an_error(ckpt, monkeypatch):
     monkeypatch.setattr(sys, "stdout", console := io.TextIOWrapper(io.BytesIO(), encoding="cp1252"))  # Windows'
-    assert decode.main(["--ckpt", ckpt, "--show", "--max-new-tokens", "2", "--num-prompts", "1"]) == 0
+    monkeypatch.setenv("HOME", os.path.dirname(ckpt))  # and --ckpt=~/..., which no shell expands
+    assert decode.main([f"--ckpt=~/{os.path.basename(ckpt)}", "--show", "--max-new-tokens", "2"]) == 0
     assert console.flush() is None and "\\u251c\\u2500" in console.buffer.getvalue().decode("cp1252")  # ├─
 
 

@@ -131,8 +131,7 @@ DAMAGE = {  # name: (the file the error must name, what is done to it, f)
     "bad rank": ("tokenizer.tiktoken", lambda f: f.write_text(f.read_text() + "QUJD x\n")),
     "duplicate rank": ("tokenizer.tiktoken", lambda f: f.write_text(f.read_text() + "QUJDREVG 3\n")),
     "duplicate token": ("tokenizer.tiktoken", lambda f: f.write_text((t := f.read_text()) + t.split()[0] + " 9999\n")),
-    "missing byte": ("tokenizer.tiktoken", lambda f: f.write_text(f.read_text().split("\n", 1)[1])),
-}
+    "missing byte": ("tokenizer.tiktoken", lambda f: f.write_text(f.read_text().split("\n", 1)[1]))}
 
 
 @pytest.mark.parametrize("culprit, damage", DAMAGE.values(), ids=DAMAGE.keys())
