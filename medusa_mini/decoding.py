@@ -76,14 +76,15 @@ def reuse_cache(cache: KVCache | CacheSource | None, model: GPT, *, batch_size: 
 @torch.no_grad()
 def prefill(model: GPT, ids: torch.Tensor, cache: KVCache, *, lengths: list[int] | None = None
             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run the prompts ids [B, T] into an empty cache; return each row's last logits [B, V] and hidden [B, C].
+    """Run the prompts ids [B, T] into the cache, emptied first; return each row's last logits [B, V], hidden [B, C].
 
     lengths: each row's prompt length when the rows were padded at their end to T (default: all T). The padding
     follows the prompt, so causal attention keeps every prompt token from seeing it; the cache's lengths are then set
     to the prompts', giving the padding's slots back."""
     B, T = ids.shape
     last = torch.tensor([n - 1 for n in lengths] if lengths else [T - 1] * B, device=ids.device)  # [B]
-    logits, hidden = model(ids, cache=cache, logits_at=last, attended=T)  # [B, 1, V], [B, T, C]: an empty cache
+    cache.lengths = 0  # a prefill starts a generation: a used cache would be attended to, in its first T slots only
+    logits, hidden = model(ids, cache=cache, logits_at=last, attended=T)  # [B, 1, V], [B, T, C]
     if lengths is not None:
         cache.lengths = torch.tensor(lengths, device=ids.device)
     return logits[:, 0], at_each_row(hidden, last)  # [B, V], [B, C]

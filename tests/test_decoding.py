@@ -9,7 +9,7 @@ import torch
 import medusa_mini.step as step
 from conftest import RULES, ContinuationHeads, random_heads, tiny_model
 from medusa_mini import reference as ref
-from medusa_mini.decoding import generate, generate_batch, medusa_generate, medusa_generate_batch
+from medusa_mini.decoding import generate, generate_batch, medusa_generate, medusa_generate_batch, prefill
 from medusa_mini.model import GPT, KVCache
 from medusa_mini.proposal import PromptLookup
 from medusa_mini.sampling import Sampling
@@ -70,6 +70,8 @@ def test_a_reused_cache_gives_the_tokens_of_a_fresh_one_and_must_be_the_one_aske
     pytest.raises(ValueError, generate, model, [1, 2], max_new_tokens=3, cache=tree_cache).match("slots")
     with pytest.raises(ValueError, match="slots"):  # a tree's nodes need slots past the context
         medusa_generate(model, heads, [1, 2], tree=tree, max_new_tokens=3, cache=plain_cache)
+    ids = torch.tensor([[9, 8]])  # a prefill starts a generation: the used cache is emptied first
+    assert prefill(model, ids, tree_cache)[0].equal(prefill(model, ids, KVCache(model.config))[0])
     with pytest.raises(ValueError, match="has 1 rows .* needs 2 rows"):
         generate_batch(model, [[1, 2], [3]], max_new_tokens=3, cache=plain_cache)
     with pytest.raises(ValueError, match="in torch.float64 on cpu; .* in torch.float32 on cpu"):  # index_put_'s error

@@ -80,8 +80,7 @@ GREEDY_BUGS = {  # name: the module attribute to patch, and the wrong value
     "nodes_see_a_causal_mask_not_the_tree_mask": (step, "verify", verify_on(
         lambda tree: replace(tree, ancestor_mask=torch.ones_like(tree.ancestor_mask).tril()))),
     "the_cache_keeps_node_indices_not_the_paths_slots": (step, "compact_kv_cache", keep_node_indices),
-    "children_are_judged_at_themselves_not_their_parent": (acceptance, "path_accept", judged_at_themselves),
-}
+    "children_are_judged_at_themselves_not_their_parent": (acceptance, "path_accept", judged_at_themselves)}
 
 
 @torch.no_grad()
@@ -222,8 +221,7 @@ SAMPLING_BUGS = {  # name: (the case whose check must fail, the module attribute
                                                                     "residual_chain", residuals_changed(
                                                                         lambda r, p, q, tries: r * (q > 0))),
     "a_row_tries_its_draws_against_another_rows_q": ("hydra-ragged-batch", Drawn, "at", another_rows_q),
-    "children_are_tried_against_a_siblings_q": ("hydra-ragged-batch", Drawn, "at", a_siblings_q),
-}
+    "children_are_tried_against_a_siblings_q": ("hydra-ragged-batch", Drawn, "at", a_siblings_q)}
 
 
 @torch.no_grad()
