@@ -160,3 +160,4 @@ def test_a_row_stopped_by_its_end_token_keeps_its_cache_while_the_other_rows_dec
         used.append(KVCache(model.config, batch_size=len(rows), max_len=model.config.block_size + tree.num_nodes))
         medusa_generate_batch(model, random_heads(model), rows, tree=tree, max_new_tokens=30, eos_id=37, cache=used[-1])
     assert used[0].lengths[0] == used[1].lengths[0]
+    pytest.raises(ValueError, generate, model, [5], max_new_tokens=3, eos_id=[37, 2]).match("one token id")  # HF's

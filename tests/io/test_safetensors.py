@@ -94,8 +94,7 @@ HOSTILE = {
     "gap between tensors": (st_file({"a": entry("F32", [1], 0, 4), "b": entry("F32", [1], 8, 12)}, bytes(12)), "gap"),
     "bytes nobody owns": (st_file({"a": entry("F32", [1], 0, 4)}, bytes(8)), "cover 4 bytes"),
     "metadata not strings": (st_file({"__metadata__": {"a": 1}}), "__metadata__"),
-    "BOOL byte other than 0/1": (st_file({"a": entry("BOOL", [2], 0, 2)}, b"\x01\x07"), "BOOL"),
-}
+    "BOOL byte other than 0/1": (st_file({"a": entry("BOOL", [2], 0, 2)}, b"\x01\x07"), "BOOL")}
 
 
 @pytest.mark.parametrize("content, match", HOSTILE.values(), ids=HOSTILE.keys())
