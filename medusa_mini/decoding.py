@@ -65,7 +65,7 @@ def reuse_cache(cache: KVCache | CacheSource | None, model: GPT, *, batch_size: 
     if cache is None:
         return KVCache(c, batch_size=batch_size, max_len=max_len, device=model.device, dtype=dtype)
     have = (tuple(cache.kv.shape), cache.kv.dtype, cache.kv.device)
-    need = ((c.n_layer, 2, batch_size, c.n_head, max_len, c.n_embd // c.n_head), dtype, model.device)  # `KVCache.kv`
+    need = (KVCache.kv_shape(c, batch_size, max_len), dtype, model.device)
     if have != need:  # [n_layer, 2, B, nh, max_len, hs]
         say = lambda s, t, d: f"{s[2]} rows of {s[4]} slots ({s[0]} layers, {s[3]} heads of {s[5]}) in {t} on {d}"
         raise ValueError(f"the KV cache to reuse has {say(*have)}; this generation needs {say(*need)}")

@@ -49,11 +49,15 @@ class KVCache:
     def __init__(self, config: GPTConfig, *, batch_size: int = 1, max_len: int | None = None,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> None:
         self.max_len, self.batch_size = max_len if max_len is not None else config.block_size, batch_size
-        shape = (config.n_layer, 2, batch_size, config.n_head, self.max_len, config.n_embd // config.n_head)
-        self.kv = torch.zeros(shape, device=device, dtype=dtype)
+        self.kv = torch.zeros(KVCache.kv_shape(config, batch_size, self.max_len), device=device, dtype=dtype)
         self.length_buffer = torch.zeros(batch_size, dtype=torch.long, device=device)
         self.rows = torch.arange(batch_size, device=device)[:, None]  # [B, 1]: each row's index, for every write
         self.layers = torch.arange(config.n_layer, device=device)  # [n_layer]: each layer's, for its writes
+
+    @staticmethod
+    def kv_shape(config: GPTConfig, batch_size: int, max_len: int) -> tuple[int, ...]:
+        """kv's shape, [n_layer, 2, B, nh, max_len, hs]."""
+        return config.n_layer, 2, batch_size, config.n_head, max_len, config.n_embd // config.n_head
 
     @property
     def lengths(self) -> torch.Tensor:
