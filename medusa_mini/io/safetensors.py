@@ -116,20 +116,19 @@ def read_safetensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     """Every tensor of a safetensors file; a one-line ValueError naming the file if it is broken or hostile.
     Each tensor's bytes are read straight into its own storage, so peak memory is the tensors once."""
     _require_little_endian()
-    path = os.fspath(path)
     out: dict[str, torch.Tensor] = {}
     with open(path, "rb") as f:
         try:
             entries, start = _read_header(f)
-        except ValueError as e:
-            raise ValueError(f"{path}: {e}") from None
-        for name, (dtype, shape, (begin, end)) in entries.items():
-            t = torch.empty(math.prod(shape), dtype=dtype)
-            raw = memoryview(t.view(torch.uint8).numpy())
-            f.seek(start + begin)
-            if f.readinto(raw) != len(raw):  # a buffered readinto stops short only at the end of the file
-                raise ValueError(f"{path}: file ended inside tensor {name!r}")
-            if dtype is torch.bool and t.numel() and int(t.view(torch.uint8).max()) > 1:
-                raise ValueError(f"{path}: tensor {name!r} holds BOOL bytes other than 0 and 1")
-            out[name] = t.reshape(shape)
+            for name, (dtype, shape, (begin, end)) in entries.items():
+                t = torch.empty(math.prod(shape), dtype=dtype)
+                raw = memoryview(t.view(torch.uint8).numpy())
+                f.seek(start + begin)
+                if f.readinto(raw) != len(raw):  # a buffered readinto stops short only at the end of the file
+                    raise ValueError(f"file ended inside tensor {name!r}")
+                if dtype is torch.bool and t.numel() and int(t.view(torch.uint8).max()) > 1:
+                    raise ValueError(f"tensor {name!r} holds BOOL bytes other than 0 and 1")
+                out[name] = t.reshape(shape)
+        except ValueError as e:  # every error names the file, once
+            raise ValueError(f"{os.fspath(path)}: {e}") from None
     return out
