@@ -119,8 +119,7 @@ def make_encoding(ranks: Mapping[bytes, int]) -> tiktoken.Encoding:
 
 
 def save_tokenizer(enc: tiktoken.Encoding, directory: str | os.PathLike) -> pathlib.Path:
-    """Save an encoding to `directory` (returned), whole: tiktoken's named ones too, which it would fetch again from
-    the network (or a cache in /tmp) to load them by name."""
+    """Save `enc` to `directory` (returned), whole: tiktoken's named ones too, which loading by name would fetch."""
     directory = pathlib.Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     specials = {t: enc.encode_single_token(t) for t in sorted(enc.special_tokens_set)}
