@@ -33,7 +33,7 @@ import torch
 
 from benchmarks.bench_step import CONFIGS
 from medusa_mini.cli.common import OneLineParser, check_file_path, names_of, timed
-from medusa_mini.io.files import atomic_write, text_writer
+from medusa_mini.io.files import atomic_write, remove_file, text_writer
 from medusa_mini.train.device import DTYPES, pick_device
 
 GPT2_SHAPES = "gpt2,gpt2-medium,gpt2-large,gpt2-xl"
@@ -216,8 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     report, failed = s.before or header(s, argv), []  # with --append, --out's text, each part's section added
     target = s.out if s.append or not os.path.exists(s.out) else f"{s.out}.partial"  # an older report stays whole
     if target != s.out:  # an earlier stopped run's is replaced: it holds this run's parts alone
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(target)
+        remove_file(target)
     try:
         for part in s.parts:
             print(f"[{part}] starting, budget {s.budget_s:.0f} s", file=sys.stderr, flush=True)
