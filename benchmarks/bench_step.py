@@ -112,7 +112,6 @@ class OpCounter(TorchDispatchMode):
 
 
 def count_ops(fn: Callable[[], object]) -> Counter[str]:
-    """The device operations fn() dispatches, by name (`OpCounter`)."""
     with OpCounter() as counter:
         fn()
     return counter.ops
