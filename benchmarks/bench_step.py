@@ -123,7 +123,6 @@ OP_RULES = {"greedy": Sampling(), "typical": Sampling(acceptance="typical", temp
 PLAIN_OF = {rule: "greedy" if sampling.greedy else "sampling" for rule, sampling in OP_RULES.items()}
 
 
-@torch.no_grad()
 def step_ops(model: GPT, heads: DraftHeads, caches: dict[int, KVCache], trees: dict[str, Tree], root: torch.Tensor,
              hidden: torch.Tensor, *, history: list[list[int]], reset: Callable[[], None]) -> dict[str, int]:
     """Device operations of one eager step: the plain one (its uniform drawn, the token chosen) under greedy
