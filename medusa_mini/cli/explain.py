@@ -122,10 +122,8 @@ def verify_section(out: list[str], labels: list[str], tree: Tree, tokens: list[i
 @torch.no_grad()
 def explain_step(model: GPT, heads, enc: tiktoken.Encoding, prompt_ids: list[int], *, tree: Tree,
                  sampling: Sampling = Sampling(), generator: torch.Generator | None = None) -> str:
-    """One Medusa step after the prompt with the reference's functions, every stage described."""
+    """One Medusa step after a prompt of 1 to block_size - ROOM tokens (decode.py checks), every stage described."""
     block, L, T = model.config.block_size, len(prompt_ids), sampling.temperature
-    if L == 0 or L > block - ROOM:
-        raise ValueError(f"--explain takes a prompt of 1 to {block - ROOM} tokens (room for a candidate), not {L}")
     tree = tree.truncated(block - 2 - L)  # the deepest node's position must stay inside the context
     rule = "greedy" if sampling.greedy else f"{sampling.acceptance}, temperature {sampling.temperature:g}"
     out = ["One Medusa decoding step, in full", "=" * 33, f"Prompt ({L} tokens): {_snippet(enc.decode(prompt_ids))}",
