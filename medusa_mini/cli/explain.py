@@ -24,13 +24,11 @@ from ..tree import Tree
 DEMO_NOTE = ("DEMO: a 2-layer model and its 4 heads trained for a few seconds on the Zen of Python, which they "
              "know by heart;\nreal heads are right less often. Train one with train_tiny.py for real figures.")
 ROOM = 3  # new positions an explained step needs past the prompt: its root, a candidate, the bonus
-RULES = {  # section 6 on each rule; "topk": rejection sampling of the heads' top-k candidates
+RULES = {  # section 6 on each rule (decode.py's rejection sampling draws its candidates)
     "greedy": "Greedy: from the root, descend while the backbone's argmax is a child's token.",
     "typical": "Typical acceptance: keep a candidate whose probability clears min(ε, δ·exp(-H(p))).",
     "rejection": "Rejection sampling: try a node's children in order, accepting x with probability min(1, p(x)/q(x)),\n"
-                 "q without the earlier draws, and moving p to norm(max(0, p - q)) after a miss (lossless).",
-    "topk": "Rejection sampling of top-k candidates: draw y from p at each node and descend while y is\n"
-            "a child's token; the first y that is not becomes the bonus (lossless)."}
+                 "q without the earlier draws, and moving p to norm(max(0, p - q)) after a miss (lossless)."}
 
 
 def token_text(enc: tiktoken.Encoding, token: int) -> str:
@@ -164,8 +162,7 @@ def explain_step(model: GPT, heads, enc: tiktoken.Encoding, prompt_ids: list[int
     # 6-7. Accept a path and its bonus token; what the step emitted and the cache kept.
     path, bonus = ref.accept(tree.parents, tokens, logits, sampling=sampling, generator=generator, drawn=drawn)
     emitted = [tokens[i] for i in path[1:]] + [bonus]
-    rule = "topk" if sampling.acceptance == "rejection" and drawn is None else sampling.acceptance
-    out += [_header(6, "Accept: a path of accepted candidates, plus a bonus token"), RULES[rule],
+    out += [_header(6, "Accept: a path of accepted candidates, plus a bonus token"), RULES[sampling.acceptance],
             "accepted path: " + " → ".join(f"[{i}] {labels[i]}" + (" (root, already emitted)" if i == 0 else "")
                                            for i in path),
             f"bonus token:   {token_text(enc, bonus)}, the backbone's own next token after [{path[-1]}], free "

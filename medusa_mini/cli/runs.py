@@ -113,7 +113,7 @@ def first_difference(ck: Checkpoint, prompt: list[int], want: list[int], got: li
 
 
 def compare_methods(ck: Checkpoint, tree: Tree, sampling: Sampling, *, temperature: float,
-                    lookup_nodes: int, drawn_tree: Tree | None = None, with_reference: bool = False) -> list[Method]:
+                    lookup_nodes: int, drawn_tree: Tree, with_reference: bool = False) -> list[Method]:
     """--compare's rows, greedy then sampled at `temperature`: plain, prompt lookup (a chain of `lookup_nodes`),
     the heads (rejection sampling's drawn candidates on `drawn_tree`), the reference under each of their rules."""
     greedy = dataclasses.replace(sampling, acceptance="greedy", temperature=0.0)
@@ -123,7 +123,7 @@ def compare_methods(ck: Checkpoint, tree: Tree, sampling: Sampling, *, temperatu
     methods = [Method("plain", greedy), Method("prompt lookup", greedy, lookup, line),
                Method("Medusa", greedy, heads, tree), Method("Medusa", typical, heads, tree),
                Method("plain", rejection), Method("prompt lookup", rejection, lookup, line),
-               Method("Medusa", rejection, heads, drawn_tree if rejection.draws_candidates and drawn_tree else tree)]
+               Method("Medusa", rejection, heads, drawn_tree)]
     return methods + [Method("reference", m.sampling, heads, m.tree, reference=True)
                       for m in methods if with_reference and m.name == "Medusa"]
 
@@ -208,11 +208,9 @@ def format_table(result: dict) -> str:
     compiled, drawn = result.get("compile_warmup_s"), result.get("drawn_tree_nodes")  # None: the others' tree
     lines += ["\ndevice {device}, {dtype}, {threads} threads; {prompts} prompts; tree {tree} ({tree_nodes} nodes "
               "incl. root{drawn}; prompt lookup: a chain of up to {lookup_nodes}); max-new-tokens {max_new_tokens}; "
-              "top-p {top_p:g}".format(**result, drawn="" if drawn is None else
-                                       f"; Medusa rejection's, from its own table: {drawn}")
-              + ("" if compiled is None else f"; steps compiled in {compiled:.1f} s (not timed)")
-              + f"; {result['heads']} heads; Medusa rejection candidates: "
-              + {"topk": "the heads' top-k"}.get(result["candidates"], "drawn from q"),
+              "top-p {top_p:g}{compiled}; {heads} heads; Medusa rejection candidates: drawn from q".format(
+                  **result, drawn="" if drawn is None else f"; Medusa rejection's, from its own table: {drawn}",
+                  compiled="" if compiled is None else f"; steps compiled in {compiled:.1f} s (not timed)"),
               f"Note: {BONUS_NOTE}; plain decoding is exactly 1.00. Step cost: ms\nper step over the plain "
               f"decoder's: {identity} Times include the prefill; fastest of {result['repeat']} runs."]
     for reason, what in (("context", "at the context limit"), ("eos", "at the end-of-text token")):
