@@ -485,7 +485,6 @@ def run(args: TrainArgs) -> None:
         _train_stages(r, state, train_tokens, val_batches)
     finally:
         signal.signal(signal.SIGINT, previous)
-    r.check_finite("after training")
     choose_draft_vocabulary(r)  # before the summary: it measures the heads as they will decode
     r.heads.eval()
     if r.world > 1:
