@@ -120,7 +120,6 @@ PRESETS: dict[str, dict] = {
                 heads_steps=1500, heads_batch_size=128, eval_prompts=32, draft_vocab=1024),
     # --init gpt2...: heads only on a frozen GPT-2, for one GPU or a CPU; a draft vocabulary of 4,096 of its
     # 50,257 tokens makes the heads cost under a tenth of a plain step (bench_step.py)
-    "gpt2": dict(medusa=1, backbone_steps=0, distill_prompts=4096, distill_tokens=128, heads_steps=2000,
-                 eval_prompts=32, draft_vocab=4096),
-    "gpt2-cpu": dict(medusa=1, backbone_steps=0, distill_prompts=32, distill_prompt_len=16, distill_tokens=32,
-                     heads_steps=30, heads_batch_size=4, eval_prompts=4, draft_vocab=4096)}
+    "gpt2": dict(distill_prompts=4096, distill_tokens=128, heads_steps=2000, eval_prompts=32, draft_vocab=4096),
+    "gpt2-cpu": dict(distill_prompts=32, distill_prompt_len=16, distill_tokens=32, heads_steps=30, heads_batch_size=4,
+                     eval_prompts=4, draft_vocab=4096)}
