@@ -127,7 +127,6 @@ class Run:
         return state
 
     def on_ctrl_c(self, signum, frame) -> None:
-        """SIGINT while training: the first Ctrl-C saves after the current optimizer step, the second stops at once."""
         if self.stop_requested:
             raise KeyboardInterrupt
         self.stop_requested = True
@@ -252,7 +251,6 @@ def _optimizer(modules_and_lrs: list[tuple[torch.nn.Module, float]], args: Train
 
 
 def progress_line(stage: str, step: int, steps: int, metrics: dict, *, tokens_per_s: float, eta: float) -> str:
-    """One progress line: the current step's losses and head top-1, throughput, time left."""
     parts = [f"{stage:9s} step {step + 1:5d}/{steps}"] + ([f"lm {metrics['lm']:.3f}"] if "lm" in metrics else [])
     if "heads" in metrics:
         parts.append("heads " + " ".join(f"{v:.2f}" for v in metrics["heads"]))
