@@ -14,6 +14,8 @@ import contextlib
 import os
 import sys
 
+import torch
+
 from medusa_mini.cli.common import OneLineParser, seed
 from medusa_mini.train.config import PRESETS, TrainArgs, TrainError
 from medusa_mini.train.device import DTYPES, pick_device, rank_device, training_dtype
@@ -66,10 +68,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run(args)
         return 0
-    except (TrainError, KeyboardInterrupt) as e:
+    except (TrainError, KeyboardInterrupt, torch.OutOfMemoryError) as e:
         for folder in made:  # a run refused or stopped before it wrote leaves no empty folder (rmdir takes only those)
             with contextlib.suppress(OSError):
                 os.rmdir(folder)
+        if isinstance(e, torch.OutOfMemoryError):  # the device's size, not a fault: the flags that set what it holds
+            e = TrainError(f"{args.device} ran out of memory: lower --batch-size (the heads stage's: "
+                           "--heads-batch-size), and --overwrite if it saved")
         if isinstance(e, TrainError):
             print(f"train_tiny.py: error: {e}", file=sys.stderr)
             return 2

@@ -63,6 +63,8 @@ def test_a_folder_loads_its_text_files_sorted_and_recursively(tmp_path):
     assert load_corpus(tmp_path, skip=tmp_path / "out/mine") == texts
     mine = ("out/mine/config.json", "{}\n")  # a folder without a checkpoint is text
     assert load_corpus(tmp_path) == texts[:2] + [mine] + texts[2:]
+    for folder, out in [("out/mine", "out/mine"), ("out/mine", "out"), ("out/smoke", None)]:  # in --out, a checkpoint
+        pytest.raises(ValueError, load_corpus, tmp_path / folder, skip=out and tmp_path / out).match("output folder")
 
 
 @pytest.mark.parametrize("file", [None, b"  \n", bytes(range(256)), "na\xefve caf\xe9".encode("latin-1")])

@@ -267,6 +267,13 @@ def test_help_lists_every_flag_and_bad_flags_or_data_are_one_line_naming_it_with
     assert not (tmp_path / "x").exists()  # nothing written before a save: the folder it made is gone too
     assert "not finite; start again with a lower learning" in (err := capsys.readouterr().err) and err.count("\n") == 1
 
+    def out_of_memory(args):  # as CUDA's allocator fails on a batch too large, once --out is made
+        os.makedirs(args.out)
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+    monkeypatch.setattr(train_tiny, "run", out_of_memory)
+    assert train_tiny.main([*FAST, "--out", "x"]) == 2 and not (tmp_path / "x").exists()
+    assert "--batch-size" in (err := capsys.readouterr().err) and err.count("\n") == 1
+
 
 @pytest.mark.slow
 def test_two_ddp_processes_keep_identical_replicas_and_resume_exactly_after_ctrl_c_on_one(tmp_path):
