@@ -1,8 +1,9 @@
 """`--compile`: the plain step and Medusa's as whole graphs, CUDA graphs on a GPU (mode "reduce-overhead"),
 which remove the kernel launches that dominate decoding at batch 1. Through the seam the decoding loops take
-(`step.Steps`) they make the eager steps' decisions, draw for draw: the plain step chooses the token in its
-graph; `CompiledMedusa` runs `verify_and_accept` as one graph a step, and `draft_tree` for a generation's first
-tree of drawn candidates. Prompt lookup's chains come from its eager proposer, one graph per chain length.
+(`step.Steps`) they make the eager steps' decisions from the same logits, draw for draw (theirs may round otherwise:
+a graph reads the whole cache, inductor fuses; in bfloat16 a near-tie may part): the plain step chooses the token
+in its graph; `CompiledMedusa` runs `verify_and_accept` as one graph a step, and `draft_tree` for a generation's
+first tree of drawn candidates. Prompt lookup's chains come from its eager proposer, one graph per chain length.
 
 Every shape is fixed: a step reads the whole KV cache and verifies the whole tree. A CUDA graph replays on the
 addresses it recorded and overwrites its outputs at its next replay, so `StaticCaches` keeps each shape's cache at
