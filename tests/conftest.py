@@ -110,7 +110,6 @@ class OracleHeads:
                  seed: int = 0, draft_ids: torch.Tensor | None = None):
         self.num_heads, self.V = num_heads, model.config.vocab_size
         self.draft_ids = torch.arange(self.V) if draft_ids is None else draft_ids
-        self.config = HeadsConfig(num_heads=num_heads, n_embd=model.config.n_embd, vocab_size=self.V)
         index = {t: i for i, t in enumerate(self.draft_ids.tolist())}
         with torch.no_grad():  # state t of a sequence produced its token t + 1, the root
             self.states = torch.cat([model(torch.tensor([s]))[1][0] for s in sequences]).float()  # [S, C]
