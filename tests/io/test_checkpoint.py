@@ -59,8 +59,6 @@ def test_save_then_load_gives_identical_logits_over_the_same_draft_vocabulary(tm
     assert model2.config == model.config and model2.lm_head.weight is model2.transformer.wte.weight  # epsilon too
     raw = (tmp_path / "model.safetensors").read_bytes()  # transformers needs the format in the metadata
     assert json.loads(raw[8 : 8 + struct.unpack("<Q", raw[:8])[0]])["__metadata__"] == {"format": "pt"}
-    if heads is not None:
-        assert heads2.config == heads.config and torch.equal(heads2.draft_ids, heads.draft_ids)
     assert all(torch.equal(a, b) for a, b in zip(outputs(model, heads), outputs(model2, heads2), strict=True))
 
 
