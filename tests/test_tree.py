@@ -10,7 +10,7 @@ import torch
 
 from conftest import VICUNA, random_tree
 from medusa_mini import reference as ref
-from medusa_mini.tree import CPU_CHOICES, GPU_CHOICES, Tree, build_tree, chain, expected_tokens_per_step, preset
+from medusa_mini.tree import Tree, build_tree, chain, expected_tokens_per_step, preset
 
 # The tree used throughout, drawn by hand:
 #   0 root
@@ -47,7 +47,6 @@ def test_node_sees_only_its_ancestors_the_nodes_of_its_path_from_the_root():
     seen = ["".join("x" if v else "." for v in row) for row in t.ancestor_mask.tolist()]  # row i: what node i sees
     assert seen == ["x.....", "xx....", "x.x...", "xx.x..", "xx..x.", "xx.x.x"]  # 2 not 1, 4 not 3: siblings
     assert t.node_paths.tolist() == [[0, 0, 0, 0], [0, 1, 1, 1], [0, 2, 2, 2], [0, 1, 3, 3], [0, 1, 4, 4], [0, 1, 3, 5]]
-    assert [TREE.path(i) for i in range(6)] == [[0], [0, 1], [0, 2], [0, 1, 3], [0, 1, 4], [0, 1, 3, 5]]
 
 
 def test_the_ancestor_mask_equals_the_references_walk_up_the_parents_on_random_trees():
@@ -78,7 +77,6 @@ def test_a_tree_made_directly_refuses_choices_from_choices_would_sort_or_refuse(
 def test_presets_are_valid_and_sized_for_their_device_and_a_chain_is_one_top1_guess_per_head():
     cpu, gpu = preset("cpu"), preset("gpu")
     assert chain(3).choices == ((0,), (0, 0), (0, 0, 0)) and chain(3).parents == [-1, 0, 1, 2]
-    assert Tree.from_choices(CPU_CHOICES, num_heads=4) == cpu and Tree.from_choices(GPU_CHOICES, num_heads=4) == gpu
     assert cpu.num_nodes <= 16 and 60 <= gpu.num_nodes - 1 <= 70 and (cpu.depth, gpu.depth, gpu.max_rank) == (4, 4, 9)
     assert preset("chain1") == chain(1) and preset("chain256").num_nodes == 257  # MAX_NODES below the root
 
