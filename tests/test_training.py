@@ -55,7 +55,6 @@ def test_head_losses_reach_the_backbone_in_medusa_2_only(medusa):
                                             detach_backbone=medusa == 1)
     loss.backward()
     assert ("lm" in metrics) == (medusa == 2) and len(metrics["heads"]) == 2
-    assert all(b.linear.weight.grad.abs().sum() > 0 for b in heads.blocks)
     # The shared lm_head (tied to wte) is frozen by requires_grad in the heads stage.
     body = [p.grad for name, p in model.named_parameters() if name != "transformer.wte.weight"]
     assert all(g is None for g in body) if medusa == 1 else model.transformer.h[0].attn.c_attn.weight.grad.abs().sum()
