@@ -98,7 +98,6 @@ def test_a_training_step_runs_forward_and_backward_on_the_device(kind, stage):
     on_device = tree_leaves((loss, metrics, [p.grad for p in heads.parameters()]))
     assert all(t.device == META for t in on_device if isinstance(t, torch.Tensor))
     assert all(p.grad is not None for p in heads.parameters())
-    assert (model.transformer.h[0].mlp.c_fc.weight.grad is not None) == (stage == "joint")  # Medusa-1: detached
 
 
 # ---- the checks can fail ---------------------------------------------------------------------------
