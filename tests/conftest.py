@@ -217,5 +217,4 @@ def one_run_each(monkeypatch):
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    """A tiny checkpoint with Medusa heads, saved as train_tiny.py leaves one."""
     return save_tiny(tmp_path_factory.mktemp("ckpt"), kind="medusa")

@@ -78,5 +78,4 @@ class CudaRules(TorchDispatchMode):
 
 
 def made_up(dtype: torch.dtype) -> bool | int:
-    """The value an answered host read gets."""
     return True if dtype == torch.bool else 0

@@ -117,7 +117,6 @@ def sample_rows(model, drafter, prompts, *, rows: int, seed: int, tree, **settin
 
 
 def deepest(rows) -> int:
-    """The deepest node accepted in any step of any row."""
     return max(max(stats.accepted_nodes, default=0) for _, stats in rows)
 
 

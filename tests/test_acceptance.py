@@ -25,7 +25,6 @@ def random_case(seed: int, *, vocab: int = 4, rows: int = 1):
 
 
 def decide(tree, tokens, logits, sampling, *, seed, drawn=None, usable=None):
-    """`accept` with the uniforms a generator seeded `seed` draws for the step."""
     u = acceptance_uniforms(sampling, *tokens.shape, torch.Generator().manual_seed(seed), device="cpu")
     return accept(tree.tensors(), tokens, logits, sampling=sampling, u=u, drawn=drawn, usable=usable)
 

@@ -23,12 +23,10 @@ def randint(*shape: int, seed: int = 0) -> torch.Tensor:
 
 
 def shuffled(seed: int = 0) -> torch.Tensor:
-    """A draft vocabulary order [V]: every token id once."""
     return torch.randperm(V, generator=torch.Generator().manual_seed(seed))
 
 
 def propose(heads, model, tree, root, hidden, sampling=Sampling(), generator=None):
-    """One row's proposal: the heads' proposer filling `tree` below `root` from hidden [C]."""
     proposer = heads.proposer(model, tree)
     return proposer.propose(torch.tensor([root]), hidden[None], history=[[root]], sampling=sampling,
                             u=proposer.uniforms(sampling, 1, generator, device="cpu"))

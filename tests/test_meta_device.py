@@ -37,7 +37,6 @@ def meta_model(dtype: torch.dtype = torch.float32):
 
 
 def meta_drafter(kind: str):
-    """Heads over a draft vocabulary of 16 tokens, on the device; or prompt lookup."""
     return PromptLookup() if kind == "lookup" else random_heads(tiny_model(0), kind=kind, draft=16).to(META)
 
 

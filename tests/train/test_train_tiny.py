@@ -103,7 +103,6 @@ def checksums(stdout: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def reference_run(tmp_path_factory):
-    """An uninterrupted run, and what it printed."""
     ref, printed = tmp_path_factory.mktemp("ref"), io.StringIO()
     with contextlib.redirect_stdout(printed):
         assert train_tiny.main(FAST + ["--out", str(ref)]) == 0
