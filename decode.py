@@ -19,7 +19,7 @@ import sys
 import tiktoken
 import torch
 
-from medusa_mini.cli.common import OneLineParser, at_least, check_plot_path, numbers, seed, timed
+from medusa_mini.cli.common import OneLineParser, at_least, check_plot_path, exit_with, numbers, seed, timed
 from medusa_mini.cli.compiled import StaticCaches, compile_steps, warm_up, with_aligned_head
 from medusa_mini.cli.explain import DEMO_NOTE, ROOM, demo_checkpoint, draw_mask, draw_tree, explain_step
 from medusa_mini.cli.measure import TreeChoice, resolve_tree
@@ -262,15 +262,12 @@ def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     try:
         run(a)
-    except KeyboardInterrupt:
-        return 130
-    except BrokenPipeError:  # piped into `head`: stop quietly (the recipe in Python's signal docs)
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 1
+    except BrokenPipeError:  # an OSError, but no bad input: `exit_with` ends quietly
+        raise
     except (ValueError, OSError) as e:  # bad input, and the library's own checks
         OneLineParser(prog="decode.py").error(str(e))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_with(main)

@@ -16,7 +16,7 @@ import sys
 
 import torch
 
-from medusa_mini.cli.common import OneLineParser, seed
+from medusa_mini.cli.common import OneLineParser, exit_with, seed
 from medusa_mini.train.config import PRESETS, TrainArgs, TrainError
 from medusa_mini.train.device import DTYPES, pick_device, rank_device, training_dtype
 from medusa_mini.train.run import STATE_FILE, run
@@ -86,4 +86,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_with(main)

@@ -25,7 +25,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from medusa_mini.acceptance import Accepted, acceptance_uniforms
-from medusa_mini.cli.common import OneLineParser, at_least, in_turns, names_of, numbers, seed, timed
+from medusa_mini.cli.common import OneLineParser, at_least, exit_with, in_turns, names_of, numbers, seed, timed
 from medusa_mini.cli.compiled import StaticCaches, compile_options, compile_steps, verify_and_accept, with_aligned_head
 from medusa_mini.decoding import prefill
 from medusa_mini.heads import DraftHeads, HeadsConfig, make_heads
@@ -289,4 +289,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_with(main)

@@ -32,7 +32,7 @@ sys.path.insert(0, ROOT)  # run as a script from anywhere, without installing th
 import torch
 
 from benchmarks.bench_step import CONFIGS
-from medusa_mini.cli.common import OneLineParser, check_file_path, names_of, timed
+from medusa_mini.cli.common import OneLineParser, check_file_path, exit_with, names_of, timed
 from medusa_mini.io.files import atomic_write, remove_file, text_writer
 from medusa_mini.train.device import DTYPES, pick_device
 
@@ -240,4 +240,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_with(main)

@@ -121,6 +121,19 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {' '.join(str(message).split())}\n")
 
 
+def exit_with(main: Callable[[], int]) -> NoReturn:
+    """sys.exit(main()) as a command line ends: after Ctrl-C with status 130, after its reader stopped reading
+    (`| head`) with 1, neither with a traceback."""
+    try:
+        status = main()
+    except KeyboardInterrupt:
+        status = 130
+    except BrokenPipeError:  # the recipe in Python's signal docs: the flush at exit must not fail again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        status = 1
+    sys.exit(status)
+
+
 def check_plot_path(path: str) -> None:
     """A ValueError now, not after a long run, if matplotlib is missing or `path` is no file it writes as
     named (savefig would write a folder or an unknown extension as PATH.png)."""

@@ -10,7 +10,6 @@ per head and how often its r-th drawn candidate is accepted (rejection sampling'
 
 import json
 import os
-import sys
 from typing import NamedTuple
 
 import torch
@@ -21,7 +20,7 @@ from ..sampling import SAMPLING_TEMPERATURE
 from ..train import accuracy
 from ..train.device import pick_device
 from ..tree import MAX_NODES, Tree, build_tree, preset
-from .common import OneLineParser, at_least, seed, temperature
+from .common import OneLineParser, at_least, exit_with, seed, temperature
 
 # On two CPU cores a node adds 2.5-3.5% to a Medusa step of the cpu preset (bench_step.py --configs tiny), so a
 # node worth less than that share of the tokens per step so far costs more than it adds. 2.5% gave four-head
@@ -139,4 +138,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_with(main)

@@ -1,10 +1,12 @@
 """decode.py end to end on a tiny saved checkpoint, each mode as a user runs it."""
 
+import argparse
 import functools
 import io
 import json
 import os
 import re
+import runpy
 import shlex
 import shutil
 import subprocess
@@ -126,6 +128,21 @@ def test_as_a_process_a_sampled_run_repeats_its_tokens(ckpt, capsys):
     assert r.returncode == 0 and objs[0]["temperature"] == 0.8 and len(objs) == 3  # the sampling default
     assert not re.search(r"\|\s+torch\._dynamo$", r.stderr, re.M) and re.search(r"\|\s+torch$", r.stderr, re.M)
     assert [o["tokens"] for o in objs] == [o["tokens"] for o in objects(capsys, *argv)]  # and in this process
+
+
+@pytest.mark.filterwarnings("ignore:'medusa_mini.cli.measure' found in sys.modules")  # run again as __main__
+@pytest.mark.parametrize("stop, status", [(KeyboardInterrupt, 130), (BrokenPipeError, 1)])
+def test_ctrl_c_or_a_closed_pipe_ends_every_script_quietly(stop, status, monkeypatch, tmp_path):
+    """Ctrl-C: exit status 130; a reader that stopped reading (`| head`): 1; no traceback; in decode's run too."""
+    scripts = "decode train_tiny benchmarks/bench_step benchmarks/sweep benchmarks/gpu_report".split()
+    runs = [functools.partial(runpy.run_path, os.path.join(ROOT, f"{s}.py"), run_name="__main__") for s in scripts]
+    with open(tmp_path / "stdout", "w") as stdout:  # a file of its own, where a closed pipe's end puts /dev/null
+        monkeypatch.setattr(sys, "stdout", stdout)
+        monkeypatch.setattr(decode, "run", lambda a: (_ for _ in ()).throw(stop()))
+        pytest.raises(stop, decode.main, ["--prompt", "x"])  # no OSError to report with status 2: the script ends it
+        monkeypatch.setattr(argparse.ArgumentParser, "parse_known_args", lambda *args: (_ for _ in ()).throw(stop()))
+        for run in [*runs, functools.partial(runpy.run_module, "medusa_mini.cli.measure", run_name="__main__")]:
+            assert pytest.raises(SystemExit, run).value.code == status
 
 
 def test_top_p_goes_with_sampling_a_temperature_names_or_compares_sampled_rows():
