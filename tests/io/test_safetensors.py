@@ -86,7 +86,6 @@ HOSTILE = {
     "offsets not a pair": (st_file({"a": {"dtype": "U8", "shape": [1], "data_offsets": [0]}}, b"x"), "begin, end"),
     "float in offsets": (st_file({"a": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1.0]}}, b"x"), "begin, end"),
     "shape disagrees with bytes": (st_file({"a": entry("F32", [3], 0, 8)}, bytes(8)), "needs 12 bytes"),
-    "huge shape, tiny data": (st_file({"a": entry("F32", [2**40, 2**40], 0, 8)}, bytes(8)), "needs"),
     "offsets beyond the buffer": (st_file({"a": entry("F32", [4], 0, 16)}, bytes(8)), "outside"),
     "offsets reversed": (st_file({"a": entry("U8", [0], 8, 4)}, bytes(8)), "outside"),
     "overlapping tensors": (st_file({"a": entry("F32", [2], 0, 8), "b": entry("F32", [2], 4, 12)}, bytes(12)),
