@@ -65,7 +65,6 @@ def test_a_json_file_of_choices_is_a_tree(tmp_path, monkeypatch, content):  # or
     ("300", None, "between 1 and 256"), ("8", None, "medusa_mini.cli.measure --ckpt"), ("auto", None, "measure"),
     ("gone.json", None, "does not exist"), ("chain3", None, "depth 3 but the model has 2"),
     ("t.json", "[[0], [1", "not readable JSON"), ("t.json", '{"nodes": [[0]]}', "list of choices"),
-    ("t.json", "[]", "has no choices"), ("t.json", "[[0], [1, 0]]", r"has no parent: add \[1\]"),
     ("t.json", "[[0], [0, 0], [0, 0, 0]]", "depth 3 but there are only 2 heads"),
     pytest.param("[" * 5000, None, "JSON", id="deep"), pytest.param("t.json", "[" * 5000, "JSON", id="deep-file")])
 def test_bad_trees_are_one_line_errors(tmp_path, spec, content, message):
