@@ -295,7 +295,6 @@ def test_top_p_with_ties_at_the_cut_keeps_the_lower_token_ids_in_a_batch_as_alon
             kept, probs = set(alone.nonzero().flatten().tolist()), logits[b].softmax(dim=-1)
             assert kept == lower_ids_nucleus(probs, cut)
             assert kept != {len(probs) - 1 - t for t in lower_ids_nucleus(probs.flip(0), cut)}  # the higher ids
-    assert set(sampling_probs(short, temperature=1.0, top_p=top_p)[0].nonzero().flatten().tolist()) == {0, 1, 3}
 
 
 @torch.no_grad()
