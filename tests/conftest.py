@@ -134,8 +134,6 @@ class OracleHeads:
 
 
 class ContinuationHeads(OracleHeads):
-    """Oracle heads that know the backbone's greedy continuation of each prompt."""
-
     def __init__(self, model: GPT, *prompts: list[int], max_new_tokens: int, **kwargs):
         super().__init__(model, [list(p) + generate(model, p, max_new_tokens=max_new_tokens)[0] for p in prompts],
                          **kwargs)
@@ -175,7 +173,6 @@ def save_small_checkpoint(directory) -> None:
 
 
 def save_directory(directory, model: GPT, heads, enc, prompts: list[str], **kwargs) -> None:
-    """As train_tiny.py leaves a run: the checkpoint, the tokenizer and prompts.json."""
     from medusa_mini.io.checkpoint import save_checkpoint
     from medusa_mini.io.tokenizer import save_tokenizer
 
