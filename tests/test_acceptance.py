@@ -113,7 +113,6 @@ def test_topk_rejection_on_the_device_makes_the_reference_walks_decisions_with_t
     assert depths == {0, 1, 2}
 
 
-# A node with four children (ranks 0-3) and rank gaps below: (0, 0) and (0, 2), (1, 1) alone.
 WIDE_GAP_TREE = Tree.from_choices([(0,), (1,), (2,), (3,), (0, 0), (0, 2), (1, 1), (0, 0, 0), (0, 2, 1)])
 DRAWN_CASES = {  # name: (tree or None for random trees, heads, q, top_p, room: the deepest usable depth)
     "hydra-random-trees": (None, "hydra", "near-p", 1.0, 9), "q-equal-to-p": (WIDE_GAP_TREE, "hydra", "p", 1.0, 9),

@@ -44,7 +44,6 @@ def test_a_new_token_sees_its_rows_prefix_and_the_new_tokens_its_mask_allows_nev
 
 @torch.no_grad()
 def test_rows_of_one_batch_keep_their_own_lengths_and_positions(model):
-    """Two prompts of different lengths in one cache: each row decodes as if it were alone."""
     rows, cache = [[5, 9, 11, 2, 40, 7], [3, 1]], KVCache(model.config, batch_size=2)
     model(torch.tensor([rows[0], rows[1] + [0] * 4]), cache=cache)  # the short row padded at its end
     cache.lengths = torch.tensor([6, 2])  # the padding's slots are given back

@@ -99,8 +99,6 @@ def test_build_tree_takes_the_largest_values_in_order_so_a_dominant_top1_gives_a
 
 @pytest.mark.parametrize("min_gain", [0.01, 0.025, 0.05, 0.2])
 def test_where_nodes_cost_time_a_node_joins_only_while_it_adds_min_gain_of_the_tokens_so_far(min_gain):
-    """The cost-aware tree is the greedy tree cut where the next node's value falls below min_gain
-    times the expected tokens per step of the nodes before it."""
     tree, expected = build_tree(VICUNA, 64, min_gain=min_gain)
     n = tree.num_nodes - 1
     assert (tree, expected) == build_tree(VICUNA, n)  # a prefix of the greedy order
