@@ -73,8 +73,8 @@ def main(argv: list[str] | None = None) -> int:
             with contextlib.suppress(OSError):
                 os.rmdir(folder)
         if isinstance(e, torch.OutOfMemoryError):  # the device's size, not a fault: the flags that set what it holds
-            e = TrainError(f"{args.device} ran out of memory: lower --batch-size (the heads stage's: "
-                           "--heads-batch-size), and --overwrite if it saved")
+            e = TrainError(". ".join(str(e).split(". ")[:2]) + ": lower --batch-size (the heads stage's: "
+                           "--heads-batch-size), and --overwrite if it saved")  # the allocator's what and how much
         if isinstance(e, TrainError):
             print(f"train_tiny.py: error: {e}", file=sys.stderr)
             return 2

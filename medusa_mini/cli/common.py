@@ -3,6 +3,7 @@ bad input, a ValueError, to `OneLineParser.error` (`<prog>: error: ...`, exit st
 panels (matplotlib, an optional extra, imported only when drawing, on the Agg canvas: no display, no pyplot)."""
 
 import argparse
+import contextlib
 import io
 import os
 import sys
@@ -125,11 +126,15 @@ def exit_with(main: Callable[[], int]) -> NoReturn:
     """sys.exit(main()) as a command line ends: after Ctrl-C with status 130, after its reader stopped reading
     (`| head`) with 1, neither with a traceback."""
     try:
-        status = main()
+        try:
+            status = main()
+        finally:  # what a pipe still buffers is written here, where a reader gone is caught (--help's too)
+            sys.stdout.flush()
     except KeyboardInterrupt:
         status = 130
     except BrokenPipeError:  # the recipe in Python's signal docs: the flush at exit must not fail again
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        with contextlib.suppress(OSError):  # a stdout that is no file (io.UnsupportedOperation) has nothing to flush
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         status = 1
     sys.exit(status)
 

@@ -75,7 +75,7 @@ def load_corpus(path: str | os.PathLike[str] | None = None, *, max_bytes: int = 
         skipped = [p.parent.resolve() for p in root.rglob("model.safetensors")]
         skipped += [pathlib.Path(skip).resolve()] if skip is not None else []
         if any(root.resolve().is_relative_to(folder) for folder in skipped):  # else "no text" would puzzle
-            raise ValueError(f"data folder {path} lies in the output folder or a checkpoint: a run's files are no text")
+            raise ValueError(f"data folder {path} is a checkpoint or in the output folder: a run's files are no text")
         files = sorted(p for p in root.rglob("*") if p.is_file()
                        and not any(part.startswith(".") for part in p.relative_to(root).parts)
                        and not any(p.resolve().is_relative_to(folder) for folder in skipped))

@@ -17,6 +17,7 @@ import torch
 
 import decode
 from conftest import PROMPTS, ROOT, refused, save_tiny
+from medusa_mini.cli.common import exit_with
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -132,17 +133,19 @@ def test_as_a_process_a_sampled_run_repeats_its_tokens(ckpt, capsys):
 
 @pytest.mark.filterwarnings("ignore:'medusa_mini.cli.measure' found in sys.modules")  # run again as __main__
 @pytest.mark.parametrize("stop, status", [(KeyboardInterrupt, 130), (BrokenPipeError, 1)])
-def test_ctrl_c_or_a_closed_pipe_ends_every_script_quietly(stop, status, monkeypatch, tmp_path):
+def test_ctrl_c_or_a_closed_pipe_ends_every_script_quietly(stop, status, monkeypatch):
     """Ctrl-C: exit status 130; a reader that stopped reading (`| head`): 1; no traceback; in decode's run too."""
+    monkeypatch.setattr(sys, "stdout", stdout := io.StringIO())  # no file: a closed pipe's end leaves pytest's fd be
     scripts = "decode train_tiny benchmarks/bench_step benchmarks/sweep benchmarks/gpu_report".split()
     runs = [functools.partial(runpy.run_path, os.path.join(ROOT, f"{s}.py"), run_name="__main__") for s in scripts]
-    with open(tmp_path / "stdout", "w") as stdout:  # a file of its own, where a closed pipe's end puts /dev/null
-        monkeypatch.setattr(sys, "stdout", stdout)
-        monkeypatch.setattr(decode, "run", lambda a: (_ for _ in ()).throw(stop()))
-        pytest.raises(stop, decode.main, ["--prompt", "x"])  # no OSError to report with status 2: the script ends it
-        monkeypatch.setattr(argparse.ArgumentParser, "parse_known_args", lambda *args: (_ for _ in ()).throw(stop()))
-        for run in [*runs, functools.partial(runpy.run_module, "medusa_mini.cli.measure", run_name="__main__")]:
-            assert pytest.raises(SystemExit, run).value.code == status
+    assert pytest.raises(SystemExit, exit_with, lambda: 2).value.code == 2  # else a script's own status
+    monkeypatch.setattr(decode, "run", lambda a: (_ for _ in ()).throw(stop()))
+    pytest.raises(stop, decode.main, ["--prompt", "x"])  # no OSError to report with status 2: the script ends it
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_known_args", lambda *args: (_ for _ in ()).throw(stop()))
+    for run in [*runs, functools.partial(runpy.run_module, "medusa_mini.cli.measure", run_name="__main__")]:
+        assert pytest.raises(SystemExit, run).value.code == status
+    monkeypatch.setattr(stdout, "flush", lambda: (_ for _ in ()).throw(BrokenPipeError()))  # what is still buffered
+    assert pytest.raises(SystemExit, exit_with, lambda: 0).value.code == 1
 
 
 def test_top_p_goes_with_sampling_a_temperature_names_or_compares_sampled_rows():

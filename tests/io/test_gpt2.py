@@ -137,6 +137,8 @@ BAD_SOURCES = {  # name: (what to write into the folder, the source to load, wha
                          r"'h\.0\.attn\.c_attn\.weight' has shape \[96, 32\] .* needs \[32, 96\]"),
     "untied lm_head": (edited({"lm_head.weight": torch.ones(V, C)}), "m", "differs from wte"),
     "both key styles": (edited({"wpe.weight": torch.ones(P, C)}), "m", "both with and without"),
+    "lm_head in both key styles": (edited({f"{k}lm_head.weight": torch.ones(V, C) for k in ("", "transformer.")}), "m",
+                                   "'lm_head.weight' appears both with and without"),
 }
 
 

@@ -268,10 +268,10 @@ def test_help_lists_every_flag_and_bad_flags_or_data_are_one_line_naming_it_with
 
     def out_of_memory(args):  # as CUDA's allocator fails on a batch too large, once --out is made
         os.makedirs(args.out)
-        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB. GPU 0 has 9 GiB in all")
     monkeypatch.setattr(train_tiny, "run", out_of_memory)
     assert train_tiny.main([*FAST, "--out", "x"]) == 2 and not (tmp_path / "x").exists()
-    assert "--batch-size" in (err := capsys.readouterr().err) and err.count("\n") == 1
+    assert "allocate 20.00 GiB: lower --batch-size" in (err := capsys.readouterr().err) and err.count("\n") == 1
 
 
 @pytest.mark.slow
