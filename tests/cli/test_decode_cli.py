@@ -8,7 +8,6 @@ import os
 import re
 import runpy
 import shlex
-import shutil
 import subprocess
 import sys
 
@@ -154,7 +153,7 @@ def test_top_p_goes_with_sampling_a_temperature_names_or_compares_sampled_rows()
 
 
 @pytest.mark.parametrize("case", [  # what the error names: what follows "->", else the first flag given
-    "--ckpt {tmp}/nowhere -> nowhere does not exist", "--ckpt {broken} -> model.safetensors",
+    "--ckpt {tmp}/nowhere -> nowhere does not exist",
     "--ckpt {tmp} -> safetensors", "--ckpt {ckpt}/config.json -> is a file", "--ckpt {no_heads} -> no Medusa heads",
     "--ckpt {no_heads} --compare -> no Medusa heads", "--ckpt {hydra} --reference -> not Hydra heads",
     "--tree chain6 -> 4 Medusa heads", "--tree {tmp}/wide.json -> draft vocabulary", "--tree ''", "--prompt ''",
@@ -173,10 +172,8 @@ def test_top_p_goes_with_sampling_a_temperature_names_or_compares_sampled_rows()
 ])
 def test_bad_input_exits_2_with_one_line(case, ckpt, ckpt_no_heads, ckpt_hydra, tmp_path, capsys):
     (tmp_path / "wide.json").write_text("[[100000]]")  # a rank past any draft vocabulary: refused before output
-    broken = shutil.copytree(ckpt, tmp_path / "broken")
-    (broken / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not a header}")
     args, _, needle = case.partition(" -> ")
-    argv = shlex.split(args.format(tmp=tmp_path, broken=broken, no_heads=ckpt_no_heads, hydra=ckpt_hydra, ckpt=ckpt,
+    argv = shlex.split(args.format(tmp=tmp_path, no_heads=ckpt_no_heads, hydra=ckpt_hydra, ckpt=ckpt,
                                    long="the cat " * 100))
     err = refused(capsys, decode.main, argv if "--ckpt" in argv else ["--ckpt", ckpt, *argv])
     assert err.startswith("decode.py: error: ") and (needle or argv[0]) in err, err
