@@ -228,7 +228,7 @@ def test_resume_refuses_other_settings_or_text_and_a_run_never_learns_its_own_ou
 BAD_INPUT = [["--dtype", "float16", "--device", "cpu"], ["--n-embd", "30", "--n-head", "4"], ["--distill-prompts", "0"],
              ["--distill-temperatures", "0,-1"], ["--distill-prompt-len", "64"], ["--distill-prompt-len", "0"],
              ["--heads-batch-size", "0"], ["--resume", "--overwrite"], ["--data", "missing.txt"], ["--dtype", "float8"],
-             ["--distill-tokens", "0"], ["--data", "binary.bin"], ["--heads-stride", "65"], ["--out", "empty.txt/x"],
+             ["--distill-tokens", "0"], ["--heads-stride", "65"], ["--out", "empty.txt/x"],
              ["--vocab-size", "256"], ["--draft-vocab", "-1"], ["--data", "empty.txt"], ["--eval-prompts", "0"],
              ["--heads-stride", "0"], ["--head-decay", "1.5"], ["--eval-every", "-1"], ["--log-every", "nan"],
              ["--seed", str(2**64)], ["--out", "empty.txt"], ["--max-bytes", "400"], ["--save-every", "0"],
@@ -251,7 +251,6 @@ def test_help_lists_every_flag_and_bad_flags_or_data_are_one_line_naming_it_with
     assert ((a := train_tiny.parse_args(["--init", "gpt2"])).medusa, a.backbone_steps) == (1, 0)  # kept frozen
     monkeypatch.chdir(tmp_path)
     (tmp_path / "empty.txt").write_text("")
-    (tmp_path / "binary.bin").write_bytes(b"\x00\x01\x02" * 100)
     (tmp_path / "z" / "prompts.json").mkdir(parents=True)  # --out z: a folder where a file goes, refused at once
     for bad in BAD_INPUT:
         try:
