@@ -12,7 +12,6 @@ from conftest import VICUNA, random_tree
 from medusa_mini import reference as ref
 from medusa_mini.tree import Tree, build_tree, chain, expected_tokens_per_step, preset
 
-# The tree used throughout, drawn by hand:
 #   0 root
 #   ├─ 1 (0,)      head 1 rank 0
 #   │  ├─ 3 (0,0)  head 2 rank 0
