@@ -103,10 +103,9 @@ def test_a_broken_or_hostile_file_gives_one_line_naming_it(tmp_path, content, ma
     assert err.match(match) and str(err.value).startswith(str(path)) and "\n" not in str(err.value)
 
 
-@pytest.mark.parametrize("length", [2**62, 150 * 2**20], ids=["2**62", "150MB"])
-def test_a_huge_header_length_is_rejected_before_any_allocation(tmp_path, length):
+def test_a_huge_header_length_is_rejected_before_any_allocation(tmp_path):
     with open(path := tmp_path / "huge.safetensors", "wb") as f:
-        f.write(struct.pack("<Q", length))
+        f.write(struct.pack("<Q", 150 * 2**20))
         f.truncate(8 + 200 * 2**20)  # sparse: the file really is long enough for a 150 MB header
     tracemalloc.start()
     pytest.raises(ValueError, read_safetensors, path).match("exceeds")
