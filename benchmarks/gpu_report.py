@@ -35,6 +35,7 @@ from benchmarks.bench_step import CONFIGS
 from medusa_mini.cli.common import OneLineParser, check_file_path, exit_with, names_of, timed
 from medusa_mini.io.files import atomic_write, remove_file, text_writer
 from medusa_mini.train.device import DTYPES, pick_device
+from medusa_mini.train.run import STATE_FILE
 
 GPT2_SHAPES = "gpt2,gpt2-medium,gpt2-large,gpt2-xl"
 QUICK_STEP = ["--nodes", "1,4,16", "--repeat", "3", "--warmup", "1"]
@@ -192,10 +193,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             raise ValueError(f"--budget-s must be a finite number of seconds > 1, not {a.budget_s:g}")
         a.parts = [part for part in PARTS if part in (a.part or PARTS)]
         a.ckpt = os.path.abspath(os.path.expanduser(a.ckpt))  # as the checks read it: the parts run in the repository
-        if {"decode", "batch"} & set(a.parts) and "train" not in a.parts and not os.path.isfile(
-                os.path.join(a.ckpt, "config.json")):
-            raise ValueError(f"no checkpoint in {a.ckpt} for the decode and batch parts: run --part train first, "
-                             "or name one with --ckpt")
+        unfinished = os.path.exists(os.path.join(a.ckpt, STATE_FILE))  # a train part stopped after a save
+        if {"decode", "batch"} & set(a.parts) and "train" not in a.parts and (unfinished or not os.path.isfile(
+                os.path.join(a.ckpt, "config.json"))):
+            raise ValueError(f"no finished checkpoint in {a.ckpt} for the decode and batch parts: run --part train "
+                             "first, or name one with --ckpt")
         a.configs = a.configs or (["tiny"] if a.quick else GPT2_SHAPES.split(","))
         a.compile = ["--compile"] if a.device.startswith("cuda") else []  # on a CPU: minutes, no gain
         for command in [c for part in a.parts for _, c in commands(a, part)]:
