@@ -71,9 +71,9 @@ def same_weights(a, b, backbone_only=False) -> bool:
     return wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
-@contextlib.contextmanager
-def ctrl_c(*, during: int, presses: int = 1, owner=MedusaLM, name="forward"):
-    """Within it, press Ctrl-C (a real SIGINT) `presses` times in the `during`-th call of owner.name (default: step)."""
+def interrupted(argv: list[str], *, during: int, presses: int = 1, owner=MedusaLM, name="forward") -> None:
+    """Run train_tiny.main(argv), pressing Ctrl-C (a real SIGINT) `presses` times in the `during`-th call of
+    owner.name (default: step): the run stops with exit status 130."""
     real, calls = getattr(owner, name), iter(range(1, 10**6))
 
     def call(*args, **kwargs):
@@ -84,7 +84,7 @@ def ctrl_c(*, during: int, presses: int = 1, owner=MedusaLM, name="forward"):
 
     with pytest.MonkeyPatch.context() as m:
         m.setattr(owner, name, call)
-        yield
+        assert train_tiny.main(argv) == 130
 
 
 def ddp(tmp_path, *runs: list, torchrun: bool = False, **env) -> subprocess.CompletedProcess:
@@ -143,8 +143,8 @@ def test_after_ctrl_c_a_resumed_run_ends_as_an_uninterrupted_one(tmp_path, durin
     step 4, the run stops at once: it resumes from the save --save-every made after step 2."""
     out = tmp_path / "out"
     where = dict(during=1, owner=run_mod, name=during) if isinstance(during, str) else dict(during=during)
-    with ctrl_c(**where, presses=1 + (during == 4)):
-        assert train_tiny.main(FAST + ["--out", str(out), "--eval-every", "2", "--save-every", "2"]) == 130
+    interrupted(FAST + ["--out", str(out), "--eval-every", "2", "--save-every", "2"], **where,
+                presses=1 + (during == 4))
     assert load_checkpoint(out)[1] and not (out / "heads_accuracy.json").exists()  # usable, no table of other heads
     groups = ((state := torch.load(out / "train_state.pt", weights_only=True))["optim"] or {}).get("param_groups", [])
     assert [g["weight_decay"] for g in groups] == [0.1, 0.0] * (len(groups) // 2)  # AdamW: gains and biases exempt
@@ -164,12 +164,10 @@ def test_a_run_never_replaces_a_checkpoint_unless_told_to_and_a_second_ctrl_c_st
     for extra, error in (*refused, (["--overwrite", "--lr", "1e30"], "not finite")):  # failed before its first save
         assert train_tiny.main(FAST + ["--out", str(out), *extra]) == 2 and error in capsys.readouterr().err
     assert {f.name: f.read_bytes() for f in out.iterdir()} == before
-    with ctrl_c(during=2, presses=2):  # stopped before its first save: the old checkpoint stays whole
-        assert train_tiny.main(FAST + ["--out", str(out), "--overwrite"]) == 130
+    interrupted(FAST + ["--out", str(out), "--overwrite"], during=2, presses=2)  # stopped before its first save
     assert "before anything was saved" in capsys.readouterr().err
     assert {f.name: f.read_bytes() for f in out.iterdir()} == before
-    with ctrl_c(during=2):  # saved after this step: the new run's files alone
-        assert train_tiny.main(FAST + ["--out", str(out), "--overwrite"]) == 130
+    interrupted(FAST + ["--out", str(out), "--overwrite"], during=2)  # saved after this step: the new run's files alone
     assert "--resume" in capsys.readouterr().err and not {"heads_accuracy.json", "prompts.json"} & set(os.listdir(out))
     assert not same_weights(reference_run[0], out)
 
@@ -202,8 +200,7 @@ def test_resume_refuses_other_settings_or_text_and_a_run_never_learns_its_own_ou
     (data / "a.py").write_text(text)
     out = data / "out"  # inside --data: the files the run writes there are not text to learn from
     args = FAST + ["--data", str(data), "--out", str(out), "--seed", str(2**63 - 1)]  # the largest: seed * 7919 wraps
-    with ctrl_c(during=2):
-        assert train_tiny.main(args) == 130
+    interrupted(args, during=2)
     saved = (out / "train_state.pt").read_bytes()
     refused = [([], "add --resume")] + [(["--resume", flag, value], f"different configuration ({flag[2:]})") for
                                        flag, value in [("--lr", "0.5"), ("--seed", "1"), ("--dtype", "bfloat16")]]
@@ -337,8 +334,7 @@ def test_init_trains_heads_of_another_kind_on_a_frozen_checkpoint_over_its_own_t
     texts = torch.cat(written)[:, 16:]  # the preset's prompts are 16 tokens
     assert set(heads.draft_ids.tolist()) == set(frequency_order(texts, 300)[:64].tolist())
     assert (ref / "tokenizer.tiktoken").read_bytes() == (base / "tokenizer.tiktoken").read_bytes()
-    with ctrl_c(during=3):
-        assert train_tiny.main(args + ["--out", str(out)]) == 130
+    interrupted(args + ["--out", str(out)], during=3)
     assert train_tiny.main(args + ["--out", str(out), "--resume"]) == 0 and same_weights(ref, out)
 
 
@@ -376,8 +372,7 @@ def test_float16_loss_scaling_skips_overflows_and_resumes_exactly(tmp_path, monk
     assert all(torch.isfinite(v).all() for v in weights(ref).values())
     for during in (3, 9):  # backbone step 3, heads step 3
         out = tmp_path / str(during)
-        with ctrl_c(during=during):
-            assert train_tiny.main(args + ["--out", str(out)]) == 130
+        interrupted(args + ["--out", str(out)], during=during)
         saved = torch.load(out / "train_state.pt", weights_only=True)["scaler"]  # {} from a disabled scaler
         assert saved["scale"] != 2.0**17 and saved["growth_interval"] == 1  # the scaler's own state, saved
         assert train_tiny.main(args + ["--out", str(out), "--resume"]) == 0 and same_weights(ref, out), during
