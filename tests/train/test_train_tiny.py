@@ -350,10 +350,8 @@ def test_smoke_preset_end_to_end_medusa_greedy_equals_plain_greedy(tmp_path, cap
     assert len(prompts) == 4 and all(any(p in t for _, t in val_docs) for p in prompts)
     assert not all(any(p in t for _, t in train_docs) for p in prompts)
     assert decode.main(["--ckpt", str(out), "--compare", "--json", "--max-new-tokens", "48"]) == 0
-    rows = {row["key"]: row for row in json.loads(capsys.readouterr().out)["rows"]}
-    plain, medusa = rows["plain_greedy"], rows["medusa_greedy"]
-    assert plain["tokens"] == medusa["tokens"] and medusa["same_as_plain_greedy"] is True
-    assert medusa["tokens_per_step"] > 1.0 and plain["tokens_per_step"] == 1.0
+    medusa = {row["key"]: row for row in json.loads(capsys.readouterr().out)["rows"]}["medusa_greedy"]
+    assert medusa["same_as_plain_greedy"] is True and medusa["tokens_per_step"] > 1.0  # plain greedy's tokens, sooner
 
 
 @pytest.mark.slow
