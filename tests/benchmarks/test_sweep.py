@@ -83,8 +83,7 @@ MAINS = {"sweep": (sweep.main, FAST), "measure": (measure.main, ["--num-prompts"
     *(("sweep", case) for case in (
         "--budgets 0,4", "--budgets two", "--rules dynamic", "--repeat 0", "--temperature 0", "--num-prompts 0",
         "--max-new-tokens 64", "--max-new-tokens 1", "--draft-vocab 4000", "--temperature 1e39", "--temperature nan",
-        "--draft-vocab 1 --max-new-tokens 8", "--rules greedy --temperature -1 -> --temperature",  # draft 1 < ranks
-        "--seed 99999999999999999999", "--plot {tmp}/no/s.png", "--plot ''", "--plot {tmp}", "--plot {tmp}/s.txt",
+        "--seed 99999999999999999999", "--plot ''", "--draft-vocab 1 --max-new-tokens 8",  # draft 1 < ranks
         "--ckpt {tmp}/unmeasured -> medusa_mini.cli.measure", "--ckpt {tmp}/never_right -> train the heads")),
     *(("measure", case) for case in ("--num-prompts 0", "--top-k 0", "--max-new-tokens 2", "--temperature 0",
                                      "--seed -1", "--ckpt {tmp}/missing -> missing")),  # sweep's types, above
