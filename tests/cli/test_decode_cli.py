@@ -55,7 +55,7 @@ def test_explain_walks_through_one_step_of_either_kind_of_heads(ckpt, ckpt_hydra
         assert f"forward pass: {enc.decode(o['tokens'][1 : 1 + o['step_tokens'][0]])!r}" in out, out
 
 
-def test_show_brackets_each_step_of_the_text_and_plain_decoding_needs_no_heads(ckpt, ckpt_no_heads, capsys, tmp_path):
+def test_show_brackets_each_step_of_the_text_and_plain_decoding_needs_no_heads(ckpt, ckpt_no_heads, capsys):
     argv = ["--ckpt", ckpt, "--prompt", PROMPTS[0], "--max-new-tokens", "20"]
     ref = json.loads(run(capsys, *argv, "--json", "--method", "plain"))
     medusa = json.loads(run(capsys, *argv, "--json"))
@@ -69,9 +69,8 @@ def test_show_brackets_each_step_of_the_text_and_plain_decoding_needs_no_heads(c
     out = run(capsys, "--ckpt", ckpt_no_heads, "--method", "plain", "--show", "--max-new-tokens", "6")
     assert "=== plain greedy; one [chunk] per forward pass" in out and "1.00 tokens/step" in out
     assert "attention mask" not in out and "root" not in out
-    (tmp_path / "wide.json").write_text("[[100000]]")  # a rank past the draft vocabulary: Medusa refuses it
-    assert "plain greedy" in run(capsys, "--ckpt", ckpt, "--method", "plain", "--tree", str(tmp_path / "wide.json"),
-                                 "--max-new-tokens", "1", "--num-prompts", "1")
+    assert "plain greedy" in run(capsys, "--ckpt", ckpt, "--method", "plain", "--tree", "[[100000]]",  # Medusa refuses:
+                                 "--max-new-tokens", "1", "--num-prompts", "1")  # a rank past the draft vocabulary
 
 
 def test_generation_stops_cleanly_at_the_context_limit(ckpt, capsys):
