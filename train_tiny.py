@@ -68,13 +68,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run(args)
         return 0
-    except (TrainError, KeyboardInterrupt, torch.OutOfMemoryError) as e:
-        for folder in made:  # a run refused or stopped before it wrote leaves no empty folder (rmdir takes only those)
+    except BaseException as e:  # a run that stops before it writes leaves no empty folder (rmdir takes only those)
+        for folder in made:
             with contextlib.suppress(OSError):
                 os.rmdir(folder)
-        if isinstance(e, torch.OutOfMemoryError):  # the device's size, not a fault: the flags that set what it holds
-            e = TrainError(". ".join(str(e).split(". ")[:2]) + ": lower --batch-size (the heads stage's: "
+        cpu = str(e).partition("DefaultCPUAllocator: ")[2]  # a CPU's allocator fails with a plain RuntimeError
+        if isinstance(e, torch.OutOfMemoryError) or cpu:  # the device's size, not a fault: the flags that set its load
+            e = TrainError(". ".join((cpu or str(e)).split(". ")[:2]) + ": lower --batch-size (the heads stage's: "
                            "--heads-batch-size), and --overwrite if it saved")  # the allocator's what and how much
+        if not isinstance(e, (TrainError, KeyboardInterrupt)):  # a closed pipe (exit_with's), a fault: as raised
+            raise
         if isinstance(e, TrainError):
             print(f"train_tiny.py: error: {e}", file=sys.stderr)
             return 2

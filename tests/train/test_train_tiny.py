@@ -262,12 +262,20 @@ def test_help_lists_every_flag_and_bad_flags_or_data_are_one_line_naming_it_with
     assert not (tmp_path / "x").exists()  # nothing written before a save: the folder it made is gone too
     assert "not finite; start again with a lower learning" in (err := capsys.readouterr().err) and err.count("\n") == 1
 
-    def out_of_memory(args):  # as CUDA's allocator fails on a batch too large, once --out is made
-        os.makedirs(args.out)
-        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB. GPU 0 has 9 GiB in all")
-    monkeypatch.setattr(train_tiny, "run", out_of_memory)
-    assert train_tiny.main([*FAST, "--out", "x"]) == 2 and not (tmp_path / "x").exists()
-    assert "allocate 20.00 GiB: lower --batch-size" in (err := capsys.readouterr().err) and err.count("\n") == 1
+    for error, said in (  # a batch too large for CUDA, for a CPU (a plain RuntimeError); `| head` stopped reading
+            (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB. GPU 0 has 9 GiB in all"),
+             "CUDA out of memory. Tried to allocate 20.00 GiB"), (BrokenPipeError(), None),
+            (RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: "
+                          "you tried to allocate 98 bytes. Error code 12"), "can't allocate memory: you tried to "
+                                                                           "allocate 98 bytes. Error code 12")):
+        def run(args, error=error):  # as it fails once --out is made
+            os.makedirs(args.out)
+            raise error
+        monkeypatch.setattr(train_tiny, "run", run)
+        with pytest.raises(BrokenPipeError) if said is None else contextlib.nullcontext():  # exit_with's: status 1
+            assert train_tiny.main([*FAST, "--out", "x"]) == 2
+        assert not (tmp_path / "x").exists() and capsys.readouterr().err == ("" if said is None else f"train_tiny.py: "
+            f"error: {said}: lower --batch-size (the heads stage's: --heads-batch-size), and --overwrite if it saved\n")
 
 
 @pytest.mark.slow
