@@ -138,21 +138,21 @@ def rejection_accept_drawn(tree: TreeTensors, tokens: torch.Tensor, logits: torc
     """`reference.rejection_accept` with candidates drawn from q, for B rows at once, on the device.
 
     A node's tries are sequential, but what each is judged against depends on no decision: after a node's first s
-    children miss, p has become r_s = norm(max(0, r_{s-1} - q_s)), r_0 = p, q_s the q child s was drawn from. So every
-    node's chain of residuals is built at once (`residual_chain`), then every try judged at once, child k with u[:, k]
-    against the r its elder siblings' misses left; a node keeps its first accepted child. The accepted nodes form one
-    chain; its deepest node draws the bonus with u[:, 0] from the r its live misses left: a miss leaving no mass (p = q
-    up to rounding) ends the walk's tries, and here that r is 0 / 0, NaN, which fails every later try. One matmul finds
-    that node and that r (`Tries.row_scores`). Unusable nodes are never tried (siblings share a depth); a row without a
-    usable root tries nothing. A root alone has no drawn candidates (`accept`: top-k).
+    children miss, the target has become r_s = norm(max(0, r_{s-1} - q_s)), r_0 = p, q_s the q child s was drawn from.
+    So every node's chain of residuals is built at once (`residual_chain`), then every try judged at once, child k with
+    u[:, k] against the r its elder siblings' misses left; a node keeps its first accepted child. The accepted nodes
+    form one chain; its deepest node draws the bonus with u[:, 0] from the r its live misses left: a miss leaving no
+    mass (r = q up to rounding) ends the walk's tries, and here that r is 0 / 0, NaN, which fails every later try. One
+    matmul finds that node and that r (`Tries.row_scores`). Unusable nodes are never tried (siblings share a depth); a
+    row without a usable root tries nothing. A root alone has no drawn candidates (`accept`: top-k).
     """
     B, N, V = logits.shape
     tries, log_q, draws = tree.tries, *drawn.at(tree.tries.parents)  # [B, N - 1, V], [B, N - 1, R], child order
     chain = residual_chain(sampling.probs(logits), without_earlier_draws(log_q, draws, bounds=tries.bounds), tries)
     at_x = torch.add(tokens[:, None, 1:], tries.read, alpha=V).flatten(1)  # [B, 3 (N - 1)]: `Tries.read` at node k's x
-    p_x, after, q_x = chain.flatten(1).gather(1, at_x).view(B, 3, N - 1).unbind(1)  # [B, N - 1] each, node order
+    r_x, after, q_x = chain.flatten(1).gather(1, at_x).view(B, 3, N - 1).unbind(1)  # [B, N - 1] each, node order
     live = after == after  # [B, N - 1]: k's miss left mass (r = rest / mass is NaN at x only where mass is 0 or NaN)
-    judged = torch.stack([try_accepts(p_x, q_x, u[:, 1:N], live=live), live], dim=1)  # [B, 2, N - 1]
+    judged = torch.stack([try_accepts(r_x, q_x, u[:, 1:N], live=live), live], dim=1)  # [B, 2, N - 1]
     judged = judged if usable is None else judged & usable[:, None, 1:]
     bias, weights = tries.row_scores
     row = torch.addmm(bias, judged.flatten(1).float(), weights).argmax(dim=-1)  # [B]: the chain's r the bonus is from

@@ -7,8 +7,8 @@ backbone's own lm_head predicts t+1. Two kinds, one interface:
   the backbone's next-token prediction. It cannot know which tokens the tree put before its guess, so
   its q is a marginal, and every node of one depth gets the same guesses.
 - `HydraHeads` (Hydra, arXiv 2402.05109): head k also reads the embeddings of the k tokens before its
-  target, `h + SiLU(W_k [h; e(x_{t+1}); ...; e(x_{t+k})] + b_k)` (Hydra's own: a learned projection of the
-  inputs for h), so each node's children come from their own q, and the tree is filled depth by depth.
+  target, `h + SiLU(W_k [h; e(x_{t+1}); ...; e(x_{t+k})] + b_k)` (Hydra's own heads add a learned projection of
+  these inputs where this one adds h), so each node's children come from their own q: the tree fills depth by depth.
 
 Both project through the backbone's own lm_head (shared; the paper: a copy per head) onto a *draft vocabulary*:
 the M most frequent tokens of the text the heads learned from (FR-Spec, arXiv 2502.14856). At a real vocabulary

@@ -1,9 +1,9 @@
 """All of Medusa in one file that runs: read this first (paper: Cai et al. 2024, arXiv 2401.10774).
 
-Words, each with one meaning here and everywhere in the project:
-  node    one candidate token in the tree; node 0 is the root. Nodes are numbered parents first.
+Words, each with one meaning here and in every decoding module:
+  node    one token in the tree: node 0 is the root, every other a candidate. Nodes are numbered parents first.
   root    the last token already emitted, not yet in the KV cache; every path starts at it.
-  choice  a node's address as a path of ranks, e.g. (0, 2): head 1's rank 0, then head 2's rank 2.
+  choice  a node's address as a tuple of ranks, e.g. (0, 2): head 1's rank 0, then head 2's rank 2.
   rank    a position in one head's guesses: rank 0 is its most likely (or first drawn) token (DDP's: a process).
   path    the nodes from the root down to a node; the accepted path is what a step keeps.
   bonus   the token the backbone itself writes after the last accepted node (from the same pass).
@@ -83,7 +83,7 @@ def forward(model: "GPT", tokens: list[int], positions: list[int], cache: list[L
     nh = model.config.n_head
     hs = C // nh
     for i, block in enumerate(model.transformer.h):
-        query, key, value = block.attn.c_attn(block.ln_1(x)).split(C, dim=-1)  # 3 x [T, C] (q is the heads')
+        query, key, value = block.attn.c_attn(block.ln_1(x)).split(C, dim=-1)  # 3 x [T, C] (q: the draft's)
         query, key, value = (t.view(T, nh, hs).transpose(0, 1) for t in (query, key, value))  # [nh, T, hs]
         if cache[i] is not None:
             key, value = torch.cat([cache[i][0], key], dim=1), torch.cat([cache[i][1], value], dim=1)  # [nh, L + T, hs]
@@ -99,13 +99,13 @@ def forward(model: "GPT", tokens: list[int], positions: list[int], cache: list[L
 
 def propose(head_logits: torch.Tensor, draft_ids: torch.Tensor, tree: "Tree", root: int, *, vocab_size: int,
             sampling: Sampling, generator: torch.Generator | None) -> tuple[list[int], list | None]:
-    """Fill the tree (§2.1.1-2.1.2): the node of choice (r1, ..., rd) holds head d's rank-rd guess.
+    """Fill the tree (§2.1.1-2.1.2) -> (its tokens, root first; per node, how its children were drawn, or None):
+    the node of choice (r1, ..., rd) holds head d's rank-rd guess.
 
-    head_logits: [D', M] over the draft vocabulary draft_ids [M], one row per head of the whole tree, of which
-    the first D = tree.depth are this (maybe cut) tree's. Greedy and typical acceptance take each
-    head's top-k; rejection sampling of drawn candidates draws them from each head's q instead, and
-    returns, per node, the log q [V] its children were drawn from and the draws in order (the walk needs both).
-    """
+    head_logits: [D', M] over the draft vocabulary draft_ids [M], one row per head of the whole tree, of which the
+    first D = tree.depth are this (maybe cut) tree's. Greedy and typical acceptance take each head's top-k (None);
+    rejection sampling of drawn candidates draws them from each head's q: per node, the log q [V] its children were
+    drawn from and the draws in order (the walk needs both)."""
     D, R = tree.depth, tree.max_rank + 1
     if not sampling.draws_candidates:
         guesses = draft_ids[head_logits[:D].topk(R, dim=-1).indices].tolist()  # [D][R] token ids

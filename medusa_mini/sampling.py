@@ -161,18 +161,18 @@ def without_earlier_draws(log_q: torch.Tensor, draws: torch.Tensor, *, rank: int
     return log_q.scatter_reduce_(-1, draws, floor.expand_as(draws), "amax").softmax(dim=-1)
 
 
-def residual_after_miss(p: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """What speculative sampling's target p [..., V] becomes after a candidate drawn from q [..., V] misses:
-    norm(max(0, p - q)) [..., V], and its mass before norm [...]. That is what makes a try emit exactly p:
-    min(p, q) + (1 - Σ min(p, q)) · norm(max(0, p - q)) = p. Where the mass is 0 (p = q up to rounding)
+def residual_after_miss(r: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What speculative sampling's target r [..., V] (p at a node's first try) becomes after a candidate drawn from q
+    [..., V] misses: norm(max(0, r - q)) [..., V], and its mass before norm [...]. That is what makes a try emit
+    exactly r: min(r, q) + (1 - Σ min(r, q)) · norm(max(0, r - q)) = r. Where the mass is 0 (r = q up to rounding)
     nothing is left to try another candidate against, and the residual is 0 / 0, NaN."""
-    residual = (p - q).clamp_min(0.0)  # [..., V]
+    residual = (r - q).clamp_min(0.0)  # [..., V]
     mass = residual.sum(dim=-1)  # [...]
     return residual / mass[..., None], mass
 
 
-def try_accepts(p_x: torch.Tensor, q_x: torch.Tensor, u: torch.Tensor, *, live: torch.Tensor) -> torch.Tensor:
-    """One try of speculative sampling [...] bool: candidate x, drawn from q, is accepted against the target p
-    with probability min(1, p(x) / q(x)), with the uniform u [...]: u < p/q without dividing (q(x) may
-    underflow). Where p's residual would have no mass (not live), p = q up to rounding: any p(x) > 0 passes."""
-    return u * q_x * live < p_x
+def try_accepts(r_x: torch.Tensor, q_x: torch.Tensor, u: torch.Tensor, *, live: torch.Tensor) -> torch.Tensor:
+    """One try of speculative sampling [...] bool: candidate x, drawn from q, is accepted against the target r (p at a
+    first try) with probability min(1, r(x) / q(x)), with the uniform u [...]: u < r/q without dividing (q(x) may
+    underflow). Where r's residual would have no mass (not live), r = q up to rounding: any r(x) > 0 passes."""
+    return u * q_x * live < r_x

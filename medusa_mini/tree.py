@@ -1,12 +1,12 @@
 """Candidate trees and tree attention (paper §2.1.2, Fig. 2).
 
-A tree is built from *choices*: each choice is a path of ranks, e.g. (0,) = head 1's top-1 guess, (0, 2) = its child
-filled with head 2's rank-2 guess (third best, or third drawn). Node 0 is the root: the last committed token, which the
+A tree is built from *choices*: each choice is a tuple of ranks, e.g. (0,) = head 1's top-1 guess, (0, 2) = its child
+filled with head 2's rank-2 guess (third best, or third drawn). Node 0 is the root: the last emitted token, which the
 verify pass feeds with every candidate. A node at depth d holds head d's guess of rank `choice[-1]`. A Tree is a value
 (frozen, hashed by its choices); its index tensors are made once per tree and device (`tree_tensors`). `build_tree`
 grows the tree with the most expected accepted tokens for a node budget from a measured acceptance table.
 
-Shapes: N nodes (root included), K heads, D maximum depth.
+Shapes: N nodes (root included), K heads, D maximum depth, R ranks.
 """
 
 import heapq
