@@ -270,4 +270,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    exit_with(main)
+    exit_with(main, memory_advice=": lower --batch-size, or use --dtype bfloat16")

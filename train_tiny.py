@@ -14,9 +14,7 @@ import contextlib
 import os
 import sys
 
-import torch
-
-from medusa_mini.cli.common import OneLineParser, exit_with, seed
+from medusa_mini.cli.common import OneLineParser, exit_with, out_of_memory, seed
 from medusa_mini.train.config import PRESETS, TrainArgs, TrainError
 from medusa_mini.train.device import DTYPES, pick_device, rank_device, training_dtype
 from medusa_mini.train.run import STATE_FILE, run
@@ -72,10 +70,9 @@ def main(argv: list[str] | None = None) -> int:
         for folder in made:
             with contextlib.suppress(OSError):
                 os.rmdir(folder)
-        cpu = str(e).partition("DefaultCPUAllocator: ")[2]  # a CPU's allocator fails with a plain RuntimeError
-        if isinstance(e, torch.OutOfMemoryError) or cpu:  # the device's size, not a fault: the flags that set its load
-            e = TrainError(". ".join((cpu or str(e)).split(". ")[:2]) + ": lower --batch-size (the heads stage's: "
-                           "--heads-batch-size), and --overwrite if it saved")  # the allocator's what and how much
+        if (words := out_of_memory(e)) is not None:  # the device's size, not a fault: the flags that set its load
+            e = TrainError(f"{words}: lower --batch-size (the heads stage's: --heads-batch-size), and --overwrite if "
+                           "it saved")
         if not isinstance(e, (TrainError, KeyboardInterrupt)):  # a closed pipe (exit_with's), a fault: as raised
             raise
         if isinstance(e, TrainError):

@@ -122,9 +122,17 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {' '.join(str(message).split())}\n")
 
 
-def exit_with(main: Callable[[], int]) -> NoReturn:
+def out_of_memory(e: BaseException) -> str | None:
+    """The allocator's own words, what and how much, where e is a device out of memory (CUDA's OutOfMemoryError, a
+    CPU's plain RuntimeError from its allocator); else None."""
+    cpu = str(e).partition("DefaultCPUAllocator: ")[2]
+    return ". ".join((cpu or str(e)).split(". ")[:2]) if cpu or isinstance(e, torch.OutOfMemoryError) else None
+
+
+def exit_with(main: Callable[[], int], *, memory_advice: str = "") -> NoReturn:
     """sys.exit(main()) as a command line ends: after Ctrl-C with status 130, after its reader stopped reading
-    (`| head`) with 1, neither with a traceback."""
+    (`| head`) with 1, neither with a traceback; a device out of memory, its size, not a fault: one line (status 2),
+    the allocator's words and then `memory_advice`, the flags that set what the run holds."""
     try:
         try:
             status = main()
@@ -136,6 +144,11 @@ def exit_with(main: Callable[[], int]) -> NoReturn:
         with contextlib.suppress(OSError):  # a stdout that is no file (io.UnsupportedOperation) has nothing to flush
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         status = 1
+    except RuntimeError as e:
+        if (words := out_of_memory(e)) is None:
+            raise
+        print(f"{os.path.basename(sys.argv[0])}: error: {words}{memory_advice}", file=sys.stderr)
+        status = 2
     sys.exit(status)
 
 

@@ -14,7 +14,7 @@ from ..proposal import PromptLookup
 from ..sampling import Sampling
 from ..step import Steps
 from ..tree import Tree, chain
-from .common import BONUS_NOTE, draw, in_turns
+from .common import BONUS_NOTE, draw, in_turns, out_of_memory
 from .compiled import StaticCaches
 
 REPEAT = 3  # every generation runs this many times, methods in turns; the fastest counts
@@ -131,12 +131,20 @@ def compare_methods(ck: Checkpoint, tree: Tree, sampling: Sampling, *, temperatu
 def compare(engine: Engine, prompts: list[list[int]], methods: list[Method], *, max_new_tokens: int, seed: int,
             batch_sizes: list[int] = (1,), repeat: int = REPEAT, stop_at_eot: bool = True) -> dict:
     """A row per method and batch size, the prompts (cycled up to the largest batch) taken B at a time; the
-    first row's tokens are those greedy rows must make."""
+    first row's tokens are those greedy rows must make. The first size the device cannot hold ends the table there
+    (`stopped` says why), the sizes measured before it kept."""
     work = [prompts[i % len(prompts)] for i in range(max(max(batch_sizes), len(prompts)))]
-    rows = []
+    rows, stopped = [], None
     for B in batch_sizes:
-        runs, unsteady = run_in_turns(engine, methods, [work[i : i + B] for i in range(0, len(work), B)],
-                                      max_new_tokens=max_new_tokens, seed=seed, repeat=repeat, stop_at_eot=stop_at_eot)
+        try:
+            runs, unsteady = run_in_turns(engine, methods, [work[i : i + B] for i in range(0, len(work), B)],
+                                          max_new_tokens=max_new_tokens, seed=seed, repeat=repeat,
+                                          stop_at_eot=stop_at_eot)
+        except RuntimeError as e:  # out of memory (CUDA's or a CPU's) at the first size: exit_with's one line
+            if not rows or (words := out_of_memory(e)) is None:
+                raise
+            stopped = f"batch {B} does not fit in the device's memory ({words}): the table ends at the batch before"
+            break
         for m in methods:
             results = [row for batch, _ in runs[m.key] for row in batch]
             rows.append({"method": m.label, "key": m.key, "batch_size": B, "temperature": m.sampling.temperature,
@@ -156,7 +164,8 @@ def compare(engine: Engine, prompts: list[list[int]], methods: list[Method], *, 
             engine_row = next(r for r in rows if r["key"] == row["key"].replace("reference", "medusa"))
             row["same_as_engine"] = sum(a == b for a, b in zip(row["tokens"], engine_row["tokens"]))
     one = list(batch_sizes) == [1] and "prompt_lookup_greedy" in runs
-    return {"rows": rows, "batch_sizes": list(batch_sizes), "prompts": len(work), "distinct_prompts": len(prompts),
+    return {"rows": rows, "batch_sizes": list(batch_sizes), "stopped": stopped, "prompts": len(work),
+            "distinct_prompts": len(prompts),
             "max_new_tokens": max_new_tokens, "repeat": repeat, "per_prompt": per_prompt(work, runs) if one else None}
 
 
@@ -230,6 +239,7 @@ def format_table(result: dict) -> str:
             lines.append(f"{r['method']}: repeated runs made different tokens (non-deterministic kernels); "
                          "the fastest run's are reported")
     if batches:
+        lines += [result["stopped"]] if result["stopped"] else []
         n, distinct = result["prompts"], result["distinct_prompts"]
         lines.append(f"{n} prompts" + (f" ({distinct} distinct, cycled)" if distinct < n else "")
                      + " taken B at a time; tokens/s counts every row's new tokens over the whole run.")

@@ -103,9 +103,16 @@ def test_compare_in_half_precision_runs_every_row(ckpt, capsys, dtype):
         assert all(0 <= d["position"] < 12 and d["margin"] >= 0 for d in row.get("differences", []))
 
 
-def test_the_batch_table_sets_each_size_against_plain_and_says_where_medusa_stops_paying(ckpt, capsys, tmp_path):
-    result = compared(capsys, "--ckpt", ckpt, "--batch-size", "1,2", "--max-new-tokens", "8", "--plot",
+def test_the_batch_table_says_where_medusa_stops_paying_and_ends_where_memory_does(ckpt, capsys, tmp_path, monkeypatch):
+    def run_in_turns(engine, methods, batches, real=runs_mod.run_in_turns, **kwargs):  # batch 4: more than it holds
+        if len(batches[0]) == 4:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.00 GiB. GPU 0 has 4 GiB in all")
+        return real(engine, methods, batches, **kwargs)
+    monkeypatch.setattr(runs_mod, "run_in_turns", run_in_turns)
+    result = compared(capsys, "--ckpt", ckpt, "--batch-size", "1,2,4", "--max-new-tokens", "8", "--plot",
                       str(tmp_path / "batch.png"))
+    assert result["stopped"] in format_table(result) and result["stopped"] == ("batch 4 does not fit in the device's "
+        "memory (CUDA out of memory. Tried to allocate 9.00 GiB): the table ends at the batch before")
     rows = result["rows"]
     assert [(r["key"], r["batch_size"]) for r in rows] == [(k, b) for b in (1, 2) for k in (
         "plain_greedy", "medusa_greedy", "plain_sampling", "medusa_rejection")]

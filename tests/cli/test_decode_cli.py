@@ -130,7 +130,7 @@ def test_as_a_process_a_sampled_run_repeats_its_tokens(ckpt, capsys):
 
 
 @pytest.mark.filterwarnings("ignore:'medusa_mini.cli.measure' found in sys.modules")  # run again as __main__
-@pytest.mark.parametrize("stop, status", [(KeyboardInterrupt, 130), (BrokenPipeError, 1)])
+@pytest.mark.parametrize("stop, status", [(KeyboardInterrupt, 130), (BrokenPipeError, 1), (torch.OutOfMemoryError, 2)])
 def test_ctrl_c_or_a_closed_pipe_ends_every_script_quietly(stop, status, monkeypatch):
     """Ctrl-C: exit status 130; a reader that stopped reading (`| head`): 1; no traceback; in decode's run too."""
     monkeypatch.setattr(sys, "stdout", stdout := io.StringIO())  # no file: a closed pipe's end leaves pytest's fd be
