@@ -151,13 +151,11 @@ def test_a_head_that_cannot_see_the_root_is_capped_by_its_marginal_over_the_root
     assert accuracy.measure_marginal_acceptance(bigram, seqs, prompt_lens=2, temperature=T, roots=3, every=1)[1] < 0.99
 
 
-def test_measured_accuracy_counts_each_rank_where_a_head_has_a_target_and_predicts_measured_tokens_per_step():
+def test_measured_accuracy_counts_each_rank_and_predicts_measured_tokens_per_step():
     model, prompts = tiny_model(2), _prompts(6)
     seqs = continuations(model, prompts, max_new_tokens=44)  # 40 decoded + room for 4 heads
     heads = OracleHeads(model, seqs, true_rank_probs=(0.55, 0.2, 0.1), seed=2)
     acc = measure_head_accuracy(model, heads, seqs, prompt_lens=5, top_k=10)
-    short = [seqs[0][:5], seqs[1][:6]]  # a prompt alone, then with one new token: no target for head 1
-    assert measure_head_accuracy(model, heads, seqs + short, prompt_lens=5, top_k=10).equal(acc)
     # 6 sequences x ~40 positions per head: the measured rates sit near the chances of each rank, 0 past them
     assert acc.shape == (4, 10) and acc.dtype == torch.float64 and acc[:, 3:].sum() == 0
     assert torch.allclose(acc[:, :3], torch.tensor([[0.55, 0.2, 0.1]], dtype=torch.float64), atol=0.12)
