@@ -46,7 +46,6 @@ def test_greedy_rows_are_plain_greedys_the_reference_the_engines_each_on_its_tre
         assert ref["same_as_engine"] == 3  # and it takes as many steps, as many tokens a step:
         assert all(ref[k] == engine[k] for k in ("tokens", "stop_reasons", "tokens_per_step", "steps")), rule
         assert engine["same_as_plain_greedy"] is (True if rule == "greedy" else None)
-    assert all(len(t) == 12 for row in rows.values() for t in row["tokens"])
     assert all(0 < row["seconds"] < 60 for row in rows.values())  # a wall clock's interval, not its reading
     assert rows["plain_greedy"]["tokens_per_step"] == 1.0 and calls  # reference.py's decoder ran
     assert (result["tree"], result["tree_nodes"], result["lookup_nodes"]) == ("auto", 7, 8)
