@@ -86,7 +86,6 @@ GREEDY_BUGS = {  # name: the module attribute to patch, and the wrong value
 @torch.no_grad()
 @pytest.mark.parametrize("bug", GREEDY_BUGS)
 def test_greedy_equals_plain_greedy_fails_when(bug, monkeypatch):
-    """With the bug in, some row of the ragged batch parts from plain greedy (heads that know the future)."""
     monkeypatch.setattr(*GREEDY_BUGS[bug])
     assert greedy_mismatches(small_model(3), FutureHeads())[0] > 0
 
@@ -227,7 +226,6 @@ SAMPLING_BUGS = {  # name: (the case whose check must fail, the module attribute
 @torch.no_grad()
 @pytest.mark.parametrize("bug", SAMPLING_BUGS)
 def test_the_exact_distribution_check_fails_when(bug, monkeypatch):
-    """With the bug in, its case's own check (`lossless.failures`) fails for some prompt, at the same sample size."""
     case, *patch = SAMPLING_BUGS[bug]
     monkeypatch.setattr(*patch)
     assert any(failures(rows, exact) for rows, exact in CASES[case].run())
