@@ -40,9 +40,8 @@ PROMPTS = [[1, 2], [3, 0, 1], [2], [0, 3, 3, 1], [3], [0], [1, 1, 2], [2, 0]]  #
 # ---- greedy: plain greedy's tokens, with heads that know the future ------------------------------------
 
 
-DRAFTERS = {  # random heads and prompt lookup: tests/test_decoding.py, on every tree
-    "future-medusa": FutureHeads(), "future-hydra": FutureHydraHeads(),
-    "future-draft-vocabulary": FutureHeads(draft_ids=torch.tensor([1, 2, 3]))}
+DRAFTERS = {  # random heads over a draft vocabulary, and prompt lookup: tests/test_decoding.py, on every tree
+    "future-medusa": FutureHeads(), "future-hydra": FutureHydraHeads()}
 
 
 def greedy_mismatches(model, drafter) -> tuple[int, int]:
