@@ -74,7 +74,8 @@ def test_the_steps_one_read_gives_each_rows_path_and_its_accepted_tokens_then_th
     ([5, 6, 7, 6, 9, 1, 6], [7, 6, 9, 1]),  # only the 1-gram [6]: its first occurrence, then 4 tokens
     ([4, 5, 6, 7], []),  # nothing repeats: no continuation
     ([3, 3, 3], [3]),  # the 2-gram [3, 3]: a continuation may run into the tail itself, and stops at the text's end
-    ([3], [])])  # a single token: no earlier occurrence possible
+    ([3], []),  # a single token: no earlier occurrence possible
+    ([1, 2, 3, 8, 0, 1, 2, 3, 9, 0, 1, 2, 3], [8, 0, 1, 2])])  # [0, 1, 2, 3] repeats too, but max_ngram is 3
 def test_lookup_continues_the_first_earlier_occurrence_of_the_longest_repeated_tail(text, want):
     assert lookup(text, max_ngram=3, length=4) == want
 
