@@ -4,7 +4,7 @@
     python benchmarks/bench_step.py --configs tiny --threads 2 --json
     python benchmarks/bench_step.py --configs gpt2 --dtypes float32,bfloat16 --compile   # a GPU
 
-Speedup = tokens/step ÷ step cost: Medusa pays only if a step verifying N candidates costs little more than a plain
+Speedup = tokens/step ÷ step cost: Medusa pays only if a step verifying N nodes costs little more than a plain
 step. On random weights (speed depends on shapes, not values): a plain step, verify N (one tree-masked forward), and
 per Medusa tree each stage of a step and its device operations. Targets: heads <= 10% of a plain step."""
 

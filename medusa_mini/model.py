@@ -157,7 +157,7 @@ class Block(nn.Module):
 def cache_attention_mask(lengths: torch.Tensor, new_mask: torch.Tensor, *, max_len: int) -> torch.Tensor:
     """[B, T, max_len] bool, True = may attend, for T new tokens written at slots [lengths[b], lengths[b] + T).
 
-    Slots before a row's length hold its emitted prefix: every new token sees them. Slot
+    Slots before a row's length hold its cached prefix: every new token sees them. Slot
     lengths[b] + j holds new token j: new token i sees it iff new_mask[b, i, j] (new_mask [T, T] or
     [B, T, T]: causal for plain decoding, the tree's ancestor mask for verification, paper Fig. 2).
     Later slots are stale or empty: nobody sees them. Built from `lengths`, a tensor the host never reads.

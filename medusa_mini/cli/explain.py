@@ -27,8 +27,8 @@ ROOM = 3  # new positions an explained step needs past the prompt: its root, a c
 RULES = {  # section 6 on each rule (decode.py's rejection sampling draws its candidates)
     "greedy": "Greedy: from the root, descend while the backbone's argmax is a child's token.",
     "typical": "Typical acceptance: keep a candidate whose probability clears min(ε, δ·exp(-H(p))).",
-    "rejection": "Rejection sampling: try a node's children in order, accepting x with probability min(1, p(x)/q(x)),\n"
-                 "q without the earlier draws, and moving p to norm(max(0, p - q)) after a miss (lossless)."}
+    "rejection": "Rejection sampling: try a node's children in order against r = p, accepting x with chance\n"
+                 "min(1, r(x)/q(x)), q without the earlier draws; a miss makes r norm(max(0, r - q)) (lossless)."}
 
 
 def token_text(enc: tiktoken.Encoding, token: int) -> str:
@@ -110,7 +110,7 @@ def verify_section(out: list[str], labels: list[str], tree: Tree, tokens: list[i
             q = "" if drawn is None else f"{drawn[par][0][tokens[i]].exp().item():.3f}"
             rows.append([f"[{i}]", labels[i], f"{p[par, tokens[i]].item():.3f}", q])
         intro = ["At each node, p = the backbone's distribution for the token after that node's path; a",
-                 "candidate is judged by p at its parent" + ("." if drawn is None else
+                 "candidate is judged by p at its parent" + ("." if drawn is None else  # its first try's; then r
                                                              ", and by q, the head's probability of drawing it.")]
     widths = [max(len(row[c]) for row in rows) + 2 for c in range(len(rows[0]) - 1)]  # the last column as it is
     out += [_header(5, "Verify: one forward pass over all nodes"), *intro,

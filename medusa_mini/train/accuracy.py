@@ -105,19 +105,20 @@ def measure_try_acceptance(model: GPT, heads: DraftHeads, sequences: list[list[i
 def draw_chances(p: torch.Tensor, log_q: torch.Tensor, samples: torch.Tensor) -> torch.Tensor:
     """[m, R] float64: the chance, over the uniforms, that draw r of samples [m, R] (distinct draws from q,
     log_q [m, V], in order) is the one rejection sampling's tries accept against p [m, V]: Π_{j<r} (1 - a_j)
-    · a_r, a_r = min(1, p_r(x_r) / q_r(x_r)), p_r the residual the misses before it left, q_r q without the
-    draws before it (as `acceptance.rejection_accept_drawn` tries with uniforms)."""
+    · a_r, a_r = min(1, r_r(x_r) / q_r(x_r)), r_r the target the misses before it left (r_0 = p), q_r q without
+    the draws before it (as `acceptance.rejection_accept_drawn` tries with uniforms)."""
     chances, left = [], torch.ones(len(p), dtype=torch.float64, device=p.device)  # [m] no try passed yet
+    target = p  # [m, V]: r, what each try is judged against
     for r, x in enumerate(samples.unbind(1)):  # x: [m], the rank-r draws
         q = without_earlier_draws(log_q, samples, rank=r)  # [m, V]
-        residual, mass = residual_after_miss(p, q)  # [m, V], [m]
-        live, p_x, q_x = mass > 0, p.gather(1, x[:, None])[:, 0], q.gather(1, x[:, None])[:, 0]  # [m]
-        # As the engine's u·q(x) < p(x): where q(x) underflows to 0, or p = q (no residual), x passes iff p(x) > 0.
-        ratio = (p_x / q_x.clamp_min(torch.finfo(q_x.dtype).tiny)).clamp(max=1.0)
-        chance = torch.where(~live | (q_x <= 0), (p_x > 0).float(), ratio).double()  # [m]
+        residual, mass = residual_after_miss(target, q)  # [m, V], [m]
+        live, r_x, q_x = mass > 0, target.gather(1, x[:, None])[:, 0], q.gather(1, x[:, None])[:, 0]  # [m]
+        # As the engine's u·q(x) < r(x): where q(x) underflows to 0, or r = q (no residual), x passes iff r(x) > 0.
+        ratio = (r_x / q_x.clamp_min(torch.finfo(q_x.dtype).tiny)).clamp(max=1.0)
+        chance = torch.where(~live | (q_x <= 0), (r_x > 0).float(), ratio).double()  # [m]
         chances.append(left * chance)
-        left = torch.where(live, left * (1 - chance), 0.0)  # p = q (no residual): no later draw is tried
-        p = torch.where(live[:, None], residual, p)  # after a miss, the residual is the next try's target
+        left = torch.where(live, left * (1 - chance), 0.0)  # r = q (no residual): no later draw is tried
+        target = torch.where(live[:, None], residual, target)  # after a miss, the residual is the next try's target
     return torch.stack(chances, dim=1)
 
 

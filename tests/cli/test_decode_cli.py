@@ -42,7 +42,7 @@ def objects(capsys, *argv: str) -> list[dict]:
 
 @pytest.mark.parametrize("heads, rule, needles", [
     ("medusa", [], ("Prefill", "Root token", "head 4", "■", "backbone argmax", "emitted", "[0] root", "accepted path")),
-    ("medusa", ["--method", "rejection"], ("min(1, p(x)/q(x))", "Rejection sampling draws the candidates", "bonus")),
+    ("medusa", ["--method", "rejection"], ("min(1, r(x)/q(x))", "Rejection sampling draws the candidates", "bonus")),
     ("hydra", [], ("Dependent (hydra) heads", "head 4", "accepted path"))])
 def test_explain_walks_through_one_step_of_either_kind_of_heads(ckpt, ckpt_hydra, capsys, heads, rule, needles):
     out = run(capsys, "--ckpt", ckpt_hydra if heads == "hydra" else ckpt, "--explain", *rule)
@@ -158,7 +158,7 @@ def test_top_p_goes_with_sampling_a_temperature_names_or_compares_sampled_rows()
     "--tree chain6 -> 4 Medusa heads", "--tree [[100000]] -> draft vocabulary", "--tree ''", "--prompt ''",
     "--prompt '{long}' -> context holds 64", "--temperature -1", "--temperature inf", "--max-new-tokens 0",
     "--max-new-tokens many", "--num-prompts 0", "--seed 9223372036854775808", "--method greedy --temperature 0.7",
-    "--top-p 0.9 -> --temperature > 0", "--method typical --temperature 0 -> --temperature",
+    "--top-p 0.9 -> --temperature > 0", "--method typical --temperature 0 -> --temperature", "--top-p 1.5 -> --top-p",
     "--batch-size 2 --show", "--batch-size 2 --reference", "--batch-size 2 --explain", "--batch-size 1,2",
     "--batch-size ' '", "--batch-size ²", "--compare --batch-size 1,4097 -> from 1 to 4096",
     "--compare --batch-size 1,x -> --batch-size", "--plot {tmp}/b.png", "--demo", "--reference --method plain",
