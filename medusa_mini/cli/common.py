@@ -123,10 +123,12 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def out_of_memory(e: BaseException) -> str | None:
-    """The allocator's own words, what and how much, where e is a device out of memory (CUDA's OutOfMemoryError, a
-    CPU's plain RuntimeError from its allocator); else None."""
+    """The allocator's own words, what and how much, where e is a device out of memory (CUDA's OutOfMemoryError: its
+    first two sentences; a CPU's plain RuntimeError from its allocator: its first); else None."""
     cpu = str(e).partition("DefaultCPUAllocator: ")[2]
-    return ". ".join((cpu or str(e)).split(". ")[:2]) if cpu or isinstance(e, torch.OutOfMemoryError) else None
+    if not cpu and not isinstance(e, torch.OutOfMemoryError):
+        return None
+    return cpu.split(". ")[0] if cpu else ". ".join(str(e).split(". ")[:2])
 
 
 def exit_with(main: Callable[[], int], *, memory_advice: str = "") -> NoReturn:

@@ -143,7 +143,7 @@ def compare(engine: Engine, prompts: list[list[int]], methods: list[Method], *, 
         except RuntimeError as e:  # out of memory (CUDA's or a CPU's) at the first size: exit_with's one line
             if not rows or (words := out_of_memory(e)) is None:
                 raise
-            stopped = f"batch {B} does not fit in the device's memory ({words}): the table ends at the batch before"
+            stopped = f"the table ends at batch {rows[-1]['batch_size']}: batch {B} does not fit in memory: {words}"
             break
         for m in methods:
             results = [row for batch, _ in runs[m.key] for row in batch]

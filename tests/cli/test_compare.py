@@ -1,7 +1,9 @@
 """decode.py --compare on a tiny saved checkpoint: plain, prompt lookup, Medusa and reference rows, same prompts."""
 
 import json
+import runpy
 import shutil
+import sys
 
 import pytest
 import torch
@@ -110,8 +112,12 @@ def test_the_batch_table_says_where_medusa_stops_paying_and_ends_where_memory_do
     monkeypatch.setattr(runs_mod, "run_in_turns", run_in_turns)
     result = compared(capsys, "--ckpt", ckpt, "--batch-size", "1,2,4", "--max-new-tokens", "8", "--plot",
                       str(tmp_path / "batch.png"))
-    assert result["stopped"] in format_table(result) and result["stopped"] == ("batch 4 does not fit in the device's "
-        "memory (CUDA out of memory. Tried to allocate 9.00 GiB): the table ends at the batch before")
+    assert result["stopped"] in format_table(result) and result["stopped"] == (
+        "the table ends at batch 2: batch 4 does not fit in memory: CUDA out of memory. Tried to allocate 9.00 GiB")
+    monkeypatch.setattr(sys, "argv", ["decode.py", "--compare", "--ckpt", ckpt, "--batch-size", "4"])  # none fits
+    assert pytest.raises(SystemExit, runpy.run_path, decode.__file__, run_name="__main__").value.code == 2
+    assert (err := capsys.readouterr().err).count("\n") == 1 and err.startswith(
+        "decode.py: error: CUDA out of memory. Tried to allocate 9.00 GiB: lower --batch-size or --tree's nodes")
     rows = result["rows"]
     assert [(r["key"], r["batch_size"]) for r in rows] == [(k, b) for b in (1, 2) for k in (
         "plain_greedy", "medusa_greedy", "plain_sampling", "medusa_rejection")]

@@ -262,9 +262,9 @@ def test_help_lists_every_flag_and_bad_flags_or_data_are_one_line_naming_it_with
     assert not (tmp_path / "x").exists()  # nothing written before a save: the folder it made is gone too
     assert "not finite; start again with a lower learning" in (err := capsys.readouterr().err) and err.count("\n") == 1
 
-    cpu = "can't allocate memory: you tried to allocate 98 bytes. Error code 12"  # a CPU's allocator: a RuntimeError
-    for error, said in ((RuntimeError(f"[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: {cpu}"),
-                         cpu), (BrokenPipeError(), None)):  # a batch too large (CUDA's: test_compare); `| head` stopped
+    cpu = "can't allocate memory: you tried to allocate 98 bytes"  # a CPU allocator's first words: a RuntimeError
+    for error, said in ((RuntimeError(f"[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: {cpu}. "
+                                      "Error code 12"), cpu), (BrokenPipeError(), None)):  # CUDA's: test_compare
         def run(args, error=error):  # as it fails once --out is made
             os.makedirs(args.out)
             raise error
