@@ -45,7 +45,6 @@ def test_greedy_rows_are_plain_greedys_the_reference_the_engines_each_on_its_tre
         assert rows[key]["tokens"] == rows["plain_greedy"]["tokens"] and rows[key]["same_as_plain_greedy"] is True
     for rule in ("greedy", "typical", "rejection"):  # the reference decodes as the engine, and stops as it does
         ref, engine = rows[f"reference_{rule}"], rows[f"medusa_{rule}"]
-        assert ref["same_as_engine"] == 3  # and it takes as many steps, as many tokens a step:
         assert all(ref[k] == engine[k] for k in ("tokens", "stop_reasons", "tokens_per_step", "steps")), rule
         assert engine["same_as_plain_greedy"] is (True if rule == "greedy" else None)
     assert all(0 < row["seconds"] < 60 for row in rows.values())  # a wall clock's interval, not its reading
