@@ -297,9 +297,9 @@ def test_top_p_with_ties_at_the_cut_keeps_the_lower_token_ids_in_a_batch_as_alon
 @torch.no_grad()
 @pytest.mark.parametrize("rule", RULES)
 def test_an_end_token_at_the_prefill_or_inside_a_path_stops_generation_after_it_in_the_engine_and_the_reference(rule):
-    """Run once without an end token, streamed: the prefill's token (plain decoding's first), then each
-    step's tokens. As end token take the prefill's token, then a token first emitted in the middle of a
-    step. With either, the same seed emits exactly the run's tokens up to and including it."""
+    """Run once without an end token, streamed: the prefill's token, then each step's tokens. As end token
+    take the prefill's token, then a token first emitted in the middle of a step. With either, the same
+    seed emits exactly the run's tokens up to and including it."""
     model = tiny_model(2)
     for seed, prompt in enumerate([[1, 2, 3], [5, 6], [9, 8, 7, 6], [4, 4]]):
         heads, steps = ContinuationHeads(model, prompt, max_new_tokens=40, seed=seed), []
@@ -310,8 +310,6 @@ def test_an_end_token_at_the_prefill_or_inside_a_path_stops_generation_after_it_
 
         full, stats = run(medusa_generate, on_step=steps.append)
         assert [t for s in steps for t in s] == full and [len(s) for s in steps] == [1, *stats.step_tokens]
-        assert full[:1] == generate(model, prompt, max_new_tokens=1, sampling=RULES[rule],
-                                    generator=torch.Generator().manual_seed(seed))[0]
         starts = list(itertools.accumulate(map(len, steps), initial=0))  # where each step's tokens begin
         mid = [starts[i] + j for i, s in enumerate(steps) for j in range(len(s) - 1)
                if full.index(s[j]) == starts[i] + j]  # first emitted here, with tokens after it in its step
