@@ -99,7 +99,6 @@ def test_greedy_medusa_equals_plain_greedy_in_every_row_of_a_batch(kind, tree_na
     if kind in ("medusa", "oracle"):  # the reference too, step for step
         assert [ref.medusa_generate(model, heads, p, tree=TREES[tree_name], max_new_tokens=30)
                 for p in PROMPTS] == [(tokens, stats.steps) for tokens, stats in got]
-    assert [g[1].stop_reason for g in got] == [w[1].stop_reason for w in want]
     assert len({g[1].steps for g in got}) > 1  # the rows did stop at different steps
     assert all(sum(s.step_tokens) == len(t) - 1 for t, s in got) and all(s.steps == len(t) - 1 for t, s in want)
     depth = TREES[tree_name].depth
