@@ -23,8 +23,6 @@ TREES = {
 
 
 def drafter(kind: str, model, *prompts, seed: int = 0):
-    """Random Medusa or hydra heads over a draft vocabulary (24 token ids of a seeded random order), an oracle
-    that knows each prompt's continuation, or prompt lookup."""
     if kind in ("oracle", "lookup"):
         return ContinuationHeads(model, *prompts, max_new_tokens=40) if kind == "oracle" else PromptLookup()
     return random_heads(model, seed=seed, kind=kind, draft=24)
