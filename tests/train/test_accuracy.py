@@ -148,7 +148,6 @@ def test_a_head_that_cannot_see_the_root_is_capped_by_its_marginal_over_the_root
             want.append((p_root * torch.minimum(p, p_root @ p).sum(-1)).sum().item())  # marginal Σ_r p(r) p(· | r)
     got, covered = accuracy.measure_marginal_acceptance(bigram, seqs, prompt_lens=2, temperature=T, roots=12, every=1)
     assert got == pytest.approx(sum(want) / len(want)) and covered == pytest.approx(1.0) and got < 0.9
-    assert accuracy.measure_marginal_acceptance(bigram, seqs, prompt_lens=2, temperature=T, roots=3, every=1)[1] < 0.99
 
 
 def test_measured_accuracy_counts_each_rank_and_predicts_measured_tokens_per_step():
