@@ -98,7 +98,6 @@ def test_the_drawn_table_is_the_chance_that_each_draw_is_the_one_accepted_and_q_
         want[0], want[1] = want[0] + chance * a0, want[1] + chance * (1 - a0) * a1
     fixed, seqs = Fixed(p, q), [list(range(12))]
     got = accuracy.measure_try_acceptance(fixed, fixed, seqs, prompt_lens=1, temperature=1.0, ranks=2, draws=400)
-    assert want[0] == pytest.approx(sum(min(a, b) for a, b in zip(p, q)))  # Σ min(p, q): 0.55
     assert got[0].tolist() == pytest.approx(want, abs=0.015)
     fixed = Fixed(p, p)  # heads whose q is p: always accepted, and only their first draw is tried
     exact = accuracy.measure_sampled_acceptance(fixed, fixed, seqs, prompt_lens=1, temperature=0.9)
