@@ -15,6 +15,7 @@ import functools
 import json
 import os
 import sys
+from typing import Callable
 
 import tiktoken
 import torch
@@ -152,18 +153,25 @@ def methods_of(a: argparse.Namespace, ck, choice: TreeChoice | None, drawn: Tree
     return [Method("reference" if a.reference else "Medusa", a.sampling, ck.heads, choice.tree, reference=a.reference)]
 
 
-def compiled(engine: Engine, methods: list[Method], a: argparse.Namespace, prompts: int) -> float:
-    """Compile the steps and warm up every shape this run meets, before any timing; the seconds it took."""
+def compiled(engine: Engine, methods: list[Method], a: argparse.Namespace, prompts: int) -> Callable[[int], float]:
+    """Compile the steps; warm(B) then warms up every shape B rows at a time meet, before B's timing, and returns the
+    seconds it took (--compare warms each batch size just before measuring it: one too large ends the table there)."""
     model = engine.ck.model = with_aligned_head(engine.ck.model)  # this run's every step and prefill
     engine.steps, engine.caches = compile_steps(model.device), StaticCaches(model)
     # what fills each tree (prompt lookup: a chain), under which rule
     proposers = [(m.drafter.proposer(model, m.tree), m.sampling) for m in methods if m.drafter and not m.reference]
     n = max(max(a.batch_sizes), prompts) if a.batch_table else prompts  # the batch table cycles the prompts
-    rows = {r for B in a.batch_sizes for r in (min(B, n), n % B)} - {0}  # B at a time: the last batch is smaller
-    plain = {m.sampling for m in methods if m.drafter is None}  # plain decoding's rules: greedy, sampling
-    seconds = sum(warm_up(model, engine.steps, engine.caches, rows=b, plain=plain, proposers=proposers) for b in rows)
-    print(f"compiled the plain step and the verify steps in {seconds:.1f} s (not in any timing)", file=sys.stderr)
-    return seconds
+    plain, warmed = {m.sampling for m in methods if m.drafter is None}, set()  # plain decoding's rules; rows warmed
+
+    def warm(B: int) -> float:
+        seconds = 0.0
+        for rows in {min(B, n), n % B} - {0} - warmed:  # B at a time: the last batch is smaller
+            seconds += warm_up(model, engine.steps, engine.caches, rows=rows, plain=plain, proposers=proposers)
+            warmed.add(rows)
+        print(f"compiled the plain step and the verify steps in {seconds:.1f} s (batch {B}; not in any timing)",
+              file=sys.stderr)
+        return seconds
+    return warm
 
 
 class StepPrinter:
@@ -235,15 +243,14 @@ def run(a: argparse.Namespace) -> None:
     ck, choice, drawn, prompts = prepare(a)
     tree, tree_name = (None, None) if choice is None else choice[:2]
     engine, methods = Engine(ck), methods_of(a, ck, choice, drawn)
-    warmup_s = compiled(engine, methods, a, len(prompts)) if a.compile else None
+    warm = compiled(engine, methods, a, len(prompts)) if a.compile else None
     if a.compare:
         result = compare(engine, [ids for _, ids in prompts], methods, batch_sizes=a.batch_sizes,
-                         max_new_tokens=a.max_new_tokens, seed=a.seed)
+                         max_new_tokens=a.max_new_tokens, seed=a.seed, warm=warm)
         result.update(device=str(ck.model.device), dtype=str(ck.model.lm_head.weight.dtype).split(".")[-1],
                       threads=torch.get_num_threads(), top_p=a.top_p, candidates=a.sampling.candidates,
                       heads=ck.heads.name, tree=tree_name, tree_nodes=tree.num_nodes, lookup_nodes=choice.budget,
-                      drawn_tree_nodes=None if drawn.tree == tree else drawn.tree.num_nodes,  # the rejection row's
-                      compile_warmup_s=warmup_s)
+                      drawn_tree_nodes=None if drawn.tree == tree else drawn.tree.num_nodes)  # the rejection row's
         print(json.dumps(result) if a.json else format_table(result))  # before the plot: a failed one keeps it
         if a.plot:
             plot_batch(result["rows"], a.plot, title=f"medusa_mini, {ck.directory}, {result['device']}")
@@ -255,6 +262,8 @@ def run(a: argparse.Namespace) -> None:
             print(f"tree {tree_name}: {tree.num_nodes - 1} nodes + root, depth {tree.depth}\n{draw_tree(tree)}\n")
             print(f"attention mask (row attends to column):\n{draw_mask(tree)}\n")
         label = methods[0].label + (f", tree {tree_name}" if methods[0].drafter is not None else "")
+        if warm:  # its one batch size, before any timing
+            warm(a.batch_size)
         print_each(engine, methods[0], prompts, a, label + (f", {a.batch_size} per batch" if a.batch_size > 1 else ""))
 
 

@@ -4,6 +4,7 @@ greedy's tokens; in half precision a near-tie may round either way, so a parting
 
 import dataclasses
 from functools import partial
+from typing import Callable
 
 import torch
 
@@ -129,14 +130,16 @@ def compare_methods(ck: Checkpoint, tree: Tree, sampling: Sampling, *, temperatu
 
 
 def compare(engine: Engine, prompts: list[list[int]], methods: list[Method], *, max_new_tokens: int, seed: int,
-            batch_sizes: list[int] = (1,), repeat: int = REPEAT, stop_at_eot: bool = True) -> dict:
+            batch_sizes: list[int] = (1,), repeat: int = REPEAT, stop_at_eot: bool = True,
+            warm: Callable[[int], float] | None = None) -> dict:
     """A row per method and batch size, the prompts (cycled up to the largest batch) taken B at a time; the
-    first row's tokens are those greedy rows must make. The first size the device cannot hold ends the table there
-    (`stopped` says why), the sizes measured before it kept."""
+    first row's tokens are those greedy rows must make. warm(B), for compiled steps, warms B's shapes up first. The
+    first size the device cannot hold ends the table there (`stopped` says why), the sizes measured before it kept."""
     work = [prompts[i % len(prompts)] for i in range(max(max(batch_sizes), len(prompts)))]
-    rows, stopped = [], None
+    rows, stopped, warmed_s = [], None, 0.0
     for B in batch_sizes:
         try:
+            warmed_s += warm(B) if warm else 0.0
             runs, unsteady = run_in_turns(engine, methods, [work[i : i + B] for i in range(0, len(work), B)],
                                           max_new_tokens=max_new_tokens, seed=seed, repeat=repeat,
                                           stop_at_eot=stop_at_eot)
@@ -165,7 +168,7 @@ def compare(engine: Engine, prompts: list[list[int]], methods: list[Method], *, 
             row["same_as_engine"] = sum(a == b for a, b in zip(row["tokens"], engine_row["tokens"]))
     one = list(batch_sizes) == [1] and "prompt_lookup_greedy" in runs
     return {"rows": rows, "batch_sizes": list(batch_sizes), "stopped": stopped, "prompts": len(work),
-            "distinct_prompts": len(prompts),
+            "distinct_prompts": len(prompts), "compile_warmup_s": warmed_s if warm else None,
             "max_new_tokens": max_new_tokens, "repeat": repeat, "per_prompt": per_prompt(work, runs) if one else None}
 
 

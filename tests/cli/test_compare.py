@@ -1,5 +1,6 @@
 """decode.py --compare on a tiny saved checkpoint: plain, prompt lookup, Medusa and reference rows, same prompts."""
 
+import functools
 import json
 import runpy
 import shutil
@@ -11,6 +12,7 @@ import torch
 import decode
 from conftest import DRAWN, VICUNA
 from medusa_mini.cli import runs as runs_mod
+from medusa_mini.cli.compiled import compile_steps
 from medusa_mini.cli.measure import CPU_MIN_GAIN
 from medusa_mini.cli.runs import format_table, summarise, why_line
 from medusa_mini.decoding import GenerationStats
@@ -101,14 +103,20 @@ def test_compare_in_half_precision_runs_every_row(ckpt, capsys, dtype):
         assert all(0 <= d["position"] < 12 and d["margin"] >= 0 for d in row.get("differences", []))
 
 
-def test_the_batch_table_says_where_medusa_stops_paying_and_ends_where_memory_does(ckpt, capsys, tmp_path, monkeypatch):
-    def run_in_turns(engine, methods, batches, real=runs_mod.run_in_turns, **kwargs):  # batch 4: more than it holds
-        if len(batches[0]) == 4:
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.00 GiB. GPU 0 has 4 GiB in all")
-        return real(engine, methods, batches, **kwargs)
-    monkeypatch.setattr(runs_mod, "run_in_turns", run_in_turns)
+@pytest.mark.parametrize("compiling", [False, True])  # compiled, each size is warmed up just before its timing
+def test_the_batch_table_says_where_medusa_stops_paying_and_ends_where_memory_does(ckpt, capsys, tmp_path, monkeypatch,
+                                                                                   compiling):
+    def fails_at_4(real, rows_of):  # batch 4, run or warmed up, is more than the device holds
+        def call(*args, **kwargs):
+            if rows_of(*args, **kwargs) == 4:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.00 GiB. GPU 0 has 4 GiB in all")
+            return real(*args, **kwargs)
+        return call
+    monkeypatch.setattr(runs_mod, "run_in_turns", fails_at_4(runs_mod.run_in_turns, lambda e, m, b, **kw: len(b[0])))
+    monkeypatch.setattr(decode, "warm_up", fails_at_4(decode.warm_up, lambda *args, rows, **kw: rows))
+    monkeypatch.setattr(decode, "compile_steps", functools.partial(compile_steps, backend="eager"))  # dynamo alone
     result = compared(capsys, "--ckpt", ckpt, "--batch-size", "1,2,4", "--max-new-tokens", "8", "--plot",
-                      str(tmp_path / "batch.png"))
+                      str(tmp_path / "batch.png"), *["--compile"] * compiling)
     assert result["stopped"] in format_table(result) and result["stopped"] == (
         "the table ends at batch 2: batch 4 does not fit in memory: CUDA out of memory. Tried to allocate 9.00 GiB")
     monkeypatch.setattr(sys, "argv", ["decode.py", "--compare", "--ckpt", ckpt, "--batch-size", "4"])  # none fits
