@@ -140,13 +140,16 @@ def test_a_head_that_cannot_see_the_root_is_capped_by_its_marginal_over_the_root
     got, covered = accuracy.measure_marginal_acceptance(blind, seqs, prompt_lens=2, temperature=T, roots=3, every=1)
     assert got == pytest.approx(1) and covered < 0.99  # the likeliest 3 roots' shares, renormalised, sum to 1
     bigram = Lagged(lag=0)
-    p, want = torch.softmax(bigram.table / T, dim=-1), []  # p [V, V]: p(next token | token)
+    p, want, top3 = torch.softmax(bigram.table / T, dim=-1), [], []  # p [V, V]: p(next token | token)
     for s in seqs:
         for t in range(1, len(s) - 2):
             p_root = p[s[t]]  # [V] the root's distribution
             want.append((p_root * torch.minimum(p, p_root @ p).sum(-1)).sum().item())  # marginal Σ_r p(r) p(· | r)
+            top3.append(p_root.topk(3).values.sum().item())  # the mass of the likeliest 3 roots
     got, covered = accuracy.measure_marginal_acceptance(bigram, seqs, prompt_lens=2, temperature=T, roots=12, every=1)
     assert got == pytest.approx(sum(want) / len(want)) and covered == pytest.approx(1.0) and got < 0.9
+    _, covered = accuracy.measure_marginal_acceptance(bigram, seqs, prompt_lens=2, temperature=T, roots=3, every=1)
+    assert covered == pytest.approx(sum(top3) / len(top3))
 
 
 def test_measured_accuracy_counts_each_rank_and_predicts_measured_tokens_per_step():
