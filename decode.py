@@ -279,5 +279,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    exit_with(main, memory_advice=": lower --batch-size or --tree's nodes, or use --dtype bfloat16 (--compile holds "
-                                  "every batch size's KV cache at once)")
+    exit_with(main, memory_advice=": lower --batch-size or --tree's nodes, or use --dtype bfloat16")

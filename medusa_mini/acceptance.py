@@ -118,9 +118,9 @@ def rejection_accept_topk(tree: TreeTensors, tokens: torch.Tensor, logits: torch
 
 def residual_chain(p: torch.Tensor, q: torch.Tensor, tries: Tries) -> torch.Tensor:
     """Every node's chain of residuals at once, rounded as `sampling.residual_after_miss` rounds them: p [B, N, V], q
-    [B, N - 1, V] in child order -> the chain [B, 3N - 2, V] (`Tries`: p, the residuals, q); a residual whose miss
-    left no mass (r = q up to rounding) is 0 / 0, NaN. Turn s: the first n_s inner nodes miss their s-th child, and
-    one addcdiv makes rest_s = max(0, rest_{s-1} / mass_{s-1} - q_s), unnormalised until one division at the end."""
+    [B, N - 1, V] in child order -> the chain [B, 3N - 2, V] (`Tries`: p, the residuals, q); a residual whose miss left
+    no mass (its target r = q up to rounding) is 0 / 0, NaN. Turn s: the first n_s inner nodes miss their s-th child,
+    and one addcdiv makes rest_s = max(0, rest_{s-1} / mass_{s-1} - q_s), unnormalised until one division at the end."""
     minus_q, rest, mass, residuals, masses = -q, p[:, tries.nodes], None, [], []  # rest [B, n, V]: p at inner nodes
     for minus_q_s in minus_q.split(tries.sizes, dim=1):  # [B, n_s, V]
         n = minus_q_s.shape[1]

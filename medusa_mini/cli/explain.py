@@ -110,8 +110,9 @@ def verify_section(out: list[str], labels: list[str], tree: Tree, tokens: list[i
             q = "" if drawn is None else f"{drawn[par][0][tokens[i]].exp().item():.3f}"
             rows.append([f"[{i}]", labels[i], f"{p[par, tokens[i]].item():.3f}", q])
         intro = ["At each node, p = the backbone's distribution for the token after that node's path; a",
-                 "candidate is judged by p at its parent" + ("." if drawn is None else  # its first try's; then r
-                                                             ", and by q, the head's probability of drawing it.")]
+                 "candidate is judged by p at its parent" + ("." if drawn is None else ", and by q, the head's "
+                                                             "probability of drawing it;\nafter an elder sibling's "
+                                                             "miss, by r, what that miss left of p.")]
     widths = [max(len(row[c]) for row in rows) + 2 for c in range(len(rows[0]) - 1)]  # the last column as it is
     out += [_header(5, "Verify: one forward pass over all nodes"), *intro,
             *("".join(f"{cell:<{w}}" for cell, w in zip(row, widths)) + row[-1] for row in rows)]
@@ -147,7 +148,7 @@ def explain_step(model: GPT, heads, enc: tiktoken.Encoding, prompt_ids: list[int
     labels = [token_text(enc, t) for t in tokens]
     out += [_header(3, f"Tree: {tree.num_nodes - 1} candidate nodes + the root"),
             ("A node at depth d holds head d's guess of the listed rank" if drawn is None else
-             "Rejection sampling draws the candidates: a node at depth d holds the r-th token drawn (without\n"
+             "Rejection sampling draws the candidates: a node at depth d holds the k-th token drawn (without\n"
              "replacement) from the q its parent's children come from")
             + "; a path from the root is one possible\ncontinuation. All paths are checked together next.",
             draw_tree(tree, labels), _header(4, "Tree attention mask"),

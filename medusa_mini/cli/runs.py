@@ -146,7 +146,8 @@ def compare(engine: Engine, prompts: list[list[int]], methods: list[Method], *, 
         except RuntimeError as e:  # out of memory (CUDA's or a CPU's) at the first size: exit_with's one line
             if not rows or (words := out_of_memory(e)) is None:
                 raise
-            stopped = f"the table ends at batch {rows[-1]['batch_size']}: batch {B} does not fit in memory: {words}"
+            held = "; compiled, every smaller size's static caches are still held" if warm else ""
+            stopped = f"batch {B} does not fit ({words}{held}): the table ends at batch {rows[-1]['batch_size']}"
             break
         for m in methods:
             results = [row for batch, _ in runs[m.key] for row in batch]

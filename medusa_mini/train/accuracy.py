@@ -103,14 +103,14 @@ def measure_try_acceptance(model: GPT, heads: DraftHeads, sequences: list[list[i
 
 
 def draw_chances(p: torch.Tensor, log_q: torch.Tensor, samples: torch.Tensor) -> torch.Tensor:
-    """[m, R] float64: the chance, over the uniforms, that draw r of samples [m, R] (distinct draws from q,
-    log_q [m, V], in order) is the one rejection sampling's tries accept against p [m, V]: Π_{j<r} (1 - a_j)
-    · a_r, a_r = min(1, r_r(x_r) / q_r(x_r)), r_r the target the misses before it left (r_0 = p), q_r q without
+    """[m, R] float64: the chance, over the uniforms, that draw k of samples [m, R] (distinct draws from q,
+    log_q [m, V], in order) is the one rejection sampling's tries accept against p [m, V]: Π_{j<k} (1 - a_j)
+    · a_k, a_k = min(1, r_k(x_k) / q_k(x_k)), r_k the target the misses before it left (r_0 = p), q_k q without
     the draws before it (as `acceptance.rejection_accept_drawn` tries with uniforms)."""
     chances, left = [], torch.ones(len(p), dtype=torch.float64, device=p.device)  # [m] no try passed yet
     target = p  # [m, V]: r, what each try is judged against
-    for r, x in enumerate(samples.unbind(1)):  # x: [m], the rank-r draws
-        q = without_earlier_draws(log_q, samples, rank=r)  # [m, V]
+    for k, x in enumerate(samples.unbind(1)):  # x: [m], the rank-k draws
+        q = without_earlier_draws(log_q, samples, rank=k)  # [m, V]
         residual, mass = residual_after_miss(target, q)  # [m, V], [m]
         live, r_x, q_x = mass > 0, target.gather(1, x[:, None])[:, 0], q.gather(1, x[:, None])[:, 0]  # [m]
         # As the engine's u·q(x) < r(x): where q(x) underflows to 0, or r = q (no residual), x passes iff r(x) > 0.

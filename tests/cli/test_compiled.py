@@ -11,6 +11,7 @@ import torch
 import decode
 from conftest import RULES, random_heads, tiny_model
 from medusa_mini.cli import compiled as compiled_wing
+from medusa_mini.cli import runs as runs_mod
 from medusa_mini.cli.compiled import compile_options, compile_steps, verify_and_accept, warm_up, with_aligned_head
 from medusa_mini.decoding import generate_batch, medusa_generate_batch
 from medusa_mini.model import KVCache, compact_kv_cache
@@ -177,25 +178,25 @@ def test_a_kv_cache_not_marked_static_is_refused_under_cuda_graphs_rules(monkeyp
 
 
 @pytest.mark.parametrize("flags", [["--method", "rejection", "--temperature", "0.8", "--batch-size", "2"],
-                                   ["--method", "plain", "--batch-size", "2"], ["--compare"]],
+                                   ["--method", "plain", "--batch-size", "2"], ["--compare", "--batch-size", "1,2"]],
                          ids=["rejection-batch-2", "plain-batch-2", "compare"])
 def test_decode_prints_the_eager_tokens_with_its_steps_replayed_as_cuda_graphs(ckpt, capsys, monkeypatch, flags,
                                                                                one_run_each):
-    """Prompts of three lengths, one of which meets the context; two at a time, the last batch has one row.
-    --compare runs every row: plain, prompt lookup and Medusa, greedy and sampled. Compiled, the run's model is the
-    aligned twin, as on CUDA: its logits may differ in a last bit, which no choice here is near enough to feel."""
+    """Prompts of three lengths, one meeting the context; two at a time, the last batch has one row. --compare runs
+    every row, each batch size warmed up just before its timing: no run records a graph. Compiled, the run's model is
+    the aligned twin, as on CUDA: its logits may differ in a last bit, which no choice here is near enough to feel."""
     torch.compiler.reset()
-    backend, after_warm_up = GraphReplay(), []
+    backend = GraphReplay()
 
-    def counted_warm_up(model, *args, **kw):
-        assert not isinstance(model.lm_head, torch.nn.Linear)  # the run's model: `with_aligned_head`'s twin
-        seconds = warm_up(model, *args, **kw)
-        after_warm_up.append(len(backend.graphs))
-        return seconds
+    def replayed(engine, *args, real=runs_mod.decode, **kw):  # compiled: `with_aligned_head`'s twin, replaying
+        graphs, result = len(backend.graphs), real(engine, *args, **kw)
+        assert len(backend.graphs) == graphs and not (graphs and isinstance(engine.ck.model.lm_head, torch.nn.Linear))
+        return result
 
     monkeypatch.setattr(decode, "with_aligned_head", partial(with_aligned_head, devices=("cpu",)))  # as on CUDA
     monkeypatch.setattr(decode, "compile_steps", partial(compile_steps, backend=backend))
-    monkeypatch.setattr(decode, "warm_up", counted_warm_up)
+    monkeypatch.setattr(decode, "decode", replayed)  # the runs of one batch at a time, and --compare's
+    monkeypatch.setattr(runs_mod, "decode", replayed)
     argv = ["--ckpt", ckpt, "--max-new-tokens", "12", "--tree", "cpu", "--json", "--prompt", "a big dog ran",
             "--prompt", " ".join(["the cat sat on the mat"] * 6), "--prompt", "then", *flags]
     runs = []
@@ -205,8 +206,7 @@ def test_decode_prints_the_eager_tokens_with_its_steps_replayed_as_cuda_graphs(c
         runs.append([r["tokens"] for r in json.loads(out)["rows"]] if "--compare" in flags else
                     [[json.loads(line)["tokens"] for line in out.splitlines()]])  # rows of per-prompt tokens
         assert ("compiled the plain step and the verify steps in" in err) == compiling
-    assert runs[0] == runs[1] and all(len(row) == 3 and len(row[1]) == 64 - 55 for row in runs[0])
-    assert backend.graphs and len(backend.graphs) == after_warm_up[-1]
+    assert runs[0] == runs[1] and all(len(row) == 3 and len(row[1]) == 64 - 55 for row in runs[0]) and backend.graphs
 
 
 @pytest.mark.slow
