@@ -126,8 +126,7 @@ def load(ns: argparse.Namespace) -> tuple[Checkpoint, dict, list[list[int]]]:
     rules = [r for r in RULES if r in ns.rules]  # in RULES' order
     if ns.plot is not None:  # "" too: no file to draw into
         check_plot_path(ns.plot)
-    device = pick_device(ns.device)
-    ck = load_for_decoding(ns.ckpt, device=device, dtype=pick_dtype(ns.dtype, device))
+    ck = load_for_decoding(ns.ckpt, device=(device := pick_device(ns.device)), dtype=pick_dtype(ns.dtype, device))
     if ck.heads is None:
         raise ValueError(f"checkpoint {ns.ckpt} has no Medusa heads; train heads first")
     ns.draft_vocab = ns.draft_vocab or (ck.heads.draft_ids.numel(),)
