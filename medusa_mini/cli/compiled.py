@@ -12,6 +12,7 @@ one address, the steps copy out what the next call needs, and `warm_up` records 
 Shapes: B rows, N tree nodes, C n_embd, V vocabulary, Q the q a drawn tree draws from."""
 
 import copy
+from functools import partial
 from typing import Callable, Iterable
 
 import torch
@@ -184,9 +185,7 @@ def warm_up(model: GPT, steps: Steps, caches: StaticCaches, *, rows: int, plain:
     config = torch._dynamo.config  # each shape is one more specialisation of its function
     config.recompile_limit += len(shapes) + len(plain)
     config.accumulated_recompile_limit += len(shapes) + len(plain)
-
-    def zeros(*shape, dtype=torch.long) -> torch.Tensor:
-        return torch.zeros(shape, dtype=dtype, device=device)
+    zeros = partial(torch.zeros, dtype=torch.long, device=device)  # token ids, unless told another dtype
 
     def every_shape() -> None:
         for sampling in plain:
