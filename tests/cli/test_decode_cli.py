@@ -131,8 +131,8 @@ def test_as_a_process_a_sampled_run_repeats_its_tokens(ckpt, capsys):
 
 @pytest.mark.filterwarnings("ignore:'medusa_mini.cli.measure' found in sys.modules")  # run again as __main__
 @pytest.mark.parametrize("stop, status", [(KeyboardInterrupt, 130), (BrokenPipeError, 1), (torch.OutOfMemoryError, 2)])
-def test_ctrl_c_or_a_closed_pipe_ends_every_script_quietly(stop, status, monkeypatch):
-    """Ctrl-C: exit status 130; a reader that stopped reading (`| head`): 1; no traceback; in decode's run too."""
+def test_ctrl_c_a_closed_pipe_or_a_full_device_ends_every_script_quietly(stop, status, monkeypatch):
+    """Ctrl-C: status 130; a reader gone (`| head`): 1; out of memory: 2; no traceback, in decode's own run too."""
     monkeypatch.setattr(sys, "stdout", stdout := io.StringIO())  # no file: a closed pipe's end leaves pytest's fd be
     scripts = "decode train_tiny benchmarks/bench_step benchmarks/sweep benchmarks/gpu_report".split()
     runs = [functools.partial(runpy.run_path, os.path.join(ROOT, f"{s}.py"), run_name="__main__") for s in scripts]
