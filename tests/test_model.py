@@ -23,17 +23,6 @@ def test_parameter_names_and_first_values_follow_gpt2_and_the_lm_head_is_tied_to
         assert abs(w.mean()) < 1e-3 and abs(w.std() - std) < 1e-3
 
 
-@torch.no_grad()
-def test_cached_incremental_decoding_matches_full_forward(model):
-    """Reading only the slots in use (`attended`, eager decoding); the whole cache (a captured step): below."""
-    ids = torch.randint(0, 64, (20,), generator=torch.Generator().manual_seed(1)).tolist()
-    cache = KVCache(model.config)
-    first, _ = model(torch.tensor([ids[:7]]), cache=cache, attended=7)  # a prefill of 7, then one by one
-    steps = [first[0]] + [model(torch.tensor([[t]]), cache=cache, attended=i + 1)[0][0]
-                          for i, t in enumerate(ids[7:], start=7)]
-    torch.testing.assert_close(torch.cat(steps), model(torch.tensor([ids]))[0][0], atol=ATOL, rtol=0)  # no cache
-
-
 def test_a_new_token_sees_its_rows_prefix_and_the_new_tokens_its_mask_allows_never_a_later_slot():
     """Three new tokens, a root and its two children, written after prefixes of 2 and 4 slots (paper Fig. 2)."""
     tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)  # each node sees itself and the root
@@ -43,12 +32,13 @@ def test_a_new_token_sees_its_rows_prefix_and_the_new_tokens_its_mask_allows_nev
 
 
 @torch.no_grad()
-def test_rows_of_one_batch_keep_their_own_lengths_and_positions(model):
+def test_cached_decoding_matches_a_forward_without_cache_in_rows_of_their_own_lengths_and_positions(model):
+    """Reading only the slots in use (`attended`, eager decoding); the whole cache (a captured step): below."""
     rows, cache = [[5, 9, 11, 2, 40, 7], [3, 1]], KVCache(model.config, batch_size=2)
-    model(torch.tensor([rows[0], rows[1] + [0] * 4]), cache=cache)  # the short row padded at its end
+    model(torch.tensor([rows[0], rows[1] + [0] * 4]), cache=cache, attended=6)  # the short row padded at its end
     cache.lengths = torch.tensor([6, 2])  # the padding's slots are given back
     more = torch.tensor([[17, 23], [42, 8]])
-    got = [model(more[:, j : j + 1], cache=cache)[0][:, 0] for j in range(2)]  # [B, V] each
+    got = [model(more[:, j : j + 1], cache=cache, attended=7 + j)[0][:, 0] for j in range(2)]  # [B, V] each
     assert cache.lengths.tolist() == [8, 4]
     for b in range(2):
         want = model(torch.tensor([rows[b] + more[b].tolist()]))[0][0, len(rows[b]):]  # the row alone, no cache
