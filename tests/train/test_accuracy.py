@@ -4,6 +4,7 @@ predicts its rule's tokens per step; the tables survive a save and load; a bad f
 
 import itertools
 import json
+import math
 
 import pytest
 import torch
@@ -74,7 +75,7 @@ def test_sampled_acceptance_is_the_mean_sum_min_p_q_and_the_drawn_tables_first_t
 class Fixed:
     """A backbone whose p and a head whose q are the same at every position: logits [1, T, V] and [1, m, V]."""
 
-    device, draft_ids, num_heads = torch.device("cpu"), torch.arange(3), 1
+    device, draft_ids, num_heads = torch.device("cpu"), torch.arange(4), 1
 
     def __init__(self, p, q):
         self.config = HeadsConfig(vocab_size=len(p))  # only its vocab_size is read
@@ -87,17 +88,19 @@ class Fixed:
 
 
 def test_the_drawn_table_is_the_chance_that_each_draw_is_the_one_accepted_and_q_equal_to_p_always_is():
-    """Written out for one p and q over three tokens: draw x0, then x1 from q without x0; try x0 against p (passes with
-    min(1, p/q)), after a miss try x1 against the residual norm(max(0, p - q)) with q renormalised without x0."""
-    p, q, want = [0.5, 0.3, 0.2], [0.2, 0.15, 0.65], [0.0, 0.0]
-    for x0, x1 in itertools.permutations(range(3), 2):
-        chance = q[x0] * q[x1] / (1 - q[x0])  # the draws in this order
-        a0, residual = min(1.0, p[x0] / q[x0]), [max(0.0, a - b) for a, b in zip(p, q)]
-        q1 = [0.0 if x == x0 else b / (1 - q[x0]) for x, b in enumerate(q)]
-        a1 = min(1.0, residual[x1] / sum(residual) / q1[x1])
-        want[0], want[1] = want[0] + chance * a0, want[1] + chance * (1 - a0) * a1
+    """Written out for one p and q over four tokens: draws x0, x1, x2, x_k from q_k, q without the draws before it
+    (renormalised), tried against r_k: p at first, norm(max(0, r_k - q_k)) after a miss; it passes with
+    min(1, r_k(x_k) / q_k(x_k))."""
+    p, q, want = [0.4, 0.3, 0.2, 0.1], [0.1, 0.1, 0.3, 0.5], [0.0, 0.0, 0.0]
+    for draws in itertools.permutations(range(4), 3):
+        qs = [[0.0 if y in draws[:k] else b / (1 - sum(q[d] for d in draws[:k])) for y, b in enumerate(q)]
+              for k in range(3)]  # [q_0, q_1, q_2]
+        chance, r = math.prod(q_k[x] for q_k, x in zip(qs, draws)), p  # the draws in this order, no try passed yet
+        for k, (q_k, x) in enumerate(zip(qs, draws)):  # r is not read after x_2, whose miss may leave nothing
+            a, rest = min(1.0, r[x] / q_k[x]), [max(0.0, s - t) for s, t in zip(r, q_k)]
+            want[k], chance, r = want[k] + chance * a, chance * (1 - a), [s / (sum(rest) or 1.0) for s in rest]
     fixed, seqs = Fixed(p, q), [list(range(12))]
-    got = accuracy.measure_try_acceptance(fixed, fixed, seqs, prompt_lens=1, temperature=1.0, ranks=2, draws=400)
+    got = accuracy.measure_try_acceptance(fixed, fixed, seqs, prompt_lens=1, temperature=1.0, ranks=3, draws=400)
     assert got[0].tolist() == pytest.approx(want, abs=0.015)
     fixed = Fixed(p, p)  # heads whose q is p: always accepted, and only their first draw is tried
     exact = accuracy.measure_sampled_acceptance(fixed, fixed, seqs, prompt_lens=1, temperature=0.9)
