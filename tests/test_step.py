@@ -23,7 +23,7 @@ TREE = Tree.from_choices([(0,), (1,), (0, 0), (0, 1), (0, 0, 0)])
 def test_usable_nodes_are_those_whose_tokens_fit_before_each_rows_stop():
     """A node at depth d emits d + 1 tokens after the root; a row whose cache holds `start` tokens stops
     at `stop_at`, so it may use depths up to stop_at - 2 - start. A finished row uses none."""
-    usable = usable_nodes(TREE.tensors(), torch.tensor([10, 10, 10, 10]), torch.tensor([20, 13, 12, 11]))
+    usable = usable_nodes(TREE.tensors(), torch.tensor([10, 12, 9, 11]), torch.tensor([20, 15, 11, 11]))
     assert usable.tolist() == [[True] * 6, [d <= 1 for d in TREE.depths], [d == 0 for d in TREE.depths], [False] * 6]
 
 
