@@ -18,8 +18,9 @@ def test_parameter_names_and_first_values_follow_gpt2_and_the_lm_head_is_tied_to
     assert list(model.state_dict()) == ["transformer.wte.weight", "transformer.wpe.weight", *block,
                                         "transformer.ln_f.weight", "transformer.ln_f.bias", "lm_head.weight"]
     assert model.lm_head.weight.data_ptr() == model.transformer.wte.weight.data_ptr()
-    mlp = model.transformer.h[0].mlp  # N(0, 0.02), the residual stream's projections (c_proj) over √(2 n_layer)
-    for w, std in ((model.transformer.wpe.weight, 0.02), (mlp.c_fc.weight, 0.02), (mlp.c_proj.weight, 0.02 / 2)):
+    h = model.transformer.h[0]  # N(0, 0.02), the residual stream's projections (c_proj) over √(2 n_layer), biases 0
+    for w, std in ((model.transformer.wpe.weight, 0.02), (h.mlp.c_fc.weight, 0.02), (h.mlp.c_proj.weight, 0.02 / 2),
+                   (h.attn.c_proj.weight, 0.02 / 2), (h.attn.c_attn.bias, 0.0)):
         assert abs(w.mean()) < 1e-3 and abs(w.std() - std) < 1e-3
 
 

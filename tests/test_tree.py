@@ -66,7 +66,7 @@ def test_bad_choices_are_a_clear_error_naming_the_choice(choices, kwargs, messag
     pytest.raises(ValueError, Tree.from_choices, choices, **kwargs).match(message)
 
 
-@pytest.mark.parametrize("choices", [((0,), (0, 0), (1,)), ((0,), (0, 1, 0)), ((0,), (0,)), ((0,), (-1,)), ((),)])
+@pytest.mark.parametrize("choices", [((0,), (0, 0), (1,)), ((1,), (0,)), ((0,), (1, 0)), ((0,), (-1,)), ((),)])
 def test_a_tree_made_directly_refuses_choices_from_choices_would_sort_or_refuse(choices):
     """Its node lists assume depth-sorted, prefix-closed choices: unsorted ones would put a depth-1 node in
     the run of depth 2, a missing parent would hang its child on the root."""
