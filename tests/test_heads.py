@@ -10,7 +10,7 @@ from conftest import random_heads, tiny_model
 from medusa_mini import reference
 from medusa_mini.decoding import medusa_generate
 from medusa_mini.heads import IGNORE, HeadsConfig, frequency_order, make_heads, next_tokens
-from medusa_mini.sampling import Sampling, q_log_probs
+from medusa_mini.sampling import Sampling, gumbel_top_k, q_log_probs
 from medusa_mini.training import MedusaLM, self_distill
 from medusa_mini.tree import Tree, chain, preset
 
@@ -116,12 +116,13 @@ def test_heads_refuse_what_they_cannot_do_and_a_refused_draft_vocabulary_changes
 @pytest.mark.parametrize("kind", KINDS)
 def test_each_node_holds_its_rank_of_its_parents_q_top_k_or_drawn_from_the_draft_vocabulary(kind, tree, drawn):
     """Node i holds rank ranks[i] of q(. | its parent's path), a token of the draft vocabulary (hydra's q
-    reads the path drafted above the node, Medusa's the depth alone): of its top-k, filled depth by depth;
-    or of distinct draws from it, each node keeping the q its children were drawn from."""
+    reads the path drafted above the node, Medusa's the depth alone): of its top-k, filled depth by depth; or
+    of distinct draws from it with its own uniforms, each node keeping the q its children were drawn from."""
     model = tiny_model(2)
     heads, hidden, T = random_heads(model, kind=kind, seed=2, draft=16), torch.randn(C), 0.8
     sampling, gen = (Sampling(temperature=T), torch.Generator().manual_seed(0)) if drawn else (Sampling(), None)
     proposal = propose(heads, model, tree, 7, hidden, sampling, gen)
+    u = heads.proposer(model, tree).uniforms(sampling, 1, gen.manual_seed(0), device="cpu") if drawn else None  # its u
     tokens, per_node = proposal.tokens[0].tolist(), proposal.drawn.per_node(0) if drawn else [None] * tree.num_nodes
     assert tokens[0] == 7 and set(tokens[1:]) <= set(heads.draft_ids.tolist())
     for node, (kids, draws) in enumerate(zip(tree.children, per_node)):
@@ -131,7 +132,7 @@ def test_each_node_holds_its_rank_of_its_parents_q_top_k_or_drawn_from_the_draft
         q = q_logits(heads, model, hidden, [tokens[j] for j in tree.path(node)])
         if drawn:
             torch.testing.assert_close(draws[0], q_log_probs(q, heads.draft_ids, temperature=T, vocab_size=V))
-            assert len(set(draws[1])) == len(draws[1])
+            assert draws[1] == gumbel_top_k(draws[0], len(draws[1]), u[0, proposal.drawn.q_index[node]]).tolist()
         ranked = draws[1] if drawn else heads.draft_ids[q.topk(tree.max_rank + 1).indices].tolist()
         assert [tokens[c] for c in kids] == [ranked[tree.ranks[c]] for c in kids]
 
