@@ -79,18 +79,19 @@ def test_a_head_without_any_target_or_position_has_zero_loss_and_accuracy_not_na
 
 
 @pytest.mark.parametrize("kind, stride, draft, chunk, lm", [("medusa", 1, 0, None, 1.0), ("medusa", 1, 0, 3, 0.0),
-                         ("hydra", 1, 20, 7, 0.0), ("medusa", 3, 20, 29, 1.0), ("hydra", 3, 0, None, 1.0)])
+                         ("hydra", 1, 20, 7, 0.0), ("medusa", 3, 20, 29, 0.5), ("hydra", 3, 0, None, 1.0)])
 def test_heads_loss_chunked_strided_frozen_or_over_a_draft_vocabulary_is_the_plain_one(kind, stride, draft, chunk, lm):
     """Values, top-1 and gradients: head k at t against token t+k+1 where `valid` (prompts are no targets), at every
     stride-th position from the offset, over a draft vocabulary (as the token's index there); Hydra heads read the
-    true next tokens, each chunk its own (29: ragged); lm = 0: a frozen backbone's detached states train the heads."""
+    true next tokens, each chunk its own (29: ragged); lm < 1: the heads train on detached states."""
     model, heads = _setup(kind=kind, draft=draft)
     module, x = MedusaLM(model, heads), torch.randint(0, 50, (4, 21), generator=torch.Generator().manual_seed(5))
     y, valid = x[:, 1:], torch.arange(20).expand(4, 20) >= 2
     loss, metrics = module(x[:, :-1], y, valid=valid, lm_weight=lm, heads_weight=0.5, decay=0.8, heads_stride=stride,
-                           heads_offset=1, heads_chunk=chunk, detach_backbone=not lm)
+                           heads_offset=1, heads_chunk=chunk, detach_backbone=lm != 1)
     assert all(isinstance(v, torch.Tensor) and not v.requires_grad for v in metrics.values())
     logits, hidden = model(x[:, :-1])
+    hidden = hidden if lm == 1 else hidden.detach()  # lm < 1: the heads' loss never reaches the backbone
     index = torch.full((50,), IGNORE).index_put_((heads.draft_ids,), torch.arange(heads.draft_ids.numel()))[y]
     assert not draft or (index < 0).any()  # some tokens lie outside the draft vocabulary
     losses, accs = plain_head_losses(heads(hidden, model, following=next_tokens(y, 3)), index, lambda b, t, k: (
