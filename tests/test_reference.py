@@ -141,6 +141,8 @@ def test_typical_takes_the_longest_accepted_path_and_breaks_ties_by_the_larger_s
     logits = logits_from([[0.1, 0.3, 0.6, 0.0, 0.0], P_OTHER, P_OTHER])  # two depth-1 candidates, both pass
     path, _ = ref.typical_accept([-1, 0, 0], [0, 1, 2], logits, sampling=typical(), generator=torch.Generator())
     assert path == [0, 2]  # token 2 (p .6) beats the higher-ranked token 1 (p .3)
+    path, _ = ref.typical_accept([-1, 0, 0], [0, 1, 2], logits_from([P_OTHER] * 3), sampling=typical(), generator=None)
+    assert path == [0, 1]  # a tie in depth and in the sum of log p: the smaller node index
 
 
 def test_typical_acceptance_approaches_greedy_as_temperature_goes_to_zero():
