@@ -129,7 +129,7 @@ CASES = {
     "plain-top-p-eos": Case(None, Sampling(temperature=0.8, top_p=0.8), rows=2000, deepest=0, n=3, eos_id=3),
     "top-k-top-p": Case(FutureHeads(gamma=2.0), rejection(top_p=0.8, candidates="topk"), rows=1500, deepest=2),
     "drawn-depth-3-rank-gap": Case(FutureHeads(gamma=20.0), rejection(), rows=700, deepest=3, tree=GAP_TREE, n=5),
-    "drawn-top-p-eos": Case(FutureHeads(gamma=2.0), rejection(top_p=0.8), rows=600, deepest=2, tree=GAP_TREE, eos_id=3),
+    "drawn-top-p-eos": Case(FutureHeads(gamma=2.0), rejection(top_p=0.8), rows=600, deepest=2, tree=GAP_TREE, eos_id=0),
     # p's favourite first token here is 2 (0.37 at T = 1.5): the draft vocabulary leaves it out
     "drawn-draft-vocabulary-T1.5": Case(FutureHeads(gamma=2.0, draft_ids=torch.tensor([0, 1, 3])),
                                         rejection(1.5), rows=700, deepest=2, tree=GREEDY_TREE),
