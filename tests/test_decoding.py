@@ -118,7 +118,7 @@ def test_the_engine_prints_the_references_tokens_with_the_same_seed(rule, tree_n
         settings = dict(tree=TREES[tree_name], max_new_tokens=40 if seed < 4 else 0, sampling=RULES[rule])
         want = ref.medusa_generate(model, heads, prompt, generator=torch.Generator().manual_seed(seed), **settings)
         got, stats = medusa_generate(model, heads, prompt, generator=torch.Generator().manual_seed(seed), **settings,
-                                     on_step=lambda tokens: tokens[0])  # an empty list: IndexError
+                                     on_step=lambda tokens: tokens[0])  # never called with none: IndexError
         assert (got, stats.steps) == want
 
 

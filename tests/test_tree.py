@@ -68,8 +68,8 @@ def test_bad_choices_are_a_clear_error_naming_the_choice(choices, kwargs, messag
 
 @pytest.mark.parametrize("choices", [((0,), (0, 0), (1,)), ((1,), (0,)), ((0,), (1, 0)), ((0,), (-1,)), ((),)])
 def test_a_tree_made_directly_refuses_choices_from_choices_would_sort_or_refuse(choices):
-    """Its node lists assume depth-sorted, prefix-closed choices: unsorted ones would put a depth-1 node in
-    the run of depth 2, a missing parent would hang its child on the root."""
+    """Its node lists assume prefix-closed choices sorted by depth, then rank: unsorted ones would put a depth-1 node
+    in the run of depth 2, or children out of rank order; a missing parent would hang its child on the root."""
     pytest.raises(ValueError, Tree, choices).match("Tree.from_choices")
 
 
