@@ -54,11 +54,13 @@ def test_save_then_load_gives_identical_logits_over_the_same_draft_vocabulary(tm
     save_checkpoint(tmp_path, model, heads=heads, extra={"tokenizer": "bpe-61", "step": 100}, eos_token_id=60)
     assert set(os.listdir(tmp_path)) == CHECKPOINT_FILES | (HEADS_FILES if heads else set())
     model2, heads2, config = load_checkpoint(tmp_path)
-    assert config["medusa_mini"] == {"tokenizer": "bpe-61", "step": 100} and config["eos_token_id"] == 60
+    assert config["medusa_mini"] == {"tokenizer": "bpe-61", "step": 100}
+    assert config["bos_token_id"] == config["eos_token_id"] == 60  # GPT-2's: one token for both
     assert (config["model_type"], config["architectures"]) == ("gpt2", ["GPT2LMHeadModel"])
     assert model2.config == model.config and model2.lm_head.weight is model2.transformer.wte.weight  # epsilon too
     raw = (tmp_path / "model.safetensors").read_bytes()  # transformers needs the format in the metadata
-    assert json.loads(raw[8 : 8 + struct.unpack("<Q", raw[:8])[0]])["__metadata__"] == {"format": "pt"}
+    header = json.loads(raw[8 : 8 + struct.unpack("<Q", raw[:8])[0]])
+    assert header["__metadata__"] == {"format": "pt"} and "lm_head.weight" not in header  # tied: stored once
     assert all(torch.equal(a, b) for a, b in zip(outputs(model, heads), outputs(model2, heads2), strict=True))
 
 
@@ -85,14 +87,15 @@ def test_a_save_failing_midway_leaves_the_previous_checkpoint_loadable(tmp_path,
     real = os.replace
 
     def replace(src, dst):
+        assert os.path.dirname(src) == os.path.dirname(dst)  # a sibling: a rename across filesystems fails
         if failing.startswith(os.path.basename(dst)) and str(src).endswith(".tmp"):
-            raise OSError(f"disk full while replacing {failing}")
+            raise KeyboardInterrupt(f"Ctrl-C while replacing {failing}")
         return real(src, dst)
 
     monkeypatch.setattr(os, "replace", replace)
     # "writer": the other files are already staged when config.json cannot be written
     extra = {"version": object() if failing == "writer" else 2}
-    with pytest.raises(TypeError if failing == "writer" else OSError):
+    with pytest.raises(TypeError if failing == "writer" else KeyboardInterrupt):
         save_checkpoint(tmp_path, tiny_gpt(seed=5), heads=new_heads, extra=extra)
     monkeypatch.undo()
     assert set(os.listdir(tmp_path)) == CHECKPOINT_FILES | HEADS_FILES, "no temporary files left behind"
@@ -103,14 +106,16 @@ def test_a_save_failing_midway_leaves_the_previous_checkpoint_loadable(tmp_path,
 
 @pytest.mark.parametrize("name, content, match", [  # a dict updates the saved JSON ("delete" removes a key)
     ("config.json", None, "config.json is missing"), ("config.json", b"{not json", "config.json is not readable JSON"),
-    ("config.json", b"[]", "must be a JSON object"), ("config.json", {"model_type": "llama"}, "model_type is 'llama'"),
+    ("config.json", b"[]", "must be a JSON object"), ("config.json", b"[" * 10**5, "not readable JSON"),
+    ("config.json", {"model_type": "llama"}, "model_type is 'llama'"),
     ("config.json", {"activation_function": "relu"}, "activation_function='relu'"),
     ("config.json", {"n_inner": 7}, "n_inner"), ("config.json", {"tie_word_embeddings": False}, "tie_word_embeddings"),
     ("config.json", {"n_layer": None}, "invalid value"),
     ("config.json", {"n_head": "delete"}, "missing 'n_head'"), ("config.json", {"n_embd": float("inf")}, "invalid"),
     ("config.json", {"n_head": 0}, "n_head must be an integer > 0, not 0"), ("config.json", {"n_positions": -1}, "-1"),
     ("model.safetensors", None, "no model.safetensors in"), ("model.safetensors", b"\x00" * 5, "too short"),
-    ("medusa_config.json", {"n_embd": 8}, "n_embd=8"), ("medusa_config.json", b"[1, 2]", "must be a JSON object"),
+    ("medusa_config.json", {"n_embd": 8}, "n_embd=8"), ("medusa_config.json", {"vocab_size": 60}, "vocab_size=60; the"),
+    ("medusa_config.json", b"[1, 2]", "must be a JSON object"),
     ("medusa_config.json", {"num_heads": 4}, "lacks tensor 'blocks.3.linear.weight'"),
     ("medusa_config.json", {"hidden_act": "relu"}, "unexpected keyword argument 'hidden_act'"),
     ("medusa_config.json", {"own_lm_head": True}, "own lm_head are no longer supported"),
@@ -161,8 +166,16 @@ def test_prompts_json_gives_token_ids_cut_to_leave_room_for_the_new_tokens_and_a
                                                                                                          monkeypatch):
     save_small_checkpoint(tmp_path)  # block size 64, no eot_id saved: the tokenizer's own
     monkeypatch.setenv("HOME", str(tmp_path.parent))
-    ck = load_for_decoding(f"~/{tmp_path.name}", device="cpu")  # as --ckpt=~/... reaches it, unexpanded
-    assert [*map(len, prompt_ids(ck, count=3, max_new_tokens=63))] == [1, 1, 1] and ck.eot_id == ck.enc.eot_token
+    ck = load_for_decoding(f"~/{tmp_path.name}", device="meta")  # as --ckpt=~/... reaches it, unexpanded
+    assert {p.device.type for p in [*ck.model.parameters(), *ck.heads.parameters()]} == {"meta"}  # all on `device`
+    assert prompt_ids(ck, count=3, max_new_tokens=63) == [  # each prompt's end: room for 63 new tokens of 64
+        ck.enc.encode_ordinary(t)[-1:] for t in ("the cat sat", "on the mat and", "the dog")]
+    assert ck.eot_id == ck.enc.eot_token
+    (tmp_path / "prompts.json").write_text(json.dumps({"prompts": ["", "the dog<|endoftext|>"]}))  # empty: left out
+    assert prompt_ids(ck, count=2, max_new_tokens=8) == [ck.enc.encode_ordinary("the dog<|endoftext|>")]
     for bad in ([], ["a", 5], "a"):
         (tmp_path / "prompts.json").write_text(json.dumps({"prompts": bad}))
         pytest.raises(ValueError, load_prompts, str(tmp_path)).match("must hold")
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())  # a tokenizer of more tokens than the model
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config | {"special_tokens": {"<|endoftext|>": 300}}))
+    pytest.raises(ValueError, load_for_decoding, str(tmp_path), device="cpu").match("do not belong together")

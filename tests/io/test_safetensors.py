@@ -3,6 +3,7 @@ with one clear line before any allocation, and a failed write never damages the 
 
 import json
 import os
+import re
 import struct
 import tracemalloc
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from medusa_mini.io.files import atomic_write
-from medusa_mini.io.safetensors import read_safetensors, write_safetensors
+from medusa_mini.io.safetensors import check_safetensors, read_safetensors, write_safetensors
 
 
 def write(path, tensors: dict, metadata: dict | None = None) -> None:
@@ -73,8 +74,8 @@ def entry(dtype: str, shape: list, begin: int, end: int) -> dict:
 
 HOSTILE = {
     "shorter than 8 bytes": (b"\x10\x00\x00", "too short"),
-    "header length beyond the file": (st_file(b"{}", length=1000), "runs past the end"),
-    "invalid JSON": (st_file(b'{"a": '), "not valid JSON"),
+    "header length beyond the file": (st_file(b"{}", length=3), "runs past the end"),
+    "invalid JSON": (st_file(b'{"a": '), "not valid JSON"), "too deep": (st_file(b"[" * 10**5), "not valid JSON"),
     "invalid UTF-8": (st_file(b"\xff\xfe\xfd"), "not valid JSON"),
     "JSON but not an object": (st_file(b"[1, 2]"), "not an object"),
     "duplicate tensor name": (st_file(b'{"a": 1, "a": 2}'), "duplicate key 'a'"),
@@ -110,4 +111,5 @@ def test_a_huge_header_length_is_rejected_before_any_allocation(tmp_path):
     tracemalloc.start()
     pytest.raises(ValueError, read_safetensors, path).match("exceeds")
     assert tracemalloc.get_traced_memory()[1] < 2**20
+    assert pytest.raises(ValueError, check_safetensors, path).match(f"^{re.escape(str(path))}: header length")
     tracemalloc.stop()
