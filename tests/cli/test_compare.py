@@ -42,6 +42,8 @@ def test_greedy_rows_are_plain_greedys_the_reference_the_engines_each_on_its_tre
     monkeypatch.setattr(runs_mod.reference, "medusa_generate", lambda *a, **k: calls.append(1) or generate(*a, **k))
     result = compared(capsys, "--ckpt", str(directory), "--reference", "--max-new-tokens", "12")
     rows = {row["key"]: row for row in result["rows"]}
+    assert decode.main(["--ckpt", str(directory), "--show", "--max-new-tokens", "1", "--num-prompts", "1"]) == 0
+    assert "tree auto: 6 nodes + root" in capsys.readouterr().out  # a greedy run decodes on greedy's tree
     assert [r["key"] for r in result["rows"]] == ROWS + ["reference_greedy", "reference_typical", "reference_rejection"]
     for key in ("prompt_lookup_greedy", "medusa_greedy", "reference_greedy"):
         assert rows[key]["tokens"] == rows["plain_greedy"]["tokens"] and rows[key]["same_as_plain_greedy"] is True
@@ -63,16 +65,17 @@ def test_greedy_rows_are_plain_greedys_the_reference_the_engines_each_on_its_tre
             assert line[: out.splitlines()[0].index("step cost") + 9].split()[-1] == "1.00", line
     for needle in ("bonus token", "3 prompts", f"tree auto (7 nodes incl. root; Medusa rejection's, from its own "
                    f"table: {len(drawn) + 1}; prompt lookup: a chain of up to 8)", "max-new-tokens 12", "1 thread",
-                   "reference rejection (T=0.8): the engine's tokens on 3/3 prompts"):
+                   "reference rejection (T=0.8): the engine's tokens on 3/3 prompts\n"):
         assert needle in out, needle
 
 
 def test_lookup_gains_on_repeats_and_a_row_that_leaves_plain_greedy_is_named_where(ckpt, capsys, monkeypatch):
     real = runs_mod.decode
 
-    def one_token_off(engine, method, prompts, **kw):  # Medusa greedy's last token on every prompt, changed
-        out = real(engine, method, prompts, **kw)
-        return [(t[:-1] + [(t[-1] + 1) % 50], st) if method.key == "medusa_greedy" else (t, st) for t, st in out]
+    def one_token_off(engine, method, prompts, **kw):  # Medusa greedy's last token: changed, or dropped (a row
+        out, repeats = real(engine, method, prompts, **kw), len(set(prompts[0])) == 1  # that stopped early)
+        return [(t[:-1] + [(t[-1] + 1) % 50] * repeats, st) if method.key == "medusa_greedy" else (t, st)
+                for t, st in out]
 
     monkeypatch.setattr(runs_mod, "decode", one_token_off)
     result = compared(capsys, "--ckpt", ckpt, "--max-new-tokens", "16", "--prompt", "nnnnnnnn", "--prompt",
@@ -87,7 +90,9 @@ def test_lookup_gains_on_repeats_and_a_row_that_leaves_plain_greedy_is_named_whe
     assert [rows[k]["same_as_plain_greedy"] for k in ("medusa_greedy", "prompt_lookup_greedy")] == [False, True]
     assert [(d["prompt"], d["position"]) for d in rows["medusa_greedy"]["differences"]] == [(0, 15), (1, 15)]
     out = format_table(result)
-    assert "Medusa greedy differs from plain greedy on prompt 1 at new token 16" in out
+    assert "Medusa greedy differs from plain greedy on prompt 1 at new token 16" in out and " 0/2 prompts" in out
+    assert [("near-tie" in s) for s in out.splitlines() if "differs from plain" in s] == [
+        d["margin"] < 0.1 for d in rows["medusa_greedy"]["differences"]]
     footer = out.split("repeats")[-1].splitlines()[1:]
     assert [line.split()[0] for line in footer] == ["1", "2"]
     assert footer[1].split()[1] == "1.00" and footer[1].split()[-1] == "0%"
@@ -96,10 +101,11 @@ def test_lookup_gains_on_repeats_and_a_row_that_leaves_plain_greedy_is_named_whe
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_compare_in_half_precision_runs_every_row(ckpt, capsys, dtype):
     """Every row makes its tokens; any parting it names lies inside them (a forced one: above)."""
-    result = compared(capsys, "--ckpt", ckpt, "--dtype", dtype, "--max-new-tokens", "12", "--num-prompts", "2")
+    result = compared(capsys, "--ckpt", ckpt, "--dtype", dtype, "--max-new-tokens", "12", "--num-prompts", "2",
+                      "--temperature", "0.5")
     assert result["dtype"] == dtype and [r["key"] for r in result["rows"]] == ROWS
     for row in result["rows"]:
-        assert all(len(t) == 12 for t in row["tokens"])
+        assert [len(t) for t in row["tokens"]] == [12, 12] and row["temperature"] in (0, 0.5)
         assert all(0 <= d["position"] < 12 and d["margin"] >= 0 for d in row.get("differences", []))
 
 
@@ -113,17 +119,22 @@ def test_the_batch_table_says_where_medusa_stops_paying_and_ends_where_memory_do
             return real(*args, **kwargs)
         return call
     monkeypatch.setattr(runs_mod, "run_in_turns", fails_at_4(runs_mod.run_in_turns, lambda e, m, b, **kw: len(b[0])))
-    monkeypatch.setattr(decode, "warm_up", fails_at_4(decode.warm_up, lambda *args, rows, **kw: rows))
+    monkeypatch.setattr(decode, "warm_up", fails_at_4(lambda *a, real=decode.warm_up, **k: real(*a, **k) and 1.0,
+                                                      lambda *args, rows, **kw: rows))  # each warm-up 1 s
     monkeypatch.setattr(decode, "compile_steps", functools.partial(compile_steps, backend="eager"))  # dynamo alone
     result = compared(capsys, "--ckpt", ckpt, "--batch-size", "1,2,4", "--max-new-tokens", "8", "--plot",
                       str(tmp_path / "batch.png"), *["--compile"] * compiling)
     assert result["stopped"] in format_table(result) and result["stopped"] == "batch 4 does not fit (CUDA out of " \
         "memory. Tried to allocate 9.00 GiB" + "; compiled, every smaller size's static caches are still held" * \
         compiling + "): the table ends at batch 2"
-    monkeypatch.setattr(sys, "argv", ["decode.py", "--compare", "--ckpt", ckpt, "--batch-size", "4"])  # none fits
+    monkeypatch.setattr(sys, "argv", ["decode.py", "--compare", "--ckpt", ckpt, "--batch-size", "4", "--plot",
+                                      str(tmp_path / "b4.png")])  # none fits (a batch table, which --plot draws)
     assert pytest.raises(SystemExit, runpy.run_path, decode.__file__, run_name="__main__").value.code == 2
     assert (err := capsys.readouterr().err).count("\n") == 1 and err.startswith(
         "decode.py: error: CUDA out of memory. Tried to allocate 9.00 GiB: lower --batch-size or --tree's nodes")
+    assert result["compile_warmup_s"] == (2.0 if compiling else None)  # batches 1 and 2
+    assert "4 prompts (3 distinct, cycled)" in format_table(result) and "distinct" not in format_table(
+        {**result, "prompts": 3})
     rows = result["rows"]
     assert [(r["key"], r["batch_size"]) for r in rows] == [(k, b) for b in (1, 2) for k in (
         "plain_greedy", "medusa_greedy", "plain_sampling", "medusa_rejection")]

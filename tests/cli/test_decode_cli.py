@@ -50,9 +50,13 @@ def test_explain_walks_through_one_step_of_either_kind_of_heads(ckpt, ckpt_hydra
     if rule:  # p and q shown at the rule's temperature: at another, other probabilities of the same tokens
         hot = run(capsys, "--ckpt", ckpt, "--explain", *rule, "--temperature", "2").splitlines()
         assert sum(s.startswith(("Backbone's top", "head 1 ")) and s not in hot for s in out.splitlines()) == 2, hot
+        assert run(capsys, "--ckpt", ckpt, "--explain", *rule, "--seed", "1") != out
     if heads == "medusa" and not rule:  # the step decides as decoding's first: the same root, then the same tokens
         o, enc = objects(capsys, "--ckpt", ckpt)[0], decode.load_for_decoding(ckpt, device="cpu").enc
-        assert f"forward pass: {enc.decode(o['tokens'][1 : 1 + o['step_tokens'][0]])!r}" in out, out
+        n = o["step_tokens"][0]  # a confirmed child (✓) where the step accepted one; the cache holds prompt + n
+        assert f"({n - 1} accepted + 1 bonus) with one forward pass: {enc.decode(o['tokens'][1 : 1 + n])!r}" in out
+        assert ("✓" in out) == (n > 1) and f"it now holds {o['prompt_tokens'] + n} tokens" in out, out
+        assert [s.count("#") for s in out.splitlines() if s.startswith("head ")] == [3, 2, 2, 2]  # the tree's ranks
 
 
 def test_show_brackets_each_step_of_the_text_and_plain_decoding_needs_no_heads(ckpt, ckpt_no_heads, capsys):
@@ -60,7 +64,8 @@ def test_show_brackets_each_step_of_the_text_and_plain_decoding_needs_no_heads(c
     ref = json.loads(run(capsys, *argv, "--json", "--method", "plain"))
     medusa = json.loads(run(capsys, *argv, "--json"))
     out = run(capsys, *argv, "--show")  # not a terminal: brackets, no colour
-    assert "\x1b[" not in out and "attention mask" in out and "[0] root" in out and "(bonus token counted)" in out
+    assert "\x1b[" not in out and "attention mask" in out and "(bonus token counted)" in out
+    assert "tree cpu: 11 nodes + root, depth 4\n[0] root" in out
     assert "ms/token as streamed (printing included" in out  # the clock ran while the text printed
     header = "the first from the prefill ===\n"
     shown = out[out.index(header) + len(header): out.rindex("\nstats: ")]
@@ -70,7 +75,7 @@ def test_show_brackets_each_step_of_the_text_and_plain_decoding_needs_no_heads(c
     assert "=== plain greedy; one [chunk] per forward pass" in out and "1.00 tokens/step" in out
     assert "attention mask" not in out and "root" not in out
     assert "plain greedy" in run(capsys, "--ckpt", ckpt, "--method", "plain", "--tree", "[[100000]]",  # Medusa refuses:
-                                 "--max-new-tokens", "1", "--num-prompts", "1")  # a rank past the draft vocabulary
+                                 "--max-new-tokens", "1", "--prompt", "q" * 63)  # a rank past the draft vocabulary
 
 
 def test_generation_stops_cleanly_at_the_context_limit(ckpt, capsys):
@@ -78,9 +83,13 @@ def test_generation_stops_cleanly_at_the_context_limit(ckpt, capsys):
     for ref in ([], ["--reference"]):
         obj = json.loads(run(capsys, *argv, "--json", *ref))
         assert obj["stop_reason"] == "context" and obj["prompt_tokens"] + len(obj["tokens"]) == 64
+        assert len(obj["step_tokens"]) == (1 if ref else obj["steps"])  # reference.py's tokens come at once
         # 55 + 9 = 64: a budget that ends with the context is what stopped it
         assert json.loads(run(capsys, *argv[:-1], "9", "--json", *ref))["stop_reason"] == "max_new_tokens"
     assert "stopped at the context limit: 55 prompt + 9 new tokens fill all 64 positions" in run(capsys, *argv)
+    out = run(capsys, "--ckpt", ckpt, "--method", "rejection", "--temperature", "2", "--seed", "2", "--num-prompts=1")
+    assert "stopped at the end-of-text token" in out and "<|endoftext|>" not in out  # the end token is not text
+    assert "end-of-text" not in run(capsys, *argv, "--compare")  # rows stopped by the context say so
 
 
 @pytest.mark.parametrize("rule", [[], ["--method", "plain"]])
@@ -105,7 +114,7 @@ def test_the_demo_explains_a_step_without_any_checkpoint(capsys, tmp_path, monke
 def test_the_demo_refuses_a_tree_or_a_prompt_before_it_trains(capsys, monkeypatch):
     steps, real = [], decode.demo_checkpoint
     monkeypatch.setattr(decode, "demo_checkpoint", lambda **kw: steps.append(kw.get("steps")) or real(**kw))
-    for bad, needle in (["--tree", "4"], "needs heads accuracies"), (["--prompt", ""], "is empty"):
+    for bad, needle in (["--tree", "4"], "(--demo) has none"), (["--prompt", ""], "is empty"):
         assert needle in refused(capsys, decode.main, ["--explain", "--demo", *bad])
     assert steps == [0, 0]  # the untrained demo only
 
@@ -147,7 +156,8 @@ def test_ctrl_c_a_closed_pipe_or_a_full_device_ends_every_script_quietly(stop, s
 
 
 def test_top_p_goes_with_sampling_a_temperature_names_or_compares_sampled_rows():
-    for argv in (["--compare"], ["--method", "rejection"], ["--temperature", "0.5"]):  # never alone: refused, below
+    """Never alone: refused, below. (A batch of 4096, the largest, is allowed.)"""
+    for argv in (["--compare", "--batch-size", "1,4096"], ["--method", "rejection"], ["--temperature", "0.5"]):
         assert decode.parse_args([*argv, "--top-p", "0.9"]).sampling.top_p == 0.9
 
 
@@ -156,7 +166,7 @@ def test_top_p_goes_with_sampling_a_temperature_names_or_compares_sampled_rows()
     "--ckpt {tmp} -> safetensors", "--ckpt {ckpt}/config.json -> is a file", "--ckpt {no_heads} -> no Medusa heads",
     "--ckpt {no_heads} --compare -> no Medusa heads", "--ckpt {hydra} --reference -> not Hydra heads",
     "--tree chain6 -> 4 Medusa heads", "--tree [[100000]] -> draft vocabulary", "--tree ''", "--prompt ''",
-    "--prompt '{long}' -> context holds 64", "--temperature -1", "--temperature inf", "--max-new-tokens 0",
+    "--prompt '{long}' -> at most 63 tokens", "--temperature -1", "--temperature inf", "--max-new-tokens 0",
     "--max-new-tokens many", "--num-prompts 0", "--seed 9223372036854775808", "--method greedy --temperature 0.7",
     "--top-p 0.9 -> --temperature > 0", "--method typical --temperature 0 -> --temperature", "--top-p 1.5 -> --top-p",
     "--batch-size 2 --show", "--batch-size 2 --reference", "--batch-size 2 --explain", "--batch-size 1,2",
