@@ -126,6 +126,7 @@ def test_a_run_writes_a_complete_checkpoint_and_a_measured_summary(reference_run
     assert ", ".join(f"{b} nodes {build_tree(drawn, b)[1]:.2f}" for b in (4, 8, 16, 32, 64)) in text
     model, heads, cfg = load_checkpoint(out)
     assert heads.num_heads == 4 and cfg["medusa_mini"]["eot_id"] == model.config.vocab_size - 1
+    assert cfg["medusa_mini"]["head_top1_own"] == pytest.approx(acc[:, 0].tolist(), abs=1e-4)  # the table's top-1
     assert 4.5 < cfg["medusa_mini"]["val_loss"] < 6  # nats/token, a mean over batches: 6 steps from ln(300) = 5.70
     assert heads.draft_ids.numel() == 128  # the smoke preset's --draft-vocab
     accept = cfg["medusa_mini"]["head_accept_sampled"]  # Σ min(p, q) per head, printed as the summary shows it
@@ -148,6 +149,7 @@ def test_after_ctrl_c_a_resumed_run_ends_as_an_uninterrupted_one(tmp_path, durin
     assert load_checkpoint(out)[1] and not (out / "heads_accuracy.json").exists()  # usable, no table of other heads
     groups = ((state := torch.load(out / "train_state.pt", weights_only=True))["optim"] or {}).get("param_groups", [])
     assert [g["weight_decay"] for g in groups] == [0.1, 0.0] * (len(groups) // 2)  # AdamW: gains and biases exempt
+    assert len({round(g["lr"] / g["base_lr"], 9) for g in groups}) <= 1  # one schedule, each group at its own rate
     assert (state["stage"] == "distill") == (during == 6)  # pressed in the last backbone step: before distilling
     assert (state["stage"], state["step"]) == ("heads", 4) or during != "held_out_prompts"  # after it: all 4 kept
     assert train_tiny.main(FAST + ["--out", str(out), "--resume"]) == 0
@@ -172,17 +174,20 @@ def test_a_run_never_replaces_a_checkpoint_unless_told_to_and_a_second_ctrl_c_st
     assert not same_weights(reference_run[0], out)
 
 
-def test_medusa_1_trains_the_backbone_alone_as_a_joint_run_without_a_heads_loss(tmp_path, reference_run, capsys):
+def test_medusa_1_trains_the_backbone_alone_as_a_joint_run_without_a_heads_loss(tmp_path, reference_run, capsys,
+                                                                                 monkeypatch):
     """--medusa 1 from scratch: next-token training alone, then heads on the frozen backbone (§2.2.1); --medusa 2,
     the default, trains the heads with the backbone, whose progress lines show their losses (§2.2.2). Both guess
     among 2 tokens, fewer than the cpu tree has ranks, and still end with their summary."""
-    runs = [tmp_path / "m1", tmp_path / "l0"]
+    runs, temperatures, real = [tmp_path / "m1", tmp_path / "l0"], [], run_mod.self_distill
+    monkeypatch.setattr(run_mod, "self_distill", lambda *a, **k: temperatures.append(k["temperature"]) or real(*a, **k))
     for out, flags in zip(runs, (["--medusa", "1"], ["--lambda0", "0"])):  # 65 prompts: two chunks of 64 at most
         assert train_tiny.main(FAST + ["--out", str(out), "--distill-prompts", "65", *flags, "--draft-vocab", "2"]) == 0
     printed = (capsys.readouterr().out, reference_run[1])
     joint = [[" heads " in line for line in text.splitlines() if line.startswith("backbone  step")] for text in printed]
     assert same_weights(*runs) and not same_weights(runs[0], reference_run[0], backbone_only=True)
     assert joint == [[False] * 4, [True] * 2] and printed[0].count("65 continuations x 12 tokens at T=0,0.8") == 2
+    assert temperatures == [0.0, 0.8] * 2  # the chunks' temperatures in turn: greedy text, then sampled
 
 
 def test_bfloat16_reaches_float32s_validation_loss_measured_every_eval_every_steps(tmp_path, reference_run, capsys):
@@ -213,9 +218,9 @@ def test_resume_refuses_other_settings_or_text_and_a_run_never_learns_its_own_ou
     state = torch.load(out / "train_state.pt", weights_only=True)
     # saved without a text digest; heads taught p; heads taught tokens (all this version does); each with a data path
     for digest, target, error in [(None, "token", "not the text"), (state["data"], "p", "(heads_target)"),
-                                  (state["data"], "token", "")]:
-        old = {**state["identity"], "heads_target": target, "data": "data"}
-        torch.save({**state, "data": digest, "identity": old}, out / "train_state.pt")
+                                  (state["data"], "world", "(number of processes)"), (state["data"], "token", "")]:
+        old = {**state["identity"], "heads_target": target.replace("world", "token"), "data": "data"}
+        torch.save({**state, "data": digest, "identity": old, "world": 1 + (target == "world")}, out / "train_state.pt")
         assert train_tiny.main(args + ["--resume", "--data", f"{data}/."]) == (2 if error else 0)  # the same text
         assert error in capsys.readouterr().err
     (out / "train_state.pt").write_bytes(b"garbage\n")  # torch explains a refused pickle in six lines
@@ -243,9 +248,11 @@ def test_help_lists_every_flag_and_bad_flags_or_data_are_one_line_naming_it_with
     assert exit.value.code == 0 and all(f"--{name.replace('_', '-')} " in text for name in TrainArgs.hyper_parameters())
     assert all(flag in text for flag in ("--preset", "--data", "--resume", "--init", "--dtype", "gpt2-cpu"))
     outs = [["--preset", "cpu"], ["--preset", "smoke"], ["--preset", "gpt2-cpu", "--init", "gpt2"], ["--out", "mine"],
-            ["--vocab-size", "257"]]  # the least: 256 bytes and end-of-text
+            ["--vocab-size", "257", "--head-decay", "1", "--heads-stride", "256", "--eval-prompts", "1000"]]  # limits
     assert [train_tiny.parse_args(a).out for a in outs] == ["out/tiny", "out/smoke", "out/gpt2-cpu", "mine", "out/tiny"]
     assert ((a := train_tiny.parse_args(["--init", "gpt2"])).medusa, a.backbone_steps) == (1, 0)  # kept frozen
+    cuda = torch.cuda.is_available()  # the presets a device picks: a CPU's finish on a laptop
+    assert (a.preset, train_tiny.parse_args([]).preset) == (("gpt2", "gpu") if cuda else ("gpt2-cpu", "cpu"))
     monkeypatch.chdir(tmp_path)
     (tmp_path / "empty.txt").write_text("")
     (tmp_path / "z" / "prompts.json").mkdir(parents=True)  # --out z: a folder where a file goes, refused at once
@@ -281,6 +288,7 @@ def test_two_ddp_processes_keep_identical_replicas_and_resume_exactly_after_ctrl
     r = ddp(tmp_path, [0, "--out", tmp_path / "ddp"], [9, "--out", cut], [0, "--out", cut, "--resume"])
     assert re.findall(r"^exit (\d)$", r.stdout, re.M) == ["0", "1", "0"], r.stderr[-4000:]
     full, _, resumed, _ = re.split(r"^exit \d\n", r.stdout, flags=re.M)  # both ranks' replicas: one checksum
+    assert re.search(r"^backbone +step +1/6  lm 5\.", full, re.M)  # ln 300 = 5.70: a mean over ranks, not a sum
     assert "ranks 2" in full and checksums(resumed) == checksums(full) == [checksums(full)[0]] * 2, r.stderr[-2000:]
 
 
@@ -319,7 +327,7 @@ def test_init_trains_heads_of_another_kind_on_a_frozen_checkpoint_over_its_own_t
     tokenizer: the one beside the weights; for a name (gpt2, ...), tiktoken's, whatever the working folder holds."""
     base, ref, out = reference_run[0], tmp_path / "ref", tmp_path / "out"
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "tokenizer_config.json").write_text("{}")
+    (tmp_path / "tokenizer.tiktoken").write_text("")  # the working folder's: no file that --init names
     (tmp_path / "bare").mkdir()  # a Hugging Face folder's tokenizer_config.json is none of ours
     (tmp_path / "bare" / "tokenizer_config.json").write_text('{"model_max_length": 1024}')
     found = [run_mod.tokenizer_folder(i) for i in ("gpt2", str(base), str(base / "model.safetensors"), "bare")]
@@ -340,6 +348,8 @@ def test_init_trains_heads_of_another_kind_on_a_frozen_checkpoint_over_its_own_t
     assert set(heads.draft_ids.tolist()) == set(frequency_order(texts, 300)[:64].tolist())
     assert (ref / "tokenizer.tiktoken").read_bytes() == (base / "tokenizer.tiktoken").read_bytes()
     interrupted(args + ["--out", str(out)], during=3)
+    assert train_tiny.main(args + ["--out", str(out), "--resume", "--init", str(ref)]) == 2  # another backbone
+    assert "different configuration (init)" in capsys.readouterr().err
     assert train_tiny.main(args + ["--out", str(out), "--resume"]) == 0 and same_weights(ref, out)
 
 
@@ -347,10 +357,10 @@ def test_init_trains_heads_of_another_kind_on_a_frozen_checkpoint_over_its_own_t
 def test_smoke_preset_end_to_end_medusa_greedy_equals_plain_greedy(tmp_path, capsys, one_run_each):
     """The user's path in small: train the smoke preset, then decode.py --compare --json on it."""
     out = tmp_path / "smoke"
-    assert train_tiny.main(["--preset", "smoke", "--out", str(out), "--log-every", "1000"]) == 0
+    assert train_tiny.main(["--preset", "smoke", "--out", str(out), "--log-every", "1000", "--seed", "1"]) == 0
     capsys.readouterr()
     # decode.py's default prompts are held-out text: pieces of validation documents, not training text
-    train_docs, val_docs = split_documents(load_corpus(None, max_bytes=300_000), seed=0)  # the preset's split
+    train_docs, val_docs = split_documents(load_corpus(None, max_bytes=300_000), seed=1)  # --seed's split
     prompts = json.loads((out / "prompts.json").read_text())["prompts"]
     assert len(prompts) == 4 and all(any(p in t for _, t in val_docs) for p in prompts)
     assert not all(any(p in t for _, t in train_docs) for p in prompts)
