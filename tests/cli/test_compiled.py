@@ -86,11 +86,13 @@ def test_the_warm_up_runs_every_shape_three_times_so_cuda_graphs_record_and_repl
         return run
 
     steps, proposer = compile_steps("cpu", compile=compile), random_heads(model, seed=0).proposer(model, TREE)
+    limit = torch._dynamo.config.recompile_limit  # each shape is one more specialisation: one more allowed
     warm_up(model, steps, compiled_wing.StaticCaches(model), rows=2, plain=[RULES["greedy"], RULES["rejection"]],
             proposers=[(proposer, RULES[r]) for r in ("greedy", "typical", "rejection")])
     shapes = list(dict.fromkeys(calls))
     assert proposer.trees() == [TREE] and len(shapes) == 2 + 3 + 1 and all(calls.count(s) == 3 for s in shapes)
     assert {name for name, *_ in calls} == {"plain_step", "verify_and_accept", "draft_tree"}
+    assert torch._dynamo.config.recompile_limit == limit + 2 + 3  # two plain rules, three rules' trees
 
 
 @torch.no_grad()

@@ -283,13 +283,15 @@ def test_help_lists_every_flag_and_bad_flags_or_data_are_one_line_naming_it_with
 
 
 @pytest.mark.slow
-def test_two_ddp_processes_keep_identical_replicas_and_resume_exactly_after_ctrl_c_on_one(tmp_path):
+def test_two_ddp_processes_keep_identical_replicas_and_resume_exactly_after_ctrl_c_on_one(tmp_path, reference_run):
     cut = tmp_path / "cut"  # Ctrl-C on rank 0 alone in heads step 3: both ranks save and stop; resumed, same weights
     r = ddp(tmp_path, [0, "--out", tmp_path / "ddp"], [9, "--out", cut], [0, "--out", cut, "--resume"])
     assert re.findall(r"^exit (\d)$", r.stdout, re.M) == ["0", "1", "0"], r.stderr[-4000:]
     full, _, resumed, _ = re.split(r"^exit \d\n", r.stdout, flags=re.M)  # both ranks' replicas: one checksum
     assert re.search(r"^backbone +step +1/6  lm 5\.", full, re.M)  # ln 300 = 5.70: a mean over ranks, not a sum
     assert "ranks 2" in full and checksums(resumed) == checksums(full) == [checksums(full)[0]] * 2, r.stderr[-2000:]
+    one, two = (weights(out, backbone_only=True) for out in (reference_run[0], tmp_path / "ddp"))  # 1 rank, 2 ranks
+    assert max((one[k] - two[k]).abs().max() for k in one) > 1e-4  # rank 1's own batches (the same: 2e-7, rounding)
 
 
 @pytest.mark.slow
