@@ -72,10 +72,10 @@ def test_greedy_rows_are_plain_greedys_the_reference_the_engines_each_on_its_tre
 def test_lookup_gains_on_repeats_and_a_row_that_leaves_plain_greedy_is_named_where(ckpt, capsys, monkeypatch):
     real = runs_mod.decode
 
-    def one_token_off(engine, method, prompts, **kw):  # Medusa greedy's last token: changed, or dropped (a row
-        out, repeats = real(engine, method, prompts, **kw), len(set(prompts[0])) == 1  # that stopped early)
-        return [(t[:-1] + [(t[-1] + 1) % 50] * repeats, st) if method.key == "medusa_greedy" else (t, st)
-                for t, st in out]
+    def one_token_off(engine, method, prompts, **kw):  # Medusa greedy's last token on every prompt: changed on
+        out, changed = real(engine, method, prompts, **kw), len(set(prompts[0])) == 1  # the repeats, else dropped
+        return [(t[:-1] + [(t[-1] + 1) % 50] * changed, st) if method.key == "medusa_greedy" else (t, st)
+                for t, st in out]  # dropped: a row that stopped a token early parts where it stopped
 
     monkeypatch.setattr(runs_mod, "decode", one_token_off)
     result = compared(capsys, "--ckpt", ckpt, "--max-new-tokens", "16", "--prompt", "nnnnnnnn", "--prompt",

@@ -216,11 +216,11 @@ def test_resume_refuses_other_settings_or_text_and_a_run_never_learns_its_own_ou
     assert train_tiny.main(args + ["--resume"]) == 2 and "not the text this run began" in capsys.readouterr().err
     (data / "a.py").write_text(text)
     state = torch.load(out / "train_state.pt", weights_only=True)
-    # saved without a text digest; heads taught p; heads taught tokens (all this version does); each with a data path
-    for digest, target, error in [(None, "token", "not the text"), (state["data"], "p", "(heads_target)"),
-                                  (state["data"], "world", "(number of processes)"), (state["data"], "token", "")]:
-        old = {**state["identity"], "heads_target": target.replace("world", "token"), "data": "data"}
-        torch.save({**state, "data": digest, "identity": old, "world": 1 + (target == "world")}, out / "train_state.pt")
+    saved = state["data"]  # no text digest; heads taught p; two processes; as this version saves; each with a data path
+    for digest, target, world, error in [(None, "token", 1, "not the text"), (saved, "p", 1, "(heads_target)"),
+                                         (saved, "token", 2, "(number of processes)"), (saved, "token", 1, "")]:
+        old = {**state["identity"], "heads_target": target, "data": "data"}
+        torch.save({**state, "data": digest, "identity": old, "world": world}, out / "train_state.pt")
         assert train_tiny.main(args + ["--resume", "--data", f"{data}/."]) == (2 if error else 0)  # the same text
         assert error in capsys.readouterr().err
     (out / "train_state.pt").write_bytes(b"garbage\n")  # torch explains a refused pickle in six lines
