@@ -134,7 +134,7 @@ def step_ops(model: GPT, heads: DraftHeads, caches: dict[int, KVCache], trees: d
                                                      u=sampling.uniforms((1,), gen, device=device)))
     for tree_name, tree in trees.items():  # steps with room for the whole tree, as most are
         proposer, slots = heads.proposer(model, tree), len(history[0]) + tree.num_nodes - 1  # prefix, nodes
-        counts[f"{tree_name} heads call"] = count_ops(lambda: proposer.head_logits(hidden, tree.depth))
+        counts[f"{tree_name} heads call"] = count_ops(lambda: proposer.logits_of(hidden, tree.depth))
         for rule, sampling in OP_RULES.items():
             step = partial(eager.medusa, model, caches[tree.num_nodes], proposer, root, hidden, history=history,
                            stop_at=None, sampling=sampling, generator=gen, attended=slots)

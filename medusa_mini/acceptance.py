@@ -64,22 +64,22 @@ def path_accept(tree: TreeTensors, tokens: torch.Tensor, y: torch.Tensor, *,
     return Accepted(last, y.gather(1, last[:, None])[:, 0])
 
 
-def greedy_accept_paths(tree: TreeTensors, tokens: torch.Tensor, logits: torch.Tensor, *,
-                        usable: torch.Tensor | None = None) -> Accepted:
+def greedy_accept(tree: TreeTensors, tokens: torch.Tensor, logits: torch.Tensor, *,
+                  usable: torch.Tensor | None = None) -> Accepted:
     """`reference.greedy_accept` for B rows: `path_accept` with y = the argmax of logits [B, N, V]
     (ties go to the lowest token id, as in the reference), taken in float32: the same for any half
     precision, whose argmax a CPU computes slowly (BENCHMARKS.md)."""
     return path_accept(tree, tokens, logits.float().argmax(dim=-1), usable=usable)
 
 
-def typical_accept_paths(tree: TreeTensors, tokens: torch.Tensor, logits: torch.Tensor, *, sampling: Sampling,
-                         u: torch.Tensor, usable: torch.Tensor | None = None) -> Accepted:
+def typical_accept(tree: TreeTensors, tokens: torch.Tensor, logits: torch.Tensor, *, sampling: Sampling,
+                   u: torch.Tensor, usable: torch.Tensor | None = None) -> Accepted:
     """`reference.typical_accept` for B rows, on the device, with the same draws: u [B] are the uniforms
     of the bonus draws (`acceptance_uniforms`).
 
-    Among the accepted nodes the winner is the walk's: the deepest, then the larger sum of log p along
-    its path (added root side first in float64, in the walk's order, so equal sums are equal here too),
-    then the smallest node index (the walk keeps the first it meets).
+    Among the accepted nodes the winner is the reference's: the deepest, then the larger sum of log p along
+    its path (added root side first in float64, in the reference's order, so equal sums are equal here too),
+    then the smallest node index (the reference keeps the first it meets).
     """
     B, N, V = logits.shape
     p = sampling.probs(logits)  # [B, N, V], top-p included: outside the nucleus p = 0, which never passes
@@ -142,7 +142,7 @@ def rejection_accept_drawn(tree: TreeTensors, tokens: torch.Tensor, logits: torc
     So every node's chain of residuals is built at once (`residual_chain`), then every try judged at once, child k with
     u[:, k] against the r its elder siblings' misses left; a node keeps its first accepted child. The accepted nodes
     form one chain; its deepest node draws the bonus with u[:, 0] from the r its live misses left: a miss leaving no
-    mass (r = q up to rounding) ends the walk's tries, and here that r is 0 / 0, NaN, which fails every later try. One
+    mass (r = q up to rounding) ends the node's tries, and here that r is 0 / 0, NaN, which fails every later try. One
     matmul finds that node and that r (`Tries.row_scores`). Unusable nodes are never tried (siblings share a depth); a
     row without a usable root tries nothing. A root alone has no drawn candidates (`accept`: top-k).
     """
@@ -173,9 +173,9 @@ def accept(tree: TreeTensors, tokens: torch.Tensor, logits: torch.Tensor, *, sam
     q its candidates were drawn from, or None: they are point masses (the heads' top-k, a prompt lookup's
     continuation, a lone root), which top-k rejection decides."""
     if sampling.greedy:
-        return greedy_accept_paths(tree, tokens, logits, usable=usable)
+        return greedy_accept(tree, tokens, logits, usable=usable)
     if sampling.acceptance == "typical":
-        return typical_accept_paths(tree, tokens, logits, sampling=sampling, u=u, usable=usable)
+        return typical_accept(tree, tokens, logits, sampling=sampling, u=u, usable=usable)
     if drawn is None:
         return rejection_accept_topk(tree, tokens, logits, sampling=sampling, u=u, usable=usable)
     return rejection_accept_drawn(tree, tokens, logits, sampling=sampling, drawn=drawn, u=u, usable=usable)

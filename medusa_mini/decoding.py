@@ -83,7 +83,7 @@ def prefill(model: GPT, ids: torch.Tensor, cache: KVCache, *, lengths: list[int]
     to the prompts', giving the padding's slots back."""
     B, T = ids.shape
     last = torch.tensor([n - 1 for n in lengths] if lengths else [T - 1] * B, device=ids.device)  # [B]
-    cache.lengths = 0  # a prefill starts a generation: a used cache would be attended to, in its first T slots only
+    cache.lengths = 0  # a prefill starts a generation at slot 0; old entries past the lengths are never read
     logits, hidden = model(ids, cache=cache, logits_at=last, attended=T)  # [B, 1, V], [B, T, C]
     if lengths is not None:
         cache.lengths = torch.tensor(lengths, device=ids.device)

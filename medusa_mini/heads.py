@@ -83,7 +83,7 @@ class DraftHeads(nn.Module):
 
     name = ""  # what reports call them
     description = ""
-    reads_the_draft = False  # heads that read the drafted tokens (hydra's) decode through their proposer alone
+    reads_the_draft = False  # True for Hydra's: they read the drafted tokens, so reference.py cannot decode them
 
     def __init__(self, config: HeadsConfig) -> None:
         super().__init__()
@@ -127,7 +127,7 @@ class DraftHeads(nn.Module):
     proposer_class: type[HeadsProposer]  # each kind's, whose `fill_tree` makes every tree of these heads
 
     def heads_of(self, model: nn.Module) -> Callable:
-        """The heads' logits for decoding, the function the kind's proposer calls (its `head_logits`), with
+        """The heads' logits for decoding, the function the kind's proposer calls (its `logits_of`), with
         what every call shares (the draft vocabulary's lm_head rows, ...) made once, here, and detached: Medusa's
         takes (hidden [B, C], num) -> [B, num, M]; Hydra's (k, hidden [B, n, C], tokens [B, n, k]) -> [B, n, M]."""
         raise NotImplementedError
@@ -188,7 +188,7 @@ class MedusaHeads(DraftHeads):
         return F.linear(z.movedim(-2, 0), self.draft_weight(model))  # [K', ..., M]
 
     def heads_of(self, model: nn.Module) -> Callable:
-        """head_logits(hidden [B, C], num) -> [B, num, M], the first `num` heads' logits for decoding: the
+        """logits_of(hidden [B, C], num) -> [B, num, M], the first `num` heads' logits for decoding: the
         blocks' stacked weights and the draft vocabulary's lm_head rows made once, detached, and one
         matmul over B·num rows (no copy of any weight at a call)."""
         blocks, weight = tuple(t.detach() for t in self.stacked()), self.draft_weight(model).detach()
@@ -229,7 +229,7 @@ class HydraHeads(DraftHeads):
         return torch.stack(logits) if logits else F.linear(hidden[None][:0], weight)  # [K', ..., M] (K' may be 0)
 
     def heads_of(self, model: nn.Module) -> Callable:
-        """head_logits(k, hidden [B, n, C], tokens [B, n, k]) -> [B, n, M], head k's logits for decoding: the
+        """logits_of(k, hidden [B, n, C], tokens [B, n, k]) -> [B, n, M], head k's logits for decoding: the
         draft vocabulary's lm_head rows gathered once, detached."""
         weight = self.draft_weight(model).detach()
         return lambda k, hidden, tokens: self.one_head_logits(k, hidden, tokens, model, weight=weight)

@@ -36,14 +36,33 @@ class GPTConfig:
             raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
 
 
+def cache_attention_mask(lengths: torch.Tensor, new_mask: torch.Tensor, *, max_len: int) -> torch.Tensor:
+    """[B, T, max_len] bool, True = may attend, for T new tokens written at slots [lengths[b], lengths[b] + T).
+
+    Slots before a row's length hold its cached prefix: every new token sees them. Slot
+    lengths[b] + j holds new token j: new token i sees it iff new_mask[b, i, j] (new_mask [T, T] or
+    [B, T, T]: causal for plain decoding, the tree's ancestor mask for verification, paper Fig. 2).
+    Later slots are stale or empty: nobody sees them. Built from `lengths`, a tensor the host never reads.
+    """
+    B, T = lengths.shape[0], new_mask.shape[-1]
+    rel = torch.arange(max_len, device=new_mask.device) - lengths[:, None, None]  # [B, 1, max_len] slot - length
+    among_new = new_mask.expand(B, T, T).gather(2, rel.clamp(0, T - 1).expand(B, T, max_len))  # [B, T, max_len]
+    return (rel < 0) | (among_new & (rel < T))
+
+
+def causal_mask(T: int, *, device: torch.device | str = "cpu") -> torch.Tensor:
+    """[T, T] bool: new token i sees new tokens 0..i."""
+    return torch.ones(T, T, dtype=torch.bool, device=device).tril()
+
+
 class KVCache:
     """Static, preallocated keys and values of every layer, kv [n_layer, 2, B, nh, max_len, hs], and a length
     per row (one tensor, so keeping the accepted path is one copy for all layers: `compact_kv_cache`).
 
     A forward writes row b's T new keys/values at slots [lengths[b], lengths[b] + T) and advances its length,
-    unless advance=False (a tree verify: `keep_path` does). Slots are storage, not positions: a tree's nodes sit in
-    consecutive slots but carry position ids prefix + depth. The lengths live on the device in `length_buffer`,
-    changed in place (`lengths` reads a snapshot), so a step reads and advances them without the host.
+    unless advance=False (a tree verify: `step.keep_path` advances it). Slots are storage, not positions: a tree's
+    nodes sit in consecutive slots but carry position ids prefix + depth. The lengths live on the device in
+    `length_buffer`, changed in place (`lengths` reads a snapshot), so a step reads and advances them without the host.
     """
 
     def __init__(self, config: GPTConfig, *, batch_size: int = 1, max_len: int | None = None,
@@ -115,14 +134,14 @@ class CausalSelfAttention(nn.Module):
                 attn_mask: torch.Tensor | None, attended: int | None = None) -> torch.Tensor:
         B, T, C = x.shape
         qkv = self.c_attn(x).view(B, T, 3, self.n_head, C // self.n_head)  # [B, T, 3, nh, hs]
-        q = qkv[:, :, 0].transpose(1, 2)  # [B, nh, T, hs]
+        query = qkv[:, :, 0].transpose(1, 2)  # [B, nh, T, hs]
         if cache is not None:  # written in place at each row's slots [B, T], then its first `attended` read
             cache.write(layer, qkv[:, :, 1:], slots)
-            k, v = cache.kv[layer, :, :, :, :attended].unbind(0)  # [B, nh, S, hs] each
+            key, value = cache.kv[layer, :, :, :, :attended].unbind(0)  # [B, nh, S, hs] each
         else:
-            k, v = qkv[:, :, 1:].permute(2, 0, 3, 1, 4).unbind(0)  # [B, nh, T, hs] each
+            key, value = qkv[:, :, 1:].permute(2, 0, 3, 1, 4).unbind(0)  # [B, nh, T, hs] each
         causal = attn_mask is None  # no cache and no mask: training's causal attention, SDPA's own
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=causal)  # [B, nh, T, hs]
+        y = F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, is_causal=causal)  # [B, nh, T, hs]
         return self.c_proj(y.transpose(1, 2).reshape(B, T, C))  # [B, T, C]
 
 
@@ -152,25 +171,6 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, **attn_kwargs) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x), **attn_kwargs)
         return x + self.mlp(self.ln_2(x))
-
-
-def cache_attention_mask(lengths: torch.Tensor, new_mask: torch.Tensor, *, max_len: int) -> torch.Tensor:
-    """[B, T, max_len] bool, True = may attend, for T new tokens written at slots [lengths[b], lengths[b] + T).
-
-    Slots before a row's length hold its cached prefix: every new token sees them. Slot
-    lengths[b] + j holds new token j: new token i sees it iff new_mask[b, i, j] (new_mask [T, T] or
-    [B, T, T]: causal for plain decoding, the tree's ancestor mask for verification, paper Fig. 2).
-    Later slots are stale or empty: nobody sees them. Built from `lengths`, a tensor the host never reads.
-    """
-    B, T = lengths.shape[0], new_mask.shape[-1]
-    rel = torch.arange(max_len, device=new_mask.device) - lengths[:, None, None]  # [B, 1, max_len] slot - length
-    among_new = new_mask.expand(B, T, T).gather(2, rel.clamp(0, T - 1).expand(B, T, max_len))  # [B, T, max_len]
-    return (rel < 0) | (among_new & (rel < T))
-
-
-def causal_mask(T: int, *, device: torch.device | str = "cpu") -> torch.Tensor:
-    """[T, T] bool: new token i sees new tokens 0..i."""
-    return torch.ones(T, T, dtype=torch.bool, device=device).tril()
 
 
 class GPT(nn.Module):

@@ -6,8 +6,8 @@ node's children were drawn from (`Drawn`). Three `Proposer`s make them, and the 
 - `MedusaProposer`: a fixed tree filled with Medusa heads' top-k guesses (paper §2.1.1-2.1.2), or, beyond
   the paper, with tokens drawn from their q without replacement (recursive speculative decoding's);
 - `HydraProposer`: dependent heads, which fill the tree depth by depth, each node's children from its q;
-- `PromptLookupProposer`: no heads at all: the tokens that followed the latest n-gram's earlier
-  occurrence in the row's own text (prompt lookup decoding), a chain of point masses.
+- `PromptLookupProposer`: no heads at all: the tokens that followed the first earlier occurrence of the
+  row's last n tokens in its own text (prompt lookup decoding), a chain of point masses.
 
 Heads make their proposer (`heads.proposer(model, tree)`), and so does `PromptLookup`: a decoding loop
 takes any such *drafter*. Shapes: B rows, N nodes, D depth, R ranks, V vocabulary, M draft vocabulary, C
@@ -28,25 +28,25 @@ from .tree import Tree, TreeTensors, chain
 class Drawn:
     """Drawn candidates: the q each node's children were drawn from, and the draws in order.
 
-    log_q: [B, Q, V], one q per index of its Q axis; samples: [B, Q, R] distinct tokens drawn from each.
+    log_q: [B, Q, V], one q per index of its Q axis; draws: [B, Q, R] distinct tokens drawn from each.
     q_index: [N] long, which q node i's children were drawn from (-1 for a leaf): its depth for Medusa
     heads, whose q depends only on it; the node itself for dependent heads, whose q depends on the path.
     """
 
     log_q: torch.Tensor
-    samples: torch.Tensor
+    draws: torch.Tensor
     q_index: torch.Tensor
 
     def at(self, nodes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """What inner nodes [n] drew their children from, in every row: log q [B, n, V], the draws [B, n, R] (never
         ask for a leaf's: its q_index, -1, reads the last q)."""
         which = self.q_index[nodes]  # [n]
-        return self.log_q[:, which], self.samples[:, which]
+        return self.log_q[:, which], self.draws[:, which]
 
     def per_node(self, b: int) -> list[tuple[torch.Tensor, list[int]] | None]:
-        """Row b as the reference's walk takes it: per node, (log q [V], draws) of its children, or None."""
-        samples = self.samples[b].tolist()  # [Q][R]
-        return [(self.log_q[b, q], samples[q]) if q >= 0 else None for q in self.q_index.tolist()]
+        """Row b as `reference.rejection_accept` takes it: per node, (log q [V], draws) of its children, or None."""
+        draws = self.draws[b].tolist()  # [Q][R]
+        return [(self.log_q[b, q], draws[q]) if q >= 0 else None for q in self.q_index.tolist()]
 
 
 @dataclass(frozen=True)
@@ -78,27 +78,26 @@ class Proposer(Protocol):
 
 
 class Drafter(Protocol):
-    """What a decoding loop drafts with: heads (`heads.DraftHeads`) or `PromptLookup`, each of which makes
-    the proposer of one generation."""
+    """What a decoding loop drafts with: heads (`heads.DraftHeads`) or `PromptLookup`. Makes a generation's proposer."""
 
     def proposer(self, model: nn.Module, tree: Tree) -> Proposer:
         ...
 
 
 class HeadsProposer:
-    """Proposes from draft heads on a fixed tree: head_logits is the kind's logits function
+    """Proposes from draft heads on a fixed tree: logits_of is the kind's logits function
     (`DraftHeads.heads_of`) over the draft vocabulary draft_ids [M]; `heads`, the module itself. Each kind
     fills the tree with its own `fill_tree`, the one function that makes its trees."""
 
-    fill_tree: Callable  # (tree, roots, hidden, head_logits, *, draft_ids, vocab_size, temperature, u) -> tokens, drawn
+    fill_tree: Callable  # (tree, roots, hidden, logits_of, *, draft_ids, vocab_size, temperature, u) -> tokens, drawn
     q_count: Callable[[Tree], int]  # Q, how many q a drawn tree draws from
 
-    def __init__(self, tree: Tree, head_logits: Callable, *, draft_ids: torch.Tensor, vocab_size: int,
+    def __init__(self, tree: Tree, logits_of: Callable, *, draft_ids: torch.Tensor, vocab_size: int,
                  num_heads: int, heads: nn.Module | None = None) -> None:
         tree.check_heads(num_heads)
         if tree.max_rank >= draft_ids.numel():
             raise ValueError(f"the tree asks for rank {tree.max_rank}; the draft vocabulary has {len(draft_ids)}")
-        self.tree, self.head_logits, self.heads = tree, head_logits, heads
+        self.tree, self.logits_of, self.heads = tree, logits_of, heads
         self.draft_ids, self.vocab_size = draft_ids, vocab_size
 
     def trees(self) -> list[Tree]:
@@ -116,7 +115,7 @@ class HeadsProposer:
                 history: list[list[int]] | None = None) -> Proposal:
         if self.tree.depth == 0:  # the root alone: no guess to make
             return Proposal(roots[:, None], self.tree)
-        tokens, drawn = self.fill_tree(self.tree.tensors(roots.device), roots, hidden, self.head_logits,
+        tokens, drawn = self.fill_tree(self.tree.tensors(roots.device), roots, hidden, self.logits_of,
                                        draft_ids=self.draft_ids, vocab_size=self.vocab_size,
                                        temperature=sampling.temperature, u=u)
         return Proposal(tokens, self.tree, drawn)
@@ -133,63 +132,63 @@ def fill(tree: TreeTensors, roots: torch.Tensor, guesses: torch.Tensor) -> torch
     return every.index_select(1, tree.guess_index)  # [B, N]
 
 
-def fill_depth_by_depth(tree: TreeTensors, roots: torch.Tensor, hidden: torch.Tensor, head_logits: Callable,
+def fill_depth_by_depth(tree: TreeTensors, roots: torch.Tensor, hidden: torch.Tensor, logits_of: Callable,
                         pick: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """Dependent heads' tree, roots [B] and hidden [B, C] -> tokens [B, N]: each node's children are
     pick(logits [B, n, M] of q(. | the node's path)) [B, n, R], nodes of depth d - 1 all at once.
-    head_logits(k, hidden [B, n, C], tokens [B, n, k]) -> [B, n, M]: head k given each node's path."""
+    logits_of(k, hidden [B, n, C], tokens [B, n, k]) -> [B, n, M]: head k given each node's path."""
     (B, C), first = hidden.shape, tree.first
     tokens = roots[:, None].expand(B, tree.parent_index.numel()).clone()  # [B, N], filled depth by depth below
     for d in range(1, tree.depth + 1):
         lo, hi, kids = first[d - 1], first[d], slice(first[d], first[d + 1])
         paths = tokens[:, tree.node_paths[lo:hi, :d]]  # [B, n, d]: the root, then the drafted path
-        picks = pick(head_logits(d, hidden[:, None].expand(B, hi - lo, C), paths))  # [B, n, R]
+        picks = pick(logits_of(d, hidden[:, None].expand(B, hi - lo, C), paths))  # [B, n, R]
         # [B, n_d]: each node of depth d takes its parent's pick (parents counted from lo) at its rank
         tokens[:, kids] = picks[:, tree.parent_index[kids] - lo, tree.ranks[kids]]
     return tokens
 
 
-def medusa_tree(tree: TreeTensors, roots: torch.Tensor, hidden: torch.Tensor, head_logits: Callable, *,
+def medusa_tree(tree: TreeTensors, roots: torch.Tensor, hidden: torch.Tensor, logits_of: Callable, *,
                 draft_ids: torch.Tensor, vocab_size: int, temperature: float = 0.0, u: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, Drawn | None]:
     """Medusa heads' tree from roots [B] and hidden [B, C]: each head's top-k (u None), or its distinct draws
     from q at `temperature`, the node of depth d and rank r holding head d's r-th (`gumbel_top_k` of the
     uniforms u [B, D, V]). Returns tokens [B, N] and how they were drawn (None for the top-k).
-    head_logits(hidden [B, C], num) -> [B, num, M]."""
-    logits = head_logits(hidden, tree.depth)  # [B, D, M]: only the heads the tree reaches
+    logits_of(hidden [B, C], num) -> [B, num, M]."""
+    logits = logits_of(hidden, tree.depth)  # [B, D, M]: only the heads the tree reaches
     if u is None:
         return fill(tree, roots, top_k(logits, draft_ids, tree.num_ranks)), None
     log_q = q_log_probs(logits, draft_ids, temperature=temperature, vocab_size=vocab_size)  # [B, D, V]
-    samples = gumbel_top_k(log_q, tree.num_ranks, u)  # [B, D, R]
-    return fill(tree, roots, samples), Drawn(log_q=log_q, samples=samples, q_index=tree.q_by_depth)
+    draws = gumbel_top_k(log_q, tree.num_ranks, u)  # [B, D, R]
+    return fill(tree, roots, draws), Drawn(log_q=log_q, draws=draws, q_index=tree.q_by_depth)
 
 
-def hydra_tree(tree: TreeTensors, roots: torch.Tensor, hidden: torch.Tensor, head_logits: Callable, *,
+def hydra_tree(tree: TreeTensors, roots: torch.Tensor, hidden: torch.Tensor, logits_of: Callable, *,
                draft_ids: torch.Tensor, vocab_size: int, temperature: float = 0.0, u: torch.Tensor | None = None
                ) -> tuple[torch.Tensor, Drawn | None]:
     """Dependent heads' tree from roots [B] and hidden [B, C], depth by depth (`fill_depth_by_depth`): each
     node's top-k (u None), or its distinct draws from q(. | the node's path), node i's from the uniforms
     u[:, i] ([B, Q, V], Q the nodes above the deepest depth). Returns tokens [B, N] and how they were
-    drawn, one q per node (None for the top-k). head_logits(k, hidden [B, n, C], tokens [B, n, k]) -> [B, n, M]."""
+    drawn, one q per node (None for the top-k). logits_of(k, hidden [B, n, C], tokens [B, n, k]) -> [B, n, M]."""
     if u is None:
-        return fill_depth_by_depth(tree, roots, hidden, head_logits,
+        return fill_depth_by_depth(tree, roots, hidden, logits_of,
                                    lambda logits: top_k(logits, draft_ids, tree.num_ranks)), None  # [B, n, R]
-    log_qs, samples = [], []
+    log_qs, draws = [], []
 
     def draw_children(logits: torch.Tensor) -> torch.Tensor:  # [B, n, M] -> [B, n, R], q kept for the tries
         lo = sum(q.shape[1] for q in log_qs)  # the nodes drawn for so far
         log_qs.append(q_log_probs(logits, draft_ids, temperature=temperature, vocab_size=vocab_size))
-        samples.append(gumbel_top_k(log_qs[-1], tree.num_ranks, u[:, lo : lo + logits.shape[1]]))
-        return samples[-1]
+        draws.append(gumbel_top_k(log_qs[-1], tree.num_ranks, u[:, lo : lo + logits.shape[1]]))
+        return draws[-1]
 
-    tokens = fill_depth_by_depth(tree, roots, hidden, head_logits, draw_children)
-    return tokens, Drawn(log_q=torch.cat(log_qs, 1), samples=torch.cat(samples, 1), q_index=tree.q_by_node)
+    tokens = fill_depth_by_depth(tree, roots, hidden, logits_of, draw_children)
+    return tokens, Drawn(log_q=torch.cat(log_qs, 1), draws=torch.cat(draws, 1), q_index=tree.q_by_node)
 
 
 class MedusaProposer(HeadsProposer):
     """A fixed tree filled with Medusa heads' guesses (§2.1): each head's top-k, or, for rejection sampling of drawn
     candidates, distinct draws from each head's q (`Sampling.draws_candidates`).
-    head_logits(hidden [B, C], num) -> [B, num, M]: the first `num` heads' logits."""
+    logits_of(hidden [B, C], num) -> [B, num, M]: the first `num` heads' logits."""
 
     fill_tree = staticmethod(medusa_tree)
     q_count = staticmethod(lambda tree: tree.depth)  # one q per head
@@ -198,7 +197,7 @@ class MedusaProposer(HeadsProposer):
 class HydraProposer(HeadsProposer):
     """A fixed tree filled by dependent heads, depth by depth (`fill_depth_by_depth`): a node's children are the
     top-k of q(. | the node's path), or, drawn, distinct draws from it (one q per node).
-    head_logits(k, hidden [B, n, C], tokens [B, n, k]) -> [B, n, M]: head k given each node's path."""
+    logits_of(k, hidden [B, n, C], tokens [B, n, k]) -> [B, n, M]: head k given each node's path."""
 
     fill_tree = staticmethod(hydra_tree)
     q_count = staticmethod(lambda tree: tree.first[tree.depth])  # one q per node above the deepest depth

@@ -83,7 +83,7 @@ def forward(model: "GPT", tokens: list[int], positions: list[int], cache: list[L
     nh = model.config.n_head
     hs = C // nh
     for i, block in enumerate(model.transformer.h):
-        query, key, value = block.attn.c_attn(block.ln_1(x)).split(C, dim=-1)  # 3 x [T, C] (q: the draft's)
+        query, key, value = block.attn.c_attn(block.ln_1(x)).split(C, dim=-1)  # 3 x [T, C] (not q: q is the draft's)
         query, key, value = (t.view(T, nh, hs).transpose(0, 1) for t in (query, key, value))  # [nh, T, hs]
         if cache[i] is not None:
             key, value = torch.cat([cache[i][0], key], dim=1), torch.cat([cache[i][1], value], dim=1)  # [nh, L + T, hs]
@@ -105,12 +105,12 @@ def propose(head_logits: torch.Tensor, draft_ids: torch.Tensor, tree: "Tree", ro
     head_logits: [D', M] over the draft vocabulary draft_ids [M], one row per head of the whole tree, of which the
     first D = tree.depth are this (maybe cut) tree's. Greedy and typical acceptance take each head's top-k (None);
     rejection sampling of drawn candidates draws them from each head's q: per node, the log q [V] its children were
-    drawn from and the draws in order (the walk needs both)."""
+    drawn from and the draws in order (`rejection_accept` needs both)."""
     D, R = tree.depth, tree.max_rank + 1
     if not sampling.draws_candidates:
         guesses = draft_ids[head_logits[:D].topk(R, dim=-1).indices].tolist()  # [D][R] token ids
         return [root] + [guesses[len(c) - 1][c[-1]] for c in tree.choices], None
-    # Every head given draws, the tree's first D used: a tree cut near the end draws what the whole one does.
+    # Draw for all D' heads, use the first D: a tree cut near the end uses the same random numbers as the whole one.
     log_q = q_log_probs(head_logits, draft_ids, temperature=sampling.temperature, vocab_size=vocab_size)  # [D', V]
     u = torch.rand(log_q.shape, generator=generator, device=log_q.device)  # [D', V]: Gumbel noise's uniforms
     guesses = gumbel_top_k(log_q, R, u).tolist()  # [D'][R]
@@ -249,12 +249,12 @@ def medusa_generate(model: "GPT", heads: "MedusaHeads", prompt: list[int], *, tr
     root, hidden = int(sampling.next_token(logits[-1], u)), hidden[-1]  # prefill: the first token
     out, steps = [root], 0
     while L + 1 < stop_at and eos_id not in out:  # L + 1 = the prompt and every emitted token
-        t = tree.truncated(stop_at - 2 - L)  # a node at depth d emits d + 1 tokens
+        cut = tree.truncated(stop_at - 2 - L)  # a node at depth d emits d + 1 tokens
         head_logits = heads(hidden[None], model, num=tree.depth)[:, 0]  # [D', M]: the whole tree's heads
-        tokens, drawn = propose(head_logits, heads.draft_ids, t, root, vocab_size=model.config.vocab_size,
+        tokens, drawn = propose(head_logits, heads.draft_ids, cut, root, vocab_size=model.config.vocab_size,
                                 sampling=sampling, generator=generator)
-        logits, hiddens = verify(model, tokens, t, cache, prefix=L)
-        path, root = accept(t.parents, tokens, logits, sampling=sampling, generator=generator, drawn=drawn,
+        logits, hiddens = verify(model, tokens, cut, cache, prefix=L)
+        path, root = accept(cut.parents, tokens, logits, sampling=sampling, generator=generator, drawn=drawn,
                             nodes=tree.num_nodes)
         keep = list(range(L)) + [L + i for i in path]  # the prefix, the root and the accepted nodes
         cache = [(k[:, keep], v[:, keep]) for k, v in cache]

@@ -40,7 +40,7 @@ def place_tree(cache: KVCache, tree: TreeTensors) -> torch.Tensor:
 
 def verify(model: GPT, cache: KVCache, tokens: torch.Tensor, *, tree: TreeTensors, placed: torch.Tensor | None = None,
            attended: int | None = None, clamp: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """One tree-masked forward over all N nodes of B rows (§2.1.2): tokens [B, N] -> logits [B, N, V], hidden.
+    """One tree-masked forward over all N nodes of B rows (§2.1.2): tokens [B, N] -> logits [B, N, V], hidden [B, N, C].
 
     Row b's nodes occupy cache slots [L_b, L_b + N) past its length L_b, which stays put (they are tentative until
     `keep_path`), but sit at positions L_b + depth (placed: `place_tree(cache, tree)`, if the caller has it), clamped to

@@ -1,7 +1,7 @@
 """Training losses and data for the backbone and the draft heads (paper §2.2). Medusa-1 (§2.2.1): backbone
 frozen, heads trained with Σ_k w_k · CE(head_k at t, token t+k+1), w_k = 1 in train_tiny (the paper: 0.8^k).
 Medusa-2 (§2.2.2): joint, L = L_LM + λ · Σ_k 0.8^k · L_k, heads at a higher learning rate, λ ramped up; the heads
-share the lm_head, tied to the embedding, so their losses train those too (the paper: a head of each's own).
+share the lm_head, tied to the embedding, so their losses train those too (the paper: a copy per head).
 Self-distillation (§2.3.2): heads learn from text the backbone writes, what it will say when decoding.
 
 Shapes: B batch, T tokens, K heads, V vocabulary, M draft vocabulary, C n_embd.
@@ -54,7 +54,7 @@ def chunked_head_loss(heads: DraftHeads, model: GPT, hidden: torch.Tensor, targe
     h, tgt, fol = hidden.flatten(0, 1), targets.flatten(1), following.flatten(0, 1)  # n = B·T positions
     K, n = tgt.shape
     size = chunk_size or max(1, LOGITS_PER_CHUNK // (K * (heads.config.draft_vocab_size or heads.config.vocab_size)))
-    ce_sum = hits = h.new_zeros(())  # 0-dim: adds each chunk's sums exactly, in their dtype; no position: 0
+    ce_sum = hits = h.new_zeros(())  # a scalar 0: each chunk's [K] sums broadcast onto it, in their dtype
     for i in range(0, n, size):
         chunk = (heads, model, h[i : i + size], tgt[:, i : i + size], fol[i : i + size])
         # One chunk: nothing to free early, so no recomputation. The chunk draws no random numbers: no state to replay.

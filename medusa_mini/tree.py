@@ -115,13 +115,111 @@ class Tree:
         return self.path(self.parents[node]) + [node] if node > 0 else [0]
 
 
+# ---- presets ---------------------------------------------------------------------------------
+
+
+def chain(k: int) -> Tree:
+    """k nodes in a line: each head's top-1 guess (classic speculative decoding with a chain draft)."""
+    return Tree.from_choices([tuple([0] * d) for d in range(1, k + 1)])
+
+
+# A small tree for CPU, where each extra node costs real time: 11 nodes + root, depth 4.
+CPU_CHOICES: list[Choice] = [
+    (0,), (1,), (2,),
+    (0, 0), (0, 1), (1, 0),
+    (0, 0, 0), (0, 0, 1), (0, 1, 0),
+    (0, 0, 0, 0), (0, 0, 0, 1),
+]
+
+
+def _gpu_choices() -> list[Choice]:
+    """About 64 nodes for a GPU, where a 64-token verify costs about what one token does. Rank budgets shrink with
+    depth and the ranks above, as in the paper's optimised sparse tree (deeper heads err more; later ranks win less)."""
+    out, frontier = [], [()]
+    budget = {1: 10, 2: 4, 3: 3, 4: 2}  # per depth: ranks tried below a top-ranked parent
+    for depth in range(1, 5):  # parents reached through later ranks (a larger sum) get fewer children
+        frontier = [parent + (r,) for parent in frontier for r in range(max(1, budget[depth] - sum(parent)))]
+        out.extend(frontier)
+    return out
+
+
+GPU_CHOICES: list[Choice] = _gpu_choices()
+PRESETS = {"cpu": CPU_CHOICES, "gpu": GPU_CHOICES}
+MAX_NODES = 256  # a node budget's and a chain's ceiling: a longer chain's choices alone would fill the memory
+
+
+def preset(name: str) -> Tree:
+    """'cpu', 'gpu', or 'chainN' (e.g. 'chain4'), N from 1 to MAX_NODES."""
+    if name.startswith("chain") and name[5:].isdigit() and 0 < int(name[5:]) <= MAX_NODES:
+        return chain(int(name[5:]))
+    if name not in PRESETS:
+        raise ValueError(f"unknown tree {name!r}: use one of {sorted(PRESETS)} or chainN, N from 1 to {MAX_NODES}")
+    return Tree.from_choices(PRESETS[name])
+
+
+# ---- trees from measured acceptance (official Medusa's gen_results, EAGLE-2's expansion) ---------
+
+
+def check_acc(acc: torch.Tensor) -> torch.Tensor:
+    """acc as a float64 [K heads, R ranks] table of probabilities on the CPU; ValueError otherwise."""
+    acc = torch.as_tensor(acc, dtype=torch.float64).cpu()
+    if acc.dim() != 2 or 0 in acc.shape:
+        raise ValueError(f"accuracies must be a [heads, ranks] table, got shape {list(acc.shape)}")
+    if not bool(((acc >= 0) & (acc <= 1)).all()):
+        raise ValueError("accuracies must be probabilities in [0, 1]")
+    return acc
+
+
+def build_tree(acc: torch.Tensor, num_nodes: int, *, min_gain: float = 0.0) -> tuple[Tree, float]:
+    """The tree of `num_nodes` candidates (root excluded) grown greedily by expected acceptance.
+
+    Candidates are the next sibling and the first child of every chosen node; the one with the largest value
+    Π_i acc[i][r_i] joins next (ties: shallower, then smaller ranks). A child is offered only after its parent and
+    rank r+1 only after rank r, so every prefix is present. When each row of acc decreases with rank, values decrease
+    along these offers and the greedy tree is the optimum. Nodes of value 0 are never added, so a table with few
+    nonzero entries gives a smaller tree; nor, where every node costs a share of the step (a CPU), one whose value is
+    below min_gain times the expected tokens per step so far: it would slow the step more than it adds.
+    Returns (tree, expected tokens per step = 1 + Σ values, the bonus token counted).
+    """
+    a = check_acc(acc).tolist()
+    K, R = len(a), len(a[0])
+    if num_nodes < 0:
+        raise ValueError(f"num_nodes must be >= 0, got {num_nodes}")
+    heap = [(-a[0][0], 1, (0,), 1.0)]  # (-value, depth, choice, parent's value)
+    chosen, total = [], 0.0
+    while heap and len(chosen) < num_nodes:
+        neg, depth, choice, parent_value = heapq.heappop(heap)
+        if neg == 0 or -neg < min_gain * (1.0 + total):  # would cost more verify time than it earns
+            break
+        chosen.append(choice)
+        total -= neg
+        if choice[-1] + 1 < R:
+            sibling = choice[:-1] + (choice[-1] + 1,)
+            heapq.heappush(heap, (-parent_value * a[depth - 1][choice[-1] + 1], depth, sibling, parent_value))
+        if depth < K:
+            heapq.heappush(heap, (neg * a[depth][0], depth + 1, choice + (0,), -neg))
+    return Tree.from_choices(chosen), 1.0 + total
+
+
+def expected_tokens_per_step(acc: torch.Tensor, tree: Tree) -> float:
+    """1 + Σ over the tree's nodes of Π_i acc[i][r_i]: the product rule for any tree (presets too)."""
+    a = check_acc(acc).tolist()
+    for choice in tree.choices:
+        if len(choice) > len(a) or max(choice) >= len(a[0]):
+            raise ValueError(f"tree node {list(choice)} needs more heads or ranks than acc {len(a)}x{len(a[0])}")
+    return 1.0 + sum(math.prod(a[i][r] for i, r in enumerate(choice)) for choice in tree.choices)
+
+
+# ---- the engine's index tensors --------------------------------------------------------------
+
+
 class Tries(NamedTuple):
     """Rejection sampling's tables (`acceptance.rejection_accept_drawn`). Its chain [3N - 2] of rows: p at each node,
     then in child order (turn after turn) the residual each child's miss leaves, then the q each child was drawn from.
-    k = 1 .. N - 1: the nodes below the root (each a child), in node order. Turn s: the tries of s-th children."""
+    k = 1 .. N - 1: the nodes below the root (each a child), in node order. Turn s = 1, 2, ...: s-th children tried."""
 
     nodes: torch.Tensor  # [n] long: the nodes with children, most children first
-    sizes: tuple[int, ...]  # per turn s, how many of them have an s-th child: always the first ones, so a slice
+    sizes: tuple[int, ...]  # per turn, how many of them have a child that turn tries: the first ones, a slice
     parents: torch.Tensor  # [N - 1] long: each child's parent, in child order
     bounds: torch.Tensor  # [N - 1, 2, R] float: `sampling.draw_bounds` of each child's rank, in child order
     read: torch.Tensor  # [3, N - 1] long: node k's rows of the chain: the r it is tried against, its residual, its q
@@ -211,100 +309,3 @@ def tree_tensors(tree: Tree, device: str) -> TreeTensors:
                        path_weights=((torch.arange(N) - N * depths).to(device, torch.float32), weights.to(device)),
                        on_path=(torch.arange(1, D + 1) <= depths[:, None]).to(device, torch.float64), tries=tries,
                        first=tuple(tree.first), num_ranks=R, depth=D, guess_index=as_long(guess))
-
-
-# ---- presets ---------------------------------------------------------------------------------
-
-
-def chain(k: int) -> Tree:
-    """k nodes in a line: each head's top-1 guess (classic speculative decoding with a chain draft)."""
-    return Tree.from_choices([tuple([0] * d) for d in range(1, k + 1)])
-
-
-# A small tree for CPU, where each extra node costs real time: 11 nodes + root, depth 4.
-CPU_CHOICES: list[Choice] = [
-    (0,), (1,), (2,),
-    (0, 0), (0, 1), (1, 0),
-    (0, 0, 0), (0, 0, 1), (0, 1, 0),
-    (0, 0, 0, 0), (0, 0, 0, 1),
-]
-
-
-def _gpu_choices() -> list[Choice]:
-    """About 64 nodes for a GPU, where a 64-token verify pass costs about as much as one token. Rank budgets shrink
-    with depth and with the ranks above, the shape the paper's optimised sparse trees take (deeper heads are less
-    accurate, later ranks rarely win)."""
-    out, frontier = [], [()]
-    budget = {1: 10, 2: 4, 3: 3, 4: 2}  # per depth: ranks tried below a top-ranked parent
-    for depth in range(1, 5):  # parents reached through later ranks (a larger sum) get fewer children
-        frontier = [parent + (r,) for parent in frontier for r in range(max(1, budget[depth] - sum(parent)))]
-        out.extend(frontier)
-    return out
-
-
-GPU_CHOICES: list[Choice] = _gpu_choices()
-
-PRESETS = {"cpu": CPU_CHOICES, "gpu": GPU_CHOICES}
-MAX_NODES = 256  # a node budget's and a chain's ceiling: a longer chain's choices alone would fill the memory
-
-
-def preset(name: str) -> Tree:
-    """'cpu', 'gpu', or 'chainN' (e.g. 'chain4'), N from 1 to MAX_NODES."""
-    if name.startswith("chain") and name[5:].isdigit() and 0 < int(name[5:]) <= MAX_NODES:
-        return chain(int(name[5:]))
-    if name not in PRESETS:
-        raise ValueError(f"unknown tree {name!r}: use one of {sorted(PRESETS)} or chainN, N from 1 to {MAX_NODES}")
-    return Tree.from_choices(PRESETS[name])
-
-
-# ---- trees from measured acceptance (official Medusa's gen_results, EAGLE-2's expansion) ---------
-
-
-def check_acc(acc: torch.Tensor) -> torch.Tensor:
-    """acc as a float64 [K heads, R ranks] table of probabilities on the CPU; ValueError otherwise."""
-    acc = torch.as_tensor(acc, dtype=torch.float64).cpu()
-    if acc.dim() != 2 or 0 in acc.shape:
-        raise ValueError(f"accuracies must be a [heads, ranks] table, got shape {list(acc.shape)}")
-    if not bool(((acc >= 0) & (acc <= 1)).all()):
-        raise ValueError("accuracies must be probabilities in [0, 1]")
-    return acc
-
-
-def build_tree(acc: torch.Tensor, num_nodes: int, *, min_gain: float = 0.0) -> tuple[Tree, float]:
-    """The tree of `num_nodes` candidates (root excluded) grown greedily by expected acceptance.
-
-    Candidates are the next sibling and the first child of every chosen node; the one with the largest value
-    Π_i acc[i][r_i] joins next (ties: shallower, then smaller ranks). A child is offered only after its parent and
-    rank r+1 only after rank r, so every prefix is present. When each row of acc decreases with rank, values decrease
-    along these offers and the greedy tree is the optimum. Nodes of value 0 are never added, so a table with few
-    nonzero entries gives a smaller tree; nor, where every node costs a share of the step (a CPU), one whose value is
-    below min_gain times the expected tokens per step so far: it would slow the step more than it adds.
-    Returns (tree, expected tokens per step = 1 + Σ values, the bonus token counted).
-    """
-    a = check_acc(acc).tolist()
-    K, R = len(a), len(a[0])
-    if num_nodes < 0:
-        raise ValueError(f"num_nodes must be >= 0, got {num_nodes}")
-    heap = [(-a[0][0], 1, (0,), 1.0)]  # (-value, depth, choice, parent's value)
-    chosen, total = [], 0.0
-    while heap and len(chosen) < num_nodes:
-        neg, depth, choice, parent_value = heapq.heappop(heap)
-        if neg == 0 or -neg < min_gain * (1.0 + total):  # would cost more verify time than it earns
-            break
-        chosen.append(choice)
-        total -= neg
-        if choice[-1] + 1 < R:
-            sibling = choice[:-1] + (choice[-1] + 1,)
-            heapq.heappush(heap, (-parent_value * a[depth - 1][choice[-1] + 1], depth, sibling, parent_value))
-        if depth < K:
-            heapq.heappush(heap, (neg * a[depth][0], depth + 1, choice + (0,), -neg))
-    return Tree.from_choices(chosen), 1.0 + total
-
-
-def expected_tokens_per_step(acc: torch.Tensor, tree: Tree) -> float:
-    """1 + Σ over the tree's nodes of Π_i acc[i][r_i]: the product rule for any tree (presets too)."""
-    a = check_acc(acc).tolist()
-    for choice in tree.choices:
-        if len(choice) > len(a) or max(choice) >= len(a[0]):
-            raise ValueError(f"tree node {list(choice)} needs more heads or ranks than acc {len(a)}x{len(a[0])}")
-    return 1.0 + sum(math.prod(a[i][r] for i, r in enumerate(choice)) for choice in tree.choices)

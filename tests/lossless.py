@@ -78,10 +78,10 @@ class FutureHeads:
     def proposer(self, model, tree):
         ids = torch.arange(model.config.vocab_size) if self.draft_ids is None else self.draft_ids
 
-        def head_logits(*args):
+        def logits_of(*args):
             return self.gamma * self.ahead(model, proposer.history, *args)[..., ids]
 
-        proposer = self.proposer_class(tree, head_logits, draft_ids=ids, vocab_size=model.config.vocab_size,
+        proposer = self.proposer_class(tree, logits_of, draft_ids=ids, vocab_size=model.config.vocab_size,
                                        num_heads=tree.depth)  # as many heads as the tree asks for
         return proposer
 

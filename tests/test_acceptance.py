@@ -8,7 +8,7 @@ import torch
 
 from conftest import random_tree
 from medusa_mini import reference as ref
-from medusa_mini.acceptance import accept, acceptance_uniforms, greedy_accept_paths, typical_accept_paths
+from medusa_mini.acceptance import accept, acceptance_uniforms, greedy_accept, typical_accept
 from medusa_mini.proposal import Drawn
 from medusa_mini.sampling import Sampling, gumbel_top_k, inverse_cdf, residual_after_miss
 from medusa_mini.tree import Tree, chain
@@ -38,7 +38,7 @@ def test_vectorised_greedy_equals_the_node_walk_on_random_trees_in_every_row():
     deep = 0
     for seed in range(200):
         tree, tokens, logits = random_case(seed, rows=3)  # a small vocabulary: long matches happen
-        got = greedy_accept_paths(tree.tensors("cpu"), tokens, logits)
+        got = greedy_accept(tree.tensors("cpu"), tokens, logits)
         for b in range(3):
             path, bonus = ref.greedy_accept(tree.parents, tokens[b].tolist(), logits[b])
             assert as_host(got, tree, b) == (path, bonus)
@@ -57,7 +57,7 @@ def test_vectorised_typical_equals_the_node_walk_with_the_same_draws_in_every_ro
         if seed % 2:  # continuous logits too: distinct scores decide
             logits = torch.randn(logits.shape, generator=torch.Generator().manual_seed(seed)) * 2
         batch = torch.Generator().manual_seed(seed)
-        got = typical_accept_paths(tree.tensors("cpu"), tokens, logits, sampling=sampling,
+        got = typical_accept(tree.tensors("cpu"), tokens, logits, sampling=sampling,
                                    u=acceptance_uniforms(sampling, 3, 0, batch, device="cpu"))
         for b in range(3):
             alone = torch.Generator().manual_seed(seed)
@@ -77,9 +77,9 @@ def test_nodes_a_row_cannot_use_are_never_accepted(rule):
     usable = torch.tensor([[True] * 4, [True, True, False, False], [False] * 4])
     sampling, drawn = Sampling(acceptance=rule.split()[0], temperature=0.0 if rule == "greedy" else 1.0), None
     if rule.endswith("drawn candidates"):  # node i's child was drawn from q = a point mass on token i + 1
-        samples = torch.tensor([[[1], [2], [3]]] * 3)  # [B, depth, 1 draw]
-        log_q = torch.full((3, 3, 4), float("-inf")).scatter_(2, samples, 0.0)
-        drawn = Drawn(log_q=log_q, samples=samples, q_index=torch.tensor([0, 1, 2, -1]))
+        draws = torch.tensor([[[1], [2], [3]]] * 3)  # [B, depth, 1 draw]
+        log_q = torch.full((3, 3, 4), float("-inf")).scatter_(2, draws, 0.0)
+        drawn = Drawn(log_q=log_q, draws=draws, q_index=torch.tensor([0, 1, 2, -1]))
     got = decide(tree, tokens, logits, sampling, seed=0, drawn=drawn, usable=usable)
     assert got.last.tolist() == [3, 1, 0]  # on a chain node i is i deep; the last row's root is unusable too
 
@@ -138,20 +138,20 @@ def test_drawn_rejection_on_the_device_makes_the_reference_walks_decisions_in_ev
         noisy = near + torch.randn(near.shape, generator=gen)
         log_q = {"p": sampling.probs(near).log(), "near-p": torch.log_softmax(noisy, -1),
                  "three-tokens": torch.log_softmax(near, -1).masked_fill(torch.arange(V) >= 3, float("-inf"))}[q_kind]
-        samples = gumbel_top_k(log_q, tree.max_rank + 1, torch.rand(log_q.shape, generator=gen))  # [B, Q, R]
+        draws = gumbel_top_k(log_q, tree.max_rank + 1, torch.rand(log_q.shape, generator=gen))  # [B, Q, R]
         q_of = [n if heads == "hydra" else tree.depths[n] for n in range(N)]  # node n's q
         tokens = torch.zeros(B, N, dtype=torch.long)
         for c in range(1, N):  # child c holds the draw of its rank from its parent's q
-            tokens[:, c] = samples[:, q_of[tree.parents[c]], tree.ranks[c]]
+            tokens[:, c] = draws[:, q_of[tree.parents[c]], tree.ranks[c]]
         q_index = torch.tensor([q_of[n] if tree.children[n] else -1 for n in range(N)])
         cut, u = tree.truncated(room), torch.rand(B, N, generator=gen)
         u[:, : cut.num_nodes] = torch.stack([torch.rand(cut.num_nodes, generator=torch.Generator().manual_seed(b))
                                              for b in range(B)])
         usable = tree.tensors().depths[None].expand(B, N) <= room
         got = accept(tree.tensors(), tokens, logits, sampling=sampling, u=u, usable=usable,
-                     drawn=Drawn(log_q=log_q, samples=samples, q_index=q_index))
+                     drawn=Drawn(log_q=log_q, draws=draws, q_index=q_index))
         for b in range(B):
-            drawn = [(log_q[b, q_of[n]], samples[b, q_of[n]].tolist()) if cut.children[n] else None
+            drawn = [(log_q[b, q_of[n]], draws[b, q_of[n]].tolist()) if cut.children[n] else None
                      for n in range(cut.num_nodes)]
             want = ref.rejection_accept(cut.parents, tokens[b, : cut.num_nodes].tolist(), logits[b, : cut.num_nodes],
                                         sampling=sampling, generator=torch.Generator().manual_seed(b), drawn=drawn)
@@ -170,7 +170,7 @@ def test_with_no_residual_left_a_try_passes_iff_p_gives_the_candidate_mass_and_a
     logits = torch.randn(B, 3, V, generator=gen)  # [B, N, V]
     log_q = torch.log_softmax(logits[:, :1] + torch.randint(-1, 2, (B, 1, V), generator=gen) * 1e-7, -1)  # ~ p
     logits[-1, 0], log_q[-1, 0] = torch.tensor([-torch.inf, 0.0, -torch.inf]), torch.tensor([-800.0, 0.0, -900.0])
-    drawn = Drawn(log_q=log_q, samples=torch.arange(2).expand(B, 1, 2), q_index=torch.tensor([0, -1, -1]))
+    drawn = Drawn(log_q=log_q, draws=torch.arange(2).expand(B, 1, 2), q_index=torch.tensor([0, -1, -1]))
     got = accept(tree.tensors(), torch.tensor([[0, 0, 1]] * B), logits, sampling=sampling, u=u, drawn=drawn)
     for b in range(B):
         p, q = sampling.probs(logits[b]), log_q[b, 0].softmax(-1)  # [N, V]; [V], what token 0, drawn first, was from

@@ -19,7 +19,7 @@ import medusa_mini.reference as ref
 import medusa_mini.step as step
 from conftest import RULES, ContinuationHeads, random_heads, tiny_model
 from lossless import FutureHeads, FutureHydraHeads, V, deepest, exact_sequence_probs, failures, sample_rows, small_model
-from medusa_mini.acceptance import accept, path_accept, rejection_accept_topk, typical_accept_paths
+from medusa_mini.acceptance import accept, path_accept, rejection_accept_topk, typical_accept
 from medusa_mini.decoding import generate, generate_batch, medusa_generate, medusa_generate_batch, prefill
 from medusa_mini.model import KVCache, compact_kv_cache
 from medusa_mini.proposal import Drawn, PromptLookup
@@ -167,7 +167,7 @@ def accepts_without_top_p(tree, tokens, logits, *, sampling, **kwargs):
 
 def typical_judges_by_p_without_top_p(tree, tokens, logits, *, sampling, u, usable=None):
     """Candidates judged by p without top-p; the bonus still drawn from p with it."""
-    judged = typical_accept_paths(tree, tokens, logits, sampling=replace(sampling, top_p=1.0), u=u, usable=usable)
+    judged = typical_accept(tree, tokens, logits, sampling=replace(sampling, top_p=1.0), u=u, usable=usable)
     p = sampling.probs(logits)  # [B, N, V]
     return judged._replace(bonus=inverse_cdf(p.gather(1, judged.last[:, None, None].expand_as(p[:, :1]))[:, 0], u))
 
@@ -264,7 +264,7 @@ def test_typical_medusa_with_top_p_emits_only_nucleus_tokens():
 
 @pytest.mark.parametrize("where, name, mistake", [
     (step, "accept", accepts_without_top_p),  # the bonus drawn without top-p too
-    (acceptance, "typical_accept_paths", typical_judges_by_p_without_top_p)])
+    (acceptance, "typical_accept", typical_judges_by_p_without_top_p)])
 def test_the_nucleus_check_fails_when_typical_acceptance_reads_p_without_top_p(monkeypatch, where, name, mistake):
     monkeypatch.setattr(where, name, mistake)
     assert rows_outside_the_nucleus() > 0

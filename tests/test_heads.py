@@ -183,10 +183,10 @@ def test_a_heads_call_in_decoding_copies_no_weight(kind, dtype):
     """Weights are made once per generation (the blocks stacked, the draft vocabulary's rows gathered), never
     copied at a call (a copy at every call once cost a bfloat16 CPU 10 ms of 13)."""
     model = tiny_model(3).to(dtype)
-    head_logits = random_heads(model, kind=kind, seed=3, draft=16).to(dtype).proposer(model, TREE).head_logits
+    logits_of = random_heads(model, kind=kind, seed=3, draft=16).to(dtype).proposer(model, TREE).logits_of
     hidden, path = torch.randn(2, C, dtype=dtype), randint(2, 1, 2)
     with torch.no_grad():
-        ops = count_ops(lambda: head_logits(hidden, 3) if kind == "medusa" else head_logits(2, hidden[:, None], path))
+        ops = count_ops(lambda: logits_of(hidden, 3) if kind == "medusa" else logits_of(2, hidden[:, None], path))
     assert ops and not {"aten::copy_", "aten::clone", "aten::index", "aten::_to_copy"} & set(ops), ops
     if kind == "medusa":  # the blocks' matmul, SiLU, the residual add, the projection
         assert sorted(ops) == ["aten::add", "aten::addmm", "aten::mm", "aten::silu"]

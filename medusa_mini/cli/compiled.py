@@ -60,7 +60,7 @@ def verify_and_accept(model: GPT, cache: KVCache, tokens: torch.Tensor, *, tree:
 
 def copied(drawn: Drawn | None) -> Drawn | None:
     """A copy in new tensors: a graph's outputs do not outlive its next replay."""
-    return None if drawn is None else Drawn(drawn.log_q.clone(), drawn.samples.clone(), drawn.q_index.clone())
+    return None if drawn is None else Drawn(drawn.log_q.clone(), drawn.draws.clone(), drawn.q_index.clone())
 
 
 class CompiledMedusa:
