@@ -106,7 +106,7 @@ def prepare(a: argparse.Namespace) -> tuple:
     if a.demo:  # the tree and prompts are checked on the untrained demo first, not after seconds of training
         ck, text = demo_checkpoint(device=device, dtype=dtype, steps=0)
         checked(a, ck, texts := a.prompt or [text], device)
-        print("training the demo model and its heads (about 30 s on two CPU cores)...", file=sys.stderr)
+        print("training the demo model and its heads (10-30 s on two CPU cores)...", file=sys.stderr)
         ck, _ = demo_checkpoint(device=device, dtype=dtype)
     else:
         ck = load_for_decoding(a.ckpt, device=device, dtype=dtype)

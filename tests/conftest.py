@@ -68,8 +68,7 @@ def random_heads(model: GPT, *, num_heads: int = 4, seed: int = 0, kind: str = "
 
 
 RULES = {  # every acceptance rule, at a temperature where candidates are often accepted
-    "greedy": Sampling(),
-    "typical": Sampling(acceptance="typical", temperature=0.8),
+    "greedy": Sampling(), "typical": Sampling(acceptance="typical", temperature=0.8),
     "rejection": Sampling(temperature=0.8),  # candidates drawn from the heads' q
     "rejection-topk": Sampling(temperature=0.8, candidates="topk")}
 

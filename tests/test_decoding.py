@@ -1,6 +1,6 @@
 """The engine's decoding end to end on tiny models: with any drafter (Medusa or hydra heads, a draft
 vocabulary, prompt lookup) greedy Medusa is plain greedy in every row of a batch; the engine makes the
-reference's decisions, stops cleanly, and compiled-style steps change nothing."""
+reference's decisions and stops cleanly (compiled-style steps: tests/test_meta_device.py)."""
 
 import numpy as np
 import pytest
@@ -108,7 +108,7 @@ def test_greedy_medusa_equals_plain_greedy_in_every_row_of_a_batch(kind, tree_na
 
 @pytest.mark.parametrize("rule", RULES)
 @pytest.mark.parametrize("tree_name", ["cpu", "gpu"])
-def test_the_engine_prints_the_references_tokens_with_the_same_seed(rule, tree_name):
+def test_the_engine_emits_the_references_tokens_and_steps_with_the_same_seed(rule, tree_name):
     """Same tokens, same steps: the static cache, the vectorised rules and the batch change how the step is
     computed, not what it decides. (Sampled rules compare draws with probabilities that differ in the last
     bits between the two attention codes: over 4 prompts of 40 tokens no draw lands that close.) Budget 0: none."""
@@ -151,7 +151,7 @@ def test_prompt_lookup_verifies_the_root_alone_without_a_repeated_ngram_and_draf
     assert out == list(range(6, 19)) and stats.tokens_per_step > 2
 
 
-def test_a_row_stopped_by_its_end_token_keeps_its_cache_while_the_other_rows_decode():
+def test_a_row_stopped_by_its_end_token_keeps_its_cache_length_while_the_other_rows_decode():
     """Its nodes are no longer usable: its cache stays as its last step left it, as when it decodes alone."""
     model, tree, used = tiny_model(0), preset("cpu"), []
     for rows in ([[5], [3, 1, 4, 1, 5, 9]], [[5]]):  # the end token 37 ends row 0 at once, never row 1; row 0 alone

@@ -84,7 +84,7 @@ GREEDY_BUGS = {  # name: the module attribute to patch, and the wrong value
 
 @torch.no_grad()
 @pytest.mark.parametrize("bug", GREEDY_BUGS)
-def test_greedy_equals_plain_greedy_fails_when(bug, monkeypatch):
+def test_the_greedy_equality_check_fails_when(bug, monkeypatch):
     monkeypatch.setattr(*GREEDY_BUGS[bug])
     assert greedy_mismatches(small_model(3), FutureHeads())[0] > 0
 
@@ -137,7 +137,7 @@ CASES = {
                                prompts=((2, 1), (3, 0, 1))),
     "cut-by-the-context": Case(FutureHeads(gamma=2.0), rejection(candidates="topk"), rows=800, deepest=2,
                                tree=GAP_TREE, block_size=6, max_new_tokens=8),
-    # A 3-token continuation is verified on a chain of 4, one node deeper than the 5 new tokens allow.
+    # A 4-token continuation is verified on a chain of 4, one node deeper than the 5 new tokens allow.
     "prompt-lookup": Case(PromptLookup(), rejection(), rows=800, deepest=3, tree=chain(4), n=5,
                           prompts=((0, 3, 0, 2, 2, 2, 2, 0, 3),)),
 }
@@ -243,7 +243,7 @@ def test_typical_acceptance_fails_the_exact_distribution_check():
 
 
 # Heads whose q is p: their likeliest candidates pass typical acceptance, inside the nucleus and out. The
-# second guess's branch is the deeper, so the walk takes that guess wherever it passes, in the nucleus or not.
+# second guess's branch is the deeper, so typical acceptance takes that guess wherever it passes, in the nucleus or out.
 TYPICAL_TOP_P = Case(FutureHeads(), Sampling(acceptance="typical", temperature=1.0, top_p=0.6), rows=400, n=6,
                      deepest=2, tree=Tree.from_choices([(0,), (1,), (1, 0)]))
 

@@ -110,6 +110,7 @@ def test_heads_refuse_what_they_cannot_do_and_a_refused_draft_vocabulary_changes
         heads.proposer(model, Tree.from_choices([(0,), (1,), (2,)]))
     pytest.raises(ValueError, heads.use_draft_vocabulary, shuffled(1), V + 1).match("draft_vocab_size")
     assert heads.config.draft_vocab_size == 2 and heads.draft_ids.tolist() == sorted(shuffled()[:2].tolist())
+    assert heads.vocab_order.equal(shuffled())  # the order a checkpoint saves, untouched by the refusal
 
 
 @pytest.mark.parametrize("drawn", [False, True], ids=["top-k", "drawn"])
@@ -139,7 +140,7 @@ def test_each_node_holds_its_rank_of_its_parents_q_top_k_or_drawn_from_the_draft
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_teacher_forced_logits_are_the_logits_decoding_computes_along_the_true_path(kind):
+def test_teacher_forced_argmaxes_along_the_chain_the_heads_drafted_are_that_chain(kind):
     """Training feeds the true next tokens (`next_tokens`), decoding the drafted ones. Along a chain the
     heads drafted themselves the two paths are one, so the teacher-forced argmaxes are that chain."""
     model, prompt = tiny_model(5), [3, 1, 4, 1, 5]

@@ -10,7 +10,7 @@ from medusa_mini.tree import Tree
 ATOL = 1e-5
 
 
-def test_parameter_names_and_first_values_follow_gpt2_and_the_lm_head_is_tied_to_the_token_embedding():
+def test_parameter_names_and_initial_values_follow_gpt2_and_the_lm_head_is_tied_to_the_token_embedding():
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=2))
     modules = ("ln_1", "attn.c_attn", "attn.c_proj", "ln_2", "mlp.c_fc", "mlp.c_proj")

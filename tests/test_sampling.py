@@ -68,7 +68,7 @@ def test_a_later_draw_is_tried_against_q_without_the_draws_before_it_however_lit
     assert without_earlier_draws(only, torch.tensor([0, 3]), rank=1).tolist() == [0, 0, 0, 1]
 
 
-def test_a_uniform_of_zero_leaves_its_token_likelier_than_one_q_barely_holds():
+def test_a_zero_uniform_still_ranks_its_token_above_one_of_tiny_q():
     """torch.rand may return 0, whose Gumbel noise would be -inf: token 0 (q = 1/2) would rank below token 1 (e^-50)."""
     log_q = torch.tensor([0.0, -50.0, 0.0]).log_softmax(0)
     assert gumbel_top_k(log_q, 2, torch.tensor([0.0, 0.5, 0.5])).tolist() == [2, 0]

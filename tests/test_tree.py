@@ -33,7 +33,7 @@ def test_choices_are_sorted_so_parents_precede_children_and_a_nodes_position_off
 
 def test_the_tree_tensors_hold_the_host_lists_on_the_device_asked_for():
     t = TREE.tensors("meta")
-    every = [x for v in vars(t).values() for x in (v if isinstance(v, tuple) else [v]) if isinstance(x, torch.Tensor)]
+    every = [x for x in torch.utils._pytree.tree_leaves(vars(t)) if isinstance(x, torch.Tensor)]
     assert len(every) > 15 and {x.device.type for x in every} == {"meta"}  # the tries' and scores' too
     t = TREE.tensors("cpu")
     assert (t.parent_index.tolist(), t.depths.tolist(), t.ranks.tolist()) == ([0, *TREE.parents[1:]], TREE.depths,
@@ -67,7 +67,7 @@ def test_bad_choices_are_a_clear_error_naming_the_choice(choices, kwargs, messag
 
 
 @pytest.mark.parametrize("choices", [((0,), (0, 0), (1,)), ((1,), (0,)), ((0,), (1, 0)), ((0,), (-1,)), ((),)])
-def test_a_tree_made_directly_refuses_choices_from_choices_would_sort_or_refuse(choices):
+def test_tree_itself_refuses_unsorted_or_invalid_choices_and_points_to_from_choices(choices):
     """Its node lists assume prefix-closed choices sorted by depth, then rank: unsorted ones would put a depth-1 node
     in the run of depth 2, or children out of rank order; a missing parent would hang its child on the root."""
     pytest.raises(ValueError, Tree, choices).match("Tree.from_choices")

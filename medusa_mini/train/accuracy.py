@@ -84,10 +84,10 @@ def measure_sampled_acceptance(model: GPT, heads: DraftHeads, sequences: list[li
 
 
 def measure_try_acceptance(model: GPT, heads: DraftHeads, sequences: list[list[int]], *,
-                           prompt_lens: int | Sequence[int], temperature: float, ranks: int = 10, draws: int = 4,
+                           prompt_lens: int | Sequence[int], temperature: float, ranks: int = 10, repeats: int = 4,
                            seed: int = 0) -> torch.Tensor:
     """acc [K, ranks] float64: acc[k][r] = P(head k+1's r-th distinct draw from q is the candidate rejection
-    sampling's tries accept), on text sampled at `temperature`, over `draws` sets of draws per position. At
+    sampling's tries accept), on text sampled at `temperature`, over `repeats` sets of draws per position. At
     most one sibling passes, as at most one top-k guess is the greedy token, so the table plays greedy's part
     in `tree.build_tree`, approximately. acc[k][0] estimates Σ min(p, q), exactly in expectation."""
     ids, K, V = heads.draft_ids.to(model.device), heads.num_heads, model.config.vocab_size
@@ -95,22 +95,22 @@ def measure_try_acceptance(model: GPT, heads: DraftHeads, sequences: list[list[i
     passed, counts = torch.zeros(K, R, dtype=torch.float64), torch.zeros(K, dtype=torch.float64)
     for k, _, p, logits in _positions(model, heads, sequences, prompt_lens, temperature):
         log_q = q_log_probs(logits, ids, temperature=temperature, vocab_size=V)  # [m, V]
-        samples = torch.cat([gumbel_top_k(log_q, R, torch.rand(log_q.shape, generator=g, device=model.device))
-                             for _ in range(draws)])  # [draws * m, R]: every draw's rows in one call
-        passed[k] += draw_chances(p.repeat(draws, 1), log_q.repeat(draws, 1), samples).sum(0).cpu() / draws
+        draws = torch.cat([gumbel_top_k(log_q, R, torch.rand(log_q.shape, generator=g, device=model.device))
+                           for _ in range(repeats)])  # [repeats * m, R]: every draw's rows in one call
+        passed[k] += draw_chances(p.repeat(repeats, 1), log_q.repeat(repeats, 1), draws).sum(0).cpu() / repeats
         counts[k] += len(p)
     return passed / counts.clamp(min=1)[:, None]
 
 
-def draw_chances(p: torch.Tensor, log_q: torch.Tensor, samples: torch.Tensor) -> torch.Tensor:
-    """[m, R] float64: the chance, over the uniforms, that draw k of samples [m, R] (distinct draws from q,
+def draw_chances(p: torch.Tensor, log_q: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:
+    """[m, R] float64: the chance, over the uniforms, that draw k of draws [m, R] (distinct draws from q,
     log_q [m, V], in order) is the one rejection sampling's tries accept against p [m, V]: Π_{j<k} (1 - a_j)
     · a_k, a_k = min(1, r_k(x_k) / q_k(x_k)), r_k the target the misses before it left (r_0 = p), q_k q without
     the draws before it (as `acceptance.rejection_accept_drawn` tries with uniforms)."""
     chances, left = [], torch.ones(len(p), dtype=torch.float64, device=p.device)  # [m] no try passed yet
     target = p  # [m, V]: r, what each try is judged against
-    for k, x in enumerate(samples.unbind(1)):  # x: [m], the rank-k draws
-        q = without_earlier_draws(log_q, samples, rank=k)  # [m, V]
+    for k, x in enumerate(draws.unbind(1)):  # x: [m], the rank-k draws
+        q = without_earlier_draws(log_q, draws, rank=k)  # [m, V]
         residual, mass = residual_after_miss(target, q)  # [m, V], [m]
         live, r_x, q_x = mass > 0, target.gather(1, x[:, None])[:, 0], q.gather(1, x[:, None])[:, 0]  # [m]
         # As the engine's u·q(x) < r(x): where q(x) underflows to 0, or r = q (no residual), x passes iff r(x) > 0.

@@ -67,7 +67,7 @@ def test_sampled_acceptance_is_the_mean_sum_min_p_q_and_the_drawn_tables_first_t
     assert exact.tolist() == pytest.approx([sum(v) / len(v) for v in sums], abs=1e-6)
     assert 0.1 < exact.min() and exact.max() < 0.95  # neither all nor nothing: a real test of the sum
     drawn, again = (accuracy.measure_try_acceptance(model, heads, seqs, prompt_lens=6, temperature=T, ranks=5,
-                                                    draws=32, seed=1) for _ in range(2))
+                                                    repeats=32, seed=1) for _ in range(2))
     assert drawn.shape == (3, 5) and drawn[:, 0].tolist() == pytest.approx(exact.tolist(), abs=0.02)
     assert (drawn[:, 1:] > 0.01).all() and drawn.equal(again)  # later draws pass too, less often; seeded
 
@@ -100,7 +100,7 @@ def test_the_drawn_table_is_the_chance_that_each_draw_is_the_one_accepted_and_q_
             a, rest = min(1.0, r[x] / q_k[x]), [max(0.0, s - t) for s, t in zip(r, q_k)]
             want[k], chance, r = want[k] + chance * a, chance * (1 - a), [s / (sum(rest) or 1.0) for s in rest]
     fixed, seqs = Fixed(p, q), [list(range(12))]
-    got = accuracy.measure_try_acceptance(fixed, fixed, seqs, prompt_lens=1, temperature=1.0, ranks=3, draws=400)
+    got = accuracy.measure_try_acceptance(fixed, fixed, seqs, prompt_lens=1, temperature=1.0, ranks=3, repeats=400)
     assert got[0].tolist() == pytest.approx(want, abs=0.015)
     fixed = Fixed(p, p)  # heads whose q is p: always accepted, and only their first draw is tried
     exact = accuracy.measure_sampled_acceptance(fixed, fixed, seqs, prompt_lens=1, temperature=0.9)
