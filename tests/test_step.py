@@ -22,9 +22,9 @@ TREE = Tree.from_choices([(0,), (1,), (0, 0), (0, 1), (0, 0, 0)])
 
 def test_usable_nodes_are_those_whose_tokens_fit_before_each_rows_stop():
     """A node at depth d emits d + 1 tokens after the root; a row whose cache holds `start` tokens stops
-    at `stop_at`, so it may use depths up to stop_at - 2 - start. A finished row uses none."""
-    usable = usable_nodes(TREE.tensors(), torch.tensor([10, 12, 9, 11]), torch.tensor([20, 15, 11, 11]))
-    assert usable.tolist() == [[True] * 6, [d <= 1 for d in TREE.depths], [d == 0 for d in TREE.depths], [False] * 6]
+    at `stop_at`, so it may use depths up to stop_at - 2 - start. A finished row (stop_at 0) uses none."""
+    usable = usable_nodes(TREE.tensors(), torch.tensor([10, 12, 9, 11, 3]), torch.tensor([20, 15, 11, 11, 0]))
+    assert usable.tolist() == [[d <= most for d in TREE.depths] for most in (8, 1, 0, -2, -5)]  # stop_at - 2 - start
 
 
 def test_verify_scores_every_node_as_if_its_path_were_the_only_continuation_in_every_row():
