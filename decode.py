@@ -21,7 +21,7 @@ import tiktoken
 import torch
 
 from medusa_mini.cli.common import OneLineParser, at_least, check_plot_path, exit_with, numbers, seed, timed
-from medusa_mini.cli.compiled import StaticCaches, compile_steps, warm_up, with_aligned_head
+from medusa_mini.cli.compiled import compile_steps, static_caches, warm_up, with_aligned_head
 from medusa_mini.cli.explain import DEMO_NOTE, ROOM, demo_checkpoint, draw_mask, draw_tree, explain_step
 from medusa_mini.cli.measure import TreeChoice, resolve_tree
 from medusa_mini.cli.runs import Engine, Method, compare, compare_methods, decode, format_table, plot_batch
@@ -157,7 +157,7 @@ def compiled(engine: Engine, methods: list[Method], a: argparse.Namespace, promp
     """Compile the steps; warm(B) then warms up every shape B rows at a time meet, before B's timing, and returns the
     seconds it took (--compare warms each batch size just before measuring it: one too large ends the table there)."""
     model = engine.ck.model = with_aligned_head(engine.ck.model)  # this run's every step and prefill
-    engine.steps, engine.caches = compile_steps(model.device), StaticCaches(model)
+    engine.steps, engine.caches = compile_steps(model.device), static_caches(model)
     # what fills each tree (prompt lookup: a chain), under which rule
     proposers = [(m.drafter.proposer(model, m.tree), m.sampling) for m in methods if m.drafter and not m.reference]
     n = max(max(a.batch_sizes), prompts) if a.batch_table else prompts  # the batch table cycles the prompts

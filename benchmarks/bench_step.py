@@ -26,7 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from medusa_mini.acceptance import Accepted, acceptance_uniforms
 from medusa_mini.cli.common import OneLineParser, at_least, exit_with, in_turns, names_of, numbers, seed, timed
-from medusa_mini.cli.compiled import StaticCaches, compile_options, compile_steps, verify_and_accept, with_aligned_head
+from medusa_mini.cli.compiled import compile_options, compile_steps, static_caches, verify_and_accept, with_aligned_head
 from medusa_mini.decoding import prefill
 from medusa_mini.heads import DraftHeads, HeadsConfig, make_heads
 from medusa_mini.io.gpt2 import GPT2_CONFIGS
@@ -166,7 +166,7 @@ def bench_config(config: GPTConfig, *, device: torch.device, repeat: int, warmup
     gen = torch.Generator().manual_seed(seed)
     prefix = torch.randint(0, config.vocab_size, (1, prefix_len), generator=gen).to(device)  # [1, P]
     # As decoding sizes them: a step over N nodes on block_size + N slots (a compiled step reads them all).
-    static = StaticCaches(model)
+    static = static_caches(model)
     caches = {n: static(1, config.block_size + n) for n in {0, *nodes, *(t.num_nodes for t in trees.values())}}
     for cache in caches.values():
         logits, hidden = prefill(model, prefix, cache)  # [1, V], [1, C]
@@ -211,8 +211,7 @@ def bench_config(config: GPTConfig, *, device: torch.device, repeat: int, warmup
 def format_table(results: dict[str, dict], meta: dict) -> str:
     """Configs as columns, one timing per row (ms, or what a label's '(x)' or '(%)' says), under `meta`."""
     names, rs, load = list(results), list(results.values()), meta["load_avg_1min"]
-    shapes = ["{n_layer} / {n_head} / {n_embd} / {vocab_size}".format(**r["config"]) + f" / {r['draft_vocab']}"
-              for r in rs]
+    shapes = ["{n_layer} / {n_head} / {n_embd} / {vocab_size} / {draft_vocab}".format(**r["config"], **r) for r in rs]
     rows = [("layers / heads / width / vocabulary / draft", shapes),
             ("first round, s (compiling, if any)", [r["first_round_s"] for r in rs]),
             ("plain step (1 token + argmax)", [r["plain_ms"] for r in rs]),

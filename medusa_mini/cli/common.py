@@ -125,10 +125,9 @@ class OneLineParser(argparse.ArgumentParser):
 def out_of_memory(e: BaseException) -> str | None:
     """The allocator's own words, what and how much, where e is a device out of memory (CUDA's OutOfMemoryError: its
     first two sentences; a CPU's plain RuntimeError from its allocator: its first); else None."""
-    cpu = str(e).partition("DefaultCPUAllocator: ")[2]
-    if not cpu and not isinstance(e, torch.OutOfMemoryError):
-        return None
-    return cpu.split(". ")[0] if cpu else ". ".join(str(e).split(". ")[:2])
+    if cpu := str(e).partition("DefaultCPUAllocator: ")[2]:
+        return cpu.split(". ")[0]
+    return ". ".join(str(e).split(". ")[:2]) if isinstance(e, torch.OutOfMemoryError) else None
 
 
 def exit_with(main: Callable[[], int], *, memory_advice: str = "") -> NoReturn:

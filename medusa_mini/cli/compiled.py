@@ -6,20 +6,20 @@ in its graph; `CompiledMedusa` runs `verify_and_accept` as one graph a step, and
 first tree of drawn candidates. Prompt lookup's chains come from its eager proposer, one graph per chain length.
 
 Every shape is fixed: a step reads the whole KV cache and verifies the whole tree. A CUDA graph replays on the
-addresses it recorded and overwrites its outputs at its next replay, so `StaticCaches` keeps each shape's cache at
+addresses it recorded and overwrites its outputs at its next replay, so `static_caches` keeps each shape's cache at
 one address, the steps copy out what the next call needs, and `warm_up` records every shape first (prefill: eager).
 
 Shapes: B rows, N tree nodes, C n_embd, V vocabulary, Q the q a drawn tree draws from."""
 
 import copy
-from functools import partial
+from functools import lru_cache, partial
 from typing import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
 
 from ..acceptance import Accepted, accept, acceptance_uniforms, check_uniforms
-from ..decoding import reuse_cache
+from ..decoding import CacheSource, reuse_cache
 from ..model import GPT, KVCache, at_each_row
 from ..proposal import Drawn, Proposal, Proposer
 from ..sampling import Sampling
@@ -159,22 +159,19 @@ def compile_steps(device: torch.device | str, *, backend: str | Callable = "indu
     return Steps(plain=plain, medusa=CompiledMedusa(compile))
 
 
-class StaticCaches:
+def static_caches(model: GPT) -> CacheSource:
     """One KV cache per (rows, slots), shared by the warm-up and every generation of that shape."""
-
-    def __init__(self, model: GPT) -> None:
-        self.model, self.caches = model, {}
-
-    def __call__(self, rows: int, slots: int) -> KVCache:
-        if (cache := self.caches.get((rows, slots))) is None:
-            cache = self.caches[rows, slots] = reuse_cache(None, self.model, batch_size=rows, max_len=slots)
-            for t in (cache.kv, cache.length_buffer, cache.rows, cache.layers):
-                torch._dynamo.mark_static_address(t, guard=False)
+    @lru_cache(maxsize=None)  # positional only: a keyword call would be a second key, and cache, of one size
+    def cache_of(rows: int, slots: int, /) -> KVCache:
+        cache = reuse_cache(None, model, batch_size=rows, max_len=slots)
+        for t in (cache.kv, cache.length_buffer, cache.rows, cache.layers):
+            torch._dynamo.mark_static_address(t, guard=False)
         return cache
+    return cache_of
 
 
 @torch.no_grad()
-def warm_up(model: GPT, steps: Steps, caches: StaticCaches, *, rows: int, plain: Iterable[Sampling] = (),
+def warm_up(model: GPT, steps: Steps, caches: CacheSource, *, rows: int, plain: Iterable[Sampling] = (),
             proposers: list[tuple[Proposer, Sampling]] = ()) -> float:
     """Run every shape decoding `rows` rows meets, the plain step under each rule of `plain`, and for each
     proposer and rule every tree its proposals hold (`Proposer.trees`) through `verify_and_accept` (and

@@ -124,7 +124,7 @@ def explain_step(model: GPT, heads, enc: tiktoken.Encoding, prompt_ids: list[int
     """One Medusa step after a prompt of 1 to block_size - ROOM tokens (decode.py checks), every stage described."""
     block, L, T = model.config.block_size, len(prompt_ids), sampling.temperature
     tree = tree.truncated(block - 2 - L)  # the deepest node's position must stay inside the context
-    rule = "greedy" if sampling.greedy else f"{sampling.acceptance}, temperature {sampling.temperature:g}"
+    rule = "greedy" if sampling.greedy else f"{sampling.acceptance}, temperature {T:g}"
     out = ["One Medusa decoding step, in full", "=" * 33, f"Prompt ({L} tokens): {_snippet(enc.decode(prompt_ids))}",
            f"Acceptance rule: {rule}"]
 
@@ -164,8 +164,7 @@ def explain_step(model: GPT, heads, enc: tiktoken.Encoding, prompt_ids: list[int
     path, bonus = ref.accept(tree.parents, tokens, logits, sampling=sampling, generator=generator, drawn=drawn)
     emitted = [tokens[i] for i in path[1:]] + [bonus]
     out += [_header(6, "Accept: a path of accepted candidates, plus a bonus token"), RULES[sampling.acceptance],
-            "accepted path: " + " → ".join(f"[{i}] {labels[i]}" + (" (root, already emitted)" if i == 0 else "")
-                                           for i in path),
+            "accepted path: " + " → ".join(f"[{i}] {labels[i]}" + " (root, already emitted)" * (i == 0) for i in path),
             f"bonus token:   {token_text(enc, bonus)}, the backbone's own next token after [{path[-1]}], free "
             "from the same pass", _header(7, "Result"),
             f"This step emitted {len(emitted)} token{'s' * (len(emitted) > 1)} ({len(path) - 1} accepted + 1 bonus) "

@@ -9,14 +9,13 @@ from typing import Callable
 import torch
 
 from .. import reference
-from ..decoding import GenerationStats, generate_batch, length_stop_reason, medusa_generate_batch
+from ..decoding import CacheSource, GenerationStats, generate_batch, length_stop_reason, medusa_generate_batch
 from ..io.loading import Checkpoint
 from ..proposal import PromptLookup
 from ..sampling import Sampling
 from ..step import Steps
 from ..tree import Tree, chain
 from .common import BONUS_NOTE, draw, in_turns, out_of_memory
-from .compiled import StaticCaches
 
 REPEAT = 3  # every generation runs this many times, methods in turns; the fastest counts
 Results = list[tuple[list[int], GenerationStats]]  # per row of a batch: its new tokens and statistics
@@ -51,7 +50,7 @@ class Engine:
 
     ck: Checkpoint
     steps: Steps = Steps()
-    caches: StaticCaches | None = None
+    caches: CacheSource | None = None
 
 
 def decode(engine: Engine, method: Method, prompts: list[list[int]], *, seed: int, max_new_tokens: int,
@@ -140,9 +139,8 @@ def compare(engine: Engine, prompts: list[list[int]], methods: list[Method], *, 
     for B in batch_sizes:
         try:
             warmed_s += warm(B) if warm else 0.0
-            runs, unsteady = run_in_turns(engine, methods, [work[i : i + B] for i in range(0, len(work), B)],
-                                          max_new_tokens=max_new_tokens, seed=seed, repeat=repeat,
-                                          stop_at_eot=stop_at_eot)
+            runs, unsteady = run_in_turns(engine, methods, [work[i : i + B] for i in range(0, len(work), B)], seed=seed,
+                                          max_new_tokens=max_new_tokens, repeat=repeat, stop_at_eot=stop_at_eot)
         except RuntimeError as e:  # out of memory (CUDA's or a CPU's) at the first size: exit_with's one line
             if not rows or (words := out_of_memory(e)) is None:
                 raise
@@ -232,8 +230,7 @@ def format_table(result: dict) -> str:
     for r in result["rows"]:
         lines += [f"{r['method']} differs from plain greedy on prompt {d['prompt'] + 1} at new token "
                   f"{d['position'] + 1}: plain's top-2 logit margin there is {d['margin']:.3g}"
-                  + (" (a near-tie that rounding can flip)" if d["margin"] < 0.1 else "")
-                  for d in r.get("differences", [])]
+                  + " (a near-tie that rounding can flip)" * (d["margin"] < 0.1) for d in r.get("differences", [])]
         if "same_as_engine" in r:
             n = len(r["tokens"])
             lines.append(f"{r['method']}: the engine's tokens on {r['same_as_engine']}/{n} prompts"

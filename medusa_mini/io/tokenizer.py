@@ -1,8 +1,7 @@
-"""Byte-level BPE, GPT-2's recipe (its pre-token regex, the 256 single bytes, then the most frequent adjacent
-pair merged again and again), used through tiktoken. On disk: tokenizer.tiktoken (`<base64 token bytes> <rank>`
-per line) and tokenizer_config.json (`{"type": "bpe", "name", "pattern", "special_tokens"}`); tiktoken's named
-encodings are saved whole too, so decoding needs no network (`{"type": "tiktoken", "name": "gpt2"}`, an older save,
-still loads by name)."""
+"""Byte-level BPE, GPT-2's recipe (its pre-token regex, the 256 single bytes, then the most frequent adjacent pair
+merged again and again), used through tiktoken. On disk: tokenizer.tiktoken (`<base64 token bytes> <rank>` per line) and
+tokenizer_config.json (`{"type": "bpe", "name", "pattern", "special_tokens"}`); tiktoken's named encodings are saved
+whole too, so decoding needs no network (`{"type": "tiktoken", "name": "gpt2"}`, an older save, still loads by name)."""
 
 import base64
 import heapq

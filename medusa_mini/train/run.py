@@ -340,8 +340,7 @@ def distill_stage(r: Run, train_tokens: np.ndarray) -> torch.Tensor:
     """Self-distillation (paper §2.3.2): the backbone continues corpus prompts -> [S, P + n] tokens, the
     temperatures cycled per chunk: greedy text teaches what greedy decoding meets, sampled text sampling."""
     a, t0 = r.args, time.time()
-    g = seeded(a.seed * 7919 + 17 + r.rank)
-    sample_gen = seeded(a.seed * 7919 + 29 + r.rank, device=r.device)
+    g, sample_gen = seeded(a.seed * 7919 + 17 + r.rank), seeded(a.seed * 7919 + 29 + r.rank, device=r.device)
     temps, chunk, parts = [float(t) for t in a.distill_temperatures.split(",")], 64, []
     for i in range(0, a.distill_prompts, chunk):
         if r.any_rank(r.stop_requested):  # Ctrl-C: the state saved before this stage redoes it on --resume

@@ -68,8 +68,8 @@ def warmed_up(seed: int, *, backend=None, kind: str = "medusa", rows: int = 1, r
     model = with_aligned_head(tiny_model(seed, vocab_size=50), devices=("cpu",))
     steps = compile_steps("cpu", backend=backend or GraphReplay())
     heads = random_heads(model, seed=seed, kind=kind)
-    warm_up(model, steps, caches := compiled_wing.StaticCaches(model), rows=rows, plain=[RULES["greedy"]] * (not rules),
-            proposers=[(heads.proposer(model, TREE), rule) for rule in rules])
+    warm_up(model, steps, caches := compiled_wing.static_caches(model), plain=[RULES["greedy"]] * (not rules),
+            rows=rows, proposers=[(heads.proposer(model, TREE), rule) for rule in rules])
     return model, heads, steps, caches
 
 
@@ -87,7 +87,7 @@ def test_the_warm_up_runs_every_shape_three_times_so_cuda_graphs_record_and_repl
 
     steps, proposer = compile_steps("cpu", compile=compile), random_heads(model, seed=0).proposer(model, TREE)
     limit = torch._dynamo.config.recompile_limit  # each shape is one more specialisation: one more allowed
-    warm_up(model, steps, compiled_wing.StaticCaches(model), rows=2, plain=[RULES["greedy"], RULES["rejection"]],
+    warm_up(model, steps, compiled_wing.static_caches(model), rows=2, plain=[RULES["greedy"], RULES["rejection"]],
             proposers=[(proposer, RULES[r]) for r in ("greedy", "typical", "rejection")])
     shapes = list(dict.fromkeys(calls))
     assert proposer.trees() == [TREE] and len(shapes) == 2 + 3 + 1 and all(calls.count(s) == 3 for s in shapes)
@@ -173,7 +173,7 @@ def test_an_aligned_head_writes_the_models_logits_at_a_stride_of_64_and_leaves_t
 
 
 def test_a_kv_cache_not_marked_static_is_refused_under_cuda_graphs_rules(monkeypatch):
-    """Why StaticCaches marks its tensors: a CUDA graph would write into its own copy of the cache."""
+    """Why static_caches marks its tensors: a CUDA graph would write into its own copy of the cache."""
     monkeypatch.setattr(torch._dynamo, "mark_static_address", lambda t, guard=True: None)
     pytest.raises(AssertionError, warmed_up, 9).match("writes into")
     assert [compile_options(d)["mode"] for d in ("cuda", "cpu")] == ["reduce-overhead", None]  # graphs on CUDA only
