@@ -90,8 +90,7 @@ def model() -> GPT:
 
 def random_tree(rng: random.Random) -> Tree:
     """Depth 1-5, up to 4 children per node (some nodes none), every prefix present."""
-    depth, width = rng.randint(1, 5), rng.randint(1, 4)
-    choices, frontier = [], [()]
+    depth, width, choices, frontier = rng.randint(1, 5), rng.randint(1, 4), [], [()]
     for _ in range(depth):
         frontier = [parent + (r,) for parent in frontier for r in range(rng.randint(0, width))] or [frontier[0] + (0,)]
         choices += frontier

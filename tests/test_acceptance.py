@@ -87,8 +87,7 @@ def test_nodes_a_row_cannot_use_are_never_accepted(rule):
 def test_typical_acceptance_needs_p_strictly_above_the_bar():
     """§2.3.1 accepts x when p(x) > min(ε, δ·exp(−H(p))): a candidate exactly at the bar fails, in the
     reference and the engine. p is exactly 1/2 on tokens 0 and 1, so with δ = 10 the bar is ε."""
-    tokens = torch.tensor([[0, 1]])
-    logits = torch.tensor([[[0.0, 0.0, -torch.inf, -torch.inf]] * 2])  # [1, 2 nodes, 4]
+    tokens, logits = torch.tensor([[0, 1]]), torch.tensor([[[0.0, 0.0, -torch.inf, -torch.inf]] * 2])  # [1, 2 nodes, 4]
     for epsilon, accepted in [(0.5, False), (0.4999, True)]:
         sampling = Sampling(acceptance="typical", temperature=1.0, epsilon=epsilon, delta=10.0)
         path, _ = ref.typical_accept([-1, 0], tokens[0].tolist(), logits[0], sampling=sampling,

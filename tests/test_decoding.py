@@ -29,7 +29,6 @@ def drafter(kind: str, model, *prompts, seed: int = 0):
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
-@torch.no_grad()
 def test_plain_decoding_emits_the_backbones_own_next_tokens_drawn_in_order_from_one_generator(temperature):
     """Token after token, the argmax, or the draw `next_token` makes from the generator's next uniform, of
     the logits a whole-sequence forward without a cache gives."""
@@ -140,9 +139,8 @@ def test_prompt_lookup_verifies_the_root_alone_without_a_repeated_ngram_and_draf
     """Without a repeated n-gram prompt lookup takes plain decoding's forward passes, each verifying the
     root alone; on a text whose continuation was written earlier, it emits several tokens a step."""
     model, prompt, verified = successor_model(), list(range(10)), []  # greedy: 10, 11, ...: nothing repeats
-    real_verify = step.verify
-    monkeypatch.setattr(step, "verify", lambda model, cache, tokens, **kw: verified.append(tokens.shape[1]) or
-                        real_verify(model, cache, tokens, **kw))
+    monkeypatch.setattr(step, "verify", lambda model, cache, tokens, real=step.verify, **kw:
+                        verified.append(tokens.shape[1]) or real(model, cache, tokens, **kw))
     out, stats = medusa_generate(model, PromptLookup(), prompt, tree=preset("cpu"), max_new_tokens=20)
     assert out == generate(model, prompt, max_new_tokens=20)[0] == list(range(10, 30))
     assert verified == [1] * 19 and stats.steps == 19  # plain decoding's passes: one a token after the prefill's

@@ -5,8 +5,7 @@ then fails. The apparatus (exact distributions, the bound, heads that know the f
 Greedy Medusa writes plain greedy's tokens in every row of a ragged batch (in bfloat16 it may part only at
 a near-tie); plain and rejection sampling emit exactly the backbone's distribution, enumerated on a 4-token
 vocabulary; typical acceptance does not (the paper's trade) but never leaves the nucleus. Top-p breaks ties
-by token id, in a batch as alone; an end token stops every rule; a temperature too small for float32 is greedy.
-"""
+by token id, in a batch as alone; an end token stops every rule; a temperature too small for float32 is greedy."""
 
 import itertools
 from dataclasses import dataclass, replace
@@ -51,7 +50,6 @@ def greedy_mismatches(model, drafter) -> tuple[int, int]:
     return sum(got != w for (got, _), w in zip(rows, want)), deepest(rows)
 
 
-@torch.no_grad()
 @pytest.mark.parametrize("drafter", DRAFTERS)
 def test_greedy_medusa_with_heads_that_know_the_future_equals_plain_greedy_in_every_row_of_a_ragged_batch(drafter):
     """They fill whole paths: the deepest accepted node is the tree's depth."""
@@ -82,7 +80,6 @@ GREEDY_BUGS = {  # name: the module attribute to patch, and the wrong value
     "children_are_judged_at_themselves_not_their_parent": (acceptance, "path_accept", judged_at_themselves)}
 
 
-@torch.no_grad()
 @pytest.mark.parametrize("bug", GREEDY_BUGS)
 def test_the_greedy_equality_check_fails_when(bug, monkeypatch):
     monkeypatch.setattr(*GREEDY_BUGS[bug])
@@ -143,7 +140,6 @@ CASES = {
 }
 
 
-@torch.no_grad()
 @pytest.mark.parametrize("case", CASES)
 def test_plain_and_rejection_sampling_emit_exactly_the_backbones_distribution(case):
     """Each prompt's sequences pass `lossless.failures` against its exact distribution, and the deepest
@@ -222,7 +218,6 @@ SAMPLING_BUGS = {  # name: (the case whose check must fail, the module attribute
     "children_are_tried_against_a_siblings_q": ("hydra-ragged-batch", Drawn, "at", a_siblings_q)}
 
 
-@torch.no_grad()
 @pytest.mark.parametrize("bug", SAMPLING_BUGS)
 def test_the_exact_distribution_check_fails_when(bug, monkeypatch):
     case, *patch = SAMPLING_BUGS[bug]
@@ -230,7 +225,6 @@ def test_the_exact_distribution_check_fails_when(bug, monkeypatch):
     assert any(failures(rows, exact) for rows, exact in CASES[case].run())
 
 
-@torch.no_grad()
 def test_typical_acceptance_fails_the_exact_distribution_check():
     """The documented trade (§2.3.1): typical acceptance favours likely candidates, so its sequences drift
     from the backbone's distribution past the bound every rejection case stays within."""
@@ -248,7 +242,6 @@ TYPICAL_TOP_P = Case(FutureHeads(), Sampling(acceptance="typical", temperature=1
                      deepest=2, tree=Tree.from_choices([(0,), (1,), (1, 0)]))
 
 
-@torch.no_grad()
 def rows_outside_the_nucleus() -> int:
     """Rows of typical Medusa with top-p emitting a token of probability 0 under top-p given everything
     before it (their sequence has probability 0); the rows accept candidates as deep as the tree."""
@@ -294,7 +287,6 @@ def test_top_p_with_ties_at_the_cut_keeps_the_lower_token_ids_in_a_batch_as_alon
             assert kept != {len(probs) - 1 - t for t in lower_ids_nucleus(probs.flip(0), cut)}  # the higher ids
 
 
-@torch.no_grad()
 @pytest.mark.parametrize("rule", RULES)
 def test_an_end_token_at_the_prefill_or_inside_a_path_stops_generation_after_it_in_the_engine_and_the_reference(rule):
     """Run once without an end token, streamed: the prefill's token, then each step's tokens. As end token
@@ -324,7 +316,6 @@ def test_an_end_token_at_the_prefill_or_inside_a_path_stops_generation_after_it_
     pytest.fail("no run emitted a token in the middle of a step: the test checked nothing")
 
 
-@torch.no_grad()
 @pytest.mark.parametrize("temperature", [1e-45, 1e-300])
 def test_a_temperature_below_float32s_range_is_greedy_for_plain_sampling_and_every_medusa_rule(temperature):
     """p is the argmax's point mass, never NaN: plain sampling and Medusa under each rule, with random
@@ -351,13 +342,11 @@ def verify_error(model, prompt: list[int], tree: Tree) -> float:
     root = prefill(model, torch.tensor([prompt]), caches[0])[0].argmax(dim=-1, keepdim=True)  # [1, 1]
     prefill(model, torch.tensor([prompt]), caches[1])
     _, plain, _ = plain_step(model, caches[0], root)  # [1, 1, V]
-    others = torch.randint(0, model.config.vocab_size, (1, tree.num_nodes - 1),
-                           generator=torch.Generator().manual_seed(0))
+    others = torch.randint(model.config.vocab_size, (1, tree.num_nodes - 1), generator=torch.Generator().manual_seed(0))
     tree_logits, _ = verify(model, caches[1], torch.cat([root, others], dim=1), tree=tree.tensors())  # [1, N, V]
     return (plain[0, 0].float() - tree_logits[0, 0].float()).abs().max().item()
 
 
-@torch.no_grad()
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_greedy_medusa_parts_from_plain_greedy_only_at_a_tie_within_twice_the_measured_verify_error(dtype):
     """Greedy Medusa is exact because the root's logits in the tree pass are a plain step's, to within a few

@@ -23,8 +23,7 @@ from medusa_mini.step import medusa_step
 from medusa_mini.training import MedusaLM, self_distill
 from medusa_mini.tree import preset
 
-META = torch.device("meta")
-TREE, DRAFTERS = preset("cpu"), ["medusa", "hydra", "lookup"]
+META, TREE, DRAFTERS = torch.device("meta"), preset("cpu"), ["medusa", "hydra", "lookup"]
 GEN = torch.Generator().manual_seed(0)  # stands for the meta device's generator (see the module docstring)
 
 

@@ -12,8 +12,7 @@ ATOL = 1e-5
 
 def test_parameter_names_and_initial_values_follow_gpt2_and_the_lm_head_is_tied_to_the_token_embedding():
     torch.manual_seed(0)
-    model = GPT(GPTConfig(n_layer=2))
-    modules = ("ln_1", "attn.c_attn", "attn.c_proj", "ln_2", "mlp.c_fc", "mlp.c_proj")
+    model, modules = GPT(GPTConfig(n_layer=2)), ("ln_1", "attn.c_attn", "attn.c_proj", "ln_2", "mlp.c_fc", "mlp.c_proj")
     block = [f"transformer.h.{i}.{m}.{p}" for i in range(2) for m in modules for p in ("weight", "bias")]
     assert list(model.state_dict()) == ["transformer.wte.weight", "transformer.wpe.weight", *block,
                                         "transformer.ln_f.weight", "transformer.ln_f.bias", "lm_head.weight"]
@@ -60,8 +59,7 @@ def test_an_overfilled_cache_or_context_a_cache_outside_no_grad_and_a_width_head
 def test_a_decode_step_is_one_captured_graph_with_eager_logits_at_every_length(kind):
     """Static shapes: one graph, captured once, serves every cache length with the eager logits and KV cache."""
     model = GPT(GPTConfig(vocab_size=64, block_size=32, n_layer=1, n_head=2, n_embd=16)).eval()
-    t = Tree.from_choices([(0,), (1,), (0, 0), (0, 1), (0, 0, 0)]).tensors()
-    tree_verify = kind == "tree verify"
+    t, tree_verify = Tree.from_choices([(0,), (1,), (0, 0), (0, 1), (0, 0, 0)]).tensors(), kind == "tree verify"
     new_mask, depths = (t.ancestor_mask, t.depths) if tree_verify else (None, torch.zeros(1, dtype=torch.long))
     tokens = torch.randint(0, 64, (1, depths.numel()), generator=torch.Generator().manual_seed(0))
 

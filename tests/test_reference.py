@@ -19,8 +19,7 @@ from medusa_mini.tree import Tree, chain
 #           │                  └─ 4 (0,1) token 0
 #           └─ 2 (1,) token 2
 TREE = Tree.from_choices([(0,), (1,), (0, 0), (0, 1), (0, 0, 0)])
-PARENTS, TOKENS, V = TREE.parents, [0, 3, 2, 1, 0, 2], 5
-T1 = Sampling(acceptance="rejection", temperature=1.0)
+PARENTS, TOKENS, V, T1 = TREE.parents, [0, 3, 2, 1, 0, 2], 5, Sampling(acceptance="rejection", temperature=1.0)
 
 
 def logits_from(probs_rows):

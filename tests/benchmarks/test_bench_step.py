@@ -35,7 +35,6 @@ def test_the_table_prints_every_stage_the_heads_share_of_a_plain_step_and_the_st
     assert bench_step.parse_args(["--configs", "tiny,gpt2,tiny"]).configs == ["tiny", "gpt2"]  # one column a name
 
 
-@torch.no_grad()
 def test_the_operation_count_sees_every_device_operation_but_views_and_host_reads():
     x = torch.arange(6.0)
     assert count_ops(lambda: (x.view(2, 3).t()[0], x[1:].tolist(), x.sum().item())) == {"aten::sum": 1}

@@ -66,8 +66,7 @@ def warmed_up(seed: int, *, backend=None, kind: str = "medusa", rows: int = 1, r
     by `backend`) and its static caches, warmed up for TREE under `rules` (by default the plain step alone)."""
     torch.compiler.reset()  # graphs are cached per function, across models: start afresh
     model = with_aligned_head(tiny_model(seed, vocab_size=50), devices=("cpu",))
-    steps = compile_steps("cpu", backend=backend or GraphReplay())
-    heads = random_heads(model, seed=seed, kind=kind)
+    steps, heads = compile_steps("cpu", backend=backend or GraphReplay()), random_heads(model, seed=seed, kind=kind)
     warm_up(model, steps, caches := compiled_wing.static_caches(model), plain=[RULES["greedy"]] * (not rules),
             rows=rows, proposers=[(heads.proposer(model, TREE), rule) for rule in rules])
     return model, heads, steps, caches

@@ -16,8 +16,7 @@ from medusa_mini.io.loading import load_for_decoding, load_prompts, prompt_ids
 from medusa_mini.io.safetensors import read_safetensors, write_safetensors
 from medusa_mini.model import GPT, GPTConfig
 
-CHECKPOINT_FILES = {"config.json", "model.safetensors"}
-HEADS_FILES = {"medusa_heads.safetensors", "medusa_config.json"}
+CHECKPOINT_FILES, HEADS_FILES = {"config.json", "model.safetensors"}, {"medusa_heads.safetensors", "medusa_config.json"}
 IDS = torch.tensor([[3, 14, 15, 9, 26, 5, 35, 8]])  # [B, T]
 
 
@@ -71,8 +70,7 @@ def test_heads_saved_before_draft_vocabularies_load_over_the_whole_vocabulary(tm
     fields = json.loads((tmp_path / "medusa_config.json").read_text())
     del fields["draft_vocab_size"]
     (tmp_path / "medusa_config.json").write_text(json.dumps({**fields, "own_lm_head": False}))
-    tensors = read_safetensors(tmp_path / "medusa_heads.safetensors")
-    del tensors["vocab_order"]
+    tensors = {k: v for k, v in read_safetensors(tmp_path / "medusa_heads.safetensors").items() if k != "vocab_order"}
     with open(tmp_path / "medusa_heads.safetensors", "wb") as f:
         write_safetensors(f, tensors)
     model2, heads2, _ = load_checkpoint(tmp_path)
@@ -84,9 +82,8 @@ def test_heads_saved_before_draft_vocabularies_load_over_the_whole_vocabulary(tm
 def test_a_save_failing_midway_leaves_the_previous_checkpoint_loadable(tmp_path, monkeypatch, failing):
     old, old_heads, new_heads = tiny_gpt(seed=0), tiny_heads(draft=20), None if "," in failing else tiny_heads(seed=9)
     save_checkpoint(tmp_path, old, heads=old_heads, extra={"version": 1})
-    real = os.replace
 
-    def replace(src, dst):
+    def replace(src, dst, real=os.replace):
         assert os.path.dirname(src) == os.path.dirname(dst)  # a sibling: a rename across filesystems fails
         if failing.startswith(os.path.basename(dst)) and str(src).endswith(".tmp"):
             raise KeyboardInterrupt(f"Ctrl-C while replacing {failing}")

@@ -53,16 +53,15 @@ def test_sampled_acceptance_is_the_mean_sum_min_p_q_and_the_drawn_tables_first_t
     assert seqs != continuations(model, _prompts(4, length=6), max_new_tokens=20)  # sampled, not greedy
     seqs += [seqs[0][:6], seqs[1][:7]]
     sums = [[] for _ in range(3)]
-    with torch.no_grad():
-        for s in seqs:
-            logits, hidden = model(torch.tensor([s]))
-            p = sampling_probs(logits[0], temperature=T)  # [T, V]
-            for t in range(5, len(s) - 1):
-                q, following = torch.zeros(3, 64), torch.tensor(s[t + 1 : t + 4] + [0] * 3)[:3]
-                q[:, heads.draft_ids] = torch.softmax(heads(hidden[0, t], model, following=following) / T, dim=-1)
-                for k in range(1, 4):
-                    if t + k < len(s) - 1:
-                        sums[k - 1].append(torch.minimum(p[t + k], q[k - 1]).sum().item())
+    for s in seqs:
+        logits, hidden = model(torch.tensor([s]))
+        p = sampling_probs(logits[0], temperature=T)  # [T, V]
+        for t in range(5, len(s) - 1):
+            q, following = torch.zeros(3, 64), torch.tensor(s[t + 1 : t + 4] + [0] * 3)[:3]
+            q[:, heads.draft_ids] = torch.softmax(heads(hidden[0, t], model, following=following) / T, dim=-1)
+            for k in range(1, 4):
+                if t + k < len(s) - 1:
+                    sums[k - 1].append(torch.minimum(p[t + k], q[k - 1]).sum().item())
     exact = accuracy.measure_sampled_acceptance(model, heads, seqs, prompt_lens=6, temperature=T)
     assert exact.tolist() == pytest.approx([sum(v) / len(v) for v in sums], abs=1e-6)
     assert 0.1 < exact.min() and exact.max() < 0.95  # neither all nor nothing: a real test of the sum

@@ -43,8 +43,7 @@ def test_a_single_file_becomes_documents_cut_on_line_boundaries(tmp_path):
     assert len(docs) >= 4 and "".join(t for _, t in docs) == text
     assert [name for name, _ in docs] == [f"corpus.txt#{i}" for i in range(len(docs))]
     assert all(t.endswith("\n") and len(t) <= 64 * 1024 for _, t in docs)
-    # a line longer than a document stays whole, and no document is empty
-    long_line = "y" * 70_000 + "\n"
+    long_line = "y" * 70_000 + "\n"  # a line longer than a document stays whole, and no document is empty
     (tmp_path / "long.txt").write_text(long_line + text[:100], encoding="utf-8")
     assert [t for _, t in load_corpus(tmp_path / "long.txt")] == [long_line, text[:100]]
     (tmp_path / "a.txt").write_bytes("héllo\r\nworld".encode())  # a small file: one document, bytes kept
