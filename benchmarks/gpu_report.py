@@ -4,12 +4,12 @@
     python benchmarks/gpu_report.py --out gpu.md --part step --append  # or part by part
     python benchmarks/gpu_report.py --device cpu --quick --out cpu.md  # the same code, small, on a CPU
 
-Parts: step: `bench_step.py` per GPT-2 shape and dtype, eager and (on CUDA) compiled; train: `train_tiny.py
---preset gpu` into --ckpt; decode: `decode.py --compare` on it in bfloat16 (compiled on CUDA); batch: the same with
---batch-size 1,2,4,8,16. A part runs within --budget-s; when it ends, the report so far is written, so a stopped
-run keeps what it finished: to --out, or, while --out holds an older report (no --append), to --out.partial, which
-replaces it when the run ends. Exit status: 0, 1 if a part failed (its section says why), 2 for bad flags, the
-forwarded ones included."""
+Parts: step: `bench_step.py` per GPT-2 shape and dtype, eager and (on CUDA) compiled; train: `train_tiny.py --preset
+gpu` into --ckpt; decode: `decode.py --compare` on it in bfloat16 (compiled on CUDA); batch: the same with --batch-size
+1,2,4,8,16. A part runs within --budget-s; when it ends, the report so far is written, so a stopped run keeps what it
+finished: to --out, or, while --out holds an older report (no --append), to --out.partial, which replaces it when the
+run ends (unless every part failed). Exit status: 0, 1 if a part failed (its section says why), 2 for bad flags, the
+forwarded ones as their script's parser reads them (what needs the trained checkpoint, as --tree, fails its part)."""
 
 import argparse
 import contextlib
@@ -235,9 +235,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"gpu_report.py: interrupted; {target} holds the parts that ended before", file=sys.stderr)
         return 130
-    if target != s.out:
+    kept = target != s.out and len(failed) == len(s.parts)  # a run with nothing to show leaves the older report
+    if target != s.out and not kept:
         os.replace(target, s.out)
-    print(f"report: {s.out}" + (f"; failed: {', '.join(failed)}" if failed else ""), file=sys.stderr)
+    where = f"{target} ({s.out} kept: every part failed)" if kept else s.out
+    print(f"report: {where}" + (f"; failed: {', '.join(failed)}" if failed else ""), file=sys.stderr)
     return 1 if failed else 0
 
 

@@ -120,16 +120,19 @@ def test_bad_flags_exit_2_with_one_line_before_any_part_runs(tmp_path, capsys, m
     assert list(tmp_path.iterdir()) == [stopped]
 
 
-@pytest.mark.parametrize("case", ["anew", "append", "disk full"])
+@pytest.mark.parametrize("case", ["anew", "append", "disk full", "every part failed"])
 def test_each_part_is_written_as_it_ends_and_an_older_report_is_replaced_by_a_whole_one(tmp_path, capsys, monkeypatch,
                                                                                          case):
-    """Appended to, the older report grows part by part; else the new one grows in r.md.partial beside it."""
+    """Appended to, the older report grows part by part; else the new one grows in r.md.partial beside it, and
+    replaces it unless every part failed."""
     out, seen, writes, real = tmp_path / "r.md", [], [], gpu_report.atomic_write
     new = out if case == "append" else tmp_path / "r.md.partial"
     out.write_text("# an older report\n")
     if case != "append":  # what an earlier run, stopped, left: replaced, not added to
         new.write_text("# a stopped run's\n")
-    faked(monkeypatch, lambda argv: seen.append(new.read_text() if new.exists() else "") or (1, "boom\n", 1.0))
+    trained = (0, "summary    validation loss 3.1\n", 1.0) if case != "every part failed" else (1, "boom\n", 1.0)
+    faked(monkeypatch, lambda argv: seen.append(new.read_text() if new.exists() else "") or
+          (trained if argv[0] == "train_tiny.py" else (1, "boom\n", 1.0)))
 
     def write(path, writer):  # a disk that fills after the first part's section, in case "disk full"
         if case == "disk full" and writes:
@@ -143,15 +146,17 @@ def test_each_part_is_written_as_it_ends_and_an_older_report_is_replaced_by_a_wh
     steps, err = len(gpu_report.GPT2_SHAPES.split(",")), capsys.readouterr().err
     assert seen[:steps] == ["# an older report\n" * (case == "append")] * steps  # untouched while the first part runs
     assert "## What one step costs" in seen[steps] and "## Training" not in seen[steps]  # then its section
-    if case == "disk full":  # the new report as of its first part beside the older one, which stays whole
-        assert err.splitlines()[-1].startswith("gpu_report.py: error: ") and "after part train (No space left" in err
-        assert out.read_text() == "# an older report\n" and new.read_text() == writes[0]
+    if case in ("disk full", "every part failed"):  # the new report beside the older one, which stays whole
+        assert out.read_text() == "# an older report\n" and new.read_text() == writes[0 if case == "disk full" else 1]
+        last = err.splitlines()[-1]  # disk full: the run ends at once, with one line saying so
+        assert last.startswith("gpu_report.py: error: ") and "after part train (No space left" in last \
+            if case == "disk full" else last == f"report: {new} ({out} kept: every part failed); failed: step, train"
         return
     assert [p.name for p in tmp_path.iterdir()] == ["r.md"]  # no temporary or partial file left beside it
     text = out.read_text()
     assert text.startswith("# an older report\n\n## What one step costs" if case == "append" else "# medusa_mini")
-    assert "## Training" in text and text.count("Failed: exit status 1 after 1 s: boom\n") == steps + 1
-    assert err.endswith(f"report: {out}; failed: step, train\n")
+    assert "## Training" in text and "summary    validation loss 3.1" in text and text.count("Failed: ") == steps
+    assert err.endswith(f"report: {out}; failed: step\n")
 
 
 def test_a_command_keeps_its_output_is_stopped_at_its_budget_and_on_sigterm_leaves_nothing_running(tmp_path):
