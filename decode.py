@@ -118,7 +118,8 @@ def checked(a: argparse.Namespace, ck, texts: list[str], device: torch.device) -
     """--tree's TreeChoice, --compare's for drawn candidates, [(text, ids)]: a ValueError for what cannot run."""
     medusa = a.method != "plain"  # --compare takes no --method, --explain refuses plain
     if ck.heads is None and medusa:
-        raise ValueError(f"{a.ckpt} has no Medusa heads: train heads" + ", or use --method plain" * (not a.compare))
+        plain_runs = not (a.compare or a.explain or a.reference)  # each of these decodes with heads
+        raise ValueError(f"{a.ckpt} has no Medusa heads: train heads" + ", or use --method plain" * plain_runs)
     choice = drawn = None
     if ck.heads is not None:
         tree_for = functools.partial(resolve_tree, a.tree if a.tree is not None else "cpu" if a.demo else None,
@@ -129,7 +130,10 @@ def checked(a: argparse.Namespace, ck, texts: list[str], device: torch.device) -
             ck.heads.proposer(ck.model, tree)
     prompts, room = [], ROOM if a.explain else 2 if a.compare else 1  # new positions past a prompt (--compare: two)
     for i, text in enumerate(texts, start=1):
-        ids, which = ck.enc.encode_ordinary(text), f"prompt {i} ({'--prompt' if a.prompt else PROMPTS_FILE})"
+        which = f"prompt {i} ({'--prompt' if a.prompt else PROMPTS_FILE})"
+        if any("\ud800" <= c <= "\udfff" for c in text):  # bytes a command line held that are not UTF-8, escaped
+            raise ValueError(f"{which} is not UTF-8 text: give it in UTF-8")
+        ids = ck.enc.encode_ordinary(text)
         if not ids:
             raise ValueError(f"{which} is empty; give some text with --prompt")
         if len(ids) > ck.block_size - room:

@@ -85,8 +85,9 @@ def load_corpus(path: str | os.PathLike[str] | None = None, *, max_bytes: int = 
         raise ValueError(f"data path does not exist: {path}")
     docs = [doc for file in files if (text := _read_text(file))
             for doc in _chunk_lines(file.relative_to(root).as_posix(), text)]
-    if not docs:
-        raise ValueError(f"no non-empty UTF-8 text in {path or root}")
+    if not docs:  # the standard library has text: there, every file was larger than the cap
+        raise ValueError(f"no non-empty UTF-8 text in {path}" if path is not None else
+                         f"no file of {root} fits within --max-bytes {max_bytes:,}: raise it")
     return docs
 
 

@@ -163,8 +163,8 @@ def test_top_p_goes_with_sampling_a_temperature_names_or_compares_sampled_rows()
 
 @pytest.mark.parametrize("case", [  # what the error names: what follows "->", else the first flag given
     "--ckpt {tmp}/nowhere -> nowhere does not exist",
-    "--ckpt {tmp} -> safetensors", "--ckpt {ckpt}/config.json -> is a file", "--ckpt {no_heads} -> no Medusa heads",
-    "--ckpt {no_heads} --compare -> no Medusa heads", "--ckpt {hydra} --reference -> not Hydra heads",
+    "--ckpt {tmp} -> safetensors", "--ckpt {ckpt}/config.json -> is a file", "--prompt caf\udce9 -> not UTF-8 text",
+    "--ckpt {hydra} --reference -> not Hydra heads",
     "--tree chain6 -> 4 Medusa heads", "--tree [[100000]] -> draft vocabulary", "--tree ''", "--prompt ''",
     "--prompt '{long}' -> at most 63 tokens", "--temperature -1", "--temperature inf", "--max-new-tokens 0",
     "--max-new-tokens many", "--num-prompts 0", "--seed 9223372036854775808", "--method greedy --temperature 0.7",
@@ -184,6 +184,12 @@ def test_bad_input_exits_2_with_one_line(case, ckpt, ckpt_no_heads, ckpt_hydra, 
                                    long="the cat " * 100))
     err = refused(capsys, decode.main, argv if "--ckpt" in argv else ["--ckpt", ckpt, *argv])
     assert err.startswith("decode.py: error: ") and (needle or argv[0]) in err, err
+
+
+def test_a_checkpoint_without_heads_points_to_plain_decoding_only_where_it_can_run(ckpt_no_heads, capsys):
+    for argv, plain_runs in [([], True), (["--compare"], False), (["--explain"], False), (["--reference"], False)]:
+        err = refused(capsys, decode.main, ["--ckpt", ckpt_no_heads, *argv])
+        assert "has no Medusa heads: train heads" in err and ("or use --method plain" in err) == plain_runs, argv
 
 
 @pytest.mark.parametrize("mode", [["--method", "rejection"], ["--reference", "--method", "rejection"],

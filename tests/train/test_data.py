@@ -34,6 +34,7 @@ def test_default_corpus_is_offline_sorted_capped_named_by_relative_path_without_
     skipped = {"site-packages", "dist-packages", "test", "tests", "idlelib"}
     folders = [set(f.relative_to(STDLIB).parts[:-1]) for f in default_corpus_files(max_bytes=3_000_000)]
     assert any(folders) and not any(skipped & parts for parts in folders)  # packages' files too, but none of these
+    pytest.raises(ValueError, load_corpus, max_bytes=10).match("no file of .* fits within --max-bytes 10: raise it")
 
 
 def test_a_single_file_becomes_documents_cut_on_line_boundaries(tmp_path):
