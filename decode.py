@@ -33,8 +33,7 @@ from medusa_mini.train.device import DTYPES, pick_device, pick_dtype
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The flags, every impossible setting refused before any loading; batch sizes and sampling filled in."""
     p = OneLineParser(prog="decode.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ckpt", type=os.path.expanduser, default="out/tiny", metavar="DIR",
-                   help="checkpoint directory (default: %(default)s)")
+    p.add_argument("--ckpt", type=os.path.expanduser, metavar="DIR", help="checkpoint directory (default: out/tiny)")
     p.add_argument("--prompt", action="append", metavar="TEXT", help="repeat for several (default: prompts.json)")
     p.add_argument("--num-prompts", type=at_least(1), default=8, metavar="N", help="stored prompts used (default: 8)")
     p.add_argument("--max-new-tokens", type=at_least(1), default=128, metavar="N", help="per prompt (default: 128)")
@@ -74,6 +73,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         (a.batch_size > 1 and (a.show or a.reference or a.explain),
          "--batch-size decodes several prompts at once; --show, --reference and --explain take one at a time"),
         (a.demo and not a.explain, "--demo goes with --explain: python decode.py --explain --demo"),
+        (a.demo and a.ckpt is not None, "--demo trains a model of its own: leave out --ckpt"),
         (a.plot is not None and not a.batch_table, "--plot draws the batch table: add --compare --batch-size 1,2,4"),
         (a.reference and a.batch_table, "--reference adds rows to the one-batch table: leave out the batch sizes"),
         (a.show and a.reference, "--show marks the engine's passes; reference.py returns its tokens at once"),
@@ -87,6 +87,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                                       "out --compile")):
         if wrong:
             p.error(message)
+    a.ckpt = a.ckpt or "out/tiny"  # no default above: --demo refuses a --ckpt given
     a.temperature = (SAMPLING_TEMPERATURE if samples else 0.0) if a.temperature is None else a.temperature
     rule = None if a.compare or a.method == "plain" else a.method  # --compare makes its own rows
     try:  # every sampling setting is checked here, once; plain decoding reads only T and top-p
@@ -230,6 +231,7 @@ def print_each(engine: Engine, method: Method, prompts: list[tuple[str, list[int
             if a.json:
                 print(json.dumps({"prompt": text, "method": method.key, "tokens": tokens, "text": ck.enc.decode(
                     [t for t in tokens if t != ck.eot_id]), **vars(stats), "tokens_per_step": stats.tokens_per_step,
+                    **dict.fromkeys(("step_tokens", "accepted_nodes") if method.reference else ()),  # null: reference.py counts passes
                     "batch_size": B, "temperature": a.temperature}, ensure_ascii=False))
                 continue
             if not streamed:
