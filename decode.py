@@ -208,7 +208,8 @@ class StepPrinter:
 
 def print_each(engine: Engine, method: Method, prompts: list[tuple[str, list[int]]], a, label: str) -> None:
     """Each prompt's continuation and statistics, B prompts at a time (one prompt streams its steps, a batch prints
-    once done; ms/token is the decoding call's); --json: an object per prompt (`tokens`: new ids, an end token's)."""
+    once done; ms/token is the decoding call's); --json: an object per prompt (`tokens`: new ids, an end token's;
+    reference.py counts passes alone: its step_tokens and accepted_nodes are null)."""
     ck, B = engine.ck, a.batch_size
 
     def announce(n: int) -> StepPrinter:
@@ -231,7 +232,7 @@ def print_each(engine: Engine, method: Method, prompts: list[tuple[str, list[int
             if a.json:
                 print(json.dumps({"prompt": text, "method": method.key, "tokens": tokens, "text": ck.enc.decode(
                     [t for t in tokens if t != ck.eot_id]), **vars(stats), "tokens_per_step": stats.tokens_per_step,
-                    **dict.fromkeys(("step_tokens", "accepted_nodes") if method.reference else ()),  # null: reference.py counts passes
+                    **dict.fromkeys(("step_tokens", "accepted_nodes") if method.reference else ()),
                     "batch_size": B, "temperature": a.temperature}, ensure_ascii=False))
                 continue
             if not streamed:
