@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-ACCEPTANCE_RULES = ("greedy", "typical", "rejection")  # Medusa's rules (§2.3); decode.py's --method adds plain
+ACCEPTANCE_RULES = ("greedy", "typical", "rejection")  # exact, §2.3.1's, lossless; decode.py's --method adds plain
 SAMPLING_TEMPERATURE = 0.8  # the commands' and reports' temperature when they sample (Sampling's default is greedy)
 FLOAT32_MAX = torch.finfo(torch.float32).max
 

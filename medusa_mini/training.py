@@ -125,4 +125,5 @@ def self_distill(model: GPT, prompts: torch.Tensor, *, max_new_tokens: int, temp
     n = min(max_new_tokens, model.config.block_size - prompts.shape[1])
     rows = generate_batch(model, prompts.tolist(), max_new_tokens=n, sampling=Sampling(temperature=temperature),
                           generator=generator)
-    return torch.cat([prompts, torch.tensor([out for out, _ in rows], device=prompts.device).view(-1, n)], dim=1)
+    new = torch.tensor([out for out, _ in rows], dtype=torch.long, device=prompts.device).view(len(rows), n)  # [B, n]
+    return torch.cat([prompts, new], dim=1)

@@ -63,7 +63,7 @@ def test_head_losses_reach_the_backbone_in_medusa_2_only(medusa):
 def test_self_distillation_is_greedy_at_temperature_zero_seeded_and_within_the_context():
     model, prompts = tiny_model(2, block_size=16), torch.tensor([[1, 2, 3, 4], [7, 8, 9, 10]])
     out = self_distill(model, prompts, max_new_tokens=10, temperature=0.0)
-    assert out[:, :4].equal(prompts)
+    assert out[:, :4].equal(prompts) and self_distill(model, prompts, max_new_tokens=0, temperature=0.0).equal(prompts)
     assert out[:, 4:].tolist() == [generate(model, p, max_new_tokens=10)[0] for p in prompts.tolist()]
     a, b, c = (self_distill(model, prompts, max_new_tokens=50, temperature=1.0,
                             generator=torch.Generator().manual_seed(s)) for s in (0, 0, 1))
