@@ -108,9 +108,12 @@ def commands(s: argparse.Namespace, part: str) -> list[tuple[str | None, list[st
                     *s.compile, *(QUICK_DECODE if s.quick else []), *s.decode_flags])]
 
 
-def run_part(s: argparse.Namespace, part: str) -> tuple[str, bool]:
-    """A part's section: each command within what is left of its budget, then the lines `keep` picks, or why none."""
+def run_part(s: argparse.Namespace, part: str, *, trained: bool = True) -> tuple[str, bool]:
+    """A part's section: each command within what is left of its budget, then the lines `keep` picks, or why none;
+    none for decode and batch after this run's train part failed (--ckpt holds no checkpoint of this run)."""
     title, keep, intro = PARTS[part]
+    if part in ("decode", "batch") and not trained:
+        return f"## {title}\n\nNot run: the train part failed, so {s.ckpt} holds no checkpoint of this run.", False
     deadline, text, ok = time.monotonic() + s.budget_s, [f"## {title}", *(["", intro] if intro else [])], True
     for heading, argv in commands(s, part):
         text += ["", f"### {heading}"] if heading else []
@@ -222,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for part in s.parts:
             print(f"[{part}] starting, budget {s.budget_s:.0f} s", file=sys.stderr, flush=True)
-            (text, ok), seconds = timed("cpu", lambda: run_part(s, part))  # the wall clock
+            (text, ok), seconds = timed("cpu", lambda: run_part(s, part, trained="train" not in failed))  # wall clock
             report += f"\n{text}\n\n_Part {part}: {seconds:.0f} s of its {s.budget_s:.0f} s budget._\n"
             try:
                 atomic_write(target, text_writer(report))

@@ -132,7 +132,8 @@ def test_each_part_is_written_as_it_ends_and_an_older_report_is_replaced_by_a_wh
         new.write_text("# a stopped run's\n")
     trained = (0, "summary    validation loss 3.1\n", 1.0) if case != "every part failed" else (1, "boom\n", 1.0)
     faked(monkeypatch, lambda argv: seen.append(new.read_text() if new.exists() else "") or
-          (trained if argv[0] == "train_tiny.py" else (1, "boom\n", 1.0)))
+          (trained if argv[0] == "train_tiny.py" else pytest.fail("decoded an older checkpoint")
+           if argv[0] == "decode.py" else (1, "boom\n", 1.0)))
 
     def write(path, writer):  # a disk that fills after the first part's section, in case "disk full"
         if case == "disk full" and writes:
@@ -142,15 +143,16 @@ def test_each_part_is_written_as_it_ends_and_an_older_report_is_replaced_by_a_wh
 
     monkeypatch.setattr(gpu_report, "atomic_write", write)
     assert gpu_report.main(["--device", "cpu", "--part", "step", "--part", "train", "--out", str(out), "--ckpt",
-                            str(tmp_path / "ckpt"), *(["--append"] if case == "append" else [])]) == 1
+                            str(tmp_path / "ckpt"), *(["--append"] if case == "append" else ["--part", "decode"] * (
+                                case == "every part failed"))]) == 1
     steps, err = len(gpu_report.GPT2_SHAPES.split(",")), capsys.readouterr().err
     assert seen[:steps] == ["# an older report\n" * (case == "append")] * steps  # untouched while the first part runs
     assert "## What one step costs" in seen[steps] and "## Training" not in seen[steps]  # then its section
     if case in ("disk full", "every part failed"):  # the new report beside the older one, which stays whole
-        assert out.read_text() == "# an older report\n" and new.read_text() == writes[0 if case == "disk full" else 1]
+        assert out.read_text() == "# an older report\n" and new.read_text() == writes[0 if case == "disk full" else -1]
         last = err.splitlines()[-1]  # disk full: the run ends at once, with one line saying so
-        assert last.startswith("gpu_report.py: error: ") and "after part train (No space left" in last \
-            if case == "disk full" else last == f"report: {new} ({out} kept: every part failed); failed: step, train"
+        assert last.startswith("gpu_report.py: error: ") and "after part train (No space left" in last if case == \
+            "disk full" else last == f"report: {new} ({out} kept: every part failed); failed: step, train, decode"
         return
     assert [p.name for p in tmp_path.iterdir()] == ["r.md"]  # no temporary or partial file left beside it
     text = out.read_text()
