@@ -352,7 +352,9 @@ def test_init_trains_heads_of_another_kind_on_a_frozen_checkpoint_over_its_own_t
     interrupted(args + ["--out", str(out)], during=3)
     assert train_tiny.main(args + ["--out", str(out), "--resume", "--init", str(ref)]) == 2  # another backbone
     assert "different configuration (init)" in capsys.readouterr().err
-    assert train_tiny.main(args + ["--out", str(out), "--resume"]) == 0 and same_weights(ref, out)
+    assert train_tiny.main(args + ["--out", str(out), "--resume", "--init", f"{base}/"]) == 0 and same_weights(ref, out)
+    assert train_tiny.main(args + ["--out", "x", "--block-size", "256", "--distill-prompt-len", "64"]) == 2  # base: 64
+    assert "holds 64 tokens of context" in capsys.readouterr().err and not (tmp_path / "x").exists()
 
 
 @pytest.mark.slow
