@@ -10,6 +10,7 @@ per head and how often its r-th drawn candidate is accepted (rejection sampling'
 
 import json
 import os
+import shlex
 from typing import NamedTuple
 
 import torch
@@ -54,7 +55,7 @@ def resolve_tree(spec: str | None, *, ckpt_dir: str, device: torch.device | str,
             raise ValueError(f"--tree {spec}: a node budget must be between 1 and {MAX_NODES}")
         if not measured:
             raise ValueError(f"--tree {spec} needs heads accuracies: " + (
-                f"run python -m medusa_mini.cli.measure --ckpt {ckpt_dir}" if ckpt_dir else
+                f"run python -m medusa_mini.cli.measure --ckpt {shlex.quote(ckpt_dir)}" if ckpt_dir else
                 "a checkpoint without a folder (--demo) has none; give a preset or choices"))
         budget, min_gain = (int(spec), 0.0) if count else (64, 0.0) if gpu else (8, CPU_MIN_GAIN)
         if (acc := accuracy.load_accuracy(ckpt_dir, drawn=drawn)) is None:

@@ -5,6 +5,7 @@ acc[k][r] = P(head k+1's rank-r guess is the backbone's greedy token k+2 places 
 
 import json
 import os
+import shlex
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -159,8 +160,8 @@ def save_accuracy(directory: str | os.PathLike, acc: torch.Tensor, *, drawn: tor
 def load_accuracy(directory: str | os.PathLike, *, drawn: bool = False) -> torch.Tensor | None:
     """Greedy's table [K, R] float64 from heads_accuracy.json, or with `drawn` the drawn candidates' (None where
     an older file has none); a one-line ValueError for a missing or bad file."""
-    path = os.path.join(os.fspath(directory), ACCURACY_FILE)
-    obj = read_json(path, hint=f"measure it with python -m medusa_mini.cli.measure --ckpt {directory}")
+    path = os.path.join(folder := os.fspath(directory), ACCURACY_FILE)
+    obj = read_json(path, hint=f"measure it with python -m medusa_mini.cli.measure --ckpt {shlex.quote(folder)}")
     key = "acc_drawn" if drawn else "acc"
     if drawn and isinstance(obj, dict) and key not in obj:
         return None

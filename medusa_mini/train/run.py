@@ -4,6 +4,7 @@ needs, also on Ctrl-C. Under torchrun (DDP) each rank trains on its own batches,
 import hashlib
 import math
 import os
+import shlex
 import signal
 import time
 from typing import Callable
@@ -496,6 +497,6 @@ def run(args: TrainArgs) -> None:
         prompts = held_out_prompts(val_docs, enc, count=args.eval_prompts, seed=args.seed, block_size=block_size)
         r.write(os.path.join(args.out, PROMPTS_FILE), json_writer({"prompts": prompts}))
         save_accuracy()  # after the heads it measures: a run stopped in between leaves no table of other heads
-        r.log(f"saved      {args.out}  (python decode.py --ckpt {args.out} " + ("--compare)" if prompts else
-              "--prompt TEXT: no held-out snippet fits a third of the context)"))
+        r.log(f"saved      {args.out}  (python decode.py --ckpt {shlex.quote(args.out)} "
+              + ("--compare)" if prompts else "--prompt TEXT: no held-out snippet fits a third of the context)"))
     r.finish()

@@ -181,7 +181,8 @@ def test_accuracy_survives_a_save_and_load_round_trip_and_prints_cumulative_top1
 @pytest.mark.parametrize("content", ["not json", "[1, 2]", '{"acc": []}', '{"acc": [[0.5], [0.5, 0.2]]}',
                                      '{"acc": [[0.5, "x"]]}', '{"acc": [[1.5]]}', '{"rows": [[0.5]]}', None])
 def test_a_bad_or_missing_accuracy_file_gives_a_clear_error(tmp_path, content):
+    (folder := tmp_path / "my ckpt").mkdir()  # the command it suggests quotes the folder
     if content is not None:
-        (tmp_path / "heads_accuracy.json").write_text(content)
-    with pytest.raises(ValueError, match="heads_accuracy.json" if content else "medusa_mini.cli.measure --ckpt"):
-        load_accuracy(tmp_path)
+        (folder / "heads_accuracy.json").write_text(content)
+    with pytest.raises(ValueError, match="heads_accuracy.json" if content else f"cli.measure --ckpt '{folder}'$"):
+        load_accuracy(folder)
