@@ -93,7 +93,7 @@ def format_sweep(result: dict) -> str:
             lines.append(f"{r['nodes']:>5}{expected:>9}{r['tokens_per_step']:>9.2f}{r['ms_per_step']:>9.2f}"
                          f"{r['tokens_per_s']:>9.1f}{r['speedup']:>8.2f}x"
                          + (f"  {n - len(r['differences'])}/{n}" if greedy else ""))
-        lines += [f"  budget {r['nodes']} verifies {r['verified_nodes']} nodes (all the table's tree holds for these heads)"
+        lines += [f"  budget {r['nodes']} verifies {r['verified_nodes']} nodes (all the table holds for these heads)"
                   for r in rows if r["verified_nodes"] < r["nodes"]]
     if any(r["expected_tokens_per_step"] is not None for r in result["rows"]):
         lines.append("\nexpected: the product rule on heads_accuracy.json (tree.expected_tokens_per_step; drawn "
