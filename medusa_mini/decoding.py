@@ -44,10 +44,12 @@ class GenerationStats:
 
 
 def _check_prompt(model: GPT, prompt: list[int] | torch.Tensor) -> list[int]:
-    ids, block = torch.as_tensor(prompt, dtype=torch.long), model.config.block_size
+    ids, block = torch.as_tensor(prompt), model.config.block_size
     if not (ids.dim() == 1 or ids.dim() == 2 and len(ids) == 1):  # [T] or [1, T]; a bare id or [B, T] is a slip
         shape = "one id" if ids.dim() == 0 else f"a tensor of shape {list(ids.shape)}"
         raise ValueError(f"a prompt is a list of token ids, not {shape}; the batch functions take a list of prompts")
+    if ids.is_floating_point() and ids.numel() or ids.dtype == torch.bool:  # as long ids, 96.7 would be 96
+        raise ValueError(f"a prompt holds integer token ids, not {ids.dtype} values")
     ids = ids.flatten().tolist()
     if not ids or len(ids) >= block:
         raise ValueError("the prompt is empty: give at least one token" if not ids else
