@@ -87,7 +87,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                                       "out --compile")):
         if wrong:
             p.error(message)
-    a.ckpt = a.ckpt or "out/tiny"  # no default above: --demo refuses a --ckpt given
+    a.ckpt = "out/tiny" if a.ckpt is None else a.ckpt  # no default above: --demo refuses a --ckpt given
     a.temperature = (SAMPLING_TEMPERATURE if samples else 0.0) if a.temperature is None else a.temperature
     rule = None if a.compare or a.method == "plain" else a.method  # --compare makes its own rows
     try:  # every sampling setting is checked here, once; plain decoding reads only T and top-p

@@ -162,7 +162,7 @@ def test_top_p_goes_with_sampling_a_temperature_names_or_compares_sampled_rows()
 
 
 @pytest.mark.parametrize("case", [  # what the error names: what follows "->", else the first flag given
-    "--ckpt {tmp}/nowhere -> nowhere does not exist",
+    "--ckpt {tmp}/nowhere -> nowhere does not exist", "--ckpt '' -> does not exist",
     "--ckpt {tmp} -> safetensors", "--ckpt {ckpt}/config.json -> is a file", "--prompt caf\udce9 -> not UTF-8 text",
     "--ckpt {hydra} --reference -> not Hydra heads", "--ckpt {ckpt} --explain --demo -> leave out --ckpt",
     "--tree chain6 -> 4 heads", "--tree [[100000]] -> draft vocabulary", "--tree ''", "--prompt ''",
