@@ -81,9 +81,14 @@ class Sampling:
 
     def next_token(self, logits: torch.Tensor, u: torch.Tensor | None) -> torch.Tensor:
         """The backbone's own next token from logits [..., V] and the uniforms u [...] from `uniforms`: long [...] on
-        their device, the argmax when greedy (in float32, ties to the lowest id: `max`'s, which a CPU finds in a third
-        of torch.argmax's time), else the draw u makes from p."""
-        return logits.float().max(dim=-1).indices if self.greedy else inverse_cdf(self.probs(logits), u)
+        their device, the argmax when greedy (`greedy_token`), else the draw u makes from p."""
+        return greedy_token(logits) if self.greedy else inverse_cdf(self.probs(logits), u)
+
+
+def greedy_token(logits: torch.Tensor) -> torch.Tensor:
+    """The argmax of logits [..., V] -> long [...], in float32 (the same for any half precision), ties to the lowest
+    id: as `max`'s indices, which a CPU finds in a third of torch.argmax's time."""
+    return logits.float().max(dim=-1).indices
 
 
 def scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:

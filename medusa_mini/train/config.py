@@ -82,10 +82,8 @@ class TrainArgs:
             raise ValueError(f"--head-decay must be from 0 to 1 (the paper's 0.8), not {self.head_decay}")
         if self.n_embd % self.n_head:
             raise ValueError(f"--n-embd {self.n_embd} must be divisible by --n-head {self.n_head}")
-        if self.distill_prompt_len >= self.block_size:
-            raise ValueError("--distill-prompt-len must be shorter than --block-size")
-        if self.heads_stride > self.block_size:  # else a step could train no head at all, which DDP cannot reduce
-            raise ValueError(f"--heads-stride must be at most --block-size {self.block_size}, not {self.heads_stride}")
+        if why := self.context_error(self.block_size):
+            raise ValueError(f"{why} (--block-size)")
         if not re.fullmatch(r"\d+(\.\d*)?(,\d+(\.\d*)?)*", self.distill_temperatures.replace(" ", "")):
             raise ValueError(f"--distill-temperatures must be numbers >= 0 like 0,0.8: {self.distill_temperatures!r}")
         if self.preset.startswith("gpt2") and not self.init:  # else heads on a random backbone, and no word of it
@@ -96,6 +94,13 @@ class TrainArgs:
     @classmethod
     def hyper_parameters(cls) -> dict[str, Field]:
         return {f.name: f for f in fields(cls) if "help" in f.metadata}
+
+    def context_error(self, block_size: int) -> str:
+        """Why the distilled prompts or the heads' stride (past the context a step trains no head, which DDP cannot
+        reduce) do not fit block_size tokens, --block-size's or --init's model's; '' if they fit."""
+        if self.distill_prompt_len >= block_size:
+            return f"--distill-prompt-len must be shorter than the context, {block_size} tokens"
+        return f"--heads-stride must be at most the context, {block_size} tokens" * (self.heads_stride > block_size)
 
     def identity(self) -> dict:
         """What --resume compares: the hyper-parameters but --eval-every (it only reports), init, seed; the text under

@@ -224,9 +224,8 @@ def _prepare(r: Run, state: dict | None, train_docs: list, val_docs: list) -> tu
         model = GPT(GPTConfig(vocab_size=enc.n_vocab, block_size=a.block_size, n_layer=a.n_layer,
                               n_head=a.n_head, n_embd=a.n_embd)).to(r.device)
     cfg = model.config
-    if a.init and not (a.distill_prompt_len < cfg.block_size and a.heads_stride <= cfg.block_size):  # TrainArgs' checks
-        raise TrainError(f"--init {a.init} holds {cfg.block_size} tokens of context: --distill-prompt-len must be "
-                         f"shorter, --heads-stride at most that")
+    if a.init and (why := a.context_error(cfg.block_size)):  # TrainArgs checked --block-size's, which --init replaces
+        raise TrainError(f"--init {a.init} holds {cfg.block_size} tokens of context: {why}")
     train_tokens, val_tokens = (encode_documents(enc, docs) for docs in (train_docs, val_docs))
     sizes = {"training": len(train_tokens), "held-out": len(val_tokens)}  # held-out: whole documents drawn by --seed
     if sizes[part := min(sizes, key=sizes.get)] <= cfg.block_size:
