@@ -6,7 +6,7 @@ acc[k][r] = P(head k+1's rank-r guess is the backbone's greedy token k+2 places 
 import json
 import os
 import shlex
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
@@ -41,12 +41,15 @@ def with_head_targets(sequences: list[list[int]], prompt_lens: int | Sequence[in
 
 
 @torch.no_grad()
-def _positions(model: GPT, heads: DraftHeads, sequences: list[list[int]], prompt_lens: int | Sequence[int],
-               temperature: float | None = None) -> Iterator[tuple]:
-    """(k - 1, target [m], p [m, V] or None, head k's logits [m, M]) per chunk of positions t where head k has a
-    target, token t+k+1, from each prompt's last token on, as decoding drafts: p is the backbone's distribution
-    of it at `temperature` (None: not computed). Hydra heads read the text's own tokens between t and it."""
+def _mean_per_head(model: GPT, heads: DraftHeads, sequences: list[list[int]], prompt_lens: int | Sequence[int],
+                   score: Callable[..., torch.Tensor], shape: tuple[int, ...] = (),
+                   temperature: float | None = None) -> torch.Tensor:
+    """[K, *shape] float64: score(k - 1, target [m], p [m, V] or None, head k's logits [m, M]) -> [m, *shape],
+    averaged over the positions t where head k has a target, token t+k+1, from each prompt's last token on, as
+    decoding drafts: p is the backbone's distribution of it at `temperature` (None: not computed). Hydra heads
+    read the text's own tokens between t and it."""
     device, K = model.device, heads.num_heads
+    totals, counts = torch.zeros(K, *shape, dtype=torch.float64), torch.zeros(K, dtype=torch.float64)
     for seq, first in with_head_targets(sequences, prompt_lens):
         x, y = torch.tensor([seq[:-1]], device=device), torch.tensor([seq[1:]], device=device)  # [1, T]
         logits, hidden = model(x) if temperature is not None else model(x, logits_at=slice(0, 0))  # hidden [1, T, C]
@@ -56,32 +59,28 @@ def _positions(model: GPT, heads: DraftHeads, sequences: list[list[int]], prompt
             head_logits = heads(hidden[0, t], model, following=following[t])  # [K, m, M]
             for k in range(1, K + 1):
                 ok = t + k < T  # [m] token t+k+1 is y[0, t + k]
-                yield k - 1, y[0, t[ok] + k], None if p is None else p[t[ok] + k], head_logits[k - 1, ok]
+                rows = score(k - 1, y[0, t[ok] + k], None if p is None else p[t[ok] + k], head_logits[k - 1, ok])
+                totals[k - 1] += rows.double().sum(0).cpu()
+                counts[k - 1] += ok.sum().item()
+    return totals / counts.clamp(min=1).view(K, *[1] * len(shape))
 
 
 def measure_head_accuracy(model: GPT, heads: DraftHeads, sequences: list[list[int]], *,
                           prompt_lens: int | Sequence[int], top_k: int = 10) -> torch.Tensor:
     """acc [K, top_k] float64 (module docstring) on `sequences`: prompts + their greedy continuations."""
-    draft_ids, K = heads.draft_ids.to(model.device), heads.num_heads
-    hits, counts = torch.zeros(K, top_k, dtype=torch.float64), torch.zeros(K, dtype=torch.float64)
-    for k, target, _, logits in _positions(model, heads, sequences, prompt_lens):
-        guesses = draft_ids[logits.topk(top_k, dim=-1).indices]  # [m, top_k] token ids
-        hits[k] += (guesses == target[:, None]).sum(0).cpu()
-        counts[k] += len(target)
-    return hits / counts.clamp(min=1)[:, None]
+    ids = heads.draft_ids.to(model.device)
+    hits = lambda k, target, p, logits: ids[logits.topk(top_k, dim=-1).indices] == target[:, None]  # [m, top_k]
+    return _mean_per_head(model, heads, sequences, prompt_lens, hits, shape=(top_k,))
 
 
 def measure_sampled_acceptance(model: GPT, heads: DraftHeads, sequences: list[list[int]], *,
                                prompt_lens: int | Sequence[int], temperature: float) -> torch.Tensor:
     """[K] float64: head k's Σ_x min(p(x), q_k(x)) at `temperature`, averaged over `sequences` (continuations
     sampled at it): the chance that rejection sampling accepts head k's one drawn candidate."""
-    ids, K = heads.draft_ids.to(model.device), heads.num_heads
-    total, counts = torch.zeros(K, dtype=torch.float64), torch.zeros(K, dtype=torch.float64)
-    for k, _, p, logits in _positions(model, heads, sequences, prompt_lens, temperature):
-        q = sampling_probs(logits, temperature=temperature)  # [m, M]: 0 outside the draft ids
-        total[k] += torch.minimum(p[:, ids], q).sum().item()
-        counts[k] += len(p)
-    return total / counts.clamp(min=1)
+    ids = heads.draft_ids.to(model.device)
+    sum_min = lambda k, target, p, logits: torch.minimum(  # q [m, M]: 0 outside the draft ids
+        p[:, ids], sampling_probs(logits, temperature=temperature)).sum(-1)
+    return _mean_per_head(model, heads, sequences, prompt_lens, sum_min, temperature=temperature)
 
 
 def measure_try_acceptance(model: GPT, heads: DraftHeads, sequences: list[list[int]], *,
@@ -91,16 +90,15 @@ def measure_try_acceptance(model: GPT, heads: DraftHeads, sequences: list[list[i
     sampling's tries accept), on text sampled at `temperature`, over `repeats` sets of draws per position. At
     most one sibling passes, as at most one top-k guess is the greedy token, so the table plays greedy's part
     in `tree.build_tree`, approximately. acc[k][0] estimates Σ min(p, q), exactly in expectation."""
-    ids, K, V = heads.draft_ids.to(model.device), heads.num_heads, model.config.vocab_size
+    ids, V = heads.draft_ids.to(model.device), model.config.vocab_size
     R, g = min(ranks, ids.numel()), torch.Generator(device=model.device).manual_seed(seed)
-    passed, counts = torch.zeros(K, R, dtype=torch.float64), torch.zeros(K, dtype=torch.float64)
-    for k, _, p, logits in _positions(model, heads, sequences, prompt_lens, temperature):
-        log_q = q_log_probs(logits, ids, temperature=temperature, vocab_size=V)  # [m, V]
-        draws = torch.cat([gumbel_top_k(log_q, R, torch.rand(log_q.shape, generator=g, device=model.device))
-                           for _ in range(repeats)])  # [repeats * m, R]: every draw's rows in one call
-        passed[k] += draw_chances(p.repeat(repeats, 1), log_q.repeat(repeats, 1), draws).sum(0).cpu() / repeats
-        counts[k] += len(p)
-    return passed / counts.clamp(min=1)[:, None]
+
+    def passed(k: int, target: torch.Tensor, p: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:  # [m, R]
+        log_q = q_log_probs(logits, ids, temperature=temperature, vocab_size=V).repeat(repeats, 1)  # [repeats * m, V]
+        u = torch.rand(log_q.shape, generator=g, device=model.device)  # every repeat's draws in one call
+        return draw_chances(p.repeat(repeats, 1), log_q, gumbel_top_k(log_q, R, u)).view(repeats, len(p), R).mean(0)
+
+    return _mean_per_head(model, heads, sequences, prompt_lens, passed, shape=(R,), temperature=temperature)
 
 
 def draw_chances(p: torch.Tensor, log_q: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:

@@ -41,13 +41,6 @@ def _pieces(lines: Iterable[str], limit: int) -> Iterator[str]:
     yield piece
 
 
-def _chunk_lines(name: str, text: str) -> list[Document]:
-    """``text`` as documents of about DOCUMENT_CHARS cut at line ends: ``name``, or ``name#0``, ``name#1``, ..."""
-    if len(text) <= DOCUMENT_CHARS:
-        return [(name, text)]
-    return [(f"{name}#{i}", piece) for i, piece in enumerate(_pieces(text.splitlines(keepends=True), DOCUMENT_CHARS))]
-
-
 def default_corpus_files(*, max_bytes: int = 3_000_000) -> list[pathlib.Path]:
     """Standard-library ``.py`` text files in order of relative path, without tests, bundled packages and
     IDLE, while they fit into ``max_bytes`` (a file that would overflow is skipped)."""
@@ -83,8 +76,11 @@ def load_corpus(path: str | os.PathLike[str] | None = None, *, max_bytes: int = 
         root, files = root.parent, [root]
     else:
         raise ValueError(f"data path does not exist: {path}")
-    docs = [doc for file in files if (text := _read_text(file))
-            for doc in _chunk_lines(file.relative_to(root).as_posix(), text)]
+    docs = []
+    for file in files:  # a longer text: documents of about DOCUMENT_CHARS cut at line ends, name#0, name#1, ...
+        if text := _read_text(file):
+            name, cut = file.relative_to(root).as_posix(), _pieces(text.splitlines(keepends=True), DOCUMENT_CHARS)
+            docs += [(name, text)] if len(text) <= DOCUMENT_CHARS else [(f"{name}#{i}", t) for i, t in enumerate(cut)]
     if not docs:  # the standard library has text: there, every file was larger than the cap
         raise ValueError(f"no non-empty UTF-8 text in {path}" if path is not None else
                          f"no file of {root} fits within --max-bytes {max_bytes:,}: raise it")
