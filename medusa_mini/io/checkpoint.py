@@ -57,19 +57,17 @@ def load_heads(directory: str | os.PathLike, model: GPT, *, device: torch.device
     if (config.n_embd, config.vocab_size) != (model.config.n_embd, model.config.vocab_size):
         raise ValueError(f"heads in {directory} need n_embd={config.n_embd}, vocab_size={config.vocab_size}; "
                          f"the model is {model.config}")
-    heads = make_heads(config)
     if not os.path.isfile(weights_path):
         raise ValueError(f"{weights_path} is missing; save the heads again")
-    tensors = read_safetensors(weights_path)
+    heads, tensors = make_heads(config), read_safetensors(weights_path)
     tensors.setdefault("vocab_order", heads.vocab_order)  # saved before draft vocabularies: the whole one
     try:
         check_tensors({k: t.shape for k, t in heads.state_dict().items()}, tensors, fits=repr(config))
+        heads.load_state_dict(tensors)
+        if not torch.equal(heads.vocab_order.sort().values, torch.arange(config.vocab_size)):  # else an IndexError
+            raise ValueError(f"vocab_order is not an order of the {config.vocab_size} token ids; save the heads again")
     except ValueError as e:
         raise ValueError(f"{weights_path}: {e}") from None
-    heads.load_state_dict(tensors)
-    if not torch.equal(heads.vocab_order.sort().values, torch.arange(config.vocab_size)):  # else an IndexError later
-        raise ValueError(f"{weights_path}: vocab_order is not an order of the {config.vocab_size} token ids; "
-                         "save the heads again")
     return heads.to(device).eval()
 
 

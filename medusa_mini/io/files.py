@@ -28,9 +28,8 @@ def fsync_dir(folder: str) -> None:
 
 
 def check_writable(folder: str | os.PathLike, what: str, *, files: tuple[str, ...] = ()) -> None:
-    """A ValueError naming `what` now, not after a long run, unless a new file can be made in `folder`, as an
-    atomic write makes its temporary sibling (os.access trusts root, whom a read-only mount still refuses), and
-    unless each of `files` there can be replaced (a folder of that name cannot)."""
+    """A ValueError naming `what` now, not after a long run, unless a file can be made in `folder` (tried: os.access
+    trusts root, whom a read-only mount refuses) and none of `files` there is a folder, which cannot be replaced."""
     try:
         tempfile.NamedTemporaryFile(dir=folder, prefix=".writable.", suffix=".tmp").close()
     except OSError as e:

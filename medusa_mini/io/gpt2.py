@@ -1,9 +1,8 @@
-"""OpenAI's GPT-2 as a `GPT`: its four configs, its file layout, and its weights loaded from local files or from
-the Hugging Face hub through a resumable download into `$MEDUSA_MINI_CACHE` (default ~/.cache/medusa_mini);
-`MEDUSA_MINI_HUB_URL` replaces https://huggingface.co (a mirror, or a local server). Its tokenizer is tiktoken's
-"gpt2". The layout is transformers' GPT2LMHeadModel: its four projections are Conv1D layers, weights stored
-[in, out]; this GPT's are nn.Linear ([out, in]) under the same names, so exactly those four are transposed. The
-lm_head is the token embedding (tied): not stored."""
+"""OpenAI's GPT-2 as a `GPT`: its four configs, its file layout, and its weights from local files or the Hugging Face
+hub, downloaded resumably into `$MEDUSA_MINI_CACHE` (default ~/.cache/medusa_mini); `MEDUSA_MINI_HUB_URL` replaces
+https://huggingface.co (a mirror, or a local server). Its tokenizer is tiktoken's "gpt2". The layout is transformers'
+GPT2LMHeadModel: its four projections are Conv1D layers, weights stored [in, out], this GPT's nn.Linear ([out, in])
+under the same names, so exactly those four are transposed. The lm_head is wte (tied): not stored."""
 
 import http.client
 import os
@@ -200,7 +199,7 @@ def download_gpt2(name: str) -> str:
 
 def infer_gpt2_config(tensors: dict[str, torch.Tensor]) -> GPTConfig:
     """GPTConfig from GPT-2-layout tensor shapes; n_head, which they cannot tell, from the GPT-2 of that shape."""
-    short = {k.removeprefix("transformer."): t for k, t in tensors.items()}
+    short = {k.removeprefix(_PREFIX): t for k, t in tensors.items()}
     if "wte.weight" not in short or "wpe.weight" not in short:
         raise ValueError("tensors lack wte.weight / wpe.weight; not a GPT-2 layout")
     vocab_size, n_embd = short["wte.weight"].shape
@@ -217,8 +216,8 @@ def load_gpt2(name_or_path: str | os.PathLike, *, device: torch.device | str = "
     gpt2, gpt2-medium, gpt2-large, gpt2-xl (downloaded once). The hub ships each as safetensors: no pickle is read."""
     path = os.path.expanduser(os.fspath(name_or_path))
     path = path if os.path.exists(path) else download_gpt2(path)
-    folder, weights = (path, os.path.join(path, "model.safetensors")) if os.path.isdir(path) else (
-        os.path.dirname(os.path.abspath(path)), path)
+    weights = os.path.join(path, "model.safetensors") if os.path.isdir(path) else path
+    folder = os.path.dirname(os.path.abspath(weights))
     if not weights.endswith(".safetensors") or not os.path.isfile(weights):
         sharded = os.path.isfile(os.path.join(folder, "model.safetensors.index.json"))
         raise ValueError(f"no model.safetensors in {path}: GPT-2 weights are read from safetensors only, one file " + (
@@ -228,9 +227,8 @@ def load_gpt2(name_or_path: str | os.PathLike, *, device: torch.device | str = "
     config = read_gpt2_config(config_path) if os.path.isfile(config_path) or os.path.isdir(path) else None
     tensors = read_safetensors(weights)
     config = config or infer_gpt2_config(tensors)  # a bare weights file: its shapes say which GPT-2 it is
-    # Drawing a GPT-2's random weights takes seconds (gpt2: 3 s on two CPU cores; gpt2-xl has 12 times as many).
-    # The meta device skips them, but its normal_ imports torch's compiler (2 s). A small model is drawn instead,
-    # in milliseconds, on a fork of the CPU's generator (the global one is left as it was).
+    # Drawing GPT-2's random weights takes seconds (gpt2: 3 s on two CPU cores); the meta device skips them, but its
+    # normal_ imports torch's compiler (2 s): a small model is drawn, on a fork of the CPU's generator, in milliseconds.
     approx_params = 12 * config.n_layer * config.n_embd**2 + config.vocab_size * config.n_embd  # blocks, wte
     with torch.random.fork_rng(devices=[]), torch.device("meta" if approx_params > META_ABOVE else "cpu"):
         model = GPT(config).to_empty(device=device)

@@ -7,7 +7,7 @@ import base64
 import heapq
 import os
 import pathlib
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Mapping
 
 import regex
@@ -45,12 +45,12 @@ class _PairCounts:
 
     def __init__(self, word_counts: Counter[bytes]) -> None:
         self.words, self.freqs = [list(word) for word in word_counts], list(word_counts.values())
-        self.counts: dict[Pair, int] = {}
-        self.holders: dict[Pair, set[int]] = {}  # the words holding a pair (or that held it: checked on use)
+        self.counts: Counter[Pair] = Counter()
+        self.holders: defaultdict[Pair, set[int]] = defaultdict(set)  # words holding a pair (or that held it)
         for wid, word in enumerate(self.words):
             for pair, n in _pairs(word).items():
-                self.counts[pair] = self.counts.get(pair, 0) + n * self.freqs[wid]
-                self.holders.setdefault(pair, set()).add(wid)
+                self.counts[pair] += n * self.freqs[wid]
+                self.holders[pair].add(wid)
         # A max-heap on (count, then the smallest pair). Each change pushes a fresh entry; a popped entry
         # whose count is no longer current is stale and skipped.
         self.heap = [(-count, pair) for pair, count in self.counts.items()]
@@ -60,13 +60,13 @@ class _PairCounts:
         """The pair to merge next; None once no pair occurs twice."""
         while self.heap:
             neg_count, pair = heapq.heappop(self.heap)
-            if self.counts.get(pair, 0) == -neg_count:
+            if self.counts[pair] == -neg_count:
                 return pair if -neg_count >= 2 else None
         return None
 
     def merge(self, pair: Pair, new_id: int) -> None:
         """Replace `pair` by the token `new_id` in every word, updating the counts of the pairs around it."""
-        changed: dict[Pair, int] = {}
+        changed: set[Pair] = set()
         for wid in self.holders.pop(pair):
             old = _pairs(self.words[wid])
             if pair not in old:
@@ -74,17 +74,16 @@ class _PairCounts:
             self.words[wid] = _merge_word(self.words[wid], pair, new_id)
             new = _pairs(self.words[wid])
             for p in old.keys() | new.keys():
-                if delta := (new.get(p, 0) - old.get(p, 0)) * self.freqs[wid]:
-                    changed[p] = changed.get(p, 0) + delta
+                if delta := (new[p] - old[p]) * self.freqs[wid]:
+                    self.counts[p] += delta
+                    changed.add(p)
             for p in new.keys() - old.keys():
-                self.holders.setdefault(p, set()).add(wid)
-        for p, delta in changed.items():
-            count = self.counts.get(p, 0) + delta
-            if count > 0:
-                self.counts[p] = count
-                heapq.heappush(self.heap, (-count, p))
+                self.holders[p].add(wid)
+        for p in changed:
+            if self.counts[p] > 0:
+                heapq.heappush(self.heap, (-self.counts[p], p))
             else:
-                self.counts.pop(p, None)
+                del self.counts[p]
                 self.holders.pop(p, None)
 
 
