@@ -4,9 +4,8 @@
     python benchmarks/bench_step.py --configs tiny --threads 2 --json
     python benchmarks/bench_step.py --configs gpt2 --dtypes float32,bfloat16 --compile   # a GPU
 
-Speedup = tokens/step ÷ step cost: Medusa pays only if a step verifying N nodes costs little more than a plain
-step. On random weights (speed depends on shapes, not values): a plain step, verify N (one tree-masked forward), and
-per Medusa tree each stage of a step and its device operations. Targets: heads <= 10% of a plain step."""
+Speedup = tokens/step ÷ step cost: Medusa pays only if verifying N nodes costs little more than a plain step.
+On random weights (speed depends on shapes, not values): per Medusa tree each stage of a step, its device operations."""
 
 import json
 import os
@@ -65,9 +64,8 @@ def check_config(config: GPTConfig, *, prefix_len: int, draft_vocab: int | None)
 def tree_stages(model: GPT, cache: KVCache, heads: DraftHeads, tree: Tree, root: torch.Tensor, hidden: torch.Tensor,
                 *, history: list[list[int]], steps: Steps, compiled: bool,
                 verify_step: Callable) -> dict[str, Callable[[], object]]:
-    """One callable per stage of a Medusa step on `tree`, its inputs made once, here (every run takes the same
-    path). Compiled, the verifies are graphs (`verify_step`'s; `verify_and_accept`'s, which also draft the next
-    tree), and the whole step takes the tree the step before drafted: no eager heads in it."""
+    """One callable per stage of a Medusa step on `tree`, inputs made once (every run takes the same path).
+    Compiled, the verifies are graphs, and the whole step takes the tree the step before drafted: no eager heads."""
     proposer, gen, device = heads.proposer(model, tree), torch.Generator(root.device).manual_seed(0), root.device
     attended = None if compiled else len(history[0]) - 1 + tree.num_nodes  # the prefix and the nodes
     t, stop_at = tree.tensors(device), torch.full_like(root, model.config.block_size)
@@ -154,8 +152,7 @@ def bench_config(config: GPTConfig, *, device: torch.device, repeat: int, warmup
     torch.manual_seed(seed)
     with device:  # initialise in place: copying a large model across devices costs more than its init
         model = GPT(config).eval().to(dtype)
-        heads = make_heads(HeadsConfig(4, config.n_embd, config.vocab_size)).eval().to(dtype)
-    heads.use_draft_vocabulary(heads.vocab_order, draft_vocab)  # four heads guessing among the first M token ids
+        heads = make_heads(HeadsConfig(4, config.n_embd, config.vocab_size, draft_vocab)).eval().to(dtype)  # ids < M
     trees, steps, verify_step = {name: preset(name) for name in MEDUSA_TREES}, Steps(), verify
     if compiled:
         torch.compiler.reset()  # compiled code is kept per function, across models: start afresh
@@ -163,10 +160,9 @@ def bench_config(config: GPTConfig, *, device: torch.device, repeat: int, warmup
         verify_step = torch.compile(verify, **compile_options(device, backend=compile_backend))
         torch._dynamo.config.recompile_limit += len(nodes) + len(trees) + 1  # one graph per shape
         warmup = max(warmup, 3) if device.type == "cuda" else warmup  # CUDA graphs: eager, record, replay
-    gen = torch.Generator().manual_seed(seed)
+    gen, static = torch.Generator().manual_seed(seed), static_caches(model)
     prefix = torch.randint(0, config.vocab_size, (1, prefix_len), generator=gen).to(device)  # [1, P]
     # As decoding sizes them: a step over N nodes on block_size + N slots (a compiled step reads them all).
-    static = static_caches(model)
     caches = {n: static(1, config.block_size + n) for n in {0, *nodes, *(t.num_nodes for t in trees.values())}}
     for cache in caches.values():
         logits, hidden = prefill(model, prefix, cache)  # [1, V], [1, C]
@@ -194,9 +190,9 @@ def bench_config(config: GPTConfig, *, device: torch.device, repeat: int, warmup
     medusa = {}
     for name, tree in trees.items():
         stage_ms = {stage: ms[f"{name} {stage}"] for stage in STAGES}
+        step = stage_ms["whole step"]
         medusa[name] = {"nodes": tree.num_nodes, "stages_ms": stage_ms, "heads_share": stage_ms["heads"] / ms["plain"],
-                        "step_vs_plain": stage_ms["whole step"] / ms["plain"],
-                        "step_vs_verify": stage_ms["whole step"] / stage_ms["verify"],
+                        "step_vs_plain": step / ms["plain"], "step_vs_verify": step / stage_ms["verify"],
                         "ops": {rule: ops[f"{name} {rule}"] for rule in OP_RULES},
                         "heads_call_ops": ops[f"{name} heads call"],
                         "accepted": len(runs[f"{name} whole step"][-1][0].paths[0]) - 1}  # random weights: few
@@ -210,9 +206,9 @@ def bench_config(config: GPTConfig, *, device: torch.device, repeat: int, warmup
 
 def format_table(results: dict[str, dict], meta: dict) -> str:
     """Configs as columns, one timing per row (ms, or what a label's '(x)' or '(%)' says), under `meta`."""
-    names, rs, load = list(results), list(results.values()), meta["load_avg_1min"]
+    rs, load = list(results.values()), meta["load_avg_1min"]
     shapes = ["{n_layer} / {n_head} / {n_embd} / {vocab_size} / {draft_vocab}".format(**r["config"], **r) for r in rs]
-    rows = [("layers / heads / width / vocabulary / draft", shapes),
+    rows = [("", list(results)), ("layers / heads / width / vocabulary / draft", shapes),
             ("first round, s (compiling, if any)", [r["first_round_s"] for r in rs]),
             ("plain step (1 token + argmax)", [r["plain_ms"] for r in rs]),
             ("plain step, device operations (greedy / sampling)",
@@ -230,10 +226,9 @@ def format_table(results: dict[str, dict], meta: dict) -> str:
                  (f"{tree} tree: whole step / verify alone (x)", [x["step_vs_verify"] for x in m])]
     rows = [(label, [v if isinstance(v, str) else f"{v:.2f}" for v in vs]) for label, vs in rows]
     width = max(len(label) for label, _ in rows) + 2
-    col = max(12, *(len(n) + 2 for n in names), *(len(v) + 2 for _, values in rows for v in values))
+    col = max(12, *(len(v) + 2 for _, values in rows for v in values))  # the names' too
     lines = [f"torch {meta['torch']}, {meta['device']} ({meta['device_name']}), {meta['threads']} threads, load "
-             f"average {'unknown' if load is None else f'{load:.2f}'} before the run", f"command: {meta['command']}",
-             "", " " * width + "".join(f"{n:>{col}}" for n in names)]
+             f"average {'unknown' if load is None else f'{load:.2f}'} before the run", f"command: {meta['command']}\n"]
     lines += [f"{label:<{width}}" + "".join(f"{v:>{col}}" for v in vals) for label, vals in rows]
     lines.append(f"\nms, median of the repetitions after {rs[0]['warmup']} warm-up rounds, steps in turns; KV cache "
                  f"holding {rs[0]['prefix_len']} tokens before each step; random weights, greedy acceptance but in the "

@@ -49,8 +49,7 @@ def sweep(ck: Checkpoint, tables: dict, prompts: list[list[int]], *, budgets: tu
             for n in budgets:
                 # Prompt lookup drafts a chain of n; heads the table's tree (which may describe more heads)
                 tree = chain(n) if M is None else build_tree(table, n)[0].truncated(ck.heads.num_heads)
-                # A name of its own per row: the runs are kept by the method's key, made from it.
-                name = f"{'prompt lookup' if M is None else f'Medusa M{M}'} {rule} {n}"
+                name = f"{'prompt lookup' if M is None else f'Medusa M{M}'} {rule} {n}"  # unique: runs are kept by it
                 try:  # a rank-r node needs a head's top r + 1: a draft vocabulary of at least r + 1 tokens
                     verified = drafter.proposer(ck.model, tree).tree.num_nodes - 1
                 except ValueError as e:
