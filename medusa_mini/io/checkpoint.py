@@ -1,7 +1,6 @@
-"""Checkpoint directories that transformers loads as a GPT-2: config.json (its key "medusa_mini" holds the
-caller's `extra`), model.safetensors, and with heads medusa_heads.safetensors (their state_dict, the draft
-vocabulary's order included) and medusa_config.json (HeadsConfig). The files are written together, config.json
-last: a save that fails leaves the previous checkpoint loadable (`atomic_write_files`)."""
+"""Checkpoint directories that transformers loads as a GPT-2: config.json, model.safetensors, and with heads
+medusa_heads.safetensors (their state_dict, the draft vocabulary's order included) and medusa_config.json
+(HeadsConfig), written together, config.json last: a save that fails leaves the previous checkpoint loadable."""
 
 import os
 from dataclasses import asdict

@@ -90,8 +90,7 @@ def test_a_save_failing_midway_leaves_the_previous_checkpoint_loadable(tmp_path,
         return real(src, dst)
 
     monkeypatch.setattr(os, "replace", replace)
-    # "writer": the other files are already staged when config.json cannot be written
-    extra = {"version": object() if failing == "writer" else 2}
+    extra = {"version": object() if failing == "writer" else 2}  # "writer": config.json's, the rest staged
     with pytest.raises(TypeError if failing == "writer" else KeyboardInterrupt):
         save_checkpoint(tmp_path, tiny_gpt(seed=5), heads=new_heads, extra=extra)
     monkeypatch.undo()

@@ -1,6 +1,5 @@
-"""GPT-2 loading: Hugging Face files (both key layouts) reproduce an independent
-reference forward pass, bad files give clear errors, and downloads (from a local HTTP server) resume (a
-download by name into the cache, once, under torchrun: tests/train/test_train_tiny.py)."""
+"""GPT-2 loading: Hugging Face files (both key layouts) reproduce an independent reference forward pass, bad files
+give clear errors, downloads (from a local HTTP server) resume (one by name, under torchrun: tests/train)."""
 
 import contextlib
 import http.server
@@ -154,9 +153,6 @@ class HubHandler(http.server.BaseHTTPRequestHandler):
     """Serves the server's `files`, honouring Range, with scripted faults: per path a queue of "drop" (close
     halfway), "no-range" (ignore Range), "no-length" (no Content-Length) or an HTTP status."""
 
-    def log_message(self, *args) -> None:
-        pass
-
     def do_GET(self) -> None:
         hub = self.server
         hub.requests.append((self.path, self.headers.get("Range")))
@@ -212,11 +208,10 @@ def test_a_download_shows_progress_and_resumes_a_broken_connection_or_a_part_fil
 
 
 def test_a_downloaded_file_that_is_no_gpt2_file_is_not_kept(hub, tmp_path, monkeypatch):
-    """A proxy's login page for config.json is deleted, so the next run downloads it again."""
     monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.setenv("MEDUSA_MINI_CACHE", "~/cache")  # as a quoted value or a Docker ENV line leaves it
     monkeypatch.setenv("MEDUSA_MINI_HUB_URL", hub.url)
-    hub.files["/gpt2/resolve/main/config.json"] = b"<html>Sign in to continue</html>"
+    hub.files["/gpt2/resolve/main/config.json"] = b"<html>Sign in to continue</html>"  # a proxy's: the next run retries
     pytest.raises(ValueError, gpt2.download_gpt2, "gpt2").match(r"not readable JSON.*downloaded from .*then deleted")
     assert os.listdir(tmp_path / "cache" / "gpt2") == []
 

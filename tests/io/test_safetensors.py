@@ -18,9 +18,8 @@ from medusa_mini.io.safetensors import check_safetensors, read_safetensors, writ
                                    torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool], ids=str)
 def test_a_round_trip_keeps_dtype_shape_and_every_bit(tmp_path, dtype):
     def sample(*shape: int) -> torch.Tensor:
-        if dtype.is_floating_point:
-            return torch.randn(shape).to(dtype)
-        return torch.randint(-100 if dtype.is_signed else 0, 2 if dtype is torch.bool else 100, shape).to(dtype)
+        ints = torch.randint(-100 if dtype.is_signed else 0, 2 if dtype is torch.bool else 100, shape)
+        return (torch.randn(shape) if dtype.is_floating_point else ints).to(dtype)
 
     tensors = {"matrix": sample(3, 5), "scalar": sample(), "empty": sample(0, 4), "view": sample(4, 3).t()}
     atomic_write(tmp_path / "t.safetensors", lambda f: write_safetensors(f, tensors))
@@ -102,9 +101,8 @@ def test_a_broken_or_hostile_file_gives_one_line_naming_it(tmp_path, content, ma
 
 
 def test_a_huge_header_length_is_rejected_before_any_allocation(tmp_path):
-    with open(path := tmp_path / "huge.safetensors", "wb") as f:
-        f.write(struct.pack("<Q", 150 * 2**20))
-        f.truncate(8 + 200 * 2**20)  # sparse: the file really is long enough for a 150 MB header
+    (path := tmp_path / "huge.safetensors").write_bytes(struct.pack("<Q", 150 * 2**20))
+    os.truncate(path, 8 + 200 * 2**20)  # sparse: the file really is long enough for a 150 MB header
     tracemalloc.start()
     pytest.raises(ValueError, read_safetensors, path).match("exceeds")
     assert tracemalloc.get_traced_memory()[1] < 2**20

@@ -25,27 +25,23 @@ def small_encoding(small_text):
 
 
 def reference_bpe(text: str, n_ranks: int) -> dict[bytes, int]:
-    """The textbook algorithm: recount every pair from scratch before each merge."""
-    words = Counter(tuple(bytes([b]) for b in w.encode("utf-8")) for w in regex.findall(GPT2_SPLIT_PATTERN, text))
-    ranks = {bytes([b]): b for b in range(256)}
+    """The textbook algorithm: recount every pair from scratch before each merge. A word is a string of one character
+    per token, chr(its rank), so str.replace merges a pair left to right without overlaps."""
+    ranks = {bytes([b]): b for b in range(256)}  # in rank order, as a merge appends its token
+    words = Counter("".join(map(chr, w.encode("utf-8"))) for w in regex.findall(GPT2_SPLIT_PATTERN, text))
     while len(ranks) < n_ranks:
         counts: Counter = Counter()
         for word, n in words.items():
-            for pair in zip(word, word[1:]):
-                counts[pair] += n
-        pair = min(counts, key=lambda p: (-counts[p], ranks[p[0]], ranks[p[1]]), default=None)
+            for left, right in zip(word, word[1:]):
+                counts[left + right] += n
+        pair = min(counts, key=lambda p: (-counts[p], p), default=None)  # ties: the smallest ranks, left one first
         if pair is None or counts[pair] < 2:
             break
-        ranks.setdefault(pair[0] + pair[1], len(ranks))
+        tokens = list(ranks)
+        new = chr(ranks.setdefault(tokens[ord(pair[0])] + tokens[ord(pair[1])], len(ranks)))
         merged: Counter = Counter()
-        for word, n in words.items():  # left to right, without overlaps
-            out: list[bytes] = []
-            for token in word:
-                if out and (out[-1], token) == pair:
-                    out[-1] = pair[0] + pair[1]
-                else:
-                    out.append(token)
-            merged[tuple(out)] += n
+        for word, n in words.items():
+            merged[word.replace(pair, new)] += n
         words = merged
     return ranks
 
@@ -103,9 +99,8 @@ def test_a_saved_tokenizer_is_in_tiktokens_format_and_loads_back_identical(tmp_p
     lines = (tmp_path / "tokenizer.tiktoken").read_text().splitlines()
     token, rank = lines[300].split(" ")
     assert len(lines) == 349 and base64.b64decode(token) == small_encoding.decode_single_token_bytes(int(rank))
-    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
-    assert (config["type"], config["pattern"], config["special_tokens"]) == ("bpe", GPT2_SPLIT_PATTERN,
-                                                                             {"<|endoftext|>": 349})
+    assert json.loads((tmp_path / "tokenizer_config.json").read_text()) == {
+        "type": "bpe", "name": "medusa_mini", "pattern": GPT2_SPLIT_PATTERN, "special_tokens": {"<|endoftext|>": 349}}
     loaded = load_tokenizer(tmp_path)
     assert all(loaded.decode_single_token_bytes(i) == small_encoding.decode_single_token_bytes(i) for i in range(349))
     text = random_text(random.Random(7), 600)
