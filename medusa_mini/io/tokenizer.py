@@ -21,30 +21,20 @@ RANKS_FILE = "tokenizer.tiktoken"
 CONFIG_FILE = "tokenizer_config.json"
 TOKENIZER_FILES = (RANKS_FILE, CONFIG_FILE)  # what save_tokenizer may write
 
-Pair = tuple[int, int]
+Pair = str  # two adjacent tokens, each a character: chr(its id)
 
 
-def _pairs(word: list[int]) -> Counter[Pair]:
-    return Counter(zip(word, word[1:]))
-
-
-def _merge_word(word: list[int], pair: Pair, new_id: int) -> list[int]:
-    """`word` with each occurrence of `pair` replaced by `new_id`, left to right, without overlaps."""
-    out: list[int] = []
-    for token in word:
-        if out and (out[-1], token) == pair:  # out[-1] is never a token this pass made: new_id != pair[0]
-            out[-1] = new_id
-        else:
-            out.append(token)
-    return out
+def _pairs(word: str) -> Counter[Pair]:
+    return Counter(a + b for a, b in zip(word, word[1:]))
 
 
 class _PairCounts:
     """How often each adjacent pair occurs in the corpus, kept current merge by merge: a merge touches only
-    the words holding its pair, so pairs are never recounted from scratch (quadratic on a real corpus)."""
+    the words holding its pair, so pairs are never recounted from scratch (quadratic on a real corpus). A word is
+    a string of one character per token, chr(its id): str.replace merges a pair left to right, without overlaps."""
 
     def __init__(self, word_counts: Counter[bytes]) -> None:
-        self.words, self.freqs = [list(word) for word in word_counts], list(word_counts.values())
+        self.words, self.freqs = ["".join(map(chr, word)) for word in word_counts], list(word_counts.values())
         self.counts: Counter[Pair] = Counter()
         self.holders: defaultdict[Pair, set[int]] = defaultdict(set)  # words holding a pair (or that held it)
         for wid, word in enumerate(self.words):
@@ -71,7 +61,7 @@ class _PairCounts:
             old = _pairs(self.words[wid])
             if pair not in old:
                 continue  # an earlier merge already consumed this occurrence
-            self.words[wid] = _merge_word(self.words[wid], pair, new_id)
+            self.words[wid] = self.words[wid].replace(pair, chr(new_id))
             new = _pairs(self.words[wid])
             for p in old.keys() | new.keys():
                 if delta := (new[p] - old[p]) * self.freqs[wid]:
@@ -100,7 +90,7 @@ def train_bpe(text: str, *, vocab_size: int) -> dict[bytes, int]:
     words = Counter(w.encode("utf-8") for chunk in text.split(EOT) for w in regex.findall(GPT2_SPLIT_PATTERN, chunk))
     pairs = _PairCounts(words)
     while len(vocab) < vocab_size - 1 and (pair := pairs.most_frequent()) is not None:
-        merged = vocab[pair[0]] + vocab[pair[1]]
+        merged = vocab[ord(pair[0])] + vocab[ord(pair[1])]
         if merged not in ranks:  # two splits can build the same bytes; tiktoken needs one rank per bytes
             ranks[merged] = len(vocab)
             vocab.append(merged)
