@@ -190,20 +190,13 @@ class StepPrinter:
         self.color = not os.environ.get("NO_COLOR") and sys.stdout.isatty()
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
-    def __call__(self, tokens: list[int]) -> None:
-        self.steps += 1
-        self._write(self.decoder.decode(self.enc.decode_bytes([t for t in tokens if t != self.eot_id])))
-
-    def close(self) -> None:
-        """Print any held-back bytes (in the last step's style) and end the line."""
-        if tail := self.decoder.decode(b"", final=True):
-            self._write(tail)
-        print()
-
-    def _write(self, text: str) -> None:
-        if self.show_steps:
+    def __call__(self, tokens: list[int], *, final: bool = False) -> None:
+        """A step's text; final: the bytes still held back (in the last step's style) and the line's end."""
+        text = self.decoder.decode(self.enc.decode_bytes([t for t in tokens if t != self.eot_id]), final=final)
+        self.steps += not final
+        if self.show_steps and (text or not final):  # an empty step shows too: [] or a colour
             text = f"{self.STYLES[(self.steps - 1) % 2]}{text}\x1b[0m" if self.color else f"[{text}]"
-        print(text, end="", flush=True)  # the reader watches the text grow, step by step
+        print(text, end="\n" if final else "", flush=True)  # the reader watches the text grow, step by step
 
 
 def print_each(engine: Engine, method: Method, prompts: list[tuple[str, list[int]]], a, label: str) -> None:
@@ -238,7 +231,7 @@ def print_each(engine: Engine, method: Method, prompts: list[tuple[str, list[int
             if not streamed:
                 printer = announce(first + row)
                 printer(tokens)
-            printer.close()
+            printer([], final=True)
             stop = {"context": f"at the context limit: {stats.prompt_tokens} prompt + {len(tokens)} new tokens fill "
                                f"all {ck.block_size} positions", "eos": "at the end-of-text token",
                     "max_new_tokens": f"after max-new-tokens ({len(tokens)})"}

@@ -81,12 +81,7 @@ def numbers(low: int, high: int | None = None) -> Callable[[str], tuple[int, ...
     return parse
 
 
-def seed(text: str) -> int:
-    """The argparse type of every --seed: an integer every generator takes, 0 to 2**63 - 1."""
-    value = int(text)  # not an integer: argparse's own one-line error
-    if not 0 <= value < 2**63:
-        raise argparse.ArgumentTypeError(f"{value} is not a seed: give an integer from 0 to 2**63 - 1")
-    return value
+seed = at_least(0, 2**63 - 1)  # the argparse type of every --seed: an integer every generator takes
 
 
 def temperature(text: str) -> float:

@@ -1,14 +1,12 @@
-"""`--compile`: the plain step and Medusa's as whole graphs, CUDA graphs on a GPU (mode "reduce-overhead"),
-which remove the kernel launches that dominate decoding at batch 1. Through the seam the decoding loops take
-(`step.Steps`) they make the eager steps' decisions from the same logits, draw for draw (theirs may round otherwise:
-a graph reads the whole cache, inductor fuses; in bfloat16 a near-tie may part): the plain step chooses the token
-in its graph; `CompiledMedusa` runs `verify_and_accept` as one graph a step, and `draft_tree` for a generation's
-first tree of drawn candidates. Prompt lookup's chains come from its eager proposer, one graph per chain length.
+"""`--compile`: the plain step and Medusa's as whole graphs, CUDA graphs on a GPU (mode "reduce-overhead"), which
+remove the kernel launches that dominate decoding at batch 1. Through `step.Steps` they make the eager steps'
+decisions from the same logits, draw for draw (a graph reads the whole cache and inductor fuses: in bfloat16 a
+near-tie may part): `CompiledMedusa` runs `verify_and_accept` as one graph a step, `draft_tree` for a generation's
+first tree of drawn candidates; prompt lookup's chains come from its eager proposer, one graph per chain length.
 
 Every shape is fixed: a step reads the whole KV cache and verifies the whole tree. A CUDA graph replays on the
 addresses it recorded and overwrites its outputs at its next replay, so `static_caches` keeps each shape's cache at
 one address, the steps copy out what the next call needs, and `warm_up` records every shape first (prefill: eager).
-
 Shapes: B rows, N tree nodes, C n_embd, V vocabulary, Q the q a drawn tree draws from."""
 
 import copy
@@ -41,11 +39,10 @@ def verify_and_accept(model: GPT, cache: KVCache, tokens: torch.Tensor, *, tree:
                       sampling: Sampling, u: torch.Tensor | None, drawn: Drawn | None = None,
                       heads: torch.nn.Module | None = None, u_next: torch.Tensor | None = None,
                       attended: int | None = None) -> tuple[Accepted, torch.Tensor, torch.Tensor | None, Drawn | None]:
-    """All of `step.medusa_step` after its proposal (tokens [B, N]) as one function, so one graph a step (two
-    would hand the verify's logits across, which CUDA graphs free between calls): verify, accept, keep the
-    path, and with `heads` the next step's candidates on the same tree (`draft_tree`, u_next its uniforms);
-    attended: the cache slots read (compiled: all, None, one shape). Returns (accepted, next hidden [B, C],
-    next tokens [B, N] or None, how they were drawn or None)."""
+    """All of `step.medusa_step` after its proposal (tokens [B, N]) as one graph a step (two would hand the verify's
+    logits across, which CUDA graphs free between calls): verify, accept, keep the path, and with `heads` draft the
+    next step's tree (u_next its uniforms); attended: the cache slots read (compiled: None, all, one shape).
+    Returns (accepted, next hidden [B, C], next tokens [B, N] or None, how they were drawn or None)."""
     check_uniforms(sampling, u)  # before the verify writes the cache
     usable = usable_nodes(tree, cache.length_buffer, stop_at)  # [B, N]
     placed = place_tree(cache, tree)  # [B, N, 2D + 5]
@@ -64,10 +61,9 @@ def copied(drawn: Drawn | None) -> Drawn | None:
 
 
 class CompiledMedusa:
-    """`step.medusa_step`'s signature and decisions, one graph a step that reads the whole cache (`attended`
-    ignored). A graph that drafts the next tree of drawn candidates takes that tree's uniforms after its own
-    acceptance's, as the next eager step would draw them (and one set more at a generation's last step, which
-    a generator reused for another generation would go on from)."""
+    """`step.medusa_step`'s signature and decisions, one graph a step reading the whole cache (`attended` ignored).
+    A graph that drafts the next tree of drawn candidates takes its uniforms after its own acceptance's, as the
+    next eager step would draw them (one set more at a generation's last step, where a reused generator goes on)."""
 
     def __init__(self, compile: Callable) -> None:
         self.verify_and_accept, self.draft_tree = compile(verify_and_accept), compile(draft_tree)
@@ -75,8 +71,7 @@ class CompiledMedusa:
 
     def proposal(self, model: GPT, proposer: Proposer, roots: torch.Tensor, hidden: torch.Tensor, *,
                  history: list[list[int]], sampling: Sampling, generator: torch.Generator | None) -> Proposal:
-        """The tree the last step drafted for these roots, else the first drawn tree in its own graph, else
-        the eager proposer's."""
+        """The tree the last step drafted for these roots, else a first drawn tree in its graph, else the eager one."""
         if self.ahead is not None and all(a is b for a, b in zip(self.ahead[0], (roots, proposer, sampling))):
             return self.ahead[1]
         u = proposer.uniforms(sampling, len(roots), generator, device=roots.device)
@@ -173,10 +168,10 @@ def static_caches(model: GPT) -> CacheSource:
 @torch.no_grad()
 def warm_up(model: GPT, steps: Steps, caches: CacheSource, *, rows: int, plain: Iterable[Sampling] = (),
             proposers: list[tuple[Proposer, Sampling]] = ()) -> float:
-    """Run every shape decoding `rows` rows meets, the plain step under each rule of `plain`, and for each
-    proposer and rule every tree its proposals hold (`Proposer.trees`) through `verify_and_accept` (and
-    `draft_tree` where it draws the first tree), three times: under CUDA graphs the first call runs eagerly,
-    the second records, the third replays. Random numbers from generators of its own; returns the seconds."""
+    """Run every shape decoding `rows` rows meets three times (under CUDA graphs the first call runs eagerly, the
+    second records, the third replays): the plain step under each rule of `plain`, and for each proposer and rule
+    every tree it proposes (`Proposer.trees`) through `verify_and_accept` (and `draft_tree` where it draws the
+    first tree). Random numbers from generators of its own; returns the seconds."""
     device, block, medusa = model.device, model.config.block_size, steps.medusa
     shapes, plain = {(p, t, s) for p, s in proposers for t in p.trees()}, set(plain)
     config = torch._dynamo.config  # each shape is one more specialisation of its function

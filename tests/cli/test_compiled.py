@@ -95,14 +95,18 @@ def test_the_warm_up_runs_every_shape_three_times_so_cuda_graphs_record_and_repl
 
 
 @torch.no_grad()
-def test_graph_replay_poisons_a_steps_outputs_when_a_step_runs_again():
-    """What catches a decoding loop that reads a step's logits or hidden state after the next step."""
+def test_graph_replay_poisons_a_steps_outputs_at_the_next_step_and_refuses_a_cache_not_marked_static(monkeypatch):
+    """What catches a loop that reads a step's logits or hidden state after the next step, and a cache a CUDA graph
+    would write a copy of (static_caches marks its tensors)."""
     model, _, steps, caches = warmed_up(7)
     block, N = model.config.block_size, TREE.num_nodes
     token, logits, hidden = steps.plain(model, caches(1, block), torch.tensor([[3]]))
     steps.medusa.verify_and_accept(model, caches(1, block + N), torch.zeros(1, N, dtype=torch.long),
                                    tree=TREE.tensors(), stop_at=torch.tensor([block]), sampling=RULES["greedy"], u=None)
     assert logits.isnan().all() and hidden.isnan().all() and int(token[0]) >= 0  # the token was copied out
+    monkeypatch.setattr(torch._dynamo, "mark_static_address", lambda t, guard=True: None)
+    pytest.raises(AssertionError, warmed_up, 9).match("writes into")
+    assert [compile_options(d)["mode"] for d in ("cuda", "cpu")] == ["reduce-overhead", None]  # graphs on CUDA only
 
 
 def run_both(model, drafter, sampling, steps, *, tree=TREE, prompts=([1, 2, 3], [4, 5]), cache=None):
@@ -169,13 +173,6 @@ def test_an_aligned_head_writes_the_models_logits_at_a_stride_of_64_and_leaves_t
     assert isinstance(with_aligned_head(tiny_model(3), devices=("cpu",)).lm_head, torch.nn.Linear)  # V = 64: no twin
     assert isinstance(model.lm_head, torch.nn.Linear) and twin(ids)[0].stride(-2) == 64
     torch.testing.assert_close((twin(ids)[0], twin.lm_head.weight), (model(ids)[0], model.lm_head.weight))
-
-
-def test_a_kv_cache_not_marked_static_is_refused_under_cuda_graphs_rules(monkeypatch):
-    """Why static_caches marks its tensors: a CUDA graph would write into its own copy of the cache."""
-    monkeypatch.setattr(torch._dynamo, "mark_static_address", lambda t, guard=True: None)
-    pytest.raises(AssertionError, warmed_up, 9).match("writes into")
-    assert [compile_options(d)["mode"] for d in ("cuda", "cpu")] == ["reduce-overhead", None]  # graphs on CUDA only
 
 
 @pytest.mark.parametrize("flags", [["--method", "rejection", "--temperature", "0.8", "--batch-size", "2"],

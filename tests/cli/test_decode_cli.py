@@ -61,8 +61,7 @@ def test_explain_walks_through_one_step_of_either_kind_of_heads(ckpt, ckpt_hydra
 
 def test_show_brackets_each_step_of_the_text_and_plain_decoding_needs_no_heads(ckpt, ckpt_no_heads, capsys):
     argv = ["--ckpt", ckpt, "--prompt", PROMPTS[0], "--max-new-tokens", "20"]
-    ref = json.loads(run(capsys, *argv, "--json", "--method", "plain"))
-    medusa = json.loads(run(capsys, *argv, "--json"))
+    ref, medusa = (json.loads(run(capsys, *argv, "--json", *method)) for method in (["--method", "plain"], []))
     out = run(capsys, *argv, "--show")  # not a terminal: brackets, no colour
     assert "\x1b[" not in out and "attention mask" in out and "(bonus token counted)" in out
     assert "tree cpu: 11 nodes + root, depth 4\n[0] root" in out
@@ -104,19 +103,16 @@ def test_json_is_an_object_per_prompt_and_a_batch_decodes_each_prompt_as_if_alon
 
 
 @pytest.mark.slow
-def test_the_demo_explains_a_step_without_any_checkpoint(capsys, tmp_path, monkeypatch):
+def test_the_demo_explains_a_step_without_any_checkpoint_and_refuses_a_tree_or_a_prompt_before_training(
+        capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # no out/tiny here
-    monkeypatch.setattr(decode, "demo_checkpoint", functools.partial(decode.demo_checkpoint, steps=5))
-    out = run(capsys, "--explain", "--demo")
-    assert out.startswith("DEMO:") and "accepted path" in out and "7. Result" in out
-
-
-def test_the_demo_refuses_a_tree_or_a_prompt_before_it_trains(capsys, monkeypatch):
-    steps, real = [], decode.demo_checkpoint
+    steps, real = [], functools.partial(decode.demo_checkpoint, steps=5)  # trained for 5 steps, not 300
     monkeypatch.setattr(decode, "demo_checkpoint", lambda **kw: steps.append(kw.get("steps")) or real(**kw))
     for bad, needle in (["--tree", "4"], "(--demo) has none"), (["--prompt", ""], "is empty"):
         assert needle in refused(capsys, decode.main, ["--explain", "--demo", *bad])
     assert steps == [0, 0]  # the untrained demo only
+    out = run(capsys, "--explain", "--demo")
+    assert out.startswith("DEMO:") and "accepted path" in out and "7. Result" in out and steps == [0, 0, 0, None]
 
 
 def test_a_console_that_cannot_encode_the_trees_lines_shows_escapes_not_an_error(ckpt, monkeypatch):
@@ -178,10 +174,9 @@ def test_top_p_goes_with_sampling_a_temperature_names_or_compares_sampled_rows()
     "--explain --reference -> --reference", "--reference --compile -> --compile", "--show --reference -> --show",
     f"--explain --prompt {'q' * 62} -> at most 61 tokens", f"--compare --prompt {'q' * 63} -> at most 62 tokens",
 ])
-def test_bad_input_exits_2_with_one_line(case, ckpt, ckpt_no_heads, ckpt_hydra, tmp_path, capsys):
+def test_bad_input_exits_2_with_one_line(case, ckpt, ckpt_hydra, tmp_path, capsys):
     args, _, needle = case.partition(" -> ")
-    argv = shlex.split(args.format(tmp=tmp_path, no_heads=ckpt_no_heads, hydra=ckpt_hydra, ckpt=ckpt,
-                                   long="the cat " * 100))
+    argv = shlex.split(args.format(tmp=tmp_path, hydra=ckpt_hydra, ckpt=ckpt, long="the cat " * 100))
     err = refused(capsys, decode.main, argv if "--ckpt" in argv else ["--ckpt", ckpt, *argv])
     assert err.startswith("decode.py: error: ") and (needle or argv[0]) in err, err
 

@@ -17,9 +17,10 @@ def resolve(spec, ckpt_dir, *, device="cpu", num_heads=4, drawn=False):
     return resolve_tree(spec, ckpt_dir=str(ckpt_dir), device=device, num_heads=num_heads, drawn=drawn)
 
 
-def test_a_budget_builds_the_best_tree_from_its_rules_table_else_the_device_picks_it(tmp_path):
+def test_a_budget_builds_the_best_tree_from_its_rules_table_else_the_device_picks_it(tmp_path, monkeypatch):
     """A drawn candidate passes far less often than a top-1 guess: its tree, from its own table, spends a budget
-    on more tries at the root before depth; a table measured before drawn candidates had theirs: greedy's."""
+    on more tries at the root before depth; a table measured before drawn candidates had theirs: greedy's. A model
+    without a folder (--explain --demo's) never reads the working directory's table: another model's."""
     assert resolve(None, tmp_path) == (preset("cpu"), "cpu", preset("cpu").num_nodes - 1)  # no accuracies yet
     assert resolve(None, tmp_path, device="cuda") == (preset("gpu"), "gpu", preset("gpu").num_nodes - 1)
     assert resolve(None, tmp_path, num_heads=2).tree == preset("cpu").truncated(2)  # fewer heads: the preset cut
@@ -38,11 +39,6 @@ def test_a_budget_builds_the_best_tree_from_its_rules_table_else_the_device_pick
     assert on_cpu == build_tree(drawn, 8, min_gain=CPU_MIN_GAIN)[0] and on_cpu.choices == ((0,), (1,), (0, 0))
     # a preset names its tree, its size the budget: a tree given whole is no budget, for either table
     assert resolve("chain3", tmp_path) == resolve("chain3", tmp_path, drawn=True) == (chain(3), "chain3", 3)
-
-
-def test_a_checkpoint_without_a_folder_never_reads_the_working_directorys_accuracies(tmp_path, monkeypatch):
-    """--explain --demo's model has no folder: another model's heads_accuracy.json where it runs is not its own."""
-    save_accuracy(tmp_path, VICUNA)
     monkeypatch.chdir(tmp_path)
     assert resolve(None, "") == (preset("cpu"), "cpu", preset("cpu").num_nodes - 1)
     pytest.raises(ValueError, resolve, "auto", "").match(r"^--tree auto needs heads accuracies: .*\(--demo\) has none")
