@@ -88,9 +88,8 @@ class Run:
         self.write(self.state_path, lambda f: torch.save(state, f))
 
     def write(self, path: str, writer: Writer) -> None:
-        """`writer`'s file at `path` (the resume state, the held-out prompts), then the checkpoint. Only at the run's
-        first save does --overwrite's old run stop being a checkpoint (a run that fails or stops before it saves
-        leaves it whole; one stopped later, its own files alone); then the tokenizer."""
+        """`writer`'s file at `path` (the resume state, the held-out prompts), then the checkpoint. --overwrite's old
+        run stops being a checkpoint at the first save: a run that fails or stops before it leaves that one whole."""
         if not self.model_written:  # the first save: later, this run's files are there already
             for name in (CONFIG_FILE, STATE_FILE, accuracy.ACCURACY_FILE, PROMPTS_FILE) if self.args.overwrite else ():
                 try:
@@ -151,14 +150,6 @@ class Run:
         return {key: [next(numbers) for _ in range(v.numel())] if v.dim() else next(numbers)
                 for key, v in metrics.items()}
 
-    def print_checksum(self) -> None:
-        """Every rank prints a checksum of its weights: equal lines mean the replicas stayed identical."""
-        h = hashlib.sha256()
-        for t in [*self.model.state_dict().values(), *self.heads.state_dict().values()]:
-            h.update(t.detach().cpu().contiguous().numpy().tobytes())
-        # The newline in the text: print() writes it separately, and two ranks would interleave the writes.
-        print(f"rank {self.rank}/{self.world} weights sha256 {h.hexdigest()[:16]}\n", end="", flush=True)
-
     def stage(self, name: str, fn):
         """fn(), a stage, timed for the `stages` line, with its peak allocated memory on CUDA."""
         cuda = self.device.startswith("cuda")
@@ -191,31 +182,21 @@ def tokenizer_folder(init: str) -> str | None:
     return folder if os.path.exists(path) and os.path.isfile(os.path.join(folder, RANKS_FILE)) else None
 
 
-def _pretrained(r: Run) -> tuple[GPT, tiktoken.Encoding]:
-    """--init: GPT-2 weights, frozen, and their tokenizer (the directory's own, else tiktoken's "gpt2").
-    Under torchrun rank 0 downloads alone: ranks writing one `.part` file at once would corrupt it."""
-    init = r.args.init
-    try:
-        if r.main and not os.path.exists(os.path.expanduser(init)) and init in GPT2_CONFIGS:
-            download_gpt2(init)
-            tiktoken.get_encoding("gpt2")  # fetches its files once, like the weights
-        if r.world > 1:
-            dist.barrier(group=r.host_group)
-        model, folder = load_gpt2(init, device=r.device), tokenizer_folder(init)
-        enc = load_tokenizer(folder) if folder else tiktoken.get_encoding("gpt2")
-    except (ValueError, OSError) as e:
-        raise TrainError(f"--init {init}: {e}") from None
-    if enc.n_vocab > model.config.vocab_size:
-        raise TrainError(f"--init {init}: tokenizer has {enc.n_vocab} tokens, the model {model.config.vocab_size}")
-    return model.requires_grad_(False), enc
-
-
 def _prepare(r: Run, state: dict | None, train_docs: list, val_docs: list) -> tuple:
     """Tokenizer, backbone (pretrained with --init) and heads, restored on --resume; the token arrays."""
     a = r.args
     torch.manual_seed(a.seed)  # the backbone's and the heads' first weights
-    if a.init:
-        model, enc = _pretrained(r)
+    if a.init:  # GPT-2 weights, frozen, and their tokenizer (the folder's own, else tiktoken's "gpt2")
+        try:  # under torchrun rank 0 downloads alone: ranks writing one `.part` file at once would corrupt it
+            if r.main and not os.path.exists(os.path.expanduser(a.init)) and a.init in GPT2_CONFIGS:
+                download_gpt2(a.init)
+                tiktoken.get_encoding("gpt2")  # fetches its files once, like the weights
+            if r.world > 1:
+                dist.barrier(group=r.host_group)
+            model, folder = load_gpt2(a.init, device=r.device).requires_grad_(False), tokenizer_folder(a.init)
+            enc = load_tokenizer(folder) if folder else tiktoken.get_encoding("gpt2")
+        except (ValueError, OSError) as e:
+            raise TrainError(f"--init {a.init}: {e}") from None
     else:  # a resumed run's tokenizer, or BPE on the training text
         t0 = time.time()
         enc = load_tokenizer(a.out) if state else make_encoding(
@@ -224,6 +205,8 @@ def _prepare(r: Run, state: dict | None, train_docs: list, val_docs: list) -> tu
         model = GPT(GPTConfig(vocab_size=enc.n_vocab, block_size=a.block_size, n_layer=a.n_layer,
                               n_head=a.n_head, n_embd=a.n_embd)).to(r.device)
     cfg = model.config
+    if a.init and enc.n_vocab > cfg.vocab_size:
+        raise TrainError(f"--init {a.init}: tokenizer has {enc.n_vocab} tokens, the model {cfg.vocab_size}")
     if a.init and (why := a.context_error(cfg.block_size)):  # TrainArgs checked --block-size's, which --init replaces
         raise TrainError(f"--init {a.init} holds {cfg.block_size} tokens of context: {why}")
     train_tokens, val_tokens = (encode_documents(enc, docs) for docs in (train_docs, val_docs))
@@ -262,7 +245,7 @@ def progress_line(stage: str, step: int, steps: int, metrics: dict, *, tokens_pe
 
 
 def _train(r: Run, module: MedusaLM, optimizer, *, stage: str, steps: int, start: int, gen, batch_fn, loss_kwargs,
-           state=None, evaluate=None) -> None:
+           state=None, val_batches: list | None = None) -> None:
     """The optimizer loop of both training stages, from `state` on: cosine lr, clipping, progress, saves, Ctrl-C."""
     # No find_unused_parameters: every trainable parameter gets a gradient each step (a frozen backbone
     # has requires_grad off; with λ0 = 0 the joint stage leaves the heads out).
@@ -303,8 +286,8 @@ def _train(r: Run, module: MedusaLM, optimizer, *, stage: str, steps: int, start
             strikes = 0 if math.isfinite(values.get("lm", 0.0) + sum(values.get("heads", []))) else strikes + 1
             if strikes > scaler.is_enabled() or (strikes and step == steps - 1):
                 raise TrainError(f"{stage} step {step + 1}: the loss is not finite; {LOWER_LR}")
-        if evaluate is not None and ((step + 1) % a.eval_every == 0 or step + 1 == steps):
-            evaluate(step + 1)
+        if val_batches and a.eval_every and r.main and ((step + 1) % a.eval_every == 0 or step + 1 == steps):
+            r.log(f"eval      step {step + 1:5d}/{steps}  validation loss {validation_loss(r.model, val_batches):.3f}")
         if (step + 1) % (a.save_every or max(50, steps // 5)) == 0 and step + 1 < steps:
             r.save(stage=stage, step=step + 1, **saved)
 
@@ -330,12 +313,9 @@ def backbone_stage(r: Run, train_tokens: np.ndarray, val_batches: list, *, step:
         w = lambda_schedule(s, a.backbone_steps, lambda0=a.lambda0) if joint else 0.0
         return dict(lm_weight=1.0, heads_weight=w, decay=a.head_decay, heads_stride=a.heads_stride, heads_offset=s)
 
-    def evaluate(s: int) -> None:
-        r.log(f"{'eval':9s} step {s:5d}/{a.backbone_steps}  validation loss {validation_loss(model, val_batches):.3f}")
-
     _train(r, MedusaLM(model, heads if joint else None), opt, stage="backbone", steps=a.backbone_steps, start=step,
-           gen=seeded(a.seed * 1009 + r.rank), batch_fn=batch, loss_kwargs=loss_kwargs,
-           state=state, evaluate=evaluate if a.eval_every and r.main else None)
+           gen=seeded(a.seed * 1009 + r.rank), batch_fn=batch, loss_kwargs=loss_kwargs, state=state,
+           val_batches=val_batches)
 
 
 @torch.no_grad()
@@ -438,11 +418,10 @@ def summarize(r: Run, val_batches: list, val_tokens: np.ndarray) -> tuple[dict, 
              f"           {'head':<36}" + "".join(f"{k:>7d}" for k in range(1, K + 1))]
     lines += [f"           {name:<36}" + "".join(f"{v:7.2f}" for v in xs.tolist()) for name, xs in figures.items()]
     cpu = preset("cpu").truncated(K)  # its ranks 0-2: a table of fewer (a draft vocabulary of 1 or 2) leaves it out
-    lines.append(f"           {'expected tokens/step, greedy (bonus counted):':<48}"
-                 + ", ".join(f"{b} nodes {build_tree(acc, b)[1]:.2f}" for b in (4, 8, 16, 32, 64))
+    nodes = lambda table: ", ".join(f"{b} nodes {build_tree(table, b)[1]:.2f}" for b in (4, 8, 16, 32, 64))
+    lines.append(f"           {'expected tokens/step, greedy (bonus counted):':<48}" + nodes(acc)
                  + (f"; cpu preset {expected_tokens_per_step(acc, cpu):.2f}" if cpu.max_rank < acc.shape[1] else ""))
-    lines.append(f"           {f'expected tokens/step, rejection (T={T:g}):':<48}"
-                 + ", ".join(f"{b} nodes {build_tree(drawn, b)[1]:.2f}" for b in (4, 8, 16, 32, 64)))
+    lines.append(f"           {f'expected tokens/step, rejection (T={T:g}):':<48}" + nodes(drawn))
     lines.append("           draft vocabulary coverage of greedy text: "  # never empty: V > 256 (bytes, end-of-text)
                  + ", ".join(f"{m} {c:.2f}" for m, c in coverage.items()))
     r.log("\n".join(lines))
@@ -487,8 +466,12 @@ def run(args: TrainArgs) -> None:
         signal.signal(signal.SIGINT, previous)
     choose_draft_vocabulary(r)  # before the summary: it measures the heads as they will decode
     r.heads.eval()
-    if r.world > 1:
-        r.print_checksum()
+    if r.world > 1:  # every rank's weights' checksum: equal lines mean the replicas stayed identical
+        h = hashlib.sha256()
+        for t in [*r.model.state_dict().values(), *r.heads.state_dict().values()]:
+            h.update(t.detach().cpu().contiguous().numpy().tobytes())
+        # The newline in the text: print() writes it separately, and two ranks would interleave the writes.
+        print(f"rank {r.rank}/{r.world} weights sha256 {h.hexdigest()[:16]}\n", end="", flush=True)
     if r.main:
         figures, save_accuracy = r.stage("summary", lambda: summarize(r, val_batches, val_tokens))
         r.extra.update(figures)
