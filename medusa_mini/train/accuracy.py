@@ -44,10 +44,9 @@ def with_head_targets(sequences: list[list[int]], prompt_lens: int | Sequence[in
 def _mean_per_head(model: GPT, heads: DraftHeads, sequences: list[list[int]], prompt_lens: int | Sequence[int],
                    score: Callable[..., torch.Tensor], shape: tuple[int, ...] = (),
                    temperature: float | None = None) -> torch.Tensor:
-    """[K, *shape] float64: score(k - 1, target [m], p [m, V] or None, head k's logits [m, M]) -> [m, *shape],
-    averaged over the positions t where head k has a target, token t+k+1, from each prompt's last token on, as
-    decoding drafts: p is the backbone's distribution of it at `temperature` (None: not computed). Hydra heads
-    read the text's own tokens between t and it."""
+    """[K, *shape] float64: score(k - 1, target [m], p [m, V] or None, logits [m, M]) -> [m, *shape], head k's mean over
+    the positions t where it has a target, token t+k+1, from each prompt's last token on, as decoding drafts; p: the
+    backbone's distribution of it at `temperature` (None: not computed). Hydra heads read the text between t and it."""
     device, K = model.device, heads.num_heads
     totals, counts = torch.zeros(K, *shape, dtype=torch.float64), torch.zeros(K, dtype=torch.float64)
     for seq, first in with_head_targets(sequences, prompt_lens):
