@@ -106,17 +106,8 @@ def prepare(a: argparse.Namespace) -> tuple:
     dtype = pick_dtype(a.dtype, device := pick_device(a.device))
     if a.demo:  # the tree and prompts are checked on the untrained demo first, not after seconds of training
         ck, text = demo_checkpoint(device=device, dtype=dtype, steps=0)
-        checked(a, ck, texts := a.prompt or [text], device)
-        print("training the demo model and its heads (10-30 s on two CPU cores)...", file=sys.stderr)
-        ck, _ = demo_checkpoint(device=device, dtype=dtype)
     else:
         ck = load_for_decoding(a.ckpt, device=device, dtype=dtype)
-        texts = a.prompt or load_prompts(a.ckpt)[: a.num_prompts]
-    return ck, *checked(a, ck, texts, device)
-
-
-def checked(a: argparse.Namespace, ck, texts: list[str], device: torch.device) -> tuple:
-    """--tree's TreeChoice, --compare's for drawn candidates, [(text, ids)]: a ValueError for what cannot run."""
     medusa = a.method != "plain"  # --compare takes no --method, --explain refuses plain
     if ck.heads is None and medusa:
         plain_runs = not (a.compare or a.explain or a.reference)  # each of these decodes with heads
@@ -130,6 +121,7 @@ def checked(a: argparse.Namespace, ck, texts: list[str], device: torch.device) -
         for tree in {choice.tree, drawn.tree} if medusa else ():  # a tree the heads cannot fill fails here
             ck.heads.proposer(ck.model, tree)
     prompts, room = [], ROOM if a.explain else 2 if a.compare else 1  # new positions past a prompt (--compare: two)
+    texts = a.prompt or ([text] if a.demo else load_prompts(a.ckpt)[: a.num_prompts])
     for i, text in enumerate(texts, start=1):
         which = f"prompt {i} ({'--prompt' if a.prompt else PROMPTS_FILE})"
         if any("\ud800" <= c <= "\udfff" for c in text):  # bytes a command line held that are not UTF-8, escaped
@@ -141,7 +133,10 @@ def checked(a: argparse.Namespace, ck, texts: list[str], device: torch.device) -
             raise ValueError(f"{which} is {len(ids)} tokens long but the context holds {ck.block_size}; "
                              f"shorten it to at most {ck.block_size - room} tokens")
         prompts.append((text, ids))
-    return choice, drawn, prompts
+    if a.demo:  # the same tokenizer and shapes, trained
+        print("training the demo model and its heads (10-30 s on two CPU cores)...", file=sys.stderr)
+        ck, _ = demo_checkpoint(device=device, dtype=dtype)
+    return ck, choice, drawn, prompts
 
 
 def methods_of(a: argparse.Namespace, ck, choice: TreeChoice | None, drawn: TreeChoice | None) -> list[Method]:
