@@ -39,17 +39,12 @@ def q_logits(heads, model, hidden, path: list[int]) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_fresh_heads_start_as_the_backbones_next_token_prediction(kind):
-    model, heads = tiny_model(), make_heads(HeadsConfig(num_heads=3, n_embd=C, vocab_size=V, kind=kind))
-    h = torch.randn(5, C)
-    out = heads(h, model, following=randint(5, 3))  # [K, 5, V]; W = 0: h + SiLU(0) = h
-    torch.testing.assert_close(out, model.lm_head(h).expand(3, 5, V), atol=1e-6, rtol=0)
-
-
-@pytest.mark.parametrize("kind", KINDS)
 def test_head_k_is_the_lm_head_over_h_plus_silu_of_its_linear_layer_reading_no_token_after_its_kth(kind):
-    """Head k: lm_head(h + SiLU(W_k h + b_k)); a dependent (hydra) head's W_k reads [h; e(x_{t+1}); ...; e(x_{t+k})]."""
+    """Head k: lm_head(h + SiLU(W_k h + b_k)); a dependent (hydra) head's W_k reads [h; e(x_{t+1}); ...; e(x_{t+k})].
+    Fresh heads start as the backbone's next-token prediction: W = 0, so h + SiLU(0) = h."""
     model, h, following = tiny_model(4), torch.randn(C), torch.tensor([5, 9, 13, 17])
+    fresh = make_heads(HeadsConfig(num_heads=4, n_embd=C, vocab_size=V, kind=kind))
+    torch.testing.assert_close(fresh(h, model, following=following), model.lm_head(h).expand(4, V), atol=1e-6, rtol=0)
     heads = random_heads(model, kind=kind, seed=4)
     got = heads(h, model, following=following)  # [K, V]
     for k, block in enumerate(heads.blocks, start=1):
