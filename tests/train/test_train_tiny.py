@@ -25,6 +25,7 @@ from medusa_mini.heads import frequency_order
 from medusa_mini.io.checkpoint import load_checkpoint, save_checkpoint
 from medusa_mini.model import GPT, GPTConfig
 from medusa_mini.train import run as run_mod
+from medusa_mini.train import state as state_mod
 from medusa_mini.train.accuracy import load_accuracy
 from medusa_mini.train.config import TrainArgs
 from medusa_mini.train.data import load_corpus, split_documents
@@ -337,9 +338,9 @@ def test_init_trains_heads_of_another_kind_on_a_frozen_checkpoint_over_its_own_t
     args = FAST + ["--init", str(base), "--preset", "gpt2-cpu", "--heads", "hydra", "--draft-vocab", "64",
                    "--distill-prompts", "4"]
     assert train_tiny.main(FAST + ["--out", str(ref), "--n-embd", "48", "--backbone-steps", "2"]) == 0  # older run
-    written, saves, real, save = [], [], run_mod.self_distill, run_mod.save_checkpoint  # the text; model writes
+    written, saves, real, save = [], [], run_mod.self_distill, state_mod.save_checkpoint  # the text; model writes
     monkeypatch.setattr(run_mod, "self_distill", lambda *a, **k: written.append(real(*a, **k)) or written[-1])
-    monkeypatch.setattr(run_mod, "save_checkpoint", lambda *a, **k: saves.append(k["write_model"]) or save(*a, **k))
+    monkeypatch.setattr(state_mod, "save_checkpoint", lambda *a, **k: saves.append(k["write_model"]) or save(*a, **k))
     assert train_tiny.main(args + ["--out", str(ref), "--overwrite"]) == 0
     assert "coverage of greedy text: 64 " in capsys.readouterr().out and saves == [True] + [False] * (len(saves) - 1)
     monkeypatch.undo()
