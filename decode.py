@@ -43,9 +43,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help=f"0 = greedy (default: 0, or {SAMPLING_TEMPERATURE} for typical and rejection)")
     p.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling mass (default: 1.0)")
     p.add_argument("--seed", type=seed, default=0, metavar="N", help="seeds the sampling generator (default: 0)")
-    p.add_argument("--tree", metavar="N|auto|NAME|FILE.json", help="N nodes built from heads_accuracy.json; auto: "
-                   "64 of them on CUDA, on a CPU up to 8 that pay for their cost; a preset (cpu, gpu, chainN); or "
-                   "choices, in a JSON file or inline: '[[0],[1],[0,0]]' (default: auto, else the device's preset)")
+    p.add_argument("--tree", type=os.path.expanduser, metavar="N|auto|NAME|FILE.json", help="N nodes built from "
+                   "heads_accuracy.json; auto: 64 of them on CUDA, on a CPU up to 8 that pay for their cost; a preset "
+                   "(cpu, gpu, chainN); or choices, in a JSON file or inline: '[[0],[1],[0,0]]' (default: auto, else "
+                   "the device's preset)")
     p.add_argument("--batch-size", type=numbers(1, 4096), default="1", metavar="B",  # --compare fills B rows
                    help="prompts per batch; with --compare a list: 1,2,4,8 (default: 1)")
     p.add_argument("--device", help="cpu or cuda (default: cuda if available, else cpu)")
@@ -58,7 +59,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     mode.add_argument("--explain", action="store_true", help="walk through one Medusa step on the first prompt")
     mode.add_argument("--compare", action="store_true", help="table: plain, prompt lookup and Medusa decoding")
     p.add_argument("--demo", action="store_true", help="with --explain: a tiny model trained on the spot")
-    p.add_argument("--plot", metavar="FILE.png", help="with --compare --batch-size B1,B2,...: draw the table")
+    p.add_argument("--plot", type=os.path.expanduser, metavar="FILE.png",
+                   help="with --compare --batch-size B1,B2,...: draw the table")
     p.add_argument("--json", action="store_true", help="JSON lines per prompt (with --compare: one object; "
                    "with --batch-size B, a row's seconds are its whole batch's)")
     a = p.parse_args(argv)

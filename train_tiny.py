@@ -24,9 +24,10 @@ def parse_args(argv: list[str] | None = None) -> TrainArgs:
     p = OneLineParser(prog="train_tiny.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", choices=sorted(PRESETS),
                    help="size of the run (default: gpu if CUDA else cpu; with --init: gpt2 on CUDA else gpt2-cpu)")
-    p.add_argument("--data", help="a UTF-8 text file or folder (default: this Python's standard library)")
-    p.add_argument("--out", metavar="DIR", help="checkpoint directory (default: out/tiny for the cpu and gpu "
-                   "presets, else out/<preset>: a smoke run never replaces the real one)")
+    p.add_argument("--data", type=os.path.expanduser,  # --data=~/x: no shell expands a ~ inside a word
+                   help="a UTF-8 text file or folder (default: this Python's standard library)")
+    p.add_argument("--out", type=os.path.expanduser, metavar="DIR", help="checkpoint directory (default: out/tiny for "
+                   "the cpu and gpu presets, else out/<preset>: a smoke run never replaces the real one)")
     p.add_argument("--init", metavar="NAME|DIR", help="start from GPT-2 weights (gpt2, gpt2-medium, ..., or a path) "
                    "and train heads only: the backbone keeps its shape and stays frozen (--medusa 1, no backbone "
                    "steps; the backbone's shape flags are ignored)")

@@ -162,13 +162,14 @@ def header(s: argparse.Namespace, argv: list[str]) -> str:
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = OneLineParser(prog="python benchmarks/gpu_report.py", description=__doc__,
                       formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", required=True, metavar="FILE.md", help="the markdown report")
+    p.add_argument("--out", type=os.path.expanduser, required=True, metavar="FILE.md", help="the markdown report")
     p.add_argument("--part", action="append", choices=PARTS, help="only this part; repeat for several (default: all)")
     p.add_argument("--append", action="store_true", help="add the sections to --out instead of writing it anew")
     p.add_argument("--device", help="cuda or cpu (default: cuda if available)")
     p.add_argument("--quick", action="store_true", help="smoke training, the tiny shape, few nodes and prompts")
-    p.add_argument("--ckpt", default="out/gpu_report", metavar="DIR", help="train's checkpoint (replacing one "
-                   "there), read by decode and batch; relative to the current folder (default: %(default)s)")
+    p.add_argument("--ckpt", type=os.path.expanduser, default="out/gpu_report", metavar="DIR", help="train's "
+                   "checkpoint (replacing one there), read by decode and batch; relative to the current folder "
+                   "(default: %(default)s)")
     p.add_argument("--configs", type=names_of(CONFIGS),
                    help=f"step: shapes for bench_step.py (default: {GPT2_SHAPES}; --quick: tiny)")
     p.add_argument("--dtypes", type=names_of(DTYPES), default="bfloat16,float32",
@@ -195,7 +196,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         if not 1 < a.budget_s < float("inf"):  # nan too; a part with 1 s left starts no command (`run_part`)
             raise ValueError(f"--budget-s must be a finite number of seconds > 1, not {a.budget_s:g}")
         a.parts = [part for part in PARTS if part in (a.part or PARTS)]
-        a.ckpt = os.path.abspath(os.path.expanduser(a.ckpt))  # as the checks read it: the parts run in the repository
+        a.ckpt = os.path.abspath(a.ckpt)  # as the checks read it: the parts run in the repository
         unfinished = os.path.exists(os.path.join(a.ckpt, STATE_FILE))  # a train part stopped after a save
         if {"decode", "batch"} & set(a.parts) and "train" not in a.parts and (unfinished or not os.path.isfile(
                 os.path.join(a.ckpt, "config.json"))):

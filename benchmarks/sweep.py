@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", help="cpu, cuda, ... (default: cuda if available)")
     p.add_argument("--dtype", choices=tuple(DTYPES), default="float32", help="(default: float32)")
     p.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
-    p.add_argument("--plot", metavar="FILE.png", help="also draw the table (needs matplotlib)")
+    p.add_argument("--plot", type=os.path.expanduser, metavar="FILE.png", help="also draw the table (needs matplotlib)")
     ns = p.parse_args(argv)
     try:
         ck, tables, prompts = load(ns)
