@@ -94,6 +94,7 @@ def test_on_cuda_each_part_compiles_keeps_its_lines_and_names_what_failed(tmp_pa
 @pytest.mark.parametrize("case", [  # the error names what follows "->", else the first flag given
     "--part nope", "--device tpu -> device", "--budget-s 1", "--budget-s nan", "--budget-s inf", "--configs gpt5",
     "--dtypes float8", "--part decode --ckpt no/such/dir -> --ckpt", "--out {tmp}/sub/",
+    "--out {tmp}/stopped/r.md -> --out: {tmp}/stopped/r.md.partial is a folder",  # written there while r.md is older
     "--part batch --ckpt {tmp}/stopped -> no finished checkpoint",  # heads half trained: the train part must end
     "--train-flags \"'unclosed\" -> --train-flags: No closing quotation",
     # forwarded flags, checked by their script's own parser before any part runs
@@ -112,11 +113,12 @@ def test_on_cuda_each_part_compiles_keeps_its_lines_and_names_what_failed(tmp_pa
 def test_bad_flags_exit_2_with_one_line_before_any_part_runs(tmp_path, capsys, monkeypatch, case):
     faked(monkeypatch, lambda argv: pytest.fail(f"ran {argv} despite a bad flag"))
     (stopped := tmp_path / "stopped").mkdir()  # what a train part stopped after a save leaves
+    (stopped / "r.md.partial").mkdir()
     for name in ("config.json", "train_state.pt"):
         (stopped / name).touch()
     args, _, needle = case.partition(" -> ")
     argv = ["--device", "cpu", "--out", str(tmp_path / "r.md"), *shlex.split(args.format(tmp=tmp_path))]
-    assert (needle or args.split()[0]) in refused(capsys, gpu_report.main, argv)
+    assert (needle.format(tmp=tmp_path) or args.split()[0]) in refused(capsys, gpu_report.main, argv)
     assert list(tmp_path.iterdir()) == [stopped]
 
 
