@@ -106,8 +106,8 @@ class Generations:
         if not (isinstance(max_new_tokens, numbers.Integral) and not isinstance(max_new_tokens, bool)
                 and max_new_tokens >= 0):  # numpy's integers too
             raise ValueError(f"max_new_tokens must be an integer >= 0, not {max_new_tokens!r}")
-        if not (eos_id is None or isinstance(eos_id, numbers.Integral)):  # a list would end nothing, silently
-            raise ValueError(f"eos_id is one token id or None, not {eos_id!r}")
+        if not (eos_id is None or isinstance(eos_id, numbers.Integral) and 0 <= eos_id < model.config.vocab_size):
+            raise ValueError(f"eos_id is one token id, 0 to {model.config.vocab_size - 1}, or None, not {eos_id!r}")
         self.prompts = [_check_prompt(model, p) for p in prompts]
         if not self.prompts:
             raise ValueError("no prompts: give at least one")

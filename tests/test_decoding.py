@@ -157,4 +157,5 @@ def test_a_row_stopped_by_its_end_token_keeps_its_cache_length_while_the_other_r
         used.append(KVCache(model.config, batch_size=len(rows), max_len=model.config.block_size + tree.num_nodes))
         medusa_generate_batch(model, random_heads(model), rows, tree=tree, max_new_tokens=30, eos_id=37, cache=used[-1])
     assert used[0].lengths[0] == used[1].lengths[0]
-    pytest.raises(ValueError, generate, model, [5], max_new_tokens=3, eos_id=[37, 2]).match("one token id")  # HF's
+    for eos_id in ([37, 2], 64, -1):  # a list (as Hugging Face takes), ids outside the vocabulary of 64
+        pytest.raises(ValueError, generate, model, [5], max_new_tokens=3, eos_id=eos_id).match("one token id")
