@@ -1,11 +1,7 @@
 """What is lossless, and the deliberate bugs that break it: each lossless claim (and typical acceptance's
 nucleus) is paired with tests that patch a mistake into the engine and assert that the claim's own check
-then fails. The apparatus (exact distributions, the bound, heads that know the future) is in lossless.py.
-
-Greedy Medusa writes plain greedy's tokens in every row of a ragged batch (in bfloat16 it may part only at
-a near-tie); plain and rejection sampling emit exactly the backbone's distribution, enumerated on a 4-token
-vocabulary; typical acceptance does not (the paper's trade) but never leaves the nucleus. Top-p breaks ties
-by token id, in a batch as alone; an end token stops every rule; a temperature too small for float32 is greedy."""
+then fails. The apparatus (distributions enumerated on a 4-token vocabulary, the bound, heads that know the
+future) is in lossless.py."""
 
 import itertools
 from dataclasses import dataclass, replace
@@ -61,23 +57,16 @@ def verify_on(wrong):
     return lambda *args, tree, **kwargs: verify(*args, tree=wrong(tree), **{**kwargs, "clamp": True, "placed": None})
 
 
-def keep_node_indices(cache, keep, *, to, length):
-    """Slots counted from 0, not from each row's root: the path's K/V taken from the prefix's first slots."""
-    compact_kv_cache(cache, keep - to[:, :1], to=to, length=length)
-
-
-def judged_at_themselves(tree, tokens, y, *, usable=None):
-    """Each candidate compared with the backbone's token after itself, not after its parent."""
-    return path_accept(replace(tree, parent_index=torch.arange(len(tree.parent_index))), tokens, y, usable=usable)
-
-
 GREEDY_BUGS = {  # name: the module attribute to patch, and the wrong value
     "nodes_sit_at_their_slot_not_their_depth": (step, "verify", verify_on(  # node i at slot and position length + i
         lambda tree: replace(tree, offsets=tree.offsets[:, [0, 0, *range(2, tree.offsets.shape[1])]]))),
     "nodes_see_a_causal_mask_not_the_tree_mask": (step, "verify", verify_on(
         lambda tree: replace(tree, ancestor_mask=torch.ones_like(tree.ancestor_mask).tril()))),
-    "the_cache_keeps_node_indices_not_the_paths_slots": (step, "compact_kv_cache", keep_node_indices),
-    "children_are_judged_at_themselves_not_their_parent": (acceptance, "path_accept", judged_at_themselves)}
+    # the path's K/V taken from the prefix's first slots: slots counted from 0, not from each row's root
+    "the_cache_keeps_node_indices_not_the_paths_slots": (step, "compact_kv_cache", lambda cache, keep, *, to, **kw:
+                                                         compact_kv_cache(cache, keep - to[:, :1], to=to, **kw)),
+    "children_are_judged_at_themselves_not_their_parent": (acceptance, "path_accept", lambda tree, tokens, y, **kw:
+        path_accept(replace(tree, parent_index=torch.arange(len(tree.parent_index))), tokens, y, **kw))}
 
 
 @pytest.mark.parametrize("bug", GREEDY_BUGS)
@@ -144,15 +133,14 @@ CASES = {
 def test_plain_and_rejection_sampling_emit_exactly_the_backbones_distribution(case):
     """Each prompt's sequences pass `lossless.failures` against its exact distribution, and the deepest
     accepted node is the case's: none in plain sampling, the baseline; 3 on the depth-3 tree given 5 tokens;
-    2 where 4 tokens (the budget) or a 6-token context cut that tree to depth 2. Every row of the context
-    case stops at the context; in over 10 rows of the drawn-top-p-eos case an end token accepted inside a path."""
+    2 where 4 tokens (the budget) or a 6-token context cut that tree to depth 2."""
     runs = CASES[case].run()
     for rows, exact in runs:
         assert failures(rows, exact) == [] and deepest(rows) == CASES[case].deepest
     stats = [s for rows, _ in runs for _, s in rows]
     if case == "cut-by-the-context":
         assert {s.stop_reason for s in stats} == {"context"}
-    if case == "drawn-top-p-eos":
+    if case == "drawn-top-p-eos":  # an end token accepted inside a path, in over 10 rows
         inside = [s.stop_reason == "eos" and s.steps > 0 and s.step_tokens[-1] <= s.accepted_nodes[-1] for s in stats]
         assert sum(inside) > 10
 
@@ -166,18 +154,6 @@ def typical_judges_by_p_without_top_p(tree, tokens, logits, *, sampling, u, usab
     judged = typical_accept(tree, tokens, logits, sampling=replace(sampling, top_p=1.0), u=u, usable=usable)
     p = sampling.probs(logits)  # [B, N, V]
     return judged._replace(bonus=inverse_cdf(p.gather(1, judged.last[:, None, None].expand_as(p[:, :1]))[:, 0], u))
-
-
-def one_uniform_per_row(tree, tokens, logits, *, sampling, u, usable=None):
-    """Top-k rejection with ONE uniform number for every node of a row: each node's y is still a draw from
-    its p, but the draws along a path are coupled, not fresh at each depth."""
-    return rejection_accept_topk(tree, tokens, logits, sampling=sampling, u=u[:, :1].expand_as(u), usable=usable)
-
-
-def another_rows_q(drawn, nodes, at=Drawn.at):
-    """`Drawn.at` giving row b its own draws with row b - 1's q."""
-    log_q, draws = at(drawn, nodes)
-    return log_q.roll(1, dims=0), draws
 
 
 def a_siblings_q(drawn, nodes, at=Drawn.at):
@@ -201,7 +177,9 @@ def residuals_changed(change, chain_of=acceptance.residual_chain):
 SAMPLING_BUGS = {  # name: (the case whose check must fail, the module attribute to patch, the wrong value)
     "the_plain_step_draws_from_p_without_top_p": ("plain-top-p-eos", Sampling, "probs", lambda sampling, logits:
                                                   sampling_probs(logits, temperature=sampling.temperature)),
-    "top_k_draws_share_one_uniform_per_row": ("top-k-top-p", acceptance, "rejection_accept_topk", one_uniform_per_row),
+    # each node's y still a draw from its p, but the draws along a path coupled, not fresh at each depth
+    "top_k_draws_share_one_uniform_per_row": ("top-k-top-p", acceptance, "rejection_accept_topk", lambda *a, u, **kw:
+                                              rejection_accept_topk(*a, u=u[:, :1].expand_as(u), **kw)),
     "q_keeps_earlier_draws": ("drawn-depth-3-rank-gap", acceptance, "without_earlier_draws",
                               lambda log_q, draws, *, bounds: log_q.softmax(dim=-1)),
     "the_first_draw_is_accepted_untested": ("drawn-depth-3-rank-gap", acceptance, "try_accepts",
@@ -214,7 +192,8 @@ SAMPLING_BUGS = {  # name: (the case whose check must fail, the module attribute
     "the_residual_leaves_out_tokens_outside_the_draft_vocabulary": ("drawn-draft-vocabulary-T1.5", acceptance,
                                                                     "residual_chain", residuals_changed(
                                                                         lambda r, p, q, tries: r * (q > 0))),
-    "a_row_tries_its_draws_against_another_rows_q": ("hydra-ragged-batch", Drawn, "at", another_rows_q),
+    "a_row_tries_its_draws_against_another_rows_q": ("hydra-ragged-batch", Drawn, "at", lambda *a, at=Drawn.at:
+                                                     (at(*a)[0].roll(1, dims=0), at(*a)[1])),  # row b - 1's q
     "children_are_tried_against_a_siblings_q": ("hydra-ragged-batch", Drawn, "at", a_siblings_q)}
 
 
