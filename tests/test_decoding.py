@@ -22,12 +22,6 @@ TREES = {
     "cpu": preset("cpu"), "gpu": preset("gpu")}
 
 
-def drafter(kind: str, model, *prompts, seed: int = 0):
-    if kind in ("oracle", "lookup"):
-        return ContinuationHeads(model, *prompts, max_new_tokens=40) if kind == "oracle" else PromptLookup()
-    return random_heads(model, seed=seed, kind=kind, draft=24)
-
-
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_plain_decoding_emits_the_backbones_own_next_tokens_drawn_in_order_from_one_generator(temperature):
     """Token after token, the argmax, or the draw `next_token` makes from the generator's next uniform, of
@@ -90,7 +84,9 @@ def test_greedy_medusa_equals_plain_greedy_in_every_row_of_a_batch(kind, tree_na
     the same Medusa heads (random or oracle), makes each row's tokens in as many steps."""
     model = tiny_model(seed)
     want = PLAIN.get(seed) or PLAIN.setdefault(seed, [generate(model, p, max_new_tokens=30) for p in PROMPTS])
-    heads = None if kind == "plain" else drafter(kind, model, *PROMPTS, seed=seed)
+    heads = (None if kind == "plain" else PromptLookup() if kind == "lookup" else
+             ContinuationHeads(model, *PROMPTS, max_new_tokens=40) if kind == "oracle" else
+             random_heads(model, seed=seed, kind=kind, draft=24))
     got = (generate_batch(model, PROMPTS, max_new_tokens=30) if kind == "plain" else
            medusa_generate_batch(model, heads, PROMPTS, tree=TREES[tree_name], max_new_tokens=30))
     assert [g[0] for g in got] == [w[0] for w in want]
@@ -113,7 +109,7 @@ def test_the_engine_emits_the_references_tokens_and_steps_with_the_same_seed(rul
     computed, not what it decides. (Sampled rules compare draws with probabilities that differ in the last
     bits between the two attention codes: over 4 prompts of 40 tokens no draw lands that close.) Budget 0: none."""
     model = tiny_model(12)
-    heads = drafter("medusa", model, seed=12)
+    heads = random_heads(model, seed=12, draft=24)
     for seed, prompt in enumerate([[1, 2, 3], [9, 8, 7, 6, 5], [4], list(range(3, 30)), [2, 7]]):
         settings = dict(tree=TREES[tree_name], max_new_tokens=40 if seed < 4 else 0, sampling=RULES[rule])
         want = ref.medusa_generate(model, heads, prompt, generator=torch.Generator().manual_seed(seed), **settings)

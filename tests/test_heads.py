@@ -32,12 +32,6 @@ def propose(heads, model, tree, root, hidden, sampling=Sampling(), generator=Non
                             u=proposer.uniforms(sampling, 1, generator, device="cpu"))
 
 
-def q_logits(heads, model, hidden, path: list[int]) -> torch.Tensor:
-    """The definition of q(. | path) [M]: the head of depth len(path), reading the root and the drafted tokens."""
-    following = torch.tensor(path + [0] * (heads.num_heads - len(path)))  # what lies past the path is never read
-    return heads(hidden, model, following=following)[len(path) - 1]
-
-
 @pytest.mark.parametrize("kind", KINDS)
 def test_head_k_is_the_lm_head_over_h_plus_silu_of_its_linear_layer_reading_no_token_after_its_kth(kind):
     """Head k: lm_head(h + SiLU(W_k h + b_k)); a dependent (hydra) head's W_k reads [h; e(x_{t+1}); ...; e(x_{t+k})].
@@ -125,7 +119,8 @@ def test_each_node_holds_its_rank_of_its_parents_q_top_k_or_drawn_from_the_draft
         assert not drawn or (draws is None) == (not kids)
         if not kids:
             continue
-        q = q_logits(heads, model, hidden, [tokens[j] for j in tree.path(node)])
+        path = [tokens[j] for j in tree.path(node)]  # q(. | path) [M]: head len(path) reads it, never the 0s after
+        q = heads(hidden, model, following=torch.tensor(path + [0] * (heads.num_heads - len(path))))[len(path) - 1]
         if drawn:
             torch.testing.assert_close(draws[0], q_log_probs(q, heads.draft_ids, temperature=T, vocab_size=V))
             assert draws[1] == gumbel_top_k(draws[0], len(draws[1]), u[0, proposal.drawn.q_index[node]]).tolist()

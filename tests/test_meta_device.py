@@ -31,10 +31,6 @@ def meta_rules(*, answer_reads: bool = False) -> CudaRules:
     return CudaRules(META, device_generator=GEN, answer_reads=answer_reads)
 
 
-def meta_model(dtype: torch.dtype = torch.float32):
-    return tiny_model(0).to(META, dtype)
-
-
 def meta_drafter(kind: str):
     return PromptLookup() if kind == "lookup" else random_heads(tiny_model(0), kind=kind, draft=16).to(META)
 
@@ -44,7 +40,7 @@ def meta_drafter(kind: str):
 
 def test_the_reference_decodes_with_the_engines_model_on_the_device():
     with meta_rules(answer_reads=True):
-        out, _ = reference.medusa_generate(meta_model(), meta_drafter("medusa"), [1, 2, 3], tree=TREE,
+        out, _ = reference.medusa_generate(tiny_model().to(META), meta_drafter("medusa"), [1, 2, 3], tree=TREE,
                                            max_new_tokens=4, sampling=Sampling(temperature=0.8), generator=GEN)
     assert len(out) == 4
 
@@ -58,7 +54,7 @@ def test_whole_generations_run_on_the_device_when_each_host_read_is_answered(kin
     reads the host once after the prefill and once per step."""
     compiled = dict(steps=compile_steps(META, compile=lambda fn: fn)) if steps == "compiled" else {}
     with meta_rules(answer_reads=True) as rules:
-        results = medusa_generate_batch(meta_model(), meta_drafter(kind), [[1] * 60, [4, 5, 6]], tree=TREE,
+        results = medusa_generate_batch(tiny_model().to(META), meta_drafter(kind), [[1] * 60, [4, 5, 6]], tree=TREE,
                                         max_new_tokens=6, sampling=RULES[rule], generator=GEN, **compiled)
     # Made-up reads accept no candidate (a count of 0): each step emits its bonus alone; row 0 meets the context first.
     assert [(len(tokens), stats.steps, stats.stop_reason) for tokens, stats in results] == [
@@ -71,12 +67,12 @@ def test_whole_generations_run_on_the_device_when_each_host_read_is_answered(kin
 def test_plain_generation_and_self_distillation_run_on_the_device_reading_the_host_once_per_token(sampling, dtype):
     """The prefill of rows of different lengths (one meets the context), then the plain step, in either format."""
     with meta_rules(answer_reads=True) as rules:
-        results = generate_batch(meta_model(dtype), [[1] * 61, [4, 5]], max_new_tokens=5, sampling=sampling,
+        results = generate_batch(tiny_model().to(META, dtype), [[1] * 61, [4, 5]], max_new_tokens=5, sampling=sampling,
                                  generator=GEN)
     assert [len(tokens) for tokens, _ in results] == [3, 5] and rules.reads == 5
     with meta_rules(answer_reads=True) as rules:
-        out = self_distill(meta_model(dtype), torch.zeros(3, 4, dtype=torch.long, device=META), max_new_tokens=5,
-                           temperature=sampling.temperature, generator=GEN)
+        out = self_distill(tiny_model().to(META, dtype), torch.zeros(3, 4, dtype=torch.long, device=META),
+                           max_new_tokens=5, temperature=sampling.temperature, generator=GEN)
     assert out.shape == (3, 9) and out.device == META and rules.reads == 1 + 5  # the prompts, then each token
 
 
@@ -85,7 +81,7 @@ def test_plain_generation_and_self_distillation_run_on_the_device_reading_the_ho
 def test_a_training_step_runs_forward_and_backward_on_the_device(kind, stage):
     """MedusaLM's forward, targets in the draft vocabulary, the chunked heads loss (checkpointed chunks)
     and the backward; no host read."""
-    model, heads = tiny_model(0).to(META).train(), meta_drafter(kind).train()
+    model, heads = tiny_model().to(META).train(), meta_drafter(kind).train()
     x, valid = torch.zeros(2, 17, dtype=torch.long, device=META), torch.ones(2, 16, dtype=torch.bool, device=META)
     kw = (dict(lm_weight=1.0, heads_weight=0.2, decay=0.8, heads_stride=3, heads_offset=2, heads_chunk=5)
           if stage == "joint" else
@@ -124,7 +120,7 @@ def test_meta_alone_lets_a_host_index_and_a_host_generator_through_and_cuda_rule
         tree, passes.gather(1, torch.arange(passes.shape[1]).expand(passes.shape)))),
 ], ids=["a mask on the host (meta's own check)", "a gather index on the host (CudaRules)"])
 def test_a_tensor_left_on_the_host_in_the_engine_fails_the_device_run(monkeypatch, module, name, misplaced):
-    model = meta_model()
+    model = tiny_model().to(META)
     proposer = meta_drafter("medusa").proposer(model, TREE)
     monkeypatch.setattr(module, name, misplaced)
     cache = KVCache(model.config, batch_size=2, max_len=model.config.block_size + 16, device=META)

@@ -7,8 +7,6 @@ import torch
 from medusa_mini.model import GPT, GPTConfig, KVCache, cache_attention_mask, compact_kv_cache
 from medusa_mini.tree import Tree
 
-ATOL = 1e-5
-
 
 def test_parameter_names_and_initial_values_follow_gpt2_and_the_lm_head_is_tied_to_the_token_embedding():
     torch.manual_seed(0)
@@ -42,7 +40,7 @@ def test_cached_decoding_matches_a_forward_without_cache_in_rows_of_their_own_le
     assert cache.lengths.tolist() == [8, 4]
     for b in range(2):
         want = model(torch.tensor([rows[b] + more[b].tolist()]))[0][0, len(rows[b]):]  # the row alone, no cache
-        torch.testing.assert_close(torch.stack([g[b] for g in got]), want, atol=ATOL, rtol=0)
+        torch.testing.assert_close(torch.stack([g[b] for g in got]), want, atol=1e-5, rtol=0)
 
 
 def test_an_overfilled_cache_or_context_a_cache_outside_no_grad_and_a_width_heads_do_not_divide_are_clear_errors(model):
@@ -76,8 +74,8 @@ def test_a_decode_step_is_one_captured_graph_with_eager_logits_at_every_length(k
         eager_cache, graph_cache = KVCache(model.config), KVCache(model.config)
         for cache in (eager_cache, graph_cache):
             model(torch.arange(prefix)[None], cache=cache)
-        torch.testing.assert_close(compiled(graph_cache), step(eager_cache), atol=ATOL, rtol=0)
-        torch.testing.assert_close(graph_cache.kv, eager_cache.kv, atol=ATOL, rtol=0)
+        torch.testing.assert_close(compiled(graph_cache), step(eager_cache), atol=1e-5, rtol=0)
+        torch.testing.assert_close(graph_cache.kv, eager_cache.kv, atol=1e-5, rtol=0)
         assert graph_cache.lengths.tolist() == eager_cache.lengths.tolist() == [prefix + (not tree_verify)]
     assert len(graphs) == 1
 

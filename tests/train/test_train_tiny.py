@@ -379,12 +379,11 @@ def test_float16_loss_scaling_skips_overflows_and_resumes_exactly(tmp_path, monk
     """The real loop with an enabled GradScaler (its state saved with the run in each stage, restored on
     --resume), from 2**17 and growing after every good step: this tiny model's float16 gradients overflow from
     2**18 (backbone) and 2**22 (heads), so the scale a run resumes with decides which steps are skipped."""
-    # float16 is refused on a CPU (slow there), but torch's GradScaler runs on one. The summary reads no
-    # scaler and takes most of a run's time: left out.
+    # float16 is refused on a CPU (slow there), but torch's GradScaler runs on one; the summary reads no scaler
     monkeypatch.setattr(train_tiny, "training_dtype", lambda name, device: name)
     monkeypatch.setattr(torch.amp, "GradScaler", functools.partial(torch.amp.GradScaler, init_scale=2.0**17,
                                                                    growth_interval=1))
-    monkeypatch.setattr(run_mod, "summarize", lambda *args, **kwargs: ({}, lambda: None))  # no figures, no table
+    monkeypatch.setattr(run_mod, "summarize", lambda *args, **kwargs: ({}, lambda: None))  # left out: most of a run
     args, ref = FAST + ["--dtype", "float16", "--heads-steps", "8"], tmp_path / "ref"
     assert train_tiny.main(args + ["--out", str(ref)]) == 0
     assert all(torch.isfinite(v).all() for v in weights(ref).values())
