@@ -1,7 +1,11 @@
 """What is lossless, and the deliberate bugs that break it: each lossless claim (and typical acceptance's
 nucleus) is paired with tests that patch a mistake into the engine and assert that the claim's own check
-then fails. The apparatus (distributions enumerated on a 4-token vocabulary, the bound, heads that know the
-future) is in lossless.py."""
+then fails. The apparatus (exact distributions, the bound, heads that know the future) is in lossless.py.
+
+Greedy Medusa writes plain greedy's tokens in every row of a ragged batch (in bfloat16 it may part only at
+a near-tie); plain and rejection sampling emit exactly the backbone's distribution, enumerated on a 4-token
+vocabulary; typical acceptance does not (the paper's trade) but never leaves the nucleus. Top-p breaks ties
+by token id, in a batch as alone; an end token stops every rule; a temperature too small for float32 is greedy."""
 
 import itertools
 from dataclasses import dataclass, replace
