@@ -182,7 +182,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     a = p.parse_args(argv)
     try:  # the flags' own names become the settings of the parts
         check_file_path("--out", a.out, "gpu.md")
-        if os.path.isdir(partial := f"{a.out}.partial"):  # where the report goes while --out holds an older one
+        partial = f"{a.out}.partial"  # where the report goes while --out holds an older one (no --append)
+        if not a.append and os.path.exists(a.out) and os.path.isdir(partial):
             raise ValueError(f"--out: {partial} is a folder, where this report would be written first: move it")
         a.device = str(pick_device(a.device))
         for name, (_, reserved) in FORWARDED.items():
