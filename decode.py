@@ -110,6 +110,8 @@ def prepare(a: argparse.Namespace) -> tuple:
         ck, text = demo_checkpoint(device=device, dtype=dtype, steps=0)
     else:
         ck = load_for_decoding(a.ckpt, device=device, dtype=dtype)
+    # Prompts before heads: the missing heads' advice (--method plain) needs prompts too.
+    texts = a.prompt or ([text] if a.demo else load_prompts(a.ckpt)[: a.num_prompts])
     medusa = a.method != "plain"  # --compare takes no --method, --explain refuses plain
     if ck.heads is None and medusa:
         plain_runs = not (a.compare or a.explain or a.reference)  # each of these decodes with heads
@@ -123,7 +125,6 @@ def prepare(a: argparse.Namespace) -> tuple:
         for tree in {choice.tree, drawn.tree} if medusa else ():  # a tree the heads cannot fill fails here
             ck.heads.proposer(ck.model, tree)
     prompts, room = [], ROOM if a.explain else 2 if a.compare else 1  # new positions past a prompt (--compare: two)
-    texts = a.prompt or ([text] if a.demo else load_prompts(a.ckpt)[: a.num_prompts])
     for i, text in enumerate(texts, start=1):
         which = f"prompt {i} ({'--prompt' if a.prompt else PROMPTS_FILE})"
         if any("\ud800" <= c <= "\udfff" for c in text):  # bytes a command line held that are not UTF-8, escaped
