@@ -217,7 +217,7 @@ def load_gpt2(name_or_path: str | os.PathLike, *, device: torch.device | str = "
     path = os.path.expanduser(os.fspath(name_or_path))
     path = path if os.path.exists(path) else download_gpt2(path)
     weights = os.path.join(path, "model.safetensors") if os.path.isdir(path) else path
-    folder = os.path.dirname(os.path.abspath(weights))
+    folder = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
     if not weights.endswith(".safetensors") or not os.path.isfile(weights):
         sharded = os.path.isfile(os.path.join(folder, "model.safetensors.index.json"))
         raise ValueError(f"no model.safetensors in {path}: GPT-2 weights are read from safetensors only, one file " + (
@@ -228,7 +228,8 @@ def load_gpt2(name_or_path: str | os.PathLike, *, device: torch.device | str = "
     tensors = read_safetensors(weights)
     config = config or infer_gpt2_config(tensors)  # a bare weights file: its shapes say which GPT-2 it is
     # Drawing GPT-2's random weights takes seconds (gpt2: 3 s on two CPU cores); the meta device skips them, but its
-    # normal_ imports torch's compiler (2 s): a small model is drawn, on a fork of the CPU's generator, in milliseconds.
+    # normal_ imports torch's compiler (2 s): a small model is drawn, in milliseconds, on a fork of the CPU's generator
+    # (the global one is left as it was).
     approx_params = 12 * config.n_layer * config.n_embd**2 + config.vocab_size * config.n_embd  # blocks, wte
     with torch.random.fork_rng(devices=[]), torch.device("meta" if approx_params > META_ABOVE else "cpu"):
         model = GPT(config).to_empty(device=device)
