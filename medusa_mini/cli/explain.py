@@ -128,6 +128,7 @@ def explain_step(model: GPT, heads, enc: tiktoken.Encoding, prompt_ids: list[int
     out = ["One Medusa decoding step, in full", "=" * 33, f"Prompt ({L} tokens): {_snippet(enc.decode(prompt_ids))}",
            f"Acceptance rule: {rule}"]
 
+    # 1. The prefill: the root, and the hidden state every head reads.
     cache = [None] * model.config.n_layer
     logits, hidden = ref.forward(model, prompt_ids, list(range(L)), cache, torch.ones(L, L, dtype=torch.bool).tril())
     root = int(sampling.next_token(logits[-1], sampling.uniforms((), generator, device=logits.device)))
@@ -139,6 +140,7 @@ def explain_step(model: GPT, heads, enc: tiktoken.Encoding, prompt_ids: list[int
             "The root is already certain: it is emitted now, before the first Medusa step."]
     heads_section(out, model, heads, enc, tree, root, hidden[-1], temperature=T)
 
+    # 3-4 (§2.1.2). The tree the heads' proposer fills, and its mask.
     proposer = heads.proposer(model, tree)
     proposal = proposer.propose(torch.tensor([root], device=hidden.device), hidden[-1:], history=[[root]],
                                 sampling=sampling, u=proposer.uniforms(sampling, 1, generator, device=hidden.device))
@@ -154,9 +156,11 @@ def explain_step(model: GPT, heads, enc: tiktoken.Encoding, prompt_ids: list[int
             "cached prompt, and sits at position prompt length + its depth, as if its path were the only",
             "continuation: a node sees itself and its ancestors, never its siblings.", draw_mask(tree)]
 
+    # 5. Verify every node in one forward pass.
     logits, _ = ref.verify(model, tokens, tree, cache, prefix=L)  # [N, V]
     verify_section(out, labels, tree, tokens, logits, drawn, enc, sampling=sampling)
 
+    # 6-7. Accept a path and its bonus token; what the step emitted and the cache kept.
     path, bonus = ref.accept(tree.parents, tokens, logits, sampling=sampling, generator=generator, drawn=drawn)
     emitted = [tokens[i] for i in path[1:]] + [bonus]
     out += [_header(6, "Accept: a path of accepted candidates, plus a bonus token"), RULES[sampling.acceptance],

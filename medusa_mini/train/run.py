@@ -107,7 +107,8 @@ def progress_line(stage: str, step: int, steps: int, metrics: dict, *, tokens_pe
 
 def _train(r: Run, module: MedusaLM, optimizer, *, stage: str, steps: int, start: int, gen, batch_fn, loss_kwargs,
            state=None, val_batches: list | None = None) -> None:
-    """The optimizer loop of both training stages, from `state` on: cosine lr, clipping, progress, saves, Ctrl-C."""
+    """The optimizer loop of both training stages, from `state` on: cosine lr, clipping, progress, saves, Ctrl-C;
+    the validation loss every --eval-every steps where val_batches are given (the backbone's stage)."""
     # No find_unused_parameters: every trainable parameter gets a gradient each step (a frozen backbone
     # has requires_grad off; with λ0 = 0 the joint stage leaves the heads out).
     ddp = DDP(module) if r.world > 1 else module
@@ -148,7 +149,8 @@ def _train(r: Run, module: MedusaLM, optimizer, *, stage: str, steps: int, start
             if strikes > scaler.is_enabled() or (strikes and step == steps - 1):
                 raise TrainError(f"{stage} step {step + 1}: the loss is not finite; {LOWER_LR}")
         if val_batches and a.eval_every and r.main and ((step + 1) % a.eval_every == 0 or step + 1 == steps):
-            r.log(f"eval      step {step + 1:5d}/{steps}  validation loss {validation_loss(r.model, val_batches):.3f}")
+            loss = validation_loss(r.model, val_batches)
+            r.log(f"{'eval':9s} step {step + 1:5d}/{steps}  validation loss {loss:.3f}")  # aligned as progress_line
         if (step + 1) % (a.save_every or max(50, steps // 5)) == 0 and step + 1 < steps:
             r.save(stage=stage, step=step + 1, **saved)
 
