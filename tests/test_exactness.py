@@ -61,6 +61,10 @@ def verify_on(wrong):
     return lambda *args, tree, **kwargs: verify(*args, tree=wrong(tree), **{**kwargs, "clamp": True, "placed": None})
 
 
+def judged_at_themselves(tree, tokens, y, **kwargs):  # each candidate against the token after itself, not its parent
+    return path_accept(replace(tree, parent_index=torch.arange(len(tree.parent_index))), tokens, y, **kwargs)
+
+
 GREEDY_BUGS = {  # name: the module attribute to patch, and the wrong value
     "nodes_sit_at_their_slot_not_their_depth": (step, "verify", verify_on(  # node i at slot and position length + i
         lambda tree: replace(tree, offsets=tree.offsets[:, [0, 0, *range(2, tree.offsets.shape[1])]]))),
@@ -69,8 +73,7 @@ GREEDY_BUGS = {  # name: the module attribute to patch, and the wrong value
     # the path's K/V taken from the prefix's first slots: slots counted from 0, not from each row's root
     "the_cache_keeps_node_indices_not_the_paths_slots": (step, "compact_kv_cache", lambda cache, keep, *, to, **kw:
                                                          compact_kv_cache(cache, keep - to[:, :1], to=to, **kw)),
-    "children_are_judged_at_themselves_not_their_parent": (acceptance, "path_accept", lambda tree, tokens, y, **kw:
-        path_accept(replace(tree, parent_index=torch.arange(len(tree.parent_index))), tokens, y, **kw))}
+    "children_are_judged_at_themselves_not_their_parent": (acceptance, "path_accept", judged_at_themselves)}
 
 
 @pytest.mark.parametrize("bug", GREEDY_BUGS)
@@ -160,6 +163,11 @@ def typical_judges_by_p_without_top_p(tree, tokens, logits, *, sampling, u, usab
     return judged._replace(bonus=inverse_cdf(p.gather(1, judged.last[:, None, None].expand_as(p[:, :1]))[:, 0], u))
 
 
+def another_rows_q(drawn, nodes, at=Drawn.at):  # `Drawn.at` giving row b its own draws with row b - 1's q
+    log_q, draws = at(drawn, nodes)
+    return log_q.roll(1, dims=0), draws
+
+
 def a_siblings_q(drawn, nodes, at=Drawn.at):
     """`Drawn.at` with each inner node's children (DEEP_TREE's depth 1) tried against the next one's q."""
     inner = [i for i, q in enumerate(drawn.q_index.tolist()) if q >= 0 and i > 0]
@@ -196,8 +204,7 @@ SAMPLING_BUGS = {  # name: (the case whose check must fail, the module attribute
     "the_residual_leaves_out_tokens_outside_the_draft_vocabulary": ("drawn-draft-vocabulary-T1.5", acceptance,
                                                                     "residual_chain", residuals_changed(
                                                                         lambda r, p, q, tries: r * (q > 0))),
-    "a_row_tries_its_draws_against_another_rows_q": ("hydra-ragged-batch", Drawn, "at", lambda *a, at=Drawn.at:
-                                                     (at(*a)[0].roll(1, dims=0), at(*a)[1])),  # row b - 1's q
+    "a_row_tries_its_draws_against_another_rows_q": ("hydra-ragged-batch", Drawn, "at", another_rows_q),
     "children_are_tried_against_a_siblings_q": ("hydra-ragged-batch", Drawn, "at", a_siblings_q)}
 
 

@@ -16,7 +16,7 @@ import torch
 
 import decode
 import train_tiny
-from benchmarks import gpu_report
+from benchmarks import gpu_report, sweep
 from conftest import PROMPTS, ROOT, refused, save_tiny
 from medusa_mini.cli.common import exit_with
 
@@ -206,12 +206,12 @@ def test_every_generator_decode_makes_lives_on_the_models_device(ckpt, capsys, m
     assert devices and all(d is not None and torch.device(d) == torch.device("cpu") for d in devices), devices
 
 
-def test_a_tilde_in_a_path_flag_is_the_home_folder_though_no_shell_expanded_it(tmp_path, monkeypatch):
+def test_a_tilde_in_a_path_flag_is_the_home_folder_though_no_shell_expanded_it(tmp_path, monkeypatch, capsys):
     """A shell expands ~ at a word's start only: `--out=~/run` reaches the command as written."""
     monkeypatch.setenv("HOME", str(tmp_path))
-    (tmp_path / "text.txt").write_text("def f(x):\n    return x\n" * 100)
-    args = train_tiny.parse_args(["--out=~/run", "--data=~/text.txt"])
+    args = train_tiny.parse_args(["--out=~/run", "--data=~"])  # a folder of text
     a = decode.parse_args(["--compare", "--batch-size", "1,2", "--plot=~/b.png", "--tree=~/t.json"])
     s = gpu_report.parse_args(["--out=~/r.md", "--ckpt=~/c", "--device", "cpu", "--part", "step"])
     assert [args.out, args.data, a.plot, a.tree, s.out, s.ckpt] == [str(tmp_path / f) for f in (
-        "run", "text.txt", "b.png", "t.json", "r.md", "c")]
+        "run", "", "b.png", "t.json", "r.md", "c")]
+    assert f"--plot {tmp_path}/no/p.png:" in refused(capsys, sweep.main, ["--ckpt", "x", "--plot=~/no/p.png"])
