@@ -65,8 +65,7 @@ def test_a_decode_step_is_one_captured_graph_with_eager_logits_at_every_length(k
         return model(tokens, pos=cache.lengths[:, None] + depths, cache=cache, attn_mask=new_mask,
                      advance=not tree_verify)[0]  # a verify's nodes are tentative: the length stays
 
-    # fullgraph: a graph break is an error; the backend records each graph and runs it eagerly, so a
-    # recompilation shows as a second graph
+    # fullgraph: a graph break is an error; the backend records each graph and runs it eagerly (a recompile: 2 graphs)
     graphs = []
     torch.compiler.reset()
     compiled = torch.compile(step, fullgraph=True, backend=lambda gm, example_inputs: graphs.append(gm) or gm.forward)

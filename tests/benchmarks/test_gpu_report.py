@@ -113,9 +113,8 @@ def test_on_cuda_each_part_compiles_keeps_its_lines_and_names_what_failed(tmp_pa
 def test_bad_flags_exit_2_with_one_line_before_any_part_runs(tmp_path, capsys, monkeypatch, case):
     faked(monkeypatch, lambda argv: pytest.fail(f"ran {argv} despite a bad flag"))
     (stopped := tmp_path / "stopped").mkdir()  # what a train part stopped after a save leaves
-    (stopped / "r.md.partial").mkdir()  # an older r.md's: this run's would be written there
-    (stopped / "r.md").touch()
-    for name in ("config.json", "train_state.pt"):
+    (stopped / "r.md.partial").mkdir()  # beside an older r.md, where this run's would be written
+    for name in ("config.json", "train_state.pt", "r.md"):
         (stopped / name).touch()
     args, _, needle = case.partition(" -> ")
     argv = ["--device", "cpu", "--out", str(tmp_path / "r.md"), *shlex.split(args.format(tmp=tmp_path))]

@@ -83,9 +83,11 @@ def interrupted(argv: list[str], *, during: int, presses: int = 1, owner=MedusaL
                 os.kill(os.getpid(), signal.SIGINT)
         return real(*args, **kwargs)
 
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # a shell's background job ignores SIGINT
     with pytest.MonkeyPatch.context() as m:
         m.setattr(owner, name, call)
         assert train_tiny.main(argv) == 130
+    signal.signal(signal.SIGINT, previous)
 
 
 def ddp(tmp_path, *runs: list, torchrun: bool = False, **env) -> subprocess.CompletedProcess:
