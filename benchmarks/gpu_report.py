@@ -182,9 +182,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     a = p.parse_args(argv)
     try:  # the flags' own names become the settings of the parts
         check_file_path("--out", a.out, "gpu.md")
-        partial = f"{a.out}.partial"  # where the report goes while --out holds an older one (no --append)
-        if not a.append and os.path.exists(a.out) and os.path.isdir(partial):
-            raise ValueError(f"--out: {partial} is a folder, where this report would be written first: move it")
+        a.target = a.out if a.append or not os.path.exists(a.out) else f"{a.out}.partial"  # an older report stays whole
+        if a.target != a.out and os.path.isdir(a.target):
+            raise ValueError(f"--out: {a.target} is a folder, where this report would be written first: move it")
         a.device = str(pick_device(a.device))
         for name, (_, reserved) in FORWARDED.items():
             attr = name[2:].replace("-", "_")
@@ -223,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     s = parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # as Ctrl-C: the running part's command is stopped
     report, failed = s.before or header(s, argv), []  # with --append, --out's text, each part's section added
-    target = s.out if s.append or not os.path.exists(s.out) else f"{s.out}.partial"  # an older report stays whole
+    target = s.target
     if target != s.out:  # an earlier stopped run's is replaced: it holds this run's parts alone
         remove_file(target)
     try:
