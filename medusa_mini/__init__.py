@@ -1,8 +1,8 @@
 """medusa_mini: Medusa decoding (arXiv 2401.10774) in a few small, readable files.
 
 Read `reference.py` first: the whole algorithm in one file that runs, batch 1. The engine makes the
-same decisions fast, for batches: model (GPT-2 and a static KV cache), heads (Medusa's and dependent
-ones), tree, sampling, proposal (the candidates of one step, prompt lookup's too), acceptance, step,
+same decisions fast, for batches: sampling, tree, model (GPT-2 and a static KV cache), heads (Medusa's
+and dependent ones), proposal (the candidates of one step, prompt lookup's too), acceptance, step,
 decoding; then training. All of it imports only torch, numpy and itself. The wings import the core,
 never the reverse: io/ (tokenizer, safetensors, checkpoints, GPT-2 weights), train/ (the train_tiny.py
 run), cli/ (the command lines' shared code and the compiled steps).

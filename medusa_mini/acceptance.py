@@ -46,7 +46,7 @@ def path_scores(tree: TreeTensors, passes: torch.Tensor) -> torch.Tensor:
 
 def deepest_accepted(tree: TreeTensors, passes: torch.Tensor) -> torch.Tensor:
     """[B] the deepest node whose whole path passes, the root if none (passes [B, N], each node's own test).
-    Where siblings never both pass, the accepted nodes form one chain from the root, and along a chain
+    Where siblings never both pass, the accepted nodes form one path from the root, and along a path
     the deepest node has the largest index (nodes are numbered parents first), the largest score."""
     return path_scores(tree, passes).argmax(dim=-1)
 
@@ -57,7 +57,7 @@ def path_accept(tree: TreeTensors, tokens: torch.Tensor, y: torch.Tensor, *,
 
     A candidate passes when it is y at its parent. Siblings hold distinct tokens (a proposer's promise: a
     top-k, or draws without replacement), so at most one child of a node passes, the accepted nodes form
-    one chain from the root, and its deepest node ends the walk's path.
+    one path from the root, and its deepest node ends the walk's path.
     """
     match = tokens == y[:, tree.parent_index]  # [B, N]
     last = deepest_accepted(tree, match if usable is None else match & usable)  # [B]
@@ -109,17 +109,17 @@ def acceptance_uniforms(sampling: Sampling, rows: int, nodes: int, generator: to
 
 def rejection_accept_topk(tree: TreeTensors, tokens: torch.Tensor, logits: torch.Tensor, *, sampling: Sampling,
                           u: torch.Tensor, usable: torch.Tensor | None = None) -> Accepted:
-    """`reference.rejection_accept` with top-k candidates, for B rows: a draw from p at every node of
-    every row, node i's with u[:, i], then `path_accept`. u [B, N'] may hold more (drawn for a whole
-    chain of which prompt lookup verifies the first N nodes)."""
+    """`reference.rejection_accept` with point-mass candidates (top-k, prompt lookup's, a lone root), for B rows: a
+    draw from p at every node of every row, node i's with u[:, i], then `path_accept`. u [B, N'] may hold more
+    (drawn for a whole chain of which prompt lookup verifies the first N nodes)."""
     return path_accept(tree, tokens, inverse_cdf(sampling.probs(logits), u[:, : tokens.shape[1]]), usable=usable)
 
 
-def residual_chain(p: torch.Tensor, q: torch.Tensor, tries: Tries) -> torch.Tensor:
-    """Every node's chain of residuals at once, rounded as `sampling.residual_after_miss` rounds them: p [B, N, V], q
-    [B, N - 1, V] in child order -> the chain [B, 3N - 2, V] (`Tries`: p, the residuals, q); a residual whose miss left
-    no mass (its target r = q up to rounding) is 0 / 0, NaN. Turn s: the first n_s inner nodes miss their s-th child,
-    and one addcdiv makes rest_s = max(0, rest_{s-1} / mass_{s-1} - q_s), unnormalised until one division at the end."""
+def try_distributions(p: torch.Tensor, q: torch.Tensor, tries: Tries) -> torch.Tensor:
+    """The distributions the tries read, every node's residuals built at once (rounded as `residual_after_miss`
+    rounds them): p [B, N, V], q [B, N - 1, V] in child order -> [B, 3N - 2, V] (`Tries`: p, the residuals, q); one
+    whose miss left no mass (r = q up to rounding) is 0 / 0, NaN. Turn s: the first n_s inner nodes miss their s-th
+    child, and one addcdiv makes rest_s = max(0, rest_{s-1} / mass_{s-1} - q_s), unnormalised until one division."""
     minus_q, rest, mass, residuals, masses = -q, p[:, tries.nodes], None, [], []  # rest [B, n, V]: p at inner nodes
     for minus_q_s in minus_q.split(tries.sizes, dim=1):  # [B, n_s, V]
         n = minus_q_s.shape[1]
@@ -127,9 +127,9 @@ def residual_chain(p: torch.Tensor, q: torch.Tensor, tries: Tries) -> torch.Tens
         rest = rest.clamp_min(0.0)
         residuals.append(rest)
         masses.append(mass := rest.sum(dim=-1))  # [B, n_s]
-    chain = torch.cat([p, *residuals, q], dim=1)  # [B, 3N - 2, V]
-    chain[:, p.shape[1] : 2 * p.shape[1] - 1].div_(torch.cat(masses, dim=1)[..., None])  # [B, N - 1, V] normalised
-    return chain
+    dists = torch.cat([p, *residuals, q], dim=1)  # [B, 3N - 2, V]
+    dists[:, p.shape[1] : 2 * p.shape[1] - 1].div_(torch.cat(masses, dim=1)[..., None])  # [B, N - 1, V] normalised
+    return dists
 
 
 def rejection_accept_drawn(tree: TreeTensors, tokens: torch.Tensor, logits: torch.Tensor, *, sampling: Sampling,
@@ -138,24 +138,24 @@ def rejection_accept_drawn(tree: TreeTensors, tokens: torch.Tensor, logits: torc
 
     A node's tries are sequential, but what each is judged against depends on no decision: after a node's first s
     children miss, the target has become r_s = norm(max(0, r_{s-1} - q_s)), r_0 = p, q_s the q child s was drawn from.
-    So every node's chain of residuals is built at once (`residual_chain`), then every try judged at once, child k with
+    So every node's residuals are built at once (`try_distributions`), then every try judged at once, child k with
     u[:, k] against the r its elder siblings' misses left; a node keeps its first accepted child. The accepted nodes
-    form one chain; its deepest node draws the bonus with u[:, 0] from the r its live misses left: a miss leaving no
+    form one path; its deepest node draws the bonus with u[:, 0] from the r its live misses left: a miss leaving no
     mass (r = q up to rounding) ends the node's tries, and here that r is 0 / 0, NaN, which fails every later try. One
-    matmul finds that node and that r (`Tries.row_scores`). Unusable nodes are never tried (siblings share a depth); a
+    matmul finds that node and that r (`Tries.dist_scores`). Unusable nodes are never tried (siblings share a depth); a
     row without a usable root tries nothing. A root alone has no drawn candidates (`accept`: top-k).
     """
     B, N, V = logits.shape
     tries, log_q, draws = tree.tries, *drawn.at(tree.tries.parents)  # [B, N - 1, V], [B, N - 1, R], child order
-    chain = residual_chain(sampling.probs(logits), without_earlier_draws(log_q, draws, bounds=tries.bounds), tries)
-    at_x = torch.add(tokens[:, None, 1:], tries.read, alpha=V).flatten(1)  # [B, 3 (N - 1)]: `Tries.read` at node k's x
-    r_x, after, q_x = chain.flatten(1).gather(1, at_x).view(B, 3, N - 1).unbind(1)  # [B, N - 1] each, node order
+    dists = try_distributions(sampling.probs(logits), without_earlier_draws(log_q, draws, bounds=tries.bounds), tries)
+    at_x = torch.add(tokens[:, None, 1:], tries.dist_index, alpha=V).flatten(1)  # [B, 3 (N - 1)]: dist · V + x_k
+    r_x, after, q_x = dists.flatten(1).gather(1, at_x).view(B, 3, N - 1).unbind(1)  # [B, N - 1] each, node order
     live = after == after  # [B, N - 1]: k's miss left mass (r = rest / mass is NaN at x only where mass is 0 or NaN)
     judged = torch.stack([try_accepts(r_x, q_x, u[:, 1:N], live=live), live], dim=1)  # [B, 2, N - 1]
     judged = judged if usable is None else judged & usable[:, None, 1:]
-    bias, weights = tries.row_scores
-    row = torch.addmm(bias, judged.flatten(1).float(), weights).argmax(dim=-1)  # [B]: the chain's r the bonus is from
-    return Accepted(tries.row_node[row], inverse_cdf(at_each_row(chain, row), u[:, 0]))
+    bias, weights = tries.dist_scores
+    dist = torch.addmm(bias, judged.flatten(1).float(), weights).argmax(dim=-1)  # [B]: the r the bonus is drawn from
+    return Accepted(tries.dist_node[dist], inverse_cdf(at_each_row(dists, dist), u[:, 0]))
 
 
 def check_uniforms(sampling: Sampling, u: torch.Tensor | None) -> None:

@@ -69,7 +69,7 @@ def reuse_cache(cache: KVCache | CacheSource | None, model: GPT, *, batch_size: 
     have = (tuple(cache.kv.shape), cache.kv.dtype, cache.kv.device)
     need = (KVCache.kv_shape(c, batch_size, max_len), dtype, model.device)
     if have != need:  # [n_layer, 2, B, nh, max_len, hs]
-        say = lambda s, t, d: f"{s[2]} rows of {s[4]} slots ({s[0]} layers, {s[3]} heads of {s[5]}) in {t} on {d}"
+        say = lambda s, t, d: f"{s[2]} rows of {s[4]} slots ({s[0]} layers, {s[3]} attn heads of {s[5]}) in {t} on {d}"
         raise ValueError(f"the KV cache to reuse has {say(*have)}; this generation needs {say(*need)}")
     cache.lengths = 0
     return cache
@@ -108,18 +108,18 @@ class Generations:
             raise ValueError(f"max_new_tokens must be an integer >= 0, not {max_new_tokens!r}")
         if not (eos_id is None or isinstance(eos_id, numbers.Integral) and 0 <= eos_id < model.config.vocab_size):
             raise ValueError(f"eos_id is one token id, 0 to {model.config.vocab_size - 1}, or None, not {eos_id!r}")
-        self.prompts = [_check_prompt(model, p) for p in prompts]
+        self.prompts = [_check_prompt(model, prompt) for prompt in prompts]
         if not self.prompts:
             raise ValueError("no prompts: give at least one")
         block = model.config.block_size
         # Row b stops when prompt + output reach stop_at[b] tokens.
-        self.stop_at = [min(len(p) + max_new_tokens, block) for p in self.prompts]
+        self.stop_at = [min(len(prompt) + max_new_tokens, block) for prompt in self.prompts]
         # The same [B] on the device: 0 once a row stops while others go on, so it accepts nothing and stays put.
         self.stop_at_device = torch.tensor(self.stop_at, device=model.device)
-        self.why = [length_stop_reason(len(p), max_new_tokens, block) for p in self.prompts]
+        self.why = [length_stop_reason(len(prompt), max_new_tokens, block) for prompt in self.prompts]
         self.eos_id, self.on_step = eos_id, on_step
         self.out: list[list[int]] = [[] for _ in self.prompts]
-        self.stats = [GenerationStats(prompt_tokens=len(p)) for p in self.prompts]
+        self.stats = [GenerationStats(prompt_tokens=len(prompt)) for prompt in self.prompts]
         self.active = list(range(len(self.prompts)))
 
     def emit(self, new: list[list[int]], *, step: bool, accepted: list[int] | None = None) -> None:
@@ -150,18 +150,18 @@ class Generations:
               generator: torch.Generator | None) -> tuple[KVCache, torch.Tensor, torch.Tensor]:
         """The prefill into a cache of `slots` slots per row (`reuse_cache`) and every row's first token, emitted:
         (cache, first tokens [B] on the device, hidden states [B, C] that chose them)."""
-        B, device, T = len(self.prompts), model.device, max(len(p) for p in self.prompts)
+        B, device, T = len(self.prompts), model.device, max(map(len, self.prompts))
         cache = reuse_cache(cache, model, batch_size=B, max_len=slots)
         # [B, T]: each prompt padded at its end with its own last token (never attended to)
-        padded = torch.tensor([p + p[-1:] * (T - len(p)) for p in self.prompts], device=device)
-        logits, hidden = prefill(model, padded, cache, lengths=[len(p) for p in self.prompts])
+        padded = torch.tensor([prompt + prompt[-1:] * (T - len(prompt)) for prompt in self.prompts], device=device)
+        logits, hidden = prefill(model, padded, cache, lengths=list(map(len, self.prompts)))
         first = sampling.next_token(logits, sampling.uniforms((B,), generator, device=device))  # [B]
         self.emit([[t] for t in first.tolist()], step=False)
         return cache, first, hidden
 
     def history(self) -> list[list[int]]:
         """Each row's prompt and output so far (the last token is the next step's root)."""
-        return [p + o for p, o in zip(self.prompts, self.out)]
+        return [prompt + out for prompt, out in zip(self.prompts, self.out)]
 
 
 @torch.no_grad()
@@ -178,7 +178,7 @@ def generate_batch(model: GPT, prompts: list[Prompt], *, max_new_tokens: int, sa
     rows = Generations(model, prompts, max_new_tokens=max_new_tokens, eos_id=eos_id, on_step=on_step)
     B, device = len(rows.prompts), model.device
     cache, tok, _ = rows.start(model, cache, slots=model.config.block_size, sampling=sampling, generator=generator)
-    longest = max(len(p) for p in rows.prompts)  # every row's cache length is at most this, on the host
+    longest = max(map(len, rows.prompts))  # every row's cache length is at most this, on the host
     while rows.active:
         start = cache.lengths  # [B]
         longest += 1
@@ -209,7 +209,7 @@ def medusa_generate_batch(
     # Slots beyond block_size hold a tree's nodes; their positions are still < block_size.
     cache, roots, hidden = rows.start(model, cache, slots=model.config.block_size + N, sampling=sampling,
                                       generator=generator)
-    lengths = [len(p) for p in rows.prompts]
+    lengths = list(map(len, rows.prompts))
     while rows.active:
         # Room for the whole tree in every row (the usual step): no node to mask.
         room = len(rows.active) == B and all(has_room(n, proposer.tree.depth, s) for n, s in zip(lengths, rows.stop_at))
@@ -218,7 +218,7 @@ def medusa_generate_batch(
                             attended=max(lengths) + N)
         for b in rows.active:
             lengths[b] += len(step.paths[b])
-        rows.emit(step.new_tokens, step=True, accepted=[len(p) - 1 for p in step.paths])
+        rows.emit(step.new_tokens, step=True, accepted=[len(path) - 1 for path in step.paths])
         roots, hidden = step.next_roots, step.next_hidden
     return list(zip(rows.out, rows.stats))
 

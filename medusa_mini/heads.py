@@ -15,9 +15,9 @@ the M most frequent tokens of the text the heads learned from (FR-Spec, arXiv 25
 this projection is most of what the heads cost; the backbone still verifies over the whole vocabulary, so every
 acceptance rule stays what it is (rejection sampling's residual carries the tokens q never proposes).
 
-Each kind carries what differs, so no caller asks which kind it holds: its teacher-forced logits
-(`forward`, for training and measuring), its logits for decoding (`heads_of`), its proposer's class and
-its `description`. The proposer class's `fill_tree` is the one function that fills a tree.
+Each kind carries what differs, so no caller asks which kind it holds: its logits (`forward`: training,
+measuring, the reference's decoding; Hydra's teacher-forced), the engine's (`logits_of`), its proposer's class and
+its `description`. The proposer class's `fill_tree` is the one function that fills the engine's trees.
 
 Shapes: K heads, C n_embd, V vocabulary, M draft vocabulary, B rows, `...` any leading dims.
 """
@@ -126,20 +126,20 @@ class DraftHeads(nn.Module):
 
     proposer_class: type[HeadsProposer]  # each kind's, whose `fill_tree` makes every tree of these heads
 
-    def heads_of(self, model: nn.Module) -> Callable:
-        """The heads' logits for decoding, the function the kind's proposer calls (its `logits_of`), with
+    def logits_of(self, model: nn.Module) -> Callable:
+        """The heads' logits for decoding, the function the kind's proposer calls, with
         what every call shares (the draft vocabulary's lm_head rows, ...) made once, here, and detached: Medusa's
         takes (hidden [B, C], num) -> [B, num, M]; Hydra's (k, hidden [B, n, C], tokens [B, n, k]) -> [B, n, M]."""
         raise NotImplementedError
 
     def proposer(self, model: nn.Module, tree: Tree) -> HeadsProposer:
-        """The proposer of one generation (`heads_of` made once, here, not at every step) of heads that fit `model`."""
+        """The proposer of one generation (`logits_of` made once, here, not at every step) of heads that fit `model`."""
         w = model.transformer.wte.weight  # [V, C]
         ours = (self.config.n_embd, self.config.vocab_size, self.blocks[0].linear.weight.dtype, self.vocab_order.device)
         if ours != (theirs := (w.shape[1], w.shape[0], w.dtype, w.device)):
             raise ValueError("heads of width {}, {} tokens, {} on {} cannot draft for a backbone of width {}, {} "
                              "tokens, {} on {}".format(*ours, *theirs))
-        return self.proposer_class(tree, self.heads_of(model), draft_ids=self.draft_ids,
+        return self.proposer_class(tree, self.logits_of(model), draft_ids=self.draft_ids,
                                    vocab_size=self.config.vocab_size, num_heads=self.num_heads, heads=self)
 
 
@@ -187,7 +187,7 @@ class MedusaHeads(DraftHeads):
         z = self.residual(hidden, self.num_heads if num is None else num, self.stacked())  # [..., K', C]
         return F.linear(z.movedim(-2, 0), self.draft_weight(model))  # [K', ..., M]
 
-    def heads_of(self, model: nn.Module) -> Callable:
+    def logits_of(self, model: nn.Module) -> Callable:
         """logits_of(hidden [B, C], num) -> [B, num, M], the first `num` heads' logits for decoding: the
         blocks' stacked weights and the draft vocabulary's lm_head rows made once, detached, and one
         matmul over B·num rows (no copy of any weight at a call)."""
@@ -228,7 +228,7 @@ class HydraHeads(DraftHeads):
                   for k in range(1, (self.num_heads if num is None else num) + 1)]
         return torch.stack(logits) if logits else F.linear(hidden[None][:0], weight)  # [K', ..., M] (K' may be 0)
 
-    def heads_of(self, model: nn.Module) -> Callable:
+    def logits_of(self, model: nn.Module) -> Callable:
         """logits_of(k, hidden [B, n, C], tokens [B, n, k]) -> [B, n, M], head k's logits for decoding: the
         draft vocabulary's lm_head rows gathered once, detached."""
         weight = self.draft_weight(model).detach()

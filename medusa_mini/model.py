@@ -6,7 +6,7 @@ Module names follow GPT-2 checkpoints (`transformer.wte`, `transformer.h.{i}.att
 tiny model and GPT-2 are one class and loading weights is one loop.
 
 Shapes: B batch, T new tokens, S cache slots attended (`attended`, default all max_len), C n_embd, nh
-heads, hs head size, V vocabulary.
+attention heads, hs head size, V vocabulary.
 """
 
 import math

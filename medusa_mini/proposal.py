@@ -46,7 +46,7 @@ class Drawn:
     def per_node(self, b: int) -> list[tuple[torch.Tensor, list[int]] | None]:
         """Row b as `reference.rejection_accept` takes it: per node, (log q [V], draws) of its children, or None."""
         draws = self.draws[b].tolist()  # [Q][R]
-        return [(self.log_q[b, q], draws[q]) if q >= 0 else None for q in self.q_index.tolist()]
+        return [(self.log_q[b, i], draws[i]) if i >= 0 else None for i in self.q_index.tolist()]
 
 
 @dataclass(frozen=True)
@@ -86,7 +86,7 @@ class Drafter(Protocol):
 
 class HeadsProposer:
     """Proposes from draft heads on a fixed tree: logits_of is the kind's logits function
-    (`DraftHeads.heads_of`) over the draft vocabulary draft_ids [M]; `heads`, the module itself. Each kind
+    (`DraftHeads.logits_of`) over the draft vocabulary draft_ids [M]; `heads`, the module itself. Each kind
     fills the tree with its own `fill_tree`, the one function that makes its trees."""
 
     fill_tree: Callable  # (tree, roots, hidden, logits_of, *, draft_ids, vocab_size, temperature, u) -> tokens, drawn
@@ -148,7 +148,7 @@ def fill_depth_by_depth(tree: TreeTensors, roots: torch.Tensor, hidden: torch.Te
     return tokens
 
 
-def medusa_tree(tree: TreeTensors, roots: torch.Tensor, hidden: torch.Tensor, logits_of: Callable, *,
+def fill_medusa_tree(tree: TreeTensors, roots: torch.Tensor, hidden: torch.Tensor, logits_of: Callable, *,
                 draft_ids: torch.Tensor, vocab_size: int, temperature: float = 0.0, u: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, Drawn | None]:
     """Medusa heads' tree from roots [B] and hidden [B, C]: each head's top-k (u None), or its distinct draws
@@ -163,7 +163,7 @@ def medusa_tree(tree: TreeTensors, roots: torch.Tensor, hidden: torch.Tensor, lo
     return fill(tree, roots, draws), Drawn(log_q=log_q, draws=draws, q_index=tree.q_by_depth)
 
 
-def hydra_tree(tree: TreeTensors, roots: torch.Tensor, hidden: torch.Tensor, logits_of: Callable, *,
+def fill_hydra_tree(tree: TreeTensors, roots: torch.Tensor, hidden: torch.Tensor, logits_of: Callable, *,
                draft_ids: torch.Tensor, vocab_size: int, temperature: float = 0.0, u: torch.Tensor | None = None
                ) -> tuple[torch.Tensor, Drawn | None]:
     """Dependent heads' tree from roots [B] and hidden [B, C], depth by depth (`fill_depth_by_depth`): each
@@ -176,7 +176,7 @@ def hydra_tree(tree: TreeTensors, roots: torch.Tensor, hidden: torch.Tensor, log
     log_qs, draws = [], []
 
     def draw_children(logits: torch.Tensor) -> torch.Tensor:  # [B, n, M] -> [B, n, R], q kept for the tries
-        lo = sum(q.shape[1] for q in log_qs)  # the nodes drawn for so far
+        lo = sum(log_q.shape[1] for log_q in log_qs)  # the nodes drawn for so far
         log_qs.append(q_log_probs(logits, draft_ids, temperature=temperature, vocab_size=vocab_size))
         draws.append(gumbel_top_k(log_qs[-1], tree.num_ranks, u[:, lo : lo + logits.shape[1]]))
         return draws[-1]
@@ -190,7 +190,7 @@ class MedusaProposer(HeadsProposer):
     candidates, distinct draws from each head's q (`Sampling.draws_candidates`).
     logits_of(hidden [B, C], num) -> [B, num, M]: the first `num` heads' logits."""
 
-    fill_tree = staticmethod(medusa_tree)
+    fill_tree = staticmethod(fill_medusa_tree)
     q_count = staticmethod(lambda tree: tree.depth)  # one q per head
 
 
@@ -199,7 +199,7 @@ class HydraProposer(HeadsProposer):
     top-k of q(. | the node's path), or, drawn, distinct draws from it (one q per node).
     logits_of(k, hidden [B, n, C], tokens [B, n, k]) -> [B, n, M]: head k given each node's path."""
 
-    fill_tree = staticmethod(hydra_tree)
+    fill_tree = staticmethod(fill_hydra_tree)
     q_count = staticmethod(lambda tree: tree.first[tree.depth])  # one q per node above the deepest depth
 
 

@@ -114,7 +114,7 @@ def propose(head_logits: torch.Tensor, draft_ids: torch.Tensor, tree: "Tree", ro
     log_q = q_log_probs(head_logits, draft_ids, temperature=sampling.temperature, vocab_size=vocab_size)  # [D', V]
     u = torch.rand(log_q.shape, generator=generator, device=log_q.device)  # [D', V]: Gumbel noise's uniforms
     guesses = gumbel_top_k(log_q, R, u).tolist()  # [D'][R]
-    drawn = [(log_q[d], guesses[d]) if d < D else None for d in tree.depths]  # a node's children's q
+    drawn = [(log_q[d], guesses[d]) if d < D else None for d in tree.depths]  # depth d: head d + 1's q, row d
     return [root] + [guesses[len(c) - 1][c[-1]] for c in tree.choices], drawn
 
 

@@ -1,4 +1,4 @@
-"""Candidate trees and tree attention (paper §2.1.2, Fig. 2).
+"""Candidate trees, tree attention (paper §2.1.2, Fig. 2), and the index tables the engine's step reads.
 
 A tree is built from *choices*: each choice is a tuple of ranks, e.g. (0,) = head 1's top-1 guess, (0, 2) = its child
 filled with head 2's rank-2 guess (third best, or third drawn). Node 0 is the root: the last emitted token, which the
@@ -60,8 +60,8 @@ class Tree:
             raise ValueError(f"Tree(choices): {problem}; make trees with Tree.from_choices")
         parents = [-1] + [index.get(c[:-1], 0) for c in self.choices]
         children: list[list[int]] = [[] for _ in parents]
-        for i, p in enumerate(parents[1:], start=1):
-            children[p].append(i)
+        for i, parent in enumerate(parents[1:], start=1):
+            children[parent].append(i)
         depths = [0] + [len(c) for c in self.choices]
         first = [depths.index(d) for d in range(max(depths) + 1)] + [len(depths)]
         for name, value in dict(parents=parents, children=children, depths=depths, first=first,
@@ -170,8 +170,8 @@ def check_acc(acc: torch.Tensor) -> torch.Tensor:
     return acc
 
 
-def build_tree(acc: torch.Tensor, num_nodes: int, *, min_gain: float = 0.0) -> tuple[Tree, float]:
-    """The tree of `num_nodes` candidates (root excluded) grown greedily by expected acceptance.
+def build_tree(acc: torch.Tensor, budget: int, *, min_gain: float = 0.0) -> tuple[Tree, float]:
+    """The tree of `budget` candidates (nodes but the root) grown greedily by expected acceptance.
 
     Candidates are the next sibling and the first child of every chosen node; the one with the largest value
     Π_i acc[i][r_i] joins next (ties: shallower, then smaller ranks). A child is offered only after its parent and
@@ -183,11 +183,11 @@ def build_tree(acc: torch.Tensor, num_nodes: int, *, min_gain: float = 0.0) -> t
     """
     a = check_acc(acc).tolist()
     K, R = len(a), len(a[0])
-    if num_nodes < 0:
-        raise ValueError(f"num_nodes must be >= 0, got {num_nodes}")
+    if budget < 0:
+        raise ValueError(f"the node budget must be >= 0, got {budget}")
     heap = [(-a[0][0], 1, (0,), 1.0)]  # (-value, depth, choice, parent's value)
     chosen, total = [], 0.0
-    while heap and len(chosen) < num_nodes:
+    while heap and len(chosen) < budget:
         neg, depth, choice, parent_value = heapq.heappop(heap)
         if neg == 0 or -neg < min_gain * (1.0 + total):  # would cost more verify time than it earns
             break
@@ -214,7 +214,7 @@ def expected_tokens_per_step(acc: torch.Tensor, tree: Tree) -> float:
 
 
 class Tries(NamedTuple):
-    """Rejection sampling's tables (`acceptance.rejection_accept_drawn`). Its chain [3N - 2] of rows: p at each node,
+    """Rejection sampling's tables (`acceptance.rejection_accept_drawn`). Its dists [3N - 2]: p at each node,
     then in child order (turn after turn) the residual each child's miss leaves, then the q each child was drawn from.
     k = 1 .. N - 1: the nodes below the root (each a child), in node order. Turn s = 1, 2, ...: s-th children tried."""
 
@@ -222,9 +222,9 @@ class Tries(NamedTuple):
     sizes: tuple[int, ...]  # per turn, how many of them have a child that turn tries: the first ones, a slice
     parents: torch.Tensor  # [N - 1] long: each child's parent, in child order
     bounds: torch.Tensor  # [N - 1, 2, R] float: `sampling.draw_bounds` of each child's rank, in child order
-    read: torch.Tensor  # [3, N - 1] long: node k's rows of the chain: the r it is tried against, its residual, its q
-    row_scores: tuple[torch.Tensor, torch.Tensor]  # `bonus_row_scores`: bias [2N - 1], weights [2 (N - 1), 2N - 1]
-    row_node: torch.Tensor  # [2N - 1] long: the node of each of the chain's first 2N - 1 rows (p, a child's residual)
+    dist_index: torch.Tensor  # [3, N - 1] long: node k's dists: the r it is tried against, its residual, its q
+    dist_scores: tuple[torch.Tensor, torch.Tensor]  # `bonus_dist_scores`: bias [2N - 1], weights [2 (N - 1), 2N - 1]
+    dist_node: torch.Tensor  # [2N - 1] long: the node of each of the first 2N - 1 dists (p, a child's residual)
 
 
 @dataclass(frozen=True)
@@ -252,24 +252,24 @@ class TreeTensors:
     depth: int  # D, `Tree.depth`
 
 
-def bonus_row_scores(tree: Tree, row_node: list[int], child_order: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """`Tries.row_scores`: the row of the chain the bonus is drawn from, found in one matmul (as `path_scores` finds
-    the deepest accepted node). A row, p at node n or the residual after n's child c missed, qualifies when every
+def bonus_dist_scores(tree: Tree, dist_node: list[int], child_order: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """`Tries.dist_scores`: the dist the bonus is drawn from, found in one matmul (as `path_scores` finds
+    the deepest accepted node). A dist, p at node n or the residual after n's child c missed, qualifies when every
     node of n's path below the root passes (accepted, and none of its elder siblings) and c's miss was live. Over
     judged [B, 2 (N - 1)] (each node's try accepted, then its miss live), bias + judged @ weights is W · (conditions
-    met - conditions needed) + the row's place in (node, row) order, W = 2N - 1: in [0, W) iff the row qualifies. Deeper
+    met - conditions needed) + the dist's place in (node, dist) order, W = 2N - 1: in [0, W) iff it qualifies. Deeper
     nodes are larger and a node's live misses are its first children (a dead miss leaves NaN), so the argmax is the
     deepest accepted node's last live miss, or its p. Weights 0 or ±W: exact in float32, and in TF32 for N <= 1024."""
-    N, W = tree.num_nodes, len(row_node)
-    weights = torch.zeros(2 * (N - 1), W)  # row k - 1: node k accepted; row N - 2 + k: node k's miss live
-    for row, n in enumerate(row_node):
+    N, W = tree.num_nodes, len(dist_node)
+    weights = torch.zeros(2 * (N - 1), W)  # input k - 1: node k accepted; N - 2 + k: its miss live
+    for dist, n in enumerate(dist_node):
         for k in tree.path(n)[1:]:
             kin = tree.children[tree.parents[k]]
-            weights[k - 1, row], weights[[e - 1 for e in kin[: kin.index(k)]], row] = W, -W
-        if row >= N:
-            weights[N - 2 + child_order[row - N], row] = W
-    place = torch.tensor(sorted(range(W), key=lambda row: (row_node[row], row))).argsort()  # [W]
-    needs = torch.tensor([tree.depths[n] for n in row_node]) + (torch.arange(W) >= N)  # [W]
+            weights[k - 1, dist], weights[[e - 1 for e in kin[: kin.index(k)]], dist] = W, -W
+        if dist >= N:
+            weights[N - 2 + child_order[dist - N], dist] = W
+    place = torch.tensor(sorted(range(W), key=lambda d: (dist_node[d], d))).argsort()  # [W]
+    needs = torch.tensor([tree.depths[n] for n in dist_node]) + (torch.arange(W) >= N)  # [W]
     return (place - W * needs).float(), weights
 
 
@@ -279,7 +279,7 @@ def tree_tensors(tree: Tree, device: str) -> TreeTensors:
     node i's path from the root, not the walk up from each node that the reference's
     `tree_attention_mask` takes: two constructions, held equal."""
     N, D = tree.num_nodes, tree.depth
-    paths = torch.tensor([p + [i] * (D + 1 - len(p)) for i, p in enumerate(map(tree.path, range(N)))])  # [N, D + 1]
+    paths = torch.tensor([a + [i] * (D + 1 - len(a)) for i, a in enumerate(map(tree.path, range(N)))])  # [N, D + 1]
     mask = torch.zeros(N, N, dtype=torch.bool)
     mask[torch.arange(N)[:, None], paths] = True  # rows [N, 1] x paths [N, D + 1]: a repeated node marks itself again
     as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
@@ -293,11 +293,11 @@ def tree_tensors(tree: Tree, device: str) -> TreeTensors:
     depths, below = torch.tensor(tree.depths), paths[:, 1:]  # below: the root's own row is zeros, never read
     elder = {c: kids[j - 1] for kids in tree.children for j, c in enumerate(kids) if j}  # a later child's elder
     against = [N + at[elder[k]] if k in elder else tree.parents[k] for k in range(1, N)]  # its miss's r, else p
-    read = torch.tensor([against, [N + at[k] for k in range(1, N)], [2 * N - 1 + at[k] for k in range(1, N)]])
-    row_node, child_order = list(range(N)) + [i for _, i in by_turn], [c for c, _ in by_turn]  # [2N - 1], [N - 1]
+    index = torch.tensor([against, [N + at[k] for k in range(1, N)], [2 * N - 1 + at[k] for k in range(1, N)]])
+    dist_node, child_order = list(range(N)) + [i for _, i in by_turn], [c for c, _ in by_turn]  # [2N - 1], [N - 1]
     bounds = draw_bounds(as_long([tree.ranks[c] for c in child_order]), R)  # [N - 1, 2, R]
-    tries = Tries(as_long(inner), sizes, parents.to(device), bounds, read.to(device),
-                  tuple(t.to(device) for t in bonus_row_scores(tree, row_node, child_order)), as_long(row_node))
+    tries = Tries(as_long(inner), sizes, parents.to(device), bounds, index.to(device),
+                  tuple(t.to(device) for t in bonus_dist_scores(tree, dist_node, child_order)), as_long(dist_node))
     moves = torch.cat([paths, torch.arange(D + 1).expand(N, -1), depths[:, None] + 1], 1)  # [N, 2D + 3]
     offsets = torch.cat([torch.arange(N)[:, None], depths[:, None], moves], 1)  # [N, 2D + 5]
     weights = (mask.T & (torch.arange(N) > 0)[:, None]) * float(N)  # [N, N]: N per node of i's path below the root

@@ -176,13 +176,13 @@ def a_siblings_q(drawn, nodes, at=Drawn.at):
     return at(drawn, moved[nodes])[0], at(drawn, nodes)[1]
 
 
-def residuals_changed(change, chain_of=acceptance.residual_chain):
-    """`residual_chain` with its residuals r [B, N - 1, V] replaced by change(r, p, q, tries)."""
+def residuals_changed(change, dists_of=acceptance.try_distributions):
+    """`try_distributions` with its residuals r [B, N - 1, V] replaced by change(r, p, q, tries)."""
     def changed(p, q, tries):
-        chain = chain_of(p, q, tries)
-        r = chain[:, p.shape[1] : 2 * p.shape[1] - 1]
+        dists = dists_of(p, q, tries)
+        r = dists[:, p.shape[1] : 2 * p.shape[1] - 1]
         r.copy_(change(r, p, q, tries))
-        return chain
+        return dists
     return changed
 
 
@@ -199,10 +199,10 @@ SAMPLING_BUGS = {  # name: (the case whose check must fail, the module attribute
     "drawn_candidates_are_judged_by_p_without_top_p": ("drawn-top-p-eos", step, "accept", accepts_without_top_p),
     "top_k_candidates_are_judged_by_p_without_top_p": ("top-k-top-p", step, "accept", accepts_without_top_p),
     # each candidate tried against p itself, and the bonus drawn from p
-    "the_residual_is_not_updated_after_a_miss": ("drawn-draft-vocabulary-T1.5", acceptance, "residual_chain",
+    "the_residual_is_not_updated_after_a_miss": ("drawn-draft-vocabulary-T1.5", acceptance, "try_distributions",
                                                  residuals_changed(lambda r, p, q, tries: p[:, tries.parents])),
     "the_residual_leaves_out_tokens_outside_the_draft_vocabulary": ("drawn-draft-vocabulary-T1.5", acceptance,
-                                                                    "residual_chain", residuals_changed(
+                                                                    "try_distributions", residuals_changed(
                                                                         lambda r, p, q, tries: r * (q > 0))),
     "a_row_tries_its_draws_against_another_rows_q": ("hydra-ragged-batch", Drawn, "at", another_rows_q),
     "children_are_tried_against_a_siblings_q": ("hydra-ragged-batch", Drawn, "at", a_siblings_q)}

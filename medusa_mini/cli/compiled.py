@@ -31,7 +31,7 @@ def draft_tree(model: GPT, heads: torch.nn.Module, roots: torch.Tensor, hidden: 
     """The heads' proposer's tree as a pure function of their weights (in a graph the draft vocabulary's
     lm_head rows are gathered at each call, a copy cheaper than launching the eager heads): roots [B],
     hidden [B, C] -> tokens [B, N] and, given the uniforms u [B, Q, V], how they were drawn."""
-    return heads.proposer_class.fill_tree(tree, roots, hidden, heads.heads_of(model), draft_ids=heads.draft_ids,
+    return heads.proposer_class.fill_tree(tree, roots, hidden, heads.logits_of(model), draft_ids=heads.draft_ids,
                                           vocab_size=heads.config.vocab_size, temperature=temperature, u=u)
 
 
