@@ -14,6 +14,7 @@ import codecs
 import functools
 import json
 import os
+import shlex
 import sys
 from typing import Callable
 
@@ -28,6 +29,7 @@ from medusa_mini.cli.runs import Engine, Method, compare, compare_methods, decod
 from medusa_mini.io.loading import PROMPTS_FILE, load_for_decoding, load_prompts
 from medusa_mini.sampling import ACCEPTANCE_RULES, SAMPLING_TEMPERATURE, Sampling
 from medusa_mini.train.device import DTYPES, pick_device, pick_dtype
+from medusa_mini.train.state import STATE_FILE
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -110,6 +112,9 @@ def prepare(a: argparse.Namespace) -> tuple:
         ck, text = demo_checkpoint(device=device, dtype=dtype, steps=0)
     else:
         ck = load_for_decoding(a.ckpt, device=device, dtype=dtype)
+        if os.path.isfile(os.path.join(ck.directory, STATE_FILE)):  # a stopped run's last save: not yet its prompts
+            print(f"note: {a.ckpt} holds an unfinished run, as last saved: python train_tiny.py --out "
+                  f"{shlex.quote(ck.directory)} --resume finishes it", file=sys.stderr)
     # Prompts before heads: the missing heads' advice (--method plain) needs prompts too.
     texts = a.prompt or ([text] if a.demo else load_prompts(a.ckpt)[: a.num_prompts])
     medusa = a.method != "plain"  # --compare takes no --method, --explain refuses plain

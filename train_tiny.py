@@ -39,7 +39,8 @@ def parse_args(argv: list[str] | None = None) -> TrainArgs:
                    "loss scaling; default: float32 on CPU, on CUDA bfloat16 where native, else float16)")
     p.add_argument("--save-every", type=int, metavar="STEPS",
                    help="steps between checkpoints (default: a fifth of a stage, at least 50)")
-    p.add_argument("--log-every", type=float, default=10.0, help="seconds between progress lines (default: 10)")
+    p.add_argument("--log-every", type=float, default=10.0, metavar="SECONDS",
+                   help="seconds between progress lines (default: 10)")
     hp = p.add_argument_group("hyper-parameters (defaults: the preset's)")
     for name, f in TrainArgs.hyper_parameters().items():
         hp.add_argument("--" + name.replace("_", "-"), type=type(f.default), metavar=type(f.default).__name__.upper(),

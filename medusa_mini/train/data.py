@@ -7,6 +7,7 @@ import pathlib
 import random
 import sysconfig
 from collections.abc import Iterable, Iterator, Sequence
+from itertools import groupby
 
 import numpy as np
 import tiktoken
@@ -97,13 +98,15 @@ def corpus_digest(docs: Sequence[Document]) -> str:
 
 def split_documents(docs: Sequence[Document], *, val_fraction: float = 0.05,
                     seed: int = 0) -> tuple[list[Document], list[Document]]:
-    """(train, val), documents kept whole and in order, chosen by ``seed``, at least one on each side; a
-    single document is cut at the line end nearest the ``1 - val_fraction`` point of its lines."""
-    if len(docs) == 1:
-        name, text = docs[0]
-        pieces = text.splitlines(keepends=True) if "\n" in text[:-1] else list(text)  # no line end: characters
+    """(train, val), documents kept whole and in order, chosen by ``seed``, at least one on each side; fewer than
+    1 / val_fraction documents (one held out would be more than val_fraction of them) are cut at the line end nearest
+    the ``1 - val_fraction`` point of their lines, one document's lines on each side staying one document."""
+    if len(docs) * val_fraction < 1:
+        pieces = [(name, line) for name, text in docs  # a lone document without a line end: its characters
+                  for line in (text.splitlines(keepends=True) if len(docs) > 1 or "\n" in text[:-1] else text)]
         cut = min(max(round(len(pieces) * (1.0 - val_fraction)), 1), len(pieces) - 1)
-        return [(name, "".join(pieces[:cut]))], [(name, "".join(pieces[cut:]))]
+        return tuple([(name, "".join(line for _, line in group)) for name, group in groupby(side, lambda x: x[0])]
+                     for side in (pieces[:cut], pieces[cut:]))
     n_val = min(max(1, round(len(docs) * val_fraction)), len(docs) - 1)
     val_ids = set(random.Random(seed).sample(range(len(docs)), n_val))
     return [d for i, d in enumerate(docs) if i not in val_ids], [d for i, d in enumerate(docs) if i in val_ids]

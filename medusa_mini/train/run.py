@@ -60,8 +60,11 @@ def _prepare(r: Run, state: dict | None, train_docs: list, val_docs: list) -> tu
             raise TrainError(f"--init {a.init}: {e}") from None
     else:  # a resumed run's tokenizer, or BPE on the training text
         t0 = time.time()
-        enc = load_tokenizer(a.out) if state else make_encoding(
-            train_bpe("".join(text for _, text in train_docs), vocab_size=a.vocab_size))
+        try:
+            enc = load_tokenizer(a.out) if state else make_encoding(
+                train_bpe("".join(text for _, text in train_docs), vocab_size=a.vocab_size))
+        except ValueError as e:  # the resumed run's tokenizer missing or torn (a trained one was checked before)
+            raise TrainError(f"--resume: {str(e).split('; ')[0]}; restore it, or start anew with --overwrite") from None
         r.log(f"tokenizer  {enc.n_vocab} tokens, {'loaded' if state else 'trained'} in {time.time() - t0:.1f}s")
         model = GPT(GPTConfig(vocab_size=enc.n_vocab, block_size=a.block_size, n_layer=a.n_layer,
                               n_head=a.n_head, n_embd=a.n_embd)).to(r.device)
@@ -71,16 +74,20 @@ def _prepare(r: Run, state: dict | None, train_docs: list, val_docs: list) -> tu
     if a.init and (why := a.context_error(cfg.block_size)):  # TrainArgs checked --block-size's, which --init replaces
         raise TrainError(f"--init {a.init} holds {cfg.block_size} tokens of context: {why}")
     train_tokens, val_tokens = (encode_documents(enc, docs) for docs in (train_docs, val_docs))
-    sizes = {"training": len(train_tokens), "held-out": len(val_tokens)}  # held-out: whole documents drawn by --seed
+    sizes = {"training": len(train_tokens), "held-out": len(val_tokens)}  # held out: `split_documents`'
     if sizes[part := min(sizes, key=sizes.get)] <= cfg.block_size:
         raise TrainError(f"the {part} text ({sizes[part]:,} tokens) is too small for --block-size {cfg.block_size}: "
-                         "give more text (--data, --max-bytes), or, from a few files, another --seed")
+                         "give more text (--data, --max-bytes)")
     r.heads = make_heads(HeadsConfig(num_heads=a.num_heads, n_embd=cfg.n_embd, vocab_size=cfg.vocab_size,
                                      kind=a.heads)).to(r.device)
-    if state:
-        r.heads.load_state_dict(state["heads"])
-        if not a.init:
+    try:
+        if state:
+            r.heads.load_state_dict(state["heads"])
+        if state and not a.init:
             model.load_state_dict(state["model"])
+    except RuntimeError:  # their shapes are another vocabulary's: the tokenizer beside them is another run's
+        raise TrainError(f"--resume: the saved weights do not fit the tokenizer in {a.out}; restore the run's own, "
+                         "or start anew with --overwrite") from None
     r.model, r.enc = model, enc
     r.extra = {"eot_id": enc.eot_token, "preset": a.preset, "medusa": a.medusa, "init": a.init, "heads": a.heads}
     r.log(f"data       {len(train_tokens):,} train / {len(val_tokens):,} val tokens  "

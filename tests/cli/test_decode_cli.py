@@ -8,6 +8,7 @@ import os
 import re
 import runpy
 import shlex
+import shutil
 import subprocess
 import sys
 
@@ -61,7 +62,7 @@ def test_explain_walks_through_one_step_of_either_kind_of_heads(ckpt, ckpt_hydra
         assert [s.count("#") for s in out.splitlines() if s.startswith("head ")] == [3, 2, 2, 2]  # the tree's ranks
 
 
-def test_show_brackets_each_step_of_the_text_and_plain_decoding_needs_no_heads(ckpt, ckpt_no_heads, capsys):
+def test_show_brackets_each_step_of_the_text_and_plain_decoding_needs_no_heads(ckpt, ckpt_no_heads, capsys, tmp_path):
     argv = ["--ckpt", ckpt, "--prompt", PROMPTS[0], "--max-new-tokens", "20"]
     ref, medusa = (json.loads(run(capsys, *argv, "--json", *method)) for method in (["--method", "plain"], []))
     out = run(capsys, *argv, "--show")  # not a terminal: brackets, no colour
@@ -72,7 +73,11 @@ def test_show_brackets_each_step_of_the_text_and_plain_decoding_needs_no_heads(c
     shown = out[out.index(header) + len(header): out.rindex("\nstats: ")]
     assert "[" not in ref["text"] and shown.replace("[", "").replace("]", "") == ref["text"]
     assert shown.count("[") == medusa["steps"] + 1  # the prefill's token, then one chunk per step
-    out = run(capsys, "--ckpt", ckpt_no_heads, "--method", "plain", "--show", "--max-new-tokens", "6")
+    shutil.copytree(ckpt_no_heads, stopped := tmp_path / "run")
+    (stopped / "train_state.pt").touch()  # a run stopped before its end: decoded as last saved, with a note
+    assert decode.main(["--ckpt", str(stopped), "--method", "plain", "--show", "--max-new-tokens", "6"]) == 0
+    out, err = capsys.readouterr()
+    assert "holds an unfinished run, as last saved" in err and f"--out {stopped} --resume finishes it" in err
     assert "=== plain greedy; one [chunk] per forward pass" in out and "1.00 tokens/step" in out
     assert "attention mask" not in out and "root" not in out
     assert "plain greedy" in run(capsys, "--ckpt", ckpt, "--method", "plain", "--tree", "[[100000]]",  # Medusa refuses:

@@ -91,6 +91,9 @@ def test_split_keeps_documents_whole_in_order_by_the_seed_and_cuts_a_single_one_
     # without any line end the cut falls between characters
     assert split_documents([("flat", "abcdefghij")], val_fraction=0.2) == ([("flat", "abcdefgh")], [("flat", "ij")])
     assert split_documents([("one", "abcdef\ng")], val_fraction=0.5) == ([("one", "abcdef\n")], [("one", "g")])
+    few = [(f"f#{i}", "line\n" * 100) for i in range(3)]  # 3 documents: one held out whole would be a third, not 5%
+    train, val = split_documents(few, val_fraction=0.05)
+    assert train == few[:2] + [("f#2", "line\n" * 85)] and val == [("f#2", "line\n" * 15)]
     for docs in ([("a", "1\n"), ("b", "2\n")], [("one", "1\n2\n")], [("flat", "12")]):  # at least one on each side
         for val_fraction in (0.001, 0.5, 0.999):
             train, val = split_documents(docs, val_fraction=val_fraction)

@@ -23,6 +23,7 @@ import train_tiny
 from conftest import ROOT
 from medusa_mini.heads import frequency_order
 from medusa_mini.io.checkpoint import load_checkpoint, save_checkpoint
+from medusa_mini.io.tokenizer import TOKENIZER_FILES, make_encoding, save_tokenizer
 from medusa_mini.model import GPT, GPTConfig
 from medusa_mini.train import run as run_mod
 from medusa_mini.train import state as state_mod
@@ -219,6 +220,12 @@ def test_resume_refuses_other_settings_or_text_and_a_run_never_learns_its_own_ou
     assert train_tiny.main(args + ["--resume"]) == 2 and "not the text this run began" in capsys.readouterr().err
     (data / "a.py").write_text(text)
     state = torch.load(out / "train_state.pt", weights_only=True)
+    tokenizer = {out / name: (out / name).read_bytes() for name in TOKENIZER_FILES}
+    for damage in (lambda p: p.unlink(), lambda p: p.write_bytes(b"AA== x\n"),  # missing, torn, another run's:
+                   lambda p: save_tokenizer(make_encoding({bytes([b]): b for b in range(256)}), out)):  # other sizes
+        damage(out / "tokenizer.tiktoken")
+        assert train_tiny.main(args + ["--resume"]) == 2 and "anew with --overwrite" in (err := capsys.readouterr().err)
+        assert err.count("\n") == 1 and all(p.write_bytes(b) for p, b in tokenizer.items())
     saved = state["data"]  # no text digest; heads taught p; two processes; as this version saves; each with a data path
     for digest, target, world, error in [(None, "token", 1, "not the text"), (saved, "p", 1, "(heads_target)"),
                                          (saved, "token", 2, "(number of processes)"), (saved, "token", 1, "")]:
