@@ -44,7 +44,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--temperature", type=float, metavar="T",
                    help=f"0 = greedy (default: 0, or {SAMPLING_TEMPERATURE} for typical and rejection)")
     p.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling mass (default: 1.0)")
-    p.add_argument("--seed", type=seed, default=0, metavar="N", help="seeds the sampling generator (default: 0)")
+    p.add_argument("--seed", type=seed, default=0, metavar="N", help="seeds the sampling generator, anew for each "
+                   "batch of prompts: a prompt given twice in two batches samples the same text (default: 0)")
     p.add_argument("--tree", type=os.path.expanduser, metavar="N|auto|NAME|FILE.json", help="N nodes built from "
                    "heads_accuracy.json; auto: 64 of them on CUDA, on a CPU up to 8 that pay for their cost; a preset "
                    "(cpu, gpu, chainN); or choices, in a JSON file or inline: '[[0],[1],[0,0]]' (default: auto, else "
