@@ -10,7 +10,7 @@ import medusa_mini.step as step
 from conftest import RULES, ContinuationHeads, random_heads, tiny_model
 from medusa_mini import reference as ref
 from medusa_mini.decoding import generate, generate_batch, medusa_generate, medusa_generate_batch, prefill
-from medusa_mini.model import GPT, KVCache
+from medusa_mini.model import KVCache
 from medusa_mini.proposal import PromptLookup
 from medusa_mini.sampling import Sampling
 from medusa_mini.tree import Tree, chain, preset
@@ -118,24 +118,18 @@ def test_the_engine_emits_the_references_tokens_and_steps_with_the_same_seed(rul
         assert (got, stats.steps) == want
 
 
-def successor_model() -> GPT:
-    """A GPT whose greedy next token is always the last token + 1: its blocks add nothing, positions
-    count for nothing, and lm_head row t + 1 is token t's final hidden state."""
-    model = tiny_model(n_layer=1)
-    with torch.no_grad():
-        for p in model.transformer.h.parameters():
-            p.zero_()
-        model.transformer.wpe.weight.zero_()
-        model.transformer.wte.weight.normal_()
-        model.lm_head.weight = torch.nn.Parameter(model.transformer.ln_f(model.transformer.wte.weight).roll(1, 0))
-    return model
-
-
 def test_prompt_lookup_verifies_the_root_alone_without_a_repeated_ngram_and_drafts_right_on_a_repeated_text(
         monkeypatch):
     """Without a repeated n-gram prompt lookup takes plain decoding's forward passes, each verifying the
     root alone; on a text whose continuation was written earlier, it emits several tokens a step."""
-    model, prompt, verified = successor_model(), list(range(10)), []  # greedy: 10, 11, ...: nothing repeats
+    model, prompt, verified = tiny_model(n_layer=1), list(range(10)), []
+    # A successor model, whose greedy next token is always the last + 1 (10, 11, ...: nothing repeats): its blocks
+    # and positions add nothing, and lm_head row t + 1 is token t's final hidden state.
+    with torch.no_grad():
+        for p in [*model.transformer.h.parameters(), model.transformer.wpe.weight]:
+            p.zero_()
+        model.transformer.wte.weight.normal_()
+        model.lm_head.weight = torch.nn.Parameter(model.transformer.ln_f(model.transformer.wte.weight).roll(1, 0))
     monkeypatch.setattr(step, "verify", lambda model, cache, tokens, real=step.verify, **kw:
                         verified.append(tokens.shape[1]) or real(model, cache, tokens, **kw))
     out, stats = medusa_generate(model, PromptLookup(), prompt, tree=preset("cpu"), max_new_tokens=20)

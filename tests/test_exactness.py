@@ -39,10 +39,6 @@ PROMPTS = [[1, 2], [3, 0, 1], [2], [0, 3, 3, 1], [3], [0], [1, 1, 2], [2, 0]]  #
 # ---- greedy: plain greedy's tokens, with heads that know the future ------------------------------------
 
 
-DRAFTERS = {  # random heads over a draft vocabulary, and prompt lookup: tests/test_decoding.py, on every tree
-    "future-medusa": FutureHeads(), "future-hydra": FutureHydraHeads()}
-
-
 def greedy_mismatches(model, drafter) -> tuple[int, int]:
     """(rows of PROMPTS whose greedy Medusa tokens are not plain greedy's, the deepest accepted node)."""
     rows = medusa_generate_batch(model, drafter, PROMPTS, tree=GREEDY_TREE, max_new_tokens=12)
@@ -50,19 +46,16 @@ def greedy_mismatches(model, drafter) -> tuple[int, int]:
     return sum(got != w for (got, _), w in zip(rows, want)), deepest(rows)
 
 
-@pytest.mark.parametrize("drafter", DRAFTERS)
+@pytest.mark.parametrize("drafter", [FutureHeads(), FutureHydraHeads()], ids=["future-medusa", "future-hydra"])
 def test_greedy_medusa_with_heads_that_know_the_future_equals_plain_greedy_in_every_row_of_a_ragged_batch(drafter):
-    """They fill whole paths: the deepest accepted node is the tree's depth."""
-    assert greedy_mismatches(small_model(3), DRAFTERS[drafter]) == (0, GREEDY_TREE.depth)
+    """They fill whole paths: the deepest accepted node is the tree's depth. (Random heads over a draft vocabulary,
+    and prompt lookup: tests/test_decoding.py, on every tree.)"""
+    assert greedy_mismatches(small_model(3), drafter) == (0, GREEDY_TREE.depth)
 
 
 def verify_on(wrong):
     """`verify` on wrong(tree) for the step's tree, placed anew (its positions may pass the context: clamped)."""
     return lambda *args, tree, **kwargs: verify(*args, tree=wrong(tree), **{**kwargs, "clamp": True, "placed": None})
-
-
-def judged_at_themselves(tree, tokens, y, **kwargs):  # each candidate against the token after itself, not its parent
-    return path_accept(replace(tree, parent_index=torch.arange(len(tree.parent_index))), tokens, y, **kwargs)
 
 
 GREEDY_BUGS = {  # name: the module attribute to patch, and the wrong value
@@ -73,7 +66,8 @@ GREEDY_BUGS = {  # name: the module attribute to patch, and the wrong value
     # the path's K/V taken from the prefix's first slots: slots counted from 0, not from each row's root
     "the_cache_keeps_node_indices_not_the_paths_slots": (step, "compact_kv_cache", lambda cache, keep, *, to, **kw:
                                                          compact_kv_cache(cache, keep - to[:, :1], to=to, **kw)),
-    "children_are_judged_at_themselves_not_their_parent": (acceptance, "path_accept", judged_at_themselves)}
+    "children_are_judged_at_themselves_not_their_parent": (acceptance, "path_accept", lambda tree, tokens, y, **kw:
+        path_accept(replace(tree, parent_index=torch.arange(len(tree.parent_index))), tokens, y, **kw))}
 
 
 @pytest.mark.parametrize("bug", GREEDY_BUGS)
@@ -145,8 +139,7 @@ def test_plain_and_rejection_sampling_emit_exactly_the_backbones_distribution(ca
     for rows, exact in runs:
         assert failures(rows, exact) == [] and deepest(rows) == CASES[case].deepest
     stats = [s for rows, _ in runs for _, s in rows]
-    if case == "cut-by-the-context":
-        assert {s.stop_reason for s in stats} == {"context"}
+    assert {s.stop_reason for s in stats} == {"context"} or case != "cut-by-the-context"
     if case == "drawn-top-p-eos":  # an end token accepted inside a path, in over 10 rows
         inside = [s.stop_reason == "eos" and s.steps > 0 and s.step_tokens[-1] <= s.accepted_nodes[-1] for s in stats]
         assert sum(inside) > 10
@@ -161,11 +154,6 @@ def typical_judges_by_p_without_top_p(tree, tokens, logits, *, sampling, u, usab
     judged = typical_accept(tree, tokens, logits, sampling=replace(sampling, top_p=1.0), u=u, usable=usable)
     p = sampling.probs(logits)  # [B, N, V]
     return judged._replace(bonus=inverse_cdf(p.gather(1, judged.last[:, None, None].expand_as(p[:, :1]))[:, 0], u))
-
-
-def another_rows_q(drawn, nodes, at=Drawn.at):  # `Drawn.at` giving row b its own draws with row b - 1's q
-    log_q, draws = at(drawn, nodes)
-    return log_q.roll(1, dims=0), draws
 
 
 def a_siblings_q(drawn, nodes, at=Drawn.at):
@@ -202,9 +190,9 @@ SAMPLING_BUGS = {  # name: (the case whose check must fail, the module attribute
     "the_residual_is_not_updated_after_a_miss": ("drawn-draft-vocabulary-T1.5", acceptance, "try_distributions",
                                                  residuals_changed(lambda r, p, q, tries: p[:, tries.parents])),
     "the_residual_leaves_out_tokens_outside_the_draft_vocabulary": ("drawn-draft-vocabulary-T1.5", acceptance,
-                                                                    "try_distributions", residuals_changed(
-                                                                        lambda r, p, q, tries: r * (q > 0))),
-    "a_row_tries_its_draws_against_another_rows_q": ("hydra-ragged-batch", Drawn, "at", another_rows_q),
+        "try_distributions", residuals_changed(lambda r, p, q, tries: r * (q > 0))),
+    "a_row_tries_its_draws_against_another_rows_q": ("hydra-ragged-batch", Drawn, "at", lambda d, nodes, at=Drawn.at: (
+        at(d, nodes)[0].roll(1, dims=0), at(d, nodes)[1])),  # `Drawn.at` giving row b its own draws with row b - 1's q
     "children_are_tried_against_a_siblings_q": ("hydra-ragged-batch", Drawn, "at", a_siblings_q)}
 
 

@@ -84,8 +84,7 @@ def test_a_training_step_runs_forward_and_backward_on_the_device(kind, stage):
     model, heads = tiny_model().to(META).train(), meta_drafter(kind).train()
     x, valid = torch.zeros(2, 17, dtype=torch.long, device=META), torch.ones(2, 16, dtype=torch.bool, device=META)
     kw = (dict(lm_weight=1.0, heads_weight=0.2, decay=0.8, heads_stride=3, heads_offset=2, heads_chunk=5)
-          if stage == "joint" else
-          dict(lm_weight=0.0, heads_weight=1.0, decay=1.0, detach_backbone=True, heads_chunk=7))
+        if stage == "joint" else dict(lm_weight=0.0, heads_weight=1.0, decay=1.0, detach_backbone=True, heads_chunk=7))
     with meta_rules():
         loss, metrics = MedusaLM(model, heads)(x[:, :-1], x[:, 1:], valid=valid, **kw)
         loss.backward()

@@ -29,14 +29,12 @@ class GraphReplay:
     cache) must keep their first address; other inputs are copied in, so a graph must not write into them."""
 
     def __init__(self) -> None:
-        self.graphs: list[torch.fx.GraphModule] = []
-        self.pool: list[torch.Tensor] = []  # every graph's output buffers
+        self.graphs, self.pool = [], []  # every graph captured, and every graph's output buffers
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs):
         names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
         static = [getattr(t, "_dynamo_static_input_type", None) is not None for t in example_inputs]
-        addresses: dict[int, int] = {}
-        outputs: list[torch.Tensor] = []
+        addresses, outputs = {}, []  # each static input's first address; this graph's output buffers
         self.graphs.append(gm)
 
         def replay(*args):

@@ -23,8 +23,7 @@ def test_a_round_trip_keeps_dtype_shape_and_every_bit(tmp_path, dtype):
 
     tensors = {"matrix": sample(3, 5), "scalar": sample(), "empty": sample(0, 4), "view": sample(4, 3).t()}
     atomic_write(tmp_path / "t.safetensors", lambda f: write_safetensors(f, tensors))
-    back = read_safetensors(tmp_path / "t.safetensors")
-    assert back.keys() == tensors.keys()
+    assert (back := read_safetensors(tmp_path / "t.safetensors")).keys() == tensors.keys()
     for name, t in tensors.items():
         assert back[name].dtype == dtype and back[name].shape == t.shape and torch.equal(back[name], t)
 
