@@ -135,8 +135,7 @@ def prepare(a: argparse.Namespace) -> tuple:
         which = f"prompt {i} ({'--prompt' if a.prompt else PROMPTS_FILE})"
         if any("\ud800" <= c <= "\udfff" for c in text):  # bytes a command line held that are not UTF-8, escaped
             raise ValueError(f"{which} is not UTF-8 text: give it in UTF-8")
-        ids = ck.enc.encode_ordinary(text)
-        if not ids:
+        if not (ids := ck.enc.encode_ordinary(text)):
             raise ValueError(f"{which} is empty; give some text with --prompt")
         if len(ids) > ck.block_size - room:
             raise ValueError(f"{which} is {len(ids)} tokens long but the context holds {ck.block_size}; "

@@ -39,14 +39,13 @@ def parse_args(argv: list[str] | None = None) -> TrainArgs:
                    "loss scaling; default: float32 on CPU, on CUDA bfloat16 where native, else float16)")
     p.add_argument("--save-every", type=int, metavar="STEPS",
                    help="steps between checkpoints (default: a fifth of a stage, at least 50)")
-    p.add_argument("--log-every", type=float, default=10.0, metavar="SECONDS",
-                   help="seconds between progress lines (default: 10)")
+    p.add_argument("--log-every", type=float, metavar="SECONDS", help="seconds between progress lines (default: 10)")
     hp = p.add_argument_group("hyper-parameters (defaults: the preset's)")
     for name, f in TrainArgs.hyper_parameters().items():
         hp.add_argument("--" + name.replace("_", "-"), type=type(f.default), metavar=type(f.default).__name__.upper(),
                         help=f.metadata["help"] + f" (the preset's; cpu: {PRESETS['cpu'].get(name, f.default)})")
     ns = p.parse_args(argv)
-    try:
+    with p.refusing():
         device = rank_device(str(pick_device(ns.device)))
         cuda = device.startswith("cuda")
         preset = ns.preset or (("gpt2" if cuda else "gpt2-cpu") if ns.init else ("gpu" if cuda else "cpu"))
@@ -54,8 +53,6 @@ def parse_args(argv: list[str] | None = None) -> TrainArgs:
         out = ns.out if ns.out is not None else f"out/{'tiny' if preset in ('cpu', 'gpu') else preset}"
         return TrainArgs(**{**PRESETS[preset], **given, "preset": preset, "out": out, "device": device,
                             "dtype": training_dtype(ns.dtype, device)})
-    except ValueError as e:
-        p.error(str(e))
 
 
 def main(argv: list[str] | None = None) -> int:

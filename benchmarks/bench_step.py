@@ -180,9 +180,8 @@ def bench_config(config: GPTConfig, *, device: torch.device, repeat: int, warmup
         t, tokens = verify_tree(n).tensors(device), torch.randint(0, config.vocab_size, (1, n), generator=gen)
         calls[f"verify {n}"] = partial(verify_step, model, caches[n], tokens.to(device), tree=t,
                                        attended=None if compiled else prefix_len + n)
-    stages, setup_s = timed(device, lambda: {name: tree_stages(model, caches[tree.num_nodes], heads, tree, root, hidden,
-                                                               history=history, steps=steps, compiled=compiled,
-                                                               verify_step=verify_step)
+    stages_of = partial(tree_stages, history=history, steps=steps, compiled=compiled, verify_step=verify_step)
+    stages, setup_s = timed(device, lambda: {name: stages_of(model, caches[tree.num_nodes], heads, tree, root, hidden)
                                              for name, tree in trees.items()})
     calls.update({f"{name} {stage}": fn for name in trees for stage, fn in stages[name].items()})
     runs = in_turns(calls, rounds=warmup + repeat, device=device, before_each=reset)
@@ -254,14 +253,12 @@ def parse_args(argv: list[str]) -> Namespace:
     p.add_argument("--seed", type=seed, default=0, help="seed of the random weights and tokens (default: 0)")
     p.add_argument("--json", action="store_true", help="print the numbers as JSON instead of a table")
     a = p.parse_args(argv)
-    try:
+    with p.refusing():
         for name in a.configs:  # every config checked before the first is measured
             check_config(CONFIGS[name], prefix_len=a.prefix, draft_vocab=a.draft_vocab)
         a.device = pick_device(a.device)
         a.dtypes = [pick_dtype(d, a.device) for d in a.dtypes]
         a.nodes = a.nodes or (CUDA_NODES if a.device.type == "cuda" else NODES)
-    except ValueError as e:
-        p.error(str(e))
     return a
 
 

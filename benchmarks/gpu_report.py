@@ -180,7 +180,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.add_argument(flag, default="", metavar="'FLAGS'",
                        help=f"more {os.path.basename(script)} flags, quoted; a single one after '=': {flag}='--x'")
     a = p.parse_args(argv)
-    try:  # the flags' own names become the settings of the parts
+    with p.refusing():  # the flags' own names become the settings of the parts
         check_file_path("--out", a.out, "gpu.md")
         a.target = a.out if a.append or not os.path.exists(a.out) else f"{a.out}.partial"  # an older report stays whole
         if a.target != a.out and os.path.isdir(a.target):
@@ -213,8 +213,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             a.before = pathlib.Path(a.out).read_text(encoding="utf-8") if a.append and os.path.exists(a.out) else ""
         except (OSError, UnicodeDecodeError) as e:
             raise ValueError(f"--append: {a.out} cannot be read as a UTF-8 report ({e})") from None
-    except ValueError as e:
-        p.error(str(e))
     return a
 
 
@@ -223,29 +221,28 @@ def main(argv: list[str] | None = None) -> int:
     s = parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # as Ctrl-C: the running part's command is stopped
     report, failed = s.before or header(s, argv), []  # with --append, --out's text, each part's section added
-    target = s.target
-    if target != s.out:  # an earlier stopped run's is replaced: it holds this run's parts alone
-        remove_file(target)
+    if s.target != s.out:  # an earlier stopped run's is replaced: it holds this run's parts alone
+        remove_file(s.target)
     try:
         for part in s.parts:
             print(f"[{part}] starting, budget {s.budget_s:.0f} s", file=sys.stderr, flush=True)
             (text, ok), seconds = timed("cpu", lambda: run_part(s, part, trained="train" not in failed))  # wall clock
             report += f"\n{text}\n\n_Part {part}: {seconds:.0f} s of its {s.budget_s:.0f} s budget._\n"
             try:
-                atomic_write(target, text_writer(report))
+                atomic_write(s.target, text_writer(report))
             except OSError as e:  # a full disk, say: the report as of the last part stays where it was
-                print(f"gpu_report.py: error: {target} could not be written after part {part} ({e.strerror}); "
+                print(f"gpu_report.py: error: {s.target} could not be written after part {part} ({e.strerror}); "
                       "it holds the parts before it", file=sys.stderr)
                 return 1
             print(f"[{part}] {'done' if ok else 'FAILED'} in {seconds:.0f} s", file=sys.stderr, flush=True)
             failed += [] if ok else [part]
     except KeyboardInterrupt:
-        print(f"gpu_report.py: interrupted; {target} holds the parts that ended before", file=sys.stderr)
+        print(f"gpu_report.py: interrupted; {s.target} holds the parts that ended before", file=sys.stderr)
         return 130
-    kept = target != s.out and len(failed) == len(s.parts)  # a run with nothing to show leaves the older report
-    if target != s.out and not kept:
-        os.replace(target, s.out)
-    where = f"{target} ({s.out} kept: every part failed)" if kept else s.out
+    kept = s.target != s.out and len(failed) == len(s.parts)  # a run with nothing to show leaves the older report
+    if s.target != s.out and not kept:
+        os.replace(s.target, s.out)
+    where = f"{s.target} ({s.out} kept: every part failed)" if kept else s.out
     print(f"report: {where}" + (f"; failed: {', '.join(failed)}" if failed else ""), file=sys.stderr)
     return 1 if failed else 0
 

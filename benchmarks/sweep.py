@@ -7,7 +7,6 @@ Budget N (root excluded) decodes with `build_tree(acc, N)`, as `decode.py --tree
 lookup's chain of N nodes. Each row against plain decoding of its rule; greedy and drawn rows also against the
 product rule's estimate, greedy rows against plain greedy's tokens."""
 
-import argparse
 import copy
 import json
 import os
@@ -120,26 +119,6 @@ def plot_sweep(result: dict, path: str, *, title: str) -> str:
                 xlabel="node budget (root excluded)", ticks=sorted({r["nodes"] for r in result["rows"]}), title=title)
 
 
-def load(ns: argparse.Namespace) -> tuple[Checkpoint, dict, list[list[int]]]:
-    """The flags checked; the checkpoint, each rule's table (for `sweep`) and the prompts, or a ValueError."""
-    rules = [r for r in RULES if r in ns.rules]  # in RULES' order
-    if ns.plot is not None:  # "" too: no file to draw into
-        check_plot_path(ns.plot)
-    ck = load_for_decoding(ns.ckpt, device=(device := pick_device(ns.device)), dtype=pick_dtype(ns.dtype, device))
-    if ck.heads is None:
-        raise ValueError(f"checkpoint {ns.ckpt} has no Medusa heads; train heads first")
-    ns.draft_vocab = ns.draft_vocab or (ck.heads.draft_ids.numel(),)
-    if max(ns.draft_vocab) > ck.model.config.vocab_size:
-        raise ValueError(f"--draft-vocab {max(ns.draft_vocab)}: the vocabulary has {ck.model.config.vocab_size} tokens")
-    acc = load_accuracy(ns.ckpt)  # its error says how to measure it
-    if build_tree(acc, 1)[0].num_nodes == 1:  # no node is ever accepted: every tree is the root alone
-        raise ValueError("heads_accuracy.json: no head's top guess was ever right, so every tree is the root "
-                         "alone; train the heads, then measure again")
-    drawn = load_accuracy(ns.ckpt, drawn=True)  # None where the file predates the drawn candidates' table
-    tables = {r: (drawn, True) if r == "rejection-drawn" and drawn is not None else (acc, r == "greedy") for r in rules}
-    return ck, tables, prompt_ids(ck, count=ns.num_prompts, max_new_tokens=ns.max_new_tokens)
-
-
 def main(argv: list[str] | None = None) -> int:
     p = OneLineParser(prog="python benchmarks/sweep.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--ckpt", type=os.path.expanduser, required=True,
@@ -160,8 +139,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
     p.add_argument("--plot", type=os.path.expanduser, metavar="FILE.png", help="also draw the table (needs matplotlib)")
     ns = p.parse_args(argv)
-    try:
-        ck, tables, prompts = load(ns)
+    with p.refusing(ValueError, OSError):  # the flags checked, then the checkpoint, each rule's table and the prompts
+        if ns.plot is not None:  # "" too: no file to draw into
+            check_plot_path(ns.plot)
+        ck = load_for_decoding(ns.ckpt, device=(device := pick_device(ns.device)), dtype=pick_dtype(ns.dtype, device))
+        if ck.heads is None:
+            raise ValueError(f"checkpoint {ns.ckpt} has no Medusa heads; train heads first")
+        ns.draft_vocab = ns.draft_vocab or (ck.heads.draft_ids.numel(),)
+        if max(ns.draft_vocab) > (V := ck.model.config.vocab_size):
+            raise ValueError(f"--draft-vocab {max(ns.draft_vocab)}: the vocabulary has {V} tokens")
+        acc = load_accuracy(ns.ckpt)  # its error says how to measure it
+        if build_tree(acc, 1)[0].num_nodes == 1:  # no node is ever accepted: every tree is the root alone
+            raise ValueError("heads_accuracy.json: no head's top guess was ever right, so every tree is the root "
+                             "alone; train the heads, then measure again")
+        drawn = load_accuracy(ns.ckpt, drawn=True)  # None where the file predates the drawn candidates' table
+        tables = {r: (drawn, True) if r == "rejection-drawn" and drawn is not None else (acc, r == "greedy")
+                  for r in RULES if r in ns.rules}  # in RULES' order
+        prompts = prompt_ids(ck, count=ns.num_prompts, max_new_tokens=ns.max_new_tokens)
         result = sweep(ck, tables, prompts, budgets=ns.budgets, draft_vocabs=ns.draft_vocab, seed=ns.seed,
                        temperature=ns.temperature, max_new_tokens=ns.max_new_tokens, repeat=ns.repeat)
         result.update(checkpoint=ns.ckpt, device=str(ck.model.device), dtype=ns.dtype, num_heads=ck.heads.num_heads,
@@ -169,8 +163,6 @@ def main(argv: list[str] | None = None) -> int:
         if ns.plot is not None:
             plot_sweep(result, ns.plot, title=f"{ns.ckpt} on {result['device']}, {ns.dtype}")
             print(f"plot: {ns.plot}", file=sys.stderr)
-    except (ValueError, OSError) as e:
-        p.error(str(e))
     print(json.dumps(result, indent=2) if ns.json else format_sweep(result))
     return 0
 

@@ -8,7 +8,7 @@ import io
 import os
 import sys
 import time
-from typing import Callable, Collection, NoReturn, TypeVar
+from typing import Callable, Collection, Iterator, NoReturn, TypeVar
 
 import torch
 
@@ -115,6 +115,14 @@ class OneLineParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {' '.join(str(message).split())}\n")
+
+    @contextlib.contextmanager
+    def refusing(self, *errors: type[Exception]) -> Iterator[None]:
+        """The block's bad input, a ValueError (or one of `errors`), as this parser's one-line error."""
+        try:
+            yield
+        except errors or ValueError as e:
+            self.error(str(e))
 
 
 def out_of_memory(e: BaseException) -> str | None:

@@ -44,8 +44,7 @@ def verify_and_accept(model: GPT, cache: KVCache, tokens: torch.Tensor, *, tree:
     next step's tree (u_next its uniforms); attended: the cache slots read (compiled: None, all, one shape).
     Returns (accepted, next hidden [B, C], next tokens [B, N] or None, how they were drawn or None)."""
     check_uniforms(sampling, u)  # before the verify writes the cache
-    usable = usable_nodes(tree, cache.length_buffer, stop_at)  # [B, N]
-    placed = place_tree(cache, tree)  # [B, N, 2D + 5]
+    usable, placed = usable_nodes(tree, cache.length_buffer, stop_at), place_tree(cache, tree)  # [B, N], [B, N, 2D + 5]
     logits, hiddens = verify(model, cache, tokens, tree=tree, placed=placed, attended=attended)  # [B, N, V], [B, N, C]
     accepted = accept(tree, tokens, logits, sampling=sampling, u=u, drawn=drawn, usable=usable)
     keep_path(cache, accepted, placed=placed, active=usable[:, 0])

@@ -9,7 +9,6 @@ import io
 import numpy as np
 import tiktoken
 import torch
-import torch.nn.functional as F
 
 from .. import reference as ref
 from ..heads import HeadsConfig, MedusaHeads
@@ -47,7 +46,7 @@ def _snippet(text: str, limit: int = 70) -> str:
 
 def _guesses(enc: tiktoken.Encoding, logits: torch.Tensor, k: int, ids: torch.Tensor | None = None, *,
              temperature: float) -> str:  # the probabilities at the rule's temperature (greedy's argmax: at 1)
-    top = F.softmax(logits.float() / (temperature or 1.0), dim=-1).topk(k)
+    top = torch.softmax(logits.float() / (temperature or 1.0), dim=-1).topk(k)
     pairs = zip(top.values.tolist(), (top.indices if ids is None else ids[top.indices]).tolist())
     return ", ".join(f"#{r} {token_text(enc, t)} ({p:.2f})" for r, (p, t) in enumerate(pairs))
 
@@ -124,9 +123,8 @@ def explain_step(model: GPT, heads, enc: tiktoken.Encoding, prompt_ids: list[int
     """One Medusa step after a prompt of 1 to block_size - ROOM tokens (decode.py checks), every stage described."""
     block, L, T = model.config.block_size, len(prompt_ids), sampling.temperature
     tree = tree.truncated(block - 2 - L)  # the deepest node's position must stay inside the context
-    rule = "greedy" if sampling.greedy else f"{sampling.acceptance}, temperature {T:g}"
     out = ["One Medusa decoding step, in full", "=" * 33, f"Prompt ({L} tokens): {_snippet(enc.decode(prompt_ids))}",
-           f"Acceptance rule: {rule}"]
+           f"Acceptance rule: {'greedy' if sampling.greedy else f'{sampling.acceptance}, temperature {T:g}'}"]
 
     # 1. The prefill: the root, and the hidden state every head reads.
     cache = [None] * model.config.n_layer

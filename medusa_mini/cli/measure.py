@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
                    "over the root it cannot see: a forward over the 64 likeliest roots at every 4th position (slower)")
     p.add_argument("--device", help="cpu, cuda, ... (default: cuda if available)")
     a = p.parse_args(argv)
-    try:  # everything checked before heads_accuracy.json is replaced
+    with p.refusing(ValueError, OSError):  # everything checked before heads_accuracy.json is replaced
         ck = load_for_decoding(a.ckpt, device=pick_device(a.device))
         if ck.heads is None:
             raise ValueError(f"checkpoint {a.ckpt} has no Medusa heads; train heads first")
@@ -111,8 +111,6 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--max-new-tokens must exceed the {K} heads: head k is measured from k + 1 new tokens on")
         prompts = prompt_ids(ck, count=a.num_prompts, max_new_tokens=a.max_new_tokens)
         check_writable(a.ckpt, f"--ckpt {a.ckpt}", files=(accuracy.ACCURACY_FILE,))
-    except (ValueError, OSError) as e:
-        p.error(str(e))
     lens, T, top_k = [len(ids) for ids in prompts], a.temperature, min(a.top_k, ck.heads.draft_ids.numel())
     greedy = accuracy.continuations(ck.model, prompts, max_new_tokens=a.max_new_tokens)
     acc = accuracy.measure_head_accuracy(ck.model, ck.heads, greedy, prompt_lens=lens, top_k=top_k)

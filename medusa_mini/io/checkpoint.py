@@ -13,10 +13,8 @@ from .files import atomic_write_files, fsync_dir, json_writer, read_json, remove
 from .gpt2 import check_tensors, gpt2_config_dict, gpt2_state_dict, load_gpt2
 from .safetensors import read_safetensors, write_safetensors
 
-CONFIG_FILE = "config.json"
-WEIGHTS_FILE = "model.safetensors"
-HEADS_FILE = "medusa_heads.safetensors"
-HEADS_CONFIG_FILE = "medusa_config.json"
+CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
+HEADS_FILE, HEADS_CONFIG_FILE = "medusa_heads.safetensors", "medusa_config.json"
 CHECKPOINT_FILES = (WEIGHTS_FILE, HEADS_FILE, HEADS_CONFIG_FILE, CONFIG_FILE)  # what save_checkpoint may write
 PT = {"format": "pt"}  # transformers refuses safetensors files whose metadata lacks it
 

@@ -17,8 +17,7 @@ from .files import atomic_write_files, json_writer, read_json, text_writer
 
 GPT2_SPLIT_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 EOT = "<|endoftext|>"  # the one special token, id right after the ranks
-RANKS_FILE = "tokenizer.tiktoken"
-CONFIG_FILE = "tokenizer_config.json"
+RANKS_FILE, CONFIG_FILE = "tokenizer.tiktoken", "tokenizer_config.json"
 TOKENIZER_FILES = (RANKS_FILE, CONFIG_FILE)  # what save_tokenizer may write
 
 Pair = str  # two adjacent tokens, each a character: chr(its id)

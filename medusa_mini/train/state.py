@@ -47,16 +47,13 @@ class Run:
         if self.main:
             print(msg, flush=True)
 
-    def check_finite(self, where: str) -> None:
-        """A TrainError, on every rank alike (their replicas are equal), once a trained weight is not finite: a
-        diverged run saves nothing over the last good checkpoint (a check of the loss may come too late)."""
-        trained = [p for p in (*self.model.parameters(), *self.heads.parameters()) if p.requires_grad]
-        if not torch.stack([p.isfinite().all() for p in trained]).all():
-            raise TrainError(f"{where}: the weights are not finite; {LOWER_LR}")
-
     def save(self, *, stage: str, step: int, optimizer=None, gen=None, scaler=None) -> None:
         """State for --resume (each rank's generator and text in a file of its own) and a usable checkpoint."""
-        self.check_finite(f"{stage} step {step}")
+        # A weight not finite stops every rank alike (their replicas are equal): a diverged run saves nothing over the
+        # last good checkpoint (a check of the loss may come too late).
+        trained = [p for p in (*self.model.parameters(), *self.heads.parameters()) if p.requires_grad]
+        if not torch.stack([p.isfinite().all() for p in trained]).all():
+            raise TrainError(f"{stage} step {step}: the weights are not finite; {LOWER_LR}")
         mine = {"gen": gen and gen.get_state(), "distill": None if self.distill is None else self.distill.cpu()}
         if self.world > 1:
             atomic_write(self.rank_path, lambda f: torch.save(mine, f))
