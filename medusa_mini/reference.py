@@ -58,7 +58,7 @@ def tree_attention_mask(parents: list[int]) -> torch.Tensor:
     mask = torch.zeros(N, N, dtype=torch.bool)
     for i in range(N):
         j = i
-        while j != -1:
+        while j != -1 and not mask[i, j]:  # parents that are no tree (a cycle) end too
             mask[i, j] = True
             j = parents[j]
     return mask

@@ -55,6 +55,7 @@ def test_the_ancestor_mask_equals_the_references_walk_up_the_parents_on_random_t
     for tree in trees:
         assert torch.equal(tree.tensors().ancestor_mask, ref.tree_attention_mask(tree.parents)), tree.choices
     assert {t.depth for t in trees} == {0, 1, 2, 3, 4, 5}  # the root alone, chains and bushes of every depth
+    assert ref.tree_attention_mask([0]).tolist() == [[True]]  # parents that are no tree (a cycle): the walk ends
 
 
 @pytest.mark.parametrize("choices, kwargs, message", [

@@ -5,8 +5,8 @@ each head's guesses are accepted on greedy continuations of prompts.json; under 
 per head and how often its r-th drawn candidate is accepted (rejection sampling's trees); with --marginal, head
 1's score were its q the exact marginal over the root it cannot see.
 
-`--tree` (`resolve_tree`): a preset, choices (JSON, a file or inline), N (the table's best tree of N nodes) or 'auto':
-64 nodes on a GPU, on a CPU at most 8 that pay for themselves (`CPU_MIN_GAIN`); no table: the device's preset."""
+decode.py's `--tree` (`resolve_tree`): a preset, choices (JSON, a file or inline), N (the table's best N-node tree)
+or 'auto': 64 nodes on a GPU, on a CPU at most 8 that pay for themselves (`CPU_MIN_GAIN`); no table: the device's."""
 
 import json
 import os
