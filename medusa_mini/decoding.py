@@ -150,6 +150,8 @@ class Generations:
               generator: torch.Generator | None) -> tuple[KVCache, torch.Tensor, torch.Tensor]:
         """The prefill into a cache of `slots` slots per row (`reuse_cache`) and every row's first token, emitted:
         (cache, first tokens [B] on the device, hidden states [B, C] that chose them)."""
+        if not isinstance(sampling, Sampling):  # else an AttributeError after the prefill
+            raise TypeError(f"sampling is a Sampling, e.g. Sampling(temperature=0.8), not {sampling!r}")
         B, device, T = len(self.prompts), model.device, max(map(len, self.prompts))
         cache = reuse_cache(cache, model, batch_size=B, max_len=slots)
         # [B, T]: each prompt padded at its end with its own last token (never attended to)
@@ -203,6 +205,8 @@ def medusa_generate_batch(
     in distribution and, when greedy, token for token. `cache`: one to reuse (see `reuse_cache`), B rows
     of block_size + N slots; by default a new one. `steps`: the eager steps, or compiled ones.
     """
+    if not isinstance(tree, Tree):  # else an AttributeError in the proposer
+        raise TypeError(f"tree is a Tree, e.g. tree.preset('cpu') or Tree.from_choices([[0], [1]]), not {tree!r}")
     proposer = drafter.proposer(model, tree)
     rows = Generations(model, prompts, max_new_tokens=max_new_tokens, eos_id=eos_id, on_step=on_step)
     B, N = len(rows.prompts), proposer.tree.num_nodes

@@ -54,10 +54,10 @@ class Sampling:
                              "(lossless) or typical acceptance")
         if self.candidates not in ("drawn", "topk"):
             raise ValueError(f"unknown candidates {self.candidates!r}: use drawn or topk")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], not {self.top_p}")
-        if not (self.epsilon > 0 and self.delta > 0):
-            raise ValueError(f"epsilon and delta must be > 0 (typical acceptance), not {self.epsilon} and {self.delta}")
+        if not (isinstance(self.top_p, numbers.Real) and 0 < self.top_p <= 1):
+            raise ValueError(f"top_p must be a number in (0, 1], not {self.top_p!r}")
+        if not all(isinstance(x, numbers.Real) and x > 0 for x in (self.epsilon, self.delta)):
+            raise ValueError(f"typical acceptance's epsilon, delta must be > 0, not {self.epsilon!r}, {self.delta!r}")
         object.__setattr__(self, "temperature", float(T))  # a numpy number or a Fraction as one torch divides by
         object.__setattr__(self, "acceptance", "greedy" if T == 0 else (self.acceptance or "rejection"))
 

@@ -120,16 +120,14 @@ class Tree:
 
 def chain(k: int) -> Tree:
     """k nodes in a line: each head's top-1 guess (classic speculative decoding with a chain draft)."""
+    if not (isinstance(k, numbers.Integral) and 0 <= k <= MAX_NODES):  # chain(-1) would be the root alone
+        raise ValueError(f"a chain holds 0 to {MAX_NODES} nodes below the root, not {k!r}")
     return Tree.from_choices([tuple([0] * d) for d in range(1, k + 1)])
 
 
 # A small tree for CPU, where each extra node costs real time: 11 nodes + root, depth 4.
-CPU_CHOICES: list[Choice] = [
-    (0,), (1,), (2,),
-    (0, 0), (0, 1), (1, 0),
-    (0, 0, 0), (0, 0, 1), (0, 1, 0),
-    (0, 0, 0, 0), (0, 0, 0, 1),
-]
+CPU_CHOICES: list[Choice] = [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0),  # depths 1 and 2
+                             (0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 0, 0, 0), (0, 0, 0, 1)]  # depths 3 and 4
 
 
 def _gpu_choices() -> list[Choice]:
@@ -183,8 +181,8 @@ def build_tree(acc: torch.Tensor, budget: int, *, min_gain: float = 0.0) -> tupl
     """
     a = check_acc(acc).tolist()
     K, R = len(a), len(a[0])
-    if budget < 0:
-        raise ValueError(f"the node budget must be >= 0, got {budget}")
+    if not (isinstance(budget, numbers.Integral) and budget >= 0):  # 2.5 would grow 3 nodes
+        raise ValueError(f"the node budget must be an integer >= 0, not {budget!r}")
     heap = [(-a[0][0], 1, (0,), 1.0)]  # (-value, depth, choice, parent's value)
     chosen, total = [], 0.0
     while heap and len(chosen) < budget:

@@ -88,6 +88,7 @@ def test_greedy_is_decided_by_the_temperature_alone_and_sampling_means_lossless_
     (dict(temperature=-1.0), "temperature"), (dict(temperature=float("nan")), "temperature"),
     (dict(temperature=1e39), "float32's largest"),
     (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"), (dict(epsilon=0.0), "epsilon"), (dict(delta=0.0), "delta"),
+    (dict(top_p="0.5"), "top_p must be a number"), (dict(epsilon="0.1"), "epsilon, delta must be > 0, not '0.1'"),
     (dict(acceptance="nucleus"), "unknown acceptance rule"), (dict(candidates="beam"), "unknown candidates")])
 def test_impossible_settings_fail_at_construction(kwargs, needle):
     pytest.raises(ValueError, Sampling, **kwargs).match(needle)

@@ -136,3 +136,5 @@ def test_product_rule_rejects_a_tree_deeper_or_wider_than_the_table_and_values_t
     pytest.raises(ValueError, build_tree, torch.tensor([[1.5]]), 1).match("probabilities")
     assert build_tree(torch.tensor([[1.0, 0.0]]), 4) == (chain(1), 2.0)  # 0 and 1 are probabilities; a 0 never joins
     pytest.raises(ValueError, build_tree, torch.zeros(3), 4).match(r"\[heads, ranks\]")
+    for bad, needle in ((lambda: build_tree(ACC_HAND, 2.5), "integer >= 0, not 2.5"), (lambda: chain(-1), "not -1")):
+        pytest.raises(ValueError, bad).match(needle)  # not 3 nodes, nor the root alone, silently
