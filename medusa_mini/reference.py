@@ -21,7 +21,7 @@ plain sampling's distribution; typical acceptance (§2.3.1) trades that guarante
 
 This file is batch 1 and plain: Python ints and lists, node-by-node walks, a KV cache that grows by
 torch.cat. The engine (step.py, decoding.py, acceptance.py) makes the same decisions with static
-shapes, batches and one host read per step; tests hold the two to the same tokens.
+shapes, batches and one host read per step; tests hold the two to the same tokens. Inputs here are trusted.
 """
 
 import math
