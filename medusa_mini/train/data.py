@@ -90,10 +90,7 @@ def load_corpus(path: str | os.PathLike[str] | None = None, *, max_bytes: int = 
 
 def corpus_digest(docs: Sequence[Document]) -> str:
     """A SHA-256 of the documents' names and texts: --resume refuses a run whose data changed under it."""
-    h = hashlib.sha256()
-    for name, text in docs:
-        h.update(f"{len(name)}:{name}{len(text)}:{text}".encode())
-    return h.hexdigest()
+    return hashlib.sha256("".join(f"{len(name)}:{name}{len(text)}:{text}" for name, text in docs).encode()).hexdigest()
 
 
 def split_documents(docs: Sequence[Document], *, val_fraction: float = 0.05,
@@ -125,9 +122,8 @@ def get_batch(tokens: np.ndarray, *, batch_size: int, block_size: int, generator
     """Random windows ``x`` and next tokens ``y`` (int64 [batch_size, block_size]) of ``tokens`` (more than
     block_size); the starts come from ``generator`` (CPU), so equal generator states give equal batches."""
     starts = torch.randint(len(tokens) - block_size, (batch_size,), generator=generator).numpy()
-    windows = tokens[starts[:, None] + np.arange(block_size + 1)].astype(np.int64)
-    x, y = (torch.from_numpy(np.ascontiguousarray(w)) for w in (windows[:, :-1], windows[:, 1:]))
-    return to_device(x, device), to_device(y, device)
+    windows = torch.from_numpy(tokens[starts[:, None] + np.arange(block_size + 1)].astype(np.int64))
+    return to_device(windows[:, :-1].contiguous(), device), to_device(windows[:, 1:].contiguous(), device)
 
 
 def held_out_prompts(val_docs: Sequence[Document], enc: tiktoken.Encoding, *, count: int, seed: int,
