@@ -24,10 +24,8 @@ def seeded(seed: int, *, device: str = "cpu") -> torch.Generator:
 
 
 class Run:
-    """What every stage needs: args, ranks, device, model and heads; saving and resuming them; the stage clock."""
-
     def __init__(self, args: TrainArgs, data_digest: str) -> None:
-        self.args, self.device, self.rank, self.world = args, args.device, 0, 1
+        self.args, self.data_digest, self.device, self.rank, self.world = args, data_digest, args.device, 0, 1
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             cuda = args.device.startswith("cuda")
             if cuda:  # before init_process_group: NCCL binds each process to the current device when it starts
@@ -40,7 +38,6 @@ class Run:
         self.rank_path = f"{self.state_path}.rank{self.rank}"
         self.stop_requested = self.model_written = False
         self.distill = None  # [S, P + n] the self-distilled text, once written
-        self.data_digest = data_digest  # `data.corpus_digest` of the text the run trains on
         self.stages: list[str] = []  # each timed stage, as the `stages` line shows it
 
     def log(self, msg: str) -> None:
@@ -58,13 +55,12 @@ class Run:
         if self.world > 1:
             atomic_write(self.rank_path, lambda f: torch.save(mine, f))
             dist.barrier()
-        if not self.main:
-            return
-        state = {"identity": self.args.identity(), "data": self.data_digest, "world": self.world, "stage": stage,
-                 "step": step, "model": None if self.args.init else self.model.state_dict(),
-                 "heads": self.heads.state_dict(), "optim": optimizer and optimizer.state_dict(),
-                 "scaler": scaler and scaler.state_dict(), **mine}
-        self.write(self.state_path, lambda f: torch.save(state, f))
+        if self.main:
+            state = {"identity": self.args.identity(), "data": self.data_digest, "world": self.world, "stage": stage,
+                     "step": step, "model": None if self.args.init else self.model.state_dict(),
+                     "heads": self.heads.state_dict(), "optim": optimizer and optimizer.state_dict(),
+                     "scaler": scaler and scaler.state_dict(), **mine}
+            self.write(self.state_path, lambda f: torch.save(state, f))
 
     def write(self, path: str, writer: Writer) -> None:
         """`writer`'s file at `path` (the resume state, the held-out prompts), then the checkpoint. At the first save
@@ -127,8 +123,7 @@ class Run:
             dist.all_reduce(flat)  # a sum: gloo has no mean
             flat /= self.world
         numbers = iter(flat.tolist())
-        return {key: [next(numbers) for _ in range(v.numel())] if v.dim() else next(numbers)
-                for key, v in metrics.items()}
+        return {k: [next(numbers) for _ in range(v.numel())] if v.dim() else next(numbers) for k, v in metrics.items()}
 
     def stage(self, name: str, fn):
         """fn(), a stage, timed for the `stages` line, with its peak allocated memory on CUDA."""
