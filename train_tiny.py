@@ -29,8 +29,7 @@ def parse_args(argv: list[str] | None = None) -> TrainArgs:
     p.add_argument("--out", type=os.path.expanduser, metavar="DIR", help="checkpoint directory (default: out/tiny for "
                    "the cpu and gpu presets, else out/<preset>: a smoke run never replaces the real one)")
     p.add_argument("--init", metavar="NAME|DIR", help="start from GPT-2 weights (gpt2, gpt2-medium, ..., or a path) "
-                   "and train heads only: the backbone keeps its shape and stays frozen (--medusa 1, no backbone "
-                   "steps; the backbone's shape flags are ignored)")
+                   "and train heads only, the backbone frozen (--medusa 1, no backbone steps; its shape flags ignored)")
     p.add_argument("--resume", action="store_true", help="continue an interrupted run in --out exactly")
     p.add_argument("--overwrite", action="store_true", help="replace the run or checkpoint in --out (default: refuse)")
     p.add_argument("--seed", type=seed, default=0, help="seeds the model, the batches and the sampling (default: 0)")
@@ -50,9 +49,8 @@ def parse_args(argv: list[str] | None = None) -> TrainArgs:
         cuda = device.startswith("cuda")
         preset = ns.preset or (("gpt2" if cuda else "gpt2-cpu") if ns.init else ("gpu" if cuda else "cpu"))
         given = {name: v for name, v in vars(ns).items() if v is not None}  # left out: the preset's, else the default
-        out = ns.out if ns.out is not None else f"out/{'tiny' if preset in ('cpu', 'gpu') else preset}"
-        return TrainArgs(**{**PRESETS[preset], **given, "preset": preset, "out": out, "device": device,
-                            "dtype": training_dtype(ns.dtype, device)})
+        return TrainArgs(**{**PRESETS[preset], "out": f"out/{'tiny' if preset in ('cpu', 'gpu') else preset}", **given,
+                            "preset": preset, "device": device, "dtype": training_dtype(ns.dtype, device)})
 
 
 def main(argv: list[str] | None = None) -> int:
