@@ -63,9 +63,8 @@ class Run:
             self.write(self.state_path, lambda f: torch.save(state, f))
 
     def write(self, path: str, writer: Writer) -> None:
-        """`writer`'s file at `path` (the resume state, the held-out prompts), then the checkpoint. At the first save
-        --overwrite's old run stops being a checkpoint (a run that fails or stops before it leaves that one whole) and
-        the tokenizer is written."""
+        """`writer`'s file at `path` (the resume state, the held-out prompts), then the checkpoint. The first save
+        writes the tokenizer and removes --overwrite's old checkpoint (a run that stops before then leaves it whole)."""
         if not self.model_written:  # the first save: later, this run's files are there already
             for name in (CONFIG_FILE, STATE_FILE, accuracy.ACCURACY_FILE, PROMPTS_FILE) if self.args.overwrite else ():
                 try:
