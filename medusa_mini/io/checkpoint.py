@@ -1,6 +1,5 @@
-"""Checkpoint directories that transformers loads as a GPT-2: config.json, model.safetensors, and with heads
-medusa_heads.safetensors (their state_dict, the draft vocabulary's order included) and medusa_config.json
-(HeadsConfig), written together, config.json last: a save that fails leaves the previous checkpoint loadable."""
+"""Checkpoint directories that transformers loads as a GPT-2, plus the heads' state_dict (vocab_order included) and
+HeadsConfig, all written together, config.json last: a failed save leaves the previous checkpoint loadable."""
 
 import os
 from dataclasses import asdict

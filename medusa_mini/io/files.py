@@ -1,5 +1,4 @@
-"""File helpers: writes that a reader, or a crash, never sees half of, and JSON read with a one-line error
-that names the file and its fix."""
+"""File helpers: writes that a reader, or a crash, never sees half of, and JSON read with a one-line error."""
 
 import contextlib
 import json
