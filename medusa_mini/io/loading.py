@@ -1,5 +1,4 @@
-"""Everything decoding needs from a directory train_tiny.py wrote: model, heads, tokenizer, end-of-text id
-and held-out prompts. Bad input is a one-line ValueError."""
+"""What decoding needs from a train_tiny.py checkpoint: model, heads, tokenizer, end-of-text id, held-out prompts."""
 
 import os
 from dataclasses import dataclass, field
@@ -39,9 +38,7 @@ def load_for_decoding(directory: str, *, device: torch.device, dtype: torch.dtyp
     if enc.n_vocab > model.config.vocab_size:  # ids past the embedding table would crash much later
         raise ValueError(f"the tokenizer in {directory} has {enc.n_vocab} tokens but the model only "
                          f"{model.config.vocab_size}; they do not belong together")
-    model.to(dtype)
-    if heads is not None:
-        heads.to(dtype)
+    model, heads = model.to(dtype), heads.to(dtype) if heads is not None else None
     eot_id = extra.get("eot_id") if isinstance(extra := config.get("medusa_mini"), dict) else None
     if not isinstance(eot_id, int):  # else the tokenizer's own; without one, only the length stops generation
         eot_id = enc.eot_token if "<|endoftext|>" in enc.special_tokens_set else None
