@@ -52,8 +52,7 @@ def check_tensors(expected: dict[str, tuple], found: dict[str, torch.Tensor], *,
 
 
 def load_gpt2_weights(model: GPT, tensors: dict[str, torch.Tensor]) -> None:
-    """Copy GPT-2-layout tensors, keys with or without the "transformer." prefix, into `model`. Everything
-    is checked before anything is copied, so a failed load leaves the model untouched."""
+    """Copy GPT-2-layout tensors (keys with or without "transformer.") into `model`; a failed load changes nothing."""
     found: dict[str, torch.Tensor] = {}
     for key, t in tensors.items():
         if (short := key.removeprefix(_PREFIX)) in found:
@@ -140,8 +139,7 @@ def _fetch(url: str, part: str) -> None:
     except urllib.error.HTTPError as e:
         e.close()
         if e.code == 416 and have:  # nothing after our partial file: it is complete, or not this file's
-            m = re.fullmatch(r"bytes \*/(\d+)", (e.headers.get("Content-Range") or "").strip())
-            if m and int(m.group(1)) == have:
+            if re.fullmatch(rf"bytes \*/{have}", (e.headers.get("Content-Range") or "").strip()):
                 return
             remove_file(part)
             raise _Interrupted("the partial file is longer than the file") from None
@@ -227,9 +225,8 @@ def load_gpt2(name_or_path: str | os.PathLike, *, device: torch.device | str = "
     config = read_gpt2_config(config_path) if os.path.isfile(config_path) or os.path.isdir(path) else None
     tensors = read_safetensors(weights)
     config = config or infer_gpt2_config(tensors)  # a bare weights file: its shapes say which GPT-2 it is
-    # Drawing GPT-2's random weights takes seconds (gpt2: 3 s on two CPU cores); the meta device skips them, but its
-    # normal_ imports torch's compiler (2 s): a small model is drawn, in milliseconds, on a fork of the CPU's generator
-    # (the global one is left as it was).
+    # GPT-2's random init takes seconds (gpt2: 3 s on two CPU cores), skipped on the meta device, whose normal_ imports
+    # torch's compiler (2 s): a small model is drawn, in ms, on a fork of the CPU generator (the global one untouched).
     approx_params = 12 * config.n_layer * config.n_embd**2 + config.vocab_size * config.n_embd  # blocks, wte
     with torch.random.fork_rng(devices=[]), torch.device("meta" if approx_params > META_ABOVE else "cpu"):
         model = GPT(config).to_empty(device=device)
