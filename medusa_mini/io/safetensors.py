@@ -1,7 +1,6 @@
-"""The safetensors format, read and written here: an 8-byte little-endian header length N; N bytes of JSON
-`{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {str: str}}`, space-padded to
-8-byte alignment; then the raw little-endian tensor bytes, offsets counted from the end of the header. Every
-file is hostile: a malformed header is one ValueError naming the file, raised before anything is allocated."""
+"""Safetensors: an 8-byte little-endian header length N; N bytes of JSON `{name: {"dtype", "shape", "data_offsets":
+[begin, end]}, "__metadata__": {str: str}}`, space-padded to 8-byte alignment; then the raw little-endian tensor bytes,
+offsets counted from the header's end. Every file is hostile: a bad header is refused before any allocation."""
 
 import json
 import math
@@ -41,8 +40,7 @@ def write_safetensors(f: IO[bytes], tensors: dict[str, torch.Tensor], metadata: 
     raw += b" " * (-len(raw) % 8)
     f.write(struct.pack("<Q", len(raw)) + raw)
     for t in tensors.values():
-        # One tensor at a time, made contiguous on the host: a model on a GPU is never copied whole, and a
-        # transposed view takes no second copy on the device.
+        # One tensor at a time, made contiguous on the host: no GPU copy of the whole model, nor of a transposed view
         f.write(t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy())
 
 
@@ -53,7 +51,6 @@ def _no_duplicate_keys(pairs: list[tuple[str, object]]) -> dict:
 
 
 def _check_entry(name: str, info: object, buffer_size: int) -> tuple[torch.dtype, list[int], tuple[int, int]]:
-    """One header entry, checked: (dtype, shape, (begin, end))."""
     if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= info.keys():
         raise ValueError(f"entry for tensor {name!r} needs dtype, shape and data_offsets")
     dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
