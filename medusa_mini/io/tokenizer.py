@@ -1,7 +1,6 @@
-"""Byte-level BPE, GPT-2's recipe (its pre-token regex, the 256 single bytes, then the most frequent adjacent pair
-merged again and again), used through tiktoken. On disk: tokenizer.tiktoken (`<base64 token bytes> <rank>` per line) and
-tokenizer_config.json (`{"type": "bpe", "name", "pattern", "special_tokens"}`); tiktoken's named encodings are saved
-whole too, so decoding needs no network (`{"type": "tiktoken", "name": "gpt2"}`, an older save, still loads by name)."""
+"""Byte-level BPE, GPT-2's recipe, used through tiktoken. On disk: tokenizer.tiktoken (`<base64 token bytes> <rank>` per
+line) and tokenizer_config.json (`{"type": "bpe", "name", "pattern", "special_tokens"}`); tiktoken's named encodings are
+saved whole too, so decoding needs no network (an older save's `{"type": "tiktoken", "name": "gpt2"}` loads by name)."""
 
 import base64
 import heapq
@@ -40,8 +39,7 @@ class _PairCounts:
             for pair, n in _pairs(word).items():
                 self.counts[pair] += n * self.freqs[wid]
                 self.holders[pair].add(wid)
-        # A max-heap on (count, then the smallest pair). Each change pushes a fresh entry; a popped entry
-        # whose count is no longer current is stale and skipped.
+        # Max-heap on (count, then the smallest pair): each change pushes a fresh entry; popped stale ones are skipped
         self.heap = [(-count, pair) for pair, count in self.counts.items()]
         heapq.heapify(self.heap)
 
