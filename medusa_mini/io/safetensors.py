@@ -13,7 +13,6 @@ from typing import IO
 import torch
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # a real header takes a few hundred bytes per tensor
-
 _DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I64": torch.int64,
     "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}

@@ -18,7 +18,6 @@ GPT2_SPLIT_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p
 EOT = "<|endoftext|>"  # the one special token, id right after the ranks
 RANKS_FILE, CONFIG_FILE = "tokenizer.tiktoken", "tokenizer_config.json"
 TOKENIZER_FILES = (RANKS_FILE, CONFIG_FILE)  # what save_tokenizer may write
-
 Pair = str  # two adjacent tokens, each a character: chr(its id)
 
 
@@ -82,8 +81,7 @@ def train_bpe(text: str, *, vocab_size: int) -> dict[bytes, int]:
         raise ValueError(f"vocab_size={vocab_size} leaves no room for the 256 byte tokens and {EOT}")
     vocab = [bytes([b]) for b in range(256)]
     ranks = {token: rank for rank, token in enumerate(vocab)}
-    # How often each distinct pre-token occurs, as UTF-8 bytes. <|endoftext|> splits the text: learned as
-    # ordinary merges, it would be encoded differently by encode_ordinary and encode.
+    # <|endoftext|> splits the text: learned as ordinary merges, encode_ordinary and encode would encode it differently
     words = Counter(w.encode("utf-8") for chunk in text.split(EOT) for w in regex.findall(GPT2_SPLIT_PATTERN, chunk))
     pairs = _PairCounts(words)
     while len(vocab) < vocab_size - 1 and (pair := pairs.most_frequent()) is not None:
