@@ -46,9 +46,8 @@ def check_tensors(expected: dict[str, tuple], found: dict[str, torch.Tensor], *,
             more = f" (and {len(keys) - 1} more)" if len(keys) > 1 else ""
             raise ValueError("checkpoint " + what.format(repr(keys[0]) + more, fits))
     for key, shape in expected.items():
-        if tuple(found[key].shape) != tuple(shape):
-            raise ValueError(f"tensor {key!r} has shape {list(found[key].shape)} in the checkpoint but {fits} "
-                             f"needs {list(shape)}")
+        if (got := list(found[key].shape)) != list(shape):
+            raise ValueError(f"tensor {key!r} has shape {got} in the checkpoint but {fits} needs {list(shape)}")
 
 
 def load_gpt2_weights(model: GPT, tensors: dict[str, torch.Tensor]) -> None:
