@@ -59,15 +59,14 @@ def load_gpt2_weights(model: GPT, tensors: dict[str, torch.Tensor]) -> None:
         if not short.endswith(_BUFFERS):
             found[short] = t
     lm_head = found.pop("lm_head.weight", None)  # tied: equal to wte if a file holds it
-    params = {k.removeprefix(_PREFIX): p for k, p in model.state_dict().items() if k.startswith(_PREFIX)}
-    check_tensors({k: p.shape[::-1] if k.endswith(_CONV1D) else p.shape for k, p in params.items()}, found,
-                  fits=f"this GPT ({model.config})")
+    views = {k.removeprefix(_PREFIX): t for k, t in gpt2_state_dict(model).items()}  # GPT-2 file shapes
+    check_tensors({k: t.shape for k, t in views.items()}, found, fits=f"this GPT ({model.config})")
     wte = found["wte.weight"]
     if lm_head is not None and not torch.equal(lm_head.to(wte.device, wte.dtype), wte):
         raise ValueError("lm_head.weight differs from wte.weight; this GPT ties them, so it cannot load it")
     with torch.no_grad():
-        for key, p in params.items():  # state_dict tensors share storage with the parameters
-            p.copy_(found[key].t() if key.endswith(_CONV1D) else found[key])
+        for key, view in views.items():  # state_dict tensors share storage with the parameters
+            view.copy_(found[key])
 
 
 def gpt2_config_dict(model: GPT, *, eos_token_id: int | None = None) -> dict:
