@@ -133,8 +133,7 @@ def test_importing_the_decoding_loop_loads_no_tokenizer_io_training_cli_or_bench
 
 
 def test_the_readme_map_names_every_module_and_every_named_file_exists():
-    """The README's map is the one description of the layout: a module added, moved or removed without
-    the map following it fails here."""
+    """The README's map is the one description of the layout: a module added, moved or removed without it fails."""
     readme = source(os.path.join(ROOT, "README.md"))
     listed = set(re.findall(r"^\| `([\w/]+\.py)` \|", readme, flags=re.M))
     modules = {os.path.relpath(p, ROOT).replace(os.sep, "/") for p in python_files("medusa_mini", "benchmarks")

@@ -79,8 +79,7 @@ def test_plain_generation_and_self_distillation_run_on_the_device_reading_the_ho
 @pytest.mark.parametrize("kind", ["medusa", "hydra"])
 @pytest.mark.parametrize("stage", ["joint", "heads"])
 def test_a_training_step_runs_forward_and_backward_on_the_device(kind, stage):
-    """MedusaLM's forward, targets in the draft vocabulary, the chunked heads loss (checkpointed chunks)
-    and the backward; no host read."""
+    """MedusaLM's forward, draft-vocabulary targets, the heads loss in checkpointed chunks, backward; no host read."""
     model, heads = tiny_model().to(META).train(), meta_drafter(kind).train()
     x, valid = torch.zeros(2, 17, dtype=torch.long, device=META), torch.ones(2, 16, dtype=torch.bool, device=META)
     kw = (dict(lm_weight=1.0, heads_weight=0.2, decay=0.8, heads_stride=3, heads_offset=2, heads_chunk=5)
