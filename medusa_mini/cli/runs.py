@@ -2,7 +2,7 @@
 a time, against the plain decoder of its temperature: speedup ≈ tokens/step ÷ step cost. Greedy rows must make plain
 greedy's tokens; in half precision a near-tie may round either way, so a parting is located. The tables, the figure."""
 
-import dataclasses
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Callable
 
@@ -22,7 +22,7 @@ Results = list[tuple[list[int], GenerationStats]]  # per row of a batch: its new
 Runs = list[tuple[Results, float]]  # per batch of prompts: its results and the seconds it took
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclass(frozen=True)
 class Method:
     """Plain decoding (no drafter), a drafter (heads, `PromptLookup`) on `tree`, or reference.py's decoder."""
 
@@ -44,7 +44,7 @@ class Method:
         return self.label.split(" (")[0].lower().replace(" ", "_")
 
 
-@dataclasses.dataclass
+@dataclass
 class Engine:
     """How this run decodes: eager steps, or compiled ones and the static caches they replay on."""
 
@@ -116,9 +116,8 @@ def compare_methods(ck: Checkpoint, tree: Tree, sampling: Sampling, *, temperatu
                     lookup_nodes: int, drawn_tree: Tree, with_reference: bool = False) -> list[Method]:
     """--compare's rows, greedy then sampled at `temperature`: plain, prompt lookup (a chain of `lookup_nodes`),
     the heads (rejection sampling's drawn candidates on `drawn_tree`), the reference under each of their rules."""
-    greedy = dataclasses.replace(sampling, acceptance="greedy", temperature=0.0)
-    typical, rejection = (dataclasses.replace(greedy, acceptance=r, temperature=temperature)
-                          for r in ("typical", "rejection"))
+    greedy = replace(sampling, acceptance="greedy", temperature=0.0)
+    typical, rejection = (replace(greedy, acceptance=r, temperature=temperature) for r in ("typical", "rejection"))
     lookup, heads, line = PromptLookup(), ck.heads, chain(lookup_nodes)
     methods = [Method("plain", greedy), Method("prompt lookup", greedy, lookup, line),
                Method("Medusa", greedy, heads, tree), Method("Medusa", typical, heads, tree),
