@@ -210,9 +210,8 @@ def print_each(engine: Engine, method: Method, prompts: list[tuple[str, list[int
 
     def announce(n: int) -> StepPrinter:
         printer, (text, ids) = StepPrinter(ck.enc, eot_id=ck.eot_id, show_steps=a.show), prompts[n]
-        how = f"; one {'colour' if printer.color else '[chunk]'} per forward pass, the first from the prefill"
-        print(f"=== prompt {n + 1}/{len(prompts)} ({len(ids)} tokens) ===\n{text}\n=== {label}"
-              f"{how if a.show else ''} ===")
+        how = f"; one {'colour' if printer.color else '[chunk]'} per forward pass, the first from the prefill" * a.show
+        print(f"=== prompt {n + 1}/{len(prompts)} ({len(ids)} tokens) ===\n{text}\n=== {label}{how} ===")
         return printer
 
     for first in range(0, len(prompts), B):
@@ -272,12 +271,8 @@ def run(a: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
-    try:
+    with OneLineParser(prog="decode.py").refusing(ValueError, OSError):  # bad input, and the library's own checks
         run(a)
-    except BrokenPipeError:  # an OSError, but no bad input: `exit_with` ends quietly
-        raise
-    except (ValueError, OSError) as e:  # bad input, and the library's own checks
-        OneLineParser(prog="decode.py").error(str(e))
     return 0
 
 

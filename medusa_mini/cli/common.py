@@ -121,6 +121,8 @@ class OneLineParser(argparse.ArgumentParser):
         """The block's bad input, a ValueError (or one of `errors`), as this parser's one-line error."""
         try:
             yield
+        except BrokenPipeError:  # an OSError, but no bad input: `exit_with` ends quietly
+            raise
         except errors or ValueError as e:
             self.error(str(e))
 
