@@ -249,10 +249,9 @@ def run(a: argparse.Namespace) -> None:
     if a.compare:
         result = compare(engine, [ids for _, ids in prompts], methods, batch_sizes=a.batch_sizes,
                          max_new_tokens=a.max_new_tokens, seed=a.seed, warm=warm)
-        result.update(device=str(ck.model.device), dtype=str(ck.model.lm_head.weight.dtype).split(".")[-1],
-                      threads=torch.get_num_threads(), top_p=a.top_p, candidates=a.sampling.candidates,
-                      heads=ck.heads.name, tree=tree_name, tree_nodes=tree.num_nodes, lookup_nodes=choice.budget,
-                      drawn_tree_nodes=None if drawn.tree == tree else drawn.tree.num_nodes)  # the rejection row's
+        result.update(device=str(ck.model.device), dtype=a.dtype, threads=torch.get_num_threads(), top_p=a.top_p,
+                      candidates=a.sampling.candidates, heads=ck.heads.name, tree=tree_name, tree_nodes=tree.num_nodes,
+                      lookup_nodes=choice.budget, drawn_tree_nodes=None if drawn.tree == tree else drawn.tree.num_nodes)
         print(json.dumps(result) if a.json else format_table(result))  # before the plot: a failed one keeps it
         if a.plot:
             plot_batch(result["rows"], a.plot, title=f"medusa_mini, {ck.directory}, {result['device']}")
