@@ -247,9 +247,8 @@ def format_table(result: dict) -> str:
         return "\n".join(lines + [why_line([r for r in result["rows"] if r["key"] == key]) for key in drafters])
     lines.append(f"\n{'prompt':<8}{'prompt lookup':>15}{'Medusa':>8}{'repeats':>9}   (greedy tokens/step; repeats: "
                  "new tokens equal to the one before)")
-    lines += [f"{p['prompt'] + 1:<8}{p['prompt_lookup_greedy']:>15.2f}{p['medusa_greedy']:>8.2f}{p['repeats']:>9.0%}"
-              for p in result["per_prompt"]]
-    return "\n".join(lines)
+    return "\n".join(lines + [f"{p['prompt'] + 1:<8}{p['prompt_lookup_greedy']:>15.2f}{p['medusa_greedy']:>8.2f}"
+                              f"{p['repeats']:>9.0%}" for p in result["per_prompt"]])
 
 
 def plot_batch(rows: list[dict], path: str, *, title: str) -> str:
