@@ -162,8 +162,7 @@ def methods_of(a: argparse.Namespace, ck, choice: TreeChoice | None, drawn: Tree
 
 
 def compiled(engine: Engine, methods: list[Method], a: argparse.Namespace, prompts: int) -> Callable[[int], float]:
-    """Compile the steps; warm(B) then warms up every shape B rows at a time meet, before B's timing, and returns the
-    seconds it took (--compare warms each batch size just before measuring it: one too large ends the table there)."""
+    """Compile the steps; warm(B) warms up every shape B rows at a time meet, before B's timing; returns its seconds."""
     model = engine.ck.model = with_aligned_head(engine.ck.model)  # this run's every step and prefill
     engine.steps, engine.caches = compile_steps(model.device), static_caches(model)
     # what fills each tree (prompt lookup: a chain), under which rule
