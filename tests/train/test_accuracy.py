@@ -87,9 +87,8 @@ class Fixed:
 
 
 def test_the_drawn_table_is_the_chance_that_each_draw_is_the_one_accepted_and_q_equal_to_p_always_is():
-    """Written out for one p and q over four tokens: draws x0, x1, x2, x_k from q_k, q without the draws before it
-    (renormalised), tried against r_k: p at first, norm(max(0, r_k - q_k)) after a miss; it passes with
-    min(1, r_k(x_k) / q_k(x_k))."""
+    """Written out for one p and q over four tokens: draws x0, x1, x2, x_k from q_k (q without the earlier draws,
+    renormalised), tried against r_k (p, then norm(max(0, r_k - q_k)) after a miss), pass with min(1, r_k/q_k)."""
     p, q, want = [0.4, 0.3, 0.2, 0.1], [0.1, 0.1, 0.3, 0.5], [0.0, 0.0, 0.0]
     for draws in itertools.permutations(range(4), 3):
         qs = [[0.0 if y in draws[:k] else b / (1 - sum(q[d] for d in draws[:k])) for y, b in enumerate(q)]
