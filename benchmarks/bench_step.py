@@ -62,8 +62,7 @@ def check_config(config: GPTConfig, *, prefix_len: int, draft_vocab: int | None)
 
 
 def tree_stages(model: GPT, cache: KVCache, heads: DraftHeads, tree: Tree, root: torch.Tensor, hidden: torch.Tensor,
-                *, history: list[list[int]], steps: Steps, compiled: bool,
-                verify_step: Callable) -> dict[str, Callable[[], object]]:
+                *, history: list[list[int]], steps: Steps, compiled: bool, verify_step: Callable) -> dict:
     """One callable per stage of a Medusa step on `tree`, inputs made once (every run takes the same path).
     Compiled, the verifies are graphs, and the whole step takes the tree the step before drafted: no eager heads."""
     proposer, gen, device = heads.proposer(model, tree), torch.Generator(root.device).manual_seed(0), root.device
@@ -188,12 +187,10 @@ def bench_config(config: GPTConfig, *, device: torch.device, repeat: int, warmup
     ms = {key: 1e3 * statistics.median(s for _, s in times[warmup:]) for key, times in runs.items()}
     medusa = {}
     for name, tree in trees.items():
-        stage_ms = {stage: ms[f"{name} {stage}"] for stage in STAGES}
-        step = stage_ms["whole step"]
+        stage_ms, step = {stage: ms[f"{name} {stage}"] for stage in STAGES}, ms[f"{name} whole step"]
         medusa[name] = {"nodes": tree.num_nodes, "stages_ms": stage_ms, "heads_share": stage_ms["heads"] / ms["plain"],
                         "step_vs_plain": step / ms["plain"], "step_vs_verify": step / stage_ms["verify"],
-                        "ops": {rule: ops[f"{name} {rule}"] for rule in OP_RULES},
-                        "heads_call_ops": ops[f"{name} heads call"],
+                        "ops": {r: ops[f"{name} {r}"] for r in OP_RULES}, "heads_call_ops": ops[f"{name} heads call"],
                         "accepted": len(runs[f"{name} whole step"][-1][0].paths[0]) - 1}  # random weights: few
     return {"config": {k: getattr(config, k) for k in ("n_layer", "n_head", "n_embd", "vocab_size", "block_size")},
             "draft_vocab": heads.draft_ids.numel(), "prefix_len": prefix_len, "repeat": repeat, "warmup": warmup,
