@@ -41,10 +41,10 @@ GPT2_SHAPES = "gpt2,gpt2-medium,gpt2-large,gpt2-xl"
 QUICK_STEP = ["--nodes", "1,4,16", "--repeat", "3", "--warmup", "1"]
 QUICK_DECODE = ["--num-prompts", "2", "--max-new-tokens", "32"]
 BUDGET_S, QUICK_BUDGET_S = 510.0, 170.0  # a part stays under 9 minutes on an H100; --quick under 3
-# Flags forwarded to a script: the script, and the flags its part sets itself (forwarded, the last would win).
-FORWARDED = {"--step-flags": ("benchmarks/bench_step.py", ("--configs", "--dtypes", "--device", "--compile", "--json")),
-             "--train-flags": ("train_tiny.py", ("--preset", "--out", "--device")), "--decode-flags": (
-                 "decode.py", ("--ckpt", "--compare", "--batch-size", "--dtype", "--device", "--compile"))}
+# Per script: the flag whose flags go to it, and the flags its part sets itself (forwarded, the last would win).
+FORWARDED = {"benchmarks/bench_step.py": ("--step-flags", ("--configs", "--dtypes", "--device", "--compile", "--json")),
+             "train_tiny.py": ("--train-flags", ("--preset", "--out", "--device")), "decode.py": (
+                 "--decode-flags", ("--ckpt", "--compare", "--batch-size", "--dtype", "--device", "--compile"))}
 
 
 def run_script(argv: list[str], *, timeout_s: float, label: str) -> tuple[int | None, str, float]:
@@ -109,8 +109,7 @@ def commands(s: argparse.Namespace, part: str) -> list[tuple[str | None, list[st
 
 
 def run_part(s: argparse.Namespace, part: str, *, trained: bool = True) -> tuple[str, bool]:
-    """A part's section: each command within what is left of its budget, then the lines `keep` picks, or why none;
-    none for decode and batch after this run's train part failed (--ckpt holds no checkpoint of this run)."""
+    """A part's section: each command within what is left of its budget, then the lines `keep` picks, or why none."""
     title, keep, intro = PARTS[part]
     if part in ("decode", "batch") and not trained:
         return f"## {title}\n\nNot run: the train part failed, so {s.ckpt} holds no checkpoint of this run.", False
@@ -140,8 +139,7 @@ def check_command(argv: list[str]) -> None:
             importlib.import_module(script[:-3].replace("/", ".")).parse_args(argv[1:])
     except SystemExit as e:  # its parser's error (status 2), or --help (0), which would print and stop it
         message = printed.getvalue().strip().partition(": error: ")[2] if e.code else "--help prints and stops"
-        flag = next(flag for flag, (forwarded_to, _) in FORWARDED.items() if forwarded_to == script)
-        raise ValueError(f"{flag}: {os.path.basename(script)} refuses its flags: {message}") from None
+        raise ValueError(f"{FORWARDED[script][0]}: {os.path.basename(script)} refuses its flags: {message}") from None
 
 
 def header(s: argparse.Namespace, argv: list[str]) -> str:
@@ -176,7 +174,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="step: the number formats of bench_step.py (default: %(default)s)")
     p.add_argument("--budget-s", type=float, metavar="S",
                    help=f"seconds each part may take (default: {BUDGET_S:.0f}; --quick: {QUICK_BUDGET_S:.0f})")
-    for flag, (script, _) in FORWARDED.items():
+    for script, (flag, _) in FORWARDED.items():
         p.add_argument(flag, default="", metavar="'FLAGS'",
                        help=f"more {os.path.basename(script)} flags, quoted; a single one after '=': {flag}='--x'")
     a = p.parse_args(argv)
@@ -186,7 +184,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         if a.target != a.out and os.path.isdir(a.target):
             raise ValueError(f"--out: {a.target} is a folder, where this report would be written first: move it")
         a.device = str(pick_device(a.device))
-        for name, (_, reserved) in FORWARDED.items():
+        for name, reserved in FORWARDED.values():
             attr = name[2:].replace("-", "_")
             try:
                 setattr(a, attr, flags := shlex.split(getattr(a, attr)))
