@@ -63,8 +63,7 @@ def check_config(config: GPTConfig, *, prefix_len: int, draft_vocab: int | None)
 
 def tree_stages(model: GPT, cache: KVCache, heads: DraftHeads, tree: Tree, root: torch.Tensor, hidden: torch.Tensor,
                 *, history: list[list[int]], steps: Steps, compiled: bool, verify_step: Callable) -> dict:
-    """One callable per stage of a Medusa step on `tree`, inputs made once (every run takes the same path).
-    Compiled, the verifies are graphs, and the whole step takes the tree the step before drafted: no eager heads."""
+    """One callable per stage of a Medusa step on `tree`, inputs made once (every run takes the same path)."""
     proposer, gen, device = heads.proposer(model, tree), torch.Generator(root.device).manual_seed(0), root.device
     attended = None if compiled else len(history[0]) - 1 + tree.num_nodes  # the prefix and the nodes
     t, stop_at = tree.tensors(device), torch.full_like(root, model.config.block_size)
@@ -80,7 +79,7 @@ def tree_stages(model: GPT, cache: KVCache, heads: DraftHeads, tree: Tree, root:
                                u_next=proposer.uniforms(drawn, 1, gen, device=device) if compiled else None)
 
     def whole_step():
-        if compiled:  # the tree the step before drafted in its graph, for these roots, proposer and rule
+        if compiled:  # the tree the last step drafted in its graph (no eager heads), for these roots, proposer and rule
             steps.medusa.ahead = ((root, proposer, greedy), proposal)
         return steps.medusa(model, cache, proposer, root, hidden, history=history, stop_at=None, sampling=greedy,
                             attended=attended)

@@ -33,8 +33,7 @@ RULES = {"greedy": None, "rejection-topk": dict(acceptance="rejection", candidat
 
 def sweep(ck: Checkpoint, tables: dict, prompts: list[list[int]], *, budgets: tuple[int, ...],
           draft_vocabs: tuple[int, ...], temperature: float, max_new_tokens: int, repeat: int, seed: int) -> dict:
-    """A row per rule (`tables`: rule -> (its accuracy table, whether it predicts the rule's tokens/step)),
-    drafter and budget against the plain decoder of its temperature, all timed in turns, ignoring end-of-text."""
+    """A row per rule, drafter and budget; `tables`: rule -> (its accuracy table, whether it predicts tokens/step)."""
     samplings = {r: Sampling(**RULES[r], temperature=temperature) if RULES[r] else Sampling() for r in tables}
     plain = dict(sorted({s.temperature: s for s in samplings.values()}.items()))  # plain decoding reads only T
     specs = [(Method("plain", s), {}) for s in plain.values()]  # greedy's first: the tokens greedy rows must make
