@@ -73,57 +73,26 @@ def draw_mask(tree: Tree) -> str:
         f"{i:>{w}} " + " ".join(f"{'■' if mask[i, j] else '·':>{w}}" for j in range(N)) for i in range(N)])
 
 
-@torch.no_grad()
-def explain_step(model: GPT, heads, enc: tiktoken.Encoding, prompt_ids: list[int], *, tree: Tree,
-                 sampling: Sampling = Sampling(), generator: torch.Generator | None = None) -> str:
-    """One Medusa step after a prompt of 1 to block_size - ROOM tokens (decode.py checks), every stage described."""
-    block, L, T = model.config.block_size, len(prompt_ids), sampling.temperature
-    tree = tree.truncated(block - 2 - L)  # the deepest node's position must stay inside the context
-    out = ["One Medusa decoding step, in full", "=" * 33, f"Prompt ({L} tokens): {_snippet(enc.decode(prompt_ids))}",
-           f"Acceptance rule: {'greedy' if sampling.greedy else f'{sampling.acceptance}, temperature {T:g}'}"]
-
-    # 1. The prefill: the root, and the hidden state every head reads.
-    cache = [None] * model.config.n_layer
-    logits, hidden = ref.forward(model, prompt_ids, list(range(L)), cache, torch.ones(L, L, dtype=torch.bool).tril())
-    root = int(sampling.next_token(logits[-1], sampling.uniforms((), generator, device=logits.device)))
-    out += [_header(1, "Prefill: the prompt goes through the backbone once"),
-            f"The KV cache now holds the {L} prompt tokens.",
-            f"Backbone's top guesses for the next token: {_guesses(enc, logits[-1], 3, temperature=T)}",
-            f"Root token (the backbone's own next token, {'the argmax of these' if sampling.greedy else 'drawn from p'}"
-            f"): {token_text(enc, root)}",
-            "The root is already certain: it is emitted now, before the first Medusa step."]
-
-    # 2 (§2.1.1). Each head's top guesses, as many as the tree uses, after the top guesses before it.
+def heads_section(out: list[str], model: GPT, heads, enc, tree: Tree, root: int, hidden: torch.Tensor, *,
+                  temperature: float) -> None:
+    """Section 2 (§2.1.1): each head's top guesses, as many as the tree uses, after the top guesses before it."""
     out += [_header(2, "Heads: guesses further ahead, from the same last hidden state"), heads.description,
             "The root is token t+1; head k guesses token t+k+1."]
     K, chain = heads.num_heads, [root]  # the top guesses so far: what dependent heads read
     for k in range(K):
         following = torch.tensor([chain + [root] * (K - len(chain))], device=hidden.device)  # [1, K]
-        logits = heads(hidden[-1:], model, following=following, num=k + 1)[k, 0]  # [M]
+        logits = heads(hidden[None], model, following=following, num=k + 1)[k, 0]  # [M]
         chain.append(int(heads.draft_ids[logits.argmax()]))
         used = max((r + 1 for r, d in zip(tree.ranks, tree.depths) if d == k + 1), default=0)
-        out.append(f"head {k + 1} (t+{k + 2}): " + (_guesses(enc, logits, used, heads.draft_ids, temperature=T)
-                                                     if used else "not used by this tree"))
+        out.append(f"head {k + 1} (t+{k + 2}): "
+                   + (_guesses(enc, logits, used, heads.draft_ids, temperature=temperature) if used
+                      else "not used by this tree"))
     out.append("Plain decoding needs one forward pass per token; one pass below checks the whole tree.")
 
-    # 3-4 (§2.1.2). The tree the heads' proposer fills, and its mask.
-    proposer = heads.proposer(model, tree)
-    proposal = proposer.propose(torch.tensor([root], device=hidden.device), hidden[-1:], history=[[root]],
-                                sampling=sampling, u=proposer.uniforms(sampling, 1, generator, device=hidden.device))
-    tokens, drawn = proposal.tokens[0].tolist(), (None if proposal.drawn is None else proposal.drawn.per_node(0))
-    labels = [token_text(enc, t) for t in tokens]
-    out += [_header(3, f"Tree: {tree.num_nodes - 1} candidate nodes + the root"),
-            ("A node at depth d holds head d's guess of the listed rank" if drawn is None else
-             "Rejection sampling draws the candidates: a node at depth d holds the k-th token drawn (without\n"
-             "replacement) from the q its parent's children come from")
-            + "; a path from the root is one possible\ncontinuation. All paths are checked together next.",
-            draw_tree(tree, labels), _header(4, "Tree attention mask"),
-            "Row = a node asking, column = a node it may look at (■ yes, · no). Every node also sees the",
-            "cached prompt, and sits at position prompt length + its depth, as if its path were the only",
-            "continuation: a node sees itself and its ancestors, never its siblings.", draw_mask(tree)]
 
-    # 5. Verify every node in one forward pass: the backbone's argmax (greedy), or p (and q) of each candidate.
-    logits, _ = ref.verify(model, tokens, tree, cache, prefix=L)  # [N, V]
+def verify_section(out: list[str], labels: list[str], tree: Tree, tokens: list[int], logits: torch.Tensor,
+                   drawn, enc, *, sampling: Sampling) -> None:
+    """Section 5: what the backbone says at every node: its argmax (greedy), or p (and q) of each candidate."""
     if sampling.greedy:
         y = logits.argmax(dim=-1).tolist()  # [N]
         rows = [["node", "token", "backbone argmax", "confirms child"]]
@@ -146,6 +115,48 @@ def explain_step(model: GPT, heads, enc: tiktoken.Encoding, prompt_ids: list[int
     widths = [max(len(row[c]) for row in rows) + 2 for c in range(len(rows[0]) - 1)]  # the last column as it is
     out += [_header(5, "Verify: one forward pass over all nodes"), *intro,
             *("".join(f"{cell:<{w}}" for cell, w in zip(row, widths)) + row[-1] for row in rows)]
+
+
+@torch.no_grad()
+def explain_step(model: GPT, heads, enc: tiktoken.Encoding, prompt_ids: list[int], *, tree: Tree,
+                 sampling: Sampling = Sampling(), generator: torch.Generator | None = None) -> str:
+    """One Medusa step after a prompt of 1 to block_size - ROOM tokens (decode.py checks), every stage described."""
+    block, L, T = model.config.block_size, len(prompt_ids), sampling.temperature
+    tree = tree.truncated(block - 2 - L)  # the deepest node's position must stay inside the context
+    out = ["One Medusa decoding step, in full", "=" * 33, f"Prompt ({L} tokens): {_snippet(enc.decode(prompt_ids))}",
+           f"Acceptance rule: {'greedy' if sampling.greedy else f'{sampling.acceptance}, temperature {T:g}'}"]
+
+    # 1. The prefill: the root, and the hidden state every head reads.
+    cache = [None] * model.config.n_layer
+    logits, hidden = ref.forward(model, prompt_ids, list(range(L)), cache, torch.ones(L, L, dtype=torch.bool).tril())
+    root = int(sampling.next_token(logits[-1], sampling.uniforms((), generator, device=logits.device)))
+    out += [_header(1, "Prefill: the prompt goes through the backbone once"),
+            f"The KV cache now holds the {L} prompt tokens.",
+            f"Backbone's top guesses for the next token: {_guesses(enc, logits[-1], 3, temperature=T)}",
+            f"Root token (the backbone's own next token, {'the argmax of these' if sampling.greedy else 'drawn from p'}"
+            f"): {token_text(enc, root)}",
+            "The root is already certain: it is emitted now, before the first Medusa step."]
+    heads_section(out, model, heads, enc, tree, root, hidden[-1], temperature=T)
+
+    # 3-4 (§2.1.2). The tree the heads' proposer fills, and its mask.
+    proposer = heads.proposer(model, tree)
+    proposal = proposer.propose(torch.tensor([root], device=hidden.device), hidden[-1:], history=[[root]],
+                                sampling=sampling, u=proposer.uniforms(sampling, 1, generator, device=hidden.device))
+    tokens, drawn = proposal.tokens[0].tolist(), (None if proposal.drawn is None else proposal.drawn.per_node(0))
+    labels = [token_text(enc, t) for t in tokens]
+    out += [_header(3, f"Tree: {tree.num_nodes - 1} candidate nodes + the root"),
+            ("A node at depth d holds head d's guess of the listed rank" if drawn is None else
+             "Rejection sampling draws the candidates: a node at depth d holds the k-th token drawn (without\n"
+             "replacement) from the q its parent's children come from")
+            + "; a path from the root is one possible\ncontinuation. All paths are checked together next.",
+            draw_tree(tree, labels), _header(4, "Tree attention mask"),
+            "Row = a node asking, column = a node it may look at (■ yes, · no). Every node also sees the",
+            "cached prompt, and sits at position prompt length + its depth, as if its path were the only",
+            "continuation: a node sees itself and its ancestors, never its siblings.", draw_mask(tree)]
+
+    # 5. Verify every node in one forward pass.
+    logits, _ = ref.verify(model, tokens, tree, cache, prefix=L)  # [N, V]
+    verify_section(out, labels, tree, tokens, logits, drawn, enc, sampling=sampling)
 
     # 6-7. Accept a path and its bonus token; what the step emitted and the cache kept.
     path, bonus = ref.accept(tree.parents, tokens, logits, sampling=sampling, generator=generator, drawn=drawn)

@@ -24,6 +24,8 @@ def seeded(seed: int, *, device: str = "cpu") -> torch.Generator:
 
 
 class Run:
+    """What every stage needs: args, ranks, device, model and heads; saving and resuming them; the stage clock."""
+
     def __init__(self, args: TrainArgs, data_digest: str) -> None:
         self.args, self.data_digest, self.device, self.rank, self.world = args, data_digest, args.device, 0, 1
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
