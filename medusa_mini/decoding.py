@@ -44,6 +44,8 @@ class GenerationStats:
 
 
 def _check_prompt(model: GPT, prompt: list[int] | torch.Tensor) -> list[int]:
+    if isinstance(prompt, str):  # torch's own error would say "invalid data type 'str'"
+        raise ValueError(f"a prompt is token ids, not text: encode it first (enc.encode_ordinary({prompt[:20]!r}))")
     ids, block = torch.as_tensor(prompt), model.config.block_size
     if not (ids.dim() == 1 or ids.dim() == 2 and len(ids) == 1):  # [T] or [1, T]; a bare id or [B, T] is a slip
         shape = "one id" if ids.dim() == 0 else f"a tensor of shape {list(ids.shape)}"

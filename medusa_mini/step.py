@@ -85,8 +85,7 @@ class StepResult:
 
 
 def read_step(proposal: Proposal, accepted: Accepted) -> tuple[list[list[int]], list[list[int]]]:
-    """The step's one host read: per row, the accepted path (root first, `Tree.path`) and the tokens it emits
-    (the accepted candidates, then the bonus)."""
+    """The step's one host read: per row, the accepted path (root first) and its tokens (candidates, then the bonus)."""
     read = torch.cat([accepted.last[:, None], accepted.bonus[:, None], proposal.tokens], dim=1).tolist()  # [B][2 + N]
     paths = [proposal.tree.path(row[0]) for row in read]  # row = [last | bonus | node tokens]
     return paths, [[row[2 + node] for node in path[1:]] + [row[1]] for row, path in zip(read, paths)]

@@ -107,8 +107,7 @@ class Tree:
     def check_heads(self, num_heads: int) -> None:
         """A clear error when the tree needs more heads than the model has."""
         if self.depth > num_heads:
-            raise ValueError(f"tree has depth {self.depth} but the model has {num_heads} heads; "
-                             f"use a tree of depth <= {num_heads}")
+            raise ValueError(f"tree has depth {self.depth} but the model has {num_heads} heads; use a shallower tree")
 
     def path(self, node: int) -> list[int]:
         """The nodes from the root down to `node`."""

@@ -39,7 +39,8 @@ def test_plain_decoding_emits_the_backbones_own_next_tokens_drawn_in_order_from_
     ([[]], 5, "empty"), ([list(range(64))], 5, "must be shorter"), ([[3, 64]], 5, "0 to 63"),
     ([[-1]], 5, "outside the vocabulary"), ([[2], [1, 2]], -1, "an integer >= 0"), ([[2]], 5.0, "an integer"),
     ([1, 2, 3], 5, "not one id; the batch functions take a list"), ([torch.ones(2, 3)], 5, r"shape \[2, 3\]"),
-    ([[0.5, 2.7]], 5, "integer token ids, not torch.float"), ([np.array([True])], 5, "not torch.bool")])
+    ([[0.5, 2.7]], 5, "integer token ids, not torch.float"), ([np.array([True])], 5, "not torch.bool"),
+    (["the cat"], 5, r"not text: encode it first \(enc.encode_ordinary\('the cat'\)\)")])
 def test_bad_prompts_and_budgets_are_a_clear_error_and_a_flat_list_is_not_a_batch_of_one_id_prompts(
         model, prompts, max_new_tokens, message):
     pytest.raises(ValueError, generate_batch, model, prompts, max_new_tokens=max_new_tokens).match(message)
