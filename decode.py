@@ -84,6 +84,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         (a.show and a.reference, "--show marks the engine's passes; reference.py returns its tokens at once"),
         (0 < a.top_p < 1 and not a.temperature and not a.compare and not samples,
          "--top-p filters what is sampled: add --temperature > 0 (greedy decoding samples nothing)"),
+        (a.compare and a.temperature == 0, "--compare samples its sampled rows at --temperature: give T > 0 "
+                                           f"(default {SAMPLING_TEMPERATURE}); its greedy rows are T = 0"),
         (samples and a.temperature == 0,
          f"--method {a.method} samples: give --temperature > 0, or use --method greedy"),
         (a.explain and (a.compile or a.reference), "--explain runs the reference's functions: leave out --compile "
@@ -175,8 +177,8 @@ def compiled(engine: Engine, methods: list[Method], a: argparse.Namespace, promp
         for rows in {min(B, n), n % B} - {0} - warmed:  # B at a time: the last batch is smaller
             seconds += warm_up(model, engine.steps, engine.caches, rows=rows, plain=plain, proposers=proposers)
             warmed.add(rows)
-        print(f"compiled the plain step and the verify steps in {seconds:.1f} s (batch {B}; not in any timing)",
-              file=sys.stderr)
+        what = "the plain step" + " and Medusa's steps" * bool(proposers)  # --method plain compiles no verify
+        print(f"compiled {what} in {seconds:.1f} s (batch {B}; not in any timing)", file=sys.stderr)
         return seconds
     return warm
 
@@ -214,7 +216,7 @@ def print_each(engine: Engine, method: Method, prompts: list[tuple[str, list[int
         return printer
 
     for first in range(0, len(prompts), B):
-        chunk, streamed = prompts[first : first + B], B == 1 and not a.json
+        chunk, streamed = prompts[first : first + B], B == 1 and not (a.json or method.reference)  # reference: at once
         printer = announce(first) if streamed else None
         rows, seconds = timed(ck.model.device, lambda: decode(engine, method, [ids for _, ids in chunk], seed=a.seed,
                               max_new_tokens=a.max_new_tokens, on_step=(lambda b, t: printer(t)) if streamed else None))
@@ -227,7 +229,7 @@ def print_each(engine: Engine, method: Method, prompts: list[tuple[str, list[int
                 print(json.dumps({"prompt": text, "method": method.key, "tokens": tokens, "text": ck.enc.decode(
                     [t for t in tokens if t != ck.eot_id]), **vars(stats), "tokens_per_step": stats.tokens_per_step,
                     **dict.fromkeys(("step_tokens", "accepted_nodes") if method.reference else ()),
-                    "batch_size": B, "temperature": a.temperature}, ensure_ascii=False))
+                    "batch_size": len(chunk), "temperature": a.temperature}, ensure_ascii=False))
                 continue
             if not streamed:
                 printer = announce(first + row)

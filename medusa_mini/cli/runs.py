@@ -195,7 +195,8 @@ def why_line(rows: list[dict]) -> str:
         return f"{r['method']} does not pay at any batch size here: {cost} for {r['tokens_per_step']:.2f} tokens."
     waiting = r["row_passes"] / max(r["steps"], 1)  # 1.0: every row needed every pass
     where = f"still pays at batch {B}" if stops is None else f"stops paying at batch {B}"
-    return (f"{r['method']} {where}: {cost} and {r['step_cost']:.2f}x at batch {B}, and a batch of {B} makes "
+    cost += "" if r is first else f" and {r['step_cost']:.2f}x at batch {B}"  # one batch size: said once
+    return (f"{r['method']} {where}: {cost}, and a batch of {B} makes "
             f"{waiting:.2f}x the passes its rows need ({r['tokens_per_step']:.2f} tokens per row per step).")
 
 

@@ -42,6 +42,8 @@ def load_for_decoding(directory: str, *, device: torch.device, dtype: torch.dtyp
     eot_id = extra.get("eot_id") if isinstance(extra := config.get("medusa_mini"), dict) else None
     if not isinstance(eot_id, int):  # else the tokenizer's own; without one, only the length stops generation
         eot_id = enc.eot_token if "<|endoftext|>" in enc.special_tokens_set else None
+    elif not 0 <= eot_id < model.config.vocab_size:  # else refused only once decoding has begun to print
+        raise ValueError(f"{directory}/config.json: eot_id {eot_id} is no token id of this model; save it again")
     return Checkpoint(directory, model, heads, enc, eot_id, config)
 
 

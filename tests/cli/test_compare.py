@@ -164,3 +164,4 @@ def test_a_rows_numbers_count_passes_per_batch_and_every_token_once():
     assert f"still pays at batch 2: a step costs 1.50x a plain step at batch 1 and 1.50x at batch 2, and a batch " \
            f"of 2 makes {14 / 12:.2f}x the passes its rows need" in why_line(rows)
     assert why_line([{**row, "speedup": 0.9} for row in rows]).startswith("Medusa greedy does not pay at any")
+    assert "pays at batch 2: a step costs 1.50x a plain step at batch 2, and a batch of 2" in why_line(rows[1:])

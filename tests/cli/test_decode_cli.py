@@ -105,7 +105,8 @@ def test_json_is_an_object_per_prompt_and_a_batch_decodes_each_prompt_as_if_alon
     assert [(o["prompt"], o["method"], len(o["tokens"]), o["stop_reason"]) for o in alone] == [
         (p, "plain_greedy" if rule else "medusa_greedy", 14, "max_new_tokens") for p in PROMPTS]
     assert all(o["steps"] >= 1 and o["tokens_per_step"] >= 1.0 and o["seconds"] > 0 for o in alone)
-    assert [o["tokens"] for o in objects(capsys, *argv, "--batch-size", "2")] == [o["tokens"] for o in alone]
+    batched = objects(capsys, *argv, "--batch-size", "2")  # 3 prompts: batches of 2 and 1
+    assert [(o["tokens"], o["batch_size"]) for o in batched] == [(o["tokens"], B) for o, B in zip(alone, (2, 2, 1))]
     assert run(capsys, *argv, "--batch-size", "2").count(" ms/token over its batch of 2,") == 2
 
 
@@ -165,16 +166,17 @@ def test_top_p_goes_with_sampling_a_temperature_names_or_compares_sampled_rows()
 
 
 @pytest.mark.parametrize("case", [  # what the error names: what follows "->", else the first flag given
-    "--ckpt {tmp}/nowhere -> nowhere does not exist", "--ckpt '' -> does not exist",
-    "--ckpt {tmp} -> safetensors", "--ckpt {ckpt}/config.json -> is a file", "--prompt caf\udce9 -> not UTF-8 text",
+    "--ckpt {tmp}/nowhere -> nowhere does not exist", "--ckpt '' -> does not exist", "--ckpt {tmp} -> safetensors",
+    "--ckpt {ckpt}/config.json -> is a file", "--prompt caf\udce9 -> not UTF-8 text",
     "--ckpt {hydra} --reference -> not Hydra heads", "--ckpt {ckpt} --explain --demo -> leave out --ckpt",
     "--tree chain6 -> 4 heads", "--tree [[100000]] -> draft vocabulary", "--tree ''", "--prompt ''",
     "--prompt '{long}' -> at most 63 tokens", "--temperature -1", "--temperature inf", "--max-new-tokens 0",
     "--max-new-tokens many", "--num-prompts 0", "--seed 9223372036854775808", "--method greedy --temperature 0.7",
     "--top-p 0.9 -> --temperature > 0", "--method typical --temperature 0 -> --temperature", "--top-p 1.5 -> --top-p",
     "--batch-size 2 --show", "--batch-size 2 --reference", "--batch-size 2 --explain", "--batch-size 1,2",
-    "--batch-size ' '", "--batch-size ²", "--compare --batch-size 1,4097 -> from 1 to 4096",
-    "--compare --batch-size 1,x -> --batch-size", "--plot {tmp}/b.png", "--demo", "--reference --method plain",
+    "--compare --temperature 0 -> give T > 0", "--batch-size ' '", "--batch-size ²",
+    "--compare --batch-size 1,4097 -> from 1 to 4096", "--compare --batch-size 1,x -> --batch-size",
+    "--plot {tmp}/b.png", "--demo", "--reference --method plain",
     "--compare --batch-size 1,2 --plot {tmp}/no/b.png -> --plot", "--compare --max-new-tokens 1 -> --max-new-tokens",
     "--compare --method typical -> --method", "--explain --method plain", "--json --show", "--json --explain",
     "--compare --batch-size 1,2 --reference -> --reference", "--explain --compile -> --compile",

@@ -172,6 +172,8 @@ def test_prompts_json_gives_token_ids_cut_to_leave_room_for_the_new_tokens_and_a
     for bad in ([], ["a", 5], "a"):
         (tmp_path / "prompts.json").write_text(json.dumps({"prompts": bad}))
         pytest.raises(ValueError, load_prompts, str(tmp_path)).match("must hold")
+    (tmp_path / "config.json").write_text(json.dumps(ck.config | {"medusa_mini": {"eot_id": 300}}))  # vocabulary 300
+    pytest.raises(ValueError, load_for_decoding, str(tmp_path), device="cpu").match("config.json: eot_id 300 is no")
     config = json.loads((tmp_path / "tokenizer_config.json").read_text())  # a tokenizer of more tokens than the model
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config | {"special_tokens": {"<|endoftext|>": 300}}))
     pytest.raises(ValueError, load_for_decoding, str(tmp_path), device="cpu").match("do not belong together")
