@@ -99,6 +99,11 @@ def format_sweep(result: dict) -> str:
     return "\n".join(lines)
 
 
+def expected_tokens_per_s(row: dict, expected: float) -> float:
+    """A row's tokens/s had each of its steps made `expected` tokens in the same time (its prefills' tokens kept)."""
+    return (row["new_tokens"] + row["steps"] * (expected - row["tokens_per_step"])) / row["seconds"]
+
+
 def plot_sweep(result: dict, path: str, *, title: str) -> str:
     """Tokens/step (left) and tokens/s (right) against the node budget, a colour per `series`, the estimate dashed."""
     steps = [(None, 1.0, dict(color="gray", ls=":", label="plain decoding (1.00)"))]
@@ -112,7 +117,7 @@ def plot_sweep(result: dict, path: str, *, title: str) -> str:
             at, expected = [r["nodes"] for r in known], [r["expected_tokens_per_step"] for r in known]
             dashed = dict(ls="--", marker="x", color=f"C{i}")
             steps.append((at, expected, {**dashed, "label": f"{label}, expected"}))
-            speed.append((at, [1000 * e / r["ms_per_step"] for e, r in zip(expected, known)],
+            speed.append((at, [expected_tokens_per_s(r, e) for e, r in zip(expected, known)],
                           {**dashed, "label": f"{label}, expected at measured ms/step"}))
     return draw(path, {"tokens per step (bonus counted)": steps, "tokens per second": speed},
                 xlabel="node budget (root excluded)", ticks=sorted({r["nodes"] for r in result["rows"]}), title=title)

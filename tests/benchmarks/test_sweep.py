@@ -49,6 +49,7 @@ def test_every_rule_and_budget_is_a_row_against_the_plain_decoder_of_its_tempera
         assert r["expected_tokens_per_step"] == (pytest.approx(expected_tokens_per_step(table, tree))
                                                  if r["rule"] in ("greedy", "rejection-drawn") else None)
         assert r["verified_nodes"] == (r["nodes"] if r["rule"].startswith("lookup") else tree.num_nodes - 1)  # chain
+        assert sweep.expected_tokens_per_s(r, r["tokens_per_step"]) == pytest.approx(r["tokens_per_s"])  # the plot's
 
 
 def test_each_rule_and_draft_vocabulary_gets_its_block_and_an_old_table_stands_in(medusa_ckpt, capsys, tmp_path):

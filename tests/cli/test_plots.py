@@ -15,7 +15,7 @@ from medusa_mini.cli.runs import plot_batch
 def draw_sweep(path: str) -> str:  # two series, with and without an expected curve, each against its own plain
     rows = [{"rule": rule, "temperature": T, "draft_vocab": None, "nodes": n, "tokens_per_step": 1 + scale * i,
              "expected_tokens_per_step": 1 + scale * i / 1.1 if T == 0 else None, "ms_per_step": 4.0 + i,
-             "tokens_per_s": 1000 * (1 + scale * i) / (4.0 + i)}
+             "tokens_per_s": 1000 * (1 + scale * i) / (4.0 + i), "new_tokens": 64, "steps": 10, "seconds": 0.1}
             for rule, T, scale in (("greedy", 0, 0.3), ("rejection-drawn", 0.8, 0.1))
             for i, n in enumerate((1, 2, 4, 8, 16, 32, 64))]
     plain = {"plain greedy": {"temperature": 0, "tokens_per_s": 250.0},
