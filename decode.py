@@ -117,7 +117,7 @@ def prepare(a: argparse.Namespace) -> tuple:
         ck = load_for_decoding(a.ckpt, device=device, dtype=dtype)
         if os.path.isfile(os.path.join(ck.directory, STATE_FILE)):  # a stopped run's last save: not yet its prompts
             print(f"note: {a.ckpt} holds an unfinished run, as last saved: python train_tiny.py --out "
-                  f"{shlex.quote(ck.directory)} --resume finishes it", file=sys.stderr)
+                  f"{shlex.quote(ck.directory)} --resume, with the flags it began with, finishes it", file=sys.stderr)
     # Prompts before heads: the missing heads' advice (--method plain) needs prompts too.
     texts = a.prompt or ([text] if a.demo else load_prompts(a.ckpt)[: a.num_prompts])
     medusa = a.method != "plain"  # --compare takes no --method, --explain refuses plain

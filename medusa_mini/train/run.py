@@ -77,7 +77,7 @@ def _prepare(r: Run, state: dict | None, train_docs: list, val_docs: list) -> tu
     sizes = {"training": len(train_tokens), "held-out": len(val_tokens)}  # held out: `split_documents`'
     if sizes[part := min(sizes, key=sizes.get)] <= cfg.block_size:
         raise TrainError(f"the {part} text ({sizes[part]:,} tokens) is too small for --block-size {cfg.block_size}: "
-                         "give more text (--data, --max-bytes)")
+                         "give more text (--data; --max-bytes for the built-in corpus) or a smaller --block-size")
     r.heads = make_heads(HeadsConfig(num_heads=a.num_heads, n_embd=cfg.n_embd, vocab_size=cfg.vocab_size,
                                      kind=a.heads)).to(r.device)
     try:
@@ -332,6 +332,8 @@ def run(args: TrainArgs) -> None:
     previous = signal.signal(signal.SIGINT, r.on_ctrl_c)
     try:
         _train_stages(r, state, train_tokens, val_batches)
+        if r.any_rank(r.stop_requested):  # pressed in a stage's last step: all saved, the summary left to --resume
+            raise KeyboardInterrupt
     finally:
         signal.signal(signal.SIGINT, previous)
     choose_draft_vocabulary(r)  # before the summary: it measures the heads as they will decode

@@ -86,7 +86,8 @@ class Run:
             if self.world > 1:
                 state.update(torch.load(self.rank_path, map_location="cpu", weights_only=True))
         except OSError as e:  # a file missing or unreadable: the run may resume once it is back
-            raise TrainError(f"--resume: cannot read the saved state in {self.args.out}: {e.strerror or e}") from None
+            raise TrainError(f"--resume: cannot read the saved state in {self.args.out}: {e.strerror or e}; restore "
+                             "it, or start anew with --overwrite") from None
         except Exception as e:  # a torn or foreign file
             raise TrainError(f"--resume: cannot read the saved state in {self.args.out} ({type(e).__name__}); "
                              "start anew with --overwrite") from None
@@ -95,9 +96,9 @@ class Run:
             del theirs["heads_target"]
         theirs.pop("data", None)  # saved when the path of --data was compared too, not only its text
         diff = sorted(k for k in mine | theirs if mine.get(k) != theirs.get(k))  # a setting left out is None
-        if diff or state.get("world", 1) != self.world:
-            raise TrainError(f"--resume with a different configuration ({', '.join(diff or ['number of processes'])});"
-                             " use the original flags")
+        if diff or state.get("world", 1) != self.world:  # each setting as saved, then as given now
+            was = [f"{k} {theirs.get(k)}, not {mine.get(k)}" for k in diff] or [f"{state.get('world', 1)} processes"]
+            raise TrainError(f"--resume: the run began with {'; '.join(was)}: give the flags it began with")
         if state.get("data") != self.data_digest:  # no digest: saved by a train_tiny.py that kept none
             raise TrainError("--resume: the text under --data is not the text this run began with (or its digest "
                              "was not saved); restore it, or start anew with --overwrite")

@@ -77,7 +77,7 @@ def test_show_brackets_each_step_of_the_text_and_plain_decoding_needs_no_heads(c
     (stopped / "train_state.pt").touch()  # a run stopped before its end: decoded as last saved, with a note
     assert decode.main(["--ckpt", str(stopped), "--method", "plain", "--show", "--max-new-tokens", "6"]) == 0
     out, err = capsys.readouterr()
-    assert "holds an unfinished run, as last saved" in err and f"--out {stopped} --resume finishes it" in err
+    assert "holds an unfinished run, as last saved" in err and f"--out {stopped} --resume, with the flags" in err
     assert "=== plain greedy; one [chunk] per forward pass" in out and "1.00 tokens/step" in out
     assert "attention mask" not in out and "root" not in out
     assert "plain greedy" in run(capsys, "--ckpt", ckpt, "--method", "plain", "--tree", "[[100000]]",  # Medusa refuses:

@@ -142,7 +142,7 @@ def test_a_run_writes_a_complete_checkpoint_and_a_measured_summary(reference_run
     assert list(coverage) == ["128", "256"] and f"coverage of greedy text: 128 {coverage['128']:.2f}, 256" in text
 
 
-@pytest.mark.parametrize("during", [1, 4, 6, "self_distill", 9, "held_out_prompts"])  # backbone 1, 4, 6; heads 3
+@pytest.mark.parametrize("during", [1, 4, 6, "self_distill", 9, 10, "held_out_prompts"])  # backbone 1, 4, 6; heads 3, 4
 def test_after_ctrl_c_a_resumed_run_ends_as_an_uninterrupted_one(tmp_path, during, reference_run):
     """Validation during the run (--eval-every) draws its batches from a generator of their own. Pressed twice in
     step 4, the run stops at once: it resumes from the save --save-every made after step 2."""
@@ -211,7 +211,7 @@ def test_resume_refuses_other_settings_or_text_and_a_run_never_learns_its_own_ou
     args = FAST + ["--data", str(data), "--out", str(out), "--seed", str(2**63 - 1)]  # the largest: seed * 7919 wraps
     interrupted(args, during=2)
     saved = (out / "train_state.pt").read_bytes()
-    refused = [([], "add --resume")] + [(["--resume", flag, value], f"different configuration ({flag[2:]})") for
+    refused = [([], "add --resume")] + [(["--resume", flag, value], f"not {value}: give the flags it began with") for
                                        flag, value in [("--lr", "0.5"), ("--seed", "1"), ("--dtype", "bfloat16")]]
     for extra, error in refused:
         assert train_tiny.main(args + extra) == 2 and error in capsys.readouterr().err
@@ -229,8 +229,8 @@ def test_resume_refuses_other_settings_or_text_and_a_run_never_learns_its_own_ou
         for file, content in tokenizer.items():  # the run's own again, for the next damage and the rest of the test
             file.write_bytes(content)
     saved = state["data"]  # no text digest; heads taught p; two processes; as this version saves; each with a data path
-    for digest, target, world, error in [(None, "token", 1, "not the text"), (saved, "p", 1, "(heads_target)"),
-                                         (saved, "token", 2, "(number of processes)"), (saved, "token", 1, "")]:
+    for digest, target, world, error in [(None, "token", 1, "not the text"), (saved, "p", 1, "heads_target p,"),
+                                         (saved, "token", 2, "began with 2 processes"), (saved, "token", 1, "")]:
         old = {**state["identity"], "heads_target": target, "data": "data"}
         torch.save({**state, "data": digest, "identity": old, "world": world}, out / "train_state.pt")
         assert train_tiny.main(args + ["--resume", "--data", f"{data}/."]) == (2 if error else 0)  # the same text
@@ -363,7 +363,7 @@ def test_init_trains_heads_of_another_kind_on_a_frozen_checkpoint_over_its_own_t
     assert (ref / "tokenizer.tiktoken").read_bytes() == (base / "tokenizer.tiktoken").read_bytes()
     interrupted(args + ["--out", str(out)], during=3)
     assert train_tiny.main(args + ["--out", str(out), "--resume", "--init", str(ref)]) == 2  # another backbone
-    assert "different configuration (init)" in capsys.readouterr().err
+    assert "the run began with init " in capsys.readouterr().err
     assert train_tiny.main(args + ["--out", str(out), "--resume", "--init", f"{base}/"]) == 0 and same_weights(ref, out)
     assert train_tiny.main(args + ["--out", "x", "--block-size", "256", "--distill-prompt-len", "64"]) == 2  # base: 64
     assert "holds 64 tokens of context" in capsys.readouterr().err and not (tmp_path / "x").exists()
