@@ -51,15 +51,15 @@ def _guesses(enc: tiktoken.Encoding, logits: torch.Tensor, k: int, ids: torch.Te
     return ", ".join(f"#{r} {token_text(enc, t)} ({p:.2f})" for r, (p, t) in enumerate(pairs))
 
 
-def draw_tree(tree: Tree, labels: list[str] | None = None) -> str:
-    """The tree as indented text, one node a line: `[i] head d rank r label`."""
+def draw_tree(tree: Tree, labels: list[str] | None = None, *, rank: str = "rank") -> str:
+    """The tree as indented text, one node a line: `[i] head d rank r label` (rank="draw": drawn candidates')."""
     labels = [f" {label}" for label in labels] if labels is not None else [""] * tree.num_nodes
     lines = [f"[0] root{labels[0]}"]
 
     def visit(node: int, prefix: str) -> None:
         for kid in tree.children[node]:
             branch, indent = ("└─ ", "   ") if kid == tree.children[node][-1] else ("├─ ", "│  ")
-            lines.append(f"{prefix}{branch}[{kid}] head {tree.depths[kid]} rank {tree.ranks[kid]}{labels[kid]}")
+            lines.append(f"{prefix}{branch}[{kid}] head {tree.depths[kid]} {rank} {tree.ranks[kid]}{labels[kid]}")
             visit(kid, prefix + indent)
 
     visit(0, "")
@@ -146,10 +146,10 @@ def explain_step(model: GPT, heads, enc: tiktoken.Encoding, prompt_ids: list[int
     labels = [token_text(enc, t) for t in tokens]
     out += [_header(3, f"Tree: {tree.num_nodes - 1} candidate nodes + the root"),
             ("A node at depth d holds head d's guess of the listed rank" if drawn is None else
-             "Rejection sampling draws the candidates: a node at depth d holds the k-th token drawn (without\n"
-             "replacement) from the q its parent's children come from")
+             "Rejection sampling draws the candidates: a node at depth d, draw k, holds the token drawn after k\n"
+             "others (without replacement) from the q its parent's children come from")
             + "; a path from the root is one possible\ncontinuation. All paths are checked together next.",
-            draw_tree(tree, labels), _header(4, "Tree attention mask"),
+            draw_tree(tree, labels, rank="rank" if drawn is None else "draw"), _header(4, "Tree attention mask"),
             "Row = a node asking, column = a node it may look at (■ yes, · no). Every node also sees the",
             "cached prompt, and sits at position prompt length + its depth, as if its path were the only",
             "continuation: a node sees itself and its ancestors, never its siblings.", draw_mask(tree)]
