@@ -15,7 +15,7 @@ from ..heads import HeadsConfig, MedusaHeads
 from ..io.loading import Checkpoint
 from ..io.tokenizer import make_encoding, train_bpe
 from ..model import GPT, GPTConfig
-from ..sampling import Sampling
+from ..sampling import Sampling, typical_threshold
 from ..train.data import get_batch
 from ..training import MedusaLM
 from ..tree import Tree
@@ -103,15 +103,18 @@ def verify_section(out: list[str], labels: list[str], tree: Tree, tokens: list[i
         intro = ["At each node, the backbone's argmax = the token it would write after that node's path; a",
                  "child holding exactly that token is confirmed (a leaf's argmax can only be a bonus token)."]
     else:
-        p = sampling.probs(logits)  # [N, V]
-        rows = [["node", "token", "p(token)", "q(token)" if drawn is not None else ""]]
+        p, typical = sampling.probs(logits), sampling.acceptance == "typical"  # [N, V]
+        bar = typical_threshold(p, epsilon=sampling.epsilon, delta=sampling.delta).tolist()  # [N]: §2.3.1's, per node
+        rows = [["node", "token", "p(token)", "q(token)" if drawn is not None else "bar at its parent" * typical]]
         for i, par in enumerate(tree.parents[1:], start=1):
-            q = "" if drawn is None else f"{drawn[par][0][tokens[i]].exp().item():.3f}"
-            rows.append([f"[{i}]", labels[i], f"{p[par, tokens[i]].item():.3f}", q])
+            last = f"{bar[par]:.3f}" * typical if drawn is None else f"{drawn[par][0][tokens[i]].exp().item():.3f}"
+            rows.append([f"[{i}]", labels[i], f"{p[par, tokens[i]].item():.3f}", last])
         intro = ["At each node, p = the backbone's distribution for the token after that node's path; a",
-                 "candidate is judged by p at its parent" + ("." if drawn is None else ", and by q, the head's "
-                                                             "probability of drawing it;\nafter an elder sibling's "
-                                                             "miss, by r, what that miss left of p.")]
+                 "candidate is judged by p at its parent" + (", and passes above the bar min(ε, δ·exp(-H(p))) there."
+                                                             if typical else "." if drawn is None else
+                                                             ", and by q, the head's probability of drawing it;\n"
+                                                             "after an elder sibling's miss, by r, what that miss "
+                                                             "left of p.")]
     widths = [max(len(row[c]) for row in rows) + 2 for c in range(len(rows[0]) - 1)]  # the last column as it is
     out += [_header(5, "Verify: one forward pass over all nodes"), *intro,
             *("".join(f"{cell:<{w}}" for cell, w in zip(row, widths)) + row[-1] for row in rows)]

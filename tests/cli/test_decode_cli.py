@@ -46,6 +46,7 @@ def objects(capsys, *argv: str) -> list[dict]:
 @pytest.mark.parametrize("heads, rule, needles", [
     ("medusa", [], ("Prefill", "Root token", "head 4", "■", "backbone argmax", "emitted", "[0] root", "accepted path")),
     ("medusa", ["--method", "rejection"], ("min(1, r(x)/q(x))", "draws the candidates", "head 1 draw 0", "bonus")),
+    ("medusa", ["--method", "typical"], ("p(token)  bar at its parent", "passes above the bar min(ε")),
     ("hydra", [], ("Dependent (hydra) heads", "head 4", "accepted path"))])
 def test_explain_walks_through_one_step_of_either_kind_of_heads(ckpt, ckpt_hydra, capsys, heads, rule, needles):
     out = run(capsys, "--ckpt", ckpt_hydra if heads == "hydra" else ckpt, "--explain", *rule)
