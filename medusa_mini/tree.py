@@ -104,10 +104,10 @@ class Tree:
         """The subtree of nodes at depth <= max_depth (the reference's near a row's end; prompt lookup's chains)."""
         return self if self.depth <= max_depth else Tree(tuple(c for c in self.choices if len(c) <= max_depth))
 
-    def check_heads(self, num_heads: int) -> None:
-        """A clear error when the tree needs more heads than the model has."""
+    def check_heads(self, num_heads: int, *, name: str = "tree", owner: str = "the model") -> None:
+        """A clear error when the tree needs more heads than `owner` has; `name`: what a user called the tree."""
         if self.depth > num_heads:
-            raise ValueError(f"tree has depth {self.depth} but the model has {num_heads} heads; use a shallower tree")
+            raise ValueError(f"{name} has depth {self.depth} but {owner} has {num_heads} heads; use a shallower tree")
 
     def path(self, node: int) -> list[int]:
         """The nodes from the root down to `node`."""

@@ -85,8 +85,7 @@ def resolve_tree(spec: str | None, *, ckpt_dir: str, device: torch.device | str,
             raise ValueError(f"unknown --tree {spec!r}: give a node budget N (1 to {MAX_NODES}), auto, a preset (cpu, "
                              f"gpu, chainN, N from 1 to {MAX_NODES}), or choices in a JSON file or inline: '[[0], [1], "
                              "[0, 0]]'") from None
-    if tree.depth > num_heads:  # Tree.check_heads's test, its message naming the flag
-        raise ValueError(f"--tree {spec} has depth {tree.depth} but the checkpoint has {num_heads} heads")
+    tree.check_heads(num_heads, name=f"--tree {spec}", owner="the checkpoint")
     return TreeChoice(tree, spec, budget or max(tree.num_nodes - 1, 1))
 
 
