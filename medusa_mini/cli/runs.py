@@ -55,7 +55,7 @@ class Engine:
 
 def decode(engine: Engine, method: Method, prompts: list[list[int]], *, seed: int, max_new_tokens: int,
            stop_at_eot: bool = True, on_step=None) -> Results:
-    """The prompts decoded together (the reference: one by one), one generator seeded `seed`; untimed."""
+    """The prompts decoded together (the reference: one by one, unstreamed), one generator seeded `seed`; untimed."""
     ck = engine.ck
     kw = dict(max_new_tokens=max_new_tokens, sampling=method.sampling, eos_id=ck.eot_id if stop_at_eot else None,
               generator=torch.Generator(device=ck.model.device).manual_seed(seed))
@@ -67,8 +67,6 @@ def decode(engine: Engine, method: Method, prompts: list[list[int]], *, seed: in
     out = []
     for ids in prompts:  # the engine's statistics from the reference's tokens and passes
         tokens, steps = reference.medusa_generate(ck.model, ck.heads, ids, tree=method.tree, **kw)
-        if on_step:
-            on_step(len(out), tokens)  # the reference returns its tokens at once
         why = "eos" if tokens[-1:] == [kw["eos_id"]] else length_stop_reason(len(ids), max_new_tokens, ck.block_size)
         out.append((tokens, GenerationStats(len(ids), steps, [len(tokens) - 1] if steps else [], stop_reason=why)))
     return out
@@ -232,10 +230,9 @@ def format_table(result: dict) -> str:
                   f"{d['position'] + 1}: plain's top-2 logit margin there is {d['margin']:.3g}"
                   + " (a near-tie that rounding can flip)" * (d["margin"] < 0.1) for d in r.get("differences", [])]
         if "same_as_engine" in r:
-            n = len(r["tokens"])
-            lines.append(f"{r['method']}: the engine's tokens on {r['same_as_engine']}/{n} prompts"
-                         + ("" if r["same_as_engine"] == n or r["temperature"] == 0 else
-                            " (a draw that lands within rounding of a probability can go either way)"))
+            n, same = len(r["tokens"]), r["same_as_engine"]
+            lines.append(f"{r['method']}: the engine's tokens on {same}/{n} prompts" + " (a draw that lands within "
+                         "rounding of a probability can go either way)" * (same < n and r["temperature"] > 0))
         if r["repeats_differ"]:
             lines.append(f"{r['method']}: repeated runs made different tokens (non-deterministic kernels); "
                          "the fastest run's are reported")
