@@ -85,8 +85,7 @@ def heads_section(out: list[str], model: GPT, heads, enc, tree: Tree, root: int,
         chain.append(int(heads.draft_ids[logits.argmax()]))
         used = max((r + 1 for r, d in zip(tree.ranks, tree.depths) if d == k + 1), default=0)
         out.append(f"head {k + 1} (t+{k + 2}): "
-                   + (_guesses(enc, logits, used, heads.draft_ids, temperature=temperature) if used
-                      else "not used by this tree"))
+                   + (_guesses(enc, logits, used, heads.draft_ids, temperature=temperature) or "not used by this tree"))
     out.append("Plain decoding needs one forward pass per token; one pass below checks the whole tree.")
 
 
@@ -110,11 +109,10 @@ def verify_section(out: list[str], labels: list[str], tree: Tree, tokens: list[i
             last = f"{bar[par]:.3f}" * typical if drawn is None else f"{drawn[par][0][tokens[i]].exp().item():.3f}"
             rows.append([f"[{i}]", labels[i], f"{p[par, tokens[i]].item():.3f}", last])
         intro = ["At each node, p = the backbone's distribution for the token after that node's path; a",
-                 "candidate is judged by p at its parent" + (", and passes above the bar min(ε, δ·exp(-H(p))) there."
-                                                             if typical else "." if drawn is None else
-                                                             ", and by q, the head's probability of drawing it;\n"
-                                                             "after an elder sibling's miss, by r, what that miss "
-                                                             "left of p.")]
+                 "candidate is judged by p at its parent" + (
+                     ", and passes above the bar min(ε, δ·exp(-H(p))) there." if typical else "." if drawn is None
+                     else ", and by q, the head's probability of drawing it;\nafter an elder sibling's miss, by r, "
+                     "what that miss left of p.")]
     widths = [max(len(row[c]) for row in rows) + 2 for c in range(len(rows[0]) - 1)]  # the last column as it is
     out += [_header(5, "Verify: one forward pass over all nodes"), *intro,
             *("".join(f"{cell:<{w}}" for cell, w in zip(row, widths)) + row[-1] for row in rows)]
