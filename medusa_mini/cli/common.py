@@ -128,17 +128,15 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def out_of_memory(e: BaseException) -> str | None:
-    """The allocator's own words, what and how much, where e is a device out of memory (CUDA's OutOfMemoryError: its
-    first two sentences; a CPU's plain RuntimeError from its allocator: its first); else None."""
+    """The allocator's own words (what, how much) if e is a device out of memory, CUDA's or a CPU's; else None."""
     if cpu := str(e).partition("DefaultCPUAllocator: ")[2]:
         return cpu.split(". ")[0]
     return ". ".join(str(e).split(". ")[:2]) if isinstance(e, torch.OutOfMemoryError) else None
 
 
 def exit_with(main: Callable[[], int], *, memory_advice: str = "") -> NoReturn:
-    """sys.exit(main()) as a command line ends: after Ctrl-C with status 130, after its reader stopped reading
-    (`| head`) with 1, neither with a traceback; a device out of memory, its size, not a fault: one line (status 2),
-    the allocator's words and then `memory_advice`, the flags that set what the run holds."""
+    """sys.exit(main()) as a command line ends, never with a traceback: Ctrl-C, status 130; its reader gone (`| head`),
+    1; a device out of memory (its size, not a fault), one line and status 2: the allocator's words, `memory_advice`."""
     try:
         try:
             status = main()
