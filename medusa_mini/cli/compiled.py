@@ -89,8 +89,7 @@ class CompiledMedusa:
             stop_at = torch.full((B,), model.config.block_size, device=device)
         proposal = self.proposal(model, proposer, roots, hidden, **kw)
         u = acceptance_uniforms(sampling, B, proposer.tree.num_nodes, generator, device=device)
-        n = proposal.tree.num_nodes
-        if u is not None and u.dim() == 2 and u.shape[1] != n:  # drawn for lookup's whole chain: its first n
+        if u is not None and u.dim() == 2 and u.shape[1] != (n := proposal.tree.num_nodes):  # for lookup's whole chain
             u = u[:, :n].clone(memory_format=torch.contiguous_format)  # fresh: a graph is made for its inputs' strides
         heads = proposer.heads if proposal.tree.depth else None  # a root alone has no next tree to draft
         u_next = proposer.uniforms(sampling, B, generator, device=device) if heads is not None else None
