@@ -86,8 +86,7 @@ seed = at_least(0, 2**63 - 1)  # the argparse type of every --seed: an integer e
 
 def temperature(text: str) -> float:
     """The argparse type of a sampling --temperature: above 0 (greedy has none) and no larger than float32 holds."""
-    value = float(text)  # not a number: argparse's own one-line error
-    if not 0 < value <= FLOAT32_MAX:  # nan too
+    if not 0 < (value := float(text)) <= FLOAT32_MAX:  # nan too; not a number: argparse's own one-line error
         raise argparse.ArgumentTypeError(f"must be a number above 0, at most {FLOAT32_MAX:.3g}, not {text}")
     return value
 
