@@ -95,15 +95,6 @@ def _prepare(r: Run, state: dict | None, train_docs: list, val_docs: list) -> tu
     return enc, train_tokens, val_tokens
 
 
-def _optimizer(modules_and_lrs: list[tuple[torch.nn.Module, float]], args: TrainArgs) -> torch.optim.Optimizer:
-    """AdamW decaying matrices only (LayerNorm gains and biases must not shrink to 0), "base_lr" per group."""
-    groups = [{"params": chosen, "weight_decay": args.weight_decay if decay else 0.0, "base_lr": lr}
-              for module, lr in modules_and_lrs for decay in (True, False)
-              if (chosen := [p for p in module.parameters() if (p.dim() >= 2) == decay])]
-    fused = all(p.is_cuda for g in groups for p in g["params"])  # one kernel for all tensors, CUDA only
-    return torch.optim.AdamW(groups, betas=(0.9, 0.95), fused=fused or None)
-
-
 def progress_line(stage: str, step: int, steps: int, metrics: dict, *, tokens_per_s: float, eta: float) -> str:
     parts = [f"{stage:9s} step {step + 1:5d}/{steps}"] + ([f"lm {metrics['lm']:.3f}"] if "lm" in metrics else [])
     if "heads" in metrics:
@@ -112,20 +103,26 @@ def progress_line(stage: str, step: int, steps: int, metrics: dict, *, tokens_pe
     return "  ".join(parts + [f"{tokens_per_s:,.0f} tok/s  ETA {int(eta // 60)}m{int(eta % 60):02d}s"])
 
 
-def _train(r: Run, module: MedusaLM, optimizer, *, stage: str, steps: int, start: int, gen, batch_fn, loss_kwargs,
-           state=None, val_batches: list | None = None) -> None:
-    """The optimizer loop of both training stages, from `state` on: cosine lr, clipping, progress, saves, Ctrl-C;
-    the validation loss every --eval-every steps where val_batches are given (the backbone's stage)."""
+def _train(r: Run, module: MedusaLM, lrs: list[tuple[torch.nn.Module, float]], *, stage: str, steps: int, gen,
+           batch_fn, loss_kwargs, state: dict | None, val_batches: list | None = None) -> None:
+    """The optimizer loop of both training stages, from `state` on: AdamW at each module's lr (`lrs`), cosine schedule,
+    clipping, progress, saves, Ctrl-C; the validation loss every --eval-every steps where val_batches are given."""
     # No find_unused_parameters: every trainable parameter gets a gradient each step (a frozen backbone
     # has requires_grad off; with λ0 = 0 the joint stage leaves the heads out).
     ddp = DDP(module) if r.world > 1 else module
     a, device_type, trained = r.args, torch.device(r.device).type, [p for p in module.parameters() if p.requires_grad]
+    # Weight decay on matrices only: LayerNorm gains and biases must not shrink to 0.
+    groups = [{"params": chosen, "weight_decay": a.weight_decay if decay else 0.0, "base_lr": lr}
+              for part, lr in lrs for decay in (True, False)
+              if (chosen := [p for p in part.parameters() if (p.dim() >= 2) == decay])]
+    fused = all(p.is_cuda for g in groups for p in g["params"])  # one kernel for all tensors, CUDA only
+    optimizer = torch.optim.AdamW(groups, betas=(0.9, 0.95), fused=fused or None)
     scaler = torch.amp.GradScaler(device_type, enabled=a.dtype == "float16")  # float16's loss scaling
     if state and state["optim"] is not None:
         optimizer.load_state_dict(state["optim"])
         gen.set_state(state["gen"])
         scaler.load_state_dict(state["scaler"])  # a disabled scaler ignores it
-    saved = dict(optimizer=optimizer, gen=gen, scaler=scaler)
+    saved, start = dict(optimizer=optimizer, gen=gen, scaler=scaler), state["step"] if state else 0
     t_start, t_log, tokens_seen, strikes = time.time(), 0.0, 0, 0
     for step in range(start, steps):
         if r.any_rank(r.stop_requested):  # Ctrl-C on any rank: all stop at this step
@@ -133,9 +130,9 @@ def _train(r: Run, module: MedusaLM, optimizer, *, stage: str, steps: int, start
             raise KeyboardInterrupt
         for group in optimizer.param_groups:
             group["lr"] = cosine_lr(step, steps, lr=group["base_lr"])
-        x, y, valid = batch_fn(gen)
+        x, y = batch_fn(gen)
         with torch.autocast(device_type, dtype=DTYPES[a.dtype], enabled=a.dtype != "float32"):
-            loss, metrics = ddp(x, y, valid=valid, **loss_kwargs(step))
+            loss, metrics = ddp(x, y, **loss_kwargs(step))
         optimizer.zero_grad(set_to_none=True)
         scaler.scale(loss).backward()
         scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
@@ -168,24 +165,21 @@ def validation_loss(model: GPT, batches: list) -> float:
     return (sum(lm_loss(model(x)[0], y) for x, y in batches) / len(batches)).item()
 
 
-def backbone_stage(r: Run, train_tokens: np.ndarray, val_batches: list, *, step: int, state: dict | None) -> None:
+def backbone_stage(r: Run, train_tokens: np.ndarray, val_batches: list, *, state: dict | None) -> None:
     """Next-token training; with --medusa 2 the heads train jointly (paper §2.2.2): L_LM + λ Σ 0.8^k L_k,
     heads at a higher learning rate, λ ramped up."""
     a, model, heads = r.args, r.model, r.heads
     joint = a.medusa == 2 and a.lambda0 > 0  # with λ0 = 0 the heads would get no gradient: leave them out
-    opt = _optimizer([(model, a.lr)] + ([(heads, a.lr * a.heads_lr_mult)] if joint else []), a)
-
-    def batch(g):
-        return *get_batch(train_tokens, batch_size=a.batch_size, block_size=model.config.block_size,
-                          generator=g, device=r.device), None
+    lrs = [(model, a.lr)] + ([(heads, a.lr * a.heads_lr_mult)] if joint else [])
 
     def loss_kwargs(s: int) -> dict:
         w = lambda_schedule(s, a.backbone_steps, lambda0=a.lambda0) if joint else 0.0
         return dict(lm_weight=1.0, heads_weight=w, decay=a.head_decay, heads_stride=a.heads_stride, heads_offset=s)
 
-    _train(r, MedusaLM(model, heads if joint else None), opt, stage="backbone", steps=a.backbone_steps, start=step,
-           gen=seeded(a.seed * 1009 + r.rank), batch_fn=batch, loss_kwargs=loss_kwargs, state=state,
-           val_batches=val_batches)
+    _train(r, MedusaLM(model, heads if joint else None), lrs, stage="backbone", steps=a.backbone_steps, state=state,
+           gen=seeded(a.seed * 1009 + r.rank), loss_kwargs=loss_kwargs, val_batches=val_batches,
+           batch_fn=lambda g: get_batch(train_tokens, batch_size=a.batch_size, block_size=model.config.block_size,
+                                        generator=g, device=r.device))
 
 
 @torch.no_grad()
@@ -208,18 +202,19 @@ def distill_stage(r: Run, train_tokens: np.ndarray) -> torch.Tensor:
     return data
 
 
-def heads_stage(r: Run, *, step: int, state: dict | None) -> None:
+def heads_stage(r: Run, *, state: dict | None) -> None:
     """Medusa-1 (paper §2.2.1): backbone frozen, heads trained on the backbone's own text (`r.distill`)."""
     a, distill = r.args, r.distill
-    valid_row = torch.arange(1, distill.shape[1], device=r.device) >= a.distill_prompt_len  # tokens it wrote
+    # Targets only where the backbone wrote the token, not in the prompt.
+    valid = (torch.arange(1, distill.shape[1], device=r.device) >= a.distill_prompt_len).expand(a.heads_batch_size, -1)
 
     def batch(g):
         seq = distill[to_device(torch.randint(distill.shape[0], (a.heads_batch_size,), generator=g), r.device)]
-        return seq[:, :-1], seq[:, 1:], valid_row.expand(a.heads_batch_size, -1)
+        return seq[:, :-1], seq[:, 1:]
 
-    _train(r, MedusaLM(r.model, r.heads), _optimizer([(r.heads, a.heads_lr)], a), stage="heads",
-           steps=a.heads_steps, start=step, gen=seeded(a.seed * 1009 + r.rank + 1), state=state,
-           batch_fn=batch, loss_kwargs=lambda s: dict(lm_weight=0.0, heads_weight=1.0, decay=1.0, detach_backbone=True))
+    _train(r, MedusaLM(r.model, r.heads), [(r.heads, a.heads_lr)], stage="heads", steps=a.heads_steps,
+           gen=seeded(a.seed * 1009 + r.rank + 1), state=state, batch_fn=batch,
+           loss_kwargs=lambda s: dict(lm_weight=0.0, heads_weight=1.0, decay=1.0, detach_backbone=True, valid=valid))
 
 
 def choose_draft_vocabulary(r: Run) -> None:
@@ -236,23 +231,23 @@ def choose_draft_vocabulary(r: Run) -> None:
 
 def _train_stages(r: Run, state: dict | None, train_tokens: np.ndarray, val_batches: list) -> None:
     """Backbone (with the heads for --medusa 2), self-distillation, heads, from where `state` stopped."""
-    stage, step = (state["stage"], state["step"]) if state else ("backbone", 0)
+    stage = state["stage"] if state else "backbone"
     if state:
-        r.log(f"resuming   at {stage} step {step}")
+        r.log(f"resuming   at {stage} step {state['step']}")
     if stage == "backbone":
         if r.args.backbone_steps > 0:
-            r.stage("backbone", lambda: backbone_stage(r, train_tokens, val_batches, step=step, state=state))
-        stage, step, state = "distill", 0, None
+            r.stage("backbone", lambda: backbone_stage(r, train_tokens, val_batches, state=state))
+        stage, state = "distill", None
         r.save(stage=stage, step=0)
     r.model.eval().requires_grad_(False).zero_grad(set_to_none=True)  # the backbone's gradients are not needed again
     if stage == "distill":
         r.distill = r.stage("distill", lambda: distill_stage(r, train_tokens))
-        stage, step, state = "heads", 0, None
+        stage, state = "heads", None
         r.save(stage=stage, step=0)
     else:
         r.distill = state["distill"].to(r.device)
     if r.args.heads_steps > 0:
-        r.stage("heads", lambda: heads_stage(r, step=step, state=state))
+        r.stage("heads", lambda: heads_stage(r, state=state))
         r.save(stage="heads", step=r.args.heads_steps)  # a Ctrl-C in the summary then keeps every step
 
 
