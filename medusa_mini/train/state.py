@@ -85,12 +85,10 @@ class Run:
             state = torch.load(self.state_path, map_location="cpu", weights_only=True)
             if self.world > 1:
                 state.update(torch.load(self.rank_path, map_location="cpu", weights_only=True))
-        except OSError as e:  # a file missing or unreadable: the run may resume once it is back
-            raise TrainError(f"--resume: cannot read the saved state in {self.args.out}: {e.strerror or e}; restore "
-                             "it, or start anew with --overwrite") from None
-        except Exception as e:  # a torn or foreign file
-            raise TrainError(f"--resume: cannot read the saved state in {self.args.out} ({type(e).__name__}); "
-                             "start anew with --overwrite") from None
+        except Exception as e:  # missing or unreadable (the run may resume once it is back), or torn or foreign
+            how = f": {e.strerror or e}; restore it, or" if isinstance(e, OSError) else f" ({type(e).__name__});"
+            raise TrainError(f"--resume: cannot read the saved state in {self.args.out}{how} start anew with "
+                             "--overwrite") from None
         mine, theirs = self.args.identity(), dict(state.get("identity") or {})
         if theirs.get("heads_target") == "token":  # saved when heads could be taught p too; tokens are what is left
             del theirs["heads_target"]
