@@ -24,12 +24,10 @@ ROWS, POSITIONS = 16, 256  # rows per greedy batch, positions per heads call: bo
 def continuations(model: GPT, prompts: list[list[int]], *, max_new_tokens: int, temperature: float = 0.0,
                   seed: int = 0) -> list[list[int]]:
     """Each prompt + the backbone's continuation (temperature 0: greedy), ROWS prompts at a time, one generator."""
-    out, sampling, g = [], Sampling(temperature=temperature), torch.Generator(device=model.device).manual_seed(seed)
-    for b in range(0, len(prompts), ROWS):
-        part = prompts[b : b + ROWS]
-        rows = generate_batch(model, part, max_new_tokens=max_new_tokens, sampling=sampling, generator=g)
-        out += [p + new for p, (new, _) in zip(part, rows)]
-    return out
+    sampling, g = Sampling(temperature=temperature), torch.Generator(device=model.device).manual_seed(seed)
+    parts = [prompts[b : b + ROWS] for b in range(0, len(prompts), ROWS)]
+    return [p + new for part in parts for p, (new, _) in zip(
+        part, generate_batch(model, part, max_new_tokens=max_new_tokens, sampling=sampling, generator=g))]
 
 
 def with_head_targets(sequences: list[list[int]], prompt_lens: int | Sequence[int]) -> Iterator[tuple[list[int], int]]:
@@ -44,10 +42,10 @@ def with_head_targets(sequences: list[list[int]], prompt_lens: int | Sequence[in
 def _mean_per_head(model: GPT, heads: DraftHeads, sequences: list[list[int]], prompt_lens: int | Sequence[int],
                    score: Callable[..., torch.Tensor], shape: tuple[int, ...] = (),
                    temperature: float | None = None) -> torch.Tensor:
-    """[K, *shape] float64: score(k - 1, target [m], p [m, V] or None, logits [m, M]) -> [m, *shape], head k's mean over
-    the positions t where it has a target, token t+k+1, from each prompt's last token on, as decoding drafts; p: the
-    backbone's distribution of it at `temperature` (None: not computed). Hydra heads read the text between t and it."""
-    device, K = model.device, heads.num_heads
+    """[K, *shape] float64: score(ids, target [m], p [m, V] or None, logits [m, M]) -> [m, *shape], head k's mean over
+    the positions t where it has a target, token t+k+1, from each prompt's last token on, as decoding drafts; ids: the
+    draft tokens, p: the backbone's distribution at `temperature`. Hydra heads read the text between t and it."""
+    device, K, ids = model.device, heads.num_heads, heads.draft_ids.to(model.device)
     totals, counts = torch.zeros(K, *shape, dtype=torch.float64), torch.zeros(K, dtype=torch.float64)
     for seq, first in with_head_targets(sequences, prompt_lens):
         x, y = torch.tensor([seq[:-1]], device=device), torch.tensor([seq[1:]], device=device)  # [1, T]
@@ -58,7 +56,7 @@ def _mean_per_head(model: GPT, heads: DraftHeads, sequences: list[list[int]], pr
             head_logits = heads(hidden[0, t], model, following=following[t])  # [K, m, M]
             for k in range(1, K + 1):
                 ok = t + k < T  # [m] token t+k+1 is y[0, t + k]
-                rows = score(k - 1, y[0, t[ok] + k], None if p is None else p[t[ok] + k], head_logits[k - 1, ok])
+                rows = score(ids, y[0, t[ok] + k], None if p is None else p[t[ok] + k], head_logits[k - 1, ok])
                 totals[k - 1] += rows.double().sum(0).cpu()
                 counts[k - 1] += ok.sum().item()
     return totals / counts.clamp(min=1).view(K, *[1] * len(shape))
@@ -67,8 +65,7 @@ def _mean_per_head(model: GPT, heads: DraftHeads, sequences: list[list[int]], pr
 def measure_head_accuracy(model: GPT, heads: DraftHeads, sequences: list[list[int]], *,
                           prompt_lens: int | Sequence[int], top_k: int = 10) -> torch.Tensor:
     """acc [K, top_k] float64 (module docstring) on `sequences`: prompts + their greedy continuations."""
-    ids = heads.draft_ids.to(model.device)
-    hits = lambda k, target, p, logits: ids[logits.topk(top_k, dim=-1).indices] == target[:, None]  # [m, top_k]
+    hits = lambda ids, target, p, logits: ids[logits.topk(top_k, dim=-1).indices] == target[:, None]  # [m, top_k]
     return _mean_per_head(model, heads, sequences, prompt_lens, hits, shape=(top_k,))
 
 
@@ -76,8 +73,7 @@ def measure_sampled_acceptance(model: GPT, heads: DraftHeads, sequences: list[li
                                prompt_lens: int | Sequence[int], temperature: float) -> torch.Tensor:
     """[K] float64: head k's Σ_x min(p(x), q_k(x)) at `temperature`, averaged over `sequences` (continuations
     sampled at it): the chance that rejection sampling accepts head k's one drawn candidate."""
-    ids = heads.draft_ids.to(model.device)
-    sum_min = lambda k, target, p, logits: torch.minimum(  # q [m, M]: 0 outside the draft ids
+    sum_min = lambda ids, target, p, logits: torch.minimum(  # q [m, M]: 0 outside the draft ids
         p[:, ids], sampling_probs(logits, temperature=temperature)).sum(-1)
     return _mean_per_head(model, heads, sequences, prompt_lens, sum_min, temperature=temperature)
 
@@ -89,10 +85,10 @@ def measure_try_acceptance(model: GPT, heads: DraftHeads, sequences: list[list[i
     sampling's tries accept), on text sampled at `temperature`, over `repeats` sets of draws per position. At
     most one sibling passes, as at most one top-k guess is the greedy token, so the table plays greedy's part
     in `tree.build_tree`, approximately. acc[k][0] estimates Σ min(p, q), exactly in expectation."""
-    ids, V = heads.draft_ids.to(model.device), model.config.vocab_size
-    R, g = min(ranks, ids.numel()), torch.Generator(device=model.device).manual_seed(seed)
+    V, R = model.config.vocab_size, min(ranks, heads.draft_ids.numel())
+    g = torch.Generator(device=model.device).manual_seed(seed)
 
-    def passed(k: int, target: torch.Tensor, p: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:  # [m, R]
+    def passed(ids: torch.Tensor, target: torch.Tensor, p: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         log_q = q_log_probs(logits, ids, temperature=temperature, vocab_size=V).repeat(repeats, 1)  # [repeats * m, V]
         u = torch.rand(log_q.shape, generator=g, device=model.device)  # every repeat's draws in one call
         return draw_chances(p.repeat(repeats, 1), log_q, gumbel_top_k(log_q, R, u)).view(repeats, len(p), R).mean(0)
