@@ -26,9 +26,8 @@ def pick_device(name: str | None) -> torch.device:
 
 def rank_device(device: str) -> str:
     """The device this process trains on: under torchrun, "cuda" means this rank's GPU, cuda:LOCAL_RANK."""
-    if device.startswith("cuda") and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        return f"cuda:{int(os.environ['LOCAL_RANK'])}"
-    return device
+    ddp = device.startswith("cuda") and int(os.environ.get("WORLD_SIZE", "1")) > 1
+    return f"cuda:{int(os.environ['LOCAL_RANK'])}" if ddp else device
 
 
 def has_native_bfloat16(device: torch.device) -> bool:
