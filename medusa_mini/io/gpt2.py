@@ -105,10 +105,6 @@ def read_gpt2_config(path: str) -> GPTConfig:
     return config
 
 
-class _Interrupted(Exception):
-    """The connection broke mid-transfer; the `.part` file keeps what arrived."""
-
-
 def _copy_body(resp, f, *, done: int, total: int | None, label: str) -> None:
     """Append the response body to `f`, showing progress on stderr every half second."""
     start, t0, shown, chunk = done, time.monotonic(), 0.0, None
@@ -116,7 +112,7 @@ def _copy_body(resp, f, *, done: int, total: int | None, label: str) -> None:
         try:
             chunk = resp.read(1 << 20)
         except (OSError, http.client.HTTPException) as e:
-            raise _Interrupted(f"{type(e).__name__}: {e}") from None
+            raise ConnectionError(f"{type(e).__name__}: {e}") from None
         f.write(chunk)
         done += len(chunk)
         if not chunk or time.monotonic() - shown > 0.5:
@@ -125,11 +121,11 @@ def _copy_body(resp, f, *, done: int, total: int | None, label: str) -> None:
             rate = (done - start) / max(shown - t0, 1e-9) / 1e6
             print(f"\r{label}: {size}, {rate:.1f} MB/s", end="" if chunk else "\n", file=sys.stderr, flush=True)
     if total is not None and done < total:  # http.client returns b"" when a server closes early instead of raising
-        raise _Interrupted(f"connection closed after {done} of {total} bytes")
+        raise ConnectionError(f"connection closed after {done} of {total} bytes")
 
 
 def _fetch(url: str, part: str) -> None:
-    """Fetch `url` into `part`, resuming what is there with a Range request."""
+    """Fetch `url` into `part`, resuming what is there with a Range request; a ConnectionError is worth a retry."""
     have = os.path.getsize(part) if os.path.exists(part) else 0
     headers = {"User-Agent": "medusa_mini", **({"Range": f"bytes={have}-"} if have else {})}
     try:
@@ -140,22 +136,20 @@ def _fetch(url: str, part: str) -> None:
             if re.fullmatch(rf"bytes \*/{have}", (e.headers.get("Content-Range") or "").strip()):
                 return
             remove_file(part)
-            raise _Interrupted("the partial file is longer than the file") from None
+            raise ConnectionError("the partial file is longer than the file") from None
         raise OSError(f"HTTP {e.code} {e.reason} for {url}") from None
     except OSError as e:
         raise OSError(f"cannot connect to {url}: {getattr(e, 'reason', e)}") from None
     with resp:
         m = re.fullmatch(r"bytes (\d+)-\d+/(\d+|\*)", resp.headers.get("Content-Range", "").strip())
-        if resp.status == 206:
-            if not (have and m and int(m.group(1)) == have):
-                remove_file(part)
-                raise _Interrupted("the server sent a part that was not asked for")
-            mode, total = "ab", (int(m.group(2)) if m.group(2) != "*" else None)
-        else:  # no Range asked, or the server ignored it: start over
-            length = resp.headers.get("Content-Length", "")
-            have, mode, total = 0, "wb", (int(length) if length.isdigit() else None)
-        with open(part, mode) as f:
-            _copy_body(resp, f, done=have, total=total, label=os.path.basename(url))
+        if resp.status != 206:  # no Range asked, or the server ignored it: start over
+            have, m = 0, None
+        elif not (have and m and int(m.group(1)) == have):
+            remove_file(part)
+            raise ConnectionError("the server sent a part that was not asked for")
+        length = m.group(2) if m else resp.headers.get("Content-Length", "")  # the whole file's, if known
+        with open(part, "ab" if have else "wb") as f:
+            _copy_body(resp, f, done=have, total=int(length) if length.isdigit() else None, label=os.path.basename(url))
             f.flush()
             os.fsync(f.fileno())
 
@@ -169,7 +163,7 @@ def download(url: str, dest: str | os.PathLike) -> None:
         try:
             _fetch(url, dest + ".part")
             break
-        except _Interrupted as e:
+        except ConnectionError as e:
             if attempt == RETRIES:
                 raise OSError(f"download of {url} interrupted ({e}); run again to resume") from None
             time.sleep(0.5 * 2**attempt)
