@@ -38,9 +38,8 @@ def check_writable(folder: str | os.PathLike, what: str, *, files: tuple[str, ..
 
 
 def atomic_write_files(files: dict[str, Writer]) -> None:
-    """Write each file into a temporary sibling, then rename them into place in order; if anything raises,
-    the files already replaced get their old bytes back. Each rename is atomic, the set is not: a process
-    killed between two renames leaves a mix, the old bytes in `<file>.<pid>.bak` beside them."""
+    """Write each file into a temporary sibling, then rename them into place in order; if anything raises, the files
+    already replaced get their old bytes back (a process killed between renames leaves them in `<file>.<pid>.bak`)."""
     staged: list[tuple[str, str]] = []  # (temporary file, final path)
     done: list[tuple[str, str | None]] = []  # (final path, a link to its old bytes, None if it had none)
     try:

@@ -155,8 +155,7 @@ def _fetch(url: str, part: str) -> None:
 
 
 def download(url: str, dest: str | os.PathLike) -> None:
-    """Download `url` to `dest` through `dest + ".part"`, which a broken connection leaves for the next
-    call to resume; `dest` appears only once complete. A one-line OSError says what failed."""
+    """Download `url` to `dest` via `dest + ".part"`, which a broken connection leaves for the next call to resume."""
     dest = os.fspath(dest)
     os.makedirs(os.path.dirname(os.path.abspath(dest)), exist_ok=True)
     for attempt in range(RETRIES + 1):
