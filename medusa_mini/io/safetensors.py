@@ -2,6 +2,7 @@
 [begin, end]}, "__metadata__": {str: str}}`, space-padded to 8-byte alignment; then the raw little-endian tensor bytes,
 offsets counted from the header's end. Every file is hostile: a bad header is refused before any allocation."""
 
+import itertools
 import json
 import math
 import os
@@ -28,13 +29,10 @@ def write_safetensors(f: IO[bytes], tensors: dict[str, torch.Tensor], metadata: 
     """Write `tensors` (in dict order; views are fine) to a binary file as safetensors; `metadata`: str -> str."""
     _require_little_endian()
     header: dict[str, dict] = {"__metadata__": metadata} if metadata else {}
-    offset = 0
-    for name, t in tensors.items():
+    for (name, t), end in zip(tensors.items(), itertools.accumulate(v.nbytes for v in tensors.values())):
         if t.dtype not in _DTYPE_NAMES:
             raise ValueError(f"tensor {name!r}: dtype {t.dtype} cannot be stored in safetensors here")
-        end = offset + t.numel() * t.element_size()
-        header[name] = {"dtype": _DTYPE_NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, end]}
-        offset = end
+        header[name] = {"dtype": _DTYPE_NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [end - t.nbytes, end]}
     raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
     raw += b" " * (-len(raw) % 8)
     f.write(struct.pack("<Q", len(raw)) + raw)
