@@ -206,13 +206,12 @@ def load_gpt2(name_or_path: str | os.PathLike, *, device: torch.device | str = "
     path = os.path.expanduser(os.fspath(name_or_path))
     path = path if os.path.exists(path) else download_gpt2(path)
     weights = os.path.join(path, "model.safetensors") if os.path.isdir(path) else path
-    folder = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
     if not weights.endswith(".safetensors") or not os.path.isfile(weights):
-        sharded = os.path.isfile(os.path.join(folder, "model.safetensors.index.json"))
+        sharded = os.path.isfile(os.path.join(os.path.dirname(weights), "model.safetensors.index.json"))
         raise ValueError(f"no model.safetensors in {path}: GPT-2 weights are read from safetensors only, one file " + (
             "(save them unsharded: save_pretrained(..., max_shard_size='100GB'))" if sharded else "(convert a "
             "pytorch_model.bin: save_file({k: v for k, v in torch.load(p).items() if k != 'lm_head.weight'}, ...))"))
-    config_path = os.path.join(folder, "config.json")  # a directory needs one, beside a weights file it is optional
+    config_path = os.path.join(os.path.dirname(weights), "config.json")  # a directory needs one, a lone file not
     config = read_gpt2_config(config_path) if os.path.isfile(config_path) or os.path.isdir(path) else None
     tensors = read_safetensors(weights)
     config = config or infer_gpt2_config(tensors)  # a bare weights file: its shapes say which GPT-2 it is
