@@ -144,11 +144,9 @@ def check_command(argv: list[str]) -> None:
 
 def header(s: argparse.Namespace, argv: list[str]) -> str:
     """The report's title and what produced it: device, torch, CUDA, Python, code version, date, command."""
-    if s.device.startswith("cuda"):
-        props = torch.cuda.get_device_properties(torch.device(s.device))
-        name = f"{props.name}, {props.total_memory / 2**30:.0f} GiB"
-    else:
-        name = f"CPU ({platform.processor() or platform.machine()}), {torch.get_num_threads()} threads"
+    props = torch.cuda.get_device_properties(torch.device(s.device)) if s.device.startswith("cuda") else None
+    name = (f"{props.name}, {props.total_memory / 2**30:.0f} GiB" if props else
+            f"CPU ({platform.processor() or platform.machine()}), {torch.get_num_threads()} threads")
     commit = shutil.which("git") and subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT,
                                                     capture_output=True, text=True).stdout.strip()
     return (f"# medusa_mini on {name.split(',')[0]}\n\n- device: {s.device}: {name}\n- torch {torch.__version__}, "
