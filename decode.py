@@ -37,7 +37,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = OneLineParser(prog="decode.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ckpt", type=os.path.expanduser, metavar="DIR", help="checkpoint directory (default: out/tiny)")
     p.add_argument("--prompt", action="append", metavar="TEXT", help="repeat for several (default: prompts.json)")
-    p.add_argument("--num-prompts", type=at_least(1), metavar="N", help="stored prompts used (default: 8)")
+    p.add_argument("--num-prompts", type=at_least(1), default=8, metavar="N", help="stored prompts used (default: 8)")
     p.add_argument("--max-new-tokens", type=at_least(1), default=128, metavar="N", help="per prompt (default: 128)")
     p.add_argument("--method", choices=("plain", *ACCEPTANCE_RULES), help="plain: one forward pass "
                    "per token; else Medusa with that acceptance rule (default: greedy at T = 0, else rejection)")
@@ -74,7 +74,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         (a.compare and a.method, "--compare decodes with every method: leave out --method"),
         (a.method == "plain" and (a.explain or a.reference), "--explain and --reference decode with Medusa heads"),
         (a.method == "plain" and a.tree is not None, "--method plain verifies no tree: leave out --tree"),
-        (a.prompt and a.num_prompts, "--num-prompts picks stored prompts, --prompt gives its own: use one of them"),
         (len(a.batch_sizes) > 1 and not a.compare, "--batch-size takes one size; a list goes with --compare"),
         (a.json and (a.show or a.explain), "--json cannot be combined with --show or --explain"),
         (a.batch_size > 1 and (a.show or a.reference or a.explain),
@@ -121,7 +120,7 @@ def prepare(a: argparse.Namespace) -> tuple:
             print(f"note: {a.ckpt} holds an unfinished run, as last saved: python train_tiny.py --out "
                   f"{shlex.quote(ck.directory)} --resume, with the flags it began with, finishes it", file=sys.stderr)
     # Prompts before heads: the missing heads' advice (--method plain) needs prompts too.
-    texts = a.prompt or ([text] if a.demo else load_prompts(a.ckpt)[: a.num_prompts or 8])
+    texts = a.prompt or ([text] if a.demo else load_prompts(a.ckpt)[: a.num_prompts])
     medusa = a.method != "plain"  # --compare takes no --method, --explain refuses plain
     if ck.heads is None and medusa:
         plain_runs = not (a.compare or a.explain or a.reference)  # each of these decodes with heads

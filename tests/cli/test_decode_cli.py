@@ -176,7 +176,6 @@ def test_top_p_goes_with_sampling_a_temperature_names_or_compares_sampled_rows()
     "--compare --temperature 0 -> give T > 0", "--batch-size ' '", "--batch-size ²",
     "--compare --batch-size 1,4097 -> from 1 to 4096", "--compare --batch-size 1,x -> --batch-size",
     "--plot {tmp}/b.png", "--demo", "--reference --method plain", "--method plain --tree 6 -> --tree",
-    "--prompt hi --num-prompts 2 -> use one of them",
     "--compare --batch-size 1,2 --plot {tmp}/no/b.png -> --plot", "--compare --max-new-tokens 1 -> --max-new-tokens",
     "--compare --method typical -> --method", "--explain --method plain", "--json --show", "--json --explain",
     "--compare --batch-size 1,2 --reference -> --reference", "--explain --compile -> --compile",
