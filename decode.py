@@ -38,7 +38,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ckpt", type=os.path.expanduser, metavar="DIR", help="checkpoint directory (default: out/tiny)")
     p.add_argument("--prompt", action="append", metavar="TEXT", help="repeat for several (default: prompts.json)")
     p.add_argument("--num-prompts", type=at_least(1), default=8, metavar="N", help="stored prompts used (default: 8)")
-    p.add_argument("--max-new-tokens", type=at_least(1), default=128, metavar="N", help="per prompt (default: 128)")
+    p.add_argument("--max-new-tokens", type=at_least(1), metavar="N", help="per prompt (default: 128)")
     p.add_argument("--method", choices=("plain", *ACCEPTANCE_RULES), help="plain: one forward pass "
                    "per token; else Medusa with that acceptance rule (default: greedy at T = 0, else rejection)")
     p.add_argument("--temperature", type=float, metavar="T",
@@ -70,7 +70,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a.batch_sizes, samples = list(a.batch_size), a.method in ("typical", "rejection")  # Medusa's sampling rules
     a.batch_size, a.batch_table = a.batch_sizes[0], a.compare and a.batch_sizes != [1]
     for wrong, message in (
-        (a.compare and a.max_new_tokens < 2, "--compare needs --max-new-tokens 2 or more: the prefill makes the first"),
+        (a.compare and a.max_new_tokens == 1, "--compare needs --max-new-tokens 2 or more: the prefill makes one"),
+        (a.explain and a.max_new_tokens, "--explain walks through one step: leave out --max-new-tokens"),
         (a.compare and a.method, "--compare decodes with every method: leave out --method"),
         (a.method == "plain" and (a.explain or a.reference), "--explain and --reference decode with Medusa heads"),
         (a.method == "plain" and a.tree is not None, "--method plain verifies no tree: leave out --tree"),
@@ -96,6 +97,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if wrong:
             p.error(message)
     a.ckpt = "out/tiny" if a.ckpt is None else a.ckpt  # no default above: --demo refuses a --ckpt given
+    a.max_new_tokens = a.max_new_tokens or 128  # nor here: --explain refuses one
     a.temperature = (SAMPLING_TEMPERATURE if samples else 0.0) if a.temperature is None else a.temperature
     rule = None if a.compare or a.method == "plain" else a.method  # --compare makes its own rows
     try:  # every sampling setting is checked here, once; plain decoding reads only T and top-p
