@@ -46,7 +46,7 @@ def sweep(ck: Checkpoint, tables: dict, prompts: list[list[int]], *, budgets: tu
         for M, drafter in ({None: PromptLookup()} if rule.startswith("lookup") else heads).items():
             for n in budgets:
                 # Prompt lookup drafts a chain of n; heads the table's tree (which may describe more heads)
-                tree = chain(n) if M is None else build_tree(table, n)[0].truncated(ck.heads.num_heads)
+                tree = chain(n) if M is None else build_tree(table[: ck.heads.num_heads], n)[0]
                 name = f"{'prompt lookup' if M is None else f'Medusa M{M}'} {rule} {n}"  # unique: runs are kept by it
                 try:  # a rank-r node needs a head's top r + 1: a draft vocabulary of at least r + 1 tokens
                     verified = drafter.proposer(ck.model, tree).tree.num_nodes - 1

@@ -60,7 +60,7 @@ def resolve_tree(spec: str | None, *, ckpt_dir: str, device: torch.device | str,
         budget, min_gain = (int(spec), 0.0) if count else (64, 0.0) if gpu else (8, CPU_MIN_GAIN)
         if (acc := accuracy.load_accuracy(ckpt_dir, drawn=drawn)) is None:
             acc = accuracy.load_accuracy(ckpt_dir)  # measured before drawn candidates had a table: greedy's stands in
-        tree = build_tree(acc, budget, min_gain=min_gain)[0].truncated(num_heads)  # it may describe more heads
+        tree = build_tree(acc[:num_heads], budget, min_gain=min_gain)[0]  # it may describe more heads
     elif inline or spec.endswith(".json") or os.path.sep in spec:
         path = None if inline else next((p for p in (spec, os.path.join(ckpt_dir, spec)) if os.path.isfile(p)), None)
         if not inline and path is None:
