@@ -215,10 +215,11 @@ def format_table(result: dict) -> str:
                 "stops: speedup ≈ tokens/step ÷ step cost ÷ the extra passes its rows wait for (below) over plain's."
                 if batches else "speedup ≈ tokens/step ÷ step cost.")
     compiled, drawn = result.get("compile_warmup_s"), result.get("drawn_tree_nodes")  # None: the others' tree
-    lines += ["\ndevice {device}, {dtype}, {threads} threads; {prompts} prompts; tree {tree} ({tree_nodes} nodes "
+    lines += ["\ndevice {device}, {dtype}, {threads} thread{ts}; {prompts} prompt{ps}; tree {tree} ({tree_nodes} nodes "
               "incl. root{drawn}; prompt lookup: a chain of up to {lookup_nodes}); max-new-tokens {max_new_tokens}; "
               "top-p {top_p:g}{compiled}; {heads} heads; Medusa rejection candidates: drawn from q".format(
-                  **result, drawn="" if drawn is None else f"; Medusa rejection's, from its own table: {drawn}",
+                  **result, ts="s" * (result["threads"] != 1), ps="s" * (result["prompts"] != 1),
+                  drawn="" if drawn is None else f"; Medusa rejection's, from its own table: {drawn}",
                   compiled="" if compiled is None else f"; steps compiled in {compiled:.1f} s (not timed)"),
               f"Note: {BONUS_NOTE}; plain decoding is exactly 1.00. Step cost: ms\nper step over the plain "
               f"decoder's: {identity} Times include the prefill; fastest of {result['repeat']} runs."]
