@@ -37,7 +37,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = OneLineParser(prog="decode.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ckpt", type=os.path.expanduser, metavar="DIR", help="checkpoint directory (default: out/tiny)")
     p.add_argument("--prompt", action="append", metavar="TEXT", help="repeat for several (default: prompts.json)")
-    p.add_argument("--num-prompts", type=at_least(1), default=8, metavar="N", help="stored prompts used (default: 8)")
+    p.add_argument("--num-prompts", type=at_least(1), metavar="N", help="stored prompts used (default: 8)")
     p.add_argument("--max-new-tokens", type=at_least(1), metavar="N", help="per prompt (default: 128)")
     p.add_argument("--method", choices=("plain", *ACCEPTANCE_RULES), help="plain: one forward pass "
                    "per token; else Medusa with that acceptance rule (default: greedy at T = 0, else rejection)")
@@ -122,7 +122,9 @@ def prepare(a: argparse.Namespace) -> tuple:
             print(f"note: {a.ckpt} holds an unfinished run, as last saved: python train_tiny.py --out "
                   f"{shlex.quote(ck.directory)} --resume, with the flags it began with, finishes it", file=sys.stderr)
     # Prompts before heads: the missing heads' advice (--method plain) needs prompts too.
-    texts = a.prompt or ([text] if a.demo else load_prompts(a.ckpt)[: a.num_prompts])
+    texts = a.prompt or ([text] if a.demo else load_prompts(a.ckpt)[: a.num_prompts or 8])
+    if not (a.prompt or a.demo) and len(texts) < (a.num_prompts or 0):  # fewer stored than asked for: say so
+        print(f"note: {PROMPTS_FILE} holds {len(texts)} prompts, not {a.num_prompts}: decoding those", file=sys.stderr)
     medusa = a.method != "plain"  # --compare takes no --method, --explain refuses plain
     if ck.heads is None and medusa:
         plain_runs = not (a.compare or a.explain or a.reference)  # each of these decodes with heads

@@ -107,6 +107,10 @@ def test_json_is_an_object_per_prompt_and_a_batch_decodes_each_prompt_as_if_alon
     batched = objects(capsys, *argv, "--batch-size", "2")  # 3 prompts: batches of 2 and 1
     assert [(o["tokens"], o["batch_size"]) for o in batched] == [(o["tokens"], B) for o, B in zip(alone, (2, 2, 1))]
     assert run(capsys, *argv, "--batch-size", "2").count(" ms/token over its batch of 2,") == 2
+    for more, note in ([], ""), (["--num-prompts", "5"], "note: prompts.json holds 3 prompts, not 5: decoding those\n"):
+        assert decode.main([*argv, "--json", *more]) == 0  # the default, 8, is no request for more than there are
+        out, err = capsys.readouterr()
+        assert (len(out.splitlines()), err) == (3, note)
 
 
 @pytest.mark.slow
