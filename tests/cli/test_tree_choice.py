@@ -27,8 +27,7 @@ def test_a_budget_builds_the_best_tree_from_its_rules_table_else_the_device_pick
     save_accuracy(tmp_path, VICUNA)
     acc = load_accuracy(tmp_path)  # as stored: rounded, which may break the table's ties otherwise
     assert resolve("8", tmp_path) == resolve("8", tmp_path, drawn=True) == (build_tree(acc, 8)[0], "8", 8)
-    fewer = resolve("64", tmp_path, num_heads=2)[0]  # the whole budget spent on the heads loaded, none cut away
-    assert fewer == build_tree(acc[:2], 64)[0] and (fewer.num_nodes, fewer.depth) == (65, 2)
+    assert resolve("64", tmp_path, num_heads=2)[0] == build_tree(acc[:2], 64)[0]  # all 64 on the heads loaded
     assert resolve("1", tmp_path) == (build_tree(acc, 1)[0], "1", 1)  # the smallest budget: one node
     cpu_tree, name, _ = resolve(None, tmp_path)  # on a CPU, at most 8 nodes, each worth its time
     assert (cpu_tree, name) == (build_tree(acc, 8, min_gain=CPU_MIN_GAIN)[0], "auto") == resolve("auto", tmp_path)[:2]
