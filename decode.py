@@ -72,6 +72,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for wrong, message in (
         (a.compare and a.max_new_tokens == 1, "--compare needs --max-new-tokens 2 or more: the prefill makes one"),
         (a.explain and a.max_new_tokens, "--explain walks through one step: leave out --max-new-tokens"),
+        (a.explain and (a.num_prompts or len(a.prompt or []) > 1), "--explain takes one prompt: give one --prompt"),
         (a.compare and a.method, "--compare decodes with every method: leave out --method"),
         (a.method == "plain" and (a.explain or a.reference), "--explain and --reference decode with Medusa heads"),
         (a.method == "plain" and a.tree is not None, "--method plain verifies no tree: leave out --tree"),
@@ -243,7 +244,8 @@ def print_each(engine: Engine, method: Method, prompts: list[tuple[str, list[int
             stop = {"context": f"at the context limit: {stats.prompt_tokens} prompt + {len(tokens)} new tokens fill "
                                f"all {ck.block_size} positions", "eos": "at the end-of-text token",
                     "max_new_tokens": f"after max-new-tokens ({len(tokens)})"}
-            print(f"stats: {stats.steps} steps, {stats.tokens_per_step:.2f} tokens/step (bonus token counted), "
+            print(f"stats: {stats.steps} steps, {stats.tokens_per_step:.2f} tokens/step"
+                  + " (bonus token counted)" * (method.drafter is not None) + ", "
                   f"{ms:.1f} ms/token{speed}, stopped {stop[stats.stop_reason]}\n")
 
 

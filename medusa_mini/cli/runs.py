@@ -221,8 +221,9 @@ def format_table(result: dict) -> str:
                   **result, ts="s" * (result["threads"] != 1), ps="s" * (result["prompts"] != 1),
                   drawn="" if drawn is None else f"; Medusa rejection's, from its own table: {drawn}",
                   compiled="" if compiled is None else f"; steps compiled in {compiled:.1f} s (not timed)"),
-              f"Note: {BONUS_NOTE}; plain decoding is exactly 1.00. Step cost: ms\nper step over the plain "
-              f"decoder's: {identity} Times include the prefill; fastest of {result['repeat']} runs."]
+              f"Note: {BONUS_NOTE}; plain decoding is exactly 1.00.\nTokens count the prefill's too, which no step "
+              f"makes. Step cost: ms per step over the plain decoder's: {identity} Times include the prefill; "
+              f"fastest of {result['repeat']} runs."]
     for reason, what in (("context", "at the context limit"), ("eos", "at the end-of-text token")):
         if stopped := sum(row["stop_reasons"].count(reason) for row in result["rows"]):
             lines.append(f"{stopped} of the generations stopped {what} (the tokens column counts what each row made).")

@@ -63,9 +63,9 @@ def test_greedy_rows_are_plain_greedys_the_reference_the_engines_each_on_its_tre
         assert line.split()[-1] == same, line
         if label.startswith("plain"):  # the plain decoders set the step cost: 1.00 under its header
             assert line[: out.splitlines()[0].index("step cost") + 9].split()[-1] == "1.00", line
-    for needle in ("bonus token", "3 prompts", f"tree auto (7 nodes incl. root; Medusa rejection's, from its own "
-                   f"table: {len(drawn) + 1}; prompt lookup: a chain of up to 8)", "max-new-tokens 12", "1 thread;",
-                   "reference rejection (T=0.8): the engine's tokens on 3/3 prompts\n"):
+    for needle in ("bonus token", "prefill's too", "3 prompts", "max-new-tokens 12", f"tree auto (7 nodes incl. root;"
+                   f" Medusa rejection's, from its own table: {len(drawn) + 1}; prompt lookup: a chain of up to 8)",
+                   "1 thread;", "reference rejection (T=0.8): the engine's tokens on 3/3 prompts\n"):
         assert needle in out, needle
 
 

@@ -79,7 +79,7 @@ def test_show_brackets_each_step_of_the_text_and_plain_decoding_needs_no_heads(c
     assert decode.main(["--ckpt", str(stopped), "--method", "plain", "--show", "--max-new-tokens", "6"]) == 0
     out, err = capsys.readouterr()
     assert "holds an unfinished run, as last saved" in err and f"--out {stopped} --resume, with the flags" in err
-    assert "=== plain greedy; one [chunk] per forward pass" in out and "1.00 tokens/step" in out
+    assert "=== plain greedy; one [chunk] per forward pass" in out and "1.00 tokens/step, " in out  # no bonus token
     assert "attention mask" not in out and "root" not in out
 
 
@@ -182,7 +182,8 @@ def test_top_p_goes_with_sampling_a_temperature_names_or_compares_sampled_rows()
     "--plot {tmp}/b.png", "--demo", "--reference --method plain", "--method plain --tree 6 -> --tree",
     "--compare --batch-size 1,2 --plot {tmp}/no/b.png -> --plot", "--compare --max-new-tokens 1 -> --max-new-tokens",
     "--compare --method typical -> --method", "--explain --method plain", "--json --show", "--json --explain",
-    "--explain --max-new-tokens 5 -> leave out --max-new-tokens",
+    "--explain --max-new-tokens 5 -> leave out --max-new-tokens", "--explain --num-prompts 2 -> one --prompt",
+    "--explain --prompt a --prompt b -> one --prompt",
     "--compare --batch-size 1,2 --reference -> --reference", "--explain --compile -> --compile",
     "--explain --reference -> --reference", "--reference --compile -> --compile", "--show --reference -> --show",
     f"--explain --prompt {'q' * 62} -> at most 61 tokens", f"--compare --prompt {'q' * 63} -> at most 62 tokens",
@@ -213,7 +214,7 @@ def test_every_generator_decode_makes_lives_on_the_models_device(ckpt, capsys, m
             return super().__new__(cls, *args, **kw)
 
     monkeypatch.setattr(torch, "Generator", Recorded)
-    run(capsys, "--ckpt", ckpt, *["--max-new-tokens", "4"] * ("--explain" not in mode), "--num-prompts", "1", *mode)
+    run(capsys, "--ckpt", ckpt, *["--max-new-tokens", "4", "--num-prompts", "1"] * ("--explain" not in mode), *mode)
     assert devices and all(d is not None and torch.device(d) == torch.device("cpu") for d in devices), devices
 
 
