@@ -71,8 +71,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a.batch_size, a.batch_table = a.batch_sizes[0], a.compare and a.batch_sizes != [1]
     for wrong, message in (
         (a.compare and a.max_new_tokens == 1, "--compare needs --max-new-tokens 2 or more: the prefill makes one"),
-        (a.explain and a.max_new_tokens, "--explain walks through one step: leave out --max-new-tokens"),
-        (a.explain and (a.num_prompts or len(a.prompt or []) > 1), "--explain takes one prompt: give one --prompt"),
+        (a.explain and (a.max_new_tokens or a.num_prompts or len(a.prompt or []) > 1), "--explain walks through one "
+         "step on one prompt: leave out --max-new-tokens and --num-prompts, give one --prompt at most"),
         (a.compare and a.method, "--compare decodes with every method: leave out --method"),
         (a.method == "plain" and (a.explain or a.reference), "--explain and --reference decode with Medusa heads"),
         (a.method == "plain" and a.tree is not None, "--method plain verifies no tree: leave out --tree"),
