@@ -9,9 +9,9 @@ from device_rules import CudaRules
 from medusa_mini.acceptance import Accepted
 from medusa_mini.decoding import prefill
 from medusa_mini.model import KVCache
-from medusa_mini.proposal import PromptLookup, Proposal, chain_length, lookup
+from medusa_mini.proposal import PromptLookup, chain_length, lookup
 from medusa_mini.sampling import Sampling
-from medusa_mini.step import keep_path, medusa_step, place_tree, plain_step, read_step, usable_nodes, verify
+from medusa_mini.step import keep_path, medusa_step, place_tree, plain_step, usable_nodes, verify
 from medusa_mini.tree import Tree, chain, preset
 
 #   0 root ─┬─ 1 (0,) ─┬─ 3 (0,0) ── 5 (0,0,0)
@@ -58,12 +58,6 @@ def test_keep_path_leaves_each_rows_cache_as_if_only_its_accepted_path_had_been_
         seq = prompts[b] + tokens[b, kept].tolist()
         prefill(model, torch.tensor([seq]), alone := KVCache(model.config, max_len=len(seq)))  # exactly full
         torch.testing.assert_close(cache.kv[:, :, b, :, : len(seq)], alone.kv[:, :, 0], atol=1e-5, rtol=1e-5)
-
-
-def test_the_steps_one_read_gives_each_rows_path_and_its_accepted_tokens_then_the_bonus():
-    proposal = Proposal(torch.tensor([[7, 10, 11, 12, 13, 14], [8, 20, 21, 22, 23, 24]]), TREE)
-    accepted = Accepted(torch.tensor([5, 0]), torch.tensor([30, 31]))
-    assert read_step(proposal, accepted) == ([[0, 1, 3, 5], [0]], [[10, 12, 14, 30], [31]])
 
 
 # ---- prompt lookup -------------------------------------------------------------------------------
