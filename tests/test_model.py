@@ -8,13 +8,12 @@ from medusa_mini.model import GPT, GPTConfig, KVCache, cache_attention_mask, com
 from medusa_mini.tree import Tree
 
 
-def test_parameter_names_and_initial_values_follow_gpt2_and_the_lm_head_is_tied_to_the_token_embedding():
+def test_parameter_names_and_initial_values_follow_gpt2():
     torch.manual_seed(0)
     model, modules = GPT(GPTConfig(n_layer=2)), ("ln_1", "attn.c_attn", "attn.c_proj", "ln_2", "mlp.c_fc", "mlp.c_proj")
     block = [f"transformer.h.{i}.{m}.{p}" for i in range(2) for m in modules for p in ("weight", "bias")]
     assert list(model.state_dict()) == ["transformer.wte.weight", "transformer.wpe.weight", *block,
                                         "transformer.ln_f.weight", "transformer.ln_f.bias", "lm_head.weight"]
-    assert model.lm_head.weight.data_ptr() == model.transformer.wte.weight.data_ptr()
     h = model.transformer.h[0]  # N(0, 0.02), the residual stream's projections (c_proj) over √(2 n_layer), biases 0
     for w, std in ((model.transformer.wpe.weight, 0.02), (h.mlp.c_fc.weight, 0.02), (h.mlp.c_proj.weight, 0.02 / 2),
                    (h.attn.c_proj.weight, 0.02 / 2), (h.attn.c_attn.bias, 0.0)):
