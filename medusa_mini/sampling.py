@@ -44,7 +44,7 @@ class Sampling:
 
     def __post_init__(self) -> None:
         T = self.temperature
-        if not (isinstance(T, numbers.Real) and math.isfinite(T) and 0 <= T <= FLOAT32_MAX):  # numpy's too
+        if isinstance(T, bool) or not (isinstance(T, numbers.Real) and math.isfinite(T) and 0 <= T <= FLOAT32_MAX):
             raise ValueError(f"temperature must be a number from 0 (greedy) to {FLOAT32_MAX:.3g} (float32's "
                              f"largest), not {T!r}")
         if self.acceptance not in (None, *ACCEPTANCE_RULES):
@@ -54,7 +54,7 @@ class Sampling:
                              "(lossless) or typical acceptance")
         if self.candidates not in ("drawn", "topk"):
             raise ValueError(f"unknown candidates {self.candidates!r}: use drawn or topk")
-        if not (isinstance(self.top_p, numbers.Real) and 0 < self.top_p <= 1):
+        if isinstance(self.top_p, bool) or not (isinstance(self.top_p, numbers.Real) and 0 < self.top_p <= 1):
             raise ValueError(f"top_p must be a number in (0, 1], not {self.top_p!r}")
         if not all(isinstance(x, numbers.Real) and x > 0 for x in (self.epsilon, self.delta)):
             raise ValueError(f"typical acceptance's epsilon, delta must be > 0, not {self.epsilon!r}, {self.delta!r}")

@@ -147,7 +147,7 @@ MAX_NODES = 256  # a node budget's and a chain's ceiling: a longer chain's choic
 
 def preset(name: str) -> Tree:
     """'cpu', 'gpu', or 'chainN' (e.g. 'chain4'), N from 1 to MAX_NODES."""
-    if name.startswith("chain") and name[5:].isdigit() and 0 < int(name[5:]) <= MAX_NODES:
+    if str(name).startswith("chain") and name[5:].isdigit() and 0 < int(name[5:]) <= MAX_NODES:
         return chain(int(name[5:]))
     if name not in PRESETS:
         raise ValueError(f"unknown tree {name!r}: use one of {sorted(PRESETS)} or chainN, N from 1 to {MAX_NODES}")

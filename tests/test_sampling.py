@@ -84,9 +84,9 @@ def test_greedy_is_decided_by_the_temperature_alone_and_sampling_means_lossless_
 
 
 @pytest.mark.parametrize("kwargs, needle", [
-    (dict(acceptance="greedy", temperature=0.7), "greedy acceptance is for temperature 0"),
+    (dict(acceptance="greedy", temperature=0.7), "greedy acceptance is for"), (dict(top_p=True), "top_p must be"),
     (dict(temperature=-1.0), "temperature"), (dict(temperature=float("nan")), "temperature"),
-    (dict(temperature=1e39), "float32's largest"),
+    (dict(temperature=1e39), "float32's largest"), (dict(temperature=True), "temperature must be a number"),
     (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"), (dict(epsilon=0.0), "epsilon"), (dict(delta=0.0), "delta"),
     (dict(top_p="0.5"), "top_p must be a number"), (dict(epsilon="0.1"), "epsilon, delta must be > 0, not '0.1'"),
     (dict(acceptance="nucleus"), "unknown acceptance rule"), (dict(candidates="beam"), "unknown candidates")])

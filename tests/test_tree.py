@@ -74,6 +74,7 @@ def test_presets_are_valid_and_sized_for_their_device_and_a_chain_is_one_top1_gu
     assert chain(3).choices == ((0,), (0, 0), (0, 0, 0)) and chain(3).parents == [-1, 0, 1, 2]
     assert cpu.num_nodes <= 16 and 60 <= gpu.num_nodes - 1 <= 70 and (cpu.depth, gpu.depth, gpu.max_rank) == (4, 4, 9)
     assert preset("chain1") == chain(1) and preset("chain256").num_nodes == 257  # MAX_NODES below the root
+    assert all(pytest.raises(ValueError, preset, b).match("unknown tree") for b in ("chain0", "chain257", 3, None))
 
 
 def test_truncation_keeps_the_shallow_part_of_the_tree_and_a_shallow_enough_tree_whole():
