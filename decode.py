@@ -31,14 +31,16 @@ from medusa_mini.sampling import ACCEPTANCE_RULES, SAMPLING_TEMPERATURE, Samplin
 from medusa_mini.train.device import DTYPES, pick_device, pick_dtype
 from medusa_mini.train.state import STATE_FILE
 
+NUM_PROMPTS, MAX_NEW_TOKENS = 8, 128  # the defaults, filled in after the checks: --explain refuses either given
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The flags, every impossible setting refused before any loading; batch sizes and sampling filled in."""
     p = OneLineParser(prog="decode.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ckpt", type=os.path.expanduser, metavar="DIR", help="checkpoint directory (default: out/tiny)")
     p.add_argument("--prompt", action="append", metavar="TEXT", help="repeat for several (default: prompts.json)")
-    p.add_argument("--num-prompts", type=at_least(1), metavar="N", help="stored prompts used (default: 8)")
-    p.add_argument("--max-new-tokens", type=at_least(1), metavar="N", help="per prompt (default: 128)")
+    p.add_argument("--num-prompts", type=at_least(1), metavar="N", help=f"stored prompts used (default: {NUM_PROMPTS})")
+    p.add_argument("--max-new-tokens", type=at_least(1), metavar="N", help=f"per prompt (default: {MAX_NEW_TOKENS})")
     p.add_argument("--method", choices=("plain", *ACCEPTANCE_RULES), help="plain: one forward pass "
                    "per token; else Medusa with that acceptance rule (default: greedy at T = 0, else rejection)")
     p.add_argument("--temperature", type=float, metavar="T",
@@ -98,7 +100,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if wrong:
             p.error(message)
     a.ckpt = "out/tiny" if a.ckpt is None else a.ckpt  # no default above: --demo refuses a --ckpt given
-    a.max_new_tokens = a.max_new_tokens or 128  # nor here: --explain refuses one
+    a.max_new_tokens = a.max_new_tokens or MAX_NEW_TOKENS
     a.temperature = (SAMPLING_TEMPERATURE if samples else 0.0) if a.temperature is None else a.temperature
     rule = None if a.compare or a.method == "plain" else a.method  # --compare makes its own rows
     try:  # every sampling setting is checked here, once; plain decoding reads only T and top-p
@@ -123,7 +125,7 @@ def prepare(a: argparse.Namespace) -> tuple:
             print(f"note: {a.ckpt} holds an unfinished run, as last saved: python train_tiny.py --out "
                   f"{shlex.quote(ck.directory)} --resume, with the flags it began with, finishes it", file=sys.stderr)
     # Prompts before heads: the missing heads' advice (--method plain) needs prompts too.
-    texts = a.prompt or ([text] if a.demo else load_prompts(a.ckpt)[: a.num_prompts or 8])
+    texts = a.prompt or ([text] if a.demo else load_prompts(a.ckpt)[: a.num_prompts or NUM_PROMPTS])
     if not (a.prompt or a.demo) and len(texts) < (a.num_prompts or 0):  # fewer stored than asked for: say so
         print(f"note: {PROMPTS_FILE} holds {len(texts)} prompts, not {a.num_prompts}: decoding those", file=sys.stderr)
     medusa = a.method != "plain"  # --compare takes no --method, --explain refuses plain

@@ -24,10 +24,12 @@ ROWS, POSITIONS = 16, 256  # rows per greedy batch, positions per heads call: bo
 def continuations(model: GPT, prompts: list[list[int]], *, max_new_tokens: int, temperature: float = 0.0,
                   seed: int = 0) -> list[list[int]]:
     """Each prompt + the backbone's continuation (temperature 0: greedy), ROWS prompts at a time, one generator."""
-    sampling, g = Sampling(temperature=temperature), torch.Generator(device=model.device).manual_seed(seed)
-    parts = [prompts[b : b + ROWS] for b in range(0, len(prompts), ROWS)]
-    return [p + new for part in parts for p, (new, _) in zip(
-        part, generate_batch(model, part, max_new_tokens=max_new_tokens, sampling=sampling, generator=g))]
+    out, sampling, g = [], Sampling(temperature=temperature), torch.Generator(device=model.device).manual_seed(seed)
+    for b in range(0, len(prompts), ROWS):
+        part = prompts[b : b + ROWS]
+        rows = generate_batch(model, part, max_new_tokens=max_new_tokens, sampling=sampling, generator=g)
+        out += [p + new for p, (new, _) in zip(part, rows)]
+    return out
 
 
 def with_head_targets(sequences: list[list[int]], prompt_lens: int | Sequence[int]) -> Iterator[tuple[list[int], int]]:
