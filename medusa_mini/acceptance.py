@@ -119,14 +119,14 @@ def try_distributions(p: torch.Tensor, q: torch.Tensor, tries: Tries) -> torch.T
     """The distributions the tries read, every node's residuals built at once (rounded as `residual_after_miss`
     rounds them): p [B, N, V], q [B, N - 1, V] in child order -> [B, 3N - 2, V] (`Tries`: p, the residuals, q); one
     whose miss left no mass (r = q up to rounding) is 0 / 0, NaN. Turn s: the first n_s inner nodes miss their s-th
-    child, and one addcdiv makes rest_s = max(0, rest_{s-1} / mass_{s-1} - q_s), unnormalised until one division."""
-    minus_q, rest, mass, residuals, masses = -q, p[:, tries.nodes], None, [], []  # rest [B, n, V]: p at inner nodes
-    for minus_q_s in minus_q.split(tries.sizes, dim=1):  # [B, n_s, V]
-        n = minus_q_s.shape[1]
-        rest = minus_q_s + rest[:, :n] if mass is None else torch.addcdiv(minus_q_s, rest[:, :n], mass[:, :n, None])
-        rest = rest.clamp_min(0.0)
+    child; residuals are kept negated until one division, so one addcdiv makes -rest_s = min(0, q_s - r_{s-1})."""
+    rest, mass, residuals, masses = p[:, tries.nodes], None, [], []  # rest [B, n, V]: p at inner nodes, then -rest
+    for q_s in q.split(tries.sizes, dim=1):  # [B, n_s, V]
+        n = q_s.shape[1]  # r_{s-1} = rest / mass = -rest / -mass, exactly
+        rest = q_s - rest[:, :n] if mass is None else torch.addcdiv(q_s, rest[:, :n], mass[:, :n, None], value=-1)
+        rest = rest.clamp_max(0.0)
         residuals.append(rest)
-        masses.append(mass := rest.sum(dim=-1))  # [B, n_s]
+        masses.append(mass := rest.sum(dim=-1))  # [B, n_s], negated
     dists = torch.cat([p, *residuals, q], dim=1)  # [B, 3N - 2, V]
     dists[:, p.shape[1] : 2 * p.shape[1] - 1].div_(torch.cat(masses, dim=1)[..., None])  # [B, N - 1, V] normalised
     return dists
