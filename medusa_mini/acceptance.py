@@ -44,23 +44,16 @@ def path_scores(tree: TreeTensors, passes: torch.Tensor) -> torch.Tensor:
     return torch.addmm(bias, passes.float(), weights)
 
 
-def deepest_accepted(tree: TreeTensors, passes: torch.Tensor) -> torch.Tensor:
-    """[B] the deepest node whose whole path passes, the root if none (passes [B, N], each node's own test).
-    Where siblings never both pass, the accepted nodes form one path from the root, and along a path
-    the deepest node has the largest index (nodes are numbered parents first), the largest score."""
-    return path_scores(tree, passes).argmax(dim=-1)
-
-
 def path_accept(tree: TreeTensors, tokens: torch.Tensor, y: torch.Tensor, *,
                 usable: torch.Tensor | None = None) -> Accepted:
     """`reference.walk` for B rows, on the device: tokens [B, N], y [B, N] the backbone's token at every node.
 
     A candidate passes when it is y at its parent. Siblings hold distinct tokens (a proposer's promise: a
-    top-k, or draws without replacement), so at most one child of a node passes, the accepted nodes form
-    one path from the root, and its deepest node ends the walk's path.
+    top-k, or draws without replacement), so at most one child of a node passes, the accepted nodes form one path
+    from the root, and its deepest node, which ends the walk's path, has the largest index (parents come first).
     """
     match = tokens == y[:, tree.parent_index]  # [B, N]
-    last = deepest_accepted(tree, match if usable is None else match & usable)  # [B]
+    last = path_scores(tree, match if usable is None else match & usable).argmax(dim=-1)  # [B]
     return Accepted(last, y.gather(1, last[:, None])[:, 0])
 
 

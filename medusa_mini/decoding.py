@@ -209,6 +209,8 @@ def medusa_generate_batch(
     """
     if not isinstance(tree, Tree):  # else an AttributeError in the proposer
         raise TypeError(f"tree is a Tree, e.g. tree.preset('cpu') or Tree.from_choices([[0], [1]]), not {tree!r}")
+    if not hasattr(drafter, "proposer"):  # else an AttributeError here
+        raise TypeError(f"drafter is heads (heads.make_heads) or a PromptLookup(), not {drafter!r}")
     proposer = drafter.proposer(model, tree)
     rows = Generations(model, prompts, max_new_tokens=max_new_tokens, eos_id=eos_id, on_step=on_step)
     B, N = len(rows.prompts), proposer.tree.num_nodes

@@ -53,6 +53,8 @@ class Tree:
     choices: tuple[Choice, ...]
 
     def __post_init__(self) -> None:
+        if not all(isinstance(c, tuple) for c in self.choices):  # a list is unhashable: say what takes lists
+            raise ValueError("Tree(choices) takes tuples of ranks; make trees from lists with Tree.from_choices")
         index = {c: i + 1 for i, c in enumerate(self.choices)}
         # The host lists below assume sorted, distinct, prefix-closed choices: `from_choices` makes them.
         unsorted = list(self.choices) != sorted(index, key=lambda c: (len(c), c))

@@ -48,10 +48,11 @@ def test_bad_prompts_and_budgets_are_a_clear_error_and_a_flat_list_is_not_a_batc
         medusa_generate_batch(model, random_heads(model), prompts, tree=chain(2), max_new_tokens=max_new_tokens)
 
 
-def test_a_tree_or_sampling_of_another_type_is_a_type_error_naming_what_to_pass(model):
-    for bad, needle in ((None, "not None"), ("cpu", "not 'cpu'"), (chain(2), "a Sampling, .* not 'greedy'")):
+def test_a_drafter_tree_or_sampling_of_another_type_is_a_type_error_naming_what_to_pass(model):
+    for drafter, bad, needle in ((h := random_heads(model), None, "not None"), (h, "cpu", "not 'cpu'"),
+                                 (None, chain(2), "drafter is"), (h, chain(2), "a Sampling, .* not 'greedy'")):
         with pytest.raises(TypeError, match=needle):  # not an AttributeError from deep inside
-            medusa_generate(model, random_heads(model), [1], max_new_tokens=2, tree=bad, sampling="greedy")
+            medusa_generate(model, drafter, [1], max_new_tokens=2, tree=bad, sampling="greedy")
 
 
 def test_a_reused_cache_gives_the_tokens_of_a_fresh_one_and_must_be_the_one_asked_for():

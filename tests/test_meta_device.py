@@ -114,7 +114,7 @@ def test_meta_alone_lets_a_host_index_and_a_host_generator_through_and_cuda_rule
 
 @pytest.mark.parametrize("module, name, misplaced", [  # each with its device= forgotten
     (model_module, "causal_mask", lambda T, device: torch.ones(T, T, dtype=torch.bool).tril()),
-    (acceptance, "deepest_accepted", lambda tree, passes, real=acceptance.deepest_accepted: real(
+    (acceptance, "path_scores", lambda tree, passes, real=acceptance.path_scores: real(
         tree, passes.gather(1, torch.arange(passes.shape[1]).expand(passes.shape)))),
 ], ids=["a mask on the host (meta's own check)", "a gather index on the host (CudaRules)"])
 def test_a_tensor_left_on_the_host_in_the_engine_fails_the_device_run(monkeypatch, module, name, misplaced):

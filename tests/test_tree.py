@@ -62,7 +62,7 @@ def test_bad_choices_are_a_clear_error_naming_the_choice(choices, kwargs, messag
     pytest.raises(ValueError, Tree.from_choices, choices, **kwargs).match(message)
 
 
-@pytest.mark.parametrize("choices", [((0,), (0, 0), (1,)), ((1,), (0,)), ((0,), (1, 0)), ((0,), (-1,)), ((),)])
+@pytest.mark.parametrize("choices", [((0,), (0, 0), (1,)), ((1,), (0,)), ((0,), (1, 0)), ((0,), (-1,)), ((),), [[0]]])
 def test_tree_itself_refuses_unsorted_or_invalid_choices_and_points_to_from_choices(choices):
     """Its node lists assume prefix-closed choices sorted by depth, then rank: unsorted ones would put a depth-1 node
     in the run of depth 2, or children out of rank order; a missing parent would hang its child on the root."""

@@ -56,8 +56,7 @@ def test_a_path_savefig_would_not_write_as_named_or_no_matplotlib_is_one_line(tm
     if name == "plot.png":  # a good path: drawing says it too
         checks += [lambda: plot_batch(batch_rows(), name, title="b"), lambda: draw_sweep(name)]
     for check in checks:
-        exc = pytest.raises(ValueError, check)
-        assert exc.match(message) and "\n" not in str(exc.value)
+        assert (exc := pytest.raises(ValueError, check)).match(message) and "\n" not in str(exc.value)
     assert sorted(os.listdir(tmp_path)) == ["folder"]
 
 
