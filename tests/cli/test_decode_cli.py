@@ -76,10 +76,10 @@ def test_show_brackets_each_step_of_the_text_and_plain_decoding_needs_no_heads(c
     assert shown.count("[") == medusa["steps"] + 1  # the prefill's token, then one chunk per step
     shutil.copytree(ckpt_no_heads, stopped := tmp_path / "run")
     (stopped / "train_state.pt").touch()  # a run stopped before its end: decoded as last saved, with a note
-    assert decode.main(["--ckpt", str(stopped), "--method", "plain", "--show", "--max-new-tokens", "6"]) == 0
+    assert decode.main(["--ckpt", str(stopped), "--method", "plain", "--show", "--max-new-tokens", "2"]) == 0
     out, err = capsys.readouterr()
     assert "holds an unfinished run, as last saved" in err and f"--out {stopped} --resume, with the flags" in err
-    assert "=== plain greedy; one [chunk] per forward pass" in out and "1.00 tokens/step, " in out  # no bonus token
+    assert "=== plain greedy; one [chunk] per forward pass" in out and "1 step, 1.00 tokens/step, " in out  # no bonus
     assert "attention mask" not in out and "root" not in out
 
 
