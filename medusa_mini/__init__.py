@@ -2,9 +2,9 @@
 
 Read `reference.py` first: the whole algorithm in one file that runs, batch 1. The engine makes the
 same decisions fast, for batches: sampling, tree, model (GPT-2 and a static KV cache), heads (Medusa's
-and dependent ones), proposal (the candidates of one step, prompt lookup's too), acceptance, step,
-decoding; then training. All of it imports only torch, numpy and itself. The wings import the core,
-never the reverse: io/ (tokenizer, safetensors, checkpoints, GPT-2 weights), train/ (the train_tiny.py
+and dependent ones), proposal (the candidates of one step, prompt lookup's too), acceptance, step, decoding;
+then training. All of it imports only torch, the standard library and itself. The wings import the core, never
+the reverse: io/ (tokenizer, safetensors, checkpoints, GPT-2 weights), train/ (the train_tiny.py
 run), cli/ (the command lines' shared code and the compiled steps).
 """
 

@@ -184,7 +184,7 @@ def generate_batch(model: GPT, prompts: list[Prompt], *, max_new_tokens: int, sa
     cache, tok, _ = rows.start(model, cache, slots=model.config.block_size, sampling=sampling, generator=generator)
     longest = max(map(len, rows.prompts))  # every row's cache length is at most this, on the host
     while rows.active:
-        start = cache.lengths  # [B]
+        start = cache.lengths  # [B], a snapshot: the step advances the buffer; a stopped row goes back to it
         longest += 1
         u = sampling.uniforms((B,), generator, device=device)
         tok, _, _ = steps.plain(model, cache, tok[:, None], sampling=sampling, u=u, attended=longest)

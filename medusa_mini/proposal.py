@@ -89,7 +89,7 @@ class HeadsProposer:
     (`DraftHeads.logits_of`) over the draft vocabulary draft_ids [M]; `heads`, the module itself. Each kind
     fills the tree with its own `fill_tree`, the one function that makes its trees."""
 
-    fill_tree: Callable  # (tree, roots, hidden, logits_of, *, draft_ids, vocab_size, temperature, u) -> tokens, drawn
+    fill_tree: Callable  # (TreeTensors, roots, hidden, logits_of, *, draft_ids, vocab_size, temperature, u)
     q_count: Callable[[Tree], int]  # Q, how many q a drawn tree draws from
 
     def __init__(self, tree: Tree, logits_of: Callable, *, draft_ids: torch.Tensor, vocab_size: int,
@@ -141,7 +141,7 @@ def fill_depth_by_depth(tree: TreeTensors, roots: torch.Tensor, hidden: torch.Te
     tokens = roots[:, None].expand(B, tree.parent_index.numel()).clone()  # [B, N], filled depth by depth below
     for d in range(1, tree.depth + 1):
         lo, hi, kids = first[d - 1], first[d], slice(first[d], first[d + 1])
-        paths = tokens[:, tree.node_paths[lo:hi, :d]]  # [B, n, d]: the root, then the drafted path
+        paths = tokens[:, tree.node_paths[lo:hi, :d]]  # [B, n, d]: the tokens on each node's path, root first
         picks = pick(logits_of(d, hidden[:, None].expand(B, hi - lo, C), paths))  # [B, n, R]
         # [B, n_d]: each node of depth d takes its parent's pick (parents counted from lo) at its rank
         tokens[:, kids] = picks[:, tree.parent_index[kids] - lo, tree.ranks[kids]]

@@ -69,7 +69,7 @@ def keep_path(cache: KVCache, accepted: Accepted, *, placed: torch.Tensor, activ
     D + 1 slots move per row (a fixed shape: past the path's end its last node is copied again, beyond the new
     length). placed: `place_tree`'s, from the lengths the verify saw."""
     slots = at_each_row(placed[..., 2:], accepted.last)  # [B, 2D + 3]: the path's slots, those it moves to, the length
-    D1 = (slots.shape[1] - 1) // 2  # D + 1
+    D1 = (slots.shape[1] - 1) // 2  # slots: [the path's D + 1 | where they move | the length]
     length = slots[:, -1] if active is None else torch.where(active, slots[:, -1], cache.length_buffer)  # [B]
     compact_kv_cache(cache, slots[:, :D1], to=slots[:, D1:-1], length=length)
 

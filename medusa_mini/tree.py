@@ -132,7 +132,7 @@ CPU_CHOICES: list[Choice] = [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0),  # depths
 
 
 def _gpu_choices() -> list[Choice]:
-    """About 64 nodes for a GPU, where a 64-token verify costs about what one token does. Rank budgets shrink with
+    """67 nodes for a GPU, where a 64-token verify costs about what one token does. Rank budgets shrink with
     depth and the ranks above, as in the paper's optimised sparse tree (deeper heads err more; later ranks win less)."""
     out, frontier = [], [()]
     budget = {1: 10, 2: 4, 3: 3, 4: 2}  # per depth: ranks tried below a top-ranked parent
