@@ -11,6 +11,7 @@ or 'auto': 64 nodes on a GPU, on a CPU at most 8 that pay for themselves (`CPU_M
 import json
 import os
 import shlex
+import sys
 from typing import NamedTuple
 
 import torch
@@ -112,6 +113,10 @@ def main(argv: list[str] | None = None) -> int:
         prompts = prompt_ids(ck, count=a.num_prompts, max_new_tokens=a.max_new_tokens)
         check_writable(a.ckpt, f"--ckpt {a.ckpt}", files=(accuracy.ACCURACY_FILE,))
     lens, T, top_k = [len(ids) for ids in prompts], a.temperature, min(a.top_k, ck.heads.draft_ids.numel())
+    for flag, asked, got, what in (("--num-prompts", a.num_prompts, len(prompts), f"{PROMPTS_FILE} gives"),
+                                   ("--top-k", a.top_k, top_k, "the heads guess among")):
+        if got < asked:  # measured on what there is, and said so: the saved table names its own sizes
+            print(f"note: {flag} {asked}: {what} {got}; measuring those", file=sys.stderr)
     greedy = accuracy.continuations(ck.model, prompts, max_new_tokens=a.max_new_tokens)
     acc = accuracy.measure_head_accuracy(ck.model, ck.heads, greedy, prompt_lens=lens, top_k=top_k)
     sampled = accuracy.continuations(ck.model, prompts, max_new_tokens=a.max_new_tokens, temperature=T, seed=a.seed)

@@ -86,8 +86,8 @@ def test_measure_saves_both_tables_and_prints_their_trees_estimates_and_the_samp
     rates = [float(v) for v in sampled.split("=")[-1].split()]  # one per head
     assert len(rates) == 3 and all(0 <= v <= 1 for v in rates)
     assert lines[-1].startswith("head 1 with q = the exact marginal over the root") and "Σ min(p, q) = 0." in lines[-1]
-    measure.main(argv + ["--seed", "4"])
-    assert sampled not in capsys.readouterr().out  # the seed draws other continuations
+    measure.main(argv + ["--seed", "4", "--num-prompts", "9", "--top-k", "301"])  # more than there are: a note each
+    assert sampled not in (o := capsys.readouterr()).out and "9: prompts.json gives 4;" in o.err and "301: the" in o.err
     # 3 new tokens: the third head would have none to guess
     assert "--max-new-tokens must exceed the 3 heads" in refused(capsys, measure.main, argv + ["--max-new-tokens", "3"])
     (table := tmp_path / "heads_accuracy.json").unlink()
