@@ -68,8 +68,8 @@ def main(argv: list[str] | None = None) -> int:
             with contextlib.suppress(OSError):
                 os.rmdir(folder)
         if (words := out_of_memory(e)) is not None:  # the device's size, not a fault: the flags that set its load
-            e = TrainError(f"{words}: lower --batch-size (the heads stage's: --heads-batch-size), and --overwrite if "
-                           "it saved")
+            e = TrainError(f"{words}: lower --batch-size and --overwrite if it saved (the heads stage's: "
+                           "--heads-batch-size, with --resume)")
         if not isinstance(e, (TrainError, KeyboardInterrupt)):  # a closed pipe (exit_with's), a fault: as raised
             raise
         if isinstance(e, TrainError):

@@ -111,6 +111,11 @@ class TrainArgs:
         return {**trained, "init": init, "seed": self.seed, "dtype": self.dtype}
 
 
+# The settings --resume may change at a stage's step 0 (as after running out of memory as it began): no saved step
+# holds what they shape, theirs or a later stage's, so the run goes on as one begun with them would.
+UNBEGUN = {"heads": ("heads_steps", "heads_batch_size", "heads_lr", "draft_vocab")}
+UNBEGUN["distill"] = (*UNBEGUN["heads"], *(f"distill_{s}" for s in ("prompts", "prompt_len", "tokens", "temperatures")))
+
 PRESETS: dict[str, dict] = {
     # the pipeline end to end in small, not a useful model: 16 s on two CPU cores
     "smoke": dict(max_bytes=300_000, vocab_size=512, n_layer=2, n_head=2, n_embd=64, block_size=128,

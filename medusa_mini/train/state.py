@@ -12,7 +12,7 @@ from ..io.files import Writer, atomic_write, remove_file
 from ..io.loading import PROMPTS_FILE
 from ..io.tokenizer import save_tokenizer
 from . import accuracy
-from .config import TrainArgs, TrainError
+from .config import UNBEGUN, TrainArgs, TrainError
 
 STATE_FILE = "train_state.pt"
 LOWER_LR = "start again with a lower learning rate (--lr; the heads stage's: --heads-lr), and --overwrite if it saved"
@@ -93,7 +93,8 @@ class Run:
         if theirs.get("heads_target") == "token":  # saved when heads could be taught p too; tokens are what is left
             del theirs["heads_target"]
         theirs.pop("data", None)  # saved when the path of --data was compared too, not only its text
-        diff = sorted(k for k in mine | theirs if mine.get(k) != theirs.get(k))  # a setting left out is None
+        free = UNBEGUN.get(state.get("stage"), ()) if state.get("step") == 0 else ()  # a stage not begun: its own
+        diff = sorted(k for k in mine | theirs if mine.get(k) != theirs.get(k) and k not in free)  # left out: None
         if diff or state.get("world", 1) != self.world:  # each setting as saved, then as given now
             was = [f"{k} {theirs.get(k)}, not {mine.get(k)}" for k in diff] or [f"{state.get('world', 1)} processes"]
             raise TrainError(f"--resume: the run began with {'; '.join(was)}: give the flags it began with")

@@ -291,7 +291,19 @@ def test_help_lists_every_flag_and_bad_flags_or_data_are_one_line_naming_it_with
         with pytest.raises(BrokenPipeError) if said is None else contextlib.nullcontext():  # exit_with's: status 1
             assert train_tiny.main([*FAST, "--out", "x"]) == 2
         assert not (tmp_path / "x").exists() and capsys.readouterr().err == ("" if said is None else f"train_tiny.py: "
-            f"error: {said}: lower --batch-size (the heads stage's: --heads-batch-size), and --overwrite if it saved\n")
+            f"error: {said}: lower --batch-size and --overwrite if it saved (the heads stage's: --heads-batch-size, "
+            "with --resume)\n")
+
+
+def test_out_of_memory_as_the_heads_begin_resumes_with_fewer_heads_sequences_as_if_begun_so(tmp_path, monkeypatch):
+    oom = RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 9 bytes. Error code 12")
+    monkeypatch.setattr(run_mod, "heads_stage", lambda r, state: (_ for _ in ()).throw(oom))
+    assert train_tiny.main(args := [*FAST, "--out", str(tmp_path / "run")]) == 2
+    monkeypatch.undo()  # the backbone kept: at a stage's step 0, --resume takes its settings (and later ones') anew
+    assert train_tiny.main(args + ["--resume", "--lr", "2e-3"]) == 2  # a finished stage's stay
+    fewer, fresh = ["--heads-batch-size", "2", "--heads-lr", "2e-3"], str(tmp_path / "fresh")
+    assert train_tiny.main(args + ["--resume", *fewer]) == 0 and train_tiny.main([*FAST, "--out", fresh, *fewer]) == 0
+    assert same_weights(tmp_path / "run", fresh)
 
 
 @pytest.mark.slow
