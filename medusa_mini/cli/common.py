@@ -147,10 +147,13 @@ def exit_with(main: Callable[[], int], *, memory_advice: str = "") -> NoReturn:
         with contextlib.suppress(OSError):  # a stdout that is no file (io.UnsupportedOperation) has nothing to flush
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         status = 1
-    except RuntimeError as e:
-        if (words := out_of_memory(e)) is None:
+    except (RuntimeError, OSError) as e:  # OSError: the system's own words (a full disk), one line
+        if isinstance(e, RuntimeError) and (words := out_of_memory(e)) is None:
             raise
-        print(f"{os.path.basename(sys.argv[0])}: error: {words}{memory_advice}", file=sys.stderr)
+        print(f"{os.path.basename(sys.argv[0])}: error: {e if isinstance(e, OSError) else words + memory_advice}",
+              file=sys.stderr)
+        with contextlib.suppress(OSError):  # a stdout that failed must not fail again at exit
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         status = 2
     sys.exit(status)
 

@@ -1,7 +1,9 @@
 """A training run's state, shared by every stage (`run.py`): its ranks under torchrun (DDP), saving what an exact
 --resume needs (also on Ctrl-C) and reading it back, the checks across ranks, and the stages' clock."""
 
+import contextlib
 import os
+import sys
 import time
 
 import torch
@@ -43,8 +45,13 @@ class Run:
         self.stages: list[str] = []  # each timed stage, as the `stages` line shows it
 
     def log(self, msg: str) -> None:
-        if self.main:
-            print(msg, flush=True)
+        try:
+            print(msg, flush=True) if self.main else None
+        except OSError as e:  # its reader gone (`| head`) or a full disk: saved at the next step, as on Ctrl-C
+            with contextlib.suppress(OSError):  # later lines go nowhere: a stdout that is no file has nothing to swap
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            print(f"\ntrain_tiny.py: the output failed ({e.strerror or e}): saving after this step", file=sys.stderr)
+            self.stop_requested = True
 
     def save(self, *, stage: str, step: int, optimizer=None, gen=None, scaler=None) -> None:
         """State for --resume (each rank's generator and text in a file of its own) and a usable checkpoint."""

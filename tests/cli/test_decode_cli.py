@@ -147,12 +147,15 @@ def test_as_a_process_a_sampled_run_repeats_its_tokens(ckpt, capsys):
 
 @pytest.mark.filterwarnings("ignore:'medusa_mini.cli.measure' found in sys.modules")  # run again as __main__
 @pytest.mark.parametrize("stop, status", [(KeyboardInterrupt, 130), (BrokenPipeError, 1), (torch.OutOfMemoryError, 2)])
-def test_ctrl_c_a_closed_pipe_or_a_full_device_ends_every_script_quietly(stop, status, monkeypatch):
+def test_ctrl_c_a_closed_pipe_or_a_full_device_ends_every_script_quietly(stop, status, monkeypatch, capsys):
     """Ctrl-C: status 130; a reader gone (`| head`): 1; out of memory: 2; no traceback, in decode's own run too."""
     monkeypatch.setattr(sys, "stdout", stdout := io.StringIO())  # no file: a closed pipe's end leaves pytest's fd be
     scripts = "decode train_tiny benchmarks/bench_step benchmarks/sweep benchmarks/gpu_report".split()
     runs = [functools.partial(runpy.run_path, os.path.join(ROOT, f"{s}.py"), run_name="__main__") for s in scripts]
     assert pytest.raises(SystemExit, exit_with, lambda: 2).value.code == 2  # else a script's own status
+    disk_full = lambda: (_ for _ in ()).throw(OSError(28, "No space left on device"))  # noqa: E731 (stdout's, say)
+    assert pytest.raises(SystemExit, exit_with, disk_full).value.code == 2 and capsys.readouterr().err.endswith(
+        "error: [Errno 28] No space left on device\n")
     monkeypatch.setattr(decode, "run", lambda a: (_ for _ in ()).throw(stop()))
     pytest.raises(stop, decode.main, ["--prompt", "x"])  # no OSError to report with status 2: the script ends it
     monkeypatch.setattr(argparse.ArgumentParser, "parse_known_args", lambda *args: (_ for _ in ()).throw(stop()))

@@ -306,6 +306,16 @@ def test_out_of_memory_as_the_heads_begin_resumes_with_fewer_heads_sequences_as_
     assert same_weights(tmp_path / "run", fresh)
 
 
+def test_output_that_cannot_be_written_stops_the_run_saved_as_ctrl_c_does(tmp_path, monkeypatch, capsys, reference_run):
+    lines, real = iter(range(10**6)), print  # `| head -3`: the fourth line meets a closed pipe
+    monkeypatch.setattr("builtins.print", lambda *a, **k: real(*a, **k) if k.get("file") or next(lines) < 3 else
+                        (_ for _ in ()).throw(BrokenPipeError(32, "Broken pipe")))
+    assert train_tiny.main(args := [*FAST, "--out", str(tmp_path / "out")]) == 130
+    monkeypatch.undo()
+    assert "output failed (Broken pipe): saving" in (err := capsys.readouterr().err) and "progress saved" in err
+    assert train_tiny.main(args + ["--resume"]) == 0 and same_weights(reference_run[0], tmp_path / "out")
+
+
 @pytest.mark.slow
 def test_two_ddp_processes_keep_identical_replicas_and_resume_exactly_after_ctrl_c_on_one(tmp_path, reference_run):
     cut = tmp_path / "cut"  # Ctrl-C on rank 0 alone in heads step 3: both ranks save and stop; resumed, same weights
