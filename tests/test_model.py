@@ -4,7 +4,7 @@ keeping the accepted path are checked against plain forwards in tests/test_step.
 import pytest
 import torch
 
-from medusa_mini.model import GPT, GPTConfig, KVCache, cache_attention_mask, compact_kv_cache
+from medusa_mini.model import GPT, GPTConfig, KVCache
 from medusa_mini.tree import Tree
 
 
@@ -18,14 +18,6 @@ def test_parameter_names_and_initial_values_follow_gpt2():
     for w, std in ((model.transformer.wpe.weight, 0.02), (h.mlp.c_fc.weight, 0.02), (h.mlp.c_proj.weight, 0.02 / 2),
                    (h.attn.c_proj.weight, 0.02 / 2), (h.attn.c_attn.bias, 0.0)):
         assert abs(w.mean()) < 1e-3 and abs(w.std() - std) < 1e-3
-
-
-def test_a_new_token_sees_its_rows_prefix_and_the_new_tokens_its_mask_allows_never_a_later_slot():
-    """Three new tokens, a root and its two children, written after prefixes of 2 and 4 slots (paper Fig. 2)."""
-    tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)  # each node sees itself and the root
-    mask = cache_attention_mask(torch.tensor([2, 4]), tree, max_len=8)  # [B, T, max_len]
-    assert mask[0].int().tolist() == [[1, 1, 1, 0, 0, 0, 0, 0], [1, 1, 1, 1, 0, 0, 0, 0], [1, 1, 1, 0, 1, 0, 0, 0]]
-    assert mask[1].int().tolist() == [[1, 1, 1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 0, 1, 0]]
 
 
 @torch.no_grad()
@@ -76,15 +68,3 @@ def test_a_decode_step_is_one_captured_graph_with_eager_logits_at_every_length(k
         torch.testing.assert_close(graph_cache.kv, eager_cache.kv, atol=1e-5, rtol=0)
         assert graph_cache.lengths.tolist() == eager_cache.lengths.tolist() == [prefix + (not tree_verify)]
     assert len(graphs) == 1
-
-
-def test_keeping_a_path_moves_each_rows_slots_to_its_start_and_sets_its_length():
-    cache = KVCache(GPTConfig(vocab_size=64, block_size=32, n_layer=2, n_head=2, n_embd=16), batch_size=2, max_len=32)
-    cache.kv.copy_(before := torch.randn(cache.kv.shape))
-    compact_kv_cache(cache, torch.tensor([[5, 7, 9], [4, 4, 6]]), to=torch.tensor([[5, 6, 7], [3, 4, 5]]),
-                     length=torch.tensor([7, 4]))
-    assert cache.lengths.tolist() == [7, 4]
-    for t, b in zip(cache.kv.flatten(0, 1), before.flatten(0, 1)):  # every layer's keys and values
-        assert torch.equal(t[0, :, 5:8], b[0, :, [5, 7, 9]])  # row 0: slots 5, 7, 9 now at 5, 6, 7
-        assert torch.equal(t[1, :, 3:6], b[1, :, [4, 4, 6]])  # row 1: from slot 3 on
-        assert torch.equal(t[:, :, :3], b[:, :, :3])  # the prefix stays
