@@ -72,8 +72,7 @@ def test_a_reused_cache_gives_the_tokens_of_a_fresh_one_and_must_be_the_one_aske
         medusa_generate(model, heads, [1, 2], tree=tree, max_new_tokens=3, cache=plain_cache)
     ids = torch.tensor([[9, 8]])  # a prefill starts a generation: the used cache is emptied first
     assert prefill(model, ids, tree_cache)[0].equal(prefill(model, ids, KVCache(model.config))[0])
-    with pytest.raises(ValueError, match="has 1 rows .* needs 2 rows"):
-        generate_batch(model, [[1, 2], [3]], max_new_tokens=3, cache=plain_cache)
+    pytest.raises(ValueError, generate_batch, model, [[1, 2], [3]], max_new_tokens=3, cache=plain_cache).match("1 rows")
     with pytest.raises(ValueError, match="in torch.float64 on cpu; .* in torch.float32 on cpu"):  # index_put_'s error
         generate(model, [1, 2], max_new_tokens=3, cache=KVCache(model.config, dtype=torch.float64))
 
