@@ -65,7 +65,8 @@ def resolve_tree(spec: str | None, *, ckpt_dir: str, device: torch.device | str,
     elif inline or spec.endswith(".json") or os.path.sep in spec:
         path = None if inline else next((p for p in (spec, os.path.join(ckpt_dir, spec)) if os.path.isfile(p)), None)
         if not inline and path is None:
-            raise ValueError(f"tree file {spec} {'is a folder' if os.path.isdir(spec) else 'does not exist'}")
+            why = "is a folder" if os.path.isdir(spec) else "is no file" if os.path.exists(spec) else "does not exist"
+            raise ValueError(f"tree file {spec} {why}")
         where, name = (f"--tree {spec}", "inline") if inline else (f"tree file {path}", os.path.basename(spec))
         try:
             obj = json.loads(spec) if inline else read_json(path, hint=HINT)  # read_json's errors: one line each

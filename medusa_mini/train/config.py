@@ -96,10 +96,13 @@ class TrainArgs:
         return {f.name: f for f in fields(cls) if "help" in f.metadata}
 
     def context_error(self, block_size: int) -> str:
-        """Why the distilled prompts or the heads' stride (past the context a step trains no head, which DDP cannot
-        reduce) do not fit block_size tokens, --block-size's or --init's model's; '' if they fit."""
+        """Why the distilled prompts, the heads' stride (past the context a step trains no head, which DDP cannot
+        reduce) or the heads do not fit block_size tokens, --block-size's or --init's model's; '' if they fit."""
         if self.distill_prompt_len >= block_size:
             return f"--distill-prompt-len must be shorter than the context, {block_size} tokens"
+        if self.num_heads > (room := min(block_size, self.distill_prompt_len + self.distill_tokens) - 2):  # else
+            return f"--num-heads must be at most {room}: head k guesses k + 1 tokens ahead in the context and the " \
+                   "self-distilled text (--distill-prompt-len + --distill-tokens)"  # zeros for the heads past them
         return f"--heads-stride must be at most the context, {block_size} tokens" * (self.heads_stride > block_size)
 
     def identity(self) -> dict:

@@ -56,12 +56,12 @@ def test_a_json_file_of_choices_is_a_tree(tmp_path, monkeypatch, content):  # or
 
 @pytest.mark.parametrize("spec, content, message", [  # content: of the file named spec
     ("huge", None, "unknown --tree 'huge'"), ("chain0", None, "unknown --tree"), ("0", None, "between 1 and 256"),
-    ("chain257", None, "N from 1 to 256"), ("/", None, "tree file / is a folder"), ("²", None, "unknown --tree"),
+    ("chain257", None, "N from 1 to 256"), ("/", None, "file / is a folder"), ("/dev/null", None, "null is no file"),
     ("[[0], [1", None, "not JSON"), ("[[0], [1, 0]]", None, "has no parent"), ("[]", None, "has no choices"),
     ("300", None, "between 1 and 256"), ("8", None, "medusa_mini.cli.measure --ckpt"), ("auto", None, "measure"),
     ("gone.json", None, "does not exist"), ("chain3", None, "^--tree chain3 has depth 3 but the checkpoint has 2"),
     ("t.json", "[[0], [1", "not readable JSON"), ("t.json", '{"nodes": [[0]]}', "list of choices"),
-    ("t.json", "[[0], [0, 0], [0, 0, 0]]", "depth 3 but there are only 2 heads"),
+    ("t.json", "[[0], [0, 0], [0, 0, 0]]", "depth 3 but there are only 2 heads"), ("²", None, "unknown --tree"),
     pytest.param("[" * 5000, None, "JSON", id="deep"), pytest.param("t.json", "[" * 5000, "JSON", id="deep-file")])
 def test_bad_trees_are_one_line_errors(tmp_path, spec, content, message):
     if content is not None:

@@ -242,7 +242,7 @@ def test_resume_refuses_other_settings_or_text_and_a_run_never_learns_its_own_ou
 BAD_INPUT = [["--dtype", "float16", "--device", "cpu"], ["--n-embd", "30", "--n-head", "4"], ["--distill-prompts", "0"],
              ["--distill-temperatures", "0,-1"], ["--distill-prompt-len", "64"], ["--distill-prompt-len", "0"],
              ["--heads-batch-size", "0"], ["--resume", "--overwrite"], ["--data", "missing.txt"], ["--dtype", "float8"],
-             ["--distill-tokens", "0"], ["--heads-stride", "65"], ["--out", "empty.txt/x"],
+             ["--distill-tokens", "0"], ["--heads-stride", "65"], ["--out", "empty.txt/x"], ["--num-heads", "27"],
              ["--vocab-size", "256"], ["--draft-vocab", "-1"], ["--data", "empty.txt"], ["--eval-prompts", "0"],
              ["--heads-stride", "0"], ["--head-decay", "1.5"], ["--eval-every", "-1"], ["--log-every", "nan"],
              ["--seed", str(2**64)], ["--out", "empty.txt"], ["--max-bytes", "400"], ["--save-every", "0"],
