@@ -342,7 +342,7 @@ def run(args: TrainArgs) -> None:
     if r.main:
         figures, save_accuracy = r.stage("summary", lambda: summarize(r, val_batches, val_tokens))
         r.extra.update(figures)
-        r.log("stages     " + ", ".join(r.stages))
+        r.log("stages     " + ", ".join(r.stages) + "  (this session's, since --resume)" * bool(state))
         prompts = held_out_prompts(val_docs, enc, count=args.eval_prompts, seed=args.seed, block_size=block_size)
         r.write(os.path.join(args.out, PROMPTS_FILE), json_writer({"prompts": prompts}))
         save_accuracy()  # after the heads it measures: a run stopped in between leaves no table of other heads

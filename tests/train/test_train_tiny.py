@@ -143,7 +143,7 @@ def test_a_run_writes_a_complete_checkpoint_and_a_measured_summary(reference_run
 
 
 @pytest.mark.parametrize("during", [1, 4, 6, "self_distill", 9, 10, "held_out_prompts"])  # backbone 1, 4, 6; heads 3, 4
-def test_after_ctrl_c_a_resumed_run_ends_as_an_uninterrupted_one(tmp_path, during, reference_run):
+def test_after_ctrl_c_a_resumed_run_ends_as_an_uninterrupted_one(tmp_path, during, reference_run, capsys):
     """Validation during the run (--eval-every) draws its batches from a generator of their own. Pressed twice in
     step 4, the run stops at once: it resumes from the save --save-every made after step 2."""
     out = tmp_path / "out"
@@ -156,7 +156,7 @@ def test_after_ctrl_c_a_resumed_run_ends_as_an_uninterrupted_one(tmp_path, durin
     assert len({round(g["lr"] / g["base_lr"], 9) for g in groups}) <= 1  # one schedule, each group at its own rate
     assert (state["stage"] == "distill") == (during == 6)  # pressed in the last backbone step: before distilling
     assert (state["stage"], state["step"]) == ("heads", 4) or during != "held_out_prompts"  # after it: all 4 kept
-    assert train_tiny.main(FAST + ["--out", str(out), "--resume"]) == 0
+    assert train_tiny.main(FAST + ["--out", str(out), "--resume"]) == 0 and "since --resume)" in capsys.readouterr().out
     assert same_weights(reference_run[0], out) and not (out / "train_state.pt").exists()
 
 
