@@ -246,8 +246,9 @@ def print_each(engine: Engine, method: Method, prompts: list[tuple[str, list[int
             stop = {"context": f"at the context limit: {stats.prompt_tokens} prompt + {len(tokens)} new tokens fill "
                                f"all {ck.block_size} positions", "eos": "at the end-of-text token",
                     "max_new_tokens": f"after max-new-tokens ({len(tokens)})"}
-            print(f"stats: {stats.steps} step{'s' * (stats.steps != 1)}, {stats.tokens_per_step:.2f} tokens/step"
-                  + " (bonus token counted)" * (method.drafter is not None) + ", "
+            rate = (f"{stats.tokens_per_step:.2f} tokens/step" + " (bonus token counted)" * (method.drafter is not None)
+                    if stats.steps else "the prefill's token alone")  # no step: no tokens per step to show
+            print(f"stats: {stats.steps} step{'s' * (stats.steps != 1)}, {rate}, "
                   f"{ms:.1f} ms/token{speed}, stopped {stop[stats.stop_reason]}\n")
 
 

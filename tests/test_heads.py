@@ -87,8 +87,7 @@ def test_heads_refuse_what_they_cannot_do_and_a_refused_draft_vocabulary_changes
     with pytest.raises(ValueError, match=f"width {C}, {V} tokens, torch.float32 on cpu cannot draft for a backbone of "
                                          f"width {C}, {V + 1} tokens, torch.float32"):  # not a matmul's shape error
         heads.proposer(tiny_model(vocab_size=V + 1), chain(2))
-    with pytest.raises(ValueError, match="torch.float64 on cpu cannot draft for a backbone of .* torch.float32"):
-        random_heads(model).double().proposer(model, chain(2))
+    pytest.raises(ValueError, random_heads(model).double().proposer, model, chain(2)).match("float64 on cpu cannot")
     pytest.raises(ValueError, random_heads(model).to("meta").proposer, model, chain(2)).match("on meta cannot draft")
     with pytest.raises(ValueError, match="depth 4 but the model has 2 heads"):  # the reference's loop too
         reference.medusa_generate(model, heads, [1, 2], tree=chain(4), max_new_tokens=4)
