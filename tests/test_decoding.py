@@ -16,10 +16,9 @@ from medusa_mini.sampling import Sampling
 from medusa_mini.tree import Tree, chain, preset
 
 TREES = {
-    "chain": chain(4), "one": chain(1),  # head 1 alone: a tree one level deep
+    "chain": chain(4), "one": chain(1), "cpu": preset("cpu"), "gpu": preset("gpu"),  # one: head 1 alone, one level
     "wide": Tree.from_choices([(r,) for r in range(8)] + [(0, r) for r in range(4)]),
-    "deep": Tree.from_choices([(0,) * d for d in range(1, 5)] + [(1,), (1, 0), (0, 1), (0, 1, 0)]),
-    "cpu": preset("cpu"), "gpu": preset("gpu")}
+    "deep": Tree.from_choices([(0,) * d for d in range(1, 5)] + [(1,), (1, 0), (0, 1), (0, 1, 0)])}
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])

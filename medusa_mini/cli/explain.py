@@ -123,7 +123,7 @@ def explain_step(model: GPT, heads, enc: tiktoken.Encoding, prompt_ids: list[int
                  sampling: Sampling = Sampling(), generator: torch.Generator | None = None) -> str:
     """One Medusa step after a prompt of 1 to block_size - ROOM tokens (decode.py checks), every stage described."""
     block, L, T = model.config.block_size, len(prompt_ids), sampling.temperature
-    tree = tree.truncated(block - 2 - L)  # the deepest node's position must stay inside the context
+    tree, full = tree.truncated(block - 2 - L), tree  # the deepest node's position must stay inside the context
     out = ["One Medusa decoding step, in full", "=" * 33, f"Prompt ({L} tokens): {_snippet(enc.decode(prompt_ids))}",
            f"Acceptance rule: {'greedy' if sampling.greedy else f'{sampling.acceptance}, temperature {T:g}'}"]
 
@@ -145,7 +145,8 @@ def explain_step(model: GPT, heads, enc: tiktoken.Encoding, prompt_ids: list[int
                                 sampling=sampling, u=proposer.uniforms(sampling, 1, generator, device=hidden.device))
     tokens, drawn = proposal.tokens[0].tolist(), (None if proposal.drawn is None else proposal.drawn.per_node(0))
     labels = [token_text(enc, t) for t in tokens]
-    out += [_header(3, f"Tree: {tree.num_nodes - 1} candidate nodes + the root"),
+    cut = f" (of {full.num_nodes - 1}: deeper ones would pass the context)" * (tree.num_nodes < full.num_nodes)
+    out += [_header(3, f"Tree: {tree.num_nodes - 1} candidate nodes{cut} + the root"),
             ("A node at depth d holds head d's guess of the listed rank" if drawn is None else
              "Rejection sampling draws the candidates: a node at depth d, draw k, holds the token drawn after k\n"
              "others (without replacement) from the q its parent's children come from")

@@ -93,6 +93,7 @@ def test_generation_stops_cleanly_at_the_context_limit(ckpt, capsys):
         assert json.loads(run(capsys, *argv[:-1], "9", "--json", *ref))["stop_reason"] == "max_new_tokens"
     assert "stopped at the context limit: 55 prompt + 9 new tokens fill all 64 positions" in run(capsys, *argv)
     assert "stats: 0 steps, the prefill's token alone, " in run(capsys, *argv[:-1], "1")
+    assert "(of 11: deeper" in run(capsys, "--ckpt", ckpt, "--explain", "--prompt", argv[3] + " the cat sat")
     out = run(capsys, "--ckpt", ckpt, "--method", "rejection", "--temperature", "2", "--seed", "2", "--num-prompts=1")
     assert "stopped at the end-of-text token" in out and "<|endoftext|>" not in out  # the end token is not text
     assert "end-of-text" not in run(capsys, *argv, "--compare")  # rows stopped by the context say so
