@@ -46,7 +46,8 @@ class Run:
 
     def log(self, msg: str) -> None:
         try:
-            print(msg, flush=True) if self.main else None
+            if self.main:
+                print(msg, flush=True)
         except OSError as e:  # its reader gone (`| head`) or a full disk: saved at the next step, as on Ctrl-C
             with contextlib.suppress(OSError):  # later lines go nowhere: a stdout that is no file has nothing to swap
                 os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
