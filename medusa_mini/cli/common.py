@@ -135,7 +135,8 @@ def out_of_memory(e: BaseException) -> str | None:
 
 def exit_with(main: Callable[[], int], *, memory_advice: str = "") -> NoReturn:
     """sys.exit(main()) as a command line ends, never with a traceback: Ctrl-C, status 130; its reader gone (`| head`),
-    1; a device out of memory (its size, not a fault), one line and status 2: the allocator's words, `memory_advice`."""
+    1; a device out of memory (its size, not a fault), one line and status 2: the allocator's words, `memory_advice`;
+    any other OSError (a full disk), the system's words, status 2."""
     try:
         try:
             status = main()
@@ -143,17 +144,16 @@ def exit_with(main: Callable[[], int], *, memory_advice: str = "") -> NoReturn:
             sys.stdout.flush()
     except KeyboardInterrupt:
         status = 130
-    except BrokenPipeError:  # the recipe in Python's signal docs: the flush at exit must not fail again
+    except OSError as e:  # the recipe in Python's signal docs: the flush at exit must not fail again
         with contextlib.suppress(OSError):  # a stdout that is no file (io.UnsupportedOperation) has nothing to flush
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        status = 1
-    except (RuntimeError, OSError) as e:  # OSError: the system's own words (a full disk), one line
-        if isinstance(e, RuntimeError) and (words := out_of_memory(e)) is None:
+        if not isinstance(e, BrokenPipeError):  # a reader gone is no error to report
+            print(f"{os.path.basename(sys.argv[0])}: error: {e}", file=sys.stderr)
+        status = 1 if isinstance(e, BrokenPipeError) else 2
+    except RuntimeError as e:
+        if (words := out_of_memory(e)) is None:
             raise
-        print(f"{os.path.basename(sys.argv[0])}: error: {e if isinstance(e, OSError) else words + memory_advice}",
-              file=sys.stderr)
-        with contextlib.suppress(OSError):  # a stdout that failed must not fail again at exit
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        print(f"{os.path.basename(sys.argv[0])}: error: {words}{memory_advice}", file=sys.stderr)
         status = 2
     sys.exit(status)
 

@@ -101,8 +101,8 @@ class TrainArgs:
         if self.distill_prompt_len >= block_size:
             return f"--distill-prompt-len must be shorter than the context, {block_size} tokens"
         if self.num_heads > (room := min(block_size, self.distill_prompt_len + self.distill_tokens) - 2):  # else
-            return f"--num-heads must be at most {room}: head k guesses k + 1 tokens ahead in the context and the " \
-                   "self-distilled text (--distill-prompt-len + --distill-tokens)"  # zeros for the heads past them
+            return (f"--num-heads must be at most {room}: head k guesses k + 1 tokens ahead in the context and the "
+                    "self-distilled text (--distill-prompt-len + --distill-tokens)")  # zeros for the heads past them
         return f"--heads-stride must be at most the context, {block_size} tokens" * (self.heads_stride > block_size)
 
     def identity(self) -> dict:
