@@ -121,11 +121,13 @@ def prepare(a: argparse.Namespace) -> tuple:
         ck, text = demo_checkpoint(device=device, dtype=dtype, steps=0)
     else:
         ck = load_for_decoding(a.ckpt, device=device, dtype=dtype)
-        if os.path.isfile(os.path.join(ck.directory, STATE_FILE)):  # a stopped run's last save: not yet its prompts
-            print(f"note: {a.ckpt} holds an unfinished run, as last saved: python train_tiny.py --out "
-                  f"{shlex.quote(ck.directory)} --resume, with the flags it began with, finishes it", file=sys.stderr)
+    # A stopped run's last save has no prompts yet: said once, in a missing file's error or in a note at the end.
+    unfinished = not a.demo and os.path.isfile(os.path.join(ck.directory, STATE_FILE)) and (
+        f"{a.ckpt} holds an unfinished run, as last saved: python train_tiny.py --out {shlex.quote(ck.directory)} "
+        "--resume, with the flags it began with, finishes it")
     # Prompts before heads: the missing heads' advice (--method plain) needs prompts too.
-    texts = a.prompt or ([text] if a.demo else load_prompts(a.ckpt)[: a.num_prompts or NUM_PROMPTS])
+    hint = f"{unfinished}; or pass --prompt TEXT" if unfinished else "pass prompts with --prompt TEXT"
+    texts = a.prompt or ([text] if a.demo else load_prompts(a.ckpt, hint=hint)[: a.num_prompts or NUM_PROMPTS])
     if not (a.prompt or a.demo) and len(texts) < (a.num_prompts or 0):  # fewer stored than asked for: say so
         print(f"note: {PROMPTS_FILE} holds {len(texts)} prompts, not {a.num_prompts}: decoding those", file=sys.stderr)
     medusa = a.method != "plain"  # --compare takes no --method, --explain refuses plain
@@ -151,6 +153,8 @@ def prepare(a: argparse.Namespace) -> tuple:
             raise ValueError(f"{which} is {len(ids)} tokens long but the context holds {ck.block_size}; "
                              f"shorten it to at most {ck.block_size - room} tokens")
         prompts.append((text, ids))
+    if unfinished:  # decoding goes ahead: every check has passed
+        print(f"note: {unfinished}", file=sys.stderr)
     if a.demo:  # the same tokenizer and shapes, trained
         print("training the demo model and its heads (10-30 s on two CPU cores)...", file=sys.stderr)
         ck, _ = demo_checkpoint(device=device, dtype=dtype)

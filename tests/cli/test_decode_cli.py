@@ -81,6 +81,9 @@ def test_show_brackets_each_step_of_the_text_and_plain_decoding_needs_no_heads(c
     assert "holds an unfinished run, as last saved" in err and f"--out {stopped} --resume, with the flags" in err
     assert "=== plain greedy; one [chunk] per forward pass" in out and "1 step, 1.00 tokens/step, " in out  # no bonus
     assert "attention mask" not in out and "root" not in out
+    (stopped / "prompts.json").unlink()  # no prompts yet: one line says how to finish the run, or what to pass
+    err = refused(capsys, decode.main, ["--ckpt", str(stopped), "--method", "plain"])
+    assert "prompts.json is missing; " in err and "--resume, with the flags" in err and "pass --prompt TEXT" in err
 
 
 def test_generation_stops_cleanly_at_the_context_limit(ckpt, capsys):
