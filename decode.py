@@ -140,8 +140,11 @@ def prepare(a: argparse.Namespace) -> tuple:
                                      num_heads=ck.heads.num_heads, ckpt_dir="" if a.demo else a.ckpt, device=device)
         choice = tree_for(drawn=a.sampling.draws_candidates and not a.compare)
         drawn = tree_for(drawn=True) if a.compare else choice  # --compare's rejection row draws: its own tree
-        for tree in {choice.tree, drawn.tree} if medusa else ():  # a tree the heads cannot fill fails here
-            ck.heads.proposer(ck.model, tree)
+        for tree, name in {choice.tree: choice.name, drawn.tree: drawn.name}.items() if medusa else ():
+            try:  # a tree the heads cannot fill fails here
+                ck.heads.proposer(ck.model, tree)
+            except ValueError as e:
+                raise ValueError(f"--tree {a.tree if a.tree is not None else name}: {e}") from None
     prompts, room = [], ROOM if a.explain else 2 if a.compare else 1  # new positions past a prompt (--compare: two)
     for i, text in enumerate(texts, start=1):
         which = f"prompt {i} ({'--prompt' if a.prompt else PROMPTS_FILE})"

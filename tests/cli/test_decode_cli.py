@@ -179,7 +179,7 @@ def test_top_p_goes_with_sampling_a_temperature_names_or_compares_sampled_rows()
     "--ckpt {tmp}/nowhere -> nowhere does not exist", "--ckpt '' -> does not exist", "--ckpt {tmp} -> safetensors",
     "--ckpt {ckpt}/config.json -> is a file", "--prompt caf\udce9 -> not UTF-8 text",
     "--ckpt {hydra} --reference -> not Hydra heads", "--ckpt {ckpt} --explain --demo -> leave out --ckpt",
-    "--tree chain6 -> 4 heads", "--tree [[100000]] -> draft vocabulary", "--tree ''", "--prompt ''",
+    "--tree chain6 -> 4 heads", "--tree [[100000]] -> --tree [[100000]]: the tree asks", "--tree ''", "--prompt ''",
     "--prompt '{long}' -> at most 63 tokens", "--temperature -1", "--temperature inf", "--max-new-tokens 0",
     "--max-new-tokens many", "--num-prompts 0", "--seed 9223372036854775808", "--method greedy --temperature 0.7",
     "--top-p 0.9 -> --temperature > 0", "--method typical --temperature 0 -> --temperature", "--top-p 1.5 -> --top-p",
