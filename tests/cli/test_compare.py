@@ -78,8 +78,7 @@ def test_lookup_gains_on_repeats_and_a_row_that_leaves_plain_greedy_is_named_whe
                 for t, st in out]  # dropped: a row that stopped a token early parts where it stopped
 
     monkeypatch.setattr(runs_mod, "decode", one_token_off)
-    result = compared(capsys, "--ckpt", ckpt, "--max-new-tokens", "16", "--prompt", "nnnnnnnn", "--prompt",
-                      "a big dog ran")
+    result = compared(capsys, "--ckpt", ckpt, "--max-new-tokens", "16", "--prompt=nnnnnnnn", "--prompt=a big dog ran")
     repeated, plain = result["per_prompt"]  # one token repeated, and a prompt without repeats
     assert repeated["prompt_lookup_greedy"] > 1.5 and plain["prompt_lookup_greedy"] == 1.0
     rows, ck = {r["key"]: r for r in result["rows"]}, load_for_decoding(ckpt, device="cpu", dtype=torch.float32)

@@ -43,10 +43,6 @@ def outputs(model: GPT, heads=None) -> list[torch.Tensor]:
     return [logits] + ([heads(hidden, model, following=next_tokens(IDS, 3))] if heads is not None else [])
 
 
-def test_an_untied_lm_head_cannot_be_saved_as_gpt2(tmp_path):  # GPT-2 files hold one matrix for both
-    pytest.raises(ValueError, save_checkpoint, tmp_path, tiny_model()).match("not tied")  # tiny_model's is untied
-
-
 @pytest.mark.parametrize("kind, draft", [(None, 0), ("medusa", 0), ("medusa", 20), ("hydra", 20)])
 def test_save_then_load_gives_identical_logits_over_the_same_draft_vocabulary(tmp_path, kind, draft):
     model, heads = tiny_gpt(), tiny_heads(kind=kind, draft=draft) if kind else None
@@ -156,6 +152,7 @@ def test_saving_heads_again_can_keep_the_backbone_file_untouched_and_saving_none
     back, heads_back, config = load_checkpoint(tmp_path)
     assert set(os.listdir(tmp_path)) == CHECKPOINT_FILES and heads_back is None and config["medusa_mini"] == {}
     assert torch.equal(back.lm_head.weight, other.lm_head.weight)  # write_model=False spares only a frozen backbone
+    pytest.raises(ValueError, save_checkpoint, tmp_path, tiny_model()).match("not tied")  # GPT-2 files: one matrix
 
 
 def test_prompts_json_gives_token_ids_cut_to_leave_room_for_the_new_tokens_and_a_bad_one_is_a_clear_error(tmp_path,
