@@ -83,7 +83,6 @@ def tree_stages(model: GPT, cache: KVCache, heads: DraftHeads, tree: Tree, root:
             steps.medusa.ahead = ((root, proposer, greedy), proposal)
         return steps.medusa(model, cache, proposer, root, hidden, history=history, stop_at=None, sampling=greedy,
                             attended=attended)
-
     return {"heads": propose, "greedy verify": greedy_verify, "rejection verify": rejection_verify,
             "verify": partial(verify_step, model, cache, proposal.tokens, tree=t, attended=attended, clamp=False),
             "host read": partial(read_step, proposal, accepted), "whole step": whole_step}

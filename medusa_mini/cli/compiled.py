@@ -148,7 +148,6 @@ def compile_steps(device: torch.device | str, *, backend: str | Callable = "indu
               u: torch.Tensor | None = None, attended: int | None = None):  # the whole cache read: `attended` ignored
         token, logits, hidden = compiled_plain(model, cache, tokens, sampling=sampling, u=u)
         return token.clone(), logits, hidden
-
     return Steps(plain=plain, medusa=CompiledMedusa(compile))
 
 

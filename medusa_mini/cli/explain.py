@@ -61,7 +61,6 @@ def draw_tree(tree: Tree, labels: list[str] | None = None, *, rank: str = "rank"
             branch, indent = ("└─ ", "   ") if kid == tree.children[node][-1] else ("├─ ", "│  ")
             lines.append(f"{prefix}{branch}[{kid}] head {tree.depths[kid]} {rank} {tree.ranks[kid]}{labels[kid]}")
             visit(kid, prefix + indent)
-
     visit(0, "")
     return "\n".join(lines)
 

@@ -34,10 +34,8 @@ class Method:
 
     @property
     def label(self) -> str:
-        if self.sampling.greedy:
-            return f"{self.name} greedy"
         rule = "sampling" if self.drafter is None else self.sampling.acceptance
-        return f"{self.name} {rule} (T={self.sampling.temperature:g})"
+        return f"{self.name} " + ("greedy" if self.sampling.greedy else f"{rule} (T={self.sampling.temperature:g})")
 
     @property
     def key(self) -> str:

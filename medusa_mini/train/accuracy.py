@@ -94,7 +94,6 @@ def measure_try_acceptance(model: GPT, heads: DraftHeads, sequences: list[list[i
         log_q = q_log_probs(logits, ids, temperature=temperature, vocab_size=V).repeat(repeats, 1)  # [repeats * m, V]
         u = torch.rand(log_q.shape, generator=g, device=model.device)  # every repeat's draws in one call
         return draw_chances(p.repeat(repeats, 1), log_q, gumbel_top_k(log_q, R, u)).view(repeats, len(p), R).mean(0)
-
     return _mean_per_head(model, heads, sequences, prompt_lens, passed, shape=(R,), temperature=temperature)
 
 

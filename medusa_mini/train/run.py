@@ -175,7 +175,6 @@ def backbone_stage(r: Run, train_tokens: np.ndarray, val_batches: list, *, state
     def loss_kwargs(s: int) -> dict:
         w = lambda_schedule(s, a.backbone_steps, lambda0=a.lambda0) if joint else 0.0
         return dict(lm_weight=1.0, heads_weight=w, decay=a.head_decay, heads_stride=a.heads_stride, heads_offset=s)
-
     _train(r, MedusaLM(model, heads if joint else None), lrs, stage="backbone", steps=a.backbone_steps, state=state,
            gen=seeded(a.seed * 1009 + r.rank), loss_kwargs=loss_kwargs, val_batches=val_batches,
            batch_fn=lambda g: get_batch(train_tokens, batch_size=a.batch_size, block_size=model.config.block_size,
@@ -211,7 +210,6 @@ def heads_stage(r: Run, *, state: dict | None) -> None:
     def batch(g):
         seq = distill[to_device(torch.randint(distill.shape[0], (a.heads_batch_size,), generator=g), r.device)]
         return seq[:, :-1], seq[:, 1:]
-
     _train(r, MedusaLM(r.model, r.heads), [(r.heads, a.heads_lr)], stage="heads", steps=a.heads_steps,
            gen=seeded(a.seed * 1009 + r.rank + 1), state=state, batch_fn=batch,
            loss_kwargs=lambda s: dict(lm_weight=0.0, heads_weight=1.0, decay=1.0, detach_backbone=True, valid=valid))
