@@ -187,10 +187,9 @@ def why_line(rows: list[dict]) -> str:
     stops = next((i for i in range(len(rows)) if all(r["speedup"] < 1 for r in rows[i:])), None)
     r, first = rows[-1 if stops is None else stops], rows[0]
     B, cost = r["batch_size"], f"a step costs {first['step_cost']:.2f}x a plain step at batch {first['batch_size']}"
-    if stops == 0:
-        return f"{r['method']} does not pay at any batch size here: {cost} for {r['tokens_per_step']:.2f} tokens."
     waiting = r["row_passes"] / max(r["steps"], 1)  # 1.0: every row needed every pass
-    where = f"still pays at batch {B}" if stops is None else f"stops paying at batch {B}"
+    where = ("does not pay at any batch size here" if stops == 0 else f"stops paying at batch {B}" if stops
+             else f"pays at batch {B}" + ", the largest measured" * (len(rows) > 1))
     cost += "" if r is first else f" and {r['step_cost']:.2f}x at batch {B}"  # one batch size: said once
     return (f"{r['method']} {where}: {cost}, and a batch of {B} makes "
             f"{waiting:.2f}x the passes its rows need ({r['tokens_per_step']:.2f} tokens per row per step).")
