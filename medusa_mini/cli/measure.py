@@ -1,9 +1,9 @@
 """heads_accuracy.json, the heads' acceptance tables: measured, and made into the tree a run decodes with.
 
-`python -m medusa_mini.cli.measure --ckpt DIR` measures them again in float32, as train_tiny.py does: how often
-each head's guesses are accepted on greedy continuations of prompts.json; under rejection sampling, Σ min(p, q)
-per head and how often its r-th drawn candidate is accepted (rejection sampling's trees); with --marginal, head
-1's score were its q the exact marginal over the root it cannot see.
+`python -m medusa_mini.cli.measure --ckpt DIR` measures them again in float32 with training's functions, on
+continuations of prompts.json (train_tiny.py measures held-out text of its own: the figures differ a little): how often
+each head's guesses are accepted on the greedy ones; under rejection sampling, Σ min(p, q) per head and how often its
+r-th drawn candidate is accepted (rejection sampling's trees); with --marginal, head 1's, were its q the exact marginal.
 
 decode.py's `--tree` (`resolve_tree`): a preset, choices (JSON, a file or inline), N (the table's best N-node tree)
 or 'auto': 64 nodes on a GPU, on a CPU at most 8 that pay for themselves (`CPU_MIN_GAIN`); no table: the device's."""
@@ -95,8 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     p = OneLineParser(prog="python -m medusa_mini.cli.measure", description=__doc__)
     p.add_argument("--ckpt", type=os.path.expanduser, required=True, metavar="DIR",
                    help="checkpoint folder (with prompts.json and a tokenizer); its heads_accuracy.json is rewritten")
-    p.add_argument("--num-prompts", type=at_least(1), default=32, help="prompts of prompts.json used (default: 32)")
-    p.add_argument("--max-new-tokens", type=at_least(3), default=64, help="tokens per prompt (default: 64)")
+    p.add_argument("--num-prompts", type=at_least(1), help="the first prompts of prompts.json used (default: all)")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens per prompt, > the heads (default: 64)")
     p.add_argument("--top-k", type=at_least(1), default=10, help="ranks measured per head (default: 10)")
     p.add_argument("--temperature", type=temperature, default=SAMPLING_TEMPERATURE,
                    help=f"of the sampled continuations, p and q (default: {SAMPLING_TEMPERATURE:g})")
@@ -110,11 +110,12 @@ def main(argv: list[str] | None = None) -> int:
         if ck.heads is None:
             raise ValueError(f"checkpoint {a.ckpt} has no Medusa heads; train heads first")
         if a.max_new_tokens <= (K := ck.heads.num_heads):  # else the last heads have no target: a table of zeros
-            raise ValueError(f"--max-new-tokens must exceed the {K} heads: head k is measured from k + 1 new tokens on")
+            raise ValueError(f"--max-new-tokens {a.max_new_tokens}: give at least {K + 1}, more than the {K} heads: "
+                             "head k is measured from k + 1 new tokens on")
         prompts = prompt_ids(ck, count=a.num_prompts, max_new_tokens=a.max_new_tokens)
         check_writable(a.ckpt, f"--ckpt {a.ckpt}", files=(accuracy.ACCURACY_FILE,))
     lens, T, top_k = [len(ids) for ids in prompts], a.temperature, min(a.top_k, ck.heads.draft_ids.numel())
-    for flag, asked, got, what in (("--num-prompts", a.num_prompts, len(prompts), f"{PROMPTS_FILE} gives"),
+    for flag, asked, got, what in (("--num-prompts", a.num_prompts or 0, len(prompts), f"{PROMPTS_FILE} gives"),
                                    ("--top-k", a.top_k, top_k, "the heads guess among")):
         if got < asked:  # measured on what there is, and said so: the saved table names its own sizes
             print(f"note: {flag} {asked}: {what} {got}; measuring those", file=sys.stderr)

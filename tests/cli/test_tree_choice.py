@@ -88,8 +88,9 @@ def test_measure_saves_both_tables_and_prints_their_trees_estimates_and_the_samp
     assert lines[-1].startswith("head 1 with q = the exact marginal over the root") and "Σ min(p, q) = 0." in lines[-1]
     measure.main(argv + ["--seed", "4", "--num-prompts", "9", "--top-k", "301"])  # more than there are: a note each
     assert sampled not in (o := capsys.readouterr()).out and "9: prompts.json gives 4;" in o.err and "301: the" in o.err
-    # 3 new tokens: the third head would have none to guess
-    assert "--max-new-tokens must exceed the 3 heads" in refused(capsys, measure.main, argv + ["--max-new-tokens", "3"])
+    assert measure.main(argv[:2] + ["--max-new-tokens", "8"]) == 0 and not capsys.readouterr().err  # all: no note
+    for n in ("3", "0"):  # the third head would have none to guess: the least that works, named at once
+        assert f"--max-new-tokens {n}: give at least 4" in refused(capsys, measure.main, [*argv, "--max-new-tokens", n])
     (table := tmp_path / "heads_accuracy.json").unlink()
     table.mkdir()  # a folder where the table goes: refused before measuring, not at the final write
     assert "heads_accuracy.json is a folder where a file goes" in refused(capsys, measure.main, argv)
