@@ -76,5 +76,5 @@ def load_checkpoint(directory: str | os.PathLike, *,
                          "(python train_tiny.py saves one in out/tiny)")
     model = load_gpt2(directory, device=device)  # checks config.json; a directory: nothing is downloaded
     config = read_json(os.path.join(directory, CONFIG_FILE), hint="save the checkpoint again")
-    has_heads = os.path.exists(os.path.join(directory, HEADS_CONFIG_FILE))
+    has_heads = any(os.path.exists(os.path.join(directory, f)) for f in (HEADS_CONFIG_FILE, HEADS_FILE))  # either one
     return model, load_heads(directory, model, device=device) if has_heads else None, config

@@ -84,7 +84,8 @@ def gpt2_config_dict(model: GPT, *, eos_token_id: int | None = None) -> dict:
 
 def read_gpt2_config(path: str) -> GPTConfig:
     """GPTConfig from a GPT-2 config.json; a ValueError naming the file for anything this GPT cannot reproduce."""
-    if not isinstance(d := read_json(path, hint="put GPT-2's config.json beside its weights"), dict):
+    d = read_json(path, hint="save the checkpoint again (a GPT-2 folder: its config.json beside the weights)")
+    if not isinstance(d, dict):
         raise ValueError(f"{path}: a GPT-2 config must be a JSON object")
     if d.get("model_type") != "gpt2":
         raise ValueError(f"{path}: model_type is {d.get('model_type')!r}; only 'gpt2' models can be loaded")

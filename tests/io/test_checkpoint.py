@@ -97,8 +97,8 @@ def test_a_save_failing_midway_leaves_the_previous_checkpoint_loadable(tmp_path,
 
 
 @pytest.mark.parametrize("name, content, match", [  # a dict updates the saved JSON ("delete" removes a key)
-    ("config.json", None, "config.json is missing"), ("config.json", b"{not json", "config.json is not readable JSON"),
-    ("config.json", b"[]", "must be a JSON object"), ("config.json", b"[" * 10**5, "not readable JSON"),
+    ("config.json", None, "config.json is missing; save the checkpoint again"), ("config.json", b"[]", "JSON object"),
+    ("config.json", b"{not json", "is not readable JSON"), ("config.json", b"[" * 10**5, "not readable JSON"),
     ("config.json", {"model_type": "llama"}, "model_type is 'llama'"),
     ("config.json", {"activation_function": "relu"}, "activation_function='relu'"),
     ("config.json", {"n_inner": 7}, "n_inner"), ("config.json", {"tie_word_embeddings": False}, "tie_word_embeddings"),
@@ -115,6 +115,7 @@ def test_a_save_failing_midway_leaves_the_previous_checkpoint_loadable(tmp_path,
     ("medusa_config.json", {"num_heads": "4"}, "num_heads must be an integer"),
     ("medusa_config.json", {"vocab_size": "delete"}, "has no vocab_size"),
     ("medusa_heads.safetensors", None, "medusa_heads.safetensors is missing"),
+    ("medusa_config.json", None, "medusa_config.json is missing; save the heads again"),  # not "no heads"
     ("medusa_heads.safetensors", {"vocab_order": torch.zeros(61, dtype=torch.long)}, "vocab_order is not an order"),
 ])
 def test_a_broken_or_missing_checkpoint_gives_one_line_naming_it(tmp_path, name, content, match):
