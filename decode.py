@@ -278,7 +278,8 @@ def run(a: argparse.Namespace) -> None:
               tree=tree, sampling=a.sampling, generator=torch.Generator(device=ck.model.device).manual_seed(a.seed)))
     else:
         if a.show and methods[0].drafter is not None:  # plain decoding verifies no tree
-            print(f"tree {tree_name}: {tree.num_nodes - 1} nodes + root, depth {tree.depth}\n{draw_tree(tree)}\n")
+            drawing = draw_tree(tree, rank="draw" if a.sampling.draws_candidates else "rank")  # as --explain names them
+            print(f"tree {tree_name}: {tree.num_nodes - 1} nodes + root, depth {tree.depth}\n{drawing}\n")
             print(f"attention mask (row attends to column):\n{draw_mask(tree)}\n")
         label = methods[0].label + (f", tree {tree_name}" if methods[0].drafter is not None else "")
         if warm:  # its one batch size, before any timing

@@ -32,8 +32,7 @@ def test_choices_are_sorted_so_parents_precede_children_and_a_nodes_position_off
 
 
 def test_the_tree_tensors_live_on_the_device_asked_for():
-    t = TREE.tensors("meta")
-    every = [x for x in torch.utils._pytree.tree_leaves(vars(t)) if isinstance(x, torch.Tensor)]
+    every = [x for x in torch.utils._pytree.tree_leaves(vars(TREE.tensors("meta"))) if isinstance(x, torch.Tensor)]
     assert len(every) > 15 and {x.device.type for x in every} == {"meta"}  # the tries' and scores' too
 
 

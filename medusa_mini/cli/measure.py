@@ -110,8 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         if ck.heads is None:
             raise ValueError(f"checkpoint {a.ckpt} has no Medusa heads; train heads first")
         if a.max_new_tokens <= (K := ck.heads.num_heads):  # else the last heads have no target: a table of zeros
-            raise ValueError(f"--max-new-tokens {a.max_new_tokens}: give at least {K + 1}, more than the {K} heads: "
-                             "head k is measured from k + 1 new tokens on")
+            raise ValueError(f"--max-new-tokens {a.max_new_tokens}: give at least {K + 1}, one more than the heads")
         prompts = prompt_ids(ck, count=a.num_prompts, max_new_tokens=a.max_new_tokens)
         check_writable(a.ckpt, f"--ckpt {a.ckpt}", files=(accuracy.ACCURACY_FILE,))
     lens, T, top_k = [len(ids) for ids in prompts], a.temperature, min(a.top_k, ck.heads.draft_ids.numel())

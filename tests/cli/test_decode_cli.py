@@ -74,6 +74,8 @@ def test_show_brackets_each_step_of_the_text_and_plain_decoding_needs_no_heads(c
     shown = out[out.index(header) + len(header): out.rindex("\nstats: ")]
     assert "[" not in ref["text"] and shown.replace("[", "").replace("]", "") == ref["text"]
     assert shown.count("[") == medusa["steps"] + 1  # the prefill's token, then one chunk per step
+    drawn = run(capsys, "--ckpt", ckpt, "--prompt", "x", "--max-new-tokens", "2", "--show", "--method", "rejection")
+    assert "head 1 draw 0" in drawn and "rank" not in drawn  # drawn candidates, as --explain names them
     shutil.copytree(ckpt_no_heads, stopped := tmp_path / "run")
     (stopped / "train_state.pt").touch()  # a run stopped before its end: decoded as last saved, with a note
     assert decode.main(["--ckpt", str(stopped), "--method", "plain", "--show", "--max-new-tokens", "2"]) == 0

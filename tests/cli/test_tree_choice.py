@@ -101,5 +101,4 @@ def test_the_drawings_show_every_node_and_every_mask_entry():
     drawing = draw_tree(TREE, labels=["'a'", "'b'", "'c'", "'d'", "'e'", "'f'"])
     assert drawing.splitlines()[:2] == ["[0] root 'a'", "├─ [1] head 1 rank 0 'b'"]
     assert "[5] head 3 rank 0 'f'" in drawing and len(drawing.splitlines()) == 6
-    filled = [row.split()[1:].count("■") for row in draw_mask(TREE).splitlines()[1:]]
-    assert filled == [1, 2, 2, 3, 3, 4]  # each node's path
+    assert [row.split()[1:].count("■") for row in draw_mask(TREE).splitlines()[1:]] == [1, 2, 2, 3, 3, 4]  # paths
