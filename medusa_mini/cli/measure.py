@@ -3,7 +3,7 @@
 `python -m medusa_mini.cli.measure --ckpt DIR` measures them again in float32 with training's functions, on
 continuations of prompts.json (train_tiny.py measures held-out text of its own: the figures differ a little): how often
 each head's guesses are accepted on the greedy ones; under rejection sampling, Σ min(p, q) per head and how often its
-r-th drawn candidate is accepted (rejection sampling's trees); with --marginal, head 1's, were its q the exact marginal.
+r-th drawn candidate is accepted (rejection sampling's trees); --marginal: head 1's, its q the exact marginal.
 
 decode.py's `--tree` (`resolve_tree`): a preset, choices (JSON, a file or inline), N (the table's best N-node tree)
 or 'auto': 64 nodes on a GPU, on a CPU at most 8 that pay for themselves (`CPU_MIN_GAIN`); no table: the device's."""
