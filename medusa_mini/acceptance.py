@@ -4,15 +4,15 @@ Every rule judges each node on its own, on the device and all at once: does the 
 is the backbone's token there; typical: p(candidate) clears the bar; rejection: its try at the parent accepts it)? A
 node is accepted when every node of its path below the root passes (one matmul counts them, `path_scores`), and the step
 keeps the accepted node the rule prefers: the deepest (typical: then the most likely; drawn candidates: a node's first
-accepted child). A step thus reads its result with a single host read. Greedy and top-k rejection sampling are one rule
-with two sources of y, the backbone's token at every node: its argmax, or one draw from p (`reference.rejection_accept`
-says why that is exact). Drawn candidates' tries are sequential among a node's children, but the residuals they are
-judged against depend on no decision: each node's residuals are built turn by turn, then every try is judged at once.
-Every rule takes the uniforms it draws from (`acceptance_uniforms`, drawn before it, in the reference's order). Tests
-hold every rule to the reference, draw for draw.
+child that passes). A step thus reads its result with a single host read. Greedy and top-k rejection sampling are one
+rule with two sources of y, the backbone's token at every node: its argmax, or one draw from p
+(`reference.rejection_accept` says why that is exact). Drawn candidates' tries are sequential among a node's children,
+but the residuals they are judged against depend on no decision: each node's residuals are built turn by turn, then
+every try is judged at once. Every rule takes the uniforms it draws from (`acceptance_uniforms`, drawn before it, in the
+reference's order). Tests hold every rule to the reference, draw for draw.
 
-`usable` [B, N] (None: every node) marks the nodes a row may accept: near the end of its budget or of the
-context deeper nodes could not be used; a finished row in a batch has none, not even its root.
+`usable` [B, N] (None: every node) marks the nodes a row may accept: near the end of its token budget or of
+the context deeper nodes could not be used; a finished row in a batch has none, not even its root.
 
 Shapes: B rows, N nodes, V vocabulary, D tree depth, R ranks; n inner nodes, n_s of them with an s-th child (`Tries`).
 """
@@ -132,10 +132,10 @@ def rejection_accept_drawn(tree: TreeTensors, tokens: torch.Tensor, logits: torc
     A node's tries are sequential, but what each is judged against depends on no decision: after a node's first s
     children miss, the target has become r_s = norm(max(0, r_{s-1} - q_s)), r_0 = p, q_s the q child s was drawn from.
     So every node's residuals are built at once (`try_distributions`), then every try judged at once, child k with
-    u[:, k] against the r its elder siblings' misses left; a node keeps its first accepted child. The accepted nodes
-    form one path; its deepest node draws the bonus with u[:, 0] from the r its live misses left: a miss leaving no
-    mass (r = q up to rounding) ends the node's tries, and here that r is 0 / 0, NaN, which fails every later try. One
-    matmul finds that node and that r (`Tries.dist_scores`). Unusable nodes are never tried (siblings share a depth); a
+    u[:, k] against the r its elder siblings' misses left; a node keeps its first child that passes. The accepted nodes
+    form one path; its deepest node draws the bonus with u[:, 0] from the r its live misses left: a miss leaving no mass
+    (r = q up to rounding) ends the node's tries, and here that r is 0 / 0, NaN, which fails every later try. One matmul
+    finds that node and that r (`Tries.dist_scores`). Unusable nodes are never tried (siblings share a depth); a
     row without a usable root tries nothing. A root alone has no drawn candidates (`accept`: top-k).
     """
     B, N, V = logits.shape
@@ -147,7 +147,7 @@ def rejection_accept_drawn(tree: TreeTensors, tokens: torch.Tensor, logits: torc
     judged = torch.stack([try_accepts(r_x, q_x, u[:, 1:N], live=live), live], dim=1)  # [B, 2, N - 1]
     judged = judged if usable is None else judged & usable[:, None, 1:]
     bias, weights = tries.dist_scores
-    dist = torch.addmm(bias, judged.flatten(1).float(), weights).argmax(dim=-1)  # [B]: the r the bonus is drawn from
+    dist = torch.addmm(bias, judged.flatten(1).float(), weights).argmax(dim=-1)  # tries, then lives: [B] the bonus's r
     return Accepted(tries.dist_node[dist], inverse_cdf(at_each_row(dists, dist), u[:, 0]))
 
 

@@ -179,7 +179,7 @@ class MedusaHeads(DraftHeads):
         head's block in one matmul (blocks: `stacked`)."""
         C, (w, b) = self.config.n_embd, blocks
         z = F.linear(hidden, w[: num * C], b[: num * C]).unflatten(-1, (num, C))  # [..., num C] -> [..., num, C]
-        return hidden.unsqueeze(-2) + F.silu(z)
+        return hidden.unsqueeze(-2) + F.silu(z)  # [..., 1, C] + [..., num, C]
 
     def forward(self, hidden: torch.Tensor, model: nn.Module, *, following: torch.Tensor | None = None,
                 num: int | None = None) -> torch.Tensor:

@@ -11,7 +11,7 @@ node's children were drawn from (`Drawn`). Three `Proposer`s make them, and the 
 
 Heads make their proposer (`heads.proposer(model, tree)`), and so does `PromptLookup`: a decoding loop
 takes any such *drafter*. Shapes: B rows, N nodes, D depth, R ranks, V vocabulary, M draft vocabulary, C
-n_embd, Q the q a drawn tree draws from (Medusa heads: one per depth; Hydra's: one per node above the deepest depth).
+n_embd, Q the q a drawn tree draws from (Medusa heads: one per head, D; Hydra's: one per node above the deepest depth).
 """
 
 from dataclasses import dataclass

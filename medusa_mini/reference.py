@@ -8,7 +8,7 @@ Words, each with one meaning here and in every decoding module:
   path    the nodes from the root down to a node; the accepted path is what a step keeps.
   bonus   the token the backbone itself writes after the last accepted node (from the same pass).
   p       the backbone's (target) distribution at a node, after temperature and top-p.
-  q       a head's (draft) distribution, from which rejection sampling may draw the candidates.
+  q       a head's (draft) distribution; drawn candidates come from it, each from q without the earlier draws.
   draft   to propose candidates: a drafter is draft heads (Medusa's, Hydra's) or prompt lookup.
   draft vocabulary  the tokens heads guess among (the most frequent ones; q = 0 elsewhere).
   host read  a copy of device results into Python (.tolist()): it waits for the device to finish.
@@ -103,8 +103,8 @@ def propose(head_logits: torch.Tensor, draft_ids: torch.Tensor, tree: "Tree", ro
     the node of choice (r1, ..., rd) holds head d's rank-rd guess.
 
     head_logits: [D', M] over the draft vocabulary draft_ids [M], one row per head of the whole tree, of which the
-    first D = tree.depth are this (maybe cut) tree's. Greedy and typical acceptance take each head's top-k (None);
-    rejection sampling of drawn candidates draws them from each head's q: per node, the log q [V] its children were
+    first D = tree.depth are this (maybe cut) tree's. Greedy, typical and top-k rejection take each head's top-k (None);
+    drawn candidates (rejection's default) come from each head's q: per node, the log q [V] its children were
     drawn from and the draws in order (`rejection_accept` needs both)."""
     D, R = tree.depth, tree.max_rank + 1
     if not sampling.draws_candidates:
@@ -173,11 +173,11 @@ def typical_accept(parents: list[int], tokens: list[int], logits: torch.Tensor, 
 
 def try_children(r: torch.Tensor, candidates: list[int], drawn: tuple[torch.Tensor, list[int]], u: torch.Tensor
                  ) -> tuple[int | None, torch.Tensor]:
-    """Speculative sampling's tries at one node: candidates x1, x2, ... drawn from q against the
-    target r [V] (p at first), each with its own uniform u [len(candidates)]; after a miss the next one is
-    tried against the residual r = norm(max(0, r - q)) (`residual_after_miss`). drawn: (log q [V], the draws in
-    order); x_i was drawn from q without the draws before it (`without_earlier_draws`). Returns (index of the
-    accepted candidate or None, the r the bonus is drawn from when none is)."""
+    """Speculative sampling's tries at one node: candidates x1, x2, ... drawn from q without replacement, against
+    the target r [V] (p at first), each with its own uniform u [len(candidates)]. x_i's own q_i is q without the
+    draws before it (`without_earlier_draws`); after x_i misses, the next is tried against r = norm(max(0, r - q_i))
+    (`residual_after_miss`). drawn: (log q [V], the draws in order). Returns (index of the accepted candidate or
+    None, the r the bonus is drawn from when none is)."""
     log_q, draws = drawn
     for i, x in enumerate(candidates):
         q = without_earlier_draws(log_q, torch.tensor(draws, device=r.device), rank=draws.index(x))  # x's own q
@@ -249,7 +249,7 @@ def medusa_generate(model: "GPT", heads: "MedusaHeads", prompt: list[int], *, tr
     root, hidden = int(sampling.next_token(logits[-1], u)), hidden[-1]  # prefill: the first token
     out, steps = [root], 0
     while L + 1 < stop_at and eos_id not in out:  # L + 1 = the prompt and every emitted token
-        cut = tree.truncated(stop_at - 2 - L)  # a node at depth d emits d + 1 tokens
+        cut = tree.truncated(stop_at - 2 - L)  # L + 1 tokens so far, and depth d adds d + 1
         head_logits = heads(hidden[None], model, num=tree.depth)[:, 0]  # [D', M]: the whole tree's heads
         tokens, drawn = propose(head_logits, heads.draft_ids, cut, root, vocab_size=model.config.vocab_size,
                                 sampling=sampling, generator=generator)

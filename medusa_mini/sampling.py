@@ -110,7 +110,7 @@ def sampling_probs(logits: torch.Tensor, *, temperature: float, top_p: float = 1
         # tokens in a batch as alone, on any device: the lower token ids.
         sorted_p, order = probs.sort(dim=-1, descending=True, stable=True)
         # Keep the smallest prefix whose mass reaches top_p: drop a token when the mass before it does (the top
-        # token's is 0: a top_p that float32 rounds to 0 would drop it too, so it counts as float32's least).
+        # token's is 0: a top_p that float32 rounds to 0 would drop it too, so it counts as float32's tiny).
         drop_sorted = (sorted_p.cumsum(dim=-1) - sorted_p) >= max(top_p, torch.finfo(torch.float32).tiny)
         probs = probs.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), 0.0)
         probs = probs / probs.sum(dim=-1, keepdim=True)

@@ -24,7 +24,7 @@ LOGITS_PER_CHUNK = 2**26  # 256 MB of float32 logits: the cpu preset's heads sta
 
 def lm_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """Next-token cross-entropy: logits [B, T, V], targets y [B, T]."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+    return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())  # [B T, V], [B T]
 
 
 def head_targets(y: torch.Tensor, num_heads: int, *, valid: torch.Tensor | None = None) -> torch.Tensor:
@@ -38,7 +38,7 @@ def head_targets(y: torch.Tensor, num_heads: int, *, valid: torch.Tensor | None 
 def _chunk_head_sums(heads: DraftHeads, model: GPT, h: torch.Tensor, targets: torch.Tensor,
                      following: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """h [n, C], targets [K, n], following [n, K] -> summed cross-entropy [K] and top-1 hits [K]."""
-    logits = heads(h, model, following=following).float()  # [K, n, M]
+    logits = heads(h, model, following=following).float()  # [K, n, M]; ce: [K, n]
     ce = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none").view_as(targets)  # IGNORE: 0
     hits = (logits.detach().argmax(-1) == targets).sum(-1)  # [K]; IGNORE never equals an index
     return ce.sum(-1), hits.to(logits.dtype)
@@ -51,7 +51,7 @@ def chunked_head_loss(heads: DraftHeads, model: GPT, hidden: torch.Tensor, targe
     heads read) -> mean cross-entropy [K] and detached top-1 accuracy [K] where a target exists (0 for none).
     `chunk_size` positions at a time (default: LOGITS_PER_CHUNK logits), several chunks each under checkpointing,
     so both passes hold one chunk's logits at the price of computing them twice. No data-dependent shapes."""
-    h, tgt, fol = hidden.flatten(0, 1), targets.flatten(1), following.flatten(0, 1)  # n = B·T positions
+    h, tgt, fol = hidden.flatten(0, 1), targets.flatten(1), following.flatten(0, 1)  # [n, C], [K, n], [n, K]: n = B·T
     K, n = tgt.shape
     size = chunk_size or max(1, LOGITS_PER_CHUNK // (K * (heads.config.draft_vocab_size or heads.config.vocab_size)))
     ce_sum = hits = h.new_zeros(())  # a scalar 0: each chunk's [K] sums broadcast onto it, in their dtype

@@ -223,7 +223,7 @@ class Tries(NamedTuple):
     bounds: torch.Tensor  # [N - 1, 2, R] float: `sampling.draw_bounds` of each child's rank, in child order
     dist_index: torch.Tensor  # [3, N - 1] long: node k's dists: the r it is tried against, its residual, its q
     dist_scores: tuple[torch.Tensor, torch.Tensor]  # `bonus_dist_scores`: bias [2N - 1], weights [2 (N - 1), 2N - 1]
-    dist_node: torch.Tensor  # [2N - 1] long: the node of each of the first 2N - 1 dists (p, a child's residual)
+    dist_node: torch.Tensor  # [2N - 1] long: the node n drawing the bonus from dist i < 2N - 1 (p at n, n's residuals)
 
 
 @dataclass(frozen=True)
@@ -254,13 +254,13 @@ class TreeTensors:
 def bonus_dist_scores(tree: Tree, dist_node: list[int], child_order: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """`Tries.dist_scores`: the dist the bonus is drawn from, found in one matmul (as `path_scores` finds
     the deepest accepted node). A dist, p at node n or the residual after n's child c missed, qualifies when every
-    node of n's path below the root passes (accepted, and none of its elder siblings) and c's miss was live. Over
-    judged [B, 2 (N - 1)] (each node's try accepted, then its miss live), bias + judged @ weights is W · (conditions
+    node of n's path below the root passes (its try accepts, and no elder sibling's does) and c's miss was live. Over
+    judged [B, 2 (N - 1)] (each node's try accepts, then its miss live), bias + judged @ weights is W · (conditions
     met - conditions needed) + the dist's place in (node, dist) order, W = 2N - 1: in [0, W) iff it qualifies. Deeper
     nodes are larger and a node's live misses are its first children (a dead miss leaves NaN), so the argmax is the
     deepest accepted node's last live miss, or its p. Weights 0 or ±W: exact in float32, and in TF32 for N <= 1024."""
     N, W = tree.num_nodes, len(dist_node)
-    weights = torch.zeros(2 * (N - 1), W)  # input k - 1: node k accepted; N - 2 + k: its miss live
+    weights = torch.zeros(2 * (N - 1), W)  # input k - 1: node k's try accepts; N - 2 + k: its miss live
     for dist, n in enumerate(dist_node):
         for k in tree.path(n)[1:]:
             kin = tree.children[tree.parents[k]]

@@ -269,7 +269,7 @@ def summarize(r: Run, val_batches: list, val_tokens: np.ndarray) -> tuple[dict, 
                                             seed=args.seed + 7)
     meta = {"measured_on": f"{len(seqs)} held-out prompts x {n} greedy tokens",
             "drawn_on": f"the same prompts x {n} tokens sampled at T={T:g}"}
-    # The share of the greedy tokens inside the draft vocabulary of each size m: rank[token] < m.
+    # The share of the greedy tokens inside the draft vocabulary of each size m: a token's place in vocab_order < m.
     ranks = heads.vocab_order.cpu().argsort()[torch.tensor([s[P:] for s in seqs])]
     sizes = sorted({m for m in (256, 512, 1024, 2048, 4096, 8192) if m < V} | ({M} if M else set()))
     coverage = {m: (ranks < m).double().mean().item() for m in sizes}
