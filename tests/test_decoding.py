@@ -61,7 +61,7 @@ def test_a_reused_cache_gives_the_tokens_of_a_fresh_one_and_must_be_the_one_aske
     heads, tree = random_heads(model, seed=7), Tree.from_choices([(0,), (1,), (0, 0)])
     plain_cache = KVCache(model.config, max_len=model.config.block_size)
     tree_cache = KVCache(model.config, max_len=model.config.block_size + tree.num_nodes)
-    for prompt in ([1, 2, 3, 4, 5, 6], [9, 8]):  # the second, shorter prompt runs on a used cache
+    for prompt in ([1, 2, 3, 4, 5, 6], torch.tensor([[9, 8]])):  # the second: shorter, [1, T], on a used cache
         assert generate(model, prompt, max_new_tokens=10, cache=plain_cache)[0] == \
             generate(model, prompt, max_new_tokens=10)[0]
         assert medusa_generate(model, heads, prompt, tree=tree, max_new_tokens=10, cache=tree_cache)[0] == \
@@ -87,15 +87,17 @@ def test_greedy_medusa_equals_plain_greedy_in_every_row_of_a_batch(kind, tree_na
     """Random heads, prompt lookup (a tiny model's greedy text repeats itself, so lookups find continuations,
     right and wrong), and an oracle whose rank-0 path is always right (steps accept the tree's full depth).
     Rows of different lengths stop at different steps (the long prompt at the context). The reference, given
-    the same Medusa heads (random or oracle), makes each row's tokens in as many steps."""
+    the same Medusa heads (random or oracle), makes each row's tokens in as many steps. on_step(row, tokens)
+    streams each row's tokens as they come."""
     model = tiny_model(seed)
     want = PLAIN.get(seed) or PLAIN.setdefault(seed, [generate(model, p, max_new_tokens=30) for p in PROMPTS])
     heads = (None if kind == "plain" else PromptLookup() if kind == "lookup" else
              ContinuationHeads(model, *PROMPTS, max_new_tokens=40) if kind == "oracle" else
              random_heads(model, seed=seed, kind=kind, draft=24))
-    got = (generate_batch(model, PROMPTS, max_new_tokens=30) if kind == "plain" else
-           medusa_generate_batch(model, heads, PROMPTS, tree=TREES[tree_name], max_new_tokens=30))
-    assert [g[0] for g in got] == [w[0] for w in want]
+    streamed, kw = [[] for _ in PROMPTS], dict(max_new_tokens=30, on_step=lambda b, tokens: streamed[b].extend(tokens))
+    got = (generate_batch(model, PROMPTS, **kw) if kind == "plain" else
+           medusa_generate_batch(model, heads, PROMPTS, tree=TREES[tree_name], **kw))
+    assert [g[0] for g in got] == [w[0] for w in want] == streamed
     if kind in ("medusa", "oracle"):  # the reference too, step for step
         assert [ref.medusa_generate(model, heads, p, tree=TREES[tree_name], max_new_tokens=30)
                 for p in PROMPTS] == [(tokens, stats.steps) for tokens, stats in got]
@@ -104,8 +106,8 @@ def test_greedy_medusa_equals_plain_greedy_in_every_row_of_a_batch(kind, tree_na
     depth = TREES[tree_name].depth
     if kind == "oracle":  # each row accepts its own continuation
         assert all(max(s.accepted_nodes) == depth and s.tokens_per_step > 0.9 * (depth + 1) for _, s in got)
-    if kind == "lookup":  # the rows' own earlier text is right at times
-        assert sum(sum(stats.accepted_nodes) for _, stats in got) > 0
+    if kind == "lookup":  # every row's own earlier text is right at times ([5] has nothing else to match)
+        assert all(sum(stats.accepted_nodes) > 0 for _, stats in got)
 
 
 @pytest.mark.parametrize("rule", RULES)
@@ -122,6 +124,21 @@ def test_the_engine_emits_the_references_tokens_and_steps_with_the_same_seed(rul
         got, stats = medusa_generate(model, heads, prompt, generator=torch.Generator().manual_seed(seed), **settings,
                                      on_step=lambda tokens: tokens[0])  # never called with none: IndexError
         assert (got, stats.steps) == want
+
+
+def test_a_budget_that_fills_the_context_exactly_stops_at_the_budget_and_one_more_at_the_context(model):
+    for budget, reason in ((30, "max_new_tokens"), (31, "context")):
+        out, stats = generate(model, list(range(1, 35)), max_new_tokens=budget)
+        assert len(out) == 30 and stats.stop_reason == reason  # 34 + 30 = 64 tokens, the whole context
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_heads_on_a_tree_of_the_root_alone_decode_as_plain_decoding_draw_for_draw(model, rule):
+    """No guess to make: a step verifies the root alone, emits its bonus, and draws what a plain step draws."""
+    kw = dict(max_new_tokens=8, sampling=RULES[rule])
+    got, stats = medusa_generate(model, random_heads(model), [5], tree=Tree.from_choices([]), **kw,
+                                 generator=torch.Generator().manual_seed(3))
+    assert got == generate(model, [5], **kw, generator=torch.Generator().manual_seed(3))[0] and stats.steps == 7
 
 
 def test_prompt_lookup_verifies_the_root_alone_without_a_repeated_ngram_and_drafts_right_on_a_repeated_text(
@@ -146,10 +163,10 @@ def test_prompt_lookup_verifies_the_root_alone_without_a_repeated_ngram_and_draf
     assert out == list(range(6, 19)) and stats.tokens_per_step > 2
 
 
-def test_a_row_stopped_by_its_end_token_keeps_its_cache_length_while_the_other_rows_decode():
-    """Its nodes are no longer usable: its cache stays as its last step left it, as when it decodes alone."""
+def test_a_row_stopped_by_its_end_token_keeps_its_cache_length_and_an_end_token_is_one_vocabulary_id():
+    """Its nodes are no longer usable while the others decode: its cache stays as its last step left it, as alone."""
     model, tree, used = tiny_model(0), preset("cpu"), []
-    for rows in ([[5], [3, 1, 4, 1, 5, 9]], [[5]]):  # the end token 37 ends row 0 at once, never row 1; row 0 alone
+    for rows in ([[5], [3, 1, 4, 1, 5, 9]], [[5]]):  # the end token 37 ends row 0 in its first step, never row 1
         used.append(KVCache(model.config, batch_size=len(rows), max_len=model.config.block_size + tree.num_nodes))
         medusa_generate_batch(model, random_heads(model), rows, tree=tree, max_new_tokens=30, eos_id=37, cache=used[-1])
     assert used[0].lengths[0] == used[1].lengths[0]

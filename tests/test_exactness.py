@@ -330,11 +330,13 @@ def verify_error(model, prompt: list[int], tree: Tree) -> float:
 def test_greedy_medusa_parts_from_plain_greedy_only_at_a_tie_within_twice_the_measured_verify_error(dtype):
     """Greedy Medusa is exact because the root's logits in the tree pass are a plain step's, to within a few
     units in the last place (matmuls of other shapes may add in other orders). Where greedy Medusa and plain
-    greedy part, plain's top two logits must be within twice the measured difference: only a near-tie."""
+    greedy part, plain's top two logits must be within twice the measured difference (at least one unit in the last
+    place: the difference is measured at the root, a parting may come later): only a near-tie."""
     model, prompts = tiny_model(7, vocab_size=64, block_size=64).to(dtype), [[3, 1, 4, 1, 5], list(range(10, 30)), [9]]
     error = max(verify_error(model, p, tree) for p in prompts for tree in (preset("cpu"), preset("gpu"), chain(4)))
     scale = max(model(torch.tensor([p]))[0].abs().max().item() for p in prompts)
-    assert error <= 8 * torch.finfo(dtype).eps * scale  # a few units in the last place of the largest logit
+    ulp = torch.finfo(dtype).eps * scale  # a unit in the last place of the largest logit
+    assert error <= 8 * ulp
     for prompt in prompts:
         heads = ContinuationHeads(model, prompt, max_new_tokens=40)
         got, stats = medusa_generate(model, heads, prompt, tree=chain(4), max_new_tokens=40)
@@ -344,4 +346,4 @@ def test_greedy_medusa_parts_from_plain_greedy_only_at_a_tie_within_twice_the_me
         if got != want:
             i = next(j for j, (a, b) in enumerate(zip(got, want)) if a != b)
             top2 = model(torch.tensor([prompt + want[:i]]))[0][0, -1].float().topk(2).values
-            assert top2[0] - top2[1] <= 2 * error, f"parted at token {i} without a near-tie"
+            assert top2[0] - top2[1] <= 2 * max(error, ulp), f"parted at token {i} without a near-tie"

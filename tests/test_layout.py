@@ -49,10 +49,11 @@ def imported_modules(path: str, *, runtime: bool = False) -> set[str]:
             return
         if isinstance(node, ast.Import):
             names.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom):  # `from .m import x` imports .m; `from . import m`, .m
+        elif isinstance(node, ast.ImportFrom):  # `from .m import x` imports .m; `from . import m` (a package's), .m
             base = package[: len(package) - node.level + 1] if node.level else []
             module = ".".join(base + ([node.module] if node.module else []))
-            names.update({module} if node.module else {f"{module}.{a.name}" for a in node.names})
+            package_of_ours = os.path.isdir(os.path.join(ROOT, *module.split(".")))
+            names.update({f"{module}.{a.name}" for a in node.names} if package_of_ours else {module})
         for child in ast.iter_child_nodes(node):
             visit(child)
 

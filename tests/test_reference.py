@@ -97,9 +97,9 @@ def test_rejection_sampling_emits_tokens_with_exactly_the_backbones_probabilitie
     assert first[4] == 0 and second[2] == second[3] == 0  # p(root)[4] = 0; p(node 1) gives 2 and 3 none
 
 
-def test_a_draft_equal_to_the_backbone_is_always_accepted_and_a_top_1_guess_only_with_its_p():
-    """q = p makes min(1, p/q) = 1: every sampled candidate is accepted, the whole chain each time; the
-    top-1 guess x is accepted with p(x) alone, rarely where p is flat."""
+def test_a_draft_equal_to_the_backbone_is_always_accepted_and_a_lone_top_k_child_with_p_of_its_token():
+    """q = p makes min(1, p/q) = 1: every sampled candidate is accepted, the whole chain each time; a lone top-1
+    guess x (a point mass) is accepted with probability p(x), not 1/V nor another token's p."""
     tree, p = chain(2), torch.nn.functional.normalize(torch.tensor([P_ROOT, P_NODE1]).clamp_min(1e-12), p=1, dim=-1)
     logits = torch.log(torch.stack([p[0], p[1], p[1]]))  # node 1's p is head 2's q
     gen = torch.Generator().manual_seed(2)
@@ -107,9 +107,9 @@ def test_a_draft_equal_to_the_backbone_is_always_accepted_and_a_top_1_guess_only
         tokens, drawn = ref.propose(torch.log(p), torch.arange(V), tree, 0, vocab_size=V, sampling=T1, generator=gen)
         path, _ = ref.rejection_accept(tree.parents, tokens, logits, sampling=T1, generator=gen, drawn=drawn)
         assert path == [0, 1, 2]
-    flat, topk = logits_from([[0.22, 0.2, 0.2, 0.19, 0.19]] * 2), Sampling(temperature=1.0, candidates="topk")
-    paths = [ref.rejection_accept([-1, 0], [0, 0], flat, sampling=topk, generator=gen)[0] for _ in range(2000)]
-    assert abs(sum(len(path) == 2 for path in paths) / 2000 - 0.22) < 0.05  # token 0, the top-1 guess, p .22
+    peaked, topk = logits_from([[0.45, 0.15, 0.15, 0.15, 0.1]] * 2), Sampling(temperature=1.0, candidates="topk")
+    paths = [ref.rejection_accept([-1, 0], [0, 0], peaked, sampling=topk, generator=gen)[0] for _ in range(2000)]
+    assert_frequency(sum(len(path) == 2 for path in paths), 2000, 0.45)  # token 0, the top-1 guess, p .45
 
 
 # ---- typical acceptance -------------------------------------------------------------------------------
@@ -144,8 +144,11 @@ def test_typical_takes_the_longest_accepted_path_and_breaks_ties_by_the_larger_s
 
 
 def test_typical_acceptance_approaches_greedy_as_temperature_goes_to_zero():
-    gen = torch.Generator().manual_seed(0)
+    gen, depths = torch.Generator().manual_seed(0), set()
     for seed in range(20):
         logits = torch.randn(TREE.num_nodes, V, generator=torch.Generator().manual_seed(seed))
+        logits[PARENTS[1:], TOKENS[1:]] += 2  # each child's token favoured at its parent: paths of every depth
         want = ref.greedy_accept(PARENTS, TOKENS, logits)
         assert ref.typical_accept(PARENTS, TOKENS, logits, sampling=typical(temperature=1e-4), generator=gen) == want
+        depths.add(len(want[0]) - 1)
+    assert depths == {0, 1, 2, 3}

@@ -110,7 +110,7 @@ def test_every_proposal_holds_one_of_the_few_trees_its_proposer_names(kind):
 @pytest.mark.parametrize("kind", ["medusa", "hydra"])
 def test_a_step_sends_the_device_nothing(kind, rule):
     """No tensor is built from host data (torch.tensor(list), a list index: on a GPU a copy from pageable
-    memory) and no device scalar is read (HostRead); the one read at a step's end: test_meta_device.py."""
+    memory). The reads of device values (one, at a step's end) are counted on `meta`: test_meta_device.py."""
     model, heads, batch = tiny_model(5), random_heads(tiny_model(5), seed=2, kind=kind), 3
     cache = KVCache(model.config, batch_size=batch, max_len=64)
     logits, hidden = prefill(model, torch.tensor([[3, 1, 4, 1, 5]] * batch), cache)

@@ -47,14 +47,14 @@ def test_head_weights_lambda_and_learning_rate_follow_their_schedules():
 
 
 @pytest.mark.parametrize("medusa", [1, 2])
-def test_head_losses_reach_the_backbone_in_medusa_2_only(medusa):
+def test_head_losses_reach_the_backbone_body_in_medusa_2_only_and_the_shared_lm_head_in_both(medusa):
     model, heads = _setup(2)  # the backbone left trainable on purpose: detach_backbone alone must shield it
     x = torch.randint(0, 50, (4, 17), generator=torch.Generator().manual_seed(3))
     loss, metrics = MedusaLM(model, heads)(x[:, :-1], x[:, 1:], lm_weight=0.0, heads_weight=1.0, decay=0.8,
                                             detach_backbone=medusa == 1)
     loss.backward()
     assert ("lm" in metrics) == (medusa == 2) and len(metrics["heads"]) == 2
-    # The shared lm_head (tied to wte) is frozen by requires_grad in the heads stage.
+    assert model.transformer.wte.weight.grad is not None  # the heads project through it: the heads stage freezes it
     body = [p.grad for name, p in model.named_parameters() if name != "transformer.wte.weight"]
     assert all(g is None for g in body) if medusa == 1 else model.transformer.h[0].attn.c_attn.weight.grad.abs().sum()
 

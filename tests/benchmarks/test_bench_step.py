@@ -27,7 +27,7 @@ def test_the_table_prints_every_stage_the_heads_share_of_a_plain_step_and_the_st
     for tree, nodes in (("cpu", 12), ("gpu", 68)):
         labels += [f"{tree} tree ({nodes} nodes incl. root): {stage}" for stage in STAGES]
         labels += [f"{tree} tree: {what}" for what in ("heads / plain step (%)", "whole step / verify alone (x)")]
-    assert all(float(cells[label]) > 0 for label in labels)
+    assert all(float(cells[label]) >= 0 for label in labels)  # a stage of a fast machine may print 0.00
     plain = [int(n) for n in cells["plain step, device operations (greedy / sampling)"].split(" / ")]
     ops = {rule: cells[f"cpu tree: {rule} step, device operations (x plain)"].split() for rule in OP_RULES}
     assert plain[0] < plain[1] and all(int(n) > plain[0] for n, _ in ops.values())  # a Medusa step adds to plain's
