@@ -39,7 +39,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = OneLineParser(prog="decode.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ckpt", type=os.path.expanduser, metavar="DIR", help="checkpoint directory (default: out/tiny)")
     p.add_argument("--prompt", action="append", metavar="TEXT", help="repeat for several (default: prompts.json)")
-    p.add_argument("--num-prompts", type=at_least(1), metavar="N", help=f"stored prompts used (default: {NUM_PROMPTS})")
+    p.add_argument("--num-prompts", type=at_least(1), metavar="N",
+                   help=f"the first N prompts (default: every --prompt, {NUM_PROMPTS} of prompts.json)")
     p.add_argument("--max-new-tokens", type=at_least(1), metavar="N", help=f"per prompt (default: {MAX_NEW_TOKENS})")
     p.add_argument("--method", choices=("plain", *ACCEPTANCE_RULES), help="plain: one forward pass "
                    "per token; else Medusa with that acceptance rule (default: greedy at T = 0, else rejection)")
@@ -127,7 +128,8 @@ def prepare(a: argparse.Namespace) -> tuple:
         "--resume, with the flags it began with, finishes it")
     # Prompts before heads: the missing heads' advice (--method plain) needs prompts too.
     hint = f"{unfinished}; or pass --prompt TEXT" if unfinished else "pass prompts with --prompt TEXT"
-    texts = a.prompt or ([text] if a.demo else load_prompts(a.ckpt, hint=hint)[: a.num_prompts or NUM_PROMPTS])
+    texts = a.prompt or ([text] if a.demo else load_prompts(a.ckpt, hint=hint))
+    texts = texts[: a.num_prompts or (len(texts) if a.prompt else NUM_PROMPTS)]  # --num-prompts takes the first N
     if not (a.prompt or a.demo) and len(texts) < (a.num_prompts or 0):  # fewer stored than asked for: say so
         print(f"note: {PROMPTS_FILE} holds {len(texts)} prompts, not {a.num_prompts}: decoding those", file=sys.stderr)
     medusa = a.method != "plain"  # --compare takes no --method, --explain refuses plain

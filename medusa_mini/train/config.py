@@ -126,8 +126,7 @@ PRESETS: dict[str, dict] = {
                   distill_tokens=48, heads_steps=40, heads_batch_size=16, eval_prompts=4, draft_vocab=128),
     # two CPU cores; a draft vocabulary of a quarter of the tokens measured fastest; twice the heads' text and
     # steps took greedy tokens/step from 3.60 to 3.91; five heads, not four: 4.79 on the auto tree against 3.81
-    # (BENCHMARKS.md, "The heads' training")
-    "cpu": dict(num_heads=5),
+    "cpu": dict(num_heads=5),  # (BENCHMARKS.md, "The heads' training")
     # one GPU; the whole standard library (~11 MB) ~6 times. 4000 steps (~20 passes) overfit it on an H100:
     # greedy tokens/step 1.87 against 3.14 after 1200 (BENCHMARKS.md)
     "gpu": dict(max_bytes=16_000_000, eval_every=250, vocab_size=4096, n_layer=8, n_head=8, n_embd=512,

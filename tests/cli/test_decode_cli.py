@@ -118,6 +118,8 @@ def test_json_is_an_object_per_prompt_and_a_batch_decodes_each_prompt_as_if_alon
         assert decode.main([*argv, "--json", *more]) == 0  # the default, 8, is no request for more than there are
         out, err = capsys.readouterr()
         assert (len(out.splitlines()), err) == (3, note)
+    given = objects(capsys, "--ckpt", ckpt, "--max-new-tokens=2", *["--prompt=a", "--prompt=b"] * 2, "--num-prompts=3")
+    assert [o["prompt"] for o in given] == ["a", "b", "a"]  # --num-prompts takes the first N of --prompt's too
 
 
 @pytest.mark.slow
