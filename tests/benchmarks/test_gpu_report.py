@@ -72,6 +72,7 @@ def test_on_cuda_each_part_compiles_keeps_its_lines_and_names_what_failed(tmp_pa
     assert not ok and len(calls) == 2 and all("--compile" in argv and argv[-2:] == ["--nodes", "1,9"] for argv in calls)
     assert f"```\n{table}\n```" in section and "torch 2.x" not in section
     assert "### gpt2-xl" in section and "Failed: stopped at its budget" in section
+    assert not gpu_report.run_part(cuda_settings(configs=["gpt2-xl", "gpt2"]), "step")[1]  # fails, then passes: failed
     log = ("tokenizer  4096 tokens, trained in 12.5s\nbackbone   step 10\nsummary    validation loss 3.210 nats/token\n"
            "           head   1   2\nstages     backbone 201.3 s (peak 7.25 GiB), heads 60.0 s (peak 5.00 GiB)\n"
            "saved      out/x\n")

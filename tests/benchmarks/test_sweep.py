@@ -1,6 +1,7 @@
 """benchmarks/sweep.py: per rule, drafter, draft vocabulary and node budget, tokens/step and tokens/s against
 plain decoding of the same rule."""
 
+import dataclasses
 import json
 import os
 import shlex
@@ -33,7 +34,7 @@ def run_json(ckpt: str, capsys, *extra: str) -> dict:
     return json.loads(capsys.readouterr().out)
 
 
-def test_every_rule_and_budget_is_a_row_against_the_plain_decoder_of_its_temperature(medusa_ckpt, capsys):
+def test_every_rule_and_budget_is_a_row_against_the_plain_decoder_of_its_temperature(medusa_ckpt, capsys, monkeypatch):
     result = run_json(medusa_ckpt, capsys, "--rules", ",".join(sweep.RULES) + ",greedy")  # a name twice: once
     rows, acc, drawn = result["rows"], load_accuracy(medusa_ckpt), load_accuracy(medusa_ckpt, drawn=True)
     assert [(r["rule"], r["nodes"], r["draft_vocab"]) for r in rows] == [  # the checkpoint's draft vocabulary
@@ -50,6 +51,11 @@ def test_every_rule_and_budget_is_a_row_against_the_plain_decoder_of_its_tempera
                                                  if r["rule"] in ("greedy", "rejection-drawn") else None)
         assert r["verified_nodes"] == (r["nodes"] if r["rule"].startswith("lookup") else tree.num_nodes - 1)  # chain
         assert sweep.expected_tokens_per_s(r, r["tokens_per_step"]) == pytest.approx(r["tokens_per_s"])  # the plot's
+        assert sweep.expected_tokens_per_s(r, r["tokens_per_step"] + 1) == pytest.approx(  # a token more a step
+            (r["new_tokens"] + r["steps"]) / r["seconds"])
+    eot, real = plain[0]["tokens"][0][1], sweep.load_for_decoding  # an end token the rows make: decoded past
+    monkeypatch.setattr(sweep, "load_for_decoding", lambda *a, **kw: dataclasses.replace(real(*a, **kw), eot_id=eot))
+    assert {r["new_tokens"] for r in run_json(medusa_ckpt, capsys, "--rules", "greedy")["rows"]} == {16}
 
 
 def test_each_rule_and_draft_vocabulary_gets_its_block_and_an_old_table_stands_in(medusa_ckpt, capsys, tmp_path):
@@ -71,9 +77,14 @@ def test_each_rule_and_draft_vocabulary_gets_its_block_and_an_old_table_stands_i
     assert [(name, [r["nodes"] for r in rows]) for name, _, rows in sweep.series(result)] == [
         (name, [1, 2]) for name in names + ["lookup-greedy"]]
     lines = sweep.format_sweep(result).splitlines()
-    for name, plain, _ in sweep.series(result):  # a line per budget, a greedy one ending in plain greedy's prompts
+    for name, plain, rows in sweep.series(result):  # a line per budget, a greedy one ending in plain greedy's prompts
         i = lines.index(f"{name}: {plain['method']} {plain['tokens_per_s']:.1f} tokens/s")
         assert lines[i + 2].split()[0] == "1" and lines[i + 3].endswith("  2/2") == (plain["temperature"] == 0)
+        greedy = int(plain["temperature"] == 0)  # each budget's measured columns, from its own row
+        for line, r in zip(lines[i + 2 :], rows):
+            cells = line.split()
+            assert cells[len(cells) - 4 - greedy : len(cells) - greedy] == [f"{r['tokens_per_step']:.2f}",
+                f"{r['ms_per_step']:.2f}", f"{r['tokens_per_s']:.1f}", f"{r['speedup']:.2f}x"]
 
 
 MAINS = {"sweep": (sweep.main, FAST), "measure": (measure.main, ["--num-prompts", "4", "--max-new-tokens", "8"]),

@@ -44,6 +44,9 @@ def test_greedy_rows_are_plain_greedys_the_reference_the_engines_each_on_its_tre
     rows = {row["key"]: row for row in result["rows"]}
     assert decode.main(["--ckpt", str(directory), "--show", "--max-new-tokens", "1", "--num-prompts", "1"]) == 0
     assert "tree auto: 6 nodes + root" in capsys.readouterr().out  # a greedy run decodes on greedy's tree
+    assert decode.main(["--ckpt", str(directory), "--show", "--method", "rejection", "--max-new-tokens", "1",
+                        "--num-prompts", "1"]) == 0  # a drawn-candidates run decodes on the drawn table's tree
+    assert "tree auto: 3 nodes + root" in capsys.readouterr().out
     assert [r["key"] for r in result["rows"]] == ROWS + ["reference_greedy", "reference_typical", "reference_rejection"]
     for key in ("prompt_lookup_greedy", "medusa_greedy", "reference_greedy"):
         assert rows[key]["tokens"] == rows["plain_greedy"]["tokens"] and rows[key]["same_as_plain_greedy"] is True
@@ -57,6 +60,10 @@ def test_greedy_rows_are_plain_greedys_the_reference_the_engines_each_on_its_tre
     assert drawn != greedy and trees == {key: {{"plain": None, "prompt": chain(8).choices}.get(
         key.split("_")[0], drawn if key.endswith("rejection") else greedy)} for key in rows}
     out = format_table(result)
+    for key, r in rows.items():  # every column from its own field
+        line = next(line for line in out.splitlines() if line.startswith(r["method"] + " "))
+        assert line[32:].split()[:6] == [str(r["new_tokens"]), str(r["steps"]), f"{r['tokens_per_step']:.2f}",
+                                         f"{r['step_cost']:.2f}", f"{r['ms_per_token']:.2f}", f"{r['speedup']:.2f}"]
     for label, same in (("plain greedy", "yes"), ("prompt lookup greedy", "yes"), ("Medusa greedy", "yes"),
                         ("Medusa typical (T=0.8)", "-"), ("plain sampling (T=0.8)", "-")):
         line = next(line for line in out.splitlines() if line.startswith(label))
@@ -92,6 +99,8 @@ def test_lookup_gains_on_repeats_and_a_row_that_leaves_plain_greedy_is_named_whe
     assert "Medusa greedy differs from plain greedy on prompt 1 at new token 16" in out and " 0/2 prompts" in out
     assert [("near-tie" in s) for s in out.splitlines() if "differs from plain" in s] == [
         d["margin"] < 0.1 for d in rows["medusa_greedy"]["differences"]]
+    flagged = [{**r, "repeats_differ": r["key"] == "medusa_greedy"} for r in result["rows"]]
+    assert "Medusa greedy: repeated runs made different tokens" in format_table({**result, "rows": flagged})
     footer = out.split("repeats")[-1].splitlines()[1:]
     assert [line.split()[0] for line in footer] == ["1", "2"]
     assert footer[1].split()[1] == "1.00" and footer[1].split()[-1] == "0%"
@@ -164,3 +173,8 @@ def test_a_rows_numbers_count_passes_per_batch_and_every_token_once():
            f"and a batch of 2 makes {14 / 12:.2f}x the passes its rows need" in why_line(rows)
     assert f"Medusa greedy pays at batch 2: {tail}" in why_line(rows[1:])  # one size: no "largest"
     assert f"Medusa greedy does not pay at any batch size here: {tail}" in why_line([{**rows[1], "speedup": 0.9}])
+    three = [{**rows[0], "batch_size": b, "speedup": s} for b, s in ((1, 1.2), (2, 0.9), (4, 1.1))]
+    assert "Medusa greedy pays at batch 4, the largest measured" in why_line(three)  # it pays again at 4
+    assert "Medusa greedy stops paying at batch 2: " in why_line(three[:2])
+    assert "here: a step costs 1.50x a plain step at batch 2, and a batch of 2 makes" in why_line(
+        [{**r, "speedup": 0.9} for r in three[1:]])  # never paid: said of the first size

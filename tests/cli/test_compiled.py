@@ -17,7 +17,7 @@ from medusa_mini.decoding import generate_batch, medusa_generate_batch
 from medusa_mini.model import KVCache, compact_kv_cache
 from medusa_mini.proposal import PromptLookup
 from medusa_mini.step import plain_step
-from medusa_mini.tree import Tree
+from medusa_mini.tree import Tree, chain
 
 TREE = Tree.from_choices([(0,), (1,), (0, 0), (1, 0), (0, 0, 0)])
 
@@ -74,10 +74,11 @@ def test_the_warm_up_runs_every_shape_three_times_so_cuda_graphs_record_and_repl
     """Under CUDA graphs a shape's first call runs eagerly, the second records, the third replays: a shape
     called fewer times in the warm-up would be recorded inside the first timed generation. One shape per
     plain rule, one verify_and_accept per Medusa rule (the whole tree, never cut), one first drawn tree."""
-    model, calls = tiny_model(0), []
+    model, calls, slots = tiny_model(0), [], []
 
     def compile(fn):  # runs fn eagerly, recording each call: its name, its third argument's shape, the rule
         def run(*args, **kw):
+            slots.append(args[1].max_len) if fn.__name__ == "verify_and_accept" else None  # its cache's
             calls.append((fn.__name__, tuple(args[2].shape), kw.get("sampling", kw.get("temperature"))))
             return fn(*args, **kw)
         return run
@@ -90,6 +91,11 @@ def test_the_warm_up_runs_every_shape_three_times_so_cuda_graphs_record_and_repl
     assert proposer.trees() == [TREE] and len(shapes) == 2 + 3 + 1 and all(calls.count(s) == 3 for s in shapes)
     assert {name for name, *_ in calls} == {"plain_step", "verify_and_accept", "draft_tree"}
     assert torch._dynamo.config.recompile_limit == limit + 2 + 3  # two plain rules, three rules' trees
+    calls.clear(), slots.clear()
+    lookup = PromptLookup().proposer(model, chain(8))  # a chain of each length prompt lookup may verify: 0, 1, 2, 4, 8
+    warm_up(model, steps, compiled_wing.static_caches(model), rows=1, proposers=[(lookup, RULES["greedy"])])
+    assert sorted(shape for _, shape, _ in set(calls)) == [(1, n) for n in (1, 2, 3, 5, 9)]
+    assert set(slots) == {model.config.block_size + 9}  # each on the cache decoding gives the whole chain
 
 
 @torch.no_grad()

@@ -20,6 +20,9 @@ import train_tiny
 from benchmarks import gpu_report, sweep
 from conftest import PROMPTS, ROOT, refused, save_tiny
 from medusa_mini.cli.common import exit_with
+from medusa_mini.cli.explain import token_text, verify_section
+from medusa_mini.sampling import Sampling, typical_threshold
+from medusa_mini.tree import Tree
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -60,6 +63,7 @@ def test_explain_walks_through_one_step_of_either_kind_of_heads(ckpt, ckpt_hydra
         n = o["step_tokens"][0]  # a confirmed child (✓) where the step accepted one; the cache holds prompt + n
         assert f"({n - 1} accepted + 1 bonus) with one forward pass: {enc.decode(o['tokens'][1 : 1 + n])!r}" in out
         assert ("✓" in out) == (n > 1) and f"it now holds {o['prompt_tokens'] + n} tokens" in out, out
+        assert f"bonus token:   {token_text(enc, o['tokens'][n])}, " in out  # the step's last token
         assert [s.count("#") for s in out.splitlines() if s.startswith("head ")] == [3, 2, 2, 2]  # the tree's ranks
 
 
@@ -101,11 +105,13 @@ def test_generation_stops_cleanly_at_the_context_limit(ckpt, capsys):
     assert "(of 11: deeper" in run(capsys, "--ckpt", ckpt, "--explain", "--prompt", argv[3] + " the cat sat")
     out = run(capsys, "--ckpt", ckpt, "--method", "rejection", "--temperature", "2", "--seed", "2", "--num-prompts=1")
     assert "stopped at the end-of-text token" in out and "<|endoftext|>" not in out  # the end token is not text
-    assert "end-of-text" not in run(capsys, *argv, "--compare")  # rows stopped by the context say so
+    out = run(capsys, *argv, "--compare")  # rows stopped by the context say so
+    assert "end-of-text" not in out and "7 of the generations stopped at the context limit" in out
 
 
 @pytest.mark.parametrize("rule", [[], ["--method", "plain"]])
-def test_json_is_an_object_per_prompt_and_a_batch_decodes_each_prompt_as_if_alone_when_greedy(ckpt, capsys, rule):
+def test_json_is_an_object_per_prompt_and_a_batch_decodes_each_prompt_as_if_alone_when_greedy(ckpt, capsys, rule,
+                                                                                              monkeypatch):
     argv = ["--ckpt", ckpt, "--max-new-tokens", "14", *rule]
     alone = objects(capsys, *argv)
     assert [(o["prompt"], o["method"], len(o["tokens"]), o["stop_reason"]) for o in alone] == [
@@ -114,6 +120,14 @@ def test_json_is_an_object_per_prompt_and_a_batch_decodes_each_prompt_as_if_alon
     batched = objects(capsys, *argv, "--batch-size", "2")  # 3 prompts: batches of 2 and 1
     assert [(o["tokens"], o["batch_size"]) for o in batched] == [(o["tokens"], B) for o, B in zip(alone, (2, 2, 1))]
     assert run(capsys, *argv, "--batch-size", "2").count(" ms/token over its batch of 2,") == 2
+    monkeypatch.setattr(decode, "timed", lambda device, fn: (fn(), 2.8))  # each batch's decoding: 2.8 s
+    assert run(capsys, *argv, "--batch-size", "2").count(" 100.0 ms/token over its batch of 2, stopped after "
+                                                         "max-new-tokens (14)") == 2  # 2.8 s over 28 tokens
+    assert [o["seconds"] for o in objects(capsys, *argv, "--batch-size", "2")] == [2.8] * 3  # the whole batch's
+    if not rule:  # seeded anew for each batch: a prompt given twice samples the same text
+        twice = objects(capsys, "--ckpt", ckpt, "--max-new-tokens", "14", "--method", "rejection",
+                        "--prompt", PROMPTS[0], "--prompt", PROMPTS[0])
+        assert twice[0]["tokens"] == twice[1]["tokens"]
     for more, note in ([], ""), (["--num-prompts", "5"], "note: prompts.json holds 3 prompts, not 5: decoding those\n"):
         assert decode.main([*argv, "--json", *more]) == 0  # the default, 8, is no request for more than there are
         out, err = capsys.readouterr()
@@ -177,6 +191,7 @@ def test_top_p_goes_with_sampling_a_temperature_names_or_compares_sampled_rows()
     """Never alone: refused, below. (A batch of 4096, the largest, is allowed.)"""
     for argv in (["--compare", "--batch-size", "1,4096"], ["--method", "rejection"], ["--temperature", "0.5"]):
         assert decode.parse_args([*argv, "--top-p", "0.9"]).sampling.top_p == 0.9
+    assert decode.parse_args(["--compare", "--reference", "--compile"]).compile  # reference rows beside compiled ones
 
 
 @pytest.mark.parametrize("case", [  # what the error names: what follows "->", else the first flag given
@@ -191,6 +206,7 @@ def test_top_p_goes_with_sampling_a_temperature_names_or_compares_sampled_rows()
     "--compare --temperature 0 -> give T > 0", "--batch-size ' '", "--batch-size ²",
     "--compare --batch-size 1,4097 -> from 1 to 4096", "--compare --batch-size 1,x -> --batch-size",
     "--plot {tmp}/b.png", "--demo", "--reference --method plain", "--method plain --tree 6 -> --tree",
+    "--compare --plot {tmp}/b.png -> --batch-size 1,2,4",  # the batch table alone is drawn
     "--compare --batch-size 1,2 --plot {tmp}/no/b.png -> --plot", "--compare --max-new-tokens 1 -> --max-new-tokens",
     "--compare --method typical -> --method", "--explain --method plain", "--json --show", "--json --explain",
     "--explain --max-new-tokens 5 -> leave out --max-new-tokens", "--explain --num-prompts 2 -> one --prompt",
@@ -204,6 +220,18 @@ def test_bad_input_exits_2_with_one_line(case, ckpt, ckpt_hydra, tmp_path, capsy
     argv = shlex.split(args.format(tmp=tmp_path, hydra=ckpt_hydra, ckpt=ckpt, long="the cat " * 100))
     err = refused(capsys, decode.main, argv if "--ckpt" in argv else ["--ckpt", ckpt, *argv])
     assert err.startswith("decode.py: error: ") and (needle or argv[0]) in err, err
+
+
+def test_verify_judges_each_candidate_by_p_and_the_bar_at_its_parent():
+    tree, tokens = Tree.from_choices([(0,), (1,), (0, 0)]), [0, 1, 0, 2]  # [1], [2] the root's children, [3] [1]'s
+    logits = torch.tensor([[0.3] + [0.1] * 7, [0.02] * 2 + [0.86] + [0.02] * 5, [0.125] * 8, [0.65] + [0.05] * 7]).log()
+    sampling, out = Sampling(acceptance="typical", temperature=1.0), []
+    verify_section(out, ["r", "a", "b", "c"], tree, tokens, logits, None, None, sampling=sampling)
+    bar = typical_threshold(logits.softmax(-1), epsilon=sampling.epsilon, delta=sampling.delta).tolist()
+    rows = [line.split() for line in out if line.startswith("[")]
+    assert bar[0] != bar[1] != bar[2] and rows == [  # node [0]'s entropy makes its bar lower than ε, node [1]'s not
+        ["[1]", "a", "0.100", f"{bar[0]:.3f}"], ["[2]", "b", "0.300", f"{bar[0]:.3f}"],
+        ["[3]", "c", "0.860", f"{bar[1]:.3f}"]]
 
 
 def test_a_checkpoint_without_heads_points_to_plain_decoding_only_where_it_can_run(ckpt_no_heads, capsys):

@@ -51,6 +51,10 @@ def test_a_json_file_of_choices_is_a_tree(tmp_path, monkeypatch, content):  # or
     assert resolve(str(tmp_path / "mine.json"), tmp_path / "elsewhere") == (want, "mine.json", 3)
     monkeypatch.chdir(tmp_path.parent)  # a relative name: the working directory, then the checkpoint
     assert resolve("mine.json", tmp_path) == (want, "mine.json", 3)
+    (here := tmp_path / "here").mkdir()  # one in the working directory too: it comes first
+    (here / "mine.json").write_text("[[0]]")
+    monkeypatch.chdir(here)
+    assert resolve("mine.json", tmp_path).tree == Tree.from_choices([(0,)])
     assert resolve(json.dumps(content), tmp_path) == (want, "inline", 3)
 
 

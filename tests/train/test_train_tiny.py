@@ -259,9 +259,11 @@ def test_help_lists_every_flag_and_bad_flags_or_data_are_one_line_naming_it_with
     text = capsys.readouterr().out
     assert exit.value.code == 0 and all(f"--{name.replace('_', '-')} " in text for name in TrainArgs.hyper_parameters())
     assert all(flag in text for flag in ("--preset", "--data", "--resume", "--init", "--dtype", "gpt2-cpu"))
-    outs = [["--preset", "cpu"], ["--preset", "smoke"], ["--preset", "gpt2-cpu", "--init", "gpt2"], ["--out", "mine"],
-            ["--vocab-size", "257", "--head-decay", "1", "--heads-stride", "256", "--eval-prompts", "1000"]]  # limits
-    assert [train_tiny.parse_args(a).out for a in outs] == ["out/tiny", "out/smoke", "out/gpt2-cpu", "mine", "out/tiny"]
+    outs = [["--preset", "cpu"], ["--preset", "gpu"], ["--preset", "smoke"], ["--preset", "gpt2-cpu", "--init", "gpt2"],
+            ["--out", "mine"], ["--vocab-size", "257", "--head-decay", "1", "--heads-stride", "256", "--eval-prompts",
+                                "1000"]]  # limits
+    assert [train_tiny.parse_args(a).out for a in outs] == ["out/tiny", "out/tiny", "out/smoke", "out/gpt2-cpu", "mine",
+                                                            "out/tiny"]
     assert ((a := train_tiny.parse_args(["--init", "gpt2"])).medusa, a.backbone_steps) == (1, 0)  # kept frozen
     cuda = torch.cuda.is_available()  # the presets a device picks: a CPU's finish on a laptop
     assert (a.preset, train_tiny.parse_args([]).preset) == (("gpt2", "gpu") if cuda else ("gpt2-cpu", "cpu"))
