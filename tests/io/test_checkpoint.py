@@ -79,8 +79,11 @@ def test_a_save_failing_midway_leaves_the_previous_checkpoint_loadable(tmp_path,
     old, old_heads, new_heads = tiny_gpt(seed=0), tiny_heads(draft=20), None if "," in failing else tiny_heads(seed=9)
     save_checkpoint(tmp_path, old, heads=old_heads, extra={"version": 1})
 
+    renamed = []
+
     def replace(src, dst, real=os.replace):
         assert os.path.dirname(src) == os.path.dirname(dst)  # a sibling: a rename across filesystems fails
+        renamed.extend([os.path.basename(dst)] * str(src).endswith(".tmp"))
         if failing.startswith(os.path.basename(dst)) and str(src).endswith(".tmp"):
             raise KeyboardInterrupt(f"Ctrl-C while replacing {failing}")
         return real(src, dst)
@@ -90,6 +93,8 @@ def test_a_save_failing_midway_leaves_the_previous_checkpoint_loadable(tmp_path,
     with pytest.raises(TypeError if failing == "writer" else KeyboardInterrupt):
         save_checkpoint(tmp_path, tiny_gpt(seed=5), heads=new_heads, extra=extra)
     monkeypatch.undo()
+    assert failing != "config.json" or renamed == ["model.safetensors", "medusa_heads.safetensors",
+                                                   "medusa_config.json", "config.json"]  # config.json last
     assert set(os.listdir(tmp_path)) == CHECKPOINT_FILES | HEADS_FILES, "no temporary files left behind"
     model, heads, config = load_checkpoint(tmp_path)
     assert config["medusa_mini"] == {"version": 1} and {p.stat().st_mode & 0o777 for p in tmp_path.iterdir()} == {0o644}
@@ -101,7 +106,9 @@ def test_a_save_failing_midway_leaves_the_previous_checkpoint_loadable(tmp_path,
     ("config.json", b"{not json", "is not readable JSON"), ("config.json", b"[" * 10**5, "not readable JSON"),
     ("config.json", {"model_type": "llama"}, "model_type is 'llama'"),
     ("config.json", {"activation_function": "relu"}, "activation_function='relu'"),
-    ("config.json", {"n_inner": 7}, "n_inner"), ("config.json", {"tie_word_embeddings": False}, "tie_word_embeddings"),
+    ("config.json", {"n_inner": 7}, "n_inner"), ("config.json", {"scale_attn_weights": False}, "scale_attn_weights"),
+    ("config.json", {"scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx"),
+    ("config.json", {"tie_word_embeddings": False}, "tie_word_embeddings"),
     ("config.json", {"n_layer": None}, "invalid value"),
     ("config.json", {"n_head": "delete"}, "missing 'n_head'"), ("config.json", {"n_embd": float("inf")}, "invalid"),
     ("config.json", {"n_head": 0}, "n_head must be an integer > 0, not 0"), ("config.json", {"n_positions": -1}, "-1"),
@@ -114,6 +121,7 @@ def test_a_save_failing_midway_leaves_the_previous_checkpoint_loadable(tmp_path,
     ("medusa_config.json", {"kind": "eagle"}, "unknown head kind"),
     ("medusa_config.json", {"num_heads": "4"}, "num_heads must be an integer"),
     ("medusa_config.json", {"vocab_size": "delete"}, "has no vocab_size"),
+    ("medusa_config.json", {"num_heads": "delete"}, "has no num_heads"),
     ("medusa_heads.safetensors", None, "medusa_heads.safetensors is missing"),
     ("medusa_config.json", None, "medusa_config.json is missing; save the heads again"),  # not "no heads"
     ("medusa_heads.safetensors", {"vocab_order": torch.zeros(61, dtype=torch.long)}, "vocab_order is not an order"),
@@ -154,24 +162,29 @@ def test_saving_heads_again_can_keep_the_backbone_file_untouched_and_saving_none
     assert set(os.listdir(tmp_path)) == CHECKPOINT_FILES and heads_back is None and config["medusa_mini"] == {}
     assert torch.equal(back.lm_head.weight, other.lm_head.weight)  # write_model=False spares only a frozen backbone
     pytest.raises(ValueError, save_checkpoint, tmp_path, tiny_model()).match("not tied")  # GPT-2 files: one matrix
+    save_checkpoint(tmp_path / "new", model, heads=heads, write_model=False)  # no backbone file to keep: written
+    assert torch.equal(load_checkpoint(tmp_path / "new")[0].lm_head.weight, model.lm_head.weight)
 
 
 def test_prompts_json_gives_token_ids_cut_to_leave_room_for_the_new_tokens_and_a_bad_one_is_a_clear_error(tmp_path,
                                                                                                          monkeypatch):
     save_small_checkpoint(tmp_path)  # block size 64, no eot_id saved: the tokenizer's own
     monkeypatch.setenv("HOME", str(tmp_path.parent))
-    ck = load_for_decoding(f"~/{tmp_path.name}", device="meta")  # as --ckpt=~/... reaches it, unexpanded
-    assert {p.device.type for p in [*ck.model.parameters(), *ck.heads.parameters()]} == {"meta"}  # all on `device`
+    ck = load_for_decoding(f"~/{tmp_path.name}", device="meta", dtype=torch.bfloat16)  # ~: as --ckpt=~/... reaches it
+    assert {(p.device.type, p.dtype) for p in [*ck.model.parameters(), *ck.heads.parameters()]} == {
+        ("meta", torch.bfloat16)}  # all on `device`, in `dtype`
     assert prompt_ids(ck, count=3, max_new_tokens=63) == [  # each prompt's end: room for 63 new tokens of 64
         ck.enc.encode_ordinary(t)[-1:] for t in ("the cat sat", "on the mat and", "the dog")]
+    pytest.raises(ValueError, prompt_ids, ck, count=1, max_new_tokens=64).match("leaves no room for a prompt in 64")
     assert ck.eot_id == ck.enc.eot_token
     (tmp_path / "prompts.json").write_text(json.dumps({"prompts": ["", "the dog<|endoftext|>"]}))  # empty: left out
     assert prompt_ids(ck, count=2, max_new_tokens=8) == [ck.enc.encode_ordinary("the dog<|endoftext|>")]
     for bad in ([], ["a", 5], "a"):
         (tmp_path / "prompts.json").write_text(json.dumps({"prompts": bad}))
         pytest.raises(ValueError, load_prompts, str(tmp_path)).match("must hold")
-    (tmp_path / "config.json").write_text(json.dumps(ck.config | {"medusa_mini": {"eot_id": 300}}))  # vocabulary 300
-    pytest.raises(ValueError, load_for_decoding, str(tmp_path), device="cpu").match("config.json: eot_id 300 is no")
+    for eot_id in (300, -1):  # vocabulary 300
+        (tmp_path / "config.json").write_text(json.dumps(ck.config | {"medusa_mini": {"eot_id": eot_id}}))
+        pytest.raises(ValueError, load_for_decoding, str(tmp_path), device="cpu").match(f"eot_id {eot_id} is no")
     config = json.loads((tmp_path / "tokenizer_config.json").read_text())  # a tokenizer of more tokens than the model
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config | {"special_tokens": {"<|endoftext|>": 300}}))
     pytest.raises(ValueError, load_for_decoding, str(tmp_path), device="cpu").match("do not belong together")

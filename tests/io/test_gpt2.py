@@ -160,7 +160,7 @@ class HubHandler(http.server.BaseHTTPRequestHandler):
         if isinstance(fault, int) or self.path not in hub.files:
             return self.send_error(fault if isinstance(fault, int) else 404)
         data, m = hub.files[self.path], re.fullmatch(r"bytes=(\d+)-", self.headers.get("Range") or "")
-        start = int(m.group(1)) if m and fault != "no-range" else 0
+        start = int(m.group(1)) + (fault == "shifted") if m and fault != "no-range" else 0
         self.send_response(200 if not start else 206 if start < len(data) else 416)
         if start:
             self.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}" if start < len(data)
@@ -193,6 +193,7 @@ DATA = bytes(range(256)) * 4000  # ~1 MB, more than one read chunk
     (b"", ["drop"], [None, "bytes=512000-"]),  # a dropped connection is resumed within one call
     (b"", ["drop", "no-range"], [None, "bytes=512000-"]),  # a server ignoring Range: start over
     (DATA[:512000], [], ["bytes=512000-"]),  # the .part file an interrupted call left is resumed
+    (DATA[:512000], ["shifted"], ["bytes=512000-", None]),  # a part from elsewhere than asked: start over
     (DATA, [], [f"bytes={len(DATA)}-"]),  # a complete .part file (stopped before the rename) is kept
     (DATA + b"!", [], [f"bytes={len(DATA) + 1}-", None]),  # a .part file longer than the file: start over
 ])

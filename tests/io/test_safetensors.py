@@ -4,6 +4,7 @@ with one clear line before any allocation, and a failed write never damages the 
 import json
 import os
 import re
+import stat
 import struct
 import tracemalloc
 
@@ -49,9 +50,11 @@ def test_the_written_file_has_the_documented_byte_layout_and_each_formats_raw_bi
     assert covered == len(data), "tensors tile the buffer in order"
 
 
-def test_a_failing_write_keeps_the_old_file_and_leaves_no_temporary_files(tmp_path):
-    path = tmp_path / "t.safetensors"
+def test_a_failing_write_keeps_the_old_file_and_leaves_no_temporary_files(tmp_path, monkeypatch):
+    path, synced = tmp_path / "t.safetensors", []
+    monkeypatch.setattr(os, "fsync", lambda fd, real=os.fsync: synced.append(os.fstat(fd).st_mode) or real(fd))
     atomic_write(path, lambda f: write_safetensors(f, {"x": torch.ones(3)}))
+    assert [stat.S_ISREG(m) for m in synced] == [True, False]  # the bytes on disk, then the rename in the folder
     complex_last = {"y": torch.zeros(2), "z": torch.zeros(2, dtype=torch.complex64)}
     pytest.raises(ValueError, atomic_write, path, lambda f: write_safetensors(f, complex_last)).match("cannot be")
     assert torch.equal(read_safetensors(path)["x"], torch.ones(3)) and os.listdir(tmp_path) == ["t.safetensors"]
@@ -88,7 +91,8 @@ HOSTILE = {
     "gap between tensors": (st_file({"a": entry("F32", [1], 0, 4), "b": entry("F32", [1], 8, 12)}, bytes(12)), "gap"),
     "bytes nobody owns": (st_file({"a": entry("F32", [1], 0, 4)}, bytes(8)), "cover 4 bytes"),
     "metadata not strings": (st_file({"__metadata__": {"a": 1}}), "__metadata__"),
-    "BOOL byte other than 0/1": (st_file({"a": entry("BOOL", [2], 0, 2)}, b"\x01\x07"), "BOOL")}
+    "BOOL byte other than 0/1": (st_file({"a": entry("BOOL", [2], 0, 2)}, b"\x01\x02"), "BOOL"),
+    "bool in shape": (st_file({"a": entry("F32", [True], 0, 4)}, bytes(4)), "non-negative integers")}
 
 
 @pytest.mark.parametrize("content, match", HOSTILE.values(), ids=HOSTILE.keys())

@@ -127,7 +127,10 @@ DAMAGE = {  # name: (the file the error must name, what is done to it, f)
     "bad rank": ("tokenizer.tiktoken", lambda f: f.write_text(f.read_text() + "QUJD x\n")),
     "duplicate rank": ("tokenizer.tiktoken", lambda f: f.write_text(f.read_text() + "QUJDREVG 3\n")),
     "duplicate token": ("tokenizer.tiktoken", lambda f: f.write_text((t := f.read_text()) + t.split()[0] + " 9999\n")),
-    "missing byte": ("tokenizer.tiktoken", lambda f: f.write_text(f.read_text().split("\n", 1)[1]))}
+    "missing byte": ("tokenizer.tiktoken", lambda f: f.write_text(f.read_text().split("\n", 1)[1])),
+    "negative rank": ("tokenizer.tiktoken", lambda f: f.write_text(f.read_text() + "QUJD -1\n")),
+    "special id a rank": ("tokenizer.tiktoken", lambda f: (c := f.with_name("tokenizer_config.json")).write_text(
+        c.read_text().replace(": 349", ": 3")))}
 
 
 @pytest.mark.parametrize("culprit, damage", DAMAGE.values(), ids=DAMAGE.keys())

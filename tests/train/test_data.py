@@ -63,6 +63,7 @@ def test_a_folder_loads_its_text_files_sorted_and_recursively(tmp_path):
     assert load_corpus(tmp_path, skip=tmp_path / "out/mine") == texts
     mine = ("out/mine/config.json", "{}\n")  # a folder without a checkpoint is text
     assert load_corpus(tmp_path) == texts[:2] + [mine] + texts[2:]
+    assert data.corpus_digest([("a", "bc")]) != data.corpus_digest([("ab", "c")])  # --resume: names, texts apart
     for folder, out in [("out/mine", "out/mine"), ("out/mine", "out"), ("out/smoke", None)]:  # in --out, a checkpoint
         pytest.raises(ValueError, load_corpus, tmp_path / folder, skip=out and tmp_path / out).match("output folder")
 
@@ -131,5 +132,6 @@ def test_held_out_prompts_are_snippets_of_held_out_text_under_a_third_of_the_con
     prompts = data.held_out_prompts(docs, enc, count=4, seed=0, block_size=150)  # a token a byte: 240 bytes do not fit
     assert len(prompts) == 4 and all(p in docs[0][1] and 0 < len(enc.encode_ordinary(p)) < 50 for p in prompts)
     assert data.held_out_prompts(docs[1:], enc, count=2, seed=0, block_size=60) == []  # blank text gives none
+    assert data.held_out_prompts([("a", "ab\n")], enc, count=1, seed=0, block_size=9) == []  # 3 tokens, not < 9 // 3
     few = data.held_out_prompts([("a", "a\n" * 3)], enc, count=4, seed=0, block_size=60)  # three distinct snippets
     assert sorted(few) == ["a\n", "a\na\n", "a\na\na\n"]

@@ -264,6 +264,8 @@ def test_help_lists_every_flag_and_bad_flags_or_data_are_one_line_naming_it_with
                                 "1000"]]  # limits
     assert [train_tiny.parse_args(a).out for a in outs] == ["out/tiny", "out/tiny", "out/smoke", "out/gpt2-cpu", "mine",
                                                             "out/tiny"]
+    cpu = train_tiny.parse_args(["--preset", "cpu"])  # README: a 4-layer GPT, five heads, a draft vocabulary of 512
+    assert (cpu.n_layer, cpu.num_heads, cpu.draft_vocab) == (4, 5, 512)
     assert ((a := train_tiny.parse_args(["--init", "gpt2"])).medusa, a.backbone_steps) == (1, 0)  # kept frozen
     cuda = torch.cuda.is_available()  # the presets a device picks: a CPU's finish on a laptop
     assert (a.preset, train_tiny.parse_args([]).preset) == (("gpt2", "gpu") if cuda else ("gpt2-cpu", "cpu"))
@@ -388,6 +390,8 @@ def test_init_trains_heads_of_another_kind_on_a_frozen_checkpoint_over_its_own_t
     interrupted(args + ["--out", str(out)], during=3)
     assert train_tiny.main(args + ["--out", str(out), "--resume", "--init", str(ref)]) == 2  # another backbone
     assert "the run began with init " in capsys.readouterr().err
+    assert train_tiny.main(args + ["--out", str(out), "--resume", "--heads-lr", "2e-3"]) == 2  # a begun stage's too
+    assert "heads_lr 0.001, not 0.002" in capsys.readouterr().err
     assert train_tiny.main(args + ["--out", str(out), "--resume", "--init", f"{base}/"]) == 0 and same_weights(ref, out)
     assert train_tiny.main(args + ["--out", "x", "--block-size", "256", "--distill-prompt-len", "64"]) == 2  # base: 64
     assert "holds 64 tokens of context" in capsys.readouterr().err and not (tmp_path / "x").exists()
