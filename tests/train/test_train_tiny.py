@@ -6,6 +6,7 @@ import functools
 import http.server
 import io
 import json
+import math
 import os
 import re
 import shutil
@@ -118,7 +119,9 @@ def test_a_run_writes_a_complete_checkpoint_and_a_measured_summary(reference_run
     assert set(os.listdir(out)) == {"config.json", "model.safetensors", "medusa_heads.safetensors", "prompts.json",
                                     "medusa_config.json", "tokenizer.tiktoken", "tokenizer_config.json",
                                     "heads_accuracy.json"}  # no resume state
-    assert len(json.loads((out / "prompts.json").read_text())["prompts"]) == 2  # held out, a third of 64 tokens
+    prompts = json.loads((out / "prompts.json").read_text())["prompts"]  # held out: decoding measures unseen text
+    val_text = "".join(t for _, t in split_documents(load_corpus(None, max_bytes=60_000), seed=0)[1])
+    assert len(prompts) == 2 and all(p in val_text for p in prompts)  # at most a third of 64 tokens each
     assert all(s in text for s in ("tokenizer", "backbone", "8 continuations", "heads", "summary", "official Medusa-1"))
     assert re.search(r"^heads +step +4/4  heads( [\d.]+){4}  top1( [\d.]+){4}  [\d,]+ tok/s  ETA 0m00s$", text, re.M)
     # the summary's expected tokens per step are the product rule on the stored accuracies
@@ -132,6 +135,8 @@ def test_a_run_writes_a_complete_checkpoint_and_a_measured_summary(reference_run
     assert heads.num_heads == 4 and cfg["medusa_mini"]["eot_id"] == model.config.vocab_size - 1
     assert cfg["medusa_mini"]["head_top1_own"] == pytest.approx(acc[:, 0].tolist(), abs=1e-4)  # the table's top-1
     assert 4.5 < cfg["medusa_mini"]["val_loss"] < 6  # nats/token, a mean over batches: 6 steps from ln(300) = 5.70
+    loss, perplexity = re.search(r"validation loss ([\d.]+) nats/token \(perplexity ([\d.]+)\)", text).groups()
+    assert math.exp(float(loss)) == pytest.approx(float(perplexity), rel=1e-3)
     assert heads.draft_ids.numel() == 128  # the smoke preset's --draft-vocab
     accept = cfg["medusa_mini"]["head_accept_sampled"]  # Σ min(p, q) per head, printed as the summary shows it
     assert len(accept) == 4 and all(0 < a < 1 for a in accept)
