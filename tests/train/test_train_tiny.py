@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 
 import pytest
 import torch
@@ -22,7 +23,7 @@ import torch
 import decode
 import train_tiny
 from conftest import ROOT
-from medusa_mini.heads import frequency_order
+from medusa_mini.heads import HeadsConfig, frequency_order, make_heads
 from medusa_mini.io.checkpoint import load_checkpoint, save_checkpoint
 from medusa_mini.io.tokenizer import TOKENIZER_FILES, make_encoding, save_tokenizer
 from medusa_mini.model import GPT, GPTConfig
@@ -190,6 +191,10 @@ def test_medusa_1_trains_the_backbone_alone_as_a_joint_run_without_a_heads_loss(
     among 2 tokens, fewer than the cpu tree has ranks, and still end with their summary."""
     runs, temperatures, real = [tmp_path / "m1", tmp_path / "l0"], [], run_mod.self_distill
     monkeypatch.setattr(run_mod, "self_distill", lambda *a, **k: temperatures.append(k["temperature"]) or real(*a, **k))
+    norms, clip, greedy, continuations = [], torch.nn.utils.clip_grad_norm_, [], run_mod.accuracy.continuations
+    monkeypatch.setattr(run_mod.accuracy, "continuations", lambda *a, **k: greedy.append(continuations(*a, **k)) or
+                        greedy[-1])  # the summary's: greedy text, then sampled
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", lambda p, norm: norms.append(norm) or clip(p, norm))
     for out, flags in zip(runs, (["--medusa", "1"], ["--lambda0", "0"])):  # 65 prompts: two chunks of 64 at most
         assert train_tiny.main(FAST + ["--out", str(out), "--distill-prompts", "65", *flags, "--draft-vocab", "2"]) == 0
     printed = (capsys.readouterr().out, reference_run[1])
@@ -197,6 +202,25 @@ def test_medusa_1_trains_the_backbone_alone_as_a_joint_run_without_a_heads_loss(
     assert same_weights(*runs) and not same_weights(runs[0], reference_run[0], backbone_only=True)
     assert joint == [[False] * 4, [True] * 2] and printed[0].count("65 continuations x 12 tokens at T=0,0.8") == 2
     assert temperatures == [0.0, 0.8] * 2  # the chunks' temperatures in turn: greedy text, then sampled
+    assert set(norms) == {1.0}  # every step's gradient clipped to norm 1
+    _, heads, cfg = load_checkpoint(runs[0])  # coverage: the share of greedy tokens among the m most frequent
+    ranks = heads.vocab_order.argsort()[torch.tensor([s[16:] for s in greedy[0]])]  # prompts: 64 // 4 tokens
+    assert cfg["medusa_mini"]["draft_vocab_coverage"] == {str(m): round((ranks < m).double().mean().item(), 4)
+                                                          for m in (2, 256)}
+
+
+def test_joint_training_ramps_the_heads_weight_moves_their_positions_and_runs_them_faster(monkeypatch):
+    """--medusa 2's backbone stage as it hands the loop its settings (§2.2.2): λ ramped over 30% of 10 steps, the
+    heads' strided positions moved one each step, their learning rate --heads-lr-mult times the backbone's."""
+    got, model = {}, GPT(GPTConfig(vocab_size=300, block_size=64, n_layer=1, n_head=2, n_embd=32))
+    r = types.SimpleNamespace(args=TrainArgs(backbone_steps=10), model=model, rank=0, device="cpu",
+                              heads=make_heads(HeadsConfig(num_heads=2, n_embd=32, vocab_size=300)))
+    monkeypatch.setattr(run_mod, "_train", lambda r, module, lrs, **k: got.update(lrs=lrs, **k))
+    run_mod.backbone_stage(r, None, [], state=None)
+    assert [lr for _, lr in got["lrs"]] == pytest.approx([1e-3, 4e-3])
+    kwargs = [got["loss_kwargs"](s) for s in range(4)]
+    assert [(k["heads_weight"], k["heads_offset"]) for k in kwargs] == pytest.approx([(0.2 / 3, 0), (0.4 / 3, 1),
+                                                                                     (0.2, 2), (0.2, 3)])
 
 
 def test_bfloat16_reaches_float32s_validation_loss_measured_every_eval_every_steps(tmp_path, reference_run, capsys):
