@@ -33,7 +33,7 @@ import torch
 
 from benchmarks.bench_step import CONFIGS
 from medusa_mini.cli.common import OneLineParser, check_file_path, exit_with, names_of, timed
-from medusa_mini.io.files import atomic_write, remove_file, text_writer
+from medusa_mini.io.files import atomic_write, check_writable, remove_file, text_writer
 from medusa_mini.train.device import DTYPES, pick_device
 from medusa_mini.train.run import STATE_FILE
 
@@ -163,9 +163,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--append", action="store_true", help="add the sections to --out instead of writing it anew")
     p.add_argument("--device", help="cuda or cpu (default: cuda if available)")
     p.add_argument("--quick", action="store_true", help="smoke training, the tiny shape, few nodes and prompts")
-    p.add_argument("--ckpt", type=os.path.expanduser, default="out/gpu_report", metavar="DIR", help="train's "
-                   "checkpoint (replacing one there), read by decode and batch; relative to the current folder "
-                   "(default: %(default)s)")
+    p.add_argument("--ckpt", type=lambda path: os.path.abspath(os.path.expanduser(path)), default="out/gpu_report",
+                   metavar="DIR", help="train's checkpoint (replacing one there), read by decode and batch; relative "
+                   "to the current folder, not the repository's, where the parts run (default: %(default)s)")
     p.add_argument("--configs", type=names_of(CONFIGS),
                    help=f"step: shapes for bench_step.py (default: {GPT2_SHAPES}; --quick: tiny)")
     p.add_argument("--dtypes", type=names_of(DTYPES), default="bfloat16,float32",
@@ -179,8 +179,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     with p.refusing():  # the flags' own names become the settings of the parts
         check_file_path("--out", a.out, "gpu.md")
         a.target = a.out if a.append or not os.path.exists(a.out) else f"{a.out}.partial"  # an older report stays whole
-        if a.target != a.out and os.path.isdir(a.target):
-            raise ValueError(f"--out: {a.target} is a folder, where this report would be written first: move it")
+        check_writable(os.path.dirname(os.path.abspath(a.out)), f"--out {a.out}", files=(os.path.basename(a.target),))
         a.device = str(pick_device(a.device))
         for name, reserved in FORWARDED.values():
             attr = name[2:].replace("-", "_")
@@ -195,10 +194,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         if not 1 < a.budget_s < float("inf"):  # nan too; a part with 1 s left starts no command (`run_part`)
             raise ValueError(f"--budget-s must be a finite number of seconds > 1, not {a.budget_s:g}")
         a.parts = [part for part in PARTS if part in (a.part or PARTS)]
-        a.ckpt = os.path.abspath(a.ckpt)  # as the checks read it: the parts run in the repository
-        unfinished = os.path.exists(os.path.join(a.ckpt, STATE_FILE))  # a train part stopped after a save
-        if {"decode", "batch"} & set(a.parts) and "train" not in a.parts and (unfinished or not os.path.isfile(
-                os.path.join(a.ckpt, "config.json"))):
+        saved, unfinished = (os.path.isfile(os.path.join(a.ckpt, name)) for name in ("config.json", STATE_FILE))
+        if {"decode", "batch"} & set(a.parts) and "train" not in a.parts and (unfinished or not saved):
             raise ValueError(f"no finished checkpoint in {a.ckpt} for the decode and batch parts: run --part train "
                              "first, or name one with --ckpt")
         a.configs = a.configs or (["tiny"] if a.quick else GPT2_SHAPES.split(","))

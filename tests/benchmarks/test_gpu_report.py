@@ -95,7 +95,7 @@ def test_on_cuda_each_part_compiles_keeps_its_lines_and_names_what_failed(tmp_pa
 @pytest.mark.parametrize("case", [  # the error names what follows "->", else the first flag given
     "--part nope", "--device tpu -> device", "--budget-s 1", "--budget-s nan", "--budget-s inf", "--configs gpt5",
     "--dtypes float8", "--part decode --ckpt no/such/dir -> --ckpt", "--out {tmp}/sub/",
-    "--out {tmp}/stopped/r.md -> --out: {tmp}/stopped/r.md.partial is a folder",  # written there while r.md is older
+    "--out {tmp}/stopped/r.md -> r.md: {tmp}/stopped/r.md.partial is a folder",  # written there while r.md is older
     "--part batch --ckpt {tmp}/stopped -> no finished checkpoint",  # heads half trained: the train part must end
     "--train-flags \"'unclosed\" -> --train-flags: No closing quotation",
     # forwarded flags, checked by their script's own parser before any part runs
