@@ -11,6 +11,7 @@ import copy
 import json
 import os
 import sys
+from argparse import Namespace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # runs from anywhere, uninstalled
 
@@ -31,20 +32,19 @@ RULES = {"greedy": None, "rejection-topk": dict(acceptance="rejection", candidat
          "lookup-greedy": None}  # rule: how it samples at --temperature (none: greedy, at T = 0)
 
 
-def sweep(ck: Checkpoint, tables: dict, prompts: list[list[int]], *, budgets: tuple[int, ...],
-          draft_vocabs: tuple[int, ...], temperature: float, max_new_tokens: int, repeat: int, seed: int) -> dict:
+def sweep(ck: Checkpoint, tables: dict, prompts: list[list[int]], ns: Namespace) -> dict:
     """A row per rule, drafter and budget; `tables`: rule -> (its accuracy table, whether it predicts tokens/step)."""
-    samplings = {r: Sampling(**RULES[r], temperature=temperature) if RULES[r] else Sampling() for r in tables}
-    plain = dict(sorted({s.temperature: s for s in samplings.values()}.items()))  # plain decoding reads only T
-    specs = [(Method("plain", s), {}) for s in plain.values()]  # greedy's first: the tokens greedy rows must make
+    samplings = {r: Sampling(**RULES[r], temperature=ns.temperature) if RULES[r] else Sampling() for r in tables}
+    plain = {s.temperature: s for s in samplings.values()}  # plain decoding reads only T
+    specs = [(Method("plain", plain[T]), {}) for T in sorted(plain)]  # greedy's first: the tokens greedy rows must make
     heads = {}
-    for M in draft_vocabs:  # a copy per size, guessing among the M most frequent tokens of its training text
+    for M in ns.draft_vocab:  # a copy per size, guessing among the M most frequent tokens of its training text
         h = copy.deepcopy(ck.heads)
         h.use_draft_vocabulary(h.vocab_order, M)
         heads[h.draft_ids.numel()] = h  # M = 0: the whole vocabulary
     for rule, (table, predicts) in tables.items():
         for M, drafter in ({None: PromptLookup()} if rule.startswith("lookup") else heads).items():
-            for n in budgets:
+            for n in ns.budgets:
                 # Prompt lookup drafts a chain of n; heads the table's tree (which may describe more heads)
                 tree = chain(n) if M is None else build_tree(table[: ck.heads.num_heads], n)[0]
                 name = f"{'prompt lookup' if M is None else f'Medusa M{M}'} {rule} {n}"  # unique: runs are kept by it
@@ -55,12 +55,13 @@ def sweep(ck: Checkpoint, tables: dict, prompts: list[list[int]], *, budgets: tu
                 specs.append((Method(name, samplings[rule], drafter, tree), {
                     "rule": rule, "nodes": n, "draft_vocab": M, "verified_nodes": verified,
                     "expected_tokens_per_step": expected_tokens_per_step(table, tree) if predicts else None}))
-    result = compare(Engine(ck), prompts, [m for m, _ in specs], max_new_tokens=max_new_tokens, seed=seed,
-                     repeat=repeat, stop_at_eot=False)
+    result = compare(Engine(ck), prompts, [m for m, _ in specs], max_new_tokens=ns.max_new_tokens, seed=ns.seed,
+                     repeat=ns.repeat, stop_at_eot=False)
     rows = [{**row, **info} for row, (_, info) in zip(result["rows"], specs)]
     return {"plain": {r["method"]: r for r in rows if r["plain"]}, "rows": [r for r in rows if not r["plain"]],
-            "rules": list(tables), "temperature": temperature, "num_prompts": len(prompts),
-            "max_new_tokens": max_new_tokens, "repeat": repeat}
+            "rules": list(tables), "checkpoint": ns.ckpt, "device": str(ck.model.device), "dtype": ns.dtype,
+            "num_heads": ck.heads.num_heads, "threads": torch.get_num_threads(), "temperature": ns.temperature,
+            "num_prompts": len(prompts), "max_new_tokens": ns.max_new_tokens, "repeat": ns.repeat}
 
 
 def series(result: dict) -> list[tuple[str, dict, list[dict]]]:
@@ -160,10 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         tables = {r: (drawn, True) if r == "rejection-drawn" and drawn is not None else (acc, r == "greedy")
                   for r in RULES if r in ns.rules}  # in RULES' order
         prompts = prompt_ids(ck, count=ns.num_prompts, max_new_tokens=ns.max_new_tokens)
-        result = sweep(ck, tables, prompts, budgets=ns.budgets, draft_vocabs=ns.draft_vocab, seed=ns.seed,
-                       temperature=ns.temperature, max_new_tokens=ns.max_new_tokens, repeat=ns.repeat)
-        result.update(checkpoint=ns.ckpt, device=str(ck.model.device), dtype=ns.dtype, num_heads=ck.heads.num_heads,
-                      threads=torch.get_num_threads())
+        result = sweep(ck, tables, prompts, ns)
         if ns.plot is not None:
             plot_sweep(result, ns.plot, title=f"{ns.ckpt} on {result['device']}, {ns.dtype}")
             print(f"plot: {ns.plot}", file=sys.stderr)
