@@ -169,7 +169,6 @@ def bench_config(config: GPTConfig, *, device: torch.device, repeat: int, warmup
     def reset() -> None:
         for cache in caches.values():
             cache.lengths = prefix_len  # later slots are stale and get overwritten, as in decoding
-
     ops = step_ops(model, heads, caches, trees, root, hidden, history=history, reset=reset)  # caches left at the prefix
     calls: dict[str, Callable[[], object]] = {  # the plain step's greedy token [1], chosen in the step, read
         "plain": lambda: int(steps.plain(model, caches[0], root[:, None], attended=prefix_len + 1)[0][0])}

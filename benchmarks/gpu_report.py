@@ -50,18 +50,16 @@ FORWARDED = {"benchmarks/bench_step.py": ("--step-flags", ("--configs", "--dtype
 def run_script(argv: list[str], *, timeout_s: float, label: str) -> tuple[int | None, str, float]:
     """`python ARGV` in the repository root, stopped after timeout_s: its exit status (None: stopped), its
     output (stdout and stderr as they came, echoed to stderr line by line, prefixed with `label`), seconds."""
-    t0 = time.perf_counter()
+    t0, lines = time.perf_counter(), []
     # A session of its own: stopping it stops what it started too (compile workers holding its pipe).
     proc = subprocess.Popen([sys.executable, *argv], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
-    lines: list[str] = []
 
     def pump() -> None:
         with proc.stdout:  # closed at its end (the process's, and its session's: `finally` below)
             for line in proc.stdout:
                 lines.append(line)
                 print(f"  [{label}] {line}", end="", file=sys.stderr, flush=True)
-
     (reader := threading.Thread(target=pump, daemon=True)).start()
     try:
         returncode: int | None = proc.wait(timeout=max(timeout_s, 0.0))
