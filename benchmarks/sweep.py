@@ -45,8 +45,7 @@ def sweep(ck: Checkpoint, tables: dict, prompts: list[list[int]], ns: Namespace)
     for rule, (table, predicts) in tables.items():
         for M, drafter in ({None: PromptLookup()} if rule.startswith("lookup") else heads).items():
             for n in ns.budgets:
-                # Prompt lookup drafts a chain of n; heads the table's tree (which may describe more heads)
-                tree = chain(n) if M is None else build_tree(table[: ck.heads.num_heads], n)[0]
+                tree = chain(n) if M is None else build_tree(table[: ck.heads.num_heads], n)[0]  # may hold more heads
                 name = f"{'prompt lookup' if M is None else f'Medusa M{M}'} {rule} {n}"  # unique: runs are kept by it
                 try:  # a rank-r node needs a head's top r + 1: a draft vocabulary of at least r + 1 tokens
                     verified = drafter.proposer(ck.model, tree).tree.num_nodes - 1
