@@ -24,7 +24,7 @@ import torch
 from medusa_mini.cli.common import OneLineParser, at_least, check_plot_path, exit_with, numbers, seed, timed
 from medusa_mini.cli.compiled import compile_steps, static_caches, warm_up, with_aligned_head
 from medusa_mini.cli.explain import DEMO_NOTE, ROOM, demo_checkpoint, draw_mask, draw_tree, explain_step
-from medusa_mini.cli.measure import TreeChoice, resolve_tree
+from medusa_mini.cli.measure import resolve_tree
 from medusa_mini.cli.runs import Engine, Method, compare, compare_methods, decode, format_table, plot_batch
 from medusa_mini.io.loading import PROMPTS_FILE, load_for_decoding, load_prompts
 from medusa_mini.sampling import ACCEPTANCE_RULES, SAMPLING_TEMPERATURE, Sampling
@@ -32,6 +32,7 @@ from medusa_mini.train.device import DTYPES, pick_device, pick_dtype
 from medusa_mini.train.state import STATE_FILE
 
 NUM_PROMPTS, MAX_NEW_TOKENS = 8, 128  # the defaults, filled in after the checks: --explain refuses either given
+BATCH_ROWS = ("plain_greedy", "medusa_greedy", "plain_sampling", "medusa_rejection")  # --compare's batch table
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -118,10 +119,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def prepare(a: argparse.Namespace) -> tuple:
     """(checkpoint, TreeChoice, --compare's for drawn candidates, [(text, ids)]); a ValueError before any output."""
     dtype = pick_dtype(a.dtype, device := pick_device(a.device))
-    if a.demo:  # the tree and prompts are checked on the untrained demo first, not after seconds of training
-        ck, text = demo_checkpoint(device=device, dtype=dtype, steps=0)
-    else:
-        ck = load_for_decoding(a.ckpt, device=device, dtype=dtype)
+    # --demo: the tree and prompts are checked on the untrained demo first, not after seconds of training
+    ck, text = demo_checkpoint(device=device, dtype=dtype, steps=0) if a.demo else (
+        load_for_decoding(a.ckpt, device=device, dtype=dtype), None)
     # A stopped run's last save has no prompts yet: said once, in a missing file's error or in a note at the end.
     unfinished = not a.demo and os.path.isfile(os.path.join(ck.directory, STATE_FILE)) and (
         f"{a.ckpt} holds an unfinished run, as last saved: python train_tiny.py --out {shlex.quote(ck.directory)} "
@@ -136,13 +136,15 @@ def prepare(a: argparse.Namespace) -> tuple:
     if ck.heads is None and medusa:
         plain_runs = not (a.compare or a.explain or a.reference)  # each of these decodes with heads
         raise ValueError(f"{a.ckpt} has no Medusa heads: train heads" + ", or use --method plain" * plain_runs)
+    if a.reference and ck.heads.reads_the_draft:
+        raise ValueError(f"--reference decodes with Medusa heads, not {ck.heads.name} heads: leave it out here")
     choice = drawn = None
-    if ck.heads is not None:
+    if medusa:  # plain decoding verifies no tree
         tree_for = functools.partial(resolve_tree, a.tree if a.tree is not None else "cpu" if a.demo else None,
                                      num_heads=ck.heads.num_heads, ckpt_dir="" if a.demo else a.ckpt, device=device)
         choice = tree_for(drawn=a.sampling.draws_candidates and not a.compare)
         drawn = tree_for(drawn=True) if a.compare else choice  # --compare's rejection row draws: its own tree
-        for tree, name in {choice.tree: choice.name, drawn.tree: drawn.name}.items() if medusa else ():
+        for tree, name in {choice.tree: choice.name, drawn.tree: drawn.name}.items():
             try:  # a tree the heads cannot fill fails here
                 ck.heads.proposer(ck.model, tree)
             except ValueError as e:
@@ -164,20 +166,6 @@ def prepare(a: argparse.Namespace) -> tuple:
         print("training the demo model and its heads (10-30 s on two CPU cores)...", file=sys.stderr)
         ck, _ = demo_checkpoint(device=device, dtype=dtype)
     return ck, choice, drawn, prompts
-
-
-def methods_of(a: argparse.Namespace, ck, choice: TreeChoice | None, drawn: TreeChoice | None) -> list[Method]:
-    """What this run decodes with: --compare's rows (the batch table's four), or the one --method."""
-    if a.reference and ck.heads is not None and ck.heads.reads_the_draft:  # refused before any output
-        raise ValueError(f"--reference decodes with Medusa heads, not {ck.heads.name} heads: leave it out here")
-    if a.compare:
-        methods = compare_methods(ck, choice.tree, a.sampling, temperature=a.temperature or SAMPLING_TEMPERATURE,
-                                  lookup_nodes=choice.budget, drawn_tree=drawn.tree, with_reference=a.reference)
-        batch_rows = ("plain_greedy", "medusa_greedy", "plain_sampling", "medusa_rejection")
-        return [m for m in methods if m.key in batch_rows or not a.batch_table]
-    if a.method == "plain":
-        return [Method("plain", a.sampling)]
-    return [Method("reference" if a.reference else "Medusa", a.sampling, ck.heads, choice.tree, reference=a.reference)]
 
 
 def compiled(engine: Engine, methods: list[Method], a: argparse.Namespace, prompts: int) -> Callable[[int], float]:
@@ -264,9 +252,12 @@ def print_each(engine: Engine, method: Method, prompts: list[tuple[str, list[int
 def run(a: argparse.Namespace) -> None:
     ck, choice, drawn, prompts = prepare(a)
     tree, tree_name = (None, None) if choice is None else choice[:2]
-    engine, methods = Engine(ck), methods_of(a, ck, choice, drawn)
-    warm = compiled(engine, methods, a, len(prompts)) if a.compile else None
-    if a.compare:
+    engine = Engine(ck)
+    if a.compare:  # every method's rows, or the batch table's four
+        methods = compare_methods(ck, tree, a.sampling, temperature=a.temperature or SAMPLING_TEMPERATURE,
+                                  lookup_nodes=choice.budget, drawn_tree=drawn.tree, with_reference=a.reference)
+        methods = [m for m in methods if m.key in BATCH_ROWS or not a.batch_table]
+        warm = compiled(engine, methods, a, len(prompts)) if a.compile else None
         result = compare(engine, [ids for _, ids in prompts], methods, batch_sizes=a.batch_sizes,
                          max_new_tokens=a.max_new_tokens, seed=a.seed, warm=warm)
         result.update(device=str(ck.model.device), dtype=a.dtype, threads=torch.get_num_threads(), top_p=a.top_p,
@@ -278,15 +269,17 @@ def run(a: argparse.Namespace) -> None:
     elif a.explain:
         print((DEMO_NOTE + "\n\n" if a.demo else "") + explain_step(ck.model, ck.heads, ck.enc, prompts[0][1],
               tree=tree, sampling=a.sampling, generator=torch.Generator(device=ck.model.device).manual_seed(a.seed)))
-    else:
-        if a.show and methods[0].drafter is not None:  # plain decoding verifies no tree
+    else:  # the one --method; plain decoding verifies no tree
+        method = Method("plain", a.sampling) if tree is None else Method(
+            "reference" if a.reference else "Medusa", a.sampling, ck.heads, tree, reference=a.reference)
+        if a.show and tree is not None:
             drawing = draw_tree(tree, rank="draw" if a.sampling.draws_candidates else "rank")  # as --explain names them
             print(f"tree {tree_name}: {tree.num_nodes - 1} nodes + root, depth {tree.depth}\n{drawing}\n")
             print(f"attention mask (row attends to column):\n{draw_mask(tree)}\n")
-        label = methods[0].label + (f", tree {tree_name}" if methods[0].drafter is not None else "")
-        if warm:  # its one batch size, before any timing
-            warm(a.batch_size)
-        print_each(engine, methods[0], prompts, a, label + (f", {a.batch_size} per batch" if a.batch_size > 1 else ""))
+        if a.compile:  # its one batch size, before any timing
+            compiled(engine, [method], a, len(prompts))(a.batch_size)
+        print_each(engine, method, prompts, a, method.label + f", tree {tree_name}" * (tree is not None)
+                   + f", {a.batch_size} per batch" * (a.batch_size > 1))
 
 
 def main(argv: list[str] | None = None) -> int:
