@@ -72,22 +72,6 @@ def draw_mask(tree: Tree) -> str:
         f"{i:>{w}} " + " ".join(f"{'■' if mask[i, j] else '·':>{w}}" for j in range(N)) for i in range(N)])
 
 
-def heads_section(out: list[str], model: GPT, heads, enc, tree: Tree, root: int, hidden: torch.Tensor, *,
-                  temperature: float) -> None:
-    """Section 2 (§2.1.1): each head's top guesses, as many as the tree uses, after the top guesses before it."""
-    out += [_header(2, "Heads: guesses further ahead, from the same last hidden state"), heads.description,
-            "The root is token t+1; head k guesses token t+k+1."]
-    K, chain = heads.num_heads, [root]  # the top guesses so far: what dependent heads read
-    for k in range(K):
-        following = torch.tensor([chain + [root] * (K - len(chain))], device=hidden.device)  # [1, K]
-        logits = heads(hidden[None], model, following=following, num=k + 1)[k, 0]  # [M]
-        chain.append(int(heads.draft_ids[logits.argmax()]))
-        used = max((r + 1 for r, d in zip(tree.ranks, tree.depths) if d == k + 1), default=0)
-        out.append(f"head {k + 1} (t+{k + 2}): "
-                   + (_guesses(enc, logits, used, heads.draft_ids, temperature=temperature) or "not used by this tree"))
-    out.append("Plain decoding needs one forward pass per token; one pass below checks the whole tree.")
-
-
 def verify_section(out: list[str], labels: list[str], tree: Tree, tokens: list[int], logits: torch.Tensor,
                    drawn, enc, *, sampling: Sampling) -> None:
     """Section 5: what the backbone says at every node: its argmax (greedy), or p (and q) of each candidate."""
@@ -136,7 +120,19 @@ def explain_step(model: GPT, heads, enc: tiktoken.Encoding, prompt_ids: list[int
             f"Root token (the backbone's own next token, {'the argmax of these' if sampling.greedy else 'drawn from p'}"
             f"): {token_text(enc, root)}",
             "The root is already certain: it is emitted now, before the first Medusa step."]
-    heads_section(out, model, heads, enc, tree, root, hidden[-1], temperature=T)
+
+    # 2 (§2.1.1). Each head's top guesses, as many as the tree uses, after the top guesses before it.
+    out += [_header(2, "Heads: guesses further ahead, from the same last hidden state"), heads.description,
+            "The root is token t+1; head k guesses token t+k+1."]
+    K, chain = heads.num_heads, [root]  # the top guesses so far: what dependent heads read
+    for k in range(K):
+        following = torch.tensor([chain + [root] * (K - len(chain))], device=hidden.device)  # [1, K]
+        guesses = heads(hidden[-1:], model, following=following, num=k + 1)[k, 0]  # [M] head k's logits
+        chain.append(int(heads.draft_ids[guesses.argmax()]))
+        used = max((r + 1 for r, d in zip(tree.ranks, tree.depths) if d == k + 1), default=0)
+        out.append(f"head {k + 1} (t+{k + 2}): "
+                   + (_guesses(enc, guesses, used, heads.draft_ids, temperature=T) or "not used by this tree"))
+    out.append("Plain decoding needs one forward pass per token; one pass below checks the whole tree.")
 
     # 3-4 (§2.1.2). The tree the heads' proposer fills, and its mask.
     proposer = heads.proposer(model, tree)
