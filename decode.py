@@ -16,6 +16,7 @@ import json
 import os
 import shlex
 import sys
+from dataclasses import replace
 from typing import Callable
 
 import tiktoken
@@ -25,11 +26,13 @@ from medusa_mini.cli.common import OneLineParser, at_least, check_plot_path, exi
 from medusa_mini.cli.compiled import compile_steps, static_caches, warm_up, with_aligned_head
 from medusa_mini.cli.explain import DEMO_NOTE, ROOM, demo_checkpoint, draw_mask, draw_tree, explain_step
 from medusa_mini.cli.measure import resolve_tree
-from medusa_mini.cli.runs import Engine, Method, compare, compare_methods, decode, format_table, plot_batch
+from medusa_mini.cli.runs import Engine, Method, compare, decode, format_table, plot_batch
 from medusa_mini.io.loading import PROMPTS_FILE, load_for_decoding, load_prompts
+from medusa_mini.proposal import PromptLookup
 from medusa_mini.sampling import ACCEPTANCE_RULES, SAMPLING_TEMPERATURE, Sampling
 from medusa_mini.train.device import DTYPES, pick_device, pick_dtype
 from medusa_mini.train.state import STATE_FILE
+from medusa_mini.tree import chain
 
 NUM_PROMPTS, MAX_NEW_TOKENS = 8, 128  # the defaults, filled in after the checks: --explain refuses either given
 BATCH_ROWS = ("plain_greedy", "medusa_greedy", "plain_sampling", "medusa_rejection")  # --compare's batch table
@@ -103,7 +106,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(message)
     a.ckpt = "out/tiny" if a.ckpt is None else a.ckpt  # no default above: --demo refuses a --ckpt given
     a.max_new_tokens = a.max_new_tokens or MAX_NEW_TOKENS
-    a.temperature = (SAMPLING_TEMPERATURE if samples else 0.0) if a.temperature is None else a.temperature
+    a.temperature = (SAMPLING_TEMPERATURE if samples or a.compare else 0.0) if a.temperature is None else a.temperature
     rule = None if a.compare or a.method == "plain" else a.method  # --compare makes its own rows
     try:  # every sampling setting is checked here, once; plain decoding reads only T and top-p
         a.sampling = Sampling(acceptance=rule, temperature=a.temperature, top_p=a.top_p)
@@ -253,10 +256,16 @@ def run(a: argparse.Namespace) -> None:
     ck, choice, drawn, prompts = prepare(a)
     tree, tree_name = (None, None) if choice is None else choice[:2]
     engine = Engine(ck)
-    if a.compare:  # every method's rows, or the batch table's four
-        methods = compare_methods(ck, tree, a.sampling, temperature=a.temperature or SAMPLING_TEMPERATURE,
-                                  lookup_nodes=choice.budget, drawn_tree=drawn.tree, with_reference=a.reference)
-        methods = [m for m in methods if m.key in BATCH_ROWS or not a.batch_table]
+    if a.compare:  # greedy rows, then sampled at --temperature: plain, prompt lookup (a chain of the budget), the heads
+        greedy, lookup, line = Sampling(top_p=a.top_p), PromptLookup(), chain(choice.budget)
+        typical, rejection = (replace(a.sampling, acceptance=r) for r in ("typical", "rejection"))
+        methods = [Method("plain", greedy), Method("prompt lookup", greedy, lookup, line),
+                   Method("Medusa", greedy, ck.heads, tree), Method("Medusa", typical, ck.heads, tree),
+                   Method("plain", rejection), Method("prompt lookup", rejection, lookup, line),
+                   Method("Medusa", rejection, ck.heads, drawn.tree)]  # drawn candidates: on their own table's tree
+        methods += [Method("reference", m.sampling, ck.heads, m.tree, reference=True)  # under the heads' rules
+                    for m in methods if a.reference and m.name == "Medusa"]
+        methods = [m for m in methods if m.key in BATCH_ROWS or not a.batch_table]  # the batch table's four
         warm = compiled(engine, methods, a, len(prompts)) if a.compile else None
         result = compare(engine, [ids for _, ids in prompts], methods, batch_sizes=a.batch_sizes,
                          max_new_tokens=a.max_new_tokens, seed=a.seed, warm=warm)

@@ -2,7 +2,7 @@
 a time, against the plain decoder of its temperature: speedup ≈ tokens/step ÷ step cost. Greedy rows must make plain
 greedy's tokens; in half precision a near-tie may round either way, so a parting is located. The tables, the figure."""
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import partial
 from typing import Callable
 
@@ -11,10 +11,9 @@ import torch
 from .. import reference
 from ..decoding import CacheSource, GenerationStats, generate_batch, length_stop_reason, medusa_generate_batch
 from ..io.loading import Checkpoint
-from ..proposal import PromptLookup
 from ..sampling import Sampling
 from ..step import Steps
-from ..tree import Tree, chain
+from ..tree import Tree
 from .common import BONUS_NOTE, draw, in_turns, out_of_memory
 
 REPEAT = 3  # every generation runs this many times, methods in turns; the fastest counts
@@ -106,21 +105,6 @@ def first_difference(ck: Checkpoint, prompt: list[int], want: list[int], got: li
     seq = torch.tensor(prompt + want[:pos], device=ck.model.device)[-ck.block_size:]  # [T]
     top2 = ck.model(seq[None])[0][0, -1].float().topk(2).values  # [2]
     return {"position": pos, "margin": float(top2[0] - top2[1])}
-
-
-def compare_methods(ck: Checkpoint, tree: Tree, sampling: Sampling, *, temperature: float,
-                    lookup_nodes: int, drawn_tree: Tree, with_reference: bool = False) -> list[Method]:
-    """--compare's rows, greedy then sampled at `temperature`: plain, prompt lookup (a chain of `lookup_nodes`),
-    the heads (rejection sampling's drawn candidates on `drawn_tree`), the reference under each of their rules."""
-    greedy = replace(sampling, acceptance="greedy", temperature=0.0)
-    typical, rejection = (replace(greedy, acceptance=r, temperature=temperature) for r in ("typical", "rejection"))
-    lookup, heads, line = PromptLookup(), ck.heads, chain(lookup_nodes)
-    methods = [Method("plain", greedy), Method("prompt lookup", greedy, lookup, line),
-               Method("Medusa", greedy, heads, tree), Method("Medusa", typical, heads, tree),
-               Method("plain", rejection), Method("prompt lookup", rejection, lookup, line),
-               Method("Medusa", rejection, heads, drawn_tree)]
-    return methods + [Method("reference", m.sampling, heads, m.tree, reference=True)
-                      for m in methods if with_reference and m.name == "Medusa"]
 
 
 def compare(engine: Engine, prompts: list[list[int]], methods: list[Method], *, max_new_tokens: int, seed: int,
