@@ -1,12 +1,10 @@
 """`--compile`: the plain step and Medusa's as whole graphs, CUDA graphs on a GPU (mode "reduce-overhead"), which
 remove the kernel launches that dominate decoding at batch 1. Through `step.Steps` they make the eager steps'
 decisions from the same logits, draw for draw (a graph reads the whole cache and inductor fuses: in bfloat16 a
-near-tie may part): `CompiledMedusa` runs `verify_and_accept` as one graph a step, `draft_tree` for a generation's
-first tree of drawn candidates; prompt lookup's chains come from its eager proposer, one graph per chain length.
-
-Every shape is fixed: a step reads the whole KV cache and verifies the whole tree. A CUDA graph replays on the
-addresses it recorded and overwrites its outputs at its next replay, so `static_caches` keeps each shape's cache at
-one address, the steps copy out what the next call needs, and `warm_up` records every shape first (prefill: eager).
+near-tie may part); prompt lookup's chains come from its eager proposer, one graph per chain length, the prefill
+runs eagerly. Every shape is fixed: a step reads the whole KV cache and verifies the whole tree. A CUDA graph replays
+on the addresses it recorded and overwrites its outputs at its next replay: `static_caches` keeps each shape's cache
+at one address, the steps copy out what the next call needs, and `warm_up` records every shape first.
 Shapes: B rows, N tree nodes, C n_embd, V vocabulary, Q the q a drawn tree draws from."""
 
 import copy
