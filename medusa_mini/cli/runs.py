@@ -84,8 +84,8 @@ def run_in_turns(engine: Engine, methods: list[Method], batches: list[list[list[
 
 
 def summarise(runs: Runs) -> dict:
-    """One row's numbers. A batch runs until its slowest row stops: `passes` are its forward passes (ms/step is
-    per pass), `row_passes` count each pass once per row it carried, what the rows' own steps compare with."""
+    """One row's numbers, tokens and stop reasons. A batch runs until its slowest row stops: `passes` are its
+    forward passes (ms/step is per pass); `row_passes` count each once per row it carried, against the rows' steps."""
     rows = [row for results, _ in runs for row in results]
     steps, passes = sum(st.steps for _, st in rows), sum(max(st.steps for _, st in results) for results, _ in runs)
     row_passes = sum(max(st.steps for _, st in results) * len(results) for results, _ in runs)
@@ -93,7 +93,8 @@ def summarise(runs: Runs) -> dict:
     return {"steps": steps, "passes": passes, "row_passes": row_passes, "new_tokens": new, "seconds": seconds,
             "tokens_per_step": sum(sum(st.step_tokens) for _, st in rows) / max(steps, 1),
             "ms_per_token": 1000 * seconds / max(new, 1), "ms_per_step": 1000 * seconds / max(passes, 1),
-            "tokens_per_s": new / seconds if seconds else 0.0}
+            "tokens_per_s": new / seconds if seconds else 0.0, "tokens": [tokens for tokens, _ in rows],
+            "stop_reasons": [st.stop_reason for _, st in rows]}
 
 
 @torch.no_grad()
@@ -126,11 +127,9 @@ def compare(engine: Engine, prompts: list[list[int]], methods: list[Method], *, 
             held = "; compiled, every smaller size's static caches are still held" if warm else ""
             stopped = f"batch {B} does not fit ({words}{held}): the table ends at batch {rows[-1]['batch_size']}"
             break
-        for m in methods:
-            results = [row for batch, _ in runs[m.key] for row in batch]
-            rows.append({"method": m.label, "key": m.key, "batch_size": B, "temperature": m.sampling.temperature,
-                         "plain": m.drafter is None, **summarise(runs[m.key]), "tokens": [t for t, _ in results],
-                         "stop_reasons": [st.stop_reason for _, st in results], "repeats_differ": m.key in unsteady})
+        rows += [{"method": m.label, "key": m.key, "batch_size": B, "temperature": m.sampling.temperature,
+                  "plain": m.drafter is None, **summarise(runs[m.key]), "repeats_differ": m.key in unsteady}
+                 for m in methods]
     plains = {(r["temperature"], r["batch_size"]): r for r in rows if r["plain"]}
     for row in rows:
         plain = plains[row["temperature"], row["batch_size"]]
