@@ -177,9 +177,8 @@ def warm_up(model: GPT, steps: Steps, caches: CacheSource, *, rows: int, plain: 
     def every_shape() -> None:
         for sampling in plain:
             for _ in range(3):  # each call on an emptied cache, as the decoding loops take theirs
-                cache = reuse_cache(caches, model, batch_size=rows, max_len=block)
-                steps.plain(model, cache, zeros(rows, 1), sampling=sampling,
-                            u=sampling.uniforms((rows,), torch.Generator(device), device=device))
+                steps.plain(model, reuse_cache(caches, model, batch_size=rows, max_len=block), zeros(rows, 1),
+                            sampling=sampling, u=sampling.uniforms((rows,), torch.Generator(device), device=device))
         for proposer, tree, sampling in shapes:
             t, hidden = tree.tensors(device), zeros(rows, model.config.n_embd, dtype=model.lm_head.weight.dtype)
             heads = proposer.heads if tree.depth else None
