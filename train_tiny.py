@@ -28,8 +28,9 @@ def parse_args(argv: list[str] | None = None) -> TrainArgs:
                    help="a UTF-8 text file or folder (default: this Python's standard library)")
     p.add_argument("--out", type=os.path.expanduser, metavar="DIR", help="checkpoint directory (default: out/tiny for "
                    "the cpu and gpu presets, else out/<preset>: a smoke run never replaces the real one)")
-    p.add_argument("--init", metavar="NAME|DIR", help="start from GPT-2 weights (gpt2, gpt2-medium, ..., or a path) "
-                   "and train heads only, the backbone frozen (--medusa 1, no backbone steps; its shape flags ignored)")
+    p.add_argument("--init", type=os.path.expanduser, metavar="NAME|DIR", help="start from GPT-2 weights (gpt2, "
+                   "gpt2-medium, ..., or a path) and train heads only, the backbone frozen (--medusa 1, no backbone "
+                   "steps; its shape flags ignored)")
     p.add_argument("--resume", action="store_true", help="continue an interrupted run in --out exactly")
     p.add_argument("--overwrite", action="store_true", help="replace the run or checkpoint in --out (default: refuse)")
     p.add_argument("--seed", type=seed, default=0, help="seeds the model, the batches and the sampling (default: 0)")

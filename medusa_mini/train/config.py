@@ -109,8 +109,7 @@ class TrainArgs:
         """What --resume compares: the hyper-parameters but --eval-every (it only reports), init, seed; the text under
         --data is compared by its digest, and --init's folder or file by its real path, however either is spelled."""
         trained = {k: getattr(self, k) for k in self.hyper_parameters() if k != "eval_every"}
-        path = os.path.expanduser(self.init or "")
-        init = os.path.realpath(path) if self.init and os.path.exists(path) else self.init  # a folder, a file or a name
+        init = os.path.realpath(self.init) if self.init and os.path.exists(self.init) else self.init  # else a name
         return {**trained, "init": init, "seed": self.seed, "dtype": self.dtype}
 
 

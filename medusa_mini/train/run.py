@@ -38,9 +38,8 @@ OFFICIAL_TOP1 = (0.56, 0.32, 0.20, 0.15)  # official Medusa-1 heads on Vicuna-7B
 def tokenizer_folder(init: str) -> str | None:
     """Where --init's own tokenizer is: the checkpoint folder, or a weights file's folder, if it holds one
     of ours (a Hugging Face folder's tokenizer_config.json is not); else None, and the tokenizer is tiktoken's gpt2."""
-    path = os.path.expanduser(init)
-    folder = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
-    return folder if os.path.exists(path) and os.path.isfile(os.path.join(folder, RANKS_FILE)) else None
+    folder = init if os.path.isdir(init) else os.path.dirname(os.path.abspath(init))
+    return folder if os.path.exists(init) and os.path.isfile(os.path.join(folder, RANKS_FILE)) else None
 
 
 def _prepare(r: Run, state: dict | None, train_docs: list, val_docs: list) -> tuple:
@@ -49,7 +48,7 @@ def _prepare(r: Run, state: dict | None, train_docs: list, val_docs: list) -> tu
     torch.manual_seed(a.seed)  # the backbone's and the heads' first weights
     if a.init:  # GPT-2 weights, frozen, and their tokenizer (the folder's own, else tiktoken's "gpt2")
         try:  # under torchrun rank 0 downloads alone: ranks writing one `.part` file at once would corrupt it
-            if r.main and not os.path.exists(os.path.expanduser(a.init)) and a.init in GPT2_CONFIGS:
+            if r.main and not os.path.exists(a.init) and a.init in GPT2_CONFIGS:
                 download_gpt2(a.init)
                 tiktoken.get_encoding("gpt2")  # fetches its files once, like the weights
             if r.world > 1:
