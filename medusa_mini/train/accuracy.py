@@ -145,7 +145,6 @@ def save_accuracy(directory: str | os.PathLike, acc: torch.Tensor, *, drawn: tor
     def lines(table: torch.Tensor) -> str:
         rows = (json.dumps([round(x, 6) for x in row]) for row in check_acc(table).tolist())
         return "[\n    " + ",\n    ".join(rows) + "\n  ]"
-
     tables = f'  "acc": {lines(acc)},\n' + (f'  "acc_drawn": {lines(drawn)},\n' if drawn is not None else "")
     rest = json.dumps({"top_k": acc.shape[1], "num_heads": acc.shape[0], **(meta or {})}, indent=2)
     atomic_write(os.path.join(directory, ACCURACY_FILE), text_writer("{\n" + tables + rest[2:] + "\n"))
