@@ -122,7 +122,7 @@ def _train(r: Run, module: MedusaLM, lrs: list[tuple[torch.nn.Module, float]], *
         gen.set_state(state["gen"])
         scaler.load_state_dict(state["scaler"])  # a disabled scaler ignores it
     saved, start = dict(optimizer=optimizer, gen=gen, scaler=scaler), state["step"] if state else 0
-    t_start, t_log, tokens_seen, strikes = time.time(), 0.0, 0, 0
+    t_start, t_log, strikes = time.time(), 0.0, 0
     for step in range(start, steps):
         if r.any_rank(r.stop_requested):  # Ctrl-C on any rank: all stop at this step
             r.save(stage=stage, step=step, **saved)
@@ -138,14 +138,13 @@ def _train(r: Run, module: MedusaLM, lrs: list[tuple[torch.nn.Module, float]], *
         torch.nn.utils.clip_grad_norm_(trained, 1.0)
         scaler.step(optimizer)
         scaler.update()
-        tokens_seen += x.numel() * r.world
         # Every rank must take part in the metrics' all-reduce: print when any rank's clock says so.
         if r.any_rank(time.time() - t_log >= a.log_every) or step in (start, steps - 1):
             values = r.mean_metrics(metrics)  # the one place the loop reads the device: it waits for it
             t_log = time.time()  # after the wait, so tok/s and the ETA count the device's time
-            elapsed = max(t_log - t_start, 1e-9)
-            eta = (steps - step - 1) * elapsed / (step + 1 - start)
-            r.log(progress_line(stage, step, steps, values, tokens_per_s=tokens_seen / elapsed, eta=eta))
+            per_step = max(t_log - t_start, 1e-9) / (step + 1 - start)  # seconds, over this session's steps
+            r.log(progress_line(stage, step, steps, values, tokens_per_s=x.numel() * r.world / per_step,
+                                eta=(steps - step - 1) * per_step))
             # A loss not finite: the run diverged, unless float16's scaler skipped just this step (keeping the
             # weights), so under it a second such line in a row, or one at a stage's end, stops the run.
             strikes = 0 if math.isfinite(values.get("lm", 0.0) + sum(values.get("heads", []))) else strikes + 1
