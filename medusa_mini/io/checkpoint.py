@@ -30,7 +30,7 @@ def save_checkpoint(directory: str | os.PathLike, model: GPT, *, heads: DraftHea
         files[HEADS_FILE] = lambda f: write_safetensors(f, heads.state_dict(), PT)
         files[HEADS_CONFIG_FILE] = json_writer(asdict(heads.config))
     files[CONFIG_FILE] = json_writer(gpt2_config_dict(model, eos_token_id=eos_token_id) | {"medusa_mini": extra or {}})
-    atomic_write_files({os.path.join(directory, name): write for name, write in files.items()})
+    atomic_write_files(directory, files)
     if heads is None:  # heads of an earlier save would not belong to this model
         remove_file(os.path.join(directory, HEADS_FILE))
         remove_file(os.path.join(directory, HEADS_CONFIG_FILE))

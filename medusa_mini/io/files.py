@@ -37,16 +37,16 @@ def check_writable(folder: str | os.PathLike, what: str, *, files: tuple[str, ..
         raise ValueError(f"{what}: {os.path.join(folder, folders[0])} is a folder where a file goes; move it away")
 
 
-def atomic_write_files(files: dict[str, Writer]) -> None:
-    """Write each file into a temporary sibling, then rename them into place in order; if anything raises, the files
-    already replaced get their old bytes back (a process killed between renames leaves them in `<file>.<pid>.bak`)."""
+def atomic_write_files(folder: str | os.PathLike, files: dict[str, Writer]) -> None:
+    """Write `files` (name: writer) into temporary files in `folder`, then rename them into place in order; if anything
+    raises, those already replaced get their old bytes back (a process killed between renames: `<file>.<pid>.bak`)."""
+    folder = os.path.abspath(folder)
     staged: list[tuple[str, str]] = []  # (temporary file, final path)
     done: list[tuple[str, str | None]] = []  # (final path, a link to its old bytes, None if it had none)
     try:
-        for path, write in files.items():
-            folder, base = os.path.split(os.path.abspath(path))
-            fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{base}.", suffix=".tmp")
-            staged.append((tmp, path))
+        for name, write in files.items():
+            fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{name}.", suffix=".tmp")
+            staged.append((tmp, os.path.join(folder, name)))
             with os.fdopen(fd, "wb") as f:
                 write(f)
                 f.flush()
@@ -73,12 +73,11 @@ def atomic_write_files(files: dict[str, Writer]) -> None:
     finally:  # a temporary file is gone once renamed, a backup once restored
         for leftover in [tmp for tmp, _ in staged] + [backup for _, backup in done if backup]:
             remove_file(leftover)
-    for folder in {os.path.dirname(os.path.abspath(path)) for path in files}:
-        fsync_dir(folder)
+    fsync_dir(folder)
 
 
 def atomic_write(path: str | os.PathLike, write: Writer) -> None:
-    atomic_write_files({os.fspath(path): write})
+    atomic_write_files(os.path.dirname(os.path.abspath(path)), {os.path.basename(path): write})
 
 
 def text_writer(text: str) -> Writer:

@@ -110,8 +110,7 @@ def save_tokenizer(enc: tiktoken.Encoding, directory: str | os.PathLike) -> path
     lines = [f"{base64.b64encode(t).decode('ascii')} {rank}\n" for rank, t in ranks]
     pattern = getattr(enc, "_pat_str", GPT2_SPLIT_PATTERN)  # tiktoken has no public accessor for it
     config = {"type": "bpe", "name": enc.name, "pattern": pattern, "special_tokens": specials}
-    files = {RANKS_FILE: text_writer("".join(lines)), CONFIG_FILE: json_writer(config)}
-    atomic_write_files({str(directory / name): write for name, write in files.items()})
+    atomic_write_files(directory, {RANKS_FILE: text_writer("".join(lines)), CONFIG_FILE: json_writer(config)})
     return directory
 
 
