@@ -65,12 +65,8 @@ class _PairCounts:
                     changed.add(p)
             for p in new.keys() - old.keys():
                 self.holders[p].add(wid)
-        for p in changed:
-            if self.counts[p] > 0:
-                heapq.heappush(self.heap, (-self.counts[p], p))
-            else:
-                del self.counts[p]
-                self.holders.pop(p, None)
+        for p in changed:  # one at 0 can pop only once no pair is left: most_frequent's None either way
+            heapq.heappush(self.heap, (-self.counts[p], p))
 
 
 def train_bpe(text: str, *, vocab_size: int) -> dict[bytes, int]:
