@@ -157,17 +157,16 @@ def _fetch(url: str, part: str) -> None:
 
 def download(url: str, dest: str | os.PathLike) -> None:
     """Download `url` to `dest` via `dest + ".part"`, which a broken connection leaves for the next call to resume."""
-    dest = os.fspath(dest)
+    part = f"{dest}.part"
     os.makedirs(os.path.dirname(os.path.abspath(dest)), exist_ok=True)
     for attempt in range(RETRIES + 1):
         try:
-            _fetch(url, dest + ".part")
-            break
+            _fetch(url, part)
+            return os.replace(part, dest)
         except ConnectionError as e:
             if attempt == RETRIES:
                 raise OSError(f"download of {url} interrupted ({e}); run again to resume") from None
             time.sleep(0.5 * 2**attempt)
-    os.replace(dest + ".part", dest)
 
 
 def download_gpt2(name: str) -> str:
