@@ -128,11 +128,10 @@ def load_tokenizer(directory: str | os.PathLike) -> tiktoken.Encoding:
         ranks = {base64.b64decode(token, validate=True): int(rank) for token, rank in pairs}
     except (OSError, ValueError) as e:  # UnicodeDecodeError and binascii.Error are ValueErrors
         raise ValueError(f"corrupt tokenizer ranks {path}: {e}") from None
-    ids = set(ranks.values())  # a token, a rank or a special id twice; a negative rank; a single byte missing
-    twice = len(ranks) != len(pairs) or len(ids) != len(ranks) or bool(ids & set(specials.values()))
-    if twice or min(ids, default=0) < 0 or any(bytes([b]) not in ranks for b in range(256)):
-        raise ValueError(f"corrupt tokenizer ranks {path}: a token or a rank appears twice (a special id's too), "
-                         "a rank is negative, or a single-byte token is missing")
+    ids = set(ranks.values()) | set(specials.values())  # fewer than lines and specials: a token or an id twice
+    if any(bytes([b]) not in ranks for b in range(256)) or len(ids) < len(pairs) + len(specials) or min(ids) < 0:
+        raise ValueError(f"corrupt tokenizer ranks {path}: a single-byte token is missing, or a token or a rank "
+                         "appears twice or is negative (special ids count as ranks)")
     try:
         return tiktoken.Encoding(str(config.get("name", "medusa_mini")), pat_str=pattern, mergeable_ranks=ranks,
                                  special_tokens=specials)
