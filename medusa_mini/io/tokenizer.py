@@ -18,7 +18,7 @@ GPT2_SPLIT_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p
 EOT = "<|endoftext|>"  # the one special token, id right after the ranks
 RANKS_FILE, CONFIG_FILE = "tokenizer.tiktoken", "tokenizer_config.json"
 TOKENIZER_FILES = (RANKS_FILE, CONFIG_FILE)  # what save_tokenizer may write
-Pair = str  # two adjacent tokens, each a character: chr(its id)
+Pair = str  # two adjacent tokens, each a character, chr(its id); a word, too, is a string of one character per token
 
 
 def _pairs(word: str) -> Counter[Pair]:
@@ -26,9 +26,8 @@ def _pairs(word: str) -> Counter[Pair]:
 
 
 class _PairCounts:
-    """How often each adjacent pair occurs in the corpus, kept current merge by merge: a merge touches only
-    the words holding its pair, so pairs are never recounted from scratch (quadratic on a real corpus). A word is
-    a string of one character per token, chr(its id): str.replace merges a pair left to right, without overlaps."""
+    """How often each adjacent pair occurs in the corpus, kept current merge by merge: a merge touches only the words
+    holding its pair, so pairs are never recounted from scratch (quadratic on a real corpus)."""
 
     def __init__(self, word_counts: Counter[bytes]) -> None:
         self.words, self.freqs = ["".join(map(chr, word)) for word in word_counts], list(word_counts.values())
@@ -57,7 +56,7 @@ class _PairCounts:
             old = _pairs(self.words[wid])
             if pair not in old:
                 continue  # an earlier merge already consumed this occurrence
-            self.words[wid] = self.words[wid].replace(pair, chr(new_id))
+            self.words[wid] = self.words[wid].replace(pair, chr(new_id))  # left to right, without overlaps
             new = _pairs(self.words[wid])
             for p in old.keys() | new.keys():
                 if delta := (new[p] - old[p]) * self.freqs[wid]:
@@ -70,9 +69,8 @@ class _PairCounts:
 
 
 def train_bpe(text: str, *, vocab_size: int) -> dict[bytes, int]:
-    """Mergeable ranks {token bytes: rank} learned on `text`: 0..255 are the single bytes, then one rank per
-    merge, until `vocab_size` - 1 ranks (the last id is <|endoftext|>'s) or no pair occurs twice. Ties go to
-    the smallest (left rank, right rank) pair, so the result is deterministic."""
+    """Mergeable ranks {token bytes: rank} from `text`: 0..255 the single bytes, then one per merge while fewer than
+    `vocab_size` - 1 (the last id is <|endoftext|>'s) and a pair occurs twice; ties: smallest (left, right) ranks."""
     if vocab_size - 1 < 256:
         raise ValueError(f"vocab_size={vocab_size} leaves no room for the 256 byte tokens and {EOT}")
     vocab = [bytes([b]) for b in range(256)]
