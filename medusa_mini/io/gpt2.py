@@ -16,7 +16,7 @@ import torch
 
 from ..model import GPT, GPTConfig
 from .files import read_json, remove_file
-from .safetensors import check_safetensors, read_safetensors
+from .safetensors import read_safetensors
 
 GPT2_CONFIGS: dict[str, GPTConfig] = {
     name: GPTConfig(vocab_size=50257, block_size=1024, n_layer=n_layer, n_head=n_head, n_embd=n_embd)
@@ -174,7 +174,7 @@ def download_gpt2(name: str) -> str:
         raise ValueError(f"{name!r} is no local file or directory, nor one of {', '.join(GPT2_CONFIGS)}")
     folder = os.path.join(os.path.expanduser(os.environ.get("MEDUSA_MINI_CACHE") or "~/.cache/medusa_mini"), name)
     hub = (os.environ.get("MEDUSA_MINI_HUB_URL") or "https://huggingface.co").rstrip("/")
-    for file, check in (("config.json", read_gpt2_config), ("model.safetensors", check_safetensors)):
+    for file, check in (("config.json", read_gpt2_config), ("model.safetensors", read_safetensors)):
         if not os.path.exists(dest := os.path.join(folder, file)):
             download(f"{hub}/{name}/resolve/main/{file}", dest)
             try:  # a proxy's login page, a file cut short by a server that sent no length: never kept

@@ -93,15 +93,6 @@ def _read_header(f: IO[bytes]) -> tuple[dict[str, tuple], int]:
     return entries, 8 + n
 
 
-def check_safetensors(path: str | os.PathLike) -> None:
-    """A one-line ValueError naming the file unless it is a whole safetensors file (its header read, no tensor)."""
-    with open(path, "rb") as f:
-        try:
-            _read_header(f)
-        except ValueError as e:
-            raise ValueError(f"{os.fspath(path)}: {e}") from None
-
-
 def read_safetensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     """Every tensor of a safetensors file; a one-line ValueError naming the file if it is broken or hostile.
     Each tensor's bytes are read straight into its own storage, so peak memory is the tensors once."""

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from medusa_mini.io.files import atomic_write
-from medusa_mini.io.safetensors import check_safetensors, read_safetensors, write_safetensors
+from medusa_mini.io.safetensors import read_safetensors, write_safetensors
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64,
@@ -106,7 +106,6 @@ def test_a_huge_header_length_is_rejected_before_any_allocation(tmp_path):
     (path := tmp_path / "huge.safetensors").write_bytes(struct.pack("<Q", 150 * 2**20))
     os.truncate(path, 8 + 200 * 2**20)  # sparse: the file really is long enough for a 150 MB header
     tracemalloc.start()
-    pytest.raises(ValueError, read_safetensors, path).match("exceeds")
+    pytest.raises(ValueError, read_safetensors, path).match(f"^{re.escape(str(path))}: header length .* exceeds")
     assert tracemalloc.get_traced_memory()[1] < 2**20
-    assert pytest.raises(ValueError, check_safetensors, path).match(f"^{re.escape(str(path))}: header length")
     tracemalloc.stop()
