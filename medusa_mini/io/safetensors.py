@@ -57,8 +57,7 @@ def _check_entry(name: str, info: object, buffer_size: int) -> tuple[torch.dtype
     if not 0 <= begin <= end <= buffer_size:
         raise ValueError(f"tensor {name!r} has data_offsets {offsets} outside the {buffer_size}-byte buffer")
     if end - begin != (nbytes := math.prod(shape) * _DTYPES[dtype].itemsize):
-        raise ValueError(f"tensor {name!r}: shape {shape} of {dtype} needs {nbytes} bytes, "
-                         f"data_offsets span {end - begin}")
+        raise ValueError(f"tensor {name!r}: {dtype} {shape} needs {nbytes} bytes, data_offsets span {end - begin}")
     return _DTYPES[dtype], shape, (begin, end)
 
 
