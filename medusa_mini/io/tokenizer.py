@@ -102,8 +102,7 @@ def save_tokenizer(enc: tiktoken.Encoding, directory: str | os.PathLike) -> path
     specials = {t: enc.encode_single_token(t) for t in sorted(enc.special_tokens_set)}
     ranks = sorted((enc.encode_single_token(t), t) for t in enc.token_byte_values())  # ranks need not be dense
     lines = [f"{base64.b64encode(t).decode('ascii')} {rank}\n" for rank, t in ranks]
-    pattern = getattr(enc, "_pat_str", GPT2_SPLIT_PATTERN)  # tiktoken has no public accessor for it
-    config = {"type": "bpe", "name": enc.name, "pattern": pattern, "special_tokens": specials}
+    config = {"type": "bpe", "name": enc.name, "pattern": enc._pat_str, "special_tokens": specials}  # no public getter
     atomic_write_files(directory, {RANKS_FILE: text_writer("".join(lines)), CONFIG_FILE: json_writer(config)})
     return directory
 
