@@ -10,6 +10,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections import Counter
 from dataclasses import replace
 
 import torch
@@ -51,12 +52,9 @@ def check_tensors(expected: dict[str, tuple], found: dict[str, torch.Tensor], *,
 
 def load_gpt2_weights(model: GPT, tensors: dict[str, torch.Tensor]) -> None:
     """Copy GPT-2-layout tensors (keys with or without "transformer.") into `model`; a failed load changes nothing."""
-    found: dict[str, torch.Tensor] = {}
-    for key, t in tensors.items():
-        if (short := key.removeprefix(_PREFIX)) in found:
-            raise ValueError(f"tensor {short!r} appears both with and without the 'transformer.' prefix")
-        if not short.endswith(_BUFFERS):
-            found[short] = t
+    if twice := [k for k, n in Counter(k.removeprefix(_PREFIX) for k in tensors).items() if n > 1]:
+        raise ValueError(f"tensor {twice[0]!r} appears both with and without the 'transformer.' prefix")
+    found = {k.removeprefix(_PREFIX): t for k, t in tensors.items() if not k.endswith(_BUFFERS)}
     lm_head = found.pop("lm_head.weight", None)  # tied: equal to wte if a file holds it
     views = {k.removeprefix(_PREFIX): t for k, t in gpt2_state_dict(model).items()}  # GPT-2 file shapes
     check_tensors({k: t.shape for k, t in views.items()}, found, fits=f"this GPT ({model.config})")
