@@ -97,9 +97,8 @@ def read_gpt2_config(path: str) -> GPTConfig:
     supported = {  # this GPT's MLP is 4 C wide with tanh-GELU, and its attention scales by 1/sqrt(hs)
         "activation_function": ("gelu_new", "gelu_pytorch_tanh"), "n_inner": (None, 4 * config.n_embd),
         "tie_word_embeddings": (True,), "scale_attn_weights": (True,), "scale_attn_by_inverse_layer_idx": (False,)}
-    for field, values in supported.items():
-        if field in d and d[field] not in values:
-            raise ValueError(f"{path}: GPT-2 config sets {field}={d[field]!r}, which this GPT does not implement")
+    if bad := [field for field, values in supported.items() if field in d and d[field] not in values]:
+        raise ValueError(f"{path}: GPT-2 config sets {bad[0]}={d[bad[0]]!r}, which this GPT does not implement")
     return config
 
 
