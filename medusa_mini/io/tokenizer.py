@@ -30,16 +30,12 @@ class _PairCounts:
     holding its pair, so pairs are never recounted from scratch (quadratic on a real corpus)."""
 
     def __init__(self, word_counts: Counter[bytes]) -> None:
-        self.words, self.freqs = ["".join(map(chr, word)) for word in word_counts], list(word_counts.values())
+        self.words, self.freqs = [""] * len(word_counts), list(word_counts.values())
         self.counts: Counter[Pair] = Counter()
         self.holders: defaultdict[Pair, set[int]] = defaultdict(set)  # words holding a pair (or that held it)
-        for wid, word in enumerate(self.words):
-            for pair, n in _pairs(word).items():
-                self.counts[pair] += n * self.freqs[wid]
-                self.holders[pair].add(wid)
         # Max-heap on (count, then the smallest pair): each change pushes a fresh entry; popped stale ones are skipped
-        self.heap = [(-count, pair) for pair, count in self.counts.items()]
-        heapq.heapify(self.heap)
+        self.heap: list[tuple[int, Pair]] = []
+        self._respell({wid: "".join(map(chr, word)) for wid, word in enumerate(word_counts)})  # all pairs gained
 
     def most_frequent(self) -> Pair | None:
         """The pair to merge next; None once no pair occurs twice."""
@@ -50,14 +46,16 @@ class _PairCounts:
         return None
 
     def merge(self, pair: Pair, new_id: int) -> None:
-        """Replace `pair` by the token `new_id` in every word, updating the counts of the pairs around it."""
+        """Replace `pair` by the token `new_id` in every word: str.replace goes left to right, without overlaps."""
+        held = [wid for wid in self.holders.pop(pair) if pair in self.words[wid]]  # else consumed by an earlier merge
+        self._respell({wid: self.words[wid].replace(pair, chr(new_id)) for wid in held})
+
+    def _respell(self, words: dict[int, str]) -> None:
+        """Give words (by id) new spellings, updating the counts of the pairs they lose or gain."""
         changed: set[Pair] = set()
-        for wid in self.holders.pop(pair):
-            old = _pairs(self.words[wid])
-            if pair not in old:
-                continue  # an earlier merge already consumed this occurrence
-            self.words[wid] = self.words[wid].replace(pair, chr(new_id))  # left to right, without overlaps
-            new = _pairs(self.words[wid])
+        for wid, word in words.items():
+            old, new = _pairs(self.words[wid]), _pairs(word)
+            self.words[wid] = word
             for p in old.keys() | new.keys():
                 if delta := (new[p] - old[p]) * self.freqs[wid]:
                     self.counts[p] += delta
