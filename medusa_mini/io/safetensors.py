@@ -99,13 +99,12 @@ def read_safetensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     with open(path, "rb") as f:
         try:
             entries, start = _read_header(f)
-            for name, (dtype, shape, (begin, end)) in entries.items():
+            for name, (dtype, shape, (begin, _)) in entries.items():
                 t = torch.empty(math.prod(shape), dtype=dtype)
-                raw = memoryview(t.view(torch.uint8).numpy())
                 f.seek(start + begin)
-                if f.readinto(raw) != len(raw):  # a buffered readinto stops short only at the end of the file
+                if f.readinto(t.view(torch.uint8).numpy()) != t.nbytes:  # short only at the end of the file (buffered)
                     raise ValueError(f"file ended inside tensor {name!r}")
-                if dtype is torch.bool and t.numel() and int(t.view(torch.uint8).max()) > 1:
+                if dtype is torch.bool and t.view(torch.uint8).gt(1).any():
                     raise ValueError(f"tensor {name!r} holds BOOL bytes other than 0 and 1")
                 out[name] = t.reshape(shape)
         except ValueError as e:  # every error names the file, once
