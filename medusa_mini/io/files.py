@@ -12,8 +12,7 @@ Writer = Callable[[IO[bytes]], object]  # writes a file's bytes to an open binar
 
 
 def remove_file(path: str) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        os.remove(path)
+    pathlib.Path(path).unlink(missing_ok=True)
 
 
 def fsync_dir(folder: str) -> None:
