@@ -189,8 +189,7 @@ def infer_gpt2_config(tensors: dict[str, torch.Tensor]) -> GPTConfig:
         raise ValueError("tensors lack wte.weight / wpe.weight; not a GPT-2 layout")
     vocab_size, n_embd = short["wte.weight"].shape
     n_layer = max((int(m.group(1)) + 1 for k in short if (m := re.match(r"h\.(\d+)\.", k))), default=0)
-    known = [c for c in GPT2_CONFIGS.values() if (c.n_layer, c.n_embd) == (n_layer, n_embd)]
-    if not known:
+    if not (known := [c for c in GPT2_CONFIGS.values() if (c.n_layer, c.n_embd) == (n_layer, n_embd)]):
         raise ValueError(f"cannot tell n_head of a GPT-2 with n_layer={n_layer}, n_embd={n_embd}; "
                          "put its config.json beside the weights file")
     return replace(known[0], vocab_size=vocab_size, block_size=short["wpe.weight"].shape[0])
