@@ -62,7 +62,6 @@ def prompt_ids(ck: Checkpoint, *, count: int, max_new_tokens: int) -> list[list[
     if (room := ck.block_size - max_new_tokens) < 1:
         raise ValueError(f"--max-new-tokens {max_new_tokens} leaves no room for a prompt in {ck.block_size}")
     texts = load_prompts(ck.directory, hint=WRITE_PROMPTS)[:count]
-    prompts = [ids[-room:] for ids in map(ck.enc.encode_ordinary, texts) if ids]
-    if not prompts:
+    if not (prompts := [ids[-room:] for ids in map(ck.enc.encode_ordinary, texts) if ids]):
         raise ValueError(f"every prompt in {os.path.join(ck.directory, PROMPTS_FILE)} encodes to no tokens")
     return prompts

@@ -63,8 +63,7 @@ def _check_entry(name: str, info: object, buffer_size: int) -> tuple[torch.dtype
 
 def _read_header(f: IO[bytes]) -> tuple[dict[str, tuple], int]:
     """The checked header: ({name: (dtype, shape, (begin, end))}, where the data starts)."""
-    size = os.fstat(f.fileno()).st_size
-    if size < 8:
+    if (size := os.fstat(f.fileno()).st_size) < 8:
         raise ValueError(f"only {size} bytes, too short for the 8-byte header length")
     (n,) = struct.unpack("<Q", f.read(8))
     if n > MAX_HEADER_BYTES:  # this check and the next come before reading: a hostile length allocates nothing
