@@ -32,13 +32,17 @@ class Method:
     reference: bool = False
 
     @property
-    def label(self) -> str:
-        rule = "sampling" if self.drafter is None else self.sampling.acceptance
-        return f"{self.name} " + ("greedy" if self.sampling.greedy else f"{rule} (T={self.sampling.temperature:g})")
+    def rule(self) -> str:
+        return "greedy" if self.sampling.greedy else "sampling" if self.drafter is None else self.sampling.acceptance
 
     @property
-    def key(self) -> str:
-        return self.label.split(" (")[0].lower().replace(" ", "_")
+    def label(self) -> str:  # heads shown by their kind: "Hydra greedy" is Medusa decoding with Hydra heads
+        name = getattr(self.drafter, "name", self.name) if self.name == "Medusa" else self.name
+        return f"{name} {self.rule}" + ("" if self.sampling.greedy else f" (T={self.sampling.temperature:g})")
+
+    @property
+    def key(self) -> str:  # one per row, whatever the heads' kind: "medusa_greedy", "plain_sampling", ...
+        return f"{self.name} {self.rule}".lower().replace(" ", "_")
 
 
 @dataclass

@@ -10,13 +10,14 @@ import pytest
 import torch
 
 import decode
-from conftest import DRAWN, VICUNA, refused
+from conftest import DRAWN, VICUNA, random_heads, refused
 from medusa_mini.cli import runs as runs_mod
 from medusa_mini.cli.compiled import compile_steps
 from medusa_mini.cli.measure import CPU_MIN_GAIN
-from medusa_mini.cli.runs import format_table, summarise, why_line
+from medusa_mini.cli.runs import Method, format_table, summarise, why_line
 from medusa_mini.decoding import GenerationStats
 from medusa_mini.io.loading import load_for_decoding
+from medusa_mini.sampling import Sampling
 from medusa_mini.train.accuracy import load_accuracy, save_accuracy
 from medusa_mini.tree import build_tree, chain
 
@@ -74,6 +75,12 @@ def test_greedy_rows_are_plain_greedys_the_reference_the_engines_each_on_its_tre
                    f" Medusa rejection's, from its own table: {len(drawn) + 1}; prompt lookup: a chain of up to 8)",
                    "1 thread;", "reference rejection (T=0.8): the engine's tokens on 3/3 prompts\n"):
         assert needle in out, needle
+
+
+def test_heads_rows_are_named_by_the_heads_kind_and_keyed_as_medusa_decoding(model):
+    for kind, shown in (("medusa", "Medusa"), ("hydra", "Hydra")):
+        row = Method("Medusa", Sampling(temperature=0.8), random_heads(model, kind=kind), chain(2))
+        assert (row.label, row.key) == (f"{shown} rejection (T=0.8)", "medusa_rejection")
 
 
 def test_lookup_gains_on_repeats_and_a_row_that_leaves_plain_greedy_is_named_where(ckpt, capsys, monkeypatch):
