@@ -43,11 +43,9 @@ def test_greedy_rows_are_plain_greedys_the_reference_the_engines_each_on_its_tre
     monkeypatch.setattr(runs_mod.reference, "medusa_generate", lambda *a, **k: calls.append(1) or generate(*a, **k))
     result = compared(capsys, "--ckpt", str(directory), "--reference", "--max-new-tokens", "12")
     rows = {row["key"]: row for row in result["rows"]}
-    assert decode.main(["--ckpt", str(directory), "--show", "--max-new-tokens", "1", "--num-prompts", "1"]) == 0
-    assert "tree auto: 6 nodes + root" in capsys.readouterr().out  # a greedy run decodes on greedy's tree
-    assert decode.main(["--ckpt", str(directory), "--show", "--method", "rejection", "--max-new-tokens", "1",
-                        "--num-prompts", "1"]) == 0  # a drawn-candidates run decodes on the drawn table's tree
-    assert "tree auto: 3 nodes + root" in capsys.readouterr().out
+    for rule, nodes in (([], 6), (["--method", "rejection"], 3)):  # greedy's tree; drawn candidates', the drawn table's
+        assert decode.main(["--ckpt", str(directory), "--show", *rule, "--max-new-tokens=1", "--num-prompts=1"]) == 0
+        assert f"tree auto: {nodes} nodes + root" in capsys.readouterr().out
     assert [r["key"] for r in result["rows"]] == ROWS + ["reference_greedy", "reference_typical", "reference_rejection"]
     for key in ("prompt_lookup_greedy", "medusa_greedy", "reference_greedy"):
         assert rows[key]["tokens"] == rows["plain_greedy"]["tokens"] and rows[key]["same_as_plain_greedy"] is True
@@ -84,12 +82,10 @@ def test_heads_rows_are_named_by_the_heads_kind_and_keyed_as_medusa_decoding(mod
 
 
 def test_lookup_gains_on_repeats_and_a_row_that_leaves_plain_greedy_is_named_where(ckpt, capsys, monkeypatch):
-    real = runs_mod.decode
-
-    def one_token_off(engine, method, prompts, **kw):  # Medusa greedy's last token on every prompt: changed on
-        out, changed = real(engine, method, prompts, **kw), len(set(prompts[0])) == 1  # the repeats, else dropped
-        return [(t[:-1] + [(t[-1] + 1) % 50] * changed, st) if method.key == "medusa_greedy" else (t, st)
-                for t, st in out]  # dropped: a row that stopped a token early parts where it stopped
+    def one_token_off(engine, method, prompts, *, real=runs_mod.decode, **kw):  # Medusa greedy's last token on
+        out, changed = real(engine, method, prompts, **kw), len(set(prompts[0])) == 1  # every prompt: changed on
+        return [(t[:-1] + [(t[-1] + 1) % 50] * changed, st) if method.key == "medusa_greedy" else (t, st)  # the
+                for t, st in out]  # repeats, else dropped: a row that stopped a token early parts where it stopped
 
     monkeypatch.setattr(runs_mod, "decode", one_token_off)
     result = compared(capsys, "--ckpt", ckpt, "--max-new-tokens", "16", "--prompt=nnnnnnnn", "--prompt=a big dog ran")
@@ -108,9 +104,8 @@ def test_lookup_gains_on_repeats_and_a_row_that_leaves_plain_greedy_is_named_whe
         d["margin"] < 0.1 for d in rows["medusa_greedy"]["differences"]]
     flagged = [{**r, "repeats_differ": r["key"] == "medusa_greedy"} for r in result["rows"]]
     assert "Medusa greedy: repeated runs made different tokens" in format_table({**result, "rows": flagged})
-    footer = out.split("repeats")[-1].splitlines()[1:]
-    assert [line.split()[0] for line in footer] == ["1", "2"]
-    assert footer[1].split()[1] == "1.00" and footer[1].split()[-1] == "0%"
+    footer = [line.split() for line in out.split("repeats")[-1].splitlines()[1:]]
+    assert [cells[0] for cells in footer] == ["1", "2"] and (footer[1][1], footer[1][-1]) == ("1.00", "0%")
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
@@ -154,9 +149,8 @@ def test_the_batch_table_says_where_medusa_stops_paying_and_ends_where_memory_do
         "plain_greedy", "medusa_greedy", "plain_sampling", "medusa_rejection")]
     assert all(r["tokens_per_s"] > 0 and r["tokens_per_step"] >= 1.0 for r in rows)
     assert all(r["same_as_plain_greedy"] for r in rows if r["temperature"] == 0)  # batch 1's greedy tokens
-    for row in rows:  # against plain decoding at the same temperature and batch size
-        plain = next(p for p in rows if p["plain"] and (p["temperature"], p["batch_size"]) == (
-            row["temperature"], row["batch_size"]))
+    plain_at = {(p["temperature"], p["batch_size"]): p for p in rows if p["plain"]}  # each row against plain
+    for row, plain in ((r, plain_at[r["temperature"], r["batch_size"]]) for r in rows):  # at its T and batch size
         assert row["speedup"] == pytest.approx(row["tokens_per_s"] / plain["tokens_per_s"])
         assert row["step_cost"] == pytest.approx(row["ms_per_step"] / plain["ms_per_step"])
     verdicts = [line for line in format_table(result).splitlines()
