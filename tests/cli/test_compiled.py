@@ -52,9 +52,7 @@ class GraphReplay:
             if not outputs:
                 outputs.extend(torch.empty_like(o) for o in result)
                 self.pool.extend(outputs)
-            for buffer, o in zip(outputs, result):
-                buffer.copy_(o)
-            return tuple(outputs)
+            return tuple(buffer.copy_(o) for buffer, o in zip(outputs, result))  # copy_ returns the buffer
 
         return replay
 
@@ -225,8 +223,9 @@ def test_inductor_writes_and_compacts_the_kv_cache_in_place_never_copying_it_who
     model = tiny_model(block_size=80, n_layer=1).eval()  # one layer's view shows a copy as two would
     eager, compiled = (KVCache(model.config, batch_size=2, max_len=80) for _ in range(2))
     eager.lengths = compiled.lengths = torch.tensor([5, 9])
-    def copies_the_cache(code: list[str]) -> bool:  # a buffer of [..., max_len, hs]: a layer's keys or values
-        return any("empty_strided" in line and ", 80, 16)" in line for c in code for line in c.splitlines())
+    def compiled_in_place(fn, *args, **kwargs) -> bool:  # fn's code, compiled: no buffer of [..., max_len, hs],
+        code = run_and_get_code(torch.compile(fn, fullgraph=True), *args, **kwargs)[1]  # a layer's keys or values
+        return bool(code) and not any("empty_strided" in s and ", 80, 16)" in s for c in code for s in c.splitlines())
 
     tokens = torch.tensor([[3, 1, 4], [1, 5, 9]])
     # Row b's accepted slots from start[b], and where they go: [start[b], start[b] + 3), overlapping them.
@@ -234,13 +233,10 @@ def test_inductor_writes_and_compacts_the_kv_cache_in_place_never_copying_it_who
     length = torch.tensor([7, 12])
     with torch.no_grad(), torch._inductor.config.patch({"cpp.simdlen": 1}):  # scalar kernels: built sooner
         plain_step(model, eager, tokens)
-        _, code = run_and_get_code(torch.compile(plain_step, fullgraph=True), model, compiled, tokens)
-        assert code and not copies_the_cache(code)
+        assert compiled_in_place(plain_step, model, compiled, tokens)
         eager.kv.copy_(torch.randn(eager.kv.shape, generator=torch.Generator().manual_seed(0)))
         compiled.kv.copy_(eager.kv)  # the same values: compaction only moves them
         compact_kv_cache(eager, keep, to=to, length=length)
-        compiled_compaction = torch.compile(compact_kv_cache, fullgraph=True)
-        _, code = run_and_get_code(compiled_compaction, compiled, keep, to=to, length=length)
-        assert code and not copies_the_cache(code)
+        assert compiled_in_place(compact_kv_cache, compiled, keep, to=to, length=length)
     assert torch.equal(eager.kv, compiled.kv) and torch.equal(eager.length_buffer, compiled.length_buffer)
     torch._dynamo.reset()
