@@ -28,13 +28,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
-def ckpt_no_heads(tmp_path_factory):
-    return save_tiny(tmp_path_factory.mktemp("ckpt_no_heads"), kind=None)
-
-
-@pytest.fixture(scope="module")
-def ckpt_hydra(tmp_path_factory):  # the tiny checkpoint with dependent (hydra) heads
-    return save_tiny(tmp_path_factory.mktemp("hydra"), kind="hydra")
+def tiny_ckpt(tmp_path_factory):  # tiny_ckpt(kind): the tiny checkpoint, its heads of that kind (hydra) or none
+    return functools.cache(lambda kind: save_tiny(tmp_path_factory.mktemp(f"ckpt_{kind}"), kind=kind))
 
 
 def run(capsys, *argv: str) -> str:
@@ -51,8 +46,8 @@ def objects(capsys, *argv: str) -> list[dict]:
     ("medusa", ["--method", "rejection"], ("min(1, r(x)/q(x))", "draws the candidates", "head 1 draw 0", "bonus")),
     ("medusa", ["--method", "typical"], ("p(token)  bar at its parent", "passes above the bar min(ε")),
     ("hydra", [], ("Dependent (hydra) heads", "head 4", "accepted path"))])
-def test_explain_walks_through_one_step_of_either_kind_of_heads(ckpt, ckpt_hydra, capsys, heads, rule, needles):
-    out = run(capsys, "--ckpt", ckpt_hydra if heads == "hydra" else ckpt, "--explain", *rule)
+def test_explain_walks_through_one_step_of_either_kind_of_heads(ckpt, tiny_ckpt, capsys, heads, rule, needles):
+    out = run(capsys, "--ckpt", tiny_ckpt(heads) if heads == "hydra" else ckpt, "--explain", *rule)
     assert all(needle in out for needle in needles), out
     if rule:  # p and q shown at the rule's temperature: at another, other probabilities of the same tokens
         hot = run(capsys, "--ckpt", ckpt, "--explain", *rule, "--temperature", "2").splitlines()
@@ -67,7 +62,7 @@ def test_explain_walks_through_one_step_of_either_kind_of_heads(ckpt, ckpt_hydra
         assert [s.count("#") for s in out.splitlines() if s.startswith("head ")] == [3, 2, 2, 2]  # the tree's ranks
 
 
-def test_show_brackets_each_step_of_the_text_and_plain_decoding_needs_no_heads(ckpt, ckpt_no_heads, capsys, tmp_path):
+def test_show_brackets_each_step_of_the_text_and_plain_decoding_needs_no_heads(ckpt, tiny_ckpt, capsys, tmp_path):
     argv = ["--ckpt", ckpt, "--prompt", PROMPTS[0], "--max-new-tokens", "20"]
     ref, medusa = (json.loads(run(capsys, *argv, "--json", *method)) for method in (["--method", "plain"], []))
     out = run(capsys, *argv, "--show")  # not a terminal: brackets, no colour
@@ -80,7 +75,7 @@ def test_show_brackets_each_step_of_the_text_and_plain_decoding_needs_no_heads(c
     assert shown.count("[") == medusa["steps"] + 1  # the prefill's token, then one chunk per step
     drawn = run(capsys, "--ckpt", ckpt, "--prompt", "x", "--max-new-tokens", "2", "--show", "--method", "rejection")
     assert "head 1 draw 0" in drawn and "rank" not in drawn  # drawn candidates, as --explain names them
-    shutil.copytree(ckpt_no_heads, stopped := tmp_path / "run")
+    shutil.copytree(tiny_ckpt(None), stopped := tmp_path / "run")  # no heads
     (stopped / "train_state.pt").touch()  # a run stopped before its end: decoded as last saved, with a note
     assert decode.main(["--ckpt", str(stopped), "--method", "plain", "--show", "--max-new-tokens", "2"]) == 0
     out, err = capsys.readouterr()
@@ -215,9 +210,9 @@ def test_top_p_goes_with_sampling_a_temperature_names_or_compares_sampled_rows()
     "--explain --reference -> --reference", "--reference --compile -> --compile", "--show --reference -> --show",
     f"--explain --prompt {'q' * 62} -> at most 61 tokens", f"--compare --prompt {'q' * 63} -> at most 62 tokens",
 ])
-def test_bad_input_exits_2_with_one_line(case, ckpt, ckpt_hydra, tmp_path, capsys):
+def test_bad_input_exits_2_with_one_line(case, ckpt, tiny_ckpt, tmp_path, capsys):
     args, _, needle = case.partition(" -> ")
-    argv = shlex.split(args.format(tmp=tmp_path, hydra=ckpt_hydra, ckpt=ckpt, long="the cat " * 100))
+    argv = shlex.split(args.format(tmp=tmp_path, hydra=tiny_ckpt("hydra"), ckpt=ckpt, long="the cat " * 100))
     err = refused(capsys, decode.main, argv if "--ckpt" in argv else ["--ckpt", ckpt, *argv])
     assert err.startswith("decode.py: error: ") and (needle or argv[0]) in err, err
 
@@ -234,9 +229,9 @@ def test_verify_judges_each_candidate_by_p_and_the_bar_at_its_parent():
         ["[3]", "c", "0.860", f"{bar[1]:.3f}"]]
 
 
-def test_a_checkpoint_without_heads_points_to_plain_decoding_only_where_it_can_run(ckpt_no_heads, capsys):
+def test_a_checkpoint_without_heads_points_to_plain_decoding_only_where_it_can_run(tiny_ckpt, capsys):
     for argv, plain_runs in [([], True), (["--compare"], False), (["--explain"], False), (["--reference"], False)]:
-        err = refused(capsys, decode.main, ["--ckpt", ckpt_no_heads, *argv])
+        err = refused(capsys, decode.main, ["--ckpt", tiny_ckpt(None), *argv])
         assert "has no Medusa heads: train heads" in err and ("or use --method plain" in err) == plain_runs, argv
 
 
