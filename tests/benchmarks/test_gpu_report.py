@@ -61,9 +61,8 @@ def test_quick_cpu_report_holds_every_part_down_to_the_heads_share(tmp_path, cap
 def test_on_cuda_each_part_compiles_keeps_its_lines_and_names_what_failed(tmp_path, monkeypatch):
     def cuda_settings(**kw) -> SimpleNamespace:  # the settings parse_args makes, on CUDA
         return SimpleNamespace(**dict(out=str(tmp_path / "r.md"), parts=list(gpu_report.PARTS), device="cuda",
-                                      quick=False, ckpt=str(tmp_path), configs=["gpt2"], dtypes=["bfloat16"],
-                                      budget_s=100.0, step_flags=[], train_flags=[], decode_flags=[], append=False,
-                                      compile=["--compile"]) | kw)
+            quick=False, ckpt=str(tmp_path), configs=["gpt2"], dtypes=["bfloat16"], budget_s=100.0, step_flags=[],
+            train_flags=[], decode_flags=[], append=False, compile=["--compile"]) | kw)
 
     table = "       gpt2\nlayers / heads / width / vocabulary / draft   12 / 12 / 768 / 50257 / 8192\nplain step  1"
     calls = faked(monkeypatch, lambda argv: (None, "", 99.0) if "gpt2-xl" in argv else

@@ -81,14 +81,9 @@ def test_each_rule_and_draft_vocabulary_gets_its_block_and_an_old_table_stands_i
         i = lines.index(f"{name}: {plain['method']} {plain['tokens_per_s']:.1f} tokens/s")
         assert lines[i + 2].split()[0] == "1" and lines[i + 3].endswith("  2/2") == (plain["temperature"] == 0)
         greedy = int(plain["temperature"] == 0)  # each budget's measured columns, from its own row
-        for line, r in zip(lines[i + 2 :], rows):
-            cells = line.split()
+        for cells, r in zip(map(str.split, lines[i + 2 :]), rows):
             assert cells[len(cells) - 4 - greedy : len(cells) - greedy] == [f"{r['tokens_per_step']:.2f}",
                 f"{r['ms_per_step']:.2f}", f"{r['tokens_per_s']:.1f}", f"{r['speedup']:.2f}x"]
-
-
-MAINS = {"sweep": (sweep.main, FAST), "measure": (measure.main, ["--num-prompts", "4", "--max-new-tokens", "8"]),
-         "decode": (decode.main, ["--max-new-tokens", "4", "--device", "cpu"])}
 
 
 @pytest.mark.parametrize("script, case", [  # the error names what follows "->", else the first flag given
@@ -110,7 +105,8 @@ def test_bad_input_is_one_line_before_any_decoding_or_write(medusa_ckpt, capsys,
     save_accuracy(copies["never_right"], torch.zeros(3, 10))  # no head's guess ever right: every tree the root
     table = (copies["ckpt"] / "heads_accuracy.json").read_text()  # what measure would replace
     monkeypatch.setattr(sweep, "compare", lambda *a, **k: pytest.fail("decoded despite bad input"))
-    main, base = MAINS[script]
+    main, base = {"sweep": (sweep.main, FAST), "decode": (decode.main, ["--max-new-tokens", "4", "--device", "cpu"]),
+                  "measure": (measure.main, ["--num-prompts", "4", "--max-new-tokens", "8"])}[script]
     args, _, needle = case.partition(" -> ")
     err = refused(capsys, main, ["--ckpt", str(copies["ckpt"]), *base, *shlex.split(args.format(tmp=tmp_path))])
     assert (needle or args.split()[0]) in err, err
