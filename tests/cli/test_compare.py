@@ -16,7 +16,6 @@ from medusa_mini.cli.compiled import compile_steps
 from medusa_mini.cli.measure import CPU_MIN_GAIN
 from medusa_mini.cli.runs import Method, format_table, summarise, why_line
 from medusa_mini.decoding import GenerationStats
-from medusa_mini.io.loading import load_for_decoding
 from medusa_mini.sampling import Sampling
 from medusa_mini.train.accuracy import load_accuracy, save_accuracy
 from medusa_mini.tree import build_tree, chain
@@ -91,7 +90,7 @@ def test_lookup_gains_on_repeats_and_a_row_that_leaves_plain_greedy_is_named_whe
     result = compared(capsys, "--ckpt", ckpt, "--max-new-tokens", "16", "--prompt=nnnnnnnn", "--prompt=a big dog ran")
     repeated, plain = result["per_prompt"]  # one token repeated, and a prompt without repeats
     assert repeated["prompt_lookup_greedy"] > 1.5 and plain["prompt_lookup_greedy"] == 1.0
-    rows, ck = {r["key"]: r for r in result["rows"]}, load_for_decoding(ckpt, device="cpu", dtype=torch.float32)
+    rows, ck = {r["key"]: r for r in result["rows"]}, decode.load_for_decoding(ckpt, device="cpu", dtype=torch.float32)
     ids, want = ck.enc.encode_ordinary("nnnnnnnn"), rows["plain_greedy"]["tokens"][0]
     seq, top2 = ids[-1:] + want, ck.model(torch.tensor([ids + want[:15]]))[0][0, -1].topk(2).values  # where they part
     assert repeated["repeats"] == sum(a == b for a, b in zip(seq, seq[1:])) / 16 > 0.5 and plain["repeats"] == 0

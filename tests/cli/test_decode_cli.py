@@ -120,8 +120,7 @@ def test_json_is_an_object_per_prompt_and_a_batch_decodes_each_prompt_as_if_alon
                                                          "max-new-tokens (14)") == 2  # 2.8 s over 28 tokens
     assert [o["seconds"] for o in objects(capsys, *argv, "--batch-size", "2")] == [2.8] * 3  # the whole batch's
     if not rule:  # seeded anew for each batch: a prompt given twice samples the same text
-        twice = objects(capsys, "--ckpt", ckpt, "--max-new-tokens", "14", "--method", "rejection",
-                        "--prompt", PROMPTS[0], "--prompt", PROMPTS[0])
+        twice = objects(capsys, *argv, "--method", "rejection", *["--prompt", PROMPTS[0]] * 2)
         assert twice[0]["tokens"] == twice[1]["tokens"]
     for more, note in ([], ""), (["--num-prompts", "5"], "note: prompts.json holds 3 prompts, not 5: decoding those\n"):
         assert decode.main([*argv, "--json", *more]) == 0  # the default, 8, is no request for more than there are

@@ -8,7 +8,6 @@ import sys
 import pytest
 
 from benchmarks.sweep import plot_sweep
-from medusa_mini.cli import runs as runs_mod
 from medusa_mini.cli.common import PLOT_FORMATS, check_plot_path
 from medusa_mini.cli.runs import plot_batch
 
@@ -43,7 +42,7 @@ def test_each_plot_draws_every_series_in_its_own_colour(tmp_path):
 
 
 def test_the_batch_figure_draws_each_drafters_speedup_and_every_rows_tokens_per_s(monkeypatch):
-    monkeypatch.setattr(runs_mod, "draw", lambda path, panels, **kw: panels)  # what would be drawn
+    monkeypatch.setattr("medusa_mini.cli.runs.draw", lambda path, panels, **kw: panels)  # what would be drawn
     rows, panels = batch_rows(), plot_batch(batch_rows(), "b.png", title="b")
     of = lambda method, key: [r[key] for r in rows if r["method"] == method]  # noqa: E731
     assert [ys for xs, ys, _ in panels["speedup over plain"] if xs is not None] == [
