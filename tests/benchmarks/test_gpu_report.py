@@ -163,7 +163,7 @@ def test_each_part_is_written_as_it_ends_and_an_older_report_is_replaced_by_a_wh
     assert err.endswith(f"report: {out}; failed: step\n")
 
 
-def test_a_command_keeps_its_output_is_stopped_at_its_budget_and_on_sigterm_leaves_nothing_running(tmp_path):
+def test_a_command_keeps_its_output_is_stopped_at_its_budget_and_on_sigterm_leaves_nothing_running(tmp_path, request):
     """Budgets far from any start-up time: 600 s for a command that ends at once, 1 s for one that sleeps 600.
     SIGTERM (or Ctrl-C) once a command has started: it and what it started are killed and reaped."""
     assert gpu_report.run_script(["-c", "print('done')"], timeout_s=600, label="quick")[:2] == (0, "done\n")
@@ -178,9 +178,7 @@ def test_a_command_keeps_its_output_is_stopped_at_its_budget_and_on_sigterm_leav
         signal.pthread_kill(threading.main_thread().ident, signal.SIGTERM)
 
     previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # as gpu_report.main installs it
-    try:
-        threading.Thread(target=stop_once_started, daemon=True).start()
-        pytest.raises(SystemExit, gpu_report.run_script, ["-c", child], timeout_s=600, label="sleeper")
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    request.addfinalizer(lambda: signal.signal(signal.SIGTERM, previous))
+    threading.Thread(target=stop_once_started, daemon=True).start()
+    pytest.raises(SystemExit, gpu_report.run_script, ["-c", child], timeout_s=600, label="sleeper")
     pytest.raises(ProcessLookupError, os.kill, int(pid_file.read_text()), 0)
