@@ -176,9 +176,8 @@ def test_an_aligned_head_writes_the_models_logits_at_a_stride_of_64_and_leaves_t
     torch.testing.assert_close((twin(ids)[0], twin.lm_head.weight), (model(ids)[0], model.lm_head.weight))
 
 
-@pytest.mark.parametrize("flags", [["--method", "rejection", "--temperature", "0.8", "--batch-size", "2"],
-                                   ["--method", "plain", "--batch-size", "2"], ["--compare", "--batch-size", "1,4"]],
-                         ids=["rejection-batch-2", "plain-batch-2", "compare"])
+@pytest.mark.parametrize("flags", ["--method rejection --temperature 0.8 --batch-size 2",
+                                   "--method plain --batch-size 2", "--compare --batch-size 1,4"])
 def test_decode_prints_the_eager_tokens_with_its_steps_replayed_as_cuda_graphs(ckpt, capsys, monkeypatch, flags,
                                                                                one_run_each):
     """Prompts of three lengths, one meeting the context; two at a time, the last batch has one row. --compare runs
@@ -197,7 +196,7 @@ def test_decode_prints_the_eager_tokens_with_its_steps_replayed_as_cuda_graphs(c
     monkeypatch.setattr(decode, "decode", replayed)  # the runs of one batch at a time, and --compare's
     monkeypatch.setattr(runs_mod, "decode", replayed)
     argv = ["--ckpt", ckpt, "--max-new-tokens", "12", *["--tree", "cpu"] * ("plain" not in flags), "--json", "--prompt",
-            "a big dog ran", "--prompt", " ".join(["the cat sat on the mat"] * 6), "--prompt", "then", *flags]
+            "a big dog ran", "--prompt", " ".join(["the cat sat on the mat"] * 6), "--prompt", "then", *flags.split()]
     runs = []
     for compiling in (False, True):
         assert decode.main(argv + ["--compile"] * compiling) == 0
