@@ -121,15 +121,12 @@ def test_compare_in_half_precision_runs_every_row(ckpt, capsys, dtype):
 @pytest.mark.parametrize("compiling", [False, True])  # compiled, each size is warmed up just before its timing
 def test_the_batch_table_says_where_medusa_stops_paying_and_ends_where_memory_does(ckpt, capsys, tmp_path, monkeypatch,
                                                                                    compiling):
-    def fails_at_4(real, rows_of):  # batch 4, run or warmed up, is more than the device holds
-        def call(*args, **kwargs):
-            if rows_of(*args, **kwargs) == 4:
-                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.00 GiB. GPU 0 has 4 GiB in all")
-            return real(*args, **kwargs)
-        return call
-    monkeypatch.setattr(runs_mod, "run_in_turns", fails_at_4(runs_mod.run_in_turns, lambda e, m, b, **kw: len(b[0])))
-    monkeypatch.setattr(decode, "warm_up", fails_at_4(lambda *a, real=decode.warm_up, **k: real(*a, **k) and 1.0,
-                                                      lambda *args, rows, **kw: rows))  # each warm-up 1 s
+    def fails_at_4(rows: int) -> None:  # batch 4, run or warmed up, is more than the device holds
+        if rows == 4:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.00 GiB. GPU 0 has 4 GiB in all")
+    turns, warm = runs_mod.run_in_turns, decode.warm_up  # the real ones; each warm-up takes 1 s
+    monkeypatch.setattr(runs_mod, "run_in_turns", lambda e, m, b, **kw: fails_at_4(len(b[0])) or turns(e, m, b, **kw))
+    monkeypatch.setattr(decode, "warm_up", lambda *a, rows, **k: fails_at_4(rows) or warm(*a, rows=rows, **k) and 1.0)
     monkeypatch.setattr(decode, "compile_steps", functools.partial(compile_steps, backend="eager"))  # dynamo alone
     result = compared(capsys, "--ckpt", ckpt, "--batch-size", "1,2,4", "--max-new-tokens", "8", "--plot",
                       str(tmp_path / "batch.png"), *["--compile"] * compiling)

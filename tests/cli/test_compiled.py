@@ -44,8 +44,7 @@ class GraphReplay:
                 assert not static[i] or addresses.setdefault(i, t.data_ptr()) == t.data_ptr(), (
                     f"{names[i]} moved: a CUDA graph would replay on the address it recorded")
             inputs = [t if static[i] else t.clone() for i, t in enumerate(args)]
-            versions = [t._version for t in inputs]
-            result = gm(*inputs)
+            versions, result = [t._version for t in inputs], gm(*inputs)  # each input's version before the call
             for i, t in enumerate(inputs):
                 assert static[i] or t._version == versions[i], (
                     f"the graph writes into {names[i]}, which is not static: a CUDA graph would write its own copy")
