@@ -69,8 +69,7 @@ def test_show_brackets_each_step_of_the_text_and_plain_decoding_needs_no_heads(c
     assert "\x1b[" not in out and "attention mask" in out and "(bonus token counted)" in out
     assert "tree cpu: 11 nodes + root, depth 4\n[0] root" in out
     assert "ms/token as streamed (printing included" in out  # the clock ran while the text printed
-    header = "the first from the prefill ===\n"
-    shown = out[out.index(header) + len(header): out.rindex("\nstats: ")]
+    shown = out.split("the first from the prefill ===\n", 1)[1].rsplit("\nstats: ", 1)[0]  # the text, as streamed
     assert "[" not in ref["text"] and shown.replace("[", "").replace("]", "") == ref["text"]
     assert shown.count("[") == medusa["steps"] + 1  # the prefill's token, then one chunk per step
     drawn = run(capsys, "--ckpt", ckpt, "--prompt", "x", "--max-new-tokens", "2", "--show", "--method", "rejection")
