@@ -103,11 +103,10 @@ def test_on_cuda_each_part_compiles_keeps_its_lines_and_names_what_failed(tmp_pa
     "--train-flags '--n-embd 30 --n-head 4' -> --train-flags: train_tiny.py refuses its flags: --n-embd 30",
     "--part train --part batch --decode-flags '--plot {tmp}/b.txt' -> decode.py refuses its flags: --plot",
     "--part train --part decode --decode-flags '--num-prompts 0' -> --num-prompts",
-    # flags a part sets itself: forwarded, the last would win
+    "--train-flags '--out x' -> the report sets --out itself",  # set by the part itself: forwarded, the last would win
     "--decode-flags '--batch-size 2' -> the report sets --batch-size itself",
     "--decode-flags=--dtype=float32 -> the report sets --dtype itself", "--step-flags=--json -> sets --json itself",
     "--step-flags '--configs tiny' -> --step-flags: the report sets --configs itself",
-    "--train-flags '--out x' -> the report sets --out itself",
     "--decode-flags '--dev cpu' -> the report sets --dev itself",  # argparse takes a prefix as the flag
 ])
 def test_bad_flags_exit_2_with_one_line_before_any_part_runs(tmp_path, capsys, monkeypatch, case):
