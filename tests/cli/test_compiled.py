@@ -226,8 +226,7 @@ def test_inductor_writes_and_compacts_the_kv_cache_in_place_never_copying_it_who
 
     tokens = torch.tensor([[3, 1, 4], [1, 5, 9]])
     # Row b's accepted slots from start[b], and where they go: [start[b], start[b] + 3), overlapping them.
-    keep, to = torch.tensor([[5, 7, 8], [9, 10, 12]]), torch.tensor([[5, 6, 7], [9, 10, 11]])
-    length = torch.tensor([7, 12])
+    keep, to, length = (torch.tensor(t) for t in ([[5, 7, 8], [9, 10, 12]], [[5, 6, 7], [9, 10, 11]], [7, 12]))
     with torch.no_grad(), torch._inductor.config.patch({"cpp.simdlen": 1}):  # scalar kernels: built sooner
         plain_step(model, eager, tokens)
         assert compiled_in_place(plain_step, model, compiled, tokens)

@@ -65,10 +65,9 @@ def test_explain_walks_through_one_step_of_either_kind_of_heads(ckpt, tiny_ckpt,
 def test_show_brackets_each_step_of_the_text_and_plain_decoding_needs_no_heads(ckpt, tiny_ckpt, capsys, tmp_path):
     argv = ["--ckpt", ckpt, "--prompt", PROMPTS[0], "--max-new-tokens", "20"]
     ref, medusa = (json.loads(run(capsys, *argv, "--json", *method)) for method in (["--method", "plain"], []))
-    out = run(capsys, *argv, "--show")  # not a terminal: brackets, no colour
+    out = run(capsys, *argv, "--show")  # not a terminal: brackets, no colour; the clock ran while the text printed
     assert "\x1b[" not in out and "attention mask" in out and "(bonus token counted)" in out
-    assert "tree cpu: 11 nodes + root, depth 4\n[0] root" in out
-    assert "ms/token as streamed (printing included" in out  # the clock ran while the text printed
+    assert "tree cpu: 11 nodes + root, depth 4\n[0] root" in out and "ms/token as streamed (printing included" in out
     shown = out.split("the first from the prefill ===\n", 1)[1].rsplit("\nstats: ", 1)[0]  # the text, as streamed
     assert "[" not in ref["text"] and shown.replace("[", "").replace("]", "") == ref["text"]
     assert shown.count("[") == medusa["steps"] + 1  # the prefill's token, then one chunk per step
