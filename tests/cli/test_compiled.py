@@ -56,15 +56,15 @@ class GraphReplay:
         return replay
 
 
-def warmed_up(seed: int, *, backend=None, kind: str = "medusa", rows: int = 1, rules=()):
-    """A tiny model (its lm_head aligned, as on CUDA), heads of `kind`, its steps compiled (replayed as CUDA graphs,
-    by `backend`) and its static caches, warmed up for TREE under `rules` (by default the plain step alone)."""
+def warmed_up(seed: int, *, kind: str = "medusa", rows: int = 1, rules=()):
+    """A tiny model (its lm_head aligned, as on CUDA), heads of `kind`, its steps compiled, its static caches and the
+    GraphReplay replaying them as CUDA graphs, warmed up for TREE under `rules` (by default the plain step alone)."""
     torch.compiler.reset()  # graphs are cached per function, across models: start afresh
     model = with_aligned_head(tiny_model(seed, vocab_size=50), devices=("cpu",))
-    steps, heads = compile_steps("cpu", backend=backend or GraphReplay()), random_heads(model, seed=seed, kind=kind)
+    steps, heads = compile_steps("cpu", backend=(backend := GraphReplay())), random_heads(model, seed=seed, kind=kind)
     warm_up(model, steps, caches := compiled_wing.static_caches(model), plain=[RULES["greedy"]] * (not rules),
             rows=rows, proposers=[(heads.proposer(model, TREE), rule) for rule in rules])
-    return model, heads, steps, caches
+    return model, heads, steps, caches, backend
 
 
 def test_the_warm_up_runs_every_shape_three_times_so_cuda_graphs_record_and_replay_before_any_timing():
@@ -98,7 +98,7 @@ def test_the_warm_up_runs_every_shape_three_times_so_cuda_graphs_record_and_repl
 def test_graph_replay_poisons_a_steps_outputs_at_the_next_step_and_refuses_a_cache_not_marked_static(monkeypatch):
     """What catches a loop that reads a step's logits or hidden state after the next step, and a cache a CUDA graph
     would write a copy of (static_caches marks its tensors)."""
-    model, _, steps, caches = warmed_up(7)
+    model, _, steps, caches, _ = warmed_up(7)
     block, N = model.config.block_size, TREE.num_nodes
     token, logits, hidden = steps.plain(model, caches(1, block), torch.tensor([[3]]))
     steps.medusa.verify_and_accept(model, caches(1, block + N), torch.zeros(1, N, dtype=torch.long),
@@ -133,8 +133,7 @@ def test_the_fixed_shape_steps_make_the_eager_tokens_for_every_drafter_and_tree(
 
 @torch.no_grad()
 def test_verify_and_accept_refuses_a_sampled_rule_without_its_uniforms_before_writing_the_cache():
-    model = tiny_model(5)
-    cache = KVCache(model.config, batch_size=1, max_len=64)
+    cache = KVCache((model := tiny_model(5)).config, batch_size=1, max_len=64)
     args = (model, cache, torch.zeros(1, TREE.num_nodes, dtype=torch.long))
     kw = dict(tree=TREE.tensors("cpu"), stop_at=torch.tensor([64]))
     for rule in ("typical", "rejection"):
@@ -151,8 +150,7 @@ def test_a_compiled_step_drafts_the_next_tree_in_its_graph_and_makes_the_eager_t
     in `verify_and_accept`'s one graph, with the uniforms drawn before in the eager order: the eager
     proposer fills no tree but, for top-k candidates, the first (drawn ones: `draft_tree`'s graph draws
     it), and the tokens are the eager ones, for a ragged batch; the warm-up recorded every graph; none sorts."""
-    backend = GraphReplay()
-    model, heads, steps, caches = warmed_up(5, backend=backend, kind=kind, rows=2, rules=(RULES[rule],))
+    model, heads, steps, caches, backend = warmed_up(5, kind=kind, rows=2, rules=(RULES[rule],))
     graphs, proposer_type, proposed, calls = len(backend.graphs), type(heads.proposer(model, TREE)), [], []
     propose, verify = proposer_type.propose, steps.medusa.verify_and_accept
     monkeypatch.setattr(proposer_type, "propose", lambda *a, **kw: proposed.append(1) or propose(*a, **kw))
