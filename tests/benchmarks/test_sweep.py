@@ -99,9 +99,8 @@ def test_each_rule_and_draft_vocabulary_gets_its_block_and_an_old_table_stands_i
      "writes it"), ("decode", "--ckpt {tmp}/bare -> --prompt TEXT"),
 ])
 def test_bad_input_is_one_line_before_any_decoding_or_write(medusa_ckpt, capsys, monkeypatch, tmp_path, script, case):
-    copies = {n: shutil.copytree(medusa_ckpt, tmp_path / n) for n in ("ckpt", "bare", "unmeasured", "never_right")}
-    (copies["bare"] / "prompts.json").unlink()
-    (copies["unmeasured"] / "heads_accuracy.json").unlink()
+    copies = {n: shutil.copytree(medusa_ckpt, tmp_path / n, ignore=shutil.ignore_patterns(*gone)) for n, gone in (
+        ("ckpt", []), ("bare", ["prompts.json"]), ("unmeasured", ["heads_accuracy.json"]), ("never_right", []))}
     save_accuracy(copies["never_right"], torch.zeros(3, 10))  # no head's guess ever right: every tree the root
     table = (copies["ckpt"] / "heads_accuracy.json").read_text()  # what measure would replace
     monkeypatch.setattr(sweep, "compare", lambda *a, **k: pytest.fail("decoded despite bad input"))
