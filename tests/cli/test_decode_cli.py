@@ -219,10 +219,9 @@ def test_verify_judges_each_candidate_by_p_and_the_bar_at_its_parent():
     sampling, out = Sampling(acceptance="typical", temperature=1.0), []
     verify_section(out, ["r", "a", "b", "c"], tree, tokens, logits, None, None, sampling=sampling)
     bar = typical_threshold(logits.softmax(-1), epsilon=sampling.epsilon, delta=sampling.delta).tolist()
-    rows = [line.split() for line in out if line.startswith("[")]
-    assert bar[0] != bar[1] != bar[2] and rows == [  # node [0]'s entropy makes its bar lower than ε, node [1]'s not
+    assert bar[0] != bar[1] != bar[2] and [line.split() for line in out if line.startswith("[")] == [
         ["[1]", "a", "0.100", f"{bar[0]:.3f}"], ["[2]", "b", "0.300", f"{bar[0]:.3f}"],
-        ["[3]", "c", "0.860", f"{bar[1]:.3f}"]]
+        ["[3]", "c", "0.860", f"{bar[1]:.3f}"]]  # node [0]'s entropy makes its bar lower than ε, node [1]'s not
 
 
 def test_a_checkpoint_without_heads_points_to_plain_decoding_only_where_it_can_run(tiny_ckpt, capsys):
