@@ -42,7 +42,7 @@ def test_greedy_rows_are_plain_greedys_the_reference_the_engines_each_on_its_tre
     monkeypatch.setattr(runs_mod.reference, "medusa_generate", lambda *a, **k: calls.append(1) or generate(*a, **k))
     result = compared(capsys, "--ckpt", str(directory), "--reference", "--max-new-tokens", "12")
     rows = {row["key"]: row for row in result["rows"]}
-    for rule, nodes in (([], 6), (["--method", "rejection"], 3)):  # greedy's tree; drawn candidates', the drawn table's
+    for rule, nodes in (([], 6), (["--method", "rejection"], 3)):  # greedy's tree, then the drawn table's
         assert decode.main(["--ckpt", str(directory), "--show", *rule, "--max-new-tokens=1", "--num-prompts=1"]) == 0
         assert f"tree auto: {nodes} nodes + root" in capsys.readouterr().out
     assert [r["key"] for r in result["rows"]] == ROWS + ["reference_greedy", "reference_typical", "reference_rejection"]
@@ -82,9 +82,9 @@ def test_heads_rows_are_named_by_the_heads_kind_and_keyed_as_medusa_decoding(mod
 
 def test_lookup_gains_on_repeats_and_a_row_that_leaves_plain_greedy_is_named_where(ckpt, capsys, monkeypatch):
     def one_token_off(engine, method, prompts, *, real=runs_mod.decode, **kw):  # Medusa greedy's last token on
-        out, changed = real(engine, method, prompts, **kw), len(set(prompts[0])) == 1  # every prompt: changed on
-        return [(t[:-1] + [(t[-1] + 1) % 50] * changed, st) if method.key == "medusa_greedy" else (t, st)  # the
-                for t, st in out]  # repeats, else dropped: a row that stopped a token early parts where it stopped
+        out, changed = real(engine, method, prompts, **kw), len(set(prompts[0])) == 1  # every prompt: changed on the
+        return [(t[:-1] + [(t[-1] + 1) % 50] * changed if method.key == "medusa_greedy" else t, st)  # repeats, else
+                for t, st in out]  # dropped: a row that stopped a token early parts where it stopped
 
     monkeypatch.setattr(runs_mod, "decode", one_token_off)
     result = compared(capsys, "--ckpt", ckpt, "--max-new-tokens", "16", "--prompt=nnnnnnnn", "--prompt=a big dog ran")
