@@ -14,7 +14,6 @@ from medusa_mini.decoding import generate, medusa_generate
 from medusa_mini.heads import HeadsConfig
 from medusa_mini.sampling import Sampling, sampling_probs
 from medusa_mini.train import accuracy
-from medusa_mini.train.accuracy import continuations, load_accuracy, measure_head_accuracy
 from medusa_mini.tree import build_tree
 
 
@@ -24,18 +23,18 @@ def _prompts(n, length=5):
 
 def test_continuations_are_plain_greedy_decoding_at_temperature_zero(model):
     prompts = _prompts(20) + [[3, 1, 4]]  # more than one batch of rows, prompts of two lengths
-    assert continuations(model, prompts, max_new_tokens=12) == [
+    assert accuracy.continuations(model, prompts, max_new_tokens=12) == [
         p + generate(model, p, max_new_tokens=12)[0] for p in prompts]
 
 
 def test_a_guess_is_a_token_of_the_draft_vocabulary():
     """Oracle heads over a draft vocabulary: always right where the true token is in it, never elsewhere."""
     model = tiny_model(3)
-    seqs = continuations(model, _prompts(4), max_new_tokens=30)
+    seqs = accuracy.continuations(model, _prompts(4), max_new_tokens=30)
     written = sorted({t for s in seqs for t in s[5:]})
     for draft in (written, written[::2]):  # every token the heads must guess, then half of them
         heads = OracleHeads(model, seqs, draft_ids=torch.tensor(draft))
-        acc = measure_head_accuracy(model, heads, seqs, prompt_lens=[5] * 4, top_k=1)
+        acc = accuracy.measure_head_accuracy(model, heads, seqs, prompt_lens=[5] * 4, top_k=1)
         inside = [sum(s[t] in draft for s in seqs for t in range(6 + k, len(s))) / sum(len(s) - 6 - k for s in seqs)
                   for k in range(4)]
         assert acc[:, 0].tolist() == pytest.approx(inside) and (draft != written or inside == [1.0] * 4)
@@ -49,8 +48,8 @@ def test_sampled_acceptance_is_the_mean_sum_min_p_q_and_the_drawn_tables_first_t
     prompt alone, or with one new token, gives head 1 no target: it counts nothing."""
     model, T = tiny_model(5), 1.5
     heads = random_heads(model, num_heads=3, seed=5, kind=kind, draft=32)
-    seqs = continuations(model, _prompts(4, length=6), max_new_tokens=20, temperature=T, seed=2)
-    assert seqs != continuations(model, _prompts(4, length=6), max_new_tokens=20)  # sampled, not greedy
+    seqs = accuracy.continuations(model, _prompts(4, length=6), max_new_tokens=20, temperature=T, seed=2)
+    assert seqs != accuracy.continuations(model, _prompts(4, length=6), max_new_tokens=20)  # sampled, not greedy
     seqs += [seqs[0][:6], seqs[1][:7]]
     sums = [[] for _ in range(3)]
     for s in seqs:
@@ -111,7 +110,7 @@ def test_the_drawn_table_predicts_rejection_samplings_tokens_per_step():
     tree) against the tokens per step that rejection sampling of drawn candidates makes on that tree."""
     model, T, prompts = tiny_model(3), 2.0, _prompts(16)
     heads = random_heads(model, num_heads=3, seed=3)
-    seqs = continuations(model, prompts, max_new_tokens=48, temperature=T, seed=1)
+    seqs = accuracy.continuations(model, prompts, max_new_tokens=48, temperature=T, seed=1)
     drawn = accuracy.measure_try_acceptance(model, heads, seqs, prompt_lens=5, temperature=T, ranks=4)
     tree, expected = build_tree(drawn, 6)
     assert {(1,), (0, 0)} <= set(tree.choices)  # a second try at the root is worth more than depth 3
@@ -155,9 +154,9 @@ def test_a_head_that_cannot_see_the_root_is_capped_by_its_marginal_over_the_root
 
 def test_measured_accuracy_counts_each_rank_and_predicts_measured_tokens_per_step():
     model, prompts = tiny_model(2), _prompts(6)
-    seqs = continuations(model, prompts, max_new_tokens=44)  # 40 decoded + room for 4 heads
+    seqs = accuracy.continuations(model, prompts, max_new_tokens=44)  # 40 decoded + room for 4 heads
     heads = OracleHeads(model, seqs, true_rank_probs=(0.55, 0.2, 0.1), seed=2)
-    acc = measure_head_accuracy(model, heads, seqs, prompt_lens=5, top_k=10)
+    acc = accuracy.measure_head_accuracy(model, heads, seqs, prompt_lens=5, top_k=10)
     # 6 sequences x ~40 positions per head: the measured rates sit near the chances of each rank, 0 past them
     assert acc.shape == (4, 10) and acc.dtype == torch.float64 and acc[:, 3:].sum() == 0
     assert torch.allclose(acc[:, :3], torch.tensor([[0.55, 0.2, 0.1]], dtype=torch.float64), atol=0.12)
@@ -169,7 +168,7 @@ def test_measured_accuracy_counts_each_rank_and_predicts_measured_tokens_per_ste
 
 def test_accuracy_survives_a_save_and_load_round_trip_and_prints_cumulative_top1_and_top5(tmp_path):
     accuracy.save_accuracy(tmp_path, VICUNA, meta={"measured_on": "hand-written", "num_prompts": 0})
-    assert torch.allclose(load_accuracy(tmp_path), VICUNA.double(), atol=1e-6)
+    assert torch.allclose(accuracy.load_accuracy(tmp_path), VICUNA.double(), atol=1e-6)
     saved = json.loads((tmp_path / "heads_accuracy.json").read_text())
     assert saved["top_k"] == 10 and saved["num_heads"] == 4 and saved["measured_on"] == "hand-written"
     lines = accuracy.format_accuracy(VICUNA).splitlines()
@@ -184,4 +183,4 @@ def test_a_bad_or_missing_accuracy_file_gives_a_clear_error(tmp_path, content):
     if content is not None:
         (folder / "heads_accuracy.json").write_text(content)
     with pytest.raises(ValueError, match="heads_accuracy.json" if content else f"cli.measure --ckpt '{folder}'$"):
-        load_accuracy(folder)
+        accuracy.load_accuracy(folder)
