@@ -101,31 +101,28 @@ def test_a_save_failing_midway_leaves_the_previous_checkpoint_loadable(tmp_path,
     assert all(torch.equal(a, b) for a, b in zip(outputs(old, old_heads), outputs(model, heads), strict=True))
 
 
-@pytest.mark.parametrize("name, content, match", [  # a dict updates the saved JSON ("delete" removes a key)
-    ("config.json", None, "config.json is missing; save the checkpoint again"), ("config.json", b"[]", "JSON object"),
-    ("config.json", b"{not json", "is not readable JSON"), ("config.json", b"[" * 10**5, "not readable JSON"),
-    ("config.json", {"model_type": "llama"}, "model_type is 'llama'"),
-    ("config.json", {"activation_function": "relu"}, "activation_function='relu'"),
-    ("config.json", {"n_inner": 7}, "n_inner"), ("config.json", {"scale_attn_weights": False}, "scale_attn_weights"),
-    ("config.json", {"scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx"),
-    ("config.json", {"tie_word_embeddings": False}, "tie_word_embeddings"),
-    ("config.json", {"n_layer": None}, "invalid value"),
-    ("config.json", {"n_head": "delete"}, "missing 'n_head'"), ("config.json", {"n_embd": float("inf")}, "invalid"),
-    ("config.json", {"n_head": 0}, "n_head must be an integer > 0, not 0"), ("config.json", {"n_positions": -1}, "-1"),
-    ("model.safetensors", None, "no model.safetensors in"), ("model.safetensors", b"\x00" * 5, "too short"),
-    ("medusa_config.json", {"n_embd": 8}, "n_embd=8"), ("medusa_config.json", {"vocab_size": 60}, "vocab_size=60; the"),
-    ("medusa_config.json", b"[1, 2]", "must be a JSON object"),
-    ("medusa_config.json", {"num_heads": 4}, "lacks tensor 'blocks.3.linear.weight'"),
-    ("medusa_config.json", {"hidden_act": "relu"}, "unexpected keyword argument 'hidden_act'"),
-    ("medusa_config.json", {"own_lm_head": True}, "own lm_head are no longer supported"),
-    ("medusa_config.json", {"kind": "eagle"}, "unknown head kind"),
-    ("medusa_config.json", {"num_heads": "4"}, "num_heads must be an integer"),
-    ("medusa_config.json", {"vocab_size": "delete"}, "has no vocab_size"),
-    ("medusa_config.json", {"num_heads": "delete"}, "has no num_heads"),
-    ("medusa_heads.safetensors", None, "medusa_heads.safetensors is missing"),
-    ("medusa_config.json", None, "medusa_config.json is missing; save the heads again"),  # not "no heads"
-    ("medusa_heads.safetensors", {"vocab_order": torch.zeros(61, dtype=torch.long)}, "vocab_order is not an order"),
-])
+BROKEN = {  # file: [(what is written there, what the error says)]; a dict updates its JSON ("delete" removes a key)
+    "config.json": [
+        (None, "config.json is missing; save the checkpoint again"), (b"{not json", "is not readable JSON"),
+        (b"[]", "JSON object"), (b"[" * 10**5, "not readable JSON"),
+        ({"model_type": "llama"}, "model_type is 'llama'"), ({"n_head": 0}, "n_head must be an integer > 0, not 0"),
+        ({"activation_function": "relu"}, "activation_function='relu'"), ({"n_head": "delete"}, "missing 'n_head'"),
+        ({"n_inner": 7}, "n_inner"), ({"scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx"),
+        ({"scale_attn_weights": False}, "scale_attn_weights"), ({"tie_word_embeddings": False}, "tie_word_embeddings"),
+        ({"n_layer": None}, "invalid value"), ({"n_embd": float("inf")}, "invalid"), ({"n_positions": -1}, "-1")],
+    "model.safetensors": [(None, "no model.safetensors in"), (b"\x00" * 5, "too short")],
+    "medusa_config.json": [
+        (None, "medusa_config.json is missing; save the heads again"), ({"n_embd": 8}, "n_embd=8"),  # not "no heads"
+        ({"vocab_size": 60}, "vocab_size=60; the"), ({"num_heads": 4}, "lacks tensor 'blocks.3.linear.weight'"),
+        (b"[1, 2]", "must be a JSON object"), ({"num_heads": "4"}, "num_heads must be an integer"),
+        ({"hidden_act": "relu"}, "unexpected keyword argument 'hidden_act'"), ({"kind": "eagle"}, "unknown head kind"),
+        ({"own_lm_head": True}, "own lm_head are no longer supported"), ({"num_heads": "delete"}, "has no num_heads"),
+        ({"vocab_size": "delete"}, "has no vocab_size")],
+    "medusa_heads.safetensors": [(None, "medusa_heads.safetensors is missing"),
+                                 ({"vocab_order": torch.zeros(61, dtype=torch.long)}, "vocab_order is not an order")]}
+
+
+@pytest.mark.parametrize("name, content, match", [(name, *case) for name, cases in BROKEN.items() for case in cases])
 def test_a_broken_or_missing_checkpoint_gives_one_line_naming_it(tmp_path, name, content, match):
     save_checkpoint(tmp_path, tiny_gpt(), heads=tiny_heads())
     path = tmp_path / name
