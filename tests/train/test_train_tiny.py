@@ -125,13 +125,11 @@ def test_a_run_writes_a_complete_checkpoint_and_a_measured_summary(reference_run
     assert len(prompts) == 2 and all(p in val_text for p in prompts)  # at most a third of 64 tokens each
     assert all(s in text for s in ("tokenizer", "backbone", "8 continuations", "heads", "summary", "official Medusa-1"))
     assert re.search(r"^heads +step +4/4  heads( [\d.]+){4}  top1( [\d.]+){4}  [\d,]+ tok/s  ETA 0m00s$", text, re.M)
-    # the summary's expected tokens per step are the product rule on the stored accuracies
-    assert (acc := load_accuracy(out)).shape == (4, 10)
-    want = ", ".join(f"{b} nodes {build_tree(acc, b)[1]:.2f}" for b in (4, 8, 16, 32, 64))
-    assert f"{want}; cpu preset {expected_tokens_per_step(acc, preset('cpu')):.2f}" in text
-    drawn = load_accuracy(out, drawn=True)  # and rejection sampling's, from the drawn candidates' own table
-    assert drawn.shape == (4, 10) and not drawn.equal(acc)
-    assert ", ".join(f"{b} nodes {build_tree(drawn, b)[1]:.2f}" for b in (4, 8, 16, 32, 64)) in text
+    # the summary's expected tokens per step are the product rule on the stored accuracies, and rejection sampling's
+    acc, drawn = load_accuracy(out), load_accuracy(out, drawn=True)  # on the drawn candidates' own table
+    assert acc.shape == drawn.shape == (4, 10) and not drawn.equal(acc)
+    nodes = [", ".join(f"{b} nodes {build_tree(t, b)[1]:.2f}" for b in (4, 8, 16, 32, 64)) for t in (acc, drawn)]
+    assert f"{nodes[0]}; cpu preset {expected_tokens_per_step(acc, preset('cpu')):.2f}" in text and nodes[1] in text
     model, heads, cfg = load_checkpoint(out)
     assert heads.num_heads == 4 and cfg["medusa_mini"]["eot_id"] == model.config.vocab_size - 1
     assert cfg["medusa_mini"]["head_top1_own"] == pytest.approx(acc[:, 0].tolist(), abs=1e-4)  # the table's top-1
@@ -218,9 +216,8 @@ def test_joint_training_ramps_the_heads_weight_moves_their_positions_and_runs_th
     monkeypatch.setattr(run_mod, "_train", lambda r, module, lrs, **k: got.update(lrs=lrs, **k))
     run_mod.backbone_stage(r, None, [], state=None)
     assert [lr for _, lr in got["lrs"]] == pytest.approx([1e-3, 4e-3])
-    kwargs = [got["loss_kwargs"](s) for s in range(4)]
-    assert [(k["heads_weight"], k["heads_offset"]) for k in kwargs] == pytest.approx([(0.2 / 3, 0), (0.4 / 3, 1),
-                                                                                     (0.2, 2), (0.2, 3)])
+    assert [(k["heads_weight"], k["heads_offset"]) for k in map(got["loss_kwargs"], range(4))] == pytest.approx(
+        [(0.2 / 3, 0), (0.4 / 3, 1), (0.2, 2), (0.2, 3)])
 
 
 def test_bfloat16_reaches_float32s_validation_loss_measured_every_eval_every_steps(tmp_path, reference_run, capsys):
@@ -317,10 +314,7 @@ def test_help_lists_every_flag_and_bad_flags_or_data_are_one_line_naming_it_with
     cpu = "can't allocate memory: you tried to allocate 98 bytes"  # a CPU allocator's first words: a RuntimeError
     for error, said in ((RuntimeError(f"[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: {cpu}. "
                                       "Error code 12"), cpu), (BrokenPipeError(), None)):  # CUDA's: test_compare
-        def run(args, error=error):  # as it fails once --out is made
-            os.makedirs(args.out)
-            raise error
-        monkeypatch.setattr(train_tiny, "run", run)
+        monkeypatch.setattr(train_tiny, "run", lambda args: os.makedirs(args.out) or (_ for _ in ()).throw(error))
         with pytest.raises(BrokenPipeError) if said is None else contextlib.nullcontext():  # exit_with's: status 1
             assert train_tiny.main([*FAST, "--out", "x"]) == 2
         assert not (tmp_path / "x").exists() and capsys.readouterr().err == ("" if said is None else f"train_tiny.py: "
