@@ -31,13 +31,10 @@ def reference_weights(seed: int = 0) -> dict[str, np.ndarray]:
     shapes = {"wte.weight": (V, C), "wpe.weight": (P, C), "ln_f.weight": (C,), "ln_f.bias": (C,)}
     layer = {"ln_1": (C, C), "attn.c_attn": (C, 3 * C), "attn.c_proj": (C, C), "ln_2": (C, C),
              "mlp.c_fc": (C, 4 * C), "mlp.c_proj": (4 * C, C)}  # (in, out); a LayerNorm's weight is [C]
-    for i in range(L):
-        for name, (n_in, n_out) in layer.items():
-            shapes[f"h.{i}.{name}.weight"] = (n_out,) if "ln" in name else (n_in, n_out)
-            shapes[f"h.{i}.{name}.bias"] = (n_out,)
-    w = {k: rng.normal(0.0, 0.3, s) for k, s in shapes.items()}
-    w |= {k: 1.0 + 0.1 * v for k, v in w.items() if "ln_" in k and k.endswith("weight")}
-    return {k: v.astype(np.float32) for k, v in w.items()}
+    shapes |= {f"h.{i}.{name}.{kind}": (n_in, n_out) if kind == "weight" and "ln" not in name else (n_out,)
+               for i in range(L) for name, (n_in, n_out) in layer.items() for kind in ("weight", "bias")}
+    w = {k: rng.normal(0.0, 0.3, s) for k, s in shapes.items()}  # then LayerNorm gains near 1
+    return {k: (1.0 + 0.1 * v if "ln_" in k and k.endswith("weight") else v).astype(np.float32) for k, v in w.items()}
 
 
 def reference_logits(w: dict[str, np.ndarray], ids: list[int]) -> np.ndarray:
@@ -73,11 +70,9 @@ def as_tensors(w: dict[str, np.ndarray], *, prefix: str = "transformer.") -> dic
 
 def hub_style(w: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
     """The hub's original file: no "transformer." prefix, causal-mask buffers, an (equal) lm_head."""
-    tensors = as_tensors(w, prefix="")
-    for i in range(L):
-        tensors[f"h.{i}.attn.bias"] = torch.tril(torch.ones(1, 1, P, P))
-        tensors[f"h.{i}.attn.masked_bias"] = torch.tensor(-1e4)
-    return tensors | {"lm_head.weight": tensors["wte.weight"].clone()}
+    tensors = as_tensors(w, prefix="") | {"lm_head.weight": torch.from_numpy(w["wte.weight"].copy())}
+    return tensors | {f"h.{i}.attn.{name}": torch.tril(torch.ones(1, 1, P, P)) if name == "bias" else torch.tensor(-1e4)
+                      for i in range(L) for name in ("bias", "masked_bias")}
 
 
 def write_dir(directory, tensors: dict[str, torch.Tensor], *, weights: str = "model.safetensors"):
