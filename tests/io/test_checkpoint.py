@@ -78,7 +78,6 @@ def test_heads_saved_before_draft_vocabularies_load_over_the_whole_vocabulary(tm
 def test_a_save_failing_midway_leaves_the_previous_checkpoint_loadable(tmp_path, monkeypatch, failing):
     old, old_heads, new_heads = tiny_gpt(seed=0), tiny_heads(draft=20), None if "," in failing else tiny_heads(seed=9)
     save_checkpoint(tmp_path, old, heads=old_heads, extra={"version": 1})
-
     renamed = []
 
     def replace(src, dst, real=os.replace):
@@ -148,8 +147,7 @@ def test_transformers_loads_a_saved_checkpoint_with_equal_logits(tmp_path):
 def test_saving_heads_again_can_keep_the_backbone_file_untouched_and_saving_none_removes_them(tmp_path):
     model, heads = tiny_gpt(), tiny_heads()
     save_checkpoint(tmp_path, model, heads=heads)
-    weights = tmp_path / "model.safetensors"
-    before = (weights.stat().st_mtime_ns, weights.read_bytes())
+    before = ((weights := tmp_path / "model.safetensors").stat().st_mtime_ns, weights.read_bytes())
     torch.nn.init.constant_(heads.blocks[0].linear.bias, 0.5)
     save_checkpoint(tmp_path, model, heads=heads, write_model=False)
     assert (weights.stat().st_mtime_ns, weights.read_bytes()) == before

@@ -39,10 +39,7 @@ def reference_bpe(text: str, n_ranks: int) -> dict[bytes, int]:
             break
         tokens = list(ranks)
         new = chr(ranks.setdefault(tokens[ord(pair[0])] + tokens[ord(pair[1])], len(ranks)))
-        merged: Counter = Counter()
-        for word, n in words.items():
-            merged[word.replace(pair, new)] += n
-        words = merged
+        words = Counter({word.replace(pair, new): n for word, n in words.items()})  # their bytes kept: still distinct
     return ranks
 
 

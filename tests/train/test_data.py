@@ -96,8 +96,7 @@ def test_split_keeps_documents_whole_in_order_by_the_seed_and_cuts_a_single_one_
     train, val = split_documents(few, val_fraction=0.05)
     assert train == few[:2] + [("f#2", "line\n" * 85)] and val == [("f#2", "line\n" * 15)]
     for docs in ([("a", "1\n"), ("b", "2\n")], [("one", "1\n2\n")], [("flat", "12")]):  # at least one on each side
-        for val_fraction in (0.001, 0.5, 0.999):
-            train, val = split_documents(docs, val_fraction=val_fraction)
+        for train, val in (split_documents(docs, val_fraction=f) for f in (0.001, 0.5, 0.999)):
             assert len(train) == len(val) == 1 and train[0][1] and val[0][1]
 
 
