@@ -81,9 +81,8 @@ def interrupted(argv: list[str], *, during: int, presses: int = 1, owner=MedusaL
     real, calls = getattr(owner, name), iter(range(1, 10**6))
 
     def call(*args, **kwargs):
-        if next(calls) == during:
-            for _ in range(presses):
-                os.kill(os.getpid(), signal.SIGINT)
+        for _ in range(presses if next(calls) == during else 0):
+            os.kill(os.getpid(), signal.SIGINT)
         return real(*args, **kwargs)
 
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # a shell's background job ignores SIGINT
@@ -151,9 +150,8 @@ def test_after_ctrl_c_a_resumed_run_ends_as_an_uninterrupted_one(tmp_path, durin
     """Validation during the run (--eval-every) draws its batches from a generator of their own. Pressed twice in
     step 4, the run stops at once: it resumes from the save --save-every made after step 2."""
     out = tmp_path / "out"
-    where = dict(during=1, owner=run_mod, name=during) if isinstance(during, str) else dict(during=during)
-    interrupted(FAST + ["--out", str(out), "--eval-every", "2", "--save-every", "2"], **where,
-                presses=1 + (during == 4))
+    at = dict(during=1, owner=run_mod, name=during) if isinstance(during, str) else dict(during=during)
+    interrupted(FAST + ["--out", str(out), "--eval-every", "2", "--save-every", "2"], **at, presses=1 + (during == 4))
     assert load_checkpoint(out)[1] and not (out / "heads_accuracy.json").exists()  # usable, no table of other heads
     groups = ((state := torch.load(out / "train_state.pt", weights_only=True))["optim"] or {}).get("param_groups", [])
     assert [g["weight_decay"] for g in groups] == [0.1, 0.0] * (len(groups) // 2)  # AdamW: gains and biases exempt
@@ -199,8 +197,7 @@ def test_medusa_1_trains_the_backbone_alone_as_a_joint_run_without_a_heads_loss(
     joint = [[" heads " in line for line in text.splitlines() if line.startswith("backbone  step")] for text in printed]
     assert same_weights(*runs) and not same_weights(runs[0], reference_run[0], backbone_only=True)
     assert joint == [[False] * 4, [True] * 2] and printed[0].count("65 continuations x 12 tokens at T=0,0.8") == 2
-    assert temperatures == [0.0, 0.8] * 2  # the chunks' temperatures in turn: greedy text, then sampled
-    assert set(norms) == {1.0}  # every step's gradient clipped to norm 1
+    assert temperatures == [0.0, 0.8] * 2 and set(norms) == {1.0}  # chunks greedy, then sampled; gradients clipped to 1
     _, heads, cfg = load_checkpoint(runs[0])  # coverage: the share of greedy tokens among the m most frequent
     ranks = heads.vocab_order.argsort()[torch.tensor([s[16:] for s in greedy[0]])]  # prompts: 64 // 4 tokens
     assert cfg["medusa_mini"]["draft_vocab_coverage"] == {str(m): round((ranks < m).double().mean().item(), 4)
@@ -285,11 +282,10 @@ def test_help_lists_every_flag_and_bad_flags_or_data_are_one_line_naming_it_with
     text = capsys.readouterr().out
     assert exit.value.code == 0 and all(f"--{name.replace('_', '-')} " in text for name in TrainArgs.hyper_parameters())
     assert all(flag in text for flag in ("--preset", "--data", "--resume", "--init", "--dtype", "gpt2-cpu"))
-    outs = [["--preset", "cpu"], ["--preset", "gpu"], ["--preset", "smoke"], ["--preset", "gpt2-cpu", "--init", "gpt2"],
-            ["--out", "mine"], ["--vocab-size", "257", "--head-decay", "1", "--heads-stride", "256", "--eval-prompts",
-                                "1000"]]  # limits
-    assert [train_tiny.parse_args(a).out for a in outs] == ["out/tiny", "out/tiny", "out/smoke", "out/gpt2-cpu", "mine",
-                                                            "out/tiny"]
+    outs = {"--preset cpu": "out/tiny", "--preset gpu": "out/tiny", "--preset smoke": "out/smoke", "--out mine": "mine",
+            "--preset gpt2-cpu --init gpt2": "out/gpt2-cpu",
+            "--vocab-size 257 --head-decay 1 --heads-stride 256 --eval-prompts 1000": "out/tiny"}  # limits
+    assert {a: train_tiny.parse_args(a.split()).out for a in outs} == outs
     cpu = train_tiny.parse_args(["--preset", "cpu"])  # README: a 4-layer GPT, five heads, a draft vocabulary of 512
     assert (cpu.n_layer, cpu.num_heads, cpu.draft_vocab) == (4, 5, 512)
     assert ((a := train_tiny.parse_args(["--init", "gpt2"])).medusa, a.backbone_steps) == (1, 0)  # kept frozen
@@ -364,9 +360,7 @@ def test_under_torchrun_rank_0_downloads_gpt2_alone_and_every_rank_trains_on_it(
 
     class SlowHub(http.server.SimpleHTTPRequestHandler):  # answers late: both ranks would be mid-download
         def do_GET(self):
-            asked.append(self.path)
-            time.sleep(1.0)
-            super().do_GET()
+            asked.append(self.path) or time.sleep(1.0) or super().do_GET()
 
     with http.server.ThreadingHTTPServer(("127.0.0.1", 0),
                                          functools.partial(SlowHub, directory=str(tmp_path / "hub"))) as hub:
@@ -411,10 +405,9 @@ def test_init_trains_heads_of_another_kind_on_a_frozen_checkpoint_over_its_own_t
     assert set(heads.draft_ids.tolist()) == set(frequency_order(texts, 300)[:64].tolist())
     assert (ref / "tokenizer.tiktoken").read_bytes() == (base / "tokenizer.tiktoken").read_bytes()
     interrupted(args + ["--out", str(out)], during=3)
-    assert train_tiny.main(args + ["--out", str(out), "--resume", "--init", str(ref)]) == 2  # another backbone
-    assert "the run began with init " in capsys.readouterr().err
-    assert train_tiny.main(args + ["--out", str(out), "--resume", "--heads-lr", "2e-3"]) == 2  # a begun stage's too
-    assert "heads_lr 0.001, not 0.002" in capsys.readouterr().err
+    for extra, error in ((["--init", str(ref)], "the run began with init "),  # another backbone
+                         (["--heads-lr", "2e-3"], "heads_lr 0.001, not 0.002")):  # a begun stage's settings too
+        assert train_tiny.main(args + ["--out", str(out), "--resume", *extra]) == 2 and error in capsys.readouterr().err
     assert train_tiny.main(args + ["--out", str(out), "--resume", "--init", f"{base}/"]) == 0 and same_weights(ref, out)
     assert train_tiny.main(args + ["--out", "x", "--block-size", "256", "--distill-prompt-len", "64"]) == 2  # base: 64
     assert "holds 64 tokens of context" in capsys.readouterr().err and not (tmp_path / "x").exists()
@@ -447,11 +440,9 @@ def test_float16_loss_scaling_skips_overflows_and_resumes_exactly(tmp_path, monk
                                                                    growth_interval=1))
     monkeypatch.setattr(run_mod, "summarize", lambda *args, **kwargs: ({}, lambda: None))  # left out: most of a run
     args, ref = FAST + ["--dtype", "float16", "--heads-steps", "8"], tmp_path / "ref"
-    assert train_tiny.main(args + ["--out", str(ref)]) == 0
-    assert all(torch.isfinite(v).all() for v in weights(ref).values())
+    assert train_tiny.main(args + ["--out", str(ref)]) == 0 and all(v.isfinite().all() for v in weights(ref).values())
     for during in (3, 9):  # backbone step 3, heads step 3
-        out = tmp_path / str(during)
-        interrupted(args + ["--out", str(out)], during=during)
+        interrupted(args + ["--out", str(out := tmp_path / str(during))], during=during)
         saved = torch.load(out / "train_state.pt", weights_only=True)["scaler"]  # {} from a disabled scaler
         assert saved["scale"] != 2.0**17 and saved["growth_interval"] == 1  # the scaler's own state, saved
         assert train_tiny.main(args + ["--out", str(out), "--resume"]) == 0 and same_weights(ref, out), during
