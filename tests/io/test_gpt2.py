@@ -23,6 +23,7 @@ V, P, C, L, H = 50, 24, 32, 2, 4  # vocab, positions, width, layers, heads of th
 IDS = [7, 3, 41, 0, 12, 12, 5, 49, 20]
 HF_CONFIG = {"model_type": "gpt2", "vocab_size": V, "n_positions": P, "n_ctx": P, "n_embd": C, "n_layer": L,
              "n_head": H, "activation_function": "gelu_new", "n_inner": 4 * C}  # epsilon: GPT-2's 1e-5 by default
+DATA = bytes(range(256)) * 4000  # what the hub serves: ~1 MB, more than one read chunk
 
 
 def reference_weights(seed: int = 0) -> dict[str, np.ndarray]:
@@ -111,16 +112,15 @@ def test_each_gpt2_has_its_published_size_and_without_a_config_json_is_told_by_i
 
 def edited(change: dict):
     """Writes folder m holding the reference weights after `change` (a tensor None is left out)."""
-    tensors = as_tensors(reference_weights()) | change
-    return lambda d: write_dir(d / "m", {k: v for k, v in tensors.items() if v is not None})
+    return lambda d: write_dir(d / "m", {k: v for k, v in (REFERENCE | change).items() if v is not None})
 
 
+REFERENCE = as_tensors(reference_weights())  # under transformers' key names
 BAD_SOURCES = {  # name: (what to write into the folder, the source to load, what the error says)
     "unknown name": (lambda d: None, "gpt3", "gpt2-medium"),
-    "pickle, never unpickled": (lambda d: torch.save(as_tensors(reference_weights()), d / "t.bin"), "t.bin",
-                                "safetensors only.*convert"),
+    "pickle, never unpickled": (lambda d: torch.save(REFERENCE, d / "t.bin"), "t.bin", "safetensors only.*convert"),
     "unknown shape, no config.json": (lambda d: atomic_write(d / "t.safetensors", lambda f: write_safetensors(
-        f, as_tensors(reference_weights()))), "t.safetensors", "cannot tell n_head"),
+        f, REFERENCE)), "t.safetensors", "cannot tell n_head"),
     "folder with a .bin only": (lambda d: write_dir(d / "m", {}, weights="pytorch_model.bin"), "m",
                                 "no model.safetensors in m: .*convert a pytorch_model.bin: save_file"),
     "sharded": (lambda d: write_dir(d / "m", {}, weights="model.safetensors.index.json"), "m", "save them unsharded"),
@@ -156,11 +156,10 @@ class HubHandler(http.server.BaseHTTPRequestHandler):
             return self.send_error(fault if isinstance(fault, int) else 404)
         data, m = hub.files[self.path], re.fullmatch(r"bytes=(\d+)-", self.headers.get("Range") or "")
         start = int(m.group(1)) + (fault == "shifted") if m and fault != "no-range" else 0
-        self.send_response(200 if not start else 206 if start < len(data) else 416)
+        body, n = data[start:], len(data)
+        self.send_response(200 if not start else 206 if start < n else 416)
         if start:
-            self.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}" if start < len(data)
-                             else f"bytes */{len(data)}")
-        body = data[start:]
+            self.send_header("Content-Range", f"bytes {start}-{n - 1}/{n}" if start < n else f"bytes */{n}")
         if fault != "no-length":
             self.send_header("Content-Length", str(len(body)))
         self.end_headers()
@@ -177,9 +176,6 @@ def hub(monkeypatch):
         threading.Thread(target=hub.serve_forever, args=(0.05,), daemon=True).start()
         yield hub
         hub.shutdown()
-
-
-DATA = bytes(range(256)) * 4000  # ~1 MB, more than one read chunk
 
 
 @pytest.mark.parametrize("part, faults, ranges", [
@@ -204,9 +200,8 @@ def test_a_download_shows_progress_and_resumes_a_broken_connection_or_a_part_fil
 
 
 def test_a_downloaded_file_that_is_no_gpt2_file_is_not_kept(hub, tmp_path, monkeypatch):
-    monkeypatch.setenv("HOME", str(tmp_path))
-    monkeypatch.setenv("MEDUSA_MINI_CACHE", "~/cache")  # as a quoted value or a Docker ENV line leaves it
-    monkeypatch.setenv("MEDUSA_MINI_HUB_URL", hub.url)
+    for name, value in (("HOME", str(tmp_path)), ("MEDUSA_MINI_CACHE", "~/cache"), ("MEDUSA_MINI_HUB_URL", hub.url)):
+        monkeypatch.setenv(name, value)  # ~/cache: as a quoted value or a Docker ENV line leaves it
     hub.files["/gpt2/resolve/main/config.json"] = b"<html>Sign in to continue</html>"  # a proxy's: the next run retries
     pytest.raises(ValueError, gpt2.download_gpt2, "gpt2").match(r"not readable JSON.*downloaded from .*then deleted")
     assert os.listdir(tmp_path / "cache" / "gpt2") == []
