@@ -58,9 +58,8 @@ def test_sampled_acceptance_is_the_mean_sum_min_p_q_and_the_drawn_tables_first_t
         for t in range(5, len(s) - 1):
             q, following = torch.zeros(3, 64), torch.tensor(s[t + 1 : t + 4] + [0] * 3)[:3]
             q[:, heads.draft_ids] = torch.softmax(heads(hidden[0, t], model, following=following) / T, dim=-1)
-            for k in range(1, 4):
-                if t + k < len(s) - 1:
-                    sums[k - 1].append(torch.minimum(p[t + k], q[k - 1]).sum().item())
+            for k in range(1, min(4, len(s) - 1 - t)):  # the heads whose target is in s
+                sums[k - 1].append(torch.minimum(p[t + k], q[k - 1]).sum().item())
     exact = accuracy.measure_sampled_acceptance(model, heads, seqs, prompt_lens=6, temperature=T)
     assert exact.tolist() == pytest.approx([sum(v) / len(v) for v in sums], abs=1e-6)
     assert 0.1 < exact.min() and exact.max() < 0.95  # neither all nor nothing: a real test of the sum

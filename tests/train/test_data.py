@@ -38,8 +38,7 @@ def test_default_corpus_is_offline_sorted_capped_named_by_relative_path_without_
 
 
 def test_a_single_file_becomes_documents_cut_on_line_boundaries(tmp_path):
-    text = lines_text(8000)  # a little over 250 KB
-    (tmp_path / "corpus.txt").write_text(text, encoding="utf-8")
+    (tmp_path / "corpus.txt").write_text(text := lines_text(8000), encoding="utf-8")  # a little over 250 KB
     docs = load_corpus(tmp_path / "corpus.txt")
     assert len(docs) >= 4 and "".join(t for _, t in docs) == text
     assert [name for name, _ in docs] == [f"corpus.txt#{i}" for i in range(len(docs))]
@@ -89,9 +88,8 @@ def test_split_keeps_documents_whole_in_order_by_the_seed_and_cuts_a_single_one_
     text = lines_text(1000)
     (_, head), (_, tail) = (side[0] for side in split_documents([("one", text)], val_fraction=0.1))
     assert head + tail == text and head.endswith("\n") and 0.85 < len(head) / len(text) < 0.95
-    # without any line end the cut falls between characters
-    assert split_documents([("flat", "abcdefghij")], val_fraction=0.2) == ([("flat", "abcdefgh")], [("flat", "ij")])
-    assert split_documents([("one", "abcdef\ng")], val_fraction=0.5) == ([("one", "abcdef\n")], [("one", "g")])
+    for name, s, f, cut in (("flat", "abcdefghij", 0.2, 8), ("one", "abcdef\ng", 0.5, 7)):  # flat: between characters
+        assert split_documents([(name, s)], val_fraction=f) == ([(name, s[:cut])], [(name, s[cut:])])
     few = [(f"f#{i}", "line\n" * 100) for i in range(3)]  # 3 documents: one held out whole would be a third, not 5%
     train, val = split_documents(few, val_fraction=0.05)
     assert train == few[:2] + [("f#2", "line\n" * 85)] and val == [("f#2", "line\n" * 15)]
