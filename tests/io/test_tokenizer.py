@@ -105,9 +105,8 @@ def test_a_saved_tokenizer_is_in_tiktokens_format_and_loads_back_identical(tmp_p
     # one of tiktoken's own encodings is saved whole too: loading it fetches nothing (an older save names it)
     gpt2 = types.SimpleNamespace(name="gpt2")  # tiktoken's real one would be fetched from the network
     monkeypatch.setattr(tiktoken, "get_encoding", lambda name: {"gpt2": gpt2}[name])
-    ranks = {small_encoding.decode_single_token_bytes(i): i for i in range(349)}
-    named = tiktoken.Encoding("gpt2", pat_str=f"(?:{GPT2_SPLIT_PATTERN})", mergeable_ranks=ranks,
-                              special_tokens={"<|endoftext|>": 349})
+    named = tiktoken.Encoding("gpt2", pat_str=f"(?:{GPT2_SPLIT_PATTERN})", special_tokens={"<|endoftext|>": 349},
+                              mergeable_ranks={small_encoding.decode_single_token_bytes(i): i for i in range(349)})
     assert (ref := load_tokenizer(save_tokenizer(named, tmp_path / "ref"))).encode(text) == small_encoding.encode(text)
     assert ref._pat_str == named._pat_str  # its own pattern saved: tiktoken's gpt2 is not GPT2_SPLIT_PATTERN
     (tmp_path / "ref" / "tokenizer_config.json").write_text(json.dumps({"type": "tiktoken", "name": "gpt2"}))
