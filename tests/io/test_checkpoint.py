@@ -61,8 +61,7 @@ def test_save_then_load_gives_identical_logits_over_the_same_draft_vocabulary(tm
 
 def test_heads_saved_before_draft_vocabularies_load_over_the_whole_vocabulary(tmp_path):
     """The earlier format (no vocab_order; own_lm_head false) still loads, with identical logits."""
-    model, heads = tiny_gpt(), tiny_heads()
-    save_checkpoint(tmp_path, model, heads=heads)
+    save_checkpoint(tmp_path, model := tiny_gpt(), heads=(heads := tiny_heads()))
     fields = json.loads((tmp_path / "medusa_config.json").read_text())
     del fields["draft_vocab_size"]
     (tmp_path / "medusa_config.json").write_text(json.dumps({**fields, "own_lm_head": False}))
@@ -145,8 +144,7 @@ def test_transformers_loads_a_saved_checkpoint_with_equal_logits(tmp_path):
 
 
 def test_saving_heads_again_can_keep_the_backbone_file_untouched_and_saving_none_removes_them(tmp_path):
-    model, heads = tiny_gpt(), tiny_heads()
-    save_checkpoint(tmp_path, model, heads=heads)
+    save_checkpoint(tmp_path, model := tiny_gpt(), heads=(heads := tiny_heads()))
     before = ((weights := tmp_path / "model.safetensors").stat().st_mtime_ns, weights.read_bytes())
     torch.nn.init.constant_(heads.blocks[0].linear.bias, 0.5)
     save_checkpoint(tmp_path, model, heads=heads, write_model=False)

@@ -29,8 +29,7 @@ def test_continuations_are_plain_greedy_decoding_at_temperature_zero(model):
 
 def test_a_guess_is_a_token_of_the_draft_vocabulary():
     """Oracle heads over a draft vocabulary: always right where the true token is in it, never elsewhere."""
-    model = tiny_model(3)
-    seqs = accuracy.continuations(model, _prompts(4), max_new_tokens=30)
+    seqs = accuracy.continuations(model := tiny_model(3), _prompts(4), max_new_tokens=30)
     written = sorted({t for s in seqs for t in s[5:]})
     for draft in (written, written[::2]):  # every token the heads must guess, then half of them
         heads = OracleHeads(model, seqs, draft_ids=torch.tensor(draft))

@@ -28,8 +28,7 @@ def test_default_corpus_is_offline_sorted_capped_named_by_relative_path_without_
         relative = [f.relative_to(STDLIB).as_posix() for f in files]
         assert relative == sorted(relative) and all(f.suffix == ".py" for f in files)
         assert 0.9 * cap < sum(f.stat().st_size for f in files) <= cap
-    docs = load_corpus(max_bytes=300_000)
-    assert docs[0][0] == relative[0] and all(text for _, text in docs)
+    assert (docs := load_corpus(max_bytes=300_000))[0][0] == relative[0] and all(text for _, text in docs)
     assert "".join(t for _, t in docs) == "".join(f.read_bytes().decode("utf-8") for f in files)
     skipped = {"site-packages", "dist-packages", "test", "tests", "idlelib"}
     folders = [set(f.relative_to(STDLIB).parts[:-1]) for f in default_corpus_files(max_bytes=3_000_000)]
@@ -39,8 +38,7 @@ def test_default_corpus_is_offline_sorted_capped_named_by_relative_path_without_
 
 def test_a_single_file_becomes_documents_cut_on_line_boundaries(tmp_path):
     (tmp_path / "corpus.txt").write_text(text := lines_text(8000), encoding="utf-8")  # a little over 250 KB
-    docs = load_corpus(tmp_path / "corpus.txt")
-    assert len(docs) >= 4 and "".join(t for _, t in docs) == text
+    assert len(docs := load_corpus(tmp_path / "corpus.txt")) >= 4 and "".join(t for _, t in docs) == text
     assert [name for name, _ in docs] == [f"corpus.txt#{i}" for i in range(len(docs))]
     assert all(t.endswith("\n") and len(t) <= 64 * 1024 for _, t in docs)
     long_line = "y" * 70_000 + "\n"  # a line longer than a document stays whole, and no document is empty

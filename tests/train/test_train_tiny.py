@@ -228,8 +228,7 @@ def test_bfloat16_reaches_float32s_validation_loss_measured_every_eval_every_ste
 
 def test_resume_refuses_other_settings_or_text_and_a_run_never_learns_its_own_output(tmp_path, capsys):
     (data := tmp_path / "data").mkdir()
-    text = "".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n\n" for i in range(2000))
-    (data / "a.py").write_text(text)
+    (data / "a.py").write_text(text := "".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n\n" for i in range(2000)))
     out = data / "out"  # inside --data: the files the run writes there are not text to learn from
     args = FAST + ["--data", str(data), "--out", str(out), "--seed", str(2**63 - 1)]  # the largest: seed * 7919 wraps
     interrupted(args, during=2)
