@@ -18,6 +18,25 @@ from medusa_mini.model import GPT, GPTConfig
 
 CHECKPOINT_FILES, HEADS_FILES = {"config.json", "model.safetensors"}, {"medusa_heads.safetensors", "medusa_config.json"}
 IDS = torch.tensor([[3, 14, 15, 9, 26, 5, 35, 8]])  # [B, T]
+BROKEN = {  # file: [(what is written there, what the error says)]; a dict updates its JSON ("delete" removes a key)
+    "config.json": [
+        (None, "config.json is missing; save the checkpoint again"), (b"{not json", "is not readable JSON"),
+        (b"[]", "JSON object"), (b"[" * 10**5, "not readable JSON"),
+        ({"model_type": "llama"}, "model_type is 'llama'"), ({"n_head": 0}, "n_head must be an integer > 0, not 0"),
+        ({"activation_function": "relu"}, "activation_function='relu'"), ({"n_head": "delete"}, "missing 'n_head'"),
+        ({"n_inner": 7}, "n_inner"), ({"scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx"),
+        ({"scale_attn_weights": False}, "scale_attn_weights"), ({"tie_word_embeddings": False}, "tie_word_embeddings"),
+        ({"n_layer": None}, "invalid value"), ({"n_embd": float("inf")}, "invalid"), ({"n_positions": -1}, "-1")],
+    "model.safetensors": [(None, "no model.safetensors in"), (b"\x00" * 5, "too short")],
+    "medusa_config.json": [
+        (None, "medusa_config.json is missing; save the heads again"), ({"n_embd": 8}, "n_embd=8"),  # not "no heads"
+        ({"vocab_size": 60}, "vocab_size=60; the"), ({"num_heads": 4}, "lacks tensor 'blocks.3.linear.weight'"),
+        (b"[1, 2]", "must be a JSON object"), ({"num_heads": "4"}, "num_heads must be an integer"),
+        ({"hidden_act": "relu"}, "unexpected keyword argument 'hidden_act'"), ({"kind": "eagle"}, "unknown head kind"),
+        ({"own_lm_head": True}, "own lm_head are no longer supported"), ({"num_heads": "delete"}, "has no num_heads"),
+        ({"vocab_size": "delete"}, "has no vocab_size")],
+    "medusa_heads.safetensors": [(None, "medusa_heads.safetensors is missing"),
+                                 ({"vocab_order": torch.zeros(61, dtype=torch.long)}, "vocab_order is not an order")]}
 
 
 def randomized(module, seed: int):
@@ -97,27 +116,6 @@ def test_a_save_failing_midway_leaves_the_previous_checkpoint_loadable(tmp_path,
     model, heads, config = load_checkpoint(tmp_path)
     assert config["medusa_mini"] == {"version": 1} and {p.stat().st_mode & 0o777 for p in tmp_path.iterdir()} == {0o644}
     assert all(torch.equal(a, b) for a, b in zip(outputs(old, old_heads), outputs(model, heads), strict=True))
-
-
-BROKEN = {  # file: [(what is written there, what the error says)]; a dict updates its JSON ("delete" removes a key)
-    "config.json": [
-        (None, "config.json is missing; save the checkpoint again"), (b"{not json", "is not readable JSON"),
-        (b"[]", "JSON object"), (b"[" * 10**5, "not readable JSON"),
-        ({"model_type": "llama"}, "model_type is 'llama'"), ({"n_head": 0}, "n_head must be an integer > 0, not 0"),
-        ({"activation_function": "relu"}, "activation_function='relu'"), ({"n_head": "delete"}, "missing 'n_head'"),
-        ({"n_inner": 7}, "n_inner"), ({"scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx"),
-        ({"scale_attn_weights": False}, "scale_attn_weights"), ({"tie_word_embeddings": False}, "tie_word_embeddings"),
-        ({"n_layer": None}, "invalid value"), ({"n_embd": float("inf")}, "invalid"), ({"n_positions": -1}, "-1")],
-    "model.safetensors": [(None, "no model.safetensors in"), (b"\x00" * 5, "too short")],
-    "medusa_config.json": [
-        (None, "medusa_config.json is missing; save the heads again"), ({"n_embd": 8}, "n_embd=8"),  # not "no heads"
-        ({"vocab_size": 60}, "vocab_size=60; the"), ({"num_heads": 4}, "lacks tensor 'blocks.3.linear.weight'"),
-        (b"[1, 2]", "must be a JSON object"), ({"num_heads": "4"}, "num_heads must be an integer"),
-        ({"hidden_act": "relu"}, "unexpected keyword argument 'hidden_act'"), ({"kind": "eagle"}, "unknown head kind"),
-        ({"own_lm_head": True}, "own lm_head are no longer supported"), ({"num_heads": "delete"}, "has no num_heads"),
-        ({"vocab_size": "delete"}, "has no vocab_size")],
-    "medusa_heads.safetensors": [(None, "medusa_heads.safetensors is missing"),
-                                 ({"vocab_order": torch.zeros(61, dtype=torch.long)}, "vocab_order is not an order")]}
 
 
 @pytest.mark.parametrize("name, content, match", [(name, *case) for name, cases in BROKEN.items() for case in cases])

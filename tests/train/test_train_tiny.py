@@ -38,6 +38,17 @@ from medusa_mini.tree import build_tree, expected_tokens_per_step, preset
 FAST = ["--preset", "smoke", "--max-bytes", "60000", "--vocab-size", "300", "--backbone-steps", "6",
         "--heads-steps", "4", "--distill-prompts", "8", "--distill-tokens", "12", "--eval-prompts", "2",
         "--batch-size", "4", "--block-size", "64", "--n-embd", "32", "--log-every", "1000"]
+BAD_INPUT = [["--dtype", "float16", "--device", "cpu"], ["--n-embd", "30", "--n-head", "4"], ["--distill-prompts", "0"],
+             ["--distill-temperatures", "0,-1"], ["--distill-prompt-len", "64"], ["--distill-prompt-len", "0"],
+             ["--heads-batch-size", "0"], ["--resume", "--overwrite"], ["--data", "missing.txt"], ["--dtype", "float8"],
+             ["--distill-tokens", "0"], ["--heads-stride", "65"], ["--out", "empty.txt/x"], ["--num-heads", "27"],
+             ["--vocab-size", "256"], ["--draft-vocab", "-1"], ["--data", "empty.txt"], ["--eval-prompts", "0"],
+             ["--heads-stride", "0"], ["--head-decay", "1.5"], ["--eval-every", "-1"], ["--log-every", "nan"],
+             ["--seed", str(2**64)], ["--out", "empty.txt"], ["--max-bytes", "400"], ["--save-every", "0"],
+             ["--batch-size", "0"], ["--device", "tpu9"], ["--heads", "eagle"], ["--num-heads", "0"], ["--medusa", "3"],
+             ["--max-bytes", "0"], ["--init", "nope"], ["--n-layer", "0"], ["--n-head", "0"], ["--n-embd", "0"],
+             ["--lr", "nan"], ["--lr", "inf"], ["--lr", "-1"], ["--out", "z"], ["--out", ""], ["--resume"],
+             ["--data", ""], ["--init", ""], ["--eval-prompts", "1001"], ["--preset", "gpt2-cpu"]]
 # train_tiny.py as two DDP ranks, under torchrun (one run) or forked from one process (one torch import): for each run
 # [Ctrl-C on rank 0 in step n (0: never), *args] of argv[1], prints "exit 0|1"; GPT-2 tokenizer: bytes (no network).
 WORKER = r'''
@@ -259,19 +270,6 @@ def test_resume_refuses_other_settings_or_text_and_a_run_never_learns_its_own_ou
         assert error in capsys.readouterr().err
     (out / "train_state.pt").write_bytes(b"garbage\n")  # torch explains a refused pickle in six lines
     assert train_tiny.main(args + ["--resume"]) == 2 and capsys.readouterr().err.count("\n") == 1
-
-
-BAD_INPUT = [["--dtype", "float16", "--device", "cpu"], ["--n-embd", "30", "--n-head", "4"], ["--distill-prompts", "0"],
-             ["--distill-temperatures", "0,-1"], ["--distill-prompt-len", "64"], ["--distill-prompt-len", "0"],
-             ["--heads-batch-size", "0"], ["--resume", "--overwrite"], ["--data", "missing.txt"], ["--dtype", "float8"],
-             ["--distill-tokens", "0"], ["--heads-stride", "65"], ["--out", "empty.txt/x"], ["--num-heads", "27"],
-             ["--vocab-size", "256"], ["--draft-vocab", "-1"], ["--data", "empty.txt"], ["--eval-prompts", "0"],
-             ["--heads-stride", "0"], ["--head-decay", "1.5"], ["--eval-every", "-1"], ["--log-every", "nan"],
-             ["--seed", str(2**64)], ["--out", "empty.txt"], ["--max-bytes", "400"], ["--save-every", "0"],
-             ["--batch-size", "0"], ["--device", "tpu9"], ["--heads", "eagle"], ["--num-heads", "0"], ["--medusa", "3"],
-             ["--max-bytes", "0"], ["--init", "nope"], ["--n-layer", "0"], ["--n-head", "0"], ["--n-embd", "0"],
-             ["--lr", "nan"], ["--lr", "inf"], ["--lr", "-1"], ["--out", "z"], ["--out", ""], ["--resume"],
-             ["--data", ""], ["--init", ""], ["--eval-prompts", "1001"], ["--preset", "gpt2-cpu"]]
 
 
 def test_help_lists_every_flag_and_bad_flags_or_data_are_one_line_naming_it_with_code_2(tmp_path, monkeypatch, capsys):
