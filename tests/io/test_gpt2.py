@@ -132,8 +132,7 @@ BAD_SOURCES = {  # name: (what to write into the folder, the source to load, wha
     "untied lm_head": (edited({"lm_head.weight": torch.ones(V, C)}), "m", "differs from wte"),
     "both key styles": (edited({"wpe.weight": torch.ones(P, C)}), "m", "both with and without"),
     "lm_head in both key styles": (edited({f"{k}lm_head.weight": torch.ones(V, C) for k in ("", "transformer.")}), "m",
-                                   "'lm_head.weight' appears both with and without"),
-}
+                                   "'lm_head.weight' appears both with and without")}
 
 
 @pytest.mark.parametrize("write, source, match", BAD_SOURCES.values(), ids=BAD_SOURCES.keys())

@@ -46,8 +46,7 @@ def reference_bpe(text: str, n_ranks: int) -> dict[bytes, int]:
 POOLS = [  # mixed scripts, emoji, combining marks, control characters, whitespace runs
     "abcdefghijklmnopqrstuvwxyz ABCXYZ 0123456789", " \t\n\r\n    \u00a0\u2003\u3000", "<|endoftext|>",
     "'s 're 've 'll 'd ... !?;:()[]{}<>@#$%^&*_+-=/\\|\"`~", "äöüßéèêçñåøæœ ÄÖÜ", "😀🎉👍🏽🧑‍💻🇩🇪✨",
-    "Ελληνικά русский עברית العربية हिन्दी 中文字符 日本語 한국어", "e\u0301a\u0308\u200b\u200d\ufeff\x00\x01\x7f",
-]
+    "Ελληνικά русский עברית العربية हिन्दी 中文字符 日本語 한국어", "e\u0301a\u0308\u200b\u200d\ufeff\x00\x01\x7f"]
 
 
 def random_text(rng: random.Random, pieces: int) -> str:
