@@ -58,8 +58,7 @@ def test_a_folder_loads_its_text_files_sorted_and_recursively(tmp_path):
     texts = [("a.md", "# a\n"), ("b.txt", "bee\n"), ("sub/a.py", "x = 1\n")]
     # checkpoints (out/smoke), and the folder a run writes (skip): not text to learn from
     assert load_corpus(tmp_path, skip=tmp_path / "out/mine") == texts
-    mine = ("out/mine/config.json", "{}\n")  # a folder without a checkpoint is text
-    assert load_corpus(tmp_path) == texts[:2] + [mine] + texts[2:]
+    assert load_corpus(tmp_path) == texts[:2] + [("out/mine/config.json", "{}\n")] + texts[2:]  # no checkpoint: text
     assert data.corpus_digest([("a", "bc")]) != data.corpus_digest([("ab", "c")])  # --resume: names, texts apart
     for folder, out in [("out/mine", "out/mine"), ("out/mine", "out"), ("out/smoke", None)]:  # in --out, a checkpoint
         pytest.raises(ValueError, load_corpus, tmp_path / folder, skip=out and tmp_path / out).match("output folder")
