@@ -20,19 +20,6 @@ def _setup(num_heads=3, kind="medusa", draft=0):
     return model, random_heads(model, num_heads=num_heads, kind=kind, draft=draft)
 
 
-def plain_head_losses(logits, y, keep=lambda b, t, k: True):
-    """The heads' loss written plainly: head k (1-based) at (b, t) against y[b, t + k] wherever `keep`
-    says; logits [K, B, T, V] -> mean cross-entropy [K], top-1 accuracy [K]."""
-    K, B, T, _ = logits.shape
-    losses, accs = [], []
-    for k in range(1, K + 1):
-        pairs = [(b, t) for b in range(B) for t in range(T - k) if keep(b, t, k)]
-        got, want = torch.stack([logits[k - 1, b, t] for b, t in pairs]), torch.stack([y[b, t + k] for b, t in pairs])
-        losses.append(F.cross_entropy(got, want))
-        accs.append((got.argmax(-1) == want).float().mean())
-    return torch.stack(losses), torch.stack(accs)
-
-
 def test_head_weights_lambda_and_learning_rate_follow_their_schedules():
     assert training.head_weights(4, decay=1.0) == [1.0, 1.0, 1.0, 1.0]  # official Medusa-1: the plain sum
     # Medusa-2's λ, 100 steps, ramp 0.3: 30 ramp steps; step s weighs 0.2 * (s + 1) / 30, then 0.2
@@ -93,8 +80,15 @@ def test_heads_loss_chunked_strided_frozen_or_over_a_draft_vocabulary_is_the_pla
     hidden = hidden if lm == 1 else hidden.detach()  # lm < 1: the heads' loss never reaches the backbone
     index = torch.full((50,), IGNORE).index_put_((heads.draft_ids,), torch.arange(heads.draft_ids.numel()))[y]
     assert not draft or (index < 0).any()  # some tokens lie outside the draft vocabulary
-    losses, accs = plain_head_losses(heads(hidden, model, following=next_tokens(y, 3)), index, lambda b, t, k: (
-        stride == 1 or t % stride == 1) and valid[b, t + k] and index[b, t + k] >= 0)
+    head_logits, losses, accs = heads(hidden, model, following=next_tokens(y, 3)), [], []  # [K, B, T, M]
+    for k in range(1, 4):  # the heads' loss written plainly: head k at (b, t) against index[b, t + k] where kept
+        kept = [(b, t) for b in range(4) for t in range(20 - k)
+                if (stride == 1 or t % stride == 1) and valid[b, t + k] and index[b, t + k] >= 0]
+        got = torch.stack([head_logits[k - 1, b, t] for b, t in kept])  # [n, M], against want [n]
+        want = torch.stack([index[b, t + k] for b, t in kept])
+        losses.append(F.cross_entropy(got, want))
+        accs.append((got.argmax(-1) == want).float().mean())
+    losses, accs = torch.stack(losses), torch.stack(accs)
     ce = F.cross_entropy(logits.flatten(0, 1), y.flatten())
     assert metrics.get("lm", ce).item() == ce.item() and metrics["acc"].tolist() == accs.tolist()
     torch.testing.assert_close(metrics["heads"], losses.detach(), rtol=0, atol=1e-5)
