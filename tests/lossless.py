@@ -54,15 +54,12 @@ def last_logits(model, seqs: list[list[int]]) -> torch.Tensor:
     return logits[:, 0]
 
 
-def remembering(proposer_class):
-    """`proposer_class` that keeps each step's history (every row's tokens, ending with its root) for its heads."""
+class Remembering:
+    """Mixed in before a proposer: keeps each step's history (every row's tokens, ending with its root) for heads."""
 
-    class Remembering(proposer_class):
-        def propose(self, roots, hidden, *, history, **kwargs):
-            self.history = history
-            return super().propose(roots, hidden, history=history, **kwargs)
-
-    return Remembering
+    def propose(self, roots, hidden, *, history, **kwargs):
+        self.history = history
+        return super().propose(roots, hidden, history=history, **kwargs)
 
 
 class FutureHeads:
@@ -70,19 +67,16 @@ class FutureHeads:
     the k - 1 greedy tokens after it (gamma = 1: head 1's q is p at the root; a large gamma makes q nearly a
     point mass on the top-k) over draft_ids (default all): its guesses depend on the depth alone."""
 
-    proposer_class = remembering(MedusaProposer)
+    proposer_class = type("RememberingMedusa", (Remembering, MedusaProposer), {})
 
     def __init__(self, *, gamma: float = 1.0, draft_ids: torch.Tensor | None = None) -> None:
         self.gamma, self.draft_ids = gamma, draft_ids
 
     def proposer(self, model, tree):
         ids = torch.arange(model.config.vocab_size) if self.draft_ids is None else self.draft_ids
-
-        def logits_of(*args):
-            return self.gamma * self.ahead(model, proposer.history, *args)[..., ids]
-
-        proposer = self.proposer_class(tree, logits_of, draft_ids=ids, vocab_size=model.config.vocab_size,
-                                       num_heads=tree.depth)  # as many heads as the tree asks for
+        proposer = self.proposer_class(
+            tree, lambda *args: self.gamma * self.ahead(model, proposer.history, *args)[..., ids], draft_ids=ids,
+            vocab_size=model.config.vocab_size, num_heads=tree.depth)  # as many heads as the tree asks for
         return proposer
 
     def ahead(self, model, history, hidden, num):
@@ -90,8 +84,7 @@ class FutureHeads:
         seqs, out = [list(h) for h in history], []
         for _ in range(num):
             out.append(last_logits(model, seqs))
-            for s, t in zip(seqs, out[-1].argmax(dim=-1).tolist()):
-                s.append(t)
+            seqs = [s + [t] for s, t in zip(seqs, out[-1].argmax(dim=-1).tolist())]
         return torch.stack(out, dim=1)
 
 
@@ -99,7 +92,7 @@ class FutureHydraHeads(FutureHeads):
     """Dependent heads that know the future: head k, given the root and the path drafted below it, gives
     gamma x the backbone's logits after exactly that path, so each node's children come from its own q."""
 
-    proposer_class = remembering(HydraProposer)
+    proposer_class = type("RememberingHydra", (Remembering, HydraProposer), {})
 
     def ahead(self, model, history, k, hidden, paths):
         """paths [B, n, >= k] (each row's root, then the drafted path) -> [B, n, V]."""
