@@ -88,8 +88,7 @@ def test_rejection_sampling_emits_tokens_with_exactly_the_backbones_probabilitie
         out = [tokens[i] for i in path[1:]] + [bonus]
         accepted += len(path) - 1
         first[out[0]] += 1
-        if len(path) > 1:  # the second token came from a node below an accepted candidate: p = P_NODE1
-            second[out[1]] += 1
+        second.update(out[1:2])  # a second token came from a node below an accepted candidate: p = P_NODE1
     assert accepted > 0.3 * 4000  # candidates were really accepted, not only bonus tokens drawn
     for counter, p in ((first, P_ROOT), (second, P_NODE1)):
         for tok in range(V):
@@ -122,15 +121,12 @@ def typical(epsilon=0.09, delta=0.3, temperature=1.0):
 def test_typical_accepts_exactly_the_candidates_above_min_epsilon_delta_exp_minus_entropy():
     logits = logits_from([P_ROOT, P_OTHER])  # a lone candidate at depth 1, judged by p(root)
     scale = math.exp(sum(x * math.log(x) for x in P_ROOT if x > 0))  # exp(-H(p)): the bar is min(eps, delta * scale)
-    gen = torch.Generator().manual_seed(0)
-
-    def passes(token, eps, delta):
-        return len(ref.typical_accept([-1, 0], [0, token], logits, sampling=typical(eps, delta), generator=gen)[0]) == 2
-
-    assert (passes(3, 1.0, 0.35 / scale), passes(2, 1.0, 0.35 / scale)) == (True, False)  # .4 > .35 > .3
-    assert passes(3, 1.0, 0.25 / scale) and passes(2, 1.0, 0.25 / scale)  # both above .25
-    assert not passes(3, 1.0, 0.45 / scale) and not passes(2, 1.0, 0.45 / scale)  # both below .45
-    assert (passes(3, 0.35, 10.0), passes(2, 0.35, 10.0)) == (True, False)  # now epsilon is the lower bar
+    gen, bars = torch.Generator().manual_seed(0), [  # (epsilon, delta, whether token 3 (p .4) and token 2 (p .3) pass)
+        (1.0, 0.35 / scale, [True, False]), (1.0, 0.25 / scale, [True, True]),  # .4 > .35 > .3; both above .25
+        (1.0, 0.45 / scale, [False, False]), (0.35, 10.0, [True, False])]  # both below .45; epsilon the lower bar
+    for eps, delta, want in bars:
+        assert [len(ref.typical_accept([-1, 0], [0, t], logits, sampling=typical(eps, delta), generator=gen)[0]) == 2
+                for t in (3, 2)] == want
 
 
 def test_typical_takes_the_longest_accepted_path_and_breaks_ties_by_the_larger_sum_of_log_p():
