@@ -71,8 +71,7 @@ class CudaRules(TorchDispatchMode):
         target = kwargs.get("device") or (tensors[0].device if tensors else None)
         for gen in (g for g in leaves if isinstance(g, torch.Generator)):
             # The dispatcher hands over a new Python object for the same generator: compare the C++ one.
-            mine = self.device_generator is not None and gen._cdata == self.device_generator._cdata
-            where = self.device if mine else gen.device
+            where = self.device if gen._cdata == getattr(self.device_generator, "_cdata", None) else gen.device
             if target is not None and where.type != torch.device(target).type:
                 raise RuntimeError(f"{func}: a generator on device {where} draws for device {target}")
 

@@ -56,9 +56,8 @@ def test_vectorised_typical_equals_the_node_walk_with_the_same_draws_in_every_ro
         tree, tokens, logits = random_case(seed, rows=3)
         if seed % 2:  # continuous logits too: distinct scores decide
             logits = torch.randn(logits.shape, generator=torch.Generator().manual_seed(seed)) * 2
-        batch = torch.Generator().manual_seed(seed)
-        got = typical_accept(tree.tensors("cpu"), tokens, logits, sampling=sampling,
-                                   u=acceptance_uniforms(sampling, 3, 0, batch, device="cpu"))
+        u = acceptance_uniforms(sampling, 3, 0, batch := torch.Generator().manual_seed(seed), device="cpu")
+        got = typical_accept(tree.tensors("cpu"), tokens, logits, sampling=sampling, u=u)
         for b in range(3):
             alone = torch.Generator().manual_seed(seed)
             torch.rand(b, generator=alone)  # the numbers of the rows before it

@@ -148,10 +148,9 @@ def test_dependent_heads_learn_more_and_accept_more_than_medusa_heads_trained_th
     for kind in KINDS:
         torch.manual_seed(0)
         heads = make_heads(HeadsConfig(num_heads=3, n_embd=C, vocab_size=V, kind=kind))
-        module, opt = MedusaLM(model, heads), torch.optim.Adam(heads.parameters(), lr=5e-2)
+        lm, opt = MedusaLM(model, heads), torch.optim.Adam(heads.parameters(), lr=5e-2)
         for _ in range(40):
-            loss, _ = module(seqs[:, :-1], seqs[:, 1:], lm_weight=0.0, heads_weight=1.0, decay=1.0,
-                             detach_backbone=True)
+            loss, _ = lm(seqs[:, :-1], seqs[:, 1:], lm_weight=0.0, heads_weight=1.0, decay=1.0, detach_backbone=True)
             opt.zero_grad()
             loss.backward()
             opt.step()

@@ -24,8 +24,7 @@ def test_cached_decoding_matches_a_forward_without_cache_in_rows_of_their_own_le
     """Reading only the slots in use (`attended`, eager decoding); the whole cache (a graph's): cli/test_compiled.py."""
     rows, cache = [[5, 9, 11, 2, 40, 7], [3, 1]], KVCache(model.config, batch_size=2)
     model(torch.tensor([rows[0], rows[1] + [0] * 4]), cache=cache, attended=6)  # the short row padded at its end
-    cache.lengths = torch.tensor([6, 2])  # the padding's slots are given back
-    more = torch.tensor([[17, 23], [42, 8]])
+    cache.lengths, more = torch.tensor([6, 2]), torch.tensor([[17, 23], [42, 8]])  # the padding's slots given back
     got = [model(more[:, j : j + 1], cache=cache, attended=7 + j)[0][:, 0] for j in range(2)]  # [B, V] each
     assert cache.lengths.tolist() == [8, 4]
     for b in range(2):

@@ -79,8 +79,7 @@ def test_greedy_is_decided_by_the_temperature_alone_and_sampling_means_lossless_
     assert Sampling(temperature=0.7).acceptance == "rejection"  # no acceptance rule named
     for rule in ("typical", "rejection"):
         assert [Sampling(acceptance=rule, temperature=T).acceptance for T in (0.0, 0.5)] == ["greedy", rule]
-    assert Sampling(temperature=0.5).draws_candidates
-    assert not Sampling(temperature=0.5, candidates="topk").draws_candidates
+    assert [Sampling(temperature=0.5, **kw).draws_candidates for kw in ({}, {"candidates": "topk"})] == [True, False]
 
 
 @pytest.mark.parametrize("kwargs, needle", [
