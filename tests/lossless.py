@@ -49,9 +49,8 @@ def last_logits(model, seqs: list[list[int]]) -> torch.Tensor:
     forward (causal: the padding after a sequence never reaches its last position)."""
     seqs = [s[-model.config.block_size :] for s in seqs]
     width = max(map(len, seqs))
-    logits, _ = model(torch.tensor([s + [0] * (width - len(s)) for s in seqs]),
-                      logits_at=torch.tensor([len(s) - 1 for s in seqs]))
-    return logits[:, 0]
+    return model(torch.tensor([s + [0] * (width - len(s)) for s in seqs]),
+                 logits_at=torch.tensor([len(s) - 1 for s in seqs]))[0][:, 0]
 
 
 class Remembering:

@@ -59,8 +59,7 @@ def test_a_reused_cache_gives_the_tokens_of_a_fresh_one_and_must_be_the_one_aske
     first, so nothing of the previous generation leaks into the next."""
     model = tiny_model(7)
     heads, tree = random_heads(model, seed=7), Tree.from_choices([(0,), (1,), (0, 0)])
-    plain_cache = KVCache(model.config, max_len=model.config.block_size)
-    tree_cache = KVCache(model.config, max_len=model.config.block_size + tree.num_nodes)
+    plain_cache, tree_cache = (KVCache(model.config, max_len=model.config.block_size + n) for n in (0, tree.num_nodes))
     for prompt in ([1, 2, 3, 4, 5, 6], torch.tensor([[9, 8]])):  # the second: shorter, [1, T], on a used cache
         assert generate(model, prompt, max_new_tokens=10, cache=plain_cache)[0] == \
             generate(model, prompt, max_new_tokens=10)[0]

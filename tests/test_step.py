@@ -81,10 +81,9 @@ def test_prompt_lookup_drafts_each_rows_continuation_on_a_chain_of_the_next_powe
     assert proposer.tree == chain(11)
     pytest.raises(ValueError, PromptLookup, max_ngram=0).match("max_ngram")  # a 1-gram at least
     assert [len(PromptLookup().proposer(None, chain(n)).trees()) for n in (0, 6)] == [2, 5]  # depths 0-1; 0-2, 4, 6
-    history = [[1, 2, 3, 1, 2], [4, 5, 6, 5], [7, 8, 9]]
+    history = [[1, 2, 3, 1, 2], [4, 5, 6, 5], [7, 8, 9]]  # continuations of 3, 2 and 0 tokens
     proposal = proposer.propose(torch.tensor([2, 5, 9]), torch.zeros(3, 32), history=history, sampling=Sampling())
-    assert proposal.tree == chain(4)  # continuations of 3, 2 and 0 tokens
-    assert proposal.tokens.tolist() == [[2, 3, 1, 2, 2], [5, 6, 5, 5, 5], [9, 9, 9, 9, 9]]
+    assert proposal.tree == chain(4) and proposal.tokens.tolist() == [[2, 3, 1, 2, 2], [5, 6, 5, 5, 5], [9, 9, 9, 9, 9]]
 
 
 @pytest.mark.parametrize("kind", ["medusa", "hydra", "prompt lookup"])
