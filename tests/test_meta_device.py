@@ -98,14 +98,13 @@ def test_a_training_step_runs_forward_and_backward_on_the_device(kind, stage):
 def test_meta_alone_lets_a_host_index_and_a_host_generator_through_and_cuda_rules_refuse_them():
     x = torch.zeros(2, 4, device=META)
     host_index, host_generator = torch.zeros(2, 1, dtype=torch.long), torch.Generator().manual_seed(0)
-    x.gather(1, host_index)  # meta's own kernels accept both; CUDA does not
-    torch.rand(3, device=META, generator=host_generator)
-    with meta_rules(), pytest.raises(RuntimeError, match="one device"):
-        x.gather(1, host_index)
-    with meta_rules(), pytest.raises(RuntimeError, match="generator on device cpu draws for device meta"):
-        torch.rand(3, device=META, generator=host_generator)
-    with meta_rules(), pytest.raises(RuntimeError, match="generator on device meta draws for device cpu"):
-        torch.rand(3, generator=GEN)  # the device's generator drawing on the host
+    gather, host_draw = lambda: x.gather(1, host_index), lambda: torch.rand(3, device=META, generator=host_generator)
+    gather()  # meta's own kernels accept both; CUDA does not
+    host_draw()
+    for refused, message in [(gather, "one device"), (host_draw, "generator on device cpu draws for device meta"),
+                             (lambda: torch.rand(3, generator=GEN), "generator on device meta draws for device cpu")]:
+        with meta_rules(), pytest.raises(RuntimeError, match=message):  # last, the device's generator on the host
+            refused()
     pytest.raises(RuntimeError, torch.Generator, device=META).match("not an accelerator")
     with meta_rules():  # what CUDA takes: a host index, a host scalar, the device's generator on the device
         x[torch.tensor([1, 0])] + torch.tensor(2.0)
