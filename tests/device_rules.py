@@ -34,8 +34,7 @@ class CudaRules(TorchDispatchMode):
         self.uploads += self.sends(name, args, kwargs)
         if name == "aten::_local_scalar_dense" and args[0].device == self.device:  # item, int, bool
             return self.host_read(name, made_up(args[0].dtype))
-        leaving = kwargs.get("device", self.device) != self.device
-        if name == "aten::_to_copy" and args[0].device == self.device and leaving:
+        if name == "aten::_to_copy" and args[0].device == self.device != kwargs.get("device", self.device):
             dtype = kwargs.get("dtype") or args[0].dtype  # tolist, .cpu(), .to("cpu")
             return self.host_read(name, torch.full(args[0].shape, made_up(dtype), dtype=dtype, device=kwargs["device"]))
         if name == "aten::copy_" and args[1].device == self.device and args[0].device != self.device:
@@ -48,11 +47,9 @@ class CudaRules(TorchDispatchMode):
 
     def sends(self, name: str, args, kwargs) -> bool:
         """A tensor built from host data, or copied from the host to the device (on a GPU, from pageable memory)."""
-        if name == "aten::_to_copy":
-            return args[0].device != self.device and kwargs.get("device") == self.device
-        if name == "aten::copy_":
-            return args[0].device == self.device != args[1].device
-        return name == "aten::lift_fresh"
+        return (name == "aten::lift_fresh"
+                or name == "aten::_to_copy" and args[0].device != self.device == kwargs.get("device")
+                or name == "aten::copy_" and args[0].device == self.device != args[1].device)
 
     def host_read(self, name: str, answer):
         if not self.answer_reads:
