@@ -219,25 +219,19 @@ TYPICAL_TOP_P = Case(FutureHeads(), Sampling(acceptance="typical", temperature=1
                      deepest=2, tree=Tree.from_choices([(0,), (1,), (1, 0)]))
 
 
-def rows_outside_the_nucleus() -> int:
-    """Rows of typical Medusa with top-p emitting a token of probability 0 under top-p given everything
-    before it (their sequence has probability 0); the rows accept candidates as deep as the tree."""
+@pytest.mark.parametrize("mistake", [None, (step, "accept", accepts_without_top_p),  # the bonus drawn without top-p too
+                                     (acceptance, "typical_accept", typical_judges_by_p_without_top_p)],
+                         ids=["engine", "accept-without-top-p", "typical-judges-by-p-without-top-p"])
+def test_typical_medusa_with_top_p_emits_only_nucleus_tokens_and_the_check_fails_when_it_reads_p_without_top_p(
+        mistake, monkeypatch):
+    """Rows emitting a token of probability 0 under top-p given everything before it (their sequence has probability
+    0): none in the engine, some with either mistake; the rows accept candidates as deep as the tree. The reference's
+    typical walk decides as the engine with top-p (tests/test_acceptance.py)."""
+    if mistake:
+        monkeypatch.setattr(*mistake)
     [(rows, exact)] = TYPICAL_TOP_P.run()
-    assert deepest(rows) == TYPICAL_TOP_P.deepest
-    return sum(exact.get(tuple(tokens), 0.0) == 0 for tokens, _ in rows)
-
-
-def test_typical_medusa_with_top_p_emits_only_nucleus_tokens():
-    """In the engine; the reference's typical walk decides as the engine with top-p (tests/test_acceptance.py)."""
-    assert rows_outside_the_nucleus() == 0
-
-
-@pytest.mark.parametrize("where, name, mistake", [
-    (step, "accept", accepts_without_top_p),  # the bonus drawn without top-p too
-    (acceptance, "typical_accept", typical_judges_by_p_without_top_p)])
-def test_the_nucleus_check_fails_when_typical_acceptance_reads_p_without_top_p(monkeypatch, where, name, mistake):
-    monkeypatch.setattr(where, name, mistake)
-    assert rows_outside_the_nucleus() > 0
+    outside = sum(exact.get(tuple(tokens), 0.0) == 0 for tokens, _ in rows)
+    assert deepest(rows) == TYPICAL_TOP_P.deepest and (outside > 0) == (mistake is not None)
 
 
 def lower_ids_nucleus(p: torch.Tensor, top_p: float) -> set[int]:
