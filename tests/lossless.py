@@ -14,9 +14,8 @@ from operator import itemgetter
 import torch
 
 from conftest import tiny_model
-from medusa_mini.decoding import generate_batch, medusa_generate_batch
+from medusa_mini import generate_batch, medusa_generate_batch, sampling_probs
 from medusa_mini.proposal import HydraProposer, MedusaProposer
-from medusa_mini.sampling import sampling_probs
 
 V = 4  # the vocabulary of the distribution tests: 4^n sequences of n tokens, enumerated
 FALSE_ALARM = 1e-4  # the chance that an honest sampler's TV crosses `tv_bound`, per comparison

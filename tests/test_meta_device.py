@@ -12,16 +12,12 @@ from torch.utils._pytree import tree_leaves
 
 from conftest import RULES, random_heads, tiny_model
 from device_rules import CudaRules
-from medusa_mini import acceptance, reference
+from medusa_mini import KVCache, PromptLookup, Sampling, acceptance, preset, reference
 from medusa_mini import model as model_module
 from medusa_mini.cli.compiled import compile_steps
 from medusa_mini.decoding import generate_batch, medusa_generate_batch, prefill
-from medusa_mini.model import KVCache
-from medusa_mini.proposal import PromptLookup
-from medusa_mini.sampling import Sampling
 from medusa_mini.step import medusa_step
 from medusa_mini.training import MedusaLM, self_distill
-from medusa_mini.tree import preset
 
 META, TREE, DRAFTERS = torch.device("meta"), preset("cpu"), ["medusa", "hydra", "lookup"]
 GEN = torch.Generator().manual_seed(0)  # stands for the meta device's generator (see the module docstring)

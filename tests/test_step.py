@@ -6,13 +6,10 @@ import torch
 
 from conftest import RULES, random_heads, tiny_model
 from device_rules import CudaRules
-from medusa_mini.acceptance import Accepted
+from medusa_mini import Accepted, KVCache, PromptLookup, Sampling, Tree, chain, preset
 from medusa_mini.decoding import prefill
-from medusa_mini.model import KVCache
-from medusa_mini.proposal import PromptLookup, chain_length, lookup
-from medusa_mini.sampling import Sampling
+from medusa_mini.proposal import chain_length, lookup
 from medusa_mini.step import keep_path, medusa_step, place_tree, plain_step, usable_nodes, verify
-from medusa_mini.tree import Tree, chain, preset
 
 #   0 root ─┬─ 1 (0,) ─┬─ 3 (0,0) ── 5 (0,0,0)
 #           │          └─ 4 (0,1)

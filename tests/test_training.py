@@ -6,10 +6,8 @@ import torch
 import torch.nn.functional as F
 
 from conftest import random_heads, tiny_model
-from medusa_mini import training
-from medusa_mini.decoding import generate
+from medusa_mini import GPT, GPTConfig, generate, training
 from medusa_mini.heads import IGNORE, next_tokens
-from medusa_mini.model import GPT, GPTConfig
 from medusa_mini.training import MedusaLM, chunked_head_loss, cosine_lr, lambda_schedule, self_distill
 
 
