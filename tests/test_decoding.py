@@ -6,14 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-import medusa_mini.step as step
 from conftest import RULES, ContinuationHeads, random_heads, tiny_model
+from medusa_mini import KVCache, PromptLookup, Sampling, Tree, chain, preset, step
 from medusa_mini import reference as ref
 from medusa_mini.decoding import generate, generate_batch, medusa_generate, medusa_generate_batch, prefill
-from medusa_mini.model import KVCache
-from medusa_mini.proposal import PromptLookup
-from medusa_mini.sampling import Sampling
-from medusa_mini.tree import Tree, chain, preset
 
 TREES = {
     "chain": chain(4), "one": chain(1), "cpu": preset("cpu"), "gpu": preset("gpu"),  # one: head 1 alone, one level

@@ -15,15 +15,13 @@ import torch
 
 from conftest import RULES, ContinuationHeads, random_heads, tiny_model
 from lossless import FutureHeads, FutureHydraHeads, V, deepest, exact_sequence_probs, failures, sample_rows, small_model
-from medusa_mini import acceptance, step
+from medusa_mini import KVCache, Tree, acceptance, chain, compact_kv_cache, preset, step
 from medusa_mini import reference as ref
 from medusa_mini.acceptance import accept, path_accept, rejection_accept_topk, typical_accept
 from medusa_mini.decoding import generate, generate_batch, medusa_generate, medusa_generate_batch, prefill
-from medusa_mini.model import KVCache, compact_kv_cache
 from medusa_mini.proposal import Drawn, PromptLookup
 from medusa_mini.sampling import Sampling, inverse_cdf, sampling_probs
 from medusa_mini.step import plain_step, verify
-from medusa_mini.tree import Tree, chain, preset
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models gain nothing from threads
 

@@ -7,12 +7,10 @@ import torch
 
 from benchmarks.bench_step import count_ops
 from conftest import random_heads, tiny_model
-from medusa_mini import reference
-from medusa_mini.decoding import medusa_generate
+from medusa_mini import Tree, chain, medusa_generate, preset, reference
 from medusa_mini.heads import IGNORE, HeadsConfig, frequency_order, make_heads, next_tokens
 from medusa_mini.sampling import Sampling, gumbel_top_k, q_log_probs
 from medusa_mini.training import MedusaLM, self_distill
-from medusa_mini.tree import Tree, chain, preset
 
 KINDS, C, V = ["medusa", "hydra"], 32, 64
 TREE = Tree.from_choices([(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 1, 0), (1, 0, 0)])

@@ -11,9 +11,8 @@ import pytest
 import torch
 
 from conftest import assert_frequency
+from medusa_mini import Sampling, Tree, chain
 from medusa_mini import reference as ref
-from medusa_mini.sampling import Sampling
-from medusa_mini.tree import Tree, chain
 
 #   0 root ─┬─ 1 (0,) token 3 ─┬─ 3 (0,0) token 1 ── 5 (0,0,0) token 2
 #           │                  └─ 4 (0,1) token 0
