@@ -81,10 +81,10 @@ def test_heads_rows_are_named_by_the_heads_kind_and_keyed_as_medusa_decoding(mod
 
 
 def test_lookup_gains_on_repeats_and_a_row_that_leaves_plain_greedy_is_named_where(ckpt, capsys, monkeypatch):
-    def one_token_off(engine, method, prompts, *, real=runs_mod.decode, **kw):  # Medusa greedy's last token on
-        out, changed = real(engine, method, prompts, **kw), len(set(prompts[0])) == 1  # every prompt: changed on the
-        return [(t[:-1] + [(t[-1] + 1) % 50] * changed if method.key == "medusa_greedy" else t, st)  # repeats, else
-                for t, st in out]  # dropped: a row that stopped a token early parts where it stopped
+    def one_token_off(engine, method, prompts, *, real=runs_mod.decode, **kw):
+        """Medusa greedy's last token changed on the repeats, else dropped: a row stopped early parts where it stops."""
+        out, changed = real(engine, method, prompts, **kw), len(set(prompts[0])) == 1
+        return [(t[:-1] + [(t[-1] + 1) % 50] * changed if method.key == "medusa_greedy" else t, st) for t, st in out]
 
     monkeypatch.setattr(runs_mod, "decode", one_token_off)
     result = compared(capsys, "--ckpt", ckpt, "--max-new-tokens", "16", "--prompt=nnnnnnnn", "--prompt=a big dog ran")
