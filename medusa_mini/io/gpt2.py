@@ -1,7 +1,8 @@
 """OpenAI's GPT-2 as a `GPT`: its four configs, its file layout, and its weights from local files or the Hugging Face
 hub, downloaded resumably into `$MEDUSA_MINI_CACHE` (default ~/.cache/medusa_mini; `MEDUSA_MINI_HUB_URL` replaces
-https://huggingface.co). Its tokenizer is tiktoken's "gpt2". The file layout is transformers' GPT2LMHeadModel: its four
-Conv1D weights are stored [in, out], this GPT's nn.Linear [out, in], so those are transposed; lm_head is wte (tied)."""
+https://huggingface.co). Its tokenizer is tiktoken's "gpt2", fetched by tiktoken from its own host (offline: its files
+in `$TIKTOKEN_CACHE_DIR`). The file layout is transformers' GPT2LMHeadModel: its four Conv1D weights are stored
+[in, out], this GPT's nn.Linear [out, in], so those are transposed; lm_head is wte (tied)."""
 
 import http.client
 import os
