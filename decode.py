@@ -122,8 +122,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def prepare(a: argparse.Namespace) -> tuple:
     """(checkpoint, TreeChoice, --compare's for drawn candidates, [(text, ids)]); a ValueError before any output."""
     dtype = pick_dtype(a.dtype, device := pick_device(a.device))
-    ck, text = demo_checkpoint(device=device, dtype=dtype, steps=0) if a.demo else (  # the demo: checked untrained
-        load_for_decoding(a.ckpt, device=device, dtype=dtype), None)
+    if a.demo:  # the tree and prompts are checked on the untrained demo first, not after seconds of training
+        ck, text = demo_checkpoint(device=device, dtype=dtype, steps=0)
+    else:
+        ck = load_for_decoding(a.ckpt, device=device, dtype=dtype)
     # A stopped run's last save has no prompts yet: said once, in a missing file's error or in a note at the end.
     unfinished = not a.demo and os.path.isfile(os.path.join(ck.directory, STATE_FILE)) and (
         f"{a.ckpt} holds an unfinished run, as last saved: python train_tiny.py --out {shlex.quote(ck.directory)} "

@@ -53,7 +53,8 @@ def check_tensors(expected: dict[str, tuple], found: dict[str, torch.Tensor], *,
 
 def load_gpt2_weights(model: GPT, tensors: dict[str, torch.Tensor]) -> None:
     """Copy GPT-2-layout tensors (keys with or without "transformer.") into `model`; a failed load changes nothing."""
-    if twice := [k for k, n in Counter(k.removeprefix(_PREFIX) for k in tensors).items() if n > 1]:
+    names = Counter(k.removeprefix(_PREFIX) for k in tensors if not k.endswith(_BUFFERS))  # buffers: made, not read
+    if twice := [name for name, n in names.items() if n > 1]:
         raise ValueError(f"tensor {twice[0]!r} appears both with and without the 'transformer.' prefix")
     found = {k.removeprefix(_PREFIX): t for k, t in tensors.items() if not k.endswith(_BUFFERS)}
     lm_head = found.pop("lm_head.weight", None)  # tied: equal to wte if a file holds it
@@ -158,11 +159,12 @@ def download(url: str, dest: str | os.PathLike) -> None:
     for attempt in range(RETRIES + 1):
         try:
             _fetch(url, part)
-            return os.replace(part, dest)
+            break
         except ConnectionError as e:
             if attempt == RETRIES:
                 raise OSError(f"download of {url} interrupted ({e}); run again to resume") from None
             time.sleep(0.5 * 2**attempt)
+    os.replace(part, dest)
 
 
 def download_gpt2(name: str) -> str:

@@ -18,12 +18,16 @@ _DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I64": torch.int64,
     "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
 _DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
-if sys.byteorder != "little":  # tensor bytes are copied as they are between the file and torch storage
-    raise ImportError("safetensors I/O here assumes a little-endian machine")
+
+
+def _require_little_endian() -> None:
+    if sys.byteorder != "little":  # tensor bytes are copied as they are between the file and torch storage
+        raise RuntimeError("safetensors I/O here assumes a little-endian machine")
 
 
 def write_safetensors(f: IO[bytes], tensors: dict[str, torch.Tensor], metadata: dict | None = None) -> None:
     """Write `tensors` (in dict order; views are fine) to a binary file as safetensors; `metadata`: str -> str."""
+    _require_little_endian()
     header: dict[str, dict] = {"__metadata__": metadata} if metadata else {}
     for (name, t), end in zip(tensors.items(), itertools.accumulate(v.nbytes for v in tensors.values())):
         if t.dtype not in _DTYPE_NAMES:
@@ -94,6 +98,7 @@ def _read_header(f: IO[bytes]) -> tuple[dict[str, tuple], int]:
 def read_safetensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     """Every tensor of a safetensors file; a one-line ValueError naming the file if it is broken or hostile.
     Each tensor's bytes are read straight into its own storage, so peak memory is the tensors once."""
+    _require_little_endian()
     out: dict[str, torch.Tensor] = {}
     with open(path, "rb") as f:
         try:
