@@ -65,16 +65,20 @@ class FutureHeads:
     the k - 1 greedy tokens after it (gamma = 1: head 1's q is p at the root; a large gamma makes q nearly a
     point mass on the top-k) over draft_ids (default all): its guesses depend on the depth alone."""
 
-    proposer_class = type("RememberingMedusa", (Remembering, MedusaProposer), {})
+    class Proposer(Remembering, MedusaProposer):
+        """Fills its tree from its heads' logits, which read each row's history."""
 
     def __init__(self, *, gamma: float = 1.0, draft_ids: torch.Tensor | None = None) -> None:
         self.gamma, self.draft_ids = gamma, draft_ids
 
     def proposer(self, model, tree):
         ids = torch.arange(model.config.vocab_size) if self.draft_ids is None else self.draft_ids
-        proposer = self.proposer_class(
-            tree, lambda *args: self.gamma * self.ahead(model, proposer.history, *args)[..., ids], draft_ids=ids,
-            vocab_size=model.config.vocab_size, num_heads=tree.depth)  # as many heads as the tree asks for
+
+        def logits_of(*args):
+            return self.gamma * self.ahead(model, proposer.history, *args)[..., ids]
+
+        proposer = self.Proposer(tree, logits_of, draft_ids=ids, vocab_size=model.config.vocab_size,
+                                       num_heads=tree.depth)  # as many heads as the tree asks for
         return proposer
 
     def ahead(self, model, history, hidden, num):
@@ -90,7 +94,8 @@ class FutureHydraHeads(FutureHeads):
     """Dependent heads that know the future: head k, given the root and the path drafted below it, gives
     gamma x the backbone's logits after exactly that path, so each node's children come from its own q."""
 
-    proposer_class = type("RememberingHydra", (Remembering, HydraProposer), {})
+    class Proposer(Remembering, HydraProposer):
+        """Fills its tree depth by depth from its heads' logits, which read each row's history."""
 
     def ahead(self, model, history, k, hidden, paths):
         """paths [B, n, >= k] (each row's root, then the drafted path) -> [B, n, V]."""

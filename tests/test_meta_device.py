@@ -98,8 +98,9 @@ def test_meta_alone_lets_a_host_index_and_a_host_generator_through_and_cuda_rule
     gather()  # meta's own kernels accept both; CUDA does not
     host_draw()
     for refused, message in [(gather, "one device"), (host_draw, "generator on device cpu draws for device meta"),
-                             (lambda: torch.rand(3, generator=GEN), "generator on device meta draws for device cpu")]:
-        with meta_rules(), pytest.raises(RuntimeError, match=message):  # last, the device's generator on the host
+                             (lambda: torch.rand(3, generator=GEN),  # the device's generator on the host
+                              "generator on device meta draws for device cpu")]:
+        with meta_rules(), pytest.raises(RuntimeError, match=message):
             refused()
     pytest.raises(RuntimeError, torch.Generator, device=META).match("not an accelerator")
     with meta_rules():  # what CUDA takes: a host index, a host scalar, the device's generator on the device

@@ -79,8 +79,9 @@ def test_heads_loss_chunked_strided_frozen_or_over_a_draft_vocabulary_is_the_pla
     index = torch.full((50,), IGNORE).index_put_((heads.draft_ids,), torch.arange(heads.draft_ids.numel()))[y]
     assert not draft or (index < 0).any()  # some tokens lie outside the draft vocabulary
     head_logits, losses, accs = heads(hidden, model, following=next_tokens(y, 3)), [], []  # [K, B, T, M]
-    for k in range(1, 4):  # the heads' loss written plainly: head k at (b, t) against index[b, t + k] where kept
-        kept = [(head_logits[k - 1, b, t], index[b, t + k]) for b in range(4) for t in range(20 - k)
+    K, B, T, _ = head_logits.shape
+    for k in range(1, K + 1):  # the heads' loss written plainly: head k at (b, t) against index[b, t + k] where kept
+        kept = [(head_logits[k - 1, b, t], index[b, t + k]) for b in range(B) for t in range(T - k)
                 if (stride == 1 or t % stride == 1) and valid[b, t + k] and index[b, t + k] >= 0]
         got, want = map(torch.stack, zip(*kept))  # [n, M], [n]
         losses.append(F.cross_entropy(got, want))

@@ -218,8 +218,9 @@ def test_inductor_writes_and_compacts_the_kv_cache_in_place_never_copying_it_who
     model = tiny_model(block_size=80, n_layer=1).eval()  # one layer's view shows a copy as two would
     eager, compiled = (KVCache(model.config, batch_size=2, max_len=80) for _ in range(2))
     eager.lengths = compiled.lengths = torch.tensor([5, 9])
-    def compiled_in_place(fn, *args, **kwargs) -> bool:  # fn's code, compiled: no buffer of [..., max_len, hs],
-        code = run_and_get_code(torch.compile(fn, fullgraph=True), *args, **kwargs)[1]  # a layer's keys or values
+
+    def compiled_in_place(fn, *args, **kwargs) -> bool:  # fn compiled: no buffer of [..., max_len, hs]
+        code = run_and_get_code(torch.compile(fn, fullgraph=True), *args, **kwargs)[1]
         return bool(code) and not any("empty_strided" in s and ", 80, 16)" in s for c in code for s in c.splitlines())
 
     tokens = torch.tensor([[3, 1, 4], [1, 5, 9]])

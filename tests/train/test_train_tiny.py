@@ -92,8 +92,9 @@ def interrupted(argv: list[str], *, during: int, presses: int = 1, owner=MedusaL
     real, calls = getattr(owner, name), iter(range(1, 10**6))
 
     def call(*args, **kwargs):
-        for _ in range(presses if next(calls) == during else 0):
-            os.kill(os.getpid(), signal.SIGINT)
+        if next(calls) == during:
+            for _ in range(presses):
+                os.kill(os.getpid(), signal.SIGINT)
         return real(*args, **kwargs)
 
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # a shell's background job ignores SIGINT
@@ -307,7 +308,10 @@ def test_help_lists_every_flag_and_bad_flags_or_data_are_one_line_naming_it_with
     cpu = "can't allocate memory: you tried to allocate 98 bytes"  # a CPU allocator's first words: a RuntimeError
     for error, said in ((RuntimeError(f"[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: {cpu}. "
                                       "Error code 12"), cpu), (BrokenPipeError(), None)):  # CUDA's: test_compare
-        monkeypatch.setattr(train_tiny, "run", lambda args: os.makedirs(args.out) or (_ for _ in ()).throw(error))
+        def run(args, error=error):  # fails once --out is made
+            os.makedirs(args.out)
+            raise error
+        monkeypatch.setattr(train_tiny, "run", run)
         with pytest.raises(BrokenPipeError) if said is None else contextlib.nullcontext():  # exit_with's: status 1
             assert train_tiny.main([*FAST, "--out", "x"]) == 2
         assert not (tmp_path / "x").exists() and capsys.readouterr().err == ("" if said is None else f"train_tiny.py: "
@@ -357,7 +361,9 @@ def test_under_torchrun_rank_0_downloads_gpt2_alone_and_every_rank_trains_on_it(
 
     class SlowHub(http.server.SimpleHTTPRequestHandler):  # answers late: both ranks would be mid-download
         def do_GET(self):
-            asked.append(self.path) or time.sleep(1.0) or super().do_GET()
+            asked.append(self.path)
+            time.sleep(1.0)
+            super().do_GET()
 
     with http.server.ThreadingHTTPServer(("127.0.0.1", 0),
                                          functools.partial(SlowHub, directory=str(tmp_path / "hub"))) as hub:
@@ -439,7 +445,8 @@ def test_float16_loss_scaling_skips_overflows_and_resumes_exactly(tmp_path, monk
     args, ref = FAST + ["--dtype", "float16", "--heads-steps", "8"], tmp_path / "ref"
     assert train_tiny.main(args + ["--out", str(ref)]) == 0 and all(v.isfinite().all() for v in weights(ref).values())
     for during in (3, 9):  # backbone step 3, heads step 3
-        interrupted(args + ["--out", str(out := tmp_path / str(during))], during=during)
+        out = tmp_path / str(during)
+        interrupted(args + ["--out", str(out)], during=during)
         saved = torch.load(out / "train_state.pt", weights_only=True)["scaler"]  # {} from a disabled scaler
         assert saved["scale"] != 2.0**17 and saved["growth_interval"] == 1  # the scaler's own state, saved
         assert train_tiny.main(args + ["--out", str(out), "--resume"]) == 0 and same_weights(ref, out), during
