@@ -230,6 +230,12 @@ def test_a_checkpoint_without_heads_points_to_plain_decoding_only_where_it_can_r
         assert "has no Medusa heads: train heads" in err and ("or use --method plain" in err) == plain_runs, argv
 
 
+def test_a_broken_heads_accuracy_file_refuses_medusa_decoding_which_reads_it_not_plain_decoding(ckpt, tmp_path, capsys):
+    (shutil.copytree(ckpt, broken := tmp_path / "ck") / "heads_accuracy.json").write_text("[[0")
+    assert "not readable JSON" in refused(capsys, decode.main, ["--ckpt", str(broken), "--max-new-tokens", "2"])
+    assert decode.main(["--ckpt", str(broken), "--method", "plain", "--max-new-tokens", "2", "--num-prompts", "1"]) == 0
+
+
 @pytest.mark.parametrize("mode", [["--method", "rejection"], ["--reference", "--method", "rejection"],
                                   ["--compare", "--json"], ["--explain", "--method", "rejection"]])
 def test_every_generator_decode_makes_lives_on_the_models_device(ckpt, capsys, monkeypatch, mode):
