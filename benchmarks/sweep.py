@@ -46,7 +46,8 @@ def sweep(ck: Checkpoint, tables: dict, prompts: list[list[int]], ns: Namespace)
         for M, drafter in ({None: PromptLookup()} if rule.startswith("lookup") else heads).items():
             for n in ns.budgets:
                 tree = chain(n) if M is None else build_tree(table[: ck.heads.num_heads], n)[0]  # may hold more heads
-                name = f"{'prompt lookup' if M is None else f'Medusa M{M}'} {rule} {n}"  # unique: runs are kept by it
+                kind = "prompt lookup" if M is None else f"{drafter.name} M{M}"  # Medusa or Hydra heads
+                name = f"{kind} {rule} {n}"  # unique: runs are kept by it
                 try:  # a rank-r node needs a head's top r + 1: a draft vocabulary of at least r + 1 tokens
                     verified = drafter.proposer(ck.model, tree).tree.num_nodes - 1
                 except ValueError as e:
@@ -59,8 +60,9 @@ def sweep(ck: Checkpoint, tables: dict, prompts: list[list[int]], ns: Namespace)
     rows = [{**row, **info} for row, (_, info) in zip(result["rows"], specs)]
     return {"plain": {r["method"]: r for r in rows if r["plain"]}, "rows": [r for r in rows if not r["plain"]],
             "rules": list(tables), "checkpoint": ns.ckpt, "device": str(ck.model.device), "dtype": ns.dtype,
-            "num_heads": ck.heads.num_heads, "threads": torch.get_num_threads(), "temperature": ns.temperature,
-            "num_prompts": len(prompts), "max_new_tokens": ns.max_new_tokens, "repeat": ns.repeat}
+            "num_heads": ck.heads.num_heads if ck.heads else 0, "threads": torch.get_num_threads(),
+            "temperature": ns.temperature, "num_prompts": len(prompts), "max_new_tokens": ns.max_new_tokens,
+            "repeat": ns.repeat}
 
 
 def series(result: dict) -> list[tuple[str, dict, list[dict]]]:
@@ -147,18 +149,22 @@ def main(argv: list[str] | None = None) -> int:
         if ns.plot is not None:  # "" too: no file to draw into
             check_plot_path(ns.plot)
         ck = load_for_decoding(ns.ckpt, device=(device := pick_device(ns.device)), dtype=pick_dtype(ns.dtype, device))
-        if ck.heads is None:
-            raise ValueError(f"checkpoint {ns.ckpt} has no Medusa heads; train heads first")
-        ns.draft_vocab = ns.draft_vocab or (ck.heads.draft_ids.numel(),)
-        if max(ns.draft_vocab) > (V := ck.model.config.vocab_size):
-            raise ValueError(f"--draft-vocab {max(ns.draft_vocab)}: the vocabulary has {V} tokens")
-        acc = load_accuracy(ns.ckpt)  # its error says how to measure it
-        if build_tree(acc, 1)[0].num_nodes == 1:  # no node is ever accepted: every tree is the root alone
-            raise ValueError("heads_accuracy.json: no head's top guess was ever right, so every tree is the root "
-                             "alone; train the heads, then measure again")
-        drawn = load_accuracy(ns.ckpt, drawn=True)  # None where the file predates the drawn candidates' table
-        tables = {r: (drawn, True) if r == "rejection-drawn" and drawn is not None else (acc, r == "greedy")
-                  for r in RULES if r in ns.rules}  # in RULES' order
+        tables = {r: (None, False) for r in RULES if r in ns.rules}  # in RULES' order; prompt lookup reads none
+        if any(not r.startswith("lookup") for r in tables):  # heads' rules: their heads and tables
+            if ck.heads is None:
+                raise ValueError(f"checkpoint {ns.ckpt} has no Medusa heads; train heads first, or sweep lookup-greedy")
+            ns.draft_vocab = ns.draft_vocab or (ck.heads.draft_ids.numel(),)
+            if max(ns.draft_vocab) > (V := ck.model.config.vocab_size):
+                raise ValueError(f"--draft-vocab {max(ns.draft_vocab)}: the vocabulary has {V} tokens")
+            acc = load_accuracy(ns.ckpt)  # its error says how to measure it
+            if build_tree(acc, 1)[0].num_nodes == 1:  # no node is ever accepted: every tree is the root alone
+                raise ValueError("heads_accuracy.json: no head's top guess was ever right, so every tree is the root "
+                                 "alone; train the heads, then measure again")
+            drawn = load_accuracy(ns.ckpt, drawn=True)  # None where the file predates the drawn candidates' table
+            tables.update({r: (drawn, True) if r == "rejection-drawn" and drawn is not None else (acc, r == "greedy")
+                           for r in tables if not r.startswith("lookup")})
+        else:  # prompt lookup alone: no heads, no draft vocabulary
+            ns.draft_vocab = ()
         prompts = prompt_ids(ck, count=ns.num_prompts, max_new_tokens=ns.max_new_tokens)
         result = sweep(ck, tables, prompts, ns)
         if ns.plot is not None:

@@ -14,6 +14,7 @@ import decode
 from benchmarks import sweep
 from conftest import refused, save_small_checkpoint
 from medusa_mini.cli import measure
+from medusa_mini.heads import make_heads
 from medusa_mini.train.accuracy import load_accuracy, save_accuracy
 from medusa_mini.tree import build_tree, expected_tokens_per_step
 
@@ -58,6 +59,23 @@ def test_every_rule_and_budget_is_a_row_against_the_plain_decoder_of_its_tempera
     assert {r["new_tokens"] for r in run_json(medusa_ckpt, capsys, "--rules", "greedy")["rows"]} == {16}
 
 
+def test_heads_rows_are_named_by_the_heads_kind(medusa_ckpt, capsys, monkeypatch):
+    real = sweep.load_for_decoding  # the checkpoint with Hydra heads of its own size in place of its Medusa heads
+    hydra = lambda *a, **kw: dataclasses.replace(ck := real(*a, **kw), heads=make_heads(  # noqa: E731
+        dataclasses.replace(ck.heads.config, kind="hydra")))
+    for heads, loader in (("Medusa", real), ("Hydra", hydra)):
+        monkeypatch.setattr(sweep, "load_for_decoding", loader)
+        rows = run_json(medusa_ckpt, capsys, "--rules", "greedy,lookup-greedy", "--budgets", "2")["rows"]
+        assert [r["method"] for r in rows] == [f"{heads} M300 greedy 2 greedy", "prompt lookup lookup-greedy 2 greedy"]
+
+
+def test_prompt_lookup_needs_neither_heads_nor_their_table(medusa_ckpt, capsys, tmp_path):
+    bare = shutil.copytree(medusa_ckpt, tmp_path / "bare", ignore=shutil.ignore_patterns("medusa_*", "heads_*"))
+    result = run_json(str(bare), capsys, "--rules", "lookup-greedy", "--draft-vocab", "20")
+    assert [(r["rule"], r["draft_vocab"], r["same_as_plain_greedy"]) for r in result["rows"]] == [
+        ("lookup-greedy", None, True)] * 2 and result["num_heads"] == 0
+
+
 def test_each_rule_and_draft_vocabulary_gets_its_block_and_an_old_table_stands_in(medusa_ckpt, capsys, tmp_path):
     """Before the drawn table existed, heads_accuracy.json held greedy's alone: it builds the drawn candidates'
     trees, and no estimate is given for their rows, which it does not describe."""
@@ -91,7 +109,8 @@ def test_each_rule_and_draft_vocabulary_gets_its_block_and_an_old_table_stands_i
         "--budgets 0,4", "--budgets two", "--rules dynamic", "--repeat 0", "--temperature 0", "--num-prompts 0",
         "--max-new-tokens 64", "--max-new-tokens 1", "--draft-vocab 4000", "--temperature 1e39", "--temperature nan",
         "--seed 99999999999999999999", "--plot ''", "--draft-vocab 1 --max-new-tokens 8",  # draft 1 < ranks
-        "--ckpt {tmp}/unmeasured -> medusa_mini.cli.measure", "--ckpt {tmp}/never_right -> train the heads")),
+        "--ckpt {tmp}/unmeasured -> medusa_mini.cli.measure", "--ckpt {tmp}/never_right -> train the heads",
+        "--ckpt {tmp}/headless -> or sweep lookup-greedy")),
     *(("measure", case) for case in ("--num-prompts 0", "--top-k 0", "--max-new-tokens 2", "--temperature 0",
                                      "--seed -1", "--ckpt {tmp}/missing -> missing")),  # sweep's types, above
     # without prompts.json, each says how to give prompts as it takes them
@@ -100,7 +119,8 @@ def test_each_rule_and_draft_vocabulary_gets_its_block_and_an_old_table_stands_i
 ])
 def test_bad_input_is_one_line_before_any_decoding_or_write(medusa_ckpt, capsys, monkeypatch, tmp_path, script, case):
     copies = {n: shutil.copytree(medusa_ckpt, tmp_path / n, ignore=shutil.ignore_patterns(*gone)) for n, gone in (
-        ("ckpt", []), ("bare", ["prompts.json"]), ("unmeasured", ["heads_accuracy.json"]), ("never_right", []))}
+        ("ckpt", []), ("bare", ["prompts.json"]), ("unmeasured", ["heads_accuracy.json"]), ("never_right", []),
+        ("headless", ["medusa_*"]))}
     save_accuracy(copies["never_right"], torch.zeros(3, 10))  # no head's guess ever right: every tree the root
     table = (copies["ckpt"] / "heads_accuracy.json").read_text()  # what measure would replace
     monkeypatch.setattr(sweep, "compare", lambda *a, **k: pytest.fail("decoded despite bad input"))
