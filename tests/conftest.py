@@ -141,6 +141,9 @@ class ContinuationHeads(OracleHeads):
 
 WORDS = "the a cat dog sat ran on under mat tree house red blue big small quickly slowly and then".split()
 PROMPTS = ["the cat sat on the", "a big dog ran", "then the small red"]
+FAST = ["--preset", "smoke", "--max-bytes", "60000", "--vocab-size", "300", "--backbone-steps", "6",
+        "--heads-steps", "4", "--distill-prompts", "8", "--distill-tokens", "12", "--eval-prompts", "2",
+        "--batch-size", "4", "--block-size", "64", "--n-embd", "32", "--log-every", "1000"]  # train_tiny.py in seconds
 
 
 def save_tiny(directory, *, kind: str | None) -> str:
@@ -152,8 +155,7 @@ def save_tiny(directory, *, kind: str | None) -> str:
     enc = make_encoding(train_bpe(text, vocab_size=300))
     torch.manual_seed(0)
     model = peaked(GPT(GPTConfig(vocab_size=enc.n_vocab, block_size=64, n_layer=2, n_head=2, n_embd=32)))
-    with torch.no_grad():
-        model.transformer.wte.weight[enc.eot_token].zero_()  # rarely chosen, so runs reach their limits
+    torch.nn.init.zeros_(model.transformer.wte.weight[enc.eot_token])  # rarely chosen, so runs reach their limits
     heads = scrambled(make_heads(HeadsConfig(4, 32, enc.n_vocab, kind=kind))) if kind else None
     save_directory(directory, model, heads, enc, PROMPTS, extra={"eot_id": enc.eot_token})
     return str(directory)
@@ -195,8 +197,7 @@ def one_thread():
 
 def refused(capsys, main, argv: list[str]) -> str:
     """What `main` writes to stderr as it refuses argv: one line, nothing on stdout, exit status 2."""
-    exc = pytest.raises(SystemExit, main, argv)
-    out, err = capsys.readouterr()
+    exc, (out, err) = pytest.raises(SystemExit, main, argv), capsys.readouterr()
     assert exc.value.code == 2 and err.count("\n") == 1 and out == "", (err, out)
     return err
 

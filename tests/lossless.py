@@ -25,8 +25,7 @@ def small_model(seed: int, *, block_size: int = 16):
     """tiny_model on the 4-token vocabulary, its position embeddings as large as its token embeddings
     (tiny_model leaves them near zero), so a node scored at the wrong position gets a visibly different p."""
     model = tiny_model(seed, vocab_size=V, block_size=block_size)
-    with torch.no_grad():
-        model.transformer.wpe.weight.normal_(0.0, 0.3, generator=torch.Generator().manual_seed(seed))
+    torch.nn.init.normal_(model.transformer.wpe.weight, 0.0, 0.3, generator=torch.Generator().manual_seed(seed))
     return model
 
 
@@ -76,9 +75,8 @@ class FutureHeads:
 
         def logits_of(*args):
             return self.gamma * self.ahead(model, proposer.history, *args)[..., ids]
-
         proposer = self.Proposer(tree, logits_of, draft_ids=ids, vocab_size=model.config.vocab_size,
-                                       num_heads=tree.depth)  # as many heads as the tree asks for
+                                 num_heads=tree.depth)  # as many heads as the tree asks for
         return proposer
 
     def ahead(self, model, history, hidden, num):

@@ -53,8 +53,7 @@ def test_a_drafter_tree_or_sampling_of_another_type_is_a_type_error_naming_what_
 def test_a_reused_cache_gives_the_tokens_of_a_fresh_one_and_must_be_the_one_asked_for():
     """A cache kept from one generation to the next (fixed addresses, as a CUDA graph needs) is emptied
     first, so nothing of the previous generation leaks into the next."""
-    model = tiny_model(7)
-    heads, tree = random_heads(model, seed=7), Tree.from_choices([(0,), (1,), (0, 0)])
+    heads, tree = random_heads(model := tiny_model(7), seed=7), Tree.from_choices([(0,), (1,), (0, 0)])
     plain_cache, tree_cache = (KVCache(model.config, max_len=model.config.block_size + n) for n in (0, tree.num_nodes))
     for prompt in ([1, 2, 3, 4, 5, 6], torch.tensor([[9, 8]])):  # the second: shorter, [1, T], on a used cache
         assert generate(model, prompt, max_new_tokens=10, cache=plain_cache)[0] == \
@@ -111,8 +110,7 @@ def test_the_engine_emits_the_references_tokens_and_steps_with_the_same_seed(rul
     """Same tokens, same steps: the static cache, the vectorised rules and the batch change how the step is
     computed, not what it decides. (Sampled rules compare draws with probabilities that differ in the last
     bits between the two attention codes: over 4 prompts of 40 tokens no draw lands that close.) Budget 0: none."""
-    model = tiny_model(12)
-    heads = random_heads(model, seed=12, draft=24)
+    heads = random_heads(model := tiny_model(12), seed=12, draft=24)
     for seed, prompt in enumerate([[1, 2, 3], [9, 8, 7, 6, 5], [4], list(range(3, 30)), [2, 7]]):
         settings = dict(tree=TREES[tree_name], max_new_tokens=40 if seed < 4 else 0, sampling=RULES[rule])
         want = ref.medusa_generate(model, heads, prompt, generator=torch.Generator().manual_seed(seed), **settings)

@@ -57,8 +57,7 @@ def test_the_first_num_heads_alone_give_those_heads_logits_for_any_leading_dims(
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_over_a_draft_vocabulary_the_heads_give_the_full_logits_of_its_tokens(kind):
-    model = tiny_model(3)
-    heads, h, following = random_heads(model, kind=kind), torch.randn(3, C), randint(3, 4)
+    heads, h, following = random_heads(model := tiny_model(3), kind=kind), torch.randn(3, C), randint(3, 4)
     full = heads(h, model, following=following)  # [K, 3, V]
     heads.use_draft_vocabulary(shuffled(), 10)
     torch.testing.assert_close(heads(h, model, following=following), full[..., heads.draft_ids])
@@ -103,8 +102,7 @@ def test_each_node_holds_its_rank_of_its_parents_q_top_k_or_drawn_from_the_draft
     """Node i holds rank ranks[i] of q(. | its parent's path), a token of the draft vocabulary (hydra's q
     reads the path drafted above the node, Medusa's the depth alone): of its top-k, filled depth by depth; or
     of distinct draws from it with its own uniforms, each node keeping the q its children were drawn from."""
-    model = tiny_model(2)
-    heads, hidden, T = random_heads(model, kind=kind, seed=2, draft=16), torch.randn(C), 0.8
+    heads, hidden, T = random_heads(model := tiny_model(2), kind=kind, seed=2, draft=16), torch.randn(C), 0.8
     sampling, gen = (Sampling(temperature=T), torch.Generator().manual_seed(0)) if drawn else (Sampling(), None)
     proposal = propose(heads, model, tree, 7, hidden, sampling, gen)
     u = heads.proposer(model, tree).uniforms(sampling, 1, gen.manual_seed(0), device="cpu") if drawn else None  # its u
@@ -141,8 +139,7 @@ def test_dependent_heads_learn_more_and_accept_more_than_medusa_heads_trained_th
     """Medusa-1 on the frozen backbone's own greedy text (self-distillation); the backbone stays untouched."""
     model = tiny_model(6).requires_grad_(False)
     backbone, prompts = {k: v.clone() for k, v in model.state_dict().items()}, randint(24, 4)
-    seqs = self_distill(model, prompts, max_new_tokens=40, temperature=0.0)  # [24, 44]
-    losses, tokens_per_step = {}, {}
+    seqs, losses, tokens_per_step = self_distill(model, prompts, max_new_tokens=40, temperature=0.0), {}, {}  # [24, 44]
     for kind in KINDS:
         torch.manual_seed(0)
         heads = make_heads(HeadsConfig(num_heads=3, n_embd=C, vocab_size=V, kind=kind))

@@ -95,8 +95,7 @@ def test_meta_alone_lets_a_host_index_and_a_host_generator_through_and_cuda_rule
     x = torch.zeros(2, 4, device=META)
     host_index, host_generator = torch.zeros(2, 1, dtype=torch.long), torch.Generator().manual_seed(0)
     gather, host_draw = lambda: x.gather(1, host_index), lambda: torch.rand(3, device=META, generator=host_generator)
-    gather()  # meta's own kernels accept both; CUDA does not
-    host_draw()
+    assert gather().device == host_draw().device == META  # meta's own kernels accept both; CUDA does not
     for refused, message in [(gather, "one device"), (host_draw, "generator on device cpu draws for device meta"),
                              (lambda: torch.rand(3, generator=GEN),  # the device's generator on the host
                               "generator on device meta draws for device cpu")]:
@@ -114,8 +113,7 @@ def test_meta_alone_lets_a_host_index_and_a_host_generator_through_and_cuda_rule
         tree, passes.gather(1, torch.arange(passes.shape[1]).expand(passes.shape)))),
 ], ids=["a mask on the host (meta's own check)", "a gather index on the host (CudaRules)"])
 def test_a_tensor_left_on_the_host_in_the_engine_fails_the_device_run(monkeypatch, module, name, misplaced):
-    model = tiny_model().to(META)
-    proposer = meta_drafter("medusa").proposer(model, TREE)
+    proposer = meta_drafter("medusa").proposer(model := tiny_model().to(META), TREE)
     monkeypatch.setattr(module, name, misplaced)
     cache = KVCache(model.config, batch_size=2, max_len=model.config.block_size + 16, device=META)
     with meta_rules(answer_reads=True), pytest.raises(RuntimeError, match="device"):

@@ -99,8 +99,7 @@ def test_a_draft_equal_to_the_backbone_is_always_accepted_and_a_lone_top_k_child
     """q = p makes min(1, p/q) = 1: every sampled candidate is accepted, the whole chain each time; a lone top-1
     guess x (a point mass) is accepted with probability p(x), not 1/V nor another token's p."""
     tree, p = chain(2), torch.nn.functional.normalize(torch.tensor([P_ROOT, P_NODE1]).clamp_min(1e-12), p=1, dim=-1)
-    logits = torch.log(torch.stack([p[0], p[1], p[1]]))  # node 1's p is head 2's q
-    gen = torch.Generator().manual_seed(2)
+    logits, gen = torch.log(p[[0, 1, 1]]), torch.Generator().manual_seed(2)  # node 1's p is head 2's q
     for _ in range(200):
         tokens, drawn = ref.propose(torch.log(p), torch.arange(V), tree, 0, vocab_size=V, sampling=T1, generator=gen)
         path, _ = ref.rejection_accept(tree.parents, tokens, logits, sampling=T1, generator=gen, drawn=drawn)

@@ -86,8 +86,7 @@ def test_heads_loss_chunked_strided_frozen_or_over_a_draft_vocabulary_is_the_pla
         got, want = map(torch.stack, zip(*kept))  # [n, M], [n]
         losses.append(F.cross_entropy(got, want))
         accs.append((got.argmax(-1) == want).float().mean())
-    losses, accs = torch.stack(losses), torch.stack(accs)
-    ce = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+    losses, accs, ce = torch.stack(losses), torch.stack(accs), F.cross_entropy(logits.flatten(0, 1), y.flatten())
     assert metrics.get("lm", ce).item() == ce.item() and metrics["acc"].tolist() == accs.tolist()
     torch.testing.assert_close(metrics["heads"], losses.detach(), rtol=0, atol=1e-5)
     want = lm * ce + 0.5 * (torch.tensor([0.8, 0.64, 0.512]) * losses).sum()

@@ -37,8 +37,7 @@ def test_the_tree_tensors_live_on_the_device_asked_for():
 
 
 def test_node_sees_only_its_ancestors_the_nodes_of_its_path_from_the_root():
-    t = TREE.tensors()
-    seen = ["".join("x" if v else "." for v in row) for row in t.ancestor_mask.tolist()]  # row i: what node i sees
+    seen = ["".join("x" if v else "." for v in row) for row in TREE.tensors().ancestor_mask.tolist()]
     assert seen == ["x.....", "xx....", "x.x...", "xx.x..", "xx..x.", "xx.x.x"]  # 2 not 1, 4 not 3: siblings
 
 
@@ -95,8 +94,7 @@ def test_build_tree_takes_the_largest_values_in_order_so_a_dominant_top1_gives_a
 @pytest.mark.parametrize("min_gain", [0.01, 0.025, 0.05, 0.2])
 def test_where_nodes_cost_time_a_node_joins_only_while_it_adds_min_gain_of_the_tokens_so_far(min_gain):
     tree, expected = build_tree(VICUNA, 64, min_gain=min_gain)
-    n = tree.num_nodes - 1
-    assert (tree, expected) == build_tree(VICUNA, n)  # a prefix of the greedy order
+    assert (tree, expected) == build_tree(VICUNA, n := tree.num_nodes - 1)  # a prefix of the greedy order
     value = [build_tree(VICUNA, k)[1] for k in range(n + 2)]  # expected tokens per step of the first k nodes
     assert all(value[k] - value[k - 1] >= min_gain * value[k - 1] for k in range(1, n + 1))  # each joined while it paid
     assert value[n + 1] - expected < min_gain * expected  # the next one would not

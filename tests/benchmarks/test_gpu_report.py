@@ -18,10 +18,9 @@ import torch
 import decode
 import train_tiny
 from benchmarks import bench_step, gpu_report
-from conftest import refused
+from conftest import FAST, refused
 
-TRAIN = ("--max-bytes 60000 --vocab-size 300 --backbone-steps 6 --heads-steps 4 --distill-prompts 8 "
-         "--distill-tokens 12 --eval-prompts 2 --batch-size 4 --block-size 64 --n-embd 32 --log-every 1000")
+TRAIN = " ".join(FAST[2:])  # train_tiny.py's fast flags after "--preset smoke": the report picks the preset
 DECODE = "--max-new-tokens 4 --prompt 'def main():'"  # one short prompt: the report's decode part, fast
 MAINS = {"benchmarks/bench_step.py": bench_step.main, "train_tiny.py": train_tiny.main, "decode.py": decode.main}
 

@@ -60,10 +60,10 @@ def test_every_rule_and_budget_is_a_row_against_the_plain_decoder_of_its_tempera
 
 
 def test_heads_rows_are_named_by_the_heads_kind(medusa_ckpt, capsys, monkeypatch):
-    real = sweep.load_for_decoding  # the checkpoint with Hydra heads of its own size in place of its Medusa heads
-    hydra = lambda *a, **kw: dataclasses.replace(ck := real(*a, **kw), heads=make_heads(  # noqa: E731
-        dataclasses.replace(ck.heads.config, kind="hydra")))
-    for heads, loader in (("Medusa", real), ("Hydra", hydra)):
+    def with_hydra_heads(*args, **kwargs):  # the checkpoint, Hydra heads of its own size in place of its Medusa heads
+        ck = decode.load_for_decoding(*args, **kwargs)
+        return dataclasses.replace(ck, heads=make_heads(dataclasses.replace(ck.heads.config, kind="hydra")))
+    for heads, loader in (("Medusa", decode.load_for_decoding), ("Hydra", with_hydra_heads)):
         monkeypatch.setattr(sweep, "load_for_decoding", loader)
         rows = run_json(medusa_ckpt, capsys, "--rules", "greedy,lookup-greedy", "--budgets", "2")["rows"]
         assert [r["method"] for r in rows] == [f"{heads} M300 greedy 2 greedy", "prompt lookup lookup-greedy 2 greedy"]
@@ -71,9 +71,9 @@ def test_heads_rows_are_named_by_the_heads_kind(medusa_ckpt, capsys, monkeypatch
 
 def test_prompt_lookup_needs_neither_heads_nor_their_table(medusa_ckpt, capsys, tmp_path):
     bare = shutil.copytree(medusa_ckpt, tmp_path / "bare", ignore=shutil.ignore_patterns("medusa_*", "heads_*"))
-    result = run_json(str(bare), capsys, "--rules", "lookup-greedy", "--draft-vocab", "20")
-    assert [(r["rule"], r["draft_vocab"], r["same_as_plain_greedy"]) for r in result["rows"]] == [
-        ("lookup-greedy", None, True)] * 2 and result["num_heads"] == 0
+    rows = run_json(str(bare), capsys, "--rules", "lookup-greedy", "--draft-vocab", "20")["rows"]
+    assert [(r["method"], r["draft_vocab"], r["same_as_plain_greedy"]) for r in rows] == [  # budgets 2 and 4
+        ("prompt lookup lookup-greedy 2 greedy", None, True), ("prompt lookup lookup-greedy 4 greedy", None, True)]
 
 
 def test_each_rule_and_draft_vocabulary_gets_its_block_and_an_old_table_stands_in(medusa_ckpt, capsys, tmp_path):

@@ -137,8 +137,7 @@ def test_transformers_loads_a_saved_checkpoint_with_equal_logits(tmp_path):
     transformers, model = pytest.importorskip("transformers"), tiny_gpt()
     save_checkpoint(tmp_path, model, heads=tiny_heads(), eos_token_id=60)
     hf = transformers.GPT2LMHeadModel.from_pretrained(tmp_path).eval()
-    with torch.no_grad():
-        assert torch.allclose(hf(IDS).logits, outputs(model)[0], atol=1e-4)
+    assert torch.allclose(hf(IDS).logits, outputs(model)[0], atol=1e-4)
 
 
 def test_saving_heads_again_can_keep_the_backbone_file_untouched_and_saving_none_removes_them(tmp_path):

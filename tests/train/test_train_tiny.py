@@ -22,7 +22,7 @@ import torch
 
 import decode
 import train_tiny
-from conftest import ROOT
+from conftest import FAST, ROOT
 from medusa_mini.heads import HeadsConfig, frequency_order, make_heads
 from medusa_mini.io.checkpoint import load_checkpoint, save_checkpoint
 from medusa_mini.io.tokenizer import TOKENIZER_FILES, make_encoding, save_tokenizer
@@ -35,9 +35,6 @@ from medusa_mini.train.data import load_corpus, split_documents
 from medusa_mini.training import MedusaLM
 from medusa_mini.tree import build_tree, expected_tokens_per_step, preset
 
-FAST = ["--preset", "smoke", "--max-bytes", "60000", "--vocab-size", "300", "--backbone-steps", "6",
-        "--heads-steps", "4", "--distill-prompts", "8", "--distill-tokens", "12", "--eval-prompts", "2",
-        "--batch-size", "4", "--block-size", "64", "--n-embd", "32", "--log-every", "1000"]
 BAD_INPUT = [["--dtype", "float16", "--device", "cpu"], ["--n-embd", "30", "--n-head", "4"], ["--distill-prompts", "0"],
              ["--distill-temperatures", "0,-1"], ["--distill-prompt-len", "64"], ["--distill-prompt-len", "0"],
              ["--heads-batch-size", "0"], ["--resume", "--overwrite"], ["--data", "missing.txt"], ["--dtype", "float8"],
@@ -129,8 +126,7 @@ def reference_run(tmp_path_factory):
 def test_a_run_writes_a_complete_checkpoint_and_a_measured_summary(reference_run):
     out, text = reference_run
     assert set(os.listdir(out)) == {"config.json", "model.safetensors", "medusa_heads.safetensors", "prompts.json",
-                                    "medusa_config.json", "tokenizer.tiktoken", "tokenizer_config.json",
-                                    "heads_accuracy.json"}  # no resume state
+                                    "medusa_config.json", "heads_accuracy.json", *TOKENIZER_FILES}  # no resume state
     prompts = json.loads((out / "prompts.json").read_text())["prompts"]  # held out: decoding measures unseen text
     val_text = "".join(t for _, t in split_documents(load_corpus(None, max_bytes=60_000), seed=0)[1])
     assert len(prompts) == 2 and all(p in val_text for p in prompts)  # at most a third of 64 tokens each
@@ -151,8 +147,10 @@ def test_a_run_writes_a_complete_checkpoint_and_a_measured_summary(reference_run
     accept = cfg["medusa_mini"]["head_accept_sampled"]  # Σ min(p, q) per head, printed as the summary shows it
     assert len(accept) == 4 and all(0 < a < 1 for a in accept)
     assert drawn[:, 0].tolist() == pytest.approx(accept, abs=0.05)  # the drawn table's first try, on the same text
-    line = next(line for line in text.splitlines() if "Σ min(p, q) on own text at T=0.8" in line)
-    assert line.endswith("".join(f"{a:7.2f}" for a in accept))
+    own = {"Σ min(p, q) on own text": accept, "top-1 vs own greedy": acc[:, 0], "top-5 vs own": acc[:, :5].sum(1)}
+    for name, xs in own.items():  # each row printed as the checkpoint stores it
+        line = next(line for line in text.splitlines() if name in line)
+        assert line.endswith("".join(f"{float(a):7.2f}" for a in xs))
     coverage = cfg["medusa_mini"]["draft_vocab_coverage"]  # the chosen size, and 256 (< 300 tokens)
     assert list(coverage) == ["128", "256"] and f"coverage of greedy text: 128 {coverage['128']:.2f}, 256" in text
 
@@ -276,8 +274,7 @@ def test_resume_refuses_other_settings_or_text_and_a_run_never_learns_its_own_ou
 def test_help_lists_every_flag_and_bad_flags_or_data_are_one_line_naming_it_with_code_2(tmp_path, monkeypatch, capsys):
     """--help lists the presets and every hyper-parameter; only the real runs write out/tiny. A bad flag or bad
     data: exit status 2 and one line naming it from main, as `python train_tiny.py` exits with; nothing half-written."""
-    exit = pytest.raises(SystemExit, train_tiny.parse_args, ["--help"])
-    text = capsys.readouterr().out
+    exit, text = pytest.raises(SystemExit, train_tiny.parse_args, ["--help"]), capsys.readouterr().out
     assert exit.value.code == 0 and all(f"--{name.replace('_', '-')} " in text for name in TrainArgs.hyper_parameters())
     assert all(flag in text for flag in ("--preset", "--data", "--resume", "--init", "--dtype", "gpt2-cpu"))
     outs = {"--preset cpu": "out/tiny", "--preset gpu": "out/tiny", "--preset smoke": "out/smoke", "--out mine": "mine",
