@@ -46,8 +46,7 @@ def sweep(ck: Checkpoint, tables: dict, prompts: list[list[int]], ns: Namespace)
         for M, drafter in ({None: PromptLookup()} if rule.startswith("lookup") else heads).items():
             for n in ns.budgets:
                 tree = chain(n) if M is None else build_tree(table[: ck.heads.num_heads], n)[0]  # may hold more heads
-                kind = "prompt lookup" if M is None else f"{drafter.name} M{M}"  # Medusa or Hydra heads
-                name = f"{kind} {rule} {n}"  # unique: runs are kept by it
+                name = f"{'prompt lookup' if M is None else f'{drafter.name} M{M}'} {rule} {n}"  # unique: the runs' key
                 try:  # a rank-r node needs a head's top r + 1: a draft vocabulary of at least r + 1 tokens
                     verified = drafter.proposer(ck.model, tree).tree.num_nodes - 1
                 except ValueError as e:
