@@ -4,8 +4,8 @@
 
 Budget N (root excluded) decodes with `build_tree(acc, N)`, as `decode.py --tree N` does, acc the rule's table
 (`rejection-drawn`: the drawn candidates' own, where heads_accuracy.json has it); `lookup-greedy` verifies prompt
-lookup's chain of N nodes. Each row against plain decoding of its rule; greedy and drawn rows also against the
-product rule's estimate, greedy rows against plain greedy's tokens."""
+lookup's chain of N nodes, and needs no heads. Each row against plain decoding of its rule; greedy and drawn rows also
+against the product rule's estimate, greedy rows against plain greedy's tokens."""
 
 import copy
 import json
