@@ -112,6 +112,9 @@ class OneLineParser(argparse.ArgumentParser):
                 stream.reconfigure(errors="backslashreplace")
         return super().parse_known_args(*args, **kwargs)
 
+    def print_help(self, file=None) -> None:  # argparse's drops a failed write: --help to a full disk would exit 0
+        (file or sys.stdout).write(self.format_help())
+
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {' '.join(str(message).split())}\n")
 

@@ -170,6 +170,8 @@ def test_ctrl_c_a_closed_pipe_or_a_full_device_ends_every_script_quietly(stop, s
     assert pytest.raises(SystemExit, exit_with, lambda: 2).value.code == 2  # else a script's own status
     disk_full = lambda: (_ for _ in ()).throw(OSError(28, "No space left on device"))  # noqa: E731 (stdout's, say)
     assert pytest.raises(SystemExit, exit_with, disk_full).value.code == 2 and "device\n" in capsys.readouterr().err
+    monkeypatch.setattr(stdout, "write", lambda text: disk_full())  # --help too: argparse's own would exit 0
+    assert pytest.raises(SystemExit, exit_with, lambda: decode.main(["--help"])).value.code == 2
     monkeypatch.setattr(decode, "run", lambda a: (_ for _ in ()).throw(stop()))
     pytest.raises(stop, decode.main, ["--prompt", "x"])  # no OSError to report with status 2: the script ends it
     monkeypatch.setattr(argparse.ArgumentParser, "parse_known_args", lambda *args: (_ for _ in ()).throw(stop()))
