@@ -7,6 +7,7 @@ import re
 from dataclasses import Field, dataclass, field, fields
 
 from ..heads import HEAD_KINDS
+from ..sampling import FLOAT32_MAX
 
 
 class TrainError(Exception):
@@ -84,8 +85,10 @@ class TrainArgs:
             raise ValueError(f"--n-embd {self.n_embd} must be divisible by --n-head {self.n_head}")
         if why := self.context_error(self.block_size):
             raise ValueError(f"{why} (--block-size)")
-        if not re.fullmatch(r"\d+(\.\d*)?(,\d+(\.\d*)?)*", self.distill_temperatures.replace(" ", "")):
-            raise ValueError(f"--distill-temperatures must be numbers >= 0 like 0,0.8: {self.distill_temperatures!r}")
+        temps = self.distill_temperatures.replace(" ", "")
+        if not re.fullmatch(r"\d+(\.\d*)?(,\d+(\.\d*)?)*", temps) or max(map(float, temps.split(","))) > FLOAT32_MAX:
+            raise ValueError(f"--distill-temperatures must be numbers from 0 to {FLOAT32_MAX:.3g} like 0,0.8: "
+                             f"{self.distill_temperatures!r}")
         if self.preset.startswith("gpt2") and not self.init:  # else heads on a random backbone, and no word of it
             raise ValueError(f"--preset {self.preset} trains heads on GPT-2: add --init gpt2 (a larger one, a folder)")
         if self.init:  # a pretrained backbone stays frozen: heads only (Medusa-1)
