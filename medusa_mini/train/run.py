@@ -124,8 +124,8 @@ def _train(r: Run, module: MedusaLM, lrs: list[tuple[torch.nn.Module, float]], *
     saved, start = dict(optimizer=optimizer, gen=gen, scaler=scaler), state["step"] if state else 0
     t_start, t_log, strikes = time.time(), 0.0, 0
     for step in range(start, steps):
-        if r.any_rank(r.stop_requested):  # Ctrl-C on any rank: all stop at this step
-            r.save(stage=stage, step=step, **saved)
+        if r.any_rank(r.stop_requested):  # Ctrl-C on any rank: all stop at this step; at step 0 the optimizer
+            r.save(stage=stage, step=step, **(saved if step else {}))  # is unused: --resume makes it with its flags
             raise KeyboardInterrupt
         for group in optimizer.param_groups:
             group["lr"] = cosine_lr(step, steps, lr=group["base_lr"])

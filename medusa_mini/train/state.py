@@ -74,15 +74,16 @@ class Run:
 
     def write(self, path: str, writer: Writer) -> None:
         """`writer`'s file at `path` (the resume state, the held-out prompts), then the checkpoint. The first save
-        writes the tokenizer and removes --overwrite's old checkpoint (a run that stops before then leaves it whole)."""
+        writes the state, then the tokenizer, and removes --overwrite's old checkpoint (a run that stops or fails, a
+        full disk, before then leaves it whole; after, it leaves a state to --resume)."""
+        atomic_write(path, writer)
         if not self.model_written:  # the first save: later, this run's files are there already
-            for name in (CONFIG_FILE, STATE_FILE, accuracy.ACCURACY_FILE, PROMPTS_FILE) if self.args.overwrite else ():
+            for name in (CONFIG_FILE, accuracy.ACCURACY_FILE, PROMPTS_FILE) if self.args.overwrite else ():
                 try:
                     remove_file(os.path.join(self.args.out, name))
                 except OSError as e:
                     raise TrainError(f"--overwrite: cannot remove {e.filename} ({e.strerror})") from None
             save_tokenizer(self.enc, self.args.out)
-        atomic_write(path, writer)
         # A pretrained backbone never changes: written once, not copied again (gigabytes) at every save.
         save_checkpoint(self.args.out, self.model, heads=self.heads, extra=self.extra,
                         eos_token_id=self.extra["eot_id"], write_model=not (self.args.init and self.model_written))
@@ -115,7 +116,8 @@ class Run:
         if self.stop_requested:
             raise KeyboardInterrupt
         self.stop_requested = True
-        print("\nCtrl-C: saving after this step (press again to stop at once)", flush=True)
+        with contextlib.suppress(OSError):  # to the terminal: `| tee`, stopped by the same Ctrl-C, reads stdout
+            print("\nCtrl-C: saving after this step (press again to stop at once)", file=sys.stderr, flush=True)
 
     def any_rank(self, flag: bool) -> bool:
         """True if `flag` is true on any rank (all ranks must ask); host memory only, the GPU is not waited for."""

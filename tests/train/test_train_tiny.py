@@ -45,7 +45,8 @@ BAD_INPUT = [["--dtype", "float16", "--device", "cpu"], ["--n-embd", "30", "--n-
              ["--batch-size", "0"], ["--device", "tpu9"], ["--heads", "eagle"], ["--num-heads", "0"], ["--medusa", "3"],
              ["--max-bytes", "0"], ["--init", "nope"], ["--n-layer", "0"], ["--n-head", "0"], ["--n-embd", "0"],
              ["--lr", "nan"], ["--lr", "inf"], ["--lr", "-1"], ["--out", "z"], ["--out", ""], ["--resume"],
-             ["--data", ""], ["--init", ""], ["--eval-prompts", "1001"], ["--preset", "gpt2-cpu"]]
+             ["--data", ""], ["--init", ""], ["--eval-prompts", "1001"], ["--preset", "gpt2-cpu"],
+             ["--distill-temperatures", "4" + "0" * 38]]  # above float32's largest number
 # train_tiny.py as two DDP ranks, under torchrun (one run) or forked from one process (one torch import): for each run
 # [Ctrl-C on rank 0 in step n (0: never), *args] of argv[1], prints "exit 0|1"; GPT-2 tokenizer: bytes (no network).
 WORKER = r'''
@@ -173,7 +174,7 @@ def test_after_ctrl_c_a_resumed_run_ends_as_an_uninterrupted_one(tmp_path, durin
 
 
 def test_a_run_never_replaces_a_checkpoint_unless_told_to_and_a_second_ctrl_c_stops_at_once(tmp_path, reference_run,
-                                                                                             capsys):
+                                                                                             capsys, monkeypatch):
     """A checkpoint in --out is refused, its files untouched, and so is an --overwrite whose data is bad or whose run
     fails or stops before its first save; that save unmakes the old checkpoint: never a mix of the two runs' files."""
     shutil.copytree(reference_run[0], out := tmp_path / "out")
@@ -181,6 +182,9 @@ def test_a_run_never_replaces_a_checkpoint_unless_told_to_and_a_second_ctrl_c_st
     refused = ([], "--overwrite"), (["--resume"], "--overwrite"), (["--overwrite", "--data", "no.x"], "no.x")
     for extra, error in (*refused, (["--overwrite", "--lr", "1e30"], "not finite")):  # failed before its first save
         assert train_tiny.main(FAST + ["--out", str(out), *extra]) == 2 and error in capsys.readouterr().err
+    monkeypatch.setattr(state_mod, "atomic_write", lambda *a: (_ for _ in ()).throw(OSError(28, "disk full")))
+    pytest.raises(OSError, train_tiny.main, FAST + ["--out", str(out), "--overwrite"])  # its first save: the state
+    monkeypatch.undo()
     assert {f.name: f.read_bytes() for f in out.iterdir()} == before
     interrupted(FAST + ["--out", str(out), "--overwrite"], during=2, presses=2)  # stopped before its first save
     assert "before anything was saved" in capsys.readouterr().err
@@ -316,24 +320,33 @@ def test_help_lists_every_flag_and_bad_flags_or_data_are_one_line_naming_it_with
             "with --resume)\n")
 
 
-def test_out_of_memory_as_the_heads_begin_resumes_with_fewer_heads_sequences_as_if_begun_so(tmp_path, monkeypatch):
-    oom = RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 9 bytes. Error code 12")
-    monkeypatch.setattr(run_mod, "heads_stage", lambda r, state: (_ for _ in ()).throw(oom))
-    assert train_tiny.main(args := [*FAST, "--out", str(tmp_path / "run")]) == 2
-    monkeypatch.undo()  # the backbone kept: at a stage's step 0, --resume takes its settings (and later ones') anew
+@pytest.mark.parametrize("stop", ["out of memory", "Ctrl-C"])  # Ctrl-C saves at the heads' step 0: no lr kept
+def test_stopped_as_the_heads_begin_a_resume_takes_new_heads_settings_as_if_begun_so(stop, tmp_path, monkeypatch):
+    if stop == "Ctrl-C":
+        interrupted(args := [*FAST, "--out", str(tmp_path / "run")], during=1, owner=run_mod, name="self_distill")
+    else:
+        oom = RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 9 bytes. Error code 12")
+        monkeypatch.setattr(run_mod, "heads_stage", lambda r, state: (_ for _ in ()).throw(oom))
+        assert train_tiny.main(args := [*FAST, "--out", str(tmp_path / "run")]) == 2
+        monkeypatch.undo()  # the backbone kept: at a stage's step 0, --resume takes its settings (and later ones') anew
     assert train_tiny.main(args + ["--resume", "--lr", "2e-3"]) == 2  # a finished stage's stay
     fewer, fresh = ["--heads-batch-size", "2", "--heads-lr", "2e-3"], str(tmp_path / "fresh")
     assert train_tiny.main(args + ["--resume", *fewer]) == 0 and train_tiny.main([*FAST, "--out", fresh, *fewer]) == 0
     assert same_weights(tmp_path / "run", fresh)
 
 
-def test_output_that_cannot_be_written_stops_the_run_saved_as_ctrl_c_does(tmp_path, monkeypatch, capsys, reference_run):
+@pytest.mark.parametrize("said", ["output failed (Broken pipe): saving", "Ctrl-C: saving"])  # `| tee`, Ctrl-C'd
+def test_output_that_cannot_be_written_stops_the_run_saved_as_ctrl_c_does(said, tmp_path, monkeypatch, capsys,
+                                                                            reference_run):
     lines, real = iter(range(10**6)), print  # `| head -3`: the fourth line meets a closed pipe
     monkeypatch.setattr("builtins.print", lambda *a, **k: real(*a, **k) if k.get("file") or next(lines) < 3 else
                         (_ for _ in ()).throw(BrokenPipeError(32, "Broken pipe")))
-    assert train_tiny.main(args := [*FAST, "--out", str(tmp_path / "out")]) == 130
+    if said.startswith("Ctrl-C"):  # in step 2, whose stdout's reader the same Ctrl-C stopped
+        interrupted(args := [*FAST, "--out", str(tmp_path / "out")], during=2)
+    else:
+        assert train_tiny.main(args := [*FAST, "--out", str(tmp_path / "out")]) == 130
     monkeypatch.undo()
-    assert "output failed (Broken pipe): saving" in (err := capsys.readouterr().err) and "progress saved" in err
+    assert said in (err := capsys.readouterr().err) and "progress saved" in err
     assert train_tiny.main(args + ["--resume"]) == 0 and same_weights(reference_run[0], tmp_path / "out")
 
 
