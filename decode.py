@@ -238,8 +238,8 @@ def print_each(engine: Engine, method: Method, prompts: list[tuple[str, list[int
                 print(json.dumps({"prompt": text, "method": method.key, "tokens": tokens, "text": ck.enc.decode(
                     [t for t in tokens if t != ck.eot_id]), **vars(stats), "tokens_per_step": stats.tokens_per_step,
                     **dict.fromkeys(("step_tokens", "accepted_nodes") if method.reference else ()),
-                    "batch_size": len(chunk), "temperature": a.temperature}, ensure_ascii=False))
-                continue
+                    "batch_size": len(chunk), "temperature": a.temperature, "top_p": a.top_p}))
+                continue  # JSON in ASCII (\u escapes): valid in any encoding of stdout
             if not streamed:
                 printer = announce(first + row)
                 printer(tokens)

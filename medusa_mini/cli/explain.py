@@ -15,7 +15,7 @@ from ..heads import HeadsConfig, MedusaHeads
 from ..io.loading import Checkpoint
 from ..io.tokenizer import make_encoding, train_bpe
 from ..model import GPT, GPTConfig
-from ..sampling import Sampling, typical_threshold
+from ..sampling import Sampling, scaled, typical_threshold
 from ..train.data import get_batch
 from ..training import MedusaLM
 from ..tree import Tree
@@ -46,7 +46,7 @@ def _snippet(text: str, limit: int = 70) -> str:
 
 def _guesses(enc: tiktoken.Encoding, logits: torch.Tensor, k: int, ids: torch.Tensor | None = None, *,
              temperature: float) -> str:  # the probabilities at the rule's temperature (greedy's argmax: at 1)
-    top = torch.softmax(logits.float() / (temperature or 1.0), dim=-1).topk(k)
+    top = torch.softmax(scaled(logits, temperature or 1.0), dim=-1).topk(k)  # a tiny T: near greedy's, not NaN
     pairs = zip(top.values.tolist(), (top.indices if ids is None else ids[top.indices]).tolist())
     return ", ".join(f"#{r} {token_text(enc, t)} ({p:.2f})" for r, (p, t) in enumerate(pairs))
 

@@ -53,6 +53,7 @@ def test_explain_walks_through_one_step_of_either_kind_of_heads(ckpt, tiny_ckpt,
         hot = run(capsys, "--ckpt", ckpt, "--explain", *rule, "--temperature", "2").splitlines()
         assert sum(s.startswith(("Backbone's top", "head 1 ")) and s not in hot for s in out.splitlines()) == 2, hot
         assert run(capsys, "--ckpt", ckpt, "--explain", *rule, "--seed", "1") != out
+        assert "nan" not in run(capsys, "--ckpt", ckpt, "--explain", *rule, "--temperature", "1e-38")  # below tiny
     if heads == "medusa" and not rule:  # the step decides as decoding's first: the same root, then the same tokens
         o, enc = objects(capsys, "--ckpt", ckpt)[0], decode.load_for_decoding(ckpt, device="cpu").enc
         n = o["step_tokens"][0]  # a confirmed child (✓) where the step accepted one; the cache holds prompt + n
@@ -141,11 +142,14 @@ def test_the_demo_explains_a_step_without_any_checkpoint_and_refuses_a_tree_or_a
     assert out.startswith("DEMO:") and "accepted path" in out and "7. Result" in out and steps == [0, 0, 0, None]
 
 
-def test_a_console_that_cannot_encode_the_trees_lines_shows_escapes_not_an_error(ckpt, monkeypatch):
+def test_a_console_that_cannot_encode_the_trees_lines_shows_escapes_and_json_its_own(ckpt, monkeypatch):
     monkeypatch.setattr(sys, "stdout", console := io.TextIOWrapper(io.BytesIO(), encoding="cp1252"))  # Windows'
     monkeypatch.setenv("HOME", os.path.dirname(ckpt))  # and --ckpt=~/..., which no shell expands
     assert decode.main([f"--ckpt=~/{os.path.basename(ckpt)}", "--show", "--max-new-tokens", "2"]) == 0
     assert console.flush() is None and "\\u251c\\u2500" in console.buffer.getvalue().decode("cp1252")  # ├─
+    monkeypatch.setattr(sys, "stdout", console := io.TextIOWrapper(io.BytesIO(), encoding="cp1252"))
+    assert decode.main(["--ckpt", ckpt, "--prompt", "café 🎉", "--max-new-tokens", "2", "--json"]) == 0
+    assert console.flush() is None and json.loads(console.buffer.getvalue())["prompt"] == "café 🎉"
 
 
 def test_as_a_process_a_sampled_run_repeats_its_tokens(ckpt, capsys):
