@@ -134,8 +134,9 @@ def prepare(a: argparse.Namespace) -> tuple:
     hint = f"{unfinished}; or pass --prompt TEXT" if unfinished else "pass prompts with --prompt TEXT"
     texts = a.prompt or ([text] if a.demo else load_prompts(a.ckpt, hint=hint))
     texts = texts[: a.num_prompts or (len(texts) if a.prompt else NUM_PROMPTS)]  # --num-prompts takes the first N
-    if not (a.prompt or a.demo) and len(texts) < (a.num_prompts or 0):  # fewer stored than asked for: say so
-        print(f"note: {PROMPTS_FILE} holds {len(texts)} prompts, not {a.num_prompts}: decoding those", file=sys.stderr)
+    if not a.demo and len(texts) < (a.num_prompts or 0):  # fewer given or stored than asked for: say so
+        print(f"note: {'--prompt gives' if a.prompt else PROMPTS_FILE + ' holds'} {len(texts)} prompts, not "
+              f"{a.num_prompts}: decoding those", file=sys.stderr)
     medusa = a.method != "plain"  # --compare takes no --method, --explain refuses plain
     if ck.heads is None and medusa:
         plain_runs = not (a.compare or a.explain or a.reference)  # each of these decodes with heads
@@ -186,7 +187,7 @@ def compiled(engine: Engine, methods: list[Method], a: argparse.Namespace, promp
         for rows in {min(B, n), n % B} - {0} - warmed:  # B at a time: the last batch is smaller
             seconds += warm_up(model, engine.steps, engine.caches, rows=rows, plain=plain, proposers=proposers)
             warmed.add(rows)
-        what = "the plain step" + " and Medusa's steps" * bool(proposers)  # --method plain compiles no verify
+        what = " and ".join(["the plain step"] * bool(plain) + ["Medusa's steps"] * bool(proposers))  # those warmed
         print(f"compiled {what} in {seconds:.1f} s (batch {B}; not in any timing)", file=sys.stderr)
         return seconds
     return warm
@@ -289,7 +290,7 @@ def run(a: argparse.Namespace) -> None:
         if a.compile:  # its one batch size, before any timing
             compiled(engine, [method], a, len(prompts))(a.batch_size)
         print_each(engine, method, prompts, a, method.label + f", tree {tree_name}" * (tree is not None)
-                   + f", {a.batch_size} per batch" * (a.batch_size > 1))
+                   + f", {min(a.batch_size, len(prompts))} per batch" * (min(a.batch_size, len(prompts)) > 1))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -200,10 +200,11 @@ def format_table(result: dict) -> str:
                 if batches else "speedup ≈ tokens/step ÷ step cost.")
     compiled, drawn = result.get("compile_warmup_s"), result.get("drawn_tree_nodes")  # None: the others' tree
     lines += ["\ndevice {device}, {dtype}, {threads} thread{ts}; {prompts} prompt{ps}; tree {tree} ({tree_nodes} nodes "
-              "incl. root{drawn}; prompt lookup: a chain of up to {lookup_nodes}); max-new-tokens {max_new_tokens}; "
-              "top-p {top_p:g}{compiled}; {heads} heads; Medusa rejection candidates: drawn from q".format(
+              "incl. root{drawn}{lookup}); max-new-tokens {max_new_tokens}; top-p {top_p:g}{compiled}; {heads} "
+              "heads; {heads} rejection candidates: drawn from q".format(
                   **result, ts="s" * (result["threads"] != 1), ps="s" * (result["prompts"] != 1),
-                  drawn="" if drawn is None else f"; Medusa rejection's, from its own table: {drawn}",
+                  drawn="" if drawn is None else f"; {result['heads']} rejection's, from its own table: {drawn}",
+                  lookup="" if batches else f"; prompt lookup: a chain of up to {result['lookup_nodes']}",
                   compiled="" if compiled is None else f"; steps compiled in {compiled:.1f} s (not timed)"),
               f"Note: {BONUS_NOTE}; plain decoding is exactly 1.00.\nTokens count the prefill's too, which no step "
               f"makes. Step cost: ms per step over the plain decoder's: {identity} Times include the prefill; "
@@ -229,8 +230,8 @@ def format_table(result: dict) -> str:
                      + " taken B at a time; tokens/s counts every row's new tokens over the whole run.")
         drafters = dict.fromkeys(r["key"] for r in result["rows"] if not r["plain"])
         return "\n".join(lines + [why_line([r for r in result["rows"] if r["key"] == key]) for key in drafters])
-    lines.append(f"\n{'prompt':<8}{'prompt lookup':>15}{'Medusa':>8}{'repeats':>9}   (greedy tokens/step; repeats: "
-                 "new tokens equal to the one before)")
+    lines.append(f"\n{'prompt':<8}{'prompt lookup':>15}{result['heads']:>8}{'repeats':>9}   (greedy tokens/step; "
+                 "repeats: new tokens equal to the one before)")
     return "\n".join(lines + [f"{p['prompt'] + 1:<8}{p['prompt_lookup_greedy']:>15.2f}{p['medusa_greedy']:>8.2f}"
                               f"{p['repeats']:>9.0%}" for p in result["per_prompt"]])
 

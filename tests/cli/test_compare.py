@@ -57,7 +57,9 @@ def test_greedy_rows_are_plain_greedys_the_reference_the_engines_each_on_its_tre
                      for d in (True, False))
     assert drawn != greedy and trees == {key: {{"plain": None, "prompt": chain(8).choices}.get(
         key.split("_")[0], drawn if key.endswith("rejection") else greedy)} for key in rows}
-    out = format_table(result)
+    out, hydra = format_table(result), format_table({**result, "heads": "Hydra"})  # the settings name the heads
+    settings = next(line for line in hydra.splitlines() if line.startswith("device "))
+    assert "Hydra rejection's" in settings and "Medusa" not in settings and "prompt lookup   Hydra" in hydra
     for key, r in rows.items():  # every column from its own field
         line = next(line for line in out.splitlines() if line.startswith(r["method"] + " "))
         assert line[32:].split()[:6] == [str(r["new_tokens"]), str(r["steps"]), f"{r['tokens_per_step']:.2f}",
@@ -140,6 +142,7 @@ def test_the_batch_table_says_where_medusa_stops_paying_and_ends_where_memory_do
     assert result["compile_warmup_s"] == (2.0 if compiling else None)  # batches 1 and 2
     assert "4 prompts (3 distinct, cycled)" in format_table(result) and "distinct" not in format_table(
         {**result, "prompts": 3})
+    assert "prompt lookup" not in format_table(result)  # none of its rows
     rows = result["rows"]
     assert [(r["key"], r["batch_size"]) for r in rows] == [(k, b) for b in (1, 2) for k in (
         "plain_greedy", "medusa_greedy", "plain_sampling", "medusa_rejection")]

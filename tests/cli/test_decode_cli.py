@@ -114,6 +114,7 @@ def test_json_is_an_object_per_prompt_and_a_batch_decodes_each_prompt_as_if_alon
     batched = objects(capsys, *argv, "--batch-size", "2")  # 3 prompts: batches of 2 and 1
     assert [(o["tokens"], o["batch_size"]) for o in batched] == [(o["tokens"], B) for o, B in zip(alone, (2, 2, 1))]
     assert run(capsys, *argv, "--batch-size", "2").count(" ms/token over its batch of 2,") == 2
+    assert ", 3 per batch ===" in run(capsys, *argv, "--batch-size", "8")  # what a batch holds, not what it may
     monkeypatch.setattr(decode, "timed", lambda device, fn: (fn(), 2.8))  # each batch's decoding: 2.8 s
     assert run(capsys, *argv, "--batch-size", "2").count(" 100.0 ms/token over its batch of 2, stopped after "
                                                          "max-new-tokens (14)") == 2  # 2.8 s over 28 tokens
@@ -126,6 +127,8 @@ def test_json_is_an_object_per_prompt_and_a_batch_decodes_each_prompt_as_if_alon
         out, err = capsys.readouterr()
         assert (len(out.splitlines()), err) == (3, note)
     given = objects(capsys, "--ckpt", ckpt, "--max-new-tokens=2", *["--prompt=a", "--prompt=b"] * 2, "--num-prompts=3")
+    assert decode.main(["--ckpt", ckpt, "--max-new-tokens=2", "--prompt=a", "--num-prompts=2"]) == 0
+    assert capsys.readouterr().err == "note: --prompt gives 1 prompts, not 2: decoding those\n"
     assert [o["prompt"] for o in given] == ["a", "b", "a"]  # --num-prompts takes the first N of --prompt's too
 
 
