@@ -11,8 +11,7 @@ from medusa_mini import KVCache, PromptLookup, Sampling, Tree, chain, preset, st
 from medusa_mini import reference as ref
 from medusa_mini.decoding import generate, generate_batch, medusa_generate, medusa_generate_batch, prefill
 
-TREES = {
-    "chain": chain(4), "one": chain(1), "cpu": preset("cpu"), "gpu": preset("gpu"),  # one: head 1 alone, one level
+TREES = {"chain": chain(4), "one": chain(1), "cpu": preset("cpu"), "gpu": preset("gpu"),  # one: head 1 alone, one level
     "wide": Tree.from_choices([(r,) for r in range(8)] + [(0, r) for r in range(4)]),
     "deep": Tree.from_choices([(0,) * d for d in range(1, 5)] + [(1,), (1, 0), (0, 1), (0, 1, 0)])}
 

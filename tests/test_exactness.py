@@ -109,8 +109,7 @@ def rejection(temperature=0.8, **settings):
 
 # q = softmax(gamma x logits / T): gamma 20 makes each head's draws nearly its top-k, so a node's later
 # candidates are tried against a q far from the whole one; gamma 2 keeps q sharper than p, so tries fail.
-CASES = {
-    "plain-top-p-eos": Case(None, Sampling(temperature=0.8, top_p=0.8), rows=2000, deepest=0, n=3, eos_id=3),
+CASES = {"plain-top-p-eos": Case(None, Sampling(temperature=0.8, top_p=0.8), rows=2000, deepest=0, n=3, eos_id=3),
     "top-k-top-p": Case(FutureHeads(gamma=2.0), rejection(top_p=0.8, candidates="topk"), rows=1500, deepest=2),
     "drawn-depth-3-rank-gap": Case(FutureHeads(gamma=20.0), rejection(), rows=700, deepest=3, tree=GAP_TREE, n=5),
     "drawn-top-p-eos": Case(FutureHeads(gamma=2.0), rejection(top_p=0.8), rows=600, deepest=2, tree=GAP_TREE, eos_id=0),
@@ -123,8 +122,7 @@ CASES = {
                                tree=GAP_TREE, block_size=6, max_new_tokens=8),
     # A 4-token continuation is verified on a chain of 4, one node deeper than the 5 new tokens allow.
     "prompt-lookup": Case(PromptLookup(), rejection(), rows=800, deepest=3, tree=chain(4), n=5,
-                          prompts=((0, 3, 0, 2, 2, 2, 2, 0, 3),)),
-}
+                          prompts=((0, 3, 0, 2, 2, 2, 2, 0, 3),))}
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -125,8 +125,7 @@ def test_each_node_holds_its_rank_of_its_parents_q_top_k_or_drawn_from_the_draft
 def test_teacher_forced_argmaxes_along_the_chain_the_heads_drafted_are_that_chain(kind):
     """Training feeds the true next tokens (`next_tokens`), decoding the drafted ones. Along a chain the
     heads drafted themselves the two paths are one, so the teacher-forced argmaxes are that chain."""
-    model, prompt = tiny_model(5), [3, 1, 4, 1, 5]
-    heads = random_heads(model, kind=kind, seed=5, draft=16)
+    heads, prompt = random_heads(model := tiny_model(5), kind=kind, seed=5, draft=16), [3, 1, 4, 1, 5]
     logits, hidden = model(torch.tensor([prompt]))  # hidden [1, 5, C]
     root = int(logits[0, -1].argmax())
     drafted = propose(heads, model, chain(4), root, hidden[0, -1]).tokens[0].tolist()  # root, then 4 guesses

@@ -64,8 +64,7 @@ def test_greedy_descends_while_the_argmax_is_a_child_and_emits_the_backbones_tok
 P_ROOT = [0.1, 0.2, 0.3, 0.4, 0.0]  # p at the root
 P_NODE1 = [0.5, 0.25, 0.0, 0.0, 0.25]  # p at every node below it
 P_OTHER = [0.2] * 5
-Q_HEAD1 = [0.05, 0.05, 0.6, 0.1, 0.2]  # q puts most mass on token 2, p (P_ROOT) on token 3
-Q_HEAD2 = [0.1, 0.6, 0.1, 0.1, 0.1]
+Q_HEADS = [[0.05, 0.05, 0.6, 0.1, 0.2], [0.1, 0.6, 0.1, 0.1, 0.1]]  # head 1's q: most mass on token 2, P_ROOT on 3
 TWO_BY_TWO = [(0,), (1,), (0, 0), (0, 1)]
 
 
@@ -79,7 +78,7 @@ def test_rejection_sampling_emits_tokens_with_exactly_the_backbones_probabilitie
     residual norm(max(0, p - q))), with rank 1 drawn without rank 0, and over a draft vocabulary."""
     tree, draft_ids = Tree.from_choices(choices), torch.tensor(draft_ids)
     logits = logits_from([P_ROOT] + [P_NODE1] * (tree.num_nodes - 1))
-    head_logits = torch.log(torch.tensor([Q_HEAD1, Q_HEAD2]))[:, draft_ids]  # [K, M]
+    head_logits = torch.log(torch.tensor(Q_HEADS))[:, draft_ids]  # [K, M]
     gen, first, second, accepted = torch.Generator().manual_seed(0), Counter(), Counter(), 0
     for _ in range(4000):
         tokens, drawn = ref.propose(head_logits, draft_ids, tree, 0, vocab_size=V, sampling=sampling, generator=gen)

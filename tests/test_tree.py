@@ -12,12 +12,9 @@ from conftest import VICUNA, random_tree
 from medusa_mini import reference as ref
 from medusa_mini.tree import Tree, build_tree, chain, expected_tokens_per_step, preset
 
-#   0 root
-#   ├─ 1 (0,)      head 1 rank 0
-#   │  ├─ 3 (0,0)  head 2 rank 0
-#   │  │  └─ 5 (0,0,0)
-#   │  └─ 4 (0,1)  head 2 rank 1
-#   └─ 2 (1,)      head 1 rank 1
+#   0 root ─┬─ 1 (0,) ─┬─ 3 (0,0) ── 5 (0,0,0)    node (c): head len(c)'s guess of rank c[-1]
+#           │          └─ 4 (0,1)
+#           └─ 2 (1,)
 TREE = Tree.from_choices([(1,), (0, 0, 0), (0,), (0, 1), (0, 0)])  # the choices deliberately unsorted
 ACC_HAND = torch.tensor([[0.6, 0.2, 0.1], [0.4, 0.2, 0.1], [0.3, 0.1, 0.05]])  # acc[head][rank]
 

@@ -106,8 +106,7 @@ def test_on_cuda_each_part_compiles_keeps_its_lines_and_names_what_failed(tmp_pa
     "--decode-flags '--batch-size 2' -> the report sets --batch-size itself",
     "--decode-flags=--dtype=float32 -> the report sets --dtype itself", "--step-flags=--json -> sets --json itself",
     "--step-flags '--configs tiny' -> --step-flags: the report sets --configs itself",
-    "--decode-flags '--dev cpu' -> the report sets --dev itself",  # argparse takes a prefix as the flag
-])
+    "--decode-flags '--dev cpu' -> the report sets --dev itself"])  # argparse takes a prefix as the flag
 def test_bad_flags_exit_2_with_one_line_before_any_part_runs(tmp_path, capsys, monkeypatch, case):
     faked(monkeypatch, lambda argv: pytest.fail(f"ran {argv} despite a bad flag"))
     (stopped := tmp_path / "stopped").mkdir()  # what a train part stopped after a save leaves

@@ -114,9 +114,8 @@ def test_each_rule_and_draft_vocabulary_gets_its_block_and_an_old_table_stands_i
     *(("measure", case) for case in ("--num-prompts 0", "--top-k 0", "--max-new-tokens 2", "--temperature 0",
                                      "--seed -1", "--ckpt {tmp}/missing -> missing")),  # sweep's types, above
     # without prompts.json, each says how to give prompts as it takes them
-    ("sweep", "--ckpt {tmp}/bare -> train_tiny.py writes it"), ("measure", "--ckpt {tmp}/bare -> train_tiny.py "
-     "writes it"), ("decode", "--ckpt {tmp}/bare -> --prompt TEXT"),
-])
+    *((script, "--ckpt {tmp}/bare -> train_tiny.py writes it") for script in ("sweep", "measure")),
+    ("decode", "--ckpt {tmp}/bare -> --prompt TEXT")])
 def test_bad_input_is_one_line_before_any_decoding_or_write(medusa_ckpt, capsys, monkeypatch, tmp_path, script, case):
     copies = {n: shutil.copytree(medusa_ckpt, tmp_path / n, ignore=shutil.ignore_patterns(*gone)) for n, gone in (
         ("ckpt", []), ("bare", ["prompts.json"]), ("unmeasured", ["heads_accuracy.json"]), ("never_right", []),

@@ -19,8 +19,7 @@ from medusa_mini.model import GPT, GPTConfig
 CHECKPOINT_FILES, HEADS_FILES = {"config.json", "model.safetensors"}, {"medusa_heads.safetensors", "medusa_config.json"}
 IDS = torch.tensor([[3, 14, 15, 9, 26, 5, 35, 8]])  # [B, T]
 BROKEN = {  # file: [(what is written there, what the error says)]; a dict updates its JSON ("delete" removes a key)
-    "config.json": [
-        (None, "config.json is missing; save the checkpoint again"), (b"{not json", "is not readable JSON"),
+    "config.json": [(None, "config.json is missing; save the checkpoint again"), (b"{not json", "is not readable JSON"),
         (b"[]", "JSON object"), (b"[" * 10**5, "not readable JSON"),
         ({"model_type": "llama"}, "model_type is 'llama'"), ({"n_head": 0}, "n_head must be an integer > 0, not 0"),
         ({"activation_function": "relu"}, "activation_function='relu'"), ({"n_head": "delete"}, "missing 'n_head'"),

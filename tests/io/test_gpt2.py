@@ -176,15 +176,13 @@ def hub(monkeypatch):
 
 
 @pytest.mark.parametrize("part, faults, ranges", [
-    (b"", [], [None]),  # a plain download
-    (b"", ["no-length"], [None]),  # a server that does not say how long the file is
+    (b"", [], [None]), (b"", ["no-length"], [None]),  # a plain download, and one from a server sending no length
     (b"", ["drop"], [None, "bytes=512000-"]),  # a dropped connection is resumed within one call
     (b"", ["drop", "no-range"], [None, "bytes=512000-"]),  # a server ignoring Range: start over
     (DATA[:512000], [], ["bytes=512000-"]),  # the .part file an interrupted call left is resumed
     (DATA[:512000], ["shifted"], ["bytes=512000-", None]),  # a part from elsewhere than asked: start over
     (DATA, [], [f"bytes={len(DATA)}-"]),  # a complete .part file (stopped before the rename) is kept
-    (DATA + b"!", [], [f"bytes={len(DATA) + 1}-", None]),  # a .part file longer than the file: start over
-])
+    (DATA + b"!", [], [f"bytes={len(DATA) + 1}-", None])])  # a .part file longer than the file: start over
 def test_a_download_shows_progress_and_resumes_a_broken_connection_or_a_part_file(hub, tmp_path, capsys, part, faults,
                                                                                   ranges):
     hub.files["/f"], hub.faults["/f"] = DATA, list(faults)
@@ -206,9 +204,7 @@ def test_a_downloaded_file_that_is_no_gpt2_file_is_not_kept(hub, tmp_path, monke
 
 @pytest.mark.parametrize("faults, match", [
     (["drop"] * 3, "interrupted .* run again to resume"),  # the .part file stays for the next call
-    ([404], r"HTTP 404 .* for http://127\.0\.0\.1:\d+/f$"),
-    ([], "cannot connect"),  # to a port nobody listens on
-])
+    ([404], r"HTTP 404 .* for http://127\.0\.0\.1:\d+/f$"), ([], "cannot connect")])  # to a port nobody listens on
 def test_a_failed_download_is_one_clear_line_and_leaves_no_file(hub, tmp_path, faults, match):
     hub.files["/f"], hub.faults["/f"] = DATA, list(faults)
     with socket.socket() as s:  # a port free a moment ago: nobody listens there

@@ -69,8 +69,7 @@ def entry(dtype: str, shape: list, begin: int, end: int) -> dict:
     return {"dtype": dtype, "shape": shape, "data_offsets": [begin, end]}
 
 
-HOSTILE = {
-    "shorter than 8 bytes": (b"\x10\x00\x00", "too short"),
+HOSTILE = {"shorter than 8 bytes": (b"\x10\x00\x00", "too short"),
     "header length beyond the file": (st_file(b"{}", length=3), "runs past the end"),
     "invalid JSON": (st_file(b'{"a": '), "not valid JSON"), "too deep": (st_file(b"[" * 10**5), "not valid JSON"),
     "invalid UTF-8": (st_file(b"\xff\xfe\xfd"), "not valid JSON"),

@@ -56,12 +56,10 @@ def random_text(rng: random.Random, pieces: int) -> str:
                    for _ in range(pieces))
 
 
-@pytest.mark.parametrize("text, merges", [
-    ("", []),  # only the 256 single bytes
+@pytest.mark.parametrize("text, merges", [("", []),  # only the 256 single bytes
     ("ab ab ab cd", [b"ab", b" ab"]),  # (a, b) occurs 3 times, then (" ", ab) twice; then no pair twice
     ("ab xy ab xy", [b" x", b"ab", b" xy"]),  # ties go to the smallest pair: byte 32 < 97 < 120
-    ("<|endoftext|>" * 50, []),  # the end-of-text token's string is never learned as ordinary merges
-])
+    ("<|endoftext|>" * 50, [])])  # the end-of-text token's string is never learned as ordinary merges
 def test_bpe_merges_the_most_frequent_pair_first_and_breaks_ties_toward_the_smallest(text, merges):
     expected = {bytes([b]): b for b in range(256)} | {m: 256 + i for i, m in enumerate(merges)}
     assert train_bpe(text, vocab_size=400) == expected

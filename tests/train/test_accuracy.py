@@ -45,8 +45,7 @@ def test_sampled_acceptance_is_the_mean_sum_min_p_q_and_the_drawn_tables_first_t
     the temperature, over a draft vocabulary of half the tokens (q is 0 outside it); hydra heads read the
     sampled tokens between t and their guess. The drawn table's first rank estimates it from seeded draws. A
     prompt alone, or with one new token, gives head 1 no target: it counts nothing."""
-    model, T = tiny_model(5), 1.5
-    heads = random_heads(model, num_heads=3, seed=5, kind=kind, draft=32)
+    heads, T = random_heads(model := tiny_model(5), num_heads=3, seed=5, kind=kind, draft=32), 1.5
     seqs = accuracy.continuations(model, _prompts(4, length=6), max_new_tokens=20, temperature=T, seed=2)
     assert seqs != accuracy.continuations(model, _prompts(4, length=6), max_new_tokens=20)  # sampled, not greedy
     seqs += [seqs[0][:6], seqs[1][:7]]
@@ -106,8 +105,7 @@ def test_the_drawn_table_is_the_chance_that_each_draw_is_the_one_accepted_and_q_
 def test_the_drawn_table_predicts_rejection_samplings_tokens_per_step():
     """The product rule on the drawn table (`build_tree`, as `decode.py --tree N` builds rejection sampling's
     tree) against the tokens per step that rejection sampling of drawn candidates makes on that tree."""
-    model, T, prompts = tiny_model(3), 2.0, _prompts(16)
-    heads = random_heads(model, num_heads=3, seed=3)
+    heads, T, prompts = random_heads(model := tiny_model(3), num_heads=3, seed=3), 2.0, _prompts(16)
     seqs = accuracy.continuations(model, prompts, max_new_tokens=48, temperature=T, seed=1)
     drawn = accuracy.measure_try_acceptance(model, heads, seqs, prompt_lens=5, temperature=T, ranks=4)
     tree, expected = build_tree(drawn, 6)
