@@ -213,8 +213,7 @@ def test_top_p_goes_with_sampling_a_temperature_names_or_compares_sampled_rows()
     "--explain --num-prompts 2 -> one --prompt", "--explain --prompt a --prompt b -> one --prompt",
     "--compare --batch-size 1,2 --reference -> --reference", "--explain --compile -> --compile",
     "--explain --reference -> --reference", "--reference --compile -> --compile", "--show --reference -> --show",
-    f"--explain --prompt {'q' * 62} -> at most 61 tokens", f"--compare --prompt {'q' * 63} -> at most 62 tokens",
-])
+    f"--explain --prompt {'q' * 62} -> at most 61 tokens", f"--compare --prompt {'q' * 63} -> at most 62 tokens"])
 def test_bad_input_exits_2_with_one_line(case, ckpt, tiny_ckpt, tmp_path, capsys):
     args, _, needle = case.partition(" -> ")
     argv = shlex.split(args.format(tmp=tmp_path, hydra=tiny_ckpt("hydra"), ckpt=ckpt, long="the cat " * 100))
