@@ -187,8 +187,8 @@ def download_gpt2(name: str) -> str:
 def infer_gpt2_config(tensors: dict[str, torch.Tensor]) -> GPTConfig:
     """GPTConfig from GPT-2-layout tensor shapes; n_head, which they cannot tell, from the GPT-2 of that shape."""
     short = {k.removeprefix(_PREFIX): t for k, t in tensors.items()}
-    if "wte.weight" not in short or "wpe.weight" not in short:
-        raise ValueError("tensors lack wte.weight / wpe.weight; not a GPT-2 layout")
+    if any(k not in short or short[k].dim() != 2 for k in ("wte.weight", "wpe.weight")):  # embedding matrices
+        raise ValueError("tensors lack wte.weight / wpe.weight matrices; not a GPT-2 layout")
     vocab_size, n_embd = short["wte.weight"].shape
     n_layer = max((int(m.group(1)) + 1 for k in short if (m := re.match(r"h\.(\d+)\.", k))), default=0)
     if not (known := [c for c in GPT2_CONFIGS.values() if (c.n_layer, c.n_embd) == (n_layer, n_embd)]):

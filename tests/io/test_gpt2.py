@@ -106,7 +106,8 @@ def test_each_gpt2_has_its_published_size_and_without_a_config_json_is_told_by_i
     assert infer_gpt2_config(meta) == GPT2_CONFIGS["gpt2-medium"]
     meta["wpe.weight"] = torch.empty(512, 1024, device="meta")  # [positions, C]: a shorter context
     assert infer_gpt2_config(meta).block_size == 512
-    pytest.raises(ValueError, infer_gpt2_config, {k: t for k, t in meta.items() if k != "wpe.weight"}).match("layout")
+    for broken in ({k: t for k, t in meta.items() if k != "wpe.weight"}, {**meta, "wpe.weight": torch.ones(())}):
+        pytest.raises(ValueError, infer_gpt2_config, broken).match("layout")  # missing, or no [positions, C] matrix
 
 
 def edited(change: dict):
