@@ -7,6 +7,7 @@ import re
 from dataclasses import Field, dataclass, field, fields
 
 from ..heads import HEAD_KINDS
+from ..io.gpt2 import GPT2_CONFIGS
 from ..sampling import FLOAT32_MAX
 
 
@@ -83,12 +84,12 @@ class TrainArgs:
             raise ValueError(f"--head-decay must be from 0 to 1 (the paper's 0.8), not {self.head_decay}")
         if self.n_embd % self.n_head:
             raise ValueError(f"--n-embd {self.n_embd} must be divisible by --n-head {self.n_head}")
-        if why := self.context_error(self.block_size):
-            raise ValueError(f"{why} (--block-size)")
+        named = GPT2_CONFIGS.get(self.init)  # --init replaces the context: a named GPT-2's is known, a folder's not yet
+        if (named or not self.init) and (why := self.context_error(named.block_size if named else self.block_size)):
+            raise ValueError(f"{why} ({f'--init {self.init}' if named else '--block-size'})")  # a folder's: run.py
         temps = self.distill_temperatures.replace(" ", "")
         if not re.fullmatch(r"\d+(\.\d*)?(,\d+(\.\d*)?)*", temps) or max(map(float, temps.split(","))) > FLOAT32_MAX:
-            raise ValueError(f"--distill-temperatures must be numbers from 0 to {FLOAT32_MAX:.3g} like 0,0.8: "
-                             f"{self.distill_temperatures!r}")
+            raise ValueError(f"--distill-temperatures must be numbers in [0, {FLOAT32_MAX:.3g}], like 0,0.8: {temps!r}")
         if self.preset.startswith("gpt2") and not self.init:  # else heads on a random backbone, and no word of it
             raise ValueError(f"--preset {self.preset} trains heads on GPT-2: add --init gpt2 (a larger one, a folder)")
         if self.init:  # a pretrained backbone stays frozen: heads only (Medusa-1)

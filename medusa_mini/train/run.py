@@ -70,7 +70,7 @@ def _prepare(r: Run, state: dict | None, train_docs: list, val_docs: list) -> tu
     cfg = model.config
     if a.init and enc.n_vocab > cfg.vocab_size:
         raise TrainError(f"--init {a.init}: tokenizer has {enc.n_vocab} tokens, the model {cfg.vocab_size}")
-    if a.init and (why := a.context_error(cfg.block_size)):  # TrainArgs checked --block-size's, which --init replaces
+    if a.init and (why := a.context_error(cfg.block_size)):  # TrainArgs checked a named GPT-2's, not a folder's
         raise TrainError(f"--init {a.init} holds {cfg.block_size} tokens of context: {why}")
     train_tokens, val_tokens = (encode_documents(enc, docs) for docs in (train_docs, val_docs))
     sizes = {"training": len(train_tokens), "held-out": len(val_tokens)}  # held out: `split_documents`'

@@ -288,6 +288,7 @@ def test_help_lists_every_flag_and_bad_flags_or_data_are_one_line_naming_it_with
     cpu = train_tiny.parse_args(["--preset", "cpu"])  # README: a 4-layer GPT, five heads, a draft vocabulary of 512
     assert (cpu.n_layer, cpu.num_heads, cpu.draft_vocab) == (4, 5, 512)
     assert ((a := train_tiny.parse_args(["--init", "gpt2"])).medusa, a.backbone_steps) == (1, 0)  # kept frozen
+    assert train_tiny.parse_args(["--init", "gpt2", "--distill-prompt-len", "300"])  # within GPT-2's 1,024, not 256
     cuda = torch.cuda.is_available()  # the presets a device picks: a CPU's finish on a laptop
     assert (a.preset, train_tiny.parse_args([]).preset) == (("gpt2", "gpu") if cuda else ("gpt2-cpu", "cpu"))
     monkeypatch.chdir(tmp_path)
