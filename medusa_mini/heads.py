@@ -105,7 +105,7 @@ class DraftHeads(nn.Module):
         """Guess among the first `size` tokens of `order` [V] (0 or V: the whole vocabulary)."""
         if sorted(order.tolist()) != list(range(self.config.vocab_size)):
             raise ValueError("the draft vocabulary's order must hold every token id once")
-        self.config.draft_vocab_size = replace(self.config, draft_vocab_size=size).draft_vocab_size  # checked anew
+        self.config = replace(self.config, draft_vocab_size=size)  # checked anew; a copy: other heads keep theirs
         self.vocab_order.copy_(order)
         self.sort_draft_ids()
 

@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 
 from .sampling import Sampling, gumbel_top_k, q_log_probs
-from .tree import Tree, TreeTensors, chain
+from .tree import MAX_NODES, Tree, TreeTensors, chain
 
 
 @dataclass(frozen=True)
@@ -206,15 +206,15 @@ class HydraProposer(HeadsProposer):
 class PromptLookup:
     """Prompt lookup decoding, the training-free baseline (Saxena 2023; HF's prompt_lookup_num_tokens,
     vLLM's ngram): the draft is what followed an earlier occurrence of the text's last n tokens.
-    A drafter like heads: `PromptLookup().proposer(model, tree)` drafts a chain of its N - 1 candidates (1 at least)."""
+    A drafter like heads: `PromptLookup().proposer(model, tree)` drafts a chain of N - 1 candidates (1 to MAX_NODES)."""
 
     def __init__(self, *, max_ngram: int = 3) -> None:
-        if max_ngram < 1:
-            raise ValueError(f"max_ngram must be at least 1, not {max_ngram}")
+        if not isinstance(max_ngram, int) or max_ngram < 1:
+            raise ValueError(f"max_ngram must be an integer of at least 1, not {max_ngram!r}")
         self.max_ngram = max_ngram
 
     def proposer(self, model: nn.Module, tree: Tree) -> "PromptLookupProposer":
-        return PromptLookupProposer(chain(max(tree.num_nodes - 1, 1)), max_ngram=self.max_ngram)
+        return PromptLookupProposer(chain(min(max(tree.num_nodes - 1, 1), MAX_NODES)), max_ngram=self.max_ngram)
 
 
 def lookup(text: list[int], *, max_ngram: int, length: int) -> list[int]:

@@ -58,7 +58,8 @@ class Sampling:
             raise ValueError(f"top_p must be a number in (0, 1], not {self.top_p!r}")
         if not all(isinstance(x, numbers.Real) and x > 0 for x in (self.epsilon, self.delta)):
             raise ValueError(f"typical acceptance's epsilon, delta must be > 0, not {self.epsilon!r}, {self.delta!r}")
-        object.__setattr__(self, "temperature", float(T))  # a numpy number or a Fraction as one torch divides by
+        for name in ("temperature", "top_p", "epsilon", "delta"):  # a numpy number or a Fraction: one torch takes
+            object.__setattr__(self, name, float(getattr(self, name)))
         object.__setattr__(self, "acceptance", "greedy" if T == 0 else (self.acceptance or "rejection"))
 
     @property

@@ -58,8 +58,9 @@ def test_the_first_num_heads_alone_give_those_heads_logits_for_any_leading_dims(
 @pytest.mark.parametrize("kind", KINDS)
 def test_over_a_draft_vocabulary_the_heads_give_the_full_logits_of_its_tokens(kind):
     heads, h, following = random_heads(model := tiny_model(3), kind=kind), torch.randn(3, C), randint(3, 4)
-    full = heads(h, model, following=following)  # [K, 3, V]
+    full, other = heads(h, model, following=following), make_heads(heads.config)  # [K, 3, V]; heads of one config
     heads.use_draft_vocabulary(shuffled(), 10)
+    assert other.config.draft_vocab_size == 0 and other.draft_ids.numel() == V  # the other's whole vocabulary kept
     torch.testing.assert_close(heads(h, model, following=following), full[..., heads.draft_ids])
     heads.use_draft_vocabulary(shuffled(), V)  # the whole vocabulary again
     assert heads.config.draft_vocab_size == 0 and heads.draft_ids.tolist() == list(range(V))

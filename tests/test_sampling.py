@@ -1,6 +1,7 @@
 """The Sampling settings, the target distribution p, the heads' q and the draws (sampling.py)."""
 
 from collections import Counter
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -25,6 +26,8 @@ def test_a_tiny_temperature_gives_the_argmax_not_nan_and_shares_exact_ties_and_z
     assert sampling_probs(logits, temperature=temperature).tolist() == want
     assert (s := Sampling(temperature=np.float32(temperature))).probs(logits).tolist() == want  # numpy's numbers too
     assert type(s.temperature) is float  # any real number is stored as the float torch divides by
+    s = Sampling(temperature=0.8, top_p=Fraction(1, 2), epsilon=Fraction(1, 10), delta=np.float32(0.3))
+    assert [type(x) for x in (s.top_p, s.epsilon, s.delta)] == [float] * 3  # each setting: torch compares with floats
     assert Sampling(temperature=torch.finfo().max).probs(logits).allclose(torch.tensor(0.25))  # the largest: flat
     pytest.raises(ValueError, sampling_probs, logits, temperature=0.0).match("temperature")
 

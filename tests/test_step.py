@@ -6,7 +6,7 @@ import torch
 
 from conftest import RULES, random_heads, tiny_model
 from device_rules import CudaRules
-from medusa_mini import Accepted, KVCache, PromptLookup, Sampling, Tree, chain, preset
+from medusa_mini import Accepted, KVCache, PromptLookup, Sampling, Tree, build_tree, chain, preset
 from medusa_mini.decoding import prefill
 from medusa_mini.proposal import chain_length, lookup
 from medusa_mini.step import keep_path, medusa_step, place_tree, plain_step, usable_nodes, verify
@@ -76,7 +76,9 @@ def test_prompt_lookup_drafts_each_rows_continuation_on_a_chain_of_the_next_powe
     assert [chain_length(n, 6) for n in range(8)] == [0, 1, 2, 4, 4, 6, 6, 6]
     proposer = PromptLookup(max_ngram=1).proposer(None, preset("cpu"))  # a chain of the tree's 11 nodes
     assert proposer.tree == chain(11)
-    pytest.raises(ValueError, PromptLookup, max_ngram=0).match("max_ngram")  # a 1-gram at least
+    for wrong in (0, 2.0, "2"):  # a 1-gram at least, counted in whole tokens
+        pytest.raises(ValueError, PromptLookup, max_ngram=wrong).match("max_ngram")
+    assert PromptLookup().proposer(None, build_tree(torch.full((4, 10), 0.9), 300)[0]).tree == chain(256)  # at most
     assert [len(PromptLookup().proposer(None, chain(n)).trees()) for n in (0, 6)] == [2, 5]  # depths 0-1; 0-2, 4, 6
     history = [[1, 2, 3, 1, 2], [4, 5, 6, 5], [7, 8, 9]]  # continuations of 3, 2 and 0 tokens
     proposal = proposer.propose(torch.tensor([2, 5, 9]), torch.zeros(3, 32), history=history, sampling=Sampling())
