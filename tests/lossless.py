@@ -46,8 +46,7 @@ def last_logits(model, seqs: list[list[int]]) -> torch.Tensor:
     """The backbone's logits after each sequence (its last block_size tokens): [len(seqs), V], one padded
     forward (causal: the padding after a sequence never reaches its last position)."""
     seqs = [s[-model.config.block_size :] for s in seqs]
-    width = max(map(len, seqs))
-    return model(torch.tensor([s + [0] * (width - len(s)) for s in seqs]),
+    return model(torch.nn.utils.rnn.pad_sequence([torch.tensor(s) for s in seqs], batch_first=True),
                  logits_at=torch.tensor([len(s) - 1 for s in seqs]))[0][:, 0]
 
 

@@ -144,9 +144,8 @@ def test_drawn_rejection_on_the_device_makes_the_reference_walks_decisions_in_ev
         cut, u = tree.truncated(room), torch.rand(B, N, generator=gen)
         u[:, : cut.num_nodes] = torch.stack([torch.rand(cut.num_nodes, generator=torch.Generator().manual_seed(b))
                                              for b in range(B)])
-        usable = tree.tensors().depths[None].expand(B, N) <= room
-        got = accept(tree.tensors(), tokens, logits, sampling=sampling, u=u, usable=usable,
-                     drawn=Drawn(log_q=log_q, draws=draws, q_index=q_index))
+        got = accept(tree.tensors(), tokens, logits, sampling=sampling, u=u, drawn=Drawn(log_q, draws, q_index),
+                     usable=tree.tensors().depths[None].expand(B, N) <= room)
         for b in range(B):
             drawn = [(log_q[b, q_of[n]], draws[b, q_of[n]].tolist()) if cut.children[n] else None
                      for n in range(cut.num_nodes)]

@@ -77,11 +77,10 @@ PLAIN = {}  # plain greedy's rows of PROMPTS by model seed: the same in every te
 @pytest.mark.parametrize("kind, tree_name", [("plain", "chain")] + [
     (kind, tree) for kind in ("medusa", "oracle", "hydra", "lookup") for tree in TREES])
 def test_greedy_medusa_equals_plain_greedy_in_every_row_of_a_batch(kind, tree_name, seed):
-    """Random heads, prompt lookup (a tiny model's greedy text repeats itself, so lookups find continuations,
-    right and wrong), and an oracle whose rank-0 path is always right (steps accept the tree's full depth).
-    Rows of different lengths stop at different steps (the long prompt at the context). The reference, given
-    the same Medusa heads (random or oracle), makes each row's tokens in as many steps. on_step(row, tokens)
-    streams each row's tokens as they come."""
+    """Random heads, prompt lookup (a tiny model's greedy text repeats itself, so lookups find continuations, right and
+    wrong), and an oracle whose rank-0 path is always right (steps accept the full depth). Rows of different lengths
+    stop at different steps (the long prompt at the context). The reference, given the same Medusa heads (random or
+    oracle), makes each row's tokens in as many steps. on_step(row, tokens) streams each row's tokens as they come."""
     model = tiny_model(seed)
     want = PLAIN.get(seed) or PLAIN.setdefault(seed, [generate(model, p, max_new_tokens=30) for p in PROMPTS])
     heads = (None if kind == "plain" else PromptLookup() if kind == "lookup" else

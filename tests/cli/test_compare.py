@@ -140,10 +140,9 @@ def test_the_batch_table_says_where_medusa_stops_paying_and_ends_where_memory_do
     assert refused(capsys, lambda _: runpy.run_path(decode.__file__, run_name="__main__"), []).startswith(
         "decode.py: error: CUDA out of memory. Tried to allocate 9.00 GiB: lower --batch-size or --tree's nodes")
     assert result["compile_warmup_s"] == (2.0 if compiling else None)  # batches 1 and 2
-    assert "4 prompts (3 distinct, cycled)" in format_table(result) and "distinct" not in format_table(
-        {**result, "prompts": 3})
-    assert "prompt lookup" not in format_table(result)  # none of its rows
-    rows = result["rows"]
+    rows, table = result["rows"], format_table(result)
+    assert "4 prompts (3 distinct, cycled)" in table and "distinct" not in format_table({**result, "prompts": 3})
+    assert "prompt lookup" not in table  # none of its rows
     assert [(r["key"], r["batch_size"]) for r in rows] == [(k, b) for b in (1, 2) for k in (
         "plain_greedy", "medusa_greedy", "plain_sampling", "medusa_rejection")]
     assert all(r["tokens_per_s"] > 0 and r["tokens_per_step"] >= 1.0 for r in rows)
@@ -152,7 +151,7 @@ def test_the_batch_table_says_where_medusa_stops_paying_and_ends_where_memory_do
     for row, plain in ((r, plain_at[r["temperature"], r["batch_size"]]) for r in rows):  # at its T and batch size
         assert row["speedup"] == pytest.approx(row["tokens_per_s"] / plain["tokens_per_s"])
         assert row["step_cost"] == pytest.approx(row["ms_per_step"] / plain["ms_per_step"])
-    verdicts = [line for line in format_table(result).splitlines()
+    verdicts = [line for line in table.splitlines()
                 if any(v in line for v in ("paying at batch", "pays at batch", "does not pay at any"))]
     assert len(verdicts) == 2 and (tmp_path / "batch.png").stat().st_size > 0  # the figure: test_plots.py
 

@@ -51,9 +51,8 @@ POOLS = [  # mixed scripts, emoji, combining marks, control characters, whitespa
 
 def random_text(rng: random.Random, pieces: int) -> str:
     """Pieces of POOLS, and now and then any code point outside the surrogates."""
-    return "".join(rng.choice(POOLS)[rng.randrange(40):][: rng.randrange(1, 12)] if rng.random() < 0.9
-                   else chr(rng.choice([rng.randrange(0xD800), rng.randrange(0xE000, 0x110000)]))
-                   for _ in range(pieces))
+    return "".join(rng.choice(POOLS)[rng.randrange(40):][: rng.randrange(1, 12)] if rng.random() < 0.9 else
+                   chr(rng.choice([rng.randrange(0xD800), rng.randrange(0xE000, 0x110000)])) for _ in range(pieces))
 
 
 @pytest.mark.parametrize("text, merges", [("", []),  # only the 256 single bytes
