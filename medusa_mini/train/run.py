@@ -255,7 +255,7 @@ def summarize(r: Run, val_batches: list, val_tokens: np.ndarray) -> tuple[dict, 
     windows = [row for x, _ in val_batches for row in x.tolist()]
     text = accuracy.measure_head_accuracy(model, heads, windows, prompt_lens=1, top_k=top_k)
     # Against what the model itself says: held-out prompts (a draw of their own) continued greedily, and sampled.
-    P = min(32, model.config.block_size // 4)
+    P = max(1, min(32, model.config.block_size // 4))  # 1 in the least context, 3
     n = min(96, model.config.block_size - P)
     prompts, _ = get_batch(val_tokens, batch_size=min(64, 8 * args.eval_prompts), block_size=P,
                            generator=seeded(args.seed + 5))

@@ -306,6 +306,8 @@ def test_help_lists_every_flag_and_bad_flags_or_data_are_one_line_naming_it_with
     assert train_tiny.main([*FAST, "--out", "x", "--lr", "1e30", "--save-every", "2"]) == 2  # refused before a save
     assert not (tmp_path / "x").exists()  # nothing written before a save: the folder it made is gone too
     assert "not finite; start again with a lower learning" in (err := capsys.readouterr().err) and err.count("\n") == 1
+    least = "--block-size 3 --heads-stride 1 --distill-prompt-len 1 --distill-tokens 2 --num-heads 1".split()
+    assert train_tiny.main([*FAST, "--out", "least", *least]) == 0  # the least context the checks let pass: trained
 
     cpu = "can't allocate memory: you tried to allocate 98 bytes"  # a CPU allocator's first words: a RuntimeError
     for error, said in ((RuntimeError(f"[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: {cpu}. "
