@@ -135,8 +135,8 @@ def prepare(a: argparse.Namespace) -> tuple:
     texts = a.prompt or ([text] if a.demo else load_prompts(a.ckpt, hint=hint))
     texts = texts[: a.num_prompts or (len(texts) if a.prompt else NUM_PROMPTS)]  # --num-prompts takes the first N
     if not a.demo and len(texts) < (a.num_prompts or 0):  # fewer given or stored than asked for: say so
-        print(f"note: {'--prompt gives' if a.prompt else PROMPTS_FILE + ' holds'} {len(texts)} prompts, not "
-              f"{a.num_prompts}: decoding those", file=sys.stderr)
+        print(f"note: {'--prompt gives' if a.prompt else PROMPTS_FILE + ' holds'} {len(texts)} prompt"
+              f"{'s' * (len(texts) != 1)}, not {a.num_prompts}: decoding those", file=sys.stderr)
     medusa = a.method != "plain"  # --compare takes no --method, --explain refuses plain
     if ck.heads is None and medusa:
         plain_runs = not (a.compare or a.explain or a.reference)  # each of these decodes with heads
@@ -188,7 +188,7 @@ def compiled(engine: Engine, methods: list[Method], a: argparse.Namespace, promp
             seconds += warm_up(model, engine.steps, engine.caches, rows=rows, plain=plain, proposers=proposers)
             warmed.add(rows)
         what = " and ".join(["the plain step"] * bool(plain) + ["Medusa's steps"] * bool(proposers))  # those warmed
-        print(f"compiled {what} in {seconds:.1f} s (batch {B}; not in any timing)", file=sys.stderr)
+        print(f"compiled {what} in {seconds:.1f} s (batch {min(B, n)}; not in any timing)", file=sys.stderr)
         return seconds
     return warm
 
@@ -289,8 +289,9 @@ def run(a: argparse.Namespace) -> None:
             print(f"attention mask (row attends to column):\n{draw_mask(tree)}\n")
         if a.compile:  # its one batch size, before any timing
             compiled(engine, [method], a, len(prompts))(a.batch_size)
+        B = min(a.batch_size, len(prompts))  # what a batch holds, not what it may
         print_each(engine, method, prompts, a, method.label + f", tree {tree_name}" * (tree is not None)
-                   + f", {min(a.batch_size, len(prompts))} per batch" * (min(a.batch_size, len(prompts)) > 1))
+                   + f", {B} per batch" * (B > 1))
 
 
 def main(argv: list[str] | None = None) -> int:

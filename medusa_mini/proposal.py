@@ -205,8 +205,8 @@ class HydraProposer(HeadsProposer):
 
 class PromptLookup:
     """Prompt lookup decoding, the training-free baseline (Saxena 2023; HF's prompt_lookup_num_tokens,
-    vLLM's ngram): the draft is what followed an earlier occurrence of the text's last n tokens.
-    A drafter like heads: `PromptLookup().proposer(model, tree)` drafts a chain of N - 1 candidates (1 to MAX_NODES)."""
+    vLLM's ngram): the draft is what followed an earlier occurrence of the text's last n tokens. A drafter like
+    heads: `PromptLookup().proposer(model, tree)` drafts a chain of the tree's nodes below the root (1 to MAX_NODES)."""
 
     def __init__(self, *, max_ngram: int = 3) -> None:
         if not isinstance(max_ngram, int) or max_ngram < 1:

@@ -76,8 +76,7 @@ def test_prompt_lookup_drafts_each_rows_continuation_on_a_chain_of_the_next_powe
     assert [chain_length(n, 6) for n in range(8)] == [0, 1, 2, 4, 4, 6, 6, 6]
     proposer = PromptLookup(max_ngram=1).proposer(None, preset("cpu"))  # a chain of the tree's 11 nodes
     assert proposer.tree == chain(11)
-    for wrong in (0, 2.0, "2"):  # a 1-gram at least, counted in whole tokens
-        pytest.raises(ValueError, PromptLookup, max_ngram=wrong).match("max_ngram")
+    assert all(pytest.raises(ValueError, PromptLookup, max_ngram=n).match("max_ngram") for n in (0, 2.0, "2"))  # >= 1
     assert PromptLookup().proposer(None, build_tree(torch.full((4, 10), 0.9), 300)[0]).tree == chain(256)  # at most
     assert [len(PromptLookup().proposer(None, chain(n)).trees()) for n in (0, 6)] == [2, 5]  # depths 0-1; 0-2, 4, 6
     history = [[1, 2, 3, 1, 2], [4, 5, 6, 5], [7, 8, 9]]  # continuations of 3, 2 and 0 tokens

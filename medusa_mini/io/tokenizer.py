@@ -3,6 +3,7 @@ line) and tokenizer_config.json (`{"type": "bpe", "name", "pattern", "special_to
 saved whole too, so decoding needs no network (an older save's `{"type": "tiktoken", "name": "gpt2"}` loads by name)."""
 
 import base64
+import hashlib
 import heapq
 import os
 import pathlib
@@ -103,6 +104,11 @@ def save_tokenizer(enc: tiktoken.Encoding, directory: str | os.PathLike) -> path
     config = {"type": "bpe", "name": enc.name, "pattern": enc._pat_str, "special_tokens": specials}  # no public getter
     atomic_write_files(directory, {RANKS_FILE: text_writer("".join(lines)), CONFIG_FILE: json_writer(config)})
     return directory
+
+
+def tokenizer_digest(enc: tiktoken.Encoding) -> str:
+    """sha256 of enc's tokens and their ids: a resumed run's tokenizer must be the one the run began with."""
+    return hashlib.sha256(repr(sorted(enc._mergeable_ranks.items())).encode()).hexdigest()  # no public getter
 
 
 def load_tokenizer(directory: str | os.PathLike) -> tiktoken.Encoding:

@@ -85,8 +85,9 @@ class TrainArgs:
         if self.n_embd % self.n_head:
             raise ValueError(f"--n-embd {self.n_embd} must be divisible by --n-head {self.n_head}")
         named = GPT2_CONFIGS.get(self.init)  # --init replaces the context: a named GPT-2's is known, a folder's not yet
-        if (named or not self.init) and (why := self.context_error(named.block_size if named else self.block_size)):
-            raise ValueError(f"{why} ({f'--init {self.init}' if named else '--block-size'})")  # a folder's: run.py
+        context, flag = (named.block_size, f"--init {self.init}") if named else (self.block_size, "--block-size")
+        if (named or not self.init) and (why := self.context_error(context)):  # a folder's: run.py, once loaded
+            raise ValueError(f"{why} ({flag})")
         temps = self.distill_temperatures.replace(" ", "")
         if not re.fullmatch(r"\d+(\.\d*)?(,\d+(\.\d*)?)*", temps) or max(map(float, temps.split(","))) > FLOAT32_MAX:
             raise ValueError(f"--distill-temperatures must be numbers in [0, {FLOAT32_MAX:.3g}], like 0,0.8: {temps!r}")

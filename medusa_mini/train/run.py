@@ -20,7 +20,7 @@ from ..io.checkpoint import CHECKPOINT_FILES, CONFIG_FILE
 from ..io.files import check_writable, json_writer
 from ..io.gpt2 import GPT2_CONFIGS, download_gpt2, load_gpt2
 from ..io.loading import PROMPTS_FILE
-from ..io.tokenizer import RANKS_FILE, TOKENIZER_FILES, load_tokenizer, make_encoding, train_bpe
+from ..io.tokenizer import RANKS_FILE, TOKENIZER_FILES, load_tokenizer, make_encoding, tokenizer_digest, train_bpe
 from ..model import GPT, GPTConfig
 from ..sampling import SAMPLING_TEMPERATURE
 from ..training import MedusaLM, cosine_lr, lambda_schedule, lm_loss, self_distill
@@ -64,6 +64,9 @@ def _prepare(r: Run, state: dict | None, train_docs: list, val_docs: list) -> tu
                 train_bpe("".join(text for _, text in train_docs), vocab_size=a.vocab_size))
         except ValueError as e:  # the resumed run's tokenizer missing or torn (a trained one was checked before)
             raise TrainError(f"--resume: {str(e).split('; ')[0]}; restore it, or start anew with --overwrite") from None
+        if state and state.get("tokenizer", tokenizer_digest(enc)) != tokenizer_digest(enc):  # none: saved before
+            raise TrainError(f"--resume: the tokenizer in {a.out} is not the one this run began with; restore it, or "
+                             "start anew with --overwrite")
         r.log(f"tokenizer  {enc.n_vocab} tokens, {'loaded' if state else 'trained'} in {time.time() - t0:.1f}s")
         model = GPT(GPTConfig(vocab_size=enc.n_vocab, block_size=a.block_size, n_layer=a.n_layer,
                               n_head=a.n_head, n_embd=a.n_embd)).to(r.device)
@@ -117,15 +120,15 @@ def _train(r: Run, module: MedusaLM, lrs: list[tuple[torch.nn.Module, float]], *
     fused = all(p.is_cuda for g in groups for p in g["params"])  # one kernel for all tensors, CUDA only
     optimizer = torch.optim.AdamW(groups, betas=(0.9, 0.95), fused=fused or None)
     scaler = torch.amp.GradScaler(device_type, enabled=a.dtype == "float16")  # float16's loss scaling
-    if state and state["optim"] is not None:
+    if state and state["step"] and state["optim"] is not None:  # at step 0 (an older save's too): made anew
         optimizer.load_state_dict(state["optim"])
         gen.set_state(state["gen"])
         scaler.load_state_dict(state["scaler"])  # a disabled scaler ignores it
     saved, start = dict(optimizer=optimizer, gen=gen, scaler=scaler), state["step"] if state else 0
     t_start, t_log, strikes = time.time(), 0.0, 0
     for step in range(start, steps):
-        if r.any_rank(r.stop_requested):  # Ctrl-C on any rank: all stop at this step; at step 0 the optimizer
-            r.save(stage=stage, step=step, **(saved if step else {}))  # is unused: --resume makes it with its flags
+        if r.any_rank(r.stop_requested):  # Ctrl-C on any rank: all stop at this step; at step 0 the optimizer,
+            r.save(stage=stage, step=step, **(saved if step else {}))  # generator and scaler are unused: made anew
             raise KeyboardInterrupt
         for group in optimizer.param_groups:
             group["lr"] = cosine_lr(step, steps, lr=group["base_lr"])
@@ -255,7 +258,7 @@ def summarize(r: Run, val_batches: list, val_tokens: np.ndarray) -> tuple[dict, 
     windows = [row for x, _ in val_batches for row in x.tolist()]
     text = accuracy.measure_head_accuracy(model, heads, windows, prompt_lens=1, top_k=top_k)
     # Against what the model itself says: held-out prompts (a draw of their own) continued greedily, and sampled.
-    P = max(1, min(32, model.config.block_size // 4))  # 1 in the least context, 3
+    P = max(1, min(32, model.config.block_size // 4))  # at least 1: the least context, 3, gives 3 // 4 = 0
     n = min(96, model.config.block_size - P)
     prompts, _ = get_batch(val_tokens, batch_size=min(64, 8 * args.eval_prompts), block_size=P,
                            generator=seeded(args.seed + 5))

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from ..io.checkpoint import CONFIG_FILE, save_checkpoint
 from ..io.files import Writer, atomic_write, remove_file
 from ..io.loading import PROMPTS_FILE
-from ..io.tokenizer import save_tokenizer
+from ..io.tokenizer import save_tokenizer, tokenizer_digest
 from . import accuracy
 from .config import UNBEGUN, TrainArgs, TrainError
 
@@ -69,13 +69,13 @@ class Run:
             state = {"identity": self.args.identity(), "data": self.data_digest, "world": self.world, "stage": stage,
                      "step": step, "model": None if self.args.init else self.model.state_dict(),
                      "heads": self.heads.state_dict(), "optim": optimizer and optimizer.state_dict(),
-                     "scaler": scaler and scaler.state_dict(), **mine}
+                     "scaler": scaler and scaler.state_dict(), "tokenizer": tokenizer_digest(self.enc), **mine}
             self.write(self.state_path, lambda f: torch.save(state, f))
 
     def write(self, path: str, writer: Writer) -> None:
         """`writer`'s file at `path` (the resume state, the held-out prompts), then the checkpoint. The first save
-        writes the state, then the tokenizer, and removes --overwrite's old checkpoint (a run that stops or fails, a
-        full disk, before then leaves it whole; after, it leaves a state to --resume)."""
+        writes the state, then removes --overwrite's old checkpoint and writes the tokenizer (a run that stops or fails,
+        a full disk, before then leaves the old checkpoint whole; --resume refuses a tokenizer not the state's)."""
         atomic_write(path, writer)
         if not self.model_written:  # the first save: later, this run's files are there already
             for name in (CONFIG_FILE, accuracy.ACCURACY_FILE, PROMPTS_FILE) if self.args.overwrite else ():

@@ -53,7 +53,7 @@ def test_explain_walks_through_one_step_of_either_kind_of_heads(ckpt, tiny_ckpt,
         hot = run(capsys, "--ckpt", ckpt, "--explain", *rule, "--temperature", "2").splitlines()
         assert sum(s.startswith(("Backbone's top", "head 1 ")) and s not in hot for s in out.splitlines()) == 2, hot
         assert run(capsys, "--ckpt", ckpt, "--explain", *rule, "--seed", "1") != out
-        assert "nan" not in run(capsys, "--ckpt", ckpt, "--explain", *rule, "--temperature", "1e-38")  # below tiny
+        assert "(nan)" not in run(capsys, "--ckpt", ckpt, "--explain", *rule, "--temperature", "1e-38")  # below tiny
     if heads == "medusa" and not rule:  # the step decides as decoding's first: the same root, then the same tokens
         o, enc = objects(capsys, "--ckpt", ckpt)[0], decode.load_for_decoding(ckpt, device="cpu").enc
         n = o["step_tokens"][0]  # a confirmed child (✓) where the step accepted one; the cache holds prompt + n
@@ -128,7 +128,7 @@ def test_json_is_an_object_per_prompt_and_a_batch_decodes_each_prompt_as_if_alon
         assert (len(out.splitlines()), err) == (3, note)
     given = objects(capsys, "--ckpt", ckpt, "--max-new-tokens=2", *["--prompt=a", "--prompt=b"] * 2, "--num-prompts=3")
     assert decode.main(["--ckpt", ckpt, "--max-new-tokens=2", "--prompt=a", "--num-prompts=2"]) == 0
-    assert capsys.readouterr().err == "note: --prompt gives 1 prompts, not 2: decoding those\n"
+    assert capsys.readouterr().err == "note: --prompt gives 1 prompt, not 2: decoding those\n"
     assert [o["prompt"] for o in given] == ["a", "b", "a"]  # --num-prompts takes the first N of --prompt's too
 
 

@@ -25,7 +25,7 @@ import train_tiny
 from conftest import FAST, ROOT
 from medusa_mini.heads import HeadsConfig, frequency_order, make_heads
 from medusa_mini.io.checkpoint import load_checkpoint, save_checkpoint
-from medusa_mini.io.tokenizer import TOKENIZER_FILES, make_encoding, save_tokenizer
+from medusa_mini.io.tokenizer import TOKENIZER_FILES, load_tokenizer, make_encoding, save_tokenizer
 from medusa_mini.model import GPT, GPTConfig
 from medusa_mini.train import run as run_mod
 from medusa_mini.train import state as state_mod
@@ -46,7 +46,7 @@ BAD_INPUT = [["--dtype", "float16", "--device", "cpu"], ["--n-embd", "30", "--n-
              ["--max-bytes", "0"], ["--init", "nope"], ["--n-layer", "0"], ["--n-head", "0"], ["--n-embd", "0"],
              ["--lr", "nan"], ["--lr", "inf"], ["--lr", "-1"], ["--out", "z"], ["--out", ""], ["--resume"],
              ["--data", ""], ["--init", ""], ["--eval-prompts", "1001"], ["--preset", "gpt2-cpu"],
-             ["--distill-temperatures", "4" + "0" * 38]]  # above float32's largest number
+             ["--distill-temperatures", "4" + "0" * 38], ["--init", "gpt2", "--distill-prompt-len", "1024"]]
 # train_tiny.py as two DDP ranks, under torchrun (one run) or forked from one process (one torch import): for each run
 # [Ctrl-C on rank 0 in step n (0: never), *args] of argv[1], prints "exit 0|1"; GPT-2 tokenizer: bytes (no network).
 WORKER = r'''
@@ -256,9 +256,10 @@ def test_resume_refuses_other_settings_or_text_and_a_run_never_learns_its_own_ou
     assert train_tiny.main(args + ["--resume"]) == 2 and "not the text this run began" in capsys.readouterr().err
     (data / "a.py").write_text(text)
     state = torch.load(out / "train_state.pt", weights_only=True)
-    tokenizer = {out / name: (out / name).read_bytes() for name in TOKENIZER_FILES}
+    tokenizer, ranks = {out / n: (out / n).read_bytes() for n in TOKENIZER_FILES}, load_tokenizer(out)._mergeable_ranks
     for damage in (lambda p: p.unlink(), lambda p: p.write_bytes(b"AA== x\n"),  # missing, torn, another run's:
-                   lambda p: save_tokenizer(make_encoding({bytes([b]): b for b in range(256)}), out)):  # other sizes
+                   lambda p: save_tokenizer(make_encoding({bytes([b]): b for b in range(256)}), out),  # other sizes
+                   lambda p: save_tokenizer(make_encoding({t: len(ranks) - 1 - r for t, r in ranks.items()}), out)):
         damage(out / "tokenizer.tiktoken")
         code, err = train_tiny.main(args + ["--resume"]), capsys.readouterr().err
         assert code == 2 and "anew with --overwrite" in err and err.count("\n") == 1
