@@ -21,7 +21,7 @@ SCRIPTS = ("decode.py", "train_tiny.py")
 BUDGETS = {  # most lines each may hold: the core (medusa_mini/*.py) and each core file, all code, the tests, the docs
     "core": 2200, "reference": 264, "model": 250, "heads": 235, "tree": 314, "sampling": 185, "proposal": 275,
     "acceptance": 200, "step": 170, "decoding": 247, "training": 145, "__init__": 25,
-    "code": 6019, "tests": 5000, "README.md": 300, "BENCHMARKS.md": 400}
+    "code": 6030, "tests": 5000, "README.md": 300, "BENCHMARKS.md": 400}
 CORE_FUNCTION_LINES = 45  # one idea per function: a core function longer than this holds two
 SPEED_WORDS = re.compile(r"graph|cuda|compil|static|captur|replay", re.IGNORECASE)  # what lives in the compiled wing
 CORE_SPEED_LINES = 25  # the core may name the static KV cache and point at the wing, not more
