@@ -64,7 +64,7 @@ def _prepare(r: Run, state: dict | None, train_docs: list, val_docs: list) -> tu
                 train_bpe("".join(text for _, text in train_docs), vocab_size=a.vocab_size))
         except ValueError as e:  # the resumed run's tokenizer missing or torn (a trained one was checked before)
             raise TrainError(f"--resume: {str(e).split('; ')[0]}; restore it, or start anew with --overwrite") from None
-        if state and state.get("tokenizer", tokenizer_digest(enc)) != tokenizer_digest(enc):  # none: saved before
+        if state and state.get("tokenizer") not in (None, tokenizer_digest(enc)):  # None: saved before digests
             raise TrainError(f"--resume: the tokenizer in {a.out} is not the one this run began with; restore it, or "
                              "start anew with --overwrite")
         r.log(f"tokenizer  {enc.n_vocab} tokens, {'loaded' if state else 'trained'} in {time.time() - t0:.1f}s")
@@ -120,15 +120,15 @@ def _train(r: Run, module: MedusaLM, lrs: list[tuple[torch.nn.Module, float]], *
     fused = all(p.is_cuda for g in groups for p in g["params"])  # one kernel for all tensors, CUDA only
     optimizer = torch.optim.AdamW(groups, betas=(0.9, 0.95), fused=fused or None)
     scaler = torch.amp.GradScaler(device_type, enabled=a.dtype == "float16")  # float16's loss scaling
-    if state and state["step"] and state["optim"] is not None:  # at step 0 (an older save's too): made anew
+    if state and state["step"] and state["optim"] is not None:  # at step 0 unused: made anew with --resume's flags
         optimizer.load_state_dict(state["optim"])
         gen.set_state(state["gen"])
         scaler.load_state_dict(state["scaler"])  # a disabled scaler ignores it
     saved, start = dict(optimizer=optimizer, gen=gen, scaler=scaler), state["step"] if state else 0
     t_start, t_log, strikes = time.time(), 0.0, 0
     for step in range(start, steps):
-        if r.any_rank(r.stop_requested):  # Ctrl-C on any rank: all stop at this step; at step 0 the optimizer,
-            r.save(stage=stage, step=step, **(saved if step else {}))  # generator and scaler are unused: made anew
+        if r.any_rank(r.stop_requested):  # Ctrl-C on any rank: all stop at this step
+            r.save(stage=stage, step=step, **saved)
             raise KeyboardInterrupt
         for group in optimizer.param_groups:
             group["lr"] = cosine_lr(step, steps, lr=group["base_lr"])
