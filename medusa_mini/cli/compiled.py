@@ -1,11 +1,10 @@
-"""`--compile`: the plain step and Medusa's as whole graphs, CUDA graphs on a GPU (mode "reduce-overhead"), which
-remove the kernel launches that dominate decoding at batch 1. Through `step.Steps` they make the eager steps'
-decisions from the same logits, draw for draw (a graph reads the whole cache and inductor fuses: in bfloat16 a
-near-tie may part); prompt lookup's chains come from its eager proposer, one graph per chain length, the prefill
-runs eagerly. Every shape is fixed: a step reads the whole KV cache and verifies the whole tree. A CUDA graph replays
-on the addresses it recorded and overwrites its outputs at its next replay: `static_caches` keeps each shape's cache
-at one address, the steps copy out what the next call needs, and `warm_up` records every shape first.
-Shapes: B rows, N tree nodes, C n_embd, V vocabulary, Q the q a drawn tree draws from."""
+"""`--compile`: the plain step and Medusa's as whole graphs, CUDA graphs on a GPU, which remove the kernel launches that
+dominate decoding at batch 1. Every shape is fixed: a step reads the whole KV cache and verifies the whole tree. Through
+`step.Steps` they make the eager steps' decisions from the same logits, draw for draw (in bfloat16 the longer read and
+inductor's fusions may part a near-tie); prompt lookup's chains come from its eager proposer, one graph per chain
+length; the prefill runs eagerly. A CUDA graph replays on the addresses it recorded and overwrites its outputs at its
+next replay: `static_caches` keeps each shape's cache at one address, the steps copy out what the next call needs,
+`warm_up` records each shape first. Shapes: B rows, N nodes, C n_embd, V vocabulary, Q the q a drawn tree draws from."""
 
 import copy
 from functools import lru_cache, partial
@@ -163,10 +162,9 @@ def static_caches(model: GPT) -> CacheSource:
 @torch.no_grad()
 def warm_up(model: GPT, steps: Steps, caches: CacheSource, *, rows: int, plain: Iterable[Sampling] = (),
             proposers: list[tuple[Proposer, Sampling]] = ()) -> float:
-    """Run every shape decoding `rows` rows meets three times (under CUDA graphs the first call runs eagerly, the
-    second records, the third replays): the plain step under each rule of `plain`, and for each proposer and rule
-    every tree it proposes (`Proposer.trees`) through `verify_and_accept` (and `draft_tree` where it draws the
-    first tree). Random numbers from generators of its own; returns the seconds."""
+    """Run every shape decoding `rows` rows meets three times (under CUDA graphs the first call runs eagerly, the second
+    records, the third replays): the plain step under each rule of `plain`, and for each proposer and rule every tree it
+    proposes through `verify_and_accept` (and `draft_tree` where it draws a first tree), with generators of its own."""
     device, block, medusa = model.device, model.config.block_size, steps.medusa
     shapes, plain = {(p, t, s) for p, s in proposers for t in p.trees()}, set(plain)
     config = torch._dynamo.config  # each shape is one more specialisation of its function

@@ -48,9 +48,8 @@ def resolve_tree(spec: str | None, *, ckpt_dir: str, device: torch.device | str,
     gpu = torch.device(device).type != "cpu"
     measured = bool(ckpt_dir) and os.path.isfile(os.path.join(ckpt_dir, accuracy.ACCURACY_FILE))  # "": no folder
     default, spec = spec is None, ("auto" if measured else "gpu" if gpu else "cpu") if spec is None else spec
-    budget = None  # a tree given whole (a preset, choices): its own size
     count = spec.isascii() and spec.isdigit()  # a node budget ('²' is a digit to str.isdigit, not to int)
-    inline = spec.lstrip().startswith(("[", "{"))
+    inline, budget = spec.lstrip().startswith(("[", "{")), None  # budget None: a tree given whole, its own size
     if spec == "auto" or count:
         if count and not 1 <= int(spec) <= MAX_NODES:
             raise ValueError(f"--tree {spec}: a node budget must be between 1 and {MAX_NODES}")

@@ -71,13 +71,12 @@ def load_gpt2_weights(model: GPT, tensors: dict[str, torch.Tensor]) -> None:
 def gpt2_config_dict(model: GPT, *, eos_token_id: int | None = None) -> dict:
     """The config.json of a transformers GPT-2 shaped like `model`; `eos_token_id` is also its bos id."""
     c, dtype = model.config, str(model.transformer.wte.weight.dtype).removeprefix("torch.")
-    return {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": c.vocab_size,
-            "n_positions": c.block_size, "n_ctx": c.block_size, "n_embd": c.n_embd, "n_layer": c.n_layer,
-            "n_head": c.n_head, "n_inner": None, "activation_function": "gelu_new",
-            "layer_norm_epsilon": c.layer_norm_epsilon, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
-            "initializer_range": 0.02, "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
-            "reorder_and_upcast_attn": False, "tie_word_embeddings": True, "use_cache": True,
-            "bos_token_id": eos_token_id, "eos_token_id": eos_token_id, "torch_dtype": dtype}
+    return dict(model_type="gpt2", architectures=["GPT2LMHeadModel"], vocab_size=c.vocab_size, n_positions=c.block_size,
+                n_ctx=c.block_size, n_embd=c.n_embd, n_layer=c.n_layer, n_head=c.n_head, n_inner=None,
+                activation_function="gelu_new", layer_norm_epsilon=c.layer_norm_epsilon, resid_pdrop=0.0,
+                embd_pdrop=0.0, attn_pdrop=0.0, initializer_range=0.02, scale_attn_weights=True,
+                scale_attn_by_inverse_layer_idx=False, reorder_and_upcast_attn=False, tie_word_embeddings=True,
+                use_cache=True, bos_token_id=eos_token_id, eos_token_id=eos_token_id, torch_dtype=dtype)
 
 
 def read_gpt2_config(path: str) -> GPTConfig:

@@ -22,10 +22,6 @@ TOKENIZER_FILES = (RANKS_FILE, CONFIG_FILE)  # what save_tokenizer may write
 Pair = str  # two adjacent tokens, each a character, chr(its id); a word, too, is a string of one character per token
 
 
-def _pairs(word: str) -> Counter[Pair]:
-    return Counter(a + b for a, b in zip(word, word[1:]))
-
-
 class _PairCounts:
     """How often each adjacent pair occurs in the corpus, kept current merge by merge: a merge touches only the words
     holding its pair, so pairs are never recounted from scratch (quadratic on a real corpus)."""
@@ -55,7 +51,7 @@ class _PairCounts:
         """Give words (by id) new spellings, updating the counts of the pairs they lose or gain."""
         changed: set[Pair] = set()
         for wid, word in words.items():
-            old, new = _pairs(self.words[wid]), _pairs(word)
+            old, new = (Counter(a + b for a, b in zip(w, w[1:])) for w in (self.words[wid], word))  # adjacent pairs
             self.words[wid] = word
             for p in old.keys() | new.keys():
                 if delta := (new[p] - old[p]) * self.freqs[wid]:
@@ -72,8 +68,7 @@ def train_bpe(text: str, *, vocab_size: int) -> dict[bytes, int]:
     `vocab_size` - 1 (the last id is <|endoftext|>'s) and a pair occurs twice; ties: smallest (left, right) ranks."""
     if vocab_size - 1 < 256:
         raise ValueError(f"vocab_size={vocab_size} leaves no room for the 256 byte tokens and {EOT}")
-    vocab = [bytes([b]) for b in range(256)]
-    ranks = {token: rank for rank, token in enumerate(vocab)}
+    vocab, ranks = [bytes([b]) for b in range(256)], {bytes([b]): b for b in range(256)}
     # <|endoftext|> splits the text: learned as ordinary merges, encode_ordinary and encode would encode it differently
     words = Counter(w.encode("utf-8") for chunk in text.split(EOT) for w in regex.findall(GPT2_SPLIT_PATTERN, chunk))
     pairs = _PairCounts(words)
@@ -114,8 +109,7 @@ def tokenizer_digest(enc: tiktoken.Encoding) -> str:
 def load_tokenizer(directory: str | os.PathLike) -> tiktoken.Encoding:
     """The tokenizer save_tokenizer wrote to `directory`; a one-line ValueError names a missing or corrupt file."""
     config_path, path = pathlib.Path(directory) / CONFIG_FILE, pathlib.Path(directory) / RANKS_FILE
-    config = read_json(config_path, hint="save the tokenizer again")
-    config = config if isinstance(config, dict) else {}
+    config = obj if isinstance(obj := read_json(config_path, hint="save the tokenizer again"), dict) else {}
     if config.get("type") == "tiktoken" and isinstance(config.get("name"), str):
         return tiktoken.get_encoding(config["name"])
     pattern, specials = config.get("pattern"), config.get("special_tokens")

@@ -114,9 +114,8 @@ def _train(r: Run, module: MedusaLM, lrs: list[tuple[torch.nn.Module, float]], *
     ddp = DDP(module) if r.world > 1 else module
     a, device_type, trained = r.args, torch.device(r.device).type, [p for p in module.parameters() if p.requires_grad]
     # Weight decay on matrices only: LayerNorm gains and biases must not shrink to 0.
-    groups = [{"params": chosen, "weight_decay": a.weight_decay if decay else 0.0, "base_lr": lr}
-              for part, lr in lrs for decay in (True, False)
-              if (chosen := [p for p in part.parameters() if (p.dim() >= 2) == decay])]
+    groups = [{"params": chosen, "weight_decay": a.weight_decay if decay else 0.0, "base_lr": lr} for part, lr in lrs
+              for decay in (True, False) if (chosen := [p for p in part.parameters() if (p.dim() >= 2) == decay])]
     fused = all(p.is_cuda for g in groups for p in g["params"])  # one kernel for all tensors, CUDA only
     optimizer = torch.optim.AdamW(groups, betas=(0.9, 0.95), fused=fused or None)
     scaler = torch.amp.GradScaler(device_type, enabled=a.dtype == "float16")  # float16's loss scaling
