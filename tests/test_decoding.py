@@ -31,7 +31,7 @@ def test_plain_decoding_emits_the_backbones_own_next_tokens_drawn_in_order_from_
 
 @pytest.mark.parametrize("prompts, max_new_tokens, message", [
     ([[]], 5, "empty"), ([list(range(64))], 5, "must be shorter"), ([[3, 64]], 5, "0 to 63"),
-    ([[-1]], 5, "outside the vocabulary"), ([[2], [1, 2]], -1, "an integer >= 0"), ([[2]], 5.0, "an integer"),
+    ([[5, -1]], 5, "outside the vocabulary"), ([[2], [1, 2]], -1, "an integer >= 0"), ([[2]], 5.0, "an integer"),
     ([1, 2, 3], 5, "not one id; the batch functions take a list"), ([torch.ones(2, 3)], 5, r"shape \[2, 3\]"),
     ([[0.5, 2.7]], 5, "integer token ids, not torch.float"), ([np.array([True])], 5, "not torch.bool"),
     (["the cat"], 5, r"not text: encode it first \(enc.encode_ordinary\('the cat'\)\)")])
