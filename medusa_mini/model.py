@@ -36,23 +36,24 @@ class GPTConfig:
             raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
 
 
-def cache_attention_mask(lengths: torch.Tensor, new_mask: torch.Tensor, *, max_len: int) -> torch.Tensor:
-    """[B, T, max_len] bool, True = may attend, for T new tokens written at slots [lengths[b], lengths[b] + T).
-
-    Slots before a row's length hold its cached prefix: every new token sees them. Slot
-    lengths[b] + j holds new token j: new token i sees it iff new_mask[b, i, j] (new_mask [T, T] or
-    [B, T, T]: causal for plain decoding, the tree's ancestor mask for verification, paper Fig. 2).
-    Later slots are stale or empty: nobody sees them. Built from `lengths`, a tensor the host never reads.
-    """
-    B, T = lengths.shape[0], new_mask.shape[-1]
-    rel = torch.arange(max_len, device=new_mask.device) - lengths[:, None, None]  # [B, 1, max_len] slot - length
-    among_new = new_mask.expand(B, T, T).gather(2, rel.clamp(0, T - 1).expand(B, T, max_len))  # [B, T, max_len]
-    return (rel < 0) | (among_new & (rel < T))
+def cache_attention_mask(lengths: torch.Tensor, table: torch.Tensor, *, max_len: int) -> torch.Tensor:
+    """[B, T, max_len] additive mask (0: may attend, -inf: not), T new tokens at slots [lengths[b], lengths[b] + T).
+    table [(B,) T, T + 2] (`mask_table`): new token i's bias at its row's prefix (column 0), at new token j (1 + j:
+    causal when decoding, the tree's ancestor mask when verifying, Fig. 2), and past them (T + 1: stale slots)."""
+    B, T = lengths.shape[0], table.shape[-2]
+    column = (torch.arange(1, max_len + 1, device=table.device) - lengths[:, None, None]).clamp(0, T + 1)  # [B, 1, S]
+    return table.expand(B, T, T + 2).gather(2, column.expand(B, T, max_len))  # [B, T, max_len]
 
 
-def causal_mask(T: int, *, device: torch.device | str = "cpu") -> torch.Tensor:
-    """[T, T] bool: new token i sees new tokens 0..i."""
-    return torch.ones(T, T, dtype=torch.bool, device=device).tril()
+def mask_table(new_mask: torch.Tensor) -> torch.Tensor:
+    """new_mask [..., T, T] bool -> its table [..., T, T + 2] float32, 0 / -inf: additive once, not in each SDPA."""
+    seen = torch.cat([torch.ones_like(new_mask[..., :1]), new_mask, torch.zeros_like(new_mask[..., :1])], dim=-1)
+    return torch.zeros(seen.shape, device=seen.device).masked_fill_(~seen, float("-inf"))
+
+
+def causal_table(T: int, *, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The causal mask's table [T, T + 2]: new token i sees the prefix and new tokens 0..i (columns <= i + 1)."""
+    return torch.full((T, T + 2), float("-inf"), dtype=dtype, device=device).triu(2)
 
 
 class KVCache:
@@ -87,17 +88,17 @@ class KVCache:
     def lengths(self, value: int | torch.Tensor) -> None:
         self.length_buffer.copy_(torch.as_tensor(value))  # in place: the buffer's address never changes
 
-    def place(self, T: int, new_mask: torch.Tensor | None, *, attended: int | None, slots: torch.Tensor | None = None
+    def place(self, T: int, table: torch.Tensor | None, *, attended: int | None, slots: torch.Tensor | None = None
               ) -> tuple[torch.Tensor, torch.Tensor, int]:
         """Where T new tokens go, slots [B, T]: each row's next T, lengths[b] + 0..T-1 (given, if the caller has
-        them), and what each may see among the first S slots (S = attended, default all max_len): mask [B, T, S]
-        (`cache_attention_mask`; new_mask None: causal among the new tokens). Read before the forward advances."""
+        them), and what each may see among the first S slots (S = attended, default all max_len): additive, [B, 1, T,
+        S], in the cache's dtype (`cache_attention_mask`; table None: causal). Read before the forward advances."""
         if T > self.max_len:  # a fuller cache is caught by the write (its lengths are on the device)
             raise ValueError(f"KV cache full: {T} tokens > max_len {self.max_len}")
         device, S = self.length_buffer.device, self.max_len if attended is None else min(attended, self.max_len)
-        new_mask = new_mask if new_mask is not None else causal_mask(T, device=device)
+        table = causal_table(T, dtype=self.kv.dtype, device=device) if table is None else table.to(self.kv.dtype)
         slots = self.length_buffer[:, None] + torch.arange(T, device=device) if slots is None else slots  # [B, T]
-        return slots, cache_attention_mask(self.length_buffer, new_mask, max_len=S), S
+        return slots, cache_attention_mask(self.length_buffer, table, max_len=S)[:, None], S  # [B, 1, T, S]
 
     def write(self, layer: int, kv: torch.Tensor, slots: torch.Tensor) -> None:
         """Layer `layer`'s new keys and values kv [B, T, 2, nh, hs] into each row's slots [B, T]: one index_put_
@@ -198,33 +199,32 @@ class GPT(nn.Module):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
 
     def forward(self, idx: torch.Tensor, *, pos: torch.Tensor | None = None, cache: KVCache | None = None,
-                attn_mask: torch.Tensor | None = None, logits_at: torch.Tensor | slice | None = None,
+                mask_table: torch.Tensor | None = None, logits_at: torch.Tensor | slice | None = None,
                 attended: int | None = None, advance: bool = True, slots: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """T new tokens per row, idx [B, T] -> (logits [B, T', V], hidden after ln_f [B, T, C]); T' is T, or 1 for
         a [B] logits_at, or the slice's length.
 
-        pos: [T] or [B, T] position ids (default: each row's cache length + 0..T-1). cache: written at each
-        row's next T slots (under torch.no_grad()), its lengths then advanced, unless advance=False (a tree's
-        nodes are tentative until the step keeps its accepted path). attn_mask: [T, T] or [B, T, T] bool among
-        the new tokens, True = may attend (default causal); with a cache every new token also sees its row's
-        prefix. logits_at: the positions that get logits (a slice, or a [B] tensor, one per row; default
-        all): the lm_head is a small model's largest matmul. attended: read only the cache's first
-        `attended` slots (default all max_len). slots: [B, T] each row's next T cache slots, if the caller has them.
+        pos: [T] or [B, T] position ids (default: each row's cache length + 0..T-1). cache: written at each row's
+        next T slots (under torch.no_grad()), its lengths then advanced, unless advance=False (a tree's nodes are
+        tentative until the step keeps its accepted path). mask_table: with a cache, what the new tokens see
+        (`mask_table`: their row's prefix and, among themselves, causal by default). logits_at: the positions that
+        get logits (a slice, or a [B] tensor, one per row; default all): the lm_head is a small model's largest
+        matmul. attended: read only the cache's first `attended` slots (default all max_len). slots: [B, T] each
+        row's next T cache slots, if the caller has them.
         """
         B, T = idx.shape
         if pos is None and cache is None and T > self.config.block_size:  # else wpe's IndexError
             raise ValueError(f"{T} tokens do not fit the context of {self.config.block_size}: pass at most that many")
+        attn_mask = None  # without a cache: training's causal attention, SDPA's own
         if cache is not None:
             if torch.is_grad_enabled():  # a cache holds values for decoding, never an autograd graph
                 raise RuntimeError("a forward with a KV cache decodes: run it under torch.no_grad()")
-            slots, attn_mask, attended = cache.place(T, attn_mask, attended=attended, slots=slots)  # [B, T, S] mask
+            slots, attn_mask, attended = cache.place(T, mask_table, attended=attended, slots=slots)  # [B, 1, T, S]
+        elif mask_table is not None:
+            raise ValueError("a mask table places new tokens after a cached prefix: pass the cache")
         if pos is None:
             pos = slots if cache is not None else torch.arange(T, device=idx.device)  # [B, T] or [T]
-        if attn_mask is not None:
-            # SDPA would turn a boolean mask into an additive one in every layer: once here, [B, 1, T, S] ([1, T, T])
-            additive = torch.zeros(attn_mask.shape, dtype=self.transformer.wte.weight.dtype, device=idx.device)
-            attn_mask = additive.masked_fill_(~attn_mask, float("-inf")).unsqueeze(-3)
         x = self.transformer.wte(idx) + self.transformer.wpe(pos)  # [B, T, C]
         for i, block in enumerate(self.transformer.h):
             x = block(x, cache=cache, layer=i, slots=slots, attn_mask=attn_mask, attended=attended)

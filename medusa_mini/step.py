@@ -49,7 +49,7 @@ def verify(model: GPT, cache: KVCache, tokens: torch.Tensor, *, tree: TreeTensor
     """
     placed = place_tree(cache, tree) if placed is None else placed  # [B, N, 2D + 5]
     pos = placed[..., 1].clamp(max=model.config.block_size - 1) if clamp else placed[..., 1]  # [B, N]
-    return model(tokens, pos=pos, cache=cache, attn_mask=tree.ancestor_mask, attended=attended, advance=False,
+    return model(tokens, pos=pos, cache=cache, mask_table=tree.mask_table, attended=attended, advance=False,
                  slots=placed[..., 0])
 
 

@@ -18,6 +18,7 @@ from typing import Iterable, NamedTuple, Sequence
 
 import torch
 
+from .model import mask_table
 from .sampling import draw_bounds
 
 Choice = tuple[int, ...]
@@ -232,6 +233,7 @@ class TreeTensors:
 
     parent_index: torch.Tensor  # [N] long: each node's parent, 0 for the root (an index into the nodes)
     ancestor_mask: torch.Tensor  # [N, N] bool: j is i or an ancestor of i, the tree attention mask (Fig. 2)
+    mask_table: torch.Tensor  # [N, N + 2] float32: `model.mask_table` of it, what the verify's nodes see
     depths: torch.Tensor  # [N] long: position offset of each node from the root
     ranks: torch.Tensor  # [N] long: the rank of the head's guesses each node holds (0 for the root)
     q_by_depth: torch.Tensor  # [N] long: the q Medusa heads draw node i's children from, one per depth: its depth
@@ -301,7 +303,7 @@ def tree_tensors(tree: Tree, device: str) -> TreeTensors:
     offsets = torch.cat([torch.arange(N)[:, None], depths[:, None], moves], 1)  # [N, 2D + 5]
     weights = (mask.T & (torch.arange(N) > 0)[:, None]) * float(N)  # [N, N]: N per node of i's path below the root
     return TreeTensors(parent_index=as_long(tree.parents).clamp(min=0), ancestor_mask=mask.to(device),
-                       depths=depths.to(device), ranks=as_long(tree.ranks),
+                       depths=depths.to(device), ranks=as_long(tree.ranks), mask_table=mask_table(mask).to(device),
                        q_by_depth=as_long([d if kids else -1 for d, kids in zip(tree.depths, tree.children)]),
                        q_by_node=as_long([i if kids else -1 for i, kids in enumerate(tree.children)]),
                        node_paths=paths.to(device), offsets=offsets.to(device), below_root=below.to(device),

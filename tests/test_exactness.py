@@ -59,7 +59,7 @@ GREEDY_BUGS = {  # name: the module attribute to patch, and the wrong value
     "nodes_sit_at_their_slot_not_their_depth": (step, "verify", verify_on(  # node i at slot and position length + i
         lambda tree: replace(tree, offsets=tree.offsets[:, [0, 0, *range(2, tree.offsets.shape[1])]]))),
     "nodes_see_a_causal_mask_not_the_tree_mask": (step, "verify", verify_on(
-        lambda tree: replace(tree, ancestor_mask=torch.ones_like(tree.ancestor_mask).tril()))),
+        lambda tree: replace(tree, mask_table=torch.full_like(tree.mask_table, -torch.inf).triu(2)))),  # causal
     # the path's K/V taken from the prefix's first slots: slots counted from 0, not from each row's root
     "the_cache_keeps_node_indices_not_the_paths_slots": (step, "compact_kv_cache", lambda cache, keep, *, to, **kw:
                                                          compact_kv_cache(cache, keep - to[:, :1], to=to, **kw)),

@@ -108,7 +108,7 @@ def test_meta_alone_lets_a_host_index_and_a_host_generator_through_and_cuda_rule
 
 
 @pytest.mark.parametrize("module, name, misplaced", [  # each with its device= forgotten
-    (model_module, "causal_mask", lambda T, device: torch.ones(T, T, dtype=torch.bool).tril()),
+    (model_module, "causal_table", lambda T, dtype, device: torch.full((T, T + 2), -torch.inf, dtype=dtype).triu(2)),
     (acceptance, "path_scores", lambda tree, passes, real=acceptance.path_scores: real(
         tree, passes.gather(1, torch.arange(passes.shape[1]).expand(passes.shape)))),
 ], ids=["a mask on the host (meta's own check)", "a gather index on the host (CudaRules)"])
