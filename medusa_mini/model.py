@@ -221,8 +221,6 @@ class GPT(nn.Module):
             if torch.is_grad_enabled():  # a cache holds values for decoding, never an autograd graph
                 raise RuntimeError("a forward with a KV cache decodes: run it under torch.no_grad()")
             slots, attn_mask, attended = cache.place(T, mask_table, attended=attended, slots=slots)  # [B, 1, T, S]
-        elif mask_table is not None:
-            raise ValueError("a mask table places new tokens after a cached prefix: pass the cache")
         if pos is None:
             pos = slots if cache is not None else torch.arange(T, device=idx.device)  # [B, T] or [T]
         x = self.transformer.wte(idx) + self.transformer.wpe(pos)  # [B, T, C]
